@@ -1,0 +1,10 @@
+//! Builds the eBPF object with nightly and bpf-linker (`cargo xtask setup` installs both) so the
+//! daemon can embed it.
+fn main() -> anyhow::Result<()> {
+    let package = aya_build::Package {
+        name: "profiler-ebpf",
+        root_dir: concat!(env!("CARGO_MANIFEST_DIR"), "/../profiler-ebpf"),
+        ..Default::default()
+    };
+    aya_build::build_ebpf([package], aya_build::Toolchain::Nightly)
+}

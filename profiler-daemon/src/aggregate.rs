@@ -1,0 +1,172 @@
+//! Reads the maps into a snapshot of one process: per-stack totals, live ages, counters, drops.
+//!
+//! Every interval reads `STACK_STATS` (one row per stack) and walks `LIVE` for this process's
+//! allocation ages. Double-free events arrive through a ring buffer and are kept for the report.
+
+use std::collections::HashMap;
+
+use anyhow::Context as _;
+use aya::{
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
+    Ebpf,
+};
+use profiler_common::{
+    AddrKey, DoubleFreeEvent, DropReason, LiveAlloc, ProcCounters, StackKey, StackStats, NO_STACK,
+};
+
+/// What the kernel side knows about one process at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// CLOCK_MONOTONIC when the snapshot was read, in the kernel's `bpf_ktime_get_ns` time base.
+    pub now_ns: u64,
+    pub stacks: Vec<StackSnapshot>,
+    pub counters: ProcCounters,
+    pub drops: [u64; DropReason::COUNT],
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StackSnapshot {
+    pub stack_id: u32,
+    pub stats: StackStats,
+    /// Outstanding allocations counted for the report (all of them, or those older than min-age).
+    pub outstanding_bytes: u64,
+    pub outstanding_allocations: u64,
+    /// Allocation time of the oldest outstanding allocation.
+    pub oldest_ns: Option<u64>,
+}
+
+/// Live allocations of one stack, as found walking `LIVE`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct LiveSummary {
+    oldest_ns: Option<u64>,
+    aged_allocations: u64,
+    aged_bytes: u64,
+}
+
+pub fn monotonic_now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Reads a snapshot of `tgid`. With `min_age_ns` > 0 only allocations at least that old count
+/// as outstanding.
+pub fn read_snapshot(ebpf: &Ebpf, tgid: u32, min_age_ns: u64) -> anyhow::Result<Snapshot> {
+    let now_ns = monotonic_now_ns();
+    let stats: BpfHashMap<_, StackKey, StackStats> = BpfHashMap::try_from(map(ebpf, "STACK_STATS")?)?;
+    let live: BpfHashMap<_, AddrKey, LiveAlloc> = BpfHashMap::try_from(map(ebpf, "LIVE")?)?;
+    let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
+    let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
+
+    let threshold = now_ns.saturating_sub(min_age_ns);
+    let mut summaries: HashMap<u32, LiveSummary> = HashMap::new();
+    // Keys of entries removed while we walk are skipped by aya's iterator, so errors are ignored.
+    for (key, alloc) in live.iter().flatten() {
+        if key.tgid == tgid {
+            summarize(summaries.entry(alloc.stack_id).or_default(), &alloc, threshold);
+        }
+    }
+    let mut stacks = Vec::new();
+    for (key, stats) in stats.iter().flatten() {
+        if key.tgid != tgid {
+            continue;
+        }
+        let summary = summaries.get(&key.stack_id).copied().unwrap_or_default();
+        stacks.push(stack_snapshot(key.stack_id, stats, summary, min_age_ns > 0));
+    }
+    let mut drop_counts = [0u64; DropReason::COUNT];
+    for (index, total) in drop_counts.iter_mut().enumerate() {
+        *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+    }
+    Ok(Snapshot {
+        now_ns,
+        stacks,
+        counters: counters.get(&tgid, 0).unwrap_or_default(),
+        drops: drop_counts,
+    })
+}
+
+fn summarize(summary: &mut LiveSummary, alloc: &LiveAlloc, threshold_ns: u64) {
+    summary.oldest_ns = Some(summary.oldest_ns.map_or(alloc.time_ns, |t| t.min(alloc.time_ns)));
+    if alloc.time_ns <= threshold_ns {
+        summary.aged_allocations += 1;
+        summary.aged_bytes += alloc.size;
+    }
+}
+
+fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary, by_age: bool) -> StackSnapshot {
+    let (outstanding_bytes, outstanding_allocations) = if by_age {
+        (live.aged_bytes, live.aged_allocations)
+    } else {
+        // Frees are only counted for allocations seen, so these never go negative.
+        (stats.allocated_bytes.saturating_sub(stats.freed_bytes), stats.allocations.saturating_sub(stats.frees))
+    };
+    StackSnapshot { stack_id, stats, outstanding_bytes, outstanding_allocations, oldest_ns: live.oldest_ns }
+}
+
+fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
+    ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))
+}
+
+/// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
+pub fn stack_frames(ebpf: &Ebpf, stack_id: u32) -> Vec<u64> {
+    if stack_id == NO_STACK {
+        return Vec::new();
+    }
+    let Ok(stack_map) = map(ebpf, "STACKS").and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
+        return Vec::new();
+    };
+    stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()
+}
+
+/// Receives double-free events for every traced process.
+pub struct DoubleFreeReader {
+    ring: RingBuf<MapData>,
+}
+
+impl DoubleFreeReader {
+    pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+        let map = ebpf.take_map("DOUBLE_FREES").context("map DOUBLE_FREES missing from the eBPF object")?;
+        Ok(Self { ring: RingBuf::try_from(map)? })
+    }
+
+    /// Every event that arrived since the last call.
+    pub fn drain(&mut self) -> Vec<DoubleFreeEvent> {
+        let mut events = Vec::new();
+        while let Some(item) = self.ring.next() {
+            if item.len() >= size_of::<DoubleFreeEvent>() {
+                // SAFETY: the program writes exactly one DoubleFreeEvent per record; read_unaligned
+                // copes with the ring buffer's 8-byte alignment.
+                events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DoubleFreeEvent>()) });
+            }
+        }
+        events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(allocations: u64, allocated_bytes: u64, frees: u64, freed_bytes: u64) -> StackStats {
+        StackStats { allocations, allocated_bytes, frees, freed_bytes }
+    }
+
+    #[test]
+    fn outstanding_is_allocated_minus_freed() {
+        let s = stack_snapshot(7, stats(10, 1000, 4, 400), LiveSummary::default(), false);
+        assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (600, 6));
+    }
+
+    #[test]
+    fn min_age_counts_only_old_allocations() {
+        let mut summary = LiveSummary::default();
+        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0, _pad: 0 };
+        summarize(&mut summary, &alloc(100, 10), 150);
+        summarize(&mut summary, &alloc(200, 20), 150);
+        assert_eq!(summary, LiveSummary { oldest_ns: Some(100), aged_allocations: 1, aged_bytes: 10 });
+        let s = stack_snapshot(1, stats(2, 30, 0, 0), summary, true);
+        assert_eq!((s.outstanding_bytes, s.outstanding_allocations, s.oldest_ns), (10, 1, Some(100)));
+    }
+}

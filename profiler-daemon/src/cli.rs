@@ -1,0 +1,81 @@
+//! The command line.
+
+use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "memprof", version, about = "eBPF heap profiler: outstanding allocations per call stack, leaks and double frees")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Trace the allocator of a running process.
+    Attach {
+        /// The process to trace.
+        #[arg(long)]
+        pid: NonZeroU32,
+        #[command(flatten)]
+        trace: TraceArgs,
+    },
+    /// Start a command with probes attached before its first allocation; exit with its exit code.
+    Run {
+        #[command(flatten)]
+        trace: TraceArgs,
+        /// The command and its arguments.
+        #[arg(required = true, last = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct TraceArgs {
+    /// Seconds between reports.
+    #[arg(long, default_value_t = 5.0, value_parser = positive_seconds)]
+    pub interval: f64,
+    /// Stop after this many seconds.
+    #[arg(long, value_parser = positive_seconds)]
+    pub duration: Option<f64>,
+    /// Stacks shown per report in the table.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Only count allocations outstanding for at least this many seconds.
+    #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
+    pub min_age: f64,
+    /// Print one JSON object per report instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write reports to this file instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub maps: MapSizes,
+}
+
+/// Capacities of the BPF maps, fixed when the programs are loaded.
+#[derive(Debug, Args, Clone, Copy)]
+pub struct MapSizes {
+    /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_live: u32,
+    /// Distinct call stacks kept; more are counted as `stack_collision`.
+    #[arg(long, default_value_t = 1 << 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_stacks: u32,
+}
+
+fn positive_seconds(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(secs),
+        _ => Err(format!("`{value}` is not a positive number of seconds")),
+    }
+}
+
+fn non_negative_seconds(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(secs) if secs >= 0.0 && secs.is_finite() => Ok(secs),
+        _ => Err(format!("`{value}` is not a number of seconds (0 or more)")),
+    }
+}

@@ -1,0 +1,21 @@
+//! Errors a user can meet, each saying what is wrong and what to do about it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UserError {
+    #[error("no process with pid {0}; check the pid with `ps -p {0}`")]
+    NoSuchProcess(u32),
+    #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
+    KernelThread(u32),
+    #[error("no allocator (malloc and free) found in pid {pid}: {detail}; memprof traces processes that use the C library's allocator")]
+    NoAllocator { pid: u32, detail: String },
+    #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_BPF + CAP_PERFMON (missing {missing}); run it with sudo")]
+    Privileges { missing: String },
+    #[error("this kernel lacks {0}; memprof needs Linux 5.8+ with CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS")]
+    KernelSupport(&'static str),
+    #[error("cannot write the output file {path}: {source}; choose a writable path with --output")]
+    Output { path: PathBuf, source: std::io::Error },
+    #[error("cannot start {command}: {source}")]
+    Spawn { command: String, source: std::io::Error },
+}

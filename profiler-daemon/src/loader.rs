@@ -1,0 +1,103 @@
+//! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
+
+use std::{fs, num::NonZeroU32, path::Path};
+
+use anyhow::Context as _;
+use aya::{
+    programs::{uprobe::UProbeScope, UProbe},
+    Ebpf, EbpfLoader,
+};
+
+use crate::{allocator::Allocator, cli::MapSizes, error::UserError};
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf"));
+
+const RETURN_PROGRAM: &str = "alloc_return";
+const FREE_PROGRAM: &str = "free";
+
+/// Loaded programs and maps. Dropping it detaches every probe.
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub probes: usize,
+}
+
+/// Checks what loading needs before trying, so the error can say what is missing.
+pub fn check_support() -> Result<(), UserError> {
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        return Err(UserError::KernelSupport("BTF (/sys/kernel/btf/vmlinux)"));
+    }
+    if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
+        return Err(UserError::KernelSupport("the uprobe perf event source"));
+    }
+    check_privileges()
+}
+
+fn check_privileges() -> Result<(), UserError> {
+    // Capability numbers from linux/capability.h. Uprobes need CAP_SYS_ADMIN on current kernels.
+    const NEEDED: [(u32, &str); 3] = [(21, "CAP_SYS_ADMIN"), (39, "CAP_BPF"), (38, "CAP_PERFMON")];
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let effective = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    let missing: Vec<&str> =
+        NEEDED.iter().filter(|(bit, _)| effective & (1 << bit) == 0).map(|(_, name)| *name).collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(UserError::Privileges { missing: missing.join(", ") })
+    }
+}
+
+pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
+    let ebpf = EbpfLoader::new()
+        .map_max_entries("LIVE", sizes.max_live)
+        .map_max_entries("STACKS", sizes.max_stacks)
+        // One totals row per (process, stack): as many as stacks, with room for several processes.
+        .map_max_entries("STACK_STATS", sizes.max_stacks.saturating_mul(2))
+        .load(OBJECT)
+        .context("loading the eBPF programs")?;
+    let mut loaded = Loaded { ebpf, probes: 0 };
+    for name in program_names() {
+        program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
+    }
+    Ok(loaded)
+}
+
+fn program_names() -> impl Iterator<Item = &'static str> {
+    profiler_common::AllocFn::ALL.iter().map(|func| func.symbol()).chain([RETURN_PROGRAM, FREE_PROGRAM])
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?
+        .try_into()
+        .with_context(|| format!("program {name} is not a uprobe"))
+}
+
+impl Loaded {
+    /// Attaches every probe to `allocator` for `pid` only.
+    ///
+    /// Return probes go first: an entry probe that fires before its return probe exists would
+    /// leave in-flight state behind that nothing clears.
+    pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<()> {
+        let scope = UProbeScope::OneProcess(pid);
+        let target = &allocator.attach_path;
+        for point in &allocator.allocs {
+            self.attach_one(RETURN_PROGRAM, point.offset, target, scope)?;
+        }
+        for point in &allocator.allocs {
+            self.attach_one(point.func.symbol(), point.offset, target, scope)?;
+        }
+        self.attach_one(FREE_PROGRAM, allocator.free_offset, target, scope)
+    }
+
+    fn attach_one(&mut self, name: &str, offset: u64, target: &Path, scope: UProbeScope) -> anyhow::Result<()> {
+        program(&mut self.ebpf, name)?
+            .attach(offset, target, scope)
+            .with_context(|| format!("attaching {name} at {}+{offset:#x}", target.display()))?;
+        self.probes += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,45 @@
+//! memprof: an eBPF heap profiler. See the README for what it does and how to run it.
+
+mod aggregate;
+mod allocator;
+mod cli;
+mod error;
+mod loader;
+mod procfs;
+mod report;
+mod session;
+mod symbolize;
+mod target;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(EnvFilter::try_from_env("MEMPROF_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
+        .init();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => return fail(&anyhow::Error::from(err)),
+    };
+    let result = runtime.block_on(async {
+        match &cli.command {
+            cli::Command::Attach { pid, trace } => session::attach(*pid, trace).await,
+            cli::Command::Run { trace, command } => session::run(command, trace).await,
+        }
+    });
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(err) => fail(&err),
+    }
+}
+
+/// One line naming the problem; the cause chain joined with ": ".
+fn fail(err: &anyhow::Error) -> ExitCode {
+    eprintln!("memprof: error: {err:#}");
+    ExitCode::FAILURE
+}

@@ -1,0 +1,113 @@
+//! What memprof reads about a process from `/proc`.
+
+use std::{fs, io};
+
+use crate::error::UserError;
+
+/// `PF_KTHREAD` in the flags field of `/proc/PID/stat`.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// One line of `/proc/PID/maps` that maps a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileMapping {
+    pub start: u64,
+    pub end: u64,
+    /// Offset in the file of `start`.
+    pub offset: u64,
+    pub path: String,
+}
+
+/// Fails unless `pid` is a live user-space process.
+pub fn check_traceable(pid: u32) -> Result<(), UserError> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| UserError::NoSuchProcess(pid))?;
+    // The command name may hold spaces and parentheses: fields resume after the last ')'.
+    let after_comm = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    // After the name: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9).
+    let flags = after_comm.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    if flags & PF_KTHREAD != 0 {
+        return Err(UserError::KernelThread(pid));
+    }
+    if after_comm.split_whitespace().next() == Some("Z") {
+        return Err(UserError::NoSuchProcess(pid));
+    }
+    Ok(())
+}
+
+/// The process's command name, or "?" once it is gone.
+pub fn comm(pid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| c.trim_end().to_string())
+}
+
+/// The executable's path as the process sees it.
+pub fn exe_path(pid: u32) -> Option<String> {
+    fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// Every file-backed mapping of the process, in address order.
+pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
+    Ok(parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+}
+
+/// The distinct files the process maps.
+pub fn mapped_files(pid: u32) -> Result<Vec<String>, UserError> {
+    let mappings = file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
+    let mut paths: Vec<String> = Vec::new();
+    for mapping in mappings {
+        if !paths.contains(&mapping.path) {
+            paths.push(mapping.path);
+        }
+    }
+    Ok(paths)
+}
+
+fn parse_maps(text: &str) -> Vec<FileMapping> {
+    text.lines().filter_map(parse_maps_line).collect()
+}
+
+fn parse_maps_line(line: &str) -> Option<FileMapping> {
+    // address perms offset dev inode path
+    let mut fields = line.splitn(6, ' ');
+    let (start, end) = fields.next()?.split_once('-')?;
+    let _perms = fields.next()?;
+    let offset = fields.next()?;
+    let _dev = fields.next()?;
+    let inode = fields.next()?;
+    let path = fields.next()?.trim_start();
+    if inode == "0" || !path.starts_with('/') {
+        return None;
+    }
+    Some(FileMapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        // A file replaced on disk keeps running from the old inode.
+        path: path.trim_end_matches(" (deleted)").to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_file_mappings_and_skips_anonymous_ones() {
+        let maps = "\
+55d0c8a00000-55d0c8a01000 r--p 00000000 fe:01 1234   /usr/bin/leaky
+55d0c8a01000-55d0c8a02000 r-xp 00001000 fe:01 1234   /usr/bin/leaky
+55d0c9000000-55d0c9021000 rw-p 00000000 00:00 0      [heap]
+7f00000000-7f00001000 rw-p 00000000 00:00 0
+7f1000000000-7f1000100000 r-xp 00028000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6 (deleted)
+";
+        let parsed = parse_maps(maps);
+        assert_eq!(parsed.len(), 3);
+        assert_eq!(parsed[1], FileMapping { start: 0x55d0c8a01000, end: 0x55d0c8a02000, offset: 0x1000, path: "/usr/bin/leaky".into() });
+        assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
+    }
+
+    #[test]
+    fn kernel_threads_and_missing_pids_are_refused() {
+        assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
+        assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
+        check_traceable(std::process::id()).unwrap();
+    }
+}

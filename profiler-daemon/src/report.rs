@@ -1,0 +1,338 @@
+//! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
+//! as one JSON object per line (schema in the README).
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use aya::Ebpf;
+use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, NO_STACK};
+use serde::Serialize;
+
+use crate::{
+    aggregate::{self, Snapshot},
+    symbolize::{Frame, Resolved, SymbolizerHandle},
+};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    #[serde(rename = "final")]
+    pub is_final: bool,
+    pub pid: u32,
+    pub comm: String,
+    pub duration_s: f64,
+    pub totals: Totals,
+    pub dropped: BTreeMap<&'static str, u64>,
+    pub stacks: Vec<StackReport>,
+    pub double_frees: Vec<DoubleFreeReport>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Totals {
+    pub outstanding_bytes: u64,
+    pub outstanding_allocations: u64,
+    pub allocations: u64,
+    pub allocated_bytes: u64,
+    pub frees: u64,
+    pub freed_bytes: u64,
+    pub unknown_frees: u64,
+    pub failed_allocations: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StackReport {
+    /// A hash of the frames' (module, file offset): stable across runs and processes.
+    pub stack_id: String,
+    pub outstanding_bytes: u64,
+    pub outstanding_allocations: u64,
+    pub allocations: u64,
+    pub allocated_bytes: u64,
+    pub oldest_age_s: f64,
+    pub frames: Vec<Frame>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DoubleFreeReport {
+    pub address: String,
+    pub size: u64,
+    pub alloc: SiteReport,
+    pub first_free: SiteReport,
+    pub second_free: SiteReport,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SiteReport {
+    pub tid: u32,
+    /// Seconds since tracing began.
+    pub time_s: f64,
+    pub frames: Vec<Frame>,
+}
+
+/// What a report needs besides the snapshot.
+pub struct Context<'a> {
+    pub ebpf: &'a Ebpf,
+    pub symbolizer: &'a SymbolizerHandle,
+    pub pid: u32,
+    pub comm: &'a str,
+    /// CLOCK_MONOTONIC when tracing began.
+    pub start_ns: u64,
+    pub double_frees: &'a [DoubleFreeEvent],
+}
+
+impl Context<'_> {
+    fn seconds_since_start(&self, time_ns: u64) -> f64 {
+        seconds(time_ns.saturating_sub(self.start_ns))
+    }
+
+    /// Symbolizes a stored stack; `caller` is prepended for stacks taken at a function's entry.
+    fn frames(&self, stack_id: u32, caller: u64) -> (Vec<Frame>, String) {
+        let mut addresses = aggregate::stack_frames(self.ebpf, stack_id);
+        if caller != 0 {
+            // Taken at free's entry: frame 0 is inside free, and the walk missed free's caller
+            // (unless the kernel added it, as it does at a `push %rbp`).
+            if !addresses.is_empty() {
+                addresses.remove(0);
+            }
+            if addresses.first() != Some(&caller) {
+                addresses.insert(0, caller);
+            }
+        }
+        if addresses.is_empty() && stack_id == NO_STACK {
+            return (Vec::new(), "none".to_string());
+        }
+        let resolved = self.symbolizer.symbolize(self.pid, addresses);
+        let id = stack_hash(&resolved);
+        (resolved.into_iter().flat_map(|r| r.frames).collect(), id)
+    }
+
+    fn site(&self, site: &FreeSite) -> SiteReport {
+        SiteReport { tid: site.tid, time_s: self.seconds_since_start(site.time_ns), frames: self.frames(site.stack_id, site.caller).0 }
+    }
+}
+
+/// Builds the report of `snapshot`. `top` limits the stacks, `None` keeps all.
+pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usize>) -> Report {
+    let mut totals = Totals {
+        unknown_frees: snapshot.counters.unknown_frees,
+        failed_allocations: snapshot.counters.failed_allocations,
+        ..Totals::default()
+    };
+    for stack in &snapshot.stacks {
+        totals.allocations += stack.stats.allocations;
+        totals.allocated_bytes += stack.stats.allocated_bytes;
+        totals.frees += stack.stats.frees;
+        totals.freed_bytes += stack.stats.freed_bytes;
+        totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
+        totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
+    }
+    let mut outstanding: Vec<_> = snapshot.stacks.iter().filter(|s| s.outstanding_allocations > 0).collect();
+    outstanding.sort_by(|a, b| {
+        (b.outstanding_bytes, b.outstanding_allocations).cmp(&(a.outstanding_bytes, a.outstanding_allocations))
+    });
+    outstanding.truncate(top.unwrap_or(usize::MAX));
+    let stacks = outstanding
+        .into_iter()
+        .map(|stack| {
+            let (frames, stack_id) = ctx.frames(stack.stack_id, 0);
+            StackReport {
+                stack_id,
+                outstanding_bytes: stack.outstanding_bytes,
+                outstanding_allocations: stack.outstanding_allocations,
+                allocations: stack.stats.allocations,
+                allocated_bytes: stack.stats.allocated_bytes,
+                oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
+                frames,
+            }
+        })
+        .collect();
+    let double_frees = ctx
+        .double_frees
+        .iter()
+        .map(|event| DoubleFreeReport {
+            address: format!("{:#x}", event.addr),
+            size: event.first.alloc.size,
+            alloc: SiteReport {
+                tid: event.first.alloc.tid,
+                time_s: ctx.seconds_since_start(event.first.alloc.time_ns),
+                frames: ctx.frames(event.first.alloc.stack_id, 0).0,
+            },
+            first_free: ctx.site(&event.first.free),
+            second_free: ctx.site(&event.second),
+        })
+        .collect();
+    Report {
+        is_final,
+        pid: ctx.pid,
+        comm: ctx.comm.to_string(),
+        duration_s: ctx.seconds_since_start(snapshot.now_ns),
+        totals,
+        dropped: DropReason::ALL.iter().map(|r| (r.name(), snapshot.drops[*r as usize])).collect(),
+        stacks,
+        double_frees,
+    }
+}
+
+fn seconds(ns: u64) -> f64 {
+    // Millisecond precision keeps the JSON short; nobody reads nanoseconds of heap age.
+    (ns / 1_000_000) as f64 / 1000.0
+}
+
+/// FNV-1a over the frames' (module, file offset), as 16 hex digits.
+fn stack_hash(resolved: &[Resolved]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for r in resolved {
+        for byte in r.module.bytes().chain(r.file_offset.to_le_bytes()) {
+            hash = (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{hash:016x}")
+}
+
+pub fn to_json(report: &Report) -> String {
+    serde_json::to_string(report).expect("a report always serializes")
+}
+
+/// The human-readable table: a summary line, the top stacks, drops and double frees.
+pub fn to_table(report: &Report) -> String {
+    let mut out = String::new();
+    let t = &report.totals;
+    let _ = writeln!(
+        out,
+        "memprof: pid {} ({}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+        report.pid,
+        report.comm,
+        if report.is_final { "final report" } else { "report" },
+        report.duration_s,
+        bytes(t.outstanding_bytes),
+        t.outstanding_allocations,
+        t.allocations,
+        bytes(t.allocated_bytes),
+        t.frees,
+        bytes(t.freed_bytes),
+        t.unknown_frees,
+        t.failed_allocations,
+    );
+    if report.stacks.is_empty() {
+        let _ = writeln!(out, "  no outstanding allocations");
+    } else {
+        let _ = writeln!(out, "  {:>12} {:>9} {:>9}  STACK", "BYTES", "COUNT", "OLDEST");
+    }
+    for stack in &report.stacks {
+        let lead = format!("  {:>12} {:>9} {:>8.1}s  ", stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s);
+        write_frames(&mut out, &lead, &stack.frames);
+    }
+    let dropped: Vec<String> = report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
+    if !dropped.is_empty() {
+        let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
+    }
+    for double_free in &report.double_frees {
+        let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
+        for (what, site) in [("allocated", &double_free.alloc), ("freed", &double_free.first_free), ("freed again", &double_free.second_free)] {
+            let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
+            write_frames(&mut out, &lead, &site.frames);
+        }
+    }
+    out
+}
+
+fn write_frames(out: &mut String, lead: &str, frames: &[Frame]) {
+    if frames.is_empty() {
+        let _ = writeln!(out, "{lead}[no stack]");
+    }
+    for (i, frame) in frames.iter().enumerate() {
+        let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
+        let _ = writeln!(out, "{pad}{}", describe(frame));
+    }
+}
+
+/// `function (file:line) [module]`.
+pub fn describe(frame: &Frame) -> String {
+    let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
+    let place = match (&frame.file, frame.line) {
+        (Some(file), Some(line)) => format!(" ({}:{line})", file.rsplit('/').next().unwrap_or(file)),
+        (Some(file), None) => format!(" ({file})"),
+        _ => String::new(),
+    };
+    let inlined = if frame.inlined { " [inlined]" } else { "" };
+    format!("{}{place} [{module}]{inlined}", frame.function)
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    format!("{value:.1} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
+        Frame {
+            address: "0x1234".into(),
+            function: function.into(),
+            file: file.map(Into::into),
+            line,
+            module: "/usr/bin/leaky".into(),
+            inlined: false,
+        }
+    }
+
+    #[test]
+    fn frames_read_function_file_line_module() {
+        assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
+        assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
+    }
+
+    #[test]
+    fn sizes_are_human_readable() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 << 20), "3.0 MiB");
+    }
+
+    #[test]
+    fn stack_ids_depend_on_file_offsets_not_addresses() {
+        let at = |module: &str, file_offset| Resolved { module: module.into(), file_offset, frames: vec![] };
+        assert_eq!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 1)]));
+        assert_ne!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 2)]));
+        assert_eq!(stack_hash(&[at("/a", 1)]).len(), 16);
+    }
+
+    #[test]
+    fn json_follows_the_documented_schema() {
+        let report = Report {
+            is_final: true,
+            pid: 1,
+            comm: "leaky".into(),
+            duration_s: 1.5,
+            totals: Totals::default(),
+            dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
+            stacks: vec![StackReport {
+                stack_id: "00".into(),
+                outstanding_bytes: 48,
+                outstanding_allocations: 1,
+                allocations: 1,
+                allocated_bytes: 48,
+                oldest_age_s: 0.5,
+                frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
+            }],
+            double_frees: vec![],
+        };
+        let value: serde_json::Value = serde_json::from_str(&to_json(&report)).unwrap();
+        assert_eq!(value["final"], true);
+        assert_eq!(value["totals"]["unknown_frees"], 0);
+        assert_eq!(value["dropped"]["live_map_full"], 0);
+        assert_eq!(value["stacks"][0]["frames"][0]["function"], "leak_here");
+        assert_eq!(value["stacks"][0]["frames"][0]["inlined"], false);
+    }
+}

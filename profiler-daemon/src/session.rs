@@ -1,0 +1,151 @@
+//! One tracing session: attach to a process (or start one), report every interval, report at the end.
+
+use std::{
+    fs::File,
+    io::{self, Write},
+    num::NonZeroU32,
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::{
+    aggregate::{self, DoubleFreeReader},
+    allocator::{self, Allocator},
+    cli::TraceArgs,
+    error::UserError,
+    loader::{self, Loaded},
+    procfs, report,
+    symbolize::SymbolizerHandle,
+    target::{self, ExitWatch},
+};
+
+/// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
+pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
+    let mut output = open_output(args)?;
+    let pid_n = pid.get();
+    procfs::check_traceable(pid_n)?;
+    let allocator = allocator::find(pid_n)?;
+    loader::check_support()?;
+    let mut loaded = loader::load(args.maps)?;
+    loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
+    let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
+    let symbolizer = SymbolizerHandle::spawn();
+    symbolizer.refresh(pid_n);
+    let comm = procfs::comm(pid_n).unwrap_or_default();
+    announce(pid_n, &comm, &loaded, &allocator);
+    let (_, code) = trace(loaded, symbolizer, pid_n, comm, exit, args, &mut output).await?;
+    Ok(code.unwrap_or(0))
+}
+
+/// `memprof run`: returns the command's exit code.
+pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Result<i32> {
+    let mut output = open_output(args)?;
+    let program = target::resolve_program(&command[0])?;
+    loader::check_support()?;
+    let allocator = allocator_for_command(&program)?;
+    let mut loaded = loader::load(args.maps)?;
+    let symbolizer = SymbolizerHandle::spawn();
+    // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
+    let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
+    let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
+    let pid = child.pid;
+    // The child is our own and cannot be pid 0.
+    loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
+    announce(pid, &comm, &loaded, &allocator);
+    child.release();
+    let (_, code) = trace(loaded, symbolizer, pid, comm, ExitWatch::Child(exit_code), args, &mut output).await?;
+    Ok(code.unwrap_or(0))
+}
+
+/// A command's allocator before it runs: the executable itself when it defines malloc (a static
+/// binary), else the C library memprof itself uses, which the dynamic loader will map for it.
+fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
+    let display = program.display().to_string();
+    if let Some(own) = allocator::read_entry_points(program, &display) {
+        return Ok(own);
+    }
+    allocator::find(std::process::id())
+}
+
+fn gone_or(pid: u32) -> String {
+    if procfs::check_traceable(pid).is_err() {
+        format!("pid {pid} exited while probes were being attached")
+    } else {
+        format!("attaching probes to pid {pid}")
+    }
+}
+
+fn announce(pid: u32, comm: &str, loaded: &Loaded, allocator: &Allocator) {
+    eprintln!(
+        "memprof: tracing pid {pid} ({comm}) with {} probes in {}; Ctrl-C to stop",
+        loaded.probes, allocator.display_path
+    );
+}
+
+fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
+    match &args.output {
+        None => Ok(Box::new(io::stdout())),
+        Some(path) => File::create(path)
+            .map(|f| Box::new(f) as Box<dyn Write>)
+            .map_err(|source| UserError::Output { path: path.clone(), source }),
+    }
+}
+
+/// Reports every interval until the target exits, a signal arrives or the duration is up; then
+/// prints the final report. Returns the loaded programs (still attached) and the target's exit code.
+async fn trace(
+    mut loaded: Loaded,
+    symbolizer: SymbolizerHandle,
+    pid: u32,
+    mut comm: String,
+    mut exit: ExitWatch,
+    args: &TraceArgs,
+    output: &mut dyn Write,
+) -> anyhow::Result<(Loaded, Option<i32>)> {
+    let start_ns = aggregate::monotonic_now_ns();
+    let min_age_ns = (args.min_age * 1e9) as u64;
+    let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+    let mut double_frees = Vec::new();
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
+    ticks.tick().await;
+    let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(f64::MAX / 4.0).min(1e9)));
+    tokio::pin!(duration);
+
+    let mut emit = |loaded: &Loaded, comm: &str, double_frees: &[_], is_final: bool| -> anyhow::Result<()> {
+        let snapshot = aggregate::read_snapshot(&loaded.ebpf, pid, min_age_ns)?;
+        let ctx = report::Context { ebpf: &loaded.ebpf, symbolizer: &symbolizer, pid, comm, start_ns, double_frees };
+        // JSON carries every outstanding stack; the table only the top ones.
+        let report = report::build(&ctx, &snapshot, is_final, (!args.json).then_some(args.top));
+        let text = if args.json { report::to_json(&report) + "\n" } else { report::to_table(&report) + "\n" };
+        output.write_all(text.as_bytes())?;
+        output.flush()?;
+        Ok(())
+    };
+
+    let code = loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                if let Some(current) = procfs::comm(pid) {
+                    comm = current;
+                    symbolizer.refresh(pid);
+                }
+                double_frees.extend(double_free_reader.drain());
+                emit(&loaded, &comm, &double_frees, false)?;
+            }
+            code = exit.exited() => break code,
+            _ = sigint.recv() => break None,
+            _ = sigterm.recv() => break None,
+            _ = &mut duration => break None,
+        }
+    };
+    if procfs::comm(pid).is_some() {
+        symbolizer.refresh(pid);
+    }
+    double_frees.extend(double_free_reader.drain());
+    emit(&loaded, &comm, &double_frees, true)?;
+    Ok((loaded, code))
+}

@@ -1,0 +1,206 @@
+//! Turns return addresses into frames on one thread that owns blazesym (its Symbolizer is !Send).
+//!
+//! Each traced process's file mappings are read while it lives and the mapped files are kept
+//! open, so a process that has exited (or aborted on a double free) is still symbolized: blazesym
+//! reads the files through `/proc/self/fd/N`, which stays valid, and works for containers too.
+
+use std::{
+    collections::HashMap,
+    fs::File,
+    os::fd::AsRawFd,
+    path::PathBuf,
+    sync::{mpsc, Arc},
+    thread,
+};
+
+use blazesym::symbolize::{
+    source::{Elf, Source},
+    Input, Sym, Symbolized, Symbolizer,
+};
+use serde::Serialize;
+
+use crate::procfs::{self, FileMapping};
+
+/// One frame of a symbolized stack, innermost first.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Frame {
+    /// The return address as found on the stack.
+    pub address: String,
+    /// `function`, or `module+0xoffset` when the module has no symbol for it.
+    pub function: String,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+    pub module: String,
+    /// Inlined into the next frame (same address).
+    pub inlined: bool,
+}
+
+/// An address resolved to its place in a file: stable across runs, unlike the address.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub module: String,
+    pub file_offset: u64,
+    pub frames: Vec<Frame>,
+}
+
+enum Request {
+    /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
+    Refresh { pid: u32, done: mpsc::Sender<()> },
+    Symbolize { pid: u32, addresses: Vec<u64>, reply: mpsc::Sender<Vec<Resolved>> },
+}
+
+/// A cheap handle to the symbolizer thread.
+#[derive(Clone)]
+pub struct SymbolizerHandle {
+    requests: mpsc::Sender<Request>,
+}
+
+impl SymbolizerHandle {
+    pub fn spawn() -> Self {
+        let (requests, receiver) = mpsc::channel();
+        thread::Builder::new()
+            .name("symbolizer".into())
+            .spawn(move || SymbolizerThread::new().serve(receiver))
+            .expect("spawning the symbolizer thread");
+        Self { requests }
+    }
+
+    pub fn refresh(&self, pid: u32) {
+        let (done, wait) = mpsc::channel();
+        if self.requests.send(Request::Refresh { pid, done }).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// Resolves return addresses of `pid` (all frames of a stack are return addresses).
+    pub fn symbolize(&self, pid: u32, addresses: Vec<u64>) -> Vec<Resolved> {
+        let (reply, wait) = mpsc::channel();
+        let count = addresses.len();
+        if self.requests.send(Request::Symbolize { pid, addresses, reply }).is_ok() {
+            if let Ok(resolved) = wait.recv() {
+                return resolved;
+            }
+        }
+        vec![unknown(0, "[unknown]", 0); count]
+    }
+}
+
+struct Module {
+    mapping: FileMapping,
+    file: Arc<File>,
+}
+
+struct SymbolizerThread {
+    symbolizer: Symbolizer,
+    modules: HashMap<u32, Vec<Module>>,
+    cache: HashMap<(u32, u64), Resolved>,
+}
+
+impl SymbolizerThread {
+    fn new() -> Self {
+        let symbolizer = Symbolizer::builder()
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            .enable_demangling(true)
+            .build();
+        Self { symbolizer, modules: HashMap::new(), cache: HashMap::new() }
+    }
+
+    fn serve(mut self, requests: mpsc::Receiver<Request>) {
+        for request in requests {
+            match request {
+                Request::Refresh { pid, done } => {
+                    self.refresh(pid);
+                    let _ = done.send(());
+                }
+                Request::Symbolize { pid, addresses, reply } => {
+                    let resolved = addresses.iter().map(|&address| self.resolve(pid, address)).collect();
+                    let _ = reply.send(resolved);
+                }
+            }
+        }
+    }
+
+    fn refresh(&mut self, pid: u32) {
+        let Ok(mappings) = procfs::file_mappings(pid) else { return };
+        let old = self.modules.remove(&pid).unwrap_or_default();
+        let mut modules = Vec::with_capacity(mappings.len());
+        for mapping in mappings {
+            let file = match old.iter().find(|m| m.mapping.path == mapping.path) {
+                Some(known) => known.file.clone(),
+                None => match open_mapped(pid, &mapping) {
+                    Some(file) => Arc::new(file),
+                    None => continue,
+                },
+            };
+            modules.push(Module { mapping, file });
+        }
+        self.modules.insert(pid, modules);
+    }
+
+    fn resolve(&mut self, pid: u32, address: u64) -> Resolved {
+        if let Some(known) = self.cache.get(&(pid, address)) {
+            return known.clone();
+        }
+        let resolved = self.resolve_uncached(pid, address);
+        self.cache.insert((pid, address), resolved.clone());
+        resolved
+    }
+
+    fn resolve_uncached(&self, pid: u32, address: u64) -> Resolved {
+        let module = self.modules.get(&pid).and_then(|modules| {
+            modules.iter().find(|m| (m.mapping.start..m.mapping.end).contains(&address))
+        });
+        let Some(module) = module else {
+            return unknown(address, "[anonymous]", address);
+        };
+        let file_offset = address - module.mapping.start + module.mapping.offset;
+        let path = &module.mapping.path;
+        // A return address points after the call; the call itself is one byte earlier.
+        let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
+        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
+        match symbolized {
+            Ok(Symbolized::Sym(sym)) => Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym) },
+            _ => unknown(address, path, file_offset),
+        }
+    }
+}
+
+fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {
+    File::open(format!("/proc/{pid}/root{}", mapping.path))
+        .or_else(|_| File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", mapping.start, mapping.end)))
+        .ok()
+}
+
+fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
+    let name = module.rsplit('/').next().unwrap_or(module);
+    Resolved {
+        module: module.to_string(),
+        file_offset,
+        frames: vec![Frame {
+            address: format!("{address:#x}"),
+            function: format!("{name}+{file_offset:#x}"),
+            file: None,
+            line: None,
+            module: module.to_string(),
+            inlined: false,
+        }],
+    }
+}
+
+/// The frames of one address: inlined functions innermost first, then the function they sit in.
+/// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
+fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
+    let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| Frame {
+        address: format!("{address:#x}"),
+        function: function.to_string(),
+        file: code_info.map(|info| info.file.to_string_lossy().into_owned()),
+        line: code_info.and_then(|info| info.line),
+        module: module.to_string(),
+        inlined,
+    };
+    let mut frames: Vec<Frame> =
+        sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
+    frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
+    frames
+}

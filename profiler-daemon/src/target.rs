@@ -1,0 +1,188 @@
+//! The traced process: waiting for a running one to exit, or starting one under `memprof run`.
+
+use std::{
+    ffi::{CString, OsString},
+    io,
+    os::{
+        fd::{FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Path, PathBuf},
+    thread,
+};
+
+use tokio::{io::unix::AsyncFd, sync::oneshot};
+
+use crate::{error::UserError, symbolize::SymbolizerHandle};
+
+/// Tells when the target is gone and with which exit code.
+pub enum ExitWatch {
+    /// A process memprof attached to: a pidfd becomes readable when it exits.
+    Attached(AsyncFd<OwnedFd>),
+    /// A child memprof started: its tracer thread sends the exit code.
+    Child(oneshot::Receiver<i32>),
+}
+
+impl ExitWatch {
+    pub fn attached(pid: u32) -> io::Result<Self> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the fd was just created, is owned by nobody else and is not closed while registered.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(|err| err.into_parts().1)?;
+        Ok(Self::Attached(fd))
+    }
+
+    /// Resolves when the target has exited: with its exit code when memprof started it.
+    pub async fn exited(&mut self) -> Option<i32> {
+        match self {
+            Self::Attached(fd) => {
+                let _ = fd.readable().await;
+                None
+            }
+            Self::Child(code) => Some(code.await.unwrap_or(1)),
+        }
+    }
+}
+
+/// A child forked and waiting for `release` before it execs the command.
+pub struct Child {
+    pub pid: u32,
+    release: OwnedFd,
+}
+
+impl Child {
+    /// Lets the child exec its command; call once every probe is attached.
+    pub fn release(self) {
+        // Dropping the write end makes the child's blocking read return 0.
+        drop(self.release);
+    }
+}
+
+/// Finds `command[0]` the way a shell does: as a path when it has a slash, else on `PATH`.
+pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
+    let not_found = |what: &str| UserError::Spawn {
+        command: name.to_string_lossy().into_owned(),
+        source: io::Error::new(io::ErrorKind::NotFound, what.to_string()),
+    };
+    let candidate = Path::new(name);
+    if name.as_bytes().contains(&b'/') {
+        return if is_executable(candidate) { Ok(candidate.to_path_buf()) } else { Err(not_found("no such executable")) };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(candidate))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| not_found("not found on PATH"))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+}
+
+/// Forks a child that execs `program` with `args` once released.
+///
+/// The child is ptraced (seized, so it runs normally) only to be stopped at its exit while its
+/// memory maps still exist: the symbolizer reads them there, so even a short-lived command gets
+/// symbolized stacks. Returns the child and a receiver for its exit code.
+pub fn spawn(
+    program: PathBuf,
+    args: &[OsString],
+    symbolizer: SymbolizerHandle,
+) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
+    let spawn_error = |source| UserError::Spawn { command: program.display().to_string(), source };
+    let c_program = CString::new(program.as_os_str().as_bytes()).map_err(|e| spawn_error(e.into()))?;
+    let c_args: Vec<CString> = args
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| spawn_error(e.into()))?;
+    let (pid_tx, pid_rx) = std::sync::mpsc::channel();
+    let (code_tx, code_rx) = oneshot::channel();
+    // ptrace requests must come from the thread that attached, so this thread forks, seizes and waits.
+    thread::Builder::new()
+        .name("tracee".into())
+        .spawn(move || {
+            let result = fork_stopped(&c_program, &c_args);
+            let pid = result.as_ref().map(|(pid, _)| *pid).ok();
+            let _ = pid_tx.send(result);
+            if let Some(pid) = pid {
+                let _ = code_tx.send(wait_for_exit(pid, &symbolizer));
+            }
+        })
+        .map_err(spawn_error)?;
+    let (pid, release) = pid_rx.recv().map_err(|_| spawn_error(io::Error::other("tracer thread died")))?.map_err(spawn_error)?;
+    Ok((Child { pid: pid as u32, release }, code_rx))
+}
+
+fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t, OwnedFd)> {
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut fds = [0; 2];
+    // SAFETY: fds has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned here.
+    let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: the child only calls async-signal-safe functions (close, read, execv, _exit) and
+    // does not allocate, so forking a multi-threaded process is sound.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        unsafe {
+            libc::close(fds[1]);
+            let mut byte = 0u8;
+            // Blocks until memprof closes the write end; allocations before exec would be memprof's.
+            while libc::read(fds[0], (&mut byte as *mut u8).cast(), 1) < 0 {}
+            libc::execv(program.as_ptr(), argv.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    drop(read_end);
+    let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_EXITKILL;
+    // SAFETY: seizing our own child; failure leaves it untraced, which only costs symbolization
+    // of libraries it loads late.
+    unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_ulong) };
+    Ok((pid, write_end))
+}
+
+/// Runs the child to its end, refreshing its maps at its exit stop. Returns a shell-style exit code.
+fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle) -> i32 {
+    loop {
+        let mut status = 0;
+        // SAFETY: waiting for our own child with a valid out-pointer.
+        if unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0 {
+            return 1;
+        }
+        if libc::WIFEXITED(status) {
+            return libc::WEXITSTATUS(status);
+        }
+        if libc::WIFSIGNALED(status) {
+            return 128 + libc::WTERMSIG(status);
+        }
+        if !libc::WIFSTOPPED(status) {
+            continue;
+        }
+        let event = status >> 16;
+        // SAFETY: ptrace requests on our own stopped tracee.
+        unsafe {
+            if event == libc::PTRACE_EVENT_EXIT {
+                symbolizer.refresh(pid as u32);
+                libc::ptrace(libc::PTRACE_CONT, pid, 0, 0);
+            } else if event == libc::PTRACE_EVENT_STOP {
+                // A group stop (SIGSTOP and friends): stay stopped until SIGCONT, as without memprof.
+                libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0);
+            } else {
+                // A signal on its way to the child: deliver it unchanged.
+                libc::ptrace(libc::PTRACE_CONT, pid, 0, libc::WSTOPSIG(status) as libc::c_ulong);
+            }
+        }
+    }
+}

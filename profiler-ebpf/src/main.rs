@@ -1,0 +1,85 @@
+//! Uprobes on the allocator of traced processes.
+//!
+//! Entry probes keep each call's arguments per thread in `INFLIGHT`; one shared return probe decides
+//! what the call did (see `on_return`), records the allocation in `LIVE` and adds it to the
+//! per-(process, stack) totals in `STACK_STATS`. `free` moves an allocation from `LIVE` to the
+//! bounded `RECENT_FREES`, where a second free of the same address is recognised. Nothing is
+//! streamed to userspace per allocation: the daemon reads the small totals every interval.
+#![no_std]
+#![no_main]
+// Atomic adds to map values: see `record::add`.
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
+
+mod record;
+
+use aya_ebpf::{
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
+};
+use profiler_common::AllocFn;
+
+/// Defines one entry program per allocator function: `$size` and `$ptr` compute the requested size
+/// and the pointer argument to keep (realloc's old pointer, posix_memalign's out-pointer).
+macro_rules! entry_probe {
+    ($name:ident, $func:expr, |$ctx:ident| size: $size:expr, ptr: $ptr:expr) => {
+        #[uprobe]
+        pub fn $name($ctx: ProbeContext) -> u32 {
+            record::on_entry($func, $size, $ptr);
+            0
+        }
+    };
+}
+
+fn arg(ctx: &ProbeContext, n: usize) -> u64 {
+    ctx.arg::<u64>(n).unwrap_or(0)
+}
+
+/// calloc's and reallocarray's `n * size`; `u64::MAX` when it overflows (the call then fails).
+/// Done in 32-bit halves: LLVM turns any overflow check of a 64-bit multiply into a 128-bit one,
+/// which BPF does not have.
+fn product(n: u64, size: u64) -> u64 {
+    let (n_hi, n_lo, s_hi, s_lo) = (n >> 32, n & 0xffff_ffff, size >> 32, size & 0xffff_ffff);
+    if n_hi != 0 && s_hi != 0 {
+        return u64::MAX;
+    }
+    let cross = n_hi * s_lo + n_lo * s_hi;
+    if cross >> 32 != 0 {
+        return u64::MAX;
+    }
+    (cross << 32).checked_add(n_lo * s_lo).unwrap_or(u64::MAX)
+}
+
+entry_probe!(malloc, AllocFn::Malloc, |ctx| size: arg(&ctx, 0), ptr: 0);
+entry_probe!(calloc, AllocFn::Calloc, |ctx| size: product(arg(&ctx, 0), arg(&ctx, 1)), ptr: 0);
+entry_probe!(realloc, AllocFn::Realloc, |ctx| size: arg(&ctx, 1), ptr: arg(&ctx, 0));
+entry_probe!(reallocarray, AllocFn::Reallocarray,
+    |ctx| size: product(arg(&ctx, 1), arg(&ctx, 2)), ptr: arg(&ctx, 0));
+entry_probe!(posix_memalign, AllocFn::PosixMemalign, |ctx| size: arg(&ctx, 2), ptr: arg(&ctx, 0));
+entry_probe!(aligned_alloc, AllocFn::AlignedAlloc, |ctx| size: arg(&ctx, 1), ptr: 0);
+entry_probe!(memalign, AllocFn::Memalign, |ctx| size: arg(&ctx, 1), ptr: 0);
+entry_probe!(valloc, AllocFn::Valloc, |ctx| size: arg(&ctx, 0), ptr: 0);
+entry_probe!(pvalloc, AllocFn::Pvalloc, |ctx| size: arg(&ctx, 0), ptr: 0);
+
+/// One return program serves every allocator function: `INFLIGHT` says which one returned.
+#[uretprobe]
+pub fn alloc_return(ctx: RetProbeContext) -> u32 {
+    record::on_return(&ctx);
+    0
+}
+
+#[uprobe]
+pub fn free(ctx: ProbeContext) -> u32 {
+    record::on_free(&ctx, arg(&ctx, 0));
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,233 @@
+//! The maps and what each probe does to them.
+
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+
+use aya_ebpf::{
+    bindings::{BPF_F_USER_STACK, BPF_NOEXIST},
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, StackTrace},
+    programs::{tracing::StackIdContext, ProbeContext, RetProbeContext},
+    EbpfContext,
+};
+use profiler_common::{
+    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc,
+    ProcCounters, StackKey, StackStats, NO_STACK,
+};
+
+/// Capacities here are defaults; the daemon sets the real ones at load time.
+#[map]
+static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, 0);
+/// A plain hash, not an LRU: an LRU would evict the oldest allocations, which are the leaks.
+#[map]
+static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, 0);
+#[map]
+static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, 0);
+#[map]
+static STACKS: StackTrace = StackTrace::with_max_entries(65_536, 0);
+/// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
+#[map]
+static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
+#[map]
+static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, 0);
+#[map]
+static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
+#[map]
+static DOUBLE_FREES: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+const EEXIST: i32 = 17;
+
+fn ids() -> (u32, u32) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    ((pid_tgid >> 32) as u32, pid_tgid as u32)
+}
+
+fn add(counter: &mut u64, value: u64) {
+    // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic
+    // compiles to BPF's atomic add. SAFETY: the counter is an aligned u64 inside a map value.
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
+}
+
+fn count_drop(reason: DropReason) {
+    if let Some(counter) = DROPS.get_ptr_mut(reason as u32) {
+        // Per-CPU slot: no other CPU writes it, and a program is not preempted by itself.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// Returns the value for `key`, inserting `V::default()` first when it is missing.
+fn get_or_insert<K, V: Default>(map: &HashMap<K, V>, key: &K) -> Option<*mut V> {
+    if let Some(value) = map.get_ptr_mut(key) {
+        return Some(value);
+    }
+    // Another CPU may insert the same key first; BPF_NOEXIST then fails and the lookup finds theirs.
+    let _ = map.insert(key, &V::default(), BPF_NOEXIST as u64);
+    map.get_ptr_mut(key)
+}
+
+fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
+    match get_or_insert(&PROC_COUNTERS, &tgid) {
+        Some(counters) => add(field(unsafe { &mut *counters }), 1),
+        None => count_drop(DropReason::ProcCountersFull),
+    }
+}
+
+fn user_stack_id<C: StackIdContext>(ctx: &C) -> u32 {
+    // Without BPF_F_REUSE_STACKID a hash collision fails with -EEXIST instead of silently
+    // replacing the stored stack that other allocations already point at.
+    match ctx.get_stackid(&STACKS, BPF_F_USER_STACK as u64) {
+        Ok(id) => id as u32,
+        Err(err) if err == -EEXIST => {
+            count_drop(DropReason::StackCollision);
+            NO_STACK
+        }
+        Err(_) => {
+            count_drop(DropReason::StackWalkFailed);
+            NO_STACK
+        }
+    }
+}
+
+pub fn on_entry(func: AllocFn, size: u64, ptr_arg: u64) {
+    let (_, tid) = ids();
+    if let Some(state) = INFLIGHT.get_ptr_mut(tid) {
+        // Nested inside another allocator call of this thread: only the outermost one counts.
+        unsafe { (*state).depth += 1 };
+        return;
+    }
+    let state = Inflight { func: func as u32, depth: 1, size, ptr_arg };
+    if INFLIGHT.insert(tid, state, 0).is_err() {
+        count_drop(DropReason::InflightMapFull);
+    }
+}
+
+pub fn on_return(ctx: &RetProbeContext) {
+    let (tgid, tid) = ids();
+    let Some(state) = INFLIGHT.get_ptr_mut(tid) else {
+        count_drop(DropReason::InflightMissing);
+        return;
+    };
+    let call = unsafe {
+        if (*state).depth > 1 {
+            (*state).depth -= 1;
+            return;
+        }
+        *state
+    };
+    let _ = INFLIGHT.remove(tid);
+    let ret: u64 = ctx.ret();
+    let Some(func) = AllocFn::from_u32(call.func) else { return };
+    let returned = match func {
+        // posix_memalign returns an error code and stores the pointer through its out-pointer.
+        AllocFn::PosixMemalign if ret as i32 == 0 => {
+            unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0)
+        }
+        AllocFn::PosixMemalign => 0,
+        _ => ret,
+    };
+    let resizes = matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) && call.ptr_arg != 0;
+    if returned != 0 {
+        // A realloc that succeeded, moved or in place, frees the old block and allocates a new one.
+        if resizes {
+            on_freed(ctx, tgid, tid, call.ptr_arg, 0);
+        }
+        on_allocated(ctx, tgid, tid, returned, call.size, func);
+    } else if resizes && call.size == 0 {
+        // glibc's realloc(p, 0) frees p and returns NULL.
+        on_freed(ctx, tgid, tid, call.ptr_arg, 0);
+    } else if call.size != 0 || func == AllocFn::PosixMemalign {
+        // A failed realloc leaves the old block live; malloc(0) may legitimately return NULL.
+        bump_proc_counter(tgid, |c| &mut c.failed_allocations);
+    }
+}
+
+pub fn on_free(ctx: &ProbeContext, addr: u64) {
+    if addr == 0 {
+        return;
+    }
+    let (tgid, tid) = ids();
+    if INFLIGHT.get_ptr(tid).is_some() {
+        // Called from inside realloc (or another allocator call): the outer call's return handles it.
+        return;
+    }
+    // At free's first instruction the frame-pointer walk skips free's caller; its return address
+    // is still on top of the stack.
+    let rsp = unsafe { (*ctx.regs).rsp };
+    let caller = unsafe { bpf_probe_read_user(rsp as *const u64) }.unwrap_or(0);
+    on_freed(ctx, tgid, tid, addr, caller);
+}
+
+fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn) {
+    let key = AddrKey { tgid, _pad: 0, addr };
+    let alloc = LiveAlloc {
+        size,
+        time_ns: unsafe { bpf_ktime_get_ns() },
+        stack_id: user_stack_id(ctx),
+        tid,
+        func: func as u32,
+        _pad: 0,
+    };
+    // The address is in use again: a later free of it is not a double free.
+    let _ = RECENT_FREES.remove(&key);
+    if let Err(err) = LIVE.insert(&key, &alloc, BPF_NOEXIST as u64) {
+        if err != -EEXIST {
+            count_drop(DropReason::LiveMapFull);
+            return;
+        }
+        // Still live: its free went unseen. Retire the old allocation so its stack is not charged forever.
+        count_drop(DropReason::MissedFree);
+        if let Some(old) = unsafe { LIVE.get(&key) } {
+            add_to_stack(tgid, old.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), old.size);
+        }
+        if LIVE.insert(&key, &alloc, 0).is_err() {
+            count_drop(DropReason::LiveMapFull);
+            return;
+        }
+    }
+    add_to_stack(tgid, alloc.stack_id, |s| (&mut s.allocations, &mut s.allocated_bytes), size);
+}
+
+/// Adds one event of `bytes` to the (count, bytes) pair `fields` picks in the stack's totals.
+fn add_to_stack(
+    tgid: u32,
+    stack_id: u32,
+    fields: fn(&mut StackStats) -> (&mut u64, &mut u64),
+    bytes: u64,
+) {
+    match get_or_insert(&STACK_STATS, &StackKey { tgid, stack_id }) {
+        Some(stats) => {
+            let (count, total) = fields(unsafe { &mut *stats });
+            add(count, 1);
+            add(total, bytes);
+        }
+        None => count_drop(DropReason::StatsMapFull),
+    }
+}
+
+fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, caller: u64) {
+    let key = AddrKey { tgid, _pad: 0, addr };
+    let site = || FreeSite {
+        time_ns: unsafe { bpf_ktime_get_ns() },
+        caller,
+        stack_id: user_stack_id(ctx),
+        tid,
+    };
+    if let Some(alloc) = unsafe { LIVE.get(&key) } {
+        let alloc = *alloc;
+        // Two threads freeing the same block race here: only the one that removes it counts it.
+        if LIVE.remove(&key).is_err() {
+            return;
+        }
+        add_to_stack(tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
+        let _ = RECENT_FREES.insert(&key, &FreedAlloc { alloc, free: site() }, 0);
+    } else if let Some(first) = unsafe { RECENT_FREES.get(&key) } {
+        bump_proc_counter(tgid, |c| &mut c.double_frees);
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: site() };
+        if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
+            count_drop(DropReason::DoubleFreeEventLost);
+        }
+    } else {
+        // Allocated before attach (or its allocation was dropped): expected, not an error.
+        bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+    }
+}
