@@ -202,7 +202,6 @@ pub struct ProcCounters {
     pub unknown_frees: u64,
     /// Allocator calls that returned NULL (or an error code).
     pub failed_allocations: u64,
-    pub double_frees: u64,
 }
 
 const _: () = {
@@ -214,7 +213,7 @@ const _: () = {
     assert!(core::mem::size_of::<DoubleFreeEvent>() == 96);
     assert!(core::mem::size_of::<StackKey>() == 8);
     assert!(core::mem::size_of::<StackStats>() == 32);
-    assert!(core::mem::size_of::<ProcCounters>() == 24);
+    assert!(core::mem::size_of::<ProcCounters>() == 16);
 };
 
 #[cfg(feature = "user")]

@@ -8,6 +8,7 @@ use std::{
 };
 
 use anyhow::Context as _;
+use profiler_common::DoubleFreeEvent;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::{
@@ -35,7 +36,8 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
     announce(pid_n, &comm, &loaded, &allocator);
-    let (_, code) = trace(loaded, symbolizer, pid_n, comm, exit, args, &mut output).await?;
+    let tracee = Tracee { loaded, symbolizer, pid: pid_n, comm, allocator_module: allocator.display_path };
+    let code = trace(tracee, exit, args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
 
@@ -55,14 +57,16 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     announce(pid, &comm, &loaded, &allocator);
     child.release();
-    let (_, code) = trace(loaded, symbolizer, pid, comm, ExitWatch::Child(exit_code), args, &mut output).await?;
+    let tracee = Tracee { loaded, symbolizer, pid, comm, allocator_module: allocator.display_path };
+    let code = trace(tracee, ExitWatch::Child(exit_code), args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
 
 /// A command's allocator before it runs: the executable itself when it defines malloc (a static
 /// binary), else the C library memprof itself uses, which the dynamic loader will map for it.
 fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
-    let display = program.display().to_string();
+    // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
+    let display = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf()).display().to_string();
     if let Some(own) = allocator::read_entry_points(program, &display) {
         return Ok(own);
     }
@@ -93,35 +97,64 @@ fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
     }
 }
 
-/// Reports every interval until the target exits, a signal arrives or the duration is up; then
-/// prints the final report. Returns the loaded programs (still attached) and the target's exit code.
-async fn trace(
-    mut loaded: Loaded,
+/// A process with probes attached.
+struct Tracee {
+    loaded: Loaded,
     symbolizer: SymbolizerHandle,
     pid: u32,
-    mut comm: String,
+    comm: String,
+    /// The allocator's file as `/proc/PID/maps` names it.
+    allocator_module: String,
+}
+
+impl Tracee {
+    /// Double-free events whose second free came from user code. glibc also frees blocks that
+    /// sit in its thread cache when a thread exits; those calls come from inside the allocator.
+    fn user_double_frees(&self, events: Vec<DoubleFreeEvent>) -> Vec<DoubleFreeEvent> {
+        events
+            .into_iter()
+            .filter(|event| {
+                let caller = self.symbolizer.symbolize(self.pid, vec![event.second.caller]);
+                caller.first().is_none_or(|c| c.module != self.allocator_module)
+            })
+            .collect()
+    }
+}
+
+/// Reports every interval until the target exits, a signal arrives or the duration is up; then
+/// prints the final report. Returns the target's exit code when memprof started it.
+async fn trace(
+    mut tracee: Tracee,
     mut exit: ExitWatch,
     args: &TraceArgs,
     output: &mut dyn Write,
-) -> anyhow::Result<(Loaded, Option<i32>)> {
+) -> anyhow::Result<Option<i32>> {
     let start_ns = aggregate::monotonic_now_ns();
     let min_age_ns = (args.min_age * 1e9) as u64;
-    let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+    let mut double_free_reader = DoubleFreeReader::new(&mut tracee.loaded.ebpf)?;
     let mut double_frees = Vec::new();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
     ticks.tick().await;
-    let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(f64::MAX / 4.0).min(1e9)));
+    let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(1e9).min(1e9)));
     tokio::pin!(duration);
 
-    let mut emit = |loaded: &Loaded, comm: &str, double_frees: &[_], is_final: bool| -> anyhow::Result<()> {
-        let snapshot = aggregate::read_snapshot(&loaded.ebpf, pid, min_age_ns)?;
-        let ctx = report::Context { ebpf: &loaded.ebpf, symbolizer: &symbolizer, pid, comm, start_ns, double_frees };
+    let emit = |tracee: &Tracee, double_frees: &[DoubleFreeEvent], output: &mut dyn Write, is_final: bool| -> anyhow::Result<()> {
+        let snapshot = aggregate::read_snapshot(&tracee.loaded.ebpf, tracee.pid, min_age_ns)?;
+        let ctx = report::Context {
+            ebpf: &tracee.loaded.ebpf,
+            symbolizer: &tracee.symbolizer,
+            pid: tracee.pid,
+            comm: &tracee.comm,
+            start_ns,
+            double_frees,
+        };
         // JSON carries every outstanding stack; the table only the top ones.
         let report = report::build(&ctx, &snapshot, is_final, (!args.json).then_some(args.top));
-        let text = if args.json { report::to_json(&report) + "\n" } else { report::to_table(&report) + "\n" };
+        let text = if args.json { report::to_json(&report) } else { report::to_table(&report) };
         output.write_all(text.as_bytes())?;
+        output.write_all(b"\n")?;
         output.flush()?;
         Ok(())
     };
@@ -129,12 +162,12 @@ async fn trace(
     let code = loop {
         tokio::select! {
             _ = ticks.tick() => {
-                if let Some(current) = procfs::comm(pid) {
-                    comm = current;
-                    symbolizer.refresh(pid);
+                if let Some(current) = procfs::comm(tracee.pid) {
+                    tracee.comm = current;
+                    tracee.symbolizer.refresh(tracee.pid);
                 }
-                double_frees.extend(double_free_reader.drain());
-                emit(&loaded, &comm, &double_frees, false)?;
+                double_frees.extend(tracee.user_double_frees(double_free_reader.drain()));
+                emit(&tracee, &double_frees, output, false)?;
             }
             code = exit.exited() => break code,
             _ = sigint.recv() => break None,
@@ -142,10 +175,10 @@ async fn trace(
             _ = &mut duration => break None,
         }
     };
-    if procfs::comm(pid).is_some() {
-        symbolizer.refresh(pid);
+    if procfs::comm(tracee.pid).is_some() {
+        tracee.symbolizer.refresh(tracee.pid);
     }
-    double_frees.extend(double_free_reader.drain());
-    emit(&loaded, &comm, &double_frees, true)?;
-    Ok((loaded, code))
+    double_frees.extend(tracee.user_double_frees(double_free_reader.drain()));
+    emit(&tracee, &double_frees, output, true)?;
+    Ok(code)
 }

@@ -33,7 +33,7 @@ static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_0
 #[map]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
 #[map]
-static DOUBLE_FREES: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+static DOUBLE_FREES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 
 const EEXIST: i32 = 17;
 
@@ -221,7 +221,8 @@ fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr:
         add_to_stack(tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
         let _ = RECENT_FREES.insert(&key, &FreedAlloc { alloc, free: site() }, 0);
     } else if let Some(first) = unsafe { RECENT_FREES.get(&key) } {
-        bump_proc_counter(tgid, |c| &mut c.double_frees);
+        // Also seen when the allocator itself frees what sits in its caches (glibc's
+        // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
         let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: site() };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
