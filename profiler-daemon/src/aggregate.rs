@@ -10,9 +10,7 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
     Ebpf,
 };
-use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, LiveAlloc, ProcCounters, StackKey, StackStats, NO_STACK,
-};
+use profiler_common::{AddrKey, DoubleFreeEvent, DropReason, LiveAlloc, ProcCounters, StackKey, StackStats, NO_STACK};
 
 /// What the kernel side knows about one process at one moment.
 #[derive(Debug, Clone, Default)]
@@ -77,7 +75,10 @@ pub fn read_snapshot(ebpf: &Ebpf, tgid: u32, min_age_ns: u64) -> anyhow::Result<
     }
     let mut drop_counts = [0u64; DropReason::COUNT];
     for (index, total) in drop_counts.iter_mut().enumerate() {
-        *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+        *total = drops
+            .get(&(index as u32), 0)
+            .map(|per_cpu| per_cpu.iter().sum())
+            .unwrap_or(0);
     }
     Ok(Snapshot {
         now_ns,
@@ -100,13 +101,23 @@ fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary, by_age: b
         (live.aged_bytes, live.aged_allocations)
     } else {
         // Frees are only counted for allocations seen, so these never go negative.
-        (stats.allocated_bytes.saturating_sub(stats.freed_bytes), stats.allocations.saturating_sub(stats.frees))
+        (
+            stats.allocated_bytes.saturating_sub(stats.freed_bytes),
+            stats.allocations.saturating_sub(stats.frees),
+        )
     };
-    StackSnapshot { stack_id, stats, outstanding_bytes, outstanding_allocations, oldest_ns: live.oldest_ns }
+    StackSnapshot {
+        stack_id,
+        stats,
+        outstanding_bytes,
+        outstanding_allocations,
+        oldest_ns: live.oldest_ns,
+    }
 }
 
 fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
-    ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))
+    ebpf.map(name)
+        .with_context(|| format!("map {name} missing from the eBPF object"))
 }
 
 /// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
@@ -117,7 +128,10 @@ pub fn stack_frames(ebpf: &Ebpf, stack_id: u32) -> Vec<u64> {
     let Ok(stack_map) = map(ebpf, "STACKS").and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
         return Vec::new();
     };
-    stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()
+    stack_map
+        .get(&stack_id, 0)
+        .map(|trace| trace.frames().iter().map(|f| f.ip).collect())
+        .unwrap_or_default()
 }
 
 /// Receives double-free events for every traced process.
@@ -127,8 +141,12 @@ pub struct DoubleFreeReader {
 
 impl DoubleFreeReader {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let map = ebpf.take_map("DOUBLE_FREES").context("map DOUBLE_FREES missing from the eBPF object")?;
-        Ok(Self { ring: RingBuf::try_from(map)? })
+        let map = ebpf
+            .take_map("DOUBLE_FREES")
+            .context("map DOUBLE_FREES missing from the eBPF object")?;
+        Ok(Self {
+            ring: RingBuf::try_from(map)?,
+        })
     }
 
     /// Every event that arrived since the last call.
@@ -150,7 +168,12 @@ mod tests {
     use super::*;
 
     fn stats(allocations: u64, allocated_bytes: u64, frees: u64, freed_bytes: u64) -> StackStats {
-        StackStats { allocations, allocated_bytes, frees, freed_bytes }
+        StackStats {
+            allocations,
+            allocated_bytes,
+            frees,
+            freed_bytes,
+        }
     }
 
     #[test]
@@ -162,11 +185,28 @@ mod tests {
     #[test]
     fn min_age_counts_only_old_allocations() {
         let mut summary = LiveSummary::default();
-        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0, _pad: 0 };
+        let alloc = |time_ns, size| LiveAlloc {
+            size,
+            time_ns,
+            stack_id: 1,
+            tid: 1,
+            func: 0,
+            _pad: 0,
+        };
         summarize(&mut summary, &alloc(100, 10), 150);
         summarize(&mut summary, &alloc(200, 20), 150);
-        assert_eq!(summary, LiveSummary { oldest_ns: Some(100), aged_allocations: 1, aged_bytes: 10 });
+        assert_eq!(
+            summary,
+            LiveSummary {
+                oldest_ns: Some(100),
+                aged_allocations: 1,
+                aged_bytes: 10
+            }
+        );
         let s = stack_snapshot(1, stats(2, 30, 0, 0), summary, true);
-        assert_eq!((s.outstanding_bytes, s.outstanding_allocations, s.oldest_ns), (10, 1, Some(100)));
+        assert_eq!(
+            (s.outstanding_bytes, s.outstanding_allocations, s.oldest_ns),
+            (10, 1, Some(100))
+        );
     }
 }

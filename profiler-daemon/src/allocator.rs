@@ -88,8 +88,7 @@ pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Alloc
 /// File offsets of the defined allocator symbols, from the dynamic table or, in a static binary,
 /// the full symbol table.
 fn symbol_file_offsets(file: &object::File) -> HashMap<&'static str, u64> {
-    let wanted: Vec<&'static str> =
-        AllocFn::ALL.iter().map(|func| func.symbol()).chain(["free"]).collect();
+    let wanted: Vec<&'static str> = AllocFn::ALL.iter().map(|func| func.symbol()).chain(["free"]).collect();
     let mut offsets = HashMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.kind() != object::SymbolKind::Text {
@@ -98,7 +97,9 @@ fn symbol_file_offsets(file: &object::File) -> HashMap<&'static str, u64> {
         let Ok(name) = symbol.name() else { continue };
         // Versioned names such as `malloc@@GLIBC_2.2.5` are the same function.
         let name = name.split('@').next().unwrap_or(name);
-        let Some(&wanted) = wanted.iter().find(|w| **w == name) else { continue };
+        let Some(&wanted) = wanted.iter().find(|w| **w == name) else {
+            continue;
+        };
         if offsets.contains_key(wanted) {
             continue;
         }

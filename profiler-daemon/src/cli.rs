@@ -5,7 +5,11 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "memprof", version, about = "eBPF heap profiler: outstanding allocations per call stack, leaks and double frees")]
+#[command(
+    name = "memprof",
+    version,
+    about = "eBPF heap profiler: outstanding allocations per call stack, leaks and double frees"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

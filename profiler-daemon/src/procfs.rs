@@ -23,7 +23,11 @@ pub fn check_traceable(pid: u32) -> Result<(), UserError> {
     // The command name may hold spaces and parentheses: fields resume after the last ')'.
     let after_comm = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
     // After the name: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9).
-    let flags = after_comm.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    let flags = after_comm
+        .split_whitespace()
+        .nth(6)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
     if flags & PF_KTHREAD != 0 {
         return Err(UserError::KernelThread(pid));
     }
@@ -35,12 +39,16 @@ pub fn check_traceable(pid: u32) -> Result<(), UserError> {
 
 /// The process's command name, or "?" once it is gone.
 pub fn comm(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| c.trim_end().to_string())
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim_end().to_string())
 }
 
 /// The executable's path as the process sees it.
 pub fn exe_path(pid: u32) -> Option<String> {
-    fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned())
+    fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .map(|p| p.to_string_lossy().into_owned())
 }
 
 /// Every file-backed mapping of the process, in address order.
@@ -100,14 +108,25 @@ mod tests {
 ";
         let parsed = parse_maps(maps);
         assert_eq!(parsed.len(), 3);
-        assert_eq!(parsed[1], FileMapping { start: 0x55d0c8a01000, end: 0x55d0c8a02000, offset: 0x1000, path: "/usr/bin/leaky".into() });
+        assert_eq!(
+            parsed[1],
+            FileMapping {
+                start: 0x55d0c8a01000,
+                end: 0x55d0c8a02000,
+                offset: 0x1000,
+                path: "/usr/bin/leaky".into()
+            }
+        );
         assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
     }
 
     #[test]
     fn kernel_threads_and_missing_pids_are_refused() {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
-        assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
+        assert!(matches!(
+            check_traceable(u32::MAX - 1),
+            Err(UserError::NoSuchProcess(_))
+        ));
         check_traceable(std::process::id()).unwrap();
     }
 }

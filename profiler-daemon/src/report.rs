@@ -104,7 +104,11 @@ impl Context<'_> {
     }
 
     fn site(&self, site: &FreeSite) -> SiteReport {
-        SiteReport { tid: site.tid, time_s: self.seconds_since_start(site.time_ns), frames: self.frames(site.stack_id, site.caller).0 }
+        SiteReport {
+            tid: site.tid,
+            time_s: self.seconds_since_start(site.time_ns),
+            frames: self.frames(site.stack_id, site.caller).0,
+        }
     }
 }
 
@@ -123,7 +127,11 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usi
         totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
         totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
     }
-    let mut outstanding: Vec<_> = snapshot.stacks.iter().filter(|s| s.outstanding_allocations > 0).collect();
+    let mut outstanding: Vec<_> = snapshot
+        .stacks
+        .iter()
+        .filter(|s| s.outstanding_allocations > 0)
+        .collect();
     outstanding.sort_by(|a, b| {
         (b.outstanding_bytes, b.outstanding_allocations).cmp(&(a.outstanding_bytes, a.outstanding_allocations))
     });
@@ -138,7 +146,9 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usi
                 outstanding_allocations: stack.outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
-                oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
+                oldest_age_s: stack
+                    .oldest_ns
+                    .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
                 frames,
             }
         })
@@ -164,7 +174,10 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usi
         comm: ctx.comm.to_string(),
         duration_s: ctx.seconds_since_start(snapshot.now_ns),
         totals,
-        dropped: DropReason::ALL.iter().map(|r| (r.name(), snapshot.drops[*r as usize])).collect(),
+        dropped: DropReason::ALL
+            .iter()
+            .map(|r| (r.name(), snapshot.drops[*r as usize]))
+            .collect(),
         stacks,
         double_frees,
     }
@@ -216,16 +229,32 @@ pub fn to_table(report: &Report) -> String {
         let _ = writeln!(out, "  {:>12} {:>9} {:>9}  STACK", "BYTES", "COUNT", "OLDEST");
     }
     for stack in &report.stacks {
-        let lead = format!("  {:>12} {:>9} {:>8.1}s  ", stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s);
+        let lead = format!(
+            "  {:>12} {:>9} {:>8.1}s  ",
+            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s
+        );
         write_frames(&mut out, &lead, &stack.frames);
     }
-    let dropped: Vec<String> = report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
+    let dropped: Vec<String> = report
+        .dropped
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(r, n)| format!("{r}={n}"))
+        .collect();
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
     for double_free in &report.double_frees {
-        let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
-        for (what, site) in [("allocated", &double_free.alloc), ("freed", &double_free.first_free), ("freed again", &double_free.second_free)] {
+        let _ = writeln!(
+            out,
+            "  DOUBLE FREE of {} ({} bytes):",
+            double_free.address, double_free.size
+        );
+        for (what, site) in [
+            ("allocated", &double_free.alloc),
+            ("freed", &double_free.first_free),
+            ("freed again", &double_free.second_free),
+        ] {
             let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
             write_frames(&mut out, &lead, &site.frames);
         }
@@ -238,7 +267,11 @@ fn write_frames(out: &mut String, lead: &str, frames: &[Frame]) {
         let _ = writeln!(out, "{lead}[no stack]");
     }
     for (i, frame) in frames.iter().enumerate() {
-        let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
+        let pad = if i == 0 {
+            lead.to_string()
+        } else {
+            " ".repeat(lead.len())
+        };
         let _ = writeln!(out, "{pad}{}", describe(frame));
     }
 }
@@ -289,7 +322,10 @@ mod tests {
 
     #[test]
     fn frames_read_function_file_line_module() {
-        assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
+        assert_eq!(
+            describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))),
+            "leak_here (leaky.c:12) [leaky]"
+        );
         assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
     }
 
@@ -302,7 +338,11 @@ mod tests {
 
     #[test]
     fn stack_ids_depend_on_file_offsets_not_addresses() {
-        let at = |module: &str, file_offset| Resolved { module: module.into(), file_offset, frames: vec![] };
+        let at = |module: &str, file_offset| Resolved {
+            module: module.into(),
+            file_offset,
+            frames: vec![],
+        };
         assert_eq!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 1)]));
         assert_ne!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 2)]));
         assert_eq!(stack_hash(&[at("/a", 1)]).len(), 16);

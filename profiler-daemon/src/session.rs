@@ -26,9 +26,10 @@ use crate::{
 pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let mut output = open_output(args)?;
     let pid_n = pid.get();
+    // Privileges first: without them /proc says too little about other users' processes.
+    loader::check_support()?;
     procfs::check_traceable(pid_n)?;
     let allocator = allocator::find(pid_n)?;
-    loader::check_support()?;
     let mut loaded = loader::load(args.maps)?;
     loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
@@ -36,7 +37,13 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
     announce(pid_n, &comm, &loaded, &allocator);
-    let tracee = Tracee { loaded, symbolizer, pid: pid_n, comm, allocator_module: allocator.display_path };
+    let tracee = Tracee {
+        loaded,
+        symbolizer,
+        pid: pid_n,
+        comm,
+        allocator_module: allocator.display_path,
+    };
     let code = trace(tracee, exit, args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -50,14 +57,26 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     let mut loaded = loader::load(args.maps)?;
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
-    let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
+    let comm: String = program
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .chars()
+        .take(15)
+        .collect();
     let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     announce(pid, &comm, &loaded, &allocator);
     child.release();
-    let tracee = Tracee { loaded, symbolizer, pid, comm, allocator_module: allocator.display_path };
+    let tracee = Tracee {
+        loaded,
+        symbolizer,
+        pid,
+        comm,
+        allocator_module: allocator.display_path,
+    };
     let code = trace(tracee, ExitWatch::Child(exit_code), args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -66,7 +85,10 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
 /// binary), else the C library memprof itself uses, which the dynamic loader will map for it.
 fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
     // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-    let display = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf()).display().to_string();
+    let display = std::fs::canonicalize(program)
+        .unwrap_or_else(|_| program.to_path_buf())
+        .display()
+        .to_string();
     if let Some(own) = allocator::read_entry_points(program, &display) {
         return Ok(own);
     }
@@ -93,7 +115,10 @@ fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
         None => Ok(Box::new(io::stdout())),
         Some(path) => File::create(path)
             .map(|f| Box::new(f) as Box<dyn Write>)
-            .map_err(|source| UserError::Output { path: path.clone(), source }),
+            .map_err(|source| UserError::Output {
+                path: path.clone(),
+                source,
+            }),
     }
 }
 
@@ -140,7 +165,11 @@ async fn trace(
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(1e9).min(1e9)));
     tokio::pin!(duration);
 
-    let emit = |tracee: &Tracee, double_frees: &[DoubleFreeEvent], output: &mut dyn Write, is_final: bool| -> anyhow::Result<()> {
+    let emit = |tracee: &Tracee,
+                double_frees: &[DoubleFreeEvent],
+                output: &mut dyn Write,
+                is_final: bool|
+     -> anyhow::Result<()> {
         let snapshot = aggregate::read_snapshot(&tracee.loaded.ebpf, tracee.pid, min_age_ns)?;
         let ctx = report::Context {
             ebpf: &tracee.loaded.ebpf,
@@ -152,7 +181,11 @@ async fn trace(
         };
         // JSON carries every outstanding stack; the table only the top ones.
         let report = report::build(&ctx, &snapshot, is_final, (!args.json).then_some(args.top));
-        let text = if args.json { report::to_json(&report) } else { report::to_table(&report) };
+        let text = if args.json {
+            report::to_json(&report)
+        } else {
+            report::to_table(&report)
+        };
         output.write_all(text.as_bytes())?;
         output.write_all(b"\n")?;
         output.flush()?;

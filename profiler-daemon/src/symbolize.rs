@@ -46,7 +46,11 @@ pub struct Resolved {
 enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
     Refresh { pid: u32, done: mpsc::Sender<()> },
-    Symbolize { pid: u32, addresses: Vec<u64>, reply: mpsc::Sender<Vec<Resolved>> },
+    Symbolize {
+        pid: u32,
+        addresses: Vec<u64>,
+        reply: mpsc::Sender<Vec<Resolved>>,
+    },
 }
 
 /// A cheap handle to the symbolizer thread.
@@ -103,7 +107,11 @@ impl SymbolizerThread {
             .enable_inlined_fns(true)
             .enable_demangling(true)
             .build();
-        Self { symbolizer, modules: HashMap::new(), cache: HashMap::new() }
+        Self {
+            symbolizer,
+            modules: HashMap::new(),
+            cache: HashMap::new(),
+        }
     }
 
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
@@ -122,7 +130,12 @@ impl SymbolizerThread {
     }
 
     fn refresh(&mut self, pid: u32) {
-        let Ok(mappings) = procfs::file_mappings(pid) else { return };
+        // An exited process that is not yet reaped still has a /proc entry, with no mappings:
+        // keep what was read while it lived.
+        let mappings = match procfs::file_mappings(pid) {
+            Ok(mappings) if !mappings.is_empty() => mappings,
+            _ => return,
+        };
         let old = self.modules.remove(&pid).unwrap_or_default();
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
@@ -149,7 +162,9 @@ impl SymbolizerThread {
 
     fn resolve_uncached(&self, pid: u32, address: u64) -> Resolved {
         let module = self.modules.get(&pid).and_then(|modules| {
-            modules.iter().find(|m| (m.mapping.start..m.mapping.end).contains(&address))
+            modules
+                .iter()
+                .find(|m| (m.mapping.start..m.mapping.end).contains(&address))
         });
         let Some(module) = module else {
             return unknown(address, "[anonymous]", address);
@@ -157,10 +172,19 @@ impl SymbolizerThread {
         let file_offset = address - module.mapping.start + module.mapping.offset;
         let path = &module.mapping.path;
         // A return address points after the call; the call itself is one byte earlier.
-        let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
-        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
+        let source = Source::Elf(Elf::new(PathBuf::from(format!(
+            "/proc/self/fd/{}",
+            module.file.as_raw_fd()
+        ))));
+        let symbolized = self
+            .symbolizer
+            .symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
         match symbolized {
-            Ok(Symbolized::Sym(sym)) => Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym) },
+            Ok(Symbolized::Sym(sym)) => Resolved {
+                module: path.clone(),
+                file_offset,
+                frames: frames_of(address, path, &sym),
+            },
             _ => unknown(address, path, file_offset),
         }
     }
@@ -199,8 +223,12 @@ fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
         module: module.to_string(),
         inlined,
     };
-    let mut frames: Vec<Frame> =
-        sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
+    let mut frames: Vec<Frame> = sym
+        .inlined
+        .iter()
+        .rev()
+        .map(|f| frame(&f.name, f.code_info.as_ref(), true))
+        .collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
     frames
 }

@@ -70,7 +70,11 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
     };
     let candidate = Path::new(name);
     if name.as_bytes().contains(&b'/') {
-        return if is_executable(candidate) { Ok(candidate.to_path_buf()) } else { Err(not_found("no such executable")) };
+        return if is_executable(candidate) {
+            Ok(candidate.to_path_buf())
+        } else {
+            Err(not_found("no such executable"))
+        };
     }
     let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
     std::env::split_paths(&path)
@@ -81,7 +85,9 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
 
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    path.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+    path.metadata()
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
 }
 
 /// Forks a child that execs `program` with `args` once released.
@@ -94,7 +100,10 @@ pub fn spawn(
     args: &[OsString],
     symbolizer: SymbolizerHandle,
 ) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
-    let spawn_error = |source| UserError::Spawn { command: program.display().to_string(), source };
+    let spawn_error = |source| UserError::Spawn {
+        command: program.display().to_string(),
+        source,
+    };
     let c_program = CString::new(program.as_os_str().as_bytes()).map_err(|e| spawn_error(e.into()))?;
     let c_args: Vec<CString> = args
         .iter()
@@ -115,8 +124,17 @@ pub fn spawn(
             }
         })
         .map_err(spawn_error)?;
-    let (pid, release) = pid_rx.recv().map_err(|_| spawn_error(io::Error::other("tracer thread died")))?.map_err(spawn_error)?;
-    Ok((Child { pid: pid as u32, release }, code_rx))
+    let (pid, release) = pid_rx
+        .recv()
+        .map_err(|_| spawn_error(io::Error::other("tracer thread died")))?
+        .map_err(spawn_error)?;
+    Ok((
+        Child {
+            pid: pid as u32,
+            release,
+        },
+        code_rx,
+    ))
 }
 
 fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t, OwnedFd)> {

@@ -47,7 +47,7 @@ fn product(n: u64, size: u64) -> u64 {
     if cross >> 32 != 0 {
         return u64::MAX;
     }
-    (cross << 32).checked_add(n_lo * s_lo).unwrap_or(u64::MAX)
+    (cross << 32).saturating_add(n_lo * s_lo)
 }
 
 entry_probe!(malloc, AllocFn::Malloc, |ctx| size: arg(&ctx, 0), ptr: 0);

@@ -11,8 +11,8 @@ use aya_ebpf::{
     EbpfContext,
 };
 use profiler_common::{
-    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc,
-    ProcCounters, StackKey, StackStats, NO_STACK,
+    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters, StackKey,
+    StackStats, NO_STACK,
 };
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
@@ -61,7 +61,7 @@ fn get_or_insert<K, V: Default>(map: &HashMap<K, V>, key: &K) -> Option<*mut V> 
         return Some(value);
     }
     // Another CPU may insert the same key first; BPF_NOEXIST then fails and the lookup finds theirs.
-    let _ = map.insert(key, &V::default(), BPF_NOEXIST as u64);
+    let _ = map.insert(key, V::default(), BPF_NOEXIST as u64);
     map.get_ptr_mut(key)
 }
 
@@ -95,7 +95,12 @@ pub fn on_entry(func: AllocFn, size: u64, ptr_arg: u64) {
         unsafe { (*state).depth += 1 };
         return;
     }
-    let state = Inflight { func: func as u32, depth: 1, size, ptr_arg };
+    let state = Inflight {
+        func: func as u32,
+        depth: 1,
+        size,
+        ptr_arg,
+    };
     if INFLIGHT.insert(tid, state, 0).is_err() {
         count_drop(DropReason::InflightMapFull);
     }
@@ -116,7 +121,9 @@ pub fn on_return(ctx: &RetProbeContext) {
     };
     let _ = INFLIGHT.remove(tid);
     let ret: u64 = ctx.ret();
-    let Some(func) = AllocFn::from_u32(call.func) else { return };
+    let Some(func) = AllocFn::from_u32(call.func) else {
+        return;
+    };
     let returned = match func {
         // posix_memalign returns an error code and stores the pointer through its out-pointer.
         AllocFn::PosixMemalign if ret as i32 == 0 => {
@@ -168,32 +175,32 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
         _pad: 0,
     };
     // The address is in use again: a later free of it is not a double free.
-    let _ = RECENT_FREES.remove(&key);
-    if let Err(err) = LIVE.insert(&key, &alloc, BPF_NOEXIST as u64) {
+    let _ = RECENT_FREES.remove(key);
+    if let Err(err) = LIVE.insert(key, alloc, BPF_NOEXIST as u64) {
         if err != -EEXIST {
             count_drop(DropReason::LiveMapFull);
             return;
         }
         // Still live: its free went unseen. Retire the old allocation so its stack is not charged forever.
         count_drop(DropReason::MissedFree);
-        if let Some(old) = unsafe { LIVE.get(&key) } {
+        if let Some(old) = unsafe { LIVE.get(key) } {
             add_to_stack(tgid, old.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), old.size);
         }
-        if LIVE.insert(&key, &alloc, 0).is_err() {
+        if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
             return;
         }
     }
-    add_to_stack(tgid, alloc.stack_id, |s| (&mut s.allocations, &mut s.allocated_bytes), size);
+    add_to_stack(
+        tgid,
+        alloc.stack_id,
+        |s| (&mut s.allocations, &mut s.allocated_bytes),
+        size,
+    );
 }
 
 /// Adds one event of `bytes` to the (count, bytes) pair `fields` picks in the stack's totals.
-fn add_to_stack(
-    tgid: u32,
-    stack_id: u32,
-    fields: fn(&mut StackStats) -> (&mut u64, &mut u64),
-    bytes: u64,
-) {
+fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u64, &mut u64), bytes: u64) {
     match get_or_insert(&STACK_STATS, &StackKey { tgid, stack_id }) {
         Some(stats) => {
             let (count, total) = fields(unsafe { &mut *stats });
@@ -212,18 +219,24 @@ fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr:
         stack_id: user_stack_id(ctx),
         tid,
     };
-    if let Some(alloc) = unsafe { LIVE.get(&key) } {
+    if let Some(alloc) = unsafe { LIVE.get(key) } {
         let alloc = *alloc;
         // Two threads freeing the same block race here: only the one that removes it counts it.
-        if LIVE.remove(&key).is_err() {
+        if LIVE.remove(key).is_err() {
             return;
         }
         add_to_stack(tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
-        let _ = RECENT_FREES.insert(&key, &FreedAlloc { alloc, free: site() }, 0);
-    } else if let Some(first) = unsafe { RECENT_FREES.get(&key) } {
+        let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: site() }, 0);
+    } else if let Some(first) = unsafe { RECENT_FREES.get(key) } {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: site() };
+        let event = DoubleFreeEvent {
+            tgid,
+            _pad: 0,
+            addr,
+            first: *first,
+            second: site(),
+        };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -1,1 +1,251 @@
+//! Harness for the end-to-end tests: compiles C fixtures, runs the real `memprof` binary against
+//! them under real probes, and reads its JSON reports.
+//!
+//! These tests need root (BPF and uprobes). They never skip: without root they fail and say so.
 
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::Mutex,
+    thread,
+};
+
+use serde_json::Value;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+/// The memprof binary under test: `MEMPROF_BIN` (set by `cargo xtask test`) or the release build.
+pub fn memprof_bin() -> PathBuf {
+    let bin = std::env::var_os("MEMPROF_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/release/memprof"));
+    assert!(
+        bin.exists(),
+        "{} does not exist: build it with `cargo xtask test`",
+        bin.display()
+    );
+    require_root();
+    bin
+}
+
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the end-to-end tests attach real uprobes and need root: run `sudo cargo xtask test`"
+    );
+}
+
+static COMPILE: Mutex<()> = Mutex::new(());
+
+/// Compiles `tests/fixtures/NAME.c` (once per test binary) and returns the executable.
+pub fn fixture(name: &str) -> PathBuf {
+    fixture_with(name, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
+}
+
+/// Like `fixture`, with the compiler flags given.
+pub fn fixture_with(name: &str, flags: &[&str]) -> PathBuf {
+    let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = workspace().join("target/fixtures");
+    std::fs::create_dir_all(&dir).expect("creating target/fixtures");
+    let out = dir.join(name);
+    let source = workspace().join("tests/fixtures").join(format!("{name}.c"));
+    // Several test binaries compile at once: build under a private name, then rename into place.
+    let partial = dir.join(format!(".{name}.{}", std::process::id()));
+    let status = Command::new("cc")
+        .args(flags)
+        .arg("-o")
+        .arg(&partial)
+        .arg(&source)
+        .status()
+        .expect("starting cc");
+    assert!(status.success(), "compiling {} failed", source.display());
+    std::fs::rename(&partial, &out).expect("moving the fixture into place");
+    out
+}
+
+/// What one memprof run printed.
+#[derive(Debug)]
+pub struct Outcome {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Outcome {
+    /// Every JSON report, in order.
+    pub fn reports(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}\nstderr: {}", self.stderr))
+            })
+            .collect()
+    }
+
+    /// The last report, which must be the final one.
+    pub fn final_report(&self) -> Value {
+        let report = self
+            .reports()
+            .pop()
+            .unwrap_or_else(|| panic!("no report printed; stderr: {}", self.stderr));
+        assert_eq!(report["final"], true, "the last report is not final: {report}");
+        report
+    }
+}
+
+/// `memprof run --json ARGS -- COMMAND...`
+pub fn run(args: &[&str], command: &[&str]) -> Outcome {
+    let output = Command::new(memprof_bin())
+        .args(["run", "--json"])
+        .args(args)
+        .arg("--")
+        .args(command)
+        .stdin(Stdio::null())
+        .output()
+        .expect("starting memprof");
+    Outcome {
+        status: output.status,
+        stdout: lossy(output.stdout),
+        stderr: lossy(output.stderr),
+    }
+}
+
+/// Runs memprof with `args` and no target set-up (for error cases).
+pub fn memprof(args: &[&str]) -> Outcome {
+    let output = Command::new(memprof_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("starting memprof");
+    Outcome {
+        status: output.status,
+        stdout: lossy(output.stdout),
+        stderr: lossy(output.stderr),
+    }
+}
+
+fn lossy(bytes: Vec<u8>) -> String {
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A fixture started with `--wait`: it has said "ready" and blocks until `go`.
+pub struct Waiting {
+    pub child: Child,
+}
+
+impl Waiting {
+    pub fn start(fixture: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(fixture)
+            .arg("--wait")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the fixture");
+        let mut ready = String::new();
+        BufReader::new(child.stdout.as_mut().expect("piped"))
+            .read_line(&mut ready)
+            .expect("reading the fixture");
+        assert_eq!(ready, "ready\n", "the fixture did not get ready");
+        Self { child }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Lets the fixture do its work.
+    pub fn go(&mut self) {
+        self.child
+            .stdin
+            .as_mut()
+            .expect("piped")
+            .write_all(b"go\n")
+            .expect("writing to the fixture");
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `memprof attach --pid PID --json ARGS` on a waiting fixture: releases the fixture once every
+/// probe is attached, then waits for memprof to end.
+pub fn attach(target: &mut Waiting, args: &[&str]) -> Outcome {
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin())
+        .args(["attach", "--pid", &pid, "--json"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    let stdout = collect(memprof.stdout.take().expect("piped"));
+    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).expect("reading memprof's stderr") == 0 {
+            let status = memprof.wait().expect("waiting for memprof");
+            panic!("memprof ended ({status}) before tracing: {seen}");
+        }
+        seen.push_str(&line);
+        if line.starts_with(&format!("memprof: tracing pid {pid} ")) {
+            break;
+        }
+    }
+    target.go();
+    let rest = collect(stderr.into_inner());
+    let status = memprof.wait().expect("waiting for memprof");
+    Outcome {
+        status,
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: seen + &rest.join().expect("stderr reader"),
+    }
+}
+
+fn collect(mut from: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut text = String::new();
+        let _ = from.read_to_string(&mut text);
+        text
+    })
+}
+
+/// Outstanding (bytes, allocations) of the stacks whose innermost frame is `function`.
+pub fn site(report: &Value, function: &str) -> (u64, u64) {
+    let mut total = (0, 0);
+    for stack in report["stacks"].as_array().expect("stacks is an array") {
+        if stack["frames"][0]["function"] == function {
+            total.0 += stack["outstanding_bytes"].as_u64().expect("bytes");
+            total.1 += stack["outstanding_allocations"].as_u64().expect("count");
+        }
+    }
+    total
+}
+
+/// The report's totals as (name, value) for assertions.
+pub fn total(report: &Value, name: &str) -> u64 {
+    report["totals"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("totals.{name} missing in {report}"))
+}
+
+/// Every drop counter must be zero in a clean run.
+pub fn assert_nothing_dropped(report: &Value) {
+    for (reason, count) in report["dropped"].as_object().expect("dropped is an object") {
+        assert_eq!(count, 0, "dropped {reason}: {report}");
+    }
+}

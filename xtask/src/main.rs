@@ -1,1 +1,99 @@
-fn main(){}
+//! Developer tasks: `cargo xtask setup | demo | test`.
+//!
+//! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
+
+mod demo;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _};
+
+fn main() -> anyhow::Result<()> {
+    let task = std::env::args().nth(1).unwrap_or_default();
+    match task.as_str() {
+        "setup" => setup::all(),
+        "demo" => {
+            setup::all()?;
+            demo::run()
+        }
+        "test" => {
+            setup::all()?;
+            test()
+        }
+        _ => bail!("usage: cargo xtask <setup|demo|test>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)"),
+    }
+}
+
+/// The repository root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs a command in the repository root, failing with its name if it fails.
+fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("starting {program}"))?;
+    if !status.success() {
+        bail!("`{program} {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+/// Builds the release binary and returns its path.
+fn build_memprof() -> anyhow::Result<PathBuf> {
+    run("cargo", &["build", "--release", "--package", "profiler-daemon"])?;
+    Ok(root().join("target/release/memprof"))
+}
+
+fn test() -> anyhow::Result<()> {
+    run("cargo", &["fmt", "--all", "--check"])?;
+    run(
+        "cargo",
+        &[
+            "clippy",
+            "--release",
+            "--workspace",
+            "--exclude",
+            "profiler-ebpf",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    run(
+        "cargo",
+        &[
+            "+nightly",
+            "clippy",
+            "--release",
+            "--package",
+            "profiler-ebpf",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    let memprof = build_memprof()?;
+    // The end-to-end tests run this binary against real processes: they need root.
+    // SAFETY: setting a variable before any thread of ours starts.
+    unsafe { std::env::set_var("MEMPROF_BIN", &memprof) };
+    run(
+        "cargo",
+        &["test", "--release", "--workspace", "--exclude", "profiler-ebpf"],
+    )
+}

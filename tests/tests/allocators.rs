@@ -1,0 +1,90 @@
+//! Exact outstanding bytes and allocations per call site, for every allocator function.
+
+use memprof_tests::{assert_nothing_dropped, fixture, run, site, total};
+
+#[test]
+fn every_allocator_function_is_counted_exactly() {
+    let outcome = run(&[], &[fixture("allocators").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "site_malloc"), (1000, 10));
+    assert_eq!(site(&report, "site_calloc"), (500, 5));
+    assert_eq!(site(&report, "site_posix_memalign"), (600, 3));
+    assert_eq!(site(&report, "site_aligned_alloc"), (256, 2));
+    assert_eq!(site(&report, "site_memalign"), (384, 4));
+    assert_eq!(site(&report, "site_valloc"), (100, 1));
+    assert_eq!(site(&report, "site_pvalloc"), (100, 1));
+    // Freed right away: counted, not outstanding.
+    assert_eq!(site(&report, "freed_site"), (0, 0));
+    // malloc(SIZE_MAX), calloc's overflow, reallocarray's overflow, posix_memalign(EINVAL);
+    // free(NULL) is ignored.
+    assert_eq!(total(&report, "failed_allocations"), 4);
+    assert_eq!(total(&report, "unknown_frees"), 0);
+    assert_eq!(total(&report, "outstanding_bytes"), 2940);
+    assert_eq!(total(&report, "outstanding_allocations"), 26);
+    // The memalign family relays to malloc inside glibc: only the outermost call counts.
+    assert_eq!(total(&report, "allocations"), 26 + 7);
+    assert_eq!(total(&report, "frees"), 7);
+    assert_eq!(total(&report, "freed_bytes"), 7000);
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn every_realloc_case_is_counted_exactly() {
+    let outcome = run(&[], &[fixture("realloc").to_str().unwrap()]);
+    assert!(
+        outcome.status.success(),
+        "the fixture checks realloc's behaviour itself: {outcome:?}"
+    );
+    let report = outcome.final_report();
+    assert_eq!(
+        site(&report, "site_realloc_null"),
+        (64, 1),
+        "realloc(NULL, n) is malloc"
+    );
+    assert_eq!(site(&report, "site_realloc_zero"), (0, 0), "realloc(p, 0) frees p");
+    assert_eq!(
+        site(&report, "site_realloc_move"),
+        (1 << 20, 1),
+        "a moved block is the new one"
+    );
+    assert_eq!(
+        site(&report, "site_realloc_shrink"),
+        (900, 1),
+        "in place, the new size counts"
+    );
+    assert_eq!(site(&report, "site_reallocarray"), (30, 1));
+    // Of the seeds only the one whose realloc failed is still outstanding.
+    assert_eq!(site(&report, "seed"), (50, 1));
+    assert_eq!(total(&report, "failed_allocations"), 1);
+    // realloc calls malloc and free inside glibc: those nested calls are not counted again.
+    assert_eq!(total(&report, "allocations"), 8);
+    assert_eq!(total(&report, "frees"), 3);
+    assert_eq!(total(&report, "freed_bytes"), 32 + 16 + 1000);
+    assert_eq!(total(&report, "unknown_frees"), 0);
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn threads_allocating_at_once_and_freeing_each_others_memory() {
+    let outcome = run(&[], &[fixture("threads").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    for leak in ["leak_a", "leak_b", "leak_c", "leak_d"] {
+        assert_eq!(site(&report, leak), (500 * 24, 500), "{leak}");
+    }
+    // Allocated by one thread, freed by another.
+    assert_eq!(site(&report, "handoff_alloc"), (0, 0));
+    let handoff = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["frames"][0]["function"] == "handoff_alloc");
+    assert!(!handoff, "a fully freed stack is not listed");
+    assert_eq!(
+        report["double_frees"].as_array().unwrap().len(),
+        0,
+        "thread exit is not a double free"
+    );
+    assert_nothing_dropped(&report);
+}

@@ -1,0 +1,117 @@
+//! Attaching to running processes: allocations made before attach, exits, double frees, reuse.
+
+use memprof_tests::{assert_nothing_dropped, attach, fixture, run, site, total, Waiting};
+
+#[test]
+fn allocations_from_before_attach_freed_after_are_unknown_frees() {
+    let mut target = Waiting::start(&fixture("lifecycle"), &["prior"]);
+    let outcome = attach(&mut target, &["--interval", "60"]);
+    assert!(
+        outcome.status.success(),
+        "memprof exits 0 when its target exits: {outcome:?}"
+    );
+    let report = outcome.final_report();
+    assert_eq!(total(&report, "unknown_frees"), 100);
+    assert_eq!(site(&report, "after_attach"), (320, 10));
+    assert_eq!(site(&report, "before_attach"), (0, 0));
+    assert_eq!(total(&report, "outstanding_bytes"), 320);
+    assert_eq!(
+        total(&report, "frees"),
+        0,
+        "frees of unknown blocks are not charged to any stack"
+    );
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn a_double_free_is_reported_with_three_stacks_even_when_glibc_aborts() {
+    let outcome = run(&[], &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
+    assert_eq!(
+        outcome.status.code(),
+        Some(128 + 6),
+        "memprof exits like its command (SIGABRT): {outcome:?}"
+    );
+    let report = outcome.final_report();
+    let double_frees = report["double_frees"].as_array().unwrap();
+    assert_eq!(double_frees.len(), 1, "{report}");
+    let df = &double_frees[0];
+    assert_eq!(df["size"], 48);
+    assert_eq!(df["alloc"]["frames"][0]["function"], "df_alloc");
+    assert_eq!(df["first_free"]["frames"][0]["function"], "df_first_free");
+    assert_eq!(df["second_free"]["frames"][0]["function"], "df_second_free");
+    for which in ["alloc", "first_free", "second_free"] {
+        assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
+        assert!(df[which]["tid"].as_u64().unwrap() > 0);
+    }
+    let times: Vec<f64> = ["alloc", "first_free", "second_free"]
+        .iter()
+        .map(|w| df[w]["time_s"].as_f64().unwrap())
+        .collect();
+    assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
+}
+
+#[test]
+fn address_reuse_is_never_a_double_free() {
+    let outcome = run(&[], &[fixture("lifecycle").to_str().unwrap(), "reuse"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "{report}");
+    assert_eq!(site(&report, "reuse_alloc"), (0, 0));
+    assert_eq!(total(&report, "allocations"), 100 + 100);
+    assert_eq!(total(&report, "frees"), 100);
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn a_target_exiting_mid_trace_ends_the_session_with_its_outstanding_memory() {
+    let mut target = Waiting::start(&fixture("lifecycle"), &["linger"]);
+    let outcome = attach(&mut target, &["--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let reports = outcome.reports();
+    assert!(
+        reports.len() >= 3,
+        "interval reports, then the final one: {}",
+        outcome.stdout
+    );
+    assert!(reports[..reports.len() - 1].iter().all(|r| r["final"] == false));
+    let last = outcome.final_report();
+    assert_eq!(site(&last, "linger_leak"), (30 * 4096, 30));
+    // Interval reports grow as the target leaks.
+    let growth: Vec<u64> = reports.iter().map(|r| site(r, "linger_leak").0).collect();
+    assert!(growth.windows(2).all(|w| w[0] <= w[1]), "{growth:?}");
+}
+
+#[test]
+fn run_exits_with_the_commands_exit_code_and_covers_its_whole_life() {
+    let outcome = run(
+        &["--interval", "1"],
+        &[fixture("lifecycle").to_str().unwrap(), "linger"],
+    );
+    assert_eq!(outcome.status.code(), Some(3), "{outcome:?}");
+    let report = outcome.final_report();
+    // Allocated before main's work began: memprof run sees them too.
+    assert_eq!(site(&report, "before_attach"), (6400, 100));
+    assert_eq!(site(&report, "linger_leak"), (30 * 4096, 30));
+    assert_eq!(report["comm"], "lifecycle");
+    assert_eq!(total(&report, "unknown_frees"), 0);
+}
+
+#[test]
+fn min_age_keeps_only_old_allocations() {
+    let outcome = run(
+        &["--min-age", "1.5"],
+        &[fixture("lifecycle").to_str().unwrap(), "linger"],
+    );
+    let report = outcome.final_report();
+    // The 100 early blocks are 3 s old at exit; of the pages leaked every 100 ms over 3 s, only
+    // those older than 1.5 s count (allow for scheduling: between 10 and 20 of the 30).
+    assert_eq!(site(&report, "before_attach"), (6400, 100));
+    let (bytes, count) = site(&report, "linger_leak");
+    assert!((10..=20).contains(&count), "{count} pages older than 1.5 s");
+    assert_eq!(bytes, count * 4096);
+    assert_eq!(
+        total(&report, "outstanding_allocations"),
+        130,
+        "totals ignore --min-age"
+    );
+}

@@ -1,0 +1,53 @@
+//! `cargo xtask demo`: builds memprof, starts the bundled leaky server and attaches to it.
+
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context as _};
+
+use crate::{build_memprof, root};
+
+pub fn run() -> anyhow::Result<()> {
+    let memprof = build_memprof()?;
+    let out_dir = root().join("target/demo");
+    std::fs::create_dir_all(&out_dir)?;
+    let server = out_dir.join("leaky_server");
+    let source = root().join("demo/leaky_server.c");
+    let status = Command::new("cc")
+        .args(["-g", "-O1", "-fno-omit-frame-pointer", "-pthread", "-o"])
+        .arg(&server)
+        .arg(&source)
+        .status()
+        .context("starting cc")?;
+    if !status.success() {
+        bail!("compiling {} failed", source.display());
+    }
+    let mut patient = Command::new(&server)
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting the demo server")?;
+    let pid = patient.id().to_string();
+    println!("$ sudo memprof attach --pid {pid} --interval 3 --duration 7 --top 3");
+    let status = Command::new(&memprof)
+        .args([
+            "attach",
+            "--pid",
+            &pid,
+            "--interval",
+            "3",
+            "--duration",
+            "7",
+            "--top",
+            "3",
+        ])
+        .status()
+        .context("starting memprof");
+    let _ = patient.kill();
+    let _ = patient.wait();
+    if !status?.success() {
+        bail!("memprof failed; it needs root (try: sudo -E cargo xtask demo)");
+    }
+    println!(
+        "memprof found the leak: sessions opened in open_session and never closed on handle_request's error path."
+    );
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! Installs what building and testing memprof needs, skipping what is already there.
+//!
+//! The eBPF crate is built with nightly (`-Z build-std=core`) and linked by bpf-linker, which must
+//! be built against an LLVM as new as nightly's. Debian's LLVM is too old and prebuilt linkers
+//! cannot be downloaded, so bpf-linker is built against the LLVM shared library nightly ships
+//! (see ../shared/notes/toolchain.md).
+
+use std::{env, fs, os::unix::fs::PermissionsExt, path::PathBuf, process::Command};
+
+use anyhow::{bail, Context as _};
+
+use crate::run;
+
+/// Debian packages the tasks use: a C compiler for the test fixtures and the demo.
+const PACKAGES: &[&str] = &["gcc", "libc6-dev"];
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn all() -> anyhow::Result<()> {
+    debian_packages(PACKAGES)?;
+    rust_src()?;
+    bpf_linker()
+}
+
+fn succeeds(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+fn output(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("starting {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
+    run("apt-get", &["update", "-q"])?;
+    let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+    args.extend(&missing);
+    run("apt-get", &args)
+}
+
+fn installed(package: &str) -> bool {
+    output("dpkg-query", &["-W", "-f=${Status}", package])
+        .map(|s| s.ends_with("installed"))
+        .unwrap_or(false)
+}
+
+fn nightly_sysroot() -> anyhow::Result<PathBuf> {
+    Ok(PathBuf::from(
+        output("rustc", &["+nightly", "--print", "sysroot"])
+            .context("the nightly toolchain is needed for the eBPF crate")?,
+    ))
+}
+
+fn rust_src() -> anyhow::Result<()> {
+    if nightly_sysroot()?.join("lib/rustlib/src/rust/library/core").exists() {
+        return Ok(());
+    }
+    run("rustup", &["component", "add", "rust-src", "--toolchain", "nightly"])
+}
+
+fn bpf_linker() -> anyhow::Result<()> {
+    if succeeds("bpf-linker", &["--version"]) {
+        return Ok(());
+    }
+    let lib = nightly_sysroot()?.join("lib");
+    let llvm = fs::read_dir(&lib)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM.so."))
+        })
+        .with_context(|| format!("no libLLVM.so.* in {}", lib.display()))?;
+    let version = llvm
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("libLLVM.so."))
+        .unwrap_or("");
+    let major = version.split('.').next().unwrap_or("");
+    // bpf-linker's build script only runs `llvm-config --version` and links -lLLVM from lib/; the
+    // binary keeps an rpath to this directory, so it must stay where it is.
+    let shim = PathBuf::from(env::var("HOME").unwrap_or_else(|_| "/root".into())).join(".cache/memprof/llvm-shim");
+    fs::create_dir_all(shim.join("bin"))?;
+    fs::create_dir_all(shim.join("lib"))?;
+    let llvm_config = shim.join("bin/llvm-config");
+    fs::write(
+        &llvm_config,
+        format!("#!/bin/sh\necho {}\n", version.split('-').next().unwrap_or(version)),
+    )?;
+    fs::set_permissions(&llvm_config, fs::Permissions::from_mode(0o755))?;
+    // libLLVM.so for the link, and the library's own name for the rpath lookup at run time.
+    for name in [std::ffi::OsStr::new("libLLVM.so"), llvm.file_name().unwrap_or_default()] {
+        let link = shim.join("lib").join(name);
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&llvm, &link)?;
+    }
+    eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against nightly's LLVM {major} (a few minutes, once)");
+    let feature = format!("llvm-{major}");
+    let status = Command::new("cargo")
+        .args([
+            "+nightly",
+            "install",
+            "--force",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--no-default-features",
+            "--features",
+            &feature,
+        ])
+        .env("LLVM_PREFIX", &shim)
+        .status()?;
+    if !status.success() {
+        bail!("building bpf-linker failed ({status})");
+    }
+    Ok(())
+}
