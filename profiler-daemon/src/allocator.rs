@@ -40,17 +40,18 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     let mut candidates = procfs::mapped_files(pid)?;
     // The executable first, then libraries; among those, libc last so that an LD_PRELOADed
     // allocator (jemalloc, tcmalloc) wins as it does at run time.
-    candidates.sort_by_key(|path| (Some(path) != exe.as_ref(), is_libc(path)));
+    candidates.sort_by_key(|file| (Some(&file.path) != exe.as_ref(), is_libc(&file.path)));
     let mut tried = Vec::new();
-    for path in candidates {
-        if is_dynamic_loader(&path) {
+    for file in candidates {
+        if is_dynamic_loader(&file.path) {
             continue;
         }
-        let attach_path = PathBuf::from(format!("/proc/{pid}/root{path}"));
-        if let Some(allocator) = read_entry_points(&attach_path, &path) {
-            return Ok(allocator);
+        for attach_path in file.reachable_paths(pid) {
+            if let Some(allocator) = read_entry_points(Path::new(&attach_path), &file.path) {
+                return Ok(allocator);
+            }
         }
-        tried.push(path);
+        tried.push(file.path);
     }
     Err(UserError::NoAllocator {
         pid,

@@ -56,16 +56,31 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
     Ok(parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
 }
 
-/// The distinct files the process maps.
-pub fn mapped_files(pid: u32) -> Result<Vec<String>, UserError> {
+/// The first mapping of each distinct file the process maps.
+pub fn mapped_files(pid: u32) -> Result<Vec<FileMapping>, UserError> {
     let mappings = file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
-    let mut paths: Vec<String> = Vec::new();
+    let mut files: Vec<FileMapping> = Vec::new();
     for mapping in mappings {
-        if !paths.contains(&mapping.path) {
-            paths.push(mapping.path);
+        if !files.iter().any(|f| f.path == mapping.path) {
+            files.push(mapping);
         }
     }
-    Ok(paths)
+    Ok(files)
+}
+
+impl FileMapping {
+    /// Paths that reach the mapped file from memprof's mount namespace, best first.
+    ///
+    /// `/proc/PID/maps` names files as the process's root and mount namespace see them (or, for
+    /// a chroot in our namespace, as ours do), so the path alone may lead elsewhere. The
+    /// `map_files` link always reaches the very inode mapped; the path under `/proc/PID/root` is
+    /// the fallback for kernels that restrict `map_files`.
+    pub fn reachable_paths(&self, pid: u32) -> [String; 2] {
+        [
+            format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end),
+            format!("/proc/{pid}/root{}", self.path),
+        ]
+    }
 }
 
 fn parse_maps(text: &str) -> Vec<FileMapping> {

@@ -191,9 +191,10 @@ impl SymbolizerThread {
 }
 
 fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {
-    File::open(format!("/proc/{pid}/root{}", mapping.path))
-        .or_else(|_| File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", mapping.start, mapping.end)))
-        .ok()
+    mapping
+        .reachable_paths(pid)
+        .iter()
+        .find_map(|path| File::open(path).ok())
 }
 
 fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {

@@ -45,18 +45,22 @@ fn require_root() {
 
 static COMPILE: Mutex<()> = Mutex::new(());
 
-/// Compiles `tests/fixtures/NAME.c` (once per test binary) and returns the executable.
+/// Compiles `tests/fixtures/NAME.c` and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
-    fixture_with(name, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
+    fixture_with(
+        &format!("{name}.c"),
+        &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"],
+    )
 }
 
-/// Like `fixture`, with the compiler flags given.
-pub fn fixture_with(name: &str, flags: &[&str]) -> PathBuf {
+/// Compiles the fixture source `FILE` with the flags given; the executable is named after its stem.
+pub fn fixture_with(file: &str, flags: &[&str]) -> PathBuf {
+    let name = file.rsplit_once('.').map_or(file, |(stem, _)| stem);
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = workspace().join("target/fixtures");
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");
     let out = dir.join(name);
-    let source = workspace().join("tests/fixtures").join(format!("{name}.c"));
+    let source = workspace().join("tests/fixtures").join(file);
     // Several test binaries compile at once: build under a private name, then rename into place.
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
     let status = Command::new("cc")
@@ -143,9 +147,14 @@ pub struct Waiting {
 
 impl Waiting {
     pub fn start(fixture: &Path, args: &[&str]) -> Self {
-        let mut child = Command::new(fixture)
-            .arg("--wait")
-            .args(args)
+        let mut command = Command::new(fixture);
+        command.arg("--wait").args(args);
+        Self::start_command(command)
+    }
+
+    /// Starts `command`, which must run a fixture with `--wait`.
+    pub fn start_command(mut command: Command) -> Self {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
