@@ -2,7 +2,7 @@
 //!
 //! Everything here crosses the kernel/user boundary through BPF maps, so every type is `#[repr(C)]`,
 //! has no implicit padding (asserted below) and holds plain integers only.
-#![no_std]
+#![cfg_attr(not(test), no_std)]
 
 /// Which allocator entry point an allocation came from.
 #[repr(u32)]
@@ -204,6 +204,44 @@ pub struct ProcCounters {
     pub failed_allocations: u64,
 }
 
+/// Power-of-two buckets of allocation sizes: bucket `i` counts sizes in `(2^(i-1), 2^i]`, bucket 0
+/// sizes 0 and 1.
+pub const SIZE_BUCKETS: usize = 64;
+
+/// Per-process histogram of allocation sizes, filled in the kernel.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeHistogram {
+    pub buckets: [u64; SIZE_BUCKETS],
+}
+
+impl Default for SizeHistogram {
+    fn default() -> Self {
+        Self {
+            buckets: [0; SIZE_BUCKETS],
+        }
+    }
+}
+
+/// The bucket of `size`: the smallest `i` with `size <= 2^i`.
+pub fn size_bucket(size: u64) -> usize {
+    if size <= 1 {
+        return 0;
+    }
+    // Binary search for the highest set bit of size - 1 (BPF has no count-leading-zeros).
+    let mut v = size - 1;
+    let mut bits = 0;
+    let mut step = 32;
+    while step > 0 {
+        if v >> step != 0 {
+            v >>= step;
+            bits += step;
+        }
+        step >>= 1;
+    }
+    bits + 1
+}
+
 const _: () = {
     assert!(core::mem::size_of::<Inflight>() == 24);
     assert!(core::mem::size_of::<AddrKey>() == 16);
@@ -214,7 +252,33 @@ const _: () = {
     assert!(core::mem::size_of::<StackKey>() == 8);
     assert!(core::mem::size_of::<StackStats>() == 32);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
+    assert!(core::mem::size_of::<SizeHistogram>() == 8 * SIZE_BUCKETS);
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_fall_in_power_of_two_buckets() {
+        let cases = [
+            (0, 0),
+            (1, 0),
+            (2, 1),
+            (3, 2),
+            (4, 2),
+            (5, 3),
+            (8, 3),
+            (9, 4),
+            (4096, 12),
+            (4097, 13),
+        ];
+        for (size, bucket) in cases {
+            assert_eq!(size_bucket(size), bucket, "size {size}");
+        }
+        assert_eq!(size_bucket(u64::MAX), 64);
+    }
+}
 
 #[cfg(feature = "user")]
 mod pod {
@@ -225,4 +289,6 @@ mod pod {
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}
+    unsafe impl aya::Pod for SizeHistogram {}
+    unsafe impl aya::Pod for FreedAlloc {}
 }

@@ -3,32 +3,48 @@
 //! Every interval reads `STACK_STATS` (one row per stack) and walks `LIVE` for this process's
 //! allocation ages. Double-free events arrive through a ring buffer and are kept for the report.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
     Ebpf,
 };
-use profiler_common::{AddrKey, DoubleFreeEvent, DropReason, LiveAlloc, ProcCounters, StackKey, StackStats, NO_STACK};
+use profiler_common::{
+    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, LiveAlloc, ProcCounters, SizeHistogram, StackKey, StackStats,
+    NO_STACK,
+};
 
-/// What the kernel side knows about one process at one moment.
+/// What the kernel side knows at one moment, for the processes asked about.
+#[derive(Debug, Clone, Default)]
+pub struct KernelSnapshot {
+    pub processes: HashMap<u32, Snapshot>,
+    /// Events not recorded, by `DropReason`, for all processes together.
+    pub drops: [u64; DropReason::COUNT],
+    /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`).
+    pub live_entries: u64,
+    pub stack_stats_entries: u64,
+}
+
+/// One process.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     /// CLOCK_MONOTONIC when the snapshot was read, in the kernel's `bpf_ktime_get_ns` time base.
     pub now_ns: u64,
     pub stacks: Vec<StackSnapshot>,
     pub counters: ProcCounters,
-    pub drops: [u64; DropReason::COUNT],
+    pub sizes: SizeHistogram,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StackSnapshot {
     pub stack_id: u32,
     pub stats: StackStats,
-    /// Outstanding allocations counted for the report (all of them, or those older than min-age).
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
+    /// Outstanding allocations at least min-age old.
+    pub aged_bytes: u64,
+    pub aged_allocations: u64,
     /// Allocation time of the oldest outstanding allocation.
     pub oldest_ns: Option<u64>,
 }
@@ -48,44 +64,53 @@ pub fn monotonic_now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Reads a snapshot of `tgid`. With `min_age_ns` > 0 only allocations at least that old count
-/// as outstanding.
-pub fn read_snapshot(ebpf: &Ebpf, tgid: u32, min_age_ns: u64) -> anyhow::Result<Snapshot> {
+/// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
+/// Allocations at least `min_age_ns` old are counted apart as aged.
+pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let stats: BpfHashMap<_, StackKey, StackStats> = BpfHashMap::try_from(map(ebpf, "STACK_STATS")?)?;
     let live: BpfHashMap<_, AddrKey, LiveAlloc> = BpfHashMap::try_from(map(ebpf, "LIVE")?)?;
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
+    let sizes: BpfHashMap<_, u32, SizeHistogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let threshold = now_ns.saturating_sub(min_age_ns);
-    let mut summaries: HashMap<u32, LiveSummary> = HashMap::new();
+    let mut summaries: HashMap<(u32, u32), LiveSummary> = HashMap::new();
+    let mut snapshot = KernelSnapshot::default();
     // Keys of entries removed while we walk are skipped by aya's iterator, so errors are ignored.
     for (key, alloc) in live.iter().flatten() {
-        if key.tgid == tgid {
-            summarize(summaries.entry(alloc.stack_id).or_default(), &alloc, threshold);
+        snapshot.live_entries += 1;
+        if tgids.contains(&key.tgid) {
+            summarize(
+                summaries.entry((key.tgid, alloc.stack_id)).or_default(),
+                &alloc,
+                threshold,
+            );
         }
     }
-    let mut stacks = Vec::new();
+    for &tgid in tgids {
+        let process = Snapshot {
+            now_ns,
+            stacks: Vec::new(),
+            counters: counters.get(&tgid, 0).unwrap_or_default(),
+            sizes: sizes.get(&tgid, 0).unwrap_or_default(),
+        };
+        snapshot.processes.insert(tgid, process);
+    }
     for (key, stats) in stats.iter().flatten() {
-        if key.tgid != tgid {
-            continue;
+        snapshot.stack_stats_entries += 1;
+        if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
+            let summary = summaries.get(&(key.tgid, key.stack_id)).copied().unwrap_or_default();
+            process.stacks.push(stack_snapshot(key.stack_id, stats, summary));
         }
-        let summary = summaries.get(&key.stack_id).copied().unwrap_or_default();
-        stacks.push(stack_snapshot(key.stack_id, stats, summary, min_age_ns > 0));
     }
-    let mut drop_counts = [0u64; DropReason::COUNT];
-    for (index, total) in drop_counts.iter_mut().enumerate() {
+    for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops
             .get(&(index as u32), 0)
             .map(|per_cpu| per_cpu.iter().sum())
             .unwrap_or(0);
     }
-    Ok(Snapshot {
-        now_ns,
-        stacks,
-        counters: counters.get(&tgid, 0).unwrap_or_default(),
-        drops: drop_counts,
-    })
+    Ok(snapshot)
 }
 
 fn summarize(summary: &mut LiveSummary, alloc: &LiveAlloc, threshold_ns: u64) {
@@ -96,23 +121,43 @@ fn summarize(summary: &mut LiveSummary, alloc: &LiveAlloc, threshold_ns: u64) {
     }
 }
 
-fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary, by_age: bool) -> StackSnapshot {
-    let (outstanding_bytes, outstanding_allocations) = if by_age {
-        (live.aged_bytes, live.aged_allocations)
-    } else {
-        // Frees are only counted for allocations seen, so these never go negative.
-        (
-            stats.allocated_bytes.saturating_sub(stats.freed_bytes),
-            stats.allocations.saturating_sub(stats.frees),
-        )
-    };
+fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary) -> StackSnapshot {
     StackSnapshot {
         stack_id,
         stats,
-        outstanding_bytes,
-        outstanding_allocations,
+        // Frees are only counted for allocations seen, so these never go negative.
+        outstanding_bytes: stats.allocated_bytes.saturating_sub(stats.freed_bytes),
+        outstanding_allocations: stats.allocations.saturating_sub(stats.frees),
+        aged_bytes: live.aged_bytes,
+        aged_allocations: live.aged_allocations,
         oldest_ns: live.oldest_ns,
     }
+}
+
+/// Removes everything the maps hold about `tgid`, which has exited: its entries would otherwise
+/// fill the maps and a reused pid would inherit them.
+pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
+    fn remove_matching<K: aya::Pod, V: aya::Pod>(
+        ebpf: &mut Ebpf,
+        name: &str,
+        matches: impl Fn(&K) -> bool,
+    ) -> anyhow::Result<()> {
+        let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
+            ebpf.map_mut(name)
+                .with_context(|| format!("map {name} missing from the eBPF object"))?,
+        )?;
+        let doomed: Vec<K> = map.keys().flatten().filter(|k| matches(k)).collect();
+        for key in doomed {
+            let _ = map.remove(&key);
+        }
+        Ok(())
+    }
+    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k| k.tgid == tgid)?;
+    remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k| k.tgid == tgid)?;
+    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k| k.tgid == tgid)?;
+    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k| *k == tgid)?;
+    remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k| *k == tgid)?;
+    Ok(())
 }
 
 fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
@@ -178,12 +223,12 @@ mod tests {
 
     #[test]
     fn outstanding_is_allocated_minus_freed() {
-        let s = stack_snapshot(7, stats(10, 1000, 4, 400), LiveSummary::default(), false);
+        let s = stack_snapshot(7, stats(10, 1000, 4, 400), LiveSummary::default());
         assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (600, 6));
     }
 
     #[test]
-    fn min_age_counts_only_old_allocations() {
+    fn aged_counts_only_old_allocations() {
         let mut summary = LiveSummary::default();
         let alloc = |time_ns, size| LiveAlloc {
             size,
@@ -203,10 +248,8 @@ mod tests {
                 aged_bytes: 10
             }
         );
-        let s = stack_snapshot(1, stats(2, 30, 0, 0), summary, true);
-        assert_eq!(
-            (s.outstanding_bytes, s.outstanding_allocations, s.oldest_ns),
-            (10, 1, Some(100))
-        );
+        let s = stack_snapshot(1, stats(2, 30, 0, 0), summary);
+        assert_eq!((s.aged_bytes, s.aged_allocations, s.oldest_ns), (10, 1, Some(100)));
+        assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (30, 2));
     }
 }

@@ -25,6 +25,8 @@ pub enum Command {
         #[command(flatten)]
         trace: TraceArgs,
     },
+    /// Trace many processes and serve Prometheus metrics and an HTTP API.
+    Daemon(DaemonArgs),
     /// Start a command with probes attached before its first allocation; exit with its exit code.
     Run {
         #[command(flatten)]
@@ -59,8 +61,49 @@ pub struct TraceArgs {
     pub maps: MapSizes,
 }
 
+/// `memprof daemon` flags. Each overrides the same setting of the config file.
+#[derive(Debug, Args, Clone, Default)]
+pub struct DaemonArgs {
+    /// TOML config file; SIGHUP reloads it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address for /metrics and the HTTP API [default: 127.0.0.1:9464].
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Trace this process (repeatable).
+    #[arg(long = "pid", value_name = "N")]
+    pub pids: Vec<u32>,
+    /// Trace every process whose command name matches this regex (repeatable).
+    #[arg(long = "comm", value_name = "REGEX")]
+    pub comms: Vec<String>,
+    /// Trace every process in this cgroup or below it, e.g. /system.slice/nginx.service (repeatable).
+    #[arg(long = "cgroup", value_name = "PATH")]
+    pub cgroups: Vec<String>,
+    /// Trace every process that has an allocator (up to --max-targets).
+    #[arg(long)]
+    pub all: bool,
+    /// Most processes traced at once [default: 64].
+    #[arg(long)]
+    pub max_targets: Option<usize>,
+    /// Seconds between snapshots of the kernel maps [default: 5].
+    #[arg(long, value_parser = positive_seconds)]
+    pub interval: Option<f64>,
+    /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
+    #[arg(long)]
+    pub top_stacks: Option<usize>,
+    /// Allocations outstanding this long are leak candidates [default: 300].
+    #[arg(long, value_parser = non_negative_seconds)]
+    pub min_age: Option<f64>,
+    /// Outstanding allocations tracked at once, all processes together [default: 1048576].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_live: Option<u32>,
+    /// Distinct call stacks kept, all processes together [default: 65536].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_stacks: Option<u32>,
+}
+
 /// Capacities of the BPF maps, fixed when the programs are loaded.
-#[derive(Debug, Args, Clone, Copy)]
+#[derive(Debug, Args, Clone, Copy, PartialEq, Eq)]
 pub struct MapSizes {
     /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
     #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..))]

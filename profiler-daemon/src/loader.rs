@@ -4,7 +4,10 @@ use std::{fs, num::NonZeroU32, path::Path};
 
 use anyhow::Context as _;
 use aya::{
-    programs::{uprobe::UProbeScope, UProbe},
+    programs::{
+        uprobe::{UProbeLinkId, UProbeScope},
+        UProbe,
+    },
     Ebpf, EbpfLoader,
 };
 
@@ -18,7 +21,6 @@ const FREE_PROGRAM: &str = "free";
 /// Loaded programs and maps. Dropping it detaches every probe.
 pub struct Loaded {
     pub ebpf: Ebpf,
-    pub probes: usize,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -59,17 +61,21 @@ pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
-        // One totals row per (process, stack): as many as stacks, with room for several processes.
-        .map_max_entries("STACK_STATS", sizes.max_stacks.saturating_mul(2))
+        .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
         .load(OBJECT)
         .context("loading the eBPF programs")?;
-    let mut loaded = Loaded { ebpf, probes: 0 };
+    let mut loaded = Loaded { ebpf };
     for name in program_names() {
         program(&mut loaded.ebpf, name)?
             .load()
             .with_context(|| format!("loading program {name}"))?;
     }
     Ok(loaded)
+}
+
+/// One totals row per (process, stack): as many as stacks, with room for stacks shared by processes.
+pub fn stack_stats_capacity(sizes: MapSizes) -> u32 {
+    sizes.max_stacks.saturating_mul(2)
 }
 
 fn program_names() -> impl Iterator<Item = &'static str> {
@@ -86,28 +92,60 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe>
         .with_context(|| format!("program {name} is not a uprobe"))
 }
 
+/// The probes attached for one process, to detach when it is no longer traced.
+#[derive(Debug, Default)]
+pub struct Attachment {
+    links: Vec<(&'static str, UProbeLinkId)>,
+}
+
+impl Attachment {
+    pub fn probes(&self) -> usize {
+        self.links.len()
+    }
+}
+
 impl Loaded {
     /// Attaches every probe to `allocator` for `pid` only.
     ///
     /// Return probes go first: an entry probe that fires before its return probe exists would
-    /// leave in-flight state behind that nothing clears.
-    pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<()> {
+    /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
+    pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let scope = UProbeScope::OneProcess(pid);
         let target = &allocator.attach_path;
-        for point in &allocator.allocs {
-            self.attach_one(RETURN_PROGRAM, point.offset, target, scope)?;
+        let points = allocator
+            .allocs
+            .iter()
+            .map(|p| (RETURN_PROGRAM, p.offset))
+            .chain(allocator.allocs.iter().map(|p| (p.func.symbol(), p.offset)))
+            .chain([(FREE_PROGRAM, allocator.free_offset)]);
+        let mut attachment = Attachment::default();
+        for (name, offset) in points {
+            let attached = program(&mut self.ebpf, name).and_then(|program| {
+                program
+                    .attach(offset, target, scope)
+                    .with_context(|| format!("attaching {name} at {}+{offset:#x}", target.display()))
+            });
+            match attached {
+                Ok(link) => attachment.links.push((name, link)),
+                Err(err) => {
+                    self.detach(attachment);
+                    return Err(err);
+                }
+            }
         }
-        for point in &allocator.allocs {
-            self.attach_one(point.func.symbol(), point.offset, target, scope)?;
-        }
-        self.attach_one(FREE_PROGRAM, allocator.free_offset, target, scope)
+        Ok(attachment)
     }
 
-    fn attach_one(&mut self, name: &str, offset: u64, target: &Path, scope: UProbeScope) -> anyhow::Result<()> {
-        program(&mut self.ebpf, name)?
-            .attach(offset, target, scope)
-            .with_context(|| format!("attaching {name} at {}+{offset:#x}", target.display()))?;
-        self.probes += 1;
-        Ok(())
+    /// Detaches one process's probes.
+    ///
+    /// Slow: closing a uprobe's perf event waits for RCU grace periods under a kernel-wide mutex
+    /// (`perf_trace_destroy`), about 90 ms a probe here, so threads would not help. Attach-time
+    /// cost is small; this is why memprof keeps to one probe per distinct address.
+    pub fn detach(&mut self, attachment: Attachment) {
+        for (name, link) in attachment.links {
+            if let Ok(program) = program(&mut self.ebpf, name) {
+                let _ = program.detach(link);
+            }
+        }
     }
 }

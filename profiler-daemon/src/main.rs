@@ -3,6 +3,7 @@
 mod aggregate;
 mod allocator;
 mod cli;
+mod daemon;
 mod error;
 mod loader;
 mod procfs;
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         match &cli.command {
             cli::Command::Attach { pid, trace } => session::attach(*pid, trace).await,
             cli::Command::Run { trace, command } => session::run(command, trace).await,
+            cli::Command::Daemon(args) => daemon::run(args).await,
         }
     });
     match result {

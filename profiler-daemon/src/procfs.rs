@@ -17,24 +17,55 @@ pub struct FileMapping {
     pub path: String,
 }
 
+/// What memprof needs from `/proc/PID/stat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub kernel_thread: bool,
+    pub zombie: bool,
+    /// Clock ticks after boot when the process started: with the pid, names one process for good.
+    pub start_time: u64,
+}
+
+pub fn stat(pid: u32) -> Option<Stat> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields resume after the last ')'.
+    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
+    // Numbered as in proc(5): state is field 3, flags 9, starttime 22.
+    let field = |n: usize| fields.get(n - 3).copied();
+    let flags: u64 = field(9)?.parse().ok()?;
+    Some(Stat {
+        kernel_thread: flags & PF_KTHREAD != 0,
+        zombie: matches!(field(3)?, "Z" | "X"),
+        start_time: field(22)?.parse().ok()?,
+    })
+}
+
 /// Fails unless `pid` is a live user-space process.
 pub fn check_traceable(pid: u32) -> Result<(), UserError> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| UserError::NoSuchProcess(pid))?;
-    // The command name may hold spaces and parentheses: fields resume after the last ')'.
-    let after_comm = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
-    // After the name: state(3) ppid(4) pgrp(5) session(6) tty_nr(7) tpgid(8) flags(9).
-    let flags = after_comm
-        .split_whitespace()
-        .nth(6)
-        .and_then(|f| f.parse::<u64>().ok())
-        .unwrap_or(0);
-    if flags & PF_KTHREAD != 0 {
-        return Err(UserError::KernelThread(pid));
+    match stat(pid) {
+        None => Err(UserError::NoSuchProcess(pid)),
+        Some(s) if s.kernel_thread => Err(UserError::KernelThread(pid)),
+        Some(s) if s.zombie => Err(UserError::NoSuchProcess(pid)),
+        Some(_) => Ok(()),
     }
-    if after_comm.split_whitespace().next() == Some("Z") {
-        return Err(UserError::NoSuchProcess(pid));
-    }
-    Ok(())
+}
+
+/// Every pid in /proc.
+pub fn pids() -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// The process's cgroup v2 path, such as `/system.slice/nginx.service`.
+pub fn cgroup(pid: u32) -> Option<String> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .map(str::to_string)
 }
 
 /// The process's command name, or "?" once it is gone.
@@ -138,6 +169,10 @@ mod tests {
     #[test]
     fn kernel_threads_and_missing_pids_are_refused() {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
+        let own = stat(std::process::id()).unwrap();
+        assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
+        assert!(pids().contains(&std::process::id()));
+        assert!(cgroup(std::process::id()).unwrap().starts_with('/'));
         assert!(matches!(
             check_traceable(u32::MAX - 1),
             Err(UserError::NoSuchProcess(_))

@@ -8,7 +8,7 @@ use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, NO_STACK};
 use serde::Serialize;
 
 use crate::{
-    aggregate::{self, Snapshot},
+    aggregate::{self, Snapshot, StackSnapshot},
     symbolize::{Frame, Resolved, SymbolizerHandle},
 };
 
@@ -112,8 +112,18 @@ impl Context<'_> {
     }
 }
 
-/// Builds the report of `snapshot`. `top` limits the stacks, `None` keeps all.
-pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usize>) -> Report {
+/// How much of a snapshot a report shows.
+#[derive(Debug, Clone, Copy)]
+pub struct Selection {
+    pub is_final: bool,
+    /// At most this many stacks; `None` keeps all.
+    pub top: Option<usize>,
+    /// Count only allocations at least min-age old (the snapshot's aged figures).
+    pub aged_only: bool,
+}
+
+/// Builds the report of one process's `snapshot`.
+pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT], selection: Selection) -> Report {
     let mut totals = Totals {
         unknown_frees: snapshot.counters.unknown_frees,
         failed_allocations: snapshot.counters.failed_allocations,
@@ -127,23 +137,25 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usi
         totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
         totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
     }
-    let mut outstanding: Vec<_> = snapshot
-        .stacks
-        .iter()
-        .filter(|s| s.outstanding_allocations > 0)
-        .collect();
-    outstanding.sort_by(|a, b| {
-        (b.outstanding_bytes, b.outstanding_allocations).cmp(&(a.outstanding_bytes, a.outstanding_allocations))
-    });
-    outstanding.truncate(top.unwrap_or(usize::MAX));
+    let counted = |s: &StackSnapshot| {
+        if selection.aged_only {
+            (s.aged_bytes, s.aged_allocations)
+        } else {
+            (s.outstanding_bytes, s.outstanding_allocations)
+        }
+    };
+    let mut outstanding: Vec<_> = snapshot.stacks.iter().filter(|s| counted(s).1 > 0).collect();
+    outstanding.sort_by_key(|s| std::cmp::Reverse(counted(s)));
+    outstanding.truncate(selection.top.unwrap_or(usize::MAX));
     let stacks = outstanding
         .into_iter()
         .map(|stack| {
             let (frames, stack_id) = ctx.frames(stack.stack_id, 0);
+            let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {
                 stack_id,
-                outstanding_bytes: stack.outstanding_bytes,
-                outstanding_allocations: stack.outstanding_allocations,
+                outstanding_bytes,
+                outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
                 oldest_age_s: stack
@@ -169,15 +181,12 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, is_final: bool, top: Option<usi
         })
         .collect();
     Report {
-        is_final,
+        is_final: selection.is_final,
         pid: ctx.pid,
         comm: ctx.comm.to_string(),
         duration_s: ctx.seconds_since_start(snapshot.now_ns),
         totals,
-        dropped: DropReason::ALL
-            .iter()
-            .map(|r| (r.name(), snapshot.drops[*r as usize]))
-            .collect(),
+        dropped: DropReason::ALL.iter().map(|r| (r.name(), drops[*r as usize])).collect(),
         stacks,
         double_frees,
     }
@@ -279,13 +288,21 @@ fn write_frames(out: &mut String, lead: &str, frames: &[Frame]) {
 /// `function (file:line) [module]`.
 pub fn describe(frame: &Frame) -> String {
     let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
-    let place = match (&frame.file, frame.line) {
-        (Some(file), Some(line)) => format!(" ({}:{line})", file.rsplit('/').next().unwrap_or(file)),
-        (Some(file), None) => format!(" ({file})"),
-        _ => String::new(),
-    };
     let inlined = if frame.inlined { " [inlined]" } else { "" };
-    format!("{}{place} [{module}]{inlined}", frame.function)
+    format!("{} [{module}]{inlined}", site(frame))
+}
+
+/// `function (file:line)`, or just `function` without debug info.
+pub fn site(frame: &Frame) -> String {
+    match (&frame.file, frame.line) {
+        (Some(file), Some(line)) => format!(
+            "{} ({}:{line})",
+            frame.function,
+            file.rsplit('/').next().unwrap_or(file)
+        ),
+        (Some(file), None) => format!("{} ({file})", frame.function),
+        _ => frame.function.clone(),
+    }
 }
 
 fn bytes(n: u64) -> String {

@@ -1,6 +1,7 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
 use std::{
+    collections::HashSet,
     fs::File,
     io::{self, Write},
     num::NonZeroU32,
@@ -16,8 +17,9 @@ use crate::{
     allocator::{self, Allocator},
     cli::TraceArgs,
     error::UserError,
-    loader::{self, Loaded},
-    procfs, report,
+    loader::{self, Attachment, Loaded},
+    procfs,
+    report::{self, Selection},
     symbolize::SymbolizerHandle,
     target::{self, ExitWatch},
 };
@@ -31,14 +33,15 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     procfs::check_traceable(pid_n)?;
     let allocator = allocator::find(pid_n)?;
     let mut loaded = loader::load(args.maps)?;
-    loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
+    let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
-    announce(pid_n, &comm, &loaded, &allocator);
+    announce(pid_n, &comm, &attachment, &allocator);
     let tracee = Tracee {
         loaded,
+        attachment,
         symbolizer,
         pid: pid_n,
         comm,
@@ -67,11 +70,12 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
-    loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
-    announce(pid, &comm, &loaded, &allocator);
+    let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
+    announce(pid, &comm, &attachment, &allocator);
     child.release();
     let tracee = Tracee {
         loaded,
+        attachment,
         symbolizer,
         pid,
         comm,
@@ -103,10 +107,11 @@ fn gone_or(pid: u32) -> String {
     }
 }
 
-fn announce(pid: u32, comm: &str, loaded: &Loaded, allocator: &Allocator) {
+fn announce(pid: u32, comm: &str, attachment: &Attachment, allocator: &Allocator) {
     eprintln!(
         "memprof: tracing pid {pid} ({comm}) with {} probes in {}; Ctrl-C to stop",
-        loaded.probes, allocator.display_path
+        attachment.probes(),
+        allocator.display_path
     );
 }
 
@@ -125,6 +130,7 @@ fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
 /// A process with probes attached.
 struct Tracee {
     loaded: Loaded,
+    attachment: Attachment,
     symbolizer: SymbolizerHandle,
     pid: u32,
     comm: String,
@@ -133,16 +139,8 @@ struct Tracee {
 }
 
 impl Tracee {
-    /// Double-free events whose second free came from user code. glibc also frees blocks that
-    /// sit in its thread cache when a thread exits; those calls come from inside the allocator.
-    fn user_double_frees(&self, events: Vec<DoubleFreeEvent>) -> Vec<DoubleFreeEvent> {
-        events
-            .into_iter()
-            .filter(|event| {
-                let caller = self.symbolizer.symbolize(self.pid, vec![event.second.caller]);
-                caller.first().is_none_or(|c| c.module != self.allocator_module)
-            })
-            .collect()
+    fn is_user_double_free(&self, event: &DoubleFreeEvent) -> bool {
+        target::is_user_double_free(&self.symbolizer, self.pid, &self.allocator_module, event)
     }
 }
 
@@ -170,7 +168,8 @@ async fn trace(
                 output: &mut dyn Write,
                 is_final: bool|
      -> anyhow::Result<()> {
-        let snapshot = aggregate::read_snapshot(&tracee.loaded.ebpf, tracee.pid, min_age_ns)?;
+        let kernel = aggregate::read(&tracee.loaded.ebpf, &HashSet::from([tracee.pid]), min_age_ns)?;
+        let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
         let ctx = report::Context {
             ebpf: &tracee.loaded.ebpf,
             symbolizer: &tracee.symbolizer,
@@ -180,7 +179,12 @@ async fn trace(
             double_frees,
         };
         // JSON carries every outstanding stack; the table only the top ones.
-        let report = report::build(&ctx, &snapshot, is_final, (!args.json).then_some(args.top));
+        let selection = Selection {
+            is_final,
+            top: (!args.json).then_some(args.top),
+            aged_only: min_age_ns > 0,
+        };
+        let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
         let text = if args.json {
             report::to_json(&report)
         } else {
@@ -199,7 +203,7 @@ async fn trace(
                     tracee.comm = current;
                     tracee.symbolizer.refresh(tracee.pid);
                 }
-                double_frees.extend(tracee.user_double_frees(double_free_reader.drain()));
+                double_frees.extend(double_free_reader.drain().into_iter().filter(|e| tracee.is_user_double_free(e)));
                 emit(&tracee, &double_frees, output, false)?;
             }
             code = exit.exited() => break code,
@@ -211,7 +215,13 @@ async fn trace(
     if procfs::comm(tracee.pid).is_some() {
         tracee.symbolizer.refresh(tracee.pid);
     }
-    double_frees.extend(tracee.user_double_frees(double_free_reader.drain()));
-    emit(&tracee, &double_frees, output, true)?;
-    Ok(code)
+    double_frees.extend(
+        double_free_reader
+            .drain()
+            .into_iter()
+            .filter(|e| tracee.is_user_double_free(e)),
+    );
+    let result = emit(&tracee, &double_frees, output, true);
+    tracee.loaded.detach(tracee.attachment);
+    result.map(|()| code)
 }

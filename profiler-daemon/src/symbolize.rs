@@ -9,7 +9,10 @@ use std::{
     fs::File,
     os::fd::AsRawFd,
     path::PathBuf,
-    sync::{mpsc, Arc},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        mpsc, Arc,
+    },
     thread,
 };
 
@@ -43,6 +46,26 @@ pub struct Resolved {
     pub frames: Vec<Frame>,
 }
 
+/// Why an address got no function name, for the failure counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// In no file mapping of the process (JIT code, or the mappings were not read in time).
+    NoModule,
+    /// In a file without a symbol for it (stripped, or no such function).
+    NoSymbol,
+}
+
+impl Failure {
+    pub const ALL: [Failure; 2] = [Failure::NoModule, Failure::NoSymbol];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Failure::NoModule => "no_module",
+            Failure::NoSymbol => "no_symbol",
+        }
+    }
+}
+
 enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
     Refresh { pid: u32, done: mpsc::Sender<()> },
@@ -51,22 +74,40 @@ enum Request {
         addresses: Vec<u64>,
         reply: mpsc::Sender<Vec<Resolved>>,
     },
+    /// The process has exited and will not be asked about again: drop its files and cache.
+    Forget { pid: u32 },
 }
 
 /// A cheap handle to the symbolizer thread.
 #[derive(Clone)]
 pub struct SymbolizerHandle {
     requests: mpsc::Sender<Request>,
+    /// Addresses that got no function name, by `Failure`.
+    failures: Arc<[AtomicU64; 2]>,
 }
 
 impl SymbolizerHandle {
     pub fn spawn() -> Self {
         let (requests, receiver) = mpsc::channel();
+        let failures: Arc<[AtomicU64; 2]> = Arc::default();
+        let counted = failures.clone();
         thread::Builder::new()
             .name("symbolizer".into())
-            .spawn(move || SymbolizerThread::new().serve(receiver))
+            .spawn(move || SymbolizerThread::new(counted).serve(receiver))
             .expect("spawning the symbolizer thread");
-        Self { requests }
+        Self { requests, failures }
+    }
+
+    pub fn forget(&self, pid: u32) {
+        let _ = self.requests.send(Request::Forget { pid });
+    }
+
+    /// How many distinct addresses got no function name, by reason.
+    pub fn failures(&self) -> Vec<(Failure, u64)> {
+        Failure::ALL
+            .iter()
+            .map(|f| (*f, self.failures[*f as usize].load(Ordering::Relaxed)))
+            .collect()
     }
 
     pub fn refresh(&self, pid: u32) {
@@ -98,10 +139,11 @@ struct SymbolizerThread {
     symbolizer: Symbolizer,
     modules: HashMap<u32, Vec<Module>>,
     cache: HashMap<(u32, u64), Resolved>,
+    failures: Arc<[AtomicU64; 2]>,
 }
 
 impl SymbolizerThread {
-    fn new() -> Self {
+    fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
         let symbolizer = Symbolizer::builder()
             .enable_code_info(true)
             .enable_inlined_fns(true)
@@ -111,6 +153,7 @@ impl SymbolizerThread {
             symbolizer,
             modules: HashMap::new(),
             cache: HashMap::new(),
+            failures,
         }
     }
 
@@ -124,6 +167,10 @@ impl SymbolizerThread {
                 Request::Symbolize { pid, addresses, reply } => {
                     let resolved = addresses.iter().map(|&address| self.resolve(pid, address)).collect();
                     let _ = reply.send(resolved);
+                }
+                Request::Forget { pid } => {
+                    self.modules.remove(&pid);
+                    self.cache.retain(|(cached_pid, _), _| *cached_pid != pid);
                 }
             }
         }
@@ -167,6 +214,7 @@ impl SymbolizerThread {
                 .find(|m| (m.mapping.start..m.mapping.end).contains(&address))
         });
         let Some(module) = module else {
+            self.count(Failure::NoModule);
             return unknown(address, "[anonymous]", address);
         };
         let file_offset = address - module.mapping.start + module.mapping.offset;
@@ -185,8 +233,15 @@ impl SymbolizerThread {
                 file_offset,
                 frames: frames_of(address, path, &sym),
             },
-            _ => unknown(address, path, file_offset),
+            _ => {
+                self.count(Failure::NoSymbol);
+                unknown(address, path, file_offset)
+            }
         }
+    }
+
+    fn count(&self, failure: Failure) {
+        self.failures[failure as usize].fetch_add(1, Ordering::Relaxed);
     }
 }
 

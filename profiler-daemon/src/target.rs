@@ -13,6 +13,8 @@ use std::{
 
 use tokio::{io::unix::AsyncFd, sync::oneshot};
 
+use profiler_common::DoubleFreeEvent;
+
 use crate::{error::UserError, symbolize::SymbolizerHandle};
 
 /// Tells when the target is gone and with which exit code.
@@ -203,4 +205,16 @@ fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle) -> i32 {
             }
         }
     }
+}
+
+/// Whether a double-free event's second free came from user code. glibc also frees the blocks in
+/// a thread's cache when the thread exits; those calls come from inside the allocator's own file.
+pub fn is_user_double_free(
+    symbolizer: &SymbolizerHandle,
+    pid: u32,
+    allocator_module: &str,
+    event: &DoubleFreeEvent,
+) -> bool {
+    let caller = symbolizer.symbolize(pid, vec![event.second.caller]);
+    caller.first().is_none_or(|c| c.module != allocator_module)
 }

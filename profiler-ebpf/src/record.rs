@@ -11,8 +11,8 @@ use aya_ebpf::{
     EbpfContext,
 };
 use profiler_common::{
-    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters, StackKey,
-    StackStats, NO_STACK,
+    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters,
+    SizeHistogram, StackKey, StackStats, NO_STACK, SIZE_BUCKETS,
 };
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
@@ -30,6 +30,8 @@ static STACKS: StackTrace = StackTrace::with_max_entries(65_536, 0);
 static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
 #[map]
 static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, 0);
+#[map]
+static SIZE_HIST: HashMap<u32, SizeHistogram> = HashMap::with_max_entries(4_096, 0);
 #[map]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
 #[map]
@@ -55,18 +57,34 @@ fn count_drop(reason: DropReason) {
     }
 }
 
-/// Returns the value for `key`, inserting `V::default()` first when it is missing.
-fn get_or_insert<K, V: Default>(map: &HashMap<K, V>, key: &K) -> Option<*mut V> {
+/// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
+/// the 512-byte BPF stack.
+static EMPTY_STATS: StackStats = StackStats {
+    allocations: 0,
+    allocated_bytes: 0,
+    frees: 0,
+    freed_bytes: 0,
+};
+static EMPTY_COUNTERS: ProcCounters = ProcCounters {
+    unknown_frees: 0,
+    failed_allocations: 0,
+};
+static EMPTY_HIST: SizeHistogram = SizeHistogram {
+    buckets: [0; SIZE_BUCKETS],
+};
+
+/// Returns the value for `key`, inserting `empty` first when it is missing.
+fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
     if let Some(value) = map.get_ptr_mut(key) {
         return Some(value);
     }
     // Another CPU may insert the same key first; BPF_NOEXIST then fails and the lookup finds theirs.
-    let _ = map.insert(key, V::default(), BPF_NOEXIST as u64);
+    let _ = map.insert(key, empty, BPF_NOEXIST as u64);
     map.get_ptr_mut(key)
 }
 
 fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
-    match get_or_insert(&PROC_COUNTERS, &tgid) {
+    match get_or_insert(&PROC_COUNTERS, &tgid, &EMPTY_COUNTERS) {
         Some(counters) => add(field(unsafe { &mut *counters }), 1),
         None => count_drop(DropReason::ProcCountersFull),
     }
@@ -197,11 +215,20 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
         |s| (&mut s.allocations, &mut s.allocated_bytes),
         size,
     );
+    match get_or_insert(&SIZE_HIST, &tgid, &EMPTY_HIST) {
+        Some(hist) => {
+            let bucket = profiler_common::size_bucket(size).min(SIZE_BUCKETS - 1);
+            if let Some(count) = unsafe { (*hist).buckets.get_mut(bucket) } {
+                add(count, 1);
+            }
+        }
+        None => count_drop(DropReason::ProcCountersFull),
+    }
 }
 
 /// Adds one event of `bytes` to the (count, bytes) pair `fields` picks in the stack's totals.
 fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u64, &mut u64), bytes: u64) {
-    match get_or_insert(&STACK_STATS, &StackKey { tgid, stack_id }) {
+    match get_or_insert(&STACK_STATS, &StackKey { tgid, stack_id }, &EMPTY_STATS) {
         Some(stats) => {
             let (count, total) = fields(unsafe { &mut *stats });
             add(count, 1);

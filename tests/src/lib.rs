@@ -258,3 +258,43 @@ pub fn assert_nothing_dropped(report: &Value) {
         assert_eq!(count, 0, "dropped {reason}: {report}");
     }
 }
+
+/// A free TCP port on loopback (bound and released: good enough for tests).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("binding loopback")
+        .local_addr()
+        .expect("local address")
+        .port()
+}
+
+/// `GET path` from a server on loopback; returns (status, body). HTTP/1.0 keeps bodies unchunked.
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::net::TcpStream;
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// Polls `check` every 200 ms until it returns Some, or panics after `seconds` with `what`.
+pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {seconds} s waiting for {what}"
+        );
+        thread::sleep(std::time::Duration::from_millis(200));
+    }
+}

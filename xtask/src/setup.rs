@@ -11,8 +11,9 @@ use anyhow::{bail, Context as _};
 
 use crate::run;
 
-/// Debian packages the tasks use: a C compiler for the test fixtures and the demo.
-const PACKAGES: &[&str] = &["gcc", "libc6-dev"];
+/// Debian packages the tasks use: compilers for the test fixtures and the demo, bpftool to check
+/// that no probe is left behind, and the Prometheus server the daemon test scrapes with.
+const PACKAGES: &[&str] = &["gcc", "libc6-dev", "g++", "bpftool", "prometheus"];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn all() -> anyhow::Result<()> {

@@ -1,0 +1,232 @@
+//! The daemon's settings: a TOML file, overridden by flags, validated into one `Config`.
+
+use std::{fs, net::SocketAddr, path::Path};
+
+use regex::Regex;
+use serde::Deserialize;
+
+use crate::cli::{DaemonArgs, MapSizes};
+
+/// The config file. Every field is optional; flags override fields.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    listen: Option<String>,
+    pids: Option<Vec<u32>>,
+    comms: Option<Vec<String>>,
+    cgroups: Option<Vec<String>>,
+    all: Option<bool>,
+    max_targets: Option<usize>,
+    interval: Option<f64>,
+    top_stacks: Option<usize>,
+    min_age: Option<f64>,
+    max_live: Option<u32>,
+    max_stacks: Option<u32>,
+}
+
+/// Which processes to trace.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    pub pids: Vec<u32>,
+    pub comms: Vec<Regex>,
+    /// cgroup v2 paths, relative to the cgroup root, without a trailing slash.
+    pub cgroups: Vec<String>,
+    pub all: bool,
+}
+
+impl Rules {
+    /// Whether a process matches: `cgroup` is its cgroup v2 path ("/system.slice/x.service").
+    pub fn matches(&self, pid: u32, comm: &str, cgroup: Option<&str>) -> bool {
+        self.all
+            || self.pids.contains(&pid)
+            || self.comms.iter().any(|re| re.is_match(comm))
+            || cgroup.is_some_and(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
+    }
+
+    pub fn needs_cgroup(&self) -> bool {
+        !self.cgroups.is_empty()
+    }
+}
+
+/// `cgroup` is `rule` or below it.
+fn in_cgroup(cgroup: &str, rule: &str) -> bool {
+    rule == "/" || cgroup == rule || cgroup.strip_prefix(rule).is_some_and(|rest| rest.starts_with('/'))
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub rules: Rules,
+    pub max_targets: usize,
+    pub interval: f64,
+    pub top_stacks: usize,
+    pub min_age: f64,
+    pub maps: MapSizes,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read the config file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("invalid config file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid listen address `{0}`: expected IP:PORT, such as 127.0.0.1:9464")]
+    Listen(String),
+    #[error("invalid command-name regex `{0}`: {1}")]
+    Regex(String, regex::Error),
+    #[error("invalid {0}: {1}")]
+    Value(&'static str, String),
+    #[error("no targets: give --pid, --comm, --cgroup or --all (or pids, comms, cgroups or all in the config file)")]
+    NoTargets,
+}
+
+/// Reads the config file (if any) and applies the flags over it.
+pub fn load(args: &DaemonArgs) -> Result<Config, ConfigError> {
+    let file = match &args.config {
+        Some(path) => read_file(path)?,
+        None => File::default(),
+    };
+    merge(file, args)
+}
+
+fn read_file(path: &Path) -> Result<File, ConfigError> {
+    let display = path.display().to_string();
+    let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: display.clone(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|err| ConfigError::Parse {
+        path: display,
+        // toml's messages span several lines (with a caret under the spot): keep them on one.
+        message: err.to_string().split_whitespace().collect::<Vec<_>>().join(" "),
+    })
+}
+
+/// A list from the flags when any were given, else the file's.
+fn pick<T: Clone>(flags: &[T], from_file: Option<Vec<T>>) -> Vec<T> {
+    if flags.is_empty() {
+        from_file.unwrap_or_default()
+    } else {
+        flags.to_vec()
+    }
+}
+
+fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
+    let listen = args
+        .listen
+        .clone()
+        .or(file.listen)
+        .unwrap_or_else(|| "127.0.0.1:9464".to_string());
+    let listen = listen.parse().map_err(|_| ConfigError::Listen(listen.clone()))?;
+    let comms = pick(&args.comms, file.comms)
+        .into_iter()
+        .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), err)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cgroups = pick(&args.cgroups, file.cgroups)
+        .into_iter()
+        .map(|cg| {
+            let trimmed = cg.trim_start_matches("/sys/fs/cgroup").trim_end_matches('/');
+            format!("/{}", trimmed.trim_start_matches('/'))
+        })
+        .collect();
+    let rules = Rules {
+        pids: pick(&args.pids, file.pids),
+        comms,
+        cgroups,
+        all: args.all || file.all.unwrap_or(false),
+    };
+    if !rules.all && rules.pids.is_empty() && rules.comms.is_empty() && rules.cgroups.is_empty() {
+        return Err(ConfigError::NoTargets);
+    }
+    let interval = args.interval.or(file.interval).unwrap_or(5.0);
+    if !(interval > 0.0 && interval.is_finite()) {
+        return Err(ConfigError::Value(
+            "interval",
+            format!("{interval} is not a positive number of seconds"),
+        ));
+    }
+    let min_age = args.min_age.or(file.min_age).unwrap_or(300.0);
+    if !(min_age >= 0.0 && min_age.is_finite()) {
+        return Err(ConfigError::Value(
+            "min_age",
+            format!("{min_age} is not a number of seconds (0 or more)"),
+        ));
+    }
+    let defaults = MapSizes {
+        max_live: 1 << 20,
+        max_stacks: 1 << 16,
+    };
+    let maps = MapSizes {
+        max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),
+        max_stacks: args.max_stacks.or(file.max_stacks).unwrap_or(defaults.max_stacks),
+    };
+    if maps.max_live == 0 || maps.max_stacks == 0 {
+        return Err(ConfigError::Value(
+            "map size",
+            "max_live and max_stacks must be at least 1".to_string(),
+        ));
+    }
+    Ok(Config {
+        listen,
+        rules,
+        max_targets: args.max_targets.or(file.max_targets).unwrap_or(64),
+        interval,
+        top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
+        min_age,
+        maps,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(toml_text: &str, args: DaemonArgs) -> Result<Config, ConfigError> {
+        let file = toml::from_str(toml_text).map_err(|e| ConfigError::Parse {
+            path: "t".into(),
+            message: e.to_string(),
+        })?;
+        merge(file, &args)
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let args = DaemonArgs {
+            listen: Some("127.0.0.1:1".into()),
+            comms: vec!["^b$".into()],
+            ..DaemonArgs::default()
+        };
+        let config = parse("listen = \"0.0.0.0:9\"\ncomms = [\"^a$\"]\ntop_stacks = 3\n", args).unwrap();
+        assert_eq!(config.listen.to_string(), "127.0.0.1:1");
+        assert!(config.rules.matches(7, "b", None));
+        assert!(!config.rules.matches(7, "a", None));
+        assert_eq!(config.top_stacks, 3);
+        assert_eq!(config.max_targets, 64);
+        assert_eq!(config.min_age, 300.0);
+    }
+
+    #[test]
+    fn bad_settings_are_refused_with_their_name() {
+        let err = parse("comms = [\"(\"]", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().starts_with("invalid command-name regex `(`"), "{err}");
+        let err = parse("all = true\nnope = 1", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().contains("unknown field `nope`"), "{err}");
+        assert!(matches!(parse("", DaemonArgs::default()), Err(ConfigError::NoTargets)));
+        let err = parse("all = true\nlisten = \"nowhere\"", DaemonArgs::default()).unwrap_err();
+        assert!(matches!(err, ConfigError::Listen(_)));
+    }
+
+    #[test]
+    fn cgroups_match_themselves_and_below() {
+        let args = DaemonArgs {
+            cgroups: vec!["/sys/fs/cgroup/system.slice/".into()],
+            ..DaemonArgs::default()
+        };
+        let rules = parse("", args).unwrap().rules;
+        assert_eq!(rules.cgroups, vec!["/system.slice".to_string()]);
+        assert!(rules.matches(1, "x", Some("/system.slice")));
+        assert!(rules.matches(1, "x", Some("/system.slice/nginx.service")));
+        assert!(!rules.matches(1, "x", Some("/system.slicer")));
+        assert!(!rules.matches(1, "x", None));
+    }
+}

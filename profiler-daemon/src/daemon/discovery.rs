@@ -1,0 +1,45 @@
+//! Finds the processes the rules ask for, by polling /proc (kprobes are not available, and a
+//! poll also catches processes that were running before the daemon started).
+
+use super::config::Rules;
+use crate::procfs;
+
+/// A process, named for good by its pid and start time (pids are reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcessId {
+    pub pid: u32,
+    pub start_time: u64,
+}
+
+impl ProcessId {
+    /// The process now running under `pid`, if any (zombies are gone already).
+    pub fn current(pid: u32) -> Option<Self> {
+        let stat = procfs::stat(pid)?;
+        (!stat.kernel_thread && !stat.zombie).then_some(Self {
+            pid,
+            start_time: stat.start_time,
+        })
+    }
+}
+
+/// Every user-space process that matches `rules`, memprof itself excepted.
+pub fn scan(rules: &Rules) -> Vec<(ProcessId, String)> {
+    let own = std::process::id();
+    let mut found = Vec::new();
+    for pid in procfs::pids() {
+        if pid == own {
+            continue;
+        }
+        let Some(id) = ProcessId::current(pid) else { continue };
+        let Some(comm) = procfs::comm(pid) else { continue };
+        let cgroup = if rules.needs_cgroup() {
+            procfs::cgroup(pid)
+        } else {
+            None
+        };
+        if rules.matches(pid, &comm, cgroup.as_deref()) {
+            found.push((id, comm));
+        }
+    }
+    found
+}

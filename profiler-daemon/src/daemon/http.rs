@@ -1,0 +1,151 @@
+//! The HTTP listener: /metrics for Prometheus, and a small API and page for the on-call engineer.
+//! Every handler reads the published `DaemonView`; none touches the kernel.
+
+use std::{
+    collections::HashMap,
+    fmt::Write as _,
+    sync::{Arc, RwLock},
+};
+
+use axum::{
+    extract::{Query, State},
+    http::{header, StatusCode},
+    response::{Html, IntoResponse, Response},
+    routing::get,
+    Json, Router,
+};
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+
+use super::{metrics, view::DaemonView};
+
+struct Shared {
+    view: Arc<RwLock<DaemonView>>,
+    registry: Registry,
+}
+
+type AppState = State<Arc<Shared>>;
+
+pub fn router(view: Arc<RwLock<DaemonView>>) -> Router {
+    let shared = Arc::new(Shared {
+        registry: metrics::registry(view.clone()),
+        view,
+    });
+    Router::new()
+        .route("/", get(index))
+        .route("/metrics", get(scrape))
+        .route("/api/v1/targets", get(targets))
+        .route("/api/v1/leaks", get(leaks))
+        .route("/-/healthy", get(|| async { "memprof is healthy\n" }))
+        .route("/-/ready", get(ready))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
+        .with_state(shared)
+}
+
+fn read(shared: &Shared) -> DaemonView {
+    shared.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    #[derive(Serialize)]
+    struct Body<'a> {
+        error: &'a str,
+    }
+    (status, Json(Body { error: message })).into_response()
+}
+
+async fn scrape(State(shared): AppState) -> Response {
+    match metrics::encode(&shared.registry) {
+        Ok(text) => ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
+        Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed"),
+    }
+}
+
+async fn ready(State(shared): AppState) -> Response {
+    if read(&shared).ready {
+        "memprof is ready\n".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "memprof is starting\n").into_response()
+    }
+}
+
+#[derive(Serialize)]
+struct TargetSummary {
+    pid: u32,
+    comm: String,
+    /// Seconds since the Unix epoch.
+    attached_at: f64,
+    inuse_bytes: u64,
+    inuse_objects: u64,
+    leak_candidate_bytes: u64,
+    double_frees: u64,
+}
+
+async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
+    let view = read(&shared);
+    Json(
+        view.targets
+            .values()
+            .map(|t| TargetSummary {
+                pid: t.pid,
+                comm: t.comm.clone(),
+                attached_at: t.attached_at,
+                inuse_bytes: t.report.totals.outstanding_bytes,
+                inuse_objects: t.report.totals.outstanding_allocations,
+                leak_candidate_bytes: t.leak_candidate_bytes,
+                double_frees: t.double_frees,
+            })
+            .collect(),
+    )
+}
+
+async fn leaks(State(shared): AppState, Query(params): Query<HashMap<String, String>>) -> Response {
+    let Some(pid) = params.get("pid") else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the pid parameter is missing: /api/v1/leaks?pid=N",
+        );
+    };
+    let Ok(pid) = pid.parse::<u32>() else {
+        return error(StatusCode::BAD_REQUEST, &format!("pid `{pid}` is not a process id"));
+    };
+    match read(&shared).targets.get(&pid) {
+        Some(target) => Json(target.report.clone()).into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            &format!("pid {pid} is not traced; /api/v1/targets lists those that are"),
+        ),
+    }
+}
+
+async fn index(State(shared): AppState) -> Html<String> {
+    let view = read(&shared);
+    let mut page = String::from(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>memprof</title></head><body>\n\
+         <h1>memprof</h1>\n<p><a href=\"/metrics\">/metrics</a> · <a href=\"/api/v1/targets\">/api/v1/targets</a></p>\n\
+         <table border=\"1\" cellpadding=\"4\">\n<tr><th>pid</th><th>command</th><th>in use (bytes)</th>\
+         <th>allocations in use</th><th>leak candidates (bytes)</th><th>double frees</th><th>report</th></tr>\n",
+    );
+    for t in view.targets.values() {
+        let _ = writeln!(
+            page,
+            "<tr><td>{pid}</td><td>{comm}</td><td>{bytes}</td><td>{objects}</td><td>{leak}</td><td>{df}</td>\
+             <td><a href=\"/api/v1/leaks?pid={pid}\">leaks</a></td></tr>",
+            pid = t.pid,
+            comm = escape(&t.comm),
+            bytes = t.report.totals.outstanding_bytes,
+            objects = t.report.totals.outstanding_allocations,
+            leak = t.leak_candidate_bytes,
+            df = t.double_frees,
+        );
+    }
+    page.push_str("</table>\n</body></html>\n");
+    Html(page)
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}

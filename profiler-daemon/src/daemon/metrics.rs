@@ -1,0 +1,312 @@
+//! /metrics: every series is encoded from the latest `DaemonView` at scrape time, so series of
+//! processes that exited disappear with them and a scrape never touches the kernel.
+
+use std::sync::{Arc, RwLock};
+
+use profiler_common::DropReason;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, NoLabelSet},
+    metrics::MetricType,
+    registry::Registry,
+};
+
+use super::view::{DaemonView, TargetView};
+
+/// The Content-Type of what `encode` returns.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Histogram buckets up to 2^32 bytes; larger allocations land in +Inf.
+const HISTOGRAM_BUCKETS: usize = 33;
+
+#[derive(Debug)]
+struct ViewCollector {
+    view: Arc<RwLock<DaemonView>>,
+}
+
+pub fn registry(view: Arc<RwLock<DaemonView>>) -> Registry {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(ViewCollector { view }));
+    registry
+}
+
+/// The registry in the OpenMetrics text format.
+pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry)?;
+    Ok(text)
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+fn process_labels(t: &TargetView) -> Labels {
+    vec![("pid", t.pid.to_string()), ("comm", t.comm.clone())]
+}
+
+/// Writes one metric family: `rows` gives each series' labels and value.
+fn family<V>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    rows: impl IntoIterator<Item = (Labels, V)>,
+    mut write: impl FnMut(&mut prometheus_client::encoding::MetricEncoder, &V) -> std::fmt::Result,
+) -> std::fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, value) in rows {
+        write(&mut metric.encode_family(&labels)?, &value)?;
+    }
+    Ok(())
+}
+
+fn gauges<V: EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: impl IntoIterator<Item = (Labels, V)>,
+) -> std::fmt::Result {
+    family(encoder, name, help, MetricType::Gauge, rows, |m, v| m.encode_gauge(v))
+}
+
+/// `name` without `_total`: the encoder appends it.
+fn counters<V: EncodeCounterValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: impl IntoIterator<Item = (Labels, V)>,
+) -> std::fmt::Result {
+    family(encoder, name, help, MetricType::Counter, rows, |m, v| {
+        m.encode_counter::<NoLabelSet, _, u64>(v, None)
+    })
+}
+
+impl Collector for ViewCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let view = self.view.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let e = &mut encoder;
+        let targets: Vec<&TargetView> = view.targets.values().collect();
+        let per_target = |value: fn(&TargetView) -> u64| -> Vec<(Labels, u64)> {
+            targets.iter().map(|t| (process_labels(t), value(t))).collect()
+        };
+
+        gauges(
+            e,
+            "memprof_heap_inuse_bytes",
+            "Bytes allocated and not yet freed.",
+            per_target(|t| t.report.totals.outstanding_bytes),
+        )?;
+        gauges(
+            e,
+            "memprof_heap_inuse_objects",
+            "Allocations not yet freed.",
+            per_target(|t| t.report.totals.outstanding_allocations),
+        )?;
+        counters(
+            e,
+            "memprof_allocations",
+            "Successful allocator calls.",
+            per_target(|t| t.report.totals.allocations),
+        )?;
+        counters(
+            e,
+            "memprof_allocated_bytes",
+            "Bytes allocated.",
+            per_target(|t| t.report.totals.allocated_bytes),
+        )?;
+        counters(
+            e,
+            "memprof_frees",
+            "Frees of allocations seen.",
+            per_target(|t| t.report.totals.frees),
+        )?;
+        counters(
+            e,
+            "memprof_freed_bytes",
+            "Bytes freed.",
+            per_target(|t| t.report.totals.freed_bytes),
+        )?;
+        counters(
+            e,
+            "memprof_failed_allocations",
+            "Allocator calls that failed.",
+            per_target(|t| t.report.totals.failed_allocations),
+        )?;
+        counters(
+            e,
+            "memprof_unknown_frees",
+            "Frees of addresses not allocated since attach.",
+            per_target(|t| t.report.totals.unknown_frees),
+        )?;
+        counters(
+            e,
+            "memprof_double_frees",
+            "Frees of addresses already freed.",
+            per_target(|t| t.double_frees),
+        )?;
+        histograms(e, &targets)?;
+        gauges(
+            e,
+            "memprof_leak_candidate_bytes",
+            "Bytes outstanding longer than the leak rule's min-age.",
+            per_target(|t| t.leak_candidate_bytes),
+        )?;
+        gauges(
+            e,
+            "memprof_leak_candidates",
+            "Allocations outstanding longer than the leak rule's min-age.",
+            per_target(|t| t.leak_candidates),
+        )?;
+
+        let stack_rows = targets.iter().flat_map(|t| {
+            let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));
+            let other = (!t.top_stacks.is_empty() || t.other_stack_bytes > 0)
+                .then(|| ("other".to_string(), t.other_stack_bytes));
+            top.chain(other).map(move |(stack, bytes)| {
+                let mut labels = process_labels(t);
+                labels.push(("stack", stack));
+                (labels, bytes)
+            })
+        });
+        gauges(
+            e,
+            "memprof_stack_inuse_bytes",
+            "In-use bytes of the top stacks of each process; the rest under stack=\"other\".",
+            stack_rows,
+        )?;
+        let mut sites: Vec<(Labels, u64)> = targets
+            .iter()
+            .flat_map(|t| t.top_stacks.iter())
+            .map(|s| (vec![("stack", s.stack.clone()), ("site", s.site.clone())], 1u64))
+            .collect();
+        sites.sort_by(|a, b| a.0.cmp(&b.0));
+        sites.dedup_by(|a, b| a.0 == b.0);
+        gauges(
+            e,
+            "memprof_stack_info",
+            "The allocation site of each exported stack.",
+            sites,
+        )?;
+
+        gauges(
+            e,
+            "memprof_build_info",
+            "memprof's version.",
+            [(vec![("version", env!("CARGO_PKG_VERSION").to_string())], 1u64)],
+        )?;
+        gauges(
+            e,
+            "memprof_target_attached",
+            "Processes with probes attached.",
+            targets.iter().map(|t| (process_labels(t), 1u64)),
+        )?;
+        counters(
+            e,
+            "memprof_events_dropped",
+            "Events the probes could not record, by reason.",
+            DropReason::ALL
+                .iter()
+                .map(|r| (vec![("reason", r.name().to_string())], view.drops[*r as usize])),
+        )?;
+        counters(
+            e,
+            "memprof_targets_refused",
+            "Matching processes not traced because max_targets were traced already.",
+            [(vec![], view.refused_targets)],
+        )?;
+        gauges(
+            e,
+            "memprof_bpf_map_entries",
+            "Entries in use in the BPF maps that fill up.",
+            view.maps.iter().map(|m| (vec![("map", m.name.to_string())], m.entries)),
+        )?;
+        gauges(
+            e,
+            "memprof_bpf_map_capacity",
+            "Capacity of the BPF maps that fill up.",
+            view.maps
+                .iter()
+                .map(|m| (vec![("map", m.name.to_string())], m.capacity)),
+        )?;
+        counters(
+            e,
+            "memprof_symbolization_failures",
+            "Distinct addresses that got no function name, by reason.",
+            view.symbolization_failures
+                .iter()
+                .map(|(reason, n)| (vec![("reason", reason.to_string())], *n)),
+        )?;
+        let (cpu_seconds, resident_bytes) = own_usage();
+        counters(
+            e,
+            "process_cpu_seconds",
+            "CPU time memprof has used, user and system.",
+            [(vec![], cpu_seconds)],
+        )?;
+        gauges(
+            e,
+            "process_resident_memory_bytes",
+            "memprof's resident memory.",
+            [(vec![], resident_bytes)],
+        )?;
+        Ok(())
+    }
+}
+
+/// `memprof_allocation_size_bytes`: power-of-two buckets, counted in the kernel.
+fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::fmt::Result {
+    let mut metric = encoder.encode_descriptor(
+        "memprof_allocation_size_bytes",
+        "Sizes of successful allocations, in power-of-two buckets.",
+        None,
+        MetricType::Histogram,
+    )?;
+    for t in targets {
+        // Per-bucket counts: the encoder makes them cumulative.
+        let counts = &t.sizes.buckets;
+        let mut buckets: Vec<(f64, u64)> = counts
+            .iter()
+            .take(HISTOGRAM_BUCKETS)
+            .enumerate()
+            .map(|(i, n)| ((1u64 << i) as f64, *n))
+            .collect();
+        buckets.push((f64::INFINITY, counts[HISTOGRAM_BUCKETS..].iter().sum()));
+        let total: u64 = counts.iter().sum();
+        let labels = process_labels(t);
+        metric.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+            t.report.totals.allocated_bytes as f64,
+            total,
+            &buckets,
+            None,
+        )?;
+    }
+    Ok(())
+}
+
+/// memprof's own CPU seconds and resident bytes, from /proc/self.
+fn own_usage() -> (f64, f64) {
+    // SAFETY: sysconf has no preconditions.
+    let (ticks, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_CLK_TCK) as f64,
+            libc::sysconf(libc::_SC_PAGESIZE) as f64,
+        )
+    };
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    // utime and stime are fields 14 and 15 of proc(5); the list starts at field 3.
+    let cpu = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
+        .sum::<f64>()
+        / ticks;
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let resident = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        * page;
+    (cpu, resident)
+}

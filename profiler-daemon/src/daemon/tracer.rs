@@ -1,0 +1,292 @@
+//! The tracer thread: attaches to the processes the rules match, detaches from those that exit,
+//! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching
+//! takes ~90 ms a probe), so it runs on a thread of its own, not on the async runtime.
+
+use std::{
+    collections::{HashMap, HashSet},
+    num::NonZeroU32,
+    sync::{mpsc, Arc, RwLock},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::Context as _;
+use profiler_common::DoubleFreeEvent;
+use tracing::{debug, info, warn};
+
+use super::{
+    config::Config,
+    discovery::{self, ProcessId},
+    view::{DaemonView, MapUse, StackSeries, TargetView},
+};
+use crate::{
+    aggregate::{self, DoubleFreeReader, KernelSnapshot},
+    allocator,
+    loader::{self, Attachment, Loaded},
+    report::{self, Selection},
+    symbolize::SymbolizerHandle,
+    target,
+};
+
+/// How often /proc is polled for processes to attach to or detach from.
+const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+
+pub enum Command {
+    Reload(Box<Config>),
+    Shutdown,
+}
+
+struct Target {
+    id: ProcessId,
+    comm: String,
+    attachment: Attachment,
+    allocator_module: String,
+    attached_at: SystemTime,
+    /// CLOCK_MONOTONIC at attach, for the report's times.
+    start_ns: u64,
+    double_frees: Vec<DoubleFreeEvent>,
+}
+
+pub struct Tracer {
+    config: Config,
+    loaded: Loaded,
+    symbolizer: SymbolizerHandle,
+    double_free_reader: DoubleFreeReader,
+    targets: HashMap<u32, Target>,
+    /// Processes not to try again: no allocator, or attaching failed.
+    unattachable: HashSet<ProcessId>,
+    /// Processes refused for the cap, each counted once.
+    refused: HashSet<ProcessId>,
+    view: Arc<RwLock<DaemonView>>,
+}
+
+impl Tracer {
+    pub fn new(config: Config, view: Arc<RwLock<DaemonView>>) -> anyhow::Result<Self> {
+        loader::check_support()?;
+        let mut loaded = loader::load(config.maps)?;
+        let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+        Ok(Self {
+            config,
+            loaded,
+            symbolizer: SymbolizerHandle::spawn(),
+            double_free_reader,
+            targets: HashMap::new(),
+            unattachable: HashSet::new(),
+            refused: HashSet::new(),
+            view,
+        })
+    }
+
+    /// Runs until `Shutdown` (or the sender is dropped), then detaches every probe.
+    pub fn run(mut self, commands: mpsc::Receiver<Command>) {
+        let mut next_discovery = Instant::now();
+        let mut next_snapshot = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now >= next_discovery {
+                // A target that came or went is shown at once, not at the next interval.
+                if self.discover() {
+                    next_snapshot = now;
+                }
+                next_discovery = now + DISCOVERY_PERIOD;
+            }
+            if now >= next_snapshot {
+                if let Err(err) = self.publish() {
+                    warn!("reading the kernel maps failed: {err:#}");
+                }
+                next_snapshot = now + Duration::from_secs_f64(self.config.interval);
+            }
+            let wait = next_discovery
+                .min(next_snapshot)
+                .saturating_duration_since(Instant::now());
+            match commands.recv_timeout(wait) {
+                Ok(Command::Reload(config)) => self.reload(*config),
+                Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+        let pids: Vec<u32> = self.targets.keys().copied().collect();
+        for pid in pids {
+            self.detach(pid);
+        }
+    }
+
+    fn reload(&mut self, config: Config) {
+        if config.listen != self.config.listen || config.maps != self.config.maps {
+            warn!("listen address and map sizes take effect at the next start, not on reload");
+        }
+        self.config = config;
+        self.refused.clear();
+        info!("configuration reloaded");
+    }
+
+    /// Detaches from processes that exited or no longer match; attaches to new matches. Returns
+    /// whether the set of targets changed.
+    fn discover(&mut self) -> bool {
+        let matches = discovery::scan(&self.config.rules);
+        let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();
+        let gone: Vec<u32> = self
+            .targets
+            .values()
+            .filter(|t| !wanted.contains(&t.id))
+            .map(|t| t.id.pid)
+            .collect();
+        let mut changed = !gone.is_empty();
+        for pid in gone {
+            self.detach(pid);
+        }
+        self.unattachable.retain(|id| wanted.contains(id));
+        self.refused.retain(|id| wanted.contains(id));
+        for (id, comm) in matches {
+            if self.targets.get(&id.pid).is_some_and(|t| t.id == id) || self.unattachable.contains(&id) {
+                continue;
+            }
+            if self.targets.len() >= self.config.max_targets {
+                if self.refused.insert(id) {
+                    warn!(
+                        pid = id.pid,
+                        comm,
+                        "not traced: {} processes are traced already (max_targets)",
+                        self.targets.len()
+                    );
+                }
+                continue;
+            }
+            self.refused.remove(&id);
+            match self.attach(id, comm) {
+                Ok(()) => changed = true,
+                Err(err) => {
+                    debug!(pid = id.pid, "not traced: {err:#}");
+                    self.unattachable.insert(id);
+                }
+            }
+        }
+        changed
+    }
+
+    fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
+        let allocator = allocator::find(id.pid)?;
+        let pid = NonZeroU32::new(id.pid).context("pid 0")?;
+        let attachment = self.loaded.attach(&allocator, pid)?;
+        self.symbolizer.refresh(id.pid);
+        info!(pid = id.pid, comm, probes = attachment.probes(), "tracing");
+        let target = Target {
+            id,
+            comm,
+            attachment,
+            allocator_module: allocator.display_path,
+            attached_at: SystemTime::now(),
+            start_ns: aggregate::monotonic_now_ns(),
+            double_frees: Vec::new(),
+        };
+        self.targets.insert(id.pid, target);
+        Ok(())
+    }
+
+    /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.
+    fn detach(&mut self, pid: u32) {
+        let Some(target) = self.targets.remove(&pid) else {
+            return;
+        };
+        self.loaded.detach(target.attachment);
+        if let Err(err) = aggregate::purge(&mut self.loaded.ebpf, pid) {
+            warn!(pid, "purging the maps failed: {err:#}");
+        }
+        self.symbolizer.forget(pid);
+        info!(pid, comm = target.comm, "no longer traced");
+    }
+
+    /// Reads the maps and publishes the view.
+    fn publish(&mut self) -> anyhow::Result<()> {
+        for event in self.double_free_reader.drain() {
+            if let Some(target) = self.targets.get_mut(&event.tgid) {
+                if target::is_user_double_free(&self.symbolizer, event.tgid, &target.allocator_module, &event) {
+                    target.double_frees.push(event);
+                }
+            }
+        }
+        let pids: HashSet<u32> = self.targets.keys().copied().collect();
+        let min_age_ns = (self.config.min_age * 1e9) as u64;
+        let kernel = aggregate::read(&self.loaded.ebpf, &pids, min_age_ns)?;
+        let mut view = DaemonView {
+            drops: kernel.drops,
+            maps: vec![
+                MapUse {
+                    name: "live",
+                    entries: kernel.live_entries,
+                    capacity: self.config.maps.max_live.into(),
+                },
+                MapUse {
+                    name: "stack_stats",
+                    entries: kernel.stack_stats_entries,
+                    capacity: loader::stack_stats_capacity(self.config.maps).into(),
+                },
+            ],
+            refused_targets: self.refused.len() as u64,
+            symbolization_failures: self
+                .symbolizer
+                .failures()
+                .into_iter()
+                .map(|(f, n)| (f.name(), n))
+                .collect(),
+            ready: true,
+            ..DaemonView::default()
+        };
+        for target in self.targets.values_mut() {
+            if let Some(comm) = crate::procfs::comm(target.id.pid) {
+                target.comm = comm;
+                self.symbolizer.refresh(target.id.pid);
+            }
+        }
+        for target in self.targets.values() {
+            view.targets.insert(target.id.pid, self.target_view(target, &kernel));
+        }
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = view;
+        Ok(())
+    }
+
+    fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
+        let pid = target.id.pid;
+        let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
+        let ctx = report::Context {
+            ebpf: &self.loaded.ebpf,
+            symbolizer: &self.symbolizer,
+            pid,
+            comm: &target.comm,
+            start_ns: target.start_ns,
+            double_frees: &target.double_frees,
+        };
+        let selection = Selection {
+            is_final: true,
+            top: None,
+            aged_only: false,
+        };
+        let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
+        let top = self.config.top_stacks;
+        let top_stacks: Vec<StackSeries> = report
+            .stacks
+            .iter()
+            .take(top)
+            .map(|s| StackSeries {
+                stack: s.stack_id.clone(),
+                site: s.frames.first().map_or_else(|| "[no stack]".to_string(), report::site),
+                bytes: s.outstanding_bytes,
+            })
+            .collect();
+        let other_stack_bytes = report.stacks.iter().skip(top).map(|s| s.outstanding_bytes).sum();
+        TargetView {
+            pid,
+            comm: target.comm.clone(),
+            attached_at: target
+                .attached_at
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            double_frees: target.double_frees.len() as u64,
+            leak_candidate_bytes: snapshot.stacks.iter().map(|s| s.aged_bytes).sum(),
+            leak_candidates: snapshot.stacks.iter().map(|s| s.aged_allocations).sum(),
+            sizes: snapshot.sizes,
+            top_stacks,
+            other_stack_bytes,
+            report,
+        }
+    }
+}

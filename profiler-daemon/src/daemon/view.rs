@@ -1,0 +1,57 @@
+//! What the tracer publishes every interval and the HTTP side serves: built once per interval,
+//! so scrapes and API calls never touch BPF maps.
+
+use std::collections::BTreeMap;
+
+use profiler_common::{DropReason, SizeHistogram};
+
+use crate::report::Report;
+
+/// One traced process.
+#[derive(Debug, Clone)]
+pub struct TargetView {
+    pub pid: u32,
+    pub comm: String,
+    /// Seconds since the Unix epoch when its probes were attached.
+    pub attached_at: f64,
+    pub double_frees: u64,
+    /// Outstanding allocations older than the leak rule's min-age.
+    pub leak_candidate_bytes: u64,
+    pub leak_candidates: u64,
+    pub sizes: SizeHistogram,
+    /// The largest stacks by in-use bytes, then the rest summed up.
+    pub top_stacks: Vec<StackSeries>,
+    pub other_stack_bytes: u64,
+    /// The full report, as `memprof attach --json` prints it at the end.
+    pub report: Report,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StackSeries {
+    /// The report's stack id: stable across runs.
+    pub stack: String,
+    /// `function (file:line)` of the allocator's caller.
+    pub site: String,
+    pub bytes: u64,
+}
+
+/// A BPF map that fills up: entries in use and capacity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MapUse {
+    pub name: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DaemonView {
+    /// By pid.
+    pub targets: BTreeMap<u32, TargetView>,
+    pub drops: [u64; DropReason::COUNT],
+    pub maps: Vec<MapUse>,
+    /// Matching processes not traced because `max_targets` were traced already.
+    pub refused_targets: u64,
+    pub symbolization_failures: Vec<(&'static str, u64)>,
+    /// Set once the first snapshot is published.
+    pub ready: bool,
+}

@@ -1,0 +1,284 @@
+//! `memprof daemon`: discovery, the HTTP API, reloads and shutdown, and a real Prometheus server
+//! scraping it.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use memprof_tests::{fixture, free_port, http_get, memprof_bin, site, wait_for, Waiting};
+use serde_json::Value;
+
+/// These tests run one at a time: a daemon matching by command name would also trace another
+/// test's fixtures, and detaching probes serializes in the kernel, which would skew the timing.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A daemon on a free loopback port; killed when dropped.
+struct Daemon {
+    child: Child,
+    port: u16,
+}
+
+impl Daemon {
+    fn start(args: &[&str]) -> Self {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let child = Command::new(memprof_bin())
+            .args(["daemon", "--listen", &listen, "--interval", "1"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting memprof daemon");
+        let daemon = Self { child, port };
+        wait_for(20, "the daemon to be ready", || {
+            (http_get(port, "/-/ready")?.0 == 200).then_some(())
+        });
+        daemon
+    }
+
+    fn get_json(&self, path: &str) -> (u16, Value) {
+        let (status, body) = http_get(self.port, path).unwrap_or_else(|| panic!("GET {path} failed"));
+        (
+            status,
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")),
+        )
+    }
+
+    fn traced_pids(&self) -> Vec<u64> {
+        let (_, targets) = self.get_json("/api/v1/targets");
+        targets
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["pid"].as_u64().unwrap())
+            .collect()
+    }
+
+    fn wait_traced(&self, pid: u32) {
+        wait_for(20, &format!("pid {pid} to be traced"), || {
+            self.traced_pids().contains(&(pid as u64)).then_some(())
+        });
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn target() -> Waiting {
+    Waiting::start(&fixture("daemon_target"), &[])
+}
+
+#[test]
+fn the_leak_api_names_the_leaking_site_exactly() {
+    let _serial = serial();
+    let mut held = target();
+    let daemon = Daemon::start(&["--pid", &held.pid().to_string()]);
+    daemon.wait_traced(held.pid());
+    held.go();
+    let path = format!("/api/v1/leaks?pid={}", held.pid());
+    let report = wait_for(20, "the held blocks in the report", || {
+        let (_, report) = daemon.get_json(&path);
+        (site(&report, "hold_site") == (50_000, 50)).then_some(report)
+    });
+    assert_eq!(report["final"], true);
+    assert_eq!(report["comm"], "daemon_target");
+    assert_eq!(site(&report, "churn_site"), (0, 0));
+
+    assert_eq!(daemon.get_json("/api/v1/leaks").0, 400);
+    assert_eq!(daemon.get_json("/api/v1/leaks?pid=abc").0, 400);
+    let (status, body) = daemon.get_json("/api/v1/leaks?pid=1");
+    assert_eq!(status, 404);
+    assert!(body["error"].as_str().unwrap().contains("not traced"));
+    assert_eq!(daemon.get_json("/no/such/path").0, 404);
+    let (status, page) = http_get(daemon.port, "/").unwrap();
+    assert_eq!(status, 200);
+    assert!(page.contains(&format!("/api/v1/leaks?pid={}", held.pid())), "{page}");
+    assert_eq!(http_get(daemon.port, "/-/healthy").unwrap().0, 200);
+}
+
+#[test]
+fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
+    let _serial = serial();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    let mut late = target();
+    daemon.wait_traced(late.pid());
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    assert!(
+        metrics.contains(&format!(
+            "memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1",
+            late.pid()
+        )),
+        "{metrics}"
+    );
+    let pid = late.pid() as u64;
+    let _ = late.child.kill();
+    let _ = late.child.wait();
+    wait_for(20, "the exited process to disappear", || {
+        (!daemon.traced_pids().contains(&pid)).then_some(())
+    });
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    assert!(
+        !metrics.contains(&format!("pid=\"{pid}\"")),
+        "its series are gone: {metrics}"
+    );
+}
+
+#[test]
+fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
+    let _serial = serial();
+    let config: PathBuf = std::env::temp_dir().join(format!("memprof-test-{}.toml", std::process::id()));
+    std::fs::write(&config, "comms = [\"^daemon_target$\"]\n").unwrap();
+    let held = target();
+    let mut daemon = Daemon::start(&["--config", config.to_str().unwrap()]);
+    daemon.wait_traced(held.pid());
+
+    std::fs::write(&config, "comms = [\"(unclosed\"\nnot toml at all").unwrap();
+    daemon.signal(libc::SIGHUP);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(http_get(daemon.port, "/-/ready").unwrap().0, 200, "still serving");
+    assert!(
+        daemon.traced_pids().contains(&(held.pid() as u64)),
+        "the old rules still apply"
+    );
+    let _ = std::fs::remove_file(&config);
+
+    let stopping = Instant::now();
+    daemon.signal(libc::SIGTERM);
+    let status = daemon.child.wait().unwrap();
+    let took = stopping.elapsed();
+    assert!(status.success(), "{status}");
+    // One target's 17 probes take about 1.6 s to detach: the kernel waits ~90 ms per probe.
+    assert!(took < Duration::from_secs(2), "stopping took {took:?}");
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains("keeping the old configuration: invalid config file"),
+        "{stderr}"
+    );
+    // No perf event with a BPF program is left on the target's allocator.
+    let perf = Command::new("bpftool")
+        .args(["perf", "list"])
+        .output()
+        .expect("bpftool (installed by xtask setup)");
+    let perf = String::from_utf8_lossy(&perf.stdout);
+    assert!(!perf.contains("uprobe"), "probes left after SIGTERM:\n{perf}");
+    assert!(
+        unsafe { libc::kill(held.pid() as i32, 0) } == 0,
+        "the target keeps running"
+    );
+}
+
+/// A Prometheus server (Debian's package) scraping the daemon every second.
+struct Prometheus {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Prometheus {
+    fn start(scrape_port: u16) -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("memprof-prometheus-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: memprof\n    static_configs:\n      - targets: ['127.0.0.1:{scrape_port}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting prometheus (installed by xtask setup)");
+        Self { child, port, dir }
+    }
+
+    /// The value of an instant query that returns one series.
+    fn query(&self, query: &str) -> Option<f64> {
+        let (_, body) = http_get(self.port, &format!("/api/v1/query?query={}", encode(query)))?;
+        let json: Value = serde_json::from_str(&body).ok()?;
+        json["data"]["result"].as_array()?.first()?["value"][1]
+            .as_str()?
+            .parse()
+            .ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn encode(query: &str) -> String {
+    query
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'_' {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn prometheus_sees_each_processs_heap_to_the_byte() {
+    let _serial = serial();
+    let mut first = target();
+    let mut second = target();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    daemon.wait_traced(first.pid());
+    daemon.wait_traced(second.pid());
+    first.go();
+    second.go();
+    let prometheus = Prometheus::start(daemon.port);
+    for pid in [first.pid(), second.pid()] {
+        let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\"}}");
+        wait_for(60, &format!("{inuse} == 50000 in Prometheus"), || {
+            (prometheus.query(&inuse)? == 50_000.0).then_some(())
+        });
+    }
+    let allocations = format!("memprof_allocations_total{{pid=\"{}\"}}", first.pid());
+    let before = wait_for(30, "allocations in Prometheus", || prometheus.query(&allocations));
+    wait_for(30, "memprof_allocations_total to grow", || {
+        (prometheus.query(&allocations)? > before).then_some(())
+    });
+    let histogram = format!(
+        "memprof_allocation_size_bytes_bucket{{pid=\"{}\",le=\"1024.0\"}}",
+        first.pid()
+    );
+    let small = wait_for(30, "the size histogram", || prometheus.query(&histogram));
+    assert!(
+        small >= 50.0,
+        "the 50 x 1000-byte blocks fall at or below 1024: {small}"
+    );
+    let top = format!("memprof_stack_inuse_bytes{{pid=\"{}\",stack!=\"other\"}}", first.pid());
+    assert_eq!(wait_for(30, "the top stack", || prometheus.query(&top)), 50_000.0);
+    let site = "count(memprof_stack_info{site=~\"hold_site \\\\(daemon_target.c:[0-9]+\\\\)\"})";
+    assert!(wait_for(30, "the stack's site", || prometheus.query(site)) >= 1.0);
+}
