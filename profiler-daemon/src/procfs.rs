@@ -60,12 +60,35 @@ pub fn pids() -> Vec<u32> {
         .collect()
 }
 
-/// The process's cgroup v2 path, such as `/system.slice/nginx.service`.
-pub fn cgroup(pid: u32) -> Option<String> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+/// The process's cgroup paths, one per hierarchy (one on a cgroup v2 system), such as
+/// `/system.slice/nginx.service`.
+pub fn cgroups(pid: u32) -> Vec<String> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    // Lines read `hierarchy-id:controllers:path`.
     text.lines()
-        .find_map(|line| line.strip_prefix("0::"))
+        .filter_map(|line| line.splitn(3, ':').nth(2))
         .map(str::to_string)
+        .collect()
+}
+
+/// A cgroup given as a directory under a cgroup mount (`/sys/fs/cgroup/system.slice`, or
+/// `/sys/fs/cgroup/unified/x` on a hybrid system) as the path processes see (`/system.slice`).
+/// A path that is under no cgroup mount is taken to be such a path already.
+pub fn cgroup_path(dir: &str) -> String {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mount = mounts
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            matches!(fields.get(2), Some(&"cgroup" | &"cgroup2")).then(|| fields[1])
+        })
+        .filter(|mount| {
+            dir.strip_prefix(mount)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
+        .max_by_key(|mount| mount.len());
+    let path = mount.map_or(dir, |mount| &dir[mount.len()..]).trim_end_matches('/');
+    format!("/{}", path.trim_start_matches('/'))
 }
 
 /// The process's command name, or "?" once it is gone.
@@ -167,12 +190,24 @@ mod tests {
     }
 
     #[test]
+    fn cgroup_directories_become_cgroup_paths() {
+        assert_eq!(cgroup_path("/system.slice/"), "/system.slice");
+        assert_eq!(cgroup_path("/"), "/");
+        let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
+        if let Some(mount) = mounts.lines().find(|l| l.split_whitespace().nth(2) == Some("cgroup2")) {
+            let mount = mount.split_whitespace().nth(1).unwrap();
+            assert_eq!(cgroup_path(&format!("{mount}/a.slice/b")), "/a.slice/b");
+            assert_eq!(cgroup_path(mount), "/");
+        }
+    }
+
+    #[test]
     fn kernel_threads_and_missing_pids_are_refused() {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
         let own = stat(std::process::id()).unwrap();
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
         assert!(pids().contains(&std::process::id()));
-        assert!(cgroup(std::process::id()).unwrap().starts_with('/'));
+        assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
         assert!(matches!(
             check_traceable(u32::MAX - 1),
             Err(UserError::NoSuchProcess(_))

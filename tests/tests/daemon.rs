@@ -282,3 +282,54 @@ fn prometheus_sees_each_processs_heap_to_the_byte() {
     let site = "count(memprof_stack_info{site=~\"hold_site \\\\(daemon_target.c:[0-9]+\\\\)\"})";
     assert!(wait_for(30, "the stack's site", || prometheus.query(site)) >= 1.0);
 }
+
+/// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid system).
+fn cgroup2_mount() -> PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let line = mounts
+        .lines()
+        .find(|l| l.split_whitespace().nth(2) == Some("cgroup2"))
+        .expect("a cgroup2 mount");
+    PathBuf::from(line.split_whitespace().nth(1).unwrap())
+}
+
+#[test]
+fn every_process_in_a_cgroup_is_traced_and_no_other() {
+    let _serial = serial();
+    let mount = cgroup2_mount();
+    let group = mount.join(format!("memprof-test-{}", std::process::id()));
+    std::fs::create_dir_all(&group).unwrap();
+    let mut inside = target();
+    let outside = target();
+    std::fs::write(group.join("cgroup.procs"), inside.pid().to_string()).expect("moving the fixture into the cgroup");
+    let daemon = Daemon::start(&["--cgroup", group.to_str().unwrap()]);
+    daemon.wait_traced(inside.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        daemon.traced_pids(),
+        vec![inside.pid() as u64],
+        "only the process in the cgroup"
+    );
+    drop(daemon);
+    let _ = outside;
+    let _ = inside.child.kill();
+    let _ = inside.child.wait();
+    let _ = std::fs::remove_dir(&group);
+}
+
+#[test]
+fn processes_beyond_max_targets_are_refused_and_counted() {
+    let _serial = serial();
+    let first = target();
+    let second = target();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--max-targets", "1"]);
+    wait_for(20, "one process traced", || {
+        (daemon.traced_pids().len() == 1).then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let traced = daemon.traced_pids();
+    assert_eq!(traced.len(), 1);
+    assert!(traced.contains(&(first.pid() as u64)) || traced.contains(&(second.pid() as u64)));
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    assert!(metrics.contains("memprof_targets_refused_total 1"), "{metrics}");
+}

@@ -5,7 +5,10 @@ use std::{fs, net::SocketAddr, path::Path};
 use regex::Regex;
 use serde::Deserialize;
 
-use crate::cli::{DaemonArgs, MapSizes};
+use crate::{
+    cli::{DaemonArgs, MapSizes},
+    procfs,
+};
 
 /// The config file. Every field is optional; flags override fields.
 #[derive(Debug, Default, Deserialize)]
@@ -29,18 +32,20 @@ struct File {
 pub struct Rules {
     pub pids: Vec<u32>,
     pub comms: Vec<Regex>,
-    /// cgroup v2 paths, relative to the cgroup root, without a trailing slash.
+    /// cgroup paths as processes see them (`/system.slice/x.service`), no trailing slash.
     pub cgroups: Vec<String>,
     pub all: bool,
 }
 
 impl Rules {
-    /// Whether a process matches: `cgroup` is its cgroup v2 path ("/system.slice/x.service").
-    pub fn matches(&self, pid: u32, comm: &str, cgroup: Option<&str>) -> bool {
+    /// Whether a process matches: `cgroups` are its cgroup paths, one per hierarchy.
+    pub fn matches(&self, pid: u32, comm: &str, cgroups: &[String]) -> bool {
         self.all
             || self.pids.contains(&pid)
             || self.comms.iter().any(|re| re.is_match(comm))
-            || cgroup.is_some_and(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
+            || cgroups
+                .iter()
+                .any(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
     }
 
     pub fn needs_cgroup(&self) -> bool {
@@ -123,11 +128,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), err)))
         .collect::<Result<Vec<_>, _>>()?;
     let cgroups = pick(&args.cgroups, file.cgroups)
-        .into_iter()
-        .map(|cg| {
-            let trimmed = cg.trim_start_matches("/sys/fs/cgroup").trim_end_matches('/');
-            format!("/{}", trimmed.trim_start_matches('/'))
-        })
+        .iter()
+        .map(|dir| procfs::cgroup_path(dir))
         .collect();
     let rules = Rules {
         pids: pick(&args.pids, file.pids),
@@ -198,8 +200,8 @@ mod tests {
         };
         let config = parse("listen = \"0.0.0.0:9\"\ncomms = [\"^a$\"]\ntop_stacks = 3\n", args).unwrap();
         assert_eq!(config.listen.to_string(), "127.0.0.1:1");
-        assert!(config.rules.matches(7, "b", None));
-        assert!(!config.rules.matches(7, "a", None));
+        assert!(config.rules.matches(7, "b", &[]));
+        assert!(!config.rules.matches(7, "a", &[]));
         assert_eq!(config.top_stacks, 3);
         assert_eq!(config.max_targets, 64);
         assert_eq!(config.min_age, 300.0);
@@ -219,14 +221,15 @@ mod tests {
     #[test]
     fn cgroups_match_themselves_and_below() {
         let args = DaemonArgs {
-            cgroups: vec!["/sys/fs/cgroup/system.slice/".into()],
+            cgroups: vec!["/system.slice/".into()],
             ..DaemonArgs::default()
         };
         let rules = parse("", args).unwrap().rules;
         assert_eq!(rules.cgroups, vec!["/system.slice".to_string()]);
-        assert!(rules.matches(1, "x", Some("/system.slice")));
-        assert!(rules.matches(1, "x", Some("/system.slice/nginx.service")));
-        assert!(!rules.matches(1, "x", Some("/system.slicer")));
-        assert!(!rules.matches(1, "x", None));
+        let matches = |cgroup: &str| rules.matches(1, "x", &[cgroup.to_string()]);
+        assert!(matches("/system.slice"));
+        assert!(matches("/system.slice/nginx.service"));
+        assert!(!matches("/system.slicer"));
+        assert!(!rules.matches(1, "x", &[]));
     }
 }

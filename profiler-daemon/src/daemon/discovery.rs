@@ -32,12 +32,12 @@ pub fn scan(rules: &Rules) -> Vec<(ProcessId, String)> {
         }
         let Some(id) = ProcessId::current(pid) else { continue };
         let Some(comm) = procfs::comm(pid) else { continue };
-        let cgroup = if rules.needs_cgroup() {
-            procfs::cgroup(pid)
+        let cgroups = if rules.needs_cgroup() {
+            procfs::cgroups(pid)
         } else {
-            None
+            Vec::new()
         };
-        if rules.matches(pid, &comm, cgroup.as_deref()) {
+        if rules.matches(pid, &comm, &cgroups) {
             found.push((id, comm));
         }
     }

@@ -54,7 +54,11 @@ fn family<V>(
 ) -> std::fmt::Result {
     let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
     for (labels, value) in rows {
-        write(&mut metric.encode_family(&labels)?, &value)?;
+        if labels.is_empty() {
+            write(&mut metric, &value)?;
+        } else {
+            write(&mut metric.encode_family(&labels)?, &value)?;
+        }
     }
     Ok(())
 }
