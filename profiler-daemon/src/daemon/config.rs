@@ -192,6 +192,18 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/memprof.toml");
+        let args = DaemonArgs {
+            config: Some(path),
+            ..DaemonArgs::default()
+        };
+        let config = load(&args).unwrap();
+        assert_eq!(config.listen.to_string(), "127.0.0.1:9464");
+        assert!(config.rules.matches(1, "nginx", &[]));
+    }
+
+    #[test]
     fn flags_override_the_file() {
         let args = DaemonArgs {
             listen: Some("127.0.0.1:1".into()),
