@@ -68,7 +68,7 @@ pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Alloc
     let data = fs::read(attach_path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let offsets = symbol_file_offsets(&file);
-    let free_offset = *offsets.get("free")?;
+    let free_offset = past_null_check(&data, *offsets.get("free")?);
     offsets.get("malloc")?;
     let mut allocs: Vec<ProbePoint> = Vec::new();
     for func in AllocFn::ALL {
@@ -84,6 +84,39 @@ pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Alloc
         allocs,
         free_offset,
     })
+}
+
+/// Where to probe `free`: past its `if (p == NULL) return;` when it opens with one.
+///
+/// A uprobe on an instruction the kernel cannot emulate is single-stepped, about 12 times dearer
+/// (shared/notes/probe-costs.md). glibc's free opens with `test %rdi,%rdi; je ...`, which is
+/// single-stepped, followed by `push %rbp`, which is emulated; `free(NULL)` is a no-op, so a probe
+/// after the jump sees every free that matters. Only these encodings are recognised; anything
+/// else keeps the probe on the symbol. The stack is untouched until that push, so the return
+/// address the program reads at `rsp` is still the caller's.
+fn past_null_check(data: &[u8], offset: u64) -> u64 {
+    const TEST_RDI_RDI: [u8; 3] = [0x48, 0x85, 0xff];
+    let Some(code) = usize::try_from(offset)
+        .ok()
+        .and_then(|start| data.get(start..start + 16))
+    else {
+        return offset;
+    };
+    if code[..3] != TEST_RDI_RDI {
+        return offset;
+    }
+    let jump_len = match code[3] {
+        0x74 => 2,                    // je rel8
+        0x0f if code[4] == 0x84 => 6, // je rel32
+        _ => return offset,
+    };
+    let next = 3 + jump_len;
+    let is_push = matches!(code[next], 0x50..=0x57) || (code[next] == 0x41 && matches!(code[next + 1], 0x50..=0x57));
+    if is_push {
+        offset + next as u64
+    } else {
+        offset
+    }
 }
 
 /// File offsets of the defined allocator symbols, from the dynamic table or, in a static binary,
@@ -148,6 +181,21 @@ mod tests {
         offsets.dedup();
         assert_eq!(offsets.len(), allocator.allocs.len(), "one probe per address");
         assert_eq!(allocator.allocs[0].func, AllocFn::Malloc);
+    }
+
+    #[test]
+    fn free_is_probed_past_its_null_check() {
+        let mut code = vec![0u8; 32];
+        // test %rdi,%rdi; je rel32; push %rbp
+        code[4..14].copy_from_slice(&[0x48, 0x85, 0xff, 0x0f, 0x84, 0xbf, 0, 0, 0, 0x55]);
+        assert_eq!(past_null_check(&code, 4), 13);
+        // test %rdi,%rdi; je rel8; push %r12
+        code[4..11].copy_from_slice(&[0x48, 0x85, 0xff, 0x74, 0x10, 0x41, 0x54]);
+        assert_eq!(past_null_check(&code, 4), 9);
+        // Anything else (here: endbr64) stays on the symbol.
+        code[4..8].copy_from_slice(&[0xf3, 0x0f, 0x1e, 0xfa]);
+        assert_eq!(past_null_check(&code, 4), 4);
+        assert_eq!(past_null_check(&code, 30), 30, "too close to the end to decode");
     }
 
     #[test]
