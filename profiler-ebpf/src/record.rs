@@ -15,23 +15,27 @@ use profiler_common::{
     SizeHistogram, StackKey, StackStats, NO_STACK, SIZE_BUCKETS,
 };
 
+/// Hash maps allocate entries as they fill instead of all at load: at the default capacities a
+/// preallocated `LIVE` alone would pin about 100 MiB of kernel memory for an idle process.
+const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
+
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
-static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, 0);
+static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_PREALLOC);
 /// A plain hash, not an LRU: an LRU would evict the oldest allocations, which are the leaks.
 #[map]
-static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, 0);
+static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
 #[map]
-static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, 0);
+static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(65_536, 0);
 /// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
 #[map]
 static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
 #[map]
-static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, 0);
+static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
-static SIZE_HIST: HashMap<u32, SizeHistogram> = HashMap::with_max_entries(4_096, 0);
+static SIZE_HIST: HashMap<u32, SizeHistogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
 #[map]

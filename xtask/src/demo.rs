@@ -12,15 +12,7 @@ pub fn run() -> anyhow::Result<()> {
     std::fs::create_dir_all(&out_dir)?;
     let server = out_dir.join("leaky_server");
     let source = root().join("demo/leaky_server.c");
-    let status = Command::new("cc")
-        .args(["-g", "-O1", "-fno-omit-frame-pointer", "-pthread", "-o"])
-        .arg(&server)
-        .arg(&source)
-        .status()
-        .context("starting cc")?;
-    if !status.success() {
-        bail!("compiling {} failed", source.display());
-    }
+    crate::compile_c(&source, &server, &["-g", "-O1", "-fno-omit-frame-pointer", "-pthread"])?;
     let mut patient = Command::new(&server)
         .stdout(Stdio::null())
         .spawn()

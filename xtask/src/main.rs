@@ -2,6 +2,7 @@
 //!
 //! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
 
+mod bench;
 mod demo;
 mod setup;
 
@@ -24,7 +25,11 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             test()
         }
-        _ => bail!("usage: cargo xtask <setup|demo|test>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)"),
+        "bench" => {
+            setup::all()?;
+            bench::run()
+        }
+        _ => bail!("usage: cargo xtask <setup|demo|test|bench>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md"),
     }
 }
 
@@ -45,6 +50,21 @@ fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
         .with_context(|| format!("starting {program}"))?;
     if !status.success() {
         bail!("`{program} {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+/// Compiles a C file.
+fn compile_c(source: &Path, out: &Path, flags: &[&str]) -> anyhow::Result<()> {
+    let status = Command::new("cc")
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .arg(source)
+        .status()
+        .context("starting cc")?;
+    if !status.success() {
+        bail!("compiling {} failed", source.display());
     }
     Ok(())
 }
