@@ -2,10 +2,7 @@
 //! daemon can embed it.
 fn main() -> anyhow::Result<()> {
     // aya-build watches the eBPF crate only; the shared types are compiled into the object too.
-    println!(
-        "cargo:rerun-if-changed={}/../profiler-common",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    println!("cargo:rerun-if-changed={}/../profiler-common", env!("CARGO_MANIFEST_DIR"));
     // aya-build relays every line the inner cargo prints as a warning: keep only the real ones.
     // SAFETY: the build script is single-threaded here.
     unsafe { std::env::set_var("CARGO_TERM_QUIET", "true") };

@@ -217,9 +217,7 @@ pub struct SizeHistogram {
 
 impl Default for SizeHistogram {
     fn default() -> Self {
-        Self {
-            buckets: [0; SIZE_BUCKETS],
-        }
+        Self { buckets: [0; SIZE_BUCKETS] }
     }
 }
 
@@ -261,18 +259,7 @@ mod tests {
 
     #[test]
     fn sizes_fall_in_power_of_two_buckets() {
-        let cases = [
-            (0, 0),
-            (1, 0),
-            (2, 1),
-            (3, 2),
-            (4, 2),
-            (5, 3),
-            (8, 3),
-            (9, 4),
-            (4096, 12),
-            (4097, 13),
-        ];
+        let cases = [(0, 0), (1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (4096, 12), (4097, 13)];
         for (size, bucket) in cases {
             assert_eq!(size_bucket(size), bucket, "size {size}");
         }

@@ -81,11 +81,7 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
     for (key, alloc) in live.iter().flatten() {
         snapshot.live_entries += 1;
         if tgids.contains(&key.tgid) {
-            summarize(
-                summaries.entry((key.tgid, alloc.stack_id)).or_default(),
-                &alloc,
-                threshold,
-            );
+            summarize(summaries.entry((key.tgid, alloc.stack_id)).or_default(), &alloc, threshold);
         }
     }
     for &tgid in tgids {
@@ -105,10 +101,7 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
         }
     }
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
-        *total = drops
-            .get(&(index as u32), 0)
-            .map(|per_cpu| per_cpu.iter().sum())
-            .unwrap_or(0);
+        *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
     Ok(snapshot)
 }
@@ -143,8 +136,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
         matches: impl Fn(&K) -> bool,
     ) -> anyhow::Result<()> {
         let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
-            ebpf.map_mut(name)
-                .with_context(|| format!("map {name} missing from the eBPF object"))?,
+            ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
         let doomed: Vec<K> = map.keys().flatten().filter(|k| matches(k)).collect();
         for key in doomed {
@@ -161,8 +153,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
 }
 
 fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
-    ebpf.map(name)
-        .with_context(|| format!("map {name} missing from the eBPF object"))
+    ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))
 }
 
 /// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
@@ -173,10 +164,7 @@ pub fn stack_frames(ebpf: &Ebpf, stack_id: u32) -> Vec<u64> {
     let Ok(stack_map) = map(ebpf, "STACKS").and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
         return Vec::new();
     };
-    stack_map
-        .get(&stack_id, 0)
-        .map(|trace| trace.frames().iter().map(|f| f.ip).collect())
-        .unwrap_or_default()
+    stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()
 }
 
 /// Receives double-free events for every traced process.
@@ -186,12 +174,8 @@ pub struct DoubleFreeReader {
 
 impl DoubleFreeReader {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let map = ebpf
-            .take_map("DOUBLE_FREES")
-            .context("map DOUBLE_FREES missing from the eBPF object")?;
-        Ok(Self {
-            ring: RingBuf::try_from(map)?,
-        })
+        let map = ebpf.take_map("DOUBLE_FREES").context("map DOUBLE_FREES missing from the eBPF object")?;
+        Ok(Self { ring: RingBuf::try_from(map)? })
     }
 
     /// Every event that arrived since the last call.
@@ -213,12 +197,7 @@ mod tests {
     use super::*;
 
     fn stats(allocations: u64, allocated_bytes: u64, frees: u64, freed_bytes: u64) -> StackStats {
-        StackStats {
-            allocations,
-            allocated_bytes,
-            frees,
-            freed_bytes,
-        }
+        StackStats { allocations, allocated_bytes, frees, freed_bytes }
     }
 
     #[test]
@@ -230,24 +209,10 @@ mod tests {
     #[test]
     fn aged_counts_only_old_allocations() {
         let mut summary = LiveSummary::default();
-        let alloc = |time_ns, size| LiveAlloc {
-            size,
-            time_ns,
-            stack_id: 1,
-            tid: 1,
-            func: 0,
-            _pad: 0,
-        };
+        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0, _pad: 0 };
         summarize(&mut summary, &alloc(100, 10), 150);
         summarize(&mut summary, &alloc(200, 20), 150);
-        assert_eq!(
-            summary,
-            LiveSummary {
-                oldest_ns: Some(100),
-                aged_allocations: 1,
-                aged_bytes: 10
-            }
-        );
+        assert_eq!(summary, LiveSummary { oldest_ns: Some(100), aged_allocations: 1, aged_bytes: 10 });
         let s = stack_snapshot(1, stats(2, 30, 0, 0), summary);
         assert_eq!((s.aged_bytes, s.aged_allocations, s.oldest_ns), (10, 1, Some(100)));
         assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (30, 2));

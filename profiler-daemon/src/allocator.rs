@@ -96,10 +96,7 @@ pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Alloc
 /// address the program reads at `rsp` is still the caller's.
 fn past_null_check(data: &[u8], offset: u64) -> u64 {
     const TEST_RDI_RDI: [u8; 3] = [0x48, 0x85, 0xff];
-    let Some(code) = usize::try_from(offset)
-        .ok()
-        .and_then(|start| data.get(start..start + 16))
-    else {
+    let Some(code) = usize::try_from(offset).ok().and_then(|start| data.get(start..start + 16)) else {
         return offset;
     };
     if code[..3] != TEST_RDI_RDI {

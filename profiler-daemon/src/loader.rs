@@ -43,17 +43,12 @@ fn check_privileges() -> Result<(), UserError> {
         .find_map(|line| line.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         .unwrap_or(0);
-    let missing: Vec<&str> = NEEDED
-        .iter()
-        .filter(|(bit, _)| effective & (1 << bit) == 0)
-        .map(|(_, name)| *name)
-        .collect();
+    let missing: Vec<&str> =
+        NEEDED.iter().filter(|(bit, _)| effective & (1 << bit) == 0).map(|(_, name)| *name).collect();
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(UserError::Privileges {
-            missing: missing.join(", "),
-        })
+        Err(UserError::Privileges { missing: missing.join(", ") })
     }
 }
 
@@ -66,9 +61,7 @@ pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
         .context("loading the eBPF programs")?;
     let mut loaded = Loaded { ebpf };
     for name in program_names() {
-        program(&mut loaded.ebpf, name)?
-            .load()
-            .with_context(|| format!("loading program {name}"))?;
+        program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
     }
     Ok(loaded)
 }
@@ -79,10 +72,7 @@ pub fn stack_stats_capacity(sizes: MapSizes) -> u32 {
 }
 
 fn program_names() -> impl Iterator<Item = &'static str> {
-    profiler_common::AllocFn::ALL
-        .iter()
-        .map(|func| func.symbol())
-        .chain([RETURN_PROGRAM, FREE_PROGRAM])
+    profiler_common::AllocFn::ALL.iter().map(|func| func.symbol()).chain([RETURN_PROGRAM, FREE_PROGRAM])
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {

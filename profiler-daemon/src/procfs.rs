@@ -55,9 +55,7 @@ pub fn pids() -> Vec<u32> {
     let Ok(entries) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect()
+    entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
 }
 
 /// The process's cgroup paths, one per hierarchy (one on a cgroup v2 system), such as
@@ -65,10 +63,7 @@ pub fn pids() -> Vec<u32> {
 pub fn cgroups(pid: u32) -> Vec<String> {
     let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     // Lines read `hierarchy-id:controllers:path`.
-    text.lines()
-        .filter_map(|line| line.splitn(3, ':').nth(2))
-        .map(str::to_string)
-        .collect()
+    text.lines().filter_map(|line| line.splitn(3, ':').nth(2)).map(str::to_string).collect()
 }
 
 /// A cgroup given as a directory under a cgroup mount (`/sys/fs/cgroup/system.slice`, or
@@ -82,10 +77,7 @@ pub fn cgroup_path(dir: &str) -> String {
             let fields: Vec<&str> = line.split_whitespace().collect();
             matches!(fields.get(2), Some(&"cgroup" | &"cgroup2")).then(|| fields[1])
         })
-        .filter(|mount| {
-            dir.strip_prefix(mount)
-                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-        })
+        .filter(|mount| dir.strip_prefix(mount).is_some_and(|rest| rest.is_empty() || rest.starts_with('/')))
         .max_by_key(|mount| mount.len());
     let path = mount.map_or(dir, |mount| &dir[mount.len()..]).trim_end_matches('/');
     format!("/{}", path.trim_start_matches('/'))
@@ -93,16 +85,12 @@ pub fn cgroup_path(dir: &str) -> String {
 
 /// The process's command name, or "?" once it is gone.
 pub fn comm(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/comm"))
-        .ok()
-        .map(|c| c.trim_end().to_string())
+    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| c.trim_end().to_string())
 }
 
 /// The executable's path as the process sees it.
 pub fn exe_path(pid: u32) -> Option<String> {
-    fs::read_link(format!("/proc/{pid}/exe"))
-        .ok()
-        .map(|p| p.to_string_lossy().into_owned())
+    fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned())
 }
 
 /// Every file-backed mapping of the process, in address order.
@@ -130,10 +118,7 @@ impl FileMapping {
     /// `map_files` link always reaches the very inode mapped; the path under `/proc/PID/root` is
     /// the fallback for kernels that restrict `map_files`.
     pub fn reachable_paths(&self, pid: u32) -> [String; 2] {
-        [
-            format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end),
-            format!("/proc/{pid}/root{}", self.path),
-        ]
+        [format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end), format!("/proc/{pid}/root{}", self.path)]
     }
 }
 
@@ -179,12 +164,7 @@ mod tests {
         assert_eq!(parsed.len(), 3);
         assert_eq!(
             parsed[1],
-            FileMapping {
-                start: 0x55d0c8a01000,
-                end: 0x55d0c8a02000,
-                offset: 0x1000,
-                path: "/usr/bin/leaky".into()
-            }
+            FileMapping { start: 0x55d0c8a01000, end: 0x55d0c8a02000, offset: 0x1000, path: "/usr/bin/leaky".into() }
         );
         assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
     }
@@ -208,10 +188,7 @@ mod tests {
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
         assert!(pids().contains(&std::process::id()));
         assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
-        assert!(matches!(
-            check_traceable(u32::MAX - 1),
-            Err(UserError::NoSuchProcess(_))
-        ));
+        assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
         check_traceable(std::process::id()).unwrap();
     }
 }

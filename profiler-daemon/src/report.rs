@@ -158,9 +158,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
                 outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
-                oldest_age_s: stack
-                    .oldest_ns
-                    .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
+                oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
                 frames,
             }
         })
@@ -244,21 +242,13 @@ pub fn to_table(report: &Report) -> String {
         );
         write_frames(&mut out, &lead, &stack.frames);
     }
-    let dropped: Vec<String> = report
-        .dropped
-        .iter()
-        .filter(|(_, n)| **n > 0)
-        .map(|(r, n)| format!("{r}={n}"))
-        .collect();
+    let dropped: Vec<String> =
+        report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
     for double_free in &report.double_frees {
-        let _ = writeln!(
-            out,
-            "  DOUBLE FREE of {} ({} bytes):",
-            double_free.address, double_free.size
-        );
+        let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
         for (what, site) in [
             ("allocated", &double_free.alloc),
             ("freed", &double_free.first_free),
@@ -276,11 +266,7 @@ fn write_frames(out: &mut String, lead: &str, frames: &[Frame]) {
         let _ = writeln!(out, "{lead}[no stack]");
     }
     for (i, frame) in frames.iter().enumerate() {
-        let pad = if i == 0 {
-            lead.to_string()
-        } else {
-            " ".repeat(lead.len())
-        };
+        let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
         let _ = writeln!(out, "{pad}{}", describe(frame));
     }
 }
@@ -295,11 +281,7 @@ pub fn describe(frame: &Frame) -> String {
 /// `function (file:line)`, or just `function` without debug info.
 pub fn site(frame: &Frame) -> String {
     match (&frame.file, frame.line) {
-        (Some(file), Some(line)) => format!(
-            "{} ({}:{line})",
-            frame.function,
-            file.rsplit('/').next().unwrap_or(file)
-        ),
+        (Some(file), Some(line)) => format!("{} ({}:{line})", frame.function, file.rsplit('/').next().unwrap_or(file)),
         (Some(file), None) => format!("{} ({file})", frame.function),
         _ => frame.function.clone(),
     }
@@ -339,10 +321,7 @@ mod tests {
 
     #[test]
     fn frames_read_function_file_line_module() {
-        assert_eq!(
-            describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))),
-            "leak_here (leaky.c:12) [leaky]"
-        );
+        assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
         assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
     }
 
@@ -355,11 +334,7 @@ mod tests {
 
     #[test]
     fn stack_ids_depend_on_file_offsets_not_addresses() {
-        let at = |module: &str, file_offset| Resolved {
-            module: module.into(),
-            file_offset,
-            frames: vec![],
-        };
+        let at = |module: &str, file_offset| Resolved { module: module.into(), file_offset, frames: vec![] };
         assert_eq!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 1)]));
         assert_ne!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 2)]));
         assert_eq!(stack_hash(&[at("/a", 1)]).len(), 16);

@@ -39,14 +39,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
     announce(pid_n, &comm, &attachment, &allocator);
-    let tracee = Tracee {
-        loaded,
-        attachment,
-        symbolizer,
-        pid: pid_n,
-        comm,
-        allocator_module: allocator.display_path,
-    };
+    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, allocator_module: allocator.display_path };
     let code = trace(tracee, exit, args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -60,27 +53,14 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     let mut loaded = loader::load(args.maps)?;
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
-    let comm: String = program
-        .file_name()
-        .unwrap_or_default()
-        .to_string_lossy()
-        .chars()
-        .take(15)
-        .collect();
+    let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
     let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     announce(pid, &comm, &attachment, &allocator);
     child.release();
-    let tracee = Tracee {
-        loaded,
-        attachment,
-        symbolizer,
-        pid,
-        comm,
-        allocator_module: allocator.display_path,
-    };
+    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, allocator_module: allocator.display_path };
     let code = trace(tracee, ExitWatch::Child(exit_code), args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -89,10 +69,7 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
 /// binary), else the C library memprof itself uses, which the dynamic loader will map for it.
 fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
     // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-    let display = std::fs::canonicalize(program)
-        .unwrap_or_else(|_| program.to_path_buf())
-        .display()
-        .to_string();
+    let display = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf()).display().to_string();
     if let Some(own) = allocator::read_entry_points(program, &display) {
         return Ok(own);
     }
@@ -120,10 +97,7 @@ fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
         None => Ok(Box::new(io::stdout())),
         Some(path) => File::create(path)
             .map(|f| Box::new(f) as Box<dyn Write>)
-            .map_err(|source| UserError::Output {
-                path: path.clone(),
-                source,
-            }),
+            .map_err(|source| UserError::Output { path: path.clone(), source }),
     }
 }
 
@@ -179,17 +153,9 @@ async fn trace(
             double_frees,
         };
         // JSON carries every outstanding stack; the table only the top ones.
-        let selection = Selection {
-            is_final,
-            top: (!args.json).then_some(args.top),
-            aged_only: min_age_ns > 0,
-        };
+        let selection = Selection { is_final, top: (!args.json).then_some(args.top), aged_only: min_age_ns > 0 };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
-        let text = if args.json {
-            report::to_json(&report)
-        } else {
-            report::to_table(&report)
-        };
+        let text = if args.json { report::to_json(&report) } else { report::to_table(&report) };
         output.write_all(text.as_bytes())?;
         output.write_all(b"\n")?;
         output.flush()?;
@@ -215,12 +181,7 @@ async fn trace(
     if procfs::comm(tracee.pid).is_some() {
         tracee.symbolizer.refresh(tracee.pid);
     }
-    double_frees.extend(
-        double_free_reader
-            .drain()
-            .into_iter()
-            .filter(|e| tracee.is_user_double_free(e)),
-    );
+    double_frees.extend(double_free_reader.drain().into_iter().filter(|e| tracee.is_user_double_free(e)));
     let result = emit(&tracee, &double_frees, output, true);
     tracee.loaded.detach(tracee.attachment);
     result.map(|()| code)

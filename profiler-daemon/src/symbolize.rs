@@ -68,14 +68,19 @@ impl Failure {
 
 enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
-    Refresh { pid: u32, done: mpsc::Sender<()> },
+    Refresh {
+        pid: u32,
+        done: mpsc::Sender<()>,
+    },
     Symbolize {
         pid: u32,
         addresses: Vec<u64>,
         reply: mpsc::Sender<Vec<Resolved>>,
     },
     /// The process has exited and will not be asked about again: drop its files and cache.
-    Forget { pid: u32 },
+    Forget {
+        pid: u32,
+    },
 }
 
 /// A cheap handle to the symbolizer thread.
@@ -104,10 +109,7 @@ impl SymbolizerHandle {
 
     /// How many distinct addresses got no function name, by reason.
     pub fn failures(&self) -> Vec<(Failure, u64)> {
-        Failure::ALL
-            .iter()
-            .map(|f| (*f, self.failures[*f as usize].load(Ordering::Relaxed)))
-            .collect()
+        Failure::ALL.iter().map(|f| (*f, self.failures[*f as usize].load(Ordering::Relaxed))).collect()
     }
 
     pub fn refresh(&self, pid: u32) {
@@ -144,17 +146,9 @@ struct SymbolizerThread {
 
 impl SymbolizerThread {
     fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
-        let symbolizer = Symbolizer::builder()
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
-            .enable_demangling(true)
-            .build();
-        Self {
-            symbolizer,
-            modules: HashMap::new(),
-            cache: HashMap::new(),
-            failures,
-        }
+        let symbolizer =
+            Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(true).build();
+        Self { symbolizer, modules: HashMap::new(), cache: HashMap::new(), failures }
     }
 
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
@@ -208,11 +202,10 @@ impl SymbolizerThread {
     }
 
     fn resolve_uncached(&self, pid: u32, address: u64) -> Resolved {
-        let module = self.modules.get(&pid).and_then(|modules| {
-            modules
-                .iter()
-                .find(|m| (m.mapping.start..m.mapping.end).contains(&address))
-        });
+        let module = self
+            .modules
+            .get(&pid)
+            .and_then(|modules| modules.iter().find(|m| (m.mapping.start..m.mapping.end).contains(&address)));
         let Some(module) = module else {
             self.count(Failure::NoModule);
             return unknown(address, "[anonymous]", address);
@@ -220,19 +213,12 @@ impl SymbolizerThread {
         let file_offset = address - module.mapping.start + module.mapping.offset;
         let path = &module.mapping.path;
         // A return address points after the call; the call itself is one byte earlier.
-        let source = Source::Elf(Elf::new(PathBuf::from(format!(
-            "/proc/self/fd/{}",
-            module.file.as_raw_fd()
-        ))));
-        let symbolized = self
-            .symbolizer
-            .symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
+        let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
+        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
         match symbolized {
-            Ok(Symbolized::Sym(sym)) => Resolved {
-                module: path.clone(),
-                file_offset,
-                frames: frames_of(address, path, &sym),
-            },
+            Ok(Symbolized::Sym(sym)) => {
+                Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym) }
+            }
             _ => {
                 self.count(Failure::NoSymbol);
                 unknown(address, path, file_offset)
@@ -246,10 +232,7 @@ impl SymbolizerThread {
 }
 
 fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {
-    mapping
-        .reachable_paths(pid)
-        .iter()
-        .find_map(|path| File::open(path).ok())
+    mapping.reachable_paths(pid).iter().find_map(|path| File::open(path).ok())
 }
 
 fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
@@ -279,12 +262,7 @@ fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
         module: module.to_string(),
         inlined,
     };
-    let mut frames: Vec<Frame> = sym
-        .inlined
-        .iter()
-        .rev()
-        .map(|f| frame(&f.name, f.code_info.as_ref(), true))
-        .collect();
+    let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
     frames
 }

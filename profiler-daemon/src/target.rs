@@ -87,9 +87,7 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
 
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    path.metadata()
-        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        .unwrap_or(false)
+    path.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
 }
 
 /// Forks a child that execs `program` with `args` once released.
@@ -102,16 +100,10 @@ pub fn spawn(
     args: &[OsString],
     symbolizer: SymbolizerHandle,
 ) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
-    let spawn_error = |source| UserError::Spawn {
-        command: program.display().to_string(),
-        source,
-    };
+    let spawn_error = |source| UserError::Spawn { command: program.display().to_string(), source };
     let c_program = CString::new(program.as_os_str().as_bytes()).map_err(|e| spawn_error(e.into()))?;
-    let c_args: Vec<CString> = args
-        .iter()
-        .map(|a| CString::new(a.as_bytes()))
-        .collect::<Result<_, _>>()
-        .map_err(|e| spawn_error(e.into()))?;
+    let c_args: Vec<CString> =
+        args.iter().map(|a| CString::new(a.as_bytes())).collect::<Result<_, _>>().map_err(|e| spawn_error(e.into()))?;
     let (pid_tx, pid_rx) = std::sync::mpsc::channel();
     let (code_tx, code_rx) = oneshot::channel();
     // ptrace requests must come from the thread that attached, so this thread forks, seizes and waits.
@@ -126,17 +118,9 @@ pub fn spawn(
             }
         })
         .map_err(spawn_error)?;
-    let (pid, release) = pid_rx
-        .recv()
-        .map_err(|_| spawn_error(io::Error::other("tracer thread died")))?
-        .map_err(spawn_error)?;
-    Ok((
-        Child {
-            pid: pid as u32,
-            release,
-        },
-        code_rx,
-    ))
+    let (pid, release) =
+        pid_rx.recv().map_err(|_| spawn_error(io::Error::other("tracer thread died")))?.map_err(spawn_error)?;
+    Ok((Child { pid: pid as u32, release }, code_rx))
 }
 
 fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t, OwnedFd)> {

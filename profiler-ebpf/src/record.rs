@@ -63,19 +63,9 @@ fn count_drop(reason: DropReason) {
 
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.
-static EMPTY_STATS: StackStats = StackStats {
-    allocations: 0,
-    allocated_bytes: 0,
-    frees: 0,
-    freed_bytes: 0,
-};
-static EMPTY_COUNTERS: ProcCounters = ProcCounters {
-    unknown_frees: 0,
-    failed_allocations: 0,
-};
-static EMPTY_HIST: SizeHistogram = SizeHistogram {
-    buckets: [0; SIZE_BUCKETS],
-};
+static EMPTY_STATS: StackStats = StackStats { allocations: 0, allocated_bytes: 0, frees: 0, freed_bytes: 0 };
+static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
+static EMPTY_HIST: SizeHistogram = SizeHistogram { buckets: [0; SIZE_BUCKETS] };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
 fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
@@ -117,12 +107,7 @@ pub fn on_entry(func: AllocFn, size: u64, ptr_arg: u64) {
         unsafe { (*state).depth += 1 };
         return;
     }
-    let state = Inflight {
-        func: func as u32,
-        depth: 1,
-        size,
-        ptr_arg,
-    };
+    let state = Inflight { func: func as u32, depth: 1, size, ptr_arg };
     if INFLIGHT.insert(tid, state, 0).is_err() {
         count_drop(DropReason::InflightMapFull);
     }
@@ -213,12 +198,7 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
             return;
         }
     }
-    add_to_stack(
-        tgid,
-        alloc.stack_id,
-        |s| (&mut s.allocations, &mut s.allocated_bytes),
-        size,
-    );
+    add_to_stack(tgid, alloc.stack_id, |s| (&mut s.allocations, &mut s.allocated_bytes), size);
     match get_or_insert(&SIZE_HIST, &tgid, &EMPTY_HIST) {
         Some(hist) => {
             let bucket = profiler_common::size_bucket(size).min(SIZE_BUCKETS - 1);
@@ -244,12 +224,7 @@ fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u
 
 fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, caller: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
-    let site = || FreeSite {
-        time_ns: unsafe { bpf_ktime_get_ns() },
-        caller,
-        stack_id: user_stack_id(ctx),
-        tid,
-    };
+    let site = || FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, caller, stack_id: user_stack_id(ctx), tid };
     if let Some(alloc) = unsafe { LIVE.get(key) } {
         let alloc = *alloc;
         // Two threads freeing the same block race here: only the one that removes it counts it.
@@ -261,13 +236,7 @@ fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr:
     } else if let Some(first) = unsafe { RECENT_FREES.get(key) } {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let event = DoubleFreeEvent {
-            tgid,
-            _pad: 0,
-            addr,
-            first: *first,
-            second: site(),
-        };
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: site() };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -14,10 +14,7 @@ use std::{
 use serde_json::Value;
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
 }
 
 /// The memprof binary under test: `MEMPROF_BIN` (set by `cargo xtask test`) or the release build.
@@ -25,11 +22,7 @@ pub fn memprof_bin() -> PathBuf {
     let bin = std::env::var_os("MEMPROF_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target/release/memprof"));
-    assert!(
-        bin.exists(),
-        "{} does not exist: build it with `cargo xtask test`",
-        bin.display()
-    );
+    assert!(bin.exists(), "{} does not exist: build it with `cargo xtask test`", bin.display());
     require_root();
     bin
 }
@@ -37,20 +30,14 @@ pub fn memprof_bin() -> PathBuf {
 fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "the end-to-end tests attach real uprobes and need root: run `sudo cargo xtask test`"
-    );
+    assert_eq!(euid, 0, "the end-to-end tests attach real uprobes and need root: run `sudo cargo xtask test`");
 }
 
 static COMPILE: Mutex<()> = Mutex::new(());
 
 /// Compiles `tests/fixtures/NAME.c` and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
-    fixture_with(
-        &format!("{name}.c"),
-        &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"],
-    )
+    fixture_with(&format!("{name}.c"), &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
 }
 
 /// Compiles the fixture source `FILE` with the flags given; the executable is named after its stem.
@@ -63,13 +50,7 @@ pub fn fixture_with(file: &str, flags: &[&str]) -> PathBuf {
     let source = workspace().join("tests/fixtures").join(file);
     // Several test binaries compile at once: build under a private name, then rename into place.
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
-    let status = Command::new("cc")
-        .args(flags)
-        .arg("-o")
-        .arg(&partial)
-        .arg(&source)
-        .status()
-        .expect("starting cc");
+    let status = Command::new("cc").args(flags).arg("-o").arg(&partial).arg(&source).status().expect("starting cc");
     assert!(status.success(), "compiling {} failed", source.display());
     std::fs::rename(&partial, &out).expect("moving the fixture into place");
     out
@@ -96,10 +77,7 @@ impl Outcome {
 
     /// The last report, which must be the final one.
     pub fn final_report(&self) -> Value {
-        let report = self
-            .reports()
-            .pop()
-            .unwrap_or_else(|| panic!("no report printed; stderr: {}", self.stderr));
+        let report = self.reports().pop().unwrap_or_else(|| panic!("no report printed; stderr: {}", self.stderr));
         assert_eq!(report["final"], true, "the last report is not final: {report}");
         report
     }
@@ -107,32 +85,18 @@ impl Outcome {
 
 /// `memprof run --json ARGS -- COMMAND...`
 pub fn run(args: &[&str], command: &[&str]) -> Outcome {
-    let output = Command::new(memprof_bin())
-        .args(["run", "--json"])
-        .args(args)
-        .arg("--")
-        .args(command)
-        .stdin(Stdio::null())
-        .output()
-        .expect("starting memprof");
-    Outcome {
-        status: output.status,
-        stdout: lossy(output.stdout),
-        stderr: lossy(output.stderr),
-    }
+    let all: Vec<&str> = ["run", "--json"].iter().chain(args).chain(&["--"]).chain(command).copied().collect();
+    memprof(&all)
 }
 
 /// Runs memprof with `args` and no target set-up (for error cases).
 pub fn memprof(args: &[&str]) -> Outcome {
-    let output = Command::new(memprof_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("starting memprof");
-    Outcome {
-        status: output.status,
-        stdout: lossy(output.stdout),
-        stderr: lossy(output.stderr),
+    Command::new(memprof_bin()).args(args).stdin(Stdio::null()).output().expect("starting memprof").into()
+}
+
+impl From<std::process::Output> for Outcome {
+    fn from(output: std::process::Output) -> Self {
+        Self { status: output.status, stdout: lossy(output.stdout), stderr: lossy(output.stderr) }
     }
 }
 
@@ -154,15 +118,9 @@ impl Waiting {
 
     /// Starts `command`, which must run a fixture with `--wait`.
     pub fn start_command(mut command: Command) -> Self {
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the fixture");
+        let mut child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the fixture");
         let mut ready = String::new();
-        BufReader::new(child.stdout.as_mut().expect("piped"))
-            .read_line(&mut ready)
-            .expect("reading the fixture");
+        BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready).expect("reading the fixture");
         assert_eq!(ready, "ready\n", "the fixture did not get ready");
         Self { child }
     }
@@ -173,12 +131,7 @@ impl Waiting {
 
     /// Lets the fixture do its work.
     pub fn go(&mut self) {
-        self.child
-            .stdin
-            .as_mut()
-            .expect("piped")
-            .write_all(b"go\n")
-            .expect("writing to the fixture");
+        self.child.stdin.as_mut().expect("piped").write_all(b"go\n").expect("writing to the fixture");
     }
 }
 
@@ -247,9 +200,7 @@ pub fn site(report: &Value, function: &str) -> (u64, u64) {
 
 /// The report's totals as (name, value) for assertions.
 pub fn total(report: &Value, name: &str) -> u64 {
-    report["totals"][name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("totals.{name} missing in {report}"))
+    report["totals"][name].as_u64().unwrap_or_else(|| panic!("totals.{name} missing in {report}"))
 }
 
 /// Every drop counter must be zero in a clean run.
@@ -261,11 +212,7 @@ pub fn assert_nothing_dropped(report: &Value) {
 
 /// A free TCP port on loopback (bound and released: good enough for tests).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("binding loopback")
-        .local_addr()
-        .expect("local address")
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").expect("binding loopback").local_addr().expect("local address").port()
 }
 
 /// `GET path` from a server on loopback; returns (status, body). HTTP/1.0 keeps bodies unchunked.
@@ -277,10 +224,7 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let status = response.split_whitespace().nth(1)?.parse().ok()?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap_or_default();
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
     Some((status, body))
 }
 
@@ -291,10 +235,7 @@ pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T
         if let Some(value) = check() {
             return value;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out after {seconds} s waiting for {what}"
-        );
+        assert!(std::time::Instant::now() < deadline, "timed out after {seconds} s waiting for {what}");
         thread::sleep(std::time::Duration::from_millis(200));
     }
 }

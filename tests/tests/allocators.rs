@@ -32,27 +32,12 @@ fn every_allocator_function_is_counted_exactly() {
 #[test]
 fn every_realloc_case_is_counted_exactly() {
     let outcome = run(&[], &[fixture("realloc").to_str().unwrap()]);
-    assert!(
-        outcome.status.success(),
-        "the fixture checks realloc's behaviour itself: {outcome:?}"
-    );
+    assert!(outcome.status.success(), "the fixture checks realloc's behaviour itself: {outcome:?}");
     let report = outcome.final_report();
-    assert_eq!(
-        site(&report, "site_realloc_null"),
-        (64, 1),
-        "realloc(NULL, n) is malloc"
-    );
+    assert_eq!(site(&report, "site_realloc_null"), (64, 1), "realloc(NULL, n) is malloc");
     assert_eq!(site(&report, "site_realloc_zero"), (0, 0), "realloc(p, 0) frees p");
-    assert_eq!(
-        site(&report, "site_realloc_move"),
-        (1 << 20, 1),
-        "a moved block is the new one"
-    );
-    assert_eq!(
-        site(&report, "site_realloc_shrink"),
-        (900, 1),
-        "in place, the new size counts"
-    );
+    assert_eq!(site(&report, "site_realloc_move"), (1 << 20, 1), "a moved block is the new one");
+    assert_eq!(site(&report, "site_realloc_shrink"), (900, 1), "in place, the new size counts");
     assert_eq!(site(&report, "site_reallocarray"), (30, 1));
     // Of the seeds only the one whose realloc failed is still outstanding.
     assert_eq!(site(&report, "seed"), (50, 1));
@@ -75,16 +60,8 @@ fn threads_allocating_at_once_and_freeing_each_others_memory() {
     }
     // Allocated by one thread, freed by another.
     assert_eq!(site(&report, "handoff_alloc"), (0, 0));
-    let handoff = report["stacks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|s| s["frames"][0]["function"] == "handoff_alloc");
+    let handoff = report["stacks"].as_array().unwrap().iter().any(|s| s["frames"][0]["function"] == "handoff_alloc");
     assert!(!handoff, "a fully freed stack is not listed");
-    assert_eq!(
-        report["double_frees"].as_array().unwrap().len(),
-        0,
-        "thread exit is not a double free"
-    );
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "thread exit is not a double free");
     assert_nothing_dropped(&report);
 }

@@ -18,16 +18,7 @@ fn assert_one_line_error(outcome: &memprof_tests::Outcome, expected: &str) {
 fn json_reports_follow_the_documented_schema() {
     let outcome = run(&[], &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
     let report = outcome.final_report();
-    for key in [
-        "final",
-        "pid",
-        "comm",
-        "duration_s",
-        "totals",
-        "dropped",
-        "stacks",
-        "double_frees",
-    ] {
+    for key in ["final", "pid", "comm", "duration_s", "totals", "dropped", "stacks", "double_frees"] {
         assert!(report.get(key).is_some(), "missing {key}: {report}");
     }
     for key in [
@@ -42,13 +33,7 @@ fn json_reports_follow_the_documented_schema() {
     ] {
         assert!(report["totals"][key].is_u64(), "totals.{key}: {report}");
     }
-    for key in [
-        "live_map_full",
-        "stack_walk_failed",
-        "stack_collision",
-        "inflight_missing",
-        "double_free_event_lost",
-    ] {
+    for key in ["live_map_full", "stack_walk_failed", "stack_collision", "inflight_missing", "double_free_event_lost"] {
         assert!(report["dropped"][key].is_u64(), "dropped.{key}: {report}");
     }
     let stack = &report["stacks"][0];
@@ -80,33 +65,20 @@ fn json_reports_follow_the_documented_schema() {
 #[test]
 fn the_table_names_function_file_line_and_module() {
     let out = Command::new(memprof_bin())
-        .args([
-            "run",
-            "--top",
-            "1",
-            "--",
-            fixture("lifecycle").to_str().unwrap(),
-            "linger",
-        ])
+        .args(["run", "--top", "1", "--", fixture("lifecycle").to_str().unwrap(), "linger"])
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("final report"), "{table}");
     assert!(table.contains("linger_leak (lifecycle.c:"), "{table}");
     assert!(table.contains("[lifecycle]"), "{table}");
-    assert!(
-        !table.contains("before_attach"),
-        "--top 1 shows only the largest stack: {table}"
-    );
+    assert!(!table.contains("before_attach"), "--top 1 shows only the largest stack: {table}");
 }
 
 #[test]
 fn output_goes_to_the_file_given() {
     let path = std::env::temp_dir().join(format!("memprof-output-{}.json", std::process::id()));
-    let outcome = run(
-        &["--output", path.to_str().unwrap()],
-        &[fixture("lifecycle").to_str().unwrap(), "reuse"],
-    );
+    let outcome = run(&["--output", path.to_str().unwrap()], &[fixture("lifecycle").to_str().unwrap(), "reuse"]);
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(outcome.stdout.is_empty());
     let text = std::fs::read_to_string(&path).unwrap();
@@ -117,10 +89,7 @@ fn output_goes_to_the_file_given() {
 
 #[test]
 fn a_pid_that_does_not_exist() {
-    assert_one_line_error(
-        &memprof(&["attach", "--pid", "999999999"]),
-        "no process with pid 999999999",
-    );
+    assert_one_line_error(&memprof(&["attach", "--pid", "999999999"]), "no process with pid 999999999");
 }
 
 #[test]
@@ -149,11 +118,7 @@ fn missing_privileges_name_what_is_needed() {
         .output()
         .expect("setpriv (util-linux) runs memprof unprivileged");
     target.go();
-    let outcome = memprof_tests::Outcome {
-        status: out.status,
-        stdout: String::from_utf8_lossy(&out.stdout).into(),
-        stderr: String::from_utf8_lossy(&out.stderr).into(),
-    };
+    let outcome = memprof_tests::Outcome::from(out);
     assert_one_line_error(&outcome, "CAP_SYS_ADMIN + CAP_BPF + CAP_PERFMON");
 }
 

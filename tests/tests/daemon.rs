@@ -36,34 +36,22 @@ impl Daemon {
             .spawn()
             .expect("starting memprof daemon");
         let daemon = Self { child, port };
-        wait_for(20, "the daemon to be ready", || {
-            (http_get(port, "/-/ready")?.0 == 200).then_some(())
-        });
+        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
         daemon
     }
 
     fn get_json(&self, path: &str) -> (u16, Value) {
         let (status, body) = http_get(self.port, path).unwrap_or_else(|| panic!("GET {path} failed"));
-        (
-            status,
-            serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")),
-        )
+        (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
     }
 
     fn traced_pids(&self) -> Vec<u64> {
         let (_, targets) = self.get_json("/api/v1/targets");
-        targets
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t["pid"].as_u64().unwrap())
-            .collect()
+        targets.as_array().unwrap().iter().map(|t| t["pid"].as_u64().unwrap()).collect()
     }
 
     fn wait_traced(&self, pid: u32) {
-        wait_for(20, &format!("pid {pid} to be traced"), || {
-            self.traced_pids().contains(&(pid as u64)).then_some(())
-        });
+        wait_for(20, &format!("pid {pid} to be traced"), || self.traced_pids().contains(&(pid as u64)).then_some(()));
     }
 
     fn signal(&self, signal: i32) {
@@ -119,23 +107,15 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     daemon.wait_traced(late.pid());
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(
-        metrics.contains(&format!(
-            "memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1",
-            late.pid()
-        )),
+        metrics.contains(&format!("memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1", late.pid())),
         "{metrics}"
     );
     let pid = late.pid() as u64;
     let _ = late.child.kill();
     let _ = late.child.wait();
-    wait_for(20, "the exited process to disappear", || {
-        (!daemon.traced_pids().contains(&pid)).then_some(())
-    });
+    wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
-    assert!(
-        !metrics.contains(&format!("pid=\"{pid}\"")),
-        "its series are gone: {metrics}"
-    );
+    assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
 }
 
 #[test]
@@ -151,10 +131,7 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     daemon.signal(libc::SIGHUP);
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(http_get(daemon.port, "/-/ready").unwrap().0, 200, "still serving");
-    assert!(
-        daemon.traced_pids().contains(&(held.pid() as u64)),
-        "the old rules still apply"
-    );
+    assert!(daemon.traced_pids().contains(&(held.pid() as u64)), "the old rules still apply");
     let _ = std::fs::remove_file(&config);
 
     let stopping = Instant::now();
@@ -166,21 +143,12 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     assert!(took < Duration::from_secs(2), "stopping took {took:?}");
     let mut stderr = String::new();
     std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    assert!(
-        stderr.contains("keeping the old configuration: invalid config file"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("keeping the old configuration: invalid config file"), "{stderr}");
     // No perf event with a BPF program is left on the target's allocator.
-    let perf = Command::new("bpftool")
-        .args(["perf", "list"])
-        .output()
-        .expect("bpftool (installed by xtask setup)");
+    let perf = Command::new("bpftool").args(["perf", "list"]).output().expect("bpftool (installed by xtask setup)");
     let perf = String::from_utf8_lossy(&perf.stdout);
     assert!(!perf.contains("uprobe"), "probes left after SIGTERM:\n{perf}");
-    assert!(
-        unsafe { libc::kill(held.pid() as i32, 0) } == 0,
-        "the target keeps running"
-    );
+    assert!(unsafe { libc::kill(held.pid() as i32, 0) } == 0, "the target keeps running");
 }
 
 /// A Prometheus server (Debian's package) scraping the daemon every second.
@@ -218,10 +186,7 @@ impl Prometheus {
     fn query(&self, query: &str) -> Option<f64> {
         let (_, body) = http_get(self.port, &format!("/api/v1/query?query={}", encode(query)))?;
         let json: Value = serde_json::from_str(&body).ok()?;
-        json["data"]["result"].as_array()?.first()?["value"][1]
-            .as_str()?
-            .parse()
-            .ok()
+        json["data"]["result"].as_array()?.first()?["value"][1].as_str()?.parse().ok()
     }
 }
 
@@ -236,13 +201,7 @@ impl Drop for Prometheus {
 fn encode(query: &str) -> String {
     query
         .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b == b'_' {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
+        .map(|b| if b.is_ascii_alphanumeric() || b == b'_' { (b as char).to_string() } else { format!("%{b:02X}") })
         .collect()
 }
 
@@ -265,18 +224,10 @@ fn prometheus_sees_each_processs_heap_to_the_byte() {
     }
     let allocations = format!("memprof_allocations_total{{pid=\"{}\"}}", first.pid());
     let before = wait_for(30, "allocations in Prometheus", || prometheus.query(&allocations));
-    wait_for(30, "memprof_allocations_total to grow", || {
-        (prometheus.query(&allocations)? > before).then_some(())
-    });
-    let histogram = format!(
-        "memprof_allocation_size_bytes_bucket{{pid=\"{}\",le=\"1024.0\"}}",
-        first.pid()
-    );
+    wait_for(30, "memprof_allocations_total to grow", || (prometheus.query(&allocations)? > before).then_some(()));
+    let histogram = format!("memprof_allocation_size_bytes_bucket{{pid=\"{}\",le=\"1024.0\"}}", first.pid());
     let small = wait_for(30, "the size histogram", || prometheus.query(&histogram));
-    assert!(
-        small >= 50.0,
-        "the 50 x 1000-byte blocks fall at or below 1024: {small}"
-    );
+    assert!(small >= 50.0, "the 50 x 1000-byte blocks fall at or below 1024: {small}");
     let top = format!("memprof_stack_inuse_bytes{{pid=\"{}\",stack!=\"other\"}}", first.pid());
     assert_eq!(wait_for(30, "the top stack", || prometheus.query(&top)), 50_000.0);
     let site = "count(memprof_stack_info{site=~\"hold_site \\\\(daemon_target.c:[0-9]+\\\\)\"})";
@@ -286,10 +237,7 @@ fn prometheus_sees_each_processs_heap_to_the_byte() {
 /// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid system).
 fn cgroup2_mount() -> PathBuf {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-    let line = mounts
-        .lines()
-        .find(|l| l.split_whitespace().nth(2) == Some("cgroup2"))
-        .expect("a cgroup2 mount");
+    let line = mounts.lines().find(|l| l.split_whitespace().nth(2) == Some("cgroup2")).expect("a cgroup2 mount");
     PathBuf::from(line.split_whitespace().nth(1).unwrap())
 }
 
@@ -305,11 +253,7 @@ fn every_process_in_a_cgroup_is_traced_and_no_other() {
     let daemon = Daemon::start(&["--cgroup", group.to_str().unwrap()]);
     daemon.wait_traced(inside.pid());
     std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(
-        daemon.traced_pids(),
-        vec![inside.pid() as u64],
-        "only the process in the cgroup"
-    );
+    assert_eq!(daemon.traced_pids(), vec![inside.pid() as u64], "only the process in the cgroup");
     drop(daemon);
     let _ = outside;
     let _ = inside.child.kill();
@@ -323,9 +267,7 @@ fn processes_beyond_max_targets_are_refused_and_counted() {
     let first = target();
     let second = target();
     let daemon = Daemon::start(&["--comm", "^daemon_target$", "--max-targets", "1"]);
-    wait_for(20, "one process traced", || {
-        (daemon.traced_pids().len() == 1).then_some(())
-    });
+    wait_for(20, "one process traced", || (daemon.traced_pids().len() == 1).then_some(()));
     std::thread::sleep(Duration::from_secs(1));
     let traced = daemon.traced_pids();
     assert_eq!(traced.len(), 1);

@@ -6,31 +6,20 @@ use memprof_tests::{assert_nothing_dropped, attach, fixture, run, site, total, W
 fn allocations_from_before_attach_freed_after_are_unknown_frees() {
     let mut target = Waiting::start(&fixture("lifecycle"), &["prior"]);
     let outcome = attach(&mut target, &["--interval", "60"]);
-    assert!(
-        outcome.status.success(),
-        "memprof exits 0 when its target exits: {outcome:?}"
-    );
+    assert!(outcome.status.success(), "memprof exits 0 when its target exits: {outcome:?}");
     let report = outcome.final_report();
     assert_eq!(total(&report, "unknown_frees"), 100);
     assert_eq!(site(&report, "after_attach"), (320, 10));
     assert_eq!(site(&report, "before_attach"), (0, 0));
     assert_eq!(total(&report, "outstanding_bytes"), 320);
-    assert_eq!(
-        total(&report, "frees"),
-        0,
-        "frees of unknown blocks are not charged to any stack"
-    );
+    assert_eq!(total(&report, "frees"), 0, "frees of unknown blocks are not charged to any stack");
     assert_nothing_dropped(&report);
 }
 
 #[test]
 fn a_double_free_is_reported_with_three_stacks_even_when_glibc_aborts() {
     let outcome = run(&[], &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
-    assert_eq!(
-        outcome.status.code(),
-        Some(128 + 6),
-        "memprof exits like its command (SIGABRT): {outcome:?}"
-    );
+    assert_eq!(outcome.status.code(), Some(128 + 6), "memprof exits like its command (SIGABRT): {outcome:?}");
     let report = outcome.final_report();
     let double_frees = report["double_frees"].as_array().unwrap();
     assert_eq!(double_frees.len(), 1, "{report}");
@@ -43,10 +32,8 @@ fn a_double_free_is_reported_with_three_stacks_even_when_glibc_aborts() {
         assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
         assert!(df[which]["tid"].as_u64().unwrap() > 0);
     }
-    let times: Vec<f64> = ["alloc", "first_free", "second_free"]
-        .iter()
-        .map(|w| df[w]["time_s"].as_f64().unwrap())
-        .collect();
+    let times: Vec<f64> =
+        ["alloc", "first_free", "second_free"].iter().map(|w| df[w]["time_s"].as_f64().unwrap()).collect();
     assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
 }
 
@@ -68,11 +55,7 @@ fn a_target_exiting_mid_trace_ends_the_session_with_its_outstanding_memory() {
     let outcome = attach(&mut target, &["--interval", "1"]);
     assert!(outcome.status.success(), "{outcome:?}");
     let reports = outcome.reports();
-    assert!(
-        reports.len() >= 3,
-        "interval reports, then the final one: {}",
-        outcome.stdout
-    );
+    assert!(reports.len() >= 3, "interval reports, then the final one: {}", outcome.stdout);
     assert!(reports[..reports.len() - 1].iter().all(|r| r["final"] == false));
     let last = outcome.final_report();
     assert_eq!(site(&last, "linger_leak"), (30 * 4096, 30));
@@ -83,10 +66,7 @@ fn a_target_exiting_mid_trace_ends_the_session_with_its_outstanding_memory() {
 
 #[test]
 fn run_exits_with_the_commands_exit_code_and_covers_its_whole_life() {
-    let outcome = run(
-        &["--interval", "1"],
-        &[fixture("lifecycle").to_str().unwrap(), "linger"],
-    );
+    let outcome = run(&["--interval", "1"], &[fixture("lifecycle").to_str().unwrap(), "linger"]);
     assert_eq!(outcome.status.code(), Some(3), "{outcome:?}");
     let report = outcome.final_report();
     // Allocated before main's work began: memprof run sees them too.
@@ -98,10 +78,7 @@ fn run_exits_with_the_commands_exit_code_and_covers_its_whole_life() {
 
 #[test]
 fn min_age_keeps_only_old_allocations() {
-    let outcome = run(
-        &["--min-age", "1.5"],
-        &[fixture("lifecycle").to_str().unwrap(), "linger"],
-    );
+    let outcome = run(&["--min-age", "1.5"], &[fixture("lifecycle").to_str().unwrap(), "linger"]);
     let report = outcome.final_report();
     // The 100 early blocks are 3 s old at exit; of the pages leaked every 100 ms over 3 s, only
     // those older than 1.5 s count (allow for scheduling: between 10 and 20 of the 30).
@@ -109,9 +86,5 @@ fn min_age_keeps_only_old_allocations() {
     let (bytes, count) = site(&report, "linger_leak");
     assert!((10..=20).contains(&count), "{count} pages older than 1.5 s");
     assert_eq!(bytes, count * 4096);
-    assert_eq!(
-        total(&report, "outstanding_allocations"),
-        130,
-        "totals ignore --min-age"
-    );
+    assert_eq!(total(&report, "outstanding_allocations"), 130, "totals ignore --min-age");
 }

@@ -6,10 +6,7 @@ use memprof_tests::{attach, fixture, fixture_with, run, site, Waiting};
 
 #[test]
 fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
-    let program = fixture_with(
-        "symbols.cpp",
-        &["-x", "c++", "-g", "-O2", "-fno-omit-frame-pointer", "-lstdc++"],
-    );
+    let program = fixture_with("symbols.cpp", &["-x", "c++", "-g", "-O2", "-fno-omit-frame-pointer", "-lstdc++"]);
     let report = run(&[], &[program.to_str().unwrap()]).final_report();
     let stack = &report["stacks"][0];
     assert_eq!(stack["outstanding_bytes"], 120, "{report}");
@@ -44,16 +41,9 @@ fn a_process_in_its_own_root_is_traced_in_its_own_libc() {
     let outcome = attach(&mut target, &["--interval", "60"]);
     let _ = fs::remove_dir_all(&root);
     let own_libc = root.join("lib/x86_64-linux-gnu/libc.so.6");
-    assert!(
-        outcome.stderr.contains(&format!("probes in {}", own_libc.display())),
-        "{}",
-        outcome.stderr
-    );
+    assert!(outcome.stderr.contains(&format!("probes in {}", own_libc.display())), "{}", outcome.stderr);
     let report = outcome.final_report();
     assert_eq!(site(&report, "site_malloc"), (1000, 10), "{report}");
     assert_eq!(site(&report, "site_calloc"), (500, 5));
-    assert_eq!(
-        report["stacks"][0]["frames"][0]["module"],
-        root.join("allocators").to_str().unwrap()
-    );
+    assert_eq!(report["stacks"][0]["frames"][0]["module"], root.join("allocators").to_str().unwrap());
 }

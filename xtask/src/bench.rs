@@ -46,11 +46,7 @@ pub fn run() -> anyhow::Result<()> {
     crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2"])?;
     let heaptrack_out = dir.join("heaptrack.out").display().to_string();
     let tools = [
-        Tool {
-            name: "none",
-            how: "the loop alone",
-            command: vec![],
-        },
+        Tool { name: "none", how: "the loop alone", command: vec![] },
         Tool {
             name: "memprof",
             how: "`memprof run`: every call, exact, with stacks",
@@ -68,21 +64,11 @@ pub fn run() -> anyhow::Result<()> {
             how: "LD_PRELOAD, needs a restart",
             command: vec!["heaptrack".into(), "-o".into(), heaptrack_out],
         },
-        Tool {
-            name: "valgrind",
-            how: "memcheck, needs a restart",
-            command: vec!["valgrind".into(), "-q".into()],
-        },
+        Tool { name: "valgrind", how: "memcheck, needs a restart", command: vec!["valgrind".into(), "-q".into()] },
         Tool {
             name: "bpftrace memleak",
             how: "bcc memleak's probe set in bpftrace",
-            command: vec![
-                "bpftrace".into(),
-                "-q".into(),
-                "-e".into(),
-                BPFTRACE_MEMLEAK.into(),
-                "-c".into(),
-            ],
+            command: vec!["bpftrace".into(), "-q".into(), "-e".into(), BPFTRACE_MEMLEAK.into(), "-c".into()],
         },
     ];
     let mut results = Vec::new();
@@ -144,38 +130,21 @@ fn measure(tool: &Tool, workload: &Path) -> anyhow::Result<Measured> {
         .find_map(|line| line.strip_prefix("ns_per_pair "))
         .and_then(|n| n.trim().parse().ok())
         .with_context(|| format!("{} printed no timing: {output}", tool.name))?;
-    Ok(Measured {
-        ns_per_pair,
-        max_rss_kib: usage.ru_maxrss,
-    })
+    Ok(Measured { ns_per_pair, max_rss_kib: usage.ru_maxrss })
 }
 
 /// Kernel memory of memprof's BPF maps at the default sizes, from the maps' fdinfo `memlock`.
 fn memprof_kernel_memory(memprof: &Path, dir: &Path) -> anyhow::Result<u64> {
     let sleeper = dir.join("sleeper");
-    std::fs::write(
-        dir.join("sleeper.c"),
-        "#include <unistd.h>\nint main(void) { sleep(30); return 0; }\n",
-    )?;
+    std::fs::write(dir.join("sleeper.c"), "#include <unistd.h>\nint main(void) { sleep(30); return 0; }\n")?;
     crate::compile_c(&dir.join("sleeper.c"), &sleeper, &[])?;
     let mut target = Command::new(&sleeper).spawn()?;
     let mut tracer = Command::new(memprof)
-        .args([
-            "attach",
-            "--pid",
-            &target.id().to_string(),
-            "--interval",
-            "60",
-            "--output",
-            "/dev/null",
-        ])
+        .args(["attach", "--pid", &target.id().to_string(), "--interval", "60", "--output", "/dev/null"])
         .stderr(Stdio::piped())
         .spawn()?;
     let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(tracer.stderr.as_mut().expect("piped")),
-        &mut line,
-    )?;
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(tracer.stderr.as_mut().expect("piped")), &mut line)?;
     let mut kib = 0;
     for fd in std::fs::read_dir(format!("/proc/{}/fdinfo", tracer.id()))?.flatten() {
         let info = std::fs::read_to_string(fd.path()).unwrap_or_default();
@@ -207,10 +176,7 @@ fn render(results: &[(&Tool, Measured)], kernel_kib: u64) -> String {
         std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     );
     out.push_str("| tool | what it does | ns per pair | × untraced | × memprof | peak RSS (tool + loop) |\n|---|---|---:|---:|---:|---:|\n");
-    let memprof = results
-        .iter()
-        .find(|(t, _)| t.name == "memprof")
-        .map_or(baseline, |(_, m)| m.ns_per_pair);
+    let memprof = results.iter().find(|(t, _)| t.name == "memprof").map_or(baseline, |(_, m)| m.ns_per_pair);
     for (tool, m) in results {
         let _ = writeln!(
             out,

@@ -13,24 +13,11 @@ pub fn run() -> anyhow::Result<()> {
     let server = out_dir.join("leaky_server");
     let source = root().join("demo/leaky_server.c");
     crate::compile_c(&source, &server, &["-g", "-O1", "-fno-omit-frame-pointer", "-pthread"])?;
-    let mut patient = Command::new(&server)
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting the demo server")?;
+    let mut patient = Command::new(&server).stdout(Stdio::null()).spawn().context("starting the demo server")?;
     let pid = patient.id().to_string();
     println!("$ sudo memprof attach --pid {pid} --interval 3 --duration 7 --top 3");
     let status = Command::new(&memprof)
-        .args([
-            "attach",
-            "--pid",
-            &pid,
-            "--interval",
-            "3",
-            "--duration",
-            "7",
-            "--top",
-            "3",
-        ])
+        .args(["attach", "--pid", &pid, "--interval", "3", "--duration", "7", "--top", "3"])
         .status()
         .context("starting memprof");
     let _ = patient.kill();

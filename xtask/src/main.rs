@@ -35,19 +35,13 @@ fn main() -> anyhow::Result<()> {
 
 /// The repository root.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 /// Runs a command in the repository root, failing with its name if it fails.
 fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
-    let status = Command::new(program)
-        .args(args)
-        .current_dir(root())
-        .status()
-        .with_context(|| format!("starting {program}"))?;
+    let status =
+        Command::new(program).args(args).current_dir(root()).status().with_context(|| format!("starting {program}"))?;
     if !status.success() {
         bail!("`{program} {}` failed ({status})", args.join(" "));
     }
@@ -56,13 +50,7 @@ fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
 
 /// Compiles a C file.
 fn compile_c(source: &Path, out: &Path, flags: &[&str]) -> anyhow::Result<()> {
-    let status = Command::new("cc")
-        .args(flags)
-        .arg("-o")
-        .arg(out)
-        .arg(source)
-        .status()
-        .context("starting cc")?;
+    let status = Command::new("cc").args(flags).arg("-o").arg(out).arg(source).status().context("starting cc")?;
     if !status.success() {
         bail!("compiling {} failed", source.display());
     }
@@ -79,17 +67,7 @@ fn test() -> anyhow::Result<()> {
     run("cargo", &["fmt", "--all", "--check"])?;
     run(
         "cargo",
-        &[
-            "clippy",
-            "--release",
-            "--workspace",
-            "--exclude",
-            "profiler-ebpf",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
+        &["clippy", "--release", "--workspace", "--exclude", "profiler-ebpf", "--all-targets", "--", "-D", "warnings"],
     )?;
     run(
         "cargo",
@@ -112,8 +90,5 @@ fn test() -> anyhow::Result<()> {
     // The end-to-end tests run this binary against real processes: they need root.
     // SAFETY: setting a variable before any thread of ours starts.
     unsafe { std::env::set_var("MEMPROF_BIN", &memprof) };
-    run(
-        "cargo",
-        &["test", "--release", "--workspace", "--exclude", "profiler-ebpf"],
-    )
+    run("cargo", &["test", "--release", "--workspace", "--exclude", "profiler-ebpf"])
 }

@@ -23,24 +23,13 @@ pub fn all() -> anyhow::Result<()> {
 }
 
 fn succeeds(program: &str, args: &[&str]) -> bool {
-    Command::new(program)
-        .args(args)
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
+    Command::new(program).args(args).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 fn output(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("starting {program}"))?;
+    let out = Command::new(program).args(args).output().with_context(|| format!("starting {program}"))?;
     if !out.status.success() {
-        bail!(
-            "`{program} {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("`{program} {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
@@ -58,9 +47,7 @@ pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
 }
 
 fn installed(package: &str) -> bool {
-    output("dpkg-query", &["-W", "-f=${Status}", package])
-        .map(|s| s.ends_with("installed"))
-        .unwrap_or(false)
+    output("dpkg-query", &["-W", "-f=${Status}", package]).map(|s| s.ends_with("installed")).unwrap_or(false)
 }
 
 fn nightly_sysroot() -> anyhow::Result<PathBuf> {
@@ -85,17 +72,9 @@ fn bpf_linker() -> anyhow::Result<()> {
     let llvm = fs::read_dir(&lib)?
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libLLVM.so."))
-        })
+        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libLLVM.so.")))
         .with_context(|| format!("no libLLVM.so.* in {}", lib.display()))?;
-    let version = llvm
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("libLLVM.so."))
-        .unwrap_or("");
+    let version = llvm.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("libLLVM.so.")).unwrap_or("");
     let major = version.split('.').next().unwrap_or("");
     // bpf-linker's build script only runs `llvm-config --version` and links -lLLVM from lib/; the
     // binary keeps an rpath to this directory, so it must stay where it is.
@@ -103,10 +82,7 @@ fn bpf_linker() -> anyhow::Result<()> {
     fs::create_dir_all(shim.join("bin"))?;
     fs::create_dir_all(shim.join("lib"))?;
     let llvm_config = shim.join("bin/llvm-config");
-    fs::write(
-        &llvm_config,
-        format!("#!/bin/sh\necho {}\n", version.split('-').next().unwrap_or(version)),
-    )?;
+    fs::write(&llvm_config, format!("#!/bin/sh\necho {}\n", version.split('-').next().unwrap_or(version)))?;
     fs::set_permissions(&llvm_config, fs::Permissions::from_mode(0o755))?;
     // libLLVM.so for the link, and the library's own name for the rpath lookup at run time.
     for name in [std::ffi::OsStr::new("libLLVM.so"), llvm.file_name().unwrap_or_default()] {

@@ -43,9 +43,7 @@ impl Rules {
         self.all
             || self.pids.contains(&pid)
             || self.comms.iter().any(|re| re.is_match(comm))
-            || cgroups
-                .iter()
-                .any(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
+            || cgroups.iter().any(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
     }
 
     pub fn needs_cgroup(&self) -> bool {
@@ -96,10 +94,7 @@ pub fn load(args: &DaemonArgs) -> Result<Config, ConfigError> {
 
 fn read_file(path: &Path) -> Result<File, ConfigError> {
     let display = path.display().to_string();
-    let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: display.clone(),
-        source,
-    })?;
+    let text = fs::read_to_string(path).map_err(|source| ConfigError::Read { path: display.clone(), source })?;
     toml::from_str(&text).map_err(|err| ConfigError::Parse {
         path: display,
         // toml's messages span several lines (with a caret under the spot): keep them on one.
@@ -117,56 +112,32 @@ fn pick<T: Clone>(flags: &[T], from_file: Option<Vec<T>>) -> Vec<T> {
 }
 
 fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
-    let listen = args
-        .listen
-        .clone()
-        .or(file.listen)
-        .unwrap_or_else(|| "127.0.0.1:9464".to_string());
+    let listen = args.listen.clone().or(file.listen).unwrap_or_else(|| "127.0.0.1:9464".to_string());
     let listen = listen.parse().map_err(|_| ConfigError::Listen(listen.clone()))?;
     let comms = pick(&args.comms, file.comms)
         .into_iter()
         .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), err)))
         .collect::<Result<Vec<_>, _>>()?;
-    let cgroups = pick(&args.cgroups, file.cgroups)
-        .iter()
-        .map(|dir| procfs::cgroup_path(dir))
-        .collect();
-    let rules = Rules {
-        pids: pick(&args.pids, file.pids),
-        comms,
-        cgroups,
-        all: args.all || file.all.unwrap_or(false),
-    };
+    let cgroups = pick(&args.cgroups, file.cgroups).iter().map(|dir| procfs::cgroup_path(dir)).collect();
+    let rules = Rules { pids: pick(&args.pids, file.pids), comms, cgroups, all: args.all || file.all.unwrap_or(false) };
     if !rules.all && rules.pids.is_empty() && rules.comms.is_empty() && rules.cgroups.is_empty() {
         return Err(ConfigError::NoTargets);
     }
     let interval = args.interval.or(file.interval).unwrap_or(5.0);
     if !(interval > 0.0 && interval.is_finite()) {
-        return Err(ConfigError::Value(
-            "interval",
-            format!("{interval} is not a positive number of seconds"),
-        ));
+        return Err(ConfigError::Value("interval", format!("{interval} is not a positive number of seconds")));
     }
     let min_age = args.min_age.or(file.min_age).unwrap_or(300.0);
     if !(min_age >= 0.0 && min_age.is_finite()) {
-        return Err(ConfigError::Value(
-            "min_age",
-            format!("{min_age} is not a number of seconds (0 or more)"),
-        ));
+        return Err(ConfigError::Value("min_age", format!("{min_age} is not a number of seconds (0 or more)")));
     }
-    let defaults = MapSizes {
-        max_live: 1 << 20,
-        max_stacks: 1 << 16,
-    };
+    let defaults = MapSizes { max_live: 1 << 20, max_stacks: 1 << 16 };
     let maps = MapSizes {
         max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),
         max_stacks: args.max_stacks.or(file.max_stacks).unwrap_or(defaults.max_stacks),
     };
     if maps.max_live == 0 || maps.max_stacks == 0 {
-        return Err(ConfigError::Value(
-            "map size",
-            "max_live and max_stacks must be at least 1".to_string(),
-        ));
+        return Err(ConfigError::Value("map size", "max_live and max_stacks must be at least 1".to_string()));
     }
     Ok(Config {
         listen,
@@ -184,20 +155,15 @@ mod tests {
     use super::*;
 
     fn parse(toml_text: &str, args: DaemonArgs) -> Result<Config, ConfigError> {
-        let file = toml::from_str(toml_text).map_err(|e| ConfigError::Parse {
-            path: "t".into(),
-            message: e.to_string(),
-        })?;
+        let file =
+            toml::from_str(toml_text).map_err(|e| ConfigError::Parse { path: "t".into(), message: e.to_string() })?;
         merge(file, &args)
     }
 
     #[test]
     fn the_shipped_example_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/memprof.toml");
-        let args = DaemonArgs {
-            config: Some(path),
-            ..DaemonArgs::default()
-        };
+        let args = DaemonArgs { config: Some(path), ..DaemonArgs::default() };
         let config = load(&args).unwrap();
         assert_eq!(config.listen.to_string(), "127.0.0.1:9464");
         assert!(config.rules.matches(1, "nginx", &[]));
@@ -205,11 +171,8 @@ mod tests {
 
     #[test]
     fn flags_override_the_file() {
-        let args = DaemonArgs {
-            listen: Some("127.0.0.1:1".into()),
-            comms: vec!["^b$".into()],
-            ..DaemonArgs::default()
-        };
+        let args =
+            DaemonArgs { listen: Some("127.0.0.1:1".into()), comms: vec!["^b$".into()], ..DaemonArgs::default() };
         let config = parse("listen = \"0.0.0.0:9\"\ncomms = [\"^a$\"]\ntop_stacks = 3\n", args).unwrap();
         assert_eq!(config.listen.to_string(), "127.0.0.1:1");
         assert!(config.rules.matches(7, "b", &[]));
@@ -232,10 +195,7 @@ mod tests {
 
     #[test]
     fn cgroups_match_themselves_and_below() {
-        let args = DaemonArgs {
-            cgroups: vec!["/system.slice/".into()],
-            ..DaemonArgs::default()
-        };
+        let args = DaemonArgs { cgroups: vec!["/system.slice/".into()], ..DaemonArgs::default() };
         let rules = parse("", args).unwrap().rules;
         assert_eq!(rules.cgroups, vec!["/system.slice".to_string()]);
         let matches = |cgroup: &str| rules.matches(1, "x", &[cgroup.to_string()]);

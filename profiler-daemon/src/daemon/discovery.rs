@@ -15,10 +15,7 @@ impl ProcessId {
     /// The process now running under `pid`, if any (zombies are gone already).
     pub fn current(pid: u32) -> Option<Self> {
         let stat = procfs::stat(pid)?;
-        (!stat.kernel_thread && !stat.zombie).then_some(Self {
-            pid,
-            start_time: stat.start_time,
-        })
+        (!stat.kernel_thread && !stat.zombie).then_some(Self { pid, start_time: stat.start_time })
     }
 }
 
@@ -32,11 +29,7 @@ pub fn scan(rules: &Rules) -> Vec<(ProcessId, String)> {
         }
         let Some(id) = ProcessId::current(pid) else { continue };
         let Some(comm) = procfs::comm(pid) else { continue };
-        let cgroups = if rules.needs_cgroup() {
-            procfs::cgroups(pid)
-        } else {
-            Vec::new()
-        };
+        let cgroups = if rules.needs_cgroup() { procfs::cgroups(pid) } else { Vec::new() };
         if rules.matches(pid, &comm, &cgroups) {
             found.push((id, comm));
         }

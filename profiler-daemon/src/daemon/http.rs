@@ -27,10 +27,7 @@ struct Shared {
 type AppState = State<Arc<Shared>>;
 
 pub fn router(view: Arc<RwLock<DaemonView>>) -> Router {
-    let shared = Arc::new(Shared {
-        registry: metrics::registry(view.clone()),
-        view,
-    });
+    let shared = Arc::new(Shared { registry: metrics::registry(view.clone()), view });
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(scrape))
@@ -101,20 +98,14 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
 
 async fn leaks(State(shared): AppState, Query(params): Query<HashMap<String, String>>) -> Response {
     let Some(pid) = params.get("pid") else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "the pid parameter is missing: /api/v1/leaks?pid=N",
-        );
+        return error(StatusCode::BAD_REQUEST, "the pid parameter is missing: /api/v1/leaks?pid=N");
     };
     let Ok(pid) = pid.parse::<u32>() else {
         return error(StatusCode::BAD_REQUEST, &format!("pid `{pid}` is not a process id"));
     };
     match read(&shared).targets.get(&pid) {
         Some(target) => Json(target.report.clone()).into_response(),
-        None => error(
-            StatusCode::NOT_FOUND,
-            &format!("pid {pid} is not traced; /api/v1/targets lists those that are"),
-        ),
+        None => error(StatusCode::NOT_FOUND, &format!("pid {pid} is not traced; /api/v1/targets lists those that are")),
     }
 }
 
@@ -144,8 +135,5 @@ async fn index(State(shared): AppState) -> Html<String> {
 }
 
 fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

@@ -39,6 +39,42 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
 
 type Labels = Vec<(&'static str, String)>;
 
+/// The series every traced process has: name (a counter's without `_total`, which the encoder
+/// appends), help, type, and the value from its view.
+type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
+
+const PER_PROCESS: [PerProcess; 11] = [
+    ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
+        t.report.totals.outstanding_bytes
+    }),
+    ("memprof_heap_inuse_objects", "Allocations not yet freed.", MetricType::Gauge, |t| {
+        t.report.totals.outstanding_allocations
+    }),
+    ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
+    ("memprof_allocated_bytes", "Bytes allocated.", MetricType::Counter, |t| t.report.totals.allocated_bytes),
+    ("memprof_frees", "Frees of allocations seen.", MetricType::Counter, |t| t.report.totals.frees),
+    ("memprof_freed_bytes", "Bytes freed.", MetricType::Counter, |t| t.report.totals.freed_bytes),
+    ("memprof_failed_allocations", "Allocator calls that failed.", MetricType::Counter, |t| {
+        t.report.totals.failed_allocations
+    }),
+    ("memprof_unknown_frees", "Frees of addresses not allocated since attach.", MetricType::Counter, |t| {
+        t.report.totals.unknown_frees
+    }),
+    ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
+    (
+        "memprof_leak_candidate_bytes",
+        "Bytes outstanding longer than the leak rule's min-age.",
+        MetricType::Gauge,
+        |t| t.leak_candidate_bytes,
+    ),
+    (
+        "memprof_leak_candidates",
+        "Allocations outstanding longer than the leak rule's min-age.",
+        MetricType::Gauge,
+        |t| t.leak_candidates,
+    ),
+];
+
 fn process_labels(t: &TargetView) -> Labels {
     vec![("pid", t.pid.to_string()), ("comm", t.comm.clone())]
 }
@@ -79,9 +115,7 @@ fn counters<V: EncodeCounterValue>(
     help: &str,
     rows: impl IntoIterator<Item = (Labels, V)>,
 ) -> std::fmt::Result {
-    family(encoder, name, help, MetricType::Counter, rows, |m, v| {
-        m.encode_counter::<NoLabelSet, _, u64>(v, None)
-    })
+    family(encoder, name, help, MetricType::Counter, rows, |m, v| m.encode_counter::<NoLabelSet, _, u64>(v, None))
 }
 
 impl Collector for ViewCollector {
@@ -89,77 +123,15 @@ impl Collector for ViewCollector {
         let view = self.view.read().unwrap_or_else(|e| e.into_inner()).clone();
         let e = &mut encoder;
         let targets: Vec<&TargetView> = view.targets.values().collect();
-        let per_target = |value: fn(&TargetView) -> u64| -> Vec<(Labels, u64)> {
-            targets.iter().map(|t| (process_labels(t), value(t))).collect()
-        };
 
-        gauges(
-            e,
-            "memprof_heap_inuse_bytes",
-            "Bytes allocated and not yet freed.",
-            per_target(|t| t.report.totals.outstanding_bytes),
-        )?;
-        gauges(
-            e,
-            "memprof_heap_inuse_objects",
-            "Allocations not yet freed.",
-            per_target(|t| t.report.totals.outstanding_allocations),
-        )?;
-        counters(
-            e,
-            "memprof_allocations",
-            "Successful allocator calls.",
-            per_target(|t| t.report.totals.allocations),
-        )?;
-        counters(
-            e,
-            "memprof_allocated_bytes",
-            "Bytes allocated.",
-            per_target(|t| t.report.totals.allocated_bytes),
-        )?;
-        counters(
-            e,
-            "memprof_frees",
-            "Frees of allocations seen.",
-            per_target(|t| t.report.totals.frees),
-        )?;
-        counters(
-            e,
-            "memprof_freed_bytes",
-            "Bytes freed.",
-            per_target(|t| t.report.totals.freed_bytes),
-        )?;
-        counters(
-            e,
-            "memprof_failed_allocations",
-            "Allocator calls that failed.",
-            per_target(|t| t.report.totals.failed_allocations),
-        )?;
-        counters(
-            e,
-            "memprof_unknown_frees",
-            "Frees of addresses not allocated since attach.",
-            per_target(|t| t.report.totals.unknown_frees),
-        )?;
-        counters(
-            e,
-            "memprof_double_frees",
-            "Frees of addresses already freed.",
-            per_target(|t| t.double_frees),
-        )?;
+        for (name, help, kind, value) in PER_PROCESS {
+            let rows = targets.iter().map(|t| (process_labels(t), value(t)));
+            match kind {
+                MetricType::Counter => counters(e, name, help, rows)?,
+                _ => gauges(e, name, help, rows)?,
+            }
+        }
         histograms(e, &targets)?;
-        gauges(
-            e,
-            "memprof_leak_candidate_bytes",
-            "Bytes outstanding longer than the leak rule's min-age.",
-            per_target(|t| t.leak_candidate_bytes),
-        )?;
-        gauges(
-            e,
-            "memprof_leak_candidates",
-            "Allocations outstanding longer than the leak rule's min-age.",
-            per_target(|t| t.leak_candidates),
-        )?;
 
         let stack_rows = targets.iter().flat_map(|t| {
             let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));
@@ -184,12 +156,7 @@ impl Collector for ViewCollector {
             .collect();
         sites.sort_by(|a, b| a.0.cmp(&b.0));
         sites.dedup_by(|a, b| a.0 == b.0);
-        gauges(
-            e,
-            "memprof_stack_info",
-            "The allocation site of each exported stack.",
-            sites,
-        )?;
+        gauges(e, "memprof_stack_info", "The allocation site of each exported stack.", sites)?;
 
         gauges(
             e,
@@ -207,9 +174,7 @@ impl Collector for ViewCollector {
             e,
             "memprof_events_dropped",
             "Events the probes could not record, by reason.",
-            DropReason::ALL
-                .iter()
-                .map(|r| (vec![("reason", r.name().to_string())], view.drops[*r as usize])),
+            DropReason::ALL.iter().map(|r| (vec![("reason", r.name().to_string())], view.drops[*r as usize])),
         )?;
         counters(
             e,
@@ -227,31 +192,17 @@ impl Collector for ViewCollector {
             e,
             "memprof_bpf_map_capacity",
             "Capacity of the BPF maps that fill up.",
-            view.maps
-                .iter()
-                .map(|m| (vec![("map", m.name.to_string())], m.capacity)),
+            view.maps.iter().map(|m| (vec![("map", m.name.to_string())], m.capacity)),
         )?;
         counters(
             e,
             "memprof_symbolization_failures",
             "Distinct addresses that got no function name, by reason.",
-            view.symbolization_failures
-                .iter()
-                .map(|(reason, n)| (vec![("reason", reason.to_string())], *n)),
+            view.symbolization_failures.iter().map(|(reason, n)| (vec![("reason", reason.to_string())], *n)),
         )?;
         let (cpu_seconds, resident_bytes) = own_usage();
-        counters(
-            e,
-            "process_cpu_seconds",
-            "CPU time memprof has used, user and system.",
-            [(vec![], cpu_seconds)],
-        )?;
-        gauges(
-            e,
-            "process_resident_memory_bytes",
-            "memprof's resident memory.",
-            [(vec![], resident_bytes)],
-        )?;
+        counters(e, "process_cpu_seconds", "CPU time memprof has used, user and system.", [(vec![], cpu_seconds)])?;
+        gauges(e, "process_resident_memory_bytes", "memprof's resident memory.", [(vec![], resident_bytes)])?;
         Ok(())
     }
 }
@@ -267,12 +218,8 @@ fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::
     for t in targets {
         // Per-bucket counts: the encoder makes them cumulative.
         let counts = &t.sizes.buckets;
-        let mut buckets: Vec<(f64, u64)> = counts
-            .iter()
-            .take(HISTOGRAM_BUCKETS)
-            .enumerate()
-            .map(|(i, n)| ((1u64 << i) as f64, *n))
-            .collect();
+        let mut buckets: Vec<(f64, u64)> =
+            counts.iter().take(HISTOGRAM_BUCKETS).enumerate().map(|(i, n)| ((1u64 << i) as f64, *n)).collect();
         buckets.push((f64::INFINITY, counts[HISTOGRAM_BUCKETS..].iter().sum()));
         let total: u64 = counts.iter().sum();
         let labels = process_labels(t);
@@ -289,28 +236,12 @@ fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::
 /// memprof's own CPU seconds and resident bytes, from /proc/self.
 fn own_usage() -> (f64, f64) {
     // SAFETY: sysconf has no preconditions.
-    let (ticks, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_CLK_TCK) as f64,
-            libc::sysconf(libc::_SC_PAGESIZE) as f64,
-        )
-    };
+    let (ticks, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK) as f64, libc::sysconf(libc::_SC_PAGESIZE) as f64) };
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
     // utime and stime are fields 14 and 15 of proc(5); the list starts at field 3.
-    let cpu = [11, 12]
-        .iter()
-        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
-        .sum::<f64>()
-        / ticks;
+    let cpu = [11, 12].iter().filter_map(|i| fields.get(*i)?.parse::<f64>().ok()).sum::<f64>() / ticks;
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let resident = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        * page;
+    let resident = statm.split_whitespace().nth(1).and_then(|p| p.parse::<f64>().ok()).unwrap_or(0.0) * page;
     (cpu, resident)
 }

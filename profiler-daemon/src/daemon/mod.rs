@@ -18,28 +18,20 @@ use crate::cli::DaemonArgs;
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let config = config::load(args)?;
-    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| {
-        format!(
-            "cannot listen on {}; choose another address with --listen",
-            config.listen
-        )
-    })?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}; choose another address with --listen", config.listen))?;
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
     let tracer = tracer::Tracer::new(config.clone(), view.clone())?;
     let (commands, receiver) = mpsc::channel();
-    let tracer_thread = std::thread::Builder::new()
-        .name("tracer".into())
-        .spawn(move || tracer.run(receiver))?;
+    let tracer_thread = std::thread::Builder::new().name("tracer".into()).spawn(move || tracer.run(receiver))?;
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, http::router(view)).with_graceful_shutdown(async {
         let _ = http_stopped.await;
     });
     let server = tokio::spawn(async move { server.await });
-    eprintln!(
-        "memprof: daemon serving http://{}/metrics; SIGHUP reloads the config, SIGTERM stops",
-        config.listen
-    );
+    eprintln!("memprof: daemon serving http://{}/metrics; SIGHUP reloads the config, SIGTERM stops", config.listen);
 
     let mut hangup = signal(SignalKind::hangup())?;
     let mut interrupt = signal(SignalKind::interrupt())?;

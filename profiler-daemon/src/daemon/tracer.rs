@@ -95,9 +95,7 @@ impl Tracer {
                 }
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
-            let wait = next_discovery
-                .min(next_snapshot)
-                .saturating_duration_since(Instant::now());
+            let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now());
             match commands.recv_timeout(wait) {
                 Ok(Command::Reload(config)) => self.reload(*config),
                 Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -124,12 +122,7 @@ impl Tracer {
     fn discover(&mut self) -> bool {
         let matches = discovery::scan(&self.config.rules);
         let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();
-        let gone: Vec<u32> = self
-            .targets
-            .values()
-            .filter(|t| !wanted.contains(&t.id))
-            .map(|t| t.id.pid)
-            .collect();
+        let gone: Vec<u32> = self.targets.values().filter(|t| !wanted.contains(&t.id)).map(|t| t.id.pid).collect();
         let mut changed = !gone.is_empty();
         for pid in gone {
             self.detach(pid);
@@ -210,11 +203,7 @@ impl Tracer {
         let mut view = DaemonView {
             drops: kernel.drops,
             maps: vec![
-                MapUse {
-                    name: "live",
-                    entries: kernel.live_entries,
-                    capacity: self.config.maps.max_live.into(),
-                },
+                MapUse { name: "live", entries: kernel.live_entries, capacity: self.config.maps.max_live.into() },
                 MapUse {
                     name: "stack_stats",
                     entries: kernel.stack_stats_entries,
@@ -222,12 +211,7 @@ impl Tracer {
                 },
             ],
             refused_targets: self.refused.len() as u64,
-            symbolization_failures: self
-                .symbolizer
-                .failures()
-                .into_iter()
-                .map(|(f, n)| (f.name(), n))
-                .collect(),
+            symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()
         };
@@ -255,11 +239,7 @@ impl Tracer {
             start_ns: target.start_ns,
             double_frees: &target.double_frees,
         };
-        let selection = Selection {
-            is_final: true,
-            top: None,
-            aged_only: false,
-        };
+        let selection = Selection { is_final: true, top: None, aged_only: false };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
         let top = self.config.top_stacks;
         let top_stacks: Vec<StackSeries> = report
@@ -276,10 +256,7 @@ impl Tracer {
         TargetView {
             pid,
             comm: target.comm.clone(),
-            attached_at: target
-                .attached_at
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+            attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             double_frees: target.double_frees.len() as u64,
             leak_candidate_bytes: snapshot.stacks.iter().map(|s| s.aged_bytes).sum(),
             leak_candidates: snapshot.stacks.iter().map(|s| s.aged_allocations).sum(),
