@@ -72,8 +72,8 @@ pub enum DropReason {
     DoubleFreeEventLost = 6,
     /// An address was returned again while still live: its free was never seen.
     MissedFree = 7,
-    /// `PROC_COUNTERS` was full: a per-process counter could not be bumped.
-    ProcCountersFull = 8,
+    /// `PROC_COUNTERS` or `SIZE_HIST` was full: a per-process counter could not be bumped.
+    ProcessTableFull = 8,
 }
 
 impl DropReason {
@@ -87,7 +87,7 @@ impl DropReason {
         DropReason::InflightMissing,
         DropReason::DoubleFreeEventLost,
         DropReason::MissedFree,
-        DropReason::ProcCountersFull,
+        DropReason::ProcessTableFull,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -101,7 +101,7 @@ impl DropReason {
             DropReason::InflightMissing => "inflight_missing",
             DropReason::DoubleFreeEventLost => "double_free_event_lost",
             DropReason::MissedFree => "missed_free",
-            DropReason::ProcCountersFull => "proc_counters_full",
+            DropReason::ProcessTableFull => "process_table_full",
         }
     }
 }

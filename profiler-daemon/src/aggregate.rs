@@ -24,6 +24,8 @@ pub struct KernelSnapshot {
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`).
     pub live_entries: u64,
     pub stack_stats_entries: u64,
+    /// Stacks stored in `STACKS`.
+    pub stack_entries: u64,
 }
 
 /// One process.
@@ -100,6 +102,8 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
             process.stacks.push(stack_snapshot(key.stack_id, stats, summary));
         }
     }
+    let stack_map = StackTraceMap::try_from(map(ebpf, "STACKS")?)?;
+    snapshot.stack_entries = stack_map.stack_ids().flatten().count() as u64;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
@@ -128,8 +132,21 @@ fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary) -> StackS
 }
 
 /// Removes everything the maps hold about `tgid`, which has exited: its entries would otherwise
-/// fill the maps and a reused pid would inherit them.
+/// fill the maps and a reused pid would inherit them. Its stacks go too, unless another process
+/// still counts allocations under the same stack id (`STACKS` never frees ids by itself).
 pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
+    let mut own_stacks = HashSet::new();
+    let mut shared_stacks = HashSet::new();
+    let stats: BpfHashMap<_, StackKey, StackStats> = BpfHashMap::try_from(map(ebpf, "STACK_STATS")?)?;
+    for key in stats.keys().flatten() {
+        if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
+    }
+    let freed: BpfHashMap<_, AddrKey, FreedAlloc> = BpfHashMap::try_from(map(ebpf, "RECENT_FREES")?)?;
+    for (key, freed) in freed.iter().flatten() {
+        if key.tgid == tgid {
+            own_stacks.insert(freed.free.stack_id);
+        }
+    }
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
         ebpf: &mut Ebpf,
         name: &str,
@@ -149,6 +166,11 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k| *k == tgid)?;
     remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k| *k == tgid)?;
+    let mut stacks =
+        StackTraceMap::try_from(ebpf.map_mut("STACKS").context("map STACKS missing from the eBPF object")?)?;
+    for stack_id in own_stacks.difference(&shared_stacks) {
+        let _ = stacks.remove(stack_id);
+    }
     Ok(())
 }
 

@@ -80,7 +80,7 @@ fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Optio
 fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
     match get_or_insert(&PROC_COUNTERS, &tgid, &EMPTY_COUNTERS) {
         Some(counters) => add(field(unsafe { &mut *counters }), 1),
-        None => count_drop(DropReason::ProcCountersFull),
+        None => count_drop(DropReason::ProcessTableFull),
     }
 }
 
@@ -206,7 +206,7 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
                 add(count, 1);
             }
         }
-        None => count_drop(DropReason::ProcCountersFull),
+        None => count_drop(DropReason::ProcessTableFull),
     }
 }
 

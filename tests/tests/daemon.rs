@@ -110,12 +110,19 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
         metrics.contains(&format!("memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1", late.pid())),
         "{metrics}"
     );
+    late.go();
+    let leaks = format!("/api/v1/leaks?pid={}", late.pid());
+    wait_for(20, "its allocations", || (site(&daemon.get_json(&leaks).1, "hold_site").1 == 50).then_some(()));
     let pid = late.pid() as u64;
     let _ = late.child.kill();
     let _ = late.child.wait();
     wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
+    for map in ["live", "stack_stats", "stacks"] {
+        let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
+        assert!(metrics.contains(&purged), "its kernel state is purged ({map}): {metrics}");
+    }
 }
 
 #[test]

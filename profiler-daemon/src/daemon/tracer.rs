@@ -204,6 +204,7 @@ impl Tracer {
             drops: kernel.drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: self.config.maps.max_live.into() },
+                MapUse { name: "stacks", entries: kernel.stack_entries, capacity: self.config.maps.max_stacks.into() },
                 MapUse {
                     name: "stack_stats",
                     entries: kernel.stack_stats_entries,
