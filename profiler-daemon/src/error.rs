@@ -6,6 +6,8 @@ use std::path::PathBuf;
 pub enum UserError {
     #[error("no process with pid {0}; check the pid with `ps -p {0}`")]
     NoSuchProcess(u32),
+    #[error("memprof cannot trace itself; give the pid of another process")]
+    SelfTrace,
     #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
     KernelThread(u32),
     #[error("no allocator (malloc and free) found in pid {pid}: {detail}; memprof traces processes that use the C library's allocator")]

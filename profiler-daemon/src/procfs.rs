@@ -24,6 +24,8 @@ pub struct Stat {
     pub zombie: bool,
     /// Clock ticks after boot when the process started: with the pid, names one process for good.
     pub start_time: u64,
+    /// CPU time used, user and system, in clock ticks.
+    pub cpu_ticks: u64,
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
@@ -37,7 +39,28 @@ pub fn stat(pid: u32) -> Option<Stat> {
         kernel_thread: flags & PF_KTHREAD != 0,
         zombie: matches!(field(3)?, "Z" | "X"),
         start_time: field(22)?.parse().ok()?,
+        cpu_ticks: field(14)?.parse::<u64>().ok()? + field(15)?.parse::<u64>().ok()?,
     })
+}
+
+/// Resident memory of the process, in bytes.
+pub fn resident_bytes(pid: u32) -> u64 {
+    let statm = fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * page
+}
+
+/// The unit of `Stat::start_time` and `Stat::cpu_ticks`.
+pub fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
+}
+
+/// Seconds since boot, the clock `Stat::start_time` counts on.
+pub fn seconds_since_boot() -> f64 {
+    let uptime = fs::read_to_string("/proc/uptime").unwrap_or_default();
+    uptime.split_whitespace().next().and_then(|s| s.parse().ok()).unwrap_or(0.0)
 }
 
 /// Fails unless `pid` is a live user-space process.
@@ -186,6 +209,9 @@ mod tests {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
         let own = stat(std::process::id()).unwrap();
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
+        assert!(resident_bytes(std::process::id()) > 0);
+        let age = seconds_since_boot() - own.start_time as f64 / clock_ticks_per_second();
+        assert!((0.0..600.0).contains(&age), "the test started {age} s ago");
         assert!(pids().contains(&std::process::id()));
         assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
         assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));

@@ -28,6 +28,9 @@ use crate::{
 pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let mut output = open_output(args)?;
     let pid_n = pid.get();
+    if pid_n == std::process::id() {
+        return Err(UserError::SelfTrace.into());
+    }
     // Privileges first: without them /proc says too little about other users' processes.
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;

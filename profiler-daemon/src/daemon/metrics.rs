@@ -12,6 +12,7 @@ use prometheus_client::{
 };
 
 use super::view::{DaemonView, TargetView};
+use crate::procfs;
 
 /// The Content-Type of what `encode` returns.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -235,13 +236,7 @@ fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::
 
 /// memprof's own CPU seconds and resident bytes, from /proc/self.
 fn own_usage() -> (f64, f64) {
-    // SAFETY: sysconf has no preconditions.
-    let (ticks, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK) as f64, libc::sysconf(libc::_SC_PAGESIZE) as f64) };
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
-    // utime and stime are fields 14 and 15 of proc(5); the list starts at field 3.
-    let cpu = [11, 12].iter().filter_map(|i| fields.get(*i)?.parse::<f64>().ok()).sum::<f64>() / ticks;
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let resident = statm.split_whitespace().nth(1).and_then(|p| p.parse::<f64>().ok()).unwrap_or(0.0) * page;
-    (cpu, resident)
+    let pid = std::process::id();
+    let cpu = procfs::stat(pid).map_or(0.0, |s| s.cpu_ticks as f64 / procfs::clock_ticks_per_second());
+    (cpu, procfs::resident_bytes(pid) as f64)
 }

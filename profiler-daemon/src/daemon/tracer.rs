@@ -29,6 +29,8 @@ use crate::{
 
 /// How often /proc is polled for processes to attach to or detach from.
 const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// How long a new process that cannot be attached to is tried again.
+const GRACE_SECONDS: f64 = 5.0;
 
 pub enum Command {
     Reload(Box<Config>),
@@ -147,6 +149,9 @@ impl Tracer {
             self.refused.remove(&id);
             match self.attach(id, comm) {
                 Ok(()) => changed = true,
+                // A process caught between exec and the dynamic loader mapping its C library has
+                // no allocator yet: only give up on processes old enough to have one.
+                Err(err) if id.age_seconds() < GRACE_SECONDS => debug!(pid = id.pid, "not traced yet: {err:#}"),
                 Err(err) => {
                     debug!(pid = id.pid, "not traced: {err:#}");
                     self.unattachable.insert(id);
