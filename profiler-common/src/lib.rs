@@ -121,6 +121,12 @@ pub struct Inflight {
     pub size: u64,
     /// realloc's old pointer, or posix_memalign's out-pointer.
     pub ptr_arg: u64,
+    /// The thread's process: thread ids are reused, and an entry left by a thread that died inside
+    /// the allocator must not be taken for a new thread's.
+    pub tgid: u32,
+    /// Whether `stash` holds realloc's old block, taken out of `LIVE` at entry.
+    pub stashed: u32,
+    pub stash: LiveAlloc,
 }
 
 /// Key of a live allocation: addresses repeat across processes.
@@ -148,6 +154,7 @@ pub struct LiveAlloc {
 
 /// Where and when a free happened. `caller` is the return address read at free's entry, where a
 /// frame-pointer walk misses the function that called free; 0 when the stack is already complete.
+/// `stack_id` is in `FREE_STACKS`, not `STACKS`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FreeSite {
@@ -241,7 +248,7 @@ pub fn size_bucket(size: u64) -> usize {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<Inflight>() == 24);
+    assert!(core::mem::size_of::<Inflight>() == 64);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
     assert!(core::mem::size_of::<FreeSite>() == 24);
@@ -278,4 +285,5 @@ mod pod {
     unsafe impl aya::Pod for ProcCounters {}
     unsafe impl aya::Pod for SizeHistogram {}
     unsafe impl aya::Pod for FreedAlloc {}
+    unsafe impl aya::Pod for Inflight {}
 }

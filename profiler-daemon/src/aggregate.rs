@@ -1,7 +1,8 @@
-//! Reads the maps into a snapshot of one process: per-stack totals, live ages, counters, drops.
+//! Reads the maps into snapshots of the traced processes: per-stack totals, live ages, counters,
+//! drops; and purges the maps of processes that are gone.
 //!
-//! Every interval reads `STACK_STATS` (one row per stack) and walks `LIVE` for this process's
-//! allocation ages. Double-free events arrive through a ring buffer and are kept for the report.
+//! Every interval reads `STACK_STATS` (one row per stack) and walks `LIVE` in batches for the
+//! allocations' ages. Double-free events arrive through a ring buffer.
 
 use std::collections::{HashMap, HashSet};
 
@@ -11,9 +12,11 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, LiveAlloc, ProcCounters, SizeHistogram, StackKey, StackStats,
-    NO_STACK,
+    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, ProcCounters, SizeHistogram, StackKey,
+    StackStats, NO_STACK,
 };
+
+use crate::batch;
 
 /// What the kernel side knows at one moment, for the processes asked about.
 #[derive(Debug, Clone, Default)]
@@ -70,8 +73,6 @@ pub fn monotonic_now_ns() -> u64 {
 /// Allocations at least `min_age_ns` old are counted apart as aged.
 pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
-    let stats: BpfHashMap<_, StackKey, StackStats> = BpfHashMap::try_from(map(ebpf, "STACK_STATS")?)?;
-    let live: BpfHashMap<_, AddrKey, LiveAlloc> = BpfHashMap::try_from(map(ebpf, "LIVE")?)?;
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
     let sizes: BpfHashMap<_, u32, SizeHistogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
@@ -79,13 +80,12 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
     let threshold = now_ns.saturating_sub(min_age_ns);
     let mut summaries: HashMap<(u32, u32), LiveSummary> = HashMap::new();
     let mut snapshot = KernelSnapshot::default();
-    // Keys of entries removed while we walk are skipped by aya's iterator, so errors are ignored.
-    for (key, alloc) in live.iter().flatten() {
+    batch::for_each(map(ebpf, "LIVE")?, |key: &AddrKey, alloc: &LiveAlloc| {
         snapshot.live_entries += 1;
         if tgids.contains(&key.tgid) {
-            summarize(summaries.entry((key.tgid, alloc.stack_id)).or_default(), &alloc, threshold);
+            summarize(summaries.entry((key.tgid, alloc.stack_id)).or_default(), alloc, threshold);
         }
-    }
+    })?;
     for &tgid in tgids {
         let process = Snapshot {
             now_ns,
@@ -95,13 +95,13 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
         };
         snapshot.processes.insert(tgid, process);
     }
-    for (key, stats) in stats.iter().flatten() {
+    batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
         snapshot.stack_stats_entries += 1;
         if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
             let summary = summaries.get(&(key.tgid, key.stack_id)).copied().unwrap_or_default();
-            process.stacks.push(stack_snapshot(key.stack_id, stats, summary));
+            process.stacks.push(stack_snapshot(key.stack_id, *stats, summary));
         }
-    }
+    })?;
     let stack_map = StackTraceMap::try_from(map(ebpf, "STACKS")?)?;
     snapshot.stack_entries = stack_map.stack_ids().flatten().count() as u64;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
@@ -137,35 +137,38 @@ fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary) -> StackS
 pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     let mut own_stacks = HashSet::new();
     let mut shared_stacks = HashSet::new();
-    let stats: BpfHashMap<_, StackKey, StackStats> = BpfHashMap::try_from(map(ebpf, "STACK_STATS")?)?;
-    for key in stats.keys().flatten() {
+    batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
-    }
-    let freed: BpfHashMap<_, AddrKey, FreedAlloc> = BpfHashMap::try_from(map(ebpf, "RECENT_FREES")?)?;
-    for (key, freed) in freed.iter().flatten() {
-        if key.tgid == tgid {
-            own_stacks.insert(freed.free.stack_id);
-        }
-    }
+    })?;
+    batch::for_each(map(ebpf, "RECENT_FREES")?, |key: &AddrKey, freed: &FreedAlloc| {
+        if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
+    })?;
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
         ebpf: &mut Ebpf,
         name: &str,
-        matches: impl Fn(&K) -> bool,
+        matches: impl Fn(&K, &V) -> bool,
     ) -> anyhow::Result<()> {
+        let mut doomed = Vec::new();
+        batch::for_each(map(ebpf, name)?, |k: &K, v: &V| {
+            if matches(k, v) {
+                doomed.push(*k);
+            }
+        })?;
         let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
-        let doomed: Vec<K> = map.keys().flatten().filter(|k| matches(k)).collect();
         for key in doomed {
             let _ = map.remove(&key);
         }
         Ok(())
     }
-    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k| k.tgid == tgid)?;
-    remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k| k.tgid == tgid)?;
-    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k| k.tgid == tgid)?;
-    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k| *k == tgid)?;
-    remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k| *k == tgid)?;
+    // Threads that died inside the allocator leave their in-flight state behind.
+    remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| state.tgid == tgid)?;
+    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| k.tgid == tgid)?;
+    remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k, _| k.tgid == tgid)?;
+    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
+    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
+    remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
     let mut stacks =
         StackTraceMap::try_from(ebpf.map_mut("STACKS").context("map STACKS missing from the eBPF object")?)?;
     for stack_id in own_stacks.difference(&shared_stacks) {
@@ -178,12 +181,23 @@ fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
     ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))
 }
 
+/// Where a stack id points: allocation stacks and free stacks are kept apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StackTable {
+    Allocations,
+    Frees,
+}
+
 /// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
-pub fn stack_frames(ebpf: &Ebpf, stack_id: u32) -> Vec<u64> {
+pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u32) -> Vec<u64> {
     if stack_id == NO_STACK {
         return Vec::new();
     }
-    let Ok(stack_map) = map(ebpf, "STACKS").and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
+    let name = match table {
+        StackTable::Allocations => "STACKS",
+        StackTable::Frees => "FREE_STACKS",
+    };
+    let Ok(stack_map) = map(ebpf, name).and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
         return Vec::new();
     };
     stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()

@@ -96,6 +96,10 @@ pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Alloc
 /// address the program reads at `rsp` is still the caller's.
 fn past_null_check(data: &[u8], offset: u64) -> u64 {
     const TEST_RDI_RDI: [u8; 3] = [0x48, 0x85, 0xff];
+    // The encodings below are x86-64's.
+    if !cfg!(target_arch = "x86_64") {
+        return offset;
+    }
     let Some(code) = usize::try_from(offset).ok().and_then(|start| data.get(start..start + 16)) else {
         return offset;
     };

@@ -113,16 +113,24 @@ pub struct MapSizes {
     pub max_stacks: u32,
 }
 
-fn positive_seconds(value: &str) -> Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(secs),
-        _ => Err(format!("`{value}` is not a positive number of seconds")),
+/// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.
+pub const MAX_SECONDS: f64 = 1e9;
+
+/// Checks a number of seconds: above zero (or zero too, with `zero_ok`) and at most `MAX_SECONDS`.
+pub fn check_seconds(secs: f64, zero_ok: bool) -> Result<f64, String> {
+    let lowest_ok = if zero_ok { secs >= 0.0 } else { secs > 0.0 };
+    if lowest_ok && secs <= MAX_SECONDS {
+        Ok(secs)
+    } else {
+        let least = if zero_ok { "0" } else { "more than 0" };
+        Err(format!("`{secs}` is not a number of seconds from {least} to {MAX_SECONDS}"))
     }
 }
 
+fn positive_seconds(value: &str) -> Result<f64, String> {
+    check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, false)
+}
+
 fn non_negative_seconds(value: &str) -> Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(secs) if secs >= 0.0 && secs.is_finite() => Ok(secs),
-        _ => Err(format!("`{value}` is not a number of seconds (0 or more)")),
-    }
+    check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, true)
 }

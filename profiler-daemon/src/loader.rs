@@ -131,8 +131,10 @@ impl Loaded {
     /// Slow: closing a uprobe's perf event waits for RCU grace periods under a kernel-wide mutex
     /// (`perf_trace_destroy`), about 90 ms a probe here, so threads would not help. Attach-time
     /// cost is small; this is why memprof keeps to one probe per distinct address.
+    /// Entry probes go first (the reverse of attaching): an entry probe left without its return
+    /// probe would leave in-flight state that nothing clears.
     pub fn detach(&mut self, attachment: Attachment) {
-        for (name, link) in attachment.links {
+        for (name, link) in attachment.links.into_iter().rev() {
             if let Ok(program) = program(&mut self.ebpf, name) {
                 let _ = program.detach(link);
             }

@@ -2,6 +2,7 @@
 
 mod aggregate;
 mod allocator;
+mod batch;
 mod cli;
 mod daemon;
 mod error;

@@ -4,11 +4,11 @@
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use aya::Ebpf;
-use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, NO_STACK};
+use profiler_common::{DoubleFreeEvent, DropReason, FreeSite};
 use serde::Serialize;
 
 use crate::{
-    aggregate::{self, Snapshot, StackSnapshot},
+    aggregate::{self, Snapshot, StackSnapshot, StackTable},
     symbolize::{Frame, Resolved, SymbolizerHandle},
 };
 
@@ -66,25 +66,24 @@ pub struct SiteReport {
     pub frames: Vec<Frame>,
 }
 
-/// What a report needs besides the snapshot.
-pub struct Context<'a> {
+/// Turns a traced process's stack ids and times into frames and seconds.
+pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
     pub symbolizer: &'a SymbolizerHandle,
     pub pid: u32,
-    pub comm: &'a str,
     /// CLOCK_MONOTONIC when tracing began.
     pub start_ns: u64,
-    pub double_frees: &'a [DoubleFreeEvent],
 }
 
-impl Context<'_> {
+impl Stacks<'_> {
     fn seconds_since_start(&self, time_ns: u64) -> f64 {
         seconds(time_ns.saturating_sub(self.start_ns))
     }
 
-    /// Symbolizes a stored stack; `caller` is prepended for stacks taken at a function's entry.
-    fn frames(&self, stack_id: u32, caller: u64) -> (Vec<Frame>, String) {
-        let mut addresses = aggregate::stack_frames(self.ebpf, stack_id);
+    /// Symbolizes a stored stack and hashes it; `caller` is prepended for stacks taken at a
+    /// function's entry.
+    fn frames(&self, table: StackTable, stack_id: u32, caller: u64) -> (Vec<Frame>, String) {
+        let mut addresses = aggregate::stack_frames(self.ebpf, table, stack_id);
         if caller != 0 {
             // Taken at free's entry: frame 0 is inside free, and the walk missed free's caller
             // (unless the kernel added it, as it does at a `push %rbp`).
@@ -95,7 +94,7 @@ impl Context<'_> {
                 addresses.insert(0, caller);
             }
         }
-        if addresses.is_empty() && stack_id == NO_STACK {
+        if addresses.is_empty() {
             return (Vec::new(), "none".to_string());
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
@@ -103,13 +102,35 @@ impl Context<'_> {
         (resolved.into_iter().flat_map(|r| r.frames).collect(), id)
     }
 
-    fn site(&self, site: &FreeSite) -> SiteReport {
+    fn free_site(&self, site: &FreeSite) -> SiteReport {
         SiteReport {
             tid: site.tid,
             time_s: self.seconds_since_start(site.time_ns),
-            frames: self.frames(site.stack_id, site.caller).0,
+            frames: self.frames(StackTable::Frees, site.stack_id, site.caller).0,
         }
     }
+
+    /// Symbolizes a double free when it arrives: its free stacks may be replaced later.
+    pub fn double_free(&self, event: &DoubleFreeEvent) -> DoubleFreeReport {
+        DoubleFreeReport {
+            address: format!("{:#x}", event.addr),
+            size: event.first.alloc.size,
+            alloc: SiteReport {
+                tid: event.first.alloc.tid,
+                time_s: self.seconds_since_start(event.first.alloc.time_ns),
+                frames: self.frames(StackTable::Allocations, event.first.alloc.stack_id, 0).0,
+            },
+            first_free: self.free_site(&event.first.free),
+            second_free: self.free_site(&event.second),
+        }
+    }
+}
+
+/// What a report needs besides the snapshot.
+pub struct Context<'a> {
+    pub stacks: Stacks<'a>,
+    pub comm: &'a str,
+    pub double_frees: &'a [DoubleFreeReport],
 }
 
 /// How much of a snapshot a report shows.
@@ -150,7 +171,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
     let stacks = outstanding
         .into_iter()
         .map(|stack| {
-            let (frames, stack_id) = ctx.frames(stack.stack_id, 0);
+            let (frames, stack_id) = ctx.stacks.frames(StackTable::Allocations, stack.stack_id, 0);
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {
                 stack_id,
@@ -163,30 +184,15 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
             }
         })
         .collect();
-    let double_frees = ctx
-        .double_frees
-        .iter()
-        .map(|event| DoubleFreeReport {
-            address: format!("{:#x}", event.addr),
-            size: event.first.alloc.size,
-            alloc: SiteReport {
-                tid: event.first.alloc.tid,
-                time_s: ctx.seconds_since_start(event.first.alloc.time_ns),
-                frames: ctx.frames(event.first.alloc.stack_id, 0).0,
-            },
-            first_free: ctx.site(&event.first.free),
-            second_free: ctx.site(&event.second),
-        })
-        .collect();
     Report {
         is_final: selection.is_final,
-        pid: ctx.pid,
+        pid: ctx.stacks.pid,
         comm: ctx.comm.to_string(),
-        duration_s: ctx.seconds_since_start(snapshot.now_ns),
+        duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         totals,
         dropped: DropReason::ALL.iter().map(|r| (r.name(), drops[*r as usize])).collect(),
         stacks,
-        double_frees,
+        double_frees: ctx.double_frees.to_vec(),
     }
 }
 

@@ -9,19 +9,18 @@ use std::{
 };
 
 use anyhow::Context as _;
-use profiler_common::DoubleFreeEvent;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::{
     aggregate::{self, DoubleFreeReader},
     allocator::{self, Allocator},
-    cli::TraceArgs,
+    cli::{TraceArgs, MAX_SECONDS},
     error::UserError,
     loader::{self, Attachment, Loaded},
     procfs,
-    report::{self, Selection},
+    report::{self, DoubleFreeReport, Selection},
     symbolize::SymbolizerHandle,
-    target::{self, ExitWatch},
+    target::{self, DoubleFreeFilter, ExitWatch},
 };
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
@@ -42,7 +41,8 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
     announce(pid_n, &comm, &attachment, &allocator);
-    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, allocator_module: allocator.display_path };
+    let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
+    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter };
     let code = trace(tracee, exit, args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -57,13 +57,15 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
+    let executable = std::fs::canonicalize(&program).unwrap_or_else(|_| program.clone()).display().to_string();
+    let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, Some(&executable));
     let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     announce(pid, &comm, &attachment, &allocator);
     child.release();
-    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, allocator_module: allocator.display_path };
+    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter };
     let code = trace(tracee, ExitWatch::Child(exit_code), args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
@@ -111,13 +113,12 @@ struct Tracee {
     symbolizer: SymbolizerHandle,
     pid: u32,
     comm: String,
-    /// The allocator's file as `/proc/PID/maps` names it.
-    allocator_module: String,
+    double_free_filter: DoubleFreeFilter,
 }
 
 impl Tracee {
-    fn is_user_double_free(&self, event: &DoubleFreeEvent) -> bool {
-        target::is_user_double_free(&self.symbolizer, self.pid, &self.allocator_module, event)
+    fn stacks(&self, start_ns: u64) -> report::Stacks<'_> {
+        report::Stacks { ebpf: &self.loaded.ebpf, symbolizer: &self.symbolizer, pid: self.pid, start_ns }
     }
 }
 
@@ -132,29 +133,35 @@ async fn trace(
     let start_ns = aggregate::monotonic_now_ns();
     let min_age_ns = (args.min_age * 1e9) as u64;
     let mut double_free_reader = DoubleFreeReader::new(&mut tracee.loaded.ebpf)?;
-    let mut double_frees = Vec::new();
+    let mut double_frees: Vec<DoubleFreeReport> = Vec::new();
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
     ticks.tick().await;
-    let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(1e9).min(1e9)));
+    let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
 
+    // Refreshes what is known of the live process and collects its double frees.
+    let mut collect = |tracee: &mut Tracee, double_frees: &mut Vec<DoubleFreeReport>| {
+        if let Some(current) = procfs::comm(tracee.pid) {
+            tracee.comm = current;
+            tracee.symbolizer.refresh(tracee.pid);
+        }
+        for event in double_free_reader.drain() {
+            let double_free = tracee.stacks(start_ns).double_free(&event);
+            if tracee.double_free_filter.is_user(&double_free) {
+                double_frees.push(double_free);
+            }
+        }
+    };
     let emit = |tracee: &Tracee,
-                double_frees: &[DoubleFreeEvent],
+                double_frees: &[DoubleFreeReport],
                 output: &mut dyn Write,
                 is_final: bool|
      -> anyhow::Result<()> {
         let kernel = aggregate::read(&tracee.loaded.ebpf, &HashSet::from([tracee.pid]), min_age_ns)?;
         let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
-        let ctx = report::Context {
-            ebpf: &tracee.loaded.ebpf,
-            symbolizer: &tracee.symbolizer,
-            pid: tracee.pid,
-            comm: &tracee.comm,
-            start_ns,
-            double_frees,
-        };
+        let ctx = report::Context { stacks: tracee.stacks(start_ns), comm: &tracee.comm, double_frees };
         // JSON carries every outstanding stack; the table only the top ones.
         let selection = Selection { is_final, top: (!args.json).then_some(args.top), aged_only: min_age_ns > 0 };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
@@ -168,23 +175,16 @@ async fn trace(
     let code = loop {
         tokio::select! {
             _ = ticks.tick() => {
-                if let Some(current) = procfs::comm(tracee.pid) {
-                    tracee.comm = current;
-                    tracee.symbolizer.refresh(tracee.pid);
-                }
-                double_frees.extend(double_free_reader.drain().into_iter().filter(|e| tracee.is_user_double_free(e)));
+                collect(&mut tracee, &mut double_frees);
                 emit(&tracee, &double_frees, output, false)?;
             }
             code = exit.exited() => break code,
-            _ = sigint.recv() => break None,
-            _ = sigterm.recv() => break None,
+            _ = sigint.recv() => break exit.settle().await,
+            _ = sigterm.recv() => break exit.settle().await,
             _ = &mut duration => break None,
         }
     };
-    if procfs::comm(tracee.pid).is_some() {
-        tracee.symbolizer.refresh(tracee.pid);
-    }
-    double_frees.extend(double_free_reader.drain().into_iter().filter(|e| tracee.is_user_double_free(e)));
+    collect(&mut tracee, &mut double_frees);
     let result = emit(&tracee, &double_frees, output, true);
     tracee.loaded.detach(tracee.attachment);
     result.map(|()| code)

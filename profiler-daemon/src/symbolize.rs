@@ -66,6 +66,9 @@ impl Failure {
     }
 }
 
+/// The module of addresses in no file mapping.
+const ANONYMOUS: &str = "[anonymous]";
+
 enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
     Refresh {
@@ -197,7 +200,11 @@ impl SymbolizerThread {
             return known.clone();
         }
         let resolved = self.resolve_uncached(pid, address);
-        self.cache.insert((pid, address), resolved.clone());
+        // An address in no known mapping may be in a library loaded since the last refresh: ask
+        // again next time rather than remember the failure.
+        if resolved.module != ANONYMOUS {
+            self.cache.insert((pid, address), resolved.clone());
+        }
         resolved
     }
 
@@ -208,7 +215,7 @@ impl SymbolizerThread {
             .and_then(|modules| modules.iter().find(|m| (m.mapping.start..m.mapping.end).contains(&address)));
         let Some(module) = module else {
             self.count(Failure::NoModule);
-            return unknown(address, "[anonymous]", address);
+            return unknown(address, ANONYMOUS, address);
         };
         let file_offset = address - module.mapping.start + module.mapping.offset;
         let path = &module.mapping.path;

@@ -9,13 +9,12 @@ use std::{
     },
     path::{Path, PathBuf},
     thread,
+    time::Duration,
 };
 
 use tokio::{io::unix::AsyncFd, sync::oneshot};
 
-use profiler_common::DoubleFreeEvent;
-
-use crate::{error::UserError, symbolize::SymbolizerHandle};
+use crate::{error::UserError, report::DoubleFreeReport, symbolize::SymbolizerHandle};
 
 /// Tells when the target is gone and with which exit code.
 pub enum ExitWatch {
@@ -36,6 +35,15 @@ impl ExitWatch {
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let fd = unsafe { AsyncFd::register(fd) }.map_err(|err| err.into_parts().1)?;
         Ok(Self::Attached(fd))
+    }
+
+    /// After Ctrl-C or SIGTERM: a child memprof started got the signal too (it shares the terminal's
+    /// process group, or was sent it alongside); give it two seconds to exit and report its code.
+    pub async fn settle(&mut self) -> Option<i32> {
+        match self {
+            Self::Attached(_) => None,
+            Self::Child(_) => tokio::time::timeout(Duration::from_secs(2), self.exited()).await.ok().flatten(),
+        }
     }
 
     /// Resolves when the target has exited: with its exit code when memprof started it.
@@ -150,7 +158,9 @@ fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
         }
     }
     drop(read_end);
-    let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_EXITKILL;
+    // No PTRACE_O_EXITKILL: when memprof ends before the command (--duration), the command is
+    // detached and goes on, as it would without memprof.
+    let options = libc::PTRACE_O_TRACEEXIT;
     // SAFETY: seizing our own child; failure leaves it untraced, which only costs symbolization
     // of libraries it loads late.
     unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_ulong) };
@@ -191,14 +201,33 @@ fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle) -> i32 {
     }
 }
 
-/// Whether a double-free event's second free came from user code. glibc also frees the blocks in
-/// a thread's cache when the thread exits; those calls come from inside the allocator's own file.
-pub fn is_user_double_free(
-    symbolizer: &SymbolizerHandle,
-    pid: u32,
-    allocator_module: &str,
-    event: &DoubleFreeEvent,
-) -> bool {
-    let caller = symbolizer.symbolize(pid, vec![event.second.caller]);
-    caller.first().is_none_or(|c| c.module != allocator_module)
+/// glibc functions that free blocks sitting in the allocator's own caches: at thread exit, the
+/// thread's tcache; at `__libc_freeres`, everything. They free addresses the program freed
+/// already, which is no double free.
+const ALLOCATOR_INTERNAL_FREES: [&str; 4] =
+    ["tcache_thread_shutdown", "__malloc_arena_thread_freeres", "__libc_thread_freeres", "__libc_freeres"];
+
+/// Tells a program's double frees from the allocator freeing blocks it caches.
+pub struct DoubleFreeFilter {
+    /// The allocator's file as `/proc/PID/maps` names it.
+    allocator_module: String,
+    /// Static binaries hold the allocator and the program in one file: only names tell them apart.
+    allocator_in_executable: bool,
+}
+
+impl DoubleFreeFilter {
+    pub fn new(allocator_module: &str, executable: Option<&str>) -> Self {
+        Self {
+            allocator_module: allocator_module.to_string(),
+            allocator_in_executable: executable == Some(allocator_module),
+        }
+    }
+
+    /// Whether the second free was the program's own.
+    pub fn is_user(&self, double_free: &DoubleFreeReport) -> bool {
+        let Some(caller) = double_free.second_free.frames.first() else { return true };
+        let internal_name = ALLOCATOR_INTERNAL_FREES.contains(&caller.function.as_str());
+        let internal_module = !self.allocator_in_executable && caller.module == self.allocator_module;
+        !(internal_name || internal_module)
+    }
 }

@@ -3,12 +3,11 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_F_USER_STACK, BPF_NOEXIST},
+    bindings::{BPF_F_REUSE_STACKID, BPF_F_USER_STACK, BPF_NOEXIST},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, StackTrace},
     programs::{tracing::StackIdContext, ProbeContext, RetProbeContext},
-    EbpfContext,
 };
 use profiler_common::{
     AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters,
@@ -29,6 +28,8 @@ static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, 
 static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(65_536, 0);
+#[map]
+static FREE_STACKS: StackTrace = StackTrace::with_max_entries(16_384, 0);
 /// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
 #[map]
 static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
@@ -56,8 +57,9 @@ fn add(counter: &mut u64, value: u64) {
 
 fn count_drop(reason: DropReason) {
     if let Some(counter) = DROPS.get_ptr_mut(reason as u32) {
-        // Per-CPU slot: no other CPU writes it, and a program is not preempted by itself.
-        unsafe { *counter += 1 };
+        // Per-CPU, but uprobe programs run with only migration disabled: two tasks on one CPU
+        // can interleave, so the add must be atomic.
+        add(unsafe { &mut *counter }, 1);
     }
 }
 
@@ -66,6 +68,7 @@ fn count_drop(reason: DropReason) {
 static EMPTY_STATS: StackStats = StackStats { allocations: 0, allocated_bytes: 0, frees: 0, freed_bytes: 0 };
 static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
 static EMPTY_HIST: SizeHistogram = SizeHistogram { buckets: [0; SIZE_BUCKETS] };
+const EMPTY_ALLOC: LiveAlloc = LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0, _pad: 0 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
 fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
@@ -101,22 +104,42 @@ fn user_stack_id<C: StackIdContext>(ctx: &C) -> u32 {
 }
 
 pub fn on_entry(func: AllocFn, size: u64, ptr_arg: u64) {
-    let (_, tid) = ids();
+    let (tgid, tid) = ids();
     if let Some(state) = INFLIGHT.get_ptr_mut(tid) {
-        // Nested inside another allocator call of this thread: only the outermost one counts.
-        unsafe { (*state).depth += 1 };
-        return;
+        if unsafe { (*state).tgid } == tgid {
+            // Nested inside another allocator call of this thread: only the outermost one counts.
+            unsafe { (*state).depth += 1 };
+            return;
+        }
+        // Left by a thread of another process that died inside the allocator: replaced below.
     }
-    let state = Inflight { func: func as u32, depth: 1, size, ptr_arg };
+    let mut state = Inflight { func: func as u32, depth: 1, size, ptr_arg, tgid, stashed: 0, stash: EMPTY_ALLOC };
+    let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
+    if ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) {
+        // realloc frees the old block inside the call. Taken out of LIVE now, it cannot be
+        // confused with a block another thread gets at the same address before realloc returns.
+        if let Some(old) = unsafe { LIVE.get(key) } {
+            state.stash = *old;
+            state.stashed = u32::from(LIVE.remove(key).is_ok());
+        }
+    }
     if INFLIGHT.insert(tid, state, 0).is_err() {
         count_drop(DropReason::InflightMapFull);
+        if state.stashed != 0 {
+            let _ = LIVE.insert(key, state.stash, 0);
+        }
     }
 }
 
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
+    let ret: u64 = ctx.ret();
     let Some(state) = INFLIGHT.get_ptr_mut(tid) else {
         count_drop(DropReason::InflightMissing);
+        // The call may have returned a block that was freed earlier: it is not freed any more.
+        if ret != 0 {
+            let _ = RECENT_FREES.remove(AddrKey { tgid, _pad: 0, addr: ret });
+        }
         return;
     };
     let call = unsafe {
@@ -127,30 +150,34 @@ pub fn on_return(ctx: &RetProbeContext) {
         *state
     };
     let _ = INFLIGHT.remove(tid);
-    let ret: u64 = ctx.ret();
     let Some(func) = AllocFn::from_u32(call.func) else {
         return;
     };
     let returned = match func {
         // posix_memalign returns an error code and stores the pointer through its out-pointer.
-        AllocFn::PosixMemalign if ret as i32 == 0 => {
-            unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0)
+        AllocFn::PosixMemalign if ret as i32 != 0 => {
+            bump_proc_counter(tgid, |c| &mut c.failed_allocations);
+            return;
         }
-        AllocFn::PosixMemalign => 0,
+        AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0),
         _ => ret,
     };
     let resizes = matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) && call.ptr_arg != 0;
-    if returned != 0 {
-        // A realloc that succeeded, moved or in place, frees the old block and allocates a new one.
-        if resizes {
-            on_freed(ctx, tgid, tid, call.ptr_arg, 0);
+    // A realloc that succeeded, moved or in place, freed the old block; so did glibc's
+    // realloc(p, 0), which returns NULL. A failed one left the old block live.
+    if resizes && (returned != 0 || call.size == 0) {
+        if call.stashed != 0 {
+            retire(ctx, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+        } else {
+            unseen_free(ctx, tgid, call.ptr_arg, 0);
         }
+    } else if call.stashed != 0 {
+        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+    }
+    if returned != 0 {
         on_allocated(ctx, tgid, tid, returned, call.size, func);
-    } else if resizes && call.size == 0 {
-        // glibc's realloc(p, 0) frees p and returns NULL.
-        on_freed(ctx, tgid, tid, call.ptr_arg, 0);
-    } else if call.size != 0 || func == AllocFn::PosixMemalign {
-        // A failed realloc leaves the old block live; malloc(0) may legitimately return NULL.
+    } else if call.size != 0 && !(resizes && call.size == 0) && func != AllocFn::PosixMemalign {
+        // malloc(0) may legitimately return NULL.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
     }
 }
@@ -160,15 +187,35 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
         return;
     }
     let (tgid, tid) = ids();
-    if INFLIGHT.get_ptr(tid).is_some() {
+    if INFLIGHT.get_ptr(tid).is_some_and(|state| unsafe { (*state).tgid } == tgid) {
         // Called from inside realloc (or another allocator call): the outer call's return handles it.
         return;
     }
-    // At free's first instruction the frame-pointer walk skips free's caller; its return address
-    // is still on top of the stack.
-    let rsp = unsafe { (*ctx.regs).rsp };
-    let caller = unsafe { bpf_probe_read_user(rsp as *const u64) }.unwrap_or(0);
-    on_freed(ctx, tgid, tid, addr, caller);
+    let key = AddrKey { tgid, _pad: 0, addr };
+    match unsafe { LIVE.get(key) }.copied() {
+        // Two threads freeing the same block race here: only the one that removes it counts it.
+        Some(alloc) => {
+            if LIVE.remove(key).is_ok() {
+                retire(ctx, key, alloc, caller_of(ctx));
+            }
+        }
+        None => unseen_free(ctx, tgid, addr, caller_of(ctx)),
+    }
+}
+
+/// The return address on top of the stack at free's probe, before free has pushed anything: the
+/// frame-pointer walk there skips free's caller.
+fn caller_of(ctx: &ProbeContext) -> u64 {
+    #[cfg(bpf_target_arch = "x86_64")]
+    {
+        let rsp = unsafe { (*ctx.regs).rsp };
+        unsafe { bpf_probe_read_user(rsp as *const u64) }.unwrap_or(0)
+    }
+    #[cfg(not(bpf_target_arch = "x86_64"))]
+    {
+        let _ = ctx;
+        0
+    }
 }
 
 fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn) {
@@ -222,21 +269,28 @@ fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u
     }
 }
 
-fn on_freed<C: StackIdContext + EbpfContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, caller: u64) {
+fn free_site<C: StackIdContext>(ctx: &C, caller: u64) -> FreeSite {
+    let (_, tid) = ids();
+    // Free stacks only serve double-free reports: they go to a map of their own, where a hash
+    // collision may replace an older one, rather than crowding out allocation stacks in STACKS.
+    let stack_id =
+        ctx.get_stackid(&FREE_STACKS, (BPF_F_USER_STACK | BPF_F_REUSE_STACKID) as u64).map_or(NO_STACK, |id| id as u32);
+    FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, caller, stack_id, tid }
+}
+
+/// Counts the free of a block that was live, and remembers it to recognise a second free.
+fn retire<C: StackIdContext>(ctx: &C, key: AddrKey, alloc: LiveAlloc, caller: u64) {
+    add_to_stack(key.tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
+    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(ctx, caller) }, 0);
+}
+
+/// A free of an address not live: a double free if it was freed since it was last allocated.
+fn unseen_free<C: StackIdContext>(ctx: &C, tgid: u32, addr: u64, caller: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
-    let site = || FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, caller, stack_id: user_stack_id(ctx), tid };
-    if let Some(alloc) = unsafe { LIVE.get(key) } {
-        let alloc = *alloc;
-        // Two threads freeing the same block race here: only the one that removes it counts it.
-        if LIVE.remove(key).is_err() {
-            return;
-        }
-        add_to_stack(tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
-        let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: site() }, 0);
-    } else if let Some(first) = unsafe { RECENT_FREES.get(key) } {
+    if let Some(first) = unsafe { RECENT_FREES.get(key) } {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: site() };
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: free_site(ctx, caller) };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -37,12 +37,12 @@ static COMPILE: Mutex<()> = Mutex::new(());
 
 /// Compiles `tests/fixtures/NAME.c` and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
-    fixture_with(&format!("{name}.c"), &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
+    fixture_with(&format!("{name}.c"), name, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
 }
 
-/// Compiles the fixture source `FILE` with the flags given; the executable is named after its stem.
-pub fn fixture_with(file: &str, flags: &[&str]) -> PathBuf {
-    let name = file.rsplit_once('.').map_or(file, |(stem, _)| stem);
+/// Compiles the fixture source `file` with the flags given into the executable `name` (each
+/// build its own name: tests run side by side).
+pub fn fixture_with(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = workspace().join("target/fixtures");
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");

@@ -1,6 +1,6 @@
 //! Exact outstanding bytes and allocations per call site, for every allocator function.
 
-use memprof_tests::{assert_nothing_dropped, fixture, run, site, total};
+use memprof_tests::{assert_nothing_dropped, fixture, fixture_with, run, site, total};
 
 #[test]
 fn every_allocator_function_is_counted_exactly() {
@@ -64,4 +64,30 @@ fn threads_allocating_at_once_and_freeing_each_others_memory() {
     assert!(!handoff, "a fully freed stack is not listed");
     assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "thread exit is not a double free");
     assert_nothing_dropped(&report);
+}
+
+/// A static binary has its allocator inside: memprof probes the executable itself. Its double
+/// frees are told from glibc's thread-exit frees by name, as both sit in the one file.
+#[test]
+fn a_static_binary_is_traced_in_itself() {
+    let flags = ["-static", "-g", "-O0", "-fno-omit-frame-pointer", "-pthread"];
+    let program = fixture_with("allocators.c", "allocators_static", &flags);
+    let outcome = run(&[], &[program.to_str().unwrap()]);
+    assert!(outcome.stderr.contains(&format!("probes in {}", program.display())), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "site_malloc"), (1000, 10));
+    assert_eq!(site(&report, "site_calloc"), (500, 5));
+    assert_eq!(site(&report, "site_memalign"), (384, 4));
+    assert_eq!(total(&report, "failed_allocations"), 4);
+
+    let threads = fixture_with("threads.c", "threads_static", &flags);
+    let report = run(&[], &[threads.to_str().unwrap()]).final_report();
+    assert_eq!(site(&report, "leak_a"), (500 * 24, 500));
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "thread exit is not a double free");
+
+    let lifecycle = fixture_with("lifecycle.c", "lifecycle_static", &flags);
+    let report = run(&[], &[lifecycle.to_str().unwrap(), "double-free"]).final_report();
+    let double_frees = report["double_frees"].as_array().unwrap();
+    assert_eq!(double_frees.len(), 1, "{report}");
+    assert_eq!(double_frees[0]["second_free"]["frames"][0]["function"], "df_second_free");
 }

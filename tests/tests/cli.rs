@@ -99,7 +99,7 @@ fn a_kernel_thread() {
 
 #[test]
 fn a_process_without_an_allocator() {
-    let program = fixture_with("no_allocator.c", &["-nostdlib", "-static"]);
+    let program = fixture_with("no_allocator.c", "no_allocator", &["-nostdlib", "-static"]);
     let mut child = Command::new(program).stdout(Stdio::null()).spawn().unwrap();
     let outcome = memprof(&["attach", "--pid", &child.id().to_string()]);
     let _ = child.kill();

@@ -6,7 +6,8 @@ use memprof_tests::{attach, fixture, fixture_with, run, site, Waiting};
 
 #[test]
 fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
-    let program = fixture_with("symbols.cpp", &["-x", "c++", "-g", "-O2", "-fno-omit-frame-pointer", "-lstdc++"]);
+    let program =
+        fixture_with("symbols.cpp", "symbols", &["-x", "c++", "-g", "-O2", "-fno-omit-frame-pointer", "-lstdc++"]);
     let report = run(&[], &[program.to_str().unwrap()]).final_report();
     let stack = &report["stacks"][0];
     assert_eq!(stack["outstanding_bytes"], 120, "{report}");

@@ -40,10 +40,13 @@ fn root() -> PathBuf {
 
 /// Runs a command in the repository root, failing with its name if it fails.
 fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
-    let status =
-        Command::new(program).args(args).current_dir(root()).status().with_context(|| format!("starting {program}"))?;
+    run_with(Command::new(program).args(args))
+}
+
+fn run_with(command: &mut Command) -> anyhow::Result<()> {
+    let status = command.current_dir(root()).status().with_context(|| format!("starting {command:?}"))?;
     if !status.success() {
-        bail!("`{program} {}` failed ({status})", args.join(" "));
+        bail!("`{command:?}` failed ({status})");
     }
     Ok(())
 }
@@ -69,22 +72,14 @@ fn test() -> anyhow::Result<()> {
         "cargo",
         &["clippy", "--release", "--workspace", "--exclude", "profiler-ebpf", "--all-targets", "--", "-D", "warnings"],
     )?;
-    run(
-        "cargo",
-        &[
-            "+nightly",
-            "clippy",
-            "--release",
-            "--package",
-            "profiler-ebpf",
-            "--target",
-            "bpfel-unknown-none",
-            "-Z",
-            "build-std=core",
-            "--",
-            "-D",
-            "warnings",
-        ],
+    let bpf_target = ["--target", "bpfel-unknown-none", "-Z", "build-std=core"];
+    run_with(
+        Command::new("cargo")
+            .args(["+nightly", "clippy", "--release", "--package", "profiler-ebpf"])
+            .args(bpf_target)
+            .args(["--", "-D", "warnings"])
+            // As aya-build compiles it: for this host's architecture.
+            .env("CARGO_ENCODED_RUSTFLAGS", format!("--cfg=bpf_target_arch=\"{}\"", std::env::consts::ARCH)),
     )?;
     let memprof = build_memprof()?;
     // The end-to-end tests run this binary against real processes: they need root.

@@ -6,7 +6,7 @@ use regex::Regex;
 use serde::Deserialize;
 
 use crate::{
-    cli::{DaemonArgs, MapSizes},
+    cli::{self, DaemonArgs, MapSizes},
     procfs,
 };
 
@@ -123,14 +123,10 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if !rules.all && rules.pids.is_empty() && rules.comms.is_empty() && rules.cgroups.is_empty() {
         return Err(ConfigError::NoTargets);
     }
-    let interval = args.interval.or(file.interval).unwrap_or(5.0);
-    if !(interval > 0.0 && interval.is_finite()) {
-        return Err(ConfigError::Value("interval", format!("{interval} is not a positive number of seconds")));
-    }
-    let min_age = args.min_age.or(file.min_age).unwrap_or(300.0);
-    if !(min_age >= 0.0 && min_age.is_finite()) {
-        return Err(ConfigError::Value("min_age", format!("{min_age} is not a number of seconds (0 or more)")));
-    }
+    let interval = cli::check_seconds(args.interval.or(file.interval).unwrap_or(5.0), false)
+        .map_err(|e| ConfigError::Value("interval", e))?;
+    let min_age = cli::check_seconds(args.min_age.or(file.min_age).unwrap_or(300.0), true)
+        .map_err(|e| ConfigError::Value("min_age", e))?;
     let defaults = MapSizes { max_live: 1 << 20, max_stacks: 1 << 16 };
     let maps = MapSizes {
         max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),

@@ -4,7 +4,10 @@
 use std::{
     collections::HashMap,
     fmt::Write as _,
-    sync::{Arc, RwLock},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, RwLock,
+    },
 };
 
 use axum::{
@@ -22,18 +25,20 @@ use super::{metrics, view::DaemonView};
 struct Shared {
     view: Arc<RwLock<DaemonView>>,
     registry: Registry,
+    /// False once the tracer thread has stopped: the view is then frozen and probes detached.
+    tracer_alive: Arc<AtomicBool>,
 }
 
 type AppState = State<Arc<Shared>>;
 
-pub fn router(view: Arc<RwLock<DaemonView>>) -> Router {
-    let shared = Arc::new(Shared { registry: metrics::registry(view.clone()), view });
+pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> Router {
+    let shared = Arc::new(Shared { registry: metrics::registry(view.clone()), view, tracer_alive });
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(scrape))
         .route("/api/v1/targets", get(targets))
         .route("/api/v1/leaks", get(leaks))
-        .route("/-/healthy", get(|| async { "memprof is healthy\n" }))
+        .route("/-/healthy", get(healthy))
         .route("/-/ready", get(ready))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
         .with_state(shared)
@@ -55,6 +60,14 @@ async fn scrape(State(shared): AppState) -> Response {
     match metrics::encode(&shared.registry) {
         Ok(text) => ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
         Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed"),
+    }
+}
+
+async fn healthy(State(shared): AppState) -> Response {
+    if shared.tracer_alive.load(Ordering::Relaxed) {
+        "memprof is healthy\n".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "memprof's tracer has stopped; see its log\n").into_response()
     }
 }
 

@@ -8,7 +8,7 @@ mod metrics;
 mod tracer;
 mod view;
 
-use std::sync::{mpsc, Arc, RwLock};
+use std::sync::{atomic::AtomicBool, mpsc, Arc, RwLock};
 
 use anyhow::Context as _;
 use tokio::signal::unix::{signal, SignalKind};
@@ -22,12 +22,13 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
         .await
         .with_context(|| format!("cannot listen on {}; choose another address with --listen", config.listen))?;
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
-    let tracer = tracer::Tracer::new(config.clone(), view.clone())?;
+    let alive = Arc::new(AtomicBool::new(false));
+    let tracer = tracer::Tracer::new(config.clone(), view.clone(), alive.clone())?;
     let (commands, receiver) = mpsc::channel();
     let tracer_thread = std::thread::Builder::new().name("tracer".into()).spawn(move || tracer.run(receiver))?;
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, http::router(view)).with_graceful_shutdown(async {
+    let server = axum::serve(listener, http::router(view, alive)).with_graceful_shutdown(async {
         let _ = http_stopped.await;
     });
     let server = tokio::spawn(async move { server.await });

@@ -5,12 +5,14 @@
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
-    sync::{mpsc, Arc, RwLock},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc, RwLock,
+    },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::Context as _;
-use profiler_common::DoubleFreeEvent;
 use tracing::{debug, info, warn};
 
 use super::{
@@ -21,16 +23,20 @@ use super::{
 use crate::{
     aggregate::{self, DoubleFreeReader, KernelSnapshot},
     allocator,
+    cli::MapSizes,
     loader::{self, Attachment, Loaded},
-    report::{self, Selection},
+    procfs,
+    report::{self, DoubleFreeReport, Selection},
     symbolize::SymbolizerHandle,
-    target,
+    target::DoubleFreeFilter,
 };
 
 /// How often /proc is polled for processes to attach to or detach from.
 const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
 /// How long a new process that cannot be attached to is tried again.
 const GRACE_SECONDS: f64 = 5.0;
+/// Double frees kept per process for its report; more are counted only.
+const KEPT_DOUBLE_FREES: usize = 100;
 
 pub enum Command {
     Reload(Box<Config>),
@@ -41,32 +47,40 @@ struct Target {
     id: ProcessId,
     comm: String,
     attachment: Attachment,
-    allocator_module: String,
+    double_free_filter: DoubleFreeFilter,
     attached_at: SystemTime,
     /// CLOCK_MONOTONIC at attach, for the report's times.
     start_ns: u64,
-    double_frees: Vec<DoubleFreeEvent>,
+    double_frees: Vec<DoubleFreeReport>,
+    double_free_count: u64,
 }
 
 pub struct Tracer {
     config: Config,
+    /// The map sizes the programs were loaded with; a reload cannot change them.
+    loaded_sizes: MapSizes,
     loaded: Loaded,
     symbolizer: SymbolizerHandle,
     double_free_reader: DoubleFreeReader,
     targets: HashMap<u32, Target>,
     /// Processes not to try again: no allocator, or attaching failed.
     unattachable: HashSet<ProcessId>,
-    /// Processes refused for the cap, each counted once.
+    /// Processes refused for the cap, each counted once in `refused_total`.
     refused: HashSet<ProcessId>,
+    refused_total: u64,
     view: Arc<RwLock<DaemonView>>,
+    /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
+    alive: Arc<AtomicBool>,
 }
 
 impl Tracer {
-    pub fn new(config: Config, view: Arc<RwLock<DaemonView>>) -> anyhow::Result<Self> {
+    pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
         loader::check_support()?;
         let mut loaded = loader::load(config.maps)?;
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+        alive.store(true, Ordering::Relaxed);
         Ok(Self {
+            loaded_sizes: config.maps,
             config,
             loaded,
             symbolizer: SymbolizerHandle::spawn(),
@@ -74,7 +88,9 @@ impl Tracer {
             targets: HashMap::new(),
             unattachable: HashSet::new(),
             refused: HashSet::new(),
+            refused_total: 0,
             view,
+            alive,
         })
     }
 
@@ -111,11 +127,10 @@ impl Tracer {
     }
 
     fn reload(&mut self, config: Config) {
-        if config.listen != self.config.listen || config.maps != self.config.maps {
+        if config.listen != self.config.listen || config.maps != self.loaded_sizes {
             warn!("listen address and map sizes take effect at the next start, not on reload");
         }
         self.config = config;
-        self.refused.clear();
         info!("configuration reloaded");
     }
 
@@ -126,6 +141,10 @@ impl Tracer {
         let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();
         let gone: Vec<u32> = self.targets.values().filter(|t| !wanted.contains(&t.id)).map(|t| t.id.pid).collect();
         let mut changed = !gone.is_empty();
+        if changed {
+            // A process that aborted on a double free is gone by now: read its last events first.
+            self.collect_double_frees();
+        }
         for pid in gone {
             self.detach(pid);
         }
@@ -137,6 +156,7 @@ impl Tracer {
             }
             if self.targets.len() >= self.config.max_targets {
                 if self.refused.insert(id) {
+                    self.refused_total += 1;
                     warn!(
                         pid = id.pid,
                         comm,
@@ -146,7 +166,6 @@ impl Tracer {
                 }
                 continue;
             }
-            self.refused.remove(&id);
             match self.attach(id, comm) {
                 Ok(()) => changed = true,
                 // A process caught between exec and the dynamic loader mapping its C library has
@@ -171,10 +190,11 @@ impl Tracer {
             id,
             comm,
             attachment,
-            allocator_module: allocator.display_path,
+            double_free_filter: DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(id.pid).as_deref()),
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
             double_frees: Vec::new(),
+            double_free_count: 0,
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -182,9 +202,7 @@ impl Tracer {
 
     /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.
     fn detach(&mut self, pid: u32) {
-        let Some(target) = self.targets.remove(&pid) else {
-            return;
-        };
+        let Some(target) = self.targets.remove(&pid) else { return };
         self.loaded.detach(target.attachment);
         if let Err(err) = aggregate::purge(&mut self.loaded.ebpf, pid) {
             warn!(pid, "purging the maps failed: {err:#}");
@@ -193,40 +211,74 @@ impl Tracer {
         info!(pid, comm = target.comm, "no longer traced");
     }
 
-    /// Reads the maps and publishes the view.
-    fn publish(&mut self) -> anyhow::Result<()> {
+    fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
+        report::Stacks {
+            ebpf: &self.loaded.ebpf,
+            symbolizer: &self.symbolizer,
+            pid: target.id.pid,
+            start_ns: target.start_ns,
+        }
+    }
+
+    /// Symbolizes the double frees that arrived (while the maps of their stacks are fresh) and
+    /// logs them: a process that aborted on one is gone before anyone reads its report.
+    fn collect_double_frees(&mut self) {
         for event in self.double_free_reader.drain() {
-            if let Some(target) = self.targets.get_mut(&event.tgid) {
-                if target::is_user_double_free(&self.symbolizer, event.tgid, &target.allocator_module, &event) {
-                    target.double_frees.push(event);
-                }
+            let Some(target) = self.targets.get(&event.tgid) else { continue };
+            let double_free = self.stacks(target).double_free(&event);
+            if !target.double_free_filter.is_user(&double_free) {
+                continue;
+            }
+            let site =
+                |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), report::site);
+            warn!(
+                pid = event.tgid,
+                comm = target.comm,
+                "double free of {} ({} bytes): allocated at {}, freed at {}, freed again at {}",
+                double_free.address,
+                double_free.size,
+                site(&double_free.alloc.frames),
+                site(&double_free.first_free.frames),
+                site(&double_free.second_free.frames),
+            );
+            let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
+            target.double_free_count += 1;
+            if target.double_frees.len() < KEPT_DOUBLE_FREES {
+                target.double_frees.push(double_free);
             }
         }
-        let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let min_age_ns = (self.config.min_age * 1e9) as u64;
-        let kernel = aggregate::read(&self.loaded.ebpf, &pids, min_age_ns)?;
-        let mut view = DaemonView {
-            drops: kernel.drops,
-            maps: vec![
-                MapUse { name: "live", entries: kernel.live_entries, capacity: self.config.maps.max_live.into() },
-                MapUse { name: "stacks", entries: kernel.stack_entries, capacity: self.config.maps.max_stacks.into() },
-                MapUse {
-                    name: "stack_stats",
-                    entries: kernel.stack_stats_entries,
-                    capacity: loader::stack_stats_capacity(self.config.maps).into(),
-                },
-            ],
-            refused_targets: self.refused.len() as u64,
-            symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
-            ready: true,
-            ..DaemonView::default()
-        };
+    }
+
+    /// Reads the maps and publishes the view.
+    fn publish(&mut self) -> anyhow::Result<()> {
+        // Libraries loaded since the last interval must be known before stacks are symbolized.
         for target in self.targets.values_mut() {
-            if let Some(comm) = crate::procfs::comm(target.id.pid) {
+            if let Some(comm) = procfs::comm(target.id.pid) {
                 target.comm = comm;
                 self.symbolizer.refresh(target.id.pid);
             }
         }
+        self.collect_double_frees();
+        let pids: HashSet<u32> = self.targets.keys().copied().collect();
+        let min_age_ns = (self.config.min_age * 1e9) as u64;
+        let kernel = aggregate::read(&self.loaded.ebpf, &pids, min_age_ns)?;
+        let sizes = self.loaded_sizes;
+        let mut view = DaemonView {
+            drops: kernel.drops,
+            maps: vec![
+                MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
+                MapUse { name: "stacks", entries: kernel.stack_entries, capacity: sizes.max_stacks.into() },
+                MapUse {
+                    name: "stack_stats",
+                    entries: kernel.stack_stats_entries,
+                    capacity: loader::stack_stats_capacity(sizes).into(),
+                },
+            ],
+            refused_targets: self.refused_total,
+            symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
+            ready: true,
+            ..DaemonView::default()
+        };
         for target in self.targets.values() {
             view.targets.insert(target.id.pid, self.target_view(target, &kernel));
         }
@@ -237,39 +289,43 @@ impl Tracer {
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
         let pid = target.id.pid;
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
-        let ctx = report::Context {
-            ebpf: &self.loaded.ebpf,
-            symbolizer: &self.symbolizer,
-            pid,
-            comm: &target.comm,
-            start_ns: target.start_ns,
-            double_frees: &target.double_frees,
-        };
+        let ctx =
+            report::Context { stacks: self.stacks(target), comm: &target.comm, double_frees: &target.double_frees };
         let selection = Selection { is_final: true, top: None, aged_only: false };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
-        let top = self.config.top_stacks;
-        let top_stacks: Vec<StackSeries> = report
-            .stacks
-            .iter()
-            .take(top)
-            .map(|s| StackSeries {
-                stack: s.stack_id.clone(),
-                site: s.frames.first().map_or_else(|| "[no stack]".to_string(), report::site),
-                bytes: s.outstanding_bytes,
-            })
-            .collect();
-        let other_stack_bytes = report.stacks.iter().skip(top).map(|s| s.outstanding_bytes).sum();
+        // Two stack ids can resolve to the same code locations (and so the same label): merged,
+        // since a scrape with two series of one name and labels fails.
+        let mut by_label: Vec<StackSeries> = Vec::new();
+        for stack in &report.stacks {
+            match by_label.iter_mut().find(|s| s.stack == stack.stack_id) {
+                Some(known) => known.bytes += stack.outstanding_bytes,
+                None => by_label.push(StackSeries {
+                    stack: stack.stack_id.clone(),
+                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), report::site),
+                    bytes: stack.outstanding_bytes,
+                }),
+            }
+        }
+        by_label.sort_by_key(|s| std::cmp::Reverse(s.bytes));
+        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|s| s.bytes).sum();
+        by_label.truncate(self.config.top_stacks);
         TargetView {
             pid,
             comm: target.comm.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
-            double_frees: target.double_frees.len() as u64,
+            double_frees: target.double_free_count,
             leak_candidate_bytes: snapshot.stacks.iter().map(|s| s.aged_bytes).sum(),
             leak_candidates: snapshot.stacks.iter().map(|s| s.aged_allocations).sum(),
             sizes: snapshot.sizes,
-            top_stacks,
+            top_stacks: by_label,
             other_stack_bytes,
             report,
         }
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::Relaxed);
     }
 }

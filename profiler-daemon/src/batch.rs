@@ -1,0 +1,90 @@
+//! Reading whole BPF hash maps in batches (`BPF_MAP_LOOKUP_BATCH`).
+//!
+//! Walking a hash map key by key, as aya's iterators do, restarts from the first key whenever the
+//! current key was deleted meanwhile, which happens all the time in a busy process's `LIVE` map:
+//! entries get counted twice and the walk may not end. The batch call walks bucket by bucket, is
+//! not thrown back by deletions, and takes one syscall per few thousand entries instead of two
+//! per entry.
+
+use std::{
+    io,
+    mem::size_of,
+    os::fd::{AsFd, AsRawFd},
+};
+
+use anyhow::bail;
+use aya::{maps::Map, Pod};
+
+/// `enum bpf_cmd` in linux/bpf.h.
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// Entries asked for at once; grown when one hash bucket holds more.
+const FIRST_CHUNK: usize = 4096;
+
+/// The batch part of `union bpf_attr` (linux/bpf.h).
+#[repr(C)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Calls `visit` with every entry of a hash map. Entries added or removed during the walk may or
+/// may not be seen; none is seen twice.
+pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
+    let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
+        bail!("batch lookups are for hash maps");
+    };
+    let fd = data.fd().as_fd().as_raw_fd();
+    let mut chunk = FIRST_CHUNK;
+    // SAFETY: Pod types are plain data, valid for any bit pattern, zeros included.
+    let (mut keys, mut values): (Vec<K>, Vec<V>) =
+        unsafe { (vec![std::mem::zeroed(); chunk], vec![std::mem::zeroed(); chunk]) };
+    // The kernel's batch token for hash maps is a bucket index.
+    let (mut position, mut next): (u32, u32) = (0, 0);
+    let mut started = false;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if started { &position as *const u32 as u64 } else { 0 },
+            out_batch: &mut next as *mut u32 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk as u32,
+            map_fd: fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: attr points at buffers of `count` keys and values that live through the call.
+        let result = unsafe {
+            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
+        };
+        let error = (result < 0).then(io::Error::last_os_error);
+        match error.as_ref().and_then(io::Error::raw_os_error) {
+            // A bucket holds more entries than the buffers: grow them and ask again.
+            Some(libc::ENOSPC) => {
+                chunk *= 2;
+                // SAFETY: as above.
+                unsafe {
+                    keys.resize(chunk, std::mem::zeroed());
+                    values.resize(chunk, std::mem::zeroed());
+                }
+                continue;
+            }
+            None | Some(libc::ENOENT) => {}
+            Some(_) => return Err(error.expect("an error").into()),
+        }
+        for (key, value) in keys.iter().zip(&values).take(attr.count as usize) {
+            visit(key, value);
+        }
+        // ENOENT: the walk is done.
+        if error.is_some() {
+            return Ok(());
+        }
+        position = next;
+        started = true;
+    }
+}
