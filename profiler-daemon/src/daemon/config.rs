@@ -127,6 +127,10 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         .map_err(|e| ConfigError::Value("interval", e))?;
     let min_age = cli::check_seconds(args.min_age.or(file.min_age).unwrap_or(300.0), true)
         .map_err(|e| ConfigError::Value("min_age", e))?;
+    let max_targets = args.max_targets.or(file.max_targets).unwrap_or(64);
+    if max_targets == 0 {
+        return Err(ConfigError::Value("max_targets", "0 would trace nothing; give at least 1".to_string()));
+    }
     let defaults = MapSizes { max_live: 1 << 20, max_stacks: 1 << 16 };
     let maps = MapSizes {
         max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),
@@ -138,7 +142,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     Ok(Config {
         listen,
         rules,
-        max_targets: args.max_targets.or(file.max_targets).unwrap_or(64),
+        max_targets,
         interval,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         min_age,
