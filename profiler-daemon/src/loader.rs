@@ -134,10 +134,23 @@ impl Loaded {
     /// Entry probes go first (the reverse of attaching): an entry probe left without its return
     /// probe would leave in-flight state that nothing clears.
     pub fn detach(&mut self, attachment: Attachment) {
-        for (name, link) in attachment.links.into_iter().rev() {
-            if let Ok(program) = program(&mut self.ebpf, name) {
-                let _ = program.detach(link);
-            }
-        }
+        drop(self.take_links(attachment));
+    }
+
+    /// Detaches one process's probes on a thread of its own, for a process that has exited: the
+    /// caller goes on at once instead of waiting ~90 ms a probe. Join the handle before exiting.
+    pub fn detach_in_background(&mut self, attachment: Attachment) -> std::thread::JoinHandle<()> {
+        let links = self.take_links(attachment);
+        std::thread::spawn(move || drop(links))
+    }
+
+    /// The links of `attachment`, in the order they are to be dropped.
+    fn take_links(&mut self, attachment: Attachment) -> Vec<aya::programs::uprobe::UProbeLink> {
+        attachment
+            .links
+            .into_iter()
+            .rev()
+            .filter_map(|(name, link)| program(&mut self.ebpf, name).ok()?.take_link(link).ok())
+            .collect()
     }
 }

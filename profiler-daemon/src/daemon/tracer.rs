@@ -69,6 +69,8 @@ pub struct Tracer {
     refused: HashSet<ProcessId>,
     refused_total: u64,
     view: Arc<RwLock<DaemonView>>,
+    /// Probes of exited processes being detached in the background.
+    detaching: Vec<std::thread::JoinHandle<()>>,
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -90,6 +92,7 @@ impl Tracer {
             refused: HashSet::new(),
             refused_total: 0,
             view,
+            detaching: Vec::new(),
             alive,
         })
     }
@@ -123,6 +126,9 @@ impl Tracer {
         let pids: Vec<u32> = self.targets.keys().copied().collect();
         for pid in pids {
             self.detach(pid);
+        }
+        for detaching in self.detaching.drain(..) {
+            let _ = detaching.join();
         }
     }
 
@@ -203,7 +209,14 @@ impl Tracer {
     /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.
     fn detach(&mut self, pid: u32) {
         let Some(target) = self.targets.remove(&pid) else { return };
-        self.loaded.detach(target.attachment);
+        if ProcessId::current(pid) == Some(target.id) {
+            // Still running (the rules changed): its probes must be gone before its state is.
+            self.loaded.detach(target.attachment);
+        } else {
+            // Exited: nothing fires any more, and discovery need not wait ~1.6 s for the detach.
+            self.detaching.retain(|handle| !handle.is_finished());
+            self.detaching.push(self.loaded.detach_in_background(target.attachment));
+        }
         if let Err(err) = aggregate::purge(&mut self.loaded.ebpf, pid) {
             warn!(pid, "purging the maps failed: {err:#}");
         }
