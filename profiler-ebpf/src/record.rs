@@ -176,8 +176,9 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
     if returned != 0 {
         on_allocated(ctx, tgid, tid, returned, call.size, func);
-    } else if call.size != 0 && !(resizes && call.size == 0) && func != AllocFn::PosixMemalign {
-        // malloc(0) may legitimately return NULL.
+    } else if call.size != 0 && func != AllocFn::PosixMemalign {
+        // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
+        // were counted by their return code.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
     }
 }
