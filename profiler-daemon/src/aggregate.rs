@@ -27,8 +27,9 @@ pub struct KernelSnapshot {
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`).
     pub live_entries: u64,
     pub stack_stats_entries: u64,
-    /// Stacks stored in `STACKS`.
+    /// Stacks stored in `STACKS` and `FREE_STACKS`.
     pub stack_entries: u64,
+    pub free_stack_entries: u64,
 }
 
 /// One process.
@@ -102,8 +103,11 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
             process.stacks.push(stack_snapshot(key.stack_id, *stats, summary));
         }
     })?;
-    let stack_map = StackTraceMap::try_from(map(ebpf, "STACKS")?)?;
-    snapshot.stack_entries = stack_map.stack_ids().flatten().count() as u64;
+    let count_stacks = |name| -> anyhow::Result<u64> {
+        Ok(StackTraceMap::try_from(map(ebpf, name)?)?.stack_ids().flatten().count() as u64)
+    };
+    snapshot.stack_entries = count_stacks("STACKS")?;
+    snapshot.free_stack_entries = count_stacks("FREE_STACKS")?;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
@@ -135,13 +139,16 @@ fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary) -> StackS
 /// fill the maps and a reused pid would inherit them. Its stacks go too, unless another process
 /// still counts allocations under the same stack id (`STACKS` never frees ids by itself).
 pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
-    let mut own_stacks = HashSet::new();
-    let mut shared_stacks = HashSet::new();
+    // Allocation stacks (STACKS) and free stacks (FREE_STACKS) this process used, and those that
+    // other processes use too.
+    let (mut own_stacks, mut shared_stacks) = (HashSet::new(), HashSet::new());
+    let (mut own_free_stacks, mut shared_free_stacks) = (HashSet::new(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
     })?;
     batch::for_each(map(ebpf, "RECENT_FREES")?, |key: &AddrKey, freed: &FreedAlloc| {
         if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
+        if key.tgid == tgid { &mut own_free_stacks } else { &mut shared_free_stacks }.insert(freed.free.stack_id);
     })?;
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
         ebpf: &mut Ebpf,
@@ -169,10 +176,15 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
     remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
-    let mut stacks =
-        StackTraceMap::try_from(ebpf.map_mut("STACKS").context("map STACKS missing from the eBPF object")?)?;
-    for stack_id in own_stacks.difference(&shared_stacks) {
-        let _ = stacks.remove(stack_id);
+    for (table, own, shared) in
+        [("STACKS", own_stacks, shared_stacks), ("FREE_STACKS", own_free_stacks, shared_free_stacks)]
+    {
+        let mut stacks = StackTraceMap::try_from(
+            ebpf.map_mut(table).with_context(|| format!("map {table} missing from the eBPF object"))?,
+        )?;
+        for stack_id in own.difference(&shared) {
+            let _ = stacks.remove(stack_id);
+        }
     }
     Ok(())
 }

@@ -56,6 +56,7 @@ pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
+        .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
         .load(OBJECT)
         .context("loading the eBPF programs")?;
@@ -65,6 +66,9 @@ pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
     }
     Ok(loaded)
 }
+
+/// Capacity of `FREE_STACKS`, where free sites' stacks are kept for double-free reports.
+pub const FREE_STACKS: u32 = 16_384;
 
 /// One totals row per (process, stack): as many as stacks, with room for stacks shared by processes.
 pub fn stack_stats_capacity(sizes: MapSizes) -> u32 {

@@ -3,7 +3,7 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_F_REUSE_STACKID, BPF_F_USER_STACK, BPF_NOEXIST},
+    bindings::{BPF_F_USER_STACK, BPF_NOEXIST},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, StackTrace},
@@ -87,10 +87,10 @@ fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
     }
 }
 
-fn user_stack_id<C: StackIdContext>(ctx: &C) -> u32 {
+fn user_stack_id<C: StackIdContext>(ctx: &C, table: &StackTrace) -> u32 {
     // Without BPF_F_REUSE_STACKID a hash collision fails with -EEXIST instead of silently
     // replacing the stored stack that other allocations already point at.
-    match ctx.get_stackid(&STACKS, BPF_F_USER_STACK as u64) {
+    match ctx.get_stackid(table, BPF_F_USER_STACK as u64) {
         Ok(id) => id as u32,
         Err(err) if err == -EEXIST => {
             count_drop(DropReason::StackCollision);
@@ -224,7 +224,7 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: user_stack_id(ctx),
+        stack_id: user_stack_id(ctx, &STACKS),
         tid,
         func: func as u32,
         _pad: 0,
@@ -272,10 +272,9 @@ fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u
 
 fn free_site<C: StackIdContext>(ctx: &C, caller: u64) -> FreeSite {
     let (_, tid) = ids();
-    // Free stacks only serve double-free reports: they go to a map of their own, where a hash
-    // collision may replace an older one, rather than crowding out allocation stacks in STACKS.
-    let stack_id =
-        ctx.get_stackid(&FREE_STACKS, (BPF_F_USER_STACK | BPF_F_REUSE_STACKID) as u64).map_or(NO_STACK, |id| id as u32);
+    // Free stacks only serve double-free reports: a map of their own keeps them from crowding
+    // out allocation stacks.
+    let stack_id = user_stack_id(ctx, &FREE_STACKS);
     FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, caller, stack_id, tid }
 }
 

@@ -119,7 +119,7 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
-    for map in ["live", "stack_stats", "stacks"] {
+    for map in ["live", "stack_stats", "stacks", "free_stacks"] {
         let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
         assert!(metrics.contains(&purged), "its kernel state is purged ({map}): {metrics}");
     }

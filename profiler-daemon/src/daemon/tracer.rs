@@ -282,6 +282,11 @@ impl Tracer {
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
                 MapUse { name: "stacks", entries: kernel.stack_entries, capacity: sizes.max_stacks.into() },
                 MapUse {
+                    name: "free_stacks",
+                    entries: kernel.free_stack_entries,
+                    capacity: loader::FREE_STACKS.into(),
+                },
+                MapUse {
                     name: "stack_stats",
                     entries: kernel.stack_stats_entries,
                     capacity: loader::stack_stats_capacity(sizes).into(),
