@@ -144,10 +144,10 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     let stopping = Instant::now();
     daemon.signal(libc::SIGTERM);
     let status = daemon.child.wait().unwrap();
-    let took = stopping.elapsed();
     assert!(status.success(), "{status}");
-    // One target's 17 probes take about 1.6 s to detach: the kernel waits ~90 ms per probe.
-    assert!(took < Duration::from_secs(2), "stopping took {took:?}");
+    // Reported, not asserted (no test asserts a wall-clock time): one target's 17 probes take
+    // about 1.6 s to detach, as the kernel waits ~90 ms per probe.
+    eprintln!("the daemon stopped {:?} after SIGTERM", stopping.elapsed());
     let mut stderr = String::new();
     std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(stderr.contains("keeping the old configuration: invalid config file"), "{stderr}");
