@@ -70,13 +70,19 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     Ok(code.unwrap_or(0))
 }
 
-/// A command's allocator before it runs: the executable itself when it defines malloc (a static
-/// binary), else the C library memprof itself uses, which the dynamic loader will map for it.
+/// A command's allocator before it runs, in the order the dynamic loader binds `malloc`: the
+/// executable itself when it defines malloc (a static binary), else a library in `LD_PRELOAD`
+/// (given by path) that does, else the C library memprof itself uses, which the loader will map.
 fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
-    // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-    let display = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf()).display().to_string();
-    if let Some(own) = allocator::read_entry_points(program, &display) {
-        return Ok(own);
+    let preloaded = std::env::var("LD_PRELOAD").unwrap_or_default();
+    let candidates = std::iter::once(program.to_path_buf())
+        .chain(preloaded.split([':', ' ']).filter(|entry| entry.contains('/')).map(std::path::PathBuf::from));
+    for path in candidates {
+        // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
+        let display = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone()).display().to_string();
+        if let Some(allocator) = allocator::read_entry_points(&path, &display) {
+            return Ok(allocator);
+        }
     }
     allocator::find(std::process::id())
 }

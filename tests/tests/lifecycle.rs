@@ -88,3 +88,19 @@ fn min_age_keeps_only_old_allocations() {
     assert_eq!(bytes, count * 4096);
     assert_eq!(total(&report, "outstanding_allocations"), 130, "totals ignore --min-age");
 }
+
+/// An allocator preloaded into the command is the one `memprof run` probes.
+#[test]
+fn run_probes_an_allocator_the_command_preloads() {
+    let library = memprof_tests::fixture_with("preload_alloc.c", "libpreload_alloc.so", &["-shared", "-fPIC", "-O1"]);
+    let output = std::process::Command::new(memprof_tests::memprof_bin())
+        .args(["run", "--json", "--", fixture("lifecycle").to_str().unwrap(), "prior"])
+        .env("LD_PRELOAD", &library)
+        .output()
+        .expect("starting memprof");
+    let outcome = memprof_tests::Outcome::from(output);
+    assert!(outcome.stderr.contains(&format!("probes in {}", library.display())), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "after_attach"), (320, 10));
+    assert_eq!(site(&report, "before_attach"), (0, 0), "allocated and freed under the probes");
+}
