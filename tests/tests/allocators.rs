@@ -91,3 +91,15 @@ fn a_static_binary_is_traced_in_itself() {
     assert_eq!(double_frees.len(), 1, "{report}");
     assert_eq!(double_frees[0]["second_free"]["frames"][0]["function"], "df_second_free");
 }
+
+#[test]
+fn reallocs_racing_with_mallocs_in_other_threads_stay_exact() {
+    let outcome = run(&[], &[fixture("realloc_threads").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "keep_site"), (4 * 1000 * 32, 4000));
+    assert_eq!(site(&report, "seed_site"), (0, 0), "every seed was freed by its realloc");
+    assert_eq!(site(&report, "grow_site"), (0, 0), "every grown block was freed");
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "{report}");
+    assert_nothing_dropped(&report);
+}
