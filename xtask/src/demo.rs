@@ -26,7 +26,8 @@ pub fn run() -> anyhow::Result<()> {
         bail!("memprof failed; it needs root (try: sudo -E cargo xtask demo)");
     }
     println!(
-        "memprof found the leak: sessions opened in open_session and never closed on handle_request's error path."
+        "The demo server leaks in two places, and memprof names both: the cache remember() fills is never \
+         trimmed, and sessions from open_session() are not closed on handle_request's error path."
     );
     Ok(())
 }
