@@ -66,7 +66,8 @@ pub enum DropReason {
     StackCollision = 3,
     /// `INFLIGHT` was full: a call's arguments could not be kept until its return.
     InflightMapFull = 4,
-    /// A return probe found no entry state (the call began before the probes were attached).
+    /// A return probe found no entry state (the call began before the probes were attached), or
+    /// an entry state turned out stale (its return never came: the thread died inside the call).
     InflightMissing = 5,
     /// The double-free ring buffer was full.
     DoubleFreeEventLost = 6,
@@ -127,6 +128,8 @@ pub struct Inflight {
     /// Whether `stash` holds realloc's old block, taken out of `LIVE` at entry.
     pub stashed: u32,
     pub stash: LiveAlloc,
+    /// Stack pointer at entry (0 where unknown): a call nested in this one runs just below it.
+    pub entry_sp: u64,
 }
 
 /// Key of a live allocation: addresses repeat across processes.
@@ -248,7 +251,7 @@ pub fn size_bucket(size: u64) -> usize {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<Inflight>() == 64);
+    assert!(core::mem::size_of::<Inflight>() == 72);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
     assert!(core::mem::size_of::<FreeSite>() == 24);

@@ -25,7 +25,7 @@ macro_rules! entry_probe {
     ($name:ident, $func:expr, |$ctx:ident| size: $size:expr, ptr: $ptr:expr) => {
         #[uprobe]
         pub fn $name($ctx: ProbeContext) -> u32 {
-            record::on_entry($func, $size, $ptr);
+            record::on_entry(&$ctx, $func, $size, $ptr);
             0
         }
     };

@@ -103,17 +103,49 @@ fn user_stack_id<C: StackIdContext>(ctx: &C, table: &StackTrace) -> u32 {
     }
 }
 
-pub fn on_entry(func: AllocFn, size: u64, ptr_arg: u64) {
+/// How far below an allocator call's entry a call nested in it can run. glibc's allocator frames
+/// are small; a thread's stack starts megabytes away from any other's.
+const NESTING_STACK_SPAN: u64 = 64 * 1024;
+
+/// Whether a call at stack pointer `sp` of this thread runs inside the in-flight call `state`.
+/// An entry whose return was never seen (a thread that died inside the allocator, its id since
+/// reused) fails the test and is treated as stale.
+fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
+    state.tgid == tgid
+        // `<=`: glibc tail-calls (realloc(NULL, n) jumps to malloc), and a jump keeps the frame.
+        && (sp == 0 || state.entry_sp == 0 || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN))
+}
+
+fn stack_pointer(ctx: &ProbeContext) -> u64 {
+    #[cfg(bpf_target_arch = "x86_64")]
+    {
+        unsafe { (*ctx.regs).rsp }
+    }
+    #[cfg(not(bpf_target_arch = "x86_64"))]
+    {
+        let _ = ctx;
+        0
+    }
+}
+
+pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
     let (tgid, tid) = ids();
+    let sp = stack_pointer(ctx);
     if let Some(state) = INFLIGHT.get_ptr_mut(tid) {
-        if unsafe { (*state).tgid } == tgid {
+        let stale = unsafe { *state };
+        if nested_in(&stale, tgid, sp) {
             // Nested inside another allocator call of this thread: only the outermost one counts.
             unsafe { (*state).depth += 1 };
             return;
         }
-        // Left by a thread of another process that died inside the allocator: replaced below.
+        // Stale: its return will never come. Give back the block a stale realloc had taken.
+        count_drop(DropReason::InflightMissing);
+        if stale.stashed != 0 {
+            let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
+        }
     }
-    let mut state = Inflight { func: func as u32, depth: 1, size, ptr_arg, tgid, stashed: 0, stash: EMPTY_ALLOC };
+    let mut state =
+        Inflight { func: func as u32, depth: 1, size, ptr_arg, tgid, stashed: 0, stash: EMPTY_ALLOC, entry_sp: sp };
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
     if ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) {
         // realloc frees the old block inside the call. Taken out of LIVE now, it cannot be
@@ -188,7 +220,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
         return;
     }
     let (tgid, tid) = ids();
-    if INFLIGHT.get_ptr(tid).is_some_and(|state| unsafe { (*state).tgid } == tgid) {
+    if INFLIGHT.get_ptr(tid).is_some_and(|state| nested_in(unsafe { &*state }, tgid, stack_pointer(ctx))) {
         // Called from inside realloc (or another allocator call): the outer call's return handles it.
         return;
     }
