@@ -215,12 +215,17 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("binding loopback").local_addr().expect("local address").port()
 }
 
-/// `GET path` from a server on loopback; returns (status, body). HTTP/1.0 keeps bodies unchunked.
+/// `GET path` from a server on loopback; returns (status, body).
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    http(port, "GET", path)
+}
+
+/// `METHOD path` from a server on loopback; returns (status, body). HTTP/1.0 keeps bodies unchunked.
+pub fn http(port: u16, method: &str, path: &str) -> Option<(u16, String)> {
     use std::net::TcpStream;
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    write!(stream, "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let status = response.split_whitespace().nth(1)?.parse().ok()?;

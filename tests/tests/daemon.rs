@@ -93,6 +93,10 @@ fn the_leak_api_names_the_leaking_site_exactly() {
     assert_eq!(status, 404);
     assert!(body["error"].as_str().unwrap().contains("not traced"));
     assert_eq!(daemon.get_json("/no/such/path").0, 404);
+    assert_eq!(daemon.get_json("/api/v1/leaks?pid=%zz&&").0, 400, "a malformed query gets the JSON error too");
+    let (status, body) = memprof_tests::http(daemon.port, "POST", "/metrics").unwrap();
+    assert_eq!(status, 405);
+    assert!(body.contains("\"error\""), "{body}");
     let (status, page) = http_get(daemon.port, "/").unwrap();
     assert_eq!(status, 200);
     assert!(page.contains(&format!("/api/v1/leaks?pid={}", held.pid())), "{page}");

@@ -2,7 +2,6 @@
 //! Every handler reads the published `DaemonView`; none touches the kernel.
 
 use std::{
-    collections::HashMap,
     fmt::Write as _,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -11,7 +10,7 @@ use std::{
 };
 
 use axum::{
-    extract::{Query, State},
+    extract::{RawQuery, State},
     http::{header, StatusCode},
     response::{Html, IntoResponse, Response},
     routing::get,
@@ -41,6 +40,7 @@ pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> R
         .route("/-/healthy", get(healthy))
         .route("/-/ready", get(ready))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
+        .method_not_allowed_fallback(|| async { error(StatusCode::METHOD_NOT_ALLOWED, "only GET is served") })
         .with_state(shared)
 }
 
@@ -109,8 +109,10 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
     )
 }
 
-async fn leaks(State(shared): AppState, Query(params): Query<HashMap<String, String>>) -> Response {
-    let Some(pid) = params.get("pid") else {
+async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    // Parsed by hand so that any malformed query gets the JSON error body too.
+    let query = query.unwrap_or_default();
+    let Some(pid) = query.split('&').find_map(|pair| pair.strip_prefix("pid=")) else {
         return error(StatusCode::BAD_REQUEST, "the pid parameter is missing: /api/v1/leaks?pid=N");
     };
     let Ok(pid) = pid.parse::<u32>() else {
