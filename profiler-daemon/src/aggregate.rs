@@ -27,9 +27,6 @@ pub struct KernelSnapshot {
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`).
     pub live_entries: u64,
     pub stack_stats_entries: u64,
-    /// Stacks stored in `STACKS` and `FREE_STACKS`.
-    pub stack_entries: u64,
-    pub free_stack_entries: u64,
 }
 
 /// One process.
@@ -103,11 +100,6 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
             process.stacks.push(stack_snapshot(key.stack_id, *stats, summary));
         }
     })?;
-    let count_stacks = |name| -> anyhow::Result<u64> {
-        Ok(StackTraceMap::try_from(map(ebpf, name)?)?.stack_ids().flatten().count() as u64)
-    };
-    snapshot.stack_entries = count_stacks("STACKS")?;
-    snapshot.free_stack_entries = count_stacks("FREE_STACKS")?;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
@@ -176,11 +168,14 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
     remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
-    for (table, own, shared) in
-        [("STACKS", own_stacks, shared_stacks), ("FREE_STACKS", own_free_stacks, shared_free_stacks)]
-    {
+    let tables = [
+        (StackTable::Allocations, own_stacks, shared_stacks),
+        (StackTable::Frees, own_free_stacks, shared_free_stacks),
+    ];
+    for (table, own, shared) in tables {
+        let name = table.map_name();
         let mut stacks = StackTraceMap::try_from(
-            ebpf.map_mut(table).with_context(|| format!("map {table} missing from the eBPF object"))?,
+            ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
         for stack_id in own.difference(&shared) {
             let _ = stacks.remove(stack_id);
@@ -200,16 +195,27 @@ pub enum StackTable {
     Frees,
 }
 
+impl StackTable {
+    fn map_name(self) -> &'static str {
+        match self {
+            StackTable::Allocations => "STACKS",
+            StackTable::Frees => "FREE_STACKS",
+        }
+    }
+}
+
+/// How many stacks a table holds. A walk of up to its capacity in keys: for the daemon's
+/// metrics, not for every report.
+pub fn stack_entries(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<u64> {
+    Ok(StackTraceMap::try_from(map(ebpf, table.map_name())?)?.stack_ids().flatten().count() as u64)
+}
+
 /// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
 pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u32) -> Vec<u64> {
     if stack_id == NO_STACK {
         return Vec::new();
     }
-    let name = match table {
-        StackTable::Allocations => "STACKS",
-        StackTable::Frees => "FREE_STACKS",
-    };
-    let Ok(stack_map) = map(ebpf, name).and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
+    let Ok(stack_map) = map(ebpf, table.map_name()).and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
         return Vec::new();
     };
     stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()

@@ -29,6 +29,8 @@ struct Tool {
     how: &'static str,
     /// The command, to which the workload and its argument are appended.
     command: Vec<String>,
+    /// Whether the command takes the workload as one argument (`bpftrace -c "CMD ARGS"`).
+    workload_in_one_arg: bool,
 }
 
 struct Measured {
@@ -46,7 +48,7 @@ pub fn run() -> anyhow::Result<()> {
     crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2"])?;
     let heaptrack_out = dir.join("heaptrack.out").display().to_string();
     let tools = [
-        Tool { name: "none", how: "the loop alone", command: vec![] },
+        Tool { name: "none", how: "the loop alone", command: vec![], workload_in_one_arg: false },
         Tool {
             name: "memprof",
             how: "`memprof run`: every call, exact, with stacks",
@@ -58,17 +60,25 @@ pub fn run() -> anyhow::Result<()> {
                 "/dev/null".into(),
                 "--".into(),
             ],
+            workload_in_one_arg: false,
         },
         Tool {
             name: "heaptrack",
             how: "LD_PRELOAD, needs a restart",
             command: vec!["heaptrack".into(), "-o".into(), heaptrack_out],
+            workload_in_one_arg: false,
         },
-        Tool { name: "valgrind", how: "memcheck, needs a restart", command: vec!["valgrind".into(), "-q".into()] },
+        Tool {
+            name: "valgrind",
+            how: "memcheck, needs a restart",
+            command: vec!["valgrind".into(), "-q".into()],
+            workload_in_one_arg: false,
+        },
         Tool {
             name: "bpftrace memleak",
             how: "bcc memleak's probe set in bpftrace",
             command: vec!["bpftrace".into(), "-q".into(), "-e".into(), BPFTRACE_MEMLEAK.into(), "-c".into()],
+            workload_in_one_arg: true,
         },
     ];
     let mut results = Vec::new();
@@ -90,22 +100,14 @@ pub fn run() -> anyhow::Result<()> {
 }
 
 fn measure(tool: &Tool, workload: &Path) -> anyhow::Result<Measured> {
-    let target = format!("{} {PAIRS}", workload.display());
-    let mut command = match tool.command.split_first() {
-        None => Command::new(workload),
-        Some((program, args)) => {
-            let mut command = Command::new(program);
-            command.args(args);
-            command
-        }
-    };
-    if tool.name == "bpftrace memleak" {
-        command.arg(&target);
-    } else if !tool.command.is_empty() {
-        command.arg(workload).arg(PAIRS.to_string());
+    let mut argv = tool.command.clone();
+    if tool.workload_in_one_arg {
+        argv.push(format!("{} {PAIRS}", workload.display()));
     } else {
-        command.arg(PAIRS.to_string());
+        argv.extend([workload.display().to_string(), PAIRS.to_string()]);
     }
+    let mut command = Command::new(&argv[0]);
+    command.args(&argv[1..]);
     let child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -21,7 +21,7 @@ use super::{
     view::{DaemonView, MapUse, StackSeries, TargetView},
 };
 use crate::{
-    aggregate::{self, DoubleFreeReader, KernelSnapshot},
+    aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     allocator,
     cli::MapSizes,
     loader::{self, Attachment, Loaded},
@@ -280,10 +280,14 @@ impl Tracer {
             drops: kernel.drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
-                MapUse { name: "stacks", entries: kernel.stack_entries, capacity: sizes.max_stacks.into() },
+                MapUse {
+                    name: "stacks",
+                    entries: aggregate::stack_entries(&self.loaded.ebpf, StackTable::Allocations)?,
+                    capacity: sizes.max_stacks.into(),
+                },
                 MapUse {
                     name: "free_stacks",
-                    entries: kernel.free_stack_entries,
+                    entries: aggregate::stack_entries(&self.loaded.ebpf, StackTable::Frees)?,
                     capacity: loader::FREE_STACKS.into(),
                 },
                 MapUse {
