@@ -52,7 +52,8 @@ impl AllocFn {
     }
 }
 
-/// Why an event could not be recorded. Indexes the per-CPU `DROPS` array.
+/// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes the
+/// per-CPU `DROPS` array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropReason {
@@ -60,9 +61,9 @@ pub enum DropReason {
     LiveMapFull = 0,
     /// `STACK_STATS` was full: the allocation is tracked but its stack totals are not.
     StatsMapFull = 1,
-    /// The user stack could not be walked; the allocation is counted under stack id `NO_STACK`.
-    StackWalkFailed = 2,
-    /// `STACKS` already held another stack in this hash bucket (or was full); counted under `NO_STACK`.
+    /// `STACKS` (or `FREE_STACKS`) was full: the allocation is counted under `NO_STACK`.
+    StackTableFull = 2,
+    /// Another stack had the same 64-bit hash: counted under `NO_STACK`, never merged with it.
     StackCollision = 3,
     /// `INFLIGHT` was full: a call's arguments could not be kept until its return.
     InflightMapFull = 4,
@@ -75,20 +76,43 @@ pub enum DropReason {
     MissedFree = 7,
     /// `PROC_COUNTERS` or `SIZE_HIST` was full: a per-process counter could not be bumped.
     ProcessTableFull = 8,
+    /// A frame's address was in no mapping with an unwind table (JIT code, or a library mapped
+    /// moments ago and not read yet): the stack ends there, marked truncated.
+    UnwindNoTable = 9,
+    /// A frame's unwind rule is one memprof does not follow, or needs a register lost earlier:
+    /// the stack ends there, marked truncated.
+    UnwindBadRule = 10,
+    /// Reading the target's stack failed (a corrupt frame, or a page not present): the stack
+    /// ends there, marked truncated.
+    UnwindReadFailed = 11,
+    /// The stack was deeper than the frame limit: its outermost frames are cut, marked truncated.
+    StackTooDeep = 12,
+    /// A stack walk was preempted by another on the same CPU, which reused its scratch space:
+    /// counted under `NO_STACK` rather than kept mixed.
+    StackPreempted = 13,
+    /// The ring buffer telling the daemon of new mappings was full: it finds them at its next
+    /// refresh instead.
+    MappingEventLost = 14,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 9;
+    pub const COUNT: usize = 15;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
-        DropReason::StackWalkFailed,
+        DropReason::StackTableFull,
         DropReason::StackCollision,
         DropReason::InflightMapFull,
         DropReason::InflightMissing,
         DropReason::DoubleFreeEventLost,
         DropReason::MissedFree,
         DropReason::ProcessTableFull,
+        DropReason::UnwindNoTable,
+        DropReason::UnwindBadRule,
+        DropReason::UnwindReadFailed,
+        DropReason::StackTooDeep,
+        DropReason::StackPreempted,
+        DropReason::MappingEventLost,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -96,19 +120,25 @@ impl DropReason {
         match self {
             DropReason::LiveMapFull => "live_map_full",
             DropReason::StatsMapFull => "stats_map_full",
-            DropReason::StackWalkFailed => "stack_walk_failed",
+            DropReason::StackTableFull => "stack_table_full",
             DropReason::StackCollision => "stack_collision",
             DropReason::InflightMapFull => "inflight_map_full",
             DropReason::InflightMissing => "inflight_missing",
             DropReason::DoubleFreeEventLost => "double_free_event_lost",
             DropReason::MissedFree => "missed_free",
             DropReason::ProcessTableFull => "process_table_full",
+            DropReason::UnwindNoTable => "unwind_no_table",
+            DropReason::UnwindBadRule => "unwind_bad_rule",
+            DropReason::UnwindReadFailed => "unwind_read_failed",
+            DropReason::StackTooDeep => "stack_too_deep",
+            DropReason::StackPreempted => "stack_preempted",
+            DropReason::MappingEventLost => "mapping_event_lost",
         }
     }
 }
 
-/// Stack id recorded when no stack could be taken. Real ids are below `STACKS`' capacity.
-pub const NO_STACK: u32 = u32::MAX;
+/// Stack id recorded when no stack could be kept. Real ids are 64-bit hashes of the frames, never 0.
+pub const NO_STACK: u64 = 0;
 
 /// Per-thread state of an allocator call between its entry and its return probe.
 #[repr(C)]
@@ -148,23 +178,20 @@ pub struct LiveAlloc {
     pub size: u64,
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at the allocator's return.
     pub time_ns: u64,
-    pub stack_id: u32,
+    pub stack_id: u64,
     pub tid: u32,
     /// `AllocFn`.
     pub func: u32,
-    pub _pad: u32,
 }
 
-/// Where and when a free happened. `caller` is the return address read at free's entry, where a
-/// frame-pointer walk misses the function that called free; 0 when the stack is already complete.
-/// `stack_id` is in `FREE_STACKS`, not `STACKS`.
+/// Where and when a free happened. `stack_id` is in `FREE_STACKS`, not `STACKS`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FreeSite {
     pub time_ns: u64,
-    pub caller: u64,
-    pub stack_id: u32,
+    pub stack_id: u64,
     pub tid: u32,
+    pub _pad: u32,
 }
 
 /// A recently freed allocation, kept to recognise a second free of the same address.
@@ -191,7 +218,8 @@ pub struct DoubleFreeEvent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StackKey {
     pub tgid: u32,
-    pub stack_id: u32,
+    pub _pad: u32,
+    pub stack_id: u64,
 }
 
 /// Per-(process, stack) totals, updated atomically by the programs.
@@ -250,6 +278,138 @@ pub fn size_bucket(size: u64) -> usize {
     bits + 1
 }
 
+/// Frames kept per stack at most.
+pub const MAX_FRAMES: usize = 127;
+
+/// A stored stack in `STACKS` or `FREE_STACKS`, keyed by a 64-bit hash of its frames. `check` is a
+/// second, independent hash of them: a different stack under the same key is a collision,
+/// counted and never merged.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Stack {
+    pub check: u64,
+    pub len: u32,
+    /// `StackEnd`: why the walk stopped.
+    pub end: u32,
+    /// Return addresses, innermost first; frame 0 is the instruction where the walk began.
+    pub frames: [u64; MAX_FRAMES],
+}
+
+/// Why a stack walk stopped. Only `Complete` reached the thread's outermost frame.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StackEnd {
+    /// The unwind info marked the outermost frame (`_start`, `clone3`: the return address is
+    /// undefined), or frame pointers reached a zero frame.
+    Complete = 0,
+    NoTable = 1,
+    BadRule = 2,
+    ReadFailed = 3,
+    TooDeep = 4,
+}
+
+impl StackEnd {
+    pub fn from_u32(value: u32) -> StackEnd {
+        match value {
+            0 => StackEnd::Complete,
+            1 => StackEnd::NoTable,
+            2 => StackEnd::BadRule,
+            3 => StackEnd::ReadFailed,
+            _ => StackEnd::TooDeep,
+        }
+    }
+
+    /// The drop counter a walk that stopped here bumps (none for a complete one).
+    pub fn drop_reason(self) -> Option<DropReason> {
+        match self {
+            StackEnd::Complete => None,
+            StackEnd::NoTable => Some(DropReason::UnwindNoTable),
+            StackEnd::BadRule => Some(DropReason::UnwindBadRule),
+            StackEnd::ReadFailed => Some(DropReason::UnwindReadFailed),
+            StackEnd::TooDeep => Some(DropReason::StackTooDeep),
+        }
+    }
+}
+
+/// How the canonical frame address (CFA: the stack pointer before the call) of a row is found.
+pub mod cfa {
+    /// No unwind info covers the address: the stack ends, truncated.
+    pub const NONE: u8 = 0;
+    /// CFA = rsp + offset.
+    pub const RSP: u8 = 1;
+    /// CFA = rbp + offset.
+    pub const RBP: u8 = 2;
+    /// A PLT entry: CFA = rsp + 8, plus 8 when `(address & 15) >= offset` (the expression GNU ld
+    /// emits for `.plt`).
+    pub const PLT: u8 = 3;
+    /// The return address is undefined: the outermost frame of a thread (`_start`, `clone3`).
+    pub const END: u8 = 4;
+    /// A signal trampoline (`__restore_rt`): the interrupted registers are in the `ucontext_t`
+    /// at rsp.
+    pub const SIGNAL: u8 = 5;
+    /// An expression or register rule memprof does not follow: the stack ends, truncated.
+    pub const UNSUPPORTED: u8 = 6;
+}
+
+/// Where the caller's rbp is after a row's frame is popped.
+pub mod rbp {
+    /// rbp was not changed by this frame (or is restored as it was).
+    pub const SAME: u8 = 0;
+    /// Saved at CFA + offset.
+    pub const SAVED: u8 = 1;
+    /// Not recoverable: a later frame that needs rbp ends the stack.
+    pub const LOST: u8 = 2;
+}
+
+/// One row of a file's unwind table: from `pc` (an ELF virtual address) up to the next row's
+/// `pc`, how to find the caller's frame. x86_64: the return address is always at CFA - 8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct UnwindRow {
+    pub pc: u32,
+    pub cfa_offset: i32,
+    pub rbp_offset: i16,
+    /// A `cfa::` constant.
+    pub cfa: u8,
+    /// An `rbp::` constant.
+    pub rbp: u8,
+}
+
+/// How a mapping's frames are unwound.
+pub mod mapping_kind {
+    /// With the rows `first_row..first_row + rows` of `UNWIND_ROWS`.
+    pub const CFI: u32 = 0;
+    /// With frame pointers: the file has no `.eh_frame` (or memprof was asked to).
+    pub const FRAME_POINTERS: u32 = 1;
+}
+
+/// An executable file mapping of a traced process, for the stack walk.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ExecMapping {
+    pub start: u64,
+    pub end: u64,
+    /// Address minus `bias` is the ELF virtual address the rows are keyed by.
+    pub bias: u64,
+    pub first_row: u32,
+    pub rows: u32,
+    /// A `mapping_kind::` constant.
+    pub kind: u32,
+    pub _pad: u32,
+}
+
+/// Executable mappings of one process kept for the walk; more are not unwound (and counted).
+pub const MAX_MAPPINGS: usize = 256;
+
+/// A process's executable mappings, sorted by `start`, in `PROC_MAPPINGS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcMappings {
+    pub len: u32,
+    pub _pad: u32,
+    pub entries: [ExecMapping; MAX_MAPPINGS],
+}
+
 const _: () = {
     assert!(core::mem::size_of::<Inflight>() == 72);
     assert!(core::mem::size_of::<AddrKey>() == 16);
@@ -257,7 +417,11 @@ const _: () = {
     assert!(core::mem::size_of::<FreeSite>() == 24);
     assert!(core::mem::size_of::<FreedAlloc>() == 56);
     assert!(core::mem::size_of::<DoubleFreeEvent>() == 96);
-    assert!(core::mem::size_of::<StackKey>() == 8);
+    assert!(core::mem::size_of::<StackKey>() == 16);
+    assert!(core::mem::size_of::<Stack>() == 16 + 8 * MAX_FRAMES);
+    assert!(core::mem::size_of::<UnwindRow>() == 12);
+    assert!(core::mem::size_of::<ExecMapping>() == 40);
+    assert!(core::mem::size_of::<ProcMappings>() == 8 + 40 * MAX_MAPPINGS);
     assert!(core::mem::size_of::<StackStats>() == 32);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
     assert!(core::mem::size_of::<SizeHistogram>() == 8 * SIZE_BUCKETS);
@@ -289,4 +453,7 @@ mod pod {
     unsafe impl aya::Pod for SizeHistogram {}
     unsafe impl aya::Pod for FreedAlloc {}
     unsafe impl aya::Pod for Inflight {}
+    unsafe impl aya::Pod for Stack {}
+    unsafe impl aya::Pod for UnwindRow {}
+    unsafe impl aya::Pod for ProcMappings {}
 }

@@ -8,12 +8,12 @@ use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::{
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, ProcCounters, SizeHistogram, StackKey,
-    StackStats, NO_STACK,
+    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, ProcCounters, SizeHistogram, Stack,
+    StackEnd, StackKey, StackStats, NO_STACK,
 };
 
 use crate::batch;
@@ -41,7 +41,7 @@ pub struct Snapshot {
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StackSnapshot {
-    pub stack_id: u32,
+    pub stack_id: u64,
     pub stats: StackStats,
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
@@ -76,7 +76,7 @@ pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Resul
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let threshold = now_ns.saturating_sub(min_age_ns);
-    let mut summaries: HashMap<(u32, u32), LiveSummary> = HashMap::new();
+    let mut summaries: HashMap<(u32, u64), LiveSummary> = HashMap::new();
     let mut snapshot = KernelSnapshot::default();
     batch::for_each(map(ebpf, "LIVE")?, |key: &AddrKey, alloc: &LiveAlloc| {
         snapshot.live_entries += 1;
@@ -114,7 +114,7 @@ fn summarize(summary: &mut LiveSummary, alloc: &LiveAlloc, threshold_ns: u64) {
     }
 }
 
-fn stack_snapshot(stack_id: u32, stats: StackStats, live: LiveSummary) -> StackSnapshot {
+fn stack_snapshot(stack_id: u64, stats: StackStats, live: LiveSummary) -> StackSnapshot {
     StackSnapshot {
         stack_id,
         stats,
@@ -174,7 +174,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     ];
     for (table, own, shared) in tables {
         let name = table.map_name();
-        let mut stacks = StackTraceMap::try_from(
+        let mut stacks: BpfHashMap<_, u64, Stack> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
         for stack_id in own.difference(&shared) {
@@ -207,18 +207,26 @@ impl StackTable {
 /// How many stacks a table holds. A walk of up to its capacity in keys: for the daemon's
 /// metrics, not for every report.
 pub fn stack_entries(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<u64> {
-    Ok(StackTraceMap::try_from(map(ebpf, table.map_name())?)?.stack_ids().flatten().count() as u64)
+    let mut entries = 0;
+    batch::for_each(map(ebpf, table.map_name())?, |_: &u64, _: &Stack| entries += 1)?;
+    Ok(entries)
 }
 
-/// The instruction pointers of a stored stack, innermost first; empty for `NO_STACK`.
-pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u32) -> Vec<u64> {
-    if stack_id == NO_STACK {
-        return Vec::new();
+/// The addresses of a stored stack, innermost first, and why its walk ended; no frames for
+/// `NO_STACK`.
+pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u64) -> (Vec<u64>, StackEnd) {
+    let stored = (stack_id != NO_STACK)
+        .then(|| map(ebpf, table.map_name()).ok())
+        .flatten()
+        .and_then(|m| BpfHashMap::<_, u64, Stack>::try_from(m).ok())
+        .and_then(|stacks| stacks.get(&stack_id, 0).ok());
+    match stored {
+        Some(stack) => {
+            let len = (stack.len as usize).min(stack.frames.len());
+            (stack.frames[..len].to_vec(), StackEnd::from_u32(stack.end))
+        }
+        None => (Vec::new(), StackEnd::NoTable),
     }
-    let Ok(stack_map) = map(ebpf, table.map_name()).and_then(|m| Ok(StackTraceMap::try_from(m)?)) else {
-        return Vec::new();
-    };
-    stack_map.get(&stack_id, 0).map(|trace| trace.frames().iter().map(|f| f.ip).collect()).unwrap_or_default()
 }
 
 /// Receives double-free events for every traced process.
@@ -263,7 +271,7 @@ mod tests {
     #[test]
     fn aged_counts_only_old_allocations() {
         let mut summary = LiveSummary::default();
-        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0, _pad: 0 };
+        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0 };
         summarize(&mut summary, &alloc(100, 10), 150);
         summarize(&mut summary, &alloc(200, 20), 150);
         assert_eq!(summary, LiveSummary { oldest_ns: Some(100), aged_allocations: 1, aged_bytes: 10 });

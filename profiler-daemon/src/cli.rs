@@ -4,6 +4,8 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::unwind::UnwindMode;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "memprof",
@@ -58,7 +60,7 @@ pub struct TraceArgs {
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
-    pub maps: MapSizes,
+    pub maps: LoadSettings,
 }
 
 /// `memprof daemon` flags. Each overrides the same setting of the config file.
@@ -100,18 +102,45 @@ pub struct DaemonArgs {
     /// Distinct call stacks kept, all processes together [default: 65536].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_stacks: Option<u32>,
+    /// How stacks are walked: cfi (.eh_frame) or fp (frame pointers) [default: cfi].
+    #[arg(long, value_enum)]
+    pub unwind: Option<UnwindMode>,
+    /// Frames kept per stack, 1 to 127 [default: 127].
+    #[arg(long)]
+    pub max_frames: Option<u32>,
+    /// Rows of unwind tables kept in the kernel, all files together [default: 1048576].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_unwind_rows: Option<u32>,
 }
 
-/// Capacities of the BPF maps, fixed when the programs are loaded.
+/// Map capacities and stack-walk settings, fixed when the programs are loaded.
 #[derive(Debug, Args, Clone, Copy, PartialEq, Eq)]
-pub struct MapSizes {
+pub struct LoadSettings {
     /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_live: u32,
-    /// Distinct call stacks kept; more are counted as `stack_collision`.
-    #[arg(long, default_value_t = 1 << 16, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Distinct call stacks kept; more are counted as `stack_table_full`.
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_stacks: u32,
+    /// How stacks are walked: `cfi` reads each file's .eh_frame (right without frame pointers),
+    /// `fp` follows frame pointers only.
+    #[arg(long, value_enum, default_value_t = DEFAULT_LOAD.unwind)]
+    pub unwind: UnwindMode,
+    /// Frames kept per stack; a deeper stack is cut and marked truncated.
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_frames, value_parser = clap::value_parser!(u32).range(1..=profiler_common::MAX_FRAMES as i64))]
+    pub max_frames: u32,
+    /// Rows of unwind tables kept in the kernel, all files together (16 bytes each).
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_unwind_rows: u32,
 }
+
+pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
+    max_live: 1 << 20,
+    max_stacks: 1 << 16,
+    unwind: UnwindMode::Cfi,
+    max_frames: profiler_common::MAX_FRAMES as u32,
+    max_unwind_rows: 1 << 20,
+};
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.
 pub const MAX_SECONDS: f64 = 1e9;

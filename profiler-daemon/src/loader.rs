@@ -11,16 +11,34 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 
-use crate::{allocator::Allocator, cli::MapSizes, error::UserError};
+use crate::{
+    allocator::Allocator,
+    cli::LoadSettings,
+    error::UserError,
+    procfs,
+    unwind::{MappingEvents, Registry},
+};
+
+/// `ld-linux-x86-64.so.2` and the like, under any directory.
+fn is_dynamic_linker(path: &str) -> bool {
+    path.rsplit('/').next().is_some_and(|name| name.starts_with("ld-linux") || name.starts_with("ld-musl"))
+}
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf"));
 
 const RETURN_PROGRAM: &str = "alloc_return";
 const FREE_PROGRAM: &str = "free";
+const MAPPINGS_PROGRAM: &str = "mappings_changed";
+/// The dynamic linker calls it before and after every change to the loaded libraries.
+const DL_HOOK: &str = "_dl_debug_state";
 
 /// Loaded programs and maps. Dropping it detaches every probe.
 pub struct Loaded {
     pub ebpf: Ebpf,
+    /// The unwind tables of the traced processes' files.
+    pub unwind: Registry,
+    /// Processes that loaded or unloaded libraries.
+    pub mapping_events: MappingEvents,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -52,15 +70,20 @@ fn check_privileges() -> Result<(), UserError> {
     }
 }
 
-pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
+pub fn load(sizes: LoadSettings) -> anyhow::Result<Loaded> {
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
+        .map_max_entries("UNWIND_ROWS", sizes.max_unwind_rows)
+        .override_global("FRAME_LIMIT", &sizes.max_frames, true)
         .load(OBJECT)
         .context("loading the eBPF programs")?;
-    let mut loaded = Loaded { ebpf };
+    let mut ebpf = ebpf;
+    let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
+    let mapping_events = MappingEvents::new(&mut ebpf)?;
+    let mut loaded = Loaded { ebpf, unwind, mapping_events };
     for name in program_names() {
         program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
     }
@@ -71,12 +94,16 @@ pub fn load(sizes: MapSizes) -> anyhow::Result<Loaded> {
 pub const FREE_STACKS: u32 = 16_384;
 
 /// One totals row per (process, stack): as many as stacks, with room for stacks shared by processes.
-pub fn stack_stats_capacity(sizes: MapSizes) -> u32 {
+pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
     sizes.max_stacks.saturating_mul(2)
 }
 
 fn program_names() -> impl Iterator<Item = &'static str> {
-    profiler_common::AllocFn::ALL.iter().map(|func| func.symbol()).chain([RETURN_PROGRAM, FREE_PROGRAM])
+    profiler_common::AllocFn::ALL.iter().map(|func| func.symbol()).chain([
+        RETURN_PROGRAM,
+        FREE_PROGRAM,
+        MAPPINGS_PROGRAM,
+    ])
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
@@ -104,6 +131,8 @@ impl Loaded {
     /// Return probes go first: an entry probe that fires before its return probe exists would
     /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them.
+        self.sync_mappings(pid.get());
         let scope = UProbeScope::OneProcess(pid);
         let target = &allocator.attach_path;
         let points = allocator
@@ -127,7 +156,66 @@ impl Loaded {
                 }
             }
         }
+        self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
+    }
+
+    /// Gives the stack walk the current executable mappings of `pid` and their tables.
+    pub fn sync_mappings(&mut self, pid: u32) {
+        if let Err(err) = self.unwind.sync(&mut self.ebpf, pid) {
+            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
+        }
+    }
+
+    /// Syncs the mappings of every process that reported new ones; returns their pids.
+    pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
+        let pids = self.mapping_events.drain();
+        for &pid in &pids {
+            self.sync_mappings(pid);
+        }
+        pids
+    }
+
+    /// Makes a change to `pid`'s libraries stop the thread that made it with a SIGTRAP, until
+    /// memprof has their tables: for a child memprof ptraces (`memprof run`).
+    pub fn stop_on_mapping_change(&mut self, pid: u32) -> anyhow::Result<()> {
+        let mut stops: aya::maps::HashMap<_, u32, u64> = aya::maps::HashMap::try_from(
+            self.ebpf.map_mut("STOP_ON_MAPPING_CHANGE").context("map STOP_ON_MAPPING_CHANGE missing")?,
+        )?;
+        stops.insert(pid, 0, 0)?;
+        Ok(())
+    }
+
+    /// Whether a SIGTRAP `pid` got was one `stop_on_mapping_change` asked for (and counts it).
+    pub fn take_mapping_stop(&mut self, pid: u32) -> bool {
+        let Some(Ok(mut stops)) =
+            self.ebpf.map_mut("STOP_ON_MAPPING_CHANGE").map(aya::maps::HashMap::<_, u32, u64>::try_from)
+        else {
+            return false;
+        };
+        match stops.get(&pid, 0) {
+            Ok(pending) if pending > 0 => stops.insert(pid, pending - 1, 0).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Drops what the stack walk kept for `pid`, which has exited.
+    pub fn forget_mappings(&mut self, pid: u32) {
+        self.unwind.forget(&mut self.ebpf, pid);
+    }
+
+    /// Hooks the dynamic linker of `pid`, so that libraries it loads later get unwind tables
+    /// (see `mappings_changed` in the eBPF programs). A static binary has none, and is not hooked.
+    fn attach_dl_hook(&mut self, attachment: &mut Attachment, pid: NonZeroU32) {
+        let Ok(mappings) = procfs::file_mappings(pid.get()) else { return };
+        let Some(linker) = mappings.iter().find(|m| m.executable && is_dynamic_linker(&m.path)) else { return };
+        let Some(path) = linker.reachable_paths(pid.get()).into_iter().find(|p| Path::new(p).exists()) else { return };
+        let attached = program(&mut self.ebpf, MAPPINGS_PROGRAM)
+            .and_then(|program| Ok(program.attach(DL_HOOK, &path, UProbeScope::OneProcess(pid))?));
+        match attached {
+            Ok(link) => attachment.links.push((MAPPINGS_PROGRAM, link)),
+            Err(err) => tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}"),
+        }
     }
 
     /// Detaches one process's probes.

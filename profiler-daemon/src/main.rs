@@ -12,6 +12,7 @@ mod report;
 mod session;
 mod symbolize;
 mod target;
+mod unwind;
 
 use std::process::ExitCode;
 

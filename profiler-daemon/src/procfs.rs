@@ -15,6 +15,11 @@ pub struct FileMapping {
     /// Offset in the file of `start`.
     pub offset: u64,
     pub path: String,
+    /// Mapped with execute permission: code whose frames may be on a stack.
+    pub executable: bool,
+    /// The file's device (`major:minor`) and inode: they name it for as long as it is mapped.
+    pub device: String,
+    pub inode: u64,
 }
 
 /// What memprof needs from `/proc/PID/stat`.
@@ -153,9 +158,9 @@ fn parse_maps_line(line: &str) -> Option<FileMapping> {
     // address perms offset dev inode path
     let mut fields = line.splitn(6, ' ');
     let (start, end) = fields.next()?.split_once('-')?;
-    let _perms = fields.next()?;
+    let perms = fields.next()?;
     let offset = fields.next()?;
-    let _dev = fields.next()?;
+    let device = fields.next()?;
     let inode = fields.next()?;
     let path = fields.next()?.trim_start();
     if inode == "0" || !path.starts_with('/') {
@@ -167,6 +172,9 @@ fn parse_maps_line(line: &str) -> Option<FileMapping> {
         offset: u64::from_str_radix(offset, 16).ok()?,
         // A file replaced on disk keeps running from the old inode.
         path: path.trim_end_matches(" (deleted)").to_string(),
+        executable: perms.as_bytes().get(2) == Some(&b'x'),
+        device: device.to_string(),
+        inode: inode.parse().ok()?,
     })
 }
 
@@ -187,9 +195,18 @@ mod tests {
         assert_eq!(parsed.len(), 3);
         assert_eq!(
             parsed[1],
-            FileMapping { start: 0x55d0c8a01000, end: 0x55d0c8a02000, offset: 0x1000, path: "/usr/bin/leaky".into() }
+            FileMapping {
+                start: 0x55d0c8a01000,
+                end: 0x55d0c8a02000,
+                offset: 0x1000,
+                path: "/usr/bin/leaky".into(),
+                executable: true,
+                device: "fe:01".into(),
+                inode: 1234,
+            }
         );
         assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
+        assert!(!parsed[0].executable && parsed[2].executable);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use aya::Ebpf;
-use profiler_common::{DoubleFreeEvent, DropReason, FreeSite};
+use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
 use serde::Serialize;
 
 use crate::{
@@ -46,6 +46,11 @@ pub struct StackReport {
     pub allocations: u64,
     pub allocated_bytes: u64,
     pub oldest_age_s: f64,
+    /// The walk did not reach the thread's outermost frame (see `dropped` for why).
+    pub truncated: bool,
+    /// Index in `frames` of the code that asked for memory: frames before it are allocator
+    /// wrappers such as C++'s `operator new` or Rust's `__rust_alloc`.
+    pub site: usize,
     pub frames: Vec<Frame>,
 }
 
@@ -63,7 +68,16 @@ pub struct SiteReport {
     pub tid: u32,
     /// Seconds since tracing began.
     pub time_s: f64,
+    pub truncated: bool,
     pub frames: Vec<Frame>,
+}
+
+/// A symbolized stack.
+struct Symbolized {
+    frames: Vec<Frame>,
+    /// Stable across runs and processes: see `stack_hash`.
+    id: String,
+    truncated: bool,
 }
 
 /// Turns a traced process's stack ids and times into frames and seconds.
@@ -80,34 +94,25 @@ impl Stacks<'_> {
         seconds(time_ns.saturating_sub(self.start_ns))
     }
 
-    /// Symbolizes a stored stack and hashes it; `caller` is prepended for stacks taken at a
-    /// function's entry.
-    fn frames(&self, table: StackTable, stack_id: u32, caller: u64) -> (Vec<Frame>, String) {
-        let mut addresses = aggregate::stack_frames(self.ebpf, table, stack_id);
-        if caller != 0 {
-            // Taken at free's entry: frame 0 is inside free, and the walk missed free's caller
-            // (unless the kernel added it, as it does at a `push %rbp`).
-            if !addresses.is_empty() {
-                addresses.remove(0);
-            }
-            if addresses.first() != Some(&caller) {
-                addresses.insert(0, caller);
-            }
-        }
+    /// Symbolizes a stored stack and hashes it.
+    fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
+        let (addresses, end) = aggregate::stack_frames(self.ebpf, table, stack_id);
+        let truncated = end != StackEnd::Complete;
         if addresses.is_empty() {
-            return (Vec::new(), "none".to_string());
+            return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
         let id = stack_hash(&resolved);
-        (resolved.into_iter().flat_map(|r| r.frames).collect(), id)
+        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), id, truncated }
+    }
+
+    fn site_report(&self, table: StackTable, stack_id: u64, tid: u32, time_ns: u64) -> SiteReport {
+        let stack = self.symbolize(table, stack_id);
+        SiteReport { tid, time_s: self.seconds_since_start(time_ns), truncated: stack.truncated, frames: stack.frames }
     }
 
     fn free_site(&self, site: &FreeSite) -> SiteReport {
-        SiteReport {
-            tid: site.tid,
-            time_s: self.seconds_since_start(site.time_ns),
-            frames: self.frames(StackTable::Frees, site.stack_id, site.caller).0,
-        }
+        self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns)
     }
 
     /// Symbolizes a double free when it arrives: its free stacks may be replaced later.
@@ -115,11 +120,12 @@ impl Stacks<'_> {
         DoubleFreeReport {
             address: format!("{:#x}", event.addr),
             size: event.first.alloc.size,
-            alloc: SiteReport {
-                tid: event.first.alloc.tid,
-                time_s: self.seconds_since_start(event.first.alloc.time_ns),
-                frames: self.frames(StackTable::Allocations, event.first.alloc.stack_id, 0).0,
-            },
+            alloc: self.site_report(
+                StackTable::Allocations,
+                event.first.alloc.stack_id,
+                event.first.alloc.tid,
+                event.first.alloc.time_ns,
+            ),
             first_free: self.free_site(&event.first.free),
             second_free: self.free_site(&event.second),
         }
@@ -171,16 +177,18 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
     let stacks = outstanding
         .into_iter()
         .map(|stack| {
-            let (frames, stack_id) = ctx.stacks.frames(StackTable::Allocations, stack.stack_id, 0);
+            let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stack_id);
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {
-                stack_id,
+                stack_id: symbolized.id,
                 outstanding_bytes,
                 outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
                 oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
-                frames,
+                truncated: symbolized.truncated,
+                site: allocation_site(&symbolized.frames),
+                frames: symbolized.frames,
             }
         })
         .collect();
@@ -194,6 +202,23 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
         stacks,
         double_frees: ctx.double_frees.to_vec(),
     }
+}
+
+/// Functions that only pass a request on to malloc: the language runtimes' allocation entry
+/// points. A stack's site is the first frame that is none of them.
+const ALLOCATOR_WRAPPERS: [&str; 8] = [
+    "operator new",
+    "__rust_alloc",
+    "__rust_realloc",
+    "__rdl_alloc",
+    "__rdl_realloc",
+    "__rg_alloc",
+    "alloc::alloc::",
+    "<std::alloc::System as core::alloc::global::GlobalAlloc>",
+];
+
+fn allocation_site(frames: &[Frame]) -> usize {
+    frames.iter().position(|f| !ALLOCATOR_WRAPPERS.iter().any(|w| f.function.starts_with(w))).unwrap_or(0)
 }
 
 fn seconds(ns: u64) -> f64 {
@@ -246,7 +271,7 @@ pub fn to_table(report: &Report) -> String {
             "  {:>12} {:>9} {:>8.1}s  ",
             stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s
         );
-        write_frames(&mut out, &lead, &stack.frames);
+        write_frames(&mut out, &lead, &stack.frames, stack.truncated);
     }
     let dropped: Vec<String> =
         report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
@@ -261,19 +286,23 @@ pub fn to_table(report: &Report) -> String {
             ("freed again", &double_free.second_free),
         ] {
             let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
-            write_frames(&mut out, &lead, &site.frames);
+            write_frames(&mut out, &lead, &site.frames, site.truncated);
         }
     }
     out
 }
 
-fn write_frames(out: &mut String, lead: &str, frames: &[Frame]) {
+fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool) {
     if frames.is_empty() {
         let _ = writeln!(out, "{lead}[no stack]");
+        return;
     }
     for (i, frame) in frames.iter().enumerate() {
         let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
         let _ = writeln!(out, "{pad}{}", describe(frame));
+    }
+    if truncated {
+        let _ = writeln!(out, "{}[truncated: see dropped]", " ".repeat(lead.len()));
     }
 }
 
@@ -332,6 +361,14 @@ mod tests {
     }
 
     #[test]
+    fn the_site_is_the_first_frame_past_allocator_wrappers() {
+        let frames = [frame("operator new(unsigned long)", None, None), frame("open_session(int)", None, None)];
+        assert_eq!(allocation_site(&frames), 1);
+        assert_eq!(allocation_site(&frames[1..]), 0);
+        assert_eq!(allocation_site(&[]), 0);
+    }
+
+    #[test]
     fn sizes_are_human_readable() {
         assert_eq!(bytes(512), "512 B");
         assert_eq!(bytes(1536), "1.5 KiB");
@@ -362,6 +399,8 @@ mod tests {
                 allocations: 1,
                 allocated_bytes: 48,
                 oldest_age_s: 0.5,
+                truncated: false,
+                site: 0,
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             double_frees: vec![],
@@ -372,5 +411,7 @@ mod tests {
         assert_eq!(value["dropped"]["live_map_full"], 0);
         assert_eq!(value["stacks"][0]["frames"][0]["function"], "leak_here");
         assert_eq!(value["stacks"][0]["frames"][0]["inlined"], false);
+        assert_eq!(value["stacks"][0]["truncated"], false);
+        assert_eq!(value["stacks"][0]["site"], 0);
     }
 }

@@ -8,8 +8,13 @@ use std::{
     time::Duration,
 };
 
+use std::os::fd::AsFd as _;
+
 use anyhow::Context as _;
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{signal, SignalKind},
+};
 
 use crate::{
     aggregate::{self, DoubleFreeReader},
@@ -20,7 +25,7 @@ use crate::{
     procfs,
     report::{self, DoubleFreeReport, Selection},
     symbolize::SymbolizerHandle,
-    target::{self, DoubleFreeFilter, ExitWatch},
+    target::{self, DoubleFreeFilter, ExitWatch, MappingRequest},
 };
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
@@ -43,7 +48,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     announce(pid_n, &comm, &attachment, &allocator);
     let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
     let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter };
-    let code = trace(tracee, exit, args, &mut output).await?;
+    let code = trace(tracee, exit, None, args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
 
@@ -59,14 +64,16 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
     let executable = std::fs::canonicalize(&program).unwrap_or_else(|_| program.clone()).display().to_string();
     let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, Some(&executable));
-    let (child, exit_code) = target::spawn(program, command, symbolizer.clone())?;
+    let (mapping_requests, requests) = tokio::sync::mpsc::unbounded_channel();
+    let (child, exit_code) = target::spawn(program, command, symbolizer.clone(), mapping_requests)?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
+    loaded.stop_on_mapping_change(pid)?;
     announce(pid, &comm, &attachment, &allocator);
     child.release();
     let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter };
-    let code = trace(tracee, ExitWatch::Child(exit_code), args, &mut output).await?;
+    let code = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
     Ok(code.unwrap_or(0))
 }
 
@@ -133,9 +140,17 @@ impl Tracee {
 async fn trace(
     mut tracee: Tracee,
     mut exit: ExitWatch,
+    mapping_requests: Option<tokio::sync::mpsc::UnboundedReceiver<MappingRequest>>,
     args: &TraceArgs,
     output: &mut dyn Write,
 ) -> anyhow::Result<Option<i32>> {
+    // Without a ptraced child no request comes: a closed channel that is never polled.
+    let mut mapping_requests = mapping_requests.unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1);
+    let mut requests_open = true;
+    // SAFETY: a new fd of our own, open as long as the AsyncFd that owns it.
+    let mapping_events =
+        unsafe { AsyncFd::register(tracee.loaded.mapping_events.ring().as_fd().try_clone_to_owned()?) }
+            .map_err(|err| err.into_parts().1)?;
     let start_ns = aggregate::monotonic_now_ns();
     let min_age_ns = (args.min_age * 1e9) as u64;
     let mut double_free_reader = DoubleFreeReader::new(&mut tracee.loaded.ebpf)?;
@@ -151,6 +166,7 @@ async fn trace(
     let mut collect = |tracee: &mut Tracee, double_frees: &mut Vec<DoubleFreeReport>| {
         if let Some(current) = procfs::comm(tracee.pid) {
             tracee.comm = current;
+            tracee.loaded.sync_mappings(tracee.pid);
             tracee.symbolizer.refresh(tracee.pid);
         }
         for event in double_free_reader.drain() {
@@ -184,6 +200,22 @@ async fn trace(
                 collect(&mut tracee, &mut double_frees);
                 emit(&tracee, &double_frees, output, false)?;
             }
+            ready = mapping_events.readable() => {
+                if let Ok(mut ready) = ready {
+                    ready.clear_ready();
+                }
+                if tracee.loaded.sync_changed_mappings().contains(&tracee.pid) {
+                    tracee.symbolizer.refresh(tracee.pid);
+                }
+            }
+            request = mapping_requests.recv(), if requests_open => match request {
+                Some(request) => {
+                    tracee.loaded.sync_mappings(request.pid);
+                    tracee.symbolizer.refresh(request.pid);
+                    let _ = request.reply.send(tracee.loaded.take_mapping_stop(request.pid));
+                }
+                None => requests_open = false,
+            },
             code = exit.exited() => break code,
             _ = sigint.recv() => break exit.settle().await,
             _ = sigterm.recv() => break exit.settle().await,

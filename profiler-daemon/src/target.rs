@@ -58,6 +58,28 @@ impl ExitWatch {
     }
 }
 
+/// Asks the session, from the thread that ptraces the child, to read the child's new mappings;
+/// the child stays stopped until the answer. The answer says whether the stop was memprof's own
+/// (see `Loaded::take_mapping_stop`).
+pub struct MappingRequest {
+    pub pid: u32,
+    pub reply: std::sync::mpsc::Sender<bool>,
+}
+
+pub type MappingRequests = tokio::sync::mpsc::UnboundedSender<MappingRequest>;
+
+fn request_mappings(requests: &MappingRequests, pid: u32) -> bool {
+    let (reply, answer) = std::sync::mpsc::channel();
+    if requests.send(MappingRequest { pid, reply }).is_err() {
+        return false;
+    }
+    // The session answers between reports; a stuck session must not hang the child for good.
+    answer.recv_timeout(Duration::from_secs(10)).unwrap_or(false)
+}
+
+/// `si_code` of a signal the kernel sent, as a BPF program's `bpf_send_signal_thread` does.
+const SI_KERNEL: i32 = 0x80;
+
 /// A child forked and waiting for `release` before it execs the command.
 pub struct Child {
     pub pid: u32,
@@ -76,7 +98,7 @@ impl Child {
 pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
     let not_found = |what: &str| UserError::Spawn {
         command: name.to_string_lossy().into_owned(),
-        source: io::Error::new(io::ErrorKind::NotFound, what.to_string()),
+        cause: io::Error::new(io::ErrorKind::NotFound, what.to_string()),
     };
     let candidate = Path::new(name);
     if name.as_bytes().contains(&b'/') {
@@ -107,8 +129,9 @@ pub fn spawn(
     program: PathBuf,
     args: &[OsString],
     symbolizer: SymbolizerHandle,
+    mappings: MappingRequests,
 ) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
-    let spawn_error = |source| UserError::Spawn { command: program.display().to_string(), source };
+    let spawn_error = |cause| UserError::Spawn { command: program.display().to_string(), cause };
     let c_program = CString::new(program.as_os_str().as_bytes()).map_err(|e| spawn_error(e.into()))?;
     let c_args: Vec<CString> =
         args.iter().map(|a| CString::new(a.as_bytes())).collect::<Result<_, _>>().map_err(|e| spawn_error(e.into()))?;
@@ -122,7 +145,7 @@ pub fn spawn(
             let pid = result.as_ref().map(|(pid, _)| *pid).ok();
             let _ = pid_tx.send(result);
             if let Some(pid) = pid {
-                let _ = code_tx.send(wait_for_exit(pid, &symbolizer));
+                let _ = code_tx.send(wait_for_exit(pid, &symbolizer, &mappings));
             }
         })
         .map_err(spawn_error)?;
@@ -159,16 +182,18 @@ fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
     }
     drop(read_end);
     // No PTRACE_O_EXITKILL: when memprof ends before the command (--duration), the command is
-    // detached and goes on, as it would without memprof.
-    let options = libc::PTRACE_O_TRACEEXIT;
+    // detached and goes on, as it would without memprof. The exec stop is where the command's own
+    // executable gets its unwind table, before it runs.
+    let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC;
     // SAFETY: seizing our own child; failure leaves it untraced, which only costs symbolization
     // of libraries it loads late.
     unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_ulong) };
     Ok((pid, write_end))
 }
 
-/// Runs the child to its end, refreshing its maps at its exit stop. Returns a shell-style exit code.
-fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle) -> i32 {
+/// Runs the child to its end: reads its mappings at its exec, at every change to its libraries
+/// and at its exit stop. Returns a shell-style exit code.
+fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle, mappings: &MappingRequests) -> i32 {
     loop {
         let mut status = 0;
         // SAFETY: waiting for our own child with a valid out-pointer.
@@ -190,15 +215,29 @@ fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle) -> i32 {
             if event == libc::PTRACE_EVENT_EXIT {
                 symbolizer.refresh(pid as u32);
                 libc::ptrace(libc::PTRACE_CONT, pid, 0, 0);
+            } else if event == libc::PTRACE_EVENT_EXEC {
+                request_mappings(mappings, pid as u32);
+                libc::ptrace(libc::PTRACE_CONT, pid, 0, 0);
             } else if event == libc::PTRACE_EVENT_STOP {
                 // A group stop (SIGSTOP and friends): stay stopped until SIGCONT, as without memprof.
                 libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0);
             } else {
-                // A signal on its way to the child: deliver it unchanged.
-                libc::ptrace(libc::PTRACE_CONT, pid, 0, libc::WSTOPSIG(status) as libc::c_ulong);
+                // A signal on its way to the child: deliver it unchanged, unless it is the SIGTRAP
+                // memprof's probe sent when the child's libraries changed.
+                let signal = libc::WSTOPSIG(status);
+                let ours = signal == libc::SIGTRAP && sent_by_kernel(pid) && request_mappings(mappings, pid as u32);
+                libc::ptrace(libc::PTRACE_CONT, pid, 0, if ours { 0 } else { signal as libc::c_ulong });
             }
         }
     }
+}
+
+/// Whether the signal the stopped child is about to get came from the kernel.
+fn sent_by_kernel(pid: libc::pid_t) -> bool {
+    // SAFETY: siginfo_t is plain data; PTRACE_GETSIGINFO fills it for our stopped tracee.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let got = unsafe { libc::ptrace(libc::PTRACE_GETSIGINFO, pid, 0, &mut info as *mut libc::siginfo_t) };
+    got == 0 && info.si_code == SI_KERNEL
 }
 
 /// glibc functions that free blocks sitting in the allocator's own caches: at thread exit, the

@@ -12,6 +12,7 @@
 #![feature(core_intrinsics)]
 
 mod record;
+mod unwind;
 
 use aya_ebpf::{
     macros::{uprobe, uretprobe},
@@ -71,6 +72,14 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn free(ctx: ProbeContext) -> u32 {
     record::on_free(&ctx, arg(&ctx, 0));
+    0
+}
+
+/// Fires at the dynamic linker's `_dl_debug_state`, which glibc calls before and after it maps or
+/// unmaps libraries (at start, dlopen, dlclose): the daemon reads the new mappings' unwind tables.
+#[uprobe]
+pub fn mappings_changed(_ctx: ProbeContext) -> u32 {
+    unwind::on_mappings_changed();
     0
 }
 

@@ -3,20 +3,22 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_F_USER_STACK, BPF_NOEXIST},
+    bindings::{pt_regs, BPF_NOEXIST},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf, StackTrace},
-    programs::{tracing::StackIdContext, ProbeContext, RetProbeContext},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
 };
 use profiler_common::{
     AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters,
-    SizeHistogram, StackKey, StackStats, NO_STACK, SIZE_BUCKETS,
+    SizeHistogram, Stack, StackKey, StackStats, NO_STACK, SIZE_BUCKETS,
 };
+
+use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
 
 /// Hash maps allocate entries as they fill instead of all at load: at the default capacities a
 /// preallocated `LIVE` alone would pin about 100 MiB of kernel memory for an idle process.
-const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
+pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
@@ -26,10 +28,6 @@ static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_P
 static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
 #[map]
 static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
-#[map]
-static STACKS: StackTrace = StackTrace::with_max_entries(65_536, 0);
-#[map]
-static FREE_STACKS: StackTrace = StackTrace::with_max_entries(16_384, 0);
 /// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
 #[map]
 static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
@@ -49,13 +47,13 @@ fn ids() -> (u32, u32) {
     ((pid_tgid >> 32) as u32, pid_tgid as u32)
 }
 
-fn add(counter: &mut u64, value: u64) {
+pub fn add(counter: &mut u64, value: u64) {
     // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic
     // compiles to BPF's atomic add. SAFETY: the counter is an aligned u64 inside a map value.
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
 }
 
-fn count_drop(reason: DropReason) {
+pub fn count_drop(reason: DropReason) {
     if let Some(counter) = DROPS.get_ptr_mut(reason as u32) {
         // Per-CPU, but uprobe programs run with only migration disabled: two tasks on one CPU
         // can interleave, so the add must be atomic.
@@ -68,7 +66,7 @@ fn count_drop(reason: DropReason) {
 static EMPTY_STATS: StackStats = StackStats { allocations: 0, allocated_bytes: 0, frees: 0, freed_bytes: 0 };
 static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
 static EMPTY_HIST: SizeHistogram = SizeHistogram { buckets: [0; SIZE_BUCKETS] };
-const EMPTY_ALLOC: LiveAlloc = LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0, _pad: 0 };
+const EMPTY_ALLOC: LiveAlloc = LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
 fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
@@ -87,19 +85,18 @@ fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
     }
 }
 
-fn user_stack_id<C: StackIdContext>(ctx: &C, table: &StackTrace) -> u32 {
-    // Without BPF_F_REUSE_STACKID a hash collision fails with -EEXIST instead of silently
-    // replacing the stored stack that other allocations already point at.
-    match ctx.get_stackid(table, BPF_F_USER_STACK as u64) {
-        Ok(id) => id as u32,
-        Err(err) if err == -EEXIST => {
-            count_drop(DropReason::StackCollision);
-            NO_STACK
-        }
-        Err(_) => {
-            count_drop(DropReason::StackWalkFailed);
-            NO_STACK
-        }
+/// The registers of the probe that fired, for a stack walk.
+#[derive(Clone, Copy)]
+pub struct Probe {
+    regs: *const pt_regs,
+    /// At a return probe: the walk starts at the return address.
+    at_return: bool,
+}
+
+impl Probe {
+    fn stack_id(self, table: &HashMap<u64, Stack>, tgid: u32) -> u64 {
+        // SAFETY: `regs` is the context of the probe that is running.
+        unwind::stack_id(table, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
 }
 
@@ -165,6 +162,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
 
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
+    let probe = Probe { regs: ctx.regs, at_return: true };
     let ret: u64 = ctx.ret();
     let Some(state) = INFLIGHT.get_ptr_mut(tid) else {
         count_drop(DropReason::InflightMissing);
@@ -199,15 +197,15 @@ pub fn on_return(ctx: &RetProbeContext) {
     // realloc(p, 0), which returns NULL. A failed one left the old block live.
     if resizes && (returned != 0 || call.size == 0) {
         if call.stashed != 0 {
-            retire(ctx, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash);
         } else {
-            unseen_free(ctx, tgid, call.ptr_arg, 0);
+            unseen_free(probe, tgid, call.ptr_arg);
         }
     } else if call.stashed != 0 {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
     }
     if returned != 0 {
-        on_allocated(ctx, tgid, tid, returned, call.size, func);
+        on_allocated(probe, tgid, tid, returned, call.size, func);
     } else if call.size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
@@ -225,41 +223,26 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
         return;
     }
     let key = AddrKey { tgid, _pad: 0, addr };
+    let probe = Probe { regs: ctx.regs, at_return: false };
     match unsafe { LIVE.get(key) }.copied() {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
             if LIVE.remove(key).is_ok() {
-                retire(ctx, key, alloc, caller_of(ctx));
+                retire(probe, key, alloc);
             }
         }
-        None => unseen_free(ctx, tgid, addr, caller_of(ctx)),
+        None => unseen_free(probe, tgid, addr),
     }
 }
 
-/// The return address on top of the stack at free's probe, before free has pushed anything: the
-/// frame-pointer walk there skips free's caller.
-fn caller_of(ctx: &ProbeContext) -> u64 {
-    #[cfg(bpf_target_arch = "x86_64")]
-    {
-        let rsp = unsafe { (*ctx.regs).rsp };
-        unsafe { bpf_probe_read_user(rsp as *const u64) }.unwrap_or(0)
-    }
-    #[cfg(not(bpf_target_arch = "x86_64"))]
-    {
-        let _ = ctx;
-        0
-    }
-}
-
-fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn) {
+fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: user_stack_id(ctx, &STACKS),
+        stack_id: probe.stack_id(&STACKS, tgid),
         tid,
         func: func as u32,
-        _pad: 0,
     };
     // The address is in use again: a later free of it is not a double free.
     let _ = RECENT_FREES.remove(key);
@@ -291,8 +274,8 @@ fn on_allocated<C: StackIdContext>(ctx: &C, tgid: u32, tid: u32, addr: u64, size
 }
 
 /// Adds one event of `bytes` to the (count, bytes) pair `fields` picks in the stack's totals.
-fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u64, &mut u64), bytes: u64) {
-    match get_or_insert(&STACK_STATS, &StackKey { tgid, stack_id }, &EMPTY_STATS) {
+fn add_to_stack(tgid: u32, stack_id: u64, fields: fn(&mut StackStats) -> (&mut u64, &mut u64), bytes: u64) {
+    match get_or_insert(&STACK_STATS, &StackKey { tgid, _pad: 0, stack_id }, &EMPTY_STATS) {
         Some(stats) => {
             let (count, total) = fields(unsafe { &mut *stats });
             add(count, 1);
@@ -302,27 +285,27 @@ fn add_to_stack(tgid: u32, stack_id: u32, fields: fn(&mut StackStats) -> (&mut u
     }
 }
 
-fn free_site<C: StackIdContext>(ctx: &C, caller: u64) -> FreeSite {
+fn free_site(probe: Probe, tgid: u32) -> FreeSite {
     let (_, tid) = ids();
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
-    let stack_id = user_stack_id(ctx, &FREE_STACKS);
-    FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, caller, stack_id, tid }
+    let stack_id = probe.stack_id(&FREE_STACKS, tgid);
+    FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, stack_id, tid, _pad: 0 }
 }
 
 /// Counts the free of a block that was live, and remembers it to recognise a second free.
-fn retire<C: StackIdContext>(ctx: &C, key: AddrKey, alloc: LiveAlloc, caller: u64) {
+fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
     add_to_stack(key.tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
-    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(ctx, caller) }, 0);
+    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid) }, 0);
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
-fn unseen_free<C: StackIdContext>(ctx: &C, tgid: u32, addr: u64, caller: u64) {
+fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     if let Some(first) = unsafe { RECENT_FREES.get(key) } {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: free_site(ctx, caller) };
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: free_site(probe, tgid) };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -33,7 +33,14 @@ fn json_reports_follow_the_documented_schema() {
     ] {
         assert!(report["totals"][key].is_u64(), "totals.{key}: {report}");
     }
-    for key in ["live_map_full", "stack_walk_failed", "stack_collision", "inflight_missing", "double_free_event_lost"] {
+    for key in [
+        "live_map_full",
+        "stack_table_full",
+        "stack_collision",
+        "unwind_no_table",
+        "inflight_missing",
+        "double_free_event_lost",
+    ] {
         assert!(report["dropped"][key].is_u64(), "dropped.{key}: {report}");
     }
     let stack = &report["stacks"][0];
@@ -132,6 +139,9 @@ fn an_unwritable_output_file() {
 fn a_command_that_does_not_exist() {
     let outcome = memprof(&["run", "--", "/no/such/program"]);
     assert_one_line_error(&outcome, "cannot start /no/such/program");
+    let outcome = memprof(&["run", "--", "no-such-program-on-path"]);
+    assert_one_line_error(&outcome, "cannot start no-such-program-on-path: not found on PATH");
+    assert_eq!(outcome.stderr.matches("not found on PATH").count(), 1, "said once: {}", outcome.stderr);
 }
 
 #[test]

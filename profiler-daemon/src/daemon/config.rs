@@ -6,8 +6,9 @@ use regex::Regex;
 use serde::Deserialize;
 
 use crate::{
-    cli::{self, DaemonArgs, MapSizes},
+    cli::{self, DaemonArgs, LoadSettings},
     procfs,
+    unwind::UnwindMode,
 };
 
 /// The config file. Every field is optional; flags override fields.
@@ -25,6 +26,9 @@ struct File {
     min_age: Option<f64>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
+    unwind: Option<UnwindMode>,
+    max_frames: Option<u32>,
+    max_unwind_rows: Option<u32>,
 }
 
 /// Which processes to trace.
@@ -64,7 +68,7 @@ pub struct Config {
     pub interval: f64,
     pub top_stacks: usize,
     pub min_age: f64,
-    pub maps: MapSizes,
+    pub maps: LoadSettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -131,13 +135,22 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if max_targets == 0 {
         return Err(ConfigError::Value("max_targets", "0 would trace nothing; give at least 1".to_string()));
     }
-    let defaults = MapSizes { max_live: 1 << 20, max_stacks: 1 << 16 };
-    let maps = MapSizes {
+    let defaults = cli::DEFAULT_LOAD;
+    let maps = LoadSettings {
         max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),
         max_stacks: args.max_stacks.or(file.max_stacks).unwrap_or(defaults.max_stacks),
+        unwind: args.unwind.or(file.unwind).unwrap_or(defaults.unwind),
+        max_frames: args.max_frames.or(file.max_frames).unwrap_or(defaults.max_frames),
+        max_unwind_rows: args.max_unwind_rows.or(file.max_unwind_rows).unwrap_or(defaults.max_unwind_rows),
     };
-    if maps.max_live == 0 || maps.max_stacks == 0 {
-        return Err(ConfigError::Value("map size", "max_live and max_stacks must be at least 1".to_string()));
+    if maps.max_live == 0 || maps.max_stacks == 0 || maps.max_unwind_rows == 0 {
+        return Err(ConfigError::Value(
+            "map size",
+            "max_live, max_stacks and max_unwind_rows must be at least 1".to_string(),
+        ));
+    }
+    if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
+        return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
     Ok(Config {
         listen,

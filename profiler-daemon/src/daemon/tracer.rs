@@ -23,7 +23,7 @@ use super::{
 use crate::{
     aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     allocator,
-    cli::MapSizes,
+    cli::LoadSettings,
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
@@ -33,6 +33,8 @@ use crate::{
 
 /// How often /proc is polled for processes to attach to or detach from.
 const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// How often the ring buffer of library changes is read.
+const MAPPING_POLL: Duration = Duration::from_millis(10);
 /// How long a new process that cannot be attached to is tried again.
 const GRACE_SECONDS: f64 = 5.0;
 /// Double frees kept per process for its report; more are counted only.
@@ -58,7 +60,7 @@ struct Target {
 pub struct Tracer {
     config: Config,
     /// The map sizes the programs were loaded with; a reload cannot change them.
-    loaded_sizes: MapSizes,
+    loaded_sizes: LoadSettings,
     loaded: Loaded,
     symbolizer: SymbolizerHandle,
     double_free_reader: DoubleFreeReader,
@@ -116,7 +118,11 @@ impl Tracer {
                 }
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
-            let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now());
+            for pid in self.loaded.sync_changed_mappings() {
+                self.symbolizer.refresh(pid);
+            }
+            // Woken often enough to give a library a process loads its table within milliseconds.
+            let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
             match commands.recv_timeout(wait) {
                 Ok(Command::Reload(config)) => self.reload(*config),
                 Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -220,6 +226,7 @@ impl Tracer {
         if let Err(err) = aggregate::purge(&mut self.loaded.ebpf, pid) {
             warn!(pid, "purging the maps failed: {err:#}");
         }
+        self.loaded.forget_mappings(pid);
         self.symbolizer.forget(pid);
         info!(pid, comm = target.comm, "no longer traced");
     }
@@ -276,6 +283,7 @@ impl Tracer {
         let min_age_ns = (self.config.min_age * 1e9) as u64;
         let kernel = aggregate::read(&self.loaded.ebpf, &pids, min_age_ns)?;
         let sizes = self.loaded_sizes;
+        let tables = self.loaded.unwind.table_use();
         let mut view = DaemonView {
             drops: kernel.drops,
             maps: vec![
@@ -295,6 +303,7 @@ impl Tracer {
                     entries: kernel.stack_stats_entries,
                     capacity: loader::stack_stats_capacity(sizes).into(),
                 },
+                MapUse { name: "unwind_rows", entries: tables.rows, capacity: tables.capacity },
             ],
             refused_targets: self.refused_total,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),

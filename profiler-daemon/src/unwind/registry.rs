@@ -1,0 +1,318 @@
+//! Which unwind tables the kernel has: one per mapped file, shared by every process that maps
+//! it, and each traced process's executable mappings pointing at them.
+//!
+//! Rows live in `UNWIND_ROWS`, an array the daemon maps into its own memory (`BPF_F_MMAPABLE`),
+//! so a table of 100,000 rows is one copy rather than 100,000 syscalls. A file's rows stay while
+//! some traced process maps it and are freed for reuse after.
+
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::{AsFd as _, AsRawFd as _},
+    ptr::NonNull,
+};
+
+use aya::{
+    maps::{HashMap as BpfHashMap, Map, MapData},
+    Ebpf,
+};
+use object::{Object as _, ObjectSegment as _};
+use profiler_common::{mapping_kind, ExecMapping, ProcMappings, UnwindRow, MAX_MAPPINGS};
+
+use super::{space::RowSpace, table};
+use crate::procfs::{self, FileMapping};
+
+/// How memprof walks stacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnwindMode {
+    /// DWARF CFI from each file's `.eh_frame`: right on code built without frame pointers.
+    Cfi,
+    /// Frame pointers only: cheaper, wrong where code omits them (most distribution code).
+    Fp,
+}
+
+/// The array rows are written to: each row takes 16 bytes, as the kernel rounds an array's
+/// element size up to 8.
+const ROW_STRIDE: usize = 16;
+
+/// A mapped file, named by device and inode: the same while any process maps it.
+type FileKey = (String, u64);
+
+struct FileTable {
+    first_row: u32,
+    rows: u32,
+    kind: u32,
+    /// Loadable segments: (file offset, file size, virtual address), to find a mapping's bias.
+    segments: Vec<(u64, u64, u64)>,
+    /// Traced processes that map the file.
+    users: usize,
+}
+
+/// Unwind tables in the kernel and the processes that use them.
+pub struct Registry {
+    mode: UnwindMode,
+    rows: NonNull<UnwindRow>,
+    space: RowSpace,
+    files: HashMap<FileKey, FileTable>,
+    /// Files each traced process maps, to release them when it goes.
+    processes: HashMap<u32, HashSet<FileKey>>,
+    /// Files already warned about, so that each warning is said once.
+    warned: HashSet<String>,
+}
+
+// SAFETY: `rows` points into a shared mapping that lives as long as memprof and is written only
+// through `&mut self`; nothing about it is tied to the thread that made it.
+unsafe impl Send for Registry {}
+
+/// How many rows the tables take, and of how many files: for metrics and the benchmark.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableUse {
+    pub files: usize,
+    pub rows: u64,
+    pub capacity: u64,
+}
+
+impl Registry {
+    pub fn new(ebpf: &mut Ebpf, mode: UnwindMode) -> anyhow::Result<Self> {
+        let Some(Map::Array(data)) = ebpf.map("UNWIND_ROWS") else {
+            anyhow::bail!("map UNWIND_ROWS missing from the eBPF object");
+        };
+        let capacity = data.info()?.max_entries();
+        let rows = map_rows(data, capacity as usize)?;
+        Ok(Self {
+            mode,
+            rows,
+            space: RowSpace::new(capacity),
+            files: HashMap::new(),
+            processes: HashMap::new(),
+            warned: HashSet::new(),
+        })
+    }
+
+    pub fn table_use(&self) -> TableUse {
+        TableUse { files: self.files.len(), rows: self.space.used() as u64, capacity: self.space.capacity() as u64 }
+    }
+
+    /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
+    /// kernel the process's new mapping list. Cheap when nothing changed.
+    pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
+        // An exited process not yet reaped has no mappings left: keep what it had.
+        let Ok(mappings) = procfs::file_mappings(pid) else { return Ok(()) };
+        let mut entries = Vec::new();
+        let mut used = HashSet::new();
+        for mapping in mappings.iter().filter(|m| m.executable) {
+            let key = (mapping.device.clone(), mapping.inode);
+            let Some(file) = self.file(&key, pid, mapping) else { continue };
+            let Some(bias) = bias(&file.segments, mapping) else { continue };
+            used.insert(key);
+            entries.push(ExecMapping {
+                start: mapping.start,
+                end: mapping.end,
+                bias,
+                first_row: file.first_row,
+                rows: file.rows,
+                kind: file.kind,
+                _pad: 0,
+            });
+        }
+        if entries.len() > MAX_MAPPINGS {
+            self.warn_once(
+                &format!("pid {pid}"),
+                &format!(
+                    "pid {pid} has {} executable mappings; frames in those past {MAX_MAPPINGS} are not unwound",
+                    entries.len()
+                ),
+            );
+            entries.truncate(MAX_MAPPINGS);
+        }
+        let mut list =
+            ProcMappings { len: entries.len() as u32, _pad: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
+        list.entries[..entries.len()].copy_from_slice(&entries);
+        let mut map: BpfHashMap<_, u32, ProcMappings> = BpfHashMap::try_from(
+            ebpf.map_mut("PROC_MAPPINGS").ok_or_else(|| anyhow::anyhow!("map PROC_MAPPINGS missing"))?,
+        )?;
+        map.insert(pid, list, 0)?;
+        let old = self.processes.insert(pid, used.clone()).unwrap_or_default();
+        for key in used.difference(&old) {
+            if let Some(file) = self.files.get_mut(key) {
+                file.users += 1;
+            }
+        }
+        for key in old.difference(&used) {
+            self.release(key);
+        }
+        self.drop_unused();
+        Ok(())
+    }
+
+    /// The process has exited: its mapping list goes, and the tables no one else uses.
+    pub fn forget(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        if let Some(Ok(mut map)) = ebpf.map_mut("PROC_MAPPINGS").map(BpfHashMap::<_, u32, ProcMappings>::try_from) {
+            let _ = map.remove(&pid);
+        }
+        for key in self.processes.remove(&pid).unwrap_or_default() {
+            self.release(&key);
+        }
+        self.drop_unused();
+    }
+
+    fn release(&mut self, key: &FileKey) {
+        if let Some(file) = self.files.get_mut(key) {
+            file.users = file.users.saturating_sub(1);
+        }
+    }
+
+    fn drop_unused(&mut self) {
+        let space = &mut self.space;
+        self.files.retain(|_, file| {
+            if file.users == 0 && file.rows > 0 {
+                space.free(file.first_row, file.rows);
+            }
+            file.users > 0
+        });
+    }
+
+    /// The table of a mapped file, built and written to the kernel the first time it is seen.
+    /// None when the file cannot be read or its table has no room (said once; its frames end
+    /// stacks and are counted as `unwind_no_table`).
+    fn file(&mut self, key: &FileKey, pid: u32, mapping: &FileMapping) -> Option<&FileTable> {
+        if !self.files.contains_key(key) {
+            let table = self.build(pid, mapping)?;
+            self.files.insert(key.clone(), table);
+        }
+        self.files.get(key)
+    }
+
+    fn build(&mut self, pid: u32, mapping: &FileMapping) -> Option<FileTable> {
+        let path = &mapping.path;
+        let data = match mapping.reachable_paths(pid).iter().find_map(|p| std::fs::read(p).ok()) {
+            Some(data) => data,
+            None => {
+                self.warn_once(path, &format!("cannot read {path}: its frames are not unwound"));
+                return None;
+            }
+        };
+        let segments = load_segments(&data)?;
+        let built = match self.mode {
+            UnwindMode::Fp => Ok(None),
+            UnwindMode::Cfi => table::build(&data),
+        };
+        let rows = match built {
+            Ok(Some(table)) => table.rows,
+            Ok(None) => {
+                if self.mode == UnwindMode::Cfi {
+                    self.warn_once(
+                        path,
+                        &format!("{path} has no .eh_frame: its frames are unwound with frame pointers"),
+                    );
+                }
+                return Some(FileTable {
+                    first_row: 0,
+                    rows: 0,
+                    kind: mapping_kind::FRAME_POINTERS,
+                    segments,
+                    users: 0,
+                });
+            }
+            Err(err) => {
+                self.warn_once(path, &format!("{path}: {err}: its frames are not unwound"));
+                return None;
+            }
+        };
+        let Some(first_row) = self.space.alloc(rows.len() as u32) else {
+            let capacity = self.space.capacity();
+            self.warn_once(
+                "rows",
+                &format!("the unwind tables are full ({capacity} rows): frames in {path} and later files are not unwound; raise --max-unwind-rows"),
+            );
+            return None;
+        };
+        for (i, row) in rows.iter().enumerate() {
+            // SAFETY: alloc returned a range inside the mapped array; the kernel reads rows only
+            // of mappings that point at them, and none points at this range until `sync`.
+            unsafe {
+                self.rows
+                    .as_ptr()
+                    .cast::<u8>()
+                    .add((first_row as usize + i) * ROW_STRIDE)
+                    .cast::<UnwindRow>()
+                    .write(*row)
+            };
+        }
+        tracing::debug!(path, rows = rows.len(), "unwind table built");
+        Some(FileTable { first_row, rows: rows.len() as u32, kind: mapping_kind::CFI, segments, users: 0 })
+    }
+
+    fn warn_once(&mut self, what: &str, message: &str) {
+        if self.warned.insert(what.to_string()) {
+            eprintln!("memprof: {message}");
+        }
+    }
+}
+
+/// Maps the rows array into memprof's memory. It stays mapped for memprof's lifetime, as the
+/// map itself does.
+fn map_rows(data: &MapData, capacity: usize) -> anyhow::Result<NonNull<UnwindRow>> {
+    let length = (capacity * ROW_STRIDE).next_multiple_of(4096);
+    // SAFETY: a shared mapping of a BPF array created with BPF_F_MMAPABLE; the length is the
+    // array's size rounded up to a page, which the kernel allows.
+    let address = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            length,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            data.fd().as_fd().as_raw_fd(),
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        anyhow::bail!("mapping UNWIND_ROWS into memory: {}", std::io::Error::last_os_error());
+    }
+    NonNull::new(address.cast()).ok_or_else(|| anyhow::anyhow!("mapping UNWIND_ROWS returned NULL"))
+}
+
+/// The file's loadable segments, as (file offset, file size, virtual address).
+fn load_segments(data: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+    let file = object::File::parse(data).ok()?;
+    Some(
+        file.segments()
+            .map(|s| {
+                let (offset, size) = s.file_range();
+                (offset, size, s.address())
+            })
+            .collect(),
+    )
+}
+
+/// What to subtract from an address in `mapping` to get the file's virtual address.
+fn bias(segments: &[(u64, u64, u64)], mapping: &FileMapping) -> Option<u64> {
+    let (offset, _, address) =
+        segments.iter().find(|(offset, size, _)| (*offset..offset + size.max(&1)).contains(&mapping.offset))?;
+    Some(mapping.start.wrapping_sub(address + (mapping.offset - offset)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bias_maps_addresses_to_virtual_addresses() {
+        // A PIE's text segment at file offset 0x1000, vaddr 0x1000, mapped at 0x5555_5555_5000.
+        let segments = [(0, 0x1000, 0), (0x1000, 0x2000, 0x1000)];
+        let mapping = FileMapping {
+            start: 0x5555_5555_5000,
+            end: 0x5555_5555_7000,
+            offset: 0x1000,
+            path: "/x".into(),
+            executable: true,
+            device: "fe:01".into(),
+            inode: 1,
+        };
+        assert_eq!(bias(&segments, &mapping), Some(0x5555_5555_4000));
+        // A non-PIE executable: vaddr 0x401000 at offset 0x1000, mapped where it says.
+        let segments = [(0x1000, 0x2000, 0x40_1000)];
+        let mapping = FileMapping { start: 0x40_1000, end: 0x40_3000, ..mapping };
+        assert_eq!(bias(&segments, &mapping), Some(0));
+    }
+}

@@ -1,0 +1,321 @@
+//! The user stack walk: DWARF CFI rows (built by the daemon from each file's `.eh_frame`) or frame
+//! pointers, frame by frame, into memprof's own stack tables.
+//!
+//! For each frame the walk finds the process's executable mapping of the address (binary search
+//! in `PROC_MAPPINGS`), then the row covering it in that file's slice of `UNWIND_ROWS` (binary
+//! search), computes the canonical frame address (CFA) and reads the return address at CFA - 8.
+//! Files are shared: every process that maps a file points at the same rows.
+//!
+//! Stacks are stored under a 64-bit hash of their frames. A second hash kept in the value tells a
+//! real collision from a repeat, so a stack is never merged with another one or thrown away
+//! silently.
+
+use aya_ebpf::{
+    bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
+    cty::c_void,
+    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_send_signal_thread},
+    macros::map,
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    Global,
+};
+use profiler_common::{
+    cfa, mapping_kind, rbp, DropReason, ExecMapping, ProcMappings, Stack, StackEnd, UnwindRow, MAX_FRAMES,
+    MAX_MAPPINGS, NO_STACK,
+};
+
+use crate::record::{count_drop, NO_PREALLOC};
+
+/// Capacities here are defaults; the daemon sets the real ones at load time.
+#[map]
+pub static STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(65_536, NO_PREALLOC);
+#[map]
+pub static FREE_STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(16_384, NO_PREALLOC);
+/// Rows of every file's unwind table, each file a sorted slice (an array: lookups are inlined).
+#[map]
+static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 20, BPF_F_MMAPABLE);
+#[map]
+static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+
+/// Processes whose mappings changed (their tgids), for the daemon to read their new files' tables.
+#[map]
+static MAPPINGS_CHANGED: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
+/// Processes that `memprof run` started and ptraces: a mapping change stops the thread with a
+/// SIGTRAP that memprof takes (and does not deliver) once the new tables are in, so a library's
+/// frames unwind from its first allocation on.
+#[map]
+static STOP_ON_MAPPING_CHANGE: HashMap<u32, u64> = HashMap::with_max_entries(1_024, 0);
+
+const SIGTRAP: u32 = 5;
+
+pub fn on_mappings_changed() {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if let Some(pending) = STOP_ON_MAPPING_CHANGE.get_ptr_mut(tgid) {
+        // Counted, so that memprof tells its own SIGTRAPs from the program's.
+        crate::record::add(unsafe { &mut *pending }, 1);
+        // SAFETY: a plain helper call; the signal goes to the current thread.
+        unsafe { bpf_send_signal_thread(SIGTRAP) };
+    } else if MAPPINGS_CHANGED.output::<u32>(&tgid, 0).is_err() {
+        // The daemon finds new mappings at its next refresh anyway.
+        count_drop(DropReason::MappingEventLost);
+    }
+}
+
+/// Where a walk builds its stack: 1 KiB does not fit on the 512-byte BPF stack.
+#[repr(C)]
+struct Scratch {
+    /// Bumped by every walk on this CPU. Uprobe programs run with migration disabled but may be
+    /// preempted: a walk that finds the count changed under it knows another task on this CPU
+    /// reused the scratch, and keeps no stack rather than a mixed one.
+    uses: u64,
+    /// In the map value, not on the BPF stack: the verifier tracks no values in map memory, so
+    /// the loop's state looks the same at every frame and `step` is verified only once or twice.
+    walk: Walk,
+    stack: Stack,
+}
+
+#[map]
+static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// Frames kept per stack (`--max-frames`), at most `MAX_FRAMES`.
+#[unsafe(no_mangle)]
+static FRAME_LIMIT: Global<u32> = Global::new(MAX_FRAMES as u32);
+
+/// Binary search steps: enough for 2^9 = 512 > MAX_MAPPINGS mappings and 2^24 rows per file.
+const MAPPING_STEPS: usize = 9;
+const ROW_STEPS: usize = 24;
+
+/// Offsets in the `ucontext_t` a signal trampoline's rsp points at: `uc_mcontext` starts at 40,
+/// and its `gregs` are indexed by REG_RBP = 10, REG_RSP = 15, REG_RIP = 16.
+const UC_RBP: u64 = 40 + 10 * 8;
+const UC_RSP: u64 = 40 + 15 * 8;
+const UC_RIP: u64 = 40 + 16 * 8;
+
+/// The registers a walk starts from.
+pub struct Regs {
+    pub pc: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Whether `pc` is a return address (at a return probe), whose call is the byte before it;
+    /// else it is the exact instruction (at an entry probe, or after a signal frame).
+    pub pc_is_return: bool,
+}
+
+impl Regs {
+    /// # Safety
+    /// `regs` must be the probe's context registers.
+    pub unsafe fn of(regs: *const pt_regs, pc_is_return: bool) -> Regs {
+        let regs = &*regs;
+        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return }
+    }
+}
+
+/// Walks the stack and returns its id in `table`, or `NO_STACK` (counted) when it cannot be kept.
+pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return NO_STACK;
+    };
+    let scratch = unsafe { &mut *scratch };
+    scratch.uses = scratch.uses.wrapping_add(1);
+    let ours = scratch.uses;
+    scratch.walk = Walk {
+        pc: regs.pc,
+        sp: regs.sp,
+        bp: regs.bp,
+        hash: 0x9e37_79b9_7f4a_7c15,
+        check: 0xc2b2_ae3d_27d4_eb4f,
+        tgid,
+        len: 0,
+        end: StackEnd::TooDeep as u32,
+        pc_is_return: u32::from(regs.pc_is_return),
+        // rbp is known at the start; a frame that clobbers it without saving it loses it.
+        bp_known: 1,
+    };
+    // One frame per iteration: the verifier checks `step` once, not once per frame.
+    // SAFETY: `step` has the callback signature bpf_loop expects.
+    // One more iteration than frames: an entry probe's first one stores none.
+    unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
+    let walk = &scratch.walk;
+    let end = StackEnd::from_u32(walk.end);
+    if let Some(reason) = end.drop_reason() {
+        count_drop(reason);
+    }
+    let hash = walk.hash ^ walk.end as u64;
+    let check = walk.check ^ walk.len as u64;
+    let id = if hash == NO_STACK { 1 } else { hash };
+    if let Some(stored) = unsafe { table.get(id) } {
+        if stored.check == check && stored.len == walk.len {
+            return id;
+        }
+        count_drop(DropReason::StackCollision);
+        return NO_STACK;
+    }
+    scratch.stack.check = check;
+    scratch.stack.len = walk.len;
+    scratch.stack.end = walk.end;
+    // By reference: a 1 KiB value does not fit on the 512-byte BPF stack.
+    let stack: &Stack = &scratch.stack;
+    match table.insert(id, stack, BPF_NOEXIST as u64) {
+        Ok(()) if scratch.uses != ours => {
+            // Preempted mid-walk by a task that walked on this CPU too: what was copied may mix
+            // both stacks.
+            let _ = table.remove(id);
+            count_drop(DropReason::StackPreempted);
+            NO_STACK
+        }
+        Ok(()) => id,
+        // Another CPU stored it first; a collision then shows at the next lookup.
+        Err(err) if err == -EEXIST => id,
+        Err(_) => {
+            count_drop(DropReason::StackTableFull);
+            NO_STACK
+        }
+    }
+}
+
+const EEXIST: i32 = 17;
+
+/// The state of a walk between frames.
+#[repr(C)]
+struct Walk {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    hash: u64,
+    check: u64,
+    tgid: u32,
+    len: u32,
+    /// `StackEnd`: `TooDeep` until the walk ends otherwise.
+    end: u32,
+    /// Whether `pc` is a return address, whose call is the byte before it; else it is the exact
+    /// instruction (at an entry probe, or after a signal frame).
+    pc_is_return: u32,
+    bp_known: u32,
+}
+
+/// Records frame `index` and steps to its caller. Returns 1 to stop the loop, 0 to go on.
+extern "C" fn step(index: u64, _context: *mut c_void) -> i64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 1 };
+    // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile.
+    let scratch = unsafe { &mut *scratch };
+    match frame(index as usize, &mut scratch.walk, &mut scratch.stack) {
+        Some(()) => 0,
+        None => 1,
+    }
+}
+
+/// One frame; None when the walk ends (with `walk.end` saying why).
+fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
+    let pc = walk.pc;
+    let at_entry = index == 0 && walk.pc_is_return == 0;
+    // At an entry probe frame 0 is the allocator itself (free): stacks begin at its caller.
+    if !at_entry {
+        // Past the limit the walk ends as `TooDeep`, as it began.
+        if walk.len >= FRAME_LIMIT.load() {
+            return None;
+        }
+        *stack.frames.get_mut(walk.len as usize)? = pc;
+        walk.len += 1;
+        walk.hash = (walk.hash.rotate_left(23) ^ pc).wrapping_mul(0x0100_0000_01b3);
+        walk.check = (walk.check ^ pc).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(31);
+    }
+    // A return address follows its call: the call, and the row that covers it, is before it.
+    let address = pc - walk.pc_is_return as u64;
+    let Some(mapping) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
+    else {
+        return end(walk, StackEnd::NoTable);
+    };
+    let frame_pointers = mapping.kind == mapping_kind::FRAME_POINTERS;
+    let Some(row) = row_for(mapping, address, at_entry) else {
+        return end(walk, StackEnd::NoTable);
+    };
+    let sp = walk.sp;
+    let cfa = match row.cfa {
+        cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
+        cfa::RBP if walk.bp_known != 0 => walk.bp.wrapping_add(row.cfa_offset as i64 as u64),
+        cfa::PLT => sp + 8 + if (address & 15) as i32 >= row.cfa_offset { 8 } else { 0 },
+        cfa::END => return end(walk, StackEnd::Complete),
+        cfa::SIGNAL => {
+            // The kernel saved the interrupted registers in the signal frame's ucontext.
+            let (Some(pc), Some(sp), Some(bp)) = (read(sp + UC_RIP), read(sp + UC_RSP), read(sp + UC_RBP)) else {
+                return end(walk, StackEnd::ReadFailed);
+            };
+            (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc, sp, bp, 1, 0);
+            return Some(());
+        }
+        cfa::NONE => return end(walk, StackEnd::NoTable),
+        _ => return end(walk, StackEnd::BadRule),
+    };
+    let Some(return_address) = read(cfa - 8) else {
+        return end(walk, StackEnd::ReadFailed);
+    };
+    match row.rbp {
+        rbp::SAVED => match read(cfa.wrapping_add(row.rbp_offset as i64 as u64)) {
+            Some(saved) => (walk.bp, walk.bp_known) = (saved, 1),
+            None => return end(walk, StackEnd::ReadFailed),
+        },
+        rbp::LOST => walk.bp_known = 0,
+        _ => {}
+    }
+    (walk.pc, walk.sp, walk.pc_is_return) = (return_address, cfa, 1);
+    // CFI ends at an undefined return address (above), but some hand-written outermost frames
+    // just hold 0; frame pointers end at a zero frame.
+    if return_address == 0 || (frame_pointers && walk.bp == 0) {
+        return end(walk, StackEnd::Complete);
+    }
+    Some(())
+}
+
+fn end(walk: &mut Walk, why: StackEnd) -> Option<()> {
+    walk.end = why as u32;
+    None
+}
+
+fn read(address: u64) -> Option<u64> {
+    unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+}
+
+/// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
+/// in a search doubles the paths the verifier explores.
+fn at_or_below(low: u64, high: u64) -> u64 {
+    (high.wrapping_sub(low) >> 63) ^ 1
+}
+
+/// The mapping that holds `address`: a branchless binary search over the sorted entries.
+fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
+    let (mut base, mut count) = (0usize, (mappings.len as usize).min(MAX_MAPPINGS));
+    for _ in 0..MAPPING_STEPS {
+        let half = count / 2;
+        let probe = mappings.entries.get((base + half) & (MAX_MAPPINGS - 1))?;
+        base += half & (at_or_below(probe.start, address) as usize).wrapping_neg();
+        count -= half;
+    }
+    let entry = mappings.entries.get(base & (MAX_MAPPINGS - 1))?;
+    (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
+}
+
+/// The frame-pointer rules: CFA = rbp + 16, the caller's rbp saved at CFA - 16. At a function's
+/// first instruction (an entry probe) nothing is pushed yet: CFA = rsp + 8.
+static FRAME_POINTER_ROW: UnwindRow =
+    UnwindRow { pc: 0, cfa_offset: 16, rbp_offset: -16, cfa: cfa::RBP, rbp: rbp::SAVED };
+static ENTRY_ROW: UnwindRow = UnwindRow { pc: 0, cfa_offset: 8, rbp_offset: 0, cfa: cfa::RSP, rbp: rbp::SAME };
+
+/// The row that covers `address`: the last one whose `pc` is at or below it.
+fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'static UnwindRow> {
+    if mapping.kind == mapping_kind::FRAME_POINTERS {
+        return Some(if at_entry { &ENTRY_ROW } else { &FRAME_POINTER_ROW });
+    }
+    let file_address = address.wrapping_sub(mapping.bias);
+    if file_address > u32::MAX as u64 {
+        return None;
+    }
+    let file_address = file_address as u32;
+    let (mut base, mut count) = (mapping.first_row, mapping.rows);
+    for _ in 0..ROW_STEPS {
+        let half = count / 2;
+        let probe = UNWIND_ROWS.get(base + half)?;
+        base += half & (at_or_below(probe.pc as u64, file_address as u64) as u32).wrapping_neg();
+        count -= half;
+    }
+    let row = UNWIND_ROWS.get(base)?;
+    (count == 1 && row.pc <= file_address).then_some(row)
+}
