@@ -221,7 +221,13 @@ impl SymbolizerThread {
         let path = &module.mapping.path;
         // A return address points after the call; the call itself is one byte earlier.
         let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
-        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset.saturating_sub(1)));
+        let symbolize = |offset| self.symbolizer.symbolize_single(&source, Input::FileOffset(offset));
+        let symbolized = match symbolize(file_offset.saturating_sub(1)) {
+            // A signal handler returns to the first byte of the trampoline (`__restore_rt`): the
+            // byte before it is padding between functions.
+            Ok(Symbolized::Unknown(_)) => symbolize(file_offset),
+            other => other,
+        };
         match symbolized {
             Ok(Symbolized::Sym(sym)) => {
                 Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym) }

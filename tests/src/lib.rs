@@ -244,3 +244,40 @@ pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T
         thread::sleep(std::time::Duration::from_millis(200));
     }
 }
+
+/// Compiles the fixture source `file` with `compiler` (`cc`, `g++`, `rustc`) and `flags` into
+/// `target/fixtures/NAME` (an executable, or a shared library with `-shared`).
+pub fn fixture_compiled(compiler: &str, file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = workspace().join("target/fixtures");
+    std::fs::create_dir_all(&dir).expect("creating target/fixtures");
+    let out = dir.join(name);
+    let source = workspace().join("tests/fixtures").join(file);
+    let partial = dir.join(format!(".{name}.{}", std::process::id()));
+    let status = Command::new(compiler)
+        .args(flags)
+        .arg("-o")
+        .arg(&partial)
+        .arg(&source)
+        .status()
+        .unwrap_or_else(|e| panic!("starting {compiler}: {e}"));
+    assert!(status.success(), "compiling {} with {compiler} failed", source.display());
+    std::fs::rename(&partial, &out).expect("moving the fixture into place");
+    out
+}
+
+/// Compiles the C++ fixture `file` with `g++ FLAGS` into the executable `name`.
+pub fn fixture_cpp(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    fixture_compiled("g++", file, name, flags)
+}
+
+/// Compiles the Rust fixture `file` (a crate root) with `rustc FLAGS` into the executable `name`.
+pub fn fixture_rust(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    fixture_compiled("rustc", file, name, flags)
+}
+
+/// Compiles the C fixture `file` with `cc -shared -fPIC FLAGS` into the shared library `name`.
+pub fn fixture_lib(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    let all: Vec<&str> = ["-shared", "-fPIC"].iter().chain(flags).copied().collect();
+    fixture_compiled("cc", file, name, &all)
+}

@@ -198,7 +198,12 @@ impl Registry {
             UnwindMode::Cfi => table::build(&data),
         };
         let rows = match built {
-            Ok(Some(table)) => table.rows,
+            Ok(Some(mut table)) => {
+                if let Some(entry) = entry_point(&data) {
+                    table.end_at_entry_point(entry);
+                }
+                table.rows
+            }
             Ok(None) => {
                 if self.mode == UnwindMode::Cfi {
                     self.warn_once(
@@ -272,11 +277,18 @@ fn map_rows(data: &MapData, capacity: usize) -> anyhow::Result<NonNull<UnwindRow
     NonNull::new(address.cast()).ok_or_else(|| anyhow::anyhow!("mapping UNWIND_ROWS returned NULL"))
 }
 
-/// The file's loadable segments, as (file offset, file size, virtual address).
+/// The ELF entry point, where it fits the rows' 32-bit addresses.
+fn entry_point(data: &[u8]) -> Option<u32> {
+    u32::try_from(object::File::parse(data).ok()?.entry()).ok().filter(|entry| *entry != 0)
+}
+
+/// The file's executable loadable segments, as (file offset, file size, virtual address).
 fn load_segments(data: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+    const PF_X: u32 = 1;
     let file = object::File::parse(data).ok()?;
     Some(
         file.segments()
+            .filter(|s| matches!(s.flags(), object::SegmentFlags::Elf { p_flags } if p_flags & PF_X != 0))
             .map(|s| {
                 let (offset, size) = s.file_range();
                 (offset, size, s.address())
@@ -287,9 +299,11 @@ fn load_segments(data: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
 
 /// What to subtract from an address in `mapping` to get the file's virtual address.
 fn bias(segments: &[(u64, u64, u64)], mapping: &FileMapping) -> Option<u64> {
+    // The kernel maps from the page below a segment's file offset: LLD, unlike GNU ld, leaves a
+    // segment's offset and address apart within the page (offset 0x15660 at 0x16660).
     let (offset, _, address) =
-        segments.iter().find(|(offset, size, _)| (*offset..offset + size.max(&1)).contains(&mapping.offset))?;
-    Some(mapping.start.wrapping_sub(address + (mapping.offset - offset)))
+        segments.iter().find(|(offset, size, _)| (offset & !0xfff..offset + size.max(&1)).contains(&mapping.offset))?;
+    Some(mapping.start.wrapping_sub(address.wrapping_add(mapping.offset.wrapping_sub(*offset))))
 }
 
 #[cfg(test)]
@@ -314,5 +328,9 @@ mod tests {
         let segments = [(0x1000, 0x2000, 0x40_1000)];
         let mapping = FileMapping { start: 0x40_1000, end: 0x40_3000, ..mapping };
         assert_eq!(bias(&segments, &mapping), Some(0));
+        // LLD: text at file offset 0x15660, vaddr 0x16660; the kernel maps offset 0x15000.
+        let segments = [(0x15660, 0x2000, 0x16660)];
+        let mapping = FileMapping { start: 0x5555_5556_a000, offset: 0x15000, ..mapping };
+        assert_eq!(bias(&segments, &mapping), Some(0x5555_5556_a000 - 0x16000));
     }
 }

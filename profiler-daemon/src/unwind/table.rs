@@ -44,10 +44,24 @@ pub struct FileTable {
 impl FileTable {
     /// The row that covers `address` (an ELF virtual address), as the BPF side finds it: the last
     /// one with `pc <= address`. `None` before the first row.
-    #[cfg_attr(not(test), allow(dead_code, reason = "for the userspace reference unwinder, not written yet"))]
+    #[cfg(test)]
     pub fn lookup(&self, address: u32) -> Option<&UnwindRow> {
-        let after = self.rows.partition_point(|row| row.pc <= address);
-        after.checked_sub(1).map(|index| &self.rows[index])
+        self.index_of(address).map(|index| &self.rows[index])
+    }
+
+    fn index_of(&self, address: u32) -> Option<usize> {
+        self.rows.partition_point(|row| row.pc <= address).checked_sub(1)
+    }
+
+    /// Marks the code at `entry`, the file's ELF entry point, as a thread's outermost frame when
+    /// no CFI covers it: the dynamic linker's hand-written `_start`/`_dl_start_user` has none, and
+    /// the constructors it runs would otherwise end in a truncated stack.
+    pub fn end_at_entry_point(&mut self, entry: u32) {
+        if let Some(row) = self.index_of(entry).and_then(|index| self.rows.get_mut(index)) {
+            if row.cfa == profiler_common::cfa::NONE {
+                row.cfa = profiler_common::cfa::END;
+            }
+        }
     }
 }
 

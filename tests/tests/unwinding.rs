@@ -1,0 +1,390 @@
+//! DWARF (.eh_frame) unwinding in the kernel: code built like distribution code, without frame
+//! pointers, must give whole stacks, from the allocating function through every caller to the
+//! thread's outermost frame (`clone3` for a thread, `_start` for main), with exact bytes per site.
+//!
+//! Frames are matched by function name: exactly, or with a C++ parameter list after it
+//! (`open_session` matches `open_session(int)`), or with a Rust hash after it; `name*` matches a
+//! prefix (`__libc_start_main*`: glibc's symbol has several aliases) and `*name` a suffix.
+
+use std::path::Path;
+
+use memprof_tests::{
+    assert_nothing_dropped, fixture_cpp, fixture_lib, fixture_rust, fixture_with, run, site, total, Outcome,
+};
+use serde_json::Value;
+
+/// Like distribution code: optimized, with debug info, no frame pointers (gcc's default at -O2 on
+/// x86_64, said explicitly).
+const C_FLAGS: &[&str] = &["-O2", "-g", "-fomit-frame-pointer", "-pthread"];
+/// A release build, frame pointers explicitly off.
+const RUST_FLAGS: &[&str] = &["-C", "opt-level=3", "-g", "-C", "force-frame-pointers=no", "--edition", "2021"];
+
+/// The outermost frames below main, as glibc 2.36 (Debian 12) lays them out (see `gdb bt` with
+/// `set backtrace past-main on`): `_start` is the entry point, its CFI marks the return address
+/// undefined, so the walk ends there.
+const MAIN_TAIL: [&str; 4] = ["main", "__libc_start_call_main", "__libc_start_main*", "_start"];
+/// The outermost frames of a pthread: clone3's CFI marks the child's return address undefined.
+const THREAD_TAIL: [&str; 2] = ["start_thread", "clone3"];
+
+/// The counters that say a stack was cut short or not kept.
+const STACK_DROPS: [&str; 6] = [
+    "unwind_no_table",
+    "unwind_bad_rule",
+    "unwind_read_failed",
+    "stack_too_deep",
+    "stack_collision",
+    "stack_table_full",
+];
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// `memprof run --json --interval 3600 -- COMMAND`: only the final report, after the command exits.
+fn run_to_end(command: &[&str]) -> Value {
+    let outcome: Outcome = run(&["--interval", "3600"], command);
+    assert!(outcome.status.success(), "{command:?} failed under memprof: {outcome:?}");
+    outcome.final_report()
+}
+
+fn dropped(report: &Value, reason: &str) -> u64 {
+    report["dropped"][reason].as_u64().unwrap_or_else(|| panic!("dropped.{reason} missing in {report}"))
+}
+
+fn stacks(report: &Value) -> &Vec<Value> {
+    report["stacks"].as_array().expect("stacks is an array")
+}
+
+fn frames(stack: &Value) -> &Vec<Value> {
+    stack["frames"].as_array().expect("frames is an array")
+}
+
+fn function(frame: &Value) -> &str {
+    frame["function"].as_str().expect("function is a string")
+}
+
+/// Drops a Rust legacy-mangling hash (`::h0123456789abcdef`) if the demangler left it.
+fn without_hash(name: &str) -> &str {
+    match name.rsplit_once("::h") {
+        Some((head, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => head,
+        _ => name,
+    }
+}
+
+fn matches(function: &str, pattern: &str) -> bool {
+    let name = without_hash(function);
+    if let Some(prefix) = pattern.strip_suffix('*') {
+        return name.starts_with(prefix);
+    }
+    if let Some(suffix) = pattern.strip_prefix('*') {
+        return name.ends_with(suffix);
+    }
+    name == pattern || name.strip_prefix(pattern).is_some_and(|rest| rest.starts_with('('))
+}
+
+/// The stack, one frame a line, for failure messages.
+fn describe(stack: &Value) -> String {
+    let mut text = format!(
+        "stack {} ({} bytes in {} allocations, truncated: {}):\n",
+        stack["stack_id"], stack["outstanding_bytes"], stack["outstanding_allocations"], stack["truncated"]
+    );
+    for (i, frame) in frames(stack).iter().enumerate() {
+        let inlined = if frame["inlined"] == true { " [inlined]" } else { "" };
+        text.push_str(&format!(
+            "  #{i:<3} {} [{}]{inlined}\n",
+            function(frame),
+            frame["module"].as_str().unwrap_or("?")
+        ));
+    }
+    text
+}
+
+fn describe_all(report: &Value) -> String {
+    let mut text = format!("totals: {}\ndropped: {}\n", report["totals"], report["dropped"]);
+    for stack in stacks(report) {
+        text.push_str(&describe(stack));
+    }
+    text
+}
+
+fn bytes_and_count(stack: &Value) -> (u64, u64) {
+    (stack["outstanding_bytes"].as_u64().expect("bytes"), stack["outstanding_allocations"].as_u64().expect("count"))
+}
+
+/// The one stack whose innermost frame is `site`: every allocation there took the same whole path.
+fn only_stack_at<'a>(report: &'a Value, site: &str) -> &'a Value {
+    let found: Vec<&Value> =
+        stacks(report).iter().filter(|s| frames(s).first().is_some_and(|f| matches(function(f), site))).collect();
+    assert_eq!(found.len(), 1, "expected one stack starting at {site}:\n{}", describe_all(report));
+    found[0]
+}
+
+/// The one stack with outstanding memory that passes through `function` (C++ and Rust: the
+/// allocating frames are operator new, STL or alloc code, then the fixture's function).
+fn only_stack_through<'a>(report: &'a Value, function_name: &str) -> &'a Value {
+    let found: Vec<&Value> =
+        stacks(report).iter().filter(|s| frames(s).iter().any(|f| matches(function(f), function_name))).collect();
+    assert_eq!(found.len(), 1, "expected one stack through {function_name}:\n{}", describe_all(report));
+    found[0]
+}
+
+/// The stack's functions are exactly `expected`, innermost first.
+fn assert_frames(stack: &Value, expected: &[&str]) {
+    let names: Vec<&str> = frames(stack).iter().map(function).collect();
+    let same = names.len() == expected.len() && names.iter().zip(expected).all(|(name, want)| matches(name, want));
+    assert!(same, "expected the frames {expected:?}, got\n{}", describe(stack));
+}
+
+/// The stack's innermost functions are exactly `expected`.
+fn assert_starts_with(stack: &Value, expected: &[&str]) {
+    let names: Vec<&str> = frames(stack).iter().map(function).take(expected.len()).collect();
+    let same = names.len() == expected.len() && names.iter().zip(expected).all(|(name, want)| matches(name, want));
+    assert!(same, "expected the innermost frames {expected:?}, got\n{}", describe(stack));
+}
+
+/// `chain` appears in order among the stack's functions (other frames may sit between: operator
+/// new, inlined STL code, glibc internals), its last entry is the outermost frame, and the walk
+/// reached it: the stack is not truncated.
+fn assert_whole(stack: &Value, chain: &[&str]) {
+    let names: Vec<&str> = frames(stack).iter().map(function).collect();
+    let mut next = 0;
+    for name in &names {
+        if next < chain.len() && matches(name, chain[next]) {
+            next += 1;
+        }
+    }
+    assert!(
+        next == chain.len(),
+        "{:?} is not in the stack (the chain stops before it):\n{}",
+        chain.get(next),
+        describe(stack)
+    );
+    let last = names.last().expect("a stack has frames");
+    assert!(
+        matches(last, chain[chain.len() - 1]),
+        "the outermost frame is not {}:\n{}",
+        chain[chain.len() - 1],
+        describe(stack)
+    );
+    assert_complete(stack);
+}
+
+fn assert_complete(stack: &Value) {
+    assert_eq!(stack["truncated"], false, "the walk must reach the thread's outermost frame:\n{}", describe(stack));
+}
+
+/// Every counter of a cut or lost stack is zero; otherwise says how many and shows the cut stacks
+/// (before assert_nothing_dropped, whose message is the whole report).
+fn assert_no_stack_drops(report: &Value) {
+    let nonzero: Vec<(&str, u64)> =
+        STACK_DROPS.iter().map(|&reason| (reason, dropped(report, reason))).filter(|&(_, n)| n > 0).collect();
+    if !nonzero.is_empty() {
+        let mut cut = String::new();
+        for stack in stacks(report).iter().filter(|s| s["truncated"] != false) {
+            cut.push_str(&describe(stack));
+        }
+        panic!("stacks were cut or lost: {nonzero:?}\ntruncated stacks:\n{cut}");
+    }
+}
+
+fn chain<'a>(head: &[&'a str], tail: &[&'a str]) -> Vec<&'a str> {
+    head.iter().chain(tail).copied().collect()
+}
+
+/// C at -O2 without frame pointers: a worker thread's leak three calls deep and main's two calls
+/// deep, each one whole stack ending at the thread's outermost frame.
+#[test]
+fn c_stacks_without_frame_pointers_are_whole() {
+    let program = fixture_with("unwind_c.c", "unwind_c", C_FLAGS);
+    let report = run_to_end(&[path(&program)]);
+    assert_eq!(site(&report, "worker_site"), (37 * 1000, 37), "{}", describe_all(&report));
+    assert_eq!(site(&report, "main_site"), (23 * 512, 23), "{}", describe_all(&report));
+
+    let worker = only_stack_at(&report, "worker_site");
+    assert_frames(worker, &chain(&["worker_site", "worker_middle", "worker_outer", "worker"], &THREAD_TAIL));
+    assert_complete(worker);
+    assert_eq!(frames(worker)[0]["module"], path(&program), "{}", describe(worker));
+    let main = only_stack_at(&report, "main_site");
+    assert_frames(main, &chain(&["main_site", "main_outer"], &MAIN_TAIL));
+    assert_complete(main);
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// C++ at -O2: operator new (libstdc++), std::string, std::vector growth and std::map nodes, in
+/// a std::thread (started by libstdc++) and in main. The fixture checks the sizes it leaks.
+#[test]
+fn cpp_stacks_through_operator_new_and_the_stl_are_whole() {
+    let program = fixture_cpp("unwind_cpp.cpp", "unwind_cpp", C_FLAGS);
+    let report = run_to_end(&[path(&program)]);
+    let cases: [(&str, Vec<&str>, (u64, u64)); 4] = [
+        // 37 new Session of 200 bytes.
+        ("open_session", chain(&["open_session", "handle_client", "worker"], &THREAD_TAIL), (37 * 200, 37)),
+        // 20 strings of 300 chars: capacity 300 plus the terminating NUL.
+        ("remember_name", chain(&["remember_name", "handle_client", "worker"], &THREAD_TAIL), (20 * 301, 20)),
+        // 1000 push_back from empty: the buffer doubles up to 1024 longs; the old ones are freed.
+        ("grow_vector", chain(&["grow_vector", "build_index"], &MAIN_TAIL), (1024 * 8, 1)),
+        // 500 nodes of 48 bytes (rb-tree header 32 + pair<const int, long> 16).
+        ("fill_map", chain(&["fill_map", "build_index"], &MAIN_TAIL), (500 * 48, 500)),
+    ];
+    for (function_name, whole, expected) in &cases {
+        let stack = only_stack_through(&report, function_name);
+        assert_eq!(bytes_and_count(stack), *expected, "{function_name}:\n{}", describe(stack));
+        assert_whole(stack, whole);
+    }
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// Library constructors run before main from the dynamic loader's entry (`_dl_start_user` in
+/// ld.so, which has no CFI of its own). libstdc++'s constructor allocates its emergency exception
+/// pool there (72704 bytes with Debian 12's libstdc++.so.6.0.30, GCC 12): every C++ program has
+/// this stack, and it must be whole too.
+#[test]
+fn a_library_constructor_run_by_the_dynamic_loader_has_a_whole_stack() {
+    let program = fixture_cpp("unwind_cpp.cpp", "unwind_cpp_ctor", C_FLAGS);
+    let report = run_to_end(&[path(&program)]);
+    let stack = only_stack_through(&report, "_dl_init");
+    assert_eq!(bytes_and_count(stack), (72704, 1), "{}", describe(stack));
+    assert_whole(stack, &["_dl_init", "_dl_start_user"]);
+    assert_no_stack_drops(&report);
+}
+
+/// A Rust release build: leaks in a std::thread and in main through #[inline(never)] functions.
+#[test]
+fn rust_release_stacks_are_whole() {
+    let program = fixture_rust("unwind_rust.rs", "unwind_rust", RUST_FLAGS);
+    let report = run_to_end(&[path(&program)]);
+
+    let worker = only_stack_through(&report, "unwind_rust::leak_in_worker");
+    assert_eq!(bytes_and_count(worker), (29 * 3000, 29), "{}", describe(worker));
+    // std's thread_start (std::sys::thread::unix::Thread::new::thread_start in Rust 1.95) runs the
+    // closure; then glibc's start_thread and clone3.
+    assert_whole(
+        worker,
+        &chain(&["unwind_rust::leak_in_worker", "unwind_rust::serve_worker", "*::thread_start"], &THREAD_TAIL),
+    );
+
+    let main = only_stack_through(&report, "unwind_rust::leak_in_main");
+    assert_eq!(bytes_and_count(main), (13 * 800, 13), "{}", describe(main));
+    // unwind_rust::main runs under std::rt::lang_start, called by the C main that rustc emits.
+    assert_whole(
+        main,
+        &chain(&["unwind_rust::leak_in_main", "unwind_rust::serve_main", "unwind_rust::main"], &MAIN_TAIL),
+    );
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// 110 recursive frames plus the 4 below main fit in the 127 frames kept: the stack is whole.
+#[test]
+fn a_recursion_110_deep_is_kept_whole() {
+    let program = fixture_with("unwind_deep.c", "unwind_deep_110", C_FLAGS);
+    let report = run_to_end(&[path(&program), "110"]);
+    assert_eq!(site(&report, "recurse"), (3 * 1234, 3), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "recurse");
+    let mut expected = vec!["recurse"; 110];
+    expected.extend(MAIN_TAIL);
+    assert_frames(stack, &expected);
+    assert_complete(stack);
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// 300 recursive frames do not fit: the innermost 127 are kept, the stack is marked truncated
+/// and counted as too deep, and its bytes are still exact.
+#[test]
+fn a_recursion_300_deep_is_cut_at_127_frames_and_marked_truncated() {
+    let program = fixture_with("unwind_deep.c", "unwind_deep_300", C_FLAGS);
+    let report = run_to_end(&[path(&program), "300"]);
+    assert_eq!(site(&report, "recurse"), (3 * 1234, 3), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "recurse");
+    assert_eq!(stack["truncated"], true, "{}", describe(stack));
+    let real: Vec<&Value> = frames(stack).iter().filter(|f| f["inlined"] == false).collect();
+    assert_eq!(real.len(), 127, "{}", describe(stack));
+    assert!(
+        real.iter().all(|f| function(f) == "recurse"),
+        "the innermost 127 frames are recurse:\n{}",
+        describe(stack)
+    );
+    assert!(dropped(&report, "stack_too_deep") > 0, "{}", report["dropped"]);
+    for reason in ["unwind_no_table", "unwind_bad_rule", "unwind_read_failed", "stack_collision", "stack_table_full"] {
+        assert_eq!(dropped(&report, reason), 0, "dropped.{reason}: {}", report["dropped"]);
+    }
+}
+
+/// A library dlopened while traced (its tables must be ready before its frames are walked):
+/// main -> plugin_leak -> plugin_leak_inner -> malloc, 41 x 2000 bytes.
+#[test]
+fn a_library_loaded_with_dlopen_while_traced_is_unwound() {
+    let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin.so", &["-O2", "-g", "-fomit-frame-pointer"]);
+    let program = fixture_with("unwind_c.c", "unwind_c_plugin", C_FLAGS);
+    let report = run_to_end(&[path(&program), "plugin", path(&lib)]);
+    assert_eq!(site(&report, "plugin_leak_inner"), (41 * 2000, 41), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "plugin_leak_inner");
+    assert_frames(stack, &chain(&["plugin_leak_inner", "plugin_leak"], &MAIN_TAIL));
+    assert_eq!(frames(stack)[0]["module"], path(&lib), "{}", describe(stack));
+    assert_eq!(frames(stack)[1]["module"], path(&lib), "{}", describe(stack));
+    assert_complete(stack);
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// A signal handler's frame sits on the kernel's signal frame: below the handler is glibc's
+/// trampoline `__restore_rt`, then the interrupted code (inside raise), then its callers.
+#[test]
+fn a_signal_handler_stack_continues_into_the_interrupted_code() {
+    let program = fixture_with("unwind_c.c", "unwind_c_signal", C_FLAGS);
+    let report = run_to_end(&[path(&program), "signal"]);
+    assert_eq!(site(&report, "handler_leak"), (5 * 700, 5), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "handler_leak");
+    assert_starts_with(stack, &["handler_leak", "handler", "__restore_rt"]);
+    assert_whole(stack, &chain(&["handler_leak", "handler", "__restore_rt", "raise_signal"], &MAIN_TAIL));
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// The same through a handler on an alternate signal stack (SA_ONSTACK, as Rust and Go runtimes
+/// use): the walk jumps from the alternate stack back to the thread's stack at the signal frame.
+#[test]
+fn a_signal_handler_on_an_alternate_stack_continues_into_the_interrupted_code() {
+    let program = fixture_with("unwind_c.c", "unwind_c_altstack", C_FLAGS);
+    let report = run_to_end(&[path(&program), "altstack"]);
+    assert_eq!(site(&report, "altstack_leak"), (3 * 900, 3), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "altstack_leak");
+    assert_starts_with(stack, &["altstack_leak", "altstack_handler", "__restore_rt"]);
+    assert_whole(stack, &chain(&["altstack_leak", "altstack_handler", "__restore_rt", "kill_self"], &MAIN_TAIL));
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
+/// A real interpreter from the distribution: no stack lost or cut, every outstanding byte under a
+/// stack with frames, and the largest stack whole down to the interpreter's main.
+fn assert_interpreter_stacks_whole(report: &Value, entries: &[&str]) {
+    assert_no_stack_drops(report);
+    let all = stacks(report);
+    assert!(!all.is_empty(), "{}", describe_all(report));
+    for stack in all {
+        assert!(!frames(stack).is_empty(), "outstanding memory without a stack:\n{}", describe(stack));
+    }
+    let sum: u64 = all.iter().map(|s| s["outstanding_bytes"].as_u64().expect("bytes")).sum();
+    assert_eq!(sum, total(report, "outstanding_bytes"), "the stacks must hold every outstanding byte");
+    let top = all.iter().max_by_key(|s| s["outstanding_bytes"].as_u64()).expect("a stack");
+    let reaches_main = frames(top).iter().any(|f| entries.iter().any(|entry| matches(function(f), entry)));
+    assert!(reaches_main, "the largest stack does not reach {entries:?}:\n{}", describe(top));
+    assert_whole(top, &["__libc_start_call_main", "__libc_start_main*", "_start"]);
+}
+
+#[test]
+fn perl_stacks_are_whole() {
+    let report = run_to_end(&["/usr/bin/perl", "-e", "my %h; $h{$_} = [1,2] for 1..100000"]);
+    assert_interpreter_stacks_whole(&report, &["main"]);
+}
+
+/// Debian's python3 (/usr/bin, not a pyenv shim). Its main only tail-calls Py_BytesMain, so
+/// Py_BytesMain sits right above __libc_start_call_main.
+#[test]
+fn python3_stacks_are_whole() {
+    let report = run_to_end(&["/usr/bin/python3", "-c", "d = {i: [i] for i in range(100000)}"]);
+    assert_interpreter_stacks_whole(&report, &["main", "Py_BytesMain"]);
+}
