@@ -51,15 +51,14 @@ pub fn run() -> anyhow::Result<()> {
         Tool { name: "none", how: "the loop alone", command: vec![], workload_in_one_arg: false },
         Tool {
             name: "memprof",
-            how: "`memprof run`: every call, exact, with stacks",
-            command: vec![
-                memprof.display().to_string(),
-                "run".into(),
-                "--json".into(),
-                "--output".into(),
-                "/dev/null".into(),
-                "--".into(),
-            ],
+            how: "`memprof run`: every call, exact, with stacks unwound by CFI (the default)",
+            command: memprof_run(&memprof, "cfi"),
+            workload_in_one_arg: false,
+        },
+        Tool {
+            name: "memprof --unwind fp",
+            how: "the same, stacks by frame pointers (wrong without them)",
+            command: memprof_run(&memprof, "fp"),
             workload_in_one_arg: false,
         },
         Tool {
@@ -97,6 +96,11 @@ pub fn run() -> anyhow::Result<()> {
     std::fs::write(root().join("BENCHMARKS.md"), &report)?;
     println!("{report}");
     Ok(())
+}
+
+fn memprof_run(memprof: &Path, unwind: &str) -> Vec<String> {
+    let args = ["run", "--unwind", unwind, "--json", "--output", "/dev/null", "--"];
+    std::iter::once(memprof.display().to_string()).chain(args.iter().map(|a| a.to_string())).collect()
 }
 
 fn measure(tool: &Tool, workload: &Path) -> anyhow::Result<Measured> {
