@@ -198,8 +198,8 @@ fn render(results: &[(&Tool, Measured)], kernel_kib: u64) -> String {
     let _ = writeln!(
         out,
         "\nAttached to an idle process, memprof's BPF maps hold {:.1} MiB of kernel memory at the default sizes,\n\
-         most of it the stack tables, which the kernel preallocates (`--max-stacks` scales one); the hash maps\n\
-         grow as allocations stay outstanding, up to `--max-live`.\n\n\
+         most of it preallocated arrays: the unwind rows (16 MiB, `--max-unwind-rows` scales them) and the\n\
+         recent-frees LRU; the stack tables and other hash maps grow as stacks and allocations appear.\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
          and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\
