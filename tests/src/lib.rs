@@ -43,17 +43,7 @@ pub fn fixture(name: &str) -> PathBuf {
 /// Compiles the fixture source `file` with the flags given into the executable `name` (each
 /// build its own name: tests run side by side).
 pub fn fixture_with(file: &str, name: &str, flags: &[&str]) -> PathBuf {
-    let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = workspace().join("target/fixtures");
-    std::fs::create_dir_all(&dir).expect("creating target/fixtures");
-    let out = dir.join(name);
-    let source = workspace().join("tests/fixtures").join(file);
-    // Several test binaries compile at once: build under a private name, then rename into place.
-    let partial = dir.join(format!(".{name}.{}", std::process::id()));
-    let status = Command::new("cc").args(flags).arg("-o").arg(&partial).arg(&source).status().expect("starting cc");
-    assert!(status.success(), "compiling {} failed", source.display());
-    std::fs::rename(&partial, &out).expect("moving the fixture into place");
-    out
+    fixture_compiled("cc", file, name, flags)
 }
 
 /// What one memprof run printed.
@@ -253,6 +243,7 @@ pub fn fixture_compiled(compiler: &str, file: &str, name: &str, flags: &[&str]) 
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");
     let out = dir.join(name);
     let source = workspace().join("tests/fixtures").join(file);
+    // Several test binaries compile at once: build under a private name, then rename into place.
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
     let status = Command::new(compiler)
         .args(flags)
