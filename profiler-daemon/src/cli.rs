@@ -4,7 +4,7 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::unwind::UnwindMode;
+use crate::{format::Format, unwind::UnwindMode};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -53,14 +53,27 @@ pub struct TraceArgs {
     /// Only count allocations outstanding for at least this many seconds.
     #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
     pub min_age: f64,
-    /// Print one JSON object per report instead of a table.
-    #[arg(long)]
+    /// How reports are written: table and json every interval, the others once at the end.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Shorthand for `--format json`.
+    #[arg(long, conflicts_with = "format")]
     pub json: bool,
     /// Write reports to this file instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
     pub maps: LoadSettings,
+}
+
+impl TraceArgs {
+    pub fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
 }
 
 /// `memprof daemon` flags. Each overrides the same setting of the config file.

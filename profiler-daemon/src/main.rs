@@ -6,6 +6,7 @@ mod batch;
 mod cli;
 mod daemon;
 mod error;
+mod format;
 mod loader;
 mod procfs;
 mod report;

@@ -1,7 +1,7 @@
 //! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
 //! as one JSON object per line (schema in the README).
 
-use std::{collections::BTreeMap, fmt::Write as _};
+use std::collections::BTreeMap;
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
@@ -23,6 +23,58 @@ pub struct Report {
     pub dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
     pub double_frees: Vec<DoubleFreeReport>,
+    /// Sizes of the allocations seen, in power-of-two buckets.
+    pub sizes: Vec<Bucket>,
+    /// How long freed allocations lived, in power-of-two buckets of nanoseconds.
+    pub lifetimes: Vec<Bucket>,
+    /// Allocations freed by another thread than the one that made them.
+    pub thread_pairs: Vec<ThreadPair>,
+    /// In-use bytes at each interval so far; only in the final report.
+    #[serde(skip_serializing_if = "Timeline::is_empty")]
+    pub timeline: Timeline,
+}
+
+/// One bucket of a histogram: values in `min..=max`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Bucket {
+    pub min: u64,
+    pub max: u64,
+    pub count: u64,
+}
+
+/// Allocations made by one thread and freed by another.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ThreadPair {
+    pub alloc_tid: u32,
+    pub free_tid: u32,
+    pub frees: u64,
+    pub freed_bytes: u64,
+}
+
+/// Heap in use over time: one point per interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Timeline {
+    /// Seconds since tracing began.
+    pub time_s: Vec<f64>,
+    pub outstanding_bytes: Vec<u64>,
+    /// The same for each stack in the report that was ever a leak candidate, by `stack_id`.
+    pub stacks: BTreeMap<String, Vec<u64>>,
+}
+
+impl Timeline {
+    pub fn is_empty(&self) -> bool {
+        self.time_s.is_empty()
+    }
+}
+
+/// The leak rule's verdict on one stack (see `leak.rs` and the README).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LeakVerdict {
+    pub candidate: bool,
+    /// 0 (no sign of a leak) to 1 (grew every interval and freed none of its older memory).
+    pub score: f64,
+    /// The verdict in words, e.g. "grew in 6 of 6 intervals; holds 100% of what it held 30 s ago".
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -51,6 +103,7 @@ pub struct StackReport {
     /// Index in `frames` of the code that asked for memory: frames before it are allocator
     /// wrappers such as C++'s `operator new` or Rust's `__rust_alloc`.
     pub site: usize,
+    pub leak: LeakVerdict,
     pub frames: Vec<Frame>,
 }
 
@@ -188,6 +241,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
                 oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
                 truncated: symbolized.truncated,
                 site: allocation_site(&symbolized.frames),
+                leak: LeakVerdict::default(),
                 frames: symbolized.frames,
             }
         })
@@ -201,7 +255,22 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
         dropped: DropReason::ALL.iter().map(|r| (r.name(), drops[*r as usize])).collect(),
         stacks,
         double_frees: ctx.double_frees.to_vec(),
+        sizes: power_of_two_buckets(&snapshot.sizes.buckets),
+        lifetimes: Vec::new(),
+        thread_pairs: Vec::new(),
+        timeline: Timeline::default(),
     }
+}
+
+/// The non-empty buckets of a histogram whose bucket `i` counts values in `2^(i-1)+1 ..= 2^i`.
+fn power_of_two_buckets(counts: &[u64]) -> Vec<Bucket> {
+    let bound = |i: usize| if i >= 64 { u64::MAX } else { 1u64 << i };
+    counts
+        .iter()
+        .enumerate()
+        .filter(|(_, count)| **count > 0)
+        .map(|(i, &count)| Bucket { min: if i == 0 { 0 } else { bound(i - 1) + 1 }, max: bound(i), count })
+        .collect()
 }
 
 /// Functions that only pass a request on to malloc: the language runtimes' allocation entry
@@ -237,113 +306,12 @@ fn stack_hash(resolved: &[Resolved]) -> String {
     format!("{hash:016x}")
 }
 
-pub fn to_json(report: &Report) -> String {
-    serde_json::to_string(report).expect("a report always serializes")
-}
-
-/// The human-readable table: a summary line, the top stacks, drops and double frees.
-pub fn to_table(report: &Report) -> String {
-    let mut out = String::new();
-    let t = &report.totals;
-    let _ = writeln!(
-        out,
-        "memprof: pid {} ({}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
-        report.pid,
-        report.comm,
-        if report.is_final { "final report" } else { "report" },
-        report.duration_s,
-        bytes(t.outstanding_bytes),
-        t.outstanding_allocations,
-        t.allocations,
-        bytes(t.allocated_bytes),
-        t.frees,
-        bytes(t.freed_bytes),
-        t.unknown_frees,
-        t.failed_allocations,
-    );
-    if report.stacks.is_empty() {
-        let _ = writeln!(out, "  no outstanding allocations");
-    } else {
-        let _ = writeln!(out, "  {:>12} {:>9} {:>9}  STACK", "BYTES", "COUNT", "OLDEST");
-    }
-    for stack in &report.stacks {
-        let lead = format!(
-            "  {:>12} {:>9} {:>8.1}s  ",
-            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s
-        );
-        write_frames(&mut out, &lead, &stack.frames, stack.truncated);
-    }
-    let dropped: Vec<String> =
-        report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
-    if !dropped.is_empty() {
-        let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
-    }
-    for double_free in &report.double_frees {
-        let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
-        for (what, site) in [
-            ("allocated", &double_free.alloc),
-            ("freed", &double_free.first_free),
-            ("freed again", &double_free.second_free),
-        ] {
-            let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
-            write_frames(&mut out, &lead, &site.frames, site.truncated);
-        }
-    }
-    out
-}
-
-fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool) {
-    if frames.is_empty() {
-        let _ = writeln!(out, "{lead}[no stack]");
-        return;
-    }
-    for (i, frame) in frames.iter().enumerate() {
-        let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
-        let _ = writeln!(out, "{pad}{}", describe(frame));
-    }
-    if truncated {
-        let _ = writeln!(out, "{}[truncated: see dropped]", " ".repeat(lead.len()));
-    }
-}
-
-/// `function (file:line) [module]`.
-pub fn describe(frame: &Frame) -> String {
-    let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
-    let inlined = if frame.inlined { " [inlined]" } else { "" };
-    format!("{} [{module}]{inlined}", site(frame))
-}
-
-/// `function (file:line)`, or just `function` without debug info.
-pub fn site(frame: &Frame) -> String {
-    match (&frame.file, frame.line) {
-        (Some(file), Some(line)) => format!("{} ({}:{line})", frame.function, file.rsplit('/').next().unwrap_or(file)),
-        (Some(file), None) => format!("{} ({file})", frame.function),
-        _ => frame.function.clone(),
-    }
-}
-
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut value = n as f64;
-    let mut unit = "B";
-    for u in UNITS {
-        if value < 1024.0 {
-            break;
-        }
-        value /= 1024.0;
-        unit = u;
-    }
-    format!("{value:.1} {unit}")
-}
-
+/// Reports for the unit tests of the formats.
 #[cfg(test)]
-mod tests {
+pub mod samples {
     use super::*;
 
-    fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
+    pub fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
         Frame {
             address: "0x1234".into(),
             function: function.into(),
@@ -354,38 +322,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn frames_read_function_file_line_module() {
-        assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
-        assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
-    }
-
-    #[test]
-    fn the_site_is_the_first_frame_past_allocator_wrappers() {
-        let frames = [frame("operator new(unsigned long)", None, None), frame("open_session(int)", None, None)];
-        assert_eq!(allocation_site(&frames), 1);
-        assert_eq!(allocation_site(&frames[1..]), 0);
-        assert_eq!(allocation_site(&[]), 0);
-    }
-
-    #[test]
-    fn sizes_are_human_readable() {
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(bytes(1536), "1.5 KiB");
-        assert_eq!(bytes(3 << 20), "3.0 MiB");
-    }
-
-    #[test]
-    fn stack_ids_depend_on_file_offsets_not_addresses() {
-        let at = |module: &str, file_offset| Resolved { module: module.into(), file_offset, frames: vec![] };
-        assert_eq!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 1)]));
-        assert_ne!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 2)]));
-        assert_eq!(stack_hash(&[at("/a", 1)]).len(), 16);
-    }
-
-    #[test]
-    fn json_follows_the_documented_schema() {
-        let report = Report {
+    /// A final report with one stack: 48 bytes outstanding in one allocation at `leak_here`.
+    pub fn report() -> Report {
+        Report {
             is_final: true,
             pid: 1,
             comm: "leaky".into(),
@@ -401,17 +340,48 @@ mod tests {
                 oldest_age_s: 0.5,
                 truncated: false,
                 site: 0,
+                leak: LeakVerdict::default(),
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             double_frees: vec![],
-        };
-        let value: serde_json::Value = serde_json::from_str(&to_json(&report)).unwrap();
-        assert_eq!(value["final"], true);
-        assert_eq!(value["totals"]["unknown_frees"], 0);
-        assert_eq!(value["dropped"]["live_map_full"], 0);
-        assert_eq!(value["stacks"][0]["frames"][0]["function"], "leak_here");
-        assert_eq!(value["stacks"][0]["frames"][0]["inlined"], false);
-        assert_eq!(value["stacks"][0]["truncated"], false);
-        assert_eq!(value["stacks"][0]["site"], 0);
+            sizes: vec![],
+            lifetimes: vec![],
+            thread_pairs: vec![],
+            timeline: Timeline::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{samples::frame, *};
+
+    #[test]
+    fn the_site_is_the_first_frame_past_allocator_wrappers() {
+        let frames = [frame("operator new(unsigned long)", None, None), frame("open_session(int)", None, None)];
+        assert_eq!(allocation_site(&frames), 1);
+        assert_eq!(allocation_site(&frames[1..]), 0);
+        assert_eq!(allocation_site(&[]), 0);
+    }
+
+    #[test]
+    fn histogram_buckets_cover_powers_of_two() {
+        let buckets = power_of_two_buckets(&[1, 0, 2, 0, 3]);
+        assert_eq!(
+            buckets,
+            [
+                Bucket { min: 0, max: 1, count: 1 },
+                Bucket { min: 3, max: 4, count: 2 },
+                Bucket { min: 9, max: 16, count: 3 }
+            ]
+        );
+    }
+
+    #[test]
+    fn stack_ids_depend_on_file_offsets_not_addresses() {
+        let at = |module: &str, file_offset| Resolved { module: module.into(), file_offset, frames: vec![] };
+        assert_eq!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 1)]));
+        assert_ne!(stack_hash(&[at("/a", 1)]), stack_hash(&[at("/a", 2)]));
+        assert_eq!(stack_hash(&[at("/a", 1)]).len(), 16);
     }
 }

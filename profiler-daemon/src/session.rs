@@ -21,6 +21,7 @@ use crate::{
     allocator::{self, Allocator},
     cli::{TraceArgs, MAX_SECONDS},
     error::UserError,
+    format::{self, Format},
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
@@ -184,12 +185,15 @@ async fn trace(
         let kernel = aggregate::read(&tracee.loaded.ebpf, &HashSet::from([tracee.pid]), min_age_ns)?;
         let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
         let ctx = report::Context { stacks: tracee.stacks(start_ns), comm: &tracee.comm, double_frees };
-        // JSON carries every outstanding stack; the table only the top ones.
-        let selection = Selection { is_final, top: (!args.json).then_some(args.top), aged_only: min_age_ns > 0 };
+        let format = args.format();
+        if !is_final && !format.streams() {
+            return Ok(());
+        }
+        // The table shows the top stacks; the other formats carry every outstanding stack.
+        let top = (format == Format::Table).then_some(args.top);
+        let selection = Selection { is_final, top, aged_only: min_age_ns > 0 };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
-        let text = if args.json { report::to_json(&report) } else { report::to_table(&report) };
-        output.write_all(text.as_bytes())?;
-        output.write_all(b"\n")?;
+        output.write_all(&format::render(&report, format))?;
         output.flush()?;
         Ok(())
     };

@@ -24,6 +24,7 @@ use crate::{
     aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     allocator,
     cli::LoadSettings,
+    format,
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
@@ -250,7 +251,7 @@ impl Tracer {
                 continue;
             }
             let site =
-                |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), report::site);
+                |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
             warn!(
                 pid = event.tgid,
                 comm = target.comm,
@@ -332,7 +333,7 @@ impl Tracer {
                 Some(known) => known.bytes += stack.outstanding_bytes,
                 None => by_label.push(StackSeries {
                     stack: stack.stack_id.clone(),
-                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), report::site),
+                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
                     bytes: stack.outstanding_bytes,
                 }),
             }

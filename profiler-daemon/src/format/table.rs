@@ -1,0 +1,121 @@
+//! The human-readable table: a summary line, the top stacks, drops and double frees.
+
+use std::fmt::Write as _;
+
+use crate::{report::Report, symbolize::Frame};
+
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    let t = &report.totals;
+    let _ = writeln!(
+        out,
+        "memprof: pid {} ({}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+        report.pid,
+        report.comm,
+        if report.is_final { "final report" } else { "report" },
+        report.duration_s,
+        bytes(t.outstanding_bytes),
+        t.outstanding_allocations,
+        t.allocations,
+        bytes(t.allocated_bytes),
+        t.frees,
+        bytes(t.freed_bytes),
+        t.unknown_frees,
+        t.failed_allocations,
+    );
+    if report.stacks.is_empty() {
+        let _ = writeln!(out, "  no outstanding allocations");
+    } else {
+        let _ = writeln!(out, "  {:>12} {:>9} {:>9}  STACK", "BYTES", "COUNT", "OLDEST");
+    }
+    for stack in &report.stacks {
+        let lead = format!(
+            "  {:>12} {:>9} {:>8.1}s  ",
+            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s
+        );
+        write_frames(&mut out, &lead, &stack.frames, stack.truncated);
+    }
+    let dropped: Vec<String> =
+        report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
+    if !dropped.is_empty() {
+        let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
+    }
+    for double_free in &report.double_frees {
+        let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
+        for (what, site) in [
+            ("allocated", &double_free.alloc),
+            ("freed", &double_free.first_free),
+            ("freed again", &double_free.second_free),
+        ] {
+            let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
+            write_frames(&mut out, &lead, &site.frames, site.truncated);
+        }
+    }
+    out
+}
+
+fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool) {
+    if frames.is_empty() {
+        let _ = writeln!(out, "{lead}[no stack]");
+        return;
+    }
+    for (i, frame) in frames.iter().enumerate() {
+        let pad = if i == 0 { lead.to_string() } else { " ".repeat(lead.len()) };
+        let _ = writeln!(out, "{pad}{}", describe(frame));
+    }
+    if truncated {
+        let _ = writeln!(out, "{}[truncated: see dropped]", " ".repeat(lead.len()));
+    }
+}
+
+/// `function (file:line) [module]`.
+pub fn describe(frame: &Frame) -> String {
+    let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
+    let inlined = if frame.inlined { " [inlined]" } else { "" };
+    format!("{} [{module}]{inlined}", site(frame))
+}
+
+/// `function (file:line)`, or just `function` without debug info.
+pub fn site(frame: &Frame) -> String {
+    match (&frame.file, frame.line) {
+        (Some(file), Some(line)) => format!("{} ({}:{line})", frame.function, file.rsplit('/').next().unwrap_or(file)),
+        (Some(file), None) => format!("{} ({file})", frame.function),
+        _ => frame.function.clone(),
+    }
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    format!("{value:.1} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::samples::frame;
+
+    #[test]
+    fn frames_read_function_file_line_module() {
+        assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
+        assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
+    }
+
+    #[test]
+    fn sizes_are_human_readable() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 << 20), "3.0 MiB");
+    }
+}
