@@ -51,14 +51,23 @@ pub struct ThreadPair {
     pub freed_bytes: u64,
 }
 
-/// Heap in use over time: one point per interval.
+/// Heap in use over time: one point per interval (the latest `timeline::MAX_POINTS` of them).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Timeline {
     /// Seconds since tracing began.
     pub time_s: Vec<f64>,
     pub outstanding_bytes: Vec<u64>,
-    /// The same for each stack in the report that was ever a leak candidate, by `stack_id`.
-    pub stacks: BTreeMap<String, Vec<u64>>,
+    /// In-use bytes of the stacks that have been leak candidates, from the leak window before they
+    /// were first flagged.
+    pub stacks: Vec<StackTimeline>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StackTimeline {
+    pub stack_id: String,
+    /// Index in `Timeline::time_s` of the first value.
+    pub first: usize,
+    pub outstanding_bytes: Vec<u64>,
 }
 
 impl Timeline {
