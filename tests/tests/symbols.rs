@@ -1,8 +1,10 @@
-//! Symbolization: demangled C++ names, inlined frames, and processes in their own root.
+//! Symbolization: demangled C++ names, inlined frames, processes in their own root, and
+//! distribution libraries named from their detached debug info.
 
 use std::{fs, path::Path, process::Command};
 
 use memprof_tests::{attach, fixture, fixture_with, run, site, Waiting};
+use serde_json::Value;
 
 #[test]
 fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
@@ -47,4 +49,103 @@ fn a_process_in_its_own_root_is_traced_in_its_own_libc() {
     assert_eq!(site(&report, "site_malloc"), (1000, 10), "{report}");
     assert_eq!(site(&report, "site_calloc"), (500, 5));
     assert_eq!(report["stacks"][0]["frames"][0]["module"], root.join("allocators").to_str().unwrap());
+}
+
+/// The C library the tests' fixtures map.
+const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+
+fn tool(program: &str, args: &[&str]) -> String {
+    let output = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("starting {program}: {e}"));
+    assert!(output.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).expect("UTF-8 output")
+}
+
+/// The GNU build id of an ELF file, in hex, as `readelf -n` prints it.
+fn build_id(path: &str) -> String {
+    let notes = tool("readelf", &["-n", path]);
+    let id = notes.lines().find_map(|line| line.trim().strip_prefix("Build ID: "));
+    id.unwrap_or_else(|| panic!("{path} has no build id:\n{notes}")).to_string()
+}
+
+/// The one stack of distro_debug's 7 strdup copies: strdup in the C library, then keep_copies.
+fn strdup_stack(report: &Value) -> &Value {
+    let found: Vec<&Value> = report["stacks"]
+        .as_array()
+        .expect("stacks is an array")
+        .iter()
+        .filter(|stack| stack["frames"][1]["function"] == "keep_copies")
+        .collect();
+    assert_eq!(found.len(), 1, "one stack through keep_copies expected: {report}");
+    assert_eq!(
+        (found[0]["outstanding_bytes"].as_u64(), found[0]["outstanding_allocations"].as_u64()),
+        (Some(700), Some(7))
+    );
+    found[0]
+}
+
+/// Debian's libc.so.6 has no DWARF: with libc6-dbg installed (`cargo xtask setup` does), blazesym
+/// finds its detached debug file by build id under /usr/lib/debug/.build-id, and the frame of
+/// strdup (which calls malloc itself) gets glibc's source file and line, the very ones binutils'
+/// addr2line reads from that file.
+#[test]
+fn a_libc_frame_gets_file_and_line_from_the_detached_debug_file() {
+    let sections = tool("readelf", &["-S", "-W", LIBC]);
+    assert!(!sections.contains(".debug_line"), "{LIBC} has line tables of its own: this test proves nothing");
+    let id = build_id(LIBC);
+    let debug_file = format!("/usr/lib/debug/.build-id/{}/{}.debug", &id[..2], &id[2..]);
+    assert!(Path::new(&debug_file).exists(), "{debug_file} is missing: install libc6-dbg (`cargo xtask setup`)");
+
+    let program = fixture("distro_debug");
+    let outcome = run(&["--interval", "3600"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    let strdup = &strdup_stack(&report)["frames"][0];
+    assert_eq!(strdup["module"], LIBC, "{report}");
+
+    // Where addr2line looks: the call before the return address, as a libc address.
+    let base = outcome.stderr.lines().find_map(|line| line.strip_prefix("libc_base 0x"));
+    let base = u64::from_str_radix(base.expect("the fixture prints libc_base"), 16).expect("hex");
+    let address = strdup["address"].as_str().and_then(|a| a.strip_prefix("0x")).expect("a hex address");
+    let call = u64::from_str_radix(address, 16).expect("hex") - base - 1;
+    let answer = tool("addr2line", &["-f", "-e", &debug_file, &format!("{call:#x}")]);
+    let (function, place) = answer.trim().split_once('\n').expect("addr2line prints two lines");
+    let (path, line) = place.rsplit_once(':').expect("file:line");
+    // glibc's own source tree: ./string/strdup.c (its DW_AT_name keeps the directory twice).
+    assert!(path.ends_with("string/strdup.c"), "addr2line says {answer}");
+    assert_eq!(strdup["function"], function, "{strdup}");
+    assert_eq!(strdup["file"], "strdup.c", "{strdup}");
+    assert_eq!(strdup["line"].as_u64(), Some(line.parse().expect("a line number")), "{strdup}");
+}
+
+/// The same frame when no debug file matches the library: a copy of libc.so.6 whose build id is
+/// changed gets only the name of its exported symbol, and no file or line. Both tests together
+/// show that the file and line above come from libc6-dbg, not from libc.so.6.
+#[test]
+fn a_libc_frame_without_a_debug_file_has_only_its_symbol() {
+    let dir = std::env::temp_dir().join(format!("memprof-nodebug-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("libc.so.6");
+    let mut bytes = fs::read(LIBC).unwrap();
+    let id: Vec<u8> = (0..20).map(|i| u8::from_str_radix(&build_id(LIBC)[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let at: Vec<usize> = bytes.windows(id.len()).enumerate().filter(|(_, w)| *w == id).map(|(i, _)| i).collect();
+    assert_eq!(at.len(), 1, "the build id must appear once in {LIBC}, in its note");
+    for byte in &mut bytes[at[0]..at[0] + id.len()] {
+        *byte = !*byte;
+    }
+    fs::write(&copy, bytes).unwrap();
+
+    let program = fixture("distro_debug");
+    let mut command = Command::new(&program);
+    command.arg("--wait").env("LD_LIBRARY_PATH", &dir);
+    let mut target = Waiting::start_command(command);
+    let outcome = attach(&mut target, &["--interval", "60"]);
+    drop(target);
+    let _ = fs::remove_dir_all(&dir);
+    assert!(outcome.stderr.contains(&format!("probes in {}", copy.display())), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    let strdup = &strdup_stack(&report)["frames"][0];
+    assert_eq!(strdup["module"], copy.to_str().unwrap(), "{report}");
+    // strdup is a weak alias of __strdup in .dynsym: either name is the symbol.
+    assert!(["strdup", "__strdup"].contains(&strdup["function"].as_str().unwrap_or("")), "{strdup}");
+    assert_eq!((&strdup["file"], &strdup["line"]), (&Value::Null, &Value::Null), "{strdup}");
 }

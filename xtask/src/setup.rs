@@ -12,9 +12,10 @@ use anyhow::{bail, Context as _};
 use crate::run;
 
 /// Debian packages the tasks use: compilers for the test fixtures and the demo, bpftool to check
-/// that no probe is left behind, the Prometheus server the daemon test scrapes with, and the
-/// headless Chromium the report tests open the HTML report in.
-const PACKAGES: &[&str] = &["gcc", "libc6-dev", "g++", "bpftool", "prometheus", "chromium"];
+/// that no probe is left behind, the Prometheus server the daemon test scrapes with, the
+/// headless Chromium the report tests open the HTML report in, and libc6-dbg, the C library's
+/// detached debug info, which the symbol tests read glibc's file and line from.
+const PACKAGES: &[&str] = &["gcc", "libc6-dev", "g++", "bpftool", "prometheus", "chromium", "libc6-dbg"];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn all() -> anyhow::Result<()> {
