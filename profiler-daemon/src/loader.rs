@@ -1,6 +1,6 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
-use std::{fs, num::NonZeroU32, path::Path};
+use std::{collections::HashMap, fs, num::NonZeroU32, path::Path};
 
 use anyhow::Context as _;
 use aya::{
@@ -39,6 +39,9 @@ pub struct Loaded {
     pub unwind: Registry,
     /// Processes that loaded or unloaded libraries.
     pub mapping_events: MappingEvents,
+    /// Per process stopped on mapping changes: how many of the SIGTRAPs the kernel sent it
+    /// memprof has taken (`take_mapping_stop`).
+    mapping_stops_taken: HashMap<u32, u64>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -83,7 +86,7 @@ pub fn load(sizes: LoadSettings) -> anyhow::Result<Loaded> {
     let mut ebpf = ebpf;
     let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
-    let mut loaded = Loaded { ebpf, unwind, mapping_events };
+    let mut loaded = Loaded { ebpf, unwind, mapping_events, mapping_stops_taken: HashMap::new() };
     for name in program_names() {
         program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
     }
@@ -186,17 +189,27 @@ impl Loaded {
         Ok(())
     }
 
-    /// Whether a SIGTRAP `pid` got was one `stop_on_mapping_change` asked for (and counts it).
+    /// Whether a SIGTRAP from the kernel that `pid` got was one `stop_on_mapping_change` asked
+    /// for (and counts it taken).
+    ///
+    /// The kernel only adds to its count of SIGTRAPs sent, atomically, and memprof only reads
+    /// it: a thread loading a library while another's stop is being taken adds to the count
+    /// without either side overwriting the other. A SIGTRAP is memprof's while more were sent
+    /// than taken. Which thread's it is stays unknown: were a program's own trap (`int3`) to
+    /// arrive while one of memprof's is pending in another thread, the program's would be
+    /// taken and memprof's delivered.
     pub fn take_mapping_stop(&mut self, pid: u32) -> bool {
-        let Some(Ok(mut stops)) =
-            self.ebpf.map_mut("STOP_ON_MAPPING_CHANGE").map(aya::maps::HashMap::<_, u32, u64>::try_from)
+        let Some(Ok(stops)) = self.ebpf.map("STOP_ON_MAPPING_CHANGE").map(aya::maps::HashMap::<_, u32, u64>::try_from)
         else {
             return false;
         };
-        match stops.get(&pid, 0) {
-            Ok(pending) if pending > 0 => stops.insert(pid, pending - 1, 0).is_ok(),
-            _ => false,
+        let Ok(sent) = stops.get(&pid, 0) else { return false };
+        let taken = self.mapping_stops_taken.entry(pid).or_default();
+        let ours = sent > *taken;
+        if ours {
+            *taken += 1;
         }
+        ours
     }
 
     /// Drops what the stack walk kept for `pid`, which has exited.

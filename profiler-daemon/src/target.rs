@@ -183,8 +183,10 @@ fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
     drop(read_end);
     // No PTRACE_O_EXITKILL: when memprof ends before the command (--duration), the command is
     // detached and goes on, as it would without memprof. The exec stop is where the command's own
-    // executable gets its unwind table, before it runs.
-    let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC;
+    // executable gets its unwind table, before it runs. Every thread is traced: any of them may
+    // load a library, and its SIGTRAP (see `Loaded::stop_on_mapping_change`) must stop it for
+    // memprof, not reach the program.
+    let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_TRACECLONE;
     // SAFETY: seizing our own child; failure leaves it untraced, which only costs symbolization
     // of libraries it loads late.
     unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_ulong) };
@@ -196,15 +198,19 @@ fn fork_stopped(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
 fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle, mappings: &MappingRequests) -> i32 {
     loop {
         let mut status = 0;
-        // SAFETY: waiting for our own child with a valid out-pointer.
-        if unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0 {
+        // Any thread of the child (all are traced); __WNOTHREAD: only this thread's tracees and
+        // children, which are the child and its threads.
+        // SAFETY: waiting with a valid out-pointer.
+        let tid = unsafe { libc::waitpid(-1, &mut status, libc::__WALL | libc::__WNOTHREAD) };
+        if tid < 0 {
             return 1;
         }
-        if libc::WIFEXITED(status) {
-            return libc::WEXITSTATUS(status);
-        }
-        if libc::WIFSIGNALED(status) {
-            return 128 + libc::WTERMSIG(status);
+        // The leader's end is the process's, reported once every other thread is gone.
+        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+            if tid != pid {
+                continue;
+            }
+            return if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { 128 + libc::WTERMSIG(status) };
         }
         if !libc::WIFSTOPPED(status) {
             continue;
@@ -213,30 +219,37 @@ fn wait_for_exit(pid: libc::pid_t, symbolizer: &SymbolizerHandle, mappings: &Map
         // SAFETY: ptrace requests on our own stopped tracee.
         unsafe {
             if event == libc::PTRACE_EVENT_EXIT {
-                symbolizer.refresh(pid as u32);
-                libc::ptrace(libc::PTRACE_CONT, pid, 0, 0);
+                // The process's mappings stay until its last thread is gone: read them at the
+                // leader's exit stop.
+                if tid == pid {
+                    symbolizer.refresh(pid as u32);
+                }
+                libc::ptrace(libc::PTRACE_CONT, tid, 0, 0);
             } else if event == libc::PTRACE_EVENT_EXEC {
                 request_mappings(mappings, pid as u32);
-                libc::ptrace(libc::PTRACE_CONT, pid, 0, 0);
-            } else if event == libc::PTRACE_EVENT_STOP {
+                libc::ptrace(libc::PTRACE_CONT, tid, 0, 0);
+            } else if event == libc::PTRACE_EVENT_STOP && libc::WSTOPSIG(status) != libc::SIGTRAP {
                 // A group stop (SIGSTOP and friends): stay stopped until SIGCONT, as without memprof.
-                libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0);
+                libc::ptrace(libc::PTRACE_LISTEN, tid, 0, 0);
+            } else if event == libc::PTRACE_EVENT_STOP || event == libc::PTRACE_EVENT_CLONE {
+                // A new thread's first stop (it is traced from its start), or its creator's.
+                libc::ptrace(libc::PTRACE_CONT, tid, 0, 0);
             } else {
-                // A signal on its way to the child: deliver it unchanged, unless it is the SIGTRAP
-                // memprof's probe sent when the child's libraries changed.
+                // A signal on its way to the thread: deliver it unchanged, unless it is the SIGTRAP
+                // memprof's probe sent when the process's libraries changed.
                 let signal = libc::WSTOPSIG(status);
-                let ours = signal == libc::SIGTRAP && sent_by_kernel(pid) && request_mappings(mappings, pid as u32);
-                libc::ptrace(libc::PTRACE_CONT, pid, 0, if ours { 0 } else { signal as libc::c_ulong });
+                let ours = signal == libc::SIGTRAP && sent_by_kernel(tid) && request_mappings(mappings, pid as u32);
+                libc::ptrace(libc::PTRACE_CONT, tid, 0, if ours { 0 } else { signal as libc::c_ulong });
             }
         }
     }
 }
 
-/// Whether the signal the stopped child is about to get came from the kernel.
-fn sent_by_kernel(pid: libc::pid_t) -> bool {
+/// Whether the signal the stopped thread is about to get came from the kernel.
+fn sent_by_kernel(tid: libc::pid_t) -> bool {
     // SAFETY: siginfo_t is plain data; PTRACE_GETSIGINFO fills it for our stopped tracee.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let got = unsafe { libc::ptrace(libc::PTRACE_GETSIGINFO, pid, 0, &mut info as *mut libc::siginfo_t) };
+    let got = unsafe { libc::ptrace(libc::PTRACE_GETSIGINFO, tid, 0, &mut info as *mut libc::siginfo_t) };
     got == 0 && info.si_code == SI_KERNEL
 }
 

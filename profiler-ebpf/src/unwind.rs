@@ -41,7 +41,9 @@ static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_0
 static MAPPINGS_CHANGED: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 /// Processes that `memprof run` started and ptraces: a mapping change stops the thread with a
 /// SIGTRAP that memprof takes (and does not deliver) once the new tables are in, so a library's
-/// frames unwind from its first allocation on.
+/// frames unwind from its first allocation on. The value counts the SIGTRAPs sent; only this
+/// program changes it, and only by an atomic add: memprof keeps its own count of those it took,
+/// and a SIGTRAP from the kernel is its own while more were sent than taken.
 #[map]
 static STOP_ON_MAPPING_CHANGE: HashMap<u32, u64> = HashMap::with_max_entries(1_024, 0);
 
@@ -49,9 +51,9 @@ const SIGTRAP: u32 = 5;
 
 pub fn on_mappings_changed() {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if let Some(pending) = STOP_ON_MAPPING_CHANGE.get_ptr_mut(tgid) {
-        // Counted, so that memprof tells its own SIGTRAPs from the program's.
-        crate::record::add(unsafe { &mut *pending }, 1);
+    if let Some(sent) = STOP_ON_MAPPING_CHANGE.get_ptr_mut(tgid) {
+        // Before the signal: memprof reads the count once the thread has stopped on it.
+        crate::record::add(unsafe { &mut *sent }, 1);
         // SAFETY: a plain helper call; the signal goes to the current thread.
         unsafe { bpf_send_signal_thread(SIGTRAP) };
     } else if MAPPINGS_CHANGED.output::<u32>(&tgid, 0).is_err() {

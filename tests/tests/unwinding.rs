@@ -330,6 +330,32 @@ fn a_library_loaded_with_dlopen_while_traced_is_unwound() {
     assert_nothing_dropped(&report);
 }
 
+/// Two threads load two libraries at the same moment: each thread is stopped for its library's
+/// tables and neither SIGTRAP reaches the program (it has no handler: one would kill it). Each
+/// library's leak has its whole stack, through its own module, down to its thread's start.
+#[test]
+fn libraries_loaded_by_two_threads_at_once_are_unwound() {
+    let flags = ["-O2", "-g", "-fomit-frame-pointer"];
+    let libs = [
+        fixture_lib("unwind_plugin.c", "libunwind_plugin_a.so", &flags),
+        fixture_lib("unwind_plugin.c", "libunwind_plugin_b.so", &flags),
+    ];
+    let program = fixture_with("unwind_c.c", "unwind_c_plugins", C_FLAGS);
+    let report = run_to_end(&[path(&program), "plugins", path(&libs[0]), path(&libs[1])]);
+    for (lib, blocks) in libs.iter().zip([17, 29]) {
+        let found: Vec<&Value> =
+            stacks(&report).iter().filter(|s| frames(s).first().is_some_and(|f| f["module"] == path(lib))).collect();
+        assert_eq!(found.len(), 1, "expected one stack in {}:\n{}", lib.display(), describe_all(&report));
+        let stack = found[0];
+        assert_eq!(bytes_and_count(stack), (blocks * 2000, blocks), "{}", describe(stack));
+        assert_frames(stack, &chain(&["plugin_leak_inner", "plugin_leak", "plugin_thread"], &THREAD_TAIL));
+        assert_eq!(frames(stack)[1]["module"], path(lib), "{}", describe(stack));
+        assert_complete(stack);
+    }
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
 /// A signal handler's frame sits on the kernel's signal frame: below the handler is glibc's
 /// trampoline `__restore_rt`, then the interrupted code (inside raise), then its callers.
 #[test]
