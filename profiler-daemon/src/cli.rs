@@ -2,7 +2,7 @@
 
 use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{format::Format, unwind::UnwindMode};
 
@@ -37,6 +37,55 @@ pub enum Command {
         #[arg(required = true, last = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
+    /// Write a process's heap profile to a file, from the memprof daemon that traces it, or else
+    /// by attaching for a while; the process keeps running.
+    Snapshot(SnapshotArgs),
+    /// Compare two snapshots (JSON reports or pprof profiles): growth in use per allocation site.
+    Diff(DiffArgs),
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct SnapshotArgs {
+    /// The process.
+    #[arg(long)]
+    pub pid: NonZeroU32,
+    /// The file to write.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// pprof (gzip-compressed profile.proto) or json [default: from the file name, .pb.gz or .json].
+    #[arg(long, value_enum)]
+    pub format: Option<SnapshotFormat>,
+    /// The memprof daemon to ask first.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9464")]
+    pub daemon: String,
+    /// Seconds to trace when no daemon traces the process.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
+    pub duration: f64,
+    #[command(flatten)]
+    pub maps: LoadSettings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SnapshotFormat {
+    Pprof,
+    Json,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct DiffArgs {
+    /// The earlier snapshot.
+    pub old: PathBuf,
+    /// The later snapshot.
+    pub new: PathBuf,
+    /// table, or json for programs.
+    #[arg(long, value_enum, default_value_t = DiffFormat::Table)]
+    pub format: DiffFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DiffFormat {
+    Table,
+    Json,
 }
 
 #[derive(Debug, Args, Clone)]

@@ -18,6 +18,8 @@ pub enum UserError {
     KernelSupport(&'static str),
     #[error("cannot write the output file {path}: {source}; choose a writable path with --output")]
     Output { path: PathBuf, source: std::io::Error },
+    #[error("--format {0} writes binary data, which a terminal cannot show; add --output FILE")]
+    BinaryToTerminal(&'static str),
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },

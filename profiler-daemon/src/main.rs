@@ -5,12 +5,14 @@ mod allocator;
 mod batch;
 mod cli;
 mod daemon;
+mod diff;
 mod error;
 mod format;
 mod loader;
 mod procfs;
 mod report;
 mod session;
+mod snapshot;
 mod symbolize;
 mod target;
 mod unwind;
@@ -35,6 +37,8 @@ fn main() -> ExitCode {
             cli::Command::Attach { pid, trace } => session::attach(*pid, trace).await,
             cli::Command::Run { trace, command } => session::run(command, trace).await,
             cli::Command::Daemon(args) => daemon::run(args).await,
+            cli::Command::Snapshot(args) => snapshot::run(args).await,
+            cli::Command::Diff(args) => diff::run(args),
         }
     });
     match result {

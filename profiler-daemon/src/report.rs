@@ -22,6 +22,8 @@ pub struct Report {
     pub totals: Totals,
     pub dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
+    /// The executable mappings that hold the stacks' frames (pprof's mappings).
+    pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
     /// Sizes of the allocations seen, in power-of-two buckets.
     pub sizes: Vec<Bucket>,
@@ -32,6 +34,18 @@ pub struct Report {
     /// In-use bytes at each interval so far; only in the final report.
     #[serde(skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
+}
+
+/// Code of one file mapped into the process: addresses `start..limit` map the file from
+/// `file_offset` on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Module {
+    pub path: String,
+    pub start: u64,
+    pub limit: u64,
+    pub file_offset: u64,
+    /// The file's GNU build id (`NT_GNU_BUILD_ID`) in hex; empty when it has none.
+    pub build_id: String,
 }
 
 /// One bucket of a histogram: values in `min..=max`.
@@ -177,6 +191,12 @@ impl Stacks<'_> {
         self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns)
     }
 
+    /// The code mappings that hold the frames of `stacks`.
+    fn modules(&self, stacks: &[StackReport]) -> Vec<Module> {
+        let paths = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.clone()).collect();
+        self.symbolizer.modules(self.pid, paths)
+    }
+
     /// Symbolizes a double free when it arrives: its free stacks may be replaced later.
     pub fn double_free(&self, event: &DoubleFreeEvent) -> DoubleFreeReport {
         DoubleFreeReport {
@@ -209,6 +229,9 @@ pub struct Selection {
     pub top: Option<usize>,
     /// Count only allocations at least min-age old (the snapshot's aged figures).
     pub aged_only: bool,
+    /// Also list the stacks that hold nothing now, after those that do: pprof's allocation
+    /// profile counts every allocation.
+    pub freed: bool,
 }
 
 /// Builds the report of one process's `snapshot`.
@@ -233,10 +256,11 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
             (s.outstanding_bytes, s.outstanding_allocations)
         }
     };
-    let mut outstanding: Vec<_> = snapshot.stacks.iter().filter(|s| counted(s).1 > 0).collect();
-    outstanding.sort_by_key(|s| std::cmp::Reverse(counted(s)));
-    outstanding.truncate(selection.top.unwrap_or(usize::MAX));
-    let stacks = outstanding
+    let mut listed: Vec<_> =
+        snapshot.stacks.iter().filter(|s| counted(s).1 > 0 || (selection.freed && s.stats.allocations > 0)).collect();
+    listed.sort_by_key(|s| std::cmp::Reverse((counted(s), s.stats.allocated_bytes)));
+    listed.truncate(selection.top.unwrap_or(usize::MAX));
+    let stacks: Vec<StackReport> = listed
         .into_iter()
         .map(|stack| {
             let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stack_id);
@@ -262,6 +286,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         totals,
         dropped: DropReason::ALL.iter().map(|r| (r.name(), drops[*r as usize])).collect(),
+        modules: ctx.stacks.modules(&stacks),
         stacks,
         double_frees: ctx.double_frees.to_vec(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
@@ -295,7 +320,7 @@ const ALLOCATOR_WRAPPERS: [&str; 8] = [
     "<std::alloc::System as core::alloc::global::GlobalAlloc>",
 ];
 
-fn allocation_site(frames: &[Frame]) -> usize {
+pub fn allocation_site(frames: &[Frame]) -> usize {
     frames.iter().position(|f| !ALLOCATOR_WRAPPERS.iter().any(|w| f.function.starts_with(w))).unwrap_or(0)
 }
 
@@ -351,6 +376,13 @@ pub mod samples {
                 site: 0,
                 leak: LeakVerdict::default(),
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
+            }],
+            modules: vec![Module {
+                path: "/usr/bin/leaky".into(),
+                start: 0x1000,
+                limit: 0x2000,
+                file_offset: 0x1000,
+                build_id: "0badc0de".into(),
             }],
             double_frees: vec![],
             sizes: vec![],

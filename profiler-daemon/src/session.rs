@@ -112,6 +112,7 @@ fn announce(pid: u32, comm: &str, attachment: &Attachment, allocator: &Allocator
 }
 
 fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
+    format::check_destination(args.format(), args.output.as_deref())?;
     match &args.output {
         None => Ok(Box::new(io::stdout())),
         Some(path) => File::create(path)
@@ -191,7 +192,7 @@ async fn trace(
         }
         // The table shows the top stacks; the other formats carry every outstanding stack.
         let top = (format == Format::Table).then_some(args.top);
-        let selection = Selection { is_final, top, aged_only: min_age_ns > 0 };
+        let selection = Selection { is_final, top, aged_only: min_age_ns > 0, freed: format == Format::Pprof };
         let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
         output.write_all(&format::render(&report, format))?;
         output.flush()?;

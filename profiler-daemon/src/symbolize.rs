@@ -5,7 +5,7 @@
 //! reads the files through `/proc/self/fd/N`, which stays valid, and works for containers too.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     fs::File,
     os::fd::AsRawFd,
     path::PathBuf,
@@ -20,12 +20,15 @@ use blazesym::symbolize::{
     source::{Elf, Source},
     Input, Sym, Symbolized, Symbolizer,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::procfs::{self, FileMapping};
+use crate::{
+    procfs::{self, FileMapping},
+    report,
+};
 
 /// One frame of a symbolized stack, innermost first.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Frame {
     /// The return address as found on the stack.
     pub address: String,
@@ -80,6 +83,12 @@ enum Request {
         addresses: Vec<u64>,
         reply: mpsc::Sender<Vec<Resolved>>,
     },
+    /// The executable mappings of these files, as last read.
+    Modules {
+        pid: u32,
+        paths: BTreeSet<String>,
+        reply: mpsc::Sender<Vec<report::Module>>,
+    },
     /// The process has exited and will not be asked about again: drop its files and cache.
     Forget {
         pid: u32,
@@ -133,11 +142,22 @@ impl SymbolizerHandle {
         }
         vec![unknown(0, "[unknown]", 0); count]
     }
+
+    /// The executable mappings of `pid` whose file is one of `paths`, with their build ids.
+    pub fn modules(&self, pid: u32, paths: BTreeSet<String>) -> Vec<report::Module> {
+        let (reply, wait) = mpsc::channel();
+        if self.requests.send(Request::Modules { pid, paths, reply }).is_ok() {
+            return wait.recv().unwrap_or_default();
+        }
+        Vec::new()
+    }
 }
 
 struct Module {
     mapping: FileMapping,
     file: Arc<File>,
+    /// Read once, for executable mappings only: pprof names code by it.
+    build_id: Option<String>,
 }
 
 struct SymbolizerThread {
@@ -165,6 +185,9 @@ impl SymbolizerThread {
                     let resolved = addresses.iter().map(|&address| self.resolve(pid, address)).collect();
                     let _ = reply.send(resolved);
                 }
+                Request::Modules { pid, paths, reply } => {
+                    let _ = reply.send(self.executable_modules(pid, &paths));
+                }
                 Request::Forget { pid } => {
                     self.modules.remove(&pid);
                     self.cache.retain(|(cached_pid, _), _| *cached_pid != pid);
@@ -183,16 +206,37 @@ impl SymbolizerThread {
         let old = self.modules.remove(&pid).unwrap_or_default();
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
-            let file = match old.iter().find(|m| m.mapping.path == mapping.path) {
+            let known = old.iter().find(|m| m.mapping.path == mapping.path);
+            let file = match known {
                 Some(known) => known.file.clone(),
                 None => match open_mapped(pid, &mapping) {
                     Some(file) => Arc::new(file),
                     None => continue,
                 },
             };
-            modules.push(Module { mapping, file });
+            let build_id = match known.and_then(|k| k.build_id.clone()) {
+                Some(id) => Some(id),
+                None if mapping.executable => Some(build_id(&file)),
+                None => None,
+            };
+            modules.push(Module { mapping, file, build_id });
         }
         self.modules.insert(pid, modules);
+    }
+
+    fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<report::Module> {
+        let modules = self.modules.get(&pid).map(Vec::as_slice).unwrap_or_default();
+        modules
+            .iter()
+            .filter(|m| m.mapping.executable && paths.contains(&m.mapping.path))
+            .map(|m| report::Module {
+                path: m.mapping.path.clone(),
+                start: m.mapping.start,
+                limit: m.mapping.end,
+                file_offset: m.mapping.offset,
+                build_id: m.build_id.clone().unwrap_or_default(),
+            })
+            .collect()
     }
 
     fn resolve(&mut self, pid: u32, address: u64) -> Resolved {
@@ -242,6 +286,13 @@ impl SymbolizerThread {
     fn count(&self, failure: Failure) {
         self.failures[failure as usize].fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The ELF's GNU build id in lowercase hex; empty when it has none or is not ELF.
+fn build_id(file: &File) -> String {
+    let cache = object::ReadCache::new(file);
+    let id = object::File::parse(&cache).ok().and_then(|elf| object::Object::build_id(&elf).ok().flatten());
+    id.map(|bytes| bytes.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_default()
 }
 
 fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {

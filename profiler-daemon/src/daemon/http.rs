@@ -19,7 +19,11 @@ use axum::{
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 
-use super::{metrics, view::DaemonView};
+use super::{
+    metrics,
+    view::{DaemonView, TargetView},
+};
+use crate::format::pprof;
 
 struct Shared {
     view: Arc<RwLock<DaemonView>>,
@@ -37,6 +41,8 @@ pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> R
         .route("/metrics", get(scrape))
         .route("/api/v1/targets", get(targets))
         .route("/api/v1/leaks", get(leaks))
+        .route("/debug/pprof/heap", get(heap_profile))
+        .route("/debug/pprof/allocs", get(allocs_profile))
         .route("/-/healthy", get(healthy))
         .route("/-/ready", get(ready))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
@@ -109,18 +115,55 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
     )
 }
 
-async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+/// What the tracer published about the process that `query` names as `pid=N`, or the status and
+/// message to refuse with.
+fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<TargetView, (StatusCode, String)> {
     // Parsed by hand so that any malformed query gets the JSON error body too.
     let query = query.unwrap_or_default();
     let Some(pid) = query.split('&').find_map(|pair| pair.strip_prefix("pid=")) else {
-        return error(StatusCode::BAD_REQUEST, "the pid parameter is missing: /api/v1/leaks?pid=N");
+        return Err((StatusCode::BAD_REQUEST, format!("the pid parameter is missing: {path}?pid=N")));
     };
     let Ok(pid) = pid.parse::<u32>() else {
-        return error(StatusCode::BAD_REQUEST, &format!("pid `{pid}` is not a process id"));
+        return Err((StatusCode::BAD_REQUEST, format!("pid `{pid}` is not a process id")));
     };
-    match read(&shared).targets.get(&pid) {
-        Some(target) => Json(target.report.clone()).into_response(),
-        None => error(StatusCode::NOT_FOUND, &format!("pid {pid} is not traced; /api/v1/targets lists those that are")),
+    let view = shared.view.read().unwrap_or_else(|e| e.into_inner());
+    match view.targets.get(&pid) {
+        Some(target) => Ok(target.clone()),
+        None => Err((StatusCode::NOT_FOUND, format!("pid {pid} is not traced; /api/v1/targets lists those that are"))),
+    }
+}
+
+async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    match target(&shared, query, "/api/v1/leaks") {
+        Ok(target) => Json(target.report).into_response(),
+        Err((status, message)) => error(status, &message),
+    }
+}
+
+/// `/debug/pprof/heap?pid=N`, as Go serves it for `go tool pprof`: in-use bytes by default.
+async fn heap_profile(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    profile(&shared, query, "/debug/pprof/heap", pprof::DefaultType::InuseSpace)
+}
+
+/// `/debug/pprof/allocs?pid=N`: the same samples, allocated bytes by default.
+async fn allocs_profile(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    profile(&shared, query, "/debug/pprof/allocs", pprof::DefaultType::AllocSpace)
+}
+
+fn profile(shared: &Shared, query: Option<String>, path: &str, default: pprof::DefaultType) -> Response {
+    match target(shared, query, path) {
+        Ok(target) => {
+            let mut report = target.report;
+            // Their allocations count too.
+            report.stacks.extend(target.freed_stacks);
+            let name = path.rsplit('/').next().unwrap_or("profile");
+            let headers = [
+                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}-{}.pb.gz\"", target.pid)),
+            ];
+            (headers, pprof::render(&report, default)).into_response()
+        }
+        Err((status, message)) => error(status, &message),
     }
 }
 

@@ -323,8 +323,13 @@ impl Tracer {
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
         let ctx =
             report::Context { stacks: self.stacks(target), comm: &target.comm, double_frees: &target.double_frees };
-        let selection = Selection { is_final: true, top: None, aged_only: false };
-        let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
+        let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
+        let mut report = report::build(&ctx, &snapshot, &kernel.drops, selection);
+        // The report lists the stacks that hold memory, as `memprof attach --json` does; those
+        // that freed all they allocated are kept aside for the allocation profile.
+        let (held, freed_stacks) =
+            std::mem::take(&mut report.stacks).into_iter().partition(|s| s.outstanding_allocations > 0);
+        report.stacks = held;
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
         let mut by_label: Vec<StackSeries> = Vec::new();
@@ -352,6 +357,7 @@ impl Tracer {
             top_stacks: by_label,
             other_stack_bytes,
             report,
+            freed_stacks,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use profiler_common::{DropReason, SizeHistogram};
 
-use crate::report::Report;
+use crate::report::{Report, StackReport};
 
 /// One traced process.
 #[derive(Debug, Clone)]
@@ -24,6 +24,8 @@ pub struct TargetView {
     pub other_stack_bytes: u64,
     /// The full report, as `memprof attach --json` prints it at the end.
     pub report: Report,
+    /// Stacks that freed all they allocated, left out of `report`: the allocation profile counts them.
+    pub freed_stacks: Vec<StackReport>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -2,13 +2,16 @@
 //! describe one moment and are written once, when tracing ends.
 
 mod json;
+pub mod pprof;
 mod table;
 
-pub use table::site;
+pub use table::{describe, site};
+
+use std::{io::IsTerminal as _, path::Path};
 
 use clap::ValueEnum;
 
-use crate::report::Report;
+use crate::{error::UserError, report::Report};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -16,6 +19,8 @@ pub enum Format {
     Table,
     /// One JSON object per report and line (schema in the README).
     Json,
+    /// A gzip-compressed pprof heap profile (profile.proto) for `go tool pprof`; needs --output.
+    Pprof,
 }
 
 impl Format {
@@ -25,11 +30,20 @@ impl Format {
     }
 }
 
+/// Refuses to write a binary format to a terminal.
+pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), UserError> {
+    if format == Format::Pprof && output.is_none() && std::io::stdout().is_terminal() {
+        return Err(UserError::BinaryToTerminal("pprof"));
+    }
+    Ok(())
+}
+
 /// The report in `format`, ending with a newline where the format is text.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {
     let mut text = match format {
         Format::Table => table::render(report),
         Format::Json => json::render(report),
+        Format::Pprof => return pprof::render(report, pprof::DefaultType::InuseSpace),
     };
     text.push('\n');
     text.into_bytes()

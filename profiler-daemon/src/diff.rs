@@ -1,0 +1,227 @@
+//! `memprof diff OLD NEW`: how memory in use grew per allocation site between two snapshots,
+//! each a JSON report (`--format json`, `memprof snapshot`) or a pprof profile memprof wrote.
+//!
+//! A site is a stack's frames from its `site` on (the allocator's wrappers left out), so the
+//! same code compares across runs, whose addresses differ; a stack without frames is its id.
+
+use std::{collections::BTreeMap, fmt::Write as _, path::Path};
+
+use anyhow::{bail, Context as _};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    cli::{DiffArgs, DiffFormat},
+    format::{self, pprof},
+    report::allocation_site,
+    symbolize::Frame,
+};
+
+pub fn run(args: &DiffArgs) -> anyhow::Result<i32> {
+    let old = read(&args.old)?;
+    let new = read(&args.new)?;
+    let sites = compare(old, new);
+    let out = match args.format {
+        DiffFormat::Table => table(&args.old, &args.new, &sites),
+        DiffFormat::Json => {
+            let diff = Diff { old: &args.old.display().to_string(), new: &args.new.display().to_string(), sites };
+            serde_json::to_string(&diff).expect("a diff always serializes") + "\n"
+        }
+    };
+    print!("{out}");
+    Ok(0)
+}
+
+/// What one site holds in one snapshot.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct InUse {
+    /// From the site's allocating frame outwards.
+    frames: Vec<Frame>,
+    stack_ids: Vec<String>,
+    bytes: u64,
+    objects: u64,
+}
+
+type Sites = BTreeMap<String, InUse>;
+
+#[derive(Debug, Serialize)]
+struct Diff<'a> {
+    old: &'a str,
+    new: &'a str,
+    sites: Vec<SiteDiff>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+struct SiteDiff {
+    frames: Vec<Frame>,
+    /// The stacks (of either snapshot) that make up the site.
+    stack_ids: Vec<String>,
+    old_bytes: u64,
+    new_bytes: u64,
+    delta_bytes: i64,
+    old_objects: u64,
+    new_objects: u64,
+    delta_objects: i64,
+}
+
+/// The part of a JSON report a diff reads.
+#[derive(Deserialize)]
+struct JsonReport {
+    stacks: Vec<JsonStack>,
+}
+
+#[derive(Deserialize)]
+struct JsonStack {
+    stack_id: String,
+    outstanding_bytes: u64,
+    outstanding_allocations: u64,
+    site: usize,
+    frames: Vec<Frame>,
+}
+
+/// The sites of a snapshot file.
+fn read(path: &Path) -> anyhow::Result<Sites> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut sites = Sites::new();
+    let mut add = |stack_id: String, frames: &[Frame], site: usize, bytes: u64, objects: u64| {
+        let frames = frames.get(site..).unwrap_or_default();
+        let key = site_key(frames, &stack_id);
+        let entry = sites.entry(key).or_insert_with(|| InUse { frames: frames.to_vec(), ..InUse::default() });
+        entry.stack_ids.push(stack_id);
+        entry.bytes += bytes;
+        entry.objects += objects;
+    };
+    if bytes.starts_with(b"{") {
+        // A file of JSON reports, one per line: the last is the final one.
+        let last = bytes.split(|&b| b == b'\n').rfind(|line| !line.is_empty()).unwrap_or_default();
+        let report: JsonReport =
+            serde_json::from_slice(last).with_context(|| format!("{} is not a memprof JSON report", path.display()))?;
+        for s in report.stacks {
+            add(s.stack_id, &s.frames, s.site, s.outstanding_bytes, s.outstanding_allocations);
+        }
+    } else {
+        let profile = pprof::read(&bytes)
+            .with_context(|| format!("{} is neither a memprof JSON report nor a pprof profile", path.display()))?;
+        let (Some(bytes), Some(objects)) = (profile.value_index("inuse_space"), profile.value_index("inuse_objects"))
+        else {
+            bail!("{} has no inuse_space and inuse_objects samples: not a heap profile", path.display());
+        };
+        for s in profile.samples {
+            let site = allocation_site(&s.frames);
+            add(s.stack_id.unwrap_or_default(), &s.frames, site, s.values[bytes], s.values[objects]);
+        }
+    }
+    Ok(sites)
+}
+
+/// Names a site by its frames' functions, files, lines and modules: not their addresses.
+fn site_key(frames: &[Frame], stack_id: &str) -> String {
+    if frames.is_empty() {
+        return format!("stack {stack_id}");
+    }
+    let mut key = String::new();
+    for f in frames {
+        let _ = writeln!(key, "{}\t{:?}\t{:?}\t{}\t{}", f.function, f.file, f.line, f.module, f.inlined);
+    }
+    key
+}
+
+/// Every site in either snapshot that holds memory in one of them, the most grown first.
+fn compare(old: Sites, mut new: Sites) -> Vec<SiteDiff> {
+    let mut keys: Vec<String> = old.keys().chain(new.keys()).cloned().collect();
+    keys.sort();
+    keys.dedup();
+    let mut sites: Vec<SiteDiff> = keys
+        .into_iter()
+        .map(|key| {
+            let before = old.get(&key).cloned().unwrap_or_default();
+            let after = new.remove(&key).unwrap_or_default();
+            let frames = if after.frames.is_empty() { before.frames } else { after.frames };
+            let mut stack_ids: Vec<String> = before.stack_ids.into_iter().chain(after.stack_ids).collect();
+            stack_ids.sort();
+            stack_ids.dedup();
+            SiteDiff {
+                frames,
+                stack_ids,
+                old_bytes: before.bytes,
+                new_bytes: after.bytes,
+                delta_bytes: after.bytes as i64 - before.bytes as i64,
+                old_objects: before.objects,
+                new_objects: after.objects,
+                delta_objects: after.objects as i64 - before.objects as i64,
+            }
+        })
+        .filter(|s| s.old_objects > 0 || s.new_objects > 0)
+        .collect();
+    // Stable: equal growth keeps the order of the sites' names.
+    sites.sort_by_key(|s| std::cmp::Reverse((s.delta_bytes, s.delta_objects)));
+    sites
+}
+
+fn table(old: &Path, new: &Path, sites: &[SiteDiff]) -> String {
+    let total = |of: fn(&SiteDiff) -> u64| sites.iter().map(of).sum::<u64>();
+    let (old_bytes, new_bytes) = (total(|s| s.old_bytes), total(|s| s.new_bytes));
+    let (old_objects, new_objects) = (total(|s| s.old_objects), total(|s| s.new_objects));
+    let mut out = format!(
+        "memprof diff: {} -> {}: in use {old_bytes} -> {new_bytes} bytes ({:+}), {old_objects} -> {new_objects} objects ({:+})\n",
+        old.display(),
+        new.display(),
+        new_bytes as i64 - old_bytes as i64,
+        new_objects as i64 - old_objects as i64,
+    );
+    let _ = writeln!(
+        out,
+        "  {:>11} {:>11} {:>11} {:>10} {:>9} {:>9}  SITE",
+        "DELTA_BYTES", "OLD_BYTES", "NEW_BYTES", "DELTA_OBJS", "OLD_OBJS", "NEW_OBJS"
+    );
+    for site in sites {
+        let lead = format!(
+            "  {:>+11} {:>11} {:>11} {:>+10} {:>9} {:>9}  ",
+            site.delta_bytes, site.old_bytes, site.new_bytes, site.delta_objects, site.old_objects, site.new_objects
+        );
+        if site.frames.is_empty() {
+            let _ = writeln!(out, "{lead}[no stack] {}", site.stack_ids.join(" "));
+        }
+        for (i, frame) in site.frames.iter().enumerate() {
+            let pad = if i == 0 { lead.clone() } else { " ".repeat(lead.len()) };
+            let _ = writeln!(out, "{pad}{}", format::describe(frame));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::samples::frame;
+
+    fn sites(entries: &[(&str, u64, u64)]) -> Sites {
+        entries
+            .iter()
+            .map(|&(function, bytes, objects)| {
+                let frames = vec![frame(function, Some("a.c"), Some(1))];
+                (site_key(&frames, "id"), InUse { frames, stack_ids: vec![function.into()], bytes, objects })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sites_are_sorted_by_growth_and_those_empty_in_both_left_out() {
+        let old = sites(&[("steady", 100, 1), ("shrinks", 500, 5), ("gone", 0, 0)]);
+        let new = sites(&[("steady", 100, 1), ("shrinks", 200, 2), ("grows", 300, 3), ("gone", 0, 0)]);
+        let diff = compare(old, new);
+        let order: Vec<(&str, i64, i64)> =
+            diff.iter().map(|s| (s.frames[0].function.as_str(), s.delta_bytes, s.delta_objects)).collect();
+        assert_eq!(order, [("grows", 300, 3), ("steady", 0, 0), ("shrinks", -300, -3)]);
+        assert_eq!((diff[2].old_bytes, diff[2].new_bytes, diff[2].old_objects, diff[2].new_objects), (500, 200, 5, 2));
+    }
+
+    #[test]
+    fn a_site_is_its_code_not_its_addresses() {
+        let mut moved = frame("leak_here", Some("leaky.c"), Some(12));
+        moved.address = "0x7fff0000".into();
+        let here = [frame("leak_here", Some("leaky.c"), Some(12))];
+        assert_eq!(site_key(&[moved], "a"), site_key(&here, "b"));
+        assert_ne!(site_key(&here, "a"), site_key(&[frame("leak_here", Some("leaky.c"), Some(13))], "a"));
+        assert_eq!(site_key(&[], "ab12"), "stack ab12");
+    }
+}

@@ -1,0 +1,256 @@
+//! A report as a profile: one sample per stack, one location per return address (its inlined
+//! frames as extra lines), one mapping per module.
+
+use std::{collections::HashMap, io::Write as _, time::SystemTime};
+
+use flate2::{write::GzEncoder, Compression};
+
+use super::{field, wire::Writer, DefaultType, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
+use crate::{
+    report::{Report, StackReport},
+    symbolize::Frame,
+};
+
+/// The report as a gzip-compressed profile.proto whose default sample type is `default`.
+pub fn render(report: &Report, default: DefaultType) -> Vec<u8> {
+    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut gzip = GzEncoder::new(Vec::new(), Compression::default());
+    gzip.write_all(&encode(report, default, now)).expect("writing to memory cannot fail");
+    gzip.finish().expect("writing to memory cannot fail")
+}
+
+/// The uncompressed profile, taken at `time_nanos` (since the Unix epoch).
+pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> Vec<u8> {
+    let mut tables = Tables::default();
+    tables.string("");
+    let samples: Vec<Sample> = report.stacks.iter().map(|stack| tables.sample(stack)).collect();
+    let sample_types: Vec<[u64; 2]> =
+        SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
+    let period_type = [tables.string("space"), tables.string("bytes")];
+    let comment = tables.string(&format!("memprof: pid {} ({})", report.pid, report.comm));
+    let default_type = tables.string(default.name());
+    let mappings = tables.mappings(report);
+
+    use field::profile as p;
+    let mut out = Writer::default();
+    for [kind, unit] in sample_types {
+        out.message(p::SAMPLE_TYPE, |m| value_type(m, kind, unit));
+    }
+    for sample in &samples {
+        out.message(p::SAMPLE, |m| {
+            m.packed(field::sample::LOCATION_ID, &sample.locations);
+            m.packed(field::sample::VALUE, &sample.values);
+            m.message(field::sample::LABEL, |l| {
+                l.uint(field::label::KEY, sample.stack_id[0]);
+                l.uint(field::label::STR, sample.stack_id[1]);
+            });
+        });
+    }
+    for mapping in &mappings {
+        out.message(p::MAPPING, |m| mapping.write(m));
+    }
+    for (id, location) in (1..).zip(&tables.locations) {
+        out.message(p::LOCATION, |m| location.write(m, id));
+    }
+    for (id, &(name, file)) in (1..).zip(&tables.functions) {
+        out.message(p::FUNCTION, |m| {
+            use field::function as f;
+            m.uint(f::ID, id);
+            m.uint(f::NAME, name);
+            // memprof keeps only demangled names.
+            m.uint(f::SYSTEM_NAME, name);
+            m.uint(f::FILENAME, file);
+        });
+    }
+    for string in &tables.strings {
+        out.bytes(p::STRING_TABLE, string.as_bytes());
+    }
+    out.uint(p::TIME_NANOS, time_nanos);
+    out.uint(p::DURATION_NANOS, (report.duration_s * 1e9) as u64);
+    out.message(p::PERIOD_TYPE, |m| value_type(m, period_type[0], period_type[1]));
+    // Every allocation is counted, none sampled.
+    out.uint(p::PERIOD, 1);
+    out.packed(p::COMMENT, &[comment]);
+    out.uint(p::DEFAULT_SAMPLE_TYPE, default_type);
+    out.into_bytes()
+}
+
+fn value_type(m: &mut Writer, kind: u64, unit: u64) {
+    m.uint(field::value_type::TYPE, kind);
+    m.uint(field::value_type::UNIT, unit);
+}
+
+/// One sample, as ids into the tables.
+struct Sample {
+    locations: Vec<u64>,
+    values: [u64; 4],
+    /// The label's key and value.
+    stack_id: [u64; 2],
+}
+
+struct Location {
+    mapping: u64,
+    address: u64,
+    /// (function id, line), innermost first.
+    lines: Vec<(u64, u64)>,
+}
+
+impl Location {
+    fn write(&self, m: &mut Writer, id: u64) {
+        use field::location as l;
+        m.uint(l::ID, id);
+        m.uint(l::MAPPING_ID, self.mapping);
+        m.uint(l::ADDRESS, self.address);
+        for &(function, line) in &self.lines {
+            m.message(l::LINE, |m| {
+                m.uint(field::line::FUNCTION_ID, function);
+                m.uint(field::line::LINE, line);
+            });
+        }
+    }
+}
+
+struct Mapping {
+    id: u64,
+    start: u64,
+    limit: u64,
+    file_offset: u64,
+    filename: u64,
+    build_id: u64,
+}
+
+impl Mapping {
+    fn write(&self, m: &mut Writer) {
+        use field::mapping as f;
+        m.uint(f::ID, self.id);
+        m.uint(f::MEMORY_START, self.start);
+        m.uint(f::MEMORY_LIMIT, self.limit);
+        m.uint(f::FILE_OFFSET, self.file_offset);
+        m.uint(f::FILENAME, self.filename);
+        m.uint(f::BUILD_ID, self.build_id);
+        // Symbolized already: pprof need not look for the files.
+        for flag in [f::HAS_FUNCTIONS, f::HAS_FILENAMES, f::HAS_LINE_NUMBERS, f::HAS_INLINE_FRAMES] {
+            m.bool(flag, true);
+        }
+    }
+}
+
+/// The profile's tables, each entry's id its index + 1 (string ids: the index).
+#[derive(Default)]
+struct Tables {
+    strings: Vec<String>,
+    string_ids: HashMap<String, u64>,
+    /// (name, file name) as string ids.
+    functions: Vec<(u64, u64)>,
+    function_ids: HashMap<(u64, u64), u64>,
+    locations: Vec<Location>,
+    /// By module and address.
+    location_ids: HashMap<(String, u64), u64>,
+    /// Module paths in order of first use: mapping ids.
+    modules: Vec<String>,
+}
+
+impl Tables {
+    fn string(&mut self, text: &str) -> u64 {
+        if let Some(&id) = self.string_ids.get(text) {
+            return id;
+        }
+        let id = self.strings.len() as u64;
+        self.strings.push(text.to_string());
+        self.string_ids.insert(text.to_string(), id);
+        id
+    }
+
+    fn sample(&mut self, stack: &StackReport) -> Sample {
+        let mut locations = Vec::new();
+        let mut lines: Vec<&Frame> = Vec::new();
+        for frame in &stack.frames {
+            lines.push(frame);
+            // An inlined frame shares its address with the frames after it, up to the function
+            // it is inlined into.
+            if !frame.inlined {
+                locations.push(self.location(&lines));
+                lines.clear();
+            }
+        }
+        if !lines.is_empty() {
+            // The stack was cut inside inlined frames.
+            locations.push(self.location(&lines));
+        }
+        if stack.frames.is_empty() {
+            locations.push(self.no_stack());
+        }
+        Sample {
+            locations,
+            values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
+            stack_id: [self.string(STACK_ID_LABEL), self.string(&stack.stack_id)],
+        }
+    }
+
+    /// The location of frames that share one address, innermost first.
+    fn location(&mut self, frames: &[&Frame]) -> u64 {
+        let address = u64::from_str_radix(frames[0].address.trim_start_matches("0x"), 16).unwrap_or(0);
+        let key = (frames[0].module.clone(), address);
+        if let Some(&id) = self.location_ids.get(&key) {
+            return id;
+        }
+        let mapping = self.mapping(&frames[0].module);
+        let lines = frames
+            .iter()
+            .map(|f| (self.function(&f.function, f.file.as_deref().unwrap_or("")), f.line.map_or(0, u64::from)))
+            .collect();
+        self.locations.push(Location { mapping, address, lines });
+        let id = self.locations.len() as u64;
+        self.location_ids.insert(key, id);
+        id
+    }
+
+    /// A stack memprof could not record (see the report's `dropped`).
+    fn no_stack(&mut self) -> u64 {
+        let function = self.function(NO_STACK, "");
+        self.locations.push(Location { mapping: 0, address: 0, lines: vec![(function, 0)] });
+        self.locations.len() as u64
+    }
+
+    fn function(&mut self, name: &str, file: &str) -> u64 {
+        let key = (self.string(name), self.string(file));
+        if let Some(&id) = self.function_ids.get(&key) {
+            return id;
+        }
+        self.functions.push(key);
+        let id = self.functions.len() as u64;
+        self.function_ids.insert(key, id);
+        id
+    }
+
+    fn mapping(&mut self, module: &str) -> u64 {
+        let index = match self.modules.iter().position(|m| m == module) {
+            Some(index) => index,
+            None => {
+                self.modules.push(module.to_string());
+                self.modules.len() - 1
+            }
+        };
+        index as u64 + 1
+    }
+
+    /// One mapping per module used, spanning its code mappings (none for `[anonymous]` code).
+    fn mappings(&mut self, report: &Report) -> Vec<Mapping> {
+        let modules = self.modules.clone();
+        (1..)
+            .zip(&modules)
+            .map(|(id, path)| {
+                let code: Vec<_> = report.modules.iter().filter(|m| &m.path == path).collect();
+                let first = code.iter().min_by_key(|m| m.start);
+                Mapping {
+                    id,
+                    start: first.map_or(0, |m| m.start),
+                    limit: code.iter().map(|m| m.limit).max().unwrap_or(0),
+                    file_offset: first.map_or(0, |m| m.file_offset),
+                    filename: self.string(path),
+                    build_id: self.string(first.map_or("", |m| &m.build_id)),
+                }
+            })
+            .collect()
+    }
+}

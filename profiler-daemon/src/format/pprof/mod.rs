@@ -1,0 +1,206 @@
+//! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
+//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order.
+
+mod decode;
+mod encode;
+mod wire;
+
+pub use decode::read;
+pub use encode::render;
+
+/// The sample types, in Go's order: each sample's values are in this order too.
+pub const SAMPLE_TYPES: [(&str, &str); 4] =
+    [("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("inuse_space", "bytes")];
+
+/// The sample type `go tool pprof` shows unless told otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultType {
+    /// A heap profile: what is in use now.
+    InuseSpace,
+    /// An allocation profile: everything allocated since tracing began.
+    AllocSpace,
+}
+
+impl DefaultType {
+    fn name(self) -> &'static str {
+        match self {
+            DefaultType::InuseSpace => "inuse_space",
+            DefaultType::AllocSpace => "alloc_space",
+        }
+    }
+}
+
+/// Field numbers of profile.proto's messages.
+mod field {
+    pub mod profile {
+        pub const SAMPLE_TYPE: u32 = 1;
+        pub const SAMPLE: u32 = 2;
+        pub const MAPPING: u32 = 3;
+        pub const LOCATION: u32 = 4;
+        pub const FUNCTION: u32 = 5;
+        pub const STRING_TABLE: u32 = 6;
+        pub const TIME_NANOS: u32 = 9;
+        pub const DURATION_NANOS: u32 = 10;
+        pub const PERIOD_TYPE: u32 = 11;
+        pub const PERIOD: u32 = 12;
+        pub const COMMENT: u32 = 13;
+        pub const DEFAULT_SAMPLE_TYPE: u32 = 14;
+    }
+    pub mod value_type {
+        pub const TYPE: u32 = 1;
+        pub const UNIT: u32 = 2;
+    }
+    pub mod sample {
+        pub const LOCATION_ID: u32 = 1;
+        pub const VALUE: u32 = 2;
+        pub const LABEL: u32 = 3;
+    }
+    pub mod label {
+        pub const KEY: u32 = 1;
+        pub const STR: u32 = 2;
+    }
+    pub mod mapping {
+        pub const ID: u32 = 1;
+        pub const MEMORY_START: u32 = 2;
+        pub const MEMORY_LIMIT: u32 = 3;
+        pub const FILE_OFFSET: u32 = 4;
+        pub const FILENAME: u32 = 5;
+        pub const BUILD_ID: u32 = 6;
+        pub const HAS_FUNCTIONS: u32 = 7;
+        pub const HAS_FILENAMES: u32 = 8;
+        pub const HAS_LINE_NUMBERS: u32 = 9;
+        pub const HAS_INLINE_FRAMES: u32 = 10;
+    }
+    pub mod location {
+        pub const ID: u32 = 1;
+        pub const MAPPING_ID: u32 = 2;
+        pub const ADDRESS: u32 = 3;
+        pub const LINE: u32 = 4;
+    }
+    pub mod line {
+        pub const FUNCTION_ID: u32 = 1;
+        pub const LINE: u32 = 2;
+    }
+    pub mod function {
+        pub const ID: u32 = 1;
+        pub const NAME: u32 = 2;
+        pub const SYSTEM_NAME: u32 = 3;
+        pub const FILENAME: u32 = 4;
+    }
+}
+
+/// The label each sample carries with its report's `stack_id`.
+const STACK_ID_LABEL: &str = "stack_id";
+
+/// The function of the one location of a sample whose stack memprof could not record.
+const NO_STACK: &str = "[no stack]";
+
+#[cfg(test)]
+mod tests {
+    use super::{decode::PprofError, wire::Reader, *};
+    use crate::{
+        report::{samples, Report},
+        symbolize::Frame,
+    };
+
+    /// The sample report, plus a stack with an inlined frame and a fully freed one without frames.
+    fn report() -> Report {
+        let mut report = samples::report();
+        let mut stack = report.stacks[0].clone();
+        let at = |address: &str, mut frame: Frame, inlined| {
+            frame.address = address.into();
+            frame.inlined = inlined;
+            frame
+        };
+        stack.stack_id = "01".into();
+        stack.frames = vec![
+            at("0x1500", samples::frame("inlined_helper", Some("cache.h"), Some(3)), true),
+            at("0x1500", samples::frame("grow", Some("cache.c"), Some(40)), false),
+            at("0x1234", samples::frame("leak_here", Some("leaky.c"), Some(12)), false),
+            at("0x7f00", samples::frame("libc.so.6+0x29d90", None, None), false),
+        ];
+        stack.frames[3].module = "/lib/libc.so.6".into();
+        (stack.outstanding_bytes, stack.outstanding_allocations, stack.allocations, stack.allocated_bytes) =
+            (300, 3, 5, 500);
+        let mut freed = stack.clone();
+        (freed.stack_id, freed.frames) = ("none".into(), vec![]);
+        (freed.outstanding_bytes, freed.outstanding_allocations, freed.allocations, freed.allocated_bytes) =
+            (0, 0, 7, 70);
+        report.stacks.extend([stack, freed]);
+        report
+    }
+
+    #[test]
+    fn what_is_encoded_decodes_to_the_same_frames_and_values() {
+        let report = report();
+        let decoded = read(&render(&report, DefaultType::AllocSpace)).unwrap();
+        assert_eq!(decoded.sample_types, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        assert_eq!(decoded.default_sample_type, "alloc_space");
+        assert_eq!(decoded.samples.len(), report.stacks.len());
+        for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
+            assert_eq!(
+                sample.values,
+                [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes]
+            );
+            assert_eq!(sample.frames, stack.frames, "{}", stack.stack_id);
+            assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
+        }
+        assert_eq!(read(&render(&report, DefaultType::InuseSpace)).unwrap().default_sample_type, "inuse_space");
+    }
+
+    /// The profile's messages of field `number`, each as its fields' integer values.
+    fn messages(profile: &[u8], number: u32) -> Vec<Vec<(u32, u64)>> {
+        let inner = Reader::new(profile).map(Result::unwrap).filter(|(n, _)| *n == number);
+        inner
+            .map(|(_, v)| {
+                Reader::new(v.bytes().unwrap())
+                    .map(Result::unwrap)
+                    .filter_map(|(n, v)| v.int().ok().map(|i| (n, i)))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn modules_become_mappings_and_inlined_frames_lines_of_one_location() {
+        let profile = encode::encode(&report(), DefaultType::InuseSpace, 1);
+        let strings: Vec<String> = Reader::new(&profile)
+            .map(Result::unwrap)
+            .filter(|(n, _)| *n == field::profile::STRING_TABLE)
+            .map(|(_, v)| String::from_utf8(v.bytes().unwrap().to_vec()).unwrap())
+            .collect();
+        assert_eq!(strings[0], "");
+        use field::mapping as m;
+        let mappings = messages(&profile, field::profile::MAPPING);
+        // The leaky binary (with its code mapping) and libc (not among the report's modules).
+        assert_eq!(mappings.len(), 2);
+        let get = |fields: &[(u32, u64)], n| fields.iter().find(|(k, _)| *k == n).map_or(0, |(_, v)| *v);
+        let leaky = &mappings[0];
+        assert_eq!(strings[get(leaky, m::FILENAME) as usize], "/usr/bin/leaky");
+        assert_eq!(strings[get(leaky, m::BUILD_ID) as usize], "0badc0de");
+        assert_eq!(
+            (get(leaky, m::MEMORY_START), get(leaky, m::MEMORY_LIMIT), get(leaky, m::FILE_OFFSET)),
+            (0x1000, 0x2000, 0x1000)
+        );
+        assert_eq!(get(leaky, m::HAS_INLINE_FRAMES), 1);
+        assert_eq!(strings[get(&mappings[1], m::FILENAME) as usize], "/lib/libc.so.6");
+        // Locations: leak_here (stack 1); 0x1500 with two lines, 0x1234 again, libc (stack 2); [no stack].
+        let locations =
+            Reader::new(&profile).map(Result::unwrap).filter(|(n, _)| *n == field::profile::LOCATION).count();
+        assert_eq!(locations, 4);
+        let types = messages(&profile, field::profile::SAMPLE_TYPE);
+        let names: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::TYPE) as usize].as_str()).collect();
+        assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        let units: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::UNIT) as usize].as_str()).collect();
+        assert_eq!(units, ["count", "bytes", "count", "bytes"]);
+    }
+
+    #[test]
+    fn what_is_not_a_profile_is_an_error() {
+        assert!(matches!(read(b"{\"final\": true}"), Err(PprofError::NotGzip)));
+        assert!(matches!(read(&[0x1f, 0x8b, 0, 1, 2]), Err(PprofError::Gzip(_))));
+        let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gzip, b"\x0b garbage").unwrap();
+        assert!(matches!(read(&gzip.finish().unwrap()), Err(PprofError::Wire(_))));
+    }
+}

@@ -1,0 +1,123 @@
+//! `memprof snapshot`: one process's report in a file. Taken from the memprof daemon when it
+//! traces the process (which then stays traced), else by attaching for `--duration` and
+//! detaching. Either way the process keeps running.
+
+use std::{
+    io::{self, Read as _, Write as _},
+    net::{SocketAddr, TcpStream, ToSocketAddrs as _},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _};
+use clap::Parser;
+
+use crate::{
+    cli::{SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
+    error::UserError,
+    format::Format,
+    session,
+};
+
+pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
+    let format = match args.format {
+        Some(format) => format,
+        None => format_of(&args.output)?,
+    };
+    let pid = args.pid.get();
+    match from_daemon(&args.daemon, pid, format)? {
+        Answer::Report(report) => {
+            std::fs::write(&args.output, report)
+                .map_err(|source| UserError::Output { path: args.output.clone(), source })?;
+            eprintln!(
+                "memprof: pid {pid} is traced by the daemon at {}: wrote its report to {}; it stays traced",
+                args.daemon,
+                args.output.display()
+            );
+        }
+        Answer::NotTraced(why) => {
+            eprintln!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
+            session::attach(args.pid, &trace_args(args, format)).await?;
+            eprintln!("memprof: wrote the report of pid {pid} to {}; it keeps running", args.output.display());
+        }
+    }
+    Ok(0)
+}
+
+fn format_of(path: &Path) -> Result<SnapshotFormat, anyhow::Error> {
+    let name = path.to_string_lossy();
+    if name.ends_with(".json") {
+        Ok(SnapshotFormat::Json)
+    } else if name.ends_with(".pb.gz") {
+        Ok(SnapshotFormat::Pprof)
+    } else {
+        bail!("cannot tell the format from the name {name}; end it in .pb.gz or .json, or give --format pprof|json")
+    }
+}
+
+/// `memprof attach` settings for one final report at `--duration`: every other setting at its
+/// command-line default.
+fn trace_args(args: &SnapshotArgs, format: SnapshotFormat) -> TraceArgs {
+    #[derive(Parser)]
+    struct Attach {
+        #[command(flatten)]
+        trace: TraceArgs,
+    }
+    let mut trace = Attach::parse_from(["attach"]).trace;
+    trace.format = match format {
+        SnapshotFormat::Pprof => Format::Pprof,
+        SnapshotFormat::Json => Format::Json,
+    };
+    trace.output = Some(args.output.clone());
+    trace.duration = Some(args.duration);
+    // No report before the final one.
+    trace.interval = MAX_SECONDS;
+    trace.maps = args.maps;
+    trace
+}
+
+enum Answer {
+    Report(Vec<u8>),
+    /// Why the daemon cannot give the report: none answers, or it does not trace the process.
+    NotTraced(String),
+}
+
+/// Asks the daemon at `url` (`http://HOST:PORT`) for the report of `pid`.
+fn from_daemon(url: &str, pid: u32, format: SnapshotFormat) -> anyhow::Result<Answer> {
+    let Some(authority) = url.strip_prefix("http://").map(|rest| rest.trim_end_matches('/')) else {
+        bail!("--daemon {url} is not an http:// URL; give it as http://HOST:PORT");
+    };
+    let path = match format {
+        SnapshotFormat::Pprof => format!("/debug/pprof/heap?pid={pid}"),
+        SnapshotFormat::Json => format!("/api/v1/leaks?pid={pid}"),
+    };
+    let address = authority
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addresses| addresses.next())
+        .with_context(|| format!("--daemon {url} names no address; give it as http://HOST:PORT"))?;
+    let (status, body) = match get(address, authority, &path) {
+        Ok(answer) => answer,
+        Err(err) => return Ok(Answer::NotTraced(format!("no memprof daemon answers at {url} ({err})"))),
+    };
+    match status {
+        200 if format == SnapshotFormat::Json => Ok(Answer::Report([body, b"\n".to_vec()].concat())),
+        200 => Ok(Answer::Report(body)),
+        404 => Ok(Answer::NotTraced(format!("the daemon at {url} does not trace pid {pid}"))),
+        _ => bail!("the daemon at {url} answered {path} with {status}: {}", String::from_utf8_lossy(&body).trim()),
+    }
+}
+
+/// `GET path` over HTTP/1.0, which keeps the body unchunked; returns the status and body.
+fn get(address: SocketAddr, authority: &str, path: &str) -> io::Result<(u16, Vec<u8>)> {
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n")?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let not_http = || io::Error::new(io::ErrorKind::InvalidData, "not an HTTP response");
+    let split = response.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(not_http)?;
+    let head = String::from_utf8_lossy(&response[..split]);
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(not_http)?;
+    Ok((status, response[split + 4..].to_vec()))
+}
