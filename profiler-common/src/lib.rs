@@ -349,6 +349,10 @@ pub mod cfa {
     pub const SIGNAL: u8 = 5;
     /// An expression or register rule memprof does not follow: the stack ends, truncated.
     pub const UNSUPPORTED: u8 = 6;
+    /// CFA = the u64 at rbp + offset: a function that realigns its stack keeps the CFA in a
+    /// register (the DRAP) and, past its prologue, in its frame below rbp
+    /// (`DW_OP_breg6 offset; DW_OP_deref`).
+    pub const RBP_DEREF: u8 = 7;
 }
 
 /// Where the caller's rbp is after a row's frame is popped.
@@ -359,6 +363,9 @@ pub mod rbp {
     pub const SAVED: u8 = 1;
     /// Not recoverable: a later frame that needs rbp ends the stack.
     pub const LOST: u8 = 2;
+    /// Saved at rbp + offset (`DW_OP_breg6 offset`), where a function that realigns its stack
+    /// pushes it.
+    pub const AT_RBP: u8 = 3;
 }
 
 /// One row of a file's unwind table: from `pc` (an ELF virtual address) up to the next row's

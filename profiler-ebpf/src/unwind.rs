@@ -234,6 +234,10 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
     let cfa = match row.cfa {
         cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
         cfa::RBP if walk.bp_known != 0 => walk.bp.wrapping_add(row.cfa_offset as i64 as u64),
+        cfa::RBP_DEREF if walk.bp_known != 0 => match read(walk.bp.wrapping_add(row.cfa_offset as i64 as u64)) {
+            Some(cfa) => cfa,
+            None => return end(walk, StackEnd::ReadFailed),
+        },
         cfa::PLT => sp + 8 + if (address & 15) as i32 >= row.cfa_offset { 8 } else { 0 },
         cfa::END => return end(walk, StackEnd::Complete),
         cfa::SIGNAL => {
@@ -250,13 +254,20 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
     let Some(return_address) = read(cfa - 8) else {
         return end(walk, StackEnd::ReadFailed);
     };
-    match row.rbp {
-        rbp::SAVED => match read(cfa.wrapping_add(row.rbp_offset as i64 as u64)) {
+    // Where the caller's rbp was saved: relative to the CFA, or to this frame's rbp (a
+    // stack-realigning function), which is only known while rbp is.
+    let saved_at = match row.rbp {
+        rbp::SAVED => Some(cfa),
+        rbp::AT_RBP if walk.bp_known != 0 => Some(walk.bp),
+        _ => None,
+    };
+    match saved_at {
+        Some(base) => match read(base.wrapping_add(row.rbp_offset as i64 as u64)) {
             Some(saved) => (walk.bp, walk.bp_known) = (saved, 1),
             None => return end(walk, StackEnd::ReadFailed),
         },
-        rbp::LOST => walk.bp_known = 0,
-        _ => {}
+        None if row.rbp != rbp::SAME => walk.bp_known = 0,
+        None => {}
     }
     (walk.pc, walk.sp, walk.pc_is_return) = (return_address, cfa, 1);
     // CFI ends at an undefined return address (above), but some hand-written outermost frames

@@ -276,6 +276,25 @@ fn rust_release_stacks_are_whole() {
     assert_nothing_dropped(&report);
 }
 
+/// A function that realigns its stack (gcc's DRAP: the CFA is read from the frame, at rbp + k)
+/// allocates itself and through a callee; below it, a caller whose CFA is rbp-based needs the
+/// rbp the realigning frame saved. Both stacks are whole down to `_start`, bytes exact.
+#[test]
+fn stacks_through_a_stack_realigning_function_are_whole() {
+    let program = fixture_with("unwind_drap.c", "unwind_drap", C_FLAGS);
+    let report = run_to_end(&[path(&program)]);
+    let direct = only_stack_at(&report, "realigned");
+    assert_eq!(bytes_and_count(direct), (3 * 300, 3), "{}", describe(direct));
+    assert_frames(direct, &chain(&["realigned", "framed"], &MAIN_TAIL));
+    assert_complete(direct);
+    let through = only_stack_at(&report, "leaf");
+    assert_eq!(bytes_and_count(through), (5 * 200, 5), "{}", describe(through));
+    assert_frames(through, &chain(&["leaf", "realigned", "framed"], &MAIN_TAIL));
+    assert_complete(through);
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
 /// 110 recursive frames plus the 4 below main fit in the 127 frames kept: the stack is whole.
 #[test]
 fn a_recursion_110_deep_is_kept_whole() {
