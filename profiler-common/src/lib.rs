@@ -4,6 +4,10 @@
 //! has no implicit padding (asserted below) and holds plain integers only.
 #![cfg_attr(not(test), no_std)]
 
+pub mod generations;
+
+use generations::GENERATIONS;
+
 /// Which allocator entry point an allocation came from.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,10 +97,13 @@ pub enum DropReason {
     /// The ring buffer telling the daemon of new mappings was full: it finds them at its next
     /// refresh instead.
     MappingEventLost = 14,
+    /// The table of thread pairs (who frees whose allocations) was full: the free is counted,
+    /// its pair is not.
+    ThreadPairTableFull = 15,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 16;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -113,6 +120,7 @@ impl DropReason {
         DropReason::StackTooDeep,
         DropReason::StackPreempted,
         DropReason::MappingEventLost,
+        DropReason::ThreadPairTableFull,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -133,6 +141,7 @@ impl DropReason {
             DropReason::StackTooDeep => "stack_too_deep",
             DropReason::StackPreempted => "stack_preempted",
             DropReason::MappingEventLost => "mapping_event_lost",
+            DropReason::ThreadPairTableFull => "thread_pair_table_full",
         }
     }
 }
@@ -224,10 +233,53 @@ pub struct StackKey {
 
 /// Per-(process, stack) totals, updated atomically by the programs.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StackStats {
     pub allocations: u64,
     pub allocated_bytes: u64,
+    pub frees: u64,
+    pub freed_bytes: u64,
+    /// Outstanding bytes and allocations by generation slot (see `generations`): wrapping sums
+    /// of additions at allocation and subtractions at free.
+    pub generation_bytes: [u64; GENERATIONS],
+    pub generation_allocations: [u64; GENERATIONS],
+    /// Frees of allocations from generations already frozen.
+    pub old_freed_bytes: u64,
+    pub old_frees: u64,
+}
+
+impl StackStats {
+    pub const EMPTY: StackStats = StackStats {
+        allocations: 0,
+        allocated_bytes: 0,
+        frees: 0,
+        freed_bytes: 0,
+        generation_bytes: [0; GENERATIONS],
+        generation_allocations: [0; GENERATIONS],
+        old_freed_bytes: 0,
+        old_frees: 0,
+    };
+}
+
+impl Default for StackStats {
+    fn default() -> Self {
+        Self::EMPTY
+    }
+}
+
+/// Key of the per-process counts of allocations freed by another thread than their own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ThreadPairKey {
+    pub tgid: u32,
+    pub alloc_tid: u32,
+    pub free_tid: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ThreadPairStats {
     pub frees: u64,
     pub freed_bytes: u64,
 }
@@ -242,30 +294,29 @@ pub struct ProcCounters {
     pub failed_allocations: u64,
 }
 
-/// Power-of-two buckets of allocation sizes: bucket `i` counts sizes in `(2^(i-1), 2^i]`, bucket 0
-/// sizes 0 and 1.
-pub const SIZE_BUCKETS: usize = 64;
+/// Power-of-two buckets: bucket `i` counts values in `(2^(i-1), 2^i]`, bucket 0 values 0 and 1.
+pub const LOG2_BUCKETS: usize = 64;
 
-/// Per-process histogram of allocation sizes, filled in the kernel.
+/// Per-process histogram filled in the kernel: of allocation sizes in bytes, of lifetimes in ns.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SizeHistogram {
-    pub buckets: [u64; SIZE_BUCKETS],
+pub struct Log2Histogram {
+    pub buckets: [u64; LOG2_BUCKETS],
 }
 
-impl Default for SizeHistogram {
+impl Default for Log2Histogram {
     fn default() -> Self {
-        Self { buckets: [0; SIZE_BUCKETS] }
+        Self { buckets: [0; LOG2_BUCKETS] }
     }
 }
 
-/// The bucket of `size`: the smallest `i` with `size <= 2^i`.
-pub fn size_bucket(size: u64) -> usize {
-    if size <= 1 {
+/// The bucket of `value`: the smallest `i` with `value <= 2^i`.
+pub fn log2_bucket(value: u64) -> usize {
+    if value <= 1 {
         return 0;
     }
-    // Binary search for the highest set bit of size - 1 (BPF has no count-leading-zeros).
-    let mut v = size - 1;
+    // Binary search for the highest set bit of value - 1 (BPF has no count-leading-zeros).
+    let mut v = value - 1;
     let mut bits = 0;
     let mut step = 32;
     while step > 0 {
@@ -429,9 +480,11 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRow>() == 12);
     assert!(core::mem::size_of::<ExecMapping>() == 40);
     assert!(core::mem::size_of::<ProcMappings>() == 8 + 40 * MAX_MAPPINGS);
-    assert!(core::mem::size_of::<StackStats>() == 32);
+    assert!(core::mem::size_of::<StackStats>() == 48 + 16 * GENERATIONS);
+    assert!(core::mem::size_of::<ThreadPairKey>() == 16);
+    assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
-    assert!(core::mem::size_of::<SizeHistogram>() == 8 * SIZE_BUCKETS);
+    assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
 };
 
 #[cfg(test)]
@@ -442,9 +495,9 @@ mod tests {
     fn sizes_fall_in_power_of_two_buckets() {
         let cases = [(0, 0), (1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (4096, 12), (4097, 13)];
         for (size, bucket) in cases {
-            assert_eq!(size_bucket(size), bucket, "size {size}");
+            assert_eq!(log2_bucket(size), bucket, "size {size}");
         }
-        assert_eq!(size_bucket(u64::MAX), 64);
+        assert_eq!(log2_bucket(u64::MAX), 64);
     }
 }
 
@@ -457,7 +510,9 @@ mod pod {
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}
-    unsafe impl aya::Pod for SizeHistogram {}
+    unsafe impl aya::Pod for Log2Histogram {}
+    unsafe impl aya::Pod for ThreadPairKey {}
+    unsafe impl aya::Pod for ThreadPairStats {}
     unsafe impl aya::Pod for FreedAlloc {}
     unsafe impl aya::Pod for Inflight {}
     unsafe impl aya::Pod for Stack {}

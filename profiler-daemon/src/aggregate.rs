@@ -1,8 +1,9 @@
-//! Reads the maps into snapshots of the traced processes: per-stack totals, live ages, counters,
-//! drops; and purges the maps of processes that are gone.
+//! Reads the maps into snapshots of the traced processes: per-stack totals and ages, counters,
+//! histograms, drops; and purges the maps of processes that are gone.
 //!
-//! Every interval reads `STACK_STATS` (one row per stack) and walks `LIVE` in batches for the
-//! allocations' ages. Double-free events arrive through a ring buffer.
+//! Every interval reads `STACK_STATS` (one row per stack), whose generation counters give the
+//! ages of outstanding memory (see `ages`): the cost grows with stacks, not live allocations.
+//! Double-free events arrive through a ring buffer.
 
 use std::collections::{HashMap, HashSet};
 
@@ -12,11 +13,14 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, ProcCounters, SizeHistogram, Stack,
-    StackEnd, StackKey, StackStats, NO_STACK,
+    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, Log2Histogram, ProcCounters, Stack,
+    StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, NO_STACK,
 };
 
-use crate::batch;
+use crate::{
+    ages::{self, AgeBook, AgeSpan},
+    batch,
+};
 
 /// What the kernel side knows at one moment, for the processes asked about.
 #[derive(Debug, Clone, Default)]
@@ -24,9 +28,11 @@ pub struct KernelSnapshot {
     pub processes: HashMap<u32, Snapshot>,
     /// Events not recorded, by `DropReason`, for all processes together.
     pub drops: [u64; DropReason::COUNT],
-    /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`).
+    /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`), all processes together.
     pub live_entries: u64,
     pub stack_stats_entries: u64,
+    /// `AgeBook::missed_generations` at the time of the read.
+    pub missed_generations: u64,
 }
 
 /// One process.
@@ -36,7 +42,11 @@ pub struct Snapshot {
     pub now_ns: u64,
     pub stacks: Vec<StackSnapshot>,
     pub counters: ProcCounters,
-    pub sizes: SizeHistogram,
+    pub sizes: Log2Histogram,
+    /// Lifetimes of freed allocations, in ns.
+    pub lifetimes: Log2Histogram,
+    /// Frees by another thread than the allocating one.
+    pub thread_pairs: Vec<(ThreadPairKey, ThreadPairStats)>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -45,19 +55,13 @@ pub struct StackSnapshot {
     pub stats: StackStats,
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
-    /// Outstanding allocations at least min-age old.
+    /// Outstanding allocations at least min-age old (to the generation).
     pub aged_bytes: u64,
     pub aged_allocations: u64,
-    /// Allocation time of the oldest outstanding allocation.
+    /// Earliest time the oldest outstanding allocation can have been made.
     pub oldest_ns: Option<u64>,
-}
-
-/// Live allocations of one stack, as found walking `LIVE`.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct LiveSummary {
-    oldest_ns: Option<u64>,
-    aged_allocations: u64,
-    aged_bytes: u64,
+    /// Outstanding memory by age, oldest first.
+    pub ages: Vec<AgeSpan>,
 }
 
 pub fn monotonic_now_ns() -> u64 {
@@ -69,61 +73,63 @@ pub fn monotonic_now_ns() -> u64 {
 
 /// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
 /// Allocations at least `min_age_ns` old are counted apart as aged.
-pub fn read(ebpf: &Ebpf, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
-    let sizes: BpfHashMap<_, u32, SizeHistogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
+    let sizes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
+    let lifetimes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "LIFETIME_HIST")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
-    let threshold = now_ns.saturating_sub(min_age_ns);
-    let mut summaries: HashMap<(u32, u64), LiveSummary> = HashMap::new();
     let mut snapshot = KernelSnapshot::default();
-    batch::for_each(map(ebpf, "LIVE")?, |key: &AddrKey, alloc: &LiveAlloc| {
-        snapshot.live_entries += 1;
-        if tgids.contains(&key.tgid) {
-            summarize(summaries.entry((key.tgid, alloc.stack_id)).or_default(), alloc, threshold);
-        }
-    })?;
     for &tgid in tgids {
         let process = Snapshot {
             now_ns,
-            stacks: Vec::new(),
             counters: counters.get(&tgid, 0).unwrap_or_default(),
             sizes: sizes.get(&tgid, 0).unwrap_or_default(),
+            lifetimes: lifetimes.get(&tgid, 0).unwrap_or_default(),
+            ..Snapshot::default()
         };
         snapshot.processes.insert(tgid, process);
     }
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
         snapshot.stack_stats_entries += 1;
+        snapshot.live_entries += stats.allocations.saturating_sub(stats.frees);
         if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
-            let summary = summaries.get(&(key.tgid, key.stack_id)).copied().unwrap_or_default();
-            process.stacks.push(stack_snapshot(key.stack_id, *stats, summary));
+            let spans = book.observe(*key, stats, now_ns);
+            process.stacks.push(stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns));
         }
     })?;
+    batch::for_each(map(ebpf, "THREAD_PAIRS")?, |key: &ThreadPairKey, stats: &ThreadPairStats| {
+        if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
+            process.thread_pairs.push((*key, *stats));
+        }
+    })?;
+    snapshot.missed_generations = book.missed_generations;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
     Ok(snapshot)
 }
 
-fn summarize(summary: &mut LiveSummary, alloc: &LiveAlloc, threshold_ns: u64) {
-    summary.oldest_ns = Some(summary.oldest_ns.map_or(alloc.time_ns, |t| t.min(alloc.time_ns)));
-    if alloc.time_ns <= threshold_ns {
-        summary.aged_allocations += 1;
-        summary.aged_bytes += alloc.size;
-    }
-}
-
-fn stack_snapshot(stack_id: u64, stats: StackStats, live: LiveSummary) -> StackSnapshot {
+fn stack_snapshot(
+    stack_id: u64,
+    stats: StackStats,
+    ages: Vec<AgeSpan>,
+    book: &AgeBook,
+    now_ns: u64,
+    min_age_ns: u64,
+) -> StackSnapshot {
+    let (aged_bytes, aged_allocations) = ages::aged(&book.clock, &ages, now_ns, min_age_ns);
     StackSnapshot {
         stack_id,
         stats,
         // Frees are only counted for allocations seen, so these never go negative.
         outstanding_bytes: stats.allocated_bytes.saturating_sub(stats.freed_bytes),
         outstanding_allocations: stats.allocations.saturating_sub(stats.frees),
-        aged_bytes: live.aged_bytes,
-        aged_allocations: live.aged_allocations,
-        oldest_ns: live.oldest_ns,
+        aged_bytes,
+        aged_allocations,
+        oldest_ns: ages::oldest_ns(&book.clock, &ages),
+        ages,
     }
 }
 
@@ -167,7 +173,9 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k, _| k.tgid == tgid)?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
-    remove_matching::<u32, SizeHistogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
+    remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
+    remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| *k == tgid)?;
+    remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| k.tgid == tgid)?;
     let tables = [
         (StackTable::Allocations, own_stacks, shared_stacks),
         (StackTable::Frees, own_free_stacks, shared_free_stacks),
@@ -257,26 +265,20 @@ impl DoubleFreeReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn stats(allocations: u64, allocated_bytes: u64, frees: u64, freed_bytes: u64) -> StackStats {
-        StackStats { allocations, allocated_bytes, frees, freed_bytes }
-    }
+    use crate::ages::Clock;
 
     #[test]
-    fn outstanding_is_allocated_minus_freed() {
-        let s = stack_snapshot(7, stats(10, 1000, 4, 400), LiveSummary::default());
+    fn outstanding_is_allocated_minus_freed_and_aged_comes_from_generations() {
+        let stats =
+            StackStats { allocations: 10, allocated_bytes: 1000, frees: 4, freed_bytes: 400, ..StackStats::EMPTY };
+        let book = AgeBook::new(Clock { base_ns: 0, length_ns: 10 });
+        let ages = vec![
+            AgeSpan { first: 0, last: 0, bytes: 100, allocations: 1 },
+            AgeSpan { first: 5, last: 5, bytes: 500, allocations: 5 },
+        ];
+        let s = stack_snapshot(7, stats, ages, &book, 60, 30);
         assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (600, 6));
-    }
-
-    #[test]
-    fn aged_counts_only_old_allocations() {
-        let mut summary = LiveSummary::default();
-        let alloc = |time_ns, size| LiveAlloc { size, time_ns, stack_id: 1, tid: 1, func: 0 };
-        summarize(&mut summary, &alloc(100, 10), 150);
-        summarize(&mut summary, &alloc(200, 20), 150);
-        assert_eq!(summary, LiveSummary { oldest_ns: Some(100), aged_allocations: 1, aged_bytes: 10 });
-        let s = stack_snapshot(1, stats(2, 30, 0, 0), summary);
-        assert_eq!((s.aged_bytes, s.aged_allocations, s.oldest_ns), (10, 1, Some(100)));
-        assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (30, 2));
+        assert_eq!((s.aged_bytes, s.aged_allocations), (100, 1), "generation 5 ended at 60, less than 30 ago");
+        assert_eq!(s.oldest_ns, Some(0));
     }
 }

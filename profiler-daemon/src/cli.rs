@@ -4,7 +4,12 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{format::Format, unwind::UnwindMode};
+use crate::{
+    filter::Filters,
+    format::Format,
+    leak::{LeakSettings, DEFAULT_LEAK},
+    unwind::UnwindMode,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -33,6 +38,10 @@ pub enum Command {
     Run {
         #[command(flatten)]
         trace: TraceArgs,
+        /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
+        /// (a CI gate); the report is written as asked.
+        #[arg(long, value_name = "BYTES")]
+        fail_on_leak_bytes: Option<u64>,
         /// The command and its arguments.
         #[arg(required = true, last = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -102,6 +111,12 @@ pub struct TraceArgs {
     /// Only count allocations outstanding for at least this many seconds.
     #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
     pub min_age: f64,
+    /// Intervals the leak rule looks back over (see README: leak candidates).
+    #[arg(long, default_value_t = DEFAULT_LEAK.window, value_parser = leak_window)]
+    pub leak_window: usize,
+    /// Lowest leak score (0 to 1) of a leak candidate.
+    #[arg(long, default_value_t = DEFAULT_LEAK.threshold, value_parser = leak_threshold)]
+    pub leak_threshold: f64,
     /// How reports are written: table and json every interval, the others once at the end.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -112,10 +127,16 @@ pub struct TraceArgs {
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
+    pub filters: Filters,
+    #[command(flatten)]
     pub maps: LoadSettings,
 }
 
 impl TraceArgs {
+    pub fn leak_settings(&self) -> LeakSettings {
+        LeakSettings { window: self.leak_window, threshold: self.leak_threshold }
+    }
+
     pub fn format(&self) -> Format {
         if self.json {
             Format::Json
@@ -155,9 +176,12 @@ pub struct DaemonArgs {
     /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
     #[arg(long)]
     pub top_stacks: Option<usize>,
-    /// Allocations outstanding this long are leak candidates [default: 300].
-    #[arg(long, value_parser = non_negative_seconds)]
-    pub min_age: Option<f64>,
+    /// Intervals the leak rule looks back over [default: 6].
+    #[arg(long, value_parser = leak_window)]
+    pub leak_window: Option<usize>,
+    /// Lowest leak score (0 to 1) of a leak candidate [default: 0.5].
+    #[arg(long, value_parser = leak_threshold)]
+    pub leak_threshold: Option<f64>,
     /// Outstanding allocations tracked at once, all processes together [default: 1048576].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_live: Option<u32>,
@@ -224,4 +248,20 @@ fn positive_seconds(value: &str) -> Result<f64, String> {
 
 fn non_negative_seconds(value: &str) -> Result<f64, String> {
     check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, true)
+}
+
+/// A leak window: 2 to 1000 intervals.
+pub fn leak_window(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(n) if (2..=1000).contains(&n) => Ok(n),
+        _ => Err(format!("`{value}` is not a number of intervals from 2 to 1000")),
+    }
+}
+
+/// A leak score threshold: more than 0, at most 1.
+pub fn leak_threshold(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("`{value}` is not a score above 0 and at most 1")),
+    }
 }

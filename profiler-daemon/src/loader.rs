@@ -12,6 +12,7 @@ use aya::{
 };
 
 use crate::{
+    ages::{AgeBook, Clock},
     allocator::Allocator,
     cli::LoadSettings,
     error::UserError,
@@ -42,6 +43,8 @@ pub struct Loaded {
     /// Per process stopped on mapping changes: how many of the SIGTRAPs the kernel sent it
     /// memprof has taken (`take_mapping_stop`).
     mapping_stops_taken: HashMap<u32, u64>,
+    /// What userspace keeps of the ages of outstanding memory.
+    pub ages: AgeBook,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -73,7 +76,9 @@ fn check_privileges() -> Result<(), UserError> {
     }
 }
 
-pub fn load(sizes: LoadSettings) -> anyhow::Result<Loaded> {
+/// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
+pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
+    let clock = Clock::for_interval(crate::aggregate::monotonic_now_ns(), interval_s);
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
@@ -81,12 +86,15 @@ pub fn load(sizes: LoadSettings) -> anyhow::Result<Loaded> {
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
         .map_max_entries("UNWIND_ROWS", sizes.max_unwind_rows)
         .override_global("FRAME_LIMIT", &sizes.max_frames, true)
+        .override_global("CLOCK_BASE_NS", &clock.base_ns, true)
+        .override_global("GENERATION_NS", &clock.length_ns, true)
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
     let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
-    let mut loaded = Loaded { ebpf, unwind, mapping_events, mapping_stops_taken: HashMap::new() };
+    let mut loaded =
+        Loaded { ebpf, unwind, mapping_events, ages: AgeBook::new(clock), mapping_stops_taken: HashMap::new() };
     for name in program_names() {
         program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
     }

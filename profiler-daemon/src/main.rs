@@ -1,5 +1,6 @@
 //! memprof: an eBPF heap profiler. See the README for what it does and how to run it.
 
+mod ages;
 mod aggregate;
 mod allocator;
 mod batch;
@@ -7,7 +8,9 @@ mod cli;
 mod daemon;
 mod diff;
 mod error;
+mod filter;
 mod format;
+mod leak;
 mod loader;
 mod procfs;
 mod report;
@@ -35,7 +38,9 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match &cli.command {
             cli::Command::Attach { pid, trace } => session::attach(*pid, trace).await,
-            cli::Command::Run { trace, command } => session::run(command, trace).await,
+            cli::Command::Run { trace, fail_on_leak_bytes, command } => {
+                session::run(command, trace, *fail_on_leak_bytes).await
+            }
             cli::Command::Daemon(args) => daemon::run(args).await,
             cli::Command::Snapshot(args) => snapshot::run(args).await,
             cli::Command::Diff(args) => diff::run(args),

@@ -1,14 +1,15 @@
 //! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
 //! as one JSON object per line (schema in the README).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
 use serde::Serialize;
 
 use crate::{
-    aggregate::{self, Snapshot, StackSnapshot, StackTable},
+    aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
+    leak::LeakTracker,
     symbolize::{Frame, Resolved, SymbolizerHandle},
 };
 
@@ -219,6 +220,7 @@ pub struct Context<'a> {
     pub stacks: Stacks<'a>,
     pub comm: &'a str,
     pub double_frees: &'a [DoubleFreeReport],
+    pub leaks: &'a LeakTracker,
 }
 
 /// How much of a snapshot a report shows.
@@ -235,7 +237,7 @@ pub struct Selection {
 }
 
 /// Builds the report of one process's `snapshot`.
-pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT], selection: Selection) -> Report {
+pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, selection: Selection) -> Report {
     let mut totals = Totals {
         unknown_frees: snapshot.counters.unknown_frees,
         failed_allocations: snapshot.counters.failed_allocations,
@@ -260,10 +262,13 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
         snapshot.stacks.iter().filter(|s| counted(s).1 > 0 || (selection.freed && s.stats.allocations > 0)).collect();
     listed.sort_by_key(|s| std::cmp::Reverse((counted(s), s.stats.allocated_bytes)));
     listed.truncate(selection.top.unwrap_or(usize::MAX));
+    // Kernel stack id to the report's, for the timeline.
+    let mut report_ids = HashMap::new();
     let stacks: Vec<StackReport> = listed
         .into_iter()
         .map(|stack| {
             let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stack_id);
+            report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {
                 stack_id: symbolized.id,
@@ -271,10 +276,13 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
                 outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
-                oldest_age_s: stack.oldest_ns.map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t))),
+                // Ages are known to the generation: none is older than tracing.
+                oldest_age_s: stack
+                    .oldest_ns
+                    .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t.max(ctx.stacks.start_ns)))),
                 truncated: symbolized.truncated,
                 site: allocation_site(&symbolized.frames),
-                leak: LeakVerdict::default(),
+                leak: ctx.leaks.verdict(stack.stack_id),
                 frames: symbolized.frames,
             }
         })
@@ -285,15 +293,45 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, drops: &[u64; DropReason::COUNT
         comm: ctx.comm.to_string(),
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         totals,
-        dropped: DropReason::ALL.iter().map(|r| (r.name(), drops[*r as usize])).collect(),
+        dropped: dropped(kernel),
         modules: ctx.stacks.modules(&stacks),
         stacks,
         double_frees: ctx.double_frees.to_vec(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
-        lifetimes: Vec::new(),
-        thread_pairs: Vec::new(),
-        timeline: Timeline::default(),
+        lifetimes: power_of_two_buckets(&snapshot.lifetimes.buckets),
+        thread_pairs: thread_pairs(snapshot),
+        timeline: if selection.is_final {
+            ctx.leaks.timeline(|id| report_ids.get(&id).cloned())
+        } else {
+            Timeline::default()
+        },
     }
+}
+
+/// Everything not recorded, by reason: the kernel's drops and the age generations missed.
+pub fn dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
+    let mut dropped: BTreeMap<_, _> = DropReason::ALL.iter().map(|r| (r.name(), kernel.drops[*r as usize])).collect();
+    dropped.insert(MISSED_GENERATIONS, kernel.missed_generations);
+    dropped
+}
+
+/// Reason of the generations whose ages were lost because reads came too far apart.
+pub const MISSED_GENERATIONS: &str = "age_generation_missed";
+
+/// Thread pairs, most bytes first.
+fn thread_pairs(snapshot: &Snapshot) -> Vec<ThreadPair> {
+    let mut pairs: Vec<ThreadPair> = snapshot
+        .thread_pairs
+        .iter()
+        .map(|(key, stats)| ThreadPair {
+            alloc_tid: key.alloc_tid,
+            free_tid: key.free_tid,
+            frees: stats.frees,
+            freed_bytes: stats.freed_bytes,
+        })
+        .collect();
+    pairs.sort_by_key(|p| (std::cmp::Reverse(p.freed_bytes), p.alloc_tid, p.free_tid));
+    pairs
 }
 
 /// The non-empty buckets of a histogram whose bucket `i` counts values in `2^(i-1)+1 ..= 2^i`.

@@ -22,6 +22,7 @@ use crate::{
     cli::{TraceArgs, MAX_SECONDS},
     error::UserError,
     format::{self, Format},
+    leak::LeakTracker,
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
@@ -40,7 +41,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
     let allocator = allocator::find(pid_n)?;
-    let mut loaded = loader::load(args.maps)?;
+    let mut loaded = loader::load(args.maps, args.interval)?;
     let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
@@ -49,17 +50,25 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     announce(pid_n, &comm, &attachment, &allocator);
     let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
     let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter };
-    let code = trace(tracee, exit, None, args, &mut output).await?;
-    Ok(code.unwrap_or(0))
+    let traced = trace(tracee, exit, None, args, &mut output).await?;
+    Ok(traced.code.unwrap_or(0))
 }
 
-/// `memprof run`: returns the command's exit code.
-pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Result<i32> {
+/// Exit code of `memprof run --fail-on-leak-bytes` when the leak candidates hold more.
+pub const LEAK_EXIT_CODE: i32 = 100;
+
+/// `memprof run`: returns the command's exit code, or `LEAK_EXIT_CODE` when its leak candidates
+/// hold more than `fail_on_leak_bytes` at the end.
+pub async fn run(
+    command: &[std::ffi::OsString],
+    args: &TraceArgs,
+    fail_on_leak_bytes: Option<u64>,
+) -> anyhow::Result<i32> {
     let mut output = open_output(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
     let allocator = allocator_for_command(&program)?;
-    let mut loaded = loader::load(args.maps)?;
+    let mut loaded = loader::load(args.maps, args.interval)?;
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
@@ -74,8 +83,17 @@ pub async fn run(command: &[std::ffi::OsString], args: &TraceArgs) -> anyhow::Re
     announce(pid, &comm, &attachment, &allocator);
     child.release();
     let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter };
-    let code = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
-    Ok(code.unwrap_or(0))
+    let traced = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
+    match fail_on_leak_bytes {
+        Some(limit) if traced.leak_bytes > limit => {
+            eprintln!(
+                "memprof: leak candidates hold {} bytes, more than --fail-on-leak-bytes {limit}: exiting with {LEAK_EXIT_CODE}",
+                traced.leak_bytes
+            );
+            Ok(LEAK_EXIT_CODE)
+        }
+        _ => Ok(traced.code.unwrap_or(0)),
+    }
 }
 
 /// A command's allocator before it runs, in the order the dynamic loader binds `malloc`: the
@@ -137,15 +155,23 @@ impl Tracee {
     }
 }
 
+/// How a trace ended.
+struct Traced {
+    /// The target's exit code when memprof started it.
+    code: Option<i32>,
+    /// In-use bytes of the final report's leak candidates.
+    leak_bytes: u64,
+}
+
 /// Reports every interval until the target exits, a signal arrives or the duration is up; then
-/// prints the final report. Returns the target's exit code when memprof started it.
+/// prints the final report.
 async fn trace(
     mut tracee: Tracee,
     mut exit: ExitWatch,
     mapping_requests: Option<tokio::sync::mpsc::UnboundedReceiver<MappingRequest>>,
     args: &TraceArgs,
     output: &mut dyn Write,
-) -> anyhow::Result<Option<i32>> {
+) -> anyhow::Result<Traced> {
     // Without a ptraced child no request comes: a closed channel that is never polled.
     let mut mapping_requests = mapping_requests.unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1);
     let mut requests_open = true;
@@ -178,32 +204,49 @@ async fn trace(
             }
         }
     };
-    let emit = |tracee: &Tracee,
-                double_frees: &[DoubleFreeReport],
-                output: &mut dyn Write,
-                is_final: bool|
-     -> anyhow::Result<()> {
-        let kernel = aggregate::read(&tracee.loaded.ebpf, &HashSet::from([tracee.pid]), min_age_ns)?;
+    let mut leaks = LeakTracker::new(args.leak_settings());
+    // Reads the kernel's counters every interval (the leak rule needs each one); writes a
+    // report when the format streams, or at the end.
+    let mut emit = |tracee: &mut Tracee,
+                    double_frees: &[DoubleFreeReport],
+                    output: &mut dyn Write,
+                    is_final: bool|
+     -> anyhow::Result<u64> {
+        let pids = HashSet::from([tracee.pid]);
+        let kernel = aggregate::read(&tracee.loaded.ebpf, &mut tracee.loaded.ages, &pids, min_age_ns)?;
         let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
-        let ctx = report::Context { stacks: tracee.stacks(start_ns), comm: &tracee.comm, double_frees };
+        let time_s = (snapshot.now_ns.saturating_sub(start_ns)) as f64 / 1e9;
+        leaks.observe(&snapshot, &tracee.loaded.ages.clock, time_s);
         let format = args.format();
         if !is_final && !format.streams() {
-            return Ok(());
+            return Ok(0);
         }
-        // The table shows the top stacks; the other formats carry every outstanding stack.
+        let ctx = report::Context { stacks: tracee.stacks(start_ns), comm: &tracee.comm, double_frees, leaks: &leaks };
+        // The table shows the top stacks (of those the filters keep); the other formats carry
+        // every outstanding stack.
         let top = (format == Format::Table).then_some(args.top);
-        let selection = Selection { is_final, top, aged_only: min_age_ns > 0, freed: format == Format::Pprof };
-        let report = report::build(&ctx, &snapshot, &kernel.drops, selection);
+        let filtered = !args.filters.is_empty();
+        let selection = Selection {
+            is_final,
+            top: if filtered { None } else { top },
+            aged_only: min_age_ns > 0,
+            freed: format == Format::Pprof,
+        };
+        let mut report = report::build(&ctx, &snapshot, &kernel, selection);
+        if filtered {
+            args.filters.apply(&mut report);
+            report.stacks.truncate(top.unwrap_or(usize::MAX));
+        }
         output.write_all(&format::render(&report, format))?;
         output.flush()?;
-        Ok(())
+        Ok(report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum())
     };
 
     let code = loop {
         tokio::select! {
             _ = ticks.tick() => {
                 collect(&mut tracee, &mut double_frees);
-                emit(&tracee, &double_frees, output, false)?;
+                emit(&mut tracee, &double_frees, output, false)?;
             }
             ready = mapping_events.readable() => {
                 if let Ok(mut ready) = ready {
@@ -228,7 +271,7 @@ async fn trace(
         }
     };
     collect(&mut tracee, &mut double_frees);
-    let result = emit(&tracee, &double_frees, output, true);
+    let result = emit(&mut tracee, &double_frees, output, true);
     tracee.loaded.detach(tracee.attachment);
-    result.map(|()| code)
+    result.map(|leak_bytes| Traced { code, leak_bytes })
 }

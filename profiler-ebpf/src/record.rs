@@ -8,10 +8,12 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
+    Global,
 };
 use profiler_common::{
-    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, ProcCounters,
-    SizeHistogram, Stack, StackKey, StackStats, NO_STACK, SIZE_BUCKETS,
+    generations::{self, FROZEN_AGE},
+    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
+    ProcCounters, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK,
 };
 
 use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
@@ -34,11 +36,28 @@ static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entr
 #[map]
 static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
-static SIZE_HIST: HashMap<u32, SizeHistogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+static SIZE_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// How long freed allocations lived, per process.
+#[map]
+static LIFETIME_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Only frees by another thread than the allocating one: same-thread frees are the rest.
+#[map]
+static THREAD_PAIRS: HashMap<ThreadPairKey, ThreadPairStats> = HashMap::with_max_entries(16_384, NO_PREALLOC);
 #[map]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
 #[map]
 static DOUBLE_FREES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+
+/// The generation clock (see `profiler_common::generations`), set by the loader: its start, and
+/// the length of a generation (the reporting interval).
+#[unsafe(no_mangle)]
+static CLOCK_BASE_NS: Global<u64> = Global::new(0);
+#[unsafe(no_mangle)]
+static GENERATION_NS: Global<u64> = Global::new(5_000_000_000);
+
+fn generation(time_ns: u64) -> u64 {
+    generations::generation(time_ns, CLOCK_BASE_NS.load(), GENERATION_NS.load())
+}
 
 const EEXIST: i32 = 17;
 
@@ -63,9 +82,10 @@ pub fn count_drop(reason: DropReason) {
 
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.
-static EMPTY_STATS: StackStats = StackStats { allocations: 0, allocated_bytes: 0, frees: 0, freed_bytes: 0 };
+static EMPTY_STATS: StackStats = StackStats::EMPTY;
 static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
-static EMPTY_HIST: SizeHistogram = SizeHistogram { buckets: [0; SIZE_BUCKETS] };
+static EMPTY_HIST: Log2Histogram = Log2Histogram { buckets: [0; LOG2_BUCKETS] };
+static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
 const EMPTY_ALLOC: LiveAlloc = LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
@@ -253,18 +273,41 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
         }
         // Still live: its free went unseen. Retire the old allocation so its stack is not charged forever.
         count_drop(DropReason::MissedFree);
-        if let Some(old) = unsafe { LIVE.get(key) } {
-            add_to_stack(tgid, old.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), old.size);
+        if let Some(old) = unsafe { LIVE.get(key) }.copied() {
+            // When and by whom it was freed is unknown: no lifetime or thread pair for it.
+            count_free(tgid, &old, None);
         }
         if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
             return;
         }
     }
-    add_to_stack(tgid, alloc.stack_id, |s| (&mut s.allocations, &mut s.allocated_bytes), size);
-    match get_or_insert(&SIZE_HIST, &tgid, &EMPTY_HIST) {
+    match stack_stats(tgid, alloc.stack_id) {
+        Some(stats) => {
+            add(&mut stats.allocations, 1);
+            add(&mut stats.allocated_bytes, size);
+            let slot = generations::slot(generation(alloc.time_ns));
+            if let (Some(bytes), Some(count)) =
+                (stats.generation_bytes.get_mut(slot), stats.generation_allocations.get_mut(slot))
+            {
+                add(bytes, size);
+                add(count, 1);
+            }
+        }
+        None => count_drop(DropReason::StatsMapFull),
+    }
+    count_in_histogram(&SIZE_HIST, tgid, size);
+}
+
+fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
+    // SAFETY: a map value pointer stays valid while the program runs; every update is atomic.
+    get_or_insert(&STACK_STATS, &StackKey { tgid, _pad: 0, stack_id }, &EMPTY_STATS).map(|stats| unsafe { &mut *stats })
+}
+
+fn count_in_histogram(histograms: &HashMap<u32, Log2Histogram>, tgid: u32, value: u64) {
+    match get_or_insert(histograms, &tgid, &EMPTY_HIST) {
         Some(hist) => {
-            let bucket = profiler_common::size_bucket(size).min(SIZE_BUCKETS - 1);
+            let bucket = profiler_common::log2_bucket(value).min(LOG2_BUCKETS - 1);
             if let Some(count) = unsafe { (*hist).buckets.get_mut(bucket) } {
                 add(count, 1);
             }
@@ -273,15 +316,46 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
     }
 }
 
-/// Adds one event of `bytes` to the (count, bytes) pair `fields` picks in the stack's totals.
-fn add_to_stack(tgid: u32, stack_id: u64, fields: fn(&mut StackStats) -> (&mut u64, &mut u64), bytes: u64) {
-    match get_or_insert(&STACK_STATS, &StackKey { tgid, _pad: 0, stack_id }, &EMPTY_STATS) {
+/// Counts the end of allocation `alloc` in its stack's totals and age generation; when the free
+/// was seen (by thread `freed_by`), in the process's lifetimes, and its thread pair when another
+/// thread freed it.
+fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: Option<u32>) {
+    let now = unsafe { bpf_ktime_get_ns() };
+    match stack_stats(tgid, alloc.stack_id) {
         Some(stats) => {
-            let (count, total) = fields(unsafe { &mut *stats });
-            add(count, 1);
-            add(total, bytes);
+            add(&mut stats.frees, 1);
+            add(&mut stats.freed_bytes, alloc.size);
+            let born = generation(alloc.time_ns);
+            if generation(now).saturating_sub(born) >= FROZEN_AGE {
+                add(&mut stats.old_frees, 1);
+                add(&mut stats.old_freed_bytes, alloc.size);
+            } else {
+                let slot = generations::slot(born);
+                if let (Some(bytes), Some(count)) =
+                    (stats.generation_bytes.get_mut(slot), stats.generation_allocations.get_mut(slot))
+                {
+                    // Wrapping sums: adding the two's complement subtracts.
+                    add(bytes, alloc.size.wrapping_neg());
+                    add(count, u64::MAX);
+                }
+            }
         }
         None => count_drop(DropReason::StatsMapFull),
+    }
+    let Some(tid) = freed_by else {
+        return;
+    };
+    count_in_histogram(&LIFETIME_HIST, tgid, now.saturating_sub(alloc.time_ns));
+    if alloc.tid != tid {
+        let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: tid, _pad: 0 };
+        match get_or_insert(&THREAD_PAIRS, &key, &EMPTY_PAIR) {
+            Some(pair) => {
+                let pair = unsafe { &mut *pair };
+                add(&mut pair.frees, 1);
+                add(&mut pair.freed_bytes, alloc.size);
+            }
+            None => count_drop(DropReason::ThreadPairTableFull),
+        }
     }
 }
 
@@ -295,7 +369,7 @@ fn free_site(probe: Probe, tgid: u32) -> FreeSite {
 
 /// Counts the free of a block that was live, and remembers it to recognise a second free.
 fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
-    add_to_stack(key.tgid, alloc.stack_id, |s| (&mut s.frees, &mut s.freed_bytes), alloc.size);
+    count_free(key.tgid, &alloc, Some(ids().1));
     let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid) }, 0);
 }
 

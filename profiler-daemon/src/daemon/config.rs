@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use crate::{
     cli::{self, DaemonArgs, LoadSettings},
+    leak::{LeakSettings, DEFAULT_LEAK},
     procfs,
     unwind::UnwindMode,
 };
@@ -23,7 +24,8 @@ struct File {
     max_targets: Option<usize>,
     interval: Option<f64>,
     top_stacks: Option<usize>,
-    min_age: Option<f64>,
+    leak_window: Option<usize>,
+    leak_threshold: Option<f64>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
     unwind: Option<UnwindMode>,
@@ -67,7 +69,7 @@ pub struct Config {
     pub max_targets: usize,
     pub interval: f64,
     pub top_stacks: usize,
-    pub min_age: f64,
+    pub leak: LeakSettings,
     pub maps: LoadSettings,
 }
 
@@ -129,8 +131,12 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     let interval = cli::check_seconds(args.interval.or(file.interval).unwrap_or(5.0), false)
         .map_err(|e| ConfigError::Value("interval", e))?;
-    let min_age = cli::check_seconds(args.min_age.or(file.min_age).unwrap_or(300.0), true)
-        .map_err(|e| ConfigError::Value("min_age", e))?;
+    let leak = LeakSettings {
+        window: args.leak_window.or(file.leak_window).unwrap_or(DEFAULT_LEAK.window),
+        threshold: args.leak_threshold.or(file.leak_threshold).unwrap_or(DEFAULT_LEAK.threshold),
+    };
+    cli::leak_window(&leak.window.to_string()).map_err(|e| ConfigError::Value("leak_window", e))?;
+    cli::leak_threshold(&leak.threshold.to_string()).map_err(|e| ConfigError::Value("leak_threshold", e))?;
     let max_targets = args.max_targets.or(file.max_targets).unwrap_or(64);
     if max_targets == 0 {
         return Err(ConfigError::Value("max_targets", "0 would trace nothing; give at least 1".to_string()));
@@ -158,7 +164,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         max_targets,
         interval,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
-        min_age,
+        leak,
         maps,
     })
 }
@@ -192,7 +198,7 @@ mod tests {
         assert!(!config.rules.matches(7, "a", &[]));
         assert_eq!(config.top_stacks, 3);
         assert_eq!(config.max_targets, 64);
-        assert_eq!(config.min_age, 300.0);
+        assert_eq!(config.leak, DEFAULT_LEAK);
     }
 
     #[test]

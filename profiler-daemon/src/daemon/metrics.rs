@@ -64,16 +64,13 @@ const PER_PROCESS: [PerProcess; 11] = [
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
         "memprof_leak_candidate_bytes",
-        "Bytes outstanding longer than the leak rule's min-age.",
+        "Bytes in use by the stacks the leak rule flags (README: leak candidates).",
         MetricType::Gauge,
         |t| t.leak_candidate_bytes,
     ),
-    (
-        "memprof_leak_candidates",
-        "Allocations outstanding longer than the leak rule's min-age.",
-        MetricType::Gauge,
-        |t| t.leak_candidates,
-    ),
+    ("memprof_leak_candidates", "Stacks the leak rule flags as leak candidates.", MetricType::Gauge, |t| {
+        t.leak_candidates
+    }),
 ];
 
 fn process_labels(t: &TargetView) -> Labels {

@@ -25,6 +25,7 @@ use crate::{
     allocator,
     cli::LoadSettings,
     format,
+    leak::LeakTracker,
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
@@ -56,6 +57,7 @@ struct Target {
     start_ns: u64,
     double_frees: Vec<DoubleFreeReport>,
     double_free_count: u64,
+    leaks: LeakTracker,
 }
 
 pub struct Tracer {
@@ -81,7 +83,7 @@ pub struct Tracer {
 impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
         loader::check_support()?;
-        let mut loaded = loader::load(config.maps)?;
+        let mut loaded = loader::load(config.maps, config.interval)?;
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
@@ -208,6 +210,7 @@ impl Tracer {
             start_ns: aggregate::monotonic_now_ns(),
             double_frees: Vec::new(),
             double_free_count: 0,
+            leaks: LeakTracker::new(self.config.leak),
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -228,6 +231,7 @@ impl Tracer {
             warn!(pid, "purging the maps failed: {err:#}");
         }
         self.loaded.forget_mappings(pid);
+        self.loaded.ages.forget(pid);
         self.symbolizer.forget(pid);
         info!(pid, comm = target.comm, "no longer traced");
     }
@@ -281,8 +285,13 @@ impl Tracer {
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let min_age_ns = (self.config.min_age * 1e9) as u64;
-        let kernel = aggregate::read(&self.loaded.ebpf, &pids, min_age_ns)?;
+        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, 0)?;
+        for target in self.targets.values_mut() {
+            if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
+                let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
+                target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
+            }
+        }
         let sizes = self.loaded_sizes;
         let tables = self.loaded.unwind.table_use();
         let mut view = DaemonView {
@@ -321,10 +330,14 @@ impl Tracer {
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
         let pid = target.id.pid;
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
-        let ctx =
-            report::Context { stacks: self.stacks(target), comm: &target.comm, double_frees: &target.double_frees };
+        let ctx = report::Context {
+            stacks: self.stacks(target),
+            comm: &target.comm,
+            double_frees: &target.double_frees,
+            leaks: &target.leaks,
+        };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
-        let mut report = report::build(&ctx, &snapshot, &kernel.drops, selection);
+        let mut report = report::build(&ctx, &snapshot, kernel, selection);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =
@@ -351,8 +364,8 @@ impl Tracer {
             comm: target.comm.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             double_frees: target.double_free_count,
-            leak_candidate_bytes: snapshot.stacks.iter().map(|s| s.aged_bytes).sum(),
-            leak_candidates: snapshot.stacks.iter().map(|s| s.aged_allocations).sum(),
+            leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
+            leak_candidates: report.stacks.iter().filter(|s| s.leak.candidate).count() as u64,
             sizes: snapshot.sizes,
             top_stacks: by_label,
             other_stack_bytes,

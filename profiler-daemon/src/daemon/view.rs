@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use profiler_common::{DropReason, SizeHistogram};
+use profiler_common::{DropReason, Log2Histogram};
 
 use crate::report::{Report, StackReport};
 
@@ -18,7 +18,7 @@ pub struct TargetView {
     /// Outstanding allocations older than the leak rule's min-age.
     pub leak_candidate_bytes: u64,
     pub leak_candidates: u64,
-    pub sizes: SizeHistogram,
+    pub sizes: Log2Histogram,
     /// The largest stacks by in-use bytes, then the rest summed up.
     pub top_stacks: Vec<StackSeries>,
     pub other_stack_bytes: u64,

@@ -1,0 +1,257 @@
+//! How old the outstanding memory of each stack is, from the kernel's generation counters (see
+//! `profiler_common::generations`): a read costs a few steps per stack, however many allocations
+//! are live.
+//!
+//! The kernel keeps the last `GENERATIONS` generations of each stack apart. This book takes each
+//! generation over once it is frozen and keeps what is left of it; frees of frozen generations
+//! arrive as one total, applied to the oldest generations first (exact for leaks, caches that
+//! evict their oldest entries and pools freed whole; an approximation for other orders).
+
+use std::collections::{HashMap, VecDeque};
+
+use profiler_common::{
+    generations::{self, FROZEN_AGE, GENERATIONS},
+    StackKey, StackStats,
+};
+
+/// The kernel's generation clock, as loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clock {
+    pub base_ns: u64,
+    pub length_ns: u64,
+}
+
+impl Clock {
+    /// Generations of a quarter interval: the book is read every interval, well within the
+    /// `GENERATIONS - FROZEN_AGE` generations a frozen one stays in the kernel.
+    pub fn for_interval(base_ns: u64, interval_s: f64) -> Self {
+        Self { base_ns, length_ns: ((interval_s * 1e9 / 4.0) as u64).max(1_000_000) }
+    }
+
+    pub fn generation(&self, time_ns: u64) -> u64 {
+        generations::generation(time_ns, self.base_ns, self.length_ns)
+    }
+
+    pub fn start_ns(&self, generation: u64) -> u64 {
+        self.base_ns + generation * self.length_ns
+    }
+}
+
+/// Outstanding memory allocated in generations `first..=last`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgeSpan {
+    pub first: u64,
+    pub last: u64,
+    pub bytes: u64,
+    pub allocations: u64,
+}
+
+/// Frozen spans kept per stack; older ones are merged, keeping the oldest generation exact.
+const MAX_SPANS: usize = 64;
+
+#[derive(Debug, Default)]
+struct StackAges {
+    /// Each slot's sums when its current generation took it over.
+    baseline_bytes: [u64; GENERATIONS],
+    baseline_allocations: [u64; GENERATIONS],
+    /// Every generation before this one has been taken over.
+    frozen_through: u64,
+    /// What is left of the frozen generations, oldest first.
+    frozen: VecDeque<AgeSpan>,
+    /// Old frees already applied to `frozen`.
+    old_freed_bytes: u64,
+    old_frees: u64,
+}
+
+#[derive(Debug)]
+pub struct AgeBook {
+    pub clock: Clock,
+    stacks: HashMap<StackKey, StackAges>,
+    /// Generations reused in the kernel before the book took them over (reads too far apart):
+    /// their memory is counted as younger than it is.
+    pub missed_generations: u64,
+}
+
+impl AgeBook {
+    pub fn new(clock: Clock) -> Self {
+        Self { clock, stacks: HashMap::new(), missed_generations: 0 }
+    }
+
+    /// Brings one stack up to `now_ns` and returns its outstanding memory by age, oldest first.
+    pub fn observe(&mut self, key: StackKey, stats: &StackStats, now_ns: u64) -> Vec<AgeSpan> {
+        let now = self.clock.generation(now_ns);
+        // Generations still in the kernel's ring, and the frozen ones among them.
+        let in_ring = (now + 1).saturating_sub(GENERATIONS as u64);
+        let unfrozen = (now + 1).saturating_sub(FROZEN_AGE);
+        let ages =
+            self.stacks.entry(key).or_insert_with(|| StackAges { frozen_through: in_ring, ..Default::default() });
+        if ages.frozen_through < in_ring {
+            self.missed_generations += in_ring - ages.frozen_through;
+            ages.frozen_through = in_ring;
+        }
+        for generation in ages.frozen_through..unfrozen {
+            let span = take_slot(ages, stats, generation);
+            if span.bytes != 0 || span.allocations != 0 {
+                ages.frozen.push_back(span);
+            }
+        }
+        ages.frozen_through = ages.frozen_through.max(unfrozen);
+        apply_old_frees(ages, stats);
+        merge_oldest(&mut ages.frozen);
+        let live = (unfrozen..=now).map(|generation| {
+            let slot = generations::slot(generation);
+            AgeSpan {
+                first: generation,
+                last: generation,
+                bytes: stats.generation_bytes[slot].wrapping_sub(ages.baseline_bytes[slot]),
+                allocations: stats.generation_allocations[slot].wrapping_sub(ages.baseline_allocations[slot]),
+            }
+        });
+        ages.frozen.iter().copied().chain(live).filter(|s| s.bytes != 0 || s.allocations != 0).collect()
+    }
+
+    /// Forgets a process that has exited.
+    pub fn forget(&mut self, tgid: u32) {
+        self.stacks.retain(|key, _| key.tgid != tgid);
+    }
+}
+
+/// Takes generation `generation`'s slot over: what it holds now is what is left of it.
+fn take_slot(ages: &mut StackAges, stats: &StackStats, generation: u64) -> AgeSpan {
+    let slot = generations::slot(generation);
+    let span = AgeSpan {
+        first: generation,
+        last: generation,
+        bytes: stats.generation_bytes[slot].wrapping_sub(ages.baseline_bytes[slot]),
+        allocations: stats.generation_allocations[slot].wrapping_sub(ages.baseline_allocations[slot]),
+    };
+    ages.baseline_bytes[slot] = stats.generation_bytes[slot];
+    ages.baseline_allocations[slot] = stats.generation_allocations[slot];
+    span
+}
+
+/// Takes the frees of frozen generations since the last read off the oldest spans first.
+fn apply_old_frees(ages: &mut StackAges, stats: &StackStats) {
+    let mut bytes = stats.old_freed_bytes.wrapping_sub(ages.old_freed_bytes);
+    let mut allocations = stats.old_frees.wrapping_sub(ages.old_frees);
+    ages.old_freed_bytes = stats.old_freed_bytes;
+    ages.old_frees = stats.old_frees;
+    for span in ages.frozen.iter_mut() {
+        let (b, a) = (bytes.min(span.bytes), allocations.min(span.allocations));
+        span.bytes -= b;
+        span.allocations -= a;
+        bytes -= b;
+        allocations -= a;
+    }
+    ages.frozen.retain(|s| s.bytes != 0 || s.allocations != 0);
+}
+
+/// Keeps at most `MAX_SPANS` spans by merging the second and third oldest: the oldest stays
+/// exact, and the merged ones are long past any window a report looks at.
+fn merge_oldest(frozen: &mut VecDeque<AgeSpan>) {
+    while frozen.len() > MAX_SPANS {
+        let (a, b) = (frozen[1], frozen[2]);
+        frozen[1] = AgeSpan {
+            first: a.first,
+            last: b.last,
+            bytes: a.bytes + b.bytes,
+            allocations: a.allocations + b.allocations,
+        };
+        frozen.remove(2);
+    }
+}
+
+/// Sums of `spans` whose every allocation was made at least `min_age_ns` before `now_ns`.
+pub fn aged(clock: &Clock, spans: &[AgeSpan], now_ns: u64, min_age_ns: u64) -> (u64, u64) {
+    spans
+        .iter()
+        .filter(|s| clock.start_ns(s.last + 1) + min_age_ns <= now_ns)
+        .fold((0, 0), |(bytes, count), s| (bytes + s.bytes, count + s.allocations))
+}
+
+/// The earliest time the oldest outstanding allocation can have been made.
+pub fn oldest_ns(clock: &Clock, spans: &[AgeSpan]) -> Option<u64> {
+    spans.first().map(|s| clock.start_ns(s.first))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLOCK: Clock = Clock { base_ns: 0, length_ns: 10 };
+
+    /// A stack's row as the kernel would keep it, from (allocation generation, bytes, freed at).
+    fn row(events: &[(u64, u64, Option<u64>)]) -> StackStats {
+        let mut stats = StackStats::EMPTY;
+        for &(born, bytes, freed) in events {
+            let slot = generations::slot(born);
+            stats.generation_bytes[slot] = stats.generation_bytes[slot].wrapping_add(bytes);
+            stats.generation_allocations[slot] += 1;
+            if let Some(freed) = freed {
+                if freed - born >= FROZEN_AGE {
+                    stats.old_freed_bytes += bytes;
+                    stats.old_frees += 1;
+                } else {
+                    stats.generation_bytes[slot] = stats.generation_bytes[slot].wrapping_sub(bytes);
+                    stats.generation_allocations[slot] -= 1;
+                }
+            }
+        }
+        stats
+    }
+
+    fn key() -> StackKey {
+        StackKey { tgid: 1, _pad: 0, stack_id: 7 }
+    }
+
+    #[test]
+    fn a_leak_keeps_every_generation() {
+        let mut book = AgeBook::new(CLOCK);
+        let mut events = Vec::new();
+        // One 100-byte leak per generation, read every 4 generations for 40 generations.
+        for now in 0..40u64 {
+            events.push((now, 100, None));
+            if now % 4 == 3 {
+                let spans = book.observe(key(), &row(&events), now * 10 + 5);
+                let total: u64 = spans.iter().map(|s| s.bytes).sum();
+                assert_eq!(total, 100 * (now + 1), "at generation {now}");
+                assert_eq!(oldest_ns(&CLOCK, &spans), Some(0));
+            }
+        }
+        assert_eq!(book.missed_generations, 0);
+        let spans = book.observe(key(), &row(&events), 395);
+        assert_eq!(aged(&CLOCK, &spans, 395, 100), (100 * 29, 29), "generations 0..=28 ended by 295");
+    }
+
+    #[test]
+    fn old_frees_come_off_the_oldest_first() {
+        let mut book = AgeBook::new(CLOCK);
+        let before = row(&[(0, 10, None), (1, 20, None)]);
+        assert_eq!(book.observe(key(), &before, 15).len(), 2);
+        assert_eq!(book.observe(key(), &before, 95).len(), 2, "both frozen and taken over at generation 9");
+        // Generation 0's block is freed at generation 12.
+        let spans = book.observe(key(), &row(&[(0, 10, Some(12)), (1, 20, None)]), 125);
+        assert_eq!(spans, [AgeSpan { first: 1, last: 1, bytes: 20, allocations: 1 }]);
+    }
+
+    #[test]
+    fn reads_too_far_apart_are_counted() {
+        let mut book = AgeBook::new(CLOCK);
+        let _ = book.observe(key(), &row(&[(0, 10, None)]), 5);
+        let _ = book.observe(key(), &row(&[(0, 10, None)]), 1000);
+        assert!(book.missed_generations > 0);
+    }
+
+    #[test]
+    fn old_spans_merge_but_the_oldest_stays() {
+        let mut book = AgeBook::new(CLOCK);
+        let mut events = Vec::new();
+        for now in 0..200u64 {
+            events.push((now, 1, None));
+            let spans = book.observe(key(), &row(&events), now * 10 + 5);
+            assert!(spans.len() <= MAX_SPANS + FROZEN_AGE as usize);
+            assert_eq!(spans.iter().map(|s| s.bytes).sum::<u64>(), now + 1);
+            assert_eq!(spans[0].first, 0);
+        }
+    }
+}

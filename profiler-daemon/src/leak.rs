@@ -1,0 +1,209 @@
+//! The leak rule: which stacks are leaking, as opposed to caches, pools and churn.
+//!
+//! Over a window of the last `window` intervals a stack is scored on two things:
+//! - growth: the share of the window's intervals in which its in-use bytes rose;
+//! - retention: how much of what it held when the window began it still holds, i.e. the bytes of
+//!   allocations made before the window that are not freed (from the age generations).
+//!
+//! score = growth × retention, from 0 to 1. A stack is a leak candidate when its score reaches
+//! `threshold` and it holds more than at the window's start. A cache that fills and then plateaus
+//! stops growing; a pool freed in bulk and churn do not retain their old memory: none is flagged.
+//! The per-interval cost grows with the number of stacks, never with live allocations.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::{
+    ages::{self, Clock},
+    aggregate::Snapshot,
+    report::{LeakVerdict, StackTimeline, Timeline},
+};
+
+/// The rule's settings (`--leak-window`, `--leak-threshold`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeakSettings {
+    /// Intervals in the window.
+    pub window: usize,
+    /// Lowest score of a leak candidate.
+    pub threshold: f64,
+}
+
+pub const DEFAULT_LEAK: LeakSettings = LeakSettings { window: 6, threshold: 0.5 };
+
+/// Points kept in the timeline: at the default interval, almost three hours.
+pub const MAX_POINTS: usize = 2048;
+
+#[derive(Debug, Default)]
+struct StackHistory {
+    /// (read time, in-use bytes) at the last `window + 1` intervals, oldest first.
+    recent: VecDeque<(u64, u64)>,
+    verdict: LeakVerdict,
+}
+
+/// The leak rule's memory of one process: each stack's recent in-use bytes, and the timeline.
+#[derive(Debug)]
+pub struct LeakTracker {
+    settings: LeakSettings,
+    stacks: HashMap<u64, StackHistory>,
+    time_s: VecDeque<f64>,
+    total_bytes: VecDeque<u64>,
+    /// Stacks that have been leak candidates: (index in the timeline of the first value, values).
+    flagged: HashMap<u64, (usize, VecDeque<u64>)>,
+}
+
+impl LeakTracker {
+    pub fn new(settings: LeakSettings) -> Self {
+        Self {
+            settings,
+            stacks: HashMap::new(),
+            time_s: VecDeque::new(),
+            total_bytes: VecDeque::new(),
+            flagged: HashMap::new(),
+        }
+    }
+
+    /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
+    pub fn observe(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
+        let window = self.settings.window;
+        self.stacks.retain(|id, _| snapshot.stacks.iter().any(|s| s.stack_id == *id));
+        for stack in &snapshot.stacks {
+            let history = self.stacks.entry(stack.stack_id).or_default();
+            history.recent.push_back((snapshot.now_ns, stack.outstanding_bytes));
+            if history.recent.len() > window + 1 {
+                history.recent.pop_front();
+            }
+            // The window began when its first point was read.
+            let window_ns = snapshot.now_ns.saturating_sub(history.recent[0].0);
+            let (held_from_before, _) = ages::aged(clock, &stack.ages, snapshot.now_ns, window_ns);
+            let bytes: Vec<u64> = history.recent.iter().map(|(_, bytes)| *bytes).collect();
+            history.verdict = judge(&bytes, held_from_before, self.settings, window_ns);
+        }
+        self.record_timeline(snapshot, time_s);
+    }
+
+    fn record_timeline(&mut self, snapshot: &Snapshot, time_s: f64) {
+        if self.time_s.len() == MAX_POINTS {
+            self.time_s.pop_front();
+            self.total_bytes.pop_front();
+            for (first, values) in self.flagged.values_mut() {
+                match first.checked_sub(1) {
+                    Some(earlier) => *first = earlier,
+                    None => drop(values.pop_front()),
+                }
+            }
+            self.flagged.retain(|_, (_, values)| !values.is_empty());
+        }
+        self.time_s.push_back(time_s);
+        self.total_bytes.push_back(snapshot.stacks.iter().map(|s| s.outstanding_bytes).sum());
+        let now = self.time_s.len() - 1;
+        for (id, history) in &self.stacks {
+            if let Some((_, values)) = self.flagged.get_mut(id) {
+                values.push_back(history.recent.back().map_or(0, |(_, bytes)| *bytes));
+            } else if history.verdict.candidate {
+                // From the window before it was flagged: the growth that got it flagged.
+                let known = history.recent.len().min(now + 1);
+                let values = history.recent.iter().skip(history.recent.len() - known).map(|(_, b)| *b).collect();
+                self.flagged.insert(*id, (now + 1 - known, values));
+            }
+        }
+    }
+
+    /// The verdict on a stack by its kernel id.
+    pub fn verdict(&self, stack_id: u64) -> LeakVerdict {
+        self.stacks.get(&stack_id).map(|h| h.verdict.clone()).unwrap_or_default()
+    }
+
+    /// The timeline, with stack ids as the report names them (`report_id`; stacks it does not
+    /// name are left out).
+    pub fn timeline(&self, report_id: impl Fn(u64) -> Option<String>) -> Timeline {
+        let mut stacks: Vec<StackTimeline> = self
+            .flagged
+            .iter()
+            .filter_map(|(id, (first, values))| {
+                Some(StackTimeline {
+                    stack_id: report_id(*id)?,
+                    first: *first,
+                    outstanding_bytes: values.iter().copied().collect(),
+                })
+            })
+            .collect();
+        stacks.sort_by(|a, b| a.stack_id.cmp(&b.stack_id));
+        Timeline {
+            time_s: self.time_s.iter().copied().collect(),
+            outstanding_bytes: self.total_bytes.iter().copied().collect(),
+            stacks,
+        }
+    }
+}
+
+/// The rule on one stack: `recent` in-use bytes (oldest first, up to window + 1 points), and the
+/// bytes it still holds of allocations made before the window (`window_ns` long) began.
+fn judge(recent: &[u64], held_from_before: u64, settings: LeakSettings, window_ns: u64) -> LeakVerdict {
+    let steps = recent.len().saturating_sub(1);
+    if steps < settings.window {
+        return LeakVerdict {
+            candidate: false,
+            score: 0.0,
+            reason: format!("watching: {steps} of {} intervals seen", settings.window),
+        };
+    }
+    let (first, last) = (recent[0], recent[steps]);
+    let rises = recent.windows(2).filter(|pair| pair[1] > pair[0]).count();
+    let growth = rises as f64 / steps as f64;
+    let retention = if first == 0 { 0.0 } else { (held_from_before as f64 / first as f64).min(1.0) };
+    let score = growth * retention;
+    let candidate = score >= settings.threshold && last > first;
+    let change = if last >= first { format!("+{}", last - first) } else { format!("-{}", first - last) };
+    let held = if first == 0 {
+        "held nothing when the window began".to_string()
+    } else {
+        format!("still holds {:.0}% of what it held {:.0} s ago", retention * 100.0, window_ns as f64 / 1e9)
+    };
+    let verdict = if candidate { "leak candidate" } else { "not a leak candidate" };
+    LeakVerdict {
+        candidate,
+        score: (score * 1000.0).round() / 1000.0,
+        reason: format!("{verdict}: grew in {rises} of {steps} intervals ({change} bytes); {held}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SETTINGS: LeakSettings = LeakSettings { window: 4, threshold: 0.5 };
+
+    fn judge_series(series: &[u64], held_from_before: u64) -> LeakVerdict {
+        judge(series, held_from_before, SETTINGS, 4_000_000_000)
+    }
+
+    #[test]
+    fn a_steady_leak_is_flagged() {
+        let verdict = judge_series(&[100, 200, 300, 400, 500], 100);
+        assert!(verdict.candidate, "{verdict:?}");
+        assert_eq!(verdict.score, 1.0);
+        assert_eq!(
+            verdict.reason,
+            "leak candidate: grew in 4 of 4 intervals (+400 bytes); still holds 100% of what it held 4 s ago"
+        );
+    }
+
+    #[test]
+    fn a_cache_that_plateaus_is_not() {
+        let verdict = judge_series(&[1000, 1000, 1000, 1000, 1000], 1000);
+        assert!(!verdict.candidate);
+        assert_eq!(verdict.score, 0.0);
+    }
+
+    #[test]
+    fn churn_and_pools_freed_in_bulk_are_not() {
+        assert!(!judge_series(&[50, 60, 40, 70, 55], 0).candidate, "churn frees its old memory");
+        assert!(!judge_series(&[100, 200, 300, 400, 0], 0).candidate, "a pool freed in bulk");
+    }
+
+    #[test]
+    fn too_little_history_is_watched() {
+        let verdict = judge_series(&[100, 200], 100);
+        assert!(!verdict.candidate);
+        assert_eq!(verdict.reason, "watching: 1 of 4 intervals seen");
+    }
+}
