@@ -23,7 +23,10 @@ use super::{
     metrics,
     view::{DaemonView, TargetView},
 };
-use crate::format::pprof;
+use crate::{
+    format::{self, escape, pprof, Format},
+    report::Report,
+};
 
 struct Shared {
     view: Arc<RwLock<DaemonView>>,
@@ -43,6 +46,8 @@ pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> R
         .route("/api/v1/leaks", get(leaks))
         .route("/debug/pprof/heap", get(heap_profile))
         .route("/debug/pprof/allocs", get(allocs_profile))
+        .route("/api/v1/flamegraph", get(flamegraph))
+        .route("/report", get(html_report))
         .route("/-/healthy", get(healthy))
         .route("/-/ready", get(ready))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
@@ -133,11 +138,32 @@ fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<TargetVi
     }
 }
 
-async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    match target(&shared, query, "/api/v1/leaks") {
-        Ok(target) => Json(target.report).into_response(),
+/// Answers with `render` of the latest report of the process that `query` names as `pid=N`, or
+/// with why there is none.
+fn with_report(
+    shared: &Shared,
+    query: Option<String>,
+    path: &str,
+    render: impl FnOnce(Report) -> Response,
+) -> Response {
+    match target(shared, query, path) {
+        Ok(target) => render(target.report),
         Err((status, message)) => error(status, &message),
     }
+}
+
+async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    with_report(&shared, query, "/api/v1/leaks", |report| Json(report).into_response())
+}
+
+async fn flamegraph(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    with_report(&shared, query, "/api/v1/flamegraph", |report| {
+        ([(header::CONTENT_TYPE, "image/svg+xml")], format::render(&report, Format::Flamegraph)).into_response()
+    })
+}
+
+async fn html_report(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    with_report(&shared, query, "/report", |report| Html(format::render(&report, Format::Html)).into_response())
 }
 
 /// `/debug/pprof/heap?pid=N`, as Go serves it for `go tool pprof`: in-use bytes by default.
@@ -179,7 +205,8 @@ async fn index(State(shared): AppState) -> Html<String> {
         let _ = writeln!(
             page,
             "<tr><td>{pid}</td><td>{comm}</td><td>{bytes}</td><td>{objects}</td><td>{leak}</td><td>{df}</td>\
-             <td><a href=\"/api/v1/leaks?pid={pid}\">leaks</a></td></tr>",
+             <td><a href=\"/report?pid={pid}\">report</a> · <a href=\"/api/v1/flamegraph?pid={pid}\">flame graph</a> · \
+             <a href=\"/api/v1/leaks?pid={pid}\">leaks (JSON)</a></td></tr>",
             pid = t.pid,
             comm = escape(&t.comm),
             bytes = t.report.totals.outstanding_bytes,
@@ -190,8 +217,4 @@ async fn index(State(shared): AppState) -> Html<String> {
     }
     page.push_str("</table>\n</body></html>\n");
     Html(page)
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

@@ -1,10 +1,14 @@
 //! The formats a report is written in. Table and JSON stream a report every interval; the others
 //! describe one moment and are written once, when tracing ends.
 
+mod flamegraph;
+mod folded;
+mod html;
 mod json;
 pub mod pprof;
 mod table;
 
+pub use html::escape;
 pub use table::{describe, site};
 
 use std::{io::IsTerminal as _, path::Path};
@@ -19,6 +23,12 @@ pub enum Format {
     Table,
     /// One JSON object per report and line (schema in the README).
     Json,
+    /// Folded stacks, `outermost;...;innermost BYTES`, for flamegraph.pl and inferno.
+    Folded,
+    /// An SVG flame graph of the bytes in use.
+    Flamegraph,
+    /// One self-contained HTML page: heap over time, leaks, a call tree, histograms.
+    Html,
     /// A gzip-compressed pprof heap profile (profile.proto) for `go tool pprof`; needs --output.
     Pprof,
 }
@@ -40,11 +50,17 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
 
 /// The report in `format`, ending with a newline where the format is text.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {
-    let mut text = match format {
-        Format::Table => table::render(report),
-        Format::Json => json::render(report),
-        Format::Pprof => return pprof::render(report, pprof::DefaultType::InuseSpace),
-    };
+    match format {
+        Format::Table => line(table::render(report)),
+        Format::Json => line(json::render(report)),
+        Format::Folded => folded::render(report).into_bytes(),
+        Format::Flamegraph => flamegraph::render(report),
+        Format::Html => html::render(report).into_bytes(),
+        Format::Pprof => pprof::render(report, pprof::DefaultType::InuseSpace),
+    }
+}
+
+fn line(mut text: String) -> Vec<u8> {
     text.push('\n');
     text.into_bytes()
 }

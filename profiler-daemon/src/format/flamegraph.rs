@@ -1,0 +1,83 @@
+//! An SVG flame graph of the bytes in use, drawn by inferno from the folded stacks: each frame is
+//! as wide as the memory held below it, the callers at the bottom.
+
+use inferno::flamegraph::{self, color::BasicPalette, Options, Palette};
+
+use super::{folded, html::escape};
+use crate::report::Report;
+
+pub fn render(report: &Report) -> Vec<u8> {
+    let title = format!("pid {} ({}): in-use bytes after {:.1} s", report.pid, report.comm, report.duration_s);
+    let paths = folded::paths(report);
+    if paths.is_empty() {
+        // inferno refuses an empty graph; say plainly that nothing was held.
+        return nothing_in_use(&title);
+    }
+    let lines: Vec<String> = paths.iter().map(|(path, bytes)| format!("{path} {bytes}")).collect();
+    let mut options = Options::default();
+    options.title = title;
+    let (bytes, allocations) = shown(report);
+    options.subtitle = Some(format!("{bytes} bytes in {allocations} allocations"));
+    options.colors = Palette::Basic(BasicPalette::Mem);
+    options.count_name = "bytes".to_string();
+    // Colours from the function names: the same function has the same colour in every graph.
+    options.hash = true;
+    let mut svg = Vec::new();
+    flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), &mut svg)
+        .expect("inferno draws any non-empty set of folded lines into memory");
+    svg
+}
+
+/// The bytes and allocations the graph shows: the report's stacks' in-use ones (only those aged
+/// enough with `--min-age`, unlike the totals).
+fn shown(report: &Report) -> (u64, u64) {
+    report.stacks.iter().fold((0, 0), |(b, a), s| (b + s.outstanding_bytes, a + s.outstanding_allocations))
+}
+
+fn nothing_in_use(title: &str) -> Vec<u8> {
+    format!(
+        "<?xml version=\"1.0\" standalone=\"no\"?>\n\
+         <svg version=\"1.1\" width=\"1200\" height=\"60\" xmlns=\"http://www.w3.org/2000/svg\">\
+         <text x=\"600\" y=\"24\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"17\">{}</text>\
+         <text x=\"600\" y=\"48\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"12\">no bytes in use</text>\
+         </svg>\n",
+        escape(title)
+    )
+    .into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::samples;
+
+    fn text(report: &Report) -> String {
+        String::from_utf8(render(report)).unwrap()
+    }
+
+    #[test]
+    fn frames_carry_their_bytes_and_the_title_names_the_process() {
+        let svg = text(&samples::report());
+        assert!(svg.contains("pid 1 (leaky): in-use bytes"), "{svg}");
+        assert!(svg.contains("<title>leak_here (48 bytes, 100.00%)</title>"), "{svg}");
+    }
+
+    #[test]
+    fn names_are_escaped() {
+        let mut report = samples::report();
+        report.comm = "a<b>&c".into();
+        report.stacks[0].frames[0].function = "f<int>".into();
+        let svg = text(&report);
+        assert!(svg.contains("a&lt;b&gt;&amp;c"), "{svg}");
+        assert!(svg.contains("f&lt;int&gt;"), "{svg}");
+        report.stacks.clear();
+        assert!(text(&report).contains("a&lt;b&gt;&amp;c"));
+    }
+
+    #[test]
+    fn an_empty_report_draws_a_notice() {
+        let mut report = samples::report();
+        report.stacks.clear();
+        assert!(text(&report).contains("no bytes in use"));
+    }
+}

@@ -1,0 +1,88 @@
+//! Folded stacks, the input of flamegraph.pl and inferno: one line per call path,
+//! `outermost;...;innermost BYTES`, with the bytes in use as the value.
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use crate::report::{Report, StackReport};
+
+/// The root frame of a stack the unwinder could not walk to its outermost frame.
+const TRUNCATED: &str = "[truncated]";
+/// The only frame of a stack that was counted without frames (see `dropped`).
+const NO_STACK: &str = "[no stack]";
+
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    for (path, bytes) in paths(report) {
+        let _ = writeln!(out, "{path} {bytes}");
+    }
+    out
+}
+
+/// In-use bytes per call path, sorted by path. Stacks that differ only in lines or addresses
+/// share a path of function names and are summed, as flame graph tools would merge them anyway.
+/// Paths holding no bytes are left out: they draw nothing.
+pub fn paths(report: &Report) -> BTreeMap<String, u64> {
+    let mut paths = BTreeMap::new();
+    for stack in report.stacks.iter().filter(|s| s.outstanding_bytes > 0) {
+        *paths.entry(path(stack)).or_insert(0) += stack.outstanding_bytes;
+    }
+    paths
+}
+
+/// `outermost;...;innermost`, inlined frames included.
+fn path(stack: &StackReport) -> String {
+    if stack.frames.is_empty() {
+        return NO_STACK.to_string();
+    }
+    let root = stack.truncated.then_some(TRUNCATED.to_string());
+    let frames = stack.frames.iter().rev().map(|f| frame_name(&f.function));
+    root.into_iter().chain(frames).collect::<Vec<_>>().join(";")
+}
+
+/// A function name that cannot break a line apart: `;` separates frames and a newline ends the
+/// line, so neither may appear inside one (Rust names like `[u8; 8]` contain `;`).
+fn frame_name(function: &str) -> String {
+    function.replace(';', ",").replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::samples::{self, frame};
+
+    #[test]
+    fn lines_run_from_the_outermost_frame_to_the_allocating_one() {
+        let mut report = samples::report();
+        report.stacks[0].frames = vec![frame("leak_here", None, None), frame("main", None, None)];
+        assert_eq!(render(&report), "main;leak_here 48\n");
+    }
+
+    #[test]
+    fn stacks_with_the_same_functions_are_summed_and_empty_ones_left_out() {
+        let mut report = samples::report();
+        let mut other_line = report.stacks[0].clone();
+        other_line.frames[0].line = Some(13);
+        let mut zero_bytes = report.stacks[0].clone();
+        zero_bytes.outstanding_bytes = 0;
+        zero_bytes.frames = vec![frame("malloc_zero", None, None)];
+        report.stacks.extend([other_line, zero_bytes]);
+        assert_eq!(render(&report), "leak_here 96\n");
+    }
+
+    #[test]
+    fn truncated_and_frameless_stacks_are_named() {
+        let mut report = samples::report();
+        report.stacks[0].truncated = true;
+        let mut frameless = report.stacks[0].clone();
+        frameless.frames.clear();
+        report.stacks.push(frameless);
+        assert_eq!(render(&report), "[no stack] 48\n[truncated];leak_here 48\n");
+    }
+
+    #[test]
+    fn separators_inside_names_are_replaced() {
+        let mut report = samples::report();
+        report.stacks[0].frames = vec![frame("<[u8; 8] as Debug>::fmt", None, None)];
+        assert_eq!(render(&report), "<[u8, 8] as Debug>::fmt 48\n");
+    }
+}

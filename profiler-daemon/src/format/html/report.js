@@ -1,0 +1,128 @@
+// Draws the report embedded in #report-data (the JSON of `memprof --json`) into #app.
+'use strict';
+
+// Rows of the stack table; the call tree holds every stack.
+const STACK_ROWS = 500;
+
+function summarySection(report) {
+  const t = report.totals;
+  const rows = [
+    ['outstanding_bytes', 'In use', bytesText(t.outstanding_bytes)],
+    ['outstanding_allocations', 'Allocations in use', grouped(t.outstanding_allocations)],
+    ['allocations', 'Allocations seen', grouped(t.allocations)],
+    ['allocated_bytes', 'Bytes allocated', bytesText(t.allocated_bytes)],
+    ['frees', 'Frees seen', grouped(t.frees)],
+    ['freed_bytes', 'Bytes freed', bytesText(t.freed_bytes)],
+    ['unknown_frees', 'Frees of memory allocated before tracing', grouped(t.unknown_frees)],
+    ['failed_allocations', 'Failed allocations', grouped(t.failed_allocations)],
+    ['double_frees', 'Double frees', grouped(report.double_frees.length)],
+  ].map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
+  const lost = Object.values(report.dropped).reduce((sum, n) => sum + n, 0);
+  const dropped = Object.entries(report.dropped).map(([reason, count]) =>
+    el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })));
+  return section('summary', 'Totals',
+    el('div', { class: 'columns' },
+      el('table', { id: 'totals' }, el('tbody', {}, rows)),
+      el('div', {},
+        el('p', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
+          lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
+            : 'Nothing was dropped: every allocator call was recorded.'),
+        el('table', { id: 'dropped' }, el('tbody', {}, dropped)))));
+}
+
+function leakSection(report) {
+  const candidates = report.stacks.filter(s => s.leak.candidate).sort((a, b) => b.leak.score - a.leak.score);
+  if (candidates.length === 0) {
+    return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks' }, 'No stack is a leak candidate.'));
+  }
+  const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
+    num(s.leak.score.toFixed(2), { class: 'num score' }),
+    num(grouped(s.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
+    num(grouped(s.outstanding_allocations)),
+    num(seconds(s.oldest_age_s)),
+    el('td', { class: 'reason' }, s.leak.reason),
+    el('td', {}, stackDetails(s, true))));
+  return section('leaks', 'Leak candidates',
+    table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }));
+}
+
+function stackSection(report) {
+  const holding = report.stacks.filter(s => s.outstanding_allocations > 0);
+  const shown = holding.slice(0, STACK_ROWS);
+  const rows = shown.map(s => el('tr', { class: s.leak.candidate ? 'leak' : undefined, 'data-stack': s.stack_id },
+    num(grouped(s.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
+    num(grouped(s.outstanding_allocations), { 'data-key': 'outstanding_allocations' }),
+    num(grouped(s.allocations)),
+    num(grouped(s.allocated_bytes)),
+    num(seconds(s.oldest_age_s)),
+    num(s.leak.candidate ? s.leak.score.toFixed(2) : ''),
+    el('td', {}, stackDetails(s, true))));
+  const rest = holding.slice(STACK_ROWS);
+  const restBytes = rest.reduce((sum, s) => sum + s.outstanding_bytes, 0);
+  return section('stacks', 'Stacks holding memory',
+    holding.length === 0 ? el('p', {}, 'No allocation is in use.') : table(
+      ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score', 'stack (allocating site first)'],
+      rows, { id: 'stack-table' }),
+    rest.length > 0 ? el('p', { class: 'note' },
+      `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null);
+}
+
+// A histogram as rows of bars; `label` names a bucket's range.
+function histogram(id, title, buckets, label, empty) {
+  if (buckets.length === 0) return section(id, title, el('p', { class: 'note' }, empty));
+  const most = Math.max(...buckets.map(b => b.count));
+  const total = buckets.reduce((sum, b) => sum + b.count, 0);
+  const rows = buckets.map(b => el('tr', {},
+    el('th', {}, label(b)),
+    num(grouped(b.count), { 'data-key': 'count' }),
+    el('td', { class: 'hbar' }, el('span', { style: `width:${((100 * b.count) / most).toFixed(1)}%` }))));
+  return section(id, title, table(['range', 'count', ''], rows, { id: id + '-table', class: 'histogram' }),
+    el('p', { class: 'note' }, `${grouped(total)} in all.`));
+}
+
+function sizeRange(b) {
+  return b.min === b.max ? grouped(b.min) + ' B' : grouped(b.min) + ' – ' + grouped(b.max) + ' B';
+}
+
+function lifetimeRange(b) {
+  return duration(b.min) + ' – ' + duration(b.max);
+}
+
+function threadSection(report) {
+  if (report.thread_pairs.length === 0) {
+    return section('threads', 'Freed by another thread',
+      el('p', { class: 'note' }, 'No allocation was freed by another thread than the one that made it.'));
+  }
+  const rows = report.thread_pairs.map(p => el('tr', {},
+    num(p.alloc_tid), num(p.free_tid), num(grouped(p.frees)), num(grouped(p.freed_bytes))));
+  return section('threads', 'Freed by another thread',
+    table(['allocating thread', 'freeing thread', 'frees', 'bytes freed'], rows, { id: 'thread-table' }));
+}
+
+function doubleFreeSection(report) {
+  if (report.double_frees.length === 0) return section('double-frees', 'Double frees', el('p', { class: 'note' }, 'None.'));
+  return section('double-frees', 'Double frees', report.double_frees.map(d => el('div', { class: 'double-free bad' },
+    el('h3', {}, `${d.address} (${grouped(d.size)} bytes)`),
+    [['allocated', d.alloc], ['freed', d.first_free], ['freed again', d.second_free]].map(([what, site]) =>
+      el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(Object.assign({ site: 0 }, site)))))));
+}
+
+function render() {
+  const report = JSON.parse(document.getElementById('report-data').textContent);
+  const kind = report.final ? 'final report' : 'report';
+  document.getElementById('app').replaceChildren(
+    el('header', {},
+      el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
+      el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`)),
+    summarySection(report),
+    timelineSection(report),
+    leakSection(report),
+    treeSection(report),
+    stackSection(report),
+    histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
+    histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
+    threadSection(report),
+    doubleFreeSection(report));
+}
+
+render();
