@@ -146,6 +146,33 @@ impl DropReason {
     }
 }
 
+/// Counts of allocations and frees are kept in 1/`COUNT_SCALE` units, so that a sampled
+/// allocation can stand for a fraction more than one (see `weight`).
+pub const COUNT_SCALE: u64 = 256;
+
+/// Set in `LiveAlloc::func` when the allocation was recorded by sampling.
+pub const SAMPLED: u32 = 1 << 31;
+
+/// How much one recorded allocation of `size` bytes counts for, as (count in 1/`COUNT_SCALE`
+/// units, bytes), when allocations are sampled with probability `min(1, size / sample_bytes)`
+/// (every one when `sample_bytes` is 0): the inverse of its probability, so that sums are
+/// unbiased estimates. A free takes off exactly what its allocation added.
+pub fn weight(sample_bytes: u64, size: u64) -> (u64, u64) {
+    let size_for_odds = if size == 0 { 1 } else { size };
+    if sample_bytes == 0 || size_for_odds >= sample_bytes {
+        (COUNT_SCALE, size)
+    } else {
+        (COUNT_SCALE * sample_bytes / size_for_odds, sample_bytes * size / size_for_odds)
+    }
+}
+
+/// Whether an allocation of `size` is sampled, given a uniform random `draw`: with probability
+/// `min(1, size / sample_bytes)`.
+pub fn sampled(sample_bytes: u64, size: u64, draw: u32) -> bool {
+    let size_for_odds = if size == 0 { 1 } else { size };
+    sample_bytes == 0 || size_for_odds >= sample_bytes || (draw as u64) < (size_for_odds << 32) / sample_bytes
+}
+
 /// Stack id recorded when no stack could be kept. Real ids are 64-bit hashes of the frames, never 0.
 pub const NO_STACK: u64 = 0;
 
@@ -169,6 +196,11 @@ pub struct Inflight {
     pub stash: LiveAlloc,
     /// Stack pointer at entry (0 where unknown): a call nested in this one runs just below it.
     pub entry_sp: u64,
+    /// Mean bytes between samples the call was sampled under (0: every call is recorded); with
+    /// `recorded` 0 the call's block is not recorded (only realloc's old block is handled).
+    pub sample_bytes: u64,
+    pub recorded: u32,
+    pub _pad: u32,
 }
 
 /// Key of a live allocation: addresses repeat across processes.
@@ -469,7 +501,7 @@ pub struct ProcMappings {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<Inflight>() == 72);
+    assert!(core::mem::size_of::<Inflight>() == 88);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
     assert!(core::mem::size_of::<FreeSite>() == 24);
@@ -490,6 +522,17 @@ const _: () = {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sampled_weights_are_inverse_odds() {
+        assert_eq!(weight(0, 100), (COUNT_SCALE, 100));
+        assert_eq!(weight(4096, 8192), (COUNT_SCALE, 8192), "larger than the mean: always recorded");
+        assert_eq!(weight(4096, 64), (COUNT_SCALE * 64, 4096), "1 in 64: stands for 64 allocations");
+        assert_eq!(weight(4096, 0), (COUNT_SCALE * 4096, 0));
+        assert!(sampled(4096, 64, 0) && !sampled(4096, 64, u32::MAX));
+        // The odds: draws below 2^32 / 64.
+        assert!(sampled(4096, 64, (1 << 26) - 1) && !sampled(4096, 64, 1 << 26));
+    }
 
     #[test]
     fn sizes_fall_in_power_of_two_buckets() {

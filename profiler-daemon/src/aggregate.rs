@@ -14,7 +14,7 @@ use aya::{
 };
 use profiler_common::{
     AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, Log2Histogram, ProcCounters, Stack,
-    StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, NO_STACK,
+    StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
 };
 
 use crate::{
@@ -42,6 +42,8 @@ pub struct Snapshot {
     pub now_ns: u64,
     pub stacks: Vec<StackSnapshot>,
     pub counters: ProcCounters,
+    /// Mean bytes between samples when the process is sampled; 0 when every call is recorded.
+    pub sample_bytes: u64,
     pub sizes: Log2Histogram,
     /// Lifetimes of freed allocations, in ns.
     pub lifetimes: Log2Histogram,
@@ -76,6 +78,7 @@ pub fn monotonic_now_ns() -> u64 {
 pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
+    let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
     let sizes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
     let lifetimes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "LIFETIME_HIST")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
@@ -85,15 +88,16 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
         let process = Snapshot {
             now_ns,
             counters: counters.get(&tgid, 0).unwrap_or_default(),
-            sizes: sizes.get(&tgid, 0).unwrap_or_default(),
-            lifetimes: lifetimes.get(&tgid, 0).unwrap_or_default(),
+            sample_bytes: sampling.get(&tgid, 0).unwrap_or(0),
+            sizes: unscale_histogram(sizes.get(&tgid, 0).unwrap_or_default()),
+            lifetimes: unscale_histogram(lifetimes.get(&tgid, 0).unwrap_or_default()),
             ..Snapshot::default()
         };
         snapshot.processes.insert(tgid, process);
     }
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
         snapshot.stack_stats_entries += 1;
-        snapshot.live_entries += stats.allocations.saturating_sub(stats.frees);
+        snapshot.live_entries += unscale(stats.allocations.saturating_sub(stats.frees));
         if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
             let spans = book.observe(*key, stats, now_ns);
             process.stacks.push(stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns));
@@ -101,7 +105,8 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
     })?;
     batch::for_each(map(ebpf, "THREAD_PAIRS")?, |key: &ThreadPairKey, stats: &ThreadPairStats| {
         if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
-            process.thread_pairs.push((*key, *stats));
+            let stats = ThreadPairStats { frees: unscale(stats.frees), ..*stats };
+            process.thread_pairs.push((*key, stats));
         }
     })?;
     snapshot.missed_generations = book.missed_generations;
@@ -111,21 +116,33 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
     Ok(snapshot)
 }
 
+/// A count the kernel keeps in 1/COUNT_SCALE units (see `profiler_common::weight`), rounded.
+fn unscale(count: u64) -> u64 {
+    (count + COUNT_SCALE / 2) / COUNT_SCALE
+}
+
+fn unscale_histogram(mut histogram: Log2Histogram) -> Log2Histogram {
+    histogram.buckets.iter_mut().for_each(|count| *count = unscale(*count));
+    histogram
+}
+
 fn stack_snapshot(
     stack_id: u64,
-    stats: StackStats,
-    ages: Vec<AgeSpan>,
+    scaled: StackStats,
+    mut ages: Vec<AgeSpan>,
     book: &AgeBook,
     now_ns: u64,
     min_age_ns: u64,
 ) -> StackSnapshot {
+    ages.iter_mut().for_each(|span| span.allocations = unscale(span.allocations));
     let (aged_bytes, aged_allocations) = ages::aged(&book.clock, &ages, now_ns, min_age_ns);
+    let stats = StackStats { allocations: unscale(scaled.allocations), frees: unscale(scaled.frees), ..scaled };
     StackSnapshot {
         stack_id,
         stats,
         // Frees are only counted for allocations seen, so these never go negative.
         outstanding_bytes: stats.allocated_bytes.saturating_sub(stats.freed_bytes),
-        outstanding_allocations: stats.allocations.saturating_sub(stats.frees),
+        outstanding_allocations: unscale(scaled.allocations.saturating_sub(scaled.frees)),
         aged_bytes,
         aged_allocations,
         oldest_ns: ages::oldest_ns(&book.clock, &ages),
@@ -173,6 +190,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k, _| k.tgid == tgid)?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
+    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| *k == tgid)?;
     remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
     remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| *k == tgid)?;
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| k.tgid == tgid)?;
@@ -269,15 +287,22 @@ mod tests {
 
     #[test]
     fn outstanding_is_allocated_minus_freed_and_aged_comes_from_generations() {
-        let stats =
-            StackStats { allocations: 10, allocated_bytes: 1000, frees: 4, freed_bytes: 400, ..StackStats::EMPTY };
+        let scale = COUNT_SCALE;
+        let stats = StackStats {
+            allocations: 10 * scale,
+            allocated_bytes: 1000,
+            frees: 4 * scale,
+            freed_bytes: 400,
+            ..StackStats::EMPTY
+        };
         let book = AgeBook::new(Clock { base_ns: 0, length_ns: 10 });
         let ages = vec![
-            AgeSpan { first: 0, last: 0, bytes: 100, allocations: 1 },
-            AgeSpan { first: 5, last: 5, bytes: 500, allocations: 5 },
+            AgeSpan { first: 0, last: 0, bytes: 100, allocations: scale },
+            AgeSpan { first: 5, last: 5, bytes: 500, allocations: 5 * scale },
         ];
         let s = stack_snapshot(7, stats, ages, &book, 60, 30);
         assert_eq!((s.outstanding_bytes, s.outstanding_allocations), (600, 6));
+        assert_eq!((s.stats.allocations, s.stats.frees), (10, 4), "counts are kept in 1/COUNT_SCALE units");
         assert_eq!((s.aged_bytes, s.aged_allocations), (100, 1), "generation 5 ended at 60, less than 30 ago");
         assert_eq!(s.oldest_ns, Some(0));
     }

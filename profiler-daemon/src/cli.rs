@@ -8,6 +8,7 @@ use crate::{
     filter::Filters,
     format::Format,
     leak::{LeakSettings, DEFAULT_LEAK},
+    sampling::Sampling,
     unwind::UnwindMode,
 };
 
@@ -128,6 +129,8 @@ pub struct TraceArgs {
     pub output: Option<PathBuf>,
     #[command(flatten)]
     pub filters: Filters,
+    #[command(flatten)]
+    pub sampling: Sampling,
     #[command(flatten)]
     pub maps: LoadSettings,
 }

@@ -220,6 +220,16 @@ impl Loaded {
         ours
     }
 
+    /// Records `pid`'s allocations by sampling from now on, one in every `sample_bytes` bytes on
+    /// average (see `profiler_common::weight`). Never undone: a block's weight at free must be
+    /// the one it was allocated with.
+    pub fn sample(&mut self, pid: u32, sample_bytes: u64) -> anyhow::Result<()> {
+        let mut sampling: aya::maps::HashMap<_, u32, u64> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("SAMPLING").context("map SAMPLING missing")?)?;
+        sampling.insert(pid, sample_bytes, 0)?;
+        Ok(())
+    }
+
     /// Drops what the stack walk kept for `pid`, which has exited.
     pub fn forget_mappings(&mut self, pid: u32) {
         self.unwind.forget(&mut self.ebpf, pid);

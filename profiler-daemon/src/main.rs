@@ -14,6 +14,7 @@ mod leak;
 mod loader;
 mod procfs;
 mod report;
+mod sampling;
 mod session;
 mod snapshot;
 mod symbolize;

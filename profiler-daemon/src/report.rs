@@ -20,6 +20,9 @@ pub struct Report {
     pub pid: u32,
     pub comm: String,
     pub duration_s: f64,
+    /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
+    /// then estimates); 0 when every call is recorded.
+    pub sample_bytes: u64,
     pub totals: Totals,
     pub dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
@@ -292,6 +295,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         pid: ctx.stacks.pid,
         comm: ctx.comm.to_string(),
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
+        sample_bytes: snapshot.sample_bytes,
         totals,
         dropped: dropped(kernel),
         modules: ctx.stacks.modules(&stacks),
@@ -401,6 +405,7 @@ pub mod samples {
             pid: 1,
             comm: "leaky".into(),
             duration_s: 1.5,
+            sample_bytes: 0,
             totals: Totals::default(),
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
             stacks: vec![StackReport {

@@ -26,6 +26,7 @@ use crate::{
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
+    sampling::RateGuard,
     symbolize::SymbolizerHandle,
     target::{self, DoubleFreeFilter, ExitWatch, MappingRequest},
 };
@@ -49,7 +50,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let comm = procfs::comm(pid_n).unwrap_or_default();
     announce(pid_n, &comm, &attachment, &allocator);
     let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
-    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter };
+    let rate_guard = RateGuard::new(args.sampling);
+    if let Some(sample_bytes) = rate_guard.initial() {
+        loaded.sample(pid_n, sample_bytes)?;
+    }
+    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter, rate_guard };
     let traced = trace(tracee, exit, None, args, &mut output).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -80,9 +85,13 @@ pub async fn run(
     // The child is our own and cannot be pid 0.
     let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     loaded.stop_on_mapping_change(pid)?;
+    let rate_guard = RateGuard::new(args.sampling);
+    if let Some(sample_bytes) = rate_guard.initial() {
+        loaded.sample(pid, sample_bytes)?;
+    }
     announce(pid, &comm, &attachment, &allocator);
     child.release();
-    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter };
+    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter, rate_guard };
     let traced = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
@@ -147,6 +156,7 @@ struct Tracee {
     pid: u32,
     comm: String,
     double_free_filter: DoubleFreeFilter,
+    rate_guard: RateGuard,
 }
 
 impl Tracee {
@@ -215,6 +225,13 @@ async fn trace(
         let pids = HashSet::from([tracee.pid]);
         let kernel = aggregate::read(&tracee.loaded.ebpf, &mut tracee.loaded.ages, &pids, min_age_ns)?;
         let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
+        if let Some(switch) = tracee.rate_guard.check(&snapshot) {
+            tracee.loaded.sample(tracee.pid, switch.sample_bytes)?;
+            eprintln!(
+                "memprof: pid {} makes {:.0} allocator calls a second, more than --max-rate: sampling one in every {} bytes from now on",
+                tracee.pid, switch.calls_per_second, switch.sample_bytes
+            );
+        }
         let time_s = (snapshot.now_ns.saturating_sub(start_ns)) as f64 / 1e9;
         leaks.observe(&snapshot, &tracee.loaded.ages.clock, time_s);
         let format = args.format();

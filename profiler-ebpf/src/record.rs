@@ -4,7 +4,7 @@ use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
@@ -13,7 +13,7 @@ use aya_ebpf::{
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
-    ProcCounters, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK,
+    ProcCounters, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK, SAMPLED,
 };
 
 use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
@@ -40,6 +40,15 @@ static SIZE_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096,
 /// How long freed allocations lived, per process.
 #[map]
 static LIFETIME_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Processes traced by sampling: tgid → mean bytes between samples (`--sample-bytes`). Their
+/// frees of unrecorded blocks are expected, and their double frees are not looked for.
+#[map]
+static SAMPLING: HashMap<u32, u64> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+
+fn sample_bytes(tgid: u32) -> u64 {
+    unsafe { SAMPLING.get(tgid) }.copied().unwrap_or(0)
+}
+
 /// Only frees by another thread than the allocating one: same-thread frees are the rest.
 #[map]
 static THREAD_PAIRS: HashMap<ThreadPairKey, ThreadPairStats> = HashMap::with_max_entries(16_384, NO_PREALLOC);
@@ -161,10 +170,29 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
             let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
         }
     }
-    let mut state =
-        Inflight { func: func as u32, depth: 1, size, ptr_arg, tgid, stashed: 0, stash: EMPTY_ALLOC, entry_sp: sp };
+    let sample_bytes = sample_bytes(tgid);
+    // SAFETY: a helper without arguments.
+    let recorded = profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
+    let resizes = ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray);
+    if !recorded && !resizes {
+        // Not sampled: nothing to do at its return (which then finds no state; see on_return).
+        return;
+    }
+    let mut state = Inflight {
+        func: func as u32,
+        depth: 1,
+        size,
+        ptr_arg,
+        tgid,
+        stashed: 0,
+        stash: EMPTY_ALLOC,
+        entry_sp: sp,
+        sample_bytes,
+        recorded: u32::from(recorded),
+        _pad: 0,
+    };
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    if ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) {
+    if resizes {
         // realloc frees the old block inside the call. Taken out of LIVE now, it cannot be
         // confused with a block another thread gets at the same address before realloc returns.
         if let Some(old) = unsafe { LIVE.get(key) } {
@@ -185,6 +213,10 @@ pub fn on_return(ctx: &RetProbeContext) {
     let probe = Probe { regs: ctx.regs, at_return: true };
     let ret: u64 = ctx.ret();
     let Some(state) = INFLIGHT.get_ptr_mut(tid) else {
+        if sample_bytes(tgid) != 0 {
+            // A call the entry probe did not sample.
+            return;
+        }
         count_drop(DropReason::InflightMissing);
         // The call may have returned a block that was freed earlier: it is not freed any more.
         if ret != 0 {
@@ -224,8 +256,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     } else if call.stashed != 0 {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
     }
-    if returned != 0 {
-        on_allocated(probe, tgid, tid, returned, call.size, func);
+    if returned != 0 && call.recorded != 0 {
+        on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
     } else if call.size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
@@ -251,19 +283,22 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
                 retire(probe, key, alloc);
             }
         }
+        // A sampled process frees blocks that were not sampled all the time.
+        None if sample_bytes(tgid) != 0 => {}
         None => unseen_free(probe, tgid, addr),
     }
 }
 
-fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn) {
+fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn, sample_bytes: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
         stack_id: probe.stack_id(&STACKS, tgid),
         tid,
-        func: func as u32,
+        func: func as u32 | if sample_bytes != 0 { SAMPLED } else { 0 },
     };
+    let (count, bytes) = profiler_common::weight(sample_bytes, size);
     // The address is in use again: a later free of it is not a double free.
     let _ = RECENT_FREES.remove(key);
     if let Err(err) = LIVE.insert(key, alloc, BPF_NOEXIST as u64) {
@@ -275,7 +310,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
         count_drop(DropReason::MissedFree);
         if let Some(old) = unsafe { LIVE.get(key) }.copied() {
             // When and by whom it was freed is unknown: no lifetime or thread pair for it.
-            count_free(tgid, &old, None);
+            count_free(tgid, &old, UNSEEN);
         }
         if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
@@ -284,19 +319,19 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
     }
     match stack_stats(tgid, alloc.stack_id) {
         Some(stats) => {
-            add(&mut stats.allocations, 1);
-            add(&mut stats.allocated_bytes, size);
+            add(&mut stats.allocations, count);
+            add(&mut stats.allocated_bytes, bytes);
             let slot = generations::slot(generation(alloc.time_ns));
-            if let (Some(bytes), Some(count)) =
+            if let (Some(slot_bytes), Some(slot_count)) =
                 (stats.generation_bytes.get_mut(slot), stats.generation_allocations.get_mut(slot))
             {
-                add(bytes, size);
-                add(count, 1);
+                add(slot_bytes, bytes);
+                add(slot_count, count);
             }
         }
         None => count_drop(DropReason::StatsMapFull),
     }
-    count_in_histogram(&SIZE_HIST, tgid, size);
+    count_in_histogram(&SIZE_HIST, tgid, size, count);
 }
 
 fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
@@ -304,55 +339,64 @@ fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
     get_or_insert(&STACK_STATS, &StackKey { tgid, _pad: 0, stack_id }, &EMPTY_STATS).map(|stats| unsafe { &mut *stats })
 }
 
-fn count_in_histogram(histograms: &HashMap<u32, Log2Histogram>, tgid: u32, value: u64) {
+/// Adds `count` (in 1/COUNT_SCALE units) to the bucket of `value`.
+fn count_in_histogram(histograms: &HashMap<u32, Log2Histogram>, tgid: u32, value: u64, count: u64) {
     match get_or_insert(histograms, &tgid, &EMPTY_HIST) {
         Some(hist) => {
             let bucket = profiler_common::log2_bucket(value).min(LOG2_BUCKETS - 1);
-            if let Some(count) = unsafe { (*hist).buckets.get_mut(bucket) } {
-                add(count, 1);
+            if let Some(total) = unsafe { (*hist).buckets.get_mut(bucket) } {
+                add(total, count);
             }
         }
         None => count_drop(DropReason::ProcessTableFull),
     }
 }
 
+/// `count_free`'s freeing thread when the free was not seen. Thread id 0 is the kernel's idle task.
+/// (Not an `Option`: the verifier rejects the uninitialised register a `None` passes.)
+const UNSEEN: u32 = 0;
+
 /// Counts the end of allocation `alloc` in its stack's totals and age generation; when the free
 /// was seen (by thread `freed_by`), in the process's lifetimes, and its thread pair when another
 /// thread freed it.
-fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: Option<u32>) {
+fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32) {
     let now = unsafe { bpf_ktime_get_ns() };
+    // Sampling is never turned off for a process, so its rate is still the one the block had.
+    let rate = if alloc.func & SAMPLED != 0 { sample_bytes(tgid) } else { 0 };
+    let (count, bytes) = profiler_common::weight(rate, alloc.size);
     match stack_stats(tgid, alloc.stack_id) {
         Some(stats) => {
-            add(&mut stats.frees, 1);
-            add(&mut stats.freed_bytes, alloc.size);
+            add(&mut stats.frees, count);
+            add(&mut stats.freed_bytes, bytes);
             let born = generation(alloc.time_ns);
             if generation(now).saturating_sub(born) >= FROZEN_AGE {
-                add(&mut stats.old_frees, 1);
-                add(&mut stats.old_freed_bytes, alloc.size);
+                add(&mut stats.old_frees, count);
+                add(&mut stats.old_freed_bytes, bytes);
             } else {
                 let slot = generations::slot(born);
-                if let (Some(bytes), Some(count)) =
+                if let (Some(slot_bytes), Some(slot_count)) =
                     (stats.generation_bytes.get_mut(slot), stats.generation_allocations.get_mut(slot))
                 {
                     // Wrapping sums: adding the two's complement subtracts.
-                    add(bytes, alloc.size.wrapping_neg());
-                    add(count, u64::MAX);
+                    add(slot_bytes, bytes.wrapping_neg());
+                    add(slot_count, count.wrapping_neg());
                 }
             }
         }
         None => count_drop(DropReason::StatsMapFull),
     }
-    let Some(tid) = freed_by else {
+    let tid = freed_by;
+    if tid == UNSEEN {
         return;
-    };
-    count_in_histogram(&LIFETIME_HIST, tgid, now.saturating_sub(alloc.time_ns));
+    }
+    count_in_histogram(&LIFETIME_HIST, tgid, now.saturating_sub(alloc.time_ns), count);
     if alloc.tid != tid {
         let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: tid, _pad: 0 };
         match get_or_insert(&THREAD_PAIRS, &key, &EMPTY_PAIR) {
             Some(pair) => {
                 let pair = unsafe { &mut *pair };
-                add(&mut pair.frees, 1);
-                add(&mut pair.freed_bytes, alloc.size);
+                add(&mut pair.frees, count);
+                add(&mut pair.freed_bytes, bytes);
             }
             None => count_drop(DropReason::ThreadPairTableFull),
         }
@@ -369,7 +413,12 @@ fn free_site(probe: Probe, tgid: u32) -> FreeSite {
 
 /// Counts the free of a block that was live, and remembers it to recognise a second free.
 fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
-    count_free(key.tgid, &alloc, Some(ids().1));
+    count_free(key.tgid, &alloc, ids().1);
+    if alloc.func & SAMPLED != 0 {
+        // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
+        // address would pass for freed twice.
+        return;
+    }
     let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid) }, 0);
 }
 

@@ -23,6 +23,13 @@ pub fn render(report: &Report) -> String {
         t.unknown_frees,
         t.failed_allocations,
     );
+    if report.sample_bytes != 0 {
+        let _ = writeln!(
+            out,
+            "  sampled: one allocation in every {} recorded; counts and bytes are estimates",
+            bytes(report.sample_bytes)
+        );
+    }
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {

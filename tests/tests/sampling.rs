@@ -1,0 +1,58 @@
+//! Sampled mode on a process with known truth: estimates within 10% for sites with 100,000
+//! allocations, frees that take off exactly what was added, and the --max-rate switch.
+
+use memprof_tests::{fixture, run, site, total};
+
+fn within_10_percent(estimate: u64, truth: u64, what: &str) {
+    let error = (estimate as f64 - truth as f64).abs() / truth as f64;
+    assert!(error <= 0.10, "{what}: estimated {estimate}, truth {truth} ({:.1}% off)", error * 100.0);
+}
+
+#[test]
+fn sampled_estimates_are_within_10_percent() {
+    let outcome = run(&["--sample-bytes", "4096", "--interval", "60"], &[fixture("sampled_sites").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["sample_bytes"], 4096);
+    let (small_bytes, small_count) = site(&report, "keep_small");
+    within_10_percent(small_bytes, 100_000 * 64, "keep_small bytes");
+    within_10_percent(small_count, 100_000, "keep_small allocations");
+    let (medium_bytes, medium_count) = site(&report, "keep_medium");
+    within_10_percent(medium_bytes, 100_000 * 200, "keep_medium bytes");
+    within_10_percent(medium_count, 100_000, "keep_medium allocations");
+    // Every churn block was freed: a free takes off exactly what its allocation added.
+    assert_eq!(site(&report, "churn"), (0, 0));
+    let churned = report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == "churn");
+    assert!(churned.is_none(), "nothing outstanding at churn: {report}");
+    within_10_percent(total(&report, "allocations"), 400_000, "all allocations");
+    assert_eq!(total(&report, "unknown_frees"), 0, "unrecorded blocks' frees are expected, not unknown");
+}
+
+#[test]
+fn the_table_says_it_is_sampled() {
+    let fixture = fixture("sampled_sites");
+    let output = std::process::Command::new(memprof_tests::memprof_bin())
+        .args(["run", "--sample-bytes", "4096", "--interval", "60", "--", fixture.to_str().unwrap()])
+        .output()
+        .expect("starting memprof");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("sampled: one allocation in every 4.0 KiB recorded; counts and bytes are estimates"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_process_above_max_rate_switches_to_sampling() {
+    let outcome = run(&["--max-rate", "1000", "--interval", "0.1"], &[fixture("sampled_sites").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains("more than --max-rate: sampling one in every 65536 bytes from now on"),
+        "{}",
+        outcome.stderr
+    );
+    let report = outcome.final_report();
+    assert_eq!(report["sample_bytes"], 65536);
+    let early = &outcome.reports()[0];
+    assert_eq!(early["sample_bytes"], 0, "every call is recorded until the rate is measured: {early}");
+}
