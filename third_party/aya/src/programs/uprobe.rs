@@ -20,7 +20,7 @@ use crate::{
     VerifierLogLevel,
     programs::{
         ProgramData, ProgramError, ProgramType, define_link_wrapper, impl_try_from_fdlink,
-        impl_try_into_fdlink, load_program_without_attach_type,
+        impl_try_into_fdlink, load_program_raw, load_program_without_attach_type,
         perf_attach::{PerfLinkIdInner, PerfLinkInner},
         probe::{OsStringExt as _, Probe, ProbeKind, attach},
     },
@@ -196,6 +196,15 @@ impl UProbe {
     pub fn load(&mut self) -> Result<(), ProgramError> {
         let Self { data, kind: _ } = self;
         load_program_without_attach_type(BPF_PROG_TYPE_KPROBE, data)
+    }
+
+    /// Loads the program for links made with `BPF_LINK_CREATE` of the kernel's attach type
+    /// `expected_attach_type`, given as its raw number: 48 (`BPF_TRACE_UPROBE_MULTI`) or 57
+    /// (`BPF_TRACE_UPROBE_SESSION`). The caller creates those links; [`UProbe::attach`] cannot
+    /// attach a program loaded this way. (memprof patch, see PATCHED.md.)
+    pub fn load_with_attach_type(&mut self, expected_attach_type: u32) -> Result<(), ProgramError> {
+        let Self { data, kind: _ } = self;
+        load_program_raw(BPF_PROG_TYPE_KPROBE, Some(expected_attach_type), data)
     }
 
     /// Returns [`ProbeKind::Entry`] if the program is a `uprobe`, or
