@@ -210,8 +210,31 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     http(port, "GET", path)
 }
 
-/// `METHOD path` from a server on loopback; returns (status, body). HTTP/1.0 keeps bodies unchunked.
+/// `METHOD path` from a server on loopback; returns (status, body).
 pub fn http(port: u16, method: &str, path: &str) -> Option<(u16, String)> {
+    http_answer(port, method, path).map(|answer| (answer.status, answer.body))
+}
+
+/// What a server answered.
+pub struct HttpAnswer {
+    pub status: u16,
+    /// The header lines, as sent.
+    pub headers: String,
+    pub body: String,
+}
+
+impl HttpAnswer {
+    /// The value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.eq_ignore_ascii_case(name).then_some(value.trim())
+        })
+    }
+}
+
+/// `METHOD path` from a server on loopback. HTTP/1.0 keeps bodies unchunked.
+pub fn http_answer(port: u16, method: &str, path: &str) -> Option<HttpAnswer> {
     use std::net::TcpStream;
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
@@ -219,8 +242,57 @@ pub fn http(port: u16, method: &str, path: &str) -> Option<(u16, String)> {
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let status = response.split_whitespace().nth(1)?.parse().ok()?;
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
-    Some((status, body))
+    let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Some(HttpAnswer { status, headers: headers.to_string(), body: body.to_string() })
+}
+
+/// A `memprof daemon` on a free loopback port, reporting every second; killed when dropped.
+pub struct Daemon {
+    pub child: Child,
+    pub port: u16,
+}
+
+impl Daemon {
+    pub fn start(args: &[&str]) -> Self {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let child = Command::new(memprof_bin())
+            .args(["daemon", "--listen", &listen, "--interval", "1"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting memprof daemon");
+        let daemon = Self { child, port };
+        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
+        daemon
+    }
+
+    pub fn get_json(&self, path: &str) -> (u16, Value) {
+        let (status, body) = http_get(self.port, path).unwrap_or_else(|| panic!("GET {path} failed"));
+        (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
+    }
+
+    pub fn traced_pids(&self) -> Vec<u64> {
+        let (_, targets) = self.get_json("/api/v1/targets");
+        targets.as_array().unwrap().iter().map(|t| t["pid"].as_u64().unwrap()).collect()
+    }
+
+    pub fn wait_traced(&self, pid: u32) {
+        wait_for(20, &format!("pid {pid} to be traced"), || self.traced_pids().contains(&(pid as u64)).then_some(()));
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Polls `check` every 200 ms until it returns Some, or panics after `seconds` with `what`.

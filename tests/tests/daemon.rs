@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{fixture, free_port, http_get, memprof_bin, site, wait_for, Waiting};
+use memprof_tests::{fixture, free_port, http_get, site, wait_for, Daemon, Waiting};
 use serde_json::Value;
 
 /// These tests run one at a time: a daemon matching by command name would also trace another
@@ -16,55 +16,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A daemon on a free loopback port; killed when dropped.
-struct Daemon {
-    child: Child,
-    port: u16,
-}
-
-impl Daemon {
-    fn start(args: &[&str]) -> Self {
-        let port = free_port();
-        let listen = format!("127.0.0.1:{port}");
-        let child = Command::new(memprof_bin())
-            .args(["daemon", "--listen", &listen, "--interval", "1"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting memprof daemon");
-        let daemon = Self { child, port };
-        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
-        daemon
-    }
-
-    fn get_json(&self, path: &str) -> (u16, Value) {
-        let (status, body) = http_get(self.port, path).unwrap_or_else(|| panic!("GET {path} failed"));
-        (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
-    }
-
-    fn traced_pids(&self) -> Vec<u64> {
-        let (_, targets) = self.get_json("/api/v1/targets");
-        targets.as_array().unwrap().iter().map(|t| t["pid"].as_u64().unwrap()).collect()
-    }
-
-    fn wait_traced(&self, pid: u32) {
-        wait_for(20, &format!("pid {pid} to be traced"), || self.traced_pids().contains(&(pid as u64)).then_some(()));
-    }
-
-    fn signal(&self, signal: i32) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn target() -> Waiting {

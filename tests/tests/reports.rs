@@ -1,0 +1,320 @@
+//! The formats written once at the end: folded stacks, the SVG flame graph, and the HTML report
+//! opened in headless Chromium; and the daemon's flame graph and report pages.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        OnceLock,
+    },
+};
+
+use memprof_tests::{fixture, fixture_with, http_answer, memprof, site, wait_for, Daemon, Waiting};
+use serde_json::{json, Value};
+
+#[path = "reports/cdp.rs"]
+mod cdp;
+
+/// The fixture's sites at exit: (function, bytes in use, allocations in use); `churn_site`
+/// frees all it allocates.
+const GROW: (&str, u64, u64) = ("grow_site", 98_304, 24);
+const HOLD: (&str, u64, u64) = ("hold_site", 10_000, 10);
+const IN_USE: u64 = GROW.1 + HOLD.1;
+
+/// The fixture runs under a name that HTML and XML must escape.
+const COMM: &str = "reports<&>";
+
+fn reports_fixture() -> &'static Path {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(|| fixture_with("reports.c", COMM, &["-g", "-O0", "-fno-omit-frame-pointer"]))
+}
+
+/// A path in the temp directory private to this test process.
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("memprof-reports-{}-{name}", std::process::id()))
+}
+
+/// `memprof run --format FORMAT --output FILE --interval 0.2` on the fixture: what it wrote.
+fn run_format(format: &str) -> Vec<u8> {
+    let output = temp_path(&format!("out.{format}"));
+    let program = reports_fixture().to_str().unwrap();
+    let outcome =
+        memprof(&["run", "--format", format, "--output", output.to_str().unwrap(), "--interval", "0.2", "--", program]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains(&format!("({COMM})")), "{}", outcome.stderr);
+    let written = std::fs::read(&output).unwrap_or_else(|e| panic!("reading {}: {e}", output.display()));
+    let _ = std::fs::remove_file(&output);
+    written
+}
+
+#[test]
+fn folded_stacks_give_each_site_its_exact_bytes() {
+    let text = String::from_utf8(run_format("folded")).unwrap();
+    let lines: Vec<(&str, u64)> = text
+        .lines()
+        .map(|line| {
+            let (path, bytes) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not `path bytes`: {line}"));
+            (path, bytes.parse().unwrap_or_else(|_| panic!("not a number of bytes: {line}")))
+        })
+        .collect();
+    // Every byte in use is the fixture's: its two sites, each one path from _start down.
+    assert_eq!(lines.len(), 2, "{text}");
+    for (function, bytes, _) in [GROW, HOLD] {
+        let (path, value) = lines.iter().find(|(path, _)| path.ends_with(&format!(";main;{function}"))).unwrap();
+        assert!(path.starts_with("_start;"), "outermost frame first: {path}");
+        assert_eq!(*value, bytes, "{text}");
+    }
+    assert!(!text.contains("churn_site"), "a site that freed everything holds nothing: {text}");
+}
+
+#[test]
+fn the_flame_graph_names_each_site_with_its_bytes() {
+    let svg = String::from_utf8(run_format("flamegraph")).unwrap();
+    let document = parse_svg(&svg);
+    let title = document.descendants().find(|n| n.attribute("id") == Some("title")).expect("a title");
+    assert!(title.text().unwrap().contains(&format!("({COMM}): in-use bytes")), "{:?}", title.text());
+    assert_eq!(frame_bytes(&document, "all"), Some(IN_USE));
+    assert_eq!(frame_bytes(&document, GROW.0), Some(GROW.1));
+    assert_eq!(frame_bytes(&document, HOLD.0), Some(HOLD.1));
+    assert_eq!(frame_bytes(&document, "churn_site"), None);
+    assert!(svg.contains("<title>grow_site (98,304 bytes, "), "the tooltip says bytes");
+}
+
+/// The SVG as an XML tree (inferno's SVG names the SVG 1.1 DTD).
+fn parse_svg(svg: &str) -> roxmltree::Document<'_> {
+    let options = roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() };
+    roxmltree::Document::parse_with_options(svg, options).unwrap_or_else(|e| panic!("not XML ({e}): {svg}"))
+}
+
+/// The width in bytes (inferno's `fg:w`) of the frame named `function`.
+fn frame_bytes(document: &roxmltree::Document, function: &str) -> Option<u64> {
+    let frame = document.descendants().find(|n| {
+        n.has_tag_name("g")
+            && n.children()
+                .any(|c| c.has_tag_name("title") && c.text().is_some_and(|t| t.starts_with(&format!("{function} ("))))
+    })?;
+    let rect = frame.children().find(|c| c.has_tag_name("rect")).expect("a frame has a rectangle");
+    Some(rect.attribute(("http://github.com/jonhoo/inferno", "w")).expect("fg:w").parse().unwrap())
+}
+
+/// Headless Chromium as root, with no network of its own.
+const CHROMIUM: [&str; 8] = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+];
+
+/// A fresh Chromium profile directory.
+fn chromium_profile() -> PathBuf {
+    static PROFILES: AtomicUsize = AtomicUsize::new(0);
+    temp_path(&format!("chromium-{}", PROFILES.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// Headless Chromium with `args` in a fresh profile: its stdout.
+fn chromium(args: &[&str]) -> String {
+    let profile = chromium_profile();
+    let output = Command::new("chromium")
+        .args(CHROMIUM)
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .output()
+        .expect("starting chromium (installed by `cargo xtask setup`)");
+    let _ = std::fs::remove_dir_all(&profile);
+    assert!(output.status.success(), "chromium failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// The DOM of `url` after its scripts ran.
+fn dom(url: &str) -> String {
+    chromium(&["--dump-dom", url])
+}
+
+/// The serialized element `<section id="ID">`.
+fn section<'a>(dom: &'a str, id: &str) -> &'a str {
+    let start = dom.find(&format!("<section id=\"{id}\">")).unwrap_or_else(|| panic!("no section {id}: {dom}"));
+    let end = dom[start..].find("</section>").unwrap();
+    &dom[start..start + end]
+}
+
+/// The table row of `html` whose text contains `needle`.
+fn row<'a>(html: &'a str, needle: &str) -> &'a str {
+    html.split("<tr").find(|row| row.contains(needle)).unwrap_or_else(|| panic!("no row with {needle}: {html}"))
+}
+
+/// The report embedded in the page, as the page's scripts read it.
+fn embedded_report(dom: &str) -> Value {
+    let json = dom.split("id=\"report-data\">").nth(1).and_then(|rest| rest.split("</script>").next()).unwrap();
+    serde_json::from_str(json).unwrap()
+}
+
+#[test]
+fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
+    let page = temp_path("report.html");
+    std::fs::write(&page, run_format("html")).unwrap();
+    let url = format!("file://{}", page.display());
+    let dom = dom(&url);
+    let report = embedded_report(&dom);
+    assert_eq!(site(&report, GROW.0), (GROW.1, GROW.2));
+
+    // The name is text, not markup.
+    assert!(dom.contains(&format!("<h1>memprof: pid {} (reports&lt;&amp;&gt;)</h1>", report["pid"])), "{dom}");
+    let summary = section(&dom, "summary");
+    assert!(summary.contains("data-key=\"outstanding_bytes\">108,304 B (105.8 KiB)<"), "{summary}");
+    assert!(summary.contains("data-key=\"outstanding_allocations\">34<"), "{summary}");
+    assert!(summary.contains("data-key=\"allocations\">58<"), "{summary}");
+    assert!(summary.contains("data-key=\"frees\">24<"), "{summary}");
+    assert!(summary.contains("Nothing was dropped"), "{summary}");
+    assert!(summary.contains("data-key=\"stack_too_deep\">0<"), "every drop counter is listed: {summary}");
+
+    // One point per interval for the process, and a line for the leaking stack ending at its bytes.
+    let chart = section(&dom, "timeline");
+    let points = report["timeline"]["time_s"].as_array().unwrap().len();
+    assert!(points >= 10, "2.4 s at 0.2 s intervals: {}", report["timeline"]);
+    assert!(chart.contains(&format!("data-series=\"total\" data-points=\"{points}\"")), "{chart}");
+    assert!(chart.contains(&format!("data-bytes=\"{IN_USE}\"")), "{chart}");
+    let grow = &report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == GROW.0).unwrap();
+    let grow_id = grow["stack_id"].as_str().unwrap();
+    assert!(chart.contains(&format!("data-series=\"{grow_id}\"")), "the leak has its line: {chart}");
+    assert!(chart.contains("leak: grow_site (reports.c:"), "{chart}");
+    assert!(chart.contains("leak: grow_site (reports.c:11): 98,304 bytes at the last point"), "{chart}");
+
+    // The growing site is the only leak candidate, with its score and reason.
+    let leaks = section(&dom, "leaks");
+    assert_eq!(leaks.matches("<tr class=\"leak\"").count(), 1, "{leaks}");
+    let leak = row(leaks, "grow_site (reports.c:");
+    assert!(leak.contains("data-key=\"outstanding_bytes\">98,304<"), "{leak}");
+    let score: f64 = leak.split("class=\"num score\">").nth(1).unwrap().split('<').next().unwrap().parse().unwrap();
+    assert!((score - grow["leak"]["score"].as_f64().unwrap()).abs() < 0.006, "{leak}");
+    assert!(leak.contains("leak candidate: grew in"), "{leak}");
+
+    let stacks = section(&dom, "stacks");
+    assert!(row(stacks, "grow_site (reports.c:").contains("data-key=\"outstanding_bytes\">98,304<"), "{stacks}");
+    assert!(row(stacks, "hold_site (reports.c:").contains("data-key=\"outstanding_bytes\">10,000<"), "{stacks}");
+    assert!(!stacks.contains("churn_site"), "{stacks}");
+
+    // The call tree opens on the heavy paths; the leaking one is marked.
+    let tree = section(&dom, "tree");
+    assert!(tree.contains("2 stacks holding 108,304 bytes in use"), "{tree}");
+    assert!(tree.contains("<li class=\"node leak\" data-bytes=\"98304\">"), "{tree}");
+    assert!(tree.contains("<li class=\"node\" data-bytes=\"10000\">"), "{tree}");
+
+    let sizes = section(&dom, "sizes");
+    for (range, count) in [("257 – 512 B", 24), ("513 – 1,024 B", 10), ("2,049 – 4,096 B", 24)] {
+        assert!(row(sizes, range).contains(&format!("data-key=\"count\">{count}<")), "{sizes}");
+    }
+    let lifetimes: u64 = report["lifetimes"].as_array().unwrap().iter().map(|b| b["count"].as_u64().unwrap()).sum();
+    assert_eq!(lifetimes, 24, "churn_site's frees");
+    assert!(section(&dom, "lifetimes").contains("24 in all."));
+
+    // The filter, as typed or given in the address, keeps the matching stacks and opens them.
+    let filtered = dom_of_filter(&url, "hold");
+    let tree = section(&filtered, "tree");
+    assert!(tree.contains("1 of 2 stacks match, holding 10,000 of 108,304 bytes in use"), "{tree}");
+    assert!(tree.contains("<li class=\"node match\" data-bytes=\"10000\">"), "{tree}");
+    assert!(!tree.contains("grow_site"), "{tree}");
+    let by_module = section(&dom_of_filter(&url, "LIBC.so"), "tree").to_string();
+    assert!(by_module.contains("2 of 2 stacks match"), "module names match too: {by_module}");
+
+    let screenshot = temp_path("report.png");
+    chromium(&[&format!("--screenshot={}", screenshot.display()), "--window-size=1280,2000", &url]);
+    let png = std::fs::read(&screenshot).expect("chromium wrote the screenshot");
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 50_000, "a real picture: {} bytes", png.len());
+    let _ = std::fs::remove_file(&screenshot);
+    let _ = std::fs::remove_file(&page);
+}
+
+#[test]
+fn the_call_tree_filters_as_one_types_and_expands_on_click() {
+    let page_file = temp_path("tree.html");
+    std::fs::write(&page_file, run_format("html")).unwrap();
+    let mut page = cdp::Page::open(&CHROMIUM, chromium_profile(), &format!("file://{}", page_file.display()));
+    let status = "document.getElementById('tree-status').textContent";
+    // The names of the tree's rows, outermost first as drawn.
+    let rows = "[...document.querySelectorAll('#tree .function')].map(e => e.textContent).join(' ')";
+    assert_eq!(page.eval(status), "2 stacks holding 108,304 bytes in use");
+    assert_eq!(page.eval(rows), "_start __libc_start_main_impl __libc_start_call_main main grow_site hold_site");
+
+    page.eval("document.getElementById('tree-filter').focus()");
+    page.type_text("hold_s");
+    assert_eq!(page.eval(status), "1 of 2 stacks match, holding 10,000 of 108,304 bytes in use");
+    assert_eq!(page.eval(rows), "_start __libc_start_main_impl __libc_start_call_main main hold_site");
+    assert_eq!(
+        page.eval("[...document.querySelectorAll('#tree .match .function')].map(e => e.textContent)"),
+        json!(["hold_site"])
+    );
+    assert_eq!(page.eval("location.hash"), "#filter=hold_s", "the filter is kept in the address");
+
+    page.eval("document.getElementById('tree-filter').select()");
+    page.type_text("no such function");
+    assert_eq!(page.eval(status), "0 of 2 stacks match, holding 0 of 108,304 bytes in use");
+    assert_eq!(page.eval("document.querySelectorAll('#tree li').length"), 0);
+
+    // Allocation sites first: the sites are the roots, the leaking one in red.
+    let filter = "document.getElementById('tree-filter')";
+    page.eval(&format!("{filter}.value = ''; {filter}.dispatchEvent(new Event('input'))"));
+    let order = "document.getElementById('tree-order')";
+    page.eval(&format!("{order}.value = 'sites'; {order}.dispatchEvent(new Event('change'))"));
+    let roots = "[...document.querySelectorAll('#tree > li')].map(li => [li.querySelector('.function').textContent, li.className, li.dataset.bytes])";
+    assert_eq!(page.eval(roots), json!([["grow_site", "node leak open", "98304"], ["hold_site", "node", "10000"]]));
+
+    // A click on a toggle opens or closes its node; the buttons open and close them all.
+    let nodes = "document.querySelectorAll('#tree li').length";
+    assert_eq!(page.eval(nodes), 6, "grow_site's path is open, hold_site's closed");
+    page.eval("document.querySelectorAll('#tree > li')[1].querySelector('.toggle').click()");
+    assert_eq!(page.eval(nodes), 7, "hold_site opened on its caller");
+    page.eval("document.getElementById('tree-collapse').click()");
+    assert_eq!(page.eval(nodes), 2);
+    page.eval("document.getElementById('tree-expand').click()");
+    assert_eq!(page.eval(nodes), 10, "two paths of five frames");
+    let _ = std::fs::remove_file(&page_file);
+}
+
+fn dom_of_filter(url: &str, filter: &str) -> String {
+    let dom = dom(&format!("{url}#filter={filter}"));
+    assert!(dom
+        .contains(&format!("id=\"tree-filter\" placeholder=\"filter by function or module name\" value=\"{filter}\"")));
+    dom
+}
+
+#[test]
+fn the_daemon_serves_the_flame_graph_and_the_report() {
+    let mut target = Waiting::start(&fixture("daemon_target"), &[]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
+
+    let svg = http_answer(daemon.port, "GET", &format!("/api/v1/flamegraph?pid={pid}")).unwrap();
+    assert_eq!(svg.status, 200);
+    assert_eq!(svg.header("content-type"), Some("image/svg+xml"));
+    let document = parse_svg(&svg.body);
+    assert_eq!(frame_bytes(&document, "hold_site"), Some(50_000), "{}", svg.body);
+
+    let page = http_answer(daemon.port, "GET", &format!("/report?pid={pid}")).unwrap();
+    assert_eq!(page.status, 200);
+    assert!(page.header("content-type").unwrap().starts_with("text/html"));
+    // The page as a browser gets it from the daemon.
+    let dom = dom(&format!("http://127.0.0.1:{}/report?pid={pid}", daemon.port));
+    assert!(dom.contains("<h1>memprof: pid"), "{dom}");
+    assert!(row(section(&dom, "stacks"), "hold_site (daemon_target.c:").contains(">50,000<"), "{dom}");
+
+    for path in ["/api/v1/flamegraph", "/report"] {
+        let missing = http_answer(daemon.port, "GET", path).unwrap();
+        assert_eq!(missing.status, 400);
+        assert!(missing.body.contains(&format!("{path}?pid=N")), "{}", missing.body);
+        assert_eq!(http_answer(daemon.port, "GET", &format!("{path}?pid=x")).unwrap().status, 400);
+        let untraced = http_answer(daemon.port, "GET", &format!("{path}?pid=1")).unwrap();
+        assert_eq!(untraced.status, 404);
+        assert!(untraced.body.contains("\"error\""), "{}", untraced.body);
+    }
+    let index = http_answer(daemon.port, "GET", "/").unwrap().body;
+    assert!(index.contains(&format!("/report?pid={pid}")) && index.contains(&format!("/api/v1/flamegraph?pid={pid}")));
+}
