@@ -185,6 +185,8 @@ pub struct DaemonArgs {
     /// Lowest leak score (0 to 1) of a leak candidate [default: 0.5].
     #[arg(long, value_parser = leak_threshold)]
     pub leak_threshold: Option<f64>,
+    #[command(flatten)]
+    pub sampling: Sampling,
     /// Outstanding allocations tracked at once, all processes together [default: 1048576].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_live: Option<u32>,

@@ -56,3 +56,20 @@ fn a_process_above_max_rate_switches_to_sampling() {
     let early = &outcome.reports()[0];
     assert_eq!(early["sample_bytes"], 0, "every call is recorded until the rate is measured: {early}");
 }
+
+/// The daemon's guard: a process above `max_rate` is sampled, and its metrics say so.
+#[test]
+fn the_daemon_samples_a_process_above_max_rate() {
+    let mut target = memprof_tests::Waiting::start(&fixture("leak_kinds"), &["2"]);
+    let pid = target.pid();
+    let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"leak_kinds\"}} 65536");
+    memprof_tests::wait_for(15, "the process to be sampled", || {
+        let (_, metrics) = memprof_tests::http_get(daemon.port, "/metrics")?;
+        metrics.lines().any(|l| l == series).then_some(())
+    });
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_eq!(report["sample_bytes"], 65536, "{report}");
+}

@@ -9,6 +9,7 @@ use crate::{
     cli::{self, DaemonArgs, LoadSettings},
     leak::{LeakSettings, DEFAULT_LEAK},
     procfs,
+    sampling::{self, Sampling},
     unwind::UnwindMode,
 };
 
@@ -26,6 +27,8 @@ struct File {
     top_stacks: Option<usize>,
     leak_window: Option<usize>,
     leak_threshold: Option<f64>,
+    sample_bytes: Option<u64>,
+    max_rate: Option<u64>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
     unwind: Option<UnwindMode>,
@@ -70,6 +73,7 @@ pub struct Config {
     pub interval: f64,
     pub top_stacks: usize,
     pub leak: LeakSettings,
+    pub sampling: Sampling,
     pub maps: LoadSettings,
 }
 
@@ -137,6 +141,16 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     };
     cli::leak_window(&leak.window.to_string()).map_err(|e| ConfigError::Value("leak_window", e))?;
     cli::leak_threshold(&leak.threshold.to_string()).map_err(|e| ConfigError::Value("leak_threshold", e))?;
+    let sampling = Sampling {
+        sample_bytes: args.sampling.sample_bytes.or(file.sample_bytes),
+        max_rate: args.sampling.max_rate.or(file.max_rate),
+    };
+    if let Some(bytes) = sampling.sample_bytes {
+        sampling::sample_bytes(&bytes.to_string()).map_err(|e| ConfigError::Value("sample_bytes", e))?;
+    }
+    if sampling.max_rate == Some(0) {
+        return Err(ConfigError::Value("max_rate", "0 would sample every process at once; give at least 1".into()));
+    }
     let max_targets = args.max_targets.or(file.max_targets).unwrap_or(64);
     if max_targets == 0 {
         return Err(ConfigError::Value("max_targets", "0 would trace nothing; give at least 1".to_string()));
@@ -165,6 +179,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         interval,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         leak,
+        sampling,
         maps,
     })
 }

@@ -44,7 +44,7 @@ type Labels = Vec<(&'static str, String)>;
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 11] = [
+const PER_PROCESS: [PerProcess; 12] = [
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
@@ -71,6 +71,12 @@ const PER_PROCESS: [PerProcess; 11] = [
     ("memprof_leak_candidates", "Stacks the leak rule flags as leak candidates.", MetricType::Gauge, |t| {
         t.leak_candidates
     }),
+    (
+        "memprof_sample_bytes",
+        "Mean bytes between recorded allocations when the process is sampled (its other series are then estimates); 0 when every call is recorded.",
+        MetricType::Gauge,
+        |t| t.sample_bytes,
+    ),
 ];
 
 fn process_labels(t: &TargetView) -> Labels {

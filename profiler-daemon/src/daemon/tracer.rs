@@ -29,6 +29,7 @@ use crate::{
     loader::{self, Attachment, Loaded},
     procfs,
     report::{self, DoubleFreeReport, Selection},
+    sampling::RateGuard,
     symbolize::SymbolizerHandle,
     target::DoubleFreeFilter,
 };
@@ -58,6 +59,8 @@ struct Target {
     double_frees: Vec<DoubleFreeReport>,
     double_free_count: u64,
     leaks: LeakTracker,
+    /// `--max-rate`: switches the process to sampling when it calls the allocator too often.
+    rate_guard: RateGuard,
 }
 
 pub struct Tracer {
@@ -199,6 +202,10 @@ impl Tracer {
         let allocator = allocator::find(id.pid)?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
         let attachment = self.loaded.attach(&allocator, pid)?;
+        let rate_guard = RateGuard::new(self.config.sampling);
+        if let Some(sample_bytes) = rate_guard.initial() {
+            self.loaded.sample(id.pid, sample_bytes)?;
+        }
         self.symbolizer.refresh(id.pid);
         info!(pid = id.pid, comm, probes = attachment.probes(), "tracing");
         let target = Target {
@@ -211,6 +218,7 @@ impl Tracer {
             double_frees: Vec::new(),
             double_free_count: 0,
             leaks: LeakTracker::new(self.config.leak),
+            rate_guard,
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -290,6 +298,16 @@ impl Tracer {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
                 target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
+                if let Some(switch) = target.rate_guard.check(snapshot) {
+                    self.loaded.sample(target.id.pid, switch.sample_bytes)?;
+                    warn!(
+                        pid = target.id.pid,
+                        comm = target.comm,
+                        calls_per_second = switch.calls_per_second,
+                        sample_bytes = switch.sample_bytes,
+                        "above max_rate: sampling from now on"
+                    );
+                }
             }
         }
         let sizes = self.loaded_sizes;
@@ -366,6 +384,7 @@ impl Tracer {
             double_frees: target.double_free_count,
             leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
             leak_candidates: report.stacks.iter().filter(|s| s.leak.candidate).count() as u64,
+            sample_bytes: report.sample_bytes,
             sizes: snapshot.sizes,
             top_stacks: by_label,
             other_stack_bytes,

@@ -18,6 +18,8 @@ pub struct TargetView {
     /// Outstanding allocations older than the leak rule's min-age.
     pub leak_candidate_bytes: u64,
     pub leak_candidates: u64,
+    /// Mean bytes between recorded allocations when sampled; 0 when every call is recorded.
+    pub sample_bytes: u64,
     pub sizes: Log2Histogram,
     /// The largest stacks by in-use bytes, then the rest summed up.
     pub top_stacks: Vec<StackSeries>,
