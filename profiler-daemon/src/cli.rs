@@ -199,7 +199,7 @@ pub struct DaemonArgs {
     /// Frames kept per stack, 1 to 127 [default: 127].
     #[arg(long)]
     pub max_frames: Option<u32>,
-    /// Rows of unwind tables kept in the kernel, all files together [default: 1048576].
+    /// Rows of unwind tables kept in the kernel, all files together [default: 524288].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
 }
@@ -230,7 +230,7 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     max_stacks: 1 << 16,
     unwind: UnwindMode::Cfi,
     max_frames: profiler_common::MAX_FRAMES as u32,
-    max_unwind_rows: 1 << 20,
+    max_unwind_rows: 1 << 19,
 };
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -32,7 +32,7 @@ static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, 
 static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 /// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
 #[map]
-static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(65_536, 0);
+static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(16_384, 0);
 #[map]
 static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
