@@ -27,7 +27,12 @@ pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> 
     let sample_types: Vec<[u64; 2]> =
         SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
     let period_type = [tables.string("space"), tables.string("bytes")];
-    let comment = tables.string(&format!("memprof: pid {} ({})", report.pid, report.comm));
+    let mut comments = vec![tables.string(&format!("memprof: pid {} ({})", report.pid, report.comm))];
+    if report.sample_bytes > 0 {
+        let sampled =
+            format!("sampled: one allocation recorded per {} bytes; values are estimates", report.sample_bytes);
+        comments.push(tables.string(&sampled));
+    }
     let default_type = tables.string(default.name());
     let mappings = tables.mappings(report);
 
@@ -68,9 +73,10 @@ pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> 
     out.uint(p::TIME_NANOS, time_nanos);
     out.uint(p::DURATION_NANOS, (report.duration_s * 1e9) as u64);
     out.message(p::PERIOD_TYPE, |m| value_type(m, period_type[0], period_type[1]));
-    // Every allocation is counted, none sampled.
-    out.uint(p::PERIOD, 1);
-    out.packed(p::COMMENT, &[comment]);
+    // As Go does: the sampling rate in bytes, the values already scaled up to estimates. 1 when
+    // every allocation is counted.
+    out.uint(p::PERIOD, report.sample_bytes.max(1));
+    out.packed(p::COMMENT, &comments);
     out.uint(p::DEFAULT_SAMPLE_TYPE, default_type);
     out.into_bytes()
 }

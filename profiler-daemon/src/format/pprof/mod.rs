@@ -196,6 +196,19 @@ mod tests {
     }
 
     #[test]
+    fn a_sampled_report_has_its_sampling_rate_as_period() {
+        let period = |report: &Report| {
+            let profile = encode::encode(report, DefaultType::InuseSpace, 1);
+            let mut fields = Reader::new(&profile).map(Result::unwrap);
+            fields.find(|(n, _)| *n == field::profile::PERIOD).map(|(_, v)| v.int().unwrap())
+        };
+        let mut sampled = report();
+        assert_eq!(period(&sampled), Some(1), "every allocation counted");
+        sampled.sample_bytes = 512 * 1024;
+        assert_eq!(period(&sampled), Some(512 * 1024));
+    }
+
+    #[test]
     fn what_is_not_a_profile_is_an_error() {
         assert!(matches!(read(b"{\"final\": true}"), Err(PprofError::NotGzip)));
         assert!(matches!(read(&[0x1f, 0x8b, 0, 1, 2]), Err(PprofError::Gzip(_))));
