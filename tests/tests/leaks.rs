@@ -122,3 +122,17 @@ fn the_daemon_exports_the_leak_candidates() {
     assert!(candidate(&report, "leak_steady"), "{report}");
     assert!(!candidate(&report, "cache_fill") && !candidate(&report, "churn"), "{report}");
 }
+
+/// Which thread allocates what another thread frees, per pair.
+#[test]
+fn frees_by_another_thread_are_counted_per_thread_pair() {
+    let outcome = run(&["--interval", "60"], &[fixture("thread_pairs").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let tids: Vec<u64> = outcome.stderr.lines().last().unwrap().split(' ').map(|t| t.parse().unwrap()).collect();
+    let report = outcome.final_report();
+    let pairs = report["thread_pairs"].as_array().unwrap();
+    let pair = pairs.iter().find(|p| p["alloc_tid"] == tids[0]).unwrap_or_else(|| panic!("{tids:?}: {report}"));
+    assert_eq!(pair["free_tid"], tids[1]);
+    assert_eq!(pair["frees"], 100);
+    assert_eq!(pair["freed_bytes"], 6400);
+}
