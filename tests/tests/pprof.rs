@@ -1,0 +1,345 @@
+//! pprof profiles read by the reference reader, `go tool pprof`: written by `memprof run`, served
+//! by the daemon, compared with `-base`; `memprof snapshot` and `memprof diff`. The fixture
+//! `pprof_sites.c` knows its bytes and objects per site.
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use memprof_tests::{fixture, http_get, memprof, memprof_bin, site, wait_for, Daemon, Outcome, Waiting};
+use serde_json::Value;
+
+/// A directory of the test's own, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("memprof-pprof-{}-{test}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("creating a scratch directory");
+        Self(dir)
+    }
+
+    fn file(&self, name: &str) -> String {
+        self.0.join(name).to_str().expect("a UTF-8 path").to_string()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `go tool pprof ARGS`, run as root with its caches and downloads in `scratch`.
+fn go_pprof(scratch: &Scratch, args: &[&str]) -> String {
+    let go = Path::new("/usr/bin/go");
+    assert!(
+        go.exists(),
+        "go is missing: `cargo xtask setup` installs golang-go, whose `go tool pprof` these tests use"
+    );
+    let output = Command::new(go)
+        .args(["tool", "pprof"])
+        .args(args)
+        .env("HOME", &scratch.0)
+        .env("GOCACHE", scratch.0.join("gocache"))
+        .env("PPROF_TMPDIR", &scratch.0)
+        .env("GOFLAGS", "")
+        .stdin(Stdio::null())
+        .output()
+        .expect("starting go tool pprof");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "go tool pprof {args:?} failed: {}{stdout}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// What `go tool pprof -top -unit=B` prints: the sample type and each function's flat and
+/// cumulative values, in bytes or objects.
+#[derive(Debug)]
+struct Top {
+    sample_type: String,
+    functions: HashMap<String, (i64, i64)>,
+}
+
+impl Top {
+    fn read(scratch: &Scratch, args: &[&str]) -> Self {
+        let all: Vec<&str> = ["-top", "-unit=B"].iter().chain(args).copied().collect();
+        let text = go_pprof(scratch, &all);
+        let sample_type = text.lines().find_map(|l| l.strip_prefix("Type: ")).unwrap_or_else(|| panic!("{text}"));
+        let rows = text.lines().skip_while(|l| !l.trim_start().starts_with("flat")).skip(1);
+        let value = |v: &str| v.trim_end_matches('B').parse::<i64>().unwrap_or_else(|_| panic!("`{v}` in {text}"));
+        let functions = rows
+            .map(|row| {
+                let columns: Vec<&str> = row.split_whitespace().collect();
+                (columns[5..].join(" "), (value(columns[0]), value(columns[3])))
+            })
+            .collect();
+        Self { sample_type: sample_type.to_string(), functions }
+    }
+
+    /// A function's own (flat) value; 0 when pprof does not list it.
+    fn flat(&self, function: &str) -> i64 {
+        self.functions.get(function).map_or(0, |v| v.0)
+    }
+
+    fn cum(&self, function: &str) -> i64 {
+        self.functions.get(function).map_or(0, |v| v.1)
+    }
+}
+
+/// Phase one's (sample type, function, value), as `pprof_sites.c` describes it. site_d's
+/// blocks are allocated in the function inlined into it.
+const PHASE_ONE: [(&str, &str, i64); 14] = [
+    ("inuse_space", "site_a", 10_000),
+    ("inuse_space", "site_b", 4500),
+    ("inuse_space", "site_c", 0),
+    ("inuse_space", "inlined_alloc (inline)", 6666),
+    ("inuse_objects", "site_a", 10),
+    ("inuse_objects", "site_b", 15),
+    ("inuse_objects", "inlined_alloc (inline)", 3),
+    ("alloc_space", "site_a", 10_000),
+    ("alloc_space", "site_b", 6000),
+    ("alloc_space", "site_c", 777),
+    ("alloc_space", "inlined_alloc (inline)", 6666),
+    ("alloc_objects", "site_b", 20),
+    ("alloc_objects", "site_c", 7),
+    ("alloc_objects", "inlined_alloc (inline)", 3),
+];
+
+fn assert_phase_one(scratch: &Scratch, source: &str) {
+    for (sample_type, function, expected) in PHASE_ONE {
+        let top = Top::read(scratch, &[&format!("-sample_index={sample_type}"), source]);
+        assert_eq!(top.flat(function), expected, "{sample_type} of {function}: {top:?}");
+    }
+    let top = Top::read(scratch, &["-sample_index=inuse_space", source]);
+    assert_eq!(top.cum("site_d"), 6666, "site_d holds what its inlined function allocated: {top:?}");
+    assert_eq!(top.cum("phase_one"), 10_000 + 4500 + 6666, "{top:?}");
+}
+
+/// The GNU build id of an ELF file, as `readelf -n` prints it.
+fn build_id(file: &Path) -> String {
+    let notes = Command::new("readelf").arg("-n").arg(file).output().expect("starting readelf");
+    let text = String::from_utf8_lossy(&notes.stdout).into_owned();
+    text.lines().find_map(|l| l.trim().strip_prefix("Build ID: ")).unwrap_or_else(|| panic!("{text}")).to_string()
+}
+
+#[test]
+fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
+    let scratch = Scratch::new("run");
+    let program = fixture("pprof_sites");
+    let profile = scratch.file("run.pb.gz");
+    let outcome = memprof(&[
+        "run",
+        "--format",
+        "pprof",
+        "--output",
+        &profile,
+        "--interval",
+        "3600",
+        "--",
+        program.to_str().unwrap(),
+    ]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stdout.is_empty(), "the profile goes to the file only");
+    assert_phase_one(&scratch, &profile);
+    assert_eq!(Top::read(&scratch, &[&profile]).sample_type, "inuse_space", "a heap profile shows in-use bytes first");
+
+    let raw = go_pprof(&scratch, &["-raw", &profile]);
+    assert!(
+        raw.contains("alloc_objects/count alloc_space/bytes inuse_objects/count inuse_space/bytes[dflt]"),
+        "Go's heap sample types in Go's order: {raw}"
+    );
+    let mapping = raw
+        .lines()
+        .skip_while(|l| *l != "Mappings")
+        .find(|l| l.contains(program.to_str().unwrap()))
+        .unwrap_or_else(|| panic!("no mapping of the fixture: {raw}"));
+    assert!(mapping.contains(&build_id(&program)), "the mapping carries the ELF's build id: {mapping}");
+    // The inlined function and the one it sits in are two lines of one location.
+    let inlined = raw.lines().position(|l| l.contains(" inlined_alloc pprof_sites.c:")).expect("inlined_alloc's line");
+    assert!(raw.lines().nth(inlined + 1).unwrap().trim().starts_with("site_d pprof_sites.c:"), "{raw}");
+}
+
+/// A line the fixture prints when a phase is done.
+fn wait_line(target: &mut Waiting, expected: &str) {
+    let mut line = String::new();
+    BufReader::new(target.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
+    assert_eq!(line.trim(), expected);
+}
+
+/// `memprof snapshot ARGS`; its stderr must say where the report came from.
+fn snapshot(args: &[&str], from: &str) -> Outcome {
+    let all: Vec<&str> = ["snapshot"].iter().chain(args).copied().collect();
+    let outcome = memprof(&all);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains(from), "{}", outcome.stderr);
+    outcome
+}
+
+/// The sites of `memprof diff --format json` by their allocating function and its caller:
+/// (old bytes, new bytes, delta bytes, old objects, new objects, delta objects).
+fn diff_sites(old: &str, new: &str) -> HashMap<String, [i64; 6]> {
+    let outcome = memprof(&["diff", old, new, "--format", "json"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let diff: Value = serde_json::from_str(&outcome.stdout).expect("diff --format json prints JSON");
+    let number = |site: &Value, key: &str| site[key].as_i64().unwrap_or_else(|| panic!("{key} in {site}"));
+    diff["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .map(|site| {
+            let name = |i: usize| site["frames"][i]["function"].as_str().unwrap_or("").to_string();
+            let keys = ["old_bytes", "new_bytes", "delta_bytes", "old_objects", "new_objects", "delta_objects"];
+            (format!("{} < {}", name(0), name(1)), keys.map(|k| number(site, k)))
+        })
+        .collect()
+}
+
+#[test]
+fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced() {
+    let scratch = Scratch::new("daemon");
+    let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
+    let pid = target.pid().to_string();
+    let daemon = Daemon::start(&["--pid", &pid]);
+    daemon.wait_traced(target.pid());
+    target.go();
+    wait_line(&mut target, "one");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    let shows = |sites: &[(&str, (u64, u64))]| {
+        let report = daemon.get_json(&leaks).1;
+        sites.iter().all(|(function, held)| site(&report, function) == *held).then_some(())
+    };
+    let phase_one = [("site_a", (10_000, 10)), ("site_b", (4500, 15)), ("inlined_alloc", (6666, 3))];
+    wait_for(20, "phase one in the daemon's report", || shows(&phase_one));
+
+    let url = format!("http://127.0.0.1:{}", daemon.port);
+    let heap = format!("{url}/debug/pprof/heap?pid={pid}");
+    assert_phase_one(&scratch, &heap);
+    assert_eq!(Top::read(&scratch, &[&heap]).sample_type, "inuse_space");
+    let allocs = Top::read(&scratch, &[&format!("{url}/debug/pprof/allocs?pid={pid}")]);
+    assert_eq!(allocs.sample_type, "alloc_space");
+    assert_eq!(allocs.flat("site_c"), 777, "a site that freed everything still counts its allocations: {allocs:?}");
+    for (path, status) in
+        [("/debug/pprof/heap", 400), ("/debug/pprof/heap?pid=x", 400), ("/debug/pprof/allocs?pid=1", 404)]
+    {
+        let (answered, body) = http_get(daemon.port, path).expect("the daemon answers");
+        assert_eq!(answered, status, "{path}: {body}");
+        assert!(body.starts_with("{\"error\":"), "{path}: {body}");
+    }
+
+    let from_daemon = format!("is traced by the daemon at {url}");
+    let [old_pb, old_json, new_pb, new_json] =
+        ["old.pb.gz", "old.json", "new.pb.gz", "new.json"].map(|f| scratch.file(f));
+    for file in [&old_pb, &old_json] {
+        snapshot(&["--pid", &pid, "-o", file, "--daemon", &url], &from_daemon);
+    }
+    target.go();
+    wait_line(&mut target, "two");
+    let phase_two = [("site_a", (15_000, 15)), ("site_b", (3000, 10)), ("site_e", (200, 4))];
+    wait_for(20, "phase two in the daemon's report", || shows(&phase_two));
+    for file in [&new_pb, &new_json] {
+        snapshot(&["--pid", &pid, "-o", file, "--daemon", &url], &from_daemon);
+    }
+    assert!(target.child.try_wait().unwrap().is_none(), "the target still runs");
+    assert!(daemon.traced_pids().contains(&(target.pid() as u64)), "and is still traced");
+
+    // Phase two: site_a +5000 B / +5 (from phase_two), site_b -1500 B / -5, site_e +200 B / +4.
+    for (old, new) in [(&old_pb, &new_pb), (&old_json, &new_json), (&old_json, &new_pb)] {
+        let sites = diff_sites(old, new);
+        assert_eq!(sites["site_a < phase_two"], [0, 5000, 5000, 0, 5, 5], "{old} -> {new}: {sites:?}");
+        assert_eq!(sites["site_e < phase_two"], [0, 200, 200, 0, 4, 4]);
+        assert_eq!(sites["site_b < phase_one"], [4500, 3000, -1500, 15, 10, -5]);
+        assert_eq!(sites["site_a < phase_one"], [10_000, 10_000, 0, 10, 10, 0]);
+        assert_eq!(sites["inlined_alloc < site_d"], [6666, 6666, 0, 3, 3, 0]);
+        assert_eq!(sites.len(), 5, "site_c holds nothing in either: {sites:?}");
+    }
+    let table = memprof(&["diff", &old_pb, &new_pb]);
+    let first = table.stdout.lines().nth(2).unwrap_or_default();
+    assert!(
+        first.contains("+5000") && first.contains("site_a (pprof_sites.c:"),
+        "the most grown first: {}",
+        table.stdout
+    );
+
+    let base = Top::read(&scratch, &["-sample_index=inuse_space", "-base", &old_pb, &new_pb]);
+    assert_eq!((base.flat("site_a"), base.flat("site_b"), base.flat("site_e")), (5000, -1500, 200), "{base:?}");
+    assert_eq!(base.flat("inlined_alloc (inline)"), 0, "{base:?}");
+}
+
+#[test]
+fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
+    let scratch = Scratch::new("attach");
+    let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
+    let pid = target.pid().to_string();
+    let output = scratch.file("attached.json");
+    // A port nothing listens on.
+    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
+    let mut memprof = Command::new(memprof_bin())
+        .args(["snapshot", "--pid", &pid, "-o", &output, "--daemon", &nobody, "--duration", "3"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof snapshot");
+    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
+    let mut said = String::new();
+    while !said.contains(&format!("memprof: tracing pid {pid} ")) {
+        assert!(stderr.read_line(&mut said).expect("reading memprof's stderr") > 0, "memprof ended: {said}");
+    }
+    target.go();
+    wait_line(&mut target, "one");
+    assert!(memprof.wait().expect("waiting for memprof").success(), "{said}");
+    stderr.read_to_string(&mut said).expect("reading memprof's stderr");
+    assert!(said.contains(&format!("no memprof daemon answers at {nobody}")), "{said}");
+    assert!(said.contains(&format!("attaching to pid {pid} for 3 s")), "{said}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).expect("one JSON report");
+    assert_eq!(report["final"], true);
+    assert_eq!(site(&report, "site_a"), (10_000, 10));
+    assert_eq!(site(&report, "site_b"), (4500, 15));
+    assert_eq!(site(&report, "inlined_alloc"), (6666, 3));
+    // Still running after memprof detached: it does phase two when asked.
+    target.go();
+    wait_line(&mut target, "two");
+}
+
+/// A failing command's error: one line, naming the problem.
+fn assert_fails(outcome: &Outcome, says: &str) {
+    assert!(!outcome.status.success(), "{outcome:?}");
+    assert_eq!(outcome.stderr.lines().count(), 1, "one line: {}", outcome.stderr);
+    assert!(outcome.stderr.starts_with("memprof: error: ") && outcome.stderr.contains(says), "{}", outcome.stderr);
+}
+
+#[test]
+fn bad_input_is_a_one_line_error() {
+    let scratch = Scratch::new("bad");
+    let missing = scratch.file("missing.json");
+    assert_fails(&memprof(&["diff", &missing, &missing]), "cannot read");
+    let not_a_profile = scratch.file("notes.txt");
+    std::fs::write(&not_a_profile, "heap notes\n").unwrap();
+    assert_fails(
+        &memprof(&["diff", &not_a_profile, &not_a_profile]),
+        "neither a memprof JSON report nor a pprof profile",
+    );
+    let gzipped = scratch.file("other.gz");
+    let gzip = Command::new("gzip").arg(&not_a_profile).status().expect("starting gzip");
+    assert!(gzip.success());
+    std::fs::rename(format!("{not_a_profile}.gz"), &gzipped).unwrap();
+    assert_fails(&memprof(&["diff", &gzipped, &gzipped]), "not a profile.proto");
+    let not_a_report = scratch.file("other.json");
+    std::fs::write(&not_a_report, "{\"hello\": 1}\n").unwrap();
+    assert_fails(&memprof(&["diff", &not_a_report, &not_a_report]), "is not a memprof JSON report");
+    assert_fails(&memprof(&["snapshot", "--pid", "1", "-o", &scratch.file("heap.txt")]), "end it in .pb.gz or .json");
+
+    // Binary to a terminal: `script` gives memprof one.
+    let command = format!("{} run --format pprof -- /bin/true", memprof_bin().display());
+    let on_terminal = Command::new("script").args(["-qec", &command, "/dev/null"]).output().expect("starting script");
+    let said = String::from_utf8_lossy(&on_terminal.stdout);
+    assert!(!on_terminal.status.success(), "{said}");
+    assert!(said.contains("--format pprof writes binary data") && said.contains("--output FILE"), "{said}");
+}
