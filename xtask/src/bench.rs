@@ -1,5 +1,11 @@
 //! `cargo xtask bench`: the cost of tracing a malloc/free loop, memprof side by side with its
-//! peers in one run, written to BENCHMARKS.md as ratios to the untraced loop.
+//! peers in one run, written to BENCHMARKS.md as ratios to the untraced loop; then what unwinding
+//! costs per frame and what its tables take (`unwind`).
+//!
+//! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
+//! report goes to target/bench/BENCHMARKS.md instead.
+
+mod unwind;
 
 use std::{
     fmt::Write as _,
@@ -12,9 +18,25 @@ use anyhow::{bail, Context as _};
 
 use crate::{build_memprof, root, setup};
 
-/// Pairs per run: enough for the slowest peer to take a few seconds.
-const PAIRS: u64 = 200_000;
-const RUNS: usize = 3;
+/// How much to measure.
+#[derive(Clone, Copy)]
+struct Size {
+    /// Pairs per run: by default enough for the slowest peer to take a few seconds.
+    pairs: u64,
+    /// Runs per measurement, of which the median counts.
+    runs: usize,
+    quick: bool,
+}
+
+impl Size {
+    fn from_env() -> Self {
+        if std::env::var_os("MEMPROF_BENCH_QUICK").is_some_and(|v| v != "0") {
+            Size { pairs: 20_000, runs: 1, quick: true }
+        } else {
+            Size { pairs: 200_000, runs: 3, quick: false }
+        }
+    }
+}
 
 /// The classic memleak probe set (bcc's memleak needs kernel headers, which this kernel lacks):
 /// malloc entry and return with a user stack per allocation, free at its symbol.
@@ -40,7 +62,8 @@ struct Measured {
 }
 
 pub fn run() -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace"])?;
+    let size = Size::from_env();
+    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3"])?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
@@ -80,22 +103,34 @@ pub fn run() -> anyhow::Result<()> {
             workload_in_one_arg: true,
         },
     ];
+    let workload = [workload.display().to_string(), size.pairs.to_string()];
     let mut results = Vec::new();
     for tool in &tools {
-        let mut runs = Vec::new();
-        for _ in 0..RUNS {
-            runs.push(measure(tool, &workload)?);
-        }
-        runs.sort_by(|a, b| a.ns_per_pair.total_cmp(&b.ns_per_pair));
-        let median = runs.swap_remove(RUNS / 2);
+        let median = median(tool, &workload, size)?;
         eprintln!("xtask bench: {:<18} {:>9.1} ns per pair", tool.name, median.ns_per_pair);
         results.push((tool, median));
     }
     let kernel_kib = memprof_kernel_memory(&memprof, &dir)?;
-    let report = render(&results, kernel_kib);
-    std::fs::write(root().join("BENCHMARKS.md"), &report)?;
+    let frames = unwind::frame_costs(&memprof, &dir, size)?;
+    let tables = unwind::table_memory(&memprof, &dir)?;
+    let mut report = render(&results, kernel_kib, size);
+    report.push_str(&unwind::render_frame_costs(&frames, size));
+    report.push_str(&unwind::render_table_memory(&tables));
+    let path = if size.quick { dir.join("BENCHMARKS.md") } else { root().join("BENCHMARKS.md") };
+    std::fs::write(&path, &report)?;
     println!("{report}");
+    eprintln!("xtask bench: written to {}", path.display());
     Ok(())
+}
+
+/// The median of `size.runs` runs of `workload` under `tool`.
+fn median(tool: &Tool, workload: &[String], size: Size) -> anyhow::Result<Measured> {
+    let mut runs = Vec::new();
+    for _ in 0..size.runs {
+        runs.push(measure(tool, workload)?);
+    }
+    runs.sort_by(|a, b| a.ns_per_pair.total_cmp(&b.ns_per_pair));
+    Ok(runs.swap_remove(size.runs / 2))
 }
 
 fn memprof_run(memprof: &Path, unwind: &str) -> Vec<String> {
@@ -103,12 +138,13 @@ fn memprof_run(memprof: &Path, unwind: &str) -> Vec<String> {
     std::iter::once(memprof.display().to_string()).chain(args.iter().map(|a| a.to_string())).collect()
 }
 
-fn measure(tool: &Tool, workload: &Path) -> anyhow::Result<Measured> {
+/// One run of `workload` (the program and its arguments) under `tool`.
+fn measure(tool: &Tool, workload: &[String]) -> anyhow::Result<Measured> {
     let mut argv = tool.command.clone();
     if tool.workload_in_one_arg {
-        argv.push(format!("{} {PAIRS}", workload.display()));
+        argv.push(workload.join(" "));
     } else {
-        argv.extend([workload.display().to_string(), PAIRS.to_string()]);
+        argv.extend(workload.iter().cloned());
     }
     let mut command = Command::new(&argv[0]);
     command.args(&argv[1..]);
@@ -169,13 +205,17 @@ fn memprof_kernel_memory(memprof: &Path, dir: &Path) -> anyhow::Result<u64> {
     Ok(kib)
 }
 
-fn render(results: &[(&Tool, Measured)], kernel_kib: u64) -> String {
+fn render(results: &[(&Tool, Measured)], kernel_kib: u64, size: Size) -> String {
     let baseline = results[0].1.ns_per_pair;
+    let (pairs, runs) = (size.pairs, size.runs);
     let mut out = String::from("# Benchmarks\n\n");
+    if size.quick {
+        out.push_str("**A quick run (`MEMPROF_BENCH_QUICK`), to check the bench: too short to compare.**\n\n");
+    }
     let _ = writeln!(
         out,
-        "Written by `cargo xtask bench`. One thread runs {PAIRS} `malloc(16..271)` + `free` pairs (bench/churn.c, `-O2`)\n\
-         under each tool in turn, in one run on one machine; the median of {RUNS} runs. Time is the loop's own\n\
+        "Written by `cargo xtask bench`. One thread runs {pairs} `malloc(16..271)` + `free` pairs (bench/churn.c, `-O2`)\n\
+         under each tool in turn, in one run on one machine; the median of {runs} runs. Time is the loop's own\n\
          (start-up and detach excluded); ratios are to the untraced loop. This machine is a VM with {} cores,\n\
          Linux {}: traps cost more here than on bare metal, so compare ratios, not absolute times.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -198,8 +238,9 @@ fn render(results: &[(&Tool, Measured)], kernel_kib: u64) -> String {
     let _ = writeln!(
         out,
         "\nAttached to an idle process, memprof's BPF maps hold {:.1} MiB of kernel memory at the default sizes,\n\
-         most of it preallocated arrays: the unwind rows (16 MiB, `--max-unwind-rows` scales them) and the\n\
-         recent-frees LRU; the stack tables and other hash maps grow as stacks and allocations appear.\n\n\
+         most of it allocated up front: the live-allocation table's buckets (`--max-live`) and the unwind\n\
+         row array (16 bytes a row, `--max-unwind-rows`); the stack tables and other hash maps grow as\n\
+         stacks and allocations appear.\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
          and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\

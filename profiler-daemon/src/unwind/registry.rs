@@ -42,7 +42,8 @@ struct FileTable {
     first_row: u32,
     rows: u32,
     kind: u32,
-    /// Loadable segments: (file offset, file size, virtual address), to find a mapping's bias.
+    /// Executable loadable segments: (file offset, file size, virtual address), to find a
+    /// mapping's bias.
     segments: Vec<(u64, u64, u64)>,
     /// Traced processes that map the file.
     users: usize,
@@ -70,6 +71,12 @@ pub struct TableUse {
     pub files: usize,
     pub rows: u64,
     pub capacity: u64,
+    /// Executable code the tables cover: the executable segments of the files with CFI tables.
+    pub text_bytes: u64,
+    /// What memprof itself keeps for the tables (rows live only in the kernel's array): its
+    /// records of the files and of which process maps which, with their strings and vectors
+    /// (not the hash tables' spare room).
+    pub held_bytes: u64,
 }
 
 impl Registry {
@@ -90,7 +97,21 @@ impl Registry {
     }
 
     pub fn table_use(&self) -> TableUse {
-        TableUse { files: self.files.len(), rows: self.space.used() as u64, capacity: self.space.capacity() as u64 }
+        let cfi = self.files.values().filter(|file| file.kind == mapping_kind::CFI);
+        let text_bytes = cfi.flat_map(|file| &file.segments).map(|(_, size, _)| size).sum();
+        let key_bytes = |(device, _): &FileKey| size_of::<FileKey>() + device.capacity();
+        let file_bytes = |(key, file): (&FileKey, &FileTable)| {
+            key_bytes(key) + size_of::<FileTable>() + file.segments.capacity() * size_of::<(u64, u64, u64)>()
+        };
+        let held: usize = self.files.iter().map(file_bytes).sum::<usize>()
+            + self.processes.values().flatten().map(key_bytes).sum::<usize>();
+        TableUse {
+            files: self.files.len(),
+            rows: self.space.used() as u64,
+            capacity: self.space.capacity() as u64,
+            text_bytes,
+            held_bytes: held as u64,
+        }
     }
 
     /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
@@ -142,7 +163,17 @@ impl Registry {
             self.release(key);
         }
         self.drop_unused();
+        if used != old {
+            self.log_use();
+        }
         Ok(())
+    }
+
+    /// One line whenever the tables in use change (`cargo xtask bench` reads it).
+    fn log_use(&self) {
+        let TableUse { files, rows, text_bytes, held_bytes, .. } = self.table_use();
+        let kernel_bytes = rows * ROW_STRIDE as u64;
+        tracing::debug!(files, rows, kernel_bytes, text_bytes, held_bytes, "unwind tables in use");
     }
 
     /// The process has exited: its mapping list goes, and the tables no one else uses.
@@ -154,6 +185,7 @@ impl Registry {
             self.release(&key);
         }
         self.drop_unused();
+        self.log_use();
     }
 
     fn release(&mut self, key: &FileKey) {
@@ -244,7 +276,7 @@ impl Registry {
                     .write(*row)
             };
         }
-        tracing::debug!(path, rows = rows.len(), "unwind table built");
+        tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
         Some(FileTable { first_row, rows: rows.len() as u32, kind: mapping_kind::CFI, segments, users: 0 })
     }
 
