@@ -33,14 +33,19 @@ pub fn render(report: &Report) -> String {
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {
-        let _ = writeln!(out, "  {:>12} {:>9} {:>9}  STACK", "BYTES", "COUNT", "OLDEST");
+        let _ = writeln!(out, "  {:>12} {:>9} {:>9} {:>5}  STACK", "BYTES", "COUNT", "OLDEST", "LEAK");
     }
     for stack in &report.stacks {
+        // A leak candidate's score is marked with `!`.
+        let leak = format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " });
         let lead = format!(
-            "  {:>12} {:>9} {:>8.1}s  ",
-            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s
+            "  {:>12} {:>9} {:>8.1}s {:>5}  ",
+            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s, leak
         );
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
+        if stack.leak.candidate {
+            let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), stack.leak.reason);
+        }
     }
     let dropped: Vec<String> =
         report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
