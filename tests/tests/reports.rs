@@ -37,10 +37,16 @@ fn temp_path(name: &str) -> PathBuf {
 
 /// `memprof run --format FORMAT --output FILE --interval 0.2` on the fixture: what it wrote.
 fn run_format(format: &str) -> Vec<u8> {
-    let output = temp_path(&format!("out.{format}"));
+    run_format_with(format, &[])
+}
+
+/// The same with more flags.
+fn run_format_with(format: &str, flags: &[&str]) -> Vec<u8> {
+    let output = temp_path(&format!("out.{format}{}", flags.join("")));
     let program = reports_fixture().to_str().unwrap();
-    let outcome =
-        memprof(&["run", "--format", format, "--output", output.to_str().unwrap(), "--interval", "0.2", "--", program]);
+    let args = ["run", "--format", format, "--output", output.to_str().unwrap(), "--interval", "0.2"];
+    let all: Vec<&str> = args.iter().chain(flags).chain(&["--", program]).copied().collect();
+    let outcome = memprof(&all);
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(outcome.stderr.contains(&format!("({COMM})")), "{}", outcome.stderr);
     let written = std::fs::read(&output).unwrap_or_else(|e| panic!("reading {}: {e}", output.display()));
@@ -273,6 +279,27 @@ fn the_call_tree_filters_as_one_types_and_expands_on_click() {
     page.eval("document.getElementById('tree-expand').click()");
     assert_eq!(page.eval(nodes), 10, "two paths of five frames");
     let _ = std::fs::remove_file(&page_file);
+}
+
+#[test]
+fn sampled_reports_say_their_numbers_are_estimates() {
+    let svg = String::from_utf8(run_format_with("flamegraph", &["--sample-bytes", "4096"])).unwrap();
+    let document = parse_svg(&svg);
+    let subtitle = document.descendants().find(|n| n.attribute("id") == Some("subtitle")).and_then(|n| n.text());
+    let subtitle = subtitle.expect("a subtitle");
+    assert!(subtitle.starts_with("about ") && subtitle.ends_with("estimated from one allocation in every 4096 bytes"));
+
+    let page = temp_path("sampled.html");
+    std::fs::write(&page, run_format_with("html", &["--sample-bytes", "4096"])).unwrap();
+    let dom = dom(&format!("file://{}", page.display()));
+    let _ = std::fs::remove_file(&page);
+    assert_eq!(embedded_report(&dom)["sample_bytes"], 4096);
+    assert!(
+        dom.contains("Sampled: one allocation in every 4,096 bytes is recorded; counts and bytes are estimates."),
+        "{dom}"
+    );
+    let summary = section(&dom, "summary");
+    assert!(summary.contains(">Nothing was dropped.<"), "not every call is recorded: {summary}");
 }
 
 fn dom_of_filter(url: &str, filter: &str) -> String {

@@ -17,7 +17,14 @@ pub fn render(report: &Report) -> Vec<u8> {
     let mut options = Options::default();
     options.title = title;
     let (bytes, allocations) = shown(report);
-    options.subtitle = Some(format!("{bytes} bytes in {allocations} allocations"));
+    options.subtitle = Some(if report.sample_bytes == 0 {
+        format!("{bytes} bytes in {allocations} allocations")
+    } else {
+        format!(
+            "about {bytes} bytes in {allocations} allocations, estimated from one allocation in every {} bytes",
+            report.sample_bytes
+        )
+    });
     options.colors = Palette::Basic(BasicPalette::Mem);
     options.count_name = "bytes".to_string();
     // Colours from the function names: the same function has the same colour in every graph.
@@ -60,6 +67,15 @@ mod tests {
         let svg = text(&samples::report());
         assert!(svg.contains("pid 1 (leaky): in-use bytes"), "{svg}");
         assert!(svg.contains("<title>leak_here (48 bytes, 100.00%)</title>"), "{svg}");
+        assert!(svg.contains(">48 bytes in 1 allocations<"), "{svg}");
+    }
+
+    #[test]
+    fn a_sampled_graph_says_its_bytes_are_estimates() {
+        let mut report = samples::report();
+        report.sample_bytes = 4096;
+        let svg = text(&report);
+        assert!(svg.contains(">about 48 bytes in 1 allocations, estimated from one allocation in every 4096 bytes<"));
     }
 
     #[test]

@@ -18,6 +18,7 @@ function summarySection(report) {
     ['double_frees', 'Double frees', grouped(report.double_frees.length)],
   ].map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
   const lost = Object.values(report.dropped).reduce((sum, n) => sum + n, 0);
+  const recorded = report.sample_bytes ? 'Nothing was dropped.' : 'Nothing was dropped: every allocator call was recorded.';
   const dropped = Object.entries(report.dropped).map(([reason, count]) =>
     el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })));
   return section('summary', 'Totals',
@@ -26,7 +27,7 @@ function summarySection(report) {
       el('div', {},
         el('p', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
           lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
-            : 'Nothing was dropped: every allocator call was recorded.'),
+            : recorded),
         el('table', { id: 'dropped' }, el('tbody', {}, dropped)))));
 }
 
@@ -113,7 +114,9 @@ function render() {
   document.getElementById('app').replaceChildren(
     el('header', {},
       el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
-      el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`)),
+      el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
+      report.sample_bytes ? el('p', { id: 'sampling', class: 'bad' },
+        `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null),
     summarySection(report),
     timelineSection(report),
     leakSection(report),
