@@ -169,6 +169,12 @@ pub fn aged(clock: &Clock, spans: &[AgeSpan], now_ns: u64, min_age_ns: u64) -> (
         .fold((0, 0), |(bytes, count), s| (bytes + s.bytes, count + s.allocations))
 }
 
+/// Bytes of `spans` whose generation began before `time_ns` (the generation that straddles it
+/// included: it may hold a few later allocations too).
+pub fn allocated_before(clock: &Clock, spans: &[AgeSpan], time_ns: u64) -> u64 {
+    spans.iter().filter(|s| clock.start_ns(s.first) < time_ns).map(|s| s.bytes).sum()
+}
+
 /// The earliest time the oldest outstanding allocation can have been made.
 pub fn oldest_ns(clock: &Clock, spans: &[AgeSpan]) -> Option<u64> {
     spans.first().map(|s| clock.start_ns(s.first))

@@ -72,8 +72,9 @@ impl LeakTracker {
                 history.recent.pop_front();
             }
             // The window began when its first point was read.
-            let window_ns = snapshot.now_ns.saturating_sub(history.recent[0].0);
-            let (held_from_before, _) = ages::aged(clock, &stack.ages, snapshot.now_ns, window_ns);
+            let window_start = history.recent[0].0;
+            let window_ns = snapshot.now_ns.saturating_sub(window_start);
+            let held_from_before = ages::allocated_before(clock, &stack.ages, window_start);
             let bytes: Vec<u64> = history.recent.iter().map(|(_, bytes)| *bytes).collect();
             history.verdict = judge(&bytes, held_from_before, self.settings, window_ns);
         }

@@ -30,7 +30,9 @@ fn only_the_leak_is_flagged() {
     let leak = &stack(&last, "leak_steady").unwrap()["leak"];
     assert!(candidate(&last, "leak_steady"), "{leak}");
     assert!(leak["score"].as_f64().unwrap() >= 0.5, "{leak}");
-    assert!(leak["reason"].as_str().unwrap().starts_with("leak candidate: grew in 4 of 4 intervals"), "{leak}");
+    // The final point may come just after the last interval's: then it did not grow in that one.
+    assert!(leak["reason"].as_str().unwrap().starts_with("leak candidate: grew in "), "{leak}");
+    assert!(leak["reason"].as_str().unwrap().contains("still holds 100% of what it held"), "{leak}");
     for kind in ["cache_fill", "churn"] {
         let verdict = &stack(&last, kind).unwrap()["leak"];
         assert_eq!(verdict["candidate"], false, "{kind}: {verdict}");

@@ -15,9 +15,9 @@ pub fn run() -> anyhow::Result<()> {
     crate::compile_c(&source, &server, &["-g", "-O1", "-fno-omit-frame-pointer", "-pthread"])?;
     let mut patient = Command::new(&server).stdout(Stdio::null()).spawn().context("starting the demo server")?;
     let pid = patient.id().to_string();
-    println!("$ sudo memprof attach --pid {pid} --interval 3 --duration 7 --top 3");
+    println!("$ sudo memprof attach --pid {pid} --interval 2 --duration 9 --leak-window 3 --top 3");
     let status = Command::new(&memprof)
-        .args(["attach", "--pid", &pid, "--interval", "3", "--duration", "7", "--top", "3"])
+        .args(["attach", "--pid", &pid, "--interval", "2", "--duration", "9", "--leak-window", "3", "--top", "3"])
         .status()
         .context("starting memprof");
     let _ = patient.kill();
@@ -26,7 +26,7 @@ pub fn run() -> anyhow::Result<()> {
         bail!("memprof failed; it needs root (try: sudo -E cargo xtask demo)");
     }
     println!(
-        "The demo server leaks in two places, and memprof names both: the cache remember() fills is never \
+        "The demo server leaks in two places, and memprof flags both as leak candidates (LEAK ends in !): the cache remember() fills is never \
          trimmed, and sessions from open_session() are not closed on handle_request's error path."
     );
     Ok(())
