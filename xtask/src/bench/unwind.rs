@@ -49,7 +49,12 @@ pub fn frame_costs(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Vec
     }
     let mut costs = Vec::new();
     for mode in MODES {
-        let tool = Tool { name: "memprof", how: "", command: memprof_run(memprof, mode), workload_in_one_arg: false };
+        let tool = Tool {
+            name: "memprof",
+            how: "",
+            command: memprof_run(memprof, &["--unwind", mode]),
+            workload_in_one_arg: false,
+        };
         let mut per_depth = [(0.0, 0.0); 2];
         for (i, depth) in DEPTHS.into_iter().enumerate() {
             per_depth[i] = (untraced[i], median(&tool, &workload(depth), size)?.ns_per_pair);
