@@ -118,7 +118,7 @@ fn the_daemon_exports_the_leak_candidates() {
         let (_, metrics) = http_get(daemon.port, "/metrics")?;
         let line = metrics.lines().find(|l| l.starts_with(&series))?.to_string();
         let bytes: u64 = line.rsplit(' ').next()?.parse().ok()?;
-        (bytes > 0 && bytes % 1000 == 0).then_some(bytes)
+        (bytes > 0 && bytes.is_multiple_of(1000)).then_some(bytes)
     });
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert!(candidate(&report, "leak_steady"), "{report}");
