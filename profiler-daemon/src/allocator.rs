@@ -67,7 +67,8 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
 pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Allocator> {
     let data = fs::read(attach_path).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    let offsets = symbol_file_offsets(&file);
+    let wanted: Vec<&'static str> = AllocFn::ALL.iter().map(|func| func.symbol()).chain(["free"]).collect();
+    let offsets = symbol_file_offsets(&file, &wanted);
     let free_offset = past_null_check(&data, *offsets.get("free")?);
     offsets.get("malloc")?;
     let mut allocs: Vec<ProbePoint> = Vec::new();
@@ -120,10 +121,16 @@ fn past_null_check(data: &[u8], offset: u64) -> u64 {
     }
 }
 
-/// File offsets of the defined allocator symbols, from the dynamic table or, in a static binary,
-/// the full symbol table.
-fn symbol_file_offsets(file: &object::File) -> HashMap<&'static str, u64> {
-    let wanted: Vec<&'static str> = AllocFn::ALL.iter().map(|func| func.symbol()).chain(["free"]).collect();
+/// The file offset of function `name` in the ELF file at `path` (to probe it).
+pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
+    let data = fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    symbol_file_offsets(&file, &[name]).get(name).copied()
+}
+
+/// File offsets of the functions named `wanted` that the file defines, from the dynamic table or,
+/// in a static binary, the full symbol table.
+fn symbol_file_offsets(file: &object::File, wanted: &[&'static str]) -> HashMap<&'static str, u64> {
     let mut offsets = HashMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.kind() != object::SymbolKind::Text {

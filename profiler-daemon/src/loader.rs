@@ -3,21 +3,18 @@
 use std::{collections::HashMap, fs, num::NonZeroU32, path::Path};
 
 use anyhow::Context as _;
-use aya::{
-    programs::{
-        uprobe::{UProbeLinkId, UProbeScope},
-        UProbe,
-    },
-    Ebpf, EbpfLoader,
-};
+use aya::{Ebpf, EbpfLoader};
 
+pub use crate::probes::Attachment;
 use crate::{
     ages::{AgeBook, Clock},
-    allocator::Allocator,
+    allocator::{self, Allocator},
     cli::LoadSettings,
     error::UserError,
+    probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM},
     procfs,
     unwind::{MappingEvents, Registry},
+    uprobe_multi::Point,
 };
 
 /// `ld-linux-x86-64.so.2` and the like, under any directory.
@@ -27,15 +24,14 @@ fn is_dynamic_linker(path: &str) -> bool {
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf"));
 
-const RETURN_PROGRAM: &str = "alloc_return";
-const FREE_PROGRAM: &str = "free";
-const MAPPINGS_PROGRAM: &str = "mappings_changed";
 /// The dynamic linker calls it before and after every change to the loaded libraries.
 const DL_HOOK: &str = "_dl_debug_state";
 
-/// Loaded programs and maps. Dropping it detaches every probe.
+/// Loaded programs and maps; what is attached to each process is its `Attachment`.
 pub struct Loaded {
     pub ebpf: Ebpf,
+    /// How the programs attach: uprobe_multi links, or perf-event uprobes where the kernel lacks them.
+    method: Method,
     /// The unwind tables of the traced processes' files.
     pub unwind: Registry,
     /// Processes that loaded or unloaded libraries.
@@ -93,12 +89,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let mut ebpf = ebpf;
     let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
-    let mut loaded =
-        Loaded { ebpf, unwind, mapping_events, ages: AgeBook::new(clock), mapping_stops_taken: HashMap::new() };
-    for name in program_names() {
-        program(&mut loaded.ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
-    }
-    Ok(loaded)
+    let method = probes::load(&mut ebpf)?;
+    Ok(Loaded { ebpf, method, unwind, mapping_events, ages: AgeBook::new(clock), mapping_stops_taken: HashMap::new() })
 }
 
 /// Capacity of `FREE_STACKS`, where free sites' stacks are kept for double-free reports.
@@ -109,63 +101,22 @@ pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
     sizes.max_stacks.saturating_mul(2)
 }
 
-fn program_names() -> impl Iterator<Item = &'static str> {
-    profiler_common::AllocFn::ALL.iter().map(|func| func.symbol()).chain([
-        RETURN_PROGRAM,
-        FREE_PROGRAM,
-        MAPPINGS_PROGRAM,
-    ])
-}
-
-fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
-    ebpf.program_mut(name)
-        .with_context(|| format!("program {name} missing from the eBPF object"))?
-        .try_into()
-        .with_context(|| format!("program {name} is not a uprobe"))
-}
-
-/// The probes attached for one process, to detach when it is no longer traced.
-#[derive(Debug, Default)]
-pub struct Attachment {
-    links: Vec<(&'static str, UProbeLinkId)>,
-}
-
-impl Attachment {
-    pub fn probes(&self) -> usize {
-        self.links.len()
-    }
-}
-
 impl Loaded {
-    /// Attaches every probe to `allocator` for `pid` only.
+    /// Attaches every probe to `allocator` for `pid` only: the return probes, one entry probe
+    /// per allocation function (its `AllocFn` as cookie), the free probe and the dynamic linker's.
     ///
     /// Return probes go first: an entry probe that fires before its return probe exists would
     /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        let scope = UProbeScope::OneProcess(pid);
         let target = &allocator.attach_path;
-        let points = allocator
-            .allocs
-            .iter()
-            .map(|p| (RETURN_PROGRAM, p.offset))
-            .chain(allocator.allocs.iter().map(|p| (p.func.symbol(), p.offset)))
-            .chain([(FREE_PROGRAM, allocator.free_offset)]);
+        let allocs: Vec<Point> =
+            allocator.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
+        let free = [Point { offset: allocator.free_offset, cookie: 0 }];
         let mut attachment = Attachment::default();
-        for (name, offset) in points {
-            let attached = program(&mut self.ebpf, name).and_then(|program| {
-                program
-                    .attach(offset, target, scope)
-                    .with_context(|| format!("attaching {name} at {}+{offset:#x}", target.display()))
-            });
-            match attached {
-                Ok(link) => attachment.links.push((name, link)),
-                Err(err) => {
-                    self.detach(attachment);
-                    return Err(err);
-                }
-            }
+        for (name, points) in [(RETURN_PROGRAM, &allocs[..]), (ENTRY_PROGRAM, &allocs[..]), (FREE_PROGRAM, &free[..])] {
+            attachment.add(&mut self.ebpf, self.method, name, target, points, pid)?;
         }
         self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
@@ -241,41 +192,26 @@ impl Loaded {
         let Ok(mappings) = procfs::file_mappings(pid.get()) else { return };
         let Some(linker) = mappings.iter().find(|m| m.executable && is_dynamic_linker(&m.path)) else { return };
         let Some(path) = linker.reachable_paths(pid.get()).into_iter().find(|p| Path::new(p).exists()) else { return };
-        let attached = program(&mut self.ebpf, MAPPINGS_PROGRAM)
-            .and_then(|program| Ok(program.attach(DL_HOOK, &path, UProbeScope::OneProcess(pid))?));
-        match attached {
-            Ok(link) => attachment.links.push((MAPPINGS_PROGRAM, link)),
-            Err(err) => tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}"),
+        let path = Path::new(&path);
+        let attached = allocator::function_file_offset(path, DL_HOOK)
+            .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
+            .and_then(|offset| {
+                let hook = [Point { offset, cookie: 0 }];
+                attachment.add(&mut self.ebpf, self.method, MAPPINGS_PROGRAM, path, &hook, pid)
+            });
+        if let Err(err) = attached {
+            tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}");
         }
     }
 
-    /// Detaches one process's probes.
-    ///
-    /// Slow: closing a uprobe's perf event waits for RCU grace periods under a kernel-wide mutex
-    /// (`perf_trace_destroy`), about 90 ms a probe here, and closing several at once from threads
-    /// is no faster (measured). Attaching is cheap; this is one reason memprof keeps to one probe
-    /// per distinct address.
-    ///
-    /// Entry probes go first (the reverse of attaching): an entry probe left without its return
-    /// probe would leave in-flight state that nothing clears.
+    /// Detaches one process's probes (see `probes` for what it costs).
     pub fn detach(&mut self, attachment: Attachment) {
-        drop(self.take_links(attachment));
+        drop(attachment);
     }
 
     /// Detaches one process's probes on a thread of its own, for a process that has exited: the
-    /// caller goes on at once instead of waiting ~90 ms a probe. Join the handle before exiting.
+    /// caller goes on at once. Join the handle before exiting.
     pub fn detach_in_background(&mut self, attachment: Attachment) -> std::thread::JoinHandle<()> {
-        let links = self.take_links(attachment);
-        std::thread::spawn(move || drop(links))
-    }
-
-    /// The links of `attachment`, in the order they are to be dropped.
-    fn take_links(&mut self, attachment: Attachment) -> Vec<aya::programs::uprobe::UProbeLink> {
-        attachment
-            .links
-            .into_iter()
-            .rev()
-            .filter_map(|(name, link)| program(&mut self.ebpf, name).ok()?.take_link(link).ok())
-            .collect()
+        std::thread::spawn(move || drop(attachment))
     }
 }

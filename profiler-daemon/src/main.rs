@@ -12,6 +12,7 @@ mod filter;
 mod format;
 mod leak;
 mod loader;
+mod probes;
 mod procfs;
 mod report;
 mod sampling;
@@ -20,6 +21,7 @@ mod snapshot;
 mod symbolize;
 mod target;
 mod unwind;
+mod uprobe_multi;
 
 use std::process::ExitCode;
 

@@ -15,21 +15,37 @@ mod record;
 mod unwind;
 
 use aya_ebpf::{
+    helpers::bpf_get_attach_cookie,
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
+    EbpfContext,
 };
 use profiler_common::AllocFn;
 
-/// Defines one entry program per allocator function: `$size` and `$ptr` compute the requested size
-/// and the pointer argument to keep (realloc's old pointer, posix_memalign's out-pointer).
-macro_rules! entry_probe {
-    ($name:ident, $func:expr, |$ctx:ident| size: $size:expr, ptr: $ptr:expr) => {
-        #[uprobe]
-        pub fn $name($ctx: ProbeContext) -> u32 {
-            record::on_entry(&$ctx, $func, $size, $ptr);
-            0
-        }
-    };
+/// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
+/// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
+#[uprobe]
+pub fn alloc_entry(ctx: ProbeContext) -> u32 {
+    // SAFETY: the context is the running probe's.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    if let Some(func) = u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
+        let (size, ptr_arg) = entry_arguments(&ctx, func);
+        record::on_entry(&ctx, func, size, ptr_arg);
+    }
+    0
+}
+
+/// The size `func` was asked for, and the pointer argument to keep (realloc's old pointer,
+/// posix_memalign's out-pointer).
+fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
+    match func {
+        AllocFn::Malloc | AllocFn::Valloc | AllocFn::Pvalloc => (arg(ctx, 0), 0),
+        AllocFn::Calloc => (product(arg(ctx, 0), arg(ctx, 1)), 0),
+        AllocFn::Realloc => (arg(ctx, 1), arg(ctx, 0)),
+        AllocFn::Reallocarray => (product(arg(ctx, 1), arg(ctx, 2)), arg(ctx, 0)),
+        AllocFn::PosixMemalign => (arg(ctx, 2), arg(ctx, 0)),
+        AllocFn::AlignedAlloc | AllocFn::Memalign => (arg(ctx, 1), 0),
+    }
 }
 
 fn arg(ctx: &ProbeContext, n: usize) -> u64 {
@@ -50,17 +66,6 @@ fn product(n: u64, size: u64) -> u64 {
     }
     (cross << 32).saturating_add(n_lo * s_lo)
 }
-
-entry_probe!(malloc, AllocFn::Malloc, |ctx| size: arg(&ctx, 0), ptr: 0);
-entry_probe!(calloc, AllocFn::Calloc, |ctx| size: product(arg(&ctx, 0), arg(&ctx, 1)), ptr: 0);
-entry_probe!(realloc, AllocFn::Realloc, |ctx| size: arg(&ctx, 1), ptr: arg(&ctx, 0));
-entry_probe!(reallocarray, AllocFn::Reallocarray,
-    |ctx| size: product(arg(&ctx, 1), arg(&ctx, 2)), ptr: arg(&ctx, 0));
-entry_probe!(posix_memalign, AllocFn::PosixMemalign, |ctx| size: arg(&ctx, 2), ptr: arg(&ctx, 0));
-entry_probe!(aligned_alloc, AllocFn::AlignedAlloc, |ctx| size: arg(&ctx, 1), ptr: 0);
-entry_probe!(memalign, AllocFn::Memalign, |ctx| size: arg(&ctx, 1), ptr: 0);
-entry_probe!(valloc, AllocFn::Valloc, |ctx| size: arg(&ctx, 0), ptr: 0);
-entry_probe!(pvalloc, AllocFn::Pvalloc, |ctx| size: arg(&ctx, 0), ptr: 0);
 
 /// One return program serves every allocator function: `INFLIGHT` says which one returned.
 #[uretprobe]

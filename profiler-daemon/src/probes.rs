@@ -1,0 +1,180 @@
+//! How the programs are attached to a process: one `uprobe_multi` link per program where the kernel
+//! has them, else one perf-event uprobe per probe.
+//!
+//! Detaching is what differs: closing a perf-event uprobe waits for RCU grace periods under a
+//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s, and
+//! closing several at once from threads is no faster (measured). A uprobe_multi link waits for its
+//! grace periods once for all of its probes.
+
+use std::{
+    num::NonZeroU32,
+    os::fd::{AsFd as _, OwnedFd},
+    path::Path,
+};
+
+use anyhow::Context as _;
+use aya::{
+    programs::{
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
+        ProbeKind, UProbe,
+    },
+    Ebpf,
+};
+
+use crate::uprobe_multi::{self, Point};
+
+/// At every allocation function's entry; each probe's cookie is its `AllocFn`.
+pub const ENTRY_PROGRAM: &str = "alloc_entry";
+/// At every allocation function's return.
+pub const RETURN_PROGRAM: &str = "alloc_return";
+pub const FREE_PROGRAM: &str = "free";
+/// At the dynamic linker's `_dl_debug_state`.
+pub const MAPPINGS_PROGRAM: &str = "mappings_changed";
+const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM];
+
+/// `MEMPROF_UPROBE_MULTI=0` makes memprof attach perf-event uprobes even where the kernel has
+/// uprobe_multi links (a troubleshooting switch, see the README).
+const SWITCH: &str = "MEMPROF_UPROBE_MULTI";
+
+/// How probes are attached, decided once when the programs are loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// One uprobe_multi link per program and process (Linux 6.10+, or a stable kernel with the
+    /// process-wide pid filter).
+    MultiLinks,
+    /// One perf-event uprobe per probe.
+    PerfEvents,
+}
+
+/// Loads the programs for uprobe_multi links where the kernel makes them (and `MEMPROF_UPROBE_MULTI`
+/// is not 0), else for perf-event uprobes, saying so in one line.
+pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
+    let fallback = if std::env::var_os(SWITCH).is_some_and(|value| value == "0") {
+        format!("{SWITCH}=0")
+    } else {
+        match load_for_multi_links(ebpf) {
+            Ok(()) => return Ok(Method::MultiLinks),
+            Err(why) => {
+                for name in PROGRAMS {
+                    // Those not loaded yet have nothing to unload.
+                    let _ = program(ebpf, name)?.unload();
+                }
+                format!("{why:#}")
+            }
+        }
+    };
+    tracing::warn!("{fallback}: attaching perf-event uprobes, which take about 90 ms each to detach");
+    for name in PROGRAMS {
+        program(ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
+    }
+    Ok(Method::PerfEvents)
+}
+
+fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    for name in PROGRAMS {
+        program(ebpf, name)?
+            .load_with_attach_type(uprobe_multi::ATTACH_TYPE)
+            .with_context(|| format!("loading program {name} for uprobe_multi links"))?;
+    }
+    Ok(uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?)
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?
+        .try_into()
+        .with_context(|| format!("program {name} is not a uprobe"))
+}
+
+/// The probes attached to one process. Dropping it detaches them: entry probes before return
+/// probes, since an entry probe left without its return probe would leave in-flight state that
+/// nothing clears.
+#[derive(Debug, Default)]
+pub struct Attachment {
+    links: Vec<Link>,
+    probes: usize,
+}
+
+/// Attached probes: detached when dropped.
+#[derive(Debug)]
+struct Link {
+    probes: Probes,
+    at_return: bool,
+}
+
+#[derive(Debug)]
+enum Probes {
+    /// Closing the link's last descriptor detaches its probes.
+    Multi(OwnedFd),
+    /// aya detaches the links it hands out when they are dropped.
+    PerfEvent(UProbeLink),
+}
+
+impl Attachment {
+    /// How many probes are attached (offsets, not links).
+    pub fn probes(&self) -> usize {
+        self.probes
+    }
+
+    /// Attaches program `name` at `points` of the file at `path`, for process `pid` only: at the
+    /// functions' return if the program is a uretprobe.
+    pub fn add(
+        &mut self,
+        ebpf: &mut Ebpf,
+        method: Method,
+        name: &str,
+        path: &Path,
+        points: &[Point],
+        pid: NonZeroU32,
+    ) -> anyhow::Result<()> {
+        let program = program(ebpf, name)?;
+        let at_return = matches!(program.kind(), ProbeKind::Return);
+        let context = || format!("attaching {name} to {}", path.display());
+        match method {
+            Method::MultiLinks => {
+                let link = uprobe_multi::attach(program.fd()?.as_fd(), path, points, at_return, pid.get())
+                    .with_context(context)?;
+                self.links.push(Link { probes: Probes::Multi(link), at_return });
+            }
+            Method::PerfEvents => {
+                for point in points {
+                    let location = UProbeAttachLocation::AbsoluteOffset(point.offset);
+                    let at = UProbeAttachPoint { location, cookie: Some(point.cookie) };
+                    let id = program.attach(at, path, UProbeScope::OneProcess(pid)).with_context(context)?;
+                    self.links.push(Link { probes: Probes::PerfEvent(program.take_link(id)?), at_return });
+                }
+            }
+        }
+        self.probes += points.len();
+        Ok(())
+    }
+}
+
+impl Drop for Attachment {
+    /// Detaches the entry probes' links at once, then the return probes': each uprobe_multi link
+    /// waits for its own grace periods, and links closed together share them.
+    fn drop(&mut self) {
+        let start = std::time::Instant::now();
+        let links = self.links.len();
+        let (returns, entries): (Vec<Link>, Vec<Link>) = self.links.drain(..).partition(|link| link.at_return);
+        detach_together(entries);
+        detach_together(returns);
+        tracing::debug!(probes = self.probes, links, elapsed_ms = start.elapsed().as_millis() as u64, "detached");
+    }
+}
+
+/// Detaches `links`, and returns when all are detached.
+fn detach_together(links: Vec<Link>) {
+    std::thread::scope(|scope| {
+        for link in links {
+            match link.probes {
+                // Links closed at once share their grace periods: one thread each.
+                Probes::Multi(fd) => {
+                    scope.spawn(move || drop(fd));
+                }
+                // Perf events are torn down one at a time under a kernel mutex, whatever the threads.
+                Probes::PerfEvent(link) => drop(link),
+            }
+        }
+    });
+}

@@ -1,0 +1,156 @@
+//! `uprobe_multi` links (Linux 6.6+), made with the raw `bpf(BPF_LINK_CREATE)` syscall: one link
+//! puts one program on many offsets of one file, for one process. Closing the link removes all of
+//! its probes behind one wait for the kernel's grace periods, where perf-event uprobes wait once
+//! per probe, under a kernel-wide lock.
+
+use std::{
+    ffi::{CStr, CString},
+    io,
+    os::{
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::Path,
+};
+
+/// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
+/// loaded with it as their expected attach type.
+pub const ATTACH_TYPE: u32 = 48;
+/// `BPF_LINK_CREATE` of `enum bpf_cmd`.
+const BPF_LINK_CREATE: libc::c_long = 28;
+/// `BPF_F_UPROBE_MULTI_RETURN`: every probe of the link fires at its function's return.
+const RETURN_PROBES: u32 = 1;
+
+/// The `link_create` member of `union bpf_attr` with its `uprobe_multi` variant, field for field as
+/// in include/uapi/linux/bpf.h (the `__aligned_u64` pointers fall on 8-byte offsets unpadded).
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    /// Must be 0 for uprobe_multi.
+    target_fd: u32,
+    attach_type: u32,
+    /// `link_create.flags`; must be 0 for uprobe_multi.
+    flags: u32,
+    /// A NUL-terminated path.
+    path: u64,
+    /// `cnt` file offsets (u64 each).
+    offsets: u64,
+    /// USDT semaphores: none (0).
+    ref_ctr_offsets: u64,
+    /// `cnt` cookies (u64 each), one per offset, read with `bpf_get_attach_cookie`.
+    cookies: u64,
+    cnt: u32,
+    /// `uprobe_multi.flags`: `RETURN_PROBES` or 0.
+    multi_flags: u32,
+    /// The process the probes fire for; 0 for every process.
+    pid: u32,
+    /// The struct's tail padding: zero, as the kernel wants every byte past the fields it knows.
+    _tail: u32,
+}
+
+/// One probe: where in the file, and the cookie its program reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Point {
+    /// A file offset, as uprobes take them (not a virtual address).
+    pub offset: u64,
+    pub cookie: u64,
+}
+
+/// Attaches `program`, loaded with `ATTACH_TYPE`, at `points` of the file at `path`, firing for
+/// process `pid` only (all of its threads), at the functions' entry or, with `at_return`, their
+/// return. Closing the returned link detaches every one of these probes.
+pub fn attach(
+    program: BorrowedFd<'_>,
+    path: &Path,
+    points: &[Point],
+    at_return: bool,
+    pid: u32,
+) -> io::Result<OwnedFd> {
+    let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    let offsets: Vec<u64> = points.iter().map(|p| p.offset).collect();
+    let cookies: Vec<u64> = points.iter().map(|p| p.cookie).collect();
+    link_create(program, &path, &offsets, &cookies, if at_return { RETURN_PROBES } else { 0 }, pid)
+}
+
+/// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` alongside.
+fn link_create(
+    program: BorrowedFd<'_>,
+    path: &CStr,
+    offsets: &[u64],
+    cookies: &[u64],
+    multi_flags: u32,
+    pid: u32,
+) -> io::Result<OwnedFd> {
+    let count = u32::try_from(offsets.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    if cookies.len() != offsets.len() {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    let attr = LinkCreateAttr {
+        prog_fd: program.as_raw_fd() as u32,
+        target_fd: 0,
+        attach_type: ATTACH_TYPE,
+        flags: 0,
+        path: path.as_ptr() as u64,
+        offsets: offsets.as_ptr() as u64,
+        ref_ctr_offsets: 0,
+        cookies: cookies.as_ptr() as u64,
+        cnt: count,
+        multi_flags,
+        pid,
+        _tail: 0,
+    };
+    // SAFETY: `attr` is a valid `union bpf_attr` prefix of the size passed, and the memory its
+    // pointers name outlives the call, which only reads it.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const LinkCreateAttr, size_of::<LinkCreateAttr>())
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Why this kernel's uprobe_multi links cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum Unsupported {
+    #[error("this kernel has no uprobe_multi links (Linux 6.6+): {0}")]
+    Missing(io::Error),
+    #[error("this kernel's uprobe_multi links fire for one thread, not the whole process (fixed in Linux 6.10)")]
+    ThreadFilter,
+}
+
+/// Asks the kernel, as libbpf does, whether it makes uprobe_multi links that fire for every thread
+/// of a process: two links that must fail, on `/`. Where the links exist the first fails with
+/// EBADF (not a regular file); the second, with pid -1, fails with EINVAL before the path is looked
+/// at only where the pid filter is by process (Linux 6.10 and the stable kernels that took the fix;
+/// 6.6 to 6.9 filtered by thread and would miss every other thread's calls).
+pub fn check_support(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
+    let root = c"/";
+    let offsets = [0u64];
+    let cookies = [0u64];
+    match link_create(program, root, &offsets, &cookies, 0, 0) {
+        Err(err) if err.raw_os_error() == Some(libc::EBADF) => {}
+        Err(err) => return Err(Unsupported::Missing(err)),
+        Ok(_link) => return Err(Unsupported::Missing(io::Error::other("a link on / was accepted"))),
+    }
+    match link_create(program, root, &offsets, &cookies, 0, u32::MAX) {
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        _ => Err(Unsupported::ThreadFilter),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attr_has_the_kernels_layout() {
+        // Offsets in include/uapi/linux/bpf.h: the union's variants start at byte 16.
+        assert_eq!(std::mem::offset_of!(LinkCreateAttr, path), 16);
+        assert_eq!(std::mem::offset_of!(LinkCreateAttr, cookies), 40);
+        assert_eq!(std::mem::offset_of!(LinkCreateAttr, cnt), 48);
+        assert_eq!(std::mem::offset_of!(LinkCreateAttr, pid), 56);
+        assert_eq!(size_of::<LinkCreateAttr>(), 64);
+    }
+}
