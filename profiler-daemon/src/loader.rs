@@ -209,8 +209,8 @@ impl Loaded {
         drop(attachment);
     }
 
-    /// Detaches one process's probes on a thread of its own, for a process that has exited: the
-    /// caller goes on at once. Join the handle before exiting.
+    /// Detaches one process's probes on a thread of its own, for a process that has exited or
+    /// when memprof stops: the caller goes on at once. Join the handle before exiting.
     pub fn detach_in_background(&mut self, attachment: Attachment) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || drop(attachment))
     }

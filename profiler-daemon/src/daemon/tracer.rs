@@ -1,6 +1,7 @@
 //! The tracer thread: attaches to the processes the rules match, detaches from those that exit,
 //! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching
-//! takes ~90 ms a probe), so it runs on a thread of its own, not on the async runtime.
+//! takes 0.1 s a process, 1.6 s with perf-event uprobes), so it runs on a thread of its own, not on
+//! the async runtime.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -135,11 +136,11 @@ impl Tracer {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
         }
-        let pids: Vec<u32> = self.targets.keys().copied().collect();
-        for pid in pids {
-            self.detach(pid);
-        }
-        for detaching in self.detaching.drain(..) {
+        // Every target at once: their links, closed together, share the kernel's grace periods.
+        // Nothing is purged, since the maps go with the programs.
+        let stopping: Vec<_> =
+            self.targets.drain().map(|(_, target)| self.loaded.detach_in_background(target.attachment)).collect();
+        for detaching in self.detaching.drain(..).chain(stopping) {
             let _ = detaching.join();
         }
     }
@@ -231,7 +232,7 @@ impl Tracer {
             // Still running (the rules changed): its probes must be gone before its state is.
             self.loaded.detach(target.attachment);
         } else {
-            // Exited: nothing fires any more, and discovery need not wait ~1.6 s for the detach.
+            // Exited: nothing fires any more, and discovery need not wait for the detach.
             self.detaching.retain(|handle| !handle.is_finished());
             self.detaching.push(self.loaded.detach_in_background(target.attachment));
         }
