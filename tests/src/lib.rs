@@ -13,6 +13,8 @@ use std::{
 
 use serde_json::Value;
 
+pub mod probe_links;
+
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
 }
@@ -254,11 +256,17 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    /// `start` with the environment variables `env` set for the daemon.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let child = Command::new(memprof_bin())
             .args(["daemon", "--listen", &listen, "--interval", "1"])
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

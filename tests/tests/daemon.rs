@@ -7,7 +7,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{fixture, free_port, http_get, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, free_port, http_get,
+    probe_links::{self, ProbeLink},
+    site, wait_for, Daemon, Waiting,
+};
 use serde_json::Value;
 
 /// These tests run one at a time: a daemon matching by command name would also trace another
@@ -20,6 +24,18 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 fn target() -> Waiting {
     Waiting::start(&fixture("daemon_target"), &[])
+}
+
+/// A process's probes as memprof attaches them where the kernel has uprobe_multi links, all held
+/// by `holder`: one link per program, for the allocation functions' returns, their entries (as
+/// many), free, and the dynamic linker's hook.
+fn assert_one_link_per_program(links: &[ProbeLink], holder: u32) {
+    assert!(links.iter().all(|link| link.multi && link.holder == holder), "{links:?}");
+    let functions = links.iter().find(|link| link.at_return).map_or(0, |link| link.probes);
+    assert!(functions >= 2, "malloc and more: {links:?}");
+    let mut shapes: Vec<(bool, usize)> = links.iter().map(|link| (link.at_return, link.probes)).collect();
+    shapes.sort();
+    assert_eq!(shapes, [(false, 1), (false, 1), (false, functions), (true, functions)], "{links:?}");
 }
 
 #[test]
@@ -60,6 +76,7 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
     let mut late = target();
     daemon.wait_traced(late.pid());
+    assert_one_link_per_program(&probe_links::probing(late.pid()), daemon.child.id());
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(
         metrics.contains(&format!("memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1", late.pid())),
@@ -72,6 +89,8 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let _ = late.child.kill();
     let _ = late.child.wait();
     wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    // Its links are closed in the background: none is left behind.
+    wait_for(5, "its probes to be detached", || probe_links::probing(pid as u32).is_empty().then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
     for map in ["live", "stack_stats", "stacks", "free_stacks"] {
@@ -100,8 +119,8 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     daemon.signal(libc::SIGTERM);
     let status = daemon.child.wait().unwrap();
     assert!(status.success(), "{status}");
-    // Reported, not asserted (no test asserts a wall-clock time): one target's 17 probes take
-    // about 1.6 s to detach, as the kernel waits ~90 ms per probe.
+    // Reported, not asserted (no test asserts a wall-clock time): a target's links take about
+    // 0.1 s to detach (its 18 perf-event uprobes took 1.6 s), and targets are detached together.
     eprintln!("the daemon stopped {:?} after SIGTERM", stopping.elapsed());
     let mut stderr = String::new();
     std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
@@ -110,7 +129,36 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     let perf = Command::new("bpftool").args(["perf", "list"]).output().expect("bpftool (installed by xtask setup)");
     let perf = String::from_utf8_lossy(&perf.stdout);
     assert!(!perf.contains("uprobe"), "probes left after SIGTERM:\n{perf}");
+    assert_eq!(probe_links::probing(held.pid()), [], "links left after SIGTERM");
     assert!(unsafe { libc::kill(held.pid() as i32, 0) } == 0, "the target keeps running");
+}
+
+/// `MEMPROF_UPROBE_MULTI=0`, the troubleshooting switch, attaches one perf-event uprobe per probe,
+/// as on a kernel without uprobe_multi links, and the counts stay exact.
+#[test]
+fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
+    let _serial = serial();
+    let mut held = target();
+    let pid = held.pid();
+    let mut daemon = Daemon::start_with_env(&["--pid", &pid.to_string()], &[("MEMPROF_UPROBE_MULTI", "0")]);
+    daemon.wait_traced(pid);
+    let links = probe_links::probing(pid);
+    assert!(links.iter().all(|link| !link.multi && link.holder == daemon.child.id()), "{links:?}");
+    let functions = links.iter().filter(|link| link.at_return).count();
+    assert!(functions >= 2, "malloc and more: {links:?}");
+    assert_eq!(links.len(), 2 * functions + 2, "entries and returns, free, the dynamic linker: {links:?}");
+
+    held.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
+    drop(held);
+    // About 90 ms a probe, in the background.
+    wait_for(20, "its probes to be detached", || probe_links::probing(pid).is_empty().then_some(()));
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
 }
 
 /// A Prometheus server (Debian's package) scraping the daemon every second.

@@ -1,0 +1,82 @@
+//! The BPF links that probe a process, found in every process's `/proc/PID/fdinfo`: the kernel
+//! describes each link a descriptor holds there, with more than Debian's bpftool 7.1 shows (it
+//! names a uprobe_multi link only "type 12", without its pid or path).
+
+use std::fs;
+
+/// One BPF link probing a process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeLink {
+    /// The process holding the link.
+    pub holder: u32,
+    /// A uprobe_multi link; else a perf-event uprobe.
+    pub multi: bool,
+    /// Its probes fire at functions' return.
+    pub at_return: bool,
+    /// How many probes the link attaches.
+    pub probes: usize,
+}
+
+/// The links, held by any process, whose probes fire in process `target`: uprobe_multi links
+/// naming its pid, and perf-event uprobes on a file reached through its `/proc/PID/` (as memprof
+/// attaches to a running process's files).
+pub fn probing(target: u32) -> Vec<ProbeLink> {
+    let mut links = Vec::new();
+    let Ok(processes) = fs::read_dir("/proc") else { return links };
+    for holder in processes.flatten().filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok()) {
+        let Ok(fds) = fs::read_dir(format!("/proc/{holder}/fd")) else { continue };
+        for fd in fds.flatten() {
+            if !fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link") {
+                continue;
+            }
+            let Ok(info) = fs::read_to_string(format!("/proc/{holder}/fdinfo/{}", fd.file_name().to_string_lossy()))
+            else {
+                continue;
+            };
+            links.extend(parse(holder, &info).filter(|(_, probed)| *probed == target).map(|(link, _)| link));
+        }
+    }
+    links
+}
+
+/// A uprobe link's description in fdinfo, and the pid it probes.
+fn parse(holder: u32, info: &str) -> Option<(ProbeLink, u32)> {
+    let field = |name: &str| {
+        info.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(':')).map(str::trim).unwrap_or("")
+    };
+    match field("link_type") {
+        kind @ ("uprobe_multi" | "uretprobe_multi") => {
+            let link = ProbeLink {
+                holder,
+                multi: true,
+                at_return: kind == "uretprobe_multi",
+                probes: field("uprobe_cnt").parse().ok()?,
+            };
+            Some((link, field("pid").parse().ok()?))
+        }
+        "perf" => {
+            let at_return = match field("event_type") {
+                "uprobe" => false,
+                "uretprobe" => true,
+                _ => return None,
+            };
+            let probed = field("name").strip_prefix("/proc/")?.split('/').next()?.parse().ok()?;
+            Some((ProbeLink { holder, multi: false, at_return, probes: 1 }, probed))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fdinfo_of_both_kinds_of_link_is_read() {
+        let multi = "link_type:\turetprobe_multi\nlink_id:\t9\nuprobe_cnt:\t8\npid:\t1029\npath:\t/usr/lib/libc.so.6\n";
+        assert_eq!(parse(7, multi), Some((ProbeLink { holder: 7, multi: true, at_return: true, probes: 8 }, 1029)));
+        let perf = "link_type:\tperf\nname:\t/proc/1821/map_files/7f9a-7f9b\noffset:\t0x98930\nevent_type:\tuprobe\n";
+        assert_eq!(parse(7, perf), Some((ProbeLink { holder: 7, multi: false, at_return: false, probes: 1 }, 1821)));
+        assert_eq!(parse(7, "link_type:\ttracing\n"), None);
+    }
+}
