@@ -5,6 +5,7 @@
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead.
 
+mod daemon;
 mod unwind;
 
 use std::{
@@ -119,9 +120,11 @@ pub fn run() -> anyhow::Result<()> {
     let kernel_kib = memprof_kernel_memory(&memprof, &dir)?;
     let frames = unwind::frame_costs(&memprof, &dir, size)?;
     let tables = unwind::table_memory(&memprof, &dir)?;
+    let daemon_cost = daemon::measure(&memprof, &dir, size)?;
     let mut report = render(&results, kernel_kib, size);
     report.push_str(&unwind::render_frame_costs(&frames, size));
     report.push_str(&unwind::render_table_memory(&tables));
+    report.push_str(&daemon::render(&daemon_cost));
     let path = if size.quick { dir.join("BENCHMARKS.md") } else { root().join("BENCHMARKS.md") };
     std::fs::write(&path, &report)?;
     println!("{report}");

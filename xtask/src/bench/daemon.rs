@@ -1,0 +1,146 @@
+//! The daemon's own cost: 10 processes that replace 5,000 blocks a second each (50,000
+//! allocations a second together) while holding 1,000,000 blocks, traced by `memprof daemon` for
+//! a minute: its CPU time and resident memory.
+
+use std::{
+    fmt::Write as _,
+    io::Write as _,
+    io::{BufRead as _, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+
+use super::Size;
+use crate::root;
+
+const PROCESSES: usize = 10;
+const HELD_EACH: u64 = 100_000;
+const REPLACED_PER_SECOND_EACH: u64 = 5_000;
+
+pub struct DaemonCost {
+    settling_s: u64,
+    seconds: f64,
+    /// CPU time of the daemon over the measurement, as a share of one core.
+    cpu_share: f64,
+    max_rss_kib: u64,
+    live: u64,
+}
+
+pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<DaemonCost> {
+    let holder = dir.join("holder");
+    crate::compile_c(&root().join("bench/holder.c"), &holder, &["-O2"])?;
+    let mut holders: Vec<Child> = Vec::new();
+    for _ in 0..PROCESSES {
+        let mut child = Command::new(&holder)
+            .args([HELD_EACH.to_string(), REPLACED_PER_SECOND_EACH.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the holder")?;
+        let mut ready = String::new();
+        BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready)?;
+        holders.push(child);
+    }
+    let result = trace(memprof, &mut holders, size);
+    for mut child in holders {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    result
+}
+
+/// Traces the holders from before their first block, lets them settle, then measures.
+fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<DaemonCost> {
+    let port = 19464;
+    let mut args = vec!["daemon".to_string(), "--listen".into(), format!("127.0.0.1:{port}")];
+    for child in holders.iter() {
+        args.extend(["--pid".to_string(), child.id().to_string()]);
+    }
+    let mut daemon = Command::new(memprof).args(&args).stderr(Stdio::null()).spawn().context("starting the daemon")?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while http_get(port, "/api/v1/targets").is_none_or(|body| body.matches("\"pid\"").count() < holders.len()) {
+        anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace every holder within a minute");
+        thread::sleep(Duration::from_millis(200));
+    }
+    for child in holders.iter_mut() {
+        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+    }
+    let warm_up = Duration::from_secs(if size.quick { 5 } else { 20 });
+    let measured = Duration::from_secs(if size.quick { 10 } else { 60 });
+    thread::sleep(warm_up);
+    let (cpu_before, _) = cpu_and_rss(daemon.id())?;
+    let start = Instant::now();
+    let mut max_rss_kib = 0;
+    while start.elapsed() < measured {
+        thread::sleep(Duration::from_secs(1));
+        max_rss_kib = max_rss_kib.max(cpu_and_rss(daemon.id())?.1);
+    }
+    let (cpu_after, _) = cpu_and_rss(daemon.id())?;
+    let seconds = start.elapsed().as_secs_f64();
+    let live = live_allocations(port).unwrap_or(0);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    Ok(DaemonCost {
+        settling_s: warm_up.as_secs(),
+        seconds,
+        cpu_share: (cpu_after - cpu_before) / seconds,
+        max_rss_kib,
+        live,
+    })
+}
+
+/// CPU seconds used so far (user + system) and resident KiB of `pid`.
+fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which may hold spaces, closed by the last ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')').context("malformed stat")?.1.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    Ok((ticks / hz, rss))
+}
+
+/// Outstanding allocations of all targets, from the daemon's API.
+fn live_allocations(port: u16) -> Option<u64> {
+    let body = http_get(port, "/api/v1/targets")?;
+    let counts = body.split("\"inuse_objects\":").skip(1);
+    Some(counts.filter_map(|rest| rest.split([',', '}']).next()?.parse::<u64>().ok()).sum())
+}
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response.split_once("\r\n\r\n")?.1.to_string())
+}
+
+pub fn render(cost: &DaemonCost) -> String {
+    let mut out = String::from("\n## The daemon's own cost\n\n");
+    let _ = writeln!(
+        out,
+        "`memprof daemon` (default settings, 5 s interval) tracing {PROCESSES} processes that each hold \
+         {HELD_EACH} blocks and replace {REPLACED_PER_SECOND_EACH} of them a second ({} allocations and as many \
+         frees a second together), attached before their first block and measured for {:.0} s after {} s \
+         of settling; {} allocations outstanding at the end.\n",
+        PROCESSES as u64 * REPLACED_PER_SECOND_EACH,
+        cost.seconds,
+        cost.settling_s,
+        cost.live,
+    );
+    out.push_str("| what | measured | target |\n|---|---:|---:|\n");
+    let _ = writeln!(out, "| CPU, share of one core | {:.2}% | 2% |", cost.cpu_share * 100.0);
+    let _ = writeln!(out, "| resident memory, peak | {:.1} MiB | 64 MiB |", cost.max_rss_kib as f64 / 1024.0);
+    out
+}
