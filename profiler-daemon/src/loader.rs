@@ -11,7 +11,7 @@ use crate::{
     allocator::{self, Allocator},
     cli::LoadSettings,
     error::UserError,
-    probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM},
+    probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     procfs,
     unwind::{MappingEvents, Registry},
     uprobe_multi::Point,
@@ -115,7 +115,11 @@ impl Loaded {
             allocator.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
         let free = [Point { offset: allocator.free_offset, cookie: 0 }];
         let mut attachment = Attachment::default();
-        for (name, points) in [(RETURN_PROGRAM, &allocs[..]), (ENTRY_PROGRAM, &allocs[..]), (FREE_PROGRAM, &free[..])] {
+        let programs: &[(&str, &[Point])] = match self.method {
+            Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &free)],
+            _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &free)],
+        };
+        for &(name, points) in programs {
             attachment.add(&mut self.ebpf, self.method, name, target, points, pid)?;
         }
         self.attach_dl_hook(&mut attachment, pid);

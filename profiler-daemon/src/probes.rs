@@ -21,12 +21,14 @@ use aya::{
     Ebpf,
 };
 
-use crate::uprobe_multi::{self, Point};
+use crate::uprobe_multi::{self, Fires, Point};
 
 /// At every allocation function's entry; each probe's cookie is its `AllocFn`.
 pub const ENTRY_PROGRAM: &str = "alloc_entry";
 /// At every allocation function's return.
 pub const RETURN_PROGRAM: &str = "alloc_return";
+/// Entry and return of every allocation function in one uprobe session, instead of the two above.
+pub const SESSION_PROGRAM: &str = "alloc_session";
 pub const FREE_PROGRAM: &str = "free";
 /// At the dynamic linker's `_dl_debug_state`.
 pub const MAPPINGS_PROGRAM: &str = "mappings_changed";
@@ -39,6 +41,9 @@ const SWITCH: &str = "MEMPROF_UPROBE_MULTI";
 /// How probes are attached, decided once when the programs are loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
+    /// uprobe_multi links, with allocation functions in one uprobe session (Linux 6.12+): a call
+    /// that sampled mode does not draw skips its return probe.
+    Sessions,
     /// One uprobe_multi link per program and process (Linux 6.10+, or a stable kernel with the
     /// process-wide pid filter).
     MultiLinks,
@@ -53,7 +58,7 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
         format!("{SWITCH}=0")
     } else {
         match load_for_multi_links(ebpf) {
-            Ok(()) => return Ok(Method::MultiLinks),
+            Ok(()) => return Ok(load_for_sessions(ebpf)),
             Err(why) => {
                 for name in PROGRAMS {
                     // Those not loaded yet have nothing to unload.
@@ -77,6 +82,20 @@ fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<()> {
             .with_context(|| format!("loading program {name} for uprobe_multi links"))?;
     }
     Ok(uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?)
+}
+
+/// Loads the session program where the kernel has uprobe sessions; else allocation functions get
+/// an entry and a return link.
+fn load_for_sessions(ebpf: &mut Ebpf) -> Method {
+    let loaded =
+        program(ebpf, SESSION_PROGRAM).and_then(|p| Ok(p.load_with_attach_type(uprobe_multi::SESSION_ATTACH_TYPE)?));
+    match loaded {
+        Ok(()) => Method::Sessions,
+        Err(why) => {
+            tracing::info!("no uprobe sessions ({why:#}): a sampled call's return probe still fires");
+            Method::MultiLinks
+        }
+    }
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
@@ -131,8 +150,13 @@ impl Attachment {
         let at_return = matches!(program.kind(), ProbeKind::Return);
         let context = || format!("attaching {name} to {}", path.display());
         match method {
-            Method::MultiLinks => {
-                let link = uprobe_multi::attach(program.fd()?.as_fd(), path, points, at_return, pid.get())
+            Method::Sessions | Method::MultiLinks => {
+                let fires = match (name, at_return) {
+                    (SESSION_PROGRAM, _) => Fires::Session,
+                    (_, true) => Fires::AtReturn,
+                    (_, false) => Fires::AtEntry,
+                };
+                let link = uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid.get())
                     .with_context(context)?;
                 self.links.push(Link { probes: Probes::Multi(link), at_return });
             }

@@ -16,6 +16,9 @@ use std::{
 /// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
 /// loaded with it as their expected attach type.
 pub const ATTACH_TYPE: u32 = 48;
+/// `BPF_TRACE_UPROBE_SESSION` (Linux 6.12+): a uprobe_multi link whose program runs at the entry
+/// and at the return, where the entry's non-zero result skips the return.
+pub const SESSION_ATTACH_TYPE: u32 = 57;
 /// `BPF_LINK_CREATE` of `enum bpf_cmd`.
 const BPF_LINK_CREATE: libc::c_long = 28;
 /// `BPF_F_UPROBE_MULTI_RETURN`: every probe of the link fires at its function's return.
@@ -56,20 +59,28 @@ pub struct Point {
     pub cookie: u64,
 }
 
-/// Attaches `program`, loaded with `ATTACH_TYPE`, at `points` of the file at `path`, firing for
-/// process `pid` only (all of its threads), at the functions' entry or, with `at_return`, their
-/// return. Closing the returned link detaches every one of these probes.
-pub fn attach(
-    program: BorrowedFd<'_>,
-    path: &Path,
-    points: &[Point],
-    at_return: bool,
-    pid: u32,
-) -> io::Result<OwnedFd> {
+/// Where a link's program runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fires {
+    AtEntry,
+    AtReturn,
+    /// At the entry and, unless the entry said not to, at the return (`SESSION_ATTACH_TYPE`).
+    Session,
+}
+
+/// Attaches `program`, loaded with `ATTACH_TYPE` (or `SESSION_ATTACH_TYPE` for a session), at
+/// `points` of the file at `path`, firing for process `pid` only (all of its threads). Closing
+/// the returned link detaches every one of these probes.
+pub fn attach(program: BorrowedFd<'_>, path: &Path, points: &[Point], fires: Fires, pid: u32) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
     let offsets: Vec<u64> = points.iter().map(|p| p.offset).collect();
     let cookies: Vec<u64> = points.iter().map(|p| p.cookie).collect();
-    link_create(program, &path, &offsets, &cookies, if at_return { RETURN_PROBES } else { 0 }, pid)
+    let (attach_type, flags) = match fires {
+        Fires::AtEntry => (ATTACH_TYPE, 0),
+        Fires::AtReturn => (ATTACH_TYPE, RETURN_PROBES),
+        Fires::Session => (SESSION_ATTACH_TYPE, 0),
+    };
+    link_create(program, &path, &offsets, &cookies, attach_type, flags, pid)
 }
 
 /// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` alongside.
@@ -78,6 +89,7 @@ fn link_create(
     path: &CStr,
     offsets: &[u64],
     cookies: &[u64],
+    attach_type: u32,
     multi_flags: u32,
     pid: u32,
 ) -> io::Result<OwnedFd> {
@@ -88,7 +100,7 @@ fn link_create(
     let attr = LinkCreateAttr {
         prog_fd: program.as_raw_fd() as u32,
         target_fd: 0,
-        attach_type: ATTACH_TYPE,
+        attach_type,
         flags: 0,
         path: path.as_ptr() as u64,
         offsets: offsets.as_ptr() as u64,
@@ -129,12 +141,12 @@ pub fn check_support(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
     let root = c"/";
     let offsets = [0u64];
     let cookies = [0u64];
-    match link_create(program, root, &offsets, &cookies, 0, 0) {
+    match link_create(program, root, &offsets, &cookies, ATTACH_TYPE, 0, 0) {
         Err(err) if err.raw_os_error() == Some(libc::EBADF) => {}
         Err(err) => return Err(Unsupported::Missing(err)),
         Ok(_link) => return Err(Unsupported::Missing(io::Error::other("a link on / was accepted"))),
     }
-    match link_create(program, root, &offsets, &cookies, 0, u32::MAX) {
+    match link_create(program, root, &offsets, &cookies, ATTACH_TYPE, 0, u32::MAX) {
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(()),
         _ => Err(Unsupported::ThreadFilter),
     }

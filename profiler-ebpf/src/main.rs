@@ -15,23 +15,52 @@ mod record;
 mod unwind;
 
 use aya_ebpf::{
-    helpers::bpf_get_attach_cookie,
+    helpers::{bpf_get_attach_cookie, bpf_get_func_ip},
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
     EbpfContext,
 };
+use core::ffi::c_void;
+
 use profiler_common::AllocFn;
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
 #[uprobe]
 pub fn alloc_entry(ctx: ProbeContext) -> u32 {
+    entry(&ctx);
+    0
+}
+
+/// Records an allocator call's entry; returns whether its return must be seen.
+fn entry(ctx: &ProbeContext) -> bool {
     // SAFETY: the context is the running probe's.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
-    if let Some(func) = u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
-        let (size, ptr_arg) = entry_arguments(&ctx, func);
-        record::on_entry(&ctx, func, size, ptr_arg);
+    match u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
+        Some(func) => {
+            let (size, ptr_arg) = entry_arguments(ctx, func);
+            record::on_entry(ctx, func, size, ptr_arg)
+        }
+        None => false,
     }
+}
+
+/// Entry and return of every allocator function in one uprobe session (Linux 6.12+): at the
+/// entry, returning 1 spares the call its return probe, which a call sampled mode did not draw
+/// does not need. The entry is where the instruction pointer is still the probed function's.
+///
+/// Written out rather than with `#[uprobe]`, whose wrapper always returns 0.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "uprobe")]
+pub fn alloc_session(raw: *mut c_void) -> u32 {
+    let ctx = ProbeContext::new(raw);
+    // SAFETY: the context is the running probe's; at a session's return the registers are those
+    // after the function returned.
+    let (ip, func_ip) = unsafe { ((*ctx.regs).rip, bpf_get_func_ip(ctx.as_ptr())) };
+    if ip == func_ip {
+        return u32::from(!entry(&ctx));
+    }
+    record::on_return(&RetProbeContext::new(ctx.as_ptr()));
     0
 }
 

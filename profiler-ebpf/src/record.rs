@@ -154,7 +154,8 @@ fn stack_pointer(ctx: &ProbeContext) -> u64 {
     }
 }
 
-pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
+/// Returns whether the call's return must be seen (it has in-flight state to settle).
+pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> bool {
     let (tgid, tid) = ids();
     let sp = stack_pointer(ctx);
     if let Some(state) = INFLIGHT.get_ptr_mut(tid) {
@@ -162,13 +163,15 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
         if nested_in(&stale, tgid, sp) {
             // Nested inside another allocator call of this thread: only the outermost one counts.
             unsafe { (*state).depth += 1 };
-            return;
+            return true;
         }
         // Stale: its return will never come. Give back the block a stale realloc had taken.
         count_drop(DropReason::InflightMissing);
         if stale.stashed != 0 {
             let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
         }
+        // Gone now, so that a call not drawn below does not find it again.
+        let _ = INFLIGHT.remove(tid);
     }
     let sample_bytes = sample_bytes(tgid);
     // SAFETY: a helper without arguments.
@@ -176,7 +179,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
     let resizes = ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray);
     if !recorded && !resizes {
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
-        return;
+        return false;
     }
     let mut state = Inflight {
         func: func as u32,
@@ -205,7 +208,9 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) {
         if state.stashed != 0 {
             let _ = LIVE.insert(key, state.stash, 0);
         }
+        return false;
     }
+    true
 }
 
 pub fn on_return(ctx: &RetProbeContext) {
