@@ -4,32 +4,20 @@
    -O2 -fno-omit-frame-pointer: frame pointers and CFI then walk the same frames.
    Usage: deep N DEPTH (DEPTH >= 2). Prints the time per pair. */
 #include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
+
+#include "churn_loop.h"
 
 #define FRAME __attribute__((noinline, noclone))
 #define KEEP_FRAME() __asm__ volatile("" ::: "memory")
 
 static double ns_per_pair;
 
-FRAME void churn(long n) {
-  struct timespec start, end;
-  clock_gettime(CLOCK_MONOTONIC, &start);
-  for (long i = 0; i < n; i++) {
-    char *p = malloc(16 + (i & 255));
-    *(volatile char *)p = 1;
-    free(p);
-  }
-  clock_gettime(CLOCK_MONOTONIC, &end);
-  ns_per_pair = ((end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec)) / n;
-}
-
 /* The asm after the call keeps it a call, not a jump: one frame per level. */
 FRAME void descend(int depth, long n) {
   if (depth > 1)
     descend(depth - 1, n);
   else
-    churn(n);
+    ns_per_pair = churn(n);
   KEEP_FRAME();
 }
 
