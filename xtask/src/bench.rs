@@ -7,6 +7,7 @@
 
 mod daemon;
 mod unwind;
+mod workloads;
 
 use std::{
     fmt::Write as _,
@@ -69,7 +70,7 @@ pub fn run() -> anyhow::Result<()> {
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
     let workload = dir.join("churn");
-    crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2"])?;
+    crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2", "-pthread"])?;
     let heaptrack_out = dir.join("heaptrack.out").display().to_string();
     let tools = [
         Tool { name: "none", how: "the loop alone", command: vec![], workload_in_one_arg: false },
@@ -117,11 +118,16 @@ pub fn run() -> anyhow::Result<()> {
         eprintln!("xtask bench: {:<18} {:>9.1} ns per pair", tool.name, median.ns_per_pair);
         results.push((tool, median));
     }
-    let kernel_kib = memprof_kernel_memory(&memprof, &dir)?;
+    // The peers of the loop, without the frame-pointer row: unwinding is measured below.
+    let peers: Vec<&Tool> = tools.iter().filter(|t| t.name != "memprof --unwind fp").collect();
+    let other_workloads = workloads::prepare(&dir, size)?;
+    let others = workloads::measure(&peers, &other_workloads, size)?;
+    let attached = memprof_attached(&memprof, &dir)?;
     let frames = unwind::frame_costs(&memprof, &dir, size)?;
     let tables = unwind::table_memory(&memprof, &dir)?;
     let daemon_cost = daemon::measure(&memprof, &dir, size)?;
-    let mut report = render(&results, kernel_kib, size);
+    let mut report = render(&results, &attached, size);
+    report.push_str(&workloads::render(&others));
     report.push_str(&unwind::render_frame_costs(&frames, size));
     report.push_str(&unwind::render_table_memory(&tables));
     report.push_str(&daemon::render(&daemon_cost));
@@ -187,18 +193,28 @@ fn measure(tool: &Tool, workload: &[String]) -> anyhow::Result<Measured> {
     Ok(Measured { ns_per_pair, max_rss_kib: usage.ru_maxrss })
 }
 
-/// Kernel memory of memprof's BPF maps at the default sizes, from the maps' fdinfo `memlock`.
-fn memprof_kernel_memory(memprof: &Path, dir: &Path) -> anyhow::Result<u64> {
+/// Attached to an idle process: the kernel memory of memprof's BPF maps at the default sizes (from
+/// the maps' fdinfo `memlock`), the time to attach (start to "tracing"), and to detach (SIGINT to
+/// exit, the final report included).
+struct Attached {
+    kernel_kib: u64,
+    attach_s: f64,
+    detach_s: f64,
+}
+
+fn memprof_attached(memprof: &Path, dir: &Path) -> anyhow::Result<Attached> {
     let sleeper = dir.join("sleeper");
     std::fs::write(dir.join("sleeper.c"), "#include <unistd.h>\nint main(void) { sleep(30); return 0; }\n")?;
     crate::compile_c(&dir.join("sleeper.c"), &sleeper, &[])?;
     let mut target = Command::new(&sleeper).spawn()?;
+    let start = std::time::Instant::now();
     let mut tracer = Command::new(memprof)
         .args(["attach", "--pid", &target.id().to_string(), "--interval", "60", "--output", "/dev/null"])
         .stderr(Stdio::piped())
         .spawn()?;
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(tracer.stderr.as_mut().expect("piped")), &mut line)?;
+    let attach_s = start.elapsed().as_secs_f64();
     let mut kib = 0;
     for fd in std::fs::read_dir(format!("/proc/{}/fdinfo", tracer.id()))?.flatten() {
         let info = std::fs::read_to_string(fd.path()).unwrap_or_default();
@@ -211,13 +227,17 @@ fn memprof_kernel_memory(memprof: &Path, dir: &Path) -> anyhow::Result<u64> {
                 / 1024;
         }
     }
+    let stop = std::time::Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
+    let _ = tracer.wait();
+    let detach_s = stop.elapsed().as_secs_f64();
     let _ = target.kill();
     let _ = target.wait();
-    let _ = tracer.wait();
-    Ok(kib)
+    Ok(Attached { kernel_kib: kib, attach_s, detach_s })
 }
 
-fn render(results: &[(&Tool, Measured)], kernel_kib: u64, size: Size) -> String {
+fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> String {
     let baseline = results[0].1.ns_per_pair;
     let (pairs, runs) = (size.pairs, size.runs);
     let mut out = String::from("# Benchmarks\n\n");
@@ -256,13 +276,17 @@ fn render(results: &[(&Tool, Measured)], kernel_kib: u64, size: Size) -> String 
         "\nAttached to an idle process, memprof's BPF maps hold {:.1} MiB of kernel memory at the default sizes,\n\
          most of it allocated up front: the live-allocation table's buckets (`--max-live`) and the unwind\n\
          row array (16 bytes a row, `--max-unwind-rows`); the stack tables and other hash maps grow as\n\
-         stacks and allocations appear.\n\n\
+         stacks and allocations appear. `memprof attach` took {:.2} s from its start to tracing (loading\n\
+         the programs, building the unwind tables, attaching) and {:.2} s from SIGINT to its exit (the final\n\
+         report and detaching).\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
          and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\
          (an emulated instruction instead of a single-stepped one), which is most of its lead over the\n\
          classic probe set.",
-        kernel_kib as f64 / 1024.0
+        attached.kernel_kib as f64 / 1024.0,
+        attached.attach_s,
+        attached.detach_s,
     );
     out
 }
