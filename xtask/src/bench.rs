@@ -41,10 +41,15 @@ impl Size {
 }
 
 /// The classic memleak probe set (bcc's memleak needs kernel headers, which this kernel lacks):
-/// malloc entry and return with a user stack per allocation, free at its symbol.
+/// as bcc's, malloc, calloc and realloc at entry and return with a user stack per allocation,
+/// free at its symbol (bcc also probes the rarely used aligned allocators).
 const BPFTRACE_MEMLEAK: &str = "\
 uprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc /pid == cpid/ { @size[tid] = arg0; }
 uretprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc /pid == cpid/ { @live[retval] = (@size[tid], ustack); delete(@size[tid]); }
+uprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc /pid == cpid/ { @size[tid] = arg0 * arg1; }
+uretprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc /pid == cpid/ { @live[retval] = (@size[tid], ustack); delete(@size[tid]); }
+uprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ { delete(@live[arg0]); @size[tid] = arg1; }
+uretprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ { @live[retval] = (@size[tid], ustack); delete(@size[tid]); }
 uprobe:/lib/x86_64-linux-gnu/libc.so.6:free /pid == cpid/ { delete(@live[arg0]); }
 END { clear(@live); clear(@size); }";
 
