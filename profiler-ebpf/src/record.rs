@@ -177,7 +177,10 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
     // SAFETY: a helper without arguments.
     let recorded = profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
     let resizes = ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray);
-    if !recorded && !resizes {
+    // A realloc must settle its old block at the return only if that block was recorded.
+    let resizes_recorded =
+        resizes && (recorded || unsafe { LIVE.get(AddrKey { tgid, _pad: 0, addr: ptr_arg }) }.is_some());
+    if !recorded && !resizes_recorded {
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
         return false;
     }
@@ -195,7 +198,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         _pad: 0,
     };
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    if resizes {
+    if resizes_recorded {
         // realloc frees the old block inside the call. Taken out of LIVE now, it cannot be
         // confused with a block another thread gets at the same address before realloc returns.
         if let Some(old) = unsafe { LIVE.get(key) } {
