@@ -131,6 +131,7 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
         pc_is_return: u32::from(regs.pc_is_return),
         // rbp is known at the start; a frame that clobbers it without saving it loses it.
         bp_known: 1,
+        mapping: NO_MAPPING,
     };
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // SAFETY: `step` has the callback signature bpf_loop expects.
@@ -192,6 +193,9 @@ struct Walk {
     /// instruction (at an entry probe, or after a signal frame).
     pc_is_return: u32,
     bp_known: u32,
+    /// The mapping of the last frame: the next frame is most often in the same file, and then
+    /// needs no lookup. Empty (start = end) before the first.
+    mapping: ExecMapping,
 }
 
 /// Records frame `index` and steps to its caller. Returns 1 to stop the loop, 0 to go on.
@@ -222,10 +226,14 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
     }
     // A return address follows its call: the call, and the row that covers it, is before it.
     let address = pc - walk.pc_is_return as u64;
-    let Some(mapping) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
-    else {
-        return end(walk, StackEnd::NoTable);
-    };
+    if !(walk.mapping.start <= address && address < walk.mapping.end) {
+        let Some(found) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
+        else {
+            return end(walk, StackEnd::NoTable);
+        };
+        walk.mapping = *found;
+    }
+    let mapping = &{ walk.mapping };
     let frame_pointers = mapping.kind == mapping_kind::FRAME_POINTERS;
     let Some(row) = row_for(mapping, address, at_entry) else {
         return end(walk, StackEnd::NoTable);
@@ -305,6 +313,8 @@ fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     let entry = mappings.entries.get(base & (MAX_MAPPINGS - 1))?;
     (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
 }
+
+static NO_MAPPING: ExecMapping = ExecMapping { start: 0, end: 0, bias: 0, first_row: 0, rows: 0, kind: 0, _pad: 0 };
 
 /// The frame-pointer rules: CFA = rbp + 16, the caller's rbp saved at CFA - 16. At a function's
 /// first instruction (an entry probe) nothing is pushed yet: CFA = rsp + 8.
