@@ -98,15 +98,7 @@ impl AgeBook {
         ages.frozen_through = ages.frozen_through.max(unfrozen);
         apply_old_frees(ages, stats);
         merge_oldest(&mut ages.frozen);
-        let live = (unfrozen..=now).map(|generation| {
-            let slot = generations::slot(generation);
-            AgeSpan {
-                first: generation,
-                last: generation,
-                bytes: stats.generation_bytes[slot].wrapping_sub(ages.baseline_bytes[slot]),
-                allocations: stats.generation_allocations[slot].wrapping_sub(ages.baseline_allocations[slot]),
-            }
-        });
+        let live = (unfrozen..=now).map(|generation| slot_span(ages, stats, generation));
         ages.frozen.iter().copied().chain(live).filter(|s| s.bytes != 0 || s.allocations != 0).collect()
     }
 
@@ -116,15 +108,21 @@ impl AgeBook {
     }
 }
 
-/// Takes generation `generation`'s slot over: what it holds now is what is left of it.
-fn take_slot(ages: &mut StackAges, stats: &StackStats, generation: u64) -> AgeSpan {
+/// What generation `generation`'s slot holds beyond its baseline: what is left of the generation.
+fn slot_span(ages: &StackAges, stats: &StackStats, generation: u64) -> AgeSpan {
     let slot = generations::slot(generation);
-    let span = AgeSpan {
+    AgeSpan {
         first: generation,
         last: generation,
         bytes: stats.generation_bytes[slot].wrapping_sub(ages.baseline_bytes[slot]),
         allocations: stats.generation_allocations[slot].wrapping_sub(ages.baseline_allocations[slot]),
-    };
+    }
+}
+
+/// Takes generation `generation`'s slot over: what it holds now is what is left of it.
+fn take_slot(ages: &mut StackAges, stats: &StackStats, generation: u64) -> AgeSpan {
+    let span = slot_span(ages, stats, generation);
+    let slot = generations::slot(generation);
     ages.baseline_bytes[slot] = stats.generation_bytes[slot];
     ages.baseline_allocations[slot] = stats.generation_allocations[slot];
     span

@@ -174,13 +174,13 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         let _ = INFLIGHT.remove(tid);
     }
     let sample_bytes = sample_bytes(tgid);
-    // SAFETY: a helper without arguments.
-    let recorded = profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
+    // Full mode records every call without a draw. SAFETY: a helper without arguments.
+    let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
+    let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
     let resizes = ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray);
-    // A realloc must settle its old block at the return only if that block was recorded.
-    let resizes_recorded =
-        resizes && (recorded || unsafe { LIVE.get(AddrKey { tgid, _pad: 0, addr: ptr_arg }) }.is_some());
-    if !recorded && !resizes_recorded {
+    // realloc frees its old block inside the call: a recorded one is settled at the return.
+    let old = if resizes { unsafe { LIVE.get(key) }.copied() } else { None };
+    if !recorded && old.is_none() {
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
         return false;
     }
@@ -197,14 +197,11 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         recorded: u32::from(recorded),
         _pad: 0,
     };
-    let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    if resizes_recorded {
-        // realloc frees the old block inside the call. Taken out of LIVE now, it cannot be
-        // confused with a block another thread gets at the same address before realloc returns.
-        if let Some(old) = unsafe { LIVE.get(key) } {
-            state.stash = *old;
-            state.stashed = u32::from(LIVE.remove(key).is_ok());
-        }
+    if let Some(old) = old {
+        // Taken out of LIVE now, the old block cannot be confused with a block another thread
+        // gets at the same address before realloc returns.
+        state.stash = old;
+        state.stashed = u32::from(LIVE.remove(key).is_ok());
     }
     if INFLIGHT.insert(tid, state, 0).is_err() {
         count_drop(DropReason::InflightMapFull);
@@ -318,7 +315,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
         count_drop(DropReason::MissedFree);
         if let Some(old) = unsafe { LIVE.get(key) }.copied() {
             // When and by whom it was freed is unknown: no lifetime or thread pair for it.
-            count_free(tgid, &old, UNSEEN);
+            count_free(tgid, &old, UNSEEN, alloc.time_ns);
         }
         if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
@@ -367,8 +364,7 @@ const UNSEEN: u32 = 0;
 /// Counts the end of allocation `alloc` in its stack's totals and age generation; when the free
 /// was seen (by thread `freed_by`), in the process's lifetimes, and its thread pair when another
 /// thread freed it.
-fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32) {
-    let now = unsafe { bpf_ktime_get_ns() };
+fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64) {
     // Sampling is never turned off for a process, so its rate is still the one the block had.
     let rate = if alloc.func & SAMPLED != 0 { sample_bytes(tgid) } else { 0 };
     let (count, bytes) = profiler_common::weight(rate, alloc.size);
@@ -393,13 +389,12 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32) {
         }
         None => count_drop(DropReason::StatsMapFull),
     }
-    let tid = freed_by;
-    if tid == UNSEEN {
+    if freed_by == UNSEEN {
         return;
     }
     count_in_histogram(&LIFETIME_HIST, tgid, now.saturating_sub(alloc.time_ns), count);
-    if alloc.tid != tid {
-        let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: tid, _pad: 0 };
+    if alloc.tid != freed_by {
+        let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: freed_by, _pad: 0 };
         match get_or_insert(&THREAD_PAIRS, &key, &EMPTY_PAIR) {
             Some(pair) => {
                 let pair = unsafe { &mut *pair };
@@ -411,23 +406,24 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32) {
     }
 }
 
-fn free_site(probe: Probe, tgid: u32) -> FreeSite {
-    let (_, tid) = ids();
+/// A free by thread `tid` at `time_ns`, with its stack.
+fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
     let stack_id = probe.stack_id(&FREE_STACKS, tgid);
-    FreeSite { time_ns: unsafe { bpf_ktime_get_ns() }, stack_id, tid, _pad: 0 }
+    FreeSite { time_ns, stack_id, tid, _pad: 0 }
 }
 
 /// Counts the free of a block that was live, and remembers it to recognise a second free.
 fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
-    count_free(key.tgid, &alloc, ids().1);
+    let (tid, now) = (ids().1, unsafe { bpf_ktime_get_ns() });
+    count_free(key.tgid, &alloc, tid, now);
     if alloc.func & SAMPLED != 0 {
         // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
         // address would pass for freed twice.
         return;
     }
-    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid) }, 0);
+    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid, tid, now) }, 0);
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
@@ -436,7 +432,8 @@ fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     if let Some(first) = unsafe { RECENT_FREES.get(key) } {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second: free_site(probe, tgid) };
+        let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -242,6 +242,15 @@ fn memprof_attached(memprof: &Path, dir: &Path) -> anyhow::Result<Attached> {
     Ok(Attached { kernel_kib: kib, attach_s, detach_s })
 }
 
+/// Each tool's cost over the untraced run ("none") as a share of the classic probe set's: the
+/// measure the overhead targets are set in.
+fn added_cost_shares(results: &[(&Tool, Measured)]) -> Vec<f64> {
+    let of = |name: &str| results.iter().find(|(t, _)| t.name == name).map(|(_, m)| m.ns_per_pair);
+    let baseline = of("none").unwrap_or(0.0);
+    let classic = of("bpftrace memleak").unwrap_or(f64::NAN);
+    results.iter().map(|(_, m)| (m.ns_per_pair - baseline) / (classic - baseline)).collect()
+}
+
 fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> String {
     let baseline = results[0].1.ns_per_pair;
     let (pairs, runs) = (size.pairs, size.runs);
@@ -262,9 +271,7 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
         "| tool | what it does | ns per pair | × untraced | added cost ÷ classic's | peak RSS (tool + loop) |\n\
          |---|---|---:|---:|---:|---:|\n",
     );
-    // The targets are set against the classic probe set's added cost per pair.
-    let classic = results.iter().find(|(t, _)| t.name == "bpftrace memleak").map_or(baseline, |(_, m)| m.ns_per_pair);
-    for (tool, m) in results {
+    for ((tool, m), share) in results.iter().zip(added_cost_shares(results)) {
         let _ = writeln!(
             out,
             "| {} | {} | {:.1} | {:.1} | {:.2} | {:.1} MiB |",
@@ -272,7 +279,7 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
             tool.how,
             m.ns_per_pair,
             m.ns_per_pair / baseline,
-            (m.ns_per_pair - baseline) / (classic - baseline),
+            share,
             m.max_rss_kib as f64 / 1024.0
         );
     }

@@ -3,7 +3,7 @@
 
 use std::{fmt::Write as _, path::Path};
 
-use super::{median, Measured, Size, Tool};
+use super::{added_cost_shares, median, Measured, Size, Tool};
 use crate::root;
 
 pub struct Workload {
@@ -66,17 +66,11 @@ pub fn render(results: &[Row]) -> String {
          | workload | per | tool | ns | added cost ÷ classic's |\n|---|---|---|---:|---:|\n",
     );
     for (workload, row) in results {
-        let baseline = row.iter().find(|(t, _)| t.name == "none").map_or(0.0, |(_, m)| m.ns_per_pair);
-        let classic = row.iter().find(|(t, _)| t.name == "bpftrace memleak").map_or(baseline, |(_, m)| m.ns_per_pair);
-        for (tool, m) in row {
+        for ((tool, m), share) in row.iter().zip(added_cost_shares(row)) {
             let _ = writeln!(
                 out,
                 "| {} | {} | {} | {:.1} | {:.2} |",
-                workload.name,
-                workload.unit,
-                tool.name,
-                m.ns_per_pair,
-                (m.ns_per_pair - baseline) / (classic - baseline)
+                workload.name, workload.unit, tool.name, m.ns_per_pair, share
             );
         }
     }
