@@ -158,6 +158,9 @@ pub struct DaemonArgs {
     /// Address for /metrics and the HTTP API [default: 127.0.0.1:9464].
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
+    /// TLS and basic auth for the listener, as Prometheus exporters' --web.config.file (YAML).
+    #[arg(long, value_name = "FILE")]
+    pub web_config_file: Option<PathBuf>,
     /// Trace this process (repeatable).
     #[arg(long = "pid", value_name = "N")]
     pub pids: Vec<u32>,

@@ -5,6 +5,7 @@ use std::{fs, net::SocketAddr, path::Path};
 use regex::Regex;
 use serde::Deserialize;
 
+use super::server;
 use crate::{
     cli::{self, DaemonArgs, LoadSettings},
     leak::{LeakSettings, DEFAULT_LEAK},
@@ -34,6 +35,7 @@ struct File {
     unwind: Option<UnwindMode>,
     max_frames: Option<u32>,
     max_unwind_rows: Option<u32>,
+    http: Option<server::SettingsFile>,
 }
 
 /// Which processes to trace.
@@ -75,6 +77,7 @@ pub struct Config {
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
+    pub http: server::Settings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -172,6 +175,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
         return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
+    let http = server::Settings::new(file.http, args.web_config_file.clone())
+        .map_err(|(name, e)| ConfigError::Value(name, e))?;
     Ok(Config {
         listen,
         rules,
@@ -181,6 +186,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         leak,
         sampling,
         maps,
+        http,
     })
 }
 
@@ -201,6 +207,27 @@ mod tests {
         let config = load(&args).unwrap();
         assert_eq!(config.listen.to_string(), "127.0.0.1:9464");
         assert!(config.rules.matches(1, "nginx", &[]));
+        assert_eq!(config.http, server::DEFAULT);
+    }
+
+    #[test]
+    fn the_http_table_sets_the_listeners_limits() {
+        let text = "all = true\n[http]\nmax_connections = 8\nheader_timeout = 0.5\nweb_config_file = \"w.yml\"\n";
+        let http = parse(text, DaemonArgs::default()).unwrap().http;
+        assert_eq!((http.max_connections, http.header_timeout), (8, std::time::Duration::from_millis(500)));
+        assert_eq!(http.write_timeout, server::DEFAULT.write_timeout);
+        let args = DaemonArgs { web_config_file: Some("flag.yml".into()), ..DaemonArgs::default() };
+        assert_eq!(parse(text, args).unwrap().http.web_config_file, Some("flag.yml".into()));
+        for (bad, name) in [
+            ("max_connections = 0", "http.max_connections"),
+            ("header_timeout = 0", "http.header_timeout"),
+            ("max_header_bytes = 10", "http.max_header_bytes"),
+        ] {
+            let err = parse(&format!("all = true\n[http]\n{bad}\n"), DaemonArgs::default()).unwrap_err();
+            assert!(err.to_string().starts_with(&format!("invalid {name}: ")), "{err}");
+        }
+        let err = parse("all = true\n[http]\nnope = 1\n", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().contains("unknown field `nope`"), "{err}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The HTTP listener: /metrics for Prometheus, and a small API and page for the on-call engineer.
-//! Every handler reads the published `DaemonView`; none touches the kernel.
+//! Every handler reads the published `DaemonView`; none touches the kernel. `server` owns the
+//! connections and their limits, `guard` what a request must pass first.
 
 use std::{
     fmt::Write as _,
@@ -12,6 +13,7 @@ use std::{
 use axum::{
     extract::{RawQuery, State},
     http::{header, StatusCode},
+    middleware,
     response::{Html, IntoResponse, Response},
     routing::get,
     Json, Router,
@@ -20,7 +22,8 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 
 use super::{
-    metrics,
+    guard::{self, Guard},
+    metrics, query,
     view::{DaemonView, TargetView},
 };
 use crate::{
@@ -37,8 +40,10 @@ struct Shared {
 
 type AppState = State<Arc<Shared>>;
 
-pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> Router {
-    let shared = Arc::new(Shared { registry: metrics::registry(view.clone()), view, tracer_alive });
+pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>, guard: Guard) -> Router {
+    let mut registry = metrics::registry(view.clone());
+    metrics::register_http(&mut registry, guard.stats.clone());
+    let shared = Arc::new(Shared { registry, view, tracer_alive });
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(scrape))
@@ -53,6 +58,7 @@ pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>) -> R
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path; see / for what memprof serves") })
         .method_not_allowed_fallback(|| async { error(StatusCode::METHOD_NOT_ALLOWED, "only GET is served") })
         .with_state(shared)
+        .layer(middleware::from_fn_with_state(guard, guard::check))
 }
 
 fn read(shared: &Shared) -> DaemonView {
@@ -123,14 +129,7 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
 /// What the tracer published about the process that `query` names as `pid=N`, or the status and
 /// message to refuse with.
 fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<TargetView, (StatusCode, String)> {
-    // Parsed by hand so that any malformed query gets the JSON error body too.
-    let query = query.unwrap_or_default();
-    let Some(pid) = query.split('&').find_map(|pair| pair.strip_prefix("pid=")) else {
-        return Err((StatusCode::BAD_REQUEST, format!("the pid parameter is missing: {path}?pid=N")));
-    };
-    let Ok(pid) = pid.parse::<u32>() else {
-        return Err((StatusCode::BAD_REQUEST, format!("pid `{pid}` is not a process id")));
-    };
+    let pid = query::pid(query.as_deref(), path).map_err(|err| (StatusCode::BAD_REQUEST, err.to_string()))?;
     let view = shared.view.read().unwrap_or_else(|e| e.into_inner());
     match view.targets.get(&pid) {
         Some(target) => Ok(target.clone()),

@@ -11,7 +11,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use super::view::{DaemonView, TargetView};
+use super::{
+    server,
+    view::{DaemonView, TargetView},
+};
 use crate::procfs;
 
 /// The Content-Type of what `encode` returns.
@@ -242,4 +245,41 @@ fn own_usage() -> (f64, f64) {
     let pid = std::process::id();
     let cpu = procfs::stat(pid).map_or(0.0, |s| s.cpu_ticks as f64 / procfs::clock_ticks_per_second());
     (cpu, procfs::resident_bytes(pid) as f64)
+}
+
+/// The HTTP listener's own series, from its counters.
+#[derive(Debug)]
+struct HttpCollector {
+    stats: Arc<server::Stats>,
+}
+
+pub fn register_http(registry: &mut Registry, stats: Arc<server::Stats>) {
+    registry.register_collector(Box::new(HttpCollector { stats }));
+}
+
+impl Collector for HttpCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let e = &mut encoder;
+        let stats = &self.stats;
+        let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+        counters(
+            e,
+            "memprof_http_connections",
+            "Connections accepted by the HTTP listener.",
+            [(vec![], load(&stats.accepted))],
+        )?;
+        gauges(e, "memprof_http_connections_open", "Connections open now.", [(vec![], load(&stats.open))])?;
+        counters(
+            e,
+            "memprof_http_connections_queued",
+            "Connections that found http.max_connections open and waited for one to close.",
+            [(vec![], load(&stats.queued))],
+        )?;
+        counters(
+            e,
+            "memprof_http_refused",
+            "Connections and requests the HTTP listener refused or cut off, by reason.",
+            server::Refusal::ALL.iter().map(|r| (vec![("reason", r.name().to_string())], stats.refused(*r))),
+        )
+    }
 }

@@ -3,21 +3,40 @@
 
 mod config;
 mod discovery;
+mod guard;
 mod http;
 mod metrics;
+mod query;
+mod server;
 mod tracer;
 mod view;
+mod web_config;
 
 use std::sync::{atomic::AtomicBool, mpsc, Arc, RwLock};
 
 use anyhow::Context as _;
 use tokio::signal::unix::{signal, SignalKind};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::cli::DaemonArgs;
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let config = config::load(args)?;
+    let web = match &config.http.web_config_file {
+        Some(path) => web_config::load(path)?,
+        None => web_config::WebConfig::default(),
+    };
+    if !config.listen.ip().is_loopback() && (web.tls.is_none() || web.auth.is_none()) {
+        warn!(
+            "listening on {} without {}: anyone who can reach it can read the traced processes' stacks; see the README's \"Securing the listener\"",
+            config.listen,
+            match (web.tls.is_none(), web.auth.is_none()) {
+                (true, true) => "TLS or basic auth",
+                (true, false) => "TLS",
+                _ => "basic auth",
+            }
+        );
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}; choose another address with --listen", config.listen))?;
@@ -28,11 +47,13 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let tracer_thread = std::thread::Builder::new().name("tracer".into()).spawn(move || tracer.run(receiver))?;
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, http::router(view, alive)).with_graceful_shutdown(async {
+    let stats = Arc::new(server::Stats::default());
+    let app = http::router(view, alive, guard::Guard { stats: stats.clone(), auth: web.auth });
+    let scheme = if web.tls.is_some() { "https" } else { "http" };
+    let server = tokio::spawn(server::serve(listener, app, config.http.clone(), web.tls, stats, async {
         let _ = http_stopped.await;
-    });
-    let server = tokio::spawn(async move { server.await });
-    eprintln!("memprof: daemon serving http://{}/metrics; SIGHUP reloads the config, SIGTERM stops", config.listen);
+    }));
+    eprintln!("memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops", config.listen);
 
     let mut hangup = signal(SignalKind::hangup())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -53,8 +74,6 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let _ = commands.send(tracer::Command::Shutdown);
     let _ = stop_http.send(());
     tokio::task::spawn_blocking(move || tracer_thread.join()).await.ok();
-    if let Ok(Err(err)) = server.await {
-        error!("http server: {err}");
-    }
+    let _ = server.await;
     Ok(0)
 }

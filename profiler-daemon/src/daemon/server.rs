@@ -1,0 +1,360 @@
+//! The HTTP listener's connections: at most `max_connections` served at once (the next ones wait
+//! in the kernel's accept queue), a request head bounded in size and in time, an answer the client
+//! does not read cut off, optional TLS. Each connection refused or cut off is counted in
+//! `memprof_http_refused_total`, so no client is turned away silently.
+//!
+//! It runs on the daemon's async runtime; the tracer has its own thread, so nothing a client does
+//! here slows tracing.
+
+use std::{
+    future::Future,
+    io,
+    path::PathBuf,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
+use serde::Deserialize;
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream},
+    sync::{OwnedSemaphorePermit, Semaphore},
+    time::Sleep,
+};
+use tokio_rustls::TlsAcceptor;
+use tracing::{debug, warn};
+
+use crate::cli;
+
+/// The `[http]` table of the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettingsFile {
+    max_connections: Option<usize>,
+    header_timeout: Option<f64>,
+    write_timeout: Option<f64>,
+    max_header_bytes: Option<usize>,
+    web_config_file: Option<PathBuf>,
+}
+
+/// The listener's limits, fixed when the daemon starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// Connections served at once; more wait in the kernel's accept queue.
+    pub max_connections: usize,
+    /// Time a connection has to send a whole request head, from when it opens or its previous
+    /// answer was sent: it bounds both slow clients and idle kept-alive connections.
+    pub header_timeout: Duration,
+    /// Time an answer may wait for a client that does not read it.
+    pub write_timeout: Duration,
+    /// Request line and headers together; more gets 431.
+    pub max_header_bytes: usize,
+    /// TLS and basic auth, in the format of the Prometheus exporter toolkit's web config.
+    pub web_config_file: Option<PathBuf>,
+}
+
+pub const DEFAULT: Settings = Settings {
+    max_connections: 512,
+    header_timeout: Duration::from_secs(10),
+    write_timeout: Duration::from_secs(10),
+    max_header_bytes: 16 * 1024,
+    web_config_file: None,
+};
+
+/// hyper's smallest read buffer.
+const MIN_BUFFER: usize = 8192;
+const MAX_HEADER_BYTES: usize = 1 << 20;
+
+impl Settings {
+    /// The file's settings over the defaults; `web_config_flag` overrides the file's.
+    pub fn new(file: Option<SettingsFile>, web_config_flag: Option<PathBuf>) -> Result<Self, (&'static str, String)> {
+        let file = file.unwrap_or_default();
+        let seconds = |name, value: Option<f64>, default: Duration| match value {
+            Some(secs) => cli::check_seconds(secs, false).map(Duration::from_secs_f64).map_err(|e| (name, e)),
+            None => Ok(default),
+        };
+        let settings = Self {
+            max_connections: file.max_connections.unwrap_or(DEFAULT.max_connections),
+            header_timeout: seconds("http.header_timeout", file.header_timeout, DEFAULT.header_timeout)?,
+            write_timeout: seconds("http.write_timeout", file.write_timeout, DEFAULT.write_timeout)?,
+            max_header_bytes: file.max_header_bytes.unwrap_or(DEFAULT.max_header_bytes),
+            web_config_file: web_config_flag.or(file.web_config_file),
+        };
+        if settings.max_connections == 0 {
+            return Err(("http.max_connections", "0 would serve nobody; give at least 1".into()));
+        }
+        if !(1024..=MAX_HEADER_BYTES).contains(&settings.max_header_bytes) {
+            return Err(("http.max_header_bytes", format!("give 1024 to {MAX_HEADER_BYTES}")));
+        }
+        Ok(settings)
+    }
+}
+
+/// Why a connection or request was turned away; the `reason` label of `memprof_http_refused_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// accept(2) failed, e.g. out of file descriptors; the connection waits in the kernel's queue.
+    AcceptFailed,
+    TlsHandshake,
+    /// A connection sent nothing within `header_timeout` (new, or kept alive after an answer).
+    IdleTimeout,
+    /// A request head was begun and not finished within `header_timeout`.
+    HeaderTimeout,
+    /// The client did not read its answer for `write_timeout`.
+    WriteTimeout,
+    HeaderTooLarge,
+    Malformed,
+    /// A request with a body: no endpoint takes one.
+    Body,
+    Unauthorized,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 9] = [
+        Refusal::AcceptFailed,
+        Refusal::TlsHandshake,
+        Refusal::IdleTimeout,
+        Refusal::HeaderTimeout,
+        Refusal::WriteTimeout,
+        Refusal::HeaderTooLarge,
+        Refusal::Malformed,
+        Refusal::Body,
+        Refusal::Unauthorized,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Refusal::AcceptFailed => "accept_failed",
+            Refusal::TlsHandshake => "tls_handshake",
+            Refusal::IdleTimeout => "idle_timeout",
+            Refusal::HeaderTimeout => "header_timeout",
+            Refusal::WriteTimeout => "write_timeout",
+            Refusal::HeaderTooLarge => "header_too_large",
+            Refusal::Malformed => "malformed_request",
+            Refusal::Body => "request_body",
+            Refusal::Unauthorized => "unauthorized",
+        }
+    }
+}
+
+/// The listener's counters, exported by `metrics::http_collector`.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub accepted: AtomicU64,
+    pub open: AtomicU64,
+    /// Connections that found `max_connections` open and waited for one to close.
+    pub queued: AtomicU64,
+    refused: [AtomicU64; Refusal::ALL.len()],
+}
+
+impl Stats {
+    pub fn refuse(&self, why: Refusal) {
+        self.refused[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn refused(&self, why: Refusal) -> u64 {
+        self.refused[why as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// Serves `app` on `listener` until `stop` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    settings: Settings,
+    tls: Option<TlsAcceptor>,
+    stats: Arc<Stats>,
+    stop: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(settings.max_connections));
+    let settings = Arc::new(settings);
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut stop => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    stats.refuse(Refusal::AcceptFailed);
+                    warn!("http: accepting a connection failed: {err}; retrying in 100 ms");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        // Waiting here, not accepting, leaves the connections behind this one in the kernel's
+        // accept queue: they are served in order as slots free up.
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                stats.queued.fetch_add(1, Ordering::Relaxed);
+                tokio::select! {
+                    _ = &mut stop => return,
+                    slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+                }
+            }
+        };
+        let connection = Connection { app: app.clone(), settings: settings.clone(), stats: stats.clone(), _slot: slot };
+        tokio::spawn(connection.run(stream, tls.clone()));
+    }
+}
+
+struct Connection {
+    app: Router,
+    settings: Arc<Settings>,
+    stats: Arc<Stats>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Connection {
+    async fn run(self, stream: TcpStream, tls: Option<TlsAcceptor>) {
+        self.stats.open.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(State::default());
+        let stream = Deadline::new(stream, self.settings.write_timeout, state.clone());
+        let result = match tls {
+            None => self.http(stream).await,
+            Some(tls) => match tokio::time::timeout(self.settings.header_timeout, tls.accept(stream)).await {
+                Ok(Ok(stream)) => self.http(stream).await,
+                Ok(Err(err)) => {
+                    debug!("http: TLS handshake failed: {err}");
+                    self.stats.refuse(Refusal::TlsHandshake);
+                    Ok(())
+                }
+                Err(_) => {
+                    self.stats.refuse(Refusal::TlsHandshake);
+                    Ok(())
+                }
+            },
+        };
+        if let Err(err) = result {
+            debug!("http: connection ended: {err}");
+            if let Some(why) = classify(&err, &state) {
+                self.stats.refuse(why);
+            }
+        }
+        self.stats.open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    async fn http<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(&self, stream: S) -> Result<(), hyper::Error> {
+        let buffer = (self.settings.max_header_bytes + 1024).max(MIN_BUFFER);
+        http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.settings.header_timeout)
+            .max_header_size(self.settings.max_header_bytes)
+            .max_buf_size(buffer)
+            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(self.app.clone()))
+            .await
+    }
+}
+
+/// Why hyper ended a connection, when it was a limit (a client that hangs up is not refused).
+fn classify(err: &hyper::Error, state: &State) -> Option<Refusal> {
+    if state.write_timed_out.load(Ordering::Relaxed) {
+        Some(Refusal::WriteTimeout)
+    } else if err.is_timeout() {
+        Some(if state.reading_request.load(Ordering::Relaxed) { Refusal::HeaderTimeout } else { Refusal::IdleTimeout })
+    } else if err.is_parse_too_large() {
+        Some(Refusal::HeaderTooLarge)
+    } else if err.is_parse() {
+        Some(Refusal::Malformed)
+    } else {
+        None
+    }
+}
+
+/// What the socket saw, for `classify`.
+#[derive(Debug, Default)]
+struct State {
+    /// Bytes arrived since the last answer was written: a request is under way.
+    reading_request: AtomicBool,
+    write_timed_out: AtomicBool,
+}
+
+/// The socket, with a deadline on writes that make no progress: hyper has no write timeout, and a
+/// client that never reads its answer would hold its connection slot for ever.
+struct Deadline<S> {
+    inner: S,
+    timeout: Duration,
+    stalled: Option<Pin<Box<Sleep>>>,
+    state: Arc<State>,
+}
+
+impl<S> Deadline<S> {
+    fn new(inner: S, timeout: Duration, state: Arc<State>) -> Self {
+        Self { inner, timeout, stalled: None, state }
+    }
+
+    /// `poll` is a write's outcome: a stall longer than the timeout becomes an error.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.stalled = None;
+            return poll;
+        }
+        let timeout = self.timeout;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if stalled.as_mut().poll(cx).is_ready() {
+            self.state.write_timed_out.store(true, Ordering::Relaxed);
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client stopped reading")));
+        }
+        Poll::Pending
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Deadline<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.state.reading_request.store(true, Ordering::Relaxed);
+        }
+        poll
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Deadline<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(_))) {
+            self.state.reading_request.store(false, Ordering::Relaxed);
+        }
+        self.watch(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(poll, Poll::Ready(Ok(_))) {
+            self.state.reading_request.store(false, Ordering::Relaxed);
+        }
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, poll)
+    }
+}
