@@ -14,6 +14,7 @@ use std::{
 use serde_json::Value;
 
 pub mod probe_links;
+pub mod prometheus;
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
@@ -261,6 +262,15 @@ impl Daemon {
 
     /// `start` with the environment variables `env` set for the daemon.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let daemon = Self::spawn(args, env);
+        let port = daemon.port;
+        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
+        daemon
+    }
+
+    /// Starts the daemon without waiting for it to be ready (for a listener that plain HTTP
+    /// cannot reach).
+    pub fn spawn(args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let child = Command::new(memprof_bin())
@@ -271,9 +281,7 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting memprof daemon");
-        let daemon = Self { child, port };
-        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
-        daemon
+        Self { child, port }
     }
 
     pub fn get_json(&self, path: &str) -> (u16, Value) {

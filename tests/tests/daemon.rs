@@ -3,16 +3,16 @@
 
 use std::{
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use memprof_tests::{
-    fixture, free_port, http_get,
+    fixture, http_get,
     probe_links::{self, ProbeLink},
+    prometheus::Prometheus,
     site, wait_for, Daemon, Waiting,
 };
-use serde_json::Value;
 
 /// These tests run one at a time: a daemon matching by command name would also trace another
 /// test's fixtures, and detaching probes serializes in the kernel, which would skew the timing.
@@ -162,60 +162,6 @@ fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
-}
-
-/// A Prometheus server (Debian's package) scraping the daemon every second.
-struct Prometheus {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl Prometheus {
-    fn start(scrape_port: u16) -> Self {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("memprof-prometheus-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: memprof\n    static_configs:\n      - targets: ['127.0.0.1:{scrape_port}']\n"
-            ),
-        )
-        .unwrap();
-        let child = Command::new("prometheus")
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting prometheus (installed by xtask setup)");
-        Self { child, port, dir }
-    }
-
-    /// The value of an instant query that returns one series.
-    fn query(&self, query: &str) -> Option<f64> {
-        let (_, body) = http_get(self.port, &format!("/api/v1/query?query={}", encode(query)))?;
-        let json: Value = serde_json::from_str(&body).ok()?;
-        json["data"]["result"].as_array()?.first()?["value"][1].as_str()?.parse().ok()
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn encode(query: &str) -> String {
-    query
-        .bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b == b'_' { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
 }
 
 #[test]

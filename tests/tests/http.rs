@@ -1,0 +1,334 @@
+//! The daemon's HTTP listener under hostile clients: oversized requests, more connections than it
+//! serves at once, clients that stall, a thousand scrapes at once; and TLS with basic auth, with a
+//! real Prometheus scraping through them. Tracing must go on exactly through all of it.
+
+use std::{
+    io::{ErrorKind, Read, Write},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{Arc, Barrier},
+    time::Duration,
+};
+
+use memprof_tests::{fixture, http_get, memprof, prometheus::Prometheus, site, wait_for, Daemon, Waiting};
+
+/// One at a time: a thousand scrapes would starve a neighbour's timing-free but deadline-bound waits.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn target() -> Waiting {
+    Waiting::start(&fixture("daemon_target"), &[])
+}
+
+/// A private directory for one test's files.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memprof-http-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A daemon tracing `pid` with `http` as the `[http]` table of its config file.
+fn daemon_with(test: &str, pid: u32, http: &str) -> Daemon {
+    let config = scratch(test).join("memprof.toml");
+    std::fs::write(&config, format!("pids = [{pid}]\n[http]\n{http}")).unwrap();
+    Daemon::start(&["--config", config.to_str().unwrap()])
+}
+
+/// A connection that sent `bytes` and then nothing, with a read timeout as a safety net.
+fn stalled(port: u16, bytes: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connecting");
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stream.write_all(bytes.as_bytes()).unwrap();
+    stream
+}
+
+/// What the server answered to `request`, up to its closing the connection.
+fn exchange(port: u16, request: &str) -> String {
+    let mut stream = stalled(port, request);
+    let mut answer = Vec::new();
+    // A reset after the answer (the server closes with our bytes unread) is fine: the answer came.
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+fn status(answer: &str) -> u16 {
+    answer.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("no status: {answer:?}"))
+}
+
+/// The server closes `stream` (a read ends, not the read timeout).
+fn assert_closed(mut stream: TcpStream) {
+    let mut rest = Vec::new();
+    match stream.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the server did not close a stalled connection: {e}"),
+    }
+}
+
+/// The value of a sample line `series` in /metrics.
+fn metric(port: u16, series: &str) -> u64 {
+    let (_, text) = http_get(port, "/metrics").expect("scraping /metrics");
+    let line = text.lines().find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '));
+    let line = line.unwrap_or_else(|| panic!("{series} missing from /metrics"));
+    line[series.len()..].trim().parse().unwrap()
+}
+
+fn refused(port: u16, reason: &str) -> u64 {
+    metric(port, &format!("memprof_http_refused_total{{reason=\"{reason}\"}}"))
+}
+
+/// The fixture's 50 held blocks, to the byte, through the API.
+fn assert_tracing_exact(daemon: &Daemon, pid: u32) {
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the held blocks, exactly", || {
+        (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(())
+    });
+}
+
+#[test]
+fn oversized_requests_and_bodies_are_refused_with_their_status_and_counted() {
+    let _serial = serial();
+    let mut held = target();
+    let daemon = Daemon::start(&["--pid", &held.pid().to_string()]);
+    let big = "a".repeat(20_000);
+    let answer = exchange(daemon.port, &format!("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\n\r\n"));
+    assert_eq!(status(&answer), 431, "{answer}");
+    let answer = exchange(daemon.port, &format!("GET /metrics?{big} HTTP/1.1\r\nHost: x\r\n\r\n"));
+    assert_eq!(status(&answer), 431, "a long URL counts in the head: {answer}");
+    let many: String = (0..200).map(|i| format!("X-{i}: 1\r\n")).collect();
+    let answer = exchange(daemon.port, &format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{many}\r\n"));
+    assert_eq!(status(&answer), 431, "{answer}");
+    // Bodies are refused at once, even one that is never sent.
+    let answer = exchange(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n");
+    assert_eq!(status(&answer), 413, "{answer}");
+    assert!(answer.contains("take no request body"), "{answer}");
+    let answer = exchange(daemon.port, "POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
+    assert_eq!(status(&answer), 413, "{answer}");
+    let answer = exchange(daemon.port, "NOT HTTP AT ALL\r\n\r\n");
+    assert_eq!(status(&answer), 400, "{answer}");
+
+    assert_eq!(refused(daemon.port, "header_too_large"), 3);
+    assert_eq!(refused(daemon.port, "request_body"), 2);
+    assert_eq!(refused(daemon.port, "malformed_request"), 1);
+    held.go();
+    assert_tracing_exact(&daemon, held.pid());
+}
+
+#[test]
+fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
+    let _serial = serial();
+    let held = target();
+    let daemon = daemon_with("cap", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
+    let stalls: Vec<TcpStream> = (0..4).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\n")).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // Every slot is held by a stalled client: this scrape waits until the first is cut off.
+    let (code, text) = http_get(daemon.port, "/metrics").expect("the scrape waits its turn, then is served");
+    assert_eq!(code, 200);
+    assert!(text.contains("memprof_build_info"), "{text}");
+    for stream in stalls {
+        assert_closed(stream);
+    }
+    assert!(metric(daemon.port, "memprof_http_connections_queued_total") >= 1);
+    assert_eq!(refused(daemon.port, "header_timeout"), 4);
+}
+
+#[test]
+fn slow_clients_are_cut_off_and_do_not_hold_up_scrapes_or_tracing() {
+    let _serial = serial();
+    let mut held = target();
+    let daemon = daemon_with("slow", held.pid(), "header_timeout = 1\nwrite_timeout = 1\n");
+    let half: Vec<TcpStream> =
+        (0..50).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAcc")).collect();
+    let silent: Vec<TcpStream> = (0..50).map(|_| stalled(daemon.port, "")).collect();
+    // A client that asks for thousands of answers and reads none: its answers fill the socket.
+    let mut greedy = stalled(daemon.port, "");
+    let port = daemon.port;
+    let writer = std::thread::spawn(move || {
+        let requests = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(10_000);
+        let _ = greedy.write_all(requests.as_bytes());
+        greedy
+    });
+    held.go();
+    for _ in 0..10 {
+        assert_eq!(http_get(port, "/metrics").expect("a scrape").0, 200);
+    }
+    for stream in half.into_iter().chain(silent) {
+        assert_closed(stream);
+    }
+    wait_for(30, "the greedy client to be cut off", || (refused(port, "write_timeout") == 1).then_some(()));
+    drop(writer.join());
+    assert_eq!(refused(port, "header_timeout"), 50);
+    assert!(refused(port, "idle_timeout") >= 50, "the silent ones, and kept-alive scrapes");
+    assert_tracing_exact(&daemon, held.pid());
+}
+
+#[test]
+fn a_thousand_concurrent_scrapes_all_succeed_while_tracing_goes_on() {
+    let _serial = serial();
+    let mut held = target();
+    let daemon = Daemon::start(&["--pid", &held.pid().to_string()]);
+    const SCRAPES: usize = 1000;
+    let start = Arc::new(Barrier::new(SCRAPES + 1));
+    let port = daemon.port;
+    let scrapers: Vec<_> = (0..SCRAPES)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::Builder::new()
+                .stack_size(64 * 1024)
+                .spawn(move || {
+                    start.wait();
+                    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+                    stream.set_read_timeout(Some(Duration::from_secs(60))).ok()?;
+                    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+                    let mut answer = String::new();
+                    stream.read_to_string(&mut answer).ok()?;
+                    answer.split_whitespace().nth(1)?.parse::<u16>().ok()
+                })
+                .expect("a scraper thread")
+        })
+        .collect();
+    held.go();
+    start.wait();
+    let statuses: Vec<Option<u16>> = scrapers.into_iter().map(|s| s.join().unwrap()).collect();
+    let served = statuses.iter().filter(|s| **s == Some(200)).count();
+    let queued = metric(port, "memprof_http_connections_queued_total");
+    eprintln!("{served} of {SCRAPES} scrapes served, {queued} waited for a free slot");
+    let refusals: Vec<(&str, u64)> = ["accept_failed", "idle_timeout", "header_timeout", "write_timeout"]
+        .into_iter()
+        .map(|reason| (reason, refused(port, reason)))
+        .collect();
+    assert_eq!(served, SCRAPES, "refused: {refusals:?}; statuses: {statuses:?}");
+    assert_tracing_exact(&daemon, held.pid());
+}
+
+/// A self-signed certificate for 127.0.0.1, made by the openssl command.
+fn certificate(dir: &Path) -> PathBuf {
+    let status = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1"])
+        .args(["-subj", "/CN=memprof-test", "-addext", "subjectAltName=IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(dir.join("key.pem"))
+        .arg("-out")
+        .arg(dir.join("cert.pem"))
+        .output()
+        .expect("openssl (installed by xtask setup)");
+    assert!(status.status.success(), "openssl: {}", String::from_utf8_lossy(&status.stderr));
+    dir.join("cert.pem")
+}
+
+/// `curl` over TLS, trusting `ca`; returns (status, headers and body).
+fn curl(ca: &Path, port: u16, path: &str, user: Option<&str>) -> (u16, String) {
+    let mut command = Command::new("curl");
+    command.args(["-sS", "--max-time", "20", "-D", "-", "-w", "\n%{http_code}", "--cacert"]).arg(ca);
+    if let Some(user) = user {
+        command.args(["-u", user]);
+    }
+    let out = command.arg(format!("https://127.0.0.1:{port}{path}")).output().expect("curl (installed by xtask setup)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (answer, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), answer.to_string())
+}
+
+const USER: &str = "prometheus:scrape-secret";
+
+#[test]
+fn tls_and_basic_auth_guard_every_path_and_prometheus_scrapes_through_them() {
+    let _serial = serial();
+    let dir = scratch("tls");
+    let ca = certificate(&dir);
+    let hash = bcrypt::hash("scrape-secret", 4).unwrap();
+    let web = dir.join("web.yml");
+    // Relative file names are relative to the web config's directory, as in the exporter toolkit.
+    std::fs::write(
+        &web,
+        format!("tls_server_config:\n  cert_file: cert.pem\n  key_file: key.pem\nbasic_auth_users:\n  prometheus: '{hash}'\n"),
+    )
+    .unwrap();
+    let mut held = target();
+    let pid = held.pid();
+    let daemon = Daemon::spawn(&["--pid", &pid.to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
+    let port = daemon.port;
+    wait_for(20, "the daemon to be ready over TLS", || {
+        (curl(&ca, port, "/-/ready", Some(USER)).0 == 200).then_some(())
+    });
+    let (code, text) = curl(&ca, port, "/metrics", Some(USER));
+    assert_eq!(code, 200, "{text}");
+    assert!(text.contains("memprof_target_attached"), "{text}");
+
+    for path in ["/metrics", "/-/healthy", "/", &format!("/api/v1/leaks?pid={pid}"), "/no/such/path"] {
+        let (code, text) = curl(&ca, port, path, None);
+        assert_eq!(code, 401, "{path} without credentials: {text}");
+        assert!(text.lines().any(|l| l.to_ascii_lowercase().starts_with("www-authenticate: basic")), "{text}");
+    }
+    assert_eq!(curl(&ca, port, "/metrics", Some("prometheus:wrong")).0, 401, "a wrong password");
+    assert_eq!(curl(&ca, port, "/metrics", Some("alice:scrape-secret")).0, 401, "an unknown user");
+    assert!(http_get(port, "/metrics").is_none_or(|(code, _)| code != 200), "plain HTTP gets nothing");
+
+    held.go();
+    let job = format!(
+        "    scheme: https\n    tls_config:\n      ca_file: {}\n    basic_auth:\n      username: prometheus\n      password: scrape-secret\n",
+        ca.display()
+    );
+    let prometheus = Prometheus::start_with(port, &job);
+    let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\"}}");
+    wait_for(60, &format!("{inuse} == 50000 in Prometheus over TLS"), || {
+        (prometheus.query(&inuse)? == 50_000.0).then_some(())
+    });
+    let (_, text) = curl(&ca, port, "/metrics", Some(USER));
+    let count = |reason: &str| {
+        let series = format!("memprof_http_refused_total{{reason=\"{reason}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(series.as_str())).unwrap().parse::<u64>().unwrap()
+    };
+    assert!(count("unauthorized") >= 7, "{text}");
+    assert!(count("tls_handshake") >= 1, "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_bad_web_config_stops_the_daemon_with_one_line_and_an_open_listener_is_warned_about() {
+    let _serial = serial();
+    let dir = scratch("bad");
+    let cases = [
+        ("missing.yml", None, "cannot read it"),
+        (
+            "nocert.yml",
+            Some("tls_server_config:\n  cert_file: nope.pem\n  key_file: nope.key\n"),
+            "cannot read cert_file",
+        ),
+        ("hash.yml", Some("basic_auth_users:\n  alice: hunter2\n"), "the password of `alice` is not a bcrypt hash"),
+        ("unknown.yml", Some("tls_server_config:\n  client_auth_type: RequireAnyClientCert\n"), "unknown field"),
+    ];
+    for (name, text, expected) in cases {
+        let path = dir.join(name);
+        if let Some(text) = text {
+            std::fs::write(&path, text).unwrap();
+        }
+        let out = memprof(&["daemon", "--pid", "1", "--web-config-file", path.to_str().unwrap()]);
+        assert!(!out.status.success(), "{name}");
+        assert_eq!(out.stderr.lines().count(), 1, "{name}: {}", out.stderr);
+        assert!(out.stderr.starts_with("memprof: error: invalid web config file"), "{name}: {}", out.stderr);
+        assert!(out.stderr.contains(expected), "{name}: {}", out.stderr);
+    }
+
+    let held = target();
+    let port = memprof_tests::free_port();
+    let mut daemon = Command::new(memprof_tests::memprof_bin())
+        .args(["daemon", "--listen", &format!("0.0.0.0:{port}"), "--pid", &held.pid().to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(daemon.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("memprof: daemon serving") {
+        assert!(std::io::BufRead::read_line(&mut stderr, &mut seen).unwrap() > 0, "the daemon ended: {seen}");
+    }
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    assert!(seen.contains("listening on 0.0.0.0") && seen.contains("without TLS or basic auth"), "{seen}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
