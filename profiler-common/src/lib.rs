@@ -243,6 +243,14 @@ pub struct FreedAlloc {
     pub free: FreeSite,
 }
 
+/// A slot of `RECENT_FREES`: which block it remembers (`addr` 0: none), and its free.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RecentFree {
+    pub key: AddrKey,
+    pub freed: FreedAlloc,
+}
+
 /// Sent through the `DOUBLE_FREES` ring buffer: rare, so an event stream is fine here.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -506,6 +514,7 @@ const _: () = {
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
     assert!(core::mem::size_of::<FreeSite>() == 24);
     assert!(core::mem::size_of::<FreedAlloc>() == 56);
+    assert!(core::mem::size_of::<RecentFree>() == 72);
     assert!(core::mem::size_of::<DoubleFreeEvent>() == 96);
     assert!(core::mem::size_of::<StackKey>() == 16);
     assert!(core::mem::size_of::<Stack>() == 16 + 8 * MAX_FRAMES);
@@ -557,6 +566,7 @@ mod pod {
     unsafe impl aya::Pod for ThreadPairKey {}
     unsafe impl aya::Pod for ThreadPairStats {}
     unsafe impl aya::Pod for FreedAlloc {}
+    unsafe impl aya::Pod for RecentFree {}
     unsafe impl aya::Pod for Inflight {}
     unsafe impl aya::Pod for Stack {}
     unsafe impl aya::Pod for UnwindRow {}

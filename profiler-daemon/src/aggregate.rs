@@ -9,11 +9,11 @@ use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::{
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, FreedAlloc, Inflight, LiveAlloc, Log2Histogram, ProcCounters, Stack,
+    AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, RecentFree, Stack,
     StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
 };
 
@@ -161,10 +161,24 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
     })?;
-    batch::for_each(map(ebpf, "RECENT_FREES")?, |key: &AddrKey, freed: &FreedAlloc| {
-        if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
-        if key.tgid == tgid { &mut own_free_stacks } else { &mut shared_free_stacks }.insert(freed.free.stack_id);
+    let mut own_recent_frees = Vec::new();
+    batch::for_each(map(ebpf, "RECENT_FREES")?, |&slot: &u32, recent: &RecentFree| {
+        if recent.key.addr == 0 {
+            return;
+        }
+        let (freed, own) = (&recent.freed, recent.key.tgid == tgid);
+        if own {
+            own_recent_frees.push(slot);
+        }
+        if own { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
+        if own { &mut own_free_stacks } else { &mut shared_free_stacks }.insert(freed.free.stack_id);
     })?;
+    let mut recent_frees: BpfArray<_, RecentFree> =
+        BpfArray::try_from(ebpf.map_mut("RECENT_FREES").context("map RECENT_FREES missing from the eBPF object")?)?;
+    for slot in own_recent_frees {
+        // SAFETY: Pod, valid zeroed: an empty slot.
+        recent_frees.set(slot, unsafe { std::mem::zeroed::<RecentFree>() }, 0)?;
+    }
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
         ebpf: &mut Ebpf,
         name: &str,
@@ -187,7 +201,6 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     // Threads that died inside the allocator leave their in-flight state behind.
     remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| state.tgid == tgid)?;
     remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| k.tgid == tgid)?;
-    remove_matching::<AddrKey, FreedAlloc>(ebpf, "RECENT_FREES", |k, _| k.tgid == tgid)?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
     remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| *k == tgid)?;

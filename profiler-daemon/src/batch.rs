@@ -1,4 +1,4 @@
-//! Reading whole BPF hash maps in batches (`BPF_MAP_LOOKUP_BATCH`).
+//! Reading whole BPF hash maps (and arrays) in batches (`BPF_MAP_LOOKUP_BATCH`).
 //!
 //! Walking a hash map key by key, as aya's iterators do, restarts from the first key whenever the
 //! current key was deleted meanwhile, which happens all the time in a busy process's `LIVE` map:
@@ -33,18 +33,18 @@ struct BatchAttr {
     flags: u64,
 }
 
-/// Calls `visit` with every entry of a hash map. Entries added or removed during the walk may or
+/// Calls `visit` with every entry of a hash map or array. Entries added or removed during the walk may or
 /// may not be seen; none is seen twice.
 pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
-    let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
-        bail!("batch lookups are for hash maps");
+    let (Map::HashMap(data) | Map::LruHashMap(data) | Map::Array(data)) = map else {
+        bail!("batch lookups are for hash maps and arrays");
     };
     let fd = data.fd().as_fd().as_raw_fd();
     let mut chunk = FIRST_CHUNK;
     // SAFETY: Pod types are plain data, valid for any bit pattern, zeros included.
     let (mut keys, mut values): (Vec<K>, Vec<V>) =
         unsafe { (vec![std::mem::zeroed(); chunk], vec![std::mem::zeroed(); chunk]) };
-    // The kernel's batch token for hash maps is a bucket index.
+    // The kernel's batch token is a bucket index for hash maps, an index for arrays.
     let (mut position, mut next): (u32, u32) = (0, 0);
     let mut started = false;
     loop {

@@ -6,14 +6,15 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
     Global,
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
-    ProcCounters, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK, SAMPLED,
+    ProcCounters, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK,
+    SAMPLED,
 };
 
 use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
@@ -30,9 +31,28 @@ static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_P
 static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
 #[map]
 static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
-/// Bounded by design: forgetting the oldest frees only forgets old double-free candidates.
+/// Recent frees, one per slot of an address's hash: a newer free in the same slot forgets an
+/// older one, which only forgets an old double-free candidate. An array, not an LRU hash: a slot
+/// is a few inlined instructions, where an LRU insert per free and a delete per allocation cost
+/// more than the rest of those probes' map work.
 #[map]
-static RECENT_FREES: LruHashMap<AddrKey, FreedAlloc> = LruHashMap::with_max_entries(16_384, 0);
+static RECENT_FREES: Array<RecentFree> = Array::with_max_entries(RECENT_FREE_SLOTS, 0);
+const RECENT_FREE_SLOTS: u32 = 16_384;
+
+/// The slot that remembers a free of `key`.
+fn recent_free(key: &AddrKey) -> Option<&'static mut RecentFree> {
+    let mixed = (key.addr ^ (key.tgid as u64) << 48).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let slot = (mixed >> 40) as u32 % RECENT_FREE_SLOTS;
+    // SAFETY: a map value pointer stays valid while the program runs.
+    RECENT_FREES.get_ptr_mut(slot).map(|slot| unsafe { &mut *slot })
+}
+
+/// Forgets a remembered free of `key`: its address is in use again.
+fn forget_free(key: &AddrKey) {
+    if let Some(slot) = recent_free(key).filter(|slot| slot.key == *key) {
+        slot.key.addr = 0;
+    }
+}
 #[map]
 static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
@@ -225,7 +245,7 @@ pub fn on_return(ctx: &RetProbeContext) {
         count_drop(DropReason::InflightMissing);
         // The call may have returned a block that was freed earlier: it is not freed any more.
         if ret != 0 {
-            let _ = RECENT_FREES.remove(AddrKey { tgid, _pad: 0, addr: ret });
+            forget_free(&AddrKey { tgid, _pad: 0, addr: ret });
         }
         return;
     };
@@ -305,7 +325,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
     };
     let (count, bytes) = profiler_common::weight(sample_bytes, size);
     // The address is in use again: a later free of it is not a double free.
-    let _ = RECENT_FREES.remove(key);
+    forget_free(&key);
     if let Err(err) = LIVE.insert(key, alloc, BPF_NOEXIST as u64) {
         if err != -EEXIST {
             count_drop(DropReason::LiveMapFull);
@@ -423,17 +443,22 @@ fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
         // address would pass for freed twice.
         return;
     }
-    let _ = RECENT_FREES.insert(key, FreedAlloc { alloc, free: free_site(probe, key.tgid, tid, now) }, 0);
+    let free = free_site(probe, key.tgid, tid, now);
+    if let Some(slot) = recent_free(&key) {
+        // Two frees in one slot at once may mix their fields; a double free of either address
+        // would then show the other's stacks, which is all that can go wrong.
+        *slot = RecentFree { key, freed: FreedAlloc { alloc, free } };
+    }
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
 fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
-    if let Some(first) = unsafe { RECENT_FREES.get(key) } {
+    if let Some(first) = recent_free(&key).filter(|slot| slot.key == key).map(|slot| slot.freed) {
         // Also seen when the allocator itself frees what sits in its caches (glibc's
         // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
         let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first: *first, second };
+        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first, second };
         if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
             count_drop(DropReason::DoubleFreeEventLost);
         }

@@ -72,7 +72,21 @@ struct Scratch {
     /// In the map value, not on the BPF stack: the verifier tracks no values in map memory, so
     /// the loop's state looks the same at every frame and `step` is verified only once or twice.
     walk: Walk,
+    window: Window,
     stack: Stack,
+}
+
+/// Bytes of the user stack copied at once. A walk reads two words per frame, all close together:
+/// each `bpf_probe_read_user` costs far more than the bytes it copies, so one copy serves several
+/// frames (on the tight loop, a whole walk).
+const WINDOW_WORDS: usize = 128;
+
+/// A copy of the user stack from `start`, `len` bytes (0: none yet).
+#[repr(C)]
+struct Window {
+    start: u64,
+    len: u64,
+    words: [u64; WINDOW_WORDS],
 }
 
 #[map]
@@ -133,6 +147,7 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
         bp_known: 1,
         mapping: NO_MAPPING,
     };
+    scratch.window.len = 0;
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // SAFETY: `step` has the callback signature bpf_loop expects.
     // One more iteration than frames: an entry probe's first one stores none.
@@ -203,14 +218,14 @@ extern "C" fn step(index: u64, _context: *mut c_void) -> i64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 1 };
     // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile.
     let scratch = unsafe { &mut *scratch };
-    match frame(index as usize, &mut scratch.walk, &mut scratch.stack) {
+    match frame(index as usize, &mut scratch.walk, &mut scratch.window, &mut scratch.stack) {
         Some(()) => 0,
         None => 1,
     }
 }
 
 /// One frame; None when the walk ends (with `walk.end` saying why).
-fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
+fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) -> Option<()> {
     let pc = walk.pc;
     let at_entry = index == 0 && walk.pc_is_return == 0;
     // At an entry probe frame 0 is the allocator itself (free): stacks begin at its caller.
@@ -242,7 +257,7 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
     let cfa = match row.cfa {
         cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
         cfa::RBP if walk.bp_known != 0 => walk.bp.wrapping_add(row.cfa_offset as i64 as u64),
-        cfa::RBP_DEREF if walk.bp_known != 0 => match read(walk.bp.wrapping_add(row.cfa_offset as i64 as u64)) {
+        cfa::RBP_DEREF if walk.bp_known != 0 => match window.read(walk.bp.wrapping_add(row.cfa_offset as i64 as u64)) {
             Some(cfa) => cfa,
             None => return end(walk, StackEnd::ReadFailed),
         },
@@ -250,16 +265,18 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
         cfa::END => return end(walk, StackEnd::Complete),
         cfa::SIGNAL => {
             // The kernel saved the interrupted registers in the signal frame's ucontext.
-            let (Some(pc), Some(sp), Some(bp)) = (read(sp + UC_RIP), read(sp + UC_RSP), read(sp + UC_RBP)) else {
-                return end(walk, StackEnd::ReadFailed);
-            };
+            // One read at a time: a tuple of reads leaves the verifier an unwritten register
+            // on the path where an early one failed.
+            let Some(pc) = window.read(sp + UC_RIP) else { return end(walk, StackEnd::ReadFailed) };
+            let Some(bp) = window.read(sp + UC_RBP) else { return end(walk, StackEnd::ReadFailed) };
+            let Some(sp) = window.read(sp + UC_RSP) else { return end(walk, StackEnd::ReadFailed) };
             (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc, sp, bp, 1, 0);
             return Some(());
         }
         cfa::NONE => return end(walk, StackEnd::NoTable),
         _ => return end(walk, StackEnd::BadRule),
     };
-    let Some(return_address) = read(cfa - 8) else {
+    let Some(return_address) = window.read(cfa - 8) else {
         return end(walk, StackEnd::ReadFailed);
     };
     // Where the caller's rbp was saved: relative to the CFA, or to this frame's rbp (a
@@ -270,7 +287,7 @@ fn frame(index: usize, walk: &mut Walk, stack: &mut Stack) -> Option<()> {
         _ => None,
     };
     match saved_at {
-        Some(base) => match read(base.wrapping_add(row.rbp_offset as i64 as u64)) {
+        Some(base) => match window.read(base.wrapping_add(row.rbp_offset as i64 as u64)) {
             Some(saved) => (walk.bp, walk.bp_known) = (saved, 1),
             None => return end(walk, StackEnd::ReadFailed),
         },
@@ -291,8 +308,30 @@ fn end(walk: &mut Walk, why: StackEnd) -> Option<()> {
     None
 }
 
-fn read(address: u64) -> Option<u64> {
-    unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+impl Window {
+    /// The word at `address`: from the copy when it holds it, else from a new copy starting there.
+    fn read(&mut self, address: u64) -> Option<u64> {
+        let offset = address.wrapping_sub(self.start);
+        if offset.is_multiple_of(8) && offset < self.len {
+            return self.words.get((offset / 8) as usize & (WINDOW_WORDS - 1)).copied();
+        }
+        let size = core::mem::size_of_val(&self.words) as u32;
+        // SAFETY: the destination is this window's words, `size` bytes long.
+        let copied = unsafe {
+            aya_ebpf::helpers::generated::bpf_probe_read_user(
+                self.words.as_mut_ptr().cast(),
+                size,
+                address as *const c_void,
+            )
+        };
+        if copied == 0 {
+            (self.start, self.len) = (address, size as u64);
+            return Some(self.words[0]);
+        }
+        // The window ran past the end of the stack's mapping: read the one word.
+        self.len = 0;
+        unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+    }
 }
 
 /// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
@@ -301,10 +340,14 @@ fn at_or_below(low: u64, high: u64) -> u64 {
     (high.wrapping_sub(low) >> 63) ^ 1
 }
 
-/// The mapping that holds `address`: a branchless binary search over the sorted entries.
+/// The mapping that holds `address`: a binary search over the sorted entries, branchless but for
+/// its end (one branch out per step, not two ways to go on).
 fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     let (mut base, mut count) = (0usize, (mappings.len as usize).min(MAX_MAPPINGS));
     for _ in 0..MAPPING_STEPS {
+        if count <= 1 {
+            break;
+        }
         let half = count / 2;
         let probe = mappings.entries.get((base + half) & (MAX_MAPPINGS - 1))?;
         base += half & (at_or_below(probe.start, address) as usize).wrapping_neg();
@@ -334,6 +377,9 @@ fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'stat
     let file_address = file_address as u32;
     let (mut base, mut count) = (mapping.first_row, mapping.rows);
     for _ in 0..ROW_STEPS {
+        if count <= 1 {
+            break;
+        }
         let half = count / 2;
         let probe = UNWIND_ROWS.get(base + half)?;
         base += half & (at_or_below(probe.pc as u64, file_address as u64) as u32).wrapping_neg();
