@@ -136,8 +136,14 @@ const NESTING_STACK_SPAN: u64 = 64 * 1024;
 /// Whether a call at stack pointer `sp` of this thread runs inside the in-flight call `state`.
 /// An entry whose return was never seen (a thread that died inside the allocator, its id since
 /// reused) fails the test and is treated as stale.
+///
+/// `malloc` calls no other allocator function (realloc, calloc in musl and the memalign family
+/// call it, not the reverse), so nothing nests in it: an in-flight malloc found by another call
+/// is one a signal handler longjmp'd out of, and the stack test alone would take every later
+/// call of the thread at the same depth or deeper for a nested one, uncounted.
 fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
     state.tgid == tgid
+        && state.func != AllocFn::Malloc as u32
         // `<=`: glibc tail-calls (realloc(NULL, n) jumps to malloc), and a jump keeps the frame.
         && (sp == 0 || state.entry_sp == 0 || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN))
 }
