@@ -219,6 +219,22 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
     true
 }
 
+/// The current thread is exiting: a call of its still in flight died with it (a thread cancelled
+/// or killed inside the allocator) and its return will never come. Counted, its state removed
+/// (nothing else would: a new thread does not get its id for a long time), and the block a
+/// realloc had taken out of `LIVE` given back.
+pub fn on_thread_exit() {
+    let (_, tid) = ids();
+    let Some(state) = (unsafe { INFLIGHT.get(tid) }).copied() else {
+        return;
+    };
+    count_drop(DropReason::InflightMissing);
+    if state.stashed != 0 {
+        let _ = LIVE.insert(AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, state.stash, 0);
+    }
+    let _ = INFLIGHT.remove(tid);
+}
+
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
     let probe = Probe { regs: ctx.regs, at_return: true };

@@ -1,7 +1,13 @@
 //! Threads under hostile conditions: thousands allocating at once, threads cancelled inside the
 //! allocator, and a signal handler that longjmps out of malloc.
 
-use memprof_tests::{assert_nothing_dropped, fixture, one_at_a_time, run, site, total};
+use std::{
+    io::{BufRead as _, BufReader},
+    process::Command,
+    thread,
+};
+
+use memprof_tests::{assert_nothing_dropped, attach, fixture, one_at_a_time, run, site, total, Waiting};
 use serde_json::Value;
 
 /// All allocations (outstanding or not) of the stacks whose innermost frame is `function`.
@@ -35,22 +41,59 @@ fn two_thousand_threads_allocating_at_once_are_counted_exactly() {
     assert_nothing_dropped(&report);
 }
 
+/// In-flight calls the kernel side keeps for threads of process `tgid`, in every memprof's
+/// `INFLIGHT` map (read with bpftool; the value's `tgid` is at offset 24 of `Inflight`).
+fn inflight_entries(tgid: u32) -> usize {
+    let tool = |args: &[&str]| {
+        let output = Command::new("bpftool").args(args).output().expect("starting bpftool (cargo xtask setup)");
+        assert!(output.status.success(), "bpftool {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice::<Value>(&output.stdout).expect("bpftool prints JSON")
+    };
+    let maps = tool(&["map", "show", "-j"]);
+    let ids = maps.as_array().unwrap().iter().filter(|m| m["name"] == "INFLIGHT").map(|m| m["id"].to_string());
+    let byte = |v: &Value| u8::from_str_radix(v.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    ids.map(|id| {
+        let entries = tool(&["map", "dump", "id", &id, "-j"]);
+        let values =
+            entries.as_array().unwrap().iter().map(|e| e["value"].as_array().unwrap().iter().map(byte).collect());
+        values.filter(|value: &Vec<u8>| u32::from_le_bytes(value[24..28].try_into().unwrap()) == tgid).count()
+    })
+    .sum()
+}
+
 /// Threads cancelled asynchronously while they loop on malloc/free: some die inside malloc, whose
-/// return never comes. The report stays consistent, the main thread's allocations after them
-/// are exact, and every call left unfinished is counted.
+/// return never comes. Each such call is counted as it dies and leaves no state behind; the
+/// report stays consistent and the main thread's allocations after them are exact.
 #[test]
 fn threads_cancelled_inside_the_allocator_leave_the_report_consistent() {
     let _alone = one_at_a_time();
-    let outcome = run(&["--interval", "60"], &[fixture("threads_cancel").to_str().unwrap()]);
+    let mut target = Waiting::start(&fixture("threads_cancel"), &["--hold"]);
+    let pid = target.pid();
+    let mut stdout = BufReader::new(target.child.stdout.take().expect("piped"));
+    let looked = thread::spawn(move || {
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("reading the fixture");
+        assert_eq!(line, "joined\n", "the fixture did not join its threads");
+        let left = inflight_entries(pid);
+        // SAFETY: signalling the fixture, our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+        left
+    });
+    let outcome = attach(&mut target, &["--interval", "60"]);
     assert!(outcome.status.success(), "{outcome:?}");
+    assert_eq!(looked.join().expect("the looking thread"), 0, "in-flight state of dead threads is left behind");
     let report = outcome.final_report();
     assert_eq!(site(&report, "after_site"), (10 * 500, 10), "{report}");
     // A worker cancelled between malloc's return and its free leaves its block outstanding.
     let (bytes, blocks) = site(&report, "cancel_site");
     assert_eq!(bytes, blocks * 48, "{report}");
-    assert!(blocks <= 20 * 16, "at most one block per worker: {report}");
+    let workers = 20 * 16;
+    assert!(blocks <= workers, "at most one block per worker: {report}");
+    // Each worker dies in at most one call, counted as it dies.
+    let unfinished = dropped(&report, "inflight_missing");
+    assert!(unfinished > 0 && unfinished <= workers, "{unfinished} unfinished calls: {report}");
     assert!(total(&report, "frees") <= total(&report, "allocations"), "{report}");
-    eprintln!("inflight_missing {}", dropped(&report, "inflight_missing"));
+    assert_only_inflight_missing(&report);
 }
 
 /// A timer signal's handler siglongjmps out of malloc again and again; the abandoned calls'
