@@ -81,6 +81,8 @@ fn threads_cancelled_inside_the_allocator_leave_the_report_consistent() {
     });
     let outcome = attach(&mut target, &["--interval", "60"]);
     assert!(outcome.status.success(), "{outcome:?}");
+    // Every cancelled worker ran its cleanup handler, as without probes.
+    assert!(target.child.wait().expect("waiting for the fixture").success(), "the fixture failed");
     assert_eq!(looked.join().expect("the looking thread"), 0, "in-flight state of dead threads is left behind");
     let report = outcome.final_report();
     assert_eq!(site(&report, "after_site"), (10 * 500, 10), "{report}");
