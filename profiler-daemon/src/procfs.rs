@@ -116,6 +116,21 @@ pub fn comm(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| c.trim_end().to_string())
 }
 
+/// The process's pid in its own pid namespace, when that is not memprof's (a container's process):
+/// the last entry of `NSpid` in `/proc/PID/status`, whose first entry is the pid memprof sees.
+pub fn ns_pid(pid: u32) -> Option<u32> {
+    parse_ns_pid(&fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+fn parse_ns_pid(status: &str) -> Option<u32> {
+    let line = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?;
+    let pids: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
+    match pids.as_slice() {
+        [own, .., innermost] if own != innermost => Some(*innermost),
+        _ => None,
+    }
+}
+
 /// The executable's path as the process sees it.
 pub fn exe_path(pid: u32) -> Option<String> {
     fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned())
@@ -207,6 +222,14 @@ mod tests {
         );
         assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
         assert!(!parsed[0].executable && parsed[2].executable);
+    }
+
+    #[test]
+    fn the_namespace_pid_is_the_innermost_when_it_differs() {
+        assert_eq!(parse_ns_pid("Name:\tsh\nNSpid:\t4321\t17\t1\nNSsid:\t1\n"), Some(1));
+        assert_eq!(parse_ns_pid("NSpid:\t4321\n"), None);
+        assert_eq!(parse_ns_pid("Name:\tsh\n"), None);
+        assert_eq!(ns_pid(std::process::id()), None, "the tests run in memprof's own namespace");
     }
 
     #[test]

@@ -18,6 +18,9 @@ pub struct Report {
     #[serde(rename = "final")]
     pub is_final: bool,
     pub pid: u32,
+    /// The process's pid in its own pid namespace (a container's), when it differs from `pid`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ns_pid: Option<u32>,
     pub comm: String,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
@@ -222,6 +225,8 @@ impl Stacks<'_> {
 pub struct Context<'a> {
     pub stacks: Stacks<'a>,
     pub comm: &'a str,
+    /// See `Report::ns_pid`: read once at attach, since a pid namespace is for life.
+    pub ns_pid: Option<u32>,
     pub double_frees: &'a [DoubleFreeReport],
     pub leaks: &'a LeakTracker,
 }
@@ -293,6 +298,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     Report {
         is_final: selection.is_final,
         pid: ctx.stacks.pid,
+        ns_pid: ctx.ns_pid,
         comm: ctx.comm.to_string(),
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
@@ -403,6 +409,7 @@ pub mod samples {
         Report {
             is_final: true,
             pid: 1,
+            ns_pid: None,
             comm: "leaky".into(),
             duration_s: 1.5,
             sample_bytes: 0,

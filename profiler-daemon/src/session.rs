@@ -48,13 +48,14 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
+    let ns_pid = procfs::ns_pid(pid_n);
     announce(pid_n, &comm, &attachment, &allocator);
     let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
     let rate_guard = RateGuard::new(args.sampling);
     if let Some(sample_bytes) = rate_guard.initial() {
         loaded.sample(pid_n, sample_bytes)?;
     }
-    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, comm, double_free_filter, rate_guard };
+    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, ns_pid, comm, double_free_filter, rate_guard };
     let traced = trace(tracee, exit, None, args, &mut output).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -91,7 +92,8 @@ pub async fn run(
     }
     announce(pid, &comm, &attachment, &allocator);
     child.release();
-    let tracee = Tracee { loaded, attachment, symbolizer, pid, comm, double_free_filter, rate_guard };
+    // The child shares memprof's pid namespace.
+    let tracee = Tracee { loaded, attachment, symbolizer, pid, ns_pid: None, comm, double_free_filter, rate_guard };
     let traced = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
@@ -154,6 +156,7 @@ struct Tracee {
     attachment: Attachment,
     symbolizer: SymbolizerHandle,
     pid: u32,
+    ns_pid: Option<u32>,
     comm: String,
     double_free_filter: DoubleFreeFilter,
     rate_guard: RateGuard,
@@ -238,7 +241,13 @@ async fn trace(
         if !is_final && !format.streams() {
             return Ok(0);
         }
-        let ctx = report::Context { stacks: tracee.stacks(start_ns), comm: &tracee.comm, double_frees, leaks: &leaks };
+        let ctx = report::Context {
+            stacks: tracee.stacks(start_ns),
+            comm: &tracee.comm,
+            ns_pid: tracee.ns_pid,
+            double_frees,
+            leaks: &leaks,
+        };
         // The table shows the top stacks (of those the filters keep); the other formats carry
         // every outstanding stack.
         let top = (format == Format::Table).then_some(args.top);

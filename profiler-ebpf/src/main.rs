@@ -16,8 +16,8 @@ mod unwind;
 
 use aya_ebpf::{
     helpers::{bpf_get_attach_cookie, bpf_get_func_ip},
-    macros::{uprobe, uretprobe},
-    programs::{ProbeContext, RetProbeContext},
+    macros::{raw_tracepoint, uprobe, uretprobe},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext,
 };
 use core::ffi::c_void;
@@ -106,6 +106,14 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn free(ctx: ProbeContext) -> u32 {
     record::on_free(&ctx, arg(&ctx, 0));
+    0
+}
+
+/// `sched_process_exit`, in every exiting thread of every process (one lookup for those not in an
+/// allocator call): see `record::on_thread_exit`.
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
+    record::on_thread_exit();
     0
 }
 

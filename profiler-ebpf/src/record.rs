@@ -156,8 +156,14 @@ const NESTING_STACK_SPAN: u64 = 64 * 1024;
 /// Whether a call at stack pointer `sp` of this thread runs inside the in-flight call `state`.
 /// An entry whose return was never seen (a thread that died inside the allocator, its id since
 /// reused) fails the test and is treated as stale.
+///
+/// `malloc` calls no other allocator function (realloc, calloc in musl and the memalign family
+/// call it, not the reverse), so nothing nests in it: an in-flight malloc found by another call
+/// is one a signal handler longjmp'd out of, and the stack test alone would take every later
+/// call of the thread at the same depth or deeper for a nested one, uncounted.
 fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
     state.tgid == tgid
+        && state.func != AllocFn::Malloc as u32
         // `<=`: glibc tail-calls (realloc(NULL, n) jumps to malloc), and a jump keeps the frame.
         && (sp == 0 || state.entry_sp == 0 || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN))
 }
@@ -231,6 +237,22 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         return false;
     }
     true
+}
+
+/// The current thread is exiting: a call of its still in flight died with it (a thread cancelled
+/// or killed inside the allocator) and its return will never come. Counted, its state removed
+/// (nothing else would: a new thread does not get its id for a long time), and the block a
+/// realloc had taken out of `LIVE` given back.
+pub fn on_thread_exit() {
+    let (_, tid) = ids();
+    let Some(state) = (unsafe { INFLIGHT.get(tid) }).copied() else {
+        return;
+    };
+    count_drop(DropReason::InflightMissing);
+    if state.stashed != 0 {
+        let _ = LIVE.insert(AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, state.stash, 0);
+    }
+    let _ = INFLIGHT.remove(tid);
 }
 
 pub fn on_return(ctx: &RetProbeContext) {

@@ -38,6 +38,14 @@ fn require_root() {
 
 static COMPILE: Mutex<()> = Mutex::new(());
 
+static HEAVY: Mutex<()> = Mutex::new(());
+
+/// Held by tests that must not run beside the others of their file: a daemon, thousands of
+/// threads, a signal storm (on a loaded 2-core machine they starve each other's timeouts).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Compiles `tests/fixtures/NAME.c` and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
     fixture_with(&format!("{name}.c"), name, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
@@ -138,7 +146,13 @@ impl Drop for Waiting {
 /// `memprof attach --pid PID --json ARGS` on a waiting fixture: releases the fixture once every
 /// probe is attached, then waits for memprof to end.
 pub fn attach(target: &mut Waiting, args: &[&str]) -> Outcome {
-    let pid = target.pid().to_string();
+    let pid = target.pid();
+    attach_pid(target, pid, args)
+}
+
+/// `attach` to `pid`, a process that `target` started (in a container, say) and that waits with it.
+pub fn attach_pid(target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
+    let pid = pid.to_string();
     let mut memprof = Command::new(memprof_bin())
         .args(["attach", "--pid", &pid, "--json"])
         .args(args)
@@ -321,6 +335,24 @@ pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T
         assert!(std::time::Instant::now() < deadline, "timed out after {seconds} s waiting for {what}");
         thread::sleep(std::time::Duration::from_millis(200));
     }
+}
+
+/// A root directory of its own for `program`, as a container has: copies of the C library, the
+/// dynamic loader and the program (as `/NAME`). Copies, not links: each is a different inode from
+/// the host's file, as a container's libc is, so probes must be placed through the process's view.
+/// The caller removes it.
+pub fn own_root(program: &Path, name: &str) -> PathBuf {
+    let root = std::env::temp_dir().join(format!("memprof-root-{}-{name}", std::process::id()));
+    for (from, to) in [
+        (Path::new("/lib/x86_64-linux-gnu/libc.so.6"), "lib/x86_64-linux-gnu/libc.so.6"),
+        (Path::new("/lib64/ld-linux-x86-64.so.2"), "lib64/ld-linux-x86-64.so.2"),
+        (program, name),
+    ] {
+        let to = root.join(to);
+        std::fs::create_dir_all(to.parent().expect("a file under the root")).expect("creating the root's directories");
+        std::fs::copy(from, &to).unwrap_or_else(|e| panic!("copying {} into the root: {e}", from.display()));
+    }
+    root
 }
 
 /// Compiles the fixture source `file` with `compiler` (`cc`, `g++`, `rustc`) and `flags` into

@@ -3,7 +3,7 @@
 
 use std::{fs, path::Path, process::Command};
 
-use memprof_tests::{attach, fixture, fixture_with, run, site, Waiting};
+use memprof_tests::{attach, fixture, fixture_with, own_root, run, site, Waiting};
 use serde_json::Value;
 
 #[test]
@@ -27,17 +27,7 @@ fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
 #[test]
 fn a_process_in_its_own_root_is_traced_in_its_own_libc() {
     let program = fixture("allocators");
-    let root = std::env::temp_dir().join(format!("memprof-root-{}", std::process::id()));
-    for (from, to) in [
-        ("/lib/x86_64-linux-gnu/libc.so.6", "lib/x86_64-linux-gnu/libc.so.6"),
-        ("/lib64/ld-linux-x86-64.so.2", "lib64/ld-linux-x86-64.so.2"),
-        (program.to_str().unwrap(), "allocators"),
-    ] {
-        let to = root.join(to);
-        fs::create_dir_all(to.parent().unwrap()).unwrap();
-        // A copy, not a link: the copy is a different inode, as a container's libc is.
-        fs::copy(Path::new(from), &to).unwrap();
-    }
+    let root = own_root(&program, "allocators");
     let mut chrooted = Command::new("chroot");
     chrooted.arg(&root).args(["/allocators", "--wait"]);
     let mut target = Waiting::start_command(chrooted);

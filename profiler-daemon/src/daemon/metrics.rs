@@ -86,6 +86,13 @@ fn process_labels(t: &TargetView) -> Labels {
     vec![("pid", t.pid.to_string()), ("comm", t.comm.clone())]
 }
 
+/// The per-target series' labels: the namespace pid only here, not on every series of the process.
+fn target_labels(t: &TargetView) -> Labels {
+    let mut labels = process_labels(t);
+    labels.extend(t.report.ns_pid.map(|ns_pid| ("ns_pid", ns_pid.to_string())));
+    labels
+}
+
 /// Writes one metric family: `rows` gives each series' labels and value.
 fn family<V>(
     encoder: &mut DescriptorEncoder,
@@ -174,8 +181,8 @@ impl Collector for ViewCollector {
         gauges(
             e,
             "memprof_target_attached",
-            "Processes with probes attached.",
-            targets.iter().map(|t| (process_labels(t), 1u64)),
+            "Processes with probes attached; ns_pid is a container's process's pid in its own pid namespace.",
+            targets.iter().map(|t| (target_labels(t), 1u64)),
         )?;
         counters(
             e,

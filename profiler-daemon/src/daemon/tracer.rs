@@ -52,6 +52,8 @@ pub enum Command {
 struct Target {
     id: ProcessId,
     comm: String,
+    /// Its pid in its own pid namespace, when that is not ours.
+    ns_pid: Option<u32>,
     attachment: Attachment,
     double_free_filter: DoubleFreeFilter,
     attached_at: SystemTime,
@@ -212,6 +214,7 @@ impl Tracer {
         let target = Target {
             id,
             comm,
+            ns_pid: procfs::ns_pid(id.pid),
             attachment,
             double_free_filter: DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(id.pid).as_deref()),
             attached_at: SystemTime::now(),
@@ -352,6 +355,7 @@ impl Tracer {
         let ctx = report::Context {
             stacks: self.stacks(target),
             comm: &target.comm,
+            ns_pid: target.ns_pid,
             double_frees: &target.double_frees,
             leaks: &target.leaks,
         };

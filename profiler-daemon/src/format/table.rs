@@ -9,9 +9,10 @@ pub fn render(report: &Report) -> String {
     let t = &report.totals;
     let _ = writeln!(
         out,
-        "memprof: pid {} ({}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+        "memprof: pid {} ({}{}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
         report.pid,
         report.comm,
+        report.ns_pid.map_or_else(String::new, |ns_pid| format!(", pid {ns_pid} in its namespace")),
         if report.is_final { "final report" } else { "report" },
         report.duration_s,
         bytes(t.outstanding_bytes),
@@ -122,6 +123,14 @@ mod tests {
     fn frames_read_function_file_line_module() {
         assert_eq!(describe(&frame("leak_here", Some("/src/leaky.c"), Some(12))), "leak_here (leaky.c:12) [leaky]");
         assert_eq!(describe(&frame("leaky+0x1139", None, None)), "leaky+0x1139 [leaky]");
+    }
+
+    #[test]
+    fn the_header_names_the_namespace_pid_when_it_differs() {
+        let mut report = crate::report::samples::report();
+        assert!(render(&report).starts_with("memprof: pid 1 (leaky) final report"));
+        report.ns_pid = Some(7);
+        assert!(render(&report).starts_with("memprof: pid 1 (leaky, pid 7 in its namespace) final report"));
     }
 
     #[test]
