@@ -24,6 +24,9 @@ use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
 pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
+///
+/// A thread's entry stays while the thread lives, idle (`depth` 0) between calls: rewriting it in
+/// place costs far less than an insert per call and a delete per return. `on_thread_exit` removes it.
 #[map]
 static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_PREALLOC);
 /// A plain hash, not an LRU: an LRU would evict the oldest allocations, which are the leaks.
@@ -162,7 +165,8 @@ const NESTING_STACK_SPAN: u64 = 64 * 1024;
 /// is one a signal handler longjmp'd out of, and the stack test alone would take every later
 /// call of the thread at the same depth or deeper for a nested one, uncounted.
 fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
-    state.tgid == tgid
+    state.depth != 0
+        && state.tgid == tgid
         && state.func != AllocFn::Malloc as u32
         // `<=`: glibc tail-calls (realloc(NULL, n) jumps to malloc), and a jump keeps the frame.
         && (sp == 0 || state.entry_sp == 0 || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN))
@@ -184,20 +188,23 @@ fn stack_pointer(ctx: &ProbeContext) -> u64 {
 pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> bool {
     let (tgid, tid) = ids();
     let sp = stack_pointer(ctx);
-    if let Some(state) = INFLIGHT.get_ptr_mut(tid) {
+    let entry = INFLIGHT.get_ptr_mut(tid);
+    if let Some(state) = entry {
         let stale = unsafe { *state };
         if nested_in(&stale, tgid, sp) {
             // Nested inside another allocator call of this thread: only the outermost one counts.
             unsafe { (*state).depth += 1 };
             return true;
         }
-        // Stale: its return will never come. Give back the block a stale realloc had taken.
-        count_drop(DropReason::InflightMissing);
-        if stale.stashed != 0 {
-            let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
+        if stale.depth != 0 {
+            // Stale: its return will never come. Give back the block a stale realloc had taken.
+            count_drop(DropReason::InflightMissing);
+            if stale.stashed != 0 {
+                let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
+            }
+            // Idle now, so that a call not drawn below does not find it again.
+            unsafe { (*state).depth = 0 };
         }
-        // Gone now, so that a call not drawn below does not find it again.
-        let _ = INFLIGHT.remove(tid);
     }
     let sample_bytes = sample_bytes(tgid);
     // Full mode records every call without a draw. SAFETY: a helper without arguments.
@@ -229,7 +236,10 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         state.stash = old;
         state.stashed = u32::from(LIVE.remove(key).is_ok());
     }
-    if INFLIGHT.insert(tid, state, 0).is_err() {
+    if let Some(idle) = entry {
+        // SAFETY: this thread's own entry; only this thread writes it while the thread lives.
+        unsafe { *idle = state };
+    } else if INFLIGHT.insert(tid, state, 0).is_err() {
         count_drop(DropReason::InflightMapFull);
         if state.stashed != 0 {
             let _ = LIVE.insert(key, state.stash, 0);
@@ -239,18 +249,20 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
     true
 }
 
-/// The current thread is exiting: a call of its still in flight died with it (a thread cancelled
-/// or killed inside the allocator) and its return will never come. Counted, its state removed
-/// (nothing else would: a new thread does not get its id for a long time), and the block a
+/// The current thread is exiting: its entry goes (nothing else would remove it: a new thread
+/// does not get its id for a long time). A call still in flight died with it (a thread cancelled
+/// or killed inside the allocator) and its return will never come: counted, and the block a
 /// realloc had taken out of `LIVE` given back.
 pub fn on_thread_exit() {
     let (_, tid) = ids();
     let Some(state) = (unsafe { INFLIGHT.get(tid) }).copied() else {
         return;
     };
-    count_drop(DropReason::InflightMissing);
-    if state.stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, state.stash, 0);
+    if state.depth != 0 {
+        count_drop(DropReason::InflightMissing);
+        if state.stashed != 0 {
+            let _ = LIVE.insert(AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, state.stash, 0);
+        }
     }
     let _ = INFLIGHT.remove(tid);
 }
@@ -259,7 +271,7 @@ pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
     let probe = Probe { regs: ctx.regs, at_return: true };
     let ret: u64 = ctx.ret();
-    let Some(state) = INFLIGHT.get_ptr_mut(tid) else {
+    let Some(state) = INFLIGHT.get_ptr_mut(tid).filter(|state| unsafe { (**state).depth } != 0) else {
         if sample_bytes(tgid) != 0 {
             // A call the entry probe did not sample.
             return;
@@ -276,9 +288,9 @@ pub fn on_return(ctx: &RetProbeContext) {
             (*state).depth -= 1;
             return;
         }
+        (*state).depth = 0;
         *state
     };
-    let _ = INFLIGHT.remove(tid);
     let Some(func) = AllocFn::from_u32(call.func) else {
         return;
     };

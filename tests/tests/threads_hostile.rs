@@ -41,9 +41,10 @@ fn two_thousand_threads_allocating_at_once_are_counted_exactly() {
     assert_nothing_dropped(&report);
 }
 
-/// In-flight calls the kernel side keeps for threads of process `tgid`, in every memprof's
-/// `INFLIGHT` map (read with bpftool; the value's `tgid` is at offset 24 of `Inflight`).
-fn inflight_entries(tgid: u32) -> usize {
+/// Entries the kernel side keeps for threads of process `tgid` other than its main thread, in
+/// every memprof's `INFLIGHT` map (read with bpftool; the key is the thread id, the value's `tgid`
+/// is at offset 24 of `Inflight`). A living thread keeps an idle entry between calls.
+fn inflight_entries_of_other_threads(tgid: u32) -> usize {
     let tool = |args: &[&str]| {
         let output = Command::new("bpftool").args(args).output().expect("starting bpftool (cargo xtask setup)");
         assert!(output.status.success(), "bpftool {args:?}: {}", String::from_utf8_lossy(&output.stderr));
@@ -54,9 +55,10 @@ fn inflight_entries(tgid: u32) -> usize {
     let byte = |v: &Value| u8::from_str_radix(v.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
     ids.map(|id| {
         let entries = tool(&["map", "dump", "id", &id, "-j"]);
-        let values =
-            entries.as_array().unwrap().iter().map(|e| e["value"].as_array().unwrap().iter().map(byte).collect());
-        values.filter(|value: &Vec<u8>| u32::from_le_bytes(value[24..28].try_into().unwrap()) == tgid).count()
+        let bytes = |e: &Value, field: &str| -> Vec<u8> { e[field].as_array().unwrap().iter().map(byte).collect() };
+        let word = |bytes: &[u8], at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let entries = entries.as_array().unwrap().iter().map(|e| (word(&bytes(e, "key"), 0), bytes(e, "value")));
+        entries.filter(|(tid, value)| word(value, 24) == tgid && *tid != tgid).count()
     })
     .sum()
 }
@@ -74,7 +76,7 @@ fn threads_cancelled_inside_the_allocator_leave_the_report_consistent() {
         let mut line = String::new();
         stdout.read_line(&mut line).expect("reading the fixture");
         assert_eq!(line, "joined\n", "the fixture did not join its threads");
-        let left = inflight_entries(pid);
+        let left = inflight_entries_of_other_threads(pid);
         // SAFETY: signalling the fixture, our own child.
         unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
         left
