@@ -1,9 +1,10 @@
 //! The user stack walk: DWARF CFI rows (built by the daemon from each file's `.eh_frame`) or frame
 //! pointers, frame by frame, into memprof's own stack tables.
 //!
-//! For each frame the walk finds the process's executable mapping of the address (binary search
-//! in `PROC_MAPPINGS`), then the row covering it in that file's slice of `UNWIND_ROWS` (binary
-//! search), computes the canonical frame address (CFA) and reads the return address at CFA - 8.
+//! For each frame the walk takes the row covering the address from a per-CPU cache (`ROW_CACHE`)
+//! or, on a miss, finds the process's executable mapping of the address (binary search in
+//! `PROC_MAPPINGS`) and the row in that file's slice of `UNWIND_ROWS` (binary search); it then
+//! computes the canonical frame address (CFA) and reads the return address at CFA - 8.
 //! Files are shared: every process that maps a file points at the same rows.
 //!
 //! Stacks are stored under a 64-bit hash of their frames. A second hash kept in the value tells a
@@ -145,6 +146,8 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
         pc_is_return: u32::from(regs.pc_is_return),
         // rbp is known at the start; a frame that clobbers it without saving it loses it.
         bp_known: 1,
+        // SAFETY: the value stays valid while the program runs.
+        generation: unsafe { PROC_MAPPINGS.get(tgid) }.map_or(0, |mappings| mappings.generation),
         mapping: NO_MAPPING,
     };
     scratch.window.len = 0;
@@ -208,6 +211,8 @@ struct Walk {
     /// instruction (at an entry probe, or after a signal frame).
     pc_is_return: u32,
     bp_known: u32,
+    /// `ProcMappings::generation` when the walk began: cached rows of another are stale.
+    generation: u32,
     /// The mapping of the last frame: the next frame is most often in the same file, and then
     /// needs no lookup. Empty (start = end) before the first.
     mapping: ExecMapping,
@@ -241,18 +246,18 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     }
     // A return address follows its call: the call, and the row that covers it, is before it.
     let address = pc - walk.pc_is_return as u64;
-    if !(walk.mapping.start <= address && address < walk.mapping.end) {
-        let Some(found) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
-        else {
-            return end(walk, StackEnd::NoTable);
-        };
-        walk.mapping = *found;
-    }
-    let mapping = &{ walk.mapping };
-    let frame_pointers = mapping.kind == mapping_kind::FRAME_POINTERS;
-    let Some(row) = row_for(mapping, address, at_entry) else {
-        return end(walk, StackEnd::NoTable);
+    let cached = ROW_CACHE.get_ptr_mut(cache_slot(address, walk.tgid)).map(|slot| unsafe { &mut *slot });
+    let (row, kind) = match cached {
+        Some(slot) if slot.holds(address, walk, at_entry) => (slot.row, slot.kind & !AT_ENTRY),
+        slot => {
+            let (row, kind) = search_row(walk, address, at_entry)?;
+            if let Some(slot) = slot {
+                slot.fill(address, walk, at_entry, row, kind);
+            }
+            (row, kind)
+        }
     };
+    let frame_pointers = kind == mapping_kind::FRAME_POINTERS;
     let sp = walk.sp;
     let cfa = match row.cfa {
         cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
@@ -301,6 +306,80 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
         return end(walk, StackEnd::Complete);
     }
     Some(())
+}
+
+/// The row for `address` and its mapping's kind, by binary searches; None (the walk ended) when
+/// no mapping or row covers it.
+fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
+    if !(walk.mapping.start <= address && address < walk.mapping.end) {
+        let Some(found) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
+        else {
+            end(walk, StackEnd::NoTable);
+            return None;
+        };
+        walk.mapping = *found;
+    }
+    let mapping = &{ walk.mapping };
+    match row_for(mapping, address, at_entry) {
+        Some(row) => Some((*row, mapping.kind)),
+        None => {
+            end(walk, StackEnd::NoTable);
+            None
+        }
+    }
+}
+
+/// Rows found for recent frame addresses, per CPU, one per slot of an address's hash. The same
+/// few allocation paths repeat millions of times: a hit costs one lookup where a miss costs two
+/// binary searches over large tables.
+#[map]
+static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CACHE_SLOTS, 0);
+const ROW_CACHE_SLOTS: u32 = 4096;
+
+/// The row of `pc` in process `tgid` while its mappings are those of `generation`.
+#[repr(C)]
+struct CachedRow {
+    pc: u64,
+    tgid: u32,
+    generation: u32,
+    row: UnwindRow,
+    /// The mapping's kind, and `AT_ENTRY` for a function's first instruction.
+    kind: u32,
+    /// A hash of the fields above: a task preempted while it filled the slot leaves a mix,
+    /// which must not pass for a row.
+    check: u64,
+}
+
+const AT_ENTRY: u32 = 1 << 16;
+
+fn cache_slot(pc: u64, tgid: u32) -> u32 {
+    ((pc ^ (tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 52) as u32 % ROW_CACHE_SLOTS
+}
+
+impl CachedRow {
+    fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
+        self.pc == pc
+            && self.tgid == walk.tgid
+            && self.generation == walk.generation
+            && (self.kind & AT_ENTRY != 0) == at_entry
+            && self.check == self.hash()
+    }
+
+    fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool, row: UnwindRow, kind: u32) {
+        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.tgid, walk.generation, row);
+        self.kind = kind | if at_entry { AT_ENTRY } else { 0 };
+        self.check = self.hash();
+    }
+
+    fn hash(&self) -> u64 {
+        let row = &self.row;
+        let rule = (row.cfa_offset as u32 as u64) << 32
+            | (row.rbp_offset as u16 as u64) << 16
+            | (row.cfa as u64) << 8
+            | row.rbp as u64;
+        let ids = (self.tgid as u64) << 32 | self.generation as u64;
+        (self.pc ^ ids.rotate_left(17) ^ rule.rotate_left(41) ^ self.kind as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)
+    }
 }
 
 fn end(walk: &mut Walk, why: StackEnd) -> Option<()> {

@@ -59,6 +59,8 @@ pub struct Registry {
     processes: HashMap<u32, HashSet<FileKey>>,
     /// Files already warned about, so that each warning is said once.
     warned: HashSet<String>,
+    /// Writes of `PROC_MAPPINGS` so far: each write's `generation`.
+    mapping_writes: u32,
 }
 
 // SAFETY: `rows` points into a shared mapping that lives as long as memprof and is written only
@@ -93,6 +95,7 @@ impl Registry {
             files: HashMap::new(),
             processes: HashMap::new(),
             warned: HashSet::new(),
+            mapping_writes: 0,
         })
     }
 
@@ -146,8 +149,12 @@ impl Registry {
             );
             entries.truncate(MAX_MAPPINGS);
         }
-        let mut list =
-            ProcMappings { len: entries.len() as u32, _pad: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
+        self.mapping_writes = self.mapping_writes.wrapping_add(1);
+        let mut list = ProcMappings {
+            len: entries.len() as u32,
+            generation: self.mapping_writes,
+            entries: [ExecMapping::default(); MAX_MAPPINGS],
+        };
         list.entries[..entries.len()].copy_from_slice(&entries);
         let mut map: BpfHashMap<_, u32, ProcMappings> = BpfHashMap::try_from(
             ebpf.map_mut("PROC_MAPPINGS").ok_or_else(|| anyhow::anyhow!("map PROC_MAPPINGS missing"))?,
