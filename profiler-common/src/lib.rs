@@ -510,6 +510,33 @@ pub struct ProcMappings {
     pub entries: [ExecMapping; MAX_MAPPINGS],
 }
 
+/// Sent through `PROCESS_EVENTS` when a traced process execs or forks (rare: an event stream).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessEvent {
+    /// A `process_event::` constant.
+    pub kind: u32,
+    /// The traced process.
+    pub tgid: u32,
+    /// The new process, for a fork; 0 for an exec.
+    pub child: u32,
+    pub _pad: u32,
+}
+
+/// What a `ProcessEvent` reports.
+pub mod process_event {
+    /// The process replaced its program (`execve`): its pid stays, its memory is new.
+    pub const EXEC: u32 = 0;
+    /// The process made a new process (`fork`, `vfork`, `clone` without `CLONE_THREAD`).
+    pub const FORK: u32 = 1;
+}
+
+/// Flags of a traced process in `TRACED`.
+pub mod traced {
+    /// Its forks are reported (they are not otherwise).
+    pub const FOLLOW_FORKS: u32 = 1;
+}
+
 const _: () = {
     assert!(core::mem::size_of::<Inflight>() == 88);
     assert!(core::mem::size_of::<AddrKey>() == 16);
@@ -528,6 +555,7 @@ const _: () = {
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
+    assert!(core::mem::size_of::<ProcessEvent>() == 16);
 };
 
 #[cfg(test)]
@@ -573,4 +601,5 @@ mod pod {
     unsafe impl aya::Pod for Stack {}
     unsafe impl aya::Pod for UnwindRow {}
     unsafe impl aya::Pod for ProcMappings {}
+    unsafe impl aya::Pod for ProcessEvent {}
 }

@@ -150,23 +150,25 @@ fn stack_snapshot(
     }
 }
 
-/// Removes everything the maps hold about `tgid`, which has exited: its entries would otherwise
-/// fill the maps and a reused pid would inherit them. Its stacks go too, unless another process
-/// still counts allocations under the same stack id (`STACKS` never frees ids by itself).
-pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
+/// Removes everything the maps hold about `tgids`, which have exited (or exec'd): their entries
+/// would otherwise fill the maps and a reused pid would inherit them. Their stacks go too, unless
+/// another process still counts allocations under the same stack id (`STACKS` never frees ids by
+/// itself). Each map is walked once, however many processes.
+pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
+    let ours = |tgid: &u32| tgids.contains(tgid);
     // Allocation stacks (STACKS) and free stacks (FREE_STACKS) this process used, and those that
     // other processes use too.
     let (mut own_stacks, mut shared_stacks) = (HashSet::new(), HashSet::new());
     let (mut own_free_stacks, mut shared_free_stacks) = (HashSet::new(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
-        if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
+        if ours(&key.tgid) { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
     })?;
     let mut own_recent_frees = Vec::new();
     batch::for_each(map(ebpf, "RECENT_FREES")?, |&slot: &u32, recent: &RecentFree| {
         if recent.key.addr == 0 {
             return;
         }
-        let (freed, own) = (&recent.freed, recent.key.tgid == tgid);
+        let (freed, own) = (&recent.freed, ours(&recent.key.tgid));
         if own {
             own_recent_frees.push(slot);
         }
@@ -199,14 +201,14 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
         Ok(())
     }
     // Threads that died inside the allocator leave their in-flight state behind.
-    remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| state.tgid == tgid)?;
-    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| k.tgid == tgid)?;
-    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| k.tgid == tgid)?;
-    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| *k == tgid)?;
-    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| *k == tgid)?;
-    remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| *k == tgid)?;
-    remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| *k == tgid)?;
-    remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| k.tgid == tgid)?;
+    remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| ours(&state.tgid))?;
+    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| ours(&k.tgid))?;
+    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| ours(&k.tgid))?;
+    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
+    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| ours(k))?;
+    remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| ours(k))?;
+    remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| ours(k))?;
+    remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| ours(&k.tgid))?;
     let tables = [
         (StackTable::Allocations, own_stacks, shared_stacks),
         (StackTable::Frees, own_free_stacks, shared_free_stacks),

@@ -22,7 +22,7 @@ pub struct ProbePoint {
 }
 
 /// The file holding a process's allocator and the distinct entry points in it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Allocator {
     /// What `/proc/PID/maps` calls the file (for messages).
     pub display_path: String,

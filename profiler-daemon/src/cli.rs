@@ -127,6 +127,10 @@ pub struct TraceArgs {
     /// Write reports to this file instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// Trace the children the process forks too, each in a section of its own: `--follow-forks`
+    /// or `--follow-forks=false` [default: false for attach, true for run].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub follow_forks: Option<bool>,
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]

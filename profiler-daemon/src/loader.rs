@@ -1,6 +1,11 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
-use std::{collections::HashMap, fs, num::NonZeroU32, path::Path};
+use std::{
+    collections::{HashMap, HashSet},
+    fs,
+    num::NonZeroU32,
+    path::Path,
+};
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
@@ -8,10 +13,13 @@ use aya::{Ebpf, EbpfLoader};
 pub use crate::probes::Attachment;
 use crate::{
     ages::{AgeBook, Clock},
+    aggregate,
     allocator::{self, Allocator},
+    btf,
     cli::LoadSettings,
     error::UserError,
     probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
+    process::{self, ProcessEvents},
     procfs,
     unwind::{MappingEvents, Registry},
     uprobe_multi::Point,
@@ -41,6 +49,10 @@ pub struct Loaded {
     mapping_stops_taken: HashMap<u32, u64>,
     /// What userspace keeps of the ages of outstanding memory.
     pub ages: AgeBook,
+    /// Execs and forks of the traced processes.
+    pub process_events: ProcessEvents,
+    /// Whether the processes attached from now on report their forks (`--follow-forks`).
+    pub follow_forks: bool,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -75,6 +87,7 @@ fn check_privileges() -> Result<(), UserError> {
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::aggregate::monotonic_now_ns(), interval_s);
+    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid"]).context("finding task_struct in BTF")?;
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
@@ -84,6 +97,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .override_global("FRAME_LIMIT", &sizes.max_frames, true)
         .override_global("CLOCK_BASE_NS", &clock.base_ns, true)
         .override_global("GENERATION_NS", &clock.length_ns, true)
+        .override_global("TASK_PID_OFFSET", &task[0], true)
+        .override_global("TASK_TGID_OFFSET", &task[1], true)
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
@@ -91,7 +106,17 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let mapping_events = MappingEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     attach_thread_exit(&mut ebpf)?;
-    Ok(Loaded { ebpf, method, unwind, mapping_events, ages: AgeBook::new(clock), mapping_stops_taken: HashMap::new() })
+    let process_events = process::attach(&mut ebpf)?;
+    Ok(Loaded {
+        ebpf,
+        method,
+        unwind,
+        mapping_events,
+        ages: AgeBook::new(clock),
+        mapping_stops_taken: HashMap::new(),
+        process_events,
+        follow_forks: false,
+    })
 }
 
 /// Attaches `thread_exit` to the `sched_process_exit` tracepoint for as long as `ebpf` lives: it
@@ -103,6 +128,9 @@ fn attach_thread_exit(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     program.attach("sched_process_exit").context("attaching thread_exit to the sched_process_exit tracepoint")?;
     Ok(())
 }
+
+/// Capacity of `TRACED`, the processes whose execs and forks are reported (the eBPF default).
+pub const TRACED_CAPACITY: u32 = 4_096;
 
 /// Capacity of `FREE_STACKS`, where free sites' stacks are kept for double-free reports.
 pub const FREE_STACKS: u32 = 16_384;
@@ -119,6 +147,14 @@ impl Loaded {
     /// Return probes go first: an entry probe that fires before its return probe exists would
     /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        let mut attachment = self.attach_allocator(allocator, pid)?;
+        self.attach_dl_hook(&mut attachment, pid);
+        self.track(pid.get())?;
+        Ok(attachment)
+    }
+
+    /// The allocator's probes alone (see `attach`).
+    pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
         let target = &allocator.attach_path;
@@ -133,8 +169,66 @@ impl Loaded {
         for &(name, points) in programs {
             attachment.add(&mut self.ebpf, self.method, name, target, points, pid)?;
         }
-        self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
+    }
+
+    /// After `pid` exec'd: its old program's probes go (they were on the old program's files, and
+    /// a C library the new program maps again would keep them firing), with what the maps held
+    /// about it. The new program's dynamic linker is hooked at once; its allocator is probed by
+    /// `attach_allocator` once mapped (`allocator::find`), which for a dynamic program is after
+    /// the dynamic linker has loaded the C library.
+    pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
+        self.detach(old);
+        self.forget_state(&HashSet::from([pid.get()]));
+        self.sync_mappings(pid.get());
+        let mut attachment = Attachment::default();
+        self.attach_dl_hook(&mut attachment, pid);
+        attachment
+    }
+
+    /// Makes `pid`'s execs (and, with `follow_forks`, forks) reported in `process_events`.
+    fn track(&mut self, pid: u32) -> anyhow::Result<()> {
+        let flags = if self.follow_forks { profiler_common::traced::FOLLOW_FORKS } else { 0 };
+        let mut traced: aya::maps::HashMap<_, u32, u32> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("TRACED").context("map TRACED missing")?)?;
+        traced.insert(pid, flags, 0)?;
+        Ok(())
+    }
+
+    /// Removes everything memprof holds about `pids`, which have exited (or were detached while
+    /// running): map entries, unwind tables, ages, process-event tracking.
+    pub fn forget_exited(&mut self, pids: &HashSet<u32>) {
+        self.forget_state(pids);
+        if let Some(Ok(mut traced)) = self.ebpf.map_mut("TRACED").map(aya::maps::HashMap::<_, u32, u32>::try_from) {
+            for pid in pids {
+                let _ = traced.remove(pid);
+            }
+        }
+        for pid in pids {
+            self.mapping_stops_taken.remove(pid);
+        }
+    }
+
+    /// What the maps, the stack walk and the ages hold about `pids`.
+    fn forget_state(&mut self, pids: &HashSet<u32>) {
+        if let Err(err) = aggregate::purge(&mut self.ebpf, pids) {
+            tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
+        }
+        for &pid in pids {
+            self.unwind.forget(&mut self.ebpf, pid);
+            self.ages.forget(pid);
+        }
+    }
+
+    /// How many processes the kernel reports execs and forks of, and how many of those events
+    /// found the ring buffer full.
+    pub fn tracked(&self) -> (u64, u64) {
+        let entries = self.ebpf.map("TRACED").map_or(0, |map| {
+            let mut n = 0;
+            let _ = crate::batch::for_each(map, |_: &u32, _: &u32| n += 1);
+            n
+        });
+        (entries, process::events_lost(&self.ebpf))
     }
 
     /// Gives the stack walk the current executable mappings of `pid` and their tables.
@@ -194,11 +288,6 @@ impl Loaded {
             aya::maps::HashMap::try_from(self.ebpf.map_mut("SAMPLING").context("map SAMPLING missing")?)?;
         sampling.insert(pid, sample_bytes, 0)?;
         Ok(())
-    }
-
-    /// Drops what the stack walk kept for `pid`, which has exited.
-    pub fn forget_mappings(&mut self, pid: u32) {
-        self.unwind.forget(&mut self.ebpf, pid);
     }
 
     /// Hooks the dynamic linker of `pid`, so that libraries it loads later get unwind tables

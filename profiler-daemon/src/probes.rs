@@ -135,6 +135,12 @@ impl Attachment {
         self.probes
     }
 
+    /// Takes over `other`'s probes: they are detached with these.
+    pub fn merge(&mut self, mut other: Attachment) {
+        self.links.append(&mut other.links);
+        self.probes += std::mem::take(&mut other.probes);
+    }
+
     /// Attaches program `name` at `points` of the file at `path`, for process `pid` only: at the
     /// functions' return if the program is a uretprobe.
     pub fn add(

@@ -22,6 +22,14 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ns_pid: Option<u32>,
     pub comm: String,
+    /// The executable (`/proc/PID/exe`); after an exec, the new program's.
+    pub exe: String,
+    /// The traced process that forked this one, for a child's report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<u32>,
+    /// A child that has exited: its report as it stood then.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub exited: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
@@ -41,6 +49,26 @@ pub struct Report {
     /// In-use bytes at each interval so far; only in the final report.
     #[serde(skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
+    /// The traced process's followed children (and theirs), each a report of its own
+    /// (`--follow-forks`; see `Forks`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forks: Option<Forks>,
+}
+
+/// What following forks did (`--follow-forks`), for the root process's report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Forks {
+    /// Children attached to.
+    pub followed: u64,
+    /// Children that exited (or exec'd a program without an allocator) before their probes
+    /// could be attached: not traced.
+    pub missed: u64,
+    /// Children that exited and whose reports were not kept (past the first 100).
+    pub exited_not_listed: u64,
+    /// Exec and fork events the kernel's ring buffer had no room for.
+    pub events_lost: u64,
 }
 
 /// Code of one file mapped into the process: addresses `start..limit` map the file from
@@ -300,6 +328,9 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         pid: ctx.stacks.pid,
         ns_pid: ctx.ns_pid,
         comm: ctx.comm.to_string(),
+        exe: String::new(),
+        parent: None,
+        exited: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
@@ -315,7 +346,47 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         } else {
             Timeline::default()
         },
+        children: Vec::new(),
+        forks: None,
     }
+}
+
+/// One report of `root` and its children for formats that draw one profile (pprof, folded,
+/// flame graph, HTML): every process's stacks, each under an outermost frame naming the process
+/// (`comm (pid N)`), so that a process is a root of the flame graph and call tree; totals summed.
+pub fn merge_processes(root: &Report) -> Report {
+    let mut merged = Report { children: Vec::new(), ..root.clone() };
+    merged.stacks.clear();
+    for process in std::iter::once(root).chain(&root.children) {
+        let process_frame = Frame {
+            address: "0x0".into(),
+            function: format!("{} (pid {})", process.comm, process.pid),
+            file: None,
+            line: None,
+            module: process.exe.clone(),
+            inlined: false,
+        };
+        for stack in &process.stacks {
+            let mut stack = stack.clone();
+            stack.frames.push(process_frame.clone());
+            merged.stacks.push(stack);
+        }
+        if process.pid != root.pid {
+            let (t, c) = (&mut merged.totals, &process.totals);
+            t.outstanding_bytes += c.outstanding_bytes;
+            t.outstanding_allocations += c.outstanding_allocations;
+            t.allocations += c.allocations;
+            t.allocated_bytes += c.allocated_bytes;
+            t.frees += c.frees;
+            t.freed_bytes += c.freed_bytes;
+            t.unknown_frees += c.unknown_frees;
+            t.failed_allocations += c.failed_allocations;
+            merged.modules.extend(process.modules.iter().cloned());
+            merged.double_frees.extend(process.double_frees.iter().cloned());
+        }
+    }
+    merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
+    merged
 }
 
 /// Everything not recorded, by reason: the kernel's drops and the age generations missed.
@@ -411,6 +482,9 @@ pub mod samples {
             pid: 1,
             ns_pid: None,
             comm: "leaky".into(),
+            exe: "/usr/bin/leaky".into(),
+            parent: None,
+            exited: false,
             duration_s: 1.5,
             sample_bytes: 0,
             totals: Totals::default(),
@@ -439,6 +513,8 @@ pub mod samples {
             lifetimes: vec![],
             thread_pairs: vec![],
             timeline: Timeline::default(),
+            children: Vec::new(),
+            forks: None,
         }
     }
 }

@@ -1,7 +1,6 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
 use std::{
-    collections::HashSet,
     fs::File,
     io::{self, Write},
     num::NonZeroU32,
@@ -21,14 +20,13 @@ use crate::{
     allocator::{self, Allocator},
     cli::{TraceArgs, MAX_SECONDS},
     error::UserError,
+    family::{Family, Process},
     format::{self, Format},
-    leak::LeakTracker,
     loader::{self, Attachment, Loaded},
     procfs,
-    report::{self, DoubleFreeReport, Selection},
-    sampling::RateGuard,
+    report::{self, Report, Selection},
     symbolize::SymbolizerHandle,
-    target::{self, DoubleFreeFilter, ExitWatch, MappingRequest},
+    target::{self, ExitWatch, MappingRequest},
 };
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
@@ -43,20 +41,18 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     procfs::check_traceable(pid_n)?;
     let allocator = allocator::find(pid_n)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
+    loaded.follow_forks = args.follow_forks.unwrap_or(false);
     let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
-    let ns_pid = procfs::ns_pid(pid_n);
     announce(pid_n, &comm, &attachment, &allocator);
-    let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid_n).as_deref());
-    let rate_guard = RateGuard::new(args.sampling);
-    if let Some(sample_bytes) = rate_guard.initial() {
+    if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid_n, sample_bytes)?;
     }
-    let tracee = Tracee { loaded, attachment, symbolizer, pid: pid_n, ns_pid, comm, double_free_filter, rate_guard };
-    let traced = trace(tracee, exit, None, args, &mut output).await?;
+    let root = Process::new(pid_n, comm, procfs::exe_path(pid_n), attachment, allocator, settings(args), false);
+    let traced = trace(loaded, symbolizer, root, exit, None, args, &mut output).await?;
     Ok(traced.code.unwrap_or(0))
 }
 
@@ -75,26 +71,25 @@ pub async fn run(
     loader::check_support()?;
     let allocator = allocator_for_command(&program)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
+    loaded.follow_forks = args.follow_forks.unwrap_or(true);
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
     let executable = std::fs::canonicalize(&program).unwrap_or_else(|_| program.clone()).display().to_string();
-    let double_free_filter = DoubleFreeFilter::new(&allocator.display_path, Some(&executable));
     let (mapping_requests, requests) = tokio::sync::mpsc::unbounded_channel();
     let (child, exit_code) = target::spawn(program, command, symbolizer.clone(), mapping_requests)?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
     loaded.stop_on_mapping_change(pid)?;
-    let rate_guard = RateGuard::new(args.sampling);
-    if let Some(sample_bytes) = rate_guard.initial() {
+    if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
     announce(pid, &comm, &attachment, &allocator);
     child.release();
-    // The child shares memprof's pid namespace.
-    let tracee = Tracee { loaded, attachment, symbolizer, pid, ns_pid: None, comm, double_free_filter, rate_guard };
-    let traced = trace(tracee, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
+    let root = Process::new(pid, comm, Some(executable), attachment, allocator, settings(args), true);
+    let traced =
+        trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
             eprintln!(
@@ -124,6 +119,10 @@ fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserErr
     allocator::find(std::process::id())
 }
 
+fn settings(args: &TraceArgs) -> (crate::sampling::Sampling, crate::leak::LeakSettings) {
+    (args.sampling, args.leak_settings())
+}
+
 fn gone_or(pid: u32) -> String {
     if procfs::check_traceable(pid).is_err() {
         format!("pid {pid} exited while probes were being attached")
@@ -150,36 +149,140 @@ fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
     }
 }
 
-/// A process with probes attached.
-struct Tracee {
-    loaded: Loaded,
-    attachment: Attachment,
-    symbolizer: SymbolizerHandle,
-    pid: u32,
-    ns_pid: Option<u32>,
-    comm: String,
-    double_free_filter: DoubleFreeFilter,
-    rate_guard: RateGuard,
-}
-
-impl Tracee {
-    fn stacks(&self, start_ns: u64) -> report::Stacks<'_> {
-        report::Stacks { ebpf: &self.loaded.ebpf, symbolizer: &self.symbolizer, pid: self.pid, start_ns }
-    }
-}
-
 /// How a trace ended.
 struct Traced {
     /// The target's exit code when memprof started it.
     code: Option<i32>,
-    /// In-use bytes of the final report's leak candidates.
+    /// In-use bytes of the final report's leak candidates, children included.
     leak_bytes: u64,
+}
+
+/// What a session reads and reports from.
+struct Tracer<'a> {
+    loaded: Loaded,
+    symbolizer: SymbolizerHandle,
+    family: Family,
+    args: &'a TraceArgs,
+    start_ns: u64,
+    min_age_ns: u64,
+}
+
+impl Tracer<'_> {
+    fn stacks(&self, pid: u32) -> report::Stacks<'_> {
+        report::Stacks { ebpf: &self.loaded.ebpf, symbolizer: &self.symbolizer, pid, start_ns: self.start_ns }
+    }
+
+    /// Refreshes what is known of the live processes and collects their double frees.
+    fn collect(&mut self, double_free_reader: &mut DoubleFreeReader) {
+        let pids = self.family.pids();
+        for pid in pids {
+            if let Some(current) = procfs::comm(pid) {
+                if let Some(process) = self.family.get_mut(pid) {
+                    process.comm = current;
+                }
+                self.loaded.sync_mappings(pid);
+                self.symbolizer.refresh(pid);
+            }
+        }
+        self.family.probe_waiting(&mut self.loaded);
+        for event in double_free_reader.drain() {
+            let double_free = self.stacks(event.tgid).double_free(&event);
+            let Some(process) = self.family.get_mut(event.tgid) else { continue };
+            if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {
+                process.double_frees.push(double_free);
+            }
+        }
+    }
+
+    /// Reads the kernel's counters (the leak rule needs every interval's); returns the reports of
+    /// `pids` (all when None), the root's with its children, when one is to be written.
+    fn read(&mut self, is_final: bool, only: Option<u32>) -> anyhow::Result<Option<Report>> {
+        let pids = only.map_or_else(|| self.family.pids(), |pid| [pid].into());
+        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, self.min_age_ns)?;
+        let clock = self.loaded.ages.clock;
+        let mut switches = Vec::new();
+        for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
+            let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
+            if let Some(switch) = process.rate_guard.check(snapshot) {
+                switches.push((process.pid, switch));
+            }
+            let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
+            process.leaks.observe(snapshot, &clock, time_s);
+        }
+        for (pid, switch) in switches {
+            self.loaded.sample(pid, switch.sample_bytes)?;
+            eprintln!(
+                "memprof: pid {pid} makes {:.0} allocator calls a second, more than --max-rate: sampling one in every {} bytes from now on",
+                switch.calls_per_second, switch.sample_bytes
+            );
+        }
+        let format = self.args.format();
+        if !is_final && !format.streams() {
+            return Ok(None);
+        }
+        let selection = Selection {
+            is_final,
+            top: (format == Format::Table && self.args.filters.is_empty()).then_some(self.args.top),
+            aged_only: self.min_age_ns > 0,
+            freed: format == Format::Pprof,
+        };
+        let mut reports: Vec<Report> = self
+            .family
+            .processes()
+            .filter(|p| pids.contains(&p.pid))
+            .map(|process| {
+                let ctx = report::Context {
+                    stacks: self.stacks(process.pid),
+                    comm: &process.comm,
+                    ns_pid: process.ns_pid,
+                    double_frees: &process.double_frees,
+                    leaks: &process.leaks,
+                };
+                let snapshot = kernel.processes.get(&process.pid).cloned().unwrap_or_default();
+                let mut report = report::build(&ctx, &snapshot, &kernel, selection);
+                report.exe = process.exe.clone();
+                report.parent = process.parent;
+                if !self.args.filters.is_empty() {
+                    self.args.filters.apply(&mut report);
+                    if format == Format::Table {
+                        report.stacks.truncate(self.args.top);
+                    }
+                }
+                report
+            })
+            .collect();
+        if only.is_some() {
+            return Ok(reports.pop());
+        }
+        let root_at = reports.iter().position(|r| r.pid == self.family.root);
+        let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
+        root.forks = self.family.forks(&self.loaded);
+        root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
+        Ok(Some(root))
+    }
+
+    /// A followed child exited: its last report is kept, its probes and map entries go.
+    fn child_exited(&mut self, pid: u32) {
+        let last = match self.read(true, Some(pid)) {
+            Ok(report) => report.map(|mut report| {
+                report.exited = true;
+                report
+            }),
+            Err(err) => {
+                tracing::warn!(pid, "reading the maps: {err:#}");
+                None
+            }
+        };
+        self.family.on_child_exit(&mut self.loaded, pid, last);
+    }
 }
 
 /// Reports every interval until the target exits, a signal arrives or the duration is up; then
 /// prints the final report.
 async fn trace(
-    mut tracee: Tracee,
+    mut loaded: Loaded,
+    symbolizer: SymbolizerHandle,
+    root: Process,
     mut exit: ExitWatch,
     mapping_requests: Option<tokio::sync::mpsc::UnboundedReceiver<MappingRequest>>,
     args: &TraceArgs,
@@ -188,105 +291,67 @@ async fn trace(
     // Without a ptraced child no request comes: a closed channel that is never polled.
     let mut mapping_requests = mapping_requests.unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1);
     let mut requests_open = true;
-    // SAFETY: a new fd of our own, open as long as the AsyncFd that owns it.
-    let mapping_events =
-        unsafe { AsyncFd::register(tracee.loaded.mapping_events.ring().as_fd().try_clone_to_owned()?) }
-            .map_err(|err| err.into_parts().1)?;
-    let start_ns = aggregate::monotonic_now_ns();
-    let min_age_ns = (args.min_age * 1e9) as u64;
-    let mut double_free_reader = DoubleFreeReader::new(&mut tracee.loaded.ebpf)?;
-    let mut double_frees: Vec<DoubleFreeReport> = Vec::new();
+    // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
+    let mapping_events = unsafe { AsyncFd::register(loaded.mapping_events.ring().as_fd().try_clone_to_owned()?) }
+        .map_err(|err| err.into_parts().1)?;
+    let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
+        .map_err(|err| err.into_parts().1)?;
+    let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+    let (exits, mut exited) = tokio::sync::mpsc::unbounded_channel();
+    let follow_forks = loaded.follow_forks;
+    let mut tracer = Tracer {
+        loaded,
+        symbolizer,
+        family: Family::new(root, settings(args), follow_forks, exits),
+        args,
+        start_ns: aggregate::monotonic_now_ns(),
+        min_age_ns: (args.min_age * 1e9) as u64,
+    };
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
     ticks.tick().await;
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
-
-    // Refreshes what is known of the live process and collects its double frees.
-    let mut collect = |tracee: &mut Tracee, double_frees: &mut Vec<DoubleFreeReport>| {
-        if let Some(current) = procfs::comm(tracee.pid) {
-            tracee.comm = current;
-            tracee.loaded.sync_mappings(tracee.pid);
-            tracee.symbolizer.refresh(tracee.pid);
+    let mut write = |report: Option<Report>| -> anyhow::Result<()> {
+        if let Some(report) = report {
+            output.write_all(&format::render(&report, args.format()))?;
+            output.flush()?;
         }
-        for event in double_free_reader.drain() {
-            let double_free = tracee.stacks(start_ns).double_free(&event);
-            if tracee.double_free_filter.is_user(&double_free) {
-                double_frees.push(double_free);
-            }
-        }
-    };
-    let mut leaks = LeakTracker::new(args.leak_settings());
-    // Reads the kernel's counters every interval (the leak rule needs each one); writes a
-    // report when the format streams, or at the end.
-    let mut emit = |tracee: &mut Tracee,
-                    double_frees: &[DoubleFreeReport],
-                    output: &mut dyn Write,
-                    is_final: bool|
-     -> anyhow::Result<u64> {
-        let pids = HashSet::from([tracee.pid]);
-        let kernel = aggregate::read(&tracee.loaded.ebpf, &mut tracee.loaded.ages, &pids, min_age_ns)?;
-        let snapshot = kernel.processes.get(&tracee.pid).cloned().unwrap_or_default();
-        if let Some(switch) = tracee.rate_guard.check(&snapshot) {
-            tracee.loaded.sample(tracee.pid, switch.sample_bytes)?;
-            eprintln!(
-                "memprof: pid {} makes {:.0} allocator calls a second, more than --max-rate: sampling one in every {} bytes from now on",
-                tracee.pid, switch.calls_per_second, switch.sample_bytes
-            );
-        }
-        let time_s = (snapshot.now_ns.saturating_sub(start_ns)) as f64 / 1e9;
-        leaks.observe(&snapshot, &tracee.loaded.ages.clock, time_s);
-        let format = args.format();
-        if !is_final && !format.streams() {
-            return Ok(0);
-        }
-        let ctx = report::Context {
-            stacks: tracee.stacks(start_ns),
-            comm: &tracee.comm,
-            ns_pid: tracee.ns_pid,
-            double_frees,
-            leaks: &leaks,
-        };
-        // The table shows the top stacks (of those the filters keep); the other formats carry
-        // every outstanding stack.
-        let top = (format == Format::Table).then_some(args.top);
-        let filtered = !args.filters.is_empty();
-        let selection = Selection {
-            is_final,
-            top: if filtered { None } else { top },
-            aged_only: min_age_ns > 0,
-            freed: format == Format::Pprof,
-        };
-        let mut report = report::build(&ctx, &snapshot, &kernel, selection);
-        if filtered {
-            args.filters.apply(&mut report);
-            report.stacks.truncate(top.unwrap_or(usize::MAX));
-        }
-        output.write_all(&format::render(&report, format))?;
-        output.flush()?;
-        Ok(report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum())
+        Ok(())
     };
 
     let code = loop {
         tokio::select! {
             _ = ticks.tick() => {
-                collect(&mut tracee, &mut double_frees);
-                emit(&mut tracee, &double_frees, output, false)?;
+                tracer.collect(&mut double_free_reader);
+                tracer.family.flush(&mut tracer.loaded);
+                write(tracer.read(false, None)?)?;
             }
+            ready = process_events.readable() => {
+                if let Ok(mut ready) = ready {
+                    ready.clear_ready();
+                }
+                tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
+            }
+            Some(pid) = exited.recv() => tracer.child_exited(pid),
             ready = mapping_events.readable() => {
                 if let Ok(mut ready) = ready {
                     ready.clear_ready();
                 }
-                if tracee.loaded.sync_changed_mappings().contains(&tracee.pid) {
-                    tracee.symbolizer.refresh(tracee.pid);
+                for pid in tracer.loaded.sync_changed_mappings() {
+                    tracer.family.probe(&mut tracer.loaded, pid);
+                    tracer.symbolizer.refresh(pid);
                 }
             }
             request = mapping_requests.recv(), if requests_open => match request {
                 Some(request) => {
-                    tracee.loaded.sync_mappings(request.pid);
-                    tracee.symbolizer.refresh(request.pid);
-                    let _ = request.reply.send(tracee.loaded.take_mapping_stop(request.pid));
+                    // An exec stop comes after the exec event: handle it first.
+                    tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
+                    tracer.loaded.sync_mappings(request.pid);
+                    tracer.family.probe(&mut tracer.loaded, request.pid);
+                    tracer.symbolizer.refresh(request.pid);
+                    let _ = request.reply.send(tracer.loaded.take_mapping_stop(request.pid));
                 }
                 None => requests_open = false,
             },
@@ -296,8 +361,23 @@ async fn trace(
             _ = &mut duration => break None,
         }
     };
-    collect(&mut tracee, &mut double_frees);
-    let result = emit(&mut tracee, &double_frees, output, true);
-    tracee.loaded.detach(tracee.attachment);
-    result.map(|leak_bytes| Traced { code, leak_bytes })
+    // Children that forked or exited meanwhile are counted in the final report.
+    tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
+    while let Ok(pid) = exited.try_recv() {
+        tracer.child_exited(pid);
+    }
+    tracer.collect(&mut double_free_reader);
+    let result = tracer.read(true, None);
+    let leak_bytes = result.as_ref().ok().and_then(Option::as_ref).map_or(0, |root| {
+        std::iter::once(root)
+            .chain(&root.children)
+            .flat_map(|report| &report.stacks)
+            .filter(|s| s.leak.candidate)
+            .map(|s| s.outstanding_bytes)
+            .sum()
+    });
+    let written = result.and_then(&mut write);
+    let Tracer { mut loaded, family, .. } = tracer;
+    family.finish(&mut loaded);
+    written.map(|()| Traced { code, leak_bytes })
 }

@@ -11,6 +11,7 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
+mod process;
 mod record;
 mod unwind;
 

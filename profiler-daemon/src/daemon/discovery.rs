@@ -29,15 +29,18 @@ pub fn scan(rules: &Rules) -> Vec<(ProcessId, String)> {
     let own = std::process::id();
     let mut found = Vec::new();
     for pid in procfs::pids() {
-        if pid == own {
-            continue;
-        }
-        let Some(id) = ProcessId::current(pid) else { continue };
-        let Some(comm) = procfs::comm(pid) else { continue };
-        let cgroups = if rules.needs_cgroup() { procfs::cgroups(pid) } else { Vec::new() };
-        if rules.matches(pid, &comm, &cgroups) {
-            found.push((id, comm));
+        if pid != own {
+            found.extend(matching(rules, pid));
         }
     }
     found
+}
+
+/// The process `pid` when it runs and matches `rules` (a traced process's new child is checked
+/// at once, not at the next poll).
+pub fn matching(rules: &Rules, pid: u32) -> Option<(ProcessId, String)> {
+    let id = ProcessId::current(pid)?;
+    let comm = procfs::comm(pid)?;
+    let cgroups = if rules.needs_cgroup() { procfs::cgroups(pid) } else { Vec::new() };
+    rules.matches(pid, &comm, &cgroups).then_some((id, comm))
 }

@@ -196,6 +196,18 @@ impl Collector for ViewCollector {
             "Matching processes not traced because max_targets were traced already.",
             [(vec![], view.refused_targets)],
         )?;
+        counters(
+            e,
+            "memprof_children_followed",
+            "Children of traced processes that matched the rules, attached from their fork.",
+            [(vec![], view.children_followed)],
+        )?;
+        counters(
+            e,
+            "memprof_children_missed",
+            "Children of traced processes that matched the rules but exited before their probes were attached.",
+            [(vec![], view.children_missed)],
+        )?;
         gauges(
             e,
             "memprof_bpf_map_entries",

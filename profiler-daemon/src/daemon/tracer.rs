@@ -14,6 +14,7 @@ use std::{
 };
 
 use anyhow::Context as _;
+use profiler_common::process_event;
 use tracing::{debug, info, warn};
 
 use super::{
@@ -64,6 +65,8 @@ struct Target {
     leaks: LeakTracker,
     /// `--max-rate`: switches the process to sampling when it calls the allocator too often.
     rate_guard: RateGuard,
+    /// Its allocator is probed: not between an exec and the new program mapping its allocator.
+    probed: bool,
 }
 
 pub struct Tracer {
@@ -79,6 +82,8 @@ pub struct Tracer {
     /// Processes refused for the cap, each counted once in `refused_total`.
     refused: HashSet<ProcessId>,
     refused_total: u64,
+    children_followed: u64,
+    children_missed: u64,
     view: Arc<RwLock<DaemonView>>,
     /// Probes of exited processes being detached in the background.
     detaching: Vec<std::thread::JoinHandle<()>>,
@@ -90,6 +95,8 @@ impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
         loader::check_support()?;
         let mut loaded = loader::load(config.maps, config.interval)?;
+        // The rules decide which children are traced (`on_fork`).
+        loaded.follow_forks = true;
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
@@ -102,6 +109,8 @@ impl Tracer {
             unattachable: HashSet::new(),
             refused: HashSet::new(),
             refused_total: 0,
+            children_followed: 0,
+            children_missed: 0,
             view,
             detaching: Vec::new(),
             alive,
@@ -127,7 +136,9 @@ impl Tracer {
                 }
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
+            self.on_process_events();
             for pid in self.loaded.sync_changed_mappings() {
+                self.probe(pid);
                 self.symbolizer.refresh(pid);
             }
             // Woken often enough to give a library a process loads its table within milliseconds.
@@ -172,33 +183,119 @@ impl Tracer {
         self.unattachable.retain(|id| wanted.contains(id));
         self.refused.retain(|id| wanted.contains(id));
         for (id, comm) in matches {
-            if self.targets.get(&id.pid).is_some_and(|t| t.id == id) || self.unattachable.contains(&id) {
-                continue;
-            }
-            if self.targets.len() >= self.config.max_targets {
-                if self.refused.insert(id) {
-                    self.refused_total += 1;
-                    warn!(
-                        pid = id.pid,
-                        comm,
-                        "not traced: {} processes are traced already (max_targets)",
-                        self.targets.len()
-                    );
-                }
-                continue;
-            }
-            match self.attach(id, comm) {
-                Ok(()) => changed = true,
-                // A process caught between exec and the dynamic loader mapping its C library has
-                // no allocator yet: only give up on processes old enough to have one.
-                Err(err) if id.age_seconds() < GRACE_SECONDS => debug!(pid = id.pid, "not traced yet: {err:#}"),
-                Err(err) => {
-                    debug!(pid = id.pid, "not traced: {err:#}");
-                    self.unattachable.insert(id);
-                }
-            }
+            changed |= self.consider(id, comm);
         }
         changed
+    }
+
+    /// Attaches to a matching process unless it is traced already, cannot be, or would be one
+    /// too many; returns whether it was attached.
+    fn consider(&mut self, id: ProcessId, comm: String) -> bool {
+        if self.targets.get(&id.pid).is_some_and(|t| t.id == id) || self.unattachable.contains(&id) {
+            return false;
+        }
+        if self.targets.len() >= self.config.max_targets {
+            if self.refused.insert(id) {
+                self.refused_total += 1;
+                warn!(
+                    pid = id.pid,
+                    comm,
+                    "not traced: {} processes are traced already (max_targets)",
+                    self.targets.len()
+                );
+            }
+            return false;
+        }
+        match self.attach(id, comm) {
+            Ok(()) => true,
+            // A process caught between exec and the dynamic loader mapping its C library has
+            // no allocator yet: only give up on processes old enough to have one.
+            Err(err) if id.age_seconds() < GRACE_SECONDS => {
+                debug!(pid = id.pid, "not traced yet: {err:#}");
+                false
+            }
+            Err(err) => {
+                debug!(pid = id.pid, "not traced: {err:#}");
+                self.unattachable.insert(id);
+                false
+            }
+        }
+    }
+
+    /// Execs and forks of the targets: an exec re-probes the target for its new program; a child
+    /// that matches the rules is attached at once.
+    fn on_process_events(&mut self) {
+        for event in self.loaded.process_events.drain() {
+            match event.kind {
+                process_event::EXEC => self.on_exec(event.tgid),
+                process_event::FORK if self.targets.contains_key(&event.tgid) => {
+                    match discovery::matching(&self.config.rules, event.child) {
+                        Some((id, comm)) => {
+                            if self.consider(id, comm) {
+                                self.children_followed += 1;
+                            } else if !self.targets.contains_key(&event.child)
+                                && ProcessId::current(event.child).is_none()
+                            {
+                                self.children_missed += 1;
+                            }
+                        }
+                        // Gone already: whether it would have matched, only its comm (its
+                        // parent's) could tell.
+                        None if ProcessId::current(event.child).is_none() => {
+                            let parent_matches = self.targets.get(&event.tgid).is_some_and(|t| {
+                                self.config.rules.matches(event.child, &t.comm, &[]) || self.config.rules.needs_cgroup()
+                            });
+                            if parent_matches {
+                                self.children_missed += 1;
+                            }
+                        }
+                        None => {}
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn on_exec(&mut self, pid: u32) {
+        let Some(target) = self.targets.get_mut(&pid) else { return };
+        let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        let old = std::mem::take(&mut target.attachment);
+        target.attachment = self.loaded.exec_happened(nonzero, old);
+        target.probed = false;
+        target.comm = procfs::comm(pid).unwrap_or_default();
+        target.leaks = LeakTracker::new(self.config.leak);
+        target.rate_guard = RateGuard::new(self.config.sampling);
+        target.double_frees.clear();
+        target.double_free_count = 0;
+        self.symbolizer.forget(pid);
+        self.symbolizer.refresh(pid);
+        info!(pid, comm = target.comm, "exec: tracing the new program");
+        self.probe(pid);
+    }
+
+    /// Probes the allocator of a target that exec'd once its new program has mapped one.
+    fn probe(&mut self, pid: u32) {
+        let Some(target) = self.targets.get_mut(&pid) else { return };
+        if target.probed {
+            return;
+        }
+        let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
+        match self.loaded.attach_allocator(&allocator, nonzero) {
+            Ok(probes) => {
+                target.attachment.merge(probes);
+                target.probed = true;
+                target.double_free_filter =
+                    DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid).as_deref());
+                if let Some(sample_bytes) = target.rate_guard.initial() {
+                    if let Err(err) = self.loaded.sample(pid, sample_bytes) {
+                        warn!(pid, "sampling: {err:#}");
+                    }
+                }
+                info!(pid, comm = target.comm, probes = target.attachment.probes(), "tracing");
+            }
+            Err(err) => debug!(pid, "probing the allocator: {err:#}"),
+        }
     }
 
     fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
@@ -223,6 +320,7 @@ impl Tracer {
             double_free_count: 0,
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
+            probed: true,
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -239,11 +337,7 @@ impl Tracer {
             self.detaching.retain(|handle| !handle.is_finished());
             self.detaching.push(self.loaded.detach_in_background(target.attachment));
         }
-        if let Err(err) = aggregate::purge(&mut self.loaded.ebpf, pid) {
-            warn!(pid, "purging the maps failed: {err:#}");
-        }
-        self.loaded.forget_mappings(pid);
-        self.loaded.ages.forget(pid);
+        self.loaded.forget_exited(&HashSet::from([pid]));
         self.symbolizer.forget(pid);
         info!(pid, comm = target.comm, "no longer traced");
     }
@@ -336,8 +430,11 @@ impl Tracer {
                     capacity: loader::stack_stats_capacity(sizes).into(),
                 },
                 MapUse { name: "unwind_rows", entries: tables.rows, capacity: tables.capacity },
+                MapUse { name: "traced", entries: self.loaded.tracked().0, capacity: loader::TRACED_CAPACITY.into() },
             ],
             refused_targets: self.refused_total,
+            children_followed: self.children_followed,
+            children_missed: self.children_missed,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()

@@ -55,6 +55,10 @@ pub struct DaemonView {
     pub maps: Vec<MapUse>,
     /// Matching processes not traced because `max_targets` were traced already.
     pub refused_targets: u64,
+    /// Children of traced processes attached from their fork event, and those that matched the
+    /// rules but were gone (or could not be probed) by the time memprof attached.
+    pub children_followed: u64,
+    pub children_missed: u64,
     pub symbolization_failures: Vec<(&'static str, u64)>,
     /// Set once the first snapshot is published.
     pub ready: bool,

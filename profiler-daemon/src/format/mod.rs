@@ -50,6 +50,15 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
 
 /// The report in `format`, ending with a newline where the format is text.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {
+    // Table and JSON have a section per process; the others draw one profile, with each process
+    // a root frame of its own once there are several.
+    let merged;
+    let report = if report.children.is_empty() || format.streams() {
+        report
+    } else {
+        merged = crate::report::merge_processes(report);
+        &merged
+    };
     match format {
         Format::Table => line(table::render(report)),
         Format::Json => line(json::render(report)),

@@ -4,12 +4,33 @@ use std::fmt::Write as _;
 
 use crate::{report::Report, symbolize::Frame};
 
+/// The traced process's section, then each followed child's, each naming its parent.
 pub fn render(report: &Report) -> String {
+    let mut out = section(report);
+    if let Some(forks) = &report.forks {
+        let _ = writeln!(
+            out,
+            "  children: {} followed, {} missed (gone before their probes were attached), {} exited and not listed; {} events lost",
+            forks.followed, forks.missed, forks.exited_not_listed, forks.events_lost
+        );
+    }
+    for child in &report.children {
+        out.push_str(&section(child));
+    }
+    out
+}
+
+fn section(report: &Report) -> String {
     let mut out = String::new();
     let t = &report.totals;
+    let family = match (report.parent, report.exited) {
+        (Some(parent), false) => format!(", child of pid {parent},"),
+        (Some(parent), true) => format!(", child of pid {parent}, exited,"),
+        (None, _) => String::new(),
+    };
     let _ = writeln!(
         out,
-        "memprof: pid {} ({}{}) {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+        "memprof: pid {} ({}{}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
         report.pid,
         report.comm,
         report.ns_pid.map_or_else(String::new, |ns_pid| format!(", pid {ns_pid} in its namespace")),

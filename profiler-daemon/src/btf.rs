@@ -1,0 +1,96 @@
+//! Field offsets of kernel structures, read from the kernel's BTF (`/sys/kernel/btf/vmlinux`):
+//! the BPF programs read `task_struct` fields at offsets the daemon gives them, since Rust BPF
+//! programs have no CO-RE relocations and the layout differs between kernel builds.
+//!
+//! Only what finding a struct member needs is parsed: the header, the string section, and each
+//! type's size, to step over it (the BTF format: linux/Documentation/bpf/btf.rst).
+
+use std::collections::HashMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error("reading {path}: {source}")]
+    Read { path: &'static str, source: std::io::Error },
+    #[error("the kernel's BTF is malformed: {0}")]
+    Malformed(&'static str),
+    #[error("the kernel's BTF has no struct {0} with the members memprof reads")]
+    Missing(String),
+}
+
+const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+const MAGIC: u16 = 0xeb9f;
+
+/// Byte offsets of the members named in `members` of struct `name` in the running kernel.
+pub fn kernel_member_offsets(name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
+    let data = std::fs::read(VMLINUX).map_err(|source| BtfError::Read { path: VMLINUX, source })?;
+    member_offsets(&data, name, members)
+}
+
+fn u32_at(data: &[u8], at: usize) -> Result<u32, BtfError> {
+    data.get(at..at + 4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("four bytes")))
+        .ok_or(BtfError::Malformed("truncated"))
+}
+
+fn member_offsets(data: &[u8], name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
+    if data.len() < 24 || u16::from_le_bytes([data[0], data[1]]) != MAGIC {
+        return Err(BtfError::Malformed("bad magic"));
+    }
+    let header_len = u32_at(data, 4)? as usize;
+    let (type_off, type_len) = (u32_at(data, 8)? as usize, u32_at(data, 12)? as usize);
+    let (str_off, str_len) = (u32_at(data, 16)? as usize, u32_at(data, 20)? as usize);
+    let types =
+        data.get(header_len + type_off..header_len + type_off + type_len).ok_or(BtfError::Malformed("types"))?;
+    let strings =
+        data.get(header_len + str_off..header_len + str_off + str_len).ok_or(BtfError::Malformed("strings"))?;
+    let string = |offset: u32| -> &[u8] {
+        let rest = strings.get(offset as usize..).unwrap_or_default();
+        &rest[..rest.iter().position(|&b| b == 0).unwrap_or(rest.len())]
+    };
+    let mut at = 0;
+    while at + 12 <= types.len() {
+        let (name_off, info) = (u32_at(types, at)?, u32_at(types, at + 4)?);
+        let (kind, vlen, kind_flag) = ((info >> 24) & 0x1f, (info & 0xffff) as usize, info >> 31);
+        let body = at + 12;
+        // Bytes after the 12-byte common part, by kind.
+        let extra = match kind {
+            1 | 14 | 17 => 4,              // int, var, decl tag
+            3 => 12,                       // array
+            4 | 5 | 15 | 19 => 12 * vlen,  // struct, union, datasec, enum64
+            6 | 13 => 8 * vlen,            // enum, func proto
+            0 | 2 | 7..=12 | 16 | 18 => 0, // void, ptr, fwd, typedef, qualifiers, func, float, type tag
+            _ => return Err(BtfError::Malformed("unknown type kind")),
+        };
+        if kind == 4 && string(name_off) == name.as_bytes() {
+            let mut found: HashMap<&[u8], u32> = HashMap::new();
+            for member in 0..vlen {
+                let entry = body + 12 * member;
+                let bits = u32_at(types, entry + 8)?;
+                // With kind_flag the low 24 bits are the offset and the high 8 a bitfield's size.
+                let bit_offset = if kind_flag != 0 { bits & 0xff_ffff } else { bits };
+                found.insert(string(u32_at(types, entry)?), bit_offset / 8);
+            }
+            if let Some(offsets) = members.iter().map(|m| found.get(m.as_bytes()).copied()).collect() {
+                return Ok(offsets);
+            }
+        }
+        at = body + extra;
+    }
+    Err(BtfError::Missing(name.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_task_struct_pid_and_tgid_in_the_running_kernel() {
+        let offsets = kernel_member_offsets("task_struct", &["pid", "tgid"]).unwrap();
+        assert_eq!(offsets[1], offsets[0] + 4, "tgid follows pid: {offsets:?}");
+    }
+
+    #[test]
+    fn refuses_what_is_not_btf() {
+        assert!(matches!(member_offsets(&[0; 64], "task_struct", &["pid"]), Err(BtfError::Malformed(_))));
+    }
+}

@@ -1,0 +1,305 @@
+//! The processes one `attach` or `run` session traces: the target, and with `--follow-forks` the
+//! children it forks (and theirs). Each keeps its own probes, leak history and double frees; an
+//! exec re-probes a process for its new program; an exited child leaves its last report.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    num::NonZeroU32,
+    thread::JoinHandle,
+};
+
+use profiler_common::process_event;
+use tokio::sync::mpsc;
+
+use crate::{
+    allocator::{self, Allocator},
+    leak::{LeakSettings, LeakTracker},
+    loader::{Attachment, Loaded},
+    procfs,
+    report::{DoubleFreeReport, Forks, Report},
+    sampling::{RateGuard, Sampling},
+    symbolize::SymbolizerHandle,
+    target::{DoubleFreeFilter, ExitWatch},
+};
+
+/// Reports of exited children kept for the session's reports; more are only counted.
+const KEPT_EXITED: usize = 100;
+
+/// One traced process.
+pub struct Process {
+    pub pid: u32,
+    /// The traced process that forked it.
+    pub parent: Option<u32>,
+    pub comm: String,
+    /// Its pid in its own pid namespace, when that differs (see `Report::ns_pid`).
+    pub ns_pid: Option<u32>,
+    pub exe: String,
+    attachment: Attachment,
+    /// The allocator probed; none between an exec and the new program mapping its allocator.
+    allocator: Option<Allocator>,
+    pub double_free_filter: Option<DoubleFreeFilter>,
+    pub rate_guard: RateGuard,
+    pub leaks: LeakTracker,
+    pub double_frees: Vec<DoubleFreeReport>,
+    /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
+    expect_exec: bool,
+}
+
+impl Process {
+    /// A process whose probes are attached; `expect_exec` for `memprof run`'s command, not yet
+    /// exec'd.
+    pub fn new(
+        pid: u32,
+        comm: String,
+        exe: Option<String>,
+        attachment: Attachment,
+        allocator: Allocator,
+        settings: (Sampling, LeakSettings),
+        expect_exec: bool,
+    ) -> Self {
+        let exe = exe.unwrap_or_default();
+        Self {
+            pid,
+            parent: None,
+            comm,
+            ns_pid: procfs::ns_pid(pid),
+            double_free_filter: Some(DoubleFreeFilter::new(&allocator.display_path, Some(&exe))),
+            exe,
+            attachment,
+            allocator: Some(allocator),
+            rate_guard: RateGuard::new(settings.0),
+            leaks: LeakTracker::new(settings.1),
+            double_frees: Vec::new(),
+            expect_exec,
+        }
+    }
+}
+
+pub struct Family {
+    pub root: u32,
+    processes: BTreeMap<u32, Process>,
+    /// The last reports of exited children, in the order they exited.
+    exited: Vec<Report>,
+    forks: Forks,
+    follow_forks: bool,
+    settings: (Sampling, LeakSettings),
+    /// Exited children whose map entries go at the next `flush`: one walk of the maps for all.
+    gone: HashSet<u32>,
+    detaching: Vec<JoinHandle<()>>,
+    /// Where each child's exit watcher sends its pid.
+    exits: mpsc::UnboundedSender<u32>,
+}
+
+impl Family {
+    pub fn new(
+        root: Process,
+        settings: (Sampling, LeakSettings),
+        follow_forks: bool,
+        exits: mpsc::UnboundedSender<u32>,
+    ) -> Self {
+        Self {
+            root: root.pid,
+            processes: BTreeMap::from([(root.pid, root)]),
+            exited: Vec::new(),
+            forks: Forks::default(),
+            follow_forks,
+            settings,
+            gone: HashSet::new(),
+            detaching: Vec::new(),
+            exits,
+        }
+    }
+
+    pub fn pids(&self) -> HashSet<u32> {
+        self.processes.keys().copied().collect()
+    }
+
+    pub fn get_mut(&mut self, pid: u32) -> Option<&mut Process> {
+        self.processes.get_mut(&pid)
+    }
+
+    pub fn processes(&self) -> impl Iterator<Item = &Process> {
+        self.processes.values()
+    }
+
+    pub fn processes_mut(&mut self) -> impl Iterator<Item = &mut Process> {
+        self.processes.values_mut()
+    }
+
+    /// The summary of following forks, for the root's report; none without `--follow-forks`.
+    pub fn forks(&self, loaded: &Loaded) -> Option<Forks> {
+        self.follow_forks.then(|| Forks { events_lost: loaded.tracked().1, ..self.forks })
+    }
+
+    pub fn exited_reports(&self) -> &[Report] {
+        &self.exited
+    }
+
+    /// Handles the execs and forks the kernel reported.
+    pub fn on_process_events(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle) {
+        for event in loaded.process_events.drain() {
+            tracing::debug!(?event, "process event");
+            match event.kind {
+                process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid),
+                process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.child),
+                _ => {}
+            }
+        }
+    }
+
+    /// The process runs another program: what was known of the old one goes, and the new one is
+    /// probed in its own allocator.
+    fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
+        let Some(process) = self.processes.get_mut(&pid) else { return };
+        if std::mem::take(&mut process.expect_exec) {
+            return;
+        }
+        let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        let old = std::mem::take(&mut process.attachment);
+        process.attachment = loaded.exec_happened(nonzero, old);
+        process.allocator = None;
+        process.double_free_filter = None;
+        process.comm = procfs::comm(pid).unwrap_or_default();
+        process.exe = procfs::exe_path(pid).unwrap_or_default();
+        process.leaks = LeakTracker::new(self.settings.1);
+        process.rate_guard = RateGuard::new(self.settings.0);
+        process.double_frees.clear();
+        symbolizer.forget(pid);
+        symbolizer.refresh(pid);
+        self.probe(loaded, pid);
+    }
+
+    /// Attaches the allocator probes of `pid` if it has none and its allocator is mapped now.
+    pub fn probe(&mut self, loaded: &mut Loaded, pid: u32) {
+        let Some(process) = self.processes.get_mut(&pid) else { return };
+        if process.allocator.is_some() {
+            return;
+        }
+        let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
+        match loaded.attach_allocator(&allocator, nonzero) {
+            Ok(probes) => {
+                process.attachment.merge(probes);
+                if let Some(sample_bytes) = process.rate_guard.initial() {
+                    if let Err(err) = loaded.sample(pid, sample_bytes) {
+                        tracing::warn!(pid, "sampling: {err:#}");
+                    }
+                }
+                process.exe = procfs::exe_path(pid).unwrap_or_default();
+                process.double_free_filter = Some(DoubleFreeFilter::new(&allocator.display_path, Some(&process.exe)));
+                eprintln!(
+                    "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
+                    process.comm,
+                    process.exe,
+                    process.attachment.probes(),
+                    allocator.display_path
+                );
+                process.allocator = Some(allocator);
+            }
+            Err(err) => tracing::debug!(pid, "probing the allocator: {err:#}"),
+        }
+    }
+
+    /// Probes every process still waiting for its allocator (after an exec).
+    pub fn probe_waiting(&mut self, loaded: &mut Loaded) {
+        let waiting: Vec<u32> = self.processes.values().filter(|p| p.allocator.is_none()).map(|p| p.pid).collect();
+        for pid in waiting {
+            self.probe(loaded, pid);
+        }
+    }
+
+    /// A traced process forked: the child is traced from now on. Its blocks copied from the parent
+    /// were never allocated in it, so their frees are unknown frees, never the parent's.
+    fn on_fork(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, parent: u32, child: u32) {
+        let Some(parent_process) = self.processes.get(&parent) else { return };
+        let Some(pid) = NonZeroU32::new(child) else { return };
+        // Opened before attaching: a child gone in between is then known gone, not missed silently.
+        let watch = match ExitWatch::attached(child) {
+            Ok(watch) => watch,
+            Err(err) => {
+                tracing::debug!(child, "not followed, gone: {err}");
+                self.forks.missed += 1;
+                return;
+            }
+        };
+        // The child maps its parent's files (its /proc maps may not show them yet): the parent's
+        // allocator, unless the child exec'd already (checked below).
+        let parent_exe = parent_process.exe.clone();
+        let inherited = parent_process.allocator.clone();
+        let allocator = match inherited.map(Ok).unwrap_or_else(|| allocator::find(child)) {
+            Ok(allocator) => allocator,
+            Err(err) => {
+                tracing::debug!(child, "not followed: {err}");
+                self.forks.missed += 1;
+                return;
+            }
+        };
+        let attachment = match loaded.attach(&allocator, pid) {
+            Ok(attachment) => attachment,
+            Err(err) => {
+                tracing::debug!(child, "not followed: {err:#}");
+                self.forks.missed += 1;
+                loaded.forget_exited(&HashSet::from([child]));
+                return;
+            }
+        };
+        self.forks.followed += 1;
+        symbolizer.refresh(child);
+        let comm = procfs::comm(child).unwrap_or_default();
+        eprintln!(
+            "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
+            attachment.probes(),
+            allocator.display_path
+        );
+        let mut process =
+            Process::new(child, comm, procfs::exe_path(child), attachment, allocator, self.settings, false);
+        process.parent = Some(parent);
+        if let Some(sample_bytes) = process.rate_guard.initial() {
+            if let Err(err) = loaded.sample(child, sample_bytes) {
+                tracing::warn!(child, "sampling: {err:#}");
+            }
+        }
+        self.processes.insert(child, process);
+        // A child that exec'd before it was tracked (vfork and exec) reported no exec event.
+        if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
+            self.on_exec(loaded, symbolizer, child);
+        }
+        let exits = self.exits.clone();
+        tokio::spawn(async move {
+            let mut watch = watch;
+            watch.exited().await;
+            let _ = exits.send(child);
+        });
+    }
+
+    /// A child exited: `last` is its final report. Its probes are detached in the background
+    /// and its map entries purged at the next `flush`.
+    pub fn on_child_exit(&mut self, loaded: &mut Loaded, pid: u32, last: Option<Report>) {
+        let Some(process) = self.processes.remove(&pid) else { return };
+        if process.allocator.is_none() {
+            self.forks.missed += 1;
+        }
+        match last {
+            Some(report) if self.exited.len() < KEPT_EXITED => self.exited.push(report),
+            _ => self.forks.exited_not_listed += 1,
+        }
+        self.detaching.retain(|handle| !handle.is_finished());
+        self.detaching.push(loaded.detach_in_background(process.attachment));
+        self.gone.insert(pid);
+    }
+
+    /// Purges the maps of the children that exited since the last flush, in one walk.
+    pub fn flush(&mut self, loaded: &mut Loaded) {
+        if !self.gone.is_empty() {
+            loaded.forget_exited(&std::mem::take(&mut self.gone));
+        }
+    }
+
+    /// Detaches every probe and waits for it; the maps go with the programs.
+    pub fn finish(mut self, loaded: &mut Loaded) {
+        let mut handles = std::mem::take(&mut self.detaching);
+        handles.extend(self.processes.into_values().map(|p| loaded.detach_in_background(p.attachment)));
+        for handle in handles {
+            let _ = handle.join();
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Execs and forks of traced processes, reported by the `process_exec` and `process_fork`
+//! tracepoint programs through a ring buffer.
+
+use anyhow::Context as _;
+use aya::{
+    maps::{MapData, PerCpuArray, RingBuf},
+    programs::RawTracePoint,
+    Ebpf,
+};
+pub use profiler_common::ProcessEvent;
+
+/// (program, tracepoint) pairs: both fire for every process on the machine, and return at once
+/// for those not traced.
+const TRACEPOINTS: [(&str, &str); 2] = [("process_exec", "sched_process_exec"), ("process_fork", "sched_process_fork")];
+
+/// Loads and attaches the tracepoint programs (for as long as `ebpf` lives); returns the reader of
+/// their events.
+pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<ProcessEvents> {
+    for (name, tracepoint) in TRACEPOINTS {
+        let program: &mut RawTracePoint = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the eBPF object"))?
+            .try_into()?;
+        program.load().with_context(|| format!("loading program {name}"))?;
+        program.attach(tracepoint).with_context(|| format!("attaching {name} to the {tracepoint} tracepoint"))?;
+    }
+    let map = ebpf.take_map("PROCESS_EVENTS").context("map PROCESS_EVENTS missing")?;
+    Ok(ProcessEvents { ring: RingBuf::try_from(map)? })
+}
+
+/// Events the ring buffer had no room for, all CPUs together.
+pub fn events_lost(ebpf: &Ebpf) -> u64 {
+    ebpf.map("PROCESS_EVENTS_LOST")
+        .and_then(|map| PerCpuArray::<_, u64>::try_from(map).ok())
+        .and_then(|lost| lost.get(&0, 0).ok())
+        .map_or(0, |per_cpu| per_cpu.iter().sum())
+}
+
+pub struct ProcessEvents {
+    ring: RingBuf<MapData>,
+}
+
+impl ProcessEvents {
+    /// The events since the last call, in order.
+    pub fn drain(&mut self) -> Vec<ProcessEvent> {
+        let mut events = Vec::new();
+        while let Some(item) = self.ring.next() {
+            if item.len() >= std::mem::size_of::<ProcessEvent>() {
+                // SAFETY: the programs write whole `ProcessEvent`s, plain integers.
+                events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcessEvent>()) });
+            }
+        }
+        events
+    }
+
+    /// For waiting on events with poll or an async reactor.
+    pub fn ring(&self) -> &RingBuf<MapData> {
+        &self.ring
+    }
+}

@@ -1,0 +1,73 @@
+//! Process life of traced processes: exec and fork, from the scheduler's tracepoints (raw
+//! tracepoints: they attach by name, without tracefs, and kprobes are not available).
+//!
+//! Only processes in `TRACED` are reported, so the programs cost every other exec and fork one
+//! hash lookup. The daemon re-attaches a process that execs (its probes were on the old program's
+//! allocator) and attaches to the children it follows.
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
+    macros::{map, raw_tracepoint},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::RawTracePointContext,
+    Global,
+};
+use profiler_common::{process_event, traced, ProcessEvent};
+
+use crate::record::{add, NO_PREALLOC};
+
+/// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
+#[map]
+static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+#[map]
+static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+/// Events `PROCESS_EVENTS` had no room for.
+#[map]
+static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Offsets of `pid` and `tgid` in the kernel's `struct task_struct`, read by the daemon from the
+/// kernel's BTF (the layout differs between builds; Rust BPF has no CO-RE relocations).
+#[unsafe(no_mangle)]
+static TASK_PID_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static TASK_TGID_OFFSET: Global<u32> = Global::new(0);
+
+fn emit(kind: u32, tgid: u32, child: u32) {
+    let event = ProcessEvent { kind, tgid, child, _pad: 0 };
+    if PROCESS_EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+        if let Some(lost) = PROCESS_EVENTS_LOST.get_ptr_mut(0) {
+            add(unsafe { &mut *lost }, 1);
+        }
+    }
+}
+
+/// `sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)`, in the
+/// task that exec'd: by then it leads its thread group, whichever thread called execve.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if unsafe { TRACED.get(tgid) }.is_some() {
+        emit(process_event::EXEC, tgid, 0);
+    }
+    0
+}
+
+/// `sched_process_fork(struct task_struct *parent, struct task_struct *child)`, in the parent, for
+/// every clone: a new thread (its tgid is its creator's) is not a new process.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let follows = unsafe { TRACED.get(tgid) }.is_some_and(|flags| flags & traced::FOLLOW_FORKS != 0);
+    if !follows {
+        return 0;
+    }
+    let child: *const u8 = ctx.arg(1);
+    // SAFETY: kernel reads through the helper, at offsets inside task_struct.
+    let read = |offset: u32| unsafe { bpf_probe_read_kernel(child.add(offset as usize) as *const i32) };
+    if let (Ok(pid), Ok(child_tgid)) = (read(TASK_PID_OFFSET.load()), read(TASK_TGID_OFFSET.load())) {
+        if pid == child_tgid && child_tgid as u32 != tgid {
+            emit(process_event::FORK, tgid, pid as u32);
+        }
+    }
+    0
+}
