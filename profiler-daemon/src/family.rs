@@ -259,8 +259,9 @@ impl Family {
             }
         }
         self.processes.insert(child, process);
-        // A child that exec'd before it was tracked (vfork and exec) reported no exec event.
-        if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
+        // A child that exec'd before it was tracked (vfork and exec) reported no exec event; one
+        // whose executable cannot be read is in the middle of its exec.
+        if procfs::exe_path(child).is_none_or(|exe| exe != parent_exe) {
             self.on_exec(loaded, symbolizer, child);
         }
         let exits = self.exits.clone();
@@ -275,7 +276,9 @@ impl Family {
     /// and its map entries purged at the next `flush`.
     pub fn on_child_exit(&mut self, loaded: &mut Loaded, pid: u32, last: Option<Report>) {
         let Some(process) = self.processes.remove(&pid) else { return };
-        if process.allocator.is_none() {
+        if process.allocator.is_none() && process.parent.is_some() {
+            // Gone before its program was probed: not followed after all.
+            self.forks.followed = self.forks.followed.saturating_sub(1);
             self.forks.missed += 1;
         }
         match last {
