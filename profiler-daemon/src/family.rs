@@ -259,9 +259,9 @@ impl Family {
             }
         }
         self.processes.insert(child, process);
-        // A child that exec'd before it was tracked (vfork and exec) reported no exec event; one
-        // whose executable cannot be read is in the middle of its exec.
-        if procfs::exe_path(child).is_none_or(|exe| exe != parent_exe) {
+        // A child that exec'd before it was tracked (vfork and exec) reported no exec event. (One
+        // still inside execve reports it: its exec tracepoint fires once the new program is in.)
+        if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
             self.on_exec(loaded, symbolizer, child);
         }
         let exits = self.exits.clone();

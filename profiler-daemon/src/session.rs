@@ -179,6 +179,10 @@ impl Tracer<'_> {
             if let Some(current) = procfs::comm(pid) {
                 if let Some(process) = self.family.get_mut(pid) {
                     process.comm = current;
+                    // Unreadable for a moment while the process execs.
+                    if let Some(exe) = procfs::exe_path(pid) {
+                        process.exe = exe;
+                    }
                 }
                 self.loaded.sync_mappings(pid);
                 self.symbolizer.refresh(pid);
@@ -365,6 +369,13 @@ async fn trace(
     tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
     while let Ok(pid) = exited.try_recv() {
         tracer.child_exited(pid);
+    }
+    // Children whose exit watchers have not run yet.
+    let root = tracer.family.root;
+    for pid in tracer.family.pids() {
+        if pid != root && procfs::stat(pid).is_none_or(|stat| stat.zombie) {
+            tracer.child_exited(pid);
+        }
     }
     tracer.collect(&mut double_free_reader);
     let result = tracer.read(true, None);
