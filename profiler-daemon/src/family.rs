@@ -43,6 +43,10 @@ pub struct Process {
     pub double_frees: Vec<DoubleFreeReport>,
     /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
     expect_exec: bool,
+    /// A child found to have exec'd when it was followed, already handled: the exec event that
+    /// may still come for it must not handle it again (detaching the probes its new program
+    /// already runs under). Cleared at the next flush, by when such an event has come.
+    exec_handled_early: bool,
 }
 
 impl Process {
@@ -71,6 +75,7 @@ impl Process {
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),
             expect_exec,
+            exec_handled_early: false,
         }
     }
 }
@@ -151,7 +156,7 @@ impl Family {
     /// probed in its own allocator.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        if std::mem::take(&mut process.expect_exec) {
+        if std::mem::take(&mut process.expect_exec) || std::mem::take(&mut process.exec_handled_early) {
             return;
         }
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
@@ -263,6 +268,9 @@ impl Family {
         // still inside execve reports it: its exec tracepoint fires once the new program is in.)
         if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
             self.on_exec(loaded, symbolizer, child);
+            if let Some(process) = self.processes.get_mut(&child) {
+                process.exec_handled_early = true;
+            }
         }
         let exits = self.exits.clone();
         tokio::spawn(async move {
@@ -292,6 +300,9 @@ impl Family {
 
     /// Purges the maps of the children that exited since the last flush, in one walk.
     pub fn flush(&mut self, loaded: &mut Loaded) {
+        for process in self.processes.values_mut() {
+            process.exec_handled_early = false;
+        }
         if !self.gone.is_empty() {
             loaded.forget_exited(&std::mem::take(&mut self.gone));
         }

@@ -168,7 +168,8 @@ fn a_fork_storm_counts_every_child_and_leaves_the_parent_exact() {
     let (followed, missed) = (forks["followed"].as_u64().unwrap(), forks["missed"].as_u64().unwrap());
     assert_eq!(followed + missed, 1000, "every child is followed or counted missed: {forks}");
     assert_eq!(forks["events_lost"], 0);
-    for child in children(&report) {
+    // Under load every child may die before it is attached: then none is listed.
+    for child in report["children"].as_array().into_iter().flatten() {
         assert!(total(child, "outstanding_bytes") <= 32, "{child}");
     }
 }
