@@ -1,10 +1,12 @@
-//! Developer tasks: `cargo xtask setup | demo | test`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak`.
 //!
 //! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
 
 mod bench;
+mod benchmarks;
 mod demo;
 mod setup;
+mod soak;
 
 use std::{
     path::{Path, PathBuf},
@@ -29,7 +31,11 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             bench::run()
         }
-        _ => bail!("usage: cargo xtask <setup|demo|test|bench>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md"),
+        "soak" => {
+            setup::all()?;
+            soak::run(&std::env::args().skip(2).collect::<Vec<_>>())
+        }
+        _ => bail!("usage: cargo xtask <setup|demo|test|bench|soak>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)"),
     }
 }
 
