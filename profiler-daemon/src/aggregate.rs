@@ -157,7 +157,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     // Allocation stacks (STACKS) and free stacks (FREE_STACKS) this process used, and those that
     // other processes use too.
     let (mut own_stacks, mut shared_stacks) = (HashSet::new(), HashSet::new());
-    let (mut own_free_stacks, mut shared_free_stacks) = (HashSet::new(), HashSet::new());
+    let mut shared_free_stacks = HashSet::new();
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
     })?;
@@ -169,9 +169,21 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
         let (freed, own) = (&recent.freed, recent.key.tgid == tgid);
         if own {
             own_recent_frees.push(slot);
+        } else {
+            shared_free_stacks.insert(freed.free.stack_id);
         }
         if own { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
-        if own { &mut own_free_stacks } else { &mut shared_free_stacks }.insert(freed.free.stack_id);
+    })?;
+    // A free stack is only ever read through a RECENT_FREES slot (or a double-free event, read
+    // before this), which the next allocation at that address or a later free in the same slot
+    // empties: by the time a process exits, most of its free stacks are referenced by nothing.
+    // Keep only the free stacks some other process's recent frees point at; a free stack needed
+    // again is stored again.
+    let mut unreferenced_free_stacks = HashSet::new();
+    batch::for_each(map(ebpf, StackTable::Frees.map_name())?, |stack_id: &u64, _: &Stack| {
+        if !shared_free_stacks.contains(stack_id) {
+            unreferenced_free_stacks.insert(*stack_id);
+        }
     })?;
     let mut recent_frees: BpfArray<_, RecentFree> =
         BpfArray::try_from(ebpf.map_mut("RECENT_FREES").context("map RECENT_FREES missing from the eBPF object")?)?;
@@ -209,7 +221,7 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| k.tgid == tgid)?;
     let tables = [
         (StackTable::Allocations, own_stacks, shared_stacks),
-        (StackTable::Frees, own_free_stacks, shared_free_stacks),
+        (StackTable::Frees, unreferenced_free_stacks, HashSet::new()),
     ];
     for (table, own, shared) in tables {
         let name = table.map_name();
