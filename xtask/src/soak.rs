@@ -24,10 +24,11 @@ const PORT: u16 = 19465;
 const STEADY: usize = 3;
 const STEADY_HELD: u64 = 20_000;
 const STEADY_RATE: u64 = 1_000;
-/// The restarted process: killed and started again every `RESTART_EVERY`.
+/// The restarted process: killed and started again every `RESTART_EVERY`, which is not a multiple
+/// of the daemon's 5 s interval, so that its snapshots catch the process in every phase.
 const RESTARTED_HELD: u64 = 5_000;
 const RESTARTED_RATE: u64 = 2_000;
-const RESTART_EVERY: Duration = Duration::from_secs(5);
+const RESTART_EVERY: Duration = Duration::from_secs(7);
 /// Samples before this are start-up, not compared.
 const SETTLING: Duration = Duration::from_secs(60);
 /// The last quarter's mean may exceed the first's by this share plus the measure's own slack.
@@ -55,6 +56,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     // Named so that the daemon's `--comm` rule finds them, and nothing else.
     let (steady, restarted) = (dir.join("soak_steady"), dir.join("soak_restart"));
     crate::compile_c(&root().join("bench/holder.c"), &steady, &["-O2"])?;
+    // A new file, not overwritten in place: a leftover from an interrupted soak may still run it.
+    let _ = std::fs::remove_file(&restarted);
     std::fs::copy(&steady, &restarted)?;
 
     let mut daemon = Command::new(&memprof)
