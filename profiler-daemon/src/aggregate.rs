@@ -151,38 +151,35 @@ fn stack_snapshot(
 }
 
 /// Removes everything the maps hold about `tgid`, which has exited: its entries would otherwise
-/// fill the maps and a reused pid would inherit them. Its stacks go too, unless another process
-/// still counts allocations under the same stack id (`STACKS` never frees ids by itself).
+/// fill the maps and a reused pid would inherit them. Stacks that no other process refers to go
+/// too (`STACKS` never frees ids by itself).
 pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
-    // Allocation stacks (STACKS) and free stacks (FREE_STACKS) this process used, and those that
-    // other processes use too.
-    let (mut own_stacks, mut shared_stacks) = (HashSet::new(), HashSet::new());
-    let mut shared_free_stacks = HashSet::new();
+    // The stored stack ids first: a stack another process stores while this runs is kept, though
+    // the scans below may miss the counts that will refer to it. (One stored just before, whose
+    // counts land only after the scans pass, can go; its next allocation stores it again.)
+    let stored_stacks = stack_ids(ebpf, StackTable::Allocations)?;
+    let stored_free_stacks = stack_ids(ebpf, StackTable::Frees)?;
+    // The stacks other processes refer to. Not only this process's stacks go: a stack stored for
+    // an allocation that the full LIVE table then refused has no counts that refer to it, and a
+    // free stack is referenced only by a RECENT_FREES slot (or a double-free event, read before
+    // this), which the next allocation at that address or a later free in the same slot empties.
+    // Either is stored again if needed.
+    let (mut used_stacks, mut used_free_stacks) = (HashSet::new(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
-        if key.tgid == tgid { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
+        if key.tgid != tgid {
+            used_stacks.insert(key.stack_id);
+        }
     })?;
     let mut own_recent_frees = Vec::new();
     batch::for_each(map(ebpf, "RECENT_FREES")?, |&slot: &u32, recent: &RecentFree| {
         if recent.key.addr == 0 {
             return;
         }
-        let (freed, own) = (&recent.freed, recent.key.tgid == tgid);
-        if own {
+        if recent.key.tgid == tgid {
             own_recent_frees.push(slot);
         } else {
-            shared_free_stacks.insert(freed.free.stack_id);
-        }
-        if own { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
-    })?;
-    // A free stack is only ever read through a RECENT_FREES slot (or a double-free event, read
-    // before this), which the next allocation at that address or a later free in the same slot
-    // empties: by the time a process exits, most of its free stacks are referenced by nothing.
-    // Keep only the free stacks some other process's recent frees point at; a free stack needed
-    // again is stored again.
-    let mut unreferenced_free_stacks = HashSet::new();
-    batch::for_each(map(ebpf, StackTable::Frees.map_name())?, |stack_id: &u64, _: &Stack| {
-        if !shared_free_stacks.contains(stack_id) {
-            unreferenced_free_stacks.insert(*stack_id);
+            used_stacks.insert(recent.freed.alloc.stack_id);
+            used_free_stacks.insert(recent.freed.free.stack_id);
         }
     })?;
     let mut recent_frees: BpfArray<_, RecentFree> =
@@ -220,19 +217,27 @@ pub fn purge(ebpf: &mut Ebpf, tgid: u32) -> anyhow::Result<()> {
     remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| *k == tgid)?;
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| k.tgid == tgid)?;
     let tables = [
-        (StackTable::Allocations, own_stacks, shared_stacks),
-        (StackTable::Frees, unreferenced_free_stacks, HashSet::new()),
+        (StackTable::Allocations, stored_stacks, used_stacks),
+        (StackTable::Frees, stored_free_stacks, used_free_stacks),
     ];
-    for (table, own, shared) in tables {
+    for (table, stored, used) in tables {
         let name = table.map_name();
         let mut stacks: BpfHashMap<_, u64, Stack> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
-        for stack_id in own.difference(&shared) {
+        for stack_id in stored.difference(&used) {
             let _ = stacks.remove(stack_id);
         }
     }
     Ok(())
+}
+
+fn stack_ids(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<HashSet<u64>> {
+    let mut ids = HashSet::new();
+    batch::for_each(map(ebpf, table.map_name())?, |id: &u64, _: &Stack| {
+        ids.insert(*id);
+    })?;
+    Ok(ids)
 }
 
 fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
