@@ -184,6 +184,40 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
     assert_purged(&daemon);
 }
 
+#[test]
+fn a_full_per_stack_table_counts_every_allocation_outside_it() {
+    // Two stacks stored, four per-stack rows for all processes: the first process fills both
+    // with its own stacks and its stackless row, the second takes the last row, and the third
+    // has none left.
+    let storms = fixture_with("storms.c", "storms_stats", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"]);
+    let daemon = Daemon::start(&["--comm", "^storms_stats$", "--max-stacks", "2"]);
+    let (threads, blocks) = (2, 50);
+    let mut targets: Vec<Waiting> =
+        (0..3).map(|_| Waiting::start(&storms, &["keep", &threads.to_string(), &blocks.to_string(), "hold"])).collect();
+    for target in &mut targets {
+        daemon.wait_traced(target.pid());
+        target.go();
+        wait_done(target);
+    }
+    let (stormed, _) = storm(threads, blocks);
+    let each = OLD + stormed + LATE;
+    let reports = wait_for(20, "every allocation in the reports or counted", || {
+        let reports: Vec<Value> =
+            targets.iter().map(|t| daemon.get_json(&format!("/api/v1/leaks?pid={}", t.pid())).1).collect();
+        let counted: u64 = reports.iter().map(|r| total(r, "allocations")).sum();
+        (counted + dropped(&reports[0], "stats_map_full") == 3 * each).then_some(reports)
+    });
+    assert!(dropped(&reports[0], "stats_map_full") > 0, "the third process has no row: {reports:?}");
+    for report in &reports {
+        assert!(total(report, "allocations") <= each, "{report}");
+        assert_consistent(report);
+    }
+    assert_eq!(metric(daemon.port, "memprof_bpf_map_entries{map=\"stack_stats\"}"), Some(4));
+    assert_eq!(metric(daemon.port, "memprof_bpf_map_capacity{map=\"stack_stats\"}"), Some(4));
+    drop(targets);
+    assert_purged(&daemon);
+}
+
 /// The kernel holds nothing of any process any more: no block, no stack (not even one whose every
 /// allocation was lost to a full table), no counts.
 fn assert_purged(daemon: &Daemon) {
