@@ -86,7 +86,8 @@ fn a_full_live_table_counts_every_lost_allocation_and_recovers_once_it_has_room(
     assert_eq!(total(&report, "outstanding_allocations"), RECOVERED);
     assert_eq!(total(&report, "outstanding_bytes"), RECOVERED * RECOVERED_SIZE);
     assert_consistent(&report);
-    assert_only_dropped(&report, &["live_map_full"]);
+    // A walk preempted on a busy CPU loses its stack, not its counts.
+    assert_only_dropped(&report, &["live_map_full", "stack_preempted"]);
 }
 
 #[test]
