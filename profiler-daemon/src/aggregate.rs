@@ -151,29 +151,38 @@ fn stack_snapshot(
 }
 
 /// Removes everything the maps hold about `tgids`, which have exited (or exec'd): their entries
-/// would otherwise fill the maps and a reused pid would inherit them. Their stacks go too, unless
-/// another process still counts allocations under the same stack id (`STACKS` never frees ids by
-/// itself). Each map is walked once, however many processes.
+/// would otherwise fill the maps and a reused pid would inherit them. Stacks that no other process
+/// refers to go too (`STACKS` never frees ids by itself). Each map is walked once, however many
+/// processes.
 pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     let ours = |tgid: &u32| tgids.contains(tgid);
-    // Allocation stacks (STACKS) and free stacks (FREE_STACKS) this process used, and those that
-    // other processes use too.
-    let (mut own_stacks, mut shared_stacks) = (HashSet::new(), HashSet::new());
-    let (mut own_free_stacks, mut shared_free_stacks) = (HashSet::new(), HashSet::new());
+    // The stored stack ids first: a stack another process stores while this runs is kept, though
+    // the scans below may miss the counts that will refer to it. (One stored just before, whose
+    // counts land only after the scans pass, can go; its next allocation stores it again.)
+    let stored_stacks = stack_ids(ebpf, StackTable::Allocations)?;
+    let stored_free_stacks = stack_ids(ebpf, StackTable::Frees)?;
+    // The stacks other processes refer to. Not only these processes' stacks go: a stack stored for
+    // an allocation that the full LIVE table then refused has no counts that refer to it, and a
+    // free stack is referenced only by a RECENT_FREES slot (or a double-free event, read before
+    // this), which the next allocation at that address or a later free in the same slot empties.
+    // Either is stored again if needed.
+    let (mut used_stacks, mut used_free_stacks) = (HashSet::new(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
-        if ours(&key.tgid) { &mut own_stacks } else { &mut shared_stacks }.insert(key.stack_id);
+        if !ours(&key.tgid) {
+            used_stacks.insert(key.stack_id);
+        }
     })?;
     let mut own_recent_frees = Vec::new();
     batch::for_each(map(ebpf, "RECENT_FREES")?, |&slot: &u32, recent: &RecentFree| {
         if recent.key.addr == 0 {
             return;
         }
-        let (freed, own) = (&recent.freed, ours(&recent.key.tgid));
-        if own {
+        if ours(&recent.key.tgid) {
             own_recent_frees.push(slot);
+        } else {
+            used_stacks.insert(recent.freed.alloc.stack_id);
+            used_free_stacks.insert(recent.freed.free.stack_id);
         }
-        if own { &mut own_stacks } else { &mut shared_stacks }.insert(freed.alloc.stack_id);
-        if own { &mut own_free_stacks } else { &mut shared_free_stacks }.insert(freed.free.stack_id);
     })?;
     let mut recent_frees: BpfArray<_, RecentFree> =
         BpfArray::try_from(ebpf.map_mut("RECENT_FREES").context("map RECENT_FREES missing from the eBPF object")?)?;
@@ -210,19 +219,27 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| ours(k))?;
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| ours(&k.tgid))?;
     let tables = [
-        (StackTable::Allocations, own_stacks, shared_stacks),
-        (StackTable::Frees, own_free_stacks, shared_free_stacks),
+        (StackTable::Allocations, stored_stacks, used_stacks),
+        (StackTable::Frees, stored_free_stacks, used_free_stacks),
     ];
-    for (table, own, shared) in tables {
+    for (table, stored, used) in tables {
         let name = table.map_name();
         let mut stacks: BpfHashMap<_, u64, Stack> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
-        for stack_id in own.difference(&shared) {
+        for stack_id in stored.difference(&used) {
             let _ = stacks.remove(stack_id);
         }
     }
     Ok(())
+}
+
+fn stack_ids(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<HashSet<u64>> {
+    let mut ids = HashSet::new();
+    batch::for_each(map(ebpf, table.map_name())?, |id: &u64, _: &Stack| {
+        ids.insert(*id);
+    })?;
+    Ok(ids)
 }
 
 fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {

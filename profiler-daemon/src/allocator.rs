@@ -38,6 +38,10 @@ pub struct Allocator {
 pub fn find(pid: u32) -> Result<Allocator, UserError> {
     let exe = procfs::exe_path(pid);
     let mut candidates = procfs::mapped_files(pid)?;
+    // Only files with code mapped: a file mapped for reading only (a C library's debug file that
+    // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
+    let running = procfs::file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
+    candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
     // The executable first, then libraries; among those, libc last so that an LD_PRELOADed
     // allocator (jemalloc, tcmalloc) wins as it does at run time.
     candidates.sort_by_key(|file| (Some(&file.path) != exe.as_ref(), is_libc(&file.path)));

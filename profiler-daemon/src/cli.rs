@@ -243,13 +243,18 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.
 pub const MAX_SECONDS: f64 = 1e9;
 
-/// Checks a number of seconds: above zero (or zero too, with `zero_ok`) and at most `MAX_SECONDS`.
+/// The shortest positive number of seconds: one nanosecond, a `Duration`'s resolution. Less would
+/// be a zero period, which tokio's interval refuses with a panic.
+pub const MIN_SECONDS: f64 = 1e-9;
+
+/// Checks a number of seconds: at least `MIN_SECONDS` (or at least zero, with `zero_ok`) and at most
+/// `MAX_SECONDS`.
 pub fn check_seconds(secs: f64, zero_ok: bool) -> Result<f64, String> {
-    let lowest_ok = if zero_ok { secs >= 0.0 } else { secs > 0.0 };
+    let lowest_ok = if zero_ok { secs >= 0.0 } else { secs >= MIN_SECONDS };
     if lowest_ok && secs <= MAX_SECONDS {
         Ok(secs)
     } else {
-        let least = if zero_ok { "0" } else { "more than 0" };
+        let least = if zero_ok { "0" } else { "0.000000001 (1 ns)" };
         Err(format!("`{secs}` is not a number of seconds from {least} to {MAX_SECONDS}"))
     }
 }
@@ -275,5 +280,59 @@ pub fn leak_threshold(value: &str) -> Result<f64, String> {
     match value.parse::<f64>() {
         Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
         _ => Err(format!("`{value}` is not a score above 0 and at most 1")),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::time::Duration;
+
+    use clap::CommandFactory as _;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn the_shortest_interval_is_not_a_zero_period() {
+        assert!(!Duration::from_secs_f64(MIN_SECONDS).is_zero());
+        let err = Cli::try_parse_from(["memprof", "run", "--interval", "1e-300", "--", "true"]).unwrap_err();
+        assert!(err.to_string().contains("is not a number of seconds from 0.000000001 (1 ns)"), "{err}");
+    }
+
+    /// Every flag that takes a value: (subcommand, flag).
+    pub(crate) fn value_flags() -> Vec<(String, String)> {
+        let cli = Cli::command();
+        let mut flags = Vec::new();
+        for sub in cli.get_subcommands() {
+            for arg in sub.get_arguments().filter(|a| a.get_action().takes_values()) {
+                if let Some(long) = arg.get_long() {
+                    flags.push((sub.get_name().to_string(), long.to_string()));
+                }
+            }
+        }
+        flags
+    }
+
+    /// Values a user might type, or not: anything, numbers of every shape, and the odd ones.
+    pub(crate) fn flag_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            ".{0,40}",
+            "-?[0-9]{0,25}(\\.[0-9]{0,12})?(e-?[0-9]{1,4})?",
+            prop::sample::select(vec!["inf", "-inf", "NaN", "-0", "0", "0x10", "1_000", "18446744073709551616", ""])
+                .prop_map(String::from),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_value_of_any_flag_is_parsed_or_refused_without_panicking(
+            flag in prop::sample::select(value_flags()),
+            value in flag_value(),
+        ) {
+            let (sub, flag) = flag;
+            let _ = Cli::try_parse_from(["memprof".to_string(), sub, format!("--{flag}"), value]);
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Exact outstanding bytes and allocations per call site, for every allocator function.
 
-use memprof_tests::{assert_nothing_dropped, fixture, fixture_with, run, site, total};
+use memprof_tests::{assert_nothing_dropped, attach, fixture, fixture_with, run, site, total, Waiting};
 
 #[test]
 fn every_allocator_function_is_counted_exactly() {
@@ -102,4 +102,18 @@ fn reallocs_racing_with_mallocs_in_other_threads_stay_exact() {
     assert_eq!(site(&report, "grow_site"), (0, 0), "every grown block was freed");
     assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "{report}");
     assert_nothing_dropped(&report);
+}
+
+#[test]
+fn a_file_that_defines_malloc_but_is_only_read_is_not_taken_for_the_allocator() {
+    // A copy of the C library, mapped for reading only as a symbolizer maps a debug file (a
+    // memprof daemon maps libc's): probes there would never fire.
+    let copy = std::env::temp_dir().join(format!("memprof-readonly-{}.debug", std::process::id()));
+    std::fs::copy("/usr/lib/x86_64-linux-gnu/libc.so.6", &copy).unwrap();
+    let mut target = Waiting::start(&fixture("mapped_readonly"), &[copy.to_str().unwrap()]);
+    let outcome = attach(&mut target, &[]);
+    std::fs::remove_file(&copy).unwrap();
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("libc.so.6"), "probes the C library that runs: {}", outcome.stderr);
+    assert_eq!(site(&outcome.final_report(), "mapped_site"), (1000, 10));
 }

@@ -5,7 +5,7 @@
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead.
 
-mod daemon;
+pub(crate) mod daemon;
 mod unwind;
 mod workloads;
 
@@ -137,6 +137,8 @@ pub fn run() -> anyhow::Result<()> {
     report.push_str(&unwind::render_table_memory(&tables));
     report.push_str(&daemon::render(&daemon_cost));
     let path = if size.quick { dir.join("BENCHMARKS.md") } else { root().join("BENCHMARKS.md") };
+    // The long runs' sections (soak, fuzzing) stay, after ours.
+    let report = crate::benchmarks::with_trailing_sections(&path, &report);
     std::fs::write(&path, &report)?;
     println!("{report}");
     eprintln!("xtask bench: written to {}", path.display());

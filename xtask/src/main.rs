@@ -1,10 +1,13 @@
-//! Developer tasks: `cargo xtask setup | demo | test`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | fuzz`.
 //!
 //! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
 
 mod bench;
+mod benchmarks;
 mod demo;
+mod fuzz;
 mod setup;
+mod soak;
 
 use std::{
     path::{Path, PathBuf},
@@ -16,7 +19,10 @@ use anyhow::{bail, Context as _};
 fn main() -> anyhow::Result<()> {
     let task = std::env::args().nth(1).unwrap_or_default();
     match task.as_str() {
-        "setup" => setup::all(),
+        "setup" => {
+            setup::all()?;
+            setup::cargo_fuzz()
+        }
         "demo" => {
             setup::all()?;
             demo::run()
@@ -29,7 +35,15 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             bench::run()
         }
-        _ => bail!("usage: cargo xtask <setup|demo|test|bench>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md"),
+        "soak" => {
+            setup::all()?;
+            soak::run(&std::env::args().skip(2).collect::<Vec<_>>())
+        }
+        "fuzz" => {
+            setup::all()?;
+            fuzz::run(&std::env::args().skip(2).collect::<Vec<_>>())
+        }
+        _ => bail!("usage: cargo xtask <setup|demo|test|bench|soak|fuzz>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)"),
     }
 }
 

@@ -27,6 +27,16 @@ pub fn all() -> anyhow::Result<()> {
     bpf_linker()
 }
 
+/// cargo-fuzz, for `cargo xtask fuzz` (its targets build with the nightly toolchain the eBPF crate
+/// needs too).
+pub fn cargo_fuzz() -> anyhow::Result<()> {
+    if succeeds("cargo", &["fuzz", "--version"]) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing cargo-fuzz");
+    run("cargo", &["install", "--locked", "cargo-fuzz"])
+}
+
 fn succeeds(program: &str, args: &[&str]) -> bool {
     Command::new(program).args(args).output().map(|o| o.status.success()).unwrap_or(false)
 }

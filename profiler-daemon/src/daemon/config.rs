@@ -192,7 +192,14 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser as _;
+    use proptest::prelude::*;
+
     use super::*;
+    use crate::cli::{
+        tests::{flag_value, value_flags},
+        Cli, Command,
+    };
 
     fn parse(toml_text: &str, args: DaemonArgs) -> Result<Config, ConfigError> {
         let file =
@@ -264,5 +271,93 @@ mod tests {
         assert!(matches("/system.slice/nginx.service"));
         assert!(!matches("/system.slicer"));
         assert!(!rules.matches(1, "x", &[]));
+    }
+
+    /// The config file's keys, and one it does not know.
+    const KEYS: [&str; 18] = [
+        "listen",
+        "pids",
+        "comms",
+        "cgroups",
+        "all",
+        "max_targets",
+        "interval",
+        "top_stacks",
+        "leak_window",
+        "leak_threshold",
+        "sample_bytes",
+        "max_rate",
+        "max_live",
+        "max_stacks",
+        "unwind",
+        "max_frames",
+        "max_unwind_rows",
+        "nope",
+    ];
+
+    /// TOML values of every type, with the edge cases of each.
+    fn toml_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|v| v.to_string()),
+            any::<f64>().prop_map(|v| if v.is_finite() { format!("{v:e}") } else { "nan".to_string() }),
+            "\"[^\"\\\\]{0,20}\"",
+            prop::sample::select(vec![
+                "true",
+                "0",
+                "-1",
+                "1e-300",
+                "1e300",
+                "inf",
+                "-inf",
+                "nan",
+                "[]",
+                "[0, -1, 4294967296]",
+                "[\"(\", \"^a\"]",
+                "\"cfi\"",
+                "\"0.0.0.0:99999\"",
+                "{}",
+            ])
+            .prop_map(String::from),
+        ]
+    }
+
+    /// The `[http]` table's keys, and one it does not know.
+    const HTTP_KEYS: [&str; 6] =
+        ["max_connections", "header_timeout", "write_timeout", "max_header_bytes", "web_config_file", "nope"];
+
+    /// Lines of `keys` with any values.
+    fn lines(keys: &'static [&'static str]) -> impl Strategy<Value = String> {
+        prop::collection::vec((prop::sample::select(keys), toml_value()), 0..10)
+            .prop_map(|lines| lines.iter().map(|(key, value)| format!("{key} = {value}\n")).collect())
+    }
+
+    /// Whole files: anything at all, or lines of known and unknown keys with any values, with or
+    /// without an `[http]` table.
+    fn config_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            ".{0,200}",
+            lines(&KEYS),
+            (lines(&KEYS), lines(&HTTP_KEYS)).prop_map(|(top, http)| format!("{top}[http]\n{http}")),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_config_file_is_loaded_or_refused_without_panicking(text in config_text()) {
+            let _ = parse(&text, DaemonArgs::default());
+        }
+
+        #[test]
+        fn any_daemon_flag_value_is_loaded_or_refused_without_panicking(
+            flag in prop::sample::select(value_flags().into_iter().filter(|(sub, flag)| sub == "daemon" && flag != "config").collect::<Vec<_>>()),
+            value in flag_value(),
+        ) {
+            let parsed = Cli::try_parse_from(["memprof".to_string(), "daemon".into(), "--all".into(), format!("--{}", flag.1), value]);
+            if let Ok(Cli { command: Command::Daemon(args) }) = parsed {
+                let _ = load(&args);
+            }
+        }
     }
 }

@@ -21,7 +21,7 @@ const PROCESSES: usize = 10;
 const HELD_EACH: u64 = 100_000;
 const REPLACED_PER_SECOND_EACH: u64 = 5_000;
 
-pub struct DaemonCost {
+pub(super) struct DaemonCost {
     settling_s: u64,
     seconds: f64,
     /// CPU time of the daemon over the measurement, as a share of one core.
@@ -30,27 +30,55 @@ pub struct DaemonCost {
     live: u64,
 }
 
-pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<DaemonCost> {
+pub(super) fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<DaemonCost> {
     let holder = dir.join("holder");
     crate::compile_c(&root().join("bench/holder.c"), &holder, &["-O2"])?;
     let mut holders: Vec<Child> = Vec::new();
     for _ in 0..PROCESSES {
-        let mut child = Command::new(&holder)
-            .args([HELD_EACH.to_string(), REPLACED_PER_SECOND_EACH.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting the holder")?;
-        let mut ready = String::new();
-        BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready)?;
-        holders.push(child);
+        holders.push(start_holder(&holder, HELD_EACH, REPLACED_PER_SECOND_EACH)?);
     }
     let result = trace(memprof, &mut holders, size);
     for mut child in holders {
-        let _ = child.kill();
-        let _ = child.wait();
+        stop(&mut child);
     }
     result
+}
+
+/// Starts bench/holder.c (compiled at `holder`) and waits until it is ready: it allocates
+/// nothing until `release` tells it to go, so that a tracer can attach before its first block.
+pub fn start_holder(holder: &Path, held: u64, replaced_per_second: u64) -> anyhow::Result<Child> {
+    let mut child = Command::new(holder)
+        .args([held.to_string(), replaced_per_second.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the holder")?;
+    let mut ready = String::new();
+    BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready)?;
+    Ok(child)
+}
+
+/// Lets a holder started by `start_holder` begin allocating.
+pub fn release(holder: &mut Child) -> anyhow::Result<()> {
+    writeln!(holder.stdin.as_mut().expect("piped"), "go").context("releasing the holder")
+}
+
+pub fn stop(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Waits until the daemon at `port` traces every process in `pids`.
+pub fn wait_traced(port: u16, pids: &[u32]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let body = http_get(port, "/api/v1/targets").unwrap_or_default();
+        if pids.iter().all(|pid| body.contains(&format!("\"pid\":{pid},"))) {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace {pids:?} within a minute");
+        thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Traces the holders from before their first block, lets them settle, then measures.
@@ -61,13 +89,10 @@ fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<Da
         args.extend(["--pid".to_string(), child.id().to_string()]);
     }
     let mut daemon = Command::new(memprof).args(&args).stderr(Stdio::null()).spawn().context("starting the daemon")?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while http_get(port, "/api/v1/targets").is_none_or(|body| body.matches("\"pid\"").count() < holders.len()) {
-        anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace every holder within a minute");
-        thread::sleep(Duration::from_millis(200));
-    }
+    let pids: Vec<u32> = holders.iter().map(Child::id).collect();
+    wait_traced(port, &pids)?;
     for child in holders.iter_mut() {
-        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+        release(child)?;
     }
     let warm_up = Duration::from_secs(if size.quick { 5 } else { 20 });
     let measured = Duration::from_secs(if size.quick { 10 } else { 60 });
@@ -94,7 +119,7 @@ fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<Da
 }
 
 /// CPU seconds used so far (user + system) and resident KiB of `pid`.
-fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
+pub fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command name, which may hold spaces, closed by the last ')'.
     let fields: Vec<&str> = stat.rsplit_once(')').context("malformed stat")?.1.split_whitespace().collect();
@@ -117,7 +142,7 @@ fn live_allocations(port: u16) -> Option<u64> {
     Some(counts.filter_map(|rest| rest.split([',', '}']).next()?.parse::<u64>().ok()).sum())
 }
 
-fn http_get(port: u16, path: &str) -> Option<String> {
+pub fn http_get(port: u16, path: &str) -> Option<String> {
     use std::io::{Read as _, Write as _};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
@@ -126,7 +151,7 @@ fn http_get(port: u16, path: &str) -> Option<String> {
     Some(response.split_once("\r\n\r\n")?.1.to_string())
 }
 
-pub fn render(cost: &DaemonCost) -> String {
+pub(super) fn render(cost: &DaemonCost) -> String {
     let mut out = String::from("\n## The daemon's own cost\n\n");
     let _ = writeln!(
         out,

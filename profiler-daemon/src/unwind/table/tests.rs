@@ -498,3 +498,45 @@ fn rejects_what_it_cannot_index() {
     let high = compile("high", FIXTURE, &["-O2", "-fPIE", "-pie", "-Wl,-Ttext-segment=0x100000000"]);
     assert!(matches!(build(&fs::read(&high.path).unwrap()), Err(TableError::AddressTooLarge(_))));
 }
+
+mod properties {
+    use proptest::{prelude::*, sample::Index};
+
+    use super::*;
+
+    /// A small real executable with `.eh_frame`, its CFI section and its section headers: where
+    /// a corruption reaches the parsers rather than the ELF header check.
+    fn target() -> &'static (Vec<u8>, [Range<usize>; 3]) {
+        static TARGET: std::sync::OnceLock<(Vec<u8>, [Range<usize>; 3])> = std::sync::OnceLock::new();
+        TARGET.get_or_init(|| {
+            let elf = fs::read("/usr/bin/true").unwrap();
+            let file = ElfFile64::<object::Endianness>::parse(&elf[..]).unwrap();
+            let (offset, size) = file.section_by_name(".eh_frame").unwrap().file_range().unwrap();
+            let headers = u64::from_le_bytes(elf[0x28..0x30].try_into().unwrap()) as usize;
+            let ranges = [0..elf.len(), offset as usize..(offset + size) as usize, headers..elf.len()];
+            (elf, ranges)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn mutated_and_truncated_elf_files_give_a_table_or_an_error(
+            region in 0..3usize,
+            flips in prop::collection::vec((any::<Index>(), any::<u8>()), 1..24),
+            cut in prop::option::of(any::<Index>()),
+        ) {
+            let (elf, regions) = target();
+            let mut bytes = elf.clone();
+            let region = &regions[region];
+            for (at, value) in flips {
+                bytes[region.start + at.index(region.len())] = value;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.index(bytes.len()));
+            }
+            let _ = build(&bytes);
+        }
+    }
+}

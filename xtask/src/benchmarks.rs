@@ -1,0 +1,78 @@
+//! BENCHMARKS.md is written by several commands: `bench` writes its own sections, and the long runs
+//! (`soak`, `fuzz`) each own one section at the end. Each keeps the others' sections.
+
+use std::path::Path;
+
+/// Sections owned by the long-running commands, kept at the end of the file in this order.
+const TRAILING: [&str; 2] = ["## Soak", "## Fuzzing"];
+
+/// Splits `text` into what precedes the trailing sections and each trailing section found.
+fn split(text: &str) -> (String, Vec<(&'static str, String)>) {
+    let mut head = String::new();
+    let mut sections: Vec<(&'static str, String)> = Vec::new();
+    for line in text.split_inclusive('\n') {
+        if let Some(title) = TRAILING.iter().find(|t| line.trim_end() == **t) {
+            sections.push((title, String::new()));
+        } else if line.starts_with("## ") {
+            // A section of another command after ours: it belongs before the trailing ones.
+            sections.push(("", String::new()));
+        }
+        match sections.last_mut() {
+            Some((title, body)) if !title.is_empty() => body.push_str(line),
+            _ => head.push_str(line),
+        }
+    }
+    (head, sections)
+}
+
+/// Joins a head and trailing sections, one blank line between each.
+fn join(head: &str, sections: &[(&'static str, String)]) -> String {
+    let mut out = head.trim_end().to_string();
+    for title in TRAILING {
+        if let Some((_, body)) = sections.iter().find(|(t, _)| *t == title) {
+            out.push_str("\n\n");
+            out.push_str(body.trim_end());
+        }
+    }
+    out.push('\n');
+    out
+}
+
+/// Replaces (or adds) the trailing section `title`, whose text `body` starts with the title line.
+pub fn write_section(path: &Path, title: &'static str, body: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let (head, mut sections) = split(&text);
+    sections.retain(|(t, _)| !t.is_empty() && *t != title);
+    sections.push((title, body.to_string()));
+    std::fs::write(path, join(&head, &sections))?;
+    Ok(())
+}
+
+/// `report` (bench's own sections) followed by the trailing sections already in the file at `path`.
+pub fn with_trailing_sections(path: &Path, report: &str) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let (_, sections) = split(&text);
+    let kept: Vec<_> = sections.into_iter().filter(|(t, _)| !t.is_empty()).collect();
+    join(report, &kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_section_is_replaced_and_the_others_kept_in_order() {
+        let dir = std::env::temp_dir().join(format!("xtask-benchmarks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("BENCHMARKS.md");
+        std::fs::write(&path, "# Benchmarks\n\n## Cost\n\nrows\n").unwrap();
+        write_section(&path, "## Fuzzing", "## Fuzzing\n\nfirst\n").unwrap();
+        write_section(&path, "## Soak", "## Soak\n\nflat\n").unwrap();
+        write_section(&path, "## Fuzzing", "## Fuzzing\n\nsecond\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "# Benchmarks\n\n## Cost\n\nrows\n\n## Soak\n\nflat\n\n## Fuzzing\n\nsecond\n");
+        let rewritten = with_trailing_sections(&path, "# Benchmarks\n\n## Cost\n\nnew rows\n");
+        assert_eq!(rewritten, "# Benchmarks\n\n## Cost\n\nnew rows\n\n## Soak\n\nflat\n\n## Fuzzing\n\nsecond\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
