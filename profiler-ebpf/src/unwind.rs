@@ -389,13 +389,21 @@ fn end(walk: &mut Walk, why: StackEnd) -> Option<()> {
 
 impl Window {
     /// The word at `address`: from the copy when it holds it, else from a new copy starting there.
+    /// A copy stops at the end of its page: a failed copy then means the word's page is not
+    /// mapped (a garbage frame address), and is not tried again word by word.
     fn read(&mut self, address: u64) -> Option<u64> {
         let offset = address.wrapping_sub(self.start);
-        if offset.is_multiple_of(8) && offset < self.len {
+        if offset.is_multiple_of(8) && offset < self.len && self.len - offset >= 8 {
             return self.words.get((offset / 8) as usize & (WINDOW_WORDS - 1)).copied();
         }
-        let size = core::mem::size_of_val(&self.words) as u32;
-        // SAFETY: the destination is this window's words, `size` bytes long.
+        self.len = 0;
+        let page_rest = PAGE_SIZE - (address & (PAGE_SIZE - 1));
+        if page_rest < 8 {
+            // The word straddles two pages.
+            return unsafe { bpf_probe_read_user(address as *const u64) }.ok();
+        }
+        let size = page_rest.min(core::mem::size_of_val(&self.words) as u64) as u32;
+        // SAFETY: the destination is this window's words, at least `size` bytes long.
         let copied = unsafe {
             aya_ebpf::helpers::generated::bpf_probe_read_user(
                 self.words.as_mut_ptr().cast(),
@@ -403,15 +411,15 @@ impl Window {
                 address as *const c_void,
             )
         };
-        if copied == 0 {
-            (self.start, self.len) = (address, size as u64);
-            return Some(self.words[0]);
+        if copied != 0 {
+            return None;
         }
-        // The window ran past the end of the stack's mapping: read the one word.
-        self.len = 0;
-        unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+        (self.start, self.len) = (address, size as u64);
+        Some(self.words[0])
     }
 }
+
+const PAGE_SIZE: u64 = 4096;
 
 /// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
 /// in a search doubles the paths the verifier explores.
