@@ -58,9 +58,9 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
         format!("{SWITCH}=0")
     } else {
         match load_for_multi_links(ebpf) {
-            Ok(()) => return Ok(load_for_sessions(ebpf)),
+            Ok(method) => return Ok(method),
             Err(why) => {
-                for name in PROGRAMS {
+                for name in PROGRAMS.iter().chain(&[SESSION_PROGRAM]) {
                     // Those not loaded yet have nothing to unload.
                     let _ = program(ebpf, name)?.unload();
                 }
@@ -75,25 +75,28 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
     Ok(Method::PerfEvents)
 }
 
-fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    for name in PROGRAMS {
-        program(ebpf, name)?
-            .load_with_attach_type(uprobe_multi::ATTACH_TYPE)
-            .with_context(|| format!("loading program {name} for uprobe_multi links"))?;
-    }
-    Ok(uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?)
-}
-
-/// Loads the session program where the kernel has uprobe sessions; else allocation functions get
-/// an entry and a return link.
-fn load_for_sessions(ebpf: &mut Ebpf) -> Method {
-    let loaded =
+/// Loads the programs for uprobe_multi links: the session program where the kernel has uprobe
+/// sessions, else an entry and a return program for the allocation functions. Only the programs
+/// used are loaded: verifying each allocation program takes the better part of a second.
+fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
+    let load = |ebpf: &mut Ebpf, names: &[&str]| -> anyhow::Result<()> {
+        for name in names {
+            program(ebpf, name)?
+                .load_with_attach_type(uprobe_multi::ATTACH_TYPE)
+                .with_context(|| format!("loading program {name} for uprobe_multi links"))?;
+        }
+        Ok(())
+    };
+    load(ebpf, &[FREE_PROGRAM, MAPPINGS_PROGRAM])?;
+    uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?;
+    let session =
         program(ebpf, SESSION_PROGRAM).and_then(|p| Ok(p.load_with_attach_type(uprobe_multi::SESSION_ATTACH_TYPE)?));
-    match loaded {
-        Ok(()) => Method::Sessions,
+    match session {
+        Ok(()) => Ok(Method::Sessions),
         Err(why) => {
             tracing::info!("no uprobe sessions ({why:#}): a sampled call's return probe still fires");
-            Method::MultiLinks
+            load(ebpf, &[ENTRY_PROGRAM, RETURN_PROGRAM])?;
+            Ok(Method::MultiLinks)
         }
     }
 }
