@@ -3,7 +3,7 @@
 
 use std::{
     io::{BufRead, BufReader, Write},
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
 };
 
 use memprof_tests::{fixture, fixture_with, memprof_bin, run, site, total, Outcome};
@@ -21,26 +21,35 @@ fn static_binary() -> String {
 /// `memprof ARGS`, writing "go" to its stdin (which the command inherits) once its stderr has
 /// shown a line containing `after`.
 fn run_released(args: &[&str], after: &str) -> Outcome {
-    let mut memprof = Command::new(memprof_bin())
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(args).stdin(Stdio::piped());
+    released(memprof, &[after.to_string()], |memprof| {
+        memprof.stdin.as_mut().expect("piped").write_all(b"go\n").expect("releasing the fixture");
+    })
+}
+
+/// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
+/// `release`. Returns once memprof has exited.
+fn released(mut memprof: Command, markers: &[String], mut release: impl FnMut(&mut Child)) -> Outcome {
+    let mut memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
     let stdout = memprof.stdout.take().expect("piped");
     let reader = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap_or_default());
     let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
     let mut seen = String::new();
-    loop {
-        let mut line = String::new();
-        assert!(stderr.read_line(&mut line).expect("reading stderr") > 0, "memprof ended before `{after}`: {seen}");
-        seen.push_str(&line);
-        if line.contains(after) {
-            break;
+    for marker in markers {
+        loop {
+            let mut line = String::new();
+            assert!(
+                stderr.read_line(&mut line).expect("reading stderr") > 0,
+                "memprof ended before `{marker}`: {seen}"
+            );
+            seen.push_str(&line);
+            if line.contains(marker.as_str()) {
+                break;
+            }
         }
+        release(&mut memprof);
     }
-    memprof.stdin.as_mut().expect("piped").write_all(b"go\n").expect("releasing the fixture");
     let rest = std::io::read_to_string(stderr.into_inner()).unwrap_or_default();
     let status = memprof.wait().expect("waiting for memprof");
     Outcome { status, stdout: reader.join().expect("stdout reader"), stderr: seen + &rest }
@@ -84,29 +93,10 @@ fn attach_follows_an_exec() {
     let pid = target.pid().to_string();
     // The first "go" goes to the fixture once memprof traces it, the second once memprof has
     // probed the program it exec'd (which says "ready" again and waits).
-    let mut memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &pid, "--json", "--interval", "0.2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
-    let stdout = memprof.stdout.take().expect("piped");
-    let reader = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap_or_default());
-    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
-    let mut seen = String::new();
-    for wanted in [format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (")] {
-        loop {
-            let mut line = String::new();
-            assert!(stderr.read_line(&mut line).unwrap() > 0, "memprof ended before `{wanted}`: {seen}");
-            seen.push_str(&line);
-            if line.starts_with(&wanted) {
-                break;
-            }
-        }
-        target.go();
-    }
-    let status = memprof.wait().expect("waiting for memprof");
-    let outcome = Outcome { status, stdout: reader.join().unwrap(), stderr: seen };
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "0.2"]);
+    let markers = [format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (")];
+    let outcome = released(memprof, &markers, |_| target.go());
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
