@@ -105,7 +105,6 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
-    attach_thread_exit(&mut ebpf)?;
     let process_events = process::attach(&mut ebpf)?;
     Ok(Loaded {
         ebpf,
@@ -117,16 +116,6 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         process_events,
         follow_forks: false,
     })
-}
-
-/// Attaches `thread_exit` to the `sched_process_exit` tracepoint for as long as `ebpf` lives: it
-/// settles the in-flight calls of threads that die inside the allocator.
-fn attach_thread_exit(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    let program: &mut aya::programs::RawTracePoint =
-        ebpf.program_mut("thread_exit").context("program thread_exit missing from the eBPF object")?.try_into()?;
-    program.load().context("loading program thread_exit")?;
-    program.attach("sched_process_exit").context("attaching thread_exit to the sched_process_exit tracepoint")?;
-    Ok(())
 }
 
 /// Capacity of `TRACED`, the processes whose execs and forks are reported (the eBPF default).

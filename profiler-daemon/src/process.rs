@@ -1,5 +1,6 @@
 //! Execs and forks of traced processes, reported by the `process_exec` and `process_fork`
-//! tracepoint programs through a ring buffer.
+//! tracepoint programs through a ring buffer; and the `thread_exit` program, which settles the
+//! in-flight calls of threads that die inside the allocator.
 
 use anyhow::Context as _;
 use aya::{
@@ -9,9 +10,13 @@ use aya::{
 };
 pub use profiler_common::ProcessEvent;
 
-/// (program, tracepoint) pairs: both fire for every process on the machine, and return at once
-/// for those not traced.
-const TRACEPOINTS: [(&str, &str); 2] = [("process_exec", "sched_process_exec"), ("process_fork", "sched_process_fork")];
+/// (program, tracepoint) pairs: each fires for every process (or thread) on the machine, and
+/// returns at once for those not traced.
+const TRACEPOINTS: [(&str, &str); 3] = [
+    ("process_exec", "sched_process_exec"),
+    ("process_fork", "sched_process_fork"),
+    ("thread_exit", "sched_process_exit"),
+];
 
 /// Loads and attaches the tracepoint programs (for as long as `ebpf` lives); returns the reader of
 /// their events.
