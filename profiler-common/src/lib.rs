@@ -504,9 +504,7 @@ pub const MAX_MAPPINGS: usize = 256;
 #[derive(Clone, Copy, Debug)]
 pub struct ProcMappings {
     pub len: u32,
-    /// Different for every write of a process's mappings: the walk's cache of rows by address
-    /// (which an address's row may change with) is valid for one generation.
-    pub generation: u32,
+    pub _pad: u32,
     pub entries: [ExecMapping; MAX_MAPPINGS],
 }
 

@@ -276,6 +276,9 @@ impl Loaded {
         let mut sampling: aya::maps::HashMap<_, u32, u64> =
             aya::maps::HashMap::try_from(self.ebpf.map_mut("SAMPLING").context("map SAMPLING missing")?)?;
         sampling.insert(pid, sample_bytes, 0)?;
+        let mut used: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(self.ebpf.map_mut("SAMPLING_USED").context("map SAMPLING_USED missing")?)?;
+        used.set(0, 1, 0)?;
         Ok(())
     }
 

@@ -67,8 +67,15 @@ static LIFETIME_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_
 /// frees of unrecorded blocks are expected, and their double frees are not looked for.
 #[map]
 static SAMPLING: HashMap<u32, u64> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Set (to 1) by the daemon before it first samples a process: until then every call is
+/// recorded, and the entry probe skips a hash lookup per call (an array's lookup is inlined).
+#[map]
+static SAMPLING_USED: Array<u32> = Array::with_max_entries(1, 0);
 
 fn sample_bytes(tgid: u32) -> u64 {
+    if SAMPLING_USED.get(0).is_none_or(|used| *used == 0) {
+        return 0;
+    }
     unsafe { SAMPLING.get(tgid) }.copied().unwrap_or(0)
 }
 
@@ -118,7 +125,20 @@ static EMPTY_STATS: StackStats = StackStats::EMPTY;
 static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
 static EMPTY_HIST: Log2Histogram = Log2Histogram { buckets: [0; LOG2_BUCKETS] };
 static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
-const EMPTY_ALLOC: LiveAlloc = LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0 };
+/// A thread's entry between calls.
+static IDLE: Inflight = Inflight {
+    func: 0,
+    depth: 0,
+    size: 0,
+    ptr_arg: 0,
+    tgid: 0,
+    stashed: 0,
+    stash: LiveAlloc { size: 0, time_ns: 0, stack_id: NO_STACK, tid: 0, func: 0 },
+    entry_sp: 0,
+    sample_bytes: 0,
+    recorded: 0,
+    _pad: 0,
+};
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
 fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
@@ -217,35 +237,25 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
         return false;
     }
-    let mut state = Inflight {
-        func: func as u32,
-        depth: 1,
-        size,
-        ptr_arg,
-        tgid,
-        stashed: 0,
-        stash: EMPTY_ALLOC,
-        entry_sp: sp,
-        sample_bytes,
-        recorded: u32::from(recorded),
-        _pad: 0,
+    // The thread's first call inserts its entry idle; it is then filled like any other.
+    let Some(idle) = entry.or_else(|| get_or_insert(&INFLIGHT, &tid, &IDLE)) else {
+        count_drop(DropReason::InflightMapFull);
+        return false;
     };
+    // SAFETY: this thread's own entry; only this thread writes it while the thread lives.
+    let state = unsafe { &mut *idle };
+    // Field by field, not the whole struct: the stash is written only when there is one (copying
+    // an empty one takes a byte-wise memset).
+    (state.func, state.size, state.ptr_arg, state.tgid) = (func as u32, size, ptr_arg, tgid);
+    (state.entry_sp, state.sample_bytes, state.recorded) = (sp, sample_bytes, u32::from(recorded));
+    state.stashed = 0;
     if let Some(old) = old {
         // Taken out of LIVE now, the old block cannot be confused with a block another thread
         // gets at the same address before realloc returns.
         state.stash = old;
         state.stashed = u32::from(LIVE.remove(key).is_ok());
     }
-    if let Some(idle) = entry {
-        // SAFETY: this thread's own entry; only this thread writes it while the thread lives.
-        unsafe { *idle = state };
-    } else if INFLIGHT.insert(tid, state, 0).is_err() {
-        count_drop(DropReason::InflightMapFull);
-        if state.stashed != 0 {
-            let _ = LIVE.insert(key, state.stash, 0);
-        }
-        return false;
-    }
+    state.depth = 1;
     true
 }
 

@@ -36,6 +36,11 @@ pub static FREE_STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(16_384, 
 static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 20, BPF_F_MMAPABLE);
 #[map]
 static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Bumped by the daemon after every write to `PROC_MAPPINGS`: the rows cached by address (which
+/// an address's row may change with) are valid for one generation. One for all processes, in an
+/// array (an inlined lookup): a walk needs it before anything else, and mappings rarely change.
+#[map]
+static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Processes whose mappings changed (their tgids), for the daemon to read their new files' tables.
 #[map]
@@ -134,22 +139,17 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
     let scratch = unsafe { &mut *scratch };
     scratch.uses = scratch.uses.wrapping_add(1);
     let ours = scratch.uses;
-    scratch.walk = Walk {
-        pc: regs.pc,
-        sp: regs.sp,
-        bp: regs.bp,
-        hash: 0x9e37_79b9_7f4a_7c15,
-        check: 0xc2b2_ae3d_27d4_eb4f,
-        tgid,
-        len: 0,
-        end: StackEnd::TooDeep as u32,
-        pc_is_return: u32::from(regs.pc_is_return),
-        // rbp is known at the start; a frame that clobbers it without saving it loses it.
-        bp_known: 1,
-        // SAFETY: the value stays valid while the program runs.
-        generation: unsafe { PROC_MAPPINGS.get(tgid) }.map_or(0, |mappings| mappings.generation),
-        mapping: NO_MAPPING,
-    };
+    // Field by field: a whole `Walk` would copy `mapping`'s 40 zero bytes with a byte-wise memset.
+    let walk = &mut scratch.walk;
+    (walk.pc, walk.sp, walk.bp) = (regs.pc, regs.sp, regs.bp);
+    (walk.hash, walk.check) = (0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f);
+    (walk.tgid, walk.len, walk.end) = (tgid, 0, StackEnd::TooDeep as u32);
+    walk.pc_is_return = u32::from(regs.pc_is_return);
+    // rbp is known at the start; a frame that clobbers it without saving it loses it.
+    walk.bp_known = 1;
+    walk.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
+    // No mapping yet: an empty range.
+    walk.mapping.end = 0;
     scratch.window.len = 0;
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // SAFETY: `step` has the callback signature bpf_loop expects.
@@ -211,7 +211,7 @@ struct Walk {
     /// instruction (at an entry probe, or after a signal frame).
     pc_is_return: u32,
     bp_known: u32,
-    /// `ProcMappings::generation` when the walk began: cached rows of another are stale.
+    /// `MAPPINGS_GENERATION` when the walk began: cached rows of another are stale.
     generation: u32,
     /// The mapping of the last frame: the next frame is most often in the same file, and then
     /// needs no lookup. Empty (start = end) before the first.
@@ -443,8 +443,6 @@ fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     let entry = mappings.entries.get(base & (MAX_MAPPINGS - 1))?;
     (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
 }
-
-static NO_MAPPING: ExecMapping = ExecMapping { start: 0, end: 0, bias: 0, first_row: 0, rows: 0, kind: 0, _pad: 0 };
 
 /// The frame-pointer rules: CFA = rbp + 16, the caller's rbp saved at CFA - 16. At a function's
 /// first instruction (an entry probe) nothing is pushed yet: CFA = rsp + 8.

@@ -59,7 +59,7 @@ pub struct Registry {
     processes: HashMap<u32, HashSet<FileKey>>,
     /// Files already warned about, so that each warning is said once.
     warned: HashSet<String>,
-    /// Writes of `PROC_MAPPINGS` so far: each write's `generation`.
+    /// Writes of `PROC_MAPPINGS` so far: the value of `MAPPINGS_GENERATION`.
     mapping_writes: u32,
 }
 
@@ -149,17 +149,20 @@ impl Registry {
             );
             entries.truncate(MAX_MAPPINGS);
         }
-        self.mapping_writes = self.mapping_writes.wrapping_add(1);
-        let mut list = ProcMappings {
-            len: entries.len() as u32,
-            generation: self.mapping_writes,
-            entries: [ExecMapping::default(); MAX_MAPPINGS],
-        };
+        let mut list =
+            ProcMappings { len: entries.len() as u32, _pad: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
         list.entries[..entries.len()].copy_from_slice(&entries);
         let mut map: BpfHashMap<_, u32, ProcMappings> = BpfHashMap::try_from(
             ebpf.map_mut("PROC_MAPPINGS").ok_or_else(|| anyhow::anyhow!("map PROC_MAPPINGS missing"))?,
         )?;
         map.insert(pid, list, 0)?;
+        // After the write: a walk that began before it may cache the new rows under the old
+        // generation, which the bump then discards.
+        self.mapping_writes = self.mapping_writes.wrapping_add(1);
+        let mut generation: aya::maps::Array<_, u32> = aya::maps::Array::try_from(
+            ebpf.map_mut("MAPPINGS_GENERATION").ok_or_else(|| anyhow::anyhow!("map MAPPINGS_GENERATION missing"))?,
+        )?;
+        generation.set(0, self.mapping_writes, 0)?;
         let old = self.processes.insert(pid, used.clone()).unwrap_or_default();
         for key in used.difference(&old) {
             if let Some(file) = self.files.get_mut(key) {
