@@ -53,6 +53,27 @@ uretprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ { @live[retval] 
 uprobe:/lib/x86_64-linux-gnu/libc.so.6:free /pid == cpid/ { delete(@live[arg0]); }
 END { clear(@live); clear(@size); }";
 
+/// The traps alone: empty programs where the classic set (and memprof) probe the allocating
+/// functions, at entry and return (full mode's least cost) or at entry only (sampled mode's least
+/// for a call it does not sample). Neither probes `free`, so both understate the least cost of a
+/// workload that frees.
+const BPFTRACE_TRAPS_ENTRY: &str = "\
+uprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc,uprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc,\
+uprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ {}";
+const BPFTRACE_TRAPS_RETURN: &str = "\
+uretprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc,uretprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc,\
+uretprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ {}";
+
+/// `bpftrace` running `script`, with bcc memleak's table size: its `allocs` map holds 1,000,000
+/// blocks, where bpftrace's maps default to 4,096 (full within the mixed workload).
+fn bpftrace(script: String) -> Vec<String> {
+    ["env", "BPFTRACE_MAP_KEYS_MAX=1000000", "bpftrace", "-q", "-e"]
+        .into_iter()
+        .map(String::from)
+        .chain([script, "-c".into()])
+        .collect()
+}
+
 struct Tool {
     name: &'static str,
     how: &'static str,
@@ -71,6 +92,7 @@ struct Measured {
 pub fn run() -> anyhow::Result<()> {
     let size = Size::from_env();
     setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3"])?;
+    let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
@@ -112,7 +134,19 @@ pub fn run() -> anyhow::Result<()> {
         Tool {
             name: "bpftrace memleak",
             how: "bcc memleak's probe set in bpftrace",
-            command: vec!["bpftrace".into(), "-q".into(), "-e".into(), BPFTRACE_MEMLEAK.into(), "-c".into()],
+            command: bpftrace(BPFTRACE_MEMLEAK.into()),
+            workload_in_one_arg: true,
+        },
+        Tool {
+            name: "traps: entry + return",
+            how: "malloc, calloc and realloc probed at entry and return by empty programs (bpftrace): no tool that records every call pays less",
+            command: bpftrace(format!("{BPFTRACE_TRAPS_ENTRY}\n{BPFTRACE_TRAPS_RETURN}")),
+            workload_in_one_arg: true,
+        },
+        Tool {
+            name: "traps: entry",
+            how: "the same at entry only: what every call costs a sampling tool that probes at entry",
+            command: bpftrace(BPFTRACE_TRAPS_ENTRY.into()),
             workload_in_one_arg: true,
         },
     ];
@@ -143,6 +177,34 @@ pub fn run() -> anyhow::Result<()> {
     println!("{report}");
     eprintln!("xtask bench: written to {}", path.display());
     Ok(())
+}
+
+/// Turns the kernel's per-program run statistics off for the bench, and back on after it: while
+/// on, every BPF program run reads the clock twice, which adds the same cost to every traced tool
+/// and so draws their ratios towards 1.
+struct BpfStatsOff {
+    was_on: bool,
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStatsOff {
+    fn new() -> anyhow::Result<BpfStatsOff> {
+        let was_on = std::fs::read_to_string(BPF_STATS).is_ok_and(|v| v.trim() == "1");
+        if was_on {
+            eprintln!("xtask bench: kernel.bpf_stats_enabled off while measuring (on again after)");
+            std::fs::write(BPF_STATS, "0").with_context(|| format!("writing {BPF_STATS}"))?;
+        }
+        Ok(BpfStatsOff { was_on })
+    }
+}
+
+impl Drop for BpfStatsOff {
+    fn drop(&mut self) {
+        if self.was_on {
+            let _ = std::fs::write(BPF_STATS, "1");
+        }
+    }
 }
 
 /// The median of `size.runs` runs of `workload` under `tool`.
@@ -297,7 +359,9 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
          and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\
          (an emulated instruction instead of a single-stepped one), which is most of its lead over the\n\
-         classic probe set.",
+         classic probe set. The two `traps` rows are the floor under any tool that probes where these do:\n\
+         the kernel's trap and return trampoline with nothing done in them (bpftrace's maps are sized as\n\
+         bcc memleak's, 1,000,000 blocks). The kernel's per-program statistics are off while measuring.",
         attached.kernel_kib as f64 / 1024.0,
         attached.attach_s,
         attached.detach_s,

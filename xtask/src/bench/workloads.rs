@@ -62,7 +62,9 @@ pub fn render(results: &[Row]) -> String {
          The same tools, in the same run, on the loop in two threads (both cores), a mixed workload \
          (bench/mixed.c) and a real program, Debian's perl building a hash (bench/hash.pl); time is \
          the workload's own, start-up excluded. The ratio is the added cost over the classic probe \
-         set's.\n\n\
+         set's. perl's timed part allocates about three blocks a key and frees almost none (its hash \
+         is freed at exit, untimed): its cost is the allocations' traps, where the `traps` rows show \
+         the floor, and their stack walks, which are deep in an interpreter.\n\n\
          | workload | per | tool | ns | added cost ÷ classic's |\n|---|---|---|---:|---:|\n",
     );
     for (workload, row) in results {
