@@ -339,21 +339,25 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
         return;
     }
     let (tgid, tid) = ids();
+    let key = AddrKey { tgid, _pad: 0, addr };
+    let live = unsafe { LIVE.get(key) }.copied();
+    // A sampled process frees blocks that were not sampled all the time: nothing to do (checked
+    // first, as it is most of a sampled process's frees).
+    if live.is_none() && sample_bytes(tgid) != 0 {
+        return;
+    }
     if INFLIGHT.get_ptr(tid).is_some_and(|state| nested_in(unsafe { &*state }, tgid, stack_pointer(ctx))) {
         // Called from inside realloc (or another allocator call): the outer call's return handles it.
         return;
     }
-    let key = AddrKey { tgid, _pad: 0, addr };
     let probe = Probe { regs: ctx.regs, at_return: false };
-    match unsafe { LIVE.get(key) }.copied() {
+    match live {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
             if LIVE.remove(key).is_ok() {
                 retire(probe, key, alloc);
             }
         }
-        // A sampled process frees blocks that were not sampled all the time.
-        None if sample_bytes(tgid) != 0 => {}
         None => unseen_free(probe, tgid, addr),
     }
 }
