@@ -335,7 +335,8 @@ fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRo
 /// binary searches over large tables.
 #[map]
 static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CACHE_SLOTS, 0);
-const ROW_CACHE_SLOTS: u32 = 4096;
+const ROW_CACHE_SLOTS: u32 = 1 << ROW_CACHE_BITS;
+const ROW_CACHE_BITS: u32 = 12;
 
 /// The row of `pc` in process `tgid` while its mappings are those of `generation`.
 #[repr(C)]
@@ -354,7 +355,7 @@ struct CachedRow {
 const AT_ENTRY: u32 = 1 << 16;
 
 fn cache_slot(pc: u64, tgid: u32) -> u32 {
-    ((pc ^ (tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 52) as u32 % ROW_CACHE_SLOTS
+    ((pc ^ (tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - ROW_CACHE_BITS)) as u32 % ROW_CACHE_SLOTS
 }
 
 impl CachedRow {
