@@ -1,12 +1,15 @@
 //! Process life under real probes: a traced process that execs another program (dynamic or
-//! static) is re-probed and its report describes the new program only; children are followed.
+//! static) is re-probed and its report describes the new program only; children are followed,
+//! by `run`, `attach` and the daemon.
 
 use std::{
     io::{BufRead, BufReader, Write},
     process::{Child, Command, Stdio},
 };
 
-use memprof_tests::{fixture, fixture_with, memprof_bin, run, site, total, Outcome};
+use memprof_tests::{
+    fixture, fixture_with, http_get, memprof_bin, probe_links, run, site, total, wait_for, Daemon, Outcome, Waiting,
+};
 use serde_json::Value;
 
 fn dynamic() -> String {
@@ -161,5 +164,96 @@ fn a_fork_storm_counts_every_child_and_leaves_the_parent_exact() {
     // Under load every child may die before it is attached: then none is listed.
     for child in report["children"].as_array().into_iter().flatten() {
         assert!(total(child, "outstanding_bytes") <= 32, "{child}");
+    }
+}
+
+/// Reads the next line the fixture writes to stdout.
+fn next_line(target: &mut Waiting) -> String {
+    let mut line = String::new();
+    // One byte at a time: a buffered reader dropped here could swallow the fixture's next line.
+    let stdout = target.child.stdout.as_mut().expect("piped");
+    let mut byte = [0u8];
+    while std::io::Read::read(stdout, &mut byte).expect("reading the fixture") == 1 && byte[0] != b'\n' {
+        line.push(byte[0] as char);
+    }
+    line
+}
+
+/// The daemon's Prometheus series of `pid` for `metric`, one line each.
+fn series(daemon: &Daemon, metric: &str, pid: u32) -> Vec<String> {
+    let metrics = http_get(daemon.port, "/metrics").expect("scraping the daemon").1;
+    let (name, label) = (format!("{metric}{{"), format!("pid=\"{pid}\""));
+    metrics.lines().filter(|l| l.starts_with(&name) && l.contains(&label)).map(String::from).collect()
+}
+
+#[test]
+fn the_daemon_follows_an_exec_into_another_program() {
+    let new_program = fixture("daemon_target");
+    let new_path = new_program.display().to_string();
+    let mut target = Waiting::start(&fixture("process_life"), &["exec", &new_path, "--wait"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    // The new program says "ready" once it runs; it waits until its allocator is probed.
+    assert_eq!(next_line(&mut target), "ready");
+    let attached = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}} 1");
+    wait_for(20, "the new program to be probed", || {
+        series(&daemon, "memprof_target_attached", pid).contains(&attached).then_some(())
+    });
+    target.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    let report = wait_for(20, "the new program's blocks", || {
+        let report = daemon.get_json(&leaks).1;
+        (site(&report, "hold_site") == (50 * 1000, 50)).then_some(report)
+    });
+    assert_eq!(site(&report, "old_image_alloc"), (0, 0), "the old image's blocks are gone: {report}");
+    assert_eq!((report["comm"].as_str(), report["exe"].as_str()), (Some("daemon_target"), Some(new_path.as_str())));
+    // The metrics describe the new program only: its comm, and the report's bytes.
+    let inuse = series(&daemon, "memprof_heap_inuse_bytes", pid);
+    let outstanding = total(&report, "outstanding_bytes");
+    assert_eq!(inuse, [format!("memprof_heap_inuse_bytes{{pid=\"{pid}\",comm=\"daemon_target\"}} {outstanding}")]);
+}
+
+#[test]
+fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
+    // A name of its own, for a rule that matches this test's processes only.
+    let program = fixture_with("process_life.c", "daemon_forker", &["-g", "-O0"]);
+    let mut target = Waiting::start(&program, &["fork-hold"]);
+    let parent = target.pid();
+    let daemon = Daemon::start(&["--comm", "^daemon_forker$"]);
+    daemon.wait_traced(parent);
+    target.go();
+    let child = wait_for(20, "the child to be traced", || {
+        daemon.traced_pids().into_iter().find(|&pid| pid != parent as u64).map(|pid| pid as u32)
+    });
+    // The child frees its five inherited blocks and allocates its own.
+    target.go();
+    assert_eq!(next_line(&mut target), "child done");
+    let leaks = format!("/api/v1/leaks?pid={child}");
+    let report = wait_for(20, "the child's blocks", || {
+        let report = daemon.get_json(&leaks).1;
+        (site(&report, "child_alloc") == (3 * 64, 3)).then_some(report)
+    });
+    assert_eq!(total(&report, "unknown_frees"), 5, "the inherited blocks are unknown to the child: {report}");
+    assert_eq!(total(&report, "frees"), 0, "{report}");
+    assert_eq!(site(&report, "parent_alloc"), (0, 0), "the parent's blocks are not the child's: {report}");
+    let parents = daemon.get_json(&format!("/api/v1/leaks?pid={parent}")).1;
+    assert_eq!(site(&parents, "parent_alloc"), (500, 5), "{parents}");
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    assert!(metrics.contains("memprof_children_followed_total 1\n"), "{metrics}");
+
+    // Both exit: nothing of either is left, in the daemon or in the kernel.
+    target.go();
+    let _ = target.child.wait();
+    wait_for(20, "both to disappear", || daemon.traced_pids().is_empty().then_some(()));
+    for pid in [parent, child] {
+        wait_for(5, "their probes to be detached", || probe_links::probing(pid).is_empty().then_some(()));
+        assert_eq!(series(&daemon, "memprof_heap_inuse_bytes", pid), Vec::<String>::new());
+    }
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    for map in ["live", "stack_stats", "stacks", "free_stacks"] {
+        let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
+        assert!(metrics.contains(&purged), "their kernel state is purged ({map}): {metrics}");
     }
 }

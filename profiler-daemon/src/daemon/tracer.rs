@@ -53,6 +53,8 @@ pub enum Command {
 struct Target {
     id: ProcessId,
     comm: String,
+    /// Its executable (`/proc/PID/exe`), the new program's after an exec.
+    exe: Option<String>,
     /// Its pid in its own pid namespace, when that is not ours.
     ns_pid: Option<u32>,
     attachment: Attachment,
@@ -264,6 +266,7 @@ impl Tracer {
         target.attachment = self.loaded.exec_happened(nonzero, old);
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
+        target.exe = procfs::exe_path(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
@@ -285,8 +288,7 @@ impl Tracer {
             Ok(probes) => {
                 target.attachment.merge(probes);
                 target.probed = true;
-                target.double_free_filter =
-                    DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(pid).as_deref());
+                target.double_free_filter = DoubleFreeFilter::new(&allocator.display_path, target.exe.as_deref());
                 if let Some(sample_bytes) = target.rate_guard.initial() {
                     if let Err(err) = self.loaded.sample(pid, sample_bytes) {
                         warn!(pid, "sampling: {err:#}");
@@ -308,12 +310,14 @@ impl Tracer {
         }
         self.symbolizer.refresh(id.pid);
         info!(pid = id.pid, comm, probes = attachment.probes(), "tracing");
+        let exe = procfs::exe_path(id.pid);
         let target = Target {
             id,
             comm,
             ns_pid: procfs::ns_pid(id.pid),
             attachment,
-            double_free_filter: DoubleFreeFilter::new(&allocator.display_path, procfs::exe_path(id.pid).as_deref()),
+            double_free_filter: DoubleFreeFilter::new(&allocator.display_path, exe.as_deref()),
+            exe,
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
             double_frees: Vec::new(),
@@ -458,6 +462,7 @@ impl Tracer {
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
+        report.exe = target.exe.clone().unwrap_or_default();
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =
