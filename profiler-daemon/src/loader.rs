@@ -138,8 +138,19 @@ impl Loaded {
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let mut attachment = self.attach_allocator(allocator, pid)?;
         self.attach_dl_hook(&mut attachment, pid);
-        self.track(pid.get())?;
+        if let Err(err) = self.track(pid.get()) {
+            self.abandon(attachment, pid);
+            return Err(err);
+        }
         Ok(attachment)
+    }
+
+    /// Undoes an attach that failed part of the way (typically: the process exited meanwhile):
+    /// the probes attached so far may have recorded some of its allocations already, which must
+    /// not stay in the maps of a process nobody traces.
+    fn abandon(&mut self, attachment: Attachment, pid: NonZeroU32) {
+        self.detach(attachment);
+        self.forget_state(&HashSet::from([pid.get()]));
     }
 
     /// The allocator's probes alone (see `attach`).
@@ -156,7 +167,10 @@ impl Loaded {
             _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &free)],
         };
         for &(name, points) in programs {
-            attachment.add(&mut self.ebpf, self.method, name, target, points, pid)?;
+            if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, target, points, pid) {
+                self.abandon(attachment, pid);
+                return Err(err);
+            }
         }
         Ok(attachment)
     }

@@ -21,6 +21,11 @@ pub struct ProbeLink {
 /// naming its pid, and perf-event uprobes on a file reached through its `/proc/PID/` (as memprof
 /// attaches to a running process's files).
 pub fn probing(target: u32) -> Vec<ProbeLink> {
+    all().into_iter().filter(|(_, probed)| *probed == target).map(|(link, _)| link).collect()
+}
+
+/// Every uprobe link held by any process, with the pid it probes.
+pub fn all() -> Vec<(ProbeLink, u32)> {
     let mut links = Vec::new();
     let Ok(processes) = fs::read_dir("/proc") else { return links };
     for holder in processes.flatten().filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok()) {
@@ -33,7 +38,7 @@ pub fn probing(target: u32) -> Vec<ProbeLink> {
             else {
                 continue;
             };
-            links.extend(parse(holder, &info).filter(|(_, probed)| *probed == target).map(|(link, _)| link));
+            links.extend(parse(holder, &info));
         }
     }
     links

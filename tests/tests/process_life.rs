@@ -257,3 +257,38 @@ fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
         assert!(metrics.contains(&purged), "their kernel state is purged ({map}): {metrics}");
     }
 }
+
+/// The value of the daemon's counter `name` (without its `_total`).
+fn counter(daemon: &Daemon, name: &str) -> u64 {
+    let metrics = http_get(daemon.port, "/metrics").expect("scraping the daemon").1;
+    let prefix = format!("{name}_total ");
+    metrics.lines().find_map(|l| l.strip_prefix(&prefix)?.parse().ok()).unwrap_or_else(|| panic!("{name}: {metrics}"))
+}
+
+#[test]
+fn after_a_fork_storm_the_daemon_holds_nothing_of_the_dead_children() {
+    let program = fixture_with("process_life.c", "daemon_stormer", &["-g", "-O0"]);
+    // Children that live 20 ms: long enough for some to be attached before they exit.
+    let mut target = Waiting::start(&program, &["storm", "200", "20"]);
+    let parent = target.pid();
+    let daemon = Daemon::start(&["--comm", "^daemon_stormer$"]);
+    daemon.wait_traced(parent);
+    target.go();
+    let (followed, missed) = wait_for(60, "every child followed or counted missed", || {
+        let counts = (counter(&daemon, "memprof_children_followed"), counter(&daemon, "memprof_children_missed"));
+        (counts.0 + counts.1 == 200).then_some(counts)
+    });
+    // Reported: how many children lived long enough to be attached depends on the machine's load.
+    eprintln!("children followed {followed}, missed {missed}");
+    wait_for(20, "the dead children to be gone", || (daemon.traced_pids() == [parent as u64]).then_some(()));
+    let parents = daemon.get_json(&format!("/api/v1/leaks?pid={parent}")).1;
+    assert_eq!(site(&parents, "parent_alloc"), (96, 2), "{parents}");
+    // The kernel's live-allocation table holds the parent's blocks and nothing of its children.
+    let live_of_parent = total(&parents, "outstanding_allocations");
+    let entries = format!("memprof_bpf_map_entries{{map=\"live\"}} {live_of_parent}\n");
+    wait_for(20, "the children's blocks purged", || {
+        http_get(daemon.port, "/metrics").unwrap().1.contains(&entries).then_some(())
+    });
+    let links: Vec<_> = probe_links::all().into_iter().filter(|(link, _)| link.holder == daemon.child.id()).collect();
+    assert!(links.iter().all(|(_, probed)| *probed == parent), "links of dead children: {links:?}");
+}

@@ -12,12 +12,12 @@ pub struct ProcessId {
 }
 
 impl ProcessId {
-    /// The process now running under `pid`, if any (zombies are gone already).
     /// Seconds since the process started.
     pub fn age_seconds(&self) -> f64 {
         procfs::seconds_since_boot() - self.start_time as f64 / procfs::clock_ticks_per_second()
     }
 
+    /// The process now running under `pid`, if any (zombies are gone already).
     pub fn current(pid: u32) -> Option<Self> {
         let stat = procfs::stat(pid)?;
         (!stat.kernel_thread && !stat.zombie).then_some(Self { pid, start_time: stat.start_time })

@@ -86,6 +86,9 @@ pub struct Tracer {
     refused_total: u64,
     children_followed: u64,
     children_missed: u64,
+    /// Children that matched at their fork but could not be attached then (dying, or caught
+    /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
+    pending_children: HashSet<ProcessId>,
     view: Arc<RwLock<DaemonView>>,
     /// Probes of exited processes being detached in the background.
     detaching: Vec<std::thread::JoinHandle<()>>,
@@ -113,6 +116,7 @@ impl Tracer {
             refused_total: 0,
             children_followed: 0,
             children_missed: 0,
+            pending_children: HashSet::new(),
             view,
             detaching: Vec::new(),
             alive,
@@ -187,7 +191,26 @@ impl Tracer {
         for (id, comm) in matches {
             changed |= self.consider(id, comm);
         }
+        self.settle_pending_children();
         changed
+    }
+
+    /// Counts each pending child once its fate is known: attached since, or gone.
+    fn settle_pending_children(&mut self) {
+        let (mut followed, mut missed) = (0, 0);
+        self.pending_children.retain(|id| {
+            if self.targets.get(&id.pid).is_some_and(|target| target.id == *id) {
+                followed += 1;
+                false
+            } else if ProcessId::current(id.pid) != Some(*id) {
+                missed += 1;
+                false
+            } else {
+                true
+            }
+        });
+        self.children_followed += followed;
+        self.children_missed += missed;
     }
 
     /// Attaches to a matching process unless it is traced already, cannot be, or would be one
@@ -235,10 +258,8 @@ impl Tracer {
                         Some((id, comm)) => {
                             if self.consider(id, comm) {
                                 self.children_followed += 1;
-                            } else if !self.targets.contains_key(&event.child)
-                                && ProcessId::current(event.child).is_none()
-                            {
-                                self.children_missed += 1;
+                            } else if !self.targets.contains_key(&event.child) {
+                                self.pending_children.insert(id);
                             }
                         }
                         // Gone already: whether it would have matched, only its comm (its
