@@ -43,40 +43,88 @@ fn member_offsets(data: &[u8], name: &str, members: &[&str]) -> Result<Vec<u32>,
         data.get(header_len + type_off..header_len + type_off + type_len).ok_or(BtfError::Malformed("types"))?;
     let strings =
         data.get(header_len + str_off..header_len + str_off + str_len).ok_or(BtfError::Malformed("strings"))?;
-    let string = |offset: u32| -> &[u8] {
-        let rest = strings.get(offset as usize..).unwrap_or_default();
-        &rest[..rest.iter().position(|&b| b == 0).unwrap_or(rest.len())]
-    };
-    let mut at = 0;
-    while at + 12 <= types.len() {
-        let (name_off, info) = (u32_at(types, at)?, u32_at(types, at + 4)?);
-        let (kind, vlen, kind_flag) = ((info >> 24) & 0x1f, (info & 0xffff) as usize, info >> 31);
-        let body = at + 12;
-        // Bytes after the 12-byte common part, by kind.
-        let extra = match kind {
-            1 | 14 | 17 => 4,              // int, var, decl tag
-            3 => 12,                       // array
-            4 | 5 | 15 | 19 => 12 * vlen,  // struct, union, datasec, enum64
-            6 | 13 => 8 * vlen,            // enum, func proto
-            0 | 2 | 7..=12 | 16 | 18 => 0, // void, ptr, fwd, typedef, qualifiers, func, float, type tag
-            _ => return Err(BtfError::Malformed("unknown type kind")),
-        };
-        if kind == 4 && string(name_off) == name.as_bytes() {
-            let mut found: HashMap<&[u8], u32> = HashMap::new();
-            for member in 0..vlen {
-                let entry = body + 12 * member;
-                let bits = u32_at(types, entry + 8)?;
-                // With kind_flag the low 24 bits are the offset and the high 8 a bitfield's size.
-                let bit_offset = if kind_flag != 0 { bits & 0xff_ffff } else { bits };
-                found.insert(string(u32_at(types, entry)?), bit_offset / 8);
-            }
+    let btf = Types { types, strings, starts: starts(types)? };
+    for index in 0..btf.starts.len() {
+        let (name_off, kind, _) = btf.header(index)?;
+        if kind == STRUCT && btf.string(name_off) == name.as_bytes() {
+            let mut found = HashMap::new();
+            btf.members(index, 0, &mut found)?;
             if let Some(offsets) = members.iter().map(|m| found.get(m.as_bytes()).copied()).collect() {
                 return Ok(offsets);
             }
         }
-        at = body + extra;
     }
     Err(BtfError::Missing(name.to_string()))
+}
+
+const STRUCT: u32 = 4;
+const UNION: u32 = 5;
+
+/// Where each type starts in the type section, in id order from id 1 (id 0 is void).
+fn starts(types: &[u8]) -> Result<Vec<usize>, BtfError> {
+    let mut starts = Vec::new();
+    let mut at = 0;
+    while at + 12 <= types.len() {
+        starts.push(at);
+        let info = u32_at(types, at + 4)?;
+        let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
+        // Bytes after the 12-byte common part, by kind.
+        at += 12
+            + match kind {
+                1 | 14 | 17 => 4,              // int, var, decl tag
+                3 => 12,                       // array
+                4 | 5 | 15 | 19 => 12 * vlen,  // struct, union, datasec, enum64
+                6 | 13 => 8 * vlen,            // enum, func proto
+                0 | 2 | 7..=12 | 16 | 18 => 0, // void, ptr, fwd, typedef, qualifiers, func, float, type tag
+                _ => return Err(BtfError::Malformed("unknown type kind")),
+            };
+    }
+    Ok(starts)
+}
+
+/// The type section, indexed.
+struct Types<'a> {
+    types: &'a [u8],
+    strings: &'a [u8],
+    starts: Vec<usize>,
+}
+
+impl<'a> Types<'a> {
+    fn string(&self, offset: u32) -> &'a [u8] {
+        let rest = self.strings.get(offset as usize..).unwrap_or_default();
+        &rest[..rest.iter().position(|&b| b == 0).unwrap_or(rest.len())]
+    }
+
+    /// The name offset, kind and info word of the type at `index` (type id `index + 1`).
+    fn header(&self, index: usize) -> Result<(u32, u32, u32), BtfError> {
+        let at = *self.starts.get(index).ok_or(BtfError::Malformed("type id out of range"))?;
+        let info = u32_at(self.types, at + 4)?;
+        Ok((u32_at(self.types, at)?, (info >> 24) & 0x1f, info))
+    }
+
+    /// Adds the members of the struct or union at `index`, placed at `base` bytes, to `found`;
+    /// those of an anonymous struct or union member as its parent's, as C reaches them
+    /// (`mm_struct` keeps nearly all its members in one).
+    fn members(&self, index: usize, base: u32, found: &mut HashMap<&'a [u8], u32>) -> Result<(), BtfError> {
+        let (_, _, info) = self.header(index)?;
+        let (vlen, kind_flag) = ((info & 0xffff) as usize, info >> 31);
+        for member in 0..vlen {
+            let entry = self.starts[index] + 12 + 12 * member;
+            let (name_off, type_id, bits) =
+                (u32_at(self.types, entry)?, u32_at(self.types, entry + 4)?, u32_at(self.types, entry + 8)?);
+            // With kind_flag the low 24 bits are the offset and the high 8 a bitfield's size.
+            let bit_offset = if kind_flag != 0 { bits & 0xff_ffff } else { bits };
+            let offset = base + bit_offset / 8;
+            let name = self.string(name_off);
+            let member_index = (type_id as usize).wrapping_sub(1);
+            if name.is_empty() && matches!(self.header(member_index)?.1, STRUCT | UNION) {
+                self.members(member_index, offset, found)?;
+            } else {
+                found.insert(name, offset);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -87,6 +135,12 @@ mod tests {
     fn finds_task_struct_pid_and_tgid_in_the_running_kernel() {
         let offsets = kernel_member_offsets("task_struct", &["pid", "tgid"]).unwrap();
         assert_eq!(offsets[1], offsets[0] + 4, "tgid follows pid: {offsets:?}");
+    }
+
+    #[test]
+    fn finds_a_member_of_an_anonymous_struct() {
+        let offsets = kernel_member_offsets("mm_struct", &["uprobes_state"]).unwrap();
+        assert!(offsets[0] > 0, "{offsets:?}");
     }
 
     #[test]

@@ -87,7 +87,12 @@ fn check_privileges() -> Result<(), UserError> {
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::aggregate::monotonic_now_ns(), interval_s);
-    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid"]).context("finding task_struct in BTF")?;
+    let task =
+        btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm"]).context("finding task_struct in BTF")?;
+    // The way to a process's uretprobe trampoline: task->mm->uprobes_state.xol_area->vaddr.
+    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
+    let uprobes = btf::kernel_member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
+    let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
@@ -99,6 +104,9 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .override_global("GENERATION_NS", &clock.length_ns, true)
         .override_global("TASK_PID_OFFSET", &task[0], true)
         .override_global("TASK_TGID_OFFSET", &task[1], true)
+        .override_global("TASK_MM_OFFSET", &task[2], true)
+        .override_global("MM_XOL_AREA_OFFSET", &(mm[0] + uprobes[0]), true)
+        .override_global("XOL_AREA_VADDR_OFFSET", &xol[0], true)
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;

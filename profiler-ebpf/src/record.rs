@@ -4,7 +4,10 @@ use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
-    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_user},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_user,
+    },
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
@@ -176,20 +179,68 @@ impl Probe {
 /// are small; a thread's stack starts megabytes away from any other's.
 const NESTING_STACK_SPAN: u64 = 64 * 1024;
 
-/// Whether a call at stack pointer `sp` of this thread runs inside the in-flight call `state`.
-/// An entry whose return was never seen (a thread that died inside the allocator, its id since
-/// reused) fails the test and is treated as stale.
+/// Offsets, read by the daemon from the kernel's BTF, on the way from the current task to its
+/// process's uretprobe trampoline: `task->mm->uprobes_state.xol_area->vaddr`.
+#[unsafe(no_mangle)]
+static TASK_MM_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static MM_XOL_AREA_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static XOL_AREA_VADDR_OFFSET: Global<u32> = Global::new(0);
+
+/// The kernel word at `base + offset`; 0 when unreadable.
+#[inline(always)]
+fn kernel_word(base: u64, offset: u32) -> u64 {
+    // SAFETY: a read through the helper, which faults safely.
+    unsafe { bpf_probe_read_kernel((base + offset as u64) as *const u64) }.unwrap_or(0)
+}
+
+/// Where this process's probed calls return first: once a call's entry programs have run, the
+/// kernel replaces its return address with this trampoline's. 0 when unknown.
+#[inline(always)]
+fn return_trampoline() -> u64 {
+    // SAFETY: a helper without arguments.
+    let task = unsafe { bpf_get_current_task() };
+    let mm = kernel_word(task, TASK_MM_OFFSET.load());
+    let area = if mm == 0 { 0 } else { kernel_word(mm, MM_XOL_AREA_OFFSET.load()) };
+    if area == 0 {
+        return 0;
+    }
+    kernel_word(area, XOL_AREA_VADDR_OFFSET.load())
+}
+
+/// Whether the frame of the in-flight call that entered at `entry_sp` is still on the stack: its
+/// return address slot still holds the trampoline. A call that a signal handler longjmp'd out of
+/// left its frame to later calls, and any call since at the same depth or deeper has written its
+/// own return address there, or its callers have. Taken as live when the trampoline is unknown:
+/// the stack test alone decides then.
+#[inline(always)]
+fn frame_live(entry_sp: u64) -> bool {
+    let trampoline = return_trampoline();
+    if trampoline == 0 {
+        return true;
+    }
+    // SAFETY: a read of user memory through the helper, which faults safely.
+    let slot = unsafe { bpf_probe_read_user(entry_sp as *const u64) }.unwrap_or(0);
+    slot == trampoline
+}
+
+/// Whether a call at stack pointer `sp` of this thread runs inside the in-flight call `state`:
+/// at or below its entry (`<=`: glibc tail-calls, as realloc(NULL, n) and memalign jump to
+/// malloc, and a jump keeps the frame), not far below, and with that call's frame still live. An
+/// entry whose return will never come (a thread that died inside the allocator, its id since
+/// reused; a call a signal handler longjmp'd out of) fails the test and is treated as stale.
 ///
 /// `malloc` calls no other allocator function (realloc, calloc in musl and the memalign family
 /// call it, not the reverse), so nothing nests in it: an in-flight malloc found by another call
-/// is one a signal handler longjmp'd out of, and the stack test alone would take every later
-/// call of the thread at the same depth or deeper for a nested one, uncounted.
+/// is stale whatever its stack holds.
 fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
     state.depth != 0
         && state.tgid == tgid
         && state.func != AllocFn::Malloc as u32
-        // `<=`: glibc tail-calls (realloc(NULL, n) jumps to malloc), and a jump keeps the frame.
-        && (sp == 0 || state.entry_sp == 0 || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN))
+        && (sp == 0
+            || state.entry_sp == 0
+            || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN && frame_live(state.entry_sp)))
 }
 
 fn stack_pointer(ctx: &ProbeContext) -> u64 {
