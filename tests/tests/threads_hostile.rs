@@ -1,5 +1,5 @@
 //! Threads under hostile conditions: thousands allocating at once, threads cancelled inside the
-//! allocator, and a signal handler that longjmps out of malloc.
+//! allocator, and a signal handler that longjmps out of malloc, calloc or the memalign family.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -100,24 +100,44 @@ fn threads_cancelled_inside_the_allocator_leave_the_report_consistent() {
     assert_only_inflight_missing(&report);
 }
 
-/// A timer signal's handler siglongjmps out of malloc again and again; the abandoned calls'
-/// in-flight state must not swallow the thread's later calls, at the same depth or deeper.
-#[test]
-fn a_longjmp_out_of_malloc_does_not_corrupt_the_threads_next_calls() {
+/// A timer signal's handler siglongjmps out of `function` again and again; the abandoned calls'
+/// in-flight state must not swallow the thread's later calls, at the same depth or deeper, nor
+/// break the calls that nest for real (memalign jumps to malloc, posix_memalign calls it).
+fn a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact(function: &str) {
     let _alone = one_at_a_time();
-    let outcome = run(&["--interval", "60"], &[fixture("longjmp_signal").to_str().unwrap()]);
+    let outcome = run(&["--interval", "60"], &[fixture("longjmp_signal").to_str().unwrap(), function]);
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     assert_eq!(site(&report, "after_site"), (10 * 300, 10), "{report}");
     assert_eq!(site(&report, "deeper_site"), (5 * 40, 5), "{report}");
-    // Each jump left one malloc unfinished, counted when the thread's next call found it; the
+    // Each jump left one call unfinished, counted when the thread's next call found it; the
     // loop's frees all matched their blocks.
     let jumps =
         outcome.stderr.lines().find_map(|line| line.strip_prefix("jumps ")).expect("the fixture counts its jumps");
     let jumps: u64 = jumps.parse().expect("a number");
-    assert!(jumps > 0, "no signal landed in malloc: this test proves nothing\n{}", outcome.stderr);
+    assert!(jumps > 0, "no signal landed in {function}: this test proves nothing\n{}", outcome.stderr);
     assert_eq!(dropped(&report, "inflight_missing"), jumps, "{report}");
     assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
     assert_eq!(total(&report, "outstanding_bytes"), 10 * 300 + 5 * 40, "{report}");
     assert_only_inflight_missing(&report);
+}
+
+#[test]
+fn a_longjmp_out_of_malloc_does_not_corrupt_the_threads_next_calls() {
+    a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact("malloc");
+}
+
+#[test]
+fn a_longjmp_out_of_calloc_does_not_corrupt_the_threads_next_calls() {
+    a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact("calloc");
+}
+
+#[test]
+fn a_longjmp_out_of_memalign_does_not_corrupt_the_threads_next_calls() {
+    a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact("memalign");
+}
+
+#[test]
+fn a_longjmp_out_of_posix_memalign_does_not_corrupt_the_threads_next_calls() {
+    a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact("posix_memalign");
 }
