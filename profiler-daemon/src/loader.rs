@@ -147,16 +147,16 @@ impl Loaded {
         let mut attachment = self.attach_allocator(allocator, pid)?;
         self.attach_dl_hook(&mut attachment, pid);
         if let Err(err) = self.track(pid.get()) {
-            self.abandon(attachment, pid);
+            self.take_back(attachment, pid);
             return Err(err);
         }
         Ok(attachment)
     }
 
-    /// Undoes an attach that failed part of the way (typically: the process exited meanwhile):
-    /// the probes attached so far may have recorded some of its allocations already, which must
-    /// not stay in the maps of a process nobody traces.
-    fn abandon(&mut self, attachment: Attachment, pid: NonZeroU32) {
+    /// Detaches `attachment` and forgets what the maps hold about `pid`: after an attach that
+    /// failed part of the way (typically, the process exited meanwhile), whose first probes may
+    /// have recorded some of its allocations already, and after an exec.
+    fn take_back(&mut self, attachment: Attachment, pid: NonZeroU32) {
         self.detach(attachment);
         self.forget_state(&HashSet::from([pid.get()]));
     }
@@ -176,7 +176,7 @@ impl Loaded {
         };
         for &(name, points) in programs {
             if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, target, points, pid) {
-                self.abandon(attachment, pid);
+                self.take_back(attachment, pid);
                 return Err(err);
             }
         }
@@ -189,8 +189,7 @@ impl Loaded {
     /// `attach_allocator` once mapped (`allocator::find`), which for a dynamic program is after
     /// the dynamic linker has loaded the C library.
     pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
-        self.detach(old);
-        self.forget_state(&HashSet::from([pid.get()]));
+        self.take_back(old, pid);
         self.sync_mappings(pid.get());
         let mut attachment = Attachment::default();
         self.attach_dl_hook(&mut attachment, pid);

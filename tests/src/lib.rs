@@ -325,6 +325,14 @@ impl Drop for Daemon {
     }
 }
 
+/// The value of the sample line `series` (`name{labels}`, or a bare name) in the daemon's
+/// /metrics at `port`; None when it is missing or the scrape fails.
+pub fn metric(port: u16, series: &str) -> Option<u64> {
+    let body = http_get(port, "/metrics")?.1;
+    let line = body.lines().find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))?;
+    line[series.len()..].trim().parse().ok()
+}
+
 /// Polls `check` every 200 ms until it returns Some, or panics after `seconds` with `what`.
 pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);

@@ -69,12 +69,9 @@ fn assert_closed(mut stream: TcpStream) {
     }
 }
 
-/// The value of a sample line `series` in /metrics.
+/// The value of a sample line `series` in /metrics, which must have it.
 fn metric(port: u16, series: &str) -> u64 {
-    let (_, text) = http_get(port, "/metrics").expect("scraping /metrics");
-    let line = text.lines().find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '));
-    let line = line.unwrap_or_else(|| panic!("{series} missing from /metrics"));
-    line[series.len()..].trim().parse().unwrap()
+    memprof_tests::metric(port, series).unwrap_or_else(|| panic!("{series} missing from /metrics"))
 }
 
 fn refused(port: u16, reason: &str) -> u64 {

@@ -8,7 +8,8 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_with, http_get, memprof_bin, probe_links, run, site, total, wait_for, Daemon, Outcome, Waiting,
+    fixture, fixture_with, http_get, memprof_bin, metric, probe_links, run, site, total, wait_for, Daemon, Outcome,
+    Waiting,
 };
 use serde_json::Value;
 
@@ -240,8 +241,7 @@ fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
     assert_eq!(site(&report, "parent_alloc"), (0, 0), "the parent's blocks are not the child's: {report}");
     let parents = daemon.get_json(&format!("/api/v1/leaks?pid={parent}")).1;
     assert_eq!(site(&parents, "parent_alloc"), (500, 5), "{parents}");
-    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
-    assert!(metrics.contains("memprof_children_followed_total 1\n"), "{metrics}");
+    assert_eq!(metric(daemon.port, "memprof_children_followed_total"), Some(1));
 
     // Both exit: nothing of either is left, in the daemon or in the kernel.
     target.go();
@@ -258,13 +258,6 @@ fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
     }
 }
 
-/// The value of the daemon's counter `name` (without its `_total`).
-fn counter(daemon: &Daemon, name: &str) -> u64 {
-    let metrics = http_get(daemon.port, "/metrics").expect("scraping the daemon").1;
-    let prefix = format!("{name}_total ");
-    metrics.lines().find_map(|l| l.strip_prefix(&prefix)?.parse().ok()).unwrap_or_else(|| panic!("{name}: {metrics}"))
-}
-
 #[test]
 fn after_a_fork_storm_the_daemon_holds_nothing_of_the_dead_children() {
     let program = fixture_with("process_life.c", "daemon_stormer", &["-g", "-O0"]);
@@ -275,7 +268,8 @@ fn after_a_fork_storm_the_daemon_holds_nothing_of_the_dead_children() {
     daemon.wait_traced(parent);
     target.go();
     let (followed, missed) = wait_for(60, "every child followed or counted missed", || {
-        let counts = (counter(&daemon, "memprof_children_followed"), counter(&daemon, "memprof_children_missed"));
+        let count = |name| metric(daemon.port, name).unwrap_or_else(|| panic!("{name} missing from /metrics"));
+        let counts = (count("memprof_children_followed_total"), count("memprof_children_missed_total"));
         (counts.0 + counts.1 == 200).then_some(counts)
     });
     // Reported: how many children lived long enough to be attached depends on the machine's load.

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead as _, BufReader};
 
-use memprof_tests::{attach, fixture, fixture_with, http_get, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{attach, fixture, fixture_with, metric, site, total, wait_for, Daemon, Waiting};
 use serde_json::Value;
 
 /// tests/fixtures/storms.c's constants.
@@ -114,13 +114,6 @@ fn a_full_stack_table_counts_new_stacks_and_keeps_the_old_ones_exact() {
     assert_consistent(&report);
     // A walk preempted on a busy CPU is counted too.
     assert_only_dropped(&report, &["stack_table_full", "stack_preempted"]);
-}
-
-/// A value of the scraped metric `series` (`name{labels}`).
-fn metric(port: u16, series: &str) -> Option<u64> {
-    let body = http_get(port, "/metrics")?.1;
-    let line = body.lines().find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))?;
-    line[series.len()..].trim().parse().ok()
 }
 
 /// The fixture's "done", after its last allocation.
