@@ -5,10 +5,11 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
-    filter::Filters,
     format::Format,
-    leak::{LeakSettings, DEFAULT_LEAK},
-    sampling::Sampling,
+    heap::filter::Filters,
+    heap::leak::{LeakSettings, DEFAULT_LEAK},
+    heap::sampling::Sampling,
+    kernel::settings::LoadSettings,
     unwind::UnwindMode,
 };
 
@@ -210,35 +211,6 @@ pub struct DaemonArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
 }
-
-/// Map capacities and stack-walk settings, fixed when the programs are loaded.
-#[derive(Debug, Args, Clone, Copy, PartialEq, Eq)]
-pub struct LoadSettings {
-    /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_live: u32,
-    /// Distinct call stacks kept; more are counted as `stack_table_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_stacks: u32,
-    /// How stacks are walked: `cfi` reads each file's .eh_frame (right without frame pointers),
-    /// `fp` follows frame pointers only.
-    #[arg(long, value_enum, default_value_t = DEFAULT_LOAD.unwind)]
-    pub unwind: UnwindMode,
-    /// Frames kept per stack; a deeper stack is cut and marked truncated.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_frames, value_parser = clap::value_parser!(u32).range(1..=profiler_common::MAX_FRAMES as i64))]
-    pub max_frames: u32,
-    /// Rows of unwind tables kept in the kernel, all files together (16 bytes each).
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_unwind_rows: u32,
-}
-
-pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
-    max_live: 1 << 20,
-    max_stacks: 1 << 16,
-    unwind: UnwindMode::Cfi,
-    max_frames: profiler_common::MAX_FRAMES as u32,
-    max_unwind_rows: 1 << 19,
-};
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.
 pub const MAX_SECONDS: f64 = 1e9;

@@ -1,30 +1,15 @@
 //! memprof: an eBPF heap profiler. See the README for what it does and how to run it.
 
-mod ages;
-mod aggregate;
-mod allocator;
-mod batch;
-mod btf;
 mod cli;
+mod commands;
 mod daemon;
-mod diff;
 mod error;
-mod family;
-mod filter;
 mod format;
-mod leak;
-mod loader;
-mod probes;
+mod heap;
+mod kernel;
 mod process;
-mod procfs;
-mod report;
-mod sampling;
-mod session;
-mod snapshot;
 mod symbolize;
-mod target;
 mod unwind;
-mod uprobe_multi;
 
 use std::process::ExitCode;
 
@@ -43,13 +28,13 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match &cli.command {
-            cli::Command::Attach { pid, trace } => session::attach(*pid, trace).await,
+            cli::Command::Attach { pid, trace } => commands::session::attach(*pid, trace).await,
             cli::Command::Run { trace, fail_on_leak_bytes, command } => {
-                session::run(command, trace, *fail_on_leak_bytes).await
+                commands::session::run(command, trace, *fail_on_leak_bytes).await
             }
             cli::Command::Daemon(args) => daemon::run(args).await,
-            cli::Command::Snapshot(args) => snapshot::run(args).await,
-            cli::Command::Diff(args) => diff::run(args),
+            cli::Command::Snapshot(args) => commands::snapshot::run(args).await,
+            cli::Command::Diff(args) => commands::diff::run(args),
         }
     });
     match result {

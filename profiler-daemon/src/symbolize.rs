@@ -22,10 +22,19 @@ use blazesym::symbolize::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    procfs::{self, FileMapping},
-    report,
-};
+use crate::process::procfs::{self, FileMapping};
+
+/// Code of one file mapped into the process: addresses `start..limit` map the file from
+/// `file_offset` on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Module {
+    pub path: String,
+    pub start: u64,
+    pub limit: u64,
+    pub file_offset: u64,
+    /// The file's GNU build id (`NT_GNU_BUILD_ID`) in hex; empty when it has none.
+    pub build_id: String,
+}
 
 /// One frame of a symbolized stack, innermost first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,7 +96,7 @@ enum Request {
     Modules {
         pid: u32,
         paths: BTreeSet<String>,
-        reply: mpsc::Sender<Vec<report::Module>>,
+        reply: mpsc::Sender<Vec<Module>>,
     },
     /// The process has exited and will not be asked about again: drop its files and cache.
     Forget {
@@ -144,7 +153,7 @@ impl SymbolizerHandle {
     }
 
     /// The executable mappings of `pid` whose file is one of `paths`, with their build ids.
-    pub fn modules(&self, pid: u32, paths: BTreeSet<String>) -> Vec<report::Module> {
+    pub fn modules(&self, pid: u32, paths: BTreeSet<String>) -> Vec<Module> {
         let (reply, wait) = mpsc::channel();
         if self.requests.send(Request::Modules { pid, paths, reply }).is_ok() {
             return wait.recv().unwrap_or_default();
@@ -153,7 +162,8 @@ impl SymbolizerHandle {
     }
 }
 
-struct Module {
+/// A file mapping of a traced process with the file kept open (see the module doc).
+struct OpenModule {
     mapping: FileMapping,
     file: Arc<File>,
     /// Read once, for executable mappings only: pprof names code by it.
@@ -162,7 +172,7 @@ struct Module {
 
 struct SymbolizerThread {
     symbolizer: Symbolizer,
-    modules: HashMap<u32, Vec<Module>>,
+    modules: HashMap<u32, Vec<OpenModule>>,
     cache: HashMap<(u32, u64), Resolved>,
     failures: Arc<[AtomicU64; 2]>,
 }
@@ -219,17 +229,17 @@ impl SymbolizerThread {
                 None if mapping.executable => Some(build_id(&file)),
                 None => None,
             };
-            modules.push(Module { mapping, file, build_id });
+            modules.push(OpenModule { mapping, file, build_id });
         }
         self.modules.insert(pid, modules);
     }
 
-    fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<report::Module> {
+    fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<Module> {
         let modules = self.modules.get(&pid).map(Vec::as_slice).unwrap_or_default();
         modules
             .iter()
             .filter(|m| m.mapping.executable && paths.contains(&m.mapping.path))
-            .map(|m| report::Module {
+            .map(|m| Module {
                 path: m.mapping.path.clone(),
                 start: m.mapping.start,
                 limit: m.mapping.end,

@@ -7,12 +7,13 @@
 //! streamed to userspace per allocation: the daemon reads the small totals every interval.
 #![no_std]
 #![no_main]
-// Atomic adds to map values: see `record::add`.
+// Atomic adds to map values: see `shared::add`.
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
 mod process;
 mod record;
+mod shared;
 mod unwind;
 
 use aya_ebpf::{

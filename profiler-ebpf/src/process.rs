@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use profiler_common::{process_event, traced, ProcessEvent};
 
-use crate::record::{add, NO_PREALLOC};
+use crate::shared::{add, NO_PREALLOC};
 
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]

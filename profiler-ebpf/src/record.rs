@@ -1,7 +1,5 @@
 //! The maps and what each probe does to them.
 
-use core::intrinsics::{atomic_xadd, AtomicOrdering};
-
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
@@ -9,7 +7,7 @@ use aya_ebpf::{
         bpf_probe_read_user,
     },
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
     Global,
 };
@@ -20,11 +18,10 @@ use profiler_common::{
     SAMPLED,
 };
 
-use crate::unwind::{self, Regs, FREE_STACKS, STACKS};
-
-/// Hash maps allocate entries as they fill instead of all at load: at the default capacities a
-/// preallocated `LIVE` alone would pin about 100 MiB of kernel memory for an idle process.
-pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
+use crate::{
+    shared::{add, count_drop, NO_PREALLOC},
+    unwind::{self, Regs, FREE_STACKS, STACKS},
+};
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 ///
@@ -86,8 +83,6 @@ fn sample_bytes(tgid: u32) -> u64 {
 #[map]
 static THREAD_PAIRS: HashMap<ThreadPairKey, ThreadPairStats> = HashMap::with_max_entries(16_384, NO_PREALLOC);
 #[map]
-static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
-#[map]
 static DOUBLE_FREES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 
 /// The generation clock (see `profiler_common::generations`), set by the loader: its start, and
@@ -106,20 +101,6 @@ const EEXIST: i32 = 17;
 fn ids() -> (u32, u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
     ((pid_tgid >> 32) as u32, pid_tgid as u32)
-}
-
-pub fn add(counter: &mut u64, value: u64) {
-    // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic
-    // compiles to BPF's atomic add. SAFETY: the counter is an aligned u64 inside a map value.
-    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
-}
-
-pub fn count_drop(reason: DropReason) {
-    if let Some(counter) = DROPS.get_ptr_mut(reason as u32) {
-        // Per-CPU, but uprobe programs run with only migration disabled: two tasks on one CPU
-        // can interleave, so the add must be atomic.
-        add(unsafe { &mut *counter }, 1);
-    }
 }
 
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on

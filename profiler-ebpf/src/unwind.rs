@@ -24,7 +24,7 @@ use profiler_common::{
     MAX_MAPPINGS, NO_STACK,
 };
 
-use crate::record::{count_drop, NO_PREALLOC};
+use crate::shared::{count_drop, NO_PREALLOC};
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
@@ -59,7 +59,7 @@ pub fn on_mappings_changed() {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     if let Some(sent) = STOP_ON_MAPPING_CHANGE.get_ptr_mut(tgid) {
         // Before the signal: memprof reads the count once the thread has stopped on it.
-        crate::record::add(unsafe { &mut *sent }, 1);
+        crate::shared::add(unsafe { &mut *sent }, 1);
         // SAFETY: a plain helper call; the signal goes to the current thread.
         unsafe { bpf_send_signal_thread(SIGTRAP) };
     } else if MAPPINGS_CHANGED.output::<u32>(&tgid, 0).is_err() {

@@ -7,10 +7,11 @@ use serde::Deserialize;
 
 use super::server;
 use crate::{
-    cli::{self, DaemonArgs, LoadSettings},
-    leak::{LeakSettings, DEFAULT_LEAK},
-    procfs,
-    sampling::{self, Sampling},
+    cli::{self, DaemonArgs},
+    heap::leak::{LeakSettings, DEFAULT_LEAK},
+    heap::sampling::{self, Sampling},
+    kernel::settings::{LoadSettings, DEFAULT_LOAD},
+    process::procfs,
     unwind::UnwindMode,
 };
 
@@ -158,7 +159,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if max_targets == 0 {
         return Err(ConfigError::Value("max_targets", "0 would trace nothing; give at least 1".to_string()));
     }
-    let defaults = cli::DEFAULT_LOAD;
+    let defaults = DEFAULT_LOAD;
     let maps = LoadSettings {
         max_live: args.max_live.or(file.max_live).unwrap_or(defaults.max_live),
         max_stacks: args.max_stacks.or(file.max_stacks).unwrap_or(defaults.max_stacks),

@@ -2,7 +2,7 @@
 //! poll also catches processes that were running before the daemon started).
 
 use super::config::Rules;
-use crate::procfs;
+use crate::process::procfs;
 
 /// A process, named for good by its pid and start time (pids are reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

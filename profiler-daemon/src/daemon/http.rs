@@ -28,7 +28,7 @@ use super::{
 };
 use crate::{
     format::{self, escape, pprof, Format},
-    report::Report,
+    heap::report::Report,
 };
 
 struct Shared {

@@ -15,7 +15,7 @@ use super::{
     server,
     view::{DaemonView, TargetView},
 };
-use crate::procfs;
+use crate::process::procfs;
 
 /// The Content-Type of what `encode` returns.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

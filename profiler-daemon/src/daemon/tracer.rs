@@ -23,17 +23,17 @@ use super::{
     view::{DaemonView, MapUse, StackSeries, TargetView},
 };
 use crate::{
-    aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
-    allocator,
-    cli::LoadSettings,
     format,
-    leak::LeakTracker,
-    loader::{self, Attachment, Loaded},
-    procfs,
-    report::{self, DoubleFreeReport, Selection},
-    sampling::RateGuard,
+    heap::double_free::DoubleFreeFilter,
+    heap::leak::LeakTracker,
+    heap::report::{self, DoubleFreeReport, Selection},
+    heap::sampling::RateGuard,
+    kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
+    kernel::loader::{self, Attachment, Loaded},
+    kernel::settings::LoadSettings,
+    process::allocator,
+    process::procfs,
     symbolize::SymbolizerHandle,
-    target::DoubleFreeFilter,
 };
 
 /// How often /proc is polled for processes to attach to or detach from.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use profiler_common::{DropReason, Log2Histogram};
 
-use crate::report::{Report, StackReport};
+use crate::heap::report::{Report, StackReport};
 
 /// One traced process.
 #[derive(Debug, Clone)]

@@ -4,7 +4,7 @@
 use inferno::flamegraph::{self, color::BasicPalette, Options, Palette};
 
 use super::{folded, html::escape};
-use crate::report::Report;
+use crate::heap::report::Report;
 
 pub fn render(report: &Report) -> Vec<u8> {
     let title = format!("pid {} ({}): in-use bytes after {:.1} s", report.pid, report.comm, report.duration_s);
@@ -56,7 +56,7 @@ fn nothing_in_use(title: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples;
+    use crate::heap::report::samples;
 
     fn text(report: &Report) -> String {
         String::from_utf8(render(report)).unwrap()

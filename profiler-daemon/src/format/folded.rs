@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use crate::report::{Report, StackReport};
+use crate::heap::report::{Report, StackReport};
 
 /// The root frame of a stack the unwinder could not walk to its outermost frame.
 const TRUNCATED: &str = "[truncated]";
@@ -48,7 +48,7 @@ fn frame_name(function: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples::{self, frame};
+    use crate::heap::report::samples::{self, frame};
 
     #[test]
     fn lines_run_from_the_outermost_frame_to_the_allocating_one() {

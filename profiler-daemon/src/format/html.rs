@@ -3,7 +3,7 @@
 //! histograms, totals and drops). The page fetches nothing, so it can be mailed or attached to a
 //! ticket.
 
-use crate::report::Report;
+use crate::heap::report::Report;
 
 const TEMPLATE: &str = include_str!("html/report.html");
 
@@ -57,7 +57,7 @@ pub fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples;
+    use crate::heap::report::samples;
 
     #[test]
     fn the_page_is_self_contained() {

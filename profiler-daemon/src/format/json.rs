@@ -1,6 +1,6 @@
 //! One JSON object per report (schema in the README).
 
-use crate::report::Report;
+use crate::heap::report::Report;
 
 pub fn render(report: &Report) -> String {
     serde_json::to_string(report).expect("a report always serializes")
@@ -9,7 +9,7 @@ pub fn render(report: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples;
+    use crate::heap::report::samples;
 
     #[test]
     fn json_follows_the_documented_schema() {

@@ -15,7 +15,7 @@ use std::{io::IsTerminal as _, path::Path};
 
 use clap::ValueEnum;
 
-use crate::{error::UserError, report::Report};
+use crate::{error::UserError, heap::report::Report};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -56,7 +56,7 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     let report = if report.children.is_empty() || format.streams() {
         report
     } else {
-        merged = crate::report::merge_processes(report);
+        merged = crate::heap::report::merge_processes(report);
         &merged
     };
     match format {

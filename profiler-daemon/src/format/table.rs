@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{report::Report, symbolize::Frame};
+use crate::{heap::report::Report, symbolize::Frame};
 
 /// The traced process's section, then each followed child's, each naming its parent.
 pub fn render(report: &Report) -> String {
@@ -138,7 +138,7 @@ fn bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples::frame;
+    use crate::heap::report::samples::frame;
 
     #[test]
     fn frames_read_function_file_line_module() {
@@ -148,7 +148,7 @@ mod tests {
 
     #[test]
     fn the_header_names_the_namespace_pid_when_it_differs() {
-        let mut report = crate::report::samples::report();
+        let mut report = crate::heap::report::samples::report();
         assert!(render(&report).starts_with("memprof: pid 1 (leaky) final report"));
         report.ns_pid = Some(7);
         assert!(render(&report).starts_with("memprof: pid 1 (leaky, pid 7 in its namespace) final report"));

@@ -19,7 +19,7 @@ use object::{Object as _, ObjectSegment as _};
 use profiler_common::{mapping_kind, ExecMapping, ProcMappings, UnwindRow, MAX_MAPPINGS};
 
 use super::{space::RowSpace, table};
-use crate::procfs::{self, FileMapping};
+use crate::process::procfs::{self, FileMapping};
 
 /// How memprof walks stacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]

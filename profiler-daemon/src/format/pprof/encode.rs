@@ -7,7 +7,7 @@ use flate2::{write::GzEncoder, Compression};
 
 use super::{field, wire::Writer, DefaultType, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
 use crate::{
-    report::{Report, StackReport},
+    heap::report::{Report, StackReport},
     symbolize::Frame,
 };
 

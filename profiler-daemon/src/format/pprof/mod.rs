@@ -99,7 +99,7 @@ const NO_STACK: &str = "[no stack]";
 mod tests {
     use super::{decode::PprofError, wire::Reader, *};
     use crate::{
-        report::{samples, Report},
+        heap::report::{samples, Report},
         symbolize::Frame,
     };
 

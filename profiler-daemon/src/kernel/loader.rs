@@ -10,19 +10,19 @@ use std::{
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
 
-pub use crate::probes::Attachment;
+pub use crate::kernel::probes::Attachment;
 use crate::{
-    ages::{AgeBook, Clock},
-    aggregate,
-    allocator::{self, Allocator},
-    btf,
-    cli::LoadSettings,
     error::UserError,
-    probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
-    process::{self, ProcessEvents},
-    procfs,
+    kernel::ages::{AgeBook, Clock},
+    kernel::aggregate,
+    kernel::btf,
+    kernel::events::{self, ProcessEvents},
+    kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
+    kernel::settings::LoadSettings,
+    kernel::uprobe_multi::Point,
+    process::allocator::{self, Allocator},
+    process::procfs,
     unwind::{MappingEvents, Registry},
-    uprobe_multi::Point,
 };
 
 /// `ld-linux-x86-64.so.2` and the like, under any directory.
@@ -86,7 +86,7 @@ fn check_privileges() -> Result<(), UserError> {
 
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
-    let clock = Clock::for_interval(crate::aggregate::monotonic_now_ns(), interval_s);
+    let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
     let task =
         btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm"]).context("finding task_struct in BTF")?;
     // The way to a process's uretprobe trampoline: task->mm->uprobes_state.xol_area->vaddr.
@@ -113,7 +113,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
-    let process_events = process::attach(&mut ebpf)?;
+    let process_events = events::attach(&mut ebpf)?;
     Ok(Loaded {
         ebpf,
         method,
@@ -235,10 +235,10 @@ impl Loaded {
     pub fn tracked(&self) -> (u64, u64) {
         let entries = self.ebpf.map("TRACED").map_or(0, |map| {
             let mut n = 0;
-            let _ = crate::batch::for_each(map, |_: &u32, _: &u32| n += 1);
+            let _ = crate::kernel::batch::for_each(map, |_: &u32, _: &u32| n += 1);
             n
         });
-        (entries, process::events_lost(&self.ebpf))
+        (entries, events::events_lost(&self.ebpf))
     }
 
     /// Gives the stack walk the current executable mappings of `pid` and their tables.

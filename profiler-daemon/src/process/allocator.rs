@@ -12,7 +12,7 @@ use std::{
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::AllocFn;
 
-use crate::{error::UserError, procfs};
+use crate::{error::UserError, process::procfs};
 
 /// An entry point to probe: its file offset and what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,14 +12,15 @@ use profiler_common::process_event;
 use tokio::sync::mpsc;
 
 use crate::{
-    allocator::{self, Allocator},
-    leak::{LeakSettings, LeakTracker},
-    loader::{Attachment, Loaded},
-    procfs,
-    report::{DoubleFreeReport, Forks, Report},
-    sampling::{RateGuard, Sampling},
+    commands::target::ExitWatch,
+    heap::double_free::DoubleFreeFilter,
+    heap::leak::{LeakSettings, LeakTracker},
+    heap::report::{DoubleFreeReport, Forks, Report},
+    heap::sampling::{RateGuard, Sampling},
+    kernel::loader::{Attachment, Loaded},
+    process::allocator::{self, Allocator},
+    process::procfs,
     symbolize::SymbolizerHandle,
-    target::{DoubleFreeFilter, ExitWatch},
 };
 
 /// Reports of exited children kept for the session's reports; more are only counted.

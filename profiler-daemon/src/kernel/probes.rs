@@ -21,7 +21,7 @@ use aya::{
     Ebpf,
 };
 
-use crate::uprobe_multi::{self, Fires, Point};
+use crate::kernel::uprobe_multi::{self, Fires, Point};
 
 /// At every allocation function's entry; each probe's cookie is its `AllocFn`.
 pub const ENTRY_PROGRAM: &str = "alloc_entry";

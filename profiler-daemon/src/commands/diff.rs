@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     cli::{DiffArgs, DiffFormat},
     format::{self, pprof},
-    report::allocation_site,
+    heap::report::allocation_site,
     symbolize::Frame,
 };
 
@@ -192,7 +192,7 @@ fn table(old: &Path, new: &Path, sites: &[SiteDiff]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples::frame;
+    use crate::heap::report::samples::frame;
 
     fn sites(entries: &[(&str, u64, u64)]) -> Sites {
         entries

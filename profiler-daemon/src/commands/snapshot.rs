@@ -14,9 +14,9 @@ use clap::Parser;
 
 use crate::{
     cli::{SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
+    commands::session,
     error::UserError,
     format::Format,
-    session,
 };
 
 pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {

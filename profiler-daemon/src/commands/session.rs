@@ -16,17 +16,17 @@ use tokio::{
 };
 
 use crate::{
-    aggregate::{self, DoubleFreeReader},
-    allocator::{self, Allocator},
     cli::{TraceArgs, MAX_SECONDS},
+    commands::family::{Family, Process},
+    commands::target::{self, ExitWatch, MappingRequest},
     error::UserError,
-    family::{Family, Process},
     format::{self, Format},
-    loader::{self, Attachment, Loaded},
-    procfs,
-    report::{self, Report, Selection},
+    heap::report::{self, Report, Selection},
+    kernel::aggregate::{self, DoubleFreeReader},
+    kernel::loader::{self, Attachment, Loaded},
+    process::allocator::{self, Allocator},
+    process::procfs,
     symbolize::SymbolizerHandle,
-    target::{self, ExitWatch, MappingRequest},
 };
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
@@ -119,7 +119,7 @@ fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserErr
     allocator::find(std::process::id())
 }
 
-fn settings(args: &TraceArgs) -> (crate::sampling::Sampling, crate::leak::LeakSettings) {
+fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
     (args.sampling, args.leak_settings())
 }
 

@@ -8,9 +8,9 @@ use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
 use serde::Serialize;
 
 use crate::{
-    aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
-    leak::LeakTracker,
-    symbolize::{Frame, Resolved, SymbolizerHandle},
+    heap::leak::{LeakTracker, LeakVerdict, Timeline},
+    kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
+    symbolize::{Frame, Module, Resolved, SymbolizerHandle},
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -71,18 +71,6 @@ pub struct Forks {
     pub events_lost: u64,
 }
 
-/// Code of one file mapped into the process: addresses `start..limit` map the file from
-/// `file_offset` on.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Module {
-    pub path: String,
-    pub start: u64,
-    pub limit: u64,
-    pub file_offset: u64,
-    /// The file's GNU build id (`NT_GNU_BUILD_ID`) in hex; empty when it has none.
-    pub build_id: String,
-}
-
 /// One bucket of a histogram: values in `min..=max`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Bucket {
@@ -98,41 +86,6 @@ pub struct ThreadPair {
     pub free_tid: u32,
     pub frees: u64,
     pub freed_bytes: u64,
-}
-
-/// Heap in use over time: one point per interval (the latest `timeline::MAX_POINTS` of them).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Timeline {
-    /// Seconds since tracing began.
-    pub time_s: Vec<f64>,
-    pub outstanding_bytes: Vec<u64>,
-    /// In-use bytes of the stacks that have been leak candidates, from the leak window before they
-    /// were first flagged.
-    pub stacks: Vec<StackTimeline>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct StackTimeline {
-    pub stack_id: String,
-    /// Index in `Timeline::time_s` of the first value.
-    pub first: usize,
-    pub outstanding_bytes: Vec<u64>,
-}
-
-impl Timeline {
-    pub fn is_empty(&self) -> bool {
-        self.time_s.is_empty()
-    }
-}
-
-/// The leak rule's verdict on one stack (see `leak.rs` and the README).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct LeakVerdict {
-    pub candidate: bool,
-    /// 0 (no sign of a leak) to 1 (grew every interval and freed none of its older memory).
-    pub score: f64,
-    /// The verdict in words, e.g. "grew in 6 of 6 intervals; holds 100% of what it held 30 s ago".
-    pub reason: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

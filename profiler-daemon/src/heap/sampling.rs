@@ -6,7 +6,7 @@
 
 use clap::Args;
 
-use crate::aggregate::Snapshot;
+use crate::kernel::aggregate::Snapshot;
 
 /// The mean bytes between samples when `--max-rate` switches a process without `--sample-bytes`.
 pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
@@ -78,7 +78,7 @@ impl RateGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::aggregate::StackSnapshot;
+    use crate::kernel::aggregate::StackSnapshot;
 
     fn snapshot(now_ns: u64, calls: u64) -> Snapshot {
         let mut stack = StackSnapshot::default();

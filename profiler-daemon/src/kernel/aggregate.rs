@@ -18,8 +18,8 @@ use profiler_common::{
 };
 
 use crate::{
-    ages::{self, AgeBook, AgeSpan},
-    batch,
+    kernel::ages::{self, AgeBook, AgeSpan},
+    kernel::batch,
 };
 
 /// What the kernel side knows at one moment, for the processes asked about.
@@ -315,7 +315,7 @@ impl DoubleFreeReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ages::Clock;
+    use crate::kernel::ages::Clock;
 
     #[test]
     fn outstanding_is_allocated_minus_freed_and_aged_comes_from_generations() {

@@ -4,7 +4,7 @@
 use clap::Args;
 use regex::Regex;
 
-use crate::report::{Report, StackReport};
+use crate::heap::report::{Report, StackReport};
 
 #[derive(Debug, Args, Clone, Default)]
 pub struct Filters {
@@ -83,7 +83,7 @@ fn merge(into: &mut StackReport, part: StackReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::samples::{frame, report};
+    use crate::heap::report::samples::{frame, report};
 
     fn stack(bytes: u64, functions: &[&str]) -> StackReport {
         let mut stack = report().stacks.remove(0);

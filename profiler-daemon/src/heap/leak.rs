@@ -12,11 +12,47 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use serde::Serialize;
+
 use crate::{
-    ages::{self, Clock},
-    aggregate::Snapshot,
-    report::{LeakVerdict, StackTimeline, Timeline},
+    kernel::ages::{self, Clock},
+    kernel::aggregate::Snapshot,
 };
+
+/// Heap in use over time: one point per interval (the latest `timeline::MAX_POINTS` of them).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Timeline {
+    /// Seconds since tracing began.
+    pub time_s: Vec<f64>,
+    pub outstanding_bytes: Vec<u64>,
+    /// In-use bytes of the stacks that have been leak candidates, from the leak window before they
+    /// were first flagged.
+    pub stacks: Vec<StackTimeline>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StackTimeline {
+    pub stack_id: String,
+    /// Index in `Timeline::time_s` of the first value.
+    pub first: usize,
+    pub outstanding_bytes: Vec<u64>,
+}
+
+impl Timeline {
+    pub fn is_empty(&self) -> bool {
+        self.time_s.is_empty()
+    }
+}
+
+/// The leak rule's verdict on one stack (see the module doc and the README).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LeakVerdict {
+    pub candidate: bool,
+    /// 0 (no sign of a leak) to 1 (grew every interval and freed none of its older memory).
+    pub score: f64,
+    /// The verdict in words, e.g. "grew in 6 of 6 intervals; holds 100% of what it held 30 s ago".
+    pub reason: String,
+}
 
 /// The rule's settings (`--leak-window`, `--leak-threshold`).
 #[derive(Debug, Clone, Copy, PartialEq)]

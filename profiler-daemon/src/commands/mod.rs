@@ -1,0 +1,8 @@
+//! The commands an engineer runs at a terminal: `attach` and `run` (a session, the process family it
+//! follows and the target it starts or watches), `snapshot` and `diff`. The daemon is in `daemon`.
+
+pub mod diff;
+pub mod family;
+pub mod session;
+pub mod snapshot;
+pub mod target;

@@ -1,0 +1,14 @@
+//! Everything that talks to the kernel: the embedded eBPF object and its map sizes, the probes and
+//! the links that attach them, BTF offsets, batched map reads, the exec/fork/exit events, and the
+//! reading of the maps into snapshots (with the ages of outstanding memory that go with them).
+//! Imports `process`, `unwind` and `error` only.
+
+pub mod ages;
+pub mod aggregate;
+pub mod batch;
+pub mod btf;
+pub mod events;
+pub mod loader;
+pub mod probes;
+pub mod settings;
+pub mod uprobe_multi;

@@ -1,0 +1,5 @@
+//! What memprof knows about a process from `/proc`: its mappings and files, and which of them holds
+//! the allocator and where its functions are. Imports `error` only.
+
+pub mod allocator;
+pub mod procfs;
