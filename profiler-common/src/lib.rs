@@ -8,23 +8,40 @@ pub mod generations;
 
 use generations::GENERATIONS;
 
-/// Which allocator entry point an allocation came from.
+/// What an allocating entry point does and where its arguments are: every allocator family's
+/// functions map to one of these (the daemon's `process::families` has the tables). The probe's
+/// cookie is one of these; frees need none (every free takes the block first).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AllocFn {
+    /// `malloc(size)`, and everything with the size first: `mallocx(size, flags)`, `operator
+    /// new(size, ...)`, `mi_malloc_aligned(size, alignment)`, `__rg_alloc(size, align)`.
     Malloc = 0,
+    /// `calloc(n, size)`: `n * size` bytes.
     Calloc = 1,
+    /// `realloc(ptr, size)`, also `rallocx(ptr, size, flags)`.
     Realloc = 2,
+    /// `reallocarray(ptr, n, size)`.
     Reallocarray = 3,
+    /// `posix_memalign(&out, alignment, size)`: the pointer through `out`, 0 on success.
     PosixMemalign = 4,
+    /// `aligned_alloc(alignment, size)`.
     AlignedAlloc = 5,
+    /// `memalign(alignment, size)`.
     Memalign = 6,
+    /// `valloc(size)`.
     Valloc = 7,
+    /// `pvalloc(size)`.
     Pvalloc = 8,
+    /// jemalloc's `xallocx(ptr, size, extra, flags)`: resizes in place and returns the block's
+    /// real size, which is below `size` when it could not grow.
+    ResizeInPlace = 9,
+    /// Rust's `__rg_realloc(ptr, old_size, align, new_size)`.
+    RustRealloc = 10,
 }
 
 impl AllocFn {
-    pub const ALL: [AllocFn; 9] = [
+    pub const ALL: [AllocFn; 11] = [
         AllocFn::Malloc,
         AllocFn::Calloc,
         AllocFn::Realloc,
@@ -34,25 +51,17 @@ impl AllocFn {
         AllocFn::Memalign,
         AllocFn::Valloc,
         AllocFn::Pvalloc,
+        AllocFn::ResizeInPlace,
+        AllocFn::RustRealloc,
     ];
 
     pub fn from_u32(value: u32) -> Option<AllocFn> {
         AllocFn::ALL.get(value as usize).copied()
     }
 
-    /// The C symbol this entry point is exported as.
-    pub fn symbol(self) -> &'static str {
-        match self {
-            AllocFn::Malloc => "malloc",
-            AllocFn::Calloc => "calloc",
-            AllocFn::Realloc => "realloc",
-            AllocFn::Reallocarray => "reallocarray",
-            AllocFn::PosixMemalign => "posix_memalign",
-            AllocFn::AlignedAlloc => "aligned_alloc",
-            AllocFn::Memalign => "memalign",
-            AllocFn::Valloc => "valloc",
-            AllocFn::Pvalloc => "pvalloc",
-        }
+    /// Whether the call takes a block (its first argument) and may give it back resized.
+    pub fn resizes(self) -> bool {
+        matches!(self, AllocFn::Realloc | AllocFn::Reallocarray | AllocFn::ResizeInPlace | AllocFn::RustRealloc)
     }
 }
 
@@ -201,7 +210,33 @@ pub struct Inflight {
     pub sample_bytes: u64,
     pub recorded: u32,
     pub _pad: u32,
+    /// The thread's last free through a wrapper (see `FreeNote`).
+    pub free_note: FreeNote,
 }
+
+/// A free through a function that may call another probed free before it returns (`free` in
+/// libmimalloc calls `mi_free`, `operator delete` of mimalloc calls `mi_free`):
+/// the inner free of the same block is part of it, not a second free. Inner means: same address,
+/// another function, at or below the wrapper's stack pointer while the wrapper's return address
+/// is still in its slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreeNote {
+    pub addr: u64,
+    /// Stack pointer at the wrapper's entry: its return address slot.
+    pub sp: u64,
+    /// The return address the slot held then.
+    pub ret: u64,
+    /// The wrapper's address (`bpf_get_func_ip`).
+    pub ip: u64,
+}
+
+impl FreeNote {
+    pub const EMPTY: FreeNote = FreeNote { addr: 0, sp: 0, ret: 0, ip: 0 };
+}
+
+/// Cookie of a free probe whose function may call another probed free (see `FreeNote`).
+pub const FREE_WRAPPER: u64 = 1;
 
 /// Key of a live allocation: addresses repeat across processes.
 #[repr(C)]
@@ -536,7 +571,8 @@ pub mod traced {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<Inflight>() == 88);
+    assert!(core::mem::size_of::<Inflight>() == 120);
+    assert!(core::mem::size_of::<FreeNote>() == 32);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
     assert!(core::mem::size_of::<FreeSite>() == 24);

@@ -10,8 +10,10 @@ pub enum UserError {
     SelfTrace,
     #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
     KernelThread(u32),
-    #[error("no allocator (malloc and free) found in pid {pid}: {detail}; memprof traces processes that use the C library's allocator")]
+    #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (see Allocators in the README)")]
     NoAllocator { pid: u32, detail: String },
+    #[error("no allocator found for {}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (see Allocators in the README)", program.display())]
+    NoAllocatorInCommand { program: PathBuf, detail: String },
     #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_BPF + CAP_PERFMON (missing {missing}); run it with sudo")]
     Privileges { missing: String },
     #[error("this kernel lacks {0}; memprof needs Linux 5.8+ with CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS")]

@@ -66,16 +66,17 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
     0
 }
 
-/// The size `func` was asked for, and the pointer argument to keep (realloc's old pointer,
+/// The size `func` was asked for, and the pointer argument to keep (the old block of a resize,
 /// posix_memalign's out-pointer).
 fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
     match func {
         AllocFn::Malloc | AllocFn::Valloc | AllocFn::Pvalloc => (arg(ctx, 0), 0),
         AllocFn::Calloc => (product(arg(ctx, 0), arg(ctx, 1)), 0),
-        AllocFn::Realloc => (arg(ctx, 1), arg(ctx, 0)),
+        AllocFn::Realloc | AllocFn::ResizeInPlace => (arg(ctx, 1), arg(ctx, 0)),
         AllocFn::Reallocarray => (product(arg(ctx, 1), arg(ctx, 2)), arg(ctx, 0)),
         AllocFn::PosixMemalign => (arg(ctx, 2), arg(ctx, 0)),
         AllocFn::AlignedAlloc | AllocFn::Memalign => (arg(ctx, 1), 0),
+        AllocFn::RustRealloc => (arg(ctx, 3), arg(ctx, 0)),
     }
 }
 
@@ -105,9 +106,13 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// Every free of every family: each takes the block as its first argument (`free`, `sdallocx`,
+/// `operator delete`, `mi_free`, `__rg_dealloc`, ...).
 #[uprobe]
 pub fn free(ctx: ProbeContext) -> u32 {
-    record::on_free(&ctx, arg(&ctx, 0));
+    // SAFETY: the context is the running probe's.
+    let wrapper = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } == profiler_common::FREE_WRAPPER;
+    record::on_free(&ctx, arg(&ctx, 0), wrapper);
     0
 }
 

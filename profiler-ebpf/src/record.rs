@@ -3,17 +3,17 @@
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_kernel,
-        bpf_probe_read_user,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_func_ip, bpf_get_prandom_u32, bpf_ktime_get_ns,
+        bpf_probe_read_kernel, bpf_probe_read_user,
     },
     macros::map,
     maps::{Array, HashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
-    Global,
+    EbpfContext, Global,
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
-    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
+    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
     ProcCounters, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK,
     SAMPLED,
 };
@@ -122,6 +122,7 @@ static IDLE: Inflight = Inflight {
     sample_bytes: 0,
     recorded: 0,
     _pad: 0,
+    free_note: FreeNote::EMPTY,
 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
@@ -212,13 +213,12 @@ fn frame_live(entry_sp: u64) -> bool {
 /// entry whose return will never come (a thread that died inside the allocator, its id since
 /// reused; a call a signal handler longjmp'd out of) fails the test and is treated as stale.
 ///
-/// `malloc` calls no other allocator function (realloc, calloc in musl and the memalign family
-/// call it, not the reverse), so nothing nests in it: an in-flight malloc found by another call
-/// is stale whatever its stack holds.
+/// Any call may have others nested in it: glibc's malloc calls none, but the malloc of mimalloc
+/// calls `mi_malloc`, a custom Rust global allocator may call `malloc`, `operator new` of
+/// tcmalloc and mimalloc call their own allocation functions.
 fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
     state.depth != 0
         && state.tgid == tgid
-        && state.func != AllocFn::Malloc as u32
         && (sp == 0
             || state.entry_sp == 0
             || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN && frame_live(state.entry_sp)))
@@ -262,7 +262,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
     // Full mode records every call without a draw. SAFETY: a helper without arguments.
     let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    let resizes = ptr_arg != 0 && matches!(func, AllocFn::Realloc | AllocFn::Reallocarray);
+    let resizes = ptr_arg != 0 && func.resizes();
     // realloc frees its old block inside the call: a recorded one is settled at the return.
     let old = if resizes { unsafe { LIVE.get(key) }.copied() } else { None };
     if !recorded && old.is_none() {
@@ -343,9 +343,18 @@ pub fn on_return(ctx: &RetProbeContext) {
             return;
         }
         AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0),
+        // xallocx returns the block's real size: below the size asked, it did not resize, which
+        // is no failure (the caller then moves the block itself). The block stays as it was.
+        AllocFn::ResizeInPlace if ret < call.size => {
+            if call.stashed != 0 {
+                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+            }
+            return;
+        }
+        AllocFn::ResizeInPlace => call.ptr_arg,
         _ => ret,
     };
-    let resizes = matches!(func, AllocFn::Realloc | AllocFn::Reallocarray) && call.ptr_arg != 0;
+    let resizes = func.resizes() && call.ptr_arg != 0;
     // A realloc that succeeded, moved or in place, freed the old block; so did glibc's
     // realloc(p, 0), which returns NULL. A failed one left the old block live.
     if resizes && (returned != 0 || call.size == 0) {
@@ -366,7 +375,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
 }
 
-pub fn on_free(ctx: &ProbeContext, addr: u64) {
+/// A free of `addr`; `wrapper`: the function may call another probed free (see `FreeNote`).
+pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
     if addr == 0 {
         return;
     }
@@ -378,9 +388,18 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
     if live.is_none() && sample_bytes(tgid) != 0 {
         return;
     }
-    if INFLIGHT.get_ptr(tid).is_some_and(|state| nested_in(unsafe { &*state }, tgid, stack_pointer(ctx))) {
+    let sp = stack_pointer(ctx);
+    let state = INFLIGHT.get_ptr_mut(tid);
+    if state.is_some_and(|state| nested_in(unsafe { &*state }, tgid, sp)) {
         // Called from inside realloc (or another allocator call): the outer call's return handles it.
         return;
+    }
+    if live.is_none() && state.is_some_and(|state| inside_wrapper(unsafe { &(*state).free_note }, ctx, addr, sp)) {
+        // The inner free of a wrapper's block: the wrapper's free counted it.
+        return;
+    }
+    if wrapper {
+        note_wrapper(state, ctx, tgid, tid, addr, sp);
     }
     let probe = Probe { regs: ctx.regs, at_return: false };
     match live {
@@ -392,6 +411,34 @@ pub fn on_free(ctx: &ProbeContext, addr: u64) {
         }
         None => unseen_free(probe, tgid, addr),
     }
+}
+
+/// Whether this free of `addr` runs inside the wrapper free `note` recorded (see `FreeNote`).
+fn inside_wrapper(note: &FreeNote, ctx: &ProbeContext, addr: u64, sp: u64) -> bool {
+    if note.addr != addr || sp > note.sp || note.sp - sp >= NESTING_STACK_SPAN {
+        return false;
+    }
+    // SAFETY: helpers reading the running probe's context and user memory, which fault safely.
+    let ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
+    let slot = unsafe { bpf_probe_read_user(note.sp as *const u64) }.unwrap_or(0);
+    ip != note.ip && slot == note.ret
+}
+
+/// Records a wrapper free in its thread's entry (inserted idle for a thread that has none).
+fn note_wrapper(state: Option<*mut Inflight>, ctx: &ProbeContext, tgid: u32, tid: u32, addr: u64, sp: u64) {
+    let Some(state) = state.or_else(|| get_or_insert(&INFLIGHT, &tid, &IDLE)) else {
+        count_drop(DropReason::InflightMapFull);
+        return;
+    };
+    // SAFETY: this thread's own entry; helpers reading the probe's context and user memory.
+    let state = unsafe { &mut *state };
+    state.tgid = tgid;
+    state.free_note = FreeNote {
+        addr,
+        sp,
+        ret: unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0),
+        ip: unsafe { bpf_get_func_ip(ctx.as_ptr()) },
+    };
 }
 
 fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn, sample_bytes: u64) {

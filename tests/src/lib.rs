@@ -90,6 +90,15 @@ pub fn run(args: &[&str], command: &[&str]) -> Outcome {
     memprof(&all)
 }
 
+/// `memprof run --json ARGS -- COMMAND...` with `env` added to memprof's environment, which the
+/// command inherits (`LD_PRELOAD`).
+pub fn run_with_env(env: &[(&str, &str)], args: &[&str], command: &[&str]) -> Outcome {
+    let all: Vec<&str> = ["run", "--json"].iter().chain(args).chain(&["--"]).chain(command).copied().collect();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(&all).envs(env.iter().copied()).stdin(Stdio::null());
+    memprof.output().expect("starting memprof").into()
+}
+
 /// Runs memprof with `args` and no target set-up (for error cases).
 pub fn memprof(args: &[&str]) -> Outcome {
     Command::new(memprof_bin()).args(args).stdin(Stdio::null()).output().expect("starting memprof").into()
@@ -198,6 +207,19 @@ pub fn site(report: &Value, function: &str) -> (u64, u64) {
     let mut total = (0, 0);
     for stack in report["stacks"].as_array().expect("stacks is an array") {
         if stack["frames"][0]["function"] == function {
+            total.0 += stack["outstanding_bytes"].as_u64().expect("bytes");
+            total.1 += stack["outstanding_allocations"].as_u64().expect("count");
+        }
+    }
+    total
+}
+
+/// Outstanding (bytes, allocations) of the stacks that pass through `function` anywhere: for
+/// sites reached through library code (C++'s containers, Rust's `Vec`).
+pub fn through(report: &Value, function: &str) -> (u64, u64) {
+    let mut total = (0, 0);
+    for stack in report["stacks"].as_array().expect("stacks is an array") {
+        if stack["frames"].as_array().expect("frames").iter().any(|f| f["function"] == function) {
             total.0 += stack["outstanding_bytes"].as_u64().expect("bytes");
             total.1 += stack["outstanding_allocations"].as_u64().expect("count");
         }
@@ -383,6 +405,23 @@ pub fn fixture_compiled(compiler: &str, file: &str, name: &str, flags: &[&str]) 
     assert!(status.success(), "compiling {} with {compiler} failed", source.display());
     std::fs::rename(&partial, &out).expect("moving the fixture into place");
     out
+}
+
+/// Builds the Rust fixture crate `tests/fixtures/NAME` (its own crates from crates.io, in release
+/// mode as a service ships) and returns its binary `bin`.
+pub fn fixture_crate(name: &str, bin: &str) -> PathBuf {
+    let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
+    let target = workspace().join("target/fixtures").join(name);
+    let manifest = workspace().join("tests/fixtures").join(name).join("Cargo.toml");
+    let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .args(["build", "--release", "--quiet", "--locked", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .status()
+        .unwrap_or_else(|e| panic!("starting cargo: {e}"));
+    assert!(status.success(), "building {} failed", manifest.display());
+    target.join("release").join(bin)
 }
 
 /// Compiles the C++ fixture `file` with `g++ FLAGS` into the executable `name`.

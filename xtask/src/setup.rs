@@ -16,9 +16,23 @@ use crate::run;
 /// headless Chromium the report tests open the HTML report in, and libc6-dbg, the C library's
 /// detached debug info, which the symbol tests read glibc's file and line from, and Go, whose
 /// `go tool pprof` the pprof tests read memprof's profiles with, and openssl and curl, with which
-/// the HTTP tests make a certificate and fetch over TLS.
-const PACKAGES: &[&str] =
-    &["gcc", "libc6-dev", "g++", "bpftool", "prometheus", "chromium", "libc6-dbg", "golang-go", "openssl", "curl"];
+/// the HTTP tests make a certificate and fetch over TLS; jemalloc, tcmalloc (gperftools) and
+/// mimalloc, which the allocator tests link and preload.
+const PACKAGES: &[&str] = &[
+    "gcc",
+    "libc6-dev",
+    "g++",
+    "bpftool",
+    "prometheus",
+    "chromium",
+    "libc6-dbg",
+    "golang-go",
+    "openssl",
+    "curl",
+    "libjemalloc-dev",
+    "libgoogle-perftools-dev",
+    "libmimalloc-dev",
+];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn all() -> anyhow::Result<()> {

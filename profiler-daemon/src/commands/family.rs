@@ -68,7 +68,7 @@ impl Process {
             parent: None,
             comm,
             ns_pid: procfs::ns_pid(pid),
-            double_free_filter: Some(DoubleFreeFilter::new(&allocator.display_path, Some(&exe))),
+            double_free_filter: Some(DoubleFreeFilter::new(&allocator, Some(&exe))),
             exe,
             attachment,
             allocator: Some(allocator),
@@ -191,13 +191,13 @@ impl Family {
                     }
                 }
                 process.exe = procfs::exe_path(pid).unwrap_or_default();
-                process.double_free_filter = Some(DoubleFreeFilter::new(&allocator.display_path, Some(&process.exe)));
+                process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
                 eprintln!(
                     "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
                     process.comm,
                     process.exe,
                     process.attachment.probes(),
-                    allocator.display_path
+                    allocator.describe()
                 );
                 process.allocator = Some(allocator);
             }
@@ -254,7 +254,7 @@ impl Family {
         eprintln!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
             attachment.probes(),
-            allocator.display_path
+            allocator.describe()
         );
         let mut process =
             Process::new(child, comm, procfs::exe_path(child), attachment, allocator, self.settings, false);

@@ -69,7 +69,7 @@ pub async fn run(
     let mut output = open_output(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
-    let allocator = allocator_for_command(&program)?;
+    let allocator = allocator::for_command(&program)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(true);
     let symbolizer = SymbolizerHandle::spawn();
@@ -102,23 +102,6 @@ pub async fn run(
     }
 }
 
-/// A command's allocator before it runs, in the order the dynamic loader binds `malloc`: the
-/// executable itself when it defines malloc (a static binary), else a library in `LD_PRELOAD`
-/// (given by path) that does, else the C library memprof itself uses, which the loader will map.
-fn allocator_for_command(program: &std::path::Path) -> Result<Allocator, UserError> {
-    let preloaded = std::env::var("LD_PRELOAD").unwrap_or_default();
-    let candidates = std::iter::once(program.to_path_buf())
-        .chain(preloaded.split([':', ' ']).filter(|entry| entry.contains('/')).map(std::path::PathBuf::from));
-    for path in candidates {
-        // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-        let display = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone()).display().to_string();
-        if let Some(allocator) = allocator::read_entry_points(&path, &display) {
-            return Ok(allocator);
-        }
-    }
-    allocator::find(std::process::id())
-}
-
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
     (args.sampling, args.leak_settings())
 }
@@ -135,7 +118,7 @@ fn announce(pid: u32, comm: &str, attachment: &Attachment, allocator: &Allocator
     eprintln!(
         "memprof: tracing pid {pid} ({comm}) with {} probes in {}; Ctrl-C to stop",
         attachment.probes(),
-        allocator.display_path
+        allocator.describe()
     );
 }
 

@@ -309,7 +309,7 @@ impl Tracer {
             Ok(probes) => {
                 target.attachment.merge(probes);
                 target.probed = true;
-                target.double_free_filter = DoubleFreeFilter::new(&allocator.display_path, target.exe.as_deref());
+                target.double_free_filter = DoubleFreeFilter::new(&allocator, target.exe.as_deref());
                 if let Some(sample_bytes) = target.rate_guard.initial() {
                     if let Err(err) = self.loaded.sample(pid, sample_bytes) {
                         warn!(pid, "sampling: {err:#}");
@@ -337,7 +337,7 @@ impl Tracer {
             comm,
             ns_pid: procfs::ns_pid(id.pid),
             attachment,
-            double_free_filter: DoubleFreeFilter::new(&allocator.display_path, exe.as_deref()),
+            double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
             exe,
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),

@@ -381,19 +381,29 @@ fn power_of_two_buckets(counts: &[u64]) -> Vec<Bucket> {
 
 /// Functions that only pass a request on to malloc: the language runtimes' allocation entry
 /// points. A stack's site is the first frame that is none of them.
-const ALLOCATOR_WRAPPERS: [&str; 8] = [
+const ALLOCATOR_WRAPPERS: [&str; 10] = [
     "operator new",
     "__rust_alloc",
     "__rust_realloc",
+    "__rustc::__rust_",
     "__rdl_alloc",
     "__rdl_realloc",
     "__rg_alloc",
-    "alloc::alloc::",
+    // Rust's `alloc` crate: `Box::new`, `Vec`'s growth, `str::repeat`, ... (inlined at the site).
+    "alloc::",
+    "<alloc::",
     "<std::alloc::System as core::alloc::global::GlobalAlloc>",
 ];
 
+/// A global allocator's own functions (`<tikv_jemallocator::Jemalloc as GlobalAlloc>::alloc`,
+/// `<mimalloc::MiMalloc as GlobalAlloc>::realloc`) are wrappers too.
+fn is_allocator_wrapper(function: &str) -> bool {
+    ALLOCATOR_WRAPPERS.iter().any(|w| function.starts_with(w))
+        || (function.starts_with('<') && function.contains(" as core::alloc::global::GlobalAlloc>::"))
+}
+
 pub fn allocation_site(frames: &[Frame]) -> usize {
-    frames.iter().position(|f| !ALLOCATOR_WRAPPERS.iter().any(|w| f.function.starts_with(w))).unwrap_or(0)
+    frames.iter().position(|f| !is_allocator_wrapper(&f.function)).unwrap_or(0)
 }
 
 fn seconds(ns: u64) -> f64 {

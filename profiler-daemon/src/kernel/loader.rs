@@ -9,6 +9,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
+use profiler_common::FREE_WRAPPER;
 
 pub use crate::kernel::probes::Attachment;
 use crate::{
@@ -161,23 +162,28 @@ impl Loaded {
         self.forget_state(&HashSet::from([pid.get()]));
     }
 
-    /// The allocator's probes alone (see `attach`).
+    /// The allocator's probes alone (see `attach`), in each of its files.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        let target = &allocator.attach_path;
-        let allocs: Vec<Point> =
-            allocator.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
-        let free = [Point { offset: allocator.free_offset, cookie: 0 }];
         let mut attachment = Attachment::default();
-        let programs: &[(&str, &[Point])] = match self.method {
-            Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &free)],
-            _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &free)],
-        };
-        for &(name, points) in programs {
-            if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, target, points, pid) {
-                self.take_back(attachment, pid);
-                return Err(err);
+        for file in &allocator.files {
+            let allocs: Vec<Point> =
+                file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
+            let frees: Vec<Point> = file
+                .frees
+                .iter()
+                .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
+                .collect();
+            let programs: &[(&str, &[Point])] = match self.method {
+                Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
+                _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
+            };
+            for &(name, points) in programs {
+                if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, &file.attach_path, points, pid) {
+                    self.take_back(attachment, pid);
+                    return Err(err);
+                }
             }
         }
         Ok(attachment)

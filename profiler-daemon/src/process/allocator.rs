@@ -4,7 +4,7 @@
 //! is then probed in its own libc, not the host's.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fs,
     path::{Path, PathBuf},
 };
@@ -12,83 +12,207 @@ use std::{
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::AllocFn;
 
-use crate::{error::UserError, process::procfs};
+use crate::{
+    error::UserError,
+    process::{
+        families::{self, Family, Role},
+        procfs,
+    },
+};
 
-/// An entry point to probe: its file offset and what it is.
+/// An allocating entry point to probe: its file offset and what it does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbePoint {
     pub offset: u64,
     pub func: AllocFn,
 }
 
-/// The file holding a process's allocator and the distinct entry points in it.
+/// A freeing entry point to probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FreePoint {
+    pub offset: u64,
+    /// It may call another probed free of the same block (see `profiler_common::FreeNote`):
+    /// every free outside the C library's own file may.
+    pub wrapper: bool,
+}
+
+/// One file holding allocator code, and its distinct entry points.
 #[derive(Debug, Clone)]
-pub struct Allocator {
-    /// What `/proc/PID/maps` calls the file (for messages).
+pub struct AllocatorFile {
+    /// What `/proc/PID/maps` calls the file (for messages, and to tell the allocator's frames).
     pub display_path: String,
     /// The path to attach through, valid from memprof's mount namespace.
     pub attach_path: PathBuf,
-    /// Allocation functions, one per distinct address (glibc's aligned_alloc is memalign).
+    /// The families found in it, for messages.
+    pub families: Vec<&'static str>,
+    /// One per distinct address (glibc's aligned_alloc is memalign, tcmalloc's tc_new is
+    /// operator new).
     pub allocs: Vec<ProbePoint>,
-    pub free_offset: u64,
+    pub frees: Vec<FreePoint>,
 }
 
-/// Finds the allocator of `pid`: the executable itself when it defines malloc (static binaries),
-/// else a mapped library defining it, preferring a preloaded allocator over the C library.
+/// Every file of a process that holds allocator code: a C++ program on jemalloc has jemalloc
+/// (with its own `operator new`) and the C library; a Rust binary with a static jemalloc, that
+/// and the C library its C dependencies call; python, its object allocator and the C library.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    pub files: Vec<AllocatorFile>,
+}
+
+impl Allocator {
+    /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
+    /// new/delete), libc.so.6 (C library malloc)`.
+    pub fn describe(&self) -> String {
+        let files: Vec<String> =
+            self.files.iter().map(|f| format!("{} ({})", f.display_path, f.families.join(", "))).collect();
+        files.join(", ")
+    }
+
+    /// The files' paths as `/proc/PID/maps` names them.
+    pub fn modules(&self) -> Vec<String> {
+        self.files.iter().map(|f| f.display_path.clone()).collect()
+    }
+}
+
+/// Finds the allocators of `pid` in the files it has code mapped from: the executable itself
+/// (static binaries, Rust's static jemalloc or mimalloc, python's object allocator) and its
+/// libraries.
 pub fn find(pid: u32) -> Result<Allocator, UserError> {
-    let exe = procfs::exe_path(pid);
     let mut candidates = procfs::mapped_files(pid)?;
     // Only files with code mapped: a file mapped for reading only (a C library's debug file that
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
     let running = procfs::file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
     candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
-    // The executable first, then libraries; among those, libc last so that an LD_PRELOADed
-    // allocator (jemalloc, tcmalloc) wins as it does at run time.
-    candidates.sort_by_key(|file| (Some(&file.path) != exe.as_ref(), is_libc(&file.path)));
-    let mut tried = Vec::new();
-    for file in candidates {
+    let mut files = Vec::new();
+    for file in &candidates {
         if is_dynamic_loader(&file.path) {
             continue;
         }
-        for attach_path in file.reachable_paths(pid) {
-            if let Some(allocator) = read_entry_points(Path::new(&attach_path), &file.path) {
-                return Ok(allocator);
-            }
+        if let Some(found) = file.reachable_paths(pid).iter().find_map(|p| read_file(Path::new(p), &file.path)) {
+            files.push(found);
         }
-        tried.push(file.path);
     }
-    Err(UserError::NoAllocator {
+    allocator_of(files).ok_or_else(|| UserError::NoAllocator {
         pid,
-        detail: if tried.is_empty() {
+        detail: if candidates.is_empty() {
             "it maps no files".to_string()
         } else {
-            format!("none of {} mapped files exports malloc and free", tried.len())
+            format!("none of {} mapped files holds an allocator memprof knows", candidates.len())
         },
     })
 }
 
-/// Reads the entry points of an ELF file that defines both malloc and free.
-pub fn read_entry_points(attach_path: &Path, display_path: &str) -> Option<Allocator> {
+/// The allocators a command will have once the dynamic loader has mapped its libraries, found
+/// before it runs: in the executable and in the libraries its loader lists for it (`ld.so --list
+/// PROGRAM`, what `ldd` runs, which maps them without running the program), with memprof's
+/// environment (`LD_PRELOAD`, `LD_LIBRARY_PATH`), which the command inherits.
+pub fn for_command(program: &Path) -> Result<Allocator, UserError> {
+    let no_allocator = |detail: String| UserError::NoAllocatorInCommand { program: program.to_path_buf(), detail };
+    let data = fs::read(program).map_err(|err| no_allocator(format!("reading it: {err}")))?;
+    let mut paths = vec![program.to_path_buf()];
+    if let Some(interpreter) = interpreter(&data) {
+        paths.extend(loader_list(&interpreter, program).map_err(no_allocator)?);
+    }
+    let files = paths
+        .iter()
+        .filter(|path| !is_dynamic_loader(&path.to_string_lossy()))
+        .filter_map(|path| {
+            // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
+            let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+            read_file(path, &display.to_string_lossy())
+        })
+        .collect();
+    allocator_of(files)
+        .ok_or_else(|| no_allocator(format!("none of its {} files holds an allocator memprof knows", paths.len())))
+}
+
+/// The dynamic loader an executable names (`PT_INTERP`); none for a static one.
+fn interpreter(data: &[u8]) -> Option<PathBuf> {
+    let elf = object::File::parse(data).ok()?;
+    let section = elf.section_by_name(".interp")?;
+    let bytes = section.data().ok()?;
+    let path = bytes.split(|&b| b == 0).next()?;
+    Some(PathBuf::from(std::str::from_utf8(path).ok()?))
+}
+
+/// The libraries `interpreter --list program` says the program maps, in load order.
+fn loader_list(interpreter: &Path, program: &Path) -> Result<Vec<PathBuf>, String> {
+    let out = std::process::Command::new(interpreter)
+        .arg("--list")
+        .arg(program)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|err| format!("running {} --list: {err}", interpreter.display()))?;
+    if !out.status.success() {
+        let why = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("its dynamic loader cannot load it: {}", why.trim()));
+    }
+    Ok(parse_loader_list(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Lines such as `libjemalloc.so.2 => /lib/x86_64-linux-gnu/libjemalloc.so.2 (0x7f...)` and
+/// `/lib64/ld-linux-x86-64.so.2 (0x7f...)`; the vDSO has no file.
+fn parse_loader_list(text: &str) -> Vec<PathBuf> {
+    text.lines()
+        .filter_map(|line| {
+            let line = line.trim();
+            let path = line.split_once("=> ").map_or(line, |(_, path)| path);
+            let path = path.rsplit_once(" (").map_or(path, |(path, _)| path);
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
+}
+
+/// The allocator of `files`, the C library's last: the order the dynamic loader binds `malloc`
+/// in, so that messages name the one in use first.
+pub fn allocator_of(mut files: Vec<AllocatorFile>) -> Option<Allocator> {
+    files.sort_by_key(|file| is_libc(&file.display_path));
+    (!files.is_empty()).then_some(Allocator { files })
+}
+
+/// Reads the allocator entry points an ELF file defines, if it holds any family.
+pub fn read_file(attach_path: &Path, display_path: &str) -> Option<AllocatorFile> {
     let data = fs::read(attach_path).ok()?;
-    let file = object::File::parse(&*data).ok()?;
-    let wanted: Vec<&'static str> = AllocFn::ALL.iter().map(|func| func.symbol()).chain(["free"]).collect();
-    let offsets = symbol_file_offsets(&file, &wanted);
-    let free_offset = past_null_check(&data, *offsets.get("free")?);
-    offsets.get("malloc")?;
-    let mut allocs: Vec<ProbePoint> = Vec::new();
-    for func in AllocFn::ALL {
-        if let Some(&offset) = offsets.get(func.symbol()) {
-            if !allocs.iter().any(|point| point.offset == offset) {
-                allocs.push(ProbePoint { offset, func });
+    let elf = object::File::parse(&*data).ok()?;
+    let families = families::all();
+    let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
+    let offsets = symbol_file_offsets(&elf, &wanted);
+    let present = |family: &&Family| family.is_in(|symbol| offsets.contains_key(symbol));
+    let mut found: Vec<&Family> = families.iter().filter(|f| !f.companion).filter(present).collect();
+    let own_allocator = found.iter().any(|f| f.name != families::STANDARD_FAMILY);
+    if found.len() > 1 {
+        // Rust's global allocator calls one of the others, probed already.
+        found.retain(|f| f.name != families::RUST);
+    }
+    if own_allocator {
+        found.extend(families.iter().filter(|f| f.companion).filter(present));
+    }
+    if found.is_empty() {
+        return None;
+    }
+    let wrapper = !is_libc(display_path);
+    let mut file = AllocatorFile {
+        display_path: display_path.to_string(),
+        attach_path: attach_path.to_path_buf(),
+        families: Vec::new(),
+        allocs: Vec::new(),
+        frees: Vec::new(),
+    };
+    for family in found {
+        if !file.families.contains(&family.name) {
+            file.families.push(family.name);
+        }
+        for (symbol, role) in &family.entries {
+            let Some(&offset) = offsets.get(symbol.as_str()) else { continue };
+            let taken = file.allocs.iter().any(|p| p.offset == offset) || file.frees.iter().any(|p| p.offset == offset);
+            match role {
+                _ if taken => {}
+                Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
+                Role::Free => file.frees.push(FreePoint { offset: past_null_check(&data, offset), wrapper }),
             }
         }
     }
-    Some(Allocator {
-        display_path: display_path.to_string(),
-        attach_path: attach_path.to_path_buf(),
-        allocs,
-        free_offset,
-    })
+    (!file.allocs.is_empty() && !file.frees.is_empty()).then_some(file)
 }
 
 /// Where to probe `free`: past its `if (p == NULL) return;` when it opens with one.
@@ -129,12 +253,12 @@ fn past_null_check(data: &[u8], offset: u64) -> u64 {
 pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
     let data = fs::read(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    symbol_file_offsets(&file, &[name]).get(name).copied()
+    symbol_file_offsets(&file, &HashSet::from([name])).get(name).copied()
 }
 
-/// File offsets of the functions named `wanted` that the file defines, from the dynamic table or,
-/// in a static binary, the full symbol table.
-fn symbol_file_offsets(file: &object::File, wanted: &[&'static str]) -> HashMap<&'static str, u64> {
+/// File offsets of the functions named in `wanted` that the file defines, from the dynamic table
+/// and the full symbol table (static binaries, Rust's static allocators).
+fn symbol_file_offsets<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, u64> {
     let mut offsets = HashMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.kind() != object::SymbolKind::Text {
@@ -143,7 +267,7 @@ fn symbol_file_offsets(file: &object::File, wanted: &[&'static str]) -> HashMap<
         let Ok(name) = symbol.name() else { continue };
         // Versioned names such as `malloc@@GLIBC_2.2.5` are the same function.
         let name = name.split('@').next().unwrap_or(name);
-        let Some(&wanted) = wanted.iter().find(|w| **w == name) else {
+        let Some(&wanted) = wanted.get(name) else {
             continue;
         };
         if offsets.contains_key(wanted) {
@@ -187,12 +311,15 @@ mod tests {
     fn own_libc_has_distinct_entry_points() {
         let pid = std::process::id();
         let allocator = find(pid).expect("the test binary uses libc's malloc");
-        assert!(allocator.display_path.contains("libc"), "{}", allocator.display_path);
-        let mut offsets: Vec<u64> = allocator.allocs.iter().map(|p| p.offset).collect();
+        let libc = allocator.files.last().expect("a file");
+        assert!(libc.display_path.contains("libc"), "{}", allocator.describe());
+        assert_eq!(libc.families, ["C library malloc"]);
+        let mut offsets: Vec<u64> = libc.allocs.iter().map(|p| p.offset).collect();
         offsets.sort();
         offsets.dedup();
-        assert_eq!(offsets.len(), allocator.allocs.len(), "one probe per address");
-        assert_eq!(allocator.allocs[0].func, AllocFn::Malloc);
+        assert_eq!(offsets.len(), libc.allocs.len(), "one probe per address");
+        assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
+        assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
     }
 
     #[test]
@@ -208,6 +335,20 @@ mod tests {
         code[4..8].copy_from_slice(&[0xf3, 0x0f, 0x1e, 0xfa]);
         assert_eq!(past_null_check(&code, 4), 4);
         assert_eq!(past_null_check(&code, 30), 30, "too close to the end to decode");
+    }
+
+    #[test]
+    fn loader_lists_are_read_as_ldd_prints_them() {
+        let text = "\tlinux-vdso.so.1 (0x00007ffc)\n\tlibjemalloc.so.2 => /lib/x86_64-linux-gnu/libjemalloc.so.2 (0x00007f1)\n\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f2)\n\t/lib64/ld-linux-x86-64.so.2 (0x00007f3)\n";
+        let paths: Vec<String> = parse_loader_list(text).iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                "/lib/x86_64-linux-gnu/libc.so.6",
+                "/lib64/ld-linux-x86-64.so.2"
+            ]
+        );
     }
 
     #[test]

@@ -2,4 +2,5 @@
 //! the allocator and where its functions are. Imports `error` only.
 
 pub mod allocator;
+pub mod families;
 pub mod procfs;

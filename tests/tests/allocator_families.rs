@@ -1,0 +1,112 @@
+//! Allocators other than the C library's: jemalloc (standard and its own API), tcmalloc and
+//! mimalloc with C++'s `operator new`, linked or preloaded, and Rust's global allocators on the
+//! tikv-jemallocator and mimalloc crates. Exact bytes per leaking site, under `run` and `attach`.
+
+use memprof_tests::{
+    assert_nothing_dropped, attach, fixture_cpp, fixture_crate, fixture_with, run, run_with_env, site, through, total,
+    Outcome, Waiting,
+};
+use serde_json::Value;
+
+const LIBDIR: &str = "/usr/lib/x86_64-linux-gnu";
+
+/// The C fixture on jemalloc's API, linked with `-ljemalloc`.
+fn jemalloc_fixture() -> std::path::PathBuf {
+    let flags = ["-g", "-O2", "-fno-omit-frame-pointer", "-Wl,--no-as-needed", "-ljemalloc"];
+    fixture_with("allocators_jemalloc.c", "allocators_jemalloc", &flags)
+}
+
+fn assert_jemalloc_sites(outcome: &Outcome) {
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("libjemalloc.so.2 (C library malloc, jemalloc"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "site_malloc"), (1000, 10), "malloc is jemalloc's, not the C library's");
+    assert_eq!(site(&report, "site_calloc"), (600, 5));
+    assert_eq!(site(&report, "site_mallocx"), (512, 8));
+    assert_eq!(site(&report, "site_rallocx"), (1200, 4), "a rallocx'd block is the new one");
+    assert_eq!(site(&report, "site_xallocx"), (2 * 32768, 2), "xallocx resized in place");
+    assert_eq!(site(&report, "seed_grow"), (0, 0), "a failed xallocx left the block, freed by sdallocx");
+    assert_eq!(site(&report, "freed_sized"), (0, 0), "sdallocx and dallocx free");
+    assert_eq!(total(&report, "unknown_frees"), 0);
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "{report}");
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn jemalloc_linked_and_its_own_api_under_run() {
+    let program = jemalloc_fixture();
+    assert_jemalloc_sites(&run(&[], &[program.to_str().unwrap()]));
+}
+
+#[test]
+fn jemalloc_linked_and_its_own_api_under_attach() {
+    let mut target = Waiting::start(&jemalloc_fixture(), &[]);
+    assert_jemalloc_sites(&attach(&mut target, &[]));
+}
+
+/// The C++ fixture's leaks through `new`, `new[]`, `std::vector` and `std::string`.
+fn assert_cxx_sites(outcome: &Outcome, allocator: &str) {
+    assert!(outcome.status.success(), "{allocator}: {outcome:?}");
+    assert!(outcome.stderr.contains("C++ operator new/delete"), "{allocator}: {}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(through(&report, "site_new"), (400, 10), "{allocator}");
+    assert_eq!(through(&report, "site_new_array"), (1500, 5), "{allocator}");
+    assert_eq!(through(&report, "site_vector"), (3 * (24 + 4000), 6), "{allocator}");
+    assert_eq!(through(&report, "site_string"), (4 * (32 + 41), 8), "{allocator}");
+    assert_eq!(through(&report, "churn"), (0, 0), "{allocator}: every delete is seen");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{allocator}");
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "{allocator}: {report}");
+    assert_nothing_dropped(&report);
+}
+
+#[test]
+fn cxx_new_on_tcmalloc_jemalloc_and_mimalloc_when_linked() {
+    for (allocator, lib) in [("tcmalloc", "-ltcmalloc_minimal"), ("jemalloc", "-ljemalloc"), ("mimalloc", "-lmimalloc")]
+    {
+        let name = format!("cxx_new_{allocator}");
+        let program = fixture_cpp("cxx_new.cpp", &name, &["-g", "-O2", "-Wl,--no-as-needed", lib]);
+        assert_cxx_sites(&run(&[], &[program.to_str().unwrap()]), allocator);
+    }
+}
+
+#[test]
+fn cxx_new_on_jemalloc_and_mimalloc_when_preloaded() {
+    let program = fixture_cpp("cxx_new.cpp", "cxx_new", &["-g", "-O2"]);
+    for lib in ["libjemalloc.so.2", "libmimalloc.so.2.0"] {
+        let preload = format!("{LIBDIR}/{lib}");
+        let outcome = run_with_env(&[("LD_PRELOAD", &preload)], &[], &[program.to_str().unwrap()]);
+        assert!(outcome.stderr.contains(&preload), "{lib} is probed: {}", outcome.stderr);
+        assert_cxx_sites(&outcome, lib);
+    }
+}
+
+/// The Rust fixture's leaks (tests/fixtures/rust_allocators/src/leaks.rs).
+fn assert_rust_sites(report: &Value, allocator: &str) {
+    let site = |name: &str| through(report, &format!("{allocator}::leaks::{name}"));
+    assert_eq!(site("site_box"), (100_000, 100), "{allocator}");
+    assert_eq!(site("site_vec"), (80_000, 10), "{allocator}");
+    assert_eq!(site("site_string"), (20_000, 50), "{allocator}");
+    assert_eq!(site("site_grown"), (4 * 256, 4), "{allocator}: grown by realloc");
+    assert_eq!(site("churn"), (0, 0), "{allocator}");
+    assert_nothing_dropped(report);
+}
+
+#[test]
+fn rust_on_tikv_jemallocator_and_the_mimalloc_crate() {
+    for (bin, family) in [("jemalloc", "(jemalloc)"), ("mimalloc", "(mimalloc)")] {
+        let program = fixture_crate("rust_allocators", bin);
+        let outcome = run(&[], &[program.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        assert!(outcome.stderr.contains(&format!("{} {family}", program.display())), "{}", outcome.stderr);
+        let report = outcome.final_report();
+        assert_rust_sites(&report, bin);
+        assert_eq!(total(&report, "unknown_frees"), 0, "{bin}: every free is of a block seen allocated");
+
+        // Attached while it waits: the blocks its stdin and stdout buffers hold were allocated
+        // before, and their frees are unknown frees.
+        let mut target = Waiting::start(&program, &[]);
+        let outcome = attach(&mut target, &[]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        assert_rust_sites(&outcome.final_report(), bin);
+    }
+}
