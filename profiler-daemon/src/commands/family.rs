@@ -13,10 +13,10 @@ use tokio::sync::mpsc;
 
 use crate::{
     commands::target::ExitWatch,
-    heap::double_free::DoubleFreeFilter,
     heap::leak::{LeakSettings, LeakTracker},
     heap::report::{DoubleFreeReport, Forks, Report},
     heap::sampling::{RateGuard, Sampling},
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter},
     kernel::loader::{Attachment, Loaded},
     process::allocator::{self, Allocator},
     process::procfs,
@@ -42,6 +42,8 @@ pub struct Process {
     pub rate_guard: RateGuard,
     pub leaks: LeakTracker,
     pub double_frees: Vec<DoubleFreeReport>,
+    /// What memprof does not see in it; none until its allocator is probed.
+    pub blind_spots: Option<BlindSpots>,
     /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
     expect_exec: bool,
     /// A child found to have exec'd when it was followed, already handled: the exec event that
@@ -69,6 +71,7 @@ impl Process {
             comm,
             ns_pid: procfs::ns_pid(pid),
             double_free_filter: Some(DoubleFreeFilter::new(&allocator, Some(&exe))),
+            blind_spots: Some(BlindSpots::new(pid, &allocator)),
             exe,
             attachment,
             allocator: Some(allocator),
@@ -192,6 +195,7 @@ impl Family {
                 }
                 process.exe = procfs::exe_path(pid).unwrap_or_default();
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
+                process.blind_spots = Some(BlindSpots::new(pid, &allocator));
                 eprintln!(
                     "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
                     process.comm,

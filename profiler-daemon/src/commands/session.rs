@@ -120,6 +120,9 @@ fn announce(pid: u32, comm: &str, attachment: &Attachment, allocator: &Allocator
         attachment.probes(),
         allocator.describe()
     );
+    for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
+        eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
+    }
 }
 
 fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
@@ -229,6 +232,10 @@ impl Tracer<'_> {
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);
                 report.exe = process.exe.clone();
                 report.parent = process.parent;
+                report.blind_spots = process
+                    .blind_spots
+                    .as_ref()
+                    .map_or_else(Vec::new, |b| b.current(process.pid, report.totals.allocations));
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
                     if format == Format::Table {

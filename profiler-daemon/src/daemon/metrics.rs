@@ -47,7 +47,7 @@ type Labels = Vec<(&'static str, String)>;
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 12] = [
+const PER_PROCESS: [PerProcess; 13] = [
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
@@ -74,6 +74,12 @@ const PER_PROCESS: [PerProcess; 12] = [
     ("memprof_leak_candidates", "Stacks the leak rule flags as leak candidates.", MetricType::Gauge, |t| {
         t.leak_candidates
     }),
+    (
+        "memprof_blind_spots",
+        "Allocators memprof found but does not probe in the process, or unseen growth of its anonymous memory; its report says which and what to do (README: Blind spots).",
+        MetricType::Gauge,
+        |t| t.report.blind_spots.len() as u64,
+    ),
     (
         "memprof_sample_bytes",
         "Mean bytes between recorded allocations when the process is sampled (its other series are then estimates); 0 when every call is recorded.",

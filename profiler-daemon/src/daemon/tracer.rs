@@ -24,10 +24,10 @@ use super::{
 };
 use crate::{
     format,
-    heap::double_free::DoubleFreeFilter,
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter},
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -59,6 +59,7 @@ struct Target {
     ns_pid: Option<u32>,
     attachment: Attachment,
     double_free_filter: DoubleFreeFilter,
+    blind_spots: BlindSpots,
     attached_at: SystemTime,
     /// CLOCK_MONOTONIC at attach, for the report's times.
     start_ns: u64,
@@ -310,6 +311,7 @@ impl Tracer {
                 target.attachment.merge(probes);
                 target.probed = true;
                 target.double_free_filter = DoubleFreeFilter::new(&allocator, target.exe.as_deref());
+                target.blind_spots = BlindSpots::new(pid, &allocator);
                 if let Some(sample_bytes) = target.rate_guard.initial() {
                     if let Err(err) = self.loaded.sample(pid, sample_bytes) {
                         warn!(pid, "sampling: {err:#}");
@@ -338,6 +340,7 @@ impl Tracer {
             ns_pid: procfs::ns_pid(id.pid),
             attachment,
             double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
+            blind_spots: BlindSpots::new(id.pid, &allocator),
             exe,
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
@@ -484,6 +487,7 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
+        report.blind_spots = target.blind_spots.current(pid, report.totals.allocations);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =

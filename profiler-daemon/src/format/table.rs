@@ -45,6 +45,9 @@ fn section(report: &Report) -> String {
         t.unknown_frees,
         t.failed_allocations,
     );
+    for spot in &report.blind_spots {
+        let _ = writeln!(out, "  not seen: {}; {}", spot.what, spot.advice);
+    }
     if report.sample_bytes != 0 {
         let _ = writeln!(
             out,

@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::{
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
+    process::allocator::BlindSpot,
     symbolize::{Frame, Module, Resolved, SymbolizerHandle},
 };
 
@@ -40,6 +41,8 @@ pub struct Report {
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
+    /// What memprof knows it does not see in the process (README: Blind spots).
+    pub blind_spots: Vec<BlindSpot>,
     /// Sizes of the allocations seen, in power-of-two buckets.
     pub sizes: Vec<Bucket>,
     /// How long freed allocations lived, in power-of-two buckets of nanoseconds.
@@ -283,6 +286,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         comm: ctx.comm.to_string(),
         exe: String::new(),
         parent: None,
+        blind_spots: Vec::new(),
         exited: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
@@ -447,6 +451,7 @@ pub mod samples {
             comm: "leaky".into(),
             exe: "/usr/bin/leaky".into(),
             parent: None,
+            blind_spots: Vec::new(),
             exited: false,
             duration_s: 1.5,
             sample_bytes: 0,

@@ -11,6 +11,7 @@ use std::{
 
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::AllocFn;
+use serde::Serialize;
 
 use crate::{
     error::UserError,
@@ -57,7 +58,46 @@ pub struct AllocatorFile {
 #[derive(Debug, Clone)]
 pub struct Allocator {
     pub files: Vec<AllocatorFile>,
+    /// Allocators found beside these that memprof does not probe.
+    pub unprobed: Vec<BlindSpot>,
 }
+
+/// Something memprof knows it does not see in a process, and what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlindSpot {
+    /// `unprobed_allocator` (found in a mapped file) or `unseen_growth` (anonymous memory grew
+    /// while no probed call was made).
+    pub kind: &'static str,
+    pub what: String,
+    pub advice: String,
+    /// An environment variable (`NAME=value`) under which the process routes this allocator's
+    /// memory through malloc after all: then it is no blind spot.
+    #[serde(skip)]
+    pub unless_env: Option<&'static str>,
+}
+
+/// Allocators memprof finds but does not probe: (a symbol that says a file holds one, what goes
+/// unseen, what to do, the environment that routes it through malloc).
+const UNPROBED: [(&str, &str, &str, Option<&str>); 3] = [
+    (
+        "PyObject_Malloc",
+        "CPython's object allocator (pymalloc): objects up to 512 bytes come from its own arenas, which malloc never sees",
+        "start python with PYTHONMALLOC=malloc to route them through malloc",
+        Some("PYTHONMALLOC=malloc"),
+    ),
+    (
+        "runtime.mallocgc",
+        "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
+        "use Go's own heap profile (runtime/pprof or net/http/pprof)",
+        None,
+    ),
+    (
+        "JNI_CreateJavaVM",
+        "the JVM: Java objects live in its garbage-collected heap, which malloc never sees",
+        "use the JVM's own tools (jcmd GC.heap_info, Java Flight Recorder)",
+        None,
+    ),
+];
 
 impl Allocator {
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
@@ -83,22 +123,13 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
     let running = procfs::file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
     candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
-    let mut files = Vec::new();
-    for file in &candidates {
-        if is_dynamic_loader(&file.path) {
-            continue;
-        }
-        if let Some(found) = file.reachable_paths(pid).iter().find_map(|p| read_file(Path::new(p), &file.path)) {
-            files.push(found);
-        }
-    }
-    allocator_of(files).ok_or_else(|| UserError::NoAllocator {
+    let scans = candidates
+        .iter()
+        .filter(|file| !is_dynamic_loader(&file.path))
+        .filter_map(|file| file.reachable_paths(pid).iter().find_map(|path| scan_file(Path::new(path), &file.path)));
+    allocator_of(scans.collect()).map_err(|detail| UserError::NoAllocator {
         pid,
-        detail: if candidates.is_empty() {
-            "it maps no files".to_string()
-        } else {
-            format!("none of {} mapped files holds an allocator memprof knows", candidates.len())
-        },
+        detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
     })
 }
 
@@ -113,17 +144,12 @@ pub fn for_command(program: &Path) -> Result<Allocator, UserError> {
     if let Some(interpreter) = interpreter(&data) {
         paths.extend(loader_list(&interpreter, program).map_err(no_allocator)?);
     }
-    let files = paths
-        .iter()
-        .filter(|path| !is_dynamic_loader(&path.to_string_lossy()))
-        .filter_map(|path| {
-            // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-            let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
-            read_file(path, &display.to_string_lossy())
-        })
-        .collect();
-    allocator_of(files)
-        .ok_or_else(|| no_allocator(format!("none of its {} files holds an allocator memprof knows", paths.len())))
+    let scans = paths.iter().filter(|path| !is_dynamic_loader(&path.to_string_lossy())).filter_map(|path| {
+        // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
+        let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+        scan_file(path, &display.to_string_lossy())
+    });
+    allocator_of(scans.collect()).map_err(no_allocator)
 }
 
 /// The dynamic loader an executable names (`PT_INTERP`); none for a static one.
@@ -163,20 +189,52 @@ fn parse_loader_list(text: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The allocator of `files`, the C library's last: the order the dynamic loader binds `malloc`
-/// in, so that messages name the one in use first.
-pub fn allocator_of(mut files: Vec<AllocatorFile>) -> Option<Allocator> {
-    files.sort_by_key(|file| is_libc(&file.display_path));
-    (!files.is_empty()).then_some(Allocator { files })
+/// What one file holds: allocator entry points to probe, and allocators memprof does not probe.
+struct FileScan {
+    allocator: Option<AllocatorFile>,
+    unprobed: Vec<BlindSpot>,
 }
 
-/// Reads the allocator entry points an ELF file defines, if it holds any family.
-pub fn read_file(attach_path: &Path, display_path: &str) -> Option<AllocatorFile> {
+/// The allocator of the files scanned, the C library's last: the order the dynamic loader binds
+/// `malloc` in, so that messages name the one in use first. Without one, why not.
+fn allocator_of(scans: Vec<FileScan>) -> Result<Allocator, String> {
+    let unprobed: Vec<BlindSpot> = scans.iter().flat_map(|scan| scan.unprobed.clone()).collect();
+    let mut files: Vec<AllocatorFile> = scans.into_iter().filter_map(|scan| scan.allocator).collect();
+    if files.is_empty() {
+        let what: Vec<String> = unprobed.iter().map(|spot| format!("{} ({})", spot.what, spot.advice)).collect();
+        return Err(if what.is_empty() {
+            "none of its files holds an allocator memprof knows".to_string()
+        } else {
+            format!("it allocates through {}", what.join("; "))
+        });
+    }
+    files.sort_by_key(|file| is_libc(&file.display_path));
+    Ok(Allocator { files, unprobed })
+}
+
+/// Reads what an ELF file holds of allocators; `None` when it holds none at all.
+fn scan_file(attach_path: &Path, display_path: &str) -> Option<FileScan> {
     let data = fs::read(attach_path).ok()?;
     let elf = object::File::parse(&*data).ok()?;
+    let unprobed: Vec<BlindSpot> = UNPROBED
+        .iter()
+        .filter(|(mark, ..)| !symbol_file_offsets(&elf, &HashSet::from([*mark])).is_empty())
+        .map(|(_, what, advice, unless_env)| BlindSpot {
+            kind: "unprobed_allocator",
+            what: format!("{what}, in {display_path}"),
+            advice: advice.to_string(),
+            unless_env: *unless_env,
+        })
+        .collect();
+    let allocator = read_file(&data, &elf, attach_path, display_path);
+    (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
+}
+
+/// The allocator entry points an ELF file defines, if it holds any family.
+fn read_file(data: &[u8], elf: &object::File, attach_path: &Path, display_path: &str) -> Option<AllocatorFile> {
     let families = families::all();
     let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
-    let offsets = symbol_file_offsets(&elf, &wanted);
+    let offsets = symbol_file_offsets(elf, &wanted);
     let present = |family: &&Family| family.is_in(|symbol| offsets.contains_key(symbol));
     let mut found: Vec<&Family> = families.iter().filter(|f| !f.companion).filter(present).collect();
     let own_allocator = found.iter().any(|f| f.name != families::STANDARD_FAMILY);
@@ -208,7 +266,7 @@ pub fn read_file(attach_path: &Path, display_path: &str) -> Option<AllocatorFile
             match role {
                 _ if taken => {}
                 Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
-                Role::Free => file.frees.push(FreePoint { offset: past_null_check(&data, offset), wrapper }),
+                Role::Free => file.frees.push(FreePoint { offset: past_null_check(data, offset), wrapper }),
             }
         }
     }

@@ -56,6 +56,22 @@ pub fn resident_bytes(pid: u32) -> u64 {
     statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * page
 }
 
+/// Anonymous resident memory of the process (`RssAnon` in `/proc/PID/status`), in bytes; none
+/// once it has exited.
+pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("RssAnon:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+}
+
+/// Whether the process's environment (`/proc/PID/environ`) holds `entry` (`NAME=value`).
+pub fn has_env(pid: u32, entry: &str) -> bool {
+    fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| env.split(|&b| b == 0).any(|e| e == entry.as_bytes()))
+}
+
 /// The unit of `Stat::start_time` and `Stat::cpu_ticks`.
 pub fn clock_ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.

@@ -28,7 +28,15 @@ function summarySection(report) {
         el('p', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
           lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
             : recorded),
-        el('table', { id: 'dropped' }, el('tbody', {}, dropped)))));
+        el('table', { id: 'dropped' }, el('tbody', {}, dropped)),
+        blindSpots(report))));
+}
+
+// What memprof knows it does not see (README: Blind spots): said next to what was dropped.
+function blindSpots(report) {
+  if (report.blind_spots.length === 0) return el('p', { id: 'blind-spots', class: 'good' }, 'No blind spot known.');
+  return el('ul', { id: 'blind-spots', class: 'bad' },
+    report.blind_spots.map(s => el('li', { 'data-kind': s.kind }, `Not seen: ${s.what}. ${s.advice}.`)));
 }
 
 function leakSection(report) {

@@ -1,0 +1,64 @@
+//! memprof is never silently blind: an allocator it finds but does not probe, and anonymous
+//! memory that grows while it sees no allocation, are said at start, in every report and in the
+//! daemon's metrics.
+
+use std::process::{Command, Stdio};
+
+use memprof_tests::{fixture, memprof, metric, run, run_with_env, wait_for, Daemon, Waiting};
+
+const PYTHON: &str = "/usr/bin/python3";
+const SMALL_OBJECTS: &str = "x = [str(i) for i in range(100000)]";
+
+#[test]
+fn pythons_object_allocator_is_said_not_seen() {
+    let outcome = run(&[], &[PYTHON, "-c", SMALL_OBJECTS]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains("not seen in pid") && outcome.stderr.contains("PYTHONMALLOC=malloc"),
+        "{}",
+        outcome.stderr
+    );
+    let spots = outcome.final_report()["blind_spots"].as_array().unwrap().clone();
+    assert_eq!(spots.len(), 1, "{spots:?}");
+    assert_eq!(spots[0]["kind"], "unprobed_allocator");
+    assert!(spots[0]["what"].as_str().unwrap().contains("pymalloc"), "{spots:?}");
+
+    // Routed through malloc, pymalloc is no blind spot: every object is seen.
+    let outcome = run_with_env(&[("PYTHONMALLOC", "malloc")], &[], &[PYTHON, "-c", SMALL_OBJECTS]);
+    assert!(!outcome.stderr.contains("not seen"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(report["blind_spots"].as_array().unwrap().len(), 0, "{report}");
+    assert!(report["totals"]["allocations"].as_u64().unwrap() > 100_000, "{}", report["totals"]);
+}
+
+#[test]
+fn memory_that_grows_with_no_allocation_seen_is_said() {
+    let program = fixture("mmap_only");
+    let outcome = run(&["--interval", "0.5"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["totals"]["allocations"], 0, "{report}");
+    let spots = report["blind_spots"].as_array().unwrap();
+    assert_eq!(spots.len(), 1, "{report}");
+    assert_eq!(spots[0]["kind"], "unseen_growth");
+    // 64 MiB in all; growth is measured from the least memory seen, at the first report at worst.
+    let what = spots[0]["what"].as_str().unwrap();
+    let mib: u64 = what.split("grew by ").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
+    assert!((32..=64).contains(&mib), "{what}");
+
+    let table = memprof(&["run", "--interval", "0.5", "--", program.to_str().unwrap()]);
+    assert!(table.stdout.contains("not seen: its anonymous memory grew by"), "{}", table.stdout);
+}
+
+#[test]
+fn the_daemon_counts_blind_spots_in_a_metric() {
+    let mut python = Command::new(PYTHON);
+    python.args(["-c", "import sys; print('ready', flush=True); sys.stdin.readline()"]).stdout(Stdio::piped());
+    let python = Waiting::start_command(python);
+    let pid = python.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    let series = format!("memprof_blind_spots{{pid=\"{pid}\",comm=\"python3\"}}");
+    let spots = wait_for(20, "the blind-spot metric", || metric(daemon.port, &series));
+    assert_eq!(spots, 1);
+}
