@@ -17,7 +17,7 @@ use crate::run;
 /// detached debug info, which the symbol tests read glibc's file and line from, and Go, whose
 /// `go tool pprof` the pprof tests read memprof's profiles with, and openssl and curl, with which
 /// the HTTP tests make a certificate and fetch over TLS; jemalloc, tcmalloc (gperftools) and
-/// mimalloc, which the allocator tests link and preload.
+/// mimalloc, which the allocator tests link and preload; redis-server, a real program on jemalloc.
 const PACKAGES: &[&str] = &[
     "gcc",
     "libc6-dev",
@@ -32,6 +32,7 @@ const PACKAGES: &[&str] = &[
     "libjemalloc-dev",
     "libgoogle-perftools-dev",
     "libmimalloc-dev",
+    "redis-server",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

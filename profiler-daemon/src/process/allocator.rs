@@ -256,15 +256,19 @@ fn read_file(data: &[u8], elf: &object::File, attach_path: &Path, display_path: 
         allocs: Vec::new(),
         frees: Vec::new(),
     };
+    // Symbol addresses probed already: aliases (glibc's `cfree` is `free`) get one probe, and a
+    // free's probe may sit past its NULL check, off the symbol's address.
+    let mut probed = HashSet::new();
     for family in found {
         if !file.families.contains(&family.name) {
             file.families.push(family.name);
         }
         for (symbol, role) in &family.entries {
             let Some(&offset) = offsets.get(symbol.as_str()) else { continue };
-            let taken = file.allocs.iter().any(|p| p.offset == offset) || file.frees.iter().any(|p| p.offset == offset);
+            if !probed.insert(offset) {
+                continue;
+            }
             match role {
-                _ if taken => {}
                 Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
                 Role::Free => file.frees.push(FreePoint { offset: past_null_check(data, offset), wrapper }),
             }
@@ -378,6 +382,7 @@ mod tests {
         assert_eq!(offsets.len(), libc.allocs.len(), "one probe per address");
         assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
         assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
+        assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
     }
 
     #[test]
