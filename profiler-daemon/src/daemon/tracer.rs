@@ -454,7 +454,7 @@ impl Tracer {
                     entries: kernel.stack_stats_entries,
                     capacity: loader::stack_stats_capacity(sizes).into(),
                 },
-                MapUse { name: "unwind_rows", entries: tables.rows, capacity: tables.capacity },
+                MapUse { name: "unwind_rows", entries: tables.rows_used, capacity: tables.rows_max },
                 MapUse { name: "traced", entries: self.loaded.tracked().0, capacity: loader::TRACED_CAPACITY.into() },
             ],
             refused_targets: self.refused_total,
@@ -484,6 +484,7 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
+        report.unwind_tables = Some(self.loaded.unwind.table_use());
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =

@@ -11,6 +11,7 @@ use crate::{
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     symbolize::{Frame, Module, Resolved, SymbolizerHandle},
+    unwind::TableUse,
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -55,6 +56,10 @@ pub struct Report {
     pub children: Vec<Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forks: Option<Forks>,
+    /// The unwind tables of every traced process's files (shared by all): in the root process's
+    /// report and the daemon's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unwind_tables: Option<TableUse>,
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
@@ -301,6 +306,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         },
         children: Vec::new(),
         forks: None,
+        unwind_tables: None,
     }
 }
 
@@ -468,6 +474,7 @@ pub mod samples {
             timeline: Timeline::default(),
             children: Vec::new(),
             forks: None,
+            unwind_tables: None,
         }
     }
 }
