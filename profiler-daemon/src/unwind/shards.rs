@@ -4,7 +4,8 @@
 //!
 //! Each shard is a `BPF_F_MMAPABLE` array mapped into memprof's memory, so a table of 100,000
 //! rows is one copy rather than 100,000 syscalls, and published in `UNWIND_SHARDS`, the array of
-//! maps the stack walk reads. memprof keeps only the mapping; the outer array holds the map.
+//! maps the stack walk reads. memprof keeps each shard's descriptor open (at most one per MiB of
+//! rows), so that its kernel memory shows in memprof's `/proc/PID/fdinfo` like every other map's.
 
 use std::{
     os::fd::{AsFd as _, AsRawFd as _},
@@ -37,8 +38,15 @@ pub enum ShardError {
 pub struct Shards {
     /// `UNWIND_SHARDS`, an array of maps.
     outer: Map,
-    /// Each shard's rows in memprof's memory, `SHARD_BYTES` long; None where no shard is.
-    mapped: Vec<Option<NonNull<u8>>>,
+    /// None where no shard is.
+    shards: Vec<Option<Shard>>,
+}
+
+struct Shard {
+    /// Kept for its descriptor: see the module's comment.
+    _map: Array<MapData, UnwindRow>,
+    /// The shard's rows in memprof's memory, `SHARD_BYTES` long.
+    rows: NonNull<u8>,
 }
 
 // SAFETY: the mappings live until `release_unused` unmaps them and are written only through
@@ -49,30 +57,30 @@ impl Shards {
     /// Takes `UNWIND_SHARDS` (created empty with the programs).
     pub fn new(mut outer: Map) -> anyhow::Result<Self> {
         let shards = ArrayOfMaps::<&mut MapData, MapData>::try_from(&mut outer)?.len();
-        Ok(Self { outer, mapped: vec![None; shards as usize] })
+        Ok(Self { outer, shards: (0..shards).map(|_| None).collect() })
     }
 
     /// Rows the shards could hold: `UNWIND_SHARDS`'s length times a shard's rows.
     pub fn max_rows(&self) -> u64 {
-        self.mapped.len() as u64 * u64::from(UNWIND_SHARD_ROWS)
+        self.shards.len() as u64 * u64::from(UNWIND_SHARD_ROWS)
     }
 
     /// Shards that exist.
     pub fn count(&self) -> usize {
-        self.mapped.iter().flatten().count()
+        self.shards.iter().flatten().count()
     }
 
     /// Creates the shards that rows `first..first + rows` fall in and that do not exist yet.
     pub fn ensure(&mut self, first: u32, rows: u32) -> Result<(), ShardError> {
         for shard in shard_range(first, rows) {
-            if self.mapped[shard].is_none() {
-                self.mapped[shard] = Some(self.create(shard)?);
+            if self.shards[shard].is_none() {
+                self.shards[shard] = Some(self.create(shard)?);
             }
         }
         Ok(())
     }
 
-    fn create(&mut self, shard: usize) -> Result<NonNull<u8>, ShardError> {
+    fn create(&mut self, shard: usize) -> Result<Shard, ShardError> {
         let array =
             Array::<MapData, UnwindRow>::create(UNWIND_SHARD_ROWS, BPF_F_MMAPABLE).map_err(ShardError::Create)?;
         let data = array.map();
@@ -100,41 +108,40 @@ impl Shards {
             unsafe { libc::munmap(address.as_ptr().cast(), SHARD_BYTES as usize) };
             return Err(ShardError::Publish(err));
         }
-        // `array` closes its descriptor here: the outer array and the mapping keep the map.
-        Ok(address)
+        Ok(Shard { _map: array, rows: address })
     }
 
     /// Writes rows from `first` on, into shards `ensure` created.
     pub fn write(&mut self, first: u32, rows: &[UnwindRow]) {
         for (i, row) in rows.iter().enumerate() {
             let index = first as usize + i;
-            let Some(Some(base)) = self.mapped.get(index >> UNWIND_SHARD_BITS) else {
+            let Some(Some(shard)) = self.shards.get(index >> UNWIND_SHARD_BITS) else {
                 unreachable!("row {index} written before its shard was created");
             };
             let offset = (index & (UNWIND_SHARD_ROWS as usize - 1)) * ROW_STRIDE;
             // SAFETY: inside the shard's mapping; the kernel reads rows only of mappings that
             // point at them, and none points at these until the registry's next `sync`.
-            unsafe { base.as_ptr().add(offset).cast::<UnwindRow>().write(*row) };
+            unsafe { shard.rows.as_ptr().add(offset).cast::<UnwindRow>().write(*row) };
         }
     }
 
     /// Releases the shards in which `space` has no row in use: the kernel frees each once the
     /// walks running now are done with it.
     pub fn release_unused(&mut self, space: &RowSpace) {
-        for (shard, mapped) in self.mapped.iter_mut().enumerate() {
-            let Some(address) = *mapped else { continue };
-            let first = (shard as u64) << UNWIND_SHARD_BITS;
+        for (index, slot) in self.shards.iter_mut().enumerate() {
+            let Some(shard) = slot else { continue };
+            let first = (index as u64) << UNWIND_SHARD_BITS;
             if !space.is_free(first, u64::from(UNWIND_SHARD_ROWS)) {
                 continue;
             }
-            if let Err(err) = delete(&self.outer, shard as u32) {
+            if let Err(err) = delete(&self.outer, index as u32) {
                 // Kept, and reused by the next table that lands in it.
-                tracing::warn!(shard, %err, "releasing a shard of unwind rows");
+                tracing::warn!(shard = index, %err, "releasing a shard of unwind rows");
                 continue;
             }
             // SAFETY: the shard's own mapping; nothing reads it once it is out of the outer array.
-            unsafe { libc::munmap(address.as_ptr().cast(), SHARD_BYTES as usize) };
-            *mapped = None;
+            unsafe { libc::munmap(shard.rows.as_ptr().cast(), SHARD_BYTES as usize) };
+            *slot = None;
         }
     }
 }
