@@ -460,6 +460,7 @@ impl Tracer {
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
+            unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()
