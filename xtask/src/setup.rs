@@ -17,8 +17,19 @@ use crate::run;
 /// detached debug info, which the symbol tests read glibc's file and line from, and Go, whose
 /// `go tool pprof` the pprof tests read memprof's profiles with, and openssl and curl, with which
 /// the HTTP tests make a certificate and fetch over TLS.
-const PACKAGES: &[&str] =
-    &["gcc", "libc6-dev", "g++", "bpftool", "prometheus", "chromium", "libc6-dbg", "golang-go", "openssl", "curl"];
+const PACKAGES: &[&str] = &[
+    "gcc",
+    "libc6-dev",
+    "g++",
+    "bpftool",
+    "prometheus",
+    "chromium",
+    "libc6-dbg",
+    "golang-go",
+    "openssl",
+    "curl",
+    "libllvm14",
+];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn all() -> anyhow::Result<()> {
