@@ -454,6 +454,26 @@ fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
     assert_no_stack_drops(&report);
 }
 
+/// Tables that do not fit under `--max-unwind-rows` are said once, counted with the rows they
+/// needed, and their frames end stacks as `unwind_no_table`: never lost silently.
+#[test]
+fn tables_past_max_unwind_rows_are_counted_with_the_rows_they_needed() {
+    let program = fixture_with("unwind_c.c", "unwind_c_few_rows", C_FLAGS);
+    let outcome = run(&["--interval", "3600", "--max-unwind-rows", "2000"], &[path(&program)]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_eq!(outcome.stderr.matches("the unwind tables are full").count(), 1, "said once: {}", outcome.stderr);
+    let report = outcome.final_report();
+    let tables = &report["unwind_tables"];
+    let number = |field: &str| tables[field].as_u64().unwrap_or_else(|| panic!("unwind_tables.{field}: {tables}"));
+    assert_eq!(number("rows_max"), 2000, "{tables}");
+    assert!(number("rows_used") <= 2000, "{tables}");
+    assert_eq!(number("rows_used") + number("rows_free"), 2000, "{tables}");
+    // The C library's table alone needs more than 2000 rows.
+    assert!(number("tables_not_loaded") >= 1, "{tables}");
+    assert!(number("rows_not_loaded") > 2000, "{tables}");
+    assert!(dropped(&report, "unwind_no_table") > 0, "{}", report["dropped"]);
+}
+
 #[test]
 fn perl_stacks_are_whole() {
     let report = run_to_end(&["/usr/bin/perl", "-e", "my %h; $h{$_} = [1,2] for 1..100000"]);
