@@ -508,9 +508,17 @@ pub struct UnwindRow {
     pub rbp: u8,
 }
 
+/// Unwind rows live in shards of `UNWIND_SHARD_ROWS` rows (the arrays of `UNWIND_SHARDS`), which
+/// the daemon creates only when tables need them: row `n` of the rows' index space is row
+/// `n % UNWIND_SHARD_ROWS` of shard `n / UNWIND_SHARD_ROWS`, and a file's table may span shards.
+/// 2^16 rows take 1 MiB of kernel memory (the kernel rounds a row up to 16 bytes): little waste
+/// in a shard partly used, and few shards for a large table.
+pub const UNWIND_SHARD_BITS: u32 = 16;
+pub const UNWIND_SHARD_ROWS: u32 = 1 << UNWIND_SHARD_BITS;
+
 /// How a mapping's frames are unwound.
 pub mod mapping_kind {
-    /// With the rows `first_row..first_row + rows` of `UNWIND_ROWS`.
+    /// With the rows `first_row..first_row + rows` of the rows' index space (`UNWIND_SHARDS`).
     pub const CFI: u32 = 0;
     /// With frame pointers: the file has no `.eh_frame` (or memprof was asked to).
     pub const FRAME_POINTERS: u32 = 1;

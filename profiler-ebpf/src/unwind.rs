@@ -3,7 +3,8 @@
 //!
 //! For each frame the walk takes the row covering the address from a per-CPU cache (`ROW_CACHE`)
 //! or, on a miss, finds the process's executable mapping of the address (binary search in
-//! `PROC_MAPPINGS`) and the row in that file's slice of `UNWIND_ROWS` (binary search); it then
+//! `PROC_MAPPINGS`) and the row in that file's slice of the rows in `UNWIND_SHARDS` (binary
+//! search); it then
 //! computes the canonical frame address (CFA) and reads the return address at CFA - 8.
 //! Files are shared: every process that maps a file points at the same rows.
 //!
@@ -13,15 +14,16 @@
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
+    btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
     helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_send_signal_thread},
-    macros::map,
+    macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     Global,
 };
 use profiler_common::{
     cfa, mapping_kind, rbp, DropReason, ExecMapping, ProcMappings, Stack, StackEnd, UnwindRow, MAX_FRAMES,
-    MAX_MAPPINGS, NO_STACK,
+    MAX_MAPPINGS, NO_STACK, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
 use crate::shared::{count_drop, NO_PREALLOC};
@@ -31,9 +33,15 @@ use crate::shared::{count_drop, NO_PREALLOC};
 pub static STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 #[map]
 pub static FREE_STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(16_384, NO_PREALLOC);
-/// Rows of every file's unwind table, each file a sorted slice (an array: lookups are inlined).
-#[map]
-static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 20, BPF_F_MMAPABLE);
+/// Rows of every file's unwind table, each file a sorted slice of one index space cut in shards
+/// (see `UNWIND_SHARD_ROWS`) that the daemon creates as tables need them, so that an idle memprof
+/// holds no rows and a busy one is bounded only by `--max-unwind-rows`. Arrays of one size, outer
+/// and inner: the verifier inlines both lookups. The daemon sets the shard count at load time.
+#[btf_map]
+static UNWIND_SHARDS: ArrayOfMaps<
+    BtfArray<UnwindRow, { UNWIND_SHARD_ROWS as usize }, { BPF_F_MMAPABLE as usize }>,
+    256,
+> = ArrayOfMaps::new();
 #[map]
 static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 /// Bumped by the daemon after every write to `PROC_MAPPINGS`: the rows cached by address (which
@@ -468,10 +476,16 @@ fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'stat
             break;
         }
         let half = count / 2;
-        let probe = UNWIND_ROWS.get(base + half)?;
+        let probe = row_at(base + half)?;
         base += half & (at_or_below(probe.pc as u64, file_address as u64) as u32).wrapping_neg();
         count -= half;
     }
-    let row = UNWIND_ROWS.get(base)?;
+    let row = row_at(base)?;
     (count == 1 && row.pc <= file_address).then_some(row)
+}
+
+/// Row `index` of the rows' index space; None where its shard does not exist (a mapping list
+/// that still points at rows the daemon has released).
+fn row_at(index: u32) -> Option<&'static UnwindRow> {
+    UNWIND_SHARDS.get_value(index >> UNWIND_SHARD_BITS, &(index & (UNWIND_SHARD_ROWS - 1)))
 }

@@ -8,7 +8,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, http_get,
+    fixture, http_get, metric,
     probe_links::{self, ProbeLink},
     prometheus::Prometheus,
     site, wait_for, Daemon, Waiting,
@@ -88,6 +88,10 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     late.go();
     let leaks = format!("/api/v1/leaks?pid={}", late.pid());
     wait_for(20, "its allocations", || (site(&daemon.get_json(&leaks).1, "hold_site").1 == 50).then_some(()));
+    let rows_used = metric(daemon.port, "memprof_unwind_rows{state=\"used\"}").unwrap_or(0);
+    assert!(rows_used > 0, "its files' unwind tables are in the kernel");
+    assert!(metric(daemon.port, "memprof_unwind_kernel_bytes").unwrap_or(0) > 0);
+    assert_eq!(metric(daemon.port, "memprof_unwind_tables_not_loaded_total"), Some(0));
     let pid = late.pid() as u64;
     let _ = late.child.kill();
     let _ = late.child.wait();
@@ -99,6 +103,10 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     for map in ["live", "stack_stats", "stacks", "free_stacks"] {
         let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
         assert!(metrics.contains(&purged), "its kernel state is purged ({map}): {metrics}");
+    }
+    // Its tables, and the shards that held them, are given back.
+    for series in ["memprof_unwind_rows{state=\"used\"} 0\n", "memprof_unwind_kernel_bytes 0\n"] {
+        assert!(metrics.contains(series), "{series}: {metrics}");
     }
 }
 

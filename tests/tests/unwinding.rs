@@ -23,6 +23,8 @@ const RUST_FLAGS: &[&str] = &["-C", "opt-level=3", "-g", "-C", "force-frame-poin
 /// `set backtrace past-main on`): `_start` is the entry point, its CFI marks the return address
 /// undefined, so the walk ends there.
 const MAIN_TAIL: [&str; 4] = ["main", "__libc_start_call_main", "__libc_start_main*", "_start"];
+/// Debian's LLVM 14 (`libllvm14`, installed by `cargo xtask setup`): 110 MB, 48 MB of code.
+const LLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM-14.so.1";
 /// The outermost frames of a pthread: clone3's CFI marks the child's return address undefined.
 const THREAD_TAIL: [&str; 2] = ["start_thread", "clone3"];
 
@@ -418,6 +420,58 @@ fn assert_interpreter_stacks_whole(report: &Value, entries: &[&str]) {
     let reaches_main = frames(top).iter().any(|f| entries.iter().any(|entry| matches(function(f), entry)));
     assert!(reaches_main, "the largest stack does not reach {entries:?}:\n{}", describe(top));
     assert_whole(top, &["__libc_start_call_main", "__libc_start_main*", "_start"]);
+}
+
+/// LLVM's 100 MB C++ library, dlopened while traced: its table alone needs more rows than the
+/// single fixed array memprof had held (524288 at the default size, which LLVM filled: its
+/// frames were cut as `unwind_no_table`). At the default sizes now, its shards are created as
+/// it is loaded and every stack through it reaches main.
+#[test]
+fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
+    let program = fixture_with("unwind_big.c", "unwind_big", C_FLAGS);
+    let report = run_to_end(&[path(&program), LLVM]);
+    let tables = &report["unwind_tables"];
+    let rows_used = tables["rows_used"].as_u64().expect("unwind_tables.rows_used");
+    assert!(rows_used > 524_288, "LLVM's table needs more rows than the old array held: {tables}");
+    assert_eq!(tables["tables_not_loaded"], 0, "{tables}");
+    assert_eq!(rows_used + tables["rows_free"].as_u64().expect("rows_free"), tables["rows_max"].as_u64().unwrap());
+    let through_llvm: Vec<&Value> = stacks(&report)
+        .iter()
+        .filter(|s| frames(s).iter().any(|f| f["module"].as_str().is_some_and(|m| m.contains("libLLVM"))))
+        .collect();
+    assert!(!through_llvm.is_empty(), "{}", describe_all(&report));
+    for stack in through_llvm {
+        assert_complete(stack);
+    }
+    let contexts: Vec<&Value> = stacks(&report)
+        .iter()
+        .filter(|s| frames(s).iter().any(|f| matches(function(f), "LLVMContextCreate")))
+        .collect();
+    assert!(!contexts.is_empty(), "no stack through LLVMContextCreate:\n{}", describe_all(&report));
+    for stack in contexts {
+        assert_whole(stack, &chain(&["LLVMContextCreate", "big_leak"], &MAIN_TAIL));
+    }
+    assert_no_stack_drops(&report);
+}
+
+/// Tables that do not fit under `--max-unwind-rows` are said once, counted with the rows they
+/// needed, and their frames end stacks as `unwind_no_table`: never lost silently.
+#[test]
+fn tables_past_max_unwind_rows_are_counted_with_the_rows_they_needed() {
+    let program = fixture_with("unwind_c.c", "unwind_c_few_rows", C_FLAGS);
+    let outcome = run(&["--interval", "3600", "--max-unwind-rows", "2000"], &[path(&program)]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_eq!(outcome.stderr.matches("the unwind tables are full").count(), 1, "said once: {}", outcome.stderr);
+    let report = outcome.final_report();
+    let tables = &report["unwind_tables"];
+    let number = |field: &str| tables[field].as_u64().unwrap_or_else(|| panic!("unwind_tables.{field}: {tables}"));
+    assert_eq!(number("rows_max"), 2000, "{tables}");
+    assert!(number("rows_used") <= 2000, "{tables}");
+    assert_eq!(number("rows_used") + number("rows_free"), 2000, "{tables}");
+    // The C library's table alone needs more than 2000 rows.
+    assert!(number("tables_not_loaded") >= 1, "{tables}");
+    assert!(number("rows_not_loaded") > 2000, "{tables}");
+    assert!(dropped(&report, "unwind_no_table") > 0, "{}", report["dropped"]);
 }
 
 #[test]

@@ -350,9 +350,9 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
     let _ = writeln!(
         out,
         "\nAttached to an idle process, memprof's BPF maps hold {:.1} MiB of kernel memory at the default sizes,\n\
-         most of it allocated up front: the live-allocation table's buckets (`--max-live`) and the unwind\n\
-         row array (16 bytes a row, `--max-unwind-rows`); the stack tables and other hash maps grow as\n\
-         stacks and allocations appear. `memprof attach` took {:.2} s from its start to tracing (loading\n\
+         most of it allocated up front: the live-allocation table's buckets (`--max-live`); unwind rows\n\
+         (16 bytes each) are taken in 1 MiB shards as tables need them (here, the sleeper's C library and\n\
+         dynamic linker), and the stack tables and other hash maps grow as stacks and allocations appear. `memprof attach` took {:.2} s from its start to tracing (loading\n\
          the programs, building the unwind tables, attaching) and {:.2} s from SIGINT to its exit (the final\n\
          report and detaching).\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\

@@ -17,7 +17,8 @@ use crate::run;
 /// detached debug info, which the symbol tests read glibc's file and line from, and Go, whose
 /// `go tool pprof` the pprof tests read memprof's profiles with, and openssl and curl, with which
 /// the HTTP tests make a certificate and fetch over TLS; jemalloc, tcmalloc (gperftools) and
-/// mimalloc, which the allocator tests link and preload; redis-server, a real program on jemalloc.
+/// mimalloc, which the allocator tests link and preload; redis-server, a real program on jemalloc;
+/// LLVM's 100 MB library, which the unwinding tests load.
 const PACKAGES: &[&str] = &[
     "gcc",
     "libc6-dev",
@@ -33,6 +34,7 @@ const PACKAGES: &[&str] = &[
     "libgoogle-perftools-dev",
     "libmimalloc-dev",
     "redis-server",
+    "libllvm14",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -251,6 +251,7 @@ impl Tracer<'_> {
         let root_at = reports.iter().position(|r| r.pid == self.family.root);
         let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
         root.forks = self.family.forks(&self.loaded);
+        root.unwind_tables = Some(self.loaded.unwind.table_use());
         root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
         Ok(Some(root))
     }

@@ -226,6 +226,34 @@ impl Collector for ViewCollector {
             "Capacity of the BPF maps that fill up.",
             view.maps.iter().map(|m| (vec![("map", m.name.to_string())], m.capacity)),
         )?;
+        let unwind = &view.unwind;
+        gauges(
+            e,
+            "memprof_unwind_rows",
+            "Rows of unwind tables in the kernel: used, and free under --max-unwind-rows.",
+            [
+                (vec![("state", "used".to_string())], unwind.rows_used),
+                (vec![("state", "free".to_string())], unwind.rows_free),
+            ],
+        )?;
+        gauges(
+            e,
+            "memprof_unwind_kernel_bytes",
+            "Kernel memory of the shards that hold the unwind tables' rows.",
+            [(vec![], unwind.kernel_bytes)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_tables_not_loaded",
+            "Mapped files whose unwind table could not be loaded (no room, a shard refused, unreadable): their frames end stacks.",
+            [(vec![], unwind.tables_not_loaded)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_rows_not_loaded",
+            "Rows the unwind tables that could not be loaded needed, where known.",
+            [(vec![], unwind.rows_not_loaded)],
+        )?;
         counters(
             e,
             "memprof_symbolization_failures",

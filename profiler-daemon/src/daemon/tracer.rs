@@ -457,12 +457,13 @@ impl Tracer {
                     entries: kernel.stack_stats_entries,
                     capacity: loader::stack_stats_capacity(sizes).into(),
                 },
-                MapUse { name: "unwind_rows", entries: tables.rows, capacity: tables.capacity },
+                MapUse { name: "unwind_rows", entries: tables.rows_used, capacity: tables.rows_max },
                 MapUse { name: "traced", entries: self.loaded.tracked().0, capacity: loader::TRACED_CAPACITY.into() },
             ],
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
+            unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()
@@ -488,6 +489,7 @@ impl Tracer {
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
         report.blind_spots = target.blind_spots.current(pid, report.totals.allocations);
+        report.unwind_tables = Some(self.loaded.unwind.table_use());
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =

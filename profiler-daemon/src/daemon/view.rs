@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 
 use profiler_common::{DropReason, Log2Histogram};
 
-use crate::heap::report::{Report, StackReport};
+use crate::{
+    heap::report::{Report, StackReport},
+    unwind::TableUse,
+};
 
 /// One traced process.
 #[derive(Debug, Clone)]
@@ -53,6 +56,8 @@ pub struct DaemonView {
     pub targets: BTreeMap<u32, TargetView>,
     pub drops: [u64; DropReason::COUNT],
     pub maps: Vec<MapUse>,
+    /// The unwind tables of every traced process's files.
+    pub unwind: TableUse,
     /// Matching processes not traced because `max_targets` were traced already.
     pub refused_targets: u64,
     /// Children of traced processes attached from their fork event, and those that matched the

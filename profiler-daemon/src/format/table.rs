@@ -77,6 +77,25 @@ fn section(report: &Report) -> String {
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
+    if let Some(tables) = &report.unwind_tables {
+        let _ = write!(
+            out,
+            "  unwind tables: {} files, {} rows used, {} free of {} ({} of kernel memory)",
+            tables.files,
+            tables.rows_used,
+            tables.rows_free,
+            tables.rows_max,
+            bytes(tables.kernel_bytes)
+        );
+        if tables.tables_not_loaded > 0 {
+            let _ = write!(
+                out,
+                "; {} tables not loaded ({} rows): their frames end stacks (unwind_no_table)",
+                tables.tables_not_loaded, tables.rows_not_loaded
+            );
+        }
+        out.push('\n');
+    }
     for double_free in &report.double_frees {
         let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
         for (what, site) in [

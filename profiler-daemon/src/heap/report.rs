@@ -12,6 +12,7 @@ use crate::{
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
     symbolize::{Frame, Module, Resolved, SymbolizerHandle},
+    unwind::TableUse,
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -58,6 +59,10 @@ pub struct Report {
     pub children: Vec<Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forks: Option<Forks>,
+    /// The unwind tables of every traced process's files (shared by all): in the root process's
+    /// report and the daemon's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unwind_tables: Option<TableUse>,
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
@@ -305,6 +310,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         },
         children: Vec::new(),
         forks: None,
+        unwind_tables: None,
     }
 }
 
@@ -483,6 +489,7 @@ pub mod samples {
             timeline: Timeline::default(),
             children: Vec::new(),
             forks: None,
+            unwind_tables: None,
         }
     }
 }

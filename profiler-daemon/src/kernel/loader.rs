@@ -99,7 +99,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
-        .map_max_entries("UNWIND_ROWS", sizes.max_unwind_rows)
+        .map_max_entries("UNWIND_SHARDS", sizes.max_unwind_rows.div_ceil(profiler_common::UNWIND_SHARD_ROWS))
         .override_global("FRAME_LIMIT", &sizes.max_frames, true)
         .override_global("CLOCK_BASE_NS", &clock.base_ns, true)
         .override_global("GENERATION_NS", &clock.length_ns, true)
@@ -111,7 +111,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
-    let unwind = Registry::new(&mut ebpf, sizes.unwind)?;
+    let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows)?;
     let mapping_events = MappingEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;

@@ -21,7 +21,8 @@ pub struct LoadSettings {
     /// Frames kept per stack; a deeper stack is cut and marked truncated.
     #[arg(long, default_value_t = DEFAULT_LOAD.max_frames, value_parser = clap::value_parser!(u32).range(1..=profiler_common::MAX_FRAMES as i64))]
     pub max_frames: u32,
-    /// Rows of unwind tables kept in the kernel, all files together (16 bytes each).
+    /// Most rows of unwind tables kept in the kernel, all files together (16 bytes each): an upper
+    /// bound, as rows are held in 1 MiB shards created when tables need them.
     #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: u32,
 }
@@ -31,5 +32,7 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     max_stacks: 1 << 16,
     unwind: UnwindMode::Cfi,
     max_frames: profiler_common::MAX_FRAMES as u32,
-    max_unwind_rows: 1 << 19,
+    // 256 MiB at most: room for the largest programs measured (gdb, postgres with its JIT, a
+    // 100 MB C++ library: 1 to 3 million rows each), none of it taken before it is needed.
+    max_unwind_rows: 1 << 24,
 };

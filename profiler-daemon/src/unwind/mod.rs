@@ -2,6 +2,7 @@
 //! the events that say a process mapped new code.
 
 mod registry;
+mod shards;
 mod space;
 pub mod table;
 
@@ -9,7 +10,7 @@ use aya::{
     maps::{MapData, RingBuf},
     Ebpf,
 };
-pub use registry::{Registry, UnwindMode};
+pub use registry::{Registry, TableUse, UnwindMode};
 
 /// Processes whose dynamic linker reported a change to their libraries (`mappings_changed`).
 pub struct MappingEvents {

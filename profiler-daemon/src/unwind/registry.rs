@@ -1,24 +1,21 @@
 //! Which unwind tables the kernel has: one per mapped file, shared by every process that maps
 //! it, and each traced process's executable mappings pointing at them.
 //!
-//! Rows live in `UNWIND_ROWS`, an array the daemon maps into its own memory (`BPF_F_MMAPABLE`),
-//! so a table of 100,000 rows is one copy rather than 100,000 syscalls. A file's rows stay while
-//! some traced process maps it and are freed for reuse after.
+//! Rows live in shards the kernel's walk reads and memprof writes through a mapping (`shards`).
+//! A file's rows stay while some traced process maps it and are freed for reuse after; a shard
+//! with no rows in use is given back to the kernel.
 
-use std::{
-    collections::{HashMap, HashSet},
-    os::fd::{AsFd as _, AsRawFd as _},
-    ptr::NonNull,
-};
+use std::collections::{HashMap, HashSet};
 
-use aya::{
-    maps::{HashMap as BpfHashMap, Map, MapData},
-    Ebpf,
-};
+use aya::{maps::HashMap as BpfHashMap, Ebpf};
 use object::{Object as _, ObjectSegment as _};
-use profiler_common::{mapping_kind, ExecMapping, ProcMappings, UnwindRow, MAX_MAPPINGS};
+use profiler_common::{mapping_kind, ExecMapping, ProcMappings, MAX_MAPPINGS};
 
-use super::{space::RowSpace, table};
+use super::{
+    shards::{Shards, SHARD_BYTES},
+    space::RowSpace,
+    table,
+};
 use crate::process::procfs::{self, FileMapping};
 
 /// How memprof walks stacks.
@@ -30,10 +27,6 @@ pub enum UnwindMode {
     /// Frame pointers only: cheaper, wrong where code omits them (most distribution code).
     Fp,
 }
-
-/// The array rows are written to: each row takes 16 bytes, as the kernel rounds an array's
-/// element size up to 8.
-const ROW_STRIDE: usize = 16;
 
 /// A mapped file, named by device and inode: the same while any process maps it.
 type FileKey = (String, u64);
@@ -52,48 +45,73 @@ struct FileTable {
 /// Unwind tables in the kernel and the processes that use them.
 pub struct Registry {
     mode: UnwindMode,
-    rows: NonNull<UnwindRow>,
+    shards: Shards,
+    /// Which rows are in use, up to `--max-unwind-rows`.
     space: RowSpace,
     files: HashMap<FileKey, FileTable>,
     /// Files each traced process maps, to release them when it goes.
     processes: HashMap<u32, HashSet<FileKey>>,
+    /// Files whose table could not be loaded, with the rows it needed (0: not known), until it
+    /// is: each is counted once in `not_loaded`, and one refused for want of room is not built
+    /// again before that many rows are free.
+    refused: HashMap<FileKey, u32>,
+    not_loaded: NotLoaded,
     /// Files already warned about, so that each warning is said once.
     warned: HashSet<String>,
     /// Writes of `PROC_MAPPINGS` so far: the value of `MAPPINGS_GENERATION`.
     mapping_writes: u32,
 }
 
-// SAFETY: `rows` points into a shared mapping that lives as long as memprof and is written only
-// through `&mut self`; nothing about it is tied to the thread that made it.
-unsafe impl Send for Registry {}
-
-/// How many rows the tables take, and of how many files: for metrics and the benchmark.
+/// Tables of mapped files that could not be loaded (their frames end stacks, counted as
+/// `unwind_no_table`): each file counted once until its table is loaded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct NotLoaded {
+    tables: u64,
+    /// The rows they needed, where known (a file that cannot be read has no known size).
+    rows: u64,
+}
+
+/// How many rows the tables take, and of how many files: for reports, metrics and the benchmark.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TableUse {
+    /// Files with tables in the kernel (CFI rows, or frame pointers for a file without CFI).
     pub files: usize,
-    pub rows: u64,
-    pub capacity: u64,
+    pub rows_used: u64,
+    /// Rows still free under `--max-unwind-rows`.
+    pub rows_free: u64,
+    /// `--max-unwind-rows`.
+    pub rows_max: u64,
+    /// Kernel memory of the shards that hold the rows (created as they are needed).
+    pub kernel_bytes: u64,
+    /// Tables of mapped files that could not be loaded: full tables (`rows_free` too few), a
+    /// shard the kernel refused, or a file that could not be read. Counted once a file.
+    pub tables_not_loaded: u64,
+    /// The rows those tables needed, where known.
+    pub rows_not_loaded: u64,
     /// Executable code the tables cover: the executable segments of the files with CFI tables.
+    #[serde(skip)]
     pub text_bytes: u64,
-    /// What memprof itself keeps for the tables (rows live only in the kernel's array): its
-    /// records of the files and of which process maps which, with their strings and vectors
-    /// (not the hash tables' spare room).
+    /// What memprof itself keeps for the tables (rows live only in the kernel): its records of
+    /// the files and of which process maps which, with their strings and vectors (not the hash
+    /// tables' spare room).
+    #[serde(skip)]
     pub held_bytes: u64,
 }
 
 impl Registry {
-    pub fn new(ebpf: &mut Ebpf, mode: UnwindMode) -> anyhow::Result<Self> {
-        let Some(Map::Array(data)) = ebpf.map("UNWIND_ROWS") else {
-            anyhow::bail!("map UNWIND_ROWS missing from the eBPF object");
-        };
-        let capacity = data.info()?.max_entries();
-        let rows = map_rows(data, capacity as usize)?;
+    /// Takes `UNWIND_SHARDS`; `max_rows` bounds the rows of all tables together.
+    pub fn new(ebpf: &mut Ebpf, mode: UnwindMode, max_rows: u32) -> anyhow::Result<Self> {
+        let map = ebpf.take_map("UNWIND_SHARDS").ok_or_else(|| anyhow::anyhow!("map UNWIND_SHARDS missing"))?;
+        let shards = Shards::new(map)?;
+        let capacity = u64::from(max_rows).min(shards.max_rows()) as u32;
         Ok(Self {
             mode,
-            rows,
+            shards,
             space: RowSpace::new(capacity),
             files: HashMap::new(),
             processes: HashMap::new(),
+            refused: HashMap::new(),
+            not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
             mapping_writes: 0,
         })
@@ -108,10 +126,15 @@ impl Registry {
         };
         let held: usize = self.files.iter().map(file_bytes).sum::<usize>()
             + self.processes.values().flatten().map(key_bytes).sum::<usize>();
+        let (used, capacity) = (u64::from(self.space.used()), u64::from(self.space.capacity()));
         TableUse {
             files: self.files.len(),
-            rows: self.space.used() as u64,
-            capacity: self.space.capacity() as u64,
+            rows_used: used,
+            rows_free: capacity - used,
+            rows_max: capacity,
+            kernel_bytes: self.shards.count() as u64 * SHARD_BYTES,
+            tables_not_loaded: self.not_loaded.tables,
+            rows_not_loaded: self.not_loaded.rows,
             text_bytes,
             held_bytes: held as u64,
         }
@@ -181,8 +204,7 @@ impl Registry {
 
     /// One line whenever the tables in use change (`cargo xtask bench` reads it).
     fn log_use(&self) {
-        let TableUse { files, rows, text_bytes, held_bytes, .. } = self.table_use();
-        let kernel_bytes = rows * ROW_STRIDE as u64;
+        let TableUse { files, rows_used: rows, kernel_bytes, text_bytes, held_bytes, .. } = self.table_use();
         tracing::debug!(files, rows, kernel_bytes, text_bytes, held_bytes, "unwind tables in use");
     }
 
@@ -206,35 +228,58 @@ impl Registry {
 
     fn drop_unused(&mut self) {
         let space = &mut self.space;
+        let before = self.files.len();
         self.files.retain(|_, file| {
             if file.users == 0 && file.rows > 0 {
                 space.free(file.first_row, file.rows);
             }
             file.users > 0
         });
+        if self.files.len() < before {
+            self.shards.release_unused(&self.space);
+        }
     }
 
     /// The table of a mapped file, built and written to the kernel the first time it is seen.
-    /// None when the file cannot be read or its table has no room (said once; its frames end
-    /// stacks and are counted as `unwind_no_table`).
+    /// None when it cannot be loaded (said once, counted in `not_loaded`; its frames end stacks
+    /// and are counted as `unwind_no_table`).
     fn file(&mut self, key: &FileKey, pid: u32, mapping: &FileMapping) -> Option<&FileTable> {
         if !self.files.contains_key(key) {
-            let table = self.build(pid, mapping)?;
-            self.files.insert(key.clone(), table);
+            // Building a large table takes a while: not again before it can fit.
+            if self.refused.get(key).is_some_and(|&rows| rows > 0 && !self.space.fits(rows)) {
+                return None;
+            }
+            match self.build(pid, mapping) {
+                Ok(table) => {
+                    self.refused.remove(key);
+                    self.files.insert(key.clone(), table);
+                }
+                Err(rows) => {
+                    if self.refused.insert(key.clone(), rows).is_none() {
+                        self.not_loaded.tables += 1;
+                        self.not_loaded.rows += u64::from(rows);
+                    }
+                    return None;
+                }
+            }
         }
         self.files.get(key)
     }
 
-    fn build(&mut self, pid: u32, mapping: &FileMapping) -> Option<FileTable> {
+    /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
+    fn build(&mut self, pid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
         let data = match mapping.reachable_paths(pid).iter().find_map(|p| std::fs::read(p).ok()) {
             Some(data) => data,
             None => {
                 self.warn_once(path, &format!("cannot read {path}: its frames are not unwound"));
-                return None;
+                return Err(0);
             }
         };
-        let segments = load_segments(&data)?;
+        let Some(segments) = load_segments(&data) else {
+            self.warn_once(path, &format!("{path} is not an ELF file: its frames are not unwound"));
+            return Err(0);
+        };
         let built = match self.mode {
             UnwindMode::Fp => Ok(None),
             UnwindMode::Cfi => table::build(&data),
@@ -253,41 +298,31 @@ impl Registry {
                         &format!("{path} has no .eh_frame: its frames are unwound with frame pointers"),
                     );
                 }
-                return Some(FileTable {
-                    first_row: 0,
-                    rows: 0,
-                    kind: mapping_kind::FRAME_POINTERS,
-                    segments,
-                    users: 0,
-                });
+                return Ok(FileTable { first_row: 0, rows: 0, kind: mapping_kind::FRAME_POINTERS, segments, users: 0 });
             }
             Err(err) => {
                 self.warn_once(path, &format!("{path}: {err}: its frames are not unwound"));
-                return None;
+                return Err(0);
             }
         };
-        let Some(first_row) = self.space.alloc(rows.len() as u32) else {
-            let capacity = self.space.capacity();
+        let count = u32::try_from(rows.len()).unwrap_or(u32::MAX);
+        let Some(first_row) = self.space.alloc(count) else {
+            let (capacity, free) = (self.space.capacity(), self.space.capacity() - self.space.used());
             self.warn_once(
                 "rows",
-                &format!("the unwind tables are full ({capacity} rows): frames in {path} and later files are not unwound; raise --max-unwind-rows"),
+                &format!("the unwind tables are full ({capacity} rows, {free} free): frames in {path} ({count} rows) and later files that do not fit are not unwound; raise --max-unwind-rows"),
             );
-            return None;
+            return Err(count);
         };
-        for (i, row) in rows.iter().enumerate() {
-            // SAFETY: alloc returned a range inside the mapped array; the kernel reads rows only
-            // of mappings that point at them, and none points at this range until `sync`.
-            unsafe {
-                self.rows
-                    .as_ptr()
-                    .cast::<u8>()
-                    .add((first_row as usize + i) * ROW_STRIDE)
-                    .cast::<UnwindRow>()
-                    .write(*row)
-            };
+        if let Err(err) = self.shards.ensure(first_row, count) {
+            self.space.free(first_row, count);
+            self.shards.release_unused(&self.space);
+            self.warn_once("shards", &format!("{err}: frames in {path} are not unwound"));
+            return Err(count);
         }
+        self.shards.write(first_row, &rows);
         tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
-        Some(FileTable { first_row, rows: rows.len() as u32, kind: mapping_kind::CFI, segments, users: 0 })
+        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: 0 })
     }
 
     fn warn_once(&mut self, what: &str, message: &str) {
@@ -295,28 +330,6 @@ impl Registry {
             eprintln!("memprof: {message}");
         }
     }
-}
-
-/// Maps the rows array into memprof's memory. It stays mapped for memprof's lifetime, as the
-/// map itself does.
-fn map_rows(data: &MapData, capacity: usize) -> anyhow::Result<NonNull<UnwindRow>> {
-    let length = (capacity * ROW_STRIDE).next_multiple_of(4096);
-    // SAFETY: a shared mapping of a BPF array created with BPF_F_MMAPABLE; the length is the
-    // array's size rounded up to a page, which the kernel allows.
-    let address = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            length,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            data.fd().as_fd().as_raw_fd(),
-            0,
-        )
-    };
-    if address == libc::MAP_FAILED {
-        anyhow::bail!("mapping UNWIND_ROWS into memory: {}", std::io::Error::last_os_error());
-    }
-    NonNull::new(address.cast()).ok_or_else(|| anyhow::anyhow!("mapping UNWIND_ROWS returned NULL"))
 }
 
 /// The ELF entry point, where it fits the rows' 32-bit addresses.

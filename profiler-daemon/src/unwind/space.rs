@@ -21,6 +21,21 @@ impl RowSpace {
         self.capacity - self.free.iter().map(|(_, length)| length).sum::<u32>()
     }
 
+    /// Whether no row of `first..first + rows` that lies below the capacity is in use.
+    pub fn is_free(&self, first: u64, rows: u64) -> bool {
+        let end = (first + rows).min(u64::from(self.capacity));
+        first >= end
+            || self
+                .free
+                .iter()
+                .any(|&(start, length)| u64::from(start) <= first && end <= u64::from(start) + u64::from(length))
+    }
+
+    /// Whether a range of `rows` rows is free: `alloc` would succeed.
+    pub fn fits(&self, rows: u32) -> bool {
+        self.free.iter().any(|(_, length)| *length >= rows)
+    }
+
     /// The first row of a free range of `rows` rows, or None when no range is that long.
     pub fn alloc(&mut self, rows: u32) -> Option<u32> {
         let index = self.free.iter().position(|(_, length)| *length >= rows)?;
@@ -68,5 +83,16 @@ mod tests {
         space.free(c, 30);
         assert_eq!(space.used(), 0);
         assert_eq!(space.alloc(100), Some(0));
+    }
+
+    #[test]
+    fn free_ranges_are_told_from_used_ones() {
+        let mut space = RowSpace::new(100);
+        assert!(space.is_free(0, 100) && space.is_free(64, 64) && space.fits(100));
+        let a = space.alloc(30).unwrap();
+        assert!(!space.is_free(0, 64) && space.is_free(30, 70) && space.is_free(64, 64));
+        assert!(space.fits(70) && !space.fits(71));
+        space.free(a, 30);
+        assert!(space.is_free(0, 64));
     }
 }

@@ -218,7 +218,8 @@ pub fn render_table_memory(tables: &[TableMemory]) -> String {
     let mut out = String::from(
         "\n## Unwind table memory\n\n\
          Under `memprof run`, once each program has started: its files with CFI, their executable\n\
-         segments (text), and the rows of their tables (16 bytes each in the kernel's array). memprof\n\
+         segments (text), and the rows of their tables (16 bytes each, in 1 MiB shards: the kernel column\n\
+         counts whole shards, created as tables need them). memprof\n\
          itself keeps only a record per file and per process (computed); its resident memory with\n\
          `--unwind cfi` minus `--unwind fp` (no tables) is measured, anonymous and peak.\n\n\
          | program | files | text | rows | kernel | kernel per MiB of text | memprof's records | memprof RSS, anon / peak |\n\

@@ -29,7 +29,8 @@ function summarySection(report) {
           lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
             : recorded),
         el('table', { id: 'dropped' }, el('tbody', {}, dropped)),
-        blindSpots(report))));
+        blindSpots(report),
+        unwindTables(report.unwind_tables))));
 }
 
 // What memprof knows it does not see (README: Blind spots): said next to what was dropped.
@@ -37,6 +38,27 @@ function blindSpots(report) {
   if (report.blind_spots.length === 0) return el('p', { id: 'blind-spots', class: 'good' }, 'No blind spot known.');
   return el('ul', { id: 'blind-spots', class: 'bad' },
     report.blind_spots.map(s => el('li', { 'data-kind': s.kind }, `Not seen: ${s.what}. ${s.advice}.`)));
+}
+
+// The unwind tables of every traced process's files: in the root process's report only.
+function unwindTables(tables) {
+  if (!tables) return null;
+  const rows = [
+    ['files', 'Files with tables', grouped(tables.files)],
+    ['rows_used', 'Rows used', grouped(tables.rows_used)],
+    ['rows_free', 'Rows free', grouped(tables.rows_free)],
+    ['rows_max', 'Rows at most (--max-unwind-rows)', grouped(tables.rows_max)],
+    ['kernel_bytes', 'Kernel memory', bytesText(tables.kernel_bytes)],
+    ['tables_not_loaded', 'Tables not loaded', grouped(tables.tables_not_loaded)],
+    ['rows_not_loaded', 'Rows they needed', grouped(tables.rows_not_loaded)],
+  ].map(([key, label, value]) => el('tr', { class: key.endsWith('not_loaded') && tables[key] > 0 ? 'bad' : undefined },
+    el('th', {}, label), num(value, { 'data-key': key })));
+  return el('div', {},
+    el('p', { id: 'unwind-summary', class: tables.tables_not_loaded > 0 ? 'bad' : 'good' },
+      tables.tables_not_loaded > 0
+        ? `${grouped(tables.tables_not_loaded)} unwind tables could not be loaded: their frames end stacks (unwind_no_table).`
+        : 'Unwind tables: every mapped file\'s table is loaded.'),
+    el('table', { id: 'unwind-tables' }, el('tbody', {}, rows)));
 }
 
 function leakSection(report) {
