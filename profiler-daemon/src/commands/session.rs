@@ -23,7 +23,7 @@ use crate::{
     format::{self, Format},
     heap::report::{self, Report, Selection},
     kernel::aggregate::{self, DoubleFreeReader},
-    kernel::loader::{self, Attachment, Loaded},
+    kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
     process::procfs,
     symbolize::SymbolizerHandle,
@@ -47,11 +47,22 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
-    announce(pid_n, &comm, &attachment, &allocator);
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid_n, sample_bytes)?;
     }
-    let root = Process::new(pid_n, comm, procfs::exe_path(pid_n), attachment, allocator, settings(args), false);
+    // Everything read from /proc before saying "tracing": a process that was waiting for it (a
+    // test, a script) may exit at once.
+    let probes = attachment.probes();
+    let root = Process::new(
+        pid_n,
+        comm.clone(),
+        procfs::exe_path(pid_n),
+        attachment,
+        allocator.clone(),
+        settings(args),
+        false,
+    );
+    announce(pid_n, &comm, probes, &allocator);
     let traced = trace(loaded, symbolizer, root, exit, None, args, &mut output).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -85,9 +96,10 @@ pub async fn run(
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
-    announce(pid, &comm, &attachment, &allocator);
+    let probes = attachment.probes();
+    let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
+    announce(pid, &comm, probes, &allocator);
     child.release();
-    let root = Process::new(pid, comm, Some(executable), attachment, allocator, settings(args), true);
     let traced =
         trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
     match fail_on_leak_bytes {
@@ -114,12 +126,8 @@ fn gone_or(pid: u32) -> String {
     }
 }
 
-fn announce(pid: u32, comm: &str, attachment: &Attachment, allocator: &Allocator) {
-    eprintln!(
-        "memprof: tracing pid {pid} ({comm}) with {} probes in {}; Ctrl-C to stop",
-        attachment.probes(),
-        allocator.describe()
-    );
+fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator) {
+    eprintln!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
     }
