@@ -203,12 +203,18 @@ pub fn read_file(attach_path: &Path, display_path: &str) -> Option<AllocatorFile
             file.families.push(family.name);
         }
         for (symbol, role) in &family.entries {
-            let Some(&offset) = offsets.get(symbol.as_str()) else { continue };
+            let Some(&symbol_offset) = offsets.get(symbol.as_str()) else { continue };
+            // Compared where the probe goes: two probes at one address (glibc's `cfree` is
+            // `free`) would both fire, and the second would take every free for a double free.
+            let offset = match role {
+                Role::Alloc(_) => symbol_offset,
+                Role::Free => past_null_check(&data, symbol_offset),
+            };
             let taken = file.allocs.iter().any(|p| p.offset == offset) || file.frees.iter().any(|p| p.offset == offset);
             match role {
                 _ if taken => {}
                 Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
-                Role::Free => file.frees.push(FreePoint { offset: past_null_check(&data, offset), wrapper }),
+                Role::Free => file.frees.push(FreePoint { offset, wrapper }),
             }
         }
     }
@@ -314,10 +320,12 @@ mod tests {
         let libc = allocator.files.last().expect("a file");
         assert!(libc.display_path.contains("libc"), "{}", allocator.describe());
         assert_eq!(libc.families, ["C library malloc"]);
-        let mut offsets: Vec<u64> = libc.allocs.iter().map(|p| p.offset).collect();
+        let mut offsets: Vec<u64> =
+            libc.allocs.iter().map(|p| p.offset).chain(libc.frees.iter().map(|p| p.offset)).collect();
         offsets.sort();
         offsets.dedup();
-        assert_eq!(offsets.len(), libc.allocs.len(), "one probe per address");
+        assert_eq!(offsets.len(), libc.allocs.len() + libc.frees.len(), "one probe per address");
+        assert_eq!(libc.frees.len(), 1, "free and its alias cfree are one probe");
         assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
         assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
     }
