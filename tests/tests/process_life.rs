@@ -151,6 +151,20 @@ fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
 }
 
 #[test]
+fn each_followed_process_counts_its_own_drops() {
+    let program = dynamic();
+    // Room for the parent's five blocks and one of the child's three: the child drops two.
+    let outcome = run_released(&["run", "--json", "--max-live", "6", "--", &program, "fork"], "child of pid");
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_nothing_dropped(&report);
+    let child = &children(&report)[0];
+    assert_eq!(child["dropped"]["live_map_full"], 2, "{child}");
+    assert_eq!(total(child, "allocations"), 1, "{child}");
+    assert!(report.get("unattributed_dropped").is_none(), "{report}");
+}
+
+#[test]
 fn run_follows_no_fork_with_follow_forks_false() {
     let program = dynamic();
     let outcome = run_released(&["run", "--json", "--follow-forks=false", "--", &program, "fork"], "tracing pid");

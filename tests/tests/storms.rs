@@ -145,7 +145,12 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
     assert_eq!(total(&report, "allocations"), max_live, "the table is full: {report}");
     assert_consistent(&report);
     let lost = dropped(&report, "live_map_full");
-    assert_eq!(metric(daemon.port, "memprof_events_dropped_total{reason=\"live_map_full\"}"), Some(lost));
+    let series = format!(
+        "memprof_events_dropped_total{{pid=\"{}\",comm=\"storms_daemon\",reason=\"live_map_full\"}}",
+        first.pid()
+    );
+    assert_eq!(metric(daemon.port, &series), Some(lost), "the process's own drops");
+    assert_eq!(metric(daemon.port, "memprof_unattributed_events_dropped_total{reason=\"live_map_full\"}"), Some(0));
     assert_eq!(metric(daemon.port, live_entries), Some(max_live));
     assert_eq!(metric(daemon.port, "memprof_bpf_map_capacity{map=\"live\"}"), Some(max_live));
     drop(first);

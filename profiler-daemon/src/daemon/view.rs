@@ -51,7 +51,8 @@ pub struct MapUse {
 pub struct DaemonView {
     /// By pid.
     pub targets: BTreeMap<u32, TargetView>,
-    pub drops: [u64; DropReason::COUNT],
+    /// Drops no process's counters had room for (each target's are in its report).
+    pub unattributed_drops: [u64; DropReason::COUNT],
     pub maps: Vec<MapUse>,
     /// Matching processes not traced because `max_targets` were traced already.
     pub refused_targets: u64,

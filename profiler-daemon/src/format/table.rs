@@ -74,6 +74,10 @@ fn section(report: &Report) -> String {
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
+    let unattributed: Vec<String> = report.unattributed_dropped.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    if !unattributed.is_empty() {
+        let _ = writeln!(out, "  dropped by no process in particular: {}", unattributed.join(" "));
+    }
     for double_free in &report.double_frees {
         let _ = writeln!(out, "  DOUBLE FREE of {} ({} bytes):", double_free.address, double_free.size);
         for (what, site) in [
