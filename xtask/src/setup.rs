@@ -31,6 +31,8 @@ const PACKAGES: &[&str] = &[
     "curl",
     "libjemalloc-dev",
     "libgoogle-perftools-dev",
+    // tests/tests/postgres.rs: a real forking server.
+    "postgresql",
     "libmimalloc-dev",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
