@@ -99,8 +99,9 @@ enum Request {
         reply: mpsc::Sender<Vec<Module>>,
     },
     /// A process just forked `child`: the child's mappings are its parent's until it maps
-    /// others. Read as `Refresh` reads them; the parent's where the child's cannot be read (it
-    /// exited meanwhile, as a short-lived child does while memprof attaches to it).
+    /// others. Read as `Refresh` reads them, with the parent's open files; the parent's where the
+    /// child's cannot be read (it exited meanwhile, as a short-lived child does while memprof
+    /// attaches to it).
     Inherit {
         parent: u32,
         child: u32,
@@ -209,12 +210,13 @@ impl SymbolizerThread {
                     let _ = done.send(());
                 }
                 Request::Inherit { parent, child, done } => {
-                    self.refresh(child);
-                    if !self.modules.contains_key(&child) {
-                        if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
-                            self.modules.insert(child, inherited);
-                        }
+                    // The parent's open files first: the child's read then keeps them for the
+                    // files it still maps, and blazesym, which caches what it parsed by path
+                    // (`/proc/self/fd/N`), does not parse every library again for each child.
+                    if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
+                        self.modules.insert(child, inherited);
                     }
+                    self.refresh(child);
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {
