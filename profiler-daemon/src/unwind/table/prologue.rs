@@ -49,7 +49,6 @@ fn rule(cfa: u8, cfa_offset: i32, rbp: u8, rbp_offset: i16) -> UnwindRow {
 /// The rows of the function at `start` whose bytes are `code`, in address order. The last one
 /// holds to the function's end.
 pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
-    let unsupported = |pc| UnwindRow { pc, cfa: cfa::UNSUPPORTED, ..UnwindRow::default() };
     let mut current = rule(cfa::RSP, 8, rbp::SAME, 0);
     let mut rows = vec![UnwindRow { pc: start, ..current }];
     // Whether the stack was ever adjusted: until then every instruction runs with CFA = rsp + 8,
@@ -60,20 +59,28 @@ pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
         let Some(rest) = code.get(at..).filter(|rest| !rest.is_empty()) else { return rows };
         let pc = start + at as u32;
         let Some((insn, len)) = decode(rest) else {
-            rows.push(unsupported(pc));
+            unsupported(&mut rows, pc);
             return rows;
         };
         let next = match insn {
             Insn::Push(reg) => {
-                if current.cfa == cfa::RSP {
-                    current.cfa_offset += 8;
+                let mut pushed = current;
+                if pushed.cfa == cfa::RSP {
+                    let Some(offset) = pushed.cfa_offset.checked_add(8) else {
+                        unsupported(&mut rows, pc);
+                        return rows;
+                    };
+                    pushed.cfa_offset = offset;
                 }
-                if reg == RBP && current.rbp == rbp::SAME && current.cfa == cfa::RSP {
-                    current.rbp = rbp::SAVED;
-                    current.rbp_offset = -(current.cfa_offset as i16);
+                if reg == RBP && pushed.rbp == rbp::SAME && pushed.cfa == cfa::RSP {
+                    // Saved at CFA - offset, too far for an rbp_offset in a frame of 32 KiB or more.
+                    (pushed.rbp, pushed.rbp_offset) = match i16::try_from(-pushed.cfa_offset) {
+                        Ok(offset) => (rbp::SAVED, offset),
+                        Err(_) => (rbp::LOST, 0),
+                    };
                 }
                 adjusted = true;
-                current
+                pushed
             }
             Insn::FramePointer if current.rbp == rbp::SAVED && current.cfa == cfa::RSP => {
                 rule(cfa::RBP, current.cfa_offset, current.rbp, current.rbp_offset)
@@ -84,7 +91,7 @@ pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
                     UnwindRow { cfa_offset: offset, ..current }
                 }
                 _ => {
-                    rows.push(unsupported(pc));
+                    unsupported(&mut rows, pc);
                     return rows;
                 }
             },
@@ -97,7 +104,7 @@ pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
                 // A call needs rsp 16-byte aligned, i.e. CFA - rsp a multiple of 16: otherwise
                 // this is not the prologue it looked like.
                 if current.cfa == cfa::RSP && current.cfa_offset % 16 != 0 {
-                    rows.push(unsupported(pc));
+                    unsupported(&mut rows, pc);
                 }
                 return rows;
             }
@@ -108,7 +115,7 @@ pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
             Insn::Leave => return rows,
             Insn::Branch | Insn::Other => current,
             Insn::FramePointer | Insn::WritesRbp | Insn::SubRsp(_) | Insn::MovesRsp => {
-                rows.push(unsupported(pc));
+                unsupported(&mut rows, pc);
                 return rows;
             }
         };
@@ -119,8 +126,16 @@ pub fn rows(code: &[u8], start: u32) -> Vec<UnwindRow> {
         current = next;
     }
     // Too long to follow: the rule past here is not known.
-    rows.push(unsupported(start + at as u32));
+    unsupported(&mut rows, start + at as u32);
     rows
+}
+
+/// Ends `rows` with a `cfa::UNSUPPORTED` row at `pc`, in place of a row at the same pc.
+fn unsupported(rows: &mut Vec<UnwindRow>, pc: u32) {
+    if rows.last().is_some_and(|last| last.pc == pc) {
+        rows.pop();
+    }
+    rows.push(UnwindRow { pc, cfa: cfa::UNSUPPORTED, ..UnwindRow::default() });
 }
 
 /// The instruction at the start of `code` and its length, for the instructions prologues and
