@@ -141,6 +141,15 @@ fn unsupported(rows: &mut Vec<UnwindRow>, pc: u32) {
 /// The instruction at the start of `code` and its length, for the instructions prologues and
 /// the code around them use; `None` for any other.
 fn decode(code: &[u8]) -> Option<(Insn, usize)> {
+    // An fs or gs override (musl reads its thread pointer at %fs:0) changes the memory operand's
+    // segment, not the instruction's form.
+    match code.split_first() {
+        Some((0x64 | 0x65, rest)) => decode_unprefixed(rest).map(|(insn, len)| (insn, len + 1)),
+        _ => decode_unprefixed(code),
+    }
+}
+
+fn decode_unprefixed(code: &[u8]) -> Option<(Insn, usize)> {
     const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
     if code.starts_with(&ENDBR64) {
         return Some((Insn::Other, 4));
@@ -168,9 +177,9 @@ fn decode(code: &[u8]) -> Option<(Insn, usize)> {
         0x58..=0x5f => Some((Insn::Pop, after)),
         0xe8 => Some((Insn::Call, after + 4)).filter(|_| code.len() >= after + 4),
         0xe9 => Some((Insn::Leave, after + 4)).filter(|_| code.len() >= after + 4),
-        0xeb => Some((Insn::Leave, after + 1)).filter(|_| code.len() >= after + 1),
+        0xeb => Some((Insn::Leave, after + 1)).filter(|_| code.len() > after),
         0xc3 => Some((Insn::Leave, after)),
-        0x70..=0x7f => Some((Insn::Branch, after + 1)).filter(|_| code.len() >= after + 1),
+        0x70..=0x7f => Some((Insn::Branch, after + 1)).filter(|_| code.len() > after),
         0x90 => Some((Insn::Other, after)),
         // mov $imm,%reg: imm64 with REX.W.
         0xb8..=0xbf => {
@@ -231,6 +240,8 @@ fn decode(code: &[u8]) -> Option<(Insn, usize)> {
             let second = *code.get(after)?;
             let after = after + 1;
             match second {
+                // syscall: rsp and rbp are kept.
+                0x05 => Some((Insn::Other, after)),
                 0x80..=0x8f => Some((Insn::Branch, after + 4)).filter(|_| code.len() >= after + 4),
                 // nopl, movzx, movsx, cmov: ModRM after the two opcode bytes.
                 0x1f | 0x40..=0x4f | 0xb6 | 0xb7 | 0xbe | 0xbf => {

@@ -612,8 +612,8 @@ fn a_shrink_wrapped_prologue_after_an_early_exit_is_found() {
 #[test]
 fn what_the_decoder_cannot_follow_is_unsupported() {
     let unsupported = |at| (at, cfa::UNSUPPORTED, 0, rbp::SAME, 0);
-    // syscall: not an instruction the decoder knows.
-    assert_eq!(prologue_rows(&[0x0f, 0x05]), [unsupported(0)]);
+    // ud2: not an instruction the decoder knows.
+    assert_eq!(prologue_rows(&[0x0f, 0x0b]), [unsupported(0)]);
     // A call with rsp misaligned by the rule found: not a prologue the decoder understood.
     assert_eq!(prologue_rows(&CALL), [unsupported(0)]);
     // push %rbp; and $-16,%rsp: realigning the stack without a frame pointer.
@@ -631,4 +631,11 @@ fn writing_rbp_before_saving_it_loses_the_callers_rbp() {
         prologue_rows(&code),
         [(0, cfa::RSP, 8, rbp::SAME, 0), (3, cfa::RSP, 8, rbp::LOST, 0), (4, cfa::RSP, 16, rbp::LOST, 0)]
     );
+}
+
+#[test]
+fn thread_pointer_reads_and_syscalls_are_stepped_over() {
+    // mov %fs:0,%rax; syscall; push %rbx; call
+    let code = [&[0x64, 0x48, 0x8b, 0x04, 0x25, 0, 0, 0, 0, 0x0f, 0x05, 0x53][..], &CALL].concat();
+    assert_eq!(prologue_rows(&code), [(0, cfa::RSP, 8, rbp::SAME, 0), (12, cfa::RSP, 16, rbp::SAME, 0)]);
 }
