@@ -57,6 +57,13 @@ pub fn fixture_with(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     fixture_compiled("cc", file, name, flags)
 }
 
+/// Compiles the fixture source `file` with `musl-gcc -static` and the flags given: musl's libc
+/// is built without unwind tables.
+pub fn fixture_musl(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    let flags: Vec<&str> = ["-static"].iter().chain(flags).copied().collect();
+    fixture_compiled("musl-gcc", file, name, &flags)
+}
+
 /// What one memprof run printed.
 #[derive(Debug)]
 pub struct Outcome {

@@ -9,7 +9,8 @@
 use std::path::Path;
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture_cpp, fixture_lib, fixture_rust, fixture_with, run, site, total, Outcome,
+    assert_nothing_dropped, fixture_cpp, fixture_lib, fixture_musl, fixture_rust, fixture_with, run, site, total,
+    Outcome,
 };
 use serde_json::Value;
 
@@ -211,6 +212,26 @@ fn c_stacks_without_frame_pointers_are_whole() {
     assert_complete(main);
     assert_no_stack_drops(&report);
     assert_nothing_dropped(&report);
+}
+
+/// A static musl program: musl has no CFI, so the frames of strdup and of musl's start-up code
+/// are unwound from their prologues, down to `_start` (the entry point ends the walk). Between
+/// main and `_start`, `_start_c` and `__libc_start_main` reach their callees with jmp (tail
+/// calls) and leave no frame.
+#[test]
+fn static_musl_stacks_through_code_without_cfi_reach_main() {
+    let program = fixture_musl("unwind_musl.c", "unwind_musl", &["-O2", "-g"]);
+    let report = run_to_end(&[path(&program)]);
+    let tail = ["main", "libc_start_main_stage2", "_start"];
+    let strdup = only_stack_through(&report, "site_strdup");
+    assert_eq!(bytes_and_count(strdup), (390, 10), "{}", describe_all(&report));
+    assert_frames(strdup, &chain(&["strdup", "site_strdup"], &tail));
+    assert_complete(strdup);
+    let malloc = only_stack_at(&report, "site_malloc");
+    assert_eq!(bytes_and_count(malloc), (1000, 10), "{}", describe_all(&report));
+    assert_frames(malloc, &chain(&["site_malloc"], &tail));
+    assert_complete(malloc);
+    assert_no_stack_drops(&report);
 }
 
 /// C++ at -O2: operator new (libstdc++), std::string, std::vector growth and std::map nodes, in

@@ -37,6 +37,7 @@ const PACKAGES: &[&str] = &[
     "libmimalloc-dev",
     "redis-server",
     "libllvm14",
+    "musl-tools",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -10,8 +10,12 @@ use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianSlice, FrameDescriptionEntry, LittleEndian,
     Reader as _, RegisterRule, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
 };
-use object::{read::elf::ElfFile64, Architecture, Object, ObjectSection};
+use object::{read::elf::ElfFile64, Architecture, Object, ObjectSection, ObjectSymbol, SymbolKind};
 use profiler_common::{cfa, rbp, UnwindRow};
+
+// A path the fuzz target's `#[path]` include of this file resolves alike.
+#[path = "table/prologue.rs"]
+mod prologue;
 
 type Slice<'a> = EndianSlice<'a, LittleEndian>;
 
@@ -88,7 +92,7 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
     if file.architecture() != Architecture::X86_64 {
         return Err(TableError::NotX86_64(file.architecture()));
     }
-    let (spans, rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
+    let (mut spans, mut rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
         // `.eh_frame` pointers are mostly pc-relative, and may be relative to .text or the GOT.
         let mut bases = BaseAddresses::default().set_eh_frame(section.address);
         if let Some(text) = file.section_by_name(".text") {
@@ -107,6 +111,7 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
     } else {
         return Ok(None);
     };
+    add_functions(&file, &mut spans, &mut rows);
     let rows = merge(spans, &rows);
     Ok((!rows.is_empty()).then_some(FileTable { rows }))
 }
@@ -284,6 +289,38 @@ fn rbp_relative(expression: &[u8], deref: bool) -> Option<i32> {
         return None;
     }
     i32::try_from(offset).ok()
+}
+
+/// Adds a span for each function of the symbol tables that no FDE covers (code built without
+/// unwind tables, such as musl), with rows from its prologue. The function at the entry point is
+/// left out: `_start` has no caller, and [`FileTable::end_at_entry_point`] ends stacks there.
+fn add_functions(file: &ElfFile64<'_, object::Endianness>, spans: &mut Vec<Span>, rows: &mut Vec<UnwindRow>) {
+    let mut covered: Vec<Range<u32>> = spans.iter().map(|span| span.start..span.end).collect();
+    covered.sort_by_key(|range| range.start);
+    let mut functions: Vec<_> = file
+        .symbols()
+        .chain(file.dynamic_symbols())
+        .filter(|symbol| symbol.kind() == SymbolKind::Text && symbol.size() > 0)
+        .filter_map(|symbol| Some((symbol.address(), symbol.size(), symbol.section_index()?)))
+        .collect();
+    // Aliases (`malloc` and `__libc_malloc`, `.symtab` and `.dynsym`) are one function.
+    functions.sort_by_key(|&(address, size, _)| (address, size));
+    functions.dedup_by_key(|&mut (address, ..)| address);
+    let entry = file.entry();
+    for (address, size, section) in functions {
+        let Some(end) = address.checked_add(size) else { continue };
+        let (Ok(start), Ok(end)) = (u32::try_from(address), u32::try_from(end)) else { continue };
+        let before = covered.partition_point(|range| range.start <= start);
+        if (address..u64::from(end)).contains(&entry) || before > 0 && covered[before - 1].contains(&start) {
+            continue;
+        }
+        let code =
+            file.section_by_index(section).ok().and_then(|section| section.data_range(address, size).ok().flatten());
+        let Some(code) = code else { continue };
+        let first = rows.len();
+        rows.extend(prologue::rows(code, start).into_iter().filter(|row| row.pc < end));
+        spans.push(Span { start, end, rows: first..rows.len() });
+    }
 }
 
 /// The sorted table of the spans' rows, with a `cfa::NONE` row wherever no FDE begins where the

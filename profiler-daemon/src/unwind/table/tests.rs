@@ -540,3 +540,102 @@ mod properties {
         }
     }
 }
+
+/// The rows `prologue::rows` gives the function at 0x1000 whose bytes are `code`, as
+/// (offset in the function, cfa kind, cfa offset, rbp kind, rbp offset).
+fn prologue_rows(code: &[u8]) -> Vec<(u32, u8, i32, u8, i16)> {
+    prologue::rows(code, 0x1000)
+        .iter()
+        .map(|row| (row.pc - 0x1000, row.cfa, row.cfa_offset, row.rbp, row.rbp_offset))
+        .collect()
+}
+
+const CALL: [u8; 5] = [0xe8, 0, 0, 0, 0];
+
+#[test]
+fn musl_strdup_prologue_saves_rbp_among_pushes() {
+    // push %r12; push %rbp; mov %rdi,%rbp; sub $8,%rsp; call strlen
+    let code = [&[0x41, 0x54, 0x55, 0x48, 0x89, 0xfd, 0x48, 0x83, 0xec, 0x08][..], &CALL].concat();
+    assert_eq!(
+        prologue_rows(&code),
+        [
+            (0, cfa::RSP, 8, rbp::SAME, 0),
+            (2, cfa::RSP, 16, rbp::SAME, 0),
+            (3, cfa::RSP, 24, rbp::SAVED, -24),
+            (10, cfa::RSP, 32, rbp::SAVED, -24),
+        ]
+    );
+}
+
+#[test]
+fn frame_pointer_prologue_makes_the_cfa_rbp_based() {
+    // endbr64; push %rbp; mov %rsp,%rbp; push %rbx; sub $0x108,%rsp; call
+    let code = [&[0xf3, 0x0f, 0x1e, 0xfa, 0x55, 0x48, 0x89, 0xe5, 0x53, 0x48, 0x81, 0xec, 0x08, 0x01, 0, 0][..], &CALL]
+        .concat();
+    assert_eq!(
+        prologue_rows(&code),
+        [(0, cfa::RSP, 8, rbp::SAME, 0), (5, cfa::RSP, 16, rbp::SAVED, -16), (8, cfa::RBP, 16, rbp::SAVED, -16)]
+    );
+}
+
+#[test]
+fn instructions_between_pushes_are_stepped_over() {
+    // musl's libc_start_main_stage2: push %r13; movslq %esi,%rax; push %r12;
+    // lea 0x8(%rdx,%rax,8),%r13; mov %rdx,%r12; push %rbp; mov %rax,%rbp; push %rbx;
+    // mov %rdi,%rbx; sub $8,%rsp; call
+    let code = [
+        &[0x41, 0x55, 0x48, 0x63, 0xc6, 0x41, 0x54, 0x4c, 0x8d, 0x6c, 0xc2, 0x08, 0x49, 0x89, 0xd4, 0x55][..],
+        &[0x48, 0x89, 0xc5, 0x53, 0x48, 0x89, 0xfb, 0x48, 0x83, 0xec, 0x08],
+        &CALL,
+    ]
+    .concat();
+    assert_eq!(
+        prologue_rows(&code),
+        [
+            (0, cfa::RSP, 8, rbp::SAME, 0),
+            (2, cfa::RSP, 16, rbp::SAME, 0),
+            (7, cfa::RSP, 24, rbp::SAME, 0),
+            (16, cfa::RSP, 32, rbp::SAVED, -32),
+            (20, cfa::RSP, 40, rbp::SAVED, -32),
+            (27, cfa::RSP, 48, rbp::SAVED, -32),
+        ]
+    );
+}
+
+#[test]
+fn a_shrink_wrapped_prologue_after_an_early_exit_is_found() {
+    // test %rdi,%rdi; je +1; ret; push %rbx; call
+    let code = [&[0x48, 0x85, 0xff, 0x74, 0x01, 0xc3, 0x53][..], &CALL].concat();
+    assert_eq!(prologue_rows(&code), [(0, cfa::RSP, 8, rbp::SAME, 0), (7, cfa::RSP, 16, rbp::SAME, 0)]);
+}
+
+#[test]
+fn what_the_decoder_cannot_follow_is_unsupported() {
+    let unsupported = |at| (at, cfa::UNSUPPORTED, 0, rbp::SAME, 0);
+    // ud2: not an instruction the decoder knows.
+    assert_eq!(prologue_rows(&[0x0f, 0x0b]), [unsupported(0)]);
+    // A call with rsp misaligned by the rule found: not a prologue the decoder understood.
+    assert_eq!(prologue_rows(&CALL), [unsupported(0)]);
+    // push %rbp; and $-16,%rsp: realigning the stack without a frame pointer.
+    assert_eq!(prologue_rows(&[0x55, 0x48, 0x83, 0xe4, 0xf0]), [(0, cfa::RSP, 8, rbp::SAME, 0), unsupported(1)]);
+    // A function that never calls and runs past the decoder's budget.
+    let long = [0x90; 100];
+    assert_eq!(prologue_rows(&long), [(0, cfa::RSP, 8, rbp::SAME, 0), unsupported(64)]);
+}
+
+#[test]
+fn writing_rbp_before_saving_it_loses_the_callers_rbp() {
+    // mov %rdi,%rbp; push %rbx; call
+    let code = [&[0x48, 0x89, 0xfd, 0x53][..], &CALL].concat();
+    assert_eq!(
+        prologue_rows(&code),
+        [(0, cfa::RSP, 8, rbp::SAME, 0), (3, cfa::RSP, 8, rbp::LOST, 0), (4, cfa::RSP, 16, rbp::LOST, 0)]
+    );
+}
+
+#[test]
+fn thread_pointer_reads_and_syscalls_are_stepped_over() {
+    // mov %fs:0,%rax; syscall; push %rbx; call
+    let code = [&[0x64, 0x48, 0x8b, 0x04, 0x25, 0, 0, 0, 0, 0x0f, 0x05, 0x53][..], &CALL].concat();
+    assert_eq!(prologue_rows(&code), [(0, cfa::RSP, 8, rbp::SAME, 0), (12, cfa::RSP, 16, rbp::SAME, 0)]);
+}
