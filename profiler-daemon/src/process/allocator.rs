@@ -123,10 +123,10 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
     let running = procfs::file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
     candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
-    let scans = candidates
-        .iter()
-        .filter(|file| !is_dynamic_loader(&file.path))
-        .filter_map(|file| file.reachable_paths(pid).iter().find_map(|path| scan_file(Path::new(path), &file.path)));
+    let families = families::all();
+    let scans = candidates.iter().filter(|file| !is_dynamic_loader(&file.path)).filter_map(|file| {
+        file.reachable_paths(pid).iter().find_map(|path| scan_file(&families, Path::new(path), &file.path))
+    });
     allocator_of(scans.collect()).map_err(|detail| UserError::NoAllocator {
         pid,
         detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
@@ -144,10 +144,11 @@ pub fn for_command(program: &Path) -> Result<Allocator, UserError> {
     if let Some(interpreter) = interpreter(&data) {
         paths.extend(loader_list(&interpreter, program).map_err(no_allocator)?);
     }
+    let families = families::all();
     let scans = paths.iter().filter(|path| !is_dynamic_loader(&path.to_string_lossy())).filter_map(|path| {
         // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
         let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
-        scan_file(path, &display.to_string_lossy())
+        scan_file(&families, path, &display.to_string_lossy())
     });
     allocator_of(scans.collect()).map_err(no_allocator)
 }
@@ -212,13 +213,20 @@ fn allocator_of(scans: Vec<FileScan>) -> Result<Allocator, String> {
     Ok(Allocator { files, unprobed })
 }
 
-/// Reads what an ELF file holds of allocators; `None` when it holds none at all.
-fn scan_file(attach_path: &Path, display_path: &str) -> Option<FileScan> {
+/// Reads what an ELF file holds of allocators, with one pass over its symbols; `None` when it
+/// holds none at all.
+fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Option<FileScan> {
     let data = fs::read(attach_path).ok()?;
     let elf = object::File::parse(&*data).ok()?;
+    let wanted: HashSet<&str> = families
+        .iter()
+        .flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str()))
+        .chain(UNPROBED.iter().map(|(mark, ..)| *mark))
+        .collect();
+    let offsets = symbol_file_offsets(&elf, &wanted);
     let unprobed: Vec<BlindSpot> = UNPROBED
         .iter()
-        .filter(|(mark, ..)| !symbol_file_offsets(&elf, &HashSet::from([*mark])).is_empty())
+        .filter(|(mark, ..)| offsets.contains_key(mark))
         .map(|(_, what, advice, unless_env)| BlindSpot {
             kind: "unprobed_allocator",
             what: format!("{what}, in {display_path}"),
@@ -226,15 +234,18 @@ fn scan_file(attach_path: &Path, display_path: &str) -> Option<FileScan> {
             unless_env: *unless_env,
         })
         .collect();
-    let allocator = read_file(&data, &elf, attach_path, display_path);
+    let allocator = read_file(families, &offsets, &data, attach_path, display_path);
     (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
 }
 
-/// The allocator entry points an ELF file defines, if it holds any family.
-fn read_file(data: &[u8], elf: &object::File, attach_path: &Path, display_path: &str) -> Option<AllocatorFile> {
-    let families = families::all();
-    let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
-    let offsets = symbol_file_offsets(elf, &wanted);
+/// The entry points of `families` a file defines, from its symbols' `offsets`, if it holds any.
+fn read_file(
+    families: &[Family],
+    offsets: &HashMap<&str, u64>,
+    data: &[u8],
+    attach_path: &Path,
+    display_path: &str,
+) -> Option<AllocatorFile> {
     let present = |family: &&Family| family.is_in(|symbol| offsets.contains_key(symbol));
     let mut found: Vec<&Family> = families.iter().filter(|f| !f.companion).filter(present).collect();
     let own_allocator = found.iter().any(|f| f.name != families::STANDARD_FAMILY);
