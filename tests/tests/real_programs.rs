@@ -74,6 +74,10 @@ fn redis_server_on_jemalloc_under_run() {
     assert_eq!((bytes, count), (24 * KEYS as u64, KEYS as u64), "one 24-byte dict entry per key");
     for stack in entries {
         assert!(functions(stack).iter().any(|f| f == "main"), "down to main: {:?}", functions(stack));
+        // The program is named as it was run: /usr/bin/redis-server links to redis-check-rdb.
+        let main = stack["frames"].as_array().unwrap().iter().find(|f| f["function"] == "main").unwrap();
+        assert_eq!(main["module"], "/usr/bin/redis-server", "{main}");
     }
+    assert_eq!(report["exe"], "/usr/bin/redis-server", "{}", report["exe"]);
     assert_eq!(report["totals"]["unknown_frees"], 0, "{}", report["totals"]);
 }

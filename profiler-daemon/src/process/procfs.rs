@@ -1,6 +1,6 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{fs, io};
+use std::{fs, io, os::unix::fs::MetadataExt};
 
 use crate::error::UserError;
 
@@ -69,7 +69,7 @@ pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
 
 /// Whether the process's environment (`/proc/PID/environ`) holds `entry` (`NAME=value`).
 pub fn has_env(pid: u32, entry: &str) -> bool {
-    fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| env.split(|&b| b == 0).any(|e| e == entry.as_bytes()))
+    entry.split_once('=').is_some_and(|(name, value)| env(pid, name).as_deref() == Some(value))
 }
 
 /// The unit of `Stat::start_time` and `Stat::cpu_ticks`.
@@ -147,14 +147,64 @@ fn parse_ns_pid(status: &str) -> Option<u32> {
     }
 }
 
-/// The executable's path as the process sees it.
+/// The executable's path as the process sees it, by the name it was started as (see
+/// `launch_name`).
 pub fn exe_path(pid: u32) -> Option<String> {
-    fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned())
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok()?.to_string_lossy().into_owned();
+    Some(launch_name(pid, &exe).unwrap_or(exe))
 }
 
-/// Every file-backed mapping of the process, in address order.
+/// Every file-backed mapping of the process, in address order; the executable's by the name it
+/// was started as (see `launch_name`).
 pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
-    Ok(parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+    let mut mappings = parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?);
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
+    if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
+        for mapping in mappings.iter_mut().filter(|m| m.path == exe) {
+            mapping.path = name.clone();
+        }
+    }
+    Ok(mappings)
+}
+
+/// The path the process was started as, when it is a link to its executable `exe` under another
+/// name: Debian's `/usr/bin/redis-server` is a link to `redis-check-rdb`, which the kernel
+/// reports, but users know the program by the name they ran. `None` when the names agree or
+/// `argv[0]` does not lead to `exe`.
+fn launch_name(pid: u32, exe: &str) -> Option<String> {
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let argv0 = String::from_utf8_lossy(cmdline.split(|&b| b == 0).next()?).into_owned();
+    // A process that retitles itself (redis, postgres) writes its title over argv: the program's
+    // name stays in front, followed by a space.
+    let candidates = [argv0.as_str(), argv0.split(' ').next().unwrap_or_default()];
+    let root = format!("/proc/{pid}/root");
+    let target = fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+    let same_file = |path: &str| {
+        fs::metadata(format!("{root}{path}"))
+            .is_ok_and(|found| (found.dev(), found.ino()) == (target.dev(), target.ino()))
+    };
+    let base = |path: &str| path.rsplit('/').next().unwrap_or_default().to_string();
+    let found = candidates.iter().filter(|name| !name.is_empty()).find_map(|name| {
+        if name.contains('/') {
+            let cwd = fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
+            let path = if name.starts_with('/') { name.to_string() } else { format!("{}/{name}", cwd.display()) };
+            same_file(&path).then_some(path)
+        } else {
+            let search = env(pid, "PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".to_string());
+            search.split(':').map(|dir| format!("{dir}/{name}")).find(|path| same_file(path))
+        }
+    })?;
+    (base(&found) != base(exe)).then_some(found)
+}
+
+/// The value of `name` in the process's environment.
+fn env(pid: u32, name: &str) -> Option<String> {
+    let environ = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    environ
+        .split(|&b| b == 0)
+        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))
+        .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
 /// The first mapping of each distinct file the process maps.
