@@ -9,6 +9,7 @@ mod heap;
 mod kernel;
 mod process;
 mod symbolize;
+mod text;
 mod unwind;
 
 use std::process::ExitCode;

@@ -22,7 +22,10 @@ use blazesym::symbolize::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::process::procfs::{self, FileMapping};
+use crate::{
+    process::procfs::{self, FileMapping},
+    text::printable,
+};
 
 /// Code of one file mapped into the process: addresses `start..limit` map the file from
 /// `file_offset` on.
@@ -179,8 +182,9 @@ struct SymbolizerThread {
 
 impl SymbolizerThread {
     fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
+        // Names are demangled by `demangled`: blazesym's demangling takes any name for a C++ one.
         let symbolizer =
-            Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(true).build();
+            Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(false).build();
         Self { symbolizer, modules: HashMap::new(), cache: HashMap::new(), failures }
     }
 
@@ -238,9 +242,9 @@ impl SymbolizerThread {
         let modules = self.modules.get(&pid).map(Vec::as_slice).unwrap_or_default();
         modules
             .iter()
-            .filter(|m| m.mapping.executable && paths.contains(&m.mapping.path))
+            .filter(|m| m.mapping.executable && paths.contains(printable(&m.mapping.path).as_ref()))
             .map(|m| Module {
-                path: m.mapping.path.clone(),
+                path: printable(&m.mapping.path).into_owned(),
                 start: m.mapping.start,
                 limit: m.mapping.end,
                 file_offset: m.mapping.offset,
@@ -272,7 +276,8 @@ impl SymbolizerThread {
             return unknown(address, ANONYMOUS, address);
         };
         let file_offset = address - module.mapping.start + module.mapping.offset;
-        let path = &module.mapping.path;
+        // As frames name it (see `frames_of`).
+        let path = &printable(&module.mapping.path).into_owned();
         // A return address points after the call; the call itself is one byte earlier.
         let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
         let symbolize = |offset| self.symbolizer.symbolize_single(&source, Input::FileOffset(offset));
@@ -325,13 +330,13 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
     }
 }
 
-/// The frames of one address: inlined functions innermost first, then the function they sit in.
+/// The frames of one address (`module` already printable): inlined functions innermost first, then the function they sit in.
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
     let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| Frame {
         address: format!("{address:#x}"),
-        function: function.to_string(),
-        file: code_info.map(|info| info.file.to_string_lossy().into_owned()),
+        function: printable(&demangled(function)).into_owned(),
+        file: code_info.map(|info| printable(&info.file.to_string_lossy()).into_owned()),
         line: code_info.and_then(|info| info.line),
         module: module.to_string(),
         inlined,
@@ -339,4 +344,21 @@ fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
     frames
+}
+
+/// `name` demangled when it is a mangled name: Rust's (`_R`, or legacy `_ZN…17h<hash>E`) or C++'s
+/// (`_Z`). Anything else is a C name, kept as it is: a C++ demangler reads a lone `w` or `x` as
+/// the type `wchar_t` or `long long`.
+fn demangled(name: &str) -> String {
+    if name.starts_with("_R") || name.starts_with("_ZN") {
+        if let Ok(rust) = rustc_demangle::try_demangle(name) {
+            return format!("{rust:#}");
+        }
+    }
+    if name.starts_with("_Z") {
+        if let Some(cpp) = cpp_demangle::Symbol::new(name).ok().and_then(|symbol| symbol.demangle().ok()) {
+            return cpp;
+        }
+    }
+    name.to_string()
 }

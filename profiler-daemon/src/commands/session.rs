@@ -86,6 +86,7 @@ pub async fn run(
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
+    let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
     let (mapping_requests, requests) = tokio::sync::mpsc::unbounded_channel();

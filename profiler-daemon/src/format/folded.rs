@@ -3,7 +3,10 @@
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use crate::heap::report::{Report, StackReport};
+use crate::{
+    heap::report::{Report, StackReport},
+    text::printable,
+};
 
 /// The root frame of a stack the unwinder could not walk to its outermost frame.
 const TRUNCATED: &str = "[truncated]";
@@ -40,9 +43,10 @@ fn path(stack: &StackReport) -> String {
 }
 
 /// A function name that cannot break a line apart: `;` separates frames and a newline ends the
-/// line, so neither may appear inside one (Rust names like `[u8; 8]` contain `;`).
+/// line, so neither may appear inside one (Rust names like `[u8; 8]` contain `;`); no control
+/// character either, which the SVG drawn from these lines could not hold.
 fn frame_name(function: &str) -> String {
-    function.replace(';', ",").replace('\n', " ")
+    printable(function).replace(';', ",")
 }
 
 #[cfg(test)]

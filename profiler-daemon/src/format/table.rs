@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{heap::report::Report, symbolize::Frame};
+use crate::{heap::report::Report, symbolize::Frame, text::printable};
 
 /// The traced process's section, then each followed child's, each naming its parent.
 pub fn render(report: &Report) -> String {
@@ -124,20 +124,21 @@ fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool)
     }
 }
 
-/// `function (file:line) [module]`.
+/// `function (file:line) [module]`, safe to print (`diff` reads frames from any file).
 pub fn describe(frame: &Frame) -> String {
     let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
     let inlined = if frame.inlined { " [inlined]" } else { "" };
-    format!("{} [{module}]{inlined}", site(frame))
+    format!("{} [{}]{inlined}", site(frame), printable(module))
 }
 
-/// `function (file:line)`, or just `function` without debug info.
+/// `function (file:line)`, or just `function` without debug info; safe to print.
 pub fn site(frame: &Frame) -> String {
-    match (&frame.file, frame.line) {
+    let site = match (&frame.file, frame.line) {
         (Some(file), Some(line)) => format!("{} ({}:{line})", frame.function, file.rsplit('/').next().unwrap_or(file)),
         (Some(file), None) => format!("{} ({file})", frame.function),
         _ => frame.function.clone(),
-    }
+    };
+    printable(&site).into_owned()
 }
 
 fn bytes(n: u64) -> String {

@@ -2,7 +2,7 @@
 
 use std::{fs, io, os::unix::fs::MetadataExt};
 
-use crate::error::UserError;
+use crate::{error::UserError, text::printable};
 
 /// `PF_KTHREAD` in the flags field of `/proc/PID/stat`.
 const PF_KTHREAD: u64 = 0x0020_0000;
@@ -127,9 +127,9 @@ pub fn cgroup_path(dir: &str) -> String {
     format!("/{}", path.trim_start_matches('/'))
 }
 
-/// The process's command name, or "?" once it is gone.
+/// The process's command name, safe to print (any process names itself as it likes).
 pub fn comm(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| c.trim_end().to_string())
+    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| printable(c.trim_end_matches('\n')).into_owned())
 }
 
 /// The process's pid in its own pid namespace, when that is not memprof's (a container's process):
