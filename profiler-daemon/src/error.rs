@@ -18,8 +18,9 @@ pub enum UserError {
     Privileges { missing: String },
     #[error("this kernel lacks {0}; memprof needs Linux 5.8+ with CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS")]
     KernelSupport(&'static str),
-    #[error("cannot write the output file {path}: {source}; choose a writable path with --output")]
-    Output { path: PathBuf, source: std::io::Error },
+    /// Not a `source`: the message says the cause already.
+    #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]
+    Output { path: PathBuf, cause: std::io::Error },
     #[error("--format {0} writes binary data, which a terminal cannot show; add --output FILE")]
     BinaryToTerminal(&'static str),
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.

@@ -3,6 +3,7 @@
 
 pub mod diff;
 pub mod family;
+pub mod output;
 pub mod session;
 pub mod snapshot;
 pub mod target;

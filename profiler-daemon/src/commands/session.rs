@@ -1,23 +1,19 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
-use std::{
-    fs::File,
-    io::{self, Write},
-    num::NonZeroU32,
-    time::Duration,
-};
+use std::{io, num::NonZeroU32, time::Duration};
 
 use std::os::fd::AsFd as _;
 
 use anyhow::Context as _;
 use tokio::{
     io::unix::AsyncFd,
-    signal::unix::{signal, SignalKind},
+    signal::unix::{signal, Signal, SignalKind},
 };
 
 use crate::{
     cli::{TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
+    commands::output::ReportOutput,
     commands::target::{self, ExitWatch, MappingRequest},
     error::UserError,
     format::{self, Format},
@@ -31,7 +27,7 @@ use crate::{
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
 pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
-    let mut output = open_output(args)?;
+    let opened = Opened::open(args)?;
     let pid_n = pid.get();
     if pid_n == std::process::id() {
         return Err(UserError::SelfTrace.into());
@@ -63,7 +59,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let traced = trace(loaded, symbolizer, root, exit, None, args, &mut output).await?;
+    let traced = trace(loaded, symbolizer, root, exit, None, args, opened).await?;
     Ok(traced.code.unwrap_or(0))
 }
 
@@ -77,7 +73,7 @@ pub async fn run(
     args: &TraceArgs,
     fail_on_leak_bytes: Option<u64>,
 ) -> anyhow::Result<i32> {
-    let mut output = open_output(args)?;
+    let opened = Opened::open(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
     let allocator = allocator::for_command(&program)?;
@@ -102,8 +98,7 @@ pub async fn run(
     let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
     announce(pid, &comm, probes, &allocator);
     child.release();
-    let traced =
-        trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), Some(requests), args, &mut output).await?;
+    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), Some(requests), args, opened).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
             eprintln!(
@@ -135,13 +130,43 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator) {
     }
 }
 
-fn open_output(args: &TraceArgs) -> Result<Box<dyn Write>, UserError> {
-    format::check_destination(args.format(), args.output.as_deref())?;
-    match &args.output {
-        None => Ok(Box::new(io::stdout())),
-        Some(path) => File::create(path)
-            .map(|f| Box::new(f) as Box<dyn Write>)
-            .map_err(|source| UserError::Output { path: path.clone(), source }),
+/// What a session opens before anything else: where its reports go (checked before any probe is
+/// attached) and the signals that end it.
+struct Opened {
+    output: ReportOutput,
+    stop: StopSignals,
+}
+
+impl Opened {
+    fn open(args: &TraceArgs) -> anyhow::Result<Self> {
+        Ok(Self { output: ReportOutput::open(args.format(), args.output.as_deref())?, stop: StopSignals::new()? })
+    }
+}
+
+/// The signals that end a session with its final report: Ctrl-C, `kill`, a closed terminal or
+/// `kill -HUP`. Caught from the session's start: one that comes while probes are attached still
+/// ends it properly.
+struct StopSignals {
+    interrupt: Signal,
+    terminate: Signal,
+    hangup: Signal,
+}
+
+impl StopSignals {
+    fn new() -> io::Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+            hangup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+            _ = self.hangup.recv() => {}
+        }
     }
 }
 
@@ -291,8 +316,9 @@ async fn trace(
     mut exit: ExitWatch,
     mapping_requests: Option<tokio::sync::mpsc::UnboundedReceiver<MappingRequest>>,
     args: &TraceArgs,
-    output: &mut dyn Write,
+    opened: Opened,
 ) -> anyhow::Result<Traced> {
+    let Opened { mut output, mut stop } = opened;
     // Without a ptraced child no request comes: a closed channel that is never polled.
     let mut mapping_requests = mapping_requests.unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1);
     let mut requests_open = true;
@@ -312,16 +338,13 @@ async fn trace(
         start_ns: aggregate::monotonic_now_ns(),
         min_age_ns: (args.min_age * 1e9) as u64,
     };
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
     ticks.tick().await;
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
     let mut write = |report: Option<Report>| -> anyhow::Result<()> {
         if let Some(report) = report {
-            output.write_all(&format::render(&report, args.format()))?;
-            output.flush()?;
+            output.write_report(&format::render(&report, args.format()))?;
         }
         Ok(())
     };
@@ -361,8 +384,7 @@ async fn trace(
                 None => requests_open = false,
             },
             code = exit.exited() => break code,
-            _ = sigint.recv() => break exit.settle().await,
-            _ = sigterm.recv() => break exit.settle().await,
+            () = stop.recv() => break exit.settle().await,
             _ = &mut duration => break None,
         }
     };

@@ -14,8 +14,7 @@ use clap::Parser;
 
 use crate::{
     cli::{SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
-    commands::session,
-    error::UserError,
+    commands::{output::ReportFile, session},
     format::Format,
 };
 
@@ -27,8 +26,7 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
     let pid = args.pid.get();
     match from_daemon(&args.daemon, pid, format)? {
         Answer::Report(report) => {
-            std::fs::write(&args.output, report)
-                .map_err(|source| UserError::Output { path: args.output.clone(), source })?;
+            ReportFile::create(&args.output)?.write_report(&report)?;
             eprintln!(
                 "memprof: pid {pid} is traced by the daemon at {}: wrote its report to {}; it stays traced",
                 args.daemon,

@@ -1,0 +1,138 @@
+//! Where a session's reports go: standard output, or a file that only a complete report replaces.
+//!
+//! A report file is written beside its destination, unnamed (`O_TMPFILE`) where the file system
+//! allows it, and renamed over it once a report is complete, so an existing file stays as it was
+//! until then: a mistyped pid or a memprof killed midway leaves the previous report whole, never
+//! an empty or half-written one, and (unnamed) no leftover either. Streamed formats (table,
+//! JSON) go on appending through the same descriptor after the rename.
+
+use std::{
+    ffi::CString,
+    fs::{self, File, OpenOptions},
+    io::{self, Write as _},
+    os::{fd::AsRawFd as _, unix::ffi::OsStrExt as _, unix::fs::OpenOptionsExt as _},
+    path::{Path, PathBuf},
+};
+
+use crate::{
+    error::UserError,
+    format::{self, Format},
+};
+
+pub enum ReportOutput {
+    Stdout,
+    File(ReportFile),
+}
+
+pub struct ReportFile {
+    path: PathBuf,
+    temporary: PathBuf,
+    file: File,
+    /// The file has no name yet (`O_TMPFILE`): it gets `temporary` when it is placed.
+    unnamed: bool,
+    /// Renamed over `path`: a report is in it.
+    placed: bool,
+}
+
+impl ReportOutput {
+    /// Checks the destination and opens the temporary file; `path` itself is not touched yet.
+    pub fn open(format: Format, path: Option<&Path>) -> Result<Self, UserError> {
+        format::check_destination(format, path)?;
+        path.map_or(Ok(Self::Stdout), |path| ReportFile::create(path).map(Self::File))
+    }
+
+    /// Writes one complete report (a streamed format's next one, or the only one) and, for a
+    /// file, puts it in place.
+    pub fn write_report(&mut self, report: &[u8]) -> Result<(), UserError> {
+        match self {
+            Self::Stdout => {
+                let mut stdout = io::stdout().lock();
+                // A closed stdout (`| head`) ends memprof's output, not the trace.
+                stdout
+                    .write_all(report)
+                    .and_then(|()| stdout.flush())
+                    .or_else(ignore_closed_pipe)
+                    .map_err(|source| UserError::Output { path: "standard output".into(), cause: source })
+            }
+            Self::File(file) => file.write_report(report),
+        }
+    }
+}
+
+impl ReportFile {
+    /// Opens the temporary file beside `path`; `path` itself is not touched yet.
+    pub fn create(path: &Path) -> Result<Self, UserError> {
+        let error = |source| UserError::Output { path: path.to_path_buf(), cause: source };
+        let temporary = temporary_name(path).map_err(error)?;
+        let directory = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        let unnamed = OpenOptions::new().write(true).mode(0o666).custom_flags(libc::O_TMPFILE).open(directory);
+        let (file, unnamed) = match unnamed {
+            Ok(file) => (file, true),
+            // A file system without O_TMPFILE: a named temporary file.
+            Err(_) => (OpenOptions::new().write(true).create_new(true).open(&temporary).map_err(error)?, false),
+        };
+        Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false })
+    }
+
+    /// Appends a complete report and puts the file in place.
+    pub fn write_report(&mut self, report: &[u8]) -> Result<(), UserError> {
+        self.append(report).map_err(|source| UserError::Output { path: self.path.clone(), cause: source })
+    }
+
+    fn append(&mut self, report: &[u8]) -> io::Result<()> {
+        self.file.write_all(report)?;
+        // On disk before it replaces the old file: a full disk fails here, not after the rename.
+        self.file.sync_data()?;
+        if !self.placed {
+            if self.unnamed {
+                self.name()?;
+            }
+            fs::rename(&self.temporary, &self.path)?;
+            self.placed = true;
+        }
+        Ok(())
+    }
+
+    /// Gives the unnamed file its temporary name (a link cannot replace a file; a rename can).
+    fn name(&mut self) -> io::Result<()> {
+        let from = CString::new(format!("/proc/self/fd/{}", self.file.as_raw_fd()))?;
+        let to = CString::new(self.temporary.as_os_str().as_bytes())?;
+        // SAFETY: two NUL-terminated paths that outlive the call.
+        let linked = unsafe {
+            libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW)
+        };
+        if linked != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.unnamed = false;
+        Ok(())
+    }
+}
+
+impl Drop for ReportFile {
+    fn drop(&mut self) {
+        if !self.placed && !self.unnamed {
+            let _ = fs::remove_file(&self.temporary);
+        }
+    }
+}
+
+/// `.NAME.memprof-PID` in the destination's directory: a rename within one file system.
+fn temporary_name(path: &Path) -> io::Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file name"))?;
+    let mut temporary = std::ffi::OsString::from(".");
+    temporary.push(name);
+    temporary.push(format!(".memprof-{}", std::process::id()));
+    Ok(path.with_file_name(temporary))
+}
+
+fn ignore_closed_pipe(err: io::Error) -> io::Result<()> {
+    if err.kind() == io::ErrorKind::BrokenPipe {
+        Ok(())
+    } else {
+        Err(err)
+    }
+}

@@ -1,0 +1,125 @@
+//! Report files: an existing file is replaced only by a complete report, whatever happens to
+//! memprof; a signal that ends the session writes the final report; a full disk is said plainly.
+
+use std::{
+    fs,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use memprof_tests::{fixture, memprof, memprof_bin};
+
+/// A directory of its own per test: what is left in it besides the report is a leftover.
+fn directory(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memprof-outputs-{test}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+/// `memprof run --format html --output REPORT -- sleep 30`, once it says it is tracing.
+fn tracing_sleep(report: &Path) -> Child {
+    let mut memprof = Command::new(memprof_bin())
+        .args(["run", "--format", "html", "--output", report.to_str().unwrap(), "--", "sleep", "30"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    let mut stderr = BufReader::new(memprof.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("memprof: tracing") {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "memprof ended before tracing");
+    }
+    memprof
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+}
+
+#[test]
+fn a_failed_attach_leaves_the_previous_report_untouched() {
+    let dir = directory("failed");
+    let report = dir.join("report.json");
+    fs::write(&report, "previous").unwrap();
+    // A pid that cannot be a process's (the kernel's default pid_max is below it).
+    let outcome = memprof(&["attach", "--pid", "4194303", "--json", "--output", report.to_str().unwrap()]);
+    assert!(!outcome.status.success(), "{outcome:?}");
+    assert_eq!(fs::read_to_string(&report).unwrap(), "previous");
+    assert_eq!(entries(&dir), ["report.json"]);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn memprof_killed_midway_leaves_the_previous_report_whole_and_nothing_else() {
+    let dir = directory("killed");
+    let report = dir.join("report.html");
+    fs::write(&report, "previous").unwrap();
+    let mut memprof = tracing_sleep(&report);
+    signal(&memprof, libc::SIGKILL);
+    memprof.wait().unwrap();
+    assert_eq!(fs::read_to_string(&report).unwrap(), "previous");
+    assert_eq!(entries(&dir), ["report.html"]);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sigterm_and_sighup_end_the_session_with_its_final_report() {
+    for (name, number) in [("SIGTERM", libc::SIGTERM), ("SIGHUP", libc::SIGHUP)] {
+        let dir = directory(name);
+        let report = dir.join("report.html");
+        fs::write(&report, "previous").unwrap();
+        let mut memprof = tracing_sleep(&report);
+        signal(&memprof, number);
+        let status = memprof.wait().unwrap();
+        assert!(status.code().is_some(), "{name}: memprof died of the signal ({status})");
+        let html = fs::read_to_string(&report).unwrap();
+        assert!(html.trim_end().ends_with("</html>"), "{name}: an incomplete page: {html}");
+        assert_eq!(entries(&dir), ["report.html"], "{name}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// A file system too small for the report: memprof says so in one line, exits non-zero, and the
+/// previous report stays.
+#[test]
+fn a_full_disk_is_reported_and_the_previous_report_kept() {
+    let dir = directory("full");
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=16k", "tmpfs"]).arg(&dir).status().unwrap();
+    assert!(mounted.success(), "mounting a small tmpfs");
+    let report = dir.join("report.html");
+    fs::write(&report, "previous").unwrap();
+    let outcome = memprof(&[
+        "run",
+        "--format",
+        "html",
+        "--output",
+        report.to_str().unwrap(),
+        "--",
+        fixture("reports").to_str().unwrap(),
+    ]);
+    let kept = fs::read_to_string(&report).unwrap();
+    let left = entries(&dir);
+    assert!(Command::new("umount").arg(&dir).status().unwrap().success());
+    fs::remove_dir_all(&dir).unwrap();
+    assert!(!outcome.status.success(), "{outcome:?}");
+    let error = outcome.stderr.lines().last().unwrap();
+    assert!(
+        error.starts_with("memprof: error: cannot write the output file") && error.contains("No space left on device"),
+        "{}",
+        outcome.stderr
+    );
+    assert_eq!(error.matches("No space left").count(), 1, "said once: {error}");
+    assert_eq!(kept, "previous");
+    assert_eq!(left, ["report.html"]);
+}
