@@ -30,7 +30,9 @@ use profiler_common::AllocFn;
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
 #[uprobe]
 pub fn alloc_entry(ctx: ProbeContext) -> u32 {
-    entry(&ctx);
+    if process::probed() {
+        entry(&ctx);
+    }
     0
 }
 
@@ -60,7 +62,8 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
     // after the function returned.
     let (ip, func_ip) = unsafe { ((*ctx.regs).rip, bpf_get_func_ip(ctx.as_ptr())) };
     if ip == func_ip {
-        return u32::from(!entry(&ctx));
+        // Another process than a traced one, on a shared link: its return is skipped too.
+        return u32::from(!(process::probed() && entry(&ctx)));
     }
     record::on_return(&RetProbeContext::new(ctx.as_ptr()));
     0
@@ -99,7 +102,8 @@ fn product(n: u64, size: u64) -> u64 {
     (cross << 32).saturating_add(n_lo * s_lo)
 }
 
-/// One return program serves every allocator function: `INFLIGHT` says which one returned.
+/// One return program serves every allocator function: `INFLIGHT` says which one returned (and
+/// has nothing for a call whose entry was not recorded, as for a process not traced).
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     record::on_return(&ctx);
@@ -110,6 +114,9 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
 /// `operator delete`, `mi_free`, `__rg_dealloc`, ...).
 #[uprobe]
 pub fn free(ctx: ProbeContext) -> u32 {
+    if !process::probed() {
+        return 0;
+    }
     // SAFETY: the context is the running probe's.
     let wrapper = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } == profiler_common::FREE_WRAPPER;
     record::on_free(&ctx, arg(&ctx, 0), wrapper);
@@ -128,7 +135,9 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
 /// unmaps libraries (at start, dlopen, dlclose): the daemon reads the new mappings' unwind tables.
 #[uprobe]
 pub fn mappings_changed(_ctx: ProbeContext) -> u32 {
-    unwind::on_mappings_changed();
+    if process::probed() {
+        unwind::on_mappings_changed();
+    }
     0
 }
 

@@ -8,7 +8,7 @@
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
     Global,
 };
@@ -19,6 +19,12 @@ use crate::shared::{add, NO_PREALLOC};
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Set (to 1) by the daemon before it first attaches links shared by every process that maps a
+/// file (pid 0): from then on the probes return at once for a process not in `TRACED`. Until
+/// then every link fires for its own process only, and the probes skip the hash lookup (an
+/// array's lookup is inlined).
+#[map]
+static SHARED_LINKS: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 /// Events `PROCESS_EVENTS` had no room for.
@@ -31,6 +37,18 @@ static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: Global<u32> = Global::new(0);
+
+/// Whether the probes are to record the current process: not when it hit a shared link without
+/// being traced. The first thing every probe asks, so that another process on the host pays
+/// only its trap and this lookup.
+#[inline(always)]
+pub fn probed() -> bool {
+    if SHARED_LINKS.get(0).is_none_or(|shared| *shared == 0) {
+        return true;
+    }
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    unsafe { TRACED.get(tgid) }.is_some()
+}
 
 fn emit(kind: u32, tgid: u32, child: u32) {
     let event = ProcessEvent { kind, tgid, child, _pad: 0 };

@@ -5,7 +5,6 @@
 use std::{
     collections::{BTreeMap, HashSet},
     num::NonZeroU32,
-    thread::JoinHandle,
 };
 
 use profiler_common::process_event;
@@ -94,7 +93,6 @@ pub struct Family {
     settings: (Sampling, LeakSettings),
     /// Exited children whose map entries go at the next `flush`: one walk of the maps for all.
     gone: HashSet<u32>,
-    detaching: Vec<JoinHandle<()>>,
     /// Where each child's exit watcher sends its pid.
     exits: mpsc::UnboundedSender<u32>,
 }
@@ -114,7 +112,6 @@ impl Family {
             follow_forks,
             settings,
             gone: HashSet::new(),
-            detaching: Vec::new(),
             exits,
         }
     }
@@ -298,8 +295,7 @@ impl Family {
             Some(report) if self.exited.len() < KEPT_EXITED => self.exited.push(report),
             _ => self.forks.exited_not_listed += 1,
         }
-        self.detaching.retain(|handle| !handle.is_finished());
-        self.detaching.push(loaded.detach_in_background(process.attachment));
+        loaded.detach_in_background(process.attachment);
         self.gone.insert(pid);
     }
 
@@ -314,11 +310,10 @@ impl Family {
     }
 
     /// Detaches every probe and waits for it; the maps go with the programs.
-    pub fn finish(mut self, loaded: &mut Loaded) {
-        let mut handles = std::mem::take(&mut self.detaching);
-        handles.extend(self.processes.into_values().map(|p| loaded.detach_in_background(p.attachment)));
-        for handle in handles {
-            let _ = handle.join();
+    pub fn finish(self, loaded: &mut Loaded) {
+        for process in self.processes.into_values() {
+            loaded.detach_in_background(process.attachment);
         }
+        loaded.wait_detached();
     }
 }

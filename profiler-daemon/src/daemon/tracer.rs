@@ -91,8 +91,6 @@ pub struct Tracer {
     /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
     pending_children: HashSet<ProcessId>,
     view: Arc<RwLock<DaemonView>>,
-    /// Probes of exited processes being detached in the background.
-    detaching: Vec<std::thread::JoinHandle<()>>,
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -103,6 +101,9 @@ impl Tracer {
         let mut loaded = loader::load(config.maps, config.interval)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
+        // Rules match any number of processes: one set of links per allocator file, whatever
+        // their number (see README, "Probe links").
+        loaded.share_links = true;
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
@@ -119,7 +120,6 @@ impl Tracer {
             children_missed: 0,
             pending_children: HashSet::new(),
             view,
-            detaching: Vec::new(),
             alive,
         })
     }
@@ -158,11 +158,10 @@ impl Tracer {
         }
         // Every target at once: their links, closed together, share the kernel's grace periods.
         // Nothing is purged, since the maps go with the programs.
-        let stopping: Vec<_> =
-            self.targets.drain().map(|(_, target)| self.loaded.detach_in_background(target.attachment)).collect();
-        for detaching in self.detaching.drain(..).chain(stopping) {
-            let _ = detaching.join();
+        for (_, target) in self.targets.drain() {
+            self.loaded.detach_in_background(target.attachment);
         }
+        self.loaded.wait_detached();
     }
 
     fn reload(&mut self, config: Config) {
@@ -362,8 +361,7 @@ impl Tracer {
             self.loaded.detach(target.attachment);
         } else {
             // Exited: nothing fires any more, and discovery need not wait for the detach.
-            self.detaching.retain(|handle| !handle.is_finished());
-            self.detaching.push(self.loaded.detach_in_background(target.attachment));
+            self.loaded.detach_in_background(target.attachment);
         }
         self.loaded.forget_exited(&HashSet::from([pid]));
         self.symbolizer.forget(pid);

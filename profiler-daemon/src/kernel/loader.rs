@@ -17,9 +17,11 @@ use crate::{
     kernel::ages::{AgeBook, Clock},
     kernel::aggregate,
     kernel::btf,
+    kernel::detacher::Detacher,
     kernel::events::{self, ProcessEvents},
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::settings::LoadSettings,
+    kernel::shared::SharedLinks,
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
     process::procfs,
@@ -54,6 +56,12 @@ pub struct Loaded {
     pub process_events: ProcessEvents,
     /// Whether the processes attached from now on report their forks (`--follow-forks`).
     pub follow_forks: bool,
+    /// Whether the processes attached from now on share links with every traced process that
+    /// maps the same file (see `shared`), rather than get links of their own.
+    pub share_links: bool,
+    shared: SharedLinks,
+    /// Detaches the probes of processes that exited.
+    detacher: Option<Detacher>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -124,6 +132,9 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         mapping_stops_taken: HashMap::new(),
         process_events,
         follow_forks: false,
+        share_links: false,
+        shared: SharedLinks::default(),
+        detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
     })
 }
 
@@ -143,15 +154,52 @@ impl Loaded {
     /// per allocation function (its `AllocFn` as cookie), the free probe and the dynamic linker's.
     ///
     /// Return probes go first: an entry probe that fires before its return probe exists would
-    /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
+    /// leave in-flight state behind that nothing clears. The process is in `TRACED` first, as
+    /// shared links that exist already record it from then on. On failure nothing stays attached.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        let mut attachment = self.attach_allocator(allocator, pid)?;
+        self.track(pid.get())?;
+        let mut attachment = match self.attach_allocator(allocator, pid) {
+            Ok(attachment) => attachment,
+            Err(err) => {
+                self.forget_exited(&HashSet::from([pid.get()]));
+                return Err(err);
+            }
+        };
         self.attach_dl_hook(&mut attachment, pid);
-        if let Err(err) = self.track(pid.get()) {
-            self.take_back(attachment, pid);
-            return Err(err);
-        }
         Ok(attachment)
+    }
+
+    /// Whether `pid` gets shared links: under `share_links`, and for a process whose main thread
+    /// has exited (pthread_exit), which a link's pid filter cannot name any more (the kernel
+    /// compares the leader's memory, which is gone). Perf-event uprobes stay per process.
+    fn shares(&self, pid: NonZeroU32) -> bool {
+        self.method != Method::PerfEvents && (self.share_links || procfs::leader_exited(pid.get()))
+    }
+
+    /// Attaches program `name` at `points` of the file at `path` for `pid`: links of its own, or
+    /// its share of the links every traced process mapping the file uses (see `shares`).
+    fn add_probes(
+        &mut self,
+        attachment: &mut Attachment,
+        name: &'static str,
+        path: &Path,
+        points: &[Point],
+        pid: NonZeroU32,
+    ) -> anyhow::Result<()> {
+        let shares = self.shares(pid);
+        let (ebpf, method) = (&mut self.ebpf, self.method);
+        if !shares {
+            return attachment.add(ebpf, method, name, path, points, Some(pid));
+        }
+        // Before the first shared link exists: it fires for every process mapping the file.
+        set_shared_links_used(ebpf)?;
+        let links = self.shared.get_or_attach(path, name, points, || {
+            let mut links = Attachment::default();
+            links.add(ebpf, method, name, path, points, None)?;
+            Ok(links)
+        })?;
+        attachment.share(links);
+        Ok(())
     }
 
     /// Detaches `attachment` and forgets what the maps hold about `pid`: after an attach that
@@ -175,12 +223,12 @@ impl Loaded {
                 .iter()
                 .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
                 .collect();
-            let programs: &[(&str, &[Point])] = match self.method {
+            let programs: &[(&'static str, &[Point])] = match self.method {
                 Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
                 _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
             };
             for &(name, points) in programs {
-                if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, &file.attach_path, points, pid) {
+                if let Err(err) = self.add_probes(&mut attachment, name, &file.attach_path, points, pid) {
                     self.take_back(attachment, pid);
                     return Err(err);
                 }
@@ -214,12 +262,13 @@ impl Loaded {
     /// Removes everything memprof holds about `pids`, which have exited (or were detached while
     /// running): map entries, unwind tables, ages, process-event tracking.
     pub fn forget_exited(&mut self, pids: &HashSet<u32>) {
-        self.forget_state(pids);
+        // Out of `TRACED` first: shared links stop recording a process still running.
         if let Some(Ok(mut traced)) = self.ebpf.map_mut("TRACED").map(aya::maps::HashMap::<_, u32, u32>::try_from) {
             for pid in pids {
                 let _ = traced.remove(pid);
             }
         }
+        self.forget_state(pids);
         for pid in pids {
             self.mapping_stops_taken.remove(pid);
         }
@@ -320,21 +369,53 @@ impl Loaded {
             .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
             .and_then(|offset| {
                 let hook = [Point { offset, cookie: 0 }];
-                attachment.add(&mut self.ebpf, self.method, MAPPINGS_PROGRAM, path, &hook, pid)
+                self.add_probes(attachment, MAPPINGS_PROGRAM, path, &hook, pid)
             });
         if let Err(err) = attached {
             tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}");
         }
     }
 
-    /// Detaches one process's probes (see `probes` for what it costs).
+    /// Detaches one process's probes (see `probes` for what it costs), with the shared links no
+    /// other traced process uses.
     pub fn detach(&mut self, attachment: Attachment) {
-        drop(attachment);
+        drop(self.release(attachment));
     }
 
-    /// Detaches one process's probes on a thread of its own, for a process that has exited or
-    /// when memprof stops: the caller goes on at once. Join the handle before exiting.
-    pub fn detach_in_background(&mut self, attachment: Attachment) -> std::thread::JoinHandle<()> {
-        std::thread::spawn(move || drop(attachment))
+    /// Detaches one process's probes on the detacher thread, for a process that has exited or
+    /// when memprof stops: the caller goes on at once (`wait_detached` waits for them).
+    pub fn detach_in_background(&mut self, attachment: Attachment) {
+        let own = self.release(attachment);
+        if let Some(detacher) = &self.detacher {
+            detacher.detach(own);
+        }
     }
+
+    /// Returns once every probe detached in the background is gone.
+    pub fn wait_detached(&mut self) {
+        if let Some(detacher) = self.detacher.take() {
+            detacher.finish();
+        }
+    }
+
+    /// Takes `attachment`'s share of shared links out of it, and detaches at once the shared
+    /// links no traced process uses any more: before anything new is attached, so that a file's
+    /// old and new links never both fire. Returns the process's own links.
+    fn release(&mut self, mut attachment: Attachment) -> Attachment {
+        attachment.unshare();
+        let mut unused = Attachment::default();
+        for links in self.shared.take_unused() {
+            unused.merge(links);
+        }
+        drop(unused);
+        attachment
+    }
+}
+
+/// Makes the programs return at once for processes not in `TRACED` (see `shared`).
+fn set_shared_links_used(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let mut used: aya::maps::Array<_, u32> =
+        aya::maps::Array::try_from(ebpf.map_mut("SHARED_LINKS").context("map SHARED_LINKS missing")?)?;
+    used.set(0, 1, 0)?;
+    Ok(())
 }

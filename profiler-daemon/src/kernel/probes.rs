@@ -10,6 +10,7 @@ use std::{
     num::NonZeroU32,
     os::fd::{AsFd as _, OwnedFd},
     path::Path,
+    sync::{Arc, Mutex},
 };
 
 use anyhow::Context as _;
@@ -108,13 +109,15 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe>
         .with_context(|| format!("program {name} is not a uprobe"))
 }
 
-/// The probes attached to one process. Dropping it detaches them: entry probes before return
-/// probes, since an entry probe left without its return probe would leave in-flight state that
-/// nothing clears.
+/// The probes attached to one process: its own links, and its share of links every traced
+/// process that maps a file uses (see `shared`). Dropping it detaches its own links: entry probes
+/// before return probes, since an entry probe left without its return probe would leave
+/// in-flight state that nothing clears.
 #[derive(Debug, Default)]
 pub struct Attachment {
     links: Vec<Link>,
     probes: usize,
+    shared: Vec<Arc<Attachment>>,
 }
 
 /// Attached probes: detached when dropped.
@@ -133,19 +136,31 @@ enum Probes {
 }
 
 impl Attachment {
-    /// How many probes are attached (offsets, not links).
+    /// How many probes fire for the process (offsets, not links), shared ones included.
     pub fn probes(&self) -> usize {
-        self.probes
+        self.probes + self.shared.iter().map(|shared| shared.probes()).sum::<usize>()
     }
 
     /// Takes over `other`'s probes: they are detached with these.
     pub fn merge(&mut self, mut other: Attachment) {
         self.links.append(&mut other.links);
         self.probes += std::mem::take(&mut other.probes);
+        self.shared.append(&mut other.shared);
     }
 
-    /// Attaches program `name` at `points` of the file at `path`, for process `pid` only: at the
-    /// functions' return if the program is a uretprobe.
+    /// Makes `links`, shared with other processes, part of this process's probes.
+    pub fn share(&mut self, links: Arc<Attachment>) {
+        self.shared.push(links);
+    }
+
+    /// Gives up this process's share of links shared with others (see `shared::SharedLinks`).
+    pub fn unshare(&mut self) {
+        self.shared.clear();
+    }
+
+    /// Attaches program `name` at `points` of the file at `path`, for process `pid` only, or for
+    /// every process with `None` (uprobe_multi links only): at the functions' return if the
+    /// program is a uretprobe.
     pub fn add(
         &mut self,
         ebpf: &mut Ebpf,
@@ -153,7 +168,7 @@ impl Attachment {
         name: &str,
         path: &Path,
         points: &[Point],
-        pid: NonZeroU32,
+        pid: Option<NonZeroU32>,
     ) -> anyhow::Result<()> {
         let program = program(ebpf, name)?;
         let at_return = matches!(program.kind(), ProbeKind::Return);
@@ -165,11 +180,13 @@ impl Attachment {
                     (_, true) => Fires::AtReturn,
                     (_, false) => Fires::AtEntry,
                 };
-                let link = uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid.get())
-                    .with_context(context)?;
+                let pid = pid.map_or(0, NonZeroU32::get);
+                let link =
+                    uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
                 self.links.push(Link { probes: Probes::Multi(link), at_return });
             }
             Method::PerfEvents => {
+                let pid = pid.context("perf-event uprobes are attached per process")?;
                 for point in points {
                     let location = UProbeAttachLocation::AbsoluteOffset(point.offset);
                     let at = UProbeAttachPoint { location, cookie: Some(point.cookie) };
@@ -196,18 +213,31 @@ impl Drop for Attachment {
     }
 }
 
+/// Threads that close uprobe_multi links together. A fixed few: each close walks every process
+/// that maps the file under the kernel's locks, so more threads only wait on each other (a
+/// thread per link made the daemon run 1,270 threads when it stopped).
+const CLOSERS: usize = 8;
+
 /// Detaches `links`, and returns when all are detached.
 fn detach_together(links: Vec<Link>) {
+    let mut multi = Vec::new();
+    for link in links {
+        match link.probes {
+            Probes::Multi(fd) => multi.push(fd),
+            // Perf events are torn down one at a time under a kernel mutex, whatever the threads.
+            Probes::PerfEvent(link) => drop(link),
+        }
+    }
+    // Links closed at once share their grace periods: a few threads close them.
+    let queue = Mutex::new(multi);
+    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
     std::thread::scope(|scope| {
-        for link in links {
-            match link.probes {
-                // Links closed at once share their grace periods: one thread each.
-                Probes::Multi(fd) => {
-                    scope.spawn(move || drop(fd));
+        for _ in 0..CLOSERS.min(queue.lock().map_or(0, |q| q.len())) {
+            scope.spawn(|| {
+                while let Some(fd) = next() {
+                    drop(fd);
                 }
-                // Perf events are torn down one at a time under a kernel mutex, whatever the threads.
-                Probes::PerfEvent(link) => drop(link),
-            }
+            });
         }
     });
 }

@@ -52,7 +52,7 @@ struct LinkCreateAttr {
 }
 
 /// One probe: where in the file, and the cookie its program reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Point {
     /// A file offset, as uprobes take them (not a virtual address).
     pub offset: u64,

@@ -34,7 +34,14 @@ pub struct Stat {
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = task_stat(&format!("/proc/{pid}"))?;
+    // A main thread that called pthread_exit is a zombie while its threads run on.
+    Some(Stat { zombie: stat.zombie && live_thread(pid).is_none(), ..stat })
+}
+
+/// `/proc/PID/stat` of the process or one of its threads, read from `dir`.
+fn task_stat(dir: &str) -> Option<Stat> {
+    let text = fs::read_to_string(format!("{dir}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields resume after the last ')'.
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
     // Numbered as in proc(5): state is field 3, flags 9, starttime 22.
@@ -48,9 +55,34 @@ pub fn stat(pid: u32) -> Option<Stat> {
     })
 }
 
+/// Where to read what a process's threads share (memory map, executable, root, environment):
+/// `/proc/PID`, unless its main thread has exited (pthread_exit) while others run. Such a
+/// leader keeps the pid, but its maps, exe and root read empty; a live thread's directory reads
+/// them.
+fn dir(pid: u32) -> String {
+    let leader = format!("/proc/{pid}");
+    if !task_stat(&leader).is_some_and(|stat| stat.zombie) {
+        return leader;
+    }
+    live_thread(pid).map_or(leader, |tid| format!("/proc/{pid}/task/{tid}"))
+}
+
+/// Whether the main thread of `pid` has exited (pthread_exit) while other threads run on.
+pub fn leader_exited(pid: u32) -> bool {
+    task_stat(&format!("/proc/{pid}")).is_some_and(|stat| stat.zombie) && live_thread(pid).is_some()
+}
+
+/// A thread of `pid` other than its exited main thread that has not exited.
+fn live_thread(pid: u32) -> Option<u32> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks
+        .filter_map(|task| task.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&tid| tid != pid && task_stat(&format!("/proc/{pid}/task/{tid}")).is_some_and(|stat| !stat.zombie))
+}
+
 /// Resident memory of the process, in bytes.
 pub fn resident_bytes(pid: u32) -> u64 {
-    let statm = fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
+    let statm = fs::read_to_string(format!("{}/statm", dir(pid))).unwrap_or_default();
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
     statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * page
@@ -59,7 +91,7 @@ pub fn resident_bytes(pid: u32) -> u64 {
 /// Anonymous resident memory of the process (`RssAnon` in `/proc/PID/status`), in bytes; none
 /// once it has exited.
 pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let status = fs::read_to_string(format!("{}/status", dir(pid))).ok()?;
     status
         .lines()
         .find_map(|line| line.strip_prefix("RssAnon:"))
@@ -150,15 +182,16 @@ fn parse_ns_pid(status: &str) -> Option<u32> {
 /// The executable's path as the process sees it, by the name it was started as (see
 /// `launch_name`).
 pub fn exe_path(pid: u32) -> Option<String> {
-    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok()?.to_string_lossy().into_owned();
+    let exe = fs::read_link(format!("{}/exe", dir(pid))).ok()?.to_string_lossy().into_owned();
     Some(launch_name(pid, &exe).unwrap_or(exe))
 }
 
 /// Every file-backed mapping of the process, in address order; the executable's by the name it
 /// was started as (see `launch_name`).
 pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
-    let mut mappings = parse_maps(&fs::read_to_string(format!("/proc/{pid}/maps"))?);
-    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
+    let dir = dir(pid);
+    let mut mappings = parse_maps(&fs::read_to_string(format!("{dir}/maps"))?);
+    let exe = fs::read_link(format!("{dir}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
     if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
         for mapping in mappings.iter_mut().filter(|m| m.path == exe) {
             mapping.path = name.clone();
@@ -172,13 +205,14 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
 /// reports, but users know the program by the name they ran. `None` when the names agree or
 /// `argv[0]` does not lead to `exe`.
 fn launch_name(pid: u32, exe: &str) -> Option<String> {
-    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let dir = dir(pid);
+    let cmdline = fs::read(format!("{dir}/cmdline")).ok()?;
     let argv0 = String::from_utf8_lossy(cmdline.split(|&b| b == 0).next()?).into_owned();
     // A process that retitles itself (redis, postgres) writes its title over argv: the program's
     // name stays in front, followed by a space.
     let candidates = [argv0.as_str(), argv0.split(' ').next().unwrap_or_default()];
-    let root = format!("/proc/{pid}/root");
-    let target = fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+    let root = format!("{dir}/root");
+    let target = fs::metadata(format!("{dir}/exe")).ok()?;
     let same_file = |path: &str| {
         fs::metadata(format!("{root}{path}"))
             .is_ok_and(|found| (found.dev(), found.ino()) == (target.dev(), target.ino()))
@@ -186,7 +220,7 @@ fn launch_name(pid: u32, exe: &str) -> Option<String> {
     let base = |path: &str| path.rsplit('/').next().unwrap_or_default().to_string();
     let found = candidates.iter().filter(|name| !name.is_empty()).find_map(|name| {
         if name.contains('/') {
-            let cwd = fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
+            let cwd = fs::read_link(format!("{dir}/cwd")).ok()?;
             let path = if name.starts_with('/') { name.to_string() } else { format!("{}/{name}", cwd.display()) };
             same_file(&path).then_some(path)
         } else {
@@ -199,7 +233,7 @@ fn launch_name(pid: u32, exe: &str) -> Option<String> {
 
 /// The value of `name` in the process's environment.
 fn env(pid: u32, name: &str) -> Option<String> {
-    let environ = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let environ = fs::read(format!("{}/environ", dir(pid))).ok()?;
     let prefix = format!("{name}=");
     environ
         .split(|&b| b == 0)
@@ -227,7 +261,7 @@ impl FileMapping {
     /// `map_files` link always reaches the very inode mapped; the path under `/proc/PID/root` is
     /// the fallback for kernels that restrict `map_files`.
     pub fn reachable_paths(&self, pid: u32) -> [String; 2] {
-        [format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end), format!("/proc/{pid}/root{}", self.path)]
+        [format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end), format!("{}/root{}", dir(pid), self.path)]
     }
 }
 
