@@ -193,6 +193,9 @@ impl Loaded {
         }
         // Before the first shared link exists: it fires for every process mapping the file.
         set_shared_links_used(ebpf)?;
+        // Every process attached from now on shares: one with links of its own would have its
+        // calls seen twice, by its links and by the shared ones.
+        self.share_links = true;
         let links = self.shared.get_or_attach(path, name, points, || {
             let mut links = Attachment::default();
             links.add(ebpf, method, name, path, points, None)?;
