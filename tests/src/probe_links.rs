@@ -24,7 +24,12 @@ pub fn probing(target: u32) -> Vec<ProbeLink> {
     all().into_iter().filter(|(_, probed)| *probed == target).map(|(link, _)| link).collect()
 }
 
-/// Every uprobe link held by any process, with the pid it probes.
+/// The links `holder` shares among every process that maps a file (pid 0): the daemon's.
+pub fn shared(holder: u32) -> Vec<ProbeLink> {
+    all().into_iter().filter(|(link, probed)| *probed == 0 && link.holder == holder).map(|(link, _)| link).collect()
+}
+
+/// Every uprobe link held by any process, with the pid it probes (0 for every process).
 pub fn all() -> Vec<(ProbeLink, u32)> {
     let mut links = Vec::new();
     let Ok(processes) = fs::read_dir("/proc") else { return links };

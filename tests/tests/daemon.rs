@@ -26,8 +26,8 @@ fn target() -> Waiting {
     Waiting::start(&fixture("daemon_target"), &[])
 }
 
-/// A process's probes as memprof attaches them where the kernel has uprobe_multi links, all held
-/// by `holder`: one link per program, for free, the dynamic linker's hook, and the allocation
+/// A file's probes as memprof attaches them where the kernel has uprobe_multi links, all held by
+/// `holder`: one link per program, for free, the dynamic linker's hook, and the allocation
 /// functions: one uprobe session link for their entries and returns (Linux 6.12+, as here), or
 /// an entry link and a return link.
 fn assert_one_link_per_program(links: &[ProbeLink], holder: u32) {
@@ -79,7 +79,8 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
     let mut late = target();
     daemon.wait_traced(late.pid());
-    assert_one_link_per_program(&probe_links::probing(late.pid()), daemon.child.id());
+    // One set of links per file, shared by every process the rules match.
+    assert_one_link_per_program(&probe_links::shared(daemon.child.id()), daemon.child.id());
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(
         metrics.contains(&format!("memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}} 1", late.pid())),
@@ -96,8 +97,8 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let _ = late.child.kill();
     let _ = late.child.wait();
     wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
-    // Its links are closed in the background: none is left behind.
-    wait_for(5, "its probes to be detached", || probe_links::probing(pid as u32).is_empty().then_some(()));
+    // No traced process uses the shared links any more: none is left behind.
+    wait_for(5, "the probes to be detached", || probe_links::shared(daemon.child.id()).is_empty().then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
     for map in ["live", "stack_stats", "stacks", "free_stacks"] {
