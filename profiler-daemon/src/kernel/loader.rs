@@ -60,6 +60,8 @@ pub struct Loaded {
     /// maps the same file (see `shared`), rather than get links of their own.
     pub share_links: bool,
     shared: SharedLinks,
+    /// Whether a process got links of its own in this session (see `shares`).
+    own_links: bool,
     /// Detaches the probes of processes that exited.
     detacher: Option<Detacher>,
 }
@@ -134,6 +136,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         follow_forks: false,
         share_links: false,
         shared: SharedLinks::default(),
+        own_links: false,
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
     })
 }
@@ -171,9 +174,22 @@ impl Loaded {
 
     /// Whether `pid` gets shared links: under `share_links`, and for a process whose main thread
     /// has exited (pthread_exit), which a link's pid filter cannot name any more (the kernel
-    /// compares the leader's memory, which is gone). Perf-event uprobes stay per process.
-    fn shares(&self, pid: NonZeroU32) -> bool {
-        self.method != Method::PerfEvents && (self.share_links || procfs::leader_exited(pid.get()))
+    /// compares the leader's memory, which is gone). Perf-event uprobes stay per process. A
+    /// process cannot share where others have links of their own: the shared links would see
+    /// their calls a second time.
+    fn shares(&self, pid: NonZeroU32) -> anyhow::Result<bool> {
+        if self.method == Method::PerfEvents {
+            return Ok(false);
+        }
+        if self.share_links || !procfs::leader_exited(pid.get()) {
+            return Ok(self.share_links);
+        }
+        anyhow::ensure!(
+            !self.own_links,
+            "pid {pid}'s main thread has exited, so it can only be traced by links shared with every process, \
+             and this session's other processes have links of their own: trace it on its own (memprof attach --pid {pid})"
+        );
+        Ok(true)
     }
 
     /// Attaches program `name` at `points` of the file at `path` for `pid`: links of its own, or
@@ -186,9 +202,10 @@ impl Loaded {
         points: &[Point],
         pid: NonZeroU32,
     ) -> anyhow::Result<()> {
-        let shares = self.shares(pid);
+        let shares = self.shares(pid)?;
         let (ebpf, method) = (&mut self.ebpf, self.method);
         if !shares {
+            self.own_links = true;
             return attachment.add(ebpf, method, name, path, points, Some(pid));
         }
         // Before the first shared link exists: it fires for every process mapping the file.
