@@ -67,6 +67,36 @@ fn bpf_objects(pid: u32) -> Vec<(&'static str, u32)> {
     objects
 }
 
+/// CPU time the kernel spent in system mode, all CPUs (`/proc/stat`), and `pid`'s user and system
+/// time (`/proc/PID/stat`), in seconds.
+fn cpu_seconds(pid: u32) -> (f64, f64) {
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let system: f64 = stat.lines().next().unwrap().split_whitespace().nth(3).unwrap().parse().unwrap();
+    let own = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<f64> =
+        own.rsplit_once(')').unwrap().1.split_whitespace().skip(11).take(2).map(|f| f.parse().unwrap()).collect();
+    (system / tick, (fields[0] + fields[1]) / tick)
+}
+
+/// `pid`'s resident memory and the memory of the BPF maps it holds (fdinfo's `memlock`), in MiB.
+fn memory_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss_kib: f64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").parse().unwrap();
+    let mut maps = 0.0;
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy()));
+        let info = info.unwrap_or_default();
+        if info.contains("map_id:") {
+            maps +=
+                info.lines().find_map(|l| l.strip_prefix("memlock:")).map_or(0.0, |m| m.trim().parse().unwrap_or(0.0));
+        }
+    }
+    (rss_kib / 1024.0, maps / (1024.0 * 1024.0))
+}
+
 /// Whether the kernel still has BPF object `kind` (`prog`, `map`, `link`) number `id`.
 fn bpf_object_exists(kind: &str, id: u32) -> bool {
     let id = id.to_string();
@@ -96,6 +126,7 @@ fn a_thousand_processes_are_traced_and_let_go() {
     let mut untraced = Waiting::start(&fixture("malloc_loop"), &["--pairs=100000"]);
 
     let started = Instant::now();
+    let system_before = cpu_seconds(std::process::id()).0;
     let mut daemon = Daemon::start(&["--comm", "^scale_target$", "--max-targets", &n.to_string()]);
     // Read as it comes: a thousand lines of log would fill the pipe and block the daemon.
     let mut stderr = daemon.child.stderr.take().unwrap();
@@ -109,6 +140,11 @@ fn a_thousand_processes_are_traced_and_let_go() {
         wanted.is_subset(&daemon.traced_pids().into_iter().collect()).then_some(())
     });
     let attached = started.elapsed();
+    let (system_attached, daemon_attached) = cpu_seconds(daemon.child.id());
+    // At rest: every target attached, each making its 10 allocations a second.
+    std::thread::sleep(Duration::from_secs(5));
+    let daemon_rest = cpu_seconds(daemon.child.id()).1 - daemon_attached;
+    let (rss, maps) = memory_mib(daemon.child.id());
 
     let sample: Vec<u32> = pids.iter().step_by((n / 5).max(1)).copied().collect();
     for &pid in &sample {
@@ -131,16 +167,23 @@ fn a_thousand_processes_are_traced_and_let_go() {
     let objects = bpf_objects(daemon.child.id());
     assert!(objects.iter().any(|&(kind, _)| kind == "link"), "{objects:?}");
     let stopping = Instant::now();
+    let system_stopping = cpu_seconds(std::process::id()).0;
     daemon.signal(libc::SIGTERM);
     let status = daemon.child.wait().unwrap();
     let stopped = stopping.elapsed();
+    let system_stopped = cpu_seconds(std::process::id()).0;
     let log = log.join().unwrap();
     assert!(status.success(), "{status}: {log}");
     eprintln!(
-        "scale: {n} processes listed {:.1} s after the daemon started; SIGTERM to exit {:.2} s; an untraced \
-         process: {}",
+        "scale: {n} processes listed {:.1} s after the daemon started (system CPU {:.1} s, the daemon's {:.1} s); \
+         SIGTERM to exit {:.2} s (system CPU {:.2} s); at rest the daemon used {:.1}% of a core, {rss:.0} MiB \
+         resident, BPF maps {maps:.1} MiB (fdinfo memlock); an untraced process: {}",
         attached.as_secs_f64(),
+        system_attached - system_before,
+        daemon_attached,
         stopped.as_secs_f64(),
+        system_stopped - system_stopping,
+        daemon_rest / 5.0 * 100.0,
         output.trim()
     );
     // The kernel frees a map from a work queue once its last reference is gone: soon, not at once.
