@@ -61,7 +61,9 @@ fn task_stat(dir: &str) -> Option<Stat> {
 /// them.
 fn dir(pid: u32) -> String {
     let leader = format!("/proc/{pid}");
-    if !task_stat(&leader).is_some_and(|stat| stat.zombie) {
+    // A running leader's exe link reads: one syscall, where its stat takes three and a format
+    // (this is asked for every read, for every target, every interval).
+    if fs::read_link(format!("{leader}/exe")).is_ok() || !task_stat(&leader).is_some_and(|stat| stat.zombie) {
         return leader;
     }
     live_thread(pid).map_or(leader, |tid| format!("/proc/{pid}/task/{tid}"))
