@@ -118,10 +118,16 @@ pub enum Refusal {
     /// A request with a body: no endpoint takes one.
     Body,
     Unauthorized,
+    /// A heavy answer (report, profile, flame graph) found no free turn in time: 503.
+    Busy,
+    /// A client address had `max_connections_per_client` connections open already.
+    ClientLimit,
+    /// A password check found its client's (or every) check slot taken: 429.
+    AuthBusy,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 9] = [
+    pub const ALL: [Refusal; 12] = [
         Refusal::AcceptFailed,
         Refusal::TlsHandshake,
         Refusal::IdleTimeout,
@@ -131,6 +137,9 @@ impl Refusal {
         Refusal::Malformed,
         Refusal::Body,
         Refusal::Unauthorized,
+        Refusal::Busy,
+        Refusal::ClientLimit,
+        Refusal::AuthBusy,
     ];
 
     pub fn name(self) -> &'static str {
@@ -144,6 +153,9 @@ impl Refusal {
             Refusal::Malformed => "malformed_request",
             Refusal::Body => "request_body",
             Refusal::Unauthorized => "unauthorized",
+            Refusal::Busy => "busy",
+            Refusal::ClientLimit => "client_limit",
+            Refusal::AuthBusy => "auth_busy",
         }
     }
 }

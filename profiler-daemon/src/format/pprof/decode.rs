@@ -10,7 +10,7 @@ use super::{
     wire::{Reader, Value, WireError},
     NO_STACK, STACK_ID_LABEL,
 };
-use crate::symbolize::Frame;
+use crate::symbolize::{capped, Frame, FrameInfo};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PprofError {
@@ -199,13 +199,15 @@ impl Raw<'_> {
             Some(&(filename, start, offset)) => (self.string(filename)?, start, offset),
             None => (String::new(), 0, 0),
         };
-        let frame = |function, file: String, line: u64, inlined| Frame {
-            address: format!("{address:#x}"),
-            function,
-            file: (!file.is_empty()).then_some(file),
-            line: u32::try_from(line).ok().filter(|&l| l > 0),
-            module: module.clone(),
-            inlined,
+        let frame = |function: String, file: String, line: u64, inlined| {
+            Frame::new(FrameInfo {
+                address: format!("{address:#x}"),
+                function: capped(&function),
+                file: (!file.is_empty()).then(|| capped(&file)),
+                line: u32::try_from(line).ok().filter(|&l| l > 0),
+                module: capped(&module),
+                inlined,
+            })
         };
         if lines.is_empty() {
             let name = module.rsplit('/').next().unwrap_or(&module);
