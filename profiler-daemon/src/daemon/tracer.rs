@@ -472,7 +472,10 @@ impl Tracer {
         for target in self.targets.values() {
             view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel)));
         }
-        *self.view.write().unwrap_or_else(|e| e.into_inner()) = view;
+        let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
+        // Freed after the lock is released: the last interval's stacks take a while to free, and
+        // scrapes wait for the lock.
+        drop(old);
         Ok(())
     }
 
