@@ -10,7 +10,10 @@ use super::{
     wire::{Reader, Value, WireError},
     NO_STACK, STACK_ID_LABEL,
 };
-use crate::symbolize::{capped, Frame, FrameInfo};
+use crate::{
+    format::MAX_INPUT_BYTES,
+    symbolize::{capped, Frame, FrameInfo},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PprofError {
@@ -18,6 +21,8 @@ pub enum PprofError {
     NotGzip,
     #[error("cannot decompress it: {0}")]
     Gzip(std::io::Error),
+    #[error("it decompresses to more than {} MiB, more than any profile memprof reads", MAX_INPUT_BYTES >> 20)]
+    TooLarge,
     #[error("not a profile.proto: {0}")]
     Wire(#[from] WireError),
     #[error("not a profile.proto: {0}")]
@@ -55,7 +60,12 @@ pub fn read(gzipped: &[u8]) -> Result<Decoded, PprofError> {
         return Err(PprofError::NotGzip);
     }
     let mut profile = Vec::new();
-    GzDecoder::new(gzipped).read_to_end(&mut profile).map_err(PprofError::Gzip)?;
+    // One byte more than allowed tells a profile at the limit from a larger one (a gzip bomb
+    // is refused at the limit, not once decompressed).
+    GzDecoder::new(gzipped).take(MAX_INPUT_BYTES + 1).read_to_end(&mut profile).map_err(PprofError::Gzip)?;
+    if profile.len() as u64 > MAX_INPUT_BYTES {
+        return Err(PprofError::TooLarge);
+    }
     decode(&profile)
 }
 
