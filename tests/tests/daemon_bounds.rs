@@ -34,11 +34,13 @@ struct MemoryCgroup {
 impl MemoryCgroup {
     fn new(name: &str) -> Self {
         let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-        let v2_mount = mounts.lines().find(|l| l.split_whitespace().nth(2) == Some("cgroup2")).map(|l| {
-            PathBuf::from(l.split_whitespace().nth(1).unwrap())
-        });
+        let v2_mount = mounts
+            .lines()
+            .find(|l| l.split_whitespace().nth(2) == Some("cgroup2"))
+            .map(|l| PathBuf::from(l.split_whitespace().nth(1).unwrap()));
         let v2 = v2_mount.as_ref().filter(|m| {
-            std::fs::read_to_string(m.join("cgroup.controllers")).is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
+            std::fs::read_to_string(m.join("cgroup.controllers"))
+                .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
         });
         let (dir, v2) = match v2 {
             Some(mount) => (mount.join(name), true),
@@ -59,20 +61,25 @@ impl MemoryCgroup {
         let text = std::fs::read_to_string(self.dir.join(file)).unwrap_or_default();
         match key {
             None => text.trim().parse().unwrap_or(0),
-            Some(key) => text
-                .lines()
-                .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
-                .unwrap_or(0),
+            Some(key) => text.lines().find_map(|l| l.strip_prefix(key)?.trim().parse().ok()).unwrap_or(0),
         }
     }
 
     /// The most memory its processes used, page cache included.
     fn peak(&self) -> u64 {
-        if self.v2 { self.value("memory.peak", None) } else { self.value("memory.max_usage_in_bytes", None) }
+        if self.v2 {
+            self.value("memory.peak", None)
+        } else {
+            self.value("memory.max_usage_in_bytes", None)
+        }
     }
 
     fn oom_kills(&self) -> u64 {
-        if self.v2 { self.value("memory.events", Some("oom_kill ")) } else { self.value("memory.oom_control", Some("oom_kill ")) }
+        if self.v2 {
+            self.value("memory.events", Some("oom_kill "))
+        } else {
+            self.value("memory.oom_control", Some("oom_kill "))
+        }
     }
 }
 

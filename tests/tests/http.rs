@@ -376,7 +376,9 @@ fn six_hundred_slow_clients_over_tls_do_not_starve_metrics() {
     let held = target();
     let daemon = Daemon::spawn(&["--pid", &held.pid().to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
     let port = daemon.port;
-    wait_for(20, "the daemon to be ready over TLS", || (curl(&ca, port, "/-/ready", Some(USER)).0 == 200).then_some(()));
+    wait_for(20, "the daemon to be ready over TLS", || {
+        (curl(&ca, port, "/-/ready", Some(USER)).0 == 200).then_some(())
+    });
     // 600 clients of one host, each sending one byte of a request head a second.
     let slow: Vec<TcpStream> = (0..600).filter_map(|_| from_second_address(port)).collect();
     assert_eq!(slow.len(), 600, "connecting the slow clients");
@@ -423,7 +425,7 @@ fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
     // 2,000 wrong passwords, 100 at a time, from another address of the host.
     let url = format!("http://127.0.0.1:{port}/metrics");
     let mut flood = Command::new("curl");
-    flood.args(["-s", "-o", "/dev/null", "-w", "%{http_code}\n", "--parallel", "--parallel-max", "100"]);
+    flood.args(["-s", "--no-progress-meter", "-o", "/dev/null", "-w", "%{http_code}\n", "--parallel", "--parallel-max", "100"]);
     flood.args(["--interface", "127.0.0.2"]).stdout(std::process::Stdio::piped());
     flood.args(["-u", "prometheus:wrong"]);
     for _ in 0..2000 {

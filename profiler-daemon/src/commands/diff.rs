@@ -117,7 +117,9 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
 fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut bytes = Vec::new();
-    file.take(MAX_INPUT_BYTES + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {}", path.display()))?;
+    file.take(MAX_INPUT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     if bytes.len() as u64 > MAX_INPUT_BYTES {
         bail!(
             "{} is larger than {} MiB, more than any report memprof reads; give a snapshot memprof wrote",

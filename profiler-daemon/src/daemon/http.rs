@@ -191,9 +191,8 @@ async fn html_report(State(shared): AppState, RawQuery(query): RawQuery) -> Resp
     let builder = &shared.builder;
     heavy(&shared, query, "/report", |target| async move {
         let built = target.clone();
-        let page = builder
-            .once(&target.built.html, move || format::render(&heavy::page(&built.report), Format::Html))
-            .await?;
+        let page =
+            builder.once(&target.built.html, move || format::render(&heavy::page(&built.report), Format::Html)).await?;
         Ok(([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response())
     })
     .await

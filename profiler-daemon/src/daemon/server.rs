@@ -93,9 +93,7 @@ impl Settings {
         };
         let settings = Self {
             max_connections: file.max_connections.unwrap_or(DEFAULT.max_connections),
-            max_connections_per_client: file
-                .max_connections_per_client
-                .unwrap_or(DEFAULT.max_connections_per_client),
+            max_connections_per_client: file.max_connections_per_client.unwrap_or(DEFAULT.max_connections_per_client),
             header_timeout: seconds("http.header_timeout", file.header_timeout, DEFAULT.header_timeout)?,
             write_timeout: seconds("http.write_timeout", file.write_timeout, DEFAULT.write_timeout)?,
             max_header_bytes: file.max_header_bytes.unwrap_or(DEFAULT.max_header_bytes),
@@ -223,7 +221,11 @@ pub async fn serve(
         // Before waiting for a slot: a client over its share is not queued ahead of others.
         let Some(share) = clients.take(peer.ip()) else {
             stats.refuse(Refusal::ClientLimit);
-            debug!("http: {} has {} connections open; closing its next", peer.ip(), settings.max_connections_per_client);
+            debug!(
+                "http: {} has {} connections open; closing its next",
+                peer.ip(),
+                settings.max_connections_per_client
+            );
             continue;
         };
         // Waiting here, not accepting, leaves the connections behind this one in the kernel's
@@ -239,7 +241,8 @@ pub async fn serve(
             }
         };
         let app = app.clone().layer(Extension(Client(peer.ip())));
-        let connection = Connection { app, settings: settings.clone(), stats: stats.clone(), _slot: slot, _share: share };
+        let connection =
+            Connection { app, settings: settings.clone(), stats: stats.clone(), _slot: slot, _share: share };
         tokio::spawn(connection.run(stream, tls.clone()));
     }
 }
