@@ -137,7 +137,9 @@ fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
 fn slow_clients_are_cut_off_and_do_not_hold_up_scrapes_or_tracing() {
     let _serial = serial();
     let mut held = target();
-    let daemon = daemon_with("slow", held.pid(), "header_timeout = 1\nwrite_timeout = 1\n");
+    // All from one address here: its share is raised to see the timeouts, not the per-client limit.
+    let http = "header_timeout = 1\nwrite_timeout = 1\nmax_connections_per_client = 1024\n";
+    let daemon = daemon_with("slow", held.pid(), http);
     let half: Vec<TcpStream> =
         (0..50).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAcc")).collect();
     let silent: Vec<TcpStream> = (0..50).map(|_| stalled(daemon.port, "")).collect();
@@ -167,7 +169,8 @@ fn slow_clients_are_cut_off_and_do_not_hold_up_scrapes_or_tracing() {
 fn a_thousand_concurrent_scrapes_all_succeed_while_tracing_goes_on() {
     let _serial = serial();
     let mut held = target();
-    let daemon = Daemon::start(&["--pid", &held.pid().to_string()]);
+    // A thousand clients, here all of one address: its share is raised to the global cap's.
+    let daemon = daemon_with("thousand", held.pid(), "max_connections_per_client = 512\n");
     const SCRAPES: usize = 1000;
     let start = Arc::new(Barrier::new(SCRAPES + 1));
     let port = daemon.port;
@@ -425,7 +428,17 @@ fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
     // 2,000 wrong passwords, 100 at a time, from another address of the host.
     let url = format!("http://127.0.0.1:{port}/metrics");
     let mut flood = Command::new("curl");
-    flood.args(["-s", "--no-progress-meter", "-o", "/dev/null", "-w", "%{http_code}\n", "--parallel", "--parallel-max", "100"]);
+    flood.args([
+        "-s",
+        "--no-progress-meter",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}\n",
+        "--parallel",
+        "--parallel-max",
+        "100",
+    ]);
     flood.args(["--interface", "127.0.0.2"]).stdout(std::process::Stdio::piped());
     flood.args(["-u", "prometheus:wrong"]);
     for _ in 0..2000 {

@@ -108,7 +108,7 @@ fn from_daemon(url: &str, pid: u32, format: SnapshotFormat) -> anyhow::Result<An
         Some(uid) => bail!(
             "the listener at {url} belongs to uid {uid}, not root or you: refusing its answer (is the memprof daemon running, on that port?)"
         ),
-        None => return Ok(Answer::NotTraced(format!("no memprof daemon listens at {url}"))),
+        None => return Ok(Answer::NotTraced(format!("no memprof daemon answers at {url} (nothing listens there)"))),
     }
     let (status, body) = match get(address, authority, &path) {
         Ok(answer) => answer,
