@@ -39,9 +39,37 @@ pub struct Module {
     pub build_id: String,
 }
 
-/// One frame of a symbolized stack, innermost first.
+/// One frame of a symbolized stack, innermost first. A shared handle: the same frame (one return
+/// address of one process) is in many stacks and in every interval's report, and is stored once
+/// (the symbolizer's cache holds it), so a report's size grows with its stacks' depth by a pointer
+/// a frame, not by the frame's names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Frame {
+#[serde(transparent)]
+pub struct Frame(Arc<FrameInfo>);
+
+impl Frame {
+    pub fn new(info: FrameInfo) -> Self {
+        Self(Arc::new(info))
+    }
+}
+
+impl std::ops::Deref for Frame {
+    type Target = FrameInfo;
+
+    fn deref(&self) -> &FrameInfo {
+        &self.0
+    }
+}
+
+/// Changing a frame changes this handle's copy only.
+impl std::ops::DerefMut for Frame {
+    fn deref_mut(&mut self) -> &mut FrameInfo {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameInfo {
     /// The return address as found on the stack.
     pub address: String,
     /// `function`, or `module+0xoffset` when the module has no symbol for it.
@@ -51,6 +79,22 @@ pub struct Frame {
     pub module: String,
     /// Inlined into the next frame (same address).
     pub inlined: bool,
+}
+
+/// Longest function name or file path kept: a symbol can be any length (a generated C++ type
+/// reaches megabytes), and each is kept for as long as its process is traced.
+pub const MAX_NAME: usize = 4096;
+
+/// `name`, cut at `MAX_NAME` bytes with a marker saying how much was left out.
+pub fn capped(name: &str) -> String {
+    if name.len() <= MAX_NAME {
+        return name.to_string();
+    }
+    let mut end = MAX_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...[{} more bytes]", &name[..end], name.len() - end)
 }
 
 /// An address resolved to its place in a file: stable across runs, unlike the address.
@@ -319,27 +363,30 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
     Resolved {
         module: module.to_string(),
         file_offset,
-        frames: vec![Frame {
+        frames: vec![Frame::new(FrameInfo {
             address: format!("{address:#x}"),
-            function: format!("{name}+{file_offset:#x}"),
+            function: capped(&format!("{name}+{file_offset:#x}")),
             file: None,
             line: None,
-            module: module.to_string(),
+            module: capped(module),
             inlined: false,
-        }],
+        })],
     }
 }
 
-/// The frames of one address (`module` already printable): inlined functions innermost first, then the function they sit in.
+/// The frames of one address (`module` already printable): inlined functions innermost first,
+/// then the function they sit in.
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
-    let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| Frame {
-        address: format!("{address:#x}"),
-        function: printable(&demangled(function)).into_owned(),
-        file: code_info.map(|info| printable(&info.file.to_string_lossy()).into_owned()),
-        line: code_info.and_then(|info| info.line),
-        module: module.to_string(),
-        inlined,
+    let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
+        Frame::new(FrameInfo {
+            address: format!("{address:#x}"),
+            function: capped(&printable(&demangled(function))),
+            file: code_info.map(|info| capped(&printable(&info.file.to_string_lossy()))),
+            line: code_info.and_then(|info| info.line),
+            module: capped(module),
+            inlined,
+        })
     };
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));

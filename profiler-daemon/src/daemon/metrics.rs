@@ -142,7 +142,7 @@ impl Collector for ViewCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let view = self.view.read().unwrap_or_else(|e| e.into_inner()).clone();
         let e = &mut encoder;
-        let targets: Vec<&TargetView> = view.targets.values().collect();
+        let targets: Vec<&TargetView> = view.targets.values().map(|t| &**t).collect();
 
         for (name, help, kind, value) in PER_PROCESS {
             let rows = targets.iter().map(|t| (process_labels(t), value(t)));

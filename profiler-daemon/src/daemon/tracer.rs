@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use super::{
     config::Config,
     discovery::{self, ProcessId},
+    heavy::Built,
     view::{DaemonView, MapUse, StackSeries, TargetView},
 };
 use crate::{
@@ -469,9 +470,12 @@ impl Tracer {
             ..DaemonView::default()
         };
         for target in self.targets.values() {
-            view.targets.insert(target.id.pid, self.target_view(target, &kernel));
+            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel)));
         }
-        *self.view.write().unwrap_or_else(|e| e.into_inner()) = view;
+        let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
+        // Freed after the lock is released: the last interval's stacks take a while to free, and
+        // scrapes wait for the lock.
+        drop(old);
         Ok(())
     }
 
@@ -497,20 +501,26 @@ impl Tracer {
         report.stacks = held;
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
-        let mut by_label: Vec<StackSeries> = Vec::new();
+        let mut bytes_by_label: HashMap<&str, u64> = HashMap::new();
         for stack in &report.stacks {
-            match by_label.iter_mut().find(|s| s.stack == stack.stack_id) {
-                Some(known) => known.bytes += stack.outstanding_bytes,
-                None => by_label.push(StackSeries {
-                    stack: stack.stack_id.clone(),
-                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
-                    bytes: stack.outstanding_bytes,
-                }),
-            }
+            *bytes_by_label.entry(&stack.stack_id).or_default() += stack.outstanding_bytes;
         }
-        by_label.sort_by_key(|s| std::cmp::Reverse(s.bytes));
-        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|s| s.bytes).sum();
+        let mut by_label: Vec<(&str, u64)> = bytes_by_label.into_iter().collect();
+        by_label.sort_by_key(|&(label, bytes)| (std::cmp::Reverse(bytes), label));
+        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|(_, bytes)| bytes).sum();
         by_label.truncate(self.config.top_stacks);
+        // Only the exported few are described.
+        let by_label: Vec<StackSeries> = by_label
+            .into_iter()
+            .map(|(label, bytes)| {
+                let stack = report.stacks.iter().find(|s| s.stack_id == label).expect("the label is a stack's");
+                StackSeries {
+                    stack: label.to_string(),
+                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
+                    bytes,
+                }
+            })
+            .collect();
         TargetView {
             pid,
             comm: target.comm.clone(),
@@ -524,6 +534,7 @@ impl Tracer {
             other_stack_bytes,
             report,
             freed_stacks,
+            built: Built::default(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
 //! as one JSON object per line (schema in the README).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
@@ -11,7 +11,7 @@ use crate::{
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
-    symbolize::{Frame, Module, Resolved, SymbolizerHandle},
+    symbolize::{Frame, FrameInfo, Module, Resolved, SymbolizerHandle},
     unwind::TableUse,
 };
 
@@ -39,6 +39,10 @@ pub struct Report {
     pub totals: Totals,
     pub dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
+    /// Stacks left out of this page or graph to keep it within its size (the daemon's `/report`
+    /// and flame graph): the largest are shown; the JSON report and profiles have them all.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub stacks_not_shown: u64,
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
@@ -189,8 +193,9 @@ impl Stacks<'_> {
 
     /// The code mappings that hold the frames of `stacks`.
     fn modules(&self, stacks: &[StackReport]) -> Vec<Module> {
-        let paths = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.clone()).collect();
-        self.symbolizer.modules(self.pid, paths)
+        // Borrowed while deduplicated: a report has a module name per frame, its modules are few.
+        let paths: BTreeSet<&str> = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+        self.symbolizer.modules(self.pid, paths.into_iter().map(str::to_string).collect())
     }
 
     /// Symbolizes a double free when it arrives: its free stacks may be replaced later.
@@ -297,6 +302,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         sample_bytes: snapshot.sample_bytes,
         totals,
         dropped: dropped(kernel),
+        stacks_not_shown: 0,
         modules: ctx.stacks.modules(&stacks),
         stacks,
         double_frees: ctx.double_frees.to_vec(),
@@ -321,14 +327,14 @@ pub fn merge_processes(root: &Report) -> Report {
     let mut merged = Report { children: Vec::new(), ..root.clone() };
     merged.stacks.clear();
     for process in std::iter::once(root).chain(&root.children) {
-        let process_frame = Frame {
+        let process_frame = Frame::new(FrameInfo {
             address: "0x0".into(),
             function: format!("{} (pid {})", process.comm, process.pid),
             file: None,
             line: None,
             module: process.exe.clone(),
             inlined: false,
-        };
+        });
         for stack in &process.stacks {
             let mut stack = stack.clone();
             stack.frames.push(process_frame.clone());
@@ -412,6 +418,10 @@ fn is_allocator_wrapper(function: &str) -> bool {
         || (function.starts_with('<') && function.contains(" as core::alloc::global::GlobalAlloc>::"))
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 pub fn allocation_site(frames: &[Frame]) -> usize {
     frames.iter().position(|f| !is_allocator_wrapper(&f.function)).unwrap_or(0)
 }
@@ -438,14 +448,14 @@ pub mod samples {
     use super::*;
 
     pub fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
-        Frame {
+        Frame::new(FrameInfo {
             address: "0x1234".into(),
             function: function.into(),
             file: file.map(Into::into),
             line,
             module: "/usr/bin/leaky".into(),
             inlined: false,
-        }
+        })
     }
 
     /// A final report with one stack: 48 bytes outstanding in one allocation at `leak_here`.
@@ -463,6 +473,7 @@ pub mod samples {
             sample_bytes: 0,
             totals: Totals::default(),
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
+            stacks_not_shown: 0,
             stacks: vec![StackReport {
                 stack_id: "00".into(),
                 outstanding_bytes: 48,

@@ -95,7 +95,9 @@ function stackSection(report) {
       ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score', 'stack (allocating site first)'],
       rows, { id: 'stack-table' }),
     rest.length > 0 ? el('p', { class: 'note' },
-      `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null);
+      `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null,
+    report.stacks_not_shown ? el('p', { class: 'note', id: 'stacks-not-shown' },
+      `${grouped(report.stacks_not_shown)} smaller stacks are left out of this page to keep it small: the JSON report and pprof profiles have them.`) : null);
 }
 
 // A histogram as rows of bars; `label` names a bucket's range.
