@@ -439,7 +439,7 @@ impl Tracer {
         let sizes = self.loaded_sizes;
         let tables = self.loaded.unwind.table_use();
         let mut view = DaemonView {
-            drops: kernel.drops,
+            unattributed_drops: kernel.unattributed_drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
                 MapUse {
