@@ -266,7 +266,7 @@ impl Tracer {
     fn on_fork(&mut self, parent: u32, child: u32) {
         match discovery::matching(&self.config.rules, child) {
             Some((id, comm)) => {
-                if !self.targets.get(&child).is_some_and(|target| target.id == id) {
+                if self.targets.get(&child).is_none_or(|target| target.id != id) {
                     self.consider(id, comm);
                 }
                 self.pending_children.insert(id);
