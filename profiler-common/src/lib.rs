@@ -65,8 +65,8 @@ impl AllocFn {
     }
 }
 
-/// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes the
-/// per-CPU `DROPS` array.
+/// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes a
+/// process's `ProcDrops`, and the per-CPU `DROPS` array of drops that found no room there.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropReason {
@@ -369,6 +369,19 @@ pub struct ProcCounters {
     pub failed_allocations: u64,
 }
 
+/// A process's drops, by `DropReason`, in `PROC_DROPS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcDrops {
+    pub counts: [u64; DropReason::COUNT],
+}
+
+impl Default for ProcDrops {
+    fn default() -> Self {
+        Self { counts: [0; DropReason::COUNT] }
+    }
+}
+
 /// Power-of-two buckets: bucket `i` counts values in `(2^(i-1), 2^i]`, bucket 0 values 0 and 1.
 pub const LOG2_BUCKETS: usize = 64;
 
@@ -596,6 +609,7 @@ const _: () = {
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
+    assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcessEvent>() == 16);
 };
@@ -634,6 +648,7 @@ mod pod {
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}
+    unsafe impl aya::Pod for ProcDrops {}
     unsafe impl aya::Pod for Log2Histogram {}
     unsafe impl aya::Pod for ThreadPairKey {}
     unsafe impl aya::Pod for ThreadPairStats {}

@@ -145,6 +145,15 @@ enum Request {
         paths: BTreeSet<String>,
         reply: mpsc::Sender<Vec<Module>>,
     },
+    /// A process just forked `child`: the child's mappings are its parent's until it maps
+    /// others. Read as `Refresh` reads them, with the parent's open files; the parent's where the
+    /// child's cannot be read (it exited meanwhile, as a short-lived child does while memprof
+    /// attaches to it).
+    Inherit {
+        parent: u32,
+        child: u32,
+        done: mpsc::Sender<()>,
+    },
     /// The process has exited and will not be asked about again: drop its files and cache.
     Forget {
         pid: u32,
@@ -187,6 +196,14 @@ impl SymbolizerHandle {
         }
     }
 
+    /// Reads the mappings of `child`, just forked by `parent` (see `Request::Inherit`).
+    pub fn inherit(&self, parent: u32, child: u32) {
+        let (done, wait) = mpsc::channel();
+        if self.requests.send(Request::Inherit { parent, child, done }).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
     /// Resolves return addresses of `pid` (all frames of a stack are return addresses).
     pub fn symbolize(&self, pid: u32, addresses: Vec<u64>) -> Vec<Resolved> {
         let (reply, wait) = mpsc::channel();
@@ -210,6 +227,7 @@ impl SymbolizerHandle {
 }
 
 /// A file mapping of a traced process with the file kept open (see the module doc).
+#[derive(Clone)]
 struct OpenModule {
     mapping: FileMapping,
     file: Arc<File>,
@@ -237,6 +255,16 @@ impl SymbolizerThread {
             match request {
                 Request::Refresh { pid, done } => {
                     self.refresh(pid);
+                    let _ = done.send(());
+                }
+                Request::Inherit { parent, child, done } => {
+                    // The parent's open files first: the child's read then keeps them for the
+                    // files it still maps, and blazesym, which caches what it parsed by path
+                    // (`/proc/self/fd/N`), does not parse every library again for each child.
+                    if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
+                        self.modules.insert(child, inherited);
+                    }
+                    self.refresh(child);
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {

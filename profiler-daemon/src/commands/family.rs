@@ -231,6 +231,11 @@ impl Family {
                 return;
             }
         };
+        // Read before attaching, which takes milliseconds a short-lived child (a database
+        // session) may not outlive. Until it execs, a child has its parent's name and mappings:
+        // those serve when the child's cannot be read any more.
+        let comm = procfs::comm(child).unwrap_or_else(|| parent_process.comm.clone());
+        symbolizer.inherit(parent, child);
         // The child maps its parent's files (its /proc maps may not show them yet): the parent's
         // allocator, unless the child exec'd already (checked below).
         let parent_exe = parent_process.exe.clone();
@@ -253,15 +258,13 @@ impl Family {
             }
         };
         self.forks.followed += 1;
-        symbolizer.refresh(child);
-        let comm = procfs::comm(child).unwrap_or_default();
         eprintln!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
             attachment.probes(),
             allocator.describe()
         );
-        let mut process =
-            Process::new(child, comm, procfs::exe_path(child), attachment, allocator, self.settings, false);
+        let exe = procfs::exe_path(child).unwrap_or_else(|| parent_exe.clone());
+        let mut process = Process::new(child, comm, Some(exe), attachment, allocator, self.settings, false);
         process.parent = Some(parent);
         if let Some(sample_bytes) = process.rate_guard.initial() {
             if let Err(err) = loaded.sample(child, sample_bytes) {

@@ -190,11 +190,27 @@ impl Collector for ViewCollector {
             "Processes with probes attached; ns_pid is a container's process's pid in its own pid namespace.",
             targets.iter().map(|t| (target_labels(t), 1u64)),
         )?;
+        // Only the reasons a process has met: 17 series per target would mostly say 0.
+        let process_drops = targets.iter().flat_map(|t| {
+            t.report.dropped.iter().filter(|(_, count)| **count > 0).map(move |(reason, count)| {
+                let mut labels = process_labels(t);
+                labels.push(("reason", reason.to_string()));
+                (labels, *count)
+            })
+        });
         counters(
             e,
             "memprof_events_dropped",
-            "Events the probes could not record, by reason.",
-            DropReason::ALL.iter().map(|r| (vec![("reason", r.name().to_string())], view.drops[*r as usize])),
+            "Events the probes could not record, by process and reason (reasons met only).",
+            process_drops,
+        )?;
+        counters(
+            e,
+            "memprof_unattributed_events_dropped",
+            "Events the probes could not record that no process's counters had room for, by reason.",
+            DropReason::ALL
+                .iter()
+                .map(|r| (vec![("reason", r.name().to_string())], view.unattributed_drops[*r as usize])),
         )?;
         counters(
             e,

@@ -255,30 +255,40 @@ impl Tracer {
         for event in self.loaded.process_events.drain() {
             match event.kind {
                 process_event::EXEC => self.on_exec(event.tgid),
-                process_event::FORK if self.targets.contains_key(&event.tgid) => {
-                    match discovery::matching(&self.config.rules, event.child) {
-                        Some((id, comm)) => {
-                            if self.consider(id, comm) {
-                                self.children_followed += 1;
-                            } else if !self.targets.contains_key(&event.child) {
-                                self.pending_children.insert(id);
-                            }
-                        }
-                        // Gone already: whether it would have matched, only its comm (its
-                        // parent's) could tell.
-                        None if ProcessId::current(event.child).is_none() => {
-                            let parent_matches = self.targets.get(&event.tgid).is_some_and(|t| {
-                                self.config.rules.matches(event.child, &t.comm, &[]) || self.config.rules.needs_cgroup()
-                            });
-                            if parent_matches {
-                                self.children_missed += 1;
-                            }
-                        }
-                        None => {}
-                    }
-                }
+                process_event::FORK if self.targets.contains_key(&event.tgid) => self.on_fork(event.tgid, event.child),
                 _ => {}
             }
+        }
+    }
+
+    /// A target forked `child`: the child is counted once, followed or missed. One that matches
+    /// waits in `pending_children` until it is attached or gone, whoever attaches it: this event,
+    /// a later try, or discovery, which may have found it between its fork and this event.
+    fn on_fork(&mut self, parent: u32, child: u32) {
+        match discovery::matching(&self.config.rules, child) {
+            Some((id, comm)) => {
+                if self.targets.get(&child).is_none_or(|target| target.id != id) {
+                    self.consider(id, comm);
+                }
+                self.pending_children.insert(id);
+                self.settle_pending_children();
+            }
+            // Gone already: traced if discovery attached it in between (its target stays until
+            // discovery sees it gone); otherwise whether it would have matched, only its comm
+            // (its parent's) could tell.
+            None if ProcessId::current(child).is_none() => {
+                if self.targets.contains_key(&child) {
+                    self.children_followed += 1;
+                } else if self
+                    .targets
+                    .get(&parent)
+                    .is_some_and(|t| self.config.rules.matches(child, &t.comm, &[]) || self.config.rules.needs_cgroup())
+                {
+                    self.children_missed += 1;
+                }
+            }
+            // Runs, and does not match: not a child the rules follow.
+            None => {}
         }
     }
 
@@ -440,7 +450,7 @@ impl Tracer {
         let sizes = self.loaded_sizes;
         let tables = self.loaded.unwind.table_use();
         let mut view = DaemonView {
-            drops: kernel.drops,
+            unattributed_drops: kernel.unattributed_drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
                 MapUse {

@@ -57,7 +57,8 @@ pub struct MapUse {
 pub struct DaemonView {
     /// By pid.
     pub targets: BTreeMap<u32, Arc<TargetView>>,
-    pub drops: [u64; DropReason::COUNT],
+    /// Drops no process's counters had room for (each target's are in its report).
+    pub unattributed_drops: [u64; DropReason::COUNT],
     pub maps: Vec<MapUse>,
     /// The unwind tables of every traced process's files.
     pub unwind: TableUse,

@@ -77,6 +77,10 @@ fn section(report: &Report) -> String {
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
+    let unattributed: Vec<String> = report.unattributed_dropped.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    if !unattributed.is_empty() {
+        let _ = writeln!(out, "  dropped by no process in particular: {}", unattributed.join(" "));
+    }
     if let Some(tables) = &report.unwind_tables {
         let _ = write!(
             out,

@@ -37,7 +37,12 @@ pub struct Report {
     /// then estimates); 0 when every call is recorded.
     pub sample_bytes: u64,
     pub totals: Totals,
+    /// This process's events not recorded, by reason.
     pub dropped: BTreeMap<&'static str, u64>,
+    /// Events not recorded that no process's counters had room for (more processes than the
+    /// per-process table holds), by reason: only those that happened.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub unattributed_dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
     /// Stacks left out of this page or graph to keep it within its size (the daemon's `/report`
     /// and flame graph): the largest are shown; the JSON report and profiles have them all.
@@ -301,7 +306,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
-        dropped: dropped(kernel),
+        dropped: dropped(snapshot),
+        unattributed_dropped: unattributed_dropped(kernel),
         stacks_not_shown: 0,
         modules: ctx.stacks.modules(&stacks),
         stacks,
@@ -350,6 +356,9 @@ pub fn merge_processes(root: &Report) -> Report {
             t.freed_bytes += c.freed_bytes;
             t.unknown_frees += c.unknown_frees;
             t.failed_allocations += c.failed_allocations;
+            for (reason, count) in &process.dropped {
+                *merged.dropped.entry(reason).or_default() += count;
+            }
             merged.modules.extend(process.modules.iter().cloned());
             merged.double_frees.extend(process.double_frees.iter().cloned());
         }
@@ -358,11 +367,22 @@ pub fn merge_processes(root: &Report) -> Report {
     merged
 }
 
-/// Everything not recorded, by reason: the kernel's drops and the age generations missed.
-pub fn dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
-    let mut dropped: BTreeMap<_, _> = DropReason::ALL.iter().map(|r| (r.name(), kernel.drops[*r as usize])).collect();
-    dropped.insert(MISSED_GENERATIONS, kernel.missed_generations);
+/// What the process could not record, by reason: its drops in the kernel and the age
+/// generations missed.
+pub fn dropped(snapshot: &Snapshot) -> BTreeMap<&'static str, u64> {
+    let mut dropped: BTreeMap<_, _> =
+        DropReason::ALL.iter().map(|r| (r.name(), snapshot.drops.counts[*r as usize])).collect();
+    dropped.insert(MISSED_GENERATIONS, snapshot.missed_generations);
     dropped
+}
+
+/// The drops of no process in particular that happened, by reason.
+pub fn unattributed_dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
+    DropReason::ALL
+        .iter()
+        .map(|r| (r.name(), kernel.unattributed_drops[*r as usize]))
+        .filter(|(_, count)| *count > 0)
+        .collect()
 }
 
 /// Reason of the generations whose ages were lost because reads came too far apart.
@@ -473,6 +493,7 @@ pub mod samples {
             sample_bytes: 0,
             totals: Totals::default(),
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
+            unattributed_dropped: BTreeMap::new(),
             stacks_not_shown: 0,
             stacks: vec![StackReport {
                 stack_id: "00".into(),

@@ -1,5 +1,5 @@
 //! Reads the maps into snapshots of the traced processes: per-stack totals and ages, counters,
-//! histograms, drops; and purges the maps of processes that are gone.
+//! histograms, each process's drops; and purges the maps of processes that are gone.
 //!
 //! Every interval reads `STACK_STATS` (one row per stack), whose generation counters give the
 //! ages of outstanding memory (see `ages`): the cost grows with stacks, not live allocations.
@@ -13,8 +13,8 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, RecentFree, Stack,
-    StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
+    AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, ProcDrops, RecentFree,
+    Stack, StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
 };
 
 use crate::{
@@ -26,13 +26,12 @@ use crate::{
 #[derive(Debug, Clone, Default)]
 pub struct KernelSnapshot {
     pub processes: HashMap<u32, Snapshot>,
-    /// Events not recorded, by `DropReason`, for all processes together.
-    pub drops: [u64; DropReason::COUNT],
+    /// Events not recorded, by `DropReason`, that found no room in the per-process table: no
+    /// process's in particular.
+    pub unattributed_drops: [u64; DropReason::COUNT],
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`), all processes together.
     pub live_entries: u64,
     pub stack_stats_entries: u64,
-    /// `AgeBook::missed_generations` at the time of the read.
-    pub missed_generations: u64,
 }
 
 /// One process.
@@ -42,6 +41,10 @@ pub struct Snapshot {
     pub now_ns: u64,
     pub stacks: Vec<StackSnapshot>,
     pub counters: ProcCounters,
+    /// The process's events not recorded, by `DropReason`.
+    pub drops: ProcDrops,
+    /// `AgeBook::missed_generations` of the process at the time of the read.
+    pub missed_generations: u64,
     /// Mean bytes between samples when the process is sampled; 0 when every call is recorded.
     pub sample_bytes: u64,
     pub sizes: Log2Histogram,
@@ -81,6 +84,7 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
     let sizes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
     let lifetimes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "LIFETIME_HIST")?)?;
+    let proc_drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let mut snapshot = KernelSnapshot::default();
@@ -88,6 +92,7 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
         let process = Snapshot {
             now_ns,
             counters: counters.get(&tgid, 0).unwrap_or_default(),
+            drops: proc_drops.get(&tgid, 0).unwrap_or_default(),
             sample_bytes: sampling.get(&tgid, 0).unwrap_or(0),
             sizes: unscale_histogram(sizes.get(&tgid, 0).unwrap_or_default()),
             lifetimes: unscale_histogram(lifetimes.get(&tgid, 0).unwrap_or_default()),
@@ -109,8 +114,10 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
             process.thread_pairs.push((*key, stats));
         }
     })?;
-    snapshot.missed_generations = book.missed_generations;
-    for (index, total) in snapshot.drops.iter_mut().enumerate() {
+    for (&tgid, process) in &mut snapshot.processes {
+        process.missed_generations = book.missed_generations(tgid);
+    }
+    for (index, total) in snapshot.unattributed_drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
     Ok(snapshot)
@@ -214,6 +221,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| ours(&k.tgid))?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| ours(&k.tgid))?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
+    remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| ours(k))?;
     remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| ours(k))?;
     remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| ours(k))?;
     remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| ours(k))?;

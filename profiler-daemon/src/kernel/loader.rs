@@ -139,11 +139,9 @@ pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
 }
 
 impl Loaded {
-    /// Attaches every probe to `allocator` for `pid` only: the return probes, one entry probe
-    /// per allocation function (its `AllocFn` as cookie), the free probe and the dynamic linker's.
-    ///
-    /// Return probes go first: an entry probe that fires before its return probe exists would
-    /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
+    /// Attaches every probe to `allocator` for `pid` only: the free probes, the return probes, one
+    /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
+    /// On failure nothing stays attached; see `attach_allocator` for the order.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let mut attachment = self.attach_allocator(allocator, pid)?;
         self.attach_dl_hook(&mut attachment, pid);
@@ -163,11 +161,17 @@ impl Loaded {
     }
 
     /// The allocator's probes alone (see `attach`), in each of its files.
+    ///
+    /// The process runs meanwhile (a child just forked allocates at once), so the order matters.
+    /// Free probes go first, in every file (a block one file allocates, another's free may free):
+    /// an allocation recorded before its free probe is in place is seen never freed, and its
+    /// address, given out again, counted a missed free. A free before the allocation probes is
+    /// only an unknown free. Return probes go before entry probes: an entry probe that fires
+    /// before its return probe exists would leave in-flight state behind that nothing clears.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        let mut attachment = Attachment::default();
-        for file in &allocator.files {
+        let points = |file: &allocator::AllocatorFile| {
             let allocs: Vec<Point> =
                 file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
             let frees: Vec<Point> = file
@@ -175,15 +179,21 @@ impl Loaded {
                 .iter()
                 .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
                 .collect();
-            let programs: &[(&str, &[Point])] = match self.method {
-                Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
-                _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
-            };
-            for &(name, points) in programs {
-                if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, &file.attach_path, points, pid) {
-                    self.take_back(attachment, pid);
-                    return Err(err);
-                }
+            (allocs, frees)
+        };
+        let files: Vec<_> = allocator.files.iter().map(|file| (&file.attach_path, points(file))).collect();
+        let frees = files.iter().map(|(path, (_, frees))| (FREE_PROGRAM, *path, frees));
+        let alloc_programs: &[&str] = match self.method {
+            Method::Sessions => &[SESSION_PROGRAM],
+            _ => &[RETURN_PROGRAM, ENTRY_PROGRAM],
+        };
+        let allocs =
+            alloc_programs.iter().flat_map(|&name| files.iter().map(move |(path, (allocs, _))| (name, *path, allocs)));
+        let mut attachment = Attachment::default();
+        for (name, path, points) in frees.chain(allocs) {
+            if let Err(err) = attachment.add(&mut self.ebpf, self.method, name, path, points, pid) {
+                self.take_back(attachment, pid);
+                return Err(err);
             }
         }
         Ok(attachment)

@@ -387,10 +387,12 @@ mod tests {
         let libc = allocator.files.last().expect("a file");
         assert!(libc.display_path.contains("libc"), "{}", allocator.describe());
         assert_eq!(libc.families, ["C library malloc"]);
-        let mut offsets: Vec<u64> = libc.allocs.iter().map(|p| p.offset).collect();
+        let mut offsets: Vec<u64> =
+            libc.allocs.iter().map(|p| p.offset).chain(libc.frees.iter().map(|p| p.offset)).collect();
         offsets.sort();
         offsets.dedup();
-        assert_eq!(offsets.len(), libc.allocs.len(), "one probe per address");
+        assert_eq!(offsets.len(), libc.allocs.len() + libc.frees.len(), "one probe per address");
+        assert_eq!(libc.frees.len(), 1, "free and its alias cfree are one probe");
         assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
         assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
         assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
