@@ -373,6 +373,7 @@ impl Tracer {
     fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
+            unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,

@@ -12,7 +12,7 @@ use crate::{
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
     symbolize::{Frame, Module, Resolved, SymbolizerHandle},
-    unwind::TableUse,
+    unwind::{Registry, TableUse},
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -155,6 +155,8 @@ struct Symbolized {
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
+    /// For the walks the kernel deferred (see `unwind::Registry::completion`).
+    pub unwind: &'a Registry,
     pub symbolizer: &'a SymbolizerHandle,
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
@@ -168,7 +170,7 @@ impl Stacks<'_> {
 
     /// Symbolizes a stored stack and hashes it.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
-        let (addresses, end) = aggregate::stack_frames(self.ebpf, table, stack_id);
+        let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
         let truncated = end != StackEnd::Complete;
         if addresses.is_empty() {
             return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };

@@ -1,11 +1,6 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
-use std::{
-    collections::{HashMap, HashSet},
-    fs,
-    num::NonZeroU32,
-    path::Path,
-};
+use std::{collections::HashSet, fs, num::NonZeroU32, path::Path};
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
@@ -22,8 +17,8 @@ use crate::{
     kernel::settings::LoadSettings,
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
-    process::procfs,
-    unwind::{MappingEvents, Registry},
+    process::procfs::{self, FileMapping},
+    unwind::{Registry, UnwindEvents},
 };
 
 /// `ld-linux-x86-64.so.2` and the like, under any directory.
@@ -43,11 +38,8 @@ pub struct Loaded {
     method: Method,
     /// The unwind tables of the traced processes' files.
     pub unwind: Registry,
-    /// Processes that loaded or unloaded libraries.
-    pub mapping_events: MappingEvents,
-    /// Per process stopped on mapping changes: how many of the SIGTRAPs the kernel sent it
-    /// memprof has taken (`take_mapping_stop`).
-    mapping_stops_taken: HashMap<u32, u64>,
+    /// Processes that loaded or unloaded libraries, and walks left to finish.
+    pub unwind_events: UnwindEvents,
     /// What userspace keeps of the ages of outstanding memory.
     pub ages: AgeBook,
     /// Execs and forks of the traced processes.
@@ -111,20 +103,11 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
-    let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows)?;
-    let mapping_events = MappingEvents::new(&mut ebpf)?;
+    let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows, sizes.max_frames)?;
+    let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;
-    Ok(Loaded {
-        ebpf,
-        method,
-        unwind,
-        mapping_events,
-        ages: AgeBook::new(clock),
-        mapping_stops_taken: HashMap::new(),
-        process_events,
-        follow_forks: false,
-    })
+    Ok(Loaded { ebpf, method, unwind, unwind_events, ages: AgeBook::new(clock), process_events, follow_forks: false })
 }
 
 /// Capacity of `TRACED`, the processes whose execs and forks are reported (the eBPF default).
@@ -220,9 +203,6 @@ impl Loaded {
                 let _ = traced.remove(pid);
             }
         }
-        for pid in pids {
-            self.mapping_stops_taken.remove(pid);
-        }
     }
 
     /// What the maps, the stack walk and the ages hold about `pids`.
@@ -254,46 +234,36 @@ impl Loaded {
         }
     }
 
-    /// Syncs the mappings of every process that reported new ones; returns their pids.
+    /// `sync_mappings` with `pid`'s mappings read already.
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping]) {
+        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings) {
+            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
+        }
+    }
+
+    /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
+    /// finishes those walks on the tables just loaded; returns the pids.
     pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
-        let pids = self.mapping_events.drain();
-        for &pid in &pids {
-            self.sync_mappings(pid);
-        }
-        pids
+        self.sync_changed_mappings_with(|_, _| {})
     }
 
-    /// Makes a change to `pid`'s libraries stop the thread that made it with a SIGTRAP, until
-    /// memprof has their tables: for a child memprof ptraces (`memprof run`).
-    pub fn stop_on_mapping_change(&mut self, pid: u32) -> anyhow::Result<()> {
-        let mut stops: aya::maps::HashMap<_, u32, u64> = aya::maps::HashMap::try_from(
-            self.ebpf.map_mut("STOP_ON_MAPPING_CHANGE").context("map STOP_ON_MAPPING_CHANGE missing")?,
-        )?;
-        stops.insert(pid, 0, 0)?;
-        Ok(())
-    }
-
-    /// Whether a SIGTRAP from the kernel that `pid` got was one `stop_on_mapping_change` asked
-    /// for (and counts it taken).
-    ///
-    /// The kernel only adds to its count of SIGTRAPs sent, atomically, and memprof only reads
-    /// it: a thread loading a library while another's stop is being taken adds to the count
-    /// without either side overwriting the other. A SIGTRAP is memprof's while more were sent
-    /// than taken. Which thread's it is stays unknown: were a program's own trap (`int3`) to
-    /// arrive while one of memprof's is pending in another thread, the program's would be
-    /// taken and memprof's delivered.
-    pub fn take_mapping_stop(&mut self, pid: u32) -> bool {
-        let Some(Ok(stops)) = self.ebpf.map("STOP_ON_MAPPING_CHANGE").map(aya::maps::HashMap::<_, u32, u64>::try_from)
-        else {
-            return false;
-        };
-        let Ok(sent) = stops.get(&pid, 0) else { return false };
-        let taken = self.mapping_stops_taken.entry(pid).or_default();
-        let ours = sent > *taken;
-        if ours {
-            *taken += 1;
+    /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
+    /// read, before the tables are built: a short-lived process may be gone a moment later.
+    pub fn sync_changed_mappings_with(&mut self, mut on_read: impl FnMut(u32, &[FileMapping])) -> Vec<u32> {
+        let drained = self.unwind_events.drain();
+        for &pid in &drained.pids {
+            match procfs::file_mappings(pid) {
+                Ok(mappings) if !mappings.is_empty() => {
+                    on_read(pid, &mappings);
+                    self.sync_mappings_with(pid, &mappings);
+                }
+                _ => {}
+            }
         }
-        ours
+        for event in &drained.deferred {
+            self.unwind.finish_deferred(&self.ebpf, event);
+        }
+        drained.pids
     }
 
     /// Records `pid`'s allocations by sampling from now on, one in every `sample_bytes` bytes on
