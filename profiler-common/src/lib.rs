@@ -467,6 +467,32 @@ impl StackEnd {
 pub const DEFERRED_PAGES: usize = 4;
 pub const PAGE_BYTES: usize = 4096;
 
+/// Objects a `LinkMapEvent` holds at most, and the bytes of each one's path.
+pub const LINK_MAP_OBJECTS: usize = 48;
+pub const LINK_MAP_NAME_BYTES: usize = 248;
+
+/// One object the dynamic linker has loaded: its load bias (`l_addr`) and path (`l_name`,
+/// empty for the executable).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LoadedObject {
+    pub base: u64,
+    pub name: [u8; LINK_MAP_NAME_BYTES],
+}
+
+/// The dynamic linker's list of loaded objects (`r_debug.r_map`), read in the process when the
+/// linker reports a consistent state (`_dl_debug_state`, `RT_CONSISTENT`): with the files' program
+/// headers it gives the process's mappings even after the process is gone, as a debugger learns
+/// them. Sent through `UNWIND_EVENTS`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LinkMapEvent {
+    pub tgid: u32,
+    /// Objects read, up to `LINK_MAP_OBJECTS`.
+    pub count: u32,
+    pub objects: [LoadedObject; LINK_MAP_OBJECTS],
+}
+
 /// Which stack table a deferred walk's stack is stored in.
 pub mod stack_table {
     pub const ALLOCATIONS: u32 = 0;

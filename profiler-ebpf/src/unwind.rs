@@ -16,15 +16,15 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
     btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
-    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user},
+    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
     macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     Global,
 };
 use profiler_common::{
-    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ExecMapping, ProcMappings, Stack, StackEnd, UnwindRow,
-    DEFERRED_PAGES, MAX_FRAMES, MAX_MAPPINGS, NO_STACK, PAGE_BYTES, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS,
-    UNWIND_SHARD_ROWS,
+    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ExecMapping, LinkMapEvent, ProcMappings, Stack, StackEnd,
+    UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS, NO_STACK, PAGE_BYTES, UC_RBP, UC_RIP,
+    UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
 use crate::shared::{count_drop, NO_PREALLOC};
@@ -58,12 +58,62 @@ static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 
-pub fn on_mappings_changed() {
+/// At the dynamic linker's `_dl_debug_state`. `r_debug` is the address of its `_r_debug` (0:
+/// unknown): when the change is complete, the linker's list of objects goes to the daemon with
+/// the event, so that it knows the process's mappings even if the process is gone before it
+/// reads `/proc`; else just the process's id.
+pub fn on_mappings_changed(r_debug: u64) {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if r_debug != 0 && send_link_map(tgid, r_debug) {
+        return;
+    }
     if UNWIND_EVENTS.output::<u32>(&tgid, 0).is_err() {
         // The daemon finds new mappings at its next refresh anyway.
         count_drop(DropReason::MappingEventLost);
     }
+}
+
+/// `struct r_debug`: `r_map` at 8, `r_state` at 24; `struct link_map`: `l_addr` at 0, `l_name`
+/// at 8, `l_next` at 24.
+const R_MAP: u64 = 8;
+const R_STATE: u64 = 24;
+const L_NAME: u64 = 8;
+const L_NEXT: u64 = 24;
+/// `r_state` when the list is consistent (not in the middle of an add or a delete).
+const RT_CONSISTENT: i32 = 0;
+
+/// Sends the linker's list of objects; false when it is not consistent now or cannot be read.
+fn send_link_map(tgid: u32, r_debug: u64) -> bool {
+    let state = unsafe { bpf_probe_read_user((r_debug + R_STATE) as *const i32) };
+    if state != Ok(RT_CONSISTENT) {
+        return false;
+    }
+    let Ok(mut object) = (unsafe { bpf_probe_read_user((r_debug + R_MAP) as *const u64) }) else { return false };
+    let Some(mut entry) = UNWIND_EVENTS.reserve::<LinkMapEvent>(0) else {
+        count_drop(DropReason::MappingEventLost);
+        return true;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record is ours until submitted.
+    unsafe {
+        (*event).tgid = tgid;
+        (*event).count = 0;
+        for index in 0..LINK_MAP_OBJECTS {
+            if object == 0 {
+                break;
+            }
+            let slot = &mut (*event).objects[index];
+            slot.base = bpf_probe_read_user(object as *const u64).unwrap_or(0);
+            slot.name[0] = 0;
+            if let Ok(name) = bpf_probe_read_user((object + L_NAME) as *const u64) {
+                let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut slot.name);
+            }
+            (*event).count = index as u32 + 1;
+            object = bpf_probe_read_user((object + L_NEXT) as *const u64).unwrap_or(0);
+        }
+    }
+    entry.submit(0);
+    true
 }
 
 /// Where a walk builds its stack: 1 KiB does not fit on the 512-byte BPF stack.

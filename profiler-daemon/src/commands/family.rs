@@ -123,6 +123,10 @@ impl Family {
         self.processes.keys().copied().collect()
     }
 
+    pub fn get(&self, pid: u32) -> Option<&Process> {
+        self.processes.get(&pid)
+    }
+
     pub fn get_mut(&mut self, pid: u32) -> Option<&mut Process> {
         self.processes.get_mut(&pid)
     }

@@ -172,10 +172,10 @@ impl Tracer<'_> {
     /// New libraries get their tables (and are probed when they hold the allocator), and walks
     /// the kernel deferred are finished on them.
     fn on_unwind_events(&mut self) {
-        let symbolizer = &self.symbolizer;
-        for pid in
-            self.loaded.sync_changed_mappings_with(|pid, mappings| symbolizer.refresh_with(pid, mappings.to_vec()))
-        {
+        let (symbolizer, family) = (&self.symbolizer, &self.family);
+        let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());
+        let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());
+        for pid in self.loaded.sync_changed_mappings_with(exe_of, on_read) {
             self.family.probe(&mut self.loaded, pid);
         }
     }

@@ -17,7 +17,10 @@ use crate::{
     kernel::settings::LoadSettings,
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
-    process::procfs::{self, FileMapping},
+    process::{
+        link_map,
+        procfs::{self, FileMapping},
+    },
     unwind::{Registry, UnwindEvents},
 };
 
@@ -30,6 +33,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pr
 
 /// The dynamic linker calls it before and after every change to the loaded libraries.
 const DL_HOOK: &str = "_dl_debug_state";
+/// The dynamic linker's `struct r_debug`, whose `r_map` lists the loaded objects.
+const R_DEBUG: &str = "_r_debug";
 
 /// Loaded programs and maps; what is attached to each process is its `Attachment`.
 pub struct Loaded {
@@ -244,21 +249,29 @@ impl Loaded {
     /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
     /// finishes those walks on the tables just loaded; returns the pids.
     pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
-        self.sync_changed_mappings_with(|_, _| {})
+        self.sync_changed_mappings_with(|pid| procfs::exe_path(pid), |_, _| {})
     }
 
     /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
-    /// read, before the tables are built: a short-lived process may be gone a moment later.
-    pub fn sync_changed_mappings_with(&mut self, mut on_read: impl FnMut(u32, &[FileMapping])) -> Vec<u32> {
+    /// read, before the tables are built: a short-lived process may be gone a moment later. A
+    /// process already gone has the mappings of the linker's last list of objects (`link_map`),
+    /// its executable's path from `exe_of`.
+    pub fn sync_changed_mappings_with(
+        &mut self,
+        exe_of: impl Fn(u32) -> Option<String>,
+        mut on_read: impl FnMut(u32, &[FileMapping]),
+    ) -> Vec<u32> {
         let drained = self.unwind_events.drain();
         for &pid in &drained.pids {
-            match procfs::file_mappings(pid) {
-                Ok(mappings) if !mappings.is_empty() => {
-                    on_read(pid, &mappings);
-                    self.sync_mappings_with(pid, &mappings);
-                }
-                _ => {}
-            }
+            let mappings = match procfs::file_mappings(pid) {
+                Ok(mappings) if !mappings.is_empty() => mappings,
+                _ => match drained.objects.get(&pid) {
+                    Some(objects) => link_map::mappings(objects, exe_of(pid).as_deref()),
+                    None => continue,
+                },
+            };
+            on_read(pid, &mappings);
+            self.sync_mappings_with(pid, &mappings);
         }
         for event in &drained.deferred {
             self.unwind.finish_deferred(&self.ebpf, event);
@@ -289,7 +302,9 @@ impl Loaded {
         let attached = allocator::function_file_offset(path, DL_HOOK)
             .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
             .and_then(|offset| {
-                let hook = [Point { offset, cookie: 0 }];
+                // Where the linker's list of objects is, from the probe's address (see the program).
+                let cookie = allocator::symbol_distance(path, DL_HOOK, R_DEBUG).unwrap_or(0);
+                let hook = [Point { offset, cookie }];
                 attachment.add(&mut self.ebpf, self.method, MAPPINGS_PROGRAM, path, &hook, pid)
             });
         if let Err(err) = attached {

@@ -329,6 +329,20 @@ pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
     symbol_file_offsets(&file, &HashSet::from([name])).get(name).copied()
 }
 
+/// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
+/// same distance once loaded); None unless both are defined.
+pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
+    let data = fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let address = |wanted: &str| {
+        file.dynamic_symbols().chain(file.symbols()).find_map(|symbol| {
+            let name = symbol.name().ok()?;
+            (!symbol.is_undefined() && name.split('@').next() == Some(wanted)).then(|| symbol.address())
+        })
+    };
+    Some(address(to)?.wrapping_sub(address(from)?))
+}
+
 /// File offsets of the functions named in `wanted` that the file defines, from the dynamic table
 /// and the full symbol table (static binaries, Rust's static allocators).
 fn symbol_file_offsets<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, u64> {

@@ -11,7 +11,9 @@ use aya::{
     maps::{MapData, RingBuf},
     Ebpf,
 };
-use profiler_common::DeferredUnwind;
+use std::collections::HashMap;
+
+use profiler_common::{DeferredUnwind, LinkMapEvent};
 pub use registry::{Registry, TableUse, UnwindMode};
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
@@ -28,6 +30,9 @@ pub struct Drained {
     pub pids: Vec<u32>,
     /// Boxed: each holds a copy of a stack.
     pub deferred: Vec<Box<DeferredUnwind>>,
+    /// The dynamic linker's last list of objects of each process that sent one: load bias and
+    /// path (see `process::link_map`).
+    pub objects: HashMap<u32, Vec<(u64, String)>>,
 }
 
 impl UnwindEvents {
@@ -40,7 +45,16 @@ impl UnwindEvents {
     pub fn drain(&mut self) -> Drained {
         let mut drained = Drained::default();
         while let Some(item) = self.ring.next() {
-            let tgid = if item.len() >= size_of::<DeferredUnwind>() {
+            let tgid = if item.len() == size_of::<LinkMapEvent>() {
+                // SAFETY: as below, for a LinkMapEvent.
+                let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) });
+                let objects = event.objects.iter().take(event.count as usize).map(|object| {
+                    let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
+                    (object.base, String::from_utf8_lossy(name).into_owned())
+                });
+                drained.objects.insert(event.tgid, objects.collect());
+                event.tgid
+            } else if item.len() == size_of::<DeferredUnwind>() {
                 // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
                 // with the ring buffer's 8-byte alignment.
                 let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) });
