@@ -249,7 +249,7 @@ impl Loaded {
     /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
     /// finishes those walks on the tables just loaded; returns the pids.
     pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
-        self.sync_changed_mappings_with(|pid| procfs::exe_path(pid), |_, _| {})
+        self.sync_changed_mappings_with(procfs::exe_path, |_, _| {})
     }
 
     /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are

@@ -59,7 +59,8 @@ mod tests {
         let maps = crate::process::procfs::file_mappings(std::process::id()).expect("own maps");
         let exe = std::fs::read_link("/proc/self/exe").expect("own exe").display().to_string();
         let text = maps.iter().find(|m| m.executable && m.path == exe).expect("own text mapping");
-        let file = object::File::parse(&*fs::read(&exe).expect("own exe")).expect("ELF");
+        let data = fs::read(&exe).expect("own exe");
+        let file = object::File::parse(&*data).expect("ELF");
         let segment = file
             .segments()
             .find(|s| matches!(s.flags(), object::SegmentFlags::Elf { p_flags } if p_flags & 1 != 0))
