@@ -80,7 +80,7 @@ pub async fn run(
     let mut output = open_output(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
-    let allocator = allocator::for_command(&program)?;
+    let (allocator, files) = allocator::for_command(&program)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(true);
     let symbolizer = SymbolizerHandle::spawn();
@@ -90,7 +90,8 @@ pub async fn run(
     let (child, exit_code) = target::spawn(program, command)?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
-    let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
+    let attachment =
+        loaded.attach_before_exec(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"), &files)?;
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
@@ -212,7 +213,8 @@ impl Tracer<'_> {
     /// `pids` (all when None), the root's with its children, when one is to be written.
     fn read(&mut self, is_final: bool, only: Option<u32>) -> anyhow::Result<Option<Report>> {
         let pids = only.map_or_else(|| self.family.pids(), |pid| [pid].into());
-        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, self.min_age_ns)?;
+        let kernel =
+            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {

@@ -286,6 +286,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             }
         })
         .collect();
+    let stacks = merge_same_stacks(stacks);
     Report {
         is_final: selection.is_final,
         pid: ctx.stacks.pid,
@@ -314,6 +315,33 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         forks: None,
         unwind_tables: None,
     }
+}
+
+/// Stacks with the same frames as one: a walk the kernel deferred (see `unwind::deferred`) is
+/// stored apart from the same stack walked whole once the table was loaded. The larger one's
+/// leak verdict stands for both.
+fn merge_same_stacks(stacks: Vec<StackReport>) -> Vec<StackReport> {
+    let mut merged: Vec<StackReport> = Vec::with_capacity(stacks.len());
+    let mut at: HashMap<String, usize> = HashMap::new();
+    for stack in stacks {
+        match at.get(&stack.stack_id) {
+            Some(&index) => {
+                let into = &mut merged[index];
+                into.outstanding_bytes += stack.outstanding_bytes;
+                into.outstanding_allocations += stack.outstanding_allocations;
+                into.allocations += stack.allocations;
+                into.allocated_bytes += stack.allocated_bytes;
+                into.oldest_age_s = into.oldest_age_s.max(stack.oldest_age_s);
+                into.truncated &= stack.truncated;
+            }
+            None => {
+                at.insert(stack.stack_id.clone(), merged.len());
+                merged.push(stack);
+            }
+        }
+    }
+    merged.sort_by_key(|s| std::cmp::Reverse(((s.outstanding_bytes, s.outstanding_allocations), s.allocated_bytes)));
+    merged
 }
 
 /// One report of `root` and its children for formats that draw one profile (pprof, folded,

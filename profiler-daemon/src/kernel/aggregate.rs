@@ -76,7 +76,14 @@ pub fn monotonic_now_ns() -> u64 {
 
 /// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
 /// Allocations at least `min_age_ns` old are counted apart as aged.
-pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+/// Stacks cut in walks the kernel deferred (`unwind`) count with those the kernel cut.
+pub fn read(
+    ebpf: &Ebpf,
+    unwind: &Registry,
+    book: &mut AgeBook,
+    tgids: &HashSet<u32>,
+    min_age_ns: u64,
+) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
@@ -113,6 +120,9 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
     snapshot.missed_generations = book.missed_generations;
     for (index, total) in snapshot.drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
+    }
+    for (reason, count) in unwind.deferred_drops() {
+        snapshot.drops[reason as usize] += count;
     }
     Ok(snapshot)
 }

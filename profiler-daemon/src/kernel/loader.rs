@@ -133,7 +133,26 @@ impl Loaded {
     /// Return probes go first: an entry probe that fires before its return probe exists would
     /// leave in-flight state behind that nothing clears. On failure nothing stays attached.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        let mut attachment = self.attach_allocator(allocator, pid)?;
+        // Tables first: the first allocation's stack needs them.
+        self.sync_mappings(pid.get());
+        self.attach_probes(allocator, pid)
+    }
+
+    /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
+    /// `files` (see `allocator::for_command`): their tables are built now, and its mappings read
+    /// once it has exec'd (see `commands::family`).
+    pub fn attach_before_exec(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        files: &[std::path::PathBuf],
+    ) -> anyhow::Result<Attachment> {
+        self.unwind.preload(pid.get(), files);
+        self.attach_probes(allocator, pid)
+    }
+
+    fn attach_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        let mut attachment = self.probe_allocator(allocator, pid)?;
         self.attach_dl_hook(&mut attachment, pid);
         if let Err(err) = self.track(pid.get()) {
             self.take_back(attachment, pid);
@@ -150,10 +169,14 @@ impl Loaded {
         self.forget_state(&HashSet::from([pid.get()]));
     }
 
-    /// The allocator's probes alone (see `attach`), in each of its files.
+    /// The allocator's probes alone (see `attach`), in each of its files, after its tables.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
+        self.probe_allocator(allocator, pid)
+    }
+
+    fn probe_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let mut attachment = Attachment::default();
         for file in &allocator.files {
             let allocs: Vec<Point> =

@@ -7,8 +7,8 @@
 use std::collections::HashMap;
 
 use profiler_common::{
-    cfa, mapping_kind, rbp, DeferredUnwind, ProcMappings, StackEnd, UnwindRow, ENTRY_ROW, FRAME_POINTER_ROW,
-    MAX_MAPPINGS, PAGE_BYTES, UC_RBP, UC_RIP, UC_RSP,
+    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ProcMappings, StackEnd, UnwindRow, ENTRY_ROW,
+    FRAME_POINTER_ROW, MAX_MAPPINGS, PAGE_BYTES, UC_RBP, UC_RIP, UC_RSP,
 };
 
 /// The rows' index space, as the kernel's walk reads it.
@@ -37,6 +37,8 @@ pub struct DeferredCounts {
 pub struct Deferred {
     completions: HashMap<(u32, u32, u64), Completion>,
     pub counts: DeferredCounts,
+    /// Walks that ended cut, by `StackEnd`: counted as the kernel's walk counts its own.
+    cut: [u64; 6],
 }
 
 impl Deferred {
@@ -54,11 +56,17 @@ impl Deferred {
             None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
         };
         self.counts.walks += 1;
+        self.cut[completion.end as usize] += 1;
         if !matches!(completion.end, StackEnd::Complete | StackEnd::TooDeep) {
             self.counts.unfinished += 1;
             tracing::debug!(pid = event.tgid, pc = event.pc, end = ?completion.end, "deferred walk not finished");
         }
         self.completions.insert((event.tgid, event.table, event.stack_id), completion);
+    }
+
+    pub fn drops(&self) -> impl Iterator<Item = (DropReason, u64)> + '_ {
+        let ends = [StackEnd::NoTable, StackEnd::BadRule, StackEnd::ReadFailed, StackEnd::TooDeep];
+        ends.into_iter().filter_map(|end| Some((end.drop_reason()?, self.cut[end as usize])))
     }
 
     pub fn completion(&self, tgid: u32, table: u32, stack_id: u64) -> Option<&Completion> {

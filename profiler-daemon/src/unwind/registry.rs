@@ -234,9 +234,43 @@ impl Registry {
         self.deferred.finish(event, mappings.as_ref(), &self.shards, self.frame_limit);
     }
 
+    /// Deferred walks that ended cut, by the drop reason the kernel's walk counts them under.
+    pub fn deferred_drops(&self) -> impl Iterator<Item = (profiler_common::DropReason, u64)> + '_ {
+        self.deferred.drops()
+    }
+
     /// The rest of a deferred walk, once finished.
     pub fn completion(&self, tgid: u32, table: u32, stack_id: u64) -> Option<&Completion> {
         self.deferred.completion(tgid, table, stack_id)
+    }
+
+    /// Builds the tables of the files `pid` is about to map (`memprof run`'s command before its
+    /// exec, from its dynamic loader's list) and counts them as its own until its first `sync`:
+    /// then only its mappings are left to read, in a moment, before much of it has run.
+    pub fn preload(&mut self, pid: u32, paths: &[std::path::PathBuf]) {
+        use std::os::unix::fs::MetadataExt as _;
+        let mut keys = HashSet::new();
+        for path in paths {
+            let Ok(meta) = std::fs::metadata(path) else { continue };
+            let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
+            let mapping = FileMapping {
+                start: 0,
+                end: 0,
+                offset: 0,
+                path: path.display().to_string(),
+                executable: true,
+                device: device.clone(),
+                inode: meta.ino(),
+            };
+            let key = (device, meta.ino());
+            if self.file(&key, pid, &mapping).is_some() && keys.insert(key.clone()) {
+                if let Some(file) = self.files.get_mut(&key) {
+                    file.users += 1;
+                }
+            }
+        }
+        self.processes.insert(pid, keys);
+        self.log_use();
     }
 
     /// One line whenever the tables in use change (`cargo xtask bench` reads it).
