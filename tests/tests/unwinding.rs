@@ -355,8 +355,10 @@ fn a_recursion_300_deep_is_cut_at_127_frames_and_marked_truncated() {
     }
 }
 
-/// A library dlopened while traced (its tables must be ready before its frames are walked):
-/// main -> plugin_leak -> plugin_leak_inner -> malloc, 41 x 2000 bytes.
+/// A library dlopened while traced, and called at once: main -> plugin_leak -> plugin_leak_inner
+/// -> malloc, 41 x 2000 bytes. Its first walks meet it before memprof has read its table: they
+/// are deferred (the kernel sends the stack's copy, memprof finishes the walk) and whole, and the
+/// program is never stopped for them.
 #[test]
 fn a_library_loaded_with_dlopen_while_traced_is_unwound() {
     let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin.so", &["-O2", "-g", "-fomit-frame-pointer"]);
@@ -370,10 +372,13 @@ fn a_library_loaded_with_dlopen_while_traced_is_unwound() {
     assert_complete(stack);
     assert_no_stack_drops(&report);
     assert_nothing_dropped(&report);
+    let tables = &report["unwind_tables"];
+    assert!(tables["deferred_walks"].as_u64().expect("deferred_walks") >= 1, "{tables}");
+    assert_eq!(tables["deferred_unfinished"], 0, "{tables}");
 }
 
-/// Two threads load two libraries at the same moment: each thread is stopped for its library's
-/// tables and neither SIGTRAP reaches the program (it has no handler: one would kill it). Each
+/// Two threads load two libraries at the same moment, neither stopped for memprof: walks that
+/// meet a library before its table is read are finished from their stack copies. Each
 /// library's leak has its whole stack, through its own module, down to its thread's start.
 #[test]
 fn libraries_loaded_by_two_threads_at_once_are_unwound() {
