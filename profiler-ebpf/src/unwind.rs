@@ -247,14 +247,22 @@ const EEXIST: i32 = 17;
 /// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
 /// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
 /// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
-/// pointer, so that calls reaching the frame from different depths stay apart. None when the
-/// event cannot be sent (the ring is full): the stack is then kept cut, as `unwind_no_table`.
+/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
+/// probe that stored no frame yet (a free in a library not read yet), the return address at the
+/// stack pointer, so that two call sites at one depth do too. None when the event cannot be sent
+/// (the ring is full): the stack is then kept cut, as `unwind_no_table`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64) -> Option<u64> {
     let walk = &scratch.walk;
-    let hash = (walk.hash ^ walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15)).rotate_left(7) ^ StackEnd::Deferred as u64;
-    let check = walk.check ^ walk.sp ^ walk.len as u64;
+    let caller = if walk.len == 0 && walk.pc_is_return == 0 {
+        unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0)
+    } else {
+        0
+    };
+    let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
+    let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
+    let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
     let id = if hash == NO_STACK { 1 } else { hash };
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
