@@ -278,7 +278,8 @@ impl Loaded {
     /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
     /// read, before the tables are built: a short-lived process may be gone a moment later. A
     /// process already gone has the mappings of the linker's last list of objects (`link_map`),
-    /// its executable's path from `exe_of`.
+    /// or, without a dynamic linker, those of an executable loaded where it says; its
+    /// executable's path from `exe_of`.
     pub fn sync_changed_mappings_with(
         &mut self,
         exe_of: impl Fn(u32) -> Option<String>,
@@ -290,7 +291,10 @@ impl Loaded {
                 Ok(mappings) if !mappings.is_empty() => mappings,
                 _ => match drained.objects.get(&pid) {
                     Some(objects) => link_map::mappings(objects, exe_of(pid).as_deref()),
-                    None => continue,
+                    None => match exe_of(pid).and_then(|exe| link_map::fixed_executable(&exe)) {
+                        Some(mappings) => mappings,
+                        None => continue,
+                    },
                 },
             };
             on_read(pid, &mappings);

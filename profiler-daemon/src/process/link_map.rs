@@ -23,6 +23,14 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
     mappings
 }
 
+/// The mappings of an executable loaded at the addresses it names (not position-independent: a
+/// static binary has no dynamic linker to report them, and needs none); None for any other file.
+pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
+    let data = fs::read(exe).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe)).flatten()
+}
+
 /// One mapping per loadable segment, page-aligned as the loader maps them.
 fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
