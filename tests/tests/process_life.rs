@@ -8,8 +8,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_with, http_get, memprof_bin, metric, probe_links, site, total, wait_for, Daemon, Outcome,
-    Waiting,
+    fixture, fixture_with, http_get, memprof_bin, metric, probe_links, site, total, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
