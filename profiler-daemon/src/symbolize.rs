@@ -132,6 +132,8 @@ enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
     Refresh {
         pid: u32,
+        /// Read already (see `refresh_with`), else read now.
+        mappings: Option<Vec<FileMapping>>,
         done: mpsc::Sender<()>,
     },
     Symbolize {
@@ -191,7 +193,16 @@ impl SymbolizerHandle {
 
     pub fn refresh(&self, pid: u32) {
         let (done, wait) = mpsc::channel();
-        if self.requests.send(Request::Refresh { pid, done }).is_ok() {
+        if self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// `refresh` with `pid`'s mappings read already: a process that may have exited since
+    /// (its files are opened by path then, when the path still names the file mapped).
+    pub fn refresh_with(&self, pid: u32, mappings: Vec<FileMapping>) {
+        let (done, wait) = mpsc::channel();
+        if self.requests.send(Request::Refresh { pid, mappings: Some(mappings), done }).is_ok() {
             let _ = wait.recv();
         }
     }
@@ -253,8 +264,8 @@ impl SymbolizerThread {
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
         for request in requests {
             match request {
-                Request::Refresh { pid, done } => {
-                    self.refresh(pid);
+                Request::Refresh { pid, mappings, done } => {
+                    self.refresh(pid, mappings);
                     let _ = done.send(());
                 }
                 Request::Inherit { parent, child, done } => {
@@ -264,7 +275,7 @@ impl SymbolizerThread {
                     if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
                         self.modules.insert(child, inherited);
                     }
-                    self.refresh(child);
+                    self.refresh(child, None);
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {
@@ -282,10 +293,10 @@ impl SymbolizerThread {
         }
     }
 
-    fn refresh(&mut self, pid: u32) {
+    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) {
         // An exited process that is not yet reaped still has a /proc entry, with no mappings:
         // keep what was read while it lived.
-        let mappings = match procfs::file_mappings(pid) {
+        let mappings = match mappings.map_or_else(|| procfs::file_mappings(pid), Ok) {
             Ok(mappings) if !mappings.is_empty() => mappings,
             _ => return,
         };
@@ -295,7 +306,7 @@ impl SymbolizerThread {
             let known = old.iter().find(|m| m.mapping.path == mapping.path);
             let file = match known {
                 Some(known) => known.file.clone(),
-                None => match open_mapped(pid, &mapping) {
+                None => match mapping.open(pid) {
                     Some(file) => Arc::new(file),
                     None => continue,
                 },
@@ -380,10 +391,6 @@ fn build_id(file: &File) -> String {
     let cache = object::ReadCache::new(file);
     let id = object::File::parse(&cache).ok().and_then(|elf| object::Object::build_id(&elf).ok().flatten());
     id.map(|bytes| bytes.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_default()
-}
-
-fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {
-    mapping.reachable_paths(pid).iter().find_map(|path| File::open(path).ok())
 }
 
 fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {

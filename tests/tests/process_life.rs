@@ -8,8 +8,8 @@ use std::{
 };
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, run, site, total,
-    wait_for, Daemon, Outcome, Waiting,
+    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, site, total, wait_for,
+    Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -66,8 +66,11 @@ fn children(report: &Value) -> &Vec<Value> {
 #[test]
 fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
     let program = dynamic();
-    let outcome = run(&[], &[&program, "exec", &program, "new-image"]);
+    // The command is not stopped at its exec: its new program waits until memprof has probed it.
+    let args = ["run", "--json", "--", &program, "exec", &program, "--wait", "new-image"];
+    let mut outcome = run_released(&args, " runs ");
     assert!(outcome.status.success(), "{outcome:?}");
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "the old program's blocks are gone: {report}");
@@ -79,8 +82,10 @@ fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
 #[test]
 fn after_exec_into_a_static_binary_its_own_allocator_is_probed() {
     let (program, target) = (dynamic(), static_binary());
-    let outcome = run(&[], &[&program, "exec", &target, "new-image"]);
+    let args = ["run", "--json", "--", &program, "exec", &target, "--wait", "new-image"];
+    let mut outcome = run_released(&args, " runs ");
     assert!(outcome.status.success(), "{outcome:?}");
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");

@@ -123,6 +123,10 @@ impl Family {
         self.processes.keys().copied().collect()
     }
 
+    pub fn get(&self, pid: u32) -> Option<&Process> {
+        self.processes.get(&pid)
+    }
+
     pub fn get_mut(&mut self, pid: u32) -> Option<&mut Process> {
         self.processes.get_mut(&pid)
     }
@@ -160,7 +164,18 @@ impl Family {
     /// probed in its own allocator.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        if std::mem::take(&mut process.expect_exec) || std::mem::take(&mut process.exec_handled_early) {
+        if std::mem::take(&mut process.expect_exec) {
+            // `memprof run`'s command is in its own program now, probed since before its exec:
+            // its executable and dynamic linker get their tables and symbols (its libraries, when
+            // the dynamic linker reports them).
+            // Read once, symbols first: a short-lived command may be gone a moment later.
+            if let Ok(mappings) = procfs::file_mappings(pid) {
+                symbolizer.refresh_with(pid, mappings.clone());
+                loaded.sync_mappings_with(pid, &mappings);
+            }
+            return;
+        }
+        if std::mem::take(&mut process.exec_handled_early) {
             return;
         }
         let Some(nonzero) = NonZeroU32::new(pid) else { return };

@@ -266,6 +266,18 @@ impl Collector for ViewCollector {
         )?;
         counters(
             e,
+            "memprof_unwind_deferred_walks",
+            "Stack walks that met a file whose unwind table was not loaded yet, finished by memprof from a copy of the stack.",
+            [(vec![], unwind.deferred_walks)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_deferred_unfinished",
+            "Deferred stack walks that could not reach the outermost frame: their stacks are marked truncated.",
+            [(vec![], unwind.deferred_unfinished)],
+        )?;
+        counters(
+            e,
             "memprof_unwind_rows_not_loaded",
             "Rows the unwind tables that could not be loaded needed, where known.",
             [(vec![], unwind.rows_not_loaded)],

@@ -384,6 +384,7 @@ impl Tracer {
     fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
+            unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
@@ -430,7 +431,7 @@ impl Tracer {
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, 0)?;
+        let kernel = aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0)?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;

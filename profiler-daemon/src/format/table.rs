@@ -98,6 +98,13 @@ fn section(report: &Report) -> String {
                 tables.tables_not_loaded, tables.rows_not_loaded
             );
         }
+        if tables.deferred_walks > 0 {
+            let _ = write!(
+                out,
+                "; {} walks finished from a stack copy ({} of them cut)",
+                tables.deferred_walks, tables.deferred_unfinished
+            );
+        }
         out.push('\n');
     }
     for double_free in &report.double_frees {

@@ -12,7 +12,7 @@ use crate::{
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
     symbolize::{Frame, FrameInfo, Module, Resolved, SymbolizerHandle},
-    unwind::TableUse,
+    unwind::{Registry, TableUse},
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -164,6 +164,8 @@ struct Symbolized {
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
+    /// For the walks the kernel deferred (see `unwind::Registry::completion`).
+    pub unwind: &'a Registry,
     pub symbolizer: &'a SymbolizerHandle,
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
@@ -177,7 +179,7 @@ impl Stacks<'_> {
 
     /// Symbolizes a stored stack and hashes it.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
-        let (addresses, end) = aggregate::stack_frames(self.ebpf, table, stack_id);
+        let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
         let truncated = end != StackEnd::Complete;
         if addresses.is_empty() {
             return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
@@ -294,6 +296,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             }
         })
         .collect();
+    let stacks = merge_same_stacks(stacks);
     Report {
         is_final: selection.is_final,
         pid: ctx.stacks.pid,
@@ -324,6 +327,33 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         forks: None,
         unwind_tables: None,
     }
+}
+
+/// Stacks with the same frames as one: a walk the kernel deferred (see `unwind::deferred`) is
+/// stored apart from the same stack walked whole once the table was loaded. The larger one's
+/// leak verdict stands for both.
+fn merge_same_stacks(stacks: Vec<StackReport>) -> Vec<StackReport> {
+    let mut merged: Vec<StackReport> = Vec::with_capacity(stacks.len());
+    let mut at: HashMap<String, usize> = HashMap::new();
+    for stack in stacks {
+        match at.get(&stack.stack_id) {
+            Some(&index) => {
+                let into = &mut merged[index];
+                into.outstanding_bytes += stack.outstanding_bytes;
+                into.outstanding_allocations += stack.outstanding_allocations;
+                into.allocations += stack.allocations;
+                into.allocated_bytes += stack.allocated_bytes;
+                into.oldest_age_s = into.oldest_age_s.max(stack.oldest_age_s);
+                into.truncated &= stack.truncated;
+            }
+            None => {
+                at.insert(stack.stack_id.clone(), merged.len());
+                merged.push(stack);
+            }
+        }
+    }
+    merged.sort_by_key(|s| std::cmp::Reverse(((s.outstanding_bytes, s.outstanding_allocations), s.allocated_bytes)));
+    merged
 }
 
 /// One report of `root` and its children for formats that draw one profile (pprof, folded,

@@ -13,13 +13,14 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, ProcDrops, RecentFree,
-    Stack, StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
+    stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, ProcDrops,
+    RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
 };
 
 use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
+    unwind::Registry,
 };
 
 /// What the kernel side knows at one moment, for the processes asked about.
@@ -78,7 +79,14 @@ pub fn monotonic_now_ns() -> u64 {
 
 /// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
 /// Allocations at least `min_age_ns` old are counted apart as aged.
-pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+/// Stacks cut in walks the kernel deferred (`unwind`) count with those the kernel cut.
+pub fn read(
+    ebpf: &Ebpf,
+    unwind: &Registry,
+    book: &mut AgeBook,
+    tgids: &HashSet<u32>,
+    min_age_ns: u64,
+) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
@@ -116,6 +124,9 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
     })?;
     for (&tgid, process) in &mut snapshot.processes {
         process.missed_generations = book.missed_generations(tgid);
+        for (reason, count) in unwind.deferred_drops(tgid) {
+            process.drops.counts[reason as usize] += count;
+        }
     }
     for (index, total) in snapshot.unattributed_drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
@@ -262,6 +273,14 @@ pub enum StackTable {
 }
 
 impl StackTable {
+    /// Its `profiler_common::stack_table` constant.
+    fn id(self) -> u32 {
+        match self {
+            StackTable::Allocations => stack_table::ALLOCATIONS,
+            StackTable::Frees => stack_table::FREES,
+        }
+    }
+
     fn map_name(self) -> &'static str {
         match self {
             StackTable::Allocations => "STACKS",
@@ -278,9 +297,16 @@ pub fn stack_entries(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<u64> {
     Ok(entries)
 }
 
-/// The addresses of a stored stack, innermost first, and why its walk ended; no frames for
-/// `NO_STACK`.
-pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u64) -> (Vec<u64>, StackEnd) {
+/// The addresses of a stored stack of process `tgid`, innermost first, and why its walk ended;
+/// no frames for `NO_STACK`. A walk the kernel deferred goes on with the frames memprof found
+/// (cut as `NoTable` until it has).
+pub fn stack_frames(
+    ebpf: &Ebpf,
+    unwind: &Registry,
+    tgid: u32,
+    table: StackTable,
+    stack_id: u64,
+) -> (Vec<u64>, StackEnd) {
     let stored = (stack_id != NO_STACK)
         .then(|| map(ebpf, table.map_name()).ok())
         .flatten()
@@ -289,7 +315,18 @@ pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u64) -> (Vec<u64>,
     match stored {
         Some(stack) => {
             let len = (stack.len as usize).min(stack.frames.len());
-            (stack.frames[..len].to_vec(), StackEnd::from_u32(stack.end))
+            let mut frames = stack.frames[..len].to_vec();
+            let end = match StackEnd::from_u32(stack.end) {
+                StackEnd::Deferred => match unwind.completion(tgid, table.id(), stack_id) {
+                    Some(rest) => {
+                        frames.extend_from_slice(&rest.frames);
+                        rest.end
+                    }
+                    None => StackEnd::NoTable,
+                },
+                end => end,
+            };
+            (frames, end)
         }
         None => (Vec::new(), StackEnd::NoTable),
     }
