@@ -65,8 +65,8 @@ impl AllocFn {
     }
 }
 
-/// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes the
-/// per-CPU `DROPS` array.
+/// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes a
+/// process's `ProcDrops`, and the per-CPU `DROPS` array of drops that found no room there.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropReason {
@@ -369,6 +369,19 @@ pub struct ProcCounters {
     pub failed_allocations: u64,
 }
 
+/// A process's drops, by `DropReason`, in `PROC_DROPS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcDrops {
+    pub counts: [u64; DropReason::COUNT],
+}
+
+impl Default for ProcDrops {
+    fn default() -> Self {
+        Self { counts: [0; DropReason::COUNT] }
+    }
+}
+
 /// Power-of-two buckets: bucket `i` counts values in `(2^(i-1), 2^i]`, bucket 0 values 0 and 1.
 pub const LOG2_BUCKETS: usize = 64;
 
@@ -432,6 +445,10 @@ pub enum StackEnd {
     BadRule = 2,
     ReadFailed = 3,
     TooDeep = 4,
+    /// A frame's file had no table yet: the walk's state and a copy of the stack went to
+    /// memprof, which finishes the walk once the table is loaded (`DeferredUnwind`). Not a drop:
+    /// memprof counts how many it finished and how many it could not.
+    Deferred = 5,
 }
 
 impl StackEnd {
@@ -441,6 +458,7 @@ impl StackEnd {
             1 => StackEnd::NoTable,
             2 => StackEnd::BadRule,
             3 => StackEnd::ReadFailed,
+            5 => StackEnd::Deferred,
             _ => StackEnd::TooDeep,
         }
     }
@@ -448,13 +466,83 @@ impl StackEnd {
     /// The drop counter a walk that stopped here bumps (none for a complete one).
     pub fn drop_reason(self) -> Option<DropReason> {
         match self {
-            StackEnd::Complete => None,
+            StackEnd::Complete | StackEnd::Deferred => None,
             StackEnd::NoTable => Some(DropReason::UnwindNoTable),
             StackEnd::BadRule => Some(DropReason::UnwindBadRule),
             StackEnd::ReadFailed => Some(DropReason::UnwindReadFailed),
             StackEnd::TooDeep => Some(DropReason::StackTooDeep),
         }
     }
+}
+
+/// Pages of the user stack a deferred walk copies, from the one holding the stack pointer up:
+/// at least 4 KiB above it, up to 8 KiB, as perf's DWARF mode copies 8 KiB. Against 4 pages,
+/// LLVM's first JIT set-up (hundreds of distinct stacks while its 100 MB table is built) fits in
+/// the ring, and every walk of it finished.
+pub const DEFERRED_PAGES: usize = 2;
+pub const PAGE_BYTES: usize = 4096;
+
+/// Objects a `LinkMapEvent` holds at most, and the bytes of each one's path.
+pub const LINK_MAP_OBJECTS: usize = 48;
+pub const LINK_MAP_NAME_BYTES: usize = 248;
+
+/// One object the dynamic linker has loaded: its load bias (`l_addr`) and path (`l_name`,
+/// empty for the executable).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LoadedObject {
+    pub base: u64,
+    pub name: [u8; LINK_MAP_NAME_BYTES],
+}
+
+/// The dynamic linker's list of loaded objects (`r_debug.r_map`), read in the process when the
+/// linker reports a consistent state (`_dl_debug_state`, `RT_CONSISTENT`): with the files' program
+/// headers it gives the process's mappings even after the process is gone, as a debugger learns
+/// them. Sent through `UNWIND_EVENTS`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LinkMapEvent {
+    pub tgid: u32,
+    /// Objects read, up to `LINK_MAP_OBJECTS`.
+    pub count: u32,
+    pub objects: [LoadedObject; LINK_MAP_OBJECTS],
+}
+
+/// Which stack table a deferred walk's stack is stored in.
+pub mod stack_table {
+    pub const ALLOCATIONS: u32 = 0;
+    pub const FREES: u32 = 1;
+}
+
+/// A walk that stopped at a frame whose file has no unwind table yet (a library mapped moments
+/// ago), sent through `UNWIND_EVENTS` so that memprof finishes it once the table is loaded. Its
+/// stack is stored under `stack_id` with the frames walked so far and `StackEnd::Deferred`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DeferredUnwind {
+    pub stack_id: u64,
+    pub tgid: u32,
+    /// A `stack_table` constant.
+    pub table: u32,
+    /// The registers at the frame the kernel could not unwind.
+    pub pc: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Whether `pc` is a return address (its call is the byte before it).
+    pub pc_is_return: u32,
+    pub bp_known: u32,
+    /// Whether `pc` is already the stored stack's last frame (else it is an entry probe's
+    /// function, which stacks do not hold).
+    pub pc_recorded: u32,
+    /// Frames the stored stack holds.
+    pub stored: u32,
+    pub _pad: u32,
+    /// Pages copied into `window` (0 to `DEFERRED_PAGES`): the copy stops at the first page
+    /// that cannot be read, the stack's top.
+    pub pages: u32,
+    /// The address of `window[0]`: the page holding `sp`.
+    pub window_start: u64,
+    pub window: [u8; DEFERRED_PAGES * PAGE_BYTES],
 }
 
 /// How the canonical frame address (CFA: the stack pointer before the call) of a row is found.
@@ -507,6 +595,18 @@ pub struct UnwindRow {
     /// An `rbp::` constant.
     pub rbp: u8,
 }
+
+/// The frame-pointer rules: CFA = rbp + 16, the caller's rbp saved at CFA - 16. At a function's
+/// first instruction (an entry probe) nothing is pushed yet: CFA = rsp + 8.
+pub const FRAME_POINTER_ROW: UnwindRow =
+    UnwindRow { pc: 0, cfa_offset: 16, rbp_offset: -16, cfa: cfa::RBP, rbp: rbp::SAVED };
+pub const ENTRY_ROW: UnwindRow = UnwindRow { pc: 0, cfa_offset: 8, rbp_offset: 0, cfa: cfa::RSP, rbp: rbp::SAME };
+
+/// Offsets in the `ucontext_t` a signal trampoline's rsp points at: `uc_mcontext` starts at 40,
+/// and its `gregs` are indexed by REG_RBP = 10, REG_RSP = 15, REG_RIP = 16.
+pub const UC_RBP: u64 = 40 + 10 * 8;
+pub const UC_RSP: u64 = 40 + 15 * 8;
+pub const UC_RIP: u64 = 40 + 16 * 8;
 
 /// Unwind rows live in shards of `UNWIND_SHARD_ROWS` rows (the arrays of `UNWIND_SHARDS`), which
 /// the daemon creates only when tables need them: row `n` of the rows' index space is row
@@ -596,6 +696,7 @@ const _: () = {
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
+    assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcessEvent>() == 16);
 };
@@ -634,6 +735,7 @@ mod pod {
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}
+    unsafe impl aya::Pod for ProcDrops {}
     unsafe impl aya::Pod for Log2Histogram {}
     unsafe impl aya::Pod for ThreadPairKey {}
     unsafe impl aya::Pod for ThreadPairStats {}

@@ -39,9 +39,37 @@ pub struct Module {
     pub build_id: String,
 }
 
-/// One frame of a symbolized stack, innermost first.
+/// One frame of a symbolized stack, innermost first. A shared handle: the same frame (one return
+/// address of one process) is in many stacks and in every interval's report, and is stored once
+/// (the symbolizer's cache holds it), so a report's size grows with its stacks' depth by a pointer
+/// a frame, not by the frame's names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Frame {
+#[serde(transparent)]
+pub struct Frame(Arc<FrameInfo>);
+
+impl Frame {
+    pub fn new(info: FrameInfo) -> Self {
+        Self(Arc::new(info))
+    }
+}
+
+impl std::ops::Deref for Frame {
+    type Target = FrameInfo;
+
+    fn deref(&self) -> &FrameInfo {
+        &self.0
+    }
+}
+
+/// Changing a frame changes this handle's copy only.
+impl std::ops::DerefMut for Frame {
+    fn deref_mut(&mut self) -> &mut FrameInfo {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameInfo {
     /// The return address as found on the stack.
     pub address: String,
     /// `function`, or `module+0xoffset` when the module has no symbol for it.
@@ -51,6 +79,22 @@ pub struct Frame {
     pub module: String,
     /// Inlined into the next frame (same address).
     pub inlined: bool,
+}
+
+/// Longest function name or file path kept: a symbol can be any length (a generated C++ type
+/// reaches megabytes), and each is kept for as long as its process is traced.
+pub const MAX_NAME: usize = 4096;
+
+/// `name`, cut at `MAX_NAME` bytes with a marker saying how much was left out.
+pub fn capped(name: &str) -> String {
+    if name.len() <= MAX_NAME {
+        return name.to_string();
+    }
+    let mut end = MAX_NAME;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...[{} more bytes]", &name[..end], name.len() - end)
 }
 
 /// An address resolved to its place in a file: stable across runs, unlike the address.
@@ -88,6 +132,8 @@ enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
     Refresh {
         pid: u32,
+        /// Read already (see `refresh_with`), else read now.
+        mappings: Option<Vec<FileMapping>>,
         done: mpsc::Sender<()>,
     },
     Symbolize {
@@ -100,6 +146,15 @@ enum Request {
         pid: u32,
         paths: BTreeSet<String>,
         reply: mpsc::Sender<Vec<Module>>,
+    },
+    /// A process just forked `child`: the child's mappings are its parent's until it maps
+    /// others. Read as `Refresh` reads them, with the parent's open files; the parent's where the
+    /// child's cannot be read (it exited meanwhile, as a short-lived child does while memprof
+    /// attaches to it).
+    Inherit {
+        parent: u32,
+        child: u32,
+        done: mpsc::Sender<()>,
     },
     /// The process has exited and will not be asked about again: drop its files and cache.
     Forget {
@@ -138,7 +193,24 @@ impl SymbolizerHandle {
 
     pub fn refresh(&self, pid: u32) {
         let (done, wait) = mpsc::channel();
-        if self.requests.send(Request::Refresh { pid, done }).is_ok() {
+        if self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// `refresh` with `pid`'s mappings read already: a process that may have exited since
+    /// (its files are opened by path then, when the path still names the file mapped).
+    pub fn refresh_with(&self, pid: u32, mappings: Vec<FileMapping>) {
+        let (done, wait) = mpsc::channel();
+        if self.requests.send(Request::Refresh { pid, mappings: Some(mappings), done }).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// Reads the mappings of `child`, just forked by `parent` (see `Request::Inherit`).
+    pub fn inherit(&self, parent: u32, child: u32) {
+        let (done, wait) = mpsc::channel();
+        if self.requests.send(Request::Inherit { parent, child, done }).is_ok() {
             let _ = wait.recv();
         }
     }
@@ -166,6 +238,7 @@ impl SymbolizerHandle {
 }
 
 /// A file mapping of a traced process with the file kept open (see the module doc).
+#[derive(Clone)]
 struct OpenModule {
     mapping: FileMapping,
     file: Arc<File>,
@@ -191,8 +264,18 @@ impl SymbolizerThread {
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
         for request in requests {
             match request {
-                Request::Refresh { pid, done } => {
-                    self.refresh(pid);
+                Request::Refresh { pid, mappings, done } => {
+                    self.refresh(pid, mappings);
+                    let _ = done.send(());
+                }
+                Request::Inherit { parent, child, done } => {
+                    // The parent's open files first: the child's read then keeps them for the
+                    // files it still maps, and blazesym, which caches what it parsed by path
+                    // (`/proc/self/fd/N`), does not parse every library again for each child.
+                    if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
+                        self.modules.insert(child, inherited);
+                    }
+                    self.refresh(child, None);
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {
@@ -210,10 +293,10 @@ impl SymbolizerThread {
         }
     }
 
-    fn refresh(&mut self, pid: u32) {
+    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) {
         // An exited process that is not yet reaped still has a /proc entry, with no mappings:
         // keep what was read while it lived.
-        let mappings = match procfs::file_mappings(pid) {
+        let mappings = match mappings.map_or_else(|| procfs::file_mappings(pid), Ok) {
             Ok(mappings) if !mappings.is_empty() => mappings,
             _ => return,
         };
@@ -223,7 +306,7 @@ impl SymbolizerThread {
             let known = old.iter().find(|m| m.mapping.path == mapping.path);
             let file = match known {
                 Some(known) => known.file.clone(),
-                None => match open_mapped(pid, &mapping) {
+                None => match mapping.open(pid) {
                     Some(file) => Arc::new(file),
                     None => continue,
                 },
@@ -310,36 +393,35 @@ fn build_id(file: &File) -> String {
     id.map(|bytes| bytes.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_default()
 }
 
-fn open_mapped(pid: u32, mapping: &FileMapping) -> Option<File> {
-    mapping.reachable_paths(pid).iter().find_map(|path| File::open(path).ok())
-}
-
 fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
     let name = module.rsplit('/').next().unwrap_or(module);
     Resolved {
         module: module.to_string(),
         file_offset,
-        frames: vec![Frame {
+        frames: vec![Frame::new(FrameInfo {
             address: format!("{address:#x}"),
-            function: format!("{name}+{file_offset:#x}"),
+            function: capped(&format!("{name}+{file_offset:#x}")),
             file: None,
             line: None,
-            module: module.to_string(),
+            module: capped(module),
             inlined: false,
-        }],
+        })],
     }
 }
 
-/// The frames of one address (`module` already printable): inlined functions innermost first, then the function they sit in.
+/// The frames of one address (`module` already printable): inlined functions innermost first,
+/// then the function they sit in.
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
-    let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| Frame {
-        address: format!("{address:#x}"),
-        function: printable(&demangled(function)).into_owned(),
-        file: code_info.map(|info| printable(&info.file.to_string_lossy()).into_owned()),
-        line: code_info.and_then(|info| info.line),
-        module: module.to_string(),
-        inlined,
+    let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
+        Frame::new(FrameInfo {
+            address: format!("{address:#x}"),
+            function: capped(&printable(&demangled(function))),
+            file: code_info.map(|info| capped(&printable(&info.file.to_string_lossy()))),
+            line: code_info.and_then(|info| info.line),
+            module: capped(module),
+            inlined,
+        })
     };
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));

@@ -133,11 +133,16 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
 
 /// Fires at the dynamic linker's `_dl_debug_state`, which glibc calls before and after it maps or
 /// unmaps libraries (at start, dlopen, dlclose): the daemon reads the new mappings' unwind tables.
+/// The cookie is the distance from `_dl_debug_state` to the linker's `_r_debug` (0: not found).
 #[uprobe]
-pub fn mappings_changed(_ctx: ProbeContext) -> u32 {
-    if process::probed() {
-        unwind::on_mappings_changed();
+pub fn mappings_changed(ctx: ProbeContext) -> u32 {
+    if !process::probed() {
+        return 0;
     }
+    // SAFETY: the context is the running probe's.
+    let (delta, here) = unsafe { (bpf_get_attach_cookie(ctx.as_ptr()), bpf_get_func_ip(ctx.as_ptr())) };
+    let r_debug = if delta == 0 || here == 0 { 0 } else { here.wrapping_add(delta) };
+    unwind::on_mappings_changed(r_debug);
     0
 }
 

@@ -13,9 +13,9 @@ use aya_ebpf::{
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
-    AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc, Log2Histogram,
-    ProcCounters, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS, NO_STACK,
-    SAMPLED,
+    stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
+    Log2Histogram, ProcCounters, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS,
+    NO_STACK, SAMPLED,
 };
 
 use crate::{
@@ -151,9 +151,9 @@ pub struct Probe {
 }
 
 impl Probe {
-    fn stack_id(self, table: &HashMap<u64, Stack>, tgid: u32) -> u64 {
+    fn stack_id(self, table: &HashMap<u64, Stack>, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
-        unwind::stack_id(table, tgid, unsafe { Regs::of(self.regs, self.at_return) })
+        unwind::stack_id(table, which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
 }
 
@@ -446,7 +446,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: probe.stack_id(&STACKS, tgid),
+        stack_id: probe.stack_id(&STACKS, stack_table::ALLOCATIONS, tgid),
         tid,
         func: func as u32 | if sample_bytes != 0 { SAMPLED } else { 0 },
     };
@@ -557,7 +557,7 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64) {
 fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
-    let stack_id = probe.stack_id(&FREE_STACKS, tgid);
+    let stack_id = probe.stack_id(&FREE_STACKS, stack_table::FREES, tgid);
     FreeSite { time_ns, stack_id, tid, _pad: 0 }
 }
 

@@ -2,16 +2,30 @@
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
-use aya_ebpf::{macros::map, maps::PerCpuArray};
-use profiler_common::DropReason;
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::bpf_get_current_pid_tgid,
+    macros::map,
+    maps::{HashMap, PerCpuArray},
+};
+use profiler_common::{DropReason, ProcDrops};
 
 /// Hash maps allocate entries as they fill instead of all at load: at the default capacities a
 /// preallocated `LIVE` alone would pin about 100 MiB of kernel memory for an idle process.
 pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 
-/// Every event memprof could not record, by reason: read by the daemon, shown in every report.
+/// Every event memprof could not record, by process (tgid) and reason: read by the daemon, shown
+/// in the process's reports. Twice `TRACED`'s capacity: a process's entry stays until the daemon
+/// purges it after its exit.
+#[map]
+static PROC_DROPS: HashMap<u32, ProcDrops> = HashMap::with_max_entries(8_192, NO_PREALLOC);
+
+/// Drops `PROC_DROPS` had no room for, by reason: shown apart in every report.
 #[map]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT as u32, 0);
+
+/// A zeroed entry to insert from.
+static NO_DROPS: ProcDrops = ProcDrops { counts: [0; DropReason::COUNT] };
 
 pub fn add(counter: &mut u64, value: u64) {
     // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic
@@ -19,10 +33,25 @@ pub fn add(counter: &mut u64, value: u64) {
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
 }
 
+/// Counts a drop in the current process's counters. Drops are rare, so the hash lookup here
+/// costs the common path nothing.
 pub fn count_drop(reason: DropReason) {
-    if let Some(counter) = DROPS.get_ptr_mut(reason as u32) {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let entry = PROC_DROPS.get_ptr_mut(tgid).or_else(|| {
+        // Inserted from the static, not a copy on the stack the stack walk needs.
+        let empty: &'static ProcDrops = &NO_DROPS;
+        // Another CPU may insert it first; BPF_NOEXIST then fails and the lookup finds theirs.
+        let _ = PROC_DROPS.insert(tgid, empty, BPF_NOEXIST as u64);
+        PROC_DROPS.get_ptr_mut(tgid)
+    });
+    // SAFETY: a map value pointer stays valid while the program runs.
+    let counter = match entry {
+        Some(drops) => unsafe { (*drops).counts.get_mut(reason as usize) }.map(|c| c as *mut u64),
         // Per-CPU, but uprobe programs run with only migration disabled: two tasks on one CPU
-        // can interleave, so the add must be atomic.
+        // can interleave, so the add must be atomic too.
+        None => DROPS.get_ptr_mut(reason as u32),
+    };
+    if let Some(counter) = counter {
         add(unsafe { &mut *counter }, 1);
     }
 }

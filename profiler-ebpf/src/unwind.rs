@@ -16,14 +16,15 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
     btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
-    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_send_signal_thread},
+    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
     macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     Global,
 };
 use profiler_common::{
-    cfa, mapping_kind, rbp, DropReason, ExecMapping, ProcMappings, Stack, StackEnd, UnwindRow, MAX_FRAMES,
-    MAX_MAPPINGS, NO_STACK, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
+    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ExecMapping, LinkMapEvent, ProcMappings, Stack, StackEnd,
+    UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS, NO_STACK, PAGE_BYTES, UC_RBP, UC_RIP,
+    UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
 use crate::shared::{count_drop, NO_PREALLOC};
@@ -50,30 +51,69 @@ static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_0
 #[map]
 static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 
-/// Processes whose mappings changed (their tgids), for the daemon to read their new files' tables.
+/// For the daemon to read new files' tables: processes whose mappings changed (their tgids, 4
+/// bytes), and walks that stopped at a file with no table yet (`DeferredUnwind`). One ring, so
+/// that a deferred walk comes after the mapping change that explains it. 4 MiB: about 500
+/// deferred walks at once, each stored once (see `defer`).
 #[map]
-static MAPPINGS_CHANGED: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
-/// Processes that `memprof run` started and ptraces: a mapping change stops the thread with a
-/// SIGTRAP that memprof takes (and does not deliver) once the new tables are in, so a library's
-/// frames unwind from its first allocation on. The value counts the SIGTRAPs sent; only this
-/// program changes it, and only by an atomic add: memprof keeps its own count of those it took,
-/// and a SIGTRAP from the kernel is its own while more were sent than taken.
-#[map]
-static STOP_ON_MAPPING_CHANGE: HashMap<u32, u64> = HashMap::with_max_entries(1_024, 0);
+static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 
-const SIGTRAP: u32 = 5;
-
-pub fn on_mappings_changed() {
+/// At the dynamic linker's `_dl_debug_state`. `r_debug` is the address of its `_r_debug` (0:
+/// unknown): when the change is complete, the linker's list of objects goes to the daemon with
+/// the event, so that it knows the process's mappings even if the process is gone before it
+/// reads `/proc`; else just the process's id.
+pub fn on_mappings_changed(r_debug: u64) {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if let Some(sent) = STOP_ON_MAPPING_CHANGE.get_ptr_mut(tgid) {
-        // Before the signal: memprof reads the count once the thread has stopped on it.
-        crate::shared::add(unsafe { &mut *sent }, 1);
-        // SAFETY: a plain helper call; the signal goes to the current thread.
-        unsafe { bpf_send_signal_thread(SIGTRAP) };
-    } else if MAPPINGS_CHANGED.output::<u32>(&tgid, 0).is_err() {
+    if r_debug != 0 && send_link_map(tgid, r_debug) {
+        return;
+    }
+    if UNWIND_EVENTS.output::<u32>(&tgid, 0).is_err() {
         // The daemon finds new mappings at its next refresh anyway.
         count_drop(DropReason::MappingEventLost);
     }
+}
+
+/// `struct r_debug`: `r_map` at 8, `r_state` at 24; `struct link_map`: `l_addr` at 0, `l_name`
+/// at 8, `l_next` at 24.
+const R_MAP: u64 = 8;
+const R_STATE: u64 = 24;
+const L_NAME: u64 = 8;
+const L_NEXT: u64 = 24;
+/// `r_state` when the list is consistent (not in the middle of an add or a delete).
+const RT_CONSISTENT: i32 = 0;
+
+/// Sends the linker's list of objects; false when it is not consistent now or cannot be read.
+fn send_link_map(tgid: u32, r_debug: u64) -> bool {
+    let state = unsafe { bpf_probe_read_user((r_debug + R_STATE) as *const i32) };
+    if state != Ok(RT_CONSISTENT) {
+        return false;
+    }
+    let Ok(mut object) = (unsafe { bpf_probe_read_user((r_debug + R_MAP) as *const u64) }) else { return false };
+    let Some(mut entry) = UNWIND_EVENTS.reserve::<LinkMapEvent>(0) else {
+        count_drop(DropReason::MappingEventLost);
+        return true;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record is ours until submitted.
+    unsafe {
+        (*event).tgid = tgid;
+        (*event).count = 0;
+        for index in 0..LINK_MAP_OBJECTS {
+            if object == 0 {
+                break;
+            }
+            let slot = &mut (*event).objects[index];
+            slot.base = bpf_probe_read_user(object as *const u64).unwrap_or(0);
+            slot.name[0] = 0;
+            if let Ok(name) = bpf_probe_read_user((object + L_NAME) as *const u64) {
+                let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut slot.name);
+            }
+            (*event).count = index as u32 + 1;
+            object = bpf_probe_read_user((object + L_NEXT) as *const u64).unwrap_or(0);
+        }
+    }
+    entry.submit(0);
+    true
 }
 
 /// Where a walk builds its stack: 1 KiB does not fit on the 512-byte BPF stack.
@@ -115,12 +155,6 @@ static FRAME_LIMIT: Global<u32> = Global::new(MAX_FRAMES as u32);
 const MAPPING_STEPS: usize = 9;
 const ROW_STEPS: usize = 24;
 
-/// Offsets in the `ucontext_t` a signal trampoline's rsp points at: `uc_mcontext` starts at 40,
-/// and its `gregs` are indexed by REG_RBP = 10, REG_RSP = 15, REG_RIP = 16.
-const UC_RBP: u64 = 40 + 10 * 8;
-const UC_RSP: u64 = 40 + 15 * 8;
-const UC_RIP: u64 = 40 + 16 * 8;
-
 /// The registers a walk starts from.
 pub struct Regs {
     pub pc: u64,
@@ -141,7 +175,8 @@ impl Regs {
 }
 
 /// Walks the stack and returns its id in `table`, or `NO_STACK` (counted) when it cannot be kept.
-pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
+/// `which` is the table's `stack_table` constant.
+pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) -> u64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
@@ -164,8 +199,13 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
     // SAFETY: `step` has the callback signature bpf_loop expects.
     // One more iteration than frames: an entry probe's first one stores none.
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
+    let end = StackEnd::from_u32(scratch.walk.end);
+    if end == StackEnd::NoTable {
+        if let Some(id) = defer(table, which, scratch, ours) {
+            return id;
+        }
+    }
     let walk = &scratch.walk;
-    let end = StackEnd::from_u32(walk.end);
     if let Some(reason) = end.drop_reason() {
         count_drop(reason);
     }
@@ -203,6 +243,87 @@ pub fn stack_id(table: &HashMap<u64, Stack>, tgid: u32, regs: Regs) -> u64 {
 }
 
 const EEXIST: i32 = 17;
+
+/// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
+/// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
+/// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
+/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
+/// probe that stored no frame yet (a free in a library not read yet), the return address at the
+/// stack pointer, so that two call sites at one depth do too. None when the event cannot be sent
+/// (the ring is full): the stack is then kept cut, as `unwind_no_table`.
+///
+/// Only walks that would have been cut come here: the cost of every other stays as it was.
+fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64) -> Option<u64> {
+    let walk = &scratch.walk;
+    let caller = if walk.len == 0 && walk.pc_is_return == 0 {
+        unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0)
+    } else {
+        0
+    };
+    let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
+    let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
+    let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
+    let id = if hash == NO_STACK { 1 } else { hash };
+    if let Some(stored) = unsafe { table.get(id) } {
+        if stored.check == check && stored.len == walk.len {
+            return Some(id);
+        }
+        count_drop(DropReason::StackCollision);
+        return Some(NO_STACK);
+    }
+    let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
+    let event = entry.as_mut_ptr();
+    let window_start = walk.sp & !(PAGE_BYTES as u64 - 1);
+    // SAFETY: the reserved record is ours until submitted or discarded.
+    unsafe {
+        (*event).stack_id = id;
+        (*event).tgid = walk.tgid;
+        (*event).table = which;
+        ((*event).pc, (*event).sp, (*event).bp) = (walk.pc, walk.sp, walk.bp);
+        ((*event).pc_is_return, (*event).bp_known) = (walk.pc_is_return, walk.bp_known);
+        (*event).pc_recorded = u32::from(walk.len > 0 || walk.pc_is_return != 0);
+        (*event).stored = walk.len;
+        (*event).window_start = window_start;
+        (*event).pages = DEFERRED_PAGES as u32;
+        for page in 0..DEFERRED_PAGES {
+            let copied = aya_ebpf::helpers::generated::bpf_probe_read_user(
+                (*event).window.as_mut_ptr().add(page * PAGE_BYTES).cast(),
+                PAGE_BYTES as u32,
+                (window_start + (page * PAGE_BYTES) as u64) as *const c_void,
+            );
+            if copied != 0 {
+                (*event).pages = page as u32;
+                break;
+            }
+        }
+    }
+    scratch.stack.check = check;
+    scratch.stack.len = scratch.walk.len;
+    scratch.stack.end = StackEnd::Deferred as u32;
+    let stack: &Stack = &scratch.stack;
+    match table.insert(id, stack, BPF_NOEXIST as u64) {
+        Ok(()) if scratch.uses != ours => {
+            let _ = table.remove(id);
+            entry.discard(0);
+            count_drop(DropReason::StackPreempted);
+            Some(NO_STACK)
+        }
+        Ok(()) => {
+            entry.submit(0);
+            Some(id)
+        }
+        // Another CPU stored it first, and sent its event.
+        Err(err) if err == -EEXIST => {
+            entry.discard(0);
+            Some(id)
+        }
+        Err(_) => {
+            entry.discard(0);
+            count_drop(DropReason::StackTableFull);
+            Some(NO_STACK)
+        }
+    }
+}
 
 /// The state of a walk between frames.
 #[repr(C)]
@@ -454,11 +575,8 @@ fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
 }
 
-/// The frame-pointer rules: CFA = rbp + 16, the caller's rbp saved at CFA - 16. At a function's
-/// first instruction (an entry probe) nothing is pushed yet: CFA = rsp + 8.
-static FRAME_POINTER_ROW: UnwindRow =
-    UnwindRow { pc: 0, cfa_offset: 16, rbp_offset: -16, cfa: cfa::RBP, rbp: rbp::SAVED };
-static ENTRY_ROW: UnwindRow = UnwindRow { pc: 0, cfa_offset: 8, rbp_offset: 0, cfa: cfa::RSP, rbp: rbp::SAME };
+static FRAME_POINTER_ROW: UnwindRow = profiler_common::FRAME_POINTER_ROW;
+static ENTRY_ROW: UnwindRow = profiler_common::ENTRY_ROW;
 
 /// The row that covers `address`: the last one whose `pc` is at or below it.
 fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'static UnwindRow> {

@@ -8,8 +8,8 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_with, http_get, memprof_bin, metric, probe_links, run, site, total, wait_for, Daemon, Outcome,
-    Waiting,
+    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, site, total, wait_for,
+    Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -66,8 +66,11 @@ fn children(report: &Value) -> &Vec<Value> {
 #[test]
 fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
     let program = dynamic();
-    let outcome = run(&[], &[&program, "exec", &program, "new-image"]);
+    // The command is not stopped at its exec: its new program waits until memprof has probed it.
+    let args = ["run", "--json", "--", &program, "exec", &program, "--wait", "new-image"];
+    let mut outcome = run_released(&args, " runs ");
     assert!(outcome.status.success(), "{outcome:?}");
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "the old program's blocks are gone: {report}");
@@ -79,8 +82,10 @@ fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
 #[test]
 fn after_exec_into_a_static_binary_its_own_allocator_is_probed() {
     let (program, target) = (dynamic(), static_binary());
-    let outcome = run(&[], &[&program, "exec", &target, "new-image"]);
+    let args = ["run", "--json", "--", &program, "exec", &target, "--wait", "new-image"];
+    let mut outcome = run_released(&args, " runs ");
     assert!(outcome.status.success(), "{outcome:?}");
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
@@ -124,6 +129,44 @@ fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     assert_eq!(total(child, "frees"), 0, "never negative, never the parent's");
     assert_eq!(report["forks"]["followed"], 1);
     assert_eq!(report["forks"]["missed"], 0);
+}
+
+#[test]
+fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
+    let mut target = Waiting::start(&fixture("process_life"), &["fork-churn"]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2"]);
+    // The parent forks once traced; the child churns while memprof attaches to it, then leaks
+    // once told to (the second "go").
+    let markers = [format!("memprof: tracing pid {pid} "), format!("child of pid {pid}")];
+    let outcome = released(memprof, &markers, |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["forks"]["followed"], 1, "{report}");
+    let child = &children(&report)[0];
+    assert_eq!(site(child, "child_leak"), (10 * 1000, 10), "{child}");
+    assert_eq!(site(child, "churn_alloc"), (0, 0), "every churned block was freed: {child}");
+    assert_eq!(total(child, "outstanding_bytes"), 10 * 1000, "{child}");
+    // A free seen twice (two probes at one address) would be a double free; one unseen, a
+    // missed free when its address came back.
+    assert_nothing_dropped(child);
+    assert_eq!(child["double_frees"], serde_json::json!([]), "{child}");
+    assert!(total(child, "frees") > 0, "the churn was traced: {child}");
+}
+
+#[test]
+fn each_followed_process_counts_its_own_drops() {
+    let program = dynamic();
+    // Room for the parent's five blocks and one of the child's three: the child drops two.
+    let outcome = run_released(&["run", "--json", "--max-live", "6", "--", &program, "fork"], "child of pid");
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_nothing_dropped(&report);
+    let child = &children(&report)[0];
+    assert_eq!(child["dropped"]["live_map_full"], 2, "{child}");
+    assert_eq!(total(child, "allocations"), 1, "{child}");
+    assert!(report.get("unattributed_dropped").is_none(), "{report}");
 }
 
 #[test]

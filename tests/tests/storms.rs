@@ -145,7 +145,12 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
     assert_eq!(total(&report, "allocations"), max_live, "the table is full: {report}");
     assert_consistent(&report);
     let lost = dropped(&report, "live_map_full");
-    assert_eq!(metric(daemon.port, "memprof_events_dropped_total{reason=\"live_map_full\"}"), Some(lost));
+    let series = format!(
+        "memprof_events_dropped_total{{pid=\"{}\",comm=\"storms_daemon\",reason=\"live_map_full\"}}",
+        first.pid()
+    );
+    assert_eq!(metric(daemon.port, &series), Some(lost), "the process's own drops");
+    assert_eq!(metric(daemon.port, "memprof_unattributed_events_dropped_total{reason=\"live_map_full\"}"), Some(0));
     assert_eq!(metric(daemon.port, live_entries), Some(max_live));
     assert_eq!(metric(daemon.port, "memprof_bpf_map_capacity{map=\"live\"}"), Some(max_live));
     drop(first);
@@ -166,7 +171,7 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
     assert_eq!(total(&report, "allocations"), stormed + RECOVERED + RECOVERED_FREED, "{report}");
     assert_eq!(total(&report, "frees"), stormed + RECOVERED_FREED, "{report}");
     assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
-    assert_eq!(dropped(&report, "live_map_full"), lost, "no more lost: {report}");
+    assert_eq!(dropped(&report, "live_map_full"), 0, "its own drops: none, whatever the first lost: {report}");
     assert_consistent(&report);
     assert_eq!(metric(daemon.port, live_entries), Some(RECOVERED));
     let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{}\",comm=\"storms_daemon\"}}", second.pid());
@@ -198,10 +203,12 @@ fn a_full_per_stack_table_counts_every_allocation_outside_it() {
     let reports = wait_for(20, "every allocation in the reports or counted", || {
         let reports: Vec<Value> =
             targets.iter().map(|t| daemon.get_json(&format!("/api/v1/leaks?pid={}", t.pid())).1).collect();
-        let counted: u64 = reports.iter().map(|r| total(r, "allocations")).sum();
-        (counted + dropped(&reports[0], "stats_map_full") == 3 * each).then_some(reports)
+        let counted: u64 = reports.iter().map(|r| total(r, "allocations") + dropped(r, "stats_map_full")).sum();
+        (counted == 3 * each).then_some(reports)
     });
-    assert!(dropped(&reports[0], "stats_map_full") > 0, "the third process has no row: {reports:?}");
+    // Each process counts its own: the third's allocations found no row.
+    assert!(dropped(&reports[2], "stats_map_full") > 0, "the third process has no row: {reports:?}");
+    assert_eq!(dropped(&reports[0], "stats_map_full"), 0, "the first's rows were its own: {reports:?}");
     for report in &reports {
         assert!(total(report, "allocations") <= each, "{report}");
         assert_consistent(report);

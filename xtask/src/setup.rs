@@ -32,6 +32,8 @@ const PACKAGES: &[&str] = &[
     "curl",
     "libjemalloc-dev",
     "libgoogle-perftools-dev",
+    // tests/tests/postgres.rs: a real forking server.
+    "postgresql",
     "libmimalloc-dev",
     "redis-server",
     "libllvm14",

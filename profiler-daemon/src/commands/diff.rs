@@ -4,14 +4,14 @@
 //! A site is a stack's frames from its `site` on (the allocator's wrappers left out), so the
 //! same code compares across runs, whose addresses differ; a stack without frames is its id.
 
-use std::{collections::BTreeMap, fmt::Write as _, path::Path};
+use std::{collections::BTreeMap, fmt::Write as _, io::Read as _, path::Path};
 
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
     cli::{DiffArgs, DiffFormat},
-    format::{self, pprof},
+    format::{self, pprof, MAX_INPUT_BYTES},
     heap::report::allocation_site,
     symbolize::Frame,
 };
@@ -80,7 +80,7 @@ struct JsonStack {
 
 /// The sites of a snapshot file.
 fn read(path: &Path) -> anyhow::Result<Sites> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_capped(path)?;
     let mut sites = Sites::new();
     let mut add = |stack_id: String, frames: &[Frame], site: usize, bytes: u64, objects: u64| {
         let frames = frames.get(site..).unwrap_or_default();
@@ -111,6 +111,23 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
         }
     }
     Ok(sites)
+}
+
+/// The file's bytes, refused at once when it is larger than memprof reads.
+fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_INPUT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    if bytes.len() as u64 > MAX_INPUT_BYTES {
+        bail!(
+            "{} is larger than {} MiB, more than any report memprof reads; give a snapshot memprof wrote",
+            path.display(),
+            MAX_INPUT_BYTES >> 20
+        );
+    }
+    Ok(bytes)
 }
 
 /// Names a site by its frames' functions, files, lines and modules: not their addresses.

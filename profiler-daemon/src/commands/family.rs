@@ -120,6 +120,10 @@ impl Family {
         self.processes.keys().copied().collect()
     }
 
+    pub fn get(&self, pid: u32) -> Option<&Process> {
+        self.processes.get(&pid)
+    }
+
     pub fn get_mut(&mut self, pid: u32) -> Option<&mut Process> {
         self.processes.get_mut(&pid)
     }
@@ -157,7 +161,18 @@ impl Family {
     /// probed in its own allocator.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        if std::mem::take(&mut process.expect_exec) || std::mem::take(&mut process.exec_handled_early) {
+        if std::mem::take(&mut process.expect_exec) {
+            // `memprof run`'s command is in its own program now, probed since before its exec:
+            // its executable and dynamic linker get their tables and symbols (its libraries, when
+            // the dynamic linker reports them).
+            // Read once, symbols first: a short-lived command may be gone a moment later.
+            if let Ok(mappings) = procfs::file_mappings(pid) {
+                symbolizer.refresh_with(pid, mappings.clone());
+                loaded.sync_mappings_with(pid, &mappings);
+            }
+            return;
+        }
+        if std::mem::take(&mut process.exec_handled_early) {
             return;
         }
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
@@ -228,6 +243,11 @@ impl Family {
                 return;
             }
         };
+        // Read before attaching, which takes milliseconds a short-lived child (a database
+        // session) may not outlive. Until it execs, a child has its parent's name and mappings:
+        // those serve when the child's cannot be read any more.
+        let comm = procfs::comm(child).unwrap_or_else(|| parent_process.comm.clone());
+        symbolizer.inherit(parent, child);
         // The child maps its parent's files (its /proc maps may not show them yet): the parent's
         // allocator, unless the child exec'd already (checked below).
         let parent_exe = parent_process.exe.clone();
@@ -250,15 +270,13 @@ impl Family {
             }
         };
         self.forks.followed += 1;
-        symbolizer.refresh(child);
-        let comm = procfs::comm(child).unwrap_or_default();
         eprintln!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
             attachment.probes(),
             allocator.describe()
         );
-        let mut process =
-            Process::new(child, comm, procfs::exe_path(child), attachment, allocator, self.settings, false);
+        let exe = procfs::exe_path(child).unwrap_or_else(|| parent_exe.clone());
+        let mut process = Process::new(child, comm, Some(exe), attachment, allocator, self.settings, false);
         process.parent = Some(parent);
         if let Some(sample_bytes) = process.rate_guard.initial() {
             if let Err(err) = loaded.sample(child, sample_bytes) {

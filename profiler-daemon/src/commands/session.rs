@@ -14,7 +14,7 @@ use crate::{
     cli::{TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
     commands::output::ReportOutput,
-    commands::target::{self, ExitWatch, MappingRequest},
+    commands::target::{self, ExitWatch},
     error::UserError,
     format::{self, Format},
     heap::report::{self, Report, Selection},
@@ -59,7 +59,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let traced = trace(loaded, symbolizer, root, exit, None, args, opened).await?;
+    let traced = trace(loaded, symbolizer, root, exit, args, opened).await?;
     Ok(traced.code.unwrap_or(0))
 }
 
@@ -76,7 +76,7 @@ pub async fn run(
     let opened = Opened::open(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
-    let allocator = allocator::for_command(&program)?;
+    let (allocator, files) = allocator::for_command(&program)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(true);
     let symbolizer = SymbolizerHandle::spawn();
@@ -85,12 +85,11 @@ pub async fn run(
     let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
-    let (mapping_requests, requests) = tokio::sync::mpsc::unbounded_channel();
-    let (child, exit_code) = target::spawn(program, command, symbolizer.clone(), mapping_requests)?;
+    let (child, exit_code) = target::spawn(program, command)?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
-    let attachment = loaded.attach(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"))?;
-    loaded.stop_on_mapping_change(pid)?;
+    let attachment =
+        loaded.attach_before_exec(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"), &files)?;
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
@@ -98,7 +97,7 @@ pub async fn run(
     let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
     announce(pid, &comm, probes, &allocator);
     child.release();
-    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), Some(requests), args, opened).await?;
+    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
             eprintln!(
@@ -190,11 +189,30 @@ struct Tracer<'a> {
 
 impl Tracer<'_> {
     fn stacks(&self, pid: u32) -> report::Stacks<'_> {
-        report::Stacks { ebpf: &self.loaded.ebpf, symbolizer: &self.symbolizer, pid, start_ns: self.start_ns }
+        report::Stacks {
+            ebpf: &self.loaded.ebpf,
+            unwind: &self.loaded.unwind,
+            symbolizer: &self.symbolizer,
+            pid,
+            start_ns: self.start_ns,
+        }
+    }
+
+    /// New libraries get their tables (and are probed when they hold the allocator), and walks
+    /// the kernel deferred are finished on them.
+    fn on_unwind_events(&mut self) {
+        let (symbolizer, family) = (&self.symbolizer, &self.family);
+        let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());
+        let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());
+        for pid in self.loaded.sync_changed_mappings_with(exe_of, on_read) {
+            self.family.probe(&mut self.loaded, pid);
+        }
     }
 
     /// Refreshes what is known of the live processes and collects their double frees.
     fn collect(&mut self, double_free_reader: &mut DoubleFreeReader) {
+        // Before the reports: a walk deferred since the last event is finished for them.
+        self.on_unwind_events();
         let pids = self.family.pids();
         for pid in pids {
             if let Some(current) = procfs::comm(pid) {
@@ -223,7 +241,8 @@ impl Tracer<'_> {
     /// `pids` (all when None), the root's with its children, when one is to be written.
     fn read(&mut self, is_final: bool, only: Option<u32>) -> anyhow::Result<Option<Report>> {
         let pids = only.map_or_else(|| self.family.pids(), |pid| [pid].into());
-        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, self.min_age_ns)?;
+        let kernel =
+            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
@@ -314,16 +333,12 @@ async fn trace(
     symbolizer: SymbolizerHandle,
     root: Process,
     mut exit: ExitWatch,
-    mapping_requests: Option<tokio::sync::mpsc::UnboundedReceiver<MappingRequest>>,
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
     let Opened { mut output, mut stop } = opened;
-    // Without a ptraced child no request comes: a closed channel that is never polled.
-    let mut mapping_requests = mapping_requests.unwrap_or_else(|| tokio::sync::mpsc::unbounded_channel().1);
-    let mut requests_open = true;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
-    let mapping_events = unsafe { AsyncFd::register(loaded.mapping_events.ring().as_fd().try_clone_to_owned()?) }
+    let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
     let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
@@ -363,26 +378,12 @@ async fn trace(
                 tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
             }
             Some(pid) = exited.recv() => tracer.child_exited(pid),
-            ready = mapping_events.readable() => {
+            ready = unwind_events.readable() => {
                 if let Ok(mut ready) = ready {
                     ready.clear_ready();
                 }
-                for pid in tracer.loaded.sync_changed_mappings() {
-                    tracer.family.probe(&mut tracer.loaded, pid);
-                    tracer.symbolizer.refresh(pid);
-                }
+                tracer.on_unwind_events();
             }
-            request = mapping_requests.recv(), if requests_open => match request {
-                Some(request) => {
-                    // An exec stop comes after the exec event: handle it first.
-                    tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
-                    tracer.loaded.sync_mappings(request.pid);
-                    tracer.family.probe(&mut tracer.loaded, request.pid);
-                    tracer.symbolizer.refresh(request.pid);
-                    let _ = request.reply.send(tracer.loaded.take_mapping_stop(request.pid));
-                }
-                None => requests_open = false,
-            },
             code = exit.exited() => break code,
             () = stop.recv() => break exit.settle().await,
             _ = &mut duration => break None,

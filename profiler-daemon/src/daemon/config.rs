@@ -323,8 +323,15 @@ mod tests {
     }
 
     /// The `[http]` table's keys, and one it does not know.
-    const HTTP_KEYS: [&str; 6] =
-        ["max_connections", "header_timeout", "write_timeout", "max_header_bytes", "web_config_file", "nope"];
+    const HTTP_KEYS: [&str; 7] = [
+        "max_connections",
+        "max_connections_per_client",
+        "header_timeout",
+        "write_timeout",
+        "max_header_bytes",
+        "web_config_file",
+        "nope",
+    ];
 
     /// Lines of `keys` with any values.
     fn lines(keys: &'static [&'static str]) -> impl Strategy<Value = String> {

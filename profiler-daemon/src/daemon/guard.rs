@@ -3,8 +3,10 @@
 //! Each refusal is counted.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
+    net::IpAddr,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use axum::{
@@ -14,9 +16,10 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use base64::Engine as _;
-use ring::digest;
+use ring::{hmac, rand::SystemRandom};
+use tokio::sync::Semaphore;
 
-use super::server::{Refusal, Stats};
+use super::server::{Client, Refusal, Stats};
 
 /// Users and their bcrypt hashes.
 pub struct BasicAuth {
@@ -24,16 +27,34 @@ pub struct BasicAuth {
     /// Compared against when the user is unknown, so that the time taken does not tell which
     /// users exist.
     decoy: String,
-    /// SHA-256 of credentials bcrypt accepted: bcrypt is slow on purpose (tens of ms), and
-    /// Prometheus sends the same credentials with every scrape.
+    /// Keyed hashes of credentials bcrypt accepted: bcrypt is slow on purpose (tens of ms), and
+    /// Prometheus sends the same credentials with every scrape. The key is made at start, so the
+    /// cache tells nothing about the passwords.
     accepted: Mutex<HashSet<[u8; 32]>>,
-    /// One bcrypt at a time, off the async thread: wrong passwords cost the attacker's requests
-    /// time, not scrapes with credentials already accepted.
-    bcrypt: tokio::sync::Mutex<()>,
+    key: hmac::Key,
+    /// Checks run at once, off the async thread. No single queue: a client has at most
+    /// `CHECKS_PER_CLIENT` under way and its next is refused at once (429), so that a flood of
+    /// wrong passwords from one host does not stand in front of another's login.
+    checks: Semaphore,
+    checking: Mutex<HashMap<IpAddr, usize>>,
 }
 
-/// More distinct accepted credentials than this empties the cache (they are rechecked).
+/// Distinct accepted credentials kept; more empty the cache (they are checked again).
 const MAX_ACCEPTED: usize = 1024;
+/// bcrypt checks under way at once, all clients together.
+const CHECKS: usize = 4;
+const CHECKS_PER_CLIENT: usize = 1;
+/// How long a check waits for one of the `CHECKS` before the request gets 429.
+const CHECK_WAIT: Duration = Duration::from_secs(5);
+
+/// What a request's credentials got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Allowed,
+    Denied,
+    /// Its client had a check under way already, or none was free in time: not checked.
+    Busy,
+}
 
 impl BasicAuth {
     pub fn new(users: BTreeMap<String, String>) -> Result<Self, String> {
@@ -45,30 +66,83 @@ impl BasicAuth {
             cost = parts.get_cost();
         }
         let decoy = bcrypt::hash("memprof: no such user", cost).map_err(|e| e.to_string())?;
-        Ok(Self { users, decoy, accepted: Mutex::new(HashSet::new()), bcrypt: tokio::sync::Mutex::new(()) })
+        let key = hmac::Key::generate(hmac::HMAC_SHA256, &SystemRandom::new())
+            .map_err(|_| "the system's random number generator failed".to_string())?;
+        Ok(Self {
+            users,
+            decoy,
+            accepted: Mutex::new(HashSet::new()),
+            key,
+            checks: Semaphore::new(CHECKS),
+            checking: Mutex::new(HashMap::new()),
+        })
     }
 
-    /// Whether `headers` carry the credentials of a user.
-    pub async fn allows(self: &Arc<Self>, headers: &HeaderMap) -> bool {
-        let Some((user, password)) = credentials(headers) else { return false };
-        let key = fingerprint(&user, &password);
-        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-            return true;
+    /// Whether `headers` carry the credentials of a user; `client` is where they came from.
+    pub async fn check(self: &Arc<Self>, headers: &HeaderMap, client: Option<IpAddr>) -> Verdict {
+        let Some((user, password)) = credentials(headers) else { return Verdict::Denied };
+        let fingerprint = self.fingerprint(&user, &password);
+        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains(&fingerprint) {
+            return Verdict::Allowed;
         }
+        let client = client.unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        let Some(_turn) = ClientTurn::take(self, client) else { return Verdict::Busy };
+        let Ok(Ok(_check)) = tokio::time::timeout(CHECK_WAIT, self.checks.acquire()).await else {
+            return Verdict::Busy;
+        };
         let known = self.users.contains_key(&user);
         let hash = self.users.get(&user).unwrap_or(&self.decoy).clone();
-        let _one_at_a_time = self.bcrypt.lock().await;
         let matches = tokio::task::spawn_blocking(move || bcrypt::verify(password, &hash).unwrap_or(false))
             .await
             .unwrap_or(false);
-        if known && matches {
-            let mut accepted = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
-            if accepted.len() >= MAX_ACCEPTED {
-                accepted.clear();
-            }
-            accepted.insert(key);
+        if !(known && matches) {
+            return Verdict::Denied;
         }
-        known && matches
+        let mut accepted = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        if accepted.len() >= MAX_ACCEPTED {
+            accepted.clear();
+        }
+        accepted.insert(fingerprint);
+        Verdict::Allowed
+    }
+
+    fn fingerprint(&self, user: &str, password: &str) -> [u8; 32] {
+        let mut context = hmac::Context::with_key(&self.key);
+        // The length first, so that ("a:b", "c") and ("a", "b:c") differ.
+        context.update(&(user.len() as u64).to_le_bytes());
+        context.update(user.as_bytes());
+        context.update(password.as_bytes());
+        context.sign().as_ref().try_into().expect("HMAC-SHA256 is 32 bytes")
+    }
+}
+
+/// One of a client's `CHECKS_PER_CLIENT`, given back when dropped.
+struct ClientTurn<'a> {
+    auth: &'a BasicAuth,
+    client: IpAddr,
+}
+
+impl<'a> ClientTurn<'a> {
+    fn take(auth: &'a BasicAuth, client: IpAddr) -> Option<Self> {
+        let mut checking = auth.checking.lock().unwrap_or_else(|e| e.into_inner());
+        let count = checking.entry(client).or_default();
+        if *count >= CHECKS_PER_CLIENT {
+            return None;
+        }
+        *count += 1;
+        Some(Self { auth, client })
+    }
+}
+
+impl Drop for ClientTurn<'_> {
+    fn drop(&mut self) {
+        let mut checking = self.auth.checking.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = checking.get_mut(&self.client) {
+            *count -= 1;
+            if *count == 0 {
+                checking.remove(&self.client);
+            }
+        }
     }
 }
 
@@ -82,15 +156,6 @@ fn credentials(headers: &HeaderMap) -> Option<(String, String)> {
     let decoded = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).ok()?;
     let (user, password) = std::str::from_utf8(&decoded).ok()?.split_once(':')?;
     Some((user.to_string(), password.to_string()))
-}
-
-fn fingerprint(user: &str, password: &str) -> [u8; 32] {
-    let mut context = digest::Context::new(&digest::SHA256);
-    // The length first, so that ("a:b", "c") and ("a", "b:c") differ.
-    context.update(&(user.len() as u64).to_le_bytes());
-    context.update(user.as_bytes());
-    context.update(password.as_bytes());
-    context.finish().as_ref().try_into().expect("SHA-256 is 32 bytes")
 }
 
 /// The guard's state: the counters and the users, if any.
@@ -114,11 +179,23 @@ pub async fn check(State(guard): State<Guard>, request: Request, next: Next) -> 
         return response;
     }
     if let Some(auth) = &guard.auth {
-        if !auth.allows(headers).await {
-            guard.stats.refuse(Refusal::Unauthorized);
-            let mut response = refusal(StatusCode::UNAUTHORIZED, "authentication required: give a user and password");
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Basic"));
-            return response;
+        let client = request.extensions().get::<Client>().map(|c| c.0);
+        match auth.check(headers, client).await {
+            Verdict::Allowed => {}
+            Verdict::Denied => {
+                guard.stats.refuse(Refusal::Unauthorized);
+                let mut response =
+                    refusal(StatusCode::UNAUTHORIZED, "authentication required: give a user and password");
+                response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Basic"));
+                return response;
+            }
+            Verdict::Busy => {
+                guard.stats.refuse(Refusal::AuthBusy);
+                return refusal(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "a password check of this client is under way: wait for its answer before sending another",
+                );
+            }
         }
     }
     next.run(request).await
@@ -143,14 +220,18 @@ mod tests {
     async fn only_a_users_own_password_passes() {
         let users = BTreeMap::from([("alice".to_string(), bcrypt::hash("secret", 4).unwrap())]);
         let auth = Arc::new(BasicAuth::new(users).unwrap());
-        assert!(auth.allows(&basic("alice:secret")).await);
-        assert!(auth.allows(&basic("alice:secret")).await, "again, from the cache");
-        assert!(!auth.allows(&basic("alice:wrong")).await);
-        assert!(!auth.allows(&basic("bob:secret")).await);
-        assert!(!auth.allows(&basic("alice")).await);
-        assert!(!auth.allows(&HeaderMap::new()).await);
+        let allows = |headers: HeaderMap| {
+            let auth = auth.clone();
+            async move { auth.check(&headers, None).await == Verdict::Allowed }
+        };
+        assert!(allows(basic("alice:secret")).await);
+        assert!(allows(basic("alice:secret")).await, "again, from the cache");
+        assert!(!allows(basic("alice:wrong")).await);
+        assert!(!allows(basic("bob:secret")).await);
+        assert!(!allows(basic("alice")).await);
+        assert!(!allows(HeaderMap::new()).await);
         let mut bearer = HeaderMap::new();
         bearer.insert(header::AUTHORIZATION, "Bearer x".parse().unwrap());
-        assert!(!auth.allows(&bearer).await);
+        assert!(!allows(bearer).await);
     }
 }

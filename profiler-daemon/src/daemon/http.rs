@@ -4,6 +4,7 @@
 
 use std::{
     fmt::Write as _,
+    future::Future,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, RwLock,
@@ -11,6 +12,7 @@ use std::{
 };
 
 use axum::{
+    body::Body,
     extract::{RawQuery, State},
     http::{header, StatusCode},
     middleware,
@@ -23,16 +25,17 @@ use serde::Serialize;
 
 use super::{
     guard::{self, Guard},
+    heavy::{self, Busy},
     metrics, query,
+    server::{Refusal, Stats},
     view::{DaemonView, TargetView},
 };
-use crate::{
-    format::{self, escape, pprof, Format},
-    heap::report::Report,
-};
+use crate::format::{self, escape, pprof, Format};
 
 struct Shared {
     view: Arc<RwLock<DaemonView>>,
+    builder: heavy::Builder,
+    stats: Arc<Stats>,
     registry: Registry,
     /// False once the tracer thread has stopped: the view is then frozen and probes detached.
     tracer_alive: Arc<AtomicBool>,
@@ -43,7 +46,13 @@ type AppState = State<Arc<Shared>>;
 pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>, guard: Guard) -> Router {
     let mut registry = metrics::registry(view.clone());
     metrics::register_http(&mut registry, guard.stats.clone());
-    let shared = Arc::new(Shared { registry, view, tracer_alive });
+    let shared = Arc::new(Shared {
+        registry,
+        view,
+        tracer_alive,
+        builder: heavy::Builder::default(),
+        stats: guard.stats.clone(),
+    });
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(scrape))
@@ -128,7 +137,7 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
 
 /// What the tracer published about the process that `query` names as `pid=N`, or the status and
 /// message to refuse with.
-fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<TargetView, (StatusCode, String)> {
+fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<Arc<TargetView>, (StatusCode, String)> {
     let pid = query::pid(query.as_deref(), path).map_err(|err| (StatusCode::BAD_REQUEST, err.to_string()))?;
     let view = shared.view.read().unwrap_or_else(|e| e.into_inner());
     match view.targets.get(&pid) {
@@ -137,59 +146,92 @@ fn target(shared: &Shared, query: Option<String>, path: &str) -> Result<TargetVi
     }
 }
 
-/// Answers with `render` of the latest report of the process that `query` names as `pid=N`, or
-/// with why there is none.
-fn with_report(
+/// The answer for the process `query` names, from `answer`, or why there is none.
+async fn heavy<F: Future<Output = Result<Response, Busy>>>(
     shared: &Shared,
     query: Option<String>,
     path: &str,
-    render: impl FnOnce(Report) -> Response,
+    answer: impl FnOnce(Arc<TargetView>) -> F,
 ) -> Response {
-    match target(shared, query, path) {
-        Ok(target) => render(target.report),
-        Err((status, message)) => error(status, &message),
+    let target = match target(shared, query, path) {
+        Ok(target) => target,
+        Err((status, message)) => return error(status, &message),
+    };
+    match answer(target).await {
+        Ok(response) => response,
+        Err(busy) => {
+            shared.stats.refuse(Refusal::Busy);
+            error(StatusCode::SERVICE_UNAVAILABLE, &busy.to_string())
+        }
     }
 }
 
 async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    with_report(&shared, query, "/api/v1/leaks", |report| Json(report).into_response())
+    let builder = &shared.builder;
+    heavy(&shared, query, "/api/v1/leaks", |target| async move {
+        let body = builder.json(target).await?;
+        Ok(([(header::CONTENT_TYPE, "application/json")], Body::new(body)).into_response())
+    })
+    .await
 }
 
 async fn flamegraph(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    with_report(&shared, query, "/api/v1/flamegraph", |report| {
-        ([(header::CONTENT_TYPE, "image/svg+xml")], format::render(&report, Format::Flamegraph)).into_response()
+    let builder = &shared.builder;
+    heavy(&shared, query, "/api/v1/flamegraph", |target| async move {
+        let built = target.clone();
+        let svg = builder
+            .once(&target.built.flamegraph, move || format::render(&heavy::page(&built.report), Format::Flamegraph))
+            .await?;
+        Ok(([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response())
     })
+    .await
 }
 
 async fn html_report(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    with_report(&shared, query, "/report", |report| Html(format::render(&report, Format::Html)).into_response())
+    let builder = &shared.builder;
+    heavy(&shared, query, "/report", |target| async move {
+        let built = target.clone();
+        let page =
+            builder.once(&target.built.html, move || format::render(&heavy::page(&built.report), Format::Html)).await?;
+        Ok(([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response())
+    })
+    .await
 }
 
 /// `/debug/pprof/heap?pid=N`, as Go serves it for `go tool pprof`: in-use bytes by default.
 async fn heap_profile(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    profile(&shared, query, "/debug/pprof/heap", pprof::DefaultType::InuseSpace)
+    profile(&shared, query, "/debug/pprof/heap", pprof::DefaultType::InuseSpace).await
 }
 
 /// `/debug/pprof/allocs?pid=N`: the same samples, allocated bytes by default.
 async fn allocs_profile(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    profile(&shared, query, "/debug/pprof/allocs", pprof::DefaultType::AllocSpace)
+    profile(&shared, query, "/debug/pprof/allocs", pprof::DefaultType::AllocSpace).await
 }
 
-fn profile(shared: &Shared, query: Option<String>, path: &str, default: pprof::DefaultType) -> Response {
-    match target(shared, query, path) {
-        Ok(target) => {
-            let mut report = target.report;
-            // Their allocations count too.
-            report.stacks.extend(target.freed_stacks);
-            let name = path.rsplit('/').next().unwrap_or("profile");
-            let headers = [
-                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-                (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}-{}.pb.gz\"", target.pid)),
-            ];
-            (headers, pprof::render(&report, default)).into_response()
-        }
-        Err((status, message)) => error(status, &message),
-    }
+async fn profile(shared: &Shared, query: Option<String>, path: &str, default: pprof::DefaultType) -> Response {
+    let builder = &shared.builder;
+    heavy(shared, query, path, |target| async move {
+        let built = target.clone();
+        let cell = match default {
+            pprof::DefaultType::InuseSpace => &target.built.heap,
+            _ => &target.built.allocs,
+        };
+        let profile = builder
+            .once(cell, move || {
+                let mut report = built.report.clone();
+                // Their allocations count too.
+                report.stacks.extend(built.freed_stacks.iter().cloned());
+                pprof::render(&report, default)
+            })
+            .await?;
+        let name = path.rsplit('/').next().unwrap_or("profile");
+        let headers = [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}-{}.pb.gz\"", target.pid)),
+        ];
+        Ok((headers, profile).into_response())
+    })
+    .await
 }
 
 async fn index(State(shared): AppState) -> Html<String> {

@@ -142,7 +142,7 @@ impl Collector for ViewCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let view = self.view.read().unwrap_or_else(|e| e.into_inner()).clone();
         let e = &mut encoder;
-        let targets: Vec<&TargetView> = view.targets.values().collect();
+        let targets: Vec<&TargetView> = view.targets.values().map(|t| &**t).collect();
 
         for (name, help, kind, value) in PER_PROCESS {
             let rows = targets.iter().map(|t| (process_labels(t), value(t)));
@@ -190,11 +190,27 @@ impl Collector for ViewCollector {
             "Processes with probes attached; ns_pid is a container's process's pid in its own pid namespace.",
             targets.iter().map(|t| (target_labels(t), 1u64)),
         )?;
+        // Only the reasons a process has met: 17 series per target would mostly say 0.
+        let process_drops = targets.iter().flat_map(|t| {
+            t.report.dropped.iter().filter(|(_, count)| **count > 0).map(move |(reason, count)| {
+                let mut labels = process_labels(t);
+                labels.push(("reason", reason.to_string()));
+                (labels, *count)
+            })
+        });
         counters(
             e,
             "memprof_events_dropped",
-            "Events the probes could not record, by reason.",
-            DropReason::ALL.iter().map(|r| (vec![("reason", r.name().to_string())], view.drops[*r as usize])),
+            "Events the probes could not record, by process and reason (reasons met only).",
+            process_drops,
+        )?;
+        counters(
+            e,
+            "memprof_unattributed_events_dropped",
+            "Events the probes could not record that no process's counters had room for, by reason.",
+            DropReason::ALL
+                .iter()
+                .map(|r| (vec![("reason", r.name().to_string())], view.unattributed_drops[*r as usize])),
         )?;
         counters(
             e,
@@ -247,6 +263,18 @@ impl Collector for ViewCollector {
             "memprof_unwind_tables_not_loaded",
             "Mapped files whose unwind table could not be loaded (no room, a shard refused, unreadable): their frames end stacks.",
             [(vec![], unwind.tables_not_loaded)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_deferred_walks",
+            "Stack walks that met a file whose unwind table was not loaded yet, finished by memprof from a copy of the stack.",
+            [(vec![], unwind.deferred_walks)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_deferred_unfinished",
+            "Deferred stack walks that could not reach the outermost frame: their stacks are marked truncated.",
+            [(vec![], unwind.deferred_unfinished)],
         )?;
         counters(
             e,

@@ -4,6 +4,7 @@
 mod config;
 mod discovery;
 mod guard;
+mod heavy;
 mod http;
 mod metrics;
 mod query;
@@ -21,6 +22,12 @@ use tracing::{error, info, warn};
 use crate::cli::DaemonArgs;
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
+    // First of all: until a handler is installed, SIGHUP's default action kills the daemon, and
+    // loading the BPF programs below takes about a second (a `systemctl reload` right after start).
+    // Signals that arrive before the loop waits for them are kept and handled then.
+    let mut hangup = signal(SignalKind::hangup())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
     let config = config::load(args)?;
     let web = match &config.http.web_config_file {
         Some(path) => web_config::load(path)?,
@@ -55,9 +62,6 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     }));
     eprintln!("memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops", config.listen);
 
-    let mut hangup = signal(SignalKind::hangup())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
     loop {
         tokio::select! {
             _ = hangup.recv() => match config::load(args) {

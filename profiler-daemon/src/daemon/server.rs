@@ -7,19 +7,21 @@
 //! here slows tracing.
 
 use std::{
+    collections::HashMap,
     future::Future,
     io,
+    net::IpAddr,
     path::PathBuf,
     pin::Pin,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
+        Arc, Mutex,
     },
     task::{Context, Poll},
     time::Duration,
 };
 
-use axum::Router;
+use axum::{Extension, Router};
 use hyper::server::conn::http1;
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
@@ -42,6 +44,7 @@ use crate::cli;
 #[serde(deny_unknown_fields)]
 pub struct SettingsFile {
     max_connections: Option<usize>,
+    max_connections_per_client: Option<usize>,
     header_timeout: Option<f64>,
     write_timeout: Option<f64>,
     max_header_bytes: Option<usize>,
@@ -53,6 +56,9 @@ pub struct SettingsFile {
 pub struct Settings {
     /// Connections served at once; more wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Connections served at once from one client address; more are closed at once (counted),
+    /// so that one host's slow or stalled clients cannot take every slot.
+    pub max_connections_per_client: usize,
     /// Time a connection has to send a whole request head, from when it opens or its previous
     /// answer was sent: it bounds both slow clients and idle kept-alive connections.
     pub header_timeout: Duration,
@@ -66,7 +72,8 @@ pub struct Settings {
 
 pub const DEFAULT: Settings = Settings {
     max_connections: 512,
-    header_timeout: Duration::from_secs(10),
+    max_connections_per_client: 64,
+    header_timeout: Duration::from_secs(5),
     write_timeout: Duration::from_secs(10),
     max_header_bytes: 16 * 1024,
     web_config_file: None,
@@ -86,6 +93,7 @@ impl Settings {
         };
         let settings = Self {
             max_connections: file.max_connections.unwrap_or(DEFAULT.max_connections),
+            max_connections_per_client: file.max_connections_per_client.unwrap_or(DEFAULT.max_connections_per_client),
             header_timeout: seconds("http.header_timeout", file.header_timeout, DEFAULT.header_timeout)?,
             write_timeout: seconds("http.write_timeout", file.write_timeout, DEFAULT.write_timeout)?,
             max_header_bytes: file.max_header_bytes.unwrap_or(DEFAULT.max_header_bytes),
@@ -93,6 +101,9 @@ impl Settings {
         };
         if settings.max_connections == 0 {
             return Err(("http.max_connections", "0 would serve nobody; give at least 1".into()));
+        }
+        if settings.max_connections_per_client == 0 {
+            return Err(("http.max_connections_per_client", "0 would serve nobody; give at least 1".into()));
         }
         if !(1024..=MAX_HEADER_BYTES).contains(&settings.max_header_bytes) {
             return Err(("http.max_header_bytes", format!("give 1024 to {MAX_HEADER_BYTES}")));
@@ -118,10 +129,16 @@ pub enum Refusal {
     /// A request with a body: no endpoint takes one.
     Body,
     Unauthorized,
+    /// A heavy answer (report, profile, flame graph) found no free turn in time: 503.
+    Busy,
+    /// A client address had `max_connections_per_client` connections open already.
+    ClientLimit,
+    /// A password check found its client's (or every) check slot taken: 429.
+    AuthBusy,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 9] = [
+    pub const ALL: [Refusal; 12] = [
         Refusal::AcceptFailed,
         Refusal::TlsHandshake,
         Refusal::IdleTimeout,
@@ -131,6 +148,9 @@ impl Refusal {
         Refusal::Malformed,
         Refusal::Body,
         Refusal::Unauthorized,
+        Refusal::Busy,
+        Refusal::ClientLimit,
+        Refusal::AuthBusy,
     ];
 
     pub fn name(self) -> &'static str {
@@ -144,6 +164,9 @@ impl Refusal {
             Refusal::Malformed => "malformed_request",
             Refusal::Body => "request_body",
             Refusal::Unauthorized => "unauthorized",
+            Refusal::Busy => "busy",
+            Refusal::ClientLimit => "client_limit",
+            Refusal::AuthBusy => "auth_busy",
         }
     }
 }
@@ -178,13 +201,14 @@ pub async fn serve(
     stop: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(settings.max_connections));
+    let clients = Clients::new(settings.max_connections_per_client);
     let settings = Arc::new(settings);
     tokio::pin!(stop);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = &mut stop => return,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(err) => {
                     stats.refuse(Refusal::AcceptFailed);
                     warn!("http: accepting a connection failed: {err}; retrying in 100 ms");
@@ -194,6 +218,16 @@ pub async fn serve(
             },
         };
         stats.accepted.fetch_add(1, Ordering::Relaxed);
+        // Before waiting for a slot: a client over its share is not queued ahead of others.
+        let Some(share) = clients.take(peer.ip()) else {
+            stats.refuse(Refusal::ClientLimit);
+            debug!(
+                "http: {} has {} connections open; closing its next",
+                peer.ip(),
+                settings.max_connections_per_client
+            );
+            continue;
+        };
         // Waiting here, not accepting, leaves the connections behind this one in the kernel's
         // accept queue: they are served in order as slots free up.
         let slot = match slots.clone().try_acquire_owned() {
@@ -206,7 +240,9 @@ pub async fn serve(
                 }
             }
         };
-        let connection = Connection { app: app.clone(), settings: settings.clone(), stats: stats.clone(), _slot: slot };
+        let app = app.clone().layer(Extension(Client(peer.ip())));
+        let connection =
+            Connection { app, settings: settings.clone(), stats: stats.clone(), _slot: slot, _share: share };
         tokio::spawn(connection.run(stream, tls.clone()));
     }
 }
@@ -216,6 +252,53 @@ struct Connection {
     settings: Arc<Settings>,
     stats: Arc<Stats>,
     _slot: OwnedSemaphorePermit,
+    _share: Share,
+}
+
+/// The address a request came from, for limits per client (`guard`).
+#[derive(Debug, Clone, Copy)]
+pub struct Client(pub IpAddr);
+
+/// Connections open per client address.
+#[derive(Clone)]
+struct Clients {
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    limit: usize,
+}
+
+impl Clients {
+    fn new(limit: usize) -> Self {
+        Self { open: Arc::default(), limit }
+    }
+
+    /// One more connection of `client`, unless it has `limit` open.
+    fn take(&self, client: IpAddr) -> Option<Share> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(client).or_default();
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(Share { clients: self.clone(), client })
+    }
+}
+
+/// A client's connection, counted until dropped.
+struct Share {
+    clients: Clients,
+    client: IpAddr,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut open = self.clients.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.client) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.client);
+            }
+        }
+    }
 }
 
 impl Connection {

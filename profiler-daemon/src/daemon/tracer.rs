@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use super::{
     config::Config,
     discovery::{self, ProcessId},
+    heavy::Built,
     view::{DaemonView, MapUse, StackSeries, TargetView},
 };
 use crate::{
@@ -253,30 +254,40 @@ impl Tracer {
         for event in self.loaded.process_events.drain() {
             match event.kind {
                 process_event::EXEC => self.on_exec(event.tgid),
-                process_event::FORK if self.targets.contains_key(&event.tgid) => {
-                    match discovery::matching(&self.config.rules, event.child) {
-                        Some((id, comm)) => {
-                            if self.consider(id, comm) {
-                                self.children_followed += 1;
-                            } else if !self.targets.contains_key(&event.child) {
-                                self.pending_children.insert(id);
-                            }
-                        }
-                        // Gone already: whether it would have matched, only its comm (its
-                        // parent's) could tell.
-                        None if ProcessId::current(event.child).is_none() => {
-                            let parent_matches = self.targets.get(&event.tgid).is_some_and(|t| {
-                                self.config.rules.matches(event.child, &t.comm, &[]) || self.config.rules.needs_cgroup()
-                            });
-                            if parent_matches {
-                                self.children_missed += 1;
-                            }
-                        }
-                        None => {}
-                    }
-                }
+                process_event::FORK if self.targets.contains_key(&event.tgid) => self.on_fork(event.tgid, event.child),
                 _ => {}
             }
+        }
+    }
+
+    /// A target forked `child`: the child is counted once, followed or missed. One that matches
+    /// waits in `pending_children` until it is attached or gone, whoever attaches it: this event,
+    /// a later try, or discovery, which may have found it between its fork and this event.
+    fn on_fork(&mut self, parent: u32, child: u32) {
+        match discovery::matching(&self.config.rules, child) {
+            Some((id, comm)) => {
+                if self.targets.get(&child).is_none_or(|target| target.id != id) {
+                    self.consider(id, comm);
+                }
+                self.pending_children.insert(id);
+                self.settle_pending_children();
+            }
+            // Gone already: traced if discovery attached it in between (its target stays until
+            // discovery sees it gone); otherwise whether it would have matched, only its comm
+            // (its parent's) could tell.
+            None if ProcessId::current(child).is_none() => {
+                if self.targets.contains_key(&child) {
+                    self.children_followed += 1;
+                } else if self
+                    .targets
+                    .get(&parent)
+                    .is_some_and(|t| self.config.rules.matches(child, &t.comm, &[]) || self.config.rules.needs_cgroup())
+                {
+                    self.children_missed += 1;
+                }
+            }
+            // Runs, and does not match: not a child the rules follow.
+            None => {}
         }
     }
 
@@ -371,6 +382,7 @@ impl Tracer {
     fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
+            unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
@@ -417,7 +429,7 @@ impl Tracer {
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let kernel = aggregate::read(&self.loaded.ebpf, &mut self.loaded.ages, &pids, 0)?;
+        let kernel = aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0)?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -437,7 +449,7 @@ impl Tracer {
         let sizes = self.loaded_sizes;
         let tables = self.loaded.unwind.table_use();
         let mut view = DaemonView {
-            drops: kernel.drops,
+            unattributed_drops: kernel.unattributed_drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
                 MapUse {
@@ -467,9 +479,12 @@ impl Tracer {
             ..DaemonView::default()
         };
         for target in self.targets.values() {
-            view.targets.insert(target.id.pid, self.target_view(target, &kernel));
+            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel)));
         }
-        *self.view.write().unwrap_or_else(|e| e.into_inner()) = view;
+        let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
+        // Freed after the lock is released: the last interval's stacks take a while to free, and
+        // scrapes wait for the lock.
+        drop(old);
         Ok(())
     }
 
@@ -495,20 +510,26 @@ impl Tracer {
         report.stacks = held;
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
-        let mut by_label: Vec<StackSeries> = Vec::new();
+        let mut bytes_by_label: HashMap<&str, u64> = HashMap::new();
         for stack in &report.stacks {
-            match by_label.iter_mut().find(|s| s.stack == stack.stack_id) {
-                Some(known) => known.bytes += stack.outstanding_bytes,
-                None => by_label.push(StackSeries {
-                    stack: stack.stack_id.clone(),
-                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
-                    bytes: stack.outstanding_bytes,
-                }),
-            }
+            *bytes_by_label.entry(&stack.stack_id).or_default() += stack.outstanding_bytes;
         }
-        by_label.sort_by_key(|s| std::cmp::Reverse(s.bytes));
-        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|s| s.bytes).sum();
+        let mut by_label: Vec<(&str, u64)> = bytes_by_label.into_iter().collect();
+        by_label.sort_by_key(|&(label, bytes)| (std::cmp::Reverse(bytes), label));
+        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|(_, bytes)| bytes).sum();
         by_label.truncate(self.config.top_stacks);
+        // Only the exported few are described.
+        let by_label: Vec<StackSeries> = by_label
+            .into_iter()
+            .map(|(label, bytes)| {
+                let stack = report.stacks.iter().find(|s| s.stack_id == label).expect("the label is a stack's");
+                StackSeries {
+                    stack: label.to_string(),
+                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
+                    bytes,
+                }
+            })
+            .collect();
         TargetView {
             pid,
             comm: target.comm.clone(),
@@ -522,6 +543,7 @@ impl Tracer {
             other_stack_bytes,
             report,
             freed_stacks,
+            built: Built::default(),
         }
     }
 }

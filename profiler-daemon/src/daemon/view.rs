@@ -1,17 +1,18 @@
 //! What the tracer publishes every interval and the HTTP side serves: built once per interval,
 //! so scrapes and API calls never touch BPF maps.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use profiler_common::{DropReason, Log2Histogram};
 
+use super::heavy::Built;
 use crate::{
     heap::report::{Report, StackReport},
     unwind::TableUse,
 };
 
-/// One traced process.
-#[derive(Debug, Clone)]
+/// One traced process. Shared, not copied, by the requests that read it.
+#[derive(Debug)]
 pub struct TargetView {
     pub pid: u32,
     pub comm: String,
@@ -31,6 +32,8 @@ pub struct TargetView {
     pub report: Report,
     /// Stacks that freed all they allocated, left out of `report`: the allocation profile counts them.
     pub freed_stacks: Vec<StackReport>,
+    /// The answers built from this interval's report so far.
+    pub built: Built,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -53,8 +56,9 @@ pub struct MapUse {
 #[derive(Debug, Clone, Default)]
 pub struct DaemonView {
     /// By pid.
-    pub targets: BTreeMap<u32, TargetView>,
-    pub drops: [u64; DropReason::COUNT],
+    pub targets: BTreeMap<u32, Arc<TargetView>>,
+    /// Drops no process's counters had room for (each target's are in its report).
+    pub unattributed_drops: [u64; DropReason::COUNT],
     pub maps: Vec<MapUse>,
     /// The unwind tables of every traced process's files.
     pub unwind: TableUse,

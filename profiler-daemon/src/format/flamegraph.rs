@@ -25,6 +25,10 @@ pub fn render(report: &Report) -> Vec<u8> {
             report.sample_bytes
         )
     });
+    if report.stacks_not_shown > 0 {
+        let subtitle = options.subtitle.get_or_insert_with(String::new);
+        subtitle.push_str(&format!("; {} smaller stacks left out", report.stacks_not_shown));
+    }
     options.colors = Palette::Basic(BasicPalette::Mem);
     options.count_name = "bytes".to_string();
     // Colours from the function names: the same function has the same colour in every graph.

@@ -17,6 +17,10 @@ use clap::ValueEnum;
 
 use crate::{error::UserError, heap::report::Report};
 
+/// The largest report or profile memprof reads (a file for `diff`, a daemon's answer for
+/// `snapshot`), decompressed size included: what it reads is held in memory whole.
+pub const MAX_INPUT_BYTES: u64 = 256 << 20;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// A summary and the top stacks, for reading in a terminal.

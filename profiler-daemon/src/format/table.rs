@@ -77,6 +77,10 @@ fn section(report: &Report) -> String {
     if !dropped.is_empty() {
         let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
     }
+    let unattributed: Vec<String> = report.unattributed_dropped.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    if !unattributed.is_empty() {
+        let _ = writeln!(out, "  dropped by no process in particular: {}", unattributed.join(" "));
+    }
     if let Some(tables) = &report.unwind_tables {
         let _ = write!(
             out,
@@ -92,6 +96,13 @@ fn section(report: &Report) -> String {
                 out,
                 "; {} tables not loaded ({} rows): their frames end stacks (unwind_no_table)",
                 tables.tables_not_loaded, tables.rows_not_loaded
+            );
+        }
+        if tables.deferred_walks > 0 {
+            let _ = write!(
+                out,
+                "; {} walks finished from a stack copy ({} of them cut)",
+                tables.deferred_walks, tables.deferred_unfinished
             );
         }
         out.push('\n');

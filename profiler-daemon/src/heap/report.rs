@@ -1,7 +1,7 @@
 //! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
 //! as one JSON object per line (schema in the README).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
@@ -11,8 +11,8 @@ use crate::{
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
-    symbolize::{Frame, Module, Resolved, SymbolizerHandle},
-    unwind::TableUse,
+    symbolize::{Frame, FrameInfo, Module, Resolved, SymbolizerHandle},
+    unwind::{Registry, TableUse},
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -37,8 +37,17 @@ pub struct Report {
     /// then estimates); 0 when every call is recorded.
     pub sample_bytes: u64,
     pub totals: Totals,
+    /// This process's events not recorded, by reason.
     pub dropped: BTreeMap<&'static str, u64>,
+    /// Events not recorded that no process's counters had room for (more processes than the
+    /// per-process table holds), by reason: only those that happened.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub unattributed_dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
+    /// Stacks left out of this page or graph to keep it within its size (the daemon's `/report`
+    /// and flame graph): the largest are shown; the JSON report and profiles have them all.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub stacks_not_shown: u64,
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
@@ -155,6 +164,8 @@ struct Symbolized {
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
+    /// For the walks the kernel deferred (see `unwind::Registry::completion`).
+    pub unwind: &'a Registry,
     pub symbolizer: &'a SymbolizerHandle,
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
@@ -168,7 +179,7 @@ impl Stacks<'_> {
 
     /// Symbolizes a stored stack and hashes it.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
-        let (addresses, end) = aggregate::stack_frames(self.ebpf, table, stack_id);
+        let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
         let truncated = end != StackEnd::Complete;
         if addresses.is_empty() {
             return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
@@ -189,8 +200,9 @@ impl Stacks<'_> {
 
     /// The code mappings that hold the frames of `stacks`.
     fn modules(&self, stacks: &[StackReport]) -> Vec<Module> {
-        let paths = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.clone()).collect();
-        self.symbolizer.modules(self.pid, paths)
+        // Borrowed while deduplicated: a report has a module name per frame, its modules are few.
+        let paths: BTreeSet<&str> = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+        self.symbolizer.modules(self.pid, paths.into_iter().map(str::to_string).collect())
     }
 
     /// Symbolizes a double free when it arrives: its free stacks may be replaced later.
@@ -284,6 +296,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             }
         })
         .collect();
+    let stacks = merge_same_stacks(stacks);
     Report {
         is_final: selection.is_final,
         pid: ctx.stacks.pid,
@@ -296,7 +309,9 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
-        dropped: dropped(kernel),
+        dropped: dropped(snapshot),
+        unattributed_dropped: unattributed_dropped(kernel),
+        stacks_not_shown: 0,
         modules: ctx.stacks.modules(&stacks),
         stacks,
         double_frees: ctx.double_frees.to_vec(),
@@ -314,6 +329,33 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     }
 }
 
+/// Stacks with the same frames as one: a walk the kernel deferred (see `unwind::deferred`) is
+/// stored apart from the same stack walked whole once the table was loaded. The larger one's
+/// leak verdict stands for both.
+fn merge_same_stacks(stacks: Vec<StackReport>) -> Vec<StackReport> {
+    let mut merged: Vec<StackReport> = Vec::with_capacity(stacks.len());
+    let mut at: HashMap<String, usize> = HashMap::new();
+    for stack in stacks {
+        match at.get(&stack.stack_id) {
+            Some(&index) => {
+                let into = &mut merged[index];
+                into.outstanding_bytes += stack.outstanding_bytes;
+                into.outstanding_allocations += stack.outstanding_allocations;
+                into.allocations += stack.allocations;
+                into.allocated_bytes += stack.allocated_bytes;
+                into.oldest_age_s = into.oldest_age_s.max(stack.oldest_age_s);
+                into.truncated &= stack.truncated;
+            }
+            None => {
+                at.insert(stack.stack_id.clone(), merged.len());
+                merged.push(stack);
+            }
+        }
+    }
+    merged.sort_by_key(|s| std::cmp::Reverse(((s.outstanding_bytes, s.outstanding_allocations), s.allocated_bytes)));
+    merged
+}
+
 /// One report of `root` and its children for formats that draw one profile (pprof, folded,
 /// flame graph, HTML): every process's stacks, each under an outermost frame naming the process
 /// (`comm (pid N)`), so that a process is a root of the flame graph and call tree; totals summed.
@@ -321,14 +363,14 @@ pub fn merge_processes(root: &Report) -> Report {
     let mut merged = Report { children: Vec::new(), ..root.clone() };
     merged.stacks.clear();
     for process in std::iter::once(root).chain(&root.children) {
-        let process_frame = Frame {
+        let process_frame = Frame::new(FrameInfo {
             address: "0x0".into(),
             function: format!("{} (pid {})", process.comm, process.pid),
             file: None,
             line: None,
             module: process.exe.clone(),
             inlined: false,
-        };
+        });
         for stack in &process.stacks {
             let mut stack = stack.clone();
             stack.frames.push(process_frame.clone());
@@ -344,6 +386,9 @@ pub fn merge_processes(root: &Report) -> Report {
             t.freed_bytes += c.freed_bytes;
             t.unknown_frees += c.unknown_frees;
             t.failed_allocations += c.failed_allocations;
+            for (reason, count) in &process.dropped {
+                *merged.dropped.entry(reason).or_default() += count;
+            }
             merged.modules.extend(process.modules.iter().cloned());
             merged.double_frees.extend(process.double_frees.iter().cloned());
         }
@@ -352,11 +397,22 @@ pub fn merge_processes(root: &Report) -> Report {
     merged
 }
 
-/// Everything not recorded, by reason: the kernel's drops and the age generations missed.
-pub fn dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
-    let mut dropped: BTreeMap<_, _> = DropReason::ALL.iter().map(|r| (r.name(), kernel.drops[*r as usize])).collect();
-    dropped.insert(MISSED_GENERATIONS, kernel.missed_generations);
+/// What the process could not record, by reason: its drops in the kernel and the age
+/// generations missed.
+pub fn dropped(snapshot: &Snapshot) -> BTreeMap<&'static str, u64> {
+    let mut dropped: BTreeMap<_, _> =
+        DropReason::ALL.iter().map(|r| (r.name(), snapshot.drops.counts[*r as usize])).collect();
+    dropped.insert(MISSED_GENERATIONS, snapshot.missed_generations);
     dropped
+}
+
+/// The drops of no process in particular that happened, by reason.
+pub fn unattributed_dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
+    DropReason::ALL
+        .iter()
+        .map(|r| (r.name(), kernel.unattributed_drops[*r as usize]))
+        .filter(|(_, count)| *count > 0)
+        .collect()
 }
 
 /// Reason of the generations whose ages were lost because reads came too far apart.
@@ -412,6 +468,10 @@ fn is_allocator_wrapper(function: &str) -> bool {
         || (function.starts_with('<') && function.contains(" as core::alloc::global::GlobalAlloc>::"))
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 pub fn allocation_site(frames: &[Frame]) -> usize {
     frames.iter().position(|f| !is_allocator_wrapper(&f.function)).unwrap_or(0)
 }
@@ -438,14 +498,14 @@ pub mod samples {
     use super::*;
 
     pub fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
-        Frame {
+        Frame::new(FrameInfo {
             address: "0x1234".into(),
             function: function.into(),
             file: file.map(Into::into),
             line,
             module: "/usr/bin/leaky".into(),
             inlined: false,
-        }
+        })
     }
 
     /// A final report with one stack: 48 bytes outstanding in one allocation at `leak_here`.
@@ -463,6 +523,8 @@ pub mod samples {
             sample_bytes: 0,
             totals: Totals::default(),
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
+            unattributed_dropped: BTreeMap::new(),
+            stacks_not_shown: 0,
             stacks: vec![StackReport {
                 stack_id: "00".into(),
                 outstanding_bytes: 48,

@@ -67,14 +67,14 @@ struct StackAges {
 pub struct AgeBook {
     pub clock: Clock,
     stacks: HashMap<StackKey, StackAges>,
-    /// Generations reused in the kernel before the book took them over (reads too far apart):
-    /// their memory is counted as younger than it is.
-    pub missed_generations: u64,
+    /// Generations reused in the kernel before the book took them over (reads too far apart),
+    /// by process: their memory is counted as younger than it is.
+    missed_generations: HashMap<u32, u64>,
 }
 
 impl AgeBook {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, stacks: HashMap::new(), missed_generations: 0 }
+        Self { clock, stacks: HashMap::new(), missed_generations: HashMap::new() }
     }
 
     /// Brings one stack up to `now_ns` and returns its outstanding memory by age, oldest first.
@@ -86,7 +86,7 @@ impl AgeBook {
         let ages =
             self.stacks.entry(key).or_insert_with(|| StackAges { frozen_through: in_ring, ..Default::default() });
         if ages.frozen_through < in_ring {
-            self.missed_generations += in_ring - ages.frozen_through;
+            *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
             ages.frozen_through = in_ring;
         }
         for generation in ages.frozen_through..unfrozen {
@@ -102,9 +102,15 @@ impl AgeBook {
         ages.frozen.iter().copied().chain(live).filter(|s| s.bytes != 0 || s.allocations != 0).collect()
     }
 
+    /// The generations of process `tgid` that were missed (see `missed_generations`).
+    pub fn missed_generations(&self, tgid: u32) -> u64 {
+        self.missed_generations.get(&tgid).copied().unwrap_or(0)
+    }
+
     /// Forgets a process that has exited.
     pub fn forget(&mut self, tgid: u32) {
         self.stacks.retain(|key, _| key.tgid != tgid);
+        self.missed_generations.remove(&tgid);
     }
 }
 
@@ -222,7 +228,7 @@ mod tests {
                 assert_eq!(oldest_ns(&CLOCK, &spans), Some(0));
             }
         }
-        assert_eq!(book.missed_generations, 0);
+        assert_eq!(book.missed_generations(key().tgid), 0);
         let spans = book.observe(key(), &row(&events), 395);
         assert_eq!(aged(&CLOCK, &spans, 395, 100), (100 * 29, 29), "generations 0..=28 ended by 295");
     }
@@ -243,7 +249,7 @@ mod tests {
         let mut book = AgeBook::new(CLOCK);
         let _ = book.observe(key(), &row(&[(0, 10, None)]), 5);
         let _ = book.observe(key(), &row(&[(0, 10, None)]), 1000);
-        assert!(book.missed_generations > 0);
+        assert!(book.missed_generations(key().tgid) > 0);
     }
 
     #[test]

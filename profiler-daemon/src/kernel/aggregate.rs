@@ -1,5 +1,5 @@
 //! Reads the maps into snapshots of the traced processes: per-stack totals and ages, counters,
-//! histograms, drops; and purges the maps of processes that are gone.
+//! histograms, each process's drops; and purges the maps of processes that are gone.
 //!
 //! Every interval reads `STACK_STATS` (one row per stack), whose generation counters give the
 //! ages of outstanding memory (see `ages`): the cost grows with stacks, not live allocations.
@@ -13,26 +13,26 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, RecentFree, Stack,
-    StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
+    stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, ProcDrops,
+    RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
 };
 
 use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
+    unwind::Registry,
 };
 
 /// What the kernel side knows at one moment, for the processes asked about.
 #[derive(Debug, Clone, Default)]
 pub struct KernelSnapshot {
     pub processes: HashMap<u32, Snapshot>,
-    /// Events not recorded, by `DropReason`, for all processes together.
-    pub drops: [u64; DropReason::COUNT],
+    /// Events not recorded, by `DropReason`, that found no room in the per-process table: no
+    /// process's in particular.
+    pub unattributed_drops: [u64; DropReason::COUNT],
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`), all processes together.
     pub live_entries: u64,
     pub stack_stats_entries: u64,
-    /// `AgeBook::missed_generations` at the time of the read.
-    pub missed_generations: u64,
 }
 
 /// One process.
@@ -42,6 +42,10 @@ pub struct Snapshot {
     pub now_ns: u64,
     pub stacks: Vec<StackSnapshot>,
     pub counters: ProcCounters,
+    /// The process's events not recorded, by `DropReason`.
+    pub drops: ProcDrops,
+    /// `AgeBook::missed_generations` of the process at the time of the read.
+    pub missed_generations: u64,
     /// Mean bytes between samples when the process is sampled; 0 when every call is recorded.
     pub sample_bytes: u64,
     pub sizes: Log2Histogram,
@@ -75,12 +79,20 @@ pub fn monotonic_now_ns() -> u64 {
 
 /// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
 /// Allocations at least `min_age_ns` old are counted apart as aged.
-pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+/// Stacks cut in walks the kernel deferred (`unwind`) count with those the kernel cut.
+pub fn read(
+    ebpf: &Ebpf,
+    unwind: &Registry,
+    book: &mut AgeBook,
+    tgids: &HashSet<u32>,
+    min_age_ns: u64,
+) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
     let sizes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
     let lifetimes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "LIFETIME_HIST")?)?;
+    let proc_drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let mut snapshot = KernelSnapshot::default();
@@ -88,6 +100,7 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
         let process = Snapshot {
             now_ns,
             counters: counters.get(&tgid, 0).unwrap_or_default(),
+            drops: proc_drops.get(&tgid, 0).unwrap_or_default(),
             sample_bytes: sampling.get(&tgid, 0).unwrap_or(0),
             sizes: unscale_histogram(sizes.get(&tgid, 0).unwrap_or_default()),
             lifetimes: unscale_histogram(lifetimes.get(&tgid, 0).unwrap_or_default()),
@@ -109,8 +122,13 @@ pub fn read(ebpf: &Ebpf, book: &mut AgeBook, tgids: &HashSet<u32>, min_age_ns: u
             process.thread_pairs.push((*key, stats));
         }
     })?;
-    snapshot.missed_generations = book.missed_generations;
-    for (index, total) in snapshot.drops.iter_mut().enumerate() {
+    for (&tgid, process) in &mut snapshot.processes {
+        process.missed_generations = book.missed_generations(tgid);
+        for (reason, count) in unwind.deferred_drops(tgid) {
+            process.drops.counts[reason as usize] += count;
+        }
+    }
+    for (index, total) in snapshot.unattributed_drops.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
     Ok(snapshot)
@@ -214,6 +232,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| ours(&k.tgid))?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| ours(&k.tgid))?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
+    remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| ours(k))?;
     remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| ours(k))?;
     remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| ours(k))?;
     remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| ours(k))?;
@@ -254,6 +273,14 @@ pub enum StackTable {
 }
 
 impl StackTable {
+    /// Its `profiler_common::stack_table` constant.
+    fn id(self) -> u32 {
+        match self {
+            StackTable::Allocations => stack_table::ALLOCATIONS,
+            StackTable::Frees => stack_table::FREES,
+        }
+    }
+
     fn map_name(self) -> &'static str {
         match self {
             StackTable::Allocations => "STACKS",
@@ -270,9 +297,16 @@ pub fn stack_entries(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<u64> {
     Ok(entries)
 }
 
-/// The addresses of a stored stack, innermost first, and why its walk ended; no frames for
-/// `NO_STACK`.
-pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u64) -> (Vec<u64>, StackEnd) {
+/// The addresses of a stored stack of process `tgid`, innermost first, and why its walk ended;
+/// no frames for `NO_STACK`. A walk the kernel deferred goes on with the frames memprof found
+/// (cut as `NoTable` until it has).
+pub fn stack_frames(
+    ebpf: &Ebpf,
+    unwind: &Registry,
+    tgid: u32,
+    table: StackTable,
+    stack_id: u64,
+) -> (Vec<u64>, StackEnd) {
     let stored = (stack_id != NO_STACK)
         .then(|| map(ebpf, table.map_name()).ok())
         .flatten()
@@ -281,7 +315,18 @@ pub fn stack_frames(ebpf: &Ebpf, table: StackTable, stack_id: u64) -> (Vec<u64>,
     match stored {
         Some(stack) => {
             let len = (stack.len as usize).min(stack.frames.len());
-            (stack.frames[..len].to_vec(), StackEnd::from_u32(stack.end))
+            let mut frames = stack.frames[..len].to_vec();
+            let end = match StackEnd::from_u32(stack.end) {
+                StackEnd::Deferred => match unwind.completion(tgid, table.id(), stack_id) {
+                    Some(rest) => {
+                        frames.extend_from_slice(&rest.frames);
+                        rest.end
+                    }
+                    None => StackEnd::NoTable,
+                },
+                end => end,
+            };
+            (frames, end)
         }
         None => (Vec::new(), StackEnd::NoTable),
     }

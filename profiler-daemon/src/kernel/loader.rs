@@ -1,11 +1,6 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
-use std::{
-    collections::{HashMap, HashSet},
-    fs,
-    num::NonZeroU32,
-    path::Path,
-};
+use std::{collections::HashSet, fs, num::NonZeroU32, path::Path};
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
@@ -24,8 +19,11 @@ use crate::{
     kernel::shared::SharedLinks,
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
-    process::procfs,
-    unwind::{MappingEvents, Registry},
+    process::{
+        link_map,
+        procfs::{self, FileMapping},
+    },
+    unwind::{Registry, UnwindEvents},
 };
 
 /// `ld-linux-x86-64.so.2` and the like, under any directory.
@@ -37,6 +35,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pr
 
 /// The dynamic linker calls it before and after every change to the loaded libraries.
 const DL_HOOK: &str = "_dl_debug_state";
+/// The dynamic linker's `struct r_debug`, whose `r_map` lists the loaded objects.
+const R_DEBUG: &str = "_r_debug";
 
 /// Loaded programs and maps; what is attached to each process is its `Attachment`.
 pub struct Loaded {
@@ -45,11 +45,8 @@ pub struct Loaded {
     method: Method,
     /// The unwind tables of the traced processes' files.
     pub unwind: Registry,
-    /// Processes that loaded or unloaded libraries.
-    pub mapping_events: MappingEvents,
-    /// Per process stopped on mapping changes: how many of the SIGTRAPs the kernel sent it
-    /// memprof has taken (`take_mapping_stop`).
-    mapping_stops_taken: HashMap<u32, u64>,
+    /// Processes that loaded or unloaded libraries, and walks left to finish.
+    pub unwind_events: UnwindEvents,
     /// What userspace keeps of the ages of outstanding memory.
     pub ages: AgeBook,
     /// Execs and forks of the traced processes.
@@ -121,17 +118,16 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
-    let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows)?;
-    let mapping_events = MappingEvents::new(&mut ebpf)?;
+    let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows, sizes.max_frames)?;
+    let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;
     Ok(Loaded {
         ebpf,
         method,
         unwind,
-        mapping_events,
+        unwind_events,
         ages: AgeBook::new(clock),
-        mapping_stops_taken: HashMap::new(),
         process_events,
         follow_forks: false,
         share_links: false,
@@ -153,15 +149,32 @@ pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
 }
 
 impl Loaded {
-    /// Attaches every probe to `allocator` for `pid` only: the return probes, one entry probe
-    /// per allocation function (its `AllocFn` as cookie), the free probe and the dynamic linker's.
-    ///
-    /// Return probes go first: an entry probe that fires before its return probe exists would
-    /// leave in-flight state behind that nothing clears. The process is in `TRACED` first, as
-    /// shared links that exist already record it from then on. On failure nothing stays attached.
+    /// Attaches every probe to `allocator` for `pid` only: the free probes, the return probes, one
+    /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
+    /// On failure nothing stays attached; see `probe_allocator` for the order.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them.
+        self.sync_mappings(pid.get());
+        self.attach_probes(allocator, pid)
+    }
+
+    /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
+    /// `files` (see `allocator::for_command`): their tables are built now, and its mappings read
+    /// once it has exec'd (see `commands::family`).
+    pub fn attach_before_exec(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        files: &[std::path::PathBuf],
+    ) -> anyhow::Result<Attachment> {
+        self.unwind.preload(pid.get(), files);
+        self.attach_probes(allocator, pid)
+    }
+
+    /// The process is in `TRACED` first, as shared links that exist already record it from then on.
+    fn attach_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
-        let mut attachment = match self.attach_allocator(allocator, pid) {
+        let mut attachment = match self.probe_allocator(allocator, pid) {
             Ok(attachment) => attachment,
             Err(err) => {
                 self.forget_exited(&HashSet::from([pid.get()]));
@@ -230,12 +243,21 @@ impl Loaded {
         self.forget_state(&HashSet::from([pid.get()]));
     }
 
-    /// The allocator's probes alone (see `attach`), in each of its files.
+    /// The allocator's probes alone (see `attach`), in each of its files, after its tables.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        let mut attachment = Attachment::default();
-        for file in &allocator.files {
+        self.probe_allocator(allocator, pid)
+    }
+
+    /// The process runs meanwhile (a child just forked allocates at once), so the order matters.
+    /// Free probes go first, in every file (a block one file allocates, another's free may free):
+    /// an allocation recorded before its free probe is in place is seen never freed, and its
+    /// address, given out again, counted a missed free. A free before the allocation probes is
+    /// only an unknown free. Return probes go before entry probes: an entry probe that fires
+    /// before its return probe exists would leave in-flight state behind that nothing clears.
+    fn probe_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        let points = |file: &allocator::AllocatorFile| {
             let allocs: Vec<Point> =
                 file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
             let frees: Vec<Point> = file
@@ -243,15 +265,21 @@ impl Loaded {
                 .iter()
                 .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
                 .collect();
-            let programs: &[(&'static str, &[Point])] = match self.method {
-                Method::Sessions => &[(SESSION_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
-                _ => &[(RETURN_PROGRAM, &allocs), (ENTRY_PROGRAM, &allocs), (FREE_PROGRAM, &frees)],
-            };
-            for &(name, points) in programs {
-                if let Err(err) = self.add_probes(&mut attachment, name, &file.attach_path, points, pid) {
-                    self.take_back(attachment, pid);
-                    return Err(err);
-                }
+            (allocs, frees)
+        };
+        let files: Vec<_> = allocator.files.iter().map(|file| (&file.attach_path, points(file))).collect();
+        let frees = files.iter().map(|(path, (_, frees))| (FREE_PROGRAM, *path, frees));
+        let alloc_programs: &[&'static str] = match self.method {
+            Method::Sessions => &[SESSION_PROGRAM],
+            _ => &[RETURN_PROGRAM, ENTRY_PROGRAM],
+        };
+        let allocs =
+            alloc_programs.iter().flat_map(|&name| files.iter().map(move |(path, (allocs, _))| (name, *path, allocs)));
+        let mut attachment = Attachment::default();
+        for (name, path, points) in frees.chain(allocs) {
+            if let Err(err) = self.add_probes(&mut attachment, name, path, points, pid) {
+                self.take_back(attachment, pid);
+                return Err(err);
             }
         }
         Ok(attachment)
@@ -289,9 +317,6 @@ impl Loaded {
             }
         }
         self.forget_state(pids);
-        for pid in pids {
-            self.mapping_stops_taken.remove(pid);
-        }
     }
 
     /// What the maps, the stack walk and the ages hold about `pids`.
@@ -323,46 +348,48 @@ impl Loaded {
         }
     }
 
-    /// Syncs the mappings of every process that reported new ones; returns their pids.
+    /// `sync_mappings` with `pid`'s mappings read already.
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping]) {
+        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings) {
+            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
+        }
+    }
+
+    /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
+    /// finishes those walks on the tables just loaded; returns the pids.
     pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
-        let pids = self.mapping_events.drain();
-        for &pid in &pids {
-            self.sync_mappings(pid);
-        }
-        pids
+        self.sync_changed_mappings_with(procfs::exe_path, |_, _| {})
     }
 
-    /// Makes a change to `pid`'s libraries stop the thread that made it with a SIGTRAP, until
-    /// memprof has their tables: for a child memprof ptraces (`memprof run`).
-    pub fn stop_on_mapping_change(&mut self, pid: u32) -> anyhow::Result<()> {
-        let mut stops: aya::maps::HashMap<_, u32, u64> = aya::maps::HashMap::try_from(
-            self.ebpf.map_mut("STOP_ON_MAPPING_CHANGE").context("map STOP_ON_MAPPING_CHANGE missing")?,
-        )?;
-        stops.insert(pid, 0, 0)?;
-        Ok(())
-    }
-
-    /// Whether a SIGTRAP from the kernel that `pid` got was one `stop_on_mapping_change` asked
-    /// for (and counts it taken).
-    ///
-    /// The kernel only adds to its count of SIGTRAPs sent, atomically, and memprof only reads
-    /// it: a thread loading a library while another's stop is being taken adds to the count
-    /// without either side overwriting the other. A SIGTRAP is memprof's while more were sent
-    /// than taken. Which thread's it is stays unknown: were a program's own trap (`int3`) to
-    /// arrive while one of memprof's is pending in another thread, the program's would be
-    /// taken and memprof's delivered.
-    pub fn take_mapping_stop(&mut self, pid: u32) -> bool {
-        let Some(Ok(stops)) = self.ebpf.map("STOP_ON_MAPPING_CHANGE").map(aya::maps::HashMap::<_, u32, u64>::try_from)
-        else {
-            return false;
-        };
-        let Ok(sent) = stops.get(&pid, 0) else { return false };
-        let taken = self.mapping_stops_taken.entry(pid).or_default();
-        let ours = sent > *taken;
-        if ours {
-            *taken += 1;
+    /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
+    /// read, before the tables are built: a short-lived process may be gone a moment later. A
+    /// process already gone has the mappings of the linker's last list of objects (`link_map`),
+    /// or, without a dynamic linker, those of an executable loaded where it says; its
+    /// executable's path from `exe_of`.
+    pub fn sync_changed_mappings_with(
+        &mut self,
+        exe_of: impl Fn(u32) -> Option<String>,
+        mut on_read: impl FnMut(u32, &[FileMapping]),
+    ) -> Vec<u32> {
+        let drained = self.unwind_events.drain();
+        for &pid in &drained.pids {
+            let mappings = match procfs::file_mappings(pid) {
+                Ok(mappings) if !mappings.is_empty() => mappings,
+                _ => match drained.objects.get(&pid) {
+                    Some(objects) => link_map::mappings(objects, exe_of(pid).as_deref()),
+                    None => match exe_of(pid).and_then(|exe| link_map::fixed_executable(&exe)) {
+                        Some(mappings) => mappings,
+                        None => continue,
+                    },
+                },
+            };
+            on_read(pid, &mappings);
+            self.sync_mappings_with(pid, &mappings);
         }
-        ours
+        for event in &drained.deferred {
+            self.unwind.finish_deferred(&self.ebpf, event);
+        }
+        drained.pids
     }
 
     /// Records `pid`'s allocations by sampling from now on, one in every `sample_bytes` bytes on
@@ -388,7 +415,9 @@ impl Loaded {
         let attached = allocator::function_file_offset(path, DL_HOOK)
             .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
             .and_then(|offset| {
-                let hook = [Point { offset, cookie: 0 }];
+                // Where the linker's list of objects is, from the probe's address (see the program).
+                let cookie = allocator::symbol_distance(path, DL_HOOK, R_DEBUG).unwrap_or(0);
+                let hook = [Point { offset, cookie }];
                 self.add_probes(attachment, MAPPINGS_PROGRAM, path, &hook, pid)
             });
         if let Err(err) = attached {

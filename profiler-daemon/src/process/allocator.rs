@@ -137,12 +137,18 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
 /// before it runs: in the executable and in the libraries its loader lists for it (`ld.so --list
 /// PROGRAM`, what `ldd` runs, which maps them without running the program), with memprof's
 /// environment (`LD_PRELOAD`, `LD_LIBRARY_PATH`), which the command inherits.
-pub fn for_command(program: &Path) -> Result<Allocator, UserError> {
+///
+/// Also returns the files the command maps when it starts (itself, its libraries and its dynamic
+/// loader), whose unwind tables can be built before it runs.
+pub fn for_command(program: &Path) -> Result<(Allocator, Vec<PathBuf>), UserError> {
     let no_allocator = |detail: String| UserError::NoAllocatorInCommand { program: program.to_path_buf(), detail };
     let data = fs::read(program).map_err(|err| no_allocator(format!("reading it: {err}")))?;
     let mut paths = vec![program.to_path_buf()];
     if let Some(interpreter) = interpreter(&data) {
         paths.extend(loader_list(&interpreter, program).map_err(no_allocator)?);
+        if !paths.contains(&interpreter) {
+            paths.push(interpreter);
+        }
     }
     let families = families::all();
     let scans = paths.iter().filter(|path| !is_dynamic_loader(&path.to_string_lossy())).filter_map(|path| {
@@ -150,7 +156,8 @@ pub fn for_command(program: &Path) -> Result<Allocator, UserError> {
         let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
         scan_file(&families, path, &display.to_string_lossy())
     });
-    allocator_of(scans.collect()).map_err(no_allocator)
+    let allocator = allocator_of(scans.collect()).map_err(no_allocator)?;
+    Ok((allocator, paths))
 }
 
 /// The dynamic loader an executable names (`PT_INTERP`); none for a static one.
@@ -329,6 +336,20 @@ pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
     symbol_file_offsets(&file, &HashSet::from([name])).get(name).copied()
 }
 
+/// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
+/// same distance once loaded); None unless both are defined.
+pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
+    let data = fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let address = |wanted: &str| {
+        file.dynamic_symbols().chain(file.symbols()).find_map(|symbol| {
+            let name = symbol.name().ok()?;
+            (!symbol.is_undefined() && name.split('@').next() == Some(wanted)).then(|| symbol.address())
+        })
+    };
+    Some(address(to)?.wrapping_sub(address(from)?))
+}
+
 /// File offsets of the functions named in `wanted` that the file defines, from the dynamic table
 /// and the full symbol table (static binaries, Rust's static allocators).
 fn symbol_file_offsets<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, u64> {
@@ -387,10 +408,12 @@ mod tests {
         let libc = allocator.files.last().expect("a file");
         assert!(libc.display_path.contains("libc"), "{}", allocator.describe());
         assert_eq!(libc.families, ["C library malloc"]);
-        let mut offsets: Vec<u64> = libc.allocs.iter().map(|p| p.offset).collect();
+        let mut offsets: Vec<u64> =
+            libc.allocs.iter().map(|p| p.offset).chain(libc.frees.iter().map(|p| p.offset)).collect();
         offsets.sort();
         offsets.dedup();
-        assert_eq!(offsets.len(), libc.allocs.len(), "one probe per address");
+        assert_eq!(offsets.len(), libc.allocs.len() + libc.frees.len(), "one probe per address");
+        assert_eq!(libc.frees.len(), 1, "free and its alias cfree are one probe");
         assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
         assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
         assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");

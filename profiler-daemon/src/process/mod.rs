@@ -3,4 +3,5 @@
 
 pub mod allocator;
 pub mod families;
+pub mod link_map;
 pub mod procfs;

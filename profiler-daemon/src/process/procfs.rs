@@ -265,6 +265,20 @@ impl FileMapping {
     pub fn reachable_paths(&self, pid: u32) -> [String; 2] {
         [format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end), format!("{}/root{}", dir(pid), self.path)]
     }
+
+    /// Opens the mapped file: by `reachable_paths`, or, once the process is gone (a short-lived
+    /// command that exited before memprof read its files), by its path when that names the very
+    /// file mapped (same device and inode).
+    pub fn open(&self, pid: u32) -> Option<fs::File> {
+        use std::os::unix::fs::MetadataExt as _;
+        if let Some(file) = self.reachable_paths(pid).iter().find_map(|path| fs::File::open(path).ok()) {
+            return Some(file);
+        }
+        let file = fs::File::open(&self.path).ok()?;
+        let meta = file.metadata().ok()?;
+        let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
+        (meta.ino() == self.inode && device == self.device).then_some(file)
+    }
 }
 
 fn parse_maps(text: &str) -> Vec<FileMapping> {

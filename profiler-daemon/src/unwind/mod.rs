@@ -1,6 +1,7 @@
-//! Stack unwinding without frame pointers: per-file CFI tables for the kernel's stack walk, and
-//! the events that say a process mapped new code.
+//! Stack unwinding without frame pointers: per-file CFI tables for the kernel's stack walk, the
+//! events that say a process mapped new code, and the walks the kernel left for memprof to finish.
 
+mod deferred;
 mod registry;
 mod shards;
 mod space;
@@ -10,31 +11,66 @@ use aya::{
     maps::{MapData, RingBuf},
     Ebpf,
 };
+use std::collections::HashMap;
+
+use profiler_common::{DeferredUnwind, LinkMapEvent};
 pub use registry::{Registry, TableUse, UnwindMode};
 
-/// Processes whose dynamic linker reported a change to their libraries (`mappings_changed`).
-pub struct MappingEvents {
+/// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
+/// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
+pub struct UnwindEvents {
     ring: RingBuf<MapData>,
 }
 
-impl MappingEvents {
+/// The events read at once.
+#[derive(Default)]
+pub struct Drained {
+    /// Processes to read the mappings of, each once: those whose libraries changed and those
+    /// with a deferred walk.
+    pub pids: Vec<u32>,
+    /// Boxed: each holds a copy of a stack.
+    pub deferred: Vec<Box<DeferredUnwind>>,
+    /// The dynamic linker's last list of objects of each process that sent one: load bias and
+    /// path (see `process::link_map`).
+    pub objects: HashMap<u32, Vec<(u64, String)>>,
+}
+
+impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let map = ebpf.take_map("MAPPINGS_CHANGED").ok_or_else(|| anyhow::anyhow!("map MAPPINGS_CHANGED missing"))?;
+        let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
         Ok(Self { ring: RingBuf::try_from(map)? })
     }
 
-    /// The processes reported since the last call, each once.
-    pub fn drain(&mut self) -> Vec<u32> {
-        let mut tgids = Vec::new();
+    /// The events since the last call.
+    pub fn drain(&mut self) -> Drained {
+        let mut drained = Drained::default();
         while let Some(item) = self.ring.next() {
-            if let Some(bytes) = item.get(..4) {
-                let tgid = u32::from_ne_bytes(bytes.try_into().expect("four bytes"));
-                if !tgids.contains(&tgid) {
-                    tgids.push(tgid);
-                }
+            let tgid = if item.len() == size_of::<LinkMapEvent>() {
+                // SAFETY: as below, for a LinkMapEvent.
+                let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) });
+                let objects = event.objects.iter().take(event.count as usize).map(|object| {
+                    let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
+                    (object.base, String::from_utf8_lossy(name).into_owned())
+                });
+                drained.objects.insert(event.tgid, objects.collect());
+                event.tgid
+            } else if item.len() == size_of::<DeferredUnwind>() {
+                // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
+                // with the ring buffer's 8-byte alignment.
+                let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) });
+                let tgid = event.tgid;
+                drained.deferred.push(event);
+                tgid
+            } else if let Some(bytes) = item.get(..4) {
+                u32::from_ne_bytes(bytes.try_into().expect("four bytes"))
+            } else {
+                continue;
+            };
+            if !drained.pids.contains(&tgid) {
+                drained.pids.push(tgid);
             }
         }
-        tgids
+        drained
     }
 
     /// For waiting on events with poll or an async reactor.

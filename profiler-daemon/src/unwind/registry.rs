@@ -9,9 +9,10 @@ use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
 use object::{Object as _, ObjectSegment as _};
-use profiler_common::{mapping_kind, ExecMapping, ProcMappings, MAX_MAPPINGS};
+use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, MAX_MAPPINGS};
 
 use super::{
+    deferred::{Completion, Deferred},
     shards::{Shards, SHARD_BYTES},
     space::RowSpace,
     table,
@@ -60,6 +61,10 @@ pub struct Registry {
     warned: HashSet<String>,
     /// Writes of `PROC_MAPPINGS` so far: the value of `MAPPINGS_GENERATION`.
     mapping_writes: u32,
+    /// Walks the kernel left for memprof to finish.
+    deferred: Deferred,
+    /// `--max-frames`.
+    frame_limit: usize,
 }
 
 /// Tables of mapped files that could not be loaded (their frames end stacks, counted as
@@ -88,6 +93,11 @@ pub struct TableUse {
     pub tables_not_loaded: u64,
     /// The rows those tables needed, where known.
     pub rows_not_loaded: u64,
+    /// Walks that met a file whose table was not loaded yet and were finished here, from a copy
+    /// of the stack (see `deferred`), and those of them that could not reach the outermost
+    /// frame (their stacks are marked truncated).
+    pub deferred_walks: u64,
+    pub deferred_unfinished: u64,
     /// Executable code the tables cover: the executable segments of the files with CFI tables.
     #[serde(skip)]
     pub text_bytes: u64,
@@ -100,7 +110,8 @@ pub struct TableUse {
 
 impl Registry {
     /// Takes `UNWIND_SHARDS`; `max_rows` bounds the rows of all tables together.
-    pub fn new(ebpf: &mut Ebpf, mode: UnwindMode, max_rows: u32) -> anyhow::Result<Self> {
+    /// `frame_limit` is `--max-frames`.
+    pub fn new(ebpf: &mut Ebpf, mode: UnwindMode, max_rows: u32, frame_limit: u32) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_SHARDS").ok_or_else(|| anyhow::anyhow!("map UNWIND_SHARDS missing"))?;
         let shards = Shards::new(map)?;
         let capacity = u64::from(max_rows).min(shards.max_rows()) as u32;
@@ -114,6 +125,8 @@ impl Registry {
             not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
             mapping_writes: 0,
+            deferred: Deferred::default(),
+            frame_limit: frame_limit as usize,
         })
     }
 
@@ -135,6 +148,8 @@ impl Registry {
             kernel_bytes: self.shards.count() as u64 * SHARD_BYTES,
             tables_not_loaded: self.not_loaded.tables,
             rows_not_loaded: self.not_loaded.rows,
+            deferred_walks: self.deferred.counts.walks,
+            deferred_unfinished: self.deferred.counts.unfinished,
             text_bytes,
             held_bytes: held as u64,
         }
@@ -144,7 +159,14 @@ impl Registry {
     /// kernel the process's new mapping list. Cheap when nothing changed.
     pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
         // An exited process not yet reaped has no mappings left: keep what it had.
-        let Ok(mappings) = procfs::file_mappings(pid) else { return Ok(()) };
+        match procfs::file_mappings(pid) {
+            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings),
+            _ => Ok(()),
+        }
+    }
+
+    /// `sync` with mappings read already: those of a process that may have exited since.
+    pub fn sync_with(&mut self, ebpf: &mut Ebpf, pid: u32, mappings: &[FileMapping]) -> anyhow::Result<()> {
         let mut entries = Vec::new();
         let mut used = HashSet::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
@@ -202,6 +224,56 @@ impl Registry {
         Ok(())
     }
 
+    /// Finishes a walk the kernel deferred, on `event.tgid`'s mappings as the kernel has them
+    /// now: call after syncing them.
+    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind) {
+        let mappings = ebpf
+            .map("PROC_MAPPINGS")
+            .and_then(|map| BpfHashMap::<_, u32, ProcMappings>::try_from(map).ok())
+            .and_then(|map| map.get(&event.tgid, 0).ok());
+        self.deferred.finish(event, mappings.as_ref(), &self.shards, self.frame_limit);
+    }
+
+    /// Process `tgid`'s deferred walks that ended cut, by the drop reason the kernel's walk
+    /// counts them under.
+    pub fn deferred_drops(&self, tgid: u32) -> impl Iterator<Item = (profiler_common::DropReason, u64)> + '_ {
+        self.deferred.drops(tgid)
+    }
+
+    /// The rest of a deferred walk, once finished.
+    pub fn completion(&self, tgid: u32, table: u32, stack_id: u64) -> Option<&Completion> {
+        self.deferred.completion(tgid, table, stack_id)
+    }
+
+    /// Builds the tables of the files `pid` is about to map (`memprof run`'s command before its
+    /// exec, from its dynamic loader's list) and counts them as its own until its first `sync`:
+    /// then only its mappings are left to read, in a moment, before much of it has run.
+    pub fn preload(&mut self, pid: u32, paths: &[std::path::PathBuf]) {
+        use std::os::unix::fs::MetadataExt as _;
+        let mut keys = HashSet::new();
+        for path in paths {
+            let Ok(meta) = std::fs::metadata(path) else { continue };
+            let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
+            let mapping = FileMapping {
+                start: 0,
+                end: 0,
+                offset: 0,
+                path: path.display().to_string(),
+                executable: true,
+                device: device.clone(),
+                inode: meta.ino(),
+            };
+            let key = (device, meta.ino());
+            if self.file(&key, pid, &mapping).is_some() && keys.insert(key.clone()) {
+                if let Some(file) = self.files.get_mut(&key) {
+                    file.users += 1;
+                }
+            }
+        }
+        self.processes.insert(pid, keys);
+        self.log_use();
+    }
+
     /// One line whenever the tables in use change (`cargo xtask bench` reads it).
     fn log_use(&self) {
         let TableUse { files, rows_used: rows, kernel_bytes, text_bytes, held_bytes, .. } = self.table_use();
@@ -213,6 +285,7 @@ impl Registry {
         if let Some(Ok(mut map)) = ebpf.map_mut("PROC_MAPPINGS").map(BpfHashMap::<_, u32, ProcMappings>::try_from) {
             let _ = map.remove(&pid);
         }
+        self.deferred.forget(pid);
         for key in self.processes.remove(&pid).unwrap_or_default() {
             self.release(&key);
         }
@@ -269,7 +342,11 @@ impl Registry {
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
     fn build(&mut self, pid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
-        let data = match mapping.reachable_paths(pid).iter().find_map(|p| std::fs::read(p).ok()) {
+        let read = |mut file: std::fs::File| {
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut file, &mut data).ok().map(|_| data)
+        };
+        let data = match mapping.open(pid).and_then(read) {
             Some(data) => data,
             None => {
                 self.warn_once(path, &format!("cannot read {path}: its frames are not unwound"));

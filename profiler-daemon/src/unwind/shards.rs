@@ -177,6 +177,15 @@ fn delete(outer: &Map, index: u32) -> std::io::Result<()> {
     Ok(())
 }
 
+impl super::deferred::Rows for Shards {
+    fn row(&self, index: u32) -> Option<UnwindRow> {
+        let shard = self.shards.get((index >> UNWIND_SHARD_BITS) as usize)?.as_ref()?;
+        let offset = (index & (UNWIND_SHARD_ROWS - 1)) as usize * ROW_STRIDE;
+        // SAFETY: inside the shard's mapping, which lives as long as `self`.
+        Some(unsafe { shard.rows.as_ptr().add(offset).cast::<UnwindRow>().read() })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,10 +17,14 @@ function summarySection(report) {
     ['failed_allocations', 'Failed allocations', grouped(t.failed_allocations)],
     ['double_frees', 'Double frees', grouped(report.double_frees.length)],
   ].map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
-  const lost = Object.values(report.dropped).reduce((sum, n) => sum + n, 0);
+  // Drops of no process in particular (the per-process table was full) are listed apart.
+  const unattributed = Object.entries(report.unattributed_dropped || {});
+  const lost = Object.values(report.dropped).concat(unattributed.map(([, n]) => n)).reduce((sum, n) => sum + n, 0);
   const recorded = report.sample_bytes ? 'Nothing was dropped.' : 'Nothing was dropped: every allocator call was recorded.';
   const dropped = Object.entries(report.dropped).map(([reason, count]) =>
-    el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })));
+    el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })))
+    .concat(unattributed.map(([reason, count]) =>
+      el('tr', { class: 'bad' }, el('th', {}, `${reason} (no process's)`), num(grouped(count)))));
   return section('summary', 'Totals',
     el('div', { class: 'columns' },
       el('table', { id: 'totals' }, el('tbody', {}, rows)),
@@ -95,7 +99,9 @@ function stackSection(report) {
       ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score', 'stack (allocating site first)'],
       rows, { id: 'stack-table' }),
     rest.length > 0 ? el('p', { class: 'note' },
-      `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null);
+      `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null,
+    report.stacks_not_shown ? el('p', { class: 'note', id: 'stacks-not-shown' },
+      `${grouped(report.stacks_not_shown)} smaller stacks are left out of this page to keep it small: the JSON report and pprof profiles have them.`) : null);
 }
 
 // A histogram as rows of bars; `label` names a bucket's range.

@@ -10,7 +10,10 @@ use super::{
     wire::{Reader, Value, WireError},
     NO_STACK, STACK_ID_LABEL,
 };
-use crate::symbolize::Frame;
+use crate::{
+    format::MAX_INPUT_BYTES,
+    symbolize::{capped, Frame, FrameInfo},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PprofError {
@@ -18,6 +21,8 @@ pub enum PprofError {
     NotGzip,
     #[error("cannot decompress it: {0}")]
     Gzip(std::io::Error),
+    #[error("it decompresses to more than {} MiB, more than any profile memprof reads", MAX_INPUT_BYTES >> 20)]
+    TooLarge,
     #[error("not a profile.proto: {0}")]
     Wire(#[from] WireError),
     #[error("not a profile.proto: {0}")]
@@ -55,7 +60,12 @@ pub fn read(gzipped: &[u8]) -> Result<Decoded, PprofError> {
         return Err(PprofError::NotGzip);
     }
     let mut profile = Vec::new();
-    GzDecoder::new(gzipped).read_to_end(&mut profile).map_err(PprofError::Gzip)?;
+    // One byte more than allowed tells a profile at the limit from a larger one (a gzip bomb
+    // is refused at the limit, not once decompressed).
+    GzDecoder::new(gzipped).take(MAX_INPUT_BYTES + 1).read_to_end(&mut profile).map_err(PprofError::Gzip)?;
+    if profile.len() as u64 > MAX_INPUT_BYTES {
+        return Err(PprofError::TooLarge);
+    }
     decode(&profile)
 }
 
@@ -199,13 +209,15 @@ impl Raw<'_> {
             Some(&(filename, start, offset)) => (self.string(filename)?, start, offset),
             None => (String::new(), 0, 0),
         };
-        let frame = |function, file: String, line: u64, inlined| Frame {
-            address: format!("{address:#x}"),
-            function,
-            file: (!file.is_empty()).then_some(file),
-            line: u32::try_from(line).ok().filter(|&l| l > 0),
-            module: module.clone(),
-            inlined,
+        let frame = |function: String, file: String, line: u64, inlined| {
+            Frame::new(FrameInfo {
+                address: format!("{address:#x}"),
+                function: capped(&function),
+                file: (!file.is_empty()).then(|| capped(&file)),
+                line: u32::try_from(line).ok().filter(|&l| l > 0),
+                module: capped(&module),
+                inlined,
+            })
         };
         if lines.is_empty() {
             let name = module.rsplit('/').next().unwrap_or(&module);

@@ -1,0 +1,150 @@
+//! The answers that cost: a process's HTML report, flame graph, pprof profiles and JSON report.
+//! Each is built off the async thread, so `/metrics` and the other light answers never wait
+//! behind one; at most `MAX_BUILDS` at once, so their memory is bounded whatever the number of
+//! clients; and once an interval: the requests for one answer in one interval share the bytes
+//! the first built. The JSON report, which has every frame of every stack, is streamed instead.
+
+use std::{
+    io,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http_body::Frame;
+use tokio::sync::{mpsc, OnceCell, OwnedSemaphorePermit, Semaphore};
+
+use super::view::TargetView;
+use crate::heap::report::Report;
+
+/// Answers built (or streamed) at once: each holds up to `PAGE_BUDGET` and its output.
+pub const MAX_BUILDS: usize = 2;
+/// How long a request waits for its turn before it is answered 503.
+const TURN_WAIT: Duration = Duration::from_secs(30);
+/// The JSON of the stacks an HTML page or flame graph draws: the largest stacks that fit, the
+/// others counted in `stacks_not_shown`. A page drawing more would not open in a browser anyway.
+pub const PAGE_BUDGET: usize = 16 << 20;
+/// Bytes of JSON sent at a time, and chunks waiting for a slow client.
+const CHUNK: usize = 64 * 1024;
+const CHUNKS_QUEUED: usize = 4;
+
+/// A process's answers of one interval, built on first request.
+#[derive(Debug, Default)]
+pub struct Built {
+    pub html: OnceCell<Bytes>,
+    pub flamegraph: OnceCell<Bytes>,
+    pub heap: OnceCell<Bytes>,
+    pub allocs: OnceCell<Bytes>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Busy {
+    #[error("memprof is building {MAX_BUILDS} other answers; try again in a few seconds")]
+    NoTurn,
+    #[error("building the answer failed; see memprof's log")]
+    Failed,
+}
+
+/// Turns to build heavy answers, shared by every connection.
+#[derive(Clone)]
+pub struct Builder {
+    turns: Arc<Semaphore>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self { turns: Arc::new(Semaphore::new(MAX_BUILDS)) }
+    }
+}
+
+impl Builder {
+    async fn turn(&self) -> Result<OwnedSemaphorePermit, Busy> {
+        match tokio::time::timeout(TURN_WAIT, self.turns.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(Busy::NoTurn),
+        }
+    }
+
+    /// The bytes in `cell`, built by `build` on a blocking thread by the interval's first request.
+    pub async fn once(
+        &self,
+        cell: &OnceCell<Bytes>,
+        build: impl FnOnce() -> Vec<u8> + Send + 'static,
+    ) -> Result<Bytes, Busy> {
+        cell.get_or_try_init(|| async {
+            let _turn = self.turn().await?;
+            tokio::task::spawn_blocking(build).await.map(Bytes::from).map_err(|_| Busy::Failed)
+        })
+        .await
+        .cloned()
+    }
+
+    /// `target`'s report as JSON, serialized on a blocking thread as the client reads it: the
+    /// daemon holds a few chunks of it at a time, not the whole.
+    pub async fn json(&self, target: Arc<TargetView>) -> Result<Streamed, Busy> {
+        let turn = self.turn().await?;
+        let (sender, chunks) = mpsc::channel(CHUNKS_QUEUED);
+        tokio::task::spawn_blocking(move || {
+            let mut writer = io::BufWriter::with_capacity(CHUNK, Chunks(sender));
+            // An error is a client gone: the stream ends with it.
+            if serde_json::to_writer(&mut writer, &target.report).is_ok() {
+                let _ = io::Write::write_all(&mut writer, b"\n");
+                let _ = io::Write::flush(&mut writer);
+            }
+        });
+        Ok(Streamed { chunks, _turn: turn })
+    }
+}
+
+/// Sends what is written as chunks to a `Streamed` body, waiting while its queue is full.
+struct Chunks(mpsc::Sender<Bytes>);
+
+impl io::Write for Chunks {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.blocking_send(Bytes::copy_from_slice(buf)).map_err(|_| io::ErrorKind::BrokenPipe)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A response body fed by `Chunks`; holds its build turn until sent or dropped.
+pub struct Streamed {
+    chunks: mpsc::Receiver<Bytes>,
+    _turn: OwnedSemaphorePermit,
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.chunks.poll_recv(cx).map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
+    }
+}
+
+/// `report` with the largest stacks whose JSON fits in `PAGE_BUDGET`, the rest counted in
+/// `stacks_not_shown`: what the HTML page and the flame graph draw. Frames are shared handles, so
+/// the copy costs the kept stacks' frame lists only.
+pub fn page(report: &Report) -> Report {
+    let mut order: Vec<&_> = report.stacks.iter().collect();
+    order.sort_by_key(|s| std::cmp::Reverse((s.outstanding_bytes, s.allocated_bytes)));
+    let mut spent = 0;
+    let mut kept = Vec::new();
+    for stack in order {
+        let size = serde_json::to_vec(stack).map_or(usize::MAX, |json| json.len());
+        if spent + size > PAGE_BUDGET {
+            break;
+        }
+        spent += size;
+        kept.push(stack.clone());
+    }
+    let mut page = Report { stacks: Vec::new(), children: Vec::new(), ..report.clone() };
+    page.stacks_not_shown = (report.stacks.len() - kept.len()) as u64;
+    page.stacks = kept;
+    page
+}

@@ -1,0 +1,82 @@
+//! A process's mappings from its dynamic linker's list of loaded objects (each one's path and load
+//! bias, read in the process by the probe at `_dl_debug_state`) and the files' program headers, as
+//! a debugger finds them: what memprof knows of a short-lived process that was gone before it
+//! could read `/proc/PID/maps`.
+
+use std::{fs, os::unix::fs::MetadataExt as _};
+
+use object::{Object as _, ObjectSegment as _};
+
+use super::procfs::FileMapping;
+
+/// The mappings of `objects` (load bias and path; an empty path is the executable, `exe`).
+pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping> {
+    let mut mappings: Vec<FileMapping> = objects
+        .iter()
+        .filter_map(|(base, name)| {
+            let path = if name.is_empty() { exe? } else { name.as_str() };
+            object_mappings(*base, path)
+        })
+        .flatten()
+        .collect();
+    mappings.sort_by_key(|m| m.start);
+    mappings
+}
+
+/// The mappings of an executable loaded at the addresses it names (not position-independent: a
+/// static binary has no dynamic linker to report them, and needs none); None for any other file.
+pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
+    let data = fs::read(exe).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe)).flatten()
+}
+
+/// One mapping per loadable segment, page-aligned as the loader maps them.
+fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
+    const PF_X: u32 = 1;
+    const PAGE: u64 = 4096;
+    let meta = fs::metadata(path).ok()?;
+    let data = fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
+    let segments = file.segments().filter_map(|segment| {
+        let object::SegmentFlags::Elf { p_flags } = segment.flags() else { return None };
+        let (offset, _) = segment.file_range();
+        let start = base.wrapping_add(segment.address() & !(PAGE - 1));
+        let end = base.wrapping_add((segment.address() + segment.size()).next_multiple_of(PAGE));
+        Some(FileMapping {
+            start,
+            end,
+            offset: offset & !(PAGE - 1),
+            path: path.to_string(),
+            executable: p_flags & PF_X != 0,
+            device: device.clone(),
+            inode: meta.ino(),
+        })
+    });
+    Some(segments.collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// memprof's own mappings, rebuilt from its executable's load bias, match `/proc/self/maps`.
+    #[test]
+    fn the_loaded_objects_give_the_mappings_proc_shows() {
+        let maps = crate::process::procfs::file_mappings(std::process::id()).expect("own maps");
+        let exe = std::fs::read_link("/proc/self/exe").expect("own exe").display().to_string();
+        let text = maps.iter().find(|m| m.executable && m.path == exe).expect("own text mapping");
+        let data = fs::read(&exe).expect("own exe");
+        let file = object::File::parse(&*data).expect("ELF");
+        let segment = file
+            .segments()
+            .find(|s| matches!(s.flags(), object::SegmentFlags::Elf { p_flags } if p_flags & 1 != 0))
+            .expect("a text segment");
+        let base = text.start - (segment.address() & !4095);
+        let rebuilt = mappings(&[(base, String::new())], Some(&exe));
+        let found = rebuilt.iter().find(|m| m.executable).expect("rebuilt text");
+        assert_eq!((found.start, found.offset, found.inode), (text.start, text.offset, text.inode));
+        assert_eq!(found.device, text.device);
+    }
+}

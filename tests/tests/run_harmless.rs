@@ -1,0 +1,139 @@
+//! `memprof run` never changes what its command does: the command is not traced (no ptrace, no
+//! signal from memprof), so memprof's death, its end and a debugger check in the command leave
+//! the command's output and exit status as they are without memprof.
+
+use std::{
+    io::Read as _,
+    path::Path,
+    process::{Command, Stdio},
+    thread,
+    time::Duration,
+};
+
+use memprof_tests::{fixture_compiled, fixture_lib, fixture_with, memprof_bin, run, wait_for};
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// The command's output and exit code when it runs alone.
+fn alone(command: &[&str]) -> (String, i32) {
+    let output = Command::new(command[0]).args(&command[1..]).stdin(Stdio::null()).output().expect("running alone");
+    (String::from_utf8_lossy(&output.stdout).into_owned(), output.status.code().unwrap_or(-1))
+}
+
+/// Makes this test process the reaper of orphans: a command whose memprof died is then ours to
+/// wait for, with its exit status.
+fn become_subreaper() {
+    // SAFETY: a plain prctl on this process.
+    assert_eq!(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }, 0, "PR_SET_CHILD_SUBREAPER");
+}
+
+/// The pid memprof says it traces ("memprof: tracing pid N ...").
+fn traced_pid(stderr: &str) -> Option<libc::pid_t> {
+    stderr.lines().find_map(|line| line.strip_prefix("memprof: tracing pid ")?.split(' ').next()?.parse().ok())
+}
+
+/// A loop of 600 dlopens (about 200 a second) under `memprof run`, memprof killed with SIGKILL
+/// at three different moments while the libraries come and go: each time the command prints all
+/// it prints alone and exits with its own status (7). Before, the command died of the SIGTRAP
+/// memprof's probe sent it for the next library (3 of 3 runs).
+#[test]
+fn the_command_outlives_memprof_killed_during_a_dlopen_loop() {
+    let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin_loop.so", &["-O2", "-g"]);
+    let program = fixture_with("dlopen_loop.c", "dlopen_loop", &["-O2", "-g"]);
+    let command = [path(&program), path(&lib), "600"];
+    let (expected, code) = alone(&command);
+    assert_eq!(code, 7, "the fixture alone: {expected}");
+    assert!(expected.ends_with("round 600\ndone\n"), "{expected}");
+    become_subreaper();
+    let report = std::env::temp_dir().join(format!("memprof-run-harmless-{}.json", std::process::id()));
+    for delay_ms in [300, 900, 1800] {
+        let mut memprof = Command::new(memprof_bin())
+            .args(["run", "--json", "--interval", "0.2", "--output", path(&report), "--"])
+            .args(command)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting memprof");
+        let mut stderr = memprof.stderr.take().expect("stderr");
+        let mut said = String::new();
+        let pid = wait_for(30, "memprof to say which pid it traces", || {
+            let mut chunk = [0u8; 4096];
+            let n = stderr.read(&mut chunk).ok()?;
+            said.push_str(&String::from_utf8_lossy(&chunk[..n]));
+            traced_pid(&said)
+        });
+        thread::sleep(Duration::from_millis(delay_ms));
+        memprof.kill().expect("SIGKILL to memprof");
+        memprof.wait().expect("reaping memprof");
+        // The command still writes to the pipe memprof's stdout was: read it to its end.
+        let mut printed = String::new();
+        memprof.stdout.take().expect("stdout").read_to_string(&mut printed).expect("reading the command's output");
+        let mut status = 0;
+        // SAFETY: waiting for an orphan reparented to this process, with a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid, "the command was not reparented here");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7,
+            "memprof killed after {delay_ms} ms: the command ended with status {status:#x}, not exit 7"
+        );
+        assert_eq!(printed, expected, "memprof killed after {delay_ms} ms changed the command's output");
+    }
+    let _ = std::fs::remove_file(report);
+}
+
+/// A LeakSanitizer build refuses to run under ptrace ("LeakSanitizer does not work under
+/// ptrace") and exited 1 under `memprof run`: now it exits 0 when it frees everything, and its
+/// own leak report still works (exit 1, the leaked block named) when it leaks. memprof sees the
+/// allocations through the sanitizer's allocator and the C library's.
+#[test]
+fn a_leak_sanitizer_build_runs_under_run_as_it_runs_alone() {
+    let program = fixture_compiled("cc", "lsan_clean.c", "lsan_clean", &["-fsanitize=address", "-g", "-O1"]);
+    let clean = run(&["--interval", "3600"], &[path(&program)]);
+    assert_eq!(clean.status.code(), Some(0), "{clean:?}");
+    assert!(!clean.stderr.contains("LeakSanitizer"), "{}", clean.stderr);
+    assert!(clean.stdout.contains("finished"), "the command's own output: {}", clean.stdout);
+    let leaking = run(&["--interval", "3600"], &[path(&program), "leak"]);
+    assert_eq!(leaking.status.code(), Some(1), "{leaking:?}");
+    assert!(
+        leaking.stderr.contains("SUMMARY: AddressSanitizer: 4242 byte(s) leaked in 1 allocation(s)."),
+        "{}",
+        leaking.stderr
+    );
+}
+
+/// `--duration` ends memprof, not the command: memprof exits 0 with its report, and the command
+/// runs on to its end (its output complete, its status its own).
+#[test]
+fn a_duration_end_leaves_the_command_running() {
+    let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin_loop.so", &["-O2", "-g"]);
+    let program = fixture_with("dlopen_loop.c", "dlopen_loop", &["-O2", "-g"]);
+    let command = [path(&program), path(&lib), "300"];
+    let (expected, _) = alone(&command);
+    become_subreaper();
+    let report = std::env::temp_dir().join(format!("memprof-run-duration-{}.json", std::process::id()));
+    let mut memprof = Command::new(memprof_bin())
+        .args(["run", "--json", "--duration", "0.5", "--output", path(&report), "--"])
+        .args(command)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    let status = memprof.wait().expect("memprof's end");
+    let mut stderr = String::new();
+    memprof.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("memprof's stderr");
+    assert!(status.success(), "memprof at its --duration end: {status:?}\n{stderr}");
+    let pid = traced_pid(&stderr).expect("the traced pid");
+    let written = std::fs::read_to_string(&report).expect("the report");
+    assert!(written.contains("\"final\":true"), "{written}");
+    let mut printed = String::new();
+    memprof.stdout.take().expect("stdout").read_to_string(&mut printed).expect("the command's output");
+    let mut code = 0;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut code, 0) }, pid);
+    assert!(libc::WIFEXITED(code) && libc::WEXITSTATUS(code) == 7, "status {code:#x}");
+    assert_eq!(printed, expected);
+    let _ = std::fs::remove_file(report);
+}
