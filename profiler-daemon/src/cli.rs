@@ -10,6 +10,7 @@ use crate::{
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
     kernel::settings::LoadSettings,
+    kernel::shared::ProbeLinks,
     unwind::UnwindMode,
 };
 
@@ -181,6 +182,10 @@ pub struct DaemonArgs {
     /// Most processes traced at once [default: 64].
     #[arg(long)]
     pub max_targets: Option<usize>,
+    /// Probe links shared per allocator file by every traced process, or links per process (for a
+    /// few processes: the rest of the host then pays nothing) [default: shared].
+    #[arg(long, value_enum)]
+    pub probe_links: Option<ProbeLinks>,
     /// Seconds between snapshots of the kernel maps [default: 5].
     #[arg(long, value_parser = positive_seconds)]
     pub interval: Option<f64>,

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{attach, fixture, one_at_a_time, site, wait_for, Daemon, Waiting};
+use memprof_tests::{attach, fixture, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
 
 /// A process whose main thread called pthread_exit while a worker allocates: the kernel's pid
 /// filter cannot name it (it compares the exited leader's memory), shared links with the map of
@@ -24,6 +24,23 @@ fn a_process_whose_main_thread_exited_is_traced_exactly() {
     assert_eq!(report["totals"]["allocations"], 18, "{report:#}");
     assert_eq!(report["totals"]["frees"], 11, "{report:#}");
     assert_eq!(report["totals"]["freed_bytes"], 1_100, "{report:#}");
+}
+
+/// `--probe-links per-process`: the daemon gives its target links of its own, filtered by its pid,
+/// and none for every process; the counts are the same.
+#[test]
+fn the_daemon_can_give_each_process_links_of_its_own() {
+    let _serial = one_at_a_time();
+    let mut held = Waiting::start(&fixture("daemon_target"), &[]);
+    let pid = held.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string(), "--probe-links", "per-process"]);
+    daemon.wait_traced(pid);
+    let own = probe_links::probing(pid);
+    assert!(own.len() >= 3 && own.iter().all(|link| link.multi && link.holder == daemon.child.id()), "{own:?}");
+    assert_eq!(probe_links::shared(daemon.child.id()), [], "no link for every process");
+    held.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
 }
 
 /// Processes started by the test, killed when it ends.

@@ -11,6 +11,7 @@ use crate::{
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, Sampling},
     kernel::settings::{LoadSettings, DEFAULT_LOAD},
+    kernel::shared::ProbeLinks,
     process::procfs,
     unwind::UnwindMode,
 };
@@ -25,6 +26,7 @@ struct File {
     cgroups: Option<Vec<String>>,
     all: Option<bool>,
     max_targets: Option<usize>,
+    probe_links: Option<ProbeLinks>,
     interval: Option<f64>,
     top_stacks: Option<usize>,
     leak_window: Option<usize>,
@@ -73,6 +75,8 @@ pub struct Config {
     pub listen: SocketAddr,
     pub rules: Rules,
     pub max_targets: usize,
+    /// Read at start: a reload does not change the links of processes traced already.
+    pub probe_links: ProbeLinks,
     pub interval: f64,
     pub top_stacks: usize,
     pub leak: LeakSettings,
@@ -182,6 +186,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         listen,
         rules,
         max_targets,
+        probe_links: args.probe_links.or(file.probe_links).unwrap_or(ProbeLinks::Shared),
         interval,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         leak,

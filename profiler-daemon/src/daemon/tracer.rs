@@ -32,6 +32,7 @@ use crate::{
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
+    kernel::shared::ProbeLinks,
     process::allocator,
     process::procfs,
     symbolize::SymbolizerHandle,
@@ -102,9 +103,9 @@ impl Tracer {
         let mut loaded = loader::load(config.maps, config.interval)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
-        // Rules match any number of processes: one set of links per allocator file, whatever
-        // their number (see README, "Probe links").
-        loaded.share_links = true;
+        // Rules match any number of processes: by default one set of links per allocator file,
+        // whatever their number (see README, "Probes and detaching").
+        loaded.share_links = config.probe_links == ProbeLinks::Shared;
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
@@ -166,8 +167,11 @@ impl Tracer {
     }
 
     fn reload(&mut self, config: Config) {
-        if config.listen != self.config.listen || config.maps != self.loaded_sizes {
-            warn!("listen address and map sizes take effect at the next start, not on reload");
+        if config.listen != self.config.listen
+            || config.maps != self.loaded_sizes
+            || config.probe_links != self.config.probe_links
+        {
+            warn!("listen address, map sizes and probe links take effect at the next start, not on reload");
         }
         self.config = config;
         info!("configuration reloaded");

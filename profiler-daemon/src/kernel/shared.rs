@@ -13,6 +13,18 @@ use anyhow::Context as _;
 
 use crate::kernel::{probes::Attachment, uprobe_multi::Point};
 
+/// Which links the daemon gives the processes it traces (`--probe-links`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProbeLinks {
+    /// One set per allocator file for every traced process: attached and let go by the thousand
+    /// in seconds; every other process mapping the file takes the probes' trap too.
+    Shared,
+    /// Links of each process's own: the rest of the host pays nothing, but attaching or letting
+    /// go of one visits every process that maps the file (for a few processes).
+    PerProcess,
+}
+
 /// What makes two processes' links the same: the file (device and inode, whatever path reaches
 /// it), the program and its probes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
