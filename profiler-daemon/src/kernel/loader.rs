@@ -200,7 +200,8 @@ impl Loaded {
         anyhow::ensure!(
             !self.own_links,
             "pid {pid}'s main thread has exited, so it can only be traced by links shared with every process, \
-             and this session's other processes have links of their own: trace it on its own (memprof attach --pid {pid})"
+             and this session's other processes have links of their own: trace it on its own (memprof attach --pid {pid}), \
+             or with the daemon's --probe-links shared"
         );
         Ok(true)
     }
@@ -225,7 +226,10 @@ impl Loaded {
         set_shared_links_used(ebpf)?;
         // Every process attached from now on shares: one with links of its own would have its
         // calls seen twice, by its links and by the shared ones.
-        self.share_links = true;
+        if !self.share_links {
+            tracing::info!("pid {pid}'s main thread has exited: probes are shared per file from now on");
+            self.share_links = true;
+        }
         let links = self.shared.get_or_attach(path, name, points, || {
             let mut links = Attachment::default();
             links.add(ebpf, method, name, path, points, None)?;
