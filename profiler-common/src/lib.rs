@@ -185,6 +185,29 @@ pub fn sampled(sample_bytes: u64, size: u64, draw: u32) -> bool {
 /// Stack id recorded when no stack could be kept. Real ids are 64-bit hashes of the frames, never 0.
 pub const NO_STACK: u64 = 0;
 
+/// A stack's id is a hash of its frames that the kernel's walk folds in frame by frame
+/// (`stack_hash_step` from `STACK_HASH_SEED`) and ends with why the walk ended (`stack_id_of`).
+/// User space finishes deferred walks with the same steps, so that a stack has one id however it
+/// was walked.
+pub const STACK_HASH_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+#[inline(always)]
+pub fn stack_hash_step(hash: u64, pc: u64) -> u64 {
+    (hash.rotate_left(23) ^ pc).wrapping_mul(0x0100_0000_01b3)
+}
+
+/// The id of a stack whose frames folded to `hash` and whose walk ended as `end` (never
+/// `NO_STACK`).
+#[inline(always)]
+pub fn stack_id_of(hash: u64, end: u32) -> u64 {
+    let id = hash ^ end as u64;
+    if id == NO_STACK {
+        1
+    } else {
+        id
+    }
+}
+
 /// Per-thread state of an allocator call between its entry and its return probe.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -22,9 +22,9 @@ use aya_ebpf::{
     Global,
 };
 use profiler_common::{
-    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ExecMapping, LinkMapEvent, ProcMappings, Stack, StackEnd,
-    UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS, NO_STACK, PAGE_BYTES, UC_RBP, UC_RIP,
-    UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
+    cfa, mapping_kind, rbp, stack_hash_step, stack_id_of, DeferredUnwind, DropReason, ExecMapping, LinkMapEvent,
+    ProcMappings, Stack, StackEnd, UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS, NO_STACK,
+    PAGE_BYTES, STACK_HASH_SEED, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
 use crate::shared::{count_drop, NO_PREALLOC};
@@ -186,7 +186,7 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     // Field by field: a whole `Walk` would copy `mapping`'s 40 zero bytes with a byte-wise memset.
     let walk = &mut scratch.walk;
     (walk.pc, walk.sp, walk.bp) = (regs.pc, regs.sp, regs.bp);
-    (walk.hash, walk.check) = (0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f);
+    (walk.hash, walk.check) = (STACK_HASH_SEED, 0xc2b2_ae3d_27d4_eb4f);
     (walk.tgid, walk.len, walk.end) = (tgid, 0, StackEnd::TooDeep as u32);
     walk.pc_is_return = u32::from(regs.pc_is_return);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
@@ -209,9 +209,8 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     if let Some(reason) = end.drop_reason() {
         count_drop(reason);
     }
-    let hash = walk.hash ^ walk.end as u64;
     let check = walk.check ^ walk.len as u64;
-    let id = if hash == NO_STACK { 1 } else { hash };
+    let id = stack_id_of(walk.hash, walk.end);
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
             return id;
@@ -371,7 +370,7 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
         }
         *stack.frames.get_mut(walk.len as usize)? = pc;
         walk.len += 1;
-        walk.hash = (walk.hash.rotate_left(23) ^ pc).wrapping_mul(0x0100_0000_01b3);
+        walk.hash = stack_hash_step(walk.hash, pc);
         walk.check = (walk.check ^ pc).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(31);
     }
     // A return address follows its call: the call, and the row that covers it, is before it.

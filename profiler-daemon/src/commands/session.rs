@@ -76,7 +76,9 @@ pub async fn run(
     let opened = Opened::open(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
-    let (allocator, files) = allocator::for_command(&program)?;
+    let (mut allocator, files) = allocator::for_command(&program)?;
+    let routed = allocator.route_through_malloc();
+    let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(true);
     let symbolizer = SymbolizerHandle::spawn();
@@ -85,7 +87,7 @@ pub async fn run(
     let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
-    let (child, exit_code) = target::spawn(program, command)?;
+    let (child, exit_code) = target::spawn(program, command, &routes)?;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment =
@@ -96,6 +98,14 @@ pub async fn run(
     let probes = attachment.probes();
     let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
     announce(pid, &comm, probes, &allocator);
+    for spot in &routed {
+        let entry = spot.unless_env.unwrap_or_default();
+        let name = entry.split_once('=').map_or(entry, |(name, _)| name);
+        eprintln!(
+            "memprof: starting the command with {entry}, so that what memprof would not see passes through malloc ({}); set {name} yourself to keep it as it is",
+            spot.what
+        );
+    }
     child.release();
     let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened).await?;
     match fail_on_leak_bytes {

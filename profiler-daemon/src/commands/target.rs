@@ -98,18 +98,28 @@ fn is_executable(path: &Path) -> bool {
     path.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
 }
 
-/// Forks a child that execs `program` with `args` once released.
+/// Forks a child that execs `program` with `args`, and memprof's environment with `extra_env`
+/// (`NAME=value` entries) added, once released.
 ///
 /// The child is not traced: memprof only waits for its exit code, as a shell would, on a thread
 /// of its own. Whatever memprof does or suffers after the release (killed, stopped, its output
 /// stalled), the command runs as it would without it. Returns the child and a receiver for its
 /// exit code.
-pub fn spawn(program: PathBuf, args: &[OsString]) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
+pub fn spawn(
+    program: PathBuf,
+    args: &[OsString],
+    extra_env: &[&str],
+) -> Result<(Child, oneshot::Receiver<i32>), UserError> {
     let spawn_error = |cause| UserError::Spawn { command: program.display().to_string(), cause };
     let c_program = CString::new(program.as_os_str().as_bytes()).map_err(|e| spawn_error(e.into()))?;
-    let c_args: Vec<CString> =
-        args.iter().map(|a| CString::new(a.as_bytes())).collect::<Result<_, _>>().map_err(|e| spawn_error(e.into()))?;
-    let (pid, release) = fork_waiting(&c_program, &c_args).map_err(spawn_error)?;
+    let c_strings = |strings: Vec<Vec<u8>>| {
+        strings.into_iter().map(CString::new).collect::<Result<Vec<_>, _>>().map_err(|e| spawn_error(e.into()))
+    };
+    let c_args = c_strings(args.iter().map(|a| a.as_bytes().to_vec()).collect())?;
+    // Built before the fork: the child may not allocate.
+    let inherited = std::env::vars_os().map(|(name, value)| [name.as_bytes(), b"=", value.as_bytes()].concat());
+    let c_env = c_strings(inherited.chain(extra_env.iter().map(|entry| entry.as_bytes().to_vec())).collect())?;
+    let (pid, release) = fork_waiting(&c_program, &c_args, &c_env).map_err(spawn_error)?;
     let (code_tx, code_rx) = oneshot::channel();
     thread::Builder::new()
         .name("command".into())
@@ -120,9 +130,11 @@ pub fn spawn(program: PathBuf, args: &[OsString]) -> Result<(Child, oneshot::Rec
     Ok((Child { pid: pid as u32, release }, code_rx))
 }
 
-fn fork_waiting(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t, OwnedFd)> {
+fn fork_waiting(program: &CString, args: &[CString], env: &[CString]) -> io::Result<(libc::pid_t, OwnedFd)> {
     let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
+    envp.push(std::ptr::null());
     let mut fds = [0; 2];
     // SAFETY: fds has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -131,7 +143,7 @@ fn fork_waiting(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
     // SAFETY: both fds were just created and are owned here.
     let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     // SAFETY: the child only calls async-signal-safe functions (close, read, sigprocmask, signal,
-    // execv, _exit) and does not allocate, so forking a multi-threaded process is sound.
+    // execve, _exit) and does not allocate, so forking a multi-threaded process is sound.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(io::Error::last_os_error());
@@ -149,7 +161,7 @@ fn fork_waiting(program: &CString, args: &[CString]) -> io::Result<(libc::pid_t,
             libc::sigemptyset(&mut none);
             libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            libc::execv(program.as_ptr(), argv.as_ptr());
+            libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
             libc::_exit(127);
         }
     }

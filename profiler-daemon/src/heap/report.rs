@@ -276,7 +276,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let stacks: Vec<StackReport> = listed
         .into_iter()
         .map(|stack| {
-            let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stack_id);
+            let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
             report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {

@@ -13,8 +13,9 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc, Log2Histogram, ProcCounters, ProcDrops,
-    RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK,
+    stack_hash_step, stack_id_of, stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc,
+    Log2Histogram, ProcCounters, ProcDrops, RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey,
+    ThreadPairStats, COUNT_SCALE, NO_STACK, STACK_HASH_SEED,
 };
 
 use crate::{
@@ -58,6 +59,9 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StackSnapshot {
     pub stack_id: u64,
+    /// The id the kernel stored the stack's frames under: `stack_id`, but for a stack the kernel
+    /// deferred, whose `stack_id` is the whole stack's (see `merge_deferred`).
+    pub stored_id: u64,
     pub stats: StackStats,
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
@@ -123,6 +127,7 @@ pub fn read(
         }
     })?;
     for (&tgid, process) in &mut snapshot.processes {
+        process.stacks = merge_deferred(ebpf, unwind, tgid, std::mem::take(&mut process.stacks));
         process.missed_generations = book.missed_generations(tgid);
         for (reason, count) in unwind.deferred_drops(tgid) {
             process.drops.counts[reason as usize] += count;
@@ -132,6 +137,58 @@ pub fn read(
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
     Ok(snapshot)
+}
+
+/// `stacks` with each stack the kernel deferred and memprof finished under the id the kernel
+/// would have given the whole stack, merged with that stack's own counts: one stack, one id, for
+/// the leak rule and the timelines as for the reports.
+fn merge_deferred(ebpf: &Ebpf, unwind: &Registry, tgid: u32, stacks: Vec<StackSnapshot>) -> Vec<StackSnapshot> {
+    let mut merged: Vec<StackSnapshot> = Vec::with_capacity(stacks.len());
+    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::with_capacity(stacks.len());
+    for mut stack in stacks {
+        if unwind.completion(tgid, StackTable::Allocations.id(), stack.stack_id).is_some() {
+            let (frames, end) = stack_frames(ebpf, unwind, tgid, StackTable::Allocations, stack.stack_id);
+            let hash = frames.iter().fold(STACK_HASH_SEED, |hash, &pc| stack_hash_step(hash, pc));
+            stack.stack_id = stack_id_of(hash, end as u32);
+        }
+        match at.get(&stack.stack_id) {
+            Some(&index) => merged[index].absorb(stack),
+            None => {
+                at.insert(stack.stack_id, merged.len());
+                merged.push(stack);
+            }
+        }
+    }
+    merged
+}
+
+impl StackSnapshot {
+    /// Adds `other`'s counts, the same stack's under another id.
+    fn absorb(&mut self, other: StackSnapshot) {
+        let (s, o) = (&mut self.stats, other.stats);
+        s.allocations += o.allocations;
+        s.allocated_bytes += o.allocated_bytes;
+        s.frees += o.frees;
+        s.freed_bytes += o.freed_bytes;
+        s.old_freed_bytes += o.old_freed_bytes;
+        s.old_frees += o.old_frees;
+        for (mine, theirs) in s.generation_bytes.iter_mut().zip(o.generation_bytes) {
+            *mine = mine.wrapping_add(theirs);
+        }
+        for (mine, theirs) in s.generation_allocations.iter_mut().zip(o.generation_allocations) {
+            *mine = mine.wrapping_add(theirs);
+        }
+        self.outstanding_bytes += other.outstanding_bytes;
+        self.outstanding_allocations += other.outstanding_allocations;
+        self.aged_bytes += other.aged_bytes;
+        self.aged_allocations += other.aged_allocations;
+        self.oldest_ns = match (self.oldest_ns, other.oldest_ns) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.ages.extend(other.ages);
+        self.ages.sort_by_key(|span| span.first);
+    }
 }
 
 /// A count the kernel keeps in 1/COUNT_SCALE units (see `profiler_common::weight`), rounded.
@@ -157,6 +214,7 @@ fn stack_snapshot(
     let stats = StackStats { allocations: unscale(scaled.allocations), frees: unscale(scaled.frees), ..scaled };
     StackSnapshot {
         stack_id,
+        stored_id: stack_id,
         stats,
         // Frees are only counted for allocations seen, so these never go negative.
         outstanding_bytes: stats.allocated_bytes.saturating_sub(stats.freed_bytes),

@@ -108,6 +108,21 @@ impl Allocator {
         files.join(", ")
     }
 
+    /// For a command about to start (`memprof run`): the environment entries (`NAME=value`) that
+    /// route its unprobed allocators through malloc, where there is one, so that their memory is
+    /// seen (CPython's pymalloc: `PYTHONMALLOC=malloc`). Those allocators are no blind spot then.
+    /// A variable set already in memprof's environment, which the command inherits, is the
+    /// user's choice and kept (a blind spot unless its value routes it, as reports check).
+    /// Returns the blind spots so routed, each with its `unless_env`.
+    pub fn route_through_malloc(&mut self) -> Vec<BlindSpot> {
+        let (routed, kept) = std::mem::take(&mut self.unprobed).into_iter().partition(|spot| {
+            spot.unless_env
+                .is_some_and(|entry| std::env::var_os(entry.split_once('=').map_or(entry, |(n, _)| n)).is_none())
+        });
+        self.unprobed = kept;
+        routed
+    }
+
     /// The files' paths as `/proc/PID/maps` names them.
     pub fn modules(&self) -> Vec<String> {
         self.files.iter().map(|f| f.display_path.clone()).collect()
