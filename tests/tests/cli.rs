@@ -159,3 +159,19 @@ fn usage_errors_exit_2() {
         assert!(!outcome.stderr.contains("panicked"));
     }
 }
+
+/// A script runs its interpreter: `run` finds the allocator there (`#!/usr/bin/env sh` included)
+/// and follows the exec into the program the script starts.
+#[test]
+fn a_script_is_run_through_its_interpreter() {
+    let script = std::env::temp_dir().join(format!("memprof-script-{}.sh", std::process::id()));
+    let program = fixture("reports");
+    std::fs::write(&script, format!("#!/usr/bin/env sh\nexec {}\n", program.display())).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let outcome = run(&[], &[script.to_str().unwrap()]);
+    std::fs::remove_file(&script).unwrap();
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert!(report["totals"]["allocations"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["comm"], "reports", "{report}");
+}

@@ -148,6 +148,19 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     })
 }
 
+/// The interpreter of a script (`#!/bin/sh -e`, `#!/usr/bin/env python3`), found as the kernel
+/// and `env` find it.
+fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
+    let line = data.strip_prefix(b"#!")?.split(|&b| b == b'\n').next()?;
+    let mut words = std::str::from_utf8(line).ok()?.split_whitespace();
+    let interpreter = PathBuf::from(words.next()?);
+    if interpreter.file_name() != Some("env".as_ref()) {
+        return Some(interpreter);
+    }
+    let name = words.find(|word| !word.starts_with('-'))?;
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|dir| dir.join(name)).find(|path| path.is_file())
+}
+
 /// The allocators a command will have once the dynamic loader has mapped its libraries, found
 /// before it runs: in the executable and in the libraries its loader lists for it (`ld.so --list
 /// PROGRAM`, what `ldd` runs, which maps them without running the program), with memprof's
@@ -157,7 +170,16 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
 /// loader), whose unwind tables can be built before it runs.
 pub fn for_command(program: &Path) -> Result<(Allocator, Vec<PathBuf>), UserError> {
     let no_allocator = |detail: String| UserError::NoAllocatorInCommand { program: program.to_path_buf(), detail };
-    let data = fs::read(program).map_err(|err| no_allocator(format!("reading it: {err}")))?;
+    let mut data = fs::read(program).map_err(|err| no_allocator(format!("reading it: {err}")))?;
+    // A script runs its interpreter (the kernel follows up to four of them).
+    let mut program = program.to_path_buf();
+    for _ in 0..4 {
+        let Some(interpreter) = script_interpreter(&data) else { break };
+        data =
+            fs::read(&interpreter).map_err(|err| no_allocator(format!("reading {}: {err}", interpreter.display())))?;
+        program = interpreter;
+    }
+    let program = program.as_path();
     let mut paths = vec![program.to_path_buf()];
     if let Some(interpreter) = interpreter(&data) {
         paths.extend(loader_list(&interpreter, program).map_err(no_allocator)?);
