@@ -39,6 +39,9 @@ fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
     let data = fs::read(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
+    // As /proc/PID/maps names it: the file's own path, not the link the loader opened it by
+    // (`/lib` is a link to `/usr/lib` on merged-/usr systems).
+    let named = fs::canonicalize(path).map_or_else(|_| path.to_string(), |p| p.to_string_lossy().into_owned());
     let segments = file.segments().filter_map(|segment| {
         let object::SegmentFlags::Elf { p_flags } = segment.flags() else { return None };
         let (offset, _) = segment.file_range();
@@ -48,7 +51,7 @@ fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
             start,
             end,
             offset: offset & !(PAGE - 1),
-            path: path.to_string(),
+            path: named.clone(),
             executable: p_flags & PF_X != 0,
             device: device.clone(),
             inode: meta.ino(),
