@@ -100,7 +100,7 @@ pub async fn run(
     announce(pid, &comm, probes, &allocator);
     for spot in &routed {
         let entry = spot.unless_env.unwrap_or_default();
-        let name = entry.split_once('=').map_or(entry, |(name, _)| name);
+        let name = spot.env_name().unwrap_or_default();
         eprintln!(
             "memprof: starting the command with {entry}, so that what memprof would not see passes through malloc ({}); set {name} yourself to keep it as it is",
             spot.what

@@ -99,6 +99,13 @@ const UNPROBED: [(&str, &str, &str, Option<&str>); 3] = [
     ),
 ];
 
+impl BlindSpot {
+    /// The name of the variable of `unless_env`.
+    pub fn env_name(&self) -> Option<&'static str> {
+        self.unless_env.map(|entry| entry.split_once('=').map_or(entry, |(name, _)| name))
+    }
+}
+
 impl Allocator {
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
     /// new/delete), libc.so.6 (C library malloc)`.
@@ -115,10 +122,9 @@ impl Allocator {
     /// user's choice and kept (a blind spot unless its value routes it, as reports check).
     /// Returns the blind spots so routed, each with its `unless_env`.
     pub fn route_through_malloc(&mut self) -> Vec<BlindSpot> {
-        let (routed, kept) = std::mem::take(&mut self.unprobed).into_iter().partition(|spot| {
-            spot.unless_env
-                .is_some_and(|entry| std::env::var_os(entry.split_once('=').map_or(entry, |(n, _)| n)).is_none())
-        });
+        let (routed, kept) = std::mem::take(&mut self.unprobed)
+            .into_iter()
+            .partition(|spot| spot.env_name().is_some_and(|name| std::env::var_os(name).is_none()));
         self.unprobed = kept;
         routed
     }
