@@ -499,10 +499,10 @@ impl StackEnd {
 }
 
 /// Pages of the user stack a deferred walk copies, from the one holding the stack pointer up:
-/// at least 4 KiB above it, up to 8 KiB, as perf's DWARF mode copies 8 KiB. Against 4 pages,
-/// LLVM's first JIT set-up (hundreds of distinct stacks while its 100 MB table is built) fits in
-/// the ring, and every walk of it finished.
-pub const DEFERRED_PAGES: usize = 2;
+/// at least 8 KiB above it, as perf's DWARF mode copies 8 KiB, and up to 12 KiB. Two pages left
+/// as little as 4 KiB: perl's start-up walks, deferred above `Perl_set_caret_X` and its 4 KiB
+/// buffer, ended short of `main` when the stack pointer sat high in its page.
+pub const DEFERRED_PAGES: usize = 3;
 pub const PAGE_BYTES: usize = 4096;
 
 /// Objects a `LinkMapEvent` holds at most, and the bytes of each one's path.
