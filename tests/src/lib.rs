@@ -16,7 +16,7 @@ use serde_json::Value;
 pub mod probe_links;
 pub mod prometheus;
 
-fn workspace() -> PathBuf {
+pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
 }
 
@@ -354,12 +354,45 @@ impl Drop for Daemon {
     }
 }
 
-/// The value of the sample line `series` (`name{labels}`, or a bare name) in the daemon's
-/// /metrics at `port`; None when it is missing or the scrape fails.
+/// The value of the sample `series` (see `sample`) in the daemon's /metrics at `port`; None when
+/// it is missing or the scrape fails.
 pub fn metric(port: u16, series: &str) -> Option<u64> {
-    let body = http_get(port, "/metrics")?.1;
-    let line = body.lines().find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))?;
-    line[series.len()..].trim().parse().ok()
+    sample(&http_get(port, "/metrics")?.1, series)
+}
+
+/// The value of the first sample in the text `metrics` that `series` names: `name{a="x",b="y"}`
+/// matches the samples of `name` that have these labels, whatever others they have (a process's
+/// exe and cgroup, say); a bare name matches any of its samples.
+pub fn sample(metrics: &str, series: &str) -> Option<u64> {
+    let (name, wanted) = parse_series(series)?;
+    metrics.lines().filter(|line| !line.starts_with('#')).find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (found, labels) = parse_series(series)?;
+        (found == name && wanted.iter().all(|label| labels.contains(label))).then(|| value.parse().ok())?
+    })
+}
+
+/// A sample's name and labels, label values unescaped.
+fn parse_series(series: &str) -> Option<(&str, Vec<(String, String)>)> {
+    let Some((name, mut rest)) = series.split_once('{') else { return Some((series, Vec::new())) };
+    let mut labels = Vec::new();
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next()? {
+                (_, '\\') => value.push(match chars.next()?.1 {
+                    'n' => '\n',
+                    escaped => escaped,
+                }),
+                (i, '"') => break i,
+                (_, c) => value.push(c),
+            }
+        };
+        labels.push((key.trim_start_matches(',').to_string(), value));
+        rest = &after[end + 1..];
+    }
+    Some((name, labels))
 }
 
 /// Polls `check` every 200 ms until it returns Some, or panics after `seconds` with `what`.

@@ -1,4 +1,6 @@
-//! A Prometheus server (Debian's package) scraping a memprof daemon every second.
+//! A Prometheus server (Debian's package) scraping a memprof daemon every second, in two jobs:
+//! every series comes twice, apart from `job`, as from the daemons of two servers, so queries
+//! that join series must say how to keep the targets apart.
 
 use std::{
     path::PathBuf,
@@ -28,13 +30,15 @@ impl Prometheus {
         let dir = std::env::temp_dir().join(format!("memprof-prometheus-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: memprof\n{job}    static_configs:\n      - targets: ['127.0.0.1:{scrape_port}']\n"
-            ),
-        )
-        .unwrap();
+        let jobs: String = ["memprof", "memprof-again"]
+            .iter()
+            .map(|name| {
+                format!(
+                    "  - job_name: {name}\n{job}    static_configs:\n      - targets: ['127.0.0.1:{scrape_port}']\n"
+                )
+            })
+            .collect();
+        std::fs::write(&config, format!("global:\n  scrape_interval: 1s\nscrape_configs:\n{jobs}")).unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
             .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
@@ -46,11 +50,20 @@ impl Prometheus {
         Self { child, port, dir }
     }
 
-    /// The value of an instant query that returns one series.
+    /// The value of the first series an instant query returns.
     pub fn query(&self, query: &str) -> Option<f64> {
-        let (_, body) = http_get(self.port, &format!("/api/v1/query?query={}", encode(query)))?;
-        let json: Value = serde_json::from_str(&body).ok()?;
-        json["data"]["result"].as_array()?.first()?["value"][1].as_str()?.parse().ok()
+        self.series(query).ok()?.first()?["value"][1].as_str()?.parse().ok()
+    }
+
+    /// The series an instant query returns (`metric` and `value` each), or Prometheus's error.
+    pub fn series(&self, query: &str) -> Result<Vec<Value>, String> {
+        let (_, body) = http_get(self.port, &format!("/api/v1/query?query={}", encode(query)))
+            .ok_or_else(|| "Prometheus did not answer".to_string())?;
+        let json: Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        match json["data"]["result"].as_array() {
+            Some(result) if json["status"] == "success" => Ok(result.clone()),
+            _ => Err(json["error"].as_str().unwrap_or(&body).to_string()),
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The leak rule on a real process: a leak is flagged, a cache, a pool freed in bulk and churn
 //! are not; the timeline, lifetimes, filters and the CI gate.
 
-use memprof_tests::{fixture, http_get, run, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{fixture, http_get, metric, run, sample, site, total, wait_for, Daemon, Waiting};
 use serde_json::Value;
 
 const RULE: [&str; 4] = ["--interval", "0.25", "--leak-window", "4"];
@@ -112,14 +112,18 @@ fn the_daemon_exports_the_leak_candidates() {
     let daemon = Daemon::start(&["--pid", &pid.to_string(), "--leak-window", "3"]);
     daemon.wait_traced(pid);
     target.go();
-    let series = format!("memprof_leak_candidate_bytes{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
+    let process = format!("{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
+    let (series, warming_up) =
+        (format!("memprof_leak_candidate_bytes{process}"), format!("memprof_leak_rule_warming_up{process}"));
+    // Until the rule has watched 3 intervals it has no verdict: no 0 that would read "no leak".
+    let (_, metrics) = http_get(daemon.port, "/metrics").expect("a scrape");
+    assert_eq!((sample(&metrics, &warming_up), sample(&metrics, &series)), (Some(1), None), "{metrics}");
     // The pool grows like a leak until it is freed at 4.5 s; then only the 1000-byte leak blocks count.
     wait_for(20, "only the leak to be flagged", || {
-        let (_, metrics) = http_get(daemon.port, "/metrics")?;
-        let line = metrics.lines().find(|l| l.starts_with(&series))?.to_string();
-        let bytes: u64 = line.rsplit(' ').next()?.parse().ok()?;
+        let bytes = metric(daemon.port, &series)?;
         (bytes > 0 && bytes.is_multiple_of(1000)).then_some(bytes)
     });
+    assert_eq!(metric(daemon.port, &warming_up), Some(0));
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert!(candidate(&report, "leak_steady"), "{report}");
     assert!(!candidate(&report, "cache_fill") && !candidate(&report, "churn"), "{report}");

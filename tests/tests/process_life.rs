@@ -241,9 +241,9 @@ fn the_daemon_follows_an_exec_into_another_program() {
     target.go();
     // The new program says "ready" once it runs; it waits until its allocator is probed.
     assert_eq!(next_line(&mut target), "ready");
-    let attached = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}} 1");
+    let attached = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}}");
     wait_for(20, "the new program to be probed", || {
-        series(&daemon, "memprof_target_attached", pid).contains(&attached).then_some(())
+        (memprof_tests::metric(daemon.port, &attached)? == 1).then_some(())
     });
     target.go();
     let leaks = format!("/api/v1/leaks?pid={pid}");
@@ -256,7 +256,9 @@ fn the_daemon_follows_an_exec_into_another_program() {
     // The metrics describe the new program only: its comm, and the report's bytes.
     let inuse = series(&daemon, "memprof_heap_inuse_bytes", pid);
     let outstanding = total(&report, "outstanding_bytes");
-    assert_eq!(inuse, [format!("memprof_heap_inuse_bytes{{pid=\"{pid}\",comm=\"daemon_target\"}} {outstanding}")]);
+    assert_eq!(inuse.len(), 1, "{inuse:?}");
+    let named = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\",comm=\"daemon_target\",exe=\"{new_path}\"}}");
+    assert_eq!(memprof_tests::sample(&inuse[0], &named), Some(outstanding), "{inuse:?}");
 }
 
 #[test]

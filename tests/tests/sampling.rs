@@ -65,10 +65,9 @@ fn the_daemon_samples_a_process_above_max_rate() {
     let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
     daemon.wait_traced(pid);
     target.go();
-    let series = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"leak_kinds\"}} 65536");
+    let series = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
     memprof_tests::wait_for(15, "the process to be sampled", || {
-        let (_, metrics) = memprof_tests::http_get(daemon.port, "/metrics")?;
-        metrics.lines().any(|l| l == series).then_some(())
+        (memprof_tests::metric(daemon.port, &series)? == 65536).then_some(())
     });
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 65536, "{report}");

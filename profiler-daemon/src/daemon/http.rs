@@ -14,7 +14,7 @@ use std::{
 use axum::{
     body::Body,
     extract::{RawQuery, State},
-    http::{header, StatusCode},
+    http::{header, HeaderMap, StatusCode},
     middleware,
     response::{Html, IntoResponse, Response},
     routing::get,
@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 
 use super::{
+    exposition::{self, Format as Exposition},
     guard::{self, Guard},
     heavy::{self, Busy},
     metrics, query,
@@ -82,9 +83,10 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(Body { error: message })).into_response()
 }
 
-async fn scrape(State(shared): AppState) -> Response {
-    match metrics::encode(&shared.registry) {
-        Ok(text) => ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
+async fn scrape(State(shared): AppState, headers: HeaderMap) -> Response {
+    let format = Exposition::negotiate(headers.get(header::ACCEPT).and_then(|accept| accept.to_str().ok()));
+    match exposition::encode(&shared.registry, format) {
+        Ok(text) => ([(header::CONTENT_TYPE, format.content_type()), (header::VARY, "Accept")], text).into_response(),
         Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed"),
     }
 }

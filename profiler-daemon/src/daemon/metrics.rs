@@ -17,9 +17,6 @@ use super::{
 };
 use crate::process::procfs;
 
-/// The Content-Type of what `encode` returns.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
 /// Histogram buckets up to 2^32 bytes; larger allocations land in +Inf.
 const HISTOGRAM_BUCKETS: usize = 33;
 
@@ -34,20 +31,13 @@ pub fn registry(view: Arc<RwLock<DaemonView>>) -> Registry {
     registry
 }
 
-/// The registry in the OpenMetrics text format.
-pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, registry)?;
-    Ok(text)
-}
-
 type Labels = Vec<(&'static str, String)>;
 
 /// The series every traced process has: name (a counter's without `_total`, which the encoder
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 13] = [
+const PER_PROCESS: [PerProcess; 11] = [
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
@@ -66,15 +56,6 @@ const PER_PROCESS: [PerProcess; 13] = [
     }),
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
-        "memprof_leak_candidate_bytes",
-        "Bytes in use by the stacks the leak rule flags (README: leak candidates).",
-        MetricType::Gauge,
-        |t| t.leak_candidate_bytes,
-    ),
-    ("memprof_leak_candidates", "Stacks the leak rule flags as leak candidates.", MetricType::Gauge, |t| {
-        t.leak_candidates
-    }),
-    (
         "memprof_blind_spots",
         "Allocators memprof found but does not probe in the process, or unseen growth of its anonymous memory; its report says which and what to do (README: Blind spots).",
         MetricType::Gauge,
@@ -88,8 +69,37 @@ const PER_PROCESS: [PerProcess; 13] = [
     ),
 ];
 
+/// The leak rule's per-process gauges: absent while it warms up, when 0 would read "no leak".
+const JUDGED: [PerProcess; 2] = [
+    (
+        "memprof_leak_candidate_bytes",
+        "Bytes in use by the stacks the leak rule flags (README: leak candidates); absent while memprof_leak_rule_warming_up is 1.",
+        MetricType::Gauge,
+        |t| t.leak_candidate_bytes,
+    ),
+    (
+        "memprof_leak_candidates",
+        "Stacks the leak rule flags as leak candidates; absent while memprof_leak_rule_warming_up is 1.",
+        MetricType::Gauge,
+        |t| t.leak_candidates,
+    ),
+];
+
+/// The labels of a stack's series: the process's identity, not its exe and cgroup (one series per
+/// stack; they are on the process's series).
+fn stack_labels(t: &TargetView, stack: &str) -> Labels {
+    vec![("pid", t.pid.to_string()), ("comm", t.comm.clone()), ("stack", stack.to_string())]
+}
+
+/// The labels of the series of one process: one series each, so the executable and the cgroup
+/// (a container's, or a systemd unit's) cost no cardinality.
 fn process_labels(t: &TargetView) -> Labels {
-    vec![("pid", t.pid.to_string()), ("comm", t.comm.clone())]
+    vec![
+        ("pid", t.pid.to_string()),
+        ("comm", t.comm.clone()),
+        ("exe", t.report.exe.clone()),
+        ("cgroup", t.cgroup.clone()),
+    ]
 }
 
 /// The per-target series' labels: the namespace pid only here, not on every series of the process.
@@ -151,32 +161,49 @@ impl Collector for ViewCollector {
                 _ => gauges(e, name, help, rows)?,
             }
         }
+        let judged: Vec<&TargetView> = targets.iter().copied().filter(|t| !t.leak_warming_up).collect();
+        for (name, help, _, value) in JUDGED {
+            gauges(e, name, help, judged.iter().map(|t| (process_labels(t), value(t))))?;
+        }
+        gauges(
+            e,
+            "memprof_leak_rule_warming_up",
+            "1 until the leak rule has watched the process for --leak-window intervals (after attach, exec or a daemon restart), then 0.",
+            targets.iter().map(|t| (process_labels(t), u64::from(t.leak_warming_up))),
+        )?;
         histograms(e, &targets)?;
 
         let stack_rows = targets.iter().flat_map(|t| {
             let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));
             let other = (!t.top_stacks.is_empty() || t.other_stack_bytes > 0)
                 .then(|| ("other".to_string(), t.other_stack_bytes));
-            top.chain(other).map(move |(stack, bytes)| {
-                let mut labels = process_labels(t);
-                labels.push(("stack", stack));
-                (labels, bytes)
-            })
+            top.chain(other).map(move |(stack, bytes)| (stack_labels(t, &stack), bytes))
         });
         gauges(
             e,
             "memprof_stack_inuse_bytes",
-            "In-use bytes of the top stacks of each process; the rest under stack=\"other\".",
+            "In-use bytes of the top stacks of each process (leak candidates first, then the largest); the rest under stack=\"other\".",
             stack_rows,
         )?;
-        let mut sites: Vec<(Labels, u64)> = targets
-            .iter()
-            .flat_map(|t| t.top_stacks.iter())
-            .map(|s| (vec![("stack", s.stack.clone()), ("site", s.site.clone())], 1u64))
-            .collect();
-        sites.sort_by(|a, b| a.0.cmp(&b.0));
-        sites.dedup_by(|a, b| a.0 == b.0);
-        gauges(e, "memprof_stack_info", "The allocation site of each exported stack.", sites)?;
+        let top_stacks = || targets.iter().flat_map(|t| t.top_stacks.iter().map(move |s| (*t, s)));
+        gauges(
+            e,
+            "memprof_stack_info",
+            "The allocation site of each exported stack, with the labels of its memprof_stack_inuse_bytes series.",
+            top_stacks().map(|(t, s)| {
+                let mut labels = stack_labels(t, &s.stack);
+                labels.push(("site", s.site.clone()));
+                (labels, 1u64)
+            }),
+        )?;
+        gauges(
+            e,
+            "memprof_stack_leak_candidate",
+            "1 if the leak rule flags the exported stack, else 0; absent while memprof_leak_rule_warming_up is 1.",
+            top_stacks()
+                .filter(|(t, _)| !t.leak_warming_up)
+                .map(|(t, s)| (stack_labels(t, &s.stack), u64::from(s.leak_candidate))),
+        )?;
 
         gauges(
             e,

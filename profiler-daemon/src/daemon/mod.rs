@@ -3,6 +3,7 @@
 
 mod config;
 mod discovery;
+mod exposition;
 mod guard;
 mod heavy;
 mod http;

@@ -514,33 +514,39 @@ impl Tracer {
         report.stacks = held;
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
-        let mut bytes_by_label: HashMap<&str, u64> = HashMap::new();
+        let mut by_label: HashMap<&str, (u64, bool)> = HashMap::new();
         for stack in &report.stacks {
-            *bytes_by_label.entry(&stack.stack_id).or_default() += stack.outstanding_bytes;
+            let (bytes, leak) = by_label.entry(&stack.stack_id).or_default();
+            *bytes += stack.outstanding_bytes;
+            *leak |= stack.leak.candidate;
         }
-        let mut by_label: Vec<(&str, u64)> = bytes_by_label.into_iter().collect();
-        by_label.sort_by_key(|&(label, bytes)| (std::cmp::Reverse(bytes), label));
-        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|(_, bytes)| bytes).sum();
+        let mut by_label: Vec<(&str, (u64, bool))> = by_label.into_iter().collect();
+        // Leak candidates first, so that an alert on one can always name its site.
+        by_label.sort_by_key(|&(label, (bytes, leak))| (!leak, std::cmp::Reverse(bytes), label));
+        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|(_, (bytes, _))| bytes).sum();
         by_label.truncate(self.config.top_stacks);
         // Only the exported few are described.
         let by_label: Vec<StackSeries> = by_label
             .into_iter()
-            .map(|(label, bytes)| {
+            .map(|(label, (bytes, leak_candidate))| {
                 let stack = report.stacks.iter().find(|s| s.stack_id == label).expect("the label is a stack's");
                 StackSeries {
                     stack: label.to_string(),
                     site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
                     bytes,
+                    leak_candidate,
                 }
             })
             .collect();
         TargetView {
             pid,
             comm: target.comm.clone(),
+            cgroup: procfs::cgroup(pid).unwrap_or_default(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             double_frees: target.double_free_count,
             leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
             leak_candidates: report.stacks.iter().filter(|s| s.leak.candidate).count() as u64,
+            leak_warming_up: target.leaks.warming_up(),
             sample_bytes: report.sample_bytes,
             sizes: snapshot.sizes,
             top_stacks: by_label,

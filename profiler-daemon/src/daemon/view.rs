@@ -16,16 +16,21 @@ use crate::{
 pub struct TargetView {
     pub pid: u32,
     pub comm: String,
+    /// Its cgroup (v2), read every interval: a container's, or a systemd unit's; empty if none.
+    pub cgroup: String,
     /// Seconds since the Unix epoch when its probes were attached.
     pub attached_at: f64,
     pub double_frees: u64,
-    /// Outstanding allocations older than the leak rule's min-age.
+    /// In-use bytes of the stacks the leak rule flags, and how many.
     pub leak_candidate_bytes: u64,
     pub leak_candidates: u64,
+    /// The leak rule has not seen a window of intervals yet: the two above are not verdicts.
+    pub leak_warming_up: bool,
     /// Mean bytes between recorded allocations when sampled; 0 when every call is recorded.
     pub sample_bytes: u64,
     pub sizes: Log2Histogram,
-    /// The largest stacks by in-use bytes, then the rest summed up.
+    /// The exported stacks (leak candidates first, then the largest by in-use bytes), then the
+    /// rest summed up.
     pub top_stacks: Vec<StackSeries>,
     pub other_stack_bytes: u64,
     /// The full report, as `memprof attach --json` prints it at the end.
@@ -43,6 +48,7 @@ pub struct StackSeries {
     /// `function (file:line)` of the allocator's caller.
     pub site: String,
     pub bytes: u64,
+    pub leak_candidate: bool,
 }
 
 /// A BPF map that fills up: entries in use and capacity.

@@ -144,6 +144,12 @@ impl LeakTracker {
         }
     }
 
+    /// True until the rule has seen `window` intervals since tracing began: until then every
+    /// verdict is "watching", which is not "no leak".
+    pub fn warming_up(&self) -> bool {
+        self.time_s.len() <= self.settings.window
+    }
+
     /// The verdict on a stack by its kernel id.
     pub fn verdict(&self, stack_id: u64) -> LeakVerdict {
         self.stacks.get(&stack_id).map(|h| h.verdict.clone()).unwrap_or_default()
