@@ -145,10 +145,10 @@ pub fn cgroups(pid: u32) -> Vec<String> {
 }
 
 /// The process's cgroup in the unified (v2) hierarchy, such as `/system.slice/nginx.service` or a
-/// container's scope; None when it has none (a v1-only system) or is gone.
+/// container's `/kubepods.slice/.../cri-containerd-ID.scope`: the `0::PATH` line of
+/// `/proc/PID/cgroup`. `None` once the process is gone, or on a host without that hierarchy.
 pub fn cgroup(pid: u32) -> Option<String> {
     let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    // The unified hierarchy's line reads `0::path`.
     text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_string)
 }
 
