@@ -5,6 +5,7 @@ mod config;
 mod discovery;
 mod guard;
 mod heavy;
+mod host;
 mod http;
 mod metrics;
 mod query;

@@ -57,6 +57,9 @@ struct Target {
     comm: String,
     /// Its executable (`/proc/PID/exe`), the new program's after an exec.
     exe: Option<String>,
+    /// Its cgroup in the unified hierarchy, read at attach and at each exec (a container's or a
+    /// service's processes stay in theirs).
+    cgroup: Option<String>,
     /// Its pid in its own pid namespace, when that is not ours.
     ns_pid: Option<u32>,
     attachment: Attachment,
@@ -303,6 +306,7 @@ impl Tracer {
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
         target.exe = procfs::exe_path(pid);
+        target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
@@ -356,6 +360,7 @@ impl Tracer {
             double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
             blind_spots: BlindSpots::new(id.pid, &allocator),
             exe,
+            cgroup: procfs::cgroup(id.pid),
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
             double_frees: Vec::new(),
@@ -537,6 +542,7 @@ impl Tracer {
         TargetView {
             pid,
             comm: target.comm.clone(),
+            cgroup: target.cgroup.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             double_frees: target.double_free_count,
             leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),

@@ -144,6 +144,14 @@ pub fn cgroups(pid: u32) -> Vec<String> {
     text.lines().filter_map(|line| line.splitn(3, ':').nth(2)).map(str::to_string).collect()
 }
 
+/// The process's cgroup in the unified (v2) hierarchy, such as `/system.slice/nginx.service` or a
+/// container's `/kubepods.slice/.../cri-containerd-ID.scope`: the `0::PATH` line of
+/// `/proc/PID/cgroup`. `None` once the process is gone, or on a host without that hierarchy.
+pub fn cgroup(pid: u32) -> Option<String> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_string)
+}
+
 /// A cgroup given as a directory under a cgroup mount (`/sys/fs/cgroup/system.slice`, or
 /// `/sys/fs/cgroup/unified/x` on a hybrid system) as the path processes see (`/system.slice`).
 /// A path that is under no cgroup mount is taken to be such a path already.
