@@ -299,8 +299,30 @@ impl Tracer {
     }
 
     fn on_exec(&mut self, pid: u32) {
-        let Some(target) = self.targets.get_mut(&pid) else { return };
+        let Some(target) = self.targets.get(&pid) else { return };
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        match ProcessId::current(pid) {
+            // The target exited and its pid went to a new process, which exec'd before discovery
+            // saw the old one go: the kernel reported the exec since the pid was still traced.
+            // The new process is traced from its exec on, if the rules want it, with nothing of
+            // the old one's (the exec below drops the old stacks, counts and mappings).
+            Some(now) if now != target.id => {
+                if discovery::matching(&self.config.rules, pid).is_none() {
+                    self.detach(pid);
+                    return;
+                }
+                let target = self.targets.get_mut(&pid).expect("looked up above");
+                info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
+                target.id = now;
+                target.attached_at = SystemTime::now();
+                target.start_ns = aggregate::monotonic_now_ns();
+                target.ns_pid = procfs::ns_pid(pid);
+            }
+            // Gone already: discovery detaches it.
+            None => return,
+            Some(_) => {}
+        }
+        let target = self.targets.get_mut(&pid).expect("looked up above");
         let old = std::mem::take(&mut target.attachment);
         target.attachment = self.loaded.exec_happened(nonzero, old);
         target.probed = false;
@@ -439,6 +461,18 @@ impl Tracer {
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let kernel = aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0)?;
+        // A target that exited and whose pid a new process took since the last discovery pass:
+        // what the maps hold under that pid may be the new process's, and its mappings are. Not
+        // shown as the old one's; discovery traces the new one afresh.
+        let reused: Vec<u32> = self
+            .targets
+            .values()
+            .filter(|target| ProcessId::current(target.id.pid).is_some_and(|now| now != target.id))
+            .map(|target| target.id.pid)
+            .collect();
+        for pid in reused {
+            self.detach(pid);
+        }
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
