@@ -233,7 +233,8 @@ impl Tracer {
                 warn!(
                     pid = id.pid,
                     comm,
-                    "not traced: {} processes are traced already (max_targets)",
+                    "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
+                     raise it (README: Daemon mode gives what each target costs) or narrow the rules",
                     self.targets.len()
                 );
             }
