@@ -3,7 +3,7 @@
 //! by `run`, `attach` and the daemon.
 
 use std::{
-    io::Write,
+    io::{BufRead, BufReader, Write},
     process::{Command, Stdio},
 };
 
