@@ -179,7 +179,7 @@ pub struct DaemonArgs {
     /// Trace every process that has an allocator (up to --max-targets).
     #[arg(long)]
     pub all: bool,
-    /// Most processes traced at once [default: 64].
+    /// Most processes traced at once [default: 1000].
     #[arg(long)]
     pub max_targets: Option<usize>,
     /// Probe links shared per allocator file by every traced process, or links per process (for a

@@ -134,7 +134,8 @@ enum Request {
         pid: u32,
         /// Read already (see `refresh_with`), else read now.
         mappings: Option<Vec<FileMapping>>,
-        done: mpsc::Sender<()>,
+        /// Whether they changed.
+        done: mpsc::Sender<bool>,
     },
     Symbolize {
         pid: u32,
@@ -191,11 +192,11 @@ impl SymbolizerHandle {
         Failure::ALL.iter().map(|f| (*f, self.failures[*f as usize].load(Ordering::Relaxed))).collect()
     }
 
-    pub fn refresh(&self, pid: u32) {
+    /// Reads the mappings of `pid` again; returns whether they changed since the last read (its
+    /// addresses may then name other code).
+    pub fn refresh(&self, pid: u32) -> bool {
         let (done, wait) = mpsc::channel();
-        if self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() {
-            let _ = wait.recv();
-        }
+        self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() && wait.recv().unwrap_or(true)
     }
 
     /// `refresh` with `pid`'s mappings read already: a process that may have exited since
@@ -265,8 +266,7 @@ impl SymbolizerThread {
         for request in requests {
             match request {
                 Request::Refresh { pid, mappings, done } => {
-                    self.refresh(pid, mappings);
-                    let _ = done.send(());
+                    let _ = done.send(self.refresh(pid, mappings));
                 }
                 Request::Inherit { parent, child, done } => {
                     // The parent's open files first: the child's read then keeps them for the
@@ -293,14 +293,17 @@ impl SymbolizerThread {
         }
     }
 
-    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) {
+    /// Whether the mappings changed (a file that cannot be opened is missing from the old ones,
+    /// and makes every read a change).
+    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) -> bool {
         // An exited process that is not yet reaped still has a /proc entry, with no mappings:
         // keep what was read while it lived.
         let mappings = match mappings.map_or_else(|| procfs::file_mappings(pid), Ok) {
             Ok(mappings) if !mappings.is_empty() => mappings,
-            _ => return,
+            _ => return false,
         };
         let old = self.modules.remove(&pid).unwrap_or_default();
+        let changed = !old.iter().map(|m| &m.mapping).eq(mappings.iter());
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
             let known = old.iter().find(|m| m.mapping.path == mapping.path);
@@ -319,6 +322,7 @@ impl SymbolizerThread {
             modules.push(OpenModule { mapping, file, build_id });
         }
         self.modules.insert(pid, modules);
+        changed
     }
 
     fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<Module> {

@@ -64,6 +64,9 @@ fn go_pprof(scratch: &Scratch, args: &[&str]) -> String {
 #[derive(Debug)]
 struct Top {
     sample_type: String,
+    /// The value of the nodes shown: of the samples `-tagfocus` kept (the profile's total counts
+    /// them all).
+    shown: i64,
     functions: HashMap<String, (i64, i64)>,
 }
 
@@ -74,13 +77,18 @@ impl Top {
         let sample_type = text.lines().find_map(|l| l.strip_prefix("Type: ")).unwrap_or_else(|| panic!("{text}"));
         let rows = text.lines().skip_while(|l| !l.trim_start().starts_with("flat")).skip(1);
         let value = |v: &str| v.trim_end_matches('B').parse::<i64>().unwrap_or_else(|_| panic!("`{v}` in {text}"));
+        // "Showing nodes accounting for 50000B, 70.26% of 71166B total"
+        let shown = text
+            .lines()
+            .find_map(|l| l.strip_prefix("Showing nodes accounting for ")?.split(',').next())
+            .map_or_else(|| panic!("no total in {text}"), value);
         let functions = rows
             .map(|row| {
                 let columns: Vec<&str> = row.split_whitespace().collect();
                 (columns[5..].join(" "), (value(columns[0]), value(columns[3])))
             })
             .collect();
-        Self { sample_type: sample_type.to_string(), functions }
+        Self { sample_type: sample_type.to_string(), shown, functions }
     }
 
     /// A function's own (flat) value; 0 when pprof does not list it.
@@ -173,6 +181,69 @@ fn wait_line(target: &mut Waiting, expected: &str) {
     assert_eq!(line.trim(), expected);
 }
 
+/// The host's profile of two traced processes: `-tagfocus` on a process's pid, command or
+/// executable gives exactly that process's samples, and each sample says its cgroup and whether
+/// its stack is a leak candidate.
+#[test]
+fn the_host_profile_labels_each_process_for_tagfocus() {
+    let scratch = Scratch::new("host");
+    let mut sites = Waiting::start(&fixture("pprof_sites"), &[]);
+    let mut holder = Waiting::start(&fixture("daemon_target"), &[]);
+    let (sites_pid, holder_pid) = (sites.pid(), holder.pid());
+    let daemon = Daemon::start(&["--pid", &sites_pid.to_string(), "--pid", &holder_pid.to_string()]);
+    daemon.wait_traced(sites_pid);
+    daemon.wait_traced(holder_pid);
+    sites.go();
+    holder.go();
+    wait_line(&mut sites, "one");
+    let inuse =
+        |pid: u32| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1["totals"]["outstanding_bytes"].as_i64();
+    let url = format!("http://127.0.0.1:{}", daemon.port);
+    let heap = format!("{url}/debug/pprof/heap");
+    let top =
+        |tagfocus: &str| Top::read(&scratch, &["-sample_index=inuse_space", &format!("-tagfocus={tagfocus}"), &heap]);
+    // Each pid's samples are its report's bytes, once both reports and the profile show the same
+    // interval (the holder's churn frees what it allocates at once).
+    let (sites_top, holder_top) = wait_for(30, "the host profile to agree with both reports", || {
+        let (sites_top, holder_top) = (top(&format!("pid={sites_pid}")), top(&format!("pid={holder_pid}")));
+        let agree = sites_top.flat("site_a") == 10_000
+            && holder_top.flat("hold_site") == 50_000
+            && Some(sites_top.shown) == inuse(sites_pid)
+            && Some(holder_top.shown) == inuse(holder_pid);
+        agree.then_some((sites_top, holder_top))
+    });
+    assert_eq!(sites_top.flat("site_b"), 4500, "{sites_top:?}");
+    assert_eq!(sites_top.flat("inlined_alloc (inline)"), 6666, "{sites_top:?}");
+    assert_eq!(sites_top.flat("hold_site"), 0, "the other process's samples are left out: {sites_top:?}");
+    assert_eq!(holder_top.flat("site_a"), 0, "{holder_top:?}");
+    let all = Top::read(&scratch, &[&heap]);
+    assert_eq!(all.sample_type, "inuse_space");
+    assert_eq!((all.flat("site_a"), all.flat("hold_site")), (10_000, 50_000), "{all:?}");
+    for (label, kept, left_out) in
+        [("comm=^daemon_target$", "hold_site", "site_a"), ("exe=/pprof_sites", "site_a", "hold_site")]
+    {
+        let top = top(label);
+        assert!(top.flat(kept) > 0 && top.flat(left_out) == 0, "{label}: {top:?}");
+    }
+    assert_eq!(Top::read(&scratch, &[&format!("{url}/debug/pprof/allocs")]).sample_type, "alloc_space");
+
+    // `-raw` prints each sample's text labels on one line, its numeric ones on the next.
+    let raw = go_pprof(&scratch, &["-raw", &heap]);
+    for (pid, comm) in [(sites_pid, "pprof_sites"), (holder_pid, "daemon_target")] {
+        let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("the fixture's cgroup");
+        let cgroup = cgroup.lines().find_map(|l| l.strip_prefix("0::")).expect("a unified cgroup hierarchy");
+        // As the report names it: another test that builds the fixture again leaves this one's
+        // executable ` (deleted)`.
+        let report = daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+        let exe = report["exe"].as_str().expect("the report's exe");
+        assert!(exe.contains(&format!("/{comm}")), "{exe}");
+        let labels = format!("cgroup:[{cgroup}] comm:[{comm}] exe:[{exe}] leak:[false] stack_id:[");
+        let line =
+            raw.lines().position(|l| l.trim().starts_with(&labels)).unwrap_or_else(|| panic!("{labels} in {raw}"));
+        assert_eq!(raw.lines().nth(line + 1).map(str::trim), Some(format!("pid:[{pid}]").as_str()), "{raw}");
+    }
+}
+
 /// `memprof snapshot ARGS`; its stderr must say where the report came from.
 fn snapshot(args: &[&str], from: &str) -> Outcome {
     let all: Vec<&str> = ["snapshot"].iter().chain(args).copied().collect();
@@ -226,7 +297,7 @@ fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced(
     assert_eq!(allocs.sample_type, "alloc_space");
     assert_eq!(allocs.flat("site_c"), 777, "a site that freed everything still counts its allocations: {allocs:?}");
     for (path, status) in
-        [("/debug/pprof/heap", 400), ("/debug/pprof/heap?pid=x", 400), ("/debug/pprof/allocs?pid=1", 404)]
+        [("/debug/pprof/heap?pid=", 400), ("/debug/pprof/heap?pid=x", 400), ("/debug/pprof/allocs?pid=1", 404)]
     {
         let (answered, body) = http_get(daemon.port, path).expect("the daemon answers");
         assert_eq!(answered, status, "{path}: {body}");

@@ -3,7 +3,7 @@
 //! by `run`, `attach` and the daemon.
 
 use std::{
-    io::Write,
+    io::{BufRead, BufReader, Write},
     process::{Command, Stdio},
 };
 
@@ -305,4 +305,72 @@ fn after_a_fork_storm_the_daemon_holds_nothing_of_the_dead_children() {
     // children added none.
     let links: Vec<_> = probe_links::all().into_iter().filter(|(link, _)| link.holder == daemon.child.id()).collect();
     assert!(links.iter().all(|(_, probed)| *probed == 0) && links.len() <= 4, "links of dead children: {links:?}");
+}
+
+/// A traced process exits and its pid goes to a new process (which execs daemon_target) within a
+/// millisecond, inside one discovery period: the daemon traces the new process from its exec,
+/// with none of the old one's stacks, counts or mappings, and counts its allocations exactly.
+#[test]
+fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
+    let program = fixture("daemon_target");
+    let mut fixture = Command::new(fixture("pid_reuse"))
+        .arg(&program)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting pid_reuse");
+    let mut said = BufReader::new(fixture.stdout.take().expect("piped"));
+    let next = |said: &mut BufReader<_>| {
+        let mut line = String::new();
+        said.read_line(&mut line).expect("reading pid_reuse");
+        line.trim().to_string()
+    };
+    let old = next(&mut said);
+    let pid: u32 = old.strip_prefix("old ").and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{old}"));
+    let daemon = Daemon::start(&["--comm", "^(reuse_target|daemon_target)$"]);
+    daemon.wait_traced(pid);
+    let mut tell = |command: &str| {
+        let stdin = fixture.stdin.as_mut().expect("piped");
+        stdin.write_all(format!("{command}\n").as_bytes()).expect("driving pid_reuse");
+    };
+    tell("hold");
+    assert_eq!(next(&mut said), "held");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(10, "the old process's blocks", || {
+        (site(&daemon.get_json(&leaks).1, "old_site") == (30_000, 10)).then_some(())
+    });
+    let attached = |daemon: &Daemon| {
+        let (_, targets) = daemon.get_json("/api/v1/targets");
+        let target = targets.as_array().unwrap().iter().find(|t| t["pid"] == pid).cloned();
+        target.map(|t| t["attached_at"].as_f64().unwrap())
+    };
+    let old_attached = attached(&daemon).expect("the old process listed");
+
+    tell("reuse");
+    // The new process's "ready" and its maker's line, in either order.
+    let mut lines = [next(&mut said), next(&mut said)];
+    lines.sort();
+    assert_eq!(lines, [format!("new {pid}"), "ready".to_string()], "the new process has the old one's pid");
+    let attached_line = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}} 1");
+    wait_for(20, "the new program to be probed", || {
+        series(&daemon, "memprof_target_attached", pid).contains(&attached_line).then_some(())
+    });
+    tell("go");
+    // daemon_target holds 50 x 1000 bytes from hold_site, then frees what it allocates.
+    let report = wait_for(20, "the new process's report", || {
+        let report = daemon.get_json(&leaks).1;
+        let settled = report["exe"] == program.to_str().unwrap()
+            && site(&report, "hold_site") == (50_000, 50)
+            && total(&report, "outstanding_bytes") == 50_000;
+        settled.then_some(report)
+    });
+    assert_eq!(site(&report, "old_site"), (0, 0), "the old process's blocks are not the new one's");
+    let allocations = total(&report, "allocations");
+    assert_eq!(total(&report, "frees"), allocations - 50, "{report}");
+    assert_eq!(total(&report, "allocated_bytes"), 50_000 + 64 * (allocations - 50), "{report}");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
+    assert_nothing_dropped(&report);
+    assert!(attached(&daemon).expect("the new process listed") > old_attached, "traced since its exec");
+    drop(fixture.stdin.take());
+    assert!(fixture.wait().expect("waiting for pid_reuse").success());
 }

@@ -205,6 +205,7 @@ impl Tracer<'_> {
             symbolizer: &self.symbolizer,
             pid,
             start_ns: self.start_ns,
+            cache: None,
         }
     }
 

@@ -27,7 +27,7 @@ use super::{
     exposition::{self, Format as Exposition},
     guard::{self, Guard},
     heavy::{self, Busy},
-    metrics, query,
+    host, metrics, query,
     server::{Refusal, Stats},
     view::{DaemonView, TargetView},
 };
@@ -159,13 +159,13 @@ async fn heavy<F: Future<Output = Result<Response, Busy>>>(
         Ok(target) => target,
         Err((status, message)) => return error(status, &message),
     };
-    match answer(target).await {
-        Ok(response) => response,
-        Err(busy) => {
-            shared.stats.refuse(Refusal::Busy);
-            error(StatusCode::SERVICE_UNAVAILABLE, &busy.to_string())
-        }
-    }
+    answer(target).await.unwrap_or_else(|busy| refuse_busy(shared, busy))
+}
+
+/// A heavy answer that found no turn, or failed: 503, counted.
+fn refuse_busy(shared: &Shared, busy: Busy) -> Response {
+    shared.stats.refuse(Refusal::Busy);
+    error(StatusCode::SERVICE_UNAVAILABLE, &busy.to_string())
 }
 
 async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
@@ -200,7 +200,8 @@ async fn html_report(State(shared): AppState, RawQuery(query): RawQuery) -> Resp
     .await
 }
 
-/// `/debug/pprof/heap?pid=N`, as Go serves it for `go tool pprof`: in-use bytes by default.
+/// `/debug/pprof/heap?pid=N`, as Go serves it for `go tool pprof`: in-use bytes by default;
+/// without `pid`, the profile of every traced process (see `host`).
 async fn heap_profile(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     profile(&shared, query, "/debug/pprof/heap", pprof::DefaultType::InuseSpace).await
 }
@@ -211,6 +212,9 @@ async fn allocs_profile(State(shared): AppState, RawQuery(query): RawQuery) -> R
 }
 
 async fn profile(shared: &Shared, query: Option<String>, path: &str, default: pprof::DefaultType) -> Response {
+    if matches!(query::pid(query.as_deref(), path), Err(query::QueryError::MissingPid(_))) {
+        return host_profile(shared, path, default).await;
+    }
     let builder = &shared.builder;
     heavy(shared, query, path, |target| async move {
         let built = target.clone();
@@ -220,10 +224,9 @@ async fn profile(shared: &Shared, query: Option<String>, path: &str, default: pp
         };
         let profile = builder
             .once(cell, move || {
-                let mut report = built.report.clone();
                 // Their allocations count too.
-                report.stacks.extend(built.freed_stacks.iter().cloned());
-                pprof::render(&report, default)
+                let part = pprof::Part { more_stacks: &built.freed_stacks, ..pprof::Part::of(&built.report) };
+                pprof::render_parts(&[part], default)
             })
             .await?;
         let name = path.rsplit('/').next().unwrap_or("profile");
@@ -234,6 +237,25 @@ async fn profile(shared: &Shared, query: Option<String>, path: &str, default: pp
         Ok((headers, profile).into_response())
     })
     .await
+}
+
+/// Every traced process's samples in one profile, once an interval.
+async fn host_profile(shared: &Shared, path: &str, default: pprof::DefaultType) -> Response {
+    let (targets, profiles) = {
+        let view = shared.view.read().unwrap_or_else(|e| e.into_inner());
+        (view.targets.values().cloned().collect::<Vec<_>>(), view.host_profiles.clone())
+    };
+    match shared.builder.once(profiles.cell(default), move || host::render(&targets, default)).await {
+        Ok(profile) => {
+            let name = path.rsplit('/').next().unwrap_or("profile");
+            let headers = [
+                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}-host.pb.gz\"")),
+            ];
+            (headers, profile).into_response()
+        }
+        Err(busy) => refuse_busy(shared, busy),
+    }
 }
 
 async fn index(State(shared): AppState) -> Html<String> {

@@ -98,7 +98,7 @@ fn process_labels(t: &TargetView) -> Labels {
         ("pid", t.pid.to_string()),
         ("comm", t.comm.clone()),
         ("exe", t.report.exe.clone()),
-        ("cgroup", t.cgroup.clone()),
+        ("cgroup", t.cgroup.clone().unwrap_or_default()),
     ]
 }
 

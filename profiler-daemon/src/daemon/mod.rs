@@ -6,6 +6,7 @@ mod discovery;
 mod exposition;
 mod guard;
 mod heavy;
+mod host;
 mod http;
 mod metrics;
 mod query;

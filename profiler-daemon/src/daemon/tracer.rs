@@ -28,7 +28,7 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter},
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, stack_cache::StackCache},
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -57,6 +57,9 @@ struct Target {
     comm: String,
     /// Its executable (`/proc/PID/exe`), the new program's after an exec.
     exe: Option<String>,
+    /// Its cgroup in the unified hierarchy, read at attach and at each exec (a container's or a
+    /// service's processes stay in theirs).
+    cgroup: Option<String>,
     /// Its pid in its own pid namespace, when that is not ours.
     ns_pid: Option<u32>,
     attachment: Attachment,
@@ -72,6 +75,8 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// Its stacks as symbolized for the last report, cleared when its mappings change.
+    stack_cache: StackCache,
 }
 
 pub struct Tracer {
@@ -148,7 +153,7 @@ impl Tracer {
             self.on_process_events();
             for pid in self.loaded.sync_changed_mappings() {
                 self.probe(pid);
-                self.symbolizer.refresh(pid);
+                self.refresh_mappings(pid);
             }
             // Woken often enough to give a library a process loads its table within milliseconds.
             let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
@@ -230,7 +235,8 @@ impl Tracer {
                 warn!(
                     pid = id.pid,
                     comm,
-                    "not traced: {} processes are traced already (max_targets)",
+                    "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
+                     raise it (README: Daemon mode gives what each target costs) or narrow the rules",
                     self.targets.len()
                 );
             }
@@ -296,21 +302,55 @@ impl Tracer {
     }
 
     fn on_exec(&mut self, pid: u32) {
-        let Some(target) = self.targets.get_mut(&pid) else { return };
+        let Some(target) = self.targets.get(&pid) else { return };
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        match ProcessId::current(pid) {
+            // The target exited and its pid went to a new process, which exec'd before discovery
+            // saw the old one go: the kernel reported the exec since the pid was still traced.
+            // The new process is traced from its exec on, if the rules want it, with nothing of
+            // the old one's (the exec below drops the old stacks, counts and mappings).
+            Some(now) if now != target.id => {
+                if discovery::matching(&self.config.rules, pid).is_none() {
+                    self.detach(pid);
+                    return;
+                }
+                let target = self.targets.get_mut(&pid).expect("looked up above");
+                info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
+                target.id = now;
+                target.attached_at = SystemTime::now();
+                target.start_ns = aggregate::monotonic_now_ns();
+                target.ns_pid = procfs::ns_pid(pid);
+            }
+            // Gone already: discovery detaches it.
+            None => return,
+            Some(_) => {}
+        }
+        let target = self.targets.get_mut(&pid).expect("looked up above");
         let old = std::mem::take(&mut target.attachment);
         target.attachment = self.loaded.exec_happened(nonzero, old);
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
         target.exe = procfs::exe_path(pid);
+        target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
         target.double_free_count = 0;
+        target.stack_cache.clear();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
         self.probe(pid);
+    }
+
+    /// Reads the mappings of a target that loaded or unloaded libraries; the stacks symbolized
+    /// with the old ones go.
+    fn refresh_mappings(&mut self, pid: u32) {
+        if self.symbolizer.refresh(pid) {
+            if let Some(target) = self.targets.get(&pid) {
+                target.stack_cache.clear();
+            }
+        }
     }
 
     /// Probes the allocator of a target that exec'd once its new program has mapped one.
@@ -356,6 +396,7 @@ impl Tracer {
             double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
             blind_spots: BlindSpots::new(id.pid, &allocator),
             exe,
+            cgroup: procfs::cgroup(id.pid),
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
             double_frees: Vec::new(),
@@ -363,6 +404,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            stack_cache: StackCache::default(),
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -383,13 +425,14 @@ impl Tracer {
         info!(pid, comm = target.comm, "no longer traced");
     }
 
-    fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
+    fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
             unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
+            cache: Some(&target.stack_cache),
         }
     }
 
@@ -428,12 +471,26 @@ impl Tracer {
         for target in self.targets.values_mut() {
             if let Some(comm) = procfs::comm(target.id.pid) {
                 target.comm = comm;
-                self.symbolizer.refresh(target.id.pid);
+                if self.symbolizer.refresh(target.id.pid) {
+                    target.stack_cache.clear();
+                }
             }
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let kernel = aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0)?;
+        // A target that exited and whose pid a new process took since the last discovery pass:
+        // what the maps hold under that pid may be the new process's, and its mappings are. Not
+        // shown as the old one's; discovery traces the new one afresh.
+        let reused: Vec<u32> = self
+            .targets
+            .values()
+            .filter(|target| ProcessId::current(target.id.pid).is_some_and(|now| now != target.id))
+            .map(|target| target.id.pid)
+            .collect();
+        for pid in reused {
+            self.detach(pid);
+        }
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -541,7 +598,7 @@ impl Tracer {
         TargetView {
             pid,
             comm: target.comm.clone(),
-            cgroup: procfs::cgroup(pid).unwrap_or_default(),
+            cgroup: target.cgroup.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             double_frees: target.double_free_count,
             leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),

@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use profiler_common::{DropReason, Log2Histogram};
 
-use super::heavy::Built;
+use super::{heavy::Built, host::HostProfiles};
 use crate::{
     heap::report::{Report, StackReport},
     unwind::TableUse,
@@ -16,8 +16,8 @@ use crate::{
 pub struct TargetView {
     pub pid: u32,
     pub comm: String,
-    /// Its cgroup (v2), read every interval: a container's, or a systemd unit's; empty if none.
-    pub cgroup: String,
+    /// Its cgroup in the unified hierarchy (a container, a service), when known.
+    pub cgroup: Option<String>,
     /// Seconds since the Unix epoch when its probes were attached.
     pub attached_at: f64,
     pub double_frees: u64,
@@ -77,4 +77,6 @@ pub struct DaemonView {
     pub symbolization_failures: Vec<(&'static str, u64)>,
     /// Set once the first snapshot is published.
     pub ready: bool,
+    /// The profiles of every target together, built from this interval's reports on request.
+    pub host_profiles: Arc<HostProfiles>,
 }

@@ -10,7 +10,7 @@
 //! stops growing; a pool freed in bulk and churn do not retain their old memory: none is flagged.
 //! The per-interval cost grows with the number of stacks, never with live allocations.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use serde::Serialize;
 
@@ -100,7 +100,10 @@ impl LeakTracker {
     /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
     pub fn observe(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
         let window = self.settings.window;
-        self.stacks.retain(|id, _| snapshot.stacks.iter().any(|s| s.stack_id == *id));
+        // A set, not a scan of the snapshot per stack: 65,536 stacks made that 4 billion
+        // comparisons an interval, most of the daemon's CPU at rest.
+        let present: HashSet<u64> = snapshot.stacks.iter().map(|s| s.stack_id).collect();
+        self.stacks.retain(|id, _| present.contains(id));
         for stack in &snapshot.stacks {
             let history = self.stacks.entry(stack.stack_id).or_default();
             history.recent.push_back((snapshot.now_ns, stack.outstanding_bytes));

@@ -7,3 +7,4 @@ pub mod filter;
 pub mod leak;
 pub mod report;
 pub mod sampling;
+pub mod stack_cache;

@@ -1,11 +1,11 @@
-//! A report as a profile: one sample per stack, one location per return address (its inlined
-//! frames as extra lines), one mapping per module.
+//! Reports as a profile: one sample per stack, one location per return address (its inlined
+//! frames as extra lines), one mapping per module of each process.
 
 use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
 use flate2::{write::GzEncoder, Compression};
 
-use super::{field, wire::Writer, DefaultType, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
+use super::{field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
 use crate::{
     heap::report::{Report, StackReport},
     symbolize::Frame,
@@ -13,28 +13,65 @@ use crate::{
 
 /// The report as a gzip-compressed profile.proto whose default sample type is `default`.
 pub fn render(report: &Report, default: DefaultType) -> Vec<u8> {
+    render_parts(&[Part::of(report)], default)
+}
+
+/// Several processes' stacks as one gzip-compressed profile, each sample carrying its process's
+/// labels (see `Part`).
+pub fn render_parts(parts: &[Part], default: DefaultType) -> Vec<u8> {
     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let mut gzip = GzEncoder::new(Vec::new(), Compression::default());
-    gzip.write_all(&encode(report, default, now)).expect("writing to memory cannot fail");
+    gzip.write_all(&encode(parts, default, now)).expect("writing to memory cannot fail");
     gzip.finish().expect("writing to memory cannot fail")
 }
 
 /// The uncompressed profile, taken at `time_nanos` (since the Unix epoch).
-pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> Vec<u8> {
+pub(super) fn encode(parts: &[Part], default: DefaultType, time_nanos: u64) -> Vec<u8> {
     let mut tables = Tables::default();
     tables.string("");
-    let samples: Vec<Sample> = report.stacks.iter().map(|stack| tables.sample(stack)).collect();
+    let mut samples = Vec::new();
+    for (index, part) in parts.iter().enumerate() {
+        let labels: Vec<(u64, Value)> = part
+            .labels
+            .iter()
+            .map(|(key, value)| {
+                let value = match value {
+                    Label::Text(text) => Value::Text(tables.string(text)),
+                    Label::Number(number) => Value::Number(*number),
+                };
+                (tables.string(key), value)
+            })
+            .collect();
+        for stack in part.report.stacks.iter().chain(part.more_stacks) {
+            let mut sample = tables.sample(index, stack);
+            sample.labels.extend(labels.iter().copied());
+            samples.push(sample);
+        }
+    }
     let sample_types: Vec<[u64; 2]> =
         SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
     let period_type = [tables.string("space"), tables.string("bytes")];
-    let mut comments = vec![tables.string(&format!("memprof: pid {} ({})", report.pid, report.comm))];
-    if report.sample_bytes > 0 {
-        let sampled =
-            format!("sampled: one allocation recorded per {} bytes; values are estimates", report.sample_bytes);
+    let mut comments = match parts {
+        [part] => vec![tables.string(&format!("memprof: pid {} ({})", part.report.pid, part.report.comm))],
+        _ => vec![tables.string(&format!("memprof: {} processes", parts.len()))],
+    };
+    for part in parts.iter().filter(|part| part.report.sample_bytes > 0) {
+        let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
+        let sampled = format!(
+            "{who}sampled: one allocation recorded per {} bytes; values are estimates",
+            part.report.sample_bytes
+        );
         comments.push(tables.string(&sampled));
     }
     let default_type = tables.string(default.name());
-    let mappings = tables.mappings(report);
+    let mappings = tables.mappings(parts);
+    // As Go does: the sampling rate in bytes, the values already scaled up to estimates. 1 when
+    // every allocation is counted, or when the processes are sampled at different rates (their
+    // comments say which).
+    let mut rates = parts.iter().map(|part| part.report.sample_bytes);
+    let first = rates.next().unwrap_or(0);
+    let period = if rates.all(|rate| rate == first) { first.max(1) } else { 1 };
+    let duration_s = parts.iter().map(|part| part.report.duration_s).fold(0.0, f64::max);
 
     use field::profile as p;
     let mut out = Writer::default();
@@ -45,10 +82,15 @@ pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> 
         out.message(p::SAMPLE, |m| {
             m.packed(field::sample::LOCATION_ID, &sample.locations);
             m.packed(field::sample::VALUE, &sample.values);
-            m.message(field::sample::LABEL, |l| {
-                l.uint(field::label::KEY, sample.stack_id[0]);
-                l.uint(field::label::STR, sample.stack_id[1]);
-            });
+            for &(key, value) in &sample.labels {
+                m.message(field::sample::LABEL, |l| {
+                    l.uint(field::label::KEY, key);
+                    match value {
+                        Value::Text(text) => l.uint(field::label::STR, text),
+                        Value::Number(number) => l.uint(field::label::NUM, number),
+                    }
+                });
+            }
         });
     }
     for mapping in &mappings {
@@ -71,11 +113,9 @@ pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> 
         out.bytes(p::STRING_TABLE, string.as_bytes());
     }
     out.uint(p::TIME_NANOS, time_nanos);
-    out.uint(p::DURATION_NANOS, (report.duration_s * 1e9) as u64);
+    out.uint(p::DURATION_NANOS, (duration_s * 1e9) as u64);
     out.message(p::PERIOD_TYPE, |m| value_type(m, period_type[0], period_type[1]));
-    // As Go does: the sampling rate in bytes, the values already scaled up to estimates. 1 when
-    // every allocation is counted.
-    out.uint(p::PERIOD, report.sample_bytes.max(1));
+    out.uint(p::PERIOD, period);
     out.packed(p::COMMENT, &comments);
     out.uint(p::DEFAULT_SAMPLE_TYPE, default_type);
     out.into_bytes()
@@ -86,12 +126,19 @@ fn value_type(m: &mut Writer, kind: u64, unit: u64) {
     m.uint(field::value_type::UNIT, unit);
 }
 
+/// A label's value: a string id, or a number.
+#[derive(Clone, Copy)]
+enum Value {
+    Text(u64),
+    Number(u64),
+}
+
 /// One sample, as ids into the tables.
 struct Sample {
     locations: Vec<u64>,
     values: [u64; 4],
-    /// The label's key and value.
-    stack_id: [u64; 2],
+    /// Keys (string ids) and values.
+    labels: Vec<(u64, Value)>,
 }
 
 struct Location {
@@ -150,10 +197,11 @@ struct Tables {
     functions: Vec<(u64, u64)>,
     function_ids: HashMap<(u64, u64), u64>,
     locations: Vec<Location>,
-    /// By module and address.
-    location_ids: HashMap<(String, u64), u64>,
-    /// Module paths in order of first use: mapping ids.
-    modules: Vec<String>,
+    /// By part (process), module and address: two processes may map different files at one path
+    /// and address.
+    location_ids: HashMap<(usize, String, u64), u64>,
+    /// Each part's modules in order of first use: mapping ids.
+    modules: Vec<(usize, String)>,
 }
 
 impl Tables {
@@ -167,7 +215,8 @@ impl Tables {
         id
     }
 
-    fn sample(&mut self, stack: &StackReport) -> Sample {
+    /// The sample of `stack`, of the profile's part `part`, with its own labels.
+    fn sample(&mut self, part: usize, stack: &StackReport) -> Sample {
         let mut locations = Vec::new();
         let mut lines: Vec<&Frame> = Vec::new();
         for frame in &stack.frames {
@@ -175,13 +224,13 @@ impl Tables {
             // An inlined frame shares its address with the frames after it, up to the function
             // it is inlined into.
             if !frame.inlined {
-                locations.push(self.location(&lines));
+                locations.push(self.location(part, &lines));
                 lines.clear();
             }
         }
         if !lines.is_empty() {
             // The stack was cut inside inlined frames.
-            locations.push(self.location(&lines));
+            locations.push(self.location(part, &lines));
         }
         if stack.frames.is_empty() {
             locations.push(self.no_stack());
@@ -189,18 +238,21 @@ impl Tables {
         Sample {
             locations,
             values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
-            stack_id: [self.string(STACK_ID_LABEL), self.string(&stack.stack_id)],
+            labels: vec![
+                (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
+                (self.string(LEAK_LABEL), Value::Text(self.string(&stack.leak.candidate.to_string()))),
+            ],
         }
     }
 
     /// The location of frames that share one address, innermost first.
-    fn location(&mut self, frames: &[&Frame]) -> u64 {
+    fn location(&mut self, part: usize, frames: &[&Frame]) -> u64 {
         let address = u64::from_str_radix(frames[0].address.trim_start_matches("0x"), 16).unwrap_or(0);
-        let key = (frames[0].module.clone(), address);
+        let key = (part, frames[0].module.clone(), address);
         if let Some(&id) = self.location_ids.get(&key) {
             return id;
         }
-        let mapping = self.mapping(&frames[0].module);
+        let mapping = self.mapping(part, &frames[0].module);
         let lines = frames
             .iter()
             .map(|f| (self.function(&f.function, f.file.as_deref().unwrap_or("")), f.line.map_or(0, u64::from)))
@@ -229,11 +281,11 @@ impl Tables {
         id
     }
 
-    fn mapping(&mut self, module: &str) -> u64 {
-        let index = match self.modules.iter().position(|m| m == module) {
+    fn mapping(&mut self, part: usize, module: &str) -> u64 {
+        let index = match self.modules.iter().position(|(p, m)| *p == part && m == module) {
             Some(index) => index,
             None => {
-                self.modules.push(module.to_string());
+                self.modules.push((part, module.to_string()));
                 self.modules.len() - 1
             }
         };
@@ -241,12 +293,12 @@ impl Tables {
     }
 
     /// One mapping per module used, spanning its code mappings (none for `[anonymous]` code).
-    fn mappings(&mut self, report: &Report) -> Vec<Mapping> {
+    fn mappings(&mut self, parts: &[Part]) -> Vec<Mapping> {
         let modules = self.modules.clone();
         (1..)
             .zip(&modules)
-            .map(|(id, path)| {
-                let code: Vec<_> = report.modules.iter().filter(|m| &m.path == path).collect();
+            .map(|(id, (part, path))| {
+                let code: Vec<_> = parts[*part].report.modules.iter().filter(|m| &m.path == path).collect();
                 let first = code.iter().min_by_key(|m| m.start);
                 Mapping {
                     id,

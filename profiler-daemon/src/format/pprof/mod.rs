@@ -1,12 +1,53 @@
 //! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
-//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order.
+//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, of one
+//! process or of several (the daemon's profile of the host), each sample labelled.
 
 mod decode;
 mod encode;
 mod wire;
 
 pub use decode::read;
-pub use encode::render;
+pub use encode::{render, render_parts};
+
+use crate::heap::report::{Report, StackReport};
+
+/// One process's samples in a profile.
+pub struct Part<'a> {
+    pub report: &'a Report,
+    /// Stacks written after the report's: the daemon keeps those that freed all they allocated
+    /// apart from its report.
+    pub more_stacks: &'a [StackReport],
+    /// Labels each of its samples carries beside its stack's own (`stack_id`, `leak`).
+    pub labels: Vec<(&'static str, Label)>,
+}
+
+/// A label's value. `go tool pprof -tagfocus=KEY=N` compares numbers exactly, and takes a text
+/// value as a regular expression.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Label {
+    Text(String),
+    Number(u64),
+}
+
+impl<'a> Part<'a> {
+    /// The one process of a profile: its samples need no process labels.
+    pub fn of(report: &'a Report) -> Self {
+        Self { report, more_stacks: &[], labels: Vec::new() }
+    }
+
+    /// A process among others: its samples labelled `pid` (a number, so that `-tagfocus=pid=N`
+    /// is exact), `comm`, `exe` and, when known, `cgroup` (its path in the unified hierarchy: a
+    /// container or a systemd service).
+    pub fn labelled(report: &'a Report, more_stacks: &'a [StackReport], cgroup: Option<&str>) -> Self {
+        let mut labels = vec![
+            ("pid", Label::Number(report.pid.into())),
+            ("comm", Label::Text(report.comm.clone())),
+            ("exe", Label::Text(report.exe.clone())),
+        ];
+        labels.extend(cgroup.map(|cgroup| ("cgroup", Label::Text(cgroup.to_string()))));
+        Self { report, more_stacks, labels }
+    }
+}
 
 /// The sample types, in Go's order: each sample's values are in this order too.
 pub const SAMPLE_TYPES: [(&str, &str); 4] =
@@ -58,6 +99,7 @@ mod field {
     pub mod label {
         pub const KEY: u32 = 1;
         pub const STR: u32 = 2;
+        pub const NUM: u32 = 3;
     }
     pub mod mapping {
         pub const ID: u32 = 1;
@@ -91,6 +133,8 @@ mod field {
 
 /// The label each sample carries with its report's `stack_id`.
 const STACK_ID_LABEL: &str = "stack_id";
+/// The label each sample carries with `true` when the leak rule flags its stack, else `false`.
+const LEAK_LABEL: &str = "leak";
 
 /// The function of the one location of a sample whose stack memprof could not record.
 const NO_STACK: &str = "[no stack]";
@@ -163,7 +207,7 @@ mod tests {
 
     #[test]
     fn modules_become_mappings_and_inlined_frames_lines_of_one_location() {
-        let profile = encode::encode(&report(), DefaultType::InuseSpace, 1);
+        let profile = encode::encode(&[Part::of(&report())], DefaultType::InuseSpace, 1);
         let strings: Vec<String> = Reader::new(&profile)
             .map(Result::unwrap)
             .filter(|(n, _)| *n == field::profile::STRING_TABLE)
@@ -198,7 +242,7 @@ mod tests {
     #[test]
     fn a_sampled_report_has_its_sampling_rate_as_period() {
         let period = |report: &Report| {
-            let profile = encode::encode(report, DefaultType::InuseSpace, 1);
+            let profile = encode::encode(&[Part::of(report)], DefaultType::InuseSpace, 1);
             let mut fields = Reader::new(&profile).map(Result::unwrap);
             fields.find(|(n, _)| *n == field::profile::PERIOD).map(|(_, v)| v.int().unwrap())
         };
