@@ -304,6 +304,9 @@ pub fn http_answer(port: u16, method: &str, path: &str) -> Option<HttpAnswer> {
 pub struct Daemon {
     pub child: Child,
     pub port: u16,
+    /// Its stderr, read as it comes: it logs a line per process it attaches and detaches, which
+    /// would fill a pipe nobody reads and block it.
+    log: Option<thread::JoinHandle<String>>,
 }
 
 impl Daemon {
@@ -333,7 +336,7 @@ impl Daemon {
     pub fn spawn_with(mut memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        let child = memprof
+        let mut child = memprof
             .args(["daemon", "--listen", &listen, "--interval", "1"])
             .args(args)
             .envs(env.iter().copied())
@@ -341,7 +344,13 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting memprof daemon");
-        Self { child, port }
+        let log = Some(collect(child.stderr.take().expect("piped")));
+        Self { child, port, log }
+    }
+
+    /// What the daemon wrote to stderr, once it has exited (`child.wait()`).
+    pub fn log(&mut self) -> String {
+        self.log.take().expect("the log is read once").join().expect("stderr reader")
     }
 
     pub fn get_json(&self, path: &str) -> (u16, Value) {

@@ -122,9 +122,9 @@ fn the_daemon_with_exactly_the_documented_capabilities() {
     drop(held);
     wait_for(20, "the exited target to be dropped", || (!daemon.traced_pids().contains(&(pid as u64))).then_some(()));
     daemon.signal(libc::SIGTERM);
-    let stderr = daemon.child.stderr.take().unwrap();
-    let log = std::io::read_to_string(stderr).unwrap();
-    assert!(daemon.child.wait().unwrap().success(), "{log}");
+    let status = daemon.child.wait().unwrap();
+    let log = daemon.log();
+    assert!(status.success(), "{status}: {log}");
     assert!(!log.contains('\x1b'), "no colours in a pipe: {log}");
     let about = |what: &str| log.lines().filter(|l| l.contains(&format!("pid={pid}")) && l.contains(what)).count();
     assert_eq!(
