@@ -306,6 +306,17 @@ pub(crate) mod tests {
 
     use super::*;
 
+    /// clap's own checks of the definition (short flags used twice, say), which it makes only in
+    /// debug builds otherwise.
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+        let run = Cli::try_parse_from(["memprof", "run", "-o", "f.json", "sh", "-c", "exit 3"]).unwrap();
+        let Command::Run { trace, command, .. } = run.command else { panic!("not run") };
+        assert_eq!(trace.output, Some(PathBuf::from("f.json")));
+        assert_eq!(command, ["sh", "-c", "exit 3"]);
+    }
+
     #[test]
     fn the_shortest_interval_is_not_a_zero_period() {
         assert!(!Duration::from_secs_f64(MIN_SECONDS).is_zero());
