@@ -14,11 +14,28 @@ use crate::{
     unwind::UnwindMode,
 };
 
+/// The version and the commit it was built from (build.rs).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("MEMPROF_COMMIT"), ")");
+
+const EXAMPLES: &str = "\
+Examples:
+  memprof attach -p 1234                      a table of the stacks holding memory, every 5 s
+  memprof attach -p 1234 --duration 60 -o heap.html --format html
+  memprof run ./server --port 8080            trace a command from its first allocation
+  memprof run --fail-on-leak-bytes 0 ./tests  a CI gate on leaks
+  memprof daemon --comm '^nginx$'             Prometheus metrics on 127.0.0.1:9464
+  memprof snapshot -p 1234 -o before.pb.gz    a pprof profile, for go tool pprof
+  memprof diff before.json after.json         growth per allocation site
+
+Needs root, or the capabilities CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH
+(README: Permissions). MEMPROF_LOG=debug logs more.";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "memprof",
-    version,
-    about = "eBPF heap profiler: outstanding allocations per call stack, leaks and double frees"
+    version = VERSION,
+    about = "eBPF heap profiler: outstanding allocations per call stack, leaks and double frees",
+    after_help = EXAMPLES
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -28,16 +45,31 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Trace the allocator of a running process.
+    #[command(after_help = "\
+Examples:
+  memprof attach -p 1234                        report every 5 s until Ctrl-C
+  memprof attach -p 1234 --duration 30 --json   one JSON object per line
+  memprof attach -p 1234 --duration 60 --format html -o heap.html")]
     Attach {
         /// The process to trace.
-        #[arg(long)]
+        #[arg(short, long)]
         pid: NonZeroU32,
         #[command(flatten)]
         trace: TraceArgs,
     },
     /// Trace many processes and serve Prometheus metrics and an HTTP API.
+    #[command(after_help = "\
+Examples:
+  memprof daemon --comm '^nginx$' --comm '^redis-server$'
+  memprof daemon --cgroup /system.slice/api.service --listen 0.0.0.0:9464
+  memprof daemon --config /etc/memprof/memprof.toml   (SIGHUP reloads it)")]
     Daemon(DaemonArgs),
     /// Start a command with probes attached before its first allocation; exit with its exit code.
+    #[command(after_help = "\
+Examples:
+  memprof run ./app --its-own-flag   everything after the command is the command's
+  memprof run --json -o heap.json -- ./app
+  memprof run --fail-on-leak-bytes 0 make check")]
     Run {
         #[command(flatten)]
         trace: TraceArgs,
@@ -45,8 +77,8 @@ pub enum Command {
         /// (a CI gate); the report is written as asked.
         #[arg(long, value_name = "BYTES")]
         fail_on_leak_bytes: Option<u64>,
-        /// The command and its arguments.
-        #[arg(required = true, last = true, value_name = "CMD")]
+        /// The command and its arguments: memprof's options come before it.
+        #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
     /// Write a process's heap profile to a file, from the memprof daemon that traces it, or else
@@ -54,12 +86,17 @@ pub enum Command {
     Snapshot(SnapshotArgs),
     /// Compare two snapshots (JSON reports or pprof profiles): growth in use per allocation site.
     Diff(DiffArgs),
+    /// Print a shell's completion script, e.g. `memprof completions bash > /etc/bash_completion.d/memprof`.
+    Completions { shell: clap_complete::Shell },
+    /// Write the man pages, memprof.1 and one per subcommand, into DIR (`cargo xtask man`).
+    #[command(hide = true)]
+    Man { dir: PathBuf },
 }
 
 #[derive(Debug, Args, Clone)]
 pub struct SnapshotArgs {
     /// The process.
-    #[arg(long)]
+    #[arg(short, long)]
     pub pid: NonZeroU32,
     /// The file to write.
     #[arg(short, long, value_name = "FILE")]
@@ -127,7 +164,7 @@ pub struct TraceArgs {
     #[arg(long, conflicts_with = "format")]
     pub json: bool,
     /// Write reports to this file instead of stdout.
-    #[arg(long, value_name = "FILE")]
+    #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Trace the children the process forks too, each in a section of its own: `--follow-forks`
     /// or `--follow-forks=false` [default: false for attach, true for run].
@@ -168,7 +205,7 @@ pub struct DaemonArgs {
     #[arg(long, value_name = "FILE")]
     pub web_config_file: Option<PathBuf>,
     /// Trace this process (repeatable).
-    #[arg(long = "pid", value_name = "N")]
+    #[arg(short, long = "pid", value_name = "N")]
     pub pids: Vec<u32>,
     /// Trace every process whose command name matches this regex (repeatable).
     #[arg(long = "comm", value_name = "REGEX")]
@@ -268,6 +305,17 @@ pub(crate) mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// clap's own checks of the definition (short flags used twice, say), which it makes only in
+    /// debug builds otherwise.
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+        let run = Cli::try_parse_from(["memprof", "run", "-o", "f.json", "sh", "-c", "exit 3"]).unwrap();
+        let Command::Run { trace, command, .. } = run.command else { panic!("not run") };
+        assert_eq!(trace.output, Some(PathBuf::from("f.json")));
+        assert_eq!(command, ["sh", "-c", "exit 3"]);
+    }
 
     #[test]
     fn the_shortest_interval_is_not_a_zero_period() {

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 pub enum UserError {
     #[error("no process with pid {0}; check the pid with `ps -p {0}`")]
     NoSuchProcess(u32),
+    #[error("pid {0} is a zombie: it has exited and has no memory left, nothing to trace (its parent has not reaped it yet); pick a running process")]
+    Zombie(u32),
     #[error("memprof cannot trace itself; give the pid of another process")]
     SelfTrace,
     #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
@@ -14,7 +16,7 @@ pub enum UserError {
     NoAllocator { pid: u32, detail: String },
     #[error("no allocator found for {}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (see Allocators in the README)", program.display())]
     NoAllocatorInCommand { program: PathBuf, detail: String },
-    #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_BPF + CAP_PERFMON (missing {missing}); run it with sudo")]
+    #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing {missing}; run it with sudo, or see Permissions in the README")]
     Privileges { missing: String },
     #[error("this kernel lacks {0}; memprof needs Linux 5.8+ with CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS")]
     KernelSupport(&'static str),

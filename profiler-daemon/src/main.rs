@@ -12,7 +12,7 @@ mod symbolize;
 mod text;
 mod unwind;
 
-use std::process::ExitCode;
+use std::{io::IsTerminal as _, process::ExitCode};
 
 /// memprof's allocations stay out of the C library's malloc: its probes, once shared by every
 /// process mapping the file, trap in memprof too (about 4 µs a malloc/free pair), and the
@@ -25,9 +25,17 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
+    // The daemon logs each process it starts and stops tracing (info); a session at a terminal
+    // says that itself, and logs only what goes wrong.
+    let default_filter = match cli.command {
+        cli::Command::Daemon(_) => "warn,memprof=info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(EnvFilter::try_from_env("MEMPROF_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
+        // Colours only for a person: not in a journal, a file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(EnvFilter::try_from_env("MEMPROF_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter)))
         .init();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -42,6 +50,8 @@ fn main() -> ExitCode {
             cli::Command::Daemon(args) => daemon::run(args).await,
             cli::Command::Snapshot(args) => commands::snapshot::run(args).await,
             cli::Command::Diff(args) => commands::diff::run(args),
+            cli::Command::Completions { shell } => commands::manual::completions(*shell),
+            cli::Command::Man { dir } => commands::manual::man_pages(dir),
         }
     });
     match result {

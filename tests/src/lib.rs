@@ -168,8 +168,12 @@ pub fn attach(target: &mut Waiting, args: &[&str]) -> Outcome {
 
 /// `attach` to `pid`, a process that `target` started (in a container, say) and that waits with it.
 pub fn attach_pid(target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
+    attach_with(Command::new(memprof_bin()), target, pid, args)
+}
+
+/// `attach_pid` with memprof started by `memprof`: an installed copy, or memprof under `setpriv`.
+pub fn attach_with(mut memprof: Command, target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
     let pid = pid.to_string();
-    let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json"]).args(args).stdin(Stdio::null());
     released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go())
 }
@@ -300,6 +304,9 @@ pub fn http_answer(port: u16, method: &str, path: &str) -> Option<HttpAnswer> {
 pub struct Daemon {
     pub child: Child,
     pub port: u16,
+    /// Its stderr, read as it comes: it logs a line per process it attaches and detaches, which
+    /// would fill a pipe nobody reads and block it.
+    log: Option<thread::JoinHandle<String>>,
 }
 
 impl Daemon {
@@ -309,7 +316,11 @@ impl Daemon {
 
     /// `start` with the environment variables `env` set for the daemon.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let daemon = Self::spawn(args, env);
+        Self::ready(Self::spawn(args, env))
+    }
+
+    /// Waits until `daemon` is ready.
+    pub fn ready(daemon: Self) -> Self {
         let port = daemon.port;
         wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
         daemon
@@ -318,9 +329,14 @@ impl Daemon {
     /// Starts the daemon without waiting for it to be ready (for a listener that plain HTTP
     /// cannot reach).
     pub fn spawn(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_with(Command::new(memprof_bin()), args, env)
+    }
+
+    /// `spawn` with memprof started by `memprof` (memprof under `setpriv`, say).
+    pub fn spawn_with(mut memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        let child = Command::new(memprof_bin())
+        let mut child = memprof
             .args(["daemon", "--listen", &listen, "--interval", "1"])
             .args(args)
             .envs(env.iter().copied())
@@ -328,7 +344,13 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting memprof daemon");
-        Self { child, port }
+        let log = Some(collect(child.stderr.take().expect("piped")));
+        Self { child, port, log }
+    }
+
+    /// What the daemon wrote to stderr, once it has exited (`child.wait()`).
+    pub fn log(&mut self) -> String {
+        self.log.take().expect("the log is read once").join().expect("stderr reader")
     }
 
     pub fn get_json(&self, path: &str) -> (u16, Value) {

@@ -1,8 +1,11 @@
 //! The command line: report formats and every kind of bad input.
 
-use std::process::{Command, Stdio};
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    process::{Command, Stdio},
+};
 
-use memprof_tests::{fixture, fixture_with, memprof, memprof_bin, run, Waiting};
+use memprof_tests::{fixture, fixture_lib, fixture_with, memprof, memprof_bin, run, site, wait_for, Waiting};
 
 /// A bad input ends with one line on stderr naming the problem, a non-zero exit and no panic.
 fn assert_one_line_error(outcome: &memprof_tests::Outcome, expected: &str) {
@@ -126,13 +129,112 @@ fn missing_privileges_name_what_is_needed() {
         .expect("setpriv (util-linux) runs memprof unprivileged");
     target.go();
     let outcome = memprof_tests::Outcome::from(out);
-    assert_one_line_error(&outcome, "CAP_SYS_ADMIN + CAP_BPF + CAP_PERFMON");
+    assert_one_line_error(&outcome, "CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing CAP_SYS_ADMIN");
 }
 
 #[test]
 fn an_unwritable_output_file() {
     let outcome = memprof(&["run", "--output", "/nonexistent-dir/report.json", "--", "/bin/true"]);
     assert_one_line_error(&outcome, "cannot write the output file /nonexistent-dir/report.json");
+    assert_eq!(outcome.stderr.matches("No such file or directory").count(), 1, "said once: {}", outcome.stderr);
+}
+
+/// A zombie has exited: it has no memory to trace, and memprof says so rather than "no process".
+#[test]
+fn a_zombie() {
+    // sh's background child exits at once; the exec'd sleep never reaps it.
+    let mut parent =
+        Command::new("sh").args(["-c", "sleep 0 & echo $!; exec sleep 30"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(parent.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let zombie = line.trim().to_string();
+    wait_for(10, "the child to become a zombie", || {
+        let stat = std::fs::read_to_string(format!("/proc/{zombie}/stat")).ok()?;
+        (stat.rsplit(')').next()?.split_whitespace().next()? == "Z").then_some(())
+    });
+    let outcome = memprof(&["attach", "-p", &zombie]);
+    let _ = parent.kill();
+    let _ = parent.wait();
+    assert_one_line_error(&outcome, &format!("pid {zombie} is a zombie: it has exited"));
+}
+
+/// perf, strace and gdb's `-p PID`, `-o FILE`, and `run CMD ARGS` without `--`: the command's
+/// own flags are the command's.
+#[test]
+fn short_flags_and_a_command_without_dashes() {
+    let path = std::env::temp_dir().join(format!("memprof-short-{}.json", std::process::id()));
+    let out = Command::new(memprof_bin())
+        .args(["run", "--json", "-o", path.to_str().unwrap(), "sh", "-c", "exit 3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "sh got -c: {}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.lines().last().unwrap().contains("\"final\":true"), "{text}");
+
+    let mut target = Waiting::start(&fixture("lifecycle"), &["reuse"]);
+    let out = Command::new(memprof_bin())
+        .args(["attach", "-p", &target.pid().to_string(), "--duration", "0.5", "--json", "-o"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    target.go();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["pid"], target.pid());
+}
+
+/// `attach ... | head -1` and `completions ... | head -1`: once the reader has gone, memprof ends
+/// at once, quietly, with 0 (an attach without --duration would otherwise trace on unread).
+#[test]
+fn a_closed_pipe_ends_memprof_quietly() {
+    let target = Waiting::start(&fixture("lifecycle"), &["reuse"]);
+    for args in [&["attach", "-p", &target.pid().to_string(), "--interval", "0.2"][..], &["completions", "bash"]] {
+        let mut memprof =
+            Command::new(memprof_bin()).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut first = String::new();
+        BufReader::new(memprof.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        assert!(!first.is_empty(), "{args:?} printed nothing");
+        let status = wait_for(20, "memprof to end once its reader has gone", || memprof.try_wait().unwrap());
+        let mut stderr = String::new();
+        memprof.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        assert!(status.success(), "{args:?}: {status}: {stderr}");
+        assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn version_help_and_completions_come_from_the_cli() {
+    let git = Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).output().unwrap();
+    let commit = String::from_utf8(git.stdout).unwrap().trim().to_string();
+    let version = memprof(&["--version"]);
+    assert!(version.status.success());
+    assert_eq!(version.stdout.trim(), format!("memprof {} (commit {commit})", env!("CARGO_PKG_VERSION")));
+    let help = memprof(&["--help"]);
+    assert!(help.stdout.contains("Examples:\n  memprof attach -p 1234"), "{}", help.stdout);
+    for sub in ["attach", "run", "daemon"] {
+        let help = memprof(&[sub, "--help"]);
+        assert!(help.stdout.contains(&format!("Examples:\n  memprof {sub} ")), "{sub}: {}", help.stdout);
+    }
+    let bash = memprof(&["completions", "bash"]);
+    assert!(bash.stdout.contains("--follow-forks") && bash.stdout.contains("complete -F _memprof"), "{}", bash.stdout);
+}
+
+/// A library with no code of its own (ICU's data) has an empty .eh_frame: no notice for it.
+#[test]
+fn a_data_only_library_is_not_a_missing_unwind_table() {
+    let library = fixture_lib("data_only.c", "libmemprof_data_only.so", &["-DLIBRARY"]);
+    let dir = library.parent().unwrap().to_str().unwrap().to_string();
+    let program = fixture_with(
+        "data_only.c",
+        "data_only",
+        &["-g", "-O0", &format!("-L{dir}"), "-Wl,--no-as-needed", "-lmemprof_data_only", &format!("-Wl,-rpath,{dir}")],
+    );
+    let outcome = run(&[], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(!outcome.stderr.contains("eh_frame"), "{}", outcome.stderr);
+    assert_eq!(site(&outcome.final_report(), "data_site"), (320, 5));
 }
 
 #[test]

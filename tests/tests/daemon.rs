@@ -131,8 +131,7 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     // Reported, not asserted (no test asserts a wall-clock time): a target's links take about
     // 0.1 s to detach (its 18 perf-event uprobes took 1.6 s), and targets are detached together.
     eprintln!("the daemon stopped {:?} after SIGTERM", stopping.elapsed());
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let stderr = daemon.log();
     assert!(stderr.contains("keeping the old configuration: invalid config file"), "{stderr}");
     // No perf event with a BPF program is left on the target's allocator.
     let perf = Command::new("bpftool").args(["perf", "list"]).output().expect("bpftool (installed by xtask setup)");
@@ -165,8 +164,7 @@ fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
     wait_for(20, "its probes to be detached", || probe_links::probing(pid).is_empty().then_some(()));
     daemon.signal(libc::SIGTERM);
     assert!(daemon.child.wait().unwrap().success());
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(daemon.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let stderr = daemon.log();
     assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
 }
 

@@ -145,13 +145,6 @@ fn a_thousand_processes_are_traced_and_let_go() {
     let started = Instant::now();
     let system_before = cpu_seconds(std::process::id()).0;
     let mut daemon = Daemon::start(&["--comm", "^scale_target$", "--max-targets", &n.to_string()]);
-    // Read as it comes: a thousand lines of log would fill the pipe and block the daemon.
-    let mut stderr = daemon.child.stderr.take().unwrap();
-    let log = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
     let wanted: HashSet<u64> = pids.iter().map(|&pid| pid as u64).collect();
     wait_for(60, "every process to be listed", || {
         wanted.is_subset(&daemon.traced_pids().into_iter().collect()).then_some(())
@@ -189,7 +182,7 @@ fn a_thousand_processes_are_traced_and_let_go() {
     let status = daemon.child.wait().unwrap();
     let stopped = stopping.elapsed();
     let system_stopped = cpu_seconds(std::process::id()).0;
-    let log = log.join().unwrap();
+    let log = daemon.log();
     assert!(status.success(), "{status}: {log}");
     eprintln!(
         "scale: {n} processes listed {:.1} s after the daemon started (system CPU {:.1} s, the daemon's {:.1} s); \

@@ -1,4 +1,4 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | fuzz`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | fuzz | man | deb`.
 //!
 //! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
 
@@ -6,6 +6,7 @@ mod bench;
 mod benchmarks;
 mod demo;
 mod fuzz;
+mod package;
 mod setup;
 mod soak;
 
@@ -43,7 +44,9 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             fuzz::run(&std::env::args().skip(2).collect::<Vec<_>>())
         }
-        _ => bail!("usage: cargo xtask <setup|demo|test|bench|soak|fuzz>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)"),
+        "man" => package::man(&std::env::args().skip(2).collect::<Vec<_>>()),
+        "deb" => package::deb(&std::env::args().skip(2).collect::<Vec<_>>()),
+        _ => bail!("usage: cargo xtask <setup|demo|test|bench|soak|fuzz|man|deb>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  man [--out DIR]  the man pages, generated from the command line (target/man)\n  deb [--out DIR]  a Debian package: stripped binary, systemd unit, config, man pages, completions (target/deb)"),
     }
 }
 
@@ -63,6 +66,15 @@ fn run_with(command: &mut Command) -> anyhow::Result<()> {
         bail!("`{command:?}` failed ({status})");
     }
     Ok(())
+}
+
+/// What a command prints, trimmed; its failure is an error naming it, with what it said.
+fn output(command: &mut Command) -> anyhow::Result<String> {
+    let out = command.output().with_context(|| format!("starting {command:?}"))?;
+    if !out.status.success() {
+        bail!("`{command:?}` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// Compiles a C file.

@@ -62,11 +62,7 @@ fn succeeds(program: &str, args: &[&str]) -> bool {
 }
 
 fn output(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(program).args(args).output().with_context(|| format!("starting {program}"))?;
-    if !out.status.success() {
-        bail!("`{program} {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    crate::output(Command::new(program).args(args))
 }
 
 pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {

@@ -27,7 +27,7 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<i32> {
             serde_json::to_string(&diff).expect("a diff always serializes") + "\n"
         }
     };
-    print!("{out}");
+    crate::commands::output::print(out.as_bytes())?;
     Ok(0)
 }
 

@@ -1,8 +1,10 @@
 //! The commands an engineer runs at a terminal: `attach` and `run` (a session, the process family it
-//! follows and the target it starts or watches), `snapshot` and `diff`. The daemon is in `daemon`.
+//! follows and the target it starts or watches), `snapshot`, `diff`, and the completions and man
+//! pages. The daemon is in `daemon`.
 
 pub mod diff;
 pub mod family;
+pub mod manual;
 pub mod output;
 pub mod session;
 pub mod snapshot;

@@ -20,7 +20,10 @@ use crate::{
 };
 
 pub enum ReportOutput {
-    Stdout,
+    /// Standard output; `closed` once its reader has gone (`| head -1`).
+    Stdout {
+        closed: bool,
+    },
     File(ReportFile),
 }
 
@@ -38,24 +41,37 @@ impl ReportOutput {
     /// Checks the destination and opens the temporary file; `path` itself is not touched yet.
     pub fn open(format: Format, path: Option<&Path>) -> Result<Self, UserError> {
         format::check_destination(format, path)?;
-        path.map_or(Ok(Self::Stdout), |path| ReportFile::create(path).map(Self::File))
+        path.map_or(Ok(Self::Stdout { closed: false }), |path| ReportFile::create(path).map(Self::File))
     }
 
     /// Writes one complete report (a streamed format's next one, or the only one) and, for a
     /// file, puts it in place.
     pub fn write_report(&mut self, report: &[u8]) -> Result<(), UserError> {
         match self {
-            Self::Stdout => {
-                let mut stdout = io::stdout().lock();
-                // A closed stdout (`| head`) ends memprof's output, not the trace.
-                stdout
-                    .write_all(report)
-                    .and_then(|()| stdout.flush())
-                    .or_else(ignore_closed_pipe)
-                    .map_err(|source| UserError::Output { path: "standard output".into(), cause: source })
+            Self::Stdout { closed: true } => Ok(()),
+            Self::Stdout { closed } => {
+                *closed = !print(report)?;
+                Ok(())
             }
             Self::File(file) => file.write_report(report),
         }
+    }
+
+    /// Whether someone still reads the reports: false once standard output's reader has gone,
+    /// which ends a session as `--duration` does.
+    pub fn is_read(&self) -> bool {
+        !matches!(self, Self::Stdout { closed: true })
+    }
+}
+
+/// Writes `text` to standard output; returns false when its reader has gone (`| head -1`), which
+/// is not an error: whoever read it has what they wanted.
+pub fn print(text: &[u8]) -> Result<bool, UserError> {
+    let mut stdout = io::stdout().lock();
+    match stdout.write_all(text).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(true),
+        Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(false),
+        Err(cause) => Err(UserError::Output { path: "standard output".into(), cause }),
     }
 }
 
@@ -127,12 +143,4 @@ fn temporary_name(path: &Path) -> io::Result<PathBuf> {
     temporary.push(name);
     temporary.push(format!(".memprof-{}", std::process::id()));
     Ok(path.with_file_name(temporary))
-}
-
-fn ignore_closed_pipe(err: io::Error) -> io::Result<()> {
-    if err.kind() == io::ErrorKind::BrokenPipe {
-        Ok(())
-    } else {
-        Err(err)
-    }
 }

@@ -368,11 +368,12 @@ async fn trace(
     ticks.tick().await;
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
-    let mut write = |report: Option<Report>| -> anyhow::Result<()> {
+    // Returns whether the reports are still read.
+    let mut write = |report: Option<Report>| -> anyhow::Result<bool> {
         if let Some(report) = report {
             output.write_report(&format::render(&report, args.format()))?;
         }
-        Ok(())
+        Ok(output.is_read())
     };
 
     let code = loop {
@@ -380,7 +381,10 @@ async fn trace(
             _ = ticks.tick() => {
                 tracer.collect(&mut double_free_reader);
                 tracer.family.flush(&mut tracer.loaded);
-                write(tracer.read(false, None)?)?;
+                // `attach ... | head -1`: nobody reads any more, so end quietly as --duration does.
+                if !write(tracer.read(false, None)?)? {
+                    break None;
+                }
             }
             ready = process_events.readable() => {
                 if let Ok(mut ready) = ready {
@@ -425,5 +429,5 @@ async fn trace(
     let written = result.and_then(&mut write);
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
-    written.map(|()| Traced { code, leak_bytes })
+    written.map(|_| Traced { code, leak_bytes })
 }

@@ -74,9 +74,17 @@ pub fn check_support() -> Result<(), UserError> {
     check_privileges()
 }
 
+/// The capabilities memprof needs, each with what it is for (README: Permissions), as numbered
+/// in linux/capability.h. CAP_SYS_ADMIN is needed for uprobes on current kernels, and the kernel
+/// lets it stand for CAP_BPF and CAP_PERFMON too (`bpf_capable`, `perfmon_capable`), so those
+/// add nothing. Each one was checked to be needed: without it a step fails, or a file is skipped.
+const NEEDED: [(u32, &str); 3] = [
+    (21, "CAP_SYS_ADMIN (BPF programs, uprobes, /proc/PID/map_files)"),
+    (19, "CAP_SYS_PTRACE (other users' processes' maps, memory and files in /proc)"),
+    (2, "CAP_DAC_READ_SEARCH (a process's executable and libraries where only their owner may read them)"),
+];
+
 fn check_privileges() -> Result<(), UserError> {
-    // Capability numbers from linux/capability.h. Uprobes need CAP_SYS_ADMIN on current kernels.
-    const NEEDED: [(u32, &str); 3] = [(21, "CAP_SYS_ADMIN"), (39, "CAP_BPF"), (38, "CAP_PERFMON")];
     let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
     let effective = status
         .lines()
@@ -88,7 +96,7 @@ fn check_privileges() -> Result<(), UserError> {
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(UserError::Privileges { missing: missing.join(", ") })
+        Err(UserError::Privileges { missing: missing.join(" and ") })
     }
 }
 

@@ -123,7 +123,7 @@ pub fn check_traceable(pid: u32) -> Result<(), UserError> {
     match stat(pid) {
         None => Err(UserError::NoSuchProcess(pid)),
         Some(s) if s.kernel_thread => Err(UserError::KernelThread(pid)),
-        Some(s) if s.zombie => Err(UserError::NoSuchProcess(pid)),
+        Some(s) if s.zombie => Err(UserError::Zombie(pid)),
         Some(_) => Ok(()),
     }
 }

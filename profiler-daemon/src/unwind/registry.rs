@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
-use object::{Object as _, ObjectSegment as _};
+use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
 use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, MAX_MAPPINGS};
 
 use super::{
@@ -369,7 +369,9 @@ impl Registry {
                 table.rows
             }
             Ok(None) => {
-                if self.mode == UnwindMode::Cfi {
+                // A data-only library (ICU's data, say) has only the toolchain's start-up stubs
+                // for code: no allocation stack passes through it, nothing to say.
+                if self.mode == UnwindMode::Cfi && !is_data_only_library(&data) {
                     self.warn_once(
                         path,
                         &format!("{path} has no .eh_frame: its frames are unwound with frame pointers"),
@@ -412,6 +414,17 @@ impl Registry {
 /// The ELF entry point, where it fits the rows' 32-bit addresses.
 fn entry_point(data: &[u8]) -> Option<u32> {
     u32::try_from(object::File::parse(data).ok()?.entry()).ok().filter(|entry| *entry != 0)
+}
+
+/// Whether the file is a shared library that defines no function for others to call: its only
+/// code is the toolchain's (`_init`, `_fini` and the like). An executable (it has an interpreter)
+/// never is one: its code starts at its entry point.
+fn is_data_only_library(data: &[u8]) -> bool {
+    let Ok(file) = object::File::parse(data) else { return false };
+    let has_interpreter = file.sections().any(|section| section.name() == Ok(".interp"));
+    !has_interpreter
+        && file.kind() == object::ObjectKind::Dynamic
+        && !file.dynamic_symbols().any(|symbol| symbol.is_definition() && symbol.kind() == object::SymbolKind::Text)
 }
 
 /// The file's executable loadable segments, as (file offset, file size, virtual address).
