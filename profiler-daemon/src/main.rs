@@ -7,6 +7,7 @@ mod error;
 mod format;
 mod heap;
 mod kernel;
+mod names;
 mod process;
 mod symbolize;
 mod text;
@@ -42,6 +43,7 @@ fn main() -> ExitCode {
             cli::Command::Daemon(args) => daemon::run(args).await,
             cli::Command::Snapshot(args) => commands::snapshot::run(args).await,
             cli::Command::Diff(args) => commands::diff::run(args),
+            cli::Command::Report(args) => commands::report::run(args),
         }
     });
     match result {

@@ -4,6 +4,8 @@
 pub mod diff;
 pub mod family;
 pub mod output;
+pub mod recording;
+pub mod report;
 pub mod session;
 pub mod snapshot;
 pub mod target;

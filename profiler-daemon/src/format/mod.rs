@@ -11,7 +11,7 @@ mod table;
 pub use html::escape;
 pub use table::{describe, site};
 
-use std::{io::IsTerminal as _, path::Path};
+use std::{collections::HashSet, io::IsTerminal as _, path::Path};
 
 use clap::ValueEnum;
 
@@ -50,6 +50,32 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
         return Err(UserError::BinaryToTerminal("pprof"));
     }
     Ok(())
+}
+
+/// What `format` shows of a report that may hold every stack (a recording's): the stacks that
+/// hold nothing now only in pprof's allocation profile, the `top` largest in the table, the
+/// modules and leak timelines of the stacks kept. The live session and `memprof report` both go
+/// through here, so both write the same report from the same data.
+pub fn select(report: &Report, format: Format, top: usize) -> Report {
+    let mut selected = report.clone();
+    select_in(&mut selected, format, top);
+    selected
+}
+
+fn select_in(report: &mut Report, format: Format, top: usize) {
+    if format != Format::Pprof {
+        report.stacks.retain(|s| s.outstanding_allocations > 0);
+    }
+    if format == Format::Table {
+        report.stacks.truncate(top);
+    }
+    let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
+    report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
+    let modules: HashSet<&str> = report.stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+    report.modules.retain(|m| modules.contains(m.path.as_str()));
+    for child in &mut report.children {
+        select_in(child, format, top);
+    }
 }
 
 /// The report in `format`, ending with a newline where the format is text.

@@ -5,9 +5,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
+    heap::context::RunContext,
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -15,10 +16,14 @@ use crate::{
     unwind::{Registry, TableUse},
 };
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     #[serde(rename = "final")]
     pub is_final: bool,
+    /// When, where and by which memprof the trace was made: in the traced process's report (not
+    /// its children's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<RunContext>,
     pub pid: u32,
     /// The process's pid in its own pid namespace (a container's), when it differs from `pid`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -30,7 +35,7 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<u32>,
     /// A child that has exited: its report as it stood then.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
@@ -38,15 +43,20 @@ pub struct Report {
     pub sample_bytes: u64,
     pub totals: Totals,
     /// This process's events not recorded, by reason.
+    #[serde(deserialize_with = "crate::names::deserialize_counts")]
     pub dropped: BTreeMap<&'static str, u64>,
     /// Events not recorded that no process's counters had room for (more processes than the
     /// per-process table holds), by reason: only those that happened.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "crate::names::deserialize_counts"
+    )]
     pub unattributed_dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
     /// Stacks left out of this page or graph to keep it within its size (the daemon's `/report`
     /// and flame graph): the largest are shown; the JSON report and profiles have them all.
-    #[serde(skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub stacks_not_shown: u64,
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
@@ -60,11 +70,11 @@ pub struct Report {
     /// Allocations freed by another thread than the one that made them.
     pub thread_pairs: Vec<ThreadPair>,
     /// In-use bytes at each interval so far; only in the final report.
-    #[serde(skip_serializing_if = "Timeline::is_empty")]
+    #[serde(default, skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
     /// The traced process's followed children (and theirs), each a report of its own
     /// (`--follow-forks`; see `Forks`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forks: Option<Forks>,
@@ -75,7 +85,7 @@ pub struct Report {
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Forks {
     /// Children attached to.
     pub followed: u64,
@@ -89,7 +99,7 @@ pub struct Forks {
 }
 
 /// One bucket of a histogram: values in `min..=max`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Bucket {
     pub min: u64,
     pub max: u64,
@@ -97,7 +107,7 @@ pub struct Bucket {
 }
 
 /// Allocations made by one thread and freed by another.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ThreadPair {
     pub alloc_tid: u32,
     pub free_tid: u32,
@@ -105,7 +115,7 @@ pub struct ThreadPair {
     pub freed_bytes: u64,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Totals {
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
@@ -117,7 +127,7 @@ pub struct Totals {
     pub failed_allocations: u64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StackReport {
     /// A hash of the frames' (module, file offset): stable across runs and processes.
     pub stack_id: String,
@@ -135,7 +145,7 @@ pub struct StackReport {
     pub frames: Vec<Frame>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DoubleFreeReport {
     pub address: String,
     pub size: u64,
@@ -144,7 +154,7 @@ pub struct DoubleFreeReport {
     pub second_free: SiteReport,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SiteReport {
     pub tid: u32,
     /// Seconds since tracing began.
@@ -299,6 +309,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let stacks = merge_same_stacks(stacks);
     Report {
         is_final: selection.is_final,
+        context: None,
         pid: ctx.stacks.pid,
         ns_pid: ctx.ns_pid,
         comm: ctx.comm.to_string(),
@@ -512,6 +523,7 @@ pub mod samples {
     pub fn report() -> Report {
         Report {
             is_final: true,
+            context: None,
             pid: 1,
             ns_pid: None,
             comm: "leaky".into(),
