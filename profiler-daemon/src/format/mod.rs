@@ -83,7 +83,8 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     // Table and JSON have a section per process; the others draw one profile, with each process
     // a root frame of its own once there are several.
     let merged;
-    let report = if report.children.is_empty() || format.streams() {
+    // pprof labels each process's samples instead (`pprof::encode`).
+    let report = if report.children.is_empty() || format.streams() || format == Format::Pprof {
         report
     } else {
         merged = crate::heap::report::merge_processes(report);

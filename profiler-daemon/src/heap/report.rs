@@ -374,14 +374,7 @@ pub fn merge_processes(root: &Report) -> Report {
     let mut merged = Report { children: Vec::new(), ..root.clone() };
     merged.stacks.clear();
     for process in std::iter::once(root).chain(&root.children) {
-        let process_frame = Frame::new(FrameInfo {
-            address: "0x0".into(),
-            function: format!("{} (pid {})", process.comm, process.pid),
-            file: None,
-            line: None,
-            module: process.exe.clone(),
-            inlined: false,
-        });
+        let process_frame = process_frame(process);
         for stack in &process.stacks {
             let mut stack = stack.clone();
             stack.frames.push(process_frame.clone());
@@ -406,6 +399,19 @@ pub fn merge_processes(root: &Report) -> Report {
     }
     merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
     merged
+}
+
+/// The outermost frame of a process's stacks when several processes share one profile:
+/// `comm (pid N)`.
+pub fn process_frame(process: &Report) -> Frame {
+    Frame::new(FrameInfo {
+        address: "0x0".into(),
+        function: format!("{} (pid {})", process.comm, process.pid),
+        file: None,
+        line: None,
+        module: process.exe.clone(),
+        inlined: false,
+    })
 }
 
 /// What the process could not record, by reason: its drops in the kernel and the age

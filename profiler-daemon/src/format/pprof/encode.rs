@@ -1,5 +1,7 @@
-//! A report as a profile: one sample per stack, one location per return address (its inlined
-//! frames as extra lines), one mapping per module.
+//! A report as a profile: one sample per stack of each process (the traced one and its
+//! children), one location per return address (its inlined frames as extra lines), one mapping
+//! per module. Each sample carries labels for `-tagfocus` and `-tags`: its stack id, its leak
+//! state and its process's pid, command name and executable.
 
 use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
@@ -7,13 +9,36 @@ use flate2::{write::GzEncoder, Compression};
 
 use super::{field, wire::Writer, DefaultType, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
 use crate::{
-    heap::report::{Report, StackReport},
+    heap::report::{self, Report, StackReport},
     symbolize::Frame,
 };
 
+/// A sample's labels: (key, value).
+pub type Labels = Vec<(&'static str, String)>;
+
+/// The labels of every sample of `process`.
+pub fn process_labels(process: &Report) -> Labels {
+    vec![("pid", process.pid.to_string()), ("comm", process.comm.clone()), ("exe", process.exe.clone())]
+}
+
+/// The leak rule's state of a stack, as its `leak` label says it: `candidate`, `no`, or
+/// `warming_up` (too few intervals seen for a verdict).
+fn leak_label(stack: &StackReport) -> &'static str {
+    match (stack.leak.candidate, stack.leak.warming_up) {
+        (true, _) => "candidate",
+        (false, Some(_)) => "warming_up",
+        (false, None) => "no",
+    }
+}
+
 /// The report as a gzip-compressed profile.proto whose default sample type is `default`.
 pub fn render(report: &Report, default: DefaultType) -> Vec<u8> {
-    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    // When the report was taken: from the run's start for a session's, so that a recording
+    // renders the same profile every time.
+    let now = match &report.context {
+        Some(context) => context.started_unix_ns + (report.duration_s * 1e9) as u64,
+        None => SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+    };
     let mut gzip = GzEncoder::new(Vec::new(), Compression::default());
     gzip.write_all(&encode(report, default, now)).expect("writing to memory cannot fail");
     gzip.finish().expect("writing to memory cannot fail")
@@ -23,18 +48,37 @@ pub fn render(report: &Report, default: DefaultType) -> Vec<u8> {
 pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> Vec<u8> {
     let mut tables = Tables::default();
     tables.string("");
-    let samples: Vec<Sample> = report.stacks.iter().map(|stack| tables.sample(stack)).collect();
+    let processes: Vec<&Report> = std::iter::once(report).chain(&report.children).collect();
+    let mut samples = Vec::new();
+    for process in &processes {
+        // With children, each process is the outermost frame of its stacks, as in the flame graph.
+        let outermost = (processes.len() > 1).then(|| report::process_frame(process));
+        let labels = process_labels(process);
+        for stack in &process.stacks {
+            samples.push(tables.sample(stack, outermost.as_ref(), &labels));
+        }
+    }
     let sample_types: Vec<[u64; 2]> =
         SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
     let period_type = [tables.string("space"), tables.string("bytes")];
     let mut comments = vec![tables.string(&format!("memprof: pid {} ({})", report.pid, report.comm))];
+    if let Some(context) = &report.context {
+        let about = format!(
+            "started {} on {} by memprof {}: {}",
+            context.started,
+            context.host,
+            context.memprof_version,
+            context.command_line.join(" ")
+        );
+        comments.push(tables.string(&about));
+    }
     if report.sample_bytes > 0 {
         let sampled =
             format!("sampled: one allocation recorded per {} bytes; values are estimates", report.sample_bytes);
         comments.push(tables.string(&sampled));
     }
     let default_type = tables.string(default.name());
-    let mappings = tables.mappings(report);
+    let mappings = tables.mappings(&processes);
 
     use field::profile as p;
     let mut out = Writer::default();
@@ -45,10 +89,12 @@ pub(super) fn encode(report: &Report, default: DefaultType, time_nanos: u64) -> 
         out.message(p::SAMPLE, |m| {
             m.packed(field::sample::LOCATION_ID, &sample.locations);
             m.packed(field::sample::VALUE, &sample.values);
-            m.message(field::sample::LABEL, |l| {
-                l.uint(field::label::KEY, sample.stack_id[0]);
-                l.uint(field::label::STR, sample.stack_id[1]);
-            });
+            for [key, value] in &sample.labels {
+                m.message(field::sample::LABEL, |l| {
+                    l.uint(field::label::KEY, *key);
+                    l.uint(field::label::STR, *value);
+                });
+            }
         });
     }
     for mapping in &mappings {
@@ -90,8 +136,8 @@ fn value_type(m: &mut Writer, kind: u64, unit: u64) {
 struct Sample {
     locations: Vec<u64>,
     values: [u64; 4],
-    /// The label's key and value.
-    stack_id: [u64; 2],
+    /// The labels' keys and values.
+    labels: Vec<[u64; 2]>,
 }
 
 struct Location {
@@ -150,8 +196,8 @@ struct Tables {
     functions: Vec<(u64, u64)>,
     function_ids: HashMap<(u64, u64), u64>,
     locations: Vec<Location>,
-    /// By module and address.
-    location_ids: HashMap<(String, u64), u64>,
+    /// By module, address and innermost function.
+    location_ids: HashMap<(String, u64, String), u64>,
     /// Module paths in order of first use: mapping ids.
     modules: Vec<String>,
 }
@@ -167,10 +213,10 @@ impl Tables {
         id
     }
 
-    fn sample(&mut self, stack: &StackReport) -> Sample {
+    fn sample(&mut self, stack: &StackReport, outermost: Option<&Frame>, labels: &Labels) -> Sample {
         let mut locations = Vec::new();
         let mut lines: Vec<&Frame> = Vec::new();
-        for frame in &stack.frames {
+        for frame in stack.frames.iter().chain(outermost) {
             lines.push(frame);
             // An inlined frame shares its address with the frames after it, up to the function
             // it is inlined into.
@@ -184,19 +230,27 @@ impl Tables {
             locations.push(self.location(&lines));
         }
         if stack.frames.is_empty() {
-            locations.push(self.no_stack());
+            locations.insert(0, self.no_stack());
         }
+        let own = [(STACK_ID_LABEL, stack.stack_id.as_str()), ("leak", leak_label(stack))];
+        let labels = own
+            .into_iter()
+            .chain(labels.iter().map(|(key, value)| (*key, value.as_str())))
+            .map(|(key, value)| [self.string(key), self.string(value)])
+            .collect();
         Sample {
             locations,
             values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
-            stack_id: [self.string(STACK_ID_LABEL), self.string(&stack.stack_id)],
+            labels,
         }
     }
 
     /// The location of frames that share one address, innermost first.
     fn location(&mut self, frames: &[&Frame]) -> u64 {
         let address = u64::from_str_radix(frames[0].address.trim_start_matches("0x"), 16).unwrap_or(0);
-        let key = (frames[0].module.clone(), address);
+        // The function too: processes share a profile, and one file's code may sit at the same
+        // address in two of them at different offsets (and every process frame is at 0).
+        let key = (frames[0].module.clone(), address, frames[0].function.clone());
         if let Some(&id) = self.location_ids.get(&key) {
             return id;
         }
@@ -240,13 +294,14 @@ impl Tables {
         index as u64 + 1
     }
 
-    /// One mapping per module used, spanning its code mappings (none for `[anonymous]` code).
-    fn mappings(&mut self, report: &Report) -> Vec<Mapping> {
+    /// One mapping per module used, spanning its code mappings in `processes` (none for
+    /// `[anonymous]` code).
+    fn mappings(&mut self, processes: &[&Report]) -> Vec<Mapping> {
         let modules = self.modules.clone();
         (1..)
             .zip(&modules)
             .map(|(id, path)| {
-                let code: Vec<_> = report.modules.iter().filter(|m| &m.path == path).collect();
+                let code: Vec<_> = processes.iter().flat_map(|p| &p.modules).filter(|m| &m.path == path).collect();
                 let first = code.iter().min_by_key(|m| m.start);
                 Mapping {
                     id,
