@@ -59,7 +59,7 @@ enum Record {
     Start { settings: Settings },
     /// An interval's report (`report.final` false), or the final one.
     Report {
-        report: Report,
+        report: Box<Report>,
         /// The frames of the stacks that appear for the first time; the report's stacks have
         /// theirs taken out.
         new_stacks: Vec<SavedStack>,
@@ -111,7 +111,7 @@ impl RecordingWriter {
             }
         });
         let mut bytes = Vec::new();
-        frame(&Record::Report { report, new_stacks }, &mut bytes);
+        frame(&Record::Report { report: Box::new(report), new_stacks }, &mut bytes);
         self.append(&bytes)
     }
 
@@ -193,7 +193,7 @@ impl Recording {
                             }
                         }
                     });
-                    reports.push(report);
+                    reports.push(*report);
                 }
             }
         }
