@@ -271,10 +271,12 @@ impl Tracer<'_> {
                 switches.push((process.pid, switch));
             }
             let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
-            // A final read moments after the last interval is no interval of its own: the leak
-            // rule would see a step without growth, and the final report contradict the last.
+            // A final read moments after the last interval is no interval of its own: it stands
+            // in for the last (see `observe_instead_of_last`).
             let since_last = time_s - process.leaks.last_time_s().unwrap_or(f64::NEG_INFINITY);
-            if !is_final || since_last >= self.args.interval / 2.0 {
+            if is_final && since_last < self.args.interval / 2.0 {
+                process.leaks.observe_instead_of_last(snapshot, &clock, time_s);
+            } else {
                 process.leaks.observe(snapshot, &clock, time_s);
             }
         }

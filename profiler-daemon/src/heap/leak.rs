@@ -103,6 +103,8 @@ pub struct LeakTracker {
     total_bytes: VecDeque<u64>,
     /// Stacks that have been leak candidates: (index in the timeline of the first value, values).
     flagged: HashMap<u64, (usize, VecDeque<u64>)>,
+    /// When the last snapshot was read (its `now_ns`).
+    last_ns: Option<u64>,
 }
 
 impl LeakTracker {
@@ -113,7 +115,33 @@ impl LeakTracker {
             time_s: VecDeque::new(),
             total_bytes: VecDeque::new(),
             flagged: HashMap::new(),
+            last_ns: None,
         }
+    }
+
+    /// Takes a snapshot read moments after the last interval's (a session's final read) in its
+    /// place: a step of a few milliseconds would be one without growth, and the final verdicts
+    /// would contradict the last interval's; replaced, the window keeps its length, and the
+    /// timeline ends at the final figures.
+    pub fn observe_instead_of_last(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
+        if let Some(last_ns) = self.last_ns.take() {
+            for history in self.stacks.values_mut() {
+                if history.recent.back().is_some_and(|(read_ns, _)| *read_ns == last_ns) {
+                    history.recent.pop_back();
+                }
+            }
+            if self.time_s.pop_back().is_some() {
+                self.total_bytes.pop_back();
+            }
+            let points = self.time_s.len();
+            for (first, values) in self.flagged.values_mut() {
+                if *first + values.len() > points {
+                    values.pop_back();
+                }
+            }
+            self.flagged.retain(|_, (_, values)| !values.is_empty());
+        }
+        self.observe(snapshot, clock, time_s);
     }
 
     /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
@@ -134,6 +162,7 @@ impl LeakTracker {
             history.verdict = judge(&bytes, held_from_before, self.settings, window_ns);
         }
         self.record_timeline(snapshot, time_s);
+        self.last_ns = Some(snapshot.now_ns);
     }
 
     fn record_timeline(&mut self, snapshot: &Snapshot, time_s: f64) {
