@@ -241,9 +241,9 @@ mod tests {
     use crate::heap::report::samples;
 
     fn recording(reports: &[Report]) -> Vec<u8> {
-        let dir = std::env::temp_dir().join(format!("memprof-recording-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{}.rec", reports.len()));
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("memprof-recording-test-{}-{n}.rec", std::process::id()));
         let mut writer = RecordingWriter::create(&path).unwrap();
         writer.start(Settings { top: 3, interval_s: 0.5 }).unwrap();
         for report in reports {
