@@ -91,6 +91,23 @@ Examples:
     /// Write the man pages, memprof.1 and one per subcommand, into DIR (`cargo xtask man`).
     #[command(hide = true)]
     Man { dir: PathBuf },
+    /// Render a recording (`attach`/`run --record FILE`) in any format, as the session would have.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct ReportArgs {
+    /// The recording.
+    pub recording: PathBuf,
+    /// The format: table and json give every interval's report, the others the final one.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Write to this file instead of stdout.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Stacks shown per report in the table [default: the session's --top].
+    #[arg(long)]
+    pub top: Option<usize>,
 }
 
 #[derive(Debug, Args, Clone)]
@@ -166,6 +183,10 @@ pub struct TraceArgs {
     /// Write reports to this file instead of stdout.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// Also record every interval's report to FILE, written as the session goes (it survives a
+    /// killed memprof up to its last interval); `memprof report FILE` renders it in any format.
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
     /// Trace the children the process forks too, each in a section of its own: `--follow-forks`
     /// or `--follow-forks=false` [default: false for attach, true for run].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]

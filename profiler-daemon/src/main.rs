@@ -7,6 +7,7 @@ mod error;
 mod format;
 mod heap;
 mod kernel;
+mod names;
 mod process;
 mod symbolize;
 mod text;
@@ -52,6 +53,7 @@ fn main() -> ExitCode {
             cli::Command::Diff(args) => commands::diff::run(args),
             cli::Command::Completions { shell } => commands::manual::completions(*shell),
             cli::Command::Man { dir } => commands::manual::man_pages(dir),
+            cli::Command::Report(args) => commands::report::run(args),
         }
     });
     match result {

@@ -29,7 +29,7 @@ use crate::{
 
 /// Code of one file mapped into the process: addresses `start..limit` map the file from
 /// `file_offset` on.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Module {
     pub path: String,
     pub start: u64,

@@ -142,12 +142,15 @@ fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
     let scratch = Scratch::new("run");
     let program = fixture("pprof_sites");
     let profile = scratch.file("run.pb.gz");
+    let recording = scratch.file("run.rec");
     let outcome = memprof(&[
         "run",
         "--format",
         "pprof",
         "--output",
         &profile,
+        "--record",
+        &recording,
         "--interval",
         "3600",
         "--",
@@ -156,6 +159,28 @@ fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(outcome.stdout.is_empty(), "the profile goes to the file only");
     assert_phase_one(&scratch, &profile);
+
+    // The same profile rendered from the recording, to the byte (its time is the run's).
+    let rendered = scratch.file("rendered.pb.gz");
+    let render = memprof(&["report", &recording, "--format", "pprof", "--output", &rendered]);
+    assert!(render.status.success(), "{render:?}");
+    assert_eq!(std::fs::read(&rendered).unwrap(), std::fs::read(&profile).unwrap());
+
+    // Labels for -tagfocus: the leak state, the process; the run's context in the comments.
+    let pid = outcome.stderr.split("tracing pid ").nth(1).and_then(|s| s.split(' ').next()).unwrap();
+    let tags = go_pprof(&scratch, &["-tags", &profile]);
+    for tag in
+        ["leak: Total", "warming_up", &format!("{pid}\n"), "pid: Total", "comm: Total", "pprof_sites\n", "exe: Total"]
+    {
+        assert!(tags.contains(tag), "no {tag:?} in {tags}");
+    }
+    let focused = Top::read(&scratch, &["-sample_index=inuse_space", "-tagfocus=leak=warming_up", &profile]);
+    assert_eq!(focused.flat("site_a"), 10_000, "{focused:?}");
+    let comments = go_pprof(&scratch, &["-comments", &profile]);
+    assert!(comments.contains(&format!("memprof: pid {pid} (pprof_sites)")), "{comments}");
+    let started = comments.lines().find(|l| l.starts_with("started ")).unwrap_or_else(|| panic!("{comments}"));
+    assert!(started.contains(&format!(" by memprof {}: ", env!("CARGO_PKG_VERSION"))), "{started}");
+    assert!(started.ends_with(&format!("--interval 3600 -- {}", program.display())), "{started}");
     assert_eq!(Top::read(&scratch, &[&profile]).sample_type, "inuse_space", "a heap profile shows in-use bytes first");
 
     let raw = go_pprof(&scratch, &["-raw", &profile]);
@@ -237,7 +262,7 @@ fn the_host_profile_labels_each_process_for_tagfocus() {
         let report = daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
         let exe = report["exe"].as_str().expect("the report's exe");
         assert!(exe.contains(&format!("/{comm}")), "{exe}");
-        let labels = format!("cgroup:[{cgroup}] comm:[{comm}] exe:[{exe}] leak:[false] stack_id:[");
+        let labels = format!("cgroup:[{cgroup}] comm:[{comm}] exe:[{exe}] leak:[");
         let line =
             raw.lines().position(|l| l.trim().starts_with(&labels)).unwrap_or_else(|| panic!("{labels} in {raw}"));
         assert_eq!(raw.lines().nth(line + 1).map(str::trim), Some(format!("pid:[{pid}]").as_str()), "{raw}");

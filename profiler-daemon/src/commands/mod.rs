@@ -6,6 +6,8 @@ pub mod diff;
 pub mod family;
 pub mod manual;
 pub mod output;
+pub mod recording;
+pub mod report;
 pub mod session;
 pub mod snapshot;
 pub mod target;

@@ -41,7 +41,16 @@ impl ReportOutput {
     /// Checks the destination and opens the temporary file; `path` itself is not touched yet.
     pub fn open(format: Format, path: Option<&Path>) -> Result<Self, UserError> {
         format::check_destination(format, path)?;
-        path.map_or(Ok(Self::Stdout { closed: false }), |path| ReportFile::create(path).map(Self::File))
+        let Some(path) = path else { return Ok(Self::Stdout { closed: false }) };
+        ReportFile::create(path).map(Self::File).map_err(|cause| UserError::Output { path: path.to_path_buf(), cause })
+    }
+
+    /// The file reports go to, when not standard output.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Self::Stdout { .. } => None,
+            Self::File(file) => Some(&file.path),
+        }
     }
 
     /// Writes one complete report (a streamed format's next one, or the only one) and, for a
@@ -53,7 +62,9 @@ impl ReportOutput {
                 *closed = !print(report)?;
                 Ok(())
             }
-            Self::File(file) => file.write_report(report),
+            Self::File(file) => {
+                file.append(report).map_err(|cause| UserError::Output { path: file.path.clone(), cause })
+            }
         }
     }
 
@@ -77,9 +88,8 @@ pub fn print(text: &[u8]) -> Result<bool, UserError> {
 
 impl ReportFile {
     /// Opens the temporary file beside `path`; `path` itself is not touched yet.
-    pub fn create(path: &Path) -> Result<Self, UserError> {
-        let error = |source| UserError::Output { path: path.to_path_buf(), cause: source };
-        let temporary = temporary_name(path).map_err(error)?;
+    pub fn create(path: &Path) -> io::Result<Self> {
+        let temporary = temporary_name(path)?;
         let directory = match path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent,
             _ => Path::new("."),
@@ -88,17 +98,13 @@ impl ReportFile {
         let (file, unnamed) = match unnamed {
             Ok(file) => (file, true),
             // A file system without O_TMPFILE: a named temporary file.
-            Err(_) => (OpenOptions::new().write(true).create_new(true).open(&temporary).map_err(error)?, false),
+            Err(_) => (OpenOptions::new().write(true).create_new(true).open(&temporary)?, false),
         };
         Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false })
     }
 
-    /// Appends a complete report and puts the file in place.
-    pub fn write_report(&mut self, report: &[u8]) -> Result<(), UserError> {
-        self.append(report).map_err(|source| UserError::Output { path: self.path.clone(), cause: source })
-    }
-
-    fn append(&mut self, report: &[u8]) -> io::Result<()> {
+    /// Appends a complete report (or record) and puts the file in place.
+    pub fn append(&mut self, report: &[u8]) -> io::Result<()> {
         self.file.write_all(report)?;
         // On disk before it replaces the old file: a full disk fails here, not after the rename.
         self.file.sync_data()?;

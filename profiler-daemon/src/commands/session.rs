@@ -14,9 +14,11 @@ use crate::{
     cli::{TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
     commands::output::ReportOutput,
+    commands::recording::{RecordingWriter, Settings},
     commands::target::{self, ExitWatch},
     error::UserError,
     format::{self, Format},
+    heap::context::RunContext,
     heap::report::{self, Report, Selection},
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -139,16 +141,21 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator) {
     }
 }
 
-/// What a session opens before anything else: where its reports go (checked before any probe is
-/// attached) and the signals that end it.
+/// What a session opens before anything else: where its reports and recording go (checked
+/// before any probe is attached) and the signals that end it.
 struct Opened {
     output: ReportOutput,
+    recording: Option<RecordingWriter>,
     stop: StopSignals,
 }
 
 impl Opened {
     fn open(args: &TraceArgs) -> anyhow::Result<Self> {
-        Ok(Self { output: ReportOutput::open(args.format(), args.output.as_deref())?, stop: StopSignals::new()? })
+        Ok(Self {
+            output: ReportOutput::open(args.format(), args.output.as_deref())?,
+            recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
+            stop: StopSignals::new()?,
+        })
     }
 }
 
@@ -195,6 +202,9 @@ struct Tracer<'a> {
     args: &'a TraceArgs,
     start_ns: u64,
     min_age_ns: u64,
+    context: RunContext,
+    /// Every report is built whole (every stack) for the recording; the format takes its part.
+    recording: bool,
 }
 
 impl Tracer<'_> {
@@ -262,7 +272,14 @@ impl Tracer<'_> {
                 switches.push((process.pid, switch));
             }
             let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
-            process.leaks.observe(snapshot, &clock, time_s);
+            // A final read moments after the last interval is no interval of its own: it stands
+            // in for the last (see `observe_instead_of_last`).
+            let since_last = time_s - process.leaks.last_time_s().unwrap_or(f64::NEG_INFINITY);
+            if is_final && since_last < self.args.interval / 2.0 {
+                process.leaks.observe_instead_of_last(snapshot, &clock, time_s);
+            } else {
+                process.leaks.observe(snapshot, &clock, time_s);
+            }
         }
         for (pid, switch) in switches {
             self.loaded.sample(pid, switch.sample_bytes)?;
@@ -272,14 +289,14 @@ impl Tracer<'_> {
             );
         }
         let format = self.args.format();
-        if !is_final && !format.streams() {
+        if !is_final && !format.streams() && !self.recording {
             return Ok(None);
         }
         let selection = Selection {
             is_final,
-            top: (format == Format::Table && self.args.filters.is_empty()).then_some(self.args.top),
+            top: (format == Format::Table && self.args.filters.is_empty() && !self.recording).then_some(self.args.top),
             aged_only: self.min_age_ns > 0,
-            freed: format == Format::Pprof,
+            freed: format == Format::Pprof || self.recording,
         };
         let mut reports: Vec<Report> = self
             .family
@@ -303,9 +320,6 @@ impl Tracer<'_> {
                     .map_or_else(Vec::new, |b| b.current(process.pid, report.totals.allocations));
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
-                    if format == Format::Table {
-                        report.stacks.truncate(self.args.top);
-                    }
                 }
                 report
             })
@@ -317,6 +331,7 @@ impl Tracer<'_> {
         let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
         root.forks = self.family.forks(&self.loaded);
         root.unwind_tables = Some(self.loaded.unwind.table_use());
+        root.context = Some(self.context.clone());
         root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
         Ok(Some(root))
     }
@@ -347,7 +362,7 @@ async fn trace(
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
-    let Opened { mut output, mut stop } = opened;
+    let Opened { mut output, mut recording, mut stop } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
     let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
@@ -363,15 +378,29 @@ async fn trace(
         args,
         start_ns: aggregate::monotonic_now_ns(),
         min_age_ns: (args.min_age * 1e9) as u64,
+        context: RunContext::now(),
+        recording: recording.is_some(),
     };
+    if let Some(recording) = &mut recording {
+        recording.start(Settings { top: args.top, interval_s: args.interval })?;
+    }
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(args.interval));
     ticks.tick().await;
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
+    let format = args.format();
     // Returns whether the reports are still read.
     let mut write = |report: Option<Report>| -> anyhow::Result<bool> {
         if let Some(report) = report {
-            output.write_report(&format::render(&report, args.format()))?;
+            if let Some(recording) = &mut recording {
+                recording.report(&report)?;
+            }
+            if report.is_final || format.streams() {
+                output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
+                if let (true, false, Some(path)) = (report.is_final, format.streams(), output.path()) {
+                    eprintln!("memprof: wrote {}", path.display());
+                }
+            }
         }
         Ok(output.is_read())
     };

@@ -15,6 +15,7 @@ use clap::Parser;
 use crate::{
     cli::{SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
     commands::{output::ReportFile, session},
+    error::UserError,
     format::{Format, MAX_INPUT_BYTES},
 };
 
@@ -26,7 +27,8 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
     let pid = args.pid.get();
     match from_daemon(&args.daemon, pid, format)? {
         Answer::Report(report) => {
-            ReportFile::create(&args.output)?.write_report(&report)?;
+            let error = |cause| UserError::Output { path: args.output.clone(), cause };
+            ReportFile::create(&args.output).and_then(|mut file| file.append(&report)).map_err(error)?;
             eprintln!(
                 "memprof: pid {pid} is traced by the daemon at {}: wrote its report to {}; it stays traced",
                 args.daemon,

@@ -225,7 +225,7 @@ async fn profile(shared: &Shared, query: Option<String>, path: &str, default: pp
         let profile = builder
             .once(cell, move || {
                 // Their allocations count too.
-                let part = pprof::Part { more_stacks: &built.freed_stacks, ..pprof::Part::of(&built.report) };
+                let part = pprof::Part::labelled(&built.report, &built.freed_stacks, built.cgroup.as_deref());
                 pprof::render_parts(&[part], default)
             })
             .await?;

@@ -1,7 +1,11 @@
 //! An SVG flame graph of the bytes in use, drawn by inferno from the folded stacks: each frame is
 //! as wide as the memory held below it, the callers at the bottom.
 
-use inferno::flamegraph::{self, color::BasicPalette, Options, Palette};
+use inferno::flamegraph::{
+    self,
+    color::{BasicPalette, Color, PaletteMap},
+    Options, Palette,
+};
 
 use super::{folded, html::escape};
 use crate::heap::report::Report;
@@ -29,6 +33,13 @@ pub fn render(report: &Report) -> Vec<u8> {
         let subtitle = options.subtitle.get_or_insert_with(String::new);
         subtitle.push_str(&format!("; {} smaller stacks left out", report.stacks_not_shown));
     }
+    // Leak candidates' allocation sites in red, apart from the memory palette's greens.
+    let mut palette = leak_sites(report);
+    if palette.iter().next().is_some() {
+        let subtitle = options.subtitle.get_or_insert_with(String::new);
+        subtitle.push_str("; in red: the allocation sites of leak candidates");
+    }
+    options.palette_map = Some(&mut palette);
     options.colors = Palette::Basic(BasicPalette::Mem);
     options.count_name = "bytes".to_string();
     // Colours from the function names: the same function has the same colour in every graph.
@@ -37,6 +48,20 @@ pub fn render(report: &Report) -> Vec<u8> {
     flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), &mut svg)
         .expect("inferno draws any non-empty set of folded lines into memory");
     svg
+}
+
+/// The colour of leaks (the HTML report's red).
+const LEAK: Color = Color { r: 0xd6, g: 0x27, b: 0x28 };
+
+/// The functions of the leak candidates' allocation sites, in `LEAK`.
+fn leak_sites(report: &Report) -> PaletteMap {
+    let mut palette = PaletteMap::default();
+    for stack in report.stacks.iter().filter(|s| s.leak.candidate) {
+        if let Some(site) = stack.frames.get(stack.site) {
+            palette.insert(folded::frame_name(&site.function), LEAK);
+        }
+    }
+    palette
 }
 
 /// The bytes and allocations the graph shows: the report's stacks' in-use ones (only those aged
@@ -72,6 +97,17 @@ mod tests {
         assert!(svg.contains("pid 1 (leaky): in-use bytes"), "{svg}");
         assert!(svg.contains("<title>leak_here (48 bytes, 100.00%)</title>"), "{svg}");
         assert!(svg.contains(">48 bytes in 1 allocations<"), "{svg}");
+    }
+
+    #[test]
+    fn leak_sites_are_red_and_the_subtitle_says_so() {
+        let mut report = samples::report();
+        assert!(!text(&report).contains("in red"));
+        report.stacks[0].leak.candidate = true;
+        let svg = text(&report);
+        assert!(svg.contains("; in red: the allocation sites of leak candidates<"), "{svg}");
+        let frame = svg.split("<title>leak_here (").nth(1).unwrap();
+        assert!(frame.contains("fill=\"rgb(214,39,40)\""), "{frame}");
     }
 
     #[test]

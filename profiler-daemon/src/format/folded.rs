@@ -45,7 +45,7 @@ fn path(stack: &StackReport) -> String {
 /// A function name that cannot break a line apart: `;` separates frames and a newline ends the
 /// line, so neither may appear inside one (Rust names like `[u8; 8]` contain `;`); no control
 /// character either, which the SVG drawn from these lines could not hold.
-fn frame_name(function: &str) -> String {
+pub(super) fn frame_name(function: &str) -> String {
     printable(function).replace(';', ",")
 }
 

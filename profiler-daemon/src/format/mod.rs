@@ -11,7 +11,7 @@ mod table;
 pub use html::escape;
 pub use table::{describe, site};
 
-use std::{io::IsTerminal as _, path::Path};
+use std::{collections::HashSet, io::IsTerminal as _, path::Path};
 
 use clap::ValueEnum;
 
@@ -52,12 +52,39 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
     Ok(())
 }
 
+/// What `format` shows of a report that may hold every stack (a recording's): the stacks that
+/// hold nothing now only in pprof's allocation profile, the `top` largest in the table, the
+/// modules and leak timelines of the stacks kept. The live session and `memprof report` both go
+/// through here, so both write the same report from the same data.
+pub fn select(report: &Report, format: Format, top: usize) -> Report {
+    let mut selected = report.clone();
+    select_in(&mut selected, format, top);
+    selected
+}
+
+fn select_in(report: &mut Report, format: Format, top: usize) {
+    if format != Format::Pprof {
+        report.stacks.retain(|s| s.outstanding_allocations > 0);
+    }
+    if format == Format::Table {
+        report.stacks.truncate(top);
+    }
+    let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
+    report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
+    let modules: HashSet<&str> = report.stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+    report.modules.retain(|m| modules.contains(m.path.as_str()));
+    for child in &mut report.children {
+        select_in(child, format, top);
+    }
+}
+
 /// The report in `format`, ending with a newline where the format is text.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {
     // Table and JSON have a section per process; the others draw one profile, with each process
     // a root frame of its own once there are several.
     let merged;
-    let report = if report.children.is_empty() || format.streams() {
+    // pprof labels each process's samples instead (`pprof::encode`).
+    let report = if report.children.is_empty() || format.streams() || format == Format::Pprof {
         report
     } else {
         merged = crate::heap::report::merge_processes(report);

@@ -61,14 +61,19 @@ fn section(report: &Report) -> String {
         let _ = writeln!(out, "  {:>12} {:>9} {:>9} {:>5}  STACK", "BYTES", "COUNT", "OLDEST", "LEAK");
     }
     for stack in &report.stacks {
-        // A leak candidate's score is marked with `!`.
-        let leak = format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " });
+        // A leak candidate's score is marked with `!`; a stack the rule has no verdict on yet, `-`.
+        let leak = match stack.leak.warming_up {
+            Some(_) => "- ".to_string(),
+            None => format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " }),
+        };
         let lead = format!(
             "  {:>12} {:>9} {:>8.1}s {:>5}  ",
             stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s, leak
         );
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
-        if stack.leak.candidate {
+        if let Some(warming_up) = stack.leak.warming_up {
+            let _ = writeln!(out, "{}[leak rule {warming_up}]", " ".repeat(lead.len()));
+        } else if stack.leak.candidate {
             let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), stack.leak.reason);
         }
     }
@@ -186,6 +191,16 @@ mod tests {
         assert!(render(&report).starts_with("memprof: pid 1 (leaky) final report"));
         report.ns_pid = Some(7);
         assert!(render(&report).starts_with("memprof: pid 1 (leaky, pid 7 in its namespace) final report"));
+    }
+
+    #[test]
+    fn a_stack_without_a_verdict_yet_says_it_is_warming_up() {
+        let mut report = crate::heap::report::samples::report();
+        report.stacks[0].leak.warming_up = Some(crate::heap::leak::WarmUp { seen: 2, window: 6 });
+        let table = render(&report);
+        assert!(table.contains("0.5s    -   leak_here"), "{table}");
+        assert!(table.contains("[leak rule warming up (2 of 6 intervals)]"), "{table}");
+        assert!(!table.contains("0.00"), "{table}");
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     kernel::ages::{self, Clock},
@@ -20,7 +20,7 @@ use crate::{
 };
 
 /// Heap in use over time: one point per interval (the latest `timeline::MAX_POINTS` of them).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Timeline {
     /// Seconds since tracing began.
     pub time_s: Vec<f64>,
@@ -30,7 +30,7 @@ pub struct Timeline {
     pub stacks: Vec<StackTimeline>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StackTimeline {
     pub stack_id: String,
     /// Index in `Timeline::time_s` of the first value.
@@ -45,13 +45,32 @@ impl Timeline {
 }
 
 /// The leak rule's verdict on one stack (see the module doc and the README).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LeakVerdict {
     pub candidate: bool,
     /// 0 (no sign of a leak) to 1 (grew every interval and freed none of its older memory).
     pub score: f64,
     /// The verdict in words, e.g. "grew in 6 of 6 intervals; holds 100% of what it held 30 s ago".
     pub reason: String,
+    /// The rule has seen fewer of the stack's intervals than its window: no verdict yet (the
+    /// score is 0 for want of history, not for want of growth).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warming_up: Option<WarmUp>,
+}
+
+/// How far a stack's history is from a full window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmUp {
+    /// Intervals of the stack seen so far.
+    pub seen: usize,
+    /// `--leak-window`.
+    pub window: usize,
+}
+
+impl std::fmt::Display for WarmUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "warming up ({} of {} intervals)", self.seen, self.window)
+    }
 }
 
 /// The rule's settings (`--leak-window`, `--leak-threshold`).
@@ -84,6 +103,8 @@ pub struct LeakTracker {
     total_bytes: VecDeque<u64>,
     /// Stacks that have been leak candidates: (index in the timeline of the first value, values).
     flagged: HashMap<u64, (usize, VecDeque<u64>)>,
+    /// When the last snapshot was read (its `now_ns`).
+    last_ns: Option<u64>,
 }
 
 impl LeakTracker {
@@ -94,7 +115,33 @@ impl LeakTracker {
             time_s: VecDeque::new(),
             total_bytes: VecDeque::new(),
             flagged: HashMap::new(),
+            last_ns: None,
         }
+    }
+
+    /// Takes a snapshot read moments after the last interval's (a session's final read) in its
+    /// place: a step of a few milliseconds would be one without growth, and the final verdicts
+    /// would contradict the last interval's; replaced, the window keeps its length, and the
+    /// timeline ends at the final figures.
+    pub fn observe_instead_of_last(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
+        if let Some(last_ns) = self.last_ns.take() {
+            for history in self.stacks.values_mut() {
+                if history.recent.back().is_some_and(|(read_ns, _)| *read_ns == last_ns) {
+                    history.recent.pop_back();
+                }
+            }
+            if self.time_s.pop_back().is_some() {
+                self.total_bytes.pop_back();
+            }
+            let points = self.time_s.len();
+            for (first, values) in self.flagged.values_mut() {
+                if *first + values.len() > points {
+                    values.pop_back();
+                }
+            }
+            self.flagged.retain(|_, (_, values)| !values.is_empty());
+        }
+        self.observe(snapshot, clock, time_s);
     }
 
     /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
@@ -118,6 +165,7 @@ impl LeakTracker {
             history.verdict = judge(&bytes, held_from_before, self.settings, window_ns);
         }
         self.record_timeline(snapshot, time_s);
+        self.last_ns = Some(snapshot.now_ns);
     }
 
     fn record_timeline(&mut self, snapshot: &Snapshot, time_s: f64) {
@@ -153,9 +201,14 @@ impl LeakTracker {
         self.time_s.len() <= self.settings.window
     }
 
-    /// The verdict on a stack by its kernel id.
+    /// The verdict on a stack by its kernel id: one not seen at an interval yet has none.
     pub fn verdict(&self, stack_id: u64) -> LeakVerdict {
-        self.stacks.get(&stack_id).map(|h| h.verdict.clone()).unwrap_or_default()
+        self.stacks.get(&stack_id).map_or_else(|| warming_up(0, self.settings.window), |h| h.verdict.clone())
+    }
+
+    /// When the last interval was observed, in seconds since tracing began.
+    pub fn last_time_s(&self) -> Option<f64> {
+        self.time_s.back().copied()
     }
 
     /// The timeline, with stack ids as the report names them (`report_id`; stacks it does not
@@ -186,11 +239,7 @@ impl LeakTracker {
 fn judge(recent: &[u64], held_from_before: u64, settings: LeakSettings, window_ns: u64) -> LeakVerdict {
     let steps = recent.len().saturating_sub(1);
     if steps < settings.window {
-        return LeakVerdict {
-            candidate: false,
-            score: 0.0,
-            reason: format!("watching: {steps} of {} intervals seen", settings.window),
-        };
+        return warming_up(steps, settings.window);
     }
     let (first, last) = (recent[0], recent[steps]);
     let rises = recent.windows(2).filter(|pair| pair[1] > pair[0]).count();
@@ -209,7 +258,13 @@ fn judge(recent: &[u64], held_from_before: u64, settings: LeakSettings, window_n
         candidate,
         score: (score * 1000.0).round() / 1000.0,
         reason: format!("{verdict}: grew in {rises} of {steps} intervals ({change} bytes); {held}"),
+        warming_up: None,
     }
+}
+
+fn warming_up(seen: usize, window: usize) -> LeakVerdict {
+    let warm_up = WarmUp { seen, window };
+    LeakVerdict { candidate: false, score: 0.0, reason: warm_up.to_string(), warming_up: Some(warm_up) }
 }
 
 #[cfg(test)]
@@ -250,6 +305,7 @@ mod tests {
     fn too_little_history_is_watched() {
         let verdict = judge_series(&[100, 200], 100);
         assert!(!verdict.candidate);
-        assert_eq!(verdict.reason, "watching: 1 of 4 intervals seen");
+        assert_eq!(verdict.reason, "warming up (1 of 4 intervals)");
+        assert_eq!(verdict.warming_up, Some(WarmUp { seen: 1, window: 4 }));
     }
 }

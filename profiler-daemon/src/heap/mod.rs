@@ -2,6 +2,7 @@
 //! filters and double frees. Imports `kernel`, `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
+pub mod context;
 pub mod double_free;
 pub mod filter;
 pub mod leak;

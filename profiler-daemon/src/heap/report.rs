@@ -5,10 +5,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::Ebpf;
 use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     heap::{
+        context::RunContext,
         leak::{LeakTracker, LeakVerdict, Timeline},
         stack_cache::{StackCache, Symbolized},
     },
@@ -18,10 +19,14 @@ use crate::{
     unwind::{Registry, TableUse},
 };
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     #[serde(rename = "final")]
     pub is_final: bool,
+    /// When, where and by which memprof the trace was made: in the traced process's report (not
+    /// its children's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<RunContext>,
     pub pid: u32,
     /// The process's pid in its own pid namespace (a container's), when it differs from `pid`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -33,7 +38,7 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<u32>,
     /// A child that has exited: its report as it stood then.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
@@ -41,15 +46,20 @@ pub struct Report {
     pub sample_bytes: u64,
     pub totals: Totals,
     /// This process's events not recorded, by reason.
+    #[serde(deserialize_with = "crate::names::deserialize_counts")]
     pub dropped: BTreeMap<&'static str, u64>,
     /// Events not recorded that no process's counters had room for (more processes than the
     /// per-process table holds), by reason: only those that happened.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "crate::names::deserialize_counts"
+    )]
     pub unattributed_dropped: BTreeMap<&'static str, u64>,
     pub stacks: Vec<StackReport>,
     /// Stacks left out of this page or graph to keep it within its size (the daemon's `/report`
     /// and flame graph): the largest are shown; the JSON report and profiles have them all.
-    #[serde(skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub stacks_not_shown: u64,
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
@@ -63,11 +73,11 @@ pub struct Report {
     /// Allocations freed by another thread than the one that made them.
     pub thread_pairs: Vec<ThreadPair>,
     /// In-use bytes at each interval so far; only in the final report.
-    #[serde(skip_serializing_if = "Timeline::is_empty")]
+    #[serde(default, skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
     /// The traced process's followed children (and theirs), each a report of its own
     /// (`--follow-forks`; see `Forks`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forks: Option<Forks>,
@@ -78,7 +88,7 @@ pub struct Report {
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Forks {
     /// Children attached to.
     pub followed: u64,
@@ -92,7 +102,7 @@ pub struct Forks {
 }
 
 /// One bucket of a histogram: values in `min..=max`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Bucket {
     pub min: u64,
     pub max: u64,
@@ -100,7 +110,7 @@ pub struct Bucket {
 }
 
 /// Allocations made by one thread and freed by another.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ThreadPair {
     pub alloc_tid: u32,
     pub free_tid: u32,
@@ -108,7 +118,7 @@ pub struct ThreadPair {
     pub freed_bytes: u64,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Totals {
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
@@ -120,7 +130,7 @@ pub struct Totals {
     pub failed_allocations: u64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StackReport {
     /// A hash of the frames' (module, file offset): stable across runs and processes.
     pub stack_id: String,
@@ -138,7 +148,7 @@ pub struct StackReport {
     pub frames: Vec<Frame>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DoubleFreeReport {
     pub address: String,
     pub size: u64,
@@ -147,7 +157,7 @@ pub struct DoubleFreeReport {
     pub second_free: SiteReport,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SiteReport {
     pub tid: u32,
     /// Seconds since tracing began.
@@ -310,6 +320,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let stacks = merge_same_stacks(stacks);
     Report {
         is_final: selection.is_final,
+        context: None,
         pid: ctx.stacks.pid,
         ns_pid: ctx.ns_pid,
         comm: ctx.comm.to_string(),
@@ -374,14 +385,7 @@ pub fn merge_processes(root: &Report) -> Report {
     let mut merged = Report { children: Vec::new(), ..root.clone() };
     merged.stacks.clear();
     for process in std::iter::once(root).chain(&root.children) {
-        let process_frame = Frame::new(FrameInfo {
-            address: "0x0".into(),
-            function: format!("{} (pid {})", process.comm, process.pid),
-            file: None,
-            line: None,
-            module: process.exe.clone(),
-            inlined: false,
-        });
+        let process_frame = process_frame(process);
         for stack in &process.stacks {
             let mut stack = stack.clone();
             stack.frames.push(process_frame.clone());
@@ -406,6 +410,19 @@ pub fn merge_processes(root: &Report) -> Report {
     }
     merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
     merged
+}
+
+/// The outermost frame of a process's stacks when several processes share one profile:
+/// `comm (pid N)`.
+pub fn process_frame(process: &Report) -> Frame {
+    Frame::new(FrameInfo {
+        address: "0x0".into(),
+        function: format!("{} (pid {})", process.comm, process.pid),
+        file: None,
+        line: None,
+        module: process.exe.clone(),
+        inlined: false,
+    })
 }
 
 /// What the process could not record, by reason: its drops in the kernel and the age
@@ -523,6 +540,7 @@ pub mod samples {
     pub fn report() -> Report {
         Report {
             is_final: true,
+            context: None,
             pid: 1,
             ns_pid: None,
             comm: "leaky".into(),

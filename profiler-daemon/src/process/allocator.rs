@@ -11,7 +11,7 @@ use std::{
 
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::AllocFn;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     error::UserError,
@@ -74,6 +74,21 @@ pub struct BlindSpot {
     /// memory through malloc after all: then it is no blind spot.
     #[serde(skip)]
     pub unless_env: Option<&'static str>,
+}
+
+/// A blind spot as a saved report has it (see `crate::names`).
+#[derive(Deserialize)]
+struct SavedBlindSpot {
+    kind: String,
+    what: String,
+    advice: String,
+}
+
+impl<'de> Deserialize<'de> for BlindSpot {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let saved = SavedBlindSpot::deserialize(deserializer)?;
+        Ok(Self { kind: crate::names::intern(saved.kind), what: saved.what, advice: saved.advice, unless_env: None })
+    }
 }
 
 /// Allocators memprof finds but does not probe: (a symbol that says a file holds one, what goes

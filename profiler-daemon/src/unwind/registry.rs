@@ -77,7 +77,7 @@ struct NotLoaded {
 }
 
 /// How many rows the tables take, and of how many files: for reports, metrics and the benchmark.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TableUse {
     /// Files with tables in the kernel (CFI rows, or frame pointers for a file without CFI).
     pub files: usize,

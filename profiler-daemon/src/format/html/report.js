@@ -25,14 +25,16 @@ function summarySection(report) {
     el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })))
     .concat(unattributed.map(([reason, count]) =>
       el('tr', { class: 'bad' }, el('th', {}, `${reason} (no process's)`), num(grouped(count)))));
+  // The counters, all zero in a good trace, are folded away unless one is not.
   return section('summary', 'Totals',
     el('div', { class: 'columns' },
       el('table', { id: 'totals' }, el('tbody', {}, rows)),
       el('div', {},
-        el('p', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
-          lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
-            : recorded),
-        el('table', { id: 'dropped' }, el('tbody', {}, dropped)),
+        el('details', { id: 'drops', open: lost > 0 },
+          el('summary', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
+            lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
+              : recorded),
+          el('table', { id: 'dropped' }, el('tbody', {}, dropped))),
         blindSpots(report),
         unwindTables(report.unwind_tables))));
 }
@@ -68,7 +70,10 @@ function unwindTables(tables) {
 function leakSection(report) {
   const candidates = report.stacks.filter(s => s.leak.candidate).sort((a, b) => b.leak.score - a.leak.score);
   if (candidates.length === 0) {
-    return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks' }, 'No stack is a leak candidate.'));
+    // Before the rule has seen a window of intervals, no verdict is no acquittal.
+    const warming = report.stacks.find(s => s.leak.warming_up);
+    return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks', class: warming ? 'note' : undefined },
+      warming ? `No verdict yet: the leak rule is ${leakState(warming)}.` : 'No stack is a leak candidate.'));
   }
   const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
     num(s.leak.score.toFixed(2), { class: 'num score' }),
@@ -81,6 +86,12 @@ function leakSection(report) {
     table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }));
 }
 
+// `warming up (2 of 6 intervals)`: the rule has too few of the stack's intervals for a verdict.
+function leakState(stack) {
+  const w = stack.leak.warming_up;
+  return `warming up (${w.seen} of ${w.window} intervals)`;
+}
+
 function stackSection(report) {
   const holding = report.stacks.filter(s => s.outstanding_allocations > 0);
   const shown = holding.slice(0, STACK_ROWS);
@@ -90,7 +101,7 @@ function stackSection(report) {
     num(grouped(s.allocations)),
     num(grouped(s.allocated_bytes)),
     num(seconds(s.oldest_age_s)),
-    num(s.leak.candidate ? s.leak.score.toFixed(2) : ''),
+    num(s.leak.warming_up ? leakState(s) : s.leak.candidate ? s.leak.score.toFixed(2) : ''),
     el('td', {}, stackDetails(s, true))));
   const rest = holding.slice(STACK_ROWS);
   const restBytes = rest.reduce((sum, s) => sum + s.outstanding_bytes, 0);
@@ -144,18 +155,28 @@ function doubleFreeSection(report) {
       el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(Object.assign({ site: 0 }, site)))))));
 }
 
+// When, where and how the trace was made.
+function context(report) {
+  const c = report.context;
+  if (!c) return null;
+  return el('p', { id: 'context', class: 'note' },
+    `Started ${c.started} on ${c.host} by memprof ${c.memprof_version}: `, el('code', {}, c.command_line.join(' ')));
+}
+
 function render() {
   const report = JSON.parse(document.getElementById('report-data').textContent);
   const kind = report.final ? 'final report' : 'report';
+  // What one opens a heap report for first: the leaks and the heap over time.
   document.getElementById('app').replaceChildren(
     el('header', {},
       el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
       el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
+      context(report),
       report.sample_bytes ? el('p', { id: 'sampling', class: 'bad' },
         `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null),
-    summarySection(report),
-    timelineSection(report),
     leakSection(report),
+    timelineSection(report),
+    summarySection(report),
     treeSection(report),
     stackSection(report),
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),

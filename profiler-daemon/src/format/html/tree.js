@@ -48,8 +48,12 @@ function treeSection(report) {
   expand.addEventListener('click', () => { walk(roots, node => state.open.add(node.key)); draw(); });
   collapse.addEventListener('click', () => { state.open.clear(); draw(); });
   rebuild();
+  // Spans, not list items: the section's lists are the tree's.
+  const legend = el('p', { class: 'legend', id: 'tree-legend' },
+    el('span', {}, el('span', { class: 'swatch leak' }), 'on the path of a leak candidate'),
+    el('span', {}, el('span', { class: 'swatch' }), 'other bytes in use'));
   return section('tree', 'Call tree of the bytes in use',
-    el('div', { class: 'controls' }, input, order, expand, collapse), status, list);
+    el('div', { class: 'controls' }, input, order, expand, collapse), status, legend, list);
 }
 
 function matches(frame, query) {

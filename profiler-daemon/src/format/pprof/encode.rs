@@ -1,5 +1,6 @@
-//! Reports as a profile: one sample per stack, one location per return address (its inlined
-//! frames as extra lines), one mapping per module of each process.
+//! Reports as a profile: one sample per stack of each process, one location per return address
+//! (its inlined frames as extra lines), one mapping per module of each process. Each sample
+//! carries labels for `-tagfocus` and `-tags`: its stack id, its leak state and its process's.
 
 use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
@@ -7,26 +8,53 @@ use flate2::{write::GzEncoder, Compression};
 
 use super::{field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
 use crate::{
-    heap::report::{Report, StackReport},
+    heap::{
+        context::RunContext,
+        report::{Report, StackReport},
+    },
     symbolize::Frame,
 };
 
-/// The report as a gzip-compressed profile.proto whose default sample type is `default`.
+/// A session's report (with its children) as a gzip-compressed profile.proto whose default
+/// sample type is `default`.
 pub fn render(report: &Report, default: DefaultType) -> Vec<u8> {
-    render_parts(&[Part::of(report)], default)
+    // When the report was taken: from the run's start for a session's, so that a recording
+    // renders the same profile every time.
+    let now = match &report.context {
+        Some(context) => context.started_unix_ns + (report.duration_s * 1e9) as u64,
+        None => unix_now(),
+    };
+    compressed(&encode(&Part::session(report), report.context.as_ref(), default, now))
 }
 
 /// Several processes' stacks as one gzip-compressed profile, each sample carrying its process's
 /// labels (see `Part`).
 pub fn render_parts(parts: &[Part], default: DefaultType) -> Vec<u8> {
-    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    compressed(&encode(parts, None, default, unix_now()))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn compressed(profile: &[u8]) -> Vec<u8> {
     let mut gzip = GzEncoder::new(Vec::new(), Compression::default());
-    gzip.write_all(&encode(parts, default, now)).expect("writing to memory cannot fail");
+    gzip.write_all(profile).expect("writing to memory cannot fail");
     gzip.finish().expect("writing to memory cannot fail")
 }
 
-/// The uncompressed profile, taken at `time_nanos` (since the Unix epoch).
-pub(super) fn encode(parts: &[Part], default: DefaultType, time_nanos: u64) -> Vec<u8> {
+/// The leak rule's state of a stack, as its `leak` label says it.
+fn leak_label(stack: &StackReport) -> &'static str {
+    match (stack.leak.candidate, stack.leak.warming_up) {
+        (true, _) => "candidate",
+        (false, Some(_)) => "warming_up",
+        (false, None) => "no",
+    }
+}
+
+/// The uncompressed profile of `parts`, taken at `time_nanos` (since the Unix epoch); `context`
+/// (a session's run) goes in its comments.
+pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: DefaultType, time_nanos: u64) -> Vec<u8> {
     let mut tables = Tables::default();
     tables.string("");
     let mut samples = Vec::new();
@@ -43,7 +71,7 @@ pub(super) fn encode(parts: &[Part], default: DefaultType, time_nanos: u64) -> V
             })
             .collect();
         for stack in part.report.stacks.iter().chain(part.more_stacks) {
-            let mut sample = tables.sample(index, stack);
+            let mut sample = tables.sample(index, stack, part.outermost.as_ref());
             sample.labels.extend(labels.iter().copied());
             samples.push(sample);
         }
@@ -55,6 +83,16 @@ pub(super) fn encode(parts: &[Part], default: DefaultType, time_nanos: u64) -> V
         [part] => vec![tables.string(&format!("memprof: pid {} ({})", part.report.pid, part.report.comm))],
         _ => vec![tables.string(&format!("memprof: {} processes", parts.len()))],
     };
+    if let Some(context) = context {
+        let about = format!(
+            "started {} on {} by memprof {}: {}",
+            context.started,
+            context.host,
+            context.memprof_version,
+            context.command_line.join(" ")
+        );
+        comments.push(tables.string(&about));
+    }
     for part in parts.iter().filter(|part| part.report.sample_bytes > 0) {
         let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
         let sampled = format!(
@@ -215,11 +253,12 @@ impl Tables {
         id
     }
 
-    /// The sample of `stack`, of the profile's part `part`, with its own labels.
-    fn sample(&mut self, part: usize, stack: &StackReport) -> Sample {
+    /// The sample of `stack`, of the profile's part `part` (`outermost` added above its frames),
+    /// with its own labels.
+    fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>) -> Sample {
         let mut locations = Vec::new();
         let mut lines: Vec<&Frame> = Vec::new();
-        for frame in &stack.frames {
+        for frame in stack.frames.iter().chain(outermost) {
             lines.push(frame);
             // An inlined frame shares its address with the frames after it, up to the function
             // it is inlined into.
@@ -233,14 +272,14 @@ impl Tables {
             locations.push(self.location(part, &lines));
         }
         if stack.frames.is_empty() {
-            locations.push(self.no_stack());
+            locations.insert(0, self.no_stack());
         }
         Sample {
             locations,
             values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
             labels: vec![
                 (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
-                (self.string(LEAK_LABEL), Value::Text(self.string(&stack.leak.candidate.to_string()))),
+                (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),
             ],
         }
     }

@@ -9,7 +9,10 @@ mod wire;
 pub use decode::read;
 pub use encode::{render, render_parts};
 
-use crate::heap::report::{Report, StackReport};
+use crate::{
+    heap::report::{self, Report, StackReport},
+    symbolize::Frame,
+};
 
 /// One process's samples in a profile.
 pub struct Part<'a> {
@@ -19,6 +22,9 @@ pub struct Part<'a> {
     pub more_stacks: &'a [StackReport],
     /// Labels each of its samples carries beside its stack's own (`stack_id`, `leak`).
     pub labels: Vec<(&'static str, Label)>,
+    /// A frame added outermost to each of its stacks: the process, when a session's profile
+    /// holds its children too (as in the flame graph).
+    pub outermost: Option<Frame>,
 }
 
 /// A label's value. `go tool pprof -tagfocus=KEY=N` compares numbers exactly, and takes a text
@@ -30,14 +36,9 @@ pub enum Label {
 }
 
 impl<'a> Part<'a> {
-    /// The one process of a profile: its samples need no process labels.
-    pub fn of(report: &'a Report) -> Self {
-        Self { report, more_stacks: &[], labels: Vec::new() }
-    }
-
-    /// A process among others: its samples labelled `pid` (a number, so that `-tagfocus=pid=N`
-    /// is exact), `comm`, `exe` and, when known, `cgroup` (its path in the unified hierarchy: a
-    /// container or a systemd service).
+    /// A process's samples, labelled `pid` (a number, so that `-tagfocus=pid=N` is exact), `comm`,
+    /// `exe` and, when known, `cgroup` (its path in the unified hierarchy: a container or a
+    /// systemd service).
     pub fn labelled(report: &'a Report, more_stacks: &'a [StackReport], cgroup: Option<&str>) -> Self {
         let mut labels = vec![
             ("pid", Label::Number(report.pid.into())),
@@ -45,7 +46,20 @@ impl<'a> Part<'a> {
             ("exe", Label::Text(report.exe.clone())),
         ];
         labels.extend(cgroup.map(|cgroup| ("cgroup", Label::Text(cgroup.to_string()))));
-        Self { report, more_stacks, labels }
+        Self { report, more_stacks, labels, outermost: None }
+    }
+
+    /// A session's report and its followed children, each process its own part.
+    pub fn session(report: &'a Report) -> Vec<Self> {
+        let processes: Vec<&Report> = std::iter::once(report).chain(&report.children).collect();
+        let many = processes.len() > 1;
+        processes
+            .into_iter()
+            .map(|process| Self {
+                outermost: many.then(|| report::process_frame(process)),
+                ..Self::labelled(process, &[], None)
+            })
+            .collect()
     }
 }
 
@@ -133,7 +147,8 @@ mod field {
 
 /// The label each sample carries with its report's `stack_id`.
 const STACK_ID_LABEL: &str = "stack_id";
-/// The label each sample carries with `true` when the leak rule flags its stack, else `false`.
+/// The label each sample carries with the leak rule's state of its stack: `candidate`, `no`, or
+/// `warming_up` (too few intervals seen for a verdict).
 const LEAK_LABEL: &str = "leak";
 
 /// The function of the one location of a sample whose stack memprof could not record.
@@ -207,7 +222,8 @@ mod tests {
 
     #[test]
     fn modules_become_mappings_and_inlined_frames_lines_of_one_location() {
-        let profile = encode::encode(&[Part::of(&report())], DefaultType::InuseSpace, 1);
+        let report = report();
+        let profile = encode::encode(&Part::session(&report), None, DefaultType::InuseSpace, 1);
         let strings: Vec<String> = Reader::new(&profile)
             .map(Result::unwrap)
             .filter(|(n, _)| *n == field::profile::STRING_TABLE)
@@ -242,7 +258,7 @@ mod tests {
     #[test]
     fn a_sampled_report_has_its_sampling_rate_as_period() {
         let period = |report: &Report| {
-            let profile = encode::encode(&[Part::of(report)], DefaultType::InuseSpace, 1);
+            let profile = encode::encode(&Part::session(report), None, DefaultType::InuseSpace, 1);
             let mut fields = Reader::new(&profile).map(Result::unwrap);
             fields.find(|(n, _)| *n == field::profile::PERIOD).map(|(_, v)| v.int().unwrap())
         };

@@ -1,0 +1,306 @@
+//! A recording (`--record FILE`): everything the reports of a session need, in one file written
+//! as the session goes, so that `memprof report FILE` renders any format later, elsewhere.
+//!
+//! The file is a line naming the format, then records, each framed as
+//! `[payload length: u32 LE][CRC-32 of the payload: u32 LE][payload]`, the payload a deflated
+//! JSON `Record`. Every record is on disk (`fsync`) before the session goes on, so a memprof
+//! killed (SIGKILL, a lost machine) leaves every interval before the kill readable; the reader
+//! stops at the first record that is cut short or does not match its checksum, and says so.
+//!
+//! Each interval's record is the session's report in full (every stack, the freed ones too, and
+//! double frees), from which `format::select` takes what each format shows, as the live session
+//! does. A stack's frames are stored once, in the record where the stack first appears.
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::Read as _,
+    path::{Path, PathBuf},
+};
+
+use flate2::{read::DeflateDecoder, write::DeflateEncoder, Compression, Crc};
+use serde::{Deserialize, Serialize};
+
+use crate::{commands::output::ReportFile, heap::report::Report, symbolize::Frame};
+
+/// The file's first line: what it is, and the version of its records.
+const MAGIC: &[u8] = b"memprof recording 1\n";
+
+/// The largest record read: a report of 64 Ki stacks of 127 frames is far less.
+const MAX_RECORD: u32 = 256 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordingError {
+    #[error("cannot write the recording {path}: {cause}; check the disk space and permissions, or choose another path with --record")]
+    Write { path: PathBuf, cause: std::io::Error },
+    #[error("cannot read the recording {path}: {cause}; check the path")]
+    Read { path: PathBuf, cause: std::io::Error },
+    #[error("{path} is not a memprof recording (one is made by `memprof attach` or `run` with --record FILE)")]
+    NotARecording { path: PathBuf },
+    #[error("{path} is a recording memprof cannot read: {detail}; render it with the memprof version that made it")]
+    Unreadable { path: PathBuf, detail: String },
+    #[error("{path} holds no complete interval (the session ended before its first report); record for longer than one --interval")]
+    NoInterval { path: PathBuf },
+}
+
+/// What the session was asked for: how `memprof report` renders by default.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Settings {
+    /// `--top`: stacks per report in the table.
+    pub top: usize,
+    /// `--interval`, in seconds.
+    pub interval_s: f64,
+}
+
+/// One record of the file.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Record {
+    /// The first record.
+    Start { settings: Settings },
+    /// An interval's report (`report.final` false), or the final one.
+    Report {
+        report: Box<Report>,
+        /// The frames of the stacks that appear for the first time; the report's stacks have
+        /// theirs taken out.
+        new_stacks: Vec<SavedStack>,
+    },
+}
+
+/// A stack's frames, by process (a forked child's addresses are its parent's, an exec'd one's
+/// are not) and stack id.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedStack {
+    pid: u32,
+    stack_id: String,
+    frames: Vec<Frame>,
+}
+
+/// Writes a recording as the session goes.
+pub struct RecordingWriter {
+    file: ReportFile,
+    path: PathBuf,
+    /// The (pid, stack id) of the stacks whose frames are in the file.
+    saved: HashSet<(u32, String)>,
+}
+
+impl RecordingWriter {
+    /// Opens the file beside `path` (it replaces `path` with its first record, as report files
+    /// do: a session that never starts leaves an older file as it was).
+    pub fn create(path: &Path) -> Result<Self, RecordingError> {
+        let file =
+            ReportFile::create(path).map_err(|cause| RecordingError::Write { path: path.to_path_buf(), cause })?;
+        Ok(Self { file, path: path.to_path_buf(), saved: HashSet::new() })
+    }
+
+    pub fn start(&mut self, settings: Settings) -> Result<(), RecordingError> {
+        let mut bytes = MAGIC.to_vec();
+        frame(&Record::Start { settings }, &mut bytes);
+        self.append(&bytes)
+    }
+
+    /// Appends `report` (and its children's), on disk when this returns.
+    pub fn report(&mut self, report: &Report) -> Result<(), RecordingError> {
+        let mut report = report.clone();
+        let mut new_stacks = Vec::new();
+        for_each_process(&mut report, &mut |process| {
+            for stack in &mut process.stacks {
+                let frames = std::mem::take(&mut stack.frames);
+                if !frames.is_empty() && self.saved.insert((process.pid, stack.stack_id.clone())) {
+                    new_stacks.push(SavedStack { pid: process.pid, stack_id: stack.stack_id.clone(), frames });
+                }
+            }
+        });
+        let mut bytes = Vec::new();
+        frame(&Record::Report { report: Box::new(report), new_stacks }, &mut bytes);
+        self.append(&bytes)
+    }
+
+    fn append(&mut self, bytes: &[u8]) -> Result<(), RecordingError> {
+        self.file.append(bytes).map_err(|cause| RecordingError::Write { path: self.path.clone(), cause })
+    }
+}
+
+fn for_each_process(report: &mut Report, each: &mut impl FnMut(&mut Report)) {
+    each(report);
+    for child in &mut report.children {
+        for_each_process(child, each);
+    }
+}
+
+fn frame(record: &Record, out: &mut Vec<u8>) {
+    let mut deflate = DeflateEncoder::new(Vec::new(), Compression::default());
+    serde_json::to_writer(&mut deflate, record).expect("a record always serializes into memory");
+    let payload = deflate.finish().expect("writing to memory cannot fail");
+    let mut crc = Crc::new();
+    crc.update(&payload);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc.sum().to_le_bytes());
+    out.extend_from_slice(&payload);
+}
+
+/// A recording read back.
+#[derive(Debug)]
+pub struct Recording {
+    pub settings: Settings,
+    /// Every report in the order the session wrote them: the intervals', then the final one.
+    pub reports: Vec<Report>,
+    /// Why the file ends before a final report, when it does: cut short (memprof was killed),
+    /// or damaged.
+    pub ended_early: Option<String>,
+}
+
+impl Recording {
+    pub fn read(path: &Path) -> Result<Self, RecordingError> {
+        let bytes = std::fs::read(path).map_err(|cause| RecordingError::Read { path: path.to_path_buf(), cause })?;
+        Self::parse(&bytes).map_err(|problem| match problem {
+            Problem::NotARecording => RecordingError::NotARecording { path: path.to_path_buf() },
+            Problem::Unreadable(detail) => RecordingError::Unreadable { path: path.to_path_buf(), detail },
+            Problem::NoInterval => RecordingError::NoInterval { path: path.to_path_buf() },
+        })
+    }
+
+    fn parse(bytes: &[u8]) -> Result<Self, Problem> {
+        let mut rest = bytes.strip_prefix(MAGIC).ok_or(Problem::NotARecording)?;
+        let mut settings = None;
+        let mut reports = Vec::new();
+        let mut frames: HashMap<(u32, String), Vec<Frame>> = HashMap::new();
+        let mut ended_early = None;
+        while !rest.is_empty() {
+            let payload = match next_payload(&mut rest) {
+                Ok(payload) => payload,
+                Err(why) => {
+                    ended_early = Some(why);
+                    break;
+                }
+            };
+            let mut json = Vec::new();
+            DeflateDecoder::new(payload)
+                .take(u64::from(MAX_RECORD))
+                .read_to_end(&mut json)
+                .map_err(|err| Problem::Unreadable(format!("a record does not inflate: {err}")))?;
+            let record: Record = serde_json::from_slice(&json)
+                .map_err(|err| Problem::Unreadable(format!("a record is not one this memprof knows: {err}")))?;
+            match record {
+                Record::Start { settings: start } => settings = Some(start),
+                Record::Report { mut report, new_stacks } => {
+                    for stack in new_stacks {
+                        frames.insert((stack.pid, stack.stack_id), stack.frames);
+                    }
+                    for_each_process(&mut report, &mut |process| {
+                        for stack in &mut process.stacks {
+                            if let Some(known) = frames.get(&(process.pid, stack.stack_id.clone())) {
+                                stack.frames = known.clone();
+                            }
+                        }
+                    });
+                    reports.push(*report);
+                }
+            }
+        }
+        let settings = settings.ok_or(Problem::NoInterval)?;
+        if reports.is_empty() {
+            return Err(Problem::NoInterval);
+        }
+        if ended_early.is_none() && !reports.last().is_some_and(|r| r.is_final) {
+            ended_early = Some("it ends before the final report (memprof was killed)".to_string());
+        }
+        Ok(Self { settings, reports, ended_early })
+    }
+}
+
+enum Problem {
+    NotARecording,
+    Unreadable(String),
+    NoInterval,
+}
+
+/// The next record's payload, checked; or why the file ends here.
+fn next_payload<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], String> {
+    let cut = || "its last record is cut short (memprof was killed while writing it)".to_string();
+    if rest.len() < 8 {
+        return Err(cut());
+    }
+    let length = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
+    let sum = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
+    if length > MAX_RECORD {
+        return Err(format!("a record claims {length} bytes: the file is damaged there"));
+    }
+    let Some(payload) = rest.get(8..8 + length as usize) else { return Err(cut()) };
+    let mut crc = Crc::new();
+    crc.update(payload);
+    if crc.sum() != sum {
+        return Err("a record does not match its checksum: the file is damaged there".to_string());
+    }
+    *rest = &rest[8 + length as usize..];
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::report::samples;
+
+    fn recording(reports: &[Report]) -> Vec<u8> {
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("memprof-recording-test-{}-{n}.rec", std::process::id()));
+        let mut writer = RecordingWriter::create(&path).unwrap();
+        writer.start(Settings { top: 3, interval_s: 0.5 }).unwrap();
+        for report in reports {
+            writer.report(report).unwrap();
+        }
+        drop(writer);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        bytes
+    }
+
+    fn json(report: &Report) -> serde_json::Value {
+        serde_json::to_value(report).unwrap()
+    }
+
+    #[test]
+    fn reports_read_back_as_written_with_frames_stored_once() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let last = samples::report();
+        let bytes = recording(&[interval.clone(), last.clone()]);
+        let read = Recording::parse(&bytes).ok().unwrap();
+        assert_eq!(read.settings.top, 3);
+        assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&interval), json(&last)]);
+        assert!(read.ended_early.is_none());
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains("leak_here"), "deflated");
+    }
+
+    #[test]
+    fn a_file_cut_anywhere_reads_up_to_its_last_whole_record() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let bytes = recording(&[interval.clone(), interval.clone(), samples::report()]);
+        for cut in 0..bytes.len() {
+            match Recording::parse(&bytes[..cut]) {
+                Ok(read) => {
+                    assert!(read.reports.len() < 3, "cut at {cut}");
+                    assert!(read.ended_early.is_some(), "cut at {cut}");
+                    assert!(read.reports.iter().all(|r| !r.is_final && r.stacks[0].frames.len() == 1));
+                }
+                Err(Problem::NotARecording | Problem::NoInterval) => {}
+                Err(Problem::Unreadable(why)) => panic!("cut at {cut}: {why}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_damaged_record_ends_the_recording_there() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let mut bytes = recording(&[interval.clone(), samples::report()]);
+        let last = bytes.len() - 3;
+        bytes[last] ^= 0xff;
+        let read = Recording::parse(&bytes).ok().unwrap();
+        assert_eq!(read.reports.len(), 1);
+        assert!(read.ended_early.unwrap().contains("checksum"));
+        assert!(matches!(Recording::parse(b"{\"final\": true}"), Err(Problem::NotARecording)));
+    }
+}
