@@ -47,14 +47,26 @@ type Labels = Vec<(&'static str, String)>;
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 13] = [
+const PER_PROCESS: [PerProcess; 15] = [
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
     ("memprof_heap_inuse_objects", "Allocations not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_allocations
     }),
+    (
+        "memprof_heap_peak_bytes",
+        "The most bytes allocated and not yet freed at once since tracing began.",
+        MetricType::Gauge,
+        |t| t.report.peak.bytes,
+    ),
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
+    (
+        "memprof_temporary_allocations",
+        "Allocations freed by their thread before it allocated anything else (every call recorded only).",
+        MetricType::Counter,
+        |t| t.report.totals.temporary_allocations,
+    ),
     ("memprof_allocated_bytes", "Bytes allocated.", MetricType::Counter, |t| t.report.totals.allocated_bytes),
     ("memprof_frees", "Frees of allocations seen.", MetricType::Counter, |t| t.report.totals.frees),
     ("memprof_freed_bytes", "Bytes freed.", MetricType::Counter, |t| t.report.totals.freed_bytes),
