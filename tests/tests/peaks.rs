@@ -76,3 +76,30 @@ fn the_table_names_the_peak_and_the_temporary_allocations() {
     assert!(table.contains("temporary: 100 of 100 allocations  temp_loop_alloc (peaks.c:"), "{table}");
     assert!(table.contains("held at the peak:        10000  hold_a (peaks.c:"), "{table}");
 }
+
+/// The `memory` of the reports: (rss_anon_bytes, heap_inuse_bytes, difference_bytes).
+fn memory(report: &Value) -> (u64, u64, i64) {
+    let memory = &report["memory"];
+    let field = |name: &str| memory[name].as_i64().unwrap_or_else(|| panic!("memory.{name} in {report}"));
+    (field("rss_anon_bytes") as u64, field("heap_inuse_bytes") as u64, field("difference_bytes"))
+}
+
+#[test]
+fn resident_memory_is_set_against_the_heap() {
+    let program = fixture("resident");
+    let outcome = run(&["--interval", "0.2"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let readings: Vec<(u64, u64, i64)> = outcome.reports().iter().map(memory).collect();
+    for &(rss, heap, difference) in &readings {
+        assert_eq!(difference, rss as i64 - heap as i64);
+    }
+    // 32 MiB in blocks mapped one by one: resident and in use alike, within the pages of the
+    // program's own stacks and data and the blocks' headers.
+    let big = 32 << 20;
+    let &(rss, _, difference) = readings.iter().find(|r| r.1 == big).expect("a reading while the 32 MiB were held");
+    assert!(rss >= big && difference < 1 << 20, "rss_anon {rss}, difference {difference}");
+    // Then 2,500 blocks of 256 bytes in use, the 37,500 freed between them still resident.
+    let &(rss, _, difference) =
+        readings.iter().rfind(|r| r.1 == 640_000).expect("a reading with the 2,500 survivors held");
+    assert!(difference >= 37_500 * 256, "rss_anon {rss}: the freed blocks' pages are still resident ({difference})");
+}

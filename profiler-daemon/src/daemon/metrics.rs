@@ -47,7 +47,7 @@ type Labels = Vec<(&'static str, String)>;
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 15] = [
+const PER_PROCESS: [PerProcess; 16] = [
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
@@ -59,6 +59,12 @@ const PER_PROCESS: [PerProcess; 15] = [
         "The most bytes allocated and not yet freed at once since tracing began.",
         MetricType::Gauge,
         |t| t.report.peak.bytes,
+    ),
+    (
+        "memprof_rss_anon_bytes",
+        "Anonymous resident memory of the process (RssAnon in /proc/PID/status), to set against memprof_heap_inuse_bytes.",
+        MetricType::Gauge,
+        |t| t.report.memory.map_or(0, |m| m.rss_anon_bytes),
     ),
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
     (
@@ -164,6 +170,12 @@ impl Collector for ViewCollector {
             }
         }
         histograms(e, &targets)?;
+        gauges(
+            e,
+            "memprof_rss_anon_minus_heap_bytes",
+            "memprof_rss_anon_bytes minus memprof_heap_inuse_bytes: allocator overhead and caches, fragmentation, anonymous memory not from malloc (negative while allocated memory is untouched).",
+            targets.iter().filter_map(|t| t.report.memory.map(|m| (process_labels(t), m.difference_bytes))),
+        )?;
 
         let stack_rows = targets.iter().flat_map(|t| {
             let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));

@@ -67,6 +67,16 @@ fn section(report: &Report) -> String {
             );
         }
     }
+    if let Some(memory) = &report.memory {
+        let _ = writeln!(
+            out,
+            "  resident: {} anonymous against {} of heap in use: {}{} not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)",
+            bytes(memory.rss_anon_bytes),
+            bytes(memory.heap_inuse_bytes),
+            if memory.difference_bytes < 0 { "-" } else { "" },
+            bytes(memory.difference_bytes.unsigned_abs())
+        );
+    }
     for spot in &report.blind_spots {
         let _ = writeln!(out, "  not seen: {}; {}", spot.what, spot.advice);
     }

@@ -6,4 +6,5 @@ pub mod double_free;
 pub mod filter;
 pub mod leak;
 pub mod report;
+pub mod resident;
 pub mod sampling;

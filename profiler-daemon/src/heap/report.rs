@@ -8,7 +8,10 @@ use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
 use serde::Serialize;
 
 use crate::{
-    heap::leak::{LeakTracker, LeakVerdict, Timeline},
+    heap::{
+        leak::{LeakTracker, LeakVerdict, Timeline},
+        resident::Memory,
+    },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
     symbolize::{Frame, FrameInfo, Module, Resolved, SymbolizerHandle},
@@ -42,6 +45,10 @@ pub struct Report {
     /// The stacks with temporary allocations, most first (as many as the report's stacks): most
     /// hold nothing now, so `stacks` does not list them.
     pub temporary_stacks: Vec<TemporaryStack>,
+    /// Anonymous resident memory against the heap in use (README: Resident memory); absent for a
+    /// process never read while it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Memory>,
     /// This process's events not recorded, by reason.
     pub dropped: BTreeMap<&'static str, u64>,
     /// Events not recorded that no process's counters had room for (more processes than the
@@ -356,6 +363,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         totals,
         peak,
         temporary_stacks,
+        memory: None,
         dropped: dropped(snapshot),
         unattributed_dropped: unattributed_dropped(kernel),
         stacks_not_shown: 0,
@@ -658,6 +666,7 @@ pub mod samples {
             totals: Totals::default(),
             peak: Peak::default(),
             temporary_stacks: Vec::new(),
+            memory: None,
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
             unattributed_dropped: BTreeMap::new(),
             stacks_not_shown: 0,
