@@ -169,29 +169,33 @@ pub fn attach(target: &mut Waiting, args: &[&str]) -> Outcome {
 /// `attach` to `pid`, a process that `target` started (in a container, say) and that waits with it.
 pub fn attach_pid(target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
     let pid = pid.to_string();
-    let mut memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &pid, "--json"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json"]).args(args).stdin(Stdio::null());
+    released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go())
+}
+
+/// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
+/// `release` (which may signal memprof to end). Returns once memprof has exited, with all it
+/// printed.
+pub fn released(mut memprof: Command, markers: &[String], mut release: impl FnMut(&mut Child)) -> Outcome {
+    let mut memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
     let stdout = collect(memprof.stdout.take().expect("piped"));
     let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
     let mut seen = String::new();
-    loop {
-        let mut line = String::new();
-        if stderr.read_line(&mut line).expect("reading memprof's stderr") == 0 {
-            let status = memprof.wait().expect("waiting for memprof");
-            panic!("memprof ended ({status}) before tracing: {seen}");
+    for marker in markers {
+        loop {
+            let mut line = String::new();
+            if stderr.read_line(&mut line).expect("reading memprof's stderr") == 0 {
+                let status = memprof.wait().expect("waiting for memprof");
+                panic!("memprof ended ({status}) before `{marker}`: {seen}");
+            }
+            seen.push_str(&line);
+            if line.contains(marker.as_str()) {
+                break;
+            }
         }
-        seen.push_str(&line);
-        if line.starts_with(&format!("memprof: tracing pid {pid} ")) {
-            break;
-        }
+        release(&mut memprof);
     }
-    target.go();
     let rest = collect(stderr.into_inner());
     let status = memprof.wait().expect("waiting for memprof");
     Outcome {

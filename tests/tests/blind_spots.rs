@@ -46,8 +46,8 @@ else:
 ";
 
 /// Under `run`, python starts with PYTHONMALLOC=malloc: its small objects are counted, and there
-/// is no blind spot. Measured: 24.71 MB against tracemalloc's 22.18 MB, 11.4% more, every run;
-/// the issue asks for 5% and the cause of the rest is not found yet, so the bound here is 15%.
+/// is no blind spot. Measured: 22,168,302 bytes built against tracemalloc's 22,179,490 (0.05%
+/// fewer; the one list's over-allocation differs with the moment it grows).
 #[test]
 fn pythons_small_objects_under_run_are_counted() {
     let alone = Command::new(PYTHON).args(["-c", BUILD_AND_PAUSE, "measure"]).output().expect("python3 runs");
@@ -57,14 +57,18 @@ fn pythons_small_objects_under_run_are_counted() {
     assert!(outcome.stderr.contains("starting the command with PYTHONMALLOC=malloc"), "{}", outcome.stderr);
     assert!(!outcome.stderr.contains("not seen"), "{}", outcome.stderr);
     let reports = outcome.reports();
-    // From 2 s on: python has started (slower under the probes) and pauses before it builds.
+    // From 2 s on: python has started (slower under the probes) and pauses before it builds. What
+    // it built is the most held then, less the least held before that: at its exit python frees
+    // its start-up heap too, which tracemalloc, started after it, never counted.
     let held: Vec<u64> = reports
         .iter()
         .filter(|report| report["final"] == false && report["duration_s"].as_f64().unwrap() >= 2.0)
         .map(|report| report["totals"]["outstanding_bytes"].as_u64().unwrap())
         .collect();
-    let seen = (held.iter().max().unwrap() - held.iter().min().unwrap()) as f64;
-    assert!((seen - truth).abs() <= truth * 0.15, "memprof saw {seen} bytes built, tracemalloc {truth}");
+    let peak = (0..held.len()).max_by_key(|&at| held[at]).expect("reports during the pauses");
+    let before = *held[..=peak].iter().min().unwrap();
+    let seen = (held[peak] - before) as f64;
+    assert!((seen - truth).abs() <= truth * 0.01, "memprof saw {seen} bytes built, tracemalloc {truth}: {held:?}");
     let report = outcome.final_report();
     assert_eq!(report["blind_spots"].as_array().unwrap().len(), 0, "{report}");
     assert_eq!(report["dropped"]["live_map_full"], 0, "{}", report["dropped"]);

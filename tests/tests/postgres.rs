@@ -2,13 +2,11 @@
 //! per session, which memprof follows (or counts missed), named and symbolized.
 
 use std::{
-    io::{BufRead, BufReader, Read},
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
-use memprof_tests::{free_port, memprof_bin};
-use serde_json::Value;
+use memprof_tests::{free_port, memprof_bin, released};
 
 const BIN: &str = "/usr/lib/postgresql/15/bin";
 const SESSIONS: u64 = 5;
@@ -84,41 +82,22 @@ fn every_postgres_session_is_followed_or_counted_and_each_backend_is_named_and_s
     let postmaster = cluster.postmaster();
     let pid = postmaster.to_string();
     // At default settings: the unwind tables grow to postgres's 42 libraries.
-    let mut memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "1"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
-    let mut stdout = memprof.stdout.take().expect("piped");
-    let reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "1"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        for n in 0..SESSIONS {
+            cluster.session(n);
+        }
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
     });
-    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
-    let mut seen = String::new();
-    while !seen.contains(&format!("memprof: tracing pid {pid} ")) {
-        let mut line = String::new();
-        assert!(stderr.read_line(&mut line).expect("reading stderr") > 0, "memprof ended: {seen}");
-        seen.push_str(&line);
-    }
-    for n in 0..SESSIONS {
-        cluster.session(n);
-    }
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
-    let mut rest = String::new();
-    let _ = stderr.read_to_string(&mut rest);
-    assert!(memprof.wait().expect("waiting for memprof").success(), "{seen}{rest}");
-    let stdout = reader.join().expect("stdout reader");
-    let report: Value = serde_json::from_str(stdout.lines().last().expect("a report")).expect("JSON");
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
 
     let forks = &report["forks"];
     let (followed, missed) = (forks["followed"].as_u64().unwrap(), forks["missed"].as_u64().unwrap());
     assert_eq!(followed + missed, SESSIONS, "every session's backend is followed or counted missed: {forks}");
-    assert!(followed > 0, "{forks}\n{seen}{rest}");
+    assert!(followed > 0, "{forks}\n{}", outcome.stderr);
     let children = report["children"].as_array().expect("children");
     assert_eq!(children.len() as u64, followed, "{forks}");
     for child in children {

@@ -4,12 +4,12 @@
 
 use std::{
     collections::HashMap,
-    io::{BufRead, BufReader, Read},
+    io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
-use memprof_tests::{fixture, http_get, memprof, memprof_bin, site, wait_for, Daemon, Outcome, Waiting};
+use memprof_tests::{fixture, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting};
 use serde_json::Value;
 
 /// A directory of the test's own, removed when dropped.
@@ -280,21 +280,16 @@ fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
     let output = scratch.file("attached.json");
     // A port nothing listens on.
     let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
-    let mut memprof = Command::new(memprof_bin())
+    let mut memprof = Command::new(memprof_bin());
+    memprof
         .args(["snapshot", "--pid", &pid, "-o", &output, "--daemon", &nobody, "--duration", "3"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof snapshot");
-    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
-    let mut said = String::new();
-    while !said.contains(&format!("memprof: tracing pid {pid} ")) {
-        assert!(stderr.read_line(&mut said).expect("reading memprof's stderr") > 0, "memprof ended: {said}");
-    }
-    target.go();
-    wait_line(&mut target, "one");
-    assert!(memprof.wait().expect("waiting for memprof").success(), "{said}");
-    stderr.read_to_string(&mut said).expect("reading memprof's stderr");
+        .stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
+        target.go();
+        wait_line(&mut target, "one");
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    let said = &outcome.stderr;
     assert!(said.contains(&format!("no memprof daemon answers at {nobody}")), "{said}");
     assert!(said.contains(&format!("attaching to pid {pid} for 3 s")), "{said}");
 

@@ -3,13 +3,13 @@
 //! by `run`, `attach` and the daemon.
 
 use std::{
-    io::{BufRead, BufReader, Write},
-    process::{Child, Command, Stdio},
+    io::Write,
+    process::{Command, Stdio},
 };
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, site, total, wait_for,
-    Daemon, Outcome, Waiting,
+    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, released, site, total,
+    wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -30,33 +30,6 @@ fn run_released(args: &[&str], after: &str) -> Outcome {
     released(memprof, &[after.to_string()], |memprof| {
         memprof.stdin.as_mut().expect("piped").write_all(b"go\n").expect("releasing the fixture");
     })
-}
-
-/// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
-/// `release`. Returns once memprof has exited.
-fn released(mut memprof: Command, markers: &[String], mut release: impl FnMut(&mut Child)) -> Outcome {
-    let mut memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
-    let stdout = memprof.stdout.take().expect("piped");
-    let reader = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap_or_default());
-    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
-    let mut seen = String::new();
-    for marker in markers {
-        loop {
-            let mut line = String::new();
-            assert!(
-                stderr.read_line(&mut line).expect("reading stderr") > 0,
-                "memprof ended before `{marker}`: {seen}"
-            );
-            seen.push_str(&line);
-            if line.contains(marker.as_str()) {
-                break;
-            }
-        }
-        release(&mut memprof);
-    }
-    let rest = std::io::read_to_string(stderr.into_inner()).unwrap_or_default();
-    let status = memprof.wait().expect("waiting for memprof");
-    Outcome { status, stdout: reader.join().expect("stdout reader"), stderr: seen + &rest }
 }
 
 fn children(report: &Value) -> &Vec<Value> {

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use memprof_tests::{fixture_compiled, fixture_lib, fixture_with, memprof_bin, run, wait_for};
+use memprof_tests::{fixture_compiled, fixture_lib, fixture_with, memprof_bin, released, run};
 
 fn path(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
@@ -49,28 +49,19 @@ fn the_command_outlives_memprof_killed_during_a_dlopen_loop() {
     become_subreaper();
     let report = std::env::temp_dir().join(format!("memprof-run-harmless-{}.json", std::process::id()));
     for delay_ms in [300, 900, 1800] {
-        let mut memprof = Command::new(memprof_bin())
+        let mut memprof = Command::new(memprof_bin());
+        memprof
             .args(["run", "--json", "--interval", "0.2", "--output", path(&report), "--"])
             .args(command)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting memprof");
-        let mut stderr = memprof.stderr.take().expect("stderr");
-        let mut said = String::new();
-        let pid = wait_for(30, "memprof to say which pid it traces", || {
-            let mut chunk = [0u8; 4096];
-            let n = stderr.read(&mut chunk).ok()?;
-            said.push_str(&String::from_utf8_lossy(&chunk[..n]));
-            traced_pid(&said)
+            .stdin(Stdio::null());
+        // The command still writes to the pipe memprof's stdout was: what `released` returns is
+        // read to its end, the command's exit.
+        let outcome = released(memprof, &["memprof: tracing pid ".to_string()], |memprof| {
+            thread::sleep(Duration::from_millis(delay_ms));
+            memprof.kill().expect("SIGKILL to memprof");
         });
-        thread::sleep(Duration::from_millis(delay_ms));
-        memprof.kill().expect("SIGKILL to memprof");
-        memprof.wait().expect("reaping memprof");
-        // The command still writes to the pipe memprof's stdout was: read it to its end.
-        let mut printed = String::new();
-        memprof.stdout.take().expect("stdout").read_to_string(&mut printed).expect("reading the command's output");
+        let pid = traced_pid(&outcome.stderr).expect("the pid memprof traced");
+        let printed = outcome.stdout;
         let mut status = 0;
         // SAFETY: waiting for an orphan reparented to this process, with a valid out-pointer.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid, "the command was not reparented here");
