@@ -87,7 +87,7 @@ pub enum DropReason {
     DoubleFreeEventLost = 6,
     /// An address was returned again while still live: its free was never seen.
     MissedFree = 7,
-    /// `PROC_COUNTERS` or `SIZE_HIST` was full: a per-process counter could not be bumped.
+    /// `PROC_COUNTERS` or `PROC_HEAP` was full: a per-process counter could not be bumped.
     ProcessTableFull = 8,
     /// A frame's address was in no mapping with an unwind table (JIT code, or a library mapped
     /// moments ago and not read yet): the stack ends there, marked truncated.
@@ -235,6 +235,9 @@ pub struct Inflight {
     pub _pad: u32,
     /// The thread's last free through a wrapper (see `FreeNote`).
     pub free_note: FreeNote,
+    /// The block this thread allocated last (0: none): freeing it before allocating anything
+    /// else makes it a temporary allocation (heaptrack's definition).
+    pub last_alloc: u64,
 }
 
 /// A free through a function that may call another probed free before it returns (`free` in
@@ -344,6 +347,16 @@ pub struct StackStats {
     /// Frees of allocations from generations already frozen.
     pub old_freed_bytes: u64,
     pub old_frees: u64,
+    /// The most bytes the stack had outstanding at once (DHAT's max-live).
+    pub max_outstanding_bytes: u64,
+    /// Allocations freed by their thread before it allocated anything else (in 1/COUNT_SCALE
+    /// units); full mode only.
+    pub temporary_allocations: u64,
+    /// The stack's outstanding bytes at its process's peak `peak_generation` (see `ProcHeap`),
+    /// written at the stack's first change after that peak: until it changes, its outstanding
+    /// bytes now are those it held then.
+    pub peak_generation: u64,
+    pub bytes_at_peak: u64,
 }
 
 impl StackStats {
@@ -356,6 +369,10 @@ impl StackStats {
         generation_allocations: [0; GENERATIONS],
         old_freed_bytes: 0,
         old_frees: 0,
+        max_outstanding_bytes: 0,
+        temporary_allocations: 0,
+        peak_generation: 0,
+        bytes_at_peak: 0,
     };
 }
 
@@ -390,6 +407,42 @@ pub struct ProcCounters {
     pub unknown_frees: u64,
     /// Allocator calls that returned NULL (or an error code).
     pub failed_allocations: u64,
+}
+
+/// Per-process heap figures that allocations and frees update (one lookup per call, in
+/// `PROC_HEAP`): bytes in use, their high-water mark, and the size and lifetime histograms.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcHeap {
+    /// Bytes allocated and not freed since tracing began (wrapping sums; weighted when sampled).
+    pub in_use: u64,
+    /// The most `in_use` has been, and when (`bpf_ktime_get_ns`).
+    pub peak: u64,
+    pub peak_ns: u64,
+    /// Bumped at every new peak: a stack's `bytes_at_peak` belongs to the peak of its
+    /// `peak_generation` (see `StackStats`).
+    pub peak_generation: u64,
+    /// Sizes of allocations in bytes (counts in 1/COUNT_SCALE units).
+    pub sizes: Log2Histogram,
+    /// Lifetimes of freed allocations in ns (counts in 1/COUNT_SCALE units).
+    pub lifetimes: Log2Histogram,
+}
+
+impl ProcHeap {
+    pub const EMPTY: ProcHeap = ProcHeap {
+        in_use: 0,
+        peak: 0,
+        peak_ns: 0,
+        peak_generation: 0,
+        sizes: Log2Histogram { buckets: [0; LOG2_BUCKETS] },
+        lifetimes: Log2Histogram { buckets: [0; LOG2_BUCKETS] },
+    };
+}
+
+impl Default for ProcHeap {
+    fn default() -> Self {
+        Self::EMPTY
+    }
 }
 
 /// A process's drops, by `DropReason`, in `PROC_DROPS`.
@@ -702,7 +755,7 @@ pub mod traced {
 }
 
 const _: () = {
-    assert!(core::mem::size_of::<Inflight>() == 120);
+    assert!(core::mem::size_of::<Inflight>() == 128);
     assert!(core::mem::size_of::<FreeNote>() == 32);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
@@ -715,12 +768,13 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRow>() == 12);
     assert!(core::mem::size_of::<ExecMapping>() == 40);
     assert!(core::mem::size_of::<ProcMappings>() == 8 + 40 * MAX_MAPPINGS);
-    assert!(core::mem::size_of::<StackStats>() == 48 + 16 * GENERATIONS);
+    assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 16);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
+    assert!(core::mem::size_of::<ProcHeap>() == 32 + 16 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcessEvent>() == 16);
 };
 
@@ -760,6 +814,7 @@ mod pod {
     unsafe impl aya::Pod for ProcCounters {}
     unsafe impl aya::Pod for ProcDrops {}
     unsafe impl aya::Pod for Log2Histogram {}
+    unsafe impl aya::Pod for ProcHeap {}
     unsafe impl aya::Pod for ThreadPairKey {}
     unsafe impl aya::Pod for ThreadPairStats {}
     unsafe impl aya::Pod for FreedAlloc {}

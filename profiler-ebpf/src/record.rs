@@ -14,8 +14,8 @@ use aya_ebpf::{
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats, LOG2_BUCKETS,
-    NO_STACK, SAMPLED,
+    Log2Histogram, ProcCounters, ProcHeap, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
+    LOG2_BUCKETS, NO_STACK, SAMPLED,
 };
 
 use crate::{
@@ -58,11 +58,10 @@ fn forget_free(key: &AddrKey) {
 }
 #[map]
 static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Per process: bytes in use and their peak, sizes and lifetimes. One map, so that an allocation
+/// and a free each take one per-process lookup for all of them.
 #[map]
-static SIZE_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
-/// How long freed allocations lived, per process.
-#[map]
-static LIFETIME_HIST: HashMap<u32, Log2Histogram> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+static PROC_HEAP: HashMap<u32, ProcHeap> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 /// Processes traced by sampling: tgid → mean bytes between samples (`--sample-bytes`). Their
 /// frees of unrecorded blocks are expected, and their double frees are not looked for.
 #[map]
@@ -107,7 +106,7 @@ fn ids() -> (u32, u32) {
 /// the 512-byte BPF stack.
 static EMPTY_STATS: StackStats = StackStats::EMPTY;
 static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
-static EMPTY_HIST: Log2Histogram = Log2Histogram { buckets: [0; LOG2_BUCKETS] };
+static EMPTY_HEAP: ProcHeap = ProcHeap::EMPTY;
 static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
 /// A thread's entry between calls.
 static IDLE: Inflight = Inflight {
@@ -123,6 +122,7 @@ static IDLE: Inflight = Inflight {
     recorded: 0,
     _pad: 0,
     free_note: FreeNote::EMPTY,
+    last_alloc: 0,
 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
@@ -359,7 +359,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     // realloc(p, 0), which returns NULL. A failed one left the old block live.
     if resizes && (returned != 0 || call.size == 0) {
         if call.stashed != 0 {
-            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash);
+            let temporary = call.last_alloc == call.ptr_arg && call.stash.tid == tid;
+            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, temporary);
         } else {
             unseen_free(probe, tgid, call.ptr_arg);
         }
@@ -368,6 +369,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
     if returned != 0 && call.recorded != 0 {
         on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
+        // SAFETY: this thread's own entry, as above.
+        unsafe { (*state).last_alloc = returned };
     } else if call.size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
@@ -405,8 +408,10 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
     match live {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
+            // Freed by its own thread before that thread allocated anything else.
+            let temporary = alloc.tid == tid && state.is_some_and(|state| unsafe { (*state).last_alloc } == addr);
             if LIVE.remove(key).is_ok() {
-                retire(probe, key, alloc);
+                retire(probe, key, alloc, temporary);
             }
         }
         None => unseen_free(probe, tgid, addr),
@@ -462,17 +467,25 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
         count_drop(DropReason::MissedFree);
         if let Some(old) = unsafe { LIVE.get(key) }.copied() {
             // When and by whom it was freed is unknown: no lifetime or thread pair for it.
-            count_free(tgid, &old, UNSEEN, alloc.time_ns);
+            count_free(tgid, &old, UNSEEN, alloc.time_ns, false);
         }
         if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
             return;
         }
     }
+    let heap = proc_heap(tgid);
     match stack_stats(tgid, alloc.stack_id) {
         Some(stats) => {
+            keep_bytes_at_peak(stats, heap.as_deref());
             add(&mut stats.allocations, count);
             add(&mut stats.allocated_bytes, bytes);
+            // Read back after the add: another thread's update in between only makes it a
+            // value the stack held a moment earlier or later.
+            let outstanding = stats.allocated_bytes.wrapping_sub(stats.freed_bytes);
+            if outstanding > stats.max_outstanding_bytes && (outstanding as i64) > 0 {
+                stats.max_outstanding_bytes = outstanding;
+            }
             let slot = generations::slot(generation(alloc.time_ns));
             if let (Some(slot_bytes), Some(slot_count)) =
                 (stats.generation_bytes.get_mut(slot), stats.generation_allocations.get_mut(slot))
@@ -483,7 +496,45 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
         }
         None => count_drop(DropReason::StatsMapFull),
     }
-    count_in_histogram(&SIZE_HIST, tgid, size, count);
+    if let Some(heap) = heap {
+        add(&mut heap.in_use, bytes);
+        let in_use = heap.in_use;
+        if in_use > heap.peak && (in_use as i64) > 0 {
+            heap.peak = in_use;
+            heap.peak_ns = alloc.time_ns;
+            add(&mut heap.peak_generation, 1);
+        }
+        count_in(&mut heap.sizes, size, count);
+    }
+}
+
+/// The process's `PROC_HEAP` entry, inserted empty at its first call.
+fn proc_heap(tgid: u32) -> Option<&'static mut ProcHeap> {
+    match get_or_insert(&PROC_HEAP, &tgid, &EMPTY_HEAP) {
+        // SAFETY: a map value pointer stays valid while the program runs; updates are atomic adds
+        // but for the peak's fields, which a race can only leave a moment off.
+        Some(heap) => Some(unsafe { &mut *heap }),
+        None => {
+            count_drop(DropReason::ProcessTableFull);
+            None
+        }
+    }
+}
+
+/// Before a change to a stack's bytes: at the stack's first change since its process's latest
+/// peak, keeps what it held then. A few instructions per call, where copying every stack's bytes
+/// at each new peak would walk them all.
+#[inline(always)]
+fn keep_bytes_at_peak(stats: &mut StackStats, heap: Option<&ProcHeap>) {
+    let Some(heap) = heap else {
+        return;
+    };
+    // SAFETY: an aligned u64 in a map value; read once, as another CPU may bump it.
+    let generation = unsafe { core::ptr::read_volatile(&heap.peak_generation) };
+    if stats.peak_generation != generation {
+        stats.bytes_at_peak = stats.allocated_bytes.wrapping_sub(stats.freed_bytes);
+        stats.peak_generation = generation;
+    }
 }
 
 fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
@@ -492,15 +543,10 @@ fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
 }
 
 /// Adds `count` (in 1/COUNT_SCALE units) to the bucket of `value`.
-fn count_in_histogram(histograms: &HashMap<u32, Log2Histogram>, tgid: u32, value: u64, count: u64) {
-    match get_or_insert(histograms, &tgid, &EMPTY_HIST) {
-        Some(hist) => {
-            let bucket = profiler_common::log2_bucket(value).min(LOG2_BUCKETS - 1);
-            if let Some(total) = unsafe { (*hist).buckets.get_mut(bucket) } {
-                add(total, count);
-            }
-        }
-        None => count_drop(DropReason::ProcessTableFull),
+fn count_in(histogram: &mut Log2Histogram, value: u64, count: u64) {
+    let bucket = profiler_common::log2_bucket(value).min(LOG2_BUCKETS - 1);
+    if let Some(total) = histogram.buckets.get_mut(bucket) {
+        add(total, count);
     }
 }
 
@@ -508,17 +554,24 @@ fn count_in_histogram(histograms: &HashMap<u32, Log2Histogram>, tgid: u32, value
 /// (Not an `Option`: the verifier rejects the uninitialised register a `None` passes.)
 const UNSEEN: u32 = 0;
 
-/// Counts the end of allocation `alloc` in its stack's totals and age generation; when the free
-/// was seen (by thread `freed_by`), in the process's lifetimes, and its thread pair when another
-/// thread freed it.
-fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64) {
+/// Counts the end of allocation `alloc` in its stack's totals and age generation (and as
+/// `temporary` there); in its process's bytes in use; when the free was seen (by thread
+/// `freed_by`), in the process's lifetimes, and its thread pair when another thread freed it.
+fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: bool) {
     // Sampling is never turned off for a process, so its rate is still the one the block had.
     let rate = if alloc.func & SAMPLED != 0 { sample_bytes(tgid) } else { 0 };
     let (count, bytes) = profiler_common::weight(rate, alloc.size);
+    let heap = proc_heap(tgid);
     match stack_stats(tgid, alloc.stack_id) {
         Some(stats) => {
+            keep_bytes_at_peak(stats, heap.as_deref());
             add(&mut stats.frees, count);
             add(&mut stats.freed_bytes, bytes);
+            // Full mode only: unsampled calls do not pass the return probe that tracks a
+            // thread's last allocation.
+            if temporary && rate == 0 {
+                add(&mut stats.temporary_allocations, count);
+            }
             let born = generation(alloc.time_ns);
             if generation(now).saturating_sub(born) >= FROZEN_AGE {
                 add(&mut stats.old_frees, count);
@@ -536,10 +589,16 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64) {
         }
         None => count_drop(DropReason::StatsMapFull),
     }
+    if let Some(heap) = heap {
+        // Wrapping sums: adding the two's complement subtracts.
+        add(&mut heap.in_use, bytes.wrapping_neg());
+        if freed_by != UNSEEN {
+            count_in(&mut heap.lifetimes, now.saturating_sub(alloc.time_ns), count);
+        }
+    }
     if freed_by == UNSEEN {
         return;
     }
-    count_in_histogram(&LIFETIME_HIST, tgid, now.saturating_sub(alloc.time_ns), count);
     if alloc.tid != freed_by {
         let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: freed_by, _pad: 0 };
         match get_or_insert(&THREAD_PAIRS, &key, &EMPTY_PAIR) {
@@ -561,10 +620,11 @@ fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
     FreeSite { time_ns, stack_id, tid, _pad: 0 }
 }
 
-/// Counts the free of a block that was live, and remembers it to recognise a second free.
-fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc) {
+/// Counts the free of a block that was live (`temporary`: see `Inflight::last_alloc`), and
+/// remembers it to recognise a second free.
+fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc, temporary: bool) {
     let (tid, now) = (ids().1, unsafe { bpf_ktime_get_ns() });
-    count_free(key.tgid, &alloc, tid, now);
+    count_free(key.tgid, &alloc, tid, now, temporary);
     if alloc.func & SAMPLED != 0 {
         // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
         // address would pass for freed twice.

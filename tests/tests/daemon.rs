@@ -168,6 +168,26 @@ fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
     assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
 }
 
+#[test]
+fn the_peak_and_resident_memory_are_exported() {
+    let _serial = serial();
+    let mut target = target();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    daemon.wait_traced(target.pid());
+    target.go();
+    let series = |name: &str| format!("{name}{{pid=\"{}\",comm=\"daemon_target\"}}", target.pid());
+    // 50 x 1000 bytes held, then 64 bytes allocated and freed again and again: 50,064 at most.
+    let peak = series("memprof_heap_peak_bytes");
+    wait_for(30, "the peak", || (metric(daemon.port, &peak)? == 50_064).then_some(()));
+    let temporary = series("memprof_temporary_allocations_total");
+    wait_for(30, "temporary allocations", || (metric(daemon.port, &temporary)? > 0).then_some(()));
+    let rss = metric(daemon.port, &series("memprof_rss_anon_bytes")).expect("memprof_rss_anon_bytes");
+    assert!(rss >= 50_000, "its 50,000 bytes held are resident: {rss}");
+    let body = http_get(daemon.port, "/metrics").expect("a scrape").1;
+    assert!(body.contains("# HELP memprof_rss_anon_minus_heap_bytes "), "{body}");
+    assert!(body.contains(&series("memprof_rss_anon_minus_heap_bytes")), "{body}");
+}
+
 /// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid system).
 fn cgroup2_mount() -> PathBuf {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();

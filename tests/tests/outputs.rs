@@ -123,3 +123,25 @@ fn a_full_disk_is_reported_and_the_previous_report_kept() {
     assert_eq!(kept, "previous");
     assert_eq!(left, ["report.html"]);
 }
+
+#[test]
+fn a_pipe_or_device_is_written_to_not_replaced() {
+    // A rename over `--output /dev/null` had left the host a regular file there.
+    let dir = directory("fifo");
+    let fifo = dir.join("reports");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo");
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || fs::read_to_string(fifo).unwrap())
+    };
+    let program = fixture("peaks");
+    let outcome = memprof(&["run", "--json", "--output", fifo.to_str().unwrap(), "--", program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let text = reader.join().unwrap();
+    assert!(text.lines().last().is_some_and(|line| line.starts_with("{\"final\":true")), "{text}");
+    use std::os::unix::fs::FileTypeExt as _;
+    assert!(fs::metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
+    assert_eq!(entries(&dir), ["reports"]);
+}

@@ -301,6 +301,10 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     assert!(chart.contains(&format!("data-series=\"{grow_id}\"")), "the leak has its line: {chart}");
     assert!(chart.contains("leak: grow_site (reports.c:"), "{chart}");
     assert!(chart.contains("leak: grow_site (reports.c:11): 98,304 bytes at the last point"), "{chart}");
+    // The peak, marked: the last churn_site block beside everything held then.
+    assert_eq!(report["peak"]["bytes"], IN_USE + 512);
+    assert!(chart.contains("<circle class=\"peak\""), "{chart}");
+    assert!(chart.contains("Peak (marked): 108,816 bytes in use at "), "{chart}");
 
     // The growing site is the only leak candidate, with its score and reason.
     let leaks = section(&dom, "leaks");

@@ -15,7 +15,7 @@ use crate::{
     heap::leak::{LeakSettings, LeakTracker},
     heap::report::{DoubleFreeReport, Forks, Report},
     heap::sampling::{RateGuard, Sampling},
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter},
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
     kernel::loader::{Attachment, Loaded},
     process::allocator::{self, Allocator},
     process::procfs,
@@ -43,6 +43,7 @@ pub struct Process {
     pub double_frees: Vec<DoubleFreeReport>,
     /// What memprof does not see in it; none until its allocator is probed.
     pub blind_spots: Option<BlindSpots>,
+    pub resident: Resident,
     /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
     expect_exec: bool,
     /// A child found to have exec'd when it was followed, already handled: the exec event that
@@ -71,6 +72,7 @@ impl Process {
             ns_pid: procfs::ns_pid(pid),
             double_free_filter: Some(DoubleFreeFilter::new(&allocator, Some(&exe))),
             blind_spots: Some(BlindSpots::new(pid, &allocator)),
+            resident: Resident::default(),
             exe,
             attachment,
             allocator: Some(allocator),

@@ -35,6 +35,8 @@ pub struct ReportFile {
     unnamed: bool,
     /// Renamed over `path`: a report is in it.
     placed: bool,
+    /// `path` is a device or a pipe, written to directly.
+    device: bool,
 }
 
 impl ReportOutput {
@@ -89,6 +91,13 @@ pub fn print(text: &[u8]) -> Result<bool, UserError> {
 impl ReportFile {
     /// Opens the temporary file beside `path`; `path` itself is not touched yet.
     pub fn create(path: &Path) -> io::Result<Self> {
+        // A device or a pipe (`/dev/null`, a FIFO) is written to, never replaced by a file: a
+        // rename over /dev/null leaves the host with a regular file there.
+        if fs::metadata(path).is_ok_and(|m| !m.file_type().is_file() && !m.is_dir()) {
+            let file = OpenOptions::new().write(true).open(path)?;
+            let path = path.to_path_buf();
+            return Ok(Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true });
+        }
         let temporary = temporary_name(path)?;
         let directory = match path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent,
@@ -100,14 +109,16 @@ impl ReportFile {
             // A file system without O_TMPFILE: a named temporary file.
             Err(_) => (OpenOptions::new().write(true).create_new(true).open(&temporary)?, false),
         };
-        Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false })
+        Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false, device: false })
     }
 
     /// Appends a complete report (or record) and puts the file in place.
     pub fn append(&mut self, report: &[u8]) -> io::Result<()> {
         self.file.write_all(report)?;
-        // On disk before it replaces the old file: a full disk fails here, not after the rename.
-        self.file.sync_data()?;
+        if !self.device {
+            // On disk before it replaces the old file: a full disk fails here, not after the rename.
+            self.file.sync_data()?;
+        }
         if !self.placed {
             if self.unnamed {
                 self.name()?;

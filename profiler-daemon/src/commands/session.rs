@@ -318,6 +318,7 @@ impl Tracer<'_> {
                     .blind_spots
                     .as_ref()
                     .map_or_else(Vec::new, |b| b.current(process.pid, report.totals.allocations));
+                report.memory = process.resident.current(process.pid, report.totals.outstanding_bytes);
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
                 }

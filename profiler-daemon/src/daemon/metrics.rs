@@ -37,14 +37,32 @@ type Labels = Vec<(&'static str, String)>;
 /// appends), help, type, and the value from its view.
 type PerProcess = (&'static str, &'static str, MetricType, fn(&TargetView) -> u64);
 
-const PER_PROCESS: [PerProcess; 11] = [
+const PER_PROCESS: &[PerProcess] = &[
     ("memprof_heap_inuse_bytes", "Bytes allocated and not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_bytes
     }),
     ("memprof_heap_inuse_objects", "Allocations not yet freed.", MetricType::Gauge, |t| {
         t.report.totals.outstanding_allocations
     }),
+    (
+        "memprof_heap_peak_bytes",
+        "The most bytes allocated and not yet freed at once since tracing began.",
+        MetricType::Gauge,
+        |t| t.report.peak.bytes,
+    ),
+    (
+        "memprof_rss_anon_bytes",
+        "Anonymous resident memory of the process (RssAnon in /proc/PID/status), to set against memprof_heap_inuse_bytes.",
+        MetricType::Gauge,
+        |t| t.report.memory.map_or(0, |m| m.rss_anon_bytes),
+    ),
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
+    (
+        "memprof_temporary_allocations",
+        "Allocations freed by their thread before it allocated anything else (every call recorded only).",
+        MetricType::Counter,
+        |t| t.report.totals.temporary_allocations,
+    ),
     ("memprof_allocated_bytes", "Bytes allocated.", MetricType::Counter, |t| t.report.totals.allocated_bytes),
     ("memprof_frees", "Frees of allocations seen.", MetricType::Counter, |t| t.report.totals.frees),
     ("memprof_freed_bytes", "Bytes freed.", MetricType::Counter, |t| t.report.totals.freed_bytes),
@@ -172,6 +190,12 @@ impl Collector for ViewCollector {
             targets.iter().map(|t| (process_labels(t), u64::from(t.leak_warming_up))),
         )?;
         histograms(e, &targets)?;
+        gauges(
+            e,
+            "memprof_rss_anon_minus_heap_bytes",
+            "memprof_rss_anon_bytes minus memprof_heap_inuse_bytes: allocator overhead and caches, fragmentation, anonymous memory not from malloc (negative while allocated memory is untouched).",
+            targets.iter().filter_map(|t| t.report.memory.map(|m| (process_labels(t), m.difference_bytes))),
+        )?;
 
         let stack_rows = targets.iter().flat_map(|t| {
             let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));

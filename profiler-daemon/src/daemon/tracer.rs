@@ -28,7 +28,7 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, stack_cache::StackCache},
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident, stack_cache::StackCache},
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -65,6 +65,7 @@ struct Target {
     attachment: Attachment,
     double_free_filter: DoubleFreeFilter,
     blind_spots: BlindSpots,
+    resident: Resident,
     attached_at: SystemTime,
     /// CLOCK_MONOTONIC at attach, for the report's times.
     start_ns: u64,
@@ -395,6 +396,7 @@ impl Tracer {
             attachment,
             double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
             blind_spots: BlindSpots::new(id.pid, &allocator),
+            resident: Resident::default(),
             exe,
             cgroup: procfs::cgroup(id.pid),
             attached_at: SystemTime::now(),
@@ -563,6 +565,7 @@ impl Tracer {
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
         report.blind_spots = target.blind_spots.current(pid, report.totals.allocations);
+        report.memory = target.resident.current(pid, report.totals.outstanding_bytes);
         report.unwind_tables = Some(self.loaded.unwind.table_use());
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.

@@ -45,6 +45,38 @@ fn section(report: &Report) -> String {
         t.unknown_frees,
         t.failed_allocations,
     );
+    if report.peak.bytes > 0 {
+        let _ = writeln!(
+            out,
+            "  peak: {} in use at {:.1}s; {} temporary allocations ({:.1}% of all)",
+            bytes(report.peak.bytes),
+            report.peak.at_s,
+            t.temporary_allocations,
+            percent(t.temporary_allocations, t.allocations)
+        );
+        for held in report.peak.stacks.iter().take(SITES_LISTED) {
+            let _ = writeln!(out, "    held at the peak: {:>12}  {}", held.bytes, site_of(&held.frames));
+        }
+        for temporary in report.temporary_stacks.iter().take(SITES_LISTED) {
+            let _ = writeln!(
+                out,
+                "    temporary: {} of {} allocations  {}",
+                temporary.temporary_allocations,
+                temporary.allocations,
+                site_of(&temporary.frames)
+            );
+        }
+    }
+    if let Some(memory) = &report.memory {
+        let _ = writeln!(
+            out,
+            "  resident: {} anonymous against {} of heap in use: {}{} not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)",
+            bytes(memory.rss_anon_bytes),
+            bytes(memory.heap_inuse_bytes),
+            if memory.difference_bytes < 0 { "-" } else { "" },
+            bytes(memory.difference_bytes.unsigned_abs())
+        );
+    }
     for spot in &report.blind_spots {
         let _ = writeln!(out, "  not seen: {}; {}", spot.what, spot.advice);
     }
@@ -58,7 +90,11 @@ fn section(report: &Report) -> String {
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {
-        let _ = writeln!(out, "  {:>12} {:>9} {:>9} {:>5}  STACK", "BYTES", "COUNT", "OLDEST", "LEAK");
+        let _ = writeln!(
+            out,
+            "  {:>12} {:>9} {:>12} {:>9} {:>9} {:>5}  STACK",
+            "BYTES", "COUNT", "MAX BYTES", "TEMPORARY", "OLDEST", "LEAK"
+        );
     }
     for stack in &report.stacks {
         // A leak candidate's score is marked with `!`; a stack the rule has no verdict on yet, `-`.
@@ -67,8 +103,13 @@ fn section(report: &Report) -> String {
             None => format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " }),
         };
         let lead = format!(
-            "  {:>12} {:>9} {:>8.1}s {:>5}  ",
-            stack.outstanding_bytes, stack.outstanding_allocations, stack.oldest_age_s, leak
+            "  {:>12} {:>9} {:>12} {:>9} {:>8.1}s {:>5}  ",
+            stack.outstanding_bytes,
+            stack.outstanding_allocations,
+            stack.max_outstanding_bytes,
+            stack.temporary_allocations,
+            stack.oldest_age_s,
+            leak
         );
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
         if let Some(warming_up) = stack.leak.warming_up {
@@ -155,6 +196,24 @@ pub fn site(frame: &Frame) -> String {
         _ => frame.function.clone(),
     };
     printable(&site).into_owned()
+}
+
+/// Sites listed under the peak line for the peak's stacks and for the temporary allocations:
+/// the JSON report has them all.
+const SITES_LISTED: usize = 5;
+
+/// The allocation site of a stack's frames, for one-line mentions.
+fn site_of(frames: &[Frame]) -> String {
+    frames.get(crate::heap::report::allocation_site(frames)).map_or_else(|| "[no stack]".to_string(), describe)
+}
+
+/// `part` as a percentage of `whole` (0 for none).
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 * 100.0 / whole as f64
+    }
 }
 
 fn bytes(n: u64) -> String {

@@ -67,16 +67,12 @@ fn same_frames(a: &StackReport, b: &StackReport) -> bool {
 
 fn merge(into: &mut StackReport, part: StackReport) {
     if part.outstanding_bytes > into.outstanding_bytes {
-        into.stack_id = part.stack_id;
+        into.stack_id = part.stack_id.clone();
         into.leak = part.leak.clone();
     } else if part.leak.candidate && !into.leak.candidate {
         into.leak = part.leak.clone();
     }
-    into.outstanding_bytes += part.outstanding_bytes;
-    into.outstanding_allocations += part.outstanding_allocations;
-    into.allocations += part.allocations;
-    into.allocated_bytes += part.allocated_bytes;
-    into.oldest_age_s = into.oldest_age_s.max(part.oldest_age_s);
+    into.add_counts(&part);
     into.truncated |= part.truncated;
 }
 

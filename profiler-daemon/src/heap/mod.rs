@@ -7,5 +7,6 @@ pub mod double_free;
 pub mod filter;
 pub mod leak;
 pub mod report;
+pub mod resident;
 pub mod sampling;
 pub mod stack_cache;

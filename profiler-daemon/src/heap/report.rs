@@ -11,6 +11,7 @@ use crate::{
     heap::{
         context::RunContext,
         leak::{LeakTracker, LeakVerdict, Timeline},
+        resident::Memory,
         stack_cache::{StackCache, Symbolized},
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
@@ -45,6 +46,17 @@ pub struct Report {
     /// then estimates); 0 when every call is recorded.
     pub sample_bytes: u64,
     pub totals: Totals,
+    /// The most bytes the process had in use since tracing began, when, and which stacks held them.
+    #[serde(default)]
+    pub peak: Peak,
+    /// The stacks with temporary allocations, most first (as many as the report's stacks): most
+    /// hold nothing now, so `stacks` does not list them.
+    #[serde(default)]
+    pub temporary_stacks: Vec<TemporaryStack>,
+    /// Anonymous resident memory against the heap in use (README: Resident memory); absent for a
+    /// process never read while it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Memory>,
     /// This process's events not recorded, by reason.
     #[serde(deserialize_with = "crate::names::deserialize_counts")]
     pub dropped: BTreeMap<&'static str, u64>,
@@ -85,6 +97,34 @@ pub struct Report {
     /// report and the daemon's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unwind_tables: Option<TableUse>,
+}
+
+/// A process's high-water mark of bytes in use (README: Peak).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Peak {
+    pub bytes: u64,
+    /// Seconds since tracing began.
+    pub at_s: f64,
+    /// The stacks that held memory then, most bytes first (as many as the report's stacks).
+    pub stacks: Vec<PeakStack>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeakStack {
+    pub stack_id: String,
+    pub bytes: u64,
+    /// Its frames: a stack that has freed all it held then is not among the report's stacks.
+    pub frames: Vec<Frame>,
+}
+
+/// Allocations of one stack freed by their thread before it allocated anything else (README:
+/// Temporary allocations).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemporaryStack {
+    pub stack_id: String,
+    pub temporary_allocations: u64,
+    pub allocations: u64,
+    pub frames: Vec<Frame>,
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
@@ -128,6 +168,8 @@ pub struct Totals {
     pub freed_bytes: u64,
     pub unknown_frees: u64,
     pub failed_allocations: u64,
+    /// Allocations freed by their thread before it allocated anything else (full mode only).
+    pub temporary_allocations: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -138,6 +180,10 @@ pub struct StackReport {
     pub outstanding_allocations: u64,
     pub allocations: u64,
     pub allocated_bytes: u64,
+    /// The most bytes the stack had outstanding at once since tracing began.
+    pub max_outstanding_bytes: u64,
+    /// Its allocations freed by their thread before it allocated anything else (full mode only).
+    pub temporary_allocations: u64,
     pub oldest_age_s: f64,
     /// The walk did not reach the thread's outermost frame (see `dropped` for why).
     pub truncated: bool,
@@ -269,6 +315,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         totals.freed_bytes += stack.stats.freed_bytes;
         totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
         totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
+        totals.temporary_allocations += stack.stats.temporary_allocations;
     }
     let counted = |s: &StackSnapshot| {
         if selection.aged_only {
@@ -303,6 +350,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 outstanding_allocations,
                 allocations: stack.stats.allocations,
                 allocated_bytes: stack.stats.allocated_bytes,
+                max_outstanding_bytes: stack.stats.max_outstanding_bytes,
+                temporary_allocations: stack.stats.temporary_allocations,
                 // Ages are known to the generation: none is older than tracing.
                 oldest_age_s: stack
                     .oldest_ns
@@ -318,6 +367,9 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         cache.keep(kept);
     }
     let stacks = merge_same_stacks(stacks);
+    let names = Names { ctx, ids: &report_ids, listed: &stacks };
+    let peak = peak(&names, snapshot, selection.top);
+    let temporary_stacks = temporary_stacks(&names, snapshot, selection.top);
     Report {
         is_final: selection.is_final,
         context: None,
@@ -331,6 +383,9 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
+        peak,
+        temporary_stacks,
+        memory: None,
         dropped: dropped(snapshot),
         unattributed_dropped: unattributed_dropped(kernel),
         stacks_not_shown: 0,
@@ -351,6 +406,96 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     }
 }
 
+/// Names a snapshot's stacks as the report does: `ids` maps kernel ids to the report ids of the
+/// stacks `listed`; others are symbolized.
+struct Names<'a> {
+    ctx: &'a Context<'a>,
+    ids: &'a HashMap<u64, String>,
+    listed: &'a [StackReport],
+}
+
+impl Names<'_> {
+    fn of(&self, stack: &StackSnapshot) -> (String, Vec<Frame>) {
+        let known = self.ids.get(&stack.stack_id).and_then(|id| self.listed.iter().find(|s| &s.stack_id == id));
+        match known {
+            Some(listed) => (listed.stack_id.clone(), listed.frames.clone()),
+            None => {
+                let symbolized = self.ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
+                (symbolized.id, symbolized.frames)
+            }
+        }
+    }
+
+    /// The `top` stacks of `snapshot` by `value` (those above 0), named, each stack's value
+    /// summed with its deferred walk's twin's (the same frames: see `merge_same_stacks`).
+    fn top<'s>(
+        &self,
+        snapshot: &'s Snapshot,
+        top: Option<usize>,
+        value: impl Fn(&StackSnapshot) -> u64,
+    ) -> Vec<(String, Vec<Frame>, Vec<&'s StackSnapshot>)> {
+        let mut chosen: Vec<&StackSnapshot> = snapshot.stacks.iter().filter(|s| value(s) > 0).collect();
+        chosen.sort_by_key(|s| std::cmp::Reverse(value(s)));
+        let mut named: Vec<(String, Vec<Frame>, Vec<&'s StackSnapshot>)> = Vec::new();
+        for stack in chosen {
+            let (id, frames) = self.of(stack);
+            match named.iter().position(|(named_id, _, _)| *named_id == id) {
+                Some(same) => named[same].2.push(stack),
+                None if named.len() < top.unwrap_or(usize::MAX) => named.push((id, frames, vec![stack])),
+                None => {}
+            }
+        }
+        named
+    }
+}
+
+/// The process's peak and the stacks that held memory then, at most `top` of them.
+fn peak(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Peak {
+    let stacks = names
+        .top(snapshot, top, |s| s.peak_bytes)
+        .into_iter()
+        .map(|(stack_id, frames, parts)| PeakStack {
+            stack_id,
+            bytes: parts.iter().map(|s| s.peak_bytes).sum(),
+            frames,
+        })
+        .collect();
+    let at_ns = snapshot.peak.at_ns;
+    Peak {
+        bytes: snapshot.peak.bytes,
+        at_s: if at_ns == 0 { 0.0 } else { names.ctx.stacks.seconds_since_start(at_ns) },
+        stacks,
+    }
+}
+
+/// The stacks with the most temporary allocations, at most `top` of them.
+fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Vec<TemporaryStack> {
+    names
+        .top(snapshot, top, |s| s.stats.temporary_allocations)
+        .into_iter()
+        .map(|(stack_id, frames, parts)| TemporaryStack {
+            stack_id,
+            temporary_allocations: parts.iter().map(|s| s.stats.temporary_allocations).sum(),
+            allocations: parts.iter().map(|s| s.stats.allocations).sum(),
+            frames,
+        })
+        .collect()
+}
+
+impl StackReport {
+    /// Adds `other`'s counts, another stack with the same frames (or folded into this one).
+    pub fn add_counts(&mut self, other: &StackReport) {
+        self.outstanding_bytes += other.outstanding_bytes;
+        self.outstanding_allocations += other.outstanding_allocations;
+        self.allocations += other.allocations;
+        self.allocated_bytes += other.allocated_bytes;
+        // Their highs need not have come at once: the sum bounds the merged stack's from above.
+        self.max_outstanding_bytes += other.max_outstanding_bytes;
+        self.temporary_allocations += other.temporary_allocations;
+        self.oldest_age_s = self.oldest_age_s.max(other.oldest_age_s);
+    }
+}
+
 /// Stacks with the same frames as one: a walk the kernel deferred (see `unwind::deferred`) is
 /// stored apart from the same stack walked whole once the table was loaded. The larger one's
 /// leak verdict stands for both.
@@ -361,11 +506,7 @@ fn merge_same_stacks(stacks: Vec<StackReport>) -> Vec<StackReport> {
         match at.get(&stack.stack_id) {
             Some(&index) => {
                 let into = &mut merged[index];
-                into.outstanding_bytes += stack.outstanding_bytes;
-                into.outstanding_allocations += stack.outstanding_allocations;
-                into.allocations += stack.allocations;
-                into.allocated_bytes += stack.allocated_bytes;
-                into.oldest_age_s = into.oldest_age_s.max(stack.oldest_age_s);
+                into.add_counts(&stack);
                 into.truncated &= stack.truncated;
             }
             None => {
@@ -401,6 +542,7 @@ pub fn merge_processes(root: &Report) -> Report {
             t.freed_bytes += c.freed_bytes;
             t.unknown_frees += c.unknown_frees;
             t.failed_allocations += c.failed_allocations;
+            t.temporary_allocations += c.temporary_allocations;
             for (reason, count) in &process.dropped {
                 *merged.dropped.entry(reason).or_default() += count;
             }
@@ -551,6 +693,9 @@ pub mod samples {
             duration_s: 1.5,
             sample_bytes: 0,
             totals: Totals::default(),
+            peak: Peak::default(),
+            temporary_stacks: Vec::new(),
+            memory: None,
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
             unattributed_dropped: BTreeMap::new(),
             stacks_not_shown: 0,
@@ -560,6 +705,8 @@ pub mod samples {
                 outstanding_allocations: 1,
                 allocations: 1,
                 allocated_bytes: 48,
+                max_outstanding_bytes: 48,
+                temporary_allocations: 0,
                 oldest_age_s: 0.5,
                 truncated: false,
                 site: 0,

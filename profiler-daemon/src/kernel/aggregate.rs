@@ -14,7 +14,7 @@ use aya::{
 };
 use profiler_common::{
     stack_hash_step, stack_id_of, stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, ProcDrops, RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey,
+    Log2Histogram, ProcCounters, ProcDrops, ProcHeap, RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey,
     ThreadPairStats, COUNT_SCALE, NO_STACK, STACK_HASH_SEED,
 };
 
@@ -52,8 +52,18 @@ pub struct Snapshot {
     pub sizes: Log2Histogram,
     /// Lifetimes of freed allocations, in ns.
     pub lifetimes: Log2Histogram,
+    /// The most bytes the process had in use since tracing began, and when.
+    pub peak: Peak,
     /// Frees by another thread than the allocating one.
     pub thread_pairs: Vec<(ThreadPairKey, ThreadPairStats)>,
+}
+
+/// A process's high-water mark of bytes in use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Peak {
+    pub bytes: u64,
+    /// CLOCK_MONOTONIC when it was reached (0: nothing allocated yet).
+    pub at_ns: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -72,6 +82,8 @@ pub struct StackSnapshot {
     pub oldest_ns: Option<u64>,
     /// Outstanding memory by age, oldest first.
     pub ages: Vec<AgeSpan>,
+    /// Bytes the stack held at its process's peak.
+    pub peak_bytes: u64,
 }
 
 pub fn monotonic_now_ns() -> u64 {
@@ -94,20 +106,25 @@ pub fn read(
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
-    let sizes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "SIZE_HIST")?)?;
-    let lifetimes: BpfHashMap<_, u32, Log2Histogram> = BpfHashMap::try_from(map(ebpf, "LIFETIME_HIST")?)?;
+    let heaps: BpfHashMap<_, u32, ProcHeap> = BpfHashMap::try_from(map(ebpf, "PROC_HEAP")?)?;
     let proc_drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let mut snapshot = KernelSnapshot::default();
+    // Each process's peak generation, read before the stacks: a stack that changes after this
+    // read and before its own counts its bytes since, as if read a moment later.
+    let mut peak_generations = HashMap::new();
     for &tgid in tgids {
+        let heap = heaps.get(&tgid, 0).unwrap_or_default();
+        peak_generations.insert(tgid, heap.peak_generation);
         let process = Snapshot {
             now_ns,
             counters: counters.get(&tgid, 0).unwrap_or_default(),
             drops: proc_drops.get(&tgid, 0).unwrap_or_default(),
             sample_bytes: sampling.get(&tgid, 0).unwrap_or(0),
-            sizes: unscale_histogram(sizes.get(&tgid, 0).unwrap_or_default()),
-            lifetimes: unscale_histogram(lifetimes.get(&tgid, 0).unwrap_or_default()),
+            sizes: unscale_histogram(heap.sizes),
+            lifetimes: unscale_histogram(heap.lifetimes),
+            peak: Peak { bytes: heap.peak, at_ns: heap.peak_ns },
             ..Snapshot::default()
         };
         snapshot.processes.insert(tgid, process);
@@ -117,7 +134,12 @@ pub fn read(
         snapshot.live_entries += unscale(stats.allocations.saturating_sub(stats.frees));
         if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
             let spans = book.observe(*key, stats, now_ns);
-            process.stacks.push(stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns));
+            let mut stack = stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns);
+            if peak_generations.get(&key.tgid) == Some(&stats.peak_generation) {
+                // Changed since the peak: it kept what it held then.
+                stack.peak_bytes = stats.bytes_at_peak;
+            }
+            process.stacks.push(stack);
         }
     })?;
     batch::for_each(map(ebpf, "THREAD_PAIRS")?, |key: &ThreadPairKey, stats: &ThreadPairStats| {
@@ -172,6 +194,10 @@ impl StackSnapshot {
         s.freed_bytes += o.freed_bytes;
         s.old_freed_bytes += o.old_freed_bytes;
         s.old_frees += o.old_frees;
+        s.temporary_allocations += o.temporary_allocations;
+        // The two ids' highs need not have come at once: their sum bounds the stack's from above.
+        s.max_outstanding_bytes += o.max_outstanding_bytes;
+        self.peak_bytes += other.peak_bytes;
         for (mine, theirs) in s.generation_bytes.iter_mut().zip(o.generation_bytes) {
             *mine = mine.wrapping_add(theirs);
         }
@@ -211,18 +237,26 @@ fn stack_snapshot(
 ) -> StackSnapshot {
     ages.iter_mut().for_each(|span| span.allocations = unscale(span.allocations));
     let (aged_bytes, aged_allocations) = ages::aged(&book.clock, &ages, now_ns, min_age_ns);
-    let stats = StackStats { allocations: unscale(scaled.allocations), frees: unscale(scaled.frees), ..scaled };
+    let stats = StackStats {
+        allocations: unscale(scaled.allocations),
+        frees: unscale(scaled.frees),
+        temporary_allocations: unscale(scaled.temporary_allocations),
+        ..scaled
+    };
+    // Unchanged since the process's peak (see `read`): it holds what it held then.
+    let outstanding_bytes = stats.allocated_bytes.saturating_sub(stats.freed_bytes);
     StackSnapshot {
         stack_id,
         stored_id: stack_id,
         stats,
         // Frees are only counted for allocations seen, so these never go negative.
-        outstanding_bytes: stats.allocated_bytes.saturating_sub(stats.freed_bytes),
+        outstanding_bytes,
         outstanding_allocations: unscale(scaled.allocations.saturating_sub(scaled.frees)),
         aged_bytes,
         aged_allocations,
         oldest_ns: ages::oldest_ns(&book.clock, &ages),
         ages,
+        peak_bytes: outstanding_bytes,
     }
 }
 
@@ -292,8 +326,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
     remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| ours(k))?;
     remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| ours(k))?;
-    remove_matching::<u32, Log2Histogram>(ebpf, "SIZE_HIST", |k, _| ours(k))?;
-    remove_matching::<u32, Log2Histogram>(ebpf, "LIFETIME_HIST", |k, _| ours(k))?;
+    remove_matching::<u32, ProcHeap>(ebpf, "PROC_HEAP", |k, _| ours(k))?;
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| ours(&k.tgid))?;
     let tables = [
         (StackTable::Allocations, stored_stacks, used_stacks),

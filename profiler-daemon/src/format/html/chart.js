@@ -24,13 +24,18 @@ function timelineSection(report) {
       id: stack.stack_id,
     });
   });
-  return section('timeline', 'Heap in use over time', chart(timeline.time_s, series), legend(series));
+  const peak = report.peak && report.peak.bytes > 0 ? report.peak : null;
+  const note = peak ? el('p', { class: 'note' },
+    `Peak (marked): ${grouped(peak.bytes)} bytes in use at ${seconds(peak.at_s)}, held by ${peak.stacks.length} stacks.`) : false;
+  return section('timeline', 'Heap in use over time', chart(timeline.time_s, series, peak), note, legend(series));
 }
 
-function chart(times, series) {
+// `peak`, when given, is marked: the process's high-water mark, which may fall between points.
+function chart(times, series, peak) {
   const { width, height, left, right, top, bottom } = CHART;
-  const maxTime = niceCeiling(Math.max(times[times.length - 1], 1e-3), [1, 2, 2.5, 5, 10]);
-  const maxBytes = byteCeiling(series.reduce((most, s) => s.values.reduce((a, b) => Math.max(a, b), most), 1));
+  const maxTime = niceCeiling(Math.max(times[times.length - 1], peak ? peak.at_s : 0, 1e-3), [1, 2, 2.5, 5, 10]);
+  const highest = series.reduce((most, s) => s.values.reduce((a, b) => Math.max(a, b), most), peak ? peak.bytes : 1);
+  const maxBytes = byteCeiling(highest);
   const x = t => left + (t / maxTime) * (width - left - right);
   const y = b => top + (1 - b / maxBytes) * (height - top - bottom);
   const svg = svgEl('svg', { id: 'timeline-chart', viewBox: `0 0 ${width} ${height}`, width, height, role: 'img' },
@@ -56,6 +61,11 @@ function chart(times, series) {
         svgEl('title', {}, `${s.name}: ${grouped(bytes)} bytes at ${seconds(t)}`)));
     }
     svg.append(group);
+  }
+  if (peak) {
+    svg.append(svgEl('circle', { class: 'peak', cx: x(peak.at_s).toFixed(1), cy: y(peak.bytes).toFixed(1), r: 6,
+      fill: 'none', stroke: '#d62728', 'stroke-width': 2, 'data-bytes': peak.bytes },
+      svgEl('title', {}, `peak: ${grouped(peak.bytes)} bytes at ${seconds(peak.at_s)}`)));
   }
   return el('div', { class: 'chart' }, svg);
 }

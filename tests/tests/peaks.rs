@@ -1,0 +1,105 @@
+//! Where the memory is beyond what is in use now: the process's peak and the stacks that held it,
+//! each stack's own high, and temporary allocations (freed by their thread before it allocated
+//! anything else), on a fixture whose truth is known (tests/fixtures/peaks.c).
+
+use memprof_tests::{assert_nothing_dropped, fixture, run, total};
+use serde_json::Value;
+
+/// `(function of the allocation site, value of field)` for each entry of `list`.
+fn by_site(list: &Value, field: &str) -> Vec<(String, u64)> {
+    let mut sites: Vec<(String, u64)> = list
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|entry| {
+            let function = entry["frames"][0]["function"].as_str().expect("a symbolized frame").to_string();
+            (function, entry[field].as_u64().expect("a count"))
+        })
+        .collect();
+    sites.sort();
+    sites
+}
+
+fn stack<'a>(report: &'a Value, function: &str) -> &'a Value {
+    report["stacks"]
+        .as_array()
+        .expect("stacks")
+        .iter()
+        .find(|s| s["frames"][0]["function"] == function)
+        .unwrap_or_else(|| panic!("no stack at {function}: {report}"))
+}
+
+#[test]
+fn the_peak_its_stacks_and_temporary_allocations_are_exact() {
+    let program = fixture("peaks");
+    let outcome = run(&["--interval", "0.2"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_nothing_dropped(&report);
+
+    // Nothing else in the process allocates: the peak is hold_a's 10,000 and hold_b's 10,000.
+    let peak = &report["peak"];
+    assert_eq!(peak["bytes"], 20_000, "{peak}");
+    assert_eq!(by_site(&peak["stacks"], "bytes"), [("hold_a".into(), 10_000), ("hold_b".into(), 10_000)]);
+    let at_s = peak["at_s"].as_f64().expect("at_s");
+    assert!(at_s >= 0.0 && at_s <= report["duration_s"].as_f64().unwrap(), "{peak}");
+
+    for (function, now, max) in [("hold_a", 5_000, 10_000), ("hold_b", 2_000, 10_000), ("after_peak", 3_000, 3_000)] {
+        let stack = stack(&report, function);
+        assert_eq!(stack["outstanding_bytes"], now, "{function}: {stack}");
+        assert_eq!(stack["max_outstanding_bytes"], max, "{function}: {stack}");
+        assert_eq!(stack["temporary_allocations"], 0, "{function}: {stack}");
+    }
+
+    // temp_loop's 100 are temporary; of each pair only the second, freed before anything else
+    // was allocated: 50. pair_first's were freed after pair_second allocated.
+    assert_eq!(
+        by_site(&report["temporary_stacks"], "temporary_allocations"),
+        [("pair_second".into(), 50), ("temp_loop_alloc".into(), 100)]
+    );
+    assert_eq!(
+        by_site(&report["temporary_stacks"], "allocations"),
+        [("pair_second".into(), 50), ("temp_loop_alloc".into(), 100)]
+    );
+    assert_eq!(total(&report, "temporary_allocations"), 150);
+    assert_eq!(total(&report, "allocations"), 218);
+}
+
+#[test]
+fn the_table_names_the_peak_and_the_temporary_allocations() {
+    let program = fixture("peaks");
+    let outcome = memprof_tests::memprof(&["run", "--", program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let table = &outcome.stdout;
+    assert!(table.contains("peak: 19.5 KiB in use at "), "{table}");
+    assert!(table.contains("150 temporary allocations (68.8% of all)"), "{table}");
+    assert!(table.contains("temporary: 100 of 100 allocations  temp_loop_alloc (peaks.c:"), "{table}");
+    assert!(table.contains("held at the peak:        10000  hold_a (peaks.c:"), "{table}");
+}
+
+/// The `memory` of the reports: (rss_anon_bytes, heap_inuse_bytes, difference_bytes).
+fn memory(report: &Value) -> (u64, u64, i64) {
+    let memory = &report["memory"];
+    let field = |name: &str| memory[name].as_i64().unwrap_or_else(|| panic!("memory.{name} in {report}"));
+    (field("rss_anon_bytes") as u64, field("heap_inuse_bytes") as u64, field("difference_bytes"))
+}
+
+#[test]
+fn resident_memory_is_set_against_the_heap() {
+    let program = fixture("resident");
+    let outcome = run(&["--interval", "0.2"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let readings: Vec<(u64, u64, i64)> = outcome.reports().iter().map(memory).collect();
+    for &(rss, heap, difference) in &readings {
+        assert_eq!(difference, rss as i64 - heap as i64);
+    }
+    // 32 MiB in blocks mapped one by one: resident and in use alike, within the pages of the
+    // program's own stacks and data and the blocks' headers.
+    let big = 32 << 20;
+    let &(rss, _, difference) = readings.iter().find(|r| r.1 == big).expect("a reading while the 32 MiB were held");
+    assert!(rss >= big && difference < 1 << 20, "rss_anon {rss}, difference {difference}");
+    // Then 2,500 blocks of 256 bytes in use, the 37,500 freed between them still resident.
+    let &(rss, _, difference) =
+        readings.iter().rfind(|r| r.1 == 640_000).expect("a reading with the 2,500 survivors held");
+    assert!(difference >= 37_500 * 256, "rss_anon {rss}: the freed blocks' pages are still resident ({difference})");
+}
