@@ -4,6 +4,8 @@
 pub mod blind_spots;
 pub mod double_free;
 pub mod filter;
+pub mod inspect;
 pub mod leak;
+pub mod reachability;
 pub mod report;
 pub mod sampling;

@@ -8,6 +8,7 @@ use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
 use serde::Serialize;
 
 use crate::{
+    heap::inspect::{Inspection, Reachability},
     heap::leak::{LeakTracker, LeakVerdict, Timeline},
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -72,6 +73,9 @@ pub struct Report {
     /// report and the daemon's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unwind_tables: Option<TableUse>,
+    /// What `--inspect` found: the final report's, when the process was still there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inspection: Option<Inspection>,
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
@@ -132,6 +136,9 @@ pub struct StackReport {
     /// wrappers such as C++'s `operator new` or Rust's `__rust_alloc`.
     pub site: usize,
     pub leak: LeakVerdict,
+    /// Its blocks by class, when the report's process was inspected (`--inspect`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reachability: Option<Reachability>,
     pub frames: Vec<Frame>,
 }
 
@@ -292,6 +299,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 truncated: symbolized.truncated,
                 site: allocation_site(&symbolized.frames),
                 leak: ctx.leaks.verdict(stack.stack_id),
+                reachability: None,
                 frames: symbolized.frames,
             }
         })
@@ -326,7 +334,21 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         children: Vec::new(),
         forks: None,
         unwind_tables: None,
+        inspection: None,
     }
+}
+
+/// Gives `report` its inspection, and each of its stacks its blocks' classes.
+pub fn add_inspection(report: &mut Report, inspection: Inspection, stacks: &Stacks) {
+    // Kernel ids to the report's: two kernel ids may hold the same frames (see `merge_same_stacks`).
+    let mut by_id: HashMap<String, Reachability> = HashMap::new();
+    for (&kernel_id, reachability) in &inspection.per_stack {
+        by_id.entry(stacks.symbolize(StackTable::Allocations, kernel_id).id).or_default().add(reachability);
+    }
+    for stack in &mut report.stacks {
+        stack.reachability = by_id.get(&stack.stack_id).copied();
+    }
+    report.inspection = Some(inspection);
 }
 
 /// Stacks with the same frames as one: a walk the kernel deferred (see `unwind::deferred`) is
@@ -535,6 +557,7 @@ pub mod samples {
                 truncated: false,
                 site: 0,
                 leak: LeakVerdict::default(),
+                reachability: None,
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             modules: vec![Module {
@@ -552,6 +575,7 @@ pub mod samples {
             children: Vec::new(),
             forks: None,
             unwind_tables: None,
+            inspection: None,
         }
     }
 }
