@@ -104,7 +104,9 @@ pub struct Settings {
 pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Inspection> {
     let started = Instant::now();
     let frozen = Frozen::stop(pid)?;
+    let stopped = started.elapsed();
     let blocks = live::blocks(ebpf, pid)?;
+    let listed = started.elapsed();
     let regions = procfs::regions(pid)?;
     let mut inspection = Inspection {
         threads: frozen.threads.len(),
@@ -139,6 +141,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     drop(memory);
     drop(frozen);
     inspection.pause_ms = started.elapsed().as_secs_f64() * 1e3;
+    tracing::debug!(pid, ?stopped, ?listed, pause_ms = inspection.pause_ms, blocks = blocks.len(), "inspected");
     inspection.block_bytes_scanned = marking.block_bytes_scanned;
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
     for ((block, class), retained) in blocks.iter().zip(&marking.classes).zip(&marking.retained) {

@@ -1,5 +1,6 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
-//! filters and double frees. Imports `kernel`, `symbolize`, `process` and `error`; never a map.
+//! filters, double frees, and the reachability of a process held still (`inspect`). Imports `kernel`,
+//! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
 pub mod double_free;

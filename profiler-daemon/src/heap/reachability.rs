@@ -191,7 +191,7 @@ fn words(start: u64, bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
 fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
     // malloc's chunk size: the request and the size field, rounded up to 16, at least 32.
     let chunk = ((block.size + 8 + 15) & !15).max(32);
-    block.size % 16 != 0 && ptr == block.addr + chunk - 16
+    !block.size.is_multiple_of(16) && ptr == block.addr + chunk - 16
 }
 
 #[cfg(test)]
