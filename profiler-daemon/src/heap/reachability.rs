@@ -51,6 +51,9 @@ pub struct Marker<'a> {
     blocks: &'a [LiveBlock],
     /// glibc's arenas point at chunk headers: see `is_chunk_header`.
     glibc: bool,
+    /// The lowest and highest address in a block.
+    low: u64,
+    high: u64,
     state: Vec<State>,
     /// Per clique leader, the bytes of its clique (memcheck's `indirect_szB`).
     indirect: Vec<u64>,
@@ -69,6 +72,8 @@ impl<'a> Marker<'a> {
         Self {
             blocks,
             glibc,
+            low: blocks.first().map_or(u64::MAX, |b| b.addr),
+            high: blocks.iter().map(|b| (b.addr + b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
             state: vec![State::Unreached; blocks.len()],
             indirect: vec![0; blocks.len()],
             pending: Vec::new(),
@@ -80,6 +85,10 @@ impl<'a> Marker<'a> {
 
     /// The block `ptr` points into, if any.
     fn find(&self, ptr: u64) -> Option<usize> {
+        // Most words are no pointer into the heap (zeros, small numbers, text): out at once.
+        if !(self.low..=self.high).contains(&ptr) {
+            return None;
+        }
         let at = self.blocks.partition_point(|b| b.addr <= ptr).checked_sub(1)?;
         let block = &self.blocks[at];
         let inside = ptr - block.addr < block.size || ptr == block.addr;
