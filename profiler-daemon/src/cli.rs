@@ -191,6 +191,10 @@ pub struct TraceArgs {
     /// or `--follow-forks=false` [default: false for attach, true for run].
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub follow_forks: Option<bool>,
+    /// At the end (for `run`: at --duration), hold the process still for a moment and class its
+    /// blocks as valgrind's memcheck would: definitely, indirectly and possibly lost, reachable.
+    #[arg(long)]
+    pub inspect: bool,
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]

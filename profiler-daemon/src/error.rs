@@ -23,6 +23,8 @@ pub enum UserError {
     /// Not a `source`: the message says the cause already.
     #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]
     Output { path: PathBuf, cause: std::io::Error },
+    #[error("`run --inspect` inspects the command at --duration, while it still runs; add --duration SECS")]
+    InspectNeedsDuration,
     #[error("--format {0} writes binary data, which a terminal cannot show; add --output FILE")]
     BinaryToTerminal(&'static str),
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.

@@ -19,6 +19,7 @@ use crate::{
     error::UserError,
     format::{self, Format},
     heap::context::RunContext,
+    heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -61,7 +62,8 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let traced = trace(loaded, symbolizer, root, exit, args, opened).await?;
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete: false });
+    let traced = trace(loaded, symbolizer, root, exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
 }
 
@@ -75,6 +77,9 @@ pub async fn run(
     args: &TraceArgs,
     fail_on_leak_bytes: Option<u64>,
 ) -> anyhow::Result<i32> {
+    if args.inspect && args.duration.is_none() {
+        return Err(UserError::InspectNeedsDuration.into());
+    }
     let opened = Opened::open(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
@@ -109,7 +114,10 @@ pub async fn run(
         );
     }
     child.release();
-    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened).await?;
+    // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
+    let complete = args.sampling.sample_bytes.is_none();
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete });
+    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened, inspect).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
             eprintln!(
@@ -120,6 +128,11 @@ pub async fn run(
         }
         _ => Ok(traced.code.unwrap_or(0)),
     }
+}
+
+/// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
+fn is_glibc(allocator: &Allocator) -> bool {
+    allocator.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
 }
 
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
@@ -205,6 +218,8 @@ struct Tracer<'a> {
     context: RunContext,
     /// Every report is built whole (every stack) for the recording; the format takes its part.
     recording: bool,
+    /// The root process's inspection, for its final report.
+    inspection: Option<Inspection>,
 }
 
 impl Tracer<'_> {
@@ -330,6 +345,10 @@ impl Tracer<'_> {
         }
         let root_at = reports.iter().position(|r| r.pid == self.family.root);
         let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
+        if let Some(inspection) = self.inspection.take() {
+            let pid = root.pid;
+            report::add_inspection(&mut root, inspection, &self.stacks(pid));
+        }
         root.forks = self.family.forks(&self.loaded);
         root.unwind_tables = Some(self.loaded.unwind.table_use());
         root.context = Some(self.context.clone());
@@ -362,6 +381,7 @@ async fn trace(
     mut exit: ExitWatch,
     args: &TraceArgs,
     opened: Opened,
+    inspect: Option<inspect::Settings>,
 ) -> anyhow::Result<Traced> {
     let Opened { mut output, mut recording, mut stop } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
@@ -381,6 +401,7 @@ async fn trace(
         min_age_ns: (args.min_age * 1e9) as u64,
         context: RunContext::now(),
         recording: recording.is_some(),
+        inspection: None,
     };
     if let Some(recording) = &mut recording {
         recording.start(Settings { top: args.top, interval_s: args.interval })?;
@@ -446,6 +467,9 @@ async fn trace(
             tracer.child_exited(pid);
         }
     }
+    if let Some(settings) = inspect {
+        tracer.inspection = inspect_root(&tracer, settings);
+    }
     tracer.collect(&mut double_free_reader);
     let result = tracer.read(true, None);
     let leak_bytes = result.as_ref().ok().and_then(Option::as_ref).map_or(0, |root| {
@@ -460,4 +484,26 @@ async fn trace(
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
     written.map(|_| Traced { code, leak_bytes })
+}
+
+/// Inspects the root process if it is still there; says why not otherwise.
+fn inspect_root(tracer: &Tracer, settings: inspect::Settings) -> Option<Inspection> {
+    let pid = tracer.family.root;
+    if procfs::stat(pid).is_none_or(|stat| stat.zombie) {
+        eprintln!("memprof: pid {pid} exited before it could be inspected; no inspection in the report");
+        return None;
+    }
+    match inspect::inspect(&tracer.loaded.ebpf, pid, settings) {
+        Ok(inspection) => {
+            eprintln!(
+                "memprof: inspected pid {pid}: held still {:.1} ms, {} bytes of roots and {} of blocks scanned",
+                inspection.pause_ms, inspection.root_bytes_scanned, inspection.block_bytes_scanned
+            );
+            Some(inspection)
+        }
+        Err(err) => {
+            eprintln!("memprof: could not inspect pid {pid}: {err:#}; no inspection in the report");
+            None
+        }
+    }
 }

@@ -175,6 +175,10 @@ fn wait_for_exit(pid: libc::pid_t) -> i32 {
     loop {
         // SAFETY: waiting for our own child with a valid out-pointer.
         if unsafe { libc::waitpid(pid, &mut status, 0) } == pid {
+            // `--inspect`'s ptrace stop of the command is reported to every thread of memprof.
+            if libc::WIFSTOPPED(status) {
+                continue;
+            }
             break;
         }
         if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {

@@ -6,6 +6,7 @@ mod folded;
 mod html;
 mod json;
 pub mod pprof;
+mod reachability;
 mod table;
 
 pub use html::escape;

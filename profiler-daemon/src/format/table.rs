@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use super::reachability;
 use crate::{heap::report::Report, symbolize::Frame, text::printable};
 
 /// The traced process's section, then each followed child's, each naming its parent.
@@ -117,6 +118,12 @@ fn section(report: &Report) -> String {
         } else if stack.leak.candidate {
             let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), stack.leak.reason);
         }
+        if let Some(reachability) = &stack.reachability {
+            let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), reachability::classes(reachability));
+        }
+    }
+    if let Some(inspection) = &report.inspection {
+        reachability::summary(&mut out, inspection);
     }
     let dropped: Vec<String> =
         report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
@@ -216,7 +223,7 @@ fn percent(part: u64, whole: u64) -> f64 {
     }
 }
 
-fn bytes(n: u64) -> String {
+pub(super) fn bytes(n: u64) -> String {
     const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
     if n < 1024 {
         return format!("{n} B");

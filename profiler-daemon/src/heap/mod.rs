@@ -1,11 +1,14 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
-//! filters and double frees. Imports `kernel`, `symbolize`, `process` and `error`; never a map.
+//! filters, double frees, and the reachability of a process held still (`inspect`). Imports `kernel`,
+//! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
 pub mod context;
 pub mod double_free;
 pub mod filter;
+pub mod inspect;
 pub mod leak;
+pub mod reachability;
 pub mod report;
 pub mod resident;
 pub mod sampling;

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     heap::{
         context::RunContext,
+        inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
         resident::Memory,
         stack_cache::{StackCache, Symbolized},
@@ -97,6 +98,9 @@ pub struct Report {
     /// report and the daemon's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unwind_tables: Option<TableUse>,
+    /// What `--inspect` found: the final report's, when the process was still there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inspection: Option<Inspection>,
 }
 
 /// A process's high-water mark of bytes in use (README: Peak).
@@ -191,6 +195,9 @@ pub struct StackReport {
     /// wrappers such as C++'s `operator new` or Rust's `__rust_alloc`.
     pub site: usize,
     pub leak: LeakVerdict,
+    /// Its blocks by class, when the report's process was inspected (`--inspect`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reachability: Option<Reachability>,
     pub frames: Vec<Frame>,
 }
 
@@ -359,6 +366,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 truncated: symbolized.truncated,
                 site: allocation_site(&symbolized.frames),
                 leak: ctx.leaks.verdict(stack.stack_id),
+                reachability: None,
                 frames: symbolized.frames,
             }
         })
@@ -403,7 +411,21 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         children: Vec::new(),
         forks: None,
         unwind_tables: None,
+        inspection: None,
     }
+}
+
+/// Gives `report` its inspection, and each of its stacks its blocks' classes.
+pub fn add_inspection(report: &mut Report, inspection: Inspection, stacks: &Stacks) {
+    // Kernel ids to the report's: two kernel ids may hold the same frames (see `merge_same_stacks`).
+    let mut by_id: HashMap<String, Reachability> = HashMap::new();
+    for (&kernel_id, reachability) in &inspection.per_stack {
+        by_id.entry(stacks.symbolize(StackTable::Allocations, kernel_id).id).or_default().add(reachability);
+    }
+    for stack in &mut report.stacks {
+        stack.reachability = by_id.get(&stack.stack_id).copied();
+    }
+    report.inspection = Some(inspection);
 }
 
 /// Names a snapshot's stacks as the report does: `ids` maps kernel ids to the report ids of the
@@ -711,6 +733,7 @@ pub mod samples {
                 truncated: false,
                 site: 0,
                 leak: LeakVerdict::default(),
+                reachability: None,
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             modules: vec![Module {
@@ -728,6 +751,7 @@ pub mod samples {
             children: Vec::new(),
             forks: None,
             unwind_tables: None,
+            inspection: None,
         }
     }
 }

@@ -352,7 +352,7 @@ fn stack_ids(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<HashSet<u64>> {
     Ok(ids)
 }
 
-fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
+pub fn map<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a aya::maps::Map> {
     ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))
 }
 

@@ -9,6 +9,7 @@ pub mod batch;
 pub mod btf;
 pub mod detacher;
 pub mod events;
+pub mod live;
 pub mod loader;
 pub mod probes;
 pub mod settings;

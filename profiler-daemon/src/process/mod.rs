@@ -3,5 +3,6 @@
 
 pub mod allocator;
 pub mod families;
+pub mod freeze;
 pub mod link_map;
 pub mod procfs;

@@ -293,28 +293,73 @@ fn parse_maps(text: &str) -> Vec<FileMapping> {
     text.lines().filter_map(parse_maps_line).collect()
 }
 
-fn parse_maps_line(line: &str) -> Option<FileMapping> {
-    // address perms offset dev inode path
+/// The fields of one line of `/proc/PID/maps`.
+struct MapsLine<'a> {
+    start: u64,
+    end: u64,
+    perms: &'a [u8],
+    offset: &'a str,
+    device: &'a str,
+    inode: &'a str,
+    path: &'a str,
+}
+
+fn split_maps_line(line: &str) -> Option<MapsLine<'_>> {
+    // address perms offset dev inode path (path absent for most anonymous mappings)
     let mut fields = line.splitn(6, ' ');
     let (start, end) = fields.next()?.split_once('-')?;
-    let perms = fields.next()?;
-    let offset = fields.next()?;
-    let device = fields.next()?;
-    let inode = fields.next()?;
-    let path = fields.next()?.trim_start();
-    if inode == "0" || !path.starts_with('/') {
+    Some(MapsLine {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        perms: fields.next()?.as_bytes(),
+        offset: fields.next()?,
+        device: fields.next()?,
+        inode: fields.next()?,
+        path: fields.next().unwrap_or_default().trim_start(),
+    })
+}
+
+fn parse_maps_line(line: &str) -> Option<FileMapping> {
+    let fields = split_maps_line(line)?;
+    if fields.inode == "0" || !fields.path.starts_with('/') {
         return None;
     }
     Some(FileMapping {
-        start: u64::from_str_radix(start, 16).ok()?,
-        end: u64::from_str_radix(end, 16).ok()?,
-        offset: u64::from_str_radix(offset, 16).ok()?,
+        start: fields.start,
+        end: fields.end,
+        offset: u64::from_str_radix(fields.offset, 16).ok()?,
         // A file replaced on disk keeps running from the old inode.
-        path: path.trim_end_matches(" (deleted)").to_string(),
-        executable: perms.as_bytes().get(2) == Some(&b'x'),
-        device: device.to_string(),
-        inode: inode.parse().ok()?,
+        path: fields.path.trim_end_matches(" (deleted)").to_string(),
+        executable: fields.perms.get(2) == Some(&b'x'),
+        device: fields.device.to_string(),
+        inode: fields.inode.parse().ok()?,
     })
+}
+
+/// One mapping of any kind, file-backed or anonymous: what `memprof --inspect` scans for roots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Region {
+    pub start: u64,
+    pub end: u64,
+    /// Readable and writable: where a program can keep a pointer.
+    pub writable: bool,
+    /// The file, `[stack]`, `[heap]` or empty for anonymous memory.
+    pub path: String,
+}
+
+/// Every mapping of the process, in address order.
+pub fn regions(pid: u32) -> io::Result<Vec<Region>> {
+    let text = fs::read_to_string(format!("{}/maps", dir(pid)))?;
+    Ok(text
+        .lines()
+        .filter_map(split_maps_line)
+        .map(|line| Region {
+            start: line.start,
+            end: line.end,
+            writable: line.perms.starts_with(b"rw"),
+            path: line.path.to_string(),
+        })
+        .collect())
 }
 
 #[cfg(test)]

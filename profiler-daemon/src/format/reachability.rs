@@ -1,0 +1,63 @@
+//! The table's lines for `--inspect`: a stack's blocks by class, and the inspection's summary.
+
+use std::fmt::Write as _;
+
+use crate::heap::inspect::{Inspection, Reachability};
+
+/// `definitely lost 64 B in 1 (retaining 224 B), reachable 80 B in 1`:
+/// the classes a stack has blocks in.
+pub fn classes(r: &Reachability) -> String {
+    let mut parts = Vec::new();
+    if r.definitely_lost_blocks > 0 {
+        parts.push(format!(
+            "definitely lost {} in {} (retaining {})",
+            super::table::bytes(r.definitely_lost_bytes),
+            r.definitely_lost_blocks,
+            super::table::bytes(r.retained_bytes)
+        ));
+    }
+    for (name, bytes, blocks) in [
+        ("indirectly lost", r.indirectly_lost_bytes, r.indirectly_lost_blocks),
+        ("possibly lost", r.possibly_lost_bytes, r.possibly_lost_blocks),
+        ("reachable", r.reachable_bytes, r.reachable_blocks),
+    ] {
+        if blocks > 0 {
+            parts.push(format!("{name} {} in {blocks}", super::table::bytes(bytes)));
+        }
+    }
+    parts.join(", ")
+}
+
+/// The inspection's summary line.
+pub fn summary(out: &mut String, inspection: &Inspection) {
+    let _ = writeln!(
+        out,
+        "  inspection: {} threads held still {:.1} ms; {} of roots and {} of blocks scanned, {} unreadable; {} of the heap not classified{}",
+        inspection.threads,
+        inspection.pause_ms,
+        super::table::bytes(inspection.root_bytes_scanned),
+        super::table::bytes(inspection.block_bytes_scanned),
+        super::table::bytes(inspection.bytes_unreadable),
+        super::table::bytes(inspection.heap_bytes_not_classified),
+        if inspection.unclassified_heap_scanned { " (scanned as roots)" } else { "" },
+    );
+    let _ = writeln!(out, "  all blocks: {}", classes(&inspection.totals));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_classes_with_blocks_are_named() {
+        let r = Reachability {
+            definitely_lost_bytes: 64,
+            definitely_lost_blocks: 1,
+            retained_bytes: 224,
+            reachable_bytes: 2048,
+            reachable_blocks: 2,
+            ..Reachability::default()
+        };
+        assert_eq!(classes(&r), "definitely lost 64 B in 1 (retaining 224 B), reachable 2.0 KiB in 2");
+    }
+}

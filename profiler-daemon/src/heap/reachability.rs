@@ -1,0 +1,297 @@
+//! Conservative marking of live blocks from a process's roots, as valgrind's memcheck does it
+//! (`mc_leakcheck.c`), so that each block gets memcheck's class:
+//!
+//! - every aligned 8-byte word of the roots that points into a block marks it: a pointer to its
+//!   start makes it *reachable*, one into its interior only *possibly lost*; marked blocks are
+//!   scanned in turn, a reachable block's start pointers making reachable, a possibly lost
+//!   block's pointers only possibly lost;
+//! - the blocks left are lost. Taken in address order, each still unreached block leads a clique:
+//!   what it reaches (by any pointer, start or interior) and nothing else reached is *indirectly
+//!   lost*, and a block led a clique before is absorbed with its clique. The leaders left are
+//!   *definitely lost*; each retains its own bytes and its clique's.
+
+use crate::kernel::live::LiveBlock;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    Reachable,
+    PossiblyLost,
+    DefinitelyLost,
+    IndirectlyLost,
+}
+
+/// Reads the target's memory: how many of `buf.len()` bytes at `addr` could be read.
+pub trait Memory {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize;
+}
+
+/// Each block's class, in the blocks' order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Marking {
+    pub classes: Vec<Class>,
+    /// A definitely lost block's bytes with its clique's; 0 for the others.
+    pub retained: Vec<u64>,
+    /// Bytes of blocks read (roots are counted by the caller).
+    pub block_bytes_scanned: u64,
+    /// Bytes of blocks that could not be read (unmapped meanwhile): scanned as zeros.
+    pub block_bytes_unreadable: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Unreached,
+    Possible,
+    Reachable,
+    Indirect,
+}
+
+/// The marking in progress.
+pub struct Marker<'a> {
+    /// Sorted by address, not overlapping.
+    blocks: &'a [LiveBlock],
+    /// glibc's arenas point at chunk headers: see `is_chunk_header`.
+    glibc: bool,
+    /// The lowest and highest address in a block.
+    low: u64,
+    high: u64,
+    state: Vec<State>,
+    /// Per clique leader, the bytes of its clique (memcheck's `indirect_szB`).
+    indirect: Vec<u64>,
+    pending: Vec<usize>,
+    buf: Vec<u8>,
+    scanned: u64,
+    unreadable: u64,
+}
+
+/// Blocks are read this many bytes at a time.
+const READ_CHUNK: usize = 1 << 20;
+
+impl<'a> Marker<'a> {
+    pub fn new(blocks: &'a [LiveBlock], glibc: bool) -> Self {
+        debug_assert!(blocks.windows(2).all(|w| w[0].addr <= w[1].addr));
+        Self {
+            blocks,
+            glibc,
+            low: blocks.first().map_or(u64::MAX, |b| b.addr),
+            high: blocks.iter().map(|b| (b.addr + b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
+            state: vec![State::Unreached; blocks.len()],
+            indirect: vec![0; blocks.len()],
+            pending: Vec::new(),
+            buf: Vec::new(),
+            scanned: 0,
+            unreadable: 0,
+        }
+    }
+
+    /// The block `ptr` points into, if any.
+    fn find(&self, ptr: u64) -> Option<usize> {
+        // Most words are no pointer into the heap (zeros, small numbers, text): out at once.
+        if !(self.low..=self.high).contains(&ptr) {
+            return None;
+        }
+        let at = self.blocks.partition_point(|b| b.addr <= ptr).checked_sub(1)?;
+        let block = &self.blocks[at];
+        let inside = ptr - block.addr < block.size || ptr == block.addr;
+        (inside && !(self.glibc && is_chunk_header(block, ptr))).then_some(at)
+    }
+
+    /// Marks from one root word, or from a word of a block whose own mark is `definite`.
+    fn mark(&mut self, ptr: u64, definite: bool) {
+        let Some(at) = self.find(ptr) else { return };
+        let state = &mut self.state[at];
+        if ptr == self.blocks[at].addr && definite && *state != State::Reachable {
+            *state = State::Reachable;
+            self.pending.push(at);
+        } else if *state == State::Unreached {
+            *state = State::Possible;
+            self.pending.push(at);
+        }
+    }
+
+    /// Marks from roots: the words of a memory range (`start` the address of `bytes[0]`), or a
+    /// thread's registers. The blocks marked are scanned by `finish` (the marks' fixpoint does
+    /// not depend on the order).
+    pub fn scan_root(&mut self, start: u64, bytes: &[u8]) {
+        for ptr in words(start, bytes) {
+            self.mark(ptr, true);
+        }
+    }
+
+    pub fn scan_registers(&mut self, registers: &[u64]) {
+        for &ptr in registers {
+            self.mark(ptr, true);
+        }
+    }
+
+    /// Scans the marked blocks until none is left; in clique `leader` when given.
+    fn drain(&mut self, leader: Option<usize>, memory: &mut impl Memory) {
+        while let Some(at) = self.pending.pop() {
+            let block = self.blocks[at];
+            let definite = self.state[at] == State::Reachable;
+            let mut offset = 0;
+            while offset < block.size {
+                let len = (block.size - offset).min(READ_CHUNK as u64) as usize;
+                let mut buf = std::mem::take(&mut self.buf);
+                buf.resize(len, 0);
+                let read = memory.read(block.addr + offset, &mut buf);
+                buf[read..].fill(0);
+                self.scanned += read as u64;
+                self.unreadable += (len - read) as u64;
+                for ptr in words(block.addr + offset, &buf) {
+                    match leader {
+                        None => self.mark(ptr, definite),
+                        Some(leader) => self.join_clique(ptr, leader),
+                    }
+                }
+                self.buf = buf;
+                offset += len as u64;
+            }
+        }
+    }
+
+    fn join_clique(&mut self, ptr: u64, leader: usize) {
+        let Some(at) = self.find(ptr) else { return };
+        if at != leader && self.state[at] == State::Unreached {
+            self.state[at] = State::Indirect;
+            self.indirect[leader] += self.blocks[at].size + std::mem::take(&mut self.indirect[at]);
+            self.pending.push(at);
+        }
+    }
+
+    /// Forms the cliques of the blocks left and returns every block's class.
+    pub fn finish(mut self, memory: &mut impl Memory) -> Marking {
+        self.drain(None, memory);
+        for leader in 0..self.blocks.len() {
+            if self.state[leader] == State::Unreached {
+                self.pending.push(leader);
+                self.drain(Some(leader), memory);
+            }
+        }
+        let classes: Vec<Class> = self
+            .state
+            .iter()
+            .map(|state| match state {
+                State::Reachable => Class::Reachable,
+                State::Possible => Class::PossiblyLost,
+                State::Unreached => Class::DefinitelyLost,
+                State::Indirect => Class::IndirectlyLost,
+            })
+            .collect();
+        let retained = classes
+            .iter()
+            .zip(self.blocks.iter().zip(&self.indirect))
+            .map(|(class, (block, indirect))| if *class == Class::DefinitelyLost { block.size + indirect } else { 0 })
+            .collect();
+        Marking { classes, retained, block_bytes_scanned: self.scanned, block_bytes_unreadable: self.unreadable }
+    }
+}
+
+/// The aligned 8-byte words of `bytes`, which start at address `start`.
+fn words(start: u64, bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    let skip = (start.wrapping_neg() % 8) as usize;
+    bytes.get(skip..).unwrap_or_default().chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+}
+
+/// glibc keeps a chunk's size 8 bytes before its data and lends the last 8 bytes of a chunk in
+/// use to the next chunk's header; its arenas (free lists, the top chunk) point at chunk
+/// headers. A block whose size is not a multiple of 16 so holds the address of the next
+/// chunk's header 16 bytes before its chunk ends: such a pointer is the allocator's, not the
+/// program's.
+fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
+    // malloc's chunk size: the request and the size field, rounded up to 16, at least 32.
+    let chunk = ((block.size + 8 + 15) & !15).max(32);
+    !block.size.is_multiple_of(16) && ptr == block.addr + chunk - 16
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// Memory as a map of 8-byte words.
+    #[derive(Default)]
+    struct Words(BTreeMap<u64, u64>);
+
+    impl Memory for Words {
+        fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+            for (i, chunk) in buf.chunks_mut(8).enumerate() {
+                let word = self.0.get(&(addr + 8 * i as u64)).copied().unwrap_or(0);
+                chunk.copy_from_slice(&word.to_ne_bytes()[..chunk.len()]);
+            }
+            buf.len()
+        }
+    }
+
+    fn block(addr: u64, size: u64) -> LiveBlock {
+        LiveBlock { addr, size, stack_id: addr }
+    }
+
+    fn classify(blocks: &[LiveBlock], memory: &mut Words, roots: &[u64]) -> Marking {
+        let mut marker = Marker::new(blocks, false);
+        let bytes: Vec<u8> = roots.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        marker.scan_root(0x10, &bytes);
+        marker.finish(memory)
+    }
+
+    use Class::*;
+
+    #[test]
+    fn a_list_whose_head_is_lost_is_lost_through_its_head() {
+        // Head at 0x3000, nodes at 0x1000 -> 0x2000: the nodes are led first, then absorbed.
+        let blocks = [block(0x1000, 32), block(0x2000, 32), block(0x3000, 64)];
+        let mut memory = Words([(0x1000, 0x2000), (0x3000, 0x1000)].into());
+        let marking = classify(&blocks, &mut memory, &[]);
+        assert_eq!(marking.classes, [IndirectlyLost, IndirectlyLost, DefinitelyLost]);
+        assert_eq!(marking.retained, [0, 0, 128]);
+    }
+
+    #[test]
+    fn a_cycle_nobody_points_to_is_led_by_its_lowest_block() {
+        let blocks = [block(0x1000, 48), block(0x2000, 48)];
+        let mut memory = Words([(0x1000, 0x2000), (0x2000, 0x1000)].into());
+        let marking = classify(&blocks, &mut memory, &[]);
+        assert_eq!(marking.classes, [DefinitelyLost, IndirectlyLost]);
+        assert_eq!(marking.retained, [96, 0]);
+    }
+
+    #[test]
+    fn interior_pointers_make_possibly_lost_and_what_they_reach_too() {
+        // Root -> interior of A; A -> start of B; root -> start of C; C -> start of B upgrades B.
+        let blocks = [block(0x1000, 64), block(0x2000, 16), block(0x3000, 16), block(0x4000, 16)];
+        let mut memory = Words([(0x1000, 0x2000), (0x3000, 0x4000)].into());
+        let marking = classify(&blocks, &mut memory, &[0x1028]);
+        assert_eq!(marking.classes, [PossiblyLost, PossiblyLost, DefinitelyLost, IndirectlyLost]);
+        let marking = classify(&blocks, &mut memory, &[0x1028, 0x3000]);
+        assert_eq!(marking.classes, [PossiblyLost, PossiblyLost, Reachable, Reachable]);
+    }
+
+    #[test]
+    fn one_past_the_end_is_no_pointer_but_a_zero_sized_blocks_start_is() {
+        let blocks = [block(0x1000, 16), block(0x1010, 0)];
+        let marking = classify(&blocks, &mut Words::default(), &[0x1010]);
+        assert_eq!(marking.classes, [DefinitelyLost, Reachable]);
+    }
+
+    #[test]
+    fn glibcs_pointer_to_the_next_chunk_header_is_not_the_programs() {
+        // malloc(24): a 32-byte chunk whose last 8 bytes are the next chunk's header.
+        let blocks = [block(0x1010, 24)];
+        let mut marker = Marker::new(&blocks, true);
+        marker.scan_registers(&[0x1020]);
+        assert_eq!(marker.finish(&mut Words::default()).classes, [DefinitelyLost]);
+        let mut marker = Marker::new(&blocks, true);
+        marker.scan_registers(&[0x1018]);
+        assert_eq!(marker.finish(&mut Words::default()).classes, [PossiblyLost]);
+    }
+
+    #[test]
+    fn unaligned_words_are_not_pointers() {
+        let blocks = [block(0x1000, 16)];
+        let mut marker = Marker::new(&blocks, false);
+        let mut bytes = vec![0u8; 20];
+        bytes[4..12].copy_from_slice(&0x1000u64.to_ne_bytes());
+        marker.scan_root(0x100, &bytes);
+        assert_eq!(marker.finish(&mut Words::default()).classes, [DefinitelyLost]);
+    }
+}

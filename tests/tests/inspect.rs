@@ -1,0 +1,144 @@
+//! `--inspect` on a live process: every block of `reachability.c` (built -O2 without frame
+//! pointers, two threads asleep in the kernel) in the class valgrind's memcheck gives it, and
+//! the process running on as it would have.
+//!
+//! The truth, from `valgrind --leak-check=full --show-leak-kinds=all` (3.19) on the same source
+//! and flags, asked for its leak check (`vgdb leak_check full kinds all`) at the same point, where
+//! the process waits for "end" (loss records trimmed to the fixture's sites):
+//!
+//! ```text
+//!  56 bytes in 1 blocks are indirectly lost              cycle_second
+//!  80 bytes in 1 blocks are still reachable              from_global
+//!  96 bytes in 1 blocks are still reachable              from_stack    (stack_thread)
+//! 104 (48 direct, 56 indirect) bytes in 1 blocks are definitely lost   cycle_first
+//! 112 bytes in 1 blocks are still reachable              from_register (register_thread)
+//! 128 bytes in 1 blocks are possibly lost                interior
+//! 160 bytes in 5 blocks are indirectly lost              list_node
+//! 160 bytes in 4 blocks are definitely lost              lost_overwritten
+//! 224 (64 direct, 160 indirect) bytes in 1 blocks are definitely lost  list_head
+//! ```
+//!
+//! (valgrind runs the fixture only with a copy of ld.so and libc: on a machine where memprof's
+//! probes are attached, valgrind translates their breakpoints and the program dies of SIGTRAP.)
+
+use std::{
+    io::{Read as _, Write as _},
+    process::{Command, Stdio},
+};
+
+use memprof_tests::{attach, fixture_with, memprof_bin, Waiting};
+use serde_json::{json, Value};
+
+fn fixture() -> std::path::PathBuf {
+    fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"])
+}
+
+/// Each site's reachability, as memcheck reports it (see the file's comment).
+fn truth() -> Vec<(&'static str, Value)> {
+    let reach = |dl: (u64, u64), il: (u64, u64), pl: (u64, u64), r: (u64, u64), retained: u64| {
+        json!({
+            "definitely_lost_bytes": dl.0, "definitely_lost_blocks": dl.1,
+            "indirectly_lost_bytes": il.0, "indirectly_lost_blocks": il.1,
+            "possibly_lost_bytes": pl.0, "possibly_lost_blocks": pl.1,
+            "reachable_bytes": r.0, "reachable_blocks": r.1,
+            "retained_bytes": retained,
+        })
+    };
+    let none = (0, 0);
+    vec![
+        ("lost_overwritten", reach((160, 4), none, none, none, 160)),
+        ("list_head", reach((64, 1), none, none, none, 224)),
+        ("list_node", reach(none, (160, 5), none, none, 0)),
+        ("from_global", reach(none, none, none, (80, 1), 0)),
+        ("from_stack", reach(none, none, none, (96, 1), 0)),
+        ("from_register", reach(none, none, none, (112, 1), 0)),
+        ("interior", reach(none, none, (128, 1), none, 0)),
+        ("cycle_first", reach((48, 1), none, none, none, 104)),
+        ("cycle_second", reach(none, (56, 1), none, none, 0)),
+    ]
+}
+
+/// The reachability of the one stack through `function`.
+fn reachability<'a>(report: &'a Value, function: &str) -> &'a Value {
+    let stacks: Vec<&Value> = report["stacks"]
+        .as_array()
+        .expect("stacks")
+        .iter()
+        .filter(|s| s["frames"].as_array().expect("frames").iter().any(|f| f["function"] == function))
+        .collect();
+    assert_eq!(stacks.len(), 1, "one stack through {function}: {report}");
+    &stacks[0]["reachability"]
+}
+
+fn check(report: &Value) {
+    for (site, expected) in truth() {
+        assert_eq!(reachability(report, site), &expected, "{site}");
+    }
+    let inspection = &report["inspection"];
+    assert_eq!(inspection["threads"], 3, "{inspection}");
+    assert!(inspection["root_bytes_scanned"].as_u64().unwrap() > 0, "{inspection}");
+    assert!(inspection["pause_ms"].as_f64().unwrap() > 0.0, "{inspection}");
+    // Every tracked block is in the totals, the fixture's and pthread's (thread DTVs).
+    let totals = &inspection["totals"];
+    let classified: u64 = ["definitely_lost", "indirectly_lost", "possibly_lost", "reachable"]
+        .iter()
+        .map(|class| totals[format!("{class}_bytes")].as_u64().unwrap())
+        .sum();
+    assert_eq!(classified, report["totals"]["outstanding_bytes"].as_u64().unwrap(), "{inspection}");
+}
+
+#[test]
+fn attach_inspect_classes_each_block_as_memcheck_and_the_process_runs_on() {
+    let mut target = Waiting::start(&fixture(), &[]);
+    let outcome = attach(&mut target, &["--inspect", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("memprof: inspected pid"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    check(&report);
+    // Blocks made before memprof attached may hold pointers: the untracked heap was scanned.
+    assert_eq!(report["inspection"]["unclassified_heap_scanned"], true);
+    let child = &mut target.child;
+    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
+    let mut rest = String::new();
+    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "set\ndone ok\n");
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+}
+
+#[test]
+fn run_inspect_at_duration_with_every_allocation_seen() {
+    let fixture = fixture();
+    // A file, not a pipe: the command inherits memprof's stderr and outlives it.
+    let stderr_path = std::env::temp_dir().join(format!("memprof-inspect-{}.err", std::process::id()));
+    let stderr_file = std::fs::File::create(&stderr_path).unwrap();
+    let mut memprof = Command::new(memprof_bin())
+        .args(["run", "--json", "--inspect", "--duration", "2", "--interval", "1", "--"])
+        .arg(&fixture)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(stderr_file)
+        .spawn()
+        .expect("starting memprof");
+    let mut stdin = memprof.stdin.take().unwrap();
+    let status = memprof.wait().unwrap();
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    let _ = std::fs::remove_file(&stderr_path);
+    assert!(status.success(), "{stderr}");
+    // memprof is gone; the command it left running still reads this stdin and writes that stdout.
+    stdin.write_all(b"end\n").unwrap();
+    drop(stdin);
+    let mut stdout = String::new();
+    memprof.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    let (reports, fixture_output): (Vec<&str>, Vec<&str>) = stdout.lines().partition(|l| l.starts_with('{'));
+    assert_eq!(fixture_output, ["set", "done ok"], "{stderr}");
+    let report: Value = serde_json::from_str(reports.last().expect("a report")).unwrap();
+    check(&report);
+    assert_eq!(report["inspection"]["unclassified_heap_scanned"], false);
+}
+
+#[test]
+fn run_inspect_needs_a_duration() {
+    let outcome = memprof_tests::memprof(&["run", "--inspect", "--", "true"]);
+    assert_eq!(outcome.status.code(), Some(1));
+    assert!(outcome.stderr.contains("add --duration SECS"), "{}", outcome.stderr);
+}
