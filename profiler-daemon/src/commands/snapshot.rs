@@ -38,7 +38,8 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         Answer::NotTraced(why) => {
             eprintln!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
             session::attach(args.pid, &trace_args(args, format)).await?;
-            eprintln!("memprof: wrote the report of pid {pid} to {}; it keeps running", args.output.display());
+            // The session said where it wrote the report.
+            eprintln!("memprof: pid {pid} keeps running, untraced");
         }
     }
     Ok(0)
