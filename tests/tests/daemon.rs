@@ -185,7 +185,9 @@ fn the_peak_and_resident_memory_are_exported() {
     assert!(rss >= 50_000, "its 50,000 bytes held are resident: {rss}");
     let body = http_get(daemon.port, "/metrics").expect("a scrape").1;
     assert!(body.contains("# HELP memprof_rss_anon_minus_heap_bytes "), "{body}");
-    assert!(body.contains(&series("memprof_rss_anon_minus_heap_bytes")), "{body}");
+    // Its labels as the other per-process series' (exe and cgroup after pid and comm).
+    let difference = format!("memprof_rss_anon_minus_heap_bytes{{pid=\"{}\",comm=\"daemon_target\",", target.pid());
+    assert!(body.contains(&difference), "{body}");
 }
 
 /// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid system).
