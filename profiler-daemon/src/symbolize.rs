@@ -134,8 +134,7 @@ enum Request {
         pid: u32,
         /// Read already (see `refresh_with`), else read now.
         mappings: Option<Vec<FileMapping>>,
-        /// Whether they changed.
-        done: mpsc::Sender<bool>,
+        done: mpsc::Sender<()>,
     },
     Symbolize {
         pid: u32,
@@ -192,11 +191,11 @@ impl SymbolizerHandle {
         Failure::ALL.iter().map(|f| (*f, self.failures[*f as usize].load(Ordering::Relaxed))).collect()
     }
 
-    /// Reads the mappings of `pid` again; returns whether they changed since the last read (its
-    /// addresses may then name other code).
-    pub fn refresh(&self, pid: u32) -> bool {
+    pub fn refresh(&self, pid: u32) {
         let (done, wait) = mpsc::channel();
-        self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() && wait.recv().unwrap_or(true)
+        if self.requests.send(Request::Refresh { pid, mappings: None, done }).is_ok() {
+            let _ = wait.recv();
+        }
     }
 
     /// `refresh` with `pid`'s mappings read already: a process that may have exited since
@@ -266,7 +265,8 @@ impl SymbolizerThread {
         for request in requests {
             match request {
                 Request::Refresh { pid, mappings, done } => {
-                    let _ = done.send(self.refresh(pid, mappings));
+                    self.refresh(pid, mappings);
+                    let _ = done.send(());
                 }
                 Request::Inherit { parent, child, done } => {
                     // The parent's open files first: the child's read then keeps them for the
@@ -293,17 +293,14 @@ impl SymbolizerThread {
         }
     }
 
-    /// Whether the mappings changed (a file that cannot be opened is missing from the old ones,
-    /// and makes every read a change).
-    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) -> bool {
+    fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) {
         // An exited process that is not yet reaped still has a /proc entry, with no mappings:
         // keep what was read while it lived.
         let mappings = match mappings.map_or_else(|| procfs::file_mappings(pid), Ok) {
             Ok(mappings) if !mappings.is_empty() => mappings,
-            _ => return false,
+            _ => return,
         };
         let old = self.modules.remove(&pid).unwrap_or_default();
-        let changed = !old.iter().map(|m| &m.mapping).eq(mappings.iter());
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
             let known = old.iter().find(|m| m.mapping.path == mapping.path);
@@ -322,7 +319,6 @@ impl SymbolizerThread {
             modules.push(OpenModule { mapping, file, build_id });
         }
         self.modules.insert(pid, modules);
-        changed
     }
 
     fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<Module> {

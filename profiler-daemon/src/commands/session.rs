@@ -230,7 +230,6 @@ impl Tracer<'_> {
             symbolizer: &self.symbolizer,
             pid,
             start_ns: self.start_ns,
-            cache: None,
         }
     }
 

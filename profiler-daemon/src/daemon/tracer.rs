@@ -28,7 +28,7 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident, stack_cache::StackCache},
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -76,8 +76,6 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
-    /// Its stacks as symbolized for the last report, cleared when its mappings change.
-    stack_cache: StackCache,
 }
 
 pub struct Tracer {
@@ -154,7 +152,7 @@ impl Tracer {
             self.on_process_events();
             for pid in self.loaded.sync_changed_mappings() {
                 self.probe(pid);
-                self.refresh_mappings(pid);
+                self.symbolizer.refresh(pid);
             }
             // Woken often enough to give a library a process loads its table within milliseconds.
             let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
@@ -337,21 +335,10 @@ impl Tracer {
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
         target.double_free_count = 0;
-        target.stack_cache.clear();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
         self.probe(pid);
-    }
-
-    /// Reads the mappings of a target that loaded or unloaded libraries; the stacks symbolized
-    /// with the old ones go.
-    fn refresh_mappings(&mut self, pid: u32) {
-        if self.symbolizer.refresh(pid) {
-            if let Some(target) = self.targets.get(&pid) {
-                target.stack_cache.clear();
-            }
-        }
     }
 
     /// Probes the allocator of a target that exec'd once its new program has mapped one.
@@ -406,7 +393,6 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
-            stack_cache: StackCache::default(),
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -427,14 +413,13 @@ impl Tracer {
         info!(pid, comm = target.comm, "no longer traced");
     }
 
-    fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
+    fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
             unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
-            cache: Some(&target.stack_cache),
         }
     }
 
@@ -473,9 +458,7 @@ impl Tracer {
         for target in self.targets.values_mut() {
             if let Some(comm) = procfs::comm(target.id.pid) {
                 target.comm = comm;
-                if self.symbolizer.refresh(target.id.pid) {
-                    target.stack_cache.clear();
-                }
+                self.symbolizer.refresh(target.id.pid);
             }
         }
         self.collect_double_frees();

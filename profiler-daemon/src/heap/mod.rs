@@ -12,4 +12,3 @@ pub mod reachability;
 pub mod report;
 pub mod resident;
 pub mod sampling;
-pub mod stack_cache;

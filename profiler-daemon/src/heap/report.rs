@@ -13,7 +13,6 @@ use crate::{
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
         resident::Memory,
-        stack_cache::{StackCache, Symbolized},
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -219,6 +218,14 @@ pub struct SiteReport {
     pub frames: Vec<Frame>,
 }
 
+/// A symbolized stack.
+struct Symbolized {
+    frames: Vec<Frame>,
+    /// Stable across runs and processes: see `stack_hash`.
+    id: String,
+    truncated: bool,
+}
+
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
@@ -228,9 +235,6 @@ pub struct Stacks<'a> {
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
     pub start_ns: u64,
-    /// The stacks symbolized for the last report, for a process whose report is built again and
-    /// again (the daemon's).
-    pub cache: Option<&'a StackCache>,
 }
 
 impl Stacks<'_> {
@@ -242,14 +246,12 @@ impl Stacks<'_> {
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
         let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
         let truncated = end != StackEnd::Complete;
-        // A deferred walk memprof has not finished reads as cut for want of a table.
-        let settled = end != StackEnd::NoTable;
         if addresses.is_empty() {
-            return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated, settled };
+            return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
         let id = stack_hash(&resolved);
-        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), id, truncated, settled }
+        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), id, truncated }
     }
 
     fn site_report(&self, table: StackTable, stack_id: u64, tid: u32, time_ns: u64) -> SiteReport {
@@ -337,18 +339,10 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     listed.truncate(selection.top.unwrap_or(usize::MAX));
     // Kernel stack id to the report's, for the timeline.
     let mut report_ids = HashMap::new();
-    let mut cached = ctx.stacks.cache.map(StackCache::take).unwrap_or_default();
-    let mut kept = HashMap::new();
     let stacks: Vec<StackReport> = listed
         .into_iter()
         .map(|stack| {
-            let symbolized = match cached.remove(&stack.stored_id) {
-                Some(symbolized) => symbolized,
-                None => ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id),
-            };
-            if ctx.stacks.cache.is_some() && symbolized.settled {
-                kept.insert(stack.stored_id, symbolized.clone());
-            }
+            let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
             report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             StackReport {
@@ -371,9 +365,6 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             }
         })
         .collect();
-    if let Some(cache) = ctx.stacks.cache {
-        cache.keep(kept);
-    }
     let stacks = merge_same_stacks(stacks);
     let names = Names { ctx, ids: &report_ids, listed: &stacks };
     let peak = peak(&names, snapshot, selection.top);
