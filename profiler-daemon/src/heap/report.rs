@@ -450,11 +450,15 @@ impl Names<'_> {
         let mut chosen: Vec<&StackSnapshot> = snapshot.stacks.iter().filter(|s| value(s) > 0).collect();
         chosen.sort_by_key(|s| std::cmp::Reverse(value(s)));
         let mut named: Vec<(String, Vec<Frame>, Vec<&'s StackSnapshot>)> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         for stack in chosen {
             let (id, frames) = self.of(stack);
-            match named.iter().position(|(named_id, _, _)| *named_id == id) {
-                Some(same) => named[same].2.push(stack),
-                None if named.len() < top.unwrap_or(usize::MAX) => named.push((id, frames, vec![stack])),
+            match index.get(&id) {
+                Some(&same) => named[same].2.push(stack),
+                None if named.len() < top.unwrap_or(usize::MAX) => {
+                    index.insert(id.clone(), named.len());
+                    named.push((id, frames, vec![stack]));
+                }
                 None => {}
             }
         }
@@ -462,8 +466,13 @@ impl Names<'_> {
     }
 }
 
+/// Stacks listed at most at the peak and for temporary allocations, whatever `top` says: each
+/// carries its frames, and a daemon's process of 65,536 stacks listed them all twice more.
+const LISTED_MAX: usize = 100;
+
 /// The process's peak and the stacks that held memory then, at most `top` of them.
 fn peak(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Peak {
+    let top = Some(top.unwrap_or(LISTED_MAX).min(LISTED_MAX));
     let stacks = names
         .top(snapshot, top, |s| s.peak_bytes)
         .into_iter()
@@ -483,6 +492,7 @@ fn peak(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Peak {
 
 /// The stacks with the most temporary allocations, at most `top` of them.
 fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Vec<TemporaryStack> {
+    let top = Some(top.unwrap_or(LISTED_MAX).min(LISTED_MAX));
     names
         .top(snapshot, top, |s| s.stats.temporary_allocations)
         .into_iter()
