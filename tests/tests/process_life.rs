@@ -351,9 +351,11 @@ fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
     let mut lines = [next(&mut said), next(&mut said)];
     lines.sort();
     assert_eq!(lines, [format!("new {pid}"), "ready".to_string()], "the new process has the old one's pid");
-    let attached_line = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}} 1");
+    // Its exe and cgroup labels follow pid and comm.
+    let attached_series = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\",");
     wait_for(20, "the new program to be probed", || {
-        series(&daemon, "memprof_target_attached", pid).contains(&attached_line).then_some(())
+        let lines = series(&daemon, "memprof_target_attached", pid);
+        lines.iter().any(|line| line.starts_with(&attached_series) && line.ends_with(" 1")).then_some(())
     });
     tell("go");
     // daemon_target holds 50 x 1000 bytes from hold_site, then frees what it allocates.
