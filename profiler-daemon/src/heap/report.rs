@@ -49,7 +49,7 @@ pub struct Report {
     /// The most bytes the process had in use since tracing began, when, and which stacks held them.
     #[serde(default)]
     pub peak: Peak,
-    /// The stacks with temporary allocations, most first (as many as the report's stacks): most
+    /// The stacks with temporary allocations, most first (at most `LISTED_MAX`, or the report's top): most
     /// hold nothing now, so `stacks` does not list them.
     #[serde(default)]
     pub temporary_stacks: Vec<TemporaryStack>,
@@ -108,7 +108,7 @@ pub struct Peak {
     pub bytes: u64,
     /// Seconds since tracing began.
     pub at_s: f64,
-    /// The stacks that held memory then, most bytes first (as many as the report's stacks).
+    /// The stacks that held memory then, most bytes first (at most `LISTED_MAX`, or the report's top).
     pub stacks: Vec<PeakStack>,
 }
 
