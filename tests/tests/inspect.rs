@@ -120,6 +120,13 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
         .spawn()
         .expect("starting memprof");
     let mut stdin = memprof.stdin.take().unwrap();
+    // Read as it comes: reports larger than the pipe would block memprof before its end. The
+    // command holds the pipe too, so this ends with the command.
+    let mut reports = memprof.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        reports.read_to_string(&mut text).map(|_| text)
+    });
     let status = memprof.wait().unwrap();
     let stderr = std::fs::read_to_string(&stderr_path).unwrap();
     let _ = std::fs::remove_file(&stderr_path);
@@ -127,8 +134,7 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     // memprof is gone; the command it left running still reads this stdin and writes that stdout.
     stdin.write_all(b"end\n").unwrap();
     drop(stdin);
-    let mut stdout = String::new();
-    memprof.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    let stdout = reader.join().unwrap().unwrap();
     let (reports, fixture_output): (Vec<&str>, Vec<&str>) = stdout.lines().partition(|l| l.starts_with('{'));
     assert_eq!(fixture_output, ["set", "done ok"], "{stderr}");
     let report: Value = serde_json::from_str(reports.last().expect("a report")).unwrap();
