@@ -552,10 +552,11 @@ impl StackEnd {
 }
 
 /// Pages of the user stack a deferred walk copies, from the one holding the stack pointer up:
-/// at least 8 KiB above it, as perf's DWARF mode copies 8 KiB, and up to 12 KiB. Two pages left
-/// as little as 4 KiB: perl's start-up walks, deferred above `Perl_set_caret_X` and its 4 KiB
-/// buffer, ended short of `main` when the stack pointer sat high in its page.
-pub const DEFERRED_PAGES: usize = 3;
+/// at least 28 KiB above it, and up to 32 KiB. Fewer were not enough: perl's start-up walks,
+/// deferred above `Perl_set_caret_X` and its 4 KiB buffer, needed more than two pages, and
+/// python3's, deferred inside its nested imports, need up to 23 KiB (measured with an
+/// LD_PRELOAD shim comparing each malloc's stack pointer with `__libc_stack_end`).
+pub const DEFERRED_PAGES: usize = 8;
 pub const PAGE_BYTES: usize = 4096;
 
 /// Objects a `LinkMapEvent` holds at most, and the bytes of each one's path.

@@ -53,11 +53,11 @@ static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 
 /// For the daemon to read new files' tables: processes whose mappings changed (their tgids, 4
 /// bytes), and walks that stopped at a file with no table yet (`DeferredUnwind`). One ring, so
-/// that a deferred walk comes after the mapping change that explains it. 8 MiB: about 680
-/// deferred walks at once, each stored once (see `defer`): LLVM's first JIT set-up under
+/// that a deferred walk comes after the mapping change that explains it. 16 MiB: about 500
+/// deferred walks (32 KiB copies) at once, each stored once (see `defer`): LLVM's first JIT set-up under
 /// postgres makes hundreds while its 100 MB table is built.
 #[map]
-static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(8 * 1024 * 1024, 0);
+static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
 
 /// At the dynamic linker's `_dl_debug_state`. `r_debug` is the address of its `_r_debug` (0:
 /// unknown): when the change is complete, the linker's list of objects goes to the daemon with
