@@ -109,10 +109,13 @@ pub enum DropReason {
     /// The table of thread pairs (who frees whose allocations) was full: the free is counted,
     /// its pair is not.
     ThreadPairTableFull = 15,
+    /// The ring buffer of anonymous `mmap`, `munmap`, `mremap` and `brk` calls was full: the
+    /// process's mappings miss that call.
+    MmapEventLost = 16,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 17;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -130,6 +133,7 @@ impl DropReason {
         DropReason::StackPreempted,
         DropReason::MappingEventLost,
         DropReason::ThreadPairTableFull,
+        DropReason::MmapEventLost,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -151,6 +155,7 @@ impl DropReason {
             DropReason::StackPreempted => "stack_preempted",
             DropReason::MappingEventLost => "mapping_event_lost",
             DropReason::ThreadPairTableFull => "thread_pair_table_full",
+            DropReason::MmapEventLost => "mmap_event_lost",
         }
     }
 }
@@ -749,6 +754,52 @@ pub mod process_event {
     pub const FORK: u32 = 1;
 }
 
+/// A change to a traced process's anonymous private memory outside the heap's blocks, sent
+/// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap` or `brk` (calls rare
+/// next to malloc's: an event stream). Addresses and lengths are as the call gave them; the
+/// daemon rounds them to pages, as the kernel does.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappingEvent {
+    pub tgid: u32,
+    /// A `mapping_event::` constant.
+    pub kind: u32,
+    /// The address of the process's `mm_struct`, only compared: an exec gives the process a new
+    /// memory, whose mappings start from none.
+    pub mm: u64,
+    /// `MAP`, `UNMAP`: the range's start; `REMAP`: the old range's; `BRK`: the old break.
+    pub addr: u64,
+    /// `MAP`, `UNMAP`: the range's length; `REMAP`: the old range's.
+    pub len: u64,
+    /// `REMAP`: the new range's start; `BRK`: the new break.
+    pub new_addr: u64,
+    /// `REMAP`: the new range's length.
+    pub new_len: u64,
+    /// The caller's stack in `STACKS` (`NO_STACK` for `UNMAP`).
+    pub stack_id: u64,
+    /// `mapping_event::IN_ALLOCATOR`, `mapping_event::KEEP_OLD`.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// What a `MappingEvent` reports, and its flags.
+pub mod mapping_event {
+    /// An anonymous private mapping was made (over whatever was there, for `MAP_FIXED`).
+    pub const MAP: u32 = 0;
+    /// A range stopped being anonymous private memory: `munmap`, or a `MAP_FIXED` mapping of
+    /// another kind over it.
+    pub const UNMAP: u32 = 1;
+    /// `mremap` moved or resized a range.
+    pub const REMAP: u32 = 2;
+    /// `brk` moved the program break.
+    pub const BRK: u32 = 3;
+    /// Made inside a probed allocator call (glibc's malloc maps large blocks and grows its heap
+    /// with `brk`): memory the heap's blocks already count.
+    pub const IN_ALLOCATOR: u32 = 1;
+    /// `MREMAP_DONTUNMAP`: the old range stays mapped.
+    pub const KEEP_OLD: u32 = 2;
+}
+
 /// Flags of a traced process in `TRACED`.
 pub mod traced {
     /// Its forks are reported (they are not otherwise).
@@ -777,6 +828,7 @@ const _: () = {
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcHeap>() == 32 + 16 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcessEvent>() == 16);
+    assert!(core::mem::size_of::<MappingEvent>() == 64);
 };
 
 #[cfg(test)]

@@ -46,7 +46,12 @@ pub fn probed() -> bool {
     if SHARED_LINKS.get(0).is_none_or(|shared| *shared == 0) {
         return true;
     }
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    traced((bpf_get_current_pid_tgid() >> 32) as u32)
+}
+
+/// Whether process `tgid` is traced: for the programs that fire in every process.
+#[inline(always)]
+pub fn traced(tgid: u32) -> bool {
     unsafe { TRACED.get(tgid) }.is_some()
 }
 
@@ -64,7 +69,7 @@ fn emit(kind: u32, tgid: u32, child: u32) {
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if unsafe { TRACED.get(tgid) }.is_some() {
+    if traced(tgid) {
         emit(process_event::EXEC, tgid, 0);
     }
     0

@@ -4,7 +4,7 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_func_ip, bpf_get_prandom_u32, bpf_ktime_get_ns,
-        bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_probe_read_user,
     },
     macros::map,
     maps::{Array, HashMap, RingBuf},
@@ -19,7 +19,7 @@ use profiler_common::{
 };
 
 use crate::{
-    shared::{add, count_drop, NO_PREALLOC},
+    shared::{add, count_drop, kernel_word, NO_PREALLOC},
     unwind::{self, Regs, FREE_STACKS, STACKS},
 };
 
@@ -170,20 +170,19 @@ static MM_XOL_AREA_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static XOL_AREA_VADDR_OFFSET: Global<u32> = Global::new(0);
 
-/// The kernel word at `base + offset`; 0 when unreadable.
+/// The current process's `mm_struct`; 0 when unreadable.
 #[inline(always)]
-fn kernel_word(base: u64, offset: u32) -> u64 {
-    // SAFETY: a read through the helper, which faults safely.
-    unsafe { bpf_probe_read_kernel((base + offset as u64) as *const u64) }.unwrap_or(0)
+pub fn current_mm() -> u64 {
+    // SAFETY: a helper without arguments.
+    let task = unsafe { bpf_get_current_task() };
+    kernel_word(task, TASK_MM_OFFSET.load())
 }
 
 /// Where this process's probed calls return first: once a call's entry programs have run, the
 /// kernel replaces its return address with this trampoline's. 0 when unknown.
 #[inline(always)]
-fn return_trampoline() -> u64 {
-    // SAFETY: a helper without arguments.
-    let task = unsafe { bpf_get_current_task() };
-    let mm = kernel_word(task, TASK_MM_OFFSET.load());
+pub fn return_trampoline() -> u64 {
+    let mm = current_mm();
     let area = if mm == 0 { 0 } else { kernel_word(mm, MM_XOL_AREA_OFFSET.load()) };
     if area == 0 {
         return 0;
@@ -289,6 +288,12 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
     }
     state.depth = 1;
     true
+}
+
+/// Whether thread `tid` of process `tgid` is inside a probed allocator call (in full mode every
+/// call is; in sampled mode only those drawn).
+pub fn in_allocator_call(tgid: u32, tid: u32) -> bool {
+    unsafe { INFLIGHT.get(tid) }.is_some_and(|state| state.depth != 0 && state.tgid == tgid)
 }
 
 /// The current thread is exiting: its entry goes (nothing else would remove it: a new thread

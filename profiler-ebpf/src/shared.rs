@@ -1,10 +1,11 @@
-//! What every program uses: the map flag for hash maps, the atomic add and the drop counters.
+//! What every program uses: the map flag for hash maps, kernel reads, the atomic add and the drop
+//! counters.
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::bpf_get_current_pid_tgid,
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
     macros::map,
     maps::{HashMap, PerCpuArray},
 };
@@ -26,6 +27,13 @@ static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT
 
 /// A zeroed entry to insert from.
 static NO_DROPS: ProcDrops = ProcDrops { counts: [0; DropReason::COUNT] };
+
+/// The kernel word at `base + offset`; 0 when unreadable.
+#[inline(always)]
+pub fn kernel_word(base: u64, offset: u32) -> u64 {
+    // SAFETY: a read through the helper, which faults safely.
+    unsafe { bpf_probe_read_kernel((base + offset as u64) as *const u64) }.unwrap_or(0)
+}
 
 pub fn add(counter: &mut u64, value: u64) {
     // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic

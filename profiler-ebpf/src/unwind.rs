@@ -16,7 +16,10 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
     btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
-    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes,
+    },
     macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     Global,
@@ -27,7 +30,7 @@ use profiler_common::{
     PAGE_BYTES, STACK_HASH_SEED, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
-use crate::shared::{count_drop, NO_PREALLOC};
+use crate::shared::{count_drop, kernel_word, NO_PREALLOC};
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
@@ -164,6 +167,73 @@ pub struct Regs {
     /// Whether `pc` is a return address (at a return probe), whose call is the byte before it;
     /// else it is the exact instruction (at an entry probe, or after a signal frame).
     pub pc_is_return: bool,
+    /// Where a walk from inside probed calls (a system call the allocator made) finds their
+    /// return addresses; none for the allocator's own probes, whose walks start outside the
+    /// calls they probe.
+    pub taken: TakenReturns,
+}
+
+/// The return addresses the kernel's uretprobes took from a thread's stack: each call's slot
+/// holds the return trampoline's address instead, and the kernel keeps the real one in a list,
+/// innermost first (`struct return_instance`).
+#[derive(Clone, Copy)]
+pub struct TakenReturns {
+    /// The process's return trampoline (0: none to look for).
+    pub trampoline: u64,
+    /// The thread's innermost `return_instance`.
+    pub innermost: u64,
+}
+
+impl TakenReturns {
+    pub const NONE: TakenReturns = TakenReturns { trampoline: 0, innermost: 0 };
+
+    /// The current thread's, given its process's return trampoline.
+    pub fn current(trampoline: u64) -> TakenReturns {
+        // SAFETY: a helper without arguments.
+        let task = unsafe { bpf_get_current_task() };
+        let utask = kernel_word(task, TASK_UTASK_OFFSET.load());
+        let innermost = if utask == 0 { 0 } else { kernel_word(utask, UTASK_RETURNS_OFFSET.load()) };
+        TakenReturns { trampoline, innermost }
+    }
+}
+
+/// Offsets, read by the daemon from the kernel's BTF: `task->utask->return_instances`, and a
+/// `return_instance`'s `orig_ret_vaddr`, `chained`, `next` and `stack` (the slot's address).
+#[unsafe(no_mangle)]
+static TASK_UTASK_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static UTASK_RETURNS_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static RETURN_ADDRESS_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static RETURN_CHAINED_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static RETURN_NEXT_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static RETURN_STACK_OFFSET: Global<u32> = Global::new(0);
+
+/// Instances looked at: a walk meets as many as probed calls are in flight in its thread
+/// (nested allocator calls), and a probed function tail-called by another probed function adds
+/// a `chained` instance that shares its caller's slot.
+const TAKEN_MAX: usize = 4;
+
+/// The real return address of the next slot holding the trampoline, walking outward; moves past
+/// the instances that share it. 0 when the list has no more (the walk then ends).
+fn taken_return(walk: &mut Walk) -> u64 {
+    let address = kernel_word(walk.taken, RETURN_ADDRESS_OFFSET.load());
+    for _ in 0..TAKEN_MAX {
+        let instance = walk.taken;
+        if instance == 0 {
+            break;
+        }
+        // SAFETY: a read through the helper, which faults safely; `chained` is a bool.
+        let chained = unsafe { bpf_probe_read_kernel((instance + RETURN_CHAINED_OFFSET.load() as u64) as *const u8) };
+        walk.taken = kernel_word(instance, RETURN_NEXT_OFFSET.load());
+        if chained.unwrap_or(0) == 0 {
+            break;
+        }
+    }
+    address
 }
 
 impl Regs {
@@ -171,7 +241,7 @@ impl Regs {
     /// `regs` must be the probe's context registers.
     pub unsafe fn of(regs: *const pt_regs, pc_is_return: bool) -> Regs {
         let regs = &*regs;
-        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return }
+        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return, taken: TakenReturns::NONE }
     }
 }
 
@@ -190,6 +260,7 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     (walk.hash, walk.check) = (STACK_HASH_SEED, 0xc2b2_ae3d_27d4_eb4f);
     (walk.tgid, walk.len, walk.end) = (tgid, 0, StackEnd::TooDeep as u32);
     walk.pc_is_return = u32::from(regs.pc_is_return);
+    (walk.trampoline, walk.taken) = (regs.taken.trampoline, regs.taken.innermost);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
     walk.bp_known = 1;
     walk.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
@@ -247,19 +318,16 @@ const EEXIST: i32 = 17;
 /// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
 /// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
 /// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
-/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
-/// probe that stored no frame yet (a free in a library not read yet), the return address at the
-/// stack pointer, so that two call sites at one depth do too. None when the event cannot be sent
+/// pointer, so that calls reaching the frame from different depths stay apart, and, when it
+/// stopped at its first frame (a free in a library not read yet; a system call in the C library
+/// before the process's mappings are read, whose first frame is the same for every caller), the
+/// return address at the stack pointer, so that two call sites at one depth do too. None when the event cannot be sent
 /// (the ring is full): the stack is then kept cut, as `unwind_no_table`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64) -> Option<u64> {
     let walk = &scratch.walk;
-    let caller = if walk.len == 0 && walk.pc_is_return == 0 {
-        unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0)
-    } else {
-        0
-    };
+    let caller = if walk.len <= 1 { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
     let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
     let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
@@ -296,6 +364,10 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
                 break;
             }
         }
+        if walk.trampoline != 0 {
+            let copied = (*event).pages as u64 * PAGE_BYTES as u64;
+            restore_taken(walk.taken, window_start, copied, (*event).window.as_mut_ptr());
+        }
     }
     scratch.stack.check = check;
     scratch.stack.len = scratch.walk.len;
@@ -325,6 +397,26 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
     }
 }
 
+/// Writes back, in a deferred walk's copy of the stack (`copied` bytes from `window_start`), the
+/// return addresses uretprobes took from it (see `TakenReturns`), from `instance` outward: user
+/// space finishes the walk from the copy, where their slots hold the trampoline.
+///
+/// # Safety
+/// `window` must be the event's copy, `DEFERRED_PAGES * PAGE_BYTES` long.
+unsafe fn restore_taken(mut instance: u64, window_start: u64, copied: u64, window: *mut u8) {
+    for _ in 0..TAKEN_MAX {
+        if instance == 0 {
+            break;
+        }
+        let offset = kernel_word(instance, RETURN_STACK_OFFSET.load()).wrapping_sub(window_start);
+        if offset + 8 <= copied && offset <= (DEFERRED_PAGES * PAGE_BYTES - 8) as u64 {
+            let slot = window.add(offset as usize).cast::<u64>();
+            slot.write_unaligned(kernel_word(instance, RETURN_ADDRESS_OFFSET.load()));
+        }
+        instance = kernel_word(instance, RETURN_NEXT_OFFSET.load());
+    }
+}
+
 /// The state of a walk between frames.
 #[repr(C)]
 struct Walk {
@@ -343,6 +435,10 @@ struct Walk {
     bp_known: u32,
     /// `MAPPINGS_GENERATION` when the walk began: cached rows of another are stale.
     generation: u32,
+    /// See `TakenReturns`: the trampoline (0: none), and the next taken return address's
+    /// `return_instance`.
+    trampoline: u64,
+    taken: u64,
     /// The mapping of the last frame: the next frame is most often in the same file, and then
     /// needs no lookup. Empty (start = end) before the first.
     mapping: ExecMapping,
@@ -411,9 +507,12 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
         cfa::NONE => return end(walk, StackEnd::NoTable),
         _ => return end(walk, StackEnd::BadRule),
     };
-    let Some(return_address) = window.read(cfa - 8) else {
+    let Some(mut return_address) = window.read(cfa - 8) else {
         return end(walk, StackEnd::ReadFailed);
     };
+    if walk.trampoline != 0 && return_address == walk.trampoline {
+        return_address = taken_return(walk);
+    }
     // Where the caller's rbp was saved: relative to the CFA, or to this frame's rbp (a
     // stack-realigning function), which is only known while rbp is.
     let saved_at = match row.rbp {

@@ -490,6 +490,29 @@ pub fn fixture_crate(name: &str, bin: &str) -> PathBuf {
     target.join("release").join(bin)
 }
 
+/// Builds the Go fixture module `tests/fixtures/NAME` with Debian's `go` into
+/// `target/fixtures/NAME`, its build cache under `target/go-cache` (a rebuild is a cache hit),
+/// offline: the fixtures use the standard library only.
+pub fn fixture_go(name: &str) -> PathBuf {
+    let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
+    let target = workspace().join("target");
+    let out = target.join("fixtures").join(name);
+    let status = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&out)
+        .arg(".")
+        .current_dir(workspace().join("tests/fixtures").join(name))
+        .env("GOCACHE", target.join("go-cache"))
+        .env("GOPATH", target.join("go-path"))
+        .env("GOPROXY", "off")
+        .env("GOFLAGS", "-mod=mod")
+        .env("CGO_ENABLED", "1")
+        .status()
+        .unwrap_or_else(|e| panic!("starting go (Debian's golang-go, installed by `cargo xtask setup`): {e}"));
+    assert!(status.success(), "building the Go fixture {name} failed");
+    out
+}
+
 /// Compiles the C++ fixture `file` with `g++ FLAGS` into the executable `name`.
 pub fn fixture_cpp(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     fixture_compiled("g++", file, name, flags)

@@ -88,6 +88,15 @@ fn memory_that_grows_with_no_allocation_seen_is_said() {
     let what = spots[0]["what"].as_str().unwrap();
     let mib: u64 = what.split("grew by ").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
     assert!((32..=64).contains(&mib), "{what}");
+    // Where it asked for that memory: its own allocator's mmap, 64 chunks of 1 MiB.
+    assert!(spots[0]["advice"].as_str().unwrap().starts_with("its mappings ("), "{}", spots[0]);
+    let own = report["mappings"]["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["frames"].as_array().unwrap().iter().any(|f| f["function"] == "own_alloc"))
+        .unwrap_or_else(|| panic!("no mapping stack through own_alloc: {}", report["mappings"]));
+    assert_eq!((own["outstanding_bytes"].as_u64(), own["ranges"].as_u64()), (Some(64 << 20), Some(64)), "{own}");
 
     let table = memprof(&["run", "--interval", "0.5", "--", program.to_str().unwrap()]);
     assert!(table.stdout.contains("not seen: its anonymous memory grew by"), "{}", table.stdout);

@@ -276,8 +276,7 @@ impl Tracer<'_> {
     /// `pids` (all when None), the root's with its children, when one is to be written.
     fn read(&mut self, is_final: bool, only: Option<u32>) -> anyhow::Result<Option<Report>> {
         let pids = only.map_or_else(|| self.family.pids(), |pid| [pid].into());
-        let kernel =
-            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, self.min_age_ns)?;
+        let kernel = self.loaded.read(&pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
@@ -328,10 +327,9 @@ impl Tracer<'_> {
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);
                 report.exe = process.exe.clone();
                 report.parent = process.parent;
-                report.blind_spots = process
-                    .blind_spots
-                    .as_ref()
-                    .map_or_else(Vec::new, |b| b.current(process.pid, report.totals.allocations));
+                report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
+                    b.current(process.pid, report.totals.allocations, report.mappings.outstanding_bytes)
+                });
                 report.memory = process.resident.current(process.pid, report.totals.outstanding_bytes);
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);

@@ -56,6 +56,18 @@ const PER_PROCESS: &[PerProcess] = &[
         MetricType::Gauge,
         |t| t.report.memory.map_or(0, |m| m.rss_anon_bytes),
     ),
+    (
+        "memprof_mmap_outstanding_bytes",
+        "Anonymous private memory the process holds from mmap, mremap and brk made outside its allocator: memory memprof_heap_inuse_bytes does not count (README: Mappings).",
+        MetricType::Gauge,
+        |t| t.report.mappings.outstanding_bytes,
+    ),
+    (
+        "memprof_mmap_allocator_bytes",
+        "Anonymous private memory the process's allocator holds from mmap, mremap and brk for its blocks: memprof_heap_inuse_bytes counts what of it is in use.",
+        MetricType::Gauge,
+        |t| t.report.mappings.allocator_bytes,
+    ),
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
     (
         "memprof_temporary_allocations",

@@ -463,7 +463,7 @@ impl Tracer {
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let kernel = aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0)?;
+        let kernel = self.loaded.read(&pids, 0)?;
         // A target that exited and whose pid a new process took since the last discovery pass:
         // what the maps hold under that pid may be the new process's, and its mappings are. Not
         // shown as the old one's; discovery traces the new one afresh.
@@ -547,7 +547,8 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
-        report.blind_spots = target.blind_spots.current(pid, report.totals.allocations);
+        report.blind_spots =
+            target.blind_spots.current(pid, report.totals.allocations, report.mappings.outstanding_bytes);
         report.memory = target.resident.current(pid, report.totals.outstanding_bytes);
         report.unwind_tables = Some(self.loaded.unwind.table_use());
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those

@@ -1,9 +1,13 @@
-//! The human-readable table: a summary line, the top stacks, drops and double frees.
+//! The human-readable table: a summary line, the top stacks, mappings, drops and double frees.
 
 use std::fmt::Write as _;
 
 use super::reachability;
-use crate::{heap::report::Report, symbolize::Frame, text::printable};
+use crate::{
+    heap::{mappings::Mappings, report::Report},
+    symbolize::Frame,
+    text::printable,
+};
 
 /// The traced process's section, then each followed child's, each naming its parent.
 pub fn render(report: &Report) -> String {
@@ -125,6 +129,7 @@ fn section(report: &Report) -> String {
     if let Some(inspection) = &report.inspection {
         reachability::summary(&mut out, inspection);
     }
+    mappings(&mut out, &report.mappings);
     let dropped: Vec<String> =
         report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
     if !dropped.is_empty() {
@@ -172,6 +177,26 @@ fn section(report: &Report) -> String {
         }
     }
     out
+}
+
+/// Memory from `mmap`, `mremap` and `brk`, by stack: apart from the heap's figures, which count
+/// what the allocator mapped for its blocks already.
+fn mappings(out: &mut String, mappings: &Mappings) {
+    if mappings.stacks.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  mapped (anonymous mmap, mremap, brk; apart from the heap): {} outside the allocator, {} by the allocator for its blocks",
+        bytes(mappings.outstanding_bytes),
+        bytes(mappings.allocator_bytes)
+    );
+    let _ = writeln!(out, "  {:>12} {:>9}  STACK", "MAPPED", "RANGES");
+    for stack in &mappings.stacks {
+        let by = if stack.in_allocator { "[allocator] " } else { "" };
+        let lead = format!("  {:>12} {:>9}  {by}", stack.outstanding_bytes, stack.ranges);
+        write_frames(out, &lead, &stack.frames, stack.truncated);
+    }
 }
 
 fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool) {

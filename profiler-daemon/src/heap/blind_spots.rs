@@ -1,6 +1,6 @@
 //! What memprof knows it does not see in a process: allocators found but not probed (from
 //! `process::allocator`), and anonymous memory that grows while no probed call is made, the sign
-//! of an allocator memprof does not know at all.
+//! of an allocator memprof does not know at all (whose mappings then show where it asked for it).
 
 use std::cell::Cell;
 
@@ -34,8 +34,10 @@ impl BlindSpots {
         Self { unprobed, anon_floor: Cell::new(anon), grown: Cell::new(0) }
     }
 
-    /// The process's blind spots now, given how many allocations memprof has seen in it.
-    pub fn current(&self, pid: u32, allocations_seen: u64) -> Vec<BlindSpot> {
+    /// The process's blind spots now, given how many allocations memprof has seen in it and the
+    /// bytes it holds from mappings made outside its allocator (`heap::mappings`), which name
+    /// where memory unseen by the heap was asked for.
+    pub fn current(&self, pid: u32, allocations_seen: u64, mapped_bytes: u64) -> Vec<BlindSpot> {
         let mut spots = self.unprobed.clone();
         if let Some(anon) = procfs::anon_resident_bytes(pid) {
             self.anon_floor.set(self.anon_floor.get().min(anon));
@@ -49,7 +51,11 @@ impl BlindSpots {
                     "its anonymous memory grew by {} MiB while memprof saw no allocation: it allocates through code memprof does not probe",
                     grown >> 20
                 ),
-                advice: "see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string(),
+                advice: if mapped_bytes > 0 {
+                    format!("its mappings ({} MiB) name where it asked for memory; README: Mappings", mapped_bytes >> 20)
+                } else {
+                    "see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string()
+                },
                 unless_env: None,
             });
         }

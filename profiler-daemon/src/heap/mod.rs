@@ -1,5 +1,5 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
-//! filters, double frees, and the reachability of a process held still (`inspect`). Imports `kernel`,
+//! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability of a process held still (`inspect`). Imports `kernel`,
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
@@ -8,6 +8,7 @@ pub mod double_free;
 pub mod filter;
 pub mod inspect;
 pub mod leak;
+pub mod mappings;
 pub mod reachability;
 pub mod report;
 pub mod resident;

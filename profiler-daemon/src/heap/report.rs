@@ -12,6 +12,7 @@ use crate::{
         context::RunContext,
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
+        mappings::{self, Mappings},
         resident::Memory,
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
@@ -57,6 +58,10 @@ pub struct Report {
     /// process never read while it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Memory>,
+    /// Anonymous memory from `mmap`, `mremap` and `brk`, by stack: its own view, never added to
+    /// the heap's (README: Mappings).
+    #[serde(default)]
+    pub mappings: Mappings,
     /// This process's events not recorded, by reason.
     #[serde(deserialize_with = "crate::names::deserialize_counts")]
     pub dropped: BTreeMap<&'static str, u64>,
@@ -263,10 +268,10 @@ impl Stacks<'_> {
         self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns)
     }
 
-    /// The code mappings that hold the frames of `stacks`.
-    fn modules(&self, stacks: &[StackReport]) -> Vec<Module> {
+    /// The code mappings that hold `frames`.
+    fn modules<'f>(&self, frames: impl Iterator<Item = &'f Frame>) -> Vec<Module> {
         // Borrowed while deduplicated: a report has a module name per frame, its modules are few.
-        let paths: BTreeSet<&str> = stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+        let paths: BTreeSet<&str> = frames.map(|f| f.module.as_str()).collect();
         self.symbolizer.modules(self.pid, paths.into_iter().map(str::to_string).collect())
     }
 
@@ -369,6 +374,12 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let names = Names { ctx, ids: &report_ids, listed: &stacks };
     let peak = peak(&names, snapshot, selection.top);
     let temporary_stacks = temporary_stacks(&names, snapshot, selection.top);
+    let mappings = mappings::build(&snapshot.mappings, selection.top.unwrap_or(LISTED_MAX).min(LISTED_MAX), |id| {
+        let symbolized = ctx.stacks.symbolize(StackTable::Allocations, id);
+        (symbolized.id, symbolized.truncated, symbolized.frames)
+    });
+    let frames = stacks.iter().flat_map(|s| &s.frames).chain(mappings.stacks.iter().flat_map(|s| &s.frames));
+    let modules = ctx.stacks.modules(frames);
     Report {
         is_final: selection.is_final,
         context: None,
@@ -385,10 +396,11 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         peak,
         temporary_stacks,
         memory: None,
+        mappings,
         dropped: dropped(snapshot),
         unattributed_dropped: unattributed_dropped(kernel),
         stacks_not_shown: 0,
-        modules: ctx.stacks.modules(&stacks),
+        modules,
         stacks,
         double_frees: ctx.double_frees.to_vec(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
@@ -466,7 +478,7 @@ impl Names<'_> {
     }
 }
 
-/// Stacks listed at most at the peak and for temporary allocations, whatever `top` says: each
+/// Stacks listed at most at the peak, for temporary allocations and mappings, whatever `top` says: each
 /// carries its frames, and a daemon's process of 65,536 stacks listed them all twice more.
 const LISTED_MAX: usize = 100;
 
@@ -548,6 +560,7 @@ fn merge_same_stacks(stacks: Vec<StackReport>) -> Vec<StackReport> {
 pub fn merge_processes(root: &Report) -> Report {
     let mut merged = Report { children: Vec::new(), ..root.clone() };
     merged.stacks.clear();
+    merged.mappings.stacks.clear();
     for process in std::iter::once(root).chain(&root.children) {
         let process_frame = process_frame(process);
         for stack in &process.stacks {
@@ -555,7 +568,14 @@ pub fn merge_processes(root: &Report) -> Report {
             stack.frames.push(process_frame.clone());
             merged.stacks.push(stack);
         }
+        for stack in &process.mappings.stacks {
+            let mut stack = stack.clone();
+            stack.frames.push(process_frame.clone());
+            merged.mappings.stacks.push(stack);
+        }
         if process.pid != root.pid {
+            merged.mappings.outstanding_bytes += process.mappings.outstanding_bytes;
+            merged.mappings.allocator_bytes += process.mappings.allocator_bytes;
             let (t, c) = (&mut merged.totals, &process.totals);
             t.outstanding_bytes += c.outstanding_bytes;
             t.outstanding_allocations += c.outstanding_allocations;
@@ -574,6 +594,7 @@ pub fn merge_processes(root: &Report) -> Report {
         }
     }
     merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
+    merged.mappings.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
     merged
 }
 
@@ -719,6 +740,7 @@ pub mod samples {
             peak: Peak::default(),
             temporary_stacks: Vec::new(),
             memory: None,
+            mappings: Mappings::default(),
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
             unattributed_dropped: BTreeMap::new(),
             stacks_not_shown: 0,

@@ -21,6 +21,7 @@ use profiler_common::{
 use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
+    kernel::mappings::MappedStack,
     unwind::Registry,
 };
 
@@ -56,6 +57,8 @@ pub struct Snapshot {
     pub peak: Peak,
     /// Frees by another thread than the allocating one.
     pub thread_pairs: Vec<(ThreadPairKey, ThreadPairStats)>,
+    /// The anonymous memory it holds from `mmap`, `mremap` and `brk`, by stack (see `mappings`).
+    pub mappings: Vec<MappedStack>,
 }
 
 /// A process's high-water mark of bytes in use.

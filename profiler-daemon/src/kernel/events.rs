@@ -21,7 +21,14 @@ const TRACEPOINTS: [(&str, &str); 3] = [
 /// Loads and attaches the tracepoint programs (for as long as `ebpf` lives); returns the reader of
 /// their events.
 pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<ProcessEvents> {
-    for (name, tracepoint) in TRACEPOINTS {
+    attach_raw(ebpf, &TRACEPOINTS)?;
+    let map = ebpf.take_map("PROCESS_EVENTS").context("map PROCESS_EVENTS missing")?;
+    Ok(ProcessEvents { ring: RingBuf::try_from(map)? })
+}
+
+/// Loads and attaches each (program, raw tracepoint) pair, for as long as `ebpf` lives.
+pub fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()> {
+    for &(name, tracepoint) in pairs {
         let program: &mut RawTracePoint = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the eBPF object"))?
@@ -29,8 +36,7 @@ pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<ProcessEvents> {
         program.load().with_context(|| format!("loading program {name}"))?;
         program.attach(tracepoint).with_context(|| format!("attaching {name} to the {tracepoint} tracepoint"))?;
     }
-    let map = ebpf.take_map("PROCESS_EVENTS").context("map PROCESS_EVENTS missing")?;
-    Ok(ProcessEvents { ring: RingBuf::try_from(map)? })
+    Ok(())
 }
 
 /// Events the ring buffer had no room for, all CPUs together.

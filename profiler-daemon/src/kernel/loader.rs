@@ -10,10 +10,11 @@ pub use crate::kernel::probes::Attachment;
 use crate::{
     error::UserError,
     kernel::ages::{AgeBook, Clock},
-    kernel::aggregate,
+    kernel::aggregate::{self, KernelSnapshot},
     kernel::btf,
     kernel::detacher::Detacher,
     kernel::events::{self, ProcessEvents},
+    kernel::mappings::MappedRanges,
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::settings::LoadSettings,
     kernel::shared::SharedLinks,
@@ -51,6 +52,8 @@ pub struct Loaded {
     pub ages: AgeBook,
     /// Execs and forks of the traced processes.
     pub process_events: ProcessEvents,
+    /// The anonymous memory they map outside their allocator's blocks.
+    mappings: MappedRanges,
     /// Whether the processes attached from now on report their forks (`--follow-forks`).
     pub follow_forks: bool,
     /// Whether the processes attached from now on share links with every traced process that
@@ -103,10 +106,16 @@ fn check_privileges() -> Result<(), UserError> {
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
-    let task =
-        btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm"]).context("finding task_struct in BTF")?;
+    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask"])
+        .context("finding task_struct in BTF")?;
+    // The return addresses uretprobes took: task->utask->return_instances, a list.
+    let utask =
+        btf::kernel_member_offsets("uprobe_task", &["return_instances"]).context("finding uprobe_task in BTF")?;
+    let taken = btf::kernel_member_offsets("return_instance", &["orig_ret_vaddr", "chained", "next", "stack"])
+        .context("finding return_instance in BTF")?;
     // The way to a process's uretprobe trampoline: task->mm->uprobes_state.xol_area->vaddr.
-    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
+    // And the program break, for `brk`: task->mm->brk.
+    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state", "brk"]).context("finding mm_struct in BTF")?;
     let uprobes = btf::kernel_member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
     let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
     let ebpf = EbpfLoader::new()
@@ -123,6 +132,13 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .override_global("TASK_MM_OFFSET", &task[2], true)
         .override_global("MM_XOL_AREA_OFFSET", &(mm[0] + uprobes[0]), true)
         .override_global("XOL_AREA_VADDR_OFFSET", &xol[0], true)
+        .override_global("MM_BRK_OFFSET", &mm[1], true)
+        .override_global("TASK_UTASK_OFFSET", &task[3], true)
+        .override_global("UTASK_RETURNS_OFFSET", &utask[0], true)
+        .override_global("RETURN_ADDRESS_OFFSET", &taken[0], true)
+        .override_global("RETURN_CHAINED_OFFSET", &taken[1], true)
+        .override_global("RETURN_NEXT_OFFSET", &taken[2], true)
+        .override_global("RETURN_STACK_OFFSET", &taken[3], true)
         .load(OBJECT)
         .context("loading the eBPF programs")?;
     let mut ebpf = ebpf;
@@ -130,6 +146,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;
+    let mappings = MappedRanges::attach(&mut ebpf)?;
     Ok(Loaded {
         ebpf,
         method,
@@ -137,6 +154,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         unwind_events,
         ages: AgeBook::new(clock),
         process_events,
+        mappings,
         follow_forks: false,
         share_links: false,
         shared: SharedLinks::default(),
@@ -339,7 +357,18 @@ impl Loaded {
         for &pid in pids {
             self.unwind.forget(&mut self.ebpf, pid);
             self.ages.forget(pid);
+            self.mappings.forget(pid);
         }
+    }
+
+    /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
+    pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+        self.mappings.drain();
+        let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns)?;
+        for (&tgid, process) in &mut kernel.processes {
+            process.mappings = self.mappings.stacks(tgid);
+        }
+        Ok(kernel)
     }
 
     /// How many processes the kernel reports execs and forks of, and how many of those events

@@ -1,6 +1,7 @@
 //! Everything that talks to the kernel: the embedded eBPF object and its map sizes, the probes and
-//! the links that attach them, BTF offsets, batched map reads, the exec/fork/exit events, and the
-//! reading of the maps into snapshots (with the ages of outstanding memory that go with them).
+//! the links that attach them, BTF offsets, batched map reads, the exec/fork/exit events, the
+//! ranges processes map (`mappings`), and the reading of the maps into snapshots (with the ages of
+//! outstanding memory that go with them).
 //! Imports `process`, `unwind` and `error` only.
 
 pub mod ages;
@@ -11,6 +12,7 @@ pub mod detacher;
 pub mod events;
 pub mod live;
 pub mod loader;
+pub mod mappings;
 pub mod probes;
 pub mod settings;
 pub mod shared;

@@ -115,6 +115,23 @@ function stackSection(report) {
       `${grouped(report.stacks_not_shown)} smaller stacks are left out of this page to keep it small: the JSON report and pprof profiles have them.`) : null);
 }
 
+// Anonymous memory from mmap, mremap and brk, by stack: apart from the heap, whose blocks count
+// what the allocator mapped for them already.
+function mappingSection(report) {
+  const m = report.mappings;
+  const title = 'Mapped memory (mmap, mremap, brk)';
+  if (m.stacks.length === 0) return section('mappings', title, el('p', { class: 'note' }, 'No anonymous mapping is held.'));
+  const rows = m.stacks.map(s => el('tr', { 'data-stack': s.stack_id },
+    num(grouped(s.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
+    num(grouped(s.ranges)),
+    el('td', {}, s.in_allocator ? 'allocator' : 'program'),
+    el('td', {}, stackDetails(Object.assign({ site: 0 }, s), true))));
+  return section('mappings', title,
+    el('p', { class: 'note' },
+      `${bytesText(m.outstanding_bytes)} mapped outside the allocator; ${bytesText(m.allocator_bytes)} by the allocator for its blocks, which the heap counts already.`),
+    table(['bytes mapped', 'ranges', 'mapped by', 'stack (the call first)'], rows, { id: 'mapping-table' }));
+}
+
 // A histogram as rows of bars; `label` names a bucket's range.
 function histogram(id, title, buckets, label, empty) {
   if (buckets.length === 0) return section(id, title, el('p', { class: 'note' }, empty));
@@ -179,6 +196,7 @@ function render() {
     summarySection(report),
     treeSection(report),
     stackSection(report),
+    mappingSection(report),
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
     histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
     threadSection(report),

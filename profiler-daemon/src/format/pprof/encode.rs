@@ -1,4 +1,5 @@
-//! Reports as a profile: one sample per stack of each process, one location per return address
+//! Reports as a profile: one sample per stack of each process (and per stack of its mappings),
+//! one location per return address
 //! (its inlined frames as extra lines), one mapping per module of each process. Each sample
 //! carries labels for `-tagfocus` and `-tags`: its stack id, its leak state and its process's.
 
@@ -6,10 +7,13 @@ use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
 use flate2::{write::GzEncoder, Compression};
 
-use super::{field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
+use super::{
+    field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, MAPPED_BY_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
+};
 use crate::{
     heap::{
         context::RunContext,
+        mappings::MappingStack,
         report::{Report, StackReport},
     },
     symbolize::Frame,
@@ -72,6 +76,11 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
             .collect();
         for stack in part.report.stacks.iter().chain(part.more_stacks) {
             let mut sample = tables.sample(index, stack, part.outermost.as_ref());
+            sample.labels.extend(labels.iter().copied());
+            samples.push(sample);
+        }
+        for stack in &part.report.mappings.stacks {
+            let mut sample = tables.mapping_sample(index, stack, part.outermost.as_ref());
             sample.labels.extend(labels.iter().copied());
             samples.push(sample);
         }
@@ -174,7 +183,7 @@ enum Value {
 /// One sample, as ids into the tables.
 struct Sample {
     locations: Vec<u64>,
-    values: [u64; 4],
+    values: [u64; SAMPLE_TYPES.len()],
     /// Keys (string ids) and values.
     labels: Vec<(u64, Value)>,
 }
@@ -256,9 +265,41 @@ impl Tables {
     /// The sample of `stack`, of the profile's part `part` (`outermost` added above its frames),
     /// with its own labels.
     fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>) -> Sample {
+        Sample {
+            locations: self.locations(part, &stack.frames, outermost),
+            values: [
+                stack.allocations,
+                stack.allocated_bytes,
+                stack.outstanding_allocations,
+                stack.outstanding_bytes,
+                0,
+            ],
+            labels: vec![
+                (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
+                (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),
+            ],
+        }
+    }
+
+    /// The sample of a stack's mapped memory: its bytes in `mapped_space` only, never in the
+    /// heap's types, and who mapped them in its `mapped_by` label.
+    fn mapping_sample(&mut self, part: usize, stack: &MappingStack, outermost: Option<&Frame>) -> Sample {
+        let by = if stack.in_allocator { "allocator" } else { "program" };
+        Sample {
+            locations: self.locations(part, &stack.frames, outermost),
+            values: [0, 0, 0, 0, stack.outstanding_bytes],
+            labels: vec![
+                (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
+                (self.string(MAPPED_BY_LABEL), Value::Text(self.string(by))),
+            ],
+        }
+    }
+
+    /// The locations of `frames` (`outermost` added above them), innermost first.
+    fn locations(&mut self, part: usize, frames: &[Frame], outermost: Option<&Frame>) -> Vec<u64> {
         let mut locations = Vec::new();
         let mut lines: Vec<&Frame> = Vec::new();
-        for frame in stack.frames.iter().chain(outermost) {
+        for frame in frames.iter().chain(outermost) {
             lines.push(frame);
             // An inlined frame shares its address with the frames after it, up to the function
             // it is inlined into.
@@ -271,17 +312,10 @@ impl Tables {
             // The stack was cut inside inlined frames.
             locations.push(self.location(part, &lines));
         }
-        if stack.frames.is_empty() {
+        if frames.is_empty() {
             locations.insert(0, self.no_stack());
         }
-        Sample {
-            locations,
-            values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
-            labels: vec![
-                (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
-                (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),
-            ],
-        }
+        locations
     }
 
     /// The location of frames that share one address, innermost first.

@@ -1,6 +1,7 @@
 //! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
-//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, of one
-//! process or of several (the daemon's profile of the host), each sample labelled.
+//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, and the
+//! mapped memory's, of one process or of several (the daemon's profile of the host), each sample
+//! labelled.
 
 mod decode;
 mod encode;
@@ -63,9 +64,16 @@ impl<'a> Part<'a> {
     }
 }
 
-/// The sample types, in Go's order: each sample's values are in this order too.
-pub const SAMPLE_TYPES: [(&str, &str); 4] =
-    [("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("inuse_space", "bytes")];
+/// The sample types, Go's four in Go's order, then the bytes of anonymous mappings held (README:
+/// Mappings), apart so that no total adds them to the heap: each sample's values are in this
+/// order too.
+pub const SAMPLE_TYPES: [(&str, &str); 5] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+    ("mapped_space", "bytes"),
+];
 
 /// The sample type `go tool pprof` shows unless told otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +159,10 @@ const STACK_ID_LABEL: &str = "stack_id";
 /// `warming_up` (too few intervals seen for a verdict).
 const LEAK_LABEL: &str = "leak";
 
+/// The label of a mapping's sample: `program`, or `allocator` for memory a probed allocator
+/// mapped for its blocks (which the heap's samples count already).
+const MAPPED_BY_LABEL: &str = "mapped_by";
+
 /// The function of the one location of a sample whose stack memprof could not record.
 const NO_STACK: &str = "[no stack]";
 
@@ -193,7 +205,10 @@ mod tests {
     fn what_is_encoded_decodes_to_the_same_frames_and_values() {
         let report = report();
         let decoded = read(&render(&report, DefaultType::AllocSpace)).unwrap();
-        assert_eq!(decoded.sample_types, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        assert_eq!(
+            decoded.sample_types,
+            ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]
+        );
         assert_eq!(decoded.default_sample_type, "alloc_space");
         assert_eq!(decoded.samples.len(), report.stacks.len());
         for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
@@ -250,7 +265,7 @@ mod tests {
         assert_eq!(locations, 4);
         let types = messages(&profile, field::profile::SAMPLE_TYPE);
         let names: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::TYPE) as usize].as_str()).collect();
-        assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]);
         let units: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::UNIT) as usize].as_str()).collect();
         assert_eq!(units, ["count", "bytes", "count", "bytes"]);
     }

@@ -1,0 +1,248 @@
+//! The anonymous private memory traced processes hold from `mmap`, `mremap` and `brk`, kept from
+//! the calls the `syscall_enter` and `syscall_exit` programs send (`profiler-ebpf/src/mapping.rs`):
+//! each process's ranges, each with the stack that asked for it, and what each stack holds.
+//!
+//! Ranges are kept here, not in the kernel: a `munmap` of part of a mapping splits it, and only
+//! an ordered map finds the ranges an address range crosses.
+
+use std::collections::{BTreeMap, HashMap};
+
+use anyhow::Context as _;
+use aya::{
+    maps::{MapData, RingBuf},
+    Ebpf,
+};
+use profiler_common::{mapping_event, MappingEvent};
+
+use crate::kernel::events;
+
+/// (program, tracepoint): both fire at every system call on the machine.
+const TRACEPOINTS: [(&str, &str); 2] = [("syscall_enter", "sys_enter"), ("syscall_exit", "sys_exit")];
+
+const PAGE: u64 = 4096;
+
+/// What one stack of a process holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MappedStack {
+    /// In `STACKS`, as an allocation's.
+    pub stack_id: u64,
+    /// Mapped inside a probed allocator call (see `mapping_event::IN_ALLOCATOR`).
+    pub in_allocator: bool,
+    pub bytes: u64,
+    /// Ranges it holds: one cut in two by a `munmap` counts twice.
+    pub ranges: u64,
+}
+
+/// Every traced process's ranges, as the calls received so far left them.
+pub struct MappedRanges {
+    ring: RingBuf<MapData>,
+    spaces: HashMap<u32, Space>,
+}
+
+impl MappedRanges {
+    /// Attaches the system-call programs (for as long as `ebpf` lives) and takes their ring.
+    pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+        events::attach_raw(ebpf, &TRACEPOINTS)?;
+        let map = ebpf.take_map("MAPPING_EVENTS").context("map MAPPING_EVENTS missing")?;
+        Ok(Self { ring: RingBuf::try_from(map)?, spaces: HashMap::new() })
+    }
+
+    /// Applies the calls that arrived since the last drain, in the order they returned.
+    pub fn drain(&mut self) {
+        while let Some(item) = self.ring.next() {
+            if item.len() >= size_of::<MappingEvent>() {
+                // SAFETY: the program writes whole `MappingEvent`s, plain integers.
+                let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<MappingEvent>()) };
+                self.spaces.entry(event.tgid).or_default().apply(&event);
+            }
+        }
+    }
+
+    /// What each stack of `tgid` holds, most bytes first.
+    pub fn stacks(&self, tgid: u32) -> Vec<MappedStack> {
+        let Some(space) = self.spaces.get(&tgid) else { return Vec::new() };
+        let mut by_stack: HashMap<(u64, bool), MappedStack> = HashMap::new();
+        for (start, range) in &space.ranges {
+            let key = (range.stack_id, range.in_allocator);
+            let stack = by_stack.entry(key).or_insert(MappedStack {
+                stack_id: range.stack_id,
+                in_allocator: range.in_allocator,
+                ..MappedStack::default()
+            });
+            stack.bytes += range.end - start;
+            stack.ranges += 1;
+        }
+        let mut stacks: Vec<MappedStack> = by_stack.into_values().collect();
+        stacks.sort_by_key(|s| (std::cmp::Reverse(s.bytes), s.stack_id, s.in_allocator));
+        stacks
+    }
+
+    /// `tgid` has exited or is no longer traced: the calls it made until now are applied first,
+    /// so that none arrives later for a process forgotten.
+    pub fn forget(&mut self, tgid: u32) {
+        self.drain();
+        self.spaces.remove(&tgid);
+    }
+}
+
+/// One process's ranges, by start.
+#[derive(Debug, Default)]
+struct Space {
+    /// The memory the ranges are in (`MappingEvent::mm`): a new one after an exec.
+    mm: u64,
+    ranges: BTreeMap<u64, Range>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Range {
+    end: u64,
+    stack_id: u64,
+    in_allocator: bool,
+}
+
+fn page_up(address: u64) -> u64 {
+    address.saturating_add(PAGE - 1) & !(PAGE - 1)
+}
+
+impl Space {
+    fn apply(&mut self, event: &MappingEvent) {
+        if event.mm != self.mm {
+            // An exec: the old program's ranges went with its memory.
+            self.ranges.clear();
+            self.mm = event.mm;
+        }
+        let made =
+            Range { end: 0, stack_id: event.stack_id, in_allocator: event.flags & mapping_event::IN_ALLOCATOR != 0 };
+        match event.kind {
+            mapping_event::MAP => {
+                let end = event.addr.saturating_add(page_up(event.len));
+                self.clear(event.addr, end);
+                self.ranges.insert(event.addr, Range { end, ..made });
+            }
+            mapping_event::UNMAP => {
+                self.clear(event.addr, event.addr.saturating_add(page_up(event.len)));
+            }
+            mapping_event::REMAP => self.remap(event, made),
+            mapping_event::BRK => {
+                // The kernel maps the break's pages: [page_up(start), page_up(break)).
+                let (old, new) = (page_up(event.addr), page_up(event.new_addr));
+                if new > old {
+                    self.clear(old, new);
+                    self.ranges.insert(old, Range { end: new, ..made });
+                } else {
+                    self.clear(new, old);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// `mremap`: the old range's parts move with their stacks; growth belongs to the call's. A
+    /// range memprof does not hold (a file's, one mapped before tracing) stays not held.
+    fn remap(&mut self, event: &MappingEvent, made: Range) {
+        let (old, old_len, new, new_len) = (event.addr, page_up(event.len), event.new_addr, page_up(event.new_len));
+        let moved = self.clear(old, old.saturating_add(old_len));
+        if event.flags & mapping_event::KEEP_OLD != 0 {
+            // MREMAP_DONTUNMAP: the old range stays mapped, emptied.
+            for &(start, range) in &moved {
+                self.ranges.insert(start, range);
+            }
+        }
+        let new_end = new.saturating_add(new_len);
+        self.clear(new, new_end);
+        if moved.is_empty() {
+            return;
+        }
+        for (start, range) in moved {
+            let (start, end) = (start - old + new, (range.end - old + new).min(new_end));
+            if start < end {
+                self.ranges.insert(start, Range { end, ..range });
+            }
+        }
+        if new_len > old_len {
+            self.ranges.insert(new + old_len, Range { end: new_end, ..made });
+        }
+    }
+
+    /// Removes `[start, end)` from the ranges; returns the parts removed, by start.
+    fn clear(&mut self, start: u64, end: u64) -> Vec<(u64, Range)> {
+        let first = self.ranges.range(..start).next_back().filter(|(_, r)| r.end > start).map(|(&s, _)| s);
+        let crossed: Vec<u64> = first.into_iter().chain(self.ranges.range(start..end).map(|(&s, _)| s)).collect();
+        let mut removed = Vec::new();
+        for at in crossed {
+            let Some(range) = self.ranges.remove(&at) else { continue };
+            if at < start {
+                self.ranges.insert(at, Range { end: start, ..range });
+            }
+            if range.end > end {
+                self.ranges.insert(end, range);
+            }
+            removed.push((at.max(start), Range { end: range.end.min(end), ..range }));
+        }
+        removed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: u32, addr: u64, len: u64, stack_id: u64) -> MappingEvent {
+        MappingEvent { tgid: 1, kind, mm: 7, addr, len, new_addr: 0, new_len: 0, stack_id, flags: 0, _pad: 0 }
+    }
+
+    fn held(space: &Space) -> Vec<(u64, u64, u64)> {
+        space.ranges.iter().map(|(&s, r)| (s, r.end, r.stack_id)).collect()
+    }
+
+    #[test]
+    fn a_munmap_inside_a_mapping_splits_it_and_rounds_to_pages() {
+        let mut space = Space::default();
+        space.apply(&event(mapping_event::MAP, 0x10000, 10 * PAGE - 100, 1));
+        space.apply(&event(mapping_event::UNMAP, 0x10000 + 2 * PAGE, 3 * PAGE, 0));
+        assert_eq!(held(&space), [(0x10000, 0x12000, 1), (0x15000, 0x1a000, 1)]);
+        // Across both parts and past the end.
+        space.apply(&event(mapping_event::UNMAP, 0x11000, 0x10000, 0));
+        assert_eq!(held(&space), [(0x10000, 0x11000, 1)]);
+    }
+
+    #[test]
+    fn a_fixed_mapping_replaces_what_was_there() {
+        let mut space = Space::default();
+        space.apply(&event(mapping_event::MAP, 0x10000, 4 * PAGE, 1));
+        space.apply(&event(mapping_event::MAP, 0x11000, PAGE, 2));
+        assert_eq!(held(&space), [(0x10000, 0x11000, 1), (0x11000, 0x12000, 2), (0x12000, 0x14000, 1)]);
+    }
+
+    #[test]
+    fn mremap_moves_ranges_with_their_stacks_and_gives_growth_to_its_own() {
+        let mut space = Space::default();
+        space.apply(&event(mapping_event::MAP, 0x10000, 2 * PAGE, 1));
+        let grow =
+            MappingEvent { new_addr: 0x40000, new_len: 5 * PAGE, ..event(mapping_event::REMAP, 0x10000, 2 * PAGE, 3) };
+        space.apply(&grow);
+        assert_eq!(held(&space), [(0x40000, 0x42000, 1), (0x42000, 0x45000, 3)]);
+        let shrink =
+            MappingEvent { new_addr: 0x40000, new_len: PAGE, ..event(mapping_event::REMAP, 0x40000, 5 * PAGE, 4) };
+        space.apply(&shrink);
+        assert_eq!(held(&space), [(0x40000, 0x41000, 1)]);
+        // A file's mapping moved: still not held.
+        let file =
+            MappingEvent { new_addr: 0x90000, new_len: 8 * PAGE, ..event(mapping_event::REMAP, 0x80000, PAGE, 5) };
+        space.apply(&file);
+        assert_eq!(held(&space), [(0x40000, 0x41000, 1)]);
+    }
+
+    #[test]
+    fn brk_grows_and_shrinks_by_pages_and_an_exec_starts_afresh() {
+        let mut space = Space::default();
+        let brk = |old, new, stack| MappingEvent { new_addr: new, ..event(mapping_event::BRK, old, 0, stack) };
+        space.apply(&brk(0x100010, 0x103000, 1));
+        space.apply(&brk(0x103000, 0x105800, 2));
+        assert_eq!(held(&space), [(0x101000, 0x103000, 1), (0x103000, 0x106000, 2)]);
+        space.apply(&brk(0x105800, 0x102000, 3));
+        assert_eq!(held(&space), [(0x101000, 0x102000, 1)]);
+        space.apply(&MappingEvent { mm: 8, ..event(mapping_event::MAP, 0x10000, PAGE, 4) });
+        assert_eq!(held(&space), [(0x10000, 0x11000, 4)]);
+    }
+}

@@ -1,0 +1,211 @@
+//! Anonymous memory a traced process gets from the kernel directly: `mmap`, `munmap`, `mremap`
+//! and `brk`, seen at the raw system-call tracepoints (they attach by name, without tracefs).
+//!
+//! Both programs fire at every system call of every process on the machine: `sys_enter` returns
+//! after comparing the call's number (an argument in the context), `sys_exit` after one read of
+//! it from the caller's registers; only those four calls of traced processes go further.
+//!
+//! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
+//! by an address inside it. Each call that changes a traced process's anonymous private memory
+//! goes to the daemon as one `MappingEvent` with its stack, and the daemon keeps the ranges.
+//! These calls are rare next to malloc's (glibc maps only blocks of 128 KiB and more, and raises
+//! that threshold as they are freed), so a stream of them costs what the calls themselves cost.
+
+use core::mem::offset_of;
+
+use aya_ebpf::{
+    bindings::pt_regs,
+    helpers::bpf_get_current_pid_tgid,
+    macros::{map, raw_tracepoint},
+    maps::{LruHashMap, RingBuf},
+    programs::RawTracePointContext,
+    Global,
+};
+use profiler_common::{mapping_event, stack_table, DropReason, MappingEvent, NO_STACK};
+
+use crate::{
+    process,
+    record::{current_mm, in_allocator_call, return_trampoline},
+    shared::{count_drop, kernel_word},
+    unwind::{self, Regs, TakenReturns, STACKS},
+};
+
+/// x86_64 system call numbers.
+const SYS_MMAP: u64 = 9;
+const SYS_MUNMAP: u64 = 11;
+const SYS_BRK: u64 = 12;
+const SYS_MREMAP: u64 = 25;
+
+const PROT_NONE: u64 = 0;
+const MAP_TYPE: u64 = 0x0f;
+const MAP_PRIVATE: u64 = 0x02;
+const MAP_FIXED: u64 = 0x10;
+const MAP_ANONYMOUS: u64 = 0x20;
+const MREMAP_DONTUNMAP: u64 = 4;
+
+/// The calls, in order, for the daemon. 1 MiB: 16,384 events between two of its reads.
+#[map]
+static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+
+/// A traced thread's program break before its `brk` call, from the call's entry to its return
+/// (the call returns only the new break). LRU: the entry of a thread killed inside the call,
+/// whose return never comes, is the first to go.
+#[map]
+static BRK_BEFORE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
+
+/// Offset of `brk` in the kernel's `struct mm_struct`, read by the daemon from the kernel's BTF.
+#[unsafe(no_mangle)]
+static MM_BRK_OFFSET: Global<u32> = Global::new(0);
+
+fn ids() -> (u32, u32) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    ((pid_tgid >> 32) as u32, pid_tgid as u32)
+}
+
+/// `sys_enter(struct pt_regs *regs, long id)`: keeps the break before a traced process's `brk`.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn syscall_enter(ctx: RawTracePointContext) -> i32 {
+    let id: u64 = ctx.arg(1);
+    if id != SYS_BRK {
+        return 0;
+    }
+    let (tgid, tid) = ids();
+    if !process::traced(tgid) {
+        return 0;
+    }
+    let mm = current_mm();
+    if mm != 0 {
+        let _ = BRK_BEFORE.insert(tid, kernel_word(mm, MM_BRK_OFFSET.load()), 0);
+    }
+    0
+}
+
+/// `sys_exit(struct pt_regs *regs, long ret)`: the caller's registers still hold the call's
+/// arguments (these four calls do not change them), and its stack is the one at the call.
+#[raw_tracepoint(tracepoint = "sys_exit")]
+pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
+    let regs: u64 = ctx.arg(0);
+    let id = kernel_word(regs, offset_of!(pt_regs, orig_rax) as u32);
+    if !matches!(id, SYS_MMAP | SYS_MUNMAP | SYS_BRK | SYS_MREMAP) {
+        return 0;
+    }
+    let (tgid, tid) = ids();
+    if process::traced(tgid) {
+        on_exit(regs, id, ctx.arg(1), tgid, tid);
+    }
+    0
+}
+
+/// Register `field` (its offset in `struct pt_regs`) of the caller's registers at `regs`.
+fn register(regs: u64, field: usize) -> u64 {
+    kernel_word(regs, field as u32)
+}
+
+/// What a call changed, before its stack is walked.
+struct Change {
+    kind: u32,
+    addr: u64,
+    len: u64,
+    new_addr: u64,
+    new_len: u64,
+    flags: u32,
+    /// Whether it gave the process memory: its stack is walked then only.
+    grows: bool,
+}
+
+fn on_exit(regs: u64, id: u64, ret: i64, tgid: u32, tid: u32) {
+    let (arg0, arg1) = (register(regs, offset_of!(pt_regs, rdi)), register(regs, offset_of!(pt_regs, rsi)));
+    let change = match id {
+        SYS_BRK => {
+            // brk fails by returning the old break; never an error number.
+            let Some(old) = (unsafe { BRK_BEFORE.get(tid) }).copied() else { return };
+            let _ = BRK_BEFORE.remove(tid);
+            let new = ret as u64;
+            if new == old {
+                return;
+            }
+            Change {
+                kind: mapping_event::BRK,
+                addr: old,
+                len: 0,
+                new_addr: new,
+                new_len: 0,
+                flags: 0,
+                grows: new > old,
+            }
+        }
+        // Error numbers are -4095..-1; an address is never there.
+        _ if (-4095..0).contains(&ret) => return,
+        SYS_MMAP => {
+            let (prot, flags) = (register(regs, offset_of!(pt_regs, rdx)), register(regs, offset_of!(pt_regs, r10)));
+            let (addr, len) = (ret as u64, arg1);
+            // Shared anonymous memory is shmem: shared with the children it is made for, not
+            // in the process's anonymous resident memory. PROT_NONE is address space reserved,
+            // not memory (Go and the JVM reserve heaps so, and map them again to use them).
+            if flags & MAP_TYPE == MAP_PRIVATE && flags & MAP_ANONYMOUS != 0 && prot != PROT_NONE {
+                Change { kind: mapping_event::MAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: true }
+            } else if flags & MAP_FIXED != 0 {
+                // Replaced whatever was there.
+                Change { kind: mapping_event::UNMAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: false }
+            } else {
+                return;
+            }
+        }
+        SYS_MUNMAP => Change {
+            kind: mapping_event::UNMAP,
+            addr: arg0,
+            len: arg1,
+            new_addr: 0,
+            new_len: 0,
+            flags: 0,
+            grows: false,
+        },
+        _ => {
+            let (new_len, flags) = (register(regs, offset_of!(pt_regs, rdx)), register(regs, offset_of!(pt_regs, r10)));
+            let keep_old = if flags & MREMAP_DONTUNMAP != 0 { mapping_event::KEEP_OLD } else { 0 };
+            Change {
+                kind: mapping_event::REMAP,
+                addr: arg0,
+                len: arg1,
+                new_addr: ret as u64,
+                new_len,
+                flags: keep_old,
+                grows: new_len > arg1,
+            }
+        }
+    };
+    send(regs, &change, tgid, tid);
+}
+
+fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
+    let (stack_id, flags) = if change.grows {
+        let inside = in_allocator_call(tgid, tid);
+        let regs = Regs {
+            pc: register(regs, offset_of!(pt_regs, rip)),
+            sp: register(regs, offset_of!(pt_regs, rsp)),
+            bp: register(regs, offset_of!(pt_regs, rbp)),
+            // The instruction after `syscall`: the walk looks the call up a byte before.
+            pc_is_return: true,
+            // Inside an allocator call, its return address (and its callers', when they are
+            // probed too) is the kernel's return trampoline on the stack.
+            taken: if inside { TakenReturns::current(return_trampoline()) } else { TakenReturns::NONE },
+        };
+        let inside = if inside { mapping_event::IN_ALLOCATOR } else { 0 };
+        (unwind::stack_id(&STACKS, stack_table::ALLOCATIONS, tgid, regs), change.flags | inside)
+    } else {
+        (NO_STACK, change.flags)
+    };
+    let Some(mut entry) = MAPPING_EVENTS.reserve::<MappingEvent>(0) else {
+        count_drop(DropReason::MmapEventLost);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record is ours until submitted.
+    unsafe {
+        ((*event).tgid, (*event).kind, (*event).mm) = (tgid, change.kind, current_mm());
+        ((*event).addr, (*event).len) = (change.addr, change.len);
+        ((*event).new_addr, (*event).new_len) = (change.new_addr, change.new_len);
+        ((*event).stack_id, (*event).flags, (*event)._pad) = (stack_id, flags, 0);
+    }
+    entry.submit(0);
+}

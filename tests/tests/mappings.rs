@@ -1,0 +1,98 @@
+//! Memory outside malloc: anonymous `mmap`, `munmap`, `mremap` and `brk` with their stacks, on a C
+//! fixture whose truth is known (tests/fixtures/mappings.c) and on a Go program, whose heap the Go
+//! runtime maps itself (tests/fixtures/go_heap).
+
+use memprof_tests::{assert_nothing_dropped, fixture, fixture_go, memprof, run};
+use serde_json::Value;
+
+const PAGE: u64 = 4096;
+
+/// The report's mapping stacks with a frame in `function`.
+fn mapped_in<'a>(report: &'a Value, function: &str) -> Vec<&'a Value> {
+    report["mappings"]["stacks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no mappings in {report}"))
+        .iter()
+        .filter(|stack| stack["frames"].as_array().unwrap().iter().any(|f| f["function"] == function))
+        .collect()
+}
+
+/// (bytes, ranges) of the one mapping stack through `function`, made outside the allocator.
+fn held_by(report: &Value, function: &str) -> (u64, u64) {
+    let stacks = mapped_in(report, function);
+    assert_eq!(stacks.len(), 1, "one stack through {function}: {}", report["mappings"]);
+    assert_eq!(stacks[0]["in_allocator"], false, "{}", stacks[0]);
+    (stacks[0]["outstanding_bytes"].as_u64().unwrap(), stacks[0]["ranges"].as_u64().unwrap())
+}
+
+#[test]
+fn mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly() {
+    let program = fixture("mappings");
+    let outcome = run(&["--interval", "0.2"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_nothing_dropped(&report);
+
+    assert_eq!(held_by(&report, "map_kept"), (3 * PAGE, 1));
+    assert!(mapped_in(&report, "map_freed").is_empty(), "unmapped in full: {}", report["mappings"]);
+    assert_eq!(held_by(&report, "map_split"), (6 * PAGE, 2), "cut in two by a munmap of 2 of its 8 pages");
+    assert_eq!(held_by(&report, "map_moved"), (2 * PAGE, 1), "moved by mremap with its stack");
+    assert_eq!(held_by(&report, "grow_moved"), (4 * PAGE, 1), "mremap's growth is its own");
+    assert_eq!(held_by(&report, "grow_brk"), (3 * PAGE, 1), "5 pages of break grown, 2 given back");
+    assert!(mapped_in(&report, "shrink_brk").is_empty(), "{}", report["mappings"]);
+    // Neither the shared mapping nor the PROT_NONE reservation main made.
+    let in_main: Vec<&Value> = mapped_in(&report, "main")
+        .into_iter()
+        .filter(|s| s["frames"][1]["function"] == "main" && s["in_allocator"] == false)
+        .collect();
+    assert!(in_main.is_empty(), "{in_main:?}");
+
+    // malloc's 1 MiB block: glibc maps it itself, inside the probed call. The heap counts it;
+    // the mappings mark it as the allocator's, not in their own total.
+    let big = report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == "big_block");
+    assert_eq!(big.expect("big_block's allocation")["outstanding_bytes"], 1 << 20);
+    let by_allocator = mapped_in(&report, "big_block");
+    assert!(!by_allocator.is_empty() && by_allocator.iter().all(|s| s["in_allocator"] == true), "{by_allocator:?}");
+    let allocator_bytes: u64 = by_allocator.iter().map(|s| s["outstanding_bytes"].as_u64().unwrap()).sum();
+    assert!(allocator_bytes > 1 << 20, "the block and its header's page: {allocator_bytes}");
+    assert!(report["mappings"]["allocator_bytes"].as_u64().unwrap() >= allocator_bytes);
+    let outside: u64 = report["mappings"]["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["in_allocator"] == false)
+        .map(|s| s["outstanding_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(report["mappings"]["outstanding_bytes"], outside);
+
+    let table = memprof(&["run", "--", program.to_str().unwrap()]);
+    assert!(table.status.success(), "{table:?}");
+    assert!(table.stdout.contains("mapped (anonymous mmap, mremap, brk; apart from the heap): "), "{}", table.stdout);
+    assert!(table.stdout.contains(&format!("{:>12} {:>9}  ", 6 * PAGE, 2)), "{}", table.stdout);
+    assert!(table.stdout.contains("map_split (mappings.c:"), "{}", table.stdout);
+}
+
+#[test]
+fn a_go_programs_heap_shows_through_its_mappings() {
+    let program = fixture_go("go_heap");
+    let outcome = run(&["--interval", "0.5"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    // 64 MiB kept live, in blocks the Go runtime carves from the arenas it maps.
+    let kept = 64 << 20;
+    let runtime_stacks: Vec<&Value> = report["mappings"]["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"].as_array().unwrap().iter().any(|f| {
+                let function = f["function"].as_str().unwrap_or("");
+                function.starts_with("runtime.(*mheap).") || function == "runtime.sysMap" || function == "main.grow"
+            })
+        })
+        .collect();
+    let held: u64 = runtime_stacks.iter().map(|s| s["outstanding_bytes"].as_u64().unwrap()).sum();
+    assert!(held >= kept, "the Go heap's stacks hold {held} bytes: {}", report["mappings"]);
+    assert!(report["mappings"]["outstanding_bytes"].as_u64().unwrap() >= kept);
+    assert!(report["totals"]["outstanding_bytes"].as_u64().unwrap() < 1 << 20, "not through malloc");
+}
