@@ -491,14 +491,15 @@ pub fn fixture_crate(name: &str, bin: &str) -> PathBuf {
 }
 
 /// Builds the Go fixture module `tests/fixtures/NAME` with Debian's `go` into
-/// `target/fixtures/NAME`, its build cache under `target/go-cache` (a rebuild is a cache hit),
-/// offline: the fixtures use the standard library only.
+/// `target/fixtures/NAME`, linked by the system's linker (so that it maps the C library, as a Go
+/// program using cgo or the system's resolver does), its build cache under `target/go-cache` (a
+/// rebuild is a cache hit), offline: the fixtures use the standard library only.
 pub fn fixture_go(name: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");
     let out = target.join("fixtures").join(name);
     let status = Command::new("go")
-        .args(["build", "-o"])
+        .args(["build", "-ldflags=-linkmode=external", "-o"])
         .arg(&out)
         .arg(".")
         .current_dir(workspace().join("tests/fixtures").join(name))

@@ -4,13 +4,15 @@
 //! into one sorted table of [`UnwindRow`]s: for each address range, which of the few rules x86_64
 //! code actually uses finds the caller's frame.
 
-use std::{borrow::Cow, ops::Range};
+use std::{borrow::Cow, io::Read as _, ops::Range};
+
+use flate2::read::ZlibDecoder;
 
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianSlice, FrameDescriptionEntry, LittleEndian,
     Reader as _, RegisterRule, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
 };
-use object::{read::elf::ElfFile64, Architecture, Object, ObjectSection, ObjectSymbol, SymbolKind};
+use object::{read::elf::ElfFile64, Architecture, CompressionFormat, Object, ObjectSection, ObjectSymbol, SymbolKind};
 use profiler_common::{cfa, rbp, UnwindRow};
 
 // A path the fuzz target's `#[path]` include of this file resolves alike.
@@ -82,16 +84,23 @@ pub enum TableError {
     Cfi { section: &'static str, source: gimli::Error },
     #[error("CFI address {0:#x} does not fit in 32 bits")]
     AddressTooLarge(u64),
+    #[error("cannot inflate {section}: {source}")]
+    Inflate { section: &'static str, source: std::io::Error },
 }
 
-/// Builds the unwind table of the ELF file `elf` from its `.eh_frame`, or from its `.debug_frame`
-/// when it has no `.eh_frame`. `Ok(None)`: the file has no CFI (neither section, or no FDE in it);
-/// the caller falls back to frame pointers.
+/// The most a compressed CFI section is inflated to: Go's largest programs have a few MiB.
+const MAX_INFLATED: u64 = 256 << 20;
+
+/// Builds the unwind table of the ELF file `elf` from its `.eh_frame` and its `.debug_frame`
+/// (`.eh_frame`'s rows first where both cover an address: a Go program with cgo keeps its C
+/// code's CFI in `.eh_frame` and its Go code's in `.debug_frame`). `Ok(None)`: the file has no
+/// CFI (neither section, or no FDE in it); the caller falls back to frame pointers.
 pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
     let file = ElfFile64::<object::Endianness>::parse(elf).map_err(TableError::NotElf)?;
     if file.architecture() != Architecture::X86_64 {
         return Err(TableError::NotX86_64(file.architecture()));
     }
+    let debug_frame = read_section(&file, ".debug_frame");
     let (mut spans, mut rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
         // `.eh_frame` pointers are mostly pc-relative, and may be relative to .text or the GOT.
         let mut bases = BaseAddresses::default().set_eh_frame(section.address);
@@ -103,11 +112,17 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         }
         let mut eh_frame = EhFrame::new(&section.data, LittleEndian);
         eh_frame.set_address_size(8);
-        evaluate(&eh_frame, &bases, ".eh_frame")?
-    } else if let Some(section) = read_section(&file, ".debug_frame")? {
-        let mut debug_frame = DebugFrame::new(&section.data, LittleEndian);
-        debug_frame.set_address_size(8);
-        evaluate(&debug_frame, &BaseAddresses::default(), ".debug_frame")?
+        let (mut spans, mut rows) = evaluate(&eh_frame, &bases, ".eh_frame")?;
+        // What `.debug_frame` adds is a bonus: a file whose `.eh_frame` reads keeps its table
+        // when its `.debug_frame` does not.
+        match debug_frame.and_then(|section| section.map(|section| evaluate_debug_frame(&section)).transpose()) {
+            Ok(Some((more_spans, more_rows))) => add_uncovered(&mut spans, &mut rows, more_spans, &more_rows),
+            Ok(None) => {}
+            Err(err) => tracing::debug!("{err}: its .eh_frame alone is used"),
+        }
+        (spans, rows)
+    } else if let Some(section) = debug_frame? {
+        evaluate_debug_frame(&section)?
     } else {
         return Ok(None);
     };
@@ -129,10 +144,43 @@ fn read_section<'a>(
     name: &'static str,
 ) -> Result<Option<Section<'a>>, TableError> {
     let Some(section) = file.section_by_name(name) else { return Ok(None) };
-    // A compressed `.debug_frame` is an error here: object decompresses only with its
-    // `compression` feature, which memprof leaves out.
-    let data = section.uncompressed_data().map_err(|source| TableError::Section { section: name, source })?;
+    let error = |source| TableError::Section { section: name, source };
+    // Go compresses its `.debug_frame` with zlib; object decompresses only with its
+    // `compression` feature (and its zstd crate), so zlib is inflated here with flate2.
+    let compressed = section.compressed_data().map_err(error)?;
+    let data = if compressed.format == CompressionFormat::Zlib {
+        let mut data = Vec::with_capacity(compressed.uncompressed_size.min(MAX_INFLATED) as usize);
+        ZlibDecoder::new(compressed.data)
+            .take(MAX_INFLATED)
+            .read_to_end(&mut data)
+            .map_err(|source| TableError::Inflate { section: name, source })?;
+        Cow::Owned(data)
+    } else {
+        section.uncompressed_data().map_err(error)?
+    };
     Ok((!data.is_empty()).then(|| Section { data, address: section.address() }))
+}
+
+fn evaluate_debug_frame(section: &Section) -> Result<(Vec<Span>, Vec<UnwindRow>), TableError> {
+    let mut debug_frame = DebugFrame::new(&section.data, LittleEndian);
+    debug_frame.set_address_size(8);
+    evaluate(&debug_frame, &BaseAddresses::default(), ".debug_frame")
+}
+
+/// Adds to `spans` (and their `rows`) the spans of `more` (rows in `more_rows`) that cross none
+/// of them.
+fn add_uncovered(spans: &mut Vec<Span>, rows: &mut Vec<UnwindRow>, more: Vec<Span>, more_rows: &[UnwindRow]) {
+    let mut covered: Vec<Range<u32>> = spans.iter().map(|span| span.start..span.end).collect();
+    covered.sort_by_key(|range| range.start);
+    for span in more {
+        let after = covered.partition_point(|range| range.start < span.end);
+        if after > 0 && covered[after - 1].end > span.start {
+            continue;
+        }
+        let first = rows.len();
+        rows.extend_from_slice(&more_rows[span.rows]);
+        spans.push(Span { start: span.start, end: span.end, rows: first..rows.len() });
+    }
 }
 
 /// The address range of one FDE, and where its rows are in the row buffer.
