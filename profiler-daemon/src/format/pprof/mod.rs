@@ -170,7 +170,10 @@ const NO_STACK: &str = "[no stack]";
 mod tests {
     use super::{decode::PprofError, wire::Reader, *};
     use crate::{
-        heap::report::{samples, Report},
+        heap::{
+            mappings::MappingStack,
+            report::{samples, Report},
+        },
         symbolize::Frame,
     };
 
@@ -203,18 +206,30 @@ mod tests {
 
     #[test]
     fn what_is_encoded_decodes_to_the_same_frames_and_values() {
-        let report = report();
+        let mut report = report();
+        let mapped = MappingStack {
+            stack_id: "0m".into(),
+            outstanding_bytes: 8192,
+            ranges: 2,
+            in_allocator: false,
+            truncated: false,
+            frames: report.stacks[0].frames.clone(),
+        };
+        report.mappings.stacks.push(mapped);
         let decoded = read(&render(&report, DefaultType::AllocSpace)).unwrap();
         assert_eq!(
             decoded.sample_types,
             ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]
         );
         assert_eq!(decoded.default_sample_type, "alloc_space");
-        assert_eq!(decoded.samples.len(), report.stacks.len());
+        assert_eq!(decoded.samples.len(), report.stacks.len() + 1);
+        let mapping = decoded.samples.last().unwrap();
+        assert_eq!(mapping.values, [0, 0, 0, 0, 8192], "mapped bytes in their own type only");
+        assert_eq!(mapping.stack_id.as_deref(), Some("0m"));
         for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
             assert_eq!(
                 sample.values,
-                [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes]
+                [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes, 0]
             );
             assert_eq!(sample.frames, stack.frames, "{}", stack.stack_id);
             assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
@@ -267,7 +282,7 @@ mod tests {
         let names: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::TYPE) as usize].as_str()).collect();
         assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]);
         let units: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::UNIT) as usize].as_str()).collect();
-        assert_eq!(units, ["count", "bytes", "count", "bytes"]);
+        assert_eq!(units, ["count", "bytes", "count", "bytes", "bytes"]);
     }
 
     #[test]
