@@ -767,7 +767,7 @@ pub struct MappingEvent {
     /// The address of the process's `mm_struct`, only compared: an exec gives the process a new
     /// memory, whose mappings start from none.
     pub mm: u64,
-    /// `MAP`, `UNMAP`: the range's start; `REMAP`: the old range's; `BRK`: the old break.
+    /// `MAP`, `UNMAP`: the range's start; `REMAP`: the old range's.
     pub addr: u64,
     /// `MAP`, `UNMAP`: the range's length; `REMAP`: the old range's.
     pub len: u64,
@@ -791,7 +791,7 @@ pub mod mapping_event {
     pub const UNMAP: u32 = 1;
     /// `mremap` moved or resized a range.
     pub const REMAP: u32 = 2;
-    /// `brk` moved the program break.
+    /// `brk` returned: the program break after it.
     pub const BRK: u32 = 3;
     /// Made inside a probed allocator call (glibc's malloc maps large blocks and grows its heap
     /// with `brk`): memory the heap's blocks already count.

@@ -1,9 +1,12 @@
 //! Anonymous memory a traced process gets from the kernel directly: `mmap`, `munmap`, `mremap`
 //! and `brk`, seen at the raw system-call tracepoints (they attach by name, without tracefs).
 //!
-//! Both programs fire at every system call of every process on the machine: `sys_enter` returns
-//! after comparing the call's number (an argument in the context), `sys_exit` after one read of
-//! it from the caller's registers; only those four calls of traced processes go further.
+//! The program fires at the return of every system call of every process on the machine (the
+//! return probes' trampoline makes one at each probed allocator call's return, too) and returns
+//! after one read of the call's number from the caller's registers; only those four calls of
+//! traced processes go further. Nothing runs at `sys_enter`: a second program there would cost
+//! every system call as much again, for the one thing it would learn, the break before a `brk`,
+//! which the daemon knows from the process's previous `brk`.
 //!
 //! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
 //! by an address inside it. Each call that changes a traced process's anonymous private memory
@@ -17,9 +20,8 @@ use aya_ebpf::{
     bindings::pt_regs,
     helpers::bpf_get_current_pid_tgid,
     macros::{map, raw_tracepoint},
-    maps::{LruHashMap, RingBuf},
+    maps::RingBuf,
     programs::RawTracePointContext,
-    Global,
 };
 use profiler_common::{mapping_event, stack_table, DropReason, MappingEvent, NO_STACK};
 
@@ -47,37 +49,9 @@ const MREMAP_DONTUNMAP: u64 = 4;
 #[map]
 static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 
-/// A traced thread's program break before its `brk` call, from the call's entry to its return
-/// (the call returns only the new break). LRU: the entry of a thread killed inside the call,
-/// whose return never comes, is the first to go.
-#[map]
-static BRK_BEFORE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
-
-/// Offset of `brk` in the kernel's `struct mm_struct`, read by the daemon from the kernel's BTF.
-#[unsafe(no_mangle)]
-static MM_BRK_OFFSET: Global<u32> = Global::new(0);
-
 fn ids() -> (u32, u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
     ((pid_tgid >> 32) as u32, pid_tgid as u32)
-}
-
-/// `sys_enter(struct pt_regs *regs, long id)`: keeps the break before a traced process's `brk`.
-#[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn syscall_enter(ctx: RawTracePointContext) -> i32 {
-    let id: u64 = ctx.arg(1);
-    if id != SYS_BRK {
-        return 0;
-    }
-    let (tgid, tid) = ids();
-    if !process::traced(tgid) {
-        return 0;
-    }
-    let mm = current_mm();
-    if mm != 0 {
-        let _ = BRK_BEFORE.insert(tid, kernel_word(mm, MM_BRK_OFFSET.load()), 0);
-    }
-    0
 }
 
 /// `sys_exit(struct pt_regs *regs, long ret)`: the caller's registers still hold the call's
@@ -116,24 +90,17 @@ struct Change {
 fn on_exit(regs: u64, id: u64, ret: i64, tgid: u32, tid: u32) {
     let (arg0, arg1) = (register(regs, offset_of!(pt_regs, rdi)), register(regs, offset_of!(pt_regs, rsi)));
     let change = match id {
-        SYS_BRK => {
-            // brk fails by returning the old break; never an error number.
-            let Some(old) = (unsafe { BRK_BEFORE.get(tid) }).copied() else { return };
-            let _ = BRK_BEFORE.remove(tid);
-            let new = ret as u64;
-            if new == old {
-                return;
-            }
-            Change {
-                kind: mapping_event::BRK,
-                addr: old,
-                len: 0,
-                new_addr: new,
-                new_len: 0,
-                flags: 0,
-                grows: new > old,
-            }
-        }
+        // The break after the call (brk fails by returning the old one, never an error number):
+        // the daemon knows the one before from the process's previous `brk`.
+        SYS_BRK => Change {
+            kind: mapping_event::BRK,
+            addr: 0,
+            len: 0,
+            new_addr: ret as u64,
+            new_len: 0,
+            flags: 0,
+            grows: true,
+        },
         // Error numbers are -4095..-1; an address is never there.
         _ if (-4095..0).contains(&ret) => return,
         SYS_MMAP => {

@@ -114,8 +114,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let taken = btf::kernel_member_offsets("return_instance", &["orig_ret_vaddr", "chained", "next", "stack"])
         .context("finding return_instance in BTF")?;
     // The way to a process's uretprobe trampoline: task->mm->uprobes_state.xol_area->vaddr.
-    // And the program break, for `brk`: task->mm->brk.
-    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state", "brk"]).context("finding mm_struct in BTF")?;
+    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
     let uprobes = btf::kernel_member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
     let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
     let ebpf = EbpfLoader::new()
@@ -132,7 +131,6 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .override_global("TASK_MM_OFFSET", &task[2], true)
         .override_global("MM_XOL_AREA_OFFSET", &(mm[0] + uprobes[0]), true)
         .override_global("XOL_AREA_VADDR_OFFSET", &xol[0], true)
-        .override_global("MM_BRK_OFFSET", &mm[1], true)
         .override_global("TASK_UTASK_OFFSET", &task[3], true)
         .override_global("UTASK_RETURNS_OFFSET", &utask[0], true)
         .override_global("RETURN_ADDRESS_OFFSET", &taken[0], true)

@@ -1,5 +1,5 @@
 //! The anonymous private memory traced processes hold from `mmap`, `mremap` and `brk`, kept from
-//! the calls the `syscall_enter` and `syscall_exit` programs send (`profiler-ebpf/src/mapping.rs`):
+//! the calls the `syscall_exit` program sends (`profiler-ebpf/src/mapping.rs`):
 //! each process's ranges, each with the stack that asked for it, and what each stack holds.
 //!
 //! Ranges are kept here, not in the kernel: a `munmap` of part of a mapping splits it, and only
@@ -16,8 +16,8 @@ use profiler_common::{mapping_event, MappingEvent};
 
 use crate::kernel::events;
 
-/// (program, tracepoint): both fire at every system call on the machine.
-const TRACEPOINTS: [(&str, &str); 2] = [("syscall_enter", "sys_enter"), ("syscall_exit", "sys_exit")];
+/// (program, tracepoint): it fires at the return of every system call on the machine.
+const TRACEPOINTS: [(&str, &str); 1] = [("syscall_exit", "sys_exit")];
 
 const PAGE: u64 = 4096;
 
@@ -91,6 +91,9 @@ struct Space {
     /// The memory the ranges are in (`MappingEvent::mm`): a new one after an exec.
     mm: u64,
     ranges: BTreeMap<u64, Range>,
+    /// The program break after the process's latest `brk` seen: the first one seen (glibc's
+    /// query at start, for a process traced from its exec) only sets it.
+    brk: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +111,7 @@ impl Space {
     fn apply(&mut self, event: &MappingEvent) {
         if event.mm != self.mm {
             // An exec: the old program's ranges went with its memory.
-            self.ranges.clear();
+            (self.ranges, self.brk) = (BTreeMap::new(), None);
             self.mm = event.mm;
         }
         let made =
@@ -124,8 +127,9 @@ impl Space {
             }
             mapping_event::REMAP => self.remap(event, made),
             mapping_event::BRK => {
+                let Some(old) = self.brk.replace(event.new_addr) else { return };
                 // The kernel maps the break's pages: [page_up(start), page_up(break)).
-                let (old, new) = (page_up(event.addr), page_up(event.new_addr));
+                let (old, new) = (page_up(old), page_up(event.new_addr));
                 if new > old {
                     self.clear(old, new);
                     self.ranges.insert(old, Range { end: new, ..made });
@@ -236,11 +240,14 @@ mod tests {
     #[test]
     fn brk_grows_and_shrinks_by_pages_and_an_exec_starts_afresh() {
         let mut space = Space::default();
-        let brk = |old, new, stack| MappingEvent { new_addr: new, ..event(mapping_event::BRK, old, 0, stack) };
-        space.apply(&brk(0x100010, 0x103000, 1));
-        space.apply(&brk(0x103000, 0x105800, 2));
+        let brk = |new, stack| MappingEvent { new_addr: new, ..event(mapping_event::BRK, 0, 0, stack) };
+        // The first only says where the break is.
+        space.apply(&brk(0x100010, 9));
+        assert_eq!(held(&space), []);
+        space.apply(&brk(0x103000, 1));
+        space.apply(&brk(0x105800, 2));
         assert_eq!(held(&space), [(0x101000, 0x103000, 1), (0x103000, 0x106000, 2)]);
-        space.apply(&brk(0x105800, 0x102000, 3));
+        space.apply(&brk(0x102000, 3));
         assert_eq!(held(&space), [(0x101000, 0x102000, 1)]);
         space.apply(&MappingEvent { mm: 8, ..event(mapping_event::MAP, 0x10000, PAGE, 4) });
         assert_eq!(held(&space), [(0x10000, 0x11000, 4)]);
