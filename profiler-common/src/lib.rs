@@ -109,13 +109,16 @@ pub enum DropReason {
     /// The table of thread pairs (who frees whose allocations) was full: the free is counted,
     /// its pair is not.
     ThreadPairTableFull = 15,
+    /// A walk stopped at a file with no table yet, and its stack copy could not be sent to the
+    /// daemon to finish (the ring of deferred walks was full): the stack ends there, truncated.
+    DeferredWalkLost = 16,
     /// The ring buffer of anonymous `mmap`, `munmap`, `mremap` and `brk` calls was full: the
     /// process's mappings miss that call.
-    MmapEventLost = 16,
+    MmapEventLost = 17,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 17;
+    pub const COUNT: usize = 18;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -133,6 +136,7 @@ impl DropReason {
         DropReason::StackPreempted,
         DropReason::MappingEventLost,
         DropReason::ThreadPairTableFull,
+        DropReason::DeferredWalkLost,
         DropReason::MmapEventLost,
     ];
 
@@ -155,6 +159,7 @@ impl DropReason {
             DropReason::StackPreempted => "stack_preempted",
             DropReason::MappingEventLost => "mapping_event_lost",
             DropReason::ThreadPairTableFull => "thread_pair_table_full",
+            DropReason::DeferredWalkLost => "deferred_walk_lost",
             DropReason::MmapEventLost => "mmap_event_lost",
         }
     }
