@@ -623,7 +623,9 @@ pub struct DeferredUnwind {
     pub pc_recorded: u32,
     /// Frames the stored stack holds.
     pub stored: u32,
-    pub _pad: u32,
+    /// 1 when a cut in the walk counts in its process's drops (the heap's stacks), 0 for a
+    /// mapping's stack, which says it was cut itself.
+    pub counts_cuts: u32,
     /// Pages copied into `window` (0 to `DEFERRED_PAGES`): the copy stops at the first page
     /// that cannot be read, the stack's top.
     pub pages: u32,

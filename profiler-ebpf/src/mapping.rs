@@ -156,6 +156,8 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
             // Inside an allocator call, its return address (and its callers', when they are
             // probed too) is the kernel's return trampoline on the stack.
             taken: if inside { TakenReturns::current(return_trampoline()) } else { TakenReturns::NONE },
+            // `dropped` counts the heap's walks; a mapping's stack says it was cut itself.
+            counts_cuts: false,
         };
         let inside = if inside { mapping_event::IN_ALLOCATOR } else { 0 };
         (unwind::stack_id(&STACKS, stack_table::ALLOCATIONS, tgid, regs), change.flags | inside)

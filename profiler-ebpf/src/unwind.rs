@@ -171,6 +171,9 @@ pub struct Regs {
     /// return addresses; none for the allocator's own probes, whose walks start outside the
     /// calls they probe.
     pub taken: TakenReturns,
+    /// Whether a walk cut short counts in its process's drops: the heap's stacks do; a
+    /// mapping's stack is only marked truncated in its report (see `mapping`).
+    pub counts_cuts: bool,
 }
 
 /// The return addresses the kernel's uretprobes took from a thread's stack: each call's slot
@@ -241,7 +244,7 @@ impl Regs {
     /// `regs` must be the probe's context registers.
     pub unsafe fn of(regs: *const pt_regs, pc_is_return: bool) -> Regs {
         let regs = &*regs;
-        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return, taken: TakenReturns::NONE }
+        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return, taken: TakenReturns::NONE, counts_cuts: true }
     }
 }
 
@@ -274,13 +277,13 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
     if end == StackEnd::NoTable {
-        if let Some(id) = defer(table, which, scratch, ours) {
+        if let Some(id) = defer(table, which, scratch, ours, regs.counts_cuts) {
             return id;
         }
         reason = Some(DropReason::DeferredWalkLost);
     }
     let walk = &scratch.walk;
-    if let Some(reason) = reason {
+    if let Some(reason) = reason.filter(|_| regs.counts_cuts) {
         count_drop(reason);
     }
     let check = walk.check ^ walk.len as u64;
@@ -328,7 +331,7 @@ const EEXIST: i32 = 17;
 /// `deferred_walk_lost`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
-fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64) -> Option<u64> {
+fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
     let caller = if walk.len <= 1 { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
@@ -354,6 +357,7 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
         ((*event).pc_is_return, (*event).bp_known) = (walk.pc_is_return, walk.bp_known);
         (*event).pc_recorded = u32::from(walk.len > 0 || walk.pc_is_return != 0);
         (*event).stored = walk.len;
+        (*event).counts_cuts = u32::from(counts_cuts);
         (*event).window_start = window_start;
         (*event).pages = DEFERRED_PAGES as u32;
         for page in 0..DEFERRED_PAGES {

@@ -195,7 +195,11 @@ fn mappings(out: &mut String, mappings: &Mappings) {
     for stack in &mappings.stacks {
         let by = if stack.in_allocator { "[allocator] " } else { "" };
         let lead = format!("  {:>12} {:>9}  {by}", stack.outstanding_bytes, stack.ranges);
-        write_frames(out, &lead, &stack.frames, stack.truncated);
+        // A mapping's cut walk is not in `dropped`, which counts the heap's.
+        write_frames(out, &lead, &stack.frames, false);
+        if stack.truncated {
+            let _ = writeln!(out, "{}[truncated]", " ".repeat(lead.len()));
+        }
     }
 }
 

@@ -57,7 +57,9 @@ impl Deferred {
             None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
         };
         self.counts.walks += 1;
-        self.cut.entry(event.tgid).or_default()[completion.end as usize] += 1;
+        if event.counts_cuts != 0 {
+            self.cut.entry(event.tgid).or_default()[completion.end as usize] += 1;
+        }
         if !matches!(completion.end, StackEnd::Complete | StackEnd::TooDeep) {
             self.counts.unfinished += 1;
             tracing::debug!(pid = event.tgid, pc = event.pc, end = ?completion.end, "deferred walk not finished");
@@ -245,7 +247,7 @@ mod tests {
             bp_known: 1,
             pc_recorded: 1,
             stored: 1,
-            _pad: 0,
+            counts_cuts: 1,
             pages: 1,
             window_start: sp & !0xfff,
             window: [0; DEFERRED_PAGES * PAGE_BYTES],

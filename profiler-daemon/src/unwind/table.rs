@@ -91,16 +91,20 @@ pub enum TableError {
 /// The most a compressed CFI section is inflated to: Go's largest programs have a few MiB.
 const MAX_INFLATED: u64 = 256 << 20;
 
-/// Builds the unwind table of the ELF file `elf` from its `.eh_frame` and its `.debug_frame`
-/// (`.eh_frame`'s rows first where both cover an address: a Go program with cgo keeps its C
-/// code's CFI in `.eh_frame` and its Go code's in `.debug_frame`). `Ok(None)`: the file has no
-/// CFI (neither section, or no FDE in it); the caller falls back to frame pointers.
+/// Builds the unwind table of the ELF file `elf` from its `.eh_frame`, or from its `.debug_frame`
+/// when it has no `.eh_frame`; a Go program's from both (`.eh_frame`'s rows first where both
+/// cover an address): linked by the system's linker, it keeps its C code's CFI in `.eh_frame`
+/// and its Go code's in `.debug_frame`. (Other files' `.debug_frame` beside an `.eh_frame`, as
+/// musl's static C library built with `-g`, is left out: the functions `.eh_frame` misses there
+/// are read from their prologues.) `Ok(None)`: the file has no CFI (neither section, or no FDE
+/// in it); the caller falls back to frame pointers.
 pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
     let file = ElfFile64::<object::Endianness>::parse(elf).map_err(TableError::NotElf)?;
     if file.architecture() != Architecture::X86_64 {
         return Err(TableError::NotX86_64(file.architecture()));
     }
     let debug_frame = read_section(&file, ".debug_frame");
+    let go = file.section_by_name(".gopclntab").is_some();
     let (mut spans, mut rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
         // `.eh_frame` pointers are mostly pc-relative, and may be relative to .text or the GOT.
         let mut bases = BaseAddresses::default().set_eh_frame(section.address);
@@ -115,6 +119,7 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         let (mut spans, mut rows) = evaluate(&eh_frame, &bases, ".eh_frame")?;
         // What `.debug_frame` adds is a bonus: a file whose `.eh_frame` reads keeps its table
         // when its `.debug_frame` does not.
+        let debug_frame = if go { debug_frame } else { Ok(None) };
         match debug_frame.and_then(|section| section.map(|section| evaluate_debug_frame(&section)).transpose()) {
             Ok(Some((more_spans, more_rows))) => add_uncovered(&mut spans, &mut rows, more_spans, &more_rows),
             Ok(None) => {}
