@@ -13,7 +13,7 @@
 //! silently.
 
 use aya_ebpf::{
-    bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST},
+    bindings::{pt_regs, BPF_F_MMAPABLE, BPF_NOEXIST, BPF_RB_AVAIL_DATA},
     btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
     helpers::{
@@ -60,7 +60,8 @@ static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 /// deferred walks (32 KiB copies) at once, each stored once (see `defer`): LLVM's first JIT set-up under
 /// postgres makes hundreds while its 100 MB table is built.
 #[map]
-static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
+static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(UNWIND_EVENTS_BYTES as u32, 0);
+const UNWIND_EVENTS_BYTES: u64 = 16 * 1024 * 1024;
 
 /// At the dynamic linker's `_dl_debug_state`. `r_debug` is the address of its `_r_debug` (0:
 /// unknown): when the change is complete, the linker's list of objects goes to the daemon with
@@ -344,6 +345,11 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
         }
         count_drop(DropReason::StackCollision);
         return Some(NO_STACK);
+    }
+    // A mapping's walk (`counts_cuts` false) gives way to the heap's: it takes no copy once the
+    // ring is a quarter full, and keeps its stack cut instead.
+    if !counts_cuts && UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64) > UNWIND_EVENTS_BYTES / 4 {
+        return None;
     }
     let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
     let event = entry.as_mut_ptr();
