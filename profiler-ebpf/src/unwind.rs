@@ -324,17 +324,19 @@ const EEXIST: i32 = 17;
 /// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
 /// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
 /// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
-/// pointer, so that calls reaching the frame from different depths stay apart, and, when it
-/// stopped at its first frame (a free in a library not read yet; a system call in the C library
-/// before the process's mappings are read, whose first frame is the same for every caller), the
-/// return address at the stack pointer, so that two call sites at one depth do too. None when
+/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
+/// probe that stored no frame yet (a free in a library not read yet) or a mapping's walk that
+/// stored only the system call's wrapper (before the process's mappings are read), the return
+/// address at the stack pointer, so that two call sites at one depth do too. None when
 /// the event cannot be sent (the ring is full): the stack is then kept cut, counted as
 /// `deferred_walk_lost`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
-    let caller = if walk.len <= 1 { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
+    // At a syscall the first frame is the C library's wrapper, the same for every caller.
+    let first_frame_only = (walk.len == 0 && walk.pc_is_return == 0) || (!counts_cuts && walk.len <= 1);
+    let caller = if first_frame_only { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
     let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
     let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
