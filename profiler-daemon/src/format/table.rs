@@ -121,6 +121,9 @@ fn section(report: &Report) -> String {
         if let Some(reachability) = &stack.reachability {
             let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), reachability::classes(reachability));
         }
+        if !stack.types.is_empty() {
+            let _ = writeln!(out, "{}[types: {}]", " ".repeat(lead.len()), reachability::types(&stack.types));
+        }
     }
     if let Some(inspection) = &report.inspection {
         reachability::summary(&mut out, inspection);

@@ -1,5 +1,5 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
-//! filters, double frees, and the reachability of a process held still (`inspect`). Imports `kernel`,
+//! filters, double frees, and the reachability and C++ types of a process held still (`inspect`, `types`). Imports `kernel`,
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
@@ -12,3 +12,4 @@ pub mod reachability;
 pub mod report;
 pub mod resident;
 pub mod sampling;
+pub mod types;

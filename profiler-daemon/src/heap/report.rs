@@ -13,6 +13,7 @@ use crate::{
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
         resident::Memory,
+        types::{self, TypeCount},
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -197,6 +198,9 @@ pub struct StackReport {
     /// Its blocks by class, when the report's process was inspected (`--inspect`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reachability: Option<Reachability>,
+    /// Its C++ objects by type, when inspected (`--inspect`): most bytes first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub types: Vec<TypeCount>,
     pub frames: Vec<Frame>,
 }
 
@@ -361,6 +365,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 site: allocation_site(&symbolized.frames),
                 leak: ctx.leaks.verdict(stack.stack_id),
                 reachability: None,
+                types: Vec::new(),
                 frames: symbolized.frames,
             }
         })
@@ -406,15 +411,24 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     }
 }
 
-/// Gives `report` its inspection, and each of its stacks its blocks' classes.
+/// Gives `report` its inspection, and each of its stacks its blocks' classes and types.
 pub fn add_inspection(report: &mut Report, inspection: Inspection, stacks: &Stacks) {
     // Kernel ids to the report's: two kernel ids may hold the same frames (see `merge_same_stacks`).
+    let mut report_id: HashMap<u64, String> = HashMap::new();
+    let mut id = |kernel_id: u64| {
+        report_id.entry(kernel_id).or_insert_with(|| stacks.symbolize(StackTable::Allocations, kernel_id).id).clone()
+    };
     let mut by_id: HashMap<String, Reachability> = HashMap::new();
     for (&kernel_id, reachability) in &inspection.per_stack {
-        by_id.entry(stacks.symbolize(StackTable::Allocations, kernel_id).id).or_default().add(reachability);
+        by_id.entry(id(kernel_id)).or_default().add(reachability);
+    }
+    let mut types_by_id: HashMap<String, Vec<TypeCount>> = HashMap::new();
+    for (&kernel_id, counts) in &inspection.per_stack_types {
+        types::merge(types_by_id.entry(id(kernel_id)).or_default(), counts);
     }
     for stack in &mut report.stacks {
         stack.reachability = by_id.get(&stack.stack_id).copied();
+        stack.types = types_by_id.remove(&stack.stack_id).unwrap_or_default();
     }
     report.inspection = Some(inspection);
 }
@@ -735,6 +749,7 @@ pub mod samples {
                 site: 0,
                 leak: LeakVerdict::default(),
                 reachability: None,
+                types: Vec::new(),
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             modules: vec![Module {
