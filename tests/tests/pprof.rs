@@ -9,7 +9,9 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memprof_tests::{fixture, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting};
+use memprof_tests::{
+    fixture, fixture_with, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting,
+};
 use serde_json::Value;
 
 /// A directory of the test's own, removed when dropped.
@@ -433,4 +435,37 @@ fn bad_input_is_a_one_line_error() {
     let said = String::from_utf8_lossy(&on_terminal.stdout);
     assert!(!on_terminal.status.success(), "{said}");
     assert!(said.contains("--format pprof writes binary data") && said.contains("--output FILE"), "{said}");
+}
+
+/// An inspected process's profile has the bytes of each reachability class as sample types:
+/// `reachability.c`'s sites, as memcheck classes them (tests/tests/inspect.rs), in `go tool pprof
+/// -sample_index=CLASS`.
+#[test]
+fn an_inspection_gives_each_class_a_sample_type() {
+    let scratch = Scratch::new("inspect");
+    let profile = scratch.file("inspected.pb.gz");
+    let program = fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"]);
+    let mut target = Waiting::start(&program, &[]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--format", "pprof", "-o", &profile, "--inspect"]);
+    memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let expected = [
+        ("definitely_lost", "lost_overwritten", 160),
+        ("definitely_lost", "list_head", 64),
+        ("definitely_lost", "cycle_first", 48),
+        ("indirectly_lost", "list_node", 160),
+        ("indirectly_lost", "cycle_second", 56),
+        ("possibly_lost", "interior", 128),
+        ("reachable", "from_global", 80),
+        ("reachable", "from_stack", 96),
+        ("reachable", "from_register", 112),
+    ];
+    for (sample_type, function, bytes) in expected {
+        let top = Top::read(&scratch, &[&format!("-sample_index={sample_type}"), &profile]);
+        assert_eq!(top.sample_type, sample_type);
+        assert_eq!(top.cum(function), bytes, "{sample_type} of {function}: {top:?}");
+    }
 }

@@ -4,14 +4,16 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
         OnceLock,
     },
 };
 
-use memprof_tests::{fixture, fixture_with, http_answer, memprof, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, fixture_cpp, fixture_with, http_answer, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
+};
 use serde_json::{json, Value};
 
 #[path = "reports/cdp.rs"]
@@ -349,6 +351,38 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     let png = std::fs::read(&screenshot).expect("chromium wrote the screenshot");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 50_000, "a real picture: {} bytes", png.len());
     let _ = std::fs::remove_file(&screenshot);
+    let _ = std::fs::remove_file(&page);
+}
+
+/// An inspected process's page (`reachability_types.cpp`, see tests/tests/inspect.rs): the stack
+/// table's reachability column, and the section with the classes, the C++ types and the stacks
+/// with lost blocks.
+#[test]
+fn the_html_report_shows_what_an_inspection_found() {
+    let program = fixture_cpp("reachability_types.cpp", "reachability_types", &["-g", "-O2", "-fomit-frame-pointer"]);
+    let page = temp_path("inspected.html");
+    let mut target = Waiting::start(&program, &[]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--format", "html", "-o", page.to_str().unwrap(), "--inspect"]);
+    memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let dom = dom(&format!("file://{}", page.display()));
+    let inspection = section(&dom, "inspection");
+    // circles 2 x 16, widgets 1 x 40, mixed 16 + 40 + 24 lost; one of each class kept.
+    assert!(inspection.contains("data-key=\"definitely_lost_bytes\">152<"), "{inspection}");
+    assert!(inspection.contains("data-key=\"definitely_lost_blocks\">6<"), "{inspection}");
+    assert!(inspection.contains("data-key=\"reachable_bytes\">56<"), "{inspection}");
+    let widgets = row(inspection, "data-type=\"ns::Widget\"");
+    assert!(widgets.contains(">120<") && widgets.contains(">3<"), "{widgets}");
+    let mixed = row(section(&dom, "inspection"), "mixed(");
+    assert!(mixed.contains("ns::Widget 40 B in 1, Circle 16 B in 1"), "{mixed}");
+    let stacks = section(&dom, "stacks");
+    assert!(stacks.contains("<th>reachability</th>"), "{stacks}");
+    let circles = row(stacks, "circles()");
+    assert!(circles.contains("definitely lost 32 B in 2 (retaining 32 B); reachable 16 B in 1"), "{circles}");
+    assert!(circles.contains("types: Circle 48 B in 3"), "{circles}");
     let _ = std::fs::remove_file(&page);
 }
 

@@ -102,13 +102,14 @@ function stackSection(report) {
     num(grouped(s.allocated_bytes)),
     num(seconds(s.oldest_age_s)),
     num(s.leak.warming_up ? leakState(s) : s.leak.candidate ? s.leak.score.toFixed(2) : ''),
+    report.inspection ? reachabilityCell(s) : null,
     el('td', {}, stackDetails(s, true))));
   const rest = holding.slice(STACK_ROWS);
   const restBytes = rest.reduce((sum, s) => sum + s.outstanding_bytes, 0);
+  const headers = ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score']
+    .concat(report.inspection ? ['reachability'] : [], ['stack (allocating site first)']);
   return section('stacks', 'Stacks holding memory',
-    holding.length === 0 ? el('p', {}, 'No allocation is in use.') : table(
-      ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score', 'stack (allocating site first)'],
-      rows, { id: 'stack-table' }),
+    holding.length === 0 ? el('p', {}, 'No allocation is in use.') : table(headers, rows, { id: 'stack-table' }),
     rest.length > 0 ? el('p', { class: 'note' },
       `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null,
     report.stacks_not_shown ? el('p', { class: 'note', id: 'stacks-not-shown' },
@@ -175,6 +176,7 @@ function render() {
       report.sample_bytes ? el('p', { id: 'sampling', class: 'bad' },
         `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null),
     leakSection(report),
+    inspectionSection(report),
     timelineSection(report),
     summarySection(report),
     treeSection(report),

@@ -6,7 +6,9 @@ use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
 use flate2::{write::GzEncoder, Compression};
 
-use super::{field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
+use super::{
+    field, wire::Writer, DefaultType, Label, Part, CLASS_TYPES, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
+};
 use crate::{
     heap::{
         context::RunContext,
@@ -58,6 +60,7 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
     let mut tables = Tables::default();
     tables.string("");
     let mut samples = Vec::new();
+    let inspected = parts.iter().any(|part| part.report.inspection.is_some());
     for (index, part) in parts.iter().enumerate() {
         let labels: Vec<(u64, Value)> = part
             .labels
@@ -71,13 +74,14 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
             })
             .collect();
         for stack in part.report.stacks.iter().chain(part.more_stacks) {
-            let mut sample = tables.sample(index, stack, part.outermost.as_ref());
+            let mut sample = tables.sample(index, stack, part.outermost.as_ref(), inspected);
             sample.labels.extend(labels.iter().copied());
             samples.push(sample);
         }
     }
+    let classes = if inspected { &CLASS_TYPES[..] } else { &[] };
     let sample_types: Vec<[u64; 2]> =
-        SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
+        SAMPLE_TYPES.iter().chain(classes).map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
     let period_type = [tables.string("space"), tables.string("bytes")];
     let mut comments = match parts {
         [part] => vec![tables.string(&format!("memprof: pid {} ({})", part.report.pid, part.report.comm))],
@@ -174,7 +178,8 @@ enum Value {
 /// One sample, as ids into the tables.
 struct Sample {
     locations: Vec<u64>,
-    values: [u64; 4],
+    /// Per sample type.
+    values: Vec<u64>,
     /// Keys (string ids) and values.
     labels: Vec<(u64, Value)>,
 }
@@ -254,8 +259,9 @@ impl Tables {
     }
 
     /// The sample of `stack`, of the profile's part `part` (`outermost` added above its frames),
-    /// with its own labels.
-    fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>) -> Sample {
+    /// with its own labels; with its bytes per reachability class when `inspected` (0 for a stack
+    /// of a process not inspected).
+    fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>, inspected: bool) -> Sample {
         let mut locations = Vec::new();
         let mut lines: Vec<&Frame> = Vec::new();
         for frame in stack.frames.iter().chain(outermost) {
@@ -274,9 +280,15 @@ impl Tables {
         if stack.frames.is_empty() {
             locations.insert(0, self.no_stack());
         }
+        let mut values =
+            vec![stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes];
+        if inspected {
+            let r = stack.reachability.unwrap_or_default();
+            values.extend([r.definitely_lost_bytes, r.indirectly_lost_bytes, r.possibly_lost_bytes, r.reachable_bytes]);
+        }
         Sample {
             locations,
-            values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
+            values,
             labels: vec![
                 (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
                 (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),

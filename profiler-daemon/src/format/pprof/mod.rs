@@ -1,6 +1,7 @@
 //! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
 //! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, of one
-//! process or of several (the daemon's profile of the host), each sample labelled.
+//! process or of several (the daemon's profile of the host), each sample labelled; with the bytes
+//! of each reachability class as four more sample types when a process was inspected.
 
 mod decode;
 mod encode;
@@ -66,6 +67,11 @@ impl<'a> Part<'a> {
 /// The sample types, in Go's order: each sample's values are in this order too.
 pub const SAMPLE_TYPES: [(&str, &str); 4] =
     [("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("inuse_space", "bytes")];
+
+/// The sample types after `SAMPLE_TYPES` when a process was inspected (`--inspect`): each stack's
+/// bytes per class, as in its `reachability`.
+pub const CLASS_TYPES: [(&str, &str); 4] =
+    [("definitely_lost", "bytes"), ("indirectly_lost", "bytes"), ("possibly_lost", "bytes"), ("reachable", "bytes")];
 
 /// The sample type `go tool pprof` shows unless told otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +164,10 @@ const NO_STACK: &str = "[no stack]";
 mod tests {
     use super::{decode::PprofError, wire::Reader, *};
     use crate::{
-        heap::report::{samples, Report},
+        heap::{
+            inspect::{Inspection, Reachability},
+            report::{samples, Report},
+        },
         symbolize::Frame,
     };
 
@@ -205,6 +214,25 @@ mod tests {
             assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
         }
         assert_eq!(read(&render(&report, DefaultType::InuseSpace)).unwrap().default_sample_type, "inuse_space");
+    }
+
+    #[test]
+    fn an_inspected_report_has_the_bytes_of_each_class() {
+        let mut report = report();
+        report.inspection = Some(Inspection::default());
+        report.stacks[0].reachability = Some(Reachability {
+            definitely_lost_bytes: 40,
+            indirectly_lost_bytes: 30,
+            possibly_lost_bytes: 20,
+            reachable_bytes: 10,
+            ..Reachability::default()
+        });
+        let decoded = read(&render(&report, DefaultType::InuseSpace)).unwrap();
+        let classes = ["definitely_lost", "indirectly_lost", "possibly_lost", "reachable"];
+        assert_eq!(decoded.sample_types[4..], classes);
+        assert_eq!(decoded.samples[0].values[4..], [40, 30, 20, 10]);
+        // A stack with no block tracked when inspected has none in any class.
+        assert_eq!(decoded.samples[1].values[4..], [0, 0, 0, 0]);
     }
 
     /// The profile's messages of field `number`, each as its fields' integer values.
