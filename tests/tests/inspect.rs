@@ -22,11 +22,13 @@
 //! probes are attached, valgrind translates their breakpoints and the program dies of SIGTRAP.)
 
 use std::{
-    io::{Read as _, Write as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     process::{Command, Stdio},
 };
 
-use memprof_tests::{attach, fixture_cpp, fixture_with, memprof_bin, Waiting};
+use memprof_tests::{
+    attach, fixture_cpp, fixture_with, free_port, http_get, memprof_bin, wait_for, Daemon, Outcome, Waiting,
+};
 use serde_json::{json, Value};
 
 fn fixture() -> std::path::PathBuf {
@@ -202,4 +204,76 @@ fn attach_inspect_names_cpp_objects_by_type() {
     child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "set\ndone ok\n");
     assert_eq!(child.wait().unwrap().code(), Some(3));
+}
+
+/// `memprof inspect --pid N` (and the `MEMPROF_DAEMON_PASSWORD` it logs in with) against `daemon`.
+fn inspect(daemon: &str, pid: u32, more: &[&str]) -> Outcome {
+    let pid = pid.to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["inspect", "--pid", &pid, "--daemon", daemon]).args(more);
+    memprof.env("MEMPROF_DAEMON_PASSWORD", "inspect-secret").stdin(Stdio::null());
+    memprof.output().expect("starting memprof").into()
+}
+
+/// A daemon behind basic auth traces the fixture: `memprof inspect` gets the inspection it makes
+/// on request, with the classes `attach --inspect` gives; without credentials, for a pid it does
+/// not trace, or with no daemon there, a one-line error that names the fix.
+#[test]
+fn memprof_inspect_asks_the_daemon_that_traces_the_process() {
+    let dir = std::env::temp_dir().join(format!("memprof-inspect-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let web = dir.join("web.yml");
+    let hash = bcrypt::hash("inspect-secret", 4).unwrap();
+    std::fs::write(&web, format!("basic_auth_users:\n  oncall: '{hash}'\n")).unwrap();
+    let mut target = Waiting::start(&fixture(), &[]);
+    let pid = target.pid();
+    let daemon = Daemon::spawn(&["--pid", &pid.to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
+    let url = format!("http://127.0.0.1:{}", daemon.port);
+    let targets = || {
+        let mut curl = Command::new("curl");
+        curl.args(["-s", "-u", "oncall:inspect-secret"]).arg(format!("{url}/api/v1/targets"));
+        String::from_utf8(curl.output().ok()?.stdout).ok()
+    };
+    wait_for(20, "the daemon to trace the fixture", || targets()?.contains(&format!("\"pid\":{pid},")).then_some(()));
+    target.go();
+    let mut set = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut set).unwrap();
+    assert_eq!(set, "set\n");
+
+    let (status, body) = http_get(daemon.port, &format!("/api/v1/inspect?pid={pid}")).unwrap();
+    assert_eq!(status, 401, "no inspection without credentials: {body}");
+    let anonymous = inspect(&url, pid, &["--json"]);
+    assert_eq!(anonymous.status.code(), Some(1), "{anonymous:?}");
+    assert!(anonymous.stderr.contains("give --daemon-user USER"), "{}", anonymous.stderr);
+
+    let outcome = inspect(&url, pid, &["--daemon-user", "oncall", "--format", "json"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains(&format!("memprof: pid {pid} inspected by the daemon at {url}")),
+        "{}",
+        outcome.stderr
+    );
+    check(&outcome.final_report());
+
+    let table = inspect(&url, pid, &["--daemon-user", "oncall", "--top", "100"]);
+    assert!(table.status.success(), "{table:?}");
+    assert!(table.stdout.contains("[definitely lost 160 B in 4 (retaining 160 B)]"), "{}", table.stdout);
+
+    let fix = "memprof attach --pid 1 --inspect --duration SECS";
+    let untraced = inspect(&url, 1, &["--daemon-user", "oncall"]);
+    assert_eq!(untraced.status.code(), Some(1), "{untraced:?}");
+    assert_eq!(untraced.stderr.lines().count(), 1, "{}", untraced.stderr);
+    assert!(untraced.stderr.contains("pid 1 is not traced") && untraced.stderr.contains(fix), "{}", untraced.stderr);
+    let nobody = inspect(&format!("http://127.0.0.1:{}", free_port()), 1, &[]);
+    assert_eq!(nobody.status.code(), Some(1), "{nobody:?}");
+    assert!(nobody.stderr.contains("no memprof daemon answers") && nobody.stderr.contains(fix), "{}", nobody.stderr);
+
+    // The daemon's inspection left the process as it was.
+    let child = &mut target.child;
+    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
+    let mut rest = String::new();
+    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "done ok\n");
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -62,7 +62,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete: false });
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete: false });
     let traced = trace(loaded, symbolizer, root, exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -116,7 +116,7 @@ pub async fn run(
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
     let complete = args.sampling.sample_bytes.is_none();
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete });
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete });
     let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened, inspect).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
@@ -128,11 +128,6 @@ pub async fn run(
         }
         _ => Ok(traced.code.unwrap_or(0)),
     }
-}
-
-/// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
-fn is_glibc(allocator: &Allocator) -> bool {
-    allocator.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
 }
 
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {

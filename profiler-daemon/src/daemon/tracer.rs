@@ -15,6 +15,7 @@ use std::{
 
 use anyhow::Context as _;
 use profiler_common::process_event;
+use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::{
@@ -25,6 +26,7 @@ use super::{
 };
 use crate::{
     format,
+    heap::inspect,
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
@@ -49,7 +51,21 @@ const KEPT_DOUBLE_FREES: usize = 100;
 
 pub enum Command {
     Reload(Box<Config>),
+    /// Inspect a traced process now (`/api/v1/inspect`): its view with the inspection in its
+    /// report, or why not.
+    Inspect {
+        pid: u32,
+        reply: oneshot::Sender<Result<TargetView, InspectFailure>>,
+    },
     Shutdown,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectFailure {
+    #[error("pid {0} is not traced; /api/v1/targets lists those that are")]
+    NotTraced(u32),
+    #[error("inspecting pid {pid} failed: {why}")]
+    Failed { pid: u32, why: String },
 }
 
 struct Target {
@@ -158,6 +174,10 @@ impl Tracer {
             let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
             match commands.recv_timeout(wait) {
                 Ok(Command::Reload(config)) => self.reload(*config),
+                Ok(Command::Inspect { pid, reply }) => {
+                    // Nobody waits for the answer any more when the client has gone.
+                    let _ = reply.send(self.inspect(pid));
+                }
                 Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
@@ -532,6 +552,28 @@ impl Tracer {
         // scrapes wait for the lock.
         drop(old);
         Ok(())
+    }
+
+    /// `pid`'s view with an inspection made now: the process is held still meanwhile, and this
+    /// thread busy (milliseconds to seconds with the heap's size; `/metrics` reads the last view).
+    fn inspect(&mut self, pid: u32) -> Result<TargetView, InspectFailure> {
+        if !self.targets.contains_key(&pid) {
+            return Err(InspectFailure::NotTraced(pid));
+        }
+        let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
+        let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
+        // The daemon did not see the allocations made before it attached.
+        let settings = inspect::Settings { glibc, complete: false };
+        let inspection = inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(failed)?;
+        info!(pid, pause_ms = inspection.pause_ms, "inspected");
+        self.symbolizer.refresh(pid);
+        let pids = HashSet::from([pid]);
+        let kernel =
+            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0).map_err(failed)?;
+        let target = &self.targets[&pid];
+        let mut view = self.target_view(target, &kernel);
+        report::add_inspection(&mut view.report, inspection, &self.stacks(target));
+        Ok(view)
     }
 
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
