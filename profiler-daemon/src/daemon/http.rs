@@ -229,7 +229,9 @@ struct Inspecting<'a> {
 impl<'a> Inspecting<'a> {
     /// None when `pid` is in the set already.
     fn start(set: &'a Mutex<HashSet<u32>>, pid: u32) -> Option<Self> {
-        set.lock().unwrap_or_else(|e| e.into_inner()).insert(pid).then_some(Self { set, pid })
+        // The lock is released before a guard exists: one made and dropped under it would deadlock.
+        let inserted = set.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+        inserted.then(|| Self { set, pid })
     }
 }
 

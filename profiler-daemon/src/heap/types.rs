@@ -45,7 +45,7 @@ pub fn tally(
         add(per_stack.entry(block.stack_id).or_default(), &one);
     }
     sort(&mut all);
-    per_stack.values_mut().for_each(sort);
+    per_stack.values_mut().for_each(|counts| sort(counts));
     (all, per_stack)
 }
 
@@ -66,7 +66,7 @@ fn add(into: &mut Vec<TypeCount>, count: &TypeCount) {
 }
 
 /// Most bytes first, then by name for a stable order.
-fn sort(counts: &mut Vec<TypeCount>) {
+fn sort(counts: &mut [TypeCount]) {
     counts.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.name.cmp(&b.name)));
 }
 

@@ -18,18 +18,18 @@ pub fn types(pid: u32, words: &[u64]) -> HashMap<u64, String> {
     // Objects of one class share their first word: each distinct word is looked up once.
     let words: BTreeSet<u64> = words.iter().copied().collect();
     let Ok(mappings) = procfs::file_mappings(pid) else { return HashMap::new() };
-    // Per file: the mapping to open it by, and each word with its offset in the file.
-    let mut files: BTreeMap<&str, (&FileMapping, Vec<(u64, u64)>)> = BTreeMap::new();
+    let mut files: BTreeMap<&str, FileWords> = BTreeMap::new();
     for &word in &words {
         let Some(at) = mappings.partition_point(|m| m.start <= word).checked_sub(1) else { continue };
         let mapping = &mappings[at];
         if word < mapping.end {
             let offset = word - mapping.start + mapping.offset;
-            files.entry(mapping.path.as_str()).or_insert_with(|| (mapping, Vec::new())).1.push((word, offset));
+            let file = files.entry(mapping.path.as_str()).or_insert_with(|| FileWords { mapping, words: Vec::new() });
+            file.words.push((word, offset));
         }
     }
     let mut types = HashMap::new();
-    for (mapping, words) in files.values() {
+    for FileWords { mapping, words } in files.values() {
         let vtables = match mapping.open(pid).map(read_vtables) {
             Some(Ok(vtables)) => vtables,
             Some(Err(err)) => {
@@ -47,6 +47,14 @@ pub fn types(pid: u32, words: &[u64]) -> HashMap<u64, String> {
         }
     }
     types
+}
+
+/// The words that point into one file.
+struct FileWords<'a> {
+    /// One of its mappings, to open it by.
+    mapping: &'a FileMapping,
+    /// (word, its offset in the file).
+    words: Vec<(u64, u64)>,
 }
 
 /// One vtable: its bytes' range in the file and the type it is for.
