@@ -21,6 +21,7 @@ use crate::{
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
+    heap::resident::Resident,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
@@ -280,6 +281,11 @@ impl Tracer<'_> {
             aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
+        Resident::read_all(
+            &self.loaded.ebpf,
+            &kernel,
+            self.family.processes_mut().filter(|p| pids.contains(&p.pid)).map(|p| (p.pid, &mut p.resident)),
+        )?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
             if let Some(switch) = process.rate_guard.check(snapshot) {
@@ -323,6 +329,7 @@ impl Tracer<'_> {
                     ns_pid: process.ns_pid,
                     double_frees: &process.double_frees,
                     leaks: &process.leaks,
+                    pinned: process.resident.pinned(),
                 };
                 let snapshot = kernel.processes.get(&process.pid).cloned().unwrap_or_default();
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);

@@ -476,6 +476,7 @@ impl Tracer {
         for pid in reused {
             self.detach(pid);
         }
+        Resident::read_all(&self.loaded.ebpf, &kernel, self.targets.values_mut().map(|t| (t.id.pid, &mut t.resident)))?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -543,6 +544,7 @@ impl Tracer {
             ns_pid: target.ns_pid,
             double_frees: &target.double_frees,
             leaks: &target.leaks,
+            pinned: target.resident.pinned(),
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
