@@ -7,7 +7,8 @@ use std::{collections::HashMap, io::Write as _, time::SystemTime};
 use flate2::{write::GzEncoder, Compression};
 
 use super::{
-    field, wire::Writer, DefaultType, Label, Part, CLASS_TYPES, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
+    field, values, wire::Writer, DefaultType, Label, Part, CLASS_TYPES, LEAK_LABEL, NO_STACK, SAMPLE_TYPES,
+    STACK_ID_LABEL,
 };
 use crate::{
     heap::{
@@ -280,8 +281,7 @@ impl Tables {
         if stack.frames.is_empty() {
             locations.insert(0, self.no_stack());
         }
-        let mut values =
-            vec![stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes];
+        let mut values = values(stack).to_vec();
         if inspected {
             let r = stack.reachability.unwrap_or_default();
             values.extend([r.definitely_lost_bytes, r.indirectly_lost_bytes, r.possibly_lost_bytes, r.reachable_bytes]);
