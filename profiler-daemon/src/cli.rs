@@ -25,6 +25,7 @@ Examples:
   memprof run --fail-on-leak-bytes 0 ./tests  a CI gate on leaks
   memprof daemon --comm '^nginx$'             Prometheus metrics on 127.0.0.1:9464
   memprof snapshot -p 1234 -o before.pb.gz    a pprof profile, for go tool pprof
+  memprof inspect -p 1234                     lost blocks as memcheck says, from the daemon
   memprof diff before.json after.json         growth per allocation site
 
 Needs root, or the capabilities CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH
@@ -84,6 +85,16 @@ Examples:
     /// Write a process's heap profile to a file, from the memprof daemon that traces it, or else
     /// by attaching for a while; the process keeps running.
     Snapshot(SnapshotArgs),
+    /// Class the blocks of a process the memprof daemon traces as valgrind's memcheck would
+    /// (definitely, indirectly, possibly lost, reachable), with C++ objects by type; the process
+    /// is held still for a moment and keeps running.
+    #[command(after_help = "\
+Examples:
+  memprof inspect -p 1234                      a table: each stack's blocks by class
+  memprof inspect -p 1234 --json               the JSON report, with \"reachability\" per stack
+  memprof inspect -p 1234 --format pprof -o lost.pb.gz
+Without a daemon tracing the process: memprof attach -p 1234 --inspect --duration 10")]
+    Inspect(InspectArgs),
     /// Compare two snapshots (JSON reports or pprof profiles): growth in use per allocation site.
     Diff(DiffArgs),
     /// Print a shell's completion script, e.g. `memprof completions bash > /etc/bash_completion.d/memprof`.
@@ -129,6 +140,38 @@ pub struct SnapshotArgs {
     pub duration: f64,
     #[command(flatten)]
     pub maps: LoadSettings,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct InspectArgs {
+    /// The process.
+    #[arg(short, long)]
+    pub pid: NonZeroU32,
+    /// How the report is written.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Shorthand for `--format json`.
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
+    /// Write the report to this file instead of stdout.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Stacks shown in the table.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// The memprof daemon that traces the process.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9464")]
+    pub daemon: String,
+    /// Log in to the daemon as USER (its web config's basic auth); the password is read from the
+    /// environment variable MEMPROF_DAEMON_PASSWORD.
+    #[arg(long, value_name = "USER")]
+    pub daemon_user: Option<String>,
+}
+
+impl InspectArgs {
+    pub fn format(&self) -> Format {
+        json_or(self.json, self.format)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -209,11 +252,16 @@ impl TraceArgs {
     }
 
     pub fn format(&self) -> Format {
-        if self.json {
-            Format::Json
-        } else {
-            self.format
-        }
+        json_or(self.json, self.format)
+    }
+}
+
+/// `--json`, shorthand for `--format json`, or the format given.
+fn json_or(json: bool, format: Format) -> Format {
+    if json {
+        Format::Json
+    } else {
+        format
     }
 }
 

@@ -9,7 +9,9 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memprof_tests::{fixture, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting};
+use memprof_tests::{
+    fixture, fixture_with, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting,
+};
 use serde_json::Value;
 
 /// A directory of the test's own, removed when dropped.
@@ -200,6 +202,50 @@ fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
 }
 
 /// A line the fixture prints when a phase is done.
+/// memprof's own sample types after Go's four: each stack's high-water mark and temporary
+/// allocations (`peaks.c`), and the resident bytes its blocks pin (`resident.c`, whose 2,500
+/// survivors of 40,000 blocks pin the pages they are on: it says how many).
+#[test]
+fn the_peak_temporary_and_pinned_sample_types_read_exactly() {
+    let scratch = Scratch::new("memprof-types");
+    let profile = scratch.file("peaks.pb.gz");
+    let peaks = fixture("peaks");
+    let outcome = memprof(&["run", "--format", "pprof", "--output", &profile, "--", peaks.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let top = Top::read(&scratch, &["-sample_index=max_inuse_space", &profile]);
+    assert_eq!(top.sample_type, "max_inuse_space");
+    for (function, max) in [("hold_a", 10_000), ("hold_b", 10_000), ("after_peak", 3_000)] {
+        assert_eq!(top.flat(function), max, "{function}: {top:?}");
+    }
+    let top = Top::read(&scratch, &["-sample_index=temporary_objects", &profile]);
+    assert_eq!((top.flat("temp_loop_alloc"), top.flat("pair_second"), top.flat("pair_first")), (100, 50, 0), "{top:?}");
+
+    let profile = scratch.file("resident.pb.gz");
+    let resident = fixture("resident");
+    let outcome = memprof(&[
+        "run",
+        "--format",
+        "pprof",
+        "--output",
+        &profile,
+        "--interval",
+        "0.2",
+        "--",
+        resident.to_str().unwrap(),
+    ]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let pages: i64 = outcome
+        .stderr
+        .lines()
+        .find_map(|line| line.strip_prefix("survivor pages: "))
+        .unwrap_or_else(|| panic!("the fixture's count: {}", outcome.stderr))
+        .parse()
+        .unwrap();
+    let top = Top::read(&scratch, &["-sample_index=pinned_space", &profile]);
+    assert_eq!(top.flat("small_block"), pages * 4096, "{top:?}");
+    assert_eq!(top.shown, pages * 4096, "nothing else pins a page: {top:?}");
+}
+
 fn wait_line(target: &mut Waiting, expected: &str) {
     let mut line = String::new();
     BufReader::new(target.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
@@ -433,4 +479,37 @@ fn bad_input_is_a_one_line_error() {
     let said = String::from_utf8_lossy(&on_terminal.stdout);
     assert!(!on_terminal.status.success(), "{said}");
     assert!(said.contains("--format pprof writes binary data") && said.contains("--output FILE"), "{said}");
+}
+
+/// An inspected process's profile has the bytes of each reachability class as sample types:
+/// `reachability.c`'s sites, as memcheck classes them (tests/tests/inspect.rs), in `go tool pprof
+/// -sample_index=CLASS`.
+#[test]
+fn an_inspection_gives_each_class_a_sample_type() {
+    let scratch = Scratch::new("inspect");
+    let profile = scratch.file("inspected.pb.gz");
+    let program = fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"]);
+    let mut target = Waiting::start(&program, &[]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--format", "pprof", "-o", &profile, "--inspect"]);
+    memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let expected = [
+        ("definitely_lost", "lost_overwritten", 160),
+        ("definitely_lost", "list_head", 64),
+        ("definitely_lost", "cycle_first", 48),
+        ("indirectly_lost", "list_node", 160),
+        ("indirectly_lost", "cycle_second", 56),
+        ("possibly_lost", "interior", 128),
+        ("reachable", "from_global", 80),
+        ("reachable", "from_stack", 96),
+        ("reachable", "from_register", 112),
+    ];
+    for (sample_type, function, bytes) in expected {
+        let top = Top::read(&scratch, &[&format!("-sample_index={sample_type}"), &profile]);
+        assert_eq!(top.sample_type, sample_type);
+        assert_eq!(top.cum(function), bytes, "{sample_type} of {function}: {top:?}");
+    }
 }

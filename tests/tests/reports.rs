@@ -4,14 +4,16 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
         OnceLock,
     },
 };
 
-use memprof_tests::{fixture, fixture_with, http_answer, memprof, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, fixture_cpp, fixture_with, http_answer, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
+};
 use serde_json::{json, Value};
 
 #[path = "reports/cdp.rs"]
@@ -251,6 +253,19 @@ fn row<'a>(html: &'a str, needle: &str) -> &'a str {
 }
 
 /// The report embedded in the page, as the page's scripts read it.
+/// `n` with a comma between thousands, as the HTML report writes numbers.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
 fn embedded_report(dom: &str) -> Value {
     let json = dom.split("id=\"report-data\">").nth(1).and_then(|rest| rest.split("</script>").next()).unwrap();
     serde_json::from_str(json).unwrap()
@@ -319,6 +334,14 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     assert!(row(stacks, "grow_site (reports.c:").contains("data-key=\"outstanding_bytes\">98,304<"), "{stacks}");
     assert!(row(stacks, "hold_site (reports.c:").contains("data-key=\"outstanding_bytes\">10,000<"), "{stacks}");
     assert!(!stacks.contains("churn_site"), "{stacks}");
+    // The pages each stack pins and the process's, as its JSON says (README: Resident memory;
+    // exact counts are tested on resident.c in tests/tests/peaks.rs). The run ends with the
+    // process: the figures are the last interval's.
+    let hold = report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == "hold_site").unwrap();
+    let pinned = hold["pinned_bytes"].as_u64().expect("pinned_bytes");
+    assert!(row(stacks, "hold_site (reports.c:").contains(&format!("data-key=\"pinned_bytes\">{}<", grouped(pinned))));
+    let pages = report["memory"]["pinned_pages"].as_u64().expect("memory read while the process ran");
+    assert!(summary.contains(&format!(" in {} pages<", grouped(pages))), "{summary}");
 
     // The call tree opens on the heavy paths; the leaking one is marked.
     let tree = section(&dom, "tree");
@@ -349,6 +372,38 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     let png = std::fs::read(&screenshot).expect("chromium wrote the screenshot");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 50_000, "a real picture: {} bytes", png.len());
     let _ = std::fs::remove_file(&screenshot);
+    let _ = std::fs::remove_file(&page);
+}
+
+/// An inspected process's page (`reachability_types.cpp`, see tests/tests/inspect.rs): the stack
+/// table's reachability column, and the section with the classes, the C++ types and the stacks
+/// with lost blocks.
+#[test]
+fn the_html_report_shows_what_an_inspection_found() {
+    let program = fixture_cpp("reachability_types.cpp", "reachability_types", &["-g", "-O2", "-fomit-frame-pointer"]);
+    let page = temp_path("inspected.html");
+    let mut target = Waiting::start(&program, &[]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--format", "html", "-o", page.to_str().unwrap(), "--inspect"]);
+    memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let dom = dom(&format!("file://{}", page.display()));
+    let inspection = section(&dom, "inspection");
+    // circles 2 x 16, widgets 1 x 40, mixed 16 + 40 + 24 lost; one of each class kept.
+    assert!(inspection.contains("data-key=\"definitely_lost_bytes\">152<"), "{inspection}");
+    assert!(inspection.contains("data-key=\"definitely_lost_blocks\">6<"), "{inspection}");
+    assert!(inspection.contains("data-key=\"reachable_bytes\">56<"), "{inspection}");
+    let widgets = row(inspection, "data-type=\"ns::Widget\"");
+    assert!(widgets.contains(">120<") && widgets.contains(">3<"), "{widgets}");
+    let mixed = row(section(&dom, "inspection"), "mixed(");
+    assert!(mixed.contains("ns::Widget 40 B in 1, Circle 16 B in 1"), "{mixed}");
+    let stacks = section(&dom, "stacks");
+    assert!(stacks.contains("<th>reachability</th>"), "{stacks}");
+    let circles = row(stacks, "circles()");
+    assert!(circles.contains("definitely lost 32 B in 2 (retaining 32 B); reachable 16 B in 1"), "{circles}");
+    assert!(circles.contains("types: Circle 48 B in 3"), "{circles}");
     let _ = std::fs::remove_file(&page);
 }
 

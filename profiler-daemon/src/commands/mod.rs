@@ -1,9 +1,11 @@
 //! The commands an engineer runs at a terminal: `attach` and `run` (a session, the process family it
-//! follows and the target it starts or watches), `snapshot`, `diff`, and the completions and man
-//! pages. The daemon is in `daemon`.
+//! follows and the target it starts or watches), `snapshot`, `inspect`, `diff`, and the completions
+//! and man pages. The daemon is in `daemon`.
 
+pub mod daemon_client;
 pub mod diff;
 pub mod family;
+pub mod inspect;
 pub mod manual;
 pub mod output;
 pub mod recording;

@@ -21,6 +21,7 @@ use crate::{
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
+    heap::resident::{PinnedBudget, Resident},
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
@@ -62,7 +63,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete: false });
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete: false });
     let traced = trace(loaded, symbolizer, root, exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -116,7 +117,7 @@ pub async fn run(
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
     let complete = args.sampling.sample_bytes.is_none();
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: is_glibc(&allocator), complete });
+    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete });
     let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened, inspect).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
@@ -128,11 +129,6 @@ pub async fn run(
         }
         _ => Ok(traced.code.unwrap_or(0)),
     }
-}
-
-/// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
-fn is_glibc(allocator: &Allocator) -> bool {
-    allocator.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
 }
 
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
@@ -220,6 +216,7 @@ struct Tracer<'a> {
     recording: bool,
     /// The root process's inspection, for its final report.
     inspection: Option<Inspection>,
+    pinned_budget: PinnedBudget,
 }
 
 impl Tracer<'_> {
@@ -279,6 +276,10 @@ impl Tracer<'_> {
         let kernel = self.loaded.read(&pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
+        // The session's final report reads the pinned pages whatever the budget (a child's
+        // exit, which may come in storms, does not).
+        let residents = self.family.processes_mut().filter(|p| pids.contains(&p.pid)).map(|p| (p.pid, &mut p.resident));
+        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, is_final && only.is_none())?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
             if let Some(switch) = process.rate_guard.check(snapshot) {
@@ -322,6 +323,7 @@ impl Tracer<'_> {
                     ns_pid: process.ns_pid,
                     double_frees: &process.double_frees,
                     leaks: &process.leaks,
+                    pinned: process.resident.pinned(),
                 };
                 let snapshot = kernel.processes.get(&process.pid).cloned().unwrap_or_default();
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);
@@ -399,6 +401,7 @@ async fn trace(
         context: RunContext::now(),
         recording: recording.is_some(),
         inspection: None,
+        pinned_budget: PinnedBudget::default(),
     };
     if let Some(recording) = &mut recording {
         recording.start(Settings { top: args.top, interval_s: args.interval })?;

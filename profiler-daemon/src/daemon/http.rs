@@ -1,13 +1,15 @@
 //! The HTTP listener: /metrics for Prometheus, and a small API and page for the on-call engineer.
-//! Every handler reads the published `DaemonView`; none touches the kernel. `server` owns the
+//! Every handler reads the published `DaemonView` and none touches the kernel, but
+//! `/api/v1/inspect`, which asks the tracer thread for an inspection. `server` owns the
 //! connections and their limits, `guard` what a request must pass first.
 
 use std::{
+    collections::HashSet,
     fmt::Write as _,
     future::Future,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, RwLock,
+        mpsc, Arc, Mutex, RwLock,
     },
 };
 
@@ -29,6 +31,7 @@ use super::{
     heavy::{self, Busy},
     host, metrics, query,
     server::{Refusal, Stats},
+    tracer::{Command, InspectFailure},
     view::{DaemonView, TargetView},
 };
 use crate::format::{self, escape, pprof, Format};
@@ -40,11 +43,20 @@ struct Shared {
     registry: Registry,
     /// False once the tracer thread has stopped: the view is then frozen and probes detached.
     tracer_alive: Arc<AtomicBool>,
+    /// To the tracer thread, for inspections.
+    commands: mpsc::Sender<Command>,
+    /// The pids an inspection is asked for or under way of.
+    inspecting: Mutex<HashSet<u32>>,
 }
 
 type AppState = State<Arc<Shared>>;
 
-pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>, guard: Guard) -> Router {
+pub fn router(
+    view: Arc<RwLock<DaemonView>>,
+    tracer_alive: Arc<AtomicBool>,
+    guard: Guard,
+    commands: mpsc::Sender<Command>,
+) -> Router {
     let mut registry = metrics::registry(view.clone());
     metrics::register_http(&mut registry, guard.stats.clone());
     let shared = Arc::new(Shared {
@@ -53,12 +65,15 @@ pub fn router(view: Arc<RwLock<DaemonView>>, tracer_alive: Arc<AtomicBool>, guar
         tracer_alive,
         builder: heavy::Builder::default(),
         stats: guard.stats.clone(),
+        commands,
+        inspecting: Mutex::default(),
     });
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(scrape))
         .route("/api/v1/targets", get(targets))
         .route("/api/v1/leaks", get(leaks))
+        .route("/api/v1/inspect", get(inspect))
         .route("/debug/pprof/heap", get(heap_profile))
         .route("/debug/pprof/allocs", get(allocs_profile))
         .route("/api/v1/flamegraph", get(flamegraph))
@@ -177,6 +192,55 @@ async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     .await
 }
 
+/// `/api/v1/inspect?pid=N`: the report of a traced process with an inspection made now (README:
+/// Reachability), as `/api/v1/leaks` gives it. Made by the tracer thread, which owns the kernel's
+/// maps and stops the process; one at a time per process.
+async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
+    let pid = match query::pid(query.as_deref(), "/api/v1/inspect") {
+        Ok(pid) => pid,
+        Err(err) => return error(StatusCode::BAD_REQUEST, &err.to_string()),
+    };
+    let Some(_inspecting) = Inspecting::start(&shared.inspecting, pid) else {
+        let message = format!("pid {pid} is being inspected already; ask again once that inspection has answered");
+        return error(StatusCode::CONFLICT, &message);
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let stopped = || error(StatusCode::SERVICE_UNAVAILABLE, "memprof's tracer has stopped; see its log");
+    if shared.commands.send(Command::Inspect { pid, reply }).is_err() {
+        return stopped();
+    }
+    match answer.await {
+        Ok(Ok(view)) => match shared.builder.json(Arc::new(view)).await {
+            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], Body::new(body)).into_response(),
+            Err(busy) => refuse_busy(&shared, busy),
+        },
+        Ok(Err(failure @ InspectFailure::NotTraced(_))) => error(StatusCode::NOT_FOUND, &failure.to_string()),
+        Ok(Err(failure)) => error(StatusCode::INTERNAL_SERVER_ERROR, &failure.to_string()),
+        Err(_) => stopped(),
+    }
+}
+
+/// A pid in `Shared::inspecting` until dropped (the answer sent, or the client gone).
+struct Inspecting<'a> {
+    set: &'a Mutex<HashSet<u32>>,
+    pid: u32,
+}
+
+impl<'a> Inspecting<'a> {
+    /// None when `pid` is in the set already.
+    fn start(set: &'a Mutex<HashSet<u32>>, pid: u32) -> Option<Self> {
+        // The lock is released before a guard exists: one made and dropped under it would deadlock.
+        let inserted = set.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+        inserted.then(|| Self { set, pid })
+    }
+}
+
+impl Drop for Inspecting<'_> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.pid);
+    }
+}
+
 async fn flamegraph(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     let builder = &shared.builder;
     heavy(&shared, query, "/api/v1/flamegraph", |target| async move {
@@ -282,4 +346,20 @@ async fn index(State(shared): AppState) -> Html<String> {
     }
     page.push_str("</table>\n</body></html>\n");
     Html(page)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_inspection_at_a_time_per_pid() {
+        let set = Mutex::default();
+        let first = Inspecting::start(&set, 7).expect("the first");
+        assert!(Inspecting::start(&set, 7).is_none(), "a second of the same pid");
+        let other = Inspecting::start(&set, 8).expect("another pid's");
+        drop(first);
+        assert!(Inspecting::start(&set, 7).is_some(), "once the first has answered");
+        drop(other);
+    }
 }

@@ -57,7 +57,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let stats = Arc::new(server::Stats::default());
-    let app = http::router(view, alive, guard::Guard { stats: stats.clone(), auth: web.auth });
+    let app = http::router(view, alive, guard::Guard { stats: stats.clone(), auth: web.auth }, commands.clone());
     let scheme = if web.tls.is_some() { "https" } else { "http" };
     let server = tokio::spawn(server::serve(listener, app, config.http.clone(), web.tls, stats, async {
         let _ = http_stopped.await;

@@ -15,6 +15,7 @@ use std::{
 
 use anyhow::Context as _;
 use profiler_common::process_event;
+use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::{
@@ -25,10 +26,15 @@ use super::{
 };
 use crate::{
     format,
+    heap::inspect,
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    heap::{
+        blind_spots::BlindSpots,
+        double_free::DoubleFreeFilter,
+        resident::{PinnedBudget, Resident},
+    },
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -49,7 +55,21 @@ const KEPT_DOUBLE_FREES: usize = 100;
 
 pub enum Command {
     Reload(Box<Config>),
+    /// Inspect a traced process now (`/api/v1/inspect`): its view with the inspection in its
+    /// report, or why not.
+    Inspect {
+        pid: u32,
+        reply: oneshot::Sender<Result<TargetView, InspectFailure>>,
+    },
     Shutdown,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectFailure {
+    #[error("pid {0} is not traced; /api/v1/targets lists those that are")]
+    NotTraced(u32),
+    #[error("inspecting pid {pid} failed: {why}")]
+    Failed { pid: u32, why: String },
 }
 
 struct Target {
@@ -97,6 +117,7 @@ pub struct Tracer {
     /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
     pending_children: HashSet<ProcessId>,
     view: Arc<RwLock<DaemonView>>,
+    pinned_budget: PinnedBudget,
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -126,6 +147,7 @@ impl Tracer {
             children_missed: 0,
             pending_children: HashSet::new(),
             view,
+            pinned_budget: PinnedBudget::default(),
             alive,
         })
     }
@@ -158,6 +180,10 @@ impl Tracer {
             let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
             match commands.recv_timeout(wait) {
                 Ok(Command::Reload(config)) => self.reload(*config),
+                Ok(Command::Inspect { pid, reply }) => {
+                    // Nobody waits for the answer any more when the client has gone.
+                    let _ = reply.send(self.inspect(pid));
+                }
                 Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
@@ -476,6 +502,8 @@ impl Tracer {
         for pid in reused {
             self.detach(pid);
         }
+        let residents = self.targets.values_mut().map(|t| (t.id.pid, &mut t.resident));
+        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, false)?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -534,6 +562,28 @@ impl Tracer {
         Ok(())
     }
 
+    /// `pid`'s view with an inspection made now: the process is held still meanwhile, and this
+    /// thread busy (milliseconds to seconds with the heap's size; `/metrics` reads the last view).
+    fn inspect(&mut self, pid: u32) -> Result<TargetView, InspectFailure> {
+        if !self.targets.contains_key(&pid) {
+            return Err(InspectFailure::NotTraced(pid));
+        }
+        let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
+        let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
+        // The daemon did not see the allocations made before it attached.
+        let settings = inspect::Settings { glibc, complete: false };
+        let inspection = inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(failed)?;
+        info!(pid, pause_ms = inspection.pause_ms, "inspected");
+        self.symbolizer.refresh(pid);
+        let pids = HashSet::from([pid]);
+        let kernel =
+            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0).map_err(failed)?;
+        let target = &self.targets[&pid];
+        let mut view = self.target_view(target, &kernel);
+        report::add_inspection(&mut view.report, inspection, &self.stacks(target));
+        Ok(view)
+    }
+
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
         let pid = target.id.pid;
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
@@ -543,6 +593,7 @@ impl Tracer {
             ns_pid: target.ns_pid,
             double_frees: &target.double_frees,
             leaks: &target.leaks,
+            pinned: target.resident.pinned(),
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);

@@ -1,6 +1,6 @@
 //! One self-contained HTML page: the report as JSON inside it, drawn by the inline scripts in
-//! `html/` (heap over time, leak candidates, a filterable call tree, size and lifetime
-//! histograms, totals and drops). The page fetches nothing, so it can be mailed or attached to a
+//! `html/` (heap over time, leak candidates, what `--inspect` found, a filterable call tree, size
+//! and lifetime histograms, totals and drops). The page fetches nothing, so it can be mailed or attached to a
 //! ticket.
 
 use crate::heap::report::Report;
@@ -14,6 +14,7 @@ fn part(name: &str) -> Option<&'static str> {
         "common" => include_str!("html/common.js"),
         "chart" => include_str!("html/chart.js"),
         "tree" => include_str!("html/tree.js"),
+        "inspection" => include_str!("html/inspection.js"),
         "report" => include_str!("html/report.js"),
         _ => return None,
     })
@@ -81,6 +82,6 @@ mod tests {
         let data = page.split("id=\"report-data\">").nth(1).unwrap().split("</script>").next().unwrap();
         let value: serde_json::Value = serde_json::from_str(data).unwrap();
         assert_eq!(value["stacks"][0]["frames"][0]["function"], "f</script><script>alert(1)</script>&amp;");
-        assert_eq!(page.matches("<script").count(), 5, "only the page's own scripts");
+        assert_eq!(page.matches("<script").count(), 6, "only the page's own scripts");
     }
 }

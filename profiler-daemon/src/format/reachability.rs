@@ -1,8 +1,12 @@
-//! The table's lines for `--inspect`: a stack's blocks by class, and the inspection's summary.
+//! The table's lines for `--inspect`: a stack's blocks by class and C++ type, and the
+//! inspection's summary.
 
 use std::fmt::Write as _;
 
-use crate::heap::inspect::{Inspection, Reachability};
+use crate::heap::{
+    inspect::{Inspection, Reachability},
+    types::TypeCount,
+};
 
 /// `definitely lost 64 B in 1 (retaining 224 B), reachable 80 B in 1`:
 /// the classes a stack has blocks in.
@@ -28,7 +32,14 @@ pub fn classes(r: &Reachability) -> String {
     parts.join(", ")
 }
 
-/// The inspection's summary line.
+/// `ns::Widget 80 B in 2, Circle 48 B in 3`.
+pub fn types(types: &[TypeCount]) -> String {
+    let parts: Vec<String> =
+        types.iter().map(|t| format!("{} {} in {}", t.name, super::table::bytes(t.bytes), t.blocks)).collect();
+    parts.join(", ")
+}
+
+/// The inspection's summary lines.
 pub fn summary(out: &mut String, inspection: &Inspection) {
     let _ = writeln!(
         out,
@@ -42,6 +53,9 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
         if inspection.unclassified_heap_scanned { " (scanned as roots)" } else { "" },
     );
     let _ = writeln!(out, "  all blocks: {}", classes(&inspection.totals));
+    if !inspection.types.is_empty() {
+        let _ = writeln!(out, "  C++ objects by type: {}", types(&inspection.types));
+    }
 }
 
 #[cfg(test)]

@@ -10,11 +10,15 @@ use aya::Ebpf;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    heap::reachability::{Class, Marker, Memory},
+    heap::{
+        reachability::{Class, Marker, Memory},
+        types::{self, TypeCount},
+    },
     kernel::live::{self, LiveBlock},
     process::{
         freeze::Frozen,
         procfs::{self, Region},
+        vtables,
     },
 };
 
@@ -86,9 +90,14 @@ pub struct Inspection {
     pub unclassified_heap_scanned: bool,
     /// Every tracked block, by class.
     pub totals: Reachability,
+    /// Every tracked C++ object, by type (see `types`).
+    #[serde(default)]
+    pub types: Vec<TypeCount>,
     /// Per kernel stack id: the report gives each of its stacks its share.
     #[serde(skip)]
     pub per_stack: HashMap<u64, Reachability>,
+    #[serde(skip)]
+    pub per_stack_types: HashMap<u64, Vec<TypeCount>>,
 }
 
 /// What an inspection needs to know of the process beyond its memory.
@@ -138,6 +147,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     }
     let mut memory = HeapCopy { frozen: &frozen, regions: heap.iter().map(|r| (r.start, r.end, None)).collect() };
     let marking = marker.finish(&mut memory);
+    let first_words = types::first_words(&mut memory, &blocks);
     drop(memory);
     drop(frozen);
     inspection.pause_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -148,6 +158,9 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         inspection.totals.count(*class, block.size, *retained);
         inspection.per_stack.entry(block.stack_id).or_default().count(*class, block.size, *retained);
     }
+    // After the release: reading the process's files takes no part in the pause.
+    let names = vtables::types(pid, &first_words);
+    (inspection.types, inspection.per_stack_types) = types::tally(&blocks, &first_words, &names);
     Ok(inspection)
 }
 

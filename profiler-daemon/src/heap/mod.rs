@@ -1,5 +1,6 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
-//! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability of a process held still (`inspect`). Imports `kernel`,
+//! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability and C++
+//! types of a process held still (`inspect`, `types`). Imports `kernel`,
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
@@ -9,7 +10,9 @@ pub mod filter;
 pub mod inspect;
 pub mod leak;
 pub mod mappings;
+pub mod pinned;
 pub mod reachability;
 pub mod report;
 pub mod resident;
 pub mod sampling;
+pub mod types;

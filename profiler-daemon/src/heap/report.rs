@@ -13,7 +13,9 @@ use crate::{
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
         mappings::{self, Mappings},
+        pinned::Pinned,
         resident::Memory,
+        types::{self, TypeCount},
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -192,6 +194,12 @@ pub struct StackReport {
     pub max_outstanding_bytes: u64,
     /// Its allocations freed by their thread before it allocated anything else (full mode only).
     pub temporary_allocations: u64,
+    /// Resident pages its live blocks are on that hold less than a quarter of their bytes live,
+    /// and its share of their bytes (see `heap::pinned`): the fragmentation it causes.
+    #[serde(default)]
+    pub pinned_pages: u64,
+    #[serde(default)]
+    pub pinned_bytes: u64,
     pub oldest_age_s: f64,
     /// The walk did not reach the thread's outermost frame (see `dropped` for why).
     pub truncated: bool,
@@ -202,6 +210,9 @@ pub struct StackReport {
     /// Its blocks by class, when the report's process was inspected (`--inspect`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reachability: Option<Reachability>,
+    /// Its C++ objects by type, when inspected (`--inspect`): most bytes first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub types: Vec<TypeCount>,
     pub frames: Vec<Frame>,
 }
 
@@ -300,6 +311,8 @@ pub struct Context<'a> {
     pub ns_pid: Option<u32>,
     pub double_frees: &'a [DoubleFreeReport],
     pub leaks: &'a LeakTracker,
+    /// The pages the process's live blocks pin, by kernel stack id.
+    pub pinned: &'a Pinned,
 }
 
 /// How much of a snapshot a report shows.
@@ -318,6 +331,7 @@ pub struct Selection {
 /// Builds the report of one process's `snapshot`.
 pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, selection: Selection) -> Report {
     let mut totals = Totals {
+        outstanding_bytes: snapshot.outstanding_bytes(),
         unknown_frees: snapshot.counters.unknown_frees,
         failed_allocations: snapshot.counters.failed_allocations,
         ..Totals::default()
@@ -327,7 +341,6 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         totals.allocated_bytes += stack.stats.allocated_bytes;
         totals.frees += stack.stats.frees;
         totals.freed_bytes += stack.stats.freed_bytes;
-        totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
         totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
         totals.temporary_allocations += stack.stats.temporary_allocations;
     }
@@ -350,6 +363,13 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
             report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
+            // Live blocks carry the id their stack was stored under; a stack the kernel
+            // deferred counts under both. (A second deferred walk of the same stack, absorbed
+            // into it, is counted in the process's total only.)
+            let mut pinned = ctx.pinned.of(stack.stack_id);
+            if stack.stored_id != stack.stack_id {
+                pinned.add(ctx.pinned.of(stack.stored_id));
+            }
             StackReport {
                 stack_id: symbolized.id,
                 outstanding_bytes,
@@ -358,6 +378,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 allocated_bytes: stack.stats.allocated_bytes,
                 max_outstanding_bytes: stack.stats.max_outstanding_bytes,
                 temporary_allocations: stack.stats.temporary_allocations,
+                pinned_pages: pinned.pages,
+                pinned_bytes: pinned.bytes,
                 // Ages are known to the generation: none is older than tracing.
                 oldest_age_s: stack
                     .oldest_ns
@@ -366,6 +388,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 site: allocation_site(&symbolized.frames),
                 leak: ctx.leaks.verdict(stack.stack_id),
                 reachability: None,
+                types: Vec::new(),
                 frames: symbolized.frames,
             }
         })
@@ -418,15 +441,24 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     }
 }
 
-/// Gives `report` its inspection, and each of its stacks its blocks' classes.
+/// Gives `report` its inspection, and each of its stacks its blocks' classes and types.
 pub fn add_inspection(report: &mut Report, inspection: Inspection, stacks: &Stacks) {
     // Kernel ids to the report's: two kernel ids may hold the same frames (see `merge_same_stacks`).
+    let mut report_id: HashMap<u64, String> = HashMap::new();
+    let mut id = |kernel_id: u64| {
+        report_id.entry(kernel_id).or_insert_with(|| stacks.symbolize(StackTable::Allocations, kernel_id).id).clone()
+    };
     let mut by_id: HashMap<String, Reachability> = HashMap::new();
     for (&kernel_id, reachability) in &inspection.per_stack {
-        by_id.entry(stacks.symbolize(StackTable::Allocations, kernel_id).id).or_default().add(reachability);
+        by_id.entry(id(kernel_id)).or_default().add(reachability);
+    }
+    let mut types_by_id: HashMap<String, Vec<TypeCount>> = HashMap::new();
+    for (&kernel_id, counts) in &inspection.per_stack_types {
+        types::merge(types_by_id.entry(id(kernel_id)).or_default(), counts);
     }
     for stack in &mut report.stacks {
         stack.reachability = by_id.get(&stack.stack_id).copied();
+        stack.types = types_by_id.remove(&stack.stack_id).unwrap_or_default();
     }
     report.inspection = Some(inspection);
 }
@@ -527,6 +559,8 @@ impl StackReport {
         // Their highs need not have come at once: the sum bounds the merged stack's from above.
         self.max_outstanding_bytes += other.max_outstanding_bytes;
         self.temporary_allocations += other.temporary_allocations;
+        self.pinned_pages += other.pinned_pages;
+        self.pinned_bytes += other.pinned_bytes;
         self.oldest_age_s = self.oldest_age_s.max(other.oldest_age_s);
     }
 }
@@ -752,11 +786,14 @@ pub mod samples {
                 allocated_bytes: 48,
                 max_outstanding_bytes: 48,
                 temporary_allocations: 0,
+                pinned_pages: 0,
+                pinned_bytes: 0,
                 oldest_age_s: 0.5,
                 truncated: false,
                 site: 0,
                 leak: LeakVerdict::default(),
                 reachability: None,
+                types: Vec::new(),
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
             }],
             modules: vec![Module {

@@ -122,6 +122,11 @@ impl BlindSpot {
 }
 
 impl Allocator {
+    /// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
+    pub fn is_glibc(&self) -> bool {
+        self.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
+    }
+
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
     /// new/delete), libc.so.6 (C library malloc)`.
     pub fn describe(&self) -> String {

@@ -6,3 +6,4 @@ pub mod families;
 pub mod freeze;
 pub mod link_map;
 pub mod procfs;
+pub mod vtables;

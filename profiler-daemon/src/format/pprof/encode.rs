@@ -1,5 +1,4 @@
-//! Reports as a profile: one sample per stack of each process (and per stack of its mappings),
-//! one location per return address
+//! Reports as a profile: one sample per stack of each process, one location per return address
 //! (its inlined frames as extra lines), one mapping per module of each process. Each sample
 //! carries labels for `-tagfocus` and `-tags`: its stack id, its leak state and its process's.
 
@@ -8,7 +7,8 @@ use std::{collections::HashMap, io::Write as _, time::SystemTime};
 use flate2::{write::GzEncoder, Compression};
 
 use super::{
-    field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, MAPPED_BY_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
+    field, values, wire::Writer, DefaultType, Label, Part, CLASS_TYPES, LEAK_LABEL, MAPPED_BY_LABEL, MAPPED_SPACE,
+    NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
 };
 use crate::{
     heap::{
@@ -62,6 +62,7 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
     let mut tables = Tables::default();
     tables.string("");
     let mut samples = Vec::new();
+    let inspected = parts.iter().any(|part| part.report.inspection.is_some());
     for (index, part) in parts.iter().enumerate() {
         let labels: Vec<(u64, Value)> = part
             .labels
@@ -75,18 +76,19 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
             })
             .collect();
         for stack in part.report.stacks.iter().chain(part.more_stacks) {
-            let mut sample = tables.sample(index, stack, part.outermost.as_ref());
+            let mut sample = tables.sample(index, stack, part.outermost.as_ref(), inspected);
             sample.labels.extend(labels.iter().copied());
             samples.push(sample);
         }
         for stack in &part.report.mappings.stacks {
-            let mut sample = tables.mapping_sample(index, stack, part.outermost.as_ref());
+            let mut sample = tables.mapping_sample(index, stack, part.outermost.as_ref(), inspected);
             sample.labels.extend(labels.iter().copied());
             samples.push(sample);
         }
     }
+    let classes = if inspected { &CLASS_TYPES[..] } else { &[] };
     let sample_types: Vec<[u64; 2]> =
-        SAMPLE_TYPES.iter().map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
+        SAMPLE_TYPES.iter().chain(classes).map(|(kind, unit)| [tables.string(kind), tables.string(unit)]).collect();
     let period_type = [tables.string("space"), tables.string("bytes")];
     let mut comments = match parts {
         [part] => vec![tables.string(&format!("memprof: pid {} ({})", part.report.pid, part.report.comm))],
@@ -183,7 +185,8 @@ enum Value {
 /// One sample, as ids into the tables.
 struct Sample {
     locations: Vec<u64>,
-    values: [u64; SAMPLE_TYPES.len()],
+    /// Per sample type.
+    values: Vec<u64>,
     /// Keys (string ids) and values.
     labels: Vec<(u64, Value)>,
 }
@@ -263,17 +266,17 @@ impl Tables {
     }
 
     /// The sample of `stack`, of the profile's part `part` (`outermost` added above its frames),
-    /// with its own labels.
-    fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>) -> Sample {
+    /// with its own labels; with its bytes per reachability class when `inspected` (0 for a stack
+    /// of a process not inspected).
+    fn sample(&mut self, part: usize, stack: &StackReport, outermost: Option<&Frame>, inspected: bool) -> Sample {
+        let mut values = values(stack).to_vec();
+        if inspected {
+            let r = stack.reachability.unwrap_or_default();
+            values.extend([r.definitely_lost_bytes, r.indirectly_lost_bytes, r.possibly_lost_bytes, r.reachable_bytes]);
+        }
         Sample {
             locations: self.locations(part, &stack.frames, outermost),
-            values: [
-                stack.allocations,
-                stack.allocated_bytes,
-                stack.outstanding_allocations,
-                stack.outstanding_bytes,
-                0,
-            ],
+            values,
             labels: vec![
                 (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
                 (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),
@@ -282,12 +285,21 @@ impl Tables {
     }
 
     /// The sample of a stack's mapped memory: its bytes in `mapped_space` only, never in the
-    /// heap's types, and who mapped them in its `mapped_by` label.
-    fn mapping_sample(&mut self, part: usize, stack: &MappingStack, outermost: Option<&Frame>) -> Sample {
+    /// heap's types (nor the classes' when `inspected`), and who mapped them in its `mapped_by`
+    /// label.
+    fn mapping_sample(
+        &mut self,
+        part: usize,
+        stack: &MappingStack,
+        outermost: Option<&Frame>,
+        inspected: bool,
+    ) -> Sample {
         let by = if stack.in_allocator { "allocator" } else { "program" };
+        let mut values = vec![0; SAMPLE_TYPES.len() + if inspected { CLASS_TYPES.len() } else { 0 }];
+        values[MAPPED_SPACE] = stack.outstanding_bytes;
         Sample {
             locations: self.locations(part, &stack.frames, outermost),
-            values: [0, 0, 0, 0, stack.outstanding_bytes],
+            values,
             labels: vec![
                 (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
                 (self.string(MAPPED_BY_LABEL), Value::Text(self.string(by))),

@@ -1,7 +1,8 @@
 //! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
-//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, and the
-//! mapped memory's, of one process or of several (the daemon's profile of the host), each sample
-//! labelled.
+//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, and three of
+//! memprof's and the mapped memory's after them, of one process or of several (the daemon's profile of the host), each
+//! sample labelled; with the bytes of each reachability class as four more sample types when a
+//! process was inspected.
 
 mod decode;
 mod encode;
@@ -64,16 +65,43 @@ impl<'a> Part<'a> {
     }
 }
 
-/// The sample types, Go's four in Go's order, then the bytes of anonymous mappings held (README:
-/// Mappings), apart so that no total adds them to the heap: each sample's values are in this
-/// order too.
-pub const SAMPLE_TYPES: [(&str, &str); 5] = [
+/// The sample types: Go's four in Go's order (tools that expect a Go heap profile find them
+/// where Go puts them), then each stack's own high-water mark, its temporary allocations and the
+/// resident bytes its blocks pin (README: pprof); last the bytes of anonymous mappings a stack
+/// holds (README: Memory outside malloc), on samples of their own, so that no total adds them to
+/// the heap. Each sample's values are in this order too.
+pub const SAMPLE_TYPES: [(&str, &str); 8] = [
     ("alloc_objects", "count"),
     ("alloc_space", "bytes"),
     ("inuse_objects", "count"),
     ("inuse_space", "bytes"),
+    ("max_inuse_space", "bytes"),
+    ("temporary_objects", "count"),
+    ("pinned_space", "bytes"),
     ("mapped_space", "bytes"),
 ];
+
+/// Where `mapped_space` is in `SAMPLE_TYPES`.
+const MAPPED_SPACE: usize = 7;
+
+/// A stack's values, in the order of `SAMPLE_TYPES`.
+fn values(stack: &StackReport) -> [u64; SAMPLE_TYPES.len()] {
+    [
+        stack.allocations,
+        stack.allocated_bytes,
+        stack.outstanding_allocations,
+        stack.outstanding_bytes,
+        stack.max_outstanding_bytes,
+        stack.temporary_allocations,
+        stack.pinned_bytes,
+        0,
+    ]
+}
+
+/// The sample types after `SAMPLE_TYPES` when a process was inspected (`--inspect`): each stack's
+/// bytes per class, as in its `reachability`.
+pub const CLASS_TYPES: [(&str, &str); 4] =
+    [("definitely_lost", "bytes"), ("indirectly_lost", "bytes"), ("possibly_lost", "bytes"), ("reachable", "bytes")];
 
 /// The sample type `go tool pprof` shows unless told otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,6 +199,7 @@ mod tests {
     use super::{decode::PprofError, wire::Reader, *};
     use crate::{
         heap::{
+            inspect::{Inspection, Reachability},
             mappings::MappingStack,
             report::{samples, Report},
         },
@@ -217,24 +246,39 @@ mod tests {
         };
         report.mappings.stacks.push(mapped);
         let decoded = read(&render(&report, DefaultType::AllocSpace)).unwrap();
-        assert_eq!(
-            decoded.sample_types,
-            ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]
-        );
+        assert_eq!(decoded.sample_types, SAMPLE_TYPES.map(|(name, _)| name));
+        assert_eq!(decoded.sample_types[MAPPED_SPACE], "mapped_space");
         assert_eq!(decoded.default_sample_type, "alloc_space");
         assert_eq!(decoded.samples.len(), report.stacks.len() + 1);
         let mapping = decoded.samples.last().unwrap();
-        assert_eq!(mapping.values, [0, 0, 0, 0, 8192], "mapped bytes in their own type only");
+        assert_eq!(mapping.values, [0, 0, 0, 0, 0, 0, 0, 8192], "mapped bytes in their own type only");
         assert_eq!(mapping.stack_id.as_deref(), Some("0m"));
         for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
-            assert_eq!(
-                sample.values,
-                [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes, 0]
-            );
+            assert_eq!(sample.values, values(stack));
             assert_eq!(sample.frames, stack.frames, "{}", stack.stack_id);
             assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
         }
         assert_eq!(read(&render(&report, DefaultType::InuseSpace)).unwrap().default_sample_type, "inuse_space");
+    }
+
+    #[test]
+    fn an_inspected_report_has_the_bytes_of_each_class() {
+        let mut report = report();
+        report.inspection = Some(Inspection::default());
+        report.stacks[0].reachability = Some(Reachability {
+            definitely_lost_bytes: 40,
+            indirectly_lost_bytes: 30,
+            possibly_lost_bytes: 20,
+            reachable_bytes: 10,
+            ..Reachability::default()
+        });
+        let decoded = read(&render(&report, DefaultType::InuseSpace)).unwrap();
+        let classes = ["definitely_lost", "indirectly_lost", "possibly_lost", "reachable"];
+        let classes_at = SAMPLE_TYPES.len();
+        assert_eq!(decoded.sample_types[classes_at..], classes);
+        assert_eq!(decoded.samples[0].values[classes_at..], [40, 30, 20, 10]);
+        // A stack with no block tracked when inspected has none in any class.
+        assert_eq!(decoded.samples[1].values[classes_at..], [0, 0, 0, 0]);
     }
 
     /// The profile's messages of field `number`, each as its fields' integer values.
@@ -280,9 +324,21 @@ mod tests {
         assert_eq!(locations, 4);
         let types = messages(&profile, field::profile::SAMPLE_TYPE);
         let names: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::TYPE) as usize].as_str()).collect();
-        assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space", "mapped_space"]);
+        assert_eq!(
+            names,
+            [
+                "alloc_objects",
+                "alloc_space",
+                "inuse_objects",
+                "inuse_space",
+                "max_inuse_space",
+                "temporary_objects",
+                "pinned_space",
+                "mapped_space"
+            ]
+        );
         let units: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::UNIT) as usize].as_str()).collect();
-        assert_eq!(units, ["count", "bytes", "count", "bytes", "bytes"]);
+        assert_eq!(units, ["count", "bytes", "count", "bytes", "bytes", "count", "bytes", "bytes"]);
     }
 
     #[test]

@@ -1,0 +1,156 @@
+//! Asking the memprof daemon on this host (`snapshot`, `inspect`): plain HTTP to a loopback
+//! listener that root or the caller owns, with basic auth when the daemon's web config asks for it.
+
+use std::{
+    io::{self, Read as _, Write as _},
+    net::{SocketAddr, TcpStream, ToSocketAddrs as _},
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _};
+use base64::Engine as _;
+
+use crate::format::MAX_INPUT_BYTES;
+
+/// The environment variable that holds the password for `--daemon-user` (never an argument:
+/// those are visible to every user in `ps`).
+pub const PASSWORD_VARIABLE: &str = "MEMPROF_DAEMON_PASSWORD";
+
+/// A daemon to ask.
+pub struct Daemon<'a> {
+    /// `http://HOST:PORT`.
+    pub url: &'a str,
+    /// User and password for basic auth.
+    pub login: Option<(String, String)>,
+    /// How long an answer may take.
+    pub wait: Duration,
+}
+
+/// What the daemon said.
+pub enum Reply {
+    Answer {
+        status: u16,
+        body: Vec<u8>,
+    },
+    /// No daemon answers at the URL: why.
+    NoDaemon(String),
+}
+
+impl<'a> Daemon<'a> {
+    /// The daemon at `url`, logged in as `user` (the password from `PASSWORD_VARIABLE`) if given.
+    pub fn new(url: &'a str, user: Option<&str>, wait: Duration) -> anyhow::Result<Self> {
+        let login = match user {
+            Some(user) => match std::env::var(PASSWORD_VARIABLE) {
+                Ok(password) => Some((user.to_string(), password)),
+                Err(_) => {
+                    bail!("--daemon-user {user} needs the password in the environment variable {PASSWORD_VARIABLE}")
+                }
+            },
+            None => None,
+        };
+        Ok(Self { url, login, wait })
+    }
+
+    /// `GET path` (with its query).
+    pub fn get(&self, path: &str) -> anyhow::Result<Reply> {
+        let url = self.url;
+        let Some(authority) = url.strip_prefix("http://").map(|rest| rest.trim_end_matches('/')) else {
+            bail!("--daemon {url} is not an http:// URL; give it as http://HOST:PORT");
+        };
+        let address = authority
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addresses| addresses.next())
+            .with_context(|| format!("--daemon {url} names no address; give it as http://HOST:PORT"))?;
+        if !address.ip().is_loopback() {
+            bail!(
+                "--daemon {url} is not on this host, and memprof trusts only a daemon it can check is root's; \
+                 fetch a remote daemon's answers with curl over https instead"
+            );
+        }
+        // Anyone may listen on an unprivileged port: the answer is trusted only from root's or our
+        // own, and the password is sent to no one else.
+        match listener_owner(address) {
+            Some(uid) if uid == 0 || uid == effective_uid() => {}
+            Some(uid) => bail!(
+                "the listener at {url} belongs to uid {uid}, not root or you: refusing its answer (is the memprof daemon running, on that port?)"
+            ),
+            None => return Ok(Reply::NoDaemon(format!("no memprof daemon answers at {url} (nothing listens there)"))),
+        }
+        match self.request(address, authority, path) {
+            Ok((status, body)) => Ok(Reply::Answer { status, body }),
+            Err(err) if err.kind() == io::ErrorKind::FileTooLarge => bail!("the daemon at {url}: {err}"),
+            Err(err) => Ok(Reply::NoDaemon(format!("no memprof daemon answers at {url} ({err})"))),
+        }
+    }
+
+    /// `GET path` over HTTP/1.0, which keeps the body unchunked; returns the status and body, at
+    /// most `MAX_INPUT_BYTES` of it (more is an error of kind `FileTooLarge`).
+    fn request(&self, address: SocketAddr, authority: &str, path: &str) -> io::Result<(u16, Vec<u8>)> {
+        let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(self.wait))?;
+        let mut head = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n");
+        if let Some((user, password)) = &self.login {
+            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            head.push_str(&format!("Authorization: Basic {token}\r\n"));
+        }
+        write!(stream, "{head}\r\n")?;
+        let mut response = Vec::new();
+        // The head is small; one byte over the limit tells a body at the limit from a larger one.
+        (&mut stream).take(MAX_INPUT_BYTES + 64 * 1024 + 1).read_to_end(&mut response)?;
+        let not_http = || io::Error::new(io::ErrorKind::InvalidData, "not an HTTP response");
+        let split = response.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(not_http)?;
+        if (response.len() - split - 4) as u64 > MAX_INPUT_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::FileTooLarge,
+                format!("its answer is larger than {} MiB, more than any report memprof reads", MAX_INPUT_BYTES >> 20),
+            ));
+        }
+        let head = String::from_utf8_lossy(&response[..split]);
+        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(not_http)?;
+        response.drain(..split + 4);
+        Ok((status, response))
+    }
+}
+
+/// The message of the daemon's JSON error body (`{"error": "..."}`), or the body's start.
+pub fn error_message(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Error {
+        error: String,
+    }
+    match serde_json::from_slice::<Error>(body) {
+        Ok(error) => error.error,
+        Err(_) => String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string(),
+    }
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The uid owning the TCP socket listening on `address` (or on every address, at its port),
+/// from `/proc/net/tcp` and `tcp6`: the same network namespace the connection goes through.
+fn listener_owner(address: SocketAddr) -> Option<u32> {
+    const LISTEN: &str = "0A";
+    let port = format!("{:04X}", address.port());
+    let wanted = |local: &str| {
+        let Some((ip, at)) = local.split_once(':') else { return false };
+        // Every address, or the one asked for (in /proc's byte order).
+        let exact = match address.ip() {
+            std::net::IpAddr::V4(v4) => format!("{:08X}", u32::from_ne_bytes(v4.octets())),
+            std::net::IpAddr::V6(v6) => {
+                v6.octets().chunks(4).map(|w| format!("{:08X}", u32::from_ne_bytes(w.try_into().unwrap()))).collect()
+            }
+        };
+        at == port && (ip.bytes().all(|b| b == b'0') || ip == exact)
+    };
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|table| {
+        let text = std::fs::read_to_string(table).ok()?;
+        text.lines().skip(1).find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.len() > 7 && fields[3] == LISTEN && wanted(fields[1])).then(|| fields[7].parse().ok()).flatten()
+        })
+    })
+}
