@@ -50,7 +50,7 @@ pub fn run() -> anyhow::Result<()> {
             rows.push((mib, writes, median));
         }
     }
-    let report = render(&rows, &load_before, &load_average()?);
+    let report = render(&rows, &load_before, &load_average()?, &kernel()?);
     println!("{report}");
     crate::benchmarks::write_section(&root().join("BENCHMARKS.md"), TITLE, &report)?;
     eprintln!("xtask pause: written to BENCHMARKS.md");
@@ -60,7 +60,7 @@ pub fn run() -> anyhow::Result<()> {
 /// `memprof run --inspect` on heapbench once; the blocks it classed and its inspection.
 fn inspect(memprof: &Path, heapbench: &Path, mib: u64, writes: u64, precopy: &str) -> anyhow::Result<Run> {
     // Long enough for heapbench to build its heap under the probes first.
-    let duration = (3 + mib / 100).to_string();
+    let duration = (3 + mib / 64).to_string();
     let mut child = Command::new(memprof)
         .args(["run", "--json", "--inspect", "--inspect-precopy", precopy, "--duration", &duration])
         .args(["--interval", &duration, "--"])
@@ -109,19 +109,28 @@ fn load_average() -> anyhow::Result<String> {
     Ok(text.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
-fn render(rows: &[(u64, u64, Run)], load_before: &str, load_after: &str) -> String {
+/// The kernel's release.
+fn kernel() -> anyhow::Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/osrelease")?.trim().to_string())
+}
+
+fn render(rows: &[(u64, u64, Run)], load_before: &str, load_after: &str, kernel: &str) -> String {
     let mut out = format!("{TITLE}\n\n");
     let _ = writeln!(
         out,
         "Written by `cargo xtask pause`: `memprof run --inspect --inspect-precopy never|always --duration S -- heapbench MiB WRITES` \
          (bench/heapbench.c, `-O2`): a list of 4 KiB blocks holding MiB in all, filled with small numbers, reachable from a global; \
          with WRITES, a thread rewrites one word of WRITES random blocks every millisecond meanwhile. Each row is the median of {RUNS} \
-         runs by pause. `never` copies the process's writable memory (the pages in memory) while it is held still; `always` copies it \
-         while it runs, after clearing its soft-dirty bits, and reads again in the stop only the pages written since. Stages, in ms: \
+         runs by pause. `never` copies the process's writable memory (the pages in memory) while it is held still \
+         (`single_stop`); `always` copies it first while it runs and, in the stop, reads again only the pages written since where the \
+         kernel keeps soft-dirty bits (`soft_dirty`), or every page into the warm copy where it does not (`recopy`: Linux built \
+         without `CONFIG_MEM_SOFT_DIRTY`). Stages, in ms: \
          `stop` (every thread stopped), `LIVE` (its heap figures compared with those read before the stop; its tracked blocks \
          read from the kernel again only if they changed), `copy` (mappings listed, memory or written pages read, threads released) \
          make the pause; `before the stop` (`LIVE` read, and the pre-copy) and `marking` (after it, on the copy) do not hold the \
-         process. 2-core VM shared with other builds: load average {load_before} before, {load_after} after."
+         process. 2-core VM shared with other builds, Linux {kernel} ({}): load average {load_before} before, {load_after} \
+         after.",
+        if rows.iter().any(|(_, _, run)| run.method == "soft_dirty") { "soft-dirty bits kept" } else { "no soft-dirty bits" }
     );
     out.push_str(
         "\n| live heap | writes/ms | blocks | method | pause | stop | `LIVE` | copy | read in pause | before the stop | marking |\n",
