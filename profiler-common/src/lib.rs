@@ -109,10 +109,13 @@ pub enum DropReason {
     /// The table of thread pairs (who frees whose allocations) was full: the free is counted,
     /// its pair is not.
     ThreadPairTableFull = 15,
+    /// A walk stopped at a file with no table yet, and its stack copy could not be sent to the
+    /// daemon to finish (the ring of deferred walks was full): the stack ends there, truncated.
+    DeferredWalkLost = 16,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 17;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -130,6 +133,7 @@ impl DropReason {
         DropReason::StackPreempted,
         DropReason::MappingEventLost,
         DropReason::ThreadPairTableFull,
+        DropReason::DeferredWalkLost,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -151,6 +155,7 @@ impl DropReason {
             DropReason::StackPreempted => "stack_preempted",
             DropReason::MappingEventLost => "mapping_event_lost",
             DropReason::ThreadPairTableFull => "thread_pair_table_full",
+            DropReason::DeferredWalkLost => "deferred_walk_lost",
         }
     }
 }

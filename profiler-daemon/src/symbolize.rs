@@ -318,6 +318,20 @@ impl SymbolizerThread {
             };
             modules.push(OpenModule { mapping, file, build_id });
         }
+        // What the new list misses is kept, unless its addresses or its file are now mapped
+        // elsewhere: a list read as the process exits, or rebuilt from the linker's list, can
+        // miss files, and stacks recorded while a library was loaded still point into it after
+        // a dlclose. Bounded by the files the process ever mapped.
+        let missed: Vec<OpenModule> = old
+            .into_iter()
+            .filter(|gone| {
+                !modules.iter().any(|m| {
+                    m.mapping.path == gone.mapping.path
+                        || (m.mapping.start < gone.mapping.end && gone.mapping.start < m.mapping.end)
+                })
+            })
+            .collect();
+        modules.extend(missed);
         self.modules.insert(pid, modules);
     }
 

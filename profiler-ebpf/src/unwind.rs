@@ -201,13 +201,15 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     // One more iteration than frames: an entry probe's first one stores none.
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
     let end = StackEnd::from_u32(scratch.walk.end);
+    let mut reason = end.drop_reason();
     if end == StackEnd::NoTable {
         if let Some(id) = defer(table, which, scratch, ours) {
             return id;
         }
+        reason = Some(DropReason::DeferredWalkLost);
     }
     let walk = &scratch.walk;
-    if let Some(reason) = end.drop_reason() {
+    if let Some(reason) = reason {
         count_drop(reason);
     }
     let check = walk.check ^ walk.len as u64;
@@ -250,7 +252,7 @@ const EEXIST: i32 = 17;
 /// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
 /// probe that stored no frame yet (a free in a library not read yet), the return address at the
 /// stack pointer, so that two call sites at one depth do too. None when the event cannot be sent
-/// (the ring is full): the stack is then kept cut, as `unwind_no_table`.
+/// (the ring is full): the stack is then kept cut, counted as `deferred_walk_lost`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64) -> Option<u64> {

@@ -34,8 +34,9 @@ const LLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM-14.so.1";
 const THREAD_TAIL: [&str; 2] = ["start_thread", "clone3"];
 
 /// The counters that say a stack was cut short or not kept.
-const STACK_DROPS: [&str; 6] = [
+const STACK_DROPS: [&str; 7] = [
     "unwind_no_table",
+    "deferred_walk_lost",
     "unwind_bad_rule",
     "unwind_read_failed",
     "stack_too_deep",

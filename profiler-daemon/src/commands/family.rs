@@ -169,6 +169,8 @@ impl Family {
             // the dynamic linker reports them).
             // Read once, symbols first: a short-lived command may be gone a moment later.
             if let Ok(mappings) = procfs::file_mappings(pid) {
+                // Nothing of the program before the exec (memprof's own child) is kept.
+                symbolizer.forget(pid);
                 symbolizer.refresh_with(pid, mappings.clone());
                 loaded.sync_mappings_with(pid, &mappings);
             }

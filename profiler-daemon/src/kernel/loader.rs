@@ -304,6 +304,7 @@ impl Loaded {
     /// the dynamic linker has loaded the C library.
     pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
         self.take_back(old, pid);
+        self.unwind_events.forget(pid.get());
         self.sync_mappings(pid.get());
         let mut attachment = Attachment::default();
         self.attach_dl_hook(&mut attachment, pid);
@@ -338,6 +339,7 @@ impl Loaded {
         }
         for &pid in pids {
             self.unwind.forget(&mut self.ebpf, pid);
+            self.unwind_events.forget(pid);
             self.ages.forget(pid);
         }
     }
@@ -387,7 +389,7 @@ impl Loaded {
         for &pid in &drained.pids {
             let mappings = match procfs::file_mappings(pid) {
                 Ok(mappings) if !mappings.is_empty() => mappings,
-                _ => match drained.objects.get(&pid) {
+                _ => match self.unwind_events.objects(pid) {
                     Some(objects) => link_map::mappings(objects, exe_of(pid).as_deref()),
                     None => match exe_of(pid).and_then(|exe| link_map::fixed_executable(&exe)) {
                         Some(mappings) => mappings,

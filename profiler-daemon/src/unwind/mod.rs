@@ -20,6 +20,11 @@ pub use registry::{Registry, TableUse, UnwindMode};
 /// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
 pub struct UnwindEvents {
     ring: RingBuf<MapData>,
+    /// The dynamic linker's last list of objects of each process that sent one: load bias and
+    /// path (see `process::link_map`). Kept across drains, until the process is forgotten: a
+    /// process gone before memprof read its mappings is rebuilt from the last list it sent,
+    /// whenever that came.
+    objects: HashMap<u32, Vec<(u64, String)>>,
 }
 
 /// The events read at once.
@@ -30,15 +35,12 @@ pub struct Drained {
     pub pids: Vec<u32>,
     /// Boxed: each holds a copy of a stack.
     pub deferred: Vec<Box<DeferredUnwind>>,
-    /// The dynamic linker's last list of objects of each process that sent one: load bias and
-    /// path (see `process::link_map`).
-    pub objects: HashMap<u32, Vec<(u64, String)>>,
 }
 
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        Ok(Self { ring: RingBuf::try_from(map)? })
+        Ok(Self { ring: RingBuf::try_from(map)?, objects: HashMap::new() })
     }
 
     /// The events since the last call.
@@ -52,7 +54,7 @@ impl UnwindEvents {
                     let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
                     (object.base, String::from_utf8_lossy(name).into_owned())
                 });
-                drained.objects.insert(event.tgid, objects.collect());
+                self.objects.insert(event.tgid, objects.collect());
                 event.tgid
             } else if item.len() == size_of::<DeferredUnwind>() {
                 // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
@@ -71,6 +73,16 @@ impl UnwindEvents {
             }
         }
         drained
+    }
+
+    /// The last list of objects `tgid`'s dynamic linker sent.
+    pub fn objects(&self, tgid: u32) -> Option<&[(u64, String)]> {
+        self.objects.get(&tgid).map(Vec::as_slice)
+    }
+
+    /// Drops the list of a process that exited or runs another program now.
+    pub fn forget(&mut self, tgid: u32) {
+        self.objects.remove(&tgid);
     }
 
     /// For waiting on events with poll or an async reactor.
