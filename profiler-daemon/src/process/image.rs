@@ -100,9 +100,49 @@ pub fn read_runs(pid: u32, segments: &mut [Segment], runs: &[Vec<(usize, usize)>
     (asked, read_into(pid, &mut targets))
 }
 
+/// Above this many bytes a copy is shared among threads: its time is the kernel's work per page
+/// (pinning, mapping, copying), which scales with the cores, and the process is stopped.
+const PARALLEL_ABOVE: usize = 8 << 20;
+
+/// Threads a copy is shared among, at most.
+const MAX_THREADS: usize = 8;
+
 /// Reads each buffer's length of `pid`'s memory at its address into it; returns how many bytes
 /// could not be read, left as zeros.
 fn read_into(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
+    let total: usize = targets.iter().map(|(_, buf)| buf.len()).sum();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
+    if threads < 2 || total < PARALLEL_ABOVE {
+        return read_serially(pid, targets);
+    }
+    // Shares of about equal bytes, a target cut where a share ends.
+    let share = total.div_ceil(threads);
+    let mut shares: Vec<Vec<(u64, &mut [u8])>> = vec![Vec::new()];
+    let mut filled = 0;
+    for (addr, buf) in targets.iter_mut() {
+        let (mut addr, mut rest): (u64, &mut [u8]) = (*addr, buf);
+        while !rest.is_empty() {
+            let room = share - filled;
+            if rest.len() <= room {
+                filled += rest.len();
+                shares.last_mut().expect("one share at least").push((addr, rest));
+                break;
+            }
+            let (head, tail) = rest.split_at_mut(room);
+            shares.last_mut().expect("one share at least").push((addr, head));
+            (addr, rest) = (addr + room as u64, tail);
+            shares.push(Vec::new());
+            filled = 0;
+        }
+    }
+    std::thread::scope(|scope| {
+        let copies: Vec<_> =
+            shares.into_iter().map(|mut share| scope.spawn(move || read_serially(pid, &mut share))).collect();
+        copies.into_iter().map(|copy| copy.join().expect("a copying thread does not panic")).sum()
+    })
+}
+
+fn read_serially(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
     let mut unreadable = 0;
     // The next target and how far into it.
     let (mut at, mut done) = (0, 0);
@@ -215,6 +255,28 @@ mod tests {
             libc::munmap(base as *mut libc::c_void, PAGE as usize);
             libc::munmap((base + 2 * PAGE) as *mut libc::c_void, PAGE as usize);
         }
+    }
+
+    #[test]
+    fn a_large_copy_shared_among_threads_is_whole() {
+        // More than PARALLEL_ABOVE, in three buffers of odd sizes, so that shares cut them.
+        let source: Vec<u64> = (0..(12 << 20) / 8).collect();
+        let bytes: &[u8] = as_bytes(&source);
+        let base = bytes.as_ptr() as u64;
+        let cuts = [0, 5 << 20, (5 << 20) + 12_345, bytes.len()];
+        let mut segments: Vec<Segment> =
+            cuts.windows(2).map(|w| Segment { start: base + w[0] as u64, bytes: vec![0; w[1] - w[0]] }).collect();
+        let runs: Vec<Vec<(usize, usize)>> = segments.iter().map(|s| vec![(0, s.bytes.len())]).collect();
+        let (read, unreadable) = read_runs(std::process::id(), &mut segments, &runs);
+        assert_eq!((read, unreadable), (bytes.len() as u64, 0));
+        let copy: Vec<u8> = segments.iter().flat_map(|s| s.bytes.iter().copied()).collect();
+        assert!(copy == bytes);
+    }
+
+    /// The bytes of a slice of words.
+    fn as_bytes(words: &[u64]) -> &[u8] {
+        // SAFETY: any initialized u64 is 8 readable bytes; the slice borrows `words`.
+        unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), std::mem::size_of_val(words)) }
     }
 
     #[test]
