@@ -188,6 +188,11 @@ fn the_peak_and_resident_memory_are_exported() {
     // Its labels as the other per-process series' (exe and cgroup after pid and comm).
     let difference = format!("memprof_rss_anon_minus_heap_bytes{{pid=\"{}\",comm=\"daemon_target\",", target.pid());
     assert!(body.contains(&difference), "{body}");
+    // The pages pinned by few live bytes: daemon_target's 50 blocks of 1000 bytes lie side by
+    // side, 4 to a page, so at most the two pages at their ends can be (checked exactly on
+    // resident.c in tests/tests/peaks.rs).
+    let pinned = metric(daemon.port, &series("memprof_heap_pinned_bytes")).expect("memprof_heap_pinned_bytes");
+    assert!(pinned <= 2 * 4096, "{pinned}");
 }
 
 /// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid system).

@@ -103,3 +103,62 @@ fn resident_memory_is_set_against_the_heap() {
         readings.iter().rfind(|r| r.1 == 640_000).expect("a reading with the 2,500 survivors held");
     assert!(difference >= 37_500 * 256, "rss_anon {rss}: the freed blocks' pages are still resident ({difference})");
 }
+
+/// `(pinned_pages, pinned_bytes)` of the stack at `function`.
+fn pinned(report: &Value, function: &str) -> (u64, u64) {
+    let stack = stack(report, function);
+    (stack["pinned_pages"].as_u64().expect("pinned_pages"), stack["pinned_bytes"].as_u64().expect("pinned_bytes"))
+}
+
+#[test]
+fn the_survivors_stack_is_named_with_the_pages_it_pins() {
+    let program = fixture("resident");
+    let recording = std::env::temp_dir().join(format!("memprof-pinned-{}.rec", std::process::id()));
+    let recorded = recording.to_str().unwrap();
+    let outcome = run(&["--interval", "0.2", "--record", recorded], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    // The fixture counts the pages its 2,500 survivors are on from their addresses: each holds
+    // at most 256 of its 4096 bytes live (survivors are 16 chunks of 272 bytes apart), and the
+    // freed blocks around them leave them resident.
+    let pages: u64 = outcome
+        .stderr
+        .lines()
+        .find_map(|line| line.strip_prefix("survivor pages: "))
+        .unwrap_or_else(|| panic!("the fixture's count: {}", outcome.stderr))
+        .parse()
+        .unwrap();
+    assert!((2_500..=2_500 + 2_500 / 16 + 1).contains(&pages), "{pages}");
+    let page = 4096;
+    let reports = outcome.reports();
+    let held = reports
+        .iter()
+        .rfind(|r| !r["final"].as_bool().unwrap() && r["totals"]["outstanding_bytes"] == 640_000)
+        .expect("a report with the 2,500 survivors held");
+    assert_eq!(pinned(held, "small_block"), (pages, pages * page), "{held}");
+    assert_eq!(held["memory"]["pinned_pages"], pages, "{}", held["memory"]);
+    assert_eq!(held["memory"]["pinned_bytes"], pages * page, "{}", held["memory"]);
+    // The final report comes after the fixture's exit: it keeps the last reading.
+    let last = outcome.final_report();
+    assert_eq!(pinned(&last, "small_block"), (pages, pages * page), "{last}");
+
+    // Read back from the recording, and in the table: its PINNED column and resident line.
+    let rendered = memprof_tests::memprof(&["report", recorded, "--format", "json"]);
+    let table = memprof_tests::memprof(&["report", recorded, "--format", "table"]);
+    std::fs::remove_file(&recording).unwrap();
+    assert!(rendered.status.success(), "{rendered:?}");
+    assert_eq!(pinned(&rendered.final_report(), "small_block"), (pages, pages * page));
+    let small = stack(&last, "small_block");
+    let field = |name: &str| small[name].as_u64().unwrap();
+    // The last block made is temporary: freed before its thread allocated anything else.
+    let row = format!(
+        "{:>12} {:>9} {:>12} {:>9} {:>12}",
+        640_000,
+        2_500,
+        field("max_outstanding_bytes"),
+        field("temporary_allocations"),
+        pages * page
+    );
+    let table = table.stdout;
+    assert!(table.contains(&row), "`{row}` in {table}");
+    assert!(table.contains(&format!("; {pages} pages (")), "{table}");
+}

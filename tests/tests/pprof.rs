@@ -200,6 +200,50 @@ fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
 }
 
 /// A line the fixture prints when a phase is done.
+/// memprof's own sample types after Go's four: each stack's high-water mark and temporary
+/// allocations (`peaks.c`), and the resident bytes its blocks pin (`resident.c`, whose 2,500
+/// survivors of 40,000 blocks pin the pages they are on: it says how many).
+#[test]
+fn the_peak_temporary_and_pinned_sample_types_read_exactly() {
+    let scratch = Scratch::new("memprof-types");
+    let profile = scratch.file("peaks.pb.gz");
+    let peaks = fixture("peaks");
+    let outcome = memprof(&["run", "--format", "pprof", "--output", &profile, "--", peaks.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let top = Top::read(&scratch, &["-sample_index=max_inuse_space", &profile]);
+    assert_eq!(top.sample_type, "max_inuse_space");
+    for (function, max) in [("hold_a", 10_000), ("hold_b", 10_000), ("after_peak", 3_000)] {
+        assert_eq!(top.flat(function), max, "{function}: {top:?}");
+    }
+    let top = Top::read(&scratch, &["-sample_index=temporary_objects", &profile]);
+    assert_eq!((top.flat("temp_loop_alloc"), top.flat("pair_second"), top.flat("pair_first")), (100, 50, 0), "{top:?}");
+
+    let profile = scratch.file("resident.pb.gz");
+    let resident = fixture("resident");
+    let outcome = memprof(&[
+        "run",
+        "--format",
+        "pprof",
+        "--output",
+        &profile,
+        "--interval",
+        "0.2",
+        "--",
+        resident.to_str().unwrap(),
+    ]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let pages: i64 = outcome
+        .stderr
+        .lines()
+        .find_map(|line| line.strip_prefix("survivor pages: "))
+        .unwrap_or_else(|| panic!("the fixture's count: {}", outcome.stderr))
+        .parse()
+        .unwrap();
+    let top = Top::read(&scratch, &["-sample_index=pinned_space", &profile]);
+    assert_eq!(top.flat("small_block"), pages * 4096, "{top:?}");
+    assert_eq!(top.shown, pages * 4096, "nothing else pins a page: {top:?}");
+}
+
 fn wait_line(target: &mut Waiting, expected: &str) {
     let mut line = String::new();
     BufReader::new(target.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");

@@ -251,6 +251,19 @@ fn row<'a>(html: &'a str, needle: &str) -> &'a str {
 }
 
 /// The report embedded in the page, as the page's scripts read it.
+/// `n` with a comma between thousands, as the HTML report writes numbers.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
 fn embedded_report(dom: &str) -> Value {
     let json = dom.split("id=\"report-data\">").nth(1).and_then(|rest| rest.split("</script>").next()).unwrap();
     serde_json::from_str(json).unwrap()
@@ -319,6 +332,14 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     assert!(row(stacks, "grow_site (reports.c:").contains("data-key=\"outstanding_bytes\">98,304<"), "{stacks}");
     assert!(row(stacks, "hold_site (reports.c:").contains("data-key=\"outstanding_bytes\">10,000<"), "{stacks}");
     assert!(!stacks.contains("churn_site"), "{stacks}");
+    // The pages each stack pins and the process's, as its JSON says (README: Resident memory;
+    // exact counts are tested on resident.c in tests/tests/peaks.rs). The run ends with the
+    // process: the figures are the last interval's.
+    let hold = report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == "hold_site").unwrap();
+    let pinned = hold["pinned_bytes"].as_u64().expect("pinned_bytes");
+    assert!(row(stacks, "hold_site (reports.c:").contains(&format!("data-key=\"pinned_bytes\">{}<", grouped(pinned))));
+    let pages = report["memory"]["pinned_pages"].as_u64().expect("memory read while the process ran");
+    assert!(summary.contains(&format!(" in {} pages<", grouped(pages))), "{summary}");
 
     // The call tree opens on the heavy paths; the leaking one is marked.
     let tree = section(&dom, "tree");

@@ -21,6 +21,7 @@ use crate::{
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
+    heap::resident::{PinnedBudget, Resident},
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
@@ -228,6 +229,7 @@ struct Tracer<'a> {
     recording: bool,
     /// The root process's inspection, for its final report.
     inspection: Option<Inspection>,
+    pinned_budget: PinnedBudget,
 }
 
 impl Tracer<'_> {
@@ -288,6 +290,10 @@ impl Tracer<'_> {
             aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
+        // The session's final report reads the pinned pages whatever the budget (a child's
+        // exit, which may come in storms, does not).
+        let residents = self.family.processes_mut().filter(|p| pids.contains(&p.pid)).map(|p| (p.pid, &mut p.resident));
+        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, is_final && only.is_none())?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
             if let Some(switch) = process.rate_guard.check(snapshot) {
@@ -331,6 +337,7 @@ impl Tracer<'_> {
                     ns_pid: process.ns_pid,
                     double_frees: &process.double_frees,
                     leaks: &process.leaks,
+                    pinned: process.resident.pinned(),
                 };
                 let snapshot = kernel.processes.get(&process.pid).cloned().unwrap_or_default();
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);
@@ -409,6 +416,7 @@ async fn trace(
         context: RunContext::now(),
         recording: recording.is_some(),
         inspection: None,
+        pinned_budget: PinnedBudget::default(),
     };
     if let Some(recording) = &mut recording {
         recording.start(Settings { top: args.top, interval_s: args.interval })?;

@@ -56,6 +56,12 @@ const PER_PROCESS: &[PerProcess] = &[
         MetricType::Gauge,
         |t| t.report.memory.map_or(0, |m| m.rss_anon_bytes),
     ),
+    (
+        "memprof_heap_pinned_bytes",
+        "Resident pages holding live heap blocks but less than a quarter of their bytes live (fragmentation: README, Resident memory); 0 when sampled.",
+        MetricType::Gauge,
+        |t| t.report.memory.map_or(0, |m| m.pinned_bytes),
+    ),
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
     (
         "memprof_temporary_allocations",

@@ -28,7 +28,11 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    heap::{
+        blind_spots::BlindSpots,
+        double_free::DoubleFreeFilter,
+        resident::{PinnedBudget, Resident},
+    },
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
@@ -97,6 +101,7 @@ pub struct Tracer {
     /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
     pending_children: HashSet<ProcessId>,
     view: Arc<RwLock<DaemonView>>,
+    pinned_budget: PinnedBudget,
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -126,6 +131,7 @@ impl Tracer {
             children_missed: 0,
             pending_children: HashSet::new(),
             view,
+            pinned_budget: PinnedBudget::default(),
             alive,
         })
     }
@@ -476,6 +482,8 @@ impl Tracer {
         for pid in reused {
             self.detach(pid);
         }
+        let residents = self.targets.values_mut().map(|t| (t.id.pid, &mut t.resident));
+        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, false)?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -543,6 +551,7 @@ impl Tracer {
             ns_pid: target.ns_pid,
             double_frees: &target.double_frees,
             leaks: &target.leaks,
+            pinned: target.resident.pinned(),
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);

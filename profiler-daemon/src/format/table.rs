@@ -71,11 +71,13 @@ fn section(report: &Report) -> String {
     if let Some(memory) = &report.memory {
         let _ = writeln!(
             out,
-            "  resident: {} anonymous against {} of heap in use: {}{} not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)",
+            "  resident: {} anonymous against {} of heap in use: {}{} not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc); {} pages ({}) pinned by blocks with less than a quarter of them live",
             bytes(memory.rss_anon_bytes),
             bytes(memory.heap_inuse_bytes),
             if memory.difference_bytes < 0 { "-" } else { "" },
-            bytes(memory.difference_bytes.unsigned_abs())
+            bytes(memory.difference_bytes.unsigned_abs()),
+            memory.pinned_pages,
+            bytes(memory.pinned_bytes)
         );
     }
     for spot in &report.blind_spots {
@@ -93,8 +95,8 @@ fn section(report: &Report) -> String {
     } else {
         let _ = writeln!(
             out,
-            "  {:>12} {:>9} {:>12} {:>9} {:>9} {:>5}  STACK",
-            "BYTES", "COUNT", "MAX BYTES", "TEMPORARY", "OLDEST", "LEAK"
+            "  {:>12} {:>9} {:>12} {:>9} {:>12} {:>9} {:>5}  STACK",
+            "BYTES", "COUNT", "MAX BYTES", "TEMPORARY", "PINNED", "OLDEST", "LEAK"
         );
     }
     for stack in &report.stacks {
@@ -104,11 +106,12 @@ fn section(report: &Report) -> String {
             None => format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " }),
         };
         let lead = format!(
-            "  {:>12} {:>9} {:>12} {:>9} {:>8.1}s {:>5}  ",
+            "  {:>12} {:>9} {:>12} {:>9} {:>12} {:>8.1}s {:>5}  ",
             stack.outstanding_bytes,
             stack.outstanding_allocations,
             stack.max_outstanding_bytes,
             stack.temporary_allocations,
+            stack.pinned_bytes,
             stack.oldest_age_s,
             leak
         );

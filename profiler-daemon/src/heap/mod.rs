@@ -10,6 +10,7 @@ pub mod double_free;
 pub mod filter;
 pub mod inspect;
 pub mod leak;
+pub mod pinned;
 pub mod reachability;
 pub mod report;
 pub mod resident;

@@ -12,6 +12,7 @@ use crate::{
         context::RunContext,
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, LeakVerdict, Timeline},
+        pinned::Pinned,
         resident::Memory,
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
@@ -187,6 +188,12 @@ pub struct StackReport {
     pub max_outstanding_bytes: u64,
     /// Its allocations freed by their thread before it allocated anything else (full mode only).
     pub temporary_allocations: u64,
+    /// Resident pages its live blocks are on that hold less than a quarter of their bytes live,
+    /// and its share of their bytes (see `heap::pinned`): the fragmentation it causes.
+    #[serde(default)]
+    pub pinned_pages: u64,
+    #[serde(default)]
+    pub pinned_bytes: u64,
     pub oldest_age_s: f64,
     /// The walk did not reach the thread's outermost frame (see `dropped` for why).
     pub truncated: bool,
@@ -295,6 +302,8 @@ pub struct Context<'a> {
     pub ns_pid: Option<u32>,
     pub double_frees: &'a [DoubleFreeReport],
     pub leaks: &'a LeakTracker,
+    /// The pages the process's live blocks pin, by kernel stack id.
+    pub pinned: &'a Pinned,
 }
 
 /// How much of a snapshot a report shows.
@@ -313,6 +322,7 @@ pub struct Selection {
 /// Builds the report of one process's `snapshot`.
 pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, selection: Selection) -> Report {
     let mut totals = Totals {
+        outstanding_bytes: snapshot.outstanding_bytes(),
         unknown_frees: snapshot.counters.unknown_frees,
         failed_allocations: snapshot.counters.failed_allocations,
         ..Totals::default()
@@ -322,7 +332,6 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         totals.allocated_bytes += stack.stats.allocated_bytes;
         totals.frees += stack.stats.frees;
         totals.freed_bytes += stack.stats.freed_bytes;
-        totals.outstanding_bytes += stack.stats.allocated_bytes.saturating_sub(stack.stats.freed_bytes);
         totals.outstanding_allocations += stack.stats.allocations.saturating_sub(stack.stats.frees);
         totals.temporary_allocations += stack.stats.temporary_allocations;
     }
@@ -345,6 +354,13 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
             report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
+            // Live blocks carry the id their stack was stored under; a stack the kernel
+            // deferred counts under both. (A second deferred walk of the same stack, absorbed
+            // into it, is counted in the process's total only.)
+            let mut pinned = ctx.pinned.of(stack.stack_id);
+            if stack.stored_id != stack.stack_id {
+                pinned.add(ctx.pinned.of(stack.stored_id));
+            }
             StackReport {
                 stack_id: symbolized.id,
                 outstanding_bytes,
@@ -353,6 +369,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 allocated_bytes: stack.stats.allocated_bytes,
                 max_outstanding_bytes: stack.stats.max_outstanding_bytes,
                 temporary_allocations: stack.stats.temporary_allocations,
+                pinned_pages: pinned.pages,
+                pinned_bytes: pinned.bytes,
                 // Ages are known to the generation: none is older than tracing.
                 oldest_age_s: stack
                     .oldest_ns
@@ -515,6 +533,8 @@ impl StackReport {
         // Their highs need not have come at once: the sum bounds the merged stack's from above.
         self.max_outstanding_bytes += other.max_outstanding_bytes;
         self.temporary_allocations += other.temporary_allocations;
+        self.pinned_pages += other.pinned_pages;
+        self.pinned_bytes += other.pinned_bytes;
         self.oldest_age_s = self.oldest_age_s.max(other.oldest_age_s);
     }
 }
@@ -730,6 +750,8 @@ pub mod samples {
                 allocated_bytes: 48,
                 max_outstanding_bytes: 48,
                 temporary_allocations: 0,
+                pinned_pages: 0,
+                pinned_bytes: 0,
                 oldest_age_s: 0.5,
                 truncated: false,
                 site: 0,

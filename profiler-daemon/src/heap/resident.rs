@@ -1,15 +1,28 @@
 //! Resident memory against the heap: a process's anonymous resident memory (`RssAnon`), the bytes
-//! its program has in use through the allocator, and the difference (the allocator's overhead,
-//! fragmentation and caches, and anonymous memory not from malloc: thread stacks, mmap).
+//! its program has in use through the allocator, the difference (the allocator's overhead,
+//! fragmentation and caches, and anonymous memory not from malloc: thread stacks, mmap), and the
+//! resident pages its live blocks pin with few live bytes (`pinned`).
 
-use std::cell::Cell;
+use std::{
+    cell::Cell,
+    collections::HashSet,
+    time::{Duration, Instant},
+};
 
+use aya::Ebpf;
 use serde::{Deserialize, Serialize};
 
-use crate::process::procfs;
+use crate::{
+    heap::pinned::{self, Pinned},
+    kernel::{
+        aggregate::{KernelSnapshot, Snapshot},
+        live::{self, LiveBlock},
+    },
+    process::procfs,
+};
 
 /// One reading.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Memory {
     pub rss_anon_bytes: u64,
     /// Bytes allocated and not freed since tracing began (the report's `outstanding_bytes`).
@@ -17,21 +30,125 @@ pub struct Memory {
     /// `rss_anon_bytes - heap_inuse_bytes`: negative when allocated memory is not touched yet
     /// (or was allocated before attach and counts as resident only).
     pub difference_bytes: i64,
+    /// Resident pages that hold live blocks but less than a quarter of their bytes live (see
+    /// `heap::pinned`), and their bytes; 0 when not read (sampled mode).
+    #[serde(default)]
+    pub pinned_pages: u64,
+    #[serde(default)]
+    pub pinned_bytes: u64,
+    /// How old that reading is: it is read within a budget (`PinnedBudget`), not every interval.
+    #[serde(default)]
+    pub pinned_age_s: f64,
 }
+
+/// When the pinned pages are read. Their walk of `LIVE` costs 0.5 to 1 µs a live block (0.5 to
+/// 0.7 s for a million, on a 2-core VM: README, Resident memory), so it may take at most a
+/// twentieth of the time: a walk is due once the time since the last one is 19 times what it
+/// is expected to take, the last walk's time per block times the blocks live now. A few
+/// thousand blocks are read every interval; a million, every 10 to 20 s.
+#[derive(Debug, Default)]
+pub struct PinnedBudget {
+    /// When the last walk ended, and what it took per block.
+    last: Option<(Instant, f64)>,
+}
+
+impl PinnedBudget {
+    fn due(&self, live_blocks: u64) -> bool {
+        self.last.is_none_or(|(ended, per_block)| {
+            ended.elapsed().as_secs_f64() >= IDLE_PER_WALK * per_block * live_blocks as f64
+        })
+    }
+
+    fn spent(&mut self, took: Duration, blocks: usize) {
+        // A walk of few blocks is mostly the fixed cost of the map's empty buckets: counted as
+        // one of `FEW_BLOCKS`, it does not make each block look dear.
+        self.last = Some((Instant::now(), took.as_secs_f64() / blocks.max(FEW_BLOCKS) as f64));
+    }
+}
+
+/// The time left between walks for each unit of time a walk takes.
+const IDLE_PER_WALK: f64 = 19.0;
+
+/// See `PinnedBudget::spent`.
+const FEW_BLOCKS: usize = 10_000;
 
 /// The latest reading of one traced process. A `Cell`, as reports are built from a shared borrow.
 #[derive(Debug, Default)]
 pub struct Resident {
     last: Cell<Option<Memory>>,
+    pinned: Pinned,
+    /// When `pinned` was read: none before the first reading.
+    pinned_at: Option<Instant>,
 }
 
 impl Resident {
+    /// Reads the pages `blocks`, the process's live blocks now, pin; once the process has exited,
+    /// the last reading taken while it ran stays.
+    fn read_pinned(&mut self, pid: u32, blocks: &[LiveBlock]) {
+        if let Some(pinned) = pinned::read(pid, blocks) {
+            self.pinned = pinned;
+            self.pinned_at = Some(Instant::now());
+        }
+    }
+
+    /// Reads the memory of each of `processes` (pid, its readings), whose kernel counters are
+    /// in `kernel`: every interval, so that a report written once, after the process exited, has
+    /// the last reading taken while it ran. The pinned pages take one walk of `LIVE` for all,
+    /// when `budget` allows or `now` asks (a final report), logged at debug level. A sampled
+    /// process's blocks are a sample: its pages would look emptier than they are, so they are
+    /// not read (0).
+    pub fn read_all<'a>(
+        ebpf: &Ebpf,
+        kernel: &KernelSnapshot,
+        processes: impl IntoIterator<Item = (u32, &'a mut Resident)>,
+        budget: &mut PinnedBudget,
+        now: bool,
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let mut processes: Vec<_> = processes.into_iter().collect();
+        for (pid, resident) in &mut processes {
+            let snapshot = kernel.processes.get(pid);
+            if snapshot.is_some_and(|s| s.sample_bytes > 0) {
+                (resident.pinned, resident.pinned_at) = (Pinned::default(), None);
+            }
+            resident.current(*pid, snapshot.map_or(0, Snapshot::outstanding_bytes));
+        }
+        if !now && !budget.due(kernel.live_entries) {
+            return Ok(());
+        }
+        let unsampled = |pid: &u32| kernel.processes.get(pid).is_none_or(|s| s.sample_bytes == 0);
+        let pids: HashSet<u32> = processes.iter().map(|(pid, _)| *pid).filter(unsampled).collect();
+        let mut blocks = live::by_process(ebpf, &pids)?;
+        let walked = started.elapsed();
+        let count: usize = blocks.values().map(Vec::len).sum();
+        for (pid, resident) in processes.into_iter().filter(|(pid, _)| pids.contains(pid)) {
+            resident.read_pinned(pid, &blocks.remove(&pid).unwrap_or_default());
+        }
+        let took = started.elapsed();
+        budget.spent(took, count);
+        tracing::debug!(blocks = count, ?walked, ?took, "live blocks read and the pages they pin");
+        Ok(())
+    }
+
+    /// The latest reading of the pages the process's blocks pin.
+    pub fn pinned(&self) -> &Pinned {
+        &self.pinned
+    }
+
     /// The process's memory now, given the bytes in use its report counts; once it has exited,
     /// the last reading taken while it ran (its final report's heap may have changed since).
     pub fn current(&self, pid: u32, heap_inuse_bytes: u64) -> Option<Memory> {
         if let Some(rss_anon_bytes) = procfs::anon_resident_bytes(pid) {
             let difference_bytes = rss_anon_bytes as i64 - heap_inuse_bytes as i64;
-            self.last.set(Some(Memory { rss_anon_bytes, heap_inuse_bytes, difference_bytes }));
+            self.last.set(Some(Memory {
+                rss_anon_bytes,
+                heap_inuse_bytes,
+                difference_bytes,
+                pinned_pages: self.pinned.pages,
+                pinned_bytes: self.pinned.bytes,
+                // Milliseconds are enough, and keep the JSON short.
+                pinned_age_s: self.pinned_at.map_or(0.0, |at| at.elapsed().as_millis() as f64 / 1000.0),
+            }));
         }
         self.last.get()
     }

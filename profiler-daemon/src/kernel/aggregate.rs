@@ -184,6 +184,13 @@ fn merge_deferred(ebpf: &Ebpf, unwind: &Registry, tgid: u32, stacks: Vec<StackSn
     merged
 }
 
+impl Snapshot {
+    /// Bytes allocated and not freed since tracing began, all stacks together.
+    pub fn outstanding_bytes(&self) -> u64 {
+        self.stacks.iter().map(|s| s.stats.allocated_bytes.saturating_sub(s.stats.freed_bytes)).sum()
+    }
+}
+
 impl StackSnapshot {
     /// Adds `other`'s counts, the same stack's under another id.
     fn absorb(&mut self, other: StackSnapshot) {

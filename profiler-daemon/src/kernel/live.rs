@@ -1,4 +1,7 @@
-//! The live allocations the kernel tracks for one process (`LIVE`): what `--inspect` classifies.
+//! The live allocations the kernel tracks (`LIVE`): what `--inspect` classifies, and the pages
+//! the heap's blocks pin.
+
+use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
 use profiler_common::{AddrKey, LiveAlloc, ProcHeap};
@@ -14,16 +17,24 @@ pub struct LiveBlock {
     pub stack_id: u64,
 }
 
-/// Every block `tgid` holds now, sorted by address. One walk of `LIVE`, whose size is that of
-/// every traced process's live allocations together.
+/// Every block `tgid` holds now, sorted by address.
 pub fn blocks(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<Vec<LiveBlock>> {
-    let mut blocks = Vec::new();
+    Ok(by_process(ebpf, &[tgid].into())?.remove(&tgid).unwrap_or_default())
+}
+
+/// Every block each of `tgids` holds now, sorted by address. One walk of `LIVE`, whose size is
+/// that of every traced process's live allocations together.
+pub fn by_process(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, Vec<LiveBlock>>> {
+    let mut blocks: HashMap<u32, Vec<LiveBlock>> = HashMap::new();
     batch::for_each(aggregate::map(ebpf, "LIVE")?, |key: &AddrKey, live: &LiveAlloc| {
-        if key.tgid == tgid {
-            blocks.push(LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id });
+        if tgids.contains(&key.tgid) {
+            let block = LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id };
+            blocks.entry(key.tgid).or_default().push(block);
         }
     })?;
-    blocks.sort_unstable_by_key(|block| block.addr);
+    for process in blocks.values_mut() {
+        process.sort_unstable_by_key(|block| block.addr);
+    }
     Ok(blocks)
 }
 

@@ -16,7 +16,7 @@ function summarySection(report) {
     ['unknown_frees', 'Frees of memory allocated before tracing', grouped(t.unknown_frees)],
     ['failed_allocations', 'Failed allocations', grouped(t.failed_allocations)],
     ['double_frees', 'Double frees', grouped(report.double_frees.length)],
-  ].map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
+  ].concat(memoryRows(report.memory)).map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
   // Drops of no process in particular (the per-process table was full) are listed apart.
   const unattributed = Object.entries(report.unattributed_dropped || {});
   const lost = Object.values(report.dropped).concat(unattributed.map(([, n]) => n)).reduce((sum, n) => sum + n, 0);
@@ -37,6 +37,18 @@ function summarySection(report) {
           el('table', { id: 'dropped' }, el('tbody', {}, dropped))),
         blindSpots(report),
         unwindTables(report.unwind_tables))));
+}
+
+// Resident memory against the heap (README: Resident memory), when it was read.
+function memoryRows(memory) {
+  if (!memory) return [];
+  return [
+    ['rss_anon_bytes', 'Resident anonymous memory', bytesText(memory.rss_anon_bytes)],
+    ['difference_bytes', 'Resident, not in use by the program',
+      (memory.difference_bytes < 0 ? '-' : '') + bytesText(Math.abs(memory.difference_bytes))],
+    ['pinned_bytes', 'Resident pages pinned by blocks with less than a quarter of them live',
+      `${bytesText(memory.pinned_bytes || 0)} in ${grouped(memory.pinned_pages || 0)} pages`],
+  ];
 }
 
 // What memprof knows it does not see (README: Blind spots): said next to what was dropped.
@@ -100,6 +112,7 @@ function stackSection(report) {
     num(grouped(s.outstanding_allocations), { 'data-key': 'outstanding_allocations' }),
     num(grouped(s.allocations)),
     num(grouped(s.allocated_bytes)),
+    num(grouped(s.pinned_bytes || 0), { 'data-key': 'pinned_bytes' }),
     num(seconds(s.oldest_age_s)),
     num(s.leak.warming_up ? leakState(s) : s.leak.candidate ? s.leak.score.toFixed(2) : ''),
     el('td', {}, stackDetails(s, true))));
@@ -107,7 +120,8 @@ function stackSection(report) {
   const restBytes = rest.reduce((sum, s) => sum + s.outstanding_bytes, 0);
   return section('stacks', 'Stacks holding memory',
     holding.length === 0 ? el('p', {}, 'No allocation is in use.') : table(
-      ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'oldest', 'leak score', 'stack (allocating site first)'],
+      ['bytes in use', 'allocations in use', 'allocations', 'bytes allocated', 'resident bytes pinned', 'oldest', 'leak score',
+        'stack (allocating site first)'],
       rows, { id: 'stack-table' }),
     rest.length > 0 ? el('p', { class: 'note' },
       `${grouped(rest.length)} more stacks hold ${grouped(restBytes)} bytes: they are in the call tree above.`) : null,

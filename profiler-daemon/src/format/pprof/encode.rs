@@ -6,7 +6,9 @@ use std::{collections::HashMap, io::Write as _, time::SystemTime};
 
 use flate2::{write::GzEncoder, Compression};
 
-use super::{field, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL};
+use super::{
+    field, values, wire::Writer, DefaultType, Label, Part, LEAK_LABEL, NO_STACK, SAMPLE_TYPES, STACK_ID_LABEL,
+};
 use crate::{
     heap::{
         context::RunContext,
@@ -174,7 +176,7 @@ enum Value {
 /// One sample, as ids into the tables.
 struct Sample {
     locations: Vec<u64>,
-    values: [u64; 4],
+    values: [u64; SAMPLE_TYPES.len()],
     /// Keys (string ids) and values.
     labels: Vec<(u64, Value)>,
 }
@@ -276,7 +278,7 @@ impl Tables {
         }
         Sample {
             locations,
-            values: [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes],
+            values: values(stack),
             labels: vec![
                 (self.string(STACK_ID_LABEL), Value::Text(self.string(&stack.stack_id))),
                 (self.string(LEAK_LABEL), Value::Text(self.string(leak_label(stack)))),

@@ -1,6 +1,7 @@
 //! pprof's profile.proto (github.com/google/pprof/proto/profile.proto), gzip-compressed: what
-//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, of one
-//! process or of several (the daemon's profile of the host), each sample labelled.
+//! `go tool pprof` reads. A heap profile with Go's four sample types, in Go's order, and three of
+//! memprof's after them, of one process or of several (the daemon's profile of the host), each
+//! sample labelled.
 
 mod decode;
 mod encode;
@@ -63,9 +64,31 @@ impl<'a> Part<'a> {
     }
 }
 
-/// The sample types, in Go's order: each sample's values are in this order too.
-pub const SAMPLE_TYPES: [(&str, &str); 4] =
-    [("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("inuse_space", "bytes")];
+/// The sample types: Go's four in Go's order (tools that expect a Go heap profile find them
+/// where Go puts them), then each stack's own high-water mark, its temporary allocations and the
+/// resident bytes its blocks pin (README: pprof). Each sample's values are in this order too.
+pub const SAMPLE_TYPES: [(&str, &str); 7] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+    ("max_inuse_space", "bytes"),
+    ("temporary_objects", "count"),
+    ("pinned_space", "bytes"),
+];
+
+/// A stack's values, in the order of `SAMPLE_TYPES`.
+fn values(stack: &StackReport) -> [u64; SAMPLE_TYPES.len()] {
+    [
+        stack.allocations,
+        stack.allocated_bytes,
+        stack.outstanding_allocations,
+        stack.outstanding_bytes,
+        stack.max_outstanding_bytes,
+        stack.temporary_allocations,
+        stack.pinned_bytes,
+    ]
+}
 
 /// The sample type `go tool pprof` shows unless told otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,14 +216,11 @@ mod tests {
     fn what_is_encoded_decodes_to_the_same_frames_and_values() {
         let report = report();
         let decoded = read(&render(&report, DefaultType::AllocSpace)).unwrap();
-        assert_eq!(decoded.sample_types, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        assert_eq!(decoded.sample_types, SAMPLE_TYPES.map(|(name, _)| name));
         assert_eq!(decoded.default_sample_type, "alloc_space");
         assert_eq!(decoded.samples.len(), report.stacks.len());
         for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
-            assert_eq!(
-                sample.values,
-                [stack.allocations, stack.allocated_bytes, stack.outstanding_allocations, stack.outstanding_bytes]
-            );
+            assert_eq!(sample.values, values(stack));
             assert_eq!(sample.frames, stack.frames, "{}", stack.stack_id);
             assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
         }
@@ -250,9 +270,20 @@ mod tests {
         assert_eq!(locations, 4);
         let types = messages(&profile, field::profile::SAMPLE_TYPE);
         let names: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::TYPE) as usize].as_str()).collect();
-        assert_eq!(names, ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+        assert_eq!(
+            names,
+            [
+                "alloc_objects",
+                "alloc_space",
+                "inuse_objects",
+                "inuse_space",
+                "max_inuse_space",
+                "temporary_objects",
+                "pinned_space"
+            ]
+        );
         let units: Vec<_> = types.iter().map(|t| strings[get(t, field::value_type::UNIT) as usize].as_str()).collect();
-        assert_eq!(units, ["count", "bytes", "count", "bytes"]);
+        assert_eq!(units, ["count", "bytes", "count", "bytes", "bytes", "count", "bytes"]);
     }
 
     #[test]
