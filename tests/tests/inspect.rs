@@ -109,11 +109,17 @@ fn attach_inspect_classes_each_block_as_memcheck_and_the_process_runs_on() {
     check(&report);
     // Blocks made before memprof attached may hold pointers: the untracked heap was scanned.
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], true);
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
+/// Lets the fixture finish: what it prints from now on (`rest_expected`) and its exit code are those of
+/// a run without memprof.
+fn ends_as_without_memprof(target: &mut Waiting, rest_expected: &str) {
     let child = &mut target.child;
     child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
     let mut rest = String::new();
     child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "set\ndone ok\n");
+    assert_eq!(rest, rest_expected);
     assert_eq!(child.wait().unwrap().code(), Some(3));
 }
 
@@ -257,12 +263,7 @@ fn attach_inspect_names_cpp_objects_by_type() {
         all,
         &json!([{"type": "ns::Widget", "bytes": 120, "blocks": 3}, {"type": "Circle", "bytes": 64, "blocks": 4}])
     );
-    let child = &mut target.child;
-    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
-    let mut rest = String::new();
-    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "set\ndone ok\n");
-    assert_eq!(child.wait().unwrap().code(), Some(3));
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }
 
 /// `memprof inspect --pid N` (and the `MEMPROF_DAEMON_PASSWORD` it logs in with) against `daemon`.
@@ -328,11 +329,6 @@ fn memprof_inspect_asks_the_daemon_that_traces_the_process() {
     assert!(nobody.stderr.contains("no memprof daemon answers") && nobody.stderr.contains(fix), "{}", nobody.stderr);
 
     // The daemon's inspection left the process as it was.
-    let child = &mut target.child;
-    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
-    let mut rest = String::new();
-    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "done ok\n");
-    assert_eq!(child.wait().unwrap().code(), Some(3));
+    ends_as_without_memprof(&mut target, "done ok\n");
     let _ = std::fs::remove_dir_all(&dir);
 }
