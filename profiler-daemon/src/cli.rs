@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     format::Format,
+    heap::capture::Precopy,
     heap::filter::Filters,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
@@ -238,6 +239,11 @@ pub struct TraceArgs {
     /// blocks as valgrind's memcheck would: definitely, indirectly and possibly lost, reachable.
     #[arg(long)]
     pub inspect: bool,
+    /// With --inspect, when to copy the process's memory while it runs, so that the stop reads
+    /// again only the pages written since (soft-dirty bits): auto (above 16 MiB of writable
+    /// memory), always or never [default: auto].
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = Precopy::Auto, hide_default_value = true)]
+    pub inspect_precopy: Precopy,
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]

@@ -73,6 +73,13 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// The number a fixture printed to stderr after `prefix` (a count it made of itself).
+    pub fn stderr_number(&self, prefix: &str) -> u64 {
+        let line = self.stderr.lines().find_map(|line| line.strip_prefix(prefix));
+        let line = line.unwrap_or_else(|| panic!("no {prefix:?} line from the fixture: {}", self.stderr));
+        line.trim().parse().unwrap_or_else(|_| panic!("{prefix:?} is not followed by a number: {line}"))
+    }
+
     /// Every JSON report, in order.
     pub fn reports(&self) -> Vec<Value> {
         self.stdout

@@ -109,23 +109,35 @@ fn attach_inspect_classes_each_block_as_memcheck_and_the_process_runs_on() {
     check(&report);
     // Blocks made before memprof attached may hold pointers: the untracked heap was scanned.
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], true);
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
+/// Lets the fixture finish: what it prints from now on (`rest_expected`) and its exit code are those of
+/// a run without memprof.
+fn ends_as_without_memprof(target: &mut Waiting, rest_expected: &str) {
     let child = &mut target.child;
     child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
     let mut rest = String::new();
     child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "set\ndone ok\n");
+    assert_eq!(rest, rest_expected);
     assert_eq!(child.wait().unwrap().code(), Some(3));
 }
 
-#[test]
-fn run_inspect_at_duration_with_every_allocation_seen() {
-    let fixture = fixture();
+/// `memprof run --json --inspect --duration 2` with `flags` on `fixture`, which prints "set" when
+/// ready and ends on a line of stdin: the final report and what the fixture printed.
+fn run_inspect(fixture: &std::path::Path, flags: &[&str]) -> (Value, Vec<String>) {
     // A file, not a pipe: the command inherits memprof's stderr and outlives it.
-    let stderr_path = std::env::temp_dir().join(format!("memprof-inspect-{}.err", std::process::id()));
+    let stderr_path = std::env::temp_dir().join(format!(
+        "memprof-inspect-{}-{}.err",
+        std::process::id(),
+        fixture.file_name().unwrap().to_string_lossy()
+    ));
     let stderr_file = std::fs::File::create(&stderr_path).unwrap();
     let mut memprof = Command::new(memprof_bin())
-        .args(["run", "--json", "--inspect", "--duration", "2", "--interval", "1", "--"])
-        .arg(&fixture)
+        .args(["run", "--json", "--inspect", "--duration", "2", "--interval", "1"])
+        .args(flags)
+        .arg("--")
+        .arg(fixture)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(stderr_file)
@@ -143,15 +155,68 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     let stderr = std::fs::read_to_string(&stderr_path).unwrap();
     let _ = std::fs::remove_file(&stderr_path);
     assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("memprof: inspected pid"), "{stderr}");
     // memprof is gone; the command it left running still reads this stdin and writes that stdout.
     stdin.write_all(b"end\n").unwrap();
     drop(stdin);
     let stdout = reader.join().unwrap().unwrap();
     let (reports, fixture_output): (Vec<&str>, Vec<&str>) = stdout.lines().partition(|l| l.starts_with('{'));
-    assert_eq!(fixture_output, ["set", "done ok"], "{stderr}");
     let report: Value = serde_json::from_str(reports.last().expect("a report")).unwrap();
+    (report, fixture_output.into_iter().map(String::from).collect())
+}
+
+#[test]
+fn run_inspect_at_duration_with_every_allocation_seen() {
+    let (report, fixture_output) = run_inspect(&fixture(), &["--inspect-precopy", "never"]);
+    assert_eq!(fixture_output, ["set", "done ok"]);
     check(&report);
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], false);
+    assert_eq!(report["inspection"]["method"], "single_stop");
+}
+
+/// Whether this kernel keeps soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`): a page of ours written
+/// after they were cleared has bit 55 of its pagemap entry set.
+fn kernel_has_soft_dirty() -> bool {
+    use std::os::unix::fs::FileExt as _;
+    let mut page = vec![1u8; 8192];
+    let addr = (page.as_ptr() as u64).next_multiple_of(4096);
+    let at = (addr - page.as_ptr() as u64) as usize;
+    std::fs::write("/proc/self/clear_refs", "4").expect("clearing our soft-dirty bits");
+    // SAFETY: a byte of our own buffer, written so that the write is not elided.
+    unsafe { std::ptr::write_volatile(page.as_mut_ptr().add(at), 2) };
+    let mut entry = [0u8; 8];
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    pagemap.read_exact_at(&mut entry, addr / 4096 * 8).unwrap();
+    u64::from_ne_bytes(entry) & (1 << 55) != 0
+}
+
+/// The pre-copy: the memory copied while the process runs, then in the stop only the pages
+/// written since (soft-dirty bits) or, on a kernel without them, all of it again into the warm
+/// copy, gives the classes a single stop gives, while a thread keeps relinking a list (every node
+/// reachable whenever the process is stopped). The report names the path taken.
+#[test]
+fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
+    let fixture = fixture_with("relinking.c", "relinking", &["-g", "-O2", "-pthread"]);
+    let site = |report: &Value, function: &str| reachability(report, function).clone();
+    let precopied = if kernel_has_soft_dirty() { "soft_dirty" } else { "recopy" };
+    let mut classes = Vec::new();
+    for (precopy, method) in [("always", precopied), ("never", "single_stop")] {
+        let (report, fixture_output) = run_inspect(&fixture, &["--inspect-precopy", precopy]);
+        assert_eq!(fixture_output, ["set", "done ok"], "{precopy}");
+        let inspection = &report["inspection"];
+        assert_eq!(inspection["method"], method, "{inspection}");
+        // The relinking thread's stack and the list's pages at least were written since.
+        let copied = inspection["bytes_copied_in_pause"].as_u64().unwrap();
+        assert!(copied > 0, "{inspection}");
+        let list = site(&report, "list_node");
+        assert_eq!(list["reachable_blocks"], 4096, "{precopy}: {list}");
+        assert_eq!(list["reachable_bytes"], 4096 * 256, "{precopy}: {list}");
+        let lost = site(&report, "lost_block");
+        assert_eq!(lost["definitely_lost_blocks"], 16, "{precopy}: {lost}");
+        assert_eq!(lost["definitely_lost_bytes"], 16 * 64, "{precopy}: {lost}");
+        classes.push((list, lost, inspection["totals"].clone()));
+    }
+    assert_eq!(classes[0], classes[1]);
 }
 
 #[test]
@@ -198,12 +263,7 @@ fn attach_inspect_names_cpp_objects_by_type() {
         all,
         &json!([{"type": "ns::Widget", "bytes": 120, "blocks": 3}, {"type": "Circle", "bytes": 64, "blocks": 4}])
     );
-    let child = &mut target.child;
-    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
-    let mut rest = String::new();
-    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "set\ndone ok\n");
-    assert_eq!(child.wait().unwrap().code(), Some(3));
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }
 
 /// `memprof inspect --pid N` (and the `MEMPROF_DAEMON_PASSWORD` it logs in with) against `daemon`.
@@ -269,11 +329,6 @@ fn memprof_inspect_asks_the_daemon_that_traces_the_process() {
     assert!(nobody.stderr.contains("no memprof daemon answers") && nobody.stderr.contains(fix), "{}", nobody.stderr);
 
     // The daemon's inspection left the process as it was.
-    let child = &mut target.child;
-    child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
-    let mut rest = String::new();
-    child.stdout.as_mut().unwrap().read_to_string(&mut rest).unwrap();
-    assert_eq!(rest, "done ok\n");
-    assert_eq!(child.wait().unwrap().code(), Some(3));
+    ends_as_without_memprof(&mut target, "done ok\n");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -120,13 +120,7 @@ fn the_survivors_stack_is_named_with_the_pages_it_pins() {
     // The fixture counts the pages its 2,500 survivors are on from their addresses: each holds
     // at most 256 of its 4096 bytes live (survivors are 16 chunks of 272 bytes apart), and the
     // freed blocks around them leave them resident.
-    let pages: u64 = outcome
-        .stderr
-        .lines()
-        .find_map(|line| line.strip_prefix("survivor pages: "))
-        .unwrap_or_else(|| panic!("the fixture's count: {}", outcome.stderr))
-        .parse()
-        .unwrap();
+    let pages: u64 = outcome.stderr_number("survivor pages: ");
     assert!((2_500..=2_500 + 2_500 / 16 + 1).contains(&pages), "{pages}");
     let page = 4096;
     let reports = outcome.reports();

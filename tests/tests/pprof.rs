@@ -234,13 +234,7 @@ fn the_peak_temporary_and_pinned_sample_types_read_exactly() {
         resident.to_str().unwrap(),
     ]);
     assert!(outcome.status.success(), "{outcome:?}");
-    let pages: i64 = outcome
-        .stderr
-        .lines()
-        .find_map(|line| line.strip_prefix("survivor pages: "))
-        .unwrap_or_else(|| panic!("the fixture's count: {}", outcome.stderr))
-        .parse()
-        .unwrap();
+    let pages = outcome.stderr_number("survivor pages: ") as i64;
     let top = Top::read(&scratch, &["-sample_index=pinned_space", &profile]);
     assert_eq!(top.flat("small_block"), pages * 4096, "{top:?}");
     assert_eq!(top.shown, pages * 4096, "nothing else pins a page: {top:?}");

@@ -1,11 +1,11 @@
 //! BENCHMARKS.md is written by several commands: `bench` writes its own sections, and the long runs
-//! (`soak`, `fuzz`) each own one section at the end. Each keeps the others' sections. "Scale" is
+//! (`soak`, `fuzz`, `pause`) each own one section at the end. Each keeps the others' sections. "Scale" is
 //! measured with the `shared_links` test at several N and kept likewise.
 
 use std::path::Path;
 
 /// Sections owned by the long-running commands, kept at the end of the file in this order.
-const TRAILING: [&str; 3] = ["## Scale", "## Soak", "## Fuzzing"];
+const TRAILING: [&str; 4] = ["## Scale", crate::pause::TITLE, "## Soak", "## Fuzzing"];
 
 /// Splits `text` into what precedes the trailing sections and each trailing section found.
 fn split(text: &str) -> (String, Vec<(&'static str, String)>) {

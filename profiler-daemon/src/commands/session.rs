@@ -63,7 +63,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     announce(pid_n, &comm, probes, &allocator);
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete: false });
+    let inspect = args.inspect.then(|| inspect::Settings {
+        glibc: allocator.is_glibc(),
+        complete: false,
+        precopy: args.inspect_precopy,
+    });
     let traced = trace(loaded, symbolizer, root, exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
 }
@@ -117,7 +121,11 @@ pub async fn run(
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
     let complete = args.sampling.sample_bytes.is_none();
-    let inspect = args.inspect.then(|| inspect::Settings { glibc: allocator.is_glibc(), complete });
+    let inspect = args.inspect.then(|| inspect::Settings {
+        glibc: allocator.is_glibc(),
+        complete,
+        precopy: args.inspect_precopy,
+    });
     let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened, inspect).await?;
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {

@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::heap::{
+    capture::Method,
     inspect::{Inspection, Reachability},
     types::TypeCount,
 };
@@ -43,9 +44,20 @@ pub fn types(types: &[TypeCount]) -> String {
 pub fn summary(out: &mut String, inspection: &Inspection) {
     let _ = writeln!(
         out,
-        "  inspection: {} threads held still {:.1} ms; {} of roots and {} of blocks scanned, {} unreadable; {} of the heap not classified{}",
+        "  inspection: {} threads held still {:.1} ms ({}); {} of roots and {} of blocks scanned, {} unreadable; {} of the heap not classified{}",
         inspection.threads,
         inspection.pause_ms,
+        match inspection.method {
+            Method::SingleStop => format!("{} copied", super::table::bytes(inspection.bytes_copied_in_pause)),
+            Method::SoftDirty => format!(
+                "memory copied while it ran, {} written since read again",
+                super::table::bytes(inspection.bytes_copied_in_pause)
+            ),
+            Method::Recopy => format!(
+                "memory copied while it ran, then {} again",
+                super::table::bytes(inspection.bytes_copied_in_pause)
+            ),
+        },
         super::table::bytes(inspection.root_bytes_scanned),
         super::table::bytes(inspection.block_bytes_scanned),
         super::table::bytes(inspection.bytes_unreadable),

@@ -1,8 +1,8 @@
 //! `--inspect`: which of a live process's blocks are still reachable, as valgrind's memcheck
-//! would say, without a restart. The process is held still (`process::freeze`) while its roots
-//! (every thread's registers and stack, every writable mapping that holds no heap block: data,
-//! bss, TLS) are scanned and the blocks the kernel tracks (`LIVE`) marked from them
-//! (`reachability`); then it runs on.
+//! would say, without a restart. The process is held still only while its tracked blocks are
+//! listed and its memory copied (`capture`); its roots (every thread's registers and stack,
+//! every writable mapping that holds no heap block: data, bss, TLS) are then scanned and the
+//! blocks marked from them (`reachability`) on the copy, the process running on.
 
 use std::{collections::HashMap, time::Instant};
 
@@ -11,23 +11,17 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     heap::{
+        capture::{self, Capture, Method, Precopy, Stages},
         reachability::{Class, Marker, Memory},
         types::{self, TypeCount},
     },
-    kernel::live::{self, LiveBlock},
-    process::{
-        freeze::Frozen,
-        procfs::{self, Region},
-        vtables,
-    },
+    kernel::live::LiveBlock,
+    process::{image::Image, procfs::Region, vtables},
 };
 
 /// x86-64's red zone: a leaf function keeps data up to 128 bytes below the stack pointer, and
 /// memcheck counts it addressable.
 const RED_ZONE: u64 = 128;
-
-/// Roots are read this many bytes at a time.
-const ROOT_CHUNK: u64 = 1 << 20;
 
 /// Bytes and blocks per class, for one stack or all (JSON `"reachability"`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +69,16 @@ impl Reachability {
 pub struct Inspection {
     /// How long the process was held still.
     pub pause_ms: f64,
+    /// How its memory was copied, whether `LIVE` was read in the stop, the bytes read while it
+    /// was held still, and each stage's time (see `capture`).
+    #[serde(default)]
+    pub method: Method,
+    #[serde(default)]
+    pub live_read_in_pause: bool,
+    #[serde(default)]
+    pub bytes_copied_in_pause: u64,
+    #[serde(default)]
+    pub stages: Stages,
     pub threads: usize,
     /// Bytes of roots (stacks, writable mappings) and of blocks read.
     pub root_bytes_scanned: u64,
@@ -107,51 +111,59 @@ pub struct Settings {
     pub glibc: bool,
     /// memprof has seen every allocation the process made (see `unclassified_heap_scanned`).
     pub complete: bool,
+    /// When to copy its memory before the stop.
+    pub precopy: Precopy,
 }
 
-/// Stops `pid`, classifies its tracked blocks and lets it run on.
+/// Stops `pid`, copies what it needs, lets it run on and classifies its tracked blocks.
 pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Inspection> {
-    let started = Instant::now();
-    let frozen = Frozen::stop(pid)?;
-    let stopped = started.elapsed();
-    let blocks = live::blocks(ebpf, pid)?;
-    let listed = started.elapsed();
-    let regions = procfs::regions(pid)?;
+    let Capture {
+        blocks,
+        regions,
+        mut image,
+        threads,
+        method,
+        live_read_in_pause,
+        pause_ms,
+        bytes_copied_in_pause,
+        mut stages,
+    } = capture::capture(ebpf, pid, settings.precopy)?;
+    let marking_started = Instant::now();
     let mut inspection = Inspection {
-        threads: frozen.threads.len(),
+        pause_ms,
+        method,
+        live_read_in_pause,
+        bytes_copied_in_pause,
+        threads: threads.len(),
+        bytes_unreadable: image.unreadable,
         unclassified_heap_scanned: !settings.complete,
         ..Inspection::default()
     };
     let mut marker = Marker::new(&blocks, settings.glibc);
-    let (heap, roots): (Vec<&Region>, Vec<&Region>) = regions
-        .iter()
-        .filter(|r| r.writable && !r.path.starts_with("/dev/") && !r.path.starts_with("[v"))
-        .partition(|r| r.path == "[heap]" || holds_block(&blocks, r));
+    let (heap, roots): (Vec<&Region>, Vec<&Region>) =
+        regions.iter().partition(|r| r.path == "[heap]" || holds_block(&blocks, r));
     for region in roots {
         // A stack is scanned from its thread's stack pointer (and red zone): below is garbage.
-        let below =
-            frozen.threads.iter().map(|t| t.stack_pointer()).filter(|sp| (region.start..region.end).contains(sp));
+        let below = threads.iter().map(|(_, sp)| *sp).filter(|sp| (region.start..region.end).contains(sp));
         let start = below.min().map_or(region.start, |sp| sp.saturating_sub(RED_ZONE).max(region.start));
-        scan_range(&frozen, &mut marker, start, region.end, &mut inspection);
+        scan_range(&image, &mut marker, start, region.end, &mut inspection);
     }
     for region in &heap {
         for (start, end) in gaps(&blocks, region) {
             inspection.heap_bytes_not_classified += end - start;
             if !settings.complete {
-                scan_range(&frozen, &mut marker, start, end, &mut inspection);
+                scan_range(&image, &mut marker, start, end, &mut inspection);
             }
         }
     }
-    for thread in &frozen.threads {
-        marker.scan_registers(&thread.registers);
+    for (registers, _) in &threads {
+        marker.scan_registers(registers);
     }
-    let mut memory = HeapCopy { frozen: &frozen, regions: heap.iter().map(|r| (r.start, r.end, None)).collect() };
-    let marking = marker.finish(&mut memory);
-    let first_words = types::first_words(&mut memory, &blocks);
-    drop(memory);
-    drop(frozen);
-    inspection.pause_ms = started.elapsed().as_secs_f64() * 1e3;
-    tracing::debug!(pid, ?stopped, ?listed, pause_ms = inspection.pause_ms, blocks = blocks.len(), "inspected");
+    let marking = marker.finish(&mut image);
+    let first_words = types::first_words(&mut image, &blocks);
+    stages.mark_ms = marking_started.elapsed().as_secs_f64() * 1e3;
+    inspection.stages = stages;
+    tracing::debug!(pid, ?stages, "marked");
     inspection.block_bytes_scanned = marking.block_bytes_scanned;
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
     for ((block, class), retained) in blocks.iter().zip(&marking.classes).zip(&marking.retained) {
@@ -186,42 +198,19 @@ fn gaps(blocks: &[LiveBlock], region: &Region) -> Vec<(u64, u64)> {
     gaps
 }
 
-fn scan_range(frozen: &Frozen, marker: &mut Marker, start: u64, end: u64, inspection: &mut Inspection) {
-    let mut buf = vec![0u8; ROOT_CHUNK as usize];
-    let mut at = start;
-    while at < end {
-        let len = (end - at).min(ROOT_CHUNK) as usize;
-        let read = frozen.read(at, &mut buf[..len]);
-        marker.scan_root(at, &buf[..read]);
-        inspection.root_bytes_scanned += read as u64;
-        inspection.bytes_unreadable += (len - read) as u64;
-        at += len as u64;
-    }
+fn scan_range(image: &Image, marker: &mut Marker, start: u64, end: u64, inspection: &mut Inspection) {
+    let copy = image.from(start);
+    let bytes = &copy[..copy.len().min((end - start) as usize)];
+    marker.scan_root(start, bytes);
+    inspection.root_bytes_scanned += bytes.len() as u64;
 }
 
-/// The heap's mappings, each read whole the first time a block in it is scanned: one large
-/// read per mapping rather than one per block.
-struct HeapCopy<'a> {
-    frozen: &'a Frozen,
-    regions: Vec<(u64, u64, Option<Vec<u8>>)>,
-}
-
-impl Memory for HeapCopy<'_> {
+/// The blocks' bytes are read from the copy.
+impl Memory for Image {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
-        let Some(at) = self.regions.partition_point(|r| r.0 <= addr).checked_sub(1) else { return 0 };
-        let (start, end, copy) = &mut self.regions[at];
-        if addr >= *end {
-            return 0;
-        }
-        let copy = copy.get_or_insert_with(|| {
-            let mut bytes = vec![0u8; (*end - *start) as usize];
-            let read = self.frozen.read(*start, &mut bytes);
-            bytes.truncate(read);
-            bytes
-        });
-        let from = (addr - *start) as usize;
-        let n = copy.len().saturating_sub(from).min(buf.len());
-        buf[..n].copy_from_slice(&copy[from..from + n]);
+        let copy = self.from(addr);
+        let n = copy.len().min(buf.len());
+        buf[..n].copy_from_slice(&copy[..n]);
         n
     }
 }
@@ -232,7 +221,7 @@ mod tests {
 
     #[test]
     fn gaps_are_the_region_outside_its_blocks() {
-        let region = Region { start: 0x1000, end: 0x2000, writable: true, path: "[heap]".into() };
+        let region = Region { start: 0x1000, end: 0x2000, writable: true, shared: false, path: "[heap]".into() };
         let block = |addr, size| LiveBlock { addr, size, stack_id: 0 };
         let blocks = [block(0x800, 0x10), block(0x1010, 0x20), block(0x1030, 0x10), block(0x1f00, 0x200)];
         assert_eq!(gaps(&blocks, &region), [(0x1000, 0x1010), (0x1040, 0x1f00)]);

@@ -4,6 +4,8 @@
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
+pub mod block_index;
+pub mod capture;
 pub mod context;
 pub mod double_free;
 pub mod filter;

@@ -10,7 +10,7 @@
 //!   lost*, and a block led a clique before is absorbed with its clique. The leaders left are
 //!   *definitely lost*; each retains its own bytes and its clique's.
 
-use crate::kernel::live::LiveBlock;
+use crate::{heap::block_index::BlockIndex, kernel::live::LiveBlock};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
@@ -49,6 +49,7 @@ enum State {
 pub struct Marker<'a> {
     /// Sorted by address, not overlapping.
     blocks: &'a [LiveBlock],
+    index: BlockIndex,
     /// glibc's arenas point at chunk headers: see `is_chunk_header`.
     glibc: bool,
     /// The lowest and highest address in a block.
@@ -71,6 +72,7 @@ impl<'a> Marker<'a> {
         debug_assert!(blocks.windows(2).all(|w| w[0].addr <= w[1].addr));
         Self {
             blocks,
+            index: BlockIndex::new(blocks),
             glibc,
             low: blocks.first().map_or(u64::MAX, |b| b.addr),
             high: blocks.iter().map(|b| (b.addr + b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
@@ -89,10 +91,8 @@ impl<'a> Marker<'a> {
         if !(self.low..=self.high).contains(&ptr) {
             return None;
         }
-        let at = self.blocks.partition_point(|b| b.addr <= ptr).checked_sub(1)?;
-        let block = &self.blocks[at];
-        let inside = ptr - block.addr < block.size || ptr == block.addr;
-        (inside && !(self.glibc && is_chunk_header(block, ptr))).then_some(at)
+        let at = self.index.find(self.blocks, ptr)?;
+        (!(self.glibc && is_chunk_header(&self.blocks[at], ptr))).then_some(at)
     }
 
     /// Marks from one root word, or from a word of a block whose own mark is `definite`.

@@ -3,8 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 
-use aya::Ebpf;
-use profiler_common::{AddrKey, LiveAlloc};
+use aya::{maps::HashMap as BpfHashMap, Ebpf};
+use profiler_common::{AddrKey, LiveAlloc, ProcHeap};
 
 use crate::kernel::{aggregate, batch};
 
@@ -36,4 +36,13 @@ pub fn by_process(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u
         process.sort_unstable_by_key(|block| block.addr);
     }
     Ok(blocks)
+}
+
+/// `tgid`'s heap figures (`PROC_HEAP`), which every allocation and free it makes changes after
+/// changing `LIVE`: the same at two moments, `LIVE` held the same blocks of `tgid`'s at both
+/// (it bumps its size histogram at each allocation, its lifetime histogram or bytes in use at
+/// each free). `None` before its first allocation, or when the table was full.
+pub fn heap_state(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<Option<ProcHeap>> {
+    let heaps: BpfHashMap<_, u32, ProcHeap> = BpfHashMap::try_from(aggregate::map(ebpf, "PROC_HEAP")?)?;
+    Ok(heaps.get(&tgid, 0).ok())
 }

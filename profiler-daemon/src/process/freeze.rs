@@ -9,7 +9,6 @@
 
 use std::{
     fs,
-    os::unix::fs::FileExt as _,
     time::{Duration, Instant},
 };
 
@@ -55,7 +54,6 @@ const STACK_POINTER: usize = 31;
 /// A process whose threads are all stopped, until dropped.
 pub struct Frozen {
     pub threads: Vec<Thread>,
-    mem: fs::File,
     /// Threads seized, stopped or not yet: each is released once.
     seized: Vec<u32>,
 }
@@ -63,8 +61,7 @@ pub struct Frozen {
 impl Frozen {
     /// Stops every thread of `pid`, threads started meanwhile included.
     pub fn stop(pid: u32) -> Result<Self, FreezeError> {
-        let mem = fs::File::open(format!("/proc/{pid}/mem")).map_err(|_| FreezeError::Gone(pid))?;
-        let mut frozen = Self { threads: Vec::new(), mem, seized: Vec::new() };
+        let mut frozen = Self { threads: Vec::new(), seized: Vec::new() };
         let deadline = Instant::now() + STOP_DEADLINE;
         // A thread not yet stopped may start another: list again until a listing brings none.
         loop {
@@ -90,19 +87,6 @@ impl Frozen {
             return Err(FreezeError::Gone(pid));
         }
         Ok(frozen)
-    }
-
-    /// Reads `buf.len()` bytes at `addr`; returns how many could be read (a page unmapped, or
-    /// mapped without read permission, ends a read).
-    pub fn read(&self, addr: u64, buf: &mut [u8]) -> usize {
-        let mut done = 0;
-        while done < buf.len() {
-            match self.mem.read_at(&mut buf[done..], addr + done as u64) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => done += n,
-            }
-        }
-        done
     }
 }
 

@@ -4,6 +4,9 @@
 pub mod allocator;
 pub mod families;
 pub mod freeze;
+pub mod image;
 pub mod link_map;
+pub mod pagemap;
+pub mod precopy;
 pub mod procfs;
 pub mod vtables;

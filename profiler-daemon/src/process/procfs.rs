@@ -375,6 +375,8 @@ pub struct Region {
     pub end: u64,
     /// Readable and writable: where a program can keep a pointer.
     pub writable: bool,
+    /// Shared (`MAP_SHARED`): others may write its pages without the process touching them.
+    pub shared: bool,
     /// The file, `[stack]`, `[heap]` or empty for anonymous memory.
     pub path: String,
 }
@@ -389,6 +391,7 @@ pub fn regions(pid: u32) -> io::Result<Vec<Region>> {
             start: line.start,
             end: line.end,
             writable: line.perms.starts_with(b"rw"),
+            shared: line.perms.get(3) == Some(&b's'),
             path: line.path.to_string(),
         })
         .collect())

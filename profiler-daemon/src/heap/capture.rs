@@ -1,0 +1,188 @@
+//! What `--inspect` marks, taken while the process is held still as briefly as can be: its
+//! tracked blocks (`LIVE`), every thread's registers, and a copy of every writable mapping.
+//! Above `PRECOPY_ABOVE` of such memory (or when asked), the memory is copied first while the
+//! process runs, and the stop reads again only the pages written since where the kernel keeps
+//! soft-dirty bits, every page into the warm copy elsewhere (`process::precopy`).
+//!
+//! `LIVE` (every traced process's blocks, about a microsecond an entry to read) is read before the
+//! stop, after the pre-copy; in the stop, the process's heap figures (`PROC_HEAP`), which each
+//! allocation and free changes after `LIVE`, say whether any was made since: then, and only
+//! then, `LIVE` is read again, so that no block made or freed meanwhile is missed or classed
+//! though gone.
+
+use std::time::Instant;
+
+use aya::Ebpf;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    kernel::live::{self, LiveBlock},
+    process::{
+        freeze::Frozen,
+        image::Image,
+        precopy::PreCopy,
+        procfs::{self, Region},
+    },
+};
+
+/// Under `--inspect-precopy auto`, memory is pre-copied when there is more than this to copy:
+/// below, copying it all in the stop takes about as long as reading its soft-dirty bits.
+const PRECOPY_ABOVE: u64 = 16 << 20;
+
+/// When to copy the process's memory before the stop (`--inspect-precopy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precopy {
+    /// When it has more than 16 MiB of writable memory.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// How the process's memory was copied (JSON `"method"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Method {
+    /// All of it while the process was held still.
+    #[default]
+    SingleStop,
+    /// While it ran, then in the stop only the pages written meanwhile (soft-dirty bits).
+    SoftDirty,
+    /// While it ran, then in the stop all of it again, into memory the first copy made ready:
+    /// the kernel keeps no soft-dirty bits (or memprof may not clear them).
+    Recopy,
+}
+
+/// How long each stage took, in milliseconds (JSON `"stages"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stages {
+    /// Before the stop, the process running: soft-dirty bits cleared and memory copied, `LIVE`
+    /// read.
+    pub before_stop_ms: f64,
+    /// The pause, in turn: every thread stopped; the heap figures compared (and `LIVE` read
+    /// again if they changed); the mappings listed and copied (or the pages written since the
+    /// pre-copy read again), and the threads released.
+    pub stop_ms: f64,
+    pub live_ms: f64,
+    pub copy_ms: f64,
+    /// After the pause: the marking of the copy.
+    pub mark_ms: f64,
+}
+
+/// A process as it was in the stop.
+pub struct Capture {
+    /// Sorted by address.
+    pub blocks: Vec<LiveBlock>,
+    /// Its writable mappings, each copied whole, `/dev` and the kernel's (`[vdso]`, `[vvar]`) left out.
+    pub regions: Vec<Region>,
+    pub image: Image,
+    /// Per thread, its general-purpose registers and stack pointer.
+    pub threads: Vec<(Vec<u64>, u64)>,
+    pub method: Method,
+    /// Whether the process allocated or freed after `LIVE` was first read, so that it was read
+    /// again in the stop.
+    pub live_read_in_pause: bool,
+    /// How long the process was held still.
+    pub pause_ms: f64,
+    /// Bytes read while it was held still.
+    pub bytes_copied_in_pause: u64,
+    pub stages: Stages,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error("pid {pid} has {bytes} bytes of writable mappings, more than half of the {available} bytes of memory available to copy them into; it was not inspected (free memory first)")]
+    TooLarge { pid: u32, bytes: u64, available: u64 },
+}
+
+/// Takes `pid`'s capture.
+pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Capture> {
+    let mut stages = Stages::default();
+    let started = Instant::now();
+    let pre = match precopy {
+        Precopy::Never => None,
+        Precopy::Auto | Precopy::Always => {
+            let regions = copied(&procfs::regions(pid)?);
+            if precopy == Precopy::Auto && total(&regions) <= PRECOPY_ABOVE {
+                None
+            } else {
+                check_size(pid, &regions)?;
+                Some(PreCopy::start(pid, &regions)?)
+            }
+        }
+    };
+    let heap = live::heap_state(ebpf, pid)?;
+    let listed = live::blocks(ebpf, pid)?;
+    stages.before_stop_ms = ms(started);
+
+    let paused = Instant::now();
+    let frozen = Frozen::stop(pid)?;
+    stages.stop_ms = ms(paused);
+    let at = Instant::now();
+    let live_read_in_pause = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
+    let blocks = if live_read_in_pause { live::blocks(ebpf, pid)? } else { listed };
+    stages.live_ms = ms(at);
+    let at = Instant::now();
+    let regions = copied(&procfs::regions(pid)?);
+    let (image, method) = match pre {
+        Some(pre) => {
+            let method = if pre.tracked { Method::SoftDirty } else { Method::Recopy };
+            (pre.finish(&regions)?, method)
+        }
+        None => {
+            check_size(pid, &regions)?;
+            (Image::copy(pid, &regions)?, Method::SingleStop)
+        }
+    };
+    let bytes_copied_in_pause = image.bytes_read;
+    let threads = frozen.threads.iter().map(|t| (t.registers.clone(), t.stack_pointer())).collect();
+    drop(frozen);
+    stages.copy_ms = ms(at);
+    let pause_ms = ms(paused);
+    tracing::debug!(
+        pid,
+        ?method,
+        live_read_in_pause,
+        pause_ms,
+        ?stages,
+        blocks = blocks.len(),
+        bytes_copied_in_pause,
+        "captured"
+    );
+    Ok(Capture { blocks, regions, image, threads, method, live_read_in_pause, pause_ms, bytes_copied_in_pause, stages })
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+/// The mappings copied: the writable ones but device memory and the kernel's.
+fn copied(regions: &[Region]) -> Vec<Region> {
+    regions
+        .iter()
+        .filter(|r| r.writable && !r.path.starts_with("/dev/") && !r.path.starts_with("[v"))
+        .cloned()
+        .collect()
+}
+
+fn total(regions: &[Region]) -> u64 {
+    regions.iter().map(|r| r.end - r.start).sum()
+}
+
+/// A process with more writable memory than this machine has free (a huge sparse mapping) is
+/// not copied.
+fn check_size(pid: u32, regions: &[Region]) -> Result<(), CaptureError> {
+    let bytes = total(regions);
+    let available = mem_available().unwrap_or(u64::MAX);
+    if bytes > available / 2 {
+        return Err(CaptureError::TooLarge { pid, bytes, available });
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    Some(line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()? * 1024)
+}

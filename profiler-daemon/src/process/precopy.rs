@@ -1,0 +1,132 @@
+//! A copy of a process's memory made while it runs, brought up to date in a short stop.
+//!
+//! Copying into memory of memprof's own that was never touched costs a page fault per page
+//! (most of the copy's time on a VM); the pre-copy takes those faults, and warms the process's
+//! pages too, before the stop. Where the kernel keeps soft-dirty bits, the stop reads again only
+//! the pages written since: writing "4" to `/proc/PID/clear_refs` clears the bits (and
+//! write-protects every page, so that the next write to each faults once and sets its bit
+//! again); bit 55 of a page's `pagemap` entry is the bit, and a mapping made or grown since is
+//! soft-dirty as a whole. Elsewhere the stop reads every page again, into the warm copy.
+
+use std::{fs, io, sync::OnceLock};
+
+use crate::process::{
+    image::{self, Image, Segment},
+    pagemap::{self, Pagemap, PAGE, SOFT_DIRTY},
+    procfs::Region,
+};
+
+/// The pre-copy of a running process.
+pub struct PreCopy {
+    pid: u32,
+    image: Image,
+    /// Whether its soft-dirty bits were cleared before the copy: then they tell which pages
+    /// were written since.
+    pub tracked: bool,
+}
+
+impl PreCopy {
+    /// Clears `pid`'s soft-dirty bits where it can, then copies `regions` (sorted, apart) while
+    /// the process runs: a page written during the copy is soft-dirty again. Not tracked when the
+    /// kernel keeps no soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`), or memprof may not clear them
+    /// (`clear_refs` is writable by the process's owner, or with `CAP_DAC_OVERRIDE`, which the
+    /// three capabilities memprof asks for do not include).
+    pub fn start(pid: u32, regions: &[Region]) -> io::Result<Self> {
+        let tracked =
+            supported() && clear(pid).map_err(|err| tracing::debug!(pid, %err, "cannot clear soft-dirty bits")).is_ok();
+        Ok(Self { pid, image: Image::copy(pid, regions)?, tracked })
+    }
+
+    /// With the process held still: the copy of `regions` as they are now. Read again: the pages
+    /// written since the pre-copy (every page holding data when not `tracked`), mappings new or
+    /// grown since, and shared mappings, which others may have written (`bytes_read`).
+    pub fn finish(self, regions: &[Region]) -> io::Result<Image> {
+        let Self { pid, image: old, tracked } = self;
+        let pagemap = Pagemap::open(pid)?;
+        let mut old = old.segments.into_iter().peekable();
+        let mut segments = Vec::with_capacity(regions.len());
+        let mut runs = Vec::with_capacity(regions.len());
+        for region in regions {
+            let (start, end) = (region.start, region.end);
+            while old.next_if(|s| s.start < start).is_some() {}
+            // A mapping that starts where it did keeps its copy, grown or cut to its length now.
+            let (mut bytes, kept) = match old.next_if(|s| s.start == start) {
+                Some(segment) if !region.shared => {
+                    let kept = segment.bytes.len().min((end - start) as usize);
+                    (segment.bytes, kept)
+                }
+                _ => (Vec::new(), 0),
+            };
+            let entries = pagemap.entries(start, end)?;
+            // Whether the page's copy is stale: then it is read if it holds data.
+            let stale = |page: usize, entry: u64| page * PAGE as usize >= kept || !tracked || entry & SOFT_DIRTY != 0;
+            let reread = pagemap::runs(&entries, start, end, |page, entry| {
+                region.shared || (stale(page, entry) && pagemap::holds_data(entry))
+            });
+            if kept == 0 {
+                bytes = image::zeroed((end - start) as usize, &reread);
+            } else {
+                bytes.resize((end - start) as usize, 0);
+            }
+            // A stale page that holds nothing reads as zeros now (given back since, or never
+            // touched and grown into).
+            for (offset, len) in pagemap::runs(&entries, start, end, |page, entry| {
+                !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
+            }) {
+                bytes[offset..offset + len].fill(0);
+            }
+            segments.push(Segment { start, bytes });
+            runs.push(reread);
+        }
+        let (bytes_read, unreadable) = image::read_runs(pid, &mut segments, &runs);
+        Ok(Image { segments, unreadable, bytes_read })
+    }
+}
+
+/// Clears every soft-dirty bit of `pid`.
+fn clear(pid: u32) -> io::Result<()> {
+    fs::write(format!("/proc/{pid}/clear_refs"), "4")
+}
+
+/// Whether this kernel tracks soft-dirty pages: without `CONFIG_MEM_SOFT_DIRTY`, clearing is
+/// accepted and does nothing, and no page is ever soft-dirty, so it is tried on a page of our own.
+pub fn supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        let Ok(pagemap) = Pagemap::open(std::process::id()) else { return false };
+        let mut page = vec![1u8; 2 * PAGE as usize];
+        let addr = (page.as_ptr() as u64).next_multiple_of(PAGE);
+        let offset = (addr - page.as_ptr() as u64) as usize;
+        if clear(std::process::id()).is_err() {
+            return false;
+        }
+        // SAFETY: a volatile write to a byte of our own buffer, so that it is not elided.
+        unsafe { std::ptr::write_volatile(page.as_mut_ptr().add(offset), 2) };
+        pagemap.entries(addr, addr + PAGE).is_ok_and(|e| e[0] & SOFT_DIRTY != 0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stop_brings_the_copy_up_to_date() {
+        let mut memory = vec![1u8; 8 * PAGE as usize];
+        let start = (memory.as_ptr() as u64).next_multiple_of(PAGE);
+        let at = (start - memory.as_ptr() as u64) as usize;
+        let regions = [Region { start, end: start + 4 * PAGE, writable: true, shared: false, path: String::new() }];
+        let precopy = PreCopy::start(std::process::id(), &regions).unwrap();
+        let tracked = precopy.tracked;
+        memory[at + PAGE as usize + 5] = 9;
+        let image = precopy.finish(&regions).unwrap();
+        assert_eq!(image.from(start + PAGE + 5)[0], 9);
+        assert_eq!(image.from(start)[0], 1);
+        // The page written at least (with transparent huge pages, its whole huge page); all
+        // four without soft-dirty bits.
+        assert!(image.bytes_read >= PAGE, "{}", image.bytes_read);
+        if !tracked {
+            assert_eq!(image.bytes_read, 4 * PAGE);
+        }
+    }
+}
