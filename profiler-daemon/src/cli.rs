@@ -331,6 +331,10 @@ pub struct DaemonArgs {
     /// Rows of unwind tables kept in the kernel, all files together [default: 524288].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
+    /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs every system
+    /// call on the host a little (see README, Memory outside malloc).
+    #[arg(long)]
+    pub mappings: bool,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -2,7 +2,7 @@
 //! fixture whose truth is known (tests/fixtures/mappings.c) and on a Go program, whose heap the Go
 //! runtime maps itself (tests/fixtures/go_heap).
 
-use memprof_tests::{assert_nothing_dropped, fixture, fixture_go, memprof, run};
+use memprof_tests::{assert_nothing_dropped, fixture, fixture_go, memprof, metric, run, wait_for, Daemon, Waiting};
 use serde_json::Value;
 
 const PAGE: u64 = 4096;
@@ -28,7 +28,7 @@ fn held_by(report: &Value, function: &str) -> (u64, u64) {
 #[test]
 fn mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly() {
     let program = fixture("mappings");
-    let outcome = run(&["--interval", "0.2"], &[program.to_str().unwrap()]);
+    let outcome = run(&["--mappings", "--interval", "0.2"], &[program.to_str().unwrap()]);
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     assert_nothing_dropped(&report);
@@ -65,7 +65,7 @@ fn mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly() {
         .sum();
     assert_eq!(report["mappings"]["outstanding_bytes"], outside);
 
-    let table = memprof(&["run", "--", program.to_str().unwrap()]);
+    let table = memprof(&["run", "--mappings", "--", program.to_str().unwrap()]);
     assert!(table.status.success(), "{table:?}");
     assert!(table.stdout.contains("mapped (anonymous mmap, mremap, brk; apart from the heap): "), "{}", table.stdout);
     assert!(table.stdout.contains(&format!("{:>12} {:>9}  ", 6 * PAGE, 2)), "{}", table.stdout);
@@ -75,7 +75,7 @@ fn mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly() {
 #[test]
 fn a_go_programs_heap_shows_through_its_mappings() {
     let program = fixture_go("go_heap");
-    let outcome = run(&["--interval", "0.5"], &[program.to_str().unwrap()]);
+    let outcome = run(&["--mappings", "--interval", "0.5"], &[program.to_str().unwrap()]);
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     // 64 MiB kept live, in blocks the Go runtime carves from the arenas it maps.
@@ -95,4 +95,21 @@ fn a_go_programs_heap_shows_through_its_mappings() {
     assert!(held >= kept, "the Go heap's stacks hold {held} bytes: {}", report["mappings"]);
     assert!(report["mappings"]["outstanding_bytes"].as_u64().unwrap() >= kept);
     assert!(report["totals"]["outstanding_bytes"].as_u64().unwrap() < 1 << 20, "not through malloc");
+}
+
+/// The daemon with `mappings` exports what each process holds from its own mappings: mmap_only
+/// maps 64 chunks of 1 MiB outside any allocator, one every 20 ms (exact per site under `run`
+/// above; here, whole chunks whenever the daemon's interval reads them).
+#[test]
+fn the_daemon_exports_the_mapped_bytes() {
+    let mut target = Waiting::start(&fixture("mmap_only"), &[]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--mappings", "--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_mmap_outstanding_bytes{{pid=\"{pid}\",comm=\"mmap_only\"}}");
+    let mapped = wait_for(20, "the chunks mapped", || metric(daemon.port, &series).filter(|&bytes| bytes > 0));
+    assert!(mapped % (1 << 20) == 0 && mapped <= 64 << 20, "whole chunks of 1 MiB: {mapped}");
+    let allocator = format!("memprof_mmap_allocator_bytes{{pid=\"{pid}\",comm=\"mmap_only\"}}");
+    assert_eq!(metric(daemon.port, &allocator), Some(0));
 }

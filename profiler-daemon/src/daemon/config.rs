@@ -43,6 +43,7 @@ struct File {
     unwind: Option<UnwindMode>,
     max_frames: Option<u32>,
     max_unwind_rows: Option<u32>,
+    mappings: Option<bool>,
     http: Option<server::SettingsFile>,
 }
 
@@ -175,6 +176,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         unwind: args.unwind.or(file.unwind).unwrap_or(defaults.unwind),
         max_frames: args.max_frames.or(file.max_frames).unwrap_or(defaults.max_frames),
         max_unwind_rows: args.max_unwind_rows.or(file.max_unwind_rows).unwrap_or(defaults.max_unwind_rows),
+        mappings: args.mappings || file.mappings.unwrap_or(defaults.mappings),
     };
     if maps.max_live == 0 || maps.max_stacks == 0 || maps.max_unwind_rows == 0 {
         return Err(ConfigError::Value(
@@ -303,6 +305,7 @@ mod tests {
         "unwind",
         "max_frames",
         "max_unwind_rows",
+        "mappings",
         "nope",
     ];
 

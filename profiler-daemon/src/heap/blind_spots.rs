@@ -54,7 +54,7 @@ impl BlindSpots {
                 advice: if mapped_bytes > 0 {
                     format!("its mappings ({} MiB) name where it asked for memory; README: Mappings", mapped_bytes >> 20)
                 } else {
-                    "see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string()
+                    "trace with --mappings to see where it maps memory, or see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string()
                 },
                 unless_env: None,
             });

@@ -52,8 +52,8 @@ pub struct Loaded {
     pub ages: AgeBook,
     /// Execs and forks of the traced processes.
     pub process_events: ProcessEvents,
-    /// The anonymous memory they map outside their allocator's blocks.
-    mappings: MappedRanges,
+    /// The anonymous memory they map outside their allocator's blocks (with `--mappings`).
+    mappings: Option<MappedRanges>,
     /// Whether the processes attached from now on report their forks (`--follow-forks`).
     pub follow_forks: bool,
     /// Whether the processes attached from now on share links with every traced process that
@@ -144,7 +144,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;
-    let mappings = MappedRanges::attach(&mut ebpf)?;
+    // Only when asked for: the program runs at every system call's return on the host.
+    let mappings = if sizes.mappings { Some(MappedRanges::attach(&mut ebpf)?) } else { None };
     Ok(Loaded {
         ebpf,
         method,
@@ -357,16 +358,20 @@ impl Loaded {
             self.unwind.forget(&mut self.ebpf, pid);
             self.unwind_events.forget(pid);
             self.ages.forget(pid);
-            self.mappings.forget(pid);
+            if let Some(mappings) = &mut self.mappings {
+                mappings.forget(pid);
+            }
         }
     }
 
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
     pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
-        self.mappings.drain();
         let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns)?;
-        for (&tgid, process) in &mut kernel.processes {
-            process.mappings = self.mappings.stacks(tgid);
+        if let Some(mappings) = &mut self.mappings {
+            mappings.drain();
+            for (&tgid, process) in &mut kernel.processes {
+                process.mappings = mappings.stacks(tgid);
+            }
         }
         Ok(kernel)
     }

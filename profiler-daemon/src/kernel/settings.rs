@@ -25,6 +25,11 @@ pub struct LoadSettings {
     /// bound, as rows are held in 1 MiB shards created when tables need them.
     #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: u32,
+    /// Also trace anonymous mmap, munmap, mremap and brk with their stacks (memory outside
+    /// malloc). Off by default: its program runs at the return of every system call on the
+    /// host, which then takes the kernel's slower traced path (about 9% more per malloc here).
+    #[arg(long)]
+    pub mappings: bool,
 }
 
 pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
@@ -35,4 +40,5 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     // 256 MiB at most: room for the largest programs measured (gdb, postgres with its JIT, a
     // 100 MB C++ library: 1 to 3 million rows each), none of it taken before it is needed.
     max_unwind_rows: 1 << 24,
+    mappings: false,
 };
