@@ -287,7 +287,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 18] = [
+    const KEYS: [&str; 19] = [
         "listen",
         "pids",
         "comms",
