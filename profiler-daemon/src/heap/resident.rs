@@ -43,9 +43,12 @@ pub struct Memory {
 
 /// When the pinned pages are read. Their walk of `LIVE` costs 0.5 to 1 µs a live block (0.5 to
 /// 0.7 s for a million, on a 2-core VM: README, Resident memory), so it may take at most a
-/// twentieth of the time: a walk is due once the time since the last one is 19 times what it
+/// hundredth of the time: a walk is due once the time since the last one is 99 times what it
 /// is expected to take, the last walk's time per block times the blocks live now. A few
-/// thousand blocks are read every interval; a million, every 10 to 20 s.
+/// thousand blocks are read every interval. Past `MOST_BLOCKS_WALKED` live blocks (all traced
+/// processes together) only a final report walks them: the daemon, tracing a million blocks,
+/// took 5.2% of a core and peaked at 154 MiB with a twentieth (BENCHMARKS, the daemon's own
+/// cost; 1.0% and 47 MiB without the walk).
 #[derive(Debug, Default)]
 pub struct PinnedBudget {
     /// When the last walk ended, and what it took per block.
@@ -54,9 +57,10 @@ pub struct PinnedBudget {
 
 impl PinnedBudget {
     fn due(&self, live_blocks: u64) -> bool {
-        self.last.is_none_or(|(ended, per_block)| {
-            ended.elapsed().as_secs_f64() >= IDLE_PER_WALK * per_block * live_blocks as f64
-        })
+        live_blocks <= MOST_BLOCKS_WALKED
+            && self.last.is_none_or(|(ended, per_block)| {
+                ended.elapsed().as_secs_f64() >= IDLE_PER_WALK * per_block * live_blocks as f64
+            })
     }
 
     fn spent(&mut self, took: Duration, blocks: usize) {
@@ -67,7 +71,10 @@ impl PinnedBudget {
 }
 
 /// The time left between walks for each unit of time a walk takes.
-const IDLE_PER_WALK: f64 = 19.0;
+const IDLE_PER_WALK: f64 = 99.0;
+
+/// See `PinnedBudget`.
+const MOST_BLOCKS_WALKED: u64 = 200_000;
 
 /// See `PinnedBudget::spent`.
 const FEW_BLOCKS: usize = 10_000;
