@@ -8,7 +8,10 @@
 
 use std::collections::HashMap;
 
-use crate::{kernel::live::LiveBlock, process::procfs};
+use crate::{
+    kernel::live::LiveBlock,
+    process::{pagemap, procfs},
+};
 
 /// A page with less than `1 / SPARSE` of its bytes live is pinned.
 const SPARSE: u64 = 4;
@@ -55,7 +58,7 @@ pub fn read(pid: u32, blocks: &[LiveBlock]) -> Option<Pinned> {
     }
     // SAFETY: sysconf has no preconditions.
     let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    pinned(blocks, page_size, |pages| procfs::present_pages(pid, pages))
+    pinned(blocks, page_size, |pages| pagemap::present_pages(pid, pages))
 }
 
 /// One block's bytes on one page.

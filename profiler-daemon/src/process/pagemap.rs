@@ -4,6 +4,8 @@
 
 use std::{fs, io, os::unix::fs::FileExt as _};
 
+use super::procfs;
+
 /// The kernel's page: what an entry describes, and what a read fails or succeeds for at once.
 pub const PAGE: u64 = 4096;
 
@@ -15,7 +17,15 @@ pub struct Pagemap(fs::File);
 
 impl Pagemap {
     pub fn open(pid: u32) -> io::Result<Self> {
-        fs::File::open(format!("/proc/{pid}/pagemap")).map(Self)
+        fs::File::open(format!("{}/pagemap", procfs::dir(pid))).map(Self)
+    }
+
+    /// The entries of the `count` pages from page number `first`: all of them, or an error (the
+    /// process has exited).
+    fn exact(&self, first: u64, count: u64) -> io::Result<Vec<u64>> {
+        let mut bytes = vec![0u8; count as usize * 8];
+        self.0.read_exact_at(&mut bytes, first * 8)?;
+        Ok(decode(&bytes))
     }
 
     /// The entries of the pages from `start` to `end`. Entries that cannot be read (the mapping
@@ -31,8 +41,33 @@ impl Pagemap {
             }
         }
         bytes[done..].fill(0xff);
-        Ok(bytes.chunks_exact(8).map(|e| u64::from_ne_bytes(e.try_into().expect("8 bytes"))).collect())
+        Ok(decode(&bytes))
     }
+}
+
+fn decode(bytes: &[u8]) -> Vec<u64> {
+    bytes.chunks_exact(8).map(|e| u64::from_ne_bytes(e.try_into().expect("8 bytes"))).collect()
+}
+
+/// Entries read at once by `present_pages`, at most (8 bytes each).
+const PRESENT_SPAN: u64 = 4096;
+
+/// Which of `pages` (page numbers, ascending) of process `pid` are in memory (resident, not
+/// swapped out); none once the process has exited. Pages near each other are read in one go.
+pub fn present_pages(pid: u32, pages: &[u64]) -> Option<Vec<bool>> {
+    if pages.is_empty() {
+        return Some(Vec::new());
+    }
+    let pagemap = Pagemap::open(pid).ok()?;
+    let mut present = Vec::with_capacity(pages.len());
+    let mut rest = pages;
+    while let Some(&first) = rest.first() {
+        let together = rest.partition_point(|&page| page - first < PRESENT_SPAN);
+        let entries = pagemap.exact(first, rest[together - 1] - first + 1).ok()?;
+        present.extend(rest[..together].iter().map(|&page| entries[(page - first) as usize] & PRESENT != 0));
+        rest = &rest[together..];
+    }
+    Some(present)
 }
 
 /// Whether a page holds anything but zeros, or the file's own bytes: in memory or swapped out.

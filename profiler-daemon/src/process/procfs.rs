@@ -1,9 +1,6 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{
-    fs, io,
-    os::unix::fs::{FileExt, MetadataExt},
-};
+use std::{fs, io, os::unix::fs::MetadataExt};
 
 use crate::{error::UserError, text::printable};
 
@@ -62,7 +59,7 @@ fn task_stat(dir: &str) -> Option<Stat> {
 /// `/proc/PID`, unless its main thread has exited (pthread_exit) while others run. Such a
 /// leader keeps the pid, but its maps, exe and root read empty; a live thread's directory reads
 /// them.
-fn dir(pid: u32) -> String {
+pub(crate) fn dir(pid: u32) -> String {
     let leader = format!("/proc/{pid}");
     // A running leader's exe link reads: one syscall, where its stat takes three and a format
     // (this is asked for every read, for every target, every interval).
@@ -102,35 +99,6 @@ pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
         .find_map(|line| line.strip_prefix("RssAnon:"))
         .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kib| kib * 1024)
-}
-
-/// Entries of `/proc/PID/pagemap` read at once, at most (8 bytes each).
-const PAGEMAP_SPAN: u64 = 4096;
-
-/// Which of `pages` (page numbers, ascending) are present in memory (bit 63 of their
-/// `/proc/PID/pagemap` entry: resident, not swapped out); none once the process has exited.
-/// Pages near each other are read in one go.
-pub fn present_pages(pid: u32, pages: &[u64]) -> Option<Vec<bool>> {
-    if pages.is_empty() {
-        return Some(Vec::new());
-    }
-    let pagemap = fs::File::open(format!("{}/pagemap", dir(pid))).ok()?;
-    let mut present = Vec::with_capacity(pages.len());
-    let mut entries = Vec::new();
-    let mut rest = pages;
-    while let Some(&first) = rest.first() {
-        let together = rest.partition_point(|&page| page - first < PAGEMAP_SPAN);
-        let span = rest[together - 1] - first + 1;
-        entries.resize(span as usize * 8, 0);
-        pagemap.read_exact_at(&mut entries, first * 8).ok()?;
-        for &page in &rest[..together] {
-            let at = (page - first) as usize * 8;
-            let entry = u64::from_le_bytes(entries[at..at + 8].try_into().expect("8 bytes"));
-            present.push(entry >> 63 == 1);
-        }
-        rest = &rest[together..];
-    }
-    Some(present)
 }
 
 /// Whether the process's environment (`/proc/PID/environ`) holds `entry` (`NAME=value`).
