@@ -190,15 +190,39 @@ fn kernel_has_soft_dirty() -> bool {
     u64::from_ne_bytes(entry) & (1 << 55) != 0
 }
 
+/// Whether this kernel write-protects asynchronously with userfaultfd (6.7+ with
+/// `CONFIG_PTE_MARKER_UFFD_WP`): `UFFDIO_API` (`_IOWR(0xAA, 0x3F, 24)`) accepts
+/// `UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED` (linux/userfaultfd.h).
+fn kernel_has_async_write_protect() -> bool {
+    // SAFETY: userfaultfd(2) with flags; the ioctl reads and writes the 24-byte struct uffdio_api.
+    unsafe {
+        let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | 1 /* UFFD_USER_MODE_ONLY */) as i32;
+        if fd < 0 {
+            return false;
+        }
+        let mut api: [u64; 3] = [0xAA, (1 << 15) | (1 << 13), 0];
+        let ok = libc::ioctl(fd, 0xc018_aa3f, api.as_mut_ptr()) == 0;
+        libc::close(fd);
+        ok
+    }
+}
+
 /// The pre-copy: the memory copied while the process runs, then in the stop only the pages
-/// written since (soft-dirty bits) or, on a kernel without them, all of it again into the warm
-/// copy, gives the classes a single stop gives, while a thread keeps relinking a list (every node
-/// reachable whenever the process is stopped). The report names the path taken.
+/// written since (soft-dirty bits; else, of the heap, userfaultfd's write protection, the rest
+/// whole) or all of it again into the warm copy, gives the classes a single stop gives, while a
+/// thread keeps relinking a list (every node reachable whenever the process is stopped) and
+/// the main thread waits in read(2). The report names the path taken.
 #[test]
 fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
     let fixture = fixture_with("relinking.c", "relinking", &["-g", "-O2", "-pthread"]);
     let site = |report: &Value, function: &str| reachability(report, function).clone();
-    let precopied = if kernel_has_soft_dirty() { "soft_dirty" } else { "recopy" };
+    let precopied = if kernel_has_soft_dirty() {
+        "soft_dirty"
+    } else if kernel_has_async_write_protect() {
+        "write_protect"
+    } else {
+        "recopy"
+    };
     let mut classes = Vec::new();
     for (precopy, method) in [("always", precopied), ("never", "single_stop")] {
         let (report, fixture_output) = run_inspect(&fixture, &["--inspect-precopy", precopy]);

@@ -49,7 +49,7 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
         inspection.pause_ms,
         match inspection.method {
             Method::SingleStop => format!("{} copied", super::table::bytes(inspection.bytes_copied_in_pause)),
-            Method::SoftDirty => format!(
+            Method::SoftDirty | Method::WriteProtect => format!(
                 "memory copied while it ran, {} written since read again",
                 super::table::bytes(inspection.bytes_copied_in_pause)
             ),

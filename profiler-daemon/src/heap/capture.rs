@@ -2,7 +2,9 @@
 //! tracked blocks (`LIVE`), every thread's registers, and a copy of every writable mapping.
 //! Above `PRECOPY_ABOVE` of such memory (or when asked), the memory is copied first while the
 //! process runs, and the stop reads again only the pages written since where the kernel keeps
-//! soft-dirty bits, every page into the warm copy elsewhere (`process::precopy`).
+//! soft-dirty bits or, without them, those of its anonymous memory that userfaultfd's write
+//! protection says were written (set up in a first brief stop); every page into the warm copy
+//! elsewhere (`process::precopy`).
 //!
 //! `LIVE` (every traced process's blocks, about a microsecond an entry to read) is read before the
 //! stop, after the pre-copy; in the stop, the process's heap figures (`PROC_HEAP`), which each
@@ -20,7 +22,7 @@ use crate::{
     process::{
         freeze::Frozen,
         image::Image,
-        precopy::PreCopy,
+        precopy::{PreCopy, Tracking},
         procfs::{self, Region},
     },
 };
@@ -48,16 +50,19 @@ pub enum Method {
     SingleStop,
     /// While it ran, then in the stop only the pages written meanwhile (soft-dirty bits).
     SoftDirty,
+    /// While it ran, then in the stop the pages of its anonymous memory written meanwhile
+    /// (userfaultfd's write protection, on a kernel without soft-dirty bits) and the rest whole.
+    WriteProtect,
     /// While it ran, then in the stop all of it again, into memory the first copy made ready:
-    /// the kernel keeps no soft-dirty bits (or memprof may not clear them).
+    /// neither soft-dirty bits nor write protection could be had.
     Recopy,
 }
 
 /// How long each stage took, in milliseconds (JSON `"stages"`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stages {
-    /// Before the stop, the process running: soft-dirty bits cleared and memory copied, `LIVE`
-    /// read.
+    /// Before the stop, the process running: soft-dirty bits cleared (or the write protection
+    /// set up, its first brief stop included) and memory copied, `LIVE` read.
     pub before_stop_ms: f64,
     /// The pause, in turn: every thread stopped; the heap figures compared (and `LIVE` read
     /// again if they changed); the mappings listed and copied (or the pages written since the
@@ -116,7 +121,7 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     stages.before_stop_ms = ms(started);
 
     let paused = Instant::now();
-    let frozen = Frozen::stop(pid)?;
+    let mut frozen = Frozen::stop(pid)?;
     stages.stop_ms = ms(paused);
     let at = Instant::now();
     let live_read_in_pause = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
@@ -126,8 +131,12 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     let regions = copied(&procfs::regions(pid)?);
     let (image, method) = match pre {
         Some(pre) => {
-            let method = if pre.tracked { Method::SoftDirty } else { Method::Recopy };
-            (pre.finish(&regions)?, method)
+            let method = match pre.tracking {
+                Tracking::None => Method::Recopy,
+                Tracking::SoftDirty => Method::SoftDirty,
+                Tracking::WriteProtect(_) => Method::WriteProtect,
+            };
+            (pre.finish(&regions, &mut frozen)?, method)
         }
         None => {
             check_size(pid, &regions)?;

@@ -40,6 +40,12 @@ pub struct Thread {
 }
 
 impl Thread {
+    /// Whether it stopped for memprof's interrupt alone, with no signal to hand back: only such
+    /// a thread may run code for memprof (`inject`), which would swallow the signal.
+    pub fn interrupted(&self) -> bool {
+        self.pending_signal == 0
+    }
+
     pub fn stack_pointer(&self) -> u64 {
         self.registers.get(STACK_POINTER).copied().unwrap_or(0)
     }
@@ -88,6 +94,13 @@ impl Frozen {
         }
         Ok(frozen)
     }
+
+    /// Hands `signal` to thread `tid` on release: one it took while it ran code for memprof.
+    pub fn hand_back(&mut self, tid: u32, signal: i32) {
+        if let Some(thread) = self.threads.iter_mut().find(|t| t.tid == tid) {
+            thread.pending_signal = signal;
+        }
+    }
 }
 
 impl Drop for Frozen {
@@ -121,7 +134,7 @@ fn seize(tid: u32) -> std::io::Result<()> {
 }
 
 /// Collects a stop of `tid`'s that nobody waited for, if there is one.
-fn reap(tid: u32) {
+pub(super) fn reap(tid: u32) {
     let mut status = 0;
     // SAFETY: a tid and a valid out-pointer; WNOHANG never blocks.
     unsafe { libc::waitpid(tid as libc::pid_t, &mut status, libc::__WALL | libc::WNOHANG) };

@@ -20,6 +20,10 @@ impl Pagemap {
         fs::File::open(format!("{}/pagemap", procfs::dir(pid))).map(Self)
     }
 
+    pub fn file(&self) -> &fs::File {
+        &self.0
+    }
+
     /// The entries of the `count` pages from page number `first`: all of them, or an error (the
     /// process has exited).
     fn exact(&self, first: u64, count: u64) -> io::Result<Vec<u64>> {

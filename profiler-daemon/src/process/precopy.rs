@@ -6,81 +6,124 @@
 //! the pages written since: writing "4" to `/proc/PID/clear_refs` clears the bits (and
 //! write-protects every page, so that the next write to each faults once and sets its bit
 //! again); bit 55 of a page's `pagemap` entry is the bit, and a mapping made or grown since is
-//! soft-dirty as a whole. Elsewhere the stop reads every page again, into the warm copy.
+//! soft-dirty as a whole. Where it keeps none, userfaultfd's write protection tells the same of
+//! the process's anonymous memory (`write_watch`), and the stop reads the rest again whole.
+//! Elsewhere the stop reads every page again, into the warm copy.
 
 use std::{fs, io, sync::OnceLock};
 
 use crate::process::{
+    freeze::Frozen,
     image::{self, Image, Segment},
     pagemap::{self, Pagemap, PAGE, SOFT_DIRTY},
     procfs::Region,
+    write_watch::{WriteWatch, WRITE_PROTECTED},
 };
+
+/// How the pages written since the pre-copy are told.
+pub enum Tracking {
+    /// They are not: every page is read again.
+    None,
+    /// By their soft-dirty bits, cleared before the copy.
+    SoftDirty,
+    /// By userfaultfd's write protection, in the ranges the watch covers.
+    WriteProtect(WriteWatch),
+}
 
 /// The pre-copy of a running process.
 pub struct PreCopy {
     pid: u32,
     image: Image,
-    /// Whether its soft-dirty bits were cleared before the copy: then they tell which pages
-    /// were written since.
-    pub tracked: bool,
+    pub tracking: Tracking,
 }
 
 impl PreCopy {
-    /// Clears `pid`'s soft-dirty bits where it can, then copies `regions` (sorted, apart) while
-    /// the process runs: a page written during the copy is soft-dirty again. Not tracked when the
-    /// kernel keeps no soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`), or memprof may not clear them
-    /// (`clear_refs` is writable by the process's owner, or with `CAP_DAC_OVERRIDE`, which the
-    /// three capabilities memprof asks for do not include).
+    /// Starts telling which pages of `pid` are written, where it can, then copies `regions`
+    /// (sorted, apart) while the process runs. Soft-dirty bits are cleared where the kernel keeps
+    /// them (`CONFIG_MEM_SOFT_DIRTY`) and memprof may clear them (`clear_refs` is writable by the
+    /// process's owner, or with `CAP_DAC_OVERRIDE`, which the three capabilities memprof asks for
+    /// do not include); else its anonymous memory is write-protected, where the kernel and the
+    /// process allow (`write_watch`); else nothing is tracked.
     pub fn start(pid: u32, regions: &[Region]) -> io::Result<Self> {
-        let tracked =
-            supported() && clear(pid).map_err(|err| tracing::debug!(pid, %err, "cannot clear soft-dirty bits")).is_ok();
-        Ok(Self { pid, image: Image::copy(pid, regions)?, tracked })
+        let tracking = if supported()
+            && clear(pid).map_err(|err| tracing::debug!(pid, %err, "cannot clear soft-dirty bits")).is_ok()
+        {
+            Tracking::SoftDirty
+        } else {
+            match WriteWatch::begin(pid, regions) {
+                Ok(watch) => Tracking::WriteProtect(watch),
+                Err(err) => {
+                    tracing::debug!(pid, %err, "no write protection: every page is read again in the stop");
+                    Tracking::None
+                }
+            }
+        };
+        Ok(Self { pid, image: Image::copy(pid, regions)?, tracking })
     }
 
-    /// With the process held still: the copy of `regions` as they are now. Read again: the pages
-    /// written since the pre-copy (every page holding data when not `tracked`), mappings new or
-    /// grown since, and shared mappings, which others may have written (`bytes_read`).
-    pub fn finish(self, regions: &[Region]) -> io::Result<Image> {
-        let Self { pid, image: old, tracked } = self;
-        let pagemap = Pagemap::open(pid)?;
-        let mut old = old.segments.into_iter().peekable();
-        let mut segments = Vec::with_capacity(regions.len());
-        let mut runs = Vec::with_capacity(regions.len());
-        for region in regions {
-            let (start, end) = (region.start, region.end);
-            while old.next_if(|s| s.start < start).is_some() {}
-            // A mapping that starts where it did keeps its copy, grown or cut to its length now.
-            let (mut bytes, kept) = match old.next_if(|s| s.start == start) {
-                Some(segment) if !region.shared => {
-                    let kept = segment.bytes.len().min((end - start) as usize);
-                    (segment.bytes, kept)
-                }
-                _ => (Vec::new(), 0),
-            };
-            let entries = pagemap.entries(start, end)?;
-            // Whether the page's copy is stale: then it is read if it holds data.
-            let stale = |page: usize, entry: u64| page * PAGE as usize >= kept || !tracked || entry & SOFT_DIRTY != 0;
-            let reread = pagemap::runs(&entries, start, end, |page, entry| {
-                region.shared || (stale(page, entry) && pagemap::holds_data(entry))
-            });
-            if kept == 0 {
-                bytes = image::zeroed((end - start) as usize, &reread);
-            } else {
-                bytes.resize((end - start) as usize, 0);
-            }
-            // A stale page that holds nothing reads as zeros now (given back since, or never
-            // touched and grown into).
-            for (offset, len) in pagemap::runs(&entries, start, end, |page, entry| {
-                !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
-            }) {
-                bytes[offset..offset + len].fill(0);
-            }
-            segments.push(Segment { start, bytes });
-            runs.push(reread);
+    /// With the process held still in `frozen`: the copy of `regions` as they are now. Read
+    /// again: the pages written since the pre-copy (every page holding data when not tracked),
+    /// mappings new or grown since, and shared mappings, which others may have written
+    /// (`bytes_read`). Write protection ends here.
+    pub fn finish(self, regions: &[Region], frozen: &mut Frozen) -> io::Result<Image> {
+        let Self { pid, image: old, tracking } = self;
+        let image = bring_up_to_date(pid, old, regions, &tracking);
+        if let Tracking::WriteProtect(watch) = tracking {
+            watch.close(frozen);
         }
-        let (bytes_read, unreadable) = image::read_runs(pid, &mut segments, &runs);
-        Ok(Image { segments, unreadable, bytes_read })
+        image
     }
+}
+
+/// The copy `old` of `pid`'s memory brought up to date with `regions` as they are now.
+fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Tracking) -> io::Result<Image> {
+    let pagemap = Pagemap::open(pid)?;
+    let mut old = old.segments.into_iter().peekable();
+    let mut segments = Vec::with_capacity(regions.len());
+    let mut runs = Vec::with_capacity(regions.len());
+    for region in regions {
+        let (start, end) = (region.start, region.end);
+        while old.next_if(|s| s.start < start).is_some() {}
+        // A mapping that starts where it did keeps its copy, grown or cut to its length now.
+        let (mut bytes, kept) = match old.next_if(|s| s.start == start) {
+            Some(segment) if !region.shared => {
+                let kept = segment.bytes.len().min((end - start) as usize);
+                (segment.bytes, kept)
+            }
+            _ => (Vec::new(), 0),
+        };
+        let entries = pagemap.entries(start, end)?;
+        // Whether the page's copy is stale: then it is read if it holds data.
+        let stale = |page: usize, entry: u64| {
+            page * PAGE as usize >= kept
+                || match tracking {
+                    Tracking::None => true,
+                    Tracking::SoftDirty => entry & SOFT_DIRTY != 0,
+                    Tracking::WriteProtect(watch) => {
+                        !watch.covers(start + page as u64 * PAGE) || entry & WRITE_PROTECTED == 0
+                    }
+                }
+        };
+        let reread = pagemap::runs(&entries, start, end, |page, entry| {
+            region.shared || (stale(page, entry) && pagemap::holds_data(entry))
+        });
+        if kept == 0 {
+            bytes = image::zeroed((end - start) as usize, &reread);
+        } else {
+            bytes.resize((end - start) as usize, 0);
+        }
+        // A stale page that holds nothing reads as zeros now (given back since, or never
+        // touched and grown into).
+        for (offset, len) in pagemap::runs(&entries, start, end, |page, entry| {
+            !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
+        }) {
+            bytes[offset..offset + len].fill(0);
+        }
+        segments.push(Segment { start, bytes });
+        runs.push(reread);
+    }
+    let (bytes_read, unreadable) = image::read_runs(pid, &mut segments, &runs);
+    Ok(Image { segments, unreadable, bytes_read })
 }
 
 /// Clears every soft-dirty bit of `pid`.
@@ -116,10 +159,11 @@ mod tests {
         let start = (memory.as_ptr() as u64).next_multiple_of(PAGE);
         let at = (start - memory.as_ptr() as u64) as usize;
         let regions = [Region { start, end: start + 4 * PAGE, writable: true, shared: false, path: String::new() }];
-        let precopy = PreCopy::start(std::process::id(), &regions).unwrap();
-        let tracked = precopy.tracked;
+        // memprof cannot stop its own threads: the pages are not write-protected here.
+        let PreCopy { pid, image, tracking } = PreCopy::start(std::process::id(), &regions).unwrap();
+        let tracked = !matches!(tracking, Tracking::None);
         memory[at + PAGE as usize + 5] = 9;
-        let image = precopy.finish(&regions).unwrap();
+        let image = bring_up_to_date(pid, image, &regions, &tracking).unwrap();
         assert_eq!(image.from(start + PAGE + 5)[0], 9);
         assert_eq!(image.from(start)[0], 1);
         // The page written at least (with transparent huge pages, its whole huge page); all
