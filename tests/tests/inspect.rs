@@ -243,6 +243,37 @@ fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
     assert_eq!(classes[0], classes[1]);
 }
 
+/// The open descriptors and the mappings of `pid`.
+fn descriptors_and_maps(pid: u32) -> (usize, String) {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the fixture's descriptors").count();
+    (fds, std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the fixture's maps"))
+}
+
+/// `write_watch.c`'s threads write its heap from user space and, in read(2), from the kernel
+/// while it is pre-copied with its heap write-protected, two more wait in read(2) meanwhile,
+/// and a system call is injected into one of the waiting ones: the process runs on as without
+/// memprof, with the descriptors and mappings it had.
+#[test]
+fn the_write_protected_precopy_leaves_the_process_as_it_was() {
+    let fixture = fixture_with("write_watch.c", "write_watch", &["-O2", "-pthread"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let before = descriptors_and_maps(target.pid());
+    let outcome =
+        attach(&mut target, &["--inspect", "--inspect-precopy", "always", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let inspection = &outcome.final_report()["inspection"];
+    if !kernel_has_soft_dirty() && kernel_has_async_write_protect() {
+        assert_eq!(inspection["method"], "write_protect", "{inspection}");
+    }
+    // Where the pages written are told, only those were read again: half of the 8 MiB heap,
+    // with the thread stacks and the data written, not all of it.
+    if inspection["method"] != "recopy" {
+        assert!(inspection["bytes_copied_in_pause"].as_u64().unwrap() < 6 << 20, "{inspection}");
+    }
+    assert_eq!(descriptors_and_maps(target.pid()), before);
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
 #[test]
 fn run_inspect_needs_a_duration() {
     let outcome = memprof_tests::memprof(&["run", "--inspect", "--", "true"]);

@@ -104,7 +104,7 @@ pub enum CaptureError {
 pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Capture> {
     let mut stages = Stages::default();
     let started = Instant::now();
-    let pre = match precopy {
+    let mut pre = match precopy {
         Precopy::Never => None,
         Precopy::Auto | Precopy::Always => {
             let regions = copied(&procfs::regions(pid)?);
@@ -121,7 +121,7 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     stages.before_stop_ms = ms(started);
 
     let paused = Instant::now();
-    let mut frozen = Frozen::stop(pid)?;
+    let frozen = Frozen::stop(pid)?;
     stages.stop_ms = ms(paused);
     let at = Instant::now();
     let live_read_in_pause = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
@@ -129,14 +129,14 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     stages.live_ms = ms(at);
     let at = Instant::now();
     let regions = copied(&procfs::regions(pid)?);
-    let (image, method) = match pre {
+    let (image, method) = match &mut pre {
         Some(pre) => {
             let method = match pre.tracking {
                 Tracking::None => Method::Recopy,
                 Tracking::SoftDirty => Method::SoftDirty,
                 Tracking::WriteProtect(_) => Method::WriteProtect,
             };
-            (pre.finish(&regions, &mut frozen)?, method)
+            (pre.finish(&regions)?, method)
         }
         None => {
             check_size(pid, &regions)?;
@@ -148,6 +148,8 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     drop(frozen);
     stages.copy_ms = ms(at);
     let pause_ms = ms(paused);
+    // Ends the write protection, the process running.
+    drop(pre);
     tracing::debug!(
         pid,
         ?method,

@@ -24,11 +24,6 @@ use crate::process::{
 /// How long an injected call may take: these calls never block.
 const CALL_DEADLINE: Duration = Duration::from_secs(1);
 
-/// Below the stack pointer: the red zone a leaf function may be using, then the bytes the calls'
-/// arguments are written into (put back after).
-const RED_ZONE: u64 = 128;
-const SCRATCH: usize = 64;
-
 const SIGTRAP_BIT: u64 = 1 << (libc::SIGTRAP - 1);
 
 #[derive(Debug, thiserror::Error)]
@@ -45,22 +40,19 @@ pub enum InjectError {
     UnexpectedStop { tid: u32 },
     #[error("thread {tid} did not stop after the injected system call within {CALL_DEADLINE:?}")]
     NoStop { tid: u32 },
-    #[error("stack of thread {tid}: {cause}")]
-    Stack { tid: u32, cause: io::Error },
     #[cfg(not(target_arch = "x86_64"))]
     #[error("system calls are injected on x86-64 only")]
     Unsupported,
 }
 
-/// A thread of a stopped process running system calls for memprof; dropping it puts back its
-/// registers and the stack bytes the calls' arguments took, on every path.
+/// A thread of a stopped process running system calls for memprof (which take numbers only:
+/// nothing is written into the process's memory); dropping it puts back its registers, on
+/// every path.
 pub struct Injector<'a> {
     frozen: &'a mut Frozen,
     tid: u32,
     saved: libc::user_regs_struct,
     syscall_at: u64,
-    scratch: u64,
-    scratch_saved: [u8; SCRATCH],
 }
 
 impl<'a> Injector<'a> {
@@ -79,26 +71,12 @@ impl<'a> Injector<'a> {
         }
         let syscall_at = syscall_instruction(pid).ok_or(InjectError::NoSyscallInstruction(pid))?;
         let saved = get_registers(tid)?;
-        let scratch = (saved.rsp - RED_ZONE - SCRATCH as u64) & !15;
-        let mut scratch_saved = [0u8; SCRATCH];
-        transfer(tid, scratch, &mut scratch_saved, Direction::Read)?;
-        Ok(Self { frozen, tid, saved, syscall_at, scratch, scratch_saved })
+        Ok(Self { frozen, tid, saved, syscall_at })
     }
 
     #[cfg(not(target_arch = "x86_64"))]
     pub fn new(_pid: u32, _frozen: &'a mut Frozen) -> Result<Self, InjectError> {
         Err(InjectError::Unsupported)
-    }
-
-    /// Writes `value` where the calls' arguments go; returns its address in the process.
-    pub fn put<T: Copy>(&mut self, value: &T) -> Result<u64, InjectError> {
-        let size = std::mem::size_of::<T>();
-        assert!(size <= SCRATCH, "an argument larger than the scratch area");
-        let mut bytes = [0u8; SCRATCH];
-        // SAFETY: `T` is plain data (Copy, repr(C) kernel structs) of `size` bytes, copied out.
-        unsafe { std::ptr::copy_nonoverlapping((value as *const T).cast::<u8>(), bytes.as_mut_ptr(), size) };
-        transfer(self.tid, self.scratch, &mut bytes[..size], Direction::Write)?;
-        Ok(self.scratch)
     }
 
     /// Runs system call `nr` with `args` in the thread; its return value (`-errno` on failure).
@@ -156,10 +134,8 @@ impl<'a> Injector<'a> {
 
 impl Drop for Injector<'_> {
     fn drop(&mut self) {
-        let restored = set_registers(self.tid, &self.saved)
-            .and_then(|()| transfer(self.tid, self.scratch, &mut self.scratch_saved, Direction::Write));
-        if let Err(err) = restored {
-            tracing::warn!(tid = self.tid, %err, "cannot put back a thread's registers or stack after injected calls");
+        if let Err(err) = set_registers(self.tid, &self.saved) {
+            tracing::warn!(tid = self.tid, %err, "cannot put back a thread's registers after injected calls");
         }
     }
 }
@@ -199,35 +175,18 @@ fn set_registers(_tid: u32, _regs: &libc::user_regs_struct) -> Result<(), Inject
     Err(InjectError::Unsupported)
 }
 
-enum Direction {
-    Read,
-    Write,
-}
-
-/// Reads or writes `bytes` at `addr` of thread `tid`'s process.
-fn transfer(tid: u32, addr: u64, bytes: &mut [u8], direction: Direction) -> Result<(), InjectError> {
-    let local = libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: bytes.len() };
-    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: bytes.len() };
-    // SAFETY: `local` describes `bytes`, which outlives the call; the remote side is checked by
-    // the kernel.
-    let done = unsafe {
-        match direction {
-            Direction::Read => libc::process_vm_readv(tid as libc::pid_t, &local, 1, &remote, 1, 0),
-            Direction::Write => libc::process_vm_writev(tid as libc::pid_t, &local, 1, &remote, 1, 0),
-        }
-    };
-    if done != bytes.len() as isize {
-        let cause = if done < 0 { io::Error::last_os_error() } else { io::ErrorKind::UnexpectedEof.into() };
-        return Err(InjectError::Stack { tid, cause });
-    }
-    Ok(())
-}
-
 /// The address of a `syscall` instruction (0f 05) in `pid`'s vDSO: its fallbacks make the call.
 fn syscall_instruction(pid: u32) -> Option<u64> {
     let vdso = procfs::regions(pid).ok()?.into_iter().find(|r| r.path == "[vdso]")?;
     let mut code = vec![0u8; (vdso.end - vdso.start) as usize];
-    transfer(pid, vdso.start, &mut code, Direction::Read).ok()?;
+    let local = libc::iovec { iov_base: code.as_mut_ptr().cast(), iov_len: code.len() };
+    let remote = libc::iovec { iov_base: vdso.start as *mut libc::c_void, iov_len: code.len() };
+    // SAFETY: `local` describes `code`, which outlives the call; the remote side is checked by
+    // the kernel.
+    let read = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    if read != code.len() as isize {
+        return None;
+    }
     code.windows(2).position(|w| w == [0x0f, 0x05]).map(|at| vdso.start + at as u64)
 }
 

@@ -13,7 +13,6 @@
 use std::{fs, io, sync::OnceLock};
 
 use crate::process::{
-    freeze::Frozen,
     image::{self, Image, Segment},
     pagemap::{self, Pagemap, PAGE, SOFT_DIRTY},
     procfs::Region,
@@ -61,17 +60,12 @@ impl PreCopy {
         Ok(Self { pid, image: Image::copy(pid, regions)?, tracking })
     }
 
-    /// With the process held still in `frozen`: the copy of `regions` as they are now. Read
-    /// again: the pages written since the pre-copy (every page holding data when not tracked),
-    /// mappings new or grown since, and shared mappings, which others may have written
-    /// (`bytes_read`). Write protection ends here.
-    pub fn finish(self, regions: &[Region], frozen: &mut Frozen) -> io::Result<Image> {
-        let Self { pid, image: old, tracking } = self;
-        let image = bring_up_to_date(pid, old, regions, &tracking);
-        if let Tracking::WriteProtect(watch) = tracking {
-            watch.close(frozen);
-        }
-        image
+    /// With the process held still: the copy of `regions` as they are now. Read again: the
+    /// pages written since the pre-copy (every page holding data when not tracked), mappings new
+    /// or grown since, and shared mappings, which others may have written (`bytes_read`). The
+    /// write protection ends when `self` is dropped: drop it once the process runs again.
+    pub fn finish(&mut self, regions: &[Region]) -> io::Result<Image> {
+        bring_up_to_date(self.pid, std::mem::take(&mut self.image), regions, &self.tracking)
     }
 }
 

@@ -1,15 +1,20 @@
 //! Which pages of a process's heap it writes while memprof copies it, on kernels without
 //! soft-dirty bits but with userfaultfd's asynchronous write protection (Linux 6.7+).
 //!
-//! In a first brief stop, one thread of the process opens a userfaultfd and registers its
-//! private anonymous mappings for write protection (`inject`); then, the process running again,
-//! a `PAGEMAP_SCAN` of memprof's on its pagemap write-protects their pages. A write to such a
+//! A userfaultfd works on the memory of the process that opened it, whoever holds it. In a first
+//! brief stop one thread of the process opens one (`inject`), memprof takes a descriptor of it
+//! (`pidfd_getfd`) and the thread closes its own: the process is left with no new descriptor.
+//! Then, the process running again, memprof registers its private anonymous mappings for write
+//! protection and a `PAGEMAP_SCAN` on its pagemap write-protects their pages. A write to such a
 //! page faults once and the kernel, not the file, lets it through, clearing the page's
 //! protection (`UFFD_FEATURE_WP_ASYNC`): bit 57 of the page's pagemap entry tells, in the final
-//! stop, whether it was written since. Closing the file in that stop (injected again)
+//! stop, whether it was written since. memprof's closing the file, once the process runs again,
 //! unregisters the mappings and drops the protection.
 
-use std::{fs, io, os::fd::AsRawFd as _};
+use std::{
+    io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+};
 
 use crate::process::{
     freeze::{FreezeError, Frozen},
@@ -35,7 +40,7 @@ pub enum WatchError {
     Freeze(#[from] FreezeError),
     #[error(transparent)]
     Inject(#[from] InjectError),
-    #[error("{call} in pid {pid} failed: {cause}")]
+    #[error("{call} on pid {pid} failed: {cause}")]
     Call { pid: u32, call: &'static str, cause: io::Error },
     #[error("pid {0} has no private anonymous mapping to watch")]
     Nothing(u32),
@@ -43,72 +48,62 @@ pub enum WatchError {
     Scan { pid: u32, cause: io::Error },
 }
 
-/// The process's userfaultfd and the ranges registered with it, until closed: dropped unclosed
-/// (an error between the stops), it stops the process again to close the file.
+/// A userfaultfd of the process's, held by memprof (the process keeps no descriptor of it), and
+/// the ranges registered with it. Dropping it unregisters them and drops their protection,
+/// which takes the process's mmap lock for about 0.1 ms per MiB: it is dropped once the
+/// process runs again.
 pub struct WriteWatch {
-    pid: u32,
-    uffd: i32,
+    uffd: OwnedFd,
     /// Sorted and apart.
     ranges: Vec<(u64, u64)>,
-    closed: bool,
 }
 
 impl WriteWatch {
-    /// Watches the private anonymous mappings among `regions` of `pid`: stops it to register
-    /// them, then write-protects their pages while it runs.
+    /// Watches the private anonymous mappings among `regions` of `pid`: stops it for the file to
+    /// be opened, then registers them and write-protects their pages while it runs.
     pub fn begin(pid: u32, regions: &[Region]) -> Result<Self, WatchError> {
-        let ranges = watchable(regions);
-        if ranges.is_empty() {
+        let wanted = watchable(regions);
+        if wanted.is_empty() {
             return Err(WatchError::Nothing(pid));
         }
-        let mut frozen = Frozen::stop(pid)?;
-        let watch = Self::register(pid, &mut frozen, &ranges)?;
-        drop(frozen);
-        watch.protect()?;
+        let uffd = {
+            let mut frozen = Frozen::stop(pid)?;
+            open_in(pid, &mut frozen)?
+        };
+        let mut watch = Self { uffd, ranges: Vec::new() };
+        let features = mm_uapi::UFFD_FEATURE_WP_ASYNC | mm_uapi::UFFD_FEATURE_WP_UNPOPULATED;
+        let mut api = UffdioApi { api: mm_uapi::UFFD_API, features, ioctls: 0 };
+        watch.ioctl(pid, "UFFDIO_API", mm_uapi::UFFDIO_API, &mut api)?;
+        for (start, end) in wanted {
+            let mut register =
+                UffdioRegister { start, len: end - start, mode: mm_uapi::UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
+            // A mapping the kernel will not register (one another userfaultfd holds, or gone
+            // meanwhile) is read again whole in the stop, as if not watched.
+            match watch.ioctl(pid, "UFFDIO_REGISTER", mm_uapi::UFFDIO_REGISTER, &mut register) {
+                Ok(()) => watch.ranges.push((start, end)),
+                Err(err) => tracing::debug!(pid, start, end, %err, "not watched"),
+            }
+        }
+        if watch.ranges.is_empty() {
+            return Err(WatchError::Nothing(pid));
+        }
+        watch.protect(pid)?;
         Ok(watch)
     }
 
-    fn register(pid: u32, frozen: &mut Frozen, ranges: &[(u64, u64)]) -> Result<Self, WatchError> {
-        let mut injector = Injector::new(pid, frozen)?;
-        let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | mm_uapi::UFFD_USER_MODE_ONLY;
-        let uffd = call(pid, "userfaultfd", injector.syscall(libc::SYS_userfaultfd, [flags, 0, 0, 0, 0, 0]))? as i32;
-        let mut watch = Self { pid, uffd, ranges: Vec::new(), closed: false };
-        match watch.set_up(&mut injector, ranges) {
-            Ok(()) => Ok(watch),
-            Err(err) => {
-                watch.close_with(&mut injector);
-                Err(err)
-            }
-        }
-    }
-
-    fn set_up(&mut self, injector: &mut Injector, ranges: &[(u64, u64)]) -> Result<(), WatchError> {
-        let (pid, uffd) = (self.pid, self.uffd as u64);
-        let features = mm_uapi::UFFD_FEATURE_WP_ASYNC | mm_uapi::UFFD_FEATURE_WP_UNPOPULATED;
-        let api = injector.put(&UffdioApi { api: mm_uapi::UFFD_API, features, ioctls: 0 })?;
-        call(pid, "UFFDIO_API", injector.syscall(libc::SYS_ioctl, [uffd, mm_uapi::UFFDIO_API, api, 0, 0, 0]))?;
-        for &(start, end) in ranges {
-            let register =
-                UffdioRegister { start, len: end - start, mode: mm_uapi::UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
-            let arg = injector.put(&register)?;
-            let args = [uffd, mm_uapi::UFFDIO_REGISTER, arg, 0, 0, 0];
-            // A mapping the kernel will not register (one another userfaultfd holds) is read
-            // again whole in the stop, as if not watched.
-            match call(pid, "UFFDIO_REGISTER", injector.syscall(libc::SYS_ioctl, args)) {
-                Ok(_) => self.ranges.push((start, end)),
-                Err(WatchError::Call { cause, .. }) => tracing::debug!(pid, start, end, %cause, "not watched"),
-                Err(err) => return Err(err),
-            }
-        }
-        if self.ranges.is_empty() {
-            return Err(WatchError::Nothing(pid));
+    /// The userfaultfd's ioctl `request` with `arg`: it works on the process's memory whoever
+    /// makes it.
+    fn ioctl<T>(&self, pid: u32, call: &'static str, request: u64, arg: &mut T) -> Result<(), WatchError> {
+        // SAFETY: `request` is the userfaultfd ioctl that reads and writes a `T`.
+        if unsafe { libc::ioctl(self.uffd.as_raw_fd(), request as _, arg as *mut T) } != 0 {
+            return Err(WatchError::Call { pid, call, cause: io::Error::last_os_error() });
         }
         Ok(())
     }
 
     /// Write-protects every page with memory behind it in the registered ranges.
-    fn protect(&self) -> Result<(), WatchError> {
-        let pagemap = Pagemap::open(self.pid).map_err(|cause| WatchError::Scan { pid: self.pid, cause })?;
+    fn protect(&self, pid: u32) -> Result<(), WatchError> {
+        let pagemap = Pagemap::open(pid).map_err(|cause| WatchError::Scan { pid, cause })?;
         for &(start, end) in &self.ranges {
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
@@ -122,7 +117,7 @@ impl WriteWatch {
             let done = unsafe { libc::ioctl(pagemap.file().as_raw_fd(), mm_uapi::PAGEMAP_SCAN as _, &mut arg) };
             if done < 0 || arg.walk_end != end {
                 let cause = if done < 0 { io::Error::last_os_error() } else { io::ErrorKind::UnexpectedEof.into() };
-                return Err(WatchError::Scan { pid: self.pid, cause });
+                return Err(WatchError::Scan { pid, cause });
             }
         }
         Ok(())
@@ -134,49 +129,33 @@ impl WriteWatch {
         let at = self.ranges.partition_point(|&(start, _)| start <= addr);
         at > 0 && addr < self.ranges[at - 1].1
     }
-
-    /// Closes the process's userfaultfd, its threads held still in `frozen`. Should no thread
-    /// be fit to run the call now, the file is left open (and said so): the threads are
-    /// memprof's, so it cannot stop them again to try later.
-    pub fn close(mut self, frozen: &mut Frozen) {
-        match Injector::new(self.pid, frozen) {
-            Ok(mut injector) => self.close_with(&mut injector),
-            Err(err) => {
-                self.closed = true;
-                tracing::warn!(pid = self.pid, fd = self.uffd, %err, "cannot close the userfaultfd memprof opened in the process");
-            }
-        }
-    }
-
-    /// Closes the file if it still is the process's userfaultfd: a process that ran `exec`
-    /// meanwhile lost it, and its number may name another file now.
-    fn close_with(&mut self, injector: &mut Injector) {
-        self.closed = true;
-        let link = fs::read_link(format!("/proc/{}/fd/{}", self.pid, self.uffd)).unwrap_or_default();
-        if link.to_str() != Some("anon_inode:[userfaultfd]") {
-            tracing::debug!(pid = self.pid, fd = self.uffd, ?link, "the userfaultfd is gone");
-            return;
-        }
-        let closed = call(self.pid, "close", injector.syscall(libc::SYS_close, [self.uffd as u64, 0, 0, 0, 0, 0]));
-        if let Err(err) = closed {
-            tracing::warn!(pid = self.pid, fd = self.uffd, %err, "cannot close the userfaultfd memprof opened in the process");
-        }
-    }
 }
 
-impl Drop for WriteWatch {
-    fn drop(&mut self) {
-        if self.closed {
-            return;
+/// Opens a userfaultfd in `pid` (its threads held still in `frozen`), takes a descriptor of it
+/// for memprof (`pidfd_getfd`) and closes the process's.
+fn open_in(pid: u32, frozen: &mut Frozen) -> Result<OwnedFd, WatchError> {
+    let mut injector = Injector::new(pid, frozen)?;
+    let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | mm_uapi::UFFD_USER_MODE_ONLY;
+    let fd = call(pid, "userfaultfd", injector.syscall(libc::SYS_userfaultfd, [flags, 0, 0, 0, 0, 0]))?;
+    let ours = take_fd(pid, fd as i32).map_err(|cause| WatchError::Call { pid, call: "pidfd_getfd", cause });
+    call(pid, "close", injector.syscall(libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0]))?;
+    ours
+}
+
+/// A descriptor of memprof's for the file `pid` has open as `fd`.
+fn take_fd(pid: u32, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open and pidfd_getfd take numbers; each returns a new descriptor or -1.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) as i32;
+        if pidfd < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let closed = Frozen::stop(self.pid).map_err(WatchError::from).and_then(|mut frozen| {
-            let mut injector = Injector::new(self.pid, &mut frozen)?;
-            self.close_with(&mut injector);
-            Ok(())
-        });
-        if let Err(err) = closed {
-            tracing::warn!(pid = self.pid, fd = self.uffd, %err, "cannot close the userfaultfd memprof opened in the process");
+        let pidfd = OwnedFd::from_raw_fd(pidfd);
+        let ours = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) as i32;
+        if ours < 0 {
+            return Err(io::Error::last_os_error());
         }
+        Ok(OwnedFd::from_raw_fd(ours))
     }
 }
 
