@@ -249,19 +249,29 @@ fn descriptors_and_maps(pid: u32) -> (usize, String) {
     (fds, std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the fixture's maps"))
 }
 
-/// `write_watch.c`'s threads write its heap from user space and, in read(2), from the kernel
-/// while it is pre-copied with its heap write-protected, two more wait in read(2) meanwhile,
-/// and a system call is injected into one of the waiting ones: the process runs on as without
-/// memprof, with the descriptors and mappings it had.
-#[test]
-fn the_write_protected_precopy_leaves_the_process_as_it_was() {
-    let fixture = fixture_with("write_watch.c", "write_watch", &["-O2", "-pthread"]);
-    let mut target = Waiting::start(&fixture, &[]);
+/// `write_watch.c` (with `args`) inspected with `--inspect-precopy always`: its threads write
+/// its heap from user space and, in read(2), from the kernel while it is pre-copied, and two
+/// more wait in read(2) meanwhile. It runs on as without memprof, with the descriptors and
+/// mappings it had; the inspection.
+fn inspect_write_watch(args: &[&str]) -> Value {
+    // A binary per test: tests running at once would replace each other's.
+    let name = format!("write_watch{}", args.concat().replace('-', "_"));
+    let fixture = fixture_with("write_watch.c", &name, &["-O2", "-pthread"]);
+    let mut target = Waiting::start(&fixture, args);
     let before = descriptors_and_maps(target.pid());
     let outcome =
         attach(&mut target, &["--inspect", "--inspect-precopy", "always", "--duration", "2", "--interval", "1"]);
     assert!(outcome.status.success(), "{outcome:?}");
-    let inspection = &outcome.final_report()["inspection"];
+    assert_eq!(descriptors_and_maps(target.pid()), before);
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+    outcome.final_report()["inspection"].clone()
+}
+
+/// The heap write-protected while pre-copied, by calls injected into a thread waiting in
+/// read(2): only the pages written since are read again.
+#[test]
+fn the_write_protected_precopy_leaves_the_process_as_it_was() {
+    let inspection = inspect_write_watch(&[]);
     if !kernel_has_soft_dirty() && kernel_has_async_write_protect() {
         assert_eq!(inspection["method"], "write_protect", "{inspection}");
     }
@@ -270,8 +280,16 @@ fn the_write_protected_precopy_leaves_the_process_as_it_was() {
     if inspection["method"] != "recopy" {
         assert!(inspection["bytes_copied_in_pause"].as_u64().unwrap() < 6 << 20, "{inspection}");
     }
-    assert_eq!(descriptors_and_maps(target.pid()), before);
-    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
+/// Under a seccomp filter (one that allows every call, but memprof cannot know) nothing is
+/// injected: every page is read again in the stop.
+#[test]
+fn a_process_under_seccomp_is_not_write_protected() {
+    let inspection = inspect_write_watch(&["--seccomp"]);
+    if !kernel_has_soft_dirty() {
+        assert_eq!(inspection["method"], "recopy", "{inspection}");
+    }
 }
 
 #[test]
