@@ -123,8 +123,9 @@ fn render(rows: &[(u64, u64, Run)], load_before: &str, load_after: &str, kernel:
          with WRITES, a thread rewrites one word of WRITES random blocks every millisecond meanwhile. Each row is the median of {RUNS} \
          runs by pause. `never` copies the process's writable memory (the pages in memory) while it is held still \
          (`single_stop`); `always` copies it first while it runs and, in the stop, reads again only the pages written since where the \
-         kernel keeps soft-dirty bits (`soft_dirty`), or every page into the warm copy where it does not (`recopy`: Linux built \
-         without `CONFIG_MEM_SOFT_DIRTY`). Stages, in ms: \
+         kernel keeps soft-dirty bits (`soft_dirty`) or, without them, the pages of its anonymous memory written since as \
+         userfaultfd's write protection tells (`write_protect`: a call injected into the process in a first brief stop opens it) \
+         and its other mappings whole, or every page into the warm copy where neither is to be had (`recopy`). Stages, in ms: \
          `stop` (every thread stopped), `LIVE` (its heap figures compared with those read before the stop; its tracked blocks \
          read from the kernel again only if they changed), `copy` (mappings listed, memory or written pages read, threads released) \
          make the pause; `before the stop` (`LIVE` read, and the pre-copy) and `marking` (after it, on the copy) do not hold the \
