@@ -72,6 +72,10 @@ pub struct Stages {
     pub copy_ms: f64,
     /// After the pause: the marking of the copy.
     pub mark_ms: f64,
+    /// With `write_protect`, the first brief stop, in `before_stop_ms`: a thread of the process
+    /// made to open a userfaultfd.
+    #[serde(default)]
+    pub first_stop_ms: f64,
 }
 
 /// A process as it was in the stop.
@@ -116,6 +120,9 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
             }
         }
     };
+    if let Some(PreCopy { tracking: Tracking::WriteProtect(watch), .. }) = &pre {
+        stages.first_stop_ms = watch.stop_ms;
+    }
     let heap = live::heap_state(ebpf, pid)?;
     let listed = live::blocks(ebpf, pid)?;
     stages.before_stop_ms = ms(started);

@@ -14,6 +14,7 @@
 use std::{
     io,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    time::Instant,
 };
 
 use crate::process::{
@@ -56,6 +57,8 @@ pub struct WriteWatch {
     uffd: OwnedFd,
     /// Sorted and apart.
     ranges: Vec<(u64, u64)>,
+    /// How long the process was held still for the file to be opened, in milliseconds.
+    pub stop_ms: f64,
 }
 
 impl WriteWatch {
@@ -66,11 +69,12 @@ impl WriteWatch {
         if wanted.is_empty() {
             return Err(WatchError::Nothing(pid));
         }
+        let stopped = Instant::now();
         let uffd = {
             let mut frozen = Frozen::stop(pid)?;
             open_in(pid, &mut frozen)?
         };
-        let mut watch = Self { uffd, ranges: Vec::new() };
+        let mut watch = Self { uffd, ranges: Vec::new(), stop_ms: stopped.elapsed().as_secs_f64() * 1e3 };
         let features = mm_uapi::UFFD_FEATURE_WP_ASYNC | mm_uapi::UFFD_FEATURE_WP_UNPOPULATED;
         let mut api = UffdioApi { api: mm_uapi::UFFD_API, features, ioctls: 0 };
         watch.ioctl(pid, "UFFDIO_API", mm_uapi::UFFDIO_API, &mut api)?;
