@@ -68,6 +68,20 @@ pub struct PmScanArg {
     pub return_mask: u64,
 }
 
+/// `struct page_region`: a run of pages of the same categories.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PageRegion {
+    pub start: u64,
+    pub end: u64,
+    pub categories: u64,
+}
+
+/// `PAGEMAP_SCAN`'s page categories.
+pub const PAGE_IS_WRITTEN: u64 = 1 << 1;
+pub const PAGE_IS_PRESENT: u64 = 1 << 3;
+pub const PAGE_IS_SWAPPED: u64 = 1 << 4;
+
 pub const PAGEMAP_SCAN: u64 = iowr(b'f', 16, std::mem::size_of::<PmScanArg>());
 
 #[cfg(test)]

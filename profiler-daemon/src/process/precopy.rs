@@ -86,31 +86,22 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
             }
             _ => (Vec::new(), 0),
         };
-        let entries = pagemap.entries(start, end)?;
-        // Whether the page's copy is stale: then it is read if it holds data.
-        let stale = |page: usize, entry: u64| {
-            page * PAGE as usize >= kept
-                || match tracking {
-                    Tracking::None => true,
-                    Tracking::SoftDirty => entry & SOFT_DIRTY != 0,
-                    Tracking::WriteProtect(watch) => {
-                        !watch.covers(start + page as u64 * PAGE) || entry & WRITE_PROTECTED == 0
-                    }
+        let (reread, empty) = match &tracking {
+            // A mapping watched whole that kept its length: the kernel says what changed.
+            Tracking::WriteProtect(watch) if kept == (end - start) as usize && !region.shared => {
+                match watch.changes(&pagemap, start, end) {
+                    Some(changes) => (changes.written, changes.empty),
+                    None => stale_runs(&pagemap, region, kept, tracking)?,
                 }
+            }
+            _ => stale_runs(&pagemap, region, kept, tracking)?,
         };
-        let reread = pagemap::runs(&entries, start, end, |page, entry| {
-            region.shared || (stale(page, entry) && pagemap::holds_data(entry))
-        });
         if kept == 0 {
             bytes = image::zeroed((end - start) as usize, &reread);
         } else {
             bytes.resize((end - start) as usize, 0);
         }
-        // A stale page that holds nothing reads as zeros now (given back since, or never
-        // touched and grown into).
-        for (offset, len) in pagemap::runs(&entries, start, end, |page, entry| {
-            !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
-        }) {
+        for (offset, len) in empty {
             bytes[offset..offset + len].fill(0);
         }
         segments.push(Segment { start, bytes });
@@ -119,6 +110,35 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
     let (bytes_read, unreadable) = image::read_runs(pid, &mut segments, &runs);
     Ok(Image { segments, unreadable, bytes_read })
 }
+
+/// Of `region` (whose first `kept` bytes the old copy holds), as its pagemap entries say: the
+/// runs to read again (stale pages that hold data; every page of a shared mapping), and those of
+/// the old copy to zero (stale pages that hold nothing: given back since, or never touched and
+/// grown into).
+fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracking) -> io::Result<Runs> {
+    let (start, end) = (region.start, region.end);
+    let entries = pagemap.entries(start, end)?;
+    let stale = |page: usize, entry: u64| {
+        page * PAGE as usize >= kept
+            || match tracking {
+                Tracking::None => true,
+                Tracking::SoftDirty => entry & SOFT_DIRTY != 0,
+                Tracking::WriteProtect(watch) => {
+                    !watch.covers(start + page as u64 * PAGE) || entry & WRITE_PROTECTED == 0
+                }
+            }
+    };
+    let reread = pagemap::runs(&entries, start, end, |page, entry| {
+        region.shared || (stale(page, entry) && pagemap::holds_data(entry))
+    });
+    let empty = pagemap::runs(&entries, start, end, |page, entry| {
+        !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
+    });
+    Ok((reread, empty))
+}
+
+/// Runs of pages to read again, and to zero.
+type Runs = (Vec<(usize, usize)>, Vec<(usize, usize)>);
 
 /// Clears every soft-dirty bit of `pid`.
 fn clear(pid: u32) -> io::Result<()> {

@@ -20,7 +20,9 @@ use std::{
 use crate::process::{
     freeze::{FreezeError, Frozen},
     inject::{InjectError, Injector},
-    mm_uapi::{self, PmScanArg, UffdioApi, UffdioRegister},
+    mm_uapi::{
+        self, PageRegion, PmScanArg, UffdioApi, UffdioRegister, PAGE_IS_PRESENT, PAGE_IS_SWAPPED, PAGE_IS_WRITTEN,
+    },
     pagemap::{Pagemap, PAGE},
     procfs::Region,
 };
@@ -29,11 +31,21 @@ use crate::process::{
 /// (Documentation/admin-guide/mm/pagemap.rst).
 pub const WRITE_PROTECTED: u64 = 1 << 57;
 
-/// `PAGEMAP_SCAN`'s categories (include/uapi/linux/fs.h): pages with memory behind them. Only
-/// those are protected: a page with none reads as zeros, and once written it has memory and no
-/// protection; protecting holes would fill a sparse mapping's page tables.
-const PAGE_IS_PRESENT: u64 = 1 << 3;
-const PAGE_IS_SWAPPED: u64 = 1 << 4;
+/// Pages with memory behind them. Only those are protected: a page with none reads as zeros,
+/// and once written it has memory and no protection; protecting holes would fill a sparse
+/// mapping's page tables.
+const HOLDS_DATA: u64 = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
+
+/// Runs of pages a `PAGEMAP_SCAN` call returns at most; it is called again from where it stopped.
+const REGIONS_PER_SCAN: usize = 1024;
+
+/// Of a watched range, as the final stop finds it: the runs (offset, length) of pages written
+/// since they were protected, and of pages with nothing behind them (given back since, or never
+/// touched), which read as zeros.
+pub struct Changes {
+    pub written: Vec<(usize, usize)>,
+    pub empty: Vec<(usize, usize)>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
@@ -114,7 +126,7 @@ impl WriteWatch {
                 flags: mm_uapi::PM_SCAN_WP_MATCHING | mm_uapi::PM_SCAN_CHECK_WPASYNC,
                 start,
                 end,
-                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                category_anyof_mask: HOLDS_DATA,
                 ..Default::default()
             };
             // SAFETY: PAGEMAP_SCAN reads and writes `arg`; with no output vector it writes nothing else.
@@ -133,6 +145,60 @@ impl WriteWatch {
         let at = self.ranges.partition_point(|&(start, _)| start <= addr);
         at > 0 && addr < self.ranges[at - 1].1
     }
+
+    /// What changed in the pages from `start` to `end`, all registered, as two `PAGEMAP_SCAN`s
+    /// say: a walk of the page tables with no pagemap entry per page to read (a fourth of the
+    /// time for a 1 GiB heap). `None` when they are not all registered now (unmapped and mapped
+    /// again since), or the scan fails: then the caller reads their pagemap entries.
+    pub fn changes(&self, pagemap: &Pagemap, start: u64, end: u64) -> Option<Changes> {
+        if !self.covers(start) || !self.covers(end - 1) || self.ranges.iter().any(|&(s, _)| start < s && s < end) {
+            return None;
+        }
+        // A hole in the page tables counts as written (no protection), and holds nothing.
+        let written = scan(pagemap, start, end, 0, PAGE_IS_WRITTEN, HOLDS_DATA)?;
+        let empty = scan(pagemap, start, end, HOLDS_DATA, HOLDS_DATA, 0)?;
+        Some(Changes { written, empty })
+    }
+}
+
+/// The runs (offset from `start`, length) of pages from `start` to `end` whose categories,
+/// those of `inverted` flipped, include all of `all` and one of `any` (if any); `None` if a
+/// mapping in the range is not registered for asynchronous write protection, or the scan fails.
+fn scan(pagemap: &Pagemap, start: u64, end: u64, inverted: u64, all: u64, any: u64) -> Option<Vec<(usize, usize)>> {
+    let mut regions = vec![PageRegion::default(); REGIONS_PER_SCAN];
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut from = start;
+    while from < end {
+        let mut arg = PmScanArg {
+            size: std::mem::size_of::<PmScanArg>() as u64,
+            flags: mm_uapi::PM_SCAN_CHECK_WPASYNC,
+            start: from,
+            end,
+            vec: regions.as_mut_ptr() as u64,
+            vec_len: regions.len() as u64,
+            category_inverted: inverted,
+            category_mask: all,
+            category_anyof_mask: any,
+            // Runs of pages that differ in no category asked about: a written run is one run,
+            // swapped out or not.
+            return_mask: all,
+            ..Default::default()
+        };
+        // SAFETY: PAGEMAP_SCAN reads and writes `arg` and writes at most `vec_len` regions to `vec`.
+        let found = unsafe { libc::ioctl(pagemap.file().as_raw_fd(), mm_uapi::PAGEMAP_SCAN as _, &mut arg) };
+        if found < 0 || arg.walk_end <= from {
+            return None;
+        }
+        for region in &regions[..found as usize] {
+            let (offset, len) = ((region.start - start) as usize, (region.end - region.start) as usize);
+            match runs.last_mut() {
+                Some((at, run)) if *at + *run == offset => *run += len,
+                _ => runs.push((offset, len)),
+            }
+        }
+        from = arg.walk_end;
+    }
+    Some(runs)
 }
 
 /// Opens a userfaultfd in `pid` (its threads held still in `frozen`), takes a descriptor of it
