@@ -36,8 +36,8 @@ pub const WRITE_PROTECTED: u64 = 1 << 57;
 /// mapping's page tables.
 const HOLDS_DATA: u64 = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
 
-/// Runs of pages a `PAGEMAP_SCAN` call returns at most; it is called again from where it stopped.
-const REGIONS_PER_SCAN: usize = 1024;
+/// Runs of pages a `PAGEMAP_SCAN` call may return: more, and the pagemap entries are read.
+const REGIONS_PER_SCAN: usize = 4096;
 
 /// Of a watched range, as the final stop finds it: the runs (offset, length) of pages written
 /// since they were protected, and of pages with nothing behind them (given back since, or never
@@ -187,6 +187,11 @@ fn scan(pagemap: &Pagemap, start: u64, end: u64, inverted: u64, all: u64, any: u
         // SAFETY: PAGEMAP_SCAN reads and writes `arg` and writes at most `vec_len` regions to `vec`.
         let found = unsafe { libc::ioctl(pagemap.file().as_raw_fd(), mm_uapi::PAGEMAP_SCAN as _, &mut arg) };
         if found < 0 || arg.walk_end <= from {
+            return None;
+        }
+        // A full buffer: the pages written are many, their entries are read instead (a scan
+        // resumed where it stopped is not relied on).
+        if found as usize == regions.len() {
             return None;
         }
         for region in &regions[..found as usize] {
