@@ -84,21 +84,28 @@ fn live_thread(pid: u32) -> Option<u32> {
 
 /// Resident memory of the process, in bytes.
 pub fn resident_bytes(pid: u32) -> u64 {
-    let statm = fs::read_to_string(format!("{}/statm", dir(pid))).unwrap_or_default();
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * page
+    statm_pages(pid).map_or(0, |(resident, _)| resident * page_size())
 }
 
 /// Anonymous resident memory of the process (`RssAnon` in `/proc/PID/status`), in bytes; none
-/// once it has exited.
+/// once it has exited. Read from `statm`, whose second field is every resident page and third
+/// the file and shmem ones (the kernel's `task_statm`): their difference is `RssAnon`, from a
+/// file the kernel formats in a fraction of `status`'s time (read for every target, twice an
+/// interval).
 pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
-    let status = fs::read_to_string(format!("{}/status", dir(pid))).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("RssAnon:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kib| kib * 1024)
+    statm_pages(pid).map(|(resident, shared)| resident.saturating_sub(shared) * page_size())
+}
+
+/// `statm`'s resident and shared (file and shmem) page counts.
+fn statm_pages(pid: u32) -> Option<(u64, u64)> {
+    let statm = fs::read_to_string(format!("{}/statm", dir(pid))).ok()?;
+    let mut fields = statm.split_whitespace().skip(1).map(|field| field.parse::<u64>().ok());
+    Some((fields.next()??, fields.next()??))
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as u64 }
 }
 
 /// Whether the process's environment (`/proc/PID/environ`) holds `entry` (`NAME=value`).
@@ -422,6 +429,11 @@ mod tests {
         let own = stat(std::process::id()).unwrap();
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
         assert!(resident_bytes(std::process::id()) > 0);
+        // statm's difference is status's RssAnon (read apart, so a few pages may move between).
+        let status = fs::read_to_string("/proc/self/status").unwrap();
+        let rss_anon = status.lines().find_map(|l| l.strip_prefix("RssAnon:")).unwrap();
+        let rss_anon = rss_anon.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024;
+        assert!(anon_resident_bytes(std::process::id()).unwrap().abs_diff(rss_anon) < 1 << 20);
         let age = seconds_since_boot() - own.start_time as f64 / clock_ticks_per_second();
         assert!((0.0..600.0).contains(&age), "the test started {age} s ago");
         assert!(pids().contains(&std::process::id()));
