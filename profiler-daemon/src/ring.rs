@@ -38,6 +38,10 @@ pub enum RingError {
     Info(&'static str, #[source] aya::maps::MapError),
     #[error("mapping ring {0}: {1}")]
     Map(&'static str, #[source] io::Error),
+    /// Positions or a record length the kernel does not write: reading on would loop or read
+    /// outside the ring.
+    #[error("ring {0} is inconsistent: unread records past its end")]
+    Inconsistent(&'static str),
 }
 
 pub struct Ring {
@@ -96,8 +100,7 @@ impl Ring {
     fn read_up_to(&mut self, producer: u64, visit: &mut impl FnMut(&[u8])) -> Result<bool, RingError> {
         let unread = producer.wrapping_sub(self.position);
         if unread > self.data_bytes {
-            // Not a position the kernel writes: read nothing rather than out of the ring.
-            return Ok(true);
+            return Err(RingError::Inconsistent(self.name));
         }
         let start = self.position & (self.data_bytes - 1);
         let first_page = start / self.page_bytes;
@@ -117,8 +120,7 @@ impl Ring {
             let length = u64::from(header & !(BUSY_BIT | DISCARD_BIT));
             let record = window.bytes(at + HEADER_BYTES, length);
             if record.len() as u64 != length {
-                // A length running past the committed records is not the kernel's: stop here.
-                return Ok(true);
+                return Err(RingError::Inconsistent(self.name));
             }
             if header & DISCARD_BIT == 0 {
                 visit(record);
