@@ -111,12 +111,8 @@ Without a daemon tracing the process: memprof attach -p 1234 --inspect --duratio
 pub struct ReportArgs {
     /// The recording.
     pub recording: PathBuf,
-    /// The format: table and json give every interval's report, the others the final one.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
-    /// Write to this file instead of stdout.
-    #[arg(short, long, value_name = "FILE")]
-    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Stacks shown per report in the table [default: the session's --top].
     #[arg(long)]
     pub top: Option<usize>,
@@ -148,15 +144,8 @@ pub struct InspectArgs {
     /// The process.
     #[arg(short, long)]
     pub pid: NonZeroU32,
-    /// How the report is written.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
-    /// Shorthand for `--format json`.
-    #[arg(long, conflicts_with = "format")]
-    pub json: bool,
-    /// Write the report to this file instead of stdout.
-    #[arg(short, long, value_name = "FILE")]
-    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Stacks shown in the table.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -167,12 +156,6 @@ pub struct InspectArgs {
     /// environment variable MEMPROF_DAEMON_PASSWORD.
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
-}
-
-impl InspectArgs {
-    pub fn format(&self) -> Format {
-        json_or(self.json, self.format)
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -218,15 +201,8 @@ pub struct TraceArgs {
     /// Lowest leak score (0 to 1) of a leak candidate.
     #[arg(long, default_value_t = DEFAULT_LEAK.threshold, value_parser = leak_threshold)]
     pub leak_threshold: f64,
-    /// How reports are written: table and json every interval, the others once at the end.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
-    /// Shorthand for `--format json`.
-    #[arg(long, conflicts_with = "format")]
-    pub json: bool,
-    /// Write reports to this file instead of stdout.
-    #[arg(short, long, value_name = "FILE")]
-    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Also record every interval's report to FILE, written as the session goes (it survives a
     /// killed memprof up to its last interval); `memprof report FILE` renders it in any format.
     #[arg(long, value_name = "FILE")]
@@ -256,18 +232,36 @@ impl TraceArgs {
     pub fn leak_settings(&self) -> LeakSettings {
         LeakSettings { window: self.leak_window, threshold: self.leak_threshold }
     }
-
-    pub fn format(&self) -> Format {
-        json_or(self.json, self.format)
-    }
 }
 
-/// `--json`, shorthand for `--format json`, or the format given.
-fn json_or(json: bool, format: Format) -> Format {
-    if json {
-        Format::Json
-    } else {
-        format
+/// How and where reports are written, the same for every command that writes them (`attach`,
+/// `run`, `inspect`, `report`).
+#[derive(Debug, Args, Clone)]
+pub struct OutputArgs {
+    /// How reports are written: table and json write every report, the other formats the last one.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Shorthand for `--format json`.
+    #[arg(long, conflicts_with = "format")]
+    json: bool,
+    /// Write reports to this file instead of stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub file: Option<PathBuf>,
+}
+
+impl OutputArgs {
+    /// `json` when `--json` is given, else `--format`.
+    pub fn format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
+
+    /// Reports in `format` to `file` (stdout without one), as the flags would say.
+    pub fn new(format: Format, file: Option<PathBuf>) -> Self {
+        Self { format, json: false, file }
     }
 }
 
@@ -396,7 +390,7 @@ pub(crate) mod tests {
         Cli::command().debug_assert();
         let run = Cli::try_parse_from(["memprof", "run", "-o", "f.json", "sh", "-c", "exit 3"]).unwrap();
         let Command::Run { trace, command, .. } = run.command else { panic!("not run") };
-        assert_eq!(trace.output, Some(PathBuf::from("f.json")));
+        assert_eq!(trace.output.file, Some(PathBuf::from("f.json")));
         assert_eq!(command, ["sh", "-c", "exit 3"]);
     }
 

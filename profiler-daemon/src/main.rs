@@ -9,6 +9,7 @@ mod heap;
 mod kernel;
 mod names;
 mod process;
+mod ring;
 mod symbolize;
 mod text;
 mod unwind;

@@ -461,18 +461,28 @@ pub fn own_root(program: &Path, name: &str) -> PathBuf {
 /// Compiles the fixture source `file` with `compiler` (`cc`, `g++`, `rustc`) and `flags` into
 /// `target/fixtures/NAME` (an executable, or a shared library with `-shared`).
 pub fn fixture_compiled(compiler: &str, file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    compiled(compiler, &workspace().join("tests/fixtures").join(file), name, flags)
+}
+
+/// Compiles `bench/FILE`, a workload `cargo xtask` measures memprof with, with `cc FLAGS` into
+/// the executable `name`: for a test that needs the same workload.
+pub fn bench_program(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    compiled("cc", &workspace().join("bench").join(file), name, flags)
+}
+
+/// Compiles `source` with `compiler` and `flags` into `target/fixtures/NAME`.
+fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = workspace().join("target/fixtures");
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");
     let out = dir.join(name);
-    let source = workspace().join("tests/fixtures").join(file);
     // Several test binaries compile at once: build under a private name, then rename into place.
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
     let status = Command::new(compiler)
         .args(flags)
         .arg("-o")
         .arg(&partial)
-        .arg(&source)
+        .arg(source)
         .status()
         .unwrap_or_else(|e| panic!("starting {compiler}: {e}"));
     assert!(status.success(), "compiling {} with {compiler} failed", source.display());

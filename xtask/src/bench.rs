@@ -3,7 +3,8 @@
 //! costs per frame and what its tables take (`unwind`).
 //!
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
-//! report goes to target/bench/BENCHMARKS.md instead.
+//! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
+//! cost alone and rewrites that section only (a minute and a half instead of the whole bench).
 
 pub(crate) mod daemon;
 mod unwind;
@@ -89,8 +90,39 @@ struct Measured {
     max_rss_kib: i64,
 }
 
-pub fn run() -> anyhow::Result<()> {
+pub fn run(args: &[String]) -> anyhow::Result<()> {
     let size = Size::from_env();
+    match args {
+        [] => all(size),
+        [only, what] if only == "--only" && what == "daemon" => only_daemon(size),
+        _ => bail!("usage: cargo xtask bench [--only daemon]"),
+    }
+}
+
+/// Where the report goes.
+fn report_path(size: Size) -> std::path::PathBuf {
+    if size.quick {
+        root().join("target/bench/BENCHMARKS.md")
+    } else {
+        root().join("BENCHMARKS.md")
+    }
+}
+
+/// The daemon's own cost alone, written over its section of the report the whole bench wrote.
+fn only_daemon(size: Size) -> anyhow::Result<()> {
+    let _stats_off = BpfStatsOff::new()?;
+    let memprof = build_memprof()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let section = daemon::render(&daemon::measure(&memprof, &dir, size)?);
+    let path = report_path(size);
+    crate::benchmarks::replace_section(&path, daemon::TITLE, &section)?;
+    println!("{section}");
+    eprintln!("xtask bench: its section written to {}", path.display());
+    Ok(())
+}
+
+fn all(size: Size) -> anyhow::Result<()> {
     setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3"])?;
     let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
@@ -170,7 +202,7 @@ pub fn run() -> anyhow::Result<()> {
     report.push_str(&unwind::render_frame_costs(&frames, size));
     report.push_str(&unwind::render_table_memory(&tables));
     report.push_str(&daemon::render(&daemon_cost));
-    let path = if size.quick { dir.join("BENCHMARKS.md") } else { root().join("BENCHMARKS.md") };
+    let path = report_path(size);
     // The long runs' sections (soak, fuzzing) stay, after ours.
     let report = crate::benchmarks::with_trailing_sections(&path, &report);
     std::fs::write(&path, &report)?;

@@ -49,6 +49,28 @@ pub fn write_section(path: &Path, title: &'static str, body: &str) -> anyhow::Re
     Ok(())
 }
 
+/// Replaces bench's own section `title` in the file at `path` by `section` (which starts with its
+/// title line), keeping everything else: for a part of the bench run alone.
+pub fn replace_section(path: &Path, title: &str, section: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let Some(start) = lines.iter().position(|line| line.trim_end() == title) else {
+        anyhow::bail!("{} has no section {title:?}: run the whole bench (cargo xtask bench) first", path.display());
+    };
+    let end = (start + 1..lines.len()).find(|&i| lines[i].starts_with("## ")).unwrap_or(lines.len());
+    let mut out = lines[..start].concat().trim_end().to_string();
+    out.push_str("\n\n");
+    out.push_str(section.trim());
+    if end < lines.len() {
+        out.push_str("\n\n");
+        out.push_str(&lines[end..].concat());
+    } else {
+        out.push('\n');
+    }
+    std::fs::write(path, out)?;
+    Ok(())
+}
+
 /// `report` (bench's own sections) followed by the trailing sections already in the file at `path`.
 pub fn with_trailing_sections(path: &Path, report: &str) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -74,6 +96,22 @@ mod tests {
         assert_eq!(text, "# Benchmarks\n\n## Cost\n\nrows\n\n## Soak\n\nflat\n\n## Fuzzing\n\nsecond\n");
         let rewritten = with_trailing_sections(&path, "# Benchmarks\n\n## Cost\n\nnew rows\n");
         assert_eq!(rewritten, "# Benchmarks\n\n## Cost\n\nnew rows\n\n## Soak\n\nflat\n\n## Fuzzing\n\nsecond\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn one_of_benchs_sections_is_replaced_in_place() {
+        let dir = std::env::temp_dir().join(format!("xtask-benchmarks-one-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("BENCHMARKS.md");
+        std::fs::write(&path, "# Benchmarks\n\n## Cost\n\nrows\n\n## Daemon\n\nold\n\n## Soak\n\nflat\n").unwrap();
+        replace_section(&path, "## Daemon", "\n## Daemon\n\nnew\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "# Benchmarks\n\n## Cost\n\nrows\n\n## Daemon\n\nnew\n\n## Soak\n\nflat\n");
+        replace_section(&path, "## Soak", "## Soak\n\nstill flat\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "# Benchmarks\n\n## Cost\n\nrows\n\n## Daemon\n\nnew\n\n## Soak\n\nstill flat\n");
+        assert!(replace_section(&path, "## Missing", "## Missing\n").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

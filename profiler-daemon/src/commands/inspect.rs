@@ -21,9 +21,9 @@ const ANSWER_WAIT: Duration = Duration::from_secs(300);
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
     let pid = args.pid.get();
-    let format = args.format();
+    let format = args.output.format();
     // Before asking: a pprof profile for a terminal is refused without stopping the process.
-    let mut output = ReportOutput::open(format, args.output.as_deref())?;
+    let mut output = ReportOutput::open(format, args.output.file.as_deref())?;
     let url = &args.daemon;
     let fix = format!("`memprof attach --pid {pid} --inspect --duration SECS` inspects it without a daemon");
     let daemon = Daemon::new(url, args.daemon_user.as_deref(), ANSWER_WAIT)?;

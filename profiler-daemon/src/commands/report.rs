@@ -14,7 +14,8 @@ use crate::{
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     let recording = Recording::read(&args.recording)?;
     let top = args.top.unwrap_or(recording.settings.top);
-    let mut output = ReportOutput::open(args.format, args.output.as_deref())?;
+    let format = args.output.format();
+    let mut output = ReportOutput::open(format, args.output.file.as_deref())?;
     let last = recording.reports.last().expect("a recording read has a report");
     if let Some(why) = &recording.ended_early {
         eprintln!(
@@ -23,17 +24,17 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             last.duration_s
         );
     }
-    if args.format.streams() {
+    if format.streams() {
         for report in &recording.reports {
-            output.write_report(&format::render(&format::select(report, args.format, top), args.format))?;
+            output.write_report(&format::render(&format::select(report, format, top), format))?;
         }
     } else {
-        let mut report = format::select(last, args.format, top);
+        let mut report = format::select(last, format, top);
         if !last.is_final {
             // Only a final report carries the heap's timeline: the intervals' give it back.
             with_timelines(&mut report, &recording.reports);
         }
-        output.write_report(&format::render(&report, args.format))?;
+        output.write_report(&format::render(&report, format))?;
         if let Some(path) = output.path() {
             eprintln!("memprof: wrote {}", path.display());
         }

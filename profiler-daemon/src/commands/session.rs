@@ -169,7 +169,7 @@ struct Opened {
 impl Opened {
     fn open(args: &TraceArgs) -> anyhow::Result<Self> {
         Ok(Self {
-            output: ReportOutput::open(args.format(), args.output.as_deref())?,
+            output: ReportOutput::open(args.output.format(), args.output.file.as_deref())?,
             recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
             stop: StopSignals::new()?,
         })
@@ -310,7 +310,7 @@ impl Tracer<'_> {
                 switch.calls_per_second, switch.sample_bytes
             );
         }
-        let format = self.args.format();
+        let format = self.args.output.format();
         if !is_final && !format.streams() && !self.recording {
             return Ok(None);
         }
@@ -418,7 +418,7 @@ async fn trace(
     ticks.tick().await;
     let duration = tokio::time::sleep(Duration::from_secs_f64(args.duration.unwrap_or(MAX_SECONDS)));
     tokio::pin!(duration);
-    let format = args.format();
+    let format = args.output.format();
     // Returns whether the reports are still read.
     let mut write = |report: Option<Report>| -> anyhow::Result<bool> {
         if let Some(report) = report {

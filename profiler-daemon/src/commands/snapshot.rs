@@ -8,7 +8,7 @@ use anyhow::bail;
 use clap::Parser;
 
 use crate::{
-    cli::{SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
+    cli::{OutputArgs, SnapshotArgs, SnapshotFormat, TraceArgs, MAX_SECONDS},
     commands::{
         daemon_client::{self, Daemon, Reply},
         output::ReportFile,
@@ -67,11 +67,11 @@ fn trace_args(args: &SnapshotArgs, format: SnapshotFormat) -> TraceArgs {
         trace: TraceArgs,
     }
     let mut trace = Attach::parse_from(["attach"]).trace;
-    trace.format = match format {
+    let format = match format {
         SnapshotFormat::Pprof => Format::Pprof,
         SnapshotFormat::Json => Format::Json,
     };
-    trace.output = Some(args.output.clone());
+    trace.output = OutputArgs::new(format, Some(args.output.clone()));
     trace.duration = Some(args.duration);
     // No report before the final one.
     trace.interval = MAX_SECONDS;

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::{
-    maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array as BpfArray, HashMap as BpfHashMap, PerCpuArray},
     Ebpf,
 };
 use profiler_common::{
@@ -22,6 +22,7 @@ use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
     kernel::mappings::MappedStack,
+    ring::Ring,
     unwind::Registry,
 };
 
@@ -435,24 +436,27 @@ pub fn stack_frames(
 
 /// Receives double-free events for every traced process.
 pub struct DoubleFreeReader {
-    ring: RingBuf<MapData>,
+    ring: Ring,
 }
 
 impl DoubleFreeReader {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("DOUBLE_FREES").context("map DOUBLE_FREES missing from the eBPF object")?;
-        Ok(Self { ring: RingBuf::try_from(map)? })
+        Ok(Self { ring: Ring::new("DOUBLE_FREES", map)? })
     }
 
     /// Every event that arrived since the last call.
     pub fn drain(&mut self) -> Vec<DoubleFreeEvent> {
         let mut events = Vec::new();
-        while let Some(item) = self.ring.next() {
+        let read = self.ring.read(|item| {
             if item.len() >= size_of::<DoubleFreeEvent>() {
                 // SAFETY: the program writes exactly one DoubleFreeEvent per record; read_unaligned
                 // copes with the ring buffer's 8-byte alignment.
                 events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DoubleFreeEvent>()) });
             }
+        });
+        if let Err(err) = read {
+            tracing::warn!("{err}");
         }
         events
     }

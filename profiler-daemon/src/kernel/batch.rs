@@ -17,8 +17,12 @@ use aya::{maps::Map, Pod};
 
 /// `enum bpf_cmd` in linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-/// Entries asked for at once; grown when one hash bucket holds more.
-const FIRST_CHUNK: usize = 4096;
+/// Entries asked for at once, at most: fewer when they would take more than `BUFFER_BYTES`; grown
+/// when one hash bucket holds more.
+const MOST_ENTRIES: usize = 4096;
+/// The keys' and values' buffers together: 4,096 entries of `STACKS` (1 KiB values) took 4 MiB,
+/// allocated and freed at each walk (several an interval), which the allocator kept resident.
+const BUFFER_BYTES: usize = 256 * 1024;
 
 /// The batch part of `union bpf_attr` (linux/bpf.h).
 #[repr(C)]
@@ -40,7 +44,7 @@ pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> any
         bail!("batch lookups are for hash maps and arrays");
     };
     let fd = data.fd().as_fd().as_raw_fd();
-    let mut chunk = FIRST_CHUNK;
+    let mut chunk = first_chunk(size_of::<K>() + size_of::<V>());
     // SAFETY: Pod types are plain data, valid for any bit pattern, zeros included.
     let (mut keys, mut values): (Vec<K>, Vec<V>) =
         unsafe { (vec![std::mem::zeroed(); chunk], vec![std::mem::zeroed(); chunk]) };
@@ -86,5 +90,27 @@ pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> any
         }
         position = next;
         started = true;
+    }
+}
+
+/// Entries asked for in the first call, for entries (key and value) of `entry_bytes`.
+fn first_chunk(entry_bytes: usize) -> usize {
+    (BUFFER_BYTES / entry_bytes.max(1)).clamp(1, MOST_ENTRIES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use profiler_common::Stack;
+
+    #[test]
+    fn buffers_stay_within_their_bytes_whatever_the_entries_size() {
+        // A stack table's entries: 1 KiB values, 252 a call instead of 4,096 (4 MiB).
+        let stack_entry = size_of::<u64>() + size_of::<Stack>();
+        assert_eq!(first_chunk(stack_entry), 252);
+        assert!(first_chunk(stack_entry) * stack_entry <= BUFFER_BYTES);
+        // Small entries keep the most per call; one too large for the buffer is read alone.
+        assert_eq!(first_chunk(16), MOST_ENTRIES);
+        assert_eq!(first_chunk(BUFFER_BYTES + 1), 1);
     }
 }

@@ -3,12 +3,10 @@
 //! in-flight calls of threads that die inside the allocator.
 
 use anyhow::Context as _;
-use aya::{
-    maps::{MapData, PerCpuArray, RingBuf},
-    programs::RawTracePoint,
-    Ebpf,
-};
+use aya::{maps::PerCpuArray, programs::RawTracePoint, Ebpf};
 pub use profiler_common::ProcessEvent;
+
+use crate::ring::Ring;
 
 /// (program, tracepoint) pairs: each fires for every process (or thread) on the machine, and
 /// returns at once for those not traced.
@@ -23,7 +21,7 @@ const TRACEPOINTS: [(&str, &str); 3] = [
 pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<ProcessEvents> {
     attach_raw(ebpf, &TRACEPOINTS)?;
     let map = ebpf.take_map("PROCESS_EVENTS").context("map PROCESS_EVENTS missing")?;
-    Ok(ProcessEvents { ring: RingBuf::try_from(map)? })
+    Ok(ProcessEvents { ring: Ring::new("PROCESS_EVENTS", map)? })
 }
 
 /// Loads and attaches each (program, raw tracepoint) pair, for as long as `ebpf` lives.
@@ -48,24 +46,27 @@ pub fn events_lost(ebpf: &Ebpf) -> u64 {
 }
 
 pub struct ProcessEvents {
-    ring: RingBuf<MapData>,
+    ring: Ring,
 }
 
 impl ProcessEvents {
     /// The events since the last call, in order.
     pub fn drain(&mut self) -> Vec<ProcessEvent> {
         let mut events = Vec::new();
-        while let Some(item) = self.ring.next() {
+        let read = self.ring.read(|item| {
             if item.len() >= std::mem::size_of::<ProcessEvent>() {
                 // SAFETY: the programs write whole `ProcessEvent`s, plain integers.
                 events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcessEvent>()) });
             }
+        });
+        if let Err(err) = read {
+            tracing::warn!("{err}");
         }
         events
     }
 
     /// For waiting on events with poll or an async reactor.
-    pub fn ring(&self) -> &RingBuf<MapData> {
+    pub fn ring(&self) -> &Ring {
         &self.ring
     }
 }

@@ -8,13 +8,10 @@
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Context as _;
-use aya::{
-    maps::{MapData, RingBuf},
-    Ebpf,
-};
+use aya::Ebpf;
 use profiler_common::{mapping_event, MappingEvent};
 
-use crate::kernel::events;
+use crate::{kernel::events, ring::Ring};
 
 /// (program, tracepoint): it fires at the return of every system call on the machine.
 const TRACEPOINTS: [(&str, &str); 1] = [("syscall_exit", "sys_exit")];
@@ -35,7 +32,7 @@ pub struct MappedStack {
 
 /// Every traced process's ranges, as the calls received so far left them.
 pub struct MappedRanges {
-    ring: RingBuf<MapData>,
+    ring: Ring,
     spaces: HashMap<u32, Space>,
 }
 
@@ -44,17 +41,20 @@ impl MappedRanges {
     pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         events::attach_raw(ebpf, &TRACEPOINTS)?;
         let map = ebpf.take_map("MAPPING_EVENTS").context("map MAPPING_EVENTS missing")?;
-        Ok(Self { ring: RingBuf::try_from(map)?, spaces: HashMap::new() })
+        Ok(Self { ring: Ring::new("MAPPING_EVENTS", map)?, spaces: HashMap::new() })
     }
 
     /// Applies the calls that arrived since the last drain, in the order they returned.
     pub fn drain(&mut self) {
-        while let Some(item) = self.ring.next() {
+        let read = self.ring.read(|item| {
             if item.len() >= size_of::<MappingEvent>() {
                 // SAFETY: the program writes whole `MappingEvent`s, plain integers.
                 let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<MappingEvent>()) };
                 self.spaces.entry(event.tgid).or_default().apply(&event);
             }
+        });
+        if let Err(err) = read {
+            tracing::warn!("{err}");
         }
     }
 

@@ -7,19 +7,18 @@ mod shards;
 mod space;
 pub mod table;
 
-use aya::{
-    maps::{MapData, RingBuf},
-    Ebpf,
-};
+use aya::Ebpf;
 use std::collections::HashMap;
 
 use profiler_common::{DeferredUnwind, LinkMapEvent};
 pub use registry::{Registry, TableUse, UnwindMode};
 
+use crate::ring::Ring;
+
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
 /// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
 pub struct UnwindEvents {
-    ring: RingBuf<MapData>,
+    ring: Ring,
     /// The dynamic linker's last list of objects of each process that sent one: load bias and
     /// path (see `process::link_map`). Kept across drains, until the process is forgotten: a
     /// process gone before memprof read its mappings is rebuilt from the last list it sent,
@@ -40,13 +39,13 @@ pub struct Drained {
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        Ok(Self { ring: RingBuf::try_from(map)?, objects: HashMap::new() })
+        Ok(Self { ring: Ring::new("UNWIND_EVENTS", map)?, objects: HashMap::new() })
     }
 
     /// The events since the last call.
     pub fn drain(&mut self) -> Drained {
         let mut drained = Drained::default();
-        while let Some(item) = self.ring.next() {
+        let read = self.ring.read(|item| {
             let tgid = if item.len() == size_of::<LinkMapEvent>() {
                 // SAFETY: as below, for a LinkMapEvent.
                 let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) });
@@ -66,11 +65,14 @@ impl UnwindEvents {
             } else if let Some(bytes) = item.get(..4) {
                 u32::from_ne_bytes(bytes.try_into().expect("four bytes"))
             } else {
-                continue;
+                return;
             };
             if !drained.pids.contains(&tgid) {
                 drained.pids.push(tgid);
             }
+        });
+        if let Err(err) = read {
+            tracing::warn!("{err}");
         }
         drained
     }
@@ -86,7 +88,7 @@ impl UnwindEvents {
     }
 
     /// For waiting on events with poll or an async reactor.
-    pub fn ring(&self) -> &RingBuf<MapData> {
+    pub fn ring(&self) -> &Ring {
         &self.ring
     }
 }

@@ -17,6 +17,9 @@ use anyhow::Context as _;
 use super::Size;
 use crate::root;
 
+/// The section's title line in BENCHMARKS.md.
+pub(super) const TITLE: &str = "## The daemon's own cost";
+
 const PROCESSES: usize = 10;
 const HELD_EACH: u64 = 100_000;
 const REPLACED_PER_SECOND_EACH: u64 = 5_000;
@@ -152,7 +155,7 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
 }
 
 pub(super) fn render(cost: &DaemonCost) -> String {
-    let mut out = String::from("\n## The daemon's own cost\n\n");
+    let mut out = format!("\n{TITLE}\n\n");
     let _ = writeln!(
         out,
         "`memprof daemon` (default settings, 5 s interval) tracing {PROCESSES} processes that each hold \

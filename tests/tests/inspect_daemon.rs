@@ -1,0 +1,107 @@
+//! The daemon's inspections (`/api/v1/inspect`) of a process with a large heap: one at a time per
+//! process, a second request refused at once (409) with a one-line answer, and `/metrics`
+//! answered while one is under way (the inspection runs on the tracer thread, the scrape reads
+//! the view it last published).
+
+use std::{
+    io::{BufRead as _, BufReader},
+    process::{Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use memprof_tests::{bench_program, http_get, memprof_bin, sample, Daemon, Outcome};
+use serde_json::{json, Value};
+
+/// heapbench's live heap: 65536 blocks of 4 KiB. Its inspection copies it while the process runs,
+/// then again in the stop, and scans it: about a second (BENCHMARKS.md, The pause), the time the
+/// test has to ask its questions in.
+const HEAP_MIB: u64 = 256;
+
+/// Tries, each a full inspection: a try is spoiled when the first request reaches the daemon
+/// after the one asking whether it is under way, or ends before the scrape is bracketed.
+const TRIES: usize = 5;
+
+/// How long `/metrics` may take while an inspection runs: a generous bound, seconds where a
+/// scrape takes milliseconds; answering it only after the inspection would take about a second
+/// per 256 MiB.
+const SCRAPE_BOUND: Duration = Duration::from_secs(5);
+
+#[test]
+fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
+    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
+    // heapbench waits for its stdin to close: it ends with this test, whatever happens.
+    let mut target = Command::new(&heapbench)
+        .arg(HEAP_MIB.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting heapbench");
+    let mut built = String::new();
+    BufReader::new(target.stdout.as_mut().unwrap()).read_line(&mut built).unwrap();
+    assert_eq!(built, "built\n");
+    let pid = target.id();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    let port = daemon.port;
+    let path = format!("/api/v1/inspect?pid={pid}");
+    let busy = format!("pid {pid} is being inspected already; ask again once that inspection has answered");
+
+    let mut tried = 0;
+    let (report, scrape, took) = loop {
+        tried += 1;
+        assert!(tried <= TRIES, "in {TRIES} tries, no inspection lasted across the questions asked");
+        let outcome = thread::scope(|s| {
+            let first = s.spawn(|| http_get(port, &path).expect("the first inspection answers"));
+            // Not a timing assertion: a first request that comes later spoils this try only.
+            thread::sleep(Duration::from_millis(300));
+            // A second request for the pid while the first is under way: refused at once.
+            let (status, body) = http_get(port, &path).expect("the second request answers");
+            if status != 409 {
+                let _ = first.join();
+                return None;
+            }
+            assert_eq!(serde_json::from_str::<Value>(&body).unwrap(), json!({"error": busy}), "{body}");
+            assert!(!body.contains('\n'), "one line: {body}");
+            let asked = Instant::now();
+            let scrape = http_get(port, "/metrics").expect("/metrics answers");
+            let took = asked.elapsed();
+            // Still under way after the scrape: `memprof inspect` is refused too, in one line.
+            let refused = inspect_command(port, pid);
+            let (status, body) = first.join().expect("the first request's thread");
+            if refused.status.success() {
+                return None;
+            }
+            assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+            assert_eq!(refused.stderr.lines().count(), 1, "{}", refused.stderr);
+            assert!(refused.stderr.contains(&format!("answered 409: {busy}")), "{}", refused.stderr);
+            assert_eq!(status, 200, "{body}");
+            Some((serde_json::from_str::<Value>(&body).expect("a JSON report"), scrape, took))
+        });
+        if let Some(outcome) = outcome {
+            break outcome;
+        }
+    };
+
+    assert_eq!(scrape.0, 200, "{}", scrape.1);
+    assert!(took < SCRAPE_BOUND, "/metrics took {took:?} while an inspection ran");
+    let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\"}}");
+    assert!(sample(&scrape.1, &inuse).is_some(), "{inuse} in {}", scrape.1);
+    // The blocks were made before the daemon attached: the heap is scanned, not classified.
+    let inspection = &report["inspection"];
+    assert!(inspection["pause_ms"].as_f64().unwrap() > 0.0, "{inspection}");
+    assert_eq!(inspection["unclassified_heap_scanned"], true, "{inspection}");
+    let not_classified = inspection["heap_bytes_not_classified"].as_u64().unwrap();
+    assert!(not_classified >= HEAP_MIB << 20, "{inspection}");
+    assert!(inspection["root_bytes_scanned"].as_u64().unwrap() >= not_classified, "{inspection}");
+    drop(target.stdin.take());
+    assert!(target.wait().unwrap().success());
+}
+
+/// `memprof inspect --pid PID` against the daemon on `port`.
+fn inspect_command(port: u16, pid: u32) -> Outcome {
+    let daemon = format!("http://127.0.0.1:{port}");
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["inspect", "--pid", &pid.to_string(), "--daemon", &daemon, "--json"]);
+    memprof.stdin(Stdio::null()).output().expect("starting memprof").into()
+}
