@@ -167,8 +167,11 @@ impl Family {
             // `memprof run`'s command is in its own program now, probed since before its exec:
             // its executable and dynamic linker get their tables and symbols (its libraries, when
             // the dynamic linker reports them).
-            // Read once, symbols first: a short-lived command may be gone a moment later.
-            if let Ok(mappings) = procfs::file_mappings(pid) {
+            // Read once, symbols first: a short-lived command may be gone a moment later. A
+            // command that has exited already (memprof's zombie child until reaped) lists no
+            // mappings: what the dynamic linker sent meanwhile is all there is of it then, and
+            // forgetting it here left a whole report unnamed and unwound (1 run in 60).
+            if let Some(mappings) = procfs::file_mappings(pid).ok().filter(|mappings| !mappings.is_empty()) {
                 // Nothing of the program before the exec (memprof's own child) is kept.
                 symbolizer.forget(pid);
                 symbolizer.refresh_with(pid, mappings.clone());
