@@ -884,4 +884,6 @@ mod pod {
     unsafe impl aya::Pod for UnwindRow {}
     unsafe impl aya::Pod for ProcMappings {}
     unsafe impl aya::Pod for ProcessEvent {}
+    unsafe impl aya::Pod for DoubleFreeEvent {}
+    unsafe impl aya::Pod for MappingEvent {}
 }

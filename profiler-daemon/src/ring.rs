@@ -77,8 +77,25 @@ impl Ring {
     /// Calls `visit` with each record committed since the last read, in order, and gives their
     /// space back to the kernel. A record still being written ends the read: the kernel wakes a
     /// poller when it is committed, and the next read starts with it. On an error (the kernel
-    /// refused the mapping) the unread records stay for the next read.
-    pub fn read(&mut self, mut visit: impl FnMut(&[u8])) -> Result<(), RingError> {
+    /// refused the mapping) the unread records stay for the next read, and it is logged.
+    pub fn read(&mut self, visit: impl FnMut(&[u8])) {
+        if let Err(err) = self.try_read(visit) {
+            tracing::warn!("{err}");
+        }
+    }
+
+    /// `read` for a ring whose records are each one `T`, written whole by its programs.
+    pub fn read_each<T: aya::Pod>(&mut self, mut visit: impl FnMut(T)) {
+        self.read(|record| {
+            if record.len() >= size_of::<T>() {
+                // SAFETY: a Pod is plain data, valid for any bytes; read_unaligned copes with the
+                // ring's 8-byte alignment.
+                visit(unsafe { std::ptr::read_unaligned(record.as_ptr().cast::<T>()) });
+            }
+        });
+    }
+
+    fn try_read(&mut self, mut visit: impl FnMut(&[u8])) -> Result<(), RingError> {
         loop {
             let producer = self.producer.position().load(Ordering::Acquire);
             if producer == self.position {

@@ -448,16 +448,7 @@ impl DoubleFreeReader {
     /// Every event that arrived since the last call.
     pub fn drain(&mut self) -> Vec<DoubleFreeEvent> {
         let mut events = Vec::new();
-        let read = self.ring.read(|item| {
-            if item.len() >= size_of::<DoubleFreeEvent>() {
-                // SAFETY: the program writes exactly one DoubleFreeEvent per record; read_unaligned
-                // copes with the ring buffer's 8-byte alignment.
-                events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DoubleFreeEvent>()) });
-            }
-        });
-        if let Err(err) = read {
-            tracing::warn!("{err}");
-        }
+        self.ring.read_each(|event: DoubleFreeEvent| events.push(event));
         events
     }
 }

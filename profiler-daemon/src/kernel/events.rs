@@ -53,15 +53,7 @@ impl ProcessEvents {
     /// The events since the last call, in order.
     pub fn drain(&mut self) -> Vec<ProcessEvent> {
         let mut events = Vec::new();
-        let read = self.ring.read(|item| {
-            if item.len() >= std::mem::size_of::<ProcessEvent>() {
-                // SAFETY: the programs write whole `ProcessEvent`s, plain integers.
-                events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcessEvent>()) });
-            }
-        });
-        if let Err(err) = read {
-            tracing::warn!("{err}");
-        }
+        self.ring.read_each(|event: ProcessEvent| events.push(event));
         events
     }
 

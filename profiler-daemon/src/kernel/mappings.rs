@@ -46,16 +46,7 @@ impl MappedRanges {
 
     /// Applies the calls that arrived since the last drain, in the order they returned.
     pub fn drain(&mut self) {
-        let read = self.ring.read(|item| {
-            if item.len() >= size_of::<MappingEvent>() {
-                // SAFETY: the program writes whole `MappingEvent`s, plain integers.
-                let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<MappingEvent>()) };
-                self.spaces.entry(event.tgid).or_default().apply(&event);
-            }
-        });
-        if let Err(err) = read {
-            tracing::warn!("{err}");
-        }
+        self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(&event));
     }
 
     /// What each stack of `tgid` holds, most bytes first.

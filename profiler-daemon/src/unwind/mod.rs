@@ -45,7 +45,7 @@ impl UnwindEvents {
     /// The events since the last call.
     pub fn drain(&mut self) -> Drained {
         let mut drained = Drained::default();
-        let read = self.ring.read(|item| {
+        self.ring.read(|item| {
             let tgid = if item.len() == size_of::<LinkMapEvent>() {
                 // SAFETY: as below, for a LinkMapEvent.
                 let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) });
@@ -71,9 +71,6 @@ impl UnwindEvents {
                 drained.pids.push(tgid);
             }
         });
-        if let Err(err) = read {
-            tracing::warn!("{err}");
-        }
         drained
     }
 
