@@ -298,7 +298,7 @@ impl HttpAnswer {
 pub fn http_answer(port: u16, method: &str, path: &str) -> Option<HttpAnswer> {
     use std::net::TcpStream;
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10 * time_scale()))).ok()?;
     write!(stream, "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
@@ -428,8 +428,17 @@ fn parse_series(series: &str) -> Option<(&str, Vec<(String, String)>)> {
     Some((name, labels))
 }
 
-/// Polls `check` every 200 ms until it returns Some, or panics after `seconds` with `what`.
+/// How many times longer than on the build machine every wait of the harness lasts:
+/// `MEMPROF_TEST_TIME_SCALE`, 1 unless set. `cargo xtask kernels` sets it: under software
+/// emulation loading the programs alone takes a minute.
+pub fn time_scale() -> u64 {
+    std::env::var("MEMPROF_TEST_TIME_SCALE").ok().and_then(|scale| scale.parse().ok()).unwrap_or(1).max(1)
+}
+
+/// Polls `check` every 200 ms until it returns Some, or panics after `seconds` (times
+/// `time_scale`) with `what`.
 pub fn wait_for<T>(seconds: u64, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let seconds = seconds * time_scale();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
     loop {
         if let Some(value) = check() {

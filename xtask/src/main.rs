@@ -1,4 +1,4 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | fuzz | pause | man | deb`.
+//! Developer tasks: `cargo xtask setup | demo | test | kernels | bench | soak | fuzz | pause | man | deb`.
 //!
 //! Each installs what it needs first (see `setup`), so a fresh machine needs nothing else.
 
@@ -6,6 +6,7 @@ mod bench;
 mod benchmarks;
 mod demo;
 mod fuzz;
+mod kernels;
 mod package;
 mod pause;
 mod setup;
@@ -33,6 +34,10 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             test()
         }
+        "kernels" => {
+            setup::all()?;
+            kernels::run()
+        }
         "bench" => {
             setup::all()?;
             bench::run(&std::env::args().skip(2).collect::<Vec<_>>())
@@ -51,7 +56,7 @@ fn main() -> anyhow::Result<()> {
         }
         "man" => package::man(&std::env::args().skip(2).collect::<Vec<_>>()),
         "deb" => package::deb(&std::env::args().skip(2).collect::<Vec<_>>()),
-        _ => bail!("usage: cargo xtask <setup|demo|test|bench|soak|fuzz|pause|man|deb>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  bench [--only daemon]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten)\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  pause  how long --inspect holds a process still, 16 MiB to 1 GiB of heap (BENCHMARKS.md)\n  man [--out DIR]  the man pages, generated from the command line (target/man)\n  deb [--out DIR]  a Debian package: stripped binary, systemd unit, config, man pages, completions (target/deb)"),
+        _ => bail!("usage: cargo xtask <setup|demo|test|kernels|bench|soak|fuzz|pause|man|deb>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  kernels  the core end-to-end tests on Debian's 6.1 and 6.12 kernels, each booted under QEMU (as root; 10-15 minutes)\n  bench [--only daemon]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten)\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  pause  how long --inspect holds a process still, 16 MiB to 1 GiB of heap (BENCHMARKS.md)\n  man [--out DIR]  the man pages, generated from the command line (target/man)\n  deb [--out DIR]  a Debian package: stripped binary, systemd unit, config, man pages, completions (target/deb)"),
     }
 }
 

@@ -1,0 +1,246 @@
+//! `cargo xtask kernels`: the core of the end-to-end tests on the kernels servers run, Debian's
+//! 6.1 and the 6.12 LTS, each booted under QEMU over this machine's root file system. The tests
+//! are the suite's own binaries, run in the guest against the memprof built here.
+
+mod debian;
+mod guest;
+
+use std::{
+    collections::HashMap,
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+
+use crate::{build_memprof, root, setup};
+use debian::{path_str, Kernel, Series, SERIES};
+
+/// QEMU; kmod, whose depmod vng runs over an unpacked kernel's modules (Debian builds the 9p file
+/// system the guest's root is shared over as a module); busybox, which vng builds its initramfs
+/// from; Python's venv, which virtme-ng is installed into.
+const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
+
+/// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
+const TESTS: [(&str, &str); 5] = [
+    // `run`, exact, every allocation function of glibc.
+    ("allocators", "every_allocator_function_is_counted_exactly"),
+    // `attach`, exact, to a process that allocated before.
+    ("lifecycle", "allocations_from_before_attach_freed_after_are_unknown_frees"),
+    // The daemon's /metrics.
+    ("daemon", "the_peak_and_resident_memory_are_exported"),
+    // An allocator that wraps no other (mimalloc, preloaded): each free counted once.
+    ("allocator_families", "cxx_new_on_jemalloc_and_mimalloc_when_preloaded"),
+    // Sampled mode.
+    ("sampling", "sampled_estimates_are_within_10_percent"),
+];
+
+/// How long one test may take in the guest: loading the programs takes 10-100 s under emulation.
+const TEST_LIMIT: Duration = Duration::from_secs(600);
+/// The harness's waits in the guest, times this (`MEMPROF_TEST_TIME_SCALE`).
+const TIME_SCALE: u32 = 10;
+/// Booting and shutting down, on top of the tests' limits.
+const BOOT_LIMIT: Duration = Duration::from_secs(300);
+
+pub fn run() -> anyhow::Result<()> {
+    setup::debian_packages(PACKAGES)?;
+    let vng = guest::vng()?;
+    let memprof = build_memprof()?;
+    let binaries = test_binaries()?;
+    let dir = root().join("target/kernels");
+    let kernels = SERIES
+        .iter()
+        .map(|series| Ok((series, debian::newest(series, &dir)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // The guest compiles the tests' C fixtures here; its writes stay in the guest.
+    let fixtures = root().join("target/fixtures");
+    fs::create_dir_all(&fixtures)?;
+    let on_kernel = |kernel: &Kernel| {
+        let out = dir.join("results").join(&kernel.release);
+        let boot = Matrix { vng: &vng, memprof: &memprof, binaries: &binaries, fixtures: &fixtures, out: &out };
+        boot.run(kernel)
+    };
+    // Side by side: an emulated CPU each, one per core.
+    let verdicts: Vec<_> = std::thread::scope(|scope| {
+        let runs: Vec<_> = kernels.iter().map(|(_, kernel)| scope.spawn(|| on_kernel(kernel))).collect();
+        runs.into_iter().map(|run| run.join().expect("a kernel's thread panicked")).collect()
+    });
+    let mut summary = String::new();
+    let mut failed = false;
+    for ((series, kernel), verdict) in kernels.iter().zip(verdicts) {
+        let verdict = verdict.with_context(|| format!("running the tests on {}", kernel.release))?;
+        for failure in &verdict.failed {
+            eprintln!("---- {} on {}: {}", failure.test, kernel.release, failure.log.display());
+            eprintln!("{}", tail(&failure.log));
+        }
+        failed |= !verdict.failed.is_empty();
+        writeln!(summary, "{}", verdict.line(series, kernel))?;
+    }
+    print!("{summary}");
+    if failed {
+        bail!("memprof failed on a kernel servers run (logs above; results in {})", dir.join("results").display());
+    }
+    Ok(())
+}
+
+/// The test binaries of `TESTS`, built, by name.
+fn test_binaries() -> anyhow::Result<HashMap<String, PathBuf>> {
+    let mut cargo = Command::new("cargo");
+    cargo.args(["test", "--release", "--package", "tests", "--no-run", "--message-format=json-render-diagnostics"]);
+    for (binary, _) in TESTS {
+        cargo.args(["--test", binary]);
+    }
+    let messages = crate::output(cargo.current_dir(root()))?;
+    let mut binaries = HashMap::new();
+    for line in messages.lines() {
+        let message: serde_json::Value = serde_json::from_str(line).context("cargo's JSON message")?;
+        if let (Some(name), Some(executable)) = (message["target"]["name"].as_str(), message["executable"].as_str()) {
+            binaries.insert(name.to_string(), PathBuf::from(executable));
+        }
+    }
+    Ok(binaries)
+}
+
+/// What one kernel's boot needs.
+struct Matrix<'a> {
+    vng: &'a Path,
+    memprof: &'a Path,
+    binaries: &'a HashMap<String, PathBuf>,
+    fixtures: &'a Path,
+    /// The guest's results.
+    out: &'a Path,
+}
+
+impl Matrix<'_> {
+    fn run(&self, kernel: &Kernel) -> anyhow::Result<Verdict> {
+        let _ = fs::remove_dir_all(self.out);
+        fs::create_dir_all(self.out)?;
+        let script = self.out.join("guest.sh");
+        fs::write(&script, self.script()?)?;
+        fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        let start = Instant::now();
+        let boot = guest::Boot {
+            vng: self.vng,
+            vmlinuz: &kernel.vmlinuz,
+            out: self.out,
+            scratch: self.fixtures,
+            script: &script,
+            limit: BOOT_LIMIT + TEST_LIMIT * TESTS.len() as u32,
+        };
+        let ended = boot.run()?;
+        let seconds = start.elapsed().as_secs();
+        let booted = fs::read_to_string(self.out.join("booted")).unwrap_or_default();
+        let vng_log = self.out.join("vng.log");
+        if booted.trim() != kernel.release {
+            let test = "booting".to_string();
+            let reason = format!("the guest never ran its script (it said {:?}); vng's output follows", booted.trim());
+            return Ok(Verdict { passed: 0, failed: vec![Failure { test, reason, log: vng_log }], seconds });
+        }
+        let mut verdict = Verdict { passed: 0, failed: Vec::new(), seconds };
+        for (binary, test) in TESTS {
+            let log = self.out.join(format!("{binary}.{test}.log"));
+            let status = fs::read_to_string(self.out.join(format!("{binary}.{test}.status"))).unwrap_or_default();
+            let output = fs::read_to_string(&log).unwrap_or_default();
+            let test = format!("{binary}::{test}");
+            match status.trim() {
+                "0" if output.contains("test result: ok. 1 passed") => verdict.passed += 1,
+                "0" => verdict.failed.push(Failure { test, reason: "no test of that name ran".into(), log }),
+                "" => {
+                    let why = if ended { "the guest ended before it" } else { "the machine was killed at its limit" };
+                    verdict.failed.push(Failure { test, reason: format!("did not finish: {why}"), log: vng_log.clone() })
+                }
+                "124" | "137" => {
+                    let reason = format!("killed after {} s", TEST_LIMIT.as_secs());
+                    verdict.failed.push(Failure { test, reason, log })
+                }
+                _ => verdict.failed.push(Failure { test, reason: reason(&output), log }),
+            }
+        }
+        Ok(verdict)
+    }
+
+    /// The guest's script: each test binary filtered to one test, one at a time, its output and
+    /// exit code into files.
+    fn script(&self) -> anyhow::Result<String> {
+        let out = quote(self.out)?;
+        let mut script = format!(
+            "#!/bin/sh\n# Written by `cargo xtask kernels`: run by the guest.\ncd {root} || exit 1\nexport PATH={path} \
+             HOME=/root CI=true RUST_BACKTRACE=0 MEMPROF_BIN={memprof} MEMPROF_TEST_TIME_SCALE={TIME_SCALE}\nuname -r > \
+             {out}/booted\n",
+            root = quote(&root())?,
+            path = quote(Path::new(&std::env::var("PATH").unwrap_or_default()))?,
+            memprof = quote(self.memprof)?,
+        );
+        for (binary, test) in TESTS {
+            let executable = self.binaries.get(binary).with_context(|| format!("cargo built no test binary {binary}"))?;
+            writeln!(
+                script,
+                "timeout -k 10 {limit} {executable} --exact {test} --test-threads=1 > {out}/{binary}.{test}.log 2>&1\necho \
+                 $? > {out}/{binary}.{test}.status",
+                limit = TEST_LIMIT.as_secs(),
+                executable = quote(executable)?,
+            )?;
+        }
+        Ok(script)
+    }
+}
+
+/// `path` quoted for the shell.
+fn quote(path: &Path) -> anyhow::Result<String> {
+    Ok(format!("'{}'", path_str(path)?.replace('\'', r"'\''")))
+}
+
+/// One kernel's results.
+struct Verdict {
+    passed: usize,
+    failed: Vec<Failure>,
+    seconds: u64,
+}
+
+struct Failure {
+    /// `binary::test`.
+    test: String,
+    /// Its reason in one line.
+    reason: String,
+    log: PathBuf,
+}
+
+impl Verdict {
+    fn line(&self, series: &Series, kernel: &Kernel) -> String {
+        let mut line = format!(
+            "{} ({}, {}): {} passed, {} failed, {} s",
+            kernel.release,
+            series.name,
+            series.runs_it,
+            self.passed,
+            self.failed.len(),
+            self.seconds
+        );
+        for failure in &self.failed {
+            let _ = write!(line, "\n  {}: {}", failure.test, failure.reason);
+        }
+        line
+    }
+}
+
+/// A failed test's reason in one line: the kernel's verifier's verdict if there is one, else what
+/// the test panicked with.
+fn reason(output: &str) -> String {
+    // The test's panic message holds memprof's output as a debug string: its lines are "\n".
+    let lines: Vec<&str> = output.lines().flat_map(|line| line.split("\\n")).collect();
+    let verifier = lines.iter().find(|line| line.contains("Too large") || line.contains("verifier"));
+    let panic = lines.iter().position(|line| line.contains("panicked at")).and_then(|at| lines.get(at + 1));
+    let line = verifier.or(panic).map_or("no panic message: see the log", |line| line.trim());
+    line.chars().take(300).collect()
+}
+
+/// The end of a log, its long lines cut.
+fn tail(log: &Path) -> String {
+    let text = fs::read_to_string(log).unwrap_or_else(|e| format!("(unreadable: {e})"));
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.len().saturating_sub(60);
+    lines[start..].iter().map(|line| line.chars().take(400).collect::<String>()).collect::<Vec<_>>().join("\n")
+}
