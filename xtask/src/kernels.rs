@@ -51,10 +51,8 @@ pub fn run() -> anyhow::Result<()> {
     let memprof = build_memprof()?;
     let binaries = test_binaries()?;
     let dir = root().join("target/kernels");
-    let kernels = SERIES
-        .iter()
-        .map(|series| Ok((series, debian::newest(series, &dir)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let kernels =
+        SERIES.iter().map(|series| Ok((series, debian::newest(series, &dir)?))).collect::<anyhow::Result<Vec<_>>>()?;
     // The guest compiles the tests' C fixtures here; its writes stay in the guest.
     let fixtures = root().join("target/fixtures");
     fs::create_dir_all(&fixtures)?;
@@ -89,7 +87,14 @@ pub fn run() -> anyhow::Result<()> {
 /// The test binaries of `TESTS`, built, by name.
 fn test_binaries() -> anyhow::Result<HashMap<String, PathBuf>> {
     let mut cargo = Command::new("cargo");
-    cargo.args(["test", "--release", "--package", "tests", "--no-run", "--message-format=json-render-diagnostics"]);
+    cargo.args([
+        "test",
+        "--release",
+        "--package",
+        "memprof-tests",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ]);
     for (binary, _) in TESTS {
         cargo.args(["--test", binary]);
     }
@@ -150,7 +155,11 @@ impl Matrix<'_> {
                 "0" => verdict.failed.push(Failure { test, reason: "no test of that name ran".into(), log }),
                 "" => {
                     let why = if ended { "the guest ended before it" } else { "the machine was killed at its limit" };
-                    verdict.failed.push(Failure { test, reason: format!("did not finish: {why}"), log: vng_log.clone() })
+                    verdict.failed.push(Failure {
+                        test,
+                        reason: format!("did not finish: {why}"),
+                        log: vng_log.clone(),
+                    })
                 }
                 "124" | "137" => {
                     let reason = format!("killed after {} s", TEST_LIMIT.as_secs());
@@ -175,7 +184,8 @@ impl Matrix<'_> {
             memprof = quote(self.memprof)?,
         );
         for (binary, test) in TESTS {
-            let executable = self.binaries.get(binary).with_context(|| format!("cargo built no test binary {binary}"))?;
+            let executable =
+                self.binaries.get(binary).with_context(|| format!("cargo built no test binary {binary}"))?;
             writeln!(
                 script,
                 "timeout -k 10 {limit} {executable} --exact {test} --test-threads=1 > {out}/{binary}.{test}.log 2>&1\necho \
@@ -226,14 +236,14 @@ impl Verdict {
     }
 }
 
-/// A failed test's reason in one line: the kernel's verifier's verdict if there is one, else what
-/// the test panicked with.
+/// A failed test's reason in one line: memprof's error if it gave one (a program the verifier
+/// rejected, with the verifier's verdict), else what the test panicked with.
 fn reason(output: &str) -> String {
     // The test's panic message holds memprof's output as a debug string: its lines are "\n".
     let lines: Vec<&str> = output.lines().flat_map(|line| line.split("\\n")).collect();
-    let verifier = lines.iter().find(|line| line.contains("Too large") || line.contains("verifier"));
-    let panic = lines.iter().position(|line| line.contains("panicked at")).and_then(|at| lines.get(at + 1));
-    let line = verifier.or(panic).map_or("no panic message: see the log", |line| line.trim());
+    let error = lines.iter().find_map(|line| line.find("memprof: error").map(|at| &line[at..]));
+    let panic = lines.iter().position(|line| line.contains("panicked at")).and_then(|at| lines.get(at + 1).copied());
+    let line = error.or(panic).map_or("no panic message: see the log", str::trim);
     line.chars().take(300).collect()
 }
 
@@ -243,4 +253,17 @@ fn tail(log: &Path) -> String {
     let lines: Vec<&str> = text.lines().collect();
     let start = lines.len().saturating_sub(60);
     lines[start..].iter().map(|line| line.chars().take(400).collect::<String>()).collect::<Vec<_>>().join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_reason_is_memprofs_error_with_the_verifiers_verdict() {
+        let log = "thread 'x' (112) panicked at tests/tests/allocators.rs:8:5:\nOutcome { stderr: \"WARN no uprobe_multi\\nmemprof: error: loading program alloc_return: Verifier output: combined stack size of 5 calls is 608. Too large\\nverification time 1 usec\\n\" }\n";
+        assert_eq!(
+            super::reason(log),
+            "memprof: error: loading program alloc_return: Verifier output: combined stack size of 5 calls is 608. Too large"
+        );
+        assert_eq!(super::reason("panicked at a.rs:1:1:\nassertion failed\n"), "assertion failed");
+    }
 }

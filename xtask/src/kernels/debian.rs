@@ -19,8 +19,11 @@ pub struct Series {
     pattern: &'static str,
     /// The package's kernel release and a key that sorts its builds oldest first, or None for a
     /// package of another flavour (cloud, rt, debug symbols, unsigned).
-    parse: fn(&str) -> Option<(String, (u32, u32))>,
+    parse: fn(&str) -> Option<(String, Build)>,
 }
+
+/// Sorts the builds of a series, oldest first: (patch or ABI number, Debian release it was built for).
+type Build = (u32, u32);
 
 pub const SERIES: [Series; 2] = [
     Series {
@@ -103,7 +106,10 @@ fn unpack(dir: &Path, release: &str) -> anyhow::Result<Kernel> {
     let downloads = dir.join("debs");
     fs::create_dir_all(&downloads)?;
     eprintln!("xtask: downloading {package}");
-    crate::run_with(Command::new("apt-get").args(["download", "-q", &package]).current_dir(&downloads))?;
+    let status = Command::new("apt-get").args(["download", "-q", &package]).current_dir(&downloads).status()?;
+    if !status.success() {
+        bail!("`apt-get download {package}` failed ({status})");
+    }
     let deb = fs::read_dir(&downloads)?
         .filter_map(Result::ok)
         .map(|entry| entry.path())
