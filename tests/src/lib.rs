@@ -326,10 +326,16 @@ impl Daemon {
         Self::ready(Self::spawn(args, env))
     }
 
-    /// Waits until `daemon` is ready.
-    pub fn ready(daemon: Self) -> Self {
+    /// Waits until `daemon` is ready; fails at once with its log if it exits first (a kernel that
+    /// refuses its programs, say).
+    pub fn ready(mut daemon: Self) -> Self {
         let port = daemon.port;
-        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
+        wait_for(20, "the daemon to be ready", || {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("the daemon exited ({status}) before it was ready: {}", daemon.log());
+            }
+            (http_get(port, "/-/ready")?.0 == 200).then_some(())
+        });
         daemon
     }
 
