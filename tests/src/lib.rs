@@ -322,8 +322,10 @@ pub fn socket_answer(socket: &Path, method: &str, path: &str) -> Option<HttpAnsw
     let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(300))).ok()?;
     write!(stream, "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    // A profile's body is binary: its text is only looked into.
+    let response = String::from_utf8_lossy(&response);
     let status = response.split_whitespace().nth(1)?.parse().ok()?;
     let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     Some(HttpAnswer { status, headers: headers.to_string(), body: body.to_string() })
@@ -355,8 +357,8 @@ impl Daemon {
 
     /// Waits until `daemon` is ready.
     pub fn ready(daemon: Self) -> Self {
-        let port = daemon.port;
-        wait_for(20, "the daemon to be ready", || (http_get(port, "/-/ready")?.0 == 200).then_some(()));
+        // On the socket: the port asks for a password when the daemon has a web config.
+        wait_for(20, "the daemon to be ready", || (daemon.get("/-/ready")?.0 == 200).then_some(()));
         daemon
     }
 

@@ -53,8 +53,8 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
     let (report, scrape, took) = loop {
         tried += 1;
         assert!(tried <= TRIES, "in {TRIES} tries, no inspection lasted across the questions asked");
+        let ask = || socket_answer(socket, "GET", &path).map(|answer| (answer.status, answer.body));
         let outcome = thread::scope(|s| {
-            let ask = || socket_answer(socket, "GET", &path).map(|answer| (answer.status, answer.body));
             let first = s.spawn(|| ask().expect("the first inspection answers"));
             // Not a timing assertion: a first request that comes later spoils this try only.
             thread::sleep(Duration::from_millis(300));

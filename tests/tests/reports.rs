@@ -12,7 +12,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_cpp, fixture_with, http_answer, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
+    fixture, fixture_cpp, fixture_with, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
 };
 use serde_json::{json, Value};
 
