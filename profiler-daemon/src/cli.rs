@@ -118,6 +118,11 @@ pub struct ReportArgs {
     pub top: Option<usize>,
 }
 
+/// A path, or the empty one (clap's own parser refuses it), which says "none".
+fn path_or_none(value: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(value))
+}
+
 /// The daemon's API socket unless told otherwise (`access.socket`), where `inspect` and
 /// `snapshot` ask: it serves root everything, checked by the kernel (README: Securing the listener).
 pub const DAEMON_SOCKET: &str = "/run/memprof/api.sock";
@@ -286,7 +291,7 @@ pub struct DaemonArgs {
     #[arg(long, value_name = "FILE")]
     pub web_config_file: Option<PathBuf>,
     /// Unix socket serving the whole API to root and access.group [default: /run/memprof/api.sock; "" for none].
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", value_parser = path_or_none)]
     pub socket: Option<PathBuf>,
     /// Trace this process (repeatable).
     #[arg(short, long = "pid", value_name = "N")]
