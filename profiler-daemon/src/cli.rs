@@ -118,6 +118,15 @@ pub struct ReportArgs {
     pub top: Option<usize>,
 }
 
+/// A path, or the empty one (clap's own parser refuses it), which says "none".
+fn path_or_none(value: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(value))
+}
+
+/// The daemon's API socket unless told otherwise (`access.socket`), where `inspect` and
+/// `snapshot` ask: it serves root everything, checked by the kernel (README: Securing the listener).
+pub const DAEMON_SOCKET: &str = "/run/memprof/api.sock";
+
 #[derive(Debug, Args, Clone)]
 pub struct SnapshotArgs {
     /// The process.
@@ -129,9 +138,13 @@ pub struct SnapshotArgs {
     /// pprof (gzip-compressed profile.proto) or json [default: from the file name, .pb.gz or .json].
     #[arg(long, value_enum)]
     pub format: Option<SnapshotFormat>,
-    /// The memprof daemon to ask first.
-    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9464")]
+    /// The memprof daemon to ask first: its socket, or http://HOST:PORT on this host.
+    #[arg(long, value_name = "SOCKET|URL", default_value = DAEMON_SOCKET)]
     pub daemon: String,
+    /// Log in to the daemon as USER (its web config's basic auth); the password is read from the
+    /// environment variable MEMPROF_DAEMON_PASSWORD.
+    #[arg(long, value_name = "USER")]
+    pub daemon_user: Option<String>,
     /// Seconds to trace when no daemon traces the process.
     #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
     pub duration: f64,
@@ -149,8 +162,8 @@ pub struct InspectArgs {
     /// Stacks shown in the table.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
-    /// The memprof daemon that traces the process.
-    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9464")]
+    /// The memprof daemon that traces the process: its socket, or http://HOST:PORT on this host.
+    #[arg(long, value_name = "SOCKET|URL", default_value = DAEMON_SOCKET)]
     pub daemon: String,
     /// Log in to the daemon as USER (its web config's basic auth); the password is read from the
     /// environment variable MEMPROF_DAEMON_PASSWORD.
@@ -277,6 +290,9 @@ pub struct DaemonArgs {
     /// TLS and basic auth for the listener, as Prometheus exporters' --web.config.file (YAML).
     #[arg(long, value_name = "FILE")]
     pub web_config_file: Option<PathBuf>,
+    /// Unix socket serving the whole API to root and access.group [default: /run/memprof/api.sock; "" for none].
+    #[arg(long, value_name = "PATH", value_parser = path_or_none)]
+    pub socket: Option<PathBuf>,
     /// Trace this process (repeatable).
     #[arg(short, long = "pid", value_name = "N")]
     pub pids: Vec<u32>,

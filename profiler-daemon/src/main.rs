@@ -8,6 +8,7 @@ mod format;
 mod heap;
 mod kernel;
 mod names;
+mod peer;
 mod process;
 mod ring;
 mod symbolize;

@@ -307,10 +307,39 @@ pub fn http_answer(port: u16, method: &str, path: &str) -> Option<HttpAnswer> {
     Some(HttpAnswer { status, headers: headers.to_string(), body: body.to_string() })
 }
 
-/// A `memprof daemon` on a free loopback port, reporting every second; killed when dropped.
+/// A web config file in `dir` giving the daemon's listener the user `user` with `password`
+/// (bcrypt at its lowest cost: a test's).
+pub fn web_config_user(dir: &Path, user: &str, password: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).expect("creating the web config's directory");
+    let hash = bcrypt::hash(password, 4).expect("hashing the password");
+    let web = dir.join("web.yml");
+    std::fs::write(&web, format!("basic_auth_users:\n  {user}: '{hash}'\n")).expect("writing the web config");
+    web
+}
+
+/// `METHOD path` on the daemon's API socket at `socket`, as the caller's user.
+pub fn socket_answer(socket: &Path, method: &str, path: &str) -> Option<HttpAnswer> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(300))).ok()?;
+    write!(stream, "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n").ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    // A profile's body is binary: its text is only looked into.
+    let response = String::from_utf8_lossy(&response);
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Some(HttpAnswer { status, headers: headers.to_string(), body: body.to_string() })
+}
+
+/// A `memprof daemon` on a free loopback port and a socket of its own, reporting every second;
+/// killed when dropped.
 pub struct Daemon {
     pub child: Child,
     pub port: u16,
+    /// Its API socket, which serves root everything (the port serves anyone `/metrics` only).
+    pub socket: PathBuf,
+    /// Whether the socket is in a directory made for it.
+    socket_dir: bool,
     /// Its stderr, read as it comes: it logs a line per process it attaches and detaches, which
     /// would fill a pipe nobody reads and block it.
     log: Option<thread::JoinHandle<String>>,
@@ -329,12 +358,12 @@ impl Daemon {
     /// Waits until `daemon` is ready; fails at once with its log if it exits first (a kernel that
     /// refuses its programs, say).
     pub fn ready(mut daemon: Self) -> Self {
-        let port = daemon.port;
+        // On the socket: the port asks for a password when the daemon has a web config.
         wait_for(20, "the daemon to be ready", || {
             if let Ok(Some(status)) = daemon.child.try_wait() {
                 panic!("the daemon exited ({status}) before it was ready: {}", daemon.log());
             }
-            (http_get(port, "/-/ready")?.0 == 200).then_some(())
+            (daemon.get("/-/ready")?.0 == 200).then_some(())
         });
         daemon
     }
@@ -349,8 +378,19 @@ impl Daemon {
     pub fn spawn_with(mut memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
+        // A socket of its own, unless `args` name one.
+        let named = args.iter().position(|arg| *arg == "--socket").and_then(|at| args.get(at + 1));
+        let socket = match named {
+            Some(path) => PathBuf::from(path),
+            None => std::env::temp_dir().join(format!("memprof-daemon-{}-{port}/api.sock", std::process::id())),
+        };
+        if named.is_none() {
+            memprof.arg("daemon").arg("--socket").arg(&socket);
+        } else {
+            memprof.arg("daemon");
+        }
         let mut child = memprof
-            .args(["daemon", "--listen", &listen, "--interval", "1"])
+            .args(["--listen", &listen, "--interval", "1"])
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
@@ -358,7 +398,17 @@ impl Daemon {
             .spawn()
             .expect("starting memprof daemon");
         let log = Some(collect(child.stderr.take().expect("piped")));
-        Self { child, port, log }
+        Self { child, port, socket, socket_dir: named.is_none(), log }
+    }
+
+    /// `GET path` on the daemon's socket, as root; None when it does not answer.
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        self.answer(path).map(|answer| (answer.status, answer.body))
+    }
+
+    /// `GET path` on the daemon's socket, as root, with the answer's headers.
+    pub fn answer(&self, path: &str) -> Option<HttpAnswer> {
+        socket_answer(&self.socket, "GET", path)
     }
 
     /// What the daemon wrote to stderr, once it has exited (`child.wait()`).
@@ -366,8 +416,9 @@ impl Daemon {
         self.log.take().expect("the log is read once").join().expect("stderr reader")
     }
 
+    /// `GET path` on the daemon's socket, as root, and its JSON answer.
     pub fn get_json(&self, path: &str) -> (u16, Value) {
-        let (status, body) = http_get(self.port, path).unwrap_or_else(|| panic!("GET {path} failed"));
+        let (status, body) = self.get(path).unwrap_or_else(|| panic!("GET {path} failed"));
         (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
     }
 
@@ -390,6 +441,11 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // The daemon removes its socket when it stops; a killed one leaves it.
+        let _ = std::fs::remove_file(&self.socket);
+        if self.socket_dir {
+            let _ = std::fs::remove_dir(self.socket.parent().expect("a directory of its own"));
+        }
     }
 }
 

@@ -66,7 +66,7 @@ fn the_leak_api_names_the_leaking_site_exactly() {
     let (status, body) = memprof_tests::http(daemon.port, "POST", "/metrics").unwrap();
     assert_eq!(status, 405);
     assert!(body.contains("\"error\""), "{body}");
-    let (status, page) = http_get(daemon.port, "/").unwrap();
+    let (status, page) = daemon.get("/").unwrap();
     assert_eq!(status, 200);
     assert!(page.contains(&format!("/api/v1/leaks?pid={}", held.pid())), "{page}");
     assert_eq!(http_get(daemon.port, "/-/healthy").unwrap().0, 200);

@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{fixture, http_get, wait_for, Daemon, Waiting};
+use memprof_tests::{fixture, http_get, socket_answer, wait_for, Daemon, Waiting};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -126,8 +126,8 @@ fn sixty_five_thousand_deep_stacks_and_thirty_reports_stay_under_one_gib_and_met
     let path = format!("/report?pid={}", many.pid());
     let reports: Vec<_> = (0..30)
         .map(|_| {
-            let path = path.clone();
-            std::thread::spawn(move || fetch(port, &path))
+            let (path, socket) = (path.clone(), daemon.socket.clone());
+            std::thread::spawn(move || socket_answer(&socket, "GET", &path).map(|a| (a.status, a.body.len())))
         })
         .collect();
     let scraper = {
@@ -159,7 +159,7 @@ fn sixty_five_thousand_deep_stacks_and_thirty_reports_stay_under_one_gib_and_met
     assert_eq!(group.oom_kills(), 0, "the daemon was OOM-killed");
     assert_eq!(inuse_objects(&daemon), 65_536, "the daemon still serves the exact count");
     // The page shows the largest stacks within its budget and says how many it left out.
-    let html = http_get(port, &path).unwrap().1;
+    let html = daemon.get(&path).unwrap().1;
     assert!(html.contains("\"stacks_not_shown\":"), "the page counts the stacks it leaves out");
     // Names are capped: a 64 KiB name is cut at 4 KiB with its marker.
     assert!(html.contains("...[61440 more bytes]"), "the long names are capped");

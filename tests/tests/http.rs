@@ -317,7 +317,7 @@ fn a_bad_web_config_stops_the_daemon_with_one_line_and_an_open_listener_is_warne
     let held = target();
     let port = memprof_tests::free_port();
     let mut daemon = Command::new(memprof_tests::memprof_bin())
-        .args(["daemon", "--listen", &format!("0.0.0.0:{port}"), "--pid", &held.pid().to_string()])
+        .args(["daemon", "--listen", &format!("0.0.0.0:{port}"), "--socket", "", "--pid", &held.pid().to_string()])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()

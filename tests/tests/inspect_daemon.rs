@@ -5,12 +5,13 @@
 
 use std::{
     io::{BufRead as _, BufReader},
+    path::Path,
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
-use memprof_tests::{bench_program, http_get, memprof_bin, sample, Daemon, Outcome};
+use memprof_tests::{bench_program, http_get, memprof_bin, sample, socket_answer, Daemon, Outcome};
 use serde_json::{json, Value};
 
 /// heapbench's live heap: 65536 blocks of 4 KiB. Its inspection copies it while the process runs,
@@ -44,6 +45,7 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
     let daemon = Daemon::start(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);
     let port = daemon.port;
+    let socket = &daemon.socket;
     let path = format!("/api/v1/inspect?pid={pid}");
     let busy = format!("pid {pid} is being inspected already; ask again once that inspection has answered");
 
@@ -51,12 +53,13 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
     let (report, scrape, took) = loop {
         tried += 1;
         assert!(tried <= TRIES, "in {TRIES} tries, no inspection lasted across the questions asked");
+        let ask = || socket_answer(socket, "GET", &path).map(|answer| (answer.status, answer.body));
         let outcome = thread::scope(|s| {
-            let first = s.spawn(|| http_get(port, &path).expect("the first inspection answers"));
+            let first = s.spawn(|| ask().expect("the first inspection answers"));
             // Not a timing assertion: a first request that comes later spoils this try only.
             thread::sleep(Duration::from_millis(300));
             // A second request for the pid while the first is under way: refused at once.
-            let (status, body) = http_get(port, &path).expect("the second request answers");
+            let (status, body) = ask().expect("the second request answers");
             if status != 409 {
                 let _ = first.join();
                 return None;
@@ -67,7 +70,7 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
             let scrape = http_get(port, "/metrics").expect("/metrics answers");
             let took = asked.elapsed();
             // Still under way after the scrape: `memprof inspect` is refused too, in one line.
-            let refused = inspect_command(port, pid);
+            let refused = inspect_command(socket, pid);
             let (status, body) = first.join().expect("the first request's thread");
             if refused.status.success() {
                 return None;
@@ -98,10 +101,9 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
     assert!(target.wait().unwrap().success());
 }
 
-/// `memprof inspect --pid PID` against the daemon on `port`.
-fn inspect_command(port: u16, pid: u32) -> Outcome {
-    let daemon = format!("http://127.0.0.1:{port}");
+/// `memprof inspect --pid PID` against the daemon on `socket`.
+fn inspect_command(socket: &Path, pid: u32) -> Outcome {
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["inspect", "--pid", &pid.to_string(), "--daemon", &daemon, "--json"]);
+    memprof.args(["inspect", "--pid", &pid.to_string(), "--json", "--daemon"]).arg(socket);
     memprof.stdin(Stdio::null()).output().expect("starting memprof").into()
 }

@@ -10,7 +10,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_with, http_get, memprof, memprof_bin, released, site, wait_for, Daemon, Outcome, Waiting,
+    fixture, fixture_with, memprof, memprof_bin, released, site, wait_for, web_config_user, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -255,7 +255,11 @@ fn the_host_profile_labels_each_process_for_tagfocus() {
     let mut sites = Waiting::start(&fixture("pprof_sites"), &[]);
     let mut holder = Waiting::start(&fixture("daemon_target"), &[]);
     let (sites_pid, holder_pid) = (sites.pid(), holder.pid());
-    let daemon = Daemon::start(&["--pid", &sites_pid.to_string(), "--pid", &holder_pid.to_string()]);
+    // go tool pprof reaches the port, which serves profiles only with a password.
+    let web = web_config_user(&scratch.0, "pprof", "pprof-secret");
+    let web = web.to_str().unwrap();
+    let daemon =
+        Daemon::start(&["--pid", &sites_pid.to_string(), "--pid", &holder_pid.to_string(), "--web-config-file", web]);
     daemon.wait_traced(sites_pid);
     daemon.wait_traced(holder_pid);
     sites.go();
@@ -263,7 +267,7 @@ fn the_host_profile_labels_each_process_for_tagfocus() {
     wait_line(&mut sites, "one");
     let inuse =
         |pid: u32| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1["totals"]["outstanding_bytes"].as_i64();
-    let url = format!("http://127.0.0.1:{}", daemon.port);
+    let url = format!("http://pprof:pprof-secret@127.0.0.1:{}", daemon.port);
     let heap = format!("{url}/debug/pprof/heap");
     let top =
         |tagfocus: &str| Top::read(&scratch, &["-sample_index=inuse_space", &format!("-tagfocus={tagfocus}"), &heap]);
@@ -342,7 +346,9 @@ fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced(
     let scratch = Scratch::new("daemon");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let pid = target.pid().to_string();
-    let daemon = Daemon::start(&["--pid", &pid]);
+    // go tool pprof reaches the port, which serves profiles only with a password.
+    let web = web_config_user(&scratch.0, "pprof", "pprof-secret");
+    let daemon = Daemon::start(&["--pid", &pid, "--web-config-file", web.to_str().unwrap()]);
     daemon.wait_traced(target.pid());
     target.go();
     wait_line(&mut target, "one");
@@ -354,7 +360,7 @@ fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced(
     let phase_one = [("site_a", (10_000, 10)), ("site_b", (4500, 15)), ("inlined_alloc", (6666, 3))];
     wait_for(20, "phase one in the daemon's report", || shows(&phase_one));
 
-    let url = format!("http://127.0.0.1:{}", daemon.port);
+    let url = format!("http://pprof:pprof-secret@127.0.0.1:{}", daemon.port);
     let heap = format!("{url}/debug/pprof/heap?pid={pid}");
     assert_phase_one(&scratch, &heap);
     assert_eq!(Top::read(&scratch, &[&heap]).sample_type, "inuse_space");
@@ -364,23 +370,25 @@ fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced(
     for (path, status) in
         [("/debug/pprof/heap?pid=", 400), ("/debug/pprof/heap?pid=x", 400), ("/debug/pprof/allocs?pid=1", 404)]
     {
-        let (answered, body) = http_get(daemon.port, path).expect("the daemon answers");
+        let (answered, body) = daemon.get(path).expect("the daemon answers");
         assert_eq!(answered, status, "{path}: {body}");
         assert!(body.starts_with("{\"error\":"), "{path}: {body}");
     }
 
-    let from_daemon = format!("is traced by the daemon at {url}");
+    // Over the daemon's socket, as root: no password.
+    let socket = daemon.socket.to_str().unwrap();
+    let from_daemon = format!("is traced by the daemon at {socket}");
     let [old_pb, old_json, new_pb, new_json] =
         ["old.pb.gz", "old.json", "new.pb.gz", "new.json"].map(|f| scratch.file(f));
     for file in [&old_pb, &old_json] {
-        snapshot(&["--pid", &pid, "-o", file, "--daemon", &url], &from_daemon);
+        snapshot(&["--pid", &pid, "-o", file, "--daemon", socket], &from_daemon);
     }
     target.go();
     wait_line(&mut target, "two");
     let phase_two = [("site_a", (15_000, 15)), ("site_b", (3000, 10)), ("site_e", (200, 4))];
     wait_for(20, "phase two in the daemon's report", || shows(&phase_two));
     for file in [&new_pb, &new_json] {
-        snapshot(&["--pid", &pid, "-o", file, "--daemon", &url], &from_daemon);
+        snapshot(&["--pid", &pid, "-o", file, "--daemon", socket], &from_daemon);
     }
     assert!(target.child.try_wait().unwrap().is_none(), "the target still runs");
     assert!(daemon.traced_pids().contains(&(target.pid() as u64)), "and is still traced");

@@ -12,7 +12,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, fixture_cpp, fixture_with, http_answer, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
+    fixture, fixture_cpp, fixture_with, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
 };
 use serde_json::{json, Value};
 
@@ -491,29 +491,33 @@ fn the_daemon_serves_the_flame_graph_and_the_report() {
     let leaks = format!("/api/v1/leaks?pid={pid}");
     wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
 
-    let svg = http_answer(daemon.port, "GET", &format!("/api/v1/flamegraph?pid={pid}")).unwrap();
+    let svg = daemon.answer(&format!("/api/v1/flamegraph?pid={pid}")).unwrap();
     assert_eq!(svg.status, 200);
     assert_eq!(svg.header("content-type"), Some("image/svg+xml"));
     let document = parse_svg(&svg.body);
     assert_eq!(frame_bytes(&document, "hold_site"), Some(50_000), "{}", svg.body);
 
-    let page = http_answer(daemon.port, "GET", &format!("/report?pid={pid}")).unwrap();
+    let page = daemon.answer(&format!("/report?pid={pid}")).unwrap();
     assert_eq!(page.status, 200);
     assert!(page.header("content-type").unwrap().starts_with("text/html"));
-    // The page as a browser gets it from the daemon.
-    let dom = dom(&format!("http://127.0.0.1:{}/report?pid={pid}", daemon.port));
+    // The page as a browser shows what the daemon served (a browser reaches the port, which
+    // serves reports only with a password: see http.rs).
+    let served = std::env::temp_dir().join(format!("memprof-served-{}.html", std::process::id()));
+    std::fs::write(&served, &page.body).unwrap();
+    let dom = dom(&format!("file://{}", served.display()));
+    let _ = std::fs::remove_file(&served);
     assert!(dom.contains("<h1>memprof: pid"), "{dom}");
     assert!(row(section(&dom, "stacks"), "hold_site (daemon_target.c:").contains(">50,000<"), "{dom}");
 
     for path in ["/api/v1/flamegraph", "/report"] {
-        let missing = http_answer(daemon.port, "GET", path).unwrap();
+        let missing = daemon.answer(path).unwrap();
         assert_eq!(missing.status, 400);
         assert!(missing.body.contains(&format!("{path}?pid=N")), "{}", missing.body);
-        assert_eq!(http_answer(daemon.port, "GET", &format!("{path}?pid=x")).unwrap().status, 400);
-        let untraced = http_answer(daemon.port, "GET", &format!("{path}?pid=1")).unwrap();
+        assert_eq!(daemon.answer(&format!("{path}?pid=x")).unwrap().status, 400);
+        let untraced = daemon.answer(&format!("{path}?pid=1")).unwrap();
         assert_eq!(untraced.status, 404);
         assert!(untraced.body.contains("\"error\""), "{}", untraced.body);
     }
-    let index = http_answer(daemon.port, "GET", "/").unwrap().body;
+    let index = daemon.answer("/").unwrap().body;
     assert!(index.contains(&format!("/report?pid={pid}")) && index.contains(&format!("/api/v1/flamegraph?pid={pid}")));
 }

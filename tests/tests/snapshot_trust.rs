@@ -1,5 +1,5 @@
 //! What `memprof snapshot` and `memprof diff` read, from whoever wrote it: a report from a
-//! listener that is not root's is refused, and no answer or file is read past 256 MiB, a gzip
+//! listener that is not root's (a port, or a socket where others may write) is refused, and no answer or file is read past 256 MiB, a gzip
 //! bomb's decompressed bytes included. Each refusal is one line and a non-zero exit.
 
 use std::{
@@ -51,6 +51,38 @@ fn snapshot_refuses_the_answer_of_a_listener_that_is_not_roots() {
     let _ = forger.kill();
     let _ = forger.wait();
     assert_fails(&outcome, "belongs to uid 65534, not root or you: refusing its answer");
+    assert!(!output.exists(), "the forged report was written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn snapshot_refuses_a_socket_that_another_user_put_where_others_may_write() {
+    let dir = scratch("socket");
+    // Root's directory, but anyone may write in it (and it is not sticky): anyone's socket may be there.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let socket = dir.join("api.sock");
+    let server = format!(
+        "import socket\n\
+         s = socket.socket(socket.AF_UNIX); s.bind('{}'); s.listen(16); print('ready', flush=True)\n\
+         while True:\n    c, _ = s.accept(); c.recv(4096)\n    \
+         c.sendall(b'HTTP/1.0 200 OK\\r\\nContent-Length: 16\\r\\n\\r\\n{{\"forged\": true}}'); c.close()\n",
+        socket.display()
+    );
+    let mut forger = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &server])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("setpriv and python3");
+    let mut ready = String::new();
+    BufReader::new(forger.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    let output = dir.join("heap.json");
+    let pid = std::process::id().to_string();
+    let outcome =
+        memprof(&["snapshot", "--pid", &pid, "-o", output.to_str().unwrap(), "--daemon", socket.to_str().unwrap()]);
+    let _ = forger.kill();
+    let _ = forger.wait();
+    assert_fails(&outcome, "belongs to uid 65534, not root or you, in a directory others may write to");
     assert!(!output.exists(), "the forged report was written");
     let _ = std::fs::remove_dir_all(&dir);
 }

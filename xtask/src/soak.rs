@@ -61,7 +61,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     std::fs::copy(&steady, &restarted)?;
 
     let mut daemon = Command::new(&memprof)
-        .args(["daemon", "--listen", &format!("127.0.0.1:{PORT}"), "--comm", "^soak_"])
+        .args(["daemon", "--listen", &format!("127.0.0.1:{PORT}"), "--socket", "", "--comm", "^soak_"])
         .stderr(std::fs::File::create(dir.join("daemon.log"))?)
         .stdout(Stdio::null())
         .spawn()

@@ -1,16 +1,21 @@
-//! Asking the memprof daemon on this host (`snapshot`, `inspect`): plain HTTP to a loopback
-//! listener that root or the caller owns, with basic auth when the daemon's web config asks for it.
+//! Asking the memprof daemon on this host (`snapshot`, `inspect`): on its API socket by default,
+//! where root is served everything on the kernel's word (no password), or plain HTTP to a loopback
+//! listener, with basic auth when the daemon's web config asks for it. Either way an answer is
+//! trusted only from a daemon that root or the caller runs, or that root gave the socket's place.
 
 use std::{
-    io::{self, Read as _, Write as _},
+    fs,
+    io::{self, Read, Write},
     net::{SocketAddr, TcpStream, ToSocketAddrs as _},
+    os::unix::{fs::MetadataExt as _, net::UnixStream},
+    path::Path,
     time::Duration,
 };
 
 use anyhow::{bail, Context as _};
 use base64::Engine as _;
 
-use crate::format::MAX_INPUT_BYTES;
+use crate::{format::MAX_INPUT_BYTES, peer};
 
 /// The environment variable that holds the password for `--daemon-user` (never an argument:
 /// those are visible to every user in `ps`).
@@ -18,7 +23,7 @@ pub const PASSWORD_VARIABLE: &str = "MEMPROF_DAEMON_PASSWORD";
 
 /// A daemon to ask.
 pub struct Daemon<'a> {
-    /// `http://HOST:PORT`.
+    /// Its socket's path, or `http://HOST:PORT`.
     pub url: &'a str,
     /// User and password for basic auth.
     pub login: Option<(String, String)>,
@@ -34,6 +39,9 @@ pub enum Reply {
     },
     /// No daemon answers at the URL: why.
     NoDaemon(String),
+    /// The daemon took the request and closed the connection without an answer (it stopped, or
+    /// died): why.
+    Lost(String),
 }
 
 impl<'a> Daemon<'a> {
@@ -54,8 +62,14 @@ impl<'a> Daemon<'a> {
     /// `GET path` (with its query).
     pub fn get(&self, path: &str) -> anyhow::Result<Reply> {
         let url = self.url;
+        if url.starts_with('/') {
+            return self.get_local(Path::new(url), path);
+        }
         let Some(authority) = url.strip_prefix("http://").map(|rest| rest.trim_end_matches('/')) else {
-            bail!("--daemon {url} is not an http:// URL; give it as http://HOST:PORT");
+            bail!(
+                "--daemon {url} is neither a socket's path nor an http:// URL; give {} or http://HOST:PORT",
+                crate::cli::DAEMON_SOCKET
+            );
         };
         let address = authority
             .to_socket_addrs()
@@ -77,19 +91,52 @@ impl<'a> Daemon<'a> {
             ),
             None => return Ok(Reply::NoDaemon(format!("no memprof daemon answers at {url} (nothing listens there)"))),
         }
-        match self.request(address, authority, path) {
+        let stream = match TcpStream::connect_timeout(&address, Duration::from_secs(5)) {
+            Ok(stream) => stream,
+            Err(err) => return Ok(Reply::NoDaemon(format!("no memprof daemon answers at {url} ({err})"))),
+        };
+        stream.set_read_timeout(Some(self.wait))?;
+        self.exchange(stream, authority, path)
+    }
+
+    /// `GET path` on the socket at `socket`.
+    fn get_local(&self, socket: &Path, path: &str) -> anyhow::Result<Reply> {
+        let url = self.url;
+        let stream = match UnixStream::connect(socket) {
+            Ok(stream) => stream,
+            Err(err) => return Ok(Reply::NoDaemon(format!("no memprof daemon answers on {url} ({err})"))),
+        };
+        let owner = peer::credentials(&stream).with_context(|| format!("cannot tell who serves {url}"))?.uid;
+        // Anyone may make a socket where they may write: the answer is trusted (and the password
+        // sent) only from root, us, or a user whose socket only root or that user could put there.
+        if owner != 0 && owner != effective_uid() && !placed_by(socket, owner) {
+            bail!(
+                "the socket {url} belongs to uid {owner}, not root or you, in a directory others may write to: refusing its answer"
+            );
+        }
+        stream.set_read_timeout(Some(self.wait))?;
+        self.exchange(stream, "localhost", path)
+    }
+
+    /// The request and its answer on a connected `stream`.
+    fn exchange(&self, stream: impl Read + Write, host: &str, path: &str) -> anyhow::Result<Reply> {
+        let url = self.url;
+        match self.request(stream, host, path) {
             Ok((status, body)) => Ok(Reply::Answer { status, body }),
             Err(err) if err.kind() == io::ErrorKind::FileTooLarge => bail!("the daemon at {url}: {err}"),
-            Err(err) => Ok(Reply::NoDaemon(format!("no memprof daemon answers at {url} ({err})"))),
+            Err(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                bail!("the daemon at {url} did not answer within {} s; ask again later", self.wait.as_secs())
+            }
+            Err(err) => Ok(Reply::Lost(format!(
+                "the daemon at {url} closed the connection before answering ({err}): it stopped or died; see its log"
+            ))),
         }
     }
 
     /// `GET path` over HTTP/1.0, which keeps the body unchunked; returns the status and body, at
     /// most `MAX_INPUT_BYTES` of it (more is an error of kind `FileTooLarge`).
-    fn request(&self, address: SocketAddr, authority: &str, path: &str) -> io::Result<(u16, Vec<u8>)> {
-        let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))?;
-        stream.set_read_timeout(Some(self.wait))?;
-        let mut head = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n");
+    fn request(&self, mut stream: impl Read + Write, host: &str, path: &str) -> io::Result<(u16, Vec<u8>)> {
+        let mut head = format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n");
         if let Some((user, password)) = &self.login {
             let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
             head.push_str(&format!("Authorization: Basic {token}\r\n"));
@@ -98,6 +145,9 @@ impl<'a> Daemon<'a> {
         let mut response = Vec::new();
         // The head is small; one byte over the limit tells a body at the limit from a larger one.
         (&mut stream).take(MAX_INPUT_BYTES + 64 * 1024 + 1).read_to_end(&mut response)?;
+        if response.is_empty() {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no answer"));
+        }
         let not_http = || io::Error::new(io::ErrorKind::InvalidData, "not an HTTP response");
         let split = response.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(not_http)?;
         if (response.len() - split - 4) as u64 > MAX_INPUT_BYTES {
@@ -111,6 +161,36 @@ impl<'a> Daemon<'a> {
         response.drain(..split + 4);
         Ok((status, response))
     }
+}
+
+/// Why the daemon at `url` refused with `status` (401 or 403), naming the fix; None for others.
+pub fn refusal(url: &str, status: u16, body: &[u8]) -> Option<String> {
+    match status {
+        401 => Some(format!(
+            "the daemon at {url} asks for a login: give --daemon-user USER, with the password in {PASSWORD_VARIABLE}"
+        )),
+        403 => Some(format!("the daemon at {url} refused: {}", error_message(body))),
+        _ => None,
+    }
+}
+
+/// Whether no one but root and `owner` could have put the socket at `path`: every directory on
+/// its way belongs to one of them and no one else may write in it, or, as /tmp, is sticky and its
+/// entry on the way belongs to one of them.
+fn placed_by(path: &Path, owner: u32) -> bool {
+    let ours = |uid: u32| uid == 0 || uid == owner;
+    let Ok(path) = fs::canonicalize(path) else { return false };
+    let mut entry = path.as_path();
+    while let Some(dir) = entry.parent() {
+        let (Ok(meta), Ok(entry_meta)) = (fs::metadata(dir), fs::symlink_metadata(entry)) else { return false };
+        let others_write = meta.mode() & 0o022 != 0;
+        let sticky = meta.mode() & 0o1000 != 0;
+        if !ours(meta.uid()) || (others_write && !(sticky && ours(entry_meta.uid()))) {
+            return false;
+        }
+        entry = dir;
+    }
+    true
 }
 
 /// The message of the daemon's JSON error body (`{"error": "..."}`), or the body's start.

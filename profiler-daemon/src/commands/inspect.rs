@@ -9,7 +9,7 @@ use anyhow::{bail, Context as _};
 use crate::{
     cli::InspectArgs,
     commands::{
-        daemon_client::{self, Daemon, Reply, PASSWORD_VARIABLE},
+        daemon_client::{self, Daemon, Reply},
         output::ReportOutput,
     },
     format,
@@ -29,16 +29,15 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
     let daemon = Daemon::new(url, args.daemon_user.as_deref(), ANSWER_WAIT)?;
     let body = match daemon.get(&format!("/api/v1/inspect?pid={pid}"))? {
         Reply::NoDaemon(why) => bail!("{why}, so none traces pid {pid}; {fix}"),
+        Reply::Lost(why) => bail!("{why}; pid {pid} was not inspected"),
         Reply::Answer { status: 200, body } => body,
-        Reply::Answer { status: 401, .. } => bail!(
-            "the daemon at {url} asks for a login: give --daemon-user USER, with the password in {PASSWORD_VARIABLE}"
-        ),
         Reply::Answer { status: 404, body } => {
             bail!("the daemon at {url}: {}; {fix}", daemon_client::error_message(&body))
         }
-        Reply::Answer { status, body } => {
-            bail!("the daemon at {url} answered {status}: {}", daemon_client::error_message(&body))
-        }
+        Reply::Answer { status, body } => match daemon_client::refusal(url, status, &body) {
+            Some(refusal) => bail!("{refusal}"),
+            None => bail!("the daemon at {url} answered {status}: {}", daemon_client::error_message(&body)),
+        },
     };
     let report: Report = serde_json::from_slice(&body).context("the daemon's answer is not a report")?;
     output.write_report(&format::render(&format::select(&report, format, args.top), format))?;

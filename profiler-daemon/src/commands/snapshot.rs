@@ -27,7 +27,7 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         None => format_of(&args.output)?,
     };
     let pid = args.pid.get();
-    match from_daemon(&args.daemon, pid, format)? {
+    match from_daemon(&args.daemon, args.daemon_user.as_deref(), pid, format)? {
         Answer::Report(report) => {
             let error = |cause| UserError::Output { path: args.output.clone(), cause };
             ReportFile::create(&args.output).and_then(|mut file| file.append(&report)).map_err(error)?;
@@ -85,20 +85,25 @@ enum Answer {
     NotTraced(String),
 }
 
-/// Asks the daemon at `url` (`http://HOST:PORT`, on this host) for the report of `pid`.
-fn from_daemon(url: &str, pid: u32, format: SnapshotFormat) -> anyhow::Result<Answer> {
+/// Asks the daemon at `url` (its socket, or `http://HOST:PORT` on this host), logged in as
+/// `user` if given, for the report of `pid`.
+fn from_daemon(url: &str, user: Option<&str>, pid: u32, format: SnapshotFormat) -> anyhow::Result<Answer> {
     let path = match format {
         SnapshotFormat::Pprof => format!("/debug/pprof/heap?pid={pid}"),
         SnapshotFormat::Json => format!("/api/v1/leaks?pid={pid}"),
     };
-    let (status, body) = match Daemon::new(url, None, ANSWER_WAIT)?.get(&path)? {
+    let (status, body) = match Daemon::new(url, user, ANSWER_WAIT)?.get(&path)? {
         Reply::Answer { status, body } => (status, body),
         Reply::NoDaemon(why) => return Ok(Answer::NotTraced(why)),
+        Reply::Lost(why) => bail!("{why}; run memprof snapshot again once it is back"),
     };
     match status {
         200 if format == SnapshotFormat::Json => Ok(Answer::Report([body, b"\n".to_vec()].concat())),
         200 => Ok(Answer::Report(body)),
         404 => Ok(Answer::NotTraced(format!("the daemon at {url} does not trace pid {pid}"))),
-        _ => bail!("the daemon at {url} answered {path} with {status}: {}", daemon_client::error_message(&body)),
+        _ => match daemon_client::refusal(url, status, &body) {
+            Some(refusal) => bail!("{refusal}"),
+            None => bail!("the daemon at {url} answered {path} with {status}: {}", daemon_client::error_message(&body)),
+        },
     }
 }

@@ -5,7 +5,7 @@ use std::{fs, net::SocketAddr, path::Path};
 use regex::Regex;
 use serde::Deserialize;
 
-use super::server;
+use super::{access, server};
 use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
@@ -45,6 +45,7 @@ struct File {
     max_unwind_rows: Option<u32>,
     mappings: Option<bool>,
     http: Option<server::SettingsFile>,
+    access: Option<access::SettingsFile>,
 }
 
 /// Which processes to trace.
@@ -89,6 +90,8 @@ pub struct Config {
     pub sampling: Sampling,
     pub maps: LoadSettings,
     pub http: server::Settings,
+    /// Read at start, as `http`.
+    pub access: access::Settings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +192,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     let http = server::Settings::new(file.http, args.web_config_file.clone())
         .map_err(|(name, e)| ConfigError::Value(name, e))?;
+    let access =
+        access::Settings::new(file.access, args.socket.clone()).map_err(|(name, e)| ConfigError::Value(name, e))?;
     Ok(Config {
         listen,
         rules,
@@ -200,6 +205,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         sampling,
         maps,
         http,
+        access,
     })
 }
 
@@ -228,6 +234,19 @@ mod tests {
         assert_eq!(config.listen.to_string(), "127.0.0.1:9464");
         assert!(config.rules.matches(1, "nginx", &[]));
         assert_eq!(config.http, server::DEFAULT);
+        assert_eq!(config.access, access::Settings::new(None, None).unwrap());
+    }
+
+    #[test]
+    fn the_access_table_names_the_socket_its_group_and_inspection() {
+        let text = "all = true\n[access]\nsocket = \"/tmp/x.sock\"\ngroup = \"root\"\ninspect = false\n";
+        let access = parse(text, DaemonArgs::default()).unwrap().access;
+        assert_eq!((access.socket, access.group, access.inspect), (Some("/tmp/x.sock".into()), Some(0), false));
+        let args = DaemonArgs { socket: Some("".into()), ..DaemonArgs::default() };
+        assert_eq!(parse(text, args).unwrap().access.socket, None, "--socket \"\" serves none");
+        let err =
+            parse("all = true\n[access]\ngroup = \"no-such-group-memprof\"\n", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().starts_with("invalid access.group: no group"), "{err}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! What a request must pass before a handler sees it: no body (no endpoint takes one, and a body
-//! that never comes would hold the connection), and basic auth when the web config has users.
+//! that never comes would hold the connection); then, unless the Unix socket's peer is trusted
+//! (`access`), basic auth when the web config has users, and without users only the public paths.
 //! Each refusal is counted.
 
 use std::{
@@ -19,7 +20,10 @@ use base64::Engine as _;
 use ring::{hmac, rand::SystemRandom};
 use tokio::sync::Semaphore;
 
-use super::server::{Client, Refusal, Stats};
+use super::{
+    access,
+    server::{Client, ClientId, Refusal, Stats},
+};
 
 /// Users and their bcrypt hashes.
 pub struct BasicAuth {
@@ -36,7 +40,7 @@ pub struct BasicAuth {
     /// `CHECKS_PER_CLIENT` under way and its next is refused at once (429), so that a flood of
     /// wrong passwords from one host does not stand in front of another's login.
     checks: Semaphore,
-    checking: Mutex<HashMap<IpAddr, usize>>,
+    checking: Mutex<HashMap<ClientId, usize>>,
 }
 
 /// Distinct accepted credentials kept; more empty the cache (they are checked again).
@@ -79,13 +83,13 @@ impl BasicAuth {
     }
 
     /// Whether `headers` carry the credentials of a user; `client` is where they came from.
-    pub async fn check(self: &Arc<Self>, headers: &HeaderMap, client: Option<IpAddr>) -> Verdict {
+    pub async fn check(self: &Arc<Self>, headers: &HeaderMap, client: Option<ClientId>) -> Verdict {
         let Some((user, password)) = credentials(headers) else { return Verdict::Denied };
         let fingerprint = self.fingerprint(&user, &password);
         if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains(&fingerprint) {
             return Verdict::Allowed;
         }
-        let client = client.unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        let client = client.unwrap_or(ClientId::Address(IpAddr::from([0, 0, 0, 0])));
         let Some(_turn) = ClientTurn::take(self, client) else { return Verdict::Busy };
         let Ok(Ok(_check)) = tokio::time::timeout(CHECK_WAIT, self.checks.acquire()).await else {
             return Verdict::Busy;
@@ -119,11 +123,11 @@ impl BasicAuth {
 /// One of a client's `CHECKS_PER_CLIENT`, given back when dropped.
 struct ClientTurn<'a> {
     auth: &'a BasicAuth,
-    client: IpAddr,
+    client: ClientId,
 }
 
 impl<'a> ClientTurn<'a> {
-    fn take(auth: &'a BasicAuth, client: IpAddr) -> Option<Self> {
+    fn take(auth: &'a BasicAuth, client: ClientId) -> Option<Self> {
         let mut checking = auth.checking.lock().unwrap_or_else(|e| e.into_inner());
         let count = checking.entry(client).or_default();
         if *count >= CHECKS_PER_CLIENT {
@@ -158,14 +162,17 @@ fn credentials(headers: &HeaderMap) -> Option<(String, String)> {
     Some((user.to_string(), password.to_string()))
 }
 
-/// The guard's state: the counters and the users, if any.
+/// The guard's state: the counters, the users, if any, and who the socket trusts.
 #[derive(Clone)]
 pub struct Guard {
     pub stats: Arc<Stats>,
     pub auth: Option<Arc<BasicAuth>>,
+    pub access: Arc<access::Settings>,
 }
 
-/// axum middleware: refuses requests with a body (413) and without valid credentials (401).
+/// axum middleware: refuses requests with a body (413), without valid credentials where users
+/// are set (401), and for a path that is not public where none are set (403); a peer the socket
+/// trusts passes without credentials.
 pub async fn check(State(guard): State<Guard>, request: Request, next: Next) -> Response {
     let headers = request.headers();
     let declared = headers
@@ -178,9 +185,12 @@ pub async fn check(State(guard): State<Guard>, request: Request, next: Next) -> 
         response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
         return response;
     }
+    let client = request.extensions().get::<Client>();
+    if client.and_then(|c| c.local.as_ref()).is_some_and(|peer| guard.access.trusts(peer)) {
+        return next.run(request).await;
+    }
     if let Some(auth) = &guard.auth {
-        let client = request.extensions().get::<Client>().map(|c| c.0);
-        match auth.check(headers, client).await {
+        match auth.check(headers, client.map(|c| c.id)).await {
             Verdict::Allowed => {}
             Verdict::Denied => {
                 guard.stats.refuse(Refusal::Unauthorized);
@@ -197,6 +207,13 @@ pub async fn check(State(guard): State<Guard>, request: Request, next: Next) -> 
                 );
             }
         }
+    } else if !access::is_public(request.uri().path()) {
+        guard.stats.refuse(Refusal::Forbidden);
+        return refusal(
+            StatusCode::FORBIDDEN,
+            "this path shows or acts on traced processes: ask as root over the daemon's socket \
+             (as memprof inspect and snapshot do), or give the daemon users in a web config (README: Securing the listener)",
+        );
     }
     next.run(request).await
 }

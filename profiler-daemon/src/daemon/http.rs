@@ -47,6 +47,8 @@ struct Shared {
     commands: mpsc::Sender<Command>,
     /// The pids an inspection is asked for or under way of.
     inspecting: Mutex<HashSet<u32>>,
+    /// `access.inspect`: false refuses every inspection.
+    inspect: bool,
 }
 
 type AppState = State<Arc<Shared>>;
@@ -67,6 +69,7 @@ pub fn router(
         stats: guard.stats.clone(),
         commands,
         inspecting: Mutex::default(),
+        inspect: guard.access.inspect,
     });
     Router::new()
         .route("/", get(index))
@@ -194,12 +197,20 @@ async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
 
 /// `/api/v1/inspect?pid=N`: the report of a traced process with an inspection made now (README:
 /// Reachability), as `/api/v1/leaks` gives it. Made by the tracer thread, which owns the kernel's
-/// maps and stops the process; one at a time per process.
+/// maps and stops the process; one at a time per process. Only for those `guard` lets through
+/// to every path, and not at all with `access.inspect = false`.
 async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     let pid = match query::pid(query.as_deref(), "/api/v1/inspect") {
         Ok(pid) => pid,
         Err(err) => return error(StatusCode::BAD_REQUEST, &err.to_string()),
     };
+    if !shared.inspect {
+        let message = format!(
+            "inspection through the daemon is switched off (inspect = false in its config's [access] table); \
+             `memprof attach --pid {pid} --inspect --duration SECS` inspects without it"
+        );
+        return error(StatusCode::FORBIDDEN, &message);
+    }
     let Some(_inspecting) = Inspecting::start(&shared.inspecting, pid) else {
         let message = format!("pid {pid} is being inspected already; ask again once that inspection has answered");
         return error(StatusCode::CONFLICT, &message);

@@ -1,6 +1,7 @@
 //! `memprof daemon`: traces the processes its rules match, serves /metrics and the HTTP API,
 //! reloads its config on SIGHUP and detaches every probe on SIGTERM or SIGINT.
 
+mod access;
 mod config;
 mod discovery;
 mod exposition;
@@ -11,6 +12,7 @@ mod http;
 mod metrics;
 mod query;
 mod server;
+mod socket;
 mod tracer;
 mod view;
 mod web_config;
@@ -49,6 +51,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}; choose another address with --listen", config.listen))?;
+    let socket = config.access.socket.as_deref().map(socket::Socket::bind).transpose()?;
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
     let alive = Arc::new(AtomicBool::new(false));
     let tracer = tracer::Tracer::new(config.clone(), view.clone(), alive.clone())?;
@@ -57,12 +60,31 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let stats = Arc::new(server::Stats::default());
-    let app = http::router(view, alive, guard::Guard { stats: stats.clone(), auth: web.auth }, commands.clone());
+    let access = Arc::new(config.access.clone());
+    let guard = guard::Guard { stats: stats.clone(), auth: web.auth, access: access.clone() };
+    let app = http::router(view, alive, guard, commands.clone());
     let scheme = if web.tls.is_some() { "https" } else { "http" };
-    let server = tokio::spawn(server::serve(listener, app, config.http.clone(), web.tls, stats, async {
-        let _ = http_stopped.await;
-    }));
-    eprintln!("memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops", config.listen);
+    let settings = config.http.clone();
+    let server = tokio::spawn(async move {
+        let local = socket.as_ref().map(|socket| &socket.listener);
+        server::serve(listener, local, app, settings, web.tls, stats, async {
+            let _ = http_stopped.await;
+        })
+        .await;
+        // The socket's file goes with it.
+        drop(socket);
+    });
+    match &access.socket {
+        Some(path) => eprintln!(
+            "memprof: daemon serving {scheme}://{}/metrics, and the API to root on {}; SIGHUP reloads the config, SIGTERM stops",
+            config.listen,
+            path.display()
+        ),
+        None => eprintln!(
+            "memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops",
+            config.listen
+        ),
+    }
 
     loop {
         tokio::select! {

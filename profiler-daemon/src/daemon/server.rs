@@ -1,6 +1,6 @@
-//! The HTTP listener's connections: at most `max_connections` served at once (the next ones wait
+//! The HTTP listener's connections, on its TCP address and on the API's Unix socket: at most `max_connections` served at once (the next ones wait
 //! in the kernel's accept queue), a request head bounded in size and in time, an answer the client
-//! does not read cut off, optional TLS. Each connection refused or cut off is counted in
+//! does not read cut off, optional TLS (TCP only). Each connection refused or cut off is counted in
 //! `memprof_http_refused_total`, so no client is turned away silently.
 //!
 //! It runs on the daemon's async runtime; the tracer has its own thread, so nothing a client does
@@ -30,14 +30,17 @@ use hyper_util::{
 use serde::Deserialize;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::{TcpListener, TcpStream},
+    net::{TcpListener, TcpStream, UnixListener, UnixStream},
     sync::{OwnedSemaphorePermit, Semaphore},
     time::Sleep,
 };
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
-use crate::cli;
+use crate::{
+    cli,
+    peer::{self, Credentials},
+};
 
 /// The `[http]` table of the config file.
 #[derive(Debug, Default, Deserialize)]
@@ -135,10 +138,13 @@ pub enum Refusal {
     ClientLimit,
     /// A password check found its client's (or every) check slot taken: 429.
     AuthBusy,
+    /// A path that shows or acts on processes, asked without credentials by a client the
+    /// socket does not trust: 403.
+    Forbidden,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 12] = [
+    pub const ALL: [Refusal; 13] = [
         Refusal::AcceptFailed,
         Refusal::TlsHandshake,
         Refusal::IdleTimeout,
@@ -151,6 +157,7 @@ impl Refusal {
         Refusal::Busy,
         Refusal::ClientLimit,
         Refusal::AuthBusy,
+        Refusal::Forbidden,
     ];
 
     pub fn name(self) -> &'static str {
@@ -167,6 +174,7 @@ impl Refusal {
             Refusal::Busy => "busy",
             Refusal::ClientLimit => "client_limit",
             Refusal::AuthBusy => "auth_busy",
+            Refusal::Forbidden => "forbidden",
         }
     }
 }
@@ -191,9 +199,16 @@ impl Stats {
     }
 }
 
-/// Serves `app` on `listener` until `stop` resolves.
+/// A connection accepted, and who made it.
+enum Accepted {
+    Tcp(TcpStream, IpAddr),
+    Local(UnixStream, Credentials),
+}
+
+/// Serves `app` on `listener`, and on `socket` if given, until `stop` resolves.
 pub async fn serve(
     listener: TcpListener,
+    socket: Option<&UnixListener>,
     app: Router,
     settings: Settings,
     tls: Option<TlsAcceptor>,
@@ -205,26 +220,31 @@ pub async fn serve(
     let settings = Arc::new(settings);
     tokio::pin!(stop);
     loop {
-        let (stream, peer) = tokio::select! {
+        let accepted = tokio::select! {
             _ = &mut stop => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    stats.refuse(Refusal::AcceptFailed);
-                    warn!("http: accepting a connection failed: {err}; retrying in 100 ms");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+            accepted = listener.accept() => accepted.map(|(stream, peer)| Accepted::Tcp(stream, peer.ip())),
+            accepted = accept_local(socket) => accepted.map(|(stream, peer)| Accepted::Local(stream, peer)),
+        };
+        let accepted = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                stats.refuse(Refusal::AcceptFailed);
+                warn!("http: accepting a connection failed: {err}; retrying in 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         stats.accepted.fetch_add(1, Ordering::Relaxed);
+        let client = match &accepted {
+            Accepted::Tcp(_, ip) => Client { id: ClientId::Address(*ip), local: None },
+            Accepted::Local(_, peer) => Client { id: ClientId::User(peer.uid), local: Some(peer.clone()) },
+        };
         // Before waiting for a slot: a client over its share is not queued ahead of others.
-        let Some(share) = clients.take(peer.ip()) else {
+        let Some(share) = clients.take(client.id) else {
             stats.refuse(Refusal::ClientLimit);
             debug!(
-                "http: {} has {} connections open; closing its next",
-                peer.ip(),
-                settings.max_connections_per_client
+                "http: {:?} has {} connections open; closing its next",
+                client.id, settings.max_connections_per_client
             );
             continue;
         };
@@ -240,11 +260,23 @@ pub async fn serve(
                 }
             }
         };
-        let app = app.clone().layer(Extension(Client(peer.ip())));
+        let app = app.clone().layer(Extension(client));
         let connection =
             Connection { app, settings: settings.clone(), stats: stats.clone(), _slot: slot, _share: share };
-        tokio::spawn(connection.run(stream, tls.clone()));
+        match accepted {
+            Accepted::Tcp(stream, _) => tokio::spawn(connection.run(stream, tls.clone())),
+            // Local: no TLS, nothing between the two ends to read it.
+            Accepted::Local(stream, _) => tokio::spawn(connection.run(stream, None)),
+        };
     }
+}
+
+/// The next connection to `socket` and its peer's credentials; never, without a socket.
+async fn accept_local(socket: Option<&UnixListener>) -> io::Result<(UnixStream, Credentials)> {
+    let Some(socket) = socket else { return std::future::pending().await };
+    let (stream, _) = socket.accept().await?;
+    let peer = peer::credentials(&stream)?;
+    Ok((stream, peer))
 }
 
 struct Connection {
@@ -255,14 +287,25 @@ struct Connection {
     _share: Share,
 }
 
-/// The address a request came from, for limits per client (`guard`).
-#[derive(Debug, Clone, Copy)]
-pub struct Client(pub IpAddr);
+/// Who a client is, for limits per client: its address over TCP, its user over the Unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientId {
+    Address(IpAddr),
+    User(u32),
+}
 
-/// Connections open per client address.
+/// Where a request came from (`guard`).
+#[derive(Debug, Clone)]
+pub struct Client {
+    pub id: ClientId,
+    /// Over the Unix socket: who connected, as the kernel says.
+    pub local: Option<Credentials>,
+}
+
+/// Connections open per client.
 #[derive(Clone)]
 struct Clients {
-    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    open: Arc<Mutex<HashMap<ClientId, usize>>>,
     limit: usize,
 }
 
@@ -272,7 +315,7 @@ impl Clients {
     }
 
     /// One more connection of `client`, unless it has `limit` open.
-    fn take(&self, client: IpAddr) -> Option<Share> {
+    fn take(&self, client: ClientId) -> Option<Share> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let count = open.entry(client).or_default();
         if *count >= self.limit {
@@ -286,7 +329,7 @@ impl Clients {
 /// A client's connection, counted until dropped.
 struct Share {
     clients: Clients,
-    client: IpAddr,
+    client: ClientId,
 }
 
 impl Drop for Share {
@@ -302,7 +345,7 @@ impl Drop for Share {
 }
 
 impl Connection {
-    async fn run(self, stream: TcpStream, tls: Option<TlsAcceptor>) {
+    async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(self, stream: S, tls: Option<TlsAcceptor>) {
         self.stats.open.fetch_add(1, Ordering::Relaxed);
         let state = Arc::new(State::default());
         let stream = Deadline::new(stream, self.settings.write_timeout, state.clone());

@@ -71,12 +71,13 @@ pub fn stop(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// Waits until the daemon at `port` traces every process in `pids`.
+/// Waits until the daemon at `port` traces every process in `pids` (its `/metrics`, which the
+/// port serves anyone; the API is root's, on the daemon's socket).
 pub fn wait_traced(port: u16, pids: &[u32]) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let body = http_get(port, "/api/v1/targets").unwrap_or_default();
-        if pids.iter().all(|pid| body.contains(&format!("\"pid\":{pid},"))) {
+        let body = http_get(port, "/metrics").unwrap_or_default();
+        if pids.iter().all(|pid| body.contains(&format!("memprof_target_attached{{pid=\"{pid}\""))) {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace {pids:?} within a minute");
@@ -87,7 +88,8 @@ pub fn wait_traced(port: u16, pids: &[u32]) -> anyhow::Result<()> {
 /// Traces the holders from before their first block, lets them settle, then measures.
 fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<DaemonCost> {
     let port = 19464;
-    let mut args = vec!["daemon".to_string(), "--listen".into(), format!("127.0.0.1:{port}")];
+    let mut args =
+        vec!["daemon".to_string(), "--listen".into(), format!("127.0.0.1:{port}"), "--socket".into(), String::new()];
     for child in holders.iter() {
         args.extend(["--pid".to_string(), child.id().to_string()]);
     }
@@ -138,11 +140,11 @@ pub fn cpu_and_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
     Ok((ticks / hz, rss))
 }
 
-/// Outstanding allocations of all targets, from the daemon's API.
+/// Outstanding allocations of all targets, from the daemon's metrics.
 fn live_allocations(port: u16) -> Option<u64> {
-    let body = http_get(port, "/api/v1/targets")?;
-    let counts = body.split("\"inuse_objects\":").skip(1);
-    Some(counts.filter_map(|rest| rest.split([',', '}']).next()?.parse::<u64>().ok()).sum())
+    let body = http_get(port, "/metrics")?;
+    let counts = body.lines().filter(|line| line.starts_with("memprof_heap_inuse_objects{"));
+    Some(counts.filter_map(|line| line.rsplit_once(' ')?.1.parse::<u64>().ok()).sum())
 }
 
 pub fn http_get(port: u16, path: &str) -> Option<String> {
