@@ -210,6 +210,11 @@ impl Loaded {
         self.shared.set_policy(policy);
     }
 
+    /// `n` processes are about to be attached one after the other (see `SharedLinks::attaching`).
+    pub fn attaching(&mut self, n: usize) {
+        self.shared.attaching(n);
+    }
+
     /// Whether `pid`, about to get its first link, in `file`, is to share links (see `shared`);
     /// always for a process whose main thread has exited (pthread_exit), which a link's pid
     /// filter cannot name any more (the kernel compares the leader's memory, which is gone).

@@ -93,12 +93,21 @@ pub struct SharedLinks {
     users: HashMap<FileId, HashSet<u32>>,
     /// Each traced process's kind of links: shared (true) or its own.
     sharing: HashMap<u32, bool>,
+    /// Processes about to be attached together (see `attaching`).
+    attaching: usize,
 }
 
 impl SharedLinks {
     pub fn new(policy: ProbeLinks) -> Self {
         let crossover = std::env::var(CROSSOVER_VAR).ok().and_then(|n| n.parse().ok()).unwrap_or(CROSSOVER);
-        Self { links: HashMap::new(), policy, crossover, users: HashMap::new(), sharing: HashMap::new() }
+        Self { links: HashMap::new(), policy, crossover, users: HashMap::new(), sharing: HashMap::new(), attaching: 0 }
+    }
+
+    /// `n` processes are about to be attached one after the other (the daemon's first scan finds
+    /// them all at once): counted as mapping each file, so that a thousand do not begin with
+    /// `crossover` links of their own, each visiting the thousand at attach and at exit.
+    pub fn attaching(&mut self, n: usize) {
+        self.attaching = n;
     }
 
     pub fn set_policy(&mut self, policy: ProbeLinks) {
@@ -118,7 +127,7 @@ impl SharedLinks {
             ProbeLinks::PerProcess => false,
             ProbeLinks::Auto => {
                 self.links.keys().any(|key| key.file == file)
-                    || self.users.get(&file).map_or(0, HashSet::len) + 1 >= self.crossover
+                    || self.users.get(&file).map_or(0, HashSet::len) + self.attaching.max(1) >= self.crossover
             }
         }
     }
@@ -211,6 +220,8 @@ mod tests {
         assert!(links.should_share(file), "the third");
         links.forget(10);
         assert!(!links.should_share(file));
+        links.attaching(2);
+        assert!(links.should_share(file), "one traced and two about to be");
         assert!(SharedLinks::new(ProbeLinks::Shared).should_share(file));
         assert!(!SharedLinks { crossover: 1, ..SharedLinks::new(ProbeLinks::PerProcess) }.should_share(file));
     }
