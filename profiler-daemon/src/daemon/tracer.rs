@@ -229,7 +229,7 @@ impl Tracer {
         }
         self.unattachable.retain(|id| wanted.contains(id));
         self.refused.retain(|id| wanted.contains(id));
-        let new = matches.iter().filter(|(id, _)| !self.targets.get(&id.pid).is_some_and(|t| t.id == *id)).count();
+        let new = matches.iter().filter(|(id, _)| self.targets.get(&id.pid).is_none_or(|t| t.id != *id)).count();
         self.loaded.attaching(new);
         for (id, comm) in matches {
             changed |= self.consider(id, comm);
