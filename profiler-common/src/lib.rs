@@ -274,6 +274,11 @@ impl FreeNote {
 /// Cookie of a free probe whose function may call another probed free (see `FreeNote`).
 pub const FREE_WRAPPER: u64 = 1;
 
+/// Set in the cookie of every probe of a link shared by every process that maps a file (pid 0):
+/// its programs record only the processes whose `TRACED` entry has `traced::SHARED`. The other
+/// bits are the probe's own cookie.
+pub const SHARED_LINK: u64 = 1 << 63;
+
 /// Key of a live allocation: addresses repeat across processes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -811,6 +816,10 @@ pub mod mapping_event {
 pub mod traced {
     /// Its forks are reported (they are not otherwise).
     pub const FOLLOW_FORKS: u32 = 1;
+    /// Its calls are recorded by the links shared per file (`SHARED_LINK`), not by links of its
+    /// own. Set before its first link is attached and kept while it is traced, so that exactly
+    /// one of the two kinds of links records each call.
+    pub const SHARED: u32 = 2;
 }
 
 const _: () = {

@@ -308,8 +308,10 @@ pub struct DaemonArgs {
     /// Most processes traced at once [default: 1000].
     #[arg(long)]
     pub max_targets: Option<usize>,
-    /// Probe links shared per allocator file by every traced process, or links per process (for a
-    /// few processes: the rest of the host then pays nothing) [default: shared].
+    /// Probe links of each traced process's own while few map an allocator file, shared per file
+    /// past that (auto); always shared (every process mapping the file then takes the probes'
+    /// traps); or always per process (each attach visits every process mapping the file)
+    /// [default: auto].
     #[arg(long, value_enum)]
     pub probe_links: Option<ProbeLinks>,
     /// Seconds between snapshots of the kernel maps [default: 5].

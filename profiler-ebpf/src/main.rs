@@ -26,22 +26,29 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 
-use profiler_common::AllocFn;
+use profiler_common::{AllocFn, SHARED_LINK};
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
 #[uprobe]
 pub fn alloc_entry(ctx: ProbeContext) -> u32 {
-    if process::probed() {
-        entry(&ctx);
+    let (cookie, shared_link) = cookie(&ctx);
+    if process::probed(shared_link) {
+        entry(&ctx, cookie);
     }
     0
 }
 
-/// Records an allocator call's entry; returns whether its return must be seen.
-fn entry(ctx: &ProbeContext) -> bool {
+/// The probe's own cookie, and whether its link is shared by every process mapping the file.
+#[inline(always)]
+fn cookie(ctx: &ProbeContext) -> (u64, bool) {
     // SAFETY: the context is the running probe's.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    (cookie & !SHARED_LINK, cookie & SHARED_LINK != 0)
+}
+
+/// Records an allocator call's entry; returns whether its return must be seen.
+fn entry(ctx: &ProbeContext, cookie: u64) -> bool {
     match u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
         Some(func) => {
             let (size, ptr_arg) = entry_arguments(ctx, func);
@@ -64,8 +71,9 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
     // after the function returned.
     let (ip, func_ip) = unsafe { ((*ctx.regs).rip, bpf_get_func_ip(ctx.as_ptr())) };
     if ip == func_ip {
-        // Another process than a traced one, on a shared link: its return is skipped too.
-        return u32::from(!(process::probed() && entry(&ctx)));
+        // A process this link does not record: its return is skipped too.
+        let (cookie, shared_link) = cookie(&ctx);
+        return u32::from(!(process::probed(shared_link) && entry(&ctx, cookie)));
     }
     record::on_return(&RetProbeContext::new(ctx.as_ptr()));
     0
@@ -105,10 +113,15 @@ fn product(n: u64, size: u64) -> u64 {
 }
 
 /// One return program serves every allocator function: `INFLIGHT` says which one returned (and
-/// has nothing for a call whose entry was not recorded, as for a process not traced).
+/// has nothing for a call whose entry was not recorded). A traced process's own return link and
+/// a shared one both fire at its returns: only the kind of link its entry was recorded by acts.
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
-    record::on_return(&ctx);
+    // SAFETY: the context is the running probe's.
+    let shared_link = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } & SHARED_LINK != 0;
+    if process::probed(shared_link) {
+        record::on_return(&ctx);
+    }
     0
 }
 
@@ -116,12 +129,11 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
 /// `operator delete`, `mi_free`, `__rg_dealloc`, ...).
 #[uprobe]
 pub fn free(ctx: ProbeContext) -> u32 {
-    if !process::probed() {
+    let (cookie, shared_link) = cookie(&ctx);
+    if !process::probed(shared_link) {
         return 0;
     }
-    // SAFETY: the context is the running probe's.
-    let wrapper = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } == profiler_common::FREE_WRAPPER;
-    record::on_free(&ctx, arg(&ctx, 0), wrapper);
+    record::on_free(&ctx, arg(&ctx, 0), cookie == profiler_common::FREE_WRAPPER);
     0
 }
 
@@ -138,11 +150,12 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
 /// The cookie is the distance from `_dl_debug_state` to the linker's `_r_debug` (0: not found).
 #[uprobe]
 pub fn mappings_changed(ctx: ProbeContext) -> u32 {
-    if !process::probed() {
+    let (delta, shared_link) = cookie(&ctx);
+    if !process::probed(shared_link) {
         return 0;
     }
     // SAFETY: the context is the running probe's.
-    let (delta, here) = unsafe { (bpf_get_attach_cookie(ctx.as_ptr()), bpf_get_func_ip(ctx.as_ptr())) };
+    let here = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
     let r_debug = if delta == 0 || here == 0 { 0 } else { here.wrapping_add(delta) };
     unwind::on_mappings_changed(r_debug);
     0

@@ -8,7 +8,7 @@
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
     Global,
 };
@@ -19,12 +19,6 @@ use crate::shared::{add, NO_PREALLOC};
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
-/// Set (to 1) by the daemon before it first attaches links shared by every process that maps a
-/// file (pid 0): from then on the probes return at once for a process not in `TRACED`. Until
-/// then every link fires for its own process only, and the probes skip the hash lookup (an
-/// array's lookup is inlined).
-#[map]
-static SHARED_LINKS: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 /// Events `PROCESS_EVENTS` had no room for.
@@ -38,15 +32,18 @@ static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: Global<u32> = Global::new(0);
 
-/// Whether the probes are to record the current process: not when it hit a shared link without
-/// being traced. The first thing every probe asks, so that another process on the host pays
-/// only its trap and this lookup.
+/// Whether the probes are to record the current process. A link of the process's own (the
+/// kernel's pid filter chose it) records it without a lookup; a link shared by every process
+/// that maps the file (`shared_link`, from the cookie) only a process traced through shared
+/// links, so that another process on the host pays only its trap and this lookup, and a traced
+/// process with links of its own is not seen twice.
 #[inline(always)]
-pub fn probed() -> bool {
-    if SHARED_LINKS.get(0).is_none_or(|shared| *shared == 0) {
+pub fn probed(shared_link: bool) -> bool {
+    if !shared_link {
         return true;
     }
-    traced((bpf_get_current_pid_tgid() >> 32) as u32)
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    unsafe { TRACED.get(tgid) }.is_some_and(|flags| flags & traced::SHARED != 0)
 }
 
 /// Whether process `tgid` is traced: for the programs that fire in every process.

@@ -78,8 +78,9 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
     let mut late = target();
     daemon.wait_traced(late.pid());
-    // One set of links per file, shared by every process the rules match.
-    assert_one_link_per_program(&probe_links::shared(daemon.child.id()), daemon.child.id());
+    // At the defaults, one process: links of its own, one per program, and none for every process.
+    assert_one_link_per_program(&probe_links::probing(late.pid()), daemon.child.id());
+    assert_eq!(probe_links::shared(daemon.child.id()), [], "no link for every process");
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     let attached = format!("memprof_target_attached{{pid=\"{}\",comm=\"daemon_target\"}}", late.pid());
     assert_eq!(sample(&metrics, &attached), Some(1), "{metrics}");
@@ -94,8 +95,9 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let _ = late.child.kill();
     let _ = late.child.wait();
     wait_for(20, "the exited process to disappear", || (!daemon.traced_pids().contains(&pid)).then_some(()));
-    // No traced process uses the shared links any more: none is left behind.
-    wait_for(5, "the probes to be detached", || probe_links::shared(daemon.child.id()).is_empty().then_some(()));
+    // None of its links is left behind (a dead process's links show pid 0 in fdinfo: counted by holder).
+    let held = || probe_links::all().into_iter().filter(|(link, _)| link.holder == daemon.child.id()).count();
+    wait_for(5, "the probes to be detached", || (held() == 0).then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
     for map in ["live", "stack_stats", "stacks", "free_stacks"] {

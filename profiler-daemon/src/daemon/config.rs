@@ -198,7 +198,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         listen,
         rules,
         max_targets,
-        probe_links: args.probe_links.or(file.probe_links).unwrap_or(ProbeLinks::Shared),
+        probe_links: args.probe_links.or(file.probe_links).unwrap_or(ProbeLinks::Auto),
         interval,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         leak,

@@ -287,6 +287,12 @@ impl Collector for ViewCollector {
             "Matching processes not traced because max_targets were traced already.",
             [(vec![], view.refused_targets)],
         )?;
+        gauges(
+            e,
+            "memprof_untraced_processes_sharing_probes",
+            "Processes not traced that map an allocator file or dynamic linker whose probe links are shared (--probe-links), and so take a trap at each probed call; 0 while every traced process has links of its own.",
+            [(vec![], view.untraced_sharing)],
+        )?;
         counters(
             e,
             "memprof_children_followed",

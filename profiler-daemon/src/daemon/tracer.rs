@@ -128,9 +128,15 @@ impl Tracer {
         let mut loaded = loader::load(config.maps, config.interval)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
-        // Rules match any number of processes: by default one set of links per allocator file,
-        // whatever their number (see README, "Probes and detaching").
-        loaded.share_links = config.probe_links == ProbeLinks::Shared;
+        // Rules match any number of processes: by default links of their own while few map a
+        // file, one set per file past that (see README, "Probes and detaching").
+        loaded.set_probe_links(config.probe_links);
+        if config.probe_links == ProbeLinks::Shared {
+            info!(
+                "--probe-links shared: every process that maps a traced process's allocator or dynamic linker \
+                 gets memprof's breakpoints, traced or not"
+            );
+        }
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
@@ -223,9 +229,12 @@ impl Tracer {
         }
         self.unattachable.retain(|id| wanted.contains(id));
         self.refused.retain(|id| wanted.contains(id));
+        let new = matches.iter().filter(|(id, _)| self.targets.get(&id.pid).is_none_or(|t| t.id != *id)).count();
+        self.loaded.attaching(new);
         for (id, comm) in matches {
             changed |= self.consider(id, comm);
         }
+        self.loaded.attaching(0);
         self.settle_pending_children();
         changed
     }
@@ -547,6 +556,7 @@ impl Tracer {
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
+            untraced_sharing: self.loaded.untraced_sharing(&pids),
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,

@@ -74,6 +74,9 @@ pub struct DaemonView {
     /// rules but were gone (or could not be probed) by the time memprof attached.
     pub children_followed: u64,
     pub children_missed: u64,
+    /// Processes not traced that map a file whose probe links are shared, and so take a trap
+    /// at each of its probed calls.
+    pub untraced_sharing: u64,
     pub symbolization_failures: Vec<(&'static str, u64)>,
     /// Set once the first snapshot is published.
     pub ready: bool,

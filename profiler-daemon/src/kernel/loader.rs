@@ -17,7 +17,7 @@ use crate::{
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::settings::LoadSettings,
-    kernel::shared::SharedLinks,
+    kernel::shared::{FileId, ProbeLinks, SharedLinks},
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
     process::{
@@ -56,12 +56,9 @@ pub struct Loaded {
     mappings: Option<MappedRanges>,
     /// Whether the processes attached from now on report their forks (`--follow-forks`).
     pub follow_forks: bool,
-    /// Whether the processes attached from now on share links with every traced process that
-    /// maps the same file (see `shared`), rather than get links of their own.
-    pub share_links: bool,
+    /// Which processes share links with every traced process that maps the same file, rather
+    /// than get links of their own (see `shared`).
     shared: SharedLinks,
-    /// Whether a process got links of its own in this session (see `shares`).
-    own_links: bool,
     /// Detaches the probes of processes that exited.
     detacher: Option<Detacher>,
 }
@@ -155,9 +152,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         process_events,
         mappings,
         follow_forks: false,
-        share_links: false,
-        shared: SharedLinks::default(),
-        own_links: false,
+        shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
     })
 }
@@ -210,29 +205,26 @@ impl Loaded {
         Ok(attachment)
     }
 
-    /// Whether `pid` gets shared links: under `share_links`, and for a process whose main thread
-    /// has exited (pthread_exit), which a link's pid filter cannot name any more (the kernel
-    /// compares the leader's memory, which is gone). Perf-event uprobes stay per process. A
-    /// process cannot share where others have links of their own: the shared links would see
-    /// their calls a second time.
-    fn shares(&self, pid: NonZeroU32) -> anyhow::Result<bool> {
-        if self.method == Method::PerfEvents {
-            return Ok(false);
-        }
-        if self.share_links || !procfs::leader_exited(pid.get()) {
-            return Ok(self.share_links);
-        }
-        anyhow::ensure!(
-            !self.own_links,
-            "pid {pid}'s main thread has exited, so it can only be traced by links shared with every process, \
-             and this session's other processes have links of their own: trace it on its own (memprof attach --pid {pid}), \
-             or with the daemon's --probe-links shared"
-        );
-        Ok(true)
+    /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
+    pub fn set_probe_links(&mut self, policy: ProbeLinks) {
+        self.shared.set_policy(policy);
+    }
+
+    /// `n` processes are about to be attached one after the other (see `SharedLinks::attaching`).
+    pub fn attaching(&mut self, n: usize) {
+        self.shared.attaching(n);
+    }
+
+    /// Whether `pid`, about to get its first link, in `file`, is to share links (see `shared`);
+    /// always for a process whose main thread has exited (pthread_exit), which a link's pid
+    /// filter cannot name any more (the kernel compares the leader's memory, which is gone).
+    /// Perf-event uprobes are per process.
+    fn to_share(&self, pid: NonZeroU32, file: FileId) -> bool {
+        self.method != Method::PerfEvents && (self.shared.should_share(file) || procfs::leader_exited(pid.get()))
     }
 
     /// Attaches program `name` at `points` of the file at `path` for `pid`: links of its own, or
-    /// its share of the links every traced process mapping the file uses (see `shares`).
+    /// its share of the links every traced process mapping the file uses (see `shared`).
     fn add_probes(
         &mut self,
         attachment: &mut Attachment,
@@ -241,27 +233,49 @@ impl Loaded {
         points: &[Point],
         pid: NonZeroU32,
     ) -> anyhow::Result<()> {
-        let shares = self.shares(pid)?;
+        let file = FileId::of(path)?;
+        let shares = match self.shared.shares(pid.get()) {
+            Some(shares) => shares,
+            None => {
+                let shares = self.to_share(pid, file);
+                // Before its first link: shared links record the process from then on.
+                self.track_sharing(pid.get(), shares)?;
+                self.shared.decide(pid.get(), shares);
+                shares
+            }
+        };
+        self.shared.uses(pid.get(), file);
         let (ebpf, method) = (&mut self.ebpf, self.method);
         if !shares {
-            self.own_links = true;
             return attachment.add(ebpf, method, name, path, points, Some(pid));
         }
-        // Before the first shared link exists: it fires for every process mapping the file.
-        set_shared_links_used(ebpf)?;
-        // Every process attached from now on shares: one with links of its own would have its
-        // calls seen twice, by its links and by the shared ones.
-        if !self.share_links {
-            tracing::info!("pid {pid}'s main thread has exited: probes are shared per file from now on");
-            self.share_links = true;
-        }
-        let links = self.shared.get_or_attach(path, name, points, || {
+        let links = self.shared.get_or_attach(path, file, name, points, || {
+            let points: Vec<Point> =
+                points.iter().map(|p| Point { cookie: p.cookie | profiler_common::SHARED_LINK, ..*p }).collect();
             let mut links = Attachment::default();
-            links.add(ebpf, method, name, path, points, None)?;
+            links.add(ebpf, method, name, path, &points, None)?;
             Ok(links)
         })?;
         attachment.share(links);
         Ok(())
+    }
+
+    /// How many processes that are not traced map a file whose links are shared, and so take
+    /// a trap at each of its probed calls (none where no links are shared). Reads every
+    /// process's maps: for the daemon's interval, not for every call.
+    pub fn untraced_sharing(&self, traced: &HashSet<u32>) -> u64 {
+        let files = self.shared.shared_files();
+        if files.is_empty() {
+            return 0;
+        }
+        let Ok(dir) = fs::read_dir("/proc") else { return 0 };
+        let own = std::process::id();
+        let pids = dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok());
+        let maps_shared = |pid: u32| {
+            fs::read_to_string(format!("/proc/{pid}/maps"))
+                .is_ok_and(|maps| maps.lines().filter_map(FileId::of_maps_line).any(|file| files.contains(&file)))
+        };
+        pids.filter(|&pid| pid != own && !traced.contains(&pid) && maps_shared(pid)).count() as u64
     }
 
     /// Detaches `attachment` and forgets what the maps hold about `pid`: after an attach that
@@ -269,6 +283,7 @@ impl Loaded {
     /// have recorded some of its allocations already, and after an exec.
     fn take_back(&mut self, attachment: Attachment, pid: NonZeroU32) {
         self.detach(attachment);
+        self.shared.leave(pid.get());
         self.forget_state(&HashSet::from([pid.get()]));
     }
 
@@ -330,7 +345,14 @@ impl Loaded {
 
     /// Makes `pid`'s execs (and, with `follow_forks`, forks) reported in `process_events`.
     fn track(&mut self, pid: u32) -> anyhow::Result<()> {
-        let flags = if self.follow_forks { profiler_common::traced::FOLLOW_FORKS } else { 0 };
+        let shares = self.shared.shares(pid).unwrap_or(false);
+        self.track_sharing(pid, shares)
+    }
+
+    /// `track`, and whether links shared per file record `pid` (`traced::SHARED`).
+    fn track_sharing(&mut self, pid: u32, shares: bool) -> anyhow::Result<()> {
+        use profiler_common::traced::{FOLLOW_FORKS, SHARED};
+        let flags = if self.follow_forks { FOLLOW_FORKS } else { 0 } | if shares { SHARED } else { 0 };
         let mut traced: aya::maps::HashMap<_, u32, u32> =
             aya::maps::HashMap::try_from(self.ebpf.map_mut("TRACED").context("map TRACED missing")?)?;
         traced.insert(pid, flags, 0)?;
@@ -345,6 +367,9 @@ impl Loaded {
             for pid in pids {
                 let _ = traced.remove(pid);
             }
+        }
+        for &pid in pids {
+            self.shared.forget(pid);
         }
         self.forget_state(pids);
     }
@@ -505,12 +530,4 @@ impl Loaded {
         drop(unused);
         attachment
     }
-}
-
-/// Makes the programs return at once for processes not in `TRACED` (see `shared`).
-fn set_shared_links_used(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    let mut used: aya::maps::Array<_, u32> =
-        aya::maps::Array::try_from(ebpf.map_mut("SHARED_LINKS").context("map SHARED_LINKS missing")?)?;
-    used.set(0, 1, 0)?;
-    Ok(())
 }

@@ -1,0 +1,120 @@
+//! The daemon at its defaults spares the processes it does not trace (issue 28): no breakpoint
+//! of memprof's in their code, the dynamic linker's included, while few processes map a file;
+//! and a file whose traced processes pass the crossover moves to shared links with every count
+//! exact.
+
+use std::{
+    fs,
+    io::{Read as _, Seek as _, SeekFrom},
+    process::{Command, Stdio},
+};
+
+use memprof_tests::{fixture, metric, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
+
+/// The executable mapping of the C library in `pid`: its start, length, file offset and path.
+fn libc_text(pid: u32) -> (u64, u64, u64, String) {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    maps.lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+            let path = *fields.get(5)?;
+            if !fields[1].contains('x') || !path.rsplit('/').next()?.starts_with("libc.so") {
+                return None;
+            }
+            let (start, end) = fields[0].split_once('-')?;
+            let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+            Some((start, end - start, u64::from_str_radix(fields[2], 16).ok()?, path.to_string()))
+        })
+        .unwrap_or_else(|| panic!("no libc text in pid {pid}'s maps:\n{maps}"))
+}
+
+/// Whether `pid`'s C library code, read through `/proc/PID/mem`, is its file's, byte for byte.
+fn libc_code_is_the_files(pid: u32) -> bool {
+    let (start, len, offset, path) = libc_text(pid);
+    let mut memory = vec![0; len as usize];
+    let mut mem = fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    mem.seek(SeekFrom::Start(start)).unwrap();
+    mem.read_exact(&mut memory).unwrap();
+    let file = fs::read(format!("/proc/{pid}/root{path}")).unwrap();
+    let end = (offset + len).min(file.len() as u64) as usize;
+    memory[..end - offset as usize] == file[offset as usize..end]
+}
+
+/// The daemon at its defaults traces one process by `--comm`: beside it, valgrind runs a program
+/// to its end, a program finds its own code unchanged, and an untraced process's C library is
+/// its file's, byte for byte, while the traced one's has the probes' breakpoints.
+#[test]
+fn untraced_processes_run_as_if_memprof_were_not_there() {
+    let _serial = one_at_a_time();
+    let mut traced = Waiting::start(&fixture("daemon_target"), &[]);
+    let untraced = Waiting::start(&fixture("malloc_loop"), &["--pairs=1000"]);
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    daemon.wait_traced(traced.pid());
+    traced.go();
+    let held = format!("/api/v1/leaks?pid={}", traced.pid());
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&held).1, "hold_site") == (50_000, 50)).then_some(()));
+
+    assert!(!libc_code_is_the_files(traced.pid()), "the traced process's C library has the probes' breakpoints");
+    assert!(libc_code_is_the_files(untraced.pid()), "no breakpoint in the untraced process's C library");
+    assert_eq!(probe_links::shared(daemon.child.id()), [], "no link for every process");
+
+    let valgrind = Command::new("valgrind")
+        .args(["-q", "/bin/echo", "run under valgrind"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("valgrind (installed by xtask setup)");
+    let stderr = String::from_utf8_lossy(&valgrind.stderr);
+    assert_eq!(valgrind.status.code(), Some(0), "valgrind: {stderr}");
+    assert_eq!(String::from_utf8_lossy(&valgrind.stdout), "run under valgrind\n", "{stderr}");
+
+    let own_text = Command::new(fixture("own_text")).output().expect("running own_text");
+    assert_eq!(String::from_utf8_lossy(&own_text.stdout).split(' ').take(2).collect::<Vec<_>>(), ["text", "unchanged"]);
+    assert!(own_text.status.success(), "{own_text:?}");
+    assert_eq!(metric(daemon.port, "memprof_untraced_processes_sharing_probes"), Some(0));
+}
+
+/// With the crossover set to 3, the daemon gives the first two processes its rule matches links
+/// of their own and the rest links shared per file, switching while they run: each process's
+/// blocks are counted once, none missed, whichever links it has; the switch is logged once, and
+/// the untraced processes it costs a trap per call are counted.
+#[test]
+fn a_file_moves_to_shared_links_with_every_count_exact() {
+    let _serial = one_at_a_time();
+    let mut daemon = Daemon::start_with_env(&["--comm", "^daemon_target$"], &[("MEMPROF_SHARE_FROM", "3")]);
+    let mut targets = Vec::new();
+    for n in 0..5 {
+        let target = Waiting::start(&fixture("daemon_target"), &[]);
+        daemon.wait_traced(target.pid());
+        let own = probe_links::probing(target.pid());
+        assert_eq!(own.is_empty(), n >= 2, "process {n}'s own links: {own:?}");
+        let shared = probe_links::shared(daemon.child.id());
+        assert_eq!(shared.is_empty(), n < 2, "shared links with process {n}: {shared:?}");
+        if n < 2 {
+            assert_eq!(metric(daemon.port, "memprof_untraced_processes_sharing_probes"), Some(0));
+        }
+        targets.push(target);
+    }
+    for target in &mut targets {
+        target.go();
+    }
+    for target in &targets {
+        let held = format!("/api/v1/leaks?pid={}", target.pid());
+        wait_for(20, &format!("pid {}'s held blocks", target.pid()), || {
+            (site(&daemon.get_json(&held).1, "hold_site") == (50_000, 50)).then_some(())
+        });
+    }
+    // This test's own process maps the C library, and is not traced.
+    wait_for(10, "the untraced processes sharing probes", || {
+        (metric(daemon.port, "memprof_untraced_processes_sharing_probes")? >= 1).then_some(())
+    });
+    for target in &targets {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", target.pid()));
+        let dropped = report["dropped"].as_object().expect("dropped");
+        assert!(dropped.values().all(|count| count == 0), "pid {}: {dropped:?}", target.pid());
+    }
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    assert_eq!(log.matches("its probes are shared from now on").count(), 2, "libc and ld.so, once each: {log}");
+}
