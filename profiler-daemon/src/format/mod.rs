@@ -22,6 +22,27 @@ use crate::{error::UserError, heap::report::Report};
 /// `snapshot`), decompressed size included: what it reads is held in memory whole.
 pub const MAX_INPUT_BYTES: u64 = 256 << 20;
 
+/// What `from` gives, read to its end; `None` as soon as it gives more than `limit` bytes. Read a
+/// piece at a time into a buffer that grows with what came, so that memory stays with the bytes
+/// read: `read_to_end` zero-fills its spare capacity before each read, which for a large input
+/// touches twice the memory it holds.
+pub fn read_at_most(mut from: impl std::io::Read, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
+    let mut bytes = Vec::new();
+    let mut piece = vec![0u8; 256 << 10];
+    loop {
+        let n = match from.read(&mut piece) {
+            Ok(0) => return Ok(Some(bytes)),
+            Ok(n) => n,
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        if (bytes.len() + n) as u64 > limit {
+            return Ok(None);
+        }
+        bytes.extend_from_slice(&piece[..n]);
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// A summary and the top stacks, for reading in a terminal.
