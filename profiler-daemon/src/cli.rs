@@ -430,7 +430,9 @@ pub(crate) mod tests {
 
     #[test]
     fn an_interval_below_a_tenth_of_a_second_is_refused() {
-        for args in [&["memprof", "run", "--interval", "1e-9", "--", "true"][..], &["memprof", "daemon", "--interval", "0.01"]] {
+        for args in
+            [&["memprof", "run", "--interval", "1e-9", "--", "true"][..], &["memprof", "daemon", "--interval", "0.01"]]
+        {
             let err = Cli::try_parse_from(args).unwrap_err();
             assert!(err.to_string().contains("is not an interval from 0.1 to 1000000000 seconds"), "{err}");
         }

@@ -90,7 +90,11 @@ fn usage_error(err: &clap::Error) -> ExitCode {
 /// clap's rendered error as one line: its message, with what it lists (the arguments missing,
 /// the values possible) and its tips, up to its usage block or its pointer to `--help`.
 fn one_line(rendered: &str) -> String {
-    let lines = rendered.lines().map(str::trim).take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information")).filter(|l| !l.is_empty());
+    let lines = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty());
     let mut line = String::new();
     for (i, part) in lines.enumerate() {
         match (i, part.strip_prefix("tip: ")) {

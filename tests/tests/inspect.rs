@@ -226,9 +226,7 @@ fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
         "recopy"
     };
     let mut classes = Vec::new();
-    for (precopy, method) in
-        [("always", precopied), ("write-protect", write_protected), ("never", "single_stop")]
-    {
+    for (precopy, method) in [("always", precopied), ("write-protect", write_protected), ("never", "single_stop")] {
         let (report, fixture_output) = run_inspect(&fixture, &["--inspect-precopy", precopy]);
         assert_eq!(fixture_output, ["set", "done ok"], "{precopy}");
         let inspection = &report["inspection"];

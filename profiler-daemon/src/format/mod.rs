@@ -23,11 +23,12 @@ use crate::{error::UserError, heap::report::Report};
 pub const MAX_INPUT_BYTES: u64 = 256 << 20;
 
 /// What `from` gives, read to its end; `None` as soon as it gives more than `limit` bytes. Read a
-/// piece at a time into a buffer that grows with what came, so that memory stays with the bytes
-/// read: `read_to_end` zero-fills its spare capacity before each read, which for a large input
-/// touches twice the memory it holds.
+/// piece at a time into room for `limit` bytes reserved at once, so that the memory touched is
+/// the bytes read: `read_to_end` zero-fills its spare capacity before each read, and a buffer
+/// that grows is copied into one twice its size, both touching about twice what it holds. Pages
+/// reserved and never written take no memory.
 pub fn read_at_most(mut from: impl std::io::Read, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
-    let mut bytes = Vec::new();
+    let mut bytes = Vec::with_capacity(usize::try_from(limit).unwrap_or(usize::MAX));
     let mut piece = vec![0u8; 256 << 10];
     loop {
         let n = match from.read(&mut piece) {

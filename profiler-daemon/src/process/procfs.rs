@@ -453,7 +453,10 @@ mod tests {
     #[test]
     fn maps_refused_are_not_a_missing_process() {
         let refused = maps_error(1, io::Error::from_raw_os_error(libc::EACCES)).to_string();
-        assert!(refused.starts_with("cannot read /proc/1/maps: Permission denied (os error 13) (the kernel shows"), "{refused}");
+        assert!(
+            refused.starts_with("cannot read /proc/1/maps: Permission denied (os error 13) (the kernel shows"),
+            "{refused}"
+        );
         assert!(refused.ends_with("memprof cannot trace it"), "{refused}");
         let gone = maps_error(1, io::Error::from_raw_os_error(libc::ENOENT));
         assert!(matches!(gone, UserError::NoSuchProcess(1)));

@@ -60,8 +60,9 @@ pub fn read(gzipped: &[u8]) -> Result<Decoded, PprofError> {
         return Err(PprofError::NotGzip);
     }
     // A gzip bomb is refused at the limit, not once decompressed.
-    let profile =
-        read_at_most(GzDecoder::new(gzipped), MAX_INPUT_BYTES).map_err(PprofError::Gzip)?.ok_or(PprofError::TooLarge)?;
+    let profile = read_at_most(GzDecoder::new(gzipped), MAX_INPUT_BYTES)
+        .map_err(PprofError::Gzip)?
+        .ok_or(PprofError::TooLarge)?;
     decode(&profile)
 }
 
