@@ -1,5 +1,6 @@
-//! The memory memprof may still take: the room its cgroup (v2) leaves under each `memory.max`
-//! and `memory.high` set up its hierarchy, and never more than the host has available. Going by
+//! The memory memprof may still take: the room its cgroup leaves under each `memory.max` and
+//! `memory.high` set up its hierarchy (v2; v1's `memory.limit_in_bytes` where the memory
+//! controller is mounted apart), and never more than the host has available. Going by
 //! the host alone, a daemon under `MemoryMax=` would start work the kernel OOM-kills it for.
 
 use std::path::{Path, PathBuf};
@@ -28,7 +29,7 @@ impl std::fmt::Display for Room {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let what = match self.limited_by {
             Limit::Host => "available on this host",
-            Limit::CgroupMax => "left to memprof under its cgroup's memory.max",
+            Limit::CgroupMax => "left to memprof under its cgroup's memory limit (memory.max)",
             Limit::CgroupHigh => "left to memprof under its cgroup's memory.high",
             Limit::Unknown => "available (unknown)",
         };
@@ -39,7 +40,9 @@ impl std::fmt::Display for Room {
 /// The memory this process may still take.
 pub fn room() -> Room {
     let host = mem_available().map(|bytes| Room { bytes, limited_by: Limit::Host });
-    let cgroup = own_cgroup().and_then(|dir| cgroup_room(Path::new(CGROUP_ROOT), &dir));
+    let cgroup = own_cgroup("0::")
+        .and_then(|dir| cgroup_room(Path::new(CGROUP_ROOT), &dir, V2))
+        .or_else(|| own_cgroup_v1().and_then(|dir| cgroup_room(&Path::new(CGROUP_ROOT).join("memory"), &dir, V1)));
     match (host, cgroup) {
         (Some(host), Some(cgroup)) if cgroup.bytes < host.bytes => cgroup,
         (Some(host), _) => host,
@@ -48,20 +51,39 @@ pub fn room() -> Room {
     }
 }
 
-/// This process's cgroup v2 path (`0::/path` of /proc/self/cgroup).
-fn own_cgroup() -> Option<PathBuf> {
+/// The files that say what a cgroup uses and may use: v2's, and v1's memory controller's.
+type Files = (&'static str, [(&'static str, Limit); 2]);
+const V2: Files = ("memory.current", [("memory.max", Limit::CgroupMax), ("memory.high", Limit::CgroupHigh)]);
+const V1: Files = (
+    "memory.usage_in_bytes",
+    [("memory.limit_in_bytes", Limit::CgroupMax), ("memory.soft_limit_in_bytes", Limit::CgroupHigh)],
+);
+
+/// This process's cgroup path on the line of /proc/self/cgroup that starts with `prefix`.
+fn own_cgroup(prefix: &str) -> Option<PathBuf> {
     let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let path = text.lines().find_map(|l| l.strip_prefix(prefix))?;
+    Some(PathBuf::from(path.trim_start_matches('/')))
+}
+
+/// This process's cgroup in v1's memory hierarchy (`N:memory:/path`).
+fn own_cgroup_v1() -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers.split(',').any(|c| c == "memory").then_some(path)
+    })?;
     Some(PathBuf::from(path.trim_start_matches('/')))
 }
 
 /// The least room any cgroup from `dir` up to `root` leaves: its limit less what it uses now.
-fn cgroup_room(root: &Path, dir: &Path) -> Option<Room> {
+fn cgroup_room(root: &Path, dir: &Path, (usage, limits): Files) -> Option<Room> {
     let mut least: Option<Room> = None;
     for ancestor in dir.ancestors() {
         let at = root.join(ancestor);
-        let Some(current) = read_u64(&at.join("memory.current")) else { continue };
-        for (file, limited_by) in [("memory.max", Limit::CgroupMax), ("memory.high", Limit::CgroupHigh)] {
+        let Some(current) = read_u64(&at.join(usage)) else { continue };
+        for (file, limited_by) in limits {
             // "max" (no limit) does not parse.
             let Some(limit) = read_u64(&at.join(file)) else { continue };
             let bytes = limit.saturating_sub(current);
@@ -100,12 +122,12 @@ mod tests {
         write(&root.join("a"), "memory.current", "300");
         write(&root.join("a"), "memory.max", "1000\n");
         write(&root.join("a"), "memory.high", "900\n");
-        let room = cgroup_room(&root, Path::new("a/b")).unwrap();
+        let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
         assert_eq!(room, Room { bytes: 600, limited_by: Limit::CgroupHigh });
         write(&leaf, "memory.max", "150\n");
-        let room = cgroup_room(&root, Path::new("a/b")).unwrap();
+        let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
         assert_eq!(room, Room { bytes: 50, limited_by: Limit::CgroupMax });
-        assert_eq!(cgroup_room(&root, Path::new("c")), None);
+        assert_eq!(cgroup_room(&root, Path::new("c"), V2), None);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }
