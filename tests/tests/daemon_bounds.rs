@@ -218,7 +218,10 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
     let (status, body) = http_get(daemon.port, &format!("/api/v1/inspect?pid={pid}")).expect("an answer");
     assert_ne!(status, 200, "{body}");
     assert!(!body.trim_end().contains('\n'), "one line: {body}");
-    assert!(body.contains("under its cgroup's memory limit (memory.max); it was not inspected"), "{body}");
+    assert!(
+        body.contains("under its cgroup's memory limit (memory.max) to copy them into; it was not inspected"),
+        "{body}"
+    );
     assert_alive_and_serving(&mut daemon);
     assert_eq!(http_get(daemon.port, "/metrics").expect("/metrics").0, 200);
     assert_eq!(group.oom_kills(), 0, "the daemon was OOM-killed");

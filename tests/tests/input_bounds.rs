@@ -19,6 +19,7 @@ fn temp_path(name: &str) -> PathBuf {
 
 /// memprof with `args`: its exit code, its stderr and its peak resident memory (wait4's
 /// `ru_maxrss`).
+#[expect(clippy::zombie_processes, reason = "reaped by wait4, which gives its peak memory too")]
 fn peak(args: &[&str]) -> (Option<i32>, String, u64) {
     let mut child = Command::new(memprof_bin())
         .args(args)
