@@ -10,7 +10,7 @@ use crate::{
     heap::filter::Filters,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
-    kernel::settings::LoadSettings,
+    kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     unwind::UnwindMode,
 };
@@ -114,7 +114,7 @@ pub struct ReportArgs {
     #[command(flatten)]
     pub output: OutputArgs,
     /// Stacks shown per report in the table [default: the session's --top].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = stacks)]
     pub top: Option<usize>,
 }
 
@@ -160,7 +160,7 @@ pub struct InspectArgs {
     #[command(flatten)]
     pub output: OutputArgs,
     /// Stacks shown in the table.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true, value_parser = stacks)]
     pub top: usize,
     /// The memprof daemon that traces the process: its socket, or http://HOST:PORT on this host.
     #[arg(long, value_name = "SOCKET|URL", default_value = DAEMON_SOCKET)]
@@ -196,14 +196,14 @@ pub enum DiffFormat {
 
 #[derive(Debug, Args, Clone)]
 pub struct TraceArgs {
-    /// Seconds between reports.
-    #[arg(long, default_value_t = 5.0, value_parser = positive_seconds)]
+    /// Seconds between reports (at least 0.1).
+    #[arg(long, default_value_t = 5.0, value_parser = interval)]
     pub interval: f64,
     /// Stop after this many seconds.
     #[arg(long, value_parser = positive_seconds)]
     pub duration: Option<f64>,
     /// Stacks shown per report in the table.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true, value_parser = stacks)]
     pub top: usize,
     /// Only count allocations outstanding for at least this many seconds.
     #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
@@ -229,8 +229,10 @@ pub struct TraceArgs {
     #[arg(long)]
     pub inspect: bool,
     /// With --inspect, when to copy the process's memory while it runs, so that the stop reads
-    /// again only the pages written since (soft-dirty bits): auto (above 16 MiB of writable
-    /// memory), always or never [default: auto].
+    /// again only the pages written since (soft-dirty bits; else every page, into the ready
+    /// copy): auto (above 16 MiB of writable memory), always, never, or write-protect (always,
+    /// and without soft-dirty bits by userfaultfd, opened by calls injected into the process:
+    /// memprof killed by SIGKILL meanwhile may crash it) [default: auto].
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = Precopy::Auto, hide_default_value = true)]
     pub inspect_precopy: Precopy,
     #[command(flatten)]
@@ -314,8 +316,8 @@ pub struct DaemonArgs {
     /// [default: auto].
     #[arg(long, value_enum)]
     pub probe_links: Option<ProbeLinks>,
-    /// Seconds between snapshots of the kernel maps [default: 5].
-    #[arg(long, value_parser = positive_seconds)]
+    /// Seconds between snapshots of the kernel maps (at least 0.1) [default: 5].
+    #[arg(long, value_parser = interval)]
     pub interval: Option<f64>,
     /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
     #[arg(long)]
@@ -329,10 +331,10 @@ pub struct DaemonArgs {
     #[command(flatten)]
     pub sampling: Sampling,
     /// Outstanding allocations tracked at once, all processes together [default: 1048576].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
     pub max_live: Option<u32>,
     /// Distinct call stacks kept, all processes together [default: 65536].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
     pub max_stacks: Option<u32>,
     /// How stacks are walked: cfi (.eh_frame) or fp (frame pointers) [default: cfi].
     #[arg(long, value_enum)]
@@ -356,6 +358,23 @@ pub const MAX_SECONDS: f64 = 1e9;
 /// be a zero period, which tokio's interval refuses with a panic.
 pub const MIN_SECONDS: f64 = 1e-9;
 
+/// The shortest interval: each reads the kernel's tables and builds the reports, and much more
+/// often than this would spend a core on that alone.
+pub const MIN_INTERVAL: f64 = 0.1;
+
+/// Checks an interval: at least `MIN_INTERVAL` seconds and at most `MAX_SECONDS`.
+pub fn check_interval(secs: f64) -> Result<f64, String> {
+    if (MIN_INTERVAL..=MAX_SECONDS).contains(&secs) {
+        Ok(secs)
+    } else {
+        Err(format!("`{secs}` is not an interval from {MIN_INTERVAL} to {MAX_SECONDS} seconds"))
+    }
+}
+
+fn interval(value: &str) -> Result<f64, String> {
+    check_interval(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?)
+}
+
 /// Checks a number of seconds: at least `MIN_SECONDS` (or at least zero, with `zero_ok`) and at most
 /// `MAX_SECONDS`.
 pub fn check_seconds(secs: f64, zero_ok: bool) -> Result<f64, String> {
@@ -374,6 +393,14 @@ fn positive_seconds(value: &str) -> Result<f64, String> {
 
 fn non_negative_seconds(value: &str) -> Result<f64, String> {
     check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, true)
+}
+
+/// A number of stacks to show: at least 1.
+fn stacks(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{value}` is not a positive number of stacks; give 1 or more")),
+    }
 }
 
 /// A leak window: 2 to 1000 intervals.
@@ -415,8 +442,19 @@ pub(crate) mod tests {
     #[test]
     fn the_shortest_interval_is_not_a_zero_period() {
         assert!(!Duration::from_secs_f64(MIN_SECONDS).is_zero());
-        let err = Cli::try_parse_from(["memprof", "run", "--interval", "1e-300", "--", "true"]).unwrap_err();
+        let err = Cli::try_parse_from(["memprof", "run", "--duration", "1e-300", "--", "true"]).unwrap_err();
         assert!(err.to_string().contains("is not a number of seconds from 0.000000001 (1 ns)"), "{err}");
+    }
+
+    #[test]
+    fn an_interval_below_a_tenth_of_a_second_is_refused() {
+        for args in
+            [&["memprof", "run", "--interval", "1e-9", "--", "true"][..], &["memprof", "daemon", "--interval", "0.01"]]
+        {
+            let err = Cli::try_parse_from(args).unwrap_err();
+            assert!(err.to_string().contains("is not an interval from 0.1 to 1000000000 seconds"), "{err}");
+        }
+        assert!(Cli::try_parse_from(["memprof", "run", "--interval", "0.1", "--", "true"]).is_ok());
     }
 
     /// Every flag that takes a value: (subcommand, flag).

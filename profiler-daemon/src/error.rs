@@ -6,6 +6,8 @@ use std::path::PathBuf;
 pub enum UserError {
     #[error("no process with pid {0}; check the pid with `ps -p {0}`")]
     NoSuchProcess(u32),
+    #[error("cannot read /proc/{pid}/maps: {cause} (the kernel shows a process's mappings only to one that may ptrace it: pid {pid} is not dumpable, in a user namespace memprof is not privileged in, or guarded by a security module); memprof cannot trace it")]
+    MapsUnreadable { pid: u32, cause: std::io::Error },
     #[error("pid {0} is a zombie: it has exited and has no memory left, nothing to trace (its parent has not reaped it yet); pick a running process")]
     Zombie(u32),
     #[error("memprof cannot trace itself; give the pid of another process")]

@@ -23,11 +23,14 @@ use std::{io::IsTerminal as _, process::ExitCode};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use clap::Parser;
+use clap::{error::ErrorKind, Parser};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return usage_error(&err),
+    };
     // The daemon logs each process it starts and stops tracing (info); a session at a terminal
     // says that itself, and logs only what goes wrong.
     let default_filter = match cli.command {
@@ -69,4 +72,71 @@ fn main() -> ExitCode {
 fn fail(err: &anyhow::Error) -> ExitCode {
     eprintln!("memprof: error: {err:#}");
     ExitCode::FAILURE
+}
+
+/// A command line clap refuses, in one line: its first line, with its tip if it has one, and
+/// where to look (clap's own runs 3 to 6 lines, a usage block and a help hint). Help and the
+/// version are printed as clap prints them.
+fn usage_error(err: &clap::Error) -> ExitCode {
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        err.exit()
+    }
+    eprintln!("memprof: error: {}", one_line(&err.render().to_string()));
+    ExitCode::from(2)
+}
+
+/// clap's rendered error as one line: its message, with what it lists (the arguments missing,
+/// the values possible) and its tips, up to its usage block or its pointer to `--help`.
+fn one_line(rendered: &str) -> String {
+    let lines = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty());
+    let mut line = String::new();
+    for (i, part) in lines.enumerate() {
+        match (i, part.strip_prefix("tip: ")) {
+            (0, _) => line.push_str(part.trim_start_matches("error: ")),
+            (_, Some(tip)) => {
+                line.push_str("; ");
+                line.push_str(tip);
+            }
+            (_, None) => {
+                line.push(' ');
+                line.push_str(part);
+            }
+        }
+    }
+    line.push_str("; see memprof --help");
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(args: &[&str]) -> String {
+        one_line(&cli::Cli::try_parse_from(args).unwrap_err().render().to_string())
+    }
+
+    #[test]
+    fn a_refused_command_line_is_one_line_naming_the_flag() {
+        let line = refused(&["memprof", "attach", "-p", "9", "--max-live", "4294967295"]);
+        assert_eq!(
+            line,
+            "invalid value '4294967295' for '--max-live <MAX_LIVE>': 4294967295 is not in 1..=268435456; see memprof --help"
+        );
+        let line = refused(&["memprof", "attach", "-p", "9", "--top", "-1"]);
+        assert!(line.contains("'--top <TOP>': `-1` is not a positive number of stacks; give 1 or more"), "{line}");
+        let line = refused(&["memprof", "attach", "-p", "9", "--frobnicate"]);
+        assert!(line.starts_with("unexpected argument '--frobnicate' found; "), "{line}");
+        assert!(!line.contains('\n'), "{line}");
+        let line = refused(&["memprof", "attach"]);
+        assert_eq!(line, "the following required arguments were not provided: --pid <PID>; see memprof --help");
+        let line = refused(&["memprof", "attach", "-p", "9", "--inspect-precopy", "x"]);
+        assert!(line.ends_with("[possible values: auto, always, never, write-protect]; see memprof --help"), "{line}");
+    }
 }

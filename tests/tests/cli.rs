@@ -259,6 +259,30 @@ fn usage_errors_exit_2() {
         let outcome = memprof(args);
         assert_eq!(outcome.status.code(), Some(2), "{args:?}: {outcome:?}");
         assert!(!outcome.stderr.contains("panicked"));
+        assert_eq!(outcome.stderr.lines().count(), 1, "{args:?}: one line: {}", outcome.stderr);
+    }
+}
+
+/// Each refused value is one line naming its flag and what it takes.
+#[test]
+fn a_refused_value_names_its_flag_in_one_line() {
+    for (args, said) in [
+        (
+            &["attach", "-p", "9", "--max-live", "4294967295"][..],
+            "'--max-live <MAX_LIVE>': 4294967295 is not in 1..=268435456",
+        ),
+        (&["attach", "-p", "9", "--top", "-1"], "'--top <TOP>': `-1` is not a positive number of stacks"),
+        (
+            &["attach", "-p", "9", "--interval", "1e-9"],
+            "'--interval <INTERVAL>': `0.000000001` is not an interval from 0.1",
+        ),
+        (&["daemon", "--all", "--interval", "0.01"], "'--interval <INTERVAL>': `0.01` is not an interval from 0.1"),
+    ] {
+        let outcome = memprof(args);
+        assert_eq!(outcome.status.code(), Some(2), "{args:?}: {outcome:?}");
+        assert_eq!(outcome.stderr.lines().count(), 1, "{args:?}: {}", outcome.stderr);
+        assert!(outcome.stderr.starts_with("memprof: error: invalid value"), "{}", outcome.stderr);
+        assert!(outcome.stderr.contains(said), "{args:?}: {}", outcome.stderr);
     }
 }
 

@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{fixture, http_get, socket_answer, wait_for, Daemon, Waiting};
+use memprof_tests::{bench_program, fixture, http_get, socket_answer, wait_for, Daemon, Waiting};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -24,7 +24,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// The shipped systemd unit's `MemoryMax` and the DaemonSet's memory limit.
 const MEMORY_MAX: u64 = 1 << 30;
 
-/// A memory cgroup limited to `MEMORY_MAX`, removed when dropped: cgroup v2 when its memory
+/// A memory cgroup limited to `limit` bytes, removed when dropped: cgroup v2 when its memory
 /// controller is there, else v1's memory hierarchy.
 struct MemoryCgroup {
     dir: PathBuf,
@@ -32,7 +32,7 @@ struct MemoryCgroup {
 }
 
 impl MemoryCgroup {
-    fn new(name: &str) -> Self {
+    fn new(name: &str, limit_bytes: u64) -> Self {
         let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
         let v2_mount = mounts
             .lines()
@@ -49,7 +49,7 @@ impl MemoryCgroup {
         let _ = std::fs::remove_dir(&dir);
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the memory cgroup {}: {e}", dir.display()));
         let limit = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
-        std::fs::write(dir.join(limit), MEMORY_MAX.to_string()).unwrap();
+        std::fs::write(dir.join(limit), limit_bytes.to_string()).unwrap();
         Self { dir, v2 }
     }
 
@@ -108,7 +108,7 @@ fn inuse_objects(daemon: &Daemon) -> u64 {
 #[test]
 fn sixty_five_thousand_deep_stacks_and_thirty_reports_stay_under_one_gib_and_metrics_answer_within_a_second() {
     let _serial = serial();
-    let group = MemoryCgroup::new(&format!("memprof-test-{}", std::process::id()));
+    let group = MemoryCgroup::new(&format!("memprof-test-{}", std::process::id()), MEMORY_MAX);
     let program = fixture("many_stacks");
     let mut many = Waiting::start(&program, &[]);
     // Every call recorded: the point is the number of distinct stacks.
@@ -190,4 +190,42 @@ fn sighup_and_sigterm_in_the_daemons_first_moment_are_handled() {
     daemon.signal(libc::SIGTERM);
     let status = daemon.child.wait().unwrap();
     assert_eq!(status.code(), Some(0), "{status}");
+}
+
+/// The daemon under a memory cgroup of 512 MiB asked to inspect a process holding 700 MiB: it
+/// refuses in one line before it copies anything (the room its cgroup leaves it, not the
+/// host's memory, is what it checks), and lives on, serving `/metrics`.
+#[test]
+fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
+    let _serial = serial();
+    let group = MemoryCgroup::new(&format!("memprof-test-inspect-{}", std::process::id()), 512 << 20);
+    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
+    // heapbench waits for its stdin to close: it ends with this test, whatever happens.
+    let mut target = std::process::Command::new(&heapbench)
+        .arg("700")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting heapbench");
+    let mut built = String::new();
+    BufReader::new(target.stdout.as_mut().unwrap()).read_line(&mut built).unwrap();
+    assert_eq!(built, "built\n");
+    let pid = target.id();
+    let mut daemon = Daemon::spawn(&["--pid", &pid.to_string()], &[]);
+    group.enter(daemon.child.id());
+    assert_alive_and_serving(&mut daemon);
+    daemon.wait_traced(pid);
+    let (status, body) = daemon.get(&format!("/api/v1/inspect?pid={pid}")).expect("an answer");
+    assert_ne!(status, 200, "{body}");
+    assert!(!body.trim_end().contains('\n'), "one line: {body}");
+    assert!(
+        body.contains("under its cgroup's memory limit (memory.max) to copy them into; it was not inspected"),
+        "{body}"
+    );
+    assert_alive_and_serving(&mut daemon);
+    assert_eq!(http_get(daemon.port, "/metrics").expect("/metrics").0, 200);
+    assert_eq!(group.oom_kills(), 0, "the daemon was OOM-killed");
+    drop(daemon);
+    drop(target.stdin.take());
+    assert!(target.wait().unwrap().success());
 }

@@ -128,3 +128,53 @@ fn a_duration_end_leaves_the_command_running() {
     assert_eq!(printed, expected);
     let _ = std::fs::remove_file(report);
 }
+
+/// A tmpfs of 1 MiB, filled, unmounted when dropped.
+struct FullDisk(std::path::PathBuf);
+
+impl FullDisk {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("memprof-full-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&dir).status();
+        assert!(mounted.is_ok_and(|s| s.success()), "mounting a tmpfs on {}", dir.display());
+        let disk = Self(dir);
+        // Filled to its last block: a write there fails with ENOSPC.
+        let filler = std::fs::write(disk.0.join("filler"), vec![1u8; 2 << 20]);
+        assert_eq!(filler.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+        disk
+    }
+}
+
+impl Drop for FullDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// `run -o FILE` on a full disk: memprof cannot write its first report, says so in one line and
+/// lets the command run on untraced, waits for it and exits with its exit code (7), the
+/// command's output complete.
+#[test]
+fn run_on_a_full_disk_exits_with_the_commands_code() {
+    let disk = FullDisk::new();
+    let report = disk.0.join("report.json");
+    let program = fixture_with("dlopen_loop.c", "dlopen_loop", &["-O2", "-g"]);
+    let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin_loop.so", &["-O2", "-g"]);
+    let command = [path(&program), path(&lib), "300"];
+    let (expected, _) = alone(&command);
+    let outcome = Command::new(memprof_bin())
+        .args(["run", "--json", "--interval", "0.2", "--output", path(&report), "--"])
+        .args(command)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    assert_eq!(outcome.status.code(), Some(7), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&outcome.stdout), expected);
+    let said: Vec<&str> = stderr.lines().filter(|l| l.contains("cannot go on")).collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(said[0].contains("No space left on device"), "{stderr}");
+    assert!(said[0].contains("the command runs on untraced"), "{stderr}");
+}

@@ -40,7 +40,7 @@ pub fn run() -> anyhow::Result<()> {
     let load_before = load_average()?;
     let mut rows = Vec::new();
     for (mib, writes) in CASES {
-        for precopy in ["never", "always"] {
+        for precopy in ["never", "always", "write-protect"] {
             let mut runs = (0..RUNS)
                 .map(|_| inspect(&memprof, &heapbench, mib, writes, precopy))
                 .collect::<anyhow::Result<Vec<Run>>>()?;
@@ -118,14 +118,15 @@ fn render(rows: &[(u64, u64, Run)], load_before: &str, load_after: &str, kernel:
     let mut out = format!("{TITLE}\n\n");
     let _ = writeln!(
         out,
-        "Written by `cargo xtask pause`: `memprof run --inspect --inspect-precopy never|always --duration S -- heapbench MiB WRITES` \
+        "Written by `cargo xtask pause`: `memprof run --inspect --inspect-precopy never|always|write-protect --duration S -- heapbench MiB WRITES` \
          (bench/heapbench.c, `-O2`): a list of 4 KiB blocks holding MiB in all, filled with small numbers, reachable from a global; \
          with WRITES, a thread rewrites one word of WRITES random blocks every millisecond meanwhile. Each row is the median of {RUNS} \
          runs by pause. `never` copies the process's writable memory (the pages in memory) while it is held still \
-         (`single_stop`); `always` copies it first while it runs and, in the stop, reads again only the pages written since where the \
-         kernel keeps soft-dirty bits (`soft_dirty`) or, without them, the pages of its anonymous memory written since as \
-         userfaultfd's write protection tells (`write_protect`: a call injected into the process in a first brief stop opens it) \
-         and its other mappings whole, or every page into the warm copy where neither is to be had (`recopy`). Stages, in ms: \
+         (`single_stop`); `always` (what the default, `auto`, does above 16 MiB) copies it first while it runs and, in the stop, \
+         reads again only the pages written since where the kernel keeps soft-dirty bits (`soft_dirty`), or every page into the \
+         warm copy where it keeps none (`recopy`); `write-protect` does the same but, without soft-dirty bits, reads again the pages \
+         of its anonymous memory written since as userfaultfd's write protection tells (`write_protect`: a call injected into the \
+         process in a first brief stop opens it) and its other mappings whole. Stages, in ms: \
          `stop` (every thread stopped), `LIVE` (its heap figures compared with those read before the stop; its tracked blocks \
          read from the kernel again only if they changed), `copy` (mappings listed, memory or written pages read, threads released) \
          make the pause; `before the stop` (`LIVE` read, and the pre-copy) and `marking` (after it, on the copy) do not hold the \

@@ -4,7 +4,7 @@
 //! A site is a stack's frames from its `site` on (the allocator's wrappers left out), so the
 //! same code compares across runs, whose addresses differ; a stack without frames is its id.
 
-use std::{collections::BTreeMap, fmt::Write as _, io::Read as _, path::Path};
+use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
@@ -13,6 +13,7 @@ use crate::{
     cli::{DiffArgs, DiffFormat},
     format::{self, pprof, MAX_INPUT_BYTES},
     heap::report::allocation_site,
+    process::memory,
     symbolize::Frame,
 };
 
@@ -81,6 +82,7 @@ struct JsonStack {
 /// The sites of a snapshot file.
 fn read(path: &Path) -> anyhow::Result<Sites> {
     let bytes = read_capped(path)?;
+    check_room(path, &bytes)?;
     let mut sites = Sites::new();
     let mut add = |stack_id: String, frames: &[Frame], site: usize, bytes: u64, objects: u64| {
         let frames = frames.get(site..).unwrap_or_default();
@@ -116,18 +118,44 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
 /// The file's bytes, refused at once when it is larger than memprof reads.
 fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_INPUT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    if bytes.len() as u64 > MAX_INPUT_BYTES {
+    let Some(bytes) =
+        format::read_at_most(file, MAX_INPUT_BYTES).with_context(|| format!("cannot read {}", path.display()))?
+    else {
         bail!(
             "{} is larger than {} MiB, more than any report memprof reads; give a snapshot memprof wrote",
             path.display(),
             MAX_INPUT_BYTES >> 20
         );
-    }
+    };
     Ok(bytes)
+}
+
+/// Refuses, before it is read, a snapshot that needs more than half the memory memprof may use:
+/// about its size, or for a gzip-compressed one, the size it says it decompresses to (its last
+/// four bytes, the size modulo 4 GiB; a lie is caught at `MAX_INPUT_BYTES` by the decompression).
+fn check_room(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let decompressed = match bytes {
+        [0x1f, 0x8b, .., a, b, c, d] => u64::from(u32::from_le_bytes([*a, *b, *c, *d])),
+        _ => 0,
+    };
+    if decompressed > MAX_INPUT_BYTES {
+        bail!(
+            "{} decompresses to {} MiB, more than the {} MiB of any profile memprof reads; give a snapshot memprof wrote",
+            path.display(),
+            decompressed >> 20,
+            MAX_INPUT_BYTES >> 20
+        );
+    }
+    let needs = bytes.len() as u64 + decompressed;
+    let room = memory::room();
+    if needs > room.bytes / 2 {
+        bail!(
+            "{} needs about {} MiB to read, more than half of the {room}; free memory or diff on a larger machine",
+            path.display(),
+            needs >> 20
+        );
+    }
+    Ok(())
 }
 
 /// Names a site by its frames' functions, files, lines and modules: not their addresses.

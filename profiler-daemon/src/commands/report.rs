@@ -1,6 +1,10 @@
 //! `memprof report FILE`: a recording rendered in any format, as the session that made it would
 //! have written it (see `recording`).
 
+use std::path::Path;
+
+use anyhow::bail;
+
 use crate::{
     cli::ReportArgs,
     commands::{output::ReportOutput, recording::Recording},
@@ -9,7 +13,17 @@ use crate::{
         leak::{StackTimeline, Timeline},
         report::Report,
     },
+    kernel::settings::DEFAULT_LOAD,
+    process::memory,
 };
+
+/// The most frames a report rendered from a recording names, all its stacks and processes
+/// together: as many as a session with the default tables holds (every stack as deep as
+/// stacks go). A recording stores each stack's frames once, and each report repeats them.
+const MAX_FRAMES: u64 = DEFAULT_LOAD.max_stacks as u64 * profiler_common::MAX_FRAMES as u64;
+
+/// What a frame costs written out beyond its names (keys, numbers, the address).
+const FRAME_OVERHEAD: u64 = 96;
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     let recording = Recording::read(&args.recording)?;
@@ -26,10 +40,13 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     }
     if format.streams() {
         for report in &recording.reports {
-            output.write_report(&format::render(&format::select(report, format, top), format))?;
+            let selected = format::select(report, format, top);
+            check_size(&args.recording, &selected)?;
+            output.write_report(&format::render(&selected, format))?;
         }
     } else {
         let mut report = format::select(last, format, top);
+        check_size(&args.recording, &report)?;
         if !last.is_final {
             // Only a final report carries the heap's timeline: the intervals' give it back.
             with_timelines(&mut report, &recording.reports);
@@ -40,6 +57,31 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// Refuses, before it is rendered, a report whose frames are more than `MAX_FRAMES` or would
+/// take more than a quarter of the memory memprof may use written out.
+fn check_size(path: &Path, report: &Report) -> anyhow::Result<()> {
+    let (frames, bytes) = frames(report);
+    let room = memory::room();
+    if frames > MAX_FRAMES || bytes > room.bytes / 4 {
+        bail!(
+            "{}: its report at {:.1} s names {frames} frames ({} MiB written out), more than memprof renders ({MAX_FRAMES} frames, a quarter of the {room}); render fewer stacks (--format table --top N)",
+            path.display(),
+            report.duration_s,
+            bytes >> 20,
+        );
+    }
+    Ok(())
+}
+
+/// The frames of `report` and its children, and about the bytes they take written out.
+fn frames(report: &Report) -> (u64, u64) {
+    let own = report.stacks.iter().flat_map(|s| &s.frames).fold((0, 0), |(n, bytes), f| {
+        let names = f.function.len() + f.file.as_ref().map_or(0, String::len) + f.module.len() + f.address.len();
+        (n + 1, bytes + names as u64 + FRAME_OVERHEAD)
+    });
+    report.children.iter().map(frames).fold(own, |(n, bytes), (m, more)| (n + m, bytes + more))
 }
 
 /// Gives `report` and its children the timelines of `reports`: in-use bytes at each interval,

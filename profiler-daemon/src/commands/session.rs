@@ -43,7 +43,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(false);
     let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
-    let exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
+    let mut exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
     let comm = procfs::comm(pid_n).unwrap_or_default();
@@ -68,7 +68,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         complete: false,
         precopy: args.inspect_precopy,
     });
-    let traced = trace(loaded, symbolizer, root, exit, args, opened, inspect).await?;
+    let traced = trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
 }
 
@@ -100,6 +100,53 @@ pub async fn run(
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
     let (child, exit_code) = target::spawn(program, command, &routes)?;
+    let mut exit = ExitWatch::Child(exit_code, None);
+    // From here on the command runs whatever happens to memprof (the child execs once `child`
+    // is released or dropped): its fate is memprof's exit code.
+    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable };
+    let traced = match trace_command(child, &mut exit, ready, args, opened).await {
+        Ok(traced) => traced,
+        Err(err) => {
+            eprintln!(
+                "memprof: cannot go on: {err:#}; the command runs on untraced, and memprof exits with its exit code when it ends"
+            );
+            return Ok(exit.exited().await.unwrap_or(1));
+        }
+    };
+    match fail_on_leak_bytes {
+        Some(limit) if traced.leak_bytes > limit => {
+            eprintln!(
+                "memprof: leak candidates hold {} bytes, more than --fail-on-leak-bytes {limit}: exiting with {LEAK_EXIT_CODE}",
+                traced.leak_bytes
+            );
+            Ok(LEAK_EXIT_CODE)
+        }
+        _ => Ok(traced.code.unwrap_or(0)),
+    }
+}
+
+/// What `run` makes ready before it forks its command.
+struct Ready {
+    loaded: Loaded,
+    symbolizer: SymbolizerHandle,
+    allocator: Allocator,
+    /// The files the command will map that hold its allocator.
+    files: Vec<std::path::PathBuf>,
+    /// What the command is started with so that it goes through malloc.
+    routed: Vec<allocator::BlindSpot>,
+    comm: String,
+    executable: String,
+}
+
+/// `run`'s command, forked and waiting, traced from its exec to the session's end.
+async fn trace_command(
+    child: target::Child,
+    exit: &mut ExitWatch,
+    ready: Ready,
+    args: &TraceArgs,
+    opened: Opened,
+) -> anyhow::Result<Traced> {
+    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable } = ready;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let attachment =
@@ -126,17 +173,7 @@ pub async fn run(
         complete,
         precopy: args.inspect_precopy,
     });
-    let traced = trace(loaded, symbolizer, root, ExitWatch::Child(exit_code), args, opened, inspect).await?;
-    match fail_on_leak_bytes {
-        Some(limit) if traced.leak_bytes > limit => {
-            eprintln!(
-                "memprof: leak candidates hold {} bytes, more than --fail-on-leak-bytes {limit}: exiting with {LEAK_EXIT_CODE}",
-                traced.leak_bytes
-            );
-            Ok(LEAK_EXIT_CODE)
-        }
-        _ => Ok(traced.code.unwrap_or(0)),
-    }
+    trace(loaded, symbolizer, root, exit, args, opened, inspect).await
 }
 
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
@@ -385,7 +422,7 @@ async fn trace(
     mut loaded: Loaded,
     symbolizer: SymbolizerHandle,
     root: Process,
-    mut exit: ExitWatch,
+    exit: &mut ExitWatch,
     args: &TraceArgs,
     opened: Opened,
     inspect: Option<inspect::Settings>,

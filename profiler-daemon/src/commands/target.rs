@@ -20,8 +20,8 @@ use crate::error::UserError;
 pub enum ExitWatch {
     /// A process memprof attached to: a pidfd becomes readable when it exits.
     Attached(AsyncFd<OwnedFd>),
-    /// A child memprof started: its tracer thread sends the exit code.
-    Child(oneshot::Receiver<i32>),
+    /// A child memprof started: its waiting thread sends the exit code, kept once received.
+    Child(oneshot::Receiver<i32>, Option<i32>),
 }
 
 impl ExitWatch {
@@ -42,18 +42,20 @@ impl ExitWatch {
     pub async fn settle(&mut self) -> Option<i32> {
         match self {
             Self::Attached(_) => None,
-            Self::Child(_) => tokio::time::timeout(Duration::from_secs(2), self.exited()).await.ok().flatten(),
+            Self::Child(..) => tokio::time::timeout(Duration::from_secs(2), self.exited()).await.ok().flatten(),
         }
     }
 
-    /// Resolves when the target has exited: with its exit code when memprof started it.
+    /// Resolves when the target has exited: with its exit code when memprof started it. May be
+    /// asked again once it has resolved.
     pub async fn exited(&mut self) -> Option<i32> {
         match self {
             Self::Attached(fd) => {
                 let _ = fd.readable().await;
                 None
             }
-            Self::Child(code) => Some(code.await.unwrap_or(1)),
+            Self::Child(_, Some(code)) => Some(*code),
+            Self::Child(receiver, kept) => Some(*kept.insert(receiver.await.unwrap_or(1))),
         }
     }
 }

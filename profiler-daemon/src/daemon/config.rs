@@ -10,7 +10,7 @@ use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, Sampling},
-    kernel::settings::{LoadSettings, DEFAULT_LOAD},
+    kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
     unwind::UnwindMode,
@@ -150,7 +150,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if !rules.all && rules.pids.is_empty() && rules.comms.is_empty() && rules.cgroups.is_empty() {
         return Err(ConfigError::NoTargets);
     }
-    let interval = cli::check_seconds(args.interval.or(file.interval).unwrap_or(5.0), false)
+    let interval = cli::check_interval(args.interval.or(file.interval).unwrap_or(5.0))
         .map_err(|e| ConfigError::Value("interval", e))?;
     let leak = LeakSettings {
         window: args.leak_window.or(file.leak_window).unwrap_or(DEFAULT_LEAK.window),
@@ -181,10 +181,14 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         max_unwind_rows: args.max_unwind_rows.or(file.max_unwind_rows).unwrap_or(defaults.max_unwind_rows),
         mappings: args.mappings || file.mappings.unwrap_or(defaults.mappings),
     };
-    if maps.max_live == 0 || maps.max_stacks == 0 || maps.max_unwind_rows == 0 {
+    let entries = 1..=MAX_MAP_ENTRIES;
+    if !entries.contains(&maps.max_live.into())
+        || !entries.contains(&maps.max_stacks.into())
+        || maps.max_unwind_rows == 0
+    {
         return Err(ConfigError::Value(
             "map size",
-            "max_live, max_stacks and max_unwind_rows must be at least 1".to_string(),
+            format!("max_live and max_stacks must be 1 to {MAX_MAP_ENTRIES}, max_unwind_rows at least 1"),
         ));
     }
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
@@ -291,6 +295,11 @@ mod tests {
         assert!(matches!(parse("", DaemonArgs::default()), Err(ConfigError::NoTargets)));
         let err = parse("all = true\nlisten = \"nowhere\"", DaemonArgs::default()).unwrap_err();
         assert!(matches!(err, ConfigError::Listen(_)));
+        // As a reload reads it too.
+        let err = parse("all = true\ninterval = 1e-9", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().starts_with("invalid interval: `0.000000001` is not an interval from 0.1"), "{err}");
+        let err = parse("all = true\nmax_live = 4294967295", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().contains("max_live and max_stacks must be 1 to 268435456"), "{err}");
     }
 
     #[test]

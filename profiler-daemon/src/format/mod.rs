@@ -22,6 +22,28 @@ use crate::{error::UserError, heap::report::Report};
 /// `snapshot`), decompressed size included: what it reads is held in memory whole.
 pub const MAX_INPUT_BYTES: u64 = 256 << 20;
 
+/// What `from` gives, read to its end; `None` as soon as it gives more than `limit` bytes. Read a
+/// piece at a time into room for `limit` bytes reserved at once, so that the memory touched is
+/// the bytes read: `read_to_end` zero-fills its spare capacity before each read, and a buffer
+/// that grows is copied into one twice its size, both touching about twice what it holds. Pages
+/// reserved and never written take no memory.
+pub fn read_at_most(mut from: impl std::io::Read, limit: u64) -> std::io::Result<Option<Vec<u8>>> {
+    let mut bytes = Vec::with_capacity(usize::try_from(limit).unwrap_or(usize::MAX));
+    let mut piece = vec![0u8; 256 << 10];
+    loop {
+        let n = match from.read(&mut piece) {
+            Ok(0) => return Ok(Some(bytes)),
+            Ok(n) => n,
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        if (bytes.len() + n) as u64 > limit {
+            return Ok(None);
+        }
+        bytes.extend_from_slice(&piece[..n]);
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// A summary and the top stacks, for reading in a terminal.

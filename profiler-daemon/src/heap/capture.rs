@@ -2,9 +2,11 @@
 //! tracked blocks (`LIVE`), every thread's registers, and a copy of every writable mapping.
 //! Above `PRECOPY_ABOVE` of such memory (or when asked), the memory is copied first while the
 //! process runs, and the stop reads again only the pages written since where the kernel keeps
-//! soft-dirty bits or, without them, those of its anonymous memory that userfaultfd's write
-//! protection says were written (set up in a first brief stop); every page into the warm copy
-//! elsewhere (`process::precopy`).
+//! soft-dirty bits; every page into the warm copy elsewhere (`process::precopy`). Only when
+//! asked (`Precopy::WriteProtect`), those of its anonymous memory that userfaultfd's write
+//! protection says were written, set up by calls injected in a first brief stop: a memprof
+//! killed while an injected call runs leaves the thread on memprof's registers, so no default
+//! injects.
 //!
 //! `LIVE` (every traced process's blocks, about a microsecond an entry to read) is read before the
 //! stop, after the pre-copy; in the stop, the process's heap figures (`PROC_HEAP`), which each
@@ -22,6 +24,7 @@ use crate::{
     process::{
         freeze::Frozen,
         image::Image,
+        memory,
         precopy::{PreCopy, Tracking},
         procfs::{self, Region},
     },
@@ -34,11 +37,15 @@ const PRECOPY_ABOVE: u64 = 16 << 20;
 /// When to copy the process's memory before the stop (`--inspect-precopy`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precopy {
-    /// When it has more than 16 MiB of writable memory.
+    /// When it has more than 16 MiB of writable memory; nothing is injected.
     #[default]
     Auto,
+    /// Always; nothing is injected.
     Always,
     Never,
+    /// Always, and where the kernel keeps no soft-dirty bits, by userfaultfd's write protection,
+    /// opened by calls injected into the process: memprof killed by SIGKILL meanwhile may crash it.
+    WriteProtect,
 }
 
 /// How the process's memory was copied (JSON `"method"`).
@@ -100,8 +107,8 @@ pub struct Capture {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("pid {pid} has {bytes} bytes of writable mappings, more than half of the {available} bytes of memory available to copy them into; it was not inspected (free memory first)")]
-    TooLarge { pid: u32, bytes: u64, available: u64 },
+    #[error("pid {pid} has {} MiB of writable mappings, more than half of the {room} to copy them into; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
+    TooLarge { pid: u32, bytes: u64, room: memory::Room },
 }
 
 /// Takes `pid`'s capture.
@@ -110,13 +117,13 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     let started = Instant::now();
     let mut pre = match precopy {
         Precopy::Never => None,
-        Precopy::Auto | Precopy::Always => {
+        Precopy::Auto | Precopy::Always | Precopy::WriteProtect => {
             let regions = copied(&procfs::regions(pid)?);
             if precopy == Precopy::Auto && total(&regions) <= PRECOPY_ABOVE {
                 None
             } else {
                 check_size(pid, &regions)?;
-                Some(PreCopy::start(pid, &regions)?)
+                Some(PreCopy::start(pid, &regions, precopy == Precopy::WriteProtect)?)
             }
         }
     };
@@ -187,20 +194,13 @@ fn total(regions: &[Region]) -> u64 {
     regions.iter().map(|r| r.end - r.start).sum()
 }
 
-/// A process with more writable memory than this machine has free (a huge sparse mapping) is
-/// not copied.
+/// A process with more writable memory than memprof may take (a huge sparse mapping, or a
+/// daemon under a cgroup limit) is not copied.
 fn check_size(pid: u32, regions: &[Region]) -> Result<(), CaptureError> {
     let bytes = total(regions);
-    let available = mem_available().unwrap_or(u64::MAX);
-    if bytes > available / 2 {
-        return Err(CaptureError::TooLarge { pid, bytes, available });
+    let room = memory::room();
+    if bytes > room.bytes / 2 {
+        return Err(CaptureError::TooLarge { pid, bytes, room });
     }
     Ok(())
-}
-
-/// `MemAvailable` of /proc/meminfo, in bytes.
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?;
-    Some(line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()? * 1024)
 }

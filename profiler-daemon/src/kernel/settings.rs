@@ -9,10 +9,10 @@ use crate::unwind::UnwindMode;
 #[derive(Debug, Args, Clone, Copy, PartialEq, Eq)]
 pub struct LoadSettings {
     /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
     pub max_live: u32,
     /// Distinct call stacks kept; more are counted as `stack_table_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
     pub max_stacks: u32,
     /// How stacks are walked: `cfi` reads each file's .eh_frame (right without frame pointers),
     /// `fp` follows frame pointers only.
@@ -31,6 +31,10 @@ pub struct LoadSettings {
     #[arg(long)]
     pub mappings: bool,
 }
+
+/// The most entries a BPF hash table takes: the kernel refuses more buckets than 4 GiB of
+/// 16-byte buckets (`E2BIG`, "Argument list too long").
+pub const MAX_MAP_ENTRIES: i64 = 1 << 28;
 
 pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     max_live: 1 << 20,

@@ -162,7 +162,7 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     let mut candidates = procfs::mapped_files(pid)?;
     // Only files with code mapped: a file mapped for reading only (a C library's debug file that
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
-    let running = procfs::file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
+    let running = procfs::file_mappings(pid).map_err(|err| procfs::maps_error(pid, err))?;
     candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
     let families = families::all();
     let scans = candidates.iter().filter(|file| !is_dynamic_loader(&file.path)).filter_map(|file| {

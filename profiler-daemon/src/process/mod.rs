@@ -7,6 +7,7 @@ pub mod freeze;
 pub mod image;
 pub mod inject;
 pub mod link_map;
+pub mod memory;
 pub mod mm_uapi;
 pub mod pagemap;
 pub mod precopy;

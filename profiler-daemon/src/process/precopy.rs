@@ -6,9 +6,10 @@
 //! the pages written since: writing "4" to `/proc/PID/clear_refs` clears the bits (and
 //! write-protects every page, so that the next write to each faults once and sets its bit
 //! again); bit 55 of a page's `pagemap` entry is the bit, and a mapping made or grown since is
-//! soft-dirty as a whole. Where it keeps none, userfaultfd's write protection tells the same of
-//! the process's anonymous memory (`write_watch`), and the stop reads the rest again whole.
-//! Elsewhere the stop reads every page again, into the warm copy.
+//! soft-dirty as a whole. Where it keeps none and the user asked for it, userfaultfd's write
+//! protection tells the same of the process's anonymous memory (`write_watch`, by calls injected
+//! into the process), and the stop reads the rest again whole. Elsewhere the stop reads every
+//! page again, into the warm copy.
 
 use std::{fs, io, sync::OnceLock};
 
@@ -41,13 +42,15 @@ impl PreCopy {
     /// (sorted, apart) while the process runs. Soft-dirty bits are cleared where the kernel keeps
     /// them (`CONFIG_MEM_SOFT_DIRTY`) and memprof may clear them (`clear_refs` is writable by the
     /// process's owner, or with `CAP_DAC_OVERRIDE`, which the three capabilities memprof asks for
-    /// do not include); else its anonymous memory is write-protected, where the kernel and the
-    /// process allow (`write_watch`); else nothing is tracked.
-    pub fn start(pid: u32, regions: &[Region]) -> io::Result<Self> {
+    /// do not include); else, with `inject`, its anonymous memory is write-protected, where the
+    /// kernel and the process allow (`write_watch`); else nothing is tracked.
+    pub fn start(pid: u32, regions: &[Region], inject: bool) -> io::Result<Self> {
         let tracking = if supported()
             && clear(pid).map_err(|err| tracing::debug!(pid, %err, "cannot clear soft-dirty bits")).is_ok()
         {
             Tracking::SoftDirty
+        } else if !inject {
+            Tracking::None
         } else {
             match WriteWatch::begin(pid, regions) {
                 Ok(watch) => Tracking::WriteProtect(watch),
@@ -174,7 +177,7 @@ mod tests {
         let at = (start - memory.as_ptr() as u64) as usize;
         let regions = [Region { start, end: start + 4 * PAGE, writable: true, shared: false, path: String::new() }];
         // memprof cannot stop its own threads: the pages are not write-protected here.
-        let PreCopy { pid, image, tracking } = PreCopy::start(std::process::id(), &regions).unwrap();
+        let PreCopy { pid, image, tracking } = PreCopy::start(std::process::id(), &regions, true).unwrap();
         let tracked = !matches!(tracking, Tracking::None);
         memory[at + PAGE as usize + 5] = 9;
         let image = bring_up_to_date(pid, image, &regions, &tracking).unwrap();

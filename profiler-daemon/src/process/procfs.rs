@@ -258,9 +258,17 @@ fn env(pid: u32, name: &str) -> Option<String> {
         .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
+/// Why `pid`'s mappings could not be read: it is gone, or they are refused to memprof.
+pub fn maps_error(pid: u32, cause: io::Error) -> UserError {
+    match cause.kind() {
+        io::ErrorKind::PermissionDenied => UserError::MapsUnreadable { pid, cause },
+        _ => UserError::NoSuchProcess(pid),
+    }
+}
+
 /// The first mapping of each distinct file the process maps.
 pub fn mapped_files(pid: u32) -> Result<Vec<FileMapping>, UserError> {
-    let mappings = file_mappings(pid).map_err(|_| UserError::NoSuchProcess(pid))?;
+    let mappings = file_mappings(pid).map_err(|err| maps_error(pid, err))?;
     let mut files: Vec<FileMapping> = Vec::new();
     for mapping in mappings {
         if !files.iter().any(|f| f.path == mapping.path) {
@@ -440,5 +448,17 @@ mod tests {
         assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
         assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
         check_traceable(std::process::id()).unwrap();
+    }
+
+    #[test]
+    fn maps_refused_are_not_a_missing_process() {
+        let refused = maps_error(1, io::Error::from_raw_os_error(libc::EACCES)).to_string();
+        assert!(
+            refused.starts_with("cannot read /proc/1/maps: Permission denied (os error 13) (the kernel shows"),
+            "{refused}"
+        );
+        assert!(refused.ends_with("memprof cannot trace it"), "{refused}");
+        let gone = maps_error(1, io::Error::from_raw_os_error(libc::ENOENT));
+        assert!(matches!(gone, UserError::NoSuchProcess(1)));
     }
 }

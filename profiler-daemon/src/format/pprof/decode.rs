@@ -1,7 +1,7 @@
 //! Reads a gzip-compressed profile.proto back into samples of frames: enough for `memprof diff`
 //! to read the profiles memprof writes (and Go's heap profiles, which use the same fields).
 
-use std::{collections::HashMap, io::Read as _};
+use std::collections::HashMap;
 
 use flate2::read::GzDecoder;
 
@@ -11,7 +11,7 @@ use super::{
     NO_STACK, STACK_ID_LABEL,
 };
 use crate::{
-    format::MAX_INPUT_BYTES,
+    format::{read_at_most, MAX_INPUT_BYTES},
     symbolize::{capped, Frame, FrameInfo},
 };
 
@@ -59,13 +59,10 @@ pub fn read(gzipped: &[u8]) -> Result<Decoded, PprofError> {
     if !gzipped.starts_with(&[0x1f, 0x8b]) {
         return Err(PprofError::NotGzip);
     }
-    let mut profile = Vec::new();
-    // One byte more than allowed tells a profile at the limit from a larger one (a gzip bomb
-    // is refused at the limit, not once decompressed).
-    GzDecoder::new(gzipped).take(MAX_INPUT_BYTES + 1).read_to_end(&mut profile).map_err(PprofError::Gzip)?;
-    if profile.len() as u64 > MAX_INPUT_BYTES {
-        return Err(PprofError::TooLarge);
-    }
+    // A gzip bomb is refused at the limit, not once decompressed.
+    let profile = read_at_most(GzDecoder::new(gzipped), MAX_INPUT_BYTES)
+        .map_err(PprofError::Gzip)?
+        .ok_or(PprofError::TooLarge)?;
     decode(&profile)
 }
 

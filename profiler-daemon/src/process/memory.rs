@@ -1,0 +1,133 @@
+//! The memory memprof may still take: the room its cgroup leaves under each `memory.max` and
+//! `memory.high` set up its hierarchy (v2; v1's `memory.limit_in_bytes` where the memory
+//! controller is mounted apart), and never more than the host has available. Going by
+//! the host alone, a daemon under `MemoryMax=` would start work the kernel OOM-kills it for.
+
+use std::path::{Path, PathBuf};
+
+/// Where the cgroup v2 hierarchy is mounted on every distribution memprof supports.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// How much memory memprof may still take, and what says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    pub bytes: u64,
+    /// The host's memory, or the cgroup file that limits it.
+    pub limited_by: Limit,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Host,
+    CgroupMax,
+    CgroupHigh,
+    /// Neither could be read: memprof goes on as if unlimited.
+    Unknown,
+}
+
+impl std::fmt::Display for Room {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.limited_by {
+            Limit::Host => "available on this host",
+            Limit::CgroupMax => "left to memprof under its cgroup's memory limit (memory.max)",
+            Limit::CgroupHigh => "left to memprof under its cgroup's memory.high",
+            Limit::Unknown => "available (unknown)",
+        };
+        write!(f, "{} MiB {what}", self.bytes >> 20)
+    }
+}
+
+/// The memory this process may still take.
+pub fn room() -> Room {
+    let host = mem_available().map(|bytes| Room { bytes, limited_by: Limit::Host });
+    let cgroup = own_cgroup("0::")
+        .and_then(|dir| cgroup_room(Path::new(CGROUP_ROOT), &dir, V2))
+        .or_else(|| own_cgroup_v1().and_then(|dir| cgroup_room(&Path::new(CGROUP_ROOT).join("memory"), &dir, V1)));
+    match (host, cgroup) {
+        (Some(host), Some(cgroup)) if cgroup.bytes < host.bytes => cgroup,
+        (Some(host), _) => host,
+        (None, Some(cgroup)) => cgroup,
+        (None, None) => Room { bytes: u64::MAX, limited_by: Limit::Unknown },
+    }
+}
+
+/// The files that say what a cgroup uses and may use: v2's, and v1's memory controller's.
+type Files = (&'static str, [(&'static str, Limit); 2]);
+const V2: Files = ("memory.current", [("memory.max", Limit::CgroupMax), ("memory.high", Limit::CgroupHigh)]);
+const V1: Files = (
+    "memory.usage_in_bytes",
+    [("memory.limit_in_bytes", Limit::CgroupMax), ("memory.soft_limit_in_bytes", Limit::CgroupHigh)],
+);
+
+/// This process's cgroup path on the line of /proc/self/cgroup that starts with `prefix`.
+fn own_cgroup(prefix: &str) -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| l.strip_prefix(prefix))?;
+    Some(PathBuf::from(path.trim_start_matches('/')))
+}
+
+/// This process's cgroup in v1's memory hierarchy (`N:memory:/path`).
+fn own_cgroup_v1() -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers.split(',').any(|c| c == "memory").then_some(path)
+    })?;
+    Some(PathBuf::from(path.trim_start_matches('/')))
+}
+
+/// The least room any cgroup from `dir` up to `root` leaves: its limit less what it uses now.
+fn cgroup_room(root: &Path, dir: &Path, (usage, limits): Files) -> Option<Room> {
+    let mut least: Option<Room> = None;
+    for ancestor in dir.ancestors() {
+        let at = root.join(ancestor);
+        let Some(current) = read_u64(&at.join(usage)) else { continue };
+        for (file, limited_by) in limits {
+            // "max" (no limit) does not parse.
+            let Some(limit) = read_u64(&at.join(file)) else { continue };
+            let bytes = limit.saturating_sub(current);
+            if least.is_none_or(|l| bytes < l.bytes) {
+                least = Some(Room { bytes, limited_by });
+            }
+        }
+    }
+    least
+}
+
+fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    Some(line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()? * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tightest_limit_up_the_hierarchy_less_its_use_is_the_room() {
+        let root = std::env::temp_dir().join(format!("memprof-cgroup-test-{}", std::process::id()));
+        let leaf = root.join("a/b");
+        std::fs::create_dir_all(&leaf).unwrap();
+        let write = |dir: &Path, file: &str, value: &str| std::fs::write(dir.join(file), value).unwrap();
+        write(&leaf, "memory.current", "100");
+        write(&leaf, "memory.max", "max\n");
+        write(&leaf, "memory.high", "max\n");
+        write(&root.join("a"), "memory.current", "300");
+        write(&root.join("a"), "memory.max", "1000\n");
+        write(&root.join("a"), "memory.high", "900\n");
+        let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
+        assert_eq!(room, Room { bytes: 600, limited_by: Limit::CgroupHigh });
+        write(&leaf, "memory.max", "150\n");
+        let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
+        assert_eq!(room, Room { bytes: 50, limited_by: Limit::CgroupMax });
+        assert_eq!(cgroup_room(&root, Path::new("c"), V2), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,145 @@
+//! Files given to memprof cost it what it says they may, whatever they hold: a small recording
+//! whose reports repeat a stack of long frames thousands of times is refused before it is
+//! rendered, and a gzip bomb given to `diff` is cut at the 256 MiB the README states.
+
+use std::{
+    io::{Read as _, Write as _},
+    os::unix::process::ExitStatusExt as _,
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+use flate2::{read::DeflateDecoder, write::DeflateEncoder, write::GzEncoder, Compression, Crc};
+use memprof_tests::{fixture, memprof_bin, run};
+use serde_json::{json, Value};
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("memprof-input-bounds-{}-{name}", std::process::id()))
+}
+
+/// memprof with `args`: its exit code, its stderr and its peak resident memory (wait4's
+/// `ru_maxrss`).
+#[expect(clippy::zombie_processes, reason = "reaped by wait4, which gives its peak memory too")]
+fn peak(args: &[&str]) -> (Option<i32>, String, u64) {
+    let mut child = Command::new(memprof_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child with valid out-pointers; `child` is not waited for again.
+    let waited = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(waited, child.id() as i32);
+    let code = std::process::ExitStatus::from_raw(status).code();
+    (code, stderr, usage.ru_maxrss as u64 * 1024)
+}
+
+const MAGIC: &[u8] = b"memprof recording 1\n";
+
+/// The records of a recording, inflated.
+fn records(bytes: &[u8]) -> Vec<Value> {
+    let mut rest = bytes.strip_prefix(MAGIC).expect("a recording");
+    let mut records = Vec::new();
+    while rest.len() >= 8 {
+        let length = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+        let mut json = Vec::new();
+        DeflateDecoder::new(&rest[8..8 + length]).read_to_end(&mut json).unwrap();
+        records.push(serde_json::from_slice(&json).unwrap());
+        rest = &rest[8 + length..];
+    }
+    records
+}
+
+fn recording(records: &[Value]) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    for record in records {
+        let mut deflate = DeflateEncoder::new(Vec::new(), Compression::best());
+        serde_json::to_writer(&mut deflate, record).unwrap();
+        let payload = deflate.finish().unwrap();
+        let mut crc = Crc::new();
+        crc.update(&payload);
+        out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&crc.sum().to_le_bytes());
+        out.extend_from_slice(&payload);
+    }
+    out
+}
+
+/// A real recording's final report made to hold 20,000 stacks that all name one stack of 127
+/// frames, each named with 4 KiB: under 1 MB on disk, 10 GB of frames written out. `memprof
+/// report --format json` refuses it in one line before it renders, within 256 MiB (it took more
+/// than 1 GiB before).
+#[test]
+fn a_small_recording_that_repeats_long_frames_is_refused_before_it_is_rendered() {
+    let real = temp_path("real.rec");
+    let outcome = run(&["--record", real.to_str().unwrap()], &[fixture("reports").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let mut records = records(&std::fs::read(&real).unwrap());
+    let _ = std::fs::remove_file(&real);
+    let last = records.last_mut().unwrap();
+    let pid = last["report"]["pid"].clone();
+    let mut stack = last["report"]["stacks"].as_array().unwrap()[0].clone();
+    stack["stack_id"] = json!("crafted");
+    stack["frames"] = json!([]);
+    stack["outstanding_allocations"] = json!(1);
+    last["report"]["stacks"] = Value::Array(vec![stack; 20_000]);
+    let frame = json!({"address": "0x1", "function": "f".repeat(4096), "file": null, "line": null, "module": "m", "inlined": false});
+    last["new_stacks"] = json!([{"pid": pid, "stack_id": "crafted", "frames": vec![frame; 127]}]);
+    let crafted = temp_path("crafted.rec");
+    let bytes = recording(&records);
+    assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
+    std::fs::write(&crafted, &bytes).unwrap();
+    let (code, stderr, peak) = peak(&["report", crafted.to_str().unwrap(), "--format", "json"]);
+    let _ = std::fs::remove_file(&crafted);
+    eprintln!("memprof report of a {} KB crafted recording: peak {} MiB", bytes.len() >> 10, peak >> 20);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("names 2540000 frames"), "{stderr}");
+    assert!(stderr.contains("more than memprof renders (8323072 frames"), "{stderr}");
+    assert!(peak < 256 << 20, "peak {} MiB", peak >> 20);
+}
+
+/// 300 MiB of zeros gzip-compressed (300 KB), its trailer lying about its size, given to `diff`:
+/// refused once 256 MiB came out, memprof's peak within 256 MiB and what memprof itself takes
+/// (16 MiB). One whose trailer tells the truth is refused before it is decompressed.
+#[test]
+fn a_gzip_bomb_given_to_diff_costs_at_most_what_the_readme_says() {
+    let bomb = temp_path("bomb.pb.gz");
+    let mut gz = GzEncoder::new(Vec::new(), Compression::best());
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..300 {
+        gz.write_all(&zeros).unwrap();
+    }
+    let mut bytes = gz.finish().unwrap();
+    // Its trailer says 1 KiB: memprof finds out as it decompresses.
+    let at = bytes.len() - 4;
+    bytes[at..].copy_from_slice(&1024u32.to_le_bytes());
+    std::fs::write(&bomb, bytes).unwrap();
+    let (code, stderr, peak) = peak(&["diff", bomb.to_str().unwrap(), bomb.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&bomb);
+    eprintln!("memprof diff of a gzip bomb: peak {} MiB", peak >> 20);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("it decompresses to more than 256 MiB"), "{stderr}");
+    assert!(peak < (256 + 16) << 20, "peak {} MiB", peak >> 20);
+}
+
+#[test]
+fn a_profile_that_says_it_decompresses_to_more_than_memprof_reads_is_refused_unread() {
+    let big = temp_path("big.pb.gz");
+    let mut bytes = GzEncoder::new(Vec::new(), Compression::fast()).finish().unwrap();
+    let at = bytes.len() - 4;
+    bytes[at..].copy_from_slice(&(300u32 << 20).to_le_bytes());
+    std::fs::write(&big, bytes).unwrap();
+    let (code, stderr, _) = peak(&["diff", big.to_str().unwrap(), big.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&big);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("decompresses to 300 MiB, more than the 256 MiB of any profile memprof reads"), "{stderr}");
+}
