@@ -9,6 +9,7 @@ pub mod inject;
 pub mod link_map;
 pub mod mm_uapi;
 pub mod pagemap;
+pub mod placement;
 pub mod precopy;
 pub mod procfs;
 pub mod vtables;
