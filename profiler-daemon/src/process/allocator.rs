@@ -17,7 +17,7 @@ use crate::{
     error::UserError,
     process::{
         families::{self, Family, Role},
-        procfs,
+        placement, procfs,
     },
 };
 
@@ -293,10 +293,10 @@ fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Opt
         .flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str()))
         .chain(UNPROBED.iter().map(|(mark, ..)| *mark))
         .collect();
-    let offsets = symbol_file_offsets(&elf, &wanted);
+    let functions = functions(&elf, &wanted);
     let unprobed: Vec<BlindSpot> = UNPROBED
         .iter()
-        .filter(|(mark, ..)| offsets.contains_key(mark))
+        .filter(|(mark, ..)| functions.contains_key(mark))
         .map(|(_, what, advice, unless_env)| BlindSpot {
             kind: "unprobed_allocator",
             what: format!("{what}, in {display_path}"),
@@ -304,19 +304,25 @@ fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Opt
             unless_env: *unless_env,
         })
         .collect();
-    let allocator = read_file(families, &offsets, &data, attach_path, display_path);
+    // Probe sites are chosen by decoding x86-64 code; on other machines they stay on the symbols.
+    let code = |function: Function| match elf.architecture() {
+        object::Architecture::X86_64 => function.code(&data),
+        _ => &[],
+    };
+    let allocator = read_file(families, &functions, code, attach_path, display_path);
     (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
 }
 
-/// The entry points of `families` a file defines, from its symbols' `offsets`, if it holds any.
-fn read_file(
+/// The entry points of `families` a file defines, from its `functions`, if it holds any; `code`
+/// gives a function's bytes to decode (none: probed at its symbol).
+fn read_file<'d>(
     families: &[Family],
-    offsets: &HashMap<&str, u64>,
-    data: &[u8],
+    functions: &HashMap<&str, Function>,
+    code: impl Fn(Function) -> &'d [u8],
     attach_path: &Path,
     display_path: &str,
 ) -> Option<AllocatorFile> {
-    let present = |family: &&Family| family.is_in(|symbol| offsets.contains_key(symbol));
+    let present = |family: &&Family| family.is_in(|symbol| functions.contains_key(symbol));
     let mut found: Vec<&Family> = families.iter().filter(|f| !f.companion).filter(present).collect();
     let own_allocator = found.iter().any(|f| f.name != families::STANDARD_FAMILY);
     if found.len() > 1 {
@@ -338,65 +344,32 @@ fn read_file(
         frees: Vec::new(),
     };
     // Symbol addresses probed already: aliases (glibc's `cfree` is `free`) get one probe, and a
-    // free's probe may sit past its NULL check, off the symbol's address.
+    // probe may sit past the symbol's address (see `placement`).
     let mut probed = HashSet::new();
     for family in found {
         if !file.families.contains(&family.name) {
             file.families.push(family.name);
         }
         for (symbol, role) in &family.entries {
-            let Some(&offset) = offsets.get(symbol.as_str()) else { continue };
-            if !probed.insert(offset) {
+            let Some(&function) = functions.get(symbol.as_str()) else { continue };
+            if !probed.insert(function.offset) {
                 continue;
             }
+            let offset = function.offset + placement::probe_distance(code(function), *role);
             match role {
                 Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
-                Role::Free => file.frees.push(FreePoint { offset: past_null_check(data, offset), wrapper }),
+                Role::Free => file.frees.push(FreePoint { offset, wrapper }),
             }
         }
     }
     (!file.allocs.is_empty() && !file.frees.is_empty()).then_some(file)
 }
 
-/// Where to probe `free`: past its `if (p == NULL) return;` when it opens with one.
-///
-/// A uprobe on an instruction the kernel cannot emulate is single-stepped, about 12 times dearer
-/// (shared/notes/probe-costs.md). glibc's free opens with `test %rdi,%rdi; je ...`, which is
-/// single-stepped, followed by `push %rbp`, which is emulated; `free(NULL)` is a no-op, so a probe
-/// after the jump sees every free that matters. Only these encodings are recognised; anything
-/// else keeps the probe on the symbol. The stack is untouched until that push, so the return
-/// address the program reads at `rsp` is still the caller's.
-fn past_null_check(data: &[u8], offset: u64) -> u64 {
-    const TEST_RDI_RDI: [u8; 3] = [0x48, 0x85, 0xff];
-    // The encodings below are x86-64's.
-    if !cfg!(target_arch = "x86_64") {
-        return offset;
-    }
-    let Some(code) = usize::try_from(offset).ok().and_then(|start| data.get(start..start + 16)) else {
-        return offset;
-    };
-    if code[..3] != TEST_RDI_RDI {
-        return offset;
-    }
-    let jump_len = match code[3] {
-        0x74 => 2,                    // je rel8
-        0x0f if code[4] == 0x84 => 6, // je rel32
-        _ => return offset,
-    };
-    let next = 3 + jump_len;
-    let is_push = matches!(code[next], 0x50..=0x57) || (code[next] == 0x41 && matches!(code[next + 1], 0x50..=0x57));
-    if is_push {
-        offset + next as u64
-    } else {
-        offset
-    }
-}
-
 /// The file offset of function `name` in the ELF file at `path` (to probe it).
 pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
     let data = fs::read(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    symbol_file_offsets(&file, &HashSet::from([name])).get(name).copied()
+    functions(&file, &HashSet::from([name])).get(name).map(|function| function.offset)
 }
 
 /// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
@@ -413,10 +386,25 @@ pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
     Some(address(to)?.wrapping_sub(address(from)?))
 }
 
-/// File offsets of the functions named in `wanted` that the file defines, from the dynamic table
-/// and the full symbol table (static binaries, Rust's static allocators).
-fn symbol_file_offsets<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, u64> {
-    let mut offsets = HashMap::new();
+/// A function in an ELF file: where its code starts in the file, and its symbol's size.
+#[derive(Debug, Clone, Copy)]
+struct Function {
+    offset: u64,
+    size: u64,
+}
+
+impl Function {
+    /// Its bytes in `data` (the whole file); none when its size is unknown or out of the file.
+    fn code(self, data: &[u8]) -> &[u8] {
+        let range = usize::try_from(self.offset).ok().zip(usize::try_from(self.size).ok());
+        range.and_then(|(start, size)| data.get(start..start.checked_add(size)?)).unwrap_or(&[])
+    }
+}
+
+/// The functions named in `wanted` that the file defines, from the dynamic table and the full
+/// symbol table (static binaries, Rust's static allocators).
+fn functions<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, Function> {
+    let mut found = HashMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.kind() != object::SymbolKind::Text {
             continue;
@@ -427,14 +415,14 @@ fn symbol_file_offsets<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> Ha
         let Some(&wanted) = wanted.get(name) else {
             continue;
         };
-        if offsets.contains_key(wanted) {
+        if found.contains_key(wanted) {
             continue;
         }
         if let Some(offset) = file_offset(file, symbol.address()) {
-            offsets.insert(wanted, offset);
+            found.insert(wanted, Function { offset, size: symbol.size() });
         }
     }
-    offsets
+    found
 }
 
 /// Uprobes are placed by file offset: the address's distance into its section plus the section's
@@ -482,19 +470,54 @@ mod tests {
         assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
     }
 
+    /// Where each entry point of each family is probed in Debian's allocator libraries (the
+    /// project's set-up installs them for the allocator tests): a table on stdout for review,
+    /// and the sites measured to matter.
     #[test]
-    fn free_is_probed_past_its_null_check() {
-        let mut code = vec![0u8; 32];
-        // test %rdi,%rdi; je rel32; push %rbp
-        code[4..14].copy_from_slice(&[0x48, 0x85, 0xff, 0x0f, 0x84, 0xbf, 0, 0, 0, 0x55]);
-        assert_eq!(past_null_check(&code, 4), 13);
-        // test %rdi,%rdi; je rel8; push %r12
-        code[4..11].copy_from_slice(&[0x48, 0x85, 0xff, 0x74, 0x10, 0x41, 0x54]);
-        assert_eq!(past_null_check(&code, 4), 9);
-        // Anything else (here: endbr64) stays on the symbol.
-        code[4..8].copy_from_slice(&[0xf3, 0x0f, 0x1e, 0xfa]);
-        assert_eq!(past_null_check(&code, 4), 4);
-        assert_eq!(past_null_check(&code, 30), 30, "too close to the end to decode");
+    fn debian_allocators_are_probed_past_their_single_stepped_openings() {
+        const LIBRARIES: [&str; 4] =
+            ["libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libmimalloc.so.2.0", "libc.so.6"];
+        let families = families::all();
+        let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
+        let mut placed = HashMap::new();
+        for library in LIBRARIES {
+            let path = format!("/usr/lib/x86_64-linux-gnu/{library}");
+            let data = fs::read(&path).unwrap_or_else(|err| panic!("{path}: {err} (cargo xtask setup installs it)"));
+            let elf = object::File::parse(&*data).expect("an ELF file");
+            let functions = functions(&elf, &wanted);
+            let mut rows: Vec<(&str, u64)> = families
+                .iter()
+                .flat_map(|family| family.entries.iter())
+                .filter_map(|(symbol, role)| {
+                    let function = functions.get(symbol.as_str())?;
+                    Some((symbol.as_str(), placement::probe_distance(function.code(&data), *role)))
+                })
+                .collect();
+            rows.sort();
+            rows.dedup();
+            for (symbol, distance) in rows {
+                println!("{library:26} {symbol:40} +{distance}");
+                placed.insert((library, symbol), distance);
+            }
+        }
+        for (library, symbol, distance) in [
+            // cmp $0x1000,%rdi; ja: at the ja
+            ("libjemalloc.so.2", "malloc", 7),
+            // mov %rdi,%rax; ... cmp 0x1b0(%rax),%rcx; jne: at the jne
+            ("libjemalloc.so.2", "free", 48),
+            ("libjemalloc.so.2", "sdallocx", 10),
+            // opens with pushes: emulated at the symbol
+            ("libjemalloc.so.2", "calloc", 0),
+            ("libtcmalloc_minimal.so.4", "tc_malloc", 10),
+            ("libtcmalloc_minimal.so.4", "tc_free", 10),
+            // mov %rdi,%rcx; test %rdi,%rdi; je, then rdi is rewritten: at the je
+            ("libmimalloc.so.2.0", "mi_free", 6),
+            // test %rdi,%rdi; je; push %rbp: at the push
+            ("libc.so.6", "free", 9),
+            ("libc.so.6", "malloc", 0),
+        ] {
+            assert_eq!(placed.get(&(library, symbol)), Some(&distance), "{symbol} in {library}");
+        }
     }
 
     #[test]

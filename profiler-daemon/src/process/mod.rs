@@ -10,6 +10,7 @@ pub mod link_map;
 pub mod memory;
 pub mod mm_uapi;
 pub mod pagemap;
+pub mod placement;
 pub mod precopy;
 pub mod procfs;
 pub mod vtables;

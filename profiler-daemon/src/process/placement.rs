@@ -1,0 +1,281 @@
+//! Where on an allocator function its probe goes: at the first instruction the kernel emulates
+//! that every call reaches with the arguments memprof reads still in their registers.
+//!
+//! A uprobe on an instruction the kernel cannot emulate is single-stepped out of line, about 12
+//! times dearer than an emulated one (shared/notes/probe-costs.md). x86-64's kernel emulates
+//! `push %reg`, direct `jmp`/`jcc`/`call` and `nop`; allocators often open with a `cmp`, `test`
+//! or `mov`, which it single-steps. Instructions that only compute into other registers can be
+//! stepped over: the probe then fires a few instructions later, on every call all the same.
+//!
+//! What the probe reads decides what may be stepped over: the argument registers of the function
+//! (`entry_arguments` in profiler-ebpf), rsp (the return address a return probe replaces, the
+//! stack walk's start, nesting), rbp (the stack walk), and the stack memory at rsp. The entry and
+//! return probes of an allocation function share this site, so no push may come before it: the
+//! return probe takes over the return address at `[rsp]` when the probe fires. Whatever is not
+//! understood keeps the probe on the symbol.
+
+use iced_x86::{
+    Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
+    Register,
+};
+use profiler_common::AllocFn;
+
+use crate::process::families::Role;
+
+/// Functions longer than this are not decoded (their probe stays on the symbol): allocator
+/// entry points keep their slow paths in other functions, and a whole function is decoded to
+/// check its jumps.
+const MAX_FUNCTION_BYTES: usize = 64 * 1024;
+
+/// How far past its first byte the probe of the function whose bytes are `code` goes (0: on its
+/// symbol). `code` holds the whole function, as its symbol's size bounds it: every direct jump
+/// in it is checked (a jump back to the site would make one call fire the probe twice).
+pub fn probe_distance(code: &[u8], role: Role) -> u64 {
+    if code.is_empty() || code.len() > MAX_FUNCTION_BYTES {
+        return 0;
+    }
+    let Some(function) = decode(code) else { return 0 };
+    let kept = kept_registers(role);
+    let Some(site) = first_emulated(&function, code, 0, kept) else { return 0 };
+    let mut sites = vec![site];
+    if role == Role::Free {
+        // `free(NULL)` is a no-op: past `test %rdi,%rdi; je`, the probe sees every free that
+        // matters, and the NULL ones cost nothing.
+        if let Some(past) = past_null_check(&function, code, site, kept) {
+            sites.insert(0, past);
+        }
+    }
+    sites.into_iter().map(|site| function[site].ip()).find(|&ip| !reentered(&function, ip)).unwrap_or(0)
+}
+
+/// The registers memprof's entry programs read for a function of `role`.
+fn kept_registers(role: Role) -> &'static [Register] {
+    use AllocFn::*;
+    use Register::{RCX, RDI, RDX, RSI};
+    match role {
+        Role::Free => &[RDI],
+        Role::Alloc(Malloc | Valloc | Pvalloc) => &[RDI],
+        Role::Alloc(Calloc | Realloc | ResizeInPlace) => &[RDI, RSI],
+        Role::Alloc(Reallocarray) => &[RDI, RSI, RDX],
+        Role::Alloc(PosixMemalign) => &[RDI, RDX],
+        Role::Alloc(AlignedAlloc | Memalign) => &[RSI],
+        Role::Alloc(RustRealloc) => &[RDI, RCX],
+    }
+}
+
+/// The function's instructions in order, their `ip` the distance from its first byte; `None`
+/// if some bytes are no instruction (data, or a symbol size that is wrong).
+fn decode(code: &[u8]) -> Option<Vec<Instruction>> {
+    let mut decoder = Decoder::with_ip(64, code, 0, DecoderOptions::NONE);
+    let mut function = Vec::new();
+    while decoder.can_decode() {
+        let instruction = decoder.decode();
+        if instruction.is_invalid() {
+            return None;
+        }
+        function.push(instruction);
+    }
+    Some(function)
+}
+
+/// The index of the first instruction from `from` on that the kernel emulates, if every one
+/// before it leaves `kept`, rsp, rbp and memory alone and runs straight on.
+fn first_emulated(function: &[Instruction], code: &[u8], from: usize, kept: &[Register]) -> Option<usize> {
+    let mut info = InstructionInfoFactory::new();
+    for (index, instruction) in function.iter().enumerate().skip(from) {
+        if emulated(instruction, code) {
+            return Some(index);
+        }
+        if !harmless(&mut info, instruction, kept) {
+            return None;
+        }
+    }
+    None
+}
+
+/// Whether the kernel emulates the instruction instead of single-stepping it: `push %reg`
+/// (`50+r`, `41 50+r`), a direct near `jmp`, `jcc` or `call`, `nop` (`90`, `0f 1f /0`); none with
+/// a prefix the kernel refuses (it single-steps a branch with an operand-size prefix).
+fn emulated(instruction: &Instruction, code: &[u8]) -> bool {
+    let bytes = &code[instruction.ip() as usize..][..instruction.len()];
+    let prefixed = matches!(bytes[0], 0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 | 0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3);
+    if prefixed {
+        return false;
+    }
+    match instruction.code() {
+        Code::Push_r64 => bytes.len() == 1 || bytes[0] == 0x41,
+        Code::Nopd | Code::Nop_rm32 => bytes[0] == 0x90 || bytes[0] == 0x0f,
+        _ => instruction.is_jcc_short_or_near() || instruction.is_jmp_short_or_near() || instruction.is_call_near(),
+    }
+}
+
+/// Whether an instruction can be stepped over by the probe: it runs straight on and writes
+/// neither `kept`, rsp, rbp, nor memory.
+fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: &[Register]) -> bool {
+    if instruction.flow_control() != FlowControl::Next
+        || instruction.is_stack_instruction()
+        || matches!(instruction.mnemonic(), Mnemonic::Syscall | Mnemonic::Sysenter)
+    {
+        return false;
+    }
+    let writes = |access: OpAccess| {
+        matches!(access, OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite)
+    };
+    let info = info.info(instruction);
+    if info.used_memory().iter().any(|memory| writes(memory.access())) {
+        return false;
+    }
+    !info.used_registers().iter().any(|used| {
+        let register = used.register().full_register();
+        writes(used.access()) && (matches!(register, Register::RSP | Register::RBP) || kept.contains(&register))
+    })
+}
+
+/// For a free whose probe site is the `je` of `test %rdi,%rdi; je`: the first emulated
+/// instruction of its fall-through, if the way there is harmless.
+fn past_null_check(function: &[Instruction], code: &[u8], site: usize, kept: &[Register]) -> Option<usize> {
+    let jump = &function[site];
+    let test = &function[site.checked_sub(1)?];
+    let null_check = matches!(jump.code(), Code::Je_rel8_64 | Code::Je_rel32_64)
+        && test.mnemonic() == Mnemonic::Test
+        && test.op0_kind() == OpKind::Register
+        && test.op1_kind() == OpKind::Register
+        && test.op0_register() == Register::RDI
+        && test.op1_register() == Register::RDI;
+    null_check.then(|| first_emulated(function, code, site + 1, kept)).flatten()
+}
+
+/// Whether a direct jump or call of the function goes to `site` or before it: a call would then
+/// pass the probe twice, or reach it by a way that skipped what the probe relies on.
+fn reentered(function: &[Instruction], site: u64) -> bool {
+    function.iter().any(|instruction| {
+        instruction.op_count() > 0
+            && instruction.op0_kind() == OpKind::NearBranch64
+            && instruction.near_branch_target() <= site
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FREE: Role = Role::Free;
+    const MALLOC: Role = Role::Alloc(AllocFn::Malloc);
+
+    /// `code`, then a `ret` and padding up to a function's usual alignment.
+    fn function(code: &[u8]) -> Vec<u8> {
+        let mut bytes = code.to_vec();
+        bytes.push(0xc3);
+        bytes.resize(bytes.len().next_multiple_of(16), 0xcc);
+        bytes
+    }
+
+    #[test]
+    fn jemalloc_malloc_is_probed_at_its_size_check_jump() {
+        // cmp $0x1000,%rdi; ja +0x93; lea 0x2c7f5c(%rip),%rdx; lea 0x7(%rdi),%rax
+        let mut code = vec![0x48, 0x81, 0xff, 0x00, 0x10, 0x00, 0x00, 0x0f, 0x87, 0x93, 0, 0, 0];
+        code.extend([0x48, 0x8d, 0x15, 0x5c, 0x7f, 0x2c, 0x00, 0x48, 0x8d, 0x47, 0x07]);
+        let mut code = function(&code);
+        code.resize(0xa0 + 16, 0xcc);
+        assert_eq!(probe_distance(&code, MALLOC), 7);
+        // The same bytes as posix_memalign's: the size is in rdx, the out-pointer in rdi, which
+        // `cmp` only reads.
+        assert_eq!(probe_distance(&code, Role::Alloc(AllocFn::PosixMemalign)), 7);
+    }
+
+    #[test]
+    fn jemalloc_free_is_probed_past_its_straight_line_opening() {
+        // mov %rdi,%rax; mov 0xa530e(%rip),%rdx; mov %rdi,%rcx; shr $0x1a,%rax;
+        // and $0xffffffffc0000000,%rcx; and $0xf0,%eax; add %fs:0x0,%rax; add %rdx,%rax;
+        // cmp 0x1b0(%rax),%rcx; jne +0x8a
+        let code = function(&[
+            0x48, 0x89, 0xf8, 0x48, 0x8b, 0x15, 0x0e, 0x53, 0x0a, 0x00, 0x48, 0x89, 0xf9, 0x48, 0xc1, 0xe8, 0x1a, 0x48,
+            0x81, 0xe1, 0x00, 0x00, 0x00, 0xc0, 0x25, 0xf0, 0x00, 0x00, 0x00, 0x64, 0x48, 0x03, 0x04, 0x25, 0, 0, 0, 0,
+            0x48, 0x01, 0xd0, 0x48, 0x3b, 0x88, 0xb0, 0x01, 0x00, 0x00, 0x0f, 0x85, 0x02, 0, 0, 0, 0x90, 0x90,
+        ]);
+        assert_eq!(probe_distance(&code, FREE), 48);
+        // A malloc reading rdx or rcx could not step over the `mov`s into them.
+        assert_eq!(probe_distance(&code, Role::Alloc(AllocFn::Reallocarray)), 0);
+        assert_eq!(probe_distance(&code, Role::Alloc(AllocFn::RustRealloc)), 0);
+    }
+
+    #[test]
+    fn glibc_free_is_probed_past_its_null_check() {
+        // test %rdi,%rdi; je rel32; push %rbp; lea -0x10(%rdi),%rsi
+        let code = function(&[0x48, 0x85, 0xff, 0x0f, 0x84, 0x08, 0, 0, 0, 0x55, 0x48, 0x8d, 0x77, 0xf0, 0x5d]);
+        assert_eq!(probe_distance(&code, FREE), 9);
+        // glibc's malloc opens with `push %r12`: the symbol is emulated already.
+        assert_eq!(probe_distance(&function(&[0x41, 0x54, 0x55, 0x53, 0x5b, 0x5d, 0x41, 0x5c]), MALLOC), 0);
+    }
+
+    #[test]
+    fn a_null_check_whose_fall_through_is_single_stepped_keeps_the_jump() {
+        // mimalloc's mi_free: mov %rdi,%rcx; test %rdi,%rdi; je +0x5d; lea -0x1(%rdi),%rdi
+        let mut code = vec![0x48, 0x89, 0xf9, 0x48, 0x85, 0xff, 0x74, 0x05, 0x48, 0x8d, 0x7f, 0xff];
+        code.extend([0x90, 0xc3]);
+        assert_eq!(probe_distance(&function(&code), FREE), 6);
+        // jemalloc's sized operator delete: test %rdi,%rdi; je +0x13; sub $0x8,%rsp; call ...
+        let code = function(&[0x48, 0x85, 0xff, 0x74, 0x0a, 0x48, 0x83, 0xec, 0x08, 0xe8, 0, 0, 0, 0, 0xc3]);
+        assert_eq!(probe_distance(&code, FREE), 3);
+    }
+
+    #[test]
+    fn tcmalloc_and_libstdcxx_openings() {
+        // tcmalloc's tc_malloc: mov 0xab59(%rip),%rax; test %rax,%rax; jne +0x75 (its hooks)
+        let mut code = vec![0x48, 0x8b, 0x05, 0x59, 0xab, 0x00, 0x00, 0x48, 0x85, 0xc0, 0x75, 0x02, 0x90, 0x90];
+        assert_eq!(probe_distance(&function(&code), MALLOC), 10);
+        // tc_memalign: mov %rdi,%r8; cmp $0x2000,%rdi; ja; lea -0x1(%rdi,%rsi,1),%rdi
+        code = vec![0x49, 0x89, 0xf8, 0x48, 0x81, 0xff, 0x00, 0x20, 0, 0, 0x77, 0x05, 0x48, 0x8d, 0x7c, 0x37, 0xff];
+        assert_eq!(probe_distance(&function(&code), Role::Alloc(AllocFn::Memalign)), 10);
+        // libstdc++'s operator new: endbr64; test %rdi,%rdi; mov $0x1,%eax; push %rbx
+        code = vec![0xf3, 0x0f, 0x1e, 0xfa, 0x48, 0x85, 0xff, 0xb8, 0x01, 0, 0, 0, 0x53, 0x5b];
+        assert_eq!(probe_distance(&function(&code), MALLOC), 12);
+        // libstdc++'s operator delete: endbr64; jmp free@plt
+        code = vec![0xf3, 0x0f, 0x1e, 0xfa, 0xe9, 0x87, 0x2f, 0xff, 0xff];
+        assert_eq!(probe_distance(&function(&code), FREE), 4);
+    }
+
+    #[test]
+    fn what_the_probe_reads_stops_the_walk() {
+        // mimalloc's mi_malloc: mov ...(%rip),%rax; mov %rdi,%rsi; mov %fs:(%rax),%rdi; cmp; ja
+        let code = [0x48, 0x8b, 0x05, 0x49, 0xb4, 0, 0, 0x48, 0x89, 0xfe, 0x64, 0x48, 0x8b, 0x38, 0x77, 0x01, 0x90];
+        assert_eq!(probe_distance(&function(&code), MALLOC), 0, "rdi is overwritten before the jump");
+        // mov %rax,0x8(%rsp); jmp: a store on the stack
+        assert_eq!(probe_distance(&function(&[0x48, 0x89, 0x44, 0x24, 0x08, 0xeb, 0x00]), FREE), 0);
+        // sub $0x8,%rsp; jmp: the return address moved
+        assert_eq!(probe_distance(&function(&[0x48, 0x83, 0xec, 0x08, 0xeb, 0x00]), FREE), 0);
+        // mov %rsp,%rbp; push %rbx: the frame pointer the stack walk starts from
+        assert_eq!(probe_distance(&function(&[0x48, 0x89, 0xe5, 0x53, 0x5b]), FREE), 0);
+        // cmp; ret: nothing emulated before the function leaves
+        assert_eq!(probe_distance(&function(&[0x48, 0x83, 0xff, 0x01]), FREE), 0);
+    }
+
+    #[test]
+    fn a_jump_back_to_the_site_keeps_the_symbol() {
+        // cmp $0x1,%rdi; ja +2; xor %eax,%eax; jmp back to the ja
+        let code = function(&[0x48, 0x83, 0xff, 0x01, 0x77, 0x02, 0x31, 0xc0, 0xeb, 0xfa]);
+        assert_eq!(probe_distance(&code, MALLOC), 0);
+        // ... or into the instructions stepped over
+        let code = function(&[0x48, 0x83, 0xff, 0x01, 0x77, 0x02, 0x31, 0xc0, 0xeb, 0xf6]);
+        assert_eq!(probe_distance(&code, MALLOC), 0);
+        // A jump past the site is fine.
+        let code = function(&[0x48, 0x83, 0xff, 0x01, 0x77, 0x02, 0x31, 0xc0, 0xeb, 0xfc]);
+        assert_eq!(probe_distance(&code, MALLOC), 4);
+    }
+
+    #[test]
+    fn a_null_check_whose_skip_is_jumped_to_keeps_the_jump() {
+        // test %rdi,%rdi; je +3; push %rbp; pop %rbp; ret; jmp back to the push
+        let code = function(&[0x48, 0x85, 0xff, 0x74, 0x03, 0x55, 0x5d, 0xc3, 0xeb, 0xfb]);
+        assert_eq!(probe_distance(&code, FREE), 3);
+    }
+
+    #[test]
+    fn prefixed_branches_and_unknown_bytes_keep_the_symbol() {
+        // cmp; jne with an operand-size prefix: the kernel single-steps it
+        assert_eq!(probe_distance(&function(&[0x48, 0x83, 0xff, 0x01, 0x66, 0x75, 0x00]), MALLOC), 0);
+        // Bytes that are no instruction
+        assert_eq!(probe_distance(&[0x48, 0x83, 0xff, 0x01, 0x75, 0x00, 0x06], MALLOC), 0);
+        assert_eq!(probe_distance(&[], MALLOC), 0, "no size: no decoding");
+    }
+}
