@@ -51,9 +51,10 @@ fn entry(ctx: &ProbeContext) -> bool {
     }
 }
 
-/// Entry and return of every allocator function in one uprobe session (Linux 6.12+): at the
+/// Entry and return of every allocator function in one uprobe session (Linux 6.13+): at the
 /// entry, returning 1 spares the call its return probe, which a call sampled mode did not draw
-/// does not need. The entry is where the instruction pointer is still the probed function's.
+/// does not need. The entry is where the instruction pointer is still the probed function's
+/// (`bpf_get_func_ip` returns it in uprobes from Linux 6.6, before sessions existed).
 ///
 /// Written out rather than with `#[uprobe]`, whose wrapper always returns 0.
 #[unsafe(no_mangle)]
@@ -142,7 +143,7 @@ pub fn mappings_changed(ctx: ProbeContext) -> u32 {
         return 0;
     }
     // SAFETY: the context is the running probe's.
-    let (delta, here) = unsafe { (bpf_get_attach_cookie(ctx.as_ptr()), bpf_get_func_ip(ctx.as_ptr())) };
+    let (delta, here) = unsafe { (bpf_get_attach_cookie(ctx.as_ptr()), record::probe_address(&ctx)) };
     let r_debug = if delta == 0 || here == 0 { 0 } else { here.wrapping_add(delta) };
     unwind::on_mappings_changed(r_debug);
     0

@@ -3,13 +3,12 @@
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_func_ip, bpf_get_prandom_u32, bpf_ktime_get_ns,
-        bpf_probe_read_user,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_user,
     },
     macros::map,
     maps::{Array, HashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
-    EbpfContext, Global,
+    Global,
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
@@ -223,6 +222,15 @@ fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
             || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN && frame_live(state.entry_sp)))
 }
 
+/// The address of the probe that fired, at an entry probe: the kernel sets the instruction
+/// pointer back to the breakpoint before it runs the programs. `bpf_get_func_ip` says the same
+/// but returns 0 in uprobes before Linux 6.6.
+#[inline(always)]
+pub fn probe_address(ctx: &ProbeContext) -> u64 {
+    // SAFETY: the context is the running probe's.
+    unsafe { (*ctx.regs).rip }
+}
+
 fn stack_pointer(ctx: &ProbeContext) -> u64 {
     #[cfg(bpf_target_arch = "x86_64")]
     {
@@ -314,6 +322,7 @@ pub fn on_thread_exit() {
     let _ = INFLIGHT.remove(tid);
 }
 
+#[inline(always)]
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
     let probe = Probe { regs: ctx.regs, at_return: true };
@@ -330,14 +339,14 @@ pub fn on_return(ctx: &RetProbeContext) {
         }
         return;
     };
-    let call = unsafe {
-        if (*state).depth > 1 {
-            (*state).depth -= 1;
-            return;
-        }
-        (*state).depth = 0;
-        *state
-    };
+    // SAFETY: this thread's own entry, which only this thread writes while it lives. Read in
+    // place, not copied: a copy takes more of the BPF stack than the walk below leaves.
+    let call = unsafe { &mut *state };
+    if call.depth > 1 {
+        call.depth -= 1;
+        return;
+    }
+    call.depth = 0;
     let Some(func) = AllocFn::from_u32(call.func) else {
         return;
     };
@@ -352,7 +361,7 @@ pub fn on_return(ctx: &RetProbeContext) {
         // is no failure (the caller then moves the block itself). The block stays as it was.
         AllocFn::ResizeInPlace if ret < call.size => {
             if call.stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, 0);
             }
             return;
         }
@@ -365,17 +374,16 @@ pub fn on_return(ctx: &RetProbeContext) {
     if resizes && (returned != 0 || call.size == 0) {
         if call.stashed != 0 {
             let temporary = call.last_alloc == call.ptr_arg && call.stash.tid == tid;
-            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, temporary);
+            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, temporary);
         } else {
             unseen_free(probe, tgid, call.ptr_arg);
         }
     } else if call.stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, 0);
     }
     if returned != 0 && call.recorded != 0 {
         on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
-        // SAFETY: this thread's own entry, as above.
-        unsafe { (*state).last_alloc = returned };
+        call.last_alloc = returned;
     } else if call.size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
@@ -416,7 +424,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
             // Freed by its own thread before that thread allocated anything else.
             let temporary = alloc.tid == tid && state.is_some_and(|state| unsafe { (*state).last_alloc } == addr);
             if LIVE.remove(key).is_ok() {
-                retire(probe, key, alloc, temporary);
+                retire(probe, key, &alloc, temporary);
             }
         }
         None => unseen_free(probe, tgid, addr),
@@ -428,10 +436,9 @@ fn inside_wrapper(note: &FreeNote, ctx: &ProbeContext, addr: u64, sp: u64) -> bo
     if note.addr != addr || sp > note.sp || note.sp - sp >= NESTING_STACK_SPAN {
         return false;
     }
-    // SAFETY: helpers reading the running probe's context and user memory, which fault safely.
-    let ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
+    // SAFETY: a helper reading user memory, which faults safely.
     let slot = unsafe { bpf_probe_read_user(note.sp as *const u64) }.unwrap_or(0);
-    ip != note.ip && slot == note.ret
+    probe_address(ctx) != note.ip && slot == note.ret
 }
 
 /// Records a wrapper free in its thread's entry (inserted idle for a thread that has none).
@@ -447,10 +454,11 @@ fn note_wrapper(state: Option<*mut Inflight>, ctx: &ProbeContext, tgid: u32, tid
         addr,
         sp,
         ret: unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0),
-        ip: unsafe { bpf_get_func_ip(ctx.as_ptr()) },
+        ip: probe_address(ctx),
     };
 }
 
+#[inline(always)]
 fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn, sample_bytes: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let alloc = LiveAlloc {
@@ -627,9 +635,9 @@ fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
 
 /// Counts the free of a block that was live (`temporary`: see `Inflight::last_alloc`), and
 /// remembers it to recognise a second free.
-fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc, temporary: bool) {
+fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
     let (tid, now) = (ids().1, unsafe { bpf_ktime_get_ns() });
-    count_free(key.tgid, &alloc, tid, now, temporary);
+    count_free(key.tgid, alloc, tid, now, temporary);
     if alloc.func & SAMPLED != 0 {
         // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
         // address would pass for freed twice.
@@ -639,23 +647,31 @@ fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc, temporary: bool) {
     if let Some(slot) = recent_free(&key) {
         // Two frees in one slot at once may mix their fields; a double free of either address
         // would then show the other's stacks, which is all that can go wrong.
-        *slot = RecentFree { key, freed: FreedAlloc { alloc, free } };
+        *slot = RecentFree { key, freed: FreedAlloc { alloc: *alloc, free } };
     }
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
 fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
-    if let Some(first) = recent_free(&key).filter(|slot| slot.key == key).map(|slot| slot.freed) {
-        // Also seen when the allocator itself frees what sits in its caches (glibc's
-        // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first, second };
-        if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
-            count_drop(DropReason::DoubleFreeEventLost);
-        }
-    } else {
+    let Some(slot) = recent_free(&key).filter(|slot| slot.key == key) else {
         // Allocated before attach (or its allocation was dropped): expected, not an error.
         bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        return;
+    };
+    // Also seen when the allocator itself frees what sits in its caches (glibc's
+    // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
+    // Written in the ring's record, not on the BPF stack, which the walk below needs.
+    let Some(mut entry) = DOUBLE_FREES.reserve::<DoubleFreeEvent>(0) else {
+        count_drop(DropReason::DoubleFreeEventLost);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record is ours until submitted.
+    unsafe {
+        ((*event).tgid, (*event)._pad, (*event).addr) = (tgid, 0, addr);
+        (*event).first = slot.freed;
+        (*event).second = free_site(probe, tgid, ids().1, bpf_ktime_get_ns());
     }
+    entry.submit(0);
 }
