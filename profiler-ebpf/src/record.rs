@@ -361,7 +361,7 @@ pub fn on_return(ctx: &RetProbeContext) {
         // is no failure (the caller then moves the block itself). The block stays as it was.
         AllocFn::ResizeInPlace if ret < call.size => {
             if call.stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, 0);
+                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
             }
             return;
         }
@@ -379,7 +379,7 @@ pub fn on_return(ctx: &RetProbeContext) {
             unseen_free(probe, tgid, call.ptr_arg);
         }
     } else if call.stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, 0);
+        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
     }
     if returned != 0 && call.recorded != 0 {
         on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
