@@ -3,9 +3,10 @@
 //! process and be shared (see `shared`).
 //!
 //! Detaching is what differs: closing a perf-event uprobe waits for RCU grace periods under a
-//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s, and
-//! closing several at once from threads is no faster (measured). A uprobe_multi link waits for its
-//! grace periods once for all of its probes.
+//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s; they
+//! are closed by the same few threads as links, which on 6.18 was no faster (measured), as the
+//! mutex serialises them. A uprobe_multi link waits for its grace periods once for all of its
+//! probes. Perf-event uprobes are what Linux 6.1 gets (no uprobe_multi links).
 
 use std::{
     num::NonZeroU32,
