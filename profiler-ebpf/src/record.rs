@@ -1,5 +1,7 @@
 //! The maps and what each probe does to them.
 
+use core::ptr::read_volatile;
+
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
@@ -339,14 +341,24 @@ pub fn on_return(ctx: &RetProbeContext) {
         }
         return;
     };
-    // SAFETY: this thread's own entry, which only this thread writes while it lives. Read in
-    // place, not copied: a copy takes more of the BPF stack than the walk below leaves.
+    // SAFETY: this thread's own entry, which only this thread writes while it lives. Not copied
+    // whole: a copy takes more of the BPF stack than the walk below leaves. Each field branched
+    // on is read once (volatile: not read again from the map), so the verifier sees one value.
     let call = unsafe { &mut *state };
     if call.depth > 1 {
         call.depth -= 1;
         return;
     }
     call.depth = 0;
+    // SAFETY: reads of fields of this thread's entry, as above.
+    let (size, ptr_arg, stashed, recorded) = unsafe {
+        (
+            read_volatile(&call.size),
+            read_volatile(&call.ptr_arg),
+            read_volatile(&call.stashed),
+            read_volatile(&call.recorded),
+        )
+    };
     let Some(func) = AllocFn::from_u32(call.func) else {
         return;
     };
@@ -356,35 +368,35 @@ pub fn on_return(ctx: &RetProbeContext) {
             bump_proc_counter(tgid, |c| &mut c.failed_allocations);
             return;
         }
-        AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0),
+        AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(ptr_arg as *const u64) }.unwrap_or(0),
         // xallocx returns the block's real size: below the size asked, it did not resize, which
         // is no failure (the caller then moves the block itself). The block stays as it was.
-        AllocFn::ResizeInPlace if ret < call.size => {
-            if call.stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+        AllocFn::ResizeInPlace if ret < size => {
+            if stashed != 0 {
+                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
             }
             return;
         }
-        AllocFn::ResizeInPlace => call.ptr_arg,
+        AllocFn::ResizeInPlace => ptr_arg,
         _ => ret,
     };
-    let resizes = func.resizes() && call.ptr_arg != 0;
+    let resizes = func.resizes() && ptr_arg != 0;
     // A realloc that succeeded, moved or in place, freed the old block; so did glibc's
     // realloc(p, 0), which returns NULL. A failed one left the old block live.
-    if resizes && (returned != 0 || call.size == 0) {
-        if call.stashed != 0 {
-            let temporary = call.last_alloc == call.ptr_arg && call.stash.tid == tid;
-            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, &call.stash, temporary);
+    if resizes && (returned != 0 || size == 0) {
+        if stashed != 0 {
+            let temporary = call.last_alloc == ptr_arg && call.stash.tid == tid;
+            retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
         } else {
-            unseen_free(probe, tgid, call.ptr_arg);
+            unseen_free(probe, tgid, ptr_arg);
         }
-    } else if call.stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+    } else if stashed != 0 {
+        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
     }
-    if returned != 0 && call.recorded != 0 {
-        on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
+    if returned != 0 && recorded != 0 {
+        on_allocated(probe, tgid, tid, returned, size, func, call.sample_bytes);
         call.last_alloc = returned;
-    } else if call.size != 0 && func != AllocFn::PosixMemalign {
+    } else if size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
@@ -661,7 +673,10 @@ fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     };
     // Also seen when the allocator itself frees what sits in its caches (glibc's
     // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-    // Written in the ring's record, not on the BPF stack, which the walk below needs.
+    // The walk runs before the ring's record is reserved: a reservation held across it keeps the
+    // verifier from pruning the walk's states. The event is written in the record, not on the
+    // BPF stack, which the walk needs.
+    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
     let Some(mut entry) = DOUBLE_FREES.reserve::<DoubleFreeEvent>(0) else {
         count_drop(DropReason::DoubleFreeEventLost);
         return;
@@ -671,7 +686,7 @@ fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     unsafe {
         ((*event).tgid, (*event)._pad, (*event).addr) = (tgid, 0, addr);
         (*event).first = slot.freed;
-        (*event).second = free_site(probe, tgid, ids().1, bpf_ktime_get_ns());
+        (*event).second = second;
     }
     entry.submit(0);
 }
