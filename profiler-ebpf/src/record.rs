@@ -15,13 +15,13 @@ use aya_ebpf::{
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, ProcHeap, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
+    Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
     LOG2_BUCKETS, NO_STACK, SAMPLED,
 };
 
 use crate::{
     shared::{add, count_drop, kernel_word, NO_PREALLOC},
-    unwind::{self, Regs, FREE_STACKS, STACKS},
+    unwind::{self, Regs},
 };
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
@@ -152,9 +152,9 @@ pub struct Probe {
 }
 
 impl Probe {
-    fn stack_id(self, table: &HashMap<u64, Stack>, which: u32, tgid: u32) -> u64 {
+    fn stack_id(self, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
-        unwind::stack_id(table, which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
+        unwind::stack_id(which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
 }
 
@@ -350,6 +350,11 @@ pub fn on_return(ctx: &RetProbeContext) {
         return;
     }
     call.depth = 0;
+    // Before the reads below: with them, the index may be spilled before its bounds check, which
+    // 6.1's verifier does not carry over to the spilled copy.
+    let Some(func) = AllocFn::from_u32(call.func) else {
+        return;
+    };
     // SAFETY: reads of fields of this thread's entry, as above.
     let (size, ptr_arg, stashed, recorded) = unsafe {
         (
@@ -358,9 +363,6 @@ pub fn on_return(ctx: &RetProbeContext) {
             read_volatile(&call.stashed),
             read_volatile(&call.recorded),
         )
-    };
-    let Some(func) = AllocFn::from_u32(call.func) else {
-        return;
     };
     let returned = match func {
         // posix_memalign returns an error code and stores the pointer through its out-pointer.
@@ -476,7 +478,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: probe.stack_id(&STACKS, stack_table::ALLOCATIONS, tgid),
+        stack_id: probe.stack_id(stack_table::ALLOCATIONS, tgid),
         tid,
         func: func as u32 | if sample_bytes != 0 { SAMPLED } else { 0 },
     };
@@ -641,7 +643,7 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: 
 fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
-    let stack_id = probe.stack_id(&FREE_STACKS, stack_table::FREES, tgid);
+    let stack_id = probe.stack_id(stack_table::FREES, tgid);
     FreeSite { time_ns, stack_id, tid, _pad: 0 }
 }
 
