@@ -263,7 +263,7 @@ pub struct FreeNote {
     pub sp: u64,
     /// The return address the slot held then.
     pub ret: u64,
-    /// The wrapper's address (`bpf_get_func_ip`).
+    /// The wrapper's address (the probe's, see `probe_address` in the eBPF programs).
     pub ip: u64,
 }
 

@@ -58,9 +58,10 @@ fn entry(ctx: &ProbeContext, cookie: u64) -> bool {
     }
 }
 
-/// Entry and return of every allocator function in one uprobe session (Linux 6.12+): at the
+/// Entry and return of every allocator function in one uprobe session (Linux 6.13+): at the
 /// entry, returning 1 spares the call its return probe, which a call sampled mode did not draw
-/// does not need. The entry is where the instruction pointer is still the probed function's.
+/// does not need. The entry is where the instruction pointer is still the probed function's
+/// (`bpf_get_func_ip` returns it in uprobes from Linux 6.6, before sessions existed).
 ///
 /// Written out rather than with `#[uprobe]`, whose wrapper always returns 0.
 #[unsafe(no_mangle)]
@@ -154,8 +155,7 @@ pub fn mappings_changed(ctx: ProbeContext) -> u32 {
     if !process::probed(shared_link) {
         return 0;
     }
-    // SAFETY: the context is the running probe's.
-    let here = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
+    let here = record::probe_address(&ctx);
     let r_debug = if delta == 0 || here == 0 { 0 } else { here.wrapping_add(delta) };
     unwind::on_mappings_changed(r_debug);
     0

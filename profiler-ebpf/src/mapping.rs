@@ -29,7 +29,7 @@ use crate::{
     process,
     record::{current_mm, in_allocator_call, return_trampoline},
     shared::{count_drop, kernel_word},
-    unwind::{self, Regs, TakenReturns, STACKS},
+    unwind::{self, Regs, TakenReturns},
 };
 
 /// x86_64 system call numbers.
@@ -160,7 +160,7 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
             counts_cuts: false,
         };
         let inside = if inside { mapping_event::IN_ALLOCATOR } else { 0 };
-        (unwind::stack_id(&STACKS, stack_table::ALLOCATIONS, tgid, regs), change.flags | inside)
+        (unwind::stack_id(stack_table::ALLOCATIONS, tgid, regs), change.flags | inside)
     } else {
         (NO_STACK, change.flags)
     };

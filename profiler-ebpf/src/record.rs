@@ -1,26 +1,27 @@
 //! The maps and what each probe does to them.
 
+use core::ptr::read_volatile;
+
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_func_ip, bpf_get_prandom_u32, bpf_ktime_get_ns,
-        bpf_probe_read_user,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_probe_read_user,
     },
     macros::map,
     maps::{Array, HashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
-    EbpfContext, Global,
+    Global,
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, ProcHeap, RecentFree, Stack, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
+    Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
     LOG2_BUCKETS, NO_STACK, SAMPLED,
 };
 
 use crate::{
     shared::{add, count_drop, kernel_word, NO_PREALLOC},
-    unwind::{self, Regs, FREE_STACKS, STACKS},
+    unwind::{self, Regs},
 };
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
@@ -151,9 +152,9 @@ pub struct Probe {
 }
 
 impl Probe {
-    fn stack_id(self, table: &HashMap<u64, Stack>, which: u32, tgid: u32) -> u64 {
+    fn stack_id(self, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
-        unwind::stack_id(table, which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
+        unwind::stack_id(which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
 }
 
@@ -221,6 +222,15 @@ fn nested_in(state: &Inflight, tgid: u32, sp: u64) -> bool {
         && (sp == 0
             || state.entry_sp == 0
             || (sp <= state.entry_sp && state.entry_sp - sp < NESTING_STACK_SPAN && frame_live(state.entry_sp)))
+}
+
+/// The address of the probe that fired, at an entry probe: the kernel sets the instruction
+/// pointer back to the breakpoint before it runs the programs. `bpf_get_func_ip` says the same
+/// but returns 0 in uprobes before Linux 6.6.
+#[inline(always)]
+pub fn probe_address(ctx: &ProbeContext) -> u64 {
+    // SAFETY: the context is the running probe's.
+    unsafe { (*ctx.regs).rip }
 }
 
 fn stack_pointer(ctx: &ProbeContext) -> u64 {
@@ -314,6 +324,7 @@ pub fn on_thread_exit() {
     let _ = INFLIGHT.remove(tid);
 }
 
+#[inline(always)]
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
     let probe = Probe { regs: ctx.regs, at_return: true };
@@ -330,16 +341,28 @@ pub fn on_return(ctx: &RetProbeContext) {
         }
         return;
     };
-    let call = unsafe {
-        if (*state).depth > 1 {
-            (*state).depth -= 1;
-            return;
-        }
-        (*state).depth = 0;
-        *state
-    };
+    // SAFETY: this thread's own entry, which only this thread writes while it lives. Not copied
+    // whole: a copy takes more of the BPF stack than the walk below leaves. Each field branched
+    // on is read once (volatile: not read again from the map), so the verifier sees one value.
+    let call = unsafe { &mut *state };
+    if call.depth > 1 {
+        call.depth -= 1;
+        return;
+    }
+    call.depth = 0;
+    // Before the reads below: with them, the index may be spilled before its bounds check, which
+    // 6.1's verifier does not carry over to the spilled copy.
     let Some(func) = AllocFn::from_u32(call.func) else {
         return;
+    };
+    // SAFETY: reads of fields of this thread's entry, as above.
+    let (size, ptr_arg, stashed, recorded) = unsafe {
+        (
+            read_volatile(&call.size),
+            read_volatile(&call.ptr_arg),
+            read_volatile(&call.stashed),
+            read_volatile(&call.recorded),
+        )
     };
     let returned = match func {
         // posix_memalign returns an error code and stores the pointer through its out-pointer.
@@ -347,36 +370,35 @@ pub fn on_return(ctx: &RetProbeContext) {
             bump_proc_counter(tgid, |c| &mut c.failed_allocations);
             return;
         }
-        AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(call.ptr_arg as *const u64) }.unwrap_or(0),
+        AllocFn::PosixMemalign => unsafe { bpf_probe_read_user(ptr_arg as *const u64) }.unwrap_or(0),
         // xallocx returns the block's real size: below the size asked, it did not resize, which
         // is no failure (the caller then moves the block itself). The block stays as it was.
-        AllocFn::ResizeInPlace if ret < call.size => {
-            if call.stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+        AllocFn::ResizeInPlace if ret < size => {
+            if stashed != 0 {
+                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
             }
             return;
         }
-        AllocFn::ResizeInPlace => call.ptr_arg,
+        AllocFn::ResizeInPlace => ptr_arg,
         _ => ret,
     };
-    let resizes = func.resizes() && call.ptr_arg != 0;
+    let resizes = func.resizes() && ptr_arg != 0;
     // A realloc that succeeded, moved or in place, freed the old block; so did glibc's
     // realloc(p, 0), which returns NULL. A failed one left the old block live.
-    if resizes && (returned != 0 || call.size == 0) {
-        if call.stashed != 0 {
-            let temporary = call.last_alloc == call.ptr_arg && call.stash.tid == tid;
-            retire(probe, AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, temporary);
+    if resizes && (returned != 0 || size == 0) {
+        if stashed != 0 {
+            let temporary = call.last_alloc == ptr_arg && call.stash.tid == tid;
+            retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
         } else {
-            unseen_free(probe, tgid, call.ptr_arg);
+            unseen_free(probe, tgid, ptr_arg);
         }
-    } else if call.stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: call.ptr_arg }, call.stash, 0);
+    } else if stashed != 0 {
+        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
     }
-    if returned != 0 && call.recorded != 0 {
-        on_allocated(probe, tgid, tid, returned, call.size, func, call.sample_bytes);
-        // SAFETY: this thread's own entry, as above.
-        unsafe { (*state).last_alloc = returned };
-    } else if call.size != 0 && func != AllocFn::PosixMemalign {
+    if returned != 0 && recorded != 0 {
+        on_allocated(probe, tgid, tid, returned, size, func, call.sample_bytes);
+        call.last_alloc = returned;
+    } else if size != 0 && func != AllocFn::PosixMemalign {
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
@@ -416,7 +438,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
             // Freed by its own thread before that thread allocated anything else.
             let temporary = alloc.tid == tid && state.is_some_and(|state| unsafe { (*state).last_alloc } == addr);
             if LIVE.remove(key).is_ok() {
-                retire(probe, key, alloc, temporary);
+                retire(probe, key, &alloc, temporary);
             }
         }
         None => unseen_free(probe, tgid, addr),
@@ -428,10 +450,9 @@ fn inside_wrapper(note: &FreeNote, ctx: &ProbeContext, addr: u64, sp: u64) -> bo
     if note.addr != addr || sp > note.sp || note.sp - sp >= NESTING_STACK_SPAN {
         return false;
     }
-    // SAFETY: helpers reading the running probe's context and user memory, which fault safely.
-    let ip = unsafe { bpf_get_func_ip(ctx.as_ptr()) };
+    // SAFETY: a helper reading user memory, which faults safely.
     let slot = unsafe { bpf_probe_read_user(note.sp as *const u64) }.unwrap_or(0);
-    ip != note.ip && slot == note.ret
+    probe_address(ctx) != note.ip && slot == note.ret
 }
 
 /// Records a wrapper free in its thread's entry (inserted idle for a thread that has none).
@@ -447,16 +468,17 @@ fn note_wrapper(state: Option<*mut Inflight>, ctx: &ProbeContext, tgid: u32, tid
         addr,
         sp,
         ret: unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0),
-        ip: unsafe { bpf_get_func_ip(ctx.as_ptr()) },
+        ip: probe_address(ctx),
     };
 }
 
+#[inline(always)]
 fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn, sample_bytes: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: probe.stack_id(&STACKS, stack_table::ALLOCATIONS, tgid),
+        stack_id: probe.stack_id(stack_table::ALLOCATIONS, tgid),
         tid,
         func: func as u32 | if sample_bytes != 0 { SAMPLED } else { 0 },
     };
@@ -621,15 +643,15 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: 
 fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
-    let stack_id = probe.stack_id(&FREE_STACKS, stack_table::FREES, tgid);
+    let stack_id = probe.stack_id(stack_table::FREES, tgid);
     FreeSite { time_ns, stack_id, tid, _pad: 0 }
 }
 
 /// Counts the free of a block that was live (`temporary`: see `Inflight::last_alloc`), and
 /// remembers it to recognise a second free.
-fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc, temporary: bool) {
+fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
     let (tid, now) = (ids().1, unsafe { bpf_ktime_get_ns() });
-    count_free(key.tgid, &alloc, tid, now, temporary);
+    count_free(key.tgid, alloc, tid, now, temporary);
     if alloc.func & SAMPLED != 0 {
         // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
         // address would pass for freed twice.
@@ -639,23 +661,34 @@ fn retire(probe: Probe, key: AddrKey, alloc: LiveAlloc, temporary: bool) {
     if let Some(slot) = recent_free(&key) {
         // Two frees in one slot at once may mix their fields; a double free of either address
         // would then show the other's stacks, which is all that can go wrong.
-        *slot = RecentFree { key, freed: FreedAlloc { alloc, free } };
+        *slot = RecentFree { key, freed: FreedAlloc { alloc: *alloc, free } };
     }
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
 fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
-    if let Some(first) = recent_free(&key).filter(|slot| slot.key == key).map(|slot| slot.freed) {
-        // Also seen when the allocator itself frees what sits in its caches (glibc's
-        // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
-        let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
-        let event = DoubleFreeEvent { tgid, _pad: 0, addr, first, second };
-        if DOUBLE_FREES.output::<DoubleFreeEvent>(&event, 0).is_err() {
-            count_drop(DropReason::DoubleFreeEventLost);
-        }
-    } else {
+    let Some(slot) = recent_free(&key).filter(|slot| slot.key == key) else {
         // Allocated before attach (or its allocation was dropped): expected, not an error.
         bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        return;
+    };
+    // Also seen when the allocator itself frees what sits in its caches (glibc's
+    // tcache_thread_shutdown at thread exit): the daemon tells those apart by the caller.
+    // The walk runs before the ring's record is reserved: a reservation held across it keeps the
+    // verifier from pruning the walk's states. The event is written in the record, not on the
+    // BPF stack, which the walk needs.
+    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
+    let Some(mut entry) = DOUBLE_FREES.reserve::<DoubleFreeEvent>(0) else {
+        count_drop(DropReason::DoubleFreeEventLost);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record is ours until submitted.
+    unsafe {
+        ((*event).tgid, (*event)._pad, (*event).addr) = (tgid, 0, addr);
+        (*event).first = slot.freed;
+        (*event).second = second;
     }
+    entry.submit(0);
 }

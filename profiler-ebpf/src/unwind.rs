@@ -25,9 +25,9 @@ use aya_ebpf::{
     Global,
 };
 use profiler_common::{
-    cfa, mapping_kind, rbp, stack_hash_step, stack_id_of, DeferredUnwind, DropReason, ExecMapping, LinkMapEvent,
-    ProcMappings, Stack, StackEnd, UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS, NO_STACK,
-    PAGE_BYTES, STACK_HASH_SEED, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
+    cfa, mapping_kind, rbp, stack_hash_step, stack_id_of, stack_table, DeferredUnwind, DropReason, ExecMapping,
+    LinkMapEvent, ProcMappings, Stack, StackEnd, UnwindRow, DEFERRED_PAGES, LINK_MAP_OBJECTS, MAX_FRAMES, MAX_MAPPINGS,
+    NO_STACK, PAGE_BYTES, STACK_HASH_SEED, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
 use crate::shared::{count_drop, kernel_word, NO_PREALLOC};
@@ -249,9 +249,10 @@ impl Regs {
     }
 }
 
-/// Walks the stack and returns its id in `table`, or `NO_STACK` (counted) when it cannot be kept.
-/// `which` is the table's `stack_table` constant.
-pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) -> u64 {
+/// Walks the stack and returns its id in the `stack_table` `which`, or `NO_STACK` (counted) when
+/// it cannot be kept.
+#[inline(always)]
+pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
@@ -271,6 +272,22 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     // No mapping yet: an empty range.
     walk.mapping.end = 0;
     scratch.window.len = 0;
+    walk_and_store(which, u32::from(regs.counts_cuts), ours)
+}
+
+/// `stack_id`'s walk of the registers it left in `SCRATCH`, and the stack's storing. A global
+/// function (not mangled, never inlined, scalar arguments only): kernels before 6.3 verify it once
+/// per program, apart from its callers, where a static function is verified again on every path
+/// that reaches each of its call sites.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64 {
+    let table = if which == stack_table::FREES { &FREE_STACKS } else { &STACKS };
+    let counts_cuts = counts_cuts != 0;
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return NO_STACK;
+    };
+    let scratch = unsafe { &mut *scratch };
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // SAFETY: `step` has the callback signature bpf_loop expects.
     // One more iteration than frames: an entry probe's first one stores none.
@@ -278,13 +295,13 @@ pub fn stack_id(table: &HashMap<u64, Stack>, which: u32, tgid: u32, regs: Regs) 
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
     if end == StackEnd::NoTable {
-        if let Some(id) = defer(table, which, scratch, ours, regs.counts_cuts) {
+        if let Some(id) = defer(table, which, scratch, ours, counts_cuts) {
             return id;
         }
         reason = Some(DropReason::DeferredWalkLost);
     }
     let walk = &scratch.walk;
-    if let Some(reason) = reason.filter(|_| regs.counts_cuts) {
+    if let Some(reason) = reason.filter(|_| counts_cuts) {
         count_drop(reason);
     }
     let check = walk.check ^ walk.len as u64;

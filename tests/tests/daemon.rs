@@ -27,7 +27,7 @@ fn target() -> Waiting {
 
 /// A file's probes as memprof attaches them where the kernel has uprobe_multi links, all held by
 /// `holder`: one link per program, for free, the dynamic linker's hook, and the allocation
-/// functions: one uprobe session link for their entries and returns (Linux 6.12+, as here), or
+/// functions: one uprobe session link for their entries and returns (Linux 6.13+, as here), or
 /// an entry link and a return link.
 fn assert_one_link_per_program(links: &[ProbeLink], holder: u32) {
     assert!(links.iter().all(|link| link.multi && link.holder == holder), "{links:?}");
@@ -168,6 +168,32 @@ fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
     assert!(daemon.child.wait().unwrap().success());
     let stderr = daemon.log();
     assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
+}
+
+/// `MEMPROF_UPROBE_SESSION=0` makes memprof attach an entry link and a return link for the
+/// allocation functions, as on a kernel with uprobe_multi links but no uprobe sessions (Linux
+/// 6.10 to 6.12), and the counts stay exact.
+#[test]
+fn with_uprobe_sessions_switched_off_allocations_get_entry_and_return_links() {
+    let _serial = serial();
+    let mut held = target();
+    let pid = held.pid();
+    let mut daemon = Daemon::start_with_env(&["--pid", &pid.to_string()], &[("MEMPROF_UPROBE_SESSION", "0")]);
+    daemon.wait_traced(pid);
+    // The daemon's links are shared per file.
+    let links = probe_links::shared(daemon.child.id());
+    assert_one_link_per_program(&links, daemon.child.id());
+    assert_eq!(links.len(), 4, "entry and return links, free, the dynamic linker: {links:?}");
+
+    held.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
+    assert_eq!(site(&daemon.get_json(&leaks).1, "churn_site"), (0, 0));
+    drop(held);
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let stderr = daemon.log();
+    assert!(stderr.contains("no uprobe sessions (MEMPROF_UPROBE_SESSION=0)"), "{stderr}");
 }
 
 #[test]

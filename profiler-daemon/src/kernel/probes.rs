@@ -3,9 +3,10 @@
 //! process and be shared (see `shared`).
 //!
 //! Detaching is what differs: closing a perf-event uprobe waits for RCU grace periods under a
-//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s, and
-//! closing several at once from threads is no faster (measured). A uprobe_multi link waits for its
-//! grace periods once for all of its probes.
+//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s; they
+//! are closed by the same few threads as links, which on 6.18 was no faster (measured), as the
+//! mutex serialises them. A uprobe_multi link waits for its grace periods once for all of its
+//! probes. Perf-event uprobes are what Linux 6.1 gets (no uprobe_multi links).
 
 use std::{
     num::NonZeroU32,
@@ -37,13 +38,21 @@ pub const MAPPINGS_PROGRAM: &str = "mappings_changed";
 const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM];
 
 /// `MEMPROF_UPROBE_MULTI=0` makes memprof attach perf-event uprobes even where the kernel has
-/// uprobe_multi links (a troubleshooting switch, see the README).
-const SWITCH: &str = "MEMPROF_UPROBE_MULTI";
+/// uprobe_multi links, and `MEMPROF_UPROBE_SESSION=0` entry and return links even where it has
+/// uprobe sessions (troubleshooting switches, see the README; the tests use them to run each
+/// kernel's way here).
+const MULTI_SWITCH: &str = "MEMPROF_UPROBE_MULTI";
+const SESSION_SWITCH: &str = "MEMPROF_UPROBE_SESSION";
+
+/// Whether the switch `name` is set to 0.
+fn switched_off(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|value| value == "0")
+}
 
 /// How probes are attached, decided once when the programs are loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
-    /// uprobe_multi links, with allocation functions in one uprobe session (Linux 6.12+): a call
+    /// uprobe_multi links, with allocation functions in one uprobe session (Linux 6.13+): a call
     /// that sampled mode does not draw skips its return probe.
     Sessions,
     /// One uprobe_multi link per program and process (Linux 6.10+, or a stable kernel with the
@@ -56,8 +65,8 @@ pub enum Method {
 /// Loads the programs for uprobe_multi links where the kernel makes them (and `MEMPROF_UPROBE_MULTI`
 /// is not 0), else for perf-event uprobes, saying so in one line.
 pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
-    let fallback = if std::env::var_os(SWITCH).is_some_and(|value| value == "0") {
-        format!("{SWITCH}=0")
+    let fallback = if switched_off(MULTI_SWITCH) {
+        format!("{MULTI_SWITCH}=0")
     } else {
         match load_for_multi_links(ebpf) {
             Ok(method) => return Ok(method),
@@ -77,9 +86,10 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
     Ok(Method::PerfEvents)
 }
 
-/// Loads the programs for uprobe_multi links: the session program where the kernel has uprobe
-/// sessions, else an entry and a return program for the allocation functions. Only the programs
-/// used are loaded: verifying each allocation program takes the better part of a second.
+/// Loads the programs for uprobe_multi links: the session program where the kernel makes uprobe
+/// session links (and `MEMPROF_UPROBE_SESSION` is not 0), else an entry and a return program for
+/// the allocation functions. Only the programs used are kept: verifying each allocation program
+/// takes the better part of a second.
 fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
     let load = |ebpf: &mut Ebpf, names: &[&str]| -> anyhow::Result<()> {
         for name in names {
@@ -91,16 +101,26 @@ fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
     };
     load(ebpf, &[FREE_PROGRAM, MAPPINGS_PROGRAM])?;
     uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?;
-    let session =
-        program(ebpf, SESSION_PROGRAM).and_then(|p| Ok(p.load_with_attach_type(uprobe_multi::SESSION_ATTACH_TYPE)?));
-    match session {
+    let sessions =
+        if switched_off(SESSION_SWITCH) { Err(anyhow::anyhow!("{SESSION_SWITCH}=0")) } else { load_sessions(ebpf) };
+    match sessions {
         Ok(()) => Ok(Method::Sessions),
         Err(why) => {
+            // Loaded on a kernel that makes no session links: not used.
+            let _ = program(ebpf, SESSION_PROGRAM)?.unload();
             tracing::info!("no uprobe sessions ({why:#}): a sampled call's return probe still fires");
             load(ebpf, &[ENTRY_PROGRAM, RETURN_PROGRAM])?;
             Ok(Method::MultiLinks)
         }
     }
+}
+
+/// Loads the session program and checks that the kernel makes links for it.
+fn load_sessions(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let session = program(ebpf, SESSION_PROGRAM)?;
+    session.load_with_attach_type(uprobe_multi::SESSION_ATTACH_TYPE)?;
+    uprobe_multi::check_sessions(session.fd()?.as_fd())?;
+    Ok(())
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut UProbe> {
@@ -124,11 +144,13 @@ pub struct Attachment {
 /// Attached probes: detached when dropped.
 #[derive(Debug)]
 struct Link {
-    probes: Probes,
+    /// Held only to be dropped.
+    _probes: Probes,
     at_return: bool,
 }
 
 #[derive(Debug)]
+#[expect(dead_code, reason = "each variant holds what detaches its probes when dropped")]
 enum Probes {
     /// Closing the link's last descriptor detaches its probes.
     Multi(OwnedFd),
@@ -184,7 +206,7 @@ impl Attachment {
                 let pid = pid.map_or(0, NonZeroU32::get);
                 let link =
                     uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
-                self.links.push(Link { probes: Probes::Multi(link), at_return });
+                self.links.push(Link { _probes: Probes::Multi(link), at_return });
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
@@ -192,7 +214,7 @@ impl Attachment {
                     let location = UProbeAttachLocation::AbsoluteOffset(point.offset);
                     let at = UProbeAttachPoint { location, cookie: Some(point.cookie) };
                     let id = program.attach(at, path, UProbeScope::OneProcess(pid)).with_context(context)?;
-                    self.links.push(Link { probes: Probes::PerfEvent(program.take_link(id)?), at_return });
+                    self.links.push(Link { _probes: Probes::PerfEvent(program.take_link(id)?), at_return });
                 }
             }
         }
@@ -214,29 +236,22 @@ impl Drop for Attachment {
     }
 }
 
-/// Threads that close uprobe_multi links together. A fixed few: each close walks every process
-/// that maps the file under the kernel's locks, so more threads only wait on each other (threads
-/// per process and per link made the daemon run 1,270 threads, 926 of them blocked there).
+/// Threads that close links together. A fixed few: each close of a uprobe_multi link walks every
+/// process that maps the file under the kernel's locks, so more threads only wait on each other
+/// (threads per process and per link made the daemon run 1,270 threads, 926 of them blocked there).
 const CLOSERS: usize = 8;
 
-/// Detaches `links`, and returns when all are detached.
+/// Detaches `links`, and returns when all are detached. A few threads close them: uprobe_multi
+/// links closed at once share their grace periods, and perf-event uprobes, which each wait for
+/// theirs under a kernel-wide mutex, at least leave the waiting to the threads.
 fn detach_together(links: Vec<Link>) {
-    let mut multi = Vec::new();
-    for link in links {
-        match link.probes {
-            Probes::Multi(fd) => multi.push(fd),
-            // Perf events are torn down one at a time under a kernel mutex, whatever the threads.
-            Probes::PerfEvent(link) => drop(link),
-        }
-    }
-    // Links closed at once share their grace periods: a few threads close them.
-    let queue = Mutex::new(multi);
+    let queue = Mutex::new(links);
     let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
     std::thread::scope(|scope| {
         for _ in 0..CLOSERS.min(queue.lock().map_or(0, |q| q.len())) {
             scope.spawn(|| {
-                while let Some(fd) = next() {
-                    drop(fd);
+                while let Some(link) = next() {
+                    drop(link);
                 }
             });
         }

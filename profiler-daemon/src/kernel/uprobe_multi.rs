@@ -16,8 +16,9 @@ use std::{
 /// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
 /// loaded with it as their expected attach type.
 pub const ATTACH_TYPE: u32 = 48;
-/// `BPF_TRACE_UPROBE_SESSION` (Linux 6.12+): a uprobe_multi link whose program runs at the entry
-/// and at the return, where the entry's non-zero result skips the return.
+/// `BPF_TRACE_UPROBE_SESSION` (Linux 6.13+): a uprobe_multi link whose program runs at the entry
+/// and at the return, where the entry's non-zero result skips the return. Linux 6.12 loads a
+/// program for it but makes no such link (see `check_sessions`).
 pub const SESSION_ATTACH_TYPE: u32 = 57;
 /// `BPF_LINK_CREATE` of `enum bpf_cmd`.
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -130,6 +131,8 @@ pub enum Unsupported {
     Missing(io::Error),
     #[error("this kernel's uprobe_multi links fire for one thread, not the whole process (fixed in Linux 6.10)")]
     ThreadFilter,
+    #[error("this kernel makes no uprobe session links (Linux 6.13+): {0}")]
+    NoSessions(io::Error),
 }
 
 /// Asks the kernel, as libbpf does, whether it makes uprobe_multi links that fire for every thread
@@ -149,6 +152,18 @@ pub fn check_support(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
     match link_create(program, root, &offsets, &cookies, ATTACH_TYPE, 0, u32::MAX) {
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(()),
         _ => Err(Unsupported::ThreadFilter),
+    }
+}
+
+/// Asks the kernel whether it makes uprobe session links for `program`, loaded with
+/// `SESSION_ATTACH_TYPE`: a session link on `/` that fails with EBADF (not a regular file) where
+/// it would make one. Loading is no test: Linux 6.12 verifies such a program, then refuses the
+/// link with EINVAL.
+pub fn check_sessions(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
+    match link_create(program, c"/", &[0], &[0], SESSION_ATTACH_TYPE, 0, 0) {
+        Err(err) if err.raw_os_error() == Some(libc::EBADF) => Ok(()),
+        Err(err) => Err(Unsupported::NoSessions(err)),
+        Ok(_link) => Err(Unsupported::NoSessions(io::Error::other("a link on / was accepted"))),
     }
 }
 
