@@ -180,8 +180,8 @@ fn with_uprobe_sessions_switched_off_allocations_get_entry_and_return_links() {
     let pid = held.pid();
     let mut daemon = Daemon::start_with_env(&["--pid", &pid.to_string()], &[("MEMPROF_UPROBE_SESSION", "0")]);
     daemon.wait_traced(pid);
-    // The daemon's links are shared per file.
-    let links = probe_links::shared(daemon.child.id());
+    // A lone traced process has links of its own (`--probe-links auto`).
+    let links = probe_links::probing(pid);
     assert_one_link_per_program(&links, daemon.child.id());
     assert_eq!(links.len(), 4, "entry and return links, free, the dynamic linker: {links:?}");
 
