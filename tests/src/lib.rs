@@ -541,6 +541,22 @@ pub fn bench_program(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     compiled("cc", &workspace().join("bench").join(file), name, flags)
 }
 
+/// `bench/heapbench.c` holding `mib` MiB of live blocks, once it says it has built them. It waits
+/// for its stdin to close, so it ends with the test that holds it, whatever happens.
+pub fn start_heapbench(mib: u64) -> Child {
+    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
+    let mut target = Command::new(&heapbench)
+        .arg(mib.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting heapbench");
+    let mut built = String::new();
+    BufReader::new(target.stdout.as_mut().expect("piped")).read_line(&mut built).expect("reading heapbench");
+    assert_eq!(built, "built\n");
+    target
+}
+
 /// Compiles `source` with `compiler` and `flags` into `target/fixtures/NAME`.
 fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());

@@ -5,7 +5,6 @@
 //! when the daemon dies while they wait.
 
 use std::{
-    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     thread,
@@ -13,7 +12,7 @@ use std::{
 };
 
 use memprof_tests::{
-    bench_program, fixture, memprof, memprof_bin, metric, site, socket_answer, wait_for, web_config_user, Daemon,
+    fixture, memprof, memprof_bin, metric, site, socket_answer, start_heapbench, wait_for, web_config_user, Daemon,
     Outcome, Waiting,
 };
 
@@ -197,18 +196,8 @@ const HEAP_MIB: u64 = 256;
 /// closed the connection, not that no daemon traces the process.
 #[test]
 fn inspect_says_so_when_the_daemon_dies_mid_inspection() {
-    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
     for _ in 0..5 {
-        // heapbench waits for its stdin to close: it ends with this try, whatever happens.
-        let mut target = Command::new(&heapbench)
-            .arg(HEAP_MIB.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting heapbench");
-        let mut built = String::new();
-        BufReader::new(target.stdout.as_mut().unwrap()).read_line(&mut built).unwrap();
-        assert_eq!(built, "built\n");
+        let mut target = start_heapbench(HEAP_MIB);
         let pid = target.id();
         let daemon = Daemon::start(&["--pid", &pid.to_string()]);
         daemon.wait_traced(pid);

@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{bench_program, fixture, http_get, socket_answer, wait_for, Daemon, Waiting};
+use memprof_tests::{fixture, http_get, socket_answer, start_heapbench, wait_for, Daemon, Waiting};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -199,17 +199,7 @@ fn sighup_and_sigterm_in_the_daemons_first_moment_are_handled() {
 fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
     let _serial = serial();
     let group = MemoryCgroup::new(&format!("memprof-test-inspect-{}", std::process::id()), 512 << 20);
-    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
-    // heapbench waits for its stdin to close: it ends with this test, whatever happens.
-    let mut target = std::process::Command::new(&heapbench)
-        .arg("700")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting heapbench");
-    let mut built = String::new();
-    BufReader::new(target.stdout.as_mut().unwrap()).read_line(&mut built).unwrap();
-    assert_eq!(built, "built\n");
+    let mut target = start_heapbench(700);
     let pid = target.id();
     let mut daemon = Daemon::spawn(&["--pid", &pid.to_string()], &[]);
     group.enter(daemon.child.id());

@@ -4,14 +4,13 @@
 //! the view it last published).
 
 use std::{
-    io::{BufRead as _, BufReader},
     path::Path,
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
-use memprof_tests::{bench_program, http_get, memprof_bin, sample, socket_answer, Daemon, Outcome};
+use memprof_tests::{http_get, memprof_bin, sample, socket_answer, start_heapbench, Daemon, Outcome};
 use serde_json::{json, Value};
 
 /// heapbench's live heap: 65536 blocks of 4 KiB. Its inspection copies it while the process runs,
@@ -30,17 +29,7 @@ const SCRAPE_BOUND: Duration = Duration::from_secs(5);
 
 #[test]
 fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
-    let heapbench = bench_program("heapbench.c", "heapbench", &["-O2", "-pthread"]);
-    // heapbench waits for its stdin to close: it ends with this test, whatever happens.
-    let mut target = Command::new(&heapbench)
-        .arg(HEAP_MIB.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting heapbench");
-    let mut built = String::new();
-    BufReader::new(target.stdout.as_mut().unwrap()).read_line(&mut built).unwrap();
-    assert_eq!(built, "built\n");
+    let mut target = start_heapbench(HEAP_MIB);
     let pid = target.id();
     let daemon = Daemon::start(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);

@@ -127,6 +127,9 @@ fn diff_refuses_a_gzip_bomb_at_256_mib() {
         .unwrap();
     assert!(made.success());
     let bomb = bomb.to_str().unwrap();
-    assert_fails(&memprof(&["diff", bomb, bomb]), "decompresses to 300 MiB, more than the 256 MiB of any profile memprof reads");
+    assert_fails(
+        &memprof(&["diff", bomb, bomb]),
+        "decompresses to 300 MiB, more than the 256 MiB of any profile memprof reads",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -118,8 +118,22 @@ fn test() -> anyhow::Result<()> {
             .env("CARGO_ENCODED_RUSTFLAGS", format!("--cfg=bpf_target_arch=\"{}\"", std::env::consts::ARCH)),
     )?;
     let memprof = build_memprof()?;
+    check_bpf_stack()?;
     // The end-to-end tests run this binary against real processes: they need root.
     // SAFETY: setting a variable before any thread of ours starts.
     unsafe { std::env::set_var("MEMPROF_BIN", &memprof) };
     run("cargo", &["test", "--release", "--workspace", "--exclude", "profiler-ebpf"])
+}
+
+/// Kernels before 6.13 give a BPF program 512 bytes of stack for its whole chain of calls, and
+/// 6.18's verifier checks each frame alone: the object `build_memprof` embedded is checked here.
+fn check_bpf_stack() -> anyhow::Result<()> {
+    let builds = std::fs::read_dir(root().join("target/release/build")).context("reading target/release/build")?;
+    let object = builds
+        .filter_map(|entry| Some(entry.ok()?.path().join("out/profiler-ebpf")))
+        .filter_map(|path| Some((std::fs::metadata(&path).ok()?.modified().ok()?, path)))
+        .max()
+        .map(|(_, path)| path)
+        .context("no profiler-ebpf object under target/release/build: build memprof first")?;
+    run("python3", &["xtask/bpf_stack_depth.py", &object.to_string_lossy()])
 }

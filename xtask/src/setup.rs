@@ -18,7 +18,8 @@ use crate::run;
 /// `go tool pprof` the pprof tests read memprof's profiles with, and openssl and curl, with which
 /// the HTTP tests make a certificate and fetch over TLS; jemalloc, tcmalloc (gperftools) and
 /// mimalloc, which the allocator tests link and preload; redis-server, a real program on jemalloc;
-/// LLVM's 100 MB library, which the unwinding tests load.
+/// LLVM's 100 MB library, which the unwinding tests load; llvm-objdump, with which `test` reads each
+/// BPF program's stack (xtask/bpf_stack_depth.py).
 const PACKAGES: &[&str] = &[
     "gcc",
     "libc6-dev",
@@ -37,6 +38,7 @@ const PACKAGES: &[&str] = &[
     "libmimalloc-dev",
     "redis-server",
     "libllvm14",
+    "llvm",
     "musl-tools",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
