@@ -133,6 +133,20 @@ pub struct Waiting {
     pub child: Child,
 }
 
+/// Spawns `command`, again while its program is busy (ETXTBSY): a fixture a test has just copied
+/// stays open for writing in any child another test forked meanwhile, until that child execs.
+fn spawn_when_not_busy(command: &mut Command) -> Child {
+    for _ in 0..100 {
+        match command.spawn() {
+            Err(err) if err.raw_os_error() == Some(libc::ETXTBSY) => {
+                thread::sleep(std::time::Duration::from_millis(10))
+            }
+            started => return started.expect("starting the fixture"),
+        }
+    }
+    panic!("the fixture stayed busy (ETXTBSY) for a second: {command:?}");
+}
+
 impl Waiting {
     pub fn start(fixture: &Path, args: &[&str]) -> Self {
         let mut command = Command::new(fixture);
@@ -142,7 +156,7 @@ impl Waiting {
 
     /// Starts `command`, which must run a fixture with `--wait`.
     pub fn start_command(mut command: Command) -> Self {
-        let mut child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the fixture");
+        let mut child = spawn_when_not_busy(command.stdin(Stdio::piped()).stdout(Stdio::piped()));
         let mut ready = String::new();
         BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready).expect("reading the fixture");
         assert_eq!(ready, "ready\n", "the fixture did not get ready");

@@ -6,7 +6,7 @@ use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpListener,
     path::PathBuf,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
 };
 
 use memprof_tests::{free_port, memprof, Outcome};
@@ -24,6 +24,20 @@ fn assert_fails(outcome: &Outcome, says: &str) {
     assert!(outcome.stderr.starts_with("memprof: error: ") && outcome.stderr.contains(says), "{}", outcome.stderr);
 }
 
+/// `server`, a Python listener answering a forged report, run as nobody; started once it says
+/// it is ready.
+fn forger(server: &str) -> Child {
+    let mut forger = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", server])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("setpriv and python3");
+    let mut ready = String::new();
+    BufReader::new(forger.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    forger
+}
+
 #[test]
 fn snapshot_refuses_the_answer_of_a_listener_that_is_not_roots() {
     let dir = scratch("forged");
@@ -36,14 +50,7 @@ fn snapshot_refuses_the_answer_of_a_listener_that_is_not_roots() {
          while True:\n    c, _ = s.accept(); c.recv(4096)\n    \
          c.sendall(b'HTTP/1.0 200 OK\\r\\nContent-Length: 16\\r\\n\\r\\n{{\"forged\": true}}'); c.close()\n"
     );
-    let mut forger = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &server])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("setpriv and python3");
-    let mut ready = String::new();
-    BufReader::new(forger.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
-    assert_eq!(ready, "ready\n");
+    let mut forger = forger(&server);
     let output = dir.join("heap.json");
     let pid = std::process::id().to_string();
     let url = format!("http://127.0.0.1:{port}");
@@ -68,14 +75,7 @@ fn snapshot_refuses_a_socket_that_another_user_put_where_others_may_write() {
          c.sendall(b'HTTP/1.0 200 OK\\r\\nContent-Length: 16\\r\\n\\r\\n{{\"forged\": true}}'); c.close()\n",
         socket.display()
     );
-    let mut forger = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &server])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("setpriv and python3");
-    let mut ready = String::new();
-    BufReader::new(forger.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
-    assert_eq!(ready, "ready\n");
+    let mut forger = forger(&server);
     let output = dir.join("heap.json");
     let pid = std::process::id().to_string();
     let outcome =
