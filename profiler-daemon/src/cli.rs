@@ -79,6 +79,11 @@ Examples:
         /// (a CI gate); the report is written as asked.
         #[arg(long, value_name = "BYTES")]
         fail_on_leak_bytes: Option<u64>,
+        /// What happens to the command when memprof cannot go on (a full disk, an unwritable
+        /// output, probes that cannot be attached): continue (it runs on untraced) or stop (it
+        /// gets SIGTERM). Either way memprof waits for it and exits with its exit code.
+        #[arg(long, value_enum, default_value_t = OnError::Continue)]
+        on_error: OnError,
         /// The command and its arguments: memprof's options come before it.
         #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -169,6 +174,15 @@ pub struct InspectArgs {
     /// environment variable MEMPROF_DAEMON_PASSWORD.
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
+}
+
+/// `run --on-error`: the command's fate when memprof cannot go on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnError {
+    /// The command runs on untraced.
+    Continue,
+    /// The command gets SIGTERM.
+    Stop,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -50,8 +50,8 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match &cli.command {
             cli::Command::Attach { pid, trace } => commands::session::attach(*pid, trace).await,
-            cli::Command::Run { trace, fail_on_leak_bytes, command } => {
-                commands::session::run(command, trace, *fail_on_leak_bytes).await
+            cli::Command::Run { trace, fail_on_leak_bytes, on_error, command } => {
+                commands::session::run(command, trace, *fail_on_leak_bytes, *on_error).await
             }
             cli::Command::Daemon(args) => daemon::run(args).await,
             cli::Command::Snapshot(args) => commands::snapshot::run(args).await,

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use memprof_tests::{fixture_compiled, fixture_lib, fixture_with, memprof_bin, released, run};
+use memprof_tests::{fixture, fixture_compiled, fixture_lib, fixture_with, memprof_bin, released, run};
 
 fn path(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
@@ -129,12 +129,12 @@ fn a_duration_end_leaves_the_command_running() {
     let _ = std::fs::remove_file(report);
 }
 
-/// A tmpfs of 1 MiB, filled, unmounted when dropped.
+/// A tmpfs of 1 MiB, filled, unmounted when dropped; `name` tells apart the tests running at once.
 struct FullDisk(std::path::PathBuf);
 
 impl FullDisk {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("memprof-full-disk-{}", std::process::id()));
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("memprof-full-disk-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&dir).status();
         assert!(mounted.is_ok_and(|s| s.success()), "mounting a tmpfs on {}", dir.display());
@@ -158,7 +158,7 @@ impl Drop for FullDisk {
 /// command's output complete.
 #[test]
 fn run_on_a_full_disk_exits_with_the_commands_code() {
-    let disk = FullDisk::new();
+    let disk = FullDisk::new("continue");
     let report = disk.0.join("report.json");
     let program = fixture_with("dlopen_loop.c", "dlopen_loop", &["-O2", "-g"]);
     let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin_loop.so", &["-O2", "-g"]);
@@ -177,4 +177,26 @@ fn run_on_a_full_disk_exits_with_the_commands_code() {
     assert_eq!(said.len(), 1, "{stderr}");
     assert!(said[0].contains("No space left on device"), "{stderr}");
     assert!(said[0].contains("the command runs on untraced"), "{stderr}");
+}
+
+/// `run --on-error stop -o FILE` on a full disk: memprof cannot write its first report, says so
+/// in one line, stops the command (which would leak for 3 s and exit 3) with SIGTERM, and exits
+/// with the code its death by that signal gives (143), at once rather than after the command.
+#[test]
+fn run_on_error_stop_stops_the_command_and_exits_with_its_code() {
+    let disk = FullDisk::new("stop");
+    let report = disk.0.join("report.json");
+    let program = fixture("lifecycle");
+    let outcome = Command::new(memprof_bin())
+        .args(["run", "--json", "--interval", "0.2", "--on-error", "stop", "--output", path(&report), "--"])
+        .args([path(&program), "linger"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    assert_eq!(outcome.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    let said: Vec<&str> = stderr.lines().filter(|l| l.contains("cannot go on")).collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(said[0].contains("No space left on device"), "{stderr}");
+    assert!(said[0].contains("stopping the command with SIGTERM"), "{stderr}");
 }

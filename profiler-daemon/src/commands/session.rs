@@ -11,7 +11,7 @@ use tokio::{
 };
 
 use crate::{
-    cli::{TraceArgs, MAX_SECONDS},
+    cli::{OnError, TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
     commands::output::ReportOutput,
     commands::recording::{RecordingWriter, Settings},
@@ -72,6 +72,28 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     Ok(traced.code.unwrap_or(0))
 }
 
+/// memprof cannot go on: says so, leaves the command running or stops it (`--on-error`), and
+/// returns its exit code once it ends.
+async fn give_up(err: &anyhow::Error, on_error: OnError, pid: u32, exit: &mut ExitWatch) -> i32 {
+    match on_error {
+        OnError::Continue => eprintln!(
+            "memprof: cannot go on: {err:#}; the command runs on untraced, and memprof exits with its exit code when it ends"
+        ),
+        OnError::Stop => {
+            eprintln!(
+                "memprof: cannot go on: {err:#}; stopping the command with SIGTERM (--on-error stop), and memprof exits with its exit code"
+            );
+            if !exit.ended() {
+                // SAFETY: kill takes a pid and a signal. The pid is memprof's own child's and
+                // its code not sent yet: it is reaped at most a moment ago, and the kernel hands
+                // out pids in order, so no other process has it now.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+            }
+        }
+    }
+    exit.exited().await.unwrap_or(1)
+}
+
 /// Exit code of `memprof run --fail-on-leak-bytes` when the leak candidates hold more.
 pub const LEAK_EXIT_CODE: i32 = 100;
 
@@ -81,6 +103,7 @@ pub async fn run(
     command: &[std::ffi::OsString],
     args: &TraceArgs,
     fail_on_leak_bytes: Option<u64>,
+    on_error: OnError,
 ) -> anyhow::Result<i32> {
     if args.inspect && args.duration.is_none() {
         return Err(UserError::InspectNeedsDuration.into());
@@ -91,27 +114,22 @@ pub async fn run(
     let (mut allocator, files) = allocator::for_command(&program)?;
     let routed = allocator.route_through_malloc();
     let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
-    let mut loaded = loader::load(args.maps, args.interval)?;
-    loaded.follow_forks = args.follow_forks.unwrap_or(true);
-    let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
     let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
+    // Forked before the programs load (seconds of verification): memprof killed from here on
+    // still lets the command run.
     let (child, exit_code) = target::spawn(program, command, &routes)?;
+    let pid = child.pid;
     let mut exit = ExitWatch::Child(exit_code, None);
     // From here on the command runs whatever happens to memprof (the child execs once `child`
     // is released or dropped): its fate is memprof's exit code.
-    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable };
+    let ready = Ready { allocator, files, routed, comm, executable };
     let traced = match trace_command(child, &mut exit, ready, args, opened).await {
         Ok(traced) => traced,
-        Err(err) => {
-            eprintln!(
-                "memprof: cannot go on: {err:#}; the command runs on untraced, and memprof exits with its exit code when it ends"
-            );
-            return Ok(exit.exited().await.unwrap_or(1));
-        }
+        Err(err) => return Ok(give_up(&err, on_error, pid, &mut exit).await),
     };
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
@@ -127,8 +145,6 @@ pub async fn run(
 
 /// What `run` makes ready before it forks its command.
 struct Ready {
-    loaded: Loaded,
-    symbolizer: SymbolizerHandle,
     allocator: Allocator,
     /// The files the command will map that hold its allocator.
     files: Vec<std::path::PathBuf>,
@@ -146,8 +162,11 @@ async fn trace_command(
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
-    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable } = ready;
+    let Ready { allocator, files, routed, comm, executable } = ready;
     let pid = child.pid;
+    let mut loaded = loader::load(args.maps, args.interval)?;
+    loaded.follow_forks = args.follow_forks.unwrap_or(true);
+    let symbolizer = SymbolizerHandle::spawn();
     // The child is our own and cannot be pid 0.
     let attachment =
         loaded.attach_before_exec(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"), &files)?;

@@ -48,6 +48,22 @@ impl ExitWatch {
 
     /// Resolves when the target has exited: with its exit code when memprof started it. May be
     /// asked again once it has resolved.
+    /// Whether the exit is known already (a child's code received).
+    pub fn ended(&mut self) -> bool {
+        match self {
+            Self::Attached(_) => false,
+            Self::Child(_, Some(_)) => true,
+            Self::Child(receiver, kept) => match receiver.try_recv() {
+                Ok(code) => {
+                    *kept = Some(code);
+                    true
+                }
+                Err(oneshot::error::TryRecvError::Empty) => false,
+                Err(oneshot::error::TryRecvError::Closed) => true,
+            },
+        }
+    }
+
     pub async fn exited(&mut self) -> Option<i32> {
         match self {
             Self::Attached(fd) => {
