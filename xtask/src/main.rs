@@ -11,6 +11,7 @@ mod package;
 mod pause;
 mod setup;
 mod soak;
+mod suite;
 
 use std::{
     path::{Path, PathBuf},
@@ -122,7 +123,7 @@ fn test() -> anyhow::Result<()> {
     // The end-to-end tests run this binary against real processes: they need root.
     // SAFETY: setting a variable before any thread of ours starts.
     unsafe { std::env::set_var("MEMPROF_BIN", &memprof) };
-    run("cargo", &["test", "--release", "--workspace", "--exclude", "profiler-ebpf"])
+    suite::run()
 }
 
 /// Kernels before 6.13 give a BPF program 512 bytes of stack for its whole chain of calls, and
