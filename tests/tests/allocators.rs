@@ -117,3 +117,33 @@ fn a_file_that_defines_malloc_but_is_only_read_is_not_taken_for_the_allocator() 
     assert!(outcome.stderr.contains("libc.so.6"), "probes the C library that runs: {}", outcome.stderr);
     assert_eq!(site(&outcome.final_report(), "mapped_site"), (1000, 10));
 }
+
+/// A command given as a link to a program whose RPATH is `$ORIGIN/../lib` (Debian's
+/// `/usr/bin/java`): memprof asks the loader about the file the link names, as the kernel runs
+/// it, and counts it exactly (it said the program's library could not be found).
+#[test]
+fn a_link_to_a_program_with_an_origin_rpath_is_run_and_counted() {
+    let root = std::env::temp_dir().join(format!("memprof-origin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    for dir in ["bin", "lib"] {
+        std::fs::create_dir_all(root.join(dir)).unwrap();
+    }
+    let lib = fixture_with("origin_lib.c", "liborigin.so", &["-shared", "-fPIC", "-O1"]);
+    std::fs::copy(&lib, root.join("lib/liborigin.so")).unwrap();
+    let program = root.join("bin/origin_main");
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/origin_main.c");
+    let compiled = std::process::Command::new("cc")
+        .args(["-O1", "-g", "-o", program.to_str().unwrap(), source.to_str().unwrap()])
+        .args(["-L", root.join("lib").to_str().unwrap(), "-lorigin", "-Wl,-rpath,$ORIGIN/../lib"])
+        .status()
+        .unwrap();
+    assert!(compiled.success(), "compiling {}", source.display());
+    let link = root.join("origin_link");
+    std::os::unix::fs::symlink(&program, &link).unwrap();
+    let outcome = run(&[], &[link.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "origin_alloc"), (300, 3));
+    assert_nothing_dropped(&report);
+}

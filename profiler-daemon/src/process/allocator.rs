@@ -205,6 +205,8 @@ pub fn for_command(program: &Path) -> Result<(Allocator, Vec<PathBuf>), UserErro
             fs::read(&interpreter).map_err(|err| no_allocator(format!("reading {}: {err}", interpreter.display())))?;
         program = interpreter;
     }
+    // As the kernel runs it: the file a link names, whose directory `$ORIGIN` in its RPATH is.
+    let program = fs::canonicalize(&program).unwrap_or(program);
     let program = program.as_path();
     let mut paths = vec![program.to_path_buf()];
     if let Some(interpreter) = interpreter(&data) {
