@@ -147,3 +147,16 @@ fn a_link_to_a_program_with_an_origin_rpath_is_run_and_counted() {
     assert_eq!(site(&report, "origin_alloc"), (300, 3));
     assert_nothing_dropped(&report);
 }
+
+/// A process whose comm and a mapped file's name are not UTF-8 is traced like any other (it was
+/// reported as gone: its `/proc` files failed to read as UTF-8), its name shown with U+FFFD.
+#[test]
+fn a_process_with_names_that_are_not_utf8_is_traced() {
+    let mut target = Waiting::start(&fixture("odd_names"), &[]);
+    let outcome = attach(&mut target, &[]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["comm"], "odd\u{fffd}\u{fffd}name", "{}", report["comm"]);
+    assert_eq!(site(&report, "odd_site"), (1000, 10));
+    assert_nothing_dropped(&report);
+}

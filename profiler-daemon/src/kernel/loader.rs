@@ -272,7 +272,7 @@ impl Loaded {
         let own = std::process::id();
         let pids = dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok());
         let maps_shared = |pid: u32| {
-            fs::read_to_string(format!("/proc/{pid}/maps"))
+            crate::process::procfs::read_text(format!("/proc/{pid}/maps"))
                 .is_ok_and(|maps| maps.lines().filter_map(FileId::of_maps_line).any(|file| files.contains(&file)))
         };
         pids.filter(|&pid| pid != own && !traced.contains(&pid) && maps_shared(pid)).count() as u64

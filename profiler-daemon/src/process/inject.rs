@@ -12,7 +12,7 @@
 //! filter, which could kill it for a call it never makes.
 
 use std::{
-    fs, io,
+    io,
     time::{Duration, Instant},
 };
 
@@ -199,7 +199,7 @@ fn mask(status: &str, key: &str) -> Option<u64> {
 /// Whether thread `tid` may take a SIGTRAP that nobody sees: no signal waits for it (which the
 /// single step would meet first) and SIGTRAP is neither blocked by it nor ignored.
 fn quiet(pid: u32, tid: u32) -> io::Result<bool> {
-    let status = fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))?;
+    let status = procfs::read_text(format!("/proc/{pid}/task/{tid}/status"))?;
     let [Some(pending), Some(shared), Some(blocked), Some(ignored)] =
         ["SigPnd", "ShdPnd", "SigBlk", "SigIgn"].map(|key| mask(&status, key))
     else {
@@ -210,6 +210,6 @@ fn quiet(pid: u32, tid: u32) -> io::Result<bool> {
 
 /// Whether thread `tid` runs under seccomp (strict or a filter); unknown counts as yes.
 fn seccomp(pid: u32, tid: u32) -> bool {
-    let status = fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap_or_default();
+    let status = procfs::read_text(format!("/proc/{pid}/task/{tid}/status")).unwrap_or_default();
     status.lines().find_map(|l| l.strip_prefix("Seccomp:")).is_none_or(|mode| mode.trim() != "0")
 }

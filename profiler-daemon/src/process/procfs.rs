@@ -4,6 +4,12 @@ use std::{fs, io, os::unix::fs::MetadataExt};
 
 use crate::{error::UserError, text::printable};
 
+/// A `/proc` file as text. Names in it (a comm, a mapped file's path) are the bytes a process
+/// chose, not always UTF-8: those bytes read as U+FFFD rather than failing the whole read.
+pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
+    fs::read(path).map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// `PF_KTHREAD` in the flags field of `/proc/PID/stat`.
 const PF_KTHREAD: u64 = 0x0020_0000;
 
@@ -41,7 +47,7 @@ pub fn stat(pid: u32) -> Option<Stat> {
 
 /// `/proc/PID/stat` of the process or one of its threads, read from `dir`.
 fn task_stat(dir: &str) -> Option<Stat> {
-    let text = fs::read_to_string(format!("{dir}/stat")).ok()?;
+    let text = read_text(format!("{dir}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields resume after the last ')'.
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
     // Numbered as in proc(5): state is field 3, flags 9, starttime 22.
@@ -98,7 +104,7 @@ pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
 
 /// `statm`'s resident and shared (file and shmem) page counts.
 fn statm_pages(pid: u32) -> Option<(u64, u64)> {
-    let statm = fs::read_to_string(format!("{}/statm", dir(pid))).ok()?;
+    let statm = read_text(format!("{}/statm", dir(pid))).ok()?;
     let mut fields = statm.split_whitespace().skip(1).map(|field| field.parse::<u64>().ok());
     Some((fields.next()??, fields.next()??))
 }
@@ -121,7 +127,7 @@ pub fn clock_ticks_per_second() -> f64 {
 
 /// Seconds since boot, the clock `Stat::start_time` counts on.
 pub fn seconds_since_boot() -> f64 {
-    let uptime = fs::read_to_string("/proc/uptime").unwrap_or_default();
+    let uptime = read_text("/proc/uptime").unwrap_or_default();
     uptime.split_whitespace().next().and_then(|s| s.parse().ok()).unwrap_or(0.0)
 }
 
@@ -146,7 +152,7 @@ pub fn pids() -> Vec<u32> {
 /// The process's cgroup paths, one per hierarchy (one on a cgroup v2 system), such as
 /// `/system.slice/nginx.service`.
 pub fn cgroups(pid: u32) -> Vec<String> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let text = read_text(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     // Lines read `hierarchy-id:controllers:path`.
     text.lines().filter_map(|line| line.splitn(3, ':').nth(2)).map(str::to_string).collect()
 }
@@ -155,7 +161,7 @@ pub fn cgroups(pid: u32) -> Vec<String> {
 /// container's `/kubepods.slice/.../cri-containerd-ID.scope`: the `0::PATH` line of
 /// `/proc/PID/cgroup`. `None` once the process is gone, or on a host without that hierarchy.
 pub fn cgroup(pid: u32) -> Option<String> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let text = read_text(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_string)
 }
 
@@ -163,7 +169,7 @@ pub fn cgroup(pid: u32) -> Option<String> {
 /// `/sys/fs/cgroup/unified/x` on a hybrid system) as the path processes see (`/system.slice`).
 /// A path that is under no cgroup mount is taken to be such a path already.
 pub fn cgroup_path(dir: &str) -> String {
-    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mounts = read_text("/proc/self/mounts").unwrap_or_default();
     let mount = mounts
         .lines()
         .filter_map(|line| {
@@ -178,13 +184,13 @@ pub fn cgroup_path(dir: &str) -> String {
 
 /// The process's command name, safe to print (any process names itself as it likes).
 pub fn comm(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|c| printable(c.trim_end_matches('\n')).into_owned())
+    read_text(format!("/proc/{pid}/comm")).ok().map(|c| printable(c.trim_end_matches('\n')).into_owned())
 }
 
 /// The process's pid in its own pid namespace, when that is not memprof's (a container's process):
 /// the last entry of `NSpid` in `/proc/PID/status`, whose first entry is the pid memprof sees.
 pub fn ns_pid(pid: u32) -> Option<u32> {
-    parse_ns_pid(&fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+    parse_ns_pid(&read_text(format!("/proc/{pid}/status")).ok()?)
 }
 
 fn parse_ns_pid(status: &str) -> Option<u32> {
@@ -207,7 +213,7 @@ pub fn exe_path(pid: u32) -> Option<String> {
 /// was started as (see `launch_name`).
 pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
     let dir = dir(pid);
-    let mut mappings = parse_maps(&fs::read_to_string(format!("{dir}/maps"))?);
+    let mut mappings = parse_maps(&read_text(format!("{dir}/maps"))?);
     let exe = fs::read_link(format!("{dir}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
     if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
         for mapping in mappings.iter_mut().filter(|m| m.path == exe) {
@@ -366,7 +372,7 @@ pub struct Region {
 
 /// Every mapping of the process, in address order.
 pub fn regions(pid: u32) -> io::Result<Vec<Region>> {
-    let text = fs::read_to_string(format!("{}/maps", dir(pid)))?;
+    let text = read_text(format!("{}/maps", dir(pid)))?;
     Ok(text
         .lines()
         .filter_map(split_maps_line)
@@ -423,7 +429,7 @@ mod tests {
     fn cgroup_directories_become_cgroup_paths() {
         assert_eq!(cgroup_path("/system.slice/"), "/system.slice");
         assert_eq!(cgroup_path("/"), "/");
-        let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
+        let mounts = read_text("/proc/self/mounts").unwrap();
         if let Some(mount) = mounts.lines().find(|l| l.split_whitespace().nth(2) == Some("cgroup2")) {
             let mount = mount.split_whitespace().nth(1).unwrap();
             assert_eq!(cgroup_path(&format!("{mount}/a.slice/b")), "/a.slice/b");
@@ -438,7 +444,7 @@ mod tests {
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
         assert!(resident_bytes(std::process::id()) > 0);
         // statm's difference is status's RssAnon (read apart, so a few pages may move between).
-        let status = fs::read_to_string("/proc/self/status").unwrap();
+        let status = read_text("/proc/self/status").unwrap();
         let rss_anon = status.lines().find_map(|l| l.strip_prefix("RssAnon:")).unwrap();
         let rss_anon = rss_anon.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024;
         assert!(anon_resident_bytes(std::process::id()).unwrap().abs_diff(rss_anon) < 1 << 20);
