@@ -128,6 +128,37 @@ fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
     assert!(total(child, "frees") > 0, "the churn was traced: {child}");
 }
 
+/// `attach --follow-forks` follows the children and grandchildren the process has at attach
+/// (they were skipped without a word), each exact from then on.
+#[test]
+fn attach_follows_the_children_that_exist_at_attach() {
+    let mut target = Waiting::start(&fixture("process_life"), &["forked-before"]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2"]);
+    // Released once both are traced: the child's line, then the grandchild's.
+    let markers = [format!("child of pid {pid}"), "child of pid ".to_string()];
+    let mut seen = 0;
+    let outcome = released(memprof, &markers, |_| {
+        seen += 1;
+        if seen == markers.len() {
+            target.go();
+        }
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_eq!(outcome.stderr.matches("child of pid").count(), 2, "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "parent_alloc"), (5 * 100, 5), "{report}");
+    assert_eq!(report["forks"]["followed"], 2, "{report}");
+    assert_eq!(report["forks"]["missed"], 0, "{report}");
+    let children = children(&report);
+    assert_eq!(children.len(), 2, "{report}");
+    for child in children {
+        assert_eq!(site(child, "child_alloc"), (3 * 64, 3), "{child}");
+        assert_nothing_dropped(child);
+    }
+}
+
 #[test]
 fn each_followed_process_counts_its_own_drops() {
     let program = dynamic();

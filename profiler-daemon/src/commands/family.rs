@@ -239,6 +239,11 @@ impl Family {
     /// A traced process forked: the child is traced from now on. Its blocks copied from the parent
     /// were never allocated in it, so their frees are unknown frees, never the parent's.
     fn on_fork(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, parent: u32, child: u32) {
+        // Followed already: a child forked while the existing ones were being adopted is both
+        // listed and reported by the kernel.
+        if self.processes.contains_key(&child) {
+            return;
+        }
         let Some(parent_process) = self.processes.get(&parent) else { return };
         let Some(pid) = NonZeroU32::new(child) else { return };
         // Opened before attaching: a child gone in between is then known gone, not missed silently.
@@ -305,6 +310,28 @@ impl Family {
             watch.exited().await;
             let _ = exits.send(child);
         });
+    }
+
+    /// Follows the descendants the root had when it was attached to, parents before their
+    /// children, as if each had just forked: their allocations before now are unknown, as the
+    /// root's are. One line says so when they cannot be listed.
+    pub fn adopt_existing_children(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle) {
+        let mut parents = vec![self.root];
+        while let Some(parent) = parents.pop() {
+            let children = match procfs::children(parent) {
+                Ok(children) => children,
+                Err(err) => {
+                    eprintln!("memprof: the children pid {parent} has now cannot be listed ({err}): they are not traced; only those it forks from now on are");
+                    continue;
+                }
+            };
+            for child in children {
+                self.on_fork(loaded, symbolizer, parent, child);
+                if self.processes.contains_key(&child) {
+                    parents.push(child);
+                }
+            }
+        }
     }
 
     /// A child exited: `last` is its final report. Its probes are detached in the background

@@ -467,6 +467,10 @@ async fn trace(
         inspection: None,
         pinned_budget: PinnedBudget::default(),
     };
+    // A process attached to may have children already; `run`'s command has none before its exec.
+    if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
+        tracer.family.adopt_existing_children(&mut tracer.loaded, &tracer.symbolizer);
+    }
     if let Some(recording) = &mut recording {
         recording.start(Settings { top: args.top, interval_s: args.interval })?;
     }

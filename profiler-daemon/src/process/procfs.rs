@@ -45,6 +45,16 @@ pub fn stat(pid: u32) -> Option<Stat> {
     Some(Stat { zombie: stat.zombie && live_thread(pid).is_none(), ..stat })
 }
 
+/// The processes `pid`'s threads have forked and not yet reaped (`/proc/PID/task/TID/children`).
+pub fn children(pid: u32) -> io::Result<Vec<u32>> {
+    let mut children = Vec::new();
+    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
+        let list = read_text(task?.path().join("children"))?;
+        children.extend(list.split_whitespace().filter_map(|child| child.parse::<u32>().ok()));
+    }
+    Ok(children)
+}
+
 /// `/proc/PID/stat` of the process or one of its threads, read from `dir`.
 fn task_stat(dir: &str) -> Option<Stat> {
     let text = read_text(format!("{dir}/stat")).ok()?;
