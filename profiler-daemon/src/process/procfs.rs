@@ -307,17 +307,31 @@ impl FileMapping {
 
     /// Opens the mapped file: by `reachable_paths`, or, once the process is gone (a short-lived
     /// command that exited before memprof read its files), by its path when that names the very
-    /// file mapped (same device and inode).
+    /// file mapped (same device and inode). A file on overlayfs (a container's image, say) is
+    /// mapped as the layer's file, whose device `maps` shows, but `stat` gives the overlay's
+    /// device with the layer file's inode: there the inode alone must match.
     pub fn open(&self, pid: u32) -> Option<fs::File> {
-        use std::os::unix::fs::MetadataExt as _;
         if let Some(file) = self.reachable_paths(pid).iter().find_map(|path| fs::File::open(path).ok()) {
             return Some(file);
         }
         let file = fs::File::open(&self.path).ok()?;
         let meta = file.metadata().ok()?;
         let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
-        (meta.ino() == self.inode && device == self.device).then_some(file)
+        (meta.ino() == self.inode && (device == self.device || is_overlay(&file))).then_some(file)
     }
+}
+
+/// Whether `file` is on overlayfs.
+fn is_overlay(file: &fs::File) -> bool {
+    const OVERLAYFS_SUPER_MAGIC: libc::c_long = 0x794c_7630;
+    use std::os::fd::AsRawFd as _;
+    let mut stat = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `file` is an open descriptor and `stat` has room for the kernel's answer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstatfs succeeded, so it filled `stat`.
+    unsafe { stat.assume_init() }.f_type == OVERLAYFS_SUPER_MAGIC
 }
 
 fn parse_maps(text: &str) -> Vec<FileMapping> {

@@ -3,6 +3,7 @@
 
 mod deferred;
 mod registry;
+mod shard_map;
 mod shards;
 mod space;
 pub mod table;

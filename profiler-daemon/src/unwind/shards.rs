@@ -8,43 +8,43 @@
 //! rows), so that its kernel memory shows in memprof's `/proc/PID/fdinfo` like every other map's.
 
 use std::{
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
     ptr::NonNull,
 };
 
-use aya::maps::{Array, ArrayOfMaps, IterableMap as _, Map, MapData, MapError};
+use aya::maps::{ArrayOfMaps, Map, MapData};
 use profiler_common::{UnwindRow, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS};
 
-use super::space::RowSpace;
+use super::{shard_map, space::RowSpace};
 
 /// Bytes a row takes in a shard: the kernel rounds an array's element size up to 8.
 pub const ROW_STRIDE: usize = 16;
 /// Kernel memory of one shard.
 pub const SHARD_BYTES: u64 = UNWIND_SHARD_ROWS as u64 * ROW_STRIDE as u64;
-const BPF_F_MMAPABLE: u32 = 1 << 10;
-const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
     #[error("the kernel refused a new shard of unwind rows: {0}")]
-    Create(#[source] MapError),
+    Create(#[source] std::io::Error),
     #[error("mapping a shard of unwind rows into memory: {0}")]
     Map(#[source] std::io::Error),
     #[error("publishing a shard of unwind rows: {0}")]
-    Publish(#[source] MapError),
+    Publish(#[source] std::io::Error),
 }
 
 /// The shards that exist, by index in `UNWIND_SHARDS`.
 pub struct Shards {
     /// `UNWIND_SHARDS`, an array of maps.
     outer: Map,
+    /// The shards' BTF (see `shard_map`).
+    btf: OwnedFd,
     /// None where no shard is.
     shards: Vec<Option<Shard>>,
 }
 
 struct Shard {
     /// Kept for its descriptor: see the module's comment.
-    _map: Array<MapData, UnwindRow>,
+    _map: OwnedFd,
     /// The shard's rows in memprof's memory, `SHARD_BYTES` long.
     rows: NonNull<u8>,
 }
@@ -57,7 +57,8 @@ impl Shards {
     /// Takes `UNWIND_SHARDS` (created empty with the programs).
     pub fn new(mut outer: Map) -> anyhow::Result<Self> {
         let shards = ArrayOfMaps::<&mut MapData, MapData>::try_from(&mut outer)?.len();
-        Ok(Self { outer, shards: (0..shards).map(|_| None).collect() })
+        let btf = shard_map::load_btf().map_err(|err| anyhow::anyhow!("loading the unwind shards' BTF: {err}"))?;
+        Ok(Self { outer, btf, shards: (0..shards).map(|_| None).collect() })
     }
 
     /// Rows the shards could hold: `UNWIND_SHARDS`'s length times a shard's rows.
@@ -81,9 +82,7 @@ impl Shards {
     }
 
     fn create(&mut self, shard: usize) -> Result<Shard, ShardError> {
-        let array =
-            Array::<MapData, UnwindRow>::create(UNWIND_SHARD_ROWS, BPF_F_MMAPABLE).map_err(ShardError::Create)?;
-        let data = array.map();
+        let map = shard_map::create(self.btf.as_fd(), UNWIND_SHARD_ROWS).map_err(ShardError::Create)?;
         // SAFETY: a shared mapping of a BPF array created with BPF_F_MMAPABLE, exactly its size
         // (a whole number of pages).
         let address = unsafe {
@@ -92,7 +91,7 @@ impl Shards {
                 SHARD_BYTES as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                data.fd().as_fd().as_raw_fd(),
+                map.as_raw_fd(),
                 0,
             )
         };
@@ -101,14 +100,12 @@ impl Shards {
         }
         let address =
             NonNull::new(address.cast::<u8>()).ok_or_else(|| ShardError::Map(std::io::Error::other("NULL")))?;
-        let published = ArrayOfMaps::<&mut MapData, MapData>::try_from(&mut self.outer)
-            .and_then(|mut outer| outer.set(shard as u32, data, 0));
-        if let Err(err) = published {
+        if let Err(err) = shard_map::set(outer_fd(&self.outer), shard as u32, Some(map.as_fd())) {
             // SAFETY: the mapping made above, used by nothing else.
             unsafe { libc::munmap(address.as_ptr().cast(), SHARD_BYTES as usize) };
             return Err(ShardError::Publish(err));
         }
-        Ok(Shard { _map: array, rows: address })
+        Ok(Shard { _map: map, rows: address })
     }
 
     /// Writes rows from `first` on, into shards `ensure` created.
@@ -128,13 +125,14 @@ impl Shards {
     /// Releases the shards in which `space` has no row in use: the kernel frees each once the
     /// walks running now are done with it.
     pub fn release_unused(&mut self, space: &RowSpace) {
+        let outer = outer_fd(&self.outer);
         for (index, slot) in self.shards.iter_mut().enumerate() {
             let Some(shard) = slot else { continue };
             let first = (index as u64) << UNWIND_SHARD_BITS;
             if !space.is_free(first, u64::from(UNWIND_SHARD_ROWS)) {
                 continue;
             }
-            if let Err(err) = delete(&self.outer, index as u32) {
+            if let Err(err) = shard_map::set(outer, index as u32, None) {
                 // Kept, and reused by the next table that lands in it.
                 tracing::warn!(shard = index, %err, "releasing a shard of unwind rows");
                 continue;
@@ -155,26 +153,10 @@ fn shard_range(first: u32, rows: u32) -> std::ops::Range<usize> {
     (first >> UNWIND_SHARD_BITS) as usize..(last >> UNWIND_SHARD_BITS) as usize + 1
 }
 
-/// `BPF_MAP_DELETE_ELEM` on the outer array (aya 0.14's `ArrayOfMaps` has no removal).
-fn delete(outer: &Map, index: u32) -> std::io::Result<()> {
-    #[repr(C)]
-    struct DeleteAttr {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-    }
+/// The descriptor of `UNWIND_SHARDS`.
+fn outer_fd(outer: &Map) -> BorrowedFd<'_> {
     let Map::ArrayOfMaps(outer) = outer else { unreachable!("`new` took an array of maps") };
-    let fd = outer.fd().as_fd().as_raw_fd();
-    let attr = DeleteAttr { map_fd: fd as u32, _pad: 0, key: &index as *const u32 as u64 };
-    // SAFETY: the attribute is the kernel's layout for this command, and `key` points at a u32
-    // that outlives the call.
-    let result = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_MAP_DELETE_ELEM, &attr as *const DeleteAttr, size_of::<DeleteAttr>())
-    };
-    if result < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    outer.fd().as_fd()
 }
 
 impl super::deferred::Rows for Shards {
