@@ -301,12 +301,15 @@ pub struct LiveAlloc {
     pub func: u32,
 }
 
-/// Where and when a free happened. `stack_id` is in `FREE_STACKS`, not `STACKS`.
+/// Where and when a free happened. `stack_id` is in `FREE_STACKS`, not `STACKS`; a free whose
+/// stack was not walked (`NO_STACK`: only a double free's second free is, unless every free's
+/// stack is asked for) keeps the address it returns to in `caller` (0: unknown).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FreeSite {
     pub time_ns: u64,
     pub stack_id: u64,
+    pub caller: u64,
     pub tid: u32,
     pub _pad: u32,
 }
@@ -827,10 +830,10 @@ const _: () = {
     assert!(core::mem::size_of::<FreeNote>() == 32);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
-    assert!(core::mem::size_of::<FreeSite>() == 24);
-    assert!(core::mem::size_of::<FreedAlloc>() == 56);
-    assert!(core::mem::size_of::<RecentFree>() == 72);
-    assert!(core::mem::size_of::<DoubleFreeEvent>() == 96);
+    assert!(core::mem::size_of::<FreeSite>() == 32);
+    assert!(core::mem::size_of::<FreedAlloc>() == 64);
+    assert!(core::mem::size_of::<RecentFree>() == 80);
+    assert!(core::mem::size_of::<DoubleFreeEvent>() == 112);
     assert!(core::mem::size_of::<StackKey>() == 16);
     assert!(core::mem::size_of::<Stack>() == 16 + 8 * MAX_FRAMES);
     assert!(core::mem::size_of::<UnwindRow>() == 12);

@@ -156,7 +156,29 @@ impl Probe {
         // SAFETY: `regs` is the context of the probe that is running.
         unwind::stack_id(which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
+
+    /// Where the probed call returns to: at a return probe, the instruction pointer (the kernel
+    /// has put the real return address back); at an entry, the word at the stack pointer, as
+    /// the daemon places entry probes before anything is pushed. 0 when unreadable.
+    fn caller(self) -> u64 {
+        // SAFETY: `regs` is the context of the probe that is running; the user read faults safely.
+        unsafe {
+            let regs = &*self.regs;
+            if self.at_return {
+                regs.rip
+            } else {
+                bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0)
+            }
+        }
+    }
 }
+
+/// Set by the loader (`--full-free-stacks`): every free's stack is walked, so that a double
+/// free's report shows its first free's whole stack. Else a free keeps only its caller (one
+/// read), and only the second free of a double free is walked: the walk at every free would
+/// serve only the rare double free.
+#[unsafe(no_mangle)]
+static FULL_FREE_STACKS: Global<u32> = Global::new(0);
 
 /// How far below an allocator call's entry a call nested in it can run. glibc's allocator frames
 /// are small; a thread's stack starts megabytes away from any other's.
@@ -639,12 +661,15 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: 
     }
 }
 
-/// A free by thread `tid` at `time_ns`, with its stack.
-fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
+/// A free by thread `tid` at `time_ns`, with its stack when `walk`, else its caller.
+fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64, walk: bool) -> FreeSite {
+    if !walk {
+        return FreeSite { time_ns, stack_id: NO_STACK, caller: probe.caller(), tid, _pad: 0 };
+    }
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
     let stack_id = probe.stack_id(stack_table::FREES, tgid);
-    FreeSite { time_ns, stack_id, tid, _pad: 0 }
+    FreeSite { time_ns, stack_id, caller: 0, tid, _pad: 0 }
 }
 
 /// Counts the free of a block that was live (`temporary`: see `Inflight::last_alloc`), and
@@ -657,7 +682,7 @@ fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
         // address would pass for freed twice.
         return;
     }
-    let free = free_site(probe, key.tgid, tid, now);
+    let free = free_site(probe, key.tgid, tid, now, FULL_FREE_STACKS.load() != 0);
     if let Some(slot) = recent_free(&key) {
         // Two frees in one slot at once may mix their fields; a double free of either address
         // would then show the other's stacks, which is all that can go wrong.
@@ -678,7 +703,7 @@ fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     // The walk runs before the ring's record is reserved: a reservation held across it keeps the
     // verifier from pruning the walk's states. The event is written in the record, not on the
     // BPF stack, which the walk needs.
-    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
+    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() }, true);
     let Some(mut entry) = DOUBLE_FREES.reserve::<DoubleFreeEvent>(0) else {
         count_drop(DropReason::DoubleFreeEventLost);
         return;
