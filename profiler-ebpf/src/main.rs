@@ -34,7 +34,7 @@ use profiler_common::{AllocFn, SHARED_LINK};
 pub fn alloc_entry(ctx: ProbeContext) -> u32 {
     let (cookie, shared_link) = cookie(&ctx);
     if process::probed(shared_link) {
-        entry(&ctx, cookie);
+        entry(&ctx, cookie, false);
     }
     0
 }
@@ -47,12 +47,13 @@ fn cookie(ctx: &ProbeContext) -> (u64, bool) {
     (cookie & !SHARED_LINK, cookie & SHARED_LINK != 0)
 }
 
-/// Records an allocator call's entry; returns whether its return must be seen.
-fn entry(ctx: &ProbeContext, cookie: u64) -> bool {
+/// Records an allocator call's entry; returns whether its return must be seen (`skippable`: a
+/// session's return fires only then).
+fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
     match u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
         Some(func) => {
             let (size, ptr_arg) = entry_arguments(ctx, func);
-            record::on_entry(ctx, func, size, ptr_arg)
+            record::on_entry(ctx, func, size, ptr_arg, skippable)
         }
         None => false,
     }
@@ -74,7 +75,7 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
     if ip == func_ip {
         // A process this link does not record: its return is skipped too.
         let (cookie, shared_link) = cookie(&ctx);
-        return u32::from(!(process::probed(shared_link) && entry(&ctx, cookie)));
+        return u32::from(!(process::probed(shared_link) && entry(&ctx, cookie, true)));
     }
     record::on_return(&RetProbeContext::new(ctx.as_ptr()));
     0

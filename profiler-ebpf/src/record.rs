@@ -268,8 +268,18 @@ fn stack_pointer(ctx: &ProbeContext) -> u64 {
 }
 
 /// Returns whether the call's return must be seen (it has in-flight state to settle).
-pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> bool {
+/// `skippable`: the return probe fires only if this returns true (a uprobe session).
+pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skippable: bool) -> bool {
     let (tgid, tid) = ids();
+    let sample_bytes = sample_bytes(tgid);
+    // Full mode records every call without a draw. SAFETY: a helper without arguments.
+    let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
+    let resizes = ptr_arg != 0 && func.resizes();
+    if !recorded && !resizes && skippable {
+        // Not drawn, and its return will not fire: nothing to keep, not even the depth of a
+        // call it is nested in, whose return comes after this one's would have.
+        return false;
+    }
     let sp = stack_pointer(ctx);
     let entry = INFLIGHT.get_ptr_mut(tid);
     if let Some(state) = entry {
@@ -289,11 +299,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
             unsafe { (*state).depth = 0 };
         }
     }
-    let sample_bytes = sample_bytes(tgid);
-    // Full mode records every call without a draw. SAFETY: a helper without arguments.
-    let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    let resizes = ptr_arg != 0 && func.resizes();
     // realloc frees its old block inside the call: a recorded one is settled at the return.
     let old = if resizes { unsafe { LIVE.get(key) }.copied() } else { None };
     if !recorded && old.is_none() {
@@ -411,7 +417,8 @@ pub fn on_return(ctx: &RetProbeContext) {
         if stashed != 0 {
             let temporary = call.last_alloc == ptr_arg && call.stash.tid == tid;
             retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
-        } else {
+        } else if call.sample_bytes == 0 {
+            // A sampled process resizes unrecorded blocks all the time: not an unknown free.
             unseen_free(probe, tgid, ptr_arg);
         }
     } else if stashed != 0 {
@@ -420,7 +427,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     if returned != 0 && recorded != 0 {
         on_allocated(probe, tgid, tid, returned, size, func, call.sample_bytes);
         call.last_alloc = returned;
-    } else if size != 0 && func != AllocFn::PosixMemalign {
+    } else if returned == 0 && size != 0 && func != AllocFn::PosixMemalign {
+        // (A resize of a recorded block whose new block was not drawn returned one: no failure.)
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
