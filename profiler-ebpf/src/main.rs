@@ -84,15 +84,22 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
 /// The size `func` was asked for, and the pointer argument to keep (the old block of a resize,
 /// posix_memalign's out-pointer).
 fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
-    match func {
-        AllocFn::Malloc | AllocFn::Valloc | AllocFn::Pvalloc => (arg(ctx, 0), 0),
-        AllocFn::Calloc => (product(arg(ctx, 0), arg(ctx, 1)), 0),
-        AllocFn::Realloc | AllocFn::ResizeInPlace => (arg(ctx, 1), arg(ctx, 0)),
-        AllocFn::Reallocarray => (product(arg(ctx, 1), arg(ctx, 2)), arg(ctx, 0)),
-        AllocFn::PosixMemalign => (arg(ctx, 2), arg(ctx, 0)),
-        AllocFn::AlignedAlloc | AllocFn::Memalign => (arg(ctx, 1), 0),
-        AllocFn::RustRealloc => (arg(ctx, 3), arg(ctx, 0)),
-    }
+    // Each register read at a constant offset: the verifier refuses a computed one into the
+    // context, which reading argument `n` for a variable `n` would compile to.
+    let registers = (arg(ctx, 0), arg(ctx, 1), arg(ctx, 2), arg(ctx, 3));
+    let nth = |n: usize| match n {
+        0 => registers.0,
+        1 => registers.1,
+        2 => registers.2,
+        3 => registers.3,
+        _ => 0,
+    };
+    let args = func.arguments();
+    let size = match args.count {
+        Some(count) => product(nth(count), nth(args.size)),
+        None => nth(args.size),
+    };
+    (size, args.pointer.map_or(0, nth))
 }
 
 fn arg(ctx: &ProbeContext, n: usize) -> u64 {
