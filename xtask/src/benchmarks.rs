@@ -71,6 +71,19 @@ pub fn replace_section(path: &Path, title: &str, section: &str) -> anyhow::Resul
     Ok(())
 }
 
+/// Replaces bench's own section `title` as `replace_section` does, or adds it after bench's other
+/// sections where the file has none yet.
+pub fn replace_or_add_section(path: &Path, title: &str, section: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    if text.lines().any(|line| line.trim_end() == title) {
+        return replace_section(path, title, section);
+    }
+    let (head, _) = split(&text);
+    let report = format!("{}\n\n{}\n", head.trim_end(), section.trim());
+    std::fs::write(path, with_trailing_sections(path, &report))?;
+    Ok(())
+}
+
 /// `report` (bench's own sections) followed by the trailing sections already in the file at `path`.
 pub fn with_trailing_sections(path: &Path, report: &str) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
