@@ -44,6 +44,8 @@ pub struct Measured {
     /// SET requests a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
     requests: u64,
+    /// When, as `date -u` prints it.
+    date: String,
     load_before: String,
     load_after: String,
 }
@@ -51,6 +53,8 @@ pub struct Measured {
 /// Interleaved runs of every mode: A B C D A B C D ...
 pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measured> {
     let requests = if size.quick { 20_000 } else { 200_000 };
+    let date = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output()?;
+    let date = String::from_utf8_lossy(&date.stdout).trim().to_string();
     let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
     for _ in 0..size.runs {
@@ -60,7 +64,7 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
             runs.push(rate);
         }
     }
-    Ok(Measured { runs, requests, load_before, load_after: load_average() })
+    Ok(Measured { runs, requests, date, load_before, load_after: load_average() })
 }
 
 fn load_average() -> String {
@@ -171,10 +175,11 @@ pub fn render(measured: &Measured) -> String {
         out,
         "Debian's redis-server (jemalloc) under `redis-benchmark -t set -r 100000 -d 100 -n {}` (50 clients), \
          after a warm-up of 20,000 requests: untraced, with `memprof attach` started after the warm-up, and \
-         restarted under heaptrack. The modes' runs interleaved, {} rounds; the median of each. Load average \
-         {} before, {} after (2 cores shared with other work: compare the ratios).\n",
+         restarted under heaptrack. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
+         load average {} before, {} after (2 cores shared with other work: compare the ratios).\n",
         measured.requests,
         measured.runs[0].len(),
+        measured.date,
         measured.load_before,
         measured.load_after,
     );
