@@ -63,6 +63,40 @@ impl AllocFn {
     pub fn resizes(self) -> bool {
         matches!(self, AllocFn::Realloc | AllocFn::Reallocarray | AllocFn::ResizeInPlace | AllocFn::RustRealloc)
     }
+
+    /// Which of the call's arguments (0 first) memprof's entry probe reads: the daemon places
+    /// the probe where they are still in their registers.
+    pub const fn arguments(self) -> Arguments {
+        use AllocFn::*;
+        let (size, count, pointer) = match self {
+            Malloc | Valloc | Pvalloc => (0, None, None),
+            Calloc => (1, Some(0), None),
+            Realloc | ResizeInPlace => (1, None, Some(0)),
+            Reallocarray => (2, Some(1), Some(0)),
+            PosixMemalign => (2, None, Some(0)),
+            AlignedAlloc | Memalign => (1, None, None),
+            RustRealloc => (3, None, Some(0)),
+        };
+        Arguments { size, count, pointer }
+    }
+}
+
+/// Where an allocation function's arguments are (see `AllocFn::arguments`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arguments {
+    /// The size asked for: of each element when `count` is given (`calloc`, `reallocarray`).
+    pub size: usize,
+    pub count: Option<usize>,
+    /// The pointer argument kept until the return: the old block of a resize, posix_memalign's
+    /// out-pointer.
+    pub pointer: Option<usize>,
+}
+
+impl Arguments {
+    /// Every argument read, 0 first.
+    pub fn read(self) -> impl Iterator<Item = usize> {
+        [Some(self.size), self.count, self.pointer].into_iter().flatten()
+    }
 }
 
 /// Why an event could not be recorded, or was recorded with less than a whole stack. Indexes a
@@ -301,12 +335,15 @@ pub struct LiveAlloc {
     pub func: u32,
 }
 
-/// Where and when a free happened. `stack_id` is in `FREE_STACKS`, not `STACKS`.
+/// Where and when a free happened. `stack_id` is in `FREE_STACKS`, not `STACKS`; a free whose
+/// stack was not walked (`NO_STACK`: only a double free's second free is, unless every free's
+/// stack is asked for) keeps the address it returns to in `caller` (0: unknown).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FreeSite {
     pub time_ns: u64,
     pub stack_id: u64,
+    pub caller: u64,
     pub tid: u32,
     pub _pad: u32,
 }
@@ -827,10 +864,10 @@ const _: () = {
     assert!(core::mem::size_of::<FreeNote>() == 32);
     assert!(core::mem::size_of::<AddrKey>() == 16);
     assert!(core::mem::size_of::<LiveAlloc>() == 32);
-    assert!(core::mem::size_of::<FreeSite>() == 24);
-    assert!(core::mem::size_of::<FreedAlloc>() == 56);
-    assert!(core::mem::size_of::<RecentFree>() == 72);
-    assert!(core::mem::size_of::<DoubleFreeEvent>() == 96);
+    assert!(core::mem::size_of::<FreeSite>() == 32);
+    assert!(core::mem::size_of::<FreedAlloc>() == 64);
+    assert!(core::mem::size_of::<RecentFree>() == 80);
+    assert!(core::mem::size_of::<DoubleFreeEvent>() == 112);
     assert!(core::mem::size_of::<StackKey>() == 16);
     assert!(core::mem::size_of::<Stack>() == 16 + 8 * MAX_FRAMES);
     assert!(core::mem::size_of::<UnwindRow>() == 12);
@@ -850,6 +887,17 @@ const _: () = {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_function_reads_its_own_arguments() {
+        let read = |func: AllocFn| func.arguments().read().collect::<Vec<_>>();
+        assert_eq!(read(AllocFn::Malloc), [0]);
+        assert_eq!(read(AllocFn::Calloc), [1, 0], "size, then count");
+        assert_eq!(read(AllocFn::Reallocarray), [2, 1, 0]);
+        assert_eq!(read(AllocFn::PosixMemalign), [2, 0], "size, then the out-pointer");
+        assert_eq!(read(AllocFn::Memalign), [1]);
+        assert_eq!(read(AllocFn::RustRealloc), [3, 0], "new size, then the old block");
+    }
 
     #[test]
     fn sampled_weights_are_inverse_odds() {

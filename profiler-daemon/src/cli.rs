@@ -363,6 +363,10 @@ pub struct DaemonArgs {
     /// call on the host a little (see README, Memory outside malloc).
     #[arg(long)]
     pub mappings: bool,
+    /// Walk every free's stack, for double-free reports with the first free's whole stack
+    /// (without it: its caller only).
+    #[arg(long)]
+    pub full_free_stacks: bool,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -34,7 +34,7 @@ use profiler_common::{AllocFn, SHARED_LINK};
 pub fn alloc_entry(ctx: ProbeContext) -> u32 {
     let (cookie, shared_link) = cookie(&ctx);
     if process::probed(shared_link) {
-        entry(&ctx, cookie);
+        entry(&ctx, cookie, false);
     }
     0
 }
@@ -47,12 +47,13 @@ fn cookie(ctx: &ProbeContext) -> (u64, bool) {
     (cookie & !SHARED_LINK, cookie & SHARED_LINK != 0)
 }
 
-/// Records an allocator call's entry; returns whether its return must be seen.
-fn entry(ctx: &ProbeContext, cookie: u64) -> bool {
+/// Records an allocator call's entry; returns whether its return must be seen (`skippable`: a
+/// session's return fires only then).
+fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
     match u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
         Some(func) => {
             let (size, ptr_arg) = entry_arguments(ctx, func);
-            record::on_entry(ctx, func, size, ptr_arg)
+            record::on_entry(ctx, func, size, ptr_arg, skippable)
         }
         None => false,
     }
@@ -74,7 +75,7 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
     if ip == func_ip {
         // A process this link does not record: its return is skipped too.
         let (cookie, shared_link) = cookie(&ctx);
-        return u32::from(!(process::probed(shared_link) && entry(&ctx, cookie)));
+        return u32::from(!(process::probed(shared_link) && entry(&ctx, cookie, true)));
     }
     record::on_return(&RetProbeContext::new(ctx.as_ptr()));
     0
@@ -83,15 +84,22 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
 /// The size `func` was asked for, and the pointer argument to keep (the old block of a resize,
 /// posix_memalign's out-pointer).
 fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
-    match func {
-        AllocFn::Malloc | AllocFn::Valloc | AllocFn::Pvalloc => (arg(ctx, 0), 0),
-        AllocFn::Calloc => (product(arg(ctx, 0), arg(ctx, 1)), 0),
-        AllocFn::Realloc | AllocFn::ResizeInPlace => (arg(ctx, 1), arg(ctx, 0)),
-        AllocFn::Reallocarray => (product(arg(ctx, 1), arg(ctx, 2)), arg(ctx, 0)),
-        AllocFn::PosixMemalign => (arg(ctx, 2), arg(ctx, 0)),
-        AllocFn::AlignedAlloc | AllocFn::Memalign => (arg(ctx, 1), 0),
-        AllocFn::RustRealloc => (arg(ctx, 3), arg(ctx, 0)),
-    }
+    // Each register read at a constant offset: the verifier refuses a computed one into the
+    // context, which reading argument `n` for a variable `n` would compile to.
+    let registers = (arg(ctx, 0), arg(ctx, 1), arg(ctx, 2), arg(ctx, 3));
+    let nth = |n: usize| match n {
+        0 => registers.0,
+        1 => registers.1,
+        2 => registers.2,
+        3 => registers.3,
+        _ => 0,
+    };
+    let args = func.arguments();
+    let size = match args.count {
+        Some(count) => product(nth(count), nth(args.size)),
+        None => nth(args.size),
+    };
+    (size, args.pointer.map_or(0, nth))
 }
 
 fn arg(ctx: &ProbeContext, n: usize) -> u64 {

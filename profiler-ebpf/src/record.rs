@@ -156,7 +156,29 @@ impl Probe {
         // SAFETY: `regs` is the context of the probe that is running.
         unwind::stack_id(which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
     }
+
+    /// Where the probed call returns to: at a return probe, the instruction pointer (the kernel
+    /// has put the real return address back); at an entry, the word at the stack pointer, as
+    /// the daemon places entry probes before anything is pushed. 0 when unreadable.
+    fn caller(self) -> u64 {
+        // SAFETY: `regs` is the context of the probe that is running; the user read faults safely.
+        unsafe {
+            let regs = &*self.regs;
+            if self.at_return {
+                regs.rip
+            } else {
+                bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0)
+            }
+        }
+    }
 }
+
+/// Set by the loader (`--full-free-stacks`): every free's stack is walked, so that a double
+/// free's report shows its first free's whole stack. Else a free keeps only its caller (one
+/// read), and only the second free of a double free is walked: the walk at every free would
+/// serve only the rare double free.
+#[unsafe(no_mangle)]
+static FULL_FREE_STACKS: Global<u32> = Global::new(0);
 
 /// How far below an allocator call's entry a call nested in it can run. glibc's allocator frames
 /// are small; a thread's stack starts megabytes away from any other's.
@@ -246,8 +268,18 @@ fn stack_pointer(ctx: &ProbeContext) -> u64 {
 }
 
 /// Returns whether the call's return must be seen (it has in-flight state to settle).
-pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> bool {
+/// `skippable`: the return probe fires only if this returns true (a uprobe session).
+pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skippable: bool) -> bool {
     let (tgid, tid) = ids();
+    let sample_bytes = sample_bytes(tgid);
+    // Full mode records every call without a draw. SAFETY: a helper without arguments.
+    let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
+    let resizes = ptr_arg != 0 && func.resizes();
+    if !recorded && !resizes && skippable {
+        // Not drawn, and its return will not fire: nothing to keep, not even the depth of a
+        // call it is nested in, whose return comes after this one's would have.
+        return false;
+    }
     let sp = stack_pointer(ctx);
     let entry = INFLIGHT.get_ptr_mut(tid);
     if let Some(state) = entry {
@@ -267,11 +299,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64) -> b
             unsafe { (*state).depth = 0 };
         }
     }
-    let sample_bytes = sample_bytes(tgid);
-    // Full mode records every call without a draw. SAFETY: a helper without arguments.
-    let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
-    let resizes = ptr_arg != 0 && func.resizes();
     // realloc frees its old block inside the call: a recorded one is settled at the return.
     let old = if resizes { unsafe { LIVE.get(key) }.copied() } else { None };
     if !recorded && old.is_none() {
@@ -389,7 +417,8 @@ pub fn on_return(ctx: &RetProbeContext) {
         if stashed != 0 {
             let temporary = call.last_alloc == ptr_arg && call.stash.tid == tid;
             retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
-        } else {
+        } else if call.sample_bytes == 0 {
+            // A sampled process resizes unrecorded blocks all the time: not an unknown free.
             unseen_free(probe, tgid, ptr_arg);
         }
     } else if stashed != 0 {
@@ -398,7 +427,8 @@ pub fn on_return(ctx: &RetProbeContext) {
     if returned != 0 && recorded != 0 {
         on_allocated(probe, tgid, tid, returned, size, func, call.sample_bytes);
         call.last_alloc = returned;
-    } else if size != 0 && func != AllocFn::PosixMemalign {
+    } else if returned == 0 && size != 0 && func != AllocFn::PosixMemalign {
+        // (A resize of a recorded block whose new block was not drawn returned one: no failure.)
         // malloc(0) and realloc(p, 0) may legitimately return NULL; posix_memalign's failures
         // were counted by their return code.
         bump_proc_counter(tgid, |c| &mut c.failed_allocations);
@@ -639,12 +669,15 @@ fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: 
     }
 }
 
-/// A free by thread `tid` at `time_ns`, with its stack.
-fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64) -> FreeSite {
+/// A free by thread `tid` at `time_ns`, with its stack when `walk`, else its caller.
+fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64, walk: bool) -> FreeSite {
+    if !walk {
+        return FreeSite { time_ns, stack_id: NO_STACK, caller: probe.caller(), tid, _pad: 0 };
+    }
     // Free stacks only serve double-free reports: a map of their own keeps them from crowding
     // out allocation stacks.
     let stack_id = probe.stack_id(stack_table::FREES, tgid);
-    FreeSite { time_ns, stack_id, tid, _pad: 0 }
+    FreeSite { time_ns, stack_id, caller: 0, tid, _pad: 0 }
 }
 
 /// Counts the free of a block that was live (`temporary`: see `Inflight::last_alloc`), and
@@ -657,7 +690,7 @@ fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
         // address would pass for freed twice.
         return;
     }
-    let free = free_site(probe, key.tgid, tid, now);
+    let free = free_site(probe, key.tgid, tid, now, FULL_FREE_STACKS.load() != 0);
     if let Some(slot) = recent_free(&key) {
         // Two frees in one slot at once may mix their fields; a double free of either address
         // would then show the other's stacks, which is all that can go wrong.
@@ -678,7 +711,7 @@ fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
     // The walk runs before the ring's record is reserved: a reservation held across it keeps the
     // verifier from pruning the walk's states. The event is written in the record, not on the
     // BPF stack, which the walk needs.
-    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() });
+    let second = free_site(probe, tgid, ids().1, unsafe { bpf_ktime_get_ns() }, true);
     let Some(mut entry) = DOUBLE_FREES.reserve::<DoubleFreeEvent>(0) else {
         count_drop(DropReason::DoubleFreeEventLost);
         return;

@@ -16,25 +16,46 @@ fn allocations_from_before_attach_freed_after_are_unknown_frees() {
     assert_nothing_dropped(&report);
 }
 
+/// By default the first free keeps only its caller; the allocation and the second free are
+/// walked whole.
 #[test]
 fn a_double_free_is_reported_with_three_stacks_even_when_glibc_aborts() {
-    let outcome = run(&[], &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
+    let df = double_free(&[]);
+    assert_eq!(df["first_free"]["frames"].as_array().unwrap().len(), 1, "only the caller of free: {df}");
+    assert_eq!(df["first_free"]["truncated"], true, "{df}");
+    for which in ["alloc", "second_free"] {
+        assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
+    }
+}
+
+#[test]
+fn full_free_stacks_show_the_first_free_whole() {
+    let df = double_free(&["--full-free-stacks"]);
+    for which in ["alloc", "first_free", "second_free"] {
+        assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
+    }
+}
+
+/// The lifecycle fixture's double free under `memprof run ARGS`: its one report, checked for
+/// what every mode shows.
+fn double_free(args: &[&str]) -> serde_json::Value {
+    let outcome = run(args, &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
     assert_eq!(outcome.status.code(), Some(128 + 6), "memprof exits like its command (SIGABRT): {outcome:?}");
     let report = outcome.final_report();
     let double_frees = report["double_frees"].as_array().unwrap();
     assert_eq!(double_frees.len(), 1, "{report}");
-    let df = &double_frees[0];
+    let df = double_frees[0].clone();
     assert_eq!(df["size"], 48);
     assert_eq!(df["alloc"]["frames"][0]["function"], "df_alloc");
     assert_eq!(df["first_free"]["frames"][0]["function"], "df_first_free");
     assert_eq!(df["second_free"]["frames"][0]["function"], "df_second_free");
     for which in ["alloc", "first_free", "second_free"] {
-        assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
         assert!(df[which]["tid"].as_u64().unwrap() > 0);
     }
     let times: Vec<f64> =
         ["alloc", "first_free", "second_free"].iter().map(|w| df[w]["time_s"].as_f64().unwrap()).collect();
     assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
+    df
 }
 
 #[test]

@@ -72,3 +72,16 @@ fn the_daemon_samples_a_process_above_max_rate() {
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 65536, "{report}");
 }
+
+/// Resizes of recorded blocks into blocks not drawn are neither failures nor unknown frees, and
+/// the blocks they free come off exactly (8 threads, each resizing and freeing its own block).
+#[test]
+fn sampled_resizes_are_not_failures() {
+    let outcome = run(&["--sample-bytes", "4096", "--interval", "60"], &[fixture("sampled_realloc").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(total(&report, "failed_allocations"), 0, "{}", report["totals"]);
+    assert_eq!(total(&report, "unknown_frees"), 0, "{}", report["totals"]);
+    assert_eq!(site(&report, "resize"), (0, 0), "every resized block was freed");
+    assert!(total(&report, "allocations") > 0, "some resizes were drawn: {}", report["totals"]);
+}

@@ -4,9 +4,11 @@
 //!
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
-//! cost alone and rewrites that section only (a minute and a half instead of the whole bench).
+//! cost alone and rewrites that section only (a minute and a half instead of the whole bench);
+//! `--only services` likewise the real services' (`services`: redis-server, a few minutes).
 
 pub(crate) mod daemon;
+mod services;
 mod unwind;
 mod workloads;
 
@@ -95,7 +97,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     match args {
         [] => all(size),
         [only, what] if only == "--only" && what == "daemon" => only_daemon(size),
-        _ => bail!("usage: cargo xtask bench [--only daemon]"),
+        [only, what] if only == "--only" && what == "services" => only_services(size),
+        _ => bail!("usage: cargo xtask bench [--only daemon|services]"),
     }
 }
 
@@ -122,8 +125,23 @@ fn only_daemon(size: Size) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The real services alone, written over (or added as) their section of the report.
+fn only_services(size: Size) -> anyhow::Result<()> {
+    setup::debian_packages(&["heaptrack", "redis-server", "redis-tools"])?;
+    let _stats_off = BpfStatsOff::new()?;
+    let memprof = build_memprof()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let section = services::render(&services::measure(&memprof, &dir, size)?);
+    let path = report_path(size);
+    crate::benchmarks::replace_or_add_section(&path, services::TITLE, &section)?;
+    println!("{section}");
+    eprintln!("xtask bench: its section written to {}", path.display());
+    Ok(())
+}
+
 fn all(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3"])?;
+    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3", "redis-server", "redis-tools"])?;
     let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");
@@ -197,11 +215,14 @@ fn all(size: Size) -> anyhow::Result<()> {
     let frames = unwind::frame_costs(&memprof, &dir, size)?;
     let tables = unwind::table_memory(&memprof, &dir)?;
     let daemon_cost = daemon::measure(&memprof, &dir, size)?;
+    let services = services::measure(&memprof, &dir, size)?;
     let mut report = render(&results, &attached, size);
     report.push_str(&workloads::render(&others));
     report.push_str(&unwind::render_frame_costs(&frames, size));
     report.push_str(&unwind::render_table_memory(&tables));
     report.push_str(&daemon::render(&daemon_cost));
+    report.push('\n');
+    report.push_str(&services::render(&services));
     let path = report_path(size);
     // The long runs' sections (soak, fuzzing) stay, after ours.
     let report = crate::benchmarks::with_trailing_sections(&path, &report);

@@ -1,11 +1,13 @@
 //! BENCHMARKS.md is written by several commands: `bench` writes its own sections, and the long runs
 //! (`soak`, `fuzz`, `pause`) each own one section at the end. Each keeps the others' sections. "Scale" is
-//! measured with the `shared_links` test at several N and kept likewise.
+//! measured with the `shared_links` test at several N and kept likewise, as is the per-program
+//! breakdown of the real services' cost (measured by hand with the kernel's BPF statistics).
 
 use std::path::Path;
 
 /// Sections owned by the long-running commands, kept at the end of the file in this order.
-const TRAILING: [&str; 4] = ["## Scale", crate::pause::TITLE, "## Soak", "## Fuzzing"];
+const TRAILING: [&str; 5] =
+    ["## Real services: where the time goes", "## Scale", crate::pause::TITLE, "## Soak", "## Fuzzing"];
 
 /// Splits `text` into what precedes the trailing sections and each trailing section found.
 fn split(text: &str) -> (String, Vec<(&'static str, String)>) {
@@ -68,6 +70,19 @@ pub fn replace_section(path: &Path, title: &str, section: &str) -> anyhow::Resul
         out.push('\n');
     }
     std::fs::write(path, out)?;
+    Ok(())
+}
+
+/// Replaces bench's own section `title` as `replace_section` does, or adds it after bench's other
+/// sections where the file has none yet.
+pub fn replace_or_add_section(path: &Path, title: &str, section: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    if text.lines().any(|line| line.trim_end() == title) {
+        return replace_section(path, title, section);
+    }
+    let (head, _) = split(&text);
+    let report = format!("{}\n\n{}\n", head.trim_end(), section.trim());
+    std::fs::write(path, with_trailing_sections(path, &report))?;
     Ok(())
 }
 

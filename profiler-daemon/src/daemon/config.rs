@@ -44,6 +44,7 @@ struct File {
     max_frames: Option<u32>,
     max_unwind_rows: Option<u32>,
     mappings: Option<bool>,
+    full_free_stacks: Option<bool>,
     http: Option<server::SettingsFile>,
     access: Option<access::SettingsFile>,
 }
@@ -180,6 +181,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         max_frames: args.max_frames.or(file.max_frames).unwrap_or(defaults.max_frames),
         max_unwind_rows: args.max_unwind_rows.or(file.max_unwind_rows).unwrap_or(defaults.max_unwind_rows),
         mappings: args.mappings || file.mappings.unwrap_or(defaults.mappings),
+        full_free_stacks: args.full_free_stacks || file.full_free_stacks.unwrap_or(defaults.full_free_stacks),
     };
     let entries = 1..=MAX_MAP_ENTRIES;
     if !entries.contains(&maps.max_live.into())
@@ -315,7 +317,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 19] = [
+    const KEYS: [&str; 20] = [
         "listen",
         "pids",
         "comms",
@@ -334,6 +336,7 @@ mod tests {
         "max_frames",
         "max_unwind_rows",
         "mappings",
+        "full_free_stacks",
         "nope",
     ];
 

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use aya::Ebpf;
-use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd};
+use profiler_common::{DoubleFreeEvent, DropReason, FreeSite, StackEnd, NO_STACK};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -261,7 +261,10 @@ impl Stacks<'_> {
     /// Symbolizes a stored stack and hashes it.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
         let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
-        let truncated = end != StackEnd::Complete;
+        self.symbolize_frames(addresses, end != StackEnd::Complete)
+    }
+
+    fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
         if addresses.is_empty() {
             return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
         }
@@ -275,8 +278,13 @@ impl Stacks<'_> {
         SiteReport { tid, time_s: self.seconds_since_start(time_ns), truncated: stack.truncated, frames: stack.frames }
     }
 
+    /// A free's stack, or only its caller where the stack was not walked (marked truncated).
     fn free_site(&self, site: &FreeSite) -> SiteReport {
-        self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns)
+        if site.stack_id != NO_STACK || site.caller == 0 {
+            return self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns);
+        }
+        let frames = self.symbolize_frames(vec![site.caller], true).frames;
+        SiteReport { tid: site.tid, time_s: self.seconds_since_start(site.time_ns), truncated: true, frames }
     }
 
     /// The code mappings that hold `frames`.

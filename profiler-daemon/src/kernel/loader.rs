@@ -121,6 +121,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
         .map_max_entries("UNWIND_SHARDS", sizes.max_unwind_rows.div_ceil(profiler_common::UNWIND_SHARD_ROWS))
         .override_global("FRAME_LIMIT", &sizes.max_frames, true)
+        .override_global("FULL_FREE_STACKS", &u32::from(sizes.full_free_stacks), true)
         .override_global("CLOCK_BASE_NS", &clock.base_ns, true)
         .override_global("GENERATION_NS", &clock.length_ns, true)
         .override_global("TASK_PID_OFFSET", &task[0], true)

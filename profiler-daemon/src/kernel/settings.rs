@@ -30,6 +30,11 @@ pub struct LoadSettings {
     /// host, which then takes the kernel's slower traced path (about 9% more per malloc here).
     #[arg(long)]
     pub mappings: bool,
+    /// Walk the stack of every free, so that a double free's first free shows its whole stack.
+    /// Without it a free keeps only its caller (the function that called free), and only the
+    /// second free of a double free is walked: cheaper at every free.
+    #[arg(long)]
+    pub full_free_stacks: bool,
 }
 
 /// The most entries a BPF hash table takes: the kernel refuses more buckets than 4 GiB of
@@ -45,4 +50,5 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     // 100 MB C++ library: 1 to 3 million rows each), none of it taken before it is needed.
     max_unwind_rows: 1 << 24,
     mappings: false,
+    full_free_stacks: false,
 };

@@ -8,7 +8,7 @@
 //! stepped over: the probe then fires a few instructions later, on every call all the same.
 //!
 //! What the probe reads decides what may be stepped over: the argument registers of the function
-//! (`entry_arguments` in profiler-ebpf), rsp (the return address a return probe replaces, the
+//! (`AllocFn::arguments`), rsp (the return address a return probe replaces, the
 //! stack walk's start, nesting), rbp (the stack walk), and the stack memory at rsp. The entry and
 //! return probes of an allocation function share this site, so no push may come before it: the
 //! return probe takes over the return address at `[rsp]` when the probe fires. Whatever is not
@@ -18,7 +18,6 @@ use iced_x86::{
     Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
     Register,
 };
-use profiler_common::AllocFn;
 
 use crate::process::families::Role;
 
@@ -36,30 +35,26 @@ pub fn probe_distance(code: &[u8], role: Role) -> u64 {
     }
     let Some(function) = decode(code) else { return 0 };
     let kept = kept_registers(role);
-    let Some(site) = first_emulated(&function, code, 0, kept) else { return 0 };
+    let Some(site) = first_emulated(&function, code, 0, &kept) else { return 0 };
     let mut sites = vec![site];
     if role == Role::Free {
         // `free(NULL)` is a no-op: past `test %rdi,%rdi; je`, the probe sees every free that
         // matters, and the NULL ones cost nothing.
-        if let Some(past) = past_null_check(&function, code, site, kept) {
+        if let Some(past) = past_null_check(&function, code, site, &kept) {
             sites.insert(0, past);
         }
     }
     sites.into_iter().map(|site| function[site].ip()).find(|&ip| !reentered(&function, ip)).unwrap_or(0)
 }
 
-/// The registers memprof's entry programs read for a function of `role`.
-fn kept_registers(role: Role) -> &'static [Register] {
-    use AllocFn::*;
-    use Register::{RCX, RDI, RDX, RSI};
+/// The registers memprof's entry programs read for a function of `role` (every free takes its
+/// block first).
+fn kept_registers(role: Role) -> Vec<Register> {
+    const ARGUMENTS: [Register; 6] =
+        [Register::RDI, Register::RSI, Register::RDX, Register::RCX, Register::R8, Register::R9];
     match role {
-        Role::Free => &[RDI],
-        Role::Alloc(Malloc | Valloc | Pvalloc) => &[RDI],
-        Role::Alloc(Calloc | Realloc | ResizeInPlace) => &[RDI, RSI],
-        Role::Alloc(Reallocarray) => &[RDI, RSI, RDX],
-        Role::Alloc(PosixMemalign) => &[RDI, RDX],
-        Role::Alloc(AlignedAlloc | Memalign) => &[RSI],
-        Role::Alloc(RustRealloc) => &[RDI, RCX],
+        Role::Free => vec![Register::RDI],
+        Role::Alloc(func) => func.arguments().read().filter_map(|n| ARGUMENTS.get(n).copied()).collect(),
     }
 }
 
@@ -157,6 +152,8 @@ fn reentered(function: &[Instruction], site: u64) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use profiler_common::AllocFn;
+
     use super::*;
 
     const FREE: Role = Role::Free;

@@ -1,0 +1,194 @@
+//! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
+//! under memprof attached to it (exact and sampled) and heaptrack (restarted under it), the runs
+//! interleaved so that a change in the machine's load falls on every mode alike.
+
+use std::{
+    fmt::Write as _,
+    io::BufRead as _,
+    net::TcpStream,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+
+use super::Size;
+
+pub const TITLE: &str = "## Real services";
+
+/// The port the bench's redis-server listens on (loopback only).
+const PORT: &str = "6389";
+
+struct Mode {
+    name: &'static str,
+    how: How,
+}
+
+enum How {
+    Untraced,
+    /// `memprof attach` with these options, after the warm-up.
+    Attached(&'static [&'static str]),
+    /// The server started under heaptrack.
+    Heaptrack,
+}
+
+const MODES: [Mode; 4] = [
+    Mode { name: "none", how: How::Untraced },
+    Mode { name: "memprof attach (exact)", how: How::Attached(&[]) },
+    Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
+    Mode { name: "heaptrack (LD_PRELOAD, restarted)", how: How::Heaptrack },
+];
+
+pub struct Measured {
+    /// SET requests a second, each mode's runs in order.
+    runs: Vec<Vec<f64>>,
+    requests: u64,
+    /// When, as `date -u` prints it.
+    date: String,
+    load_before: String,
+    load_after: String,
+}
+
+/// Interleaved runs of every mode: A B C D A B C D ...
+pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measured> {
+    let requests = if size.quick { 20_000 } else { 200_000 };
+    let date = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output()?;
+    let date = String::from_utf8_lossy(&date.stdout).trim().to_string();
+    let load_before = load_average();
+    let mut runs = vec![Vec::new(); MODES.len()];
+    for _ in 0..size.runs {
+        for (mode, runs) in MODES.iter().zip(&mut runs) {
+            let rate = one_run(mode, memprof, dir, requests).with_context(|| format!("redis under {}", mode.name))?;
+            eprintln!("xtask bench: redis SET under {:<40} {rate:>9.0} requests/s", mode.name);
+            runs.push(rate);
+        }
+    }
+    Ok(Measured { runs, requests, date, load_before, load_after: load_average() })
+}
+
+fn load_average() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    text.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+/// Kills the child when dropped: a failed run leaves no server behind.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Result<f64> {
+    let mut server = match mode.how {
+        How::Heaptrack => {
+            let mut command = Command::new("heaptrack");
+            command.args(["-o", &dir.join("heaptrack.redis").display().to_string(), "/usr/bin/redis-server"]);
+            command
+        }
+        _ => Command::new("/usr/bin/redis-server"),
+    };
+    server.args(["--port", PORT, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
+    let mut server =
+        Killed(server.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("starting redis-server")?);
+    wait_for_port()?;
+    // The warm-up fills the server's tables and the allocator's caches before any tracing.
+    benchmark(20_000)?;
+    let tracer = match mode.how {
+        How::Attached(options) => Some(attach(memprof, server.0.id(), options)?),
+        _ => None,
+    };
+    let rate = benchmark(requests)?;
+    if let Some(mut tracer) = tracer {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(tracer.0.id() as i32, libc::SIGINT) };
+        let status = tracer.0.wait()?;
+        if !status.success() {
+            bail!("memprof attach exited with {status}");
+        }
+    }
+    // Asked to stop rather than killed: under heaptrack the server is a child of its script,
+    // which a kill would leave running on the port.
+    let _ = Command::new("redis-cli").args(["-p", PORT, "shutdown", "nosave"]).output();
+    server.0.wait()?;
+    Ok(rate)
+}
+
+fn wait_for_port() -> anyhow::Result<()> {
+    let start = Instant::now();
+    while TcpStream::connect(format!("127.0.0.1:{PORT}")).is_err() {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("redis-server did not listen on port {PORT} within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// `memprof attach` with `options`, once it says it traces.
+fn attach(memprof: &Path, pid: u32, options: &[&str]) -> anyhow::Result<Killed> {
+    let mut tracer = Command::new(memprof)
+        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "--output", "/dev/null"])
+        .args(options)
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting memprof attach")?;
+    let mut stderr = std::io::BufReader::new(tracer.stderr.take().expect("piped"));
+    let mut line = String::new();
+    while !line.contains("tracing pid") {
+        line.clear();
+        if stderr.read_line(&mut line)? == 0 {
+            bail!("memprof attach ended before tracing");
+        }
+    }
+    // Its later lines are not read: a thread drains them so that it never blocks on a full pipe.
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    Ok(Killed(tracer))
+}
+
+/// SET requests a second over `requests` requests of 100 bytes on 100,000 random keys.
+fn benchmark(requests: u64) -> anyhow::Result<f64> {
+    let output = Command::new("redis-benchmark")
+        .args(["-p", PORT, "-t", "set", "-r", "100000", "-d", "100", "-q", "-n", &requests.to_string()])
+        .output()
+        .context("running redis-benchmark")?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    // -q prints progress lines ending in \r, then "SET: N requests per second, p50=...".
+    text.rsplit(['\r', '\n'])
+        .filter_map(|line| line.strip_prefix("SET: "))
+        .find_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("redis-benchmark printed no SET rate: {text}"))
+}
+
+fn median(runs: &[f64]) -> f64 {
+    let mut sorted = runs.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+pub fn render(measured: &Measured) -> String {
+    let mut out = format!("{TITLE}\n\n");
+    let _ = writeln!(
+        out,
+        "Debian's redis-server (jemalloc) under `redis-benchmark -t set -r 100000 -d 100 -n {}` (50 clients), \
+         after a warm-up of 20,000 requests: untraced, with `memprof attach` started after the warm-up, and \
+         restarted under heaptrack. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
+         load average {} before, {} after (2 cores shared with other work: compare the ratios).\n",
+        measured.requests,
+        measured.runs[0].len(),
+        measured.date,
+        measured.load_before,
+        measured.load_after,
+    );
+    out.push_str("| mode | SET requests/s (runs) | median | traced ÷ untraced |\n|---|---|---:|---:|\n");
+    let untraced = median(&measured.runs[0]);
+    for (mode, runs) in MODES.iter().zip(&measured.runs) {
+        let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
+        let median = median(runs);
+        let _ = writeln!(out, "| {} | {} | {median:.0} | {:.2} |", mode.name, list.join(", "), median / untraced);
+    }
+    out
+}
