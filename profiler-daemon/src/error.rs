@@ -20,8 +20,10 @@ pub enum UserError {
     NoAllocatorInCommand { program: PathBuf, detail: String },
     #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing {missing}; run it with sudo, or see Permissions in the README")]
     Privileges { missing: String },
-    #[error("this kernel lacks {0}; memprof needs CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS, and is tested on Linux 6.18 (see Kernels in the README)")]
+    #[error("this kernel lacks {0}; memprof needs CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS, and is tested on Linux 6.1, 6.12 and 6.18 (see Kernels in the README)")]
     KernelSupport(&'static str),
+    #[error("this kernel lacks the BPF helper {helper} (Linux {since}), which memprof's stack walk calls; memprof is tested on Linux 6.1, 6.12 and 6.18 (see Kernels in the README)")]
+    KernelTooOld { helper: &'static str, since: &'static str },
     /// Not a `source`: the message says the cause already.
     #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]
     Output { path: PathBuf, cause: std::io::Error },

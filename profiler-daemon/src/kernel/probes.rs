@@ -81,9 +81,27 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
     };
     tracing::warn!("{fallback}: attaching perf-event uprobes, which take about 90 ms each to detach");
     for name in PROGRAMS {
-        program(ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
+        program(ebpf, name)?.load().map_err(missing_helper).with_context(|| format!("loading program {name}"))?;
     }
     Ok(Method::PerfEvents)
+}
+
+/// Helpers the programs call that older kernels lack, by the number their verifier names an
+/// unknown one with (`invalid func unknown#N`), and the first kernel that has each.
+const NEWER_HELPERS: [(u32, &str, &str); 1] = [(181, "bpf_loop", "5.17")];
+
+/// The last way to load the programs failed: one line naming the helper the kernel lacks, where
+/// that is why, rather than the verifier's log.
+fn missing_helper(err: aya::programs::ProgramError) -> anyhow::Error {
+    if let aya::programs::ProgramError::LoadError { verifier_log, .. } = &err {
+        let log = verifier_log.to_string();
+        if let Some(&(_, helper, since)) =
+            NEWER_HELPERS.iter().find(|(id, _, _)| log.contains(&format!("invalid func unknown#{id}\n")))
+        {
+            return crate::error::UserError::KernelTooOld { helper, since }.into();
+        }
+    }
+    err.into()
 }
 
 /// Loads the programs for uprobe_multi links: the session program where the kernel makes uprobe
