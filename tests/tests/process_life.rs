@@ -150,6 +150,7 @@ fn attach_follows_the_children_that_exist_at_attach() {
     let report = outcome.final_report();
     assert_eq!(site(&report, "parent_alloc"), (5 * 100, 5), "{report}");
     assert_eq!(report["forks"]["followed"], 2, "{report}");
+    assert_eq!(report["forks"]["at_attach"], 2, "{report}");
     assert_eq!(report["forks"]["missed"], 0, "{report}");
     let children = children(&report);
     assert_eq!(children.len(), 2, "{report}");

@@ -326,8 +326,12 @@ impl Family {
                 }
             };
             for child in children {
+                if self.processes.contains_key(&child) {
+                    continue;
+                }
                 self.on_fork(loaded, symbolizer, parent, child);
                 if self.processes.contains_key(&child) {
+                    self.forks.at_attach += 1;
                     parents.push(child);
                 }
             }

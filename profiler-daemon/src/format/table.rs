@@ -15,8 +15,8 @@ pub fn render(report: &Report) -> String {
     if let Some(forks) = &report.forks {
         let _ = writeln!(
             out,
-            "  children: {} followed, {} missed (gone before their probes were attached), {} exited and not listed; {} events lost",
-            forks.followed, forks.missed, forks.exited_not_listed, forks.events_lost
+            "  children: {} followed ({} of them there at attach), {} missed (gone before their probes were attached), {} exited and not listed; {} events lost",
+            forks.followed, forks.at_attach, forks.missed, forks.exited_not_listed, forks.events_lost
         );
     }
     for child in &report.children {

@@ -142,6 +142,10 @@ pub struct TemporaryStack {
 pub struct Forks {
     /// Children attached to.
     pub followed: u64,
+    /// Of those, the ones the process already had when memprof attached (`attach
+    /// --follow-forks`).
+    #[serde(default)]
+    pub at_attach: u64,
     /// Children that exited (or exec'd a program without an allocator) before their probes
     /// could be attached: not traced.
     pub missed: u64,
