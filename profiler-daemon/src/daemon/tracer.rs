@@ -38,7 +38,7 @@ use crate::{
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
-    kernel::shared::ProbeLinks,
+    kernel::shared::{FileId, ProbeLinks},
     process::allocator,
     process::procfs,
     symbolize::SymbolizerHandle,
@@ -46,6 +46,9 @@ use crate::{
 
 /// How often /proc is polled for processes to attach to or detach from.
 const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// How often the processes that map a shared-linked file are counted again, when the shared
+/// files have not changed meanwhile: it reads every process's maps.
+const SHARING_RECOUNT: Duration = Duration::from_secs(60);
 /// How often the ring buffer of library changes is read.
 const MAPPING_POLL: Duration = Duration::from_millis(10);
 /// How long a new process that cannot be attached to is tried again.
@@ -118,6 +121,9 @@ pub struct Tracer {
     pending_children: HashSet<ProcessId>,
     view: Arc<RwLock<DaemonView>>,
     pinned_budget: PinnedBudget,
+    /// The files whose links were shared when the untraced processes mapping them were counted,
+    /// that count, and when to count again.
+    sharing: (HashSet<FileId>, u64, Instant),
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -154,6 +160,7 @@ impl Tracer {
             pending_children: HashSet::new(),
             view,
             pinned_budget: PinnedBudget::default(),
+            sharing: (HashSet::new(), 0, Instant::now()),
             alive,
         })
     }
@@ -556,7 +563,7 @@ impl Tracer {
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
-            untraced_sharing: self.loaded.untraced_sharing(&pids),
+            untraced_sharing: self.untraced_sharing(&pids),
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
@@ -570,6 +577,19 @@ impl Tracer {
         // scrapes wait for the lock.
         drop(old);
         Ok(())
+    }
+
+    /// The processes not traced that map a shared-linked file, counted again when the shared
+    /// files changed or `SHARING_RECOUNT` has passed.
+    fn untraced_sharing(&mut self, traced: &HashSet<u32>) -> u64 {
+        let files = self.loaded.shared_files();
+        let (counted, count, next) = &mut self.sharing;
+        if files != *counted || Instant::now() >= *next {
+            *count = discovery::untraced_sharing(&files, traced);
+            *counted = files;
+            *next = Instant::now() + SHARING_RECOUNT;
+        }
+        *count
     }
 
     /// `pid`'s view with an inspection made now: the process is held still meanwhile, and this
