@@ -205,6 +205,12 @@ impl Loaded {
         Ok(attachment)
     }
 
+    /// Reports every exec (and fork) on the host too, as `flags` (`discover::`) say: how the
+    /// daemon finds the processes its rules match as they start.
+    pub fn discover(&mut self, flags: u32) -> anyhow::Result<()> {
+        events::discover(&mut self.ebpf, flags)
+    }
+
     /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
     pub fn set_probe_links(&mut self, policy: ProbeLinks) {
         self.shared.set_policy(policy);
