@@ -6,9 +6,10 @@
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
+    os::fd::AsFd,
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc, RwLock,
+        Arc, RwLock,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -23,6 +24,7 @@ use super::{
     discovery::{self, ProcessId},
     heavy::Built,
     view::{DaemonView, MapUse, StackSeries, TargetView},
+    wakeup::{Inbox, Woken},
 };
 use crate::{
     format,
@@ -54,8 +56,6 @@ const FIRST_RETRY: Duration = Duration::from_millis(5);
 /// `FIRST_RETRY`: it is gone moments after its exit event; one whose other threads run on is
 /// checked each interval.
 const EXIT_WATCH: Duration = Duration::from_secs(1);
-/// How often the ring buffer of library changes is read.
-const MAPPING_POLL: Duration = Duration::from_millis(10);
 /// How long a new process that cannot be attached to is tried again.
 const GRACE_SECONDS: f64 = 5.0;
 /// Double frees kept per process for its report; more are counted only.
@@ -184,7 +184,7 @@ impl Tracer {
     }
 
     /// Runs until `Shutdown` (or the sender is dropped), then detaches every probe.
-    pub fn run(mut self, commands: mpsc::Receiver<Command>) {
+    pub fn run(mut self, commands: Inbox<Command>) {
         let mut next_snapshot = Instant::now();
         loop {
             let now = Instant::now();
@@ -208,20 +208,27 @@ impl Tracer {
                 self.probe(pid);
                 self.symbolizer.refresh(pid);
             }
+            // Every ring is read before the wait, which would otherwise end at once.
+            self.collect_double_frees();
             let mut until = self.next_resync.min(next_snapshot);
             if !self.starting.is_empty() || !self.exiting.is_empty() {
                 until = until.min(self.next_retry());
             }
-            // Woken often enough to give a library a process loads its table within milliseconds.
-            let wait = until.saturating_duration_since(Instant::now()).min(MAPPING_POLL);
-            match commands.recv_timeout(wait) {
-                Ok(Command::Reload(config)) => self.reload(*config),
-                Ok(Command::Inspect { pid, reply }) => {
+            // Woken by the kernel's rings: a library a process loads gets its table within
+            // milliseconds, a new process is attached as it starts.
+            let rings = [
+                self.loaded.process_events.ring().as_fd(),
+                self.loaded.unwind_events.ring().as_fd(),
+                self.double_free_reader.ring().as_fd(),
+            ];
+            match commands.wait(&rings, until.saturating_duration_since(Instant::now())) {
+                Woken::Command(Command::Reload(config)) => self.reload(*config),
+                Woken::Command(Command::Inspect { pid, reply }) => {
                     // Nobody waits for the answer any more when the client has gone.
                     let _ = reply.send(self.inspect(pid));
                 }
-                Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Woken::Command(Command::Shutdown) | Woken::Disconnected => break,
+                Woken::Other => {}
             }
         }
         // Every target at once: their links, closed together, share the kernel's grace periods.
@@ -365,7 +372,7 @@ impl Tracer {
         if self.consider(id, comm.clone()) {
             return true;
         }
-        let waits = !self.targets.get(&id.pid).is_some_and(|t| t.id == id)
+        let waits = self.targets.get(&id.pid).is_none_or(|t| t.id != id)
             && !self.unattachable.contains(&id)
             && !self.refused.contains(&id);
         if waits {
