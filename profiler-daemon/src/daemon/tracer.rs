@@ -29,6 +29,7 @@ use super::{
 use crate::{
     format,
     heap::inspect,
+    heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
@@ -44,6 +45,7 @@ use crate::{
     process::allocator,
     process::procfs,
     symbolize::SymbolizerHandle,
+    unwind::TableUse,
 };
 
 /// How soon a target that came or went is shown: not at once for each, so that a thousand
@@ -104,6 +106,8 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// Its stacks symbolized already.
+    known_stacks: KnownStacks,
 }
 
 pub struct Tracer {
@@ -129,6 +133,9 @@ pub struct Tracer {
     starting: HashMap<ProcessId, (String, Instant, Duration)>,
     /// Targets whose main thread exited, watched until gone.
     exiting: HashMap<u32, Instant>,
+    /// Targets whose main thread exited while others run on: looked for gone each interval,
+    /// since the exit of their last thread is not reported.
+    leaderless: HashSet<u32>,
     /// When /proc is next scanned (`Config::resync`), and the scans so far.
     next_resync: Instant,
     scans: u64,
@@ -174,6 +181,7 @@ impl Tracer {
             pending_children: HashSet::new(),
             starting: HashMap::new(),
             exiting: HashMap::new(),
+            leaderless: HashSet::new(),
             next_resync: Instant::now(),
             scans: 0,
             view,
@@ -205,6 +213,9 @@ impl Tracer {
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
             for pid in self.loaded.sync_changed_mappings() {
+                if let Some(target) = self.targets.get(&pid) {
+                    target.known_stacks.forget();
+                }
                 self.probe(pid);
                 self.symbolizer.refresh(pid);
             }
@@ -418,6 +429,9 @@ impl Tracer {
             if gone || until <= now {
                 self.exiting.remove(&pid);
             }
+            if !gone && until <= now {
+                self.leaderless.insert(pid);
+            }
         }
         if changed {
             self.settle_pending_children();
@@ -491,6 +505,7 @@ impl Tracer {
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
         target.double_free_count = 0;
+        target.known_stacks.forget();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
@@ -549,6 +564,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            known_stacks: KnownStacks::default(),
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -569,13 +585,14 @@ impl Tracer {
         info!(pid, comm = target.comm, "no longer traced");
     }
 
-    fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
+    fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
             unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
+            known: Some(&target.known_stacks),
         }
     }
 
@@ -610,11 +627,12 @@ impl Tracer {
 
     /// Reads the maps and publishes the view.
     fn publish(&mut self) -> anyhow::Result<()> {
-        // Libraries loaded since the last interval must be known before stacks are symbolized.
+        // A program may rename itself. (The symbolizer learns of the libraries a target loads
+        // from the dynamic linker's hook, `sync_changed_mappings`, not from a read of every
+        // target's maps each interval.)
         for target in self.targets.values_mut() {
             if let Some(comm) = procfs::comm(target.id.pid) {
                 target.comm = comm;
-                self.symbolizer.refresh(target.id.pid);
             }
         }
         self.collect_double_frees();
@@ -623,12 +641,14 @@ impl Tracer {
         // A target gone without its exit seen (its main thread exited long before its last
         // thread), or whose pid a new process took already: what the maps hold under that pid
         // may be the new process's, and its mappings are. Not shown as the old one's; the new
-        // one is traced afresh if the rules match it.
+        // one is traced afresh if the rules match it. (Other exits are reported by the kernel;
+        // one whose report was lost, the ring full, is found at the next scan of /proc.)
+        self.leaderless.retain(|pid| self.targets.contains_key(pid));
         let gone: Vec<u32> = self
-            .targets
-            .values()
-            .filter(|target| ProcessId::current(target.id.pid) != Some(target.id))
-            .map(|target| target.id.pid)
+            .leaderless
+            .iter()
+            .filter(|&&pid| self.targets.get(&pid).is_some_and(|t| ProcessId::current(pid) != Some(t.id)))
+            .copied()
             .collect();
         for pid in gone {
             self.detach(pid);
@@ -687,7 +707,8 @@ impl Tracer {
             ..DaemonView::default()
         };
         for target in self.targets.values() {
-            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel)));
+            target.known_stacks.next_interval();
+            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel, &tables)));
         }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
@@ -726,12 +747,12 @@ impl Tracer {
         let kernel =
             aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0).map_err(failed)?;
         let target = &self.targets[&pid];
-        let mut view = self.target_view(target, &kernel);
+        let mut view = self.target_view(target, &kernel, &self.loaded.unwind.table_use());
         report::add_inspection(&mut view.report, inspection, &self.stacks(target));
         Ok(view)
     }
 
-    fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
+    fn target_view(&self, target: &Target, kernel: &KernelSnapshot, tables: &TableUse) -> TargetView {
         let pid = target.id.pid;
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
         let ctx = report::Context {
@@ -748,7 +769,7 @@ impl Tracer {
         report.blind_spots =
             target.blind_spots.current(pid, report.totals.allocations, report.mappings.outstanding_bytes);
         report.memory = target.resident.current(pid, report.totals.outstanding_bytes);
-        report.unwind_tables = Some(self.loaded.unwind.table_use());
+        report.unwind_tables = Some(*tables);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =
