@@ -801,6 +801,18 @@ pub mod process_event {
     pub const EXEC: u32 = 0;
     /// The process made a new process (`fork`, `vfork`, `clone` without `CLONE_THREAD`).
     pub const FORK: u32 = 1;
+    /// The process's main thread exited: the process is gone, or is a moment later, unless its
+    /// other threads run on (the main thread called `pthread_exit`).
+    pub const EXIT: u32 = 2;
+}
+
+/// Which execs and forks of processes not traced are reported too (`DISCOVER`), for the daemon
+/// to find the processes its rules match as they start.
+pub mod discover {
+    /// Every exec on the host: a program's command name is set at its exec.
+    pub const EXECS: u32 = 1;
+    /// Every new process on the host: a process starts in its parent's cgroup.
+    pub const FORKS: u32 = 2;
 }
 
 /// A change to a traced process's anonymous private memory outside the heap's blocks, sent

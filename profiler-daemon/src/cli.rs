@@ -333,6 +333,10 @@ pub struct DaemonArgs {
     /// Seconds between snapshots of the kernel maps (at least 0.1) [default: 5].
     #[arg(long, value_parser = interval)]
     pub interval: Option<f64>,
+    /// Seconds between scans of /proc for matching processes; new ones are found from their exec
+    /// or fork at once, the scan catches a command name or cgroup changed later [default: 60].
+    #[arg(long, value_parser = interval)]
+    pub resync_interval: Option<f64>,
     /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
     #[arg(long)]
     pub top_stacks: Option<usize>,

@@ -147,10 +147,11 @@ pub fn free(ctx: ProbeContext) -> u32 {
 }
 
 /// `sched_process_exit`, in every exiting thread of every process (one lookup for those not in an
-/// allocator call): see `record::on_thread_exit`.
+/// allocator call): see `record::on_thread_exit` and `process::on_thread_exit`.
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     record::on_thread_exit();
+    process::on_thread_exit();
     0
 }
 

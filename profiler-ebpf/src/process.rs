@@ -2,17 +2,20 @@
 //! tracepoints: they attach by name, without tracefs, and kprobes are not available).
 //!
 //! Only processes in `TRACED` are reported, so the programs cost every other exec and fork one
-//! hash lookup. The daemon re-attaches a process that execs (its probes were on the old program's
-//! allocator) and attaches to the children it follows.
+//! hash lookup; unless the daemon asks for every exec or fork on the host (`DISCOVER`), to find
+//! the processes its rules match as they start: an exec or a fork then costs one ring record
+//! more, next to the exec's or fork's own tens of microseconds. The daemon re-attaches a process
+//! that execs (its probes were on the old program's allocator), attaches to the children it
+//! follows and detaches from the processes that exit.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
     Global,
 };
-use profiler_common::{process_event, traced, ProcessEvent};
+use profiler_common::{discover, process_event, traced, ProcessEvent};
 
 use crate::shared::{add, NO_PREALLOC};
 
@@ -21,6 +24,9 @@ use crate::shared::{add, NO_PREALLOC};
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 #[map]
 static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+/// `discover::` flags: which execs and forks of untraced processes are reported too.
+#[map]
+static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
 /// Events `PROCESS_EVENTS` had no room for.
 #[map]
 static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
@@ -52,6 +58,11 @@ pub fn traced(tgid: u32) -> bool {
     unsafe { TRACED.get(tgid) }.is_some()
 }
 
+#[inline(always)]
+fn discovering(flag: u32) -> bool {
+    DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
+}
+
 fn emit(kind: u32, tgid: u32, child: u32) {
     let event = ProcessEvent { kind, tgid, child, _pad: 0 };
     if PROCESS_EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
@@ -66,7 +77,7 @@ fn emit(kind: u32, tgid: u32, child: u32) {
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if traced(tgid) {
+    if traced(tgid) || discovering(discover::EXECS) {
         emit(process_event::EXEC, tgid, 0);
     }
     0
@@ -78,7 +89,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let follows = unsafe { TRACED.get(tgid) }.is_some_and(|flags| flags & traced::FOLLOW_FORKS != 0);
-    if !follows {
+    if !follows && !discovering(discover::FORKS) {
         return 0;
     }
     let child: *const u8 = ctx.arg(1);
@@ -90,4 +101,15 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         }
     }
     0
+}
+
+/// A thread exited (`sched_process_exit`): when it is a traced process's main thread, the
+/// process is reported, for the daemon to let it go at once. Other threads cost a comparison.
+#[inline(always)]
+pub fn on_thread_exit() {
+    let ids = bpf_get_current_pid_tgid();
+    let (tgid, pid) = ((ids >> 32) as u32, ids as u32);
+    if pid == tgid && traced(tgid) {
+        emit(process_event::EXIT, tgid, 0);
+    }
 }

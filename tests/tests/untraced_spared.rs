@@ -74,6 +74,26 @@ fn untraced_processes_run_as_if_memprof_were_not_there() {
     assert_eq!(metric(daemon.port, "memprof_untraced_processes_sharing_probes"), Some(0));
 }
 
+/// A process that starts after the daemon and matches its `--comm` rule is traced from its exec,
+/// found by the kernel's exec event, not by a scan of /proc (the daemon's one scan is at start):
+/// every block it then allocates is counted; and it is let go at its exit, again without a scan.
+#[test]
+fn a_process_started_later_is_found_from_its_exec_without_a_scan() {
+    let _serial = one_at_a_time();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--resync-interval", "100000"]);
+    let scans = || metric(daemon.port, "memprof_discovery_scans_total");
+    assert_eq!(scans(), Some(1), "the scan at start");
+    let mut target = Waiting::start(&fixture("daemon_target"), &[]);
+    daemon.wait_traced(target.pid());
+    target.go();
+    let held = format!("/api/v1/leaks?pid={}", target.pid());
+    wait_for(20, "the held blocks", || (site(&daemon.get_json(&held).1, "hold_site") == (50_000, 50)).then_some(()));
+    let pid = u64::from(target.pid());
+    drop(target);
+    wait_for(20, "the exited process let go", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    assert_eq!(scans(), Some(1), "found and let go without a scan");
+}
+
 /// With the crossover set to 3, the daemon gives the first two processes its rule matches links
 /// of their own and the rest links shared per file, switching while they run: each process's
 /// blocks are counted once, none missed, whichever links it has; the switch is logged once, and

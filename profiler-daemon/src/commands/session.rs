@@ -291,6 +291,7 @@ impl Tracer<'_> {
             symbolizer: &self.symbolizer,
             pid,
             start_ns: self.start_ns,
+            known: None,
         }
     }
 

@@ -21,6 +21,9 @@ use crate::{
 /// the default interval), well under the kernel's table of traced processes (4,096).
 pub const DEFAULT_MAX_TARGETS: usize = 1000;
 
+/// Seconds between scans of /proc unless told (see `Config::resync`).
+const DEFAULT_RESYNC: f64 = 60.0;
+
 /// The config file. Every field is optional; flags override fields.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -33,6 +36,7 @@ struct File {
     max_targets: Option<usize>,
     probe_links: Option<ProbeLinks>,
     interval: Option<f64>,
+    resync_interval: Option<f64>,
     top_stacks: Option<usize>,
     leak_window: Option<usize>,
     leak_threshold: Option<f64>,
@@ -86,6 +90,10 @@ pub struct Config {
     /// Read at start: a reload does not change the links of processes traced already.
     pub probe_links: ProbeLinks,
     pub interval: f64,
+    /// Seconds between scans of /proc for the processes the rules match: new processes are
+    /// found from their exec or fork as it happens, the scan catches what changes otherwise (a
+    /// command name set by the program itself, a process moved into a cgroup).
+    pub resync: f64,
     pub top_stacks: usize,
     pub leak: LeakSettings,
     pub sampling: Sampling,
@@ -153,6 +161,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     let interval = cli::check_interval(args.interval.or(file.interval).unwrap_or(5.0))
         .map_err(|e| ConfigError::Value("interval", e))?;
+    let resync = cli::check_interval(args.resync_interval.or(file.resync_interval).unwrap_or(DEFAULT_RESYNC))
+        .map_err(|e| ConfigError::Value("resync_interval", e))?;
     let leak = LeakSettings {
         window: args.leak_window.or(file.leak_window).unwrap_or(DEFAULT_LEAK.window),
         threshold: args.leak_threshold.or(file.leak_threshold).unwrap_or(DEFAULT_LEAK.threshold),
@@ -206,6 +216,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         max_targets,
         probe_links: args.probe_links.or(file.probe_links).unwrap_or(ProbeLinks::Auto),
         interval,
+        resync,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         leak,
         sampling,
@@ -325,6 +336,7 @@ mod tests {
         "all",
         "max_targets",
         "interval",
+        "resync_interval",
         "top_stacks",
         "leak_window",
         "leak_threshold",

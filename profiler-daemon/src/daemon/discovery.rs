@@ -1,8 +1,10 @@
 //! Finds the processes the rules ask for, by polling /proc (kprobes are not available, and a
 //! poll also catches processes that were running before the daemon started).
 
+use std::collections::HashSet;
+
 use super::config::Rules;
-use crate::process::procfs;
+use crate::{kernel::shared::FileId, process::procfs};
 
 /// A process, named for good by its pid and start time (pids are reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -43,4 +45,19 @@ pub fn matching(rules: &Rules, pid: u32) -> Option<(ProcessId, String)> {
     let comm = procfs::comm(pid)?;
     let cgroups = if rules.needs_cgroup() { procfs::cgroups(pid) } else { Vec::new() };
     rules.matches(pid, &comm, &cgroups).then_some((id, comm))
+}
+
+/// How many processes that are not traced map one of `files` (files whose links are shared),
+/// and so take a trap at each of their probed calls. Reads every process's maps: counted when
+/// the shared files change and at each resync, never per interval.
+pub fn untraced_sharing(files: &HashSet<FileId>, traced: &HashSet<u32>) -> u64 {
+    if files.is_empty() {
+        return 0;
+    }
+    let own = std::process::id();
+    let maps_shared = |pid: u32| {
+        crate::process::procfs::read_text(format!("/proc/{pid}/maps"))
+            .is_ok_and(|maps| maps.lines().filter_map(FileId::of_maps_line).any(|file| files.contains(&file)))
+    };
+    procfs::pids().into_iter().filter(|&pid| pid != own && !traced.contains(&pid) && maps_shared(pid)).count() as u64
 }

@@ -9,7 +9,7 @@ use std::{
     future::Future,
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc, Mutex, RwLock,
+        Arc, Mutex, RwLock,
     },
 };
 
@@ -33,6 +33,7 @@ use super::{
     server::{Refusal, Stats},
     tracer::{Command, InspectFailure},
     view::{DaemonView, TargetView},
+    wakeup::Commands,
 };
 use crate::format::{self, escape, pprof, Format};
 
@@ -44,7 +45,7 @@ struct Shared {
     /// False once the tracer thread has stopped: the view is then frozen and probes detached.
     tracer_alive: Arc<AtomicBool>,
     /// To the tracer thread, for inspections.
-    commands: mpsc::Sender<Command>,
+    commands: Commands<Command>,
     /// The pids an inspection is asked for or under way of.
     inspecting: Mutex<HashSet<u32>>,
     /// `access.inspect`: false refuses every inspection.
@@ -57,7 +58,7 @@ pub fn router(
     view: Arc<RwLock<DaemonView>>,
     tracer_alive: Arc<AtomicBool>,
     guard: Guard,
-    commands: mpsc::Sender<Command>,
+    commands: Commands<Command>,
 ) -> Router {
     let mut registry = metrics::registry(view.clone());
     metrics::register_http(&mut registry, guard.stats.clone());

@@ -287,6 +287,12 @@ impl Collector for ViewCollector {
             "Matching processes not traced because max_targets were traced already.",
             [(vec![], view.refused_targets)],
         )?;
+        counters(
+            e,
+            "memprof_discovery_scans",
+            "Scans of /proc for the processes the rules match: at start, on reload and every resync_interval; new processes are found from their exec or fork without one.",
+            [(vec![], view.discovery_scans)],
+        )?;
         gauges(
             e,
             "memprof_untraced_processes_sharing_probes",

@@ -15,9 +15,10 @@ mod server;
 mod socket;
 mod tracer;
 mod view;
+mod wakeup;
 mod web_config;
 
-use std::sync::{atomic::AtomicBool, mpsc, Arc, RwLock};
+use std::sync::{atomic::AtomicBool, Arc, RwLock};
 
 use anyhow::Context as _;
 use tokio::signal::unix::{signal, SignalKind};
@@ -55,7 +56,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
     let alive = Arc::new(AtomicBool::new(false));
     let tracer = tracer::Tracer::new(config.clone(), view.clone(), alive.clone())?;
-    let (commands, receiver) = mpsc::channel();
+    let (commands, receiver) = wakeup::channel()?;
     let tracer_thread = std::thread::Builder::new().name("tracer".into()).spawn(move || tracer.run(receiver))?;
 
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();

@@ -6,15 +6,16 @@
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
+    os::fd::AsFd,
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc, RwLock,
+        Arc, RwLock,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::Context as _;
-use profiler_common::process_event;
+use profiler_common::{discover, process_event};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
@@ -23,10 +24,12 @@ use super::{
     discovery::{self, ProcessId},
     heavy::Built,
     view::{DaemonView, MapUse, StackSeries, TargetView},
+    wakeup::{Inbox, Woken},
 };
 use crate::{
     format,
     heap::inspect,
+    heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
     heap::report::{self, DoubleFreeReport, Selection},
     heap::sampling::RateGuard,
@@ -38,16 +41,23 @@ use crate::{
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
-    kernel::shared::ProbeLinks,
+    kernel::shared::{FileId, ProbeLinks},
     process::allocator,
     process::procfs,
     symbolize::SymbolizerHandle,
+    unwind::TableUse,
 };
 
-/// How often /proc is polled for processes to attach to or detach from.
-const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
-/// How often the ring buffer of library changes is read.
-const MAPPING_POLL: Duration = Duration::from_millis(10);
+/// How soon a target that came or went is shown: not at once for each, so that a thousand
+/// processes started together are not a thousand snapshots.
+const CHANGE_SHOWN: Duration = Duration::from_millis(200);
+/// The first wait before a new process that cannot be attached yet is tried again (caught between
+/// its exec and its dynamic linker mapping its allocator), doubled at each try.
+const FIRST_RETRY: Duration = Duration::from_millis(5);
+/// How long after a traced process's main thread exited it is looked for gone, each
+/// `FIRST_RETRY`: it is gone moments after its exit event; one whose other threads run on is
+/// checked each interval.
+const EXIT_WATCH: Duration = Duration::from_secs(1);
 /// How long a new process that cannot be attached to is tried again.
 const GRACE_SECONDS: f64 = 5.0;
 /// Double frees kept per process for its report; more are counted only.
@@ -96,6 +106,8 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// Its stacks symbolized already.
+    known_stacks: KnownStacks,
 }
 
 pub struct Tracer {
@@ -116,8 +128,22 @@ pub struct Tracer {
     /// Children that matched at their fork but could not be attached then (dying, or caught
     /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
     pending_children: HashSet<ProcessId>,
+    /// New matching processes not attachable yet, with their command name, when to try again
+    /// and the wait after that.
+    starting: HashMap<ProcessId, (String, Instant, Duration)>,
+    /// Targets whose main thread exited, watched until gone.
+    exiting: HashMap<u32, Instant>,
+    /// Targets whose main thread exited while others run on: looked for gone each interval,
+    /// since the exit of their last thread is not reported.
+    leaderless: HashSet<u32>,
+    /// When /proc is next scanned (`Config::resync`), and the scans so far.
+    next_resync: Instant,
+    scans: u64,
     view: Arc<RwLock<DaemonView>>,
     pinned_budget: PinnedBudget,
+    /// The files whose links were shared when the untraced processes mapping them were counted,
+    /// that count, and when to count again.
+    sharing: (HashSet<FileId>, u64, Instant),
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
 }
@@ -131,6 +157,7 @@ impl Tracer {
         // Rules match any number of processes: by default links of their own while few map a
         // file, one set per file past that (see README, "Probes and detaching").
         loaded.set_probe_links(config.probe_links);
+        loaded.discover(discover_flags(&config))?;
         if config.probe_links == ProbeLinks::Shared {
             info!(
                 "--probe-links shared: every process that maps a traced process's allocator or dynamic linker \
@@ -152,24 +179,32 @@ impl Tracer {
             children_followed: 0,
             children_missed: 0,
             pending_children: HashSet::new(),
+            starting: HashMap::new(),
+            exiting: HashMap::new(),
+            leaderless: HashSet::new(),
+            next_resync: Instant::now(),
+            scans: 0,
             view,
             pinned_budget: PinnedBudget::default(),
+            sharing: (HashSet::new(), 0, Instant::now()),
             alive,
         })
     }
 
     /// Runs until `Shutdown` (or the sender is dropped), then detaches every probe.
-    pub fn run(mut self, commands: mpsc::Receiver<Command>) {
-        let mut next_discovery = Instant::now();
+    pub fn run(mut self, commands: Inbox<Command>) {
         let mut next_snapshot = Instant::now();
         loop {
             let now = Instant::now();
-            if now >= next_discovery {
-                // A target that came or went is shown at once, not at the next interval.
-                if self.discover() {
-                    next_snapshot = now;
-                }
-                next_discovery = now + DISCOVERY_PERIOD;
+            let mut changed = false;
+            if now >= self.next_resync {
+                changed |= self.resync();
+                self.next_resync = now + Duration::from_secs_f64(self.config.resync);
+            }
+            changed |= self.on_process_events();
+            changed |= self.retry();
+            if changed {
+                next_snapshot = next_snapshot.min(now + CHANGE_SHOWN);
             }
             if now >= next_snapshot {
                 if let Err(err) = self.publish() {
@@ -177,21 +212,34 @@ impl Tracer {
                 }
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
-            self.on_process_events();
             for pid in self.loaded.sync_changed_mappings() {
+                if let Some(target) = self.targets.get(&pid) {
+                    target.known_stacks.forget();
+                }
                 self.probe(pid);
                 self.symbolizer.refresh(pid);
             }
-            // Woken often enough to give a library a process loads its table within milliseconds.
-            let wait = next_discovery.min(next_snapshot).saturating_duration_since(Instant::now()).min(MAPPING_POLL);
-            match commands.recv_timeout(wait) {
-                Ok(Command::Reload(config)) => self.reload(*config),
-                Ok(Command::Inspect { pid, reply }) => {
+            // Every ring is read before the wait, which would otherwise end at once.
+            self.collect_double_frees();
+            let mut until = self.next_resync.min(next_snapshot);
+            if !self.starting.is_empty() || !self.exiting.is_empty() {
+                until = until.min(self.next_retry());
+            }
+            // Woken by the kernel's rings: a library a process loads gets its table within
+            // milliseconds, a new process is attached as it starts.
+            let rings = [
+                self.loaded.process_events.ring().as_fd(),
+                self.loaded.unwind_events.ring().as_fd(),
+                self.double_free_reader.ring().as_fd(),
+            ];
+            match commands.wait(&rings, until.saturating_duration_since(Instant::now())) {
+                Woken::Command(Command::Reload(config)) => self.reload(*config),
+                Woken::Command(Command::Inspect { pid, reply }) => {
                     // Nobody waits for the answer any more when the client has gone.
                     let _ = reply.send(self.inspect(pid));
                 }
-                Ok(Command::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Woken::Command(Command::Shutdown) | Woken::Disconnected => break,
+                Woken::Other => {}
             }
         }
         // Every target at once: their links, closed together, share the kernel's grace periods.
@@ -209,13 +257,21 @@ impl Tracer {
         {
             warn!("listen address, map sizes and probe links take effect at the next start, not on reload");
         }
+        if let Err(err) = self.loaded.discover(discover_flags(&config)) {
+            warn!("new processes are found at the next scan of /proc only: {err:#}");
+        }
         self.config = config;
+        // The rules may have changed: the processes they match now are found at once.
+        self.next_resync = Instant::now();
         info!("configuration reloaded");
     }
 
-    /// Detaches from processes that exited or no longer match; attaches to new matches. Returns
-    /// whether the set of targets changed.
-    fn discover(&mut self) -> bool {
+    /// Scans /proc: detaches from processes that exited or no longer match; attaches to new
+    /// matches. Returns whether the set of targets changed.
+    fn resync(&mut self) -> bool {
+        self.scans += 1;
+        // Processes that map a shared-linked file started or ended since the last count.
+        self.sharing.2 = Instant::now();
         let matches = discovery::scan(&self.config.rules);
         let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();
         let gone: Vec<u32> = self.targets.values().filter(|t| !wanted.contains(&t.id)).map(|t| t.id.pid).collect();
@@ -292,16 +348,95 @@ impl Tracer {
         }
     }
 
-    /// Execs and forks of the targets: an exec re-probes the target for its new program; a child
-    /// that matches the rules is attached at once.
-    fn on_process_events(&mut self) {
+    /// Execs, forks and exits: an exec re-probes a target for its new program; a target's child
+    /// that matches the rules is attached at once, as is any other new process that does (from
+    /// its exec, or its fork when the rules name cgroups); a target whose main thread exited is
+    /// let go once gone. Returns whether the set of targets changed.
+    fn on_process_events(&mut self) -> bool {
+        let mut changed = false;
         for event in self.loaded.process_events.drain() {
+            let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
-                process_event::EXEC => self.on_exec(event.tgid),
-                process_event::FORK if self.targets.contains_key(&event.tgid) => self.on_fork(event.tgid, event.child),
+                process_event::EXEC if traced => self.on_exec(event.tgid),
+                process_event::EXEC => changed |= self.found(event.tgid),
+                process_event::FORK if traced => self.on_fork(event.tgid, event.child),
+                process_event::FORK => changed |= self.found(event.child),
+                process_event::EXIT if traced => {
+                    self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
+                }
                 _ => {}
             }
         }
+        changed
+    }
+
+    /// A process that exec'd or started: attached if the rules match it.
+    fn found(&mut self, pid: u32) -> bool {
+        match discovery::matching(&self.config.rules, pid) {
+            Some((id, comm)) => self.try_attach(id, comm),
+            None => false,
+        }
+    }
+
+    /// `consider`, and when the process cannot be attached yet, a later try (see `retry`).
+    fn try_attach(&mut self, id: ProcessId, comm: String) -> bool {
+        if self.consider(id, comm.clone()) {
+            return true;
+        }
+        let waits = self.targets.get(&id.pid).is_none_or(|t| t.id != id)
+            && !self.unattachable.contains(&id)
+            && !self.refused.contains(&id);
+        if waits {
+            self.starting.entry(id).or_insert((comm, Instant::now() + FIRST_RETRY, FIRST_RETRY * 2));
+        }
+        false
+    }
+
+    /// When a starting process or an exiting target is next looked at.
+    fn next_retry(&self) -> Instant {
+        let starting = self.starting.values().map(|&(_, at, _)| at);
+        let exiting = self.exiting.values().map(|&until| until.min(Instant::now() + FIRST_RETRY));
+        starting.chain(exiting).min().unwrap_or_else(Instant::now)
+    }
+
+    /// Tries again the starting processes due, and lets go of the exiting targets now gone.
+    /// Returns whether the set of targets changed.
+    fn retry(&mut self) -> bool {
+        let now = Instant::now();
+        let mut changed = false;
+        let due: Vec<ProcessId> =
+            self.starting.iter().filter(|(_, &(_, at, _))| at <= now).map(|(id, _)| *id).collect();
+        for id in due {
+            let Some((comm, _, wait)) = self.starting.remove(&id) else { continue };
+            if ProcessId::current(id.pid) != Some(id) {
+                continue;
+            }
+            if self.consider(id, comm.clone()) {
+                changed = true;
+            } else if !self.unattachable.contains(&id) && !self.refused.contains(&id) {
+                self.starting.insert(id, (comm, now + wait, wait * 2));
+            }
+        }
+        let exiting: Vec<(u32, Instant)> = self.exiting.iter().map(|(&pid, &until)| (pid, until)).collect();
+        for (pid, until) in exiting {
+            let gone = self.targets.get(&pid).is_none_or(|t| ProcessId::current(pid) != Some(t.id));
+            if gone && self.targets.contains_key(&pid) {
+                // A process that aborted on a double free: its last events first.
+                self.collect_double_frees();
+                self.detach(pid);
+                changed = true;
+            }
+            if gone || until <= now {
+                self.exiting.remove(&pid);
+            }
+            if !gone && until <= now {
+                self.leaderless.insert(pid);
+            }
+        }
+        if changed {
+            self.settle_pending_children();
+        }
+        changed
     }
 
     /// A target forked `child`: the child is counted once, followed or missed. One that matches
@@ -311,7 +446,7 @@ impl Tracer {
         match discovery::matching(&self.config.rules, child) {
             Some((id, comm)) => {
                 if self.targets.get(&child).is_none_or(|target| target.id != id) {
-                    self.consider(id, comm);
+                    self.try_attach(id, comm);
                 }
                 self.pending_children.insert(id);
                 self.settle_pending_children();
@@ -355,7 +490,7 @@ impl Tracer {
                 target.start_ns = aggregate::monotonic_now_ns();
                 target.ns_pid = procfs::ns_pid(pid);
             }
-            // Gone already: discovery detaches it.
+            // Gone already: its exit event detaches it.
             None => return,
             Some(_) => {}
         }
@@ -370,6 +505,7 @@ impl Tracer {
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.double_frees.clear();
         target.double_free_count = 0;
+        target.known_stacks.forget();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
@@ -428,6 +564,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            known_stacks: KnownStacks::default(),
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -448,13 +585,14 @@ impl Tracer {
         info!(pid, comm = target.comm, "no longer traced");
     }
 
-    fn stacks<'a>(&'a self, target: &Target) -> report::Stacks<'a> {
+    fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
             unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid: target.id.pid,
             start_ns: target.start_ns,
+            known: Some(&target.known_stacks),
         }
     }
 
@@ -489,27 +627,32 @@ impl Tracer {
 
     /// Reads the maps and publishes the view.
     fn publish(&mut self) -> anyhow::Result<()> {
-        // Libraries loaded since the last interval must be known before stacks are symbolized.
+        // A program may rename itself. (The symbolizer learns of the libraries a target loads
+        // from the dynamic linker's hook, `sync_changed_mappings`, not from a read of every
+        // target's maps each interval.)
         for target in self.targets.values_mut() {
             if let Some(comm) = procfs::comm(target.id.pid) {
                 target.comm = comm;
-                self.symbolizer.refresh(target.id.pid);
             }
         }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let kernel = self.loaded.read(&pids, 0)?;
-        // A target that exited and whose pid a new process took since the last discovery pass:
-        // what the maps hold under that pid may be the new process's, and its mappings are. Not
-        // shown as the old one's; discovery traces the new one afresh.
-        let reused: Vec<u32> = self
-            .targets
-            .values()
-            .filter(|target| ProcessId::current(target.id.pid).is_some_and(|now| now != target.id))
-            .map(|target| target.id.pid)
+        // A target gone without its exit seen (its main thread exited long before its last
+        // thread), or whose pid a new process took already: what the maps hold under that pid
+        // may be the new process's, and its mappings are. Not shown as the old one's; the new
+        // one is traced afresh if the rules match it. (Other exits are reported by the kernel;
+        // one whose report was lost, the ring full, is found at the next scan of /proc.)
+        self.leaderless.retain(|pid| self.targets.contains_key(pid));
+        let gone: Vec<u32> = self
+            .leaderless
+            .iter()
+            .filter(|&&pid| self.targets.get(&pid).is_some_and(|t| ProcessId::current(pid) != Some(t.id)))
+            .copied()
             .collect();
-        for pid in reused {
+        for pid in gone {
             self.detach(pid);
+            self.found(pid);
         }
         let residents = self.targets.values_mut().map(|t| (t.id.pid, &mut t.resident));
         Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, false)?;
@@ -556,20 +699,35 @@ impl Tracer {
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
-            untraced_sharing: self.loaded.untraced_sharing(&pids),
+            untraced_sharing: self.untraced_sharing(&pids),
+            discovery_scans: self.scans,
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()
         };
         for target in self.targets.values() {
-            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel)));
+            target.known_stacks.next_interval();
+            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel, &tables)));
         }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
         // scrapes wait for the lock.
         drop(old);
         Ok(())
+    }
+
+    /// The processes not traced that map a shared-linked file, counted again when the shared
+    /// files changed and after each scan of /proc.
+    fn untraced_sharing(&mut self, traced: &HashSet<u32>) -> u64 {
+        let files = self.loaded.shared_files();
+        let (counted, count, next) = &mut self.sharing;
+        if files != *counted || Instant::now() >= *next {
+            *count = discovery::untraced_sharing(&files, traced);
+            *counted = files;
+            *next = Instant::now() + Duration::from_secs_f64(self.config.resync);
+        }
+        *count
     }
 
     /// `pid`'s view with an inspection made now: the process is held still meanwhile, and this
@@ -589,12 +747,12 @@ impl Tracer {
         let kernel =
             aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0).map_err(failed)?;
         let target = &self.targets[&pid];
-        let mut view = self.target_view(target, &kernel);
+        let mut view = self.target_view(target, &kernel, &self.loaded.unwind.table_use());
         report::add_inspection(&mut view.report, inspection, &self.stacks(target));
         Ok(view)
     }
 
-    fn target_view(&self, target: &Target, kernel: &KernelSnapshot) -> TargetView {
+    fn target_view(&self, target: &Target, kernel: &KernelSnapshot, tables: &TableUse) -> TargetView {
         let pid = target.id.pid;
         let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
         let ctx = report::Context {
@@ -611,7 +769,7 @@ impl Tracer {
         report.blind_spots =
             target.blind_spots.current(pid, report.totals.allocations, report.mappings.outstanding_bytes);
         report.memory = target.resident.current(pid, report.totals.outstanding_bytes);
-        report.unwind_tables = Some(self.loaded.unwind.table_use());
+        report.unwind_tables = Some(*tables);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
         let (held, freed_stacks) =
@@ -661,6 +819,17 @@ impl Tracer {
             built: Built::default(),
         }
     }
+}
+
+/// Which execs and forks of untraced processes the kernel reports (`discover::`): execs where
+/// a rule names commands (a program's name is set at its exec) or cgroups (a service manager
+/// moves its child into the service's cgroup, then execs); forks where one names cgroups or all
+/// (a child starts in its parent's cgroup, and may never exec). A rule on pids needs neither.
+fn discover_flags(config: &Config) -> u32 {
+    let rules = &config.rules;
+    let execs = rules.all || !rules.comms.is_empty() || rules.needs_cgroup();
+    let forks = rules.all || rules.needs_cgroup();
+    (if execs { discover::EXECS } else { 0 }) | if forks { discover::FORKS } else { 0 }
 }
 
 impl Drop for Tracer {

@@ -10,6 +10,7 @@ pub mod context;
 pub mod double_free;
 pub mod filter;
 pub mod inspect;
+pub mod known_stacks;
 pub mod leak;
 pub mod mappings;
 pub mod pinned;

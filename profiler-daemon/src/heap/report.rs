@@ -11,6 +11,7 @@ use crate::{
     heap::{
         context::RunContext,
         inspect::{Inspection, Reachability},
+        known_stacks::{KnownStacks, Symbolized},
         leak::{LeakTracker, LeakVerdict, Timeline},
         mappings::{self, Mappings},
         pinned::Pinned,
@@ -238,14 +239,6 @@ pub struct SiteReport {
     pub frames: Vec<Frame>,
 }
 
-/// A symbolized stack.
-struct Symbolized {
-    frames: Vec<Frame>,
-    /// Stable across runs and processes: see `stack_hash`.
-    id: String,
-    truncated: bool,
-}
-
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
@@ -255,6 +248,8 @@ pub struct Stacks<'a> {
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
     pub start_ns: u64,
+    /// The process's stacks symbolized in earlier intervals (the daemon's), if kept.
+    pub known: Option<&'a KnownStacks>,
 }
 
 impl Stacks<'_> {
@@ -262,8 +257,18 @@ impl Stacks<'_> {
         seconds(time_ns.saturating_sub(self.start_ns))
     }
 
-    /// Symbolizes a stored stack and hashes it.
+    /// Symbolizes a stored stack and hashes it; an allocation stack known already is not read
+    /// again.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
+        match self.known {
+            Some(known) if table == StackTable::Allocations => {
+                known.get_or(stack_id, || self.symbolize_stored(table, stack_id))
+            }
+            _ => self.symbolize_stored(table, stack_id),
+        }
+    }
+
+    fn symbolize_stored(&self, table: StackTable, stack_id: u64) -> Symbolized {
         let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
         self.symbolize_frames(addresses, end != StackEnd::Complete)
     }

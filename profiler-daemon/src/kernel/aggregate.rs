@@ -445,6 +445,11 @@ impl DoubleFreeReader {
         Ok(Self { ring: Ring::new("DOUBLE_FREES", map)? })
     }
 
+    /// For waiting on double frees with poll.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
     /// Every event that arrived since the last call.
     pub fn drain(&mut self) -> Vec<DoubleFreeEvent> {
         let mut events = Vec::new();

@@ -1,9 +1,14 @@
-//! Execs and forks of traced processes, reported by the `process_exec` and `process_fork`
+//! Execs, forks and exits of traced processes (and, for the daemon's discovery, execs and forks
+//! of any process: `discover`), reported by the `process_exec` and `process_fork`
 //! tracepoint programs through a ring buffer; and the `thread_exit` program, which settles the
 //! in-flight calls of threads that die inside the allocator.
 
 use anyhow::Context as _;
-use aya::{maps::PerCpuArray, programs::RawTracePoint, Ebpf};
+use aya::{
+    maps::{Array, PerCpuArray},
+    programs::RawTracePoint,
+    Ebpf,
+};
 pub use profiler_common::ProcessEvent;
 
 use crate::ring::Ring;
@@ -34,6 +39,13 @@ pub fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()>
         program.load().with_context(|| format!("loading program {name}"))?;
         program.attach(tracepoint).with_context(|| format!("attaching {name} to the {tracepoint} tracepoint"))?;
     }
+    Ok(())
+}
+
+/// Reports the execs and forks of processes not traced too, as `flags` (`discover::`) say.
+pub fn discover(ebpf: &mut Ebpf, flags: u32) -> anyhow::Result<()> {
+    let mut discover: Array<_, u32> = Array::try_from(ebpf.map_mut("DISCOVER").context("map DISCOVER missing")?)?;
+    discover.set(0, flags, 0)?;
     Ok(())
 }
 

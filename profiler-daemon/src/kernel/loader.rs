@@ -206,6 +206,12 @@ impl Loaded {
         Ok(attachment)
     }
 
+    /// Reports every exec (and fork) on the host too, as `flags` (`discover::`) say: how the
+    /// daemon finds the processes its rules match as they start.
+    pub fn discover(&mut self, flags: u32) -> anyhow::Result<()> {
+        events::discover(&mut self.ebpf, flags)
+    }
+
     /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
     pub fn set_probe_links(&mut self, policy: ProbeLinks) {
         self.shared.set_policy(policy);
@@ -261,22 +267,10 @@ impl Loaded {
         Ok(())
     }
 
-    /// How many processes that are not traced map a file whose links are shared, and so take
-    /// a trap at each of its probed calls (none where no links are shared). Reads every
-    /// process's maps: for the daemon's interval, not for every call.
-    pub fn untraced_sharing(&self, traced: &HashSet<u32>) -> u64 {
-        let files = self.shared.shared_files();
-        if files.is_empty() {
-            return 0;
-        }
-        let Ok(dir) = fs::read_dir("/proc") else { return 0 };
-        let own = std::process::id();
-        let pids = dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok());
-        let maps_shared = |pid: u32| {
-            crate::process::procfs::read_text(format!("/proc/{pid}/maps"))
-                .is_ok_and(|maps| maps.lines().filter_map(FileId::of_maps_line).any(|file| files.contains(&file)))
-        };
-        pids.filter(|&pid| pid != own && !traced.contains(&pid) && maps_shared(pid)).count() as u64
+    /// The files whose probe links are shared: every process that maps one takes a trap at
+    /// each of its probed calls, traced or not.
+    pub fn shared_files(&self) -> HashSet<FileId> {
+        self.shared.shared_files()
     }
 
     /// Detaches `attachment` and forgets what the maps hold about `pid`: after an attach that

@@ -1,0 +1,49 @@
+//! The symbolized stacks of one traced process, kept from one interval to the next: a stack the
+//! kernel stored keeps its frames while the process's libraries stay, so an interval reads and
+//! symbolizes only the stacks that are new to it (a daemon holding 65,536 stacks spent most of
+//! its time at rest reading and symbolizing them all again). Bounded by the stacks in use: each
+//! interval keeps those its report asked for, no others.
+
+use std::{cell::RefCell, collections::HashMap, mem};
+
+use crate::symbolize::Frame;
+
+/// A symbolized stack.
+#[derive(Debug, Clone)]
+pub struct Symbolized {
+    pub frames: Vec<Frame>,
+    /// Stable across runs and processes: see `report::stack_hash`.
+    pub id: String,
+    pub truncated: bool,
+}
+
+/// A process's stacks by kernel stack id: those asked for this interval, and the last's.
+#[derive(Debug, Default)]
+pub struct KnownStacks {
+    current: RefCell<HashMap<u64, Symbolized>>,
+    previous: RefCell<HashMap<u64, Symbolized>>,
+}
+
+impl KnownStacks {
+    /// `stack_id`'s stack, symbolized by `symbolize` unless known.
+    pub fn get_or(&self, stack_id: u64, symbolize: impl FnOnce() -> Symbolized) -> Symbolized {
+        if let Some(known) = self.current.borrow().get(&stack_id) {
+            return known.clone();
+        }
+        let stack = self.previous.borrow_mut().remove(&stack_id).unwrap_or_else(symbolize);
+        self.current.borrow_mut().insert(stack_id, stack.clone());
+        stack
+    }
+
+    /// A new interval: the stacks the last did not ask for go at the end of this one.
+    pub fn next_interval(&self) {
+        *self.previous.borrow_mut() = mem::take(&mut *self.current.borrow_mut());
+    }
+
+    /// The process's libraries changed, or a walk it deferred was finished: every stack is
+    /// symbolized again.
+    pub fn forget(&self) {
+        self.current.borrow_mut().clear();
+        self.previous.borrow_mut().clear();
+    }
+}
