@@ -328,7 +328,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 20] = [
+    const KEYS: [&str; 21] = [
         "listen",
         "pids",
         "comms",

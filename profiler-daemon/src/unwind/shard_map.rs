@@ -75,9 +75,19 @@ pub fn load_btf() -> std::io::Result<OwnedFd> {
         size: u32,
         log_size: u32,
         log_level: u32,
+        /// Output since 6.4; before, the struct's padding, which the kernel wants zero (6.1
+        /// refused the load with EINVAL when it held stack garbage).
+        log_true_size: u32,
     }
     let blob = btf();
-    let attr = Attr { btf: blob.as_ptr() as u64, log_buf: 0, size: blob.len() as u32, log_size: 0, log_level: 0 };
+    let attr = Attr {
+        btf: blob.as_ptr() as u64,
+        log_buf: 0,
+        size: blob.len() as u32,
+        log_size: 0,
+        log_level: 0,
+        log_true_size: 0,
+    };
     // SAFETY: the kernel's layout for this command; `blob` outlives the call.
     let fd = unsafe { bpf(BPF_BTF_LOAD, &attr) }?;
     // SAFETY: a descriptor the kernel just returned, owned by nothing else.
