@@ -110,13 +110,16 @@ fn a_longjmp_out_of_the_allocator_leaves_the_threads_next_calls_exact(function: 
     let report = outcome.final_report();
     assert_eq!(site(&report, "after_site"), (10 * 300, 10), "{report}");
     assert_eq!(site(&report, "deeper_site"), (5 * 40, 5), "{report}");
-    // Each jump left one call unfinished, counted when the thread's next call found it; the
-    // loop's frees all matched their blocks.
+    // Each jump out of a call the entry probe saw left it unfinished, counted when the thread's
+    // next call found it; the loop's frees all matched their blocks. The probe sits past the
+    // function's first instructions (placement: the first one the kernel emulates), so a jump
+    // from before it leaves nothing in flight: at most one a jump, and some.
     let jumps =
         outcome.stderr.lines().find_map(|line| line.strip_prefix("jumps ")).expect("the fixture counts its jumps");
     let jumps: u64 = jumps.parse().expect("a number");
     assert!(jumps > 0, "no signal landed in {function}: this test proves nothing\n{}", outcome.stderr);
-    assert_eq!(dropped(&report, "inflight_missing"), jumps, "{report}");
+    let unfinished = dropped(&report, "inflight_missing");
+    assert!(unfinished > 0 && unfinished <= jumps, "{unfinished} unfinished calls for {jumps} jumps: {report}");
     assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
     assert_eq!(total(&report, "outstanding_bytes"), 10 * 300 + 5 * 40, "{report}");
     assert_only_inflight_missing(&report);
