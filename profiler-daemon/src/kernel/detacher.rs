@@ -43,4 +43,26 @@ impl Detacher {
         drop(self.queue);
         let _ = self.thread.join();
     }
+
+    /// For memprof's end: returns at once, and a child process closes what is still open after
+    /// memprof has gone. Every descriptor is the child's too, so memprof's own closes are only a
+    /// reference dropped, and the kernel's slow release of each probe happens when the child
+    /// exits. Without a child (fork failed), waits as `finish` does.
+    pub fn hand_over(self) {
+        // SAFETY: fork has no preconditions. The child of this multi-threaded process calls
+        // only async-signal-safe functions (close, _exit): its standard streams go first, so
+        // that nobody reading memprof's output waits for the child.
+        match unsafe { libc::fork() } {
+            0 => unsafe {
+                libc::close(0);
+                libc::close(1);
+                libc::close(2);
+                libc::_exit(0)
+            },
+            -1 => self.finish(),
+            // The thread goes on dropping what is queued, each a reference only, until memprof
+            // exits.
+            _ => drop(self.queue),
+        }
+    }
 }

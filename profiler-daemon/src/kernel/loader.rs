@@ -506,10 +506,17 @@ impl Loaded {
         }
     }
 
-    /// Returns once every probe detached in the background is gone.
+    /// For memprof's end: returns once every probe detached in the background is gone. Perf-event
+    /// uprobes close one at a time under a kernel-wide lock (README: Kernels), so those are left
+    /// to a child that closes them after memprof has ended (see `Detacher::hand_over`): the
+    /// processes memprof traced keep taking their traps until it has.
     pub fn wait_detached(&mut self) {
         if let Some(detacher) = self.detacher.take() {
-            detacher.finish();
+            if self.method == Method::PerfEvents {
+                detacher.hand_over();
+            } else {
+                detacher.finish();
+            }
         }
     }
 
