@@ -365,11 +365,11 @@ impl Family {
         }
     }
 
-    /// Detaches every probe and waits for it; the maps go with the programs.
+    /// Detaches every probe (see `Loaded::leave_detached`); the maps go with the programs.
     pub fn finish(self, loaded: &mut Loaded) {
         for process in self.processes.into_values() {
             loaded.detach_in_background(process.attachment);
         }
-        loaded.wait_detached();
+        loaded.leave_detached();
     }
 }

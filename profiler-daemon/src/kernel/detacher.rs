@@ -44,8 +44,8 @@ impl Detacher {
         let _ = self.thread.join();
     }
 
-    /// For memprof's end: returns at once, and a child process closes what is still open after
-    /// memprof has gone. Every descriptor is the child's too, so memprof's own closes are only a
+    /// For the end of `attach` and `run`: returns at once, and a child process closes what is
+    /// still open after memprof has gone. Every descriptor is the child's too, so memprof's own closes are only a
     /// reference dropped, and the kernel's slow release of each probe happens when the child
     /// exits. Without a child (fork failed), waits as `finish` does.
     pub fn hand_over(self) {

@@ -506,17 +506,23 @@ impl Loaded {
         }
     }
 
-    /// For memprof's end: returns once every probe detached in the background is gone. Perf-event
-    /// uprobes close one at a time under a kernel-wide lock (README: Kernels), so those are left
-    /// to a child that closes them after memprof has ended (see `Detacher::hand_over`): the
-    /// processes memprof traced keep taking their traps until it has.
+    /// Returns once every probe detached in the background is gone.
     pub fn wait_detached(&mut self) {
         if let Some(detacher) = self.detacher.take() {
-            if self.method == Method::PerfEvents {
-                detacher.hand_over();
-            } else {
-                detacher.finish();
-            }
+            detacher.finish();
+        }
+    }
+
+    /// `wait_detached` at the end of `attach` or `run`. Perf-event uprobes close one at a time
+    /// under a kernel-wide lock (README: Kernels), so those are left to a child that closes them
+    /// after memprof has ended (see `Detacher::hand_over`): the processes memprof traced keep
+    /// taking their traps until it has. Not for the daemon: the child holds every descriptor it
+    /// had, its listening sockets too, which a restarted daemon could not bind meanwhile.
+    pub fn leave_detached(&mut self) {
+        match self.detacher.take() {
+            Some(detacher) if self.method == Method::PerfEvents => detacher.hand_over(),
+            Some(detacher) => detacher.finish(),
+            None => {}
         }
     }
 

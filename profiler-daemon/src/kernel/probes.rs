@@ -4,9 +4,9 @@
 //!
 //! Detaching is what differs: closing a perf-event uprobe waits for RCU grace periods under a
 //! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s; they
-//! are closed by the same thread as links, and at memprof's end by a child process after it has
-//! gone (`Detacher::hand_over`); more threads were no faster on 6.18 (measured), as the
-//! mutex serialises them. A uprobe_multi link waits for its grace periods once for all of its
+//! are closed by the same thread as links, and at the end of `attach` and `run` by a child
+//! process after memprof has gone (`Detacher::hand_over`); more threads were no faster on 6.18
+//! (measured), as the mutex serialises them. A uprobe_multi link waits for its grace periods once for all of its
 //! probes. Perf-event uprobes are what Linux 6.1 gets (no uprobe_multi links).
 
 use std::{
