@@ -6,8 +6,9 @@
 //! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s; they
 //! are closed by the same thread as links, and at the end of `attach` and `run` by a child
 //! process after memprof has gone (`Detacher::hand_over`); more threads were no faster on 6.18
-//! (measured), as the mutex serialises them. A uprobe_multi link waits for its grace periods once for all of its
-//! probes. Perf-event uprobes are what Linux 6.1 gets (no uprobe_multi links).
+//! (measured), as the mutex serialises them. A uprobe_multi link waits for its grace periods
+//! once for all of its probes. Perf-event uprobes are what Linux 6.1 gets (no uprobe_multi
+//! links).
 
 use std::{
     num::NonZeroU32,
