@@ -135,7 +135,9 @@ fn attach_follows_the_children_that_exist_at_attach() {
     let mut target = Waiting::start(&fixture("process_life"), &["forked-before"]);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2"]);
+    // The duration only ends a memprof that never follows them, which would leave the test
+    // waiting for their lines: it ends with the fixture otherwise.
+    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2", "--duration", "60"]);
     // Released once both are traced: the child's line, then the grandchild's.
     let markers = [format!("child of pid {pid}"), "child of pid ".to_string()];
     let mut seen = 0;
