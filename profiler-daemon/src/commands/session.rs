@@ -114,19 +114,20 @@ pub async fn run(
     let (mut allocator, files) = allocator::for_command(&program)?;
     let routed = allocator.route_through_malloc();
     let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
+    let mut loaded = loader::load(args.maps, args.interval)?;
+    loaded.follow_forks = args.follow_forks.unwrap_or(true);
+    let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
     let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
-    // Forked before the programs load (seconds of verification): memprof killed from here on
-    // still lets the command run.
     let (child, exit_code) = target::spawn(program, command, &routes)?;
     let pid = child.pid;
     let mut exit = ExitWatch::Child(exit_code, None);
     // From here on the command runs whatever happens to memprof (the child execs once `child`
     // is released or dropped): its fate is memprof's exit code.
-    let ready = Ready { allocator, files, routed, comm, executable };
+    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable };
     let traced = match trace_command(child, &mut exit, ready, args, opened).await {
         Ok(traced) => traced,
         Err(err) => return Ok(give_up(&err, on_error, pid, &mut exit).await),
@@ -145,6 +146,8 @@ pub async fn run(
 
 /// What `run` makes ready before it forks its command.
 struct Ready {
+    loaded: Loaded,
+    symbolizer: SymbolizerHandle,
     allocator: Allocator,
     /// The files the command will map that hold its allocator.
     files: Vec<std::path::PathBuf>,
@@ -162,11 +165,8 @@ async fn trace_command(
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
-    let Ready { allocator, files, routed, comm, executable } = ready;
+    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable } = ready;
     let pid = child.pid;
-    let mut loaded = loader::load(args.maps, args.interval)?;
-    loaded.follow_forks = args.follow_forks.unwrap_or(true);
-    let symbolizer = SymbolizerHandle::spawn();
     // The child is our own and cannot be pid 0.
     let attachment =
         loaded.attach_before_exec(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"), &files)?;
