@@ -47,6 +47,10 @@ pub struct Module {
 #[serde(transparent)]
 pub struct Frame(Arc<FrameInfo>);
 
+/// A stack's frames, innermost first: one list shared by every report that names the stack
+/// (a daemon keeps its processes' stacks from one interval to the next), never copied.
+pub type Frames = Arc<[Frame]>;
+
 impl Frame {
     pub fn new(info: FrameInfo) -> Self {
         Self(Arc::new(info))

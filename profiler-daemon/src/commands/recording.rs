@@ -20,7 +20,7 @@ use std::{
 use flate2::{read::DeflateDecoder, write::DeflateEncoder, Compression, Crc};
 use serde::{Deserialize, Serialize};
 
-use crate::{commands::output::ReportFile, heap::report::Report, symbolize::Frame};
+use crate::{commands::output::ReportFile, heap::report::Report, symbolize::Frames};
 
 /// The file's first line: what it is, and the version of its records.
 const MAGIC: &[u8] = b"memprof recording 1\n";
@@ -72,7 +72,7 @@ enum Record {
 struct SavedStack {
     pid: u32,
     stack_id: String,
-    frames: Vec<Frame>,
+    frames: Frames,
 }
 
 /// Writes a recording as the session goes.
@@ -163,7 +163,7 @@ impl Recording {
         let mut rest = bytes.strip_prefix(MAGIC).ok_or(Problem::NotARecording)?;
         let mut settings = None;
         let mut reports = Vec::new();
-        let mut frames: HashMap<(u32, String), Vec<Frame>> = HashMap::new();
+        let mut frames: HashMap<(u32, String), Frames> = HashMap::new();
         let mut ended_early = None;
         while !rest.is_empty() {
             let payload = match next_payload(&mut rest) {

@@ -77,7 +77,7 @@ fn check_size(path: &Path, report: &Report) -> anyhow::Result<()> {
 
 /// The frames of `report` and its children, and about the bytes they take written out.
 fn frames(report: &Report) -> (u64, u64) {
-    let own = report.stacks.iter().flat_map(|s| &s.frames).fold((0, 0), |(n, bytes), f| {
+    let own = report.stacks.iter().flat_map(|s| s.frames.iter()).fold((0, 0), |(n, bytes), f| {
         let names = f.function.len() + f.file.as_ref().map_or(0, String::len) + f.module.len() + f.address.len();
         (n + 1, bytes + names as u64 + FRAME_OVERHEAD)
     });

@@ -122,7 +122,7 @@ mod tests {
     fn names_are_escaped() {
         let mut report = samples::report();
         report.comm = "a<b>&c".into();
-        report.stacks[0].frames[0].function = "f<int>".into();
+        std::sync::Arc::make_mut(&mut report.stacks[0].frames)[0].function = "f<int>".into();
         let svg = text(&report);
         assert!(svg.contains("a&lt;b&gt;&amp;c"), "{svg}");
         assert!(svg.contains("f&lt;int&gt;"), "{svg}");

@@ -57,7 +57,7 @@ mod tests {
     #[test]
     fn lines_run_from_the_outermost_frame_to_the_allocating_one() {
         let mut report = samples::report();
-        report.stacks[0].frames = vec![frame("leak_here", None, None), frame("main", None, None)];
+        report.stacks[0].frames = vec![frame("leak_here", None, None), frame("main", None, None)].into();
         assert_eq!(render(&report), "main;leak_here 48\n");
     }
 
@@ -65,10 +65,10 @@ mod tests {
     fn stacks_with_the_same_functions_are_summed_and_empty_ones_left_out() {
         let mut report = samples::report();
         let mut other_line = report.stacks[0].clone();
-        other_line.frames[0].line = Some(13);
+        std::sync::Arc::make_mut(&mut other_line.frames)[0].line = Some(13);
         let mut zero_bytes = report.stacks[0].clone();
         zero_bytes.outstanding_bytes = 0;
-        zero_bytes.frames = vec![frame("malloc_zero", None, None)];
+        zero_bytes.frames = vec![frame("malloc_zero", None, None)].into();
         report.stacks.extend([other_line, zero_bytes]);
         assert_eq!(render(&report), "leak_here 96\n");
     }
@@ -78,7 +78,7 @@ mod tests {
         let mut report = samples::report();
         report.stacks[0].truncated = true;
         let mut frameless = report.stacks[0].clone();
-        frameless.frames.clear();
+        frameless.frames = Default::default();
         report.stacks.push(frameless);
         assert_eq!(render(&report), "[no stack] 48\n[truncated];leak_here 48\n");
     }
@@ -86,7 +86,7 @@ mod tests {
     #[test]
     fn separators_inside_names_are_replaced() {
         let mut report = samples::report();
-        report.stacks[0].frames = vec![frame("<[u8; 8] as Debug>::fmt", None, None)];
+        report.stacks[0].frames = vec![frame("<[u8; 8] as Debug>::fmt", None, None)].into();
         assert_eq!(render(&report), "<[u8, 8] as Debug>::fmt 48\n");
     }
 }

@@ -76,7 +76,8 @@ mod tests {
     fn names_cannot_break_out_of_the_page() {
         let mut report = samples::report();
         report.comm = "</title><b>".into();
-        report.stacks[0].frames[0].function = "f</script><script>alert(1)</script>&amp;".into();
+        std::sync::Arc::make_mut(&mut report.stacks[0].frames)[0].function =
+            "f</script><script>alert(1)</script>&amp;".into();
         let page = render(&report);
         assert!(page.contains("<title>memprof: pid 1 (&lt;/title&gt;&lt;b&gt;)</title>"));
         let data = page.split("id=\"report-data\">").nth(1).unwrap().split("</script>").next().unwrap();

@@ -94,7 +94,8 @@ fn select_in(report: &mut Report, format: Format, top: usize) {
     }
     let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
     report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
-    let modules: HashSet<&str> = report.stacks.iter().flat_map(|s| &s.frames).map(|f| f.module.as_str()).collect();
+    let modules: HashSet<&str> =
+        report.stacks.iter().flat_map(|s| s.frames.iter()).map(|f| f.module.as_str()).collect();
     report.modules.retain(|m| modules.contains(m.path.as_str()));
     for child in &mut report.children {
         select_in(child, format, top);

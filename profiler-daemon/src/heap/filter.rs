@@ -48,7 +48,7 @@ fn fold(stacks: Vec<StackReport>, depth: usize) -> Vec<StackReport> {
     let mut folded: Vec<StackReport> = Vec::new();
     for mut stack in stacks {
         if stack.frames.len() > depth {
-            stack.frames.drain(..stack.frames.len() - depth);
+            stack.frames = stack.frames[stack.frames.len() - depth..].into();
             stack.site = 0;
         }
         match folded.iter_mut().find(|s| same_frames(s, &stack)) {
@@ -62,7 +62,7 @@ fn fold(stacks: Vec<StackReport>, depth: usize) -> Vec<StackReport> {
 
 fn same_frames(a: &StackReport, b: &StackReport) -> bool {
     a.frames.len() == b.frames.len()
-        && a.frames.iter().zip(&b.frames).all(|(x, y)| x.function == y.function && x.module == y.module)
+        && a.frames.iter().zip(b.frames.iter()).all(|(x, y)| x.function == y.function && x.module == y.module)
 }
 
 fn merge(into: &mut StackReport, part: StackReport) {

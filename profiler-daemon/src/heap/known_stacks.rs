@@ -6,12 +6,12 @@
 
 use std::{cell::RefCell, collections::HashMap, mem};
 
-use crate::symbolize::Frame;
+use crate::symbolize::Frames;
 
 /// A symbolized stack.
 #[derive(Debug, Clone)]
 pub struct Symbolized {
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
     /// Stable across runs and processes: see `report::stack_hash`.
     pub id: String,
     pub truncated: bool,

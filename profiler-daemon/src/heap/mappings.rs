@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{kernel::mappings::MappedStack, symbolize::Frame};
+use crate::{kernel::mappings::MappedStack, symbolize::Frames};
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Mappings {
@@ -29,11 +29,11 @@ pub struct MappingStack {
     /// Mapped inside a probed allocator call.
     pub in_allocator: bool,
     pub truncated: bool,
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
 }
 
 /// A stack's report id, whether its walk was cut, and its frames.
-pub type Symbolized = (String, bool, Vec<Frame>);
+pub type Symbolized = (String, bool, Frames);
 
 /// The report of a process's `mapped` stacks (most bytes first), at most `limit` of them;
 /// `symbolize` names a kernel stack id. Two kernel ids with the same frames (a walk the kernel

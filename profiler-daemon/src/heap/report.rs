@@ -20,7 +20,7 @@ use crate::{
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
-    symbolize::{Frame, FrameInfo, Module, Resolved, SymbolizerHandle},
+    symbolize::{Frame, FrameInfo, Frames, Module, Resolved, SymbolizerHandle},
     unwind::{Registry, TableUse},
 };
 
@@ -125,7 +125,7 @@ pub struct PeakStack {
     pub stack_id: String,
     pub bytes: u64,
     /// Its frames: a stack that has freed all it held then is not among the report's stacks.
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
 }
 
 /// Allocations of one stack freed by their thread before it allocated anything else (README:
@@ -135,7 +135,7 @@ pub struct TemporaryStack {
     pub stack_id: String,
     pub temporary_allocations: u64,
     pub allocations: u64,
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
 }
 
 /// What following forks did (`--follow-forks`), for the root process's report.
@@ -218,7 +218,7 @@ pub struct StackReport {
     /// Its C++ objects by type, when inspected (`--inspect`): most bytes first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub types: Vec<TypeCount>,
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -236,7 +236,7 @@ pub struct SiteReport {
     /// Seconds since tracing began.
     pub time_s: f64,
     pub truncated: bool,
-    pub frames: Vec<Frame>,
+    pub frames: Frames,
 }
 
 /// Turns a traced process's stack ids and times into frames and seconds.
@@ -275,7 +275,7 @@ impl Stacks<'_> {
 
     fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
         if addresses.is_empty() {
-            return Symbolized { frames: Vec::new(), id: "none".to_string(), truncated };
+            return Symbolized { frames: Frames::default(), id: "none".to_string(), truncated };
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
         let id = stack_hash(&resolved);
@@ -411,14 +411,15 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         })
         .collect();
     let stacks = merge_same_stacks(stacks);
-    let names = Names { ctx, ids: &report_ids, listed: &stacks };
+    let names = Names::new(ctx, &report_ids, &stacks);
     let peak = peak(&names, snapshot, selection.top);
     let temporary_stacks = temporary_stacks(&names, snapshot, selection.top);
     let mappings = mappings::build(&snapshot.mappings, selection.top.unwrap_or(LISTED_MAX).min(LISTED_MAX), |id| {
         let symbolized = ctx.stacks.symbolize(StackTable::Allocations, id);
         (symbolized.id, symbolized.truncated, symbolized.frames)
     });
-    let frames = stacks.iter().flat_map(|s| &s.frames).chain(mappings.stacks.iter().flat_map(|s| &s.frames));
+    let frames =
+        stacks.iter().flat_map(|s| s.frames.iter()).chain(mappings.stacks.iter().flat_map(|s| s.frames.iter()));
     let modules = ctx.stacks.modules(frames);
     Report {
         is_final: selection.is_final,
@@ -481,16 +482,20 @@ pub fn add_inspection(report: &mut Report, inspection: Inspection, stacks: &Stac
 }
 
 /// Names a snapshot's stacks as the report does: `ids` maps kernel ids to the report ids of the
-/// stacks `listed`; others are symbolized.
+/// stacks listed, `listed` those by report id; others are symbolized.
 struct Names<'a> {
     ctx: &'a Context<'a>,
     ids: &'a HashMap<u64, String>,
-    listed: &'a [StackReport],
+    listed: HashMap<&'a str, &'a StackReport>,
 }
 
-impl Names<'_> {
-    fn of(&self, stack: &StackSnapshot) -> (String, Vec<Frame>) {
-        let known = self.ids.get(&stack.stack_id).and_then(|id| self.listed.iter().find(|s| &s.stack_id == id));
+impl<'a> Names<'a> {
+    fn new(ctx: &'a Context<'a>, ids: &'a HashMap<u64, String>, listed: &'a [StackReport]) -> Self {
+        Self { ctx, ids, listed: listed.iter().map(|s| (s.stack_id.as_str(), s)).collect() }
+    }
+
+    fn of(&self, stack: &StackSnapshot) -> (String, Frames) {
+        let known = self.ids.get(&stack.stack_id).and_then(|id| self.listed.get(id.as_str()));
         match known {
             Some(listed) => (listed.stack_id.clone(), listed.frames.clone()),
             None => {
@@ -507,10 +512,10 @@ impl Names<'_> {
         snapshot: &'s Snapshot,
         top: Option<usize>,
         value: impl Fn(&StackSnapshot) -> u64,
-    ) -> Vec<(String, Vec<Frame>, Vec<&'s StackSnapshot>)> {
+    ) -> Vec<(String, Frames, Vec<&'s StackSnapshot>)> {
         let mut chosen: Vec<&StackSnapshot> = snapshot.stacks.iter().filter(|s| value(s) > 0).collect();
         chosen.sort_by_key(|s| std::cmp::Reverse(value(s)));
-        let mut named: Vec<(String, Vec<Frame>, Vec<&'s StackSnapshot>)> = Vec::new();
+        let mut named: Vec<(String, Frames, Vec<&'s StackSnapshot>)> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
         for stack in chosen {
             let (id, frames) = self.of(stack);
@@ -616,12 +621,12 @@ pub fn merge_processes(root: &Report) -> Report {
         let process_frame = process_frame(process);
         for stack in &process.stacks {
             let mut stack = stack.clone();
-            stack.frames.push(process_frame.clone());
+            stack.frames = with_outermost(&stack.frames, &process_frame);
             merged.stacks.push(stack);
         }
         for stack in &process.mappings.stacks {
             let mut stack = stack.clone();
-            stack.frames.push(process_frame.clone());
+            stack.frames = with_outermost(&stack.frames, &process_frame);
             merged.mappings.stacks.push(stack);
         }
         if process.pid != root.pid {
@@ -647,6 +652,11 @@ pub fn merge_processes(root: &Report) -> Report {
     merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
     merged.mappings.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));
     merged
+}
+
+/// `frames` with `outermost` after them.
+fn with_outermost(frames: &[Frame], outermost: &Frame) -> Frames {
+    frames.iter().chain(std::iter::once(outermost)).cloned().collect()
 }
 
 /// The outermost frame of a process's stacks when several processes share one profile:
@@ -811,7 +821,7 @@ pub mod samples {
                 leak: LeakVerdict::default(),
                 reachability: None,
                 types: Vec::new(),
-                frames: vec![frame("leak_here", Some("leaky.c"), Some(12))],
+                frames: vec![frame("leak_here", Some("leaky.c"), Some(12))].into(),
             }],
             modules: vec![Module {
                 path: "/usr/bin/leaky".into(),

@@ -221,12 +221,13 @@ mod tests {
             at("0x1500", samples::frame("grow", Some("cache.c"), Some(40)), false),
             at("0x1234", samples::frame("leak_here", Some("leaky.c"), Some(12)), false),
             at("0x7f00", samples::frame("libc.so.6+0x29d90", None, None), false),
-        ];
-        stack.frames[3].module = "/lib/libc.so.6".into();
+        ]
+        .into();
+        std::sync::Arc::make_mut(&mut stack.frames)[3].module = "/lib/libc.so.6".into();
         (stack.outstanding_bytes, stack.outstanding_allocations, stack.allocations, stack.allocated_bytes) =
             (300, 3, 5, 500);
         let mut freed = stack.clone();
-        (freed.stack_id, freed.frames) = ("none".into(), vec![]);
+        (freed.stack_id, freed.frames) = ("none".into(), Default::default());
         (freed.outstanding_bytes, freed.outstanding_allocations, freed.allocations, freed.allocated_bytes) =
             (0, 0, 7, 70);
         report.stacks.extend([stack, freed]);
@@ -255,7 +256,7 @@ mod tests {
         assert_eq!(mapping.stack_id.as_deref(), Some("0m"));
         for (sample, stack) in decoded.samples.iter().zip(&report.stacks) {
             assert_eq!(sample.values, values(stack));
-            assert_eq!(sample.frames, stack.frames, "{}", stack.stack_id);
+            assert_eq!(sample.frames, *stack.frames, "{}", stack.stack_id);
             assert_eq!(sample.stack_id.as_deref(), Some(stack.stack_id.as_str()));
         }
         assert_eq!(read(&render(&report, DefaultType::InuseSpace)).unwrap().default_sample_type, "inuse_space");
