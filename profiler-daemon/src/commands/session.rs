@@ -394,10 +394,10 @@ impl Tracer<'_> {
                 let mut report = report::build(&ctx, &snapshot, &kernel, selection);
                 report.exe = process.exe.clone();
                 report.parent = process.parent;
-                report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
-                    b.current(process.pid, report.totals.allocations, report.mappings.outstanding_bytes)
-                });
                 report.memory = process.resident.current(process.pid, report.totals.outstanding_bytes);
+                report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
+                    b.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes)
+                });
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
                 }

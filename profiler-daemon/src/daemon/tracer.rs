@@ -766,9 +766,10 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
+        // This interval's reading (`Resident::read_all`): /proc is read once a target an interval.
+        report.memory = target.resident.last();
         report.blind_spots =
-            target.blind_spots.current(pid, report.totals.allocations, report.mappings.outstanding_bytes);
-        report.memory = target.resident.current(pid, report.totals.outstanding_bytes);
+            target.blind_spots.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
         report.unwind_tables = Some(*tables);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.

@@ -4,9 +4,12 @@
 
 use std::cell::Cell;
 
-use crate::process::{
-    allocator::{Allocator, BlindSpot},
-    procfs,
+use crate::{
+    heap::resident::Memory,
+    process::{
+        allocator::{Allocator, BlindSpot},
+        procfs,
+    },
 };
 
 /// Growth of anonymous resident memory, with no allocation seen, that is reported: a process's
@@ -34,12 +37,12 @@ impl BlindSpots {
         Self { unprobed, anon_floor: Cell::new(anon), grown: Cell::new(0) }
     }
 
-    /// The process's blind spots now, given how many allocations memprof has seen in it and the
-    /// bytes it holds from mappings made outside its allocator (`heap::mappings`), which name
-    /// where memory unseen by the heap was asked for.
-    pub fn current(&self, pid: u32, allocations_seen: u64, mapped_bytes: u64) -> Vec<BlindSpot> {
+    /// The process's blind spots now, given its memory (its latest reading), how many
+    /// allocations memprof has seen in it and the bytes it holds from mappings made outside its
+    /// allocator (`heap::mappings`), which name where memory unseen by the heap was asked for.
+    pub fn current(&self, memory: Option<Memory>, allocations_seen: u64, mapped_bytes: u64) -> Vec<BlindSpot> {
         let mut spots = self.unprobed.clone();
-        if let Some(anon) = procfs::anon_resident_bytes(pid) {
+        if let Some(anon) = memory.map(|m| m.rss_anon_bytes) {
             self.anon_floor.set(self.anon_floor.get().min(anon));
             self.grown.set(self.grown.get().max(anon - self.anon_floor.get()));
         }

@@ -2,11 +2,16 @@
 //! kernel stored keeps its frames while the process's libraries stay, so an interval reads and
 //! symbolizes only the stacks that are new to it (a daemon holding 65,536 stacks spent most of
 //! its time at rest reading and symbolizing them all again). Bounded by the stacks in use: each
-//! interval keeps those its report asked for, no others.
+//! interval keeps those its report asked for, no others. The code mappings that hold their
+//! frames are kept as well.
 
-use std::{cell::RefCell, collections::HashMap, mem};
+use std::{
+    cell::RefCell,
+    collections::{BTreeSet, HashMap},
+    mem,
+};
 
-use crate::symbolize::Frames;
+use crate::symbolize::{Frames, Module};
 
 /// A symbolized stack.
 #[derive(Debug, Clone)]
@@ -22,6 +27,9 @@ pub struct Symbolized {
 pub struct KnownStacks {
     current: RefCell<HashMap<u64, Symbolized>>,
     previous: RefCell<HashMap<u64, Symbolized>>,
+    /// The code mappings last asked for, and the files they were asked for: the same files
+    /// give the same mappings until the libraries change.
+    modules: RefCell<Option<(BTreeSet<String>, Vec<Module>)>>,
 }
 
 impl KnownStacks {
@@ -35,6 +43,24 @@ impl KnownStacks {
         stack
     }
 
+    /// The code mappings that hold frames of `paths`, from `ask` unless these were the files
+    /// asked for last.
+    pub fn modules_or(
+        &self,
+        paths: BTreeSet<String>,
+        ask: impl FnOnce(BTreeSet<String>) -> Vec<Module>,
+    ) -> Vec<Module> {
+        let mut kept = self.modules.borrow_mut();
+        match &*kept {
+            Some((asked, modules)) if *asked == paths => modules.clone(),
+            _ => {
+                let modules = ask(paths.clone());
+                *kept = Some((paths, modules.clone()));
+                modules
+            }
+        }
+    }
+
     /// A new interval: the stacks the last did not ask for go at the end of this one.
     pub fn next_interval(&self) {
         *self.previous.borrow_mut() = mem::take(&mut *self.current.borrow_mut());
@@ -45,5 +71,6 @@ impl KnownStacks {
     pub fn forget(&self) {
         self.current.borrow_mut().clear();
         self.previous.borrow_mut().clear();
+        self.modules.borrow_mut().take();
     }
 }

@@ -300,7 +300,12 @@ impl Stacks<'_> {
     fn modules<'f>(&self, frames: impl Iterator<Item = &'f Frame>) -> Vec<Module> {
         // Borrowed while deduplicated: a report has a module name per frame, its modules are few.
         let paths: BTreeSet<&str> = frames.map(|f| f.module.as_str()).collect();
-        self.symbolizer.modules(self.pid, paths.into_iter().map(str::to_string).collect())
+        let paths = paths.into_iter().map(str::to_string).collect();
+        let ask = |paths| self.symbolizer.modules(self.pid, paths);
+        match self.known {
+            Some(known) => known.modules_or(paths, ask),
+            None => ask(paths),
+        }
     }
 
     /// Symbolizes a double free when it arrives: its free stacks may be replaced later.

@@ -137,6 +137,11 @@ impl Resident {
         Ok(())
     }
 
+    /// The latest reading, taken by `current` (or `read_all`).
+    pub fn last(&self) -> Option<Memory> {
+        self.last.get()
+    }
+
     /// The latest reading of the pages the process's blocks pin.
     pub fn pinned(&self) -> &Pinned {
         &self.pinned
