@@ -4,6 +4,7 @@
 //! the async runtime.
 
 use std::{
+    cmp::Reverse,
     collections::{HashMap, HashSet},
     num::NonZeroU32,
     os::fd::AsFd,
@@ -31,14 +32,14 @@ use crate::{
     heap::inspect,
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
-    heap::report::{self, DoubleFreeReport, Selection},
+    heap::report::{self, DoubleFreeReport, Selection, StackReport},
     heap::sampling::RateGuard,
     heap::{
         blind_spots::BlindSpots,
         double_free::DoubleFreeFilter,
         resident::{PinnedBudget, Resident},
     },
-    kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, StackTable},
+    kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, Snapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks},
@@ -108,6 +109,8 @@ struct Target {
     probed: bool,
     /// Its stacks symbolized already.
     known_stacks: KnownStacks,
+    /// The calls its probes had counted at the last interval (`calls_counted`).
+    calls: u64,
 }
 
 pub struct Tracer {
@@ -316,7 +319,12 @@ impl Tracer {
     /// Attaches to a matching process unless it is traced already, cannot be, or would be one
     /// too many; returns whether it was attached.
     fn consider(&mut self, id: ProcessId, comm: String) -> bool {
-        if self.targets.get(&id.pid).is_some_and(|t| t.id == id) || self.unattachable.contains(&id) {
+        if let Some(target) = self.targets.get_mut(&id.pid).filter(|t| t.id == id) {
+            // The scan read its name: a program may rename itself.
+            target.comm = comm;
+            return false;
+        }
+        if self.unattachable.contains(&id) {
             return false;
         }
         if self.targets.len() >= self.config.max_targets {
@@ -565,6 +573,7 @@ impl Tracer {
             rate_guard,
             probed: true,
             known_stacks: KnownStacks::default(),
+            calls: 0,
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -627,14 +636,6 @@ impl Tracer {
 
     /// Reads the maps and publishes the view.
     fn publish(&mut self) -> anyhow::Result<()> {
-        // A program may rename itself. (The symbolizer learns of the libraries a target loads
-        // from the dynamic linker's hook, `sync_changed_mappings`, not from a read of every
-        // target's maps each interval.)
-        for target in self.targets.values_mut() {
-            if let Some(comm) = procfs::comm(target.id.pid) {
-                target.comm = comm;
-            }
-        }
         self.collect_double_frees();
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let kernel = self.loaded.read(&pids, 0)?;
@@ -658,6 +659,17 @@ impl Tracer {
         Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, false)?;
         for target in self.targets.values_mut() {
             if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
+                // A program may rename itself: one that called its allocator since the last
+                // interval is read again; an idle one at each scan of /proc (`consider`). (The
+                // symbolizer learns of the libraries a target loads from the dynamic linker's
+                // hook, `sync_changed_mappings`, not from a read of every target's maps.)
+                let calls = calls_counted(snapshot);
+                if calls != target.calls {
+                    target.calls = calls;
+                    if let Some(comm) = procfs::comm(target.id.pid) {
+                        target.comm = comm;
+                    }
+                }
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
                 target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
                 if let Some(switch) = target.rate_guard.check(snapshot) {
@@ -778,28 +790,35 @@ impl Tracer {
         report.stacks = held;
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
-        let mut by_label: HashMap<&str, (u64, bool)> = HashMap::new();
+        let mut by_label: HashMap<&str, (u64, bool, &StackReport)> = HashMap::new();
         for stack in &report.stacks {
-            let (bytes, leak) = by_label.entry(&stack.stack_id).or_default();
+            let (bytes, leak, _) = by_label.entry(&stack.stack_id).or_insert((0, false, stack));
             *bytes += stack.outstanding_bytes;
             *leak |= stack.leak.candidate;
         }
-        let mut by_label: Vec<(&str, (u64, bool))> = by_label.into_iter().collect();
-        // Leak candidates first, so that an alert on one can always name its site.
-        by_label.sort_by_key(|&(label, (bytes, leak))| (!leak, std::cmp::Reverse(bytes), label));
-        let other_stack_bytes = by_label.iter().skip(self.config.top_stacks).map(|(_, (bytes, _))| bytes).sum();
-        by_label.truncate(self.config.top_stacks);
+        let mut by_label: Vec<(&str, (u64, bool, &StackReport))> = by_label.into_iter().collect();
+        // Leak candidates first, so that an alert on one can always name its site. Only the
+        // exported few are sorted.
+        fn order<'a>(
+            &(label, (bytes, leak, _)): &(&'a str, (u64, bool, &StackReport)),
+        ) -> (bool, Reverse<u64>, &'a str) {
+            (!leak, Reverse(bytes), label)
+        }
+        let top = self.config.top_stacks.min(by_label.len());
+        if top < by_label.len() {
+            by_label.select_nth_unstable_by_key(top, order);
+        }
+        let other_stack_bytes = by_label[top..].iter().map(|(_, (bytes, _, _))| bytes).sum();
+        by_label.truncate(top);
+        by_label.sort_by_key(order);
         // Only the exported few are described.
         let by_label: Vec<StackSeries> = by_label
             .into_iter()
-            .map(|(label, (bytes, leak_candidate))| {
-                let stack = report.stacks.iter().find(|s| s.stack_id == label).expect("the label is a stack's");
-                StackSeries {
-                    stack: label.to_string(),
-                    site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
-                    bytes,
-                    leak_candidate,
-                }
+            .map(|(label, (bytes, leak_candidate, stack))| StackSeries {
+                stack: label.to_string(),
+                site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
+                bytes,
+                leak_candidate,
             })
             .collect();
         TargetView {
@@ -820,6 +839,13 @@ impl Tracer {
             built: Built::default(),
         }
     }
+}
+
+/// The calls a process's probes counted, recorded or dropped: it changes with each.
+fn calls_counted(snapshot: &Snapshot) -> u64 {
+    let stacks: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
+    let drops: u64 = snapshot.drops.counts.iter().sum();
+    stacks + snapshot.counters.unknown_frees + snapshot.counters.failed_allocations + drops
 }
 
 /// Which execs and forks of untraced processes the kernel reports (`discover::`): execs where

@@ -20,6 +20,8 @@ pub struct Symbolized {
     /// Stable across runs and processes: see `report::stack_hash`.
     pub id: String,
     pub truncated: bool,
+    /// Index in `frames` of the code that asked for memory (`report::allocation_site`).
+    pub site: usize,
 }
 
 /// A process's stacks by kernel stack id: those asked for this interval, and the last's.

@@ -275,11 +275,12 @@ impl Stacks<'_> {
 
     fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
         if addresses.is_empty() {
-            return Symbolized { frames: Frames::default(), id: "none".to_string(), truncated };
+            return Symbolized { frames: Frames::default(), id: "none".to_string(), truncated, site: 0 };
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
         let id = stack_hash(&resolved);
-        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), id, truncated }
+        let frames: Frames = resolved.into_iter().flat_map(|r| r.frames).collect();
+        Symbolized { site: allocation_site(&frames), frames, id, truncated }
     }
 
     fn site_report(&self, table: StackTable, stack_id: u64, tid: u32, time_ns: u64) -> SiteReport {
@@ -407,7 +408,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                     .oldest_ns
                     .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t.max(ctx.stacks.start_ns)))),
                 truncated: symbolized.truncated,
-                site: allocation_site(&symbolized.frames),
+                site: symbolized.site,
                 leak: ctx.leaks.verdict(stack.stack_id),
                 reachability: None,
                 types: Vec::new(),
