@@ -5,9 +5,11 @@
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
 //! cost alone and rewrites that section only (a minute and a half instead of the whole bench);
-//! `--only services` likewise the real services' (`services`: redis-server, a few minutes).
+//! `--only services` likewise the real services' (`services`: redis-server, a few minutes);
+//! `--only rest` the daemon at rest (`rest`: 1,000 idle processes and 65,536 stacks, 5 minutes).
 
 pub(crate) mod daemon;
+mod rest;
 mod services;
 mod unwind;
 mod workloads;
@@ -98,7 +100,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         [] => all(size),
         [only, what] if only == "--only" && what == "daemon" => only_daemon(size),
         [only, what] if only == "--only" && what == "services" => only_services(size),
-        _ => bail!("usage: cargo xtask bench [--only daemon|services]"),
+        [only, what] if only == "--only" && what == "rest" => only_rest(size),
+        _ => bail!("usage: cargo xtask bench [--only daemon|services|rest]"),
     }
 }
 
@@ -120,6 +123,19 @@ fn only_daemon(size: Size) -> anyhow::Result<()> {
     let section = daemon::render(&daemon::measure(&memprof, &dir, size)?);
     let path = report_path(size);
     crate::benchmarks::replace_section(&path, daemon::TITLE, &section)?;
+    println!("{section}");
+    eprintln!("xtask bench: its section written to {}", path.display());
+    Ok(())
+}
+
+/// The daemon at rest alone, written over (or added as) its section of the report.
+fn only_rest(size: Size) -> anyhow::Result<()> {
+    let memprof = build_memprof()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let section = rest::render(&rest::measure(&memprof, &dir, size)?);
+    let path = report_path(size);
+    crate::benchmarks::replace_or_add_section(&path, rest::TITLE, &section)?;
     println!("{section}");
     eprintln!("xtask bench: its section written to {}", path.display());
     Ok(())
@@ -215,12 +231,14 @@ fn all(size: Size) -> anyhow::Result<()> {
     let frames = unwind::frame_costs(&memprof, &dir, size)?;
     let tables = unwind::table_memory(&memprof, &dir)?;
     let daemon_cost = daemon::measure(&memprof, &dir, size)?;
+    let at_rest = rest::measure(&memprof, &dir, size)?;
     let services = services::measure(&memprof, &dir, size)?;
     let mut report = render(&results, &attached, size);
     report.push_str(&workloads::render(&others));
     report.push_str(&unwind::render_frame_costs(&frames, size));
     report.push_str(&unwind::render_table_memory(&tables));
     report.push_str(&daemon::render(&daemon_cost));
+    report.push_str(&rest::render(&at_rest));
     report.push('\n');
     report.push_str(&services::render(&services));
     let path = report_path(size);
