@@ -785,9 +785,7 @@ impl Tracer {
         report.unwind_tables = Some(*tables);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
-        let (held, freed_stacks) =
-            std::mem::take(&mut report.stacks).into_iter().partition(|s| s.outstanding_allocations > 0);
-        report.stacks = held;
+        let freed_stacks: Vec<StackReport> = report.stacks.extract_if(.., |s| s.outstanding_allocations == 0).collect();
         // Two stack ids can resolve to the same code locations (and so the same label): merged,
         // since a scrape with two series of one name and labels fails.
         let mut by_label: HashMap<&str, (u64, bool, &StackReport)> = HashMap::new();
