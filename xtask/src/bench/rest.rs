@@ -73,7 +73,7 @@ fn idle(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<AtRest> {
         let daemon = Daemon::start(memprof, "^rest_idle$", &[])?;
         daemon.wait_for(|metrics| objects(metrics).len() >= IDLE_PROCESSES)?;
         let measured = daemon.at_rest(size);
-        let case = format!("(a) {IDLE_PROCESSES} idle traced processes");
+        let case = "(a) 1,000 idle traced processes".to_string();
         measured.map(|m| AtRest { case, target: "2% of a core", ..m })
     })();
     for child in &mut children {
@@ -91,7 +91,7 @@ fn stacks(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<AtRest> {
         writeln!(child.stdin.as_mut().expect("piped"), "go")?;
         daemon.wait_for(|metrics| objects(metrics) == [STACKS])?;
         let held = daemon.at_rest(size);
-        let case = format!("(b) one process holding {STACKS} stacks");
+        let case = "(b) one process holding 65,536 stacks".to_string();
         held.map(|m| AtRest { case, target: "5% of a core, 256 MiB, 1 s", ..m })
     })();
     stop(&mut child);
@@ -182,7 +182,7 @@ pub(super) fn render(rows: &[AtRest]) -> String {
         out,
         "`memprof daemon --comm REGEX` at its defaults (5 s interval, 60 s resync): (a) idle processes \
          blocked before their first allocation (tests/fixtures/daemon_target.c), (b) one process holding \
-         {STACKS} distinct stacks of about 122 frames (tests/fixtures/many_stacks.c, with `--max-rate \
+         65,536 distinct stacks of about 122 frames (tests/fixtures/many_stacks.c, with `--max-rate \
          1000000000` so that every call is recorded). After the targets are traced and {} s of settling, \
          the daemon's CPU over {:.0} s, its resident memory at the end and its slowest `/metrics` answer \
          (scraped every 5 s); the machine's one-minute load average before and after.\n",
@@ -194,7 +194,7 @@ pub(super) fn render(rows: &[AtRest]) -> String {
     for row in rows {
         let _ = writeln!(
             out,
-            "| {} | {:.2}% | {:.0} MiB | {:.2} s | {} to {} | {} |",
+            "| {} | {:.2}% | {:.0} MiB | {:.3} s | {} to {} | {} |",
             row.case,
             row.cpu_share * 100.0,
             row.rss_kib as f64 / 1024.0,
