@@ -766,6 +766,7 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
+        report.live = true;
         report.blind_spots =
             target.blind_spots.current(pid, report.totals.allocations, report.mappings.outstanding_bytes);
         report.memory = target.resident.current(pid, report.totals.outstanding_bytes);

@@ -45,6 +45,10 @@ pub struct Report {
     /// A child that has exited: its report as it stood then.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
+    /// The daemon's view of a process it traces still: whole like a final report, but the
+    /// process goes on.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub live: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
@@ -430,6 +434,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         parent: None,
         blind_spots: Vec::new(),
         exited: false,
+        live: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
@@ -785,6 +790,7 @@ pub mod samples {
             parent: None,
             blind_spots: Vec::new(),
             exited: false,
+            live: false,
             duration_s: 1.5,
             sample_bytes: 0,
             totals: Totals::default(),

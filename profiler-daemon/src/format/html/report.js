@@ -84,8 +84,11 @@ function leakSection(report) {
   if (candidates.length === 0) {
     // Before the rule has seen a window of intervals, no verdict is no acquittal.
     const warming = report.stacks.find(s => s.leak.warming_up);
+    const earlier = report.timeline ? report.timeline.stacks.length : 0;
     return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks', class: warming ? 'note' : undefined },
-      warming ? `No verdict yet: the leak rule is ${leakState(warming)}.` : 'No stack is a leak candidate.'));
+      warming ? `No verdict yet: the leak rule is ${leakState(warming)}.`
+        : earlier > 0 ? `No stack is a leak candidate now; ${grouped(earlier)} were earlier (their lines are in the timeline).`
+          : 'No stack is a leak candidate.'));
   }
   const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
     num(s.leak.score.toFixed(2), { class: 'num score' }),
@@ -196,9 +199,10 @@ function context(report) {
 
 function render() {
   const report = JSON.parse(document.getElementById('report-data').textContent);
-  const kind = report.final ? 'final report' : 'report';
+  const kind = report.live ? 'live report' : report.final ? 'final report' : 'report';
   // What one opens a heap report for first: the leaks and the heap over time.
-  document.getElementById('app').replaceChildren(
+  // Sections with nothing to show are null: left out (replaceChildren would print them).
+  document.getElementById('app').replaceChildren(...[
     el('header', {},
       el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
       el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
@@ -215,7 +219,7 @@ function render() {
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
     histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
     threadSection(report),
-    doubleFreeSection(report));
+    doubleFreeSection(report)].filter(Boolean));
 }
 
 render();
