@@ -7,9 +7,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::{
     format::Format,
     heap::capture::Precopy,
-    heap::filter::Filters,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
+    heap::{filter::Filters, wrappers::WrapperArgs},
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     unwind::UnwindMode,
@@ -252,6 +252,8 @@ pub struct TraceArgs {
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]
+    pub wrappers: WrapperArgs,
+    #[command(flatten)]
     pub sampling: Sampling,
     #[command(flatten)]
     pub maps: LoadSettings,
@@ -371,6 +373,8 @@ pub struct DaemonArgs {
     /// (without it: its caller only).
     #[arg(long)]
     pub full_free_stacks: bool,
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -10,6 +10,7 @@ use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, Sampling},
+    heap::wrappers::Wrappers,
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
@@ -49,6 +50,8 @@ struct File {
     max_unwind_rows: Option<u32>,
     mappings: Option<bool>,
     full_free_stacks: Option<bool>,
+    wrappers: Option<Vec<String>>,
+    auto_wrappers: Option<bool>,
     http: Option<server::SettingsFile>,
     access: Option<access::SettingsFile>,
 }
@@ -98,6 +101,8 @@ pub struct Config {
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
+    /// The allocation wrappers folded into the allocator in every report.
+    pub wrappers: Wrappers,
     pub http: server::Settings,
     /// Read at start, as `http`.
     pub access: access::Settings,
@@ -206,6 +211,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
         return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
+    let wrappers = Wrappers::merged(&args.wrappers, file.wrappers, file.auto_wrappers)
+        .map_err(|e| ConfigError::Value("wrappers", e))?;
     let http = server::Settings::new(file.http, args.web_config_file.clone())
         .map_err(|(name, e)| ConfigError::Value(name, e))?;
     let access =
@@ -221,6 +228,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         leak,
         sampling,
         maps,
+        wrappers,
         http,
         access,
     })
@@ -328,7 +336,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 21] = [
+    const KEYS: [&str; 23] = [
         "listen",
         "pids",
         "comms",
@@ -349,6 +357,8 @@ mod tests {
         "max_unwind_rows",
         "mappings",
         "full_free_stacks",
+        "wrappers",
+        "auto_wrappers",
         "nope",
     ];
 

@@ -17,7 +17,7 @@ function timelineSection(report) {
   timeline.stacks.forEach((stack, i) => {
     const known = report.stacks.find(s => s.stack_id === stack.stack_id);
     series.push({
-      name: 'leak: ' + (known ? siteText(known.frames[known.site]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
+      name: 'leak: ' + (known ? siteText(known.frames[0]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
       color: SERIES_COLORS[i % SERIES_COLORS.length],
       first: stack.first,
       values: stack.outstanding_bytes,
