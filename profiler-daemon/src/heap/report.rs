@@ -829,7 +829,7 @@ pub mod samples {
 
 #[cfg(test)]
 mod tests {
-    use super::{samples::frame, *};
+    use super::*;
 
     #[test]
     fn histogram_buckets_cover_powers_of_two() {
