@@ -9,7 +9,10 @@ use crate::{
     heap::capture::Precopy,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
-    heap::{filter::Filters, wrappers::WrapperArgs},
+    heap::{
+        filter::Filters,
+        wrappers::{wrapper_name, WrapperArgs},
+    },
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     unwind::UnwindMode,
@@ -121,6 +124,10 @@ pub struct ReportArgs {
     /// Stacks shown per report in the table [default: the session's --top].
     #[arg(long, allow_negative_numbers = true, value_parser = stacks)]
     pub top: Option<usize>,
+    /// Fold this function into the allocator too, as the session folded the wrappers it knew:
+    /// stacks through it start at its caller. Repeatable.
+    #[arg(long = "wrapper", value_name = "NAME", value_parser = wrapper_name)]
+    pub wrappers: Vec<String>,
 }
 
 /// A path, or the empty one (clap's own parser refuses it), which says "none".

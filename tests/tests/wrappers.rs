@@ -136,7 +136,9 @@ fn leaks_through_wrappers_are_named_by_their_callers_and_stay_apart() {
 
 #[test]
 fn without_automatic_detection_the_wrappers_are_the_sites() {
-    let outcome = run(&["--interval", "60", "--no-auto-wrappers"], &[program().to_str().unwrap()]);
+    let recording = std::env::temp_dir().join(format!("memprof-no-auto-wrappers-{}.rec", std::process::id()));
+    let record = recording.to_str().unwrap();
+    let outcome = run(&["--interval", "60", "--no-auto-wrappers", "--record", record], &[program().to_str().unwrap()]);
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     assert_eq!(site(&report, "ztrymalloc_usable"), (24 * (100 + 200 + 40 + 24), 4 * 24), "{report}");
@@ -146,6 +148,17 @@ fn without_automatic_detection_the_wrappers_are_the_sites() {
     // Each caller is still its own stack under the wrapper.
     let callers = stacks(&report).iter().filter(|s| first_function(s) == "ztrymalloc_usable").count();
     assert_eq!(callers, 4, "{report}");
+
+    // The recording rendered with the wrappers named: folded then.
+    let rendered = memprof(&["report", record, "--json", "--wrapper", "ztrymalloc_usable", "--wrapper", "zmalloc"]);
+    let _ = std::fs::remove_file(&recording);
+    assert!(rendered.status.success(), "{rendered:?}");
+    let report = rendered.final_report();
+    for (name, via, expected) in &SITES[..2] {
+        let stack = stacks(&report).iter().find(|s| first_function(s) == *name).expect(name);
+        assert_eq!((bytes_and_count(stack), &stack["via"]), (*expected, &json!(via)), "{stack}");
+    }
+    assert_eq!(site(&report, "zcalloc"), (24 * (64 + 16), 2 * 24), "not named, not folded: {report}");
 }
 
 #[test]

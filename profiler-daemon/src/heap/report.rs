@@ -587,6 +587,32 @@ fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> V
         .collect()
 }
 
+impl Report {
+    /// Folds `wrappers` into the allocator in a report made already (`memprof report
+    /// --wrapper`), its children's too: the same stacks, each site moved to the wrappers' caller.
+    pub fn fold_wrappers(&mut self, wrappers: &Wrappers) {
+        let fold = |frames: &mut Vec<Frame>, via: &mut Vec<String>| {
+            let (kept, folded) = wrappers.fold(std::mem::take(frames));
+            *frames = kept;
+            // Folded before are the innermost.
+            via.extend(folded);
+        };
+        for stack in &mut self.stacks {
+            fold(&mut stack.frames, &mut stack.via);
+        }
+        for double_free in &mut self.double_frees {
+            fold(&mut double_free.alloc.frames, &mut double_free.alloc.via);
+        }
+        let peak = self.peak.stacks.iter_mut().map(|s| &mut s.frames);
+        for frames in peak.chain(self.temporary_stacks.iter_mut().map(|s| &mut s.frames)) {
+            fold(frames, &mut Vec::new());
+        }
+        for child in &mut self.children {
+            child.fold_wrappers(wrappers);
+        }
+    }
+}
+
 impl StackReport {
     /// Adds `other`'s counts, another stack with the same frames (or folded into this one).
     pub fn add_counts(&mut self, other: &StackReport) {
