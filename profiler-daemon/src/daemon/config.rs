@@ -244,6 +244,7 @@ mod tests {
         tests::{flag_value, value_flags},
         Cli, Command,
     };
+    use crate::heap::wrappers::WrapperArgs;
 
     fn parse(toml_text: &str, args: DaemonArgs) -> Result<Config, ConfigError> {
         let file =
@@ -321,6 +322,22 @@ mod tests {
         assert!(err.to_string().starts_with("invalid interval: `0.000000001` is not an interval from 0.1"), "{err}");
         let err = parse("all = true\nmax_live = 4294967295", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().contains("max_live and max_stacks must be 1 to 268435456"), "{err}");
+    }
+
+    #[test]
+    fn wrappers_come_from_the_file_unless_flags_name_some() {
+        let text = "all = true\nwrappers = [\"my_alloc\"]\nauto_wrappers = false\n";
+        let only = |names: &[&str]| {
+            let wrappers = names.iter().map(|n| n.to_string()).collect();
+            Wrappers::new(&WrapperArgs { wrappers, no_auto_wrappers: true })
+        };
+        assert_eq!(parse(text, DaemonArgs::default()).unwrap().wrappers, only(&["my_alloc"]));
+        let flags = WrapperArgs { wrappers: vec!["pool_get".into()], no_auto_wrappers: false };
+        let args = DaemonArgs { wrappers: flags, ..DaemonArgs::default() };
+        assert_eq!(parse(text, args).unwrap().wrappers, only(&["pool_get"]), "auto_wrappers = false stands");
+        assert_eq!(parse("all = true", DaemonArgs::default()).unwrap().wrappers, Wrappers::default());
+        let err = parse("all = true\nwrappers = [\"\"]", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().starts_with("invalid wrappers: `` is not a function name"), "{err}");
     }
 
     #[test]
