@@ -7,9 +7,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::{
     format::Format,
     heap::capture::Precopy,
-    heap::filter::Filters,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
+    heap::{
+        filter::Filters,
+        wrappers::{wrapper_name, WrapperArgs},
+    },
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     unwind::UnwindMode,
@@ -121,6 +124,10 @@ pub struct ReportArgs {
     /// Stacks shown per report in the table [default: the session's --top].
     #[arg(long, allow_negative_numbers = true, value_parser = stacks)]
     pub top: Option<usize>,
+    /// Fold this function into the allocator too, as the session folded the wrappers it knew:
+    /// stacks through it start at its caller. Repeatable.
+    #[arg(long = "wrapper", value_name = "NAME", value_parser = wrapper_name)]
+    pub wrappers: Vec<String>,
 }
 
 /// A path, or the empty one (clap's own parser refuses it), which says "none".
@@ -252,6 +259,8 @@ pub struct TraceArgs {
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]
+    pub wrappers: WrapperArgs,
+    #[command(flatten)]
     pub sampling: Sampling,
     #[command(flatten)]
     pub maps: LoadSettings,
@@ -371,6 +380,8 @@ pub struct DaemonArgs {
     /// (without it: its caller only).
     #[arg(long)]
     pub full_free_stacks: bool,
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -22,6 +22,7 @@ use crate::{
     heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
     heap::resident::{PinnedBudget, Resident},
+    heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
@@ -281,6 +282,7 @@ struct Tracer<'a> {
     /// The root process's inspection, for its final report.
     inspection: Option<Inspection>,
     pinned_budget: PinnedBudget,
+    wrappers: Wrappers,
 }
 
 impl Tracer<'_> {
@@ -292,6 +294,7 @@ impl Tracer<'_> {
             pid,
             start_ns: self.start_ns,
             known: None,
+            wrappers: &self.wrappers,
         }
     }
 
@@ -467,6 +470,7 @@ async fn trace(
         recording: recording.is_some(),
         inspection: None,
         pinned_budget: PinnedBudget::default(),
+        wrappers: Wrappers::new(&args.wrappers),
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {

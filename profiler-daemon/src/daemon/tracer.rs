@@ -593,6 +593,7 @@ impl Tracer {
             pid: target.id.pid,
             start_ns: target.start_ns,
             known: Some(&target.known_stacks),
+            wrappers: &self.config.wrappers,
         }
     }
 

@@ -12,6 +12,9 @@ use crate::symbolize::Frame;
 #[derive(Debug, Clone)]
 pub struct Symbolized {
     pub frames: Vec<Frame>,
+    /// The allocation wrappers folded away from `frames` (see `report::Stacks::symbolize`); none
+    /// in a stack as kept.
+    pub via: Vec<String>,
     /// Stable across runs and processes: see `report::stack_hash`.
     pub id: String,
     pub truncated: bool,

@@ -18,7 +18,7 @@ function timelineSection(report) {
     const known = report.stacks.find(s => s.stack_id === stack.stack_id);
     const what = known && known.leak.candidate ? 'leak: ' : 'was a leak candidate: ';
     series.push({
-      name: what + (known ? siteText(known.frames[known.site]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
+      name: what + (known ? siteText(known.frames[0]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
       color: SERIES_COLORS[i % SERIES_COLORS.length],
       first: stack.first,
       values: stack.outstanding_bytes,

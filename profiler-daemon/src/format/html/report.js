@@ -142,7 +142,7 @@ function mappingSection(report) {
     num(grouped(s.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
     num(grouped(s.ranges)),
     el('td', {}, s.in_allocator ? 'allocator' : 'program'),
-    el('td', {}, stackDetails(Object.assign({ site: 0 }, s), true))));
+    el('td', {}, stackDetails(s, true))));
   return section('mappings', title,
     el('p', { class: 'note' },
       `${bytesText(m.outstanding_bytes)} mapped outside the allocator; ${bytesText(m.allocator_bytes)} by the allocator for its blocks, which the heap counts already.`),
@@ -186,7 +186,7 @@ function doubleFreeSection(report) {
   return section('double-frees', 'Double frees', report.double_frees.map(d => el('div', { class: 'double-free bad' },
     el('h3', {}, `${d.address} (${grouped(d.size)} bytes)`),
     [['allocated', d.alloc], ['freed', d.first_free], ['freed again', d.second_free]].map(([what, site]) =>
-      el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(Object.assign({ site: 0 }, site)))))));
+      el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(site))))));
 }
 
 // When, where and how the trace was made.
