@@ -739,7 +739,12 @@ impl Tracer {
         let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
         let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
         // The daemon did not see the allocations made before it attached.
-        let settings = inspect::Settings { glibc, complete: false, precopy: crate::heap::capture::Precopy::default() };
+        let settings = inspect::Settings {
+            glibc,
+            complete: false,
+            precopy: crate::heap::capture::Precopy::default(),
+            heuristics: crate::heap::heuristics::Heuristics::ALL,
+        };
         let inspection = inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(failed)?;
         info!(pid, pause_ms = inspection.pause_ms, "inspected");
         self.symbolizer.refresh(pid);
