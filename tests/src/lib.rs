@@ -13,6 +13,7 @@ use std::{
 
 use serde_json::Value;
 
+pub mod inspection;
 pub mod probe_links;
 pub mod prometheus;
 

@@ -27,24 +27,14 @@ use std::{
 };
 
 use memprof_tests::{
-    attach, fixture_cpp, fixture_with, free_port, http_get, memprof_bin, wait_for, Daemon, Outcome, Waiting,
+    attach, fixture_cpp, fixture_with, free_port, http_get,
+    inspection::{reach, reachability, stack},
+    memprof_bin, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::{json, Value};
 
 fn fixture() -> std::path::PathBuf {
     fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"])
-}
-
-/// A stack's `"reachability"`: bytes and blocks definitely lost, indirectly lost, possibly lost
-/// and reachable, and the bytes retained.
-fn reach(dl: (u64, u64), il: (u64, u64), pl: (u64, u64), r: (u64, u64), retained: u64) -> Value {
-    json!({
-        "definitely_lost_bytes": dl.0, "definitely_lost_blocks": dl.1,
-        "indirectly_lost_bytes": il.0, "indirectly_lost_blocks": il.1,
-        "possibly_lost_bytes": pl.0, "possibly_lost_blocks": pl.1,
-        "reachable_bytes": r.0, "reachable_blocks": r.1,
-        "retained_bytes": retained,
-    })
 }
 
 /// Each site's reachability, as memcheck reports it (see the file's comment).
@@ -61,25 +51,6 @@ fn truth() -> Vec<(&'static str, Value)> {
         ("cycle_first", reach((48, 1), none, none, none, 104)),
         ("cycle_second", reach(none, (56, 1), none, none, 0)),
     ]
-}
-
-/// The one stack through `function` (a C function, or a C++ one named with its parameters).
-fn stack<'a>(report: &'a Value, function: &str) -> &'a Value {
-    let named = |f: &Value| {
-        f.as_str().is_some_and(|f| f == function || f.strip_prefix(function).is_some_and(|rest| rest.starts_with('(')))
-    };
-    let stacks: Vec<&Value> = report["stacks"]
-        .as_array()
-        .expect("stacks")
-        .iter()
-        .filter(|s| s["frames"].as_array().expect("frames").iter().any(|f| named(&f["function"])))
-        .collect();
-    assert_eq!(stacks.len(), 1, "one stack through {function}: {report}");
-    stacks[0]
-}
-
-fn reachability<'a>(report: &'a Value, function: &str) -> &'a Value {
-    &stack(report, function)["reachability"]
 }
 
 fn check(report: &Value) {
