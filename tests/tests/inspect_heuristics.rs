@@ -153,6 +153,7 @@ fn without_heuristics_the_blocks_are_possibly_lost_as_memcheck_says() {
 fn a_heuristic_memprof_does_not_know_is_refused_in_one_line() {
     let outcome = memprof_tests::memprof(&["run", "--inspect", "--inspect-heuristics", "stdstring,cow", "--", "true"]);
     assert_eq!(outcome.status.code(), Some(2), "{outcome:?}");
+    assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);
     assert!(
         outcome.stderr.contains("no heuristic is called 'cow': give all, none or a comma list of stdstring"),
         "{}",

@@ -4,7 +4,8 @@
 //! 8 bytes before its data, with bit 0 of the next chunk's size set while it is in use. Free
 //! chunks kept in the thread caches (tcache) and fast bins still read as in use; each has a
 //! mark, the tcache's key at its data's second word and, in a fast bin, a first word that is
-//! the next free chunk (or none) encoded with the chunk's own address (glibc's safe linking).
+//! the next free chunk's header (or none) encoded with the chunk's own address (glibc's safe
+//! linking).
 //!
 //! Chunks are walked where glibc lays them out from a known first chunk: the main heap
 //! (`[heap]`, from its start), a thread's arena (from the arena's first chunk, its thread
@@ -134,14 +135,14 @@ impl<M: Memory> Walk<'_, M> {
         if self.key.is_some() && self.word(data + 8) == self.key {
             return true;
         }
-        // Safe linking: the next free chunk's data, or 0, XOR the chunk's page number.
+        // Safe linking: the next free chunk's header, or 0, XOR the chunk's page number.
         size <= FAST_MAX
             && self.word(data).is_some_and(|link| {
                 let next = link ^ (data >> 12);
                 next == 0
                     || (next.is_multiple_of(16)
                         && heap.contains(&next)
-                        && self.word(next - 8).is_some_and(|f| f & !7 <= FAST_MAX))
+                        && self.word(next + 8).is_some_and(|f| f & !7 == size))
             })
     }
 }
@@ -178,13 +179,14 @@ mod tests {
     #[test]
     fn chunks_in_use_and_not_tracked_are_counted() {
         // [heap] at 0x10000: the thread cache (one cached chunk, at 0x10300), then chunks of
-        // 0x30 (tracked), 0x40 (untracked), 0x30 (cached), 0x20 (free, in a fast bin), 0x50
-        // (free: the next chunk's bit 0 is clear), 0x40 (untracked), then the top chunk.
+        // 0x30 (tracked), 0x40 (untracked), 0x30 (cached), two of 0x20 (free, in a fast bin:
+        // 0x10350 then 0x10330), 0x50 (free: the next chunk's bit 0 is clear), 0x40 (untracked),
+        // then the top chunk.
         let key = 0x5eed_5eed_5eed_5eed;
         let mut words = BTreeMap::new();
         let mut chunk = 0x10000;
         for (size, prev_in_use) in
-            [(0x290, 1), (0x30, 1), (0x40, 1), (0x30, 1), (0x20, 1), (0x50, 1), (0x40, 0), (0x1000, 1)]
+            [(0x290, 1), (0x30, 1), (0x40, 1), (0x30, 1), (0x20, 1), (0x20, 1), (0x50, 1), (0x40, 0), (0x1000, 1)]
         {
             words.insert(chunk + 8, size | prev_in_use);
             chunk += size;
@@ -192,7 +194,12 @@ mod tests {
         words.insert(0x10010 + 128 + 8, 0x10310); // the cache's bin for 0x30: the chunk's data
         words.insert(0x10318, key);
         words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
+        words.insert(0x10360, 0x10330 ^ (0x10360 >> 12)); // its first, linked to the last
         let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1 }];
+        let found = count(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
+        assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        // An untracked block's first word that, so decoded, is no chunk of its size: in use.
+        words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
         let found = count(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks);
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
     }
