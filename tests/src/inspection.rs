@@ -115,7 +115,8 @@ fn parse(log: &str, sites: &[&str]) -> Memcheck {
                 })
                 .copied();
             if let Some(site) = site {
-                let entry = found.sites.entry(site.to_string()).or_insert_with(|| reach((0, 0), (0, 0), (0, 0), (0, 0), 0));
+                let entry =
+                    found.sites.entry(site.to_string()).or_insert_with(|| reach((0, 0), (0, 0), (0, 0), (0, 0), 0));
                 record_into(entry, record);
             }
         } else if let Some((name, counts)) = line.trim().split_once(": ") {

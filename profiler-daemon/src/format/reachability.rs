@@ -124,6 +124,27 @@ mod tests {
     }
 
     #[test]
+    fn blocks_made_before_tracing_are_counted_not_read_as_no_problem() {
+        let inspection = Inspection {
+            untracked_blocks: Some(9),
+            untracked_bytes: Some(209_328),
+            unclassified_heap_scanned: true,
+            heuristics: "all".into(),
+            ..Inspection::default()
+        };
+        let mut out = String::new();
+        summary(&mut out, &inspection);
+        let lines: Vec<&str> = out.lines().skip(1).collect();
+        assert_eq!(
+            lines,
+            [
+                "  all blocks: none tracked; heuristics: all",
+                "  not classified: 204.4 KiB in 9 blocks in use that memprof did not see made (before it attached, or not sampled)"
+            ]
+        );
+    }
+
+    #[test]
     fn the_heuristics_that_held_blocks_are_named() {
         let r = Reachability {
             reachable_bytes: 96,
