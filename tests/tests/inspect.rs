@@ -143,6 +143,8 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     check(&report);
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], false);
     assert_eq!(report["inspection"]["method"], "single_stop");
+    // memprof saw every block made: glibc's heaps hold none in use it did not.
+    assert_eq!(report["inspection"]["untracked_blocks"], 0);
 }
 
 /// Whether this kernel keeps soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`): a page of ours written
