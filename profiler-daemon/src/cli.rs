@@ -174,6 +174,11 @@ pub struct InspectArgs {
     /// environment variable MEMPROF_DAEMON_PASSWORD.
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
+    /// memcheck's leak-check heuristics the daemon uses, as for `attach --inspect-heuristics`:
+    /// all, none, or a comma list of stdstring, length64, newarray and multipleinheritance
+    /// [default: all].
+    #[arg(long, value_name = "SET", default_value_t = Heuristics::ALL, hide_default_value = true)]
+    pub inspect_heuristics: Heuristics,
 }
 
 /// `run --on-error`: the command's fate when memprof cannot go on.

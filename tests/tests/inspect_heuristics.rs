@@ -20,12 +20,16 @@
 //!      newarray 56 B in 1, multipleinheritance 32 B in 1
 //! ```
 
-use std::{collections::BTreeMap, io::Read as _, io::Write as _};
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    process::{Command, Stdio},
+};
 
 use memprof_tests::{
     attach, fixture_cpp,
     inspection::{memcheck, reach, reachability},
-    Waiting,
+    memprof_bin, Daemon, Outcome, Waiting,
 };
 use serde_json::{json, Value};
 
@@ -159,4 +163,29 @@ fn a_heuristic_memprof_does_not_know_is_refused_in_one_line() {
         "{}",
         outcome.stderr
     );
+}
+
+/// `memprof inspect --inspect-heuristics none` asks the daemon that traces the fixture for
+/// memcheck's classes without heuristics; without the flag, with them all.
+#[test]
+fn the_daemon_inspects_with_the_heuristics_asked_for() {
+    let fixture = fixture_cpp("heuristics.cpp", "heuristics", &["-g", "-O2", "-fomit-frame-pointer"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    let mut set = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut set).unwrap();
+    assert_eq!(set, "set\n");
+    for (flags, heuristics) in [(&[][..], true), (&["--inspect-heuristics", "none"][..], false)] {
+        let mut memprof = Command::new(memprof_bin());
+        memprof.args(["inspect", "--pid", &pid.to_string(), "--json", "--daemon"]).arg(&daemon.socket).args(flags);
+        let outcome: Outcome = memprof.stdin(Stdio::null()).output().expect("starting memprof").into();
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        let mut found = reachability(&report, "new_array").clone();
+        found.as_object_mut().unwrap().remove("reachable_via_heuristic");
+        assert_eq!(found, truth(heuristics)["new_array"], "{flags:?}");
+    }
 }
