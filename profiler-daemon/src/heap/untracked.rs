@@ -31,6 +31,8 @@ const ARENA_HEADER_MAX: u64 = 4096;
 const FAST_MAX: u64 = 0x80;
 const IN_USE: u64 = 1;
 const MMAPPED: u64 = 2;
+/// Set in every size field of a thread arena's chunks.
+const NON_MAIN_ARENA: u64 = 4;
 
 /// The untracked blocks in use in glibc's heaps among `regions`; `blocks` sorted by address.
 pub fn count(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Untracked {
@@ -76,12 +78,13 @@ impl<M: Memory> Walk<'_, M> {
         }
         (arena..(arena + ARENA_HEADER_MAX).min(region.end))
             .step_by(8)
-            .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.word(chunk + 8) == Some(TCACHE_CHUNK))
+            .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.is_tcache(chunk))
     }
 
     /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free.
     fn heap(&mut self, first: u64, end: u64) {
-        if self.word(first + 8) == Some(TCACHE_CHUNK) {
+        let cache = self.is_tcache(first);
+        if cache {
             self.learn_key(first + 16);
         }
         let mut chunk = first;
@@ -92,13 +95,18 @@ impl<M: Memory> Walk<'_, M> {
             }
             let in_use = self.word(next + 8).is_some_and(|field| field & IN_USE != 0);
             let data = chunk + 16;
-            let allocators = chunk == first && size == TCACHE_CHUNK & !7;
+            let allocators = chunk == first && cache;
             if in_use && !allocators && !self.tracked(data) && !self.cached(data, size, first..end) {
                 self.found.blocks += 1;
                 self.found.bytes += size - 8;
             }
             chunk = next;
         }
+    }
+
+    /// Whether `chunk` is a thread cache's, in use, in the main heap or a thread arena.
+    fn is_tcache(&self, chunk: u64) -> bool {
+        self.word(chunk + 8).is_some_and(|field| field & !NON_MAIN_ARENA == TCACHE_CHUNK)
     }
 
     /// Walks blocks mapped one by one, laid end to end from `region`'s start.
@@ -202,6 +210,21 @@ mod tests {
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
         let found = count(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks);
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+    }
+
+    #[test]
+    fn a_thread_arena_is_walked_from_its_thread_cache() {
+        // At 64 MiB: the heap's header pointing at the arena 0x30 in, the thread cache at 0x8d0,
+        // then a chunk of 0x50 in use and the top chunk; every size field has NON_MAIN_ARENA.
+        let start = 0x7f00_0000_0000;
+        let mut words = BTreeMap::from([(start, start + 0x30)]);
+        let mut chunk = start + 0x8d0;
+        for size in [0x290, 0x50, 0x1000] {
+            words.insert(chunk + 8, size | NON_MAIN_ARENA | IN_USE);
+            chunk += size;
+        }
+        let found = count(&Map(words), &[region(start, chunk, "")], &[]);
+        assert_eq!(found, Untracked { blocks: 1, bytes: 0x48 });
     }
 
     #[test]
