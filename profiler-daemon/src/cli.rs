@@ -6,11 +6,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     format::Format,
-    heap::capture::Precopy,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
     heap::{
+        capture::Precopy,
         filter::Filters,
+        heuristics::Heuristics,
         wrappers::{wrapper_name, WrapperArgs},
     },
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
@@ -181,6 +182,11 @@ pub struct InspectArgs {
     /// environment variable MEMPROF_DAEMON_PASSWORD.
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
+    /// memcheck's leak-check heuristics the daemon uses, as for `attach --inspect-heuristics`:
+    /// all, none, or a comma list of stdstring, length64, newarray and multipleinheritance
+    /// [default: all].
+    #[arg(long, value_name = "SET", default_value_t = Heuristics::ALL, hide_default_value = true)]
+    pub inspect_heuristics: Heuristics,
 }
 
 /// `run --on-error`: the command's fate when memprof cannot go on.
@@ -256,6 +262,12 @@ pub struct TraceArgs {
     /// memprof killed by SIGKILL meanwhile may crash it) [default: auto].
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = Precopy::Auto, hide_default_value = true)]
     pub inspect_precopy: Precopy,
+    /// With --inspect, memcheck's leak-check heuristics to use (its `--leak-check-heuristics`):
+    /// a pointer into a block's interior that one of them accepts holds the block as a pointer
+    /// to its start would. all, none, or a comma list of stdstring, length64, newarray and
+    /// multipleinheritance [default: all, as memcheck].
+    #[arg(long, value_name = "SET", default_value_t = Heuristics::ALL, hide_default_value = true)]
+    pub inspect_heuristics: Heuristics,
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]

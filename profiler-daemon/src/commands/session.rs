@@ -68,6 +68,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         glibc: allocator.is_glibc(),
         complete: false,
         precopy: args.inspect_precopy,
+        heuristics: args.inspect_heuristics,
     });
     let traced = trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
@@ -192,6 +193,7 @@ async fn trace_command(
         glibc: allocator.is_glibc(),
         complete,
         precopy: args.inspect_precopy,
+        heuristics: args.inspect_heuristics,
     });
     trace(loaded, symbolizer, root, exit, args, opened, inspect).await
 }
