@@ -5,7 +5,6 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpStream,
-    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
