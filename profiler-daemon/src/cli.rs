@@ -6,10 +6,14 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     format::Format,
-    heap::capture::Precopy,
-    heap::filter::Filters,
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
+    heap::{
+        capture::Precopy,
+        filter::Filters,
+        heuristics::Heuristics,
+        wrappers::{wrapper_name, WrapperArgs},
+    },
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     unwind::UnwindMode,
@@ -121,6 +125,10 @@ pub struct ReportArgs {
     /// Stacks shown per report in the table [default: the session's --top].
     #[arg(long, allow_negative_numbers = true, value_parser = stacks)]
     pub top: Option<usize>,
+    /// Fold this function into the allocator too, as the session folded the wrappers it knew:
+    /// stacks through it start at its caller. Repeatable.
+    #[arg(long = "wrapper", value_name = "NAME", value_parser = wrapper_name)]
+    pub wrappers: Vec<String>,
 }
 
 /// A path, or the empty one (clap's own parser refuses it), which says "none".
@@ -174,6 +182,11 @@ pub struct InspectArgs {
     /// environment variable MEMPROF_DAEMON_PASSWORD.
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
+    /// memcheck's leak-check heuristics the daemon uses, as for `attach --inspect-heuristics`:
+    /// all, none, or a comma list of stdstring, length64, newarray and multipleinheritance
+    /// [default: all].
+    #[arg(long, value_name = "SET", default_value_t = Heuristics::ALL, hide_default_value = true)]
+    pub inspect_heuristics: Heuristics,
 }
 
 /// `run --on-error`: the command's fate when memprof cannot go on.
@@ -249,8 +262,16 @@ pub struct TraceArgs {
     /// memprof killed by SIGKILL meanwhile may crash it) [default: auto].
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = Precopy::Auto, hide_default_value = true)]
     pub inspect_precopy: Precopy,
+    /// With --inspect, memcheck's leak-check heuristics to use (its `--leak-check-heuristics`):
+    /// a pointer into a block's interior that one of them accepts holds the block as a pointer
+    /// to its start would. all, none, or a comma list of stdstring, length64, newarray and
+    /// multipleinheritance [default: all, as memcheck].
+    #[arg(long, value_name = "SET", default_value_t = Heuristics::ALL, hide_default_value = true)]
+    pub inspect_heuristics: Heuristics,
     #[command(flatten)]
     pub filters: Filters,
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
     #[command(flatten)]
     pub sampling: Sampling,
     #[command(flatten)]
@@ -371,6 +392,8 @@ pub struct DaemonArgs {
     /// (without it: its caller only).
     #[arg(long)]
     pub full_free_stacks: bool,
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

@@ -13,6 +13,8 @@ use std::{
 
 use serde_json::Value;
 
+pub mod cgroup;
+pub mod inspection;
 pub mod probe_links;
 pub mod prometheus;
 

@@ -46,9 +46,22 @@ fn jemalloc_linked_and_its_own_api_under_attach() {
 
 /// The C++ fixture's leaks through `new`, `new[]`, `std::vector` and `std::string`.
 fn assert_cxx_sites(outcome: &Outcome, allocator: &str) {
-    assert!(outcome.status.success(), "{allocator}: {outcome:?}");
     assert!(outcome.stderr.contains("C++ operator new/delete"), "{allocator}: {}", outcome.stderr);
+    assert_cxx_leaks(outcome, allocator);
+}
+
+/// The C++ fixture's leaks, each stack starting at the caller of `operator new` whether the
+/// allocator's own `operator new` is probed (tcmalloc, jemalloc, mimalloc) or libstdc++'s calls a
+/// probed `malloc` (glibc).
+fn assert_cxx_leaks(outcome: &Outcome, allocator: &str) {
+    assert!(outcome.status.success(), "{allocator}: {outcome:?}");
     let report = outcome.final_report();
+    assert_eq!(site(&report, "site_new"), (400, 10), "{allocator}: the caller of operator new is the site");
+    assert_eq!(site(&report, "site_new_array"), (1500, 5), "{allocator}");
+    for stack in report["stacks"].as_array().unwrap() {
+        let first = stack["frames"][0]["function"].as_str().unwrap_or("");
+        assert!(!first.starts_with("operator new"), "{allocator}: {stack}");
+    }
     assert_eq!(through(&report, "site_new"), (400, 10), "{allocator}");
     assert_eq!(through(&report, "site_new_array"), (1500, 5), "{allocator}");
     assert_eq!(through(&report, "site_vector"), (3 * (24 + 4000), 6), "{allocator}");
@@ -67,6 +80,16 @@ fn cxx_new_on_tcmalloc_jemalloc_and_mimalloc_when_linked() {
         let program = fixture_cpp("cxx_new.cpp", &name, &["-g", "-O2", "-Wl,--no-as-needed", lib]);
         assert_cxx_sites(&run(&[], &[program.to_str().unwrap()]), allocator);
     }
+}
+
+/// Under `run`, its first calls of `operator new`, from four sites at one depth, come before
+/// memprof has libstdc++'s unwind table: each deferred walk is told apart by its return address.
+#[test]
+fn cxx_new_on_glibc_has_the_same_sites() {
+    let program = fixture_cpp("cxx_new.cpp", "cxx_new", &["-g", "-O2"]);
+    assert_cxx_leaks(&run(&[], &[program.to_str().unwrap()]), "glibc under run");
+    let mut target = Waiting::start(&program, &[]);
+    assert_cxx_leaks(&attach(&mut target, &[]), "glibc under attach");
 }
 
 #[test]

@@ -5,7 +5,6 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpStream,
-    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -13,7 +12,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{fixture, http_get, socket_answer, start_heapbench, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    cgroup::MemoryCgroup, fixture, http_get, socket_answer, start_heapbench, wait_for, Daemon, Waiting,
+};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -23,71 +24,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// The shipped systemd unit's `MemoryMax` and the DaemonSet's memory limit.
 const MEMORY_MAX: u64 = 1 << 30;
-
-/// A memory cgroup limited to `limit` bytes, removed when dropped: cgroup v2 when its memory
-/// controller is there, else v1's memory hierarchy.
-struct MemoryCgroup {
-    dir: PathBuf,
-    v2: bool,
-}
-
-impl MemoryCgroup {
-    fn new(name: &str, limit_bytes: u64) -> Self {
-        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-        let v2_mount = mounts
-            .lines()
-            .find(|l| l.split_whitespace().nth(2) == Some("cgroup2"))
-            .map(|l| PathBuf::from(l.split_whitespace().nth(1).unwrap()));
-        let v2 = v2_mount.as_ref().filter(|m| {
-            std::fs::read_to_string(m.join("cgroup.controllers"))
-                .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
-        });
-        let (dir, v2) = match v2 {
-            Some(mount) => (mount.join(name), true),
-            None => (PathBuf::from("/sys/fs/cgroup/memory").join(name), false),
-        };
-        let _ = std::fs::remove_dir(&dir);
-        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the memory cgroup {}: {e}", dir.display()));
-        let limit = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
-        std::fs::write(dir.join(limit), limit_bytes.to_string()).unwrap();
-        Self { dir, v2 }
-    }
-
-    fn enter(&self, pid: u32) {
-        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("moving the daemon into the cgroup");
-    }
-
-    fn value(&self, file: &str, key: Option<&str>) -> u64 {
-        let text = std::fs::read_to_string(self.dir.join(file)).unwrap_or_default();
-        match key {
-            None => text.trim().parse().unwrap_or(0),
-            Some(key) => text.lines().find_map(|l| l.strip_prefix(key)?.trim().parse().ok()).unwrap_or(0),
-        }
-    }
-
-    /// The most memory its processes used, page cache included.
-    fn peak(&self) -> u64 {
-        if self.v2 {
-            self.value("memory.peak", None)
-        } else {
-            self.value("memory.max_usage_in_bytes", None)
-        }
-    }
-
-    fn oom_kills(&self) -> u64 {
-        if self.v2 {
-            self.value("memory.events", Some("oom_kill "))
-        } else {
-            self.value("memory.oom_control", Some("oom_kill "))
-        }
-    }
-}
-
-impl Drop for MemoryCgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
 
 /// `GET path`, read to the end; the status, or None.
 fn fetch(port: u16, path: &str) -> Option<(u16, usize)> {

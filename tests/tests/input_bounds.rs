@@ -1,6 +1,7 @@
 //! Files given to memprof cost it what it says they may, whatever they hold: a small recording
 //! whose reports repeat a stack of long frames thousands of times is refused before it is
-//! rendered, and a gzip bomb given to `diff` is cut at the 256 MiB the README states.
+//! rendered; a deflate bomb in a recording and a gzip bomb given to `diff` are cut at the 256
+//! MiB the README states, or sooner under a memory cgroup.
 
 use std::{
     io::{Read as _, Write as _},
@@ -10,24 +11,18 @@ use std::{
 };
 
 use flate2::{read::DeflateDecoder, write::DeflateEncoder, write::GzEncoder, Compression, Crc};
-use memprof_tests::{fixture, memprof_bin, run};
+use memprof_tests::{cgroup::MemoryCgroup, fixture, memprof_bin, run};
 use serde_json::{json, Value};
 
 fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("memprof-input-bounds-{}-{name}", std::process::id()))
 }
 
-/// memprof with `args`: its exit code, its stderr and its peak resident memory (wait4's
-/// `ru_maxrss`).
+/// `command`'s exit code, its stderr and its peak resident memory (wait4's `ru_maxrss`).
 #[expect(clippy::zombie_processes, reason = "reaped by wait4, which gives its peak memory too")]
-fn peak(args: &[&str]) -> (Option<i32>, String, u64) {
-    let mut child = Command::new(memprof_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
+fn peak(command: &mut Command) -> (Option<i32>, String, u64) {
+    let mut child =
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("starting memprof");
     let mut stderr = String::new();
     child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
     let mut status = 0;
@@ -57,10 +52,18 @@ fn records(bytes: &[u8]) -> Vec<Value> {
 }
 
 fn recording(records: &[Value]) -> Vec<u8> {
+    let json: Vec<Vec<u8>> = records.iter().map(|record| serde_json::to_vec(record).unwrap()).collect();
+    framed(json.iter().map(|record| vec![record.as_slice()]))
+}
+
+/// A recording of records each given as the pieces of its JSON, deflated as one stream.
+fn framed<'a>(records: impl Iterator<Item = Vec<&'a [u8]>>) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
-    for record in records {
+    for pieces in records {
         let mut deflate = DeflateEncoder::new(Vec::new(), Compression::best());
-        serde_json::to_writer(&mut deflate, record).unwrap();
+        for piece in pieces {
+            deflate.write_all(piece).unwrap();
+        }
         let payload = deflate.finish().unwrap();
         let mut crc = Crc::new();
         crc.update(&payload);
@@ -95,7 +98,8 @@ fn a_small_recording_that_repeats_long_frames_is_refused_before_it_is_rendered()
     let bytes = recording(&records);
     assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
     std::fs::write(&crafted, &bytes).unwrap();
-    let (code, stderr, peak) = peak(&["report", crafted.to_str().unwrap(), "--format", "json"]);
+    let (code, stderr, peak) =
+        peak(Command::new(memprof_bin()).args(["report", crafted.to_str().unwrap(), "--format", "json"]));
     let _ = std::fs::remove_file(&crafted);
     eprintln!("memprof report of a {} KB crafted recording: peak {} MiB", bytes.len() >> 10, peak >> 20);
     assert_eq!(code, Some(1), "{stderr}");
@@ -121,13 +125,43 @@ fn a_gzip_bomb_given_to_diff_costs_at_most_what_the_readme_says() {
     let at = bytes.len() - 4;
     bytes[at..].copy_from_slice(&1024u32.to_le_bytes());
     std::fs::write(&bomb, bytes).unwrap();
-    let (code, stderr, peak) = peak(&["diff", bomb.to_str().unwrap(), bomb.to_str().unwrap()]);
+    let (code, stderr, peak) =
+        peak(Command::new(memprof_bin()).args(["diff", bomb.to_str().unwrap(), bomb.to_str().unwrap()]));
     let _ = std::fs::remove_file(&bomb);
     eprintln!("memprof diff of a gzip bomb: peak {} MiB", peak >> 20);
     assert_eq!(code, Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("it decompresses to more than 256 MiB"), "{stderr}");
     assert!(peak < (256 + 16) << 20, "peak {} MiB", peak >> 20);
+}
+
+/// A recording whose second record is 300 MiB of JSON white space before its object (300 KB on
+/// disk): `memprof report` refuses it in one line once 256 MiB came out, within 256 MiB; under a
+/// memory cgroup of 192 MiB, once a quarter of what the cgroup leaves it came out.
+#[test]
+fn a_recording_whose_record_inflates_to_hundreds_of_mib_is_refused_within_bounds() {
+    let start = br#"{"kind": "start", "settings": {"top": 10, "interval_s": 1.0}}"#.as_slice();
+    let spaces = vec![b' '; 1 << 20];
+    let bomb = std::iter::repeat_n(spaces.as_slice(), 300).chain([start]).collect();
+    let path = temp_path("bomb.rec");
+    std::fs::write(&path, framed([vec![start], bomb].into_iter())).unwrap();
+    let (code, stderr, most) = peak(Command::new(memprof_bin()).args(["report", path.to_str().unwrap()]));
+    eprintln!("memprof report of a deflate bomb: peak {} MiB", most >> 20);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("a record inflates to more than 256 MiB"), "{stderr}");
+    assert!(most < (256 + 16) << 20, "peak {} MiB", most >> 20);
+
+    let group = MemoryCgroup::new(&format!("memprof-input-bounds-{}", std::process::id()), 192 << 20);
+    let mut report = Command::new("sh");
+    report.args(["-c", r#"echo $$ > "$0" && exec "$@""#]).arg(group.procs()).arg(memprof_bin());
+    let (code, stderr, _) = peak(report.args(["report", path.to_str().unwrap()]));
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("its records inflate to more than"), "{stderr}");
+    assert!(stderr.contains("under its cgroup's memory limit (memory.max)"), "{stderr}");
+    assert_eq!(group.oom_kills(), 0);
 }
 
 #[test]
@@ -137,7 +171,8 @@ fn a_profile_that_says_it_decompresses_to_more_than_memprof_reads_is_refused_unr
     let at = bytes.len() - 4;
     bytes[at..].copy_from_slice(&(300u32 << 20).to_le_bytes());
     std::fs::write(&big, bytes).unwrap();
-    let (code, stderr, _) = peak(&["diff", big.to_str().unwrap(), big.to_str().unwrap()]);
+    let (code, stderr, _) =
+        peak(Command::new(memprof_bin()).args(["diff", big.to_str().unwrap(), big.to_str().unwrap()]));
     let _ = std::fs::remove_file(&big);
     assert_eq!(code, Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");

@@ -27,24 +27,14 @@ use std::{
 };
 
 use memprof_tests::{
-    attach, fixture_cpp, fixture_with, free_port, http_get, memprof_bin, wait_for, Daemon, Outcome, Waiting,
+    attach, fixture_cpp, fixture_with, free_port, http_get,
+    inspection::{reach, reachability, stack},
+    memprof_bin, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::{json, Value};
 
 fn fixture() -> std::path::PathBuf {
     fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"])
-}
-
-/// A stack's `"reachability"`: bytes and blocks definitely lost, indirectly lost, possibly lost
-/// and reachable, and the bytes retained.
-fn reach(dl: (u64, u64), il: (u64, u64), pl: (u64, u64), r: (u64, u64), retained: u64) -> Value {
-    json!({
-        "definitely_lost_bytes": dl.0, "definitely_lost_blocks": dl.1,
-        "indirectly_lost_bytes": il.0, "indirectly_lost_blocks": il.1,
-        "possibly_lost_bytes": pl.0, "possibly_lost_blocks": pl.1,
-        "reachable_bytes": r.0, "reachable_blocks": r.1,
-        "retained_bytes": retained,
-    })
 }
 
 /// Each site's reachability, as memcheck reports it (see the file's comment).
@@ -61,25 +51,6 @@ fn truth() -> Vec<(&'static str, Value)> {
         ("cycle_first", reach((48, 1), none, none, none, 104)),
         ("cycle_second", reach(none, (56, 1), none, none, 0)),
     ]
-}
-
-/// The one stack through `function` (a C function, or a C++ one named with its parameters).
-fn stack<'a>(report: &'a Value, function: &str) -> &'a Value {
-    let named = |f: &Value| {
-        f.as_str().is_some_and(|f| f == function || f.strip_prefix(function).is_some_and(|rest| rest.starts_with('(')))
-    };
-    let stacks: Vec<&Value> = report["stacks"]
-        .as_array()
-        .expect("stacks")
-        .iter()
-        .filter(|s| s["frames"].as_array().expect("frames").iter().any(|f| named(&f["function"])))
-        .collect();
-    assert_eq!(stacks.len(), 1, "one stack through {function}: {report}");
-    stacks[0]
-}
-
-fn reachability<'a>(report: &'a Value, function: &str) -> &'a Value {
-    &stack(report, function)["reachability"]
 }
 
 fn check(report: &Value) {
@@ -172,6 +143,8 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     check(&report);
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], false);
     assert_eq!(report["inspection"]["method"], "single_stop");
+    // memprof saw every block made: glibc's heaps hold none in use it did not.
+    assert_eq!(report["inspection"]["untracked_blocks"], 0);
 }
 
 /// Whether this kernel keeps soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`): a page of ours written
@@ -407,4 +380,23 @@ fn memprof_inspect_asks_the_daemon_that_traces_the_process() {
     // The daemon's inspection left the process as it was.
     ends_as_without_memprof(&mut target, "done ok\n");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `early_leaks.c` makes its blocks before memprof attaches, one after: the inspection classes
+/// the one it saw made, and counts the 15 blocks in use it did not (their usable sizes: 6 x 40,
+/// 2 x 104, a mapped block of 208880; in a thread's arena 5 x 72; glibc's 280 for the thread),
+/// the 13 freed blocks left in malloc's caches not among them.
+#[test]
+fn attach_inspect_counts_the_blocks_made_before_it() {
+    let fixture = fixture_with("early_leaks.c", "early_leaks", &["-g", "-O2", "-pthread"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let outcome = attach(&mut target, &["--inspect", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    let none = (0, 0);
+    assert_eq!(reachability(&report, "made_after"), &reach((48, 1), none, none, none, 48));
+    let inspection = &report["inspection"];
+    assert_eq!(inspection["untracked_blocks"], 15, "{inspection}");
+    assert_eq!(inspection["untracked_bytes"], 6 * 40 + 2 * 104 + 208_880 + 5 * 72 + 280, "{inspection}");
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }

@@ -86,6 +86,11 @@ fn one_inspection_per_process_at_a_time_and_metrics_answered_meanwhile() {
     let not_classified = inspection["heap_bytes_not_classified"].as_u64().unwrap();
     assert!(not_classified >= HEAP_MIB << 20, "{inspection}");
     assert!(inspection["root_bytes_scanned"].as_u64().unwrap() >= not_classified, "{inspection}");
+    // Counted by glibc's chunk headers: heapbench's blocks of 4 KiB (4104 usable) and its array
+    // of their pointers, mapped on its own (8 bytes each, 528368 usable).
+    let blocks = HEAP_MIB << 8;
+    assert_eq!(inspection["untracked_blocks"], blocks + 1, "{inspection}");
+    assert_eq!(inspection["untracked_bytes"], blocks * 4104 + 528_368, "{inspection}");
     drop(target.stdin.take());
     assert!(target.wait().unwrap().success());
 }

@@ -7,10 +7,7 @@ use serde_json::Value;
 const RULE: [&str; 4] = ["--interval", "0.25", "--leak-window", "4"];
 
 fn stack<'a>(report: &'a Value, function: &str) -> Option<&'a Value> {
-    report["stacks"]
-        .as_array()?
-        .iter()
-        .find(|s| s["frames"][s["site"].as_u64().unwrap() as usize]["function"] == function)
+    report["stacks"].as_array()?.iter().find(|s| s["frames"][0]["function"] == function)
 }
 
 fn candidate(report: &Value, function: &str) -> bool {

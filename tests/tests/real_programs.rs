@@ -13,7 +13,8 @@ use memprof_tests::{free_port, memprof_bin, released, wait_for};
 use serde_json::{json, Value};
 
 /// Debian's redis-server links Debian's libjemalloc2: under `memprof run` its per-key
-/// allocations are counted, one dict entry per key, with stacks down to `main`.
+/// allocations are counted, one dict entry per key, with stacks down to `main`. redis allocates
+/// through `zmalloc` and its kin: every stack starts at their caller, the site.
 #[test]
 fn redis_server_on_jemalloc_under_run() {
     const KEYS: usize = 5000;
@@ -61,10 +62,13 @@ fn redis_server_on_jemalloc_under_run() {
     let text = std::fs::read_to_string(&output).unwrap();
     std::fs::remove_file(&output).unwrap();
     let report: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    let functions = |stack: &Value| -> Vec<String> {
-        stack["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("").to_string()).collect()
-    };
     let stacks = report["stacks"].as_array().unwrap();
+    for stack in stacks {
+        let site = stack["frames"][0]["function"].as_str().unwrap_or("");
+        let wrapper = ["zmalloc", "zcalloc", "zrealloc", "ztry", "zstrdup"].iter().any(|w| site.starts_with(w));
+        assert!(!wrapper, "a stack starts at redis's wrapper {site}: {stack}");
+    }
+    let functions = unfolded;
     // The keyspace's entries: zmalloc in dictAddRaw called by dbAdd (other dicts, the command
     // table's, fill at start; the keyspace's own table grows from dictAddRaw too).
     let entries: Vec<&Value> = stacks
@@ -76,6 +80,7 @@ fn redis_server_on_jemalloc_under_run() {
     });
     assert_eq!((bytes, count), (24 * KEYS as u64, KEYS as u64), "one 24-byte dict entry per key");
     for stack in entries {
+        assert_eq!(stack["via"], json!(["zmalloc"]), "{stack}");
         assert!(functions(stack).iter().any(|f| f == "main"), "down to main: {:?}", functions(stack));
         // The program is named as it was run: /usr/bin/redis-server links to redis-check-rdb.
         let main = stack["frames"].as_array().unwrap().iter().find(|f| f["function"] == "main").unwrap();
@@ -171,16 +176,24 @@ fn redis_server_inspected_while_it_serves_runs_on_unharmed() {
     assert_eq!(server.0.wait().unwrap().code(), Some(0));
 }
 
-/// The `"reachability"` of the one stack whose innermost frames are `innermost`, which classes
-/// every byte it has in use.
+/// A stack's functions innermost first, the allocation wrappers folded into the allocator
+/// (`via`) included.
+fn unfolded(stack: &Value) -> Vec<String> {
+    let via = stack["via"].as_array().map(Vec::as_slice).unwrap_or_default().iter();
+    let frames = stack["frames"].as_array().unwrap().iter().map(|f| &f["function"]);
+    via.chain(frames).map(|name| name.as_str().unwrap_or("").to_string()).collect()
+}
+
+/// The `"reachability"` of the one stack whose innermost frames, wrappers included, are
+/// `innermost`, which classes every byte it has in use.
 fn reachability<'a>(report: &'a Value, innermost: &[&str]) -> &'a Value {
     let stacks: Vec<&Value> = report["stacks"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|s| {
-            let frames = s["frames"].as_array().unwrap();
-            frames.len() >= innermost.len() && frames.iter().zip(innermost).all(|(f, name)| f["function"] == *name)
+            let functions = unfolded(s);
+            functions.len() >= innermost.len() && functions.iter().zip(innermost).all(|(f, name)| f == name)
         })
         .collect();
     assert_eq!(stacks.len(), 1, "one stack from {innermost:?}");

@@ -280,6 +280,9 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     let report = embedded_report(&dom);
     assert_eq!(site(&report, GROW.0), (GROW.1, GROW.2));
 
+    // Sections with nothing to show leave nothing behind (no inspection here).
+    assert!(!dom.contains("</section>null") && !dom.contains(">null<"), "{dom}");
+    assert!(dom.contains("final report after "), "{dom}");
     // The name is text, not markup.
     assert!(dom.contains(&format!("<h1>memprof: pid {} (reports&lt;&amp;&gt;)</h1>", report["pid"])), "{dom}");
     let context = &report["context"];
@@ -311,6 +314,16 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     assert!(points >= 10, "2.4 s at 0.2 s intervals: {}", report["timeline"]);
     assert!(chart.contains(&format!("data-series=\"total\" data-points=\"{points}\"")), "{chart}");
     assert!(chart.contains(&format!("data-bytes=\"{IN_USE}\"")), "{chart}");
+    // The time axis ends at most a quarter past the last point.
+    let last_point = report["timeline"]["time_s"].as_array().unwrap().last().unwrap().as_f64().unwrap();
+    let axis_end = chart
+        .split(" s</text>")
+        .filter_map(|before| before.rsplit('>').next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max);
+    assert!(
+        axis_end >= last_point && axis_end <= 1.25 * last_point,
+        "axis to {axis_end} s, last point at {last_point} s"
+    );
     let grow = &report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == GROW.0).unwrap();
     let grow_id = grow["stack_id"].as_str().unwrap();
     assert!(chart.contains(&format!("data-series=\"{grow_id}\"")), "the leak has its line: {chart}");
@@ -507,6 +520,7 @@ fn the_daemon_serves_the_flame_graph_and_the_report() {
     let dom = dom(&format!("file://{}", served.display()));
     let _ = std::fs::remove_file(&served);
     assert!(dom.contains("<h1>memprof: pid"), "{dom}");
+    assert!(dom.contains("live report after "), "the process goes on: {dom}");
     assert!(row(section(&dom, "stacks"), "hold_site (daemon_target.c:").contains(">50,000<"), "{dom}");
 
     for path in ["/api/v1/flamegraph", "/report"] {

@@ -150,8 +150,8 @@ fn only_stack_at<'a>(report: &'a Value, site: &str) -> &'a Value {
     found[0]
 }
 
-/// The one stack with outstanding memory that passes through `function` (C++ and Rust: the
-/// allocating frames are operator new, STL or alloc code, then the fixture's function).
+/// The one stack with outstanding memory that passes through `function` (C++ and Rust: STL code
+/// may come first, operator new and Rust's alloc code folded into the allocator).
 fn only_stack_through<'a>(report: &'a Value, function_name: &str) -> &'a Value {
     let found: Vec<&Value> =
         stacks(report).iter().filter(|s| frames(s).iter().any(|f| matches(function(f), function_name))).collect();

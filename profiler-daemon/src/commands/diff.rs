@@ -1,8 +1,9 @@
 //! `memprof diff OLD NEW`: how memory in use grew per allocation site between two snapshots,
 //! each a JSON report (`--format json`, `memprof snapshot`) or a pprof profile memprof wrote.
 //!
-//! A site is a stack's frames from its `site` on (the allocator's wrappers left out), so the
-//! same code compares across runs, whose addresses differ; a stack without frames is its id.
+//! A site is a stack's frames, the allocation wrappers memprof knows folded into the allocator
+//! (as in reports; a report of an older memprof kept them), so the same code compares across
+//! runs, whose addresses differ; a stack without frames is its id.
 
 use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
@@ -12,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     cli::{DiffArgs, DiffFormat},
     format::{self, pprof, MAX_INPUT_BYTES},
-    heap::report::allocation_site,
+    heap::wrappers::Wrappers,
     process::memory,
     symbolize::Frame,
 };
@@ -75,7 +76,6 @@ struct JsonStack {
     stack_id: String,
     outstanding_bytes: u64,
     outstanding_allocations: u64,
-    site: usize,
     frames: Vec<Frame>,
 }
 
@@ -84,9 +84,10 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
     let bytes = read_capped(path)?;
     check_room(path, &bytes)?;
     let mut sites = Sites::new();
-    let mut add = |stack_id: String, frames: &[Frame], site: usize, bytes: u64, objects: u64| {
-        let frames = frames.get(site..).unwrap_or_default();
-        let key = site_key(frames, &stack_id);
+    let wrappers = Wrappers::default();
+    let mut add = |stack_id: String, frames: Vec<Frame>, bytes: u64, objects: u64| {
+        let (frames, _) = wrappers.fold(frames.into());
+        let key = site_key(&frames, &stack_id);
         let entry = sites.entry(key).or_insert_with(|| InUse { frames: frames.to_vec(), ..InUse::default() });
         entry.stack_ids.push(stack_id);
         entry.bytes += bytes;
@@ -98,7 +99,7 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
         let report: JsonReport =
             serde_json::from_slice(last).with_context(|| format!("{} is not a memprof JSON report", path.display()))?;
         for s in report.stacks {
-            add(s.stack_id, &s.frames, s.site, s.outstanding_bytes, s.outstanding_allocations);
+            add(s.stack_id, s.frames, s.outstanding_bytes, s.outstanding_allocations);
         }
     } else {
         let profile = pprof::read(&bytes)
@@ -108,8 +109,7 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
             bail!("{} has no inuse_space and inuse_objects samples: not a heap profile", path.display());
         };
         for s in profile.samples {
-            let site = allocation_site(&s.frames);
-            add(s.stack_id.unwrap_or_default(), &s.frames, site, s.values[bytes], s.values[objects]);
+            add(s.stack_id.unwrap_or_default(), s.frames, s.values[bytes], s.values[objects]);
         }
     }
     Ok(sites)

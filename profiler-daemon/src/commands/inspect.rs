@@ -27,7 +27,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
     let url = &args.daemon;
     let fix = format!("`memprof attach --pid {pid} --inspect --duration SECS` inspects it without a daemon");
     let daemon = Daemon::new(url, args.daemon_user.as_deref(), ANSWER_WAIT)?;
-    let body = match daemon.get(&format!("/api/v1/inspect?pid={pid}"))? {
+    let heuristics = args.inspect_heuristics;
+    let body = match daemon.get(&format!("/api/v1/inspect?pid={pid}&heuristics={heuristics}"))? {
         Reply::NoDaemon(why) => bail!("{why}, so none traces pid {pid}; {fix}"),
         Reply::Lost(why) => bail!("{why}; pid {pid} was not inspected"),
         Reply::Answer { status: 200, body } => body,

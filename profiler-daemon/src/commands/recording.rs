@@ -13,14 +13,14 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    io::Read as _,
+    io::Read,
     path::{Path, PathBuf},
 };
 
 use flate2::{read::DeflateDecoder, write::DeflateEncoder, Compression, Crc};
 use serde::{Deserialize, Serialize};
 
-use crate::{commands::output::ReportFile, heap::report::Report, symbolize::Frames};
+use crate::{commands::output::ReportFile, heap::report::Report, process::memory, symbolize::Frames};
 
 /// The file's first line: what it is, and the version of its records.
 const MAGIC: &[u8] = b"memprof recording 1\n";
@@ -40,6 +40,8 @@ pub enum RecordingError {
     Unreadable { path: PathBuf, detail: String },
     #[error("{path} holds no complete interval (the session ended before its first report); record for longer than one --interval")]
     NoInterval { path: PathBuf },
+    #[error("{path}: its records inflate to more than {} MiB, a quarter of the {room}; read it where more memory is free", budget >> 20)]
+    TooLarge { path: PathBuf, budget: u64, room: memory::Room },
 }
 
 /// What the session was asked for: how `memprof report` renders by default.
@@ -150,16 +152,22 @@ pub struct Recording {
 }
 
 impl Recording {
+    /// Reads the recording at `path`, its inflated records within a quarter of the memory
+    /// memprof may use: a small file can inflate to gigabytes.
     pub fn read(path: &Path) -> Result<Self, RecordingError> {
         let bytes = std::fs::read(path).map_err(|cause| RecordingError::Read { path: path.to_path_buf(), cause })?;
-        Self::parse(&bytes).map_err(|problem| match problem {
+        let room = memory::room();
+        let budget = room.bytes / 4;
+        Self::parse(&bytes, budget).map_err(|problem| match problem {
             Problem::NotARecording => RecordingError::NotARecording { path: path.to_path_buf() },
             Problem::Unreadable(detail) => RecordingError::Unreadable { path: path.to_path_buf(), detail },
             Problem::NoInterval => RecordingError::NoInterval { path: path.to_path_buf() },
+            Problem::OverBudget => RecordingError::TooLarge { path: path.to_path_buf(), budget, room },
         })
     }
 
-    fn parse(bytes: &[u8]) -> Result<Self, Problem> {
+    /// `budget`: the inflated bytes of all records together that may be read.
+    fn parse(bytes: &[u8], mut budget: u64) -> Result<Self, Problem> {
         let mut rest = bytes.strip_prefix(MAGIC).ok_or(Problem::NotARecording)?;
         let mut settings = None;
         let mut reports = Vec::new();
@@ -173,13 +181,20 @@ impl Recording {
                     break;
                 }
             };
-            let mut json = Vec::new();
-            DeflateDecoder::new(payload)
-                .take(u64::from(MAX_RECORD))
-                .read_to_end(&mut json)
-                .map_err(|err| Problem::Unreadable(format!("a record does not inflate: {err}")))?;
-            let record: Record = serde_json::from_slice(&json)
-                .map_err(|err| Problem::Unreadable(format!("a record is not one this memprof knows: {err}")))?;
+            // Parsed as it inflates: a record's JSON is never held whole.
+            let limit = budget.min(u64::from(MAX_RECORD));
+            let mut inflated = Capped { inner: DeflateDecoder::new(payload), left: limit, over: false };
+            let parsed = serde_json::from_reader(std::io::BufReader::new(&mut inflated));
+            if inflated.over {
+                return Err(if limit == budget {
+                    Problem::OverBudget
+                } else {
+                    Problem::Unreadable(format!("a record inflates to more than {} MiB", MAX_RECORD >> 20))
+                });
+            }
+            budget -= limit - inflated.left;
+            let record: Record =
+                parsed.map_err(|err| Problem::Unreadable(format!("a record is not one this memprof knows: {err}")))?;
             match record {
                 Record::Start { settings: start } => settings = Some(start),
                 Record::Report { mut report, new_stacks } => {
@@ -208,10 +223,35 @@ impl Recording {
     }
 }
 
+/// A reader that gives at most `left` bytes and fails, setting `over`, when there are more.
+struct Capped<R> {
+    inner: R,
+    left: u64,
+    over: bool,
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.left == 0 {
+            if self.inner.read(&mut [0])? > 0 {
+                self.over = true;
+                return Err(std::io::Error::other("more than memprof reads"));
+            }
+            return Ok(0);
+        }
+        let room = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let read = self.inner.read(&mut buf[..room])?;
+        self.left -= read as u64;
+        Ok(read)
+    }
+}
+
 enum Problem {
     NotARecording,
     Unreadable(String),
     NoInterval,
+    /// The records inflate to more than the budget.
+    OverBudget,
 }
 
 /// The next record's payload, checked; or why the file ends here.
@@ -265,7 +305,7 @@ mod tests {
         interval.is_final = false;
         let last = samples::report();
         let bytes = recording(&[interval.clone(), last.clone()]);
-        let read = Recording::parse(&bytes).ok().unwrap();
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
         assert_eq!(read.settings.top, 3);
         assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&interval), json(&last)]);
         assert!(read.ended_early.is_none());
@@ -279,7 +319,7 @@ mod tests {
         interval.is_final = false;
         let bytes = recording(&[interval.clone(), interval.clone(), samples::report()]);
         for cut in 0..bytes.len() {
-            match Recording::parse(&bytes[..cut]) {
+            match Recording::parse(&bytes[..cut], u64::MAX) {
                 Ok(read) => {
                     assert!(read.reports.len() < 3, "cut at {cut}");
                     assert!(read.ended_early.is_some(), "cut at {cut}");
@@ -287,6 +327,7 @@ mod tests {
                 }
                 Err(Problem::NotARecording | Problem::NoInterval) => {}
                 Err(Problem::Unreadable(why)) => panic!("cut at {cut}: {why}"),
+                Err(Problem::OverBudget) => panic!("cut at {cut}: over no budget"),
             }
         }
     }
@@ -298,9 +339,23 @@ mod tests {
         let mut bytes = recording(&[interval.clone(), samples::report()]);
         let last = bytes.len() - 3;
         bytes[last] ^= 0xff;
-        let read = Recording::parse(&bytes).ok().unwrap();
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
         assert_eq!(read.reports.len(), 1);
         assert!(read.ended_early.unwrap().contains("checksum"));
-        assert!(matches!(Recording::parse(b"{\"final\": true}"), Err(Problem::NotARecording)));
+        assert!(matches!(Recording::parse(b"{\"final\": true}", u64::MAX), Err(Problem::NotARecording)));
+    }
+
+    #[test]
+    fn records_that_inflate_past_the_budget_are_refused() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let bytes = recording(&[interval, samples::report()]);
+        let mut rest = &bytes[MAGIC.len()..];
+        let mut inflated = 0;
+        while let Ok(payload) = next_payload(&mut rest) {
+            inflated += std::io::copy(&mut DeflateDecoder::new(payload), &mut std::io::sink()).unwrap();
+        }
+        assert!(Recording::parse(&bytes, inflated).is_ok());
+        assert!(matches!(Recording::parse(&bytes, inflated - 1), Err(Problem::OverBudget)));
     }
 }

@@ -12,6 +12,7 @@ use crate::{
     heap::{
         leak::{StackTimeline, Timeline},
         report::Report,
+        wrappers::{WrapperArgs, Wrappers},
     },
     kernel::settings::DEFAULT_LOAD,
     process::memory,
@@ -26,7 +27,11 @@ const MAX_FRAMES: u64 = DEFAULT_LOAD.max_stacks as u64 * profiler_common::MAX_FR
 const FRAME_OVERHEAD: u64 = 96;
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
-    let recording = Recording::read(&args.recording)?;
+    let mut recording = Recording::read(&args.recording)?;
+    if !args.wrappers.is_empty() {
+        let wrappers = Wrappers::new(&WrapperArgs { wrappers: args.wrappers.clone(), no_auto_wrappers: true });
+        recording.reports.iter_mut().for_each(|report| report.fold_wrappers(&wrappers));
+    }
     let top = args.top.unwrap_or(recording.settings.top);
     let format = args.output.format();
     let mut output = ReportOutput::open(format, args.output.file.as_deref())?;

@@ -22,6 +22,7 @@ use crate::{
     heap::inspect::{self, Inspection},
     heap::report::{self, Report, Selection},
     heap::resident::{PinnedBudget, Resident},
+    heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
@@ -67,6 +68,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         glibc: allocator.is_glibc(),
         complete: false,
         precopy: args.inspect_precopy,
+        heuristics: args.inspect_heuristics,
     });
     let traced = trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
     Ok(traced.code.unwrap_or(0))
@@ -191,6 +193,7 @@ async fn trace_command(
         glibc: allocator.is_glibc(),
         complete,
         precopy: args.inspect_precopy,
+        heuristics: args.inspect_heuristics,
     });
     trace(loaded, symbolizer, root, exit, args, opened, inspect).await
 }
@@ -281,6 +284,7 @@ struct Tracer<'a> {
     /// The root process's inspection, for its final report.
     inspection: Option<Inspection>,
     pinned_budget: PinnedBudget,
+    wrappers: Wrappers,
 }
 
 impl Tracer<'_> {
@@ -292,6 +296,7 @@ impl Tracer<'_> {
             pid,
             start_ns: self.start_ns,
             known: None,
+            wrappers: &self.wrappers,
         }
     }
 
@@ -467,6 +472,7 @@ async fn trace(
         recording: recording.is_some(),
         inspection: None,
         pinned_budget: PinnedBudget::default(),
+        wrappers: Wrappers::new(&args.wrappers),
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {

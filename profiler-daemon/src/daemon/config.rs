@@ -10,6 +10,7 @@ use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, Sampling},
+    heap::wrappers::Wrappers,
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
@@ -49,6 +50,8 @@ struct File {
     max_unwind_rows: Option<u32>,
     mappings: Option<bool>,
     full_free_stacks: Option<bool>,
+    wrappers: Option<Vec<String>>,
+    auto_wrappers: Option<bool>,
     http: Option<server::SettingsFile>,
     access: Option<access::SettingsFile>,
 }
@@ -98,6 +101,8 @@ pub struct Config {
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
+    /// The allocation wrappers folded into the allocator in every report.
+    pub wrappers: Wrappers,
     pub http: server::Settings,
     /// Read at start, as `http`.
     pub access: access::Settings,
@@ -206,6 +211,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
         return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
+    let wrappers = Wrappers::merged(&args.wrappers, file.wrappers, file.auto_wrappers)
+        .map_err(|e| ConfigError::Value("wrappers", e))?;
     let http = server::Settings::new(file.http, args.web_config_file.clone())
         .map_err(|(name, e)| ConfigError::Value(name, e))?;
     let access =
@@ -221,6 +228,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         leak,
         sampling,
         maps,
+        wrappers,
         http,
         access,
     })
@@ -236,6 +244,7 @@ mod tests {
         tests::{flag_value, value_flags},
         Cli, Command,
     };
+    use crate::heap::wrappers::WrapperArgs;
 
     fn parse(toml_text: &str, args: DaemonArgs) -> Result<Config, ConfigError> {
         let file =
@@ -316,6 +325,22 @@ mod tests {
     }
 
     #[test]
+    fn wrappers_come_from_the_file_unless_flags_name_some() {
+        let text = "all = true\nwrappers = [\"my_alloc\"]\nauto_wrappers = false\n";
+        let only = |names: &[&str]| {
+            let wrappers = names.iter().map(|n| n.to_string()).collect();
+            Wrappers::new(&WrapperArgs { wrappers, no_auto_wrappers: true })
+        };
+        assert_eq!(parse(text, DaemonArgs::default()).unwrap().wrappers, only(&["my_alloc"]));
+        let flags = WrapperArgs { wrappers: vec!["pool_get".into()], no_auto_wrappers: false };
+        let args = DaemonArgs { wrappers: flags, ..DaemonArgs::default() };
+        assert_eq!(parse(text, args).unwrap().wrappers, only(&["pool_get"]), "auto_wrappers = false stands");
+        assert_eq!(parse("all = true", DaemonArgs::default()).unwrap().wrappers, Wrappers::default());
+        let err = parse("all = true\nwrappers = [\"\"]", DaemonArgs::default()).unwrap_err();
+        assert!(err.to_string().starts_with("invalid wrappers: `` is not a function name"), "{err}");
+    }
+
+    #[test]
     fn cgroups_match_themselves_and_below() {
         let args = DaemonArgs { cgroups: vec!["/system.slice/".into()], ..DaemonArgs::default() };
         let rules = parse("", args).unwrap().rules;
@@ -328,7 +353,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 21] = [
+    const KEYS: [&str; 23] = [
         "listen",
         "pids",
         "comms",
@@ -349,6 +374,8 @@ mod tests {
         "max_unwind_rows",
         "mappings",
         "full_free_stacks",
+        "wrappers",
+        "auto_wrappers",
         "nope",
     ];
 

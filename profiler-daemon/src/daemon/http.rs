@@ -196,13 +196,15 @@ async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     .await
 }
 
-/// `/api/v1/inspect?pid=N`: the report of a traced process with an inspection made now (README:
+/// `/api/v1/inspect?pid=N[&heuristics=SET]`: the report of a traced process with an inspection made now (README:
 /// Reachability), as `/api/v1/leaks` gives it. Made by the tracer thread, which owns the kernel's
 /// maps and stops the process; one at a time per process. Only for those `guard` lets through
 /// to every path, and not at all with `access.inspect = false`.
 async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
-    let pid = match query::pid(query.as_deref(), "/api/v1/inspect") {
-        Ok(pid) => pid,
+    let asked =
+        query::pid(query.as_deref(), "/api/v1/inspect").and_then(|pid| Ok((pid, query::heuristics(query.as_deref())?)));
+    let (pid, heuristics) = match asked {
+        Ok(asked) => asked,
         Err(err) => return error(StatusCode::BAD_REQUEST, &err.to_string()),
     };
     if !shared.inspect {
@@ -218,7 +220,7 @@ async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response
     };
     let (reply, answer) = tokio::sync::oneshot::channel();
     let stopped = || error(StatusCode::SERVICE_UNAVAILABLE, "memprof's tracer has stopped; see its log");
-    if shared.commands.send(Command::Inspect { pid, reply }).is_err() {
+    if shared.commands.send(Command::Inspect { pid, heuristics, reply }).is_err() {
         return stopped();
     }
     match answer.await {

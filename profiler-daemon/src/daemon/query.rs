@@ -1,6 +1,8 @@
 //! The query strings of the per-process endpoints (`/api/v1/leaks`, `/debug/pprof/*`,
-//! `/api/v1/flamegraph`, `/report`), parsed by hand so that any malformed query gets a 400 with
+//! `/api/v1/flamegraph`, `/report`, `/api/v1/inspect`), parsed by hand so that any malformed query gets a 400 with
 //! the JSON error body and a message that says what to send.
+
+use crate::heap::heuristics::Heuristics;
 
 /// Longest part of a bad value quoted back in an error.
 const QUOTED: usize = 40;
@@ -11,6 +13,8 @@ pub enum QueryError {
     MissingPid(String),
     #[error("pid `{0}` is not a process id: give a number from 1 to 4294967295")]
     BadPid(String),
+    #[error("heuristics `{0}`: {1}")]
+    BadHeuristics(String, String),
 }
 
 /// The `pid=N` of `query` (the first one, as Go's servers read repeated parameters).
@@ -25,6 +29,16 @@ pub fn pid(query: Option<&str>, path: &str) -> Result<u32, QueryError> {
         Ok(pid) if pid > 0 && value.bytes().all(|b| b.is_ascii_digit()) => Ok(pid),
         _ => Err(QueryError::BadPid(value.chars().take(QUOTED).collect())),
     }
+}
+
+/// The `heuristics=SET` of `query` (memcheck's leak-check heuristics, `all` when absent).
+pub fn heuristics(query: Option<&str>) -> Result<Heuristics, QueryError> {
+    let Some(value) = query.unwrap_or_default().split('&').find_map(|pair| pair.strip_prefix("heuristics=")) else {
+        return Ok(Heuristics::ALL);
+    };
+    // Commas as they come, or as a client encodes them.
+    let set = value.replace("%2C", ",").replace("%2c", ",");
+    set.parse().map_err(|why| QueryError::BadHeuristics(value.chars().take(QUOTED).collect(), why))
 }
 
 #[cfg(test)]
@@ -47,6 +61,15 @@ mod tests {
         }
         let long = format!("pid={}", "9".repeat(1000));
         assert_eq!(pid(Some(&long), "/p"), Err(QueryError::BadPid("9".repeat(QUOTED))));
+    }
+
+    #[test]
+    fn heuristics_and_their_errors() {
+        assert_eq!(heuristics(Some("pid=1")), Ok(Heuristics::ALL));
+        assert_eq!(heuristics(Some("pid=1&heuristics=none")), Ok(Heuristics::NONE));
+        assert_eq!(heuristics(Some("heuristics=newarray%2Cstdstring")).unwrap().to_string(), "stdstring,newarray");
+        let err = heuristics(Some("heuristics=cow")).unwrap_err().to_string();
+        assert!(err.starts_with("heuristics `cow`: no heuristic is called 'cow'"), "{err}");
     }
 
     /// What `pid` must answer, written the other way: the first `pid=` value, if all digits.

@@ -29,6 +29,7 @@ use super::{
 };
 use crate::{
     format,
+    heap::heuristics::Heuristics,
     heap::inspect,
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
@@ -70,6 +71,7 @@ pub enum Command {
     /// report, or why not.
     Inspect {
         pid: u32,
+        heuristics: Heuristics,
         reply: oneshot::Sender<Result<TargetView, InspectFailure>>,
     },
     Shutdown,
@@ -237,9 +239,9 @@ impl Tracer {
             ];
             match commands.wait(&rings, until.saturating_duration_since(Instant::now())) {
                 Woken::Command(Command::Reload(config)) => self.reload(*config),
-                Woken::Command(Command::Inspect { pid, reply }) => {
+                Woken::Command(Command::Inspect { pid, heuristics, reply }) => {
                     // Nobody waits for the answer any more when the client has gone.
-                    let _ = reply.send(self.inspect(pid));
+                    let _ = reply.send(self.inspect(pid, heuristics));
                 }
                 Woken::Command(Command::Shutdown) | Woken::Disconnected => break,
                 Woken::Other => {}
@@ -602,6 +604,7 @@ impl Tracer {
             pid: target.id.pid,
             start_ns: target.start_ns,
             known: Some(&target.known_stacks),
+            wrappers: &self.config.wrappers,
         }
     }
 
@@ -744,14 +747,15 @@ impl Tracer {
 
     /// `pid`'s view with an inspection made now: the process is held still meanwhile, and this
     /// thread busy (milliseconds to seconds with the heap's size; `/metrics` reads the last view).
-    fn inspect(&mut self, pid: u32) -> Result<TargetView, InspectFailure> {
+    fn inspect(&mut self, pid: u32, heuristics: Heuristics) -> Result<TargetView, InspectFailure> {
         if !self.targets.contains_key(&pid) {
             return Err(InspectFailure::NotTraced(pid));
         }
         let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
         let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
         // The daemon did not see the allocations made before it attached.
-        let settings = inspect::Settings { glibc, complete: false, precopy: crate::heap::capture::Precopy::default() };
+        let settings =
+            inspect::Settings { glibc, complete: false, precopy: crate::heap::capture::Precopy::default(), heuristics };
         let inspection = inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(failed)?;
         info!(pid, pause_ms = inspection.pause_ms, "inspected");
         self.symbolizer.refresh(pid);
@@ -778,6 +782,7 @@ impl Tracer {
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
         let mut report = report::build(&ctx, &snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
+        report.live = true;
         // This interval's reading (`Resident::read_all`): /proc is read once a target an interval.
         report.memory = target.resident.last();
         report.blind_spots =

@@ -57,7 +57,7 @@ const LEAK: Color = Color { r: 0xd6, g: 0x27, b: 0x28 };
 fn leak_sites(report: &Report) -> PaletteMap {
     let mut palette = PaletteMap::default();
     for stack in report.stacks.iter().filter(|s| s.leak.candidate) {
-        if let Some(site) = stack.frames.get(stack.site) {
+        if let Some(site) = stack.frames.first() {
             palette.insert(folded::frame_name(&site.function), LEAK);
         }
     }

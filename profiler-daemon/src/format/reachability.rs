@@ -9,8 +9,8 @@ use crate::heap::{
     types::TypeCount,
 };
 
-/// `definitely lost 64 B in 1 (retaining 224 B), reachable 80 B in 1`:
-/// the classes a stack has blocks in.
+/// `definitely lost 64 B in 1 (retaining 224 B), reachable 80 B in 1 (of which via heuristic
+/// newarray 56 B in 1)`: the classes a stack has blocks in.
 pub fn classes(r: &Reachability) -> String {
     let mut parts = Vec::new();
     if r.definitely_lost_blocks > 0 {
@@ -30,7 +30,19 @@ pub fn classes(r: &Reachability) -> String {
             parts.push(format!("{name} {} in {blocks}", super::table::bytes(bytes)));
         }
     }
-    parts.join(", ")
+    let via: Vec<String> = r
+        .reachable_via_heuristic
+        .each()
+        .iter()
+        .filter(|(_, _, blocks)| *blocks > 0)
+        .map(|(heuristic, bytes, blocks)| format!("{} {} in {blocks}", heuristic.name(), super::table::bytes(*bytes)))
+        .collect();
+    let classes = parts.join(", ");
+    if via.is_empty() {
+        classes
+    } else {
+        format!("{classes} (of which via heuristic {})", via.join(", "))
+    }
 }
 
 /// `ns::Widget 80 B in 2, Circle 48 B in 3`.
@@ -64,7 +76,30 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
         super::table::bytes(inspection.heap_bytes_not_classified),
         if inspection.unclassified_heap_scanned { " (scanned as roots)" } else { "" },
     );
-    let _ = writeln!(out, "  all blocks: {}", classes(&inspection.totals));
+    let all = classes(&inspection.totals);
+    let _ = writeln!(
+        out,
+        "  all blocks: {}; heuristics: {}",
+        if all.is_empty() { "none tracked" } else { &all },
+        inspection.heuristics
+    );
+    match (inspection.untracked_blocks, inspection.untracked_bytes) {
+        (Some(blocks), Some(bytes)) if blocks > 0 => {
+            let _ = writeln!(
+                out,
+                "  not classified: {} in {blocks} blocks in use that memprof did not see made (before it attached, or not sampled)",
+                super::table::bytes(bytes)
+            );
+        }
+        (Some(_), Some(_)) => {}
+        _ if !inspection.unclassified_heap_scanned => {}
+        _ => {
+            let _ = writeln!(
+                out,
+                "  not classified: the blocks memprof did not see made (before it attached, or not sampled), not counted for this allocator"
+            );
+        }
+    }
     if !inspection.types.is_empty() {
         let _ = writeln!(out, "  C++ objects by type: {}", types(&inspection.types));
     }
@@ -73,6 +108,7 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::heap::inspect::ViaHeuristic;
 
     #[test]
     fn only_the_classes_with_blocks_are_named() {
@@ -85,5 +121,37 @@ mod tests {
             ..Reachability::default()
         };
         assert_eq!(classes(&r), "definitely lost 64 B in 1 (retaining 224 B), reachable 2.0 KiB in 2");
+    }
+
+    #[test]
+    fn blocks_made_before_tracing_are_counted_not_read_as_no_problem() {
+        let inspection = Inspection {
+            untracked_blocks: Some(9),
+            untracked_bytes: Some(209_328),
+            unclassified_heap_scanned: true,
+            heuristics: "all".into(),
+            ..Inspection::default()
+        };
+        let mut out = String::new();
+        summary(&mut out, &inspection);
+        let lines: Vec<&str> = out.lines().skip(1).collect();
+        assert_eq!(
+            lines,
+            [
+                "  all blocks: none tracked; heuristics: all",
+                "  not classified: 204.4 KiB in 9 blocks in use that memprof did not see made (before it attached, or not sampled)"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_heuristics_that_held_blocks_are_named() {
+        let r = Reachability {
+            reachable_bytes: 96,
+            reachable_blocks: 2,
+            reachable_via_heuristic: ViaHeuristic { newarray_bytes: 56, newarray_blocks: 1, ..ViaHeuristic::default() },
+            ..Reachability::default()
+        };
+        assert_eq!(classes(&r), "reachable 96 B in 2 (of which via heuristic newarray 56 B in 1)");
     }
 }

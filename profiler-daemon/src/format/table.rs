@@ -120,6 +120,7 @@ fn section(report: &Report) -> String {
             leak
         );
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
+        write_via(&mut out, lead.len(), &stack.via);
         if let Some(warming_up) = stack.leak.warming_up {
             let _ = writeln!(out, "{}[leak rule {warming_up}]", " ".repeat(lead.len()));
         } else if stack.leak.candidate {
@@ -180,6 +181,7 @@ fn section(report: &Report) -> String {
         ] {
             let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
             write_frames(&mut out, &lead, &site.frames, site.truncated);
+            write_via(&mut out, lead.len(), &site.via);
         }
     }
     out
@@ -223,6 +225,15 @@ fn write_frames(out: &mut String, lead: &str, frames: &[Frame], truncated: bool)
     }
 }
 
+/// The allocation wrappers folded away from a stack, the caller's first:
+/// `[via zmalloc > ztrymalloc_usable]`.
+fn write_via(out: &mut String, indent: usize, via: &[String]) {
+    if !via.is_empty() {
+        let chain: Vec<&str> = via.iter().rev().map(String::as_str).collect();
+        let _ = writeln!(out, "{}[via {}]", " ".repeat(indent), printable(&chain.join(" > ")));
+    }
+}
+
 /// `function (file:line) [module]`, safe to print (`diff` reads frames from any file).
 pub fn describe(frame: &Frame) -> String {
     let module = frame.module.rsplit('/').next().unwrap_or(&frame.module);
@@ -246,7 +257,7 @@ const SITES_LISTED: usize = 5;
 
 /// The allocation site of a stack's frames, for one-line mentions.
 fn site_of(frames: &[Frame]) -> String {
-    frames.get(crate::heap::report::allocation_site(frames)).map_or_else(|| "[no stack]".to_string(), describe)
+    frames.first().map_or_else(|| "[no stack]".to_string(), describe)
 }
 
 /// `part` as a percentage of `whole` (0 for none).

@@ -49,7 +49,7 @@ fn fold(stacks: Vec<StackReport>, depth: usize) -> Vec<StackReport> {
     for mut stack in stacks {
         if stack.frames.len() > depth {
             stack.frames = stack.frames[stack.frames.len() - depth..].into();
-            stack.site = 0;
+            stack.via.clear();
         }
         match folded.iter_mut().find(|s| same_frames(s, &stack)) {
             Some(into) => merge(into, stack),

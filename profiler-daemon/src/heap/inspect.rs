@@ -2,7 +2,8 @@
 //! would say, without a restart. The process is held still only while its tracked blocks are
 //! listed and its memory copied (`capture`); its roots (every thread's registers and stack,
 //! every writable mapping that holds no heap block: data, bss, TLS) are then scanned and the
-//! blocks marked from them (`reachability`) on the copy, the process running on.
+//! blocks marked from them (`reachability`) on the copy, the process running on. The blocks in
+//! use that memprof did not see made are counted apart (`untracked`): nothing can class them.
 
 use std::{collections::HashMap, time::Instant};
 
@@ -12,11 +13,17 @@ use serde::{Deserialize, Serialize};
 use crate::{
     heap::{
         capture::{self, Capture, Method, Precopy, Stages},
+        heuristics::{Heuristic, Heuristics, Words},
         reachability::{Class, Marker, Memory},
         types::{self, TypeCount},
+        untracked,
     },
     kernel::live::LiveBlock,
-    process::{image::Image, procfs::Region, vtables},
+    process::{
+        image::Image,
+        procfs::Region,
+        vtables::{self, Lookalike},
+    },
 };
 
 /// x86-64's red zone: a leaf function keeps data up to 128 bytes below the stack pointer, and
@@ -36,10 +43,66 @@ pub struct Reachability {
     pub reachable_blocks: u64,
     /// What freeing the definitely lost blocks would free: theirs and the blocks only they reach.
     pub retained_bytes: u64,
+    /// Of these blocks, those held only through a pointer into their interior that a heuristic
+    /// took for one to their start (memcheck's "reachable via heuristic").
+    #[serde(default, skip_serializing_if = "ViaHeuristic::is_empty")]
+    pub reachable_via_heuristic: ViaHeuristic,
+}
+
+/// Bytes and blocks per heuristic (JSON `"reachable_via_heuristic"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViaHeuristic {
+    pub stdstring_bytes: u64,
+    pub stdstring_blocks: u64,
+    pub length64_bytes: u64,
+    pub length64_blocks: u64,
+    pub newarray_bytes: u64,
+    pub newarray_blocks: u64,
+    pub multipleinheritance_bytes: u64,
+    pub multipleinheritance_blocks: u64,
+}
+
+impl ViaHeuristic {
+    fn is_empty(&self) -> bool {
+        *self == ViaHeuristic::default()
+    }
+
+    /// Each heuristic's bytes and blocks, in memcheck's order.
+    pub fn each(&self) -> [(Heuristic, u64, u64); 4] {
+        [
+            (Heuristic::StdString, self.stdstring_bytes, self.stdstring_blocks),
+            (Heuristic::Length64, self.length64_bytes, self.length64_blocks),
+            (Heuristic::NewArray, self.newarray_bytes, self.newarray_blocks),
+            (Heuristic::MultipleInheritance, self.multipleinheritance_bytes, self.multipleinheritance_blocks),
+        ]
+    }
+
+    fn count(&mut self, heuristic: Heuristic, bytes: u64, blocks: u64) {
+        let (b, n) = match heuristic {
+            Heuristic::StdString => (&mut self.stdstring_bytes, &mut self.stdstring_blocks),
+            Heuristic::Length64 => (&mut self.length64_bytes, &mut self.length64_blocks),
+            Heuristic::NewArray => (&mut self.newarray_bytes, &mut self.newarray_blocks),
+            Heuristic::MultipleInheritance => {
+                (&mut self.multipleinheritance_bytes, &mut self.multipleinheritance_blocks)
+            }
+        };
+        *b += bytes;
+        *n += blocks;
+    }
+
+    fn add(&mut self, other: &ViaHeuristic) {
+        for (heuristic, bytes, blocks) in other.each() {
+            self.count(heuristic, bytes, blocks);
+        }
+    }
 }
 
 impl Reachability {
-    fn count(&mut self, class: Class, size: u64, retained: u64) {
+    fn count(&mut self, class: Class, size: u64, retained: u64, heuristic: Option<Heuristic>) {
+        // memcheck counts a block's heuristic whatever its class came to be.
+        if let Some(heuristic) = heuristic {
+            self.reachable_via_heuristic.count(heuristic, size, 1);
+        }
         let (bytes, blocks) = match class {
             Class::Reachable => (&mut self.reachable_bytes, &mut self.reachable_blocks),
             Class::PossiblyLost => (&mut self.possibly_lost_bytes, &mut self.possibly_lost_blocks),
@@ -61,6 +124,7 @@ impl Reachability {
         self.reachable_bytes += other.reachable_bytes;
         self.reachable_blocks += other.reachable_blocks;
         self.retained_bytes += other.retained_bytes;
+        self.reachable_via_heuristic.add(&other.reachable_via_heuristic);
     }
 }
 
@@ -92,6 +156,15 @@ pub struct Inspection {
     /// Whether those bytes were scanned as roots: yes unless memprof saw every allocation of the
     /// process (`memprof run`, unsampled), since an unseen block may point to seen ones.
     pub unclassified_heap_scanned: bool,
+    /// The blocks in use among those bytes, by glibc's chunk headers: made before memprof
+    /// attached (or not sampled), not classified. None when the allocator is not glibc's.
+    #[serde(default)]
+    pub untracked_blocks: Option<u64>,
+    #[serde(default)]
+    pub untracked_bytes: Option<u64>,
+    /// The heuristics in use, as memcheck's `--leak-check-heuristics` takes them.
+    #[serde(default)]
+    pub heuristics: String,
     /// Every tracked block, by class.
     pub totals: Reachability,
     /// Every tracked C++ object, by type (see `types`).
@@ -113,6 +186,8 @@ pub struct Settings {
     pub complete: bool,
     /// When to copy its memory before the stop.
     pub precopy: Precopy,
+    /// memcheck's heuristics to use.
+    pub heuristics: Heuristics,
 }
 
 /// Stops `pid`, copies what it needs, lets it run on and classifies its tracked blocks.
@@ -120,7 +195,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     let Capture {
         blocks,
         regions,
-        mut image,
+        image,
         threads,
         method,
         live_read_in_pause,
@@ -137,9 +212,11 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         threads: threads.len(),
         bytes_unreadable: image.unreadable,
         unclassified_heap_scanned: !settings.complete,
+        heuristics: settings.heuristics.to_string(),
         ..Inspection::default()
     };
-    let mut marker = Marker::new(&blocks, settings.glibc);
+    let target = Target { image: &image, vtables: Lookalike::new(pid) };
+    let mut marker = Marker::new(&blocks, &target, settings.glibc, settings.heuristics);
     let (heap, roots): (Vec<&Region>, Vec<&Region>) =
         regions.iter().partition(|r| r.path == "[heap]" || holds_block(&blocks, r));
     for region in roots {
@@ -159,16 +236,21 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     for (registers, _) in &threads {
         marker.scan_registers(registers);
     }
-    let marking = marker.finish(&mut image);
-    let first_words = types::first_words(&mut image, &blocks);
+    let marking = marker.finish();
+    if settings.glibc {
+        let found = untracked::count(&target, &regions, &blocks);
+        (inspection.untracked_blocks, inspection.untracked_bytes) = (Some(found.blocks), Some(found.bytes));
+    }
+    let first_words = types::first_words(&target, &blocks);
     stages.mark_ms = marking_started.elapsed().as_secs_f64() * 1e3;
     inspection.stages = stages;
     tracing::debug!(pid, ?stages, "marked");
     inspection.block_bytes_scanned = marking.block_bytes_scanned;
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
-    for ((block, class), retained) in blocks.iter().zip(&marking.classes).zip(&marking.retained) {
-        inspection.totals.count(*class, block.size, *retained);
-        inspection.per_stack.entry(block.stack_id).or_default().count(*class, block.size, *retained);
+    for (at, block) in blocks.iter().enumerate() {
+        let (class, retained, heuristic) = (marking.classes[at], marking.retained[at], marking.heuristics[at]);
+        inspection.totals.count(class, block.size, retained, heuristic);
+        inspection.per_stack.entry(block.stack_id).or_default().count(class, block.size, retained, heuristic);
     }
     // After the release: reading the process's files takes no part in the pause.
     let names = vtables::types(pid, &first_words);
@@ -198,17 +280,34 @@ fn gaps(blocks: &[LiveBlock], region: &Region) -> Vec<(u64, u64)> {
     gaps
 }
 
-fn scan_range(image: &Image, marker: &mut Marker, start: u64, end: u64, inspection: &mut Inspection) {
+fn scan_range(image: &Image, marker: &mut Marker<Target>, start: u64, end: u64, inspection: &mut Inspection) {
     let copy = image.from(start);
     let bytes = &copy[..copy.len().min((end - start) as usize)];
     marker.scan_root(start, bytes);
     inspection.root_bytes_scanned += bytes.len() as u64;
 }
 
-/// The blocks' bytes are read from the copy.
-impl Memory for Image {
-    fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
-        let copy = self.from(addr);
+/// The process as the marking reads it: its blocks' bytes from the copy, vtables from the
+/// process itself.
+struct Target<'a> {
+    image: &'a Image,
+    vtables: Lookalike,
+}
+
+impl Words for Target<'_> {
+    fn word(&self, addr: u64) -> Option<u64> {
+        let bytes = self.image.from(addr).get(..8)?;
+        Some(u64::from_ne_bytes(bytes.try_into().expect("8 bytes")))
+    }
+
+    fn is_vtable(&self, addr: u64) -> bool {
+        self.vtables.is_vtable(addr)
+    }
+}
+
+impl Memory for Target<'_> {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> usize {
+        let copy = self.image.from(addr);
         let n = copy.len().min(buf.len());
         buf[..n].copy_from_slice(&copy[..n]);
         n

@@ -17,11 +17,12 @@ use crate::symbolize::{Frames, Module};
 #[derive(Debug, Clone)]
 pub struct Symbolized {
     pub frames: Frames,
+    /// The allocation wrappers folded away from `frames` (see `report::Stacks::symbolize`); none
+    /// in a stack as kept.
+    pub via: Vec<String>,
     /// Stable across runs and processes: see `report::stack_hash`.
     pub id: String,
     pub truncated: bool,
-    /// Index in `frames` of the code that asked for memory (`report::allocation_site`).
-    pub site: usize,
 }
 
 /// A process's stacks by kernel stack id: those asked for this interval, and the last's.

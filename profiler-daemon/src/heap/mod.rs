@@ -1,6 +1,7 @@
 //! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
 //! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability and C++
-//! types of a process held still (`inspect`, `types`). Imports `kernel`,
+//! types of a process held still (`inspect`, `types`), the allocation wrappers folded into the
+//! allocator (`wrappers`). Imports `kernel`,
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
@@ -9,6 +10,7 @@ pub mod capture;
 pub mod context;
 pub mod double_free;
 pub mod filter;
+pub mod heuristics;
 pub mod inspect;
 pub mod known_stacks;
 pub mod leak;
@@ -19,3 +21,5 @@ pub mod report;
 pub mod resident;
 pub mod sampling;
 pub mod types;
+pub mod untracked;
+pub mod wrappers;

@@ -2,7 +2,8 @@
 //! (`mc_leakcheck.c`), so that each block gets memcheck's class:
 //!
 //! - every aligned 8-byte word of the roots that points into a block marks it: a pointer to its
-//!   start makes it *reachable*, one into its interior only *possibly lost*; marked blocks are
+//!   start makes it *reachable*, one into its interior only *possibly lost*, unless one of the
+//!   heuristics in use takes it for a pointer to the start (`heuristics`); marked blocks are
 //!   scanned in turn, a reachable block's start pointers making reachable, a possibly lost
 //!   block's pointers only possibly lost;
 //! - the blocks left are lost. Taken in address order, each still unreached block leads a clique:
@@ -10,7 +11,13 @@
 //!   lost*, and a block led a clique before is absorbed with its clique. The leaders left are
 //!   *definitely lost*; each retains its own bytes and its clique's.
 
-use crate::{heap::block_index::BlockIndex, kernel::live::LiveBlock};
+use crate::{
+    heap::{
+        block_index::BlockIndex,
+        heuristics::{self, Heuristic, Heuristics, Words},
+    },
+    kernel::live::LiveBlock,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
@@ -21,8 +28,8 @@ pub enum Class {
 }
 
 /// Reads the target's memory: how many of `buf.len()` bytes at `addr` could be read.
-pub trait Memory {
-    fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize;
+pub trait Memory: Words {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> usize;
 }
 
 /// Each block's class, in the blocks' order.
@@ -31,6 +38,10 @@ pub struct Marking {
     pub classes: Vec<Class>,
     /// A definitely lost block's bytes with its clique's; 0 for the others.
     pub retained: Vec<u64>,
+    /// The heuristic that took a pointer into a block's interior for one to its start, as
+    /// memcheck keeps it: set by the last interior pointer met before the block was reachable,
+    /// cleared by a pointer to its start met after.
+    pub heuristics: Vec<Option<Heuristic>>,
     /// Bytes of blocks read (roots are counted by the caller).
     pub block_bytes_scanned: u64,
     /// Bytes of blocks that could not be read (unmapped meanwhile): scanned as zeros.
@@ -46,12 +57,15 @@ enum State {
 }
 
 /// The marking in progress.
-pub struct Marker<'a> {
+pub struct Marker<'a, M> {
     /// Sorted by address, not overlapping.
     blocks: &'a [LiveBlock],
+    memory: &'a M,
     index: BlockIndex,
     /// glibc's arenas point at chunk headers: see `is_chunk_header`.
     glibc: bool,
+    heuristics: Heuristics,
+    heuristic: Vec<Option<Heuristic>>,
     /// The lowest and highest address in a block.
     low: u64,
     high: u64,
@@ -67,13 +81,16 @@ pub struct Marker<'a> {
 /// Blocks are read this many bytes at a time.
 const READ_CHUNK: usize = 1 << 20;
 
-impl<'a> Marker<'a> {
-    pub fn new(blocks: &'a [LiveBlock], glibc: bool) -> Self {
+impl<'a, M: Memory> Marker<'a, M> {
+    pub fn new(blocks: &'a [LiveBlock], memory: &'a M, glibc: bool, heuristics: Heuristics) -> Self {
         debug_assert!(blocks.windows(2).all(|w| w[0].addr <= w[1].addr));
         Self {
             blocks,
+            memory,
             index: BlockIndex::new(blocks),
             glibc,
+            heuristics,
+            heuristic: vec![None; blocks.len()],
             low: blocks.first().map_or(u64::MAX, |b| b.addr),
             high: blocks.iter().map(|b| (b.addr + b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
             state: vec![State::Unreached; blocks.len()],
@@ -98,12 +115,24 @@ impl<'a> Marker<'a> {
     /// Marks from one root word, or from a word of a block whose own mark is `definite`.
     fn mark(&mut self, ptr: u64, definite: bool) {
         let Some(at) = self.find(ptr) else { return };
-        let state = &mut self.state[at];
-        if ptr == self.blocks[at].addr && definite && *state != State::Reachable {
-            *state = State::Reachable;
+        let start = ptr == self.blocks[at].addr;
+        if self.state[at] == State::Reachable {
+            if start {
+                self.heuristic[at] = None;
+            }
+            return;
+        }
+        let as_start = start || {
+            if !self.heuristics.is_empty() {
+                self.heuristic[at] = heuristics::accepting(self.heuristics, &self.blocks[at], ptr, self.memory);
+            }
+            self.heuristic[at].is_some()
+        };
+        if as_start && definite {
+            self.state[at] = State::Reachable;
             self.pending.push(at);
-        } else if *state == State::Unreached {
-            *state = State::Possible;
+        } else if self.state[at] == State::Unreached {
+            self.state[at] = State::Possible;
             self.pending.push(at);
         }
     }
@@ -124,7 +153,7 @@ impl<'a> Marker<'a> {
     }
 
     /// Scans the marked blocks until none is left; in clique `leader` when given.
-    fn drain(&mut self, leader: Option<usize>, memory: &mut impl Memory) {
+    fn drain(&mut self, leader: Option<usize>) {
         while let Some(at) = self.pending.pop() {
             let block = self.blocks[at];
             let definite = self.state[at] == State::Reachable;
@@ -133,7 +162,7 @@ impl<'a> Marker<'a> {
                 let len = (block.size - offset).min(READ_CHUNK as u64) as usize;
                 let mut buf = std::mem::take(&mut self.buf);
                 buf.resize(len, 0);
-                let read = memory.read(block.addr + offset, &mut buf);
+                let read = self.memory.read(block.addr + offset, &mut buf);
                 buf[read..].fill(0);
                 self.scanned += read as u64;
                 self.unreadable += (len - read) as u64;
@@ -159,12 +188,12 @@ impl<'a> Marker<'a> {
     }
 
     /// Forms the cliques of the blocks left and returns every block's class.
-    pub fn finish(mut self, memory: &mut impl Memory) -> Marking {
-        self.drain(None, memory);
+    pub fn finish(mut self) -> Marking {
+        self.drain(None);
         for leader in 0..self.blocks.len() {
             if self.state[leader] == State::Unreached {
                 self.pending.push(leader);
-                self.drain(Some(leader), memory);
+                self.drain(Some(leader));
             }
         }
         let classes: Vec<Class> = self
@@ -182,7 +211,13 @@ impl<'a> Marker<'a> {
             .zip(self.blocks.iter().zip(&self.indirect))
             .map(|(class, (block, indirect))| if *class == Class::DefinitelyLost { block.size + indirect } else { 0 })
             .collect();
-        Marking { classes, retained, block_bytes_scanned: self.scanned, block_bytes_unreadable: self.unreadable }
+        Marking {
+            classes,
+            retained,
+            heuristics: self.heuristic,
+            block_bytes_scanned: self.scanned,
+            block_bytes_unreadable: self.unreadable,
+        }
     }
 }
 
@@ -209,12 +244,21 @@ mod tests {
 
     use super::*;
 
-    /// Memory as a map of 8-byte words.
+    /// Memory as a map of 8-byte words, without vtables.
     #[derive(Default)]
-    struct Words(BTreeMap<u64, u64>);
+    struct Map(BTreeMap<u64, u64>);
 
-    impl Memory for Words {
-        fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+    impl Words for Map {
+        fn word(&self, addr: u64) -> Option<u64> {
+            Some(self.0.get(&addr).copied().unwrap_or(0))
+        }
+        fn is_vtable(&self, _: u64) -> bool {
+            false
+        }
+    }
+
+    impl Memory for Map {
+        fn read(&self, addr: u64, buf: &mut [u8]) -> usize {
             for (i, chunk) in buf.chunks_mut(8).enumerate() {
                 let word = self.0.get(&(addr + 8 * i as u64)).copied().unwrap_or(0);
                 chunk.copy_from_slice(&word.to_ne_bytes()[..chunk.len()]);
@@ -227,11 +271,15 @@ mod tests {
         LiveBlock { addr, size, stack_id: addr }
     }
 
-    fn classify(blocks: &[LiveBlock], memory: &mut Words, roots: &[u64]) -> Marking {
-        let mut marker = Marker::new(blocks, false);
+    fn classify(blocks: &[LiveBlock], memory: &Map, roots: &[u64]) -> Marking {
+        classify_with(blocks, memory, roots, Heuristics::NONE)
+    }
+
+    fn classify_with(blocks: &[LiveBlock], memory: &Map, roots: &[u64], heuristics: Heuristics) -> Marking {
+        let mut marker = Marker::new(blocks, memory, false, heuristics);
         let bytes: Vec<u8> = roots.iter().flat_map(|w| w.to_ne_bytes()).collect();
         marker.scan_root(0x10, &bytes);
-        marker.finish(memory)
+        marker.finish()
     }
 
     use Class::*;
@@ -240,8 +288,8 @@ mod tests {
     fn a_list_whose_head_is_lost_is_lost_through_its_head() {
         // Head at 0x3000, nodes at 0x1000 -> 0x2000: the nodes are led first, then absorbed.
         let blocks = [block(0x1000, 32), block(0x2000, 32), block(0x3000, 64)];
-        let mut memory = Words([(0x1000, 0x2000), (0x3000, 0x1000)].into());
-        let marking = classify(&blocks, &mut memory, &[]);
+        let memory = Map([(0x1000, 0x2000), (0x3000, 0x1000)].into());
+        let marking = classify(&blocks, &memory, &[]);
         assert_eq!(marking.classes, [IndirectlyLost, IndirectlyLost, DefinitelyLost]);
         assert_eq!(marking.retained, [0, 0, 128]);
     }
@@ -249,8 +297,8 @@ mod tests {
     #[test]
     fn a_cycle_nobody_points_to_is_led_by_its_lowest_block() {
         let blocks = [block(0x1000, 48), block(0x2000, 48)];
-        let mut memory = Words([(0x1000, 0x2000), (0x2000, 0x1000)].into());
-        let marking = classify(&blocks, &mut memory, &[]);
+        let memory = Map([(0x1000, 0x2000), (0x2000, 0x1000)].into());
+        let marking = classify(&blocks, &memory, &[]);
         assert_eq!(marking.classes, [DefinitelyLost, IndirectlyLost]);
         assert_eq!(marking.retained, [96, 0]);
     }
@@ -259,17 +307,17 @@ mod tests {
     fn interior_pointers_make_possibly_lost_and_what_they_reach_too() {
         // Root -> interior of A; A -> start of B; root -> start of C; C -> start of B upgrades B.
         let blocks = [block(0x1000, 64), block(0x2000, 16), block(0x3000, 16), block(0x4000, 16)];
-        let mut memory = Words([(0x1000, 0x2000), (0x3000, 0x4000)].into());
-        let marking = classify(&blocks, &mut memory, &[0x1028]);
+        let memory = Map([(0x1000, 0x2000), (0x3000, 0x4000)].into());
+        let marking = classify(&blocks, &memory, &[0x1028]);
         assert_eq!(marking.classes, [PossiblyLost, PossiblyLost, DefinitelyLost, IndirectlyLost]);
-        let marking = classify(&blocks, &mut memory, &[0x1028, 0x3000]);
+        let marking = classify(&blocks, &memory, &[0x1028, 0x3000]);
         assert_eq!(marking.classes, [PossiblyLost, PossiblyLost, Reachable, Reachable]);
     }
 
     #[test]
     fn one_past_the_end_is_no_pointer_but_a_zero_sized_blocks_start_is() {
         let blocks = [block(0x1000, 16), block(0x1010, 0)];
-        let marking = classify(&blocks, &mut Words::default(), &[0x1010]);
+        let marking = classify(&blocks, &Map::default(), &[0x1010]);
         assert_eq!(marking.classes, [DefinitelyLost, Reachable]);
     }
 
@@ -277,21 +325,43 @@ mod tests {
     fn glibcs_pointer_to_the_next_chunk_header_is_not_the_programs() {
         // malloc(24): a 32-byte chunk whose last 8 bytes are the next chunk's header.
         let blocks = [block(0x1010, 24)];
-        let mut marker = Marker::new(&blocks, true);
+        let memory = Map::default();
+        let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
         marker.scan_registers(&[0x1020]);
-        assert_eq!(marker.finish(&mut Words::default()).classes, [DefinitelyLost]);
-        let mut marker = Marker::new(&blocks, true);
+        assert_eq!(marker.finish().classes, [DefinitelyLost]);
+        let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
         marker.scan_registers(&[0x1018]);
-        assert_eq!(marker.finish(&mut Words::default()).classes, [PossiblyLost]);
+        assert_eq!(marker.finish().classes, [PossiblyLost]);
     }
 
     #[test]
     fn unaligned_words_are_not_pointers() {
         let blocks = [block(0x1000, 16)];
-        let mut marker = Marker::new(&blocks, false);
+        let memory = Map::default();
+        let mut marker = Marker::new(&blocks, &memory, false, Heuristics::NONE);
         let mut bytes = vec![0u8; 20];
         bytes[4..12].copy_from_slice(&0x1000u64.to_ne_bytes());
         marker.scan_root(0x100, &bytes);
-        assert_eq!(marker.finish(&mut Words::default()).classes, [DefinitelyLost]);
+        assert_eq!(marker.finish().classes, [DefinitelyLost]);
+    }
+
+    #[test]
+    fn a_pointer_a_heuristic_takes_is_one_to_the_start() {
+        // new T[3] of 16-byte T at 0x1000 (count first), held only past its count; from it a
+        // pointer to the start of 0x2000.
+        let blocks = [block(0x1000, 56), block(0x2000, 16)];
+        let memory = Map([(0x1000, 3), (0x1010, 0x2000)].into());
+        let marking = classify_with(&blocks, &memory, &[0x1008], Heuristics::ALL);
+        assert_eq!(marking.classes, [Reachable, Reachable]);
+        assert_eq!(marking.heuristics, [Some(Heuristic::NewArray), None]);
+        let marking = classify_with(&blocks, &memory, &[0x1008], Heuristics::NONE);
+        assert_eq!(marking.classes, [PossiblyLost, PossiblyLost]);
+        assert_eq!(marking.heuristics, [None, None]);
+        // A pointer to the start met as well clears the heuristic, as in memcheck.
+        let marking = classify_with(&blocks, &memory, &[0x1008, 0x1000], Heuristics::ALL);
+        assert_eq!(marking.heuristics, [None, None]);
+        // Lost blocks' cliques take interior pointers whatever the heuristics.
+        let marking = classify_with(&blocks, &Map([(0x2000, 0x1008)].into()), &[], Heuristics::ALL);
+        assert_eq!(marking.classes, [IndirectlyLost, DefinitelyLost]);
     }
 }

@@ -17,6 +17,7 @@ use crate::{
         pinned::Pinned,
         resident::Memory,
         types::{self, TypeCount},
+        wrappers::Wrappers,
     },
     kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
@@ -45,6 +46,10 @@ pub struct Report {
     /// A child that has exited: its report as it stood then.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
+    /// The daemon's view of a process it traces still: whole like a final report, but the
+    /// process goes on.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub live: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
@@ -208,9 +213,10 @@ pub struct StackReport {
     pub oldest_age_s: f64,
     /// The walk did not reach the thread's outermost frame (see `dropped` for why).
     pub truncated: bool,
-    /// Index in `frames` of the code that asked for memory: frames before it are allocator
-    /// wrappers such as C++'s `operator new` or Rust's `__rust_alloc`.
-    pub site: usize,
+    /// The allocation wrappers folded into the allocator (`heap::wrappers`), innermost first:
+    /// `frames` start at the code that called the first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub via: Vec<String>,
     pub leak: LeakVerdict,
     /// Its blocks by class, when the report's process was inspected (`--inspect`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -236,6 +242,9 @@ pub struct SiteReport {
     /// Seconds since tracing began.
     pub time_s: f64,
     pub truncated: bool,
+    /// As a stack's: the allocation wrappers folded away from `frames`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub via: Vec<String>,
     pub frames: Frames,
 }
 
@@ -250,6 +259,8 @@ pub struct Stacks<'a> {
     pub start_ns: u64,
     /// The process's stacks symbolized in earlier intervals (the daemon's), if kept.
     pub known: Option<&'a KnownStacks>,
+    /// Folded into the allocator at each stack's leaf end.
+    pub wrappers: &'a Wrappers,
 }
 
 impl Stacks<'_> {
@@ -257,15 +268,17 @@ impl Stacks<'_> {
         seconds(time_ns.saturating_sub(self.start_ns))
     }
 
-    /// Symbolizes a stored stack and hashes it; an allocation stack known already is not read
-    /// again.
+    /// Symbolizes a stored stack and hashes it, its wrappers folded (the hash is the whole
+    /// walk's); an allocation stack known already is not read again.
     fn symbolize(&self, table: StackTable, stack_id: u64) -> Symbolized {
-        match self.known {
+        let whole = match self.known {
             Some(known) if table == StackTable::Allocations => {
                 known.get_or(stack_id, || self.symbolize_stored(table, stack_id))
             }
             _ => self.symbolize_stored(table, stack_id),
-        }
+        };
+        let (frames, via) = self.wrappers.fold(whole.frames);
+        Symbolized { frames, via, ..whole }
     }
 
     fn symbolize_stored(&self, table: StackTable, stack_id: u64) -> Symbolized {
@@ -275,17 +288,22 @@ impl Stacks<'_> {
 
     fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
         if addresses.is_empty() {
-            return Symbolized { frames: Frames::default(), id: "none".to_string(), truncated, site: 0 };
+            return Symbolized { frames: Frames::default(), via: Vec::new(), id: "none".to_string(), truncated };
         }
         let resolved = self.symbolizer.symbolize(self.pid, addresses);
         let id = stack_hash(&resolved);
-        let frames: Frames = resolved.into_iter().flat_map(|r| r.frames).collect();
-        Symbolized { site: allocation_site(&frames), frames, id, truncated }
+        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), via: Vec::new(), id, truncated }
     }
 
     fn site_report(&self, table: StackTable, stack_id: u64, tid: u32, time_ns: u64) -> SiteReport {
         let stack = self.symbolize(table, stack_id);
-        SiteReport { tid, time_s: self.seconds_since_start(time_ns), truncated: stack.truncated, frames: stack.frames }
+        SiteReport {
+            tid,
+            time_s: self.seconds_since_start(time_ns),
+            truncated: stack.truncated,
+            via: stack.via,
+            frames: stack.frames,
+        }
     }
 
     /// A free's stack, or only its caller where the stack was not walked (marked truncated).
@@ -294,7 +312,13 @@ impl Stacks<'_> {
             return self.site_report(StackTable::Frees, site.stack_id, site.tid, site.time_ns);
         }
         let frames = self.symbolize_frames(vec![site.caller], true).frames;
-        SiteReport { tid: site.tid, time_s: self.seconds_since_start(site.time_ns), truncated: true, frames }
+        SiteReport {
+            tid: site.tid,
+            time_s: self.seconds_since_start(site.time_ns),
+            truncated: true,
+            via: Vec::new(),
+            frames,
+        }
     }
 
     /// The code mappings that hold `frames`.
@@ -417,7 +441,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                     .oldest_ns
                     .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t.max(ctx.stacks.start_ns)))),
                 truncated: symbolized.truncated,
-                site: symbolized.site,
+                via: symbolized.via,
                 leak: ctx.leaks.verdict(stack.stack_id),
                 reachability: None,
                 types: Vec::new(),
@@ -446,6 +470,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         parent: None,
         blind_spots: Vec::new(),
         exited: false,
+        live: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         totals,
@@ -584,6 +609,32 @@ fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> V
             frames,
         })
         .collect()
+}
+
+impl Report {
+    /// Folds `wrappers` into the allocator in a report made already (`memprof report
+    /// --wrapper`), its children's too: the same stacks, each site moved to the wrappers' caller.
+    pub fn fold_wrappers(&mut self, wrappers: &Wrappers) {
+        let fold = |frames: &mut Frames, via: &mut Vec<String>| {
+            let (kept, folded) = wrappers.fold(std::mem::take(frames));
+            *frames = kept;
+            // Folded before are the innermost.
+            via.extend(folded);
+        };
+        for stack in &mut self.stacks {
+            fold(&mut stack.frames, &mut stack.via);
+        }
+        for double_free in &mut self.double_frees {
+            fold(&mut double_free.alloc.frames, &mut double_free.alloc.via);
+        }
+        let peak = self.peak.stacks.iter_mut().map(|s| &mut s.frames);
+        for frames in peak.chain(self.temporary_stacks.iter_mut().map(|s| &mut s.frames)) {
+            fold(frames, &mut Vec::new());
+        }
+        for child in &mut self.children {
+            child.fold_wrappers(wrappers);
+        }
+    }
 }
 
 impl StackReport {
@@ -745,35 +796,8 @@ fn power_of_two_buckets(counts: &[u64]) -> Vec<Bucket> {
         .collect()
 }
 
-/// Functions that only pass a request on to malloc: the language runtimes' allocation entry
-/// points. A stack's site is the first frame that is none of them.
-const ALLOCATOR_WRAPPERS: [&str; 10] = [
-    "operator new",
-    "__rust_alloc",
-    "__rust_realloc",
-    "__rustc::__rust_",
-    "__rdl_alloc",
-    "__rdl_realloc",
-    "__rg_alloc",
-    // Rust's `alloc` crate: `Box::new`, `Vec`'s growth, `str::repeat`, ... (inlined at the site).
-    "alloc::",
-    "<alloc::",
-    "<std::alloc::System as core::alloc::global::GlobalAlloc>",
-];
-
-/// A global allocator's own functions (`<tikv_jemallocator::Jemalloc as GlobalAlloc>::alloc`,
-/// `<mimalloc::MiMalloc as GlobalAlloc>::realloc`) are wrappers too.
-fn is_allocator_wrapper(function: &str) -> bool {
-    ALLOCATOR_WRAPPERS.iter().any(|w| function.starts_with(w))
-        || (function.starts_with('<') && function.contains(" as core::alloc::global::GlobalAlloc>::"))
-}
-
 fn is_zero(n: &u64) -> bool {
     *n == 0
-}
-
-pub fn allocation_site(frames: &[Frame]) -> usize {
-    frames.iter().position(|f| !is_allocator_wrapper(&f.function)).unwrap_or(0)
 }
 
 fn seconds(ns: u64) -> f64 {
@@ -820,6 +844,7 @@ pub mod samples {
             parent: None,
             blind_spots: Vec::new(),
             exited: false,
+            live: false,
             duration_s: 1.5,
             sample_bytes: 0,
             totals: Totals::default(),
@@ -842,7 +867,7 @@ pub mod samples {
                 pinned_bytes: 0,
                 oldest_age_s: 0.5,
                 truncated: false,
-                site: 0,
+                via: Vec::new(),
                 leak: LeakVerdict::default(),
                 reachability: None,
                 types: Vec::new(),
@@ -870,15 +895,7 @@ pub mod samples {
 
 #[cfg(test)]
 mod tests {
-    use super::{samples::frame, *};
-
-    #[test]
-    fn the_site_is_the_first_frame_past_allocator_wrappers() {
-        let frames = [frame("operator new(unsigned long)", None, None), frame("open_session(int)", None, None)];
-        assert_eq!(allocation_site(&frames), 1);
-        assert_eq!(allocation_site(&frames[1..]), 0);
-        assert_eq!(allocation_site(&[]), 0);
-    }
+    use super::*;
 
     #[test]
     fn histogram_buckets_cover_powers_of_two() {

@@ -17,7 +17,7 @@ pub struct TypeCount {
 }
 
 /// Each block's first word (0 for a block shorter than a word, or unreadable).
-pub fn first_words(memory: &mut impl Memory, blocks: &[LiveBlock]) -> Vec<u64> {
+pub fn first_words(memory: &impl Memory, blocks: &[LiveBlock]) -> Vec<u64> {
     blocks
         .iter()
         .map(|block| {

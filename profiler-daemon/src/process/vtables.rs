@@ -2,15 +2,81 @@
 //! with a pointer into its class's vtable, the symbol `_ZTV<type>` ("vtable for T") of the file
 //! that defines the class (in `.data.rel.ro`, listed in `.symtab`, and in `.dynsym` when
 //! exported). Words are matched to those symbols by file offset, so no load bias is needed.
+//! memcheck's `multipleinheritance` heuristic knows no symbols: it takes for a vtable what
+//! looks like one in memory (`Lookalike`).
 
 use std::{
+    cell::RefCell,
     collections::{BTreeMap, BTreeSet, HashMap},
     io::Read as _,
 };
 
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
 
-use super::procfs::{self, FileMapping};
+use super::{
+    image::{self, Segment},
+    procfs::{self, FileMapping},
+};
+
+/// Words of a vtable memcheck looks at, at most.
+const LOOKALIKE_WORDS: u64 = 21;
+
+/// memcheck's test for a vtable (`aligned_ptr_above_page0_is_vtable_addr`): an address in a
+/// file mapping whose words, from it, hold two pointers into executable file mappings before any
+/// word that is neither zero nor such a pointer. Read from the process as it runs: the
+/// mappings of its files' code and read-only data do not change.
+pub struct Lookalike {
+    pid: u32,
+    mappings: Vec<FileMapping>,
+    known: RefCell<HashMap<u64, bool>>,
+}
+
+impl Lookalike {
+    pub fn new(pid: u32) -> Self {
+        Self { pid, mappings: procfs::file_mappings(pid).unwrap_or_default(), known: RefCell::default() }
+    }
+
+    fn mapping(&self, addr: u64) -> Option<&FileMapping> {
+        let at = self.mappings.partition_point(|m| m.start <= addr).checked_sub(1)?;
+        Some(&self.mappings[at]).filter(|m| addr < m.end)
+    }
+
+    pub fn is_vtable(&self, addr: u64) -> bool {
+        if let Some(&known) = self.known.borrow().get(&addr) {
+            return known;
+        }
+        let answer = self.looks_like_vtable(addr);
+        self.known.borrow_mut().insert(addr, answer);
+        answer
+    }
+
+    fn looks_like_vtable(&self, addr: u64) -> bool {
+        let Some(mapping) = self.mapping(addr) else { return false };
+        // memcheck's last word looked at starts 9 bytes before the mapping's end.
+        let last = (addr + 8 * (LOOKALIKE_WORDS - 1)).min(mapping.end.saturating_sub(9));
+        let Some(len) = (last + 8).checked_sub(addr).filter(|len| *len >= 8) else { return false };
+        let mut segment = [Segment { start: addr, bytes: vec![0; len as usize] }];
+        let (_, unreadable) = image::read_runs(self.pid, &mut segment, &[vec![(0, len as usize)]]);
+        if unreadable > 0 {
+            // A mapping without read permission: not one memcheck would read.
+            return false;
+        }
+        let mut functions = 0;
+        for word in segment[0].bytes.chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes"))) {
+            if word == 0 {
+                continue;
+            }
+            if !self.mapping(word).is_some_and(|m| m.executable) {
+                return false;
+            }
+            functions += 1;
+            if functions == 2 {
+                return true;
+            }
+        }
+        false
+    }
+}
 
 /// The type whose vtable each of `words` (addresses in `pid`) points into, for those that do.
 /// Only the files the words point into are read.

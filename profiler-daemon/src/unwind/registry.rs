@@ -52,6 +52,11 @@ pub struct Registry {
     files: HashMap<FileKey, FileTable>,
     /// Files each traced process maps, to release them when it goes.
     processes: HashMap<u32, HashSet<FileKey>>,
+    /// Files `memprof run`'s command is about to map (`preload`), held for it until a list of
+    /// its mappings has them all: its first list, read at its exec, has only the executable and
+    /// the dynamic linker, and releasing the C library's table there only to build it again a
+    /// moment later is work thrown away.
+    preloaded: HashMap<u32, HashSet<FileKey>>,
     /// Files whose table could not be loaded, with the rows it needed (0: not known), until it
     /// is: each is counted once in `not_loaded`, and one refused for want of room is not built
     /// again before that many rows are free.
@@ -121,6 +126,7 @@ impl Registry {
             space: RowSpace::new(capacity),
             files: HashMap::new(),
             processes: HashMap::new(),
+            preloaded: HashMap::new(),
             refused: HashMap::new(),
             not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
@@ -208,6 +214,13 @@ impl Registry {
             ebpf.map_mut("MAPPINGS_GENERATION").ok_or_else(|| anyhow::anyhow!("map MAPPINGS_GENERATION missing"))?,
         )?;
         generation.set(0, self.mapping_writes, 0)?;
+        if let Some(preloaded) = self.preloaded.get(&pid) {
+            if preloaded.is_subset(&used) {
+                self.preloaded.remove(&pid);
+            } else {
+                used.extend(preloaded.iter().cloned());
+            }
+        }
         let old = self.processes.insert(pid, used.clone()).unwrap_or_default();
         for key in used.difference(&old) {
             if let Some(file) = self.files.get_mut(key) {
@@ -246,8 +259,8 @@ impl Registry {
     }
 
     /// Builds the tables of the files `pid` is about to map (`memprof run`'s command before its
-    /// exec, from its dynamic loader's list) and counts them as its own until its first `sync`:
-    /// then only its mappings are left to read, in a moment, before much of it has run.
+    /// exec, from its dynamic loader's list) and holds them for it until it maps them all: then
+    /// only its mappings are left to read, in a moment, before much of it has run.
     pub fn preload(&mut self, pid: u32, paths: &[std::path::PathBuf]) {
         use std::os::unix::fs::MetadataExt as _;
         let mut keys = HashSet::new();
@@ -270,7 +283,8 @@ impl Registry {
                 }
             }
         }
-        self.processes.insert(pid, keys);
+        self.processes.insert(pid, keys.clone());
+        self.preloaded.insert(pid, keys);
         self.log_use();
     }
 
@@ -286,6 +300,7 @@ impl Registry {
             let _ = map.remove(&pid);
         }
         self.deferred.forget(pid);
+        self.preloaded.remove(&pid);
         for key in self.processes.remove(&pid).unwrap_or_default() {
             self.release(&key);
         }

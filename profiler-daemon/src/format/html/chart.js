@@ -16,8 +16,9 @@ function timelineSection(report) {
   const series = [{ name: 'whole process', color: '#1f77b4', first: 0, values: timeline.outstanding_bytes, id: 'total' }];
   timeline.stacks.forEach((stack, i) => {
     const known = report.stacks.find(s => s.stack_id === stack.stack_id);
+    const what = known && known.leak.candidate ? 'leak: ' : 'was a leak candidate: ';
     series.push({
-      name: 'leak: ' + (known ? siteText(known.frames[known.site]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
+      name: what + (known ? siteText(known.frames[0]) : 'stack ' + stack.stack_id + ' (no longer in use)'),
       color: SERIES_COLORS[i % SERIES_COLORS.length],
       first: stack.first,
       values: stack.outstanding_bytes,
@@ -33,7 +34,8 @@ function timelineSection(report) {
 // `peak`, when given, is marked: the process's high-water mark, which may fall between points.
 function chart(times, series, peak) {
   const { width, height, left, right, top, bottom } = CHART;
-  const maxTime = niceCeiling(Math.max(times[times.length - 1], peak ? peak.at_s : 0, 1e-3), [1, 2, 2.5, 5, 10]);
+  // Fine steps: the axis ends at most a quarter past the last point.
+  const maxTime = niceCeiling(Math.max(times[times.length - 1], peak ? peak.at_s : 0, 1e-3), [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]);
   const highest = series.reduce((most, s) => s.values.reduce((a, b) => Math.max(a, b), most), peak ? peak.bytes : 1);
   const maxBytes = byteCeiling(highest);
   const x = t => left + (t / maxTime) * (width - left - right);

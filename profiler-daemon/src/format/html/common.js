@@ -82,11 +82,12 @@ function frameText(frame) {
   return siteText(frame) + ' [' + basename(frame.module) + ']' + (frame.inlined ? ' [inlined]' : '');
 }
 
-// A stack's frames, innermost first, with the allocating site marked.
+// A stack's frames, innermost first, the allocating site marked, and the allocation wrappers
+// folded into the allocator, the caller's first, as the table format prints them.
 function stackList(stack) {
   if (stack.frames.length === 0) return el('p', { class: 'note' }, '[no stack: see dropped]');
-  const items = stack.frames.map((frame, i) =>
-    el('li', { class: i === stack.site ? 'site' : (i < stack.site ? 'wrapper' : undefined) }, frameText(frame)));
+  const items = stack.frames.map((frame, i) => el('li', { class: i === 0 ? 'site' : undefined }, frameText(frame)));
+  if (stack.via && stack.via.length > 0) items.push(el('li', { class: 'note' }, '[via ' + stack.via.slice().reverse().join(' > ') + ']'));
   if (stack.truncated) items.push(el('li', { class: 'note' }, '[truncated: see dropped]'));
   return el('ol', { class: 'frames' }, items);
 }
@@ -94,7 +95,7 @@ function stackList(stack) {
 // The stack's frames in a collapsed <details>, its summary naming the site.
 function stackDetails(stack, site) {
   return el('details', { class: 'stack' },
-    el('summary', {}, site ? siteText(stack.frames[stack.site]) : stack.frames.length + ' frames'),
+    el('summary', {}, site ? siteText(stack.frames[0]) : stack.frames.length + ' frames'),
     stackList(stack));
 }
 

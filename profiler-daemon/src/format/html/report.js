@@ -84,8 +84,11 @@ function leakSection(report) {
   if (candidates.length === 0) {
     // Before the rule has seen a window of intervals, no verdict is no acquittal.
     const warming = report.stacks.find(s => s.leak.warming_up);
+    const earlier = report.timeline ? report.timeline.stacks.length : 0;
     return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks', class: warming ? 'note' : undefined },
-      warming ? `No verdict yet: the leak rule is ${leakState(warming)}.` : 'No stack is a leak candidate.'));
+      warming ? `No verdict yet: the leak rule is ${leakState(warming)}.`
+        : earlier > 0 ? `No stack is a leak candidate now; ${grouped(earlier)} were earlier (their lines are in the timeline).`
+          : 'No stack is a leak candidate.'));
   }
   const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
     num(s.leak.score.toFixed(2), { class: 'num score' }),
@@ -139,7 +142,7 @@ function mappingSection(report) {
     num(grouped(s.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
     num(grouped(s.ranges)),
     el('td', {}, s.in_allocator ? 'allocator' : 'program'),
-    el('td', {}, stackDetails(Object.assign({ site: 0 }, s), true))));
+    el('td', {}, stackDetails(s, true))));
   return section('mappings', title,
     el('p', { class: 'note' },
       `${bytesText(m.outstanding_bytes)} mapped outside the allocator; ${bytesText(m.allocator_bytes)} by the allocator for its blocks, which the heap counts already.`),
@@ -183,7 +186,7 @@ function doubleFreeSection(report) {
   return section('double-frees', 'Double frees', report.double_frees.map(d => el('div', { class: 'double-free bad' },
     el('h3', {}, `${d.address} (${grouped(d.size)} bytes)`),
     [['allocated', d.alloc], ['freed', d.first_free], ['freed again', d.second_free]].map(([what, site]) =>
-      el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(Object.assign({ site: 0 }, site)))))));
+      el('div', {}, `${what} by thread ${site.tid} at ${seconds(site.time_s)}`, stackList(site))))));
 }
 
 // When, where and how the trace was made.
@@ -196,9 +199,10 @@ function context(report) {
 
 function render() {
   const report = JSON.parse(document.getElementById('report-data').textContent);
-  const kind = report.final ? 'final report' : 'report';
+  const kind = report.live ? 'live report' : report.final ? 'final report' : 'report';
   // What one opens a heap report for first: the leaks and the heap over time.
-  document.getElementById('app').replaceChildren(
+  // Sections with nothing to show are null: left out (replaceChildren would print them).
+  document.getElementById('app').replaceChildren(...[
     el('header', {},
       el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
       el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
@@ -215,7 +219,7 @@ function render() {
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
     histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
     threadSection(report),
-    doubleFreeSection(report));
+    doubleFreeSection(report)].filter(Boolean));
 }
 
 render();

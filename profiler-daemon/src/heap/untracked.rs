@@ -1,0 +1,237 @@
+//! The blocks in use that memprof did not see made (`--inspect`): those made before it attached
+//! (or not sampled) are in the heap but in no table of memprof's, so nothing can class them.
+//! glibc's malloc tells them from free memory in its chunk headers: a chunk's size is the word
+//! 8 bytes before its data, with bit 0 of the next chunk's size set while it is in use. Free
+//! chunks kept in the thread caches (tcache) and fast bins still read as in use; each has a
+//! mark, the tcache's key at its data's second word and, in a fast bin, a first word that is
+//! the next free chunk's header (or none) encoded with the chunk's own address (glibc's safe
+//! linking).
+//!
+//! Chunks are walked where glibc lays them out from a known first chunk: the main heap
+//! (`[heap]`, from its start), a thread's arena (from the arena's first chunk, its thread
+//! cache of 0x290 bytes) and blocks mapped one by one (`mmap`, from a mapping's start).
+
+use crate::{heap::reachability::Memory, kernel::live::LiveBlock, process::procfs::Region};
+
+/// Bytes and blocks in use that memprof did not see made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Untracked {
+    pub blocks: u64,
+    /// Their usable sizes (`malloc_usable_size`): what was asked, rounded up.
+    pub bytes: u64,
+}
+
+/// The size field of a thread cache's chunk (`tcache_perthread_struct`, 0x290 bytes), in use.
+const TCACHE_CHUNK: u64 = 0x291;
+/// glibc's thread arenas are reserved at addresses aligned to their largest size.
+const ARENA_ALIGN: u64 = 64 << 20;
+/// An arena's first chunk follows its header within this many bytes.
+const ARENA_HEADER_MAX: u64 = 4096;
+/// The largest chunk a fast bin holds.
+const FAST_MAX: u64 = 0x80;
+const IN_USE: u64 = 1;
+const MMAPPED: u64 = 2;
+/// Set in every size field of a thread arena's chunks.
+const NON_MAIN_ARENA: u64 = 4;
+
+/// The untracked blocks in use in glibc's heaps among `regions`; `blocks` sorted by address.
+pub fn count(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Untracked {
+    let mut walk = Walk { memory, blocks, key: None, found: Untracked::default() };
+    for region in regions.iter().filter(|r| r.writable && !r.shared) {
+        if region.path == "[heap]" {
+            walk.heap(region.start, region.end);
+        } else if region.path.is_empty() {
+            match walk.arena_start(region) {
+                Some(first) => walk.heap(first, region.end),
+                None => walk.mapped(region),
+            }
+        }
+    }
+    walk.found
+}
+
+struct Walk<'a, M> {
+    memory: &'a M,
+    blocks: &'a [LiveBlock],
+    /// The thread caches' key, from the first cached chunk met.
+    key: Option<u64>,
+    found: Untracked,
+}
+
+impl<M: Memory> Walk<'_, M> {
+    fn word(&self, addr: u64) -> Option<u64> {
+        self.memory.word(addr)
+    }
+
+    fn tracked(&self, data: u64) -> bool {
+        self.blocks.binary_search_by_key(&data, |b| b.addr).is_ok()
+    }
+
+    /// The first chunk of a thread arena at `region`'s start: its header points at the arena,
+    /// and the arena's first chunk is its first thread's cache.
+    fn arena_start(&self, region: &Region) -> Option<u64> {
+        let arena = self.word(region.start)?;
+        if !region.start.is_multiple_of(ARENA_ALIGN)
+            || !(region.start..region.start + ARENA_HEADER_MAX).contains(&arena)
+        {
+            return None;
+        }
+        (arena..(arena + ARENA_HEADER_MAX).min(region.end))
+            .step_by(8)
+            .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.is_tcache(chunk))
+    }
+
+    /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free.
+    fn heap(&mut self, first: u64, end: u64) {
+        let cache = self.is_tcache(first);
+        if cache {
+            self.learn_key(first + 16);
+        }
+        let mut chunk = first;
+        while let Some(size) = self.word(chunk + 8).map(|field| field & !7) {
+            let next = chunk + size;
+            if size < 32 || !size.is_multiple_of(16) || next + 16 > end {
+                return;
+            }
+            let in_use = self.word(next + 8).is_some_and(|field| field & IN_USE != 0);
+            let data = chunk + 16;
+            let allocators = chunk == first && cache;
+            if in_use && !allocators && !self.tracked(data) && !self.cached(data, size, first..end) {
+                self.found.blocks += 1;
+                self.found.bytes += size - 8;
+            }
+            chunk = next;
+        }
+    }
+
+    /// Whether `chunk` is a thread cache's, in use, in the main heap or a thread arena.
+    fn is_tcache(&self, chunk: u64) -> bool {
+        self.word(chunk + 8).is_some_and(|field| field & !NON_MAIN_ARENA == TCACHE_CHUNK)
+    }
+
+    /// Walks blocks mapped one by one, laid end to end from `region`'s start.
+    fn mapped(&mut self, region: &Region) {
+        let mut chunk = region.start;
+        while let (Some(0), Some(field)) = (self.word(chunk), self.word(chunk + 8)) {
+            let size = field & !7;
+            if field & MMAPPED == 0 || size == 0 || !size.is_multiple_of(4096) || chunk + size > region.end {
+                return;
+            }
+            if !self.tracked(chunk + 16) {
+                self.found.blocks += 1;
+                self.found.bytes += size - 16;
+            }
+            chunk += size;
+        }
+    }
+
+    /// The key from a thread cache (`tcache_perthread_struct` at `cache`): 64 counts of 2 bytes,
+    /// then the first cached chunk's data for each size; its second word is the key.
+    fn learn_key(&mut self, cache: u64) {
+        if self.key.is_some() {
+            return;
+        }
+        self.key = (0..64u64)
+            .filter_map(|bin| self.word(cache + 128 + 8 * bin))
+            .find(|&entry| entry != 0)
+            .and_then(|entry| self.word(entry + 8));
+    }
+
+    /// Whether the chunk whose data is at `data` is free, in a thread cache or a fast bin (whose
+    /// chunks are in `heap`).
+    fn cached(&self, data: u64, size: u64, heap: std::ops::Range<u64>) -> bool {
+        if self.key.is_some() && self.word(data + 8) == self.key {
+            return true;
+        }
+        // Safe linking: the next free chunk's header, or 0, XOR the chunk's page number.
+        size <= FAST_MAX
+            && self.word(data).is_some_and(|link| {
+                let next = link ^ (data >> 12);
+                next == 0
+                    || (next.is_multiple_of(16)
+                        && heap.contains(&next)
+                        && self.word(next + 8).is_some_and(|f| f & !7 == size))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::heap::heuristics::Words;
+
+    #[derive(Default)]
+    struct Map(BTreeMap<u64, u64>);
+
+    impl Words for Map {
+        fn word(&self, addr: u64) -> Option<u64> {
+            Some(self.0.get(&addr).copied().unwrap_or(0))
+        }
+        fn is_vtable(&self, _: u64) -> bool {
+            false
+        }
+    }
+
+    impl Memory for Map {
+        fn read(&self, _: u64, _: &mut [u8]) -> usize {
+            unreachable!("the walk reads words")
+        }
+    }
+
+    fn region(start: u64, end: u64, path: &str) -> Region {
+        Region { start, end, writable: true, shared: false, path: path.into() }
+    }
+
+    #[test]
+    fn chunks_in_use_and_not_tracked_are_counted() {
+        // [heap] at 0x10000: the thread cache (one cached chunk, at 0x10300), then chunks of
+        // 0x30 (tracked), 0x40 (untracked), 0x30 (cached), two of 0x20 (free, in a fast bin:
+        // 0x10350 then 0x10330), 0x50 (free: the next chunk's bit 0 is clear), 0x40 (untracked),
+        // then the top chunk.
+        let key = 0x5eed_5eed_5eed_5eed;
+        let mut words = BTreeMap::new();
+        let mut chunk = 0x10000;
+        for (size, prev_in_use) in
+            [(0x290, 1), (0x30, 1), (0x40, 1), (0x30, 1), (0x20, 1), (0x20, 1), (0x50, 1), (0x40, 0), (0x1000, 1)]
+        {
+            words.insert(chunk + 8, size | prev_in_use);
+            chunk += size;
+        }
+        words.insert(0x10010 + 128 + 8, 0x10310); // the cache's bin for 0x30: the chunk's data
+        words.insert(0x10318, key);
+        words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
+        words.insert(0x10360, 0x10330 ^ (0x10360 >> 12)); // its first, linked to the last
+        let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1 }];
+        let found = count(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
+        assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        // An untracked block's first word that, so decoded, is no chunk of its size: in use.
+        words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
+        let found = count(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks);
+        assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+    }
+
+    #[test]
+    fn a_thread_arena_is_walked_from_its_thread_cache() {
+        // At 64 MiB: the heap's header pointing at the arena 0x30 in, the thread cache at 0x8d0,
+        // then a chunk of 0x50 in use and the top chunk; every size field has NON_MAIN_ARENA.
+        let start = 0x7f00_0000_0000;
+        let mut words = BTreeMap::from([(start, start + 0x30)]);
+        let mut chunk = start + 0x8d0;
+        for size in [0x290, 0x50, 0x1000] {
+            words.insert(chunk + 8, size | NON_MAIN_ARENA | IN_USE);
+            chunk += size;
+        }
+        let found = count(&Map(words), &[region(start, chunk, "")], &[]);
+        assert_eq!(found, Untracked { blocks: 1, bytes: 0x48 });
+    }
+
+    #[test]
+    fn blocks_mapped_one_by_one_are_walked_from_the_mappings_start() {
+        let words = BTreeMap::from([(0x7000_0008, 0x21000 | MMAPPED), (0x7002_1008, 0x3000 | MMAPPED)]);
+        let blocks = [LiveBlock { addr: 0x7002_1010, size: 0x2000, stack_id: 1 }];
+        let found = count(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks);
+        assert_eq!(found, Untracked { blocks: 1, bytes: 0x21000 - 16 });
+    }
+}
