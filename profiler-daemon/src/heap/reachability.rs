@@ -239,14 +239,14 @@ fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
 
-    /// Memory as a map of 8-byte words, without vtables.
+    /// Memory as a map of 8-byte words (0 where none is given), without vtables.
     #[derive(Default)]
-    struct Map(BTreeMap<u64, u64>);
+    pub(crate) struct Map(pub(crate) BTreeMap<u64, u64>);
 
     impl Words for Map {
         fn word(&self, addr: u64) -> Option<u64> {

@@ -160,25 +160,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::heap::heuristics::Words;
-
-    #[derive(Default)]
-    struct Map(BTreeMap<u64, u64>);
-
-    impl Words for Map {
-        fn word(&self, addr: u64) -> Option<u64> {
-            Some(self.0.get(&addr).copied().unwrap_or(0))
-        }
-        fn is_vtable(&self, _: u64) -> bool {
-            false
-        }
-    }
-
-    impl Memory for Map {
-        fn read(&self, _: u64, _: &mut [u8]) -> usize {
-            unreachable!("the walk reads words")
-        }
-    }
+    use crate::heap::reachability::tests::Map;
 
     fn region(start: u64, end: u64, path: &str) -> Region {
         Region { start, end, writable: true, shared: false, path: path.into() }
