@@ -341,24 +341,19 @@ const EEXIST: i32 = 17;
 /// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
 /// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
 /// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
-/// pointer, so that calls reaching the frame from different depths stay apart, and a return
-/// address, so that two call sites at one depth do too: at an entry probe that stored no frame
-/// yet (a free in a library not read yet) or a mapping's walk that stored only the system call's
-/// wrapper (before the process's mappings are read), the word at the stack pointer; else the
-/// first words above it that calls pushed (see `caller_above`): two callers of `operator new`
-/// reached it at one depth through the same frames. None when the event cannot be sent (the
-/// ring is full): the stack is then kept cut, counted as `deferred_walk_lost`.
+/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
+/// probe that stored no frame yet (a free in a library not read yet) or a mapping's walk that
+/// stored only the system call's wrapper (before the process's mappings are read), the return
+/// address at the stack pointer, so that two call sites at one depth do too. None when
+/// the event cannot be sent (the ring is full): the stack is then kept cut, counted as
+/// `deferred_walk_lost`.
 ///
 /// Only walks that would have been cut come here: the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.
     let first_frame_only = (walk.len == 0 && walk.pc_is_return == 0) || (!counts_cuts && walk.len <= 1);
-    let caller = if first_frame_only {
-        unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0)
-    } else {
-        caller_above(&mut scratch.window, walk.sp)
-    };
+    let caller = if first_frame_only { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
     let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
     let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
@@ -432,46 +427,6 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
             Some(NO_STACK)
         }
     }
-}
-
-/// Words above the stack pointer searched for return addresses: past a few small frames' saved
-/// registers and locals.
-const CALLER_WORDS: u64 = 32;
-/// Return addresses hashed: through a chain of wrappers (zmalloc over ztrymalloc_usable), the
-/// first ones are the same for every caller.
-const CALLERS: u32 = 3;
-
-/// A hash of the first `CALLERS` words above `sp` that a call instruction pushed (the code before
-/// each is a call), 0 when none is: the return addresses of the frames above the one the walk
-/// stopped in.
-fn caller_above(window: &mut Window, sp: u64) -> u64 {
-    let (mut hash, mut found) = (0u64, 0);
-    for word in 0..CALLER_WORDS {
-        let Some(value) = window.read(sp + 8 * word) else { break };
-        if follows_call(value) {
-            hash = hash.rotate_left(17) ^ value;
-            found += 1;
-            if found == CALLERS {
-                break;
-            }
-        }
-    }
-    hash
-}
-
-/// Whether the code just before `address` is a call: `call rel32` (E8), or a call through a
-/// register or memory (FF /2) in its 2-, 3- and 6-byte forms.
-fn follows_call(address: u64) -> bool {
-    // SAFETY: a read of user memory through the helper, which fails on an unmapped address.
-    let Ok(code) = (unsafe { bpf_probe_read_user(address.wrapping_sub(8) as *const [u8; 8]) }) else {
-        return false;
-    };
-    let call_ff = |opcode: u8, modrm: u8, mode: u8| opcode == 0xff && modrm & 0x38 == 0x10 && modrm >> 6 == mode;
-    code[3] == 0xe8
-        || call_ff(code[6], code[7], 3)
-        || call_ff(code[5], code[6], 1)
-        || call_ff(code[2], code[3], 2)
-        || (code[2] == 0xff && code[3] == 0x15)
 }
 
 /// Writes back, in a deferred walk's copy of the stack (`copied` bytes from `window_start`), the
