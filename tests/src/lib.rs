@@ -573,13 +573,23 @@ pub fn start_heapbench(mib: u64) -> Child {
     target
 }
 
-/// Compiles `source` with `compiler` and `flags` into `target/fixtures/NAME`.
+/// Compiles `source` with `compiler` and `flags` into `target/fixtures/NAME`, unless it was built
+/// so already and no fixture source changed since: built again, it would be renamed over the file
+/// a test running beside this one executes (whose exe then reads "(deleted)", and whose probes,
+/// placed by path, would land on the new file).
 fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = workspace().join("target/fixtures");
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");
+    // Several test binaries compile at once: one at a time, across processes too.
+    let lock = std::fs::File::create(dir.join(".lock")).expect("creating target/fixtures/.lock");
+    lock.lock().expect("locking target/fixtures");
     let out = dir.join(name);
-    // Several test binaries compile at once: build under a private name, then rename into place.
+    let stamp = dir.join(format!(".{name}.command"));
+    let command = format!("{compiler} {} {}", flags.join(" "), source.display());
+    if is_built(&out, &stamp, &command, source) {
+        return out;
+    }
     let partial = dir.join(format!(".{name}.{}", std::process::id()));
     let status = Command::new(compiler)
         .args(flags)
@@ -590,7 +600,18 @@ fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBu
         .unwrap_or_else(|e| panic!("starting {compiler}: {e}"));
     assert!(status.success(), "compiling {} with {compiler} failed", source.display());
     std::fs::rename(&partial, &out).expect("moving the fixture into place");
+    std::fs::write(&stamp, &command).expect("writing the fixture's command");
     out
+}
+
+/// Whether `out` was built by `command` after the last change to `source` and the files beside
+/// it (the headers it includes).
+fn is_built(out: &Path, stamp: &Path, command: &str, source: &Path) -> bool {
+    let modified = |path: &Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let Some(built) = modified(out) else { return false };
+    let sources = source.parent().and_then(|dir| std::fs::read_dir(dir).ok()).into_iter().flatten().flatten();
+    let newest = sources.filter(|e| e.path().is_file()).filter_map(|e| modified(&e.path())).max();
+    std::fs::read_to_string(stamp).is_ok_and(|was| was == command) && newest.is_some_and(|newest| newest <= built)
 }
 
 /// Builds the Rust fixture crate `tests/fixtures/NAME` (its own crates from crates.io, in release
