@@ -149,10 +149,12 @@ pub enum DropReason {
     /// The ring buffer of anonymous `mmap`, `munmap`, `mremap` and `brk` calls was full: the
     /// process's mappings miss that call.
     MmapEventLost = 17,
+    /// The same ring was full at a page's first touch (`--growth`): the page is not counted.
+    FaultEventLost = 18,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 18;
+    pub const COUNT: usize = 19;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -172,6 +174,7 @@ impl DropReason {
         DropReason::ThreadPairTableFull,
         DropReason::DeferredWalkLost,
         DropReason::MmapEventLost,
+        DropReason::FaultEventLost,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -195,6 +198,7 @@ impl DropReason {
             DropReason::ThreadPairTableFull => "thread_pair_table_full",
             DropReason::DeferredWalkLost => "deferred_walk_lost",
             DropReason::MmapEventLost => "mmap_event_lost",
+            DropReason::FaultEventLost => "fault_event_lost",
         }
     }
 }
@@ -816,9 +820,10 @@ pub mod discover {
 }
 
 /// A change to a traced process's anonymous private memory outside the heap's blocks, sent
-/// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap` or `brk` (calls rare
-/// next to malloc's: an event stream). Addresses and lengths are as the call gave them; the
-/// daemon rounds them to pages, as the kernel does.
+/// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap`, `brk` or `madvise`
+/// (calls rare next to malloc's: an event stream), and, for a process traced by its page faults
+/// (`--growth`), at the first touch of each page. Addresses and lengths are as the call gave
+/// them; the daemon rounds them to pages, as the kernel does.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MappingEvent {
@@ -841,6 +846,8 @@ pub struct MappingEvent {
     /// `mapping_event::IN_ALLOCATOR`, `mapping_event::KEEP_OLD`.
     pub flags: u32,
     pub _pad: u32,
+    /// `FAULT`: when the page was touched (the kernel's monotonic clock).
+    pub time_ns: u64,
 }
 
 /// What a `MappingEvent` reports, and its flags.
@@ -854,6 +861,11 @@ pub mod mapping_event {
     pub const REMAP: u32 = 2;
     /// `brk` returned: the program break after it.
     pub const BRK: u32 = 3;
+    /// A page of `addr` was touched and the kernel gave it memory: `stack_id` touched it.
+    pub const FAULT: u32 = 4;
+    /// `madvise` took back the memory of a range (`MADV_DONTNEED`, `MADV_FREE`, `MADV_REMOVE`):
+    /// it stays mapped, and its pages' next touch gives them memory again.
+    pub const RELEASE: u32 = 5;
     /// Made inside a probed allocator call (glibc's malloc maps large blocks and grows its heap
     /// with `brk`): memory the heap's blocks already count.
     pub const IN_ALLOCATOR: u32 = 1;
@@ -893,7 +905,7 @@ const _: () = {
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcHeap>() == 32 + 16 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcessEvent>() == 16);
-    assert!(core::mem::size_of::<MappingEvent>() == 64);
+    assert!(core::mem::size_of::<MappingEvent>() == 72);
 };
 
 #[cfg(test)]

@@ -5,13 +5,15 @@
 //! per-(process, stack) totals in `STACK_STATS`. `free` moves an allocation from `LIVE` to the
 //! bounded `RECENT_FREES`, where a second free of the same address is recognised. Nothing is
 //! streamed to userspace per allocation: the daemon reads the small totals every interval.
-//! `mapping` follows the anonymous memory traced processes get from `mmap`, `mremap` and `brk`.
+//! `mapping` follows the anonymous memory traced processes get from `mmap`, `mremap` and `brk`;
+//! `growth` sees a process by its page faults instead of its allocator calls (`--growth`).
 #![no_std]
 #![no_main]
 // Atomic adds to map values: see `shared::add`.
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
+mod growth;
 mod mapping;
 mod process;
 mod record;

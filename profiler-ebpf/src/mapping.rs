@@ -1,9 +1,11 @@
 //! Anonymous memory a traced process gets from the kernel directly: `mmap`, `munmap`, `mremap`
-//! and `brk`, seen at the raw system-call tracepoints (they attach by name, without tracefs).
+//! and `brk`, and gives back with `madvise`, seen at the raw system-call tracepoints (they attach
+//! by name, without tracefs). The page faults of a process traced by them (`growth`) go through
+//! the same ring, so that the daemon sees each page's touch and its range's changes in order.
 //!
 //! The program fires at the return of every system call of every process on the machine (the
 //! return probes' trampoline makes one at each probed allocator call's return, too) and returns
-//! after one read of the call's number from the caller's registers; only those four calls of
+//! after one read of the call's number from the caller's registers; only those five calls of
 //! traced processes go further. Nothing runs at `sys_enter`: a second program there would cost
 //! every system call as much again, for the one thing it would learn, the break before a `brk`,
 //! which the daemon knows from the process's previous `brk`.
@@ -37,12 +39,19 @@ const SYS_MMAP: u64 = 9;
 const SYS_MUNMAP: u64 = 11;
 const SYS_BRK: u64 = 12;
 const SYS_MREMAP: u64 = 25;
+const SYS_MADVISE: u64 = 28;
+
+const MADV_DONTNEED: u64 = 4;
+const MADV_FREE: u64 = 8;
+const MADV_REMOVE: u64 = 9;
+const MADV_DONTNEED_LOCKED: u64 = 24;
 
 const PROT_NONE: u64 = 0;
 const MAP_TYPE: u64 = 0x0f;
 const MAP_PRIVATE: u64 = 0x02;
 const MAP_FIXED: u64 = 0x10;
 const MAP_ANONYMOUS: u64 = 0x20;
+const MAP_STACK: u64 = 0x20000;
 const MREMAP_DONTUNMAP: u64 = 4;
 
 /// The calls, in order, for the daemon. 1 MiB: 16,384 events between two of its reads.
@@ -60,7 +69,7 @@ fn ids() -> (u32, u32) {
 pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
     let regs: u64 = ctx.arg(0);
     let id = kernel_word(regs, offset_of!(pt_regs, orig_rax) as u32);
-    if !matches!(id, SYS_MMAP | SYS_MUNMAP | SYS_BRK | SYS_MREMAP) {
+    if !matches!(id, SYS_MMAP | SYS_MUNMAP | SYS_BRK | SYS_MREMAP | SYS_MADVISE) {
         return 0;
     }
     let (tgid, tid) = ids();
@@ -109,13 +118,30 @@ fn on_exit(regs: u64, id: u64, ret: i64, tgid: u32, tid: u32) {
             // Shared anonymous memory is shmem: shared with the children it is made for, not
             // in the process's anonymous resident memory. PROT_NONE is address space reserved,
             // not memory (Go and the JVM reserve heaps so, and map them again to use them).
-            if flags & MAP_TYPE == MAP_PRIVATE && flags & MAP_ANONYMOUS != 0 && prot != PROT_NONE {
+            // A thread's stack is not heap.
+            let anonymous = flags & MAP_TYPE == MAP_PRIVATE && flags & MAP_ANONYMOUS != 0;
+            if anonymous && prot != PROT_NONE && flags & MAP_STACK == 0 {
                 Change { kind: mapping_event::MAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: true }
             } else if flags & MAP_FIXED != 0 {
                 // Replaced whatever was there.
                 Change { kind: mapping_event::UNMAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: false }
             } else {
                 return;
+            }
+        }
+        SYS_MADVISE => {
+            let advice = register(regs, offset_of!(pt_regs, rdx));
+            if !matches!(advice, MADV_DONTNEED | MADV_FREE | MADV_REMOVE | MADV_DONTNEED_LOCKED) {
+                return;
+            }
+            Change {
+                kind: mapping_event::RELEASE,
+                addr: arg0,
+                len: arg1,
+                new_addr: 0,
+                new_len: 0,
+                flags: 0,
+                grows: false,
             }
         }
         SYS_MUNMAP => Change {
@@ -164,8 +190,20 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
     } else {
         (NO_STACK, change.flags)
     };
+    emit(tgid, change, stack_id, flags, 0);
+}
+
+/// The first touch of the page at `addr` by `stack_id` (see `growth`).
+pub fn send_fault(tgid: u32, addr: u64, stack_id: u64, time_ns: u64) {
+    let change = Change { kind: mapping_event::FAULT, addr, len: 0, new_addr: 0, new_len: 0, flags: 0, grows: true };
+    emit(tgid, &change, stack_id, 0, time_ns);
+}
+
+fn emit(tgid: u32, change: &Change, stack_id: u64, flags: u32, time_ns: u64) {
     let Some(mut entry) = MAPPING_EVENTS.reserve::<MappingEvent>(0) else {
-        count_drop(DropReason::MmapEventLost);
+        let lost =
+            if change.kind == mapping_event::FAULT { DropReason::FaultEventLost } else { DropReason::MmapEventLost };
+        count_drop(lost);
         return;
     };
     let event = entry.as_mut_ptr();
@@ -175,6 +213,7 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
         ((*event).addr, (*event).len) = (change.addr, change.len);
         ((*event).new_addr, (*event).new_len) = (change.new_addr, change.new_len);
         ((*event).stack_id, (*event).flags, (*event)._pad) = (stack_id, flags, 0);
+        (*event).time_ns = time_ns;
     }
     entry.submit(0);
 }

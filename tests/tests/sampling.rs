@@ -1,5 +1,6 @@
 //! Sampled mode on a process with known truth: estimates within 10% for sites with 100,000
-//! allocations, frees that take off exactly what was added, and the --max-rate switch.
+//! allocations, frees that take off exactly what was added, and the --max-rate switch (to
+//! sampling under `run`, to growth mode in the daemon).
 
 use memprof_tests::{fixture, run, site, total};
 
@@ -57,20 +58,22 @@ fn a_process_above_max_rate_switches_to_sampling() {
     assert_eq!(early["sample_bytes"], 0, "every call is recorded until the rate is measured: {early}");
 }
 
-/// The daemon's guard: a process above `max_rate` is sampled, and its metrics say so.
+/// The daemon's guard: a process above `max_rate` is traced by its pages from then on (growth
+/// mode, whose cost does not follow its calls), and its metrics and reports say so.
 #[test]
-fn the_daemon_samples_a_process_above_max_rate() {
+fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
     let mut target = memprof_tests::Waiting::start(&fixture("leak_kinds"), &["2"]);
     let pid = target.pid();
     let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
     daemon.wait_traced(pid);
     target.go();
-    let series = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
-    memprof_tests::wait_for(15, "the process to be sampled", || {
-        (memprof_tests::metric(daemon.port, &series)? == 65536).then_some(())
+    let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
+    memprof_tests::wait_for(15, "the process to be traced by its pages", || {
+        (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
     });
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
-    assert_eq!(report["sample_bytes"], 65536, "{report}");
+    assert_eq!(report["sample_bytes"], 0, "{report}");
+    assert!(report["growth"].is_object(), "{report}");
 }
 
 /// Resizes of recorded blocks into blocks not drawn are neither failures nor unknown frees, and

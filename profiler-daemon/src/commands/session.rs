@@ -43,6 +43,9 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let allocator = allocator::find(pid_n)?;
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(false);
+    if args.sampling.growth {
+        loaded.trace_page_faults()?;
+    }
     let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let mut exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
@@ -118,6 +121,9 @@ pub async fn run(
     let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(true);
+    if args.sampling.growth {
+        loaded.trace_page_faults()?;
+    }
     let symbolizer = SymbolizerHandle::spawn();
     // Until it has run, the child's name is memprof's: name it as the kernel will after exec.
     let comm: String = program.file_name().unwrap_or_default().to_string_lossy().chars().take(15).collect();
@@ -188,7 +194,7 @@ async fn trace_command(
     }
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
-    let complete = args.sampling.sample_bytes.is_none();
+    let complete = args.sampling.sample_bytes.is_none() && !args.sampling.growth;
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete,

@@ -103,6 +103,12 @@ const PER_PROCESS: &[PerProcess] = &[
         MetricType::Gauge,
         |t| t.sample_bytes,
     ),
+    (
+        "memprof_growth_mode",
+        "1 when the process is traced by the pages it touches (--growth): its bytes are pages by the stack that first touched each, its allocations pages.",
+        MetricType::Gauge,
+        |t| u64::from(t.report.growth.is_some()),
+    ),
 ];
 
 /// The leak rule's per-process gauges: absent while it warms up, when 0 would read "no leak".

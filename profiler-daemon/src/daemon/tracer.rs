@@ -159,6 +159,9 @@ impl Tracer {
         let mut loaded = loader::load(config.maps, config.interval)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
+        if config.sampling.growth {
+            loaded.trace_page_faults()?;
+        }
         // Rules match any number of processes: by default links of their own while few map a
         // file, one set per file past that (see README, "Probes and detaching").
         loaded.set_probe_links(config.probe_links);
@@ -676,13 +679,21 @@ impl Tracer {
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
                 target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
                 if let Some(switch) = target.rate_guard.check(snapshot) {
-                    self.loaded.sample(target.id.pid, switch.sample_bytes)?;
+                    // The always-on mode: its cost follows the pages the process touches, not
+                    // its calls. What its calls recorded goes with them.
+                    let pid = target.id.pid;
+                    let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
+                    if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
+                        warn!(pid, "switching to growth mode: {err:#}");
+                        continue;
+                    }
+                    target.leaks = LeakTracker::new(self.config.leak);
+                    target.known_stacks.forget();
                     warn!(
-                        pid = target.id.pid,
+                        pid,
                         comm = target.comm,
                         calls_per_second = switch.calls_per_second,
-                        sample_bytes = switch.sample_bytes,
-                        "above max_rate: sampling from now on"
+                        "above max_rate: traced by the pages it touches from now on (growth mode)"
                     );
                 }
             }
@@ -761,7 +772,8 @@ impl Tracer {
         self.symbolizer.refresh(pid);
         let pids = HashSet::from([pid]);
         let kernel =
-            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0).map_err(failed)?;
+            aggregate::read(&self.loaded.ebpf, &self.loaded.unwind, &mut self.loaded.ages, &pids, 0, &|_| None)
+                .map_err(failed)?;
         let target = &self.targets[&pid];
         let mut view = self.target_view(target, &kernel, &self.loaded.unwind.table_use());
         report::add_inspection(&mut view.report, inspection, &self.stacks(target));

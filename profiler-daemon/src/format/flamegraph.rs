@@ -21,7 +21,9 @@ pub fn render(report: &Report) -> Vec<u8> {
     let mut options = Options::default();
     options.title = title;
     let (bytes, allocations) = shown(report);
-    options.subtitle = Some(if report.sample_bytes == 0 {
+    options.subtitle = Some(if report.growth.is_some() {
+        format!("{bytes} bytes in {allocations} pages, by the stack that first touched each")
+    } else if report.sample_bytes == 0 {
         format!("{bytes} bytes in {allocations} allocations")
     } else {
         format!(

@@ -94,6 +94,13 @@ fn section(report: &Report) -> String {
             bytes(report.sample_bytes)
         );
     }
+    if let Some(growth) = report.growth {
+        let _ = writeln!(
+            out,
+            "  growth: pages of anonymous memory by the stack that first touched each, not allocator calls ({} touched outside it)",
+            growth.outside_pages
+        );
+    }
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {

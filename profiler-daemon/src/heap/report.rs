@@ -19,7 +19,7 @@ use crate::{
         types::{self, TypeCount},
         wrappers::Wrappers,
     },
-    kernel::aggregate::{self, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
+    kernel::aggregate::{self, Growth, KernelSnapshot, Snapshot, StackSnapshot, StackTable},
     process::allocator::BlindSpot,
     symbolize::{Frame, FrameInfo, Frames, Module, Resolved, SymbolizerHandle},
     unwind::{Registry, TableUse},
@@ -54,6 +54,10 @@ pub struct Report {
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
     pub sample_bytes: u64,
+    /// Traced by the pages it touched, not its allocator calls (`--growth`): each stack holds
+    /// the pages it touched first, and allocations count pages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub growth: Option<Growth>,
     pub totals: Totals,
     /// The most bytes the process had in use since tracing began, when, and which stacks held them.
     #[serde(default)]
@@ -473,6 +477,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         live: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
+        growth: snapshot.growth,
         totals,
         peak,
         temporary_stacks,
@@ -847,6 +852,7 @@ pub mod samples {
             live: false,
             duration_s: 1.5,
             sample_bytes: 0,
+            growth: None,
             totals: Totals::default(),
             peak: Peak::default(),
             temporary_stacks: Vec::new(),

@@ -23,6 +23,12 @@ pub struct Sampling {
     /// Switch a process to sampling when it makes more than N allocator calls a second.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_rate: Option<u64>,
+    /// Trace the heap by the pages it grows into, not by allocator calls: each page of anonymous
+    /// memory with the stack that first touched it, until the process gives it back. Costs a
+    /// trap per new page, none per call: for busy processes. Sees pages, not blocks: no counts
+    /// of allocations, no frees inside pages, no double frees.
+    #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate"])]
+    pub growth: bool,
 }
 
 pub fn sample_bytes(value: &str) -> Result<u64, String> {
@@ -32,7 +38,8 @@ pub fn sample_bytes(value: &str) -> Result<u64, String> {
     }
 }
 
-/// Watches one process's call rate against `--max-rate`.
+/// Watches one process's call rate against `--max-rate`: past it, `attach` and `run` sample the
+/// process, the daemon traces it by the pages it touches (`--growth`).
 #[derive(Debug)]
 pub struct RateGuard {
     sampling: Sampling,
@@ -64,7 +71,7 @@ impl RateGuard {
         let last = self.last.replace((snapshot.now_ns, calls));
         let max_rate = self.sampling.max_rate?;
         let (then_ns, then_calls) = last?;
-        if snapshot.sample_bytes != 0 || snapshot.now_ns <= then_ns {
+        if snapshot.sample_bytes != 0 || snapshot.growth.is_some() || snapshot.now_ns <= then_ns {
             return None;
         }
         let calls_per_second = calls.saturating_sub(then_calls) as f64 * 1e9 / (snapshot.now_ns - then_ns) as f64;
@@ -88,7 +95,7 @@ mod tests {
 
     #[test]
     fn a_process_above_max_rate_is_switched_once_measured() {
-        let mut guard = RateGuard::new(Sampling { sample_bytes: None, max_rate: Some(1000) });
+        let mut guard = RateGuard::new(Sampling { max_rate: Some(1000), ..Sampling::default() });
         assert_eq!(guard.check(&snapshot(0, 0)), None, "no rate before two snapshots");
         assert_eq!(guard.check(&snapshot(1_000_000_000, 500)), None);
         let switch = guard.check(&snapshot(2_000_000_000, 5_500)).unwrap();
@@ -97,7 +104,7 @@ mod tests {
 
     #[test]
     fn no_guard_without_max_rate() {
-        let mut guard = RateGuard::new(Sampling { sample_bytes: Some(4096), max_rate: None });
+        let mut guard = RateGuard::new(Sampling { sample_bytes: Some(4096), ..Sampling::default() });
         assert_eq!(guard.initial(), Some(4096));
         guard.check(&snapshot(0, 0));
         assert_eq!(guard.check(&snapshot(1_000_000_000, 1 << 40)), None);

@@ -21,6 +21,7 @@ use profiler_common::{
 use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
+    kernel::growth::Pages,
     kernel::mappings::MappedStack,
     ring::Ring,
     unwind::Registry,
@@ -60,6 +61,15 @@ pub struct Snapshot {
     pub thread_pairs: Vec<(ThreadPairKey, ThreadPairStats)>,
     /// The anonymous memory it holds from `mmap`, `mremap` and `brk`, by stack (see `mappings`).
     pub mappings: Vec<MappedStack>,
+    /// Traced by the pages it touches (`--growth`): its stacks hold pages, not blocks.
+    pub growth: Option<Growth>,
+}
+
+/// What a process traced by its page faults (`--growth`) touched and memprof did not count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Growth {
+    /// Pages touched outside the anonymous memory memprof knows the process has.
+    pub outside_pages: u64,
 }
 
 /// A process's high-water mark of bytes in use.
@@ -100,12 +110,14 @@ pub fn monotonic_now_ns() -> u64 {
 /// Reads the maps once for all of `tgids`: each map is walked once, however many processes.
 /// Allocations at least `min_age_ns` old are counted apart as aged.
 /// Stacks cut in walks the kernel deferred (`unwind`) count with those the kernel cut.
-pub fn read(
+/// A process traced by its page faults (`--growth`) has its `pages` for stacks instead.
+pub fn read<'a>(
     ebpf: &Ebpf,
     unwind: &Registry,
     book: &mut AgeBook,
     tgids: &HashSet<u32>,
     min_age_ns: u64,
+    pages: &dyn Fn(u32) -> Option<&'a Pages>,
 ) -> anyhow::Result<KernelSnapshot> {
     let now_ns = monotonic_now_ns();
     let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
@@ -153,6 +165,15 @@ pub fn read(
         }
     })?;
     for (&tgid, process) in &mut snapshot.processes {
+        if let Some(pages) = pages(tgid) {
+            for (stack_id, stats) in pages.stacks() {
+                let key = StackKey { tgid, _pad: 0, stack_id };
+                let spans = book.observe(key, stats, now_ns);
+                process.stacks.push(stack_snapshot(stack_id, *stats, spans, book, now_ns, min_age_ns));
+            }
+            process.growth = Some(Growth { outside_pages: pages.outside });
+            process.peak = Peak { bytes: pages.peak.0, at_ns: pages.peak.1 };
+        }
         process.stacks = merge_deferred(ebpf, unwind, tgid, std::mem::take(&mut process.stacks));
         process.missed_generations = book.missed_generations(tgid);
         for (reason, count) in unwind.deferred_drops(tgid) {
@@ -275,7 +296,7 @@ fn stack_snapshot(
 /// would otherwise fill the maps and a reused pid would inherit them. Stacks that no other process
 /// refers to go too (`STACKS` never frees ids by itself). Each map is walked once, however many
 /// processes.
-pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
+pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64>) -> anyhow::Result<()> {
     let ours = |tgid: &u32| tgids.contains(tgid);
     // The stored stack ids first: a stack another process stores while this runs is kept, though
     // the scans below may miss the counts that will refer to it. (One stored just before, whose
@@ -287,7 +308,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<()> {
     // free stack is referenced only by a RECENT_FREES slot (or a double-free event, read before
     // this), which the next allocation at that address or a later free in the same slot empties.
     // Either is stored again if needed.
-    let (mut used_stacks, mut used_free_stacks) = (HashSet::new(), HashSet::new());
+    let (mut used_stacks, mut used_free_stacks) = (held_elsewhere.clone(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if !ours(&key.tgid) {
             used_stacks.insert(key.stack_id);

@@ -14,6 +14,7 @@ use crate::{
     kernel::btf,
     kernel::detacher::Detacher,
     kernel::events::{self, ProcessEvents},
+    kernel::faults,
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::settings::LoadSettings,
@@ -52,8 +53,14 @@ pub struct Loaded {
     pub ages: AgeBook,
     /// Execs and forks of the traced processes.
     pub process_events: ProcessEvents,
-    /// The anonymous memory they map outside their allocator's blocks (with `--mappings`).
+    /// The anonymous memory they map outside their allocator's blocks (with `--mappings`), and
+    /// the pages they touch (`--growth`).
     mappings: Option<MappedRanges>,
+    /// Whether processes are traced by their page faults instead of their allocator calls
+    /// (`--growth`, see `trace_page_faults`).
+    growth: bool,
+    /// The page-fault program is loaded, for `--growth` or a process switched to it.
+    faults_loaded: bool,
     /// Whether the processes attached from now on report their forks (`--follow-forks`).
     pub follow_forks: bool,
     /// Which processes share links with every traced process that maps the same file, rather
@@ -152,6 +159,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         ages: AgeBook::new(clock),
         process_events,
         mappings,
+        growth: false,
+        faults_loaded: false,
         follow_forks: false,
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
@@ -170,13 +179,45 @@ pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
 }
 
 impl Loaded {
+    /// Traces the processes attached from now on by the pages they touch instead of their
+    /// allocator calls (`--growth`): their allocator gets no probe.
+    pub fn trace_page_faults(&mut self) -> anyhow::Result<()> {
+        self.load_page_faults()?;
+        self.growth = true;
+        Ok(())
+    }
+
+    /// The page-fault program and the ring its pages go through, once.
+    fn load_page_faults(&mut self) -> anyhow::Result<()> {
+        if self.faults_loaded {
+            return Ok(());
+        }
+        faults::load(&mut self.ebpf)?;
+        if self.mappings.is_none() {
+            self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?);
+        }
+        self.faults_loaded = true;
+        Ok(())
+    }
+
+    /// A process too busy for its calls to be traced one by one (`--max-rate`): from now on it
+    /// is traced by the pages it touches (see `watch_pages`), and what its calls recorded goes.
+    /// Its `attachment` is replaced.
+    pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
+        self.load_page_faults()?;
+        let old = std::mem::take(attachment);
+        *attachment = self.exec_happened(pid, old);
+        attachment.merge(self.watch_pages(pid, true)?);
+        Ok(())
+    }
+
     /// Attaches every probe to `allocator` for `pid` only: the free probes, the return probes, one
     /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
     /// On failure nothing stays attached; see `probe_allocator` for the order.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        self.attach_probes(allocator, pid)
+        self.attach_probes(allocator, pid, true)
     }
 
     /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
@@ -189,13 +230,20 @@ impl Loaded {
         files: &[std::path::PathBuf],
     ) -> anyhow::Result<Attachment> {
         self.unwind.preload(pid.get(), files);
-        self.attach_probes(allocator, pid)
+        // Its memory is memprof's until the exec: none of it is the command's.
+        self.attach_probes(allocator, pid, false)
     }
 
     /// The process is in `TRACED` first, as shared links that exist already record it from then on.
-    fn attach_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+    fn attach_probes(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        has_memory: bool,
+    ) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
-        let mut attachment = match self.probe_allocator(allocator, pid) {
+        let probed = if self.growth { self.watch_pages(pid, has_memory) } else { self.probe_allocator(allocator, pid) };
+        let mut attachment = match probed {
             Ok(attachment) => attachment,
             Err(err) => {
                 self.forget_exited(&HashSet::from([pid.get()]));
@@ -286,7 +334,28 @@ impl Loaded {
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
+        if self.growth {
+            return self.watch_pages(pid, true);
+        }
         self.probe_allocator(allocator, pid)
+    }
+
+    /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
+    /// memory it has now (`has_memory`) and maps from now on kept (see `mappings`).
+    fn watch_pages(&mut self, pid: NonZeroU32, has_memory: bool) -> anyhow::Result<Attachment> {
+        let existing: Vec<(u64, u64)> = if has_memory {
+            let regions = procfs::regions(pid.get()).with_context(|| format!("reading the mappings of pid {}", pid))?;
+            let anonymous = |r: &&procfs::Region| r.writable && !r.shared && (r.path.is_empty() || r.path == "[heap]");
+            regions.iter().filter(anonymous).map(|r| (r.start, r.end)).collect()
+        } else {
+            Vec::new()
+        };
+        if let Some(mappings) = &mut self.mappings {
+            mappings.watch_pages(pid.get(), &existing);
+        }
+        let mut attachment = Attachment::default();
+        attachment.add_page_faults(faults::open(&mut self.ebpf, pid.get())?);
+        Ok(attachment)
     }
 
     /// The process runs meanwhile (a child just forked allocates at once), so the order matters.
@@ -371,7 +440,9 @@ impl Loaded {
 
     /// What the maps, the stack walk and the ages hold about `pids`.
     fn forget_state(&mut self, pids: &HashSet<u32>) {
-        if let Err(err) = aggregate::purge(&mut self.ebpf, pids) {
+        // The stacks other processes' ranges and pages hold are theirs to keep.
+        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
+        if let Err(err) = aggregate::purge(&mut self.ebpf, pids, &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
         for &pid in pids {
@@ -379,16 +450,19 @@ impl Loaded {
             self.unwind_events.forget(pid);
             self.ages.forget(pid);
             if let Some(mappings) = &mut self.mappings {
-                mappings.forget(pid);
+                mappings.forget(pid, &self.ages.clock);
             }
         }
     }
 
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
     pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
-        let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns)?;
         if let Some(mappings) = &mut self.mappings {
-            mappings.drain();
+            mappings.drain(&self.ages.clock);
+        }
+        let pages = |tgid: u32| self.mappings.as_ref().and_then(|mappings| mappings.pages(tgid));
+        let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns, &pages)?;
+        if let Some(mappings) = &self.mappings {
             for (&tgid, process) in &mut kernel.processes {
                 process.mappings = mappings.stacks(tgid);
             }

@@ -1,22 +1,29 @@
 //! The anonymous private memory traced processes hold from `mmap`, `mremap` and `brk`, kept from
 //! the calls the `syscall_exit` program sends (`profiler-ebpf/src/mapping.rs`):
-//! each process's ranges, each with the stack that asked for it, and what each stack holds.
+//! each process's ranges, each with the stack that asked for it, and what each stack holds; and,
+//! for a process traced by its page faults (`--growth`), the pages of those ranges it touched
+//! (`growth`).
 //!
 //! Ranges are kept here, not in the kernel: a `munmap` of part of a mapping splits it, and only
 //! an ordered map finds the ranges an address range crosses.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::Ebpf;
-use profiler_common::{mapping_event, MappingEvent};
+use profiler_common::{mapping_event, MappingEvent, NO_STACK};
 
-use crate::{kernel::events, ring::Ring};
+use crate::{
+    kernel::{
+        ages::Clock,
+        events,
+        growth::{Pages, PAGE},
+    },
+    ring::Ring,
+};
 
 /// (program, tracepoint): it fires at the return of every system call on the machine.
 const TRACEPOINTS: [(&str, &str); 1] = [("syscall_exit", "sys_exit")];
-
-const PAGE: u64 = 4096;
 
 /// What one stack of a process holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,16 +51,43 @@ impl MappedRanges {
         Ok(Self { ring: Ring::new("MAPPING_EVENTS", map)?, spaces: HashMap::new() })
     }
 
-    /// Applies the calls that arrived since the last drain, in the order they returned.
-    pub fn drain(&mut self) {
-        self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(&event));
+    /// Applies the calls and page touches that arrived since the last drain, in their order.
+    pub fn drain(&mut self, clock: &Clock) {
+        self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(clock, &event));
+    }
+
+    /// Keeps the pages `tgid` touches from now on (`--growth`), in the anonymous memory it has
+    /// now, `existing` (start, end) ranges, and in the memory it maps from now on.
+    pub fn watch_pages(&mut self, tgid: u32, existing: &[(u64, u64)]) {
+        let space = self.spaces.entry(tgid).or_default();
+        space.pages = Some(Pages::default());
+        for &(start, end) in existing {
+            space.clear(start, end);
+            space.ranges.insert(start, Range { end, stack_id: NO_STACK, in_allocator: false, before: true });
+        }
+    }
+
+    /// The pages `tgid` holds, when it is traced by them.
+    pub fn pages(&self, tgid: u32) -> Option<&Pages> {
+        self.spaces.get(&tgid).and_then(|space| space.pages.as_ref())
+    }
+
+    /// Every stack the ranges and pages of processes other than `except` refer to.
+    pub fn stack_ids(&self, except: &HashSet<u32>) -> HashSet<u64> {
+        let spaces = self.spaces.iter().filter(|(tgid, _)| !except.contains(tgid)).map(|(_, space)| space);
+        let mut ids = HashSet::new();
+        for space in spaces {
+            ids.extend(space.ranges.values().map(|range| range.stack_id));
+            ids.extend(space.pages.iter().flat_map(|pages| pages.stacks().map(|(id, _)| id)));
+        }
+        ids
     }
 
     /// What each stack of `tgid` holds, most bytes first.
     pub fn stacks(&self, tgid: u32) -> Vec<MappedStack> {
         let Some(space) = self.spaces.get(&tgid) else { return Vec::new() };
         let mut by_stack: HashMap<(u64, bool), MappedStack> = HashMap::new();
-        for (start, range) in &space.ranges {
+        for (start, range) in space.ranges.iter().filter(|(_, range)| !range.before) {
             let key = (range.stack_id, range.in_allocator);
             let stack = by_stack.entry(key).or_insert(MappedStack {
                 stack_id: range.stack_id,
@@ -70,8 +104,8 @@ impl MappedRanges {
 
     /// `tgid` has exited or is no longer traced: the calls it made until now are applied first,
     /// so that none arrives later for a process forgotten.
-    pub fn forget(&mut self, tgid: u32) {
-        self.drain();
+    pub fn forget(&mut self, tgid: u32, clock: &Clock) {
+        self.drain(clock);
         self.spaces.remove(&tgid);
     }
 }
@@ -85,6 +119,8 @@ struct Space {
     /// The program break after the process's latest `brk` seen: the first one seen (glibc's
     /// query at start, for a process traced from its exec) only sets it.
     brk: Option<u64>,
+    /// `--growth`: the pages touched in the ranges.
+    pages: Option<Pages>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +128,8 @@ struct Range {
     end: u64,
     stack_id: u64,
     in_allocator: bool,
+    /// Mapped before memprof traced the process: held by no stack, not in `stacks`.
+    before: bool,
 }
 
 fn page_up(address: u64) -> u64 {
@@ -99,24 +137,33 @@ fn page_up(address: u64) -> u64 {
 }
 
 impl Space {
-    fn apply(&mut self, event: &MappingEvent) {
+    fn apply(&mut self, clock: &Clock, event: &MappingEvent) {
         if event.mm != self.mm {
-            // An exec: the old program's ranges went with its memory.
-            (self.ranges, self.brk) = (BTreeMap::new(), None);
+            // The first event of a process watched before it sent any: its ranges are this
+            // memory's. Otherwise an exec: the old program's ranges went with its memory.
+            if self.mm != 0 {
+                (self.ranges, self.brk) = (BTreeMap::new(), None);
+                self.pages = self.pages.take().map(|_| Pages::default());
+            }
             self.mm = event.mm;
         }
-        let made =
-            Range { end: 0, stack_id: event.stack_id, in_allocator: event.flags & mapping_event::IN_ALLOCATOR != 0 };
+        let made = Range {
+            end: 0,
+            stack_id: event.stack_id,
+            in_allocator: event.flags & mapping_event::IN_ALLOCATOR != 0,
+            before: false,
+        };
+        let now_ns = crate::kernel::aggregate::monotonic_now_ns();
         match event.kind {
             mapping_event::MAP => {
                 let end = event.addr.saturating_add(page_up(event.len));
-                self.clear(event.addr, end);
+                self.give_back(clock, event.addr, end, now_ns);
                 self.ranges.insert(event.addr, Range { end, ..made });
             }
             mapping_event::UNMAP => {
-                self.clear(event.addr, event.addr.saturating_add(page_up(event.len)));
+                self.give_back(clock, event.addr, event.addr.saturating_add(page_up(event.len)), now_ns)
             }
-            mapping_event::REMAP => self.remap(event, made),
+            mapping_event::REMAP => self.remap(event, made, clock, now_ns),
             mapping_event::BRK => {
                 let Some(old) = self.brk.replace(event.new_addr) else { return };
                 // The kernel maps the break's pages: [page_up(start), page_up(break)).
@@ -125,17 +172,50 @@ impl Space {
                     self.clear(old, new);
                     self.ranges.insert(old, Range { end: new, ..made });
                 } else {
-                    self.clear(new, old);
+                    self.give_back(clock, new, old, now_ns);
                 }
             }
+            mapping_event::RELEASE => {
+                if let Some(pages) = &mut self.pages {
+                    pages.release(clock, event.addr, event.addr.saturating_add(page_up(event.len)), now_ns);
+                }
+            }
+            mapping_event::FAULT => self.touch(clock, event),
             _ => {}
         }
     }
 
-    /// `mremap`: the old range's parts move with their stacks; growth belongs to the call's. A
-    /// range memprof does not hold (a file's, one mapped before tracing) stays not held.
-    fn remap(&mut self, event: &MappingEvent, made: Range) {
+    /// A page fault: held when it is in the process's anonymous memory.
+    fn touch(&mut self, clock: &Clock, event: &MappingEvent) {
+        let in_range = self.ranges.range(..=event.addr).next_back().is_some_and(|(_, range)| range.end > event.addr);
+        let Some(pages) = &mut self.pages else { return };
+        if in_range {
+            pages.touch(clock, event.addr, event.stack_id, event.time_ns);
+        } else {
+            pages.outside += 1;
+        }
+    }
+
+    /// `[start, end)` is no longer the process's anonymous memory: its ranges and pages go.
+    fn give_back(&mut self, clock: &Clock, start: u64, end: u64, now_ns: u64) {
+        self.clear(start, end);
+        if let Some(pages) = &mut self.pages {
+            pages.release(clock, start, end, now_ns);
+        }
+    }
+
+    /// `mremap`: the old range's parts move with their stacks and pages; growth belongs to the
+    /// call's. A range memprof does not hold (a file's, one mapped before tracing) stays not held.
+    fn remap(&mut self, event: &MappingEvent, made: Range, clock: &Clock, now_ns: u64) {
         let (old, old_len, new, new_len) = (event.addr, page_up(event.len), event.new_addr, page_up(event.new_len));
+        if let Some(pages) = &mut self.pages {
+            // What a shrink cuts off is given back; what was at the destination is replaced.
+            pages.release(clock, old.saturating_add(new_len.min(old_len)), old.saturating_add(old_len), now_ns);
+            if new != old {
+                pages.release(clock, new, new.saturating_add(new_len), now_ns);
+            }
+            pages.moved(old, new_len.min(old_len), new);
+        }
         let moved = self.clear(old, old.saturating_add(old_len));
         if event.flags & mapping_event::KEEP_OLD != 0 {
             // MREMAP_DONTUNMAP: the old range stays mapped, emptied.
@@ -182,8 +262,22 @@ impl Space {
 mod tests {
     use super::*;
 
+    const CLOCK: Clock = Clock { base_ns: 0, length_ns: 1_000_000_000 };
+
     fn event(kind: u32, addr: u64, len: u64, stack_id: u64) -> MappingEvent {
-        MappingEvent { tgid: 1, kind, mm: 7, addr, len, new_addr: 0, new_len: 0, stack_id, flags: 0, _pad: 0 }
+        MappingEvent {
+            tgid: 1,
+            kind,
+            mm: 7,
+            addr,
+            len,
+            new_addr: 0,
+            new_len: 0,
+            stack_id,
+            flags: 0,
+            _pad: 0,
+            time_ns: 0,
+        }
     }
 
     fn held(space: &Space) -> Vec<(u64, u64, u64)> {
@@ -193,38 +287,38 @@ mod tests {
     #[test]
     fn a_munmap_inside_a_mapping_splits_it_and_rounds_to_pages() {
         let mut space = Space::default();
-        space.apply(&event(mapping_event::MAP, 0x10000, 10 * PAGE - 100, 1));
-        space.apply(&event(mapping_event::UNMAP, 0x10000 + 2 * PAGE, 3 * PAGE, 0));
+        space.apply(&CLOCK, &event(mapping_event::MAP, 0x10000, 10 * PAGE - 100, 1));
+        space.apply(&CLOCK, &event(mapping_event::UNMAP, 0x10000 + 2 * PAGE, 3 * PAGE, 0));
         assert_eq!(held(&space), [(0x10000, 0x12000, 1), (0x15000, 0x1a000, 1)]);
         // Across both parts and past the end.
-        space.apply(&event(mapping_event::UNMAP, 0x11000, 0x10000, 0));
+        space.apply(&CLOCK, &event(mapping_event::UNMAP, 0x11000, 0x10000, 0));
         assert_eq!(held(&space), [(0x10000, 0x11000, 1)]);
     }
 
     #[test]
     fn a_fixed_mapping_replaces_what_was_there() {
         let mut space = Space::default();
-        space.apply(&event(mapping_event::MAP, 0x10000, 4 * PAGE, 1));
-        space.apply(&event(mapping_event::MAP, 0x11000, PAGE, 2));
+        space.apply(&CLOCK, &event(mapping_event::MAP, 0x10000, 4 * PAGE, 1));
+        space.apply(&CLOCK, &event(mapping_event::MAP, 0x11000, PAGE, 2));
         assert_eq!(held(&space), [(0x10000, 0x11000, 1), (0x11000, 0x12000, 2), (0x12000, 0x14000, 1)]);
     }
 
     #[test]
     fn mremap_moves_ranges_with_their_stacks_and_gives_growth_to_its_own() {
         let mut space = Space::default();
-        space.apply(&event(mapping_event::MAP, 0x10000, 2 * PAGE, 1));
+        space.apply(&CLOCK, &event(mapping_event::MAP, 0x10000, 2 * PAGE, 1));
         let grow =
             MappingEvent { new_addr: 0x40000, new_len: 5 * PAGE, ..event(mapping_event::REMAP, 0x10000, 2 * PAGE, 3) };
-        space.apply(&grow);
+        space.apply(&CLOCK, &grow);
         assert_eq!(held(&space), [(0x40000, 0x42000, 1), (0x42000, 0x45000, 3)]);
         let shrink =
             MappingEvent { new_addr: 0x40000, new_len: PAGE, ..event(mapping_event::REMAP, 0x40000, 5 * PAGE, 4) };
-        space.apply(&shrink);
+        space.apply(&CLOCK, &shrink);
         assert_eq!(held(&space), [(0x40000, 0x41000, 1)]);
         // A file's mapping moved: still not held.
         let file =
             MappingEvent { new_addr: 0x90000, new_len: 8 * PAGE, ..event(mapping_event::REMAP, 0x80000, PAGE, 5) };
-        space.apply(&file);
+        space.apply(&CLOCK, &file);
         assert_eq!(held(&space), [(0x40000, 0x41000, 1)]);
     }
 
@@ -233,14 +327,35 @@ mod tests {
         let mut space = Space::default();
         let brk = |new, stack| MappingEvent { new_addr: new, ..event(mapping_event::BRK, 0, 0, stack) };
         // The first only says where the break is.
-        space.apply(&brk(0x100010, 9));
+        space.apply(&CLOCK, &brk(0x100010, 9));
         assert_eq!(held(&space), []);
-        space.apply(&brk(0x103000, 1));
-        space.apply(&brk(0x105800, 2));
+        space.apply(&CLOCK, &brk(0x103000, 1));
+        space.apply(&CLOCK, &brk(0x105800, 2));
         assert_eq!(held(&space), [(0x101000, 0x103000, 1), (0x103000, 0x106000, 2)]);
-        space.apply(&brk(0x102000, 3));
+        space.apply(&CLOCK, &brk(0x102000, 3));
         assert_eq!(held(&space), [(0x101000, 0x102000, 1)]);
-        space.apply(&MappingEvent { mm: 8, ..event(mapping_event::MAP, 0x10000, PAGE, 4) });
+        space.apply(&CLOCK, &MappingEvent { mm: 8, ..event(mapping_event::MAP, 0x10000, PAGE, 4) });
         assert_eq!(held(&space), [(0x10000, 0x11000, 4)]);
+    }
+
+    #[test]
+    fn pages_are_held_in_anonymous_ranges_and_go_with_them() {
+        let mut space = Space { mm: 7, pages: Some(Pages::default()), ..Space::default() };
+        space.apply(&CLOCK, &event(mapping_event::MAP, 0x10000, 4 * PAGE, 1));
+        for page in [0x10000, 0x11000, 0x12000, 0x90000] {
+            space.apply(&CLOCK, &event(mapping_event::FAULT, page, 0, 5));
+        }
+        let pages = |space: &Space| space.pages.as_ref().map(|p| (p.held_bytes(), p.outside));
+        // The page outside any range is a file's or the stack's: not held.
+        assert_eq!(pages(&space), Some((3 * PAGE, 1)));
+        space.apply(&CLOCK, &event(mapping_event::RELEASE, 0x11000, PAGE, 0));
+        assert_eq!(pages(&space), Some((2 * PAGE, 1)));
+        // Moved, then cut short by the move: the page past the new end goes.
+        let remap =
+            MappingEvent { new_addr: 0x40000, new_len: 2 * PAGE, ..event(mapping_event::REMAP, 0x10000, 4 * PAGE, 3) };
+        space.apply(&CLOCK, &remap);
+        assert_eq!(pages(&space), Some((PAGE, 1)));
+        space.apply(&CLOCK, &event(mapping_event::UNMAP, 0x40000, 2 * PAGE, 0));
+        assert_eq!(pages(&space), Some((0, 1)));
     }
 }

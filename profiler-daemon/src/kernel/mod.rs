@@ -10,6 +10,8 @@ pub mod batch;
 pub mod btf;
 pub mod detacher;
 pub mod events;
+pub mod faults;
+pub mod growth;
 pub mod live;
 pub mod loader;
 pub mod mappings;

@@ -176,6 +176,8 @@ enum Probes {
     Multi(OwnedFd),
     /// aya detaches the links it hands out when they are dropped.
     PerfEvent(UProbeLink),
+    /// A thread's page-fault event (`--growth`): closing it takes its program off.
+    PageFaults(OwnedFd),
 }
 
 impl Attachment {
@@ -189,6 +191,12 @@ impl Attachment {
         self.links.append(&mut other.links);
         self.probes += std::mem::take(&mut other.probes);
         self.shared.append(&mut other.shared);
+    }
+
+    /// Takes over the page-fault events of a process traced by them (see `faults`).
+    pub fn add_page_faults(&mut self, events: Vec<OwnedFd>) {
+        self.probes += events.len();
+        self.links.extend(events.into_iter().map(|fd| Link { _probes: Probes::PageFaults(fd), at_return: false }));
     }
 
     /// Makes `links`, shared with other processes, part of this process's probes.

@@ -112,6 +112,11 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
         );
         comments.push(tables.string(&sampled));
     }
+    for part in parts.iter().filter(|part| part.report.growth.is_some()) {
+        let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
+        let growth = format!("{who}growth: pages by the stack that first touched each; a count is a page");
+        comments.push(tables.string(&growth));
+    }
     let default_type = tables.string(default.name());
     let mappings = tables.mappings(parts);
     // As Go does: the sampling rate in bytes, the values already scaled up to estimates. 1 when

@@ -1,0 +1,111 @@
+//! The page-fault events `--growth` traces a process by: a software event counting page faults
+//! on each of its threads, with the `page_fault` program run at every one. Events opened on a
+//! task are inherited by the threads it starts (not by the processes it forks: memprof follows
+//! those itself, with events of their own), and go when their descriptors close.
+
+use std::{
+    collections::HashSet,
+    io,
+    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
+};
+
+use anyhow::Context as _;
+use aya::{programs::PerfEvent, Ebpf};
+
+use crate::process::procfs;
+
+const PROGRAM: &str = "page_fault";
+
+/// `PERF_TYPE_SOFTWARE`, `PERF_COUNT_SW_PAGE_FAULTS`.
+const PERF_TYPE_SOFTWARE: u32 = 1;
+const PERF_COUNT_SW_PAGE_FAULTS: u64 = 2;
+/// `perf_event_attr`'s flag bits: `inherit`, and `inherit_thread` (Linux 5.13): inherited by
+/// threads only.
+const INHERIT: u64 = 1 << 1;
+const INHERIT_THREAD: u64 = 1 << 35;
+/// `PERF_FLAG_FD_CLOEXEC`.
+const FD_CLOEXEC: libc::c_ulong = 1 << 3;
+/// `PERF_EVENT_IOC_SET_BPF`: `_IOW('$', 8, __u32)`.
+const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
+
+/// `struct perf_event_attr` up to `config1` (`PERF_ATTR_SIZE_VER0`): the kernel takes the
+/// fields after it as zero.
+#[repr(C)]
+#[derive(Default)]
+struct PerfEventAttr {
+    kind: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    config1: u64,
+}
+
+/// Loads the program (once, before the first `open`).
+pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    program(ebpf)?.load().context("loading the page-fault program")
+}
+
+fn program(ebpf: &mut Ebpf) -> anyhow::Result<&mut PerfEvent> {
+    let program =
+        ebpf.program_mut(PROGRAM).with_context(|| format!("program {PROGRAM} missing from the eBPF object"))?;
+    Ok(program.try_into()?)
+}
+
+/// Opens the events of every thread of `pid`: threads started while this runs are found by a
+/// second look (or inherit the event of the thread that started them).
+pub fn open(ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<Vec<OwnedFd>> {
+    let program = program(ebpf)?.fd()?.as_fd().as_raw_fd();
+    let (mut events, mut seen) = (Vec::new(), HashSet::new());
+    loop {
+        let threads = threads(pid).with_context(|| format!("listing the threads of pid {pid}"))?;
+        let new: Vec<u32> = threads.into_iter().filter(|tid| seen.insert(*tid)).collect();
+        if new.is_empty() {
+            break;
+        }
+        for tid in new {
+            match open_one(tid, program) {
+                Ok(fd) => events.push(fd),
+                // A thread that exited meanwhile.
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(err) => return Err(err).with_context(|| format!("opening the page-fault event of thread {tid}")),
+            }
+        }
+    }
+    Ok(events)
+}
+
+fn threads(pid: u32) -> io::Result<Vec<u32>> {
+    let dir = std::fs::read_dir(format!("{}/task", procfs::dir(pid)))?;
+    Ok(dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()).collect())
+}
+
+fn open_one(tid: u32, program: i32) -> io::Result<OwnedFd> {
+    let attr = PerfEventAttr {
+        kind: PERF_TYPE_SOFTWARE,
+        size: std::mem::size_of::<PerfEventAttr>() as u32,
+        config: PERF_COUNT_SW_PAGE_FAULTS,
+        // The program runs at every fault.
+        sample_period: 1,
+        flags: INHERIT | INHERIT_THREAD,
+        ..PerfEventAttr::default()
+    };
+    // SAFETY: perf_event_open with a valid attribute struct of the size it states; no group.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_perf_event_open, &attr as *const PerfEventAttr, tid as libc::pid_t, -1, -1, FD_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the ioctl takes a program descriptor by value.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), PERF_EVENT_IOC_SET_BPF, program) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}

@@ -1,0 +1,68 @@
+//! `--growth`: a traced process's heap seen by its page faults instead of its allocator calls.
+//! The daemon opens a page-fault software event on each of the process's threads (inherited by
+//! the threads and children they start) with this program on it; the program walks the stack of
+//! each fault and sends the page to the daemon through `mapping`'s ring, which keeps each page
+//! with the stack that first touched it until the process gives it back. Its cost follows the
+//! pages a process touches for the first time, not its allocator calls.
+
+use core::mem::offset_of;
+
+use aya_ebpf::{
+    bindings::{bpf_perf_event_data, pt_regs},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_ktime_get_ns, bpf_task_pt_regs},
+    macros::perf_event,
+    programs::PerfEventContext,
+    EbpfContext,
+};
+use profiler_common::stack_table;
+
+use crate::{
+    mapping, process,
+    shared::kernel_word,
+    unwind::{self, Regs, TakenReturns},
+};
+
+const PAGE_MASK: u64 = !4095;
+
+/// A fault this close to the stack pointer is the thread's stack growing, not its heap: below it
+/// by a red zone and a frame being set up, above it by the frames of its callers.
+const STACK_BELOW: u64 = 64 * 1024;
+const STACK_ABOVE: u64 = 256 * 1024;
+
+#[perf_event]
+pub fn page_fault(ctx: PerfEventContext) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // Children the event was inherited by and memprof does not follow.
+    if !process::traced(tgid) {
+        return 0;
+    }
+    let data = ctx.as_ptr() as *const bpf_perf_event_data;
+    // SAFETY: the context is the running program's.
+    let (addr, from_user) = unsafe { ((*data).addr, (*data).regs.cs & 3 == 3) };
+    // The thread's user registers, saved where it entered the kernel: the fault's own for a
+    // fault in user code, the system call's for one in the kernel copying to or from the process.
+    // SAFETY: helpers on the current task, which lives while the program runs.
+    let user = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as u64;
+    let word = |field: usize| kernel_word(user, field as u32);
+    let (pc, sp) = (word(offset_of!(pt_regs, rip)), word(offset_of!(pt_regs, rsp)));
+    let on_stack = addr >= sp.saturating_sub(STACK_BELOW) && addr < sp.saturating_add(STACK_ABOVE);
+    // Code read in from its file at its first run.
+    if on_stack || addr & PAGE_MASK == pc & PAGE_MASK || user == 0 {
+        return 0;
+    }
+    let regs = Regs {
+        pc,
+        sp,
+        bp: word(offset_of!(pt_regs, rbp)),
+        // In a system call, the instruction after `syscall`.
+        pc_is_return: !from_user,
+        // No allocator probes in such a process: no return address was taken.
+        taken: TakenReturns::NONE,
+        counts_cuts: true,
+    };
+    let stack_id = unwind::stack_id(stack_table::ALLOCATIONS, tgid, regs);
+    // SAFETY: a helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    mapping::send_fault(tgid, addr & PAGE_MASK, stack_id, now);
+    0
+}

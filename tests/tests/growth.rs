@@ -1,0 +1,73 @@
+//! `--growth`: the heap traced by the pages it grows into, on a fixture with known truth, on
+//! glibc and on jemalloc, under `run` and `attach`. The mode's stated error: a stack holds the
+//! pages it touched first, so a site's bytes are its blocks' bytes in whole pages, give or take
+//! the pages its blocks share with others (here a page or two of block headers), and with the
+//! pages the allocator touched for them (its own metadata: none on glibc here, 105 pages for
+//! jemalloc's 100 extents).
+
+use memprof_tests::{attach, fixture, fixture_with, run, through, Outcome, Waiting};
+use serde_json::Value;
+
+const PAGE: u64 = 4096;
+/// `leak_pages` keeps 100 blocks of 64 KiB, written whole.
+const LEAKED: u64 = 100 * 64 * 1024;
+/// What the mode's stated error allows here: the pages shared with others, and a tenth more for
+/// the allocator's metadata.
+const SLACK: u64 = 3 * PAGE;
+const METADATA: u64 = LEAKED / 10;
+
+fn jemalloc_fixture() -> std::path::PathBuf {
+    let flags = ["-g", "-O2", "-fno-omit-frame-pointer", "-Wl,--no-as-needed", "-ljemalloc"];
+    fixture_with("growth.c", "growth_jemalloc", &flags)
+}
+
+fn assert_growth(outcome: &Outcome) {
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["growth"]["outside_pages"].as_u64().map(|_| ()), Some(()), "the report says its mode: {report}");
+    let (leaked, pages) = through(&report, "leak_pages");
+    let allowed = LEAKED - SLACK..=LEAKED + SLACK + METADATA;
+    assert!(allowed.contains(&leaked), "leak_pages holds {leaked} bytes, truth {LEAKED}: {report}");
+    assert_eq!(pages * PAGE, leaked, "a count is a page");
+    let (churned, _) = through(&report, "churn");
+    assert!(churned <= 2 * PAGE, "churn reuses its page: it holds {churned} bytes");
+    let top: &Value = &report["stacks"][0];
+    let frames = top["frames"].as_array().expect("frames");
+    assert!(frames.iter().any(|f| f["function"] == "leak_pages"), "the top stack is the leak's: {top}");
+    assert_eq!(report["totals"]["unknown_frees"], 0);
+}
+
+#[test]
+fn run_sees_the_leaking_site_on_glibc() {
+    assert_growth(&run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap()]));
+}
+
+#[test]
+fn run_sees_the_leaking_site_on_jemalloc() {
+    assert_growth(&run(&["--growth", "--interval", "60"], &[jemalloc_fixture().to_str().unwrap()]));
+}
+
+#[test]
+fn attach_sees_the_leaking_site_on_glibc_and_jemalloc() {
+    for fixture in [fixture("growth"), jemalloc_fixture()] {
+        let mut target = Waiting::start(&fixture, &[]);
+        assert_growth(&attach(&mut target, &["--growth", "--interval", "60"]));
+    }
+}
+
+#[test]
+fn the_table_says_what_growth_mode_sees() {
+    let output = std::process::Command::new(memprof_tests::memprof_bin())
+        .args(["run", "--growth", "--interval", "60", "--", fixture("growth").to_str().unwrap()])
+        .output()
+        .expect("starting memprof");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("growth: pages of anonymous memory by the stack that first touched each"), "{stdout}");
+}
+
+#[test]
+fn growth_and_sampling_do_not_mix() {
+    let outcome = memprof_tests::memprof(&["run", "--growth", "--sample-bytes", "4096", "--", "true"]);
+    assert_eq!(outcome.status.code(), Some(2), "{outcome:?}");
+    assert!(outcome.stderr.contains("cannot be used with"), "{}", outcome.stderr);
+}
