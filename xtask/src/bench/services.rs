@@ -1,5 +1,5 @@
 //! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
-//! under memprof attached to it (exact and sampled) and heaptrack (restarted under it), the runs
+//! under memprof attached to it (exact, sampled and growth mode) and heaptrack (restarted under it), the runs
 //! interleaved so that a change in the machine's load falls on every mode alike.
 
 use std::{
@@ -33,10 +33,11 @@ enum How {
     Heaptrack,
 }
 
-const MODES: [Mode; 4] = [
+const MODES: [Mode; 5] = [
     Mode { name: "none", how: How::Untraced },
     Mode { name: "memprof attach (exact)", how: How::Attached(&[]) },
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
+    Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
     Mode { name: "heaptrack (LD_PRELOAD, restarted)", how: How::Heaptrack },
 ];
 
