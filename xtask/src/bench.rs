@@ -143,7 +143,7 @@ fn only_rest(size: Size) -> anyhow::Result<()> {
 
 /// The real services alone, written over (or added as) their section of the report.
 fn only_services(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "redis-server", "redis-tools"])?;
+    setup::debian_packages(&["heaptrack", "python3", "redis-server", "redis-tools"])?;
     let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");

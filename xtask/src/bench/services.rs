@@ -1,6 +1,7 @@
 //! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
-//! under memprof attached to it (exact, sampled and growth mode) and heaptrack (restarted under it), the runs
-//! interleaved so that a change in the machine's load falls on every mode alike.
+//! under memprof attached to it (exact, sampled and growth mode) and heaptrack (restarted under
+//! it); and Debian's python3 building a dict, untraced and under `memprof run` in each mode and
+//! heaptrack. The runs interleaved so that a change in the machine's load falls on every mode alike.
 
 use std::{
     fmt::Write as _,
@@ -41,9 +42,26 @@ const MODES: [Mode; 5] = [
     Mode { name: "heaptrack (LD_PRELOAD, restarted)", how: How::Heaptrack },
 ];
 
+/// python3's modes: `memprof run` with these options, or none (untraced), or heaptrack.
+const PYTHON_MODES: [(&str, Option<&[&str]>); 5] = [
+    ("none", None),
+    ("memprof run (exact)", Some(&[])),
+    ("memprof run --sample-bytes 524288", Some(&["--sample-bytes", "524288"])),
+    ("memprof run --growth", Some(&["--growth"])),
+    ("heaptrack", None),
+];
+
+/// The dict's build, timed by python itself (memprof's start is not in it), written to argv[1].
+const PYTHON_SCRIPT: &str = "import sys, time\n\
+t = time.perf_counter()\n\
+d = {str(i): str(i) * 3 for i in range(200000)}\n\
+open(sys.argv[1], 'w').write(str(time.perf_counter() - t))\n";
+
 pub struct Measured {
     /// SET requests a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
+    /// python3's seconds, each mode's runs in order.
+    python: Vec<Vec<f64>>,
     requests: u64,
     /// When, as `date -u` prints it.
     date: String,
@@ -58,14 +76,54 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
     let date = String::from_utf8_lossy(&date.stdout).trim().to_string();
     let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
+    let mut python = vec![Vec::new(); PYTHON_MODES.len()];
     for _ in 0..size.runs {
         for (mode, runs) in MODES.iter().zip(&mut runs) {
             let rate = one_run(mode, memprof, dir, requests).with_context(|| format!("redis under {}", mode.name))?;
             eprintln!("xtask bench: redis SET under {:<40} {rate:>9.0} requests/s", mode.name);
             runs.push(rate);
         }
+        for (index, seconds) in python.iter_mut().enumerate() {
+            let (name, _) = PYTHON_MODES[index];
+            let took = python_run(index, memprof, dir).with_context(|| format!("python3 under {name}"))?;
+            eprintln!("xtask bench: python3's dict under {name:<40} {took:>9.3} s");
+            seconds.push(took);
+        }
     }
-    Ok(Measured { runs, requests, date, load_before, load_after: load_average() })
+    Ok(Measured { runs, python, requests, date, load_before, load_after: load_average() })
+}
+
+/// One run of python3's dict under `PYTHON_MODES[index]`: the build's seconds.
+fn python_run(index: usize, memprof: &Path, dir: &Path) -> anyhow::Result<f64> {
+    let script = dir.join("dict.py");
+    std::fs::write(&script, PYTHON_SCRIPT)?;
+    let out = dir.join("dict.seconds");
+    let _ = std::fs::remove_file(&out);
+    let python = ["python3".to_string(), script.display().to_string(), out.display().to_string()];
+    let mut command = match PYTHON_MODES[index] {
+        ("heaptrack", _) => {
+            let mut command = Command::new("heaptrack");
+            command.args(["-o", &dir.join("heaptrack.python").display().to_string()]);
+            command
+        }
+        (_, Some(options)) => {
+            let mut command = Command::new(memprof);
+            command.args(["run", "--interval", "60", "--output", "/dev/null"]).args(options).arg("--");
+            command
+        }
+        // Untraced: `env` runs it as it is.
+        _ => Command::new("env"),
+    };
+    let status = command.args(&python).stdout(Stdio::null()).stderr(Stdio::null()).status()?;
+    read_seconds(status, &out)
+}
+
+fn read_seconds(status: std::process::ExitStatus, out: &Path) -> anyhow::Result<f64> {
+    if !status.success() {
+        bail!("exited with {status}");
+    }
+    let text = std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+    text.trim().parse().with_context(|| format!("python3 wrote `{text}`"))
 }
 
 fn load_average() -> String {
@@ -190,6 +248,17 @@ pub fn render(measured: &Measured) -> String {
         let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
         let median = median(runs);
         let _ = writeln!(out, "| {} | {} | {median:.0} | {:.2} |", mode.name, list.join(", "), median / untraced);
+    }
+    out.push_str(
+        "\nDebian's python3 building a dict of 200,000 strings (`{str(i): str(i) * 3 ...}`), timed by \
+         python itself (memprof's start and report are not in it), in the same rounds.\n\n",
+    );
+    out.push_str("| mode | seconds (runs) | median | untraced ÷ traced |\n|---|---|---:|---:|\n");
+    let untraced = median(&measured.python[0]);
+    for ((name, _), runs) in PYTHON_MODES.iter().zip(&measured.python) {
+        let list: Vec<String> = runs.iter().map(|r| format!("{r:.3}")).collect();
+        let median = median(runs);
+        let _ = writeln!(out, "| {name} | {} | {median:.3} | {:.2} |", list.join(", "), untraced / median);
     }
     out
 }

@@ -20,7 +20,7 @@ function summarySection(report) {
   // Drops of no process in particular (the per-process table was full) are listed apart.
   const unattributed = Object.entries(report.unattributed_dropped || {});
   const lost = Object.values(report.dropped).concat(unattributed.map(([, n]) => n)).reduce((sum, n) => sum + n, 0);
-  const recorded = report.sample_bytes ? 'Nothing was dropped.' : 'Nothing was dropped: every allocator call was recorded.';
+  const recorded = report.sample_bytes || report.growth ? 'Nothing was dropped.' : 'Nothing was dropped: every allocator call was recorded.';
   const dropped = Object.entries(report.dropped).map(([reason, count]) =>
     el('tr', { class: count > 0 ? 'bad' : undefined }, el('th', {}, reason), num(grouped(count), { 'data-key': reason })))
     .concat(unattributed.map(([reason, count]) =>
@@ -208,7 +208,9 @@ function render() {
       el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
       context(report),
       report.sample_bytes ? el('p', { id: 'sampling', class: 'bad' },
-        `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null),
+        `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null,
+      report.growth ? el('p', { id: 'growth', class: 'bad' },
+        `Growth mode: pages of anonymous memory by the stack that first touched each, not allocator calls; an allocation is a page (${grouped(report.growth.outside_pages)} pages touched outside it).`) : null),
     leakSection(report),
     inspectionSection(report),
     timelineSection(report),
