@@ -9,7 +9,7 @@ use super::{access, server};
 use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
-    heap::sampling::{self, Sampling},
+    heap::sampling::{self, MaxRate, Sampling},
     heap::wrappers::Wrappers,
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
@@ -174,15 +174,15 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     };
     cli::leak_window(&leak.window.to_string()).map_err(|e| ConfigError::Value("leak_window", e))?;
     cli::leak_threshold(&leak.threshold.to_string()).map_err(|e| ConfigError::Value("leak_threshold", e))?;
+    if file.max_rate == Some(0) {
+        return Err(ConfigError::Value("max_rate", "0 would sample every process at once; give at least 1".into()));
+    }
     let sampling = Sampling {
         sample_bytes: args.sampling.sample_bytes.or(file.sample_bytes),
-        max_rate: args.sampling.max_rate.or(file.max_rate),
+        max_rate: args.sampling.max_rate.or(file.max_rate.map(MaxRate::Calls)),
     };
     if let Some(bytes) = sampling.sample_bytes {
         sampling::sample_bytes(&bytes.to_string()).map_err(|e| ConfigError::Value("sample_bytes", e))?;
-    }
-    if sampling.max_rate == Some(0) {
-        return Err(ConfigError::Value("max_rate", "0 would sample every process at once; give at least 1".into()));
     }
     let max_targets = args.max_targets.or(file.max_targets).unwrap_or(DEFAULT_MAX_TARGETS);
     if max_targets == 0 {
