@@ -137,7 +137,7 @@ impl Price {
 }
 
 /// `n` with its thousands set apart by commas.
-fn grouped(n: u64) -> String {
+pub fn grouped(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, digit) in digits.chars().enumerate() {

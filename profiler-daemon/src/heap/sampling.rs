@@ -6,7 +6,7 @@
 
 use clap::Args;
 
-use crate::kernel::aggregate::Snapshot;
+use crate::{heap::price::grouped, kernel::aggregate::Snapshot};
 
 /// The mean bytes between samples when `--max-rate` switches a process without `--sample-bytes`.
 pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
@@ -95,14 +95,14 @@ impl Switch {
     /// What memprof says when it makes the switch: one line, with the way back when the limit
     /// was not asked for.
     pub fn line(&self, pid: u32) -> String {
-        let calls = self.calls_per_second;
+        let calls = grouped(self.calls_per_second.round() as u64);
         let bytes = self.sample_bytes;
         match self.max_rate {
             MaxRate::AttachDefault => format!(
-                "memprof: pid {pid} makes {calls:.0} allocator calls a second, more than --max-rate {ATTACH_MAX_RATE} (attach's default): sampling one in every {bytes} bytes from now on; --max-rate off records every call"
+                "memprof: pid {pid} makes {calls} allocator calls a second, more than --max-rate {ATTACH_MAX_RATE} (attach's default): sampling one in every {bytes} bytes from now on; --max-rate off records every call"
             ),
             _ => format!(
-                "memprof: pid {pid} makes {calls:.0} allocator calls a second, more than --max-rate: sampling one in every {bytes} bytes from now on"
+                "memprof: pid {pid} makes {calls} allocator calls a second, more than --max-rate: sampling one in every {bytes} bytes from now on"
             ),
         }
     }
