@@ -362,7 +362,8 @@ impl Tracer<'_> {
         Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, is_final && only.is_none())?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
-            if let Some(switch) = process.rate_guard.check(snapshot) {
+            // A final read switches nothing: the tracing ends.
+            if let Some(switch) = process.rate_guard.check(snapshot).filter(|_| !is_final) {
                 switches.push((process.pid, switch));
             }
             let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
