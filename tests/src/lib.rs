@@ -195,9 +195,15 @@ pub fn attach_pid(target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
 }
 
 /// `attach_pid` with memprof started by `memprof`: an installed copy, or memprof under `setpriv`.
+/// Every call is recorded (`--max-rate off`) unless `args` set a rate: the tests check exact
+/// counts, which attach's default would sample away on a busy fixture.
 pub fn attach_with(mut memprof: Command, target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
     let pid = pid.to_string();
-    memprof.args(["attach", "--pid", &pid, "--json"]).args(args).stdin(Stdio::null());
+    memprof.args(["attach", "--pid", &pid, "--json"]);
+    if !args.contains(&"--max-rate") {
+        memprof.args(["--max-rate", "off"]);
+    }
+    memprof.args(args).stdin(Stdio::null());
     released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go())
 }
 
@@ -404,6 +410,10 @@ impl Daemon {
             memprof.arg("daemon").arg("--socket").arg(&socket);
         } else {
             memprof.arg("daemon");
+        }
+        // Every call recorded unless `args` choose (see `attach_with`).
+        if !args.iter().any(|arg| ["--max-rate", "--growth"].contains(arg)) {
+            memprof.args(["--max-rate", "off"]);
         }
         let mut child = memprof
             .args(["--listen", &listen, "--interval", "1"])

@@ -57,7 +57,19 @@ fn memprof_killed_at_any_moment_of_an_inspection_leaves_the_target_as_it_was() {
         let mut target = Waiting::start(&fixture, &["--big"]);
         let pid = target.pid();
         let mut memprof = Command::new(memprof_bin())
-            .args(["attach", "--pid", &pid.to_string(), "--json", "--inspect", "--duration", "1", "--interval", "1"])
+            .args([
+                "attach",
+                "--pid",
+                &pid.to_string(),
+                "--max-rate",
+                "off",
+                "--json",
+                "--inspect",
+                "--duration",
+                "1",
+                "--interval",
+                "1",
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

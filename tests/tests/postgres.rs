@@ -83,7 +83,9 @@ fn every_postgres_session_is_followed_or_counted_and_each_backend_is_named_and_s
     let pid = postmaster.to_string();
     // At default settings: the unwind tables grow to postgres's 42 libraries.
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "1"]).stdin(Stdio::null());
+    memprof
+        .args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "1"])
+        .stdin(Stdio::null());
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
         for n in 0..SESSIONS {
             cluster.session(n);

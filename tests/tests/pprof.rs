@@ -494,7 +494,7 @@ fn an_inspection_gives_each_class_a_sample_type() {
     let mut target = Waiting::start(&program, &[]);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--format", "pprof", "-o", &profile, "--inspect"]);
+    memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--format", "pprof", "-o", &profile, "--inspect"]);
     memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
     assert!(outcome.status.success(), "{outcome:?}");

@@ -76,7 +76,7 @@ fn attach_follows_an_exec() {
     // The first "go" goes to the fixture once memprof traces it, the second once memprof has
     // probed the program it exec'd (which says "ready" again and waits).
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "0.2"]);
+    memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--json", "--interval", "0.2"]);
     let markers = [format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (")];
     let outcome = released(memprof, &markers, |_| target.go());
     let report = outcome.final_report();
@@ -109,7 +109,7 @@ fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
     let mut target = Waiting::start(&fixture("process_life"), &["fork-churn"]);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2"]);
+    memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "0.2"]);
     // The parent forks once traced; the child churns while memprof attaches to it, then leaks
     // once told to (the second "go").
     let markers = [format!("memprof: tracing pid {pid} "), format!("child of pid {pid}")];
@@ -137,7 +137,19 @@ fn attach_follows_the_children_that_exist_at_attach() {
     let mut memprof = Command::new(memprof_bin());
     // The duration only ends a memprof that never follows them, which would leave the test
     // waiting for their lines: it ends with the fixture otherwise.
-    memprof.args(["attach", "--pid", &pid, "--follow-forks", "--json", "--interval", "0.2", "--duration", "60"]);
+    memprof.args([
+        "attach",
+        "--pid",
+        &pid,
+        "--max-rate",
+        "off",
+        "--follow-forks",
+        "--json",
+        "--interval",
+        "0.2",
+        "--duration",
+        "60",
+    ]);
     // Released once both are traced: the child's line, then the grandchild's.
     let markers = [format!("child of pid {pid}"), "child of pid ".to_string()];
     let mut seen = 0;

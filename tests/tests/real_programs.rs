@@ -129,7 +129,19 @@ fn redis_server_inspected_while_it_serves_runs_on_unharmed() {
             acknowledged
         });
         let mut memprof = Command::new(memprof_bin());
-        memprof.args(["attach", "--pid", &pid, "--json", "--inspect", "--duration", "2", "--interval", "1"]);
+        memprof.args([
+            "attach",
+            "--pid",
+            &pid,
+            "--max-rate",
+            "off",
+            "--json",
+            "--inspect",
+            "--duration",
+            "2",
+            "--interval",
+            "1",
+        ]);
         let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| client.set_keys(KEYS..2 * KEYS));
         stop.store(true, Ordering::Relaxed);
         (outcome, counter.join().expect("the counting client"))

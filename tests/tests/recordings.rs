@@ -20,7 +20,7 @@ fn temp_path(name: &str) -> PathBuf {
 /// released.
 fn attach_running(target: &mut Waiting, args: &[&str]) -> Child {
     let mut memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &target.pid().to_string(), "--interval", "0.2"])
+        .args(["attach", "--pid", &target.pid().to_string(), "--max-rate", "off", "--interval", "0.2"])
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

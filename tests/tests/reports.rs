@@ -398,7 +398,18 @@ fn the_html_report_shows_what_an_inspection_found() {
     let mut target = Waiting::start(&program, &[]);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--format", "html", "-o", page.to_str().unwrap(), "--inspect"]);
+    memprof.args([
+        "attach",
+        "--pid",
+        &pid,
+        "--max-rate",
+        "off",
+        "--format",
+        "html",
+        "-o",
+        page.to_str().unwrap(),
+        "--inspect",
+    ]);
     memprof.args(["--duration", "2", "--interval", "1"]).stdin(Stdio::null());
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
     assert!(outcome.status.success(), "{outcome:?}");

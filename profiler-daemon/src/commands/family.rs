@@ -13,9 +13,11 @@ use tokio::sync::mpsc;
 use crate::{
     commands::target::ExitWatch,
     heap::leak::{LeakSettings, LeakTracker},
+    heap::price::PriceWatch,
     heap::report::{DoubleFreeReport, Forks, Report},
     heap::sampling::{RateGuard, Sampling},
     heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    kernel::aggregate::monotonic_now_ns,
     kernel::loader::{Attachment, Loaded},
     process::allocator::{self, Allocator},
     process::procfs,
@@ -39,6 +41,8 @@ pub struct Process {
     allocator: Option<Allocator>,
     pub double_free_filter: Option<DoubleFreeFilter>,
     pub rate_guard: RateGuard,
+    /// Until its price is said, after its first second traced.
+    pub price: Option<PriceWatch>,
     pub leaks: LeakTracker,
     pub double_frees: Vec<DoubleFreeReport>,
     /// What memprof does not see in it; none until its allocator is probed.
@@ -76,7 +80,9 @@ impl Process {
             exe,
             attachment,
             allocator: Some(allocator),
-            rate_guard: RateGuard::new(settings.0),
+            // Its counts start now: its probes are attached.
+            rate_guard: RateGuard::starting(settings.0, monotonic_now_ns()),
+            price: PriceWatch::start(pid, None),
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),
             expect_exec,

@@ -1,6 +1,6 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
-use std::{io, num::NonZeroU32, time::Duration};
+use std::{collections::HashMap, io, num::NonZeroU32, time::Duration};
 
 use std::os::fd::AsFd as _;
 
@@ -20,8 +20,10 @@ use crate::{
     format::{self, Format},
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
+    heap::price::{Mode, PriceWatch, SystemCpu},
     heap::report::{self, Report, Selection},
     heap::resident::{PinnedBudget, Resident},
+    heap::sampling::Switch,
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -32,6 +34,9 @@ use crate::{
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
 pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
+    // A process attached to is a running one, maybe a busy service: sampled above a rate unless
+    // asked otherwise.
+    let args = &TraceArgs { sampling: args.sampling.for_attach(), ..args.clone() };
     let opened = Opened::open(args)?;
     let pid_n = pid.get();
     if pid_n == std::process::id() {
@@ -41,11 +46,15 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
     let allocator = allocator::find(pid_n)?;
+    // Its system time untraced, over the time memprof takes to load: what tracing adds is
+    // measured against it.
+    let untraced_from = SystemCpu::read(pid_n);
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(false);
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
+    let untraced = untraced_from.zip(SystemCpu::read(pid_n)).and_then(|(from, to)| to.rate_since(&from));
     let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
     let mut exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
@@ -57,7 +66,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Everything read from /proc before saying "tracing": a process that was waiting for it (a
     // test, a script) may exit at once.
     let probes = attachment.probes();
-    let root = Process::new(
+    let mut root = Process::new(
         pid_n,
         comm.clone(),
         procfs::exe_path(pid_n),
@@ -66,6 +75,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         settings(args),
         false,
     );
+    root.price = PriceWatch::start(pid_n, untraced);
     announce(pid_n, &comm, probes, &allocator);
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
@@ -358,7 +368,8 @@ impl Tracer<'_> {
         Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, is_final && only.is_none())?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
-            if let Some(switch) = process.rate_guard.check(snapshot) {
+            // A final read switches nothing: the tracing ends.
+            if let Some(switch) = process.rate_guard.check(snapshot).filter(|_| !is_final) {
                 switches.push((process.pid, switch));
             }
             let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
@@ -372,11 +383,7 @@ impl Tracer<'_> {
             }
         }
         for (pid, switch) in switches {
-            self.loaded.sample(pid, switch.sample_bytes)?;
-            eprintln!(
-                "memprof: pid {pid} makes {:.0} allocator calls a second, more than --max-rate: sampling one in every {} bytes from now on",
-                switch.calls_per_second, switch.sample_bytes
-            );
+            self.switch(pid, switch)?;
         }
         let format = self.args.output.format();
         if !is_final && !format.streams() && !self.recording {
@@ -429,6 +436,59 @@ impl Tracer<'_> {
         root.context = Some(self.context.clone());
         root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
         Ok(Some(root))
+    }
+
+    /// Samples `pid` from now on, and says so.
+    fn switch(&mut self, pid: u32, switch: Switch) -> anyhow::Result<()> {
+        self.loaded.sample(pid, switch.sample_bytes)?;
+        eprintln!("{}", switch.line(pid));
+        Ok(())
+    }
+
+    /// When the next process's price is due (CLOCK_MONOTONIC, ns), if any is still to be said.
+    fn next_price_ns(&self) -> Option<u64> {
+        self.family.processes().filter_map(|p| p.price.map(|watch| watch.due_ns())).min()
+    }
+
+    /// Says the price of each process traced for a second now: the root's always, a followed
+    /// child's when it is worth saving (a build's compilers would fill the terminal otherwise).
+    /// The count read for it is checked against `--max-rate` too, so that a busy process is
+    /// switched to sampling after its first second, not its first intervals.
+    fn say_prices(&mut self) -> anyhow::Result<()> {
+        let now_ns = aggregate::monotonic_now_ns();
+        // Taken whatever happens next: each price is said once at most.
+        let due: HashMap<u32, PriceWatch> = self
+            .family
+            .processes_mut()
+            .filter(|p| p.price.is_some_and(|watch| watch.due_ns() <= now_ns))
+            .filter_map(|p| Some((p.pid, p.price.take()?)))
+            .collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let calls = self.loaded.calls(&due.keys().copied().collect())?;
+        let root = self.family.root;
+        let mut switches = Vec::new();
+        for process in self.family.processes_mut() {
+            let (Some(watch), Some(count)) = (due.get(&process.pid), calls.get(&process.pid)) else { continue };
+            let Some(now) = SystemCpu::read(process.pid) else { continue };
+            let switch = process.rate_guard.check_calls(now.at_ns, count.calls, count.sample_bytes);
+            let mode = match (switch, count.sample_bytes) {
+                (Some(_), _) => Mode::Switched,
+                (None, 0) => Mode::Exact,
+                (None, _) => Mode::Sampled,
+            };
+            if let Some(price) = watch.price(process.pid, now, count.calls, mode) {
+                if process.pid == root || price.significant() {
+                    eprintln!("{}", price.line());
+                }
+            }
+            switches.extend(switch.map(|switch| (process.pid, switch)));
+        }
+        for (pid, switch) in switches {
+            self.switch(pid, switch)?;
+        }
+        Ok(())
     }
 
     /// A followed child exited: its last report is kept, its probes and map entries go.
@@ -509,7 +569,13 @@ async fn trace(
     };
 
     let code = loop {
+        let price_due = tracer.next_price_ns();
         tokio::select! {
+            () = until_monotonic(price_due) => {
+                if let Err(err) = tracer.say_prices() {
+                    tracing::warn!("saying the price of tracing: {err:#}");
+                }
+            }
             _ = ticks.tick() => {
                 tracer.collect(&mut double_free_reader);
                 tracer.family.flush(&mut tracer.loaded);
@@ -565,6 +631,16 @@ async fn trace(
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
     written.map(|_| Traced { code, leak_bytes })
+}
+
+/// Waits until CLOCK_MONOTONIC reaches `at_ns`; forever when none.
+async fn until_monotonic(at_ns: Option<u64>) {
+    match at_ns {
+        Some(at_ns) => {
+            tokio::time::sleep(Duration::from_nanos(at_ns.saturating_sub(aggregate::monotonic_now_ns()))).await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// Inspects the root process if it is still there; says why not otherwise.

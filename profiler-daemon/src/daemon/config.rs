@@ -9,7 +9,7 @@ use super::{access, server};
 use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
-    heap::sampling::{self, Sampling},
+    heap::sampling::{self, MaxRate, Sampling},
     heap::wrappers::Wrappers,
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
@@ -24,6 +24,14 @@ pub const DEFAULT_MAX_TARGETS: usize = 1000;
 
 /// Seconds between scans of /proc unless told (see `Config::resync`).
 const DEFAULT_RESYNC: f64 = 60.0;
+
+/// `max_rate` in the config file: a number of calls a second, or `off`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FileMaxRate {
+    Calls(u64),
+    Word(String),
+}
 
 /// The config file. Every field is optional; flags override fields.
 #[derive(Debug, Default, Deserialize)]
@@ -42,7 +50,7 @@ struct File {
     leak_window: Option<usize>,
     leak_threshold: Option<f64>,
     sample_bytes: Option<u64>,
-    max_rate: Option<u64>,
+    max_rate: Option<FileMaxRate>,
     growth: Option<bool>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
@@ -175,12 +183,21 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     };
     cli::leak_window(&leak.window.to_string()).map_err(|e| ConfigError::Value("leak_window", e))?;
     cli::leak_threshold(&leak.threshold.to_string()).map_err(|e| ConfigError::Value("leak_threshold", e))?;
+    let file_max_rate = match &file.max_rate {
+        Some(FileMaxRate::Calls(n)) => Some(sampling::max_rate(&n.to_string())),
+        Some(FileMaxRate::Word(word)) => Some(sampling::max_rate(word)),
+        None => None,
+    };
+    let file_max_rate = file_max_rate.transpose().map_err(|e| ConfigError::Value("max_rate", e))?;
+    let growth = args.sampling.growth || file.growth.unwrap_or(false);
+    let given_max_rate = args.sampling.max_rate.or(file_max_rate);
     let sampling = Sampling {
         sample_bytes: args.sampling.sample_bytes.or(file.sample_bytes),
-        max_rate: args.sampling.max_rate.or(file.max_rate),
-        growth: args.sampling.growth || file.growth.unwrap_or(false),
+        // A busy process goes to growth mode unless told otherwise.
+        max_rate: given_max_rate.or((!growth).then_some(MaxRate::Default)),
+        growth,
     };
-    if sampling.growth && (sampling.sample_bytes.is_some() || sampling.max_rate.is_some()) {
+    if sampling.growth && (sampling.sample_bytes.is_some() || given_max_rate.is_some()) {
         return Err(ConfigError::Value(
             "growth",
             "traces pages, not allocator calls: drop sample_bytes and max_rate, or growth".into(),
@@ -188,9 +205,6 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     if let Some(bytes) = sampling.sample_bytes {
         sampling::sample_bytes(&bytes.to_string()).map_err(|e| ConfigError::Value("sample_bytes", e))?;
-    }
-    if sampling.max_rate == Some(0) {
-        return Err(ConfigError::Value("max_rate", "0 would sample every process at once; give at least 1".into()));
     }
     let max_targets = args.max_targets.or(file.max_targets).unwrap_or(DEFAULT_MAX_TARGETS);
     if max_targets == 0 {

@@ -1,4 +1,5 @@
-//! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions,
+//! Heap analysis on the kernel's snapshots: reports per stack, the leak rule, sampling decisions and
+//! the price of tracing (`price`),
 //! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability and C++
 //! types of a process held still (`inspect`, `types`), the allocation wrappers folded into the
 //! allocator (`wrappers`). Imports `kernel`,
@@ -16,6 +17,7 @@ pub mod known_stacks;
 pub mod leak;
 pub mod mappings;
 pub mod pinned;
+pub mod price;
 pub mod reachability;
 pub mod report;
 pub mod resident;

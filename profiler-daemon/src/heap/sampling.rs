@@ -6,7 +6,7 @@
 
 use clap::Args;
 
-use crate::kernel::aggregate::Snapshot;
+use crate::{heap::price::grouped, kernel::aggregate::Snapshot};
 
 /// The mean bytes between samples when `--max-rate` switches a process without `--sample-bytes`.
 pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
@@ -14,15 +14,21 @@ pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
 /// The largest `--sample-bytes`: 1 GiB.
 pub const MAX_SAMPLE_BYTES: u64 = 1 << 30;
 
+/// `--max-rate` when none is given to `attach` or the daemon: the rate at which tracing every call costs about a
+/// quarter of a core on the costliest service measured (README: The price of tracing).
+pub const DEFAULT_MAX_RATE: u64 = 50_000;
+
 #[derive(Debug, Args, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sampling {
     /// Record one allocation in every N bytes on average (unbiased estimates) instead of every
     /// call: far less work per call. Double frees are then not looked for.
     #[arg(long, value_name = "N", value_parser = sample_bytes)]
     pub sample_bytes: Option<u64>,
-    /// Switch a process to sampling when it makes more than N allocator calls a second.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_rate: Option<u64>,
+    /// Switch a process to sampling (the daemon: to growth mode) when it makes more than N
+    /// allocator calls a second; `off` records every call whatever the rate [default: 50000 for
+    /// attach and the daemon, off for run].
+    #[arg(long, value_name = "N|off", value_parser = max_rate)]
+    pub max_rate: Option<MaxRate>,
     /// Trace the heap by the pages it grows into, not by allocator calls: each page of anonymous
     /// memory with the stack that first touched it, until the process gives it back. Costs a
     /// trap per new page, none per call: for busy processes. Sees pages, not blocks: no counts
@@ -31,10 +37,51 @@ pub struct Sampling {
     pub growth: bool,
 }
 
+/// `--max-rate`: when a process is switched to sampling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxRate {
+    /// Never: every call is recorded (`--max-rate off`).
+    Off,
+    /// Above this many calls a second (`--max-rate N`).
+    Calls(u64),
+    /// Above `DEFAULT_MAX_RATE`: `attach` or the daemon given no `--max-rate`.
+    Default,
+}
+
+impl MaxRate {
+    /// Calls a second above which a process is sampled; none when never.
+    pub fn limit(self) -> Option<u64> {
+        match self {
+            MaxRate::Off => None,
+            MaxRate::Calls(n) => Some(n),
+            MaxRate::Default => Some(DEFAULT_MAX_RATE),
+        }
+    }
+}
+
+pub fn max_rate(value: &str) -> Result<MaxRate, String> {
+    match value.parse::<u64>() {
+        _ if value == "off" => Ok(MaxRate::Off),
+        Ok(n) if n >= 1 => Ok(MaxRate::Calls(n)),
+        _ => Err(format!("`{value}` is neither a number of calls a second (at least 1) nor `off`")),
+    }
+}
+
 pub fn sample_bytes(value: &str) -> Result<u64, String> {
     match value.parse::<u64>() {
         Ok(n) if (1..=MAX_SAMPLE_BYTES).contains(&n) => Ok(n),
         _ => Err(format!("`{value}` is not a number of bytes from 1 to {MAX_SAMPLE_BYTES}")),
+    }
+}
+
+impl Sampling {
+    /// `attach`'s: `--max-rate` at `DEFAULT_MAX_RATE` unless given (`off` included), or growth
+    /// mode, whose cost does not follow the calls.
+    pub fn for_attach(self) -> Self {
+        if self.growth {
+            return self;
+        }
+        Self { max_rate: Some(self.max_rate.unwrap_or(MaxRate::Default)), ..self }
     }
 }
 
@@ -52,11 +99,36 @@ pub struct RateGuard {
 pub struct Switch {
     pub calls_per_second: f64,
     pub sample_bytes: u64,
+    /// The `--max-rate` it was found above.
+    pub max_rate: MaxRate,
+}
+
+impl Switch {
+    /// What memprof says when it makes the switch: one line, with the way back when the limit
+    /// was not asked for.
+    pub fn line(&self, pid: u32) -> String {
+        let calls = grouped(self.calls_per_second.round() as u64);
+        let bytes = self.sample_bytes;
+        match self.max_rate {
+            MaxRate::Default => format!(
+                "memprof: pid {pid} makes {calls} allocator calls a second, more than --max-rate {DEFAULT_MAX_RATE} (the default): sampling one in every {bytes} bytes from now on; --max-rate off records every call"
+            ),
+            _ => format!(
+                "memprof: pid {pid} makes {calls} allocator calls a second, more than --max-rate: sampling one in every {bytes} bytes from now on"
+            ),
+        }
+    }
 }
 
 impl RateGuard {
     pub fn new(sampling: Sampling) -> Self {
         Self { sampling, last: None }
+    }
+
+    /// The guard of a process whose counts start at `start_ns` (its probes attached then): its
+    /// first check has a rate.
+    pub fn starting(sampling: Sampling, start_ns: u64) -> Self {
+        Self { sampling, last: Some((start_ns, 0)) }
     }
 
     /// The rate to sample a new process at from the start, if any.
@@ -67,17 +139,28 @@ impl RateGuard {
     /// Checks the process's calls since the last snapshot; returns the switch to make when it is
     /// above `--max-rate` and not sampled yet.
     pub fn check(&mut self, snapshot: &Snapshot) -> Option<Switch> {
-        let calls: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
-        let last = self.last.replace((snapshot.now_ns, calls));
-        let max_rate = self.sampling.max_rate?;
-        let (then_ns, then_calls) = last?;
-        if snapshot.sample_bytes != 0 || snapshot.growth.is_some() || snapshot.now_ns <= then_ns {
+        // Traced by its pages: its counts are pages, and nothing is cheaper.
+        if snapshot.growth.is_some() {
             return None;
         }
-        let calls_per_second = calls.saturating_sub(then_calls) as f64 * 1e9 / (snapshot.now_ns - then_ns) as f64;
-        (calls_per_second > max_rate as f64).then_some(Switch {
+        let calls: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
+        self.check_calls(snapshot.now_ns, calls, snapshot.sample_bytes)
+    }
+
+    /// `check` on a count of calls read at `now_ns`, with the process's current sampling rate.
+    pub fn check_calls(&mut self, now_ns: u64, calls: u64, sample_bytes: u64) -> Option<Switch> {
+        let last = self.last.replace((now_ns, calls));
+        let max_rate = self.sampling.max_rate?;
+        let limit = max_rate.limit()?;
+        let (then_ns, then_calls) = last?;
+        if sample_bytes != 0 || now_ns <= then_ns {
+            return None;
+        }
+        let calls_per_second = calls.saturating_sub(then_calls) as f64 * 1e9 / (now_ns - then_ns) as f64;
+        (calls_per_second > limit as f64).then_some(Switch {
             calls_per_second,
             sample_bytes: self.sampling.sample_bytes.unwrap_or(DEFAULT_SAMPLE_BYTES),
+            max_rate,
         })
     }
 }
@@ -95,11 +178,36 @@ mod tests {
 
     #[test]
     fn a_process_above_max_rate_is_switched_once_measured() {
-        let mut guard = RateGuard::new(Sampling { max_rate: Some(1000), ..Sampling::default() });
+        let max_rate = MaxRate::Calls(1000);
+        let mut guard = RateGuard::new(Sampling { max_rate: Some(max_rate), ..Sampling::default() });
         assert_eq!(guard.check(&snapshot(0, 0)), None, "no rate before two snapshots");
         assert_eq!(guard.check(&snapshot(1_000_000_000, 500)), None);
         let switch = guard.check(&snapshot(2_000_000_000, 5_500)).unwrap();
-        assert_eq!(switch, Switch { calls_per_second: 5000.0, sample_bytes: DEFAULT_SAMPLE_BYTES });
+        assert_eq!(switch, Switch { calls_per_second: 5000.0, sample_bytes: DEFAULT_SAMPLE_BYTES, max_rate });
+        assert!(switch.line(7).ends_with("more than --max-rate: sampling one in every 65536 bytes from now on"));
+    }
+
+    #[test]
+    fn attach_samples_a_busy_process_from_its_first_count_and_says_how_not_to() {
+        let sampling = Sampling::default().for_attach();
+        let mut guard = RateGuard::starting(sampling, 1_000_000_000);
+        let switch = guard.check_calls(2_000_000_000, DEFAULT_MAX_RATE + 1, 0).unwrap();
+        assert_eq!(switch.max_rate, MaxRate::Default);
+        assert!(switch.line(7).contains("more than --max-rate 50000 (the default)"), "{}", switch.line(7));
+        assert!(switch.line(7).ends_with("; --max-rate off records every call"));
+        let mut quiet = RateGuard::starting(sampling, 0);
+        assert_eq!(quiet.check_calls(1_000_000_000, DEFAULT_MAX_RATE, 0), None, "at the limit is not above it");
+    }
+
+    #[test]
+    fn max_rate_off_records_every_call() {
+        assert_eq!(max_rate("off"), Ok(MaxRate::Off));
+        assert_eq!(max_rate("20"), Ok(MaxRate::Calls(20)));
+        assert!(max_rate("0").is_err() && max_rate("fast").is_err());
+        let sampling = Sampling { max_rate: Some(MaxRate::Off), ..Sampling::default() }.for_attach();
+        assert_eq!(sampling.max_rate, Some(MaxRate::Off));
+        let mut guard = RateGuard::starting(sampling, 0);
+        assert_eq!(guard.check_calls(1_000_000_000, 1 << 40, 0), None);
     }
 
     #[test]

@@ -186,6 +186,31 @@ pub fn read<'a>(
     Ok(snapshot)
 }
 
+/// What a process has asked of its allocator since it was traced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Calls {
+    /// Allocations and frees (estimates when sampled).
+    pub calls: u64,
+    /// As `Snapshot::sample_bytes`.
+    pub sample_bytes: u64,
+}
+
+/// The allocator calls of each of `tgids` since it was traced: one walk of `STACK_STATS` and
+/// nothing else of `read`'s work (no ages, no histograms), for a count between intervals.
+pub fn calls(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, Calls>> {
+    let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
+    let mut calls: HashMap<u32, Calls> = tgids
+        .iter()
+        .map(|&tgid| (tgid, Calls { calls: 0, sample_bytes: sampling.get(&tgid, 0).unwrap_or(0) }))
+        .collect();
+    batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
+        if let Some(process) = calls.get_mut(&key.tgid) {
+            process.calls += unscale(stats.allocations) + unscale(stats.frees);
+        }
+    })?;
+    Ok(calls)
+}
+
 /// `stacks` with each stack the kernel deferred and memprof finished under the id the kernel
 /// would have given the whole stack, merged with that stack's own counts: one stack, one id, for
 /// the leak rule and the timelines as for the reports.

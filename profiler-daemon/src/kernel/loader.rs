@@ -1,6 +1,11 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
-use std::{collections::HashSet, fs, num::NonZeroU32, path::Path};
+use std::{
+    collections::{HashMap, HashSet},
+    fs,
+    num::NonZeroU32,
+    path::Path,
+};
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
@@ -468,6 +473,11 @@ impl Loaded {
             }
         }
         Ok(kernel)
+    }
+
+    /// The allocator calls of `tgids` so far (see `aggregate::calls`).
+    pub fn calls(&self, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, aggregate::Calls>> {
+        aggregate::calls(&self.ebpf, tgids)
     }
 
     /// How many processes the kernel reports execs and forks of, and how many of those events

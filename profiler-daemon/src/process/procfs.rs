@@ -37,6 +37,9 @@ pub struct Stat {
     pub start_time: u64,
     /// CPU time used, user and system, in clock ticks.
     pub cpu_ticks: u64,
+    /// The system part of `cpu_ticks`: the process's time in the kernel, where uprobe traps and
+    /// the BPF programs they run are counted.
+    pub system_ticks: u64,
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
@@ -63,11 +66,13 @@ fn task_stat(dir: &str) -> Option<Stat> {
     // Numbered as in proc(5): state is field 3, flags 9, starttime 22.
     let field = |n: usize| fields.get(n - 3).copied();
     let flags: u64 = field(9)?.parse().ok()?;
+    let system_ticks: u64 = field(15)?.parse().ok()?;
     Some(Stat {
         kernel_thread: flags & PF_KTHREAD != 0,
         zombie: matches!(field(3)?, "Z" | "X"),
         start_time: field(22)?.parse().ok()?,
-        cpu_ticks: field(14)?.parse::<u64>().ok()? + field(15)?.parse::<u64>().ok()?,
+        cpu_ticks: field(14)?.parse::<u64>().ok()? + system_ticks,
+        system_ticks,
     })
 }
 
@@ -129,7 +134,7 @@ pub fn has_env(pid: u32, entry: &str) -> bool {
     entry.split_once('=').is_some_and(|(name, value)| env(pid, name).as_deref() == Some(value))
 }
 
-/// The unit of `Stat::start_time` and `Stat::cpu_ticks`.
+/// The unit of `Stat::start_time`, `Stat::cpu_ticks` and `Stat::system_ticks`.
 pub fn clock_ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
@@ -465,7 +470,7 @@ mod tests {
     fn kernel_threads_and_missing_pids_are_refused() {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
         let own = stat(std::process::id()).unwrap();
-        assert!(!own.kernel_thread && !own.zombie && own.start_time > 0);
+        assert!(!own.kernel_thread && !own.zombie && own.start_time > 0 && own.system_ticks <= own.cpu_ticks);
         assert!(resident_bytes(std::process::id()) > 0);
         // statm's difference is status's RssAnon (read apart, so a few pages may move between).
         let status = read_text("/proc/self/status").unwrap();

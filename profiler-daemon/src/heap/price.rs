@@ -1,0 +1,233 @@
+//! The price of tracing a process, said once after its first second traced: how often it calls
+//! its allocator, the CPU time tracing adds to each second of its run, and the cheaper mode to
+//! use when that time is worth saving.
+//!
+//! The probes' traps and the programs they run take the process's own kernel time, so the price
+//! is measured where it is paid: the rise of the process's system time once traced, against its
+//! system time before (`attach` reads it while memprof loads). A process traced from its start
+//! (`run`'s command, a followed child) has no before: its whole system time is said. The kernel
+//! splits time between user and system by where its timer tick lands, and some of the traps'
+//! time lands in user time: the price said is the part the system time shows (README: The price
+//! of tracing).
+
+use crate::{kernel::aggregate::monotonic_now_ns, process::procfs};
+
+/// How long a process is traced before its price is said.
+pub const MEASURED_NS: u64 = 1_000_000_000;
+
+/// CPU seconds a second above which tracing's price is worth a cheaper mode: a twentieth of a
+/// core.
+pub const SIGNIFICANT: f64 = 0.05;
+
+/// The shortest stretch a system time rate is taken over: the kernel counts that time in clock
+/// ticks, and a shorter stretch holds too few of them to say anything.
+const SHORTEST_NS: u64 = 200_000_000;
+
+/// What the cheaper modes cost, said when the price is worth saving.
+const ADVICE: &str =
+    "--sample-bytes 524288 costs a fraction of that, --growth (heap growth by page, any rate) nearly nothing";
+
+/// A process's system time (its threads' time in the kernel) read at one moment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SystemCpu {
+    /// CLOCK_MONOTONIC when read, in ns.
+    pub at_ns: u64,
+    pub seconds: f64,
+}
+
+impl SystemCpu {
+    /// None once the process is gone.
+    pub fn read(pid: u32) -> Option<Self> {
+        let stat = procfs::stat(pid)?;
+        Some(Self { at_ns: monotonic_now_ns(), seconds: stat.system_ticks as f64 / procfs::clock_ticks_per_second() })
+    }
+
+    /// System seconds a second from `earlier` to this; none over too short a stretch.
+    pub fn rate_since(&self, earlier: &Self) -> Option<f64> {
+        let ns = self.at_ns.checked_sub(earlier.at_ns).filter(|&ns| ns >= SHORTEST_NS)?;
+        Some((self.seconds - earlier.seconds).max(0.0) * 1e9 / ns as f64)
+    }
+}
+
+/// How a process's calls are recorded when its price is said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every call, and on from now.
+    Exact,
+    /// One allocation in every so many bytes (the call rate is an estimate).
+    Sampled,
+    /// Every call so far, sampled from now on (`--max-rate`, which says so in a line of its own).
+    Switched,
+}
+
+/// A traced process whose price is not said yet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PriceWatch {
+    /// Its system time when tracing began.
+    start: SystemCpu,
+    /// Its system seconds a second before tracing, when measured.
+    before: Option<f64>,
+}
+
+impl PriceWatch {
+    /// Starts watching `pid`, whose tracing begins now; none once it is gone.
+    pub fn start(pid: u32, before: Option<f64>) -> Option<Self> {
+        Some(Self { start: SystemCpu::read(pid)?, before })
+    }
+
+    /// When the price is to be said (CLOCK_MONOTONIC, ns).
+    pub fn due_ns(&self) -> u64 {
+        self.start.at_ns + MEASURED_NS
+    }
+
+    /// The price of `pid`, which has made `calls` allocator calls since tracing began and whose
+    /// system time is `now`.
+    pub fn price(&self, pid: u32, now: SystemCpu, calls: u64, mode: Mode) -> Option<Price> {
+        let traced = now.rate_since(&self.start)?;
+        let seconds = (now.at_ns - self.start.at_ns) as f64 / 1e9;
+        Some(Price { pid, calls_per_second: calls as f64 / seconds, before: self.before, traced, mode })
+    }
+}
+
+/// What tracing a process costs it, measured over its first second traced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Price {
+    pub pid: u32,
+    pub calls_per_second: f64,
+    /// System seconds a second before tracing, when measured.
+    pub before: Option<f64>,
+    /// System seconds a second while traced.
+    pub traced: f64,
+    pub mode: Mode,
+}
+
+impl Price {
+    /// CPU seconds a second tracing adds: the rise of the system time, or all of it without a
+    /// before (the process's own system calls then count as tracing's).
+    pub fn added(&self) -> f64 {
+        (self.traced - self.before.unwrap_or(0.0)).max(0.0)
+    }
+
+    pub fn significant(&self) -> bool {
+        self.added() > SIGNIFICANT
+    }
+
+    /// The line said on stderr.
+    pub fn line(&self) -> String {
+        let (pid, traced) = (self.pid, self.traced);
+        let rate = grouped(self.calls_per_second.round() as u64);
+        let calls = match self.mode {
+            Mode::Sampled => {
+                format!("about {rate} allocator calls a second (estimated from the samples); sampling them")
+            }
+            Mode::Exact | Mode::Switched => format!("{rate} allocator calls a second; tracing them"),
+        };
+        let cost = match self.before {
+            Some(before) => format!(
+                "adds about {:.2} s of CPU a second (its system time went from {before:.2} to {traced:.2} s/s)",
+                self.added()
+            ),
+            None => {
+                format!("costs it about its system time, {traced:.2} s of CPU a second (not measured before tracing)")
+            }
+        };
+        let advice = if self.mode == Mode::Exact && self.significant() { format!("; {ADVICE}") } else { String::new() };
+        format!("memprof: pid {pid} makes {calls} {cost}{advice}")
+    }
+}
+
+/// `n` with its thousands set apart by commas.
+pub fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu(at_s: f64, seconds: f64) -> SystemCpu {
+        SystemCpu { at_ns: (at_s * 1e9) as u64, seconds }
+    }
+
+    fn watch(before: Option<f64>) -> PriceWatch {
+        PriceWatch { start: cpu(10.0, 3.0), before }
+    }
+
+    #[test]
+    fn the_price_is_the_rise_of_the_system_time() {
+        let price = watch(Some(0.05)).price(1234, cpu(11.0, 3.67), 180_000, Mode::Exact).unwrap();
+        assert!((price.added() - 0.62).abs() < 1e-9, "{price:?}");
+        assert_eq!(
+            price.line(),
+            "memprof: pid 1234 makes 180,000 allocator calls a second; tracing them adds about 0.62 s of CPU a second \
+             (its system time went from 0.05 to 0.67 s/s); --sample-bytes 524288 costs a fraction of that, \
+             --growth (heap growth by page, any rate) nearly nothing"
+        );
+    }
+
+    #[test]
+    fn a_small_price_is_said_without_advice() {
+        let price = watch(Some(0.02)).price(7, cpu(12.0, 3.1), 500, Mode::Exact).unwrap();
+        assert_eq!(price.calls_per_second, 250.0);
+        assert!(!price.significant());
+        assert!(price.line().ends_with("(its system time went from 0.02 to 0.05 s/s)"), "{}", price.line());
+    }
+
+    #[test]
+    fn without_a_before_the_whole_system_time_is_said() {
+        let price = watch(None).price(7, cpu(11.0, 3.5), 2_000_000, Mode::Exact).unwrap();
+        assert!(price.significant());
+        assert!(price.line().starts_with(
+            "memprof: pid 7 makes 2,000,000 allocator calls a second; tracing them costs it about its system time, \
+             0.50 s of CPU a second (not measured before tracing); --sample-bytes"
+        ));
+    }
+
+    #[test]
+    fn only_exact_tracing_is_told_of_cheaper_modes() {
+        let sampled = watch(Some(0.0)).price(7, cpu(11.0, 3.5), 90_000, Mode::Sampled).unwrap();
+        assert!(sampled.significant());
+        assert!(sampled.line().contains(
+            "makes about 90,000 allocator calls a second (estimated from the samples); sampling them adds about 0.50 s"
+        ));
+        assert!(!sampled.line().contains("--growth"));
+        let switched = watch(Some(0.0)).price(7, cpu(11.0, 3.5), 90_000, Mode::Switched).unwrap();
+        assert!(!switched.line().contains("--growth"));
+    }
+
+    #[test]
+    fn a_system_time_that_fell_adds_nothing() {
+        let price = watch(Some(0.3)).price(7, cpu(11.0, 3.1), 10, Mode::Exact).unwrap();
+        assert_eq!(price.added(), 0.0);
+    }
+
+    #[test]
+    fn too_short_a_stretch_has_no_rate() {
+        assert_eq!(cpu(11.1, 3.0).rate_since(&cpu(11.0, 2.0)), None);
+        assert_eq!(cpu(12.0, 3.0).rate_since(&cpu(11.0, 2.0)), Some(1.0));
+        assert_eq!(watch(None).price(7, cpu(10.1, 3.0), 10, Mode::Exact), None);
+    }
+
+    #[test]
+    fn thousands_are_set_apart() {
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(1000), "1,000");
+        assert_eq!(grouped(1_234_567), "1,234,567");
+    }
+
+    #[test]
+    fn a_live_process_has_a_system_time() {
+        let now = SystemCpu::read(std::process::id()).unwrap();
+        assert!(now.seconds >= 0.0 && now.at_ns > 0);
+        assert!(PriceWatch::start(std::process::id(), None).is_some());
+    }
+}

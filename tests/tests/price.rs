@@ -1,0 +1,103 @@
+//! The price of tracing, said after a process's first second traced, and `attach`'s default
+//! `--max-rate`, which samples a busy process unless told `--max-rate off`. The cost itself is
+//! the benchmarks' to measure: these check what is said, not how fast anything runs.
+
+use std::process::{Command, Stdio};
+
+use memprof_tests::{attach, fixture, memprof_bin, released, run, total, Waiting};
+
+/// Pairs of `malloc` and `free` the loop makes: traced, it runs past its first second.
+const PAIRS: u64 = 400_000;
+
+fn pairs_arg() -> String {
+    format!("--pairs={PAIRS}")
+}
+
+/// The calls a second the price line of `pid` says (with its thousands' commas), and the rest of
+/// the line after them.
+fn price_line(stderr: &str, pid: u32) -> (u64, String) {
+    let prefix = format!("memprof: pid {pid} makes ");
+    let line = stderr
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix.as_str()).filter(|rest| rest.contains("allocator calls a second")))
+        .unwrap_or_else(|| panic!("no price line for pid {pid}: {stderr}"));
+    let (rate, rest) = line.split_once(' ').unwrap();
+    (rate.replace(',', "").parse().unwrap_or_else(|_| panic!("not a rate: {line}")), rest.to_string())
+}
+
+#[test]
+fn attach_says_the_price_and_with_max_rate_off_records_every_call() {
+    let mut target = Waiting::start(&fixture("malloc_loop"), &[&pairs_arg()]);
+    let pid = target.pid();
+    // The helper gives `--max-rate off`.
+    let outcome = attach(&mut target, &["--interval", "60"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let (rate, rest) = price_line(&outcome.stderr, pid);
+    assert!(rate > 0, "{}", outcome.stderr);
+    assert!(rest.starts_with("allocator calls a second; tracing them adds about "), "{rest}");
+    assert!(rest.contains("(its system time went from "), "measured before attaching: {rest}");
+    assert!(!outcome.stderr.contains("more than --max-rate"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(report["sample_bytes"], 0, "{report}");
+    assert_eq!(total(&report, "allocations"), PAIRS, "{report}");
+    assert_eq!(total(&report, "frees"), PAIRS, "{report}");
+}
+
+#[test]
+fn attach_samples_a_busy_process_by_default_and_says_how_not_to() {
+    let mut target = Waiting::start(&fixture("malloc_loop"), &[&pairs_arg()]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let switch = outcome
+        .stderr
+        .lines()
+        .find(|line| line.contains("more than --max-rate 50000 (the default)"))
+        .unwrap_or_else(|| panic!("no switch line: {}", outcome.stderr));
+    assert!(switch.starts_with(&format!("memprof: pid {pid} makes ")), "{switch}");
+    assert!(
+        switch.ends_with("sampling one in every 65536 bytes from now on; --max-rate off records every call"),
+        "{switch}"
+    );
+    let (rate, rest) = price_line(&outcome.stderr, pid.parse().unwrap());
+    assert!(rate > 50_000, "{}", outcome.stderr);
+    assert!(!rest.contains("--sample-bytes"), "memprof samples it already: {rest}");
+    assert_eq!(outcome.final_report()["sample_bytes"], 65536);
+}
+
+#[test]
+fn run_says_the_price_of_its_command() {
+    // The loop prints its time on stdout: the report goes to a file.
+    let path = std::env::temp_dir().join(format!("memprof-price-{}.json", std::process::id()));
+    let path_arg = path.to_str().unwrap();
+    let outcome = run(&["--interval", "60", "-o", path_arg], &[fixture("malloc_loop").to_str().unwrap(), &pairs_arg()]);
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let _ = std::fs::remove_file(&path);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().expect("a report")).unwrap();
+    assert_eq!(report["final"], true, "{report}");
+    let pid = report["pid"].as_u64().unwrap() as u32;
+    let (rate, rest) = price_line(&outcome.stderr, pid);
+    assert!(rate > 0, "{}", outcome.stderr);
+    assert!(
+        rest.starts_with("allocator calls a second; tracing them costs it about its system time, ")
+            && rest.contains(" s of CPU a second (not measured before tracing)"),
+        "{rest}"
+    );
+    // `run` records every call unless asked otherwise.
+    assert_eq!(report["sample_bytes"], 0, "{report}");
+    assert_eq!(total(&report, "allocations"), PAIRS, "{report}");
+}
+
+#[test]
+fn max_rate_is_a_number_or_off() {
+    let outcome = memprof_tests::memprof(&["attach", "-p", "1", "--max-rate", "fast"]);
+    assert_eq!(outcome.status.code(), Some(2), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains("`fast` is neither a number of calls a second (at least 1) nor `off`"),
+        "{}",
+        outcome.stderr
+    );
+}
