@@ -195,16 +195,21 @@ pub fn attach_pid(target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
 }
 
 /// `attach_pid` with memprof started by `memprof`: an installed copy, or memprof under `setpriv`.
-/// Every call is recorded (`--max-rate off`) unless `args` set a rate: the tests check exact
+/// Every call is recorded (`--max-rate off`) unless `args` choose: the tests check exact
 /// counts, which attach's default would sample away on a busy fixture.
 pub fn attach_with(mut memprof: Command, target: &mut Waiting, pid: u32, args: &[&str]) -> Outcome {
     let pid = pid.to_string();
     memprof.args(["attach", "--pid", &pid, "--json"]);
-    if !args.contains(&"--max-rate") {
-        memprof.args(["--max-rate", "off"]);
-    }
+    every_call_unless_chosen(&mut memprof, args);
     memprof.args(args).stdin(Stdio::null());
     released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go())
+}
+
+/// `--max-rate off` unless `args` choose a rate or growth mode.
+fn every_call_unless_chosen(memprof: &mut Command, args: &[&str]) {
+    if !args.iter().any(|arg| ["--max-rate", "--growth"].contains(arg)) {
+        memprof.args(["--max-rate", "off"]);
+    }
 }
 
 /// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
@@ -411,10 +416,7 @@ impl Daemon {
         } else {
             memprof.arg("daemon");
         }
-        // Every call recorded unless `args` choose (see `attach_with`).
-        if !args.iter().any(|arg| ["--max-rate", "--growth"].contains(arg)) {
-            memprof.args(["--max-rate", "off"]);
-        }
+        every_call_unless_chosen(&mut memprof, args);
         let mut child = memprof
             .args(["--listen", &listen, "--interval", "1"])
             .args(args)
