@@ -43,6 +43,7 @@ struct File {
     leak_threshold: Option<f64>,
     sample_bytes: Option<u64>,
     max_rate: Option<u64>,
+    usdt: Option<bool>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
     unwind: Option<UnwindMode>,
@@ -177,7 +178,14 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     let sampling = Sampling {
         sample_bytes: args.sampling.sample_bytes.or(file.sample_bytes),
         max_rate: args.sampling.max_rate.or(file.max_rate),
+        usdt: args.sampling.usdt || file.usdt.unwrap_or(false),
     };
+    if sampling.usdt && (sampling.sample_bytes.is_some() || sampling.max_rate.is_some()) {
+        return Err(ConfigError::Value(
+            "usdt",
+            "the allocator's own sampler replaces sample_bytes and max_rate; set one or the other".into(),
+        ));
+    }
     if let Some(bytes) = sampling.sample_bytes {
         sampling::sample_bytes(&bytes.to_string()).map_err(|e| ConfigError::Value("sample_bytes", e))?;
     }
@@ -353,7 +361,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 23] = [
+    const KEYS: [&str; 24] = [
         "listen",
         "pids",
         "comms",
@@ -367,6 +375,7 @@ mod tests {
         "leak_threshold",
         "sample_bytes",
         "max_rate",
+        "usdt",
         "max_live",
         "max_stacks",
         "unwind",

@@ -21,7 +21,11 @@ pub fn render(report: &Report) -> Vec<u8> {
     let mut options = Options::default();
     options.title = title;
     let (bytes, allocations) = shown(report);
-    options.subtitle = Some(if report.sample_bytes == 0 {
+    options.subtitle = Some(if let Some(samples) = report.usdt_samples {
+        format!(
+            "about {bytes} bytes in {allocations} allocations, estimated from {samples} samples the allocator reported"
+        )
+    } else if report.sample_bytes == 0 {
         format!("{bytes} bytes in {allocations} allocations")
     } else {
         format!(

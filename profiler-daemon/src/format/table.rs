@@ -94,6 +94,9 @@ fn section(report: &Report) -> String {
             bytes(report.sample_bytes)
         );
     }
+    if let Some(samples) = report.usdt_samples {
+        let _ = writeln!(out, "  {}", crate::heap::sampling::usdt_mode(samples));
+    }
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {

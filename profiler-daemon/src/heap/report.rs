@@ -54,6 +54,10 @@ pub struct Report {
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
     pub sample_bytes: u64,
+    /// Recorded only as the allocator's own sampler reports through its `otel_memory` probes
+    /// (`--usdt`): how many allocations they reported (counts and bytes are then estimates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usdt_samples: Option<u64>,
     pub totals: Totals,
     /// The most bytes the process had in use since tracing began, when, and which stacks held them.
     #[serde(default)]
@@ -473,6 +477,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         live: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
+        usdt_samples: snapshot.usdt.then_some(snapshot.counters.usdt_samples),
         totals,
         peak,
         temporary_stacks,
@@ -847,6 +852,7 @@ pub mod samples {
             live: false,
             duration_s: 1.5,
             sample_bytes: 0,
+            usdt_samples: None,
             totals: Totals::default(),
             peak: Peak::default(),
             temporary_stacks: Vec::new(),

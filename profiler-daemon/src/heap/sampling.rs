@@ -1,6 +1,8 @@
 //! Sampled mode: which processes record one allocation in every `--sample-bytes` bytes rather
 //! than every call, and the `--max-rate` guard that switches a busy process to it.
 //!
+//! `--usdt` leaves the sampling to the allocator (see `process::usdt`).
+//!
 //! Sampling is decided per call in the kernel (see `profiler_common::weight`): each recorded
 //! allocation stands for the allocations it was drawn from, so totals are unbiased estimates.
 
@@ -23,6 +25,18 @@ pub struct Sampling {
     /// Switch a process to sampling when it makes more than N allocator calls a second.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_rate: Option<u64>,
+    /// Record only the allocations the allocator's own sampler reports through its
+    /// `otel_memory:alloc` and `otel_memory:free` USDT probes, and attach no allocator probe:
+    /// the cost is one trap per sampled allocation and free, whatever the allocation rate.
+    #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate"])]
+    pub usdt: bool,
+}
+
+/// What a report traced with `--usdt` is made from, and what it cannot show.
+pub fn usdt_mode(samples: u64) -> String {
+    format!(
+        "usdt: the allocator's own sampler through otel_memory probes, {samples} samples; counts and bytes are estimates; no double frees, failed allocations or per-call counts"
+    )
 }
 
 pub fn sample_bytes(value: &str) -> Result<u64, String> {
@@ -88,7 +102,7 @@ mod tests {
 
     #[test]
     fn a_process_above_max_rate_is_switched_once_measured() {
-        let mut guard = RateGuard::new(Sampling { sample_bytes: None, max_rate: Some(1000) });
+        let mut guard = RateGuard::new(Sampling { max_rate: Some(1000), ..Sampling::default() });
         assert_eq!(guard.check(&snapshot(0, 0)), None, "no rate before two snapshots");
         assert_eq!(guard.check(&snapshot(1_000_000_000, 500)), None);
         let switch = guard.check(&snapshot(2_000_000_000, 5_500)).unwrap();
@@ -97,7 +111,7 @@ mod tests {
 
     #[test]
     fn no_guard_without_max_rate() {
-        let mut guard = RateGuard::new(Sampling { sample_bytes: Some(4096), max_rate: None });
+        let mut guard = RateGuard::new(Sampling { sample_bytes: Some(4096), ..Sampling::default() });
         assert_eq!(guard.initial(), Some(4096));
         guard.check(&snapshot(0, 0));
         assert_eq!(guard.check(&snapshot(1_000_000_000, 1 << 40)), None);
