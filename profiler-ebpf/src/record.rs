@@ -595,18 +595,18 @@ pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
     // Still live: its free went unreported. Retired here, while its own weight is kept.
     if let Some(old) = unsafe { LIVE.get(key) }.copied() {
         count_drop(DropReason::MissedFree);
-        if LIVE.remove(&key).is_ok() {
+        if LIVE.remove(key).is_ok() {
             count_free(&key, &old, UNSEEN, unsafe { bpf_ktime_get_ns() }, false);
         }
     }
     // The weight first: the block's free takes off what its weight says.
-    if USDT_WEIGHTS.insert(&key, &weight, 0).is_err() {
+    if USDT_WEIGHTS.insert(key, weight, 0).is_err() {
         count_drop(DropReason::LiveMapFull);
         return;
     }
     let probe = Probe { regs: ctx.regs, at_return: false, at_site: true };
     if !on_allocated(probe, tgid, tid, addr, size, AllocFn::Malloc as u32 | SAMPLED | USDT, weight) {
-        let _ = USDT_WEIGHTS.remove(&key);
+        let _ = USDT_WEIGHTS.remove(key);
     }
 }
 
@@ -623,9 +623,9 @@ pub fn on_usdt_free(ctx: &ProbeContext, addr: u64) {
         return;
     };
     // Two threads freeing the same block race here: only the one that removes it counts it.
-    if LIVE.remove(&key).is_ok() {
+    if LIVE.remove(key).is_ok() {
         retire(Probe { regs: ctx.regs, at_return: false, at_site: true }, key, &alloc, false);
-        let _ = USDT_WEIGHTS.remove(&key);
+        let _ = USDT_WEIGHTS.remove(key);
     }
 }
 
