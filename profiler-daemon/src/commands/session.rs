@@ -68,7 +68,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         settings(args),
         false,
     );
-    announce(pid_n, &comm, probes, &allocator, sites.is_some());
+    announce(pid_n, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete: false,
@@ -188,7 +188,7 @@ async fn trace_command(
     }
     let probes = attachment.probes();
     let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
-    announce(pid, &comm, probes, &allocator, sites.is_some());
+    announce(pid, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
     for spot in &routed {
         let entry = spot.unless_env.unwrap_or_default();
         let name = spot.env_name().unwrap_or_default();
@@ -237,10 +237,11 @@ fn usdt_sites(
     find().map(Some)
 }
 
-fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt: bool) {
-    if usdt {
+/// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
+fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sites: Option<usize>) {
+    if let Some(sites) = usdt_sites {
         eprintln!(
-            "memprof: tracing pid {pid} ({comm}) with {probes} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
+            "memprof: tracing pid {pid} ({comm}) with {sites} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
         );
         return;
     }
