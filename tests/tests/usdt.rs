@@ -2,7 +2,7 @@
 //! each sample counted at its weight, and no allocator probe (the fixture's unreported blocks
 //! are not seen).
 
-use memprof_tests::{attach, fixture, fixture_with, memprof, run, site, total, Waiting};
+use memprof_tests::{attach, fixture, fixture_with, memprof, metric, run, site, total, wait_for, Daemon, Waiting};
 use serde_json::Value;
 
 /// (bytes, allocations) outstanding at each reported site: 3 samples of 512 KiB for 128-byte
@@ -37,6 +37,20 @@ fn attach_counts_each_sample_at_its_weight() {
     let outcome = attach(&mut target, &["--usdt", "--interval", "60"]);
     assert!(outcome.status.success(), "{outcome:?}");
     assert_the_samples_alone(&outcome.final_report());
+}
+
+/// The daemon with `--usdt`: the samples in its metrics and its report.
+#[test]
+fn the_daemon_exports_the_samples() {
+    let mut target = Waiting::start(&fixture("usdt_sites"), &["hold"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string(), "--usdt"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_usdt_samples_total{{pid=\"{pid}\",comm=\"usdt_sites\"}}");
+    wait_for(15, "the samples in the metrics", || (metric(daemon.port, &series)? == 7).then_some(()));
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_the_samples_alone(&report);
 }
 
 #[test]
