@@ -5,6 +5,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod generations;
+pub mod usdt;
 
 use generations::GENERATIONS;
 
@@ -209,6 +210,10 @@ pub const COUNT_SCALE: u64 = 256;
 
 /// Set in `LiveAlloc::func` when the allocation was recorded by sampling.
 pub const SAMPLED: u32 = 1 << 31;
+
+/// Set in `LiveAlloc::func`, with `SAMPLED`, when the allocator's own sampler reported the
+/// allocation through its `otel_memory` probe (see `usdt`): its weight is kept beside it.
+pub const USDT: u32 = 1 << 30;
 
 /// How much one recorded allocation of `size` bytes counts for, as (count in 1/`COUNT_SCALE`
 /// units, bytes), when allocations are sampled with probability `min(1, size / sample_bytes)`
@@ -463,6 +468,8 @@ pub struct ProcCounters {
     pub unknown_frees: u64,
     /// Allocator calls that returned NULL (or an error code).
     pub failed_allocations: u64,
+    /// Allocations the allocator's `otel_memory:alloc` probe reported (see `usdt`).
+    pub usdt_samples: u64,
 }
 
 /// Per-process heap figures that allocations and frees update (one lookup per call, in
@@ -900,7 +907,8 @@ const _: () = {
     assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
-    assert!(core::mem::size_of::<ProcCounters>() == 16);
+    assert!(core::mem::size_of::<ProcCounters>() == 24);
+    assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcHeap>() == 32 + 16 * LOG2_BUCKETS);
@@ -967,4 +975,5 @@ mod pod {
     unsafe impl aya::Pod for ProcessEvent {}
     unsafe impl aya::Pod for DoubleFreeEvent {}
     unsafe impl aya::Pod for MappingEvent {}
+    unsafe impl aya::Pod for usdt::ProbeSpec {}
 }

@@ -5,8 +5,9 @@
 //! per-(process, stack) totals in `STACK_STATS`. `free` moves an allocation from `LIVE` to the
 //! bounded `RECENT_FREES`, where a second free of the same address is recognised. Nothing is
 //! streamed to userspace per allocation: the daemon reads the small totals every interval.
-//! `mapping` follows the anonymous memory traced processes get from `mmap`, `mremap` and `brk`;
-//! `growth` sees a process by its page faults instead of its allocator calls (`--growth`).
+//! `usdt` records what an allocator's own sampler reports instead. `mapping` follows the anonymous
+//! memory traced processes get from `mmap`, `mremap` and `brk`; `growth` sees a process by its
+//! page faults instead of its allocator calls (`--growth`).
 #![no_std]
 #![no_main]
 // Atomic adds to map values: see `shared::add`.
@@ -19,6 +20,7 @@ mod process;
 mod record;
 mod shared;
 mod unwind;
+mod usdt;
 
 use aya_ebpf::{
     helpers::{bpf_get_attach_cookie, bpf_get_func_ip},

@@ -16,7 +16,7 @@ use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
     Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
-    LOG2_BUCKETS, NO_STACK, SAMPLED,
+    LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
 };
 
 use crate::{
@@ -72,6 +72,11 @@ static SAMPLING: HashMap<u32, u64> = HashMap::with_max_entries(4_096, NO_PREALLO
 #[map]
 static SAMPLING_USED: Array<u32> = Array::with_max_entries(1, 0);
 
+/// The weight (bytes it stands for) of each live block the allocator's own sampler reported
+/// (`usdt`): a free takes off what its allocation added. As large as `LIVE` (set by the loader).
+#[map]
+static USDT_WEIGHTS: HashMap<AddrKey, u64> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
+
 fn sample_bytes(tgid: u32) -> u64 {
     if SAMPLING_USED.get(0).is_none_or(|used| *used == 0) {
         return 0;
@@ -106,7 +111,7 @@ fn ids() -> (u32, u32) {
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.
 static EMPTY_STATS: StackStats = StackStats::EMPTY;
-static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0 };
+static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0, usdt_samples: 0 };
 static EMPTY_HEAP: ProcHeap = ProcHeap::EMPTY;
 static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
 /// A thread's entry between calls.
@@ -149,12 +154,21 @@ pub struct Probe {
     regs: *const pt_regs,
     /// At a return probe: the walk starts at the return address.
     at_return: bool,
+    /// At a USDT probe site, whose frame is the first (see `Regs::at_site`).
+    at_site: bool,
 }
 
 impl Probe {
     fn stack_id(self, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
-        unwind::stack_id(which, tgid, unsafe { Regs::of(self.regs, self.at_return) })
+        let regs = unsafe {
+            if self.at_site {
+                Regs::at_site(self.regs)
+            } else {
+                Regs::of(self.regs, self.at_return)
+            }
+        };
+        unwind::stack_id(which, tgid, regs)
     }
 
     /// Where the probed call returns to: at a return probe, the instruction pointer (the kernel
@@ -355,7 +369,7 @@ pub fn on_thread_exit() {
 #[inline(always)]
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
-    let probe = Probe { regs: ctx.regs, at_return: true };
+    let probe = Probe { regs: ctx.regs, at_return: true, at_site: false };
     let ret: u64 = ctx.ret();
     let Some(state) = INFLIGHT.get_ptr_mut(tid).filter(|state| unsafe { (**state).depth } != 0) else {
         if sample_bytes(tgid) != 0 {
@@ -425,7 +439,8 @@ pub fn on_return(ctx: &RetProbeContext) {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
     }
     if returned != 0 && recorded != 0 {
-        on_allocated(probe, tgid, tid, returned, size, func, call.sample_bytes);
+        let marks = if call.sample_bytes != 0 { SAMPLED } else { 0 };
+        on_allocated(probe, tgid, tid, returned, size, func as u32 | marks, call.sample_bytes);
         call.last_alloc = returned;
     } else if returned == 0 && size != 0 && func != AllocFn::PosixMemalign {
         // (A resize of a recorded block whose new block was not drawn returned one: no failure.)
@@ -461,7 +476,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
     if wrapper {
         note_wrapper(state, ctx, tgid, tid, addr, sp);
     }
-    let probe = Probe { regs: ctx.regs, at_return: false };
+    let probe = Probe { regs: ctx.regs, at_return: false, at_site: false };
     match live {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
@@ -502,33 +517,35 @@ fn note_wrapper(state: Option<*mut Inflight>, ctx: &ProbeContext, tgid: u32, tid
     };
 }
 
+/// An allocation recorded: `func`, its `AllocFn` with its marks (`SAMPLED`, `USDT`), stands for
+/// what `rate` says (see `profiler_common::weight`). Returns whether it is in `LIVE`.
 #[inline(always)]
-fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: AllocFn, sample_bytes: u64) {
+fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: u32, rate: u64) -> bool {
     let key = AddrKey { tgid, _pad: 0, addr };
     let alloc = LiveAlloc {
         size,
         time_ns: unsafe { bpf_ktime_get_ns() },
         stack_id: probe.stack_id(stack_table::ALLOCATIONS, tgid),
         tid,
-        func: func as u32 | if sample_bytes != 0 { SAMPLED } else { 0 },
+        func,
     };
-    let (count, bytes) = profiler_common::weight(sample_bytes, size);
+    let (count, bytes) = profiler_common::weight(rate, size);
     // The address is in use again: a later free of it is not a double free.
     forget_free(&key);
     if let Err(err) = LIVE.insert(key, alloc, BPF_NOEXIST as u64) {
         if err != -EEXIST {
             count_drop(DropReason::LiveMapFull);
-            return;
+            return false;
         }
         // Still live: its free went unseen. Retire the old allocation so its stack is not charged forever.
         count_drop(DropReason::MissedFree);
         if let Some(old) = unsafe { LIVE.get(key) }.copied() {
             // When and by whom it was freed is unknown: no lifetime or thread pair for it.
-            count_free(tgid, &old, UNSEEN, alloc.time_ns, false);
+            count_free(&key, &old, UNSEEN, alloc.time_ns, false);
         }
         if LIVE.insert(key, alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
-            return;
+            return false;
         }
     }
     let heap = proc_heap(tgid);
@@ -562,6 +579,66 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: A
             add(&mut heap.peak_generation, 1);
         }
         count_in(&mut heap.sizes, size, count);
+    }
+    true
+}
+
+/// An allocation the allocator's own sampler reported (`otel_memory:alloc`), standing for
+/// `weight` bytes.
+pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
+    if addr == 0 {
+        return;
+    }
+    let (tgid, tid) = ids();
+    bump_proc_counter(tgid, |c| &mut c.usdt_samples);
+    let key = AddrKey { tgid, _pad: 0, addr };
+    // Still live: its free went unreported. Retired here, while its own weight is kept.
+    if let Some(old) = unsafe { LIVE.get(key) }.copied() {
+        count_drop(DropReason::MissedFree);
+        if LIVE.remove(key).is_ok() {
+            count_free(&key, &old, UNSEEN, unsafe { bpf_ktime_get_ns() }, false);
+        }
+    }
+    // The weight first: the block's free takes off what its weight says.
+    if USDT_WEIGHTS.insert(key, weight, 0).is_err() {
+        count_drop(DropReason::LiveMapFull);
+        return;
+    }
+    let probe = Probe { regs: ctx.regs, at_return: false, at_site: true };
+    if !on_allocated(probe, tgid, tid, addr, size, AllocFn::Malloc as u32 | SAMPLED | USDT, weight) {
+        let _ = USDT_WEIGHTS.remove(key);
+    }
+}
+
+/// A block the allocator's sampler reported freed (`otel_memory:free`). One it did not report
+/// allocated since attach is an unknown free.
+pub fn on_usdt_free(ctx: &ProbeContext, addr: u64) {
+    if addr == 0 {
+        return;
+    }
+    let tgid = ids().0;
+    let key = AddrKey { tgid, _pad: 0, addr };
+    let Some(alloc) = unsafe { LIVE.get(key) }.copied() else {
+        bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        return;
+    };
+    // Two threads freeing the same block race here: only the one that removes it counts it.
+    if LIVE.remove(key).is_ok() {
+        retire(Probe { regs: ctx.regs, at_return: false, at_site: true }, key, &alloc, false);
+        let _ = USDT_WEIGHTS.remove(key);
+    }
+}
+
+/// What one recorded allocation stands for (see `profiler_common::weight`): 0 when every call is
+/// recorded. Sampling is never turned off for a process, so its rate is still the one the block had.
+#[inline(always)]
+fn rate_of(key: &AddrKey, alloc: &LiveAlloc) -> u64 {
+    if alloc.func & USDT != 0 {
+        unsafe { USDT_WEIGHTS.get(key) }.copied().unwrap_or(0)
+    } else if alloc.func & SAMPLED != 0 {
+        sample_bytes(key.tgid)
+    } else {
+        0
     }
 }
 
@@ -611,12 +688,11 @@ fn count_in(histogram: &mut Log2Histogram, value: u64, count: u64) {
 /// (Not an `Option`: the verifier rejects the uninitialised register a `None` passes.)
 const UNSEEN: u32 = 0;
 
-/// Counts the end of allocation `alloc` in its stack's totals and age generation (and as
-/// `temporary` there); in its process's bytes in use; when the free was seen (by thread
+/// Counts the end of allocation `alloc` of `key` in its stack's totals and age generation (and
+/// as `temporary` there); in its process's bytes in use; when the free was seen (by thread
 /// `freed_by`), in the process's lifetimes, and its thread pair when another thread freed it.
-fn count_free(tgid: u32, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: bool) {
-    // Sampling is never turned off for a process, so its rate is still the one the block had.
-    let rate = if alloc.func & SAMPLED != 0 { sample_bytes(tgid) } else { 0 };
+fn count_free(key: &AddrKey, alloc: &LiveAlloc, freed_by: u32, now: u64, temporary: bool) {
+    let (tgid, rate) = (key.tgid, rate_of(key, alloc));
     let (count, bytes) = profiler_common::weight(rate, alloc.size);
     let heap = proc_heap(tgid);
     match stack_stats(tgid, alloc.stack_id) {
@@ -684,7 +760,7 @@ fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64, walk: bool) -> Fre
 /// remembers it to recognise a second free.
 fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
     let (tid, now) = (ids().1, unsafe { bpf_ktime_get_ns() });
-    count_free(key.tgid, alloc, tid, now, temporary);
+    count_free(&key, alloc, tid, now, temporary);
     if alloc.func & SAMPLED != 0 {
         // Double frees are looked for in full mode only: with most blocks unrecorded, a reused
         // address would pass for freed twice.

@@ -247,6 +247,18 @@ impl Regs {
         let regs = &*regs;
         Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return, taken: TakenReturns::NONE, counts_cuts: true }
     }
+
+    /// At a USDT probe site, whose frame is the stack's first (at an allocator's entry, frame 0 is
+    /// the allocator and is left out): walked as if a call returned just after the site's one-byte
+    /// `nop`, so that the frame is kept and its row is the one at the site.
+    ///
+    /// # Safety
+    /// `regs` must be the probe's context registers.
+    pub unsafe fn at_site(regs: *const pt_regs) -> Regs {
+        let regs = &*regs;
+        let pc = regs.rip + 1;
+        Regs { pc, sp: regs.rsp, bp: regs.rbp, pc_is_return: true, taken: TakenReturns::NONE, counts_cuts: true }
+    }
 }
 
 /// Walks the stack and returns its id in the `stack_table` `which`, or `NO_STACK` (counted) when

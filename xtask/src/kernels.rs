@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 6] = [
+const TESTS: [(&str, &str); 7] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // `attach`, exact, to a process that allocated before.
@@ -38,6 +38,8 @@ const TESTS: [(&str, &str); 6] = [
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
     ("growth", "run_sees_the_leaking_site_on_glibc"),
+    // `--usdt`: the otel_memory probes' programs, perf-event uprobes on every kernel.
+    ("usdt", "run_counts_each_sample_at_its_weight"),
 ];
 
 /// How long one test may take in the guest: loading the programs takes 10-100 s under emulation.

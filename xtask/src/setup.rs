@@ -40,6 +40,8 @@ const PACKAGES: &[&str] = &[
     "libllvm14",
     "llvm",
     "musl-tools",
+    // tests/tests/usdt.rs: <sys/sdt.h>, with which a fixture fires otel_memory USDT probes.
+    "systemtap-sdt-dev",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

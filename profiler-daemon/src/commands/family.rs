@@ -20,7 +20,7 @@ use crate::{
     kernel::aggregate::monotonic_now_ns,
     kernel::loader::{Attachment, Loaded},
     process::allocator::{self, Allocator},
-    process::procfs,
+    process::{procfs, usdt},
     symbolize::SymbolizerHandle,
 };
 
@@ -210,7 +210,15 @@ impl Family {
             return;
         }
         let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
-        match loaded.attach_allocator(&allocator, nonzero) {
+        // With --usdt, the new program's own probes, and none of its allocator's.
+        let attached = if self.settings.0.usdt {
+            usdt::in_process(pid)
+                .map_err(anyhow::Error::from)
+                .and_then(|sites| loaded.attach_usdt(&sites, nonzero, None))
+        } else {
+            loaded.attach_allocator(&allocator, nonzero)
+        };
+        match attached {
             Ok(probes) => {
                 process.attachment.merge(probes);
                 if let Some(sample_bytes) = process.rate_guard.initial() {

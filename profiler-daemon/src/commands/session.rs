@@ -28,7 +28,7 @@ use crate::{
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
-    process::procfs,
+    process::{procfs, usdt},
     symbolize::SymbolizerHandle,
 };
 
@@ -49,13 +49,18 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Its system time untraced, over the time memprof takes to load: what tracing adds is
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
+    let sites = usdt_sites(args, || usdt::in_process(pid_n))?;
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(false);
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
     let untraced = untraced_from.zip(SystemCpu::read(pid_n)).and_then(|(from, to)| to.rate_since(&from));
-    let attachment = loaded.attach(&allocator, pid).with_context(|| gone_or(pid_n))?;
+    let attachment = match &sites {
+        Some(sites) => loaded.attach_usdt(sites, pid, None),
+        None => loaded.attach(&allocator, pid),
+    }
+    .with_context(|| gone_or(pid_n))?;
     let mut exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
@@ -76,7 +81,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         false,
     );
     root.price = PriceWatch::start(pid_n, untraced);
-    announce(pid_n, &comm, probes, &allocator);
+    announce(pid_n, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete: false,
@@ -127,10 +132,11 @@ pub async fn run(
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
     let (mut allocator, files) = allocator::for_command(&program)?;
+    let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
     let routed = allocator.route_through_malloc();
     let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
     let mut loaded = loader::load(args.maps, args.interval)?;
-    loaded.follow_forks = args.follow_forks.unwrap_or(true);
+    loaded.follow_forks = args.follow_forks.unwrap_or(!args.sampling.usdt);
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -145,7 +151,7 @@ pub async fn run(
     let mut exit = ExitWatch::Child(exit_code, None);
     // From here on the command runs whatever happens to memprof (the child execs once `child`
     // is released or dropped): its fate is memprof's exit code.
-    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable };
+    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable, sites };
     let traced = match trace_command(child, &mut exit, ready, args, opened).await {
         Ok(traced) => traced,
         Err(err) => return Ok(give_up(&err, on_error, pid, &mut exit).await),
@@ -173,6 +179,8 @@ struct Ready {
     routed: Vec<allocator::BlindSpot>,
     comm: String,
     executable: String,
+    /// The command's `otel_memory` probe sites, with `--usdt`.
+    sites: Option<Vec<usdt::Site>>,
 }
 
 /// `run`'s command, forked and waiting, traced from its exec to the session's end.
@@ -183,17 +191,20 @@ async fn trace_command(
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
-    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable } = ready;
+    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable, sites } = ready;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
-    let attachment =
-        loaded.attach_before_exec(&allocator, NonZeroU32::new(pid).expect("a child's pid is positive"), &files)?;
+    let nonzero = NonZeroU32::new(pid).expect("a child's pid is positive");
+    let attachment = match &sites {
+        Some(sites) => loaded.attach_usdt(sites, nonzero, Some(&files))?,
+        None => loaded.attach_before_exec(&allocator, nonzero, &files)?,
+    };
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
     let probes = attachment.probes();
     let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
-    announce(pid, &comm, probes, &allocator);
+    announce(pid, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
     for spot in &routed {
         let entry = spot.unless_env.unwrap_or_default();
         let name = spot.env_name().unwrap_or_default();
@@ -204,7 +215,7 @@ async fn trace_command(
     }
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
-    let complete = args.sampling.sample_bytes.is_none() && !args.sampling.growth;
+    let complete = args.sampling.sample_bytes.is_none() && !args.sampling.usdt && !args.sampling.growth;
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete,
@@ -226,7 +237,30 @@ fn gone_or(pid: u32) -> String {
     }
 }
 
-fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator) {
+/// With `--usdt`, the process's `otel_memory` probe sites, found before anything is loaded: none
+/// is an error naming the fix. A process traced so has no allocator probe, and its forks are not
+/// followed (they would get allocator probes).
+fn usdt_sites(
+    args: &TraceArgs,
+    find: impl FnOnce() -> Result<Vec<usdt::Site>, UserError>,
+) -> Result<Option<Vec<usdt::Site>>, UserError> {
+    if !args.sampling.usdt {
+        return Ok(None);
+    }
+    if args.follow_forks == Some(true) {
+        return Err(UserError::UsdtFollowForks);
+    }
+    find().map(Some)
+}
+
+/// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
+fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sites: Option<usize>) {
+    if let Some(sites) = usdt_sites {
+        eprintln!(
+            "memprof: tracing pid {pid} ({comm}) with {sites} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
+        );
+        return;
+    }
     eprintln!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);

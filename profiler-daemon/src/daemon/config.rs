@@ -52,6 +52,7 @@ struct File {
     sample_bytes: Option<u64>,
     max_rate: Option<FileMaxRate>,
     growth: Option<bool>,
+    usdt: Option<bool>,
     max_live: Option<u32>,
     max_stacks: Option<u32>,
     unwind: Option<UnwindMode>,
@@ -190,17 +191,25 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     };
     let file_max_rate = file_max_rate.transpose().map_err(|e| ConfigError::Value("max_rate", e))?;
     let growth = args.sampling.growth || file.growth.unwrap_or(false);
+    let usdt = args.sampling.usdt || file.usdt.unwrap_or(false);
     let given_max_rate = args.sampling.max_rate.or(file_max_rate);
     let sampling = Sampling {
         sample_bytes: args.sampling.sample_bytes.or(file.sample_bytes),
         // A busy process goes to growth mode unless told otherwise.
-        max_rate: given_max_rate.or((!growth).then_some(MaxRate::Default)),
+        max_rate: given_max_rate.or((!growth && !usdt).then_some(MaxRate::Default)),
         growth,
+        usdt,
     };
     if sampling.growth && (sampling.sample_bytes.is_some() || given_max_rate.is_some()) {
         return Err(ConfigError::Value(
             "growth",
             "traces pages, not allocator calls: drop sample_bytes and max_rate, or growth".into(),
+        ));
+    }
+    if sampling.usdt && (sampling.sample_bytes.is_some() || given_max_rate.is_some() || sampling.growth) {
+        return Err(ConfigError::Value(
+            "usdt",
+            "the allocator's own sampler replaces sample_bytes, max_rate and growth; set one or the other".into(),
         ));
     }
     if let Some(bytes) = sampling.sample_bytes {
@@ -375,7 +384,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 24] = [
+    const KEYS: [&str; 25] = [
         "listen",
         "pids",
         "comms",
@@ -390,6 +399,7 @@ mod tests {
         "sample_bytes",
         "max_rate",
         "growth",
+        "usdt",
         "max_live",
         "max_stacks",
         "unwind",

@@ -109,6 +109,12 @@ const PER_PROCESS: &[PerProcess] = &[
         MetricType::Gauge,
         |t| u64::from(t.report.growth.is_some()),
     ),
+    (
+        "memprof_usdt_samples",
+        "Allocations the allocator's own sampler reported through its otel_memory probes when the process is traced with --usdt (its other series are then estimates); 0 otherwise.",
+        MetricType::Counter,
+        |t| t.report.usdt_samples.unwrap_or(0),
+    ),
 ];
 
 /// The leak rule's per-process gauges: absent while it warms up, when 0 would read "no leak".

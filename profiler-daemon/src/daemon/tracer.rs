@@ -45,7 +45,7 @@ use crate::{
     kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks},
     process::allocator,
-    process::procfs,
+    process::{procfs, usdt},
     symbolize::SymbolizerHandle,
     unwind::TableUse,
 };
@@ -532,7 +532,14 @@ impl Tracer {
             return;
         }
         let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
-        match self.loaded.attach_allocator(&allocator, nonzero) {
+        let attached = if self.config.sampling.usdt {
+            usdt::in_process(pid)
+                .map_err(anyhow::Error::from)
+                .and_then(|sites| self.loaded.attach_usdt(&sites, nonzero, None))
+        } else {
+            self.loaded.attach_allocator(&allocator, nonzero)
+        };
+        match attached {
             Ok(probes) => {
                 target.attachment.merge(probes);
                 target.probed = true;
@@ -552,7 +559,12 @@ impl Tracer {
     fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
         let allocator = allocator::find(id.pid)?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
-        let attachment = self.loaded.attach(&allocator, pid)?;
+        // With --usdt, the process's own otel_memory probes, and none of its allocator's.
+        let attachment = if self.config.sampling.usdt {
+            self.loaded.attach_usdt(&usdt::in_process(id.pid)?, pid, None)?
+        } else {
+            self.loaded.attach(&allocator, pid)?
+        };
         let rate_guard = RateGuard::new(self.config.sampling);
         if let Some(sample_bytes) = rate_guard.initial() {
             self.loaded.sample(id.pid, sample_bytes)?;

@@ -23,6 +23,10 @@ pub fn render(report: &Report) -> Vec<u8> {
     let (bytes, allocations) = shown(report);
     options.subtitle = Some(if report.growth.is_some() {
         format!("{bytes} bytes in {allocations} pages, by the stack that first touched each")
+    } else if let Some(samples) = report.usdt_samples {
+        format!(
+            "about {bytes} bytes in {allocations} allocations, estimated from {samples} samples the allocator reported"
+        )
     } else if report.sample_bytes == 0 {
         format!("{bytes} bytes in {allocations} allocations")
     } else {

@@ -101,6 +101,9 @@ fn section(report: &Report) -> String {
             growth.outside_pages
         );
     }
+    if let Some(samples) = report.usdt_samples {
+        let _ = writeln!(out, "  {}", crate::heap::sampling::usdt_mode(samples));
+    }
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else {

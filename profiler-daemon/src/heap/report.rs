@@ -58,6 +58,10 @@ pub struct Report {
     /// the pages it touched first, and allocations count pages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub growth: Option<Growth>,
+    /// Recorded only as the allocator's own sampler reports through its `otel_memory` probes
+    /// (`--usdt`): how many allocations they reported (counts and bytes are then estimates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usdt_samples: Option<u64>,
     pub totals: Totals,
     /// The most bytes the process had in use since tracing began, when, and which stacks held them.
     #[serde(default)]
@@ -478,6 +482,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         growth: snapshot.growth,
+        usdt_samples: snapshot.usdt.then_some(snapshot.counters.usdt_samples),
         totals,
         peak,
         temporary_stacks,
@@ -853,6 +858,7 @@ pub mod samples {
             duration_s: 1.5,
             sample_bytes: 0,
             growth: None,
+            usdt_samples: None,
             totals: Totals::default(),
             peak: Peak::default(),
             temporary_stacks: Vec::new(),

@@ -1,6 +1,8 @@
 //! Sampled mode: which processes record one allocation in every `--sample-bytes` bytes rather
 //! than every call, and the `--max-rate` guard that switches a busy process to it.
 //!
+//! `--usdt` leaves the sampling to the allocator (see `process::usdt`).
+//!
 //! Sampling is decided per call in the kernel (see `profiler_common::weight`): each recorded
 //! allocation stands for the allocations it was drawn from, so totals are unbiased estimates.
 
@@ -35,6 +37,11 @@ pub struct Sampling {
     /// of allocations, no frees inside pages, no double frees.
     #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate"])]
     pub growth: bool,
+    /// Record only the allocations the allocator's own sampler reports through its
+    /// `otel_memory:alloc` and `otel_memory:free` USDT probes, and attach no allocator probe:
+    /// the cost is one trap per sampled allocation and free, whatever the allocation rate.
+    #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate", "growth"])]
+    pub usdt: bool,
 }
 
 /// `--max-rate`: when a process is switched to sampling.
@@ -67,6 +74,13 @@ pub fn max_rate(value: &str) -> Result<MaxRate, String> {
     }
 }
 
+/// What a report traced with `--usdt` is made from, and what it cannot show.
+pub fn usdt_mode(samples: u64) -> String {
+    format!(
+        "usdt: the allocator's own sampler through otel_memory probes, {samples} samples; counts and bytes are estimates; no double frees, failed allocations or per-call counts"
+    )
+}
+
 pub fn sample_bytes(value: &str) -> Result<u64, String> {
     match value.parse::<u64>() {
         Ok(n) if (1..=MAX_SAMPLE_BYTES).contains(&n) => Ok(n),
@@ -76,9 +90,9 @@ pub fn sample_bytes(value: &str) -> Result<u64, String> {
 
 impl Sampling {
     /// `attach`'s: `--max-rate` at `DEFAULT_MAX_RATE` unless given (`off` included), or growth
-    /// mode, whose cost does not follow the calls.
+    /// or usdt mode, whose cost does not follow the calls.
     pub fn for_attach(self) -> Self {
-        if self.growth {
+        if self.growth || self.usdt {
             return self;
         }
         Self { max_rate: Some(self.max_rate.unwrap_or(MaxRate::Default)), ..self }

@@ -52,6 +52,8 @@ pub struct Snapshot {
     pub missed_generations: u64,
     /// Mean bytes between samples when the process is sampled; 0 when every call is recorded.
     pub sample_bytes: u64,
+    /// Recorded only as its allocator's `otel_memory` probes report (`--usdt`).
+    pub usdt: bool,
     pub sizes: Log2Histogram,
     /// Lifetimes of freed allocations, in ns.
     pub lifetimes: Log2Histogram,
@@ -379,6 +381,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64
     // Threads that died inside the allocator leave their in-flight state behind.
     remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| ours(&state.tgid))?;
     remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| ours(&k.tgid))?;
+    remove_matching::<AddrKey, u64>(ebpf, "USDT_WEIGHTS", |k, _| ours(&k.tgid))?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| ours(&k.tgid))?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
     remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| ours(k))?;

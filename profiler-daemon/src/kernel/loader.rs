@@ -1,5 +1,7 @@
 //! The embedded eBPF object: loading it with the chosen map sizes and attaching its probes.
 
+mod usdt;
+
 use std::{
     collections::{HashMap, HashSet},
     fs,
@@ -73,6 +75,8 @@ pub struct Loaded {
     shared: SharedLinks,
     /// Detaches the probes of processes that exited.
     detacher: Option<Detacher>,
+    /// The processes traced through their allocator's `otel_memory` probes (`--usdt`).
+    usdt: usdt::UsdtProbes,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -128,6 +132,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
+        .map_max_entries("USDT_WEIGHTS", sizes.max_live)
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
@@ -169,6 +174,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         follow_forks: false,
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
+        usdt: usdt::UsdtProbes::default(),
     })
 }
 
@@ -439,6 +445,7 @@ impl Loaded {
         }
         for &pid in pids {
             self.shared.forget(pid);
+            self.usdt.forget(pid);
         }
         self.forget_state(pids);
     }
@@ -471,6 +478,9 @@ impl Loaded {
             for (&tgid, process) in &mut kernel.processes {
                 process.mappings = mappings.stacks(tgid);
             }
+        }
+        for (&tgid, process) in &mut kernel.processes {
+            process.usdt = self.usdt.traces(tgid);
         }
         Ok(kernel)
     }

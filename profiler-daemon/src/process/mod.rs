@@ -13,5 +13,6 @@ pub mod pagemap;
 pub mod placement;
 pub mod precopy;
 pub mod procfs;
+pub mod usdt;
 pub mod vtables;
 pub mod write_watch;

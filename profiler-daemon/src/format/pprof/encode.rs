@@ -117,6 +117,12 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
         let growth = format!("{who}growth: pages by the stack that first touched each; a count is a page");
         comments.push(tables.string(&growth));
     }
+    for part in parts {
+        if let Some(samples) = part.report.usdt_samples {
+            let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
+            comments.push(tables.string(&format!("{who}{}", crate::heap::sampling::usdt_mode(samples))));
+        }
+    }
     let default_type = tables.string(default.name());
     let mappings = tables.mappings(parts);
     // As Go does: the sampling rate in bytes, the values already scaled up to estimates. 1 when

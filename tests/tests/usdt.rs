@@ -1,0 +1,91 @@
+//! `--usdt`: only what the allocator's own sampler reports through its `otel_memory` probes,
+//! each sample counted at its weight, and no allocator probe (the fixture's unreported blocks
+//! are not seen).
+
+use memprof_tests::{attach, fixture, fixture_with, memprof, metric, run, site, total, wait_for, Daemon, Waiting};
+use serde_json::Value;
+
+/// (bytes, allocations) outstanding at each reported site: 3 samples of 512 KiB for 128-byte
+/// blocks, 2 samples of 1 MiB for 4096-byte blocks (see the fixture).
+const SMALL: (u64, u64) = (3 * 512 * 1024, 3 * 4096);
+const LARGE: (u64, u64) = (2 * 1024 * 1024, 2 * 256);
+
+fn assert_the_samples_alone(report: &Value) {
+    assert_eq!(site(report, "reported_small"), SMALL, "{report}");
+    assert_eq!(site(report, "reported_large"), LARGE, "{report}");
+    assert_eq!(site(report, "unreported"), (0, 0), "a block no probe reported: {report}");
+    assert_eq!(report["usdt_samples"], 7, "{report}");
+    assert_eq!(report["sample_bytes"], 0, "{report}");
+    assert_eq!(total(report, "unknown_frees"), 0, "{}", report["totals"]);
+    assert_eq!(total(report, "freed_bytes"), 512 * 1024 + 1024 * 1024, "{}", report["totals"]);
+}
+
+/// At -O2 the probes' arguments are a register and constants.
+#[test]
+fn run_counts_each_sample_at_its_weight() {
+    let fixture = fixture_with("usdt_sites.c", "usdt_sites_o2", &["-g", "-O2", "-fno-omit-frame-pointer"]);
+    let outcome = run(&["--usdt", "--interval", "60"], &[fixture.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("otel_memory probes, the allocator's own sampler"), "{}", outcome.stderr);
+    assert_the_samples_alone(&outcome.final_report());
+}
+
+/// At -O0 the probes' arguments are in memory, at offsets from the frame pointer.
+#[test]
+fn attach_counts_each_sample_at_its_weight() {
+    let mut target = Waiting::start(&fixture("usdt_sites"), &[]);
+    let outcome = attach(&mut target, &["--usdt", "--interval", "60"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_the_samples_alone(&outcome.final_report());
+}
+
+/// The daemon with `--usdt`: the samples in its metrics and its report.
+#[test]
+fn the_daemon_exports_the_samples() {
+    let mut target = Waiting::start(&fixture("usdt_sites"), &["hold"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string(), "--usdt"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_usdt_samples_total{{pid=\"{pid}\",comm=\"usdt_sites\"}}");
+    wait_for(15, "the samples in the metrics", || (metric(daemon.port, &series)? == 7).then_some(()));
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_the_samples_alone(&report);
+}
+
+#[test]
+fn the_table_says_which_mode_made_it() {
+    let fixture = fixture("usdt_sites");
+    let outcome = memprof(&["run", "--usdt", "--interval", "60", "--", fixture.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stdout.contains(
+            "usdt: the allocator's own sampler through otel_memory probes, 7 samples; counts and bytes are estimates"
+        ),
+        "{}",
+        outcome.stdout
+    );
+}
+
+/// A process without the probes is refused in one line naming the fix, before anything is traced.
+#[test]
+fn a_process_without_the_probes_is_refused() {
+    let plain = fixture("sampled_sites");
+    let outcome = memprof(&["run", "--usdt", "--", plain.to_str().unwrap()]);
+    assert!(!outcome.status.success(), "{outcome:?}");
+    let errors: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains("otel_memory")).collect();
+    assert_eq!(errors.len(), 1, "{}", outcome.stderr);
+    assert!(errors[0].contains("no otel_memory USDT probes in the files of"), "{}", outcome.stderr);
+    assert!(errors[0].contains("leave out --usdt"), "{}", outcome.stderr);
+
+    let mut target = Waiting::start(&plain, &[]);
+    let pid = target.pid().to_string();
+    let outcome = memprof(&["attach", "--pid", &pid, "--usdt"]);
+    assert!(!outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains(&format!("no otel_memory USDT probes in the files of pid {pid}")),
+        "{}",
+        outcome.stderr
+    );
+    target.go();
+}
