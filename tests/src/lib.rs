@@ -205,9 +205,9 @@ pub fn attach_with(mut memprof: Command, target: &mut Waiting, pid: u32, args: &
     released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go())
 }
 
-/// `--max-rate off` unless `args` choose a rate or growth mode.
+/// `--max-rate off` unless `args` choose a rate, growth mode or usdt mode.
 fn every_call_unless_chosen(memprof: &mut Command, args: &[&str]) {
-    if !args.iter().any(|arg| ["--max-rate", "--growth"].contains(arg)) {
+    if !args.iter().any(|arg| ["--max-rate", "--growth", "--usdt"].contains(arg)) {
         memprof.args(["--max-rate", "off"]);
     }
 }
