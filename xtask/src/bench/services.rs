@@ -99,7 +99,7 @@ fn python_run(index: usize, memprof: &Path, dir: &Path) -> anyhow::Result<f64> {
     std::fs::write(&script, PYTHON_SCRIPT)?;
     let out = dir.join("dict.seconds");
     let _ = std::fs::remove_file(&out);
-    let python = ["python3".to_string(), script.display().to_string(), out.display().to_string()];
+    let python = ["/usr/bin/python3".to_string(), script.display().to_string(), out.display().to_string()];
     let mut command = match PYTHON_MODES[index] {
         ("heaptrack", _) => {
             let mut command = Command::new("heaptrack");
