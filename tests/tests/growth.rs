@@ -24,7 +24,7 @@ fn jemalloc_fixture() -> std::path::PathBuf {
 fn assert_growth(outcome: &Outcome) {
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
-    assert_eq!(report["growth"]["outside_pages"].as_u64().map(|_| ()), Some(()), "the report says its mode: {report}");
+    assert!(report["growth"]["outside_pages"].is_u64(), "the report says its mode: {report}");
     let (leaked, pages) = through(&report, "leak_pages");
     let allowed = LEAKED - SLACK..=LEAKED + SLACK + METADATA;
     assert!(allowed.contains(&leaked), "leak_pages holds {leaked} bytes, truth {LEAKED}: {report}");

@@ -82,7 +82,8 @@ impl Process {
             allocator: Some(allocator),
             // Its counts start now: its probes are attached.
             rate_guard: RateGuard::starting(settings.0, monotonic_now_ns()),
-            price: PriceWatch::start(pid, None),
+            // The price is that of tracing calls: no line for the modes that do not.
+            price: settings.0.traces_calls().then(|| PriceWatch::start(pid, None)).flatten(),
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),
             expect_exec,

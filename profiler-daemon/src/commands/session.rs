@@ -80,7 +80,9 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         settings(args),
         false,
     );
-    root.price = PriceWatch::start(pid_n, untraced);
+    if args.sampling.traces_calls() {
+        root.price = PriceWatch::start(pid_n, untraced);
+    }
     announce(pid_n, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
@@ -215,7 +217,7 @@ async fn trace_command(
     }
     child.release();
     // memprof saw every allocation of an unsampled command: none unseen can hold a pointer.
-    let complete = args.sampling.sample_bytes.is_none() && !args.sampling.usdt && !args.sampling.growth;
+    let complete = args.sampling.sample_bytes.is_none() && args.sampling.traces_calls();
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete,

@@ -89,10 +89,16 @@ pub fn sample_bytes(value: &str) -> Result<u64, String> {
 }
 
 impl Sampling {
+    /// Whether the process's allocator calls are what is traced (every one, or sampled): not so
+    /// in growth mode (pages) or usdt mode (the allocator's own samples).
+    pub fn traces_calls(self) -> bool {
+        !self.growth && !self.usdt
+    }
+
     /// `attach`'s: `--max-rate` at `DEFAULT_MAX_RATE` unless given (`off` included), or growth
     /// or usdt mode, whose cost does not follow the calls.
     pub fn for_attach(self) -> Self {
-        if self.growth || self.usdt {
+        if !self.traces_calls() {
             return self;
         }
         Self { max_rate: Some(self.max_rate.unwrap_or(MaxRate::Default)), ..self }
@@ -230,5 +236,14 @@ mod tests {
         assert_eq!(guard.initial(), Some(4096));
         guard.check(&snapshot(0, 0));
         assert_eq!(guard.check(&snapshot(1_000_000_000, 1 << 40)), None);
+    }
+
+    #[test]
+    fn growth_and_usdt_trace_no_calls_and_get_no_default_rate() {
+        for mode in [Sampling { growth: true, ..Sampling::default() }, Sampling { usdt: true, ..Sampling::default() }] {
+            assert!(!mode.traces_calls());
+            assert_eq!(mode.for_attach().max_rate, None);
+        }
+        assert!(Sampling::default().traces_calls());
     }
 }
