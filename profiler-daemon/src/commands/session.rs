@@ -22,7 +22,7 @@ use crate::{
     heap::inspect::{self, Inspection},
     heap::price::{Mode, PriceWatch, SystemCpu},
     heap::report::{self, Report, Selection},
-    heap::resident::{PinnedBudget, Resident},
+    heap::resident::{HeapNow, PinnedBudget, Resident},
     heap::sampling::Switch,
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
@@ -400,8 +400,18 @@ impl Tracer<'_> {
         let mut switches = Vec::new();
         // The session's final report reads the pinned pages whatever the budget (a child's
         // exit, which may come in storms, does not).
-        let residents = self.family.processes_mut().filter(|p| pids.contains(&p.pid)).map(|p| (p.pid, &mut p.resident));
-        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, is_final && only.is_none())?;
+        let residents = self
+            .family
+            .processes_mut()
+            .filter(|p| pids.contains(&p.pid))
+            .map(|p| (p.pid, &mut p.resident, HeapNow::of(kernel.processes.get(&p.pid))));
+        Resident::read_all(
+            &self.loaded.ebpf,
+            kernel.live_entries,
+            residents,
+            &mut self.pinned_budget,
+            is_final && only.is_none(),
+        )?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
             // A final read switches nothing: the tracing ends.

@@ -12,6 +12,7 @@ mod http;
 mod metrics;
 mod query;
 mod server;
+mod settled;
 mod socket;
 mod tracer;
 mod view;

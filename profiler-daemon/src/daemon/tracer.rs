@@ -24,6 +24,7 @@ use super::{
     config::Config,
     discovery::{self, ProcessId},
     heavy::Built,
+    settled,
     view::{DaemonView, MapUse, StackSeries, TargetView},
     wakeup::{Inbox, Woken},
 };
@@ -33,12 +34,12 @@ use crate::{
     heap::inspect,
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
-    heap::report::{self, DoubleFreeReport, Selection, StackReport},
+    heap::report::{self, DoubleFreeReport, Report, Selection, StackReport},
     heap::sampling::RateGuard,
     heap::{
         blind_spots::BlindSpots,
         double_free::DoubleFreeFilter,
-        resident::{PinnedBudget, Resident},
+        resident::{HeapNow, PinnedBudget, Resident},
     },
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, Snapshot, StackTable},
     kernel::loader::{self, Attachment, Loaded},
@@ -113,6 +114,8 @@ struct Target {
     known_stacks: KnownStacks,
     /// The calls its probes had counted at the last interval (`calls_counted`).
     calls: u64,
+    /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
+    last_view: Option<(Arc<TargetView>, u64)>,
 }
 
 pub struct Tracer {
@@ -591,6 +594,7 @@ impl Tracer {
             probed: true,
             known_stacks: KnownStacks::default(),
             calls: 0,
+            last_view: None,
         };
         self.targets.insert(id.pid, target);
         Ok(())
@@ -655,8 +659,6 @@ impl Tracer {
     /// Reads the maps and publishes the view.
     fn publish(&mut self) -> anyhow::Result<()> {
         self.collect_double_frees();
-        let pids: HashSet<u32> = self.targets.keys().copied().collect();
-        let kernel = self.loaded.read(&pids, 0)?;
         // A target gone without its exit seen (its main thread exited long before its last
         // thread), or whose pid a new process took already: what the maps hold under that pid
         // may be the new process's, and its mappings are. Not shown as the old one's; the new
@@ -673,10 +675,36 @@ impl Tracer {
             self.detach(pid);
             self.found(pid);
         }
-        let residents = self.targets.values_mut().map(|t| (t.id.pid, &mut t.resident));
-        Resident::read_all(&self.loaded.ebpf, &kernel, residents, &mut self.pinned_budget, false)?;
+        let pids: HashSet<u32> = self.targets.keys().copied().collect();
+        let still_since_ns = aggregate::monotonic_now_ns();
+        let still = self.loaded.still_intervals(&pids)?;
+        let settle_after = settled::intervals(self.config.leak);
+        let settled: HashSet<u32> = (self.targets.values())
+            .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.double_frees == t.double_free_count))
+            .filter(|t| still.get(&t.id.pid).is_some_and(|&n| n >= settle_after))
+            .map(|t| t.id.pid)
+            .collect();
+        let kernel = self.loaded.read(&pids.difference(&settled).copied().collect(), 0)?;
+        self.loaded.rest(&settled, still_since_ns);
+        let residents = self.targets.values_mut().map(|t| {
+            let heap = match (&t.last_view, kernel.processes.get(&t.id.pid)) {
+                (Some((last, _)), None) => {
+                    HeapNow { outstanding_bytes: last.report.totals.outstanding_bytes, sampled: last.sample_bytes > 0 }
+                }
+                (_, snapshot) => HeapNow::of(snapshot),
+            };
+            (t.id.pid, &mut t.resident, heap)
+        });
+        Resident::read_all(&self.loaded.ebpf, kernel.live_entries, residents, &mut self.pinned_budget, false)?;
         for target in self.targets.values_mut() {
-            if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
+            if settled.contains(&target.id.pid) {
+                let time_s = still_since_ns.saturating_sub(target.start_ns) as f64 / 1e9;
+                target.leaks.rest(still_since_ns, time_s);
+                if target.last_view.as_ref().is_some_and(|(_, pinned)| *pinned != target.resident.pinned_changes()) {
+                    // Its pages moved though its stacks did not: read and built whole next time.
+                    self.loaded.unsettle(target.id.pid);
+                }
+            } else if let Some(snapshot) = kernel.processes.get(&target.id.pid) {
                 // A program may rename itself: one that called its allocator since the last
                 // interval is read again; an idle one at each scan of /proc (`consider`). (The
                 // symbolizer learns of the libraries a target loads from the dynamic linker's
@@ -744,9 +772,19 @@ impl Tracer {
             ready: true,
             ..DaemonView::default()
         };
-        for target in self.targets.values() {
-            target.known_stacks.next_interval();
-            view.targets.insert(target.id.pid, Arc::new(self.target_view(target, &kernel, &tables)));
+        let views: Vec<Arc<TargetView>> = (self.targets.values())
+            .map(|target| match (&target.last_view, settled.contains(&target.id.pid)) {
+                (Some((last, _)), true) => Arc::new(self.settled_view(target, last, still_since_ns, &kernel, &tables)),
+                _ => {
+                    target.known_stacks.next_interval();
+                    Arc::new(self.target_view(target, &kernel, &tables))
+                }
+            })
+            .collect();
+        for target_view in views {
+            let Some(target) = self.targets.get_mut(&target_view.pid) else { continue };
+            target.last_view = Some((target_view.clone(), target.resident.pinned_changes()));
+            view.targets.insert(target_view.pid, target_view);
         }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
@@ -790,6 +828,26 @@ impl Tracer {
         let mut view = self.target_view(target, &kernel, &self.loaded.unwind.table_use());
         report::add_inspection(&mut view.report, inspection, &self.stacks(target));
         Ok(view)
+    }
+
+    /// A settled target's `last` view brought up to `now_ns` (see `settled`).
+    fn settled_view(
+        &self,
+        target: &Target,
+        last: &TargetView,
+        now_ns: u64,
+        kernel: &KernelSnapshot,
+        tables: &TableUse,
+    ) -> TargetView {
+        let update = |report: &mut Report| {
+            report.memory = target.resident.last();
+            report.blind_spots =
+                target.blind_spots.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
+            report.unwind_tables = Some(*tables);
+            report.unattributed_dropped = report::unattributed_dropped(kernel);
+            report.timeline = target.leaks.timeline_as_named();
+        };
+        settled::bring_up_to_date(last, settled::Now { now_ns, start_ns: target.start_ns, update: &update })
     }
 
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot, tables: &TableUse) -> TargetView {

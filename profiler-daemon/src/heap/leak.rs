@@ -10,7 +10,10 @@
 //! stops growing; a pool freed in bulk and churn do not retain their old memory: none is flagged.
 //! The per-interval cost grows with the number of stacks, never with live allocations.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::{
+    cell::RefCell,
+    collections::{HashMap, HashSet, VecDeque},
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -105,6 +108,11 @@ pub struct LeakTracker {
     flagged: HashMap<u64, (usize, VecDeque<u64>)>,
     /// When the last snapshot was read (its `now_ns`).
     last_ns: Option<u64>,
+    /// Read times of the intervals at `rest` (the latest `window + 1`), not yet in the stacks'
+    /// histories.
+    rested: VecDeque<u64>,
+    /// The report's names of the flagged stacks, as the last `timeline` was given them.
+    named: RefCell<HashMap<u64, String>>,
 }
 
 impl LeakTracker {
@@ -116,6 +124,8 @@ impl LeakTracker {
             total_bytes: VecDeque::new(),
             flagged: HashMap::new(),
             last_ns: None,
+            rested: VecDeque::new(),
+            named: RefCell::default(),
         }
     }
 
@@ -124,6 +134,7 @@ impl LeakTracker {
     /// would contradict the last interval's; replaced, the window keeps its length, and the
     /// timeline ends at the final figures.
     pub fn observe_instead_of_last(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
+        self.replay_rests();
         if let Some(last_ns) = self.last_ns.take() {
             for history in self.stacks.values_mut() {
                 if history.recent.back().is_some_and(|(read_ns, _)| *read_ns == last_ns) {
@@ -146,6 +157,7 @@ impl LeakTracker {
 
     /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
     pub fn observe(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
+        self.replay_rests();
         let window = self.settings.window;
         // A set, not a scan of the snapshot per stack: 65,536 stacks made that 4 billion
         // comparisons an interval, most of the daemon's CPU at rest.
@@ -164,11 +176,35 @@ impl LeakTracker {
             let bytes: Vec<u64> = history.recent.iter().map(|(_, bytes)| *bytes).collect();
             history.verdict = judge(&bytes, held_from_before, self.settings, window_ns);
         }
-        self.record_timeline(snapshot, time_s);
+        self.record_point(time_s, snapshot.stacks.iter().map(|s| s.outstanding_bytes).sum());
         self.last_ns = Some(snapshot.now_ns);
     }
 
-    fn record_timeline(&mut self, snapshot: &Snapshot, time_s: f64) {
+    /// An interval read at `now_ns` at which the process was still: its stacks hold what they
+    /// held at the last one. The timeline gets its point at once, the stacks' histories at the
+    /// next `observe` (the verdicts of a process still for a whole window do not change).
+    pub fn rest(&mut self, now_ns: u64, time_s: f64) {
+        self.rested.push_back(now_ns);
+        if self.rested.len() > self.settings.window + 1 {
+            self.rested.pop_front();
+        }
+        self.record_point(time_s, self.total_bytes.back().copied().unwrap_or(0));
+        self.last_ns = Some(now_ns);
+    }
+
+    /// Gives each stack's history the points of the intervals at rest.
+    fn replay_rests(&mut self) {
+        let window = self.settings.window;
+        for history in self.stacks.values_mut() {
+            let bytes = history.recent.back().map_or(0, |(_, bytes)| *bytes);
+            history.recent.extend(self.rested.iter().map(|&read_ns| (read_ns, bytes)));
+            let surplus = history.recent.len().saturating_sub(window + 1);
+            history.recent.drain(..surplus);
+        }
+        self.rested.clear();
+    }
+
+    fn record_point(&mut self, time_s: f64, total_bytes: u64) {
         if self.time_s.len() == MAX_POINTS {
             self.time_s.pop_front();
             self.total_bytes.pop_front();
@@ -181,7 +217,7 @@ impl LeakTracker {
             self.flagged.retain(|_, (_, values)| !values.is_empty());
         }
         self.time_s.push_back(time_s);
-        self.total_bytes.push_back(snapshot.stacks.iter().map(|s| s.outstanding_bytes).sum());
+        self.total_bytes.push_back(total_bytes);
         let now = self.time_s.len() - 1;
         for (id, history) in &self.stacks {
             if let Some((_, values)) = self.flagged.get_mut(id) {
@@ -214,6 +250,21 @@ impl LeakTracker {
     /// The timeline, with stack ids as the report names them (`report_id`; stacks it does not
     /// name are left out).
     pub fn timeline(&self, report_id: impl Fn(u64) -> Option<String>) -> Timeline {
+        self.named.borrow_mut().clear();
+        self.timeline_with(|id| {
+            let name = report_id(id)?;
+            self.named.borrow_mut().insert(id, name.clone());
+            Some(name)
+        })
+    }
+
+    /// The timeline, with stack ids as the last `timeline` was given them.
+    pub fn timeline_as_named(&self) -> Timeline {
+        let named = self.named.borrow().clone();
+        self.timeline_with(|id| named.get(&id).cloned())
+    }
+
+    fn timeline_with(&self, report_id: impl Fn(u64) -> Option<String>) -> Timeline {
         let mut stacks: Vec<StackTimeline> = self
             .flagged
             .iter()
@@ -299,6 +350,31 @@ mod tests {
     fn churn_and_pools_freed_in_bulk_are_not() {
         assert!(!judge_series(&[50, 60, 40, 70, 55], 0).candidate, "churn frees its old memory");
         assert!(!judge_series(&[100, 200, 300, 400, 0], 0).candidate, "a pool freed in bulk");
+    }
+
+    #[test]
+    fn intervals_at_rest_count_as_observed_ones() {
+        use crate::kernel::aggregate::StackSnapshot;
+        let clock = Clock { base_ns: 0, length_ns: 250_000_000 };
+        let snapshot = |second: u64, bytes: u64| Snapshot {
+            now_ns: second * 1_000_000_000,
+            stacks: vec![StackSnapshot { stack_id: 1, outstanding_bytes: bytes, ..StackSnapshot::default() }],
+            ..Snapshot::default()
+        };
+        let (mut watched, mut rested) = (LeakTracker::new(SETTINGS), LeakTracker::new(SETTINGS));
+        for (second, bytes) in [(0, 100), (1, 200), (2, 300), (3, 400), (4, 500)] {
+            watched.observe(&snapshot(second, bytes), &clock, second as f64);
+            rested.observe(&snapshot(second, bytes), &clock, second as f64);
+        }
+        for second in 5..12 {
+            watched.observe(&snapshot(second, 500), &clock, second as f64);
+            rested.rest(second * 1_000_000_000, second as f64);
+        }
+        assert_eq!(watched.timeline(|_| Some("s".into())), rested.timeline(|_| Some("s".into())));
+        watched.observe(&snapshot(12, 600), &clock, 12.0);
+        rested.observe(&snapshot(12, 600), &clock, 12.0);
+        assert_eq!(watched.verdict(1), rested.verdict(1));
+        assert_eq!(watched.timeline(|_| Some("s".into())), rested.timeline_as_named());
     }
 
     #[test]

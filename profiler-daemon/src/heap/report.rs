@@ -219,6 +219,10 @@ pub struct StackReport {
     #[serde(default)]
     pub pinned_bytes: u64,
     pub oldest_age_s: f64,
+    /// The earliest its oldest outstanding allocation can have been made (CLOCK_MONOTONIC, not
+    /// before tracing began): `aged_at` brings `oldest_age_s` to another moment.
+    #[serde(skip)]
+    pub oldest_ns: Option<u64>,
     /// The walk did not reach the thread's outermost frame (see `dropped` for why).
     pub truncated: bool,
     /// The allocation wrappers folded into the allocator (`heap::wrappers`), innermost first:
@@ -445,9 +449,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 pinned_pages: pinned.pages,
                 pinned_bytes: pinned.bytes,
                 // Ages are known to the generation: none is older than tracing.
-                oldest_age_s: stack
-                    .oldest_ns
-                    .map_or(0.0, |t| seconds(snapshot.now_ns.saturating_sub(t.max(ctx.stacks.start_ns)))),
+                oldest_age_s: 0.0,
+                oldest_ns: stack.oldest_ns.map(|t| t.max(ctx.stacks.start_ns)),
                 truncated: symbolized.truncated,
                 via: symbolized.via,
                 leak: ctx.leaks.verdict(stack.stack_id),
@@ -455,6 +458,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 types: Vec::new(),
                 frames: symbolized.frames,
             }
+            .aged_at(snapshot.now_ns)
         })
         .collect();
     let stacks = merge_same_stacks(stacks);
@@ -660,6 +664,16 @@ impl StackReport {
         self.pinned_pages += other.pinned_pages;
         self.pinned_bytes += other.pinned_bytes;
         self.oldest_age_s = self.oldest_age_s.max(other.oldest_age_s);
+        self.oldest_ns = match (self.oldest_ns, other.oldest_ns) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// Its `oldest_age_s` at `now_ns`.
+    pub fn aged_at(mut self, now_ns: u64) -> Self {
+        self.oldest_age_s = self.oldest_ns.map_or(0.0, |t| seconds(now_ns.saturating_sub(t)));
+        self
     }
 }
 
@@ -810,7 +824,7 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-fn seconds(ns: u64) -> f64 {
+pub fn seconds(ns: u64) -> f64 {
     // Millisecond precision keeps the JSON short; nobody reads nanoseconds of heap age.
     (ns / 1_000_000) as f64 / 1000.0
 }
@@ -878,6 +892,7 @@ pub mod samples {
                 pinned_pages: 0,
                 pinned_bytes: 0,
                 oldest_age_s: 0.5,
+                oldest_ns: None,
                 truncated: false,
                 via: Vec::new(),
                 leak: LeakVerdict::default(),

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     heap::pinned::{self, Pinned},
     kernel::{
-        aggregate::{KernelSnapshot, Snapshot},
+        aggregate::Snapshot,
         live::{self, LiveBlock},
     },
     process::procfs,
@@ -86,6 +86,24 @@ pub struct Resident {
     pinned: Pinned,
     /// When `pinned` was read: none before the first reading.
     pinned_at: Option<Instant>,
+    /// Readings of `pinned` that differed from the one before.
+    pinned_changes: u64,
+}
+
+/// What the kernel's counters say of a process's heap, for `Resident::read_all`.
+#[derive(Debug, Clone, Copy)]
+pub struct HeapNow {
+    pub outstanding_bytes: u64,
+    pub sampled: bool,
+}
+
+impl HeapNow {
+    pub fn of(snapshot: Option<&Snapshot>) -> Self {
+        Self {
+            outstanding_bytes: snapshot.map_or(0, Snapshot::outstanding_bytes),
+            sampled: snapshot.is_some_and(|s| s.sample_bytes > 0),
+        }
+    }
 }
 
 impl Resident {
@@ -93,42 +111,44 @@ impl Resident {
     /// the last reading taken while it ran stays.
     fn read_pinned(&mut self, pid: u32, blocks: &[LiveBlock]) {
         if let Some(pinned) = pinned::read(pid, blocks) {
+            if pinned != self.pinned {
+                self.pinned_changes += 1;
+            }
             self.pinned = pinned;
             self.pinned_at = Some(Instant::now());
         }
     }
 
-    /// Reads the memory of each of `processes` (pid, its readings), whose kernel counters are
-    /// in `kernel`: every interval, so that a report written once, after the process exited, has
+    /// Reads the memory of each of `processes` (pid, its readings, its heap now), with
+    /// `live_entries` blocks live in all: every interval, so that a report written once, after the process exited, has
     /// the last reading taken while it ran. The pinned pages take one walk of `LIVE` for all,
     /// when `budget` allows or `now` asks (a final report), logged at debug level. A sampled
     /// process's blocks are a sample: its pages would look emptier than they are, so they are
     /// not read (0).
     pub fn read_all<'a>(
         ebpf: &Ebpf,
-        kernel: &KernelSnapshot,
-        processes: impl IntoIterator<Item = (u32, &'a mut Resident)>,
+        live_entries: u64,
+        processes: impl IntoIterator<Item = (u32, &'a mut Resident, HeapNow)>,
         budget: &mut PinnedBudget,
         now: bool,
     ) -> anyhow::Result<()> {
         let started = Instant::now();
         let mut processes: Vec<_> = processes.into_iter().collect();
-        for (pid, resident) in &mut processes {
-            let snapshot = kernel.processes.get(pid);
-            if snapshot.is_some_and(|s| s.sample_bytes > 0) {
+        for (pid, resident, heap) in &mut processes {
+            if heap.sampled {
                 (resident.pinned, resident.pinned_at) = (Pinned::default(), None);
             }
-            resident.current(*pid, snapshot.map_or(0, Snapshot::outstanding_bytes));
+            resident.current(*pid, heap.outstanding_bytes);
         }
-        if !now && !budget.due(kernel.live_entries) {
+        if !now && !budget.due(live_entries) {
             return Ok(());
         }
-        let unsampled = |pid: &u32| kernel.processes.get(pid).is_none_or(|s| s.sample_bytes == 0);
-        let pids: HashSet<u32> = processes.iter().map(|(pid, _)| *pid).filter(unsampled).collect();
+        let pids: HashSet<u32> =
+            processes.iter().filter(|(_, _, heap)| !heap.sampled).map(|(pid, _, _)| *pid).collect();
         let mut blocks = live::by_process(ebpf, &pids)?;
         let walked = started.elapsed();
         let count: usize = blocks.values().map(Vec::len).sum();
-        for (pid, resident) in processes.into_iter().filter(|(pid, _)| pids.contains(pid)) {
+        for (pid, resident, _) in processes.into_iter().filter(|(pid, _, _)| pids.contains(pid)) {
             resident.read_pinned(pid, &blocks.remove(&pid).unwrap_or_default());
         }
         let took = started.elapsed();
@@ -140,6 +160,11 @@ impl Resident {
     /// The latest reading, taken by `current` (or `read_all`).
     pub fn last(&self) -> Option<Memory> {
         self.last.get()
+    }
+
+    /// Readings of the pinned pages that differed from the one before, so far.
+    pub fn pinned_changes(&self) -> u64 {
+        self.pinned_changes
     }
 
     /// The latest reading of the pages the process's blocks pin.

@@ -70,11 +70,23 @@ pub struct AgeBook {
     /// Generations reused in the kernel before the book took them over (reads too far apart),
     /// by process: their memory is counted as younger than it is.
     missed_generations: HashMap<u32, u64>,
+    /// By process: the generation before which it wrote nothing the book has not taken over,
+    /// as `rest` was told; its stacks were not observed meanwhile.
+    rested_until: HashMap<u32, u64>,
 }
 
 impl AgeBook {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, stacks: HashMap::new(), missed_generations: HashMap::new() }
+        Self { clock, stacks: HashMap::new(), missed_generations: HashMap::new(), rested_until: HashMap::new() }
+    }
+
+    /// Process `tgid` has changed none of its stacks since `since_ns`, and each was observed
+    /// after its last change had frozen: the generations until then hold nothing new, and
+    /// not observing its stacks meanwhile misses none.
+    pub fn rest(&mut self, tgid: u32, since_ns: u64) {
+        let until = self.clock.generation(since_ns);
+        let rested = self.rested_until.entry(tgid).or_default();
+        *rested = (*rested).max(until);
     }
 
     /// Brings one stack up to `now_ns` and returns its outstanding memory by age, oldest first.
@@ -85,6 +97,9 @@ impl AgeBook {
         let unfrozen = (now + 1).saturating_sub(FROZEN_AGE);
         let ages =
             self.stacks.entry(key).or_insert_with(|| StackAges { frozen_through: in_ring, ..Default::default() });
+        // Generations the process spent at rest were empty: nothing to take over.
+        let rested = self.rested_until.get(&key.tgid).map_or(0, |&until| until.min(in_ring));
+        ages.frozen_through = ages.frozen_through.max(rested);
         if ages.frozen_through < in_ring {
             *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
             ages.frozen_through = in_ring;
@@ -102,6 +117,11 @@ impl AgeBook {
         ages.frozen.iter().copied().chain(live).filter(|s| s.bytes != 0 || s.allocations != 0).collect()
     }
 
+    /// Process `tgid`'s stacks were all observed after its rest: it is no longer resting.
+    pub fn woke(&mut self, tgid: u32) {
+        self.rested_until.remove(&tgid);
+    }
+
     /// The generations of process `tgid` that were missed (see `missed_generations`).
     pub fn missed_generations(&self, tgid: u32) -> u64 {
         self.missed_generations.get(&tgid).copied().unwrap_or(0)
@@ -111,6 +131,7 @@ impl AgeBook {
     pub fn forget(&mut self, tgid: u32) {
         self.stacks.retain(|key, _| key.tgid != tgid);
         self.missed_generations.remove(&tgid);
+        self.rested_until.remove(&tgid);
     }
 }
 
@@ -250,6 +271,23 @@ mod tests {
         let _ = book.observe(key(), &row(&[(0, 10, None)]), 5);
         let _ = book.observe(key(), &row(&[(0, 10, None)]), 1000);
         assert!(book.missed_generations(key().tgid) > 0);
+    }
+
+    #[test]
+    fn a_rest_is_not_a_missed_read_and_ages_stay_exact() {
+        let mut book = AgeBook::new(CLOCK);
+        let early = [(0, 10, None)];
+        let _ = book.observe(key(), &row(&early), 5);
+        let _ = book.observe(key(), &row(&early), 95);
+        // Still from generation 9 to 100, not read; then one block at generation 101 (slot 5,
+        // generation 0's).
+        book.rest(key().tgid, 1000);
+        let later = [(0, 10, None), (101, 30, None)];
+        let spans = book.observe(key(), &row(&later), 1015);
+        book.woke(key().tgid);
+        assert_eq!(book.missed_generations(key().tgid), 0);
+        assert_eq!(oldest_ns(&CLOCK, &spans), Some(0));
+        assert_eq!(spans.iter().map(|s| (s.first, s.bytes)).collect::<Vec<_>>(), [(0, 10), (101, 30)]);
     }
 
     #[test]

@@ -126,7 +126,6 @@ pub fn read<'a>(
     let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
     let heaps: BpfHashMap<_, u32, ProcHeap> = BpfHashMap::try_from(map(ebpf, "PROC_HEAP")?)?;
     let proc_drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
-    let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
 
     let mut snapshot = KernelSnapshot::default();
     // Each process's peak generation, read before the stacks: a stack that changes after this
@@ -177,15 +176,24 @@ pub fn read<'a>(
             process.peak = Peak { bytes: pages.peak.0, at_ns: pages.peak.1 };
         }
         process.stacks = merge_deferred(ebpf, unwind, tgid, std::mem::take(&mut process.stacks));
+        book.woke(tgid);
         process.missed_generations = book.missed_generations(tgid);
         for (reason, count) in unwind.deferred_drops(tgid) {
             process.drops.counts[reason as usize] += count;
         }
     }
-    for (index, total) in snapshot.unattributed_drops.iter_mut().enumerate() {
+    snapshot.unattributed_drops = unattributed_drops(ebpf)?;
+    Ok(snapshot)
+}
+
+/// The events not recorded that found no room in the per-process table, by `DropReason`.
+pub fn unattributed_drops(ebpf: &Ebpf) -> anyhow::Result<[u64; DropReason::COUNT]> {
+    let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
+    let mut totals = [0; DropReason::COUNT];
+    for (index, total) in totals.iter_mut().enumerate() {
         *total = drops.get(&(index as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
     }
-    Ok(snapshot)
+    Ok(totals)
 }
 
 /// What a process has asked of its allocator since it was traced.

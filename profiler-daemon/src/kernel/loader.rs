@@ -26,6 +26,7 @@ use crate::{
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks, SharedLinks},
+    kernel::stillness::Stillness,
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
     process::{
@@ -77,6 +78,11 @@ pub struct Loaded {
     detacher: Option<Detacher>,
     /// The processes traced through their allocator's `otel_memory` probes (`--usdt`).
     usdt: usdt::UsdtProbes,
+    /// Which processes did nothing since the last interval.
+    stillness: Stillness,
+    /// The entries of `LIVE` and `STACK_STATS` at the last walk of the maps, while no process
+    /// has been purged since: a read of no process then needs no walk.
+    walked_entries: Option<(u64, u64)>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -175,6 +181,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
         usdt: usdt::UsdtProbes::default(),
+        stillness: Stillness::default(),
+        walked_entries: None,
     })
 }
 
@@ -457,7 +465,9 @@ impl Loaded {
         if let Err(err) = aggregate::purge(&mut self.ebpf, pids, &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
+        self.walked_entries = None;
         for &pid in pids {
+            self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
             self.unwind_events.forget(pid);
             self.ages.forget(pid);
@@ -472,6 +482,10 @@ impl Loaded {
         if let Some(mappings) = &mut self.mappings {
             mappings.drain(&self.ages.clock);
         }
+        if let (true, Some((live_entries, stack_stats_entries))) = (tgids.is_empty(), self.walked_entries) {
+            let unattributed_drops = aggregate::unattributed_drops(&self.ebpf)?;
+            return Ok(KernelSnapshot { live_entries, stack_stats_entries, unattributed_drops, ..Default::default() });
+        }
         let pages = |tgid: u32| self.mappings.as_ref().and_then(|mappings| mappings.pages(tgid));
         let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns, &pages)?;
         if let Some(mappings) = &self.mappings {
@@ -482,7 +496,30 @@ impl Loaded {
         for (&tgid, process) in &mut kernel.processes {
             process.usdt = self.usdt.traces(tgid);
         }
+        self.walked_entries = Some((kernel.live_entries, kernel.stack_stats_entries));
         Ok(kernel)
+    }
+
+    /// For each of `tgids`, the intervals in a row it has been still (see `stillness`).
+    pub fn still_intervals(&mut self, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, u32>> {
+        if let Some(mappings) = &mut self.mappings {
+            mappings.drain(&self.ages.clock);
+        }
+        let mappings = self.mappings.as_ref();
+        let learned = |tgid| mappings.map_or(0, |m| m.events(tgid)) + self.unwind.deferred_finished(tgid);
+        self.stillness.update(&self.ebpf, tgids, learned)
+    }
+
+    /// `tgid` is read whole at the next interval, still or not.
+    pub fn unsettle(&mut self, tgid: u32) {
+        self.stillness.forget(tgid);
+    }
+
+    /// `tgids` have been still since `since_ns` at least and are not read (see `AgeBook::rest`).
+    pub fn rest(&mut self, tgids: &HashSet<u32>, since_ns: u64) {
+        for &tgid in tgids {
+            self.ages.rest(tgid, since_ns);
+        }
     }
 
     /// The allocator calls of `tgids` so far (see `aggregate::calls`).

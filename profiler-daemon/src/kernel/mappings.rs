@@ -67,6 +67,11 @@ impl MappedRanges {
         }
     }
 
+    /// The events of `tgid` applied so far (see `kernel::stillness`).
+    pub fn events(&self, tgid: u32) -> u64 {
+        self.spaces.get(&tgid).map_or(0, |space| space.events)
+    }
+
     /// The pages `tgid` holds, when it is traced by them.
     pub fn pages(&self, tgid: u32) -> Option<&Pages> {
         self.spaces.get(&tgid).and_then(|space| space.pages.as_ref())
@@ -121,6 +126,8 @@ struct Space {
     brk: Option<u64>,
     /// `--growth`: the pages touched in the ranges.
     pages: Option<Pages>,
+    /// Events applied so far: what changed the ranges and pages.
+    events: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +145,7 @@ fn page_up(address: u64) -> u64 {
 
 impl Space {
     fn apply(&mut self, clock: &Clock, event: &MappingEvent) {
+        self.events += 1;
         if event.mm != self.mm {
             // The first event of a process watched before it sent any: its ranges are this
             // memory's. Otherwise an exec: the old program's ranges went with its memory.

@@ -18,4 +18,5 @@ pub mod mappings;
 pub mod probes;
 pub mod settings;
 pub mod shared;
+pub mod stillness;
 pub mod uprobe_multi;

@@ -40,6 +40,8 @@ pub struct Deferred {
     /// Walks that ended cut, by process and `StackEnd`: counted as the kernel's walk counts its
     /// own.
     cut: HashMap<u32, [u64; 6]>,
+    /// Walks finished, by process.
+    finished: HashMap<u32, u64>,
 }
 
 impl Deferred {
@@ -57,6 +59,7 @@ impl Deferred {
             None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
         };
         self.counts.walks += 1;
+        *self.finished.entry(event.tgid).or_default() += 1;
         if event.counts_cuts != 0 {
             self.cut.entry(event.tgid).or_default()[completion.end as usize] += 1;
         }
@@ -78,10 +81,16 @@ impl Deferred {
         self.completions.get(&(tgid, table, stack_id))
     }
 
+    /// The walks of process `tgid` finished so far.
+    pub fn finished(&self, tgid: u32) -> u64 {
+        self.finished.get(&tgid).copied().unwrap_or(0)
+    }
+
     /// The process is gone: so are its stacks.
     pub fn forget(&mut self, tgid: u32) {
         self.completions.retain(|&(pid, _, _), _| pid != tgid);
         self.cut.remove(&tgid);
+        self.finished.remove(&tgid);
     }
 }
 

@@ -253,6 +253,11 @@ impl Registry {
         self.deferred.drops(tgid)
     }
 
+    /// The deferred walks of process `tgid` finished so far.
+    pub fn deferred_finished(&self, tgid: u32) -> u64 {
+        self.deferred.finished(tgid)
+    }
+
     /// The rest of a deferred walk, once finished.
     pub fn completion(&self, tgid: u32, table: u32, stack_id: u64) -> Option<&Completion> {
         self.deferred.completion(tgid, table, stack_id)
