@@ -852,7 +852,8 @@ impl Tracer {
 
     fn target_view(&self, target: &Target, kernel: &KernelSnapshot, tables: &TableUse) -> TargetView {
         let pid = target.id.pid;
-        let snapshot = kernel.processes.get(&pid).cloned().unwrap_or_default();
+        let none = Snapshot::default();
+        let snapshot = kernel.processes.get(&pid).unwrap_or(&none);
         let ctx = report::Context {
             stacks: self.stacks(target),
             comm: &target.comm,
@@ -862,7 +863,7 @@ impl Tracer {
             pinned: target.resident.pinned(),
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
-        let mut report = report::build(&ctx, &snapshot, kernel, selection);
+        let mut report = report::build(&ctx, snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
         report.live = true;
         // This interval's reading (`Resident::read_all`): /proc is read once a target an interval.

@@ -1,8 +1,9 @@
 //! The daemon at rest (issue 28): `memprof daemon --comm` at its defaults tracing (a) 1,000 idle
 //! processes, each blocked before its first allocation, and (b) one process holding 65,536
 //! distinct deep stacks (tests/fixtures/many_stacks.c, about 122 frames each, every call recorded
-//! as in the `daemon_bounds` test); once it has settled, its CPU time, resident memory and its
-//! slowest `/metrics` answer.
+//! as in the `daemon_bounds` test); its CPU time while its targets settle (the daemon stops
+//! reading targets still for a leak window), then once they have: its CPU time, resident memory
+//! and its slowest `/metrics` answer.
 
 use std::{
     fmt::Write as _,
@@ -31,6 +32,8 @@ pub(super) struct AtRest {
     case: String,
     target: &'static str,
     settling_s: u64,
+    /// The CPU share while the targets settled.
+    settling_cpu_share: f64,
     seconds: f64,
     cpu_share: f64,
     rss_kib: u64,
@@ -133,11 +136,14 @@ impl Daemon {
 
     /// Settles, then measures over whole intervals, scraping `/metrics` every 5 s.
     fn at_rest(&self, size: Size) -> anyhow::Result<AtRest> {
-        let settling = Duration::from_secs(if size.quick { 5 } else { 15 });
+        // A leak window and two intervals at the defaults (see the daemon's `settled`), and 5 s.
+        let settling = Duration::from_secs(if size.quick { 5 } else { 45 });
         let scrapes = if size.quick { 2 } else { 12 };
+        let (cpu_settling, _) = cpu_and_rss(self.child.id())?;
         thread::sleep(settling);
         let load_before = load();
         let (cpu_before, _) = cpu_and_rss(self.child.id())?;
+        let settling_cpu_share = (cpu_before - cpu_settling) / settling.as_secs_f64();
         let start = Instant::now();
         let mut slowest_scrape_s: f64 = 0.0;
         for _ in 0..scrapes {
@@ -152,6 +158,7 @@ impl Daemon {
             case: String::new(),
             target: "",
             settling_s: settling.as_secs(),
+            settling_cpu_share,
             seconds,
             cpu_share: (cpu_after - cpu_before) / seconds,
             rss_kib,
@@ -183,19 +190,24 @@ pub(super) fn render(rows: &[AtRest]) -> String {
         "`memprof daemon --comm REGEX` at its defaults (5 s interval, 60 s resync): (a) idle processes \
          blocked before their first allocation (tests/fixtures/daemon_target.c), (b) one process holding \
          65,536 distinct stacks of about 122 frames (tests/fixtures/many_stacks.c, with `--max-rate \
-         1000000000` so that every call is recorded). After the targets are traced and {} s of settling, \
-         the daemon's CPU over {:.0} s, its resident memory at the end and its slowest `/metrics` answer \
-         (scraped every 5 s); the machine's one-minute load average before and after.\n",
+         1000000000` so that every call is recorded). Once the targets are traced, the daemon's CPU over \
+         {} s while they settle (it stops reading a target still for a leak window and two intervals: \
+         40 s at the defaults), then over {:.0} s at rest: its CPU, its resident memory at the end and \
+         its slowest `/metrics` answer (scraped every 5 s); the machine's one-minute load average \
+         before and after.\n",
         rows.first().map_or(0, |r| r.settling_s),
         rows.first().map_or(0.0, |r| r.seconds),
     );
-    out.push_str("| case | CPU, share of one core | resident memory | slowest `/metrics` | load | target |\n");
-    out.push_str("|---|---:|---:|---:|---:|---|\n");
+    out.push_str(
+        "| case | CPU while settling | CPU at rest, share of one core | resident memory | slowest `/metrics` | load | target |\n",
+    );
+    out.push_str("|---|---:|---:|---:|---:|---:|---|\n");
     for row in rows {
         let _ = writeln!(
             out,
-            "| {} | {:.2}% | {:.0} MiB | {:.3} s | {} to {} | {} |",
+            "| {} | {:.2}% | {:.2}% | {:.0} MiB | {:.3} s | {} to {} | {} |",
             row.case,
+            row.settling_cpu_share * 100.0,
             row.cpu_share * 100.0,
             row.rss_kib as f64 / 1024.0,
             row.slowest_scrape_s,
