@@ -288,3 +288,44 @@ fn processes_beyond_max_targets_are_refused_and_counted() {
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(metrics.contains("memprof_targets_refused_total 1"), "{metrics}");
 }
+
+/// A target still for a leak window and two intervals is settled: its stacks are not read again,
+/// its view is brought up to date (the ages grow), and its first allocation after that is in the
+/// next report, exact.
+#[test]
+fn a_still_target_settles_and_its_next_allocation_is_seen_exactly() {
+    let _serial = serial();
+    let mut held = Waiting::start(&fixture("settle"), &[]);
+    let daemon = Daemon::start(&["--pid", &held.pid().to_string(), "--leak-window", "2"]);
+    daemon.wait_traced(held.pid());
+    held.go();
+    let path = format!("/api/v1/leaks?pid={}", held.pid());
+    wait_for(20, "the target settled", || (metric(daemon.port, "memprof_settled_targets") == Some(1)).then_some(()));
+    let age = |report: &serde_json::Value| {
+        let stacks = report["stacks"].as_array().expect("stacks");
+        let first = stacks.iter().find(|s| s["frames"][0]["function"] == "first_site").expect("first_site");
+        first["oldest_age_s"].as_f64().expect("age")
+    };
+    let settled = daemon.get_json(&path).1;
+    assert_eq!(site(&settled, "first_site"), (10_000, 10));
+    let later = wait_for(10, "a later view", || {
+        let report = daemon.get_json(&path).1;
+        (report["duration_s"].as_f64() > settled["duration_s"].as_f64()).then_some(report)
+    });
+    assert_eq!(site(&later, "first_site"), (10_000, 10));
+    let grown = later["duration_s"].as_f64().unwrap() - settled["duration_s"].as_f64().unwrap();
+    assert!((age(&later) - age(&settled) - grown).abs() < 0.002, "ages grow with the report's time: {settled} {later}");
+    assert_eq!(later["totals"]["allocations"], 10);
+
+    held.go();
+    let moved = wait_for(20, "the second allocations", || {
+        let report = daemon.get_json(&path).1;
+        (site(&report, "second_site") == (10_000, 5)).then_some(report)
+    });
+    assert_eq!(site(&moved, "first_site"), (10_000, 10));
+    assert_eq!(moved["totals"]["allocations"], 15);
+    assert_eq!(moved["totals"]["outstanding_bytes"], 20_000);
+    wait_for(20, "settled again", || (metric(daemon.port, "memprof_settled_targets") == Some(1)).then_some(()));
+    let again = daemon.get_json(&path).1;
+    assert_eq!((site(&again, "first_site"), site(&again, "second_site")), ((10_000, 10), (10_000, 5)));
+}

@@ -311,6 +311,12 @@ impl Collector for ViewCollector {
             "Processes not traced that map an allocator file or dynamic linker whose probe links are shared (--probe-links), and so take a trap at each probed call; 0 while every traced process has links of its own.",
             [(vec![], view.untraced_sharing)],
         )?;
+        gauges(
+            e,
+            "memprof_settled_targets",
+            "Traced processes still for a leak window and two intervals: their stacks are not read again until they move.",
+            [(vec![], view.settled_targets)],
+        )?;
         counters(
             e,
             "memprof_children_followed",

@@ -767,6 +767,7 @@ impl Tracer {
             children_missed: self.children_missed,
             untraced_sharing: self.untraced_sharing(&pids),
             discovery_scans: self.scans,
+            settled_targets: settled.len() as u64,
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
