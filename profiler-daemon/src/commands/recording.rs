@@ -104,7 +104,7 @@ impl RecordingWriter {
     pub fn report(&mut self, report: &Report) -> Result<(), RecordingError> {
         let mut report = report.clone();
         let mut new_stacks = Vec::new();
-        for_each_process(&mut report, &mut |process| {
+        report.for_each_process(&mut |process| {
             for stack in &mut process.stacks {
                 let frames = std::mem::take(&mut stack.frames);
                 if !frames.is_empty() && self.saved.insert((process.pid, stack.stack_id.clone())) {
@@ -119,13 +119,6 @@ impl RecordingWriter {
 
     fn append(&mut self, bytes: &[u8]) -> Result<(), RecordingError> {
         self.file.append(bytes).map_err(|cause| RecordingError::Write { path: self.path.clone(), cause })
-    }
-}
-
-fn for_each_process(report: &mut Report, each: &mut impl FnMut(&mut Report)) {
-    each(report);
-    for child in &mut report.children {
-        for_each_process(child, each);
     }
 }
 
@@ -201,7 +194,7 @@ impl Recording {
                     for stack in new_stacks {
                         frames.insert((stack.pid, stack.stack_id), stack.frames);
                     }
-                    for_each_process(&mut report, &mut |process| {
+                    report.for_each_process(&mut |process| {
                         for stack in &mut process.stacks {
                             if let Some(known) = frames.get(&(process.pid, stack.stack_id.clone())) {
                                 stack.frames = known.clone();

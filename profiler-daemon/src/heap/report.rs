@@ -50,6 +50,10 @@ pub struct Report {
     /// process goes on.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub live: bool,
+    /// The process at its peak (`memprof report --at peak`): `duration_s` is the peak's time and
+    /// each stack holds its bytes then; the peak keeps no counts, so those are 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub at_peak: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
@@ -479,6 +483,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         blind_spots: Vec::new(),
         exited: false,
         live: false,
+        at_peak: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         growth: snapshot.growth,
@@ -622,6 +627,14 @@ fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> V
 }
 
 impl Report {
+    /// Calls `each` with this report and each of its children's, theirs too.
+    pub fn for_each_process(&mut self, each: &mut impl FnMut(&mut Report)) {
+        each(self);
+        for child in &mut self.children {
+            child.for_each_process(each);
+        }
+    }
+
     /// Folds `wrappers` into the allocator in a report made already (`memprof report
     /// --wrapper`), its children's too: the same stacks, each site moved to the wrappers' caller.
     pub fn fold_wrappers(&mut self, wrappers: &Wrappers) {
@@ -855,6 +868,7 @@ pub mod samples {
             blind_spots: Vec::new(),
             exited: false,
             live: false,
+            at_peak: false,
             duration_s: 1.5,
             sample_bytes: 0,
             growth: None,
