@@ -158,3 +158,40 @@ fn flame_graphs_of_allocations_and_temporary_allocations_count_exactly() {
     assert!(svg.contains("<title>hold_b (10,000 bytes, 50.00%)</title>"), "{svg}");
     assert!(svg.contains(">20000 bytes (the peak keeps no counts)<"), "{svg}");
 }
+
+/// A peak held by more stacks than a report lists (tests/fixtures/peak_stacks.c): the recording
+/// keeps them all, and `--at peak` shows each with its exact bytes.
+#[test]
+fn a_recording_keeps_every_stack_held_at_the_peak() {
+    let path = std::env::temp_dir().join(format!("memprof-peak-stacks-{}.rec", std::process::id()));
+    let recorded = path.to_str().unwrap();
+    let program = fixture("peak_stacks");
+    let outcome = run(&["--record", recorded], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let live = outcome.final_report();
+    let at = |moment: &str| {
+        let outcome = memprof(&["report", recorded, "--json", "--at", moment]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        outcome.reports().pop().expect("a report")
+    };
+    let (peak, end) = (at("peak"), at("final"));
+    std::fs::remove_file(&path).unwrap();
+
+    assert_eq!(peak["totals"]["outstanding_bytes"], 127_260, "{}", peak["totals"]);
+    // Each stack by its depth: the frames of held_at it has.
+    let mut held: Vec<(u64, u64)> = peak["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let depth = s["frames"].as_array().unwrap().iter().filter(|f| f["function"] == "held_at").count();
+            (depth as u64, s["outstanding_bytes"].as_u64().unwrap())
+        })
+        .collect();
+    held.sort();
+    assert_eq!(held, (1..=120).map(|depth| (depth, 1000 + depth)).collect::<Vec<_>>());
+    // The reports list the largest, as the live session did.
+    assert_eq!(end["peak"]["stacks"].as_array().unwrap().len(), 100);
+    assert_eq!(end["peak"], live["peak"]);
+    assert_eq!(sites(&end), owned(&[("last_block", 10)]));
+}

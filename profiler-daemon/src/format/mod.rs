@@ -18,7 +18,7 @@ use clap::ValueEnum;
 
 use crate::{
     error::UserError,
-    heap::report::{Report, StackReport},
+    heap::report::{Report, StackReport, LISTED_MAX},
 };
 
 /// The largest report or profile memprof reads (a file for `diff`, a daemon's answer for
@@ -110,7 +110,7 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
 
 /// What `format` shows of a report that may hold every stack (a recording's): the stacks that
 /// hold nothing now only in pprof's allocation profile, the `top` largest in the table, the
-/// modules and leak timelines of the stacks kept. The live session and `memprof report` both go
+/// `LISTED_MAX` largest at the peak, the modules and leak timelines of the stacks kept. The live session and `memprof report` both go
 /// through here, so both write the same report from the same data.
 pub fn select(report: &Report, format: Format, top: usize) -> Report {
     select_stacks(report, format, top, format == Format::Pprof)
@@ -132,6 +132,8 @@ fn select_in(report: &mut Report, format: Format, top: usize, freed: bool) {
     if format == Format::Table {
         report.stacks.truncate(top);
     }
+    // A recording's lists them all.
+    report.peak.stacks.truncate(LISTED_MAX);
     let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
     report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
     let modules: HashSet<&str> =
