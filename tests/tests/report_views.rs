@@ -12,19 +12,28 @@ use std::{path::PathBuf, sync::OnceLock};
 use memprof_tests::{fixture, memprof, run, Outcome};
 use serde_json::Value;
 
-/// The recording, made once for every test here.
+static RECORDING: OnceLock<PathBuf> = OnceLock::new();
+
+/// The recording, made once for every test here and removed when they end.
 fn recording() -> &'static str {
-    static RECORDING: OnceLock<PathBuf> = OnceLock::new();
     RECORDING
         .get_or_init(|| {
             let path = std::env::temp_dir().join(format!("memprof-report-views-{}.rec", std::process::id()));
             let program = fixture("peaks");
             let outcome = run(&["--interval", "0.2", "--record", path.to_str().unwrap()], &[program.to_str().unwrap()]);
             assert!(outcome.status.success(), "{outcome:?}");
+            // SAFETY: a function of no arguments that only removes a file, called once at exit.
+            unsafe { libc::atexit(remove_recording) };
             path
         })
         .to_str()
         .unwrap()
+}
+
+extern "C" fn remove_recording() {
+    if let Some(path) = RECORDING.get() {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// `memprof report RECORDING ARGS`.
@@ -159,27 +168,10 @@ fn flame_graphs_of_allocations_and_temporary_allocations_count_exactly() {
     assert!(svg.contains(">20000 bytes (the peak keeps no counts)<"), "{svg}");
 }
 
-/// A peak held by more stacks than a report lists (tests/fixtures/peak_stacks.c): the recording
-/// keeps them all, and `--at peak` shows each with its exact bytes.
-#[test]
-fn a_recording_keeps_every_stack_held_at_the_peak() {
-    let path = std::env::temp_dir().join(format!("memprof-peak-stacks-{}.rec", std::process::id()));
-    let recorded = path.to_str().unwrap();
-    let program = fixture("peak_stacks");
-    let outcome = run(&["--record", recorded], &[program.to_str().unwrap()]);
-    assert!(outcome.status.success(), "{outcome:?}");
-    let live = outcome.final_report();
-    let at = |moment: &str| {
-        let outcome = memprof(&["report", recorded, "--json", "--at", moment]);
-        assert!(outcome.status.success(), "{outcome:?}");
-        outcome.reports().pop().expect("a report")
-    };
-    let (peak, end) = (at("peak"), at("final"));
-    std::fs::remove_file(&path).unwrap();
-
-    assert_eq!(peak["totals"]["outstanding_bytes"], 127_260, "{}", peak["totals"]);
-    // Each stack by its depth: the frames of held_at it has.
-    let mut held: Vec<(u64, u64)> = peak["stacks"]
+/// Each stack by its depth in tests/fixtures/peak_stacks.c (the frames of held_at it has) and
+/// its bytes in use.
+fn by_depth(report: &Value) -> Vec<(u64, u64)> {
+    let mut held: Vec<(u64, u64)> = report["stacks"]
         .as_array()
         .unwrap()
         .iter()
@@ -189,9 +181,48 @@ fn a_recording_keeps_every_stack_held_at_the_peak() {
         })
         .collect();
     held.sort();
-    assert_eq!(held, (1..=120).map(|depth| (depth, 1000 + depth)).collect::<Vec<_>>());
+    held
+}
+
+/// A peak held by more stacks than a report lists (tests/fixtures/peak_stacks.c): the recording
+/// keeps them all, and `--at peak` shows each with its exact bytes; `--at SECONDS` shows the
+/// interval report nearest them, in either phase of the fixture.
+#[test]
+fn the_peak_keeps_every_stack_and_seconds_pick_each_phase() {
+    let path = std::env::temp_dir().join(format!("memprof-peak-stacks-{}.rec", std::process::id()));
+    let recorded = path.to_str().unwrap();
+    let program = fixture("peak_stacks");
+    let outcome = run(&["--interval", "0.2", "--record", recorded], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let live = outcome.reports();
+    let at = |moment: &str| {
+        let outcome = memprof(&["report", recorded, "--json", "--at", moment]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        outcome.reports().pop().expect("a report")
+    };
+    let (peak, end) = (at("peak"), at("final"));
+    // An interval report of each phase, asked for by its time.
+    let of_phase = |bytes: u64| {
+        let report = live
+            .iter()
+            .find(|r| r["final"] == false && r["totals"]["outstanding_bytes"] == bytes)
+            .unwrap_or_else(|| panic!("no interval report with {bytes} bytes in use"));
+        (report, at(&report["duration_s"].to_string()))
+    };
+    let (held, held_at) = of_phase(127_260);
+    let (after, after_at) = of_phase(10);
+    std::fs::remove_file(&path).unwrap();
+
+    let each_depth: Vec<(u64, u64)> = (1..=120).map(|depth| (depth, 1000 + depth)).collect();
+    assert_eq!(peak["totals"]["outstanding_bytes"], 127_260, "{}", peak["totals"]);
+    assert_eq!(by_depth(&peak), each_depth);
     // The reports list the largest, as the live session did.
     assert_eq!(end["peak"]["stacks"].as_array().unwrap().len(), 100);
-    assert_eq!(end["peak"], live["peak"]);
+    assert_eq!(end["peak"], live.last().unwrap()["peak"]);
     assert_eq!(sites(&end), owned(&[("last_block", 10)]));
+
+    assert_eq!((&held_at["duration_s"], &held_at["totals"]), (&held["duration_s"], &held["totals"]));
+    assert_eq!(by_depth(&held_at), each_depth);
+    assert_eq!((&after_at["duration_s"], &after_at["totals"]), (&after["duration_s"], &after["totals"]));
+    assert_eq!(sites(&after_at), owned(&[("last_block", 10)]));
 }
