@@ -143,9 +143,7 @@ pub struct ReportArgs {
     /// and json, the end in other formats].
     #[arg(long, value_name = "peak|final|SECONDS", value_parser = moment::moment)]
     pub at: Option<Moment>,
-    /// Draw a flame graph (folded stacks with --format folded) of: bytes (in use), allocations
-    /// (made), temporary (allocations freed by their thread before it allocated anything else)
-    /// or peak (bytes in use at the peak).
+    /// Draw a flame graph of this (folded stacks with --format folded).
     #[arg(long, value_enum, value_name = "WHAT")]
     pub flame: Option<Flame>,
 }

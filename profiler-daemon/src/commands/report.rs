@@ -33,13 +33,13 @@ const MAX_FRAMES: u64 = DEFAULT_LOAD.max_stacks as u64 * profiler_common::MAX_FR
 const FRAME_OVERHEAD: u64 = 96;
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
+    let (format, flame) = drawn(args)?;
+    let moment = moment(args.at, flame)?;
     let mut recording = Recording::read(&args.recording)?;
     if !args.wrappers.is_empty() {
         let wrappers = Wrappers::new(&WrapperArgs { wrappers: args.wrappers.clone(), no_auto_wrappers: true });
         recording.reports.iter_mut().for_each(|report| report.fold_wrappers(&wrappers));
     }
-    let (format, flame) = drawn(args)?;
-    let moment = moment(args.at, flame)?;
     let top = args.top.unwrap_or(recording.settings.top);
     let mut output = ReportOutput::open(format, args.output.file.as_deref())?;
     let last = recording.reports.last().expect("a recording read has a report");
@@ -191,4 +191,29 @@ fn process(report: &Report, pid: u32) -> Option<&Report> {
         return Some(report);
     }
     report.children.iter().find_map(|child| process(child, pid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::report::samples;
+
+    #[test]
+    fn the_peak_graph_is_the_peak_and_counts_are_not_drawn_at_it() {
+        assert_eq!(moment(None, Flame::Peak).unwrap(), Some(Moment::Peak));
+        assert_eq!(moment(None, Flame::Allocations).unwrap(), None);
+        assert_eq!(moment(Some(Moment::Seconds(2.0)), Flame::Temporary).unwrap(), Some(Moment::Seconds(2.0)));
+        let err = moment(Some(Moment::Seconds(2.0)), Flame::Peak).unwrap_err().to_string();
+        assert_eq!(err, "--flame peak draws the peak, not --at 2; leave out --at, or give --flame bytes");
+        assert!(moment(Some(Moment::Peak), Flame::Temporary).unwrap_err().to_string().contains("--flame temporary"));
+    }
+
+    #[test]
+    fn temporary_allocations_need_every_call_traced() {
+        let mut report = samples::report();
+        assert!(check_temporary(Path::new("r.rec"), &report).is_ok());
+        report.sample_bytes = 4096;
+        let err = check_temporary(Path::new("r.rec"), &report).unwrap_err().to_string();
+        assert!(err.starts_with("r.rec: its allocations were sampled"), "{err}");
+    }
 }
