@@ -5,7 +5,8 @@ use std::{ffi::OsString, num::NonZeroU32, path::PathBuf};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
-    format::Format,
+    commands::moment::{self, Moment},
+    format::{Flame, Format},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::Sampling,
     heap::{
@@ -112,7 +113,13 @@ Without a daemon tracing the process: memprof attach -p 1234 --inspect --duratio
     /// Write the man pages, memprof.1 and one per subcommand, into DIR (`cargo xtask man`).
     #[command(hide = true)]
     Man { dir: PathBuf },
-    /// Render a recording (`attach`/`run --record FILE`) in any format, as the session would have.
+    /// Render a recording (`attach`/`run --record FILE`) in any format, as the session would have,
+    /// at any moment, filtered, as flame graphs of bytes, allocations or temporary allocations.
+    #[command(after_help = "\
+Examples:
+  memprof report heap.rec --at peak                   the stacks that held the peak
+  memprof report heap.rec --at 30 --focus '^parse_'   30 s in, stacks through parse_*
+  memprof report heap.rec --flame allocations -o allocations.svg")]
     Report(ReportArgs),
 }
 
@@ -129,6 +136,16 @@ pub struct ReportArgs {
     /// stacks through it start at its caller. Repeatable.
     #[arg(long = "wrapper", value_name = "NAME", value_parser = wrapper_name)]
     pub wrappers: Vec<String>,
+    #[command(flatten)]
+    pub filters: Filters,
+    /// The moment shown: final (the end), peak (each process when it had the most bytes in use),
+    /// or SECONDS after tracing began (the interval nearest them) [default: every report in table
+    /// and json, the end in other formats].
+    #[arg(long, value_name = "peak|final|SECONDS", value_parser = moment::moment)]
+    pub at: Option<Moment>,
+    /// Draw a flame graph of this (folded stacks with --format folded).
+    #[arg(long, value_enum, value_name = "WHAT")]
+    pub flame: Option<Flame>,
 }
 
 /// A path, or the empty one (clap's own parser refuses it), which says "none".

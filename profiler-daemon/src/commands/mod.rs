@@ -7,6 +7,7 @@ pub mod diff;
 pub mod family;
 pub mod inspect;
 pub mod manual;
+pub mod moment;
 pub mod output;
 pub mod recording;
 pub mod report;

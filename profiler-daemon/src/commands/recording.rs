@@ -9,7 +9,8 @@
 //!
 //! Each interval's record is the session's report in full (every stack, the freed ones too, and
 //! double frees), from which `format::select` takes what each format shows, as the live session
-//! does. A stack's frames are stored once, in the record where the stack first appears.
+//! does; and every stack held at the peak, for `memprof report --at peak`. A stack's frames are
+//! stored once, in the record where the stack first appears.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -104,11 +105,12 @@ impl RecordingWriter {
     pub fn report(&mut self, report: &Report) -> Result<(), RecordingError> {
         let mut report = report.clone();
         let mut new_stacks = Vec::new();
-        for_each_process(&mut report, &mut |process| {
-            for stack in &mut process.stacks {
-                let frames = std::mem::take(&mut stack.frames);
-                if !frames.is_empty() && self.saved.insert((process.pid, stack.stack_id.clone())) {
-                    new_stacks.push(SavedStack { pid: process.pid, stack_id: stack.stack_id.clone(), frames });
+        report.for_each_process(&mut |process| {
+            let pid = process.pid;
+            for (stack_id, frames) in stack_frames(process) {
+                let frames = std::mem::take(frames);
+                if !frames.is_empty() && self.saved.insert((pid, stack_id.clone())) {
+                    new_stacks.push(SavedStack { pid, stack_id: stack_id.clone(), frames });
                 }
             }
         });
@@ -122,11 +124,13 @@ impl RecordingWriter {
     }
 }
 
-fn for_each_process(report: &mut Report, each: &mut impl FnMut(&mut Report)) {
-    each(report);
-    for child in &mut report.children {
-        for_each_process(child, each);
-    }
+/// The id and frames of each stack `process` lists: its stacks, and those held at the peak or
+/// with temporary allocations (most hold nothing now, so the stacks do not list them).
+fn stack_frames(process: &mut Report) -> impl Iterator<Item = (&String, &mut Frames)> {
+    let stacks = process.stacks.iter_mut().map(|s| (&s.stack_id, &mut s.frames));
+    let peak = process.peak.stacks.iter_mut().map(|s| (&s.stack_id, &mut s.frames));
+    let temporary = process.temporary_stacks.iter_mut().map(|s| (&s.stack_id, &mut s.frames));
+    stacks.chain(peak).chain(temporary)
 }
 
 fn frame(record: &Record, out: &mut Vec<u8>) {
@@ -201,10 +205,11 @@ impl Recording {
                     for stack in new_stacks {
                         frames.insert((stack.pid, stack.stack_id), stack.frames);
                     }
-                    for_each_process(&mut report, &mut |process| {
-                        for stack in &mut process.stacks {
-                            if let Some(known) = frames.get(&(process.pid, stack.stack_id.clone())) {
-                                stack.frames = known.clone();
+                    report.for_each_process(&mut |process| {
+                        let pid = process.pid;
+                        for (stack_id, stack_frames) in stack_frames(process) {
+                            if let Some(known) = frames.get(&(pid, stack_id.clone())) {
+                                *stack_frames = known.clone();
                             }
                         }
                     });
@@ -278,7 +283,7 @@ fn next_payload<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::heap::report::samples;
+    use crate::heap::report::{samples, PeakStack, TemporaryStack};
 
     fn recording(reports: &[Report]) -> Vec<u8> {
         static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -311,6 +316,37 @@ mod tests {
         assert!(read.ended_early.is_none());
         let text = String::from_utf8_lossy(&bytes);
         assert!(!text.contains("leak_here"), "deflated");
+    }
+
+    #[test]
+    fn frames_at_the_peak_and_of_temporary_allocations_are_stored_once_too() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let listed = interval.stacks[0].clone();
+        let mut gone = listed.clone();
+        gone.stack_id = "01".into();
+        gone.frames = vec![samples::frame("freed_since", None, None)].into();
+        interval.peak.stacks = [&listed, &gone]
+            .map(|s| PeakStack { stack_id: s.stack_id.clone(), bytes: 10, frames: s.frames.clone() })
+            .into();
+        interval.temporary_stacks = vec![TemporaryStack {
+            stack_id: "01".into(),
+            temporary_allocations: 1,
+            allocations: 1,
+            frames: gone.frames,
+        }];
+        let bytes = recording(&[interval.clone(), interval.clone()]);
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
+        assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&interval), json(&interval)]);
+        let mut rest = &bytes[MAGIC.len()..];
+        let records: Vec<String> = std::iter::from_fn(|| next_payload(&mut rest).ok())
+            .map(|payload| std::io::read_to_string(DeflateDecoder::new(payload)).unwrap())
+            .collect();
+        assert_eq!(records.len(), 3);
+        for function in ["leak_here", "freed_since"] {
+            assert_eq!(records[1].matches(function).count(), 1, "{function} in {}", records[1]);
+            assert!(!records[2].contains(function), "the second report repeats no frames: {}", records[2]);
+        }
     }
 
     #[test]

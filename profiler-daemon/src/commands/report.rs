@@ -1,14 +1,20 @@
 //! `memprof report FILE`: a recording rendered in any format, as the session that made it would
-//! have written it (see `recording`).
+//! have written it (see `recording`), at any moment (`moment`), with the session's filters, as
+//! flame graphs of bytes, allocations or temporary allocations.
 
 use std::path::Path;
 
 use anyhow::bail;
+use clap::ValueEnum;
 
 use crate::{
     cli::ReportArgs,
-    commands::{output::ReportOutput, recording::Recording},
-    format,
+    commands::{
+        moment::{self, Moment},
+        output::ReportOutput,
+        recording::Recording,
+    },
+    format::{self, Flame, Format},
     heap::{
         leak::{StackTimeline, Timeline},
         report::Report,
@@ -27,13 +33,14 @@ const MAX_FRAMES: u64 = DEFAULT_LOAD.max_stacks as u64 * profiler_common::MAX_FR
 const FRAME_OVERHEAD: u64 = 96;
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
+    let (format, flame) = drawn(args)?;
+    let moment = moment(args.at, flame)?;
     let mut recording = Recording::read(&args.recording)?;
     if !args.wrappers.is_empty() {
         let wrappers = Wrappers::new(&WrapperArgs { wrappers: args.wrappers.clone(), no_auto_wrappers: true });
         recording.reports.iter_mut().for_each(|report| report.fold_wrappers(&wrappers));
     }
     let top = args.top.unwrap_or(recording.settings.top);
-    let format = args.output.format();
     let mut output = ReportOutput::open(format, args.output.file.as_deref())?;
     let last = recording.reports.last().expect("a recording read has a report");
     if let Some(why) = &recording.ended_early {
@@ -43,25 +50,87 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             last.duration_s
         );
     }
-    if format.streams() {
-        for report in &recording.reports {
-            let selected = format::select(report, format, top);
-            check_size(&args.recording, &selected)?;
-            output.write_report(&format::render(&selected, format))?;
+    // What the format shows of a report, filtered as asked.
+    let shown = |report: &Report| -> anyhow::Result<Report> {
+        let mut filtered = report.clone();
+        filtered.for_each_process(&mut |process| args.filters.apply(process));
+        let selected = format::select_stacks(&filtered, format, top, format == Format::Pprof || flame.counts_freed());
+        check_size(&args.recording, &selected)?;
+        Ok(selected)
+    };
+    match moment {
+        None if format.streams() => {
+            for report in &recording.reports {
+                output.write_report(&format::render(&shown(report)?, format))?;
+            }
         }
-    } else {
-        let mut report = format::select(last, format, top);
-        check_size(&args.recording, &report)?;
-        if !last.is_final {
-            // Only a final report carries the heap's timeline: the intervals' give it back.
-            with_timelines(&mut report, &recording.reports);
-        }
-        output.write_report(&format::render(&report, format))?;
-        if let Some(path) = output.path() {
-            eprintln!("memprof: wrote {}", path.display());
+        moment => {
+            let (at, upto) = moment::pick(&args.recording, &recording.reports, moment.unwrap_or(Moment::Final))?;
+            if flame == Flame::Temporary {
+                check_temporary(&args.recording, &at)?;
+            }
+            let mut report = shown(&at)?;
+            if !format.streams() && report.timeline.is_empty() {
+                // Only a final report carries the heap's timeline: the intervals' give it back.
+                with_timelines(&mut report, &recording.reports[..=upto]);
+            }
+            output.write_report(&format::render_flame(&report, format, flame))?;
+            if let (false, Some(path)) = (format.streams(), output.path()) {
+                eprintln!("memprof: wrote {}", path.display());
+            }
         }
     }
     Ok(0)
+}
+
+/// The format and what its flame graph measures: `--flame` draws a flame graph unless the format
+/// asked for is folded stacks.
+fn drawn(args: &ReportArgs) -> anyhow::Result<(Format, Flame)> {
+    let format = args.output.format();
+    match (args.flame, format) {
+        (None, _) => Ok((format, Flame::Bytes)),
+        // The default format: --flame says which is wanted.
+        (Some(flame), Format::Table) => Ok((Format::Flamegraph, flame)),
+        (Some(flame), Format::Flamegraph | Format::Folded) => Ok((format, flame)),
+        (Some(flame), other) => bail!(
+            "--flame {} draws a flame graph, and --format {} is not one; give --format flamegraph or folded, or leave out --flame",
+            name(flame),
+            name(other)
+        ),
+    }
+}
+
+/// The moment shown: `--at`, or the peak for `--flame peak`. The peak keeps bytes only, so
+/// graphs of counts are refused there.
+fn moment(at: Option<Moment>, flame: Flame) -> anyhow::Result<Option<Moment>> {
+    match (flame, at) {
+        (Flame::Peak, None | Some(Moment::Peak)) => Ok(Some(Moment::Peak)),
+        (Flame::Peak, Some(other)) => {
+            bail!("--flame peak draws the peak, not --at {other}; leave out --at, or give --flame bytes")
+        }
+        (counts, Some(Moment::Peak)) if counts.counts_freed() => bail!(
+            "the peak keeps bytes only, so --flame {} cannot be drawn at it; give --at final or --at SECONDS, or --flame bytes",
+            name(counts)
+        ),
+        (_, at) => Ok(at),
+    }
+}
+
+/// Refuses a graph of temporary allocations from a process traced in a mode that does not
+/// count them (only every call traced tells which allocations were temporary).
+fn check_temporary(path: &Path, report: &Report) -> anyhow::Result<()> {
+    if report.sample_bytes != 0 || report.growth.is_some() || report.usdt_samples.is_some() {
+        bail!(
+            "{}: its allocations were sampled or traced by pages, which counts no temporary allocations; record with every call traced (--max-rate off, no --sample-bytes, --growth or --usdt)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The name a flag gives `value`.
+fn name(value: impl ValueEnum) -> String {
+    value.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
 }
 
 /// Refuses, before it is rendered, a report whose frames are more than `MAX_FRAMES` or would
@@ -122,4 +191,29 @@ fn process(report: &Report, pid: u32) -> Option<&Report> {
         return Some(report);
     }
     report.children.iter().find_map(|child| process(child, pid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::report::samples;
+
+    #[test]
+    fn the_peak_graph_is_the_peak_and_counts_are_not_drawn_at_it() {
+        assert_eq!(moment(None, Flame::Peak).unwrap(), Some(Moment::Peak));
+        assert_eq!(moment(None, Flame::Allocations).unwrap(), None);
+        assert_eq!(moment(Some(Moment::Seconds(2.0)), Flame::Temporary).unwrap(), Some(Moment::Seconds(2.0)));
+        let err = moment(Some(Moment::Seconds(2.0)), Flame::Peak).unwrap_err().to_string();
+        assert_eq!(err, "--flame peak draws the peak, not --at 2; leave out --at, or give --flame bytes");
+        assert!(moment(Some(Moment::Peak), Flame::Temporary).unwrap_err().to_string().contains("--flame temporary"));
+    }
+
+    #[test]
+    fn temporary_allocations_need_every_call_traced() {
+        let mut report = samples::report();
+        assert!(check_temporary(Path::new("r.rec"), &report).is_ok());
+        report.sample_bytes = 4096;
+        let err = check_temporary(Path::new("r.rec"), &report).unwrap_err().to_string();
+        assert!(err.starts_with("r.rec: its allocations were sampled"), "{err}");
+    }
 }

@@ -440,6 +440,7 @@ impl Tracer<'_> {
             top: (format == Format::Table && self.args.filters.is_empty() && !self.recording).then_some(self.args.top),
             aged_only: self.min_age_ns > 0,
             freed: format == Format::Pprof || self.recording,
+            whole_peak: self.recording,
         };
         let mut reports: Vec<Report> = self
             .family

@@ -863,7 +863,7 @@ impl Tracer {
             leaks: &target.leaks,
             pinned: target.resident.pinned(),
         };
-        let selection = Selection { is_final: true, top: None, aged_only: false, freed: true };
+        let selection = Selection { is_final: true, top: None, aged_only: false, freed: true, whole_peak: false };
         let mut report = report::build(&ctx, snapshot, kernel, selection);
         report.exe = target.exe.clone().unwrap_or_default();
         report.live = true;

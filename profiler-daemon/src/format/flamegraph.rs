@@ -1,5 +1,5 @@
-//! An SVG flame graph of the bytes in use, drawn by inferno from the folded stacks: each frame is
-//! as wide as the memory held below it, the callers at the bottom.
+//! An SVG flame graph drawn by inferno from the folded stacks: each frame is as wide as the
+//! memory held below it (or the allocations made there: `Flame`), the callers at the bottom.
 
 use inferno::flamegraph::{
     self,
@@ -7,34 +7,26 @@ use inferno::flamegraph::{
     Options, Palette,
 };
 
-use super::{folded, html::escape};
+use super::{folded, html::escape, Flame};
 use crate::heap::report::Report;
 
-pub fn render(report: &Report) -> Vec<u8> {
-    let title = format!("pid {} ({}): in-use bytes after {:.1} s", report.pid, report.comm, report.duration_s);
-    let paths = folded::paths(report);
+pub fn render(report: &Report, flame: Flame) -> Vec<u8> {
+    let measured = match flame {
+        Flame::Bytes | Flame::Peak if report.at_peak => "in-use bytes at the peak,",
+        Flame::Bytes | Flame::Peak => "in-use bytes after",
+        Flame::Allocations => "allocations made in",
+        Flame::Temporary => "temporary allocations in",
+    };
+    let title = format!("pid {} ({}): {measured} {:.1} s", report.pid, report.comm, report.duration_s);
+    let paths = folded::paths(report, flame);
     if paths.is_empty() {
-        // inferno refuses an empty graph; say plainly that nothing was held.
-        return nothing_in_use(&title);
+        // inferno refuses an empty graph; say plainly that there is nothing to draw.
+        return nothing_to_draw(&title, flame);
     }
-    let lines: Vec<String> = paths.iter().map(|(path, bytes)| format!("{path} {bytes}")).collect();
+    let lines: Vec<String> = paths.iter().map(|(path, value)| format!("{path} {value}")).collect();
     let mut options = Options::default();
     options.title = title;
-    let (bytes, allocations) = shown(report);
-    options.subtitle = Some(if report.growth.is_some() {
-        format!("{bytes} bytes in {allocations} pages, by the stack that first touched each")
-    } else if let Some(samples) = report.usdt_samples {
-        format!(
-            "about {bytes} bytes in {allocations} allocations, estimated from {samples} samples the allocator reported"
-        )
-    } else if report.sample_bytes == 0 {
-        format!("{bytes} bytes in {allocations} allocations")
-    } else {
-        format!(
-            "about {bytes} bytes in {allocations} allocations, estimated from one allocation in every {} bytes",
-            report.sample_bytes
-        )
-    });
+    options.subtitle = Some(subtitle(report, flame));
     if report.stacks_not_shown > 0 {
         let subtitle = options.subtitle.get_or_insert_with(String::new);
         subtitle.push_str(&format!("; {} smaller stacks left out", report.stacks_not_shown));
@@ -47,13 +39,43 @@ pub fn render(report: &Report) -> Vec<u8> {
     }
     options.palette_map = Some(&mut palette);
     options.colors = Palette::Basic(BasicPalette::Mem);
-    options.count_name = "bytes".to_string();
+    options.count_name = if flame.counts_freed() { "allocations" } else { "bytes" }.to_string();
     // Colours from the function names: the same function has the same colour in every graph.
     options.hash = true;
     let mut svg = Vec::new();
     flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), &mut svg)
         .expect("inferno draws any non-empty set of folded lines into memory");
     svg
+}
+
+/// What the graph shows in all, and how far its figures are estimates.
+fn subtitle(report: &Report, flame: Flame) -> String {
+    let (bytes, allocations, temporary) = shown(report);
+    let made: u64 = report.stacks.iter().map(|s| s.allocations).sum();
+    let estimated = report.growth.is_none() && (report.sample_bytes != 0 || report.usdt_samples.is_some());
+    let about = if estimated { "about " } else { "" };
+    // Growth mode counts pages, not allocator calls.
+    let unit = if report.growth.is_some() { "pages" } else { "allocations" };
+    let shown = match flame {
+        Flame::Bytes | Flame::Peak if report.at_peak => format!("{about}{bytes} bytes (the peak keeps no counts)"),
+        Flame::Bytes | Flame::Peak => format!("{about}{bytes} bytes in {allocations} {unit}"),
+        Flame::Allocations => {
+            let made_bytes: u64 = report.stacks.iter().map(|s| s.allocated_bytes).sum();
+            format!("{about}{made} {unit} of {made_bytes} bytes")
+        }
+        Flame::Temporary => {
+            format!("{temporary} of {made} allocations freed by their thread before it allocated anything else")
+        }
+    };
+    if report.growth.is_some() {
+        format!("{shown}, by the stack that first touched each")
+    } else if let Some(samples) = report.usdt_samples {
+        format!("{shown}, estimated from {samples} samples the allocator reported")
+    } else if report.sample_bytes == 0 {
+        shown
+    } else {
+        format!("{shown}, estimated from one allocation in every {} bytes", report.sample_bytes)
+    }
 }
 
 /// The colour of leaks (the HTML report's red).
@@ -70,18 +92,25 @@ fn leak_sites(report: &Report) -> PaletteMap {
     palette
 }
 
-/// The bytes and allocations the graph shows: the report's stacks' in-use ones (only those aged
-/// enough with `--min-age`, unlike the totals).
-fn shown(report: &Report) -> (u64, u64) {
-    report.stacks.iter().fold((0, 0), |(b, a), s| (b + s.outstanding_bytes, a + s.outstanding_allocations))
+/// The bytes and allocations in use and the temporary allocations of the report's stacks (only
+/// those aged enough with `--min-age`, unlike the totals).
+fn shown(report: &Report) -> (u64, u64, u64) {
+    report.stacks.iter().fold((0, 0, 0), |(b, a, t), s| {
+        (b + s.outstanding_bytes, a + s.outstanding_allocations, t + s.temporary_allocations)
+    })
 }
 
-fn nothing_in_use(title: &str) -> Vec<u8> {
+fn nothing_to_draw(title: &str, flame: Flame) -> Vec<u8> {
+    let nothing = match flame {
+        Flame::Bytes | Flame::Peak => "no bytes in use",
+        Flame::Allocations => "no allocations",
+        Flame::Temporary => "no temporary allocations",
+    };
     format!(
         "<?xml version=\"1.0\" standalone=\"no\"?>\n\
          <svg version=\"1.1\" width=\"1200\" height=\"60\" xmlns=\"http://www.w3.org/2000/svg\">\
          <text x=\"600\" y=\"24\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"17\">{}</text>\
-         <text x=\"600\" y=\"48\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"12\">no bytes in use</text>\
+         <text x=\"600\" y=\"48\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"12\">{nothing}</text>\
          </svg>\n",
         escape(title)
     )
@@ -94,7 +123,7 @@ mod tests {
     use crate::heap::report::samples;
 
     fn text(report: &Report) -> String {
-        String::from_utf8(render(report)).unwrap()
+        String::from_utf8(render(report, Flame::Bytes)).unwrap()
     }
 
     #[test]

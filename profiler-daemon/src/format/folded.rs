@@ -1,8 +1,9 @@
 //! Folded stacks, the input of flamegraph.pl and inferno: one line per call path,
-//! `outermost;...;innermost BYTES`, with the bytes in use as the value.
+//! `outermost;...;innermost VALUE`, the value the bytes in use or another count (`Flame`).
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
+use super::Flame;
 use crate::{
     heap::report::{Report, StackReport},
     text::printable,
@@ -13,21 +14,24 @@ const TRUNCATED: &str = "[truncated]";
 /// The only frame of a stack that was counted without frames (see `dropped`).
 const NO_STACK: &str = "[no stack]";
 
-pub fn render(report: &Report) -> String {
+pub fn render(report: &Report, flame: Flame) -> String {
     let mut out = String::new();
-    for (path, bytes) in paths(report) {
-        let _ = writeln!(out, "{path} {bytes}");
+    for (path, value) in paths(report, flame) {
+        let _ = writeln!(out, "{path} {value}");
     }
     out
 }
 
-/// In-use bytes per call path, sorted by path. Stacks that differ only in lines or addresses
+/// `flame`'s value per call path, sorted by path. Stacks that differ only in lines or addresses
 /// share a path of function names and are summed, as flame graph tools would merge them anyway.
-/// Paths holding no bytes are left out: they draw nothing.
-pub fn paths(report: &Report) -> BTreeMap<String, u64> {
+/// Paths of value 0 are left out: they draw nothing.
+pub fn paths(report: &Report, flame: Flame) -> BTreeMap<String, u64> {
     let mut paths = BTreeMap::new();
-    for stack in report.stacks.iter().filter(|s| s.outstanding_bytes > 0) {
-        *paths.entry(path(stack)).or_insert(0) += stack.outstanding_bytes;
+    for stack in &report.stacks {
+        let value = flame.value(stack);
+        if value > 0 {
+            *paths.entry(path(stack)).or_insert(0) += value;
+        }
     }
     paths
 }
@@ -58,7 +62,7 @@ mod tests {
     fn lines_run_from_the_outermost_frame_to_the_allocating_one() {
         let mut report = samples::report();
         report.stacks[0].frames = vec![frame("leak_here", None, None), frame("main", None, None)].into();
-        assert_eq!(render(&report), "main;leak_here 48\n");
+        assert_eq!(render(&report, Flame::Bytes), "main;leak_here 48\n");
     }
 
     #[test]
@@ -70,7 +74,7 @@ mod tests {
         zero_bytes.outstanding_bytes = 0;
         zero_bytes.frames = vec![frame("malloc_zero", None, None)].into();
         report.stacks.extend([other_line, zero_bytes]);
-        assert_eq!(render(&report), "leak_here 96\n");
+        assert_eq!(render(&report, Flame::Bytes), "leak_here 96\n");
     }
 
     #[test]
@@ -80,13 +84,13 @@ mod tests {
         let mut frameless = report.stacks[0].clone();
         frameless.frames = Default::default();
         report.stacks.push(frameless);
-        assert_eq!(render(&report), "[no stack] 48\n[truncated];leak_here 48\n");
+        assert_eq!(render(&report, Flame::Bytes), "[no stack] 48\n[truncated];leak_here 48\n");
     }
 
     #[test]
     fn separators_inside_names_are_replaced() {
         let mut report = samples::report();
         report.stacks[0].frames = vec![frame("<[u8; 8] as Debug>::fmt", None, None)].into();
-        assert_eq!(render(&report), "<[u8, 8] as Debug>::fmt 48\n");
+        assert_eq!(render(&report, Flame::Bytes), "<[u8, 8] as Debug>::fmt 48\n");
     }
 }

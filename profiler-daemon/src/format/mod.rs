@@ -16,7 +16,10 @@ use std::{collections::HashSet, io::IsTerminal as _, path::Path};
 
 use clap::ValueEnum;
 
-use crate::{error::UserError, heap::report::Report};
+use crate::{
+    error::UserError,
+    heap::report::{Report, StackReport, LISTED_MAX},
+};
 
 /// The largest report or profile memprof reads (a file for `diff`, a daemon's answer for
 /// `snapshot`), decompressed size included: what it reads is held in memory whole.
@@ -67,6 +70,36 @@ impl Format {
     }
 }
 
+/// What the frames of a flame graph (and the values of folded stacks) measure.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Flame {
+    /// Bytes in use.
+    #[default]
+    Bytes,
+    /// Allocations made since tracing began.
+    Allocations,
+    /// Temporary allocations: freed by their thread before it allocated anything else.
+    Temporary,
+    /// Bytes in use at the peak (the report at the peak: `--at peak`).
+    Peak,
+}
+
+impl Flame {
+    /// What `stack` counts in the graph.
+    pub fn value(self, stack: &StackReport) -> u64 {
+        match self {
+            Flame::Bytes | Flame::Peak => stack.outstanding_bytes,
+            Flame::Allocations => stack.allocations,
+            Flame::Temporary => stack.temporary_allocations,
+        }
+    }
+
+    /// Counts stacks that hold nothing now.
+    pub fn counts_freed(self) -> bool {
+        matches!(self, Flame::Allocations | Flame::Temporary)
+    }
+}
+
 /// Refuses to write a binary format to a terminal.
 pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), UserError> {
     if format == Format::Pprof && output.is_none() && std::io::stdout().is_terminal() {
@@ -77,33 +110,48 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
 
 /// What `format` shows of a report that may hold every stack (a recording's): the stacks that
 /// hold nothing now only in pprof's allocation profile, the `top` largest in the table, the
-/// modules and leak timelines of the stacks kept. The live session and `memprof report` both go
+/// `LISTED_MAX` largest at the peak, the modules and leak timelines of the stacks kept. The live session and `memprof report` both go
 /// through here, so both write the same report from the same data.
 pub fn select(report: &Report, format: Format, top: usize) -> Report {
+    select_stacks(report, format, top, format == Format::Pprof)
+}
+
+/// `select`, keeping the stacks that hold nothing now when `freed`: a flame graph of the
+/// allocations made counts them too (`Flame::counts_freed`).
+pub fn select_stacks(report: &Report, format: Format, top: usize, freed: bool) -> Report {
     let mut selected = report.clone();
-    select_in(&mut selected, format, top);
+    select_in(&mut selected, format, top, freed);
     selected
 }
 
-fn select_in(report: &mut Report, format: Format, top: usize) {
-    if format != Format::Pprof {
-        report.stacks.retain(|s| s.outstanding_allocations > 0);
+fn select_in(report: &mut Report, format: Format, top: usize, freed: bool) {
+    if !freed {
+        // Bytes without a count: a report at the peak, which keeps no counts.
+        report.stacks.retain(|s| s.outstanding_allocations > 0 || s.outstanding_bytes > 0);
     }
     if format == Format::Table {
         report.stacks.truncate(top);
     }
+    // A recording's lists them all.
+    report.peak.stacks.truncate(LISTED_MAX);
     let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
     report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
     let modules: HashSet<&str> =
         report.stacks.iter().flat_map(|s| s.frames.iter()).map(|f| f.module.as_str()).collect();
     report.modules.retain(|m| modules.contains(m.path.as_str()));
     for child in &mut report.children {
-        select_in(child, format, top);
+        select_in(child, format, top, freed);
     }
 }
 
-/// The report in `format`, ending with a newline where the format is text.
+/// The report in `format`, ending with a newline where the format is text; flame graphs and
+/// folded stacks of the bytes in use.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {
+    render_flame(report, format, Flame::Bytes)
+}
+
+/// `render`, with flame graphs and folded stacks of what `flame` measures.
+pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
     // Table and JSON have a section per process; the others draw one profile, with each process
     // a root frame of its own once there are several.
     let merged;
@@ -117,8 +165,8 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     match format {
         Format::Table => line(table::render(report)),
         Format::Json => line(json::render(report)),
-        Format::Folded => folded::render(report).into_bytes(),
-        Format::Flamegraph => flamegraph::render(report),
+        Format::Folded => folded::render(report, flame).into_bytes(),
+        Format::Flamegraph => flamegraph::render(report, flame),
         Format::Html => html::render(report).into_bytes(),
         Format::Pprof => pprof::render(report, pprof::DefaultType::InuseSpace),
     }

@@ -33,24 +33,35 @@ fn section(report: &Report) -> String {
         (Some(parent), true) => format!(", child of pid {parent}, exited,"),
         (None, _) => String::new(),
     };
-    let _ = writeln!(
-        out,
-        "memprof: pid {} ({}{}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
-        report.pid,
-        report.comm,
-        report.ns_pid.map_or_else(String::new, |ns_pid| format!(", pid {ns_pid} in its namespace")),
-        if report.is_final { "final report" } else { "report" },
-        report.duration_s,
-        bytes(t.outstanding_bytes),
-        t.outstanding_allocations,
-        t.allocations,
-        bytes(t.allocated_bytes),
-        t.frees,
-        bytes(t.freed_bytes),
-        t.unknown_frees,
-        t.failed_allocations,
-    );
-    if report.peak.bytes > 0 {
+    let ns_pid = report.ns_pid.map_or_else(String::new, |ns_pid| format!(", pid {ns_pid} in its namespace"));
+    if report.at_peak {
+        let _ = writeln!(
+            out,
+            "memprof: pid {} ({}{ns_pid}){family} at its peak, {:.1}s after tracing began: {} in use; the peak keeps each stack's bytes, no counts",
+            report.pid,
+            report.comm,
+            report.duration_s,
+            bytes(t.outstanding_bytes),
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "memprof: pid {} ({}{ns_pid}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+            report.pid,
+            report.comm,
+            if report.is_final { "final report" } else { "report" },
+            report.duration_s,
+            bytes(t.outstanding_bytes),
+            t.outstanding_allocations,
+            t.allocations,
+            bytes(t.allocated_bytes),
+            t.frees,
+            bytes(t.freed_bytes),
+            t.unknown_frees,
+            t.failed_allocations,
+        );
+    }
+    if report.peak.bytes > 0 && !report.at_peak {
         let _ = writeln!(
             out,
             "  peak: {} in use at {:.1}s; {} temporary allocations ({:.1}% of all)",
@@ -106,6 +117,8 @@ fn section(report: &Report) -> String {
     }
     if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
+    } else if report.at_peak {
+        let _ = writeln!(out, "  {:>12} {:>5}  STACK", "BYTES", "LEAK");
     } else {
         let _ = writeln!(
             out,
@@ -119,16 +132,20 @@ fn section(report: &Report) -> String {
             Some(_) => "- ".to_string(),
             None => format!("{:.2}{}", stack.leak.score, if stack.leak.candidate { "!" } else { " " }),
         };
-        let lead = format!(
-            "  {:>12} {:>9} {:>12} {:>9} {:>12} {:>8.1}s {:>5}  ",
-            stack.outstanding_bytes,
-            stack.outstanding_allocations,
-            stack.max_outstanding_bytes,
-            stack.temporary_allocations,
-            stack.pinned_bytes,
-            stack.oldest_age_s,
-            leak
-        );
+        let lead = if report.at_peak {
+            format!("  {:>12} {:>5}  ", stack.outstanding_bytes, leak)
+        } else {
+            format!(
+                "  {:>12} {:>9} {:>12} {:>9} {:>12} {:>8.1}s {:>5}  ",
+                stack.outstanding_bytes,
+                stack.outstanding_allocations,
+                stack.max_outstanding_bytes,
+                stack.temporary_allocations,
+                stack.pinned_bytes,
+                stack.oldest_age_s,
+                leak
+            )
+        };
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
         write_via(&mut out, lead.len(), &stack.via);
         if let Some(warming_up) = stack.leak.warming_up {

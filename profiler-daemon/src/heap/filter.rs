@@ -1,10 +1,14 @@
 //! Filters on a report's stacks, the same for every format: `--min-bytes`, `--max-depth`,
-//! `--focus`, `--ignore`. Totals and drops stay those of the whole process.
+//! `--focus`, `--ignore`. `--focus` and `--ignore` pick the stacks listed at the peak and for
+//! temporary allocations too. Totals and drops stay those of the whole process.
 
 use clap::Args;
 use regex::Regex;
 
-use crate::heap::report::{Report, StackReport};
+use crate::{
+    heap::report::{Report, StackReport},
+    symbolize::Frame,
+};
 
 #[derive(Debug, Args, Clone, Default)]
 pub struct Filters {
@@ -28,17 +32,18 @@ impl Filters {
     }
 
     pub fn apply(&self, report: &mut Report) {
-        let matches = |re: &Regex, stack: &StackReport| {
-            stack.frames.iter().any(|f| re.is_match(&f.function) || re.is_match(&f.module))
-        };
-        report.stacks.retain(|stack| {
-            stack.outstanding_bytes >= self.min_bytes
-                && self.focus.as_ref().is_none_or(|re| matches(re, stack))
-                && !self.ignore.as_ref().is_some_and(|re| matches(re, stack))
-        });
+        report.stacks.retain(|stack| stack.outstanding_bytes >= self.min_bytes && self.picks(&stack.frames));
+        report.peak.stacks.retain(|stack| self.picks(&stack.frames));
+        report.temporary_stacks.retain(|stack| self.picks(&stack.frames));
         if let Some(depth) = self.max_depth {
             report.stacks = fold(std::mem::take(&mut report.stacks), depth as usize);
         }
+    }
+
+    /// Whether `--focus` and `--ignore` keep a stack of these frames.
+    fn picks(&self, frames: &[Frame]) -> bool {
+        let matches = |re: &Regex| frames.iter().any(|f| re.is_match(&f.function) || re.is_match(&f.module));
+        self.focus.as_ref().is_none_or(matches) && !self.ignore.as_ref().is_some_and(matches)
     }
 }
 
@@ -79,7 +84,10 @@ fn merge(into: &mut StackReport, part: StackReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::heap::report::samples::{frame, report};
+    use crate::heap::report::{
+        samples::{frame, report},
+        PeakStack,
+    };
 
     fn stack(bytes: u64, functions: &[&str]) -> StackReport {
         let mut stack = report().stacks.remove(0);
@@ -97,8 +105,14 @@ mod tests {
         assert_eq!(r.stacks.iter().map(|s| s.outstanding_bytes).collect::<Vec<_>>(), [100]);
         let mut r = report();
         r.stacks = vec![stack(100, &["leak", "main"]), stack(50, &["pool", "worker"])];
+        r.peak.stacks = r
+            .stacks
+            .iter()
+            .map(|s| PeakStack { stack_id: s.stack_id.clone(), bytes: 1, frames: s.frames.clone() })
+            .collect();
         Filters { ignore: Some(Regex::new("pool").unwrap()), ..Filters::default() }.apply(&mut r);
         assert_eq!(r.stacks.len(), 1);
+        assert_eq!(r.peak.stacks.len(), 1, "the peak's stacks are picked alike");
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub struct Report {
     /// process goes on.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub live: bool,
+    /// The process at its peak (`memprof report --at peak`): `duration_s` is the peak's time and
+    /// each stack holds its bytes then; the peak keeps no counts, so those are 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub at_peak: bool,
     pub duration_s: f64,
     /// Mean bytes between recorded allocations when the process is sampled (counts and bytes are
     /// then estimates); 0 when every call is recorded.
@@ -129,7 +133,8 @@ pub struct Peak {
     pub bytes: u64,
     /// Seconds since tracing began.
     pub at_s: f64,
-    /// The stacks that held memory then, most bytes first (at most `LISTED_MAX`, or the report's top).
+    /// The stacks that held memory then, most bytes first (at most `LISTED_MAX`, or the report's
+    /// top; all of them in a recording's, for `memprof report --at peak`).
     pub stacks: Vec<PeakStack>,
 }
 
@@ -394,6 +399,9 @@ pub struct Selection {
     /// Also list the stacks that hold nothing now, after those that do: pprof's allocation
     /// profile counts every allocation.
     pub freed: bool,
+    /// List every stack held at the peak: a recording keeps them for `memprof report --at
+    /// peak`, and `format::select` shows the `LISTED_MAX` largest.
+    pub whole_peak: bool,
 }
 
 /// Builds the report of one process's `snapshot`.
@@ -463,7 +471,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         .collect();
     let stacks = merge_same_stacks(stacks);
     let names = Names::new(ctx, &report_ids, &stacks);
-    let peak = peak(&names, snapshot, selection.top);
+    let peak =
+        peak(&names, snapshot, if selection.whole_peak { None } else { Some(selection.top.unwrap_or(LISTED_MAX)) });
     let temporary_stacks = temporary_stacks(&names, snapshot, selection.top);
     let mappings = mappings::build(&snapshot.mappings, selection.top.unwrap_or(LISTED_MAX).min(LISTED_MAX), |id| {
         let symbolized = ctx.stacks.symbolize(StackTable::Allocations, id);
@@ -483,6 +492,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         blind_spots: Vec::new(),
         exited: false,
         live: false,
+        at_peak: false,
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         growth: snapshot.growth,
@@ -588,11 +598,12 @@ impl<'a> Names<'a> {
 
 /// Stacks listed at most at the peak, for temporary allocations and mappings, whatever `top` says: each
 /// carries its frames, and a daemon's process of 65,536 stacks listed them all twice more.
-const LISTED_MAX: usize = 100;
+pub const LISTED_MAX: usize = 100;
 
-/// The process's peak and the stacks that held memory then, at most `top` of them.
+/// The process's peak and the stacks that held memory then: at most `top` of them and
+/// `LISTED_MAX`, or all of them without `top`.
 fn peak(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> Peak {
-    let top = Some(top.unwrap_or(LISTED_MAX).min(LISTED_MAX));
+    let top = top.map(|top| top.min(LISTED_MAX));
     let stacks = names
         .top(snapshot, top, |s| s.peak_bytes)
         .into_iter()
@@ -626,6 +637,14 @@ fn temporary_stacks(names: &Names, snapshot: &Snapshot, top: Option<usize>) -> V
 }
 
 impl Report {
+    /// Calls `each` with this report and each of its children's, theirs too.
+    pub fn for_each_process(&mut self, each: &mut impl FnMut(&mut Report)) {
+        each(self);
+        for child in &mut self.children {
+            child.for_each_process(each);
+        }
+    }
+
     /// Folds `wrappers` into the allocator in a report made already (`memprof report
     /// --wrapper`), its children's too: the same stacks, each site moved to the wrappers' caller.
     pub fn fold_wrappers(&mut self, wrappers: &Wrappers) {
@@ -869,6 +888,7 @@ pub mod samples {
             blind_spots: Vec::new(),
             exited: false,
             live: false,
+            at_peak: false,
             duration_s: 1.5,
             sample_bytes: 0,
             growth: None,

@@ -205,7 +205,10 @@ function render() {
   document.getElementById('app').replaceChildren(...[
     el('header', {},
       el('h1', {}, `memprof: pid ${report.pid} (${report.comm})`),
-      el('p', {}, `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
+      // A report at the peak (`memprof report --at peak`) has bytes only.
+      el('p', {}, report.at_peak
+        ? `At its peak, ${seconds(report.duration_s)} after tracing began: ${bytesText(report.totals.outstanding_bytes)} in use; the peak keeps each stack's bytes, no counts`
+        : `${kind} after ${seconds(report.duration_s)} of tracing: ${bytesText(report.totals.outstanding_bytes)} in use in ${grouped(report.totals.outstanding_allocations)} allocations`),
       context(report),
       report.sample_bytes ? el('p', { id: 'sampling', class: 'bad' },
         `Sampled: one allocation in every ${grouped(report.sample_bytes)} bytes is recorded; counts and bytes are estimates.`) : null,
