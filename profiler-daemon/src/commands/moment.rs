@@ -9,7 +9,6 @@ use std::{
 use crate::{
     cli,
     heap::{
-        leak::LeakVerdict,
         mappings::Mappings,
         report::{Report, StackReport, Totals},
     },
@@ -113,7 +112,7 @@ fn at_peak(report: &Report) -> Report {
                 oldest_ns: None,
                 truncated: known.is_some_and(|s| s.truncated),
                 via: known.map(|s| s.via.clone()).unwrap_or_default(),
-                leak: known.map(|s| s.leak.clone()).unwrap_or_else(LeakVerdict::default),
+                leak: known.map(|s| s.leak.clone()).unwrap_or_default(),
                 reachability: None,
                 types: Vec::new(),
                 frames: held.frames.clone(),
