@@ -37,6 +37,8 @@ const PACKAGES: &[&str] = &[
     "postgresql",
     "libmimalloc-dev",
     "redis-server",
+    // tests/tests/install.rs: Debian's checker of packages, run on the .deb.
+    "lintian",
     "libllvm14",
     "llvm",
     "musl-tools",
