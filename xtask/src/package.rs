@@ -29,7 +29,14 @@ pub fn man(args: &[String]) -> anyhow::Result<()> {
 
 /// `cargo xtask deb [--out DIR]`: DIR/memprof_VERSION_ARCH.deb (default DIR: target/deb).
 pub fn deb(args: &[String]) -> anyhow::Result<()> {
-    let out = out_dir(args, "target/deb")?;
+    let deb = build_deb(&out_dir(args, "target/deb")?)?;
+    // Its path alone on stdout, for scripts (dpkg-deb's line went to stderr).
+    println!("{}", deb.display());
+    Ok(())
+}
+
+/// The package, built into `out`: its path.
+pub fn build_deb(out: &Path) -> anyhow::Result<PathBuf> {
     let binary = binary()?;
     let stage = out.join("staging");
     let _ = fs::remove_dir_all(&stage);
@@ -101,7 +108,7 @@ pub fn deb(args: &[String]) -> anyhow::Result<()> {
     }
 
     let deb = out.join(format!("memprof_{version}_{arch}.deb"));
-    // Its "building package" line to stderr: stdout is the package's path alone, for scripts.
+    // Its "building package" line to stderr: `deb` prints the package's path alone on stdout.
     run_with(
         Command::new("dpkg-deb")
             // gzip: a second where xz takes ten on a busy 2-core machine, for a package 30% larger.
@@ -111,8 +118,7 @@ pub fn deb(args: &[String]) -> anyhow::Result<()> {
             .stdout(std::io::stderr()),
     )?;
     fs::remove_dir_all(&stage)?;
-    println!("{}", deb.display());
-    Ok(())
+    Ok(deb)
 }
 
 /// The package's maintainer: the name and address the project's commits carry.
@@ -163,11 +169,11 @@ fn binary() -> anyhow::Result<PathBuf> {
     }
 }
 
-fn out_dir(args: &[String], default: &str) -> anyhow::Result<PathBuf> {
+pub fn out_dir(args: &[String], default: &str) -> anyhow::Result<PathBuf> {
     let out = match args {
         [] => root().join(default),
         [flag, dir] if flag == "--out" => PathBuf::from(dir),
-        _ => bail!("usage: cargo xtask man|deb [--out DIR]"),
+        _ => bail!("usage: cargo xtask man|deb|image [--out DIR]"),
     };
     fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     Ok(out)

@@ -44,6 +44,8 @@ const PACKAGES: &[&str] = &[
     "musl-tools",
     // tests/tests/usdt.rs: <sys/sdt.h>, with which a fixture fires otel_memory USDT probes.
     "systemtap-sdt-dev",
+    // tests/tests/image.rs: reads and copies the OCI archive of `cargo xtask image`, as podman would.
+    "skopeo",
     // The virtual environment kubernetes-validate is installed in (see `kubernetes_validate`).
     "python3-venv",
 ];
