@@ -7,11 +7,7 @@
 //! shell, no package manager. Files, times and owners are fixed, so the same binary makes the
 //! same image, digest for digest.
 
-use std::{
-    fs,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{fs, path::Path, process::Command};
 
 use anyhow::Context as _;
 use serde_json::json;
@@ -118,7 +114,7 @@ struct Blob {
 }
 
 fn blob(blobs: &Path, data: &[u8]) -> anyhow::Result<Blob> {
-    let file: PathBuf = blobs.join("incoming");
+    let file = blobs.join("incoming");
     fs::write(&file, data)?;
     let digest = sha256(&file)?;
     fs::rename(&file, blobs.join(&digest))?;
