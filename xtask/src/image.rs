@@ -4,8 +4,8 @@
 //! No base image can be fetched here (only package registries are reachable), so the image is
 //! one layer made by hand: the .deb's files, and the shared libraries its binary loads (the C
 //! library, libgcc_s and the dynamic linker), copied from this Debian system. Nothing else: no
-//! shell, no package manager. Files, times and owners are fixed, so the same binary makes the
-//! same image, digest for digest.
+//! shell, no package manager. Files, times and owners are fixed, so one binary, on one build
+//! machine, makes one image, digest for digest.
 
 use std::{fs, path::Path, process::Command};
 

@@ -152,11 +152,14 @@ fn copyright() -> anyhow::Result<String> {
     ))
 }
 
-/// The changelog of a native package: one entry, for this version, naming the commit built and
-/// dated by it (the package is the same whenever it is built).
+/// The changelog of a native package: one entry, for this version, naming the commit the binary
+/// was built from and dated by it (one binary makes one package whenever it is packaged); now
+/// when git does not know the commit.
 fn changelog_entry(version: &str, binary: &Path) -> anyhow::Result<String> {
     let line = output(Command::new(binary).arg("--version"))?;
-    let date = output(Command::new("git").args(["log", "-1", "--format=%cD"]).current_dir(root()))
+    // `memprof 0.1.0 (commit 47f957810fb6)`.
+    let commit = line.rsplit_once("(commit ").map(|(_, rest)| rest.trim_end_matches(')')).unwrap_or("HEAD");
+    let date = output(Command::new("git").args(["log", "-1", "--format=%cD", commit, "--"]).current_dir(root()))
         .or_else(|_| output(Command::new("date").arg("-R")))?;
     Ok(format!("memprof ({version}) unstable; urgency=medium\n\n  * {line}.\n\n -- {MAINTAINER}  {date}\n"))
 }
