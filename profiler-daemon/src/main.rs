@@ -69,7 +69,7 @@ fn main() -> ExitCode {
             cli::Command::Snapshot(args) => commands::snapshot::run(args).await,
             cli::Command::Inspect(args) => commands::inspect::run(args),
             cli::Command::Diff(args) => commands::diff::run(args),
-            cli::Command::Completions { shell } => commands::manual::completions(*shell),
+            cli::Command::Completions { shell } => commands::completions::completions(*shell),
             cli::Command::Man { dir } => commands::manual::man_pages(dir),
             cli::Command::Report(args) => commands::report::run(args),
         }

@@ -221,6 +221,44 @@ fn version_help_and_completions_come_from_the_cli() {
     assert!(bash.stdout.contains("--follow-forks") && bash.stdout.contains("complete -F _memprof"), "{}", bash.stdout);
 }
 
+/// What bash's completion of `memprof WORDS...` offers for the last word, as bash asks it: the
+/// script sourced, the function it registered called with COMP_WORDS and COMP_CWORD set.
+fn bash_completes(words: &[&str]) -> Vec<String> {
+    let script = std::env::temp_dir().join(format!("memprof-completion-{}.bash", std::process::id()));
+    std::fs::write(&script, memprof(&["completions", "bash"]).stdout).unwrap();
+    let ask = r#"source "$0"
+function=$(complete -p memprof | sed -E 's/.* -F ([^ ]+) .*/\1/')
+COMP_WORDS=(memprof "$@"); COMP_CWORD=$#
+"$function" memprof "${COMP_WORDS[COMP_CWORD]}" "${COMP_WORDS[COMP_CWORD-1]}"
+printf '%s\n' "${COMPREPLY[@]}""#;
+    let out = Command::new("bash").args(["-c", ask]).arg(&script).args(words).output().unwrap();
+    let _ = std::fs::remove_file(&script);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+}
+
+/// `memprof attach -p <TAB>` offers the ids of running processes (this test's own among them),
+/// those that start with what is typed; the other words complete as clap says.
+#[test]
+fn bash_completes_pids_for_p_and_options_for_the_rest() {
+    let own = std::process::id().to_string();
+    let prefix = &own[..own.len() - 1];
+    for option in ["-p", "--pid"] {
+        for sub in ["attach", "daemon", "snapshot", "inspect"] {
+            let offered = bash_completes(&[sub, option, ""]);
+            assert!(offered.contains(&own), "{sub} {option}: {offered:?}");
+            assert!(offered.contains(&"1".to_string()), "{sub} {option}: {offered:?}");
+        }
+        let offered = bash_completes(&["attach", option, prefix]);
+        assert!(offered.contains(&own), "{offered:?}");
+        assert!(offered.iter().all(|pid| pid.starts_with(prefix) && pid.parse::<u32>().is_ok()), "{offered:?}");
+    }
+    assert_eq!(bash_completes(&["attach", "--dur"]), ["--duration"]);
+    assert_eq!(bash_completes(&["attach", "-p", &own, "--follow-f"]), ["--follow-forks"]);
+    // `report` has no -p: nothing is made up for it.
+    assert!(!bash_completes(&["report", "-p", ""]).contains(&own));
+}
+
 /// A library with no code of its own (ICU's data) has an empty .eh_frame: no notice for it.
 #[test]
 fn a_data_only_library_is_not_a_missing_unwind_table() {

@@ -143,6 +143,37 @@ fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     assert!(unsafe { libc::kill(held.pid() as i32, 0) } == 0, "the target keeps running");
 }
 
+/// The shipped config (deploy/memprof.toml, the package's /etc/memprof/memprof.toml) has no rule:
+/// the daemon starts, scans /proc, traces no process, and says in one line, at start and at each
+/// reload that leaves it so, how to give it a rule.
+#[test]
+fn the_shipped_config_traces_nothing_and_says_how_to_add_a_rule() {
+    let _serial = serial();
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/memprof.toml");
+    let config = config.to_str().unwrap();
+    let held = target();
+    let mut daemon = Daemon::start(&["--config", config]);
+    let scanned = |scans: u64| {
+        wait_for(20, "a scan of /proc", || metric(daemon.port, "memprof_discovery_scans_total").filter(|n| *n >= scans))
+    };
+    scanned(1);
+    assert_eq!(daemon.traced_pids(), Vec::<u64>::new(), "no rule, no target (pid {} runs)", held.pid());
+    let metrics = http_get(daemon.port, "/metrics").unwrap().1;
+    assert_eq!(sample(&metrics, "memprof_target_attached"), None, "{metrics}");
+    daemon.signal(libc::SIGHUP);
+    scanned(2);
+    assert_eq!(daemon.traced_pids(), Vec::<u64>::new());
+
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    let notice = format!(
+        "no rule is configured, so no process is traced: add one to {config} (comms = [\"^my-service$\"], or cgroups, pids, all = true) and reload (systemctl reload memprof, or SIGHUP)"
+    );
+    assert_eq!(log.lines().filter(|line| line.contains("no rule")).count(), 2, "{log}");
+    assert_eq!(log.lines().filter(|line| line.ends_with(&notice)).count(), 2, "{log}");
+}
+
 /// `MEMPROF_UPROBE_MULTI=0`, the troubleshooting switch, attaches one perf-event uprobe per probe,
 /// as on a kernel without uprobe_multi links, and the counts stay exact.
 #[test]

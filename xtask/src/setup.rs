@@ -9,7 +9,7 @@ use std::{env, fs, os::unix::fs::PermissionsExt, path::PathBuf, process::Command
 
 use anyhow::{bail, Context as _};
 
-use crate::run;
+use crate::{run, run_with};
 
 /// Debian packages the tasks use: compilers for the test fixtures and the demo, bpftool to check
 /// that no probe is left behind, the Prometheus server the daemon test scrapes with, the
@@ -37,18 +37,44 @@ const PACKAGES: &[&str] = &[
     "postgresql",
     "libmimalloc-dev",
     "redis-server",
+    // tests/tests/install.rs: Debian's checker of packages, run on the .deb.
+    "lintian",
     "libllvm14",
     "llvm",
     "musl-tools",
     // tests/tests/usdt.rs: <sys/sdt.h>, with which a fixture fires otel_memory USDT probes.
     "systemtap-sdt-dev",
+    // tests/tests/image.rs: reads and copies the OCI archive of `cargo xtask image`, as podman would.
+    "skopeo",
+    // The virtual environment kubernetes-validate is installed in (see `kubernetes_validate`).
+    "python3-venv",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// kubernetes-validate from PyPI, which tests/tests/manifests.rs checks deploy/'s Kubernetes
+/// manifests with against the API server's schemas (it ships them: no cluster, no network).
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
 
 pub fn all() -> anyhow::Result<()> {
     debian_packages(PACKAGES)?;
     rust_src()?;
-    bpf_linker()
+    bpf_linker()?;
+    kubernetes_validate()
+}
+
+/// Where tests/tests/manifests.rs finds the validator: a virtual environment of Debian's python3,
+/// the version pinned.
+fn kubernetes_validate() -> anyhow::Result<()> {
+    let venv =
+        PathBuf::from(env::var("HOME").unwrap_or_else(|_| "/root".into())).join(".cache/memprof/kubernetes-validate");
+    let version = KUBERNETES_VALIDATE.rsplit('=').next().unwrap_or_default();
+    if crate::output(Command::new(venv.join("bin/kubernetes-validate")).arg("--version")).is_ok_and(|v| v == version) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {KUBERNETES_VALIDATE} in {}", venv.display());
+    // Debian's python by its path: another on PATH (pyenv's) may lack venv.
+    run_with(Command::new("/usr/bin/python3").args(["-m", "venv"]).arg(&venv))?;
+    run_with(Command::new(venv.join("bin/pip")).args(["install", "-q", KUBERNETES_VALIDATE]))
 }
 
 /// cargo-fuzz, for `cargo xtask fuzz` (its targets build with the nightly toolchain the eBPF crate

@@ -1,21 +1,11 @@
-//! `memprof completions SHELL` and the man pages, both generated from the command line's
-//! definition so that they never drift from it.
+//! The man pages, generated from the command line's definition so that they never drift from it.
 
 use std::{fs, path::Path};
 
 use anyhow::Context as _;
 use clap::CommandFactory as _;
 
-use crate::{cli::Cli, commands::output};
-
-/// Prints `shell`'s completion script to stdout.
-pub fn completions(shell: clap_complete::Shell) -> anyhow::Result<i32> {
-    // Into memory first: clap_complete panics on a write error (`| head`).
-    let mut script = Vec::new();
-    clap_complete::generate(shell, &mut Cli::command(), "memprof", &mut script);
-    output::print(&script)?;
-    Ok(0)
-}
+use crate::cli::Cli;
 
 /// Writes memprof.1 and memprof-SUBCOMMAND.1 for each visible subcommand into `dir`.
 pub fn man_pages(dir: &Path) -> anyhow::Result<i32> {

@@ -2,6 +2,7 @@
 //! follows and the target it starts or watches), `snapshot`, `inspect`, `diff`, and the completions
 //! and man pages. The daemon is in `daemon`.
 
+pub mod completions;
 pub mod daemon_client;
 pub mod diff;
 pub mod family;

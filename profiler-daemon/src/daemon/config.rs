@@ -88,6 +88,11 @@ impl Rules {
     pub fn needs_cgroup(&self) -> bool {
         !self.cgroups.is_empty()
     }
+
+    /// No rule at all: the daemon traces nothing (the shipped config, until it is given one).
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.pids.is_empty() && self.comms.is_empty() && self.cgroups.is_empty()
+    }
 }
 
 /// `cgroup` is `rule` or below it.
@@ -134,6 +139,16 @@ pub enum ConfigError {
     NoTargets,
 }
 
+/// The one line an idle daemon logs, at start and at each reload that leaves it without rules:
+/// why it traces nothing and how to give it something to trace.
+pub fn idle_notice(config_file: &Path) -> String {
+    let file = config_file.display();
+    format!(
+        "no rule is configured, so no process is traced: add one to {file} (comms = [\"^my-service$\"], \
+         or cgroups, pids, all = true) and reload (systemctl reload memprof, or SIGHUP)"
+    )
+}
+
 /// Reads the config file (if any) and applies the flags over it.
 pub fn load(args: &DaemonArgs) -> Result<Config, ConfigError> {
     let file = match &args.config {
@@ -171,7 +186,9 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         .collect::<Result<Vec<_>, _>>()?;
     let cgroups = pick(&args.cgroups, file.cgroups).iter().map(|dir| procfs::cgroup_path(dir)).collect();
     let rules = Rules { pids: pick(&args.pids, file.pids), comms, cgroups, all: args.all || file.all.unwrap_or(false) };
-    if !rules.all && rules.pids.is_empty() && rules.comms.is_empty() && rules.cgroups.is_empty() {
+    // A config file without rules is the shipped one, not yet told what to trace: the daemon
+    // starts idle and says so (`idle_notice`). Without a file, no rule is a forgotten flag.
+    if rules.is_empty() && args.config.is_none() {
         return Err(ConfigError::NoTargets);
     }
     let interval = cli::check_interval(args.interval.or(file.interval).unwrap_or(5.0))
@@ -289,7 +306,8 @@ mod tests {
         let args = DaemonArgs { config: Some(path), ..DaemonArgs::default() };
         let config = load(&args).unwrap();
         assert_eq!(config.listen.to_string(), "127.0.0.1:9464");
-        assert!(config.rules.matches(1, "nginx", &[]));
+        // It traces nothing until told what to.
+        assert!(config.rules.is_empty(), "{:?}", config.rules);
         assert_eq!(config.http, server::DEFAULT);
         assert_eq!(config.access, access::Settings::new(None, None).unwrap());
     }
@@ -346,6 +364,9 @@ mod tests {
         let err = parse("all = true\nnope = 1", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().contains("unknown field `nope`"), "{err}");
         assert!(matches!(parse("", DaemonArgs::default()), Err(ConfigError::NoTargets)));
+        // From a config file, no rule is a daemon waiting to be told what to trace.
+        let from_file = DaemonArgs { config: Some("memprof.toml".into()), ..DaemonArgs::default() };
+        assert!(parse("comms = []", from_file).unwrap().rules.is_empty());
         let err = parse("all = true\nlisten = \"nowhere\"", DaemonArgs::default()).unwrap_err();
         assert!(matches!(err, ConfigError::Listen(_)));
         // As a reload reads it too.

@@ -27,6 +27,14 @@ use tracing::{error, info, warn};
 
 use crate::cli::DaemonArgs;
 
+/// The one line that says why a daemon without rules traces nothing, and what to do.
+fn warn_if_idle(config: &config::Config, args: &DaemonArgs) {
+    // Without a config file, no rule is an error `load` reported already.
+    if let (true, Some(file)) = (config.rules.is_empty(), &args.config) {
+        warn!("{}", config::idle_notice(file));
+    }
+}
+
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     // First of all: until a handler is installed, SIGHUP's default action kills the daemon, and
     // loading the BPF programs below takes about a second (a `systemctl reload` right after start).
@@ -35,6 +43,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let config = config::load(args)?;
+    warn_if_idle(&config, args);
     let web = match &config.http.web_config_file {
         Some(path) => web_config::load(path)?,
         None => web_config::WebConfig::default(),
@@ -92,6 +101,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
         tokio::select! {
             _ = hangup.recv() => match config::load(args) {
                 Ok(config) => {
+                    warn_if_idle(&config, args);
                     let _ = commands.send(tracer::Command::Reload(Box::new(config)));
                 }
                 Err(err) => error!("keeping the old configuration: {err}"),

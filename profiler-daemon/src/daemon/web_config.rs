@@ -71,7 +71,9 @@ fn parse(text: &str, path: &Path) -> Result<File, String> {
     } else if text.trim().is_empty() {
         Ok(File::default())
     } else {
-        serde_yaml_ng::from_str(text).map_err(|e| one_line(e.to_string()))
+        // The line and column without a drawing of the file, which takes lines of its own.
+        serde_saphyr::from_str_with_options(text, serde_saphyr::options! { with_snippet: false })
+            .map_err(|e| one_line(e.to_string().trim_start_matches("error: ").to_string()))
     }
 }
 
