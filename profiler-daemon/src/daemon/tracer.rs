@@ -41,7 +41,7 @@ use crate::{
         double_free::DoubleFreeFilter,
         resident::{HeapNow, PinnedBudget, Resident},
     },
-    kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, Snapshot, StackTable},
+    kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, Snapshot},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks},
@@ -740,20 +740,13 @@ impl Tracer {
         }
         let sizes = self.loaded_sizes;
         let tables = self.loaded.unwind.table_use();
+        let (stack_entries, free_stack_entries) = self.loaded.stack_entries()?;
         let mut view = DaemonView {
             unattributed_drops: kernel.unattributed_drops,
             maps: vec![
                 MapUse { name: "live", entries: kernel.live_entries, capacity: sizes.max_live.into() },
-                MapUse {
-                    name: "stacks",
-                    entries: aggregate::stack_entries(&self.loaded.ebpf, StackTable::Allocations)?,
-                    capacity: sizes.max_stacks.into(),
-                },
-                MapUse {
-                    name: "free_stacks",
-                    entries: aggregate::stack_entries(&self.loaded.ebpf, StackTable::Frees)?,
-                    capacity: loader::FREE_STACKS.into(),
-                },
+                MapUse { name: "stacks", entries: stack_entries, capacity: sizes.max_stacks.into() },
+                MapUse { name: "free_stacks", entries: free_stack_entries, capacity: loader::FREE_STACKS.into() },
                 MapUse {
                     name: "stack_stats",
                     entries: kernel.stack_stats_entries,

@@ -66,7 +66,9 @@ struct StackAges {
 #[derive(Debug)]
 pub struct AgeBook {
     pub clock: Clock,
-    stacks: HashMap<StackKey, StackAges>,
+    /// Boxed: a table of tens of thousands of stacks holds a pointer per empty slot, not a
+    /// whole `StackAges`.
+    stacks: HashMap<StackKey, Box<StackAges>>,
     /// Generations reused in the kernel before the book took them over (reads too far apart),
     /// by process: their memory is counted as younger than it is.
     missed_generations: HashMap<u32, u64>,
@@ -95,8 +97,10 @@ impl AgeBook {
         // Generations still in the kernel's ring, and the frozen ones among them.
         let in_ring = (now + 1).saturating_sub(GENERATIONS as u64);
         let unfrozen = (now + 1).saturating_sub(FROZEN_AGE);
-        let ages =
-            self.stacks.entry(key).or_insert_with(|| StackAges { frozen_through: in_ring, ..Default::default() });
+        let ages = self
+            .stacks
+            .entry(key)
+            .or_insert_with(|| Box::new(StackAges { frozen_through: in_ring, ..Default::default() }));
         // Generations the process spent at rest were empty: nothing to take over.
         let rested = self.rested_until.get(&key.tgid).map_or(0, |&until| until.min(in_ring));
         ages.frozen_through = ages.frozen_through.max(rested);

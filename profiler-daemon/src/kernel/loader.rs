@@ -83,6 +83,8 @@ pub struct Loaded {
     /// The entries of `LIVE` and `STACK_STATS` at the last walk of the maps, while no process
     /// has been purged since: a read of no process then needs no walk.
     walked_entries: Option<(u64, u64)>,
+    /// The entries of `STACKS` and `FREE_STACKS` (see `stack_entries`) since the last walk.
+    stack_entries: Option<(u64, u64)>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -183,6 +185,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         usdt: usdt::UsdtProbes::default(),
         stillness: Stillness::default(),
         walked_entries: None,
+        stack_entries: None,
     })
 }
 
@@ -465,7 +468,7 @@ impl Loaded {
         if let Err(err) = aggregate::purge(&mut self.ebpf, pids, &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
-        self.walked_entries = None;
+        (self.walked_entries, self.stack_entries) = (None, None);
         for &pid in pids {
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
@@ -496,8 +499,22 @@ impl Loaded {
         for (&tgid, process) in &mut kernel.processes {
             process.usdt = self.usdt.traces(tgid);
         }
-        self.walked_entries = Some((kernel.live_entries, kernel.stack_stats_entries));
+        (self.walked_entries, self.stack_entries) = (Some((kernel.live_entries, kernel.stack_stats_entries)), None);
         Ok(kernel)
+    }
+
+    /// The entries of `STACKS` and `FREE_STACKS`: counted again only after a read that walked
+    /// the maps (a stack is stored only by a process that moved) or a purge.
+    pub fn stack_entries(&mut self) -> anyhow::Result<(u64, u64)> {
+        if let Some(entries) = self.stack_entries {
+            return Ok(entries);
+        }
+        let entries = (
+            aggregate::stack_entries(&self.ebpf, aggregate::StackTable::Allocations)?,
+            aggregate::stack_entries(&self.ebpf, aggregate::StackTable::Frees)?,
+        );
+        self.stack_entries = Some(entries);
+        Ok(entries)
     }
 
     /// For each of `tgids`, the intervals in a row it has been still (see `stillness`).
