@@ -92,7 +92,15 @@ fn prometheus_sees_each_processs_heap_to_the_byte_and_the_rules_name_the_leak() 
     let mut second = Waiting::start(&fixture("daemon_target"), &[]);
     // Leaks 1000 bytes every 0.8 s for 29 s (tests/fixtures/leak_kinds.c).
     let mut leaking = Waiting::start(&fixture("leak_kinds"), &["8"]);
-    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--comm", "^leak_kinds$", "--leak-window", "3"]);
+    let daemon = Daemon::start(&[
+        "--comm",
+        "^daemon_target$",
+        "--comm",
+        "^leak_kinds$",
+        "--leak-window",
+        "3",
+        "--size-histograms",
+    ]);
     for target in [&first, &second, &leaking] {
         daemon.wait_traced(target.pid());
     }

@@ -47,6 +47,7 @@ struct File {
     interval: Option<f64>,
     resync_interval: Option<f64>,
     top_stacks: Option<usize>,
+    size_histograms: Option<bool>,
     leak_window: Option<usize>,
     leak_threshold: Option<f64>,
     sample_bytes: Option<u64>,
@@ -113,6 +114,8 @@ pub struct Config {
     /// command name set by the program itself, a process moved into a cgroup).
     pub resync: f64,
     pub top_stacks: usize,
+    /// `memprof_allocation_size_bytes` is exported (`--size-histograms`).
+    pub size_histograms: bool,
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
@@ -273,6 +276,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         interval,
         resync,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
+        size_histograms: args.size_histograms || file.size_histograms.unwrap_or(false),
         leak,
         sampling,
         maps,
@@ -405,7 +409,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 25] = [
+    const KEYS: [&str; 26] = [
         "listen",
         "pids",
         "comms",
@@ -415,6 +419,7 @@ mod tests {
         "interval",
         "resync_interval",
         "top_stacks",
+        "size_histograms",
         "leak_window",
         "leak_threshold",
         "sample_bytes",

@@ -219,7 +219,9 @@ impl Collector for ViewCollector {
             "1 until the leak rule has watched the process for --leak-window intervals (after attach, exec or a daemon restart), then 0.",
             targets.iter().map(|t| (process_labels(t), u64::from(t.leak_warming_up))),
         )?;
-        histograms(e, &targets)?;
+        if view.size_histograms {
+            histograms(e, &targets)?;
+        }
         gauges(
             e,
             "memprof_rss_anon_minus_heap_bytes",

@@ -761,6 +761,7 @@ impl Tracer {
             untraced_sharing: self.untraced_sharing(&pids),
             discovery_scans: self.scans,
             settled_targets: settled.len() as u64,
+            size_histograms: self.config.size_histograms,
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,

@@ -77,6 +77,8 @@ pub struct DaemonView {
     /// Processes not traced that map a file whose probe links are shared, and so take a trap
     /// at each of its probed calls.
     pub untraced_sharing: u64,
+    /// `memprof_allocation_size_bytes` is exported (`Config::size_histograms`).
+    pub size_histograms: bool,
     /// Targets whose stacks are not read while they stay still (see `settled`).
     pub settled_targets: u64,
     /// Scans of /proc for processes to trace (see `Config::resync`).

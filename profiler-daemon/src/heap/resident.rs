@@ -110,7 +110,9 @@ impl Resident {
     /// Reads the pages `blocks`, the process's live blocks now, pin; once the process has exited,
     /// the last reading taken while it ran stays.
     fn read_pinned(&mut self, pid: u32, blocks: &[LiveBlock]) {
-        if let Some(pinned) = pinned::read(pid, blocks) {
+        // No block pins anything: nothing to ask of /proc (most targets at rest hold none).
+        let reading = if blocks.is_empty() { Some(Pinned::default()) } else { pinned::read(pid, blocks) };
+        if let Some(pinned) = reading {
             if pinned != self.pinned {
                 self.pinned_changes += 1;
             }

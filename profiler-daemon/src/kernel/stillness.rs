@@ -8,13 +8,10 @@
 
 use std::collections::{HashMap, HashSet};
 
-use aya::{
-    maps::{HashMap as BpfHashMap, PerCpuArray},
-    Ebpf,
-};
+use aya::{maps::PerCpuArray, Ebpf};
 use profiler_common::{DropReason, ProcCounters, ProcDrops, ProcHeap};
 
-use crate::kernel::aggregate::map;
+use crate::kernel::{aggregate::map, batch};
 
 /// Everything of one process that changes when its stacks do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,10 +44,12 @@ impl Stillness {
         tgids: &HashSet<u32>,
         learned: impl Fn(u32) -> u64,
     ) -> anyhow::Result<HashMap<u32, u32>> {
-        let heaps: BpfHashMap<_, u32, ProcHeap> = BpfHashMap::try_from(map(ebpf, "PROC_HEAP")?)?;
-        let counters: BpfHashMap<_, u32, ProcCounters> = BpfHashMap::try_from(map(ebpf, "PROC_COUNTERS")?)?;
-        let drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
-        let sampling: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(map(ebpf, "SAMPLING")?)?;
+        // Each map read whole in a few calls, not one call per process: a thousand idle targets
+        // are most of the daemon's work at rest.
+        let heaps: HashMap<u32, ProcHeap> = whole(ebpf, "PROC_HEAP")?;
+        let counters: HashMap<u32, ProcCounters> = whole(ebpf, "PROC_COUNTERS")?;
+        let drops: HashMap<u32, ProcDrops> = whole(ebpf, "PROC_DROPS")?;
+        let sampling: HashMap<u32, u64> = whole(ebpf, "SAMPLING")?;
         let global: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;
         let heap_table_full =
             global.get(&(DropReason::ProcessTableFull as u32), 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0);
@@ -58,10 +57,10 @@ impl Stillness {
         let mut still = HashMap::with_capacity(tgids.len());
         for &tgid in tgids {
             let now = Fingerprint {
-                heap: heaps.get(&tgid, 0).ok(),
-                counters: counters.get(&tgid, 0).ok(),
-                drops: drops.get(&tgid, 0).ok(),
-                sample_bytes: sampling.get(&tgid, 0).ok(),
+                heap: heaps.get(&tgid).copied(),
+                counters: counters.get(&tgid).copied(),
+                drops: drops.get(&tgid).copied(),
+                sample_bytes: sampling.get(&tgid).copied(),
                 heap_table_full,
                 learned: learned(tgid),
             };
@@ -79,4 +78,13 @@ impl Stillness {
     pub fn forget(&mut self, tgid: u32) {
         self.seen.remove(&tgid);
     }
+}
+
+/// Every entry of the per-process map `name`.
+fn whole<V: aya::Pod>(ebpf: &Ebpf, name: &str) -> anyhow::Result<HashMap<u32, V>> {
+    let mut entries = HashMap::new();
+    batch::for_each(map(ebpf, name)?, |&tgid: &u32, value: &V| {
+        entries.insert(tgid, *value);
+    })?;
+    Ok(entries)
 }
