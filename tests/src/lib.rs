@@ -682,3 +682,18 @@ pub fn fixture_lib(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     let all: Vec<&str> = ["-shared", "-fPIC"].iter().chain(flags).copied().collect();
     fixture_compiled("cc", file, name, &all)
 }
+
+/// `cargo xtask WHAT --out OUT` on the binary under test (packaged as it is, not built again):
+/// what it prints, the path of what it made.
+pub fn xtask_package(what: &str, out: &Path) -> String {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command.args(["xtask", what, "--out"]).arg(out).env("MEMPROF_BIN", memprof_bin());
+    succeeds(&mut command).trim().to_string()
+}
+
+/// Runs `command`, which must succeed: its standard output.
+pub fn succeeds(command: &mut Command) -> String {
+    let out = command.output().unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
+    assert!(out.status.success(), "{command:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -4,14 +4,8 @@
 
 use std::{path::Path, process::Command};
 
-use memprof_tests::{memprof, memprof_bin};
+use memprof_tests::{memprof, succeeds, xtask_package};
 use serde_json::Value;
-
-fn succeeds(command: &mut Command) -> String {
-    let out = command.output().unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
-    assert!(out.status.success(), "{command:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// The blob `digest` (`sha256:HEX`) of the layout unpacked in `layout`, as JSON.
 fn blob(layout: &Path, digest: &str) -> Value {
@@ -22,13 +16,8 @@ fn blob(layout: &Path, digest: &str) -> Value {
 #[test]
 fn the_image_is_a_valid_oci_archive_whose_memprof_runs() {
     let out = std::env::temp_dir().join(format!("memprof-image-{}", std::process::id()));
-    let archive = succeeds(
-        Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-            .args(["xtask", "image", "--out"])
-            .arg(&out)
-            .env("MEMPROF_BIN", memprof_bin()),
-    );
-    let archive = archive.trim();
+    let archive = xtask_package("image", &out);
+    let archive = archive.as_str();
     let version = env!("CARGO_PKG_VERSION");
     assert!(archive.ends_with(&format!("memprof_{version}.oci.tar")), "{archive}");
 

@@ -9,7 +9,7 @@ use std::{
     process::Command,
 };
 
-use memprof_tests::{attach_with, fixture, memprof, memprof_bin, site, total, Waiting};
+use memprof_tests::{attach_with, fixture, memprof, site, succeeds, total, xtask_package, Waiting};
 
 /// What the package installs, beside the binary.
 const FILES: [&str; 8] = [
@@ -23,23 +23,11 @@ const FILES: [&str; 8] = [
     "/usr/share/memprof/grafana-dashboard.json",
 ];
 
-fn succeeds(command: &mut Command) -> String {
-    let out = command.output().unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
-    assert!(out.status.success(), "{command:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// `cargo xtask deb` into a directory of the test's own: the package's path and the directory.
 fn build_deb(test: &str) -> (String, PathBuf) {
     let out = std::env::temp_dir().join(format!("memprof-deb-{test}-{}", std::process::id()));
     // The binary under test, packaged as it is: not built again.
-    let deb = succeeds(
-        Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-            .args(["xtask", "deb", "--out"])
-            .arg(&out)
-            .env("MEMPROF_BIN", memprof_bin()),
-    );
-    let deb = deb.trim().to_string();
+    let deb = xtask_package("deb", &out);
     assert!(deb.ends_with(".deb"), "{deb}");
     (deb, out)
 }
