@@ -378,7 +378,7 @@ pub struct DaemonArgs {
     /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
     #[arg(long)]
     pub top_stacks: Option<usize>,
-    /// Export each process's allocation sizes as a histogram (memprof_allocation_size_bytes: 35
+    /// Export each process's allocation sizes as a histogram (memprof_allocation_size_bytes: 36
     /// series a process); off by default, as most of a process's series would be its buckets.
     #[arg(long)]
     pub size_histograms: bool,
