@@ -382,6 +382,11 @@ pub struct DaemonArgs {
     /// series a process); off by default, as most of a process's series would be its buckets.
     #[arg(long)]
     pub size_histograms: bool,
+    /// Put `pid` on every per-process series too. Off by default: series are told apart by
+    /// `comm` and `slot`, so a restarted service keeps its series instead of starting new ones;
+    /// memprof_target_attached maps each slot to its pid.
+    #[arg(long)]
+    pub pid_labels: bool,
     /// Intervals the leak rule looks back over [default: 6].
     #[arg(long, value_parser = leak_window)]
     pub leak_window: Option<usize>,

@@ -485,13 +485,31 @@ pub fn metric(port: u16, series: &str) -> Option<u64> {
 
 /// The value of the first sample in the text `metrics` that `series` names: `name{a="x",b="y"}`
 /// matches the samples of `name` that have these labels, whatever others they have (a process's
-/// exe and cgroup, say); a bare name matches any of its samples.
+/// exe and cgroup, say); a bare name matches any of its samples. A process's series carry no pid:
+/// `pid="N"` stands for its identity, the comm and slot that `memprof_target_attached` gives pid N.
 pub fn sample(metrics: &str, series: &str) -> Option<u64> {
-    let (name, wanted) = parse_series(series)?;
-    metrics.lines().filter(|line| !line.starts_with('#')).find_map(|line| {
-        let (series, value) = line.rsplit_once(' ')?;
-        let (found, labels) = parse_series(series)?;
+    let (name, mut wanted) = parse_series(series)?;
+    if name != "memprof_target_attached" {
+        if let Some(at) = wanted.iter().position(|(key, _)| key == "pid") {
+            let pid = wanted.remove(at);
+            let identity = samples(metrics).find_map(|(found, labels, _)| {
+                (found == "memprof_target_attached" && labels.contains(&pid))
+                    .then(|| labels.into_iter().filter(|(key, _)| key == "comm" || key == "slot").collect::<Vec<_>>())
+            })?;
+            wanted.extend(identity);
+        }
+    }
+    samples(metrics).find_map(|(found, labels, value)| {
         (found == name && wanted.iter().all(|label| labels.contains(label))).then(|| value.parse().ok())?
+    })
+}
+
+/// The samples of the text `metrics`: name, labels and value.
+fn samples(metrics: &str) -> impl Iterator<Item = (&str, Vec<(String, String)>, &str)> {
+    metrics.lines().filter(|line| !line.starts_with('#')).filter_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (name, labels) = parse_series(series)?;
+        Some((name, labels, value))
     })
 }
 

@@ -67,6 +67,12 @@ impl Prometheus {
     }
 }
 
+/// The PromQL query of the series `selector` of process `pid`: series carry its comm and slot,
+/// and `memprof_target_attached` says which pid they stand for.
+pub fn of_pid(selector: &str, pid: u32) -> String {
+    format!("{selector} * on(instance, job, comm, slot) group_left memprof_target_attached{{pid=\"{pid}\"}}")
+}
+
 impl Drop for Prometheus {
     fn drop(&mut self) {
         let _ = self.child.kill();

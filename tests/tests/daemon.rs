@@ -100,6 +100,7 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     wait_for(5, "the probes to be detached", || (held() == 0).then_some(()));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(!metrics.contains(&format!("pid=\"{pid}\"")), "its series are gone: {metrics}");
+    assert!(!metrics.contains("comm=\"daemon_target\""), "its series are gone: {metrics}");
     for map in ["live", "stack_stats", "stacks", "free_stacks"] {
         let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
         assert!(metrics.contains(&purged), "its kernel state is purged ({map}): {metrics}");
@@ -244,9 +245,9 @@ fn the_peak_and_resident_memory_are_exported() {
     assert!(rss >= 50_000, "its 50,000 bytes held are resident: {rss}");
     let body = http_get(daemon.port, "/metrics").expect("a scrape").1;
     assert!(body.contains("# HELP memprof_rss_anon_minus_heap_bytes "), "{body}");
-    // Its labels as the other per-process series' (exe and cgroup after pid and comm).
-    let difference = format!("memprof_rss_anon_minus_heap_bytes{{pid=\"{}\",comm=\"daemon_target\",", target.pid());
-    assert!(body.contains(&difference), "{body}");
+    // Its labels as the other per-process series' (exe and cgroup after comm and slot).
+    let difference = "memprof_rss_anon_minus_heap_bytes{comm=\"daemon_target\",slot=\"0\",exe=";
+    assert!(body.contains(difference), "{body}");
     // The pages pinned by few live bytes: daemon_target's 50 blocks of 1000 bytes lie side by
     // side, 4 to a page, so at most the two pages at their ends can be (checked exactly on
     // resident.c in tests/tests/peaks.rs).

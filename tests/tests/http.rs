@@ -11,7 +11,11 @@ use std::{
     time::Duration,
 };
 
-use memprof_tests::{fixture, http_get, memprof, prometheus::Prometheus, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, http_get, memprof,
+    prometheus::{self, Prometheus},
+    site, wait_for, Daemon, Waiting,
+};
 
 /// One at a time: a thousand scrapes would starve a neighbour's timing-free but deadline-bound waits.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -274,7 +278,7 @@ fn tls_and_basic_auth_guard_every_path_and_prometheus_scrapes_through_them() {
         ca.display()
     );
     let prometheus = Prometheus::start_with(port, &job);
-    let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\"}}");
+    let inuse = prometheus::of_pid("memprof_heap_inuse_bytes", pid);
     wait_for(60, &format!("{inuse} == 50000 in Prometheus over TLS"), || {
         (prometheus.query(&inuse)? == 50_000.0).then_some(())
     });

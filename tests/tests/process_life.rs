@@ -242,11 +242,19 @@ fn next_line(target: &mut Waiting) -> String {
     line
 }
 
-/// The daemon's Prometheus series of `pid` for `metric`, one line each.
+/// The daemon's Prometheus series of `pid` for `metric`, one line each: those of its comm and
+/// slot, as `memprof_target_attached` names them.
 fn series(daemon: &Daemon, metric: &str, pid: u32) -> Vec<String> {
     let metrics = http_get(daemon.port, "/metrics").expect("scraping the daemon").1;
-    let (name, label) = (format!("{metric}{{"), format!("pid=\"{pid}\""));
-    metrics.lines().filter(|l| l.starts_with(&name) && l.contains(&label)).map(String::from).collect()
+    let pid_label = format!(",pid=\"{pid}\"");
+    let Some(identity) = metrics.lines().find_map(|l| {
+        let labels = l.strip_prefix("memprof_target_attached{")?;
+        labels.contains(&pid_label).then(|| labels.split(",exe=").next().unwrap_or_default().to_string())
+    }) else {
+        return Vec::new();
+    };
+    let name = format!("{metric}{{{identity},");
+    metrics.lines().filter(|l| l.starts_with(&name)).map(String::from).collect()
 }
 
 #[test]
@@ -276,7 +284,7 @@ fn the_daemon_follows_an_exec_into_another_program() {
     let inuse = series(&daemon, "memprof_heap_inuse_bytes", pid);
     let outstanding = total(&report, "outstanding_bytes");
     assert_eq!(inuse.len(), 1, "{inuse:?}");
-    let named = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\",comm=\"daemon_target\",exe=\"{new_path}\"}}");
+    let named = format!("memprof_heap_inuse_bytes{{comm=\"daemon_target\",exe=\"{new_path}\"}}");
     assert_eq!(memprof_tests::sample(&inuse[0], &named), Some(outstanding), "{inuse:?}");
 }
 
@@ -401,11 +409,11 @@ fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
     let mut lines = [next(&mut said), next(&mut said)];
     lines.sort();
     assert_eq!(lines, [format!("new {pid}"), "ready".to_string()], "the new process has the old one's pid");
-    // Its exe and cgroup labels follow pid and comm.
-    let attached_series = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\",");
+    // Its exe and cgroup labels follow comm and slot.
+    let attached_series = "memprof_target_attached{comm=\"daemon_target\",slot=\"0\",";
     wait_for(20, "the new program to be probed", || {
         let lines = series(&daemon, "memprof_target_attached", pid);
-        lines.iter().any(|line| line.starts_with(&attached_series) && line.ends_with(" 1")).then_some(())
+        lines.iter().any(|line| line.starts_with(attached_series) && line.ends_with(" 1")).then_some(())
     });
     tell("go");
     // daemon_target holds 50 x 1000 bytes from hold_site, then frees what it allocates.

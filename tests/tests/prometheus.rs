@@ -7,7 +7,11 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memprof_tests::{fixture, prometheus::Prometheus, wait_for, workspace, Daemon, Waiting};
+use memprof_tests::{
+    fixture,
+    prometheus::{of_pid, Prometheus},
+    wait_for, workspace, Daemon, Waiting,
+};
 use serde_json::Value;
 
 /// The Accept header Prometheus 2 scrapes with.
@@ -109,18 +113,14 @@ fn prometheus_sees_each_processs_heap_to_the_byte_and_the_rules_name_the_leak() 
     leaking.go();
     let prometheus = Prometheus::start(daemon.port);
 
-    // The shipped alert names the leaking site, once per scrape job.
+    // The shipped alert names the leaking function, once per scrape job.
     let rules = yaml("deploy/memprof.rules.yml");
     let rules = rules["groups"][0]["rules"].as_array().unwrap();
-    let leak_alert = rules.iter().find(|r| r["alert"] == "MemprofLeakingSite").unwrap()["expr"].as_str().unwrap();
-    let leaking_pid = leaking.pid().to_string();
-    wait_for(30, "MemprofLeakingSite to name leak_steady in both jobs", || {
-        let sites = prometheus.series(leak_alert).ok()?;
-        let named = |s: &&Value| {
-            let site = s["metric"]["site"].as_str().unwrap_or("");
-            s["metric"]["pid"] == leaking_pid.as_str() && site.starts_with("leak_steady (leak_kinds.c:")
-        };
-        (sites.iter().filter(named).count() == 2).then_some(())
+    let leak_alert = rules.iter().find(|r| r["alert"] == "MemprofLeak").unwrap()["expr"].as_str().unwrap();
+    wait_for(30, "MemprofLeak to name leak_steady in both jobs", || {
+        let leaks = prometheus.series(leak_alert).ok()?;
+        let named = |s: &&Value| s["metric"]["comm"] == "leak_kinds" && s["metric"]["function"] == "leak_steady";
+        (leaks.iter().filter(named).count() == 2).then_some(())
     });
     assert_exposition(daemon.port);
     for rule in rules {
@@ -136,20 +136,71 @@ fn prometheus_sees_each_processs_heap_to_the_byte_and_the_rules_name_the_leak() 
         });
     }
 
+    // Two processes of one name: slots 0 and 1, each pid given by memprof_target_attached.
+    let slots = wait_for(30, "both daemon_target processes", || {
+        let attached = prometheus.series("memprof_target_attached{comm=\"daemon_target\",job=\"memprof\"}").ok()?;
+        let mut slots: Vec<(String, String)> = (attached.iter())
+            .map(|s| (s["metric"]["slot"].as_str().unwrap().into(), s["metric"]["pid"].as_str().unwrap().into()))
+            .collect();
+        slots.sort();
+        (slots.len() == 2).then_some(slots)
+    });
+    let mut pids: Vec<String> = slots.iter().map(|(_, pid)| pid.clone()).collect();
+    pids.sort();
+    let mut expected = vec![first.pid().to_string(), second.pid().to_string()];
+    expected.sort();
+    assert_eq!((slots[0].0.as_str(), slots[1].0.as_str(), pids), ("0", "1", expected));
     for pid in [first.pid(), second.pid()] {
-        let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{pid}\"}}");
+        let inuse = of_pid("memprof_heap_inuse_bytes", pid);
         wait_for(60, &format!("{inuse} == 50000 in Prometheus"), || {
             (prometheus.query(&inuse)? == 50_000.0).then_some(())
         });
     }
-    let allocations = format!("memprof_allocations_total{{pid=\"{}\"}}", first.pid());
+    let allocations = of_pid("memprof_allocations_total", first.pid());
     let before = wait_for(30, "allocations in Prometheus", || prometheus.query(&allocations));
     wait_for(30, "memprof_allocations_total to grow", || (prometheus.query(&allocations)? > before).then_some(()));
-    let histogram = format!("memprof_allocation_size_bytes_bucket{{pid=\"{}\",le=\"1024.0\"}}", first.pid());
+    let histogram = of_pid("memprof_allocation_size_bytes_bucket{le=\"1024.0\"}", first.pid());
     let small = wait_for(30, "the size histogram", || prometheus.query(&histogram));
     assert!(small >= 50.0, "the 50 x 1000-byte blocks fall at or below 1024: {small}");
-    let top = format!("memprof_stack_inuse_bytes{{pid=\"{}\",stack!=\"other\"}}", first.pid());
+    let top = of_pid("memprof_stack_inuse_bytes{stack!=\"other\"}", first.pid());
     assert_eq!(wait_for(30, "the top stack", || prometheus.query(&top)), 50_000.0);
+    assert_series_budget(&prometheus);
     let site = "count(memprof_stack_info{site=~\"hold_site \\\\(daemon_target.c:[0-9]+\\\\)\"})";
     assert!(wait_for(30, "the stack's site", || prometheus.query(site)) >= 1.0);
+}
+
+/// Series of one traced process at the defaults, besides its stacks' and the drop reasons it met
+/// (docs: daemon/metrics.md#series-budget): 19 counts and gauges, 2 leak verdicts, the rule's
+/// warm-up, the RSS difference and memprof_target_attached.
+const PROCESS_SERIES: usize = 24;
+/// Series of each exported stack (memprof_stack_inuse_bytes, _info, _leak_candidate).
+const STACK_SERIES: usize = 3;
+/// memprof_allocation_size_bytes with --size-histograms: 34 buckets, the sum and the count.
+const HISTOGRAM_SERIES: usize = 36;
+
+/// Each process's series in Prometheus number exactly the budget the docs give.
+fn assert_series_budget(prometheus: &Prometheus) {
+    let per_process = "count by (job, comm, slot) ({__name__=~\"memprof_.+\", slot!=\"\"})";
+    let stacks = "count by (job, comm, slot) (memprof_stack_info)";
+    let drops = "count by (job, comm, slot) (memprof_events_dropped_total)";
+    let by_process = |query: &str| -> Vec<(String, usize)> {
+        let series = prometheus.series(query).unwrap_or_else(|e| panic!("{query}: {e}"));
+        series
+            .iter()
+            .map(|s| {
+                let m = &s["metric"];
+                let key = format!("{} {} {}", m["job"], m["comm"], m["slot"]);
+                (key, s["value"][1].as_str().unwrap().parse().unwrap())
+            })
+            .collect()
+    };
+    let (stacks, drops) = (by_process(stacks), by_process(drops));
+    let processes = by_process(per_process);
+    assert!(processes.len() >= 4, "two daemon_target processes in two jobs: {processes:?}");
+    for (process, count) in processes {
+        let of = |list: &[(String, usize)]| list.iter().find(|(p, _)| *p == process).map_or(0, |(_, n)| *n);
+        // The stacks' series and the rest under stack="other".
+        let budget = PROCESS_SERIES + STACK_SERIES * of(&stacks) + 1 + of(&drops) + HISTOGRAM_SERIES;
+        assert_eq!(count, budget, "{process}: {} stacks, {} drop reasons", of(&stacks), of(&drops));
+    }
 }

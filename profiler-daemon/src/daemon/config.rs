@@ -48,6 +48,7 @@ struct File {
     resync_interval: Option<f64>,
     top_stacks: Option<usize>,
     size_histograms: Option<bool>,
+    pid_labels: Option<bool>,
     leak_window: Option<usize>,
     leak_threshold: Option<f64>,
     sample_bytes: Option<u64>,
@@ -116,6 +117,8 @@ pub struct Config {
     pub top_stacks: usize,
     /// `memprof_allocation_size_bytes` is exported (`--size-histograms`).
     pub size_histograms: bool,
+    /// Every per-process series carries `pid` too (`--pid-labels`).
+    pub pid_labels: bool,
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
@@ -277,6 +280,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         resync,
         top_stacks: args.top_stacks.or(file.top_stacks).unwrap_or(10),
         size_histograms: args.size_histograms || file.size_histograms.unwrap_or(false),
+        pid_labels: args.pid_labels || file.pid_labels.unwrap_or(false),
         leak,
         sampling,
         maps,
@@ -409,7 +413,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 26] = [
+    const KEYS: [&str; 27] = [
         "listen",
         "pids",
         "comms",
@@ -420,6 +424,7 @@ mod tests {
         "resync_interval",
         "top_stacks",
         "size_histograms",
+        "pid_labels",
         "leak_window",
         "leak_threshold",
         "sample_bytes",

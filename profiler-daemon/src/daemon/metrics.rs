@@ -133,28 +133,47 @@ const JUDGED: [PerProcess; 2] = [
     ),
 ];
 
-/// The labels of a stack's series: the process's identity, not its exe and cgroup (one series per
-/// stack; they are on the process's series).
-fn stack_labels(t: &TargetView, stack: &str) -> Labels {
-    vec![("pid", t.pid.to_string()), ("comm", t.comm.clone()), ("stack", stack.to_string())]
+/// Each process's labels. Its identity is its command name and slot (see `slots`), not its pid,
+/// so that a restarted process continues its series; `--pid-labels` adds the pid to them all.
+#[derive(Clone, Copy)]
+struct Identity {
+    pid_labels: bool,
 }
 
-/// The labels of the series of one process: one series each, so the executable and the cgroup
-/// (a container's, or a systemd unit's) cost no cardinality.
-fn process_labels(t: &TargetView) -> Labels {
-    vec![
-        ("pid", t.pid.to_string()),
-        ("comm", t.comm.clone()),
-        ("exe", t.report.exe.clone()),
-        ("cgroup", t.cgroup.clone().unwrap_or_default()),
-    ]
-}
+impl Identity {
+    fn of(&self, t: &TargetView) -> Labels {
+        let mut labels = vec![("comm", t.comm.clone()), ("slot", t.slot.to_string())];
+        if self.pid_labels {
+            labels.push(("pid", t.pid.to_string()));
+        }
+        labels
+    }
 
-/// The per-target series' labels: the namespace pid only here, not on every series of the process.
-fn target_labels(t: &TargetView) -> Labels {
-    let mut labels = process_labels(t);
-    labels.extend(t.report.ns_pid.map(|ns_pid| ("ns_pid", ns_pid.to_string())));
-    labels
+    /// The labels of a stack's series: the process's identity, not its exe and cgroup (one series
+    /// per stack; they are on the process's series).
+    fn stack(&self, t: &TargetView, stack: &str) -> Labels {
+        let mut labels = self.of(t);
+        labels.push(("stack", stack.to_string()));
+        labels
+    }
+
+    /// The labels of the series of one process: one series each, so the executable and the
+    /// cgroup (a container's, or a systemd unit's) cost no cardinality.
+    fn process(&self, t: &TargetView) -> Labels {
+        let mut labels = self.of(t);
+        labels.extend([("exe", t.report.exe.clone()), ("cgroup", t.cgroup.clone().unwrap_or_default())]);
+        labels
+    }
+
+    /// `memprof_target_attached`'s labels: the process's, its pid and its namespace pid.
+    fn target(&self, t: &TargetView) -> Labels {
+        let mut labels = self.process(t);
+        if !self.pid_labels {
+            labels.push(("pid", t.pid.to_string()));
+        }
+        labels.extend(t.report.ns_pid.map(|ns_pid| ("ns_pid", ns_pid.to_string())));
+        labels
+    }
 }
 
 /// Writes one metric family: `rows` gives each series' labels and value.
@@ -201,9 +220,10 @@ impl Collector for ViewCollector {
         let view = self.view.read().unwrap_or_else(|e| e.into_inner()).clone();
         let e = &mut encoder;
         let targets: Vec<&TargetView> = view.targets.values().map(|t| &**t).collect();
+        let id = Identity { pid_labels: view.pid_labels };
 
         for (name, help, kind, value) in PER_PROCESS {
-            let rows = targets.iter().map(|t| (process_labels(t), value(t)));
+            let rows = targets.iter().map(|t| (id.process(t), value(t)));
             match kind {
                 MetricType::Counter => counters(e, name, help, rows)?,
                 _ => gauges(e, name, help, rows)?,
@@ -211,29 +231,29 @@ impl Collector for ViewCollector {
         }
         let judged: Vec<&TargetView> = targets.iter().copied().filter(|t| !t.leak_warming_up).collect();
         for (name, help, _, value) in JUDGED {
-            gauges(e, name, help, judged.iter().map(|t| (process_labels(t), value(t))))?;
+            gauges(e, name, help, judged.iter().map(|t| (id.process(t), value(t))))?;
         }
         gauges(
             e,
             "memprof_leak_rule_warming_up",
             "1 until the leak rule has watched the process for --leak-window intervals (after attach, exec or a daemon restart), then 0.",
-            targets.iter().map(|t| (process_labels(t), u64::from(t.leak_warming_up))),
+            targets.iter().map(|t| (id.process(t), u64::from(t.leak_warming_up))),
         )?;
         if view.size_histograms {
-            histograms(e, &targets)?;
+            histograms(e, &targets, id)?;
         }
         gauges(
             e,
             "memprof_rss_anon_minus_heap_bytes",
             "memprof_rss_anon_bytes minus memprof_heap_inuse_bytes: allocator overhead and caches, fragmentation, anonymous memory not from malloc (negative while allocated memory is untouched).",
-            targets.iter().filter_map(|t| t.report.memory.map(|m| (process_labels(t), m.difference_bytes))),
+            targets.iter().filter_map(|t| t.report.memory.map(|m| (id.process(t), m.difference_bytes))),
         )?;
 
         let stack_rows = targets.iter().flat_map(|t| {
             let top = t.top_stacks.iter().map(move |s| (s.stack.clone(), s.bytes));
             let other = (!t.top_stacks.is_empty() || t.other_stack_bytes > 0)
                 .then(|| ("other".to_string(), t.other_stack_bytes));
-            top.chain(other).map(move |(stack, bytes)| (stack_labels(t, &stack), bytes))
+            top.chain(other).map(move |(stack, bytes)| (id.stack(t, &stack), bytes))
         });
         gauges(
             e,
@@ -245,10 +265,10 @@ impl Collector for ViewCollector {
         gauges(
             e,
             "memprof_stack_info",
-            "The allocation site of each exported stack, with the labels of its memprof_stack_inuse_bytes series.",
+            "The allocation site of each exported stack (function and line, and the function alone), with the labels of its memprof_stack_inuse_bytes series.",
             top_stacks().map(|(t, s)| {
-                let mut labels = stack_labels(t, &s.stack);
-                labels.push(("site", s.site.clone()));
+                let mut labels = id.stack(t, &s.stack);
+                labels.extend([("site", s.site.clone()), ("function", s.function.clone())]);
                 (labels, 1u64)
             }),
         )?;
@@ -258,7 +278,7 @@ impl Collector for ViewCollector {
             "1 if the leak rule flags the exported stack, else 0; absent while memprof_leak_rule_warming_up is 1.",
             top_stacks()
                 .filter(|(t, _)| !t.leak_warming_up)
-                .map(|(t, s)| (stack_labels(t, &s.stack), u64::from(s.leak_candidate))),
+                .map(|(t, s)| (id.stack(t, &s.stack), u64::from(s.leak_candidate))),
         )?;
 
         gauges(
@@ -270,13 +290,13 @@ impl Collector for ViewCollector {
         gauges(
             e,
             "memprof_target_attached",
-            "Processes with probes attached; ns_pid is a container's process's pid in its own pid namespace.",
-            targets.iter().map(|t| (target_labels(t), 1u64)),
+            "Processes with probes attached, one series each: the pid of each comm and slot, and ns_pid, a container's process's pid in its own pid namespace.",
+            targets.iter().map(|t| (id.target(t), 1u64)),
         )?;
         // Only the reasons a process has met: 17 series per target would mostly say 0.
         let process_drops = targets.iter().flat_map(|t| {
             t.report.dropped.iter().filter(|(_, count)| **count > 0).map(move |(reason, count)| {
-                let mut labels = process_labels(t);
+                let mut labels = id.process(t);
                 labels.push(("reason", reason.to_string()));
                 (labels, *count)
             })
@@ -397,7 +417,7 @@ impl Collector for ViewCollector {
 }
 
 /// `memprof_allocation_size_bytes`: power-of-two buckets, counted in the kernel.
-fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::fmt::Result {
+fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView], id: Identity) -> std::fmt::Result {
     let mut metric = encoder.encode_descriptor(
         "memprof_allocation_size_bytes",
         "Sizes of successful allocations, in power-of-two buckets.",
@@ -411,7 +431,7 @@ fn histograms(encoder: &mut DescriptorEncoder, targets: &[&TargetView]) -> std::
             counts.iter().take(HISTOGRAM_BUCKETS).enumerate().map(|(i, n)| ((1u64 << i) as f64, *n)).collect();
         buckets.push((f64::INFINITY, counts[HISTOGRAM_BUCKETS..].iter().sum()));
         let total: u64 = counts.iter().sum();
-        let labels = process_labels(t);
+        let labels = id.process(t);
         metric.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
             t.report.totals.allocated_bytes as f64,
             total,

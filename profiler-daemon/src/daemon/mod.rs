@@ -13,6 +13,7 @@ mod metrics;
 mod query;
 mod server;
 mod settled;
+mod slots;
 mod socket;
 mod tracer;
 mod view;

@@ -36,6 +36,7 @@ pub fn bring_up_to_date(last: &TargetView, now: Now) -> TargetView {
     (now.update)(&mut report);
     TargetView {
         pid: last.pid,
+        slot: last.slot,
         comm: last.comm.clone(),
         cgroup: last.cgroup.clone(),
         attached_at: last.attached_at,

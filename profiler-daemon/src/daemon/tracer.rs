@@ -25,6 +25,7 @@ use super::{
     discovery::{self, ProcessId},
     heavy::Built,
     settled,
+    slots::Slots,
     view::{DaemonView, MapUse, StackSeries, TargetView},
     wakeup::{Inbox, Woken},
 };
@@ -48,6 +49,7 @@ use crate::{
     process::allocator,
     process::{procfs, usdt},
     symbolize::SymbolizerHandle,
+    text,
     unwind::TableUse,
 };
 
@@ -154,6 +156,8 @@ pub struct Tracer {
     sharing: (HashSet<FileId>, u64, Instant),
     /// Cleared when the tracer stops, for whatever reason: the daemon is then unhealthy.
     alive: Arc<AtomicBool>,
+    /// The series' `slot` label of each target (see `slots`).
+    slots: Slots,
 }
 
 impl Tracer {
@@ -198,6 +202,7 @@ impl Tracer {
             view,
             pinned_budget: PinnedBudget::default(),
             sharing: (HashSet::new(), 0, Instant::now()),
+            slots: Slots::default(),
             alive,
         })
     }
@@ -762,18 +767,24 @@ impl Tracer {
             discovery_scans: self.scans,
             settled_targets: settled.len() as u64,
             size_histograms: self.config.size_histograms,
+            pid_labels: self.config.pid_labels,
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
             ..DaemonView::default()
         };
+        let slots = self.slots.assign(self.targets.values().map(|t| (t.id.pid, t.comm.as_str())));
         let views: Vec<Arc<TargetView>> = (self.targets.values())
-            .map(|target| match (&target.last_view, settled.contains(&target.id.pid)) {
-                (Some((last, _)), true) => Arc::new(self.settled_view(target, last, still_since_ns, &kernel, &tables)),
-                _ => {
-                    target.known_stacks.next_interval();
-                    Arc::new(self.target_view(target, &kernel, &tables))
-                }
+            .map(|target| {
+                let mut view = match (&target.last_view, settled.contains(&target.id.pid)) {
+                    (Some((last, _)), true) => self.settled_view(target, last, still_since_ns, &kernel, &tables),
+                    _ => {
+                        target.known_stacks.next_interval();
+                        self.target_view(target, &kernel, &tables)
+                    }
+                };
+                view.slot = slots[&target.id.pid];
+                Arc::new(view)
             })
             .collect();
         for target_view in views {
@@ -898,12 +909,17 @@ impl Tracer {
             .map(|(label, (bytes, leak_candidate, stack))| StackSeries {
                 stack: label.to_string(),
                 site: stack.frames.first().map_or_else(|| "[no stack]".to_string(), format::site),
+                function: stack
+                    .frames
+                    .first()
+                    .map_or_else(|| "[no stack]".to_string(), |frame| text::printable(&frame.function).into_owned()),
                 bytes,
                 leak_candidate,
             })
             .collect();
         TargetView {
             pid,
+            slot: 0,
             comm: target.comm.clone(),
             cgroup: target.cgroup.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),

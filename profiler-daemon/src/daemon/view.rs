@@ -15,6 +15,8 @@ use crate::{
 #[derive(Debug)]
 pub struct TargetView {
     pub pid: u32,
+    /// Which of the traced processes of its command name it is (see `slots`): its series' identity.
+    pub slot: u32,
     pub comm: String,
     /// Its cgroup in the unified hierarchy (a container, a service), when known.
     pub cgroup: Option<String>,
@@ -47,6 +49,9 @@ pub struct StackSeries {
     pub stack: String,
     /// `function (file:line)` of the allocator's caller.
     pub site: String,
+    /// The site's function alone: the leak alert pages once per function, however many of its
+    /// lines leak.
+    pub function: String,
     pub bytes: u64,
     pub leak_candidate: bool,
 }
@@ -79,6 +84,8 @@ pub struct DaemonView {
     pub untraced_sharing: u64,
     /// `memprof_allocation_size_bytes` is exported (`Config::size_histograms`).
     pub size_histograms: bool,
+    /// Every per-process series carries `pid` too (`Config::pid_labels`).
+    pub pid_labels: bool,
     /// Targets whose stacks are not read while they stay still (see `settled`).
     pub settled_targets: u64,
     /// Scans of /proc for processes to trace (see `Config::resync`).
