@@ -106,6 +106,46 @@ fn memory_that_grows_with_no_allocation_seen_is_said() {
     assert!(!table.stdout.contains("mapped (anonymous mmap"), "{}", table.stdout);
 }
 
+/// The blind spot a runtime's final report names, after checking that memprof said it as it
+/// found it and that the report has it once.
+fn runtime_blind_spot(outcome: &memprof_tests::Outcome, mark: &str) -> serde_json::Value {
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("memprof: not seen in pid") && outcome.stderr.contains(mark), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    let spots = report["blind_spots"].as_array().unwrap();
+    let runtime: Vec<_> = spots.iter().filter(|s| s["what"].as_str().unwrap().contains(mark)).collect();
+    assert_eq!(runtime.len(), 1, "{spots:?}");
+    assert_eq!(runtime[0]["kind"], "unprobed_allocator");
+    runtime[0].clone()
+}
+
+/// Java objects live in the JVM's heap, in libjvm, which the java launcher loads with dlopen once
+/// it runs: memprof names it when it is mapped.
+#[test]
+fn the_jvms_heap_is_a_blind_spot_named_when_libjvm_is_loaded() {
+    let source = memprof_tests::workspace().join("tests/fixtures/HoldHeap.java");
+    let outcome = run(&["--interval", "0.5"], &["java", source.to_str().unwrap()]);
+    let spot = runtime_blind_spot(&outcome, "the JVM");
+    assert_eq!(spot["heap"], "the JVM's heap", "{spot}");
+    assert!(spot["what"].as_str().unwrap().ends_with("/libjvm.so"), "{spot}");
+    // Its 64 MiB of objects are resident, and not in malloc's heap.
+    let memory = &outcome.final_report()["memory"];
+    assert!(memory["difference_bytes"].as_i64().unwrap() >= 64 << 20, "{memory}");
+}
+
+/// node's objects live in V8's heap: the resident memory malloc's heap does not account for is
+/// put down to it.
+#[test]
+fn v8s_heap_is_a_blind_spot_and_owns_the_resident_gap() {
+    let script = memprof_tests::workspace().join("tests/fixtures/hold_heap.js");
+    let outcome = run(&["--interval", "0.5"], &["node", script.to_str().unwrap()]);
+    let spot = runtime_blind_spot(&outcome, "V8");
+    assert_eq!(spot["heap"], "V8's heap", "{spot}");
+    let table = memprof(&["run", "--interval", "0.5", "--", "node", script.to_str().unwrap()]);
+    let resident = table.stdout.lines().find(|l| l.trim_start().starts_with("resident:")).unwrap_or_default();
+    assert!(resident.contains("outside the heap memprof sees: most likely V8's heap"), "{}", table.stdout);
+}
+
 #[test]
 fn the_daemon_counts_blind_spots_in_a_metric() {
     let mut python = Command::new(PYTHON);

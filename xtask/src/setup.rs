@@ -33,6 +33,9 @@ const PACKAGES: &[&str] = &[
     "curl",
     "libjemalloc-dev",
     "libgoogle-perftools-dev",
+    // tests/tests/blind_spots.rs: runtimes whose heaps memprof names as blind spots.
+    "openjdk-17-jdk-headless",
+    "nodejs",
     // tests/tests/postgres.rs: a real forking server.
     "postgresql",
     "libmimalloc-dev",

@@ -265,8 +265,12 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sit
     }
     eprintln!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
-        eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
+        say_not_seen(pid, spot);
     }
+}
+
+fn say_not_seen(pid: u32, spot: &allocator::BlindSpot) {
+    eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
 }
 
 /// What a session opens before anything else: where its reports and recording go (checked
@@ -360,6 +364,9 @@ impl Tracer<'_> {
         let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());
         for pid in self.loaded.sync_changed_mappings_with(exe_of, on_read) {
             self.family.probe(&mut self.loaded, pid);
+            if let Some(spots) = self.family.get_mut(pid).and_then(|process| process.blind_spots.as_mut()) {
+                spots.learn_new_files(pid).iter().for_each(|spot| say_not_seen(pid, spot));
+            }
         }
     }
 

@@ -229,8 +229,13 @@ impl Tracer {
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
             for pid in self.loaded.sync_changed_mappings() {
-                if let Some(target) = self.targets.get(&pid) {
+                if let Some(target) = self.targets.get_mut(&pid) {
                     target.known_stacks.forget();
+                    if target.probed {
+                        for spot in target.blind_spots.learn_new_files(pid) {
+                            info!(pid, comm = target.comm, what = spot.what, "not seen");
+                        }
+                    }
                 }
                 self.probe(pid);
                 self.symbolizer.refresh(pid);

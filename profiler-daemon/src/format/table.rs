@@ -84,9 +84,14 @@ fn section(report: &Report) -> String {
         }
     }
     if let Some(memory) = &report.memory {
+        // A runtime's heap that memprof does not see is the likeliest owner of the gap.
+        let gap = match report.blind_spots.iter().find_map(|spot| spot.heap) {
+            Some(heap) => format!("outside the heap memprof sees: most likely {heap} (not seen, below), then allocator overhead and caches"),
+            None => "not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)".to_string(),
+        };
         let _ = writeln!(
             out,
-            "  resident: {} anonymous against {} of heap in use: {}{} not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc); {} pages ({}) pinned by blocks with less than a quarter of them live",
+            "  resident: {} anonymous against {} of heap in use: {}{} {gap}; {} pages ({}) pinned by blocks with less than a quarter of them live",
             bytes(memory.rss_anon_bytes),
             bytes(memory.heap_inuse_bytes),
             if memory.difference_bytes < 0 { "-" } else { "" },

@@ -2,12 +2,12 @@
 //! `process::allocator`), and anonymous memory that grows while no probed call is made, the sign
 //! of an allocator memprof does not know at all (whose mappings then show where it asked for it).
 
-use std::cell::Cell;
+use std::{cell::Cell, collections::HashSet};
 
 use crate::{
     heap::resident::Memory,
     process::{
-        allocator::{Allocator, BlindSpot},
+        allocator::{self, Allocator, BlindSpot},
         procfs,
     },
 };
@@ -27,14 +27,42 @@ pub struct BlindSpots {
     /// The most it grew above the floor while it could be read: the final report of a process
     /// that has exited still says so.
     grown: Cell<u64>,
+    /// The files with code mapped that were looked into for allocators memprof does not probe.
+    scanned: HashSet<String>,
 }
 
 impl BlindSpots {
     pub fn new(pid: u32, allocator: &Allocator) -> Self {
         let anon = procfs::anon_resident_bytes(pid).unwrap_or(u64::MAX);
-        let mut unprobed = allocator.unprobed.clone();
-        unprobed.retain(|spot| spot.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry)));
-        Self { unprobed, anon_floor: Cell::new(anon), grown: Cell::new(0) }
+        let mut spots =
+            Self { unprobed: Vec::new(), anon_floor: Cell::new(anon), grown: Cell::new(0), scanned: HashSet::new() };
+        spots.add(pid, allocator.unprobed.clone());
+        // What `allocator` was found in: looked into already.
+        spots.scanned = procfs::file_mappings(pid)
+            .map(|mappings| mappings.into_iter().filter(|m| m.executable).map(|m| m.path).collect())
+            .unwrap_or_default();
+        spots
+    }
+
+    /// Looks into the files `pid` mapped since: a runtime loaded later is a blind spot from then
+    /// on. Returns the blind spots it adds.
+    pub fn learn_new_files(&mut self, pid: u32) -> Vec<BlindSpot> {
+        let found = allocator::unprobed_in_new_files(pid, &mut self.scanned);
+        self.add(pid, found)
+    }
+
+    fn add(&mut self, pid: u32, found: Vec<BlindSpot>) -> Vec<BlindSpot> {
+        let mut added = Vec::new();
+        for spot in found {
+            let routed = spot.unless_env.is_some_and(|entry| procfs::has_env(pid, entry));
+            // Once per allocator: a file may be seen under two names (python3 and python3.11).
+            let known = self.unprobed.iter().any(|s| (s.kind, s.heap) == (spot.kind, spot.heap));
+            if !routed && !known {
+                self.unprobed.push(spot.clone());
+                added.push(spot);
+            }
+        }
+        added
     }
 
     /// The process's blind spots now, given its memory (its latest reading), how many
@@ -59,6 +87,7 @@ impl BlindSpots {
                 } else {
                     "trace with --mappings to see where it maps memory, or see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string()
                 },
+                heap: None,
                 unless_env: None,
             });
         }

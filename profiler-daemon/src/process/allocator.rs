@@ -70,6 +70,10 @@ pub struct BlindSpot {
     pub kind: &'static str,
     pub what: String,
     pub advice: String,
+    /// The memory it holds in a few words ("the JVM's heap"), for a runtime's allocator: the
+    /// likely owner of resident memory that the heap does not account for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heap: Option<&'static str>,
     /// An environment variable (`NAME=value`) under which the process routes this allocator's
     /// memory through malloc after all: then it is no blind spot.
     #[serde(skip)]
@@ -82,36 +86,73 @@ struct SavedBlindSpot {
     kind: String,
     what: String,
     advice: String,
+    #[serde(default)]
+    heap: Option<String>,
 }
 
 impl<'de> Deserialize<'de> for BlindSpot {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let saved = SavedBlindSpot::deserialize(deserializer)?;
-        Ok(Self { kind: crate::names::intern(saved.kind), what: saved.what, advice: saved.advice, unless_env: None })
+        Ok(Self {
+            kind: crate::names::intern(saved.kind),
+            what: saved.what,
+            advice: saved.advice,
+            heap: saved.heap.map(crate::names::intern),
+            unless_env: None,
+        })
     }
 }
 
-/// Allocators memprof finds but does not probe: (a symbol that says a file holds one, what goes
-/// unseen, what to do, the environment that routes it through malloc).
-const UNPROBED: [(&str, &str, &str, Option<&str>); 3] = [
-    (
-        "PyObject_Malloc",
-        "CPython's object allocator (pymalloc): objects up to 512 bytes come from its own arenas, which malloc never sees",
-        "start python with PYTHONMALLOC=malloc to route them through malloc",
-        Some("PYTHONMALLOC=malloc"),
-    ),
-    (
-        "runtime.mallocgc",
-        "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
-        "use Go's own heap profile (runtime/pprof or net/http/pprof)",
-        None,
-    ),
-    (
-        "JNI_CreateJavaVM",
-        "the JVM: Java objects live in its garbage-collected heap, which malloc never sees",
-        "use the JVM's own tools (jcmd GC.heap_info, Java Flight Recorder)",
-        None,
-    ),
+/// An allocator memprof finds but does not probe.
+struct Unprobed {
+    /// A symbol that says a file holds it.
+    mark: &'static str,
+    /// What goes unseen, and what to do.
+    what: &'static str,
+    advice: &'static str,
+    /// `BlindSpot::heap`.
+    heap: &'static str,
+    /// The environment that routes it through malloc.
+    unless_env: Option<&'static str>,
+}
+
+const UNPROBED: [Unprobed; 5] = [
+    Unprobed {
+        mark: "PyObject_Malloc",
+        what: "CPython's object allocator (pymalloc): objects up to 512 bytes come from its own arenas, which malloc never sees",
+        advice: "start python with PYTHONMALLOC=malloc to route them through malloc",
+        heap: "pymalloc's arenas",
+        unless_env: Some("PYTHONMALLOC=malloc"),
+    },
+    Unprobed {
+        mark: "runtime.mallocgc",
+        what: "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
+        advice: "use Go's own heap profile (runtime/pprof or net/http/pprof)",
+        heap: "Go's heap",
+        unless_env: None,
+    },
+    Unprobed {
+        mark: "JNI_CreateJavaVM",
+        what: "the JVM: Java objects live in its garbage-collected heap, which malloc never sees",
+        advice: "use the JVM's own tools (jcmd GC.heap_info, Java Flight Recorder)",
+        heap: "the JVM's heap",
+        unless_env: None,
+    },
+    Unprobed {
+        // v8::Isolate::New: node, and any program that embeds V8.
+        mark: "_ZN2v87Isolate3NewERKNS0_12CreateParamsE",
+        what: "V8: JavaScript objects live in its garbage-collected heap, which malloc never sees",
+        advice: "use V8's own tools (node --heapsnapshot-signal, or a heap snapshot from node --inspect)",
+        heap: "V8's heap",
+        unless_env: None,
+    },
+    Unprobed {
+        mark: "coreclr_initialize",
+        what: ".NET's runtime: managed objects live in its garbage-collected heap, which malloc never sees",
+        advice: "use .NET's own tools (dotnet-gcdump, dotnet-counters)",
+        heap: ".NET's heap",
+        unless_env: None,
+    },
 ];
 
 impl BlindSpot {
@@ -172,6 +213,24 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
         pid,
         detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
     })
+}
+
+/// The allocators memprof does not probe in the files with code mapped in `pid` that are not in
+/// `scanned`, which then holds them: a runtime loaded after the process started (the java
+/// launcher loads libjvm with dlopen).
+pub fn unprobed_in_new_files(pid: u32, scanned: &mut HashSet<String>) -> Vec<BlindSpot> {
+    let Ok(mappings) = procfs::file_mappings(pid) else { return Vec::new() };
+    let mut spots = Vec::new();
+    for mapping in mappings.iter().filter(|m| m.executable && !is_dynamic_loader(&m.path)) {
+        if !scanned.insert(mapping.path.clone()) {
+            continue;
+        }
+        // Only the unprobed allocators' marks are looked for: no family.
+        let at = mapping.reachable_paths(pid);
+        let scan = at.iter().find_map(|path| scan_file(&[], Path::new(path), &mapping.path));
+        spots.extend(scan.into_iter().flat_map(|scan| scan.unprobed));
+    }
+    spots
 }
 
 /// The interpreter of a script (`#!/bin/sh -e`, `#!/usr/bin/env python3`), found as the kernel
@@ -293,17 +352,18 @@ fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Opt
     let wanted: HashSet<&str> = families
         .iter()
         .flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str()))
-        .chain(UNPROBED.iter().map(|(mark, ..)| *mark))
+        .chain(UNPROBED.iter().map(|unprobed| unprobed.mark))
         .collect();
     let functions = functions(&elf, &wanted);
     let unprobed: Vec<BlindSpot> = UNPROBED
         .iter()
-        .filter(|(mark, ..)| functions.contains_key(mark))
-        .map(|(_, what, advice, unless_env)| BlindSpot {
+        .filter(|unprobed| functions.contains_key(unprobed.mark))
+        .map(|unprobed| BlindSpot {
             kind: "unprobed_allocator",
-            what: format!("{what}, in {display_path}"),
-            advice: advice.to_string(),
-            unless_env: *unless_env,
+            what: format!("{}, in {display_path}", unprobed.what),
+            advice: unprobed.advice.to_string(),
+            heap: Some(unprobed.heap),
+            unless_env: unprobed.unless_env,
         })
         .collect();
     // Probe sites are chosen by decoding x86-64 code; on other machines they stay on the symbols.

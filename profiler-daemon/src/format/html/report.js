@@ -16,7 +16,7 @@ function summarySection(report) {
     ['unknown_frees', 'Frees of memory allocated before tracing', grouped(t.unknown_frees)],
     ['failed_allocations', 'Failed allocations', grouped(t.failed_allocations)],
     ['double_frees', 'Double frees', grouped(report.double_frees.length)],
-  ].concat(memoryRows(report.memory)).map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
+  ].concat(memoryRows(report.memory, report.blind_spots)).map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
   // Drops of no process in particular (the per-process table was full) are listed apart.
   const unattributed = Object.entries(report.unattributed_dropped || {});
   const lost = Object.values(report.dropped).concat(unattributed.map(([, n]) => n)).reduce((sum, n) => sum + n, 0);
@@ -40,11 +40,13 @@ function summarySection(report) {
 }
 
 // Resident memory against the heap (README: Resident memory), when it was read.
-function memoryRows(memory) {
+// A runtime's heap that memprof does not see is the likeliest owner of the gap.
+function memoryRows(memory, blindSpots) {
   if (!memory) return [];
+  const unseen = blindSpots.map(s => s.heap).find(heap => heap);
   return [
     ['rss_anon_bytes', 'Resident anonymous memory', bytesText(memory.rss_anon_bytes)],
-    ['difference_bytes', 'Resident, not in use by the program',
+    ['difference_bytes', unseen ? `Resident outside the heap memprof sees (most likely ${unseen})` : 'Resident, not in use by the program',
       (memory.difference_bytes < 0 ? '-' : '') + bytesText(Math.abs(memory.difference_bytes))],
     ['pinned_bytes', 'Resident pages pinned by blocks with less than a quarter of them live',
       `${bytesText(memory.pinned_bytes || 0)} in ${grouped(memory.pinned_pages || 0)} pages`],
