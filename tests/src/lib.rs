@@ -666,11 +666,23 @@ pub fn fixture_crate(name: &str, bin: &str) -> PathBuf {
 /// program using cgo or the system's resolver does), its build cache under `target/go-cache` (a
 /// rebuild is a cache hit), offline: the fixtures use the standard library only.
 pub fn fixture_go(name: &str) -> PathBuf {
+    build_go(name, name, &["-ldflags=-linkmode=external"], "1")
+}
+
+/// `fixture_go` built as most Go services are, without cgo: a static binary with no C library,
+/// into `target/fixtures/NAME-pure`.
+pub fn fixture_go_pure(name: &str) -> PathBuf {
+    build_go(name, &format!("{name}-pure"), &[], "0")
+}
+
+fn build_go(name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");
-    let out = target.join("fixtures").join(name);
+    let out = target.join("fixtures").join(out_name);
     let status = Command::new("go")
-        .args(["build", "-ldflags=-linkmode=external", "-o"])
+        .arg("build")
+        .args(flags)
+        .arg("-o")
         .arg(&out)
         .arg(".")
         .current_dir(workspace().join("tests/fixtures").join(name))
@@ -678,7 +690,7 @@ pub fn fixture_go(name: &str) -> PathBuf {
         .env("GOPATH", target.join("go-path"))
         .env("GOPROXY", "off")
         .env("GOFLAGS", "-mod=mod")
-        .env("CGO_ENABLED", "1")
+        .env("CGO_ENABLED", cgo)
         .status()
         .unwrap_or_else(|e| panic!("starting go (Debian's golang-go, installed by `cargo xtask setup`): {e}"));
     assert!(status.success(), "building the Go fixture {name} failed");

@@ -2,7 +2,9 @@
 //! fixture whose truth is known (tests/fixtures/mappings.c) and on a Go program, whose heap the Go
 //! runtime maps itself (tests/fixtures/go_heap).
 
-use memprof_tests::{assert_nothing_dropped, fixture, fixture_go, memprof, metric, run, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    assert_nothing_dropped, fixture, fixture_go, fixture_go_pure, memprof, metric, run, wait_for, Daemon, Waiting,
+};
 use serde_json::Value;
 
 const PAGE: u64 = 4096;
@@ -74,8 +76,31 @@ fn mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly() {
 
 #[test]
 fn a_go_programs_heap_shows_through_its_mappings() {
-    let program = fixture_go("go_heap");
-    let outcome = run(&["--mappings", "--interval", "0.5"], &[program.to_str().unwrap()]);
+    assert_go_heap_mapped(&run(&["--mappings", "--interval", "0.5"], &[fixture_go("go_heap").to_str().unwrap()]));
+}
+
+/// Most Go services are built without cgo: no C library, no allocator memprof probes. Refused
+/// without --mappings (the error says to use it), traced by its mappings with it.
+#[test]
+fn a_pure_go_programs_heap_shows_through_its_mappings() {
+    let program = fixture_go_pure("go_heap");
+    let program = program.to_str().unwrap();
+    let refused = memprof(&["run", "--", program]);
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(
+        refused.stderr.contains("Go's runtime allocator") && refused.stderr.contains("--mappings shows where it maps"),
+        "{}",
+        refused.stderr
+    );
+    let outcome = run(&["--mappings", "--interval", "0.5"], &[program]);
+    assert!(outcome.stderr.contains("by the memory it maps and touches only"), "{}", outcome.stderr);
+    assert_go_heap_mapped(&outcome);
+    let spots = outcome.final_report()["blind_spots"].clone();
+    assert_eq!(spots[0]["heap"], "Go's heap", "{spots}");
+}
+
+/// The Go fixture's 64 MiB live heap shows through the runtime's mappings, not through malloc.
+fn assert_go_heap_mapped(outcome: &memprof_tests::Outcome) {
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     // 64 MiB kept live, in blocks the Go runtime carves from the arenas it maps.

@@ -69,6 +69,9 @@ impl Process {
         expect_exec: bool,
     ) -> Self {
         let exe = exe.unwrap_or_default();
+        // The price is that of tracing calls: no line for the modes that do not, nor for a
+        // process with no allocator probed.
+        let priced = settings.0.traces_calls() && !allocator.files.is_empty();
         Self {
             pid,
             parent: None,
@@ -82,8 +85,7 @@ impl Process {
             allocator: Some(allocator),
             // Its counts start now: its probes are attached.
             rate_guard: RateGuard::starting(settings.0, monotonic_now_ns()),
-            // The price is that of tracing calls: no line for the modes that do not.
-            price: settings.0.traces_calls().then(|| PriceWatch::start(pid, None)).flatten(),
+            price: priced.then(|| PriceWatch::start(pid, None)).flatten(),
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),
             expect_exec,

@@ -45,7 +45,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Privileges first: without them /proc says too little about other users' processes.
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
-    let allocator = allocator::find(pid_n)?;
+    let allocator = allocator::find_with(pid_n, runtime_only(args))?;
     // Its system time untraced, over the time memprof takes to load: what tracing adds is
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
@@ -80,7 +80,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         settings(args),
         false,
     );
-    if args.sampling.traces_calls() {
+    if args.sampling.traces_calls() && !allocator.files.is_empty() {
         root.price = PriceWatch::start(pid_n, untraced);
     }
     announce(pid_n, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
@@ -133,7 +133,7 @@ pub async fn run(
     let opened = Opened::open(args)?;
     let program = target::resolve_program(&command[0])?;
     loader::check_support()?;
-    let (mut allocator, files) = allocator::for_command(&program)?;
+    let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
     let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
     let routed = allocator.route_through_malloc();
     let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
@@ -255,6 +255,12 @@ fn usdt_sites(
     find().map(Some)
 }
 
+/// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
+/// touches, when that is traced.
+fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
+    allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth)
+}
+
 /// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
 fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sites: Option<usize>) {
     if let Some(sites) = usdt_sites {
@@ -263,7 +269,16 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sit
         );
         return;
     }
-    eprintln!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
+    if allocator.files.is_empty() {
+        eprintln!(
+            "memprof: tracing pid {pid} ({comm}) by the memory it maps and touches only: its allocator is a runtime's, which memprof does not probe; Ctrl-C to stop"
+        );
+    } else {
+        eprintln!(
+            "memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop",
+            allocator.describe()
+        );
+    }
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         say_not_seen(pid, spot);
     }

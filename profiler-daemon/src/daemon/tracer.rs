@@ -539,12 +539,21 @@ impl Tracer {
     }
 
     /// Probes the allocator of a target that exec'd once its new program has mapped one.
+    /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps
+    /// or touches, when that is traced.
+    fn runtime_only(&self) -> allocator::RuntimeOnly {
+        allocator::RuntimeOnly::accepted_if(self.config.maps.mappings || self.config.sampling.growth)
+    }
+
     fn probe(&mut self, pid: u32) {
+        let runtime_only = self.runtime_only();
         let Some(target) = self.targets.get_mut(&pid) else { return };
         if target.probed {
             return;
         }
-        let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
+        let (Ok(allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
+            return;
+        };
         let attached = if self.config.sampling.usdt {
             usdt::in_process(pid)
                 .map_err(anyhow::Error::from)
@@ -570,7 +579,7 @@ impl Tracer {
     }
 
     fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
-        let allocator = allocator::find(id.pid)?;
+        let allocator = allocator::find_with(id.pid, self.runtime_only())?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
         // With --usdt, the process's own otel_memory probes, and none of its allocator's.
         let attachment = if self.config.sampling.usdt {

@@ -171,6 +171,10 @@ impl Allocator {
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
     /// new/delete), libc.so.6 (C library malloc)`.
     pub fn describe(&self) -> String {
+        if self.files.is_empty() {
+            return "no allocator file (its runtime's allocator is not probed: only its mappings or pages are traced)"
+                .to_string();
+        }
         let files: Vec<String> =
             self.files.iter().map(|f| format!("{} ({})", f.display_path, f.families.join(", "))).collect();
         files.join(", ")
@@ -200,6 +204,30 @@ impl Allocator {
 /// (static binaries, Rust's static jemalloc or mimalloc, python's object allocator) and its
 /// libraries.
 pub fn find(pid: u32) -> Result<Allocator, UserError> {
+    find_with(pid, RuntimeOnly::Refused)
+}
+
+/// Whether a process whose only allocators are runtimes memprof does not probe (a pure Go
+/// binary) can be traced: by the memory it maps (`--mappings`) or the pages it touches
+/// (`--growth`), with no allocator probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuntimeOnly {
+    Accepted,
+    Refused,
+}
+
+impl RuntimeOnly {
+    pub fn accepted_if(yes: bool) -> Self {
+        if yes {
+            Self::Accepted
+        } else {
+            Self::Refused
+        }
+    }
+}
+
+/// `find`, which accepts a process with only a runtime's allocator as `runtime_only` says.
+pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserError> {
     let mut candidates = procfs::mapped_files(pid)?;
     // Only files with code mapped: a file mapped for reading only (a C library's debug file that
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
@@ -209,7 +237,7 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
     let scans = candidates.iter().filter(|file| !is_dynamic_loader(&file.path)).filter_map(|file| {
         file.reachable_paths(pid).iter().find_map(|path| scan_file(&families, Path::new(path), &file.path))
     });
-    allocator_of(scans.collect()).map_err(|detail| UserError::NoAllocator {
+    allocator_of(scans.collect(), runtime_only).map_err(|detail| UserError::NoAllocator {
         pid,
         detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
     })
@@ -253,7 +281,7 @@ fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
 ///
 /// Also returns the files the command maps when it starts (itself, its libraries and its dynamic
 /// loader), whose unwind tables can be built before it runs.
-pub fn for_command(program: &Path) -> Result<(Allocator, Vec<PathBuf>), UserError> {
+pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocator, Vec<PathBuf>), UserError> {
     let no_allocator = |detail: String| UserError::NoAllocatorInCommand { program: program.to_path_buf(), detail };
     let mut data = fs::read(program).map_err(|err| no_allocator(format!("reading it: {err}")))?;
     // A script runs its interpreter (the kernel follows up to four of them).
@@ -280,7 +308,7 @@ pub fn for_command(program: &Path) -> Result<(Allocator, Vec<PathBuf>), UserErro
         let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
         scan_file(&families, path, &display.to_string_lossy())
     });
-    let allocator = allocator_of(scans.collect()).map_err(no_allocator)?;
+    let allocator = allocator_of(scans.collect(), runtime_only).map_err(no_allocator)?;
     Ok((allocator, paths))
 }
 
@@ -329,16 +357,21 @@ struct FileScan {
 
 /// The allocator of the files scanned, the C library's last: the order the dynamic loader binds
 /// `malloc` in, so that messages name the one in use first. Without one, why not.
-fn allocator_of(scans: Vec<FileScan>) -> Result<Allocator, String> {
+fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Allocator, String> {
     let unprobed: Vec<BlindSpot> = scans.iter().flat_map(|scan| scan.unprobed.clone()).collect();
     let mut files: Vec<AllocatorFile> = scans.into_iter().filter_map(|scan| scan.allocator).collect();
     if files.is_empty() {
+        if unprobed.is_empty() {
+            return Err("none of its files holds an allocator memprof knows".to_string());
+        }
+        if runtime_only == RuntimeOnly::Accepted {
+            return Ok(Allocator { files, unprobed });
+        }
         let what: Vec<String> = unprobed.iter().map(|spot| format!("{} ({})", spot.what, spot.advice)).collect();
-        return Err(if what.is_empty() {
-            "none of its files holds an allocator memprof knows".to_string()
-        } else {
-            format!("it allocates through {}", what.join("; "))
-        });
+        return Err(format!(
+            "it allocates through {}; --mappings shows where it maps its memory, by stack",
+            what.join("; ")
+        ));
     }
     files.sort_by_key(|file| is_libc(&file.display_path));
     Ok(Allocator { files, unprobed })
