@@ -36,6 +36,8 @@ pub struct Process {
     /// Its pid in its own pid namespace, when that differs (see `Report::ns_pid`).
     pub ns_pid: Option<u32>,
     pub exe: String,
+    /// When its probes were attached (`monotonic_now_ns`): its reports' times count from it.
+    pub start_ns: u64,
     attachment: Attachment,
     /// The allocator probed; none between an exec and the new program mapping its allocator.
     allocator: Option<Allocator>,
@@ -72,6 +74,7 @@ impl Process {
         // The price is that of tracing calls: no line for the modes that do not, nor for a
         // process with no allocator probed.
         let priced = settings.0.traces_calls() && !allocator.files.is_empty();
+        let start_ns = monotonic_now_ns();
         Self {
             pid,
             parent: None,
@@ -84,7 +87,8 @@ impl Process {
             attachment,
             allocator: Some(allocator),
             // Its counts start now: its probes are attached.
-            rate_guard: RateGuard::starting(settings.0, monotonic_now_ns()),
+            start_ns,
+            rate_guard: RateGuard::starting(settings.0, start_ns),
             price: priced.then(|| PriceWatch::start(pid, None)).flatten(),
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),

@@ -365,7 +365,8 @@ impl Tracer<'_> {
             unwind: &self.loaded.unwind,
             symbolizer: &self.symbolizer,
             pid,
-            start_ns: self.start_ns,
+            // A child's times count from when it was followed, not from the session's start.
+            start_ns: self.family.get(pid).map_or(self.start_ns, |process| process.start_ns),
             known: None,
             wrappers: &self.wrappers,
         }
@@ -440,7 +441,7 @@ impl Tracer<'_> {
             if let Some(switch) = process.rate_guard.check(snapshot).filter(|_| !is_final) {
                 switches.push((process.pid, switch));
             }
-            let time_s = (snapshot.now_ns.saturating_sub(self.start_ns)) as f64 / 1e9;
+            let time_s = (snapshot.now_ns.saturating_sub(process.start_ns)) as f64 / 1e9;
             // A final read moments after the last interval is no interval of its own: it stands
             // in for the last (see `observe_instead_of_last`).
             let since_last = time_s - process.leaks.last_time_s().unwrap_or(f64::NEG_INFINITY);

@@ -89,9 +89,15 @@ fn section(report: &Report) -> String {
             Some(heap) => format!("outside the heap memprof sees: most likely {heap} (not seen, below), then allocator overhead and caches"),
             None => "not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)".to_string(),
         };
+        // After the process exited: the figures of its last reading, not of this report.
+        let when = if memory.age_s > 0.0 {
+            format!(" {:.1} s before the end (its last reading)", memory.age_s)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "  resident: {} anonymous against {} of heap in use: {}{} {gap}; {} pages ({}) pinned by blocks with less than a quarter of them live",
+            "  resident{when}: {} anonymous against {} of heap in use: {}{} {gap}; {} pages ({}) pinned by blocks with less than a quarter of them live",
             bytes(memory.rss_anon_bytes),
             bytes(memory.heap_inuse_bytes),
             if memory.difference_bytes < 0 { "-" } else { "" },

@@ -39,6 +39,14 @@ pub struct Memory {
     /// How old that reading is: it is read within a budget (`PinnedBudget`), not every interval.
     #[serde(default)]
     pub pinned_age_s: f64,
+    /// How old the rest is: 0 while the process runs. Once it has exited, the time since its last
+    /// reading, whose `heap_inuse_bytes` is the heap then, not the report's final one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub age_s: f64,
+}
+
+fn is_zero(seconds: &f64) -> bool {
+    *seconds == 0.0
 }
 
 /// When the pinned pages are read. Their walk of `LIVE` costs 0.5 to 1 µs a live block (0.5 to
@@ -82,7 +90,8 @@ const FEW_BLOCKS: usize = 10_000;
 /// The latest reading of one traced process. A `Cell`, as reports are built from a shared borrow.
 #[derive(Debug, Default)]
 pub struct Resident {
-    last: Cell<Option<Memory>>,
+    /// The last reading, and when it was taken.
+    last: Cell<Option<(Memory, Instant)>>,
     pinned: Pinned,
     /// When `pinned` was read: none before the first reading.
     pinned_at: Option<Instant>,
@@ -161,7 +170,7 @@ impl Resident {
 
     /// The latest reading, taken by `current` (or `read_all`).
     pub fn last(&self) -> Option<Memory> {
-        self.last.get()
+        self.last.get().map(|(memory, _)| memory)
     }
 
     /// Readings of the pinned pages that differed from the one before, so far.
@@ -175,20 +184,29 @@ impl Resident {
     }
 
     /// The process's memory now, given the bytes in use its report counts; once it has exited,
-    /// the last reading taken while it ran (its final report's heap may have changed since).
+    /// the last reading taken while it ran, with its age (its final report's heap may have
+    /// changed since).
     pub fn current(&self, pid: u32, heap_inuse_bytes: u64) -> Option<Memory> {
         if let Some(rss_anon_bytes) = procfs::anon_resident_bytes(pid) {
             let difference_bytes = rss_anon_bytes as i64 - heap_inuse_bytes as i64;
-            self.last.set(Some(Memory {
+            let memory = Memory {
                 rss_anon_bytes,
                 heap_inuse_bytes,
                 difference_bytes,
                 pinned_pages: self.pinned.pages,
                 pinned_bytes: self.pinned.bytes,
                 // Milliseconds are enough, and keep the JSON short.
-                pinned_age_s: self.pinned_at.map_or(0.0, |at| at.elapsed().as_millis() as f64 / 1000.0),
-            }));
+                pinned_age_s: self.pinned_at.map_or(0.0, |at| seconds_since(at)),
+                age_s: 0.0,
+            };
+            self.last.set(Some((memory, Instant::now())));
+            return Some(memory);
         }
-        self.last.get()
+        self.last.get().map(|(memory, at)| Memory { age_s: seconds_since(at), ..memory })
     }
+}
+
+/// Milliseconds are enough, and keep the JSON short.
+fn seconds_since(at: Instant) -> f64 {
+    at.elapsed().as_millis() as f64 / 1000.0
 }

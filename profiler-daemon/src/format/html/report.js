@@ -45,7 +45,8 @@ function memoryRows(memory, blindSpots) {
   if (!memory) return [];
   const unseen = blindSpots.map(s => s.heap).find(heap => heap);
   return [
-    ['rss_anon_bytes', 'Resident anonymous memory', bytesText(memory.rss_anon_bytes)],
+    ['rss_anon_bytes', 'Resident anonymous memory' + (memory.age_s ? ` (last read ${memory.age_s} s before the end)` : ''),
+      bytesText(memory.rss_anon_bytes)],
     ['difference_bytes', unseen ? `Resident outside the heap memprof sees (most likely ${unseen})` : 'Resident, not in use by the program',
       (memory.difference_bytes < 0 ? '-' : '') + bytesText(Math.abs(memory.difference_bytes))],
     ['pinned_bytes', 'Resident pages pinned by blocks with less than a quarter of them live',
