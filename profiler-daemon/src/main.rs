@@ -1,4 +1,4 @@
-//! memprof: an eBPF heap profiler. See the README for what it does and how to run it.
+//! memprof: an eBPF heap profiler. The book (docs: introduction.md) says what it does and how to run it.
 
 mod cli;
 mod commands;
@@ -71,6 +71,7 @@ fn main() -> ExitCode {
             cli::Command::Diff(args) => commands::diff::run(args),
             cli::Command::Completions { shell } => commands::completions::completions(*shell),
             cli::Command::Man { dir } => commands::manual::man_pages(dir),
+            cli::Command::CliReference { dir } => commands::manual::cli_reference(dir),
             cli::Command::Report(args) => commands::report::run(args),
         }
     });

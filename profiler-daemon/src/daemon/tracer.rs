@@ -166,7 +166,7 @@ impl Tracer {
             loaded.trace_page_faults()?;
         }
         // Rules match any number of processes: by default links of their own while few map a
-        // file, one set per file past that (see README, "Probes and detaching").
+        // file, one set per file past that (docs: internals/probes.md#probes-and-detaching).
         loaded.set_probe_links(config.probe_links);
         loaded.discover(discover_flags(&config))?;
         if config.probe_links == ProbeLinks::Shared {
@@ -342,7 +342,7 @@ impl Tracer {
                     pid = id.pid,
                     comm,
                     "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
-                     raise it (README: Daemon mode gives what each target costs) or narrow the rules",
+                     raise it (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
                     self.targets.len()
                 );
             }

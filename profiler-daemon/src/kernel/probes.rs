@@ -41,7 +41,7 @@ const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPIN
 
 /// `MEMPROF_UPROBE_MULTI=0` makes memprof attach perf-event uprobes even where the kernel has
 /// uprobe_multi links, and `MEMPROF_UPROBE_SESSION=0` entry and return links even where it has
-/// uprobe sessions (troubleshooting switches, see the README; the tests use them to run each
+/// uprobe sessions (troubleshooting switches, docs: reference/kernels.md#kernel-requirements; the tests use them to run each
 /// kernel's way here).
 const MULTI_SWITCH: &str = "MEMPROF_UPROBE_MULTI";
 const SESSION_SWITCH: &str = "MEMPROF_UPROBE_SESSION";
