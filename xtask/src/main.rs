@@ -27,7 +27,8 @@ fn main() -> anyhow::Result<()> {
     match task.as_str() {
         "setup" => {
             setup::all()?;
-            setup::cargo_fuzz()
+            setup::cargo_fuzz()?;
+            setup::mdbook()
         }
         "demo" => {
             setup::all()?;
