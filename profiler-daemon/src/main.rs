@@ -18,7 +18,7 @@ mod unwind;
 use std::{io::IsTerminal as _, process::ExitCode};
 
 /// memprof's allocations stay out of the C library's malloc: its probes, once shared by every
-/// process mapping the file, trap in memprof too (about 4 µs a malloc/free pair), and the
+/// process mapping the file, trap in memprof too (docs: internals/probes.md#shared-or-per-process), and the
 /// daemon allocates for every process it attaches to.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -1,6 +1,6 @@
 //! The tracer thread: attaches to the processes the rules match, detaches from those that exit,
-//! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching
-//! takes 0.1 s a process, 1.6 s with perf-event uprobes), so it runs on a thread of its own, not on
+//! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching,
+//! far slower with perf-event uprobes: docs: reference/limits.md#detaching), so it runs on a thread of its own, not on
 //! the async runtime.
 
 use std::{
