@@ -11,8 +11,8 @@ use crate::cli::Cli;
 /// Writes memprof.1 and memprof-SUBCOMMAND.1 for each documented subcommand into `dir`.
 pub fn man_pages(dir: &Path) -> anyhow::Result<i32> {
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // Users type `memprof help`, but clap's help subcommand has no page of its own: memprof.1
-    // would name a memprof-help(1) that does not exist.
+    // Users type `memprof help`, but clap's help subcommand has no page of its own, so memprof.1
+    // must not list it (tests/tests/docs.rs checks every page it names exists).
     let mut command = Cli::command().disable_help_subcommand(true);
     command.build();
     write_page(dir, "memprof", command.clone())?;
