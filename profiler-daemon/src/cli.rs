@@ -35,7 +35,7 @@ Examples:
   memprof diff before.json after.json         growth per allocation site
 
 Needs root, or the capabilities CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH
-(README: Permissions). MEMPROF_LOG=debug logs more.";
+(docs: install.md#permissions in memprof's book). MEMPROF_LOG=debug logs more.";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -113,6 +113,9 @@ Without a daemon tracing the process: memprof attach -p 1234 --inspect --duratio
     /// Write the man pages, memprof.1 and one per subcommand, into DIR (`cargo xtask man`).
     #[command(hide = true)]
     Man { dir: PathBuf },
+    /// Write the book's command-line page, DIR/cli.md: every command's --help (`cargo xtask docs`).
+    #[command(hide = true)]
+    CliReference { dir: PathBuf },
     /// Render a recording (`attach`/`run --record FILE`) in any format, as the session would have,
     /// at any moment, filtered, as flame graphs of bytes, allocations or temporary allocations.
     #[command(after_help = "\
@@ -154,7 +157,7 @@ fn path_or_none(value: &str) -> Result<PathBuf, String> {
 }
 
 /// The daemon's API socket unless told otherwise (`access.socket`), where `inspect` and
-/// `snapshot` ask: it serves root everything, checked by the kernel (README: Securing the listener).
+/// `snapshot` ask: it serves root everything, checked by the kernel (docs: daemon/securing.md#securing-the-listener).
 pub const DAEMON_SOCKET: &str = "/run/memprof/api.sock";
 
 #[derive(Debug, Args, Clone)]
@@ -252,7 +255,7 @@ pub struct TraceArgs {
     /// Only count allocations outstanding for at least this many seconds.
     #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
     pub min_age: f64,
-    /// Intervals the leak rule looks back over (see README: leak candidates).
+    /// Intervals the leak rule looks back over (docs: guide/leaks.md#leak-candidates).
     #[arg(long, default_value_t = DEFAULT_LEAK.window, value_parser = leak_window)]
     pub leak_window: usize,
     /// Lowest leak score (0 to 1) of a leak candidate.
@@ -411,7 +414,7 @@ pub struct DaemonArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs every system
-    /// call on the host a little (see README, Memory outside malloc).
+    /// call on the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[arg(long)]
     pub mappings: bool,
     /// Walk every free's stack, for double-free reports with the first free's whole stack

@@ -14,7 +14,7 @@ pub enum UserError {
     SelfTrace,
     #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
     KernelThread(u32),
-    #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (see Allocators in the README)")]
+    #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)")]
     NoAllocator { pid: u32, detail: String },
     #[error("no otel_memory USDT probes in the files of {target}: --usdt records only what an allocator reports through its otel_memory:alloc and otel_memory:free probes; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
     NoUsdtProbes { target: String },
@@ -22,13 +22,13 @@ pub enum UserError {
     UsdtFollowForks,
     #[error("the otel_memory:{name} probe in {file} cannot be used: {detail}")]
     UsdtProbe { file: String, name: String, detail: String },
-    #[error("no allocator found for {}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (see Allocators in the README)", program.display())]
+    #[error("no allocator found for {}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)", program.display())]
     NoAllocatorInCommand { program: PathBuf, detail: String },
-    #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing {missing}; run it with sudo, or see Permissions in the README")]
+    #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing {missing}; run it with sudo, or see docs: install.md#permissions")]
     Privileges { missing: String },
-    #[error("this kernel lacks {0}; memprof needs CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS, and is tested on Linux 6.1, 6.12 and 6.18 (see Kernels in the README)")]
+    #[error("this kernel lacks {0}; memprof needs CONFIG_DEBUG_INFO_BTF and CONFIG_UPROBE_EVENTS, and is tested on Linux 6.1, 6.12 and 6.18 (docs: reference/kernels.md#kernel-requirements)")]
     KernelSupport(&'static str),
-    #[error("this kernel lacks the BPF helper {helper} (Linux {since}), which memprof's stack walk calls; memprof is tested on Linux 6.1, 6.12 and 6.18 (see Kernels in the README)")]
+    #[error("this kernel lacks the BPF helper {helper} (Linux {since}), which memprof's stack walk calls; memprof is tested on Linux 6.1, 6.12 and 6.18 (docs: reference/kernels.md#kernel-requirements)")]
     KernelTooOld { helper: &'static str, since: &'static str },
     /// Not a `source`: the message says the cause already.
     #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]

@@ -1,4 +1,4 @@
-//! memprof: an eBPF heap profiler. See the README for what it does and how to run it.
+//! memprof: an eBPF heap profiler. The book (docs: introduction.md) says what it does and how to run it.
 
 mod cli;
 mod commands;
@@ -18,7 +18,7 @@ mod unwind;
 use std::{io::IsTerminal as _, process::ExitCode};
 
 /// memprof's allocations stay out of the C library's malloc: its probes, once shared by every
-/// process mapping the file, trap in memprof too (about 4 µs a malloc/free pair), and the
+/// process mapping the file, trap in memprof too (docs: internals/probes.md#shared-or-per-process), and the
 /// daemon allocates for every process it attaches to.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -71,6 +71,7 @@ fn main() -> ExitCode {
             cli::Command::Diff(args) => commands::diff::run(args),
             cli::Command::Completions { shell } => commands::completions::completions(*shell),
             cli::Command::Man { dir } => commands::manual::man_pages(dir),
+            cli::Command::CliReference { dir } => commands::manual::cli_reference(dir),
             cli::Command::Report(args) => commands::report::run(args),
         }
     });

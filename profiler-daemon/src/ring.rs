@@ -4,8 +4,8 @@
 //! aya's `RingBuf` maps the whole ring for as long as it lives, its data pages twice (the
 //! kernel's double mapping, which makes a record that crosses the ring's end contiguous), and the
 //! kernel inserts every page at `mmap`: each counts in memprof's resident memory although the
-//! kernel holds it anyway. The 16 MiB deferred-walk ring alone made 32 MiB of the daemon's
-//! resident memory (README: the daemon's own cost). memprof's rings are nearly always empty (what
+//! kernel holds it anyway. The deferred-walk ring alone made twice its size of the daemon's
+//! resident memory (docs: performance.md#the-daemons-own-cost). memprof's rings are nearly always empty (what
 //! they carry is rare by construction), so a read maps the few pages between the consumer's and
 //! the producer's positions, through the same double mapping; only the two positions' pages stay
 //! mapped.

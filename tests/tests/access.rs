@@ -1,4 +1,4 @@
-//! Who may ask the daemon what (README: Securing the listener): anyone the port reaches gets
+//! Who may ask the daemon what (docs: daemon/securing.md#securing-the-listener): anyone the port reaches gets
 //! `/metrics` and health only; what names a process's code or data, or acts on it, is for root
 //! (or the configured group) on the daemon's socket, as the kernel says, or for a user of the web
 //! config. `memprof inspect` and `snapshot` ask on the socket unless told otherwise, and say so

@@ -1,7 +1,7 @@
 //! Files given to memprof cost it what it says they may, whatever they hold: a small recording
 //! whose reports repeat a stack of long frames thousands of times is refused before it is
 //! rendered; a deflate bomb in a recording and a gzip bomb given to `diff` are cut at the 256
-//! MiB the README states, or sooner under a memory cgroup.
+//! MiB the book states (docs: outputs/recordings.md#recordings), or sooner under a memory cgroup.
 
 use std::{
     io::{Read as _, Write as _},

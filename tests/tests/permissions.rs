@@ -1,4 +1,4 @@
-//! The capabilities the README documents (Permissions), and the unit and the DaemonSet grant:
+//! The capabilities the book documents (docs: install.md#permissions), and the unit and the DaemonSet grant:
 //! memprof run as a user other than root holding exactly them traces a root process whose
 //! executable only root may read, exactly; without any one of them it says which is missing.
 

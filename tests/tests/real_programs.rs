@@ -156,7 +156,7 @@ fn redis_server_inspected_while_it_serves_runs_on_unharmed() {
     assert!(inspection["block_bytes_scanned"].as_u64().unwrap() > 0, "{inspection}");
     // The report's figures are read after the inspection, while redis runs on (its cron resizes
     // client buffers ten times a second): its bytes in use are not the classes' sum, which is of
-    // the blocks live at the stop (README: What is really lost, limits). The keys' stacks, still
+    // the blocks live at the stop (docs: guide/inspect.md#inspect-what-is-really-lost). The keys' stacks, still
     // since they were set, have every block in one class.
     let totals = &inspection["totals"];
     let class = |name: &str| totals[format!("{name}_bytes")].as_u64().unwrap();

@@ -347,7 +347,7 @@ fn the_html_report_renders_in_chromium_with_the_exact_numbers() {
     assert!(row(stacks, "grow_site (reports.c:").contains("data-key=\"outstanding_bytes\">98,304<"), "{stacks}");
     assert!(row(stacks, "hold_site (reports.c:").contains("data-key=\"outstanding_bytes\">10,000<"), "{stacks}");
     assert!(!stacks.contains("churn_site"), "{stacks}");
-    // The pages each stack pins and the process's, as its JSON says (README: Resident memory;
+    // The pages each stack pins and the process's, as its JSON says (docs: guide/resident-memory.md#resident-memory-against-the-heap;
     // exact counts are tested on resident.c in tests/tests/peaks.rs). The run ends with the
     // process: the figures are the last interval's.
     let hold = report["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == "hold_site").unwrap();

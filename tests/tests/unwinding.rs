@@ -451,7 +451,7 @@ fn a_signal_handler_stack_continues_into_the_interrupted_code() {
 fn a_signal_handler_on_an_alternate_stack_continues_into_the_interrupted_code() {
     let program = fixture_with("unwind_c.c", "unwind_c_altstack", C_FLAGS);
     // Once memprof has the program's tables: a walk deferred in its first milliseconds copies
-    // only the alternate stack, and stops at the signal frame (see README, Limits).
+    // only the alternate stack, and stops at the signal frame (docs: reference/limits.md#unwinding).
     let report = run_once_tables_are_read(&[path(&program), "--wait", "altstack"]);
     assert_eq!(site(&report, "altstack_leak"), (3 * 900, 3), "{}", describe_all(&report));
     let stack = only_stack_at(&report, "altstack_leak");
@@ -507,7 +507,7 @@ fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
     for stack in contexts {
         assert_whole(stack, &chain(&["LLVMContextCreate", "big_leak"], &MAIN_TAIL));
     }
-    // A walk deferred while LLVM's table was being built sees 28 to 32 KiB of stack (README, Limits):
+    // A walk deferred while LLVM's table was being built sees 28 to 32 KiB of stack (docs: reference/limits.md#unwinding):
     // one that needed more ends as unwind_read_failed and is counted unfinished. Nothing else
     // may be cut.
     let unfinished = tables["deferred_unfinished"].as_u64().unwrap_or(0);

@@ -165,7 +165,7 @@ fn changelog_entry(version: &str, binary: &Path) -> anyhow::Result<String> {
 }
 
 /// `MEMPROF_BIN`, or the release binary, built.
-fn binary() -> anyhow::Result<PathBuf> {
+pub fn binary() -> anyhow::Result<PathBuf> {
     match std::env::var_os("MEMPROF_BIN") {
         Some(bin) => Ok(PathBuf::from(bin)),
         None => build_memprof(),

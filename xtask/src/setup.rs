@@ -54,6 +54,11 @@ const PACKAGES: &[&str] = &[
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// mdBook, which `cargo xtask docs` builds the book with, pinned; without its dev server and file
+/// watcher, which the book's build does not use and which would double its compile time.
+pub const MDBOOK: &str = "mdbook";
+const MDBOOK_VERSION: &str = "0.5.4";
+
 /// kubernetes-validate from PyPI, which tests/tests/manifests.rs checks deploy/'s Kubernetes
 /// manifests with against the API server's schemas (it ships them: no cluster, no network).
 const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
@@ -88,6 +93,27 @@ pub fn cargo_fuzz() -> anyhow::Result<()> {
     }
     eprintln!("xtask: installing cargo-fuzz");
     run("cargo", &["install", "--locked", "cargo-fuzz"])
+}
+
+/// mdBook from crates.io, unless this version is already installed.
+pub fn mdbook() -> anyhow::Result<()> {
+    if output(MDBOOK, &["--version"]).is_ok_and(|v| v == format!("mdbook v{MDBOOK_VERSION}")) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing mdbook {MDBOOK_VERSION}");
+    run(
+        "cargo",
+        &[
+            "install",
+            "--locked",
+            "mdbook",
+            "--version",
+            MDBOOK_VERSION,
+            "--no-default-features",
+            "--features",
+            "search",
+        ],
+    )
 }
 
 fn succeeds(program: &str, args: &[&str]) -> bool {

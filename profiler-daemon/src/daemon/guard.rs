@@ -212,7 +212,7 @@ pub async fn check(State(guard): State<Guard>, request: Request, next: Next) -> 
         return refusal(
             StatusCode::FORBIDDEN,
             "this path shows or acts on traced processes: ask as root over the daemon's socket \
-             (as memprof inspect and snapshot do), or give the daemon users in a web config (README: Securing the listener)",
+             (as memprof inspect and snapshot do), or give the daemon users in a web config (docs: daemon/securing.md#securing-the-listener)",
         );
     }
     next.run(request).await

@@ -196,8 +196,8 @@ async fn leaks(State(shared): AppState, RawQuery(query): RawQuery) -> Response {
     .await
 }
 
-/// `/api/v1/inspect?pid=N[&heuristics=SET]`: the report of a traced process with an inspection made now (README:
-/// Reachability), as `/api/v1/leaks` gives it. Made by the tracer thread, which owns the kernel's
+/// `/api/v1/inspect?pid=N[&heuristics=SET]`: the report of a traced process with an inspection made now (docs:
+/// guide/inspect.md#inspect-what-is-really-lost), as `/api/v1/leaks` gives it. Made by the tracer thread, which owns the kernel's
 /// maps and stops the process; one at a time per process. Only for those `guard` lets through
 /// to every path, and not at all with `access.inspect = false`.
 async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response {

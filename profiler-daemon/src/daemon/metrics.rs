@@ -58,7 +58,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ),
     (
         "memprof_mmap_outstanding_bytes",
-        "Anonymous private memory the process holds from mmap, mremap and brk made outside its allocator: memory memprof_heap_inuse_bytes does not count (README: Mappings).",
+        "Anonymous private memory the process holds from mmap, mremap and brk made outside its allocator: memory memprof_heap_inuse_bytes does not count (docs: guide/mappings.md#memory-outside-malloc-mappings).",
         MetricType::Gauge,
         |t| t.report.mappings.outstanding_bytes,
     ),
@@ -70,7 +70,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ),
     (
         "memprof_heap_pinned_bytes",
-        "Resident pages holding live heap blocks but less than a quarter of their bytes live (fragmentation: README, Resident memory); 0 when sampled.",
+        "Resident pages holding live heap blocks but less than a quarter of their bytes live (fragmentation: docs: guide/resident-memory.md#resident-memory-against-the-heap); 0 when sampled.",
         MetricType::Gauge,
         |t| t.report.memory.map_or(0, |m| m.pinned_bytes),
     ),
@@ -93,7 +93,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
         "memprof_blind_spots",
-        "Allocators memprof found but does not probe in the process, or unseen growth of its anonymous memory; its report says which and what to do (README: Blind spots).",
+        "Allocators memprof found but does not probe in the process, or unseen growth of its anonymous memory; its report says which and what to do (docs: guide/allocators.md#blind-spots).",
         MetricType::Gauge,
         |t| t.report.blind_spots.len() as u64,
     ),
@@ -121,7 +121,7 @@ const PER_PROCESS: &[PerProcess] = &[
 const JUDGED: [PerProcess; 2] = [
     (
         "memprof_leak_candidate_bytes",
-        "Bytes in use by the stacks the leak rule flags (README: leak candidates); absent while memprof_leak_rule_warming_up is 1.",
+        "Bytes in use by the stacks the leak rule flags (docs: guide/leaks.md#leak-candidates); absent while memprof_leak_rule_warming_up is 1.",
         MetricType::Gauge,
         |t| t.leak_candidate_bytes,
     ),

@@ -51,7 +51,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     };
     if !config.listen.ip().is_loopback() && (web.tls.is_none() || web.auth.is_none()) {
         warn!(
-            "listening on {} without {}: anyone who can reach it can read the traced processes' stacks; see the README's \"Securing the listener\"",
+            "listening on {} without {}: anyone who can reach it can read the traced processes' stacks; see docs: daemon/securing.md#securing-the-listener",
             config.listen,
             match (web.tls.is_none(), web.auth.is_none()) {
                 (true, true) => "TLS or basic auth",

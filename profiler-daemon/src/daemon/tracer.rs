@@ -1,6 +1,6 @@
 //! The tracer thread: attaches to the processes the rules match, detaches from those that exit,
-//! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching
-//! takes 0.1 s a process, 1.6 s with perf-event uprobes), so it runs on a thread of its own, not on
+//! and publishes a `DaemonView` every interval. Everything here blocks (BPF syscalls, detaching,
+//! far slower with perf-event uprobes: docs: reference/limits.md#detaching), so it runs on a thread of its own, not on
 //! the async runtime.
 
 use std::{
@@ -170,7 +170,7 @@ impl Tracer {
             loaded.trace_page_faults()?;
         }
         // Rules match any number of processes: by default links of their own while few map a
-        // file, one set per file past that (see README, "Probes and detaching").
+        // file, one set per file past that (docs: internals/probes.md#probes-and-detaching).
         loaded.set_probe_links(config.probe_links);
         loaded.discover(discover_flags(&config))?;
         if config.probe_links == ProbeLinks::Shared {
@@ -352,7 +352,7 @@ impl Tracer {
                     pid = id.pid,
                     comm,
                     "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
-                     raise it (README: Daemon mode gives what each target costs) or narrow the rules",
+                     raise it (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
                     self.targets.len()
                 );
             }

@@ -1,4 +1,4 @@
-//! One JSON object per report (schema in the README).
+//! One JSON object per report (docs: reference/json-schema.md#the-json-schema).
 
 use crate::heap::report::Report;
 

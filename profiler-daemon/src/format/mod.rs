@@ -51,7 +51,7 @@ pub fn read_at_most(mut from: impl std::io::Read, limit: u64) -> std::io::Result
 pub enum Format {
     /// A summary and the top stacks, for reading in a terminal.
     Table,
-    /// One JSON object per report and line (schema in the README).
+    /// One JSON object per report and line (docs: reference/json-schema.md#the-json-schema).
     Json,
     /// Folded stacks, `outermost;...;innermost BYTES`, for flamegraph.pl and inferno.
     Folded,

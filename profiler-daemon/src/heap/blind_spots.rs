@@ -83,9 +83,9 @@ impl BlindSpots {
                     grown >> 20
                 ),
                 advice: if mapped_bytes > 0 {
-                    format!("its mappings ({} MiB) name where it asked for memory; README: Mappings", mapped_bytes >> 20)
+                    format!("its mappings ({} MiB) name where it asked for memory; docs: guide/mappings.md#memory-outside-malloc-mappings", mapped_bytes >> 20)
                 } else {
-                    "trace with --mappings to see where it maps memory, or see which allocator it uses (a static one, a language runtime) in its maps and symbols; README: Allocators".to_string()
+                    "trace with --mappings to see where it maps memory, or see which allocator it uses (a static one, a language runtime) in its maps and symbols; docs: guide/allocators.md#blind-spots".to_string()
                 },
                 heap: None,
                 unless_env: None,

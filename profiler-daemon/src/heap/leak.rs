@@ -47,7 +47,7 @@ impl Timeline {
     }
 }
 
-/// The leak rule's verdict on one stack (see the module doc and the README).
+/// The leak rule's verdict on one stack (see the module doc and docs: guide/leaks.md#leak-candidates).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LeakVerdict {
     pub candidate: bool,

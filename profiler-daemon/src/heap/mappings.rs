@@ -1,4 +1,4 @@
-//! Memory outside malloc (README: Mappings): the anonymous private memory a process holds from
+//! Memory outside malloc (docs: guide/mappings.md#memory-outside-malloc-mappings): the anonymous private memory a process holds from
 //! `mmap`, `mremap` and `brk`, by the stack that asked for it. A view of its own, never added to
 //! the heap's figures: what a probed allocator maps for its blocks (glibc's large blocks, its
 //! heap's growth by `brk`) is marked as the allocator's, as the heap's blocks count it already.

@@ -7,8 +7,8 @@
 //! system time before (`attach` reads it while memprof loads). A process traced from its start
 //! (`run`'s command, a followed child) has no before: its whole system time is said. The kernel
 //! splits time between user and system by where its timer tick lands, and some of the traps'
-//! time lands in user time: the price said is the part the system time shows (README: The price
-//! of tracing).
+//! time lands in user time: the price said is the part the system time shows (docs:
+//! guide/sampling.md#the-price-of-tracing).
 
 use crate::{kernel::aggregate::monotonic_now_ns, process::procfs};
 

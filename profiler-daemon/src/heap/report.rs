@@ -1,5 +1,5 @@
 //! The report of one process: built from a snapshot and symbolized stacks, printed as a table or
-//! as one JSON object per line (schema in the README).
+//! as one JSON object per line (docs: reference/json-schema.md#the-json-schema).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -74,12 +74,12 @@ pub struct Report {
     /// hold nothing now, so `stacks` does not list them.
     #[serde(default)]
     pub temporary_stacks: Vec<TemporaryStack>,
-    /// Anonymous resident memory against the heap in use (README: Resident memory); absent for a
+    /// Anonymous resident memory against the heap in use (docs: guide/resident-memory.md#resident-memory-against-the-heap); absent for a
     /// process never read while it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Memory>,
     /// Anonymous memory from `mmap`, `mremap` and `brk`, by stack: its own view, never added to
-    /// the heap's (README: Mappings).
+    /// the heap's (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[serde(default)]
     pub mappings: Mappings,
     /// This process's events not recorded, by reason.
@@ -101,7 +101,7 @@ pub struct Report {
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
-    /// What memprof knows it does not see in the process (README: Blind spots).
+    /// What memprof knows it does not see in the process (docs: guide/allocators.md#blind-spots).
     pub blind_spots: Vec<BlindSpot>,
     /// Sizes of the allocations seen, in power-of-two buckets.
     pub sizes: Vec<Bucket>,
@@ -127,7 +127,7 @@ pub struct Report {
     pub inspection: Option<Inspection>,
 }
 
-/// A process's high-water mark of bytes in use (README: Peak).
+/// A process's high-water mark of bytes in use (docs: guide/peaks.md#peaks-and-temporary-allocations).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Peak {
     pub bytes: u64,
@@ -146,8 +146,8 @@ pub struct PeakStack {
     pub frames: Frames,
 }
 
-/// Allocations of one stack freed by their thread before it allocated anything else (README:
-/// Temporary allocations).
+/// Allocations of one stack freed by their thread before it allocated anything else (docs:
+/// guide/peaks.md#peaks-and-temporary-allocations).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TemporaryStack {
     pub stack_id: String,

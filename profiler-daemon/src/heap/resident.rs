@@ -49,14 +49,14 @@ fn is_zero(seconds: &f64) -> bool {
     *seconds == 0.0
 }
 
-/// When the pinned pages are read. Their walk of `LIVE` costs 0.5 to 1 µs a live block (0.5 to
-/// 0.7 s for a million, on a 2-core VM: README, Resident memory), so it may take at most a
+/// When the pinned pages are read. Their walk of `LIVE` costs time per live block (docs:
+/// guide/resident-memory.md#resident-memory-against-the-heap gives the measure), so it may take at most a
 /// hundredth of the time: a walk is due once the time since the last one is 99 times what it
 /// is expected to take, the last walk's time per block times the blocks live now. A few
 /// thousand blocks are read every interval. Past `MOST_BLOCKS_WALKED` live blocks (all traced
 /// processes together) only a final report walks them: the daemon, tracing a million blocks,
-/// took 5.2% of a core and peaked at 154 MiB with a twentieth (BENCHMARKS, the daemon's own
-/// cost; 1.0% and 47 MiB without the walk).
+/// cost several times the CPU and memory with a twentieth than without the walk (docs:
+/// performance.md#the-daemons-own-cost).
 #[derive(Debug, Default)]
 pub struct PinnedBudget {
     /// When the last walk ended, and what it took per block.

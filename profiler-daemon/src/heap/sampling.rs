@@ -17,7 +17,7 @@ pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
 pub const MAX_SAMPLE_BYTES: u64 = 1 << 30;
 
 /// `--max-rate` when none is given to `attach` or the daemon: the rate at which tracing every call costs about a
-/// quarter of a core on the costliest service measured (README: The price of tracing).
+/// quarter of a core on the costliest service measured (docs: guide/sampling.md#the-price-of-tracing).
 pub const DEFAULT_MAX_RATE: u64 = 50_000;
 
 #[derive(Debug, Args, Clone, Copy, Default, PartialEq, Eq)]

@@ -98,7 +98,7 @@ pub fn check_support() -> Result<(), UserError> {
     check_privileges()
 }
 
-/// The capabilities memprof needs, each with what it is for (README: Permissions), as numbered
+/// The capabilities memprof needs, each with what it is for (docs: install.md#permissions), as numbered
 /// in linux/capability.h. CAP_SYS_ADMIN is needed for uprobes on current kernels, and the kernel
 /// lets it stand for CAP_BPF and CAP_PERFMON too (`bpf_capable`, `perfmon_capable`), so those
 /// add nothing. Each one was checked to be needed: without it a step fails, or a file is skipped.
@@ -662,7 +662,7 @@ impl Loaded {
     }
 
     /// `wait_detached` at the end of `attach` or `run`. Perf-event uprobes close one at a time
-    /// under a kernel-wide lock (README: Kernels), so those are left to a child that closes them
+    /// under a kernel-wide lock (docs: reference/kernels.md#kernel-requirements), so those are left to a child that closes them
     /// after memprof has ended (see `Detacher::hand_over`): the processes memprof traced keep
     /// taking their traps until it has. Not for the daemon: the child holds every descriptor it
     /// had, its listening sockets too, which a restarted daemon could not bind meanwhile.

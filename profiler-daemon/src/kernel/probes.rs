@@ -3,7 +3,7 @@
 //! process and be shared (see `shared`).
 //!
 //! Detaching is what differs: closing a perf-event uprobe waits for RCU grace periods under a
-//! kernel-wide mutex (`perf_trace_destroy`), about 90 ms each, so a process's 18 took 1.6 s; they
+//! kernel-wide mutex (`perf_trace_destroy`), one at a time (docs: reference/limits.md#detaching); they
 //! are closed by the same thread as links, and at the end of `attach` and `run` by a child
 //! process after memprof has gone (`Detacher::hand_over`); more threads were no faster on 6.18
 //! (measured), as the mutex serialises them. A uprobe_multi link waits for its grace periods
@@ -41,7 +41,7 @@ const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPIN
 
 /// `MEMPROF_UPROBE_MULTI=0` makes memprof attach perf-event uprobes even where the kernel has
 /// uprobe_multi links, and `MEMPROF_UPROBE_SESSION=0` entry and return links even where it has
-/// uprobe sessions (troubleshooting switches, see the README; the tests use them to run each
+/// uprobe sessions (troubleshooting switches, docs: reference/kernels.md#kernel-requirements; the tests use them to run each
 /// kernel's way here).
 const MULTI_SWITCH: &str = "MEMPROF_UPROBE_MULTI";
 const SESSION_SWITCH: &str = "MEMPROF_UPROBE_SESSION";

@@ -87,7 +87,7 @@ fn newest_release(series: &Series) -> anyhow::Result<String> {
         .with_context(|| {
             format!(
                 "the Debian archive serves no {} kernel any more (no package matches {}): update the series in \
-                 xtask/src/kernels/debian.rs, and the README's kernel table, to what it serves now",
+                 xtask/src/kernels/debian.rs, and the book's kernel table (docs/src/reference/kernels.md), to what it serves now",
                 series.name, series.pattern
             )
         })

@@ -32,14 +32,14 @@ function summarySection(report) {
       el('div', {},
         el('details', { id: 'drops', open: lost > 0 },
           el('summary', { id: 'dropped-summary', class: lost > 0 ? 'bad' : 'good' },
-            lost > 0 ? `${grouped(lost)} events could not be recorded (see the README for each reason):`
+            lost > 0 ? `${grouped(lost)} events could not be recorded (docs: reference/drop-reasons.md#nothing-is-lost-silently gives each reason):`
               : recorded),
           el('table', { id: 'dropped' }, el('tbody', {}, dropped))),
         blindSpots(report),
         unwindTables(report.unwind_tables))));
 }
 
-// Resident memory against the heap (README: Resident memory), when it was read.
+// Resident memory against the heap (docs: guide/resident-memory.md#resident-memory-against-the-heap), when it was read.
 // A runtime's heap that memprof does not see is the likeliest owner of the gap.
 function memoryRows(memory, blindSpots) {
   if (!memory) return [];
@@ -54,7 +54,7 @@ function memoryRows(memory, blindSpots) {
   ];
 }
 
-// What memprof knows it does not see (README: Blind spots): said next to what was dropped.
+// What memprof knows it does not see (docs: guide/allocators.md#blind-spots): said next to what was dropped.
 function blindSpots(report) {
   if (report.blind_spots.length === 0) return el('p', { id: 'blind-spots', class: 'good' }, 'No blind spot known.');
   return el('ul', { id: 'blind-spots', class: 'bad' },

@@ -67,8 +67,8 @@ impl<'a> Part<'a> {
 
 /// The sample types: Go's four in Go's order (tools that expect a Go heap profile find them
 /// where Go puts them), then each stack's own high-water mark, its temporary allocations and the
-/// resident bytes its blocks pin (README: pprof); last the bytes of anonymous mappings a stack
-/// holds (README: Memory outside malloc), on samples of their own, so that no total adds them to
+/// resident bytes its blocks pin (docs: outputs/pprof.md#pprof); last the bytes of anonymous mappings a stack
+/// holds (docs: guide/mappings.md#memory-outside-malloc-mappings), on samples of their own, so that no total adds them to
 /// the heap. Each sample's values are in this order too.
 pub const SAMPLE_TYPES: [(&str, &str); 8] = [
     ("alloc_objects", "count"),
