@@ -288,8 +288,9 @@ pub struct Inflight {
     pub _pad: u32,
     /// The thread's last free through a wrapper (see `FreeNote`).
     pub free_note: FreeNote,
-    /// The block this thread allocated last (0: none): freeing it before allocating anything
-    /// else makes it a temporary allocation (heaptrack's definition).
+    /// The block this thread allocated last, until its next free (0: none): freeing it then,
+    /// with no other allocation or free in between, makes it a temporary allocation
+    /// (heaptrack's definition).
     pub last_alloc: u64,
 }
 
@@ -410,7 +411,7 @@ pub struct StackStats {
     pub old_frees: u64,
     /// The most bytes the stack had outstanding at once (DHAT's max-live).
     pub max_outstanding_bytes: u64,
-    /// Allocations freed by their thread before it allocated anything else (in 1/COUNT_SCALE
+    /// Allocations freed by their thread before it allocated or freed anything else (in 1/COUNT_SCALE
     /// units); full mode only.
     pub temporary_allocations: u64,
     /// The stack's outstanding bytes at its process's peak `peak_generation` (see `ProcHeap`),

@@ -477,11 +477,17 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
         note_wrapper(state, ctx, tgid, tid, addr, sp);
     }
     let probe = Probe { regs: ctx.regs, at_return: false, at_site: false };
+    // Freed by its own thread as the very next call after its allocation: no other allocation or
+    // free in between (heaptrack's temporary allocation). Any free ends the run.
+    let last_alloc = match state {
+        // SAFETY: a pointer to this thread's own `INFLIGHT` entry, which only this thread writes.
+        Some(state) => unsafe { core::mem::replace(&mut (*state).last_alloc, 0) },
+        None => 0,
+    };
     match live {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
-            // Freed by its own thread before that thread allocated anything else.
-            let temporary = alloc.tid == tid && state.is_some_and(|state| unsafe { (*state).last_alloc } == addr);
+            let temporary = alloc.tid == tid && last_alloc == addr;
             if LIVE.remove(key).is_ok() {
                 retire(probe, key, &alloc, temporary);
             }
@@ -501,6 +507,7 @@ fn inside_wrapper(note: &FreeNote, ctx: &ProbeContext, addr: u64, sp: u64) -> bo
 }
 
 /// Records a wrapper free in its thread's entry (inserted idle for a thread that has none).
+#[inline(always)]
 fn note_wrapper(state: Option<*mut Inflight>, ctx: &ProbeContext, tgid: u32, tid: u32, addr: u64, sp: u64) {
     let Some(state) = state.or_else(|| get_or_insert(&INFLIGHT, &tid, &IDLE)) else {
         count_drop(DropReason::InflightMapFull);

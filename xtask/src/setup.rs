@@ -33,6 +33,8 @@ const PACKAGES: &[&str] = &[
     "curl",
     "libjemalloc-dev",
     "libgoogle-perftools-dev",
+    // tests/tests/peaks.rs: heaptrack counts temporary allocations as memprof does.
+    "heaptrack",
     // tests/tests/blind_spots.rs: runtimes whose heaps memprof names as blind spots.
     "openjdk-17-jdk-headless",
     "nodejs",

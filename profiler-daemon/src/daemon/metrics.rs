@@ -77,7 +77,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ("memprof_allocations", "Successful allocator calls.", MetricType::Counter, |t| t.report.totals.allocations),
     (
         "memprof_temporary_allocations",
-        "Allocations freed by their thread before it allocated anything else (every call recorded only).",
+        "Allocations freed by their thread before it allocated or freed anything else (every call recorded only).",
         MetricType::Counter,
         |t| t.report.totals.temporary_allocations,
     ),

@@ -64,7 +64,9 @@ fn subtitle(report: &Report, flame: Flame) -> String {
             format!("{about}{made} {unit} of {made_bytes} bytes")
         }
         Flame::Temporary => {
-            format!("{temporary} of {made} allocations freed by their thread before it allocated anything else")
+            format!(
+                "{temporary} of {made} allocations freed by their thread before it allocated or freed anything else"
+            )
         }
     };
     if report.growth.is_some() {

@@ -78,7 +78,7 @@ pub enum Flame {
     Bytes,
     /// Allocations made since tracing began.
     Allocations,
-    /// Temporary allocations: freed by their thread before it allocated anything else.
+    /// Temporary allocations: freed by their thread before it allocated or freed anything else.
     Temporary,
     /// Bytes in use at the peak (the report at the peak: `--at peak`).
     Peak,

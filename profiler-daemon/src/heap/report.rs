@@ -146,7 +146,7 @@ pub struct PeakStack {
     pub frames: Frames,
 }
 
-/// Allocations of one stack freed by their thread before it allocated anything else (docs:
+/// Allocations of one stack freed by their thread before it allocated or freed anything else (docs:
 /// guide/peaks.md#peaks-and-temporary-allocations).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TemporaryStack {
@@ -201,7 +201,7 @@ pub struct Totals {
     pub freed_bytes: u64,
     pub unknown_frees: u64,
     pub failed_allocations: u64,
-    /// Allocations freed by their thread before it allocated anything else (full mode only).
+    /// Allocations freed by their thread before it allocated or freed anything else (full mode only).
     pub temporary_allocations: u64,
 }
 
@@ -215,7 +215,7 @@ pub struct StackReport {
     pub allocated_bytes: u64,
     /// The most bytes the stack had outstanding at once since tracing began.
     pub max_outstanding_bytes: u64,
-    /// Its allocations freed by their thread before it allocated anything else (full mode only).
+    /// Its allocations freed by their thread before it allocated or freed anything else (full mode only).
     pub temporary_allocations: u64,
     /// Resident pages its live blocks are on that hold less than a quarter of their bytes live,
     /// and its share of their bytes (see `heap::pinned`): the fragmentation it causes.
