@@ -14,4 +14,5 @@ pub mod recording;
 pub mod report;
 pub mod session;
 pub mod snapshot;
+pub mod suppress;
 pub mod target;

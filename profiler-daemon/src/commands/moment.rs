@@ -115,6 +115,7 @@ fn at_peak(report: &Report) -> Report {
                 leak: known.map(|s| s.leak.clone()).unwrap_or_default(),
                 reachability: None,
                 types: Vec::new(),
+                suppressed: known.and_then(|s| s.suppressed.clone()),
                 frames: held.frames.clone(),
             }
         })

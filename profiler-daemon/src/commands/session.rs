@@ -15,6 +15,7 @@ use crate::{
     commands::family::{Family, Process},
     commands::output::ReportOutput,
     commands::recording::{RecordingWriter, Settings},
+    commands::suppress::{self, Suppressing},
     commands::target::{self, ExitWatch},
     error::UserError,
     format::{self, Format},
@@ -24,6 +25,7 @@ use crate::{
     heap::report::{self, Report, Selection},
     heap::resident::{HeapNow, PinnedBudget, Resident},
     heap::sampling::Switch,
+    heap::suppressions::Suppressions,
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -275,6 +277,7 @@ struct Opened {
     output: ReportOutput,
     recording: Option<RecordingWriter>,
     stop: StopSignals,
+    suppressing: Suppressing,
 }
 
 impl Opened {
@@ -283,6 +286,7 @@ impl Opened {
             output: ReportOutput::open(args.output.format(), args.output.file.as_deref())?,
             recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
             stop: StopSignals::new()?,
+            suppressing: Suppressing::open(&args.suppress, &args.output, args.output.format())?,
         })
     }
 }
@@ -337,6 +341,7 @@ struct Tracer<'a> {
     inspection: Option<Inspection>,
     pinned_budget: PinnedBudget,
     wrappers: Wrappers,
+    suppressions: &'a Suppressions,
 }
 
 impl Tracer<'_> {
@@ -437,11 +442,18 @@ impl Tracer<'_> {
         }
         let selection = Selection {
             is_final,
-            top: (format == Format::Table && self.args.filters.is_empty() && !self.recording).then_some(self.args.top),
+            // Filters and suppressions see every stack; the format shows the top.
+            top: (format == Format::Table
+                && self.args.filters.is_empty()
+                && self.suppressions.is_empty()
+                && !self.recording)
+                .then_some(self.args.top),
             aged_only: self.min_age_ns > 0,
             freed: format == Format::Pprof || self.recording,
             whole_peak: self.recording,
         };
+        // The root's inspection, given to its report before suppressions take their blocks out.
+        let mut inspection = self.inspection.take();
         let mut reports: Vec<Report> = self
             .family
             .processes()
@@ -463,6 +475,10 @@ impl Tracer<'_> {
                 report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
                     b.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes)
                 });
+                if let Some(inspection) = inspection.take_if(|_| process.pid == self.family.root) {
+                    report::add_inspection(&mut report, inspection, &self.stacks(process.pid));
+                }
+                self.suppressions.apply(&mut report);
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
                 }
@@ -474,10 +490,6 @@ impl Tracer<'_> {
         }
         let root_at = reports.iter().position(|r| r.pid == self.family.root);
         let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
-        if let Some(inspection) = self.inspection.take() {
-            let pid = root.pid;
-            report::add_inspection(&mut root, inspection, &self.stacks(pid));
-        }
         root.forks = self.family.forks(&self.loaded);
         root.unwind_tables = Some(self.loaded.unwind.table_use());
         root.context = Some(self.context.clone());
@@ -565,7 +577,7 @@ async fn trace(
     opened: Opened,
     inspect: Option<inspect::Settings>,
 ) -> anyhow::Result<Traced> {
-    let Opened { mut output, mut recording, mut stop } = opened;
+    let Opened { mut output, mut recording, mut stop, suppressing } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
     let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
@@ -586,6 +598,7 @@ async fn trace(
         inspection: None,
         pinned_budget: PinnedBudget::default(),
         wrappers: Wrappers::new(&args.wrappers),
+        suppressions: &suppressing.rules,
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
@@ -674,7 +687,8 @@ async fn trace(
             .map(|s| s.outstanding_bytes)
             .sum()
     });
-    let written = result.and_then(&mut write);
+    let generated = result.as_ref().ok().and_then(Option::as_ref).and_then(|root| suppressing.generated(root));
+    let written = result.and_then(&mut write).and_then(|read| suppress::print(generated).map(|()| read));
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
     written.map(|_| Traced { code, leak_bytes })

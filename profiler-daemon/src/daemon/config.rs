@@ -1,6 +1,10 @@
 //! The daemon's settings: a TOML file, overridden by flags, validated into one `Config`.
 
-use std::{fs, net::SocketAddr, path::Path};
+use std::{
+    fs,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+};
 
 use regex::Regex;
 use serde::Deserialize;
@@ -10,7 +14,7 @@ use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, MaxRate, Sampling},
-    heap::wrappers::Wrappers,
+    heap::{suppressions::Suppressions, wrappers::Wrappers},
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
@@ -63,6 +67,7 @@ struct File {
     full_free_stacks: Option<bool>,
     wrappers: Option<Vec<String>>,
     auto_wrappers: Option<bool>,
+    suppressions: Option<Vec<PathBuf>>,
     http: Option<server::SettingsFile>,
     access: Option<access::SettingsFile>,
 }
@@ -121,6 +126,8 @@ pub struct Config {
     pub maps: LoadSettings,
     /// The allocation wrappers folded into the allocator in every report.
     pub wrappers: Wrappers,
+    /// Stacks accepted (valgrind's suppression files): never leak candidates.
+    pub suppressions: Suppressions,
     pub http: server::Settings,
     /// Read at start, as `http`.
     pub access: access::Settings,
@@ -138,6 +145,8 @@ pub enum ConfigError {
     Regex(String, regex::Error),
     #[error("invalid {0}: {1}")]
     Value(&'static str, String),
+    #[error(transparent)]
+    Suppressions(#[from] crate::heap::suppressions::LoadError),
     #[error("no targets: give --pid, --comm, --cgroup or --all (or pids, comms, cgroups or all in the config file)")]
     NoTargets,
 }
@@ -264,6 +273,9 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     let wrappers = Wrappers::merged(&args.wrappers, file.wrappers, file.auto_wrappers)
         .map_err(|e| ConfigError::Value("wrappers", e))?;
+    let suppressions =
+        if args.suppressions.is_empty() { file.suppressions.unwrap_or_default() } else { args.suppressions.clone() };
+    let suppressions = Suppressions::load(&suppressions)?;
     let http = server::Settings::new(file.http, args.web_config_file.clone())
         .map_err(|(name, e)| ConfigError::Value(name, e))?;
     let access =
@@ -281,6 +293,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         sampling,
         maps,
         wrappers,
+        suppressions,
         http,
         access,
     })
@@ -409,7 +422,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 26] = [
+    const KEYS: [&str; 27] = [
         "listen",
         "pids",
         "comms",
@@ -435,6 +448,7 @@ mod tests {
         "full_free_stacks",
         "wrappers",
         "auto_wrappers",
+        "suppressions",
         "nope",
     ];
 

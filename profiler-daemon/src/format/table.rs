@@ -148,7 +148,9 @@ fn section(report: &Report) -> String {
         };
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
         write_via(&mut out, lead.len(), &stack.via);
-        if let Some(warming_up) = stack.leak.warming_up {
+        if let Some(rule) = &stack.suppressed {
+            let _ = writeln!(out, "{}[suppressed by {rule}]", " ".repeat(lead.len()));
+        } else if let Some(warming_up) = stack.leak.warming_up {
             let _ = writeln!(out, "{}[leak rule {warming_up}]", " ".repeat(lead.len()));
         } else if stack.leak.candidate {
             let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), stack.leak.reason);
@@ -162,6 +164,9 @@ fn section(report: &Report) -> String {
     }
     if let Some(inspection) = &report.inspection {
         reachability::summary(&mut out, inspection);
+    }
+    if let Some(suppressed) = &report.suppressed {
+        let _ = writeln!(out, "  suppressed: {}", suppressed.line());
     }
     mappings(&mut out, &report.mappings);
     let dropped: Vec<String> =

@@ -88,7 +88,7 @@ function leakSection(report) {
     return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks', class: warming ? 'note' : undefined },
       warming ? `No verdict yet: the leak rule is ${leakState(warming)}.`
         : earlier > 0 ? `No stack is a leak candidate now; ${grouped(earlier)} were earlier (their lines are in the timeline).`
-          : 'No stack is a leak candidate.'));
+          : 'No stack is a leak candidate.'), suppressedNote(report));
   }
   const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
     num(s.leak.score.toFixed(2), { class: 'num score' }),
@@ -98,7 +98,17 @@ function leakSection(report) {
     el('td', { class: 'reason' }, s.leak.reason),
     el('td', {}, stackDetails(s, true))));
   return section('leaks', 'Leak candidates',
-    table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }));
+    table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }),
+    suppressedNote(report));
+}
+
+// The stacks --suppressions accepted: no leak candidates, and never left out unsaid.
+function suppressedNote(report) {
+  const s = report.suppressed;
+  if (!s) return null;
+  const rules = s.by_rule.map(r => `${r.rule} (${grouped(r.stacks)})`).join(', ');
+  return el('p', { id: 'suppressed', class: 'note' },
+    `Suppressed: ${grouped(s.stacks)} stacks, ${grouped(s.bytes)} bytes, by rule ${rules}.`);
 }
 
 // `warming up (2 of 6 intervals)`: the rule has too few of the stack's intervals for a verdict.
