@@ -292,6 +292,10 @@ pub struct TraceArgs {
     pub filters: Filters,
     #[command(flatten)]
     pub suppress: SuppressionArgs,
+    /// Also report the bytes in use by the thread that allocated them, with the threads' names
+    /// (read each interval while they run).
+    #[arg(long)]
+    pub threads: bool,
     #[command(flatten)]
     pub wrappers: WrapperArgs,
     #[command(flatten)]

@@ -132,6 +132,7 @@ fn at_peak(report: &Report) -> Report {
         sizes: Vec::new(),
         lifetimes: Vec::new(),
         thread_pairs: Vec::new(),
+        threads: Vec::new(),
         inspection: None,
         children: report.children.iter().map(at_peak).collect(),
         ..report.clone()

@@ -26,6 +26,7 @@ use crate::{
     heap::resident::{HeapNow, PinnedBudget, Resident},
     heap::sampling::Switch,
     heap::suppressions::Suppressions,
+    heap::threads::{self, ThreadNames},
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -342,6 +343,8 @@ struct Tracer<'a> {
     pinned_budget: PinnedBudget,
     wrappers: Wrappers,
     suppressions: &'a Suppressions,
+    /// With `--threads`, each process's threads' names, read each interval.
+    thread_names: HashMap<u32, ThreadNames>,
 }
 
 impl Tracer<'_> {
@@ -384,6 +387,9 @@ impl Tracer<'_> {
                 }
                 self.loaded.sync_mappings(pid);
                 self.symbolizer.refresh(pid);
+                if self.args.threads {
+                    self.thread_names.entry(pid).or_default().refresh(pid);
+                }
             }
         }
         self.family.probe_waiting(&mut self.loaded);
@@ -452,6 +458,12 @@ impl Tracer<'_> {
             freed: format == Format::Pprof || self.recording,
             whole_peak: self.recording,
         };
+        let mut by_thread = if self.args.threads {
+            let sample_bytes = |pid| kernel.processes.get(&pid).map_or(0, |s| s.sample_bytes);
+            threads::read(&self.loaded.ebpf, &pids, sample_bytes)?
+        } else {
+            HashMap::new()
+        };
         // The root's inspection, given to its report before suppressions take their blocks out.
         let mut inspection = self.inspection.take();
         let mut reports: Vec<Report> = self
@@ -475,6 +487,9 @@ impl Tracer<'_> {
                 report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
                     b.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes)
                 });
+                if let Some(tally) = by_thread.remove(&process.pid) {
+                    report.threads = tally.view(self.thread_names.get(&process.pid));
+                }
                 if let Some(inspection) = inspection.take_if(|_| process.pid == self.family.root) {
                     report::add_inspection(&mut report, inspection, &self.stacks(process.pid));
                 }
@@ -599,6 +614,7 @@ async fn trace(
         pinned_budget: PinnedBudget::default(),
         wrappers: Wrappers::new(&args.wrappers),
         suppressions: &suppressing.rules,
+        thread_names: HashMap::new(),
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {

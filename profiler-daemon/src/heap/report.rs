@@ -17,6 +17,7 @@ use crate::{
         pinned::Pinned,
         resident::Memory,
         suppressions::Suppressed,
+        threads::ThreadUse,
         types::{self, TypeCount},
         wrappers::Wrappers,
     },
@@ -113,6 +114,9 @@ pub struct Report {
     pub lifetimes: Vec<Bucket>,
     /// Allocations freed by another thread than the one that made them.
     pub thread_pairs: Vec<ThreadPair>,
+    /// The heap in use by the thread that allocated it (`--threads`), most bytes first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub threads: Vec<ThreadUse>,
     /// In-use bytes at each interval so far; only in the final report.
     #[serde(default, skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
@@ -520,6 +524,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
         lifetimes: power_of_two_buckets(&snapshot.lifetimes.buckets),
         thread_pairs: thread_pairs(snapshot),
+        threads: Vec::new(),
         timeline: if selection.is_final {
             ctx.leaks.timeline(|id| report_ids.get(&id).cloned())
         } else {
@@ -942,6 +947,7 @@ pub mod samples {
             sizes: vec![],
             lifetimes: vec![],
             thread_pairs: vec![],
+            threads: Vec::new(),
             timeline: Timeline::default(),
             children: Vec::new(),
             forks: None,

@@ -191,6 +191,18 @@ function threadSection(report) {
     table(['allocating thread', 'freeing thread', 'frees', 'bytes freed'], rows, { id: 'thread-table' }));
 }
 
+// The heap in use by the thread that allocated it (`--threads`).
+function threadUseSection(report) {
+  if (!report.threads || report.threads.length === 0) return null;
+  const rows = report.threads.map(t => el('tr', { 'data-tid': t.tid },
+    el('td', {}, t.name ? `${t.tid} (${t.name})` : String(t.tid)),
+    num(grouped(t.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
+    num(grouped(t.outstanding_allocations), { 'data-key': 'outstanding_allocations' })));
+  const estimates = report.sample_bytes ? el('p', { class: 'note' }, 'Sampled: estimates, each block scaled by its weight.') : null;
+  return section('thread-use', 'In use by thread', estimates,
+    table(['thread', 'bytes in use', 'allocations in use'], rows, { id: 'thread-use-table' }));
+}
+
 function doubleFreeSection(report) {
   if (report.double_frees.length === 0) return section('double-frees', 'Double frees', el('p', { class: 'note' }, 'None.'));
   return section('double-frees', 'Double frees', report.double_frees.map(d => el('div', { class: 'double-free bad' },
@@ -233,6 +245,7 @@ function render() {
     mappingSection(report),
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
     histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
+    threadUseSection(report),
     threadSection(report),
     doubleFreeSection(report)].filter(Boolean));
 }
