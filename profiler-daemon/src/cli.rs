@@ -292,6 +292,10 @@ pub struct TraceArgs {
     pub filters: Filters,
     #[command(flatten)]
     pub suppress: SuppressionArgs,
+    /// Draw each interval's report in place on the terminal, top-like (leak candidates first),
+    /// and print the final report when the session ends.
+    #[arg(long)]
+    pub live: bool,
     /// Also report the bytes in use by the thread that allocated them, with the threads' names
     /// (read each interval while they run).
     #[arg(long)]

@@ -7,6 +7,7 @@ pub mod daemon_client;
 pub mod diff;
 pub mod family;
 pub mod inspect;
+pub mod live;
 pub mod manual;
 pub mod moment;
 pub mod output;

@@ -13,6 +13,7 @@ use tokio::{
 use crate::{
     cli::{OnError, TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
+    commands::live::LiveView,
     commands::output::ReportOutput,
     commands::recording::{RecordingWriter, Settings},
     commands::suppress::{self, Suppressing},
@@ -279,6 +280,7 @@ struct Opened {
     recording: Option<RecordingWriter>,
     stop: StopSignals,
     suppressing: Suppressing,
+    live: Option<LiveView>,
 }
 
 impl Opened {
@@ -288,6 +290,7 @@ impl Opened {
             recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
             stop: StopSignals::new()?,
             suppressing: Suppressing::open(&args.suppress, &args.output, args.output.format())?,
+            live: args.live.then(LiveView::open).transpose()?,
         })
     }
 }
@@ -443,7 +446,7 @@ impl Tracer<'_> {
             self.switch(pid, switch)?;
         }
         let format = self.args.output.format();
-        if !is_final && !format.streams() && !self.recording {
+        if !is_final && !format.streams() && !self.recording && !self.args.live {
             return Ok(None);
         }
         let selection = Selection {
@@ -452,7 +455,8 @@ impl Tracer<'_> {
             top: (format == Format::Table
                 && self.args.filters.is_empty()
                 && self.suppressions.is_empty()
-                && !self.recording)
+                && !self.recording
+                && !self.args.live)
                 .then_some(self.args.top),
             aged_only: self.min_age_ns > 0,
             freed: format == Format::Pprof || self.recording,
@@ -592,7 +596,7 @@ async fn trace(
     opened: Opened,
     inspect: Option<inspect::Settings>,
 ) -> anyhow::Result<Traced> {
-    let Opened { mut output, mut recording, mut stop, suppressing } = opened;
+    let Opened { mut output, mut recording, mut stop, suppressing, mut live } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
     let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
@@ -634,6 +638,14 @@ async fn trace(
             if let Some(recording) = &mut recording {
                 recording.report(&report)?;
             }
+            if let Some(view) = &mut live {
+                if !report.is_final {
+                    view.draw(&format::select(&report, Format::Table, usize::MAX))?;
+                    return Ok(true);
+                }
+            }
+            // Off the live screen before the final report.
+            live = None;
             if report.is_final || format.streams() {
                 output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
                 if let (true, false, Some(path)) = (report.is_final, format.streams(), output.path()) {
