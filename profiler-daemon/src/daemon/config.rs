@@ -394,6 +394,22 @@ mod tests {
     }
 
     #[test]
+    fn suppressions_come_from_the_file_unless_flags_name_some() {
+        let dir = std::env::temp_dir().join(format!("memprof-config-supp-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let (good, bad) = (dir.join("good.supp"), dir.join("bad.supp"));
+        fs::write(&good, "{\n ours\n Memcheck:Leak\n fun:cache_*\n}\n").unwrap();
+        fs::write(&bad, "fun:cache_*\n").unwrap();
+        let text = |path: &Path| format!("all = true\nsuppressions = [\"{}\"]\n", path.display());
+        assert!(!parse(&text(&good), DaemonArgs::default()).unwrap().suppressions.is_empty());
+        let err = parse(&text(&bad), DaemonArgs::default()).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}:1: `fun:cache_*` is outside a suppression", bad.display())), "{err}");
+        let args = DaemonArgs { suppressions: vec![good.clone()], ..DaemonArgs::default() };
+        assert!(parse(&text(&bad), args).is_ok(), "the flag wins over the key");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn wrappers_come_from_the_file_unless_flags_name_some() {
         let text = "all = true\nwrappers = [\"my_alloc\"]\nauto_wrappers = false\n";
         let only = |names: &[&str]| {
