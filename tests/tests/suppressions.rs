@@ -122,6 +122,31 @@ fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
     assert_eq!(end["suppressed"], expected);
 }
 
+/// With `--inspect`, the accepted stacks' blocks leave the classes: what is classed is the real
+/// leak's alone (its last block's pointer may linger in a register or on the stack: reachable).
+#[test]
+fn inspected_accepted_blocks_leave_the_lost_classes() {
+    let accepted = written("inspect.supp", ACCEPTED);
+    let args = ["--interval", "0.2", "--inspect", "--duration", "3", "--suppressions", &accepted];
+    let outcome = run(&args, &[program().as_str(), "--linger"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let end = outcome.final_report();
+    let totals = &end["inspection"]["totals"];
+    let classed = |what: &str| -> u64 {
+        ["definitely_lost", "indirectly_lost", "possibly_lost", "reachable"]
+            .iter()
+            .map(|class| totals[format!("{class}_{what}")].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!((classed("bytes"), classed("blocks")), (12_288, 24), "{totals}");
+    assert!(totals["definitely_lost_bytes"].as_u64().unwrap() >= 12_288 - 512, "{totals}");
+    assert_eq!(end["suppressed"]["bytes"], 31_200, "{}", end["suppressed"]);
+    let stacks = end["stacks"].as_array().unwrap();
+    let at = |site: &str| stacks.iter().find(|s| s["frames"][0]["function"] == site).unwrap();
+    assert_eq!(at("accepted_cache")["reachability"], Value::Null);
+    assert!(at("real_leak")["reachability"].is_object());
+}
+
 #[test]
 fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
     let outcome = report(&["--at", "final", "--gen-suppressions", "-o", temp("gen.txt").to_str().unwrap()]);

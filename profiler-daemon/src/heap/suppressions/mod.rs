@@ -256,6 +256,24 @@ mod tests {
     }
 
     #[test]
+    fn a_suppressed_stacks_blocks_leave_the_inspections_classes() {
+        let supp = rules("{\n lost\n Memcheck:Leak\n match-leak-kinds: definite\n fun:cache_fill\n}\n");
+        let mut r = report();
+        r.stacks = vec![stack(5000, &["cache_fill", "main"]), stack(64, &["real_leak", "main"])];
+        let lost = |bytes, blocks| Reachability {
+            definitely_lost_bytes: bytes,
+            definitely_lost_blocks: blocks,
+            ..Reachability::default()
+        };
+        r.stacks[0].reachability = Some(lost(5000, 5));
+        r.stacks[1].reachability = Some(lost(64, 1));
+        r.inspection = Some(crate::heap::inspect::Inspection { totals: lost(5064, 6), ..Default::default() });
+        supp.apply(&mut r);
+        assert_eq!(r.stacks[0].reachability, None);
+        assert_eq!(r.inspection.unwrap().totals, lost(64, 1));
+    }
+
+    #[test]
     fn leak_kinds_narrow_a_rule_only_where_blocks_were_classed() {
         let supp = rules("{\n lost\n Memcheck:Leak\n match-leak-kinds: definite\n fun:cache_fill\n}\n");
         let mut r = report();
