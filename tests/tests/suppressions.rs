@@ -163,6 +163,11 @@ fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
         bytes.sort();
         assert_eq!(bytes, [7_200, 12_288, 24_000], "{used:?}");
     }
+    // A session writes the same rules after its final report, whatever its --top.
+    let session = memprof(&["run", "--interval", "0.2", "--top", "1", "--gen-suppressions", "--", &program()]);
+    assert!(session.status.success(), "{session:?}");
+    let rules = &session.stdout[session.stdout.find("{\n").expect("rules after the report")..];
+    assert_eq!(rules, generated, "{}", session.stdout);
     let refused = memprof(&["report", recording(), "--json", "--gen-suppressions"]);
     assert!(!refused.status.success());
     assert!(

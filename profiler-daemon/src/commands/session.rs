@@ -451,10 +451,11 @@ impl Tracer<'_> {
         }
         let selection = Selection {
             is_final,
-            // Filters and suppressions see every stack; the format shows the top.
+            // Filters, suppressions and generated rules see every stack; the format shows the top.
             top: (format == Format::Table
                 && self.args.filters.is_empty()
                 && self.suppressions.is_empty()
+                && !self.args.suppress.gen_suppressions
                 && !self.recording
                 && !self.args.live)
                 .then_some(self.args.top),
