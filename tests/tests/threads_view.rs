@@ -73,3 +73,24 @@ fn the_table_lists_threads_by_bytes() {
     assert!(row("worker-3").starts_with(&format!("  {:>12} {:>9}  tid ", 30_000, 30)), "{table}");
     assert!(row("worker-1").starts_with(&format!("  {:>12} {:>9}  tid ", 10_000, 10)), "{table}");
 }
+
+/// Sampled, each block counts for its weight: blocks at least `--sample-bytes` large are each
+/// recorded and stand for themselves, so the numbers stay exact; the table says they are estimates.
+#[test]
+fn sampled_threads_count_each_block_for_its_weight() {
+    let program = fixture("threads_named");
+    let outcome = run(&["--interval", "0.2", "--threads", "--sample-bytes", "512"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let end = outcome.final_report();
+    assert_eq!(end["sample_bytes"], 512);
+    assert_eq!(workers(&end), expected());
+    let table =
+        memprof(&["run", "--interval", "0.2", "--threads", "--sample-bytes", "512", "--", program.to_str().unwrap()]);
+    assert!(
+        table.stdout.contains(
+            "threads: in use by the thread that allocated it; sampled: estimates, each block scaled by its weight"
+        ),
+        "{}",
+        table.stdout
+    );
+}
