@@ -13,6 +13,7 @@ use crate::{
         capture::Precopy,
         filter::Filters,
         heuristics::Heuristics,
+        suppressions::SuppressionArgs,
         wrappers::{wrapper_name, WrapperArgs},
     },
     kernel::settings::{LoadSettings, MAX_MAP_ENTRIES},
@@ -141,6 +142,8 @@ pub struct ReportArgs {
     pub wrappers: Vec<String>,
     #[command(flatten)]
     pub filters: Filters,
+    #[command(flatten)]
+    pub suppress: SuppressionArgs,
     /// The moment shown: final (the end), peak (each process when it had the most bytes in use),
     /// or SECONDS after tracing began (the interval nearest them) [default: every report in table
     /// and json, the end in other formats].
@@ -291,6 +294,16 @@ pub struct TraceArgs {
     #[command(flatten)]
     pub filters: Filters,
     #[command(flatten)]
+    pub suppress: SuppressionArgs,
+    /// Draw each interval's report in place on the terminal, top-like (leak candidates first),
+    /// and print the final report when the session ends.
+    #[arg(long)]
+    pub live: bool,
+    /// Also report the bytes in use by the thread that allocated them, with the threads' names
+    /// (read each interval while they run).
+    #[arg(long)]
+    pub threads: bool,
+    #[command(flatten)]
     pub wrappers: WrapperArgs,
     #[command(flatten)]
     pub sampling: Sampling,
@@ -423,6 +436,11 @@ pub struct DaemonArgs {
     pub full_free_stacks: bool,
     #[command(flatten)]
     pub wrappers: WrapperArgs,
+    /// Stacks accepted, in valgrind's suppression file format: no leak candidates, no
+    /// memprof_stack_leak_candidate; the file's `suppressions` are used unless this is given.
+    /// Repeatable.
+    #[arg(long = "suppressions", value_name = "FILE")]
+    pub suppressions: Vec<PathBuf>,
 }
 
 /// The longest time any setting takes (about 31 years): longer ones are refused, not overflowed.

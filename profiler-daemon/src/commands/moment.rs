@@ -115,6 +115,7 @@ fn at_peak(report: &Report) -> Report {
                 leak: known.map(|s| s.leak.clone()).unwrap_or_default(),
                 reachability: None,
                 types: Vec::new(),
+                suppressed: known.and_then(|s| s.suppressed.clone()),
                 frames: held.frames.clone(),
             }
         })
@@ -131,6 +132,7 @@ fn at_peak(report: &Report) -> Report {
         sizes: Vec::new(),
         lifetimes: Vec::new(),
         thread_pairs: Vec::new(),
+        threads: Vec::new(),
         inspection: None,
         children: report.children.iter().map(at_peak).collect(),
         ..report.clone()

@@ -13,6 +13,7 @@ use crate::{
         moment::{self, Moment},
         output::ReportOutput,
         recording::Recording,
+        suppress::{self, Suppressing},
     },
     format::{self, Flame, Format},
     heap::{
@@ -35,6 +36,7 @@ const FRAME_OVERHEAD: u64 = 96;
 pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     let (format, flame) = drawn(args)?;
     let moment = moment(args.at, flame)?;
+    let suppressing = Suppressing::open(&args.suppress, &args.output, format)?;
     let mut recording = Recording::read(&args.recording)?;
     if !args.wrappers.is_empty() {
         let wrappers = Wrappers::new(&WrapperArgs { wrappers: args.wrappers.clone(), no_auto_wrappers: true });
@@ -50,19 +52,28 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             last.duration_s
         );
     }
-    // What the format shows of a report, filtered as asked.
+    // What the format shows of a report, suppressed and filtered as asked. Suppressions apply
+    // even without rules: the count of the stacks the session suppressed is made again for the
+    // moment shown.
     let shown = |report: &Report| -> anyhow::Result<Report> {
         let mut filtered = report.clone();
-        filtered.for_each_process(&mut |process| args.filters.apply(process));
+        filtered.for_each_process(&mut |process| {
+            suppressing.rules.apply(process);
+            args.filters.apply(process);
+        });
         let selected = format::select_stacks(&filtered, format, top, format == Format::Pprof || flame.counts_freed());
         check_size(&args.recording, &selected)?;
         Ok(selected)
     };
     match moment {
         None if format.streams() => {
+            let mut generated = None;
             for report in &recording.reports {
-                output.write_report(&format::render(&shown(report)?, format))?;
+                let report = shown(report)?;
+                output.write_report(&format::render(&report, format))?;
+                generated = suppressing.generated(&report);
             }
+            suppress::print(generated)?;
         }
         moment => {
             let (at, upto) = moment::pick(&args.recording, &recording.reports, moment.unwrap_or(Moment::Final))?;
@@ -78,6 +89,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             if let (false, Some(path)) = (format.streams(), output.path()) {
                 eprintln!("memprof: wrote {}", path.display());
             }
+            suppress::print(suppressing.generated(&report))?;
         }
     }
     Ok(0)
@@ -129,7 +141,7 @@ fn check_temporary(path: &Path, report: &Report) -> anyhow::Result<()> {
 }
 
 /// The name a flag gives `value`.
-fn name(value: impl ValueEnum) -> String {
+pub fn name(value: impl ValueEnum) -> String {
     value.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
 }
 

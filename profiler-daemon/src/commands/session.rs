@@ -13,8 +13,10 @@ use tokio::{
 use crate::{
     cli::{OnError, TraceArgs, MAX_SECONDS},
     commands::family::{Family, Process},
+    commands::live::LiveView,
     commands::output::ReportOutput,
     commands::recording::{RecordingWriter, Settings},
+    commands::suppress::{self, Suppressing},
     commands::target::{self, ExitWatch},
     error::UserError,
     format::{self, Format},
@@ -24,6 +26,8 @@ use crate::{
     heap::report::{self, Report, Selection},
     heap::resident::{HeapNow, PinnedBudget, Resident},
     heap::sampling::Switch,
+    heap::suppressions::Suppressions,
+    heap::threads::{self, ThreadNames},
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Loaded},
@@ -294,6 +298,8 @@ struct Opened {
     output: ReportOutput,
     recording: Option<RecordingWriter>,
     stop: StopSignals,
+    suppressing: Suppressing,
+    live: Option<LiveView>,
 }
 
 impl Opened {
@@ -302,6 +308,8 @@ impl Opened {
             output: ReportOutput::open(args.output.format(), args.output.file.as_deref())?,
             recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
             stop: StopSignals::new()?,
+            suppressing: Suppressing::open(&args.suppress, &args.output, args.output.format())?,
+            live: args.live.then(LiveView::open).transpose()?,
         })
     }
 }
@@ -356,6 +364,9 @@ struct Tracer<'a> {
     inspection: Option<Inspection>,
     pinned_budget: PinnedBudget,
     wrappers: Wrappers,
+    suppressions: &'a Suppressions,
+    /// With `--threads`, each process's threads' names, read each interval.
+    thread_names: HashMap<u32, ThreadNames>,
 }
 
 impl Tracer<'_> {
@@ -402,6 +413,9 @@ impl Tracer<'_> {
                 }
                 self.loaded.sync_mappings(pid);
                 self.symbolizer.refresh(pid);
+                if self.args.threads {
+                    self.thread_names.entry(pid).or_default().refresh(pid);
+                }
             }
         }
         self.family.probe_waiting(&mut self.loaded);
@@ -455,16 +469,31 @@ impl Tracer<'_> {
             self.switch(pid, switch)?;
         }
         let format = self.args.output.format();
-        if !is_final && !format.streams() && !self.recording {
+        if !is_final && !format.streams() && !self.recording && !self.args.live {
             return Ok(None);
         }
         let selection = Selection {
             is_final,
-            top: (format == Format::Table && self.args.filters.is_empty() && !self.recording).then_some(self.args.top),
+            // Filters, suppressions and generated rules see every stack; the format shows the top.
+            top: (format == Format::Table
+                && self.args.filters.is_empty()
+                && self.suppressions.is_empty()
+                && !self.args.suppress.gen_suppressions
+                && !self.recording
+                && !self.args.live)
+                .then_some(self.args.top),
             aged_only: self.min_age_ns > 0,
             freed: format == Format::Pprof || self.recording,
             whole_peak: self.recording,
         };
+        let mut by_thread = if self.args.threads {
+            let sample_bytes = |pid| kernel.processes.get(&pid).map_or(0, |s| s.sample_bytes);
+            threads::read(&self.loaded.ebpf, &pids, sample_bytes)?
+        } else {
+            HashMap::new()
+        };
+        // The root's inspection, given to its report before suppressions take their blocks out.
+        let mut inspection = self.inspection.take();
         let mut reports: Vec<Report> = self
             .family
             .processes()
@@ -486,6 +515,13 @@ impl Tracer<'_> {
                 report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
                     b.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes)
                 });
+                if let Some(tally) = by_thread.remove(&process.pid) {
+                    report.threads = tally.view(self.thread_names.get(&process.pid));
+                }
+                if let Some(inspection) = inspection.take_if(|_| process.pid == self.family.root) {
+                    report::add_inspection(&mut report, inspection, &self.stacks(process.pid));
+                }
+                self.suppressions.apply(&mut report);
                 if !self.args.filters.is_empty() {
                     self.args.filters.apply(&mut report);
                 }
@@ -497,10 +533,6 @@ impl Tracer<'_> {
         }
         let root_at = reports.iter().position(|r| r.pid == self.family.root);
         let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
-        if let Some(inspection) = self.inspection.take() {
-            let pid = root.pid;
-            report::add_inspection(&mut root, inspection, &self.stacks(pid));
-        }
         root.forks = self.family.forks(&self.loaded);
         root.unwind_tables = Some(self.loaded.unwind.table_use());
         root.context = Some(self.context.clone());
@@ -588,7 +620,7 @@ async fn trace(
     opened: Opened,
     inspect: Option<inspect::Settings>,
 ) -> anyhow::Result<Traced> {
-    let Opened { mut output, mut recording, mut stop } = opened;
+    let Opened { mut output, mut recording, mut stop, suppressing, mut live } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
     let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
@@ -609,6 +641,8 @@ async fn trace(
         inspection: None,
         pinned_budget: PinnedBudget::default(),
         wrappers: Wrappers::new(&args.wrappers),
+        suppressions: &suppressing.rules,
+        thread_names: HashMap::new(),
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
@@ -628,6 +662,14 @@ async fn trace(
             if let Some(recording) = &mut recording {
                 recording.report(&report)?;
             }
+            if let Some(view) = &mut live {
+                if !report.is_final {
+                    view.draw(&format::select(&report, Format::Table, usize::MAX))?;
+                    return Ok(true);
+                }
+            }
+            // Off the live screen before the final report.
+            live = None;
             if report.is_final || format.streams() {
                 output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
                 if let (true, false, Some(path)) = (report.is_final, format.streams(), output.path()) {
@@ -697,7 +739,8 @@ async fn trace(
             .map(|s| s.outstanding_bytes)
             .sum()
     });
-    let written = result.and_then(&mut write);
+    let generated = result.as_ref().ok().and_then(Option::as_ref).and_then(|root| suppressing.generated(root));
+    let written = result.and_then(&mut write).and_then(|read| suppress::print(generated).map(|()| read));
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
     written.map(|_| Traced { code, leak_bytes })

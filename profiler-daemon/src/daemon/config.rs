@@ -1,6 +1,10 @@
 //! The daemon's settings: a TOML file, overridden by flags, validated into one `Config`.
 
-use std::{fs, net::SocketAddr, path::Path};
+use std::{
+    fs,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+};
 
 use regex::Regex;
 use serde::Deserialize;
@@ -10,7 +14,7 @@ use crate::{
     cli::{self, DaemonArgs},
     heap::leak::{LeakSettings, DEFAULT_LEAK},
     heap::sampling::{self, MaxRate, Sampling},
-    heap::wrappers::Wrappers,
+    heap::{suppressions::Suppressions, wrappers::Wrappers},
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
@@ -64,6 +68,7 @@ struct File {
     full_free_stacks: Option<bool>,
     wrappers: Option<Vec<String>>,
     auto_wrappers: Option<bool>,
+    suppressions: Option<Vec<PathBuf>>,
     http: Option<server::SettingsFile>,
     access: Option<access::SettingsFile>,
 }
@@ -124,6 +129,8 @@ pub struct Config {
     pub maps: LoadSettings,
     /// The allocation wrappers folded into the allocator in every report.
     pub wrappers: Wrappers,
+    /// Stacks accepted (valgrind's suppression files): never leak candidates.
+    pub suppressions: Suppressions,
     pub http: server::Settings,
     /// Read at start, as `http`.
     pub access: access::Settings,
@@ -141,6 +148,8 @@ pub enum ConfigError {
     Regex(String, regex::Error),
     #[error("invalid {0}: {1}")]
     Value(&'static str, String),
+    #[error(transparent)]
+    Suppressions(#[from] crate::heap::suppressions::LoadError),
     #[error("no targets: give --pid, --comm, --cgroup or --all (or pids, comms, cgroups or all in the config file)")]
     NoTargets,
 }
@@ -267,6 +276,9 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     }
     let wrappers = Wrappers::merged(&args.wrappers, file.wrappers, file.auto_wrappers)
         .map_err(|e| ConfigError::Value("wrappers", e))?;
+    let suppressions =
+        if args.suppressions.is_empty() { file.suppressions.unwrap_or_default() } else { args.suppressions.clone() };
+    let suppressions = Suppressions::load(&suppressions)?;
     let http = server::Settings::new(file.http, args.web_config_file.clone())
         .map_err(|(name, e)| ConfigError::Value(name, e))?;
     let access =
@@ -285,6 +297,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         sampling,
         maps,
         wrappers,
+        suppressions,
         http,
         access,
     })
@@ -385,6 +398,22 @@ mod tests {
     }
 
     #[test]
+    fn suppressions_come_from_the_file_unless_flags_name_some() {
+        let dir = std::env::temp_dir().join(format!("memprof-config-supp-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let (good, bad) = (dir.join("good.supp"), dir.join("bad.supp"));
+        fs::write(&good, "{\n ours\n Memcheck:Leak\n fun:cache_*\n}\n").unwrap();
+        fs::write(&bad, "fun:cache_*\n").unwrap();
+        let text = |path: &Path| format!("all = true\nsuppressions = [\"{}\"]\n", path.display());
+        assert!(!parse(&text(&good), DaemonArgs::default()).unwrap().suppressions.is_empty());
+        let err = parse(&text(&bad), DaemonArgs::default()).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}:1: `fun:cache_*` is outside a suppression", bad.display())), "{err}");
+        let args = DaemonArgs { suppressions: vec![good.clone()], ..DaemonArgs::default() };
+        assert!(parse(&text(&bad), args).is_ok(), "the flag wins over the key");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn wrappers_come_from_the_file_unless_flags_name_some() {
         let text = "all = true\nwrappers = [\"my_alloc\"]\nauto_wrappers = false\n";
         let only = |names: &[&str]| {
@@ -440,6 +469,7 @@ mod tests {
         "full_free_stacks",
         "wrappers",
         "auto_wrappers",
+        "suppressions",
         "nope",
     ];
 

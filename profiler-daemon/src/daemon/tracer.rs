@@ -884,6 +884,7 @@ impl Tracer {
         };
         let selection = Selection { is_final: true, top: None, aged_only: false, freed: true, whole_peak: false };
         let mut report = report::build(&ctx, snapshot, kernel, selection);
+        self.config.suppressions.apply(&mut report);
         report.exe = target.exe.clone().unwrap_or_default();
         report.live = true;
         // This interval's reading (`Resident::read_all`): /proc is read once a target an interval.

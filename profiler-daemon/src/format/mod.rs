@@ -7,6 +7,7 @@ mod html;
 mod json;
 pub mod pprof;
 mod reachability;
+pub mod screen;
 mod table;
 
 pub use html::escape;

@@ -25,6 +25,24 @@ pub fn render(report: &Report) -> String {
     out
 }
 
+/// The heap in use by thread (`--threads`).
+fn threads(out: &mut String, report: &Report) {
+    if report.threads.is_empty() {
+        return;
+    }
+    let estimates = if report.sample_bytes != 0 { "; sampled: estimates, each block scaled by its weight" } else { "" };
+    let _ = writeln!(out, "  threads: in use by the thread that allocated it{estimates}");
+    let _ = writeln!(out, "  {:>12} {:>9}  THREAD", "BYTES", "COUNT");
+    for thread in &report.threads {
+        let name = thread.name.as_deref().map_or_else(String::new, |name| format!(" ({name})"));
+        let _ = writeln!(
+            out,
+            "  {:>12} {:>9}  tid {}{name}",
+            thread.outstanding_bytes, thread.outstanding_allocations, thread.tid
+        );
+    }
+}
+
 fn section(report: &Report) -> String {
     let mut out = String::new();
     let t = &report.totals;
@@ -159,7 +177,9 @@ fn section(report: &Report) -> String {
         };
         write_frames(&mut out, &lead, &stack.frames, stack.truncated);
         write_via(&mut out, lead.len(), &stack.via);
-        if let Some(warming_up) = stack.leak.warming_up {
+        if let Some(rule) = &stack.suppressed {
+            let _ = writeln!(out, "{}[suppressed by {rule}]", " ".repeat(lead.len()));
+        } else if let Some(warming_up) = stack.leak.warming_up {
             let _ = writeln!(out, "{}[leak rule {warming_up}]", " ".repeat(lead.len()));
         } else if stack.leak.candidate {
             let _ = writeln!(out, "{}[{}]", " ".repeat(lead.len()), stack.leak.reason);
@@ -173,6 +193,10 @@ fn section(report: &Report) -> String {
     }
     if let Some(inspection) = &report.inspection {
         reachability::summary(&mut out, inspection);
+    }
+    threads(&mut out, report);
+    if let Some(suppressed) = &report.suppressed {
+        let _ = writeln!(out, "  suppressed: {}", suppressed.line());
     }
     mappings(&mut out, &report.mappings);
     let dropped: Vec<String> =

@@ -126,6 +126,23 @@ impl Reachability {
         self.retained_bytes += other.retained_bytes;
         self.reachable_via_heuristic.add(&other.reachable_via_heuristic);
     }
+
+    /// Takes `other`'s blocks out of these classes (a suppressed stack's, out of the totals).
+    pub fn remove(&mut self, other: &Reachability) {
+        for (mine, theirs) in [
+            (&mut self.definitely_lost_bytes, other.definitely_lost_bytes),
+            (&mut self.definitely_lost_blocks, other.definitely_lost_blocks),
+            (&mut self.indirectly_lost_bytes, other.indirectly_lost_bytes),
+            (&mut self.indirectly_lost_blocks, other.indirectly_lost_blocks),
+            (&mut self.possibly_lost_bytes, other.possibly_lost_bytes),
+            (&mut self.possibly_lost_blocks, other.possibly_lost_blocks),
+            (&mut self.reachable_bytes, other.reachable_bytes),
+            (&mut self.reachable_blocks, other.reachable_blocks),
+            (&mut self.retained_bytes, other.retained_bytes),
+        ] {
+            *mine = mine.saturating_sub(theirs);
+        }
+    }
 }
 
 /// One inspection of a process (JSON `"inspection"`).

@@ -2,7 +2,7 @@
 //! the price of tracing (`price`),
 //! filters, double frees, memory mapped outside malloc (`mappings`), and the reachability and C++
 //! types of a process held still (`inspect`, `types`), the allocation wrappers folded into the
-//! allocator (`wrappers`). Imports `kernel`,
+//! allocator (`wrappers`), the stacks a team accepted (`suppressions`), the heap in use by thread (`threads`). Imports `kernel`,
 //! `symbolize`, `process` and `error`; never a map.
 
 pub mod blind_spots;
@@ -22,6 +22,8 @@ pub mod reachability;
 pub mod report;
 pub mod resident;
 pub mod sampling;
+pub mod suppressions;
+pub mod threads;
 pub mod types;
 pub mod untracked;
 pub mod wrappers;

@@ -16,6 +16,8 @@ use crate::{
         mappings::{self, Mappings},
         pinned::Pinned,
         resident::Memory,
+        suppressions::Suppressed,
+        threads::ThreadUse,
         types::{self, TypeCount},
         wrappers::Wrappers,
     },
@@ -98,6 +100,9 @@ pub struct Report {
     /// and flame graph): the largest are shown; the JSON report and profiles have them all.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub stacks_not_shown: u64,
+    /// The stacks `--suppressions` accepted, counted by rule: they stay in `stacks`, marked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suppressed: Option<Suppressed>,
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
@@ -109,6 +114,9 @@ pub struct Report {
     pub lifetimes: Vec<Bucket>,
     /// Allocations freed by another thread than the one that made them.
     pub thread_pairs: Vec<ThreadPair>,
+    /// The heap in use by the thread that allocated it (`--threads`), most bytes first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub threads: Vec<ThreadUse>,
     /// In-use bytes at each interval so far; only in the final report.
     #[serde(default, skip_serializing_if = "Timeline::is_empty")]
     pub timeline: Timeline,
@@ -241,6 +249,9 @@ pub struct StackReport {
     /// Its C++ objects by type, when inspected (`--inspect`): most bytes first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub types: Vec<TypeCount>,
+    /// The suppression (`--suppressions`) that accepted it, by name: it is no leak candidate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suppressed: Option<String>,
     pub frames: Frames,
 }
 
@@ -464,6 +475,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 leak: ctx.leaks.verdict(stack.stack_id),
                 reachability: None,
                 types: Vec::new(),
+                suppressed: None,
                 frames: symbolized.frames,
             }
             .aged_at(snapshot.now_ns)
@@ -505,12 +517,14 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         dropped: dropped(snapshot),
         unattributed_dropped: unattributed_dropped(kernel),
         stacks_not_shown: 0,
+        suppressed: None,
         modules,
         stacks,
         double_frees: ctx.double_frees.to_vec(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
         lifetimes: power_of_two_buckets(&snapshot.lifetimes.buckets),
         thread_pairs: thread_pairs(snapshot),
+        threads: Vec::new(),
         timeline: if selection.is_final {
             ctx.leaks.timeline(|id| report_ids.get(&id).cloned())
         } else {
@@ -901,6 +915,7 @@ pub mod samples {
             dropped: DropReason::ALL.iter().map(|r| (r.name(), 0)).collect(),
             unattributed_dropped: BTreeMap::new(),
             stacks_not_shown: 0,
+            suppressed: None,
             stacks: vec![StackReport {
                 stack_id: "00".into(),
                 outstanding_bytes: 48,
@@ -918,6 +933,7 @@ pub mod samples {
                 leak: LeakVerdict::default(),
                 reachability: None,
                 types: Vec::new(),
+                suppressed: None,
                 frames: vec![frame("leak_here", Some("leaky.c"), Some(12))].into(),
             }],
             modules: vec![Module {
@@ -931,6 +947,7 @@ pub mod samples {
             sizes: vec![],
             lifetimes: vec![],
             thread_pairs: vec![],
+            threads: Vec::new(),
             timeline: Timeline::default(),
             children: Vec::new(),
             forks: None,

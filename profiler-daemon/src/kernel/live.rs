@@ -38,6 +38,29 @@ pub fn by_process(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u
     Ok(blocks)
 }
 
+/// One live block as the per-thread view counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadBlock {
+    pub tid: u32,
+    pub size: u64,
+    /// Recorded by sampling (`profiler_common::SAMPLED`): it stands for more than itself.
+    pub sampled: bool,
+}
+
+/// Calls `each` with every block of `tgids` and its process. One walk of `LIVE`.
+pub fn for_each_thread_block(
+    ebpf: &Ebpf,
+    tgids: &HashSet<u32>,
+    mut each: impl FnMut(u32, ThreadBlock),
+) -> anyhow::Result<()> {
+    batch::for_each(aggregate::map(ebpf, "LIVE")?, |key: &AddrKey, live: &LiveAlloc| {
+        if tgids.contains(&key.tgid) {
+            let sampled = live.func & profiler_common::SAMPLED != 0;
+            each(key.tgid, ThreadBlock { tid: live.tid, size: live.size, sampled });
+        }
+    })
+}
+
 /// `tgid`'s heap figures (`PROC_HEAP`), which every allocation and free it makes changes after
 /// changing `LIVE`: the same at two moments, `LIVE` held the same blocks of `tgid`'s at both
 /// (it bumps its size histogram at each allocation, its lifetime histogram or bytes in use at

@@ -48,6 +48,19 @@ pub fn stat(pid: u32) -> Option<Stat> {
     Some(Stat { zombie: stat.zombie && live_thread(pid).is_none(), ..stat })
 }
 
+/// `pid`'s threads now and their names (`/proc/PID/task/TID/comm`), made printable.
+pub fn thread_names(pid: u32) -> Vec<(u32, String)> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .filter_map(|task| {
+            let task = task.ok()?;
+            let tid = task.file_name().to_str()?.parse().ok()?;
+            let name = fs::read_to_string(task.path().join("comm")).ok()?;
+            Some((tid, printable(name.trim_end_matches('\n')).into_owned()))
+        })
+        .collect()
+}
+
 /// The processes `pid`'s threads have forked and not yet reaped (`/proc/PID/task/TID/children`).
 pub fn children(pid: u32) -> io::Result<Vec<u32>> {
     let mut children = Vec::new();

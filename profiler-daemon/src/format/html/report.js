@@ -91,7 +91,7 @@ function leakSection(report) {
     return section('leaks', 'Leak candidates', el('p', { id: 'no-leaks', class: warming ? 'note' : undefined },
       warming ? `No verdict yet: the leak rule is ${leakState(warming)}.`
         : earlier > 0 ? `No stack is a leak candidate now; ${grouped(earlier)} were earlier (their lines are in the timeline).`
-          : 'No stack is a leak candidate.'));
+          : 'No stack is a leak candidate.'), suppressedNote(report));
   }
   const rows = candidates.map(s => el('tr', { class: 'leak', 'data-stack': s.stack_id },
     num(s.leak.score.toFixed(2), { class: 'num score' }),
@@ -101,7 +101,17 @@ function leakSection(report) {
     el('td', { class: 'reason' }, s.leak.reason),
     el('td', {}, stackDetails(s, true))));
   return section('leaks', 'Leak candidates',
-    table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }));
+    table(['score', 'bytes in use', 'allocations in use', 'oldest', 'why', 'stack'], rows, { id: 'leak-table' }),
+    suppressedNote(report));
+}
+
+// The stacks --suppressions accepted: no leak candidates, and never left out unsaid.
+function suppressedNote(report) {
+  const s = report.suppressed;
+  if (!s) return null;
+  const rules = s.by_rule.map(r => `${r.rule} (${grouped(r.stacks)})`).join(', ');
+  return el('p', { id: 'suppressed', class: 'note' },
+    `Suppressed: ${grouped(s.stacks)} stacks, ${grouped(s.bytes)} bytes, by rule ${rules}.`);
 }
 
 // `warming up (2 of 6 intervals)`: the rule has too few of the stack's intervals for a verdict.
@@ -184,6 +194,18 @@ function threadSection(report) {
     table(['allocating thread', 'freeing thread', 'frees', 'bytes freed'], rows, { id: 'thread-table' }));
 }
 
+// The heap in use by the thread that allocated it (`--threads`).
+function threadUseSection(report) {
+  if (!report.threads || report.threads.length === 0) return null;
+  const rows = report.threads.map(t => el('tr', { 'data-tid': t.tid },
+    el('td', {}, t.name ? `${t.tid} (${t.name})` : String(t.tid)),
+    num(grouped(t.outstanding_bytes), { 'data-key': 'outstanding_bytes' }),
+    num(grouped(t.outstanding_allocations), { 'data-key': 'outstanding_allocations' })));
+  const estimates = report.sample_bytes ? el('p', { class: 'note' }, 'Sampled: estimates, each block scaled by its weight.') : null;
+  return section('thread-use', 'In use by thread', estimates,
+    table(['thread', 'bytes in use', 'allocations in use'], rows, { id: 'thread-use-table' }));
+}
+
 function doubleFreeSection(report) {
   if (report.double_frees.length === 0) return section('double-frees', 'Double frees', el('p', { class: 'note' }, 'None.'));
   return section('double-frees', 'Double frees', report.double_frees.map(d => el('div', { class: 'double-free bad' },
@@ -226,6 +248,7 @@ function render() {
     mappingSection(report),
     histogram('sizes', 'Allocation sizes', report.sizes, sizeRange, 'No allocation seen.'),
     histogram('lifetimes', 'Lifetimes of freed allocations', report.lifetimes, lifetimeRange, 'No allocation seen freed.'),
+    threadUseSection(report),
     threadSection(report),
     doubleFreeSection(report)].filter(Boolean));
 }

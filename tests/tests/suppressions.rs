@@ -1,0 +1,237 @@
+//! `--suppressions` (valgrind's file format) and `--gen-suppressions`, on
+//! tests/fixtures/suppressions.c, whose truth is known: at exit accepted_cache holds 24,000
+//! bytes, accepted_init 7,200 and real_leak 12,288, each in 24 blocks, each a leak candidate.
+
+use std::{path::PathBuf, process::Command, sync::OnceLock};
+
+use memprof_tests::{fixture, memprof, run, Outcome};
+use serde_json::{json, Value};
+
+/// The team's file: one rule as valgrind writes them (from `malloc`), one as memprof's
+/// frames read (a wildcard, then the site).
+const ACCEPTED: &str = "\
+# accepted by the team
+{
+   cache
+   Memcheck:Leak
+   match-leak-kinds: definite
+   fun:malloc
+   fun:accepted_cache
+   fun:cache_fill
+   fun:main
+}
+{
+   init
+   Memcheck:Leak
+   ...
+   fun:accepted_init
+   fun:main
+}
+";
+
+static RECORDING: OnceLock<PathBuf> = OnceLock::new();
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("memprof-suppressions-{}-{name}", std::process::id()))
+}
+
+fn written(name: &str, text: &str) -> String {
+    let path = temp(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// A recording of the fixture without suppressions, made once.
+fn recording() -> &'static str {
+    RECORDING
+        .get_or_init(|| {
+            let path = temp("run.rec");
+            let outcome = run(&["--interval", "0.2", "--record", path.to_str().unwrap()], &[program().as_str()]);
+            assert!(outcome.status.success(), "{outcome:?}");
+            // Without suppressions, the three sites are leak candidates.
+            let end = outcome.final_report();
+            assert_eq!(
+                candidates(&end),
+                owned(&[("accepted_cache", 24_000), ("accepted_init", 7_200), ("real_leak", 12_288)])
+            );
+            path
+        })
+        .to_str()
+        .unwrap()
+}
+
+fn program() -> String {
+    fixture("suppressions").to_str().unwrap().to_string()
+}
+
+/// `(site, bytes)` of the leak candidates, by site.
+fn candidates(report: &Value) -> Vec<(String, u64)> {
+    let mut sites: Vec<(String, u64)> = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["leak"]["candidate"] == true)
+        .map(|s| (s["frames"][0]["function"].as_str().unwrap().to_string(), s["outstanding_bytes"].as_u64().unwrap()))
+        .collect();
+    sites.sort();
+    sites
+}
+
+fn owned(sites: &[(&str, u64)]) -> Vec<(String, u64)> {
+    sites.iter().map(|&(s, n)| (s.to_string(), n)).collect()
+}
+
+fn report(args: &[&str]) -> Outcome {
+    let all: Vec<&str> = ["report", recording()].iter().chain(args).copied().collect();
+    memprof(&all)
+}
+
+#[test]
+fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
+    let accepted = written("accepted.supp", ACCEPTED);
+    let outcome = report(&["--json", "--at", "final", "--suppressions", &accepted]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let end = outcome.final_report();
+    assert_eq!(candidates(&end), owned(&[("real_leak", 12_288)]));
+    let expected = json!({"stacks": 2, "bytes": 31_200, "by_rule": [
+        {"rule": "cache", "stacks": 1, "bytes": 24_000}, {"rule": "init", "stacks": 1, "bytes": 7_200}]});
+    assert_eq!(end["suppressed"], expected);
+    let marked = |site: &str| {
+        end["stacks"].as_array().unwrap().iter().find(|s| s["frames"][0]["function"] == site).unwrap()["suppressed"]
+            .clone()
+    };
+    assert_eq!(
+        (marked("accepted_cache"), marked("accepted_init"), marked("real_leak")),
+        (json!("cache"), json!("init"), Value::Null)
+    );
+
+    let table = report(&["--at", "final", "--suppressions", &accepted]).stdout;
+    assert!(table.contains("  suppressed: 2 stacks, 31200 bytes, by rule cache (1), init (1)\n"), "{table}");
+    assert!(table.contains("[suppressed by cache]"), "{table}");
+    let html = report(&["--format", "html", "--suppressions", &accepted]).stdout;
+    assert!(html.contains("\"suppressed\":{\"stacks\":2,\"bytes\":31200"), "the page's data says it");
+
+    // Live, with a CI gate: only the real leak's bytes count.
+    let live = run(
+        &["--interval", "0.2", "--suppressions", &accepted, "--fail-on-leak-bytes", "12288"],
+        &[program().as_str()],
+    );
+    assert!(live.status.success(), "{live:?}");
+    let end = live.final_report();
+    assert_eq!(candidates(&end), owned(&[("real_leak", 12_288)]));
+    assert_eq!(end["suppressed"], expected);
+}
+
+/// With `--inspect`, the accepted stacks' blocks leave the classes: what is classed is the real
+/// leak's alone (its last block's pointer may linger in a register or on the stack: reachable).
+#[test]
+fn inspected_accepted_blocks_leave_the_lost_classes() {
+    let accepted = written("inspect.supp", ACCEPTED);
+    let args = ["--interval", "0.2", "--inspect", "--duration", "3", "--suppressions", &accepted];
+    let outcome = run(&args, &[program().as_str(), "--linger"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let end = outcome.final_report();
+    let totals = &end["inspection"]["totals"];
+    let classed = |what: &str| -> u64 {
+        ["definitely_lost", "indirectly_lost", "possibly_lost", "reachable"]
+            .iter()
+            .map(|class| totals[format!("{class}_{what}")].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!((classed("bytes"), classed("blocks")), (12_288, 24), "{totals}");
+    assert!(totals["definitely_lost_bytes"].as_u64().unwrap() >= 12_288 - 512, "{totals}");
+    assert_eq!(end["suppressed"]["bytes"], 31_200, "{}", end["suppressed"]);
+    let stacks = end["stacks"].as_array().unwrap();
+    let at = |site: &str| stacks.iter().find(|s| s["frames"][0]["function"] == site).unwrap();
+    assert_eq!(at("accepted_cache")["reachability"], Value::Null);
+    assert!(at("real_leak")["reachability"].is_object());
+}
+
+#[test]
+fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
+    let outcome = report(&["--at", "final", "--gen-suppressions", "-o", temp("gen.txt").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let generated = outcome.stdout;
+    assert_eq!(generated.matches("Memcheck:Leak").count(), 3, "{generated}");
+    assert!(generated.contains("   fun:*\n   fun:accepted_cache\n   fun:cache_fill\n   fun:main\n}\n"), "{generated}");
+    let file = written("generated.supp", &generated);
+    let end = report(&["--json", "--at", "final", "--suppressions", &file]).final_report();
+    assert_eq!(candidates(&end), owned(&[]));
+    assert_eq!((&end["suppressed"]["stacks"], &end["suppressed"]["bytes"]), (&json!(3), &json!(43_488)));
+    if let Some(used) = valgrind(&file) {
+        let mut bytes: Vec<u64> = used.iter().map(|(_, bytes)| *bytes).collect();
+        bytes.sort();
+        assert_eq!(bytes, [7_200, 12_288, 24_000], "{used:?}");
+    }
+    // A session writes the same rules after its final report, whatever its --top.
+    let session = memprof(&["run", "--interval", "0.2", "--top", "1", "--gen-suppressions", "--", &program()]);
+    assert!(session.status.success(), "{session:?}");
+    let rules = &session.stdout[session.stdout.find("{\n").expect("rules after the report")..];
+    assert_eq!(rules, generated, "{}", session.stdout);
+    let refused = memprof(&["report", recording(), "--json", "--gen-suppressions"]);
+    assert!(!refused.status.success());
+    assert!(
+        refused.stderr.contains("write the report to a file (-o FILE) or give --format table"),
+        "{}",
+        refused.stderr
+    );
+}
+
+/// Where valgrind is installed: the same rules suppress the same bytes in memcheck.
+#[test]
+fn valgrind_suppresses_the_same_sites_with_the_same_file() {
+    let accepted = written("valgrind.supp", ACCEPTED);
+    let Some(used) = valgrind(&accepted) else { return };
+    assert_eq!(used, [("cache".to_string(), 24_000), ("init".to_string(), 7_200)]);
+    let end = report(&["--json", "--at", "final", "--suppressions", &accepted]).final_report();
+    let ours: Vec<(String, u64)> = end["suppressed"]["by_rule"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rule"].as_str().unwrap().to_string(), r["bytes"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(ours, used);
+}
+
+/// `(rule, bytes suppressed)` of each rule memcheck used on the fixture, by rule name; None
+/// without valgrind.
+fn valgrind(file: &str) -> Option<Vec<(String, u64)>> {
+    let output = Command::new("valgrind")
+        .args(["-v", "--leak-check=full", "--default-suppressions=no", &format!("--suppressions={file}")])
+        .arg(program())
+        .output()
+        .ok()?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "valgrind refused the file: {stderr}");
+    // `--1234-- used_suppression:      1 cache /tmp/x.supp:3 suppressed: 24,000 bytes in 24 blocks`
+    let mut used: Vec<(String, u64)> = stderr
+        .lines()
+        .filter_map(|line| line.split_once("used_suppression:"))
+        .filter_map(|(_, rest)| {
+            let (name_and_file, suppressed) = rest.split_once(" suppressed: ")?;
+            let mut words = name_and_file.split_whitespace();
+            let (_count, _file) = (words.next()?, words.next_back()?);
+            let name = words.collect::<Vec<_>>().join(" ");
+            let bytes = suppressed.split(" bytes").next()?.replace(',', "").parse().ok()?;
+            Some((name, bytes))
+        })
+        .collect();
+    used.sort();
+    Some(used)
+}
+
+#[test]
+fn a_malformed_file_is_refused_in_one_line_with_its_place() {
+    let bad = written("bad.supp", "{\n   cache\n   Memcheck:Leak\n   func:accepted_cache\n}\n");
+    let outcome = report(&["--suppressions", &bad]);
+    assert!(!outcome.status.success());
+    assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);
+    assert!(
+        outcome.stderr.contains(&format!("{bad}:4: `func:accepted_cache` is not a frame; give fun:NAME")),
+        "{}",
+        outcome.stderr
+    );
+    let missing = memprof(&["run", "--suppressions", "/nonexistent.supp", "--", "true"]);
+    assert!(!missing.status.success());
+    assert!(missing.stderr.contains("reading the suppressions file /nonexistent.supp"), "{}", missing.stderr);
+}
