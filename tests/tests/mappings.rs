@@ -148,11 +148,13 @@ fn the_daemon_exports_the_mapped_bytes() {
 fn an_exact_targets_purges_are_not_sent_and_it_settles() {
     let mut target = Waiting::start(&fixture("madvise_purge"), &[]);
     let pid = target.pid();
-    let daemon = Daemon::start(&["--mappings", "--pid", &pid.to_string(), "--leak-window", "2", "--interval", "0.5"]);
+    let daemon = Daemon::start(&["--mappings", "--pid", &pid.to_string(), "--leak-window", "2"]);
     daemon.wait_traced(pid);
     target.go();
     let series = format!("memprof_mmap_outstanding_bytes{{pid=\"{pid}\",comm=\"madvise_purge\"}}");
     wait_for(20, "the range mapped", || metric(daemon.port, &series).filter(|&bytes| bytes > 0));
-    wait_for(30, "the purging target settled", || (metric(daemon.port, "memprof_settled_targets") == Some(1)).then_some(()));
+    wait_for(30, "the purging target settled", || {
+        (metric(daemon.port, "memprof_settled_targets") == Some(1)).then_some(())
+    });
     assert_eq!(metric(daemon.port, &series), Some(16 * PAGE), "the range stays mapped: madvise keeps it");
 }
