@@ -196,7 +196,7 @@ impl Resident {
                 pinned_pages: self.pinned.pages,
                 pinned_bytes: self.pinned.bytes,
                 // Milliseconds are enough, and keep the JSON short.
-                pinned_age_s: self.pinned_at.map_or(0.0, |at| seconds_since(at)),
+                pinned_age_s: self.pinned_at.map_or(0.0, seconds_since),
                 age_s: 0.0,
             };
             self.last.set(Some((memory, Instant::now())));
