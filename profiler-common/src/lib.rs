@@ -889,6 +889,10 @@ pub mod traced {
     /// own. Set before its first link is attached and kept while it is traced, so that exactly
     /// one of the two kinds of links records each call.
     pub const SHARED: u32 = 2;
+    /// Traced by the pages it touches (`--growth`, or switched above `--max-rate`): only such a
+    /// process's `madvise` releases are sent, as only its pages need them. Kept across its
+    /// entry's rewrites while it is traced.
+    pub const GROWTH: u32 = 4;
 }
 
 const _: () = {

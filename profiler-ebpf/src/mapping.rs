@@ -2,6 +2,9 @@
 //! and `brk`, and gives back with `madvise`, seen at the raw system-call tracepoints (they attach
 //! by name, without tracefs). The page faults of a process traced by them (`growth`) go through
 //! the same ring, so that the daemon sees each page's touch and its range's changes in order.
+//! A `madvise` keeps the range mapped and gives back only its pages: it is sent for a process
+//! traced by its pages only (`traced::GROWTH`), as allocators such as jemalloc purge with it
+//! all the time and no other process's ranges change by it.
 //!
 //! The program fires at the return of every system call of every process on the machine (the
 //! return probes' trampoline makes one at each probed allocator call's return, too) and returns
@@ -25,7 +28,7 @@ use aya_ebpf::{
     maps::RingBuf,
     programs::RawTracePointContext,
 };
-use profiler_common::{mapping_event, stack_table, DropReason, MappingEvent, NO_STACK};
+use profiler_common::{mapping_event, stack_table, traced, DropReason, MappingEvent, NO_STACK};
 
 use crate::{
     process,
@@ -73,8 +76,8 @@ pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let (tgid, tid) = ids();
-    if process::traced(tgid) {
-        on_exit(regs, id, ctx.arg(1), tgid, tid);
+    if let Some(flags) = process::traced_flags(tgid) {
+        on_exit(regs, id, ctx.arg(1), flags, tgid, tid);
     }
     0
 }
@@ -96,7 +99,15 @@ struct Change {
     grows: bool,
 }
 
-fn on_exit(regs: u64, id: u64, ret: i64, tgid: u32, tid: u32) {
+impl Change {
+    /// `[addr, addr + len)` changed by `kind` without a stack: nothing given to the process.
+    fn range(kind: u32, addr: u64, len: u64) -> Self {
+        Change { kind, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: false }
+    }
+}
+
+/// `process_flags` are the process's `traced::` flags.
+fn on_exit(regs: u64, id: u64, ret: i64, process_flags: u32, tgid: u32, tid: u32) {
     let (arg0, arg1) = (register(regs, offset_of!(pt_regs, rdi)), register(regs, offset_of!(pt_regs, rsi)));
     let change = match id {
         // The break after the call (brk fails by returning the old one, never an error number):
@@ -124,35 +135,22 @@ fn on_exit(regs: u64, id: u64, ret: i64, tgid: u32, tid: u32) {
                 Change { kind: mapping_event::MAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: true }
             } else if flags & MAP_FIXED != 0 {
                 // Replaced whatever was there.
-                Change { kind: mapping_event::UNMAP, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: false }
+                Change::range(mapping_event::UNMAP, addr, len)
             } else {
                 return;
             }
         }
         SYS_MADVISE => {
+            if process_flags & traced::GROWTH == 0 {
+                return;
+            }
             let advice = register(regs, offset_of!(pt_regs, rdx));
             if !matches!(advice, MADV_DONTNEED | MADV_FREE | MADV_REMOVE | MADV_DONTNEED_LOCKED) {
                 return;
             }
-            Change {
-                kind: mapping_event::RELEASE,
-                addr: arg0,
-                len: arg1,
-                new_addr: 0,
-                new_len: 0,
-                flags: 0,
-                grows: false,
-            }
+            Change::range(mapping_event::RELEASE, arg0, arg1)
         }
-        SYS_MUNMAP => Change {
-            kind: mapping_event::UNMAP,
-            addr: arg0,
-            len: arg1,
-            new_addr: 0,
-            new_len: 0,
-            flags: 0,
-            grows: false,
-        },
+        SYS_MUNMAP => Change::range(mapping_event::UNMAP, arg0, arg1),
         _ => {
             let (new_len, flags) = (register(regs, offset_of!(pt_regs, rdx)), register(regs, offset_of!(pt_regs, r10)));
             let keep_old = if flags & MREMAP_DONTUNMAP != 0 { mapping_event::KEEP_OLD } else { 0 };

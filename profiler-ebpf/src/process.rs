@@ -58,6 +58,12 @@ pub fn traced(tgid: u32) -> bool {
     unsafe { TRACED.get(tgid) }.is_some()
 }
 
+/// The `traced::` flags of process `tgid`, when it is traced.
+#[inline(always)]
+pub fn traced_flags(tgid: u32) -> Option<u32> {
+    unsafe { TRACED.get(tgid) }.copied()
+}
+
 #[inline(always)]
 fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)

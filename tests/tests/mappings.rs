@@ -138,3 +138,23 @@ fn the_daemon_exports_the_mapped_bytes() {
     let allocator = format!("memprof_mmap_allocator_bytes{{pid=\"{pid}\",comm=\"mmap_only\"}}");
     assert_eq!(metric(daemon.port, &allocator), Some(0));
 }
+
+/// A target traced exactly gives memory back with `madvise` all the time (jemalloc purges so):
+/// only growth mode needs those calls, and the kernel sends none of them for it. What the
+/// daemon learns of a target by its mappings counts in whether it is still, so the target,
+/// which allocates and maps nothing after its one range, settles (a purge sent would keep it
+/// moving at every interval), and its range stays held whole.
+#[test]
+fn an_exact_targets_purges_are_not_sent_and_it_settles() {
+    let mut target = Waiting::start(&fixture("madvise_purge"), &[]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--mappings", "--pid", &pid.to_string(), "--leak-window", "2"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_mmap_outstanding_bytes{{pid=\"{pid}\",comm=\"madvise_purge\"}}");
+    wait_for(20, "the range mapped", || metric(daemon.port, &series).filter(|&bytes| bytes > 0));
+    wait_for(30, "the purging target settled", || {
+        (metric(daemon.port, "memprof_settled_targets") == Some(1)).then_some(())
+    });
+    assert_eq!(metric(daemon.port, &series), Some(16 * PAGE), "the range stays mapped: madvise keeps it");
+}

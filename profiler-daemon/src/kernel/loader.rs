@@ -375,6 +375,8 @@ impl Loaded {
         if let Some(mappings) = &mut self.mappings {
             mappings.watch_pages(pid.get(), &existing);
         }
+        // Before its first fault: a page it touches is given back by `madvise` too from then on.
+        self.update_traced(pid.get(), |flags| flags | profiler_common::traced::GROWTH)?;
         let mut attachment = Attachment::default();
         attachment.add_page_faults(faults::open(&mut self.ebpf, pid.get())?);
         Ok(attachment)
@@ -435,12 +437,20 @@ impl Loaded {
         self.track_sharing(pid, shares)
     }
 
-    /// `track`, and whether links shared per file record `pid` (`traced::SHARED`).
+    /// `track`, and whether links shared per file record `pid` (`traced::SHARED`). A process
+    /// traced by its pages stays so (`traced::GROWTH`, see `watch_pages`).
     fn track_sharing(&mut self, pid: u32, shares: bool) -> anyhow::Result<()> {
-        use profiler_common::traced::{FOLLOW_FORKS, SHARED};
+        use profiler_common::traced::{FOLLOW_FORKS, GROWTH, SHARED};
         let flags = if self.follow_forks { FOLLOW_FORKS } else { 0 } | if shares { SHARED } else { 0 };
+        self.update_traced(pid, |old| flags | old & GROWTH)
+    }
+
+    /// Writes `pid`'s `TRACED` entry as `update` makes it from the flags it has (0 when none).
+    /// Only the daemon's thread writes the map.
+    fn update_traced(&mut self, pid: u32, update: impl FnOnce(u32) -> u32) -> anyhow::Result<()> {
         let mut traced: aya::maps::HashMap<_, u32, u32> =
             aya::maps::HashMap::try_from(self.ebpf.map_mut("TRACED").context("map TRACED missing")?)?;
+        let flags = update(traced.get(&pid, 0).unwrap_or(0));
         traced.insert(pid, flags, 0)?;
         Ok(())
     }
