@@ -616,10 +616,9 @@ impl StackEnd {
 }
 
 /// Pages of the user stack a deferred walk copies, from the one holding the stack pointer up:
-/// at least 28 KiB above it, and up to 32 KiB. Fewer were not enough: perl's start-up walks,
-/// deferred above `Perl_set_caret_X` and its 4 KiB buffer, needed more than two pages, and
-/// python3's, deferred inside its nested imports, need up to 23 KiB (measured with an
-/// LD_PRELOAD shim comparing each malloc's stack pointer with `__libc_stack_end`).
+/// at least 28 KiB above it, and up to 32 KiB. Fewer were not enough for perl's start-up walks,
+/// deferred above `Perl_set_caret_X` and its 4 KiB buffer, nor for python3's, deferred inside
+/// its nested imports (docs: performance.md#measurements-behind-design-choices).
 pub const DEFERRED_PAGES: usize = 8;
 pub const PAGE_BYTES: usize = 4096;
 

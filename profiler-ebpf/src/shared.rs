@@ -12,7 +12,8 @@ use aya_ebpf::{
 use profiler_common::{DropReason, ProcDrops};
 
 /// Hash maps allocate entries as they fill instead of all at load: at the default capacities a
-/// preallocated `LIVE` alone would pin about 100 MiB of kernel memory for an idle process.
+/// preallocated `LIVE` alone would pin most of an idle memprof's kernel memory
+/// (docs: performance.md#measurements-behind-design-choices).
 pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 
 /// Every event memprof could not record, by process (tgid) and reason: read by the daemon, shown

@@ -56,9 +56,10 @@ static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 
 /// For the daemon to read new files' tables: processes whose mappings changed (their tgids, 4
 /// bytes), and walks that stopped at a file with no table yet (`DeferredUnwind`). One ring, so
-/// that a deferred walk comes after the mapping change that explains it. 16 MiB: about 500
-/// deferred walks (32 KiB copies) at once, each stored once (see `defer`): LLVM's first JIT set-up under
-/// postgres makes hundreds while its 100 MB table is built.
+/// that a deferred walk comes after the mapping change that explains it. 16 MiB: room for
+/// hundreds of deferred walks (32 KiB copies) at once, each stored once (see `defer`). LLVM's
+/// first JIT set-up under postgres makes that many while its large table is built
+/// (docs: performance.md#measurements-behind-design-choices).
 #[map]
 static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(UNWIND_EVENTS_BYTES as u32, 0);
 const UNWIND_EVENTS_BYTES: u64 = 16 * 1024 * 1024;
@@ -137,8 +138,9 @@ struct Scratch {
 
 /// Bytes of the user stack copied at once. A walk reads two words per frame, all close together:
 /// each `bpf_probe_read_user` costs far more than the bytes it copies, so one copy serves several
-/// frames (on the tight loop, a whole walk). 2 KiB: against 1 KiB, perl's deep stacks cost 5% less
-/// a walk and the loop's the same; 4 KiB made the loop's 7% dearer (paired runs, BPF statistics).
+/// frames (on the tight loop, a whole walk). 2 KiB: cheaper than 1 KiB on perl's deep stacks and
+/// the same on the loop; 4 KiB made the loop's walks dearer
+/// (docs: performance.md#measurements-behind-design-choices).
 const WINDOW_WORDS: usize = 256;
 
 /// A copy of the user stack from `start`, `len` bytes (0: none yet).

@@ -4,8 +4,8 @@
 //!
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
-//! cost alone and rewrites that section only (a minute and a half instead of the whole bench);
-//! `--only services` likewise the real services' (`services`: redis-server, a few minutes);
+//! cost alone and rewrites that section only (a fraction of the whole bench's time);
+//! `--only services` likewise the real services' (`services`: redis-server);
 //! `--only rest` the daemon at rest (`rest`: 1,000 idle processes and 65,536 stacks, 5 minutes).
 
 pub(crate) mod daemon;

@@ -42,7 +42,8 @@ const TESTS: [(&str, &str); 7] = [
     ("usdt", "run_counts_each_sample_at_its_weight"),
 ];
 
-/// How long one test may take in the guest: loading the programs takes 10-100 s under emulation.
+/// How long one test may take in the guest: loading the programs is slow under emulation
+/// (docs: performance.md#measurements-behind-design-choices).
 const TEST_LIMIT: Duration = Duration::from_secs(600);
 /// The harness's waits in the guest, times this (`MEMPROF_TEST_TIME_SCALE`).
 const TIME_SCALE: u32 = 10;

@@ -111,7 +111,8 @@ pub fn build_deb(out: &Path) -> anyhow::Result<PathBuf> {
     // Its "building package" line to stderr: `deb` prints the package's path alone on stdout.
     run_with(
         Command::new("dpkg-deb")
-            // gzip: a second where xz takes ten on a busy 2-core machine, for a package 30% larger.
+            // gzip: far faster than xz on a busy 2-core machine, for a somewhat larger package
+            // (docs: performance.md#measurements-behind-design-choices).
             .args(["--root-owner-group", "-Zgzip", "--build"])
             .arg(&stage)
             .arg(&deb)

@@ -21,9 +21,9 @@ use crate::{
     unwind::UnwindMode,
 };
 
-/// Most processes traced at once unless told: the scale measured and tested (BENCHMARKS.md, Scale:
-/// attached within seconds, let go within a second, about 14% of a core and 100 MiB at rest at
-/// the default interval), well under the kernel's table of traced processes (4,096).
+/// Most processes traced at once unless told: the scale measured and tested, attach and exit times
+/// and the cost at rest (docs: performance.md#scale), well under the kernel's table of traced
+/// processes (4,096).
 pub const DEFAULT_MAX_TARGETS: usize = 1000;
 
 /// Seconds between scans of /proc unless told (see `Config::resync`).

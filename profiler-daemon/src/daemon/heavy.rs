@@ -105,8 +105,9 @@ fn in_background<T>(build: impl FnOnce() -> T) -> T {
 }
 
 /// Heavy answers take what CPU is left: with `MAX_BUILDS` of them on a 2-core host, `/metrics`
-/// waited up to 1.5 s behind them at equal priority. Nice 10 on this (blocking pool) thread only;
-/// the pool's other work, password checks, may keep it.
+/// waited long behind them at equal priority
+/// (docs: performance.md#measurements-behind-design-choices). Nice 10 on this
+/// (blocking pool) thread only; the pool's other work, password checks, may keep it.
 fn lower_priority() {
     // SAFETY: plain syscalls on the calling thread.
     unsafe {

@@ -16,8 +16,9 @@ pub const DEFAULT_SAMPLE_BYTES: u64 = 64 * 1024;
 /// The largest `--sample-bytes`: 1 GiB.
 pub const MAX_SAMPLE_BYTES: u64 = 1 << 30;
 
-/// `--max-rate` when none is given to `attach` or the daemon: the rate at which tracing every call costs about a
-/// quarter of a core on the costliest service measured (docs: guide/sampling.md#the-price-of-tracing).
+/// `--max-rate` when none is given to `attach` or the daemon: the rate up to which tracing every call
+/// costs the costliest service measured an affordable share of a core
+/// (docs: guide/sampling.md#the-price-of-tracing).
 pub const DEFAULT_MAX_RATE: u64 = 50_000;
 
 #[derive(Debug, Args, Clone, Copy, Default, PartialEq, Eq)]

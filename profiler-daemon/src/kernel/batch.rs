@@ -20,8 +20,9 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// Entries asked for at once, at most: fewer when they would take more than `BUFFER_BYTES`; grown
 /// when one hash bucket holds more.
 const MOST_ENTRIES: usize = 4096;
-/// The keys' and values' buffers together: 4,096 entries of `STACKS` (1 KiB values) took 4 MiB,
-/// allocated and freed at each walk (several an interval), which the allocator kept resident.
+/// The keys' and values' buffers together. `MOST_ENTRIES` entries of `STACKS` (1 KiB values) were
+/// allocated and freed at each walk (several an interval), and the allocator kept them resident
+/// (docs: performance.md#measurements-behind-design-choices).
 const BUFFER_BYTES: usize = 256 * 1024;
 
 /// The batch part of `union bpf_attr` (linux/bpf.h).
@@ -105,7 +106,7 @@ mod tests {
 
     #[test]
     fn buffers_stay_within_their_bytes_whatever_the_entries_size() {
-        // A stack table's entries: 1 KiB values, 252 a call instead of 4,096 (4 MiB).
+        // A stack table's entries: 1 KiB values, far fewer a call than `MOST_ENTRIES`.
         let stack_entry = size_of::<u64>() + size_of::<Stack>();
         assert_eq!(first_chunk(stack_entry), 252);
         assert!(first_chunk(stack_entry) * stack_entry <= BUFFER_BYTES);

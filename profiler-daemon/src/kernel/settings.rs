@@ -27,7 +27,8 @@ pub struct LoadSettings {
     pub max_unwind_rows: u32,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks (memory outside
     /// malloc). Off by default: its program runs at the return of every system call on the
-    /// host, which then takes the kernel's slower traced path (about 9% more per malloc here).
+    /// host, which then takes the kernel's slower traced path: every malloc costs more
+    /// (docs: performance.md#measurements-behind-design-choices).
     #[arg(long)]
     pub mappings: bool,
     /// Walk the stack of every free, so that a double free's first free shows its whole stack.
@@ -47,7 +48,8 @@ pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     unwind: UnwindMode::Cfi,
     max_frames: profiler_common::MAX_FRAMES as u32,
     // 256 MiB at most: room for the largest programs measured (gdb, postgres with its JIT, a
-    // 100 MB C++ library: 1 to 3 million rows each), none of it taken before it is needed.
+    // large C++ library; docs: performance.md#measurements-behind-design-choices),
+    // none of it taken before it is needed.
     max_unwind_rows: 1 << 24,
     mappings: false,
     full_free_stacks: false,

@@ -3,7 +3,8 @@
 //!
 //! A uprobe belongs to a file's inode: registering or unregistering one makes the kernel visit
 //! every process that maps the file, whatever the link's pid filter. A link per process on the C
-//! library thus costs N walks over N processes (600 processes stalled a host for 20 minutes).
+//! library thus costs N walks over N processes, which stalled a host for minutes at a few
+//! hundred processes (docs: performance.md#measurements-behind-design-choices).
 //! One link per (file, program) for every process (pid 0) costs one walk, and starting or
 //! stopping to trace a process is a map update; but the kernel then puts its breakpoints in
 //! every process that maps the file, traced or not, and each of them takes a trap per call.

@@ -67,7 +67,8 @@ const HUGE: usize = 2 << 20;
 
 /// `len` zero bytes, whose pages are taken from the system only when written (calloc), and in
 /// huge pages when at least half of them will be (the runs of `data`): one page fault per 2 MiB
-/// instead of per 4 KiB, the most of a copy's time on a VM.
+/// instead of per 4 KiB. Page faults took most of a copy's time on a VM
+/// (docs: performance.md#measurements-behind-design-choices).
 pub fn zeroed(len: usize, data: &[(usize, usize)]) -> Vec<u8> {
     let bytes = vec![0u8; len];
     let written: usize = data.iter().map(|(_, len)| len).sum();

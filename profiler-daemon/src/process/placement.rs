@@ -1,10 +1,10 @@
 //! Where on an allocator function its probe goes: at the first instruction the kernel emulates
 //! that every call reaches with the arguments memprof reads still in their registers.
 //!
-//! A uprobe on an instruction the kernel cannot emulate is single-stepped out of line, about 12
-//! times dearer than an emulated one (shared/notes/probe-costs.md). x86-64's kernel emulates
-//! `push %reg`, direct `jmp`/`jcc`/`call` and `nop`; allocators often open with a `cmp`, `test`
-//! or `mov`, which it single-steps. Instructions that only compute into other registers can be
+//! A uprobe on an instruction the kernel cannot emulate is single-stepped out of line, many times
+//! dearer than an emulated one (docs: performance.md#measurements-behind-design-choices).
+//! x86-64's kernel emulates `push %reg`, direct `jmp`/`jcc`/`call` and `nop`; allocators often
+//! open with a `cmp`, `test` or `mov`, which it single-steps. Instructions that only compute into other registers can be
 //! stepped over: the probe then fires a few instructions later, on every call all the same.
 //!
 //! What the probe reads decides what may be stepped over: the argument registers of the function

@@ -63,8 +63,8 @@ pub enum WatchError {
 
 /// A userfaultfd of the process's, held by memprof (the process keeps no descriptor of it), and
 /// the ranges registered with it. Dropping it unregisters them and drops their protection,
-/// which holds the process's mmap lock for about 0.1 ms per MiB watched: it is dropped once the
-/// process runs again.
+/// which holds the process's mmap lock for a time that grows with the memory watched: it is
+/// dropped once the process runs again (docs: performance.md#measurements-behind-design-choices).
 pub struct WriteWatch {
     uffd: OwnedFd,
     /// Sorted and apart.
@@ -147,8 +147,9 @@ impl WriteWatch {
     }
 
     /// What changed in the pages from `start` to `end`, all registered, as two `PAGEMAP_SCAN`s
-    /// say: a walk of the page tables with no pagemap entry per page to read (about 2 ms for a
-    /// 1 GiB heap instead of 40). `None` when they are not all registered now (unmapped and
+    /// say: a walk of the page tables with no pagemap entry per page to read, far faster on a
+    /// large heap (docs: performance.md#measurements-behind-design-choices).
+    /// `None` when they are not all registered now (unmapped and
     /// mapped again since), when the written runs are too many for one scan, or the scan fails:
     /// then the caller reads their pagemap entries.
     pub fn changes(&self, pagemap: &Pagemap, start: u64, end: u64) -> Option<Changes> {
