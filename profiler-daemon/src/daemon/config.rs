@@ -442,7 +442,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 27] = [
+    const KEYS: [&str; 28] = [
         "listen",
         "pids",
         "comms",
