@@ -128,9 +128,10 @@ fn the_jvms_heap_is_a_blind_spot_named_when_libjvm_is_loaded() {
     let spot = runtime_blind_spot(&outcome, "the JVM");
     assert_eq!(spot["heap"], "the JVM's heap", "{spot}");
     assert!(spot["what"].as_str().unwrap().ends_with("/libjvm.so"), "{spot}");
-    // Its 64 MiB of objects are resident, and not in malloc's heap.
-    let memory = &outcome.final_report()["memory"];
-    assert!(memory["difference_bytes"].as_i64().unwrap() >= 64 << 20, "{memory}");
+    // Its 64 MiB of objects are resident, and not in malloc's heap, while it holds them (a last
+    // reading may catch its memory being torn down at exit).
+    let gaps = outcome.reports().iter().filter_map(|r| r["memory"]["difference_bytes"].as_i64()).collect::<Vec<_>>();
+    assert!(gaps.iter().any(|&gap| gap >= 64 << 20), "{gaps:?}");
 }
 
 /// node's objects live in V8's heap: the resident memory malloc's heap does not account for is
