@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod console;
 mod daemon;
 mod error;
 mod format;
@@ -15,6 +16,7 @@ mod symbolize;
 mod text;
 mod unwind;
 
+use crate::console::say;
 use std::{io::IsTerminal as _, process::ExitCode};
 
 /// memprof's allocations stay out of the C library's malloc: its probes, once shared by every
@@ -50,7 +52,7 @@ fn main() -> ExitCode {
         _ => "warn",
     };
     tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        .with_writer(|| console::Stderr)
         // Colours only for a person: not in a journal, a file or a pipe.
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(EnvFilter::try_from_env("MEMPROF_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter)))
@@ -83,7 +85,7 @@ fn main() -> ExitCode {
 
 /// One line naming the problem; the cause chain joined with ": ".
 fn fail(err: &anyhow::Error) -> ExitCode {
-    eprintln!("memprof: error: {err:#}");
+    say!("memprof: error: {err:#}");
     ExitCode::FAILURE
 }
 
@@ -97,7 +99,7 @@ fn usage_error(err: &clap::Error) -> ExitCode {
     ) {
         err.exit()
     }
-    eprintln!("memprof: error: {}", one_line(&err.render().to_string()));
+    say!("memprof: error: {}", one_line(&err.render().to_string()));
     ExitCode::from(2)
 }
 

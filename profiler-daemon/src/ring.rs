@@ -17,6 +17,18 @@ use std::{
     sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
 };
 
+/// Bytes of records every ring skipped because its positions or a record's length made no sense
+/// (see `RingError::Inconsistent`): reports and metrics say them (`SKIPPED_REASON`).
+static SKIPPED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// The name reports and metrics give `skipped_bytes`, beside the probes' drop reasons.
+pub const SKIPPED_REASON: &str = "ring_bytes_skipped";
+
+/// Bytes of records skipped so far by every ring of this process.
+pub fn skipped_bytes() -> u64 {
+    SKIPPED_BYTES.load(Ordering::Relaxed)
+}
+
 use aya::maps::{Map, MapData};
 
 /// The record header's flags (linux/bpf.h): reserved and not yet committed, or thrown away.
@@ -77,11 +89,28 @@ impl Ring {
     /// Calls `visit` with each record committed since the last read, in order, and gives their
     /// space back to the kernel. A record still being written ends the read: the kernel wakes a
     /// poller when it is committed, and the next read starts with it. On an error (the kernel
-    /// refused the mapping) the unread records stay for the next read, and it is logged.
+    /// refused the mapping) the unread records stay for the next read, and it is logged. An
+    /// inconsistent ring would fail every later read at the same place: its unread records are
+    /// skipped and counted instead (`skipped_bytes`), and reading goes on from the producer.
     pub fn read(&mut self, visit: impl FnMut(&[u8])) {
-        if let Err(err) = self.try_read(visit) {
-            tracing::warn!("{err}");
+        match self.try_read(visit) {
+            Ok(()) => {}
+            Err(err @ RingError::Inconsistent(_)) => {
+                let producer = self.producer.position().load(Ordering::Acquire);
+                let skipped = self.skip_to(producer);
+                tracing::warn!("{err}: {skipped} bytes of records skipped");
+            }
+            Err(err) => tracing::warn!("{err}"),
         }
+    }
+
+    /// Gives every record before `producer` back to the kernel unread; the bytes skipped.
+    fn skip_to(&mut self, producer: u64) -> u64 {
+        let skipped = producer.wrapping_sub(self.position).min(self.data_bytes);
+        self.position = producer;
+        self.consumer.position().store(self.position, Ordering::Release);
+        SKIPPED_BYTES.fetch_add(skipped, Ordering::Relaxed);
+        skipped
     }
 
     /// `read` for a ring whose records are each one `T`, written whole by its programs.
@@ -215,5 +244,48 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, which nothing refers to any more.
         unsafe { libc::munmap(self.address.as_ptr().cast(), self.length) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    use aya::maps::{Map, MapData};
+
+    use super::*;
+
+    /// A ring buffer of `bytes` made with the `bpf` system call (needs root, as memprof does).
+    fn ring_map(bytes: u32) -> Map {
+        const BPF_MAP_CREATE: libc::c_long = 0;
+        const BPF_MAP_TYPE_RINGBUF: u32 = 27;
+        // bpf_attr's map-creation part: type, key size, value size, entries; the rest zero.
+        let mut attr = [0u32; 32];
+        attr[0] = BPF_MAP_TYPE_RINGBUF;
+        attr[3] = bytes;
+        // SAFETY: the attribute buffer outlives the call and is as large as the kernel reads.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), size_of_val(&attr)) };
+        assert!(fd >= 0, "creating a ring buffer: {}", io::Error::last_os_error());
+        // SAFETY: a descriptor the kernel just gave this process and nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Map::RingBuf(MapData::from_fd(fd).expect("the ring's map"))
+    }
+
+    #[test]
+    fn an_inconsistent_ring_is_skipped_and_counted_and_read_again() {
+        let mut ring = Ring::new("TEST_RING", ring_map(16 * 4096)).expect("a ring");
+        // A consumer position further behind than the ring holds: as if positions were corrupt.
+        let behind = ring.data_bytes + 8;
+        ring.position = 0u64.wrapping_sub(behind);
+        ring.consumer.position().store(ring.position, Ordering::Release);
+        let before = skipped_bytes();
+        let mut records = 0;
+        ring.read(|_| records += 1);
+        assert_eq!(records, 0);
+        assert_eq!(skipped_bytes() - before, ring.data_bytes, "skipped bytes counted");
+        assert_eq!(ring.position, 0, "reading resumes at the producer");
+        assert_eq!(ring.consumer.position().load(Ordering::Acquire), 0);
+        // The next read finds the ring consistent again.
+        assert!(ring.try_read(|_| records += 1).is_ok());
     }
 }

@@ -2,6 +2,7 @@
 //! children it forks (and theirs). Each keeps its own probes, leak history and double frees; an
 //! exec re-probes a process for its new program; an exited child leaves its last report.
 
+use crate::console::say;
 use std::{
     collections::{BTreeMap, HashSet},
     num::NonZeroU32,
@@ -236,7 +237,7 @@ impl Family {
                 process.exe = procfs::exe_path(pid).unwrap_or_default();
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
                 process.blind_spots = Some(BlindSpots::new(pid, &allocator));
-                eprintln!(
+                say!(
                     "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
                     process.comm,
                     process.exe,
@@ -303,7 +304,7 @@ impl Family {
             }
         };
         self.forks.followed += 1;
-        eprintln!(
+        say!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
             attachment.probes(),
             allocator.describe()
@@ -342,7 +343,7 @@ impl Family {
             let children = match procfs::children(parent) {
                 Ok(children) => children,
                 Err(err) => {
-                    eprintln!("memprof: the children pid {parent} has now cannot be listed ({err}): they are not traced; only those it forks from now on are");
+                    say!("memprof: the children pid {parent} has now cannot be listed ({err}): they are not traced; only those it forks from now on are");
                     continue;
                 }
             };

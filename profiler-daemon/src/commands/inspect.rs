@@ -2,6 +2,7 @@
 //! valgrind's memcheck would and named by C++ type, from an inspection the daemon makes now
 //! (`/api/v1/inspect`). Without a daemon, `attach --inspect` does the same in a session of its own.
 
+use crate::console::say;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -43,13 +44,13 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
     let report: Report = serde_json::from_slice(&body).context("the daemon's answer is not a report")?;
     output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
     if let Some(inspection) = &report.inspection {
-        eprintln!(
+        say!(
             "memprof: pid {pid} inspected by the daemon at {url}: held still {:.1} ms; it stays traced",
             inspection.pause_ms
         );
     }
     if let Some(path) = output.path() {
-        eprintln!("memprof: wrote {}", path.display());
+        say!("memprof: wrote {}", path.display());
     }
     Ok(0)
 }

@@ -15,6 +15,7 @@ use std::{
 };
 
 use crate::{
+    console,
     error::UserError,
     format::{self, Format},
 };
@@ -80,44 +81,12 @@ impl ReportOutput {
 /// Writes `text` to standard output; returns false when its reader has gone (`| head -1`), which
 /// is not an error: whoever read it has what they wanted.
 pub fn print(text: &[u8]) -> Result<bool, UserError> {
-    match write_waiting(&mut io::stdout().lock(), text) {
+    let stdout = io::stdout();
+    let fd = stdout.as_raw_fd();
+    match console::write_waiting(&mut stdout.lock(), fd, text) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(false),
         Err(cause) => Err(UserError::Output { path: "standard output".into(), cause }),
-    }
-}
-
-/// `write_all` then `flush`, waiting while standard output is full. The command `memprof run`
-/// starts shares memprof's standard output and may make it non-blocking (node does): a full pipe
-/// then answers EAGAIN, which is no reason to stop.
-fn write_waiting(out: &mut impl io::Write, mut text: &[u8]) -> io::Result<()> {
-    while !text.is_empty() {
-        match out.write(text) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(written) => text = &text[written..],
-            Err(err) => wait_if_full(err)?,
-        }
-    }
-    loop {
-        match out.flush() {
-            Ok(()) => return Ok(()),
-            Err(err) => wait_if_full(err)?,
-        }
-    }
-}
-
-/// Returns once standard output takes more when `err` says it was full (or a signal came
-/// first); `err` otherwise.
-fn wait_if_full(err: io::Error) -> io::Result<()> {
-    match err.kind() {
-        io::ErrorKind::Interrupted => Ok(()),
-        io::ErrorKind::WouldBlock => {
-            let mut stdout = libc::pollfd { fd: libc::STDOUT_FILENO, events: libc::POLLOUT, revents: 0 };
-            // SAFETY: one pollfd, valid for the call's duration.
-            unsafe { libc::poll(&mut stdout, 1, -1) };
-            Ok(())
-        }
-        _ => Err(err),
     }
 }
 

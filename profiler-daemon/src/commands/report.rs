@@ -2,6 +2,7 @@
 //! have written it (see `recording`), at any moment (`moment`), with the session's filters, as
 //! flame graphs of bytes, allocations or temporary allocations.
 
+use crate::console::say;
 use std::path::Path;
 
 use anyhow::bail;
@@ -46,7 +47,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     let mut output = ReportOutput::open(format, args.output.file.as_deref())?;
     let last = recording.reports.last().expect("a recording read has a report");
     if let Some(why) = &recording.ended_early {
-        eprintln!(
+        say!(
             "memprof: the recording ended early: {why}; it has {} interval reports, to {:.1} s, and no final report",
             recording.reports.len(),
             last.duration_s
@@ -87,7 +88,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             }
             output.write_report(&format::render_flame(&report, format, flame))?;
             if let (false, Some(path)) = (format.streams(), output.path()) {
-                eprintln!("memprof: wrote {}", path.display());
+                say!("memprof: wrote {}", path.display());
             }
             suppress::print(suppressing.generated(&report))?;
         }

@@ -1,5 +1,6 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
+use crate::console::say;
 use std::{collections::HashMap, io, num::NonZeroU32, time::Duration};
 
 use std::os::fd::AsFd as _;
@@ -102,11 +103,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
 /// returns its exit code once it ends.
 async fn give_up(err: &anyhow::Error, on_error: OnError, pid: u32, exit: &mut ExitWatch) -> i32 {
     match on_error {
-        OnError::Continue => eprintln!(
+        OnError::Continue => say!(
             "memprof: cannot go on: {err:#}; the command runs on untraced, and memprof exits with its exit code when it ends"
         ),
         OnError::Stop => {
-            eprintln!(
+            say!(
                 "memprof: cannot go on: {err:#}; stopping the command with SIGTERM (--on-error stop), and memprof exits with its exit code"
             );
             if !exit.ended() {
@@ -164,7 +165,7 @@ pub async fn run(
     };
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
-            eprintln!(
+            say!(
                 "memprof: leak candidates hold {} bytes, more than --fail-on-leak-bytes {limit}: exiting with {LEAK_EXIT_CODE}",
                 traced.leak_bytes
             );
@@ -214,7 +215,7 @@ async fn trace_command(
     for spot in &routed {
         let entry = spot.unless_env.unwrap_or_default();
         let name = spot.env_name().unwrap_or_default();
-        eprintln!(
+        say!(
             "memprof: starting the command with {entry}, so that what memprof would not see passes through malloc ({}); set {name} yourself to keep it as it is",
             spot.what
         );
@@ -268,20 +269,17 @@ fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
 /// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
 fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sites: Option<usize>) {
     if let Some(sites) = usdt_sites {
-        eprintln!(
+        say!(
             "memprof: tracing pid {pid} ({comm}) with {sites} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
         );
         return;
     }
     if allocator.files.is_empty() {
-        eprintln!(
+        say!(
             "memprof: tracing pid {pid} ({comm}) by the memory it maps and touches only: its allocator is a runtime's, which memprof does not probe; Ctrl-C to stop"
         );
     } else {
-        eprintln!(
-            "memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop",
-            allocator.describe()
-        );
+        say!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
     }
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         say_not_seen(pid, spot);
@@ -289,7 +287,7 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sit
 }
 
 fn say_not_seen(pid: u32, spot: &allocator::BlindSpot) {
-    eprintln!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
+    say!("memprof: not seen in pid {pid}: {}; {}", spot.what, spot.advice);
 }
 
 /// What a session opens before anything else: where its reports and recording go (checked
@@ -543,7 +541,7 @@ impl Tracer<'_> {
     /// Samples `pid` from now on, and says so.
     fn switch(&mut self, pid: u32, switch: Switch) -> anyhow::Result<()> {
         self.loaded.sample(pid, switch.sample_bytes)?;
-        eprintln!("{}", switch.line(pid));
+        say!("{}", switch.line(pid));
         Ok(())
     }
 
@@ -582,7 +580,7 @@ impl Tracer<'_> {
             };
             if let Some(price) = watch.price(process.pid, now, count.calls, mode) {
                 if process.pid == root || price.significant() {
-                    eprintln!("{}", price.line());
+                    say!("{}", price.line());
                 }
             }
             switches.extend(switch.map(|switch| (process.pid, switch)));
@@ -673,7 +671,7 @@ async fn trace(
             if report.is_final || format.streams() {
                 output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
                 if let (true, false, Some(path)) = (report.is_final, format.streams(), output.path()) {
-                    eprintln!("memprof: wrote {}", path.display());
+                    say!("memprof: wrote {}", path.display());
                 }
             }
         }
@@ -760,19 +758,21 @@ async fn until_monotonic(at_ns: Option<u64>) {
 fn inspect_root(tracer: &Tracer, settings: inspect::Settings) -> Option<Inspection> {
     let pid = tracer.family.root;
     if procfs::stat(pid).is_none_or(|stat| stat.zombie) {
-        eprintln!("memprof: pid {pid} exited before it could be inspected; no inspection in the report");
+        say!("memprof: pid {pid} exited before it could be inspected; no inspection in the report");
         return None;
     }
     match inspect::inspect(&tracer.loaded.ebpf, pid, settings) {
         Ok(inspection) => {
-            eprintln!(
+            say!(
                 "memprof: inspected pid {pid}: held still {:.1} ms, {} bytes of roots and {} of blocks scanned",
-                inspection.pause_ms, inspection.root_bytes_scanned, inspection.block_bytes_scanned
+                inspection.pause_ms,
+                inspection.root_bytes_scanned,
+                inspection.block_bytes_scanned
             );
             Some(inspection)
         }
         Err(err) => {
-            eprintln!("memprof: could not inspect pid {pid}: {err:#}; no inspection in the report");
+            say!("memprof: could not inspect pid {pid}: {err:#}; no inspection in the report");
             None
         }
     }

@@ -2,6 +2,7 @@
 //! traces the process (which then stays traced), else by attaching for `--duration` and
 //! detaching. Either way the process keeps running.
 
+use crate::console::say;
 use std::{path::Path, time::Duration};
 
 use anyhow::bail;
@@ -31,17 +32,17 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         Answer::Report(report) => {
             let error = |cause| UserError::Output { path: args.output.clone(), cause };
             ReportFile::create(&args.output).and_then(|mut file| file.append(&report)).map_err(error)?;
-            eprintln!(
+            say!(
                 "memprof: pid {pid} is traced by the daemon at {}: wrote its report to {}; it stays traced",
                 args.daemon,
                 args.output.display()
             );
         }
         Answer::NotTraced(why) => {
-            eprintln!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
+            say!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
             session::attach(args.pid, &trace_args(args, format)).await?;
             // The session said where it wrote the report.
-            eprintln!("memprof: pid {pid} keeps running, untraced");
+            say!("memprof: pid {pid} keeps running, untraced");
         }
     }
     Ok(0)

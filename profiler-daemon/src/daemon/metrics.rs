@@ -310,10 +310,11 @@ impl Collector for ViewCollector {
         counters(
             e,
             "memprof_unattributed_events_dropped",
-            "Events the probes could not record that no process's counters had room for, by reason.",
+            "Events the probes could not record that no process's counters had room for, by reason; ring_bytes_skipped: bytes of records memprof's rings skipped, unread, when their positions made no sense.",
             DropReason::ALL
                 .iter()
-                .map(|r| (vec![("reason", r.name().to_string())], view.unattributed_drops[*r as usize])),
+                .map(|r| (vec![("reason", r.name().to_string())], view.unattributed_drops[*r as usize]))
+                .chain([(vec![("reason", crate::ring::SKIPPED_REASON.to_string())], crate::ring::skipped_bytes())]),
         )?;
         counters(
             e,

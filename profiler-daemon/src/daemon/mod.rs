@@ -20,6 +20,7 @@ mod view;
 mod wakeup;
 mod web_config;
 
+use crate::console::say;
 use std::sync::{atomic::AtomicBool, Arc, RwLock};
 
 use anyhow::Context as _;
@@ -87,12 +88,12 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
         drop(socket);
     });
     match &access.socket {
-        Some(path) => eprintln!(
+        Some(path) => say!(
             "memprof: daemon serving {scheme}://{}/metrics, and the API to root on {}; SIGHUP reloads the config, SIGTERM stops",
             config.listen,
             path.display()
         ),
-        None => eprintln!(
+        None => say!(
             "memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops",
             config.listen
         ),

@@ -814,11 +814,13 @@ pub fn dropped(snapshot: &Snapshot) -> BTreeMap<&'static str, u64> {
     dropped
 }
 
-/// The drops of no process in particular that happened, by reason.
+/// The drops of no process in particular that happened, by reason; with the bytes of records
+/// memprof's rings skipped (`ring::SKIPPED_REASON`).
 pub fn unattributed_dropped(kernel: &KernelSnapshot) -> BTreeMap<&'static str, u64> {
     DropReason::ALL
         .iter()
         .map(|r| (r.name(), kernel.unattributed_drops[*r as usize]))
+        .chain([(crate::ring::SKIPPED_REASON, crate::ring::skipped_bytes())])
         .filter(|(_, count)| *count > 0)
         .collect()
 }

@@ -5,6 +5,7 @@
 //! A file's rows stay while some traced process maps it and are freed for reuse after; a shard
 //! with no rows in use is given back to the kernel.
 
+use crate::console::say;
 use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
@@ -426,7 +427,7 @@ impl Registry {
 
     fn warn_once(&mut self, what: &str, message: &str) {
         if self.warned.insert(what.to_string()) {
-            eprintln!("memprof: {message}");
+            say!("memprof: {message}");
         }
     }
 }
