@@ -382,6 +382,12 @@ impl Daemon {
         Self::ready(Self::spawn(args, env))
     }
 
+    /// `start` with the daemon's own default `max_rate`, as users run it: the tests' daemons
+    /// otherwise record every call (see `every_call_unless_chosen`).
+    pub fn start_at_default_rate(args: &[&str]) -> Self {
+        Self::ready(Self::spawn_choosing(Command::new(memprof_bin()), args, &[], false))
+    }
+
     /// Waits until `daemon` is ready; fails at once with its log if it exits first (a kernel that
     /// refuses its programs, say).
     pub fn ready(mut daemon: Self) -> Self {
@@ -402,7 +408,12 @@ impl Daemon {
     }
 
     /// `spawn` with memprof started by `memprof` (memprof under `setpriv`, say).
-    pub fn spawn_with(mut memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
+    pub fn spawn_with(memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_choosing(memprof, args, env, true)
+    }
+
+    /// `spawn_with`; `every_call`: `--max-rate off` unless `args` choose.
+    fn spawn_choosing(mut memprof: Command, args: &[&str], env: &[(&str, &str)], every_call: bool) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         // A socket of its own, unless `args` name one.
@@ -416,7 +427,9 @@ impl Daemon {
         } else {
             memprof.arg("daemon");
         }
-        every_call_unless_chosen(&mut memprof, args);
+        if every_call {
+            every_call_unless_chosen(&mut memprof, args);
+        }
         let mut child = memprof
             .args(["--listen", &listen, "--interval", "1"])
             .args(args)

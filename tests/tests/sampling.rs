@@ -76,6 +76,26 @@ fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
     assert!(report["growth"].is_object(), "{report}");
 }
 
+/// The daemon given no `max_rate` moves a process making more than its default rate of allocator
+/// calls to growth mode, as on a busy service; its metrics and reports say so.
+#[test]
+fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
+    // About a billion pairs: far more than the default rate while traced call by call, and still
+    // running when the test looks, long after the switch.
+    let mut target = memprof_tests::Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
+    let pid = target.pid();
+    let daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+    memprof_tests::wait_for(30, "the busy process to be traced by its pages", || {
+        (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
+    });
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_eq!(report["sample_bytes"], 0, "{report}");
+    assert!(report["growth"].is_object(), "{report}");
+}
+
 /// Resizes of recorded blocks into blocks not drawn are neither failures nor unknown frees, and
 /// the blocks they free come off exactly (8 threads, each resizing and freeing its own block).
 #[test]
