@@ -33,7 +33,7 @@ const STACK_ABOVE: u64 = 256 * 1024;
 pub fn page_fault(ctx: PerfEventContext) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     // Children the event was inherited by and memprof does not follow.
-    if !process::traced(tgid) {
+    if process::traced_flags(tgid).is_none() {
         return 0;
     }
     let data = ctx.as_ptr() as *const bpf_perf_event_data;

@@ -49,18 +49,14 @@ pub fn probed(shared_link: bool) -> bool {
         return true;
     }
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    unsafe { TRACED.get(tgid) }.is_some_and(|flags| flags & traced::SHARED != 0)
+    traced_flags(tgid).is_some_and(|flags| flags & traced::SHARED != 0)
 }
 
-/// Whether process `tgid` is traced: for the programs that fire in every process.
-#[inline(always)]
-pub fn traced(tgid: u32) -> bool {
-    unsafe { TRACED.get(tgid) }.is_some()
-}
-
-/// The `traced::` flags of process `tgid`, when it is traced.
+/// The `traced::` flags of process `tgid`, when it is traced (for the programs that fire in
+/// every process, whether it is).
 #[inline(always)]
 pub fn traced_flags(tgid: u32) -> Option<u32> {
+    // SAFETY: a copy of the value is taken at once; user space rewrites entries whole.
     unsafe { TRACED.get(tgid) }.copied()
 }
 
@@ -83,7 +79,7 @@ fn emit(kind: u32, tgid: u32, child: u32) {
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if traced(tgid) || discovering(discover::EXECS) {
+    if traced_flags(tgid).is_some() || discovering(discover::EXECS) {
         emit(process_event::EXEC, tgid, 0);
     }
     0
@@ -94,7 +90,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    let follows = unsafe { TRACED.get(tgid) }.is_some_and(|flags| flags & traced::FOLLOW_FORKS != 0);
+    let follows = traced_flags(tgid).is_some_and(|flags| flags & traced::FOLLOW_FORKS != 0);
     if !follows && !discovering(discover::FORKS) {
         return 0;
     }
@@ -115,7 +111,7 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
 pub fn on_thread_exit() {
     let ids = bpf_get_current_pid_tgid();
     let (tgid, pid) = ((ids >> 32) as u32, ids as u32);
-    if pid == tgid && traced(tgid) {
+    if pid == tgid && traced_flags(tgid).is_some() {
         emit(process_event::EXIT, tgid, 0);
     }
 }
