@@ -14,6 +14,7 @@ use std::{
 use serde_json::Value;
 
 pub mod cgroup;
+pub mod chromium;
 pub mod inspection;
 pub mod probe_links;
 pub mod prometheus;

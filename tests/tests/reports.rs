@@ -5,12 +5,10 @@
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        OnceLock,
-    },
+    sync::OnceLock,
 };
 
+use memprof_tests::chromium::{chromium, chromium_profile, dom, section, CHROMIUM};
 use memprof_tests::{
     fixture, fixture_cpp, fixture_with, memprof, memprof_bin, released, site, wait_for, Daemon, Waiting,
 };
@@ -201,50 +199,6 @@ fn frame_bytes(document: &roxmltree::Document, function: &str) -> Option<u64> {
     })?;
     let rect = frame.children().find(|c| c.has_tag_name("rect")).expect("a frame has a rectangle");
     Some(rect.attribute(("http://github.com/jonhoo/inferno", "w")).expect("fg:w").parse().unwrap())
-}
-
-/// Headless Chromium as root, with no network of its own.
-const CHROMIUM: [&str; 8] = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-];
-
-/// A fresh Chromium profile directory.
-fn chromium_profile() -> PathBuf {
-    static PROFILES: AtomicUsize = AtomicUsize::new(0);
-    temp_path(&format!("chromium-{}", PROFILES.fetch_add(1, Ordering::Relaxed)))
-}
-
-/// Headless Chromium with `args` in a fresh profile: its stdout.
-fn chromium(args: &[&str]) -> String {
-    let profile = chromium_profile();
-    let output = Command::new("chromium")
-        .args(CHROMIUM)
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(args)
-        .output()
-        .expect("starting chromium (installed by `cargo xtask setup`)");
-    let _ = std::fs::remove_dir_all(&profile);
-    assert!(output.status.success(), "chromium failed: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8(output.stdout).unwrap()
-}
-
-/// The DOM of `url` after its scripts ran.
-fn dom(url: &str) -> String {
-    chromium(&["--dump-dom", url])
-}
-
-/// The serialized element `<section id="ID">`.
-fn section<'a>(dom: &'a str, id: &str) -> &'a str {
-    let start = dom.find(&format!("<section id=\"{id}\">")).unwrap_or_else(|| panic!("no section {id}: {dom}"));
-    let end = dom[start..].find("</section>").unwrap();
-    &dom[start..start + end]
 }
 
 /// The table row of `html` whose text contains `needle`.

@@ -4,7 +4,7 @@
 
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use memprof_tests::{fixture, memprof, run, Outcome};
+use memprof_tests::{chromium, fixture, memprof, run, Outcome};
 use serde_json::{json, Value};
 
 /// The team's file: one rule as valgrind writes them (from `malloc`), one as memprof's
@@ -110,6 +110,17 @@ fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
     assert!(table.contains("[suppressed by cache]"), "{table}");
     let html = report(&["--format", "html", "--suppressions", &accepted]).stdout;
     assert!(html.contains("\"suppressed\":{\"stacks\":2,\"bytes\":31200"), "the page's data says it");
+    // The page as a browser shows it: the rules' count under the leaks, the accepted stacks no leaks.
+    let page = std::env::temp_dir().join(format!("memprof-suppressions-{}.html", std::process::id()));
+    std::fs::write(&page, &html).unwrap();
+    let dom = chromium::dom(&format!("file://{}", page.display()));
+    let _ = std::fs::remove_file(&page);
+    let leaks = chromium::section(&dom, "leaks");
+    assert!(
+        leaks.contains("Suppressed: 2 stacks, 31,200 bytes, by rule cache (1), init (1)."),
+        "the note under the leaks: {leaks}"
+    );
+    assert!(leaks.contains("real_leak") && !leaks.contains("accepted_cache"), "{leaks}");
 
     // Live, with a CI gate: only the real leak's bytes count.
     let live = run(

@@ -3,7 +3,7 @@
 //! bytes), "worker-2" 20 (20,000), "worker-3" 30 (30,000); the main thread its 5 of 100 bytes
 //! and what glibc allocated for each thread it created.
 
-use memprof_tests::{fixture, memprof, run};
+use memprof_tests::{chromium, fixture, memprof, run};
 use serde_json::Value;
 
 /// `(name, bytes, blocks)` of the named workers, by name.
@@ -53,7 +53,20 @@ fn each_named_thread_holds_its_exact_bytes_live_and_in_the_recording() {
         html.stdout.contains("\"name\":\"worker-3\",\"outstanding_bytes\":30000,\"outstanding_allocations\":30"),
         "the page's data"
     );
-    assert!(html.stdout.contains("function threadUseSection"), "the page draws it");
+    // The page as a browser shows it: a row per thread, named, with its exact bytes.
+    let page = std::env::temp_dir().join(format!("memprof-threads-{}.html", std::process::id()));
+    std::fs::write(&page, &html.stdout).unwrap();
+    let dom = chromium::dom(&format!("file://{}", page.display()));
+    let _ = std::fs::remove_file(&page);
+    let table = chromium::section(&dom, "thread-use");
+    for (name, bytes, blocks) in
+        [("worker-1", "10,000", "10"), ("worker-2", "20,000", "20"), ("worker-3", "30,000", "30")]
+    {
+        let row =
+            table.split("<tr").find(|row| row.contains(&format!("({name})"))).unwrap_or_else(|| panic!("{table}"));
+        assert!(row.contains(&format!("data-key=\"outstanding_bytes\">{bytes}<")), "{row}");
+        assert!(row.contains(&format!("data-key=\"outstanding_allocations\">{blocks}<")), "{row}");
+    }
 }
 
 #[test]
