@@ -4,7 +4,7 @@
 
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use memprof_tests::{chromium, fixture, memprof, run, Outcome};
+use memprof_tests::{chromium, fixture, memprof, metric, run, wait_for, Daemon, Outcome, Waiting};
 use serde_json::{json, Value};
 
 /// The team's file: one rule as valgrind writes them (from `malloc`), one as memprof's
@@ -245,4 +245,28 @@ fn a_malformed_file_is_refused_in_one_line_with_its_place() {
     let missing = memprof(&["run", "--suppressions", "/nonexistent.supp", "--", "true"]);
     assert!(!missing.status.success());
     assert!(missing.stderr.contains("reading the suppressions file /nonexistent.supp"), "{}", missing.stderr);
+}
+
+/// The daemon given the same file: on `/metrics` the accepted stacks are no leak candidates, so
+/// no alert fires for them, while the real leak is one; its reports count the rules' stacks.
+#[test]
+fn the_daemon_leaves_accepted_stacks_out_of_its_leak_metrics() {
+    let accepted = written("daemon.supp", ACCEPTED);
+    let mut target = Waiting::start(&fixture("suppressions"), &["--slow"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string(), "--leak-window", "3", "--suppressions", &accepted]);
+    daemon.wait_traced(pid);
+    target.go();
+    let series = |name: &str| format!("{name}{{pid=\"{pid}\",comm=\"suppressions\"}}");
+    wait_for(30, "the real leak to be the one candidate", || {
+        (metric(daemon.port, &series("memprof_leak_candidates"))? == 1).then_some(())
+    });
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    let sites: Vec<String> = candidates(&report).into_iter().map(|(site, _)| site).collect();
+    assert_eq!(sites, ["real_leak"], "{report}");
+    let rules: Vec<&str> =
+        report["suppressed"]["by_rule"].as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
+    assert_eq!(rules, ["cache", "init"], "{report}");
+    let bytes = metric(daemon.port, &series("memprof_leak_candidate_bytes")).unwrap();
+    assert_eq!(bytes % 512, 0, "real_leak's blocks only: {bytes}");
 }
