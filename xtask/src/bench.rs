@@ -5,10 +5,11 @@
 //! `MEMPROF_BENCH_QUICK=1` checks the bench itself: a tenth of the pairs, one run each, and the
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
 //! cost alone and rewrites that section only (a fraction of the whole bench's time);
-//! `--only services` likewise the real services' (`services`: redis-server);
+//! `--only services` likewise the real services' (`services`: redis-server, python3; `postgres`);
 //! `--only rest` the daemon at rest (`rest`: 1,000 idle processes and 65,536 stacks, 5 minutes).
 
 pub(crate) mod daemon;
+mod postgres;
 mod rest;
 mod services;
 mod unwind;
@@ -143,7 +144,7 @@ fn only_rest(size: Size) -> anyhow::Result<()> {
 
 /// The real services alone, written over (or added as) their section of the report.
 fn only_services(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "python3", "redis-server", "redis-tools"])?;
+    setup::debian_packages(&["heaptrack", "python3", "redis-server", "redis-tools", "postgresql"])?;
     let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");
@@ -157,7 +158,16 @@ fn only_services(size: Size) -> anyhow::Result<()> {
 }
 
 fn all(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace", "perl", "python3", "redis-server", "redis-tools"])?;
+    setup::debian_packages(&[
+        "heaptrack",
+        "valgrind",
+        "bpftrace",
+        "perl",
+        "python3",
+        "redis-server",
+        "redis-tools",
+        "postgresql",
+    ])?;
     let _stats_off = BpfStatsOff::new()?;
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");

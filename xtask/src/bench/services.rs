@@ -2,6 +2,7 @@
 //! under memprof attached to it (exact, sampled and growth mode) and heaptrack (restarted under
 //! it); and Debian's python3 building a dict, untraced and under `memprof run` in each mode and
 //! heaptrack. The runs interleaved so that a change in the machine's load falls on every mode alike.
+//! PostgreSQL follows (`postgres`), in rounds of its own.
 
 use std::{
     fmt::Write as _,
@@ -67,6 +68,7 @@ pub struct Measured {
     date: String,
     load_before: String,
     load_after: String,
+    postgres: super::postgres::Measured,
 }
 
 /// Interleaved runs of every mode: A B C D A B C D ...
@@ -90,7 +92,9 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
             seconds.push(took);
         }
     }
-    Ok(Measured { runs, python, requests, date, load_before, load_after: load_average() })
+    let load_after = load_average();
+    let postgres = super::postgres::measure(memprof, dir, size)?;
+    Ok(Measured { runs, python, requests, date, load_before, load_after, postgres })
 }
 
 /// One run of python3's dict under `PYTHON_MODES[index]`: the build's seconds.
@@ -132,7 +136,20 @@ fn load_average() -> String {
 }
 
 /// Kills the child when dropped: a failed run leaves no server behind.
-struct Killed(Child);
+pub(super) struct Killed(Child);
+
+impl Killed {
+    /// Stops a `memprof attach` as Ctrl-C does; fails when it did not end well.
+    pub(super) fn stop(mut self) -> anyhow::Result<()> {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let status = self.0.wait()?;
+        if !status.success() {
+            bail!("memprof attach exited with {status}");
+        }
+        Ok(())
+    }
+}
 
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -161,13 +178,8 @@ fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Re
         _ => None,
     };
     let rate = benchmark(requests)?;
-    if let Some(mut tracer) = tracer {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(tracer.0.id() as i32, libc::SIGINT) };
-        let status = tracer.0.wait()?;
-        if !status.success() {
-            bail!("memprof attach exited with {status}");
-        }
+    if let Some(tracer) = tracer {
+        tracer.stop()?;
     }
     // Asked to stop rather than killed: under heaptrack the server is a child of its script,
     // which a kill would leave running on the port.
@@ -188,7 +200,7 @@ fn wait_for_port() -> anyhow::Result<()> {
 }
 
 /// `memprof attach` with `options`, once it says it traces.
-fn attach(memprof: &Path, pid: u32, options: &[&str]) -> anyhow::Result<Killed> {
+pub(super) fn attach(memprof: &Path, pid: u32, options: &[&str]) -> anyhow::Result<Killed> {
     let mut tracer = Command::new(memprof)
         .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "--output", "/dev/null"])
         .args(options)
@@ -222,7 +234,7 @@ fn benchmark(requests: u64) -> anyhow::Result<f64> {
         .with_context(|| format!("redis-benchmark printed no SET rate: {text}"))
 }
 
-fn median(runs: &[f64]) -> f64 {
+pub(super) fn median(runs: &[f64]) -> f64 {
     let mut sorted = runs.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted[sorted.len() / 2]
@@ -260,5 +272,6 @@ pub fn render(measured: &Measured) -> String {
         let median = median(runs);
         let _ = writeln!(out, "| {name} | {} | {median:.3} | {:.2} |", list.join(", "), untraced / median);
     }
+    out.push_str(&super::postgres::render(&measured.postgres));
     out
 }
