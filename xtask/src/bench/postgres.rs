@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 
-use super::services::{attach, median};
+use super::services::{attach, load_average, median};
 use super::Size;
 
 const BIN: &str = "/usr/lib/postgresql/15/bin";
@@ -29,6 +29,9 @@ pub struct Measured {
     /// Transactions a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
     seconds: u64,
+    /// When, as `date -u` prints it, and the load average before and after.
+    date: String,
+    load: (String, String),
 }
 
 /// A cluster of its own, run by user postgres; stopped when dropped.
@@ -99,6 +102,8 @@ fn as_postgres(command: &str) -> anyhow::Result<String> {
 pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measured> {
     let seconds = if size.quick { 3 } else { 15 };
     let cluster = Cluster::start(dir).context("starting a PostgreSQL cluster")?;
+    let date = run("date", &["-u", "+%Y-%m-%d %H:%M UTC"])?.trim().to_string();
+    let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
     for _ in 0..size.runs {
         for ((name, options), runs) in MODES.iter().zip(&mut runs) {
@@ -117,16 +122,21 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
             runs.push(tps);
         }
     }
-    Ok(Measured { runs, seconds })
+    Ok(Measured { runs, seconds, date, load: (load_before, load_average()) })
 }
 
 pub fn render(measured: &Measured) -> String {
     let mut out = format!(
         "\nDebian's PostgreSQL 15 (glibc) under `pgbench -C -S -c 4 -j 2 -T {}` (a new session, so a \
          backend forked, for each select-only transaction; fsync off), `memprof attach --follow-forks` \
-         on its postmaster, in rounds of their own after the others. heaptrack has no row: it follows \
-         one process, and each session has a backend of its own.\n\n",
-        measured.seconds
+         on its postmaster. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
+         load average {} before, {} after. heaptrack has no row: it follows one process, and each \
+         session has a backend of its own.\n\n",
+        measured.seconds,
+        measured.runs[0].len(),
+        measured.date,
+        measured.load.0,
+        measured.load.1,
     );
     out.push_str("| mode | transactions/s (runs) | median | traced ÷ untraced |\n|---|---|---:|---:|\n");
     let untraced = median(&measured.runs[0]);

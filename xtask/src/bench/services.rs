@@ -130,7 +130,7 @@ fn read_seconds(status: std::process::ExitStatus, out: &Path) -> anyhow::Result<
     text.trim().parse().with_context(|| format!("python3 wrote `{text}`"))
 }
 
-fn load_average() -> String {
+pub(super) fn load_average() -> String {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     text.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
