@@ -318,6 +318,13 @@ impl FreeNote {
 /// Cookie of a free probe whose function may call another probed free (see `FreeNote`).
 pub const FREE_WRAPPER: u64 = 1;
 
+/// Cookie of a free probe in the C library's own shared object: a free of a block never seen
+/// allocated that its own code calls is the library's internal one (`ProcCounters::internal_frees`),
+/// told by the caller's return address, which is the word at the stack pointer where free
+/// probes sit (nothing is pushed before them). Never set on a file that holds the program's
+/// code too (a static binary), where a caller inside the file may be the program.
+pub const FREE_IN_C_LIBRARY: u64 = 2;
+
 /// Set in the cookie of every probe of a link shared by every process that maps a file (pid 0):
 /// its programs record only the processes whose `TRACED` entry has `traced::SHARED`. The other
 /// bits are the probe's own cookie.
@@ -465,8 +472,12 @@ pub struct ThreadPairStats {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProcCounters {
-    /// Frees of addresses never seen allocated since attach.
+    /// Frees of addresses never seen allocated since attach, but `internal_frees`.
     pub unknown_frees: u64,
+    /// Frees of addresses never seen allocated, called by the C library's own code (see
+    /// `FREE_IN_C_LIBRARY`): blocks it allocated inside itself without calling `malloc`, as
+    /// glibc does each thread's cache, which it frees through `free` when the thread exits.
+    pub internal_frees: u64,
     /// Allocator calls that returned NULL (or an error code).
     pub failed_allocations: u64,
     /// Allocations the allocator's `otel_memory:alloc` probe reported (see `usdt`).
@@ -911,7 +922,7 @@ const _: () = {
     assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
-    assert!(core::mem::size_of::<ProcCounters>() == 24);
+    assert!(core::mem::size_of::<ProcCounters>() == 32);
     assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);

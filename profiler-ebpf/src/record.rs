@@ -111,7 +111,8 @@ fn ids() -> (u32, u32) {
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.
 static EMPTY_STATS: StackStats = StackStats::EMPTY;
-static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0, usdt_samples: 0 };
+static EMPTY_COUNTERS: ProcCounters =
+    ProcCounters { unknown_frees: 0, internal_frees: 0, failed_allocations: 0, usdt_samples: 0 };
 static EMPTY_HEAP: ProcHeap = ProcHeap::EMPTY;
 static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
 /// A thread's entry between calls.
@@ -184,6 +185,15 @@ impl Probe {
                 bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0)
             }
         }
+    }
+
+    /// Whether the entry probe's function was called by code of the file it is in (of its
+    /// mapping, which holds all of a file's code).
+    fn called_from_own_file(self, tgid: u32) -> bool {
+        let caller = self.caller();
+        // SAFETY: `regs` is the context of the probe that is running.
+        let here = unsafe { (*self.regs).rip };
+        !self.at_return && caller != 0 && unwind::same_mapping(tgid, here, caller) != 0
     }
 }
 
@@ -433,7 +443,7 @@ pub fn on_return(ctx: &RetProbeContext) {
             retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
         } else if call.sample_bytes == 0 {
             // A sampled process resizes unrecorded blocks all the time: not an unknown free.
-            unseen_free(probe, tgid, ptr_arg);
+            unseen_free(probe, tgid, ptr_arg, false);
         }
     } else if stashed != 0 {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
@@ -450,8 +460,9 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
 }
 
-/// A free of `addr`; `wrapper`: the function may call another probed free (see `FreeNote`).
-pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
+/// A free of `addr`; `wrapper`: the function may call another probed free (see `FreeNote`);
+/// `c_library`: it is the C library's (see `FREE_IN_C_LIBRARY`).
+pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool, c_library: bool) {
     if addr == 0 {
         return;
     }
@@ -492,7 +503,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
                 retire(probe, key, &alloc, temporary);
             }
         }
-        None => unseen_free(probe, tgid, addr),
+        None => unseen_free(probe, tgid, addr, c_library),
     }
 }
 
@@ -782,11 +793,17 @@ fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
-fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
+/// `c_library`: the probe is the C library's free (see `FREE_IN_C_LIBRARY`).
+fn unseen_free(probe: Probe, tgid: u32, addr: u64, c_library: bool) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let Some(slot) = recent_free(&key).filter(|slot| slot.key == key) else {
-        // Allocated before attach (or its allocation was dropped): expected, not an error.
-        bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        if c_library && probe.called_from_own_file(tgid) {
+            // A block the C library allocated inside itself, never through malloc.
+            bump_proc_counter(tgid, |c| &mut c.internal_frees);
+        } else {
+            // Allocated before attach (or its allocation was dropped): expected, not an error.
+            bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        }
         return;
     };
     // Also seen when the allocator itself frees what sits in its caches (glibc's

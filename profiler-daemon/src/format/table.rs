@@ -62,9 +62,14 @@ fn section(report: &Report) -> String {
             bytes(t.outstanding_bytes),
         );
     } else {
+        // Only when there are some: glibc's own frees of its per-thread caches, not the program's.
+        let internal = match t.internal_frees {
+            0 => String::new(),
+            n => format!("; {n} frees of the C library's own blocks"),
+        };
         let _ = writeln!(
             out,
-            "memprof: pid {} ({}{ns_pid}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+            "memprof: pid {} ({}{ns_pid}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees{internal}; {} failed",
             report.pid,
             report.comm,
             if report.is_final { "final report" } else { "report" },

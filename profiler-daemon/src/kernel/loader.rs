@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
-use profiler_common::FREE_WRAPPER;
+use profiler_common::{FREE_IN_C_LIBRARY, FREE_WRAPPER};
 
 pub use crate::kernel::probes::Attachment;
 use crate::{
@@ -395,7 +395,8 @@ impl Loaded {
             let frees: Vec<Point> = file
                 .frees
                 .iter()
-                .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
+                // Only the C library's own file calls no other free (see `FreePoint::wrapper`).
+                .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { FREE_IN_C_LIBRARY } })
                 .collect();
             (allocs, frees)
         };

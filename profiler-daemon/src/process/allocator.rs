@@ -33,7 +33,8 @@ pub struct ProbePoint {
 pub struct FreePoint {
     pub offset: u64,
     /// It may call another probed free of the same block (see `profiler_common::FreeNote`):
-    /// every free outside the C library's own file may.
+    /// every free outside the C library's own shared object may. Those inside it tell the C
+    /// library's internal frees instead (`profiler_common::FREE_IN_C_LIBRARY`).
     pub wrapper: bool,
 }
 
