@@ -30,7 +30,7 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 
-use profiler_common::{AllocFn, FREE_IN_C_LIBRARY, FREE_WRAPPER, SHARED_LINK};
+use profiler_common::{AllocFn, SHARED_LINK};
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
@@ -146,8 +146,7 @@ pub fn free(ctx: ProbeContext) -> u32 {
     if !process::probed(shared_link) {
         return 0;
     }
-    let (wrapper, c_library) = (cookie & FREE_WRAPPER != 0, cookie & FREE_IN_C_LIBRARY != 0);
-    record::on_free(&ctx, arg(&ctx, 0), wrapper, c_library);
+    record::on_free(&ctx, arg(&ctx, 0), cookie);
     0
 }
 

@@ -16,7 +16,7 @@ use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
     Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
-    LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
+    FREE_IN_C_LIBRARY, FREE_WRAPPER, LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
 };
 
 use crate::{
@@ -187,13 +187,11 @@ impl Probe {
         }
     }
 
-    /// Whether the entry probe's function was called by code of the file it is in (of its
-    /// mapping, which holds all of a file's code).
-    fn called_from_own_file(self, tgid: u32) -> bool {
-        let caller = self.caller();
-        // SAFETY: `regs` is the context of the probe that is running.
+    /// Whether the C library's own code called the free whose entry probe has `cookie`.
+    fn called_by_c_library(self, cookie: u64) -> bool {
+        // SAFETY: `regs` is the context of the probe that is running: at an entry, its address.
         let here = unsafe { (*self.regs).rip };
-        !self.at_return && caller != 0 && unwind::same_mapping(tgid, here, caller) != 0
+        !self.at_return && profiler_common::called_by_c_library(cookie, here, self.caller())
     }
 }
 
@@ -443,7 +441,7 @@ pub fn on_return(ctx: &RetProbeContext) {
             retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
         } else if call.sample_bytes == 0 {
             // A sampled process resizes unrecorded blocks all the time: not an unknown free.
-            unseen_free(probe, tgid, ptr_arg, false);
+            unseen_free(probe, tgid, ptr_arg, 0);
         }
     } else if stashed != 0 {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
@@ -460,9 +458,10 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
 }
 
-/// A free of `addr`; `wrapper`: the function may call another probed free (see `FreeNote`);
-/// `c_library`: it is the C library's (see `FREE_IN_C_LIBRARY`).
-pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool, c_library: bool) {
+/// A free of `addr`, its probe's `cookie` saying whether the function may call another probed
+/// free (`FREE_WRAPPER`, see `FreeNote`) or is the C library's (`FREE_IN_C_LIBRARY`).
+pub fn on_free(ctx: &ProbeContext, addr: u64, cookie: u64) {
+    let wrapper = cookie & FREE_WRAPPER != 0;
     if addr == 0 {
         return;
     }
@@ -503,7 +502,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool, c_library: bool) {
                 retire(probe, key, &alloc, temporary);
             }
         }
-        None => unseen_free(probe, tgid, addr, c_library),
+        None => unseen_free(probe, tgid, addr, cookie),
     }
 }
 
@@ -793,11 +792,12 @@ fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
-/// `c_library`: the probe is the C library's free (see `FREE_IN_C_LIBRARY`).
-fn unseen_free(probe: Probe, tgid: u32, addr: u64, c_library: bool) {
+/// `cookie`: the free probe's (0 at a return probe), which says whether the C library's own
+/// code called it (see `FREE_IN_C_LIBRARY`).
+fn unseen_free(probe: Probe, tgid: u32, addr: u64, cookie: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let Some(slot) = recent_free(&key).filter(|slot| slot.key == key) else {
-        if c_library && probe.called_from_own_file(tgid) {
+        if cookie & FREE_IN_C_LIBRARY != 0 && probe.called_by_c_library(cookie) {
             // A block the C library allocated inside itself, never through malloc.
             bump_proc_counter(tgid, |c| &mut c.internal_frees);
         } else {

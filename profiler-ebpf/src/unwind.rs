@@ -720,21 +720,6 @@ fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
 }
 
-/// 1 when addresses `a` and `b` of process `tgid` are in one executable mapping known (a
-/// file's code is one mapping), else 0. A global function, as `walk_and_store`: its search is
-/// verified once, not again on every path of the probe that calls it. One search only: the
-/// verifier follows each of a search's ways down, and a second search would multiply them.
-#[unsafe(no_mangle)]
-#[inline(never)]
-pub extern "C" fn same_mapping(tgid: u32, a: u64, b: u64) -> u32 {
-    // SAFETY: a map value pointer stays valid while the program runs; the daemon rewrites it
-    // whole, and a mix read meanwhile only fails to match.
-    let Some(mappings) = (unsafe { PROC_MAPPINGS.get(tgid) }) else {
-        return 0;
-    };
-    find_mapping(mappings, a).map_or(0, |mapping| u32::from(mapping.start <= b && b < mapping.end))
-}
-
 static FRAME_POINTER_ROW: UnwindRow = profiler_common::FRAME_POINTER_ROW;
 static ENTRY_ROW: UnwindRow = profiler_common::ENTRY_ROW;
 
