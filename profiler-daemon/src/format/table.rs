@@ -373,6 +373,15 @@ mod tests {
     }
 
     #[test]
+    fn the_c_librarys_internal_frees_are_said_apart_when_there_are_some() {
+        let mut report = crate::heap::report::samples::report();
+        assert!(!render(&report).contains("C library"));
+        report.totals.internal_frees = 8;
+        let table = render(&report);
+        assert!(table.contains(" unknown frees; 8 frees of the C library's own blocks; "), "{table}");
+    }
+
+    #[test]
     fn a_stack_without_a_verdict_yet_says_it_is_warming_up() {
         let mut report = crate::heap::report::samples::report();
         report.stacks[0].leak.warming_up = Some(crate::heap::leak::WarmUp { seen: 2, window: 6 });
