@@ -146,7 +146,7 @@ pub fn free(ctx: ProbeContext) -> u32 {
     if !process::probed(shared_link) {
         return 0;
     }
-    record::on_free(&ctx, arg(&ctx, 0), cookie == profiler_common::FREE_WRAPPER);
+    record::on_free(&ctx, arg(&ctx, 0), cookie);
     0
 }
 

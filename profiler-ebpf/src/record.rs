@@ -16,7 +16,7 @@ use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
     Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
-    LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
+    FREE_IN_C_LIBRARY, FREE_WRAPPER, LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
 };
 
 use crate::{
@@ -111,7 +111,8 @@ fn ids() -> (u32, u32) {
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.
 static EMPTY_STATS: StackStats = StackStats::EMPTY;
-static EMPTY_COUNTERS: ProcCounters = ProcCounters { unknown_frees: 0, failed_allocations: 0, usdt_samples: 0 };
+static EMPTY_COUNTERS: ProcCounters =
+    ProcCounters { unknown_frees: 0, internal_frees: 0, failed_allocations: 0, usdt_samples: 0 };
 static EMPTY_HEAP: ProcHeap = ProcHeap::EMPTY;
 static EMPTY_PAIR: ThreadPairStats = ThreadPairStats { frees: 0, freed_bytes: 0 };
 /// A thread's entry between calls.
@@ -184,6 +185,13 @@ impl Probe {
                 bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0)
             }
         }
+    }
+
+    /// Whether the C library's own code called the free whose entry probe has `cookie`.
+    fn called_by_c_library(self, cookie: u64) -> bool {
+        // SAFETY: `regs` is the context of the probe that is running: at an entry, its address.
+        let here = unsafe { (*self.regs).rip };
+        !self.at_return && profiler_common::called_by_c_library(cookie, here, self.caller())
     }
 }
 
@@ -433,7 +441,7 @@ pub fn on_return(ctx: &RetProbeContext) {
             retire(probe, AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, temporary);
         } else if call.sample_bytes == 0 {
             // A sampled process resizes unrecorded blocks all the time: not an unknown free.
-            unseen_free(probe, tgid, ptr_arg);
+            unseen_free(probe, tgid, ptr_arg, 0);
         }
     } else if stashed != 0 {
         let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
@@ -450,8 +458,10 @@ pub fn on_return(ctx: &RetProbeContext) {
     }
 }
 
-/// A free of `addr`; `wrapper`: the function may call another probed free (see `FreeNote`).
-pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
+/// A free of `addr`, its probe's `cookie` saying whether the function may call another probed
+/// free (`FREE_WRAPPER`, see `FreeNote`) or is the C library's (`FREE_IN_C_LIBRARY`).
+pub fn on_free(ctx: &ProbeContext, addr: u64, cookie: u64) {
+    let wrapper = cookie & FREE_WRAPPER != 0;
     if addr == 0 {
         return;
     }
@@ -492,7 +502,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, wrapper: bool) {
                 retire(probe, key, &alloc, temporary);
             }
         }
-        None => unseen_free(probe, tgid, addr),
+        None => unseen_free(probe, tgid, addr, cookie),
     }
 }
 
@@ -782,11 +792,18 @@ fn retire(probe: Probe, key: AddrKey, alloc: &LiveAlloc, temporary: bool) {
 }
 
 /// A free of an address not live: a double free if it was freed since it was last allocated.
-fn unseen_free(probe: Probe, tgid: u32, addr: u64) {
+/// `cookie`: the free probe's (0 at a return probe), which says whether the C library's own
+/// code called it (see `FREE_IN_C_LIBRARY`).
+fn unseen_free(probe: Probe, tgid: u32, addr: u64, cookie: u64) {
     let key = AddrKey { tgid, _pad: 0, addr };
     let Some(slot) = recent_free(&key).filter(|slot| slot.key == key) else {
-        // Allocated before attach (or its allocation was dropped): expected, not an error.
-        bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        if cookie & FREE_IN_C_LIBRARY != 0 && probe.called_by_c_library(cookie) {
+            // A block the C library allocated inside itself, never through malloc.
+            bump_proc_counter(tgid, |c| &mut c.internal_frees);
+        } else {
+            // Allocated before attach (or its allocation was dropped): expected, not an error.
+            bump_proc_counter(tgid, |c| &mut c.unknown_frees);
+        }
         return;
     };
     // Also seen when the allocator itself frees what sits in its caches (glibc's

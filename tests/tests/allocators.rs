@@ -66,6 +66,23 @@ fn threads_allocating_at_once_and_freeing_each_others_memory() {
     assert_nothing_dropped(&report);
 }
 
+/// glibc gives each thread that calls the allocator a cache it allocates inside itself, never
+/// through malloc, and frees through free as the thread exits: one internal free per such
+/// thread, none per thread that never called it, and no unknown free under `run`, run after run.
+#[test]
+fn glibc_thread_caches_freed_at_thread_exit_are_internal_frees_not_unknown() {
+    let program = fixture("thread_caches");
+    for (using, idle) in [(8, 0), (8, 0), (8, 0), (8, 0), (8, 0), (5, 5), (5, 5), (0, 5), (3, 0), (3, 0)] {
+        let outcome = run(&[], &[program.to_str().unwrap(), &using.to_string(), &idle.to_string()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        assert_eq!(site(&report, "churn_site"), (0, 0), "{using} threads: {report}");
+        assert_eq!(total(&report, "unknown_frees"), 0, "{using} + {idle} threads: {report}");
+        assert_eq!(total(&report, "internal_frees"), using, "{using} + {idle} threads: {report}");
+        assert_nothing_dropped(&report);
+    }
+}
+
 /// A static binary has its allocator inside: memprof probes the executable itself. Its double
 /// frees are told from glibc's thread-exit frees by name, as both sit in the one file.
 #[test]
@@ -84,6 +101,8 @@ fn a_static_binary_is_traced_in_itself() {
     let report = run(&[], &[threads.to_str().unwrap()]).final_report();
     assert_eq!(site(&report, "leak_a"), (500 * 24, 500));
     assert_eq!(report["double_frees"].as_array().unwrap().len(), 0, "thread exit is not a double free");
+    // Its C library shares the program's file: no caller there is taken for the library's own.
+    assert_eq!(total(&report, "internal_frees"), 0, "{report}");
 
     let lifecycle = fixture_with("lifecycle.c", "lifecycle_static", &flags);
     let report = run(&[], &[lifecycle.to_str().unwrap(), "double-free"]).final_report();

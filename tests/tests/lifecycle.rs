@@ -9,6 +9,7 @@ fn allocations_from_before_attach_freed_after_are_unknown_frees() {
     assert!(outcome.status.success(), "memprof exits 0 when its target exits: {outcome:?}");
     let report = outcome.final_report();
     assert_eq!(total(&report, "unknown_frees"), 100);
+    assert_eq!(total(&report, "internal_frees"), 0, "the program freed them, not the C library");
     assert_eq!(site(&report, "after_attach"), (320, 10));
     assert_eq!(site(&report, "before_attach"), (0, 0));
     assert_eq!(total(&report, "outstanding_bytes"), 320);

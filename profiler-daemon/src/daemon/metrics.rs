@@ -90,6 +90,12 @@ const PER_PROCESS: &[PerProcess] = &[
     ("memprof_unknown_frees", "Frees of addresses not allocated since attach.", MetricType::Counter, |t| {
         t.report.totals.unknown_frees
     }),
+    (
+        "memprof_internal_frees",
+        "Frees the C library made itself of blocks it allocated inside itself (its per-thread caches).",
+        MetricType::Counter,
+        |t| t.report.totals.internal_frees,
+    ),
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
         "memprof_blind_spots",

@@ -957,7 +957,8 @@ impl Tracer {
 fn calls_counted(snapshot: &Snapshot) -> u64 {
     let stacks: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
     let drops: u64 = snapshot.drops.counts.iter().sum();
-    stacks + snapshot.counters.unknown_frees + snapshot.counters.failed_allocations + drops
+    let counters = &snapshot.counters;
+    stacks + counters.unknown_frees + counters.internal_frees + counters.failed_allocations + drops
 }
 
 /// Which execs and forks of untraced processes the kernel reports (`discover::`): execs where

@@ -62,9 +62,14 @@ fn section(report: &Report) -> String {
             bytes(t.outstanding_bytes),
         );
     } else {
+        // Only when there are some: glibc's own frees of its per-thread caches, not the program's.
+        let internal = match t.internal_frees {
+            0 => String::new(),
+            n => format!("; {n} frees of the C library's own blocks"),
+        };
         let _ = writeln!(
             out,
-            "memprof: pid {} ({}{ns_pid}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees; {} failed",
+            "memprof: pid {} ({}{ns_pid}){family} {} after {:.1}s: {} outstanding in {} allocations; {} allocations ({}) and {} frees ({}) seen; {} unknown frees{internal}; {} failed",
             report.pid,
             report.comm,
             if report.is_final { "final report" } else { "report" },
@@ -365,6 +370,15 @@ mod tests {
         assert!(render(&report).starts_with("memprof: pid 1 (leaky) final report"));
         report.ns_pid = Some(7);
         assert!(render(&report).starts_with("memprof: pid 1 (leaky, pid 7 in its namespace) final report"));
+    }
+
+    #[test]
+    fn the_c_librarys_internal_frees_are_said_apart_when_there_are_some() {
+        let mut report = crate::heap::report::samples::report();
+        assert!(!render(&report).contains("C library"));
+        report.totals.internal_frees = 8;
+        let table = render(&report);
+        assert!(table.contains(" unknown frees; 8 frees of the C library's own blocks; "), "{table}");
     }
 
     #[test]

@@ -208,6 +208,10 @@ pub struct Totals {
     pub frees: u64,
     pub freed_bytes: u64,
     pub unknown_frees: u64,
+    /// Frees of blocks never seen allocated that the C library's own code made: blocks it
+    /// allocated inside itself (glibc's per-thread caches, freed as each thread exits).
+    #[serde(default)]
+    pub internal_frees: u64,
     pub failed_allocations: u64,
     /// Allocations freed by their thread before it allocated or freed anything else (full mode only).
     pub temporary_allocations: u64,
@@ -420,6 +424,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let mut totals = Totals {
         outstanding_bytes: snapshot.outstanding_bytes(),
         unknown_frees: snapshot.counters.unknown_frees,
+        internal_frees: snapshot.counters.internal_frees,
         failed_allocations: snapshot.counters.failed_allocations,
         ..Totals::default()
     };
@@ -773,6 +778,7 @@ pub fn merge_processes(root: &Report) -> Report {
             t.frees += c.frees;
             t.freed_bytes += c.freed_bytes;
             t.unknown_frees += c.unknown_frees;
+            t.internal_frees += c.internal_frees;
             t.failed_allocations += c.failed_allocations;
             t.temporary_allocations += c.temporary_allocations;
             for (reason, count) in &process.dropped {

@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
-use profiler_common::FREE_WRAPPER;
+use profiler_common::{c_library_free_cookie, FREE_WRAPPER};
 
 pub use crate::kernel::probes::Attachment;
 use crate::{
@@ -395,7 +395,10 @@ impl Loaded {
             let frees: Vec<Point> = file
                 .frees
                 .iter()
-                .map(|p| Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { 0 } })
+                .map(|p| {
+                    let c_library = p.c_library_code.and_then(|(below, above)| c_library_free_cookie(below, above));
+                    Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { c_library.unwrap_or(0) } }
+                })
                 .collect();
             (allocs, frees)
         };

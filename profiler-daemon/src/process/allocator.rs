@@ -33,8 +33,11 @@ pub struct ProbePoint {
 pub struct FreePoint {
     pub offset: u64,
     /// It may call another probed free of the same block (see `profiler_common::FreeNote`):
-    /// every free outside the C library's own file may.
+    /// every free outside the C library's own shared object may.
     pub wrapper: bool,
+    /// In the C library's own shared object: how far its executable segment reaches below and
+    /// above the probe, to tell the library's internal frees (`profiler_common::FREE_IN_C_LIBRARY`).
+    pub c_library_code: Option<(u64, u64)>,
 }
 
 /// One file holding allocator code, and its distinct entry points.
@@ -404,16 +407,19 @@ fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Opt
         object::Architecture::X86_64 => function.code(&data),
         _ => &[],
     };
-    let allocator = read_file(families, &functions, code, attach_path, display_path);
+    let text = crate::unwind::load_segments(&data).unwrap_or_default();
+    let allocator = read_file(families, &functions, code, &text, attach_path, display_path);
     (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
 }
 
 /// The entry points of `families` a file defines, from its `functions`, if it holds any; `code`
-/// gives a function's bytes to decode (none: probed at its symbol).
+/// gives a function's bytes to decode (none: probed at its symbol); `text`, the file's
+/// executable segments (file offset, size, address).
 fn read_file<'d>(
     families: &[Family],
     functions: &HashMap<&str, Function>,
     code: impl Fn(Function) -> &'d [u8],
+    text: &[(u64, u64, u64)],
     attach_path: &Path,
     display_path: &str,
 ) -> Option<AllocatorFile> {
@@ -453,11 +459,21 @@ fn read_file<'d>(
             let offset = function.offset + placement::probe_distance(code(function), *role);
             match role {
                 Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
-                Role::Free => file.frees.push(FreePoint { offset, wrapper }),
+                Role::Free => {
+                    let c_library_code = if wrapper { None } else { code_around(text, offset) };
+                    file.frees.push(FreePoint { offset, wrapper, c_library_code })
+                }
             }
         }
     }
     (!file.allocs.is_empty() && !file.frees.is_empty()).then_some(file)
+}
+
+/// How far the executable segment of `text` that holds file offset `offset` reaches below and
+/// above it: distances in the file are distances in memory within one segment.
+fn code_around(text: &[(u64, u64, u64)], offset: u64) -> Option<(u64, u64)> {
+    let &(start, size, _) = text.iter().find(|(start, size, _)| (*start..start + size).contains(&offset))?;
+    Some((offset - start, start + size - offset))
 }
 
 /// The file offset of function `name` in the ELF file at `path` (to probe it).
@@ -562,6 +578,8 @@ mod tests {
         assert_eq!(libc.frees.len(), 1, "free and its alias cfree are one probe");
         assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
         assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
+        let (below, above) = libc.frees[0].c_library_code.expect("free is in the C library's code");
+        assert!(below > 0 && above > 0 && below + above > 1 << 20, "its whole text: {below:#x} {above:#x}");
         assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
     }
 

@@ -3,6 +3,7 @@
 
 mod deferred;
 mod registry;
+pub(crate) use registry::load_segments;
 mod shard_map;
 mod shards;
 mod space;

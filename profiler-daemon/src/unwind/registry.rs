@@ -449,7 +449,7 @@ fn is_data_only_library(data: &[u8]) -> bool {
 }
 
 /// The file's executable loadable segments, as (file offset, file size, virtual address).
-fn load_segments(data: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+pub(crate) fn load_segments(data: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
     const PF_X: u32 = 1;
     let file = object::File::parse(data).ok()?;
     Some(

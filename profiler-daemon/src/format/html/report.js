@@ -14,6 +14,7 @@ function summarySection(report) {
     ['frees', 'Frees seen', grouped(t.frees)],
     ['freed_bytes', 'Bytes freed', bytesText(t.freed_bytes)],
     ['unknown_frees', 'Frees of memory allocated before tracing', grouped(t.unknown_frees)],
+    ['internal_frees', "The C library's frees of its own blocks", grouped(t.internal_frees || 0)],
     ['failed_allocations', 'Failed allocations', grouped(t.failed_allocations)],
     ['double_frees', 'Double frees', grouped(report.double_frees.length)],
   ].concat(memoryRows(report.memory, report.blind_spots)).map(([key, label, value]) => el('tr', {}, el('th', {}, label), num(value, { 'data-key': key })));
