@@ -170,9 +170,9 @@ fn prometheus_sees_each_processs_heap_to_the_byte_and_the_rules_name_the_leak() 
 }
 
 /// Series of one traced process at the defaults, besides its stacks' and the drop reasons it met
-/// (docs: daemon/metrics.md#series-budget): 19 counts and gauges, 2 leak verdicts, the rule's
+/// (docs: daemon/metrics.md#series-budget): 20 counts and gauges, 2 leak verdicts, the rule's
 /// warm-up, the RSS difference and memprof_target_attached.
-const PROCESS_SERIES: usize = 24;
+const PROCESS_SERIES: usize = 25;
 /// Series of each exported stack (memprof_stack_inuse_bytes, _info, _leak_candidate).
 const STACK_SERIES: usize = 3;
 /// memprof_allocation_size_bytes with --size-histograms: 34 buckets, the sum and the count.
