@@ -312,6 +312,30 @@ pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocat
     Ok((allocator, paths))
 }
 
+/// The allocator libraries a program loads in place of the C library's malloc with
+/// `LD_PRELOAD`, by the names Debian ships them under.
+const PRELOADABLE: &[&str] = &["libjemalloc.so.2", "libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libmimalloc.so.2"];
+
+/// The preloadable allocator libraries (`PRELOADABLE`) installed beside `allocator`'s C library
+/// that `allocator` does not hold already. `run` probes them for its command before it starts:
+/// the kernel puts a file's probes in place when the process maps it, so a program the command
+/// execs later with one preloaded (`env LD_PRELOAD=... prog`) is traced from its first call.
+pub fn standby(allocator: &Allocator) -> Allocator {
+    let held: HashSet<PathBuf> = allocator.files.iter().filter_map(|f| fs::canonicalize(&f.attach_path).ok()).collect();
+    let Some(dir) = allocator.files.iter().find(|f| is_libc(&f.display_path)).and_then(|f| f.attach_path.parent())
+    else {
+        return Allocator { files: Vec::new(), unprobed: Vec::new() };
+    };
+    let families = families::all();
+    let files = PRELOADABLE
+        .iter()
+        .filter_map(|name| fs::canonicalize(dir.join(name)).ok())
+        .filter(|path| !held.contains(path))
+        .filter_map(|path| scan_file(&families, &path, &path.to_string_lossy())?.allocator)
+        .collect();
+    Allocator { files, unprobed: Vec::new() }
+}
+
 /// The dynamic loader an executable names (`PT_INTERP`); none for a static one.
 fn interpreter(data: &[u8]) -> Option<PathBuf> {
     let elf = object::File::parse(data).ok()?;
