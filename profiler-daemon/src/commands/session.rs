@@ -140,7 +140,8 @@ pub async fn run(
     let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
     let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
     let routed = allocator.route_through_malloc();
-    let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
+    // Whatever the command runs first: a program it execs later is routed too.
+    let routes = Allocator::routes_for_any_program();
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(!args.sampling.usdt);
     if args.sampling.growth {

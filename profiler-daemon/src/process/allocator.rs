@@ -194,6 +194,18 @@ impl Allocator {
         routed
     }
 
+    /// The environment entries of `route_through_malloc` for any program, not only this one's:
+    /// `run` starts every command with them, as it may exec such a program later (a pyenv shim,
+    /// a script, `env`); programs that do not read them ignore them. Variables set already in
+    /// memprof's environment are kept as they are.
+    pub fn routes_for_any_program() -> Vec<&'static str> {
+        let unset = |entry: &&'static str| {
+            let name = entry.split_once('=').map_or(*entry, |(name, _)| name);
+            std::env::var_os(name).is_none()
+        };
+        UNPROBED.iter().filter_map(|unprobed| unprobed.unless_env).filter(unset).collect()
+    }
+
     /// The files' paths as `/proc/PID/maps` names them.
     pub fn modules(&self) -> Vec<String> {
         self.files.iter().map(|f| f.display_path.clone()).collect()
