@@ -700,7 +700,8 @@ pub fn new_image(tgid: u32) -> u32 {
     let _ = PROC_COUNTERS.remove(tgid);
     crate::shared::forget_drops(tgid);
     // Inserted from the static, not a copy on the stack.
-    if PROC_HEAP.insert(tgid, &EMPTY_HEAP, 0).is_ok() {
+    let empty: &'static ProcHeap = &EMPTY_HEAP;
+    if PROC_HEAP.insert(tgid, empty, 0).is_ok() {
         if let Some(heap) = PROC_HEAP.get_ptr_mut(tgid) {
             // SAFETY: a map value pointer stays valid while the program runs.
             unsafe { (*heap).image = image as u64 };
