@@ -22,8 +22,10 @@ use crate::shared::{add, NO_PREALLOC};
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Sized for as many events as before execs carried their path (`ProcessEvent::path`): a fork
+/// storm's events are that size too.
 #[map]
-static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 /// `discover::` flags: which execs and forks of untraced processes are reported too.
 #[map]
 static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
