@@ -414,7 +414,9 @@ pub struct DoubleFreeEvent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StackKey {
     pub tgid: u32,
-    pub _pad: u32,
+    /// The process's program when the totals were made (`ProcHeap::image`): after an exec the
+    /// old program's totals are told from the new one's until the daemon drops them.
+    pub image: u32,
     pub stack_id: u64,
 }
 
@@ -475,7 +477,8 @@ pub struct ThreadPairKey {
     pub tgid: u32,
     pub alloc_tid: u32,
     pub free_tid: u32,
-    pub _pad: u32,
+    /// As `StackKey::image`.
+    pub image: u32,
 }
 
 #[repr(C)]
@@ -518,6 +521,9 @@ pub struct ProcHeap {
     pub sizes: Log2Histogram,
     /// Lifetimes of freed allocations in ns (counts in 1/COUNT_SCALE units).
     pub lifetimes: Log2Histogram,
+    /// How many execs the process made since it was first traced: the entry starts again at
+    /// each (see `ProcessEvent::image`), and its stacks' totals are kept under this number.
+    pub image: u64,
 }
 
 impl ProcHeap {
@@ -528,6 +534,7 @@ impl ProcHeap {
         peak_generation: 0,
         sizes: Log2Histogram { buckets: [0; LOG2_BUCKETS] },
         lifetimes: Log2Histogram { buckets: [0; LOG2_BUCKETS] },
+        image: 0,
     };
 }
 
@@ -831,8 +838,19 @@ pub struct ProcessEvent {
     pub tgid: u32,
     /// The new process, for a fork; 0 for an exec.
     pub child: u32,
-    pub _pad: u32,
+    /// For an exec, the new program's number (`ProcHeap::image`): what the process's maps hold
+    /// under a smaller one, or allocated before `time_ns`, is the old program's.
+    pub image: u32,
+    /// `bpf_ktime_get_ns` at the event.
+    pub time_ns: u64,
+    /// For an exec, the path the new program was run by, as given to `execve` (relative to the
+    /// process's directory, cut at `EXEC_PATH_BYTES`), NUL-terminated: its name when it is gone
+    /// before memprof reads `/proc` (a program that runs for a millisecond).
+    pub path: [u8; EXEC_PATH_BYTES],
 }
+
+/// Room for `ProcessEvent::path`.
+pub const EXEC_PATH_BYTES: usize = 256;
 
 /// What a `ProcessEvent` reports.
 pub mod process_event {
@@ -943,8 +961,8 @@ const _: () = {
     assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
-    assert!(core::mem::size_of::<ProcHeap>() == 32 + 16 * LOG2_BUCKETS);
-    assert!(core::mem::size_of::<ProcessEvent>() == 16);
+    assert!(core::mem::size_of::<ProcHeap>() == 40 + 16 * LOG2_BUCKETS);
+    assert!(core::mem::size_of::<ProcessEvent>() == 24 + EXEC_PATH_BYTES);
     assert!(core::mem::size_of::<MappingEvent>() == 72);
 };
 

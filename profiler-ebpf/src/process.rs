@@ -9,7 +9,7 @@
 //! follows and detaches from the processes that exit.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes},
     macros::{map, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
@@ -22,8 +22,10 @@ use crate::shared::{add, NO_PREALLOC};
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Sized for as many events as before execs carried their path (`ProcessEvent::path`): a fork
+/// storm's events are that size too.
 #[map]
-static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 /// `discover::` flags: which execs and forks of untraced processes are reported too.
 #[map]
 static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
@@ -37,6 +39,9 @@ static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: Global<u32> = Global::new(0);
+/// Offset of `filename` in `struct linux_binprm` (0: unknown, the path is not sent).
+#[unsafe(no_mangle)]
+static BPRM_FILENAME_OFFSET: Global<u32> = Global::new(0);
 
 /// Whether the probes are to record the current process. A link of the process's own (the
 /// kernel's pid filter chose it) records it without a lookup; a link shared by every process
@@ -65,22 +70,48 @@ fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
 }
 
-fn emit(kind: u32, tgid: u32, child: u32) {
-    let event = ProcessEvent { kind, tgid, child, _pad: 0 };
-    if PROCESS_EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+fn emit(kind: u32, tgid: u32, child: u32, image: u32) {
+    emit_exec(kind, tgid, child, image, core::ptr::null());
+}
+
+/// `emit`, with the path of `bprm` (a `struct linux_binprm`; null: none) for an exec. Written in
+/// the ring's record: the path does not fit the BPF stack beside the event.
+fn emit_exec(kind: u32, tgid: u32, child: u32, image: u32, bprm: *const u8) {
+    let Some(mut entry) = PROCESS_EVENTS.reserve::<ProcessEvent>(0) else {
         if let Some(lost) = PROCESS_EVENTS_LOST.get_ptr_mut(0) {
             add(unsafe { &mut *lost }, 1);
         }
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the record is ours until submitted; every field is written before it is.
+    unsafe {
+        (*event).kind = kind;
+        (*event).tgid = tgid;
+        (*event).child = child;
+        (*event).image = image;
+        (*event).time_ns = bpf_ktime_get_ns();
+        (*event).path[0] = 0;
+        let offset = BPRM_FILENAME_OFFSET.load();
+        if !bprm.is_null() && offset != 0 {
+            if let Ok(name) = bpf_probe_read_kernel(bprm.add(offset as usize) as *const *const u8) {
+                let _ = bpf_probe_read_kernel_str_bytes(name, &mut (*event).path);
+            }
+        }
     }
+    entry.submit(0);
 }
 
 /// `sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)`, in the
 /// task that exec'd: by then it leads its thread group, whichever thread called execve.
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
-pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+pub fn process_exec(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if traced_flags(tgid).is_some() || discovering(discover::EXECS) {
-        emit(process_event::EXEC, tgid, 0);
+    if traced_flags(tgid).is_some() {
+        let image = crate::record::new_image(tgid);
+        emit_exec(process_event::EXEC, tgid, 0, image, ctx.arg(2));
+    } else if discovering(discover::EXECS) {
+        emit(process_event::EXEC, tgid, 0, 0);
     }
     0
 }
@@ -99,7 +130,7 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let read = |offset: u32| unsafe { bpf_probe_read_kernel(child.add(offset as usize) as *const i32) };
     if let (Ok(pid), Ok(child_tgid)) = (read(TASK_PID_OFFSET.load()), read(TASK_TGID_OFFSET.load())) {
         if pid == child_tgid && child_tgid as u32 != tgid {
-            emit(process_event::FORK, tgid, pid as u32);
+            emit(process_event::FORK, tgid, pid as u32, 0);
         }
     }
     0
@@ -112,6 +143,6 @@ pub fn on_thread_exit() {
     let ids = bpf_get_current_pid_tgid();
     let (tgid, pid) = ((ids >> 32) as u32, ids as u32);
     if pid == tgid && traced_flags(tgid).is_some() {
-        emit(process_event::EXIT, tgid, 0);
+        emit(process_event::EXIT, tgid, 0, 0);
     }
 }

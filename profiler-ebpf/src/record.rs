@@ -566,7 +566,7 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: u
         }
     }
     let heap = proc_heap(tgid);
-    match stack_stats(tgid, alloc.stack_id) {
+    match stack_stats(tgid, image_of(heap.as_deref()), alloc.stack_id) {
         Some(stats) => {
             keep_bytes_at_peak(stats, heap.as_deref());
             add(&mut stats.allocations, count);
@@ -688,9 +688,36 @@ fn keep_bytes_at_peak(stats: &mut StackStats, heap: Option<&ProcHeap>) {
     }
 }
 
-fn stack_stats(tgid: u32, stack_id: u64) -> Option<&'static mut StackStats> {
+fn stack_stats(tgid: u32, image: u32, stack_id: u64) -> Option<&'static mut StackStats> {
+    let key = StackKey { tgid, image, stack_id };
     // SAFETY: a map value pointer stays valid while the program runs; every update is atomic.
-    get_or_insert(&STACK_STATS, &StackKey { tgid, _pad: 0, stack_id }, &EMPTY_STATS).map(|stats| unsafe { &mut *stats })
+    get_or_insert(&STACK_STATS, &key, &EMPTY_STATS).map(|stats| unsafe { &mut *stats })
+}
+
+/// The program the process runs (`ProcHeap::image`); 0 without its heap entry.
+#[inline(always)]
+fn image_of(heap: Option<&ProcHeap>) -> u32 {
+    heap.map_or(0, |heap| heap.image as u32)
+}
+
+/// Process `tgid` exec'd (`process::process_exec`, before the new program's first instruction):
+/// its heap figures and counters start again, and its stacks' totals are kept apart from the old
+/// program's under the returned number, the old one's plus one. The daemon drops the old
+/// program's when it handles the exec; the probes of files both programs map record the new one
+/// meanwhile. Only the exec'ing thread is left in the process, so nothing races these writes.
+pub fn new_image(tgid: u32) -> u32 {
+    let image = unsafe { PROC_HEAP.get(tgid) }.map_or(0, |heap| heap.image as u32).wrapping_add(1);
+    let _ = PROC_COUNTERS.remove(tgid);
+    crate::shared::forget_drops(tgid);
+    // Inserted from the static, not a copy on the stack.
+    let empty: &'static ProcHeap = &EMPTY_HEAP;
+    if PROC_HEAP.insert(tgid, empty, 0).is_ok() {
+        if let Some(heap) = PROC_HEAP.get_ptr_mut(tgid) {
+            // SAFETY: a map value pointer stays valid while the program runs.
+            unsafe { (*heap).image = image as u64 };
+        }
+    }
+    image
 }
 
 /// Adds `count` (in 1/COUNT_SCALE units) to the bucket of `value`.
@@ -712,7 +739,8 @@ fn count_free(key: &AddrKey, alloc: &LiveAlloc, freed_by: u32, now: u64, tempora
     let (tgid, rate) = (key.tgid, rate_of(key, alloc));
     let (count, bytes) = profiler_common::weight(rate, alloc.size);
     let heap = proc_heap(tgid);
-    match stack_stats(tgid, alloc.stack_id) {
+    let image = image_of(heap.as_deref());
+    match stack_stats(tgid, image, alloc.stack_id) {
         Some(stats) => {
             keep_bytes_at_peak(stats, heap.as_deref());
             add(&mut stats.frees, count);
@@ -750,7 +778,7 @@ fn count_free(key: &AddrKey, alloc: &LiveAlloc, freed_by: u32, now: u64, tempora
         return;
     }
     if alloc.tid != freed_by {
-        let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: freed_by, _pad: 0 };
+        let key = ThreadPairKey { tgid, alloc_tid: alloc.tid, free_tid: freed_by, image };
         match get_or_insert(&THREAD_PAIRS, &key, &EMPTY_PAIR) {
             Some(pair) => {
                 let pair = unsafe { &mut *pair };

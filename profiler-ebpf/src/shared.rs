@@ -42,6 +42,11 @@ pub fn add(counter: &mut u64, value: u64) {
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
 }
 
+/// A process that exec'd counts its new program's drops from zero (see `record::new_image`).
+pub fn forget_drops(tgid: u32) {
+    let _ = PROC_DROPS.remove(tgid);
+}
+
 /// Counts a drop in the current process's counters. Drops are rare, so the hash lookup here
 /// costs the common path nothing.
 pub fn count_drop(reason: DropReason) {

@@ -8,7 +8,7 @@ use std::{
     num::NonZeroU32,
 };
 
-use profiler_common::process_event;
+use profiler_common::{process_event, ProcessEvent};
 use tokio::sync::mpsc;
 
 use crate::{
@@ -19,7 +19,9 @@ use crate::{
     heap::sampling::{RateGuard, Sampling},
     heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
     kernel::aggregate::monotonic_now_ns,
+    kernel::events,
     kernel::loader::{Attachment, Loaded},
+    kernel::shared::FileId,
     process::allocator::{self, Allocator},
     process::{procfs, usdt},
     symbolize::SymbolizerHandle,
@@ -40,6 +42,9 @@ pub struct Process {
     /// When its probes were attached (`monotonic_now_ns`): its reports' times count from it.
     pub start_ns: u64,
     attachment: Attachment,
+    /// The files whose allocator probes `attachment` holds. They stay through execs (a new
+    /// program that maps one again is recorded from its first call) and are not attached twice.
+    probed_files: HashSet<FileId>,
     /// The allocator probed; none between an exec and the new program mapping its allocator.
     allocator: Option<Allocator>,
     pub double_free_filter: Option<DoubleFreeFilter>,
@@ -60,6 +65,12 @@ pub struct Process {
 }
 
 impl Process {
+    /// `attachment` holds probes on `files` too (see `allocator::standby`).
+    pub fn also_probed(&mut self, attachment: Attachment, files: &Allocator) {
+        self.attachment.merge(attachment);
+        self.probed_files.extend(file_ids(files));
+    }
+
     /// A process whose probes are attached; `expect_exec` for `memprof run`'s command, not yet
     /// exec'd.
     pub fn new(
@@ -86,6 +97,7 @@ impl Process {
             resident: Resident::default(),
             exe,
             attachment,
+            probed_files: file_ids(&allocator),
             allocator: Some(allocator),
             // Its counts start now: its probes are attached.
             start_ns,
@@ -96,6 +108,25 @@ impl Process {
             expect_exec,
             exec_handled_early: false,
         }
+    }
+}
+
+/// The files of `allocator`, as the kernel tells them apart.
+fn file_ids(allocator: &Allocator) -> HashSet<FileId> {
+    allocator.files.iter().filter_map(|file| FileId::of(&file.attach_path).ok()).collect()
+}
+
+/// Gives the symbolizer and the stack walk the mappings of `pid`, which now runs another program.
+/// Read once, symbols first: a short-lived program may be gone a moment later. One that has
+/// exited already (a zombie until reaped) lists no mappings: what the dynamic linker sent
+/// meanwhile is all there is of it then, and forgetting it here left a whole report unnamed and
+/// unwound (1 run in 60).
+fn new_program_mappings(loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
+    if let Some(mappings) = procfs::file_mappings(pid).ok().filter(|mappings| !mappings.is_empty()) {
+        // Nothing of the program before the exec is kept.
+        symbolizer.forget(pid);
+        symbolizer.refresh_with(pid, mappings.clone());
+        loaded.sync_mappings_with(pid, &mappings);
     }
 }
 
@@ -166,48 +197,57 @@ impl Family {
         for event in loaded.process_events.drain() {
             tracing::debug!(?event, "process event");
             match event.kind {
-                process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid),
+                process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid, Some(&event)),
                 process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.child),
                 _ => {}
             }
         }
     }
 
-    /// The process runs another program: what was known of the old one goes, and the new one is
-    /// probed in its own allocator.
-    fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
+    /// The process runs another program (`exec`, its event; none for an exec found late): what
+    /// was known of the old one goes, and the new one is probed in its own allocator. Calls are
+    /// traced through the exec: the probes stay, and those on files the new program maps again
+    /// (the C library, a preloaded allocator `run` probed beforehand) record it from its first
+    /// call, with nothing lost in between.
+    fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32, exec: Option<&ProcessEvent>) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
         if std::mem::take(&mut process.expect_exec) {
             // `memprof run`'s command is in its own program now, probed since before its exec:
             // its executable and dynamic linker get their tables and symbols (its libraries, when
             // the dynamic linker reports them).
-            // Read once, symbols first: a short-lived command may be gone a moment later. A
-            // command that has exited already (memprof's zombie child until reaped) lists no
-            // mappings: what the dynamic linker sent meanwhile is all there is of it then, and
-            // forgetting it here left a whole report unnamed and unwound (1 run in 60).
-            if let Some(mappings) = procfs::file_mappings(pid).ok().filter(|mappings| !mappings.is_empty()) {
-                // Nothing of the program before the exec (memprof's own child) is kept.
-                symbolizer.forget(pid);
-                symbolizer.refresh_with(pid, mappings.clone());
-                loaded.sync_mappings_with(pid, &mappings);
-            }
+            new_program_mappings(loaded, symbolizer, pid);
             return;
         }
         if std::mem::take(&mut process.exec_handled_early) {
             return;
         }
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
-        let old = std::mem::take(&mut process.attachment);
-        process.attachment = loaded.exec_happened(nonzero, old);
+        match exec {
+            Some(exec) if self.settings.0.traces_calls() => {
+                loaded.image_replaced(nonzero, exec);
+                new_program_mappings(loaded, symbolizer, pid);
+            }
+            _ => {
+                let old = std::mem::take(&mut process.attachment);
+                process.attachment = match exec {
+                    Some(exec) => loaded.exec_happened(nonzero, old, exec),
+                    None => loaded.restart(nonzero, old),
+                };
+                process.probed_files.clear();
+                symbolizer.forget(pid);
+                symbolizer.refresh(pid);
+            }
+        }
         process.allocator = None;
         process.double_free_filter = None;
         process.comm = procfs::comm(pid).unwrap_or_default();
-        process.exe = procfs::exe_path(pid).unwrap_or_default();
+        // The path the exec ran, for a program gone already (its mappings then come from the
+        // list its dynamic linker sent, which names every file but the executable).
+        let ran = exec.and_then(|exec| events::exec_path(pid, exec)).map(|path| path.display().to_string());
+        process.exe = procfs::exe_path(pid).or(ran).unwrap_or_default();
         process.leaks = LeakTracker::new(self.settings.1);
         process.rate_guard = RateGuard::new(self.settings.0);
         process.double_frees.clear();
-        symbolizer.forget(pid);
-        symbolizer.refresh(pid);
         self.probe(loaded, pid);
     }
 
@@ -218,23 +258,33 @@ impl Family {
             return;
         }
         let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
+        // The files it maps whose probes it kept through its exec are not probed twice.
+        let mut missing = allocator.clone();
+        missing
+            .files
+            .retain(|file| FileId::of(&file.attach_path).map_or(true, |id| !process.probed_files.contains(&id)));
         // With --usdt, the new program's own probes, and none of its allocator's.
         let attached = if self.settings.0.usdt {
             usdt::in_process(pid)
                 .map_err(anyhow::Error::from)
                 .and_then(|sites| loaded.attach_usdt(&sites, nonzero, None))
+        } else if missing.files.is_empty() && !allocator.files.is_empty() {
+            Ok(Attachment::default())
         } else {
-            loaded.attach_allocator(&allocator, nonzero)
+            loaded.attach_allocator(&missing, nonzero)
         };
         match attached {
             Ok(probes) => {
                 process.attachment.merge(probes);
+                process.probed_files.extend(file_ids(&missing));
                 if let Some(sample_bytes) = process.rate_guard.initial() {
                     if let Err(err) = loaded.sample(pid, sample_bytes) {
                         tracing::warn!(pid, "sampling: {err:#}");
                     }
                 }
-                process.exe = procfs::exe_path(pid).unwrap_or_default();
+                if let Some(exe) = procfs::exe_path(pid) {
+                    process.exe = exe;
+                }
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
                 process.blind_spots = Some(BlindSpots::new(pid, &allocator));
                 say!(
@@ -321,7 +371,7 @@ impl Family {
         // A child that exec'd before it was tracked (vfork and exec) reported no exec event. (One
         // still inside execve reports it: its exec tracepoint fires once the new program is in.)
         if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
-            self.on_exec(loaded, symbolizer, child);
+            self.on_exec(loaded, symbolizer, child, None);
             if let Some(process) = self.processes.get_mut(&child) {
                 process.exec_handled_early = true;
             }

@@ -141,7 +141,8 @@ pub async fn run(
     let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
     let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
     let routed = allocator.route_through_malloc();
-    let routes: Vec<&str> = routed.iter().filter_map(|spot| spot.unless_env).collect();
+    // Whatever the command runs first: a program it execs later is routed too.
+    let routes = Allocator::routes_for_any_program();
     let mut loaded = loader::load(args.maps, args.interval)?;
     loaded.follow_forks = args.follow_forks.unwrap_or(!args.sampling.usdt);
     if args.sampling.growth {
@@ -210,8 +211,12 @@ async fn trace_command(
         loaded.sample(pid, sample_bytes)?;
     }
     let probes = attachment.probes();
-    let root = Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
+    let mut root =
+        Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
     announce(pid, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
+    if sites.is_none() && args.sampling.traces_calls() {
+        probe_standby(&mut loaded, &mut root, &allocator);
+    }
     for spot in &routed {
         let entry = spot.unless_env.unwrap_or_default();
         let name = spot.env_name().unwrap_or_default();
@@ -230,6 +235,29 @@ async fn trace_command(
         heuristics: args.inspect_heuristics,
     });
     trace(loaded, symbolizer, root, exit, args, opened, inspect).await
+}
+
+/// Probes the preloadable allocators the command does not map for it too (`allocator::standby`),
+/// for a program it execs with one preloaded (`env LD_PRELOAD=... prog`).
+fn probe_standby(loaded: &mut Loaded, root: &mut Process, allocator: &Allocator) {
+    let standby = allocator::standby(allocator);
+    if standby.files.is_empty() {
+        return;
+    }
+    let Some(pid) = NonZeroU32::new(root.pid) else { return };
+    match loaded.attach_standby(&standby, pid) {
+        Ok(attachment) => {
+            eprintln!(
+                "memprof: also probing {} for pid {pid}, for a program it execs with one preloaded",
+                standby.describe()
+            );
+            root.also_probed(attachment, &standby);
+        }
+        Err(err) => eprintln!(
+            "memprof: a program pid {pid} execs with {} preloaded is not seen until probed: {err:#}",
+            standby.describe()
+        ),
+    }
 }
 
 fn settings(args: &TraceArgs) -> (crate::heap::sampling::Sampling, crate::heap::leak::LeakSettings) {
@@ -384,6 +412,9 @@ impl Tracer<'_> {
     /// New libraries get their tables (and are probed when they hold the allocator), and walks
     /// the kernel deferred are finished on them.
     fn on_unwind_events(&mut self) {
+        // Execs first: a program's mapping changes come after the exec that started it, whose
+        // path names its executable when it is gone before its mappings are read.
+        self.family.on_process_events(&mut self.loaded, &self.symbolizer);
         let (symbolizer, family) = (&self.symbolizer, &self.family);
         let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());
         let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use profiler_common::{discover, process_event};
+use profiler_common::{discover, process_event, ProcessEvent};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
@@ -383,7 +383,7 @@ impl Tracer {
         for event in self.loaded.process_events.drain() {
             let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
-                process_event::EXEC if traced => self.on_exec(event.tgid),
+                process_event::EXEC if traced => self.on_exec(&event),
                 process_event::EXEC => changed |= self.found(event.tgid),
                 process_event::FORK if traced => self.on_fork(event.tgid, event.child),
                 process_event::FORK => changed |= self.found(event.child),
@@ -496,7 +496,8 @@ impl Tracer {
         }
     }
 
-    fn on_exec(&mut self, pid: u32) {
+    fn on_exec(&mut self, event: &ProcessEvent) {
+        let pid = event.tgid;
         let Some(target) = self.targets.get(&pid) else { return };
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
         match ProcessId::current(pid) {
@@ -522,7 +523,7 @@ impl Tracer {
         }
         let target = self.targets.get_mut(&pid).expect("looked up above");
         let old = std::mem::take(&mut target.attachment);
-        target.attachment = self.loaded.exec_happened(nonzero, old);
+        target.attachment = self.loaded.exec_happened(nonzero, old, event);
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
         target.exe = procfs::exe_path(pid);

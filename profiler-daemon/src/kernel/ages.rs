@@ -236,7 +236,7 @@ mod tests {
     }
 
     fn key() -> StackKey {
-        StackKey { tgid: 1, _pad: 0, stack_id: 7 }
+        StackKey { tgid: 1, image: 0, stack_id: 7 }
     }
 
     #[test]

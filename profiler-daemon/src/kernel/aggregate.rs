@@ -131,9 +131,12 @@ pub fn read<'a>(
     // Each process's peak generation, read before the stacks: a stack that changes after this
     // read and before its own counts its bytes since, as if read a moment later.
     let mut peak_generations = HashMap::new();
+    // Each process's program: the totals an earlier one left until its exec is handled are not its.
+    let mut images = HashMap::new();
     for &tgid in tgids {
         let heap = heaps.get(&tgid, 0).unwrap_or_default();
         peak_generations.insert(tgid, heap.peak_generation);
+        images.insert(tgid, heap.image as u32);
         let process = Snapshot {
             now_ns,
             counters: counters.get(&tgid, 0).unwrap_or_default(),
@@ -146,10 +149,11 @@ pub fn read<'a>(
         };
         snapshot.processes.insert(tgid, process);
     }
+    let current = |tgid: &u32, image: u32| images.get(tgid) == Some(&image);
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
         snapshot.stack_stats_entries += 1;
         snapshot.live_entries += unscale(stats.allocations.saturating_sub(stats.frees));
-        if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
+        if let Some(process) = snapshot.processes.get_mut(&key.tgid).filter(|_| current(&key.tgid, key.image)) {
             let spans = book.observe(*key, stats, now_ns);
             let mut stack = stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns);
             if peak_generations.get(&key.tgid) == Some(&stats.peak_generation) {
@@ -160,7 +164,7 @@ pub fn read<'a>(
         }
     })?;
     batch::for_each(map(ebpf, "THREAD_PAIRS")?, |key: &ThreadPairKey, stats: &ThreadPairStats| {
-        if let Some(process) = snapshot.processes.get_mut(&key.tgid) {
+        if let Some(process) = snapshot.processes.get_mut(&key.tgid).filter(|_| current(&key.tgid, key.image)) {
             let stats = ThreadPairStats { frees: unscale(stats.frees), ..*stats };
             process.thread_pairs.push((*key, stats));
         }
@@ -168,7 +172,7 @@ pub fn read<'a>(
     for (&tgid, process) in &mut snapshot.processes {
         if let Some(pages) = pages(tgid) {
             for (stack_id, stats) in pages.stacks() {
-                let key = StackKey { tgid, _pad: 0, stack_id };
+                let key = StackKey { tgid, image: 0, stack_id };
                 let spans = book.observe(key, stats, now_ns);
                 process.stacks.push(stack_snapshot(stack_id, *stats, spans, book, now_ns, min_age_ns));
             }
@@ -327,12 +331,44 @@ fn stack_snapshot(
     }
 }
 
-/// Removes everything the maps hold about `tgids`, which have exited (or exec'd): their entries
-/// would otherwise fill the maps and a reused pid would inherit them. Stacks that no other process
-/// refers to go too (`STACKS` never frees ids by itself). Each map is walked once, however many
-/// processes.
-pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64>) -> anyhow::Result<()> {
-    let ours = |tgid: &u32| tgids.contains(tgid);
+/// What a purge removes from the maps.
+#[derive(Debug, Clone, Copy)]
+pub enum Doomed<'a> {
+    /// Everything of these processes, which have exited (or were detached while running).
+    Processes(&'a HashSet<u32>),
+    /// What process `tgid`'s old program left when it exec'd into program `image` at `exec_ns`
+    /// (see `ProcessEvent`): its blocks, its stacks' totals, thread pairs and recent frees. The
+    /// new program's, recorded since, stay; its heap figures and counters the kernel restarted.
+    OldImage { tgid: u32, image: u32, exec_ns: u64 },
+}
+
+impl Doomed<'_> {
+    /// Entries of the whole process: counters, heap figures, in-flight calls, sampling.
+    fn process(&self, tgid: u32) -> bool {
+        matches!(self, Doomed::Processes(tgids) if tgids.contains(&tgid))
+    }
+
+    /// Entries made by program `image` of process `tgid` (stack totals, thread pairs).
+    fn made_by(&self, tgid: u32, image: u32) -> bool {
+        match *self {
+            Doomed::Processes(tgids) => tgids.contains(&tgid),
+            Doomed::OldImage { tgid: old, image: new, .. } => tgid == old && image < new,
+        }
+    }
+
+    /// Entries of process `tgid` made at `time_ns` (blocks, recent frees).
+    fn made_at(&self, tgid: u32, time_ns: u64) -> bool {
+        match *self {
+            Doomed::Processes(tgids) => tgids.contains(&tgid),
+            Doomed::OldImage { tgid: old, exec_ns, .. } => tgid == old && time_ns < exec_ns,
+        }
+    }
+}
+
+/// Removes what `doomed` names from the maps: the entries of exited processes would otherwise
+/// fill the maps and a reused pid would inherit them. Stacks that nothing else refers to go too
+/// (`STACKS` never frees ids by itself). Each map is walked once, however many processes.
+pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: &HashSet<u64>) -> anyhow::Result<()> {
     // The stored stack ids first: a stack another process stores while this runs is kept, though
     // the scans below may miss the counts that will refer to it. (One stored just before, whose
     // counts land only after the scans pass, can go; its next allocation stores it again.)
@@ -345,7 +381,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64
     // Either is stored again if needed.
     let (mut used_stacks, mut used_free_stacks) = (held_elsewhere.clone(), HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
-        if !ours(&key.tgid) {
+        if !doomed.made_by(key.tgid, key.image) {
             used_stacks.insert(key.stack_id);
         }
     })?;
@@ -354,7 +390,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64
         if recent.key.addr == 0 {
             return;
         }
-        if ours(&recent.key.tgid) {
+        if doomed.made_at(recent.key.tgid, recent.freed.free.time_ns) {
             own_recent_frees.push(slot);
         } else {
             used_stacks.insert(recent.freed.alloc.stack_id);
@@ -371,7 +407,7 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64
         ebpf: &mut Ebpf,
         name: &str,
         matches: impl Fn(&K, &V) -> bool,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Vec<K>> {
         let mut doomed = Vec::new();
         batch::for_each(map(ebpf, name)?, |k: &K, v: &V| {
             if matches(k, v) {
@@ -381,21 +417,22 @@ pub fn purge(ebpf: &mut Ebpf, tgids: &HashSet<u32>, held_elsewhere: &HashSet<u64
         let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
-        for key in doomed {
-            let _ = map.remove(&key);
+        for key in &doomed {
+            let _ = map.remove(key);
         }
-        Ok(())
+        Ok(doomed)
     }
     // Threads that died inside the allocator leave their in-flight state behind.
-    remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| ours(&state.tgid))?;
-    remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, _| ours(&k.tgid))?;
-    remove_matching::<AddrKey, u64>(ebpf, "USDT_WEIGHTS", |k, _| ours(&k.tgid))?;
-    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| ours(&k.tgid))?;
-    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| ours(k))?;
-    remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| ours(k))?;
-    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| ours(k))?;
-    remove_matching::<u32, ProcHeap>(ebpf, "PROC_HEAP", |k, _| ours(k))?;
-    remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| ours(&k.tgid))?;
+    remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| doomed.process(state.tgid))?;
+    let blocks = remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, alloc| doomed.made_at(k.tgid, alloc.time_ns))?;
+    let blocks: HashSet<AddrKey> = blocks.into_iter().collect();
+    remove_matching::<AddrKey, u64>(ebpf, "USDT_WEIGHTS", |k, _| doomed.process(k.tgid) || blocks.contains(k))?;
+    remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| doomed.made_by(k.tgid, k.image))?;
+    remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| doomed.process(*k))?;
+    remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| doomed.process(*k))?;
+    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| doomed.process(*k))?;
+    remove_matching::<u32, ProcHeap>(ebpf, "PROC_HEAP", |k, _| doomed.process(*k))?;
+    remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| doomed.made_by(k.tgid, k.image))?;
     let tables = [
         (StackTable::Allocations, stored_stacks, used_stacks),
         (StackTable::Frees, stored_free_stacks, used_free_stacks),

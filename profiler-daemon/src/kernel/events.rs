@@ -13,6 +13,21 @@ pub use profiler_common::ProcessEvent;
 
 use crate::ring::Ring;
 
+/// The program an exec ran (`ProcessEvent::path`), absolute and with links resolved as
+/// `/proc/PID/exe` names it: a relative path is taken from the process's directory, or from
+/// memprof's once the process is gone (`run`'s command starts in it). None without a path.
+pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let end = event.path.iter().position(|&b| b == 0).unwrap_or(event.path.len());
+    if end == 0 {
+        return None;
+    }
+    let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&event.path[..end]));
+    let base = std::fs::read_link(format!("/proc/{pid}/cwd")).or_else(|_| std::env::current_dir()).ok()?;
+    let path = base.join(path);
+    Some(std::fs::canonicalize(&path).unwrap_or(path))
+}
+
 /// (program, tracepoint) pairs: each fires for every process (or thread) on the machine, and
 /// returns at once for those not traced.
 const TRACEPOINTS: [(&str, &str); 3] = [

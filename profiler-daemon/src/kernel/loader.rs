@@ -20,7 +20,7 @@ use crate::{
     kernel::aggregate::{self, KernelSnapshot},
     kernel::btf,
     kernel::detacher::Detacher,
-    kernel::events::{self, ProcessEvents},
+    kernel::events::{self, ProcessEvent, ProcessEvents},
     kernel::faults,
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
@@ -138,6 +138,9 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
     let uprobes = btf::kernel_member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
     let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
+    // The path an exec ran (see `ProcessEvent::path`); without it, an exec'd program is named
+    // from `/proc` only.
+    let bprm = btf::kernel_member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("USDT_WEIGHTS", sizes.max_live)
@@ -151,6 +154,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
         .override_global("GENERATION_NS", &clock.length_ns, true)
         .override_global("TASK_PID_OFFSET", &task[0], true)
         .override_global("TASK_TGID_OFFSET", &task[1], true)
+        .override_global("BPRM_FILENAME_OFFSET", &bprm, true)
         .override_global("TASK_MM_OFFSET", &task[2], true)
         .override_global("MM_XOL_AREA_OFFSET", &(mm[0] + uprobes[0]), true)
         .override_global("XOL_AREA_VADDR_OFFSET", &xol[0], true)
@@ -228,7 +232,7 @@ impl Loaded {
     pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
         self.load_page_faults()?;
         let old = std::mem::take(attachment);
-        *attachment = self.exec_happened(pid, old);
+        *attachment = self.restart(pid, old);
         attachment.merge(self.watch_pages(pid, true)?);
         Ok(())
     }
@@ -254,6 +258,12 @@ impl Loaded {
         self.unwind.preload(pid.get(), files);
         // Its memory is memprof's until the exec: none of it is the command's.
         self.attach_probes(allocator, pid, false)
+    }
+
+    /// Probes `allocator`'s files for `pid`, which may never map them (see `allocator::standby`):
+    /// the kernel puts a file's probes in place when the process maps it.
+    pub fn attach_standby(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        self.probe_allocator(allocator, pid)
     }
 
     /// The process is in `TRACED` first, as shared links that exist already record it from then on.
@@ -420,12 +430,43 @@ impl Loaded {
         Ok(attachment)
     }
 
-    /// After `pid` exec'd: its old program's probes go (they were on the old program's files, and
-    /// a C library the new program maps again would keep them firing), with what the maps held
-    /// about it. The new program's dynamic linker is hooked at once; its allocator is probed by
-    /// `attach_allocator` once mapped (`allocator::find`), which for a dynamic program is after
-    /// the dynamic linker has loaded the C library.
-    pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
+    /// After `pid` exec'd (`exec`, its event): its old program's probes go (they were on the old
+    /// program's files), with what the old program left in the maps; what the new one recorded
+    /// meanwhile, through the probes of files both map (the C library), stays. The new program's
+    /// dynamic linker is hooked at once; its allocator is probed by `attach_allocator` once
+    /// mapped (`allocator::find`), which for a dynamic program is after the dynamic linker has
+    /// loaded the C library.
+    pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment, exec: &ProcessEvent) -> Attachment {
+        self.detach(old);
+        self.shared.leave(pid.get());
+        self.image_replaced(pid, exec);
+        self.unwind.forget(&mut self.ebpf, pid.get());
+        self.sync_mappings(pid.get());
+        let mut attachment = Attachment::default();
+        self.attach_dl_hook(&mut attachment, pid);
+        attachment
+    }
+
+    /// After `pid` exec'd (`exec`, its event) with its probes kept: what its old program left in
+    /// the maps goes, and what the new program recorded since its first instruction stays (the
+    /// kernel restarted its heap figures and counters at the exec, see `ProcessEvent::image`).
+    pub fn image_replaced(&mut self, pid: NonZeroU32, exec: &ProcessEvent) {
+        let doomed = aggregate::Doomed::OldImage { tgid: pid.get(), image: exec.image, exec_ns: exec.time_ns };
+        // Ranges other processes map hold stacks; the new program's may too by now.
+        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(&HashSet::new())).unwrap_or_default();
+        if let Err(err) = aggregate::purge(&mut self.ebpf, doomed, &held) {
+            tracing::warn!(pid = pid.get(), "dropping what the old program left in the maps failed: {err:#}");
+        }
+        (self.walked_entries, self.stack_entries) = (None, None);
+        self.stillness.forget(pid.get());
+        if let Some(mappings) = &mut self.mappings {
+            mappings.forget(pid.get(), &self.ages.clock);
+        }
+    }
+
+    /// Starts `pid`'s tracing again with nothing of what was recorded: its probes go with
+    /// everything the maps hold about it, and its dynamic linker is hooked again.
+    pub fn restart(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
         self.take_back(old, pid);
         self.unwind_events.forget(pid.get());
         self.sync_mappings(pid.get());
@@ -478,7 +519,7 @@ impl Loaded {
     fn forget_state(&mut self, pids: &HashSet<u32>) {
         // The stacks other processes' ranges and pages hold are theirs to keep.
         let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
-        if let Err(err) = aggregate::purge(&mut self.ebpf, pids, &held) {
+        if let Err(err) = aggregate::purge(&mut self.ebpf, aggregate::Doomed::Processes(pids), &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
         (self.walked_entries, self.stack_entries) = (None, None);

@@ -197,6 +197,18 @@ impl Allocator {
         routed
     }
 
+    /// The environment entries of `route_through_malloc` for any program, not only this one's:
+    /// `run` starts every command with them, as it may exec such a program later (a pyenv shim,
+    /// a script, `env`); programs that do not read them ignore them. Variables set already in
+    /// memprof's environment are kept as they are.
+    pub fn routes_for_any_program() -> Vec<&'static str> {
+        let unset = |entry: &&'static str| {
+            let name = entry.split_once('=').map_or(*entry, |(name, _)| name);
+            std::env::var_os(name).is_none()
+        };
+        UNPROBED.iter().filter_map(|unprobed| unprobed.unless_env).filter(unset).collect()
+    }
+
     /// The files' paths as `/proc/PID/maps` names them.
     pub fn modules(&self) -> Vec<String> {
         self.files.iter().map(|f| f.display_path.clone()).collect()
@@ -313,6 +325,30 @@ pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocat
     });
     let allocator = allocator_of(scans.collect(), runtime_only).map_err(no_allocator)?;
     Ok((allocator, paths))
+}
+
+/// The allocator libraries a program loads in place of the C library's malloc with
+/// `LD_PRELOAD`, by the names Debian ships them under.
+const PRELOADABLE: &[&str] = &["libjemalloc.so.2", "libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libmimalloc.so.2"];
+
+/// The preloadable allocator libraries (`PRELOADABLE`) installed beside `allocator`'s C library
+/// that `allocator` does not hold already. `run` probes them for its command before it starts:
+/// the kernel puts a file's probes in place when the process maps it, so a program the command
+/// execs later with one preloaded (`env LD_PRELOAD=... prog`) is traced from its first call.
+pub fn standby(allocator: &Allocator) -> Allocator {
+    let held: HashSet<PathBuf> = allocator.files.iter().filter_map(|f| fs::canonicalize(&f.attach_path).ok()).collect();
+    let Some(dir) = allocator.files.iter().find(|f| is_libc(&f.display_path)).and_then(|f| f.attach_path.parent())
+    else {
+        return Allocator { files: Vec::new(), unprobed: Vec::new() };
+    };
+    let families = families::all();
+    let files = PRELOADABLE
+        .iter()
+        .filter_map(|name| fs::canonicalize(dir.join(name)).ok())
+        .filter(|path| !held.contains(path))
+        .filter_map(|path| scan_file(&families, &path, &path.to_string_lossy())?.allocator)
+        .collect();
+    Allocator { files, unprobed: Vec::new() }
 }
 
 /// The dynamic loader an executable names (`PT_INTERP`); none for a static one.

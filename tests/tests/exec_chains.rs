@@ -1,0 +1,81 @@
+//! `run` through programs that exec the one to trace (`env`, `sh -c 'exec ...'`, a preloaded
+//! allocator set on the way): a program that is over within a millisecond is seen from its first
+//! call, exactly as when run directly.
+
+use memprof_tests::{fixture, run, run_with_env, site, total, Outcome};
+use serde_json::Value;
+
+/// The fixture's truth (see short_prog.c): outstanding (bytes, allocations) per site.
+const SITES: [(&str, (u64, u64)); 3] = [("first_site", (48, 1)), ("kept_site", (1000, 10)), ("zeroed_site", (500, 5))];
+
+fn short_prog() -> String {
+    fixture("short_prog").to_str().unwrap().to_string()
+}
+
+/// The report of the exec'd program, with its sites and counts exact and no free unknown.
+fn traced_exactly(outcome: &Outcome) -> Value {
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert!(report["exe"].as_str().is_some_and(|exe| exe.ends_with("/short_prog")), "{report}");
+    for (function, outstanding) in SITES {
+        assert_eq!(site(&report, function), outstanding, "{function}: {report}");
+    }
+    assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
+    assert_eq!(total(&report, "failed_allocations"), 0, "{report}");
+    report
+}
+
+/// On the C library, every allocation and free is the fixture's own.
+fn glibc_truth(report: &Value) {
+    assert_eq!(total(report, "allocations"), 16 + 20, "{report}");
+    assert_eq!(total(report, "frees"), 20, "{report}");
+    assert_eq!(total(report, "freed_bytes"), 20 * 300, "{report}");
+    assert_eq!(total(report, "outstanding_bytes"), 1548, "{report}");
+}
+
+#[test]
+fn a_program_env_runs_is_traced_from_its_first_call() {
+    let report = traced_exactly(&run(&[], &["env", &short_prog()]));
+    glibc_truth(&report);
+}
+
+#[test]
+fn a_program_a_shell_execs_is_traced_from_its_first_call() {
+    let report = traced_exactly(&run(&[], &["sh", "-c", &format!("exec {}", short_prog())]));
+    glibc_truth(&report);
+}
+
+#[test]
+fn two_execs_in_a_row_leave_only_the_last_program() {
+    let report = traced_exactly(&run(&[], &["env", "env", &short_prog()]));
+    glibc_truth(&report);
+}
+
+/// `env LD_PRELOAD=lib prog`: the allocator the exec'd program preloads is probed from its first
+/// call, and the counts equal those of the same program run directly with it preloaded.
+#[test]
+fn a_program_exec_d_with_a_preloaded_allocator_is_traced_from_its_first_call() {
+    for lib in ["/usr/lib/x86_64-linux-gnu/libmimalloc.so.2", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"] {
+        let preload = format!("LD_PRELOAD={lib}");
+        let chained = traced_exactly(&run(&[], &["env", &preload, &short_prog()]));
+        let direct = traced_exactly(&run_with_env(&[("LD_PRELOAD", lib)], &[], &[&short_prog()]));
+        for name in ["allocations", "allocated_bytes", "frees", "freed_bytes", "outstanding_bytes"] {
+            assert_eq!(total(&chained, name), total(&direct, name), "{lib}: {name}: {chained}\n{direct}");
+        }
+    }
+}
+
+/// A python that the command execs later (through a shell, as a pyenv shim does) starts with
+/// `PYTHONMALLOC=malloc` too: its small objects pass through malloc, and there is no blind spot.
+#[test]
+fn a_python_exec_d_later_gets_pythonmalloc_too() {
+    let command = "exec /usr/bin/python3 -c 'x = [str(i) for i in range(100000)]'";
+    let outcome = run(&[], &["sh", "-c", command]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(!outcome.stderr.contains("not seen"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert!(report["exe"].as_str().is_some_and(|exe| exe.contains("python3")), "{report}");
+    assert_eq!(report["blind_spots"].as_array().unwrap().len(), 0, "{report}");
+    // Each of the 100,000 strings is a malloc of its own.
+    assert!(total(&report, "allocations") > 100_000, "{report}");
+}
