@@ -68,10 +68,8 @@ impl Cluster {
     /// Select-only transactions a second over `seconds`, each in a session of its own, from 4
     /// clients on 2 threads.
     fn pgbench(&self, seconds: u64) -> anyhow::Result<f64> {
-        let text = as_postgres(&format!(
-            "pgbench -h {} -p {PORT} -C -c 4 -j 2 -S -T {seconds} postgres",
-            self.dir.display()
-        ))?;
+        let text =
+            as_postgres(&format!("pgbench -h {} -p {PORT} -C -c 4 -j 2 -S -T {seconds} postgres", self.dir.display()))?;
         text.lines()
             .find_map(|line| line.strip_prefix("tps = ")?.split_whitespace().next()?.parse().ok())
             .with_context(|| format!("pgbench printed no tps: {text}"))
