@@ -1,4 +1,6 @@
 //! memprof: an eBPF heap profiler. The book (docs: introduction.md) says what it does and how to run it.
+// Messages go through `console::say!`: `eprintln!` panics when standard error is closed or full.
+#![deny(clippy::print_stderr)]
 
 mod cli;
 mod commands;

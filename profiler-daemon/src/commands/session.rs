@@ -247,13 +247,13 @@ fn probe_standby(loaded: &mut Loaded, root: &mut Process, allocator: &Allocator)
     let Some(pid) = NonZeroU32::new(root.pid) else { return };
     match loaded.attach_standby(&standby, pid) {
         Ok(attachment) => {
-            eprintln!(
+            say!(
                 "memprof: also probing {} for pid {pid}, for a program it execs with one preloaded",
                 standby.describe()
             );
             root.also_probed(attachment, &standby);
         }
-        Err(err) => eprintln!(
+        Err(err) => say!(
             "memprof: a program pid {pid} execs with {} preloaded is not seen until probed: {err:#}",
             standby.describe()
         ),
