@@ -40,6 +40,8 @@ const PACKAGES: &[&str] = &[
     "nodejs",
     // tests/tests/postgres.rs: a real forking server.
     "postgresql",
+    // tests/tests/nginx.rs: a server whose workers run before memprof attaches.
+    "nginx",
     "libmimalloc-dev",
     "redis-server",
     // tests/tests/install.rs: Debian's checker of packages, run on the .deb.
