@@ -91,7 +91,14 @@ fn attach_follows_nginxs_running_workers_and_names_the_callers_of_its_wrappers()
     memprof
         .args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "1"])
         .stdin(Stdio::null());
-    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+    // Requests once both workers are traced: memprof says so of each, as a child of the master.
+    let traced_worker = format!(", child of pid {pid}, with ");
+    let mut workers_traced = 0;
+    let outcome = released(memprof, &[traced_worker.clone(), traced_worker], |memprof| {
+        workers_traced += 1;
+        if workers_traced < WORKERS {
+            return;
+        }
         for _ in 0..REQUESTS {
             assert!(nginx.get(), "nginx answers under memprof");
         }
