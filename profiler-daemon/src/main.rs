@@ -18,7 +18,6 @@ mod symbolize;
 mod text;
 mod unwind;
 
-use crate::console::say;
 use std::{io::IsTerminal as _, process::ExitCode};
 
 /// memprof's allocations stay out of the C library's malloc: its probes, once shared by every
@@ -40,6 +39,8 @@ fn return_freed_memory_at_once() {
 
 use clap::{error::ErrorKind, Parser};
 use tracing_subscriber::EnvFilter;
+
+use crate::console::say;
 
 fn main() -> ExitCode {
     return_freed_memory_at_once();

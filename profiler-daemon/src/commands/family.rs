@@ -2,7 +2,6 @@
 //! children it forks (and theirs). Each keeps its own probes, leak history and double frees; an
 //! exec re-probes a process for its new program; an exited child leaves its last report.
 
-use crate::console::say;
 use std::{
     collections::{BTreeMap, HashSet},
     num::NonZeroU32,
@@ -13,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     commands::target::ExitWatch,
+    console::say,
     heap::leak::{LeakSettings, LeakTracker},
     heap::price::PriceWatch,
     heap::report::{DoubleFreeReport, Forks, Report},

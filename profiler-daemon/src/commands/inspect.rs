@@ -2,7 +2,6 @@
 //! valgrind's memcheck would and named by C++ type, from an inspection the daemon makes now
 //! (`/api/v1/inspect`). Without a daemon, `attach --inspect` does the same in a session of its own.
 
-use crate::console::say;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -13,6 +12,7 @@ use crate::{
         daemon_client::{self, Daemon, Reply},
         output::ReportOutput,
     },
+    console::say,
     format,
     heap::report::Report,
 };

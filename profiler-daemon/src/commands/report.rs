@@ -2,7 +2,6 @@
 //! have written it (see `recording`), at any moment (`moment`), with the session's filters, as
 //! flame graphs of bytes, allocations or temporary allocations.
 
-use crate::console::say;
 use std::path::Path;
 
 use anyhow::bail;
@@ -16,6 +15,7 @@ use crate::{
         recording::Recording,
         suppress::{self, Suppressing},
     },
+    console::say,
     format::{self, Flame, Format},
     heap::{
         leak::{StackTimeline, Timeline},

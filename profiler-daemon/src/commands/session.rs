@@ -1,6 +1,5 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
-use crate::console::say;
 use std::{collections::HashMap, io, num::NonZeroU32, time::Duration};
 
 use std::os::fd::AsFd as _;
@@ -19,6 +18,7 @@ use crate::{
     commands::recording::{RecordingWriter, Settings},
     commands::suppress::{self, Suppressing},
     commands::target::{self, ExitWatch},
+    console::say,
     error::UserError,
     format::{self, Format},
     heap::context::RunContext,

@@ -2,7 +2,6 @@
 //! traces the process (which then stays traced), else by attaching for `--duration` and
 //! detaching. Either way the process keeps running.
 
-use crate::console::say;
 use std::{path::Path, time::Duration};
 
 use anyhow::bail;
@@ -15,6 +14,7 @@ use crate::{
         output::ReportFile,
         session,
     },
+    console::say,
     error::UserError,
     format::Format,
 };

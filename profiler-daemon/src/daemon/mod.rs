@@ -20,7 +20,6 @@ mod view;
 mod wakeup;
 mod web_config;
 
-use crate::console::say;
 use std::sync::{atomic::AtomicBool, Arc, RwLock};
 
 use anyhow::Context as _;
@@ -28,6 +27,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
 use crate::cli::DaemonArgs;
+use crate::console::say;
 
 /// The one line that says why a daemon without rules traces nothing, and what to do.
 fn warn_if_idle(config: &config::Config, args: &DaemonArgs) {

@@ -468,7 +468,6 @@ impl Loaded {
     /// everything the maps hold about it, and its dynamic linker is hooked again.
     pub fn restart(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
         self.take_back(old, pid);
-        self.unwind_events.forget(pid.get());
         self.sync_mappings(pid.get());
         let mut attachment = Attachment::default();
         self.attach_dl_hook(&mut attachment, pid);

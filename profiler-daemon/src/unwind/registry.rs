@@ -5,7 +5,6 @@
 //! A file's rows stay while some traced process maps it and are freed for reuse after; a shard
 //! with no rows in use is given back to the kernel.
 
-use crate::console::say;
 use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
@@ -18,6 +17,7 @@ use super::{
     space::RowSpace,
     table,
 };
+use crate::console::say;
 use crate::process::procfs::{self, FileMapping};
 
 /// How memprof walks stacks.
