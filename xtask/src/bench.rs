@@ -438,7 +438,7 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
          report and detaching).\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
-         and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\
+         and heaptrack and valgrind need it restarted under them. memprof probes `free` at its NULL check's jump\n\
          (an emulated instruction instead of a single-stepped one), which is most of its lead over the\n\
          classic probe set. The two `traps` rows are the floor under any tool that probes where these do:\n\
          the kernel's trap and return trampoline with nothing done in them (bpftrace's maps are sized as\n\
