@@ -215,6 +215,63 @@ pub const SAMPLED: u32 = 1 << 31;
 /// allocation through its `otel_memory` probe (see `usdt`): its weight is kept beside it.
 pub const USDT: u32 = 1 << 30;
 
+/// A sampling process's rate where the programs read it on every call: slot `rate_slot(tgid)` of
+/// an array, an inlined lookup instead of a hash lookup. A process whose slot another holds
+/// stays in the hash of rates alone, and its slot counts it in `collided`, so that a call finds
+/// a process without either at the cost of the array lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SampleRate {
+    /// The process holding the slot (0: none).
+    pub tgid: u32,
+    /// Sampling processes whose slot this is but that another one holds.
+    pub collided: u32,
+    /// Its mean bytes between samples.
+    pub sample_bytes: u64,
+}
+
+/// Slots of the rate array: a power of two, for an `and` instead of a division per call.
+pub const RATE_SLOTS: u32 = 4096;
+
+#[inline(always)]
+pub fn rate_slot(tgid: u32) -> u32 {
+    tgid & (RATE_SLOTS - 1)
+}
+
+impl SampleRate {
+    /// Process `tgid`'s rate as its slot says: `None` when the slot cannot say (another process
+    /// holds it and some process is in the hash alone), 0 when it does not sample.
+    #[inline(always)]
+    pub fn of(&self, tgid: u32) -> Option<u64> {
+        if self.tgid == tgid {
+            Some(self.sample_bytes)
+        } else if self.collided == 0 {
+            Some(0)
+        } else {
+            None
+        }
+    }
+
+    /// Process `tgid` samples at `sample_bytes` from now on; `known`: it did already (one that
+    /// collided stays in the hash alone, counted once).
+    pub fn claim(&mut self, tgid: u32, sample_bytes: u64, known: bool) {
+        if self.tgid == tgid || (self.tgid == 0 && !known) {
+            (self.tgid, self.sample_bytes) = (tgid, sample_bytes);
+        } else if !known {
+            self.collided += 1;
+        }
+    }
+
+    /// Process `tgid`, which sampled, has left.
+    pub fn release(&mut self, tgid: u32) {
+        if self.tgid == tgid {
+            (self.tgid, self.sample_bytes) = (0, 0);
+        } else {
+            self.collided = self.collided.saturating_sub(1);
+        }
+    }
+}
+
 /// How much one recorded allocation of `size` bytes counts for, as (count in 1/`COUNT_SCALE`
 /// units, bytes), when allocations are sampled with probability `min(1, size / sample_bytes)`
 /// (every one when `sample_bytes` is 0): the inverse of its probability, so that sums are
@@ -354,6 +411,20 @@ pub struct AddrKey {
     pub tgid: u32,
     pub _pad: u32,
     pub addr: u64,
+}
+
+/// Slots of the live blocks' filter: each counts the `LIVE` entries whose key falls in it, so that
+/// a slot at 0 says, without a hash lookup, that a block is not live (a sampling process's frees
+/// are almost all of blocks it did not record). Slots are u64: an array's values are 8-byte
+/// aligned anyway, and the shared atomic add is 64-bit.
+pub const LIVE_FILTER_SLOTS: u32 = 1 << LIVE_FILTER_BITS;
+const LIVE_FILTER_BITS: u32 = 19;
+
+/// The filter slot of a live block's key.
+#[inline(always)]
+pub fn live_filter_slot(key: &AddrKey) -> u32 {
+    let mixed = (key.addr ^ (key.tgid as u64) << 44).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (mixed >> (64 - LIVE_FILTER_BITS)) as u32
 }
 
 /// One outstanding allocation.
@@ -958,6 +1029,7 @@ const _: () = {
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 32);
+    assert!(core::mem::size_of::<SampleRate>() == 16);
     assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
@@ -1007,6 +1079,30 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_slot_says_who_samples_or_sends_to_the_hash() {
+        let (a, b, c) = (5, 5 + RATE_SLOTS, 5 + 2 * RATE_SLOTS);
+        assert_eq!(rate_slot(a), rate_slot(b));
+        let mut slot = SampleRate::default();
+        assert_eq!(slot.of(a), Some(0), "an empty slot: nobody samples");
+        slot.claim(a, 4096, false);
+        assert_eq!((slot.of(a), slot.of(b)), (Some(4096), Some(0)));
+        // b collides: it is in the hash alone, and every other tgid of the slot must look there.
+        slot.claim(b, 8192, false);
+        slot.claim(b, 8192, true);
+        assert_eq!((slot.of(a), slot.of(b), slot.of(c)), (Some(4096), None, None));
+        // a leaves: the slot stays empty while b, in the hash, still counts, even when b's rate
+        // is set again.
+        slot.release(a);
+        slot.claim(b, 8192, true);
+        assert_eq!((slot.of(a), slot.of(b), slot.collided), (None, None, 1));
+        slot.release(b);
+        assert_eq!((slot.of(b), slot.of(c)), (Some(0), Some(0)));
+        // The next to sample takes the free slot.
+        slot.claim(c, 512, false);
+        assert_eq!((slot.of(c), slot.of(a)), (Some(512), Some(0)));
+    }
+
+    #[test]
     fn sizes_fall_in_power_of_two_buckets() {
         let cases = [(0, 0), (1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (4096, 12), (4097, 13)];
         for (size, bucket) in cases {
@@ -1025,6 +1121,7 @@ mod pod {
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}
+    unsafe impl aya::Pod for SampleRate {}
     unsafe impl aya::Pod for ProcDrops {}
     unsafe impl aya::Pod for Log2Histogram {}
     unsafe impl aya::Pod for ProcHeap {}

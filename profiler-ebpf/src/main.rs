@@ -15,6 +15,7 @@
 #![feature(core_intrinsics)]
 
 mod growth;
+mod live;
 mod mapping;
 mod process;
 mod record;

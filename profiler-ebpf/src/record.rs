@@ -14,12 +14,13 @@ use aya_ebpf::{
 };
 use profiler_common::{
     generations::{self, FROZEN_AGE},
-    stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, ProcHeap, RecentFree, StackKey, StackStats, ThreadPairKey, ThreadPairStats,
-    FREE_IN_C_LIBRARY, FREE_WRAPPER, LOG2_BUCKETS, NO_STACK, SAMPLED, USDT,
+    rate_slot, stack_table, AddrKey, AllocFn, DoubleFreeEvent, DropReason, FreeNote, FreeSite, FreedAlloc, Inflight,
+    LiveAlloc, Log2Histogram, ProcCounters, ProcHeap, RecentFree, SampleRate, StackKey, StackStats, ThreadPairKey,
+    ThreadPairStats, FREE_IN_C_LIBRARY, FREE_WRAPPER, LOG2_BUCKETS, NO_STACK, RATE_SLOTS, SAMPLED, USDT,
 };
 
 use crate::{
+    live,
     shared::{add, count_drop, kernel_word, NO_PREALLOC},
     unwind::{self, Regs},
 };
@@ -30,9 +31,6 @@ use crate::{
 /// place costs far less than an insert per call and a delete per return. `on_thread_exit` removes it.
 #[map]
 static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_PREALLOC);
-/// A plain hash, not an LRU: an LRU would evict the oldest allocations, which are the leaks.
-#[map]
-static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
 #[map]
 static STACK_STATS: HashMap<StackKey, StackStats> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 /// Recent frees, one per slot of an address's hash: a newer free in the same slot forgets an
@@ -64,24 +62,26 @@ static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_0
 #[map]
 static PROC_HEAP: HashMap<u32, ProcHeap> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 /// Processes traced by sampling: tgid → mean bytes between samples (`--sample-bytes`). Their
-/// frees of unrecorded blocks are expected, and their double frees are not looked for.
+/// frees of unrecorded blocks are expected, and their double frees are not looked for. Read
+/// through `SAMPLE_RATES`, which holds most of them.
 #[map]
 static SAMPLING: HashMap<u32, u64> = HashMap::with_max_entries(4_096, NO_PREALLOC);
-/// Set (to 1) by the daemon before it first samples a process: until then every call is
-/// recorded, and the entry probe skips a hash lookup per call (an array's lookup is inlined).
+/// The rates again, by slot (see `SampleRate`), kept by the daemon beside `SAMPLING`.
 #[map]
-static SAMPLING_USED: Array<u32> = Array::with_max_entries(1, 0);
+static SAMPLE_RATES: Array<SampleRate> = Array::with_max_entries(RATE_SLOTS, 0);
 
 /// The weight (bytes it stands for) of each live block the allocator's own sampler reported
 /// (`usdt`): a free takes off what its allocation added. As large as `LIVE` (set by the loader).
 #[map]
 static USDT_WEIGHTS: HashMap<AddrKey, u64> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
 
+/// Process `tgid`'s mean bytes between samples; 0 when it records every call.
+#[inline(always)]
 fn sample_bytes(tgid: u32) -> u64 {
-    if SAMPLING_USED.get(0).is_none_or(|used| *used == 0) {
+    let Some(slot) = SAMPLE_RATES.get(rate_slot(tgid)) else {
         return 0;
-    }
-    unsafe { SAMPLING.get(tgid) }.copied().unwrap_or(0)
+    };
+    slot.of(tgid).unwrap_or_else(|| unsafe { SAMPLING.get(tgid) }.copied().unwrap_or(0))
 }
 
 /// Only frees by another thread than the allocating one: same-thread frees are the rest.
@@ -315,7 +315,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
             // Stale: its return will never come. Give back the block a stale realloc had taken.
             count_drop(DropReason::InflightMissing);
             if stale.stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, stale.stash, 0);
+                let _ = live::insert(&AddrKey { tgid: stale.tgid, _pad: 0, addr: stale.ptr_arg }, &stale.stash, 0);
             }
             // Idle now, so that a call not drawn below does not find it again.
             unsafe { (*state).depth = 0 };
@@ -323,7 +323,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
     }
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
     // realloc frees its old block inside the call: a recorded one is settled at the return.
-    let old = if resizes { unsafe { LIVE.get(key) }.copied() } else { None };
+    let old = if resizes { live::get(&key) } else { None };
     if !recorded && old.is_none() {
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
         return false;
@@ -344,7 +344,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
         // Taken out of LIVE now, the old block cannot be confused with a block another thread
         // gets at the same address before realloc returns.
         state.stash = old;
-        state.stashed = u32::from(LIVE.remove(key).is_ok());
+        state.stashed = u32::from(live::remove(&key).is_ok());
     }
     state.depth = 1;
     true
@@ -368,7 +368,7 @@ pub fn on_thread_exit() {
     if state.depth != 0 {
         count_drop(DropReason::InflightMissing);
         if state.stashed != 0 {
-            let _ = LIVE.insert(AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, state.stash, 0);
+            let _ = live::insert(&AddrKey { tgid: state.tgid, _pad: 0, addr: state.ptr_arg }, &state.stash, 0);
         }
     }
     let _ = INFLIGHT.remove(tid);
@@ -425,7 +425,7 @@ pub fn on_return(ctx: &RetProbeContext) {
         // is no failure (the caller then moves the block itself). The block stays as it was.
         AllocFn::ResizeInPlace if ret < size => {
             if stashed != 0 {
-                let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
+                let _ = live::insert(&AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, 0);
             }
             return;
         }
@@ -444,7 +444,7 @@ pub fn on_return(ctx: &RetProbeContext) {
             unseen_free(probe, tgid, ptr_arg, 0);
         }
     } else if stashed != 0 {
-        let _ = LIVE.insert(AddrKey { tgid, _pad: 0, addr: ptr_arg }, call.stash, 0);
+        let _ = live::insert(&AddrKey { tgid, _pad: 0, addr: ptr_arg }, &call.stash, 0);
     }
     if returned != 0 && recorded != 0 {
         let marks = if call.sample_bytes != 0 { SAMPLED } else { 0 };
@@ -467,7 +467,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, cookie: u64) {
     }
     let (tgid, tid) = ids();
     let key = AddrKey { tgid, _pad: 0, addr };
-    let live = unsafe { LIVE.get(key) }.copied();
+    let live = live::get(&key);
     // A sampled process frees blocks that were not sampled all the time: nothing to do (checked
     // first, as it is most of a sampled process's frees).
     if live.is_none() && sample_bytes(tgid) != 0 {
@@ -498,7 +498,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, cookie: u64) {
         // Two threads freeing the same block race here: only the one that removes it counts it.
         Some(alloc) => {
             let temporary = alloc.tid == tid && last_alloc == addr;
-            if LIVE.remove(key).is_ok() {
+            if live::remove(&key).is_ok() {
                 retire(probe, key, &alloc, temporary);
             }
         }
@@ -549,18 +549,18 @@ fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u64, func: u
     let (count, bytes) = profiler_common::weight(rate, size);
     // The address is in use again: a later free of it is not a double free.
     forget_free(&key);
-    if let Err(err) = LIVE.insert(key, alloc, BPF_NOEXIST as u64) {
+    if let Err(err) = live::insert(&key, &alloc, BPF_NOEXIST as u64) {
         if err != -EEXIST {
             count_drop(DropReason::LiveMapFull);
             return false;
         }
         // Still live: its free went unseen. Retire the old allocation so its stack is not charged forever.
         count_drop(DropReason::MissedFree);
-        if let Some(old) = unsafe { LIVE.get(key) }.copied() {
+        if let Some(old) = live::get(&key) {
             // When and by whom it was freed is unknown: no lifetime or thread pair for it.
             count_free(&key, &old, UNSEEN, alloc.time_ns, false);
         }
-        if LIVE.insert(key, alloc, 0).is_err() {
+        if live::insert(&key, &alloc, 0).is_err() {
             count_drop(DropReason::LiveMapFull);
             return false;
         }
@@ -610,9 +610,9 @@ pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
     bump_proc_counter(tgid, |c| &mut c.usdt_samples);
     let key = AddrKey { tgid, _pad: 0, addr };
     // Still live: its free went unreported. Retired here, while its own weight is kept.
-    if let Some(old) = unsafe { LIVE.get(key) }.copied() {
+    if let Some(old) = live::get(&key) {
         count_drop(DropReason::MissedFree);
-        if LIVE.remove(key).is_ok() {
+        if live::remove(&key).is_ok() {
             count_free(&key, &old, UNSEEN, unsafe { bpf_ktime_get_ns() }, false);
         }
     }
@@ -635,12 +635,12 @@ pub fn on_usdt_free(ctx: &ProbeContext, addr: u64) {
     }
     let tgid = ids().0;
     let key = AddrKey { tgid, _pad: 0, addr };
-    let Some(alloc) = unsafe { LIVE.get(key) }.copied() else {
+    let Some(alloc) = live::get(&key) else {
         bump_proc_counter(tgid, |c| &mut c.unknown_frees);
         return;
     };
     // Two threads freeing the same block race here: only the one that removes it counts it.
-    if LIVE.remove(key).is_ok() {
+    if live::remove(&key).is_ok() {
         retire(Probe { regs: ctx.regs, at_return: false, at_site: true }, key, &alloc, false);
         let _ = USDT_WEIGHTS.remove(key);
     }

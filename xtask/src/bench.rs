@@ -6,6 +6,7 @@
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
 //! cost alone and rewrites that section only (a fraction of the whole bench's time);
 //! `--only services` likewise the real services' (`services`: redis-server, python3; `postgres`);
+//! `--only loop` the loop's table at the top, beside its peers (a few minutes);
 //! `--only rest` the daemon at rest (`rest`: 1,000 idle processes and 65,536 stacks, 5 minutes).
 
 pub(crate) mod daemon;
@@ -102,7 +103,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         [only, what] if only == "--only" && what == "daemon" => only_daemon(size),
         [only, what] if only == "--only" && what == "services" => only_services(size),
         [only, what] if only == "--only" && what == "rest" => only_rest(size),
-        _ => bail!("usage: cargo xtask bench [--only daemon|services|rest]"),
+        [only, what] if only == "--only" && what == "loop" => only_loop(size),
+        _ => bail!("usage: cargo xtask bench [--only daemon|services|rest|loop]"),
     }
 }
 
@@ -157,6 +159,24 @@ fn only_services(size: Size) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The loop's table alone, written over the report's first section.
+fn only_loop(size: Size) -> anyhow::Result<()> {
+    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace"])?;
+    let _stats_off = BpfStatsOff::new()?;
+    let memprof = build_memprof()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let tools = loop_tools(&memprof, &dir);
+    let results = measure_loop(&tools, &dir, size)?;
+    let attached = memprof_attached(&memprof, &dir)?;
+    let section = render(&results, &attached, size);
+    let path = report_path(size);
+    crate::benchmarks::replace_section(&path, "# Benchmarks", &section)?;
+    println!("{section}");
+    eprintln!("xtask bench: its section written to {}", path.display());
+    Ok(())
+}
+
 fn all(size: Size) -> anyhow::Result<()> {
     setup::debian_packages(&[
         "heaptrack",
@@ -172,27 +192,56 @@ fn all(size: Size) -> anyhow::Result<()> {
     let memprof = build_memprof()?;
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let workload = dir.join("churn");
-    crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2", "-pthread"])?;
+    let tools = loop_tools(&memprof, &dir);
+    let results = measure_loop(&tools, &dir, size)?;
+    // The peers of the loop, without the frame-pointer row: unwinding is measured below.
+    let peers: Vec<&Tool> = tools.iter().filter(|t| t.name != "memprof --unwind fp").collect();
+    let other_workloads = workloads::prepare(&dir, size)?;
+    let others = workloads::measure(&peers, &other_workloads, size)?;
+    let attached = memprof_attached(&memprof, &dir)?;
+    let frames = unwind::frame_costs(&memprof, &dir, size)?;
+    let tables = unwind::table_memory(&memprof, &dir)?;
+    let daemon_cost = daemon::measure(&memprof, &dir, size)?;
+    let at_rest = rest::measure(&memprof, &dir, size)?;
+    let services = services::measure(&memprof, &dir, size)?;
+    let mut report = render(&results, &attached, size);
+    report.push_str(&workloads::render(&others));
+    report.push_str(&unwind::render_frame_costs(&frames, size));
+    report.push_str(&unwind::render_table_memory(&tables));
+    report.push_str(&daemon::render(&daemon_cost));
+    report.push_str(&rest::render(&at_rest));
+    report.push('\n');
+    report.push_str(&services::render(&services));
+    let path = report_path(size);
+    // The long runs' sections (soak, fuzzing) stay, after ours.
+    let report = crate::benchmarks::with_trailing_sections(&path, &report);
+    std::fs::write(&path, &report)?;
+    println!("{report}");
+    eprintln!("xtask bench: written to {}", path.display());
+    Ok(())
+}
+
+/// memprof and its peers on the loop.
+fn loop_tools(memprof: &Path, dir: &Path) -> Vec<Tool> {
     let heaptrack_out = dir.join("heaptrack.out").display().to_string();
-    let tools = [
+    vec![
         Tool { name: "none", how: "the loop alone", command: vec![], workload_in_one_arg: false },
         Tool {
             name: "memprof",
             how: "`memprof run`: every call, exact, with stacks unwound by CFI (the default)",
-            command: memprof_run(&memprof, &["--unwind", "cfi"]),
+            command: memprof_run(memprof, &["--unwind", "cfi"]),
             workload_in_one_arg: false,
         },
         Tool {
             name: "memprof --unwind fp",
             how: "the same, stacks by frame pointers (wrong without them)",
-            command: memprof_run(&memprof, &["--unwind", "fp"]),
+            command: memprof_run(memprof, &["--unwind", "fp"]),
             workload_in_one_arg: false,
         },
         Tool {
             name: "memprof --sample-bytes 524288",
             how: "sampled: one allocation in every 512 KiB recorded, estimates",
-            command: memprof_run(&memprof, &["--sample-bytes", "524288"]),
+            command: memprof_run(memprof, &["--sample-bytes", "524288"]),
             workload_in_one_arg: false,
         },
         Tool {
@@ -225,39 +274,21 @@ fn all(size: Size) -> anyhow::Result<()> {
             command: bpftrace(BPFTRACE_TRAPS_ENTRY.into()),
             workload_in_one_arg: true,
         },
-    ];
+    ]
+}
+
+/// Each tool's median on the loop (bench/churn.c).
+fn measure_loop<'a>(tools: &'a [Tool], dir: &Path, size: Size) -> anyhow::Result<Vec<(&'a Tool, Measured)>> {
+    let workload = dir.join("churn");
+    crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2", "-pthread"])?;
     let workload = [workload.display().to_string(), size.pairs.to_string()];
     let mut results = Vec::new();
-    for tool in &tools {
+    for tool in tools {
         let median = median(tool, &workload, size)?;
         eprintln!("xtask bench: {:<18} {:>9.1} ns per pair", tool.name, median.ns_per_pair);
         results.push((tool, median));
     }
-    // The peers of the loop, without the frame-pointer row: unwinding is measured below.
-    let peers: Vec<&Tool> = tools.iter().filter(|t| t.name != "memprof --unwind fp").collect();
-    let other_workloads = workloads::prepare(&dir, size)?;
-    let others = workloads::measure(&peers, &other_workloads, size)?;
-    let attached = memprof_attached(&memprof, &dir)?;
-    let frames = unwind::frame_costs(&memprof, &dir, size)?;
-    let tables = unwind::table_memory(&memprof, &dir)?;
-    let daemon_cost = daemon::measure(&memprof, &dir, size)?;
-    let at_rest = rest::measure(&memprof, &dir, size)?;
-    let services = services::measure(&memprof, &dir, size)?;
-    let mut report = render(&results, &attached, size);
-    report.push_str(&workloads::render(&others));
-    report.push_str(&unwind::render_frame_costs(&frames, size));
-    report.push_str(&unwind::render_table_memory(&tables));
-    report.push_str(&daemon::render(&daemon_cost));
-    report.push_str(&rest::render(&at_rest));
-    report.push('\n');
-    report.push_str(&services::render(&services));
-    let path = report_path(size);
-    // The long runs' sections (soak, fuzzing) stay, after ours.
-    let report = crate::benchmarks::with_trailing_sections(&path, &report);
-    std::fs::write(&path, &report)?;
-    println!("{report}");
-    eprintln!("xtask bench: written to {}", path.display());
-    Ok(())
+    Ok(results)
 }
 
 /// Turns the kernel's per-program run statistics off for the bench, and back on after it: while
@@ -438,7 +469,7 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
          report and detaching).\n\n\
          Reading the table: memprof and bpftrace trap into the kernel on every call, which is why they cost\n\
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
-         and heaptrack and valgrind need it restarted under them. memprof probes `free` past its NULL check\n\
+         and heaptrack and valgrind need it restarted under them. memprof probes `free` at its NULL check's jump\n\
          (an emulated instruction instead of a single-stepped one), which is most of its lead over the\n\
          classic probe set. The two `traps` rows are the floor under any tool that probes where these do:\n\
          the kernel's trap and return trampoline with nothing done in them (bpftrace's maps are sized as\n\

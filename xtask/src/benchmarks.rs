@@ -69,7 +69,9 @@ pub fn replace_section(path: &Path, title: &str, section: &str) -> anyhow::Resul
     };
     let end = (start + 1..lines.len()).find(|&i| lines[i].starts_with("## ")).unwrap_or(lines.len());
     let mut out = lines[..start].concat().trim_end().to_string();
-    out.push_str("\n\n");
+    if !out.is_empty() {
+        out.push_str("\n\n");
+    }
     out.push_str(section.trim());
     if end < lines.len() {
         out.push_str("\n\n");

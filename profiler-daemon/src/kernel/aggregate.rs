@@ -22,7 +22,9 @@ use crate::{
     kernel::ages::{self, AgeBook, AgeSpan},
     kernel::batch,
     kernel::growth::Pages,
+    kernel::live_filter,
     kernel::mappings::MappedStack,
+    kernel::sample_rates,
     ring::Ring,
     unwind::Registry,
 };
@@ -417,20 +419,19 @@ pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: &HashSet<u64>) -> 
         let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
             ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
         )?;
-        for key in &doomed {
-            let _ = map.remove(key);
-        }
-        Ok(doomed)
+        // Only the keys removed here: a program may have removed one since.
+        Ok(doomed.into_iter().filter(|key| map.remove(key).is_ok()).collect())
     }
     // Threads that died inside the allocator leave their in-flight state behind.
     remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| doomed.process(state.tgid))?;
     let blocks = remove_matching::<AddrKey, LiveAlloc>(ebpf, "LIVE", |k, alloc| doomed.made_at(k.tgid, alloc.time_ns))?;
+    live_filter::forget(ebpf, &blocks)?;
     let blocks: HashSet<AddrKey> = blocks.into_iter().collect();
     remove_matching::<AddrKey, u64>(ebpf, "USDT_WEIGHTS", |k, _| doomed.process(k.tgid) || blocks.contains(k))?;
     remove_matching::<StackKey, StackStats>(ebpf, "STACK_STATS", |k, _| doomed.made_by(k.tgid, k.image))?;
     remove_matching::<u32, ProcCounters>(ebpf, "PROC_COUNTERS", |k, _| doomed.process(*k))?;
     remove_matching::<u32, ProcDrops>(ebpf, "PROC_DROPS", |k, _| doomed.process(*k))?;
-    remove_matching::<u32, u64>(ebpf, "SAMPLING", |k, _| doomed.process(*k))?;
+    sample_rates::forget(ebpf, |pid| doomed.process(pid))?;
     remove_matching::<u32, ProcHeap>(ebpf, "PROC_HEAP", |k, _| doomed.process(*k))?;
     remove_matching::<ThreadPairKey, ThreadPairStats>(ebpf, "THREAD_PAIRS", |k, _| doomed.made_by(k.tgid, k.image))?;
     let tables = [

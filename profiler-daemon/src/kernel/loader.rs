@@ -24,6 +24,7 @@ use crate::{
     kernel::faults,
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
+    kernel::sample_rates,
     kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks, SharedLinks},
     kernel::stillness::Stillness,
@@ -659,17 +660,9 @@ impl Loaded {
         drained.pids
     }
 
-    /// Records `pid`'s allocations by sampling from now on, one in every `sample_bytes` bytes on
-    /// average (see `profiler_common::weight`). Never undone: a block's weight at free must be
-    /// the one it was allocated with.
+    /// Records `pid`'s allocations by sampling from now on (see `sample_rates::set`).
     pub fn sample(&mut self, pid: u32, sample_bytes: u64) -> anyhow::Result<()> {
-        let mut sampling: aya::maps::HashMap<_, u32, u64> =
-            aya::maps::HashMap::try_from(self.ebpf.map_mut("SAMPLING").context("map SAMPLING missing")?)?;
-        sampling.insert(pid, sample_bytes, 0)?;
-        let mut used: aya::maps::Array<_, u32> =
-            aya::maps::Array::try_from(self.ebpf.map_mut("SAMPLING_USED").context("map SAMPLING_USED missing")?)?;
-        used.set(0, 1, 0)?;
-        Ok(())
+        sample_rates::set(&mut self.ebpf, pid, sample_bytes)
     }
 
     /// Hooks the dynamic linker of `pid`, so that libraries it loads later get unwind tables

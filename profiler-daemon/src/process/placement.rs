@@ -13,6 +13,11 @@
 //! return probes of an allocation function share this site, so no push may come before it: the
 //! return probe takes over the return address at `[rsp]` when the probe fires. Whatever is not
 //! understood keeps the probe on the symbol.
+//!
+//! A free that opens with `test %rdi,%rdi; je` is probed at the `je`, not past it: the kernel
+//! emulates a jump in registers, where it emulates a `push` by writing the stack, which costs
+//! more per free than the trap of the few `free(NULL)` calls
+//! (docs: performance.md#measurements-behind-design-choices).
 
 use iced_x86::{
     Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
@@ -34,17 +39,13 @@ pub fn probe_distance(code: &[u8], role: Role) -> u64 {
         return 0;
     }
     let Some(function) = decode(code) else { return 0 };
-    let kept = kept_registers(role);
-    let Some(site) = first_emulated(&function, code, 0, &kept) else { return 0 };
-    let mut sites = vec![site];
-    if role == Role::Free {
-        // `free(NULL)` is a no-op: past `test %rdi,%rdi; je`, the probe sees every free that
-        // matters, and the NULL ones cost nothing.
-        if let Some(past) = past_null_check(&function, code, site, &kept) {
-            sites.insert(0, past);
-        }
+    let Some(site) = first_emulated(&function, code, 0, &kept_registers(role)) else { return 0 };
+    let ip = function[site].ip();
+    if reentered(&function, ip) {
+        0
+    } else {
+        ip
     }
-    sites.into_iter().map(|site| function[site].ip()).find(|&ip| !reentered(&function, ip)).unwrap_or(0)
 }
 
 /// The registers memprof's entry programs read for a function of `role` (every free takes its
@@ -126,20 +127,6 @@ fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: 
     })
 }
 
-/// For a free whose probe site is the `je` of `test %rdi,%rdi; je`: the first emulated
-/// instruction of its fall-through, if the way there is harmless.
-fn past_null_check(function: &[Instruction], code: &[u8], site: usize, kept: &[Register]) -> Option<usize> {
-    let jump = &function[site];
-    let test = &function[site.checked_sub(1)?];
-    let null_check = matches!(jump.code(), Code::Je_rel8_64 | Code::Je_rel32_64)
-        && test.mnemonic() == Mnemonic::Test
-        && test.op0_kind() == OpKind::Register
-        && test.op1_kind() == OpKind::Register
-        && test.op0_register() == Register::RDI
-        && test.op1_register() == Register::RDI;
-    null_check.then(|| first_emulated(function, code, site + 1, kept)).flatten()
-}
-
 /// Whether a direct jump or call of the function goes to `site` or before it: a call would then
 /// pass the probe twice, or reach it by a way that skipped what the probe relies on.
 fn reentered(function: &[Instruction], site: u64) -> bool {
@@ -197,16 +184,16 @@ mod tests {
     }
 
     #[test]
-    fn glibc_free_is_probed_past_its_null_check() {
+    fn glibc_free_is_probed_at_its_null_check() {
         // test %rdi,%rdi; je rel32; push %rbp; lea -0x10(%rdi),%rsi
         let code = function(&[0x48, 0x85, 0xff, 0x0f, 0x84, 0x08, 0, 0, 0, 0x55, 0x48, 0x8d, 0x77, 0xf0, 0x5d]);
-        assert_eq!(probe_distance(&code, FREE), 9);
+        assert_eq!(probe_distance(&code, FREE), 3);
         // glibc's malloc opens with `push %r12`: the symbol is emulated already.
         assert_eq!(probe_distance(&function(&[0x41, 0x54, 0x55, 0x53, 0x5b, 0x5d, 0x41, 0x5c]), MALLOC), 0);
     }
 
     #[test]
-    fn a_null_check_whose_fall_through_is_single_stepped_keeps_the_jump() {
+    fn a_null_check_is_probed_at_its_jump() {
         // mimalloc's mi_free: mov %rdi,%rcx; test %rdi,%rdi; je +0x5d; lea -0x1(%rdi),%rdi
         let mut code = vec![0x48, 0x89, 0xf9, 0x48, 0x85, 0xff, 0x74, 0x05, 0x48, 0x8d, 0x7f, 0xff];
         code.extend([0x90, 0xc3]);
@@ -258,13 +245,6 @@ mod tests {
         // A jump past the site is fine.
         let code = function(&[0x48, 0x83, 0xff, 0x01, 0x77, 0x02, 0x31, 0xc0, 0xeb, 0xfc]);
         assert_eq!(probe_distance(&code, MALLOC), 4);
-    }
-
-    #[test]
-    fn a_null_check_whose_skip_is_jumped_to_keeps_the_jump() {
-        // test %rdi,%rdi; je +3; push %rbp; pop %rbp; ret; jmp back to the push
-        let code = function(&[0x48, 0x85, 0xff, 0x74, 0x03, 0x55, 0x5d, 0xc3, 0xeb, 0xfb]);
-        assert_eq!(probe_distance(&code, FREE), 3);
     }
 
     #[test]

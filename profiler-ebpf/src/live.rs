@@ -1,0 +1,61 @@
+//! `LIVE`, the outstanding allocations, and the filter that answers most lookups of blocks that
+//! are not in it (see `profiler_common::LIVE_FILTER_SLOTS`). Every change to `LIVE` goes through
+//! here, so that each filter slot counts at least the entries whose keys fall in it: one that is
+//! too high (an entry overwritten) costs a lookup, never a wrong answer. The daemon takes off
+//! what it removes itself.
+
+use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
+    macros::map,
+    maps::{Array, HashMap},
+};
+use profiler_common::{live_filter_slot, AddrKey, LiveAlloc, LIVE_FILTER_SLOTS};
+
+use crate::shared::{add, NO_PREALLOC};
+
+/// A plain hash, not an LRU: an LRU would evict the oldest allocations, which are the leaks.
+/// The capacity is a default; the daemon sets the real one at load time.
+#[map]
+static LIVE: HashMap<AddrKey, LiveAlloc> = HashMap::with_max_entries(1_048_576, NO_PREALLOC);
+/// Mappable: the daemon's decrements must be atomic against the programs' adds.
+#[map]
+static LIVE_FILTER: Array<u64> = Array::with_max_entries(LIVE_FILTER_SLOTS, BPF_F_MMAPABLE);
+
+/// Adds `change` (wrapping: `u64::MAX` takes one off) to the slot of `key`.
+fn count(key: &AddrKey, change: u64) {
+    if let Some(slot) = LIVE_FILTER.get_ptr_mut(live_filter_slot(key)) {
+        // SAFETY: a map value pointer stays valid while the program runs.
+        add(unsafe { &mut *slot }, change);
+    }
+}
+
+/// The block at `key`, if it is live.
+#[inline(always)]
+pub fn get(key: &AddrKey) -> Option<LiveAlloc> {
+    let maybe = LIVE_FILTER.get(live_filter_slot(key)).is_none_or(|count| *count != 0);
+    if !maybe {
+        return None;
+    }
+    // SAFETY: copied at once.
+    unsafe { LIVE.get(key) }.copied()
+}
+
+/// Inserts (`flags` as the map's update) and counts the entry.
+pub fn insert(key: &AddrKey, alloc: &LiveAlloc, flags: u64) -> Result<(), i32> {
+    // Counted first: a lookup on another CPU between the two must not find the slot at 0.
+    count(key, 1);
+    let inserted = LIVE.insert(key, alloc, flags);
+    if inserted.is_err() {
+        count(key, u64::MAX);
+    }
+    inserted
+}
+
+/// Removes the entry; Ok when this call removed it (two threads freeing one block race here).
+pub fn remove(key: &AddrKey) -> Result<(), i32> {
+    let removed = LIVE.remove(key);
+    if removed.is_ok() {
+        count(key, u64::MAX);
+    }
+    removed
+}
