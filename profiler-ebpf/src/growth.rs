@@ -1,6 +1,6 @@
 //! `--growth`: a traced process's heap seen by its page faults instead of its allocator calls.
 //! The daemon opens a page-fault software event on each of the process's threads (inherited by
-//! the threads and children they start) with this program on it; the program walks the stack of
+//! the threads they start) with this program on it; the program walks the stack of
 //! each fault and sends the page to the daemon through `mapping`'s ring, which keeps each page
 //! with the stack that first touched it until the process gives it back. Its cost follows the
 //! pages a process touches for the first time, not its allocator calls: a fault on a page already
@@ -59,7 +59,7 @@ pub fn fault_code(ctx: RawTracePointContext) -> i32 {
 
 /// Whether the current thread's fault at `addr` was on a page present. A code kept for another
 /// fault (the thread moved to another CPU between the tracepoint and the event) says no: the
-/// fault is walked as a first touch, and the daemon keeps a page's first toucher anyway.
+/// fault is walked and sent, and the daemon counts it unless it holds the page already.
 fn page_present(addr: u64) -> bool {
     let Some(code) = FAULT_CODES.get_ptr(0) else { return false };
     // SAFETY: the map's slot for this CPU, read in place: the stack walk needs the stack.
