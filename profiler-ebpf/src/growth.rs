@@ -1,17 +1,20 @@
 //! `--growth`: a traced process's heap seen by its page faults instead of its allocator calls.
 //! The daemon opens a page-fault software event on each of the process's threads (inherited by
-//! the threads and children they start) with this program on it; the program walks the stack of
+//! the threads they start) with this program on it; the program walks the stack of
 //! each fault and sends the page to the daemon through `mapping`'s ring, which keeps each page
 //! with the stack that first touched it until the process gives it back. Its cost follows the
-//! pages a process touches for the first time, not its allocator calls.
+//! pages a process touches for the first time, not its allocator calls: a fault on a page already
+//! present (copy-on-write after a fork, a write to the zero page a read mapped) is no first touch
+//! and is dropped before the walk.
 
 use core::mem::offset_of;
 
 use aya_ebpf::{
     bindings::{bpf_perf_event_data, pt_regs},
     helpers::{bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_ktime_get_ns, bpf_task_pt_regs},
-    macros::perf_event,
-    programs::PerfEventContext,
+    macros::{map, perf_event, raw_tracepoint},
+    maps::PerCpuArray,
+    programs::{PerfEventContext, RawTracePointContext},
     EbpfContext,
 };
 use profiler_common::stack_table;
@@ -23,6 +26,47 @@ use crate::{
 };
 
 const PAGE_MASK: u64 = !4095;
+/// The page-fault error code's bit for a page present: a protection fault.
+const PF_PROT: u64 = 1;
+
+/// A fault's error code, with the thread and address it was for.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct FaultCode {
+    pid_tgid: u64,
+    addr: u64,
+    error_code: u64,
+}
+
+/// The latest page fault's error code on each CPU. The page-fault event's registers do not carry
+/// it (the kernel's exception entry overwrites `orig_ax` with -1), the fault tracepoints do, and
+/// they fire before the event in the same fault.
+#[map]
+static FAULT_CODES: PerCpuArray<FaultCode> = PerCpuArray::with_max_entries(1, 0);
+
+/// `page_fault_user(unsigned long address, struct pt_regs *regs, unsigned long error_code)`, and
+/// `page_fault_kernel` (the same arguments, for a fault in the kernel copying to or from a
+/// process): every fault on the machine, so it only keeps the code.
+#[raw_tracepoint(tracepoint = "page_fault_user")]
+pub fn fault_code(ctx: RawTracePointContext) -> i32 {
+    if let Some(slot) = FAULT_CODES.get_ptr_mut(0) {
+        let code = FaultCode { pid_tgid: bpf_get_current_pid_tgid(), addr: ctx.arg(0), error_code: ctx.arg(2) };
+        // SAFETY: the map's slot for this CPU, which nothing else writes while the program runs.
+        unsafe { *slot = code };
+    }
+    0
+}
+
+/// Whether the current thread's fault at `addr` was on a page present. A code kept for another
+/// fault (the thread moved to another CPU between the tracepoint and the event) says no: the
+/// fault is walked and sent, and the daemon counts it unless it holds the page already.
+fn page_present(addr: u64) -> bool {
+    let Some(code) = FAULT_CODES.get_ptr(0) else { return false };
+    // SAFETY: the map's slot for this CPU, read in place: the stack walk needs the stack.
+    unsafe {
+        (*code).pid_tgid == bpf_get_current_pid_tgid() && (*code).addr == addr && (*code).error_code & PF_PROT != 0
+    }
+}
 
 /// A fault this close to the stack pointer is the thread's stack growing, not its heap: below it
 /// by a red zone and a frame being set up, above it by the frames of its callers.
@@ -39,6 +83,11 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
     let data = ctx.as_ptr() as *const bpf_perf_event_data;
     // SAFETY: the context is the running program's.
     let (addr, from_user) = unsafe { ((*data).addr, (*data).regs.cs & 3 == 3) };
+    // Not a first touch: the page was touched before, by this process or by the one it was
+    // forked from.
+    if page_present(addr) {
+        return 0;
+    }
     // The thread's user registers, saved where it entered the kernel: the fault's own for a
     // fault in user code, the system call's for one in the kernel copying to or from the process.
     // SAFETY: helpers on the current task, which lives while the program runs.

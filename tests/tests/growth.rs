@@ -71,3 +71,25 @@ fn growth_and_sampling_do_not_mix() {
     assert_eq!(outcome.status.code(), Some(2), "{outcome:?}");
     assert!(outcome.stderr.contains("cannot be used with"), "{}", outcome.stderr);
 }
+
+/// A forked child is traced from its fork, as a process attached while it runs: the pages it
+/// inherited are its parent's first touches, and its copies of them on write are not growth.
+/// Only the pages it maps and touches itself are.
+#[test]
+fn a_forked_child_grows_by_its_own_pages_not_its_copies_of_its_parents() {
+    let program = fixture("growth");
+    let mut memprof = std::process::Command::new(memprof_tests::memprof_bin());
+    memprof.args(["run", "--json", "--growth", "--interval", "60", "--", program.to_str().unwrap(), "fork"]);
+    memprof.stdin(std::process::Stdio::piped());
+    let outcome = memprof_tests::released(memprof, &["child of pid".to_string()], |memprof| {
+        use std::io::Write as _;
+        memprof.stdin.as_mut().expect("piped").write_all(b"go\n").expect("releasing the child");
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(through(&report, "parent_pages"), (64 * PAGE, 64), "{report}");
+    let child = &report["children"][0];
+    assert_eq!(through(child, "child_pages"), (32 * PAGE, 32), "{child}");
+    // Its 64 copies on write held no page: nothing but its own pages.
+    assert_eq!(child["totals"]["outstanding_bytes"], 32 * PAGE, "{child}");
+}

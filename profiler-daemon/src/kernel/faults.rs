@@ -1,7 +1,9 @@
 //! The page-fault events `--growth` traces a process by: a software event counting page faults
 //! on each of its threads, with the `page_fault` program run at every one. Events opened on a
 //! task are inherited by the threads it starts (not by the processes it forks: memprof follows
-//! those itself, with events of their own), and go when their descriptors close.
+//! those itself, with events of their own), and go when their descriptors close. The page-fault
+//! tracepoints run `fault_code` at every fault on the machine: it keeps the fault's error code,
+//! by which `page_fault` drops the faults on pages already present before their walk.
 
 use std::{
     collections::HashSet,
@@ -10,11 +12,18 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::{programs::PerfEvent, Ebpf};
+use aya::{
+    programs::{PerfEvent, RawTracePoint},
+    Ebpf,
+};
 
 use crate::process::procfs;
 
 const PROGRAM: &str = "page_fault";
+/// The program that keeps each fault's error code, and the tracepoints it runs at: faults in
+/// user code, and faults in the kernel on a process's memory.
+const CODE_PROGRAM: &str = "fault_code";
+const CODE_TRACEPOINTS: [&str; 2] = ["page_fault_user", "page_fault_kernel"];
 
 /// `PERF_TYPE_SOFTWARE`, `PERF_COUNT_SW_PAGE_FAULTS`.
 const PERF_TYPE_SOFTWARE: u32 = 1;
@@ -45,8 +54,17 @@ struct PerfEventAttr {
     config1: u64,
 }
 
-/// Loads the program (once, before the first `open`).
+/// Loads the program and attaches the error codes' (once, before the first `open`), for as long
+/// as `ebpf` lives.
 pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let codes: &mut RawTracePoint = ebpf
+        .program_mut(CODE_PROGRAM)
+        .with_context(|| format!("program {CODE_PROGRAM} missing from the eBPF object"))?
+        .try_into()?;
+    codes.load().with_context(|| format!("loading program {CODE_PROGRAM}"))?;
+    for tracepoint in CODE_TRACEPOINTS {
+        codes.attach(tracepoint).with_context(|| format!("attaching {CODE_PROGRAM} to the {tracepoint} tracepoint"))?;
+    }
     program(ebpf)?.load().context("loading the page-fault program")
 }
 
