@@ -105,6 +105,8 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
         bp: word(offset_of!(pt_regs, rbp)),
         // In a system call, the instruction after `syscall`.
         pc_is_return: !from_user,
+        // The code that touched the page is the stack's first frame.
+        first_is_probed: false,
         // No allocator probes in such a process: no return address was taken.
         taken: TakenReturns::NONE,
         counts_cuts: true,

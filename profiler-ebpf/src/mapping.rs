@@ -177,6 +177,7 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
             bp: register(regs, offset_of!(pt_regs, rbp)),
             // The instruction after `syscall`: the walk looks the call up a byte before.
             pc_is_return: true,
+            first_is_probed: false,
             // Inside an allocator call, its return address (and its callers', when they are
             // probed too) is the kernel's return trampoline on the stack.
             taken: if inside { TakenReturns::current(return_trampoline()) } else { TakenReturns::NONE },

@@ -168,8 +168,12 @@ pub struct Regs {
     pub sp: u64,
     pub bp: u64,
     /// Whether `pc` is a return address (at a return probe), whose call is the byte before it;
-    /// else it is the exact instruction (at an entry probe, or after a signal frame).
+    /// else it is the exact instruction (at an entry probe, a page fault, or after a signal frame).
     pub pc_is_return: bool,
+    /// Whether frame 0 is the probed function itself (an allocator's entry), which stacks leave
+    /// out: their first frame is its caller. A page fault's frame 0 is the code that touched the
+    /// page, which they keep.
+    pub first_is_probed: bool,
     /// Where a walk from inside probed calls (a system call the allocator made) finds their
     /// return addresses; none for the allocator's own probes, whose walks start outside the
     /// calls they probe.
@@ -247,7 +251,15 @@ impl Regs {
     /// `regs` must be the probe's context registers.
     pub unsafe fn of(regs: *const pt_regs, pc_is_return: bool) -> Regs {
         let regs = &*regs;
-        Regs { pc: regs.rip, sp: regs.rsp, bp: regs.rbp, pc_is_return, taken: TakenReturns::NONE, counts_cuts: true }
+        Regs {
+            pc: regs.rip,
+            sp: regs.rsp,
+            bp: regs.rbp,
+            pc_is_return,
+            first_is_probed: !pc_is_return,
+            taken: TakenReturns::NONE,
+            counts_cuts: true,
+        }
     }
 
     /// At a USDT probe site, whose frame is the stack's first (at an allocator's entry, frame 0 is
@@ -259,7 +271,15 @@ impl Regs {
     pub unsafe fn at_site(regs: *const pt_regs) -> Regs {
         let regs = &*regs;
         let pc = regs.rip + 1;
-        Regs { pc, sp: regs.rsp, bp: regs.rbp, pc_is_return: true, taken: TakenReturns::NONE, counts_cuts: true }
+        Regs {
+            pc,
+            sp: regs.rsp,
+            bp: regs.rbp,
+            pc_is_return: true,
+            first_is_probed: false,
+            taken: TakenReturns::NONE,
+            counts_cuts: true,
+        }
     }
 }
 
@@ -279,6 +299,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     (walk.hash, walk.check) = (STACK_HASH_SEED, 0xc2b2_ae3d_27d4_eb4f);
     (walk.tgid, walk.len, walk.end) = (tgid, 0, StackEnd::TooDeep as u32);
     walk.pc_is_return = u32::from(regs.pc_is_return);
+    walk.first_is_probed = u32::from(regs.first_is_probed);
     (walk.trampoline, walk.taken) = (regs.taken.trampoline, regs.taken.innermost);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
     walk.bp_known = 1;
@@ -366,7 +387,7 @@ const EEXIST: i32 = 17;
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.
-    let first_frame_only = (walk.len == 0 && walk.pc_is_return == 0) || (!counts_cuts && walk.len <= 1);
+    let first_frame_only = (walk.len == 0 && walk.first_is_probed != 0) || (!counts_cuts && walk.len <= 1);
     let caller = if first_frame_only { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
     let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
@@ -481,6 +502,9 @@ struct Walk {
     bp_known: u32,
     /// `MAPPINGS_GENERATION` when the walk began: cached rows of another are stale.
     generation: u32,
+    /// See `Regs::first_is_probed`.
+    first_is_probed: u32,
+    _pad: u32,
     /// See `TakenReturns`: the trampoline (0: none), and the next taken return address's
     /// `return_instance`.
     trampoline: u64,
@@ -504,7 +528,7 @@ extern "C" fn step(index: u64, _context: *mut c_void) -> i64 {
 /// One frame; None when the walk ends (with `walk.end` saying why).
 fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) -> Option<()> {
     let pc = walk.pc;
-    let at_entry = index == 0 && walk.pc_is_return == 0;
+    let at_entry = index == 0 && walk.first_is_probed != 0;
     // At an entry probe frame 0 is the allocator itself (free): stacks begin at its caller.
     if !at_entry {
         // Past the limit the walk ends as `TooDeep`, as it began.

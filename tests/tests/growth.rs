@@ -34,6 +34,9 @@ fn assert_growth(outcome: &Outcome) {
     let top: &Value = &report["stacks"][0];
     let frames = top["frames"].as_array().expect("frames");
     assert!(frames.iter().any(|f| f["function"] == "leak_pages"), "the top stack is the leak's: {top}");
+    // Its first frame is the code that touched the pages: the fixture fills each block with memset.
+    let touched_by = frames[0]["function"].as_str().unwrap_or_default();
+    assert!(touched_by.contains("memset") && frames[1]["function"] == "leak_pages", "{top}");
     assert_eq!(report["totals"]["unknown_frees"], 0);
 }
 
