@@ -89,3 +89,36 @@ fn a_process_without_the_probes_is_refused() {
     );
     target.go();
 }
+
+/// (bytes, allocations) outstanding at the semaphore fixture's site: 6 samples of 64 KiB for
+/// 256-byte blocks.
+const GUARDED: (u64, u64) = (6 * 64 * 1024, 6 * 256);
+
+fn assert_the_guarded_samples(outcome: &memprof_tests::Outcome) {
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "guarded_alloc"), GUARDED, "{report}");
+    assert_eq!(report["usdt_samples"], 8, "{report}");
+    assert_eq!(total(&report, "freed_bytes"), 2 * 64 * 1024, "{}", report["totals"]);
+    assert_eq!(total(&report, "unknown_frees"), 0, "{}", report["totals"]);
+}
+
+/// Probes guarded by semaphores fire only while the kernel, which memprof gives the semaphores'
+/// offsets, holds them up: untraced the fixture sees both at 0, traced at 1.
+#[test]
+fn probes_with_semaphores_are_enabled_while_traced() {
+    let fixture = fixture("usdt_semaphore");
+    let alone = std::process::Command::new(&fixture).output().expect("running the fixture");
+    let alone = memprof_tests::Outcome::from(alone);
+    assert_eq!(alone.stderr_number("alloc semaphore:"), 0, "{}", alone.stderr);
+
+    let outcome = run(&["--usdt", "--interval", "60"], &[fixture.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_eq!(outcome.stderr_number("alloc semaphore:"), 1, "{}", outcome.stderr);
+    assert_eq!(outcome.stderr_number("free semaphore:"), 1, "{}", outcome.stderr);
+    assert_the_guarded_samples(&outcome);
+
+    let mut target = Waiting::start(&fixture, &[]);
+    let outcome = attach(&mut target, &["--usdt", "--interval", "60"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert_the_guarded_samples(&outcome);
+}

@@ -8,7 +8,7 @@
 use std::{
     collections::HashSet,
     io,
-    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
 };
 
 use anyhow::Context as _;
@@ -17,6 +17,7 @@ use aya::{
     Ebpf,
 };
 
+use super::perf_event::{self, PerfEventAttr};
 use crate::process::procfs;
 
 const PROGRAM: &str = "page_fault";
@@ -32,27 +33,8 @@ const PERF_COUNT_SW_PAGE_FAULTS: u64 = 2;
 /// threads only.
 const INHERIT: u64 = 1 << 1;
 const INHERIT_THREAD: u64 = 1 << 35;
-/// `PERF_FLAG_FD_CLOEXEC`.
-const FD_CLOEXEC: libc::c_ulong = 1 << 3;
 /// `PERF_EVENT_IOC_SET_BPF`: `_IOW('$', 8, __u32)`.
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
-
-/// `struct perf_event_attr` up to `config1` (`PERF_ATTR_SIZE_VER0`): the kernel takes the
-/// fields after it as zero.
-#[repr(C)]
-#[derive(Default)]
-struct PerfEventAttr {
-    kind: u32,
-    size: u32,
-    config: u64,
-    sample_period: u64,
-    sample_type: u64,
-    read_format: u64,
-    flags: u64,
-    wakeup_events: u32,
-    bp_type: u32,
-    config1: u64,
-}
 
 /// Loads the program and attaches the error codes' (once, before the first `open`), for as long
 /// as `ebpf` lives.
@@ -105,22 +87,13 @@ fn threads(pid: u32) -> io::Result<Vec<u32>> {
 fn open_one(tid: u32, program: i32) -> io::Result<OwnedFd> {
     let attr = PerfEventAttr {
         kind: PERF_TYPE_SOFTWARE,
-        size: std::mem::size_of::<PerfEventAttr>() as u32,
         config: PERF_COUNT_SW_PAGE_FAULTS,
         // The program runs at every fault.
         sample_period: 1,
         flags: INHERIT | INHERIT_THREAD,
         ..PerfEventAttr::default()
     };
-    // SAFETY: perf_event_open with a valid attribute struct of the size it states; no group.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_perf_event_open, &attr as *const PerfEventAttr, tid as libc::pid_t, -1, -1, FD_CLOEXEC)
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let fd = perf_event::open(attr, tid)?;
     // SAFETY: the ioctl takes a program descriptor by value.
     if unsafe { libc::ioctl(fd.as_raw_fd(), PERF_EVENT_IOC_SET_BPF, program) } != 0 {
         return Err(io::Error::last_os_error());

@@ -16,6 +16,7 @@ pub mod live;
 pub mod live_filter;
 pub mod loader;
 pub mod mappings;
+pub mod perf_event;
 pub mod probes;
 pub mod sample_rates;
 pub mod settings;

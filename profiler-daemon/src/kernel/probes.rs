@@ -26,7 +26,10 @@ use aya::{
     Ebpf,
 };
 
-use crate::kernel::uprobe_multi::{self, Fires, Point};
+use crate::kernel::{
+    perf_event,
+    uprobe_multi::{self, Fires, Point},
+};
 
 /// At every allocation function's entry; each probe's cookie is its `AllocFn`.
 pub const ENTRY_PROGRAM: &str = "alloc_entry";
@@ -178,6 +181,8 @@ enum Probes {
     PerfEvent(UProbeLink),
     /// A thread's page-fault event (`--growth`): closing it takes its program off.
     PageFaults(OwnedFd),
+    /// A USDT probe's uprobe (`--usdt`), made by memprof to give the kernel its semaphore.
+    Usdt(perf_event::Uprobe),
 }
 
 impl Attachment {
@@ -197,6 +202,12 @@ impl Attachment {
     pub fn add_page_faults(&mut self, events: Vec<OwnedFd>) {
         self.probes += events.len();
         self.links.extend(events.into_iter().map(|fd| Link { _probes: Probes::PageFaults(fd), at_return: false }));
+    }
+
+    /// Takes over a USDT probe's uprobe (see `loader::usdt`).
+    pub fn add_usdt(&mut self, probe: perf_event::Uprobe) {
+        self.probes += 1;
+        self.links.push(Link { _probes: Probes::Usdt(probe), at_return: false });
     }
 
     /// Makes `links`, shared with other processes, part of this process's probes.

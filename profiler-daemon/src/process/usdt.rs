@@ -29,6 +29,9 @@ pub struct Site {
     pub path: PathBuf,
     /// The probe's offset in the file.
     pub offset: u64,
+    /// The file offset of the probe's semaphore (`.probes`), which the kernel increments while the
+    /// probe is attached; `None` for a probe without one.
+    pub semaphore: Option<u64>,
     pub probe: Probe,
     pub spec: ProbeSpec,
 }
@@ -83,16 +86,20 @@ fn in_file(path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
             _ => continue,
         };
         let bad = |detail: String| UserError::UsdtProbe { file: display.to_string(), name: found.name.into(), detail };
-        if found.semaphore != 0 {
-            return Err(bad("it has a semaphore (built with -DSTAP_SDT_V2 or a dtrace .d file), which memprof does not set; define the probe without one (DTRACE_PROBEn from <sys/sdt.h>)".into()));
-        }
         // A prelinked file moved its sections: the note's base says by how much.
-        let address = match base {
-            Some(actual) => found.pc.wrapping_add(actual).wrapping_sub(found.base),
-            None => found.pc,
+        let moved = |address: u64| match base {
+            Some(actual) => address.wrapping_add(actual).wrapping_sub(found.base),
+            None => address,
         };
+        let address = moved(found.pc);
         let offset =
             file_offset(&elf, address).ok_or_else(|| bad(format!("its address {address:#x} is in no section")))?;
+        let semaphore = match found.semaphore {
+            0 => None,
+            at => Some(file_offset(&elf, moved(at)).ok_or_else(|| {
+                bad(format!("its semaphore's address {:#x} is in no section of the file", moved(at)))
+            })?),
+        };
         let mut spec = ProbeSpec::default();
         let wanted = if probe == Probe::Alloc { usdt::ARGS } else { 1 };
         let args: Vec<&str> = found.args.split_whitespace().collect();
@@ -102,7 +109,7 @@ fn in_file(path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
         for (slot, text) in spec.args.iter_mut().zip(&args[..wanted]) {
             *slot = usdt::parse(text).map_err(|err| bad(format!("argument `{text}`: {}", spec_error(err))))?;
         }
-        sites.push(Site { path: path.to_path_buf(), offset, probe, spec });
+        sites.push(Site { path: path.to_path_buf(), offset, semaphore, probe, spec });
     }
     Ok(sites)
 }

@@ -1,8 +1,14 @@
 //! `--usdt`: a process's `otel_memory` probe sites (see `process::usdt`) attached in place of its
-//! allocator's probes. Perf-event uprobes on every kernel: a process has a few sites, and their
-//! programs are loaded only when a process is traced this way.
+//! allocator's probes. Perf-event uprobes on every kernel, made by memprof (see
+//! `perf_event::uprobe`): a process has a few sites, their programs are loaded only when a
+//! process is traced this way, and the kernel sets a probe's semaphore while it is attached.
 
-use std::{collections::HashSet, num::NonZeroU32, path::PathBuf};
+use std::{
+    collections::HashSet,
+    num::NonZeroU32,
+    os::fd::{AsFd as _, BorrowedFd},
+    path::PathBuf,
+};
 
 use anyhow::Context as _;
 use aya::{maps::Array, programs::UProbe};
@@ -10,8 +16,7 @@ use profiler_common::usdt::{ProbeSpec, MAX_SPECS};
 
 use super::Loaded;
 use crate::{
-    kernel::probes::{Attachment, Method},
-    kernel::uprobe_multi::Point,
+    kernel::{perf_event, probes::Attachment},
     process::usdt::{Probe, Site},
 };
 
@@ -60,9 +65,11 @@ impl Loaded {
         for site in ordered {
             let name = if site.probe == Probe::Alloc { ALLOC_PROGRAM } else { FREE_PROGRAM };
             let attached = self.spec_index(&site.spec).and_then(|cookie| {
-                load_once(&mut self.ebpf, name)?;
-                let point = [Point { offset: site.offset, cookie }];
-                attachment.add(&mut self.ebpf, Method::PerfEvents, name, &site.path, &point, Some(pid))
+                let program = load_once(&mut self.ebpf, name)?;
+                let probe = perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid.get())
+                    .with_context(|| format!("attaching {name} to {}", site.path.display()))?;
+                attachment.add_usdt(probe);
+                Ok(())
             });
             if let Err(err) = attached {
                 self.take_back(attachment, pid);
@@ -89,7 +96,7 @@ impl Loaded {
 }
 
 /// Loads program `name` for perf-event uprobes, unless it is loaded.
-fn load_once(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<()> {
+fn load_once<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> anyhow::Result<BorrowedFd<'a>> {
     let program: &mut UProbe = ebpf
         .program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?
@@ -98,5 +105,5 @@ fn load_once(ebpf: &mut aya::Ebpf, name: &str) -> anyhow::Result<()> {
     if program.fd().is_err() {
         program.load().with_context(|| format!("loading program {name}"))?;
     }
-    Ok(())
+    Ok(program.fd()?.as_fd())
 }

@@ -1,0 +1,139 @@
+//! Perf events memprof opens itself with the raw `perf_event_open` syscall: a thread's page-fault
+//! counter (`--growth`, see `faults`), and the uprobes of USDT probes, which aya makes without the
+//! semaphore's reference counter the kernel can keep (see `uprobe`).
+
+use std::{
+    ffi::CString,
+    io,
+    os::{
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::Path,
+};
+
+/// `PERF_FLAG_FD_CLOEXEC`.
+const FD_CLOEXEC: libc::c_ulong = 1 << 3;
+/// Where the uprobe PMU takes a semaphore's file offset in `config`
+/// (`PERF_UPROBE_REF_CTR_OFFSET_SHIFT` of kernel/events/core.c; its sysfs format says `config:32-63`).
+const REF_CTR_OFFSET_SHIFT: u32 = 32;
+/// The uprobe PMU's type is assigned at boot, and listed here.
+const UPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/uprobe/type";
+/// `BPF_LINK_CREATE` of `enum bpf_cmd`, `BPF_PERF_EVENT` of `enum bpf_attach_type`.
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_PERF_EVENT: u32 = 41;
+
+/// `struct perf_event_attr` up to `config2` (`PERF_ATTR_SIZE_VER1`): the kernel takes the
+/// fields after it as zero.
+#[repr(C)]
+#[derive(Default)]
+pub struct PerfEventAttr {
+    pub kind: u32,
+    pub size: u32,
+    pub config: u64,
+    pub sample_period: u64,
+    pub sample_type: u64,
+    pub read_format: u64,
+    pub flags: u64,
+    pub wakeup_events: u32,
+    pub bp_type: u32,
+    pub config1: u64,
+    pub config2: u64,
+}
+
+/// Opens the event `attr` describes on task `pid` (a thread, or with a uprobe, a process), on
+/// every CPU.
+pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
+    attr.size = size_of::<PerfEventAttr>() as u32;
+    // SAFETY: perf_event_open with a valid attribute struct of the size it states, whose pointers
+    // (a uprobe's path) outlive the call; no group.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_perf_event_open, &attr as *const PerfEventAttr, pid as libc::pid_t, -1, -1, FD_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A uprobe with its program: both go when this is dropped, the link first.
+#[derive(Debug)]
+pub struct Uprobe {
+    _link: OwnedFd,
+    _event: OwnedFd,
+}
+
+/// Attaches `program` (a kprobe-type program) at file offset `offset` of the file at `path`, for
+/// process `pid`, its `bpf_get_attach_cookie` being `cookie`. With `semaphore`, a file offset in a
+/// writable mapping of the same file: the kernel increments the 2-byte counter there in the
+/// process while the probe is on, and decrements it when the probe goes, as USDT semaphores want.
+pub fn uprobe(
+    program: BorrowedFd<'_>,
+    path: &Path,
+    offset: u64,
+    semaphore: Option<u64>,
+    cookie: u64,
+    pid: u32,
+) -> io::Result<Uprobe> {
+    let kind = std::fs::read_to_string(UPROBE_PMU_TYPE)?.trim().parse().map_err(io::Error::other)?;
+    let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    let ref_ctr_offset = semaphore.unwrap_or(0);
+    if ref_ctr_offset >> (64 - REF_CTR_OFFSET_SHIFT) != 0 {
+        return Err(io::Error::other(format!("the semaphore's offset {ref_ctr_offset:#x} is past 4 GiB")));
+    }
+    let attr = PerfEventAttr {
+        kind,
+        config: ref_ctr_offset << REF_CTR_OFFSET_SHIFT,
+        config1: path.as_ptr() as u64,
+        config2: offset,
+        ..PerfEventAttr::default()
+    };
+    let event = open(attr, pid)?;
+    let link = link_create(program, &event, cookie)?;
+    Ok(Uprobe { _link: link, _event: event })
+}
+
+/// The `link_create` member of `union bpf_attr` with its `perf_event` variant, as in
+/// include/uapi/linux/bpf.h.
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    bpf_cookie: u64,
+}
+
+/// `BPF_LINK_CREATE` of a perf-event link: `program` runs at `event`'s hits, with `cookie`.
+fn link_create(program: BorrowedFd<'_>, event: &OwnedFd, cookie: u64) -> io::Result<OwnedFd> {
+    let attr = LinkCreateAttr {
+        prog_fd: program.as_raw_fd() as u32,
+        target_fd: event.as_raw_fd() as u32,
+        attach_type: BPF_PERF_EVENT,
+        flags: 0,
+        bpf_cookie: cookie,
+    };
+    // SAFETY: `attr` is a valid `union bpf_attr` prefix of the size passed.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const LinkCreateAttr, size_of::<LinkCreateAttr>())
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attrs_have_the_kernels_layout() {
+        // PERF_ATTR_SIZE_VER1, and link_create's union starting at byte 16.
+        assert_eq!(size_of::<PerfEventAttr>(), 72);
+        assert_eq!(std::mem::offset_of!(PerfEventAttr, config2), 64);
+        assert_eq!(std::mem::offset_of!(LinkCreateAttr, bpf_cookie), 16);
+    }
+}
