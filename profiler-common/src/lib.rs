@@ -751,6 +751,9 @@ pub struct LinkMapEvent {
     pub tgid: u32,
     /// Objects read, up to `LINK_MAP_OBJECTS`.
     pub count: u32,
+    /// `bpf_ktime_get_ns` when it was read: a list sent before the process's latest exec is its
+    /// old program's.
+    pub time_ns: u64,
     pub objects: [LoadedObject; LINK_MAP_OBJECTS],
 }
 
@@ -907,7 +910,8 @@ pub struct ProcessEvent {
     pub kind: u32,
     /// The traced process.
     pub tgid: u32,
-    /// The new process, for a fork; 0 for an exec.
+    /// The new process, for a fork; for an exec, the thread that called it, by its id before
+    /// the exec (the process's own pid unless another of its threads exec'd).
     pub child: u32,
     /// For an exec, the new program's number (`ProcHeap::image`): what the process's maps hold
     /// under a smaller one, or allocated before `time_ns`, is the old program's.
@@ -918,6 +922,14 @@ pub struct ProcessEvent {
     /// process's directory, cut at `EXEC_PATH_BYTES`), NUL-terminated: its name when it is gone
     /// before memprof reads `/proc` (a program that runs for a millisecond).
     pub path: [u8; EXEC_PATH_BYTES],
+}
+
+impl ProcessEvent {
+    /// Whether a thread other than the main one exec'd: the kernel's pid-filtered probes follow
+    /// the main thread's task, which the exec ended, so the process's probes no longer fire.
+    pub fn exec_by_other_thread(&self) -> bool {
+        self.kind == process_event::EXEC && self.child != self.tgid
+    }
 }
 
 /// Room for `ProcessEvent::path`.

@@ -17,8 +17,8 @@ use aya_ebpf::{
     btf_maps::{Array as BtfArray, ArrayOfMaps},
     cty::c_void,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_kernel,
+        bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
     macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -104,6 +104,7 @@ fn send_link_map(tgid: u32, r_debug: u64) -> bool {
     unsafe {
         (*event).tgid = tgid;
         (*event).count = 0;
+        (*event).time_ns = bpf_ktime_get_ns();
         for index in 0..LINK_MAP_OBJECTS {
             if object == 0 {
                 break;

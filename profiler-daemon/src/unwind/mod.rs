@@ -25,7 +25,16 @@ pub struct UnwindEvents {
     /// path (see `process::link_map`). Kept across drains, until the process is forgotten: a
     /// process gone before memprof read its mappings is rebuilt from the last list it sent,
     /// whenever that came.
-    objects: HashMap<u32, Vec<(u64, String)>>,
+    objects: HashMap<u32, SentObjects>,
+    /// When each process last exec'd (`bpf_ktime_get_ns`): a list its old program sent before,
+    /// read after the exec, is not its new program's.
+    execs: HashMap<u32, u64>,
+}
+
+/// A list of objects a process's dynamic linker sent, and when.
+struct SentObjects {
+    time_ns: u64,
+    objects: Vec<(u64, String)>,
 }
 
 /// The events read at once.
@@ -41,7 +50,7 @@ pub struct Drained {
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        Ok(Self { ring: Ring::new("UNWIND_EVENTS", map)?, objects: HashMap::new() })
+        Ok(Self { ring: Ring::new("UNWIND_EVENTS", map)?, objects: HashMap::new(), execs: HashMap::new() })
     }
 
     /// The events since the last call.
@@ -55,7 +64,9 @@ impl UnwindEvents {
                     let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
                     (object.base, String::from_utf8_lossy(name).into_owned())
                 });
-                self.objects.insert(event.tgid, objects.collect());
+                if self.execs.get(&event.tgid).is_none_or(|&exec_ns| event.time_ns >= exec_ns) {
+                    self.objects.insert(event.tgid, SentObjects { time_ns: event.time_ns, objects: objects.collect() });
+                }
                 event.tgid
             } else if item.len() == size_of::<DeferredUnwind>() {
                 // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
@@ -78,12 +89,22 @@ impl UnwindEvents {
 
     /// The last list of objects `tgid`'s dynamic linker sent.
     pub fn objects(&self, tgid: u32) -> Option<&[(u64, String)]> {
-        self.objects.get(&tgid).map(Vec::as_slice)
+        self.objects.get(&tgid).map(|sent| sent.objects.as_slice())
     }
 
-    /// Drops the list of a process that exited or runs another program now.
+    /// Drops the list of a process that exited.
     pub fn forget(&mut self, tgid: u32) {
         self.objects.remove(&tgid);
+        self.execs.remove(&tgid);
+    }
+
+    /// Process `tgid` exec'd at `time_ns`: the list its old program sent is not its new one's,
+    /// nor is one its old program sent before and still unread.
+    pub fn exec_happened(&mut self, tgid: u32, time_ns: u64) {
+        if self.objects.get(&tgid).is_some_and(|sent| sent.time_ns < time_ns) {
+            self.objects.remove(&tgid);
+        }
+        self.execs.insert(tgid, time_ns);
     }
 
     /// For waiting on events with poll or an async reactor.
