@@ -107,11 +107,13 @@ fn emit_exec(kind: u32, tgid: u32, child: u32, image: u32, bprm: *const u8) {
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // The thread that called execve, by its id before the exec.
+    let old_pid = ctx.arg::<u64>(1) as u32;
     if traced_flags(tgid).is_some() {
         let image = crate::record::new_image(tgid);
-        emit_exec(process_event::EXEC, tgid, 0, image, ctx.arg(2));
+        emit_exec(process_event::EXEC, tgid, old_pid, image, ctx.arg(2));
     } else if discovering(discover::EXECS) {
-        emit(process_event::EXEC, tgid, 0, 0);
+        emit(process_event::EXEC, tgid, old_pid, 0);
     }
     0
 }

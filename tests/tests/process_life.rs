@@ -52,6 +52,20 @@ fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
     assert!(outcome.stderr.contains("runs "), "the exec is announced: {}", outcome.stderr);
 }
 
+/// A thread other than the main one execs: the probes, which followed the main thread's task,
+/// no longer fire, so the new program is probed anew.
+#[test]
+fn after_an_exec_by_another_thread_the_new_program_is_probed() {
+    let program = dynamic();
+    let args = ["run", "--json", "--", &program, "thread-exec", &program, "--wait", "new-image"];
+    let mut outcome = run_released(&args, " runs ");
+    assert!(outcome.status.success(), "{outcome:?}");
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
+    assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
+}
+
 #[test]
 fn after_exec_into_a_static_binary_its_own_allocator_is_probed() {
     let (program, target) = (dynamic(), static_binary());
@@ -286,6 +300,32 @@ fn the_daemon_follows_an_exec_into_another_program() {
     assert_eq!(inuse.len(), 1, "{inuse:?}");
     let named = format!("memprof_heap_inuse_bytes{{comm=\"daemon_target\",exe=\"{new_path}\"}}");
     assert_eq!(memprof_tests::sample(&inuse[0], &named), Some(outstanding), "{inuse:?}");
+}
+
+/// A program the daemon's target execs is recorded from its first call: the probes on the C
+/// library, which both programs map, stay through the exec. short_prog allocates within a
+/// millisecond of its start, before the daemon could probe it anew.
+#[test]
+fn the_daemon_records_a_program_exec_d_from_its_first_call() {
+    let short_prog = fixture("short_prog").display().to_string();
+    let mut target = Waiting::start(&fixture("process_life"), &["exec", &short_prog, "--wait"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    target.go();
+    assert_eq!(next_line(&mut target), "ready");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    let report = wait_for(20, "the new program's report", || {
+        let report = daemon.get_json(&leaks).1;
+        (report["exe"].as_str() == Some(short_prog.as_str()) && site(&report, "first_site") != (0, 0)).then_some(report)
+    });
+    // short_prog.c's truth, as `run` sees it (exec_chains.rs).
+    for (function, outstanding) in [("first_site", (48, 1)), ("kept_site", (1000, 10)), ("zeroed_site", (500, 5))] {
+        assert_eq!(site(&report, function), outstanding, "{function}: {report}");
+    }
+    assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
+    assert_eq!((total(&report, "allocations"), total(&report, "frees")), (16 + 20, 20), "{report}");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
 }
 
 #[test]

@@ -21,7 +21,7 @@ use crate::{
     kernel::aggregate::monotonic_now_ns,
     kernel::events,
     kernel::loader::{Attachment, Loaded},
-    kernel::shared::FileId,
+    kernel::shared::{self, file_ids, FileId},
     process::allocator::{self, Allocator},
     process::{procfs, usdt},
     symbolize::SymbolizerHandle,
@@ -109,11 +109,6 @@ impl Process {
             exec_handled_early: false,
         }
     }
-}
-
-/// The files of `allocator`, as the kernel tells them apart.
-fn file_ids(allocator: &Allocator) -> HashSet<FileId> {
-    allocator.files.iter().filter_map(|file| FileId::of(&file.attach_path).ok()).collect()
 }
 
 /// Gives the symbolizer and the stack walk the mappings of `pid`, which now runs another program.
@@ -223,7 +218,8 @@ impl Family {
         }
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
         match exec {
-            Some(exec) if self.settings.0.traces_calls() => {
+            // Probes that followed the task the exec ended (another thread exec'd) no longer fire.
+            Some(exec) if self.settings.0.traces_calls() && !exec.exec_by_other_thread() => {
                 loaded.image_replaced(nonzero, exec);
                 new_program_mappings(loaded, symbolizer, pid);
             }
@@ -259,10 +255,7 @@ impl Family {
         }
         let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
         // The files it maps whose probes it kept through its exec are not probed twice.
-        let mut missing = allocator.clone();
-        missing
-            .files
-            .retain(|file| FileId::of(&file.attach_path).map_or(true, |id| !process.probed_files.contains(&id)));
+        let missing = shared::unprobed(&allocator, &process.probed_files);
         // With --usdt, the new program's own probes, and none of its allocator's.
         let attached = if self.settings.0.usdt {
             usdt::in_process(pid)

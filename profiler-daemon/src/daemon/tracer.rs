@@ -45,7 +45,7 @@ use crate::{
     kernel::aggregate::{self, DoubleFreeReader, KernelSnapshot, Snapshot},
     kernel::loader::{self, Attachment, Loaded},
     kernel::settings::LoadSettings,
-    kernel::shared::{FileId, ProbeLinks},
+    kernel::shared::{self, file_ids, FileId, ProbeLinks},
     process::allocator,
     process::{procfs, usdt},
     symbolize::SymbolizerHandle,
@@ -112,6 +112,10 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// The files whose allocator probes `attachment` holds. They stay through an exec (the new
+    /// program is recorded from its first call through a file both map, the C library) and are
+    /// not attached twice. Empty when it is not traced by its calls.
+    probed_files: HashSet<FileId>,
     /// Its stacks symbolized already.
     known_stacks: KnownStacks,
     /// The calls its probes had counted at the last interval (`calls_counted`).
@@ -500,7 +504,7 @@ impl Tracer {
         let pid = event.tgid;
         let Some(target) = self.targets.get(&pid) else { return };
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
-        match ProcessId::current(pid) {
+        let reused = match ProcessId::current(pid) {
             // The target exited and its pid went to a new process, which exec'd before discovery
             // saw the old one go: the kernel reported the exec since the pid was still traced.
             // The new process is traced from its exec on, if the rules want it, with nothing of
@@ -516,14 +520,24 @@ impl Tracer {
                 target.attached_at = SystemTime::now();
                 target.start_ns = aggregate::monotonic_now_ns();
                 target.ns_pid = procfs::ns_pid(pid);
+                true
             }
             // Gone already: its exit event detaches it.
             None => return,
-            Some(_) => {}
-        }
+            Some(_) => false,
+        };
         let target = self.targets.get_mut(&pid).expect("looked up above");
-        let old = std::mem::take(&mut target.attachment);
-        target.attachment = self.loaded.exec_happened(nonzero, old, event);
+        if reused || event.exec_by_other_thread() || target.probed_files.is_empty() {
+            // Its probes no longer fire (they followed the task the exec ended), or they are not
+            // allocator probes: attached anew once the new program maps its allocator.
+            let old = std::mem::take(&mut target.attachment);
+            target.attachment = self.loaded.exec_happened(nonzero, old, event);
+            target.probed_files.clear();
+        } else {
+            // Its probes stay: what the old program left goes, what the new one recorded stays.
+            self.loaded.image_replaced(nonzero, event);
+            self.loaded.sync_mappings(pid);
+        }
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
         target.exe = procfs::exe_path(pid);
@@ -555,16 +569,23 @@ impl Tracer {
         let (Ok(allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
             return;
         };
+        // The files whose probes it kept through its exec are not probed twice.
+        let missing = shared::unprobed(&allocator, &target.probed_files);
         let attached = if self.config.sampling.usdt {
             usdt::in_process(pid)
                 .map_err(anyhow::Error::from)
                 .and_then(|sites| self.loaded.attach_usdt(&sites, nonzero, None))
+        } else if missing.files.is_empty() && !allocator.files.is_empty() {
+            Ok(Attachment::default())
         } else {
-            self.loaded.attach_allocator(&allocator, nonzero)
+            self.loaded.attach_allocator(&missing, nonzero)
         };
         match attached {
             Ok(probes) => {
                 target.attachment.merge(probes);
+                if self.config.sampling.traces_calls() {
+                    target.probed_files.extend(file_ids(&missing));
+                }
                 target.probed = true;
                 target.double_free_filter = DoubleFreeFilter::new(&allocator, target.exe.as_deref());
                 target.blind_spots = BlindSpots::new(pid, &allocator);
@@ -612,6 +633,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            probed_files: if self.config.sampling.traces_calls() { file_ids(&allocator) } else { HashSet::new() },
             known_stacks: KnownStacks::default(),
             calls: 0,
             last_view: None,
@@ -747,6 +769,7 @@ impl Tracer {
                         warn!(pid, "switching to growth mode: {err:#}");
                         continue;
                     }
+                    target.probed_files.clear();
                     target.leaks = LeakTracker::new(self.config.leak);
                     target.known_stacks.forget();
                     warn!(

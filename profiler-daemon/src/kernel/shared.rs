@@ -27,7 +27,10 @@ use std::{
 
 use anyhow::Context as _;
 
-use crate::kernel::{probes::Attachment, uprobe_multi::Point};
+use crate::{
+    kernel::{probes::Attachment, uprobe_multi::Point},
+    process::allocator::Allocator,
+};
 
 /// Which links the daemon gives the processes it traces (`--probe-links`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -73,6 +76,19 @@ impl FileId {
         let (major, minor) = (u32::from_str_radix(major, 16).ok()?, u32::from_str_radix(minor, 16).ok()?);
         (inode != 0).then(|| Self { device: libc::makedev(major, minor), inode })
     }
+}
+
+/// The files of `allocator`, as the kernel tells them apart.
+pub fn file_ids(allocator: &Allocator) -> HashSet<FileId> {
+    allocator.files.iter().filter_map(|file| FileId::of(&file.attach_path).ok()).collect()
+}
+
+/// `allocator` without the files in `probed`: what a process whose probes stayed through an exec
+/// still lacks. A probe attached twice would count each call twice.
+pub fn unprobed(allocator: &Allocator, probed: &HashSet<FileId>) -> Allocator {
+    let mut missing = allocator.clone();
+    missing.files.retain(|file| FileId::of(&file.attach_path).map_or(true, |id| !probed.contains(&id)));
+    missing
 }
 
 /// What makes two processes' links the same: the file, the program and its probes.
