@@ -793,6 +793,9 @@ pub struct DeferredUnwind {
     pub pages: u32,
     /// The address of `window[0]`: the page holding `sp`.
     pub window_start: u64,
+    /// `bpf_ktime_get_ns` at the walk: one from before the process's latest exec was its old
+    /// program's.
+    pub time_ns: u64,
     pub window: [u8; DEFERRED_PAGES * PAGE_BYTES],
 }
 

@@ -420,6 +420,7 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
         (*event).stored = walk.len;
         (*event).counts_cuts = u32::from(counts_cuts);
         (*event).window_start = window_start;
+        (*event).time_ns = bpf_ktime_get_ns();
         (*event).pages = DEFERRED_PAGES as u32;
         for page in 0..DEFERRED_PAGES {
             let copied = aya_ebpf::helpers::generated::bpf_probe_read_user(

@@ -48,6 +48,7 @@ fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "the old program's blocks are gone: {report}");
     assert_eq!(total(&report, "outstanding_bytes"), 7 * 512);
+    assert_nothing_dropped(&report);
     assert_eq!(total(&report, "unknown_frees"), 0);
     assert!(outcome.stderr.contains("runs "), "the exec is announced: {}", outcome.stderr);
 }
@@ -77,6 +78,8 @@ fn after_exec_into_a_static_binary_its_own_allocator_is_probed() {
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
     assert_eq!(report["comm"], "process_life_st", "the comm is the new program's");
+    // The old program's walks still unread at the exec are not the new one's drops.
+    assert_nothing_dropped(&report);
     assert_eq!(report["exe"], target.as_str());
     assert!(outcome.stderr.contains(&format!("probes in {target}")), "{}", outcome.stderr);
 }

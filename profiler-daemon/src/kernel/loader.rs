@@ -461,6 +461,7 @@ impl Loaded {
         (self.walked_entries, self.stack_entries) = (None, None);
         self.stillness.forget(pid.get());
         self.unwind_events.exec_happened(pid.get(), exec.time_ns);
+        self.unwind.exec_happened(pid.get(), exec.time_ns);
         if let Some(mappings) = &mut self.mappings {
             mappings.forget(pid.get(), &self.ages.clock);
         }

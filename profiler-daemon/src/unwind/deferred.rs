@@ -37,9 +37,9 @@ pub struct DeferredCounts {
 pub struct Deferred {
     completions: HashMap<(u32, u32, u64), Completion>,
     pub counts: DeferredCounts,
-    /// Walks that ended cut, by process and `StackEnd`: counted as the kernel's walk counts its
-    /// own.
-    cut: HashMap<u32, [u64; 6]>,
+    /// Walks that ended cut, by process: when each was walked, and how it ended. Counted as the
+    /// kernel's walk counts its own; an exec drops its old program's (see `exec_happened`).
+    cut: HashMap<u32, Vec<(u64, StackEnd)>>,
     /// Walks finished, by process.
     finished: HashMap<u32, u64>,
 }
@@ -60,8 +60,8 @@ impl Deferred {
         };
         self.counts.walks += 1;
         *self.finished.entry(event.tgid).or_default() += 1;
-        if event.counts_cuts != 0 {
-            self.cut.entry(event.tgid).or_default()[completion.end as usize] += 1;
+        if event.counts_cuts != 0 && completion.end.drop_reason().is_some() {
+            self.cut.entry(event.tgid).or_default().push((event.time_ns, completion.end));
         }
         if !matches!(completion.end, StackEnd::Complete | StackEnd::TooDeep) {
             self.counts.unfinished += 1;
@@ -72,9 +72,19 @@ impl Deferred {
 
     /// The walks of process `tgid` that ended cut, by drop reason.
     pub fn drops(&self, tgid: u32) -> impl Iterator<Item = (DropReason, u64)> + '_ {
-        let cut = self.cut.get(&tgid).copied().unwrap_or_default();
+        let cut = self.cut.get(&tgid).map(Vec::as_slice).unwrap_or_default();
         let ends = [StackEnd::NoTable, StackEnd::BadRule, StackEnd::ReadFailed, StackEnd::TooDeep];
-        ends.into_iter().filter_map(move |end| Some((end.drop_reason()?, cut[end as usize])))
+        ends.into_iter().filter_map(move |end| {
+            Some((end.drop_reason()?, cut.iter().filter(|&&(_, ended)| ended == end).count() as u64))
+        })
+    }
+
+    /// Process `tgid` exec'd at `exec_ns`: the walks its old program cut are not the new one's
+    /// drops, as the kernel starts the new program's counts at the exec.
+    pub fn exec_happened(&mut self, tgid: u32, exec_ns: u64) {
+        if let Some(cut) = self.cut.get_mut(&tgid) {
+            cut.retain(|&(walked_ns, _)| walked_ns >= exec_ns);
+        }
     }
 
     pub fn completion(&self, tgid: u32, table: u32, stack_id: u64) -> Option<&Completion> {
@@ -259,6 +269,7 @@ mod tests {
             counts_cuts: 1,
             pages: 1,
             window_start: sp & !0xfff,
+            time_ns: 0,
             window: [0; DEFERRED_PAGES * PAGE_BYTES],
         };
         let put = |event: &mut DeferredUnwind, at: u64, value: u64| {

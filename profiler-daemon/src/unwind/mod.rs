@@ -26,9 +26,15 @@ pub struct UnwindEvents {
     /// process gone before memprof read its mappings is rebuilt from the last list it sent,
     /// whenever that came.
     objects: HashMap<u32, SentObjects>,
-    /// When each process last exec'd (`bpf_ktime_get_ns`): a list its old program sent before,
-    /// read after the exec, is not its new program's.
+    /// When each process last exec'd (`bpf_ktime_get_ns`): a list or a walk its old program sent
+    /// before, read after the exec, is not its new program's.
     execs: HashMap<u32, u64>,
+}
+
+/// Whether an event `tgid` sent at `time_ns` comes from the program it runs now (`execs`: see
+/// `UnwindEvents::execs`).
+fn sent_by_current_program(execs: &HashMap<u32, u64>, tgid: u32, time_ns: u64) -> bool {
+    execs.get(&tgid).is_none_or(|&exec_ns| time_ns >= exec_ns)
 }
 
 /// A list of objects a process's dynamic linker sent, and when.
@@ -64,7 +70,7 @@ impl UnwindEvents {
                     let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
                     (object.base, String::from_utf8_lossy(name).into_owned())
                 });
-                if self.execs.get(&event.tgid).is_none_or(|&exec_ns| event.time_ns >= exec_ns) {
+                if sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
                     self.objects.insert(event.tgid, SentObjects { time_ns: event.time_ns, objects: objects.collect() });
                 }
                 event.tgid
@@ -72,6 +78,11 @@ impl UnwindEvents {
                 // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
                 // with the ring buffer's 8-byte alignment.
                 let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) });
+                if !sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
+                    // The old program's stacks went at the exec: its walk is not finished, nor
+                    // counted in the new program's drops.
+                    return;
+                }
                 let tgid = event.tgid;
                 drained.deferred.push(event);
                 tgid
@@ -99,7 +110,7 @@ impl UnwindEvents {
     }
 
     /// Process `tgid` exec'd at `time_ns`: the list its old program sent is not its new one's,
-    /// nor is one its old program sent before and still unread.
+    /// nor are the lists and walks its old program sent and still unread.
     pub fn exec_happened(&mut self, tgid: u32, time_ns: u64) {
         if self.objects.get(&tgid).is_some_and(|sent| sent.time_ns < time_ns) {
             self.objects.remove(&tgid);

@@ -254,6 +254,11 @@ impl Registry {
         self.deferred.drops(tgid)
     }
 
+    /// Process `tgid` exec'd at `exec_ns` (see `Deferred::exec_happened`).
+    pub fn exec_happened(&mut self, tgid: u32, exec_ns: u64) {
+        self.deferred.exec_happened(tgid, exec_ns);
+    }
+
     /// The deferred walks of process `tgid` finished so far.
     pub fn deferred_finished(&self, tgid: u32) -> u64 {
         self.deferred.finished(tgid)
