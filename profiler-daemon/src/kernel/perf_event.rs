@@ -12,6 +12,8 @@ use std::{
     path::Path,
 };
 
+use super::uprobe_multi;
+
 /// `PERF_FLAG_FD_CLOEXEC`.
 const FD_CLOEXEC: libc::c_ulong = 1 << 3;
 /// Where the uprobe PMU takes a semaphore's file offset in `config`
@@ -19,8 +21,7 @@ const FD_CLOEXEC: libc::c_ulong = 1 << 3;
 const REF_CTR_OFFSET_SHIFT: u32 = 32;
 /// The uprobe PMU's type is assigned at boot, and listed here.
 const UPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/uprobe/type";
-/// `BPF_LINK_CREATE` of `enum bpf_cmd`, `BPF_PERF_EVENT` of `enum bpf_attach_type`.
-const BPF_LINK_CREATE: libc::c_long = 28;
+/// `BPF_PERF_EVENT` of `enum bpf_attach_type`.
 const BPF_PERF_EVENT: u32 = 41;
 
 /// `struct perf_event_attr` up to `config2` (`PERF_ATTR_SIZE_VER1`): the kernel takes the
@@ -114,15 +115,9 @@ fn link_create(program: BorrowedFd<'_>, event: &OwnedFd, cookie: u64) -> io::Res
         flags: 0,
         bpf_cookie: cookie,
     };
-    // SAFETY: `attr` is a valid `union bpf_attr` prefix of the size passed.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const LinkCreateAttr, size_of::<LinkCreateAttr>())
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: `attr` is the kernel's link_create layout for a perf event (tested below), with
+    // no pointers.
+    unsafe { uprobe_multi::bpf_link_create(&attr) }
 }
 
 #[cfg(test)]

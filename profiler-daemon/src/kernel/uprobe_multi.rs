@@ -112,11 +112,19 @@ fn link_create(
         pid,
         _tail: 0,
     };
-    // SAFETY: `attr` is a valid `union bpf_attr` prefix of the size passed, and the memory its
+    // SAFETY: `attr` is the kernel's link_create layout (tested below), and the memory its
     // pointers name outlives the call, which only reads it.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const LinkCreateAttr, size_of::<LinkCreateAttr>())
-    };
+    unsafe { bpf_link_create(&attr) }
+}
+
+/// `bpf(BPF_LINK_CREATE, attr)`: the new link's descriptor.
+///
+/// # Safety
+/// `attr` must be a valid prefix of the kernel's `union bpf_attr` for `BPF_LINK_CREATE` (each
+/// kind of link has its own struct), and the memory its pointers name must outlive the call.
+pub(super) unsafe fn bpf_link_create<A>(attr: &A) -> io::Result<OwnedFd> {
+    // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, attr as *const A, size_of::<A>()) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
