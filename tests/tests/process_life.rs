@@ -36,52 +36,46 @@ fn children(report: &Value) -> &Vec<Value> {
     report["children"].as_array().unwrap_or_else(|| panic!("no children in {report}"))
 }
 
-#[test]
-fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
+/// `memprof run` of the dynamic fixture, which `how` ("exec", or "thread-exec" from a second
+/// thread) execs `target`. The command is not stopped at its exec: its new program waits until
+/// memprof has probed it, then allocates new_image_alloc's 7 blocks and exits. Returns the final
+/// report, checked to hold those blocks and none of the old program's, and memprof's stderr.
+fn report_after_exec(how: &str, target: &str) -> (Value, String) {
     let program = dynamic();
-    // The command is not stopped at its exec: its new program waits until memprof has probed it.
-    let args = ["run", "--json", "--", &program, "exec", &program, "--wait", "new-image"];
+    let args = ["run", "--json", "--", &program, how, target, "--wait", "new-image"];
     let mut outcome = run_released(&args, " runs ");
     assert!(outcome.status.success(), "{outcome:?}");
     outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
     assert_eq!(site(&report, "old_image_alloc"), (0, 0), "the old program's blocks are gone: {report}");
-    assert_eq!(total(&report, "outstanding_bytes"), 7 * 512);
+    // The old program's walks still unread at the exec are not the new one's drops.
     assert_nothing_dropped(&report);
-    assert_eq!(total(&report, "unknown_frees"), 0);
-    assert!(outcome.stderr.contains("runs "), "the exec is announced: {}", outcome.stderr);
+    (report, outcome.stderr)
 }
 
-/// A thread other than the main one execs: the probes, which followed the main thread's task,
-/// no longer fire, so the new program is probed anew.
+#[test]
+fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
+    let (report, stderr) = report_after_exec("exec", &dynamic());
+    assert_eq!(total(&report, "outstanding_bytes"), 7 * 512);
+    assert_eq!(total(&report, "unknown_frees"), 0);
+    assert!(stderr.contains("runs "), "the exec is announced: {stderr}");
+}
+
+/// A thread other than the main one execs: on kernels where the probes followed the main
+/// thread's task, they no longer fire, and the new program is probed anew.
 #[test]
 fn after_an_exec_by_another_thread_the_new_program_is_probed() {
-    let program = dynamic();
-    let args = ["run", "--json", "--", &program, "thread-exec", &program, "--wait", "new-image"];
-    let mut outcome = run_released(&args, " runs ");
-    assert!(outcome.status.success(), "{outcome:?}");
-    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
-    let report = outcome.final_report();
-    assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
-    assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
+    report_after_exec("thread-exec", &dynamic());
 }
 
 #[test]
 fn after_exec_into_a_static_binary_its_own_allocator_is_probed() {
-    let (program, target) = (dynamic(), static_binary());
-    let args = ["run", "--json", "--", &program, "exec", &target, "--wait", "new-image"];
-    let mut outcome = run_released(&args, " runs ");
-    assert!(outcome.status.success(), "{outcome:?}");
-    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
-    let report = outcome.final_report();
-    assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
-    assert_eq!(site(&report, "old_image_alloc"), (0, 0), "{report}");
+    let target = static_binary();
+    let (report, stderr) = report_after_exec("exec", &target);
     assert_eq!(report["comm"], "process_life_st", "the comm is the new program's");
-    // The old program's walks still unread at the exec are not the new one's drops.
-    assert_nothing_dropped(&report);
     assert_eq!(report["exe"], target.as_str());
-    assert!(outcome.stderr.contains(&format!("probes in {target}")), "{}", outcome.stderr);
+    assert!(stderr.contains(&format!("probes in {target}")), "{stderr}");
 }
 
 #[test]
