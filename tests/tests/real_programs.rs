@@ -41,20 +41,22 @@ fn redis_server_on_jemalloc_under_run() {
         .spawn()
         .expect("starting memprof");
     wait_for(30, "redis-server to listen", || TcpStream::connect(("127.0.0.1", port.parse().unwrap())).ok());
+    // Straight to the server, each reply read: a client that fails says so here, where a
+    // redis-cli that failed silently left redis-server (and memprof with it) running.
+    let mut redis = TcpStream::connect(("127.0.0.1", port.parse().unwrap())).expect("connecting to redis-server");
+    redis.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut commands = String::new();
     for key in 0..KEYS {
-        commands.push_str(&format!("SET key:{key} value-{key}\n"));
+        commands.push_str(&format!("SET key:{key} value-{key}\r\n"));
     }
-    commands.push_str("SHUTDOWN NOSAVE\n");
-    let mut cli = Command::new("redis-cli")
-        .args(["-p", &port])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("starting redis-cli");
-    cli.stdin.take().unwrap().write_all(commands.as_bytes()).unwrap();
-    let _ = cli.wait();
+    redis.write_all(commands.as_bytes()).expect("sending the SETs");
+    let mut replies = BufReader::new(redis.try_clone().unwrap());
+    for key in 0..KEYS {
+        let mut reply = String::new();
+        replies.read_line(&mut reply).expect("redis-server's reply");
+        assert_eq!(reply, "+OK\r\n", "SET key:{key}");
+    }
+    redis.write_all(b"SHUTDOWN NOSAVE\r\n").expect("sending SHUTDOWN");
     let outcome = memprof.wait_with_output().expect("memprof ends with redis-server");
     let stderr = String::from_utf8_lossy(&outcome.stderr);
     assert!(outcome.status.success(), "{stderr}");
