@@ -491,6 +491,24 @@ impl Drop for Daemon {
     }
 }
 
+/// The capacity (`max_entries`) of the BPF map `name` that process `pid` holds, from its
+/// descriptors and bpftool; None when it holds no map of that name.
+pub fn map_capacity(pid: u32, name: &str) -> Option<u64> {
+    let ids: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .ok()?
+        .flatten()
+        .filter_map(|fd| {
+            let info = std::fs::read_to_string(fd.path()).ok()?;
+            info.lines().find_map(|line| line.strip_prefix("map_id:")).map(|id| id.trim().to_string())
+        })
+        .collect();
+    ids.iter().find_map(|id| {
+        let shown = Command::new("bpftool").args(["map", "show", "id", id, "-j"]).output().ok()?;
+        let map: Value = serde_json::from_slice(&shown.stdout).ok()?;
+        (map["name"] == name).then(|| map["max_entries"].as_u64()).flatten()
+    })
+}
+
 /// The value of the sample `series` (see `sample`) in the daemon's /metrics at `port`; None when
 /// it is missing or the scrape fails.
 pub fn metric(port: u16, series: &str) -> Option<u64> {

@@ -2,7 +2,9 @@
 //! each sample counted at its weight, and no allocator probe (the fixture's unreported blocks
 //! are not seen).
 
-use memprof_tests::{attach, fixture, fixture_with, memprof, metric, run, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    attach, fixture, fixture_with, map_capacity, memprof, metric, run, site, total, wait_for, Daemon, Waiting,
+};
 use serde_json::Value;
 
 /// (bytes, allocations) outstanding at each reported site: 3 samples of 512 KiB for 128-byte
@@ -51,6 +53,41 @@ fn the_daemon_exports_the_samples() {
     wait_for(15, "the samples in the metrics", || (metric(daemon.port, &series)? == 7).then_some(()));
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_the_samples_alone(&report);
+    // The weights' table is as large as the live table's default (`max_live`).
+    assert_eq!(map_capacity(daemon.child.id(), "USDT_WEIGHTS"), Some(1 << 20));
+}
+
+/// Without usdt the weights' table takes one entry, not `max_live`'s buckets; so a reload cannot
+/// turn usdt on: it says so, and the sampling settings stay as they were.
+#[test]
+fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
+    let config = std::env::temp_dir().join(format!("memprof-usdt-reload-{}.toml", std::process::id()));
+    std::fs::write(&config, "comms = [\"^usdt_sites$\"]\n").unwrap();
+    let mut target = Waiting::start(&fixture("usdt_sites"), &["hold"]);
+    let mut daemon = Daemon::start_at_default_rate(&["--config", config.to_str().unwrap()]);
+    daemon.wait_traced(target.pid());
+    assert_eq!(map_capacity(daemon.child.id(), "USDT_WEIGHTS"), Some(1));
+
+    std::fs::write(&config, "comms = [\"^usdt_sites$\"]\nusdt = true\n").unwrap();
+    let scans = metric(daemon.port, "memprof_discovery_scans_total").unwrap();
+    daemon.signal(libc::SIGHUP);
+    // A reload scans /proc at once.
+    wait_for(15, "a scan after the reload", || {
+        metric(daemon.port, "memprof_discovery_scans_total").filter(|n| *n > scans)
+    });
+    target.go();
+    // Traced by its allocator's probes still: every block, reported or not (half of the 100
+    // unreported blocks of 1000 bytes are freed).
+    let leaks = format!("/api/v1/leaks?pid={}", target.pid());
+    wait_for(15, "the unreported blocks in a report", || {
+        (site(&daemon.get_json(&leaks).1, "unreported") == (50 * 1000, 50)).then_some(())
+    });
+    let _ = std::fs::remove_file(&config);
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    let warning = "usdt takes effect at the next start, not on reload: the sampling settings stay as they were";
+    assert_eq!(log.lines().filter(|line| line.contains(warning)).count(), 1, "{log}");
 }
 
 #[test]

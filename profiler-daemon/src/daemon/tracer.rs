@@ -167,7 +167,7 @@ pub struct Tracer {
 impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
         loader::check_support()?;
-        let mut loaded = loader::load(config.maps, config.interval)?;
+        let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
         if config.sampling.growth {
@@ -275,7 +275,12 @@ impl Tracer {
         self.loaded.wait_detached();
     }
 
-    fn reload(&mut self, config: Config) {
+    fn reload(&mut self, mut config: Config) {
+        if config.sampling.usdt != self.config.sampling.usdt {
+            // The weights' table was sized for the mode loaded (see `loader::load`).
+            warn!("usdt takes effect at the next start, not on reload: the sampling settings stay as they were");
+            config.sampling = self.config.sampling;
+        }
         if config.listen != self.config.listen
             || config.maps != self.loaded_sizes
             || config.probe_links != self.config.probe_links

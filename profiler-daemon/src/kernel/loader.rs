@@ -126,7 +126,9 @@ fn check_privileges() -> Result<(), UserError> {
 }
 
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
-pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
+/// `usdt`: processes are traced through their `otel_memory` probes, whose weights take a table as
+/// large as `LIVE`; without it that table gets one entry, not `--max-live`'s buckets.
+pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
     let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask"])
         .context("finding task_struct in BTF")?;
@@ -144,7 +146,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64) -> anyhow::Result<Loaded> {
     let bprm = btf::kernel_member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
-        .map_max_entries("USDT_WEIGHTS", sizes.max_live)
+        .map_max_entries("USDT_WEIGHTS", if usdt { sizes.max_live } else { 1 })
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))
