@@ -154,8 +154,36 @@ fn probes_with_semaphores_are_enabled_while_traced() {
     assert_eq!(outcome.stderr_number("free semaphore:"), 1, "{}", outcome.stderr);
     assert_the_guarded_samples(&outcome);
 
-    let mut target = Waiting::start(&fixture, &[]);
-    let outcome = attach(&mut target, &["--usdt", "--interval", "60"]);
+    let mut target = Waiting::start(&fixture, &["hold"]);
+    let outcome = attach(&mut target, &["--usdt", "--interval", "60", "--duration", "2"]);
     assert!(outcome.status.success(), "{outcome:?}");
     assert_the_guarded_samples(&outcome);
+    // Detached, memprof has let the kernel put them back: the probes cost nothing again.
+    assert_eq!(semaphores(&fixture, target.pid()), (0, 0));
+}
+
+/// The fixture's two semaphores, read from the memory of its process `pid`.
+fn semaphores(fixture: &std::path::Path, pid: u32) -> (u16, u16) {
+    use std::os::unix::fs::FileExt;
+    let symbols = std::process::Command::new("nm").arg(fixture).output().expect("nm (binutils)");
+    let symbols = String::from_utf8_lossy(&symbols.stdout);
+    let offset = |name: &str| {
+        let line = symbols.lines().find(|line| line.ends_with(&format!(" {name}"))).expect(name);
+        u64::from_str_radix(line.split(' ').next().unwrap(), 16).unwrap()
+    };
+    // A PIE: symbols are offsets from the mapping of the file's start.
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let path = fixture.canonicalize().unwrap();
+    let start = maps
+        .lines()
+        .find(|line| line.ends_with(path.to_str().unwrap()) && line.split_whitespace().nth(2) == Some("00000000"))
+        .and_then(|line| u64::from_str_radix(line.split('-').next()?, 16).ok())
+        .unwrap_or_else(|| panic!("{} is not mapped in {pid}: {maps}", path.display()));
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let read = |name: &str| {
+        let mut value = [0u8; 2];
+        mem.read_exact_at(&mut value, start + offset(name)).unwrap();
+        u16::from_ne_bytes(value)
+    };
+    (read("otel_memory_alloc_semaphore"), read("otel_memory_free_semaphore"))
 }
