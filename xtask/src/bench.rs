@@ -117,93 +117,79 @@ fn report_path(size: Size) -> std::path::PathBuf {
     }
 }
 
-/// The daemon's own cost alone, written over its section of the report the whole bench wrote.
+/// What every bench starts from: `packages` installed, memprof built, the work directory made;
+/// the kernel's per-program statistics off while it measures, when `stats_off`.
+struct Prepared {
+    memprof: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    _stats_off: Option<BpfStatsOff>,
+}
+
+fn prepare(packages: &[&str], stats_off: bool) -> anyhow::Result<Prepared> {
+    if !packages.is_empty() {
+        setup::debian_packages(packages)?;
+    }
+    let stats_off = if stats_off { Some(BpfStatsOff::new()?) } else { None };
+    let memprof = build_memprof()?;
+    let dir = root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    Ok(Prepared { memprof, dir, _stats_off: stats_off })
+}
+
+/// One section of the report, written over (or added as) its part of the file the whole bench wrote.
+fn write_section(size: Size, title: &str, section: &str) -> anyhow::Result<()> {
+    let path = report_path(size);
+    crate::benchmarks::replace_or_add_section(&path, title, section)?;
+    println!("{section}");
+    eprintln!("xtask bench: its section written to {}", path.display());
+    Ok(())
+}
+
+/// The daemon's own cost alone.
 fn only_daemon(size: Size) -> anyhow::Result<()> {
-    let _stats_off = BpfStatsOff::new()?;
-    let memprof = build_memprof()?;
-    let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let section = daemon::render(&daemon::measure(&memprof, &dir, size)?);
-    let path = report_path(size);
-    crate::benchmarks::replace_section(&path, daemon::TITLE, &section)?;
-    println!("{section}");
-    eprintln!("xtask bench: its section written to {}", path.display());
-    Ok(())
+    let Prepared { memprof, dir, .. } = &prepare(&[], true)?;
+    write_section(size, daemon::TITLE, &daemon::render(&daemon::measure(memprof, dir, size)?))
 }
 
-/// The daemon at rest alone, written over (or added as) its section of the report.
+/// The daemon at rest alone.
 fn only_rest(size: Size) -> anyhow::Result<()> {
-    let memprof = build_memprof()?;
-    let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let section = rest::render(&rest::measure(&memprof, &dir, size)?);
-    let path = report_path(size);
-    crate::benchmarks::replace_or_add_section(&path, rest::TITLE, &section)?;
-    println!("{section}");
-    eprintln!("xtask bench: its section written to {}", path.display());
-    Ok(())
+    let Prepared { memprof, dir, .. } = &prepare(&[], false)?;
+    write_section(size, rest::TITLE, &rest::render(&rest::measure(memprof, dir, size)?))
 }
 
-/// The real services alone, written over (or added as) their section of the report.
+/// The real services alone.
 fn only_services(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "python3", "redis-server", "redis-tools", "postgresql"])?;
-    let _stats_off = BpfStatsOff::new()?;
-    let memprof = build_memprof()?;
-    let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let section = services::render(&services::measure(&memprof, &dir, size)?);
-    let path = report_path(size);
-    crate::benchmarks::replace_or_add_section(&path, services::TITLE, &section)?;
-    println!("{section}");
-    eprintln!("xtask bench: its section written to {}", path.display());
-    Ok(())
+    let Prepared { memprof, dir, .. } =
+        &prepare(&["heaptrack", "python3", "redis-server", "redis-tools", "postgresql"], true)?;
+    write_section(size, services::TITLE, &services::render(&services::measure(memprof, dir, size)?))
 }
 
-/// The loop's table alone, written over the report's first section.
+/// The loop's table alone: the report's first section.
 fn only_loop(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&["heaptrack", "valgrind", "bpftrace"])?;
-    let _stats_off = BpfStatsOff::new()?;
-    let memprof = build_memprof()?;
-    let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let tools = loop_tools(&memprof, &dir);
-    let results = measure_loop(&tools, &dir, size)?;
-    let attached = memprof_attached(&memprof, &dir)?;
-    let section = render(&results, &attached, size);
-    let path = report_path(size);
-    crate::benchmarks::replace_section(&path, "# Benchmarks", &section)?;
-    println!("{section}");
-    eprintln!("xtask bench: its section written to {}", path.display());
-    Ok(())
+    let Prepared { memprof, dir, .. } = &prepare(&["heaptrack", "valgrind", "bpftrace"], true)?;
+    let tools = loop_tools(memprof, dir);
+    let results = measure_loop(&tools, dir, size)?;
+    let attached = memprof_attached(memprof, dir)?;
+    write_section(size, "# Benchmarks", &render(&results, &attached, size))
 }
 
 fn all(size: Size) -> anyhow::Result<()> {
-    setup::debian_packages(&[
-        "heaptrack",
-        "valgrind",
-        "bpftrace",
-        "perl",
-        "python3",
-        "redis-server",
-        "redis-tools",
-        "postgresql",
-    ])?;
-    let _stats_off = BpfStatsOff::new()?;
-    let memprof = build_memprof()?;
-    let dir = root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let tools = loop_tools(&memprof, &dir);
-    let results = measure_loop(&tools, &dir, size)?;
+    let Prepared { memprof, dir, .. } = &prepare(
+        &["heaptrack", "valgrind", "bpftrace", "perl", "python3", "redis-server", "redis-tools", "postgresql"],
+        true,
+    )?;
+    let tools = loop_tools(memprof, dir);
+    let results = measure_loop(&tools, dir, size)?;
     // The peers of the loop, without the frame-pointer row: unwinding is measured below.
     let peers: Vec<&Tool> = tools.iter().filter(|t| t.name != "memprof --unwind fp").collect();
-    let other_workloads = workloads::prepare(&dir, size)?;
+    let other_workloads = workloads::prepare(dir, size)?;
     let others = workloads::measure(&peers, &other_workloads, size)?;
-    let attached = memprof_attached(&memprof, &dir)?;
-    let frames = unwind::frame_costs(&memprof, &dir, size)?;
-    let tables = unwind::table_memory(&memprof, &dir)?;
-    let daemon_cost = daemon::measure(&memprof, &dir, size)?;
-    let at_rest = rest::measure(&memprof, &dir, size)?;
-    let services = services::measure(&memprof, &dir, size)?;
+    let attached = memprof_attached(memprof, dir)?;
+    let frames = unwind::frame_costs(memprof, dir, size)?;
+    let tables = unwind::table_memory(memprof, dir)?;
+    let daemon_cost = daemon::measure(memprof, dir, size)?;
+    let at_rest = rest::measure(memprof, dir, size)?;
+    let services = services::measure(memprof, dir, size)?;
     let mut report = render(&results, &attached, size);
     report.push_str(&workloads::render(&others));
     report.push_str(&unwind::render_frame_costs(&frames, size));
@@ -396,18 +382,17 @@ fn memprof_attached(memprof: &Path, dir: &Path) -> anyhow::Result<Attached> {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(tracer.stderr.as_mut().expect("piped")), &mut line)?;
     let attach_s = start.elapsed().as_secs_f64();
-    let mut kib = 0;
+    // By map: memprof holds some maps (the ring buffers it reads) through two descriptors.
+    let mut maps = std::collections::HashMap::new();
     for fd in std::fs::read_dir(format!("/proc/{}/fdinfo", tracer.id()))?.flatten() {
         let info = std::fs::read_to_string(fd.path()).unwrap_or_default();
-        if info.contains("map_type:") {
-            kib += info
-                .lines()
-                .find_map(|l| l.strip_prefix("memlock:"))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(0)
-                / 1024;
+        let field =
+            |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok());
+        if let (Some(id), Some(bytes)) = (field("map_id:"), field("memlock:")) {
+            maps.insert(id, bytes);
         }
     }
+    let kib = maps.values().sum::<u64>() / 1024;
     let stop = std::time::Instant::now();
     // SAFETY: signalling our own child.
     unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };

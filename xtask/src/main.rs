@@ -22,6 +22,21 @@ use std::{
 
 use anyhow::{bail, Context as _};
 
+/// What `cargo xtask help` prints.
+const USAGE: &str = "usage: cargo xtask <setup|demo|test|kernels|bench|soak|fuzz|pause|man|deb|image|docs>\n  \
+setup  install the toolchain pieces and packages memprof needs\n  \
+demo   build memprof and watch it find the leak in a bundled program\n  \
+test   formatting, lints, unit and end-to-end tests (as root)\n  \
+kernels  the core end-to-end tests on Debian's 6.1 and 6.12 kernels, each booted under QEMU (as root; 10-15 minutes)\n  \
+bench [--only daemon|services|rest|loop]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten; services: real services; rest: the daemon at rest with 1,000 idle processes and 65,536 stacks; loop: the malloc/free loop's table)\n  \
+soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  \
+fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  \
+pause  how long --inspect holds a process still, 16 MiB to 1 GiB of heap (BENCHMARKS.md)\n  \
+man [--out DIR]  the man pages, generated from the command line (target/man)\n  \
+deb [--out DIR]  a Debian package: stripped binary, systemd unit, config, man pages, completions (target/deb)\n  \
+image [--out DIR]  the container image memprof:VERSION, an OCI archive of the package's files (target/image)\n  \
+docs  the book (docs/) built into target/book, its links and the code's `docs:` references checked";
+
 fn main() -> anyhow::Result<()> {
     let task = std::env::args().nth(1).unwrap_or_default();
     match task.as_str() {
@@ -65,7 +80,18 @@ fn main() -> anyhow::Result<()> {
             setup::all()?;
             docs::run()
         }
-        _ => bail!("usage: cargo xtask <setup|demo|test|kernels|bench|soak|fuzz|pause|man|deb|image|docs>\n  setup  install the toolchain pieces and packages memprof needs\n  demo   build memprof and watch it find the leak in a bundled program\n  test   formatting, lints, unit and end-to-end tests (as root)\n  kernels  the core end-to-end tests on Debian's 6.1 and 6.12 kernels, each booted under QEMU (as root; 10-15 minutes)\n  bench [--only daemon|services|rest|loop]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten; services: real services; rest: the daemon at rest with 1,000 idle processes and 65,536 stacks; loop: the malloc/free loop's table)\n  soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  pause  how long --inspect holds a process still, 16 MiB to 1 GiB of heap (BENCHMARKS.md)\n  man [--out DIR]  the man pages, generated from the command line (target/man)\n  deb [--out DIR]  a Debian package: stripped binary, systemd unit, config, man pages, completions (target/deb)\n  image [--out DIR]  the container image memprof:VERSION, an OCI archive of the package's files (target/image)\n  docs  the book (docs/) built into target/book, its links and the code's `docs:` references checked"),
+        "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        "" => {
+            eprintln!("{USAGE}");
+            std::process::exit(2)
+        }
+        other => {
+            eprintln!("xtask: no task {other:?}; the tasks are:\n{USAGE}");
+            std::process::exit(2)
+        }
     }
 }
 
