@@ -8,7 +8,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, http_get, metric,
+    array_sum, fixture, http_get, metric,
     probe_links::{self, ProbeLink},
     sample, site, wait_for, Daemon, Waiting,
 };
@@ -87,6 +87,8 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     late.go();
     let leaks = format!("/api/v1/leaks?pid={}", late.pid());
     wait_for(20, "its allocations", || (site(&daemon.get_json(&leaks).1, "hold_site").1 == 50).then_some(()));
+    // The live table's filter counts its blocks (a churned one may be live too).
+    assert!((50..=51).contains(&array_sum(daemon.child.id(), "LIVE_FILTER")));
     let rows_used = metric(daemon.port, "memprof_unwind_rows{state=\"used\"}").unwrap_or(0);
     assert!(rows_used > 0, "its files' unwind tables are in the kernel");
     assert!(metric(daemon.port, "memprof_unwind_kernel_bytes").unwrap_or(0) > 0);
@@ -105,6 +107,8 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
         let purged = format!("memprof_bpf_map_entries{{map=\"{map}\"}} 0\n");
         assert!(metrics.contains(&purged), "its kernel state is purged ({map}): {metrics}");
     }
+    // The daemon took its purged blocks out of the filter, no more and no fewer.
+    assert_eq!(array_sum(daemon.child.id(), "LIVE_FILTER"), 0);
     // Its tables, and the shards that held them, are given back.
     for series in ["memprof_unwind_rows{state=\"used\"} 0\n", "memprof_unwind_kernel_bytes 0\n"] {
         assert!(metrics.contains(series), "{series}: {metrics}");
