@@ -2,7 +2,7 @@
 //! allocations, frees that take off exactly what was added, and the --max-rate switch (to
 //! sampling under `run`, to growth mode in the daemon).
 
-use memprof_tests::{fixture, run, site, total};
+use memprof_tests::{fixture, run, site, total, wait_for, Daemon, Waiting};
 
 fn within_10_percent(estimate: u64, truth: u64, what: &str) {
     let error = (estimate as f64 - truth as f64).abs() / truth as f64;
@@ -107,4 +107,58 @@ fn sampled_resizes_are_not_failures() {
     assert_eq!(total(&report, "unknown_frees"), 0, "{}", report["totals"]);
     assert_eq!(site(&report, "resize"), (0, 0), "every resized block was freed");
     assert!(total(&report, "allocations") > 0, "some resizes were drawn: {}", report["totals"]);
+}
+
+/// Two sampling processes whose pids share a slot of the programs' rate array (pid mod 4096):
+/// the one that does not hold the slot reads its rate from the hash, before and after the holder
+/// exits. A process that read no rate would be recorded whole: its sites' bytes would not be a
+/// multiple of the rate, which each sample of a block smaller than it counts for.
+#[test]
+fn processes_whose_pids_share_a_rate_slot_both_sample() {
+    let fixture = fixture("sampled_sites");
+    let mut first = Waiting::start(&fixture, &["hold"]);
+    let mut second = colliding(&fixture, first.pid());
+    let pids = [first.pid().to_string(), second.pid().to_string()];
+    let daemon = Daemon::start(&["--pid", &pids[0], "--pid", &pids[1], "--sample-bytes", "4096"]);
+    daemon.wait_traced(first.pid());
+    daemon.wait_traced(second.pid());
+    let sampled_whole = |pid: u32| {
+        let path = format!("/api/v1/leaks?pid={pid}");
+        wait_for(30, "the kept sites' estimates", || {
+            let (_, report) = daemon.get_json(&path);
+            let (small, medium) = (site(&report, "keep_small"), site(&report, "keep_medium"));
+            let near = |estimate: u64, truth: u64| estimate.abs_diff(truth) * 10 <= truth;
+            (near(small.0, 100_000 * 64) && near(medium.0, 100_000 * 200)).then_some((report, small, medium))
+        })
+    };
+    first.go();
+    let (report, small, medium) = sampled_whole(first.pid());
+    assert_eq!((small.0 % 4096, medium.0 % 4096), (0, 0), "{report}");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
+    // The first leaves; the slot's holder, or the process the slot counts as collided, is gone.
+    let gone = first.pid() as u64;
+    drop(first);
+    wait_for(20, "the first process to be purged", || (!daemon.traced_pids().contains(&gone)).then_some(()));
+    second.go();
+    let (report, small, medium) = sampled_whole(second.pid());
+    assert_eq!((small.0 % 4096, medium.0 % 4096), (0, 0), "{report}");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
+}
+
+/// `fixture`, waiting, as a process whose pid is `pid` mod 4096: the kernel gives the next
+/// process the pid after `ns_last_pid` (other processes may start meanwhile: tried again).
+fn colliding(fixture: &std::path::Path, pid: u32) -> Waiting {
+    let pid_max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().parse().unwrap();
+    for attempt in 1..=20 {
+        let wanted = (pid + 4096 * (attempt % 4 + 1)) % pid_max.max(8192);
+        if wanted < 300 {
+            continue;
+        }
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (wanted - 1).to_string()).unwrap();
+        let started = Waiting::start(fixture, &["hold"]);
+        if started.pid() % 4096 == pid % 4096 {
+            return started;
+        }
+    }
+    panic!("no process got a pid equal to {pid} mod 4096 in 20 tries");
 }
