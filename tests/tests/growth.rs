@@ -5,6 +5,8 @@
 //! pages the allocator touched for them (its own metadata: none on glibc here, 105 pages for
 //! jemalloc's 100 extents).
 
+use std::io::{BufRead, BufReader};
+
 use memprof_tests::{attach, fixture, fixture_with, run, through, Outcome, Waiting};
 use serde_json::Value;
 
@@ -48,6 +50,22 @@ fn run_sees_the_leaking_site_on_glibc() {
 #[test]
 fn run_sees_the_leaking_site_on_jemalloc() {
     assert_growth(&run(&["--growth", "--interval", "60"], &[jemalloc_fixture().to_str().unwrap()]));
+}
+
+/// One fault the kernel answers with a transparent huge page maps 2 MiB, and no other fault
+/// follows there: each of its pages is held by the stack that touched it.
+#[test]
+fn a_transparent_huge_page_is_held_whole() {
+    let mut target = Waiting::start(&fixture("growth"), &["huge"]);
+    let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let mut truth = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
+    let resident: u64 = truth.trim().strip_prefix("huge resident bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    assert_eq!(resident, 4 << 20, "the kernel gave the fixture no huge pages (THP: {thp})");
+    let report = outcome.final_report();
+    assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
 }
 
 #[test]

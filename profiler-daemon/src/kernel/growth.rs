@@ -14,6 +14,8 @@ use profiler_common::{
 use crate::kernel::ages::Clock;
 
 pub const PAGE: u64 = 4096;
+/// A transparent huge page, which one fault can give a process (x86-64's PMD size).
+pub const HUGE_PAGE: u64 = 2 << 20;
 
 /// One process's pages and what each stack holds of them.
 #[derive(Debug, Default)]
@@ -56,6 +58,18 @@ impl Pages {
         if self.held_bytes > self.peak.0 {
             self.peak = (self.held_bytes, time_ns);
         }
+    }
+
+    /// `touch` for each page of `[start, end)`: a huge page, which one fault filled.
+    pub fn touch_all(&mut self, clock: &Clock, start: u64, end: u64, stack_id: u64, time_ns: u64) {
+        for page in (start..end).step_by(PAGE as usize) {
+            self.touch(clock, page, stack_id, time_ns);
+        }
+    }
+
+    /// Whether any page of `[start, end)` is held.
+    pub fn holds_any(&self, start: u64, end: u64) -> bool {
+        self.held.range(start..end).next().is_some()
     }
 
     /// The pages of `[start, end)` were given back at `now_ns`.
@@ -146,6 +160,16 @@ mod tests {
         assert_eq!((stats.generation_bytes[0], stats.generation_bytes[2]), (PAGE, PAGE));
         assert_eq!((stats.old_freed_bytes, stats.old_frees), (PAGE, COUNT_SCALE));
         assert_eq!(stats.max_outstanding_bytes, 3 * PAGE);
+    }
+
+    #[test]
+    fn a_huge_page_holds_each_of_its_pages_once() {
+        let mut pages = Pages::default();
+        pages.touch(&CLOCK, HUGE_PAGE + PAGE, 5, 0);
+        assert!(pages.holds_any(HUGE_PAGE, 2 * HUGE_PAGE) && !pages.holds_any(0, HUGE_PAGE));
+        pages.touch_all(&CLOCK, HUGE_PAGE, 2 * HUGE_PAGE, 4, 0);
+        assert_eq!((outstanding(&pages, 5), outstanding(&pages, 4)), (PAGE, HUGE_PAGE - PAGE));
+        assert_eq!(pages.held_bytes(), HUGE_PAGE);
     }
 
     #[test]

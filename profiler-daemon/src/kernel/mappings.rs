@@ -17,8 +17,9 @@ use crate::{
     kernel::{
         ages::Clock,
         events,
-        growth::{Pages, PAGE},
+        growth::{Pages, HUGE_PAGE, PAGE},
     },
+    process::pagemap,
     ring::Ring,
 };
 
@@ -193,15 +194,36 @@ impl Space {
         }
     }
 
-    /// A page fault: held when it is in the process's anonymous memory.
+    /// A page fault: held when it is in the process's anonymous memory. The first fault in a
+    /// huge page's span that the ranges cover whole may have got the kernel to map a whole
+    /// transparent huge page: then each of its pages is held (no other faults there follow).
     fn touch(&mut self, clock: &Clock, event: &MappingEvent) {
-        let in_range = self.ranges.range(..=event.addr).next_back().is_some_and(|(_, range)| range.end > event.addr);
+        let in_range = self.covers(event.addr, event.addr + 1);
+        let block = event.addr & !(HUGE_PAGE - 1);
+        let whole_block = in_range && self.covers(block, block + HUGE_PAGE);
         let Some(pages) = &mut self.pages else { return };
-        if in_range {
-            pages.touch(clock, event.addr, event.stack_id, event.time_ns);
-        } else {
+        if !in_range {
             pages.outside += 1;
+        } else if whole_block
+            && !pages.holds_any(block, block + HUGE_PAGE)
+            && pagemap::huge_page_at(event.tgid, block, HUGE_PAGE)
+        {
+            pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns);
+        } else {
+            pages.touch(clock, event.addr, event.stack_id, event.time_ns);
         }
+    }
+
+    /// Whether `[start, end)` is all in the ranges (one, or several end to end).
+    fn covers(&self, start: u64, end: u64) -> bool {
+        let mut reached = start;
+        while reached < end {
+            match self.ranges.range(..=reached).next_back() {
+                Some((_, range)) if range.end > reached => reached = range.end,
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// `[start, end)` is no longer the process's anonymous memory: its ranges and pages go.
