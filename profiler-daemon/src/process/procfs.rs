@@ -130,10 +130,14 @@ pub fn anon_resident_bytes(pid: u32) -> Option<u64> {
     statm_pages(pid).map(|(resident, shared)| resident.saturating_sub(shared) * page_size())
 }
 
-/// `statm`'s resident and shared (file and shmem) page counts.
+/// `statm`'s resident and shared (file and shmem) page counts; none without memory: a process
+/// that has exited and not been reaped yet reads all zeros.
 fn statm_pages(pid: u32) -> Option<(u64, u64)> {
     let statm = read_text(format!("{}/statm", dir(pid))).ok()?;
-    let mut fields = statm.split_whitespace().skip(1).map(|field| field.parse::<u64>().ok());
+    let mut fields = statm.split_whitespace().map(|field| field.parse::<u64>().ok());
+    if fields.next()?? == 0 {
+        return None;
+    }
     Some((fields.next()??, fields.next()??))
 }
 
@@ -496,6 +500,21 @@ mod tests {
         assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
         assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
         check_traceable(std::process::id()).unwrap();
+    }
+
+    /// An exited process not reaped yet has no memory: its statm reads all zeros, which is not
+    /// "nothing resident".
+    #[test]
+    fn a_zombie_has_no_resident_memory_to_read() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let zombie = (0..1000).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            stat(pid).is_some_and(|stat| stat.zombie)
+        });
+        assert!(zombie, "pid {pid} did not exit");
+        assert_eq!((anon_resident_bytes(pid), resident_bytes(pid)), (None, 0));
+        child.wait().unwrap();
     }
 
     #[test]
