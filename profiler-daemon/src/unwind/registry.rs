@@ -26,7 +26,8 @@ use crate::process::procfs::{self, FileMapping};
 pub enum UnwindMode {
     /// DWARF CFI from each file's `.eh_frame`: right on code built without frame pointers.
     Cfi,
-    /// Frame pointers only: cheaper, wrong where code omits them (most distribution code).
+    /// Frame pointers only: a little cheaper per frame, wrong where code omits them (most
+    /// distribution code).
     Fp,
 }
 
