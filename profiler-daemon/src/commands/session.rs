@@ -412,8 +412,10 @@ impl Tracer<'_> {
     /// New libraries get their tables (and are probed when they hold the allocator), and walks
     /// the kernel deferred are finished on them.
     fn on_unwind_events(&mut self) {
-        // Execs first: a program's mapping changes come after the exec that started it, whose
-        // path names its executable when it is gone before its mappings are read.
+        // Read, then the execs, then used: a program's mapping changes come after the exec that
+        // started it, whose path names its executable when it is gone before its mappings are
+        // read (see `UnwindEvents::collect`).
+        self.loaded.unwind_events.collect();
         self.family.on_process_events(&mut self.loaded, &self.symbolizer);
         let (symbolizer, family) = (&self.symbolizer, &self.family);
         let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());

@@ -221,6 +221,8 @@ impl Tracer {
                 changed |= self.resync();
                 self.next_resync = now + Duration::from_secs_f64(self.config.resync);
             }
+            // Before the execs, used after them (see `UnwindEvents::collect`).
+            self.loaded.unwind_events.collect();
             changed |= self.on_process_events();
             changed |= self.retry();
             if changed {

@@ -29,6 +29,18 @@ pub struct UnwindEvents {
     /// When each process last exec'd (`bpf_ktime_get_ns`): a list or a walk its old program sent
     /// before, read after the exec, is not its new program's.
     execs: HashMap<u32, u64>,
+    /// Read from the ring by `collect`, used by `drain`: in between, the exec events that came
+    /// before them are handled (see `collect`).
+    pending: Vec<Pending>,
+}
+
+/// An event read and not used yet.
+enum Pending {
+    LinkMap(Box<LinkMapEvent>),
+    /// Boxed: each holds a copy of a stack.
+    Deferred(Box<DeferredUnwind>),
+    /// Any other event: its process's mappings changed.
+    Changed(u32),
 }
 
 /// Whether an event `tgid` sent at `time_ns` comes from the program it runs now (`execs`: see
@@ -56,45 +68,66 @@ pub struct Drained {
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        Ok(Self { ring: Ring::new("UNWIND_EVENTS", map)?, objects: HashMap::new(), execs: HashMap::new() })
+        let ring = Ring::new("UNWIND_EVENTS", map)?;
+        Ok(Self { ring, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
     }
 
-    /// The events since the last call.
-    pub fn drain(&mut self) -> Drained {
-        let mut drained = Drained::default();
+    /// Reads the events sent so far, to be used by the next `drain`. Called before the exec
+    /// events are handled: an exec's event is in its ring before its new program can send any
+    /// of these, so every exec that came before one read here is known when `drain` uses it.
+    /// Read after them, a new program's list could meet its process before its exec, and be
+    /// named after the old program.
+    pub fn collect(&mut self) {
+        let pending = &mut self.pending;
         self.ring.read(|item| {
-            let tgid = if item.len() == size_of::<LinkMapEvent>() {
-                // SAFETY: as below, for a LinkMapEvent.
-                let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) });
-                let objects = event.objects.iter().take(event.count as usize).map(|object| {
-                    let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
-                    (object.base, String::from_utf8_lossy(name).into_owned())
-                });
-                if sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
-                    self.objects.insert(event.tgid, SentObjects { time_ns: event.time_ns, objects: objects.collect() });
-                }
-                event.tgid
+            let event = if item.len() == size_of::<LinkMapEvent>() {
+                // SAFETY: the program writes whole records; read_unaligned copes with the ring
+                // buffer's 8-byte alignment.
+                Pending::LinkMap(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) }))
             } else if item.len() == size_of::<DeferredUnwind>() {
-                // SAFETY: the program writes whole DeferredUnwind records; read_unaligned copes
-                // with the ring buffer's 8-byte alignment.
-                let event = Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) });
-                if !sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
-                    // The old program's stacks went at the exec: its walk is not finished, nor
-                    // counted in the new program's drops.
-                    return;
-                }
-                let tgid = event.tgid;
-                drained.deferred.push(event);
-                tgid
+                // SAFETY: as above, for a DeferredUnwind.
+                Pending::Deferred(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) }))
             } else if let Some(bytes) = item.get(..4) {
-                u32::from_ne_bytes(bytes.try_into().expect("four bytes"))
+                Pending::Changed(u32::from_ne_bytes(bytes.try_into().expect("four bytes")))
             } else {
                 return;
+            };
+            pending.push(event);
+        });
+    }
+
+    /// The events `collect` read, less those an exec since made the old program's.
+    pub fn drain(&mut self) -> Drained {
+        let mut drained = Drained::default();
+        for event in std::mem::take(&mut self.pending) {
+            let tgid = match event {
+                Pending::LinkMap(event) => {
+                    if sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
+                        let objects = event.objects.iter().take(event.count as usize).map(|object| {
+                            let name = object.name.split(|&b| b == 0).next().unwrap_or_default();
+                            (object.base, String::from_utf8_lossy(name).into_owned())
+                        });
+                        let sent = SentObjects { time_ns: event.time_ns, objects: objects.collect() };
+                        self.objects.insert(event.tgid, sent);
+                    }
+                    event.tgid
+                }
+                Pending::Deferred(event) => {
+                    if !sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
+                        // The old program's stacks went at the exec: its walk is not finished,
+                        // nor counted in the new program's drops.
+                        continue;
+                    }
+                    let tgid = event.tgid;
+                    drained.deferred.push(event);
+                    tgid
+                }
+                Pending::Changed(tgid) => tgid,
             };
             if !drained.pids.contains(&tgid) {
                 drained.pids.push(tgid);
             }
-        });
+        }
         drained
     }
 
