@@ -75,10 +75,14 @@ fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
     wait_for(15, "a scan after the reload", || {
         metric(daemon.port, "memprof_discovery_scans_total").filter(|n| *n > scans)
     });
+    // A process that starts after the reload is traced by its allocator's probes, as before it:
+    // every block, reported or not (half of the 100 unreported blocks of 1000 bytes are freed).
+    // Under usdt its unreported blocks would not be seen.
+    let mut later = Waiting::start(&fixture("usdt_sites"), &["hold"]);
+    daemon.wait_traced(later.pid());
+    later.go();
     target.go();
-    // Traced by its allocator's probes still: every block, reported or not (half of the 100
-    // unreported blocks of 1000 bytes are freed).
-    let leaks = format!("/api/v1/leaks?pid={}", target.pid());
+    let leaks = format!("/api/v1/leaks?pid={}", later.pid());
     wait_for(15, "the unreported blocks in a report", || {
         (site(&daemon.get_json(&leaks).1, "unreported") == (50 * 1000, 50)).then_some(())
     });

@@ -198,16 +198,18 @@ impl Space {
     /// huge page's span that the ranges cover whole may have got the kernel to map a whole
     /// transparent huge page: then each of its pages is held (no other faults there follow).
     fn touch(&mut self, clock: &Clock, event: &MappingEvent) {
+        let Some(pages) = &self.pages else { return };
         let in_range = self.covers(event.addr, event.addr + 1);
         let block = event.addr & !(HUGE_PAGE - 1);
-        let whole_block = in_range && self.covers(block, block + HUGE_PAGE);
+        // Cheapest test first: after a span's first fault, no other one in it is looked up.
+        let huge = in_range
+            && !pages.holds_any(block, block + HUGE_PAGE)
+            && self.covers(block, block + HUGE_PAGE)
+            && pagemap::huge_page_at(event.tgid, block, HUGE_PAGE);
         let Some(pages) = &mut self.pages else { return };
         if !in_range {
             pages.outside += 1;
-        } else if whole_block
-            && !pages.holds_any(block, block + HUGE_PAGE)
-            && pagemap::huge_page_at(event.tgid, block, HUGE_PAGE)
-        {
+        } else if huge {
             pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns);
         } else {
             pages.touch(clock, event.addr, event.stack_id, event.time_ns);
