@@ -17,6 +17,7 @@
 mod growth;
 mod live;
 mod mapping;
+mod memo;
 mod process;
 mod record;
 mod shared;

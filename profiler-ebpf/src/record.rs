@@ -160,6 +160,9 @@ pub struct Probe {
 }
 
 impl Probe {
+    /// Inlined: as a function of its own, its frame would add to the chain of frames a free's
+    /// walk stacks up, which 6.1 bounds at 512 bytes.
+    #[inline(always)]
     fn stack_id(self, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
         let regs = unsafe {
@@ -791,6 +794,7 @@ fn count_free(key: &AddrKey, alloc: &LiveAlloc, freed_by: u32, now: u64, tempora
 }
 
 /// A free by thread `tid` at `time_ns`, with its stack when `walk`, else its caller.
+#[inline(always)]
 fn free_site(probe: Probe, tgid: u32, tid: u32, time_ns: u64, walk: bool) -> FreeSite {
     if !walk {
         return FreeSite { time_ns, stack_id: NO_STACK, caller: probe.caller(), tid, _pad: 0 };

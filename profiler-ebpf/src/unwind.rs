@@ -30,7 +30,10 @@ use profiler_common::{
     NO_STACK, PAGE_BYTES, STACK_HASH_SEED, UC_RBP, UC_RIP, UC_RSP, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
-use crate::shared::{count_drop, kernel_word, NO_PREALLOC};
+use crate::{
+    memo::{self, Reads, Start},
+    shared::{count_drop, kernel_word, NO_PREALLOC},
+};
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
@@ -142,7 +145,7 @@ struct Scratch {
 /// frames (on the tight loop, a whole walk). 2 KiB: cheaper than 1 KiB on perl's deep stacks and
 /// the same on the loop; 4 KiB made the loop's walks dearer
 /// (docs: performance.md#measurements-behind-design-choices).
-const WINDOW_WORDS: usize = 256;
+pub const WINDOW_WORDS: usize = 256;
 
 /// A copy of the user stack from `start`, `len` bytes (0: none yet).
 #[repr(C)]
@@ -150,6 +153,8 @@ struct Window {
     start: u64,
     len: u64,
     words: [u64; WINDOW_WORDS],
+    /// What the walk read, for its memo.
+    reads: Reads,
 }
 
 #[map]
@@ -303,12 +308,66 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     walk.first_is_probed = u32::from(regs.first_is_probed);
     (walk.trampoline, walk.taken) = (regs.taken.trampoline, regs.taken.innermost);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
-    walk.bp_known = 1;
+    (walk.bp_known, walk.bp_from_regs, walk.uses_bp) = (1, 1, 0);
     walk.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
+    (walk.start.pc, walk.start.sp, walk.start.bp) = (regs.pc, regs.sp, regs.bp);
+    (walk.start.tgid, walk.start.generation) = (tgid, walk.generation);
+    // Only the heap's walks from a return address outside any probed call: their stacks repeat,
+    // and nothing but the registers and the stack's words decides them (see `memo`).
+    walk.memoize = u32::from(
+        which == stack_table::ALLOCATIONS && regs.pc_is_return && regs.taken.trampoline == 0 && regs.counts_cuts,
+    );
     // No mapping yet: an empty range.
     walk.mapping.end = 0;
     scratch.window.len = 0;
-    walk_and_store(which, u32::from(regs.counts_cuts), ours)
+    scratch.window.reads.clear();
+    walk.ours = ours;
+    // Nothing kept across the calls but their arguments: on 6.1 a larger frame here, with
+    // `walk_and_store`'s and its loop's under a free's, exceeds the 512 bytes a program's calls
+    // may use together.
+    let id = recall_walk();
+    if id != NO_STACK {
+        return id;
+    }
+    remember_walk(walk_and_store(which, u32::from(regs.counts_cuts), ours))
+}
+
+/// `memo::recall` for the walk `stack_id` set up; `NO_STACK` when it is not remembered. A global
+/// function, as the next: verified once, apart from its callers.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn recall_walk() -> u64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return NO_STACK;
+    };
+    // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile.
+    let scratch = unsafe { &mut *scratch };
+    if scratch.walk.memoize == 0 {
+        return NO_STACK;
+    }
+    let id = memo::recall(&scratch.walk.start, &mut scratch.window.words);
+    if scratch.uses == scratch.walk.ours {
+        id
+    } else {
+        NO_STACK
+    }
+}
+
+/// `memo::remember` for the walk that stored `id`, if it ended whole and no other task's walk
+/// mixed with it. Returns `id`.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn remember_walk(id: u64) -> u64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
+        return id;
+    };
+    // SAFETY: as in `recall_walk`.
+    let scratch = unsafe { &mut *scratch };
+    let walk = &scratch.walk;
+    if walk.memoize != 0 && id != NO_STACK && walk.end == StackEnd::Complete as u32 && scratch.uses == walk.ours {
+        memo::remember(&walk.start, walk.uses_bp, &scratch.window.reads, id);
+    }
+    id
 }
 
 /// `stack_id`'s walk of the registers it left in `SCRATCH`, and the stack's storing. A global
@@ -506,7 +565,17 @@ struct Walk {
     generation: u32,
     /// See `Regs::first_is_probed`.
     first_is_probed: u32,
+    /// Whether `bp` still holds the register's value the walk began with, and whether the walk
+    /// used that value (see `memo`).
+    bp_from_regs: u32,
+    uses_bp: u32,
+    /// Whether the walk is remembered (see `memo`).
+    memoize: u32,
     _pad: u32,
+    /// `Scratch::uses` when it began.
+    ours: u64,
+    /// The registers and generation it began with.
+    start: Start,
     /// See `TakenReturns`: the trampoline (0: none), and the next taken return address's
     /// `return_instance`.
     trampoline: u64,
@@ -514,6 +583,14 @@ struct Walk {
     /// The mapping of the last frame: the next frame is most often in the same file, and then
     /// needs no lookup. Empty (start = end) before the first.
     mapping: ExecMapping,
+}
+
+impl Walk {
+    /// rbp's value, noting when it is still the register's the walk began with (see `memo`).
+    fn bp(&mut self) -> u64 {
+        self.uses_bp |= self.bp_from_regs;
+        self.bp
+    }
 }
 
 /// Records frame `index` and steps to its caller. Returns 1 to stop the loop, 0 to go on.
@@ -559,8 +636,9 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     let sp = walk.sp;
     let cfa = match row.cfa {
         cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
-        cfa::RBP if walk.bp_known != 0 => walk.bp.wrapping_add(row.cfa_offset as i64 as u64),
-        cfa::RBP_DEREF if walk.bp_known != 0 => match window.read(walk.bp.wrapping_add(row.cfa_offset as i64 as u64)) {
+        cfa::RBP if walk.bp_known != 0 => walk.bp().wrapping_add(row.cfa_offset as i64 as u64),
+        cfa::RBP_DEREF if walk.bp_known != 0 => match window.read(walk.bp().wrapping_add(row.cfa_offset as i64 as u64))
+        {
             Some(cfa) => cfa,
             None => return end(walk, StackEnd::ReadFailed),
         },
@@ -574,6 +652,7 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
             let Some(bp) = window.read(sp + UC_RBP) else { return end(walk, StackEnd::ReadFailed) };
             let Some(sp) = window.read(sp + UC_RSP) else { return end(walk, StackEnd::ReadFailed) };
             (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc, sp, bp, 1, 0);
+            walk.bp_from_regs = 0;
             return Some(());
         }
         cfa::NONE => return end(walk, StackEnd::NoTable),
@@ -589,12 +668,12 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     // stack-realigning function), which is only known while rbp is.
     let saved_at = match row.rbp {
         rbp::SAVED => Some(cfa),
-        rbp::AT_RBP if walk.bp_known != 0 => Some(walk.bp),
+        rbp::AT_RBP if walk.bp_known != 0 => Some(walk.bp()),
         _ => None,
     };
     match saved_at {
         Some(base) => match window.read(base.wrapping_add(row.rbp_offset as i64 as u64)) {
-            Some(saved) => (walk.bp, walk.bp_known) = (saved, 1),
+            Some(saved) => (walk.bp, walk.bp_known, walk.bp_from_regs) = (saved, 1, 0),
             None => return end(walk, StackEnd::ReadFailed),
         },
         None if row.rbp != rbp::SAME => walk.bp_known = 0,
@@ -603,7 +682,7 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     (walk.pc, walk.sp, walk.pc_is_return) = (return_address, cfa, 1);
     // CFI ends at an undefined return address (above), but some hand-written outermost frames
     // just hold 0; frame pointers end at a zero frame.
-    if return_address == 0 || (frame_pointers && walk.bp == 0) {
+    if return_address == 0 || (frame_pointers && walk.bp() == 0) {
         return end(walk, StackEnd::Complete);
     }
     Some(())
@@ -690,10 +769,17 @@ fn end(walk: &mut Walk, why: StackEnd) -> Option<()> {
 }
 
 impl Window {
+    /// The word at `address`, noted for the walk's memo.
+    fn read(&mut self, address: u64) -> Option<u64> {
+        let value = self.fetch(address)?;
+        self.reads.note(address, value);
+        Some(value)
+    }
+
     /// The word at `address`: from the copy when it holds it, else from a new copy starting there.
     /// A copy stops at the end of its page: a failed copy then means the word's page is not
     /// mapped (a garbage frame address), and is not tried again word by word.
-    fn read(&mut self, address: u64) -> Option<u64> {
+    fn fetch(&mut self, address: u64) -> Option<u64> {
         let offset = address.wrapping_sub(self.start);
         if offset.is_multiple_of(8) && offset < self.len && self.len - offset >= 8 {
             return self.words.get((offset / 8) as usize & (WINDOW_WORDS - 1)).copied();

@@ -445,6 +445,25 @@ fn a_signal_handler_stack_continues_into_the_interrupted_code() {
     assert_nothing_dropped(&report);
 }
 
+/// One call site at one stack depth from two callers, in turns: only the return address in its
+/// frame tells the stacks apart, so the walk the kernel remembered for one caller (see the BPF
+/// crate's `memo`) must not stand for the other's. Released once the tables are read, so that
+/// every walk is the kernel's.
+#[test]
+fn one_site_at_one_depth_from_two_callers_keeps_their_stacks_apart() {
+    let program = fixture_with("unwind_c.c", "unwind_c_twins", C_FLAGS);
+    let report = run_once_tables_are_read(&[path(&program), "--wait", "twins"]);
+    assert_eq!(report["unwind_tables"]["deferred_walks"], 0, "{}", describe_all(&report));
+    let a = only_stack_through(&report, "twin_a");
+    assert_eq!(bytes_and_count(a), (50 * 300, 50), "{}", describe_all(&report));
+    assert_whole(a, &chain(&["twin_site", "twin_a"], &MAIN_TAIL));
+    let b = only_stack_through(&report, "twin_b");
+    assert_eq!(bytes_and_count(b), (50 * 700, 50), "{}", describe_all(&report));
+    assert_whole(b, &chain(&["twin_site", "twin_b"], &MAIN_TAIL));
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
 /// The same through a handler on an alternate signal stack (SA_ONSTACK, as Rust and Go runtimes
 /// use): the walk jumps from the alternate stack back to the thread's stack at the signal frame.
 #[test]

@@ -457,7 +457,7 @@ impl Loaded {
         let doomed = aggregate::Doomed::OldImage { tgid: pid.get(), image: exec.image, exec_ns: exec.time_ns };
         // Ranges other processes map hold stacks; the new program's may too by now.
         let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(&HashSet::new())).unwrap_or_default();
-        if let Err(err) = aggregate::purge(&mut self.ebpf, doomed, &held) {
+        if let Err(err) = self.purge(doomed, &held) {
             tracing::warn!(pid = pid.get(), "dropping what the old program left in the maps failed: {err:#}");
         }
         (self.walked_entries, self.stack_entries) = (None, None);
@@ -467,6 +467,13 @@ impl Loaded {
         if let Some(mappings) = &mut self.mappings {
             mappings.forget(pid.get(), &self.ages.clock);
         }
+    }
+
+    /// `aggregate::purge`, and a new generation: no walk the kernel remembered gives a stack id
+    /// the purge removed.
+    fn purge(&mut self, doomed: aggregate::Doomed<'_>, held: &HashSet<u64>) -> anyhow::Result<()> {
+        aggregate::purge(&mut self.ebpf, doomed, held)?;
+        self.unwind.new_generation(&mut self.ebpf)
     }
 
     /// Starts `pid`'s tracing again with nothing of what was recorded: its probes go with
@@ -523,7 +530,7 @@ impl Loaded {
     fn forget_state(&mut self, pids: &HashSet<u32>) {
         // The stacks other processes' ranges and pages hold are theirs to keep.
         let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
-        if let Err(err) = aggregate::purge(&mut self.ebpf, aggregate::Doomed::Processes(pids), &held) {
+        if let Err(err) = self.purge(aggregate::Doomed::Processes(pids), &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
         (self.walked_entries, self.stack_entries) = (None, None);

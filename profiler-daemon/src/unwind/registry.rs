@@ -66,7 +66,7 @@ pub struct Registry {
     not_loaded: NotLoaded,
     /// Files already warned about, so that each warning is said once.
     warned: HashSet<String>,
-    /// Writes of `PROC_MAPPINGS` so far: the value of `MAPPINGS_GENERATION`.
+    /// Writes of `PROC_MAPPINGS` and purges of `STACKS` so far: the value of `MAPPINGS_GENERATION`.
     mapping_writes: u32,
     /// Walks the kernel left for memprof to finish.
     deferred: Deferred,
@@ -211,11 +211,7 @@ impl Registry {
         map.insert(pid, list, 0)?;
         // After the write: a walk that began before it may cache the new rows under the old
         // generation, which the bump then discards.
-        self.mapping_writes = self.mapping_writes.wrapping_add(1);
-        let mut generation: aya::maps::Array<_, u32> = aya::maps::Array::try_from(
-            ebpf.map_mut("MAPPINGS_GENERATION").ok_or_else(|| anyhow::anyhow!("map MAPPINGS_GENERATION missing"))?,
-        )?;
-        generation.set(0, self.mapping_writes, 0)?;
+        self.new_generation(ebpf)?;
         if let Some(preloaded) = self.preloaded.get(&pid) {
             if preloaded.is_subset(&used) {
                 self.preloaded.remove(&pid);
@@ -304,6 +300,18 @@ impl Registry {
     fn log_use(&self) {
         let TableUse { files, rows_used: rows, kernel_bytes, text_bytes, held_bytes, .. } = self.table_use();
         tracing::debug!(files, rows, kernel_bytes, text_bytes, held_bytes, "unwind tables in use");
+    }
+
+    /// Bumps `MAPPINGS_GENERATION`, which ends what the kernel's walks cached: rows by address, and
+    /// walks remembered with their stack ids. After stacks were removed from `STACKS`: a
+    /// remembered walk would give an id no longer stored.
+    pub fn new_generation(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
+        self.mapping_writes = self.mapping_writes.wrapping_add(1);
+        let mut generation: aya::maps::Array<_, u32> = aya::maps::Array::try_from(
+            ebpf.map_mut("MAPPINGS_GENERATION").ok_or_else(|| anyhow::anyhow!("map MAPPINGS_GENERATION missing"))?,
+        )?;
+        generation.set(0, self.mapping_writes, 0)?;
+        Ok(())
     }
 
     /// The process has exited: its mapping list goes, and the tables no one else uses.
