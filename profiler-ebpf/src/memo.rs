@@ -19,9 +19,10 @@ use crate::unwind::WINDOW_WORDS;
 
 const WINDOW_BYTES: u64 = (WINDOW_WORDS * 8) as u64;
 
-/// Words a remembered walk may have read: two or three a frame, so about twenty-five frames. A
-/// power of two: see `nth`.
-pub const MEMO_WORDS: usize = 64;
+/// Words a remembered walk may have read: one or two a frame, so sixteen to thirty frames. A
+/// power of two: see `nth`. Each word adds to the time the verifier takes at load: 64 made
+/// loading the allocator programs three times as slow as without memos.
+pub const MEMO_WORDS: usize = 32;
 
 /// `value` as a number LLVM knows nothing about (the verifier still does: a read of the stack).
 #[inline(always)]
