@@ -20,8 +20,8 @@ use crate::unwind::WINDOW_WORDS;
 const WINDOW_BYTES: u64 = (WINDOW_WORDS * 8) as u64;
 
 /// Words a remembered walk may have read: one or two a frame, so sixteen to thirty frames. A
-/// power of two: see `nth`. Each word adds to the time the verifier takes at load: 64 made
-/// loading the allocator programs three times as slow as without memos.
+/// power of two: see `nth`. Each word adds to the time the verifier takes at load
+/// (docs: reference/limits.md#kernel-memory).
 pub const MEMO_WORDS: usize = 32;
 
 /// `value` as a number LLVM knows nothing about (the verifier still does: a read of the stack).
