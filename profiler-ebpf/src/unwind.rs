@@ -303,15 +303,15 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     let walk = &mut scratch.walk;
     (walk.pc, walk.sp, walk.bp) = (regs.pc, regs.sp, regs.bp);
     (walk.hash, walk.check) = (STACK_HASH_SEED, 0xc2b2_ae3d_27d4_eb4f);
-    (walk.tgid, walk.len, walk.end) = (tgid, 0, StackEnd::TooDeep as u32);
+    (walk.len, walk.end) = (0, StackEnd::TooDeep as u32);
     walk.pc_is_return = u32::from(regs.pc_is_return);
     walk.first_is_probed = u32::from(regs.first_is_probed);
     (walk.trampoline, walk.taken) = (regs.taken.trampoline, regs.taken.innermost);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
     (walk.bp_known, walk.bp_from_regs, walk.uses_bp) = (1, 1, 0);
-    walk.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
     (walk.start.pc, walk.start.sp, walk.start.bp) = (regs.pc, regs.sp, regs.bp);
-    (walk.start.tgid, walk.start.generation) = (tgid, walk.generation);
+    walk.start.tgid = tgid;
+    walk.start.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
     // Only the heap's walks from a return address outside any probed call: their stacks repeat,
     // and nothing but the registers and the stack's words decides them (see `memo`).
     walk.memoize = u32::from(
@@ -471,7 +471,7 @@ fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u
     // SAFETY: the reserved record is ours until submitted or discarded.
     unsafe {
         (*event).stack_id = id;
-        (*event).tgid = walk.tgid;
+        (*event).tgid = walk.start.tgid;
         (*event).table = which;
         ((*event).pc, (*event).sp, (*event).bp) = (walk.pc, walk.sp, walk.bp);
         ((*event).pc_is_return, (*event).bp_known) = (walk.pc_is_return, walk.bp_known);
@@ -553,7 +553,6 @@ struct Walk {
     bp: u64,
     hash: u64,
     check: u64,
-    tgid: u32,
     len: u32,
     /// `StackEnd`: `TooDeep` until the walk ends otherwise.
     end: u32,
@@ -561,8 +560,6 @@ struct Walk {
     /// instruction (at an entry probe, or after a signal frame).
     pc_is_return: u32,
     bp_known: u32,
-    /// `MAPPINGS_GENERATION` when the walk began: cached rows of another are stale.
-    generation: u32,
     /// See `Regs::first_is_probed`.
     first_is_probed: u32,
     /// Whether `bp` still holds the register's value the walk began with, and whether the walk
@@ -571,10 +568,10 @@ struct Walk {
     uses_bp: u32,
     /// Whether the walk is remembered (see `memo`).
     memoize: u32,
-    _pad: u32,
     /// `Scratch::uses` when it began.
     ours: u64,
-    /// The registers and generation it began with.
+    /// The process, registers and `MAPPINGS_GENERATION` it began with (cached rows of another
+    /// generation are stale).
     start: Start,
     /// See `TakenReturns`: the trampoline (0: none), and the next taken return address's
     /// `return_instance`.
@@ -621,7 +618,7 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     }
     // A return address follows its call: the call, and the row that covers it, is before it.
     let address = pc - walk.pc_is_return as u64;
-    let cached = ROW_CACHE.get_ptr_mut(cache_slot(address, walk.tgid)).map(|slot| unsafe { &mut *slot });
+    let cached = ROW_CACHE.get_ptr_mut(cache_slot(address, walk.start.tgid)).map(|slot| unsafe { &mut *slot });
     let (row, kind) = match cached {
         Some(slot) if slot.holds(address, walk, at_entry) => (slot.row, slot.kind & !AT_ENTRY),
         slot => {
@@ -692,7 +689,8 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
 /// no mapping or row covers it.
 fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
     if !(walk.mapping.start <= address && address < walk.mapping.end) {
-        let Some(found) = unsafe { PROC_MAPPINGS.get(walk.tgid) }.and_then(|mappings| find_mapping(mappings, address))
+        let Some(found) =
+            unsafe { PROC_MAPPINGS.get(walk.start.tgid) }.and_then(|mappings| find_mapping(mappings, address))
         else {
             end(walk, StackEnd::NoTable);
             return None;
@@ -740,14 +738,14 @@ fn cache_slot(pc: u64, tgid: u32) -> u32 {
 impl CachedRow {
     fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
         self.pc == pc
-            && self.tgid == walk.tgid
-            && self.generation == walk.generation
+            && self.tgid == walk.start.tgid
+            && self.generation == walk.start.generation
             && (self.kind & AT_ENTRY != 0) == at_entry
             && self.check == self.hash()
     }
 
     fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool, row: UnwindRow, kind: u32) {
-        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.tgid, walk.generation, row);
+        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.start.tgid, walk.start.generation, row);
         self.kind = kind | if at_entry { AT_ENTRY } else { 0 };
         self.check = self.hash();
     }
