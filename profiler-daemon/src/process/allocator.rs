@@ -7,6 +7,7 @@ use std::{
     collections::{HashMap, HashSet},
     fs,
     path::{Path, PathBuf},
+    sync::LazyLock,
 };
 
 use object::{Object, ObjectSection, ObjectSymbol};
@@ -17,6 +18,7 @@ use crate::{
     error::UserError,
     process::{
         families::{self, Family, Role},
+        file_cache::FileCache,
         placement, procfs,
     },
 };
@@ -248,10 +250,10 @@ pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserE
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
     let running = procfs::file_mappings(pid).map_err(|err| procfs::maps_error(pid, err))?;
     candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
-    let families = families::all();
-    let scans = candidates.iter().filter(|file| !is_dynamic_loader(&file.path)).filter_map(|file| {
-        file.reachable_paths(pid).iter().find_map(|path| scan_file(&families, Path::new(path), &file.path))
-    });
+    let scans = candidates
+        .iter()
+        .filter(|file| !is_dynamic_loader(&file.path))
+        .filter_map(|file| file.reachable_paths(pid).iter().find_map(|path| scan(Path::new(path), &file.path)));
     allocator_of(scans.collect(), runtime_only).map_err(|detail| UserError::NoAllocator {
         pid,
         detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
@@ -317,11 +319,10 @@ pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocat
             paths.push(interpreter);
         }
     }
-    let families = families::all();
     let scans = paths.iter().filter(|path| !is_dynamic_loader(&path.to_string_lossy())).filter_map(|path| {
         // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
         let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
-        scan_file(&families, path, &display.to_string_lossy())
+        scan(path, &display.to_string_lossy())
     });
     let allocator = allocator_of(scans.collect(), runtime_only).map_err(no_allocator)?;
     Ok((allocator, paths))
@@ -341,12 +342,11 @@ pub fn standby(allocator: &Allocator) -> Allocator {
     else {
         return Allocator { files: Vec::new(), unprobed: Vec::new() };
     };
-    let families = families::all();
     let files = PRELOADABLE
         .iter()
         .filter_map(|name| fs::canonicalize(dir.join(name)).ok())
         .filter(|path| !held.contains(path))
-        .filter_map(|path| scan_file(&families, &path, &path.to_string_lossy())?.allocator)
+        .filter_map(|path| scan(&path, &path.to_string_lossy())?.allocator)
         .collect();
     Allocator { files, unprobed: Vec::new() }
 }
@@ -389,6 +389,7 @@ fn parse_loader_list(text: &str) -> Vec<PathBuf> {
 }
 
 /// What one file holds: allocator entry points to probe, and allocators memprof does not probe.
+#[derive(Clone)]
 struct FileScan {
     allocator: Option<AllocatorFile>,
     unprobed: Vec<BlindSpot>,
@@ -414,6 +415,21 @@ fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Alloc
     }
     files.sort_by_key(|file| is_libc(&file.display_path));
     Ok(Allocator { files, unprobed })
+}
+
+/// Scans with every family, by file: every exec and attach scans the files its process maps,
+/// the C library and the shell among them each time, and a scan reads the whole file.
+static SCANS: LazyLock<FileCache<Option<FileScan>>> = LazyLock::new(|| FileCache::new(1024));
+
+/// `scan_file` with every family, once per file: a file scanned through another path (another
+/// process's `/proc/PID/root`) is attached through this one.
+fn scan(attach_path: &Path, display_path: &str) -> Option<FileScan> {
+    let mut scan =
+        SCANS.get_or_read(attach_path, display_path, || scan_file(&families::all(), attach_path, display_path))?;
+    if let Some(file) = &mut scan.allocator {
+        file.attach_path = attach_path.to_path_buf();
+    }
+    Some(scan)
 }
 
 /// Reads what an ELF file holds of allocators, with one pass over its symbols; `None` when it

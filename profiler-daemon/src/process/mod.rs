@@ -3,6 +3,7 @@
 
 pub mod allocator;
 pub mod families;
+pub mod file_cache;
 pub mod freeze;
 pub mod image;
 pub mod inject;
