@@ -220,8 +220,9 @@ impl Family {
         match exec {
             // Probes that followed the task the exec ended (another thread exec'd) no longer fire.
             Some(exec) if self.settings.0.traces_calls() && !exec.exec_by_other_thread() => {
-                loaded.image_replaced(nonzero, exec);
+                // Mappings first: until they are written, each of its walks is deferred.
                 new_program_mappings(loaded, symbolizer, pid);
+                loaded.image_replaced(nonzero, exec);
             }
             _ => {
                 let old = std::mem::take(&mut process.attachment);

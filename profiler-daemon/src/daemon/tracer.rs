@@ -542,8 +542,9 @@ impl Tracer {
             target.probed_files.clear();
         } else {
             // Its probes stay: what the old program left goes, what the new one recorded stays.
-            self.loaded.image_replaced(nonzero, event);
+            // Mappings first: until they are written, each of its walks is deferred.
             self.loaded.sync_mappings(pid);
+            self.loaded.image_replaced(nonzero, event);
         }
         target.probed = false;
         target.comm = procfs::comm(pid).unwrap_or_default();
