@@ -75,8 +75,13 @@ fn live_without_a_terminal_is_refused_in_one_line() {
 #[test]
 fn ctrl_c_ends_the_view_with_the_final_report() {
     let memprof = memprof_command(&["run", "--live", "--interval", "0.2", "--", "sleep", "30"]);
-    // Ctrl-C at the terminal signals the whole foreground group; memprof alone here, as `kill -INT`.
-    let text = in_a_terminal(&format!("{memprof} & sleep 2; kill -INT $!; wait $!"));
+    // Ctrl-C at the terminal signals the whole foreground group; memprof alone here, as `kill -INT`,
+    // a second after its command runs `sleep` (memprof's start takes longer on a loaded machine).
+    let text = in_a_terminal(&format!(
+        "{memprof} & m=$!; for i in $(seq 300); do c=$(cut -d' ' -f1 /proc/$m/task/$m/children 2>/dev/null); \
+         [ -n \"$c\" ] && grep -qx sleep /proc/$c/comm 2>/dev/null && break; sleep 0.1; done; \
+         sleep 1; kill -INT $m; wait $m"
+    ));
     let (live, after) =
         text.split_once("\x1b[?25h\x1b[?1049l").unwrap_or_else(|| panic!("never left the screen: {text:?}"));
     assert!(live.contains("\x1b[Hmemprof: pid "), "a screen was drawn: {live:?}");
