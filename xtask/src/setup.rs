@@ -140,8 +140,10 @@ pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
     run("apt-get", &args)
 }
 
+/// Whether dpkg has `package` installed: its status ends in ` installed` (`install ok installed`),
+/// where one it knows but has not installed ends in `not-installed`.
 fn installed(package: &str) -> bool {
-    output("dpkg-query", &["-W", "-f=${Status}", package]).map(|s| s.ends_with("installed")).unwrap_or(false)
+    output("dpkg-query", &["-W", "-f=${Status}", package]).is_ok_and(|status| status.ends_with(" installed"))
 }
 
 fn nightly_sysroot() -> anyhow::Result<PathBuf> {
