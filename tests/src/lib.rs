@@ -289,9 +289,18 @@ pub fn assert_nothing_dropped(report: &Value) {
     }
 }
 
-/// A free TCP port on loopback (bound and released: good enough for tests).
+/// A free TCP port on loopback (bound and released), never one given to another test of this
+/// binary: the kernel may hand a released port out again at once, and two servers of tests
+/// running side by side then share it (a client of one talking to the other's).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("binding loopback").local_addr().expect("local address").port()
+    static GIVEN: Mutex<std::collections::BTreeSet<u16>> = Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding loopback");
+        let port = listener.local_addr().expect("local address").port();
+        if GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(port) {
+            return port;
+        }
+    }
 }
 
 /// `GET path` from a server on loopback; returns (status, body).
