@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     error::UserError,
     process::{
+        elf_bytes,
         families::{self, Family, Role},
         file_cache::FileCache,
         placement, procfs,
@@ -435,7 +436,7 @@ fn scan(attach_path: &Path, display_path: &str) -> Option<FileScan> {
 /// Reads what an ELF file holds of allocators, with one pass over its symbols; `None` when it
 /// holds none at all.
 fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Option<FileScan> {
-    let data = fs::read(attach_path).ok()?;
+    let data = elf_bytes::read_path(attach_path).ok()?;
     let elf = object::File::parse(&*data).ok()?;
     let wanted: HashSet<&str> = families
         .iter()
@@ -530,7 +531,7 @@ fn code_around(text: &[(u64, u64, u64)], offset: u64) -> Option<(u64, u64)> {
 
 /// The file offset of function `name` in the ELF file at `path` (to probe it).
 pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
-    let data = fs::read(path).ok()?;
+    let data = elf_bytes::read_path(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     functions(&file, &HashSet::from([name])).get(name).map(|function| function.offset)
 }
@@ -538,7 +539,7 @@ pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
 /// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
 /// same distance once loaded); None unless both are defined.
 pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
-    let data = fs::read(path).ok()?;
+    let data = elf_bytes::read_path(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let address = |wanted: &str| {
         file.dynamic_symbols().chain(file.symbols()).find_map(|symbol| {

@@ -3,7 +3,7 @@
 //! a debugger finds them: what memprof knows of a short-lived process that was gone before it
 //! could read `/proc/PID/maps`.
 
-use std::{fs, os::unix::fs::MetadataExt as _};
+use std::{fs, os::unix::fs::MetadataExt as _, path::Path};
 
 use object::{Object as _, ObjectSegment as _};
 
@@ -26,7 +26,7 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
 /// The mappings of an executable loaded at the addresses it names (not position-independent: a
 /// static binary has no dynamic linker to report them, and needs none); None for any other file.
 pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
-    let data = fs::read(exe).ok()?;
+    let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
     let file = object::File::parse(&*data).ok()?;
     (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe)).flatten()
 }
@@ -36,7 +36,7 @@ fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
     const PAGE: u64 = 4096;
     let meta = fs::metadata(path).ok()?;
-    let data = fs::read(path).ok()?;
+    let data = super::elf_bytes::read_path(Path::new(path)).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
     // As /proc/PID/maps names it: the file's own path, not the link the loader opened it by

@@ -2,6 +2,7 @@
 //! the allocator and where its functions are. Imports `error` only.
 
 pub mod allocator;
+pub mod elf_bytes;
 pub mod families;
 pub mod file_cache;
 pub mod freeze;

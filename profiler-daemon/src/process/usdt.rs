@@ -68,7 +68,7 @@ fn none_is_an_error(sites: Vec<Site>, target: String) -> Result<Vec<Site>, UserE
 
 /// The sites in the file at `path` (named `display` in errors); none when it is not ELF.
 fn in_file(path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
-    let Ok(data) = std::fs::read(path) else { return Ok(Vec::new()) };
+    let Ok(data) = super::elf_bytes::read_path(path) else { return Ok(Vec::new()) };
     let Ok(elf) = object::File::parse(&*data) else { return Ok(Vec::new()) };
     let Some(notes) = elf.section_by_name(".note.stapsdt").and_then(|section| section.data().ok()) else {
         return Ok(Vec::new());

@@ -8,7 +8,6 @@
 use std::{
     cell::RefCell,
     collections::{BTreeMap, BTreeSet, HashMap},
-    io::Read as _,
 };
 
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
@@ -132,9 +131,8 @@ struct Vtable {
 }
 
 /// The file's vtables, sorted by offset.
-fn read_vtables(mut file: std::fs::File) -> Result<Vec<Vtable>, String> {
-    let mut data = Vec::new();
-    file.read_to_end(&mut data).map_err(|e| e.to_string())?;
+fn read_vtables(file: std::fs::File) -> Result<Vec<Vtable>, String> {
+    let data = super::elf_bytes::read(&file).map_err(|e| e.to_string())?;
     let elf = object::File::parse(&*data).map_err(|e| e.to_string())?;
     let mut vtables: Vec<Vtable> = elf
         .symbols()

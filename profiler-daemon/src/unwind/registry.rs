@@ -18,7 +18,10 @@ use super::{
     table,
 };
 use crate::console::say;
-use crate::process::procfs::{self, FileMapping};
+use crate::process::{
+    elf_bytes,
+    procfs::{self, FileMapping},
+};
 
 /// How memprof walks stacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -377,10 +380,7 @@ impl Registry {
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
     fn build(&mut self, pid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
-        let read = |mut file: std::fs::File| {
-            let mut data = Vec::new();
-            std::io::Read::read_to_end(&mut file, &mut data).ok().map(|_| data)
-        };
+        let read = |file: std::fs::File| elf_bytes::read(&file).ok();
         let data = match mapping.open(pid).and_then(read) {
             Some(data) => data,
             None => {
