@@ -92,7 +92,15 @@ impl Ring {
     /// refused the mapping) the unread records stay for the next read, and it is logged. An
     /// inconsistent ring would fail every later read at the same place: its unread records are
     /// skipped and counted instead (`skipped_bytes`), and reading goes on from the producer.
-    pub fn read(&mut self, visit: impl FnMut(&[u8])) {
+    pub fn read(&mut self, mut visit: impl FnMut(&[u8])) {
+        self.read_while(|record| {
+            visit(record);
+            true
+        });
+    }
+
+    /// `read`, ending after the first record for which `visit` returns false.
+    pub fn read_while(&mut self, visit: impl FnMut(&[u8]) -> bool) {
         match self.try_read(visit) {
             Ok(()) => {}
             Err(err @ RingError::Inconsistent(_)) => {
@@ -124,7 +132,7 @@ impl Ring {
         });
     }
 
-    fn try_read(&mut self, mut visit: impl FnMut(&[u8])) -> Result<(), RingError> {
+    fn try_read(&mut self, mut visit: impl FnMut(&[u8]) -> bool) -> Result<(), RingError> {
         loop {
             let producer = self.producer.position().load(Ordering::Acquire);
             if producer == self.position {
@@ -142,8 +150,8 @@ impl Ring {
     }
 
     /// Reads the records from the consumer's position to `producer`, through a mapping of their
-    /// pages only; false when one was still being written.
-    fn read_up_to(&mut self, producer: u64, visit: &mut impl FnMut(&[u8])) -> Result<bool, RingError> {
+    /// pages only; false when one was still being written, or `visit` wanted no more.
+    fn read_up_to(&mut self, producer: u64, visit: &mut impl FnMut(&[u8]) -> bool) -> Result<bool, RingError> {
         let unread = producer.wrapping_sub(self.position);
         if unread > self.data_bytes {
             return Err(RingError::Inconsistent(self.name));
@@ -168,14 +176,15 @@ impl Ring {
             if record.len() as u64 != length {
                 return Err(RingError::Inconsistent(self.name));
             }
-            if header & DISCARD_BIT == 0 {
-                visit(record);
-            }
+            let more = header & DISCARD_BIT != 0 || visit(record);
             let advance = (HEADER_BYTES + length).next_multiple_of(8);
             at += advance;
             self.position = self.position.wrapping_add(advance);
             // Published after the record is read: the kernel may reuse its space from then on.
             self.consumer.position().store(self.position, Ordering::Release);
+            if !more {
+                return Ok(false);
+            }
         }
         Ok(true)
     }
@@ -286,6 +295,11 @@ mod tests {
         assert_eq!(ring.position, 0, "reading resumes at the producer");
         assert_eq!(ring.consumer.position().load(Ordering::Acquire), 0);
         // The next read finds the ring consistent again.
-        assert!(ring.try_read(|_| records += 1).is_ok());
+        assert!(ring
+            .try_read(|_| {
+                records += 1;
+                true
+            })
+            .is_ok());
     }
 }

@@ -653,7 +653,7 @@ async fn trace(
 ) -> anyhow::Result<Traced> {
     let Opened { mut output, mut recording, mut stop, suppressing, mut live } = opened;
     // SAFETY: new fds of our own, open as long as the AsyncFds that own them.
-    let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.ring().as_fd().try_clone_to_owned()?) }
+    let unwind_events = unsafe { AsyncFd::register(loaded.unwind_events.bell().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
     let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;

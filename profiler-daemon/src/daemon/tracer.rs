@@ -256,7 +256,7 @@ impl Tracer {
             // milliseconds, a new process is attached as it starts.
             let rings = [
                 self.loaded.process_events.ring().as_fd(),
-                self.loaded.unwind_events.ring().as_fd(),
+                self.loaded.unwind_events.bell(),
                 self.double_free_reader.ring().as_fd(),
             ];
             match commands.wait(&rings, until.saturating_duration_since(Instant::now())) {

@@ -2,6 +2,7 @@
 //! events that say a process mapped new code, and the walks the kernel left for memprof to finish.
 
 mod deferred;
+mod drain;
 mod registry;
 pub(crate) use registry::load_segments;
 mod shard_map;
@@ -10,17 +11,18 @@ mod space;
 pub mod table;
 
 use aya::Ebpf;
-use std::collections::HashMap;
+use std::{collections::HashMap, os::fd::BorrowedFd};
 
 use profiler_common::{DeferredUnwind, LinkMapEvent};
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
+use drain::Drain;
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
 /// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
 pub struct UnwindEvents {
-    ring: Ring,
+    drain: Drain,
     /// The dynamic linker's last list of objects of each process that sent one: load bias and
     /// path (see `process::link_map`). Kept across drains, until the process is forgotten: a
     /// process gone before memprof read its mappings is rebuilt from the last list it sent,
@@ -68,21 +70,20 @@ pub struct Drained {
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        let ring = Ring::new("UNWIND_EVENTS", map)?;
-        Ok(Self { ring, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
+        let drain = Drain::start(Ring::new("UNWIND_EVENTS", map)?)?;
+        Ok(Self { drain, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
     }
 
-    /// Reads the events sent so far, to be used by the next `drain`. Called before the exec
-    /// events are handled: an exec's event is in its ring before its new program can send any
-    /// of these, so every exec that came before one read here is known when `drain` uses it.
-    /// Read after them, a new program's list could meet its process before its exec, and be
-    /// named after the old program.
+    /// Takes the events read so far (see `drain::Drain`), to be used by the next `drain`.
+    /// Called before the exec events are handled: an exec's event is in its ring before its new
+    /// program can send any of these, so every exec that came before one taken here is known when
+    /// `drain` uses it. Taken after them, a new program's list could meet its process before its
+    /// exec, and be named after the old program.
     pub fn collect(&mut self) {
-        let pending = &mut self.pending;
-        self.ring.read(|item| {
+        for item in self.drain.take() {
             let event = if item.len() == size_of::<LinkMapEvent>() {
-                // SAFETY: the program writes whole records; read_unaligned copes with the ring
-                // buffer's 8-byte alignment.
+                // SAFETY: the program writes whole records; read_unaligned copes with any
+                // alignment.
                 Pending::LinkMap(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) }))
             } else if item.len() == size_of::<DeferredUnwind>() {
                 // SAFETY: as above, for a DeferredUnwind.
@@ -90,10 +91,10 @@ impl UnwindEvents {
             } else if let Some(bytes) = item.get(..4) {
                 Pending::Changed(u32::from_ne_bytes(bytes.try_into().expect("four bytes")))
             } else {
-                return;
+                continue;
             };
-            pending.push(event);
-        });
+            self.pending.push(event);
+        }
     }
 
     /// The events `collect` read, less those an exec since made the old program's.
@@ -151,8 +152,8 @@ impl UnwindEvents {
         self.execs.insert(tgid, time_ns);
     }
 
-    /// For waiting on events with poll or an async reactor.
-    pub fn ring(&self) -> &Ring {
-        &self.ring
+    /// Readable while events wait to be collected: for waiting with poll or an async reactor.
+    pub fn bell(&self) -> BorrowedFd<'_> {
+        self.drain.bell()
     }
 }

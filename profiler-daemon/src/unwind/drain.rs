@@ -1,0 +1,132 @@
+//! `UNWIND_EVENTS` read on a thread of its own, into memory. While memprof's loop is busy (a
+//! large library's table takes tens of milliseconds to build, a chain of execs more), a program
+//! starting meanwhile defers a walk, a 32 KiB copy of its stack, for each new stack. The ring
+//! holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read at
+//! once, they wait here instead, up to `held_limit`; only past that does the ring fill again.
+
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Condvar, Mutex, MutexGuard,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use crate::{process::memory, ring::Ring};
+
+/// At most this much read and not yet taken, or a quarter of the memory memprof may still take
+/// when that is less: about 1,500 deferred walks, what python's start-up under pyenv's shims
+/// made at once (BENCHMARKS.md).
+const HELD_BYTES: u64 = 48 << 20;
+
+/// How often the thread looks whether it should stop.
+const POLL: Duration = Duration::from_millis(100);
+
+/// The ring's records read so far, and their bytes.
+#[derive(Default)]
+struct Held {
+    records: Vec<Box<[u8]>>,
+    bytes: u64,
+}
+
+struct Shared {
+    held: Mutex<Held>,
+    /// Rung when records are taken: the thread waits for room on it.
+    taken: Condvar,
+    stop: AtomicBool,
+    /// Readable while records wait: what the loop polls instead of the ring.
+    bell: OwnedFd,
+}
+
+impl Shared {
+    fn held(&self) -> MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The reading thread; stopped and joined when dropped.
+pub struct Drain {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drain {
+    pub fn start(ring: Ring) -> io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; its result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor of our own.
+        let bell = unsafe { OwnedFd::from_raw_fd(fd) };
+        let shared =
+            Arc::new(Shared { held: Mutex::default(), taken: Condvar::new(), stop: AtomicBool::new(false), bell });
+        let limit = HELD_BYTES.min(memory::room().bytes / 4);
+        let thread = std::thread::Builder::new().name("unwind-events".into()).spawn({
+            let shared = Arc::clone(&shared);
+            move || read_until_stopped(ring, &shared, limit)
+        })?;
+        Ok(Self { shared, thread: Some(thread) })
+    }
+
+    /// Every record read so far, in the ring's order.
+    pub fn take(&self) -> Vec<Box<[u8]>> {
+        // The bell first: records read after it ring it again.
+        let mut count = [0u8; 8];
+        // SAFETY: reads 8 bytes into a live buffer; resets the count (EAGAIN when none).
+        unsafe { libc::read(self.shared.bell.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
+        let records = std::mem::take(&mut *self.shared.held()).records;
+        self.shared.taken.notify_one();
+        records
+    }
+
+    /// Readable while records wait to be taken.
+    pub fn bell(&self) -> BorrowedFd<'_> {
+        self.shared.bell.as_fd()
+    }
+}
+
+impl Drop for Drain {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.taken.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn read_until_stopped(mut ring: Ring, shared: &Shared, limit: u64) {
+    while !shared.stop.load(Ordering::Relaxed) {
+        let room = {
+            let held = shared.held();
+            if held.bytes >= limit {
+                // Full: the ring fills meanwhile, and the programs count what it cannot take.
+                let _ = shared.taken.wait_timeout(held, POLL);
+                continue;
+            }
+            limit - held.bytes
+        };
+        let mut ready = libc::pollfd { fd: ring.as_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut ready, 1, POLL.as_millis() as libc::c_int) };
+        let mut read = Held::default();
+        ring.read_while(|record| {
+            read.bytes += record.len() as u64;
+            read.records.push(record.into());
+            read.bytes < room
+        });
+        if read.records.is_empty() {
+            continue;
+        }
+        let mut held = shared.held();
+        held.records.append(&mut read.records);
+        held.bytes += read.bytes;
+        drop(held);
+        // SAFETY: writes 8 bytes from a live buffer to the eventfd.
+        unsafe { libc::write(shared.bell.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
+    }
+}
