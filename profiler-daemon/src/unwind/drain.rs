@@ -1,8 +1,8 @@
 //! `UNWIND_EVENTS` read on a thread of its own, into memory. While memprof's loop is busy (a
 //! large library's table takes tens of milliseconds to build, a chain of execs more), a program
 //! starting meanwhile defers a walk, a 32 KiB copy of its stack, for each new stack. The ring
-//! holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read at
-//! once, they wait here instead, up to `held_limit`; only past that does the ring fill again.
+//! holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read as
+//! they come, they wait here instead, up to `HELD_BYTES`; only past that does the ring fill again.
 
 use std::{
     io,
@@ -12,7 +12,6 @@ use std::{
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread::JoinHandle,
-    time::Duration,
 };
 
 use crate::{process::memory, ring::Ring};
@@ -21,9 +20,6 @@ use crate::{process::memory, ring::Ring};
 /// when that is less: about 1,500 deferred walks, what python's start-up under pyenv's shims
 /// made at once (BENCHMARKS.md).
 const HELD_BYTES: u64 = 48 << 20;
-
-/// How often the thread looks whether it should stop.
-const POLL: Duration = Duration::from_millis(100);
 
 /// The ring's records read so far, and their bytes.
 #[derive(Default)]
@@ -34,11 +30,13 @@ struct Held {
 
 struct Shared {
     held: Mutex<Held>,
-    /// Rung when records are taken: the thread waits for room on it.
+    /// Notified when records are taken, or the thread must stop: a full thread waits on it.
     taken: Condvar,
     stop: AtomicBool,
     /// Readable while records wait: what the loop polls instead of the ring.
     bell: OwnedFd,
+    /// Readable once the thread must stop: it polls it beside the ring.
+    stop_bell: OwnedFd,
 }
 
 impl Shared {
@@ -55,15 +53,14 @@ pub struct Drain {
 
 impl Drain {
     pub fn start(ring: Ring) -> io::Result<Self> {
-        // SAFETY: eventfd takes no pointers; its result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor of our own.
-        let bell = unsafe { OwnedFd::from_raw_fd(fd) };
-        let shared =
-            Arc::new(Shared { held: Mutex::default(), taken: Condvar::new(), stop: AtomicBool::new(false), bell });
+        let (bell, stop_bell) = (eventfd()?, eventfd()?);
+        let shared = Arc::new(Shared {
+            held: Mutex::default(),
+            taken: Condvar::new(),
+            stop: AtomicBool::new(false),
+            bell,
+            stop_bell,
+        });
         let limit = HELD_BYTES.min(memory::room().bytes / 4);
         let thread = std::thread::Builder::new().name("unwind-events".into()).spawn({
             let shared = Arc::clone(&shared);
@@ -91,30 +88,57 @@ impl Drain {
 
 impl Drop for Drain {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
-        self.shared.taken.notify_one();
+        {
+            // Under the lock: a full thread tests `stop` under it before it waits.
+            let _held = self.shared.held();
+            self.shared.stop.store(true, Ordering::Relaxed);
+            self.shared.taken.notify_one();
+        }
+        ring(&self.shared.stop_bell);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
 }
 
-fn read_until_stopped(mut ring: Ring, shared: &Shared, limit: u64) {
+fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes no pointers; its result is checked before use.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor of our own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn ring(bell: &OwnedFd) {
+    // SAFETY: writes 8 bytes from a live buffer to an eventfd.
+    unsafe { libc::write(bell.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
+}
+
+fn read_until_stopped(mut events: Ring, shared: &Shared, limit: u64) {
     while !shared.stop.load(Ordering::Relaxed) {
         let room = {
             let held = shared.held();
             if held.bytes >= limit {
+                if shared.stop.load(Ordering::Relaxed) {
+                    return;
+                }
                 // Full: the ring fills meanwhile, and the programs count what it cannot take.
-                let _ = shared.taken.wait_timeout(held, POLL);
+                drop(shared.taken.wait(held));
                 continue;
             }
             limit - held.bytes
         };
-        let mut ready = libc::pollfd { fd: ring.as_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd.
-        unsafe { libc::poll(&mut ready, 1, POLL.as_millis() as libc::c_int) };
+        let mut ready = [events.as_fd(), shared.stop_bell.as_fd()].map(|fd| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // SAFETY: a live array of two pollfds.
+        unsafe { libc::poll(ready.as_mut_ptr(), 2, -1) };
         let mut read = Held::default();
-        ring.read_while(|record| {
+        events.read_while(|record| {
             read.bytes += record.len() as u64;
             read.records.push(record.into());
             read.bytes < room
@@ -126,7 +150,6 @@ fn read_until_stopped(mut ring: Ring, shared: &Shared, limit: u64) {
         held.records.append(&mut read.records);
         held.bytes += read.bytes;
         drop(held);
-        // SAFETY: writes 8 bytes from a live buffer to the eventfd.
-        unsafe { libc::write(shared.bell.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
+        ring(&shared.bell);
     }
 }
