@@ -142,9 +142,10 @@ fn an_unwritable_output_file() {
 /// A zombie has exited: it has no memory to trace, and memprof says so rather than "no process".
 #[test]
 fn a_zombie() {
-    // sh's background child exits at once; the exec'd sleep never reaps it.
+    // sh's background child exits a second later, when sh is the exec'd sleep, which never reaps
+    // it (a child that ended before the exec could be reaped by sh: the test once waited 10 s).
     let mut parent =
-        Command::new("sh").args(["-c", "sleep 0 & echo $!; exec sleep 30"]).stdout(Stdio::piped()).spawn().unwrap();
+        Command::new("sh").args(["-c", "sleep 1 & echo $!; exec sleep 30"]).stdout(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     BufReader::new(parent.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let zombie = line.trim().to_string();

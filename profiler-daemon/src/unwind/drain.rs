@@ -6,7 +6,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
@@ -28,8 +28,26 @@ struct Held {
     bytes: u64,
 }
 
+impl Held {
+    /// Reads the ring's records into `self` until it holds `limit` bytes.
+    fn read(&mut self, events: &mut Ring, limit: u64) {
+        events.read_while(|record| {
+            self.bytes += record.len() as u64;
+            self.records.push(record.into());
+            self.bytes < limit
+        });
+    }
+}
+
+/// The ring, and what was read from it: one lock, so that `take` finds every record committed
+/// before it (the final report needs the walks deferred just before it).
+struct Reading {
+    events: Ring,
+    held: Held,
+}
+
 struct Shared {
-    held: Mutex<Held>,
+    reading: Mutex<Reading>,
     /// Notified when records are taken, or the thread must stop: a full thread waits on it.
     taken: Condvar,
     stop: AtomicBool,
@@ -40,8 +58,8 @@ struct Shared {
 }
 
 impl Shared {
-    fn held(&self) -> MutexGuard<'_, Held> {
-        self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn reading(&self) -> MutexGuard<'_, Reading> {
+        self.reading.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -52,10 +70,11 @@ pub struct Drain {
 }
 
 impl Drain {
-    pub fn start(ring: Ring) -> io::Result<Self> {
+    pub fn start(events: Ring) -> io::Result<Self> {
         let (bell, stop_bell) = (eventfd()?, eventfd()?);
+        let ring_fd = events.as_fd().as_raw_fd();
         let shared = Arc::new(Shared {
-            held: Mutex::default(),
+            reading: Mutex::new(Reading { events, held: Held::default() }),
             taken: Condvar::new(),
             stop: AtomicBool::new(false),
             bell,
@@ -64,18 +83,22 @@ impl Drain {
         let limit = HELD_BYTES.min(memory::room().bytes / 4);
         let thread = std::thread::Builder::new().name("unwind-events".into()).spawn({
             let shared = Arc::clone(&shared);
-            move || read_until_stopped(ring, &shared, limit)
+            move || read_until_stopped(ring_fd, &shared, limit)
         })?;
         Ok(Self { shared, thread: Some(thread) })
     }
 
-    /// Every record read so far, in the ring's order.
+    /// Every record committed so far, in the ring's order: those the thread read, then the
+    /// rest of the ring, whatever the limit.
     pub fn take(&self) -> Vec<Box<[u8]>> {
         // The bell first: records read after it ring it again.
         let mut count = [0u8; 8];
         // SAFETY: reads 8 bytes into a live buffer; resets the count (EAGAIN when none).
         unsafe { libc::read(self.shared.bell.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
-        let records = std::mem::take(&mut *self.shared.held()).records;
+        let mut reading = self.shared.reading();
+        let Reading { events, held } = &mut *reading;
+        held.read(events, u64::MAX);
+        let records = std::mem::take(held).records;
         self.shared.taken.notify_one();
         records
     }
@@ -90,7 +113,7 @@ impl Drop for Drain {
     fn drop(&mut self) {
         {
             // Under the lock: a full thread tests `stop` under it before it waits.
-            let _held = self.shared.held();
+            let _reading = self.shared.reading();
             self.shared.stop.store(true, Ordering::Relaxed);
             self.shared.taken.notify_one();
         }
@@ -116,40 +139,32 @@ fn ring(bell: &OwnedFd) {
     unsafe { libc::write(bell.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
 }
 
-fn read_until_stopped(mut events: Ring, shared: &Shared, limit: u64) {
+/// Reads the ring (`ring_fd`, which `shared` holds open) as records come, until dropped.
+fn read_until_stopped(ring_fd: RawFd, shared: &Shared, limit: u64) {
     while !shared.stop.load(Ordering::Relaxed) {
-        let room = {
-            let held = shared.held();
-            if held.bytes >= limit {
+        {
+            let reading = shared.reading();
+            if reading.held.bytes >= limit {
                 if shared.stop.load(Ordering::Relaxed) {
                     return;
                 }
                 // Full: the ring fills meanwhile, and the programs count what it cannot take.
-                drop(shared.taken.wait(held));
+                drop(shared.taken.wait(reading));
                 continue;
             }
-            limit - held.bytes
-        };
-        let mut ready = [events.as_fd(), shared.stop_bell.as_fd()].map(|fd| libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
+        }
+        let mut ready =
+            [ring_fd, shared.stop_bell.as_raw_fd()].map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
         // SAFETY: a live array of two pollfds.
         unsafe { libc::poll(ready.as_mut_ptr(), 2, -1) };
-        let mut read = Held::default();
-        events.read_while(|record| {
-            read.bytes += record.len() as u64;
-            read.records.push(record.into());
-            read.bytes < room
-        });
-        if read.records.is_empty() {
-            continue;
+        let mut reading = shared.reading();
+        let Reading { events, held } = &mut *reading;
+        let before = held.records.len();
+        held.read(events, limit);
+        let read = held.records.len() > before;
+        drop(reading);
+        if read {
+            ring(&shared.bell);
         }
-        let mut held = shared.held();
-        held.records.append(&mut read.records);
-        held.bytes += read.bytes;
-        drop(held);
-        ring(&shared.bell);
     }
 }
