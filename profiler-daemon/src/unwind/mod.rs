@@ -2,7 +2,7 @@
 //! events that say a process mapped new code, and the walks the kernel left for memprof to finish.
 
 mod deferred;
-mod drain;
+mod reader;
 mod registry;
 pub(crate) use registry::load_segments;
 mod shard_map;
@@ -17,12 +17,12 @@ use profiler_common::{DeferredUnwind, LinkMapEvent};
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
-use drain::Drain;
+use reader::Reader;
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
 /// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
 pub struct UnwindEvents {
-    drain: Drain,
+    reader: Reader,
     /// The dynamic linker's last list of objects of each process that sent one: load bias and
     /// path (see `process::link_map`). Kept across drains, until the process is forgotten: a
     /// process gone before memprof read its mappings is rebuilt from the last list it sent,
@@ -70,17 +70,17 @@ pub struct Drained {
 impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
-        let drain = Drain::start(Ring::new("UNWIND_EVENTS", map)?)?;
-        Ok(Self { drain, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
+        let reader = Reader::start(Ring::new("UNWIND_EVENTS", map)?)?;
+        Ok(Self { reader, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
     }
 
-    /// Takes the events read so far (see `drain::Drain`), to be used by the next `drain`.
+    /// Takes the events read so far (see `reader::Reader`), to be used by the next `drain`.
     /// Called before the exec events are handled: an exec's event is in its ring before its new
     /// program can send any of these, so every exec that came before one taken here is known when
     /// `drain` uses it. Taken after them, a new program's list could meet its process before its
     /// exec, and be named after the old program.
     pub fn collect(&mut self) {
-        for item in self.drain.take() {
+        for item in self.reader.take() {
             let event = if item.len() == size_of::<LinkMapEvent>() {
                 // SAFETY: the program writes whole records; read_unaligned copes with any
                 // alignment.
@@ -154,6 +154,6 @@ impl UnwindEvents {
 
     /// Readable while events wait to be collected: for waiting with poll or an async reactor.
     pub fn bell(&self) -> BorrowedFd<'_> {
-        self.drain.bell()
+        self.reader.bell()
     }
 }

@@ -64,12 +64,12 @@ impl Shared {
 }
 
 /// The reading thread; stopped and joined when dropped.
-pub struct Drain {
+pub struct Reader {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl Drain {
+impl Reader {
     pub fn start(events: Ring) -> io::Result<Self> {
         let (bell, stop_bell) = (eventfd()?, eventfd()?);
         let ring_fd = events.as_fd().as_raw_fd();
@@ -109,7 +109,7 @@ impl Drain {
     }
 }
 
-impl Drop for Drain {
+impl Drop for Reader {
     fn drop(&mut self) {
         {
             // Under the lock: a full thread tests `stop` under it before it waits.
