@@ -16,9 +16,9 @@ use std::{
 
 use crate::{process::memory, ring::Ring};
 
-/// At most this much read and not yet taken, or a quarter of the memory memprof may still take
-/// when that is less: about 1,500 deferred walks, what python's start-up under pyenv's shims
-/// made at once (BENCHMARKS.md).
+/// At most this much read by the thread and not yet taken, or a quarter of the memory memprof may
+/// still take when that is less: about 1,500 deferred walks; python's start-up under pyenv's
+/// shims deferred 490 to 3,788 a run (BENCHMARKS.md). `take` reads the rest of the ring besides.
 const HELD_BYTES: u64 = 48 << 20;
 
 /// The ring's records read so far, and their bytes.
