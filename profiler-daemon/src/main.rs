@@ -2,6 +2,7 @@
 // Messages go through `console::say!`: `eprintln!` panics when standard error is closed or full.
 #![deny(clippy::print_stderr)]
 
+mod bell;
 mod cli;
 mod commands;
 mod console;

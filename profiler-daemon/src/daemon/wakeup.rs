@@ -4,15 +4,17 @@
 
 use std::{
     io,
-    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
     sync::{mpsc, Arc},
     time::Duration,
 };
 
+use crate::bell::Bell;
+
 /// Sends commands to the thread that waits in `Inbox::wait`, waking it.
 pub struct Commands<T> {
     sender: mpsc::Sender<T>,
-    bell: Arc<OwnedFd>,
+    bell: Arc<Bell>,
 }
 
 impl<T> Clone for Commands<T> {
@@ -32,19 +34,13 @@ pub enum Woken<T> {
 
 pub struct Inbox<T> {
     receiver: mpsc::Receiver<T>,
-    bell: Arc<OwnedFd>,
+    bell: Arc<Bell>,
 }
 
-/// A channel whose receiver can wait on it and on descriptors at once: an eventfd rung at each
-/// send, polled with the descriptors.
+/// A channel whose receiver can wait on it and on descriptors at once: a bell rung at each send,
+/// polled with the descriptors.
 pub fn channel<T>() -> io::Result<(Commands<T>, Inbox<T>)> {
-    // SAFETY: eventfd takes no pointers; its result is checked before use.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just opened and is owned by nothing else.
-    let bell = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+    let bell = Arc::new(Bell::new()?);
     let (sender, receiver) = mpsc::channel();
     Ok((Commands { sender, bell: bell.clone() }, Inbox { receiver, bell }))
 }
@@ -53,10 +49,7 @@ impl<T> Commands<T> {
     /// Sends `command` and wakes the receiver; fails when the receiver is gone.
     pub fn send(&self, command: T) -> Result<(), mpsc::SendError<T>> {
         self.sender.send(command)?;
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to the eventfd. It fails only when the
-        // counter would overflow, and then the receiver is woken already.
-        unsafe { libc::write(self.bell.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        self.bell.ring();
         Ok(())
     }
 }
@@ -70,7 +63,7 @@ impl<T> Inbox<T> {
             Err(mpsc::TryRecvError::Disconnected) => return Woken::Disconnected,
             Err(mpsc::TryRecvError::Empty) => {}
         }
-        let mut fds: Vec<libc::pollfd> = std::iter::once(self.bell.as_raw_fd())
+        let mut fds: Vec<libc::pollfd> = std::iter::once(self.bell.as_fd().as_raw_fd())
             .chain(rings.iter().map(|ring| ring.as_raw_fd()))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
@@ -87,9 +80,7 @@ impl<T> Inbox<T> {
             }
         }
         if fds[0].revents & libc::POLLIN != 0 {
-            let mut count = [0u8; 8];
-            // SAFETY: reads 8 bytes into a live buffer; resets the counter the senders rang.
-            unsafe { libc::read(self.bell.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
+            self.bell.clear();
         }
         match self.receiver.try_recv() {
             Ok(command) => Woken::Command(command),

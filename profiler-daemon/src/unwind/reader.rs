@@ -6,7 +6,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
@@ -14,7 +14,7 @@ use std::{
     thread::JoinHandle,
 };
 
-use crate::{process::memory, ring::Ring};
+use crate::{bell::Bell, process::memory, ring::Ring};
 
 /// At most this much read by the thread and not yet taken, or a quarter of the memory memprof may
 /// still take when that is less: about 1,500 deferred walks; python's start-up under pyenv's
@@ -52,9 +52,9 @@ struct Shared {
     taken: Condvar,
     stop: AtomicBool,
     /// Readable while records wait: what the loop polls instead of the ring.
-    bell: OwnedFd,
-    /// Readable once the thread must stop: it polls it beside the ring.
-    stop_bell: OwnedFd,
+    bell: Bell,
+    /// Rung once the thread must stop: it polls it beside the ring.
+    stop_bell: Bell,
 }
 
 impl Shared {
@@ -71,7 +71,7 @@ pub struct Reader {
 
 impl Reader {
     pub fn start(events: Ring) -> io::Result<Self> {
-        let (bell, stop_bell) = (eventfd()?, eventfd()?);
+        let (bell, stop_bell) = (Bell::new()?, Bell::new()?);
         let ring_fd = events.as_fd().as_raw_fd();
         let shared = Arc::new(Shared {
             reading: Mutex::new(Reading { events, held: Held::default() }),
@@ -92,9 +92,7 @@ impl Reader {
     /// rest of the ring, whatever the limit.
     pub fn take(&self) -> Vec<Box<[u8]>> {
         // The bell first: records read after it ring it again.
-        let mut count = [0u8; 8];
-        // SAFETY: reads 8 bytes into a live buffer; resets the count (EAGAIN when none).
-        unsafe { libc::read(self.shared.bell.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
+        self.shared.bell.clear();
         let mut reading = self.shared.reading();
         let Reading { events, held } = &mut *reading;
         held.read(events, u64::MAX);
@@ -117,26 +115,11 @@ impl Drop for Reader {
             self.shared.stop.store(true, Ordering::Relaxed);
             self.shared.taken.notify_one();
         }
-        ring(&self.shared.stop_bell);
+        self.shared.stop_bell.ring();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
-}
-
-fn eventfd() -> io::Result<OwnedFd> {
-    // SAFETY: eventfd takes no pointers; its result is checked before use.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor of our own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn ring(bell: &OwnedFd) {
-    // SAFETY: writes 8 bytes from a live buffer to an eventfd.
-    unsafe { libc::write(bell.as_raw_fd(), 1u64.to_ne_bytes().as_ptr().cast(), 8) };
 }
 
 /// Reads the ring (`ring_fd`, which `shared` holds open) as records come, until dropped.
@@ -153,8 +136,11 @@ fn read_until_stopped(ring_fd: RawFd, shared: &Shared, limit: u64) {
                 continue;
             }
         }
-        let mut ready =
-            [ring_fd, shared.stop_bell.as_raw_fd()].map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        let mut ready = [ring_fd, shared.stop_bell.as_fd().as_raw_fd()].map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
         // SAFETY: a live array of two pollfds.
         unsafe { libc::poll(ready.as_mut_ptr(), 2, -1) };
         let mut reading = shared.reading();
@@ -164,7 +150,7 @@ fn read_until_stopped(ring_fd: RawFd, shared: &Shared, limit: u64) {
         let read = held.records.len() > before;
         drop(reading);
         if read {
-            ring(&shared.bell);
+            shared.bell.ring();
         }
     }
 }
