@@ -2,10 +2,11 @@
 //! the same depth costs one copy of the user stack instead of a walk.
 //!
 //! A walk is a function of its registers, the unwind rows (one `MAPPINGS_GENERATION`) and the
-//! words it read from the stack. A memo keeps all of them with the stack's id; a later walk that
-//! starts with the same registers, under the same generation, finds every word still the same,
-//! would read the same words and step the same frames, so it would end with the same stack. One
-//! copy of the stack then checks the words. A loop that allocates from one place, or a server's
+//! words it read from the stack and used (a saved rbp is noted only once a frame uses it:
+//! `Walk::bp`). A memo keeps all of them with the stack's id; a later walk that starts with the
+//! same registers, under the same generation, finds every word still the same, would read the
+//! same words and step the same frames, so it would end with the same stack. One copy of the
+//! stack then checks the words. A loop that allocates from one place, or a server's
 //! event loop, walks once per place and depth, not once per call.
 //!
 //! Memos are per CPU, one per slot of their start's hash. A task preempted on this CPU while it

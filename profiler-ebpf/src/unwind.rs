@@ -308,7 +308,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     walk.first_is_probed = u32::from(regs.first_is_probed);
     (walk.trampoline, walk.taken) = (regs.taken.trampoline, regs.taken.innermost);
     // rbp is known at the start; a frame that clobbers it without saving it loses it.
-    (walk.bp_known, walk.bp_from_regs, walk.uses_bp) = (1, 1, 0);
+    (walk.bp_known, walk.bp_from_regs, walk.uses_bp, walk.bp_saved_at) = (1, 1, 0, 0);
     (walk.start.pc, walk.start.sp, walk.start.bp) = (regs.pc, regs.sp, regs.bp);
     walk.start.tgid = tgid;
     walk.start.generation = MAPPINGS_GENERATION.get(0).copied().unwrap_or(0);
@@ -566,6 +566,11 @@ struct Walk {
     /// used that value (see `memo`).
     bp_from_regs: u32,
     uses_bp: u32,
+    /// Where `bp` was restored from, while no frame has used it (0: none). Code built without
+    /// frame pointers saves whatever it keeps in rbp, a new value at nearly every call: the word
+    /// is noted for the memo only once used, so that a memo is not refused for a value the walk
+    /// never depended on, nor filled with such words.
+    bp_saved_at: u64,
     /// Whether the walk is remembered (see `memo`).
     memoize: u32,
     /// `Scratch::uses` when it began.
@@ -583,9 +588,14 @@ struct Walk {
 }
 
 impl Walk {
-    /// rbp's value, noting when it is still the register's the walk began with (see `memo`).
-    fn bp(&mut self) -> u64 {
+    /// rbp's value, noting that the walk used it: the register's it began with, or the word it
+    /// was restored from (see `memo`).
+    fn bp(&mut self, reads: &mut Reads) -> u64 {
         self.uses_bp |= self.bp_from_regs;
+        if self.bp_saved_at != 0 {
+            reads.note(self.bp_saved_at, self.bp);
+            self.bp_saved_at = 0;
+        }
         self.bp
     }
 }
@@ -633,12 +643,14 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     let sp = walk.sp;
     let cfa = match row.cfa {
         cfa::RSP => sp.wrapping_add(row.cfa_offset as i64 as u64),
-        cfa::RBP if walk.bp_known != 0 => walk.bp().wrapping_add(row.cfa_offset as i64 as u64),
-        cfa::RBP_DEREF if walk.bp_known != 0 => match window.read(walk.bp().wrapping_add(row.cfa_offset as i64 as u64))
-        {
-            Some(cfa) => cfa,
-            None => return end(walk, StackEnd::ReadFailed),
-        },
+        cfa::RBP if walk.bp_known != 0 => walk.bp(&mut window.reads).wrapping_add(row.cfa_offset as i64 as u64),
+        cfa::RBP_DEREF if walk.bp_known != 0 => {
+            let at = walk.bp(&mut window.reads).wrapping_add(row.cfa_offset as i64 as u64);
+            match window.read(at) {
+                Some(cfa) => cfa,
+                None => return end(walk, StackEnd::ReadFailed),
+            }
+        }
         cfa::PLT => sp + 8 + if (address & 15) as i32 >= row.cfa_offset { 8 } else { 0 },
         cfa::END => return end(walk, StackEnd::Complete),
         cfa::SIGNAL => {
@@ -649,7 +661,7 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
             let Some(bp) = window.read(sp + UC_RBP) else { return end(walk, StackEnd::ReadFailed) };
             let Some(sp) = window.read(sp + UC_RSP) else { return end(walk, StackEnd::ReadFailed) };
             (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc, sp, bp, 1, 0);
-            walk.bp_from_regs = 0;
+            (walk.bp_from_regs, walk.bp_saved_at) = (0, 0);
             return Some(());
         }
         cfa::NONE => return end(walk, StackEnd::NoTable),
@@ -665,21 +677,24 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
     // stack-realigning function), which is only known while rbp is.
     let saved_at = match row.rbp {
         rbp::SAVED => Some(cfa),
-        rbp::AT_RBP if walk.bp_known != 0 => Some(walk.bp()),
+        rbp::AT_RBP if walk.bp_known != 0 => Some(walk.bp(&mut window.reads)),
         _ => None,
     };
     match saved_at {
-        Some(base) => match window.read(base.wrapping_add(row.rbp_offset as i64 as u64)) {
-            Some(saved) => (walk.bp, walk.bp_known, walk.bp_from_regs) = (saved, 1, 0),
-            None => return end(walk, StackEnd::ReadFailed),
-        },
+        Some(base) => {
+            let at = base.wrapping_add(row.rbp_offset as i64 as u64);
+            match window.fetch(at) {
+                Some(saved) => (walk.bp, walk.bp_known, walk.bp_from_regs, walk.bp_saved_at) = (saved, 1, 0, at),
+                None => return end(walk, StackEnd::ReadFailed),
+            }
+        }
         None if row.rbp != rbp::SAME => walk.bp_known = 0,
         None => {}
     }
     (walk.pc, walk.sp, walk.pc_is_return) = (return_address, cfa, 1);
     // CFI ends at an undefined return address (above), but some hand-written outermost frames
     // just hold 0; frame pointers end at a zero frame.
-    if return_address == 0 || (frame_pointers && walk.bp() == 0) {
+    if return_address == 0 || (frame_pointers && walk.bp(&mut window.reads) == 0) {
         return end(walk, StackEnd::Complete);
     }
     Some(())
