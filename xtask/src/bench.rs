@@ -6,7 +6,8 @@
 //! report goes to target/bench/BENCHMARKS.md instead. `--only daemon` measures the daemon's own
 //! cost alone and rewrites that section only (a fraction of the whole bench's time);
 //! `--only services` likewise the real services' (`services`: redis-server, python3; `postgres`);
-//! `--only loop` the loop's table at the top, beside its peers (a few minutes);
+//! `--only loop` the loop's table at the top, beside its peers (a few minutes); `--only workloads`
+//! the other workloads' (`workloads`: the loop on two threads, a mixed one, perl);
 //! `--only rest` the daemon at rest (`rest`: 1,000 idle processes and 65,536 stacks, 5 minutes).
 
 pub(crate) mod daemon;
@@ -104,7 +105,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         [only, what] if only == "--only" && what == "services" => only_services(size),
         [only, what] if only == "--only" && what == "rest" => only_rest(size),
         [only, what] if only == "--only" && what == "loop" => only_loop(size),
-        _ => bail!("usage: cargo xtask bench [--only daemon|services|rest|loop]"),
+        [only, what] if only == "--only" && what == "workloads" => only_workloads(size),
+        _ => bail!("usage: cargo xtask bench [--only daemon|services|rest|loop|workloads]"),
     }
 }
 
@@ -173,6 +175,21 @@ fn only_loop(size: Size) -> anyhow::Result<()> {
     write_section(size, "# Benchmarks", &render(&results, &attached, size))
 }
 
+/// The other workloads' table alone.
+fn only_workloads(size: Size) -> anyhow::Result<()> {
+    let Prepared { memprof, dir, .. } = &prepare(&["heaptrack", "valgrind", "bpftrace", "perl"], true)?;
+    let tools = loop_tools(memprof, dir);
+    let other_workloads = workloads::prepare(dir, size)?;
+    let others = workloads::measure(&workload_peers(&tools), &other_workloads, size)?;
+    write_section(size, workloads::TITLE, &workloads::render(&others))
+}
+
+/// The loop's peers that the other workloads run under: not the frame-pointer row, as unwinding
+/// is measured apart (`unwind`).
+fn workload_peers(tools: &[Tool]) -> Vec<&Tool> {
+    tools.iter().filter(|t| t.name != "memprof --unwind fp").collect()
+}
+
 fn all(size: Size) -> anyhow::Result<()> {
     let Prepared { memprof, dir, .. } = &prepare(
         &["heaptrack", "valgrind", "bpftrace", "perl", "python3", "redis-server", "redis-tools", "postgresql"],
@@ -180,10 +197,8 @@ fn all(size: Size) -> anyhow::Result<()> {
     )?;
     let tools = loop_tools(memprof, dir);
     let results = measure_loop(&tools, dir, size)?;
-    // The peers of the loop, without the frame-pointer row: unwinding is measured below.
-    let peers: Vec<&Tool> = tools.iter().filter(|t| t.name != "memprof --unwind fp").collect();
     let other_workloads = workloads::prepare(dir, size)?;
-    let others = workloads::measure(&peers, &other_workloads, size)?;
+    let others = workloads::measure(&workload_peers(&tools), &other_workloads, size)?;
     let attached = memprof_attached(memprof, dir)?;
     let frames = unwind::frame_costs(memprof, dir, size)?;
     let tables = unwind::table_memory(memprof, dir)?;
@@ -263,11 +278,16 @@ fn loop_tools(memprof: &Path, dir: &Path) -> Vec<Tool> {
     ]
 }
 
-/// Each tool's median on the loop (bench/churn.c).
-fn measure_loop<'a>(tools: &'a [Tool], dir: &Path, size: Size) -> anyhow::Result<Vec<(&'a Tool, Measured)>> {
+/// The loop (bench/churn.c), built in `dir`.
+fn build_loop(dir: &Path) -> anyhow::Result<std::path::PathBuf> {
     let workload = dir.join("churn");
     crate::compile_c(&root().join("bench/churn.c"), &workload, &["-O2", "-pthread"])?;
-    let workload = [workload.display().to_string(), size.pairs.to_string()];
+    Ok(workload)
+}
+
+/// Each tool's median on the loop.
+fn measure_loop<'a>(tools: &'a [Tool], dir: &Path, size: Size) -> anyhow::Result<Vec<(&'a Tool, Measured)>> {
+    let workload = [build_loop(dir)?.display().to_string(), size.pairs.to_string()];
     let mut results = Vec::new();
     for tool in tools {
         let median = median(tool, &workload, size)?;

@@ -28,7 +28,7 @@ setup  install the toolchain pieces and packages memprof needs\n  \
 demo   build memprof and watch it find the leak in a bundled program\n  \
 test   formatting, lints, unit and end-to-end tests (as root)\n  \
 kernels  the core end-to-end tests on Debian's 6.1 and 6.12 kernels, each booted under QEMU (as root; 10-15 minutes)\n  \
-bench [--only daemon|services|rest|loop]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten; services: real services; rest: the daemon at rest with 1,000 idle processes and 65,536 stacks; loop: the malloc/free loop's table)\n  \
+bench [--only daemon|services|rest|loop|workloads]  the cost of tracing, memprof beside heaptrack, valgrind and bpftrace; writes BENCHMARKS.md (--only daemon: the daemon's own cost alone, its section rewritten; services: real services; rest: the daemon at rest with 1,000 idle processes and 65,536 stacks; loop: the malloc/free loop's table; workloads: the other workloads' table)\n  \
 soak --minutes N  the daemon tracing churning processes for N minutes: are its memory, descriptors and maps flat? (BENCHMARKS.md)\n  \
 fuzz --seconds N  each cargo-fuzz target (ELF/DWARF readers) for N seconds (BENCHMARKS.md)\n  \
 pause  how long --inspect holds a process still, 16 MiB to 1 GiB of heap (BENCHMARKS.md)\n  \

@@ -14,7 +14,7 @@ pub struct Workload {
 }
 
 pub fn prepare(dir: &Path, size: Size) -> anyhow::Result<Vec<Workload>> {
-    let churn = dir.join("churn");
+    let churn = super::build_loop(dir)?;
     let mixed = dir.join("mixed");
     crate::compile_c(&root().join("bench/mixed.c"), &mixed, &["-O2"])?;
     let keys = size.pairs / 2;
@@ -56,10 +56,12 @@ pub fn measure<'a>(tools: &[&'a Tool], workloads: &'a [Workload], size: Size) ->
     Ok(results)
 }
 
+pub const TITLE: &str = "## Other workloads";
+
 pub fn render(results: &[Row]) -> String {
-    let mut out = String::from(
-        "\n## Other workloads\n\n\
-         The same tools, in the same run, on the loop in two threads (both cores), a mixed workload \
+    let mut out = format!("\n{TITLE}\n\n");
+    out.push_str(
+        "The same tools, in the same run, on the loop in two threads (both cores), a mixed workload \
          (bench/mixed.c) and a real program, Debian's perl building a hash (bench/hash.pl); time is \
          the workload's own, start-up excluded. The ratio is the added cost over the classic probe \
          set's. perl's timed part allocates about three blocks a key and frees almost none (its hash \
