@@ -68,6 +68,9 @@ END { clear(@live); clear(@size); }";
 const BPFTRACE_TRAPS_ENTRY: &str = "\
 uprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc,uprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc,\
 uprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ {}";
+/// glibc's `free` begins with `test %rdi,%rdi`, which the kernel single-steps: the classic set's
+/// free probe.
+const BPFTRACE_TRAPS_FREE: &str = "uprobe:/lib/x86_64-linux-gnu/libc.so.6:free /pid == cpid/ {}";
 const BPFTRACE_TRAPS_RETURN: &str = "\
 uretprobe:/lib/x86_64-linux-gnu/libc.so.6:malloc,uretprobe:/lib/x86_64-linux-gnu/libc.so.6:calloc,\
 uretprobe:/lib/x86_64-linux-gnu/libc.so.6:realloc /pid == cpid/ {}";
@@ -275,6 +278,12 @@ fn loop_tools(memprof: &Path, dir: &Path) -> Vec<Tool> {
             command: bpftrace(BPFTRACE_TRAPS_ENTRY.into()),
             workload_in_one_arg: true,
         },
+        Tool {
+            name: "traps: free's entry",
+            how: "free probed at its first instruction by an empty program (bpftrace), as the classic set probes it: a trap the kernel single-steps",
+            command: bpftrace(BPFTRACE_TRAPS_FREE.into()),
+            workload_in_one_arg: true,
+        },
     ]
 }
 
@@ -432,6 +441,16 @@ fn added_cost_shares(results: &[(&Tool, Measured)]) -> Vec<f64> {
     results.iter().map(|(_, m)| (m.ns_per_pair - baseline) / (classic - baseline)).collect()
 }
 
+/// What a single-stepped trap adds to a pair, in emulated traps (NaN without both rows).
+fn single_step_factor(results: &[(&Tool, Measured)]) -> f64 {
+    let of = |name: &str| results.iter().find(|(t, _)| t.name == name).map(|(_, m)| m.ns_per_pair);
+    let added = |name: &str| Some(of(name)? - of("none")?);
+    match (added("traps: free's entry"), added("traps: entry")) {
+        (Some(stepped), Some(emulated)) => stepped / emulated,
+        _ => f64::NAN,
+    }
+}
+
 fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> String {
     let baseline = results[0].1.ns_per_pair;
     let (pairs, runs) = (size.pairs, size.runs);
@@ -444,7 +463,8 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
         "Written by `cargo xtask bench`. One thread runs {pairs} `malloc(16..271)` + `free` pairs (bench/churn.c, `-O2`)\n\
          under each tool in turn, in one run on one machine; the median of {runs} runs. Time is the loop's own\n\
          (start-up and detach excluded); ratios are to the untraced loop. This machine is a VM with {} cores,\n\
-         Linux {}: traps cost more here than on bare metal, so compare ratios, not absolute times.\n",
+         Linux {}: traps cost more here than on bare metal, and how much more differs from one machine to\n\
+         the next; compare the rows of one run.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     );
@@ -476,12 +496,17 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
          microseconds where heaptrack's in-process hooks cost less; but they attach to a running process,\n\
          and heaptrack and valgrind need it restarted under them. memprof probes `free` at its NULL check's jump\n\
          (an emulated instruction instead of a single-stepped one), which is most of its lead over the\n\
-         classic probe set. The two `traps` rows are the floor under any tool that probes where these do:\n\
+         classic probe set. The first two `traps` rows are the floor under any tool that probes where these do:\n\
          the kernel's trap and return trampoline with nothing done in them (bpftrace's maps are sized as\n\
-         bcc memleak's, 1,000,000 blocks). The kernel's per-program statistics are off while measuring.",
+         bcc memleak's, 1,000,000 blocks). The kernel's per-program statistics are off while measuring.\n\n\
+         Here a trap the kernel single-steps (`traps: free's entry`) adds {:.1} times what one it emulates\n\
+         adds (`traps: entry`, at malloc's `push`). The classic set takes one at every free, memprof none, so\n\
+         the last column moves with this factor from one machine to another: it was about 12 on the VM of\n\
+         the runs before 2026-11-29 (Measurements behind design choices, the first row).",
         attached.kernel_kib as f64 / 1024.0,
         attached.attach_s,
         attached.detach_s,
+        single_step_factor(results),
     );
     out
 }
