@@ -77,7 +77,8 @@ pub fn wait_traced(port: u16, pids: &[u32]) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let body = http_get(port, "/metrics").unwrap_or_default();
-        if pids.iter().all(|pid| body.contains(&format!("memprof_target_attached{{pid=\"{pid}\""))) {
+        let attached: Vec<&str> = body.lines().filter(|line| line.starts_with("memprof_target_attached{")).collect();
+        if pids.iter().all(|pid| attached.iter().any(|line| line.contains(&format!("pid=\"{pid}\"")))) {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace {pids:?} within a minute");
@@ -95,7 +96,10 @@ fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<Da
     }
     let mut daemon = Command::new(memprof).args(&args).stderr(Stdio::null()).spawn().context("starting the daemon")?;
     let pids: Vec<u32> = holders.iter().map(Child::id).collect();
-    wait_traced(port, &pids)?;
+    if let Err(err) = wait_traced(port, &pids) {
+        stop(&mut daemon);
+        return Err(err);
+    }
     for child in holders.iter_mut() {
         release(child)?;
     }
