@@ -20,9 +20,9 @@ use crate::unwind::WINDOW_WORDS;
 
 const WINDOW_BYTES: u64 = (WINDOW_WORDS * 8) as u64;
 
-/// Words a remembered walk may have read: one or two a frame, so sixteen to thirty frames. A
-/// power of two: see `nth`. Each word adds to the time the verifier takes at load
-/// (docs: reference/limits.md#kernel-memory).
+/// Words a remembered walk may have used: one a frame, two where a frame uses a saved rbp, so
+/// sixteen to thirty-two frames. A power of two: see `nth`. Each word adds to the time the
+/// verifier takes at load (docs: reference/limits.md#kernel-memory).
 pub const MEMO_WORDS: usize = 32;
 
 /// `value` as a number LLVM knows nothing about (the verifier still does: a read of the stack).

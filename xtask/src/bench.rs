@@ -435,20 +435,23 @@ fn memprof_attached(memprof: &Path, dir: &Path) -> anyhow::Result<Attached> {
 /// Each tool's cost over the untraced run ("none") as a share of the classic probe set's: the
 /// measure the overhead targets are set in.
 fn added_cost_shares(results: &[(&Tool, Measured)]) -> Vec<f64> {
-    let of = |name: &str| results.iter().find(|(t, _)| t.name == name).map(|(_, m)| m.ns_per_pair);
-    let baseline = of("none").unwrap_or(0.0);
-    let classic = of("bpftrace memleak").unwrap_or(f64::NAN);
+    let baseline = ns_of(results, "none").unwrap_or(0.0);
+    let classic = ns_of(results, "bpftrace memleak").unwrap_or(f64::NAN);
     results.iter().map(|(_, m)| (m.ns_per_pair - baseline) / (classic - baseline)).collect()
 }
 
 /// What a single-stepped trap adds to a pair, in emulated traps (NaN without both rows).
 fn single_step_factor(results: &[(&Tool, Measured)]) -> f64 {
-    let of = |name: &str| results.iter().find(|(t, _)| t.name == name).map(|(_, m)| m.ns_per_pair);
-    let added = |name: &str| Some(of(name)? - of("none")?);
+    let added = |name: &str| Some(ns_of(results, name)? - ns_of(results, "none")?);
     match (added("traps: free's entry"), added("traps: entry")) {
         (Some(stepped), Some(emulated)) => stepped / emulated,
         _ => f64::NAN,
     }
+}
+
+/// The time a pair took under the tool `name`, if it was measured.
+fn ns_of(results: &[(&Tool, Measured)], name: &str) -> Option<f64> {
+    results.iter().find(|(t, _)| t.name == name).map(|(_, m)| m.ns_per_pair)
 }
 
 fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> String {

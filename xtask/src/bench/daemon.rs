@@ -78,7 +78,10 @@ pub fn wait_traced(port: u16, pids: &[u32]) -> anyhow::Result<()> {
     loop {
         let body = http_get(port, "/metrics").unwrap_or_default();
         let attached: Vec<&str> = body.lines().filter(|line| line.starts_with("memprof_target_attached{")).collect();
-        if pids.iter().all(|pid| attached.iter().any(|line| line.contains(&format!("pid=\"{pid}\"")))) {
+        // The `pid` label, not `ns_pid`, whatever the labels' order.
+        let has_pid =
+            |line: &str, pid: &u32| ["{", ","].iter().any(|before| line.contains(&format!("{before}pid=\"{pid}\"")));
+        if pids.iter().all(|pid| attached.iter().any(|line| has_pid(line, pid))) {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "the daemon did not trace {pids:?} within a minute");
@@ -95,11 +98,16 @@ fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<Da
         args.extend(["--pid".to_string(), child.id().to_string()]);
     }
     let mut daemon = Command::new(memprof).args(&args).stderr(Stdio::null()).spawn().context("starting the daemon")?;
+    // Stopped on every path, an error's included.
+    let cost = measure_traced(&daemon, port, holders, size);
+    stop(&mut daemon);
+    cost
+}
+
+/// `trace`'s measurement of the running `daemon`, serving `/metrics` on `port`.
+fn measure_traced(daemon: &Child, port: u16, holders: &mut [Child], size: Size) -> anyhow::Result<DaemonCost> {
     let pids: Vec<u32> = holders.iter().map(Child::id).collect();
-    if let Err(err) = wait_traced(port, &pids) {
-        stop(&mut daemon);
-        return Err(err);
-    }
+    wait_traced(port, &pids)?;
     for child in holders.iter_mut() {
         release(child)?;
     }
@@ -116,8 +124,6 @@ fn trace(memprof: &Path, holders: &mut [Child], size: Size) -> anyhow::Result<Da
     let (cpu_after, _) = cpu_and_rss(daemon.id())?;
     let seconds = start.elapsed().as_secs_f64();
     let live = live_allocations(port).unwrap_or(0);
-    let _ = daemon.kill();
-    let _ = daemon.wait();
     Ok(DaemonCost {
         settling_s: warm_up.as_secs(),
         seconds,
