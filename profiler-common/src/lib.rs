@@ -902,6 +902,10 @@ pub const MAX_MAPPINGS: usize = 256;
 pub struct ProcMappings {
     pub len: u32,
     pub _pad: u32,
+    /// The process's count of code changes (`CODE_CHANGES` in the BPF crate) read before its
+    /// mappings were: while the count has not moved since, a frame outside the list is in no file
+    /// the process maps, and no later list would let a deferred walk go on.
+    pub code_changes_seen: u64,
     pub entries: [ExecMapping; MAX_MAPPINGS],
 }
 
@@ -1039,7 +1043,7 @@ const _: () = {
     assert!(core::mem::size_of::<Stack>() == 16 + 8 * MAX_FRAMES);
     assert!(core::mem::size_of::<UnwindRow>() == 12);
     assert!(core::mem::size_of::<ExecMapping>() == 40);
-    assert!(core::mem::size_of::<ProcMappings>() == 8 + 40 * MAX_MAPPINGS);
+    assert!(core::mem::size_of::<ProcMappings>() == 16 + 40 * MAX_MAPPINGS);
     assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);

@@ -50,6 +50,7 @@ const MADV_REMOVE: u64 = 9;
 const MADV_DONTNEED_LOCKED: u64 = 24;
 
 const PROT_NONE: u64 = 0;
+const PROT_EXEC: u64 = 4;
 const MAP_TYPE: u64 = 0x0f;
 const MAP_PRIVATE: u64 = 0x02;
 const MAP_FIXED: u64 = 0x10;
@@ -126,6 +127,10 @@ fn on_exit(regs: u64, id: u64, ret: i64, process_flags: u32, tgid: u32, tid: u32
         SYS_MMAP => {
             let (prot, flags) = (register(regs, offset_of!(pt_regs, rdx)), register(regs, offset_of!(pt_regs, r10)));
             let (addr, len) = (ret as u64, arg1);
+            if prot & PROT_EXEC != 0 && flags & MAP_ANONYMOUS == 0 {
+                // A file's code: the dynamic linker's own mapping of a library.
+                unwind::code_changed(tgid);
+            }
             // Shared anonymous memory is shmem: shared with the children it is made for, not
             // in the process's anonymous resident memory. PROT_NONE is address space reserved,
             // not memory (Go and the JVM reserve heaps so, and map them again to use them).

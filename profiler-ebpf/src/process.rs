@@ -110,6 +110,7 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
     // The thread that called execve, by its id before the exec.
     let old_pid = ctx.arg::<u64>(1) as u32;
     if traced_flags(tgid).is_some() {
+        crate::unwind::code_changed(tgid);
         let image = crate::record::new_image(tgid);
         emit_exec(process_event::EXEC, tgid, old_pid, image, ctx.arg(2));
     } else if discovering(discover::EXECS) {

@@ -32,7 +32,7 @@ use profiler_common::{
 
 use crate::{
     memo::{self, Reads, Start},
-    shared::{count_drop, kernel_word, NO_PREALLOC},
+    shared::{add, count_drop, kernel_word, NO_PREALLOC},
 };
 
 /// Capacities here are defaults; the daemon sets the real ones at load time.
@@ -51,6 +51,34 @@ static UNWIND_SHARDS: ArrayOfMaps<
 > = ArrayOfMaps::new();
 #[map]
 static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+/// Per traced process, how many times it may have mapped code since it was traced: its execs
+/// and its mappings of files' code. A walk stopped outside the process's mapping list waits for
+/// a newer list (`defer`) only while the list is older than the latest change (see
+/// `ProcMappings::code_changes_seen`); else the frame is in no file (code built at run time, or a
+/// frame pointer that pointed nowhere) and the walk ends there, cut, without a copy of the stack.
+#[map]
+static CODE_CHANGES: HashMap<u32, u64> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+
+/// Process `tgid` exec'd or mapped a file's code: its mapping list may lack it.
+pub fn code_changed(tgid: u32) {
+    // Inserted at 0 first, so that an insert by the daemon meanwhile (at 0) loses no change.
+    let _ = CODE_CHANGES.insert(tgid, 0, BPF_NOEXIST as u64);
+    // Without an entry (the map is full), no list of the process is taken as current.
+    if let Some(changes) = CODE_CHANGES.get_ptr_mut(tgid) {
+        // SAFETY: a map value pointer stays valid while the program runs.
+        add(unsafe { &mut *changes }, 1);
+    }
+}
+
+/// Whether process `tgid`'s mapping list holds every file it maps: no change since the daemon
+/// read the mappings the list was built from.
+fn list_is_current(tgid: u32) -> bool {
+    // SAFETY: fields read at once from map values.
+    let Some(seen) = (unsafe { PROC_MAPPINGS.get(tgid) }).map(|list| list.code_changes_seen) else {
+        return false;
+    };
+    unsafe { CODE_CHANGES.get(tgid) }.is_some_and(|&changes| changes == seen)
+}
 /// Bumped by the daemon after every write to `PROC_MAPPINGS`: the rows cached by address (which
 /// an address's row may change with) are valid for one generation. One for all processes, in an
 /// array (an inlined lookup): a walk needs it before anything else, and mappings rarely change.
@@ -389,7 +417,7 @@ pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
-    if end == StackEnd::NoTable {
+    if end == StackEnd::NoTable && !list_is_current(scratch.walk.start.tgid) {
         if let Some(id) = defer(table, which, scratch, ours, counts_cuts) {
             return id;
         }
@@ -443,7 +471,8 @@ const EEXIST: i32 = 17;
 /// the event cannot be sent (the ring is full): the stack is then kept cut, counted as
 /// `deferred_walk_lost`.
 ///
-/// Only walks that would have been cut come here: the cost of every other stays as it was.
+/// Only walks that would have been cut come here, and only while a newer mapping list may come
+/// (`list_is_current`): the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.

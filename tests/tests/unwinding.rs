@@ -473,6 +473,21 @@ fn one_site_at_one_depth_from_two_callers_keeps_their_stacks_apart() {
     assert_nothing_dropped(&report);
 }
 
+/// A frame whose caller is in no file the process maps, as in code built at run time: once
+/// memprof has the process's mappings, the kernel's walk ends there, cut, and counted. It does
+/// not send a copy of the stack for memprof to finish: no list of mappings to come would.
+#[test]
+fn a_caller_in_no_mapping_ends_the_walk_without_a_deferred_copy() {
+    let program = fixture_with("unwind_c.c", "unwind_c_nowhere", C_FLAGS);
+    let report = run_once_tables_are_read(&[path(&program), "--wait", "nowhere"]);
+    assert_eq!(site(&report, "nowhere_alloc"), (31 * 600, 31), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "nowhere_alloc");
+    assert_eq!(stack["truncated"], true, "{}", describe(stack));
+    assert_eq!(report["unwind_tables"]["deferred_walks"], 0, "{}", describe_all(&report));
+    assert!(dropped(&report, "unwind_no_table") > 0, "{}", report["dropped"]);
+    assert_eq!(dropped(&report, "deferred_walk_lost"), 0, "{}", report["dropped"]);
+}
+
 /// The same through a handler on an alternate signal stack (SA_ONSTACK, as Rust and Go runtimes
 /// use): the walk jumps from the alternate stack back to the thread's stack at the signal frame.
 #[test]

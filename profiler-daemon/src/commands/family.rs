@@ -117,11 +117,12 @@ impl Process {
 /// meanwhile is all there is of it then, and forgetting it here left a whole report unnamed and
 /// unwound (1 run in 60).
 fn new_program_mappings(loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
+    let changes = loaded.code_changes(pid);
     if let Some(mappings) = procfs::file_mappings(pid).ok().filter(|mappings| !mappings.is_empty()) {
         // Nothing of the program before the exec is kept.
         symbolizer.forget(pid);
         symbolizer.refresh_with(pid, mappings.clone());
-        loaded.sync_mappings_with(pid, &mappings);
+        loaded.sync_mappings_with(pid, &mappings, changes);
     }
 }
 

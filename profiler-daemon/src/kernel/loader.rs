@@ -627,9 +627,15 @@ impl Loaded {
         }
     }
 
-    /// `sync_mappings` with `pid`'s mappings read already.
-    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping]) {
-        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings) {
+    /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see
+    /// `unwind::code_changes`).
+    pub fn code_changes(&mut self, pid: u32) -> u64 {
+        crate::unwind::code_changes(&mut self.ebpf, pid)
+    }
+
+    /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) {
+        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes) {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
         }
     }
@@ -652,6 +658,7 @@ impl Loaded {
     ) -> Vec<u32> {
         let drained = self.unwind_events.drain();
         for &pid in &drained.pids {
+            let changes = self.code_changes(pid);
             let mappings = match procfs::file_mappings(pid) {
                 Ok(mappings) if !mappings.is_empty() => mappings,
                 _ => match self.unwind_events.objects(pid) {
@@ -663,7 +670,7 @@ impl Loaded {
                 },
             };
             on_read(pid, &mappings);
-            self.sync_mappings_with(pid, &mappings);
+            self.sync_mappings_with(pid, &mappings, changes);
         }
         for event in &drained.deferred {
             self.unwind.finish_deferred(&self.ebpf, event);

@@ -244,7 +244,8 @@ mod tests {
     #[test]
     fn a_walk_goes_on_from_the_stored_frame_on_the_copied_stack() {
         let table = Table(vec![row(0x1000, cfa::RSP, 16), row(0x1100, cfa::RSP, 32), row(0x1200, cfa::END, 0)]);
-        let mut mappings = ProcMappings { len: 1, _pad: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
+        let mut mappings =
+            ProcMappings { len: 1, _pad: 0, code_changes_seen: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
         mappings.entries[0] = ExecMapping {
             start: 0x1000,
             end: 0x2000,

@@ -169,15 +169,23 @@ impl Registry {
     /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
     /// kernel the process's new mapping list. Cheap when nothing changed.
     pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
+        let changes = code_changes(ebpf, pid);
         // An exited process not yet reaped has no mappings left: keep what it had.
         match procfs::file_mappings(pid) {
-            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings),
+            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes),
             _ => Ok(()),
         }
     }
 
-    /// `sync` with mappings read already: those of a process that may have exited since.
-    pub fn sync_with(&mut self, ebpf: &mut Ebpf, pid: u32, mappings: &[FileMapping]) -> anyhow::Result<()> {
+    /// `sync` with mappings read already: those of a process that may have exited since;
+    /// `changes`, its `code_changes` from before they were read.
+    pub fn sync_with(
+        &mut self,
+        ebpf: &mut Ebpf,
+        pid: u32,
+        mappings: &[FileMapping],
+        changes: u64,
+    ) -> anyhow::Result<()> {
         let mut entries = Vec::new();
         let mut used = HashSet::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
@@ -205,8 +213,12 @@ impl Registry {
             );
             entries.truncate(MAX_MAPPINGS);
         }
-        let mut list =
-            ProcMappings { len: entries.len() as u32, _pad: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
+        let mut list = ProcMappings {
+            len: entries.len() as u32,
+            _pad: 0,
+            code_changes_seen: changes,
+            entries: [ExecMapping::default(); MAX_MAPPINGS],
+        };
         list.entries[..entries.len()].copy_from_slice(&entries);
         let mut map: BpfHashMap<_, u32, ProcMappings> = BpfHashMap::try_from(
             ebpf.map_mut("PROC_MAPPINGS").ok_or_else(|| anyhow::anyhow!("map PROC_MAPPINGS missing"))?,
@@ -320,6 +332,9 @@ impl Registry {
     /// The process has exited: its mapping list goes, and the tables no one else uses.
     pub fn forget(&mut self, ebpf: &mut Ebpf, pid: u32) {
         if let Some(Ok(mut map)) = ebpf.map_mut("PROC_MAPPINGS").map(BpfHashMap::<_, u32, ProcMappings>::try_from) {
+            let _ = map.remove(&pid);
+        }
+        if let Some(Ok(mut map)) = ebpf.map_mut(CODE_CHANGES).map(BpfHashMap::<_, u32, u64>::try_from) {
             let _ = map.remove(&pid);
         }
         self.deferred.forget(pid);
@@ -447,6 +462,24 @@ impl Registry {
 }
 
 /// The ELF entry point, where it fits the rows' 32-bit addresses.
+const CODE_CHANGES: &str = "CODE_CHANGES";
+/// The map update that fails on an existing key.
+const BPF_NOEXIST: u64 = 1;
+
+/// How many times `pid` may have mapped code since it was traced (`CODE_CHANGES` in the BPF
+/// crate), started at 0 for a process with no count yet. Read before the mappings a list is built
+/// from: the kernel then defers a walk stopped outside the list only once the count has moved
+/// past the list's (see `ProcMappings::code_changes_seen`).
+pub fn code_changes(ebpf: &mut Ebpf, pid: u32) -> u64 {
+    let Some(Ok(mut map)) = ebpf.map_mut(CODE_CHANGES).map(BpfHashMap::<_, u32, u64>::try_from) else {
+        return 0;
+    };
+    // Not over a count the programs started meanwhile. Without an entry (the map is full) the
+    // kernel takes no list of the process as whole, and defers as it did before counts.
+    let _ = map.insert(pid, 0, BPF_NOEXIST);
+    map.get(&pid, 0).unwrap_or(0)
+}
+
 fn entry_point(data: &[u8]) -> Option<u32> {
     u32::try_from(object::File::parse(data).ok()?.entry()).ok().filter(|entry| *entry != 0)
 }
