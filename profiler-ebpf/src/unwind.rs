@@ -51,8 +51,9 @@ static UNWIND_SHARDS: ArrayOfMaps<
 > = ArrayOfMaps::new();
 #[map]
 static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
-/// Per traced process, how many times it may have mapped code since it was traced: its execs
-/// and its mappings of files' code. A walk stopped outside the process's mapping list waits for
+/// Per traced process, how many times it may have mapped code since it was traced: its execs,
+/// its dynamic linker's changes (`on_mappings_changed`) and, while memprof traces mappings, its
+/// mappings of files' code. A walk stopped outside the process's mapping list waits for
 /// a newer list (`defer`) only while the list is older than the latest change (see
 /// `ProcMappings::code_changes_seen`); else the frame is in no file (code built at run time, or a
 /// frame pointer that pointed nowhere) and the walk ends there, cut, without a copy of the stack.
@@ -101,6 +102,8 @@ const UNWIND_EVENTS_BYTES: u64 = 16 * 1024 * 1024;
 /// reads `/proc`; else just the process's id.
 pub fn on_mappings_changed(r_debug: u64) {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // Before a library's mapping and after it, both before its code runs.
+    code_changed(tgid);
     if r_debug != 0 && send_link_map(tgid, r_debug) {
         return;
     }

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use profiler_common::{discover, process_event, ProcessEvent};
+use profiler_common::{discover, process_event, DropReason, ProcessEvent};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
@@ -120,6 +120,12 @@ struct Target {
     known_stacks: KnownStacks,
     /// The calls its probes had counted at the last interval (`calls_counted`).
     calls: u64,
+    /// Its walks cut at a frame in no listed file (`unwind_no_table`), at the last interval; and
+    /// whether that count grew since its mappings were last read. They are read again at the next
+    /// scan of /proc: code a loader of its own maps moves no count the walk trusts (see
+    /// `unwind::Registry::code_changes`), and nothing else would have them read.
+    cut_walks: u64,
+    cut_since_read: bool,
     /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
     last_view: Option<(Arc<TargetView>, u64)>,
 }
@@ -235,16 +241,7 @@ impl Tracer {
                 next_snapshot = now + Duration::from_secs_f64(self.config.interval);
             }
             for pid in self.loaded.sync_changed_mappings() {
-                if let Some(target) = self.targets.get_mut(&pid) {
-                    target.known_stacks.forget();
-                    if target.probed {
-                        for spot in target.blind_spots.learn_new_files(pid) {
-                            info!(pid, comm = target.comm, what = spot.what, "not seen");
-                        }
-                    }
-                }
-                self.probe(pid);
-                self.symbolizer.refresh(pid);
+                self.mappings_read(pid);
             }
             // Every ring is read before the wait, which would otherwise end at once.
             self.collect_double_frees();
@@ -324,7 +321,28 @@ impl Tracer {
         }
         self.loaded.attaching(0);
         self.settle_pending_children();
+        let cut: Vec<u32> = self.targets.values().filter(|target| target.cut_since_read).map(|t| t.id.pid).collect();
+        for pid in cut {
+            self.loaded.sync_mappings(pid);
+            self.mappings_read(pid);
+        }
         changed
+    }
+
+    /// `pid`'s mappings were read again: its stacks are named anew, and its new files are
+    /// probed if they hold its allocator, or said if they hold what memprof cannot see.
+    fn mappings_read(&mut self, pid: u32) {
+        if let Some(target) = self.targets.get_mut(&pid) {
+            target.cut_since_read = false;
+            target.known_stacks.forget();
+            if target.probed {
+                for spot in target.blind_spots.learn_new_files(pid) {
+                    info!(pid, comm = target.comm, what = spot.what, "not seen");
+                }
+            }
+        }
+        self.probe(pid);
+        self.symbolizer.refresh(pid);
     }
 
     /// Counts each pending child once its fate is known: attached since, or gone.
@@ -644,6 +662,8 @@ impl Tracer {
             probed_files: if self.config.sampling.traces_calls() { file_ids(&allocator) } else { HashSet::new() },
             known_stacks: KnownStacks::default(),
             calls: 0,
+            cut_walks: 0,
+            cut_since_read: false,
             last_view: None,
         };
         self.targets.insert(id.pid, target);
@@ -759,6 +779,9 @@ impl Tracer {
                 // interval is read again; an idle one at each scan of /proc (`consider`). (The
                 // symbolizer learns of the libraries a target loads from the dynamic linker's
                 // hook, `sync_changed_mappings`, not from a read of every target's maps.)
+                let cut_walks = snapshot.drops.counts[DropReason::UnwindNoTable as usize];
+                target.cut_since_read |= cut_walks > target.cut_walks;
+                target.cut_walks = cut_walks;
                 let calls = calls_counted(snapshot);
                 if calls != target.calls {
                     target.calls = calls;

@@ -628,9 +628,9 @@ impl Loaded {
     }
 
     /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see
-    /// `unwind::code_changes`).
+    /// `unwind::Registry::code_changes`).
     pub fn code_changes(&mut self, pid: u32) -> u64 {
-        crate::unwind::code_changes(&mut self.ebpf, pid)
+        self.unwind.code_changes(&mut self.ebpf, pid)
     }
 
     /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
@@ -698,8 +698,9 @@ impl Loaded {
                 let hook = [Point { offset, cookie }];
                 self.add_probes(attachment, MAPPINGS_PROGRAM, path, &hook, pid)
             });
-        if let Err(err) = attached {
-            tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}");
+        match attached {
+            Ok(()) => self.unwind.linker_hooked(pid.get()),
+            Err(err) => tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}"),
         }
     }
 

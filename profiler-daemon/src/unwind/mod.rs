@@ -14,7 +14,7 @@ use aya::Ebpf;
 use std::{collections::HashMap, os::fd::BorrowedFd};
 
 use profiler_common::{DeferredUnwind, LinkMapEvent};
-pub use registry::{code_changes, Registry, TableUse, UnwindMode};
+pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
 use reader::Reader;

@@ -62,6 +62,9 @@ pub struct Registry {
     /// the dynamic linker, and releasing the C library's table there only to build it again a
     /// moment later is work thrown away.
     preloaded: HashMap<u32, HashSet<FileKey>>,
+    /// Processes whose dynamic linker is hooked in the program they run (see
+    /// `linker_hooked`): only their lists can be whole.
+    linker_hooked: HashSet<u32>,
     /// Files whose table could not be loaded, with the rows it needed (0: not known), until it
     /// is: each is counted once in `not_loaded`, and one refused for want of room is not built
     /// again before that many rows are free.
@@ -132,6 +135,7 @@ impl Registry {
             files: HashMap::new(),
             processes: HashMap::new(),
             preloaded: HashMap::new(),
+            linker_hooked: HashSet::new(),
             refused: HashMap::new(),
             not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
@@ -169,7 +173,7 @@ impl Registry {
     /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
     /// kernel the process's new mapping list. Cheap when nothing changed.
     pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
-        let changes = code_changes(ebpf, pid);
+        let changes = self.code_changes(ebpf, pid);
         // An exited process not yet reaped has no mappings left: keep what it had.
         match procfs::file_mappings(pid) {
             Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes),
@@ -178,7 +182,7 @@ impl Registry {
     }
 
     /// `sync` with mappings read already: those of a process that may have exited since;
-    /// `changes`, its `code_changes` from before they were read.
+    /// `changes`, what `code_changes` gave before they were read.
     pub fn sync_with(
         &mut self,
         ebpf: &mut Ebpf,
@@ -250,6 +254,32 @@ impl Registry {
         Ok(())
     }
 
+    /// `pid`'s dynamic linker is hooked (`mappings_changed` in the BPF crate), in the program it
+    /// runs now: from the hook's first call, every library it maps moves the process's count of
+    /// code changes before the library's code runs.
+    pub fn linker_hooked(&mut self, pid: u32) {
+        self.linker_hooked.insert(pid);
+    }
+
+    /// How many times `pid` may have mapped code (`CODE_CHANGES` in the BPF crate; started at 0
+    /// for a process with no count yet), to read before the mappings a list is built from: the
+    /// kernel then defers a walk stopped outside the list only once the count has moved past the
+    /// list's (see `ProcMappings::code_changes_seen`). Before its dynamic linker is hooked, a
+    /// count that never matches: libraries mapped meanwhile moved no count, and the kernel defers
+    /// every such walk, whose copy then brings the process's mappings to be read again.
+    pub fn code_changes(&self, ebpf: &mut Ebpf, pid: u32) -> u64 {
+        if !self.linker_hooked.contains(&pid) {
+            return NOT_WHOLE;
+        }
+        let Some(Ok(mut map)) = ebpf.map_mut(CODE_CHANGES).map(BpfHashMap::<_, u32, u64>::try_from) else {
+            return NOT_WHOLE;
+        };
+        // Not over a count the programs started meanwhile. Without an entry (the map is full) the
+        // kernel takes no list of the process as whole.
+        let _ = map.insert(pid, 0, BPF_NOEXIST);
+        map.get(&pid, 0).unwrap_or(NOT_WHOLE)
+    }
+
     /// Finishes a walk the kernel deferred, on `event.tgid`'s mappings as the kernel has them
     /// now: call after syncing them.
     pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind) {
@@ -269,6 +299,8 @@ impl Registry {
     /// Process `tgid` exec'd at `exec_ns` (see `Deferred::exec_happened`).
     pub fn exec_happened(&mut self, tgid: u32, exec_ns: u64) {
         self.deferred.exec_happened(tgid, exec_ns);
+        // The hook was in the old program's linker; the new one may have another, or none.
+        self.linker_hooked.remove(&tgid);
     }
 
     /// The deferred walks of process `tgid` finished so far.
@@ -339,6 +371,7 @@ impl Registry {
         }
         self.deferred.forget(pid);
         self.preloaded.remove(&pid);
+        self.linker_hooked.remove(&pid);
         for key in self.processes.remove(&pid).unwrap_or_default() {
             self.release(&key);
         }
@@ -465,20 +498,8 @@ impl Registry {
 const CODE_CHANGES: &str = "CODE_CHANGES";
 /// The map update that fails on an existing key.
 const BPF_NOEXIST: u64 = 1;
-
-/// How many times `pid` may have mapped code since it was traced (`CODE_CHANGES` in the BPF
-/// crate), started at 0 for a process with no count yet. Read before the mappings a list is built
-/// from: the kernel then defers a walk stopped outside the list only once the count has moved
-/// past the list's (see `ProcMappings::code_changes_seen`).
-pub fn code_changes(ebpf: &mut Ebpf, pid: u32) -> u64 {
-    let Some(Ok(mut map)) = ebpf.map_mut(CODE_CHANGES).map(BpfHashMap::<_, u32, u64>::try_from) else {
-        return 0;
-    };
-    // Not over a count the programs started meanwhile. Without an entry (the map is full) the
-    // kernel takes no list of the process as whole, and defers as it did before counts.
-    let _ = map.insert(pid, 0, BPF_NOEXIST);
-    map.get(&pid, 0).unwrap_or(0)
-}
+/// A count the kernel's never reaches: the list is not taken as whole.
+const NOT_WHOLE: u64 = u64::MAX;
 
 fn entry_point(data: &[u8]) -> Option<u32> {
     u32::try_from(object::File::parse(data).ok()?.entry()).ok().filter(|entry| *entry != 0)
