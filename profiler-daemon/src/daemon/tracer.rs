@@ -321,9 +321,15 @@ impl Tracer {
         }
         self.loaded.attaching(0);
         self.settle_pending_children();
-        let cut: Vec<u32> = self.targets.values().filter(|target| target.cut_since_read).map(|t| t.id.pid).collect();
-        for pid in cut {
-            self.loaded.sync_mappings(pid);
+        let mut newly_mapped = Vec::new();
+        for target in self.targets.values_mut().filter(|target| target.cut_since_read) {
+            target.cut_since_read = false;
+            // Most such cuts are code built at run time, in no file: nothing new to learn then.
+            if self.loaded.sync_mappings(target.id.pid) {
+                newly_mapped.push(target.id.pid);
+            }
+        }
+        for pid in newly_mapped {
             self.mappings_read(pid);
         }
         changed

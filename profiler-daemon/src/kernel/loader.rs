@@ -620,11 +620,13 @@ impl Loaded {
         (entries, events::events_lost(&self.ebpf))
     }
 
-    /// Gives the stack walk the current executable mappings of `pid` and their tables.
-    pub fn sync_mappings(&mut self, pid: u32) {
-        if let Err(err) = self.unwind.sync(&mut self.ebpf, pid) {
+    /// Gives the stack walk the current executable mappings of `pid` and their tables; returns
+    /// whether the files it maps with code changed.
+    pub fn sync_mappings(&mut self, pid: u32) -> bool {
+        self.unwind.sync(&mut self.ebpf, pid).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
-        }
+            false
+        })
     }
 
     /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see

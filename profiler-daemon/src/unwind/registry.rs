@@ -171,13 +171,14 @@ impl Registry {
     }
 
     /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
-    /// kernel the process's new mapping list. Cheap when nothing changed.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<()> {
+    /// kernel the process's new mapping list. Cheap when nothing changed. Returns whether the
+    /// files it maps with code changed.
+    pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<bool> {
         let changes = self.code_changes(ebpf, pid);
         // An exited process not yet reaped has no mappings left: keep what it had.
         match procfs::file_mappings(pid) {
             Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes),
-            _ => Ok(()),
+            _ => Ok(false),
         }
     }
 
@@ -189,7 +190,7 @@ impl Registry {
         pid: u32,
         mappings: &[FileMapping],
         changes: u64,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<bool> {
         let mut entries = Vec::new();
         let mut used = HashSet::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
@@ -251,7 +252,7 @@ impl Registry {
         if used != old {
             self.log_use();
         }
-        Ok(())
+        Ok(used != old)
     }
 
     /// `pid`'s dynamic linker is hooked (`mappings_changed` in the BPF crate), in the program it

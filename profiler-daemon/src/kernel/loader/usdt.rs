@@ -55,7 +55,9 @@ impl Loaded {
     ) -> anyhow::Result<Attachment> {
         match before_exec {
             Some(files) => self.unwind.preload(pid.get(), files),
-            None => self.sync_mappings(pid.get()),
+            None => {
+                self.sync_mappings(pid.get());
+            }
         }
         self.track(pid.get())?;
         self.usdt.pids.insert(pid.get());
