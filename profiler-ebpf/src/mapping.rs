@@ -128,7 +128,8 @@ fn on_exit(regs: u64, id: u64, ret: i64, process_flags: u32, tgid: u32, tid: u32
             let (prot, flags) = (register(regs, offset_of!(pt_regs, rdx)), register(regs, offset_of!(pt_regs, r10)));
             let (addr, len) = (ret as u64, arg1);
             if prot & PROT_EXEC != 0 && flags & MAP_ANONYMOUS == 0 {
-                // A file's code: the dynamic linker's own mapping of a library.
+                // A file's code, mapped by the dynamic linker (whose hook counts it too) or by a
+                // loader of its own.
                 unwind::code_changed(tgid);
             }
             // Shared anonymous memory is shmem: shared with the children it is made for, not

@@ -495,13 +495,13 @@ impl Registry {
     }
 }
 
-/// The ELF entry point, where it fits the rows' 32-bit addresses.
 const CODE_CHANGES: &str = "CODE_CHANGES";
 /// The map update that fails on an existing key.
 const BPF_NOEXIST: u64 = 1;
 /// A count the kernel's never reaches: the list is not taken as whole.
 const NOT_WHOLE: u64 = u64::MAX;
 
+/// The ELF entry point, where it fits the rows' 32-bit addresses.
 fn entry_point(data: &[u8]) -> Option<u32> {
     u32::try_from(object::File::parse(data).ok()?.entry()).ok().filter(|entry| *entry != 0)
 }
