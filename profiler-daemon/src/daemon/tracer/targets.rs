@@ -1,0 +1,379 @@
+//! Which processes the tracer traces: attaching to those the rules match as they start, fork or
+//! are found by a scan of /proc, probing a target's new program after an exec, and letting go
+//! of those that exit or no longer match.
+
+use std::{
+    collections::HashSet,
+    num::NonZeroU32,
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::Context as _;
+use profiler_common::{process_event, ProcessEvent};
+use tracing::{debug, info, warn};
+
+use super::{Target, Tracer};
+use crate::{
+    daemon::discovery::{self, ProcessId},
+    heap::known_stacks::KnownStacks,
+    heap::leak::LeakTracker,
+    heap::sampling::RateGuard,
+    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    kernel::aggregate,
+    kernel::loader::Attachment,
+    kernel::shared::{self, file_ids},
+    process::allocator,
+    process::{procfs, usdt},
+};
+
+/// The first wait before a new process that cannot be attached yet is tried again (caught between
+/// its exec and its dynamic linker mapping its allocator), doubled at each try.
+const FIRST_RETRY: Duration = Duration::from_millis(5);
+/// How long after a traced process's main thread exited it is looked for gone, each
+/// `FIRST_RETRY`: it is gone moments after its exit event; one whose other threads run on is
+/// checked each interval.
+const EXIT_WATCH: Duration = Duration::from_secs(1);
+/// How long a new process that cannot be attached to is tried again.
+const GRACE_SECONDS: f64 = 5.0;
+
+impl Tracer {
+    /// Counts each pending child once its fate is known: attached since, or gone.
+    pub(super) fn settle_pending_children(&mut self) {
+        let (mut followed, mut missed) = (0, 0);
+        self.pending_children.retain(|id| {
+            if self.targets.get(&id.pid).is_some_and(|target| target.id == *id) {
+                followed += 1;
+                false
+            } else if ProcessId::current(id.pid) != Some(*id) {
+                missed += 1;
+                false
+            } else {
+                true
+            }
+        });
+        self.children_followed += followed;
+        self.children_missed += missed;
+    }
+
+    /// Attaches to a matching process unless it is traced already, cannot be, or would be one
+    /// too many; returns whether it was attached.
+    pub(super) fn consider(&mut self, id: ProcessId, comm: String) -> bool {
+        if let Some(target) = self.targets.get_mut(&id.pid).filter(|t| t.id == id) {
+            // The scan read its name: a program may rename itself.
+            target.comm = comm;
+            return false;
+        }
+        if self.unattachable.contains(&id) {
+            return false;
+        }
+        if self.targets.len() >= self.config.max_targets {
+            if self.refused.insert(id) {
+                self.refused_total += 1;
+                warn!(
+                    pid = id.pid,
+                    comm,
+                    "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
+                     raise it (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
+                    self.targets.len()
+                );
+            }
+            return false;
+        }
+        match self.attach(id, comm) {
+            Ok(()) => true,
+            // A process caught between exec and the dynamic loader mapping its C library has
+            // no allocator yet: only give up on processes old enough to have one.
+            Err(err) if id.age_seconds() < GRACE_SECONDS => {
+                debug!(pid = id.pid, "not traced yet: {err:#}");
+                false
+            }
+            Err(err) => {
+                debug!(pid = id.pid, "not traced: {err:#}");
+                self.unattachable.insert(id);
+                false
+            }
+        }
+    }
+
+    /// Execs, forks and exits: an exec re-probes a target for its new program; a target's child
+    /// that matches the rules is attached at once, as is any other new process that does (from
+    /// its exec, or its fork when the rules name cgroups); a target whose main thread exited is
+    /// let go once gone. Returns whether the set of targets changed.
+    pub(super) fn on_process_events(&mut self) -> bool {
+        let mut changed = false;
+        for event in self.loaded.process_events.drain() {
+            let traced = self.targets.contains_key(&event.tgid);
+            match event.kind {
+                process_event::EXEC if traced => self.on_exec(&event),
+                process_event::EXEC => changed |= self.found(event.tgid),
+                process_event::FORK if traced => self.on_fork(event.tgid, event.child),
+                process_event::FORK => changed |= self.found(event.child),
+                process_event::EXIT if traced => {
+                    self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
+                }
+                _ => {}
+            }
+        }
+        changed
+    }
+
+    /// A process that exec'd or started: attached if the rules match it.
+    pub(super) fn found(&mut self, pid: u32) -> bool {
+        match discovery::matching(&self.config.rules, pid) {
+            Some((id, comm)) => self.try_attach(id, comm),
+            None => false,
+        }
+    }
+
+    /// `consider`, and when the process cannot be attached yet, a later try (see `retry`).
+    pub(super) fn try_attach(&mut self, id: ProcessId, comm: String) -> bool {
+        if self.consider(id, comm.clone()) {
+            return true;
+        }
+        let waits = self.targets.get(&id.pid).is_none_or(|t| t.id != id)
+            && !self.unattachable.contains(&id)
+            && !self.refused.contains(&id);
+        if waits {
+            self.starting.entry(id).or_insert((comm, Instant::now() + FIRST_RETRY, FIRST_RETRY * 2));
+        }
+        false
+    }
+
+    /// When a starting process or an exiting target is next looked at.
+    pub(super) fn next_retry(&self) -> Instant {
+        let starting = self.starting.values().map(|&(_, at, _)| at);
+        let exiting = self.exiting.values().map(|&until| until.min(Instant::now() + FIRST_RETRY));
+        starting.chain(exiting).min().unwrap_or_else(Instant::now)
+    }
+
+    /// Tries again the starting processes due, and lets go of the exiting targets now gone.
+    /// Returns whether the set of targets changed.
+    pub(super) fn retry(&mut self) -> bool {
+        let now = Instant::now();
+        let mut changed = false;
+        let due: Vec<ProcessId> =
+            self.starting.iter().filter(|(_, &(_, at, _))| at <= now).map(|(id, _)| *id).collect();
+        for id in due {
+            let Some((comm, _, wait)) = self.starting.remove(&id) else { continue };
+            if ProcessId::current(id.pid) != Some(id) {
+                continue;
+            }
+            if self.consider(id, comm.clone()) {
+                changed = true;
+            } else if !self.unattachable.contains(&id) && !self.refused.contains(&id) {
+                self.starting.insert(id, (comm, now + wait, wait * 2));
+            }
+        }
+        let exiting: Vec<(u32, Instant)> = self.exiting.iter().map(|(&pid, &until)| (pid, until)).collect();
+        for (pid, until) in exiting {
+            let gone = self.targets.get(&pid).is_none_or(|t| ProcessId::current(pid) != Some(t.id));
+            if gone && self.targets.contains_key(&pid) {
+                // A process that aborted on a double free: its last events first.
+                self.collect_double_frees();
+                self.detach(pid);
+                changed = true;
+            }
+            if gone || until <= now {
+                self.exiting.remove(&pid);
+            }
+            if !gone && until <= now {
+                self.leaderless.insert(pid);
+            }
+        }
+        if changed {
+            self.settle_pending_children();
+        }
+        changed
+    }
+
+    /// A target forked `child`: the child is counted once, followed or missed. One that matches
+    /// waits in `pending_children` until it is attached or gone, whoever attaches it: this event,
+    /// a later try, or discovery, which may have found it between its fork and this event.
+    pub(super) fn on_fork(&mut self, parent: u32, child: u32) {
+        match discovery::matching(&self.config.rules, child) {
+            Some((id, comm)) => {
+                if self.targets.get(&child).is_none_or(|target| target.id != id) {
+                    self.try_attach(id, comm);
+                }
+                self.pending_children.insert(id);
+                self.settle_pending_children();
+            }
+            // Gone already: traced if discovery attached it in between (its target stays until
+            // discovery sees it gone); otherwise whether it would have matched, only its comm
+            // (its parent's) could tell.
+            None if ProcessId::current(child).is_none() => {
+                if self.targets.contains_key(&child) {
+                    self.children_followed += 1;
+                } else if self
+                    .targets
+                    .get(&parent)
+                    .is_some_and(|t| self.config.rules.matches(child, &t.comm, &[]) || self.config.rules.needs_cgroup())
+                {
+                    self.children_missed += 1;
+                }
+            }
+            // Runs, and does not match: not a child the rules follow.
+            None => {}
+        }
+    }
+
+    pub(super) fn on_exec(&mut self, event: &ProcessEvent) {
+        let pid = event.tgid;
+        let Some(target) = self.targets.get(&pid) else { return };
+        let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        let reused = match ProcessId::current(pid) {
+            // The target exited and its pid went to a new process, which exec'd before discovery
+            // saw the old one go: the kernel reported the exec since the pid was still traced.
+            // The new process is traced from its exec on, if the rules want it, with nothing of
+            // the old one's (the exec below drops the old stacks, counts and mappings).
+            Some(now) if now != target.id => {
+                if discovery::matching(&self.config.rules, pid).is_none() {
+                    self.detach(pid);
+                    return;
+                }
+                let target = self.targets.get_mut(&pid).expect("looked up above");
+                info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
+                target.id = now;
+                target.attached_at = SystemTime::now();
+                target.start_ns = aggregate::monotonic_now_ns();
+                target.ns_pid = procfs::ns_pid(pid);
+                true
+            }
+            // Gone already: its exit event detaches it.
+            None => return,
+            Some(_) => false,
+        };
+        let target = self.targets.get_mut(&pid).expect("looked up above");
+        if reused || event.exec_by_other_thread() || target.probed_files.is_empty() {
+            // Its probes no longer fire (they followed the task the exec ended), or they are not
+            // allocator probes: attached anew once the new program maps its allocator.
+            let old = std::mem::take(&mut target.attachment);
+            target.attachment = self.loaded.exec_happened(nonzero, old, event);
+            target.probed_files.clear();
+        } else {
+            // Its probes stay: what the old program left goes, what the new one recorded stays.
+            // Mappings first: until they are written, each of its walks is deferred.
+            self.loaded.sync_mappings(pid);
+            self.loaded.image_replaced(nonzero, event);
+        }
+        target.probed = false;
+        target.comm = procfs::comm(pid).unwrap_or_default();
+        target.exe = procfs::exe_path(pid);
+        target.cgroup = procfs::cgroup(pid);
+        target.leaks = LeakTracker::new(self.config.leak);
+        target.rate_guard = RateGuard::new(self.config.sampling);
+        target.double_frees.clear();
+        target.double_free_count = 0;
+        target.known_stacks.forget();
+        self.symbolizer.forget(pid);
+        self.symbolizer.refresh(pid);
+        info!(pid, comm = target.comm, "exec: tracing the new program");
+        self.probe(pid);
+    }
+
+    /// Probes the allocator of a target that exec'd once its new program has mapped one.
+    /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps
+    /// or touches, when that is traced.
+    pub(super) fn runtime_only(&self) -> allocator::RuntimeOnly {
+        allocator::RuntimeOnly::accepted_if(self.config.maps.mappings || self.config.sampling.growth)
+    }
+
+    pub(super) fn probe(&mut self, pid: u32) {
+        let runtime_only = self.runtime_only();
+        let Some(target) = self.targets.get_mut(&pid) else { return };
+        if target.probed {
+            return;
+        }
+        let (Ok(allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
+            return;
+        };
+        // The files whose probes it kept through its exec are not probed twice.
+        let missing = shared::unprobed(&allocator, &target.probed_files);
+        let attached = if self.config.sampling.usdt {
+            usdt::in_process(pid)
+                .map_err(anyhow::Error::from)
+                .and_then(|sites| self.loaded.attach_usdt(&sites, nonzero, None))
+        } else if missing.files.is_empty() && !allocator.files.is_empty() {
+            Ok(Attachment::default())
+        } else {
+            self.loaded.attach_allocator(&missing, nonzero)
+        };
+        match attached {
+            Ok(probes) => {
+                target.attachment.merge(probes);
+                if self.config.sampling.traces_calls() {
+                    target.probed_files.extend(file_ids(&missing));
+                }
+                target.probed = true;
+                target.double_free_filter = DoubleFreeFilter::new(&allocator, target.exe.as_deref());
+                target.blind_spots = BlindSpots::new(pid, &allocator);
+                if let Some(sample_bytes) = target.rate_guard.initial() {
+                    if let Err(err) = self.loaded.sample(pid, sample_bytes) {
+                        warn!(pid, "sampling: {err:#}");
+                    }
+                }
+                info!(pid, comm = target.comm, probes = target.attachment.probes(), "tracing");
+            }
+            Err(err) => debug!(pid, "probing the allocator: {err:#}"),
+        }
+    }
+
+    pub(super) fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
+        let allocator = allocator::find_with(id.pid, self.runtime_only())?;
+        let pid = NonZeroU32::new(id.pid).context("pid 0")?;
+        // With --usdt, the process's own otel_memory probes, and none of its allocator's.
+        let attachment = if self.config.sampling.usdt {
+            self.loaded.attach_usdt(&usdt::in_process(id.pid)?, pid, None)?
+        } else {
+            self.loaded.attach(&allocator, pid)?
+        };
+        let rate_guard = RateGuard::new(self.config.sampling);
+        if let Some(sample_bytes) = rate_guard.initial() {
+            self.loaded.sample(id.pid, sample_bytes)?;
+        }
+        self.symbolizer.refresh(id.pid);
+        info!(pid = id.pid, comm, probes = attachment.probes(), "tracing");
+        let exe = procfs::exe_path(id.pid);
+        let target = Target {
+            id,
+            comm,
+            ns_pid: procfs::ns_pid(id.pid),
+            attachment,
+            double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
+            blind_spots: BlindSpots::new(id.pid, &allocator),
+            resident: Resident::default(),
+            exe,
+            cgroup: procfs::cgroup(id.pid),
+            attached_at: SystemTime::now(),
+            start_ns: aggregate::monotonic_now_ns(),
+            double_frees: Vec::new(),
+            double_free_count: 0,
+            leaks: LeakTracker::new(self.config.leak),
+            rate_guard,
+            probed: true,
+            probed_files: if self.config.sampling.traces_calls() { file_ids(&allocator) } else { HashSet::new() },
+            known_stacks: KnownStacks::default(),
+            calls: 0,
+            cut_walks: 0,
+            cut_since_read: false,
+            last_view: None,
+        };
+        self.targets.insert(id.pid, target);
+        Ok(())
+    }
+
+    /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.
+    pub(super) fn detach(&mut self, pid: u32) {
+        let Some(target) = self.targets.remove(&pid) else { return };
+        if ProcessId::current(pid) == Some(target.id) {
+            // Still running (the rules changed): its probes must be gone before its state is.
+            self.loaded.detach(target.attachment);
+        } else {
+            // Exited: nothing fires any more, and discovery need not wait for the detach.
+            self.loaded.detach_in_background(target.attachment);
+        }
+        self.loaded.forget_exited(&HashSet::from([pid]));
+        self.symbolizer.forget(pid);
+        info!(pid, comm = target.comm, "no longer traced");
+    }
+}
