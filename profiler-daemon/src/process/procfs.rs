@@ -10,8 +10,9 @@ pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
     fs::read(path).map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// `PF_KTHREAD` in the flags field of `/proc/PID/stat`.
+/// `PF_KTHREAD` and `PF_EXITING` in the flags field of `/proc/PID/stat`.
 const PF_KTHREAD: u64 = 0x0020_0000;
+const PF_EXITING: u64 = 0x0000_0004;
 
 /// One line of `/proc/PID/maps` that maps a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +34,8 @@ pub struct FileMapping {
 pub struct Stat {
     pub kernel_thread: bool,
     pub zombie: bool,
+    /// In its exit, from its first step: its memory map may be going meanwhile.
+    pub exiting: bool,
     /// Clock ticks after boot when the process started: with the pid, names one process for good.
     pub start_time: u64,
     /// CPU time used, user and system, in clock ticks.
@@ -83,6 +86,7 @@ fn task_stat(dir: &str) -> Option<Stat> {
     Some(Stat {
         kernel_thread: flags & PF_KTHREAD != 0,
         zombie: matches!(field(3)?, "Z" | "X"),
+        exiting: flags & PF_EXITING != 0,
         start_time: field(22)?.parse().ok()?,
         cpu_ticks: field(14)?.parse::<u64>().ok()? + system_ticks,
         system_ticks,
@@ -242,10 +246,15 @@ pub fn exe_path(pid: u32) -> Option<String> {
 }
 
 /// Every file-backed mapping of the process, in address order; the executable's by the name it
-/// was started as (see `launch_name`).
+/// was started as (see `launch_name`). None, as for a process gone, when it began to exit by the
+/// end of the read: `maps` is read a page at a time, and a read its exit overtakes ends early, a
+/// few mappings long (its executable's first, without its code).
 pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
     let dir = dir(pid);
     let mut mappings = parse_maps(&read_text(format!("{dir}/maps"))?);
+    if task_stat(&dir).is_none_or(|stat| stat.zombie || stat.exiting) {
+        return Ok(Vec::new());
+    }
     let exe = fs::read_link(format!("{dir}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
     if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
         for mapping in mappings.iter_mut().filter(|m| m.path == exe) {
