@@ -71,15 +71,17 @@ pub fn code_changed(tgid: u32) {
     }
 }
 
-/// Whether process `tgid`'s mapping list holds every file it maps: no change since the daemon
-/// read the mappings the list was built from.
-fn list_is_current(tgid: u32) -> bool {
-    // SAFETY: fields read at once from map values.
-    let Some(seen) = (unsafe { PROC_MAPPINGS.get(tgid) }).map(|list| list.code_changes_seen) else {
-        return false;
-    };
-    unsafe { CODE_CHANGES.get(tgid) }.is_some_and(|&changes| changes == seen)
+/// Whether the mapping list of process `tgid` whose `code_changes_seen` is `seen` holds every
+/// file it maps: no change since the daemon read the mappings the list was built from. Asked of
+/// the list the walk searched, not of the one in the map now: the daemon may have written a
+/// newer one, with the file the walk missed, since.
+fn list_was_current(tgid: u32, seen: u64) -> bool {
+    // SAFETY: a field read at once from a map value.
+    seen != NO_LIST && unsafe { CODE_CHANGES.get(tgid) }.is_some_and(|&changes| changes == seen)
 }
+
+/// `Walk::list_seen` before the walk has searched a list, or when the process has none.
+const NO_LIST: u64 = u64::MAX;
 /// Bumped by the daemon after every write to `PROC_MAPPINGS`: the rows cached by address (which
 /// an address's row may change with) are valid for one generation. One for all processes, in an
 /// array (an inlined lookup): a walk needs it before anything else, and mappings rarely change.
@@ -350,6 +352,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     );
     // No mapping yet: an empty range.
     walk.mapping.end = 0;
+    walk.list_seen = NO_LIST;
     scratch.window.len = 0;
     scratch.window.reads.clear();
     walk.ours = ours;
@@ -420,7 +423,7 @@ pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
-    if end == StackEnd::NoTable && !list_is_current(scratch.walk.start.tgid) {
+    if end == StackEnd::NoTable && !list_was_current(scratch.walk.start.tgid, scratch.walk.list_seen) {
         if let Some(id) = defer(table, which, scratch, ours, counts_cuts) {
             return id;
         }
@@ -475,7 +478,7 @@ const EEXIST: i32 = 17;
 /// `deferred_walk_lost`.
 ///
 /// Only walks that would have been cut come here, and only while a newer mapping list may come
-/// (`list_is_current`): the cost of every other stays as it was.
+/// (`list_was_current`): the cost of every other stays as it was.
 fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, ours: u64, counts_cuts: bool) -> Option<u64> {
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.
@@ -617,6 +620,8 @@ struct Walk {
     /// The mapping of the last frame: the next frame is most often in the same file, and then
     /// needs no lookup. Empty (start = end) before the first.
     mapping: ExecMapping,
+    /// `code_changes_seen` of the mapping list the walk last searched (`NO_LIST`: none).
+    list_seen: u64,
 }
 
 impl Walk {
@@ -736,9 +741,9 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
 /// no mapping or row covers it.
 fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
     if !(walk.mapping.start <= address && address < walk.mapping.end) {
-        let Some(found) =
-            unsafe { PROC_MAPPINGS.get(walk.start.tgid) }.and_then(|mappings| find_mapping(mappings, address))
-        else {
+        let list = unsafe { PROC_MAPPINGS.get(walk.start.tgid) };
+        walk.list_seen = list.map_or(NO_LIST, |list| list.code_changes_seen);
+        let Some(found) = list.and_then(|mappings| find_mapping(mappings, address)) else {
             end(walk, StackEnd::NoTable);
             return None;
         };
