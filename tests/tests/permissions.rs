@@ -128,7 +128,10 @@ fn the_daemon_with_exactly_the_documented_capabilities() {
     assert!(!log.contains('\x1b'), "no colours in a pipe: {log}");
     let about = |what: &str| log.lines().filter(|l| l.contains(&format!("pid={pid}")) && l.contains(what)).count();
     assert_eq!(
-        (about("INFO memprof::daemon::tracer: tracing"), about("INFO memprof::daemon::tracer: no longer traced")),
+        (
+            about("INFO memprof::daemon::tracer::targets: tracing"),
+            about("INFO memprof::daemon::tracer::targets: no longer traced")
+        ),
         (1, 1),
         "{log}"
     );
