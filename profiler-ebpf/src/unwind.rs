@@ -82,6 +82,7 @@ fn list_was_current(tgid: u32, seen: u64) -> bool {
 
 /// `Walk::list_seen` before the walk has searched a list, or when the process has none.
 const NO_LIST: u64 = u64::MAX;
+
 /// Bumped by the daemon after every write to `PROC_MAPPINGS`: the rows cached by address (which
 /// an address's row may change with) are valid for one generation. One for all processes, in an
 /// array (an inlined lookup): a walk needs it before anything else, and mappings rarely change.
