@@ -434,8 +434,8 @@ fn code_mapped_by_a_loader_of_its_own_is_unwound_after_the_daemon_reads_the_mapp
     let leaks = format!("/api/v1/leaks?pid={pid}");
     let whole_at = |module: &Path| {
         let report = daemon.get_json(&leaks).1;
-        let first_in = |stack: &&Value| frames(stack).first().is_some_and(|frame| frame["module"] == path(module));
-        stacks(&report).iter().filter(first_in).any(|stack| stack["truncated"] == false).then_some(())
+        let whole_in = |stack: &Value| first_frame_in(stack, module) && stack["truncated"] == false;
+        stacks(&report).iter().any(whole_in).then_some(())
     };
     wait_for(30, "the plugin's whole stack", || whole_at(&plugin));
     held.go();
@@ -444,7 +444,7 @@ fn code_mapped_by_a_loader_of_its_own_is_unwound_after_the_daemon_reads_the_mapp
     let mut said = String::new();
     BufReader::new(held.child.stdout.as_mut().expect("piped")).read_line(&mut said).expect("reading the fixture");
     let rounds: u64 = said.trim().strip_prefix("rounds ").and_then(|n| n.parse().ok()).expect("rounds N");
-    let in_lib = |stack: &&Value| frames(stack).first().is_some_and(|frame| frame["module"] == path(&lib));
+    let in_lib = |stack: &&Value| first_frame_in(stack, &lib);
     let report = wait_for(20, "every block leaked through the loaded code", || {
         let report = daemon.get_json(&leaks).1;
         let through = stacks(&report).iter().filter(in_lib).map(bytes_and_count);
@@ -459,6 +459,11 @@ fn code_mapped_by_a_loader_of_its_own_is_unwound_after_the_daemon_reads_the_mapp
         report["dropped"]
     );
     assert_eq!(report["unwind_tables"]["deferred_unfinished"], 0, "{}", report["unwind_tables"]);
+}
+
+/// Whether the stack's innermost frame is in `module`.
+fn first_frame_in(stack: &Value, module: &Path) -> bool {
+    frames(stack).first().is_some_and(|frame| frame["module"] == path(module))
 }
 
 /// Two threads load two libraries at the same moment, neither stopped for memprof: walks that
