@@ -426,8 +426,8 @@ pub struct DaemonArgs {
     /// Rows of unwind tables kept in the kernel, all files together [default: 524288].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
-    /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs every system
-    /// call on the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
+    /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs these calls on
+    /// the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[arg(long)]
     pub mappings: bool,
     /// Walk every free's stack, for double-free reports with the first free's whole stack

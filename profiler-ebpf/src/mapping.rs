@@ -1,17 +1,16 @@
 //! Anonymous memory a traced process gets from the kernel directly: `mmap`, `munmap`, `mremap`
-//! and `brk`, and gives back with `madvise`, seen at the raw system-call tracepoints (they attach
-//! by name, without tracefs). The page faults of a process traced by them (`growth`) go through
+//! and `brk`, and gives back with `madvise`, seen at the return of each call's kernel function
+//! (`fexit` programs). The page faults of a process traced by them (`growth`) go through
 //! the same ring, so that the daemon sees each page's touch and its range's changes in order.
 //! A `madvise` keeps the range mapped and gives back only its pages: it is sent for a process
 //! traced by its pages only (`traced::GROWTH`), as allocators such as jemalloc purge with it
 //! all the time and no other process's ranges change by it.
 //!
-//! The program fires at the return of every system call of every process on the machine (the
-//! return probes' trampoline makes one at each probed allocator call's return, too) and returns
-//! after one read of the call's number from the caller's registers; only those five calls of
-//! traced processes go further. Nothing runs at `sys_enter`: a second program there would cost
-//! every system call as much again, for the one thing it would learn, the break before a `brk`,
-//! which the daemon knows from the process's previous `brk`.
+//! Each program runs at every call of its system call on the machine and returns after one
+//! lookup for processes not traced; every other system call runs none of memprof's code. A
+//! kernel that refuses `fexit` programs gets `syscall_exit` at the raw `sys_exit` tracepoint
+//! instead: that puts every system call of every process on the kernel's slower path for traced
+//! system calls, and runs the program there, which returns after one read of the call's number.
 //!
 //! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
 //! by an address inside it. Each call that changes a traced process's anonymous private memory
@@ -24,9 +23,9 @@ use core::mem::offset_of;
 use aya_ebpf::{
     bindings::pt_regs,
     helpers::bpf_get_current_pid_tgid,
-    macros::{map, raw_tracepoint},
+    macros::{fexit, map, raw_tracepoint},
     maps::RingBuf,
-    programs::RawTracePointContext,
+    programs::{FExitContext, RawTracePointContext},
 };
 use profiler_common::{mapping_event, stack_table, traced, DropReason, MappingEvent, NO_STACK};
 
@@ -67,10 +66,48 @@ fn ids() -> (u32, u32) {
     ((pid_tgid >> 32) as u32, pid_tgid as u32)
 }
 
-/// `sys_exit(struct pt_regs *regs, long ret)`: the caller's registers still hold the call's
-/// arguments (these four calls do not change them), and its stack is the one at the call.
+/// `__x64_sys_mmap(const struct pt_regs *regs)`, and each of the others: `regs` are the
+/// caller's registers, which still hold the call's arguments (these calls do not change them),
+/// and its stack is the one at the call. The return value follows the one argument.
+#[fexit(function = "__x64_sys_mmap")]
+pub fn mmap_exit(ctx: FExitContext) -> i32 {
+    syscall_exit(&ctx, SYS_MMAP)
+}
+
+#[fexit(function = "__x64_sys_munmap")]
+pub fn munmap_exit(ctx: FExitContext) -> i32 {
+    syscall_exit(&ctx, SYS_MUNMAP)
+}
+
+#[fexit(function = "__x64_sys_mremap")]
+pub fn mremap_exit(ctx: FExitContext) -> i32 {
+    syscall_exit(&ctx, SYS_MREMAP)
+}
+
+#[fexit(function = "__x64_sys_brk")]
+pub fn brk_exit(ctx: FExitContext) -> i32 {
+    syscall_exit(&ctx, SYS_BRK)
+}
+
+#[fexit(function = "__x64_sys_madvise")]
+pub fn madvise_exit(ctx: FExitContext) -> i32 {
+    syscall_exit(&ctx, SYS_MADVISE)
+}
+
+/// Inlined into each program with its call's `id`, so that each keeps only its own case (and
+/// those that never give memory, no stack walk).
+#[inline(always)]
+fn syscall_exit(ctx: &FExitContext, id: u64) -> i32 {
+    let (tgid, tid) = ids();
+    if let Some(flags) = process::traced_flags(tgid) {
+        on_exit(ctx.arg(0), id, ctx.arg(1), flags, tgid, tid);
+    }
+    0
+}
+
+/// The fallback: `sys_exit(struct pt_regs *regs, long ret)`, at the return of every system call.
 #[raw_tracepoint(tracepoint = "sys_exit")]
-pub fn syscall_exit(ctx: RawTracePointContext) -> i32 {
+pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
     let regs: u64 = ctx.arg(0);
     let id = kernel_word(regs, offset_of!(pt_regs, orig_rax) as u32);
     if !matches!(id, SYS_MMAP | SYS_MUNMAP | SYS_BRK | SYS_MREMAP | SYS_MADVISE) {
@@ -108,6 +145,7 @@ impl Change {
 }
 
 /// `process_flags` are the process's `traced::` flags.
+#[inline(always)]
 fn on_exit(regs: u64, id: u64, ret: i64, process_flags: u32, tgid: u32, tid: u32) {
     let (arg0, arg1) = (register(regs, offset_of!(pt_regs, rdi)), register(regs, offset_of!(pt_regs, rsi)));
     let change = match id {
@@ -174,6 +212,7 @@ fn on_exit(regs: u64, id: u64, ret: i64, process_flags: u32, tgid: u32, tid: u32
     send(regs, &change, tgid, tid);
 }
 
+#[inline(always)]
 fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
     let (stack_id, flags) = if change.grows {
         let inside = in_allocator_call(tgid, tid);

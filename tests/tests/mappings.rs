@@ -158,3 +158,58 @@ fn an_exact_targets_purges_are_not_sent_and_it_settles() {
     });
     assert_eq!(metric(daemon.port, &series), Some(16 * PAGE), "the range stays mapped: madvise keeps it");
 }
+
+/// The BPF links process `pid` holds, as (`link_type`, `tp_name`) from its fdinfo (see
+/// `probe_links`).
+fn bpf_links(pid: u32) -> Vec<(String, String)> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    fds.flatten()
+        .filter(|fd| std::fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link"))
+        .filter_map(|fd| {
+            std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).ok()
+        })
+        .map(|info| {
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                    .unwrap_or("")
+                    .trim()
+                    .to_string()
+            };
+            (field("link_type"), field("tp_name"))
+        })
+        .collect()
+}
+
+/// The mapping calls are read where no other system call pays: one `fexit` link per call. A
+/// kernel that refuses `fexit` programs gets the `sys_exit` tracepoint, which every system call on
+/// the host pays for, and memprof says so. `cargo xtask kernels` sets `MEMPROF_TEST_FEXIT=1` on
+/// Debian's kernels, which take `fexit` programs.
+#[test]
+fn the_mapping_calls_are_read_where_no_other_system_call_pays() {
+    let child = std::process::Command::new(memprof_tests::memprof_bin())
+        .args(["run", "--mappings", "--", "sleep", "3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // The mapping programs are attached before the command starts, the uprobes after.
+    let links = wait_for(60, "memprof's uprobe links", || {
+        let links = bpf_links(pid);
+        links.iter().any(|(kind, _)| kind.contains("uprobe") || kind == "perf").then_some(links)
+    });
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let at_every_call = links.iter().filter(|(_, tracepoint)| tracepoint == "sys_exit").count();
+    let at_functions = links.iter().filter(|(kind, _)| kind == "tracing").count();
+    let warned = stderr.contains("this kernel refuses fexit programs")
+        && stderr.contains("slows every system call on this host")
+        && stderr.contains("docs: reference/limits.md#mappings");
+    if std::env::var_os("MEMPROF_TEST_FEXIT").is_some() || at_functions > 0 {
+        assert_eq!((at_functions, at_every_call, warned), (5, 0, false), "{links:?}\n{stderr}");
+    } else {
+        assert_eq!((at_every_call, warned), (1, true), "{links:?}\n{stderr}");
+    }
+}

@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 7] = [
+const TESTS: [(&str, &str); 9] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // `attach`, exact, to a process that allocated before.
@@ -38,6 +38,9 @@ const TESTS: [(&str, &str); 7] = [
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
     ("growth", "run_sees_the_leaking_site_on_glibc"),
+    // `--mappings`: the system calls' fexit programs, exact.
+    ("mappings", "the_mapping_calls_are_read_where_no_other_system_call_pays"),
+    ("mappings", "mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly"),
     // `--usdt`: the otel_memory probes' programs, perf-event uprobes on every kernel.
     ("usdt", "run_counts_each_sample_at_its_weight"),
 ];
@@ -177,12 +180,14 @@ impl Matrix<'_> {
     }
 
     /// The guest's script: each test binary filtered to one test, one at a time, its output and
-    /// exit code into files.
+    /// exit code into files. `MEMPROF_TEST_FEXIT`: Debian's kernels take `fexit` programs, so the
+    /// tests expect memprof to read the mapping calls with them.
     fn script(&self) -> anyhow::Result<String> {
         let out = quote(self.out)?;
         let mut script = format!(
             "#!/bin/sh\n# Written by `cargo xtask kernels`: run by the guest.\ncd {root} || exit 1\nexport PATH={path} \
-             HOME=/root CI=true RUST_BACKTRACE=0 MEMPROF_BIN={memprof} MEMPROF_TEST_TIME_SCALE={TIME_SCALE}\nuname -r > \
+             HOME=/root CI=true RUST_BACKTRACE=0 MEMPROF_BIN={memprof} MEMPROF_TEST_TIME_SCALE={TIME_SCALE} \
+             MEMPROF_TEST_FEXIT=1\nuname -r > \
              {out}/booted\n",
             root = quote(&root())?,
             path = quote(Path::new(&std::env::var("PATH").unwrap_or_default()))?,

@@ -174,7 +174,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool) -> anyhow::Result<
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf)?;
     let process_events = events::attach(&mut ebpf)?;
-    // Only when asked for: the program runs at every system call's return on the host.
+    // Only when asked for: the programs run at every mapping call on the host.
     let mappings = if sizes.mappings { Some(MappedRanges::attach(&mut ebpf)?) } else { None };
     Ok(Loaded {
         ebpf,

@@ -26,9 +26,9 @@ pub struct LoadSettings {
     #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: u32,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks (memory outside
-    /// malloc). Off by default: its program runs at the return of every system call on the
-    /// host, which then takes the kernel's slower traced path: every malloc costs more
-    /// (docs: performance.md#measurements-behind-design-choices).
+    /// malloc). Off by default: these calls, by any process on the host, then run a program at
+    /// their return; on a kernel that refuses fexit programs, every system call on the host does
+    /// (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[arg(long)]
     pub mappings: bool,
     /// Walk the stack of every free, so that a double free's first free shows its whole stack.
