@@ -8,9 +8,11 @@
 //!
 //! Each program runs at every call of its system call on the machine and returns after one
 //! lookup for processes not traced; every other system call runs none of memprof's code. A
-//! kernel that refuses `fexit` programs gets `syscall_exit` at the raw `sys_exit` tracepoint
-//! instead: that puts every system call of every process on the kernel's slower path for traced
-//! system calls, and runs the program there, which returns after one read of the call's number.
+//! kernel that refuses `fexit` programs gets `syscall_exit_tracepoint` at the raw `sys_exit`
+//! tracepoint instead: that puts every system call of every process on the kernel's slower path
+//! for traced system calls, and runs the program there, which returns after one read of the
+//! call's number. Nothing runs at a call's entry: the one thing it would tell, the break before
+//! a `brk`, the daemon knows from the process's previous `brk`.
 //!
 //! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
 //! by an address inside it. Each call that changes a traced process's anonymous private memory

@@ -53,7 +53,17 @@ fn redis_server_on_jemalloc_under_run() {
     let mut replies = BufReader::new(redis.try_clone().unwrap());
     for key in 0..KEYS {
         let mut reply = String::new();
-        replies.read_line(&mut reply).expect("redis-server's reply");
+        if let Err(err) = replies.read_line(&mut reply) {
+            // Whether redis-server (and memprof with it) ended, and what memprof said.
+            let mut memprof = memprof;
+            let ended = memprof.try_wait().unwrap();
+            let _ = memprof.kill();
+            let said = memprof.wait_with_output().unwrap();
+            panic!(
+                "redis-server's reply to SET key:{key}: {err}; memprof had ended: {ended:?}; its stderr:\n{}",
+                String::from_utf8_lossy(&said.stderr)
+            );
+        }
         assert_eq!(reply, "+OK\r\n", "SET key:{key}");
     }
     redis.write_all(b"SHUTDOWN NOSAVE\r\n").expect("sending SHUTDOWN");
