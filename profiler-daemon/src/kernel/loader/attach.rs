@@ -1,0 +1,380 @@
+//! Attaching a process's probes and hooks, and taking them back.
+
+use std::{collections::HashSet, num::NonZeroU32, path::Path};
+
+use anyhow::Context as _;
+use profiler_common::{c_library_free_cookie, FREE_WRAPPER};
+
+use crate::kernel::probes::Attachment;
+use crate::{
+    kernel::aggregate,
+    kernel::events::{self, ProcessEvent},
+    kernel::faults,
+    kernel::mappings::MappedRanges,
+    kernel::probes::{Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
+    kernel::shared::{FileId, ProbeLinks},
+    kernel::uprobe_multi::Point,
+    process::allocator::{self, Allocator},
+    process::procfs,
+};
+
+use super::Loaded;
+
+/// `ld-linux-x86-64.so.2` and the like, under any directory.
+fn is_dynamic_linker(path: &str) -> bool {
+    path.rsplit('/').next().is_some_and(|name| name.starts_with("ld-linux") || name.starts_with("ld-musl"))
+}
+
+/// The dynamic linker calls it before and after every change to the loaded libraries.
+const DL_HOOK: &str = "_dl_debug_state";
+/// The dynamic linker's `struct r_debug`, whose `r_map` lists the loaded objects.
+const R_DEBUG: &str = "_r_debug";
+
+impl Loaded {
+    /// Traces the processes attached from now on by the pages they touch instead of their
+    /// allocator calls (`--growth`): their allocator gets no probe.
+    pub fn trace_page_faults(&mut self) -> anyhow::Result<()> {
+        self.load_page_faults()?;
+        self.growth = true;
+        Ok(())
+    }
+
+    /// The page-fault program and the ring its pages go through, once.
+    fn load_page_faults(&mut self) -> anyhow::Result<()> {
+        if self.faults_loaded {
+            return Ok(());
+        }
+        faults::load(&mut self.ebpf)?;
+        if self.mappings.is_none() {
+            self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?);
+        }
+        self.faults_loaded = true;
+        Ok(())
+    }
+
+    /// A process too busy for its calls to be traced one by one (`--max-rate`): from now on it
+    /// is traced by the pages it touches (see `watch_pages`), and what its calls recorded goes.
+    /// Its `attachment` is replaced.
+    pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
+        self.load_page_faults()?;
+        let old = std::mem::take(attachment);
+        *attachment = self.restart(pid, old);
+        attachment.merge(self.watch_pages(pid, true)?);
+        Ok(())
+    }
+
+    /// Attaches every probe to `allocator` for `pid` only: the free probes, the return probes, one
+    /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
+    /// On failure nothing stays attached; see `probe_allocator` for the order.
+    pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them.
+        self.sync_mappings(pid.get());
+        self.attach_probes(allocator, pid, true)
+    }
+
+    /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
+    /// `files` (see `allocator::for_command`): their tables are built now, and its mappings read
+    /// once it has exec'd (see `commands::family`).
+    pub fn attach_before_exec(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        files: &[std::path::PathBuf],
+    ) -> anyhow::Result<Attachment> {
+        self.unwind.preload(pid.get(), files);
+        // Its memory is memprof's until the exec: none of it is the command's.
+        self.attach_probes(allocator, pid, false)
+    }
+
+    /// Probes `allocator`'s files for `pid`, which may never map them (see `allocator::standby`):
+    /// the kernel puts a file's probes in place when the process maps it.
+    pub fn attach_standby(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        self.probe_allocator(allocator, pid)
+    }
+
+    /// The process is in `TRACED` first, as shared links that exist already record it from then on.
+    fn attach_probes(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        has_memory: bool,
+    ) -> anyhow::Result<Attachment> {
+        self.track(pid.get())?;
+        let probed = if self.growth { self.watch_pages(pid, has_memory) } else { self.probe_allocator(allocator, pid) };
+        let mut attachment = match probed {
+            Ok(attachment) => attachment,
+            Err(err) => {
+                self.forget_exited(&HashSet::from([pid.get()]));
+                return Err(err);
+            }
+        };
+        self.attach_dl_hook(&mut attachment, pid);
+        Ok(attachment)
+    }
+
+    /// Reports every exec (and fork) on the host too, as `flags` (`discover::`) say: how the
+    /// daemon finds the processes its rules match as they start.
+    pub fn discover(&mut self, flags: u32) -> anyhow::Result<()> {
+        events::discover(&mut self.ebpf, flags)
+    }
+
+    /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
+    pub fn set_probe_links(&mut self, policy: ProbeLinks) {
+        self.shared.set_policy(policy);
+    }
+
+    /// `n` processes are about to be attached one after the other (see `SharedLinks::attaching`).
+    pub fn attaching(&mut self, n: usize) {
+        self.shared.attaching(n);
+    }
+
+    /// Whether `pid`, about to get its first link, in `file`, is to share links (see `shared`);
+    /// always for a process whose main thread has exited (pthread_exit), which a link's pid
+    /// filter cannot name any more (the kernel compares the leader's memory, which is gone).
+    /// Perf-event uprobes are per process.
+    fn to_share(&self, pid: NonZeroU32, file: FileId) -> bool {
+        self.method != Method::PerfEvents && (self.shared.should_share(file) || procfs::leader_exited(pid.get()))
+    }
+
+    /// Attaches program `name` at `points` of the file at `path` for `pid`: links of its own, or
+    /// its share of the links every traced process mapping the file uses (see `shared`).
+    fn add_probes(
+        &mut self,
+        attachment: &mut Attachment,
+        name: &'static str,
+        path: &Path,
+        points: &[Point],
+        pid: NonZeroU32,
+    ) -> anyhow::Result<()> {
+        let file = FileId::of(path)?;
+        let shares = match self.shared.shares(pid.get()) {
+            Some(shares) => shares,
+            None => {
+                let shares = self.to_share(pid, file);
+                // Before its first link: shared links record the process from then on.
+                self.track_sharing(pid.get(), shares)?;
+                self.shared.decide(pid.get(), shares);
+                shares
+            }
+        };
+        self.shared.uses(pid.get(), file);
+        let (ebpf, method) = (&mut self.ebpf, self.method);
+        if !shares {
+            return attachment.add(ebpf, method, name, path, points, Some(pid));
+        }
+        let links = self.shared.get_or_attach(path, file, name, points, || {
+            let points: Vec<Point> =
+                points.iter().map(|p| Point { cookie: p.cookie | profiler_common::SHARED_LINK, ..*p }).collect();
+            let mut links = Attachment::default();
+            links.add(ebpf, method, name, path, &points, None)?;
+            Ok(links)
+        })?;
+        attachment.share(links);
+        Ok(())
+    }
+
+    /// The files whose probe links are shared: every process that maps one takes a trap at
+    /// each of its probed calls, traced or not.
+    pub fn shared_files(&self) -> HashSet<FileId> {
+        self.shared.shared_files()
+    }
+
+    /// Detaches `attachment` and forgets what the maps hold about `pid`: after an attach that
+    /// failed part of the way (typically, the process exited meanwhile), whose first probes may
+    /// have recorded some of its allocations already, and after an exec.
+    pub(super) fn take_back(&mut self, attachment: Attachment, pid: NonZeroU32) {
+        self.detach(attachment);
+        self.shared.leave(pid.get());
+        self.forget_state(&HashSet::from([pid.get()]));
+    }
+
+    /// The allocator's probes alone (see `attach`), in each of its files, after its tables.
+    pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them.
+        self.sync_mappings(pid.get());
+        if self.growth {
+            return self.watch_pages(pid, true);
+        }
+        self.probe_allocator(allocator, pid)
+    }
+
+    /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
+    /// memory it has now (`has_memory`) and maps from now on kept (see `mappings`).
+    fn watch_pages(&mut self, pid: NonZeroU32, has_memory: bool) -> anyhow::Result<Attachment> {
+        let existing: Vec<(u64, u64)> = if has_memory {
+            let regions = procfs::regions(pid.get()).with_context(|| format!("reading the mappings of pid {}", pid))?;
+            let anonymous = |r: &&procfs::Region| r.writable && !r.shared && (r.path.is_empty() || r.path == "[heap]");
+            regions.iter().filter(anonymous).map(|r| (r.start, r.end)).collect()
+        } else {
+            Vec::new()
+        };
+        if let Some(mappings) = &mut self.mappings {
+            mappings.watch_pages(pid.get(), &existing);
+        }
+        // Before its first fault: a page it touches is given back by `madvise` too from then on.
+        self.update_traced(pid.get(), |flags| flags | profiler_common::traced::GROWTH)?;
+        let mut attachment = Attachment::default();
+        attachment.add_page_faults(faults::open(&mut self.ebpf, pid.get())?);
+        Ok(attachment)
+    }
+
+    /// The process runs meanwhile (a child just forked allocates at once), so the order matters.
+    /// Free probes go first, in every file (a block one file allocates, another's free may free):
+    /// an allocation recorded before its free probe is in place is seen never freed, and its
+    /// address, given out again, counted a missed free. A free before the allocation probes is
+    /// only an unknown free. Return probes go before entry probes: an entry probe that fires
+    /// before its return probe exists would leave in-flight state behind that nothing clears.
+    fn probe_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        let points = |file: &allocator::AllocatorFile| {
+            let allocs: Vec<Point> =
+                file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
+            let frees: Vec<Point> = file
+                .frees
+                .iter()
+                .map(|p| {
+                    let c_library = p.c_library_code.and_then(|(below, above)| c_library_free_cookie(below, above));
+                    Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { c_library.unwrap_or(0) } }
+                })
+                .collect();
+            (allocs, frees)
+        };
+        let files: Vec<_> = allocator.files.iter().map(|file| (&file.attach_path, points(file))).collect();
+        let frees = files.iter().map(|(path, (_, frees))| (FREE_PROGRAM, *path, frees));
+        let alloc_programs: &[&'static str] = match self.method {
+            Method::Sessions => &[SESSION_PROGRAM],
+            _ => &[RETURN_PROGRAM, ENTRY_PROGRAM],
+        };
+        let allocs =
+            alloc_programs.iter().flat_map(|&name| files.iter().map(move |(path, (allocs, _))| (name, *path, allocs)));
+        let mut attachment = Attachment::default();
+        for (name, path, points) in frees.chain(allocs) {
+            if let Err(err) = self.add_probes(&mut attachment, name, path, points, pid) {
+                self.take_back(attachment, pid);
+                return Err(err);
+            }
+        }
+        Ok(attachment)
+    }
+
+    /// After `pid` exec'd (`exec`, its event): its old program's probes go (they were on the old
+    /// program's files), with what the old program left in the maps; what the new one recorded
+    /// meanwhile, through the probes of files both map (the C library), stays. The new program's
+    /// dynamic linker is hooked at once; its allocator is probed by `attach_allocator` once
+    /// mapped (`allocator::find`), which for a dynamic program is after the dynamic linker has
+    /// loaded the C library.
+    pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment, exec: &ProcessEvent) -> Attachment {
+        self.detach(old);
+        self.shared.leave(pid.get());
+        self.image_replaced(pid, exec);
+        self.unwind.forget(&mut self.ebpf, pid.get());
+        self.sync_mappings(pid.get());
+        let mut attachment = Attachment::default();
+        self.attach_dl_hook(&mut attachment, pid);
+        attachment
+    }
+
+    /// After `pid` exec'd (`exec`, its event) with its probes kept: what its old program left in
+    /// the maps goes, and what the new program recorded since its first instruction stays (the
+    /// kernel restarted its heap figures and counters at the exec, see `ProcessEvent::image`).
+    pub fn image_replaced(&mut self, pid: NonZeroU32, exec: &ProcessEvent) {
+        let doomed = aggregate::Doomed::OldImage { tgid: pid.get(), image: exec.image, exec_ns: exec.time_ns };
+        // Ranges other processes map hold stacks; the new program's may too by now.
+        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(&HashSet::new())).unwrap_or_default();
+        if let Err(err) = self.purge(doomed, &held) {
+            tracing::warn!(pid = pid.get(), "dropping what the old program left in the maps failed: {err:#}");
+        }
+        (self.walked_entries, self.stack_entries) = (None, None);
+        self.stillness.forget(pid.get());
+        self.unwind_events.exec_happened(pid.get(), exec.time_ns);
+        self.unwind.exec_happened(pid.get(), exec.time_ns);
+        if let Some(mappings) = &mut self.mappings {
+            mappings.forget(pid.get(), &self.ages.clock);
+        }
+    }
+
+    /// `aggregate::purge`, and a new generation: no walk the kernel remembered gives a stack id
+    /// the purge removed.
+    pub(super) fn purge(&mut self, doomed: aggregate::Doomed<'_>, held: &HashSet<u64>) -> anyhow::Result<()> {
+        aggregate::purge(&mut self.ebpf, doomed, held)?;
+        self.unwind.new_generation(&mut self.ebpf)
+    }
+
+    /// Starts `pid`'s tracing again with nothing of what was recorded: its probes go with
+    /// everything the maps hold about it, and its dynamic linker is hooked again.
+    pub fn restart(&mut self, pid: NonZeroU32, old: Attachment) -> Attachment {
+        self.take_back(old, pid);
+        self.sync_mappings(pid.get());
+        let mut attachment = Attachment::default();
+        self.attach_dl_hook(&mut attachment, pid);
+        attachment
+    }
+
+    /// Hooks the dynamic linker of `pid`, so that libraries it loads later get unwind tables
+    /// (see `mappings_changed` in the eBPF programs). A static binary has none, and is not hooked.
+    pub(super) fn attach_dl_hook(&mut self, attachment: &mut Attachment, pid: NonZeroU32) {
+        let Ok(mappings) = procfs::file_mappings(pid.get()) else { return };
+        let Some(linker) = mappings.iter().find(|m| m.executable && is_dynamic_linker(&m.path)) else { return };
+        let Some(path) = linker.reachable_paths(pid.get()).into_iter().find(|p| Path::new(p).exists()) else { return };
+        let path = Path::new(&path);
+        let attached = allocator::function_file_offset(path, DL_HOOK)
+            .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
+            .and_then(|offset| {
+                // Where the linker's list of objects is, from the probe's address (see the program).
+                let cookie = allocator::symbol_distance(path, DL_HOOK, R_DEBUG).unwrap_or(0);
+                let hook = [Point { offset, cookie }];
+                self.add_probes(attachment, MAPPINGS_PROGRAM, path, &hook, pid)
+            });
+        match attached {
+            Ok(()) => self.unwind.linker_hooked(pid.get()),
+            Err(err) => tracing::warn!("libraries pid {pid} loads later may lack unwind tables: {err:#}"),
+        }
+    }
+
+    /// Detaches one process's probes (see `probes` for what it costs), with the shared links no
+    /// other traced process uses.
+    pub fn detach(&mut self, attachment: Attachment) {
+        drop(self.release(attachment));
+    }
+
+    /// Detaches one process's probes on the detacher thread, for a process that has exited or
+    /// when memprof stops: the caller goes on at once (`wait_detached` waits for them).
+    pub fn detach_in_background(&mut self, attachment: Attachment) {
+        let own = self.release(attachment);
+        if let Some(detacher) = &self.detacher {
+            detacher.detach(own);
+        }
+    }
+
+    /// Returns once every probe detached in the background is gone.
+    pub fn wait_detached(&mut self) {
+        if let Some(detacher) = self.detacher.take() {
+            detacher.finish();
+        }
+    }
+
+    /// `wait_detached` at the end of `attach` or `run`. Perf-event uprobes close one at a time
+    /// under a kernel-wide lock (docs: reference/kernels.md#kernel-requirements), so those are left to a child that closes them
+    /// after memprof has ended (see `Detacher::hand_over`): the processes memprof traced keep
+    /// taking their traps until it has. Not for the daemon: the child holds every descriptor it
+    /// had, its listening sockets too, which a restarted daemon could not bind meanwhile.
+    pub fn leave_detached(&mut self) {
+        match self.detacher.take() {
+            Some(detacher) if self.method == Method::PerfEvents => detacher.hand_over(),
+            Some(detacher) => detacher.finish(),
+            None => {}
+        }
+    }
+
+    /// Takes `attachment`'s share of shared links out of it, and detaches at once the shared
+    /// links no traced process uses any more: before anything new is attached, so that a file's
+    /// old and new links never both fire. Returns the process's own links.
+    fn release(&mut self, mut attachment: Attachment) -> Attachment {
+        attachment.unshare();
+        let mut unused = Attachment::default();
+        for links in self.shared.take_unused() {
+            unused.merge(links);
+        }
+        drop(unused);
+        attachment
+    }
+}

@@ -1,0 +1,219 @@
+//! What the maps hold of each traced process: which are tracked, their counts read, their
+//! mapping lists, their sampling.
+
+use std::collections::{HashMap, HashSet};
+
+use anyhow::Context as _;
+
+use crate::{
+    kernel::aggregate::{self, KernelSnapshot},
+    kernel::events,
+    kernel::sample_rates,
+    process::{
+        link_map,
+        procfs::{self, FileMapping},
+    },
+};
+
+use super::Loaded;
+
+impl Loaded {
+    /// Makes `pid`'s execs (and, with `follow_forks`, forks) reported in `process_events`.
+    pub(super) fn track(&mut self, pid: u32) -> anyhow::Result<()> {
+        let shares = self.shared.shares(pid).unwrap_or(false);
+        self.track_sharing(pid, shares)
+    }
+
+    /// `track`, and whether links shared per file record `pid` (`traced::SHARED`). A process
+    /// traced by its pages stays so (`traced::GROWTH`, see `watch_pages`).
+    pub(super) fn track_sharing(&mut self, pid: u32, shares: bool) -> anyhow::Result<()> {
+        use profiler_common::traced::{FOLLOW_FORKS, GROWTH, SHARED};
+        let flags = if self.follow_forks { FOLLOW_FORKS } else { 0 } | if shares { SHARED } else { 0 };
+        self.update_traced(pid, |old| flags | old & GROWTH)
+    }
+
+    /// Writes `pid`'s `TRACED` entry as `update` makes it from the flags it has (0 when none).
+    /// Only the daemon's thread writes the map.
+    pub(super) fn update_traced(&mut self, pid: u32, update: impl FnOnce(u32) -> u32) -> anyhow::Result<()> {
+        let mut traced: aya::maps::HashMap<_, u32, u32> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("TRACED").context("map TRACED missing")?)?;
+        let flags = update(traced.get(&pid, 0).unwrap_or(0));
+        traced.insert(pid, flags, 0)?;
+        Ok(())
+    }
+
+    /// Removes everything memprof holds about `pids`, which have exited (or were detached while
+    /// running): map entries, unwind tables, ages, process-event tracking.
+    pub fn forget_exited(&mut self, pids: &HashSet<u32>) {
+        // Out of `TRACED` first: shared links stop recording a process still running.
+        if let Some(Ok(mut traced)) = self.ebpf.map_mut("TRACED").map(aya::maps::HashMap::<_, u32, u32>::try_from) {
+            for pid in pids {
+                let _ = traced.remove(pid);
+            }
+        }
+        for &pid in pids {
+            self.shared.forget(pid);
+            self.usdt.forget(pid);
+        }
+        self.forget_state(pids);
+    }
+
+    /// What the maps, the stack walk and the ages hold about `pids`.
+    pub(super) fn forget_state(&mut self, pids: &HashSet<u32>) {
+        // The stacks other processes' ranges and pages hold are theirs to keep.
+        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
+        if let Err(err) = self.purge(aggregate::Doomed::Processes(pids), &held) {
+            tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
+        }
+        (self.walked_entries, self.stack_entries) = (None, None);
+        for &pid in pids {
+            self.stillness.forget(pid);
+            self.unwind.forget(&mut self.ebpf, pid);
+            self.unwind_events.forget(pid);
+            self.ages.forget(pid);
+            if let Some(mappings) = &mut self.mappings {
+                mappings.forget(pid, &self.ages.clock);
+            }
+        }
+    }
+
+    /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
+    pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+        if let Some(mappings) = &mut self.mappings {
+            mappings.drain(&self.ages.clock);
+        }
+        if let (true, Some((live_entries, stack_stats_entries))) = (tgids.is_empty(), self.walked_entries) {
+            let unattributed_drops = aggregate::unattributed_drops(&self.ebpf)?;
+            return Ok(KernelSnapshot { live_entries, stack_stats_entries, unattributed_drops, ..Default::default() });
+        }
+        let pages = |tgid: u32| self.mappings.as_ref().and_then(|mappings| mappings.pages(tgid));
+        let mut kernel = aggregate::read(&self.ebpf, &self.unwind, &mut self.ages, tgids, min_age_ns, &pages)?;
+        if let Some(mappings) = &self.mappings {
+            for (&tgid, process) in &mut kernel.processes {
+                process.mappings = mappings.stacks(tgid);
+            }
+        }
+        for (&tgid, process) in &mut kernel.processes {
+            process.usdt = self.usdt.traces(tgid);
+        }
+        (self.walked_entries, self.stack_entries) = (Some((kernel.live_entries, kernel.stack_stats_entries)), None);
+        Ok(kernel)
+    }
+
+    /// The entries of `STACKS` and `FREE_STACKS`: counted again only after a read that walked
+    /// the maps (a stack is stored only by a process that moved) or a purge.
+    pub fn stack_entries(&mut self) -> anyhow::Result<(u64, u64)> {
+        if let Some(entries) = self.stack_entries {
+            return Ok(entries);
+        }
+        let entries = (
+            aggregate::stack_entries(&self.ebpf, aggregate::StackTable::Allocations)?,
+            aggregate::stack_entries(&self.ebpf, aggregate::StackTable::Frees)?,
+        );
+        self.stack_entries = Some(entries);
+        Ok(entries)
+    }
+
+    /// For each of `tgids`, the intervals in a row it has been still (see `stillness`).
+    pub fn still_intervals(&mut self, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, u32>> {
+        if let Some(mappings) = &mut self.mappings {
+            mappings.drain(&self.ages.clock);
+        }
+        let mappings = self.mappings.as_ref();
+        let learned = |tgid| mappings.map_or(0, |m| m.events(tgid)) + self.unwind.deferred_finished(tgid);
+        self.stillness.update(&self.ebpf, tgids, learned)
+    }
+
+    /// `tgid` is read whole at the next interval, still or not.
+    pub fn unsettle(&mut self, tgid: u32) {
+        self.stillness.forget(tgid);
+    }
+
+    /// `tgids` have been still since `since_ns` at least and are not read (see `AgeBook::rest`).
+    pub fn rest(&mut self, tgids: &HashSet<u32>, since_ns: u64) {
+        for &tgid in tgids {
+            self.ages.rest(tgid, since_ns);
+        }
+    }
+
+    /// The allocator calls of `tgids` so far (see `aggregate::calls`).
+    pub fn calls(&self, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, aggregate::Calls>> {
+        aggregate::calls(&self.ebpf, tgids)
+    }
+
+    /// How many processes the kernel reports execs and forks of, and how many of those events
+    /// found the ring buffer full.
+    pub fn tracked(&self) -> (u64, u64) {
+        let entries = self.ebpf.map("TRACED").map_or(0, |map| {
+            let mut n = 0;
+            let _ = crate::kernel::batch::for_each(map, |_: &u32, _: &u32| n += 1);
+            n
+        });
+        (entries, events::events_lost(&self.ebpf))
+    }
+
+    /// Gives the stack walk the current executable mappings of `pid` and their tables; returns
+    /// whether the files it maps with code changed.
+    pub fn sync_mappings(&mut self, pid: u32) -> bool {
+        self.unwind.sync(&mut self.ebpf, pid).unwrap_or_else(|err| {
+            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
+            false
+        })
+    }
+
+    /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see
+    /// `unwind::Registry::code_changes`).
+    pub fn code_changes(&mut self, pid: u32) -> u64 {
+        self.unwind.code_changes(&mut self.ebpf, pid)
+    }
+
+    /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) {
+        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes) {
+            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
+        }
+    }
+
+    /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
+    /// finishes those walks on the tables just loaded; returns the pids.
+    pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
+        self.sync_changed_mappings_with(procfs::exe_path, |_, _| {})
+    }
+
+    /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
+    /// read, before the tables are built: a short-lived process may be gone a moment later. A
+    /// process already gone has the mappings of the linker's last list of objects (`link_map`),
+    /// or, without a dynamic linker, those of an executable loaded where it says; its
+    /// executable's path from `exe_of`.
+    pub fn sync_changed_mappings_with(
+        &mut self,
+        exe_of: impl Fn(u32) -> Option<String>,
+        mut on_read: impl FnMut(u32, &[FileMapping]),
+    ) -> Vec<u32> {
+        let drained = self.unwind_events.drain();
+        for &pid in &drained.pids {
+            let changes = self.code_changes(pid);
+            let mappings = match procfs::file_mappings(pid) {
+                Ok(mappings) if !mappings.is_empty() => mappings,
+                _ => match self.unwind_events.objects(pid) {
+                    Some(objects) => link_map::mappings(objects, exe_of(pid).as_deref()),
+                    None => match exe_of(pid).and_then(|exe| link_map::fixed_executable(&exe)) {
+                        Some(mappings) => mappings,
+                        None => continue,
+                    },
+                },
+            };
+            on_read(pid, &mappings);
+            self.sync_mappings_with(pid, &mappings, changes);
+        }
+        for event in &drained.deferred {
+            self.unwind.finish_deferred(&self.ebpf, event);
+        }
+        drained.pids
+    }
+
+    /// Records `pid`'s allocations by sampling from now on (see `sample_rates::set`).
+    pub fn sample(&mut self, pid: u32, sample_bytes: u64) -> anyhow::Result<()> {
+        sample_rates::set(&mut self.ebpf, pid, sample_bytes)
+    }
+}
