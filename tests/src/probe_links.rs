@@ -1,6 +1,7 @@
-//! The BPF links that probe a process, found in every process's `/proc/PID/fdinfo`: the kernel
-//! describes each link a descriptor holds there, with more than Debian's bpftool 7.1 shows (it
-//! names a uprobe_multi link only "type 12", without its pid or path).
+//! The BPF links processes hold, and those that probe a process, found in every process's
+//! `/proc/PID/fdinfo`: the kernel describes each link a descriptor holds there, with more than
+//! Debian's bpftool 7.1 shows (it names a uprobe_multi link only "type 12", without its pid or
+//! path).
 
 use std::fs;
 
@@ -31,29 +32,31 @@ pub fn shared(holder: u32) -> Vec<ProbeLink> {
 
 /// Every uprobe link held by any process, with the pid it probes (0 for every process).
 pub fn all() -> Vec<(ProbeLink, u32)> {
-    let mut links = Vec::new();
-    let Ok(processes) = fs::read_dir("/proc") else { return links };
-    for holder in processes.flatten().filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok()) {
-        let Ok(fds) = fs::read_dir(format!("/proc/{holder}/fd")) else { continue };
-        for fd in fds.flatten() {
-            if !fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link") {
-                continue;
-            }
-            let Ok(info) = fs::read_to_string(format!("/proc/{holder}/fdinfo/{}", fd.file_name().to_string_lossy()))
-            else {
-                continue;
-            };
-            links.extend(parse(holder, &info));
-        }
-    }
-    links
+    let Ok(processes) = fs::read_dir("/proc") else { return Vec::new() };
+    processes
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .flat_map(|holder| descriptions(holder).into_iter().filter_map(move |info| parse(holder, &info)))
+        .collect()
+}
+
+/// The fdinfo of each BPF link process `holder` holds.
+pub fn descriptions(holder: u32) -> Vec<String> {
+    let Ok(fds) = fs::read_dir(format!("/proc/{holder}/fd")) else { return Vec::new() };
+    fds.flatten()
+        .filter(|fd| fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link"))
+        .filter_map(|fd| fs::read_to_string(format!("/proc/{holder}/fdinfo/{}", fd.file_name().to_string_lossy())).ok())
+        .collect()
+}
+
+/// Field `name` of a link's fdinfo `info`; empty if it has none.
+pub fn field<'a>(info: &'a str, name: &str) -> &'a str {
+    info.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(':')).map(str::trim).unwrap_or("")
 }
 
 /// A uprobe link's description in fdinfo, and the pid it probes.
 fn parse(holder: u32, info: &str) -> Option<(ProbeLink, u32)> {
-    let field = |name: &str| {
-        info.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(':')).map(str::trim).unwrap_or("")
-    };
+    let field = |name: &str| field(info, name);
     match field("link_type") {
         kind @ ("uprobe_multi" | "uretprobe_multi") => {
             let link = ProbeLink {

@@ -3,7 +3,8 @@
 //! runtime maps itself (tests/fixtures/go_heap).
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture, fixture_go, fixture_go_pure, memprof, metric, run, wait_for, Daemon, Waiting,
+    assert_nothing_dropped, fixture, fixture_go, fixture_go_pure, memprof, metric, probe_links, run, wait_for, Daemon,
+    Waiting,
 };
 use serde_json::Value;
 
@@ -159,28 +160,6 @@ fn an_exact_targets_purges_are_not_sent_and_it_settles() {
     assert_eq!(metric(daemon.port, &series), Some(16 * PAGE), "the range stays mapped: madvise keeps it");
 }
 
-/// The BPF links process `pid` holds, as (`link_type`, `tp_name`) from its fdinfo (see
-/// `probe_links`).
-fn bpf_links(pid: u32) -> Vec<(String, String)> {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
-    fds.flatten()
-        .filter(|fd| std::fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link"))
-        .filter_map(|fd| {
-            std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).ok()
-        })
-        .map(|info| {
-            let field = |name: &str| {
-                info.lines()
-                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-                    .unwrap_or("")
-                    .trim()
-                    .to_string()
-            };
-            (field("link_type"), field("tp_name"))
-        })
-        .collect()
-}
-
 /// The mapping calls are read where no other system call pays: one `fexit` link per call. A
 /// kernel that refuses `fexit` programs gets the `sys_exit` tracepoint, which every system call on
 /// the host pays for, and memprof says so. `cargo xtask kernels` sets `MEMPROF_TEST_FEXIT=1` on
@@ -196,7 +175,12 @@ fn the_mapping_calls_are_read_where_no_other_system_call_pays() {
     let pid = child.id();
     // The mapping programs are attached before the command starts, the uprobes after.
     let links = wait_for(60, "memprof's uprobe links", || {
-        let links = bpf_links(pid);
+        let links: Vec<(String, String)> = probe_links::descriptions(pid)
+            .iter()
+            .map(|info| {
+                (probe_links::field(info, "link_type").to_string(), probe_links::field(info, "tp_name").to_string())
+            })
+            .collect();
         links.iter().any(|(kind, _)| kind.contains("uprobe") || kind == "perf").then_some(links)
     });
     let output = child.wait_with_output().unwrap();
