@@ -127,7 +127,7 @@ impl Window<'_> {
     }
 }
 
-/// The kernel's walk (`profiler-ebpf/src/unwind.rs`, `frame`) from where it stopped: its frame
+/// The kernel's walk (`profiler-ebpf/src/unwind/frames.rs`, `frame`) from where it stopped: its frame
 /// `event.pc` is stored already (or is an entry probe's function, which stacks do not hold).
 fn walk(event: &DeferredUnwind, mappings: &ProcMappings, rows: &impl Rows, room: usize) -> Completion {
     let copied = (event.pages as usize).min(event.window.len() / PAGE_BYTES) * PAGE_BYTES;

@@ -1,0 +1,111 @@
+//! A walk stopped at a file with no table yet: its stack sent to the daemon, which finishes it.
+
+use aya_ebpf::{
+    bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA},
+    cty::c_void,
+    helpers::{bpf_ktime_get_ns, bpf_probe_read_user},
+    maps::HashMap,
+};
+use profiler_common::{DeferredUnwind, DropReason, Stack, StackEnd, DEFERRED_PAGES, NO_STACK, PAGE_BYTES};
+
+use super::{taken::restore_taken, Scratch, EEXIST, UNWIND_EVENTS, UNWIND_EVENTS_BYTES};
+use crate::shared::count_drop;
+
+/// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
+/// the first time that stack is stored, sends its state and a copy of the stack to the daemon,
+/// which finishes the walk in user space (see `DeferredUnwind`). The id also hashes the stack
+/// pointer, so that calls reaching the frame from different depths stay apart, and, at an entry
+/// probe that stored no frame yet (a free in a library not read yet) or a mapping's walk that
+/// stored only the system call's wrapper (before the process's mappings are read), the return
+/// address at the stack pointer, so that two call sites at one depth do too. None when
+/// the event cannot be sent (the ring is full): the stack is then kept cut, counted as
+/// `deferred_walk_lost`.
+///
+/// Only walks that would have been cut come here, and only while a newer mapping list may come
+/// (`list_was_current`): the cost of every other stays as it was.
+pub(super) fn defer(
+    table: &HashMap<u64, Stack>,
+    which: u32,
+    scratch: &mut Scratch,
+    ours: u64,
+    counts_cuts: bool,
+) -> Option<u64> {
+    let walk = &scratch.walk;
+    // At a syscall the first frame is the C library's wrapper, the same for every caller.
+    let first_frame_only = (walk.len == 0 && walk.first_is_probed != 0) || (!counts_cuts && walk.len <= 1);
+    let caller = if first_frame_only { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
+    let place = walk.sp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ caller.rotate_left(29);
+    let hash = (walk.hash ^ place).rotate_left(7) ^ StackEnd::Deferred as u64;
+    let check = walk.check ^ walk.sp ^ caller ^ walk.len as u64;
+    let id = if hash == NO_STACK { 1 } else { hash };
+    if let Some(stored) = unsafe { table.get(id) } {
+        if stored.check == check && stored.len == walk.len {
+            return Some(id);
+        }
+        count_drop(DropReason::StackCollision);
+        return Some(NO_STACK);
+    }
+    // A mapping's walk (`counts_cuts` false) gives way to the heap's: it takes no copy once the
+    // ring is a quarter full, and keeps its stack cut instead.
+    if !counts_cuts && UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64) > UNWIND_EVENTS_BYTES / 4 {
+        return None;
+    }
+    let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
+    let event = entry.as_mut_ptr();
+    let window_start = walk.sp & !(PAGE_BYTES as u64 - 1);
+    // SAFETY: the reserved record is ours until submitted or discarded.
+    unsafe {
+        (*event).stack_id = id;
+        (*event).tgid = walk.start.tgid;
+        (*event).table = which;
+        ((*event).pc, (*event).sp, (*event).bp) = (walk.pc, walk.sp, walk.bp);
+        ((*event).pc_is_return, (*event).bp_known) = (walk.pc_is_return, walk.bp_known);
+        (*event).pc_recorded = u32::from(walk.len > 0 || walk.pc_is_return != 0);
+        (*event).stored = walk.len;
+        (*event).counts_cuts = u32::from(counts_cuts);
+        (*event).window_start = window_start;
+        (*event).time_ns = bpf_ktime_get_ns();
+        (*event).pages = DEFERRED_PAGES as u32;
+        for page in 0..DEFERRED_PAGES {
+            let copied = aya_ebpf::helpers::generated::bpf_probe_read_user(
+                (*event).window.as_mut_ptr().add(page * PAGE_BYTES).cast(),
+                PAGE_BYTES as u32,
+                (window_start + (page * PAGE_BYTES) as u64) as *const c_void,
+            );
+            if copied != 0 {
+                (*event).pages = page as u32;
+                break;
+            }
+        }
+        if walk.trampoline != 0 {
+            let copied = (*event).pages as u64 * PAGE_BYTES as u64;
+            restore_taken(walk.taken, window_start, copied, (*event).window.as_mut_ptr());
+        }
+    }
+    scratch.stack.check = check;
+    scratch.stack.len = scratch.walk.len;
+    scratch.stack.end = StackEnd::Deferred as u32;
+    let stack: &Stack = &scratch.stack;
+    match table.insert(id, stack, BPF_NOEXIST as u64) {
+        Ok(()) if scratch.uses != ours => {
+            let _ = table.remove(id);
+            entry.discard(0);
+            count_drop(DropReason::StackPreempted);
+            Some(NO_STACK)
+        }
+        Ok(()) => {
+            entry.submit(0);
+            Some(id)
+        }
+        // Another CPU stored it first, and sent its event.
+        Err(err) if err == -EEXIST => {
+            entry.discard(0);
+            Some(id)
+        }
+        Err(_) => {
+            entry.discard(0);
+            count_drop(DropReason::StackTableFull);
+            Some(NO_STACK)
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! A frame's row: from the per-CPU cache, or found by binary searches in the process's mapping
+//! list and in its file's slice of the rows.
+
+use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
+    btf_maps::{Array as BtfArray, ArrayOfMaps},
+    macros::{btf_map, map},
+    maps::{HashMap, PerCpuArray},
+};
+use profiler_common::{
+    mapping_kind, ExecMapping, ProcMappings, StackEnd, UnwindRow, MAX_MAPPINGS, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
+};
+
+use super::{changes::NO_LIST, frames::end, Walk};
+use crate::shared::NO_PREALLOC;
+
+/// Rows of every file's unwind table, each file a sorted slice of one index space cut in shards
+/// (see `UNWIND_SHARD_ROWS`) that the daemon creates as tables need them, so that an idle memprof
+/// holds no rows and a busy one is bounded only by `--max-unwind-rows`. Arrays of one size, outer
+/// and inner: the verifier inlines both lookups. The daemon sets the shard count at load time.
+#[btf_map]
+static UNWIND_SHARDS: ArrayOfMaps<
+    BtfArray<UnwindRow, { UNWIND_SHARD_ROWS as usize }, { BPF_F_MMAPABLE as usize }>,
+    256,
+> = ArrayOfMaps::new();
+#[map]
+static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+
+/// Binary search steps: enough for 2^9 = 512 > MAX_MAPPINGS mappings and 2^24 rows per file.
+const MAPPING_STEPS: usize = 9;
+const ROW_STEPS: usize = 24;
+
+/// The row for `address` and its mapping's kind, by binary searches; None (the walk ended) when
+/// no mapping or row covers it.
+pub(super) fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
+    if !(walk.mapping.start <= address && address < walk.mapping.end) {
+        let list = unsafe { PROC_MAPPINGS.get(walk.start.tgid) };
+        walk.list_seen = list.map_or(NO_LIST, |list| list.code_changes_seen);
+        let Some(found) = list.and_then(|mappings| find_mapping(mappings, address)) else {
+            end(walk, StackEnd::NoTable);
+            return None;
+        };
+        walk.mapping = *found;
+    }
+    let mapping = &{ walk.mapping };
+    match row_for(mapping, address, at_entry) {
+        Some(row) => Some((*row, mapping.kind)),
+        None => {
+            end(walk, StackEnd::NoTable);
+            None
+        }
+    }
+}
+
+/// Rows found for recent frame addresses, per CPU, one per slot of an address's hash. The same
+/// few allocation paths repeat millions of times: a hit costs one lookup where a miss costs two
+/// binary searches over large tables.
+#[map]
+pub(super) static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CACHE_SLOTS, 0);
+const ROW_CACHE_SLOTS: u32 = 1 << ROW_CACHE_BITS;
+const ROW_CACHE_BITS: u32 = 12;
+
+/// The row of `pc` in process `tgid` while its mappings are those of `generation`.
+#[repr(C)]
+pub(super) struct CachedRow {
+    pc: u64,
+    tgid: u32,
+    generation: u32,
+    pub(super) row: UnwindRow,
+    /// The mapping's kind, and `AT_ENTRY` for a function's first instruction.
+    pub(super) kind: u32,
+    /// A hash of the fields above: a task preempted while it filled the slot leaves a mix,
+    /// which must not pass for a row.
+    check: u64,
+}
+
+pub(super) const AT_ENTRY: u32 = 1 << 16;
+
+pub(super) fn cache_slot(pc: u64, tgid: u32) -> u32 {
+    ((pc ^ (tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - ROW_CACHE_BITS)) as u32 % ROW_CACHE_SLOTS
+}
+
+impl CachedRow {
+    pub(super) fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
+        self.pc == pc
+            && self.tgid == walk.start.tgid
+            && self.generation == walk.start.generation
+            && (self.kind & AT_ENTRY != 0) == at_entry
+            && self.check == self.hash()
+    }
+
+    pub(super) fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool, row: UnwindRow, kind: u32) {
+        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.start.tgid, walk.start.generation, row);
+        self.kind = kind | if at_entry { AT_ENTRY } else { 0 };
+        self.check = self.hash();
+    }
+
+    fn hash(&self) -> u64 {
+        let row = &self.row;
+        let rule = (row.cfa_offset as u32 as u64) << 32
+            | (row.rbp_offset as u16 as u64) << 16
+            | (row.cfa as u64) << 8
+            | row.rbp as u64;
+        let ids = (self.tgid as u64) << 32 | self.generation as u64;
+        (self.pc ^ ids.rotate_left(17) ^ rule.rotate_left(41) ^ self.kind as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)
+    }
+}
+
+/// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
+/// in a search doubles the paths the verifier explores.
+fn at_or_below(low: u64, high: u64) -> u64 {
+    (high.wrapping_sub(low) >> 63) ^ 1
+}
+
+/// The mapping that holds `address`: a binary search over the sorted entries, branchless but for
+/// its end (one branch out per step, not two ways to go on).
+fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
+    let (mut base, mut count) = (0usize, (mappings.len as usize).min(MAX_MAPPINGS));
+    for _ in 0..MAPPING_STEPS {
+        if count <= 1 {
+            break;
+        }
+        let half = count / 2;
+        let probe = mappings.entries.get((base + half) & (MAX_MAPPINGS - 1))?;
+        base += half & (at_or_below(probe.start, address) as usize).wrapping_neg();
+        count -= half;
+    }
+    let entry = mappings.entries.get(base & (MAX_MAPPINGS - 1))?;
+    (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
+}
+
+static FRAME_POINTER_ROW: UnwindRow = profiler_common::FRAME_POINTER_ROW;
+static ENTRY_ROW: UnwindRow = profiler_common::ENTRY_ROW;
+
+/// The row that covers `address`: the last one whose `pc` is at or below it.
+fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'static UnwindRow> {
+    if mapping.kind == mapping_kind::FRAME_POINTERS {
+        return Some(if at_entry { &ENTRY_ROW } else { &FRAME_POINTER_ROW });
+    }
+    let file_address = address.wrapping_sub(mapping.bias);
+    if file_address > u32::MAX as u64 {
+        return None;
+    }
+    let file_address = file_address as u32;
+    let (mut base, mut count) = (mapping.first_row, mapping.rows);
+    for _ in 0..ROW_STEPS {
+        if count <= 1 {
+            break;
+        }
+        let half = count / 2;
+        let probe = row_at(base + half)?;
+        base += half & (at_or_below(probe.pc as u64, file_address as u64) as u32).wrapping_neg();
+        count -= half;
+    }
+    let row = row_at(base)?;
+    (count == 1 && row.pc <= file_address).then_some(row)
+}
+
+/// Row `index` of the rows' index space; None where its shard does not exist (a mapping list
+/// that still points at rows the daemon has released).
+fn row_at(index: u32) -> Option<&'static UnwindRow> {
+    UNWIND_SHARDS.get_value(index >> UNWIND_SHARD_BITS, &(index & (UNWIND_SHARD_ROWS - 1)))
+}
