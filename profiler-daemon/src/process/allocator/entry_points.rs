@@ -1,0 +1,255 @@
+//! A file's allocator entry points, read from its symbols once per file, each placed where the
+//! kernel's probe costs least (see `placement`).
+
+use std::{
+    collections::{HashMap, HashSet},
+    path::Path,
+    sync::LazyLock,
+};
+
+use object::{Object, ObjectSection, ObjectSymbol};
+
+use super::{blind_spots::UNPROBED, is_libc, AllocatorFile, BlindSpot, FileScan, FreePoint, ProbePoint};
+use crate::process::{
+    elf_bytes,
+    families::{self, Family, Role},
+    file_cache::FileCache,
+    placement,
+};
+
+/// Scans with every family, by file: every exec and attach scans the files its process maps,
+/// the C library and the shell among them each time, and a scan reads the whole file.
+static SCANS: LazyLock<FileCache<Option<FileScan>>> = LazyLock::new(|| FileCache::new(1024));
+
+/// `scan_file` with every family, once per file: a file scanned through another path (another
+/// process's `/proc/PID/root`) is attached through this one.
+pub(super) fn scan(attach_path: &Path, display_path: &str) -> Option<FileScan> {
+    let mut scan =
+        SCANS.get_or_read(attach_path, display_path, || scan_file(&families::all(), attach_path, display_path))?;
+    if let Some(file) = &mut scan.allocator {
+        file.attach_path = attach_path.to_path_buf();
+    }
+    Some(scan)
+}
+
+/// Reads what an ELF file holds of allocators, with one pass over its symbols; `None` when it
+/// holds none at all.
+pub(super) fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Option<FileScan> {
+    let data = elf_bytes::read_path(attach_path).ok()?;
+    let elf = object::File::parse(&*data).ok()?;
+    let wanted: HashSet<&str> = families
+        .iter()
+        .flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str()))
+        .chain(UNPROBED.iter().map(|unprobed| unprobed.mark))
+        .collect();
+    let functions = functions(&elf, &wanted);
+    let unprobed: Vec<BlindSpot> = UNPROBED
+        .iter()
+        .filter(|unprobed| functions.contains_key(unprobed.mark))
+        .map(|unprobed| BlindSpot {
+            kind: "unprobed_allocator",
+            what: format!("{}, in {display_path}", unprobed.what),
+            advice: unprobed.advice.to_string(),
+            heap: Some(unprobed.heap),
+            unless_env: unprobed.unless_env,
+        })
+        .collect();
+    // Probe sites are chosen by decoding x86-64 code; on other machines they stay on the symbols.
+    let code = |function: Function| match elf.architecture() {
+        object::Architecture::X86_64 => function.code(&data),
+        _ => &[],
+    };
+    let text = crate::unwind::load_segments(&data).unwrap_or_default();
+    let allocator = read_file(families, &functions, code, &text, attach_path, display_path);
+    (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
+}
+
+/// The entry points of `families` a file defines, from its `functions`, if it holds any; `code`
+/// gives a function's bytes to decode (none: probed at its symbol); `text`, the file's
+/// executable segments (file offset, size, address).
+fn read_file<'d>(
+    families: &[Family],
+    functions: &HashMap<&str, Function>,
+    code: impl Fn(Function) -> &'d [u8],
+    text: &[(u64, u64, u64)],
+    attach_path: &Path,
+    display_path: &str,
+) -> Option<AllocatorFile> {
+    let present = |family: &&Family| family.is_in(|symbol| functions.contains_key(symbol));
+    let mut found: Vec<&Family> = families.iter().filter(|f| !f.companion).filter(present).collect();
+    let own_allocator = found.iter().any(|f| f.name != families::STANDARD_FAMILY);
+    if found.len() > 1 {
+        // Rust's global allocator calls one of the others, probed already.
+        found.retain(|f| f.name != families::RUST);
+    }
+    if own_allocator {
+        found.extend(families.iter().filter(|f| f.companion).filter(present));
+    }
+    if found.is_empty() {
+        return None;
+    }
+    let wrapper = !is_libc(display_path);
+    let mut file = AllocatorFile {
+        display_path: display_path.to_string(),
+        attach_path: attach_path.to_path_buf(),
+        families: Vec::new(),
+        allocs: Vec::new(),
+        frees: Vec::new(),
+    };
+    // Symbol addresses probed already: aliases (glibc's `cfree` is `free`) get one probe, and a
+    // probe may sit past the symbol's address (see `placement`).
+    let mut probed = HashSet::new();
+    for family in found {
+        if !file.families.contains(&family.name) {
+            file.families.push(family.name);
+        }
+        for (symbol, role) in &family.entries {
+            let Some(&function) = functions.get(symbol.as_str()) else { continue };
+            if !probed.insert(function.offset) {
+                continue;
+            }
+            let offset = function.offset + placement::probe_distance(code(function), *role);
+            match role {
+                Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
+                Role::Free => {
+                    let c_library_code = if wrapper { None } else { code_around(text, offset) };
+                    file.frees.push(FreePoint { offset, wrapper, c_library_code })
+                }
+            }
+        }
+    }
+    (!file.allocs.is_empty() && !file.frees.is_empty()).then_some(file)
+}
+
+/// How far the executable segment of `text` that holds file offset `offset` reaches below and
+/// above it: distances in the file are distances in memory within one segment.
+fn code_around(text: &[(u64, u64, u64)], offset: u64) -> Option<(u64, u64)> {
+    let &(start, size, _) = text.iter().find(|(start, size, _)| (*start..start + size).contains(&offset))?;
+    Some((offset - start, start + size - offset))
+}
+
+/// The file offset of function `name` in the ELF file at `path` (to probe it).
+pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
+    let data = elf_bytes::read_path(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    functions(&file, &HashSet::from([name])).get(name).map(|function| function.offset)
+}
+
+/// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
+/// same distance once loaded); None unless both are defined.
+pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
+    let data = elf_bytes::read_path(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let address = |wanted: &str| {
+        file.dynamic_symbols().chain(file.symbols()).find_map(|symbol| {
+            let name = symbol.name().ok()?;
+            (!symbol.is_undefined() && name.split('@').next() == Some(wanted)).then(|| symbol.address())
+        })
+    };
+    Some(address(to)?.wrapping_sub(address(from)?))
+}
+
+/// A function in an ELF file: where its code starts in the file, and its symbol's size.
+#[derive(Debug, Clone, Copy)]
+struct Function {
+    offset: u64,
+    size: u64,
+}
+
+impl Function {
+    /// Its bytes in `data` (the whole file); none when its size is unknown or out of the file.
+    fn code(self, data: &[u8]) -> &[u8] {
+        let range = usize::try_from(self.offset).ok().zip(usize::try_from(self.size).ok());
+        range.and_then(|(start, size)| data.get(start..start.checked_add(size)?)).unwrap_or(&[])
+    }
+}
+
+/// The functions named in `wanted` that the file defines, from the dynamic table and the full
+/// symbol table (static binaries, Rust's static allocators).
+fn functions<'a>(file: &object::File, wanted: &HashSet<&'a str>) -> HashMap<&'a str, Function> {
+    let mut found = HashMap::new();
+    for symbol in file.dynamic_symbols().chain(file.symbols()) {
+        if symbol.is_undefined() || symbol.kind() != object::SymbolKind::Text {
+            continue;
+        }
+        let Ok(name) = symbol.name() else { continue };
+        // Versioned names such as `malloc@@GLIBC_2.2.5` are the same function.
+        let name = name.split('@').next().unwrap_or(name);
+        let Some(&wanted) = wanted.get(name) else {
+            continue;
+        };
+        if found.contains_key(wanted) {
+            continue;
+        }
+        if let Some(offset) = file_offset(file, symbol.address()) {
+            found.insert(wanted, Function { offset, size: symbol.size() });
+        }
+    }
+    found
+}
+
+/// Uprobes are placed by file offset: the address's distance into its section plus the section's
+/// offset in the file.
+fn file_offset(file: &object::File, address: u64) -> Option<u64> {
+    file.sections().find_map(|section| {
+        let (start, size) = (section.address(), section.size());
+        let (offset, _) = section.file_range()?;
+        (address >= start && address < start + size).then(|| address - start + offset)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where each entry point of each family is probed in Debian's allocator libraries (the
+    /// project's set-up installs them for the allocator tests): a table on stdout for review,
+    /// and the sites measured to matter.
+    #[test]
+    fn debian_allocators_are_probed_past_their_single_stepped_openings() {
+        const LIBRARIES: [&str; 4] =
+            ["libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libmimalloc.so.2.0", "libc.so.6"];
+        let families = families::all();
+        let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
+        let mut placed = HashMap::new();
+        for library in LIBRARIES {
+            let path = format!("/usr/lib/x86_64-linux-gnu/{library}");
+            let data =
+                std::fs::read(&path).unwrap_or_else(|err| panic!("{path}: {err} (cargo xtask setup installs it)"));
+            let elf = object::File::parse(&*data).expect("an ELF file");
+            let functions = functions(&elf, &wanted);
+            let mut rows: Vec<(&str, u64)> = families
+                .iter()
+                .flat_map(|family| family.entries.iter())
+                .filter_map(|(symbol, role)| {
+                    let function = functions.get(symbol.as_str())?;
+                    Some((symbol.as_str(), placement::probe_distance(function.code(&data), *role)))
+                })
+                .collect();
+            rows.sort();
+            rows.dedup();
+            for (symbol, distance) in rows {
+                println!("{library:26} {symbol:40} +{distance}");
+                placed.insert((library, symbol), distance);
+            }
+        }
+        for (library, symbol, distance) in [
+            // cmp $0x1000,%rdi; ja: at the ja
+            ("libjemalloc.so.2", "malloc", 7),
+            // mov %rdi,%rax; ... cmp 0x1b0(%rax),%rcx; jne: at the jne
+            ("libjemalloc.so.2", "free", 48),
+            ("libjemalloc.so.2", "sdallocx", 10),
+            // opens with pushes: emulated at the symbol
+            ("libjemalloc.so.2", "calloc", 0),
+            ("libtcmalloc_minimal.so.4", "tc_malloc", 10),
+            ("libtcmalloc_minimal.so.4", "tc_free", 10),
+            // mov %rdi,%rcx; test %rdi,%rdi; je, then rdi is rewritten: at the je
+            ("libmimalloc.so.2.0", "mi_free", 6),
+            // test %rdi,%rdi; je; push %rbp: at the je (a push is emulated by writing the stack)
+            ("libc.so.6", "free", 3),
+            ("libc.so.6", "malloc", 0),
+        ] {
+            assert_eq!(placed.get(&(library, symbol)), Some(&distance), "{symbol} in {library}");
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Finds the allocator a process uses and where its entry points sit in the file.
+//!
+//! Uprobes bind to an inode, so the file is opened through `/proc/PID/root`: a container's process
+//! is then probed in its own libc, not the host's.
+//!
+//! Here: what a process's allocator is, found from the files it maps. `entry_points` reads a
+//! file's entry points, `command` a command's files before it runs, `blind_spots` what memprof finds
+//! but does not probe.
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
+
+use profiler_common::AllocFn;
+
+use crate::{error::UserError, process::procfs};
+
+mod blind_spots;
+mod command;
+mod entry_points;
+
+pub use blind_spots::BlindSpot;
+pub use command::{for_command, standby};
+pub use entry_points::{function_file_offset, symbol_distance};
+
+use blind_spots::UNPROBED;
+use entry_points::{scan, scan_file};
+
+/// An allocating entry point to probe: its file offset and what it does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbePoint {
+    pub offset: u64,
+    pub func: AllocFn,
+}
+
+/// A freeing entry point to probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FreePoint {
+    pub offset: u64,
+    /// It may call another probed free of the same block (see `profiler_common::FreeNote`):
+    /// every free outside the C library's own shared object may.
+    pub wrapper: bool,
+    /// In the C library's own shared object: how far its executable segment reaches below and
+    /// above the probe, to tell the library's internal frees (`profiler_common::FREE_IN_C_LIBRARY`).
+    pub c_library_code: Option<(u64, u64)>,
+}
+
+/// One file holding allocator code, and its distinct entry points.
+#[derive(Debug, Clone)]
+pub struct AllocatorFile {
+    /// What `/proc/PID/maps` calls the file (for messages, and to tell the allocator's frames).
+    pub display_path: String,
+    /// The path to attach through, valid from memprof's mount namespace.
+    pub attach_path: PathBuf,
+    /// The families found in it, for messages.
+    pub families: Vec<&'static str>,
+    /// One per distinct address (glibc's aligned_alloc is memalign, tcmalloc's tc_new is
+    /// operator new).
+    pub allocs: Vec<ProbePoint>,
+    pub frees: Vec<FreePoint>,
+}
+
+/// Every file of a process that holds allocator code: a C++ program on jemalloc has jemalloc
+/// (with its own `operator new`) and the C library; a Rust binary with a static jemalloc, that
+/// and the C library its C dependencies call; python, its object allocator and the C library.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    pub files: Vec<AllocatorFile>,
+    /// Allocators found beside these that memprof does not probe.
+    pub unprobed: Vec<BlindSpot>,
+}
+
+impl Allocator {
+    /// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
+    pub fn is_glibc(&self) -> bool {
+        self.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
+    }
+
+    /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
+    /// new/delete), libc.so.6 (C library malloc)`.
+    pub fn describe(&self) -> String {
+        if self.files.is_empty() {
+            return "no allocator file (its runtime's allocator is not probed: only its mappings or pages are traced)"
+                .to_string();
+        }
+        let files: Vec<String> =
+            self.files.iter().map(|f| format!("{} ({})", f.display_path, f.families.join(", "))).collect();
+        files.join(", ")
+    }
+
+    /// For a command about to start (`memprof run`): the environment entries (`NAME=value`) that
+    /// route its unprobed allocators through malloc, where there is one, so that their memory is
+    /// seen (CPython's pymalloc: `PYTHONMALLOC=malloc`). Those allocators are no blind spot then.
+    /// A variable set already in memprof's environment, which the command inherits, is the
+    /// user's choice and kept (a blind spot unless its value routes it, as reports check).
+    /// Returns the blind spots so routed, each with its `unless_env`.
+    pub fn route_through_malloc(&mut self) -> Vec<BlindSpot> {
+        let (routed, kept) = std::mem::take(&mut self.unprobed)
+            .into_iter()
+            .partition(|spot| spot.env_name().is_some_and(|name| std::env::var_os(name).is_none()));
+        self.unprobed = kept;
+        routed
+    }
+
+    /// The environment entries of `route_through_malloc` for any program, not only this one's:
+    /// `run` starts every command with them, as it may exec such a program later (a pyenv shim,
+    /// a script, `env`); programs that do not read them ignore them. Variables set already in
+    /// memprof's environment are kept as they are.
+    pub fn routes_for_any_program() -> Vec<&'static str> {
+        let unset = |entry: &&'static str| {
+            let name = entry.split_once('=').map_or(*entry, |(name, _)| name);
+            std::env::var_os(name).is_none()
+        };
+        UNPROBED.iter().filter_map(|unprobed| unprobed.unless_env).filter(unset).collect()
+    }
+
+    /// The files' paths as `/proc/PID/maps` names them.
+    pub fn modules(&self) -> Vec<String> {
+        self.files.iter().map(|f| f.display_path.clone()).collect()
+    }
+}
+
+/// Finds the allocators of `pid` in the files it has code mapped from: the executable itself
+/// (static binaries, Rust's static jemalloc or mimalloc, python's object allocator) and its
+/// libraries.
+pub fn find(pid: u32) -> Result<Allocator, UserError> {
+    find_with(pid, RuntimeOnly::Refused)
+}
+
+/// Whether a process whose only allocators are runtimes memprof does not probe (a pure Go
+/// binary) can be traced: by the memory it maps (`--mappings`) or the pages it touches
+/// (`--growth`), with no allocator probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuntimeOnly {
+    Accepted,
+    Refused,
+}
+
+impl RuntimeOnly {
+    pub fn accepted_if(yes: bool) -> Self {
+        if yes {
+            Self::Accepted
+        } else {
+            Self::Refused
+        }
+    }
+}
+
+/// `find`, which accepts a process with only a runtime's allocator as `runtime_only` says.
+pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserError> {
+    let mut candidates = procfs::mapped_files(pid)?;
+    // Only files with code mapped: a file mapped for reading only (a C library's debug file that
+    // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
+    let running = procfs::file_mappings(pid).map_err(|err| procfs::maps_error(pid, err))?;
+    candidates.retain(|file| running.iter().any(|m| m.executable && m.path == file.path));
+    let scans = candidates
+        .iter()
+        .filter(|file| !is_dynamic_loader(&file.path))
+        .filter_map(|file| file.reachable_paths(pid).iter().find_map(|path| scan(Path::new(path), &file.path)));
+    allocator_of(scans.collect(), runtime_only).map_err(|detail| UserError::NoAllocator {
+        pid,
+        detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
+    })
+}
+
+/// The allocators memprof does not probe in the files with code mapped in `pid` that are not in
+/// `scanned`, which then holds them: a runtime loaded after the process started (the java
+/// launcher loads libjvm with dlopen).
+pub fn unprobed_in_new_files(pid: u32, scanned: &mut HashSet<String>) -> Vec<BlindSpot> {
+    let Ok(mappings) = procfs::file_mappings(pid) else { return Vec::new() };
+    let mut spots = Vec::new();
+    for mapping in mappings.iter().filter(|m| m.executable && !is_dynamic_loader(&m.path)) {
+        if !scanned.insert(mapping.path.clone()) {
+            continue;
+        }
+        // Only the unprobed allocators' marks are looked for: no family.
+        let at = mapping.reachable_paths(pid);
+        let scan = at.iter().find_map(|path| scan_file(&[], Path::new(path), &mapping.path));
+        spots.extend(scan.into_iter().flat_map(|scan| scan.unprobed));
+    }
+    spots
+}
+
+/// What one file holds: allocator entry points to probe, and allocators memprof does not probe.
+#[derive(Clone)]
+struct FileScan {
+    allocator: Option<AllocatorFile>,
+    unprobed: Vec<BlindSpot>,
+}
+
+/// The allocator of the files scanned, the C library's last: the order the dynamic loader binds
+/// `malloc` in, so that messages name the one in use first. Without one, why not.
+fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Allocator, String> {
+    let unprobed: Vec<BlindSpot> = scans.iter().flat_map(|scan| scan.unprobed.clone()).collect();
+    let mut files: Vec<AllocatorFile> = scans.into_iter().filter_map(|scan| scan.allocator).collect();
+    if files.is_empty() {
+        if unprobed.is_empty() {
+            return Err("none of its files holds an allocator memprof knows".to_string());
+        }
+        if runtime_only == RuntimeOnly::Accepted {
+            return Ok(Allocator { files, unprobed });
+        }
+        let what: Vec<String> = unprobed.iter().map(|spot| format!("{} ({})", spot.what, spot.advice)).collect();
+        return Err(format!(
+            "it allocates through {}; --mappings shows where it maps its memory, by stack",
+            what.join("; ")
+        ));
+    }
+    files.sort_by_key(|file| is_libc(&file.display_path));
+    Ok(Allocator { files, unprobed })
+}
+
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+fn is_libc(path: &str) -> bool {
+    let name = file_name(path);
+    name.starts_with("libc.so") || name.starts_with("libc-")
+}
+
+fn is_dynamic_loader(path: &str) -> bool {
+    file_name(path).starts_with("ld-linux")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_libc_has_distinct_entry_points() {
+        let pid = std::process::id();
+        let allocator = find(pid).expect("the test binary uses libc's malloc");
+        let libc = allocator.files.last().expect("a file");
+        assert!(libc.display_path.contains("libc"), "{}", allocator.describe());
+        assert_eq!(libc.families, ["C library malloc"]);
+        let mut offsets: Vec<u64> =
+            libc.allocs.iter().map(|p| p.offset).chain(libc.frees.iter().map(|p| p.offset)).collect();
+        offsets.sort();
+        offsets.dedup();
+        assert_eq!(offsets.len(), libc.allocs.len() + libc.frees.len(), "one probe per address");
+        assert_eq!(libc.frees.len(), 1, "free and its alias cfree are one probe");
+        assert_eq!(libc.allocs[0].func, AllocFn::Malloc);
+        assert!(libc.frees.iter().all(|free| !free.wrapper), "the C library's free calls no other");
+        let (below, above) = libc.frees[0].c_library_code.expect("free is in the C library's code");
+        assert!(below > 0 && above > 0 && below + above > 1 << 20, "its whole text: {below:#x} {above:#x}");
+        assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
+    }
+
+    #[test]
+    fn libc_is_tried_after_other_libraries() {
+        assert!(is_libc("/usr/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(!is_libc("/usr/lib/libjemalloc.so.2"));
+        assert!(is_dynamic_loader("/lib64/ld-linux-x86-64.so.2"));
+    }
+}
