@@ -90,7 +90,7 @@ fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
     daemon.signal(libc::SIGTERM);
     assert!(daemon.child.wait().unwrap().success());
     let log = daemon.log();
-    let warning = "usdt takes effect at the next start, not on reload: the sampling settings stay as they were";
+    let warning = "read at start, kept as they were until the next start: usdt (with the other sampling settings)";
     assert_eq!(log.lines().filter(|line| line.contains(warning)).count(), 1, "{log}");
 }
 

@@ -154,6 +154,41 @@ pub enum ConfigError {
     NoTargets,
 }
 
+impl Config {
+    /// Puts back the settings a reload cannot change, read at start, where `self` (the reloaded
+    /// file) changes them from `running`'s: the listener is bound and its limits set, the maps
+    /// sized and the probe links chosen when the daemon starts. Returns their names, to be said.
+    /// `usdt` keeps the whole sampling table as it was: the weights' table was sized for its mode.
+    pub fn keep_read_at_start(&mut self, running: &Config) -> Vec<&'static str> {
+        let mut kept = Vec::new();
+        keep("listen", &mut self.listen, &running.listen, &mut kept);
+        keep("probe_links", &mut self.probe_links, &running.probe_links, &mut kept);
+        let (maps, loaded) = (&mut self.maps, &running.maps);
+        keep("max_live", &mut maps.max_live, &loaded.max_live, &mut kept);
+        keep("max_stacks", &mut maps.max_stacks, &loaded.max_stacks, &mut kept);
+        keep("unwind", &mut maps.unwind, &loaded.unwind, &mut kept);
+        keep("max_frames", &mut maps.max_frames, &loaded.max_frames, &mut kept);
+        keep("max_unwind_rows", &mut maps.max_unwind_rows, &loaded.max_unwind_rows, &mut kept);
+        keep("mappings", &mut maps.mappings, &loaded.mappings, &mut kept);
+        keep("full_free_stacks", &mut maps.full_free_stacks, &loaded.full_free_stacks, &mut kept);
+        keep("[http]", &mut self.http, &running.http, &mut kept);
+        keep("[access]", &mut self.access, &running.access, &mut kept);
+        if self.sampling.usdt != running.sampling.usdt {
+            kept.push("usdt (with the other sampling settings)");
+            self.sampling = running.sampling;
+        }
+        kept
+    }
+}
+
+/// Sets `value` back to `running`, and notes `name`, when they differ.
+fn keep<T: PartialEq + Clone>(name: &'static str, value: &mut T, running: &T, kept: &mut Vec<&'static str>) {
+    if value != running {
+        *value = running.clone();
+        kept.push(name);
+    }
+}
+
 /// The one line an idle daemon logs, at start and at each reload that leaves it without rules:
 /// why it traces nothing and how to give it something to trace.
 pub fn idle_notice(config_file: &Path) -> String {
@@ -331,6 +366,8 @@ mod tests {
         assert!(config.rules.is_empty(), "{:?}", config.rules);
         assert_eq!(config.http, server::DEFAULT);
         assert_eq!(config.access, access::Settings::new(None, None).unwrap());
+        // The values it gives are the defaults.
+        assert_eq!(config.maps, DEFAULT_LOAD);
     }
 
     #[test]
@@ -363,6 +400,21 @@ mod tests {
         }
         let err = parse("all = true\n[http]\nnope = 1\n", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().contains("unknown field `nope`"), "{err}");
+    }
+
+    #[test]
+    fn a_reload_keeps_what_is_read_at_start_and_names_it() {
+        let running = parse("all = true\ntop_stacks = 3\n", DaemonArgs::default()).unwrap();
+        let text = "comms = [\"^a$\"]\ntop_stacks = 5\nlisten = \"127.0.0.1:1\"\nmax_live = 7\nusdt = true\n[http]\nmax_connections = 8\n";
+        let mut reloaded = parse(text, DaemonArgs::default()).unwrap();
+        let kept = reloaded.keep_read_at_start(&running);
+        assert_eq!(kept, ["listen", "max_live", "[http]", "usdt (with the other sampling settings)"]);
+        assert_eq!((reloaded.listen, reloaded.maps, &reloaded.http), (running.listen, running.maps, &running.http));
+        assert_eq!(reloaded.sampling, running.sampling);
+        // What a reload may change, it changes.
+        assert_eq!(reloaded.top_stacks, 5);
+        assert!(reloaded.rules.matches(7, "a", &[]) && !reloaded.rules.matches(7, "b", &[]));
+        assert!(reloaded.clone().keep_read_at_start(&reloaded).is_empty());
     }
 
     #[test]

@@ -41,7 +41,6 @@ use crate::{
     },
     kernel::aggregate::DoubleFreeReader,
     kernel::loader::{self, Attachment, Loaded},
-    kernel::settings::LoadSettings,
     kernel::shared::{FileId, ProbeLinks},
     symbolize::SymbolizerHandle,
 };
@@ -114,8 +113,6 @@ struct Target {
 
 pub struct Tracer {
     config: Config,
-    /// The map sizes the programs were loaded with; a reload cannot change them.
-    loaded_sizes: LoadSettings,
     loaded: Loaded,
     symbolizer: SymbolizerHandle,
     double_free_reader: DoubleFreeReader,
@@ -173,7 +170,6 @@ impl Tracer {
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
-            loaded_sizes: config.maps,
             config,
             loaded,
             symbolizer: SymbolizerHandle::spawn(),
@@ -256,16 +252,9 @@ impl Tracer {
     }
 
     fn reload(&mut self, mut config: Config) {
-        if config.sampling.usdt != self.config.sampling.usdt {
-            // The weights' table was sized for the mode loaded (see `loader::load`).
-            warn!("usdt takes effect at the next start, not on reload: the sampling settings stay as they were");
-            config.sampling = self.config.sampling;
-        }
-        if config.listen != self.config.listen
-            || config.maps != self.loaded_sizes
-            || config.probe_links != self.config.probe_links
-        {
-            warn!("listen address, map sizes and probe links take effect at the next start, not on reload");
+        let kept = config.keep_read_at_start(&self.config);
+        if !kept.is_empty() {
+            warn!("read at start, kept as they were until the next start: {}", kept.join(", "));
         }
         if let Err(err) = self.loaded.discover(discover_flags(&config)) {
             warn!("new processes are found at the next scan of /proc only: {err:#}");

@@ -165,7 +165,8 @@ impl Tracer {
                 }
             }
         }
-        let sizes = self.loaded_sizes;
+        // A reload keeps them as loaded (see `Config::keep_read_at_start`).
+        let sizes = self.config.maps;
         let tables = self.loaded.unwind.table_use();
         let (stack_entries, free_stack_entries) = self.loaded.stack_entries()?;
         let mut view = DaemonView {
