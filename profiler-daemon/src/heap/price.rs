@@ -116,11 +116,12 @@ impl Price {
     pub fn line(&self) -> String {
         let (pid, traced) = (self.pid, self.traced);
         let rate = grouped(self.calls_per_second.round() as u64);
+        let noun = if rate == "1" { "call" } else { "calls" };
         let calls = match self.mode {
             Mode::Sampled => {
-                format!("about {rate} allocator calls a second (estimated from the samples); sampling them")
+                format!("about {rate} allocator {noun} a second (estimated from the samples); sampling them")
             }
-            Mode::Exact | Mode::Switched => format!("{rate} allocator calls a second; tracing them"),
+            Mode::Exact | Mode::Switched => format!("{rate} allocator {noun} a second; tracing them"),
         };
         let cost = match self.before {
             Some(before) => format!(
@@ -179,6 +180,8 @@ mod tests {
         assert_eq!(price.calls_per_second, 250.0);
         assert!(!price.significant());
         assert!(price.line().ends_with("(its system time went from 0.02 to 0.05 s/s)"), "{}", price.line());
+        let one = watch(Some(0.0)).price(7, cpu(11.0, 3.0), 1, Mode::Exact).unwrap();
+        assert!(one.line().contains("makes 1 allocator call a second;"), "{}", one.line());
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The maps and what each probe does to them: a call's entry and return (`calls`), a free
 //! (`frees`), the totals an allocation and a free change (`totals`), and the blocks an
 //! allocator's own sampler reports (`usdt`). Here: what they share.
+//!
+//! The maps' capacities in these files are defaults; the daemon sets the real ones at load time.
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
@@ -28,8 +30,6 @@ pub use frees::on_free;
 pub use totals::new_image;
 pub use usdt::{on_usdt_alloc, on_usdt_free};
 
-/// Capacities here are defaults; the daemon sets the real ones at load time.
-///
 /// A thread's entry stays while the thread lives, idle (`depth` 0) between calls: rewriting it in
 /// place costs far less than an insert per call and a delete per return. `on_thread_exit` removes it.
 #[map]

@@ -16,6 +16,8 @@
 //! finds a frame's row, `taken` the return addresses uretprobes took from the stack, `defer`
 //! sends a walk stopped at a file with no table yet to the daemon, and `changes` tells the walk
 //! and the daemon that a process's code may have moved.
+//!
+//! The maps' capacities in these files are defaults; the daemon sets the real ones at load time.
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
@@ -47,7 +49,6 @@ use frames::step;
 pub use changes::{code_changed, on_mappings_changed};
 pub use taken::TakenReturns;
 
-/// Capacities here are defaults; the daemon sets the real ones at load time.
 #[map]
 pub static STACKS: HashMap<u64, Stack> = HashMap::with_max_entries(65_536, NO_PREALLOC);
 #[map]

@@ -18,7 +18,8 @@ use crate::process::{
 };
 
 /// Scans with every family, by file: every exec and attach scans the files its process maps,
-/// the C library and the shell among them each time, and a scan reads the whole file.
+/// the C library and the shell among them each time, and a scan reads all of a file but its
+/// debugging sections.
 static SCANS: LazyLock<FileCache<Option<FileScan>>> = LazyLock::new(|| FileCache::new(1024));
 
 /// `scan_file` with every family, once per file: a file scanned through another path (another
