@@ -47,9 +47,9 @@ pub enum RingError {
     #[error("map {0} is not a ring buffer")]
     NotARing(&'static str),
     #[error("reading map {0}'s size: {1}")]
-    Info(&'static str, #[source] aya::maps::MapError),
+    Info(&'static str, aya::maps::MapError),
     #[error("mapping ring {0}: {1}")]
-    Map(&'static str, #[source] io::Error),
+    Map(&'static str, io::Error),
     /// Positions or a record length the kernel does not write: reading on would loop or read
     /// outside the ring.
     #[error("ring {0} is inconsistent: unread records past its end")]

@@ -245,6 +245,8 @@ fn a_malformed_file_is_refused_in_one_line_with_its_place() {
     let missing = memprof(&["run", "--suppressions", "/nonexistent.supp", "--", "true"]);
     assert!(!missing.status.success());
     assert!(missing.stderr.contains("reading the suppressions file /nonexistent.supp"), "{}", missing.stderr);
+    // The cause once: in the message, not again as its source.
+    assert_eq!(missing.stderr.matches("No such file or directory").count(), 1, "{}", missing.stderr);
 }
 
 /// The daemon given the same file: on `/metrics` the accepted stacks are no leak candidates, so

@@ -138,8 +138,8 @@ pub struct Config {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read the config file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    #[error("cannot read the config file {path}: {cause}")]
+    Read { path: String, cause: std::io::Error },
     #[error("invalid config file {path}: {message}")]
     Parse { path: String, message: String },
     #[error("invalid listen address `{0}`: expected IP:PORT, such as 127.0.0.1:9464")]
@@ -210,7 +210,7 @@ pub fn load(args: &DaemonArgs) -> Result<Config, ConfigError> {
 
 fn read_file(path: &Path) -> Result<File, ConfigError> {
     let display = path.display().to_string();
-    let text = fs::read_to_string(path).map_err(|source| ConfigError::Read { path: display.clone(), source })?;
+    let text = fs::read_to_string(path).map_err(|cause| ConfigError::Read { path: display.clone(), cause })?;
     toml::from_str(&text).map_err(|err| ConfigError::Parse {
         path: display,
         // toml's messages span several lines (with a caret under the spot): keep them on one.

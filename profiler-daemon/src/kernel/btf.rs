@@ -9,8 +9,8 @@ use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
-    #[error("reading {path}: {source}")]
-    Read { path: &'static str, source: std::io::Error },
+    #[error("reading {path}: {cause}")]
+    Read { path: &'static str, cause: std::io::Error },
     #[error("the kernel's BTF is malformed: {0}")]
     Malformed(&'static str),
     #[error("the kernel's BTF has no struct {0} with the members memprof reads")]
@@ -22,7 +22,7 @@ const MAGIC: u16 = 0xeb9f;
 
 /// Byte offsets of the members named in `members` of struct `name` in the running kernel.
 pub fn kernel_member_offsets(name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
-    let data = std::fs::read(VMLINUX).map_err(|source| BtfError::Read { path: VMLINUX, source })?;
+    let data = std::fs::read(VMLINUX).map_err(|cause| BtfError::Read { path: VMLINUX, cause })?;
     member_offsets(&data, name, members)
 }
 

@@ -25,11 +25,11 @@ pub const SHARD_BYTES: u64 = UNWIND_SHARD_ROWS as u64 * ROW_STRIDE as u64;
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
     #[error("the kernel refused a new shard of unwind rows: {0}")]
-    Create(#[source] std::io::Error),
+    Create(std::io::Error),
     #[error("mapping a shard of unwind rows into memory: {0}")]
-    Map(#[source] std::io::Error),
+    Map(std::io::Error),
     #[error("publishing a shard of unwind rows: {0}")]
-    Publish(#[source] std::io::Error),
+    Publish(std::io::Error),
 }
 
 /// The shards that exist, by index in `UNWIND_SHARDS`.

@@ -78,14 +78,14 @@ pub enum TableError {
     NotElf(object::Error),
     #[error("not an x86_64 file (architecture {0:?})")]
     NotX86_64(Architecture),
-    #[error("cannot read {section}: {source}")]
-    Section { section: &'static str, source: object::Error },
-    #[error("malformed CFI in {section}: {source}")]
-    Cfi { section: &'static str, source: gimli::Error },
+    #[error("cannot read {section}: {cause}")]
+    Section { section: &'static str, cause: object::Error },
+    #[error("malformed CFI in {section}: {cause}")]
+    Cfi { section: &'static str, cause: gimli::Error },
     #[error("CFI address {0:#x} does not fit in 32 bits")]
     AddressTooLarge(u64),
-    #[error("cannot inflate {section}: {source}")]
-    Inflate { section: &'static str, source: std::io::Error },
+    #[error("cannot inflate {section}: {cause}")]
+    Inflate { section: &'static str, cause: std::io::Error },
 }
 
 /// The most a compressed CFI section is inflated to: Go's largest programs have a few MiB.
@@ -149,7 +149,7 @@ fn read_section<'a>(
     name: &'static str,
 ) -> Result<Option<Section<'a>>, TableError> {
     let Some(section) = file.section_by_name(name) else { return Ok(None) };
-    let error = |source| TableError::Section { section: name, source };
+    let error = |cause| TableError::Section { section: name, cause };
     // Go compresses its `.debug_frame` with zlib; object decompresses only with its
     // `compression` feature (and its zstd crate), so zlib is inflated here with flate2.
     let compressed = section.compressed_data().map_err(error)?;
@@ -158,7 +158,7 @@ fn read_section<'a>(
         ZlibDecoder::new(compressed.data)
             .take(MAX_INFLATED)
             .read_to_end(&mut data)
-            .map_err(|source| TableError::Inflate { section: name, source })?;
+            .map_err(|cause| TableError::Inflate { section: name, cause })?;
         Cow::Owned(data)
     } else {
         section.uncompressed_data().map_err(error)?
@@ -201,7 +201,7 @@ fn evaluate<'a, S: UnwindSection<Slice<'a>>>(
     bases: &BaseAddresses,
     name: &'static str,
 ) -> Result<(Vec<Span>, Vec<UnwindRow>), TableError> {
-    let cfi = |source| TableError::Cfi { section: name, source };
+    let cfi = |cause| TableError::Cfi { section: name, cause };
     let mut spans = Vec::new();
     let mut rows = Vec::new();
     let mut ctx = UnwindContext::new();

@@ -24,9 +24,17 @@ pub enum PprofError {
     #[error("it decompresses to more than {} MiB, more than any profile memprof reads", MAX_INPUT_BYTES >> 20)]
     TooLarge,
     #[error("not a profile.proto: {0}")]
-    Wire(#[from] WireError),
+    Wire(WireError),
     #[error("not a profile.proto: {0}")]
     Malformed(&'static str),
+}
+
+/// By hand, not `#[from]`: the message says the wire error already, which as a source too would
+/// be said twice.
+impl From<WireError> for PprofError {
+    fn from(err: WireError) -> Self {
+        Self::Wire(err)
+    }
 }
 
 /// A profile's samples, their frames resolved.

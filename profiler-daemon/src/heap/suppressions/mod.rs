@@ -147,7 +147,7 @@ impl Suppressions {
     pub fn load(files: &[PathBuf]) -> Result<Self, LoadError> {
         let mut rules = Vec::new();
         for path in files {
-            let text = std::fs::read_to_string(path).map_err(|source| ReadError { path: path.clone(), source })?;
+            let text = std::fs::read_to_string(path).map_err(|cause| ReadError { path: path.clone(), cause })?;
             rules.extend(parse::parse(path, &text)?);
         }
         Ok(Self::new(rules))

@@ -21,10 +21,10 @@ pub struct ParseError {
 
 /// A file that could not be read.
 #[derive(Debug, thiserror::Error)]
-#[error("reading the suppressions file {}: {source}; give a readable file", path.display())]
+#[error("reading the suppressions file {}: {cause}; give a readable file", path.display())]
 pub struct ReadError {
     pub path: PathBuf,
-    pub source: std::io::Error,
+    pub cause: std::io::Error,
 }
 
 /// The rules of `text`, read from `path`; those for other tools or other Memcheck kinds than
