@@ -91,16 +91,20 @@ fn each_missing_capability_is_named() {
     let target = Waiting::start(&fixture("lifecycle"), &["prior"]);
     for missing in CAPABILITIES {
         let held: Vec<&str> = CAPABILITIES.iter().copied().filter(|c| *c != missing).collect();
-        let out = memprof_as_nobody_with(&held).args(["attach", "-p", &target.pid().to_string()]).output().unwrap();
-        let outcome = Outcome::from(out);
-        assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
-        let name = format!("missing CAP_{}", missing.to_uppercase());
-        assert_eq!(outcome.stderr.lines().count(), 1, "one line: {}", outcome.stderr);
-        assert!(
-            outcome.stderr.starts_with("memprof: error: missing privileges: ") && outcome.stderr.contains(&name),
-            "{name}: {}",
-            outcome.stderr
-        );
+        let pid = target.pid().to_string();
+        // The daemon says it before it binds its socket, whose directory is root's.
+        for command in [vec!["attach", "-p", &pid], vec!["daemon", "--pid", &pid]] {
+            let out = memprof_as_nobody_with(&held).args(&command).output().unwrap();
+            let outcome = Outcome::from(out);
+            assert_eq!(outcome.status.code(), Some(1), "{command:?}: {outcome:?}");
+            let name = format!("missing CAP_{}", missing.to_uppercase());
+            assert_eq!(outcome.stderr.lines().count(), 1, "{command:?}, one line: {}", outcome.stderr);
+            assert!(
+                outcome.stderr.starts_with("memprof: error: missing privileges: ") && outcome.stderr.contains(&name),
+                "{command:?}, {name}: {}",
+                outcome.stderr
+            );
+        }
     }
 }
 

@@ -45,6 +45,9 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let config = config::load(args)?;
+    // Before the listener and the socket: an unprivileged user hears what is missing, not that a
+    // socket's directory refused them.
+    crate::kernel::loader::check_support()?;
     warn_if_idle(&config, args);
     let web = match &config.http.web_config_file {
         Some(path) => web_config::load(path)?,

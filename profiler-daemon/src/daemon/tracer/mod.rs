@@ -150,7 +150,6 @@ pub struct Tracer {
 }
 impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
-        loader::check_support()?;
         let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt)?;
         // The rules decide which children are traced (`on_fork`).
         loaded.follow_forks = true;
