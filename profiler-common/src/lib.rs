@@ -917,9 +917,10 @@ pub struct ProcessEvent {
     pub kind: u32,
     /// The traced process.
     pub tgid: u32,
-    /// The new process, for a fork; for an exec, the thread that called it, by its id before
-    /// the exec (the process's own pid unless another of its threads exec'd).
-    pub child: u32,
+    /// The task the event names besides the process, by its kernel pid (a thread's id): for a
+    /// fork, the new process (its main thread, whose pid is its tgid); for an exec, the thread
+    /// that called it, by its id before the exec (`tgid` unless another of its threads exec'd).
+    pub pid: u32,
     /// For an exec, the new program's number (`ProcHeap::image`): what the process's maps hold
     /// under a smaller one, or allocated before `time_ns`, is the old program's.
     pub image: u32,
@@ -935,7 +936,7 @@ impl ProcessEvent {
     /// Whether a thread other than the main one exec'd: the kernel's pid-filtered probes follow
     /// the main thread's task, which the exec ended, so the process's probes no longer fire.
     pub fn exec_by_other_thread(&self) -> bool {
-        self.kind == process_event::EXEC && self.child != self.tgid
+        self.kind == process_event::EXEC && self.pid != self.tgid
     }
 }
 

@@ -70,13 +70,13 @@ fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
 }
 
-fn emit(kind: u32, tgid: u32, child: u32, image: u32) {
-    emit_exec(kind, tgid, child, image, core::ptr::null());
+fn emit(kind: u32, tgid: u32, pid: u32, image: u32) {
+    emit_exec(kind, tgid, pid, image, core::ptr::null());
 }
 
 /// `emit`, with the path of `bprm` (a `struct linux_binprm`; null: none) for an exec. Written in
 /// the ring's record: the path does not fit the BPF stack beside the event.
-fn emit_exec(kind: u32, tgid: u32, child: u32, image: u32, bprm: *const u8) {
+fn emit_exec(kind: u32, tgid: u32, pid: u32, image: u32, bprm: *const u8) {
     let Some(mut entry) = PROCESS_EVENTS.reserve::<ProcessEvent>(0) else {
         if let Some(lost) = PROCESS_EVENTS_LOST.get_ptr_mut(0) {
             add(unsafe { &mut *lost }, 1);
@@ -88,7 +88,7 @@ fn emit_exec(kind: u32, tgid: u32, child: u32, image: u32, bprm: *const u8) {
     unsafe {
         (*event).kind = kind;
         (*event).tgid = tgid;
-        (*event).child = child;
+        (*event).pid = pid;
         (*event).image = image;
         (*event).time_ns = bpf_ktime_get_ns();
         (*event).path[0] = 0;

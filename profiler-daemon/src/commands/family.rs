@@ -194,7 +194,7 @@ impl Family {
             tracing::debug!(?event, "process event");
             match event.kind {
                 process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid, Some(&event)),
-                process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.child),
+                process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.pid),
                 _ => {}
             }
         }

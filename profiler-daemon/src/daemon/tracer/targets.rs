@@ -106,8 +106,8 @@ impl Tracer {
             match event.kind {
                 process_event::EXEC if traced => self.on_exec(&event),
                 process_event::EXEC => changed |= self.found(event.tgid),
-                process_event::FORK if traced => self.on_fork(event.tgid, event.child),
-                process_event::FORK => changed |= self.found(event.child),
+                process_event::FORK if traced => self.on_fork(event.tgid, event.pid),
+                process_event::FORK => changed |= self.found(event.pid),
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
                 }
