@@ -156,8 +156,9 @@ pub enum ConfigError {
 
 impl Config {
     /// Puts back the settings a reload cannot change, read at start, where `self` (the reloaded
-    /// file) changes them from `running`'s: the listener is bound and its limits set, the maps
-    /// sized and the probe links chosen when the daemon starts. Returns their names, to be said.
+    /// file) changes them from `running`'s: the listener is bound and its limits set, the programs
+    /// loaded with their maps' sizes and settings, and the probe links chosen when the daemon
+    /// starts. Returns their names, to be said.
     /// `usdt` keeps the whole sampling table as it was: the weights' table was sized for its mode.
     pub fn keep_read_at_start(&mut self, running: &Config) -> Vec<&'static str> {
         let mut kept = Vec::new();
