@@ -14,7 +14,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    io::Read,
+    io::{Read, Write as _},
     path::{Path, PathBuf},
 };
 
@@ -25,6 +25,9 @@ use crate::{commands::output::ReportFile, heap::report::Report, process::memory,
 
 /// The file's first line: what it is, and the version of its records.
 const MAGIC: &[u8] = b"memprof recording 1\n";
+
+/// The JSON given to the deflater at once.
+const JSON_CHUNK: usize = 64 << 10;
 
 /// The largest record read: a report of 64 Ki stacks of 127 frames is far less.
 const MAX_RECORD: u32 = 256 << 20;
@@ -135,7 +138,12 @@ fn stack_frames(process: &mut Report) -> impl Iterator<Item = (&String, &mut Fra
 
 fn frame(record: &Record, out: &mut Vec<u8>) {
     let mut deflate = DeflateEncoder::new(Vec::new(), Compression::default());
-    serde_json::to_writer(&mut deflate, record).expect("a record always serializes into memory");
+    // Buffered: serde_json writes token by token, and each write to the encoder costs a pass over
+    // its whole output buffer, which made a recording's writes take seconds of CPU.
+    let mut json = std::io::BufWriter::with_capacity(JSON_CHUNK, &mut deflate);
+    serde_json::to_writer(&mut json, record).expect("a record always serializes into memory");
+    json.flush().expect("writing to memory cannot fail");
+    drop(json);
     let payload = deflate.finish().expect("writing to memory cannot fail");
     let mut crc = Crc::new();
     crc.update(&payload);
