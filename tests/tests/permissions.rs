@@ -89,9 +89,9 @@ fn attach_with_exactly_the_documented_capabilities() {
 #[test]
 fn each_missing_capability_is_named() {
     let target = Waiting::start(&fixture("lifecycle"), &["prior"]);
+    let pid = target.pid().to_string();
     for missing in CAPABILITIES {
         let held: Vec<&str> = CAPABILITIES.iter().copied().filter(|c| *c != missing).collect();
-        let pid = target.pid().to_string();
         // The daemon says it before it binds its socket, whose directory is root's.
         for command in [vec!["attach", "-p", &pid], vec!["daemon", "--pid", &pid]] {
             let out = memprof_as_nobody_with(&held).args(&command).output().unwrap();

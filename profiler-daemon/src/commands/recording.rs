@@ -14,7 +14,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    io::{Read, Write as _},
+    io::Read,
     path::{Path, PathBuf},
 };
 
@@ -142,8 +142,7 @@ fn frame(record: &Record, out: &mut Vec<u8>) {
     // its whole output buffer, which made a recording's writes take seconds of CPU.
     let mut json = std::io::BufWriter::with_capacity(JSON_CHUNK, &mut deflate);
     serde_json::to_writer(&mut json, record).expect("a record always serializes into memory");
-    json.flush().expect("writing to memory cannot fail");
-    drop(json);
+    json.into_inner().expect("writing to memory cannot fail");
     let payload = deflate.finish().expect("writing to memory cannot fail");
     let mut crc = Crc::new();
     crc.update(&payload);

@@ -164,14 +164,17 @@ impl Config {
         let mut kept = Vec::new();
         keep("listen", &mut self.listen, &running.listen, &mut kept);
         keep("probe_links", &mut self.probe_links, &running.probe_links, &mut kept);
-        let (maps, loaded) = (&mut self.maps, &running.maps);
-        keep("max_live", &mut maps.max_live, &loaded.max_live, &mut kept);
-        keep("max_stacks", &mut maps.max_stacks, &loaded.max_stacks, &mut kept);
-        keep("unwind", &mut maps.unwind, &loaded.unwind, &mut kept);
-        keep("max_frames", &mut maps.max_frames, &loaded.max_frames, &mut kept);
-        keep("max_unwind_rows", &mut maps.max_unwind_rows, &loaded.max_unwind_rows, &mut kept);
-        keep("mappings", &mut maps.mappings, &loaded.mappings, &mut kept);
-        keep("full_free_stacks", &mut maps.full_free_stacks, &loaded.full_free_stacks, &mut kept);
+        // Every field named: a setting added to the load settings must be kept here too.
+        let LoadSettings { max_live, max_stacks, unwind, max_frames, max_unwind_rows, mappings, full_free_stacks } =
+            &mut self.maps;
+        let loaded = &running.maps;
+        keep("max_live", max_live, &loaded.max_live, &mut kept);
+        keep("max_stacks", max_stacks, &loaded.max_stacks, &mut kept);
+        keep("unwind", unwind, &loaded.unwind, &mut kept);
+        keep("max_frames", max_frames, &loaded.max_frames, &mut kept);
+        keep("max_unwind_rows", max_unwind_rows, &loaded.max_unwind_rows, &mut kept);
+        keep("mappings", mappings, &loaded.mappings, &mut kept);
+        keep("full_free_stacks", full_free_stacks, &loaded.full_free_stacks, &mut kept);
         keep("[http]", &mut self.http, &running.http, &mut kept);
         keep("[access]", &mut self.access, &running.access, &mut kept);
         if self.sampling.usdt != running.sampling.usdt {

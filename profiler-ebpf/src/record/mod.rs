@@ -33,10 +33,10 @@ pub use usdt::{on_usdt_alloc, on_usdt_free};
 /// A thread's entry stays while the thread lives, idle (`depth` 0) between calls: rewriting it in
 /// place costs far less than an insert per call and a delete per return. `on_thread_exit` removes it.
 #[map]
-pub(super) static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_PREALLOC);
+static INFLIGHT: HashMap<u32, Inflight> = HashMap::with_max_entries(16_384, NO_PREALLOC);
 
 #[map]
-pub(super) static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+static PROC_COUNTERS: HashMap<u32, ProcCounters> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 
 /// Processes traced by sampling: tgid → mean bytes between samples (`--sample-bytes`). Their
 /// frees of unrecorded blocks are expected, and their double frees are not looked for. Read
@@ -49,14 +49,14 @@ static SAMPLE_RATES: Array<SampleRate> = Array::with_max_entries(RATE_SLOTS, 0);
 
 /// Process `tgid`'s mean bytes between samples; 0 when it records every call.
 #[inline(always)]
-pub(super) fn sample_bytes(tgid: u32) -> u64 {
+fn sample_bytes(tgid: u32) -> u64 {
     let Some(slot) = SAMPLE_RATES.get(rate_slot(tgid)) else {
         return 0;
     };
     slot.of(tgid).unwrap_or_else(|| unsafe { SAMPLING.get(tgid) }.copied().unwrap_or(0))
 }
 
-pub(super) fn ids() -> (u32, u32) {
+fn ids() -> (u32, u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
     ((pid_tgid >> 32) as u32, pid_tgid as u32)
 }
@@ -66,7 +66,7 @@ static EMPTY_COUNTERS: ProcCounters =
     ProcCounters { unknown_frees: 0, internal_frees: 0, failed_allocations: 0, usdt_samples: 0 };
 
 /// A thread's entry between calls.
-pub(super) static IDLE: Inflight = Inflight {
+static IDLE: Inflight = Inflight {
     func: 0,
     depth: 0,
     size: 0,
@@ -83,7 +83,7 @@ pub(super) static IDLE: Inflight = Inflight {
 };
 
 /// Returns the value for `key`, inserting `empty` first when it is missing.
-pub(super) fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
+fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Option<*mut V> {
     if let Some(value) = map.get_ptr_mut(key) {
         return Some(value);
     }
@@ -92,7 +92,7 @@ pub(super) fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static 
     map.get_ptr_mut(key)
 }
 
-pub(super) fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
+fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
     match get_or_insert(&PROC_COUNTERS, &tgid, &EMPTY_COUNTERS) {
         Some(counters) => add(field(unsafe { &mut *counters }), 1),
         None => count_drop(DropReason::ProcessTableFull),
@@ -101,7 +101,7 @@ pub(super) fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut 
 
 /// The registers of the probe that fired, for a stack walk.
 #[derive(Clone, Copy)]
-pub struct Probe {
+struct Probe {
     regs: *const pt_regs,
     /// At a return probe: the walk starts at the return address.
     at_return: bool,
@@ -150,7 +150,7 @@ impl Probe {
 
 /// How far below an allocator call's entry a call nested in it can run. glibc's allocator frames
 /// are small; a thread's stack starts megabytes away from any other's.
-pub(super) const NESTING_STACK_SPAN: u64 = 64 * 1024;
+const NESTING_STACK_SPAN: u64 = 64 * 1024;
 
 /// The address of the probe that fired, at an entry probe: the kernel sets the instruction
 /// pointer back to the breakpoint before it runs the programs. `bpf_get_func_ip` says the same
@@ -161,7 +161,7 @@ pub fn probe_address(ctx: &ProbeContext) -> u64 {
     unsafe { (*ctx.regs).rip }
 }
 
-pub(super) fn stack_pointer(ctx: &ProbeContext) -> u64 {
+fn stack_pointer(ctx: &ProbeContext) -> u64 {
     #[cfg(bpf_target_arch = "x86_64")]
     {
         unsafe { (*ctx.regs).rsp }
