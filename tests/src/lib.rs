@@ -282,9 +282,14 @@ pub fn total(report: &Value, name: &str) -> u64 {
     report["totals"][name].as_u64().unwrap_or_else(|| panic!("totals.{name} missing in {report}"))
 }
 
-/// Every drop counter must be zero in a clean run.
+/// Every drop counter must be zero in a clean run. Under emulation (`time_scale` above 1) but
+/// `age_generation_missed`: it loses no event, it counts memprof's reads coming more than two
+/// intervals apart, and there each read's work takes the emulator's many times longer.
 pub fn assert_nothing_dropped(report: &Value) {
     for (reason, count) in report["dropped"].as_object().expect("dropped is an object") {
+        if reason == "age_generation_missed" && time_scale() > 1 {
+            continue;
+        }
         assert_eq!(count, 0, "dropped {reason}: {report}");
     }
 }

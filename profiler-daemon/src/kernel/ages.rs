@@ -61,6 +61,9 @@ struct StackAges {
     /// Old frees already applied to `frozen`.
     old_freed_bytes: u64,
     old_frees: u64,
+    /// At the last observation: the generation then, and the stack's allocations so far.
+    observed: u64,
+    allocations: u64,
 }
 
 #[derive(Debug)]
@@ -105,7 +108,18 @@ impl AgeBook {
         let rested = self.rested_until.get(&key.tgid).map_or(0, |&until| until.min(in_ring));
         ages.frozen_through = ages.frozen_through.max(rested);
         if ages.frozen_through < in_ring {
-            *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
+            if stats.allocations == ages.allocations {
+                // Nothing allocated since the last observation, so no slot was reused: the
+                // generations up to it are still in their slots, and those after it are empty.
+                for generation in ages.frozen_through..in_ring.min(ages.observed + 1) {
+                    let span = take_slot(ages, stats, generation);
+                    if span.bytes != 0 || span.allocations != 0 {
+                        ages.frozen.push_back(span);
+                    }
+                }
+            } else {
+                *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
+            }
             ages.frozen_through = in_ring;
         }
         for generation in ages.frozen_through..unfrozen {
@@ -115,6 +129,7 @@ impl AgeBook {
             }
         }
         ages.frozen_through = ages.frozen_through.max(unfrozen);
+        (ages.observed, ages.allocations) = (now, stats.allocations);
         apply_old_frees(ages, stats);
         merge_oldest(&mut ages.frozen);
         let live = (unfrozen..=now).map(|generation| slot_span(ages, stats, generation));
@@ -222,6 +237,7 @@ mod tests {
             let slot = generations::slot(born);
             stats.generation_bytes[slot] = stats.generation_bytes[slot].wrapping_add(bytes);
             stats.generation_allocations[slot] += 1;
+            stats.allocations += 1;
             if let Some(freed) = freed {
                 if freed - born >= FROZEN_AGE {
                     stats.old_freed_bytes += bytes;
@@ -273,8 +289,23 @@ mod tests {
     fn reads_too_far_apart_are_counted() {
         let mut book = AgeBook::new(CLOCK);
         let _ = book.observe(key(), &row(&[(0, 10, None)]), 5);
-        let _ = book.observe(key(), &row(&[(0, 10, None)]), 1000);
+        // An allocation between: it may have reused a slot not taken over yet.
+        let _ = book.observe(key(), &row(&[(0, 10, None), (90, 5, None)]), 1000);
         assert!(book.missed_generations(key().tgid) > 0);
+    }
+
+    #[test]
+    fn reads_far_apart_miss_nothing_of_a_stack_that_allocated_nothing_between() {
+        let mut book = AgeBook::new(CLOCK);
+        // Generation 0's block freed at generation 3, and generation 2's at 50 (an old free).
+        let _ = book.observe(key(), &row(&[(0, 10, None), (2, 20, None), (5, 40, None)]), 55);
+        let later = row(&[(0, 10, Some(3)), (2, 20, Some(50)), (5, 40, None)]);
+        let spans = book.observe(key(), &later, 1000);
+        assert_eq!(book.missed_generations(key().tgid), 0);
+        assert_eq!(spans, [AgeSpan { first: 5, last: 5, bytes: 40, allocations: 1 }]);
+        // Read again as far apart: still nothing missed, nothing new.
+        assert_eq!(book.observe(key(), &later, 2000), spans);
+        assert_eq!(book.missed_generations(key().tgid), 0);
     }
 
     #[test]
