@@ -5,7 +5,8 @@
 //! The probes' traps and the programs they run take the process's own kernel time, so the price
 //! is measured where it is paid: the rise of the process's system time once traced, against its
 //! system time before (`attach` reads it while memprof loads). A process traced from its start
-//! (`run`'s command, a followed child) has no before: its whole system time is said. The kernel
+//! (`run`'s command, a followed child) has no before: its system time is said, but no more than
+//! its calls at the dearest a call was measured to cost, since the rest is its own. The kernel
 //! splits time between user and system by where its timer tick lands, and some of the traps'
 //! time lands in user time: the price said is the part the system time shows (docs:
 //! guide/sampling.md#the-price-of-tracing).
@@ -18,6 +19,11 @@ pub const MEASURED_NS: u64 = 1_000_000_000;
 /// CPU seconds a second above which tracing's price is worth a cheaper mode: a twentieth of a
 /// core.
 pub const SIGNIFICANT: f64 = 0.05;
+
+/// The most a traced call was measured to cost, traps included (docs:
+/// performance.md#attachs-default-rate-and-the-price-line-issue-29), with room to spare: it bounds
+/// the price of a process with no before, whose system time may be mostly its own system calls.
+const DEAREST_CALL_S: f64 = 10e-6;
 
 /// The shortest stretch a system time rate is taken over: the kernel counts that time in clock
 /// ticks, and a shorter stretch holds too few of them to say anything.
@@ -102,10 +108,13 @@ pub struct Price {
 }
 
 impl Price {
-    /// CPU seconds a second tracing adds: the rise of the system time, or all of it without a
-    /// before (the process's own system calls then count as tracing's).
+    /// CPU seconds a second tracing adds: the rise of the system time; without a before, the
+    /// system time, but no more than the calls can have cost.
     pub fn added(&self) -> f64 {
-        (self.traced - self.before.unwrap_or(0.0)).max(0.0)
+        match self.before {
+            Some(before) => (self.traced - before).max(0.0),
+            None => self.traced.min(self.calls_per_second * DEAREST_CALL_S),
+        }
     }
 
     pub fn significant(&self) -> bool {
@@ -128,9 +137,12 @@ impl Price {
                 "adds about {:.2} s of CPU a second (its system time went from {before:.2} to {traced:.2} s/s)",
                 self.added()
             ),
-            None => {
-                format!("costs it about its system time, {traced:.2} s of CPU a second (not measured before tracing)")
-            }
+            None => format!(
+                "costs it about {:.2} s of CPU a second (not measured before tracing: its system time, {traced:.2} s/s, \
+                 or {} µs a call if less)",
+                self.added(),
+                DEAREST_CALL_S * 1e6
+            ),
         };
         let advice = if self.mode == Mode::Exact && self.significant() { format!("; {ADVICE}") } else { String::new() };
         format!("memprof: pid {pid} makes {calls} {cost}{advice}")
@@ -185,13 +197,22 @@ mod tests {
     }
 
     #[test]
-    fn without_a_before_the_whole_system_time_is_said() {
+    fn without_a_before_the_system_time_is_said() {
         let price = watch(None).price(7, cpu(11.0, 3.5), 2_000_000, Mode::Exact).unwrap();
         assert!(price.significant());
         assert!(price.line().starts_with(
-            "memprof: pid 7 makes 2,000,000 allocator calls a second; tracing them costs it about its system time, \
-             0.50 s of CPU a second (not measured before tracing); --sample-bytes"
+            "memprof: pid 7 makes 2,000,000 allocator calls a second; tracing them costs it about 0.50 s of CPU a \
+             second (not measured before tracing: its system time, 0.50 s/s, or 10 µs a call if less); --sample-bytes"
         ));
+    }
+
+    #[test]
+    fn without_a_before_a_few_calls_cannot_cost_the_system_calls_time() {
+        // `dd` copying through the kernel: 264 calls a second and 0.79 s/s of system time.
+        let price = watch(None).price(7, cpu(11.0, 3.79), 264, Mode::Exact).unwrap();
+        assert!((price.added() - 0.00264).abs() < 1e-9, "{price:?}");
+        assert!(!price.significant());
+        assert!(price.line().ends_with("costs it about 0.00 s of CPU a second (not measured before tracing: its system time, 0.79 s/s, or 10 µs a call if less)"), "{}", price.line());
     }
 
     #[test]
