@@ -326,17 +326,20 @@ fn a_refused_value_names_its_flag_in_one_line() {
 }
 
 /// A script runs its interpreter: `run` finds the allocator there (`#!/usr/bin/env sh` included)
-/// and follows the exec into the program the script starts.
+/// and follows the exec into the program the script starts. A script without `#!` runs under
+/// `/bin/sh`, as a shell runs it.
 #[test]
 fn a_script_is_run_through_its_interpreter() {
     let script = std::env::temp_dir().join(format!("memprof-script-{}.sh", std::process::id()));
     let program = fixture("reports");
-    std::fs::write(&script, format!("#!/usr/bin/env sh\nexec {}\n", program.display())).unwrap();
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let outcome = run(&[], &[script.to_str().unwrap()]);
+    for first_line in ["#!/usr/bin/env sh\n", ""] {
+        std::fs::write(&script, format!("{first_line}exec {}\n", program.display())).unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let outcome = run(&[], &[script.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{first_line:?}: {outcome:?}");
+        let report = outcome.final_report();
+        assert!(report["totals"]["allocations"].as_u64().unwrap() > 0, "{report}");
+        assert_eq!(report["comm"], "reports", "{report}");
+    }
     std::fs::remove_file(&script).unwrap();
-    assert!(outcome.status.success(), "{outcome:?}");
-    let report = outcome.final_report();
-    assert!(report["totals"]["allocations"].as_u64().unwrap() > 0, "{report}");
-    assert_eq!(report["comm"], "reports", "{report}");
 }

@@ -111,6 +111,23 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
         .ok_or_else(|| not_found("not found on PATH"))
 }
 
+/// What a shell starts for `command`, whose program is `program`: the program itself, or `/bin/sh`
+/// with it when the file is neither a binary nor a `#!` script. The kernel refuses such a file,
+/// and shells (and `execvp`) run it as a shell script.
+pub fn as_a_shell_starts(program: PathBuf, command: &[OsString]) -> (PathBuf, Vec<OsString>) {
+    use std::io::Read as _;
+    let mut head = [0u8; 4];
+    let read = std::fs::File::open(&program).and_then(|mut file| file.read(&mut head));
+    let runs_itself = read.map_or(true, |n| head[..n].starts_with(b"#!") || head[..n] == *b"\x7fELF");
+    if runs_itself {
+        return (program, command.to_vec());
+    }
+    let shell = PathBuf::from("/bin/sh");
+    let args =
+        [shell.clone().into_os_string(), program.into_os_string()].into_iter().chain(command[1..].iter().cloned());
+    (shell, args.collect())
+}
+
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     path.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)

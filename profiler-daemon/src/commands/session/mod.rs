@@ -126,7 +126,7 @@ pub async fn run(
         return Err(UserError::InspectNeedsDuration.into());
     }
     let opened = Opened::open(args)?;
-    let program = target::resolve_program(&command[0])?;
+    let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
     loader::check_support()?;
     let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
     let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
@@ -144,7 +144,7 @@ pub async fn run(
     let comm = crate::text::printable(&comm).into_owned();
     // By the name it is run as, as `procfs::exe_path` names it (a link's name, not its target's).
     let executable = std::path::absolute(&program).unwrap_or_else(|_| program.clone()).display().to_string();
-    let (child, exit_code) = target::spawn(program, command, &routes)?;
+    let (child, exit_code) = target::spawn(program, &command, &routes)?;
     let pid = child.pid;
     let mut exit = ExitWatch::Child(exit_code, None);
     // From here on the command runs whatever happens to memprof (the child execs once `child`
