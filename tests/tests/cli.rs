@@ -340,6 +340,8 @@ fn a_script_is_run_through_its_interpreter() {
         let report = outcome.final_report();
         assert!(report["totals"]["allocations"].as_u64().unwrap() > 0, "{report}");
         assert_eq!(report["comm"], "reports", "{report}");
+        // Each exec of the chain is handled, but the program is named once.
+        assert_eq!(outcome.stderr.matches("(reports) runs ").count(), 1, "{}", outcome.stderr);
     }
     std::fs::remove_file(&script).unwrap();
 }

@@ -62,6 +62,9 @@ pub struct Process {
     /// may still come for it must not handle it again (detaching the probes its new program
     /// already runs under). Cleared at the next flush, by when such an event has come.
     exec_handled_early: bool,
+    /// The program it was last said to run: a fast chain of execs (`env`, a shell's `exec`)
+    /// is handled once the chain has ended, and each exec's handling finds the last program.
+    said_exe: String,
 }
 
 impl Process {
@@ -107,6 +110,7 @@ impl Process {
             double_frees: Vec::new(),
             expect_exec,
             exec_handled_early: false,
+            said_exe: String::new(),
         }
     }
 }
@@ -282,13 +286,16 @@ impl Family {
                 }
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
                 process.blind_spots = Some(BlindSpots::new(pid, &allocator));
-                say!(
-                    "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
-                    process.comm,
-                    process.exe,
-                    process.attachment.probes(),
-                    allocator.describe()
-                );
+                if process.said_exe != process.exe {
+                    say!(
+                        "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
+                        process.comm,
+                        process.exe,
+                        process.attachment.probes(),
+                        allocator.describe()
+                    );
+                    process.said_exe.clone_from(&process.exe);
+                }
                 process.allocator = Some(allocator);
             }
             Err(err) => tracing::debug!(pid, "probing the allocator: {err:#}"),
