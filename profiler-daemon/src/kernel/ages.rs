@@ -297,9 +297,10 @@ mod tests {
     #[test]
     fn reads_far_apart_miss_nothing_of_a_stack_that_allocated_nothing_between() {
         let mut book = AgeBook::new(CLOCK);
-        // Generation 0's block freed at generation 3, and generation 2's at 50 (an old free).
+        // Read at generation 5; then generation 0's block freed at 6 (from its slot) and
+        // generation 2's at 50 (an old free), and nothing allocated.
         let _ = book.observe(key(), &row(&[(0, 10, None), (2, 20, None), (5, 40, None)]), 55);
-        let later = row(&[(0, 10, Some(3)), (2, 20, Some(50)), (5, 40, None)]);
+        let later = row(&[(0, 10, Some(6)), (2, 20, Some(50)), (5, 40, None)]);
         let spans = book.observe(key(), &later, 1000);
         assert_eq!(book.missed_generations(key().tgid), 0);
         assert_eq!(spans, [AgeSpan { first: 5, last: 5, bytes: 40, allocations: 1 }]);
