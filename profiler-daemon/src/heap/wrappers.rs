@@ -1,6 +1,6 @@
 //! Allocation wrappers: functions whose job is to call the allocator (redis's `zmalloc`, nginx's
-//! `ngx_palloc`, postgres's `palloc`, glib's `g_malloc`, `xmalloc`, C++'s `operator new`, Rust's
-//! `__rust_alloc`). Their frames at the leaf end of a stack are folded into the allocator: the
+//! `ngx_palloc`, postgres's `palloc`, glib's `g_malloc`, `xmalloc`, perl's `Perl_safesysmalloc`,
+//! the JVM's `os::malloc`, C++'s `operator new`, Rust's `__rust_alloc`). Their frames at the leaf end of a stack are folded into the allocator: the
 //! stack then starts at the code that asked for memory, its site, on every allocator (C++'s
 //! `operator new` is probed itself where tcmalloc or mimalloc provide it, and is a frame above
 //! glibc's `malloc`), and names the wrappers it came through (`via`).
@@ -65,7 +65,7 @@ const RUNTIME_PREFIXES: [&str; 10] = [
 ];
 
 /// Libraries' and programs' own allocation functions, matched whole.
-const KNOWN: [&str; 78] = [
+const KNOWN: [&str; 93] = [
     // redis (zmalloc.c), and the same in keydb and valkey.
     "zmalloc",
     "zcalloc",
@@ -149,6 +149,24 @@ const KNOWN: [&str; 78] = [
     "xnmalloc",
     "xreallocarray",
     "xnrealloc",
+    // perl (util.c, its PerlMem_* macros): every allocation of the interpreter.
+    "Perl_safesysmalloc",
+    "Perl_safesyscalloc",
+    "Perl_safesysrealloc",
+    "Perl_savepv",
+    "Perl_savepvn",
+    "Perl_savesharedpv",
+    "Perl_savesharedpvn",
+    // The JVM (HotSpot's os.cpp, allocation.cpp, arena.cpp): its own C heap, under every
+    // NEW_C_HEAP_ARRAY and CHeapObj, and its arenas' chunks.
+    "os::malloc",
+    "os::realloc",
+    "os::strdup",
+    "os::strdup_check_oom",
+    "AllocateHeap",
+    "ReallocateHeap",
+    "ChunkPool::allocate",
+    "Arena::grow",
 ];
 
 impl Wrappers {
@@ -240,6 +258,8 @@ mod tests {
         assert!(wrappers.is_wrapper("Pool::get(unsigned long)"));
         assert!(!wrappers.is_wrapper("Pool::get_more"));
         assert!(!Wrappers::default().is_wrapper("palloc_stats"));
+        assert!(Wrappers::default().is_wrapper("os::malloc(unsigned long, MEMFLAGS, NativeCallStack const&)"));
+        assert!(Wrappers::default().is_wrapper("Perl_safesysmalloc"));
         assert!(Wrappers::default().is_wrapper("operator new[](unsigned long)"));
         assert!(Wrappers::default().is_wrapper("<mimalloc::MiMalloc as core::alloc::global::GlobalAlloc>::alloc"));
         assert!(!wrappers.is_wrapper("operator new(unsigned long)"), "automatic detection off");
