@@ -65,7 +65,7 @@ const RUNTIME_PREFIXES: [&str; 10] = [
 ];
 
 /// Libraries' and programs' own allocation functions, matched whole.
-const KNOWN: [&str; 93] = [
+const KNOWN: [&str; 100] = [
     // redis (zmalloc.c), and the same in keydb and valkey.
     "zmalloc",
     "zcalloc",
@@ -149,6 +149,14 @@ const KNOWN: [&str; 93] = [
     "xnmalloc",
     "xreallocarray",
     "xnrealloc",
+    // OpenSSL (crypto/mem.c, crypto/o_str.c): in nginx, postgres, node, python and curl.
+    "CRYPTO_malloc",
+    "CRYPTO_zalloc",
+    "CRYPTO_realloc",
+    "CRYPTO_clear_realloc",
+    "CRYPTO_strdup",
+    "CRYPTO_strndup",
+    "CRYPTO_memdup",
     // perl (util.c, its PerlMem_* macros): every allocation of the interpreter.
     "Perl_safesysmalloc",
     "Perl_safesyscalloc",
@@ -260,6 +268,7 @@ mod tests {
         assert!(!Wrappers::default().is_wrapper("palloc_stats"));
         assert!(Wrappers::default().is_wrapper("os::malloc(unsigned long, MEMFLAGS, NativeCallStack const&)"));
         assert!(Wrappers::default().is_wrapper("Perl_safesysmalloc"));
+        assert!(Wrappers::default().is_wrapper("CRYPTO_zalloc"));
         assert!(Wrappers::default().is_wrapper("operator new[](unsigned long)"));
         assert!(Wrappers::default().is_wrapper("<mimalloc::MiMalloc as core::alloc::global::GlobalAlloc>::alloc"));
         assert!(!wrappers.is_wrapper("operator new(unsigned long)"), "automatic detection off");
