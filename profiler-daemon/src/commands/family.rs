@@ -64,7 +64,7 @@ pub struct Process {
     exec_handled_early: bool,
     /// The program it was last said to run: a fast chain of execs (`env`, a shell's `exec`)
     /// is handled once the chain has ended, and each exec's handling finds the last program.
-    said_exe: String,
+    said_exe: Option<String>,
 }
 
 impl Process {
@@ -110,7 +110,7 @@ impl Process {
             double_frees: Vec::new(),
             expect_exec,
             exec_handled_early: false,
-            said_exe: String::new(),
+            said_exe: None,
         }
     }
 }
@@ -286,7 +286,7 @@ impl Family {
                 }
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
                 process.blind_spots = Some(BlindSpots::new(pid, &allocator));
-                if process.said_exe != process.exe {
+                if process.said_exe.as_ref() != Some(&process.exe) {
                     say!(
                         "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
                         process.comm,
@@ -294,7 +294,7 @@ impl Family {
                         process.attachment.probes(),
                         allocator.describe()
                     );
-                    process.said_exe.clone_from(&process.exe);
+                    process.said_exe = Some(process.exe.clone());
                 }
                 process.allocator = Some(allocator);
             }
