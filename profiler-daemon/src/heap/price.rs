@@ -6,7 +6,7 @@
 //! is measured where it is paid: the rise of the process's system time once traced, against its
 //! system time before (`attach` reads it while memprof loads). A process traced from its start
 //! (`run`'s command, a followed child) has no before: its system time is said, but no more than
-//! its calls at the dearest a call was measured to cost, since the rest is its own. The kernel
+//! its calls can cost at a bound above any call measured, since the rest is its own. The kernel
 //! splits time between user and system by where its timer tick lands, and some of the traps'
 //! time lands in user time: the price said is the part the system time shows (docs:
 //! guide/sampling.md#the-price-of-tracing).
@@ -20,10 +20,10 @@ pub const MEASURED_NS: u64 = 1_000_000_000;
 /// core.
 pub const SIGNIFICANT: f64 = 0.05;
 
-/// The most a traced call was measured to cost, traps included (docs:
-/// performance.md#attachs-default-rate-and-the-price-line-issue-29), with room to spare: it bounds
-/// the price of a process with no before, whose system time may be mostly its own system calls.
-const DEAREST_CALL_S: f64 = 10e-6;
+/// More than any traced call was measured to cost, traps included (docs:
+/// performance.md#attachs-default-rate-and-the-price-line-issue-29): it bounds the price of a
+/// process with no before, whose system time may be mostly its own system calls.
+const CALL_COST_BOUND_S: f64 = 10e-6;
 
 /// The shortest stretch a system time rate is taken over: the kernel counts that time in clock
 /// ticks, and a shorter stretch holds too few of them to say anything.
@@ -113,7 +113,7 @@ impl Price {
     pub fn added(&self) -> f64 {
         match self.before {
             Some(before) => (self.traced - before).max(0.0),
-            None => self.traced.min(self.calls_per_second * DEAREST_CALL_S),
+            None => self.traced.min(self.calls_per_second * CALL_COST_BOUND_S),
         }
     }
 
@@ -141,7 +141,7 @@ impl Price {
                 "costs it about {:.2} s of CPU a second (not measured before tracing: its system time, {traced:.2} s/s, \
                  or {} µs a call if less)",
                 self.added(),
-                DEAREST_CALL_S * 1e6
+                CALL_COST_BOUND_S * 1e6
             ),
         };
         let advice = if self.mode == Mode::Exact && self.significant() { format!("; {ADVICE}") } else { String::new() };

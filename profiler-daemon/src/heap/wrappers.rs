@@ -1,7 +1,8 @@
 //! Allocation wrappers: functions whose job is to call the allocator (redis's `zmalloc`, nginx's
 //! `ngx_palloc`, postgres's `palloc`, glib's `g_malloc`, `xmalloc`, perl's `Perl_safesysmalloc`,
-//! the JVM's `os::malloc`, C++'s `operator new`, Rust's `__rust_alloc`). Their frames at the leaf end of a stack are folded into the allocator: the
-//! stack then starts at the code that asked for memory, its site, on every allocator (C++'s
+//! the JVM's `os::malloc`, C++'s `operator new`, Rust's `__rust_alloc`). Their frames at the leaf
+//! end of a stack are folded into the allocator: the stack then starts at the code that asked for
+//! memory, its site, on every allocator (C++'s
 //! `operator new` is probed itself where tcmalloc or mimalloc provide it, and is a frame above
 //! glibc's `malloc`), and names the wrappers it came through (`via`).
 //!

@@ -107,22 +107,15 @@ impl AgeBook {
         // Generations the process spent at rest were empty: nothing to take over.
         let rested = self.rested_until.get(&key.tgid).map_or(0, |&until| until.min(in_ring));
         ages.frozen_through = ages.frozen_through.max(rested);
-        if ages.frozen_through < in_ring {
-            if stats.allocations == ages.allocations {
-                // Nothing allocated since the last observation, so no slot was reused: the
-                // generations up to it are still in their slots, and those after it are empty.
-                for generation in ages.frozen_through..in_ring.min(ages.observed + 1) {
-                    let span = take_slot(ages, stats, generation);
-                    if span.bytes != 0 || span.allocations != 0 {
-                        ages.frozen.push_back(span);
-                    }
-                }
-            } else {
-                *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
-            }
+        // Only an allocation reuses a slot. Without one since the last observation, however long
+        // ago, the generations up to it are still in their slots and those after it are empty.
+        let allocated = stats.allocations != ages.allocations;
+        if allocated && ages.frozen_through < in_ring {
+            *self.missed_generations.entry(key.tgid).or_default() += in_ring - ages.frozen_through;
             ages.frozen_through = in_ring;
         }
-        for generation in ages.frozen_through..unfrozen {
+        let written_before = if allocated { unfrozen } else { unfrozen.min(ages.observed + 1) };
+        for generation in ages.frozen_through..written_before {
             let span = take_slot(ages, stats, generation);
             if span.bytes != 0 || span.allocations != 0 {
                 ages.frozen.push_back(span);
