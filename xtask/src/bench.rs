@@ -505,7 +505,7 @@ fn render(results: &[(&Tool, Measured)], attached: &Attached, size: Size) -> Str
          Here a trap the kernel single-steps (`traps: free's entry`) adds {:.1} times what one it emulates\n\
          adds (`traps: entry`, at malloc's `push`). The classic set takes one at every free, memprof none, so\n\
          the last column moves with this factor from one machine to another: it was about 12 on the VM of\n\
-         the runs before 2026-11-29 (Measurements behind design choices, the first row).",
+         the runs before 2026-11-29 (Measurements behind design choices, the first row) and 5.5 on 2026-11-29's.",
         attached.kernel_kib as f64 / 1024.0,
         attached.attach_s,
         attached.detach_s,
