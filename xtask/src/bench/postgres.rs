@@ -20,7 +20,7 @@ const PORT: &str = "5499";
 
 const MODES: [(&str, Option<&[&str]>); 4] = [
     ("none", None),
-    ("memprof attach --follow-forks (exact)", Some(&[])),
+    ("memprof attach --follow-forks --max-rate off (exact)", Some(&["--max-rate", "off"])),
     ("memprof attach --follow-forks --sample-bytes 524288", Some(&["--sample-bytes", "524288"])),
     ("memprof attach --follow-forks --growth", Some(&["--growth"])),
 ];

@@ -1,7 +1,8 @@
 //! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
-//! under memprof attached to it (exact, sampled and growth mode) and heaptrack (restarted under
-//! it); and Debian's python3 building a dict, untraced and under `memprof run` in each mode and
-//! heaptrack. The runs interleaved so that a change in the machine's load falls on every mode alike.
+//! under memprof attached to it (exact, at its defaults, sampled and growth mode) and heaptrack
+//! (restarted under it); and Debian's python3 building a dict, untraced and under `memprof run`
+//! in each mode and heaptrack. The runs interleaved so that a change in the machine's load falls
+//! on every mode alike.
 //! PostgreSQL follows (`postgres`), in rounds of its own.
 
 use std::{
@@ -35,9 +36,12 @@ enum How {
     Heaptrack,
 }
 
-const MODES: [Mode; 5] = [
+/// `attach` samples a process above 50,000 calls a second unless told `--max-rate off`: its
+/// defaults are a row of their own, and only `--max-rate off` is exact throughout.
+const MODES: [Mode; 6] = [
     Mode { name: "none", how: How::Untraced },
-    Mode { name: "memprof attach (exact)", how: How::Attached(&[]) },
+    Mode { name: "memprof attach --max-rate off (exact)", how: How::Attached(&["--max-rate", "off"]) },
+    Mode { name: "memprof attach (defaults: exact, then sampled above 50,000 calls/s)", how: How::Attached(&[]) },
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
     Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
     Mode { name: "heaptrack (LD_PRELOAD, restarted)", how: How::Heaptrack },
@@ -246,8 +250,10 @@ pub fn render(measured: &Measured) -> String {
         out,
         "Debian's redis-server (jemalloc) under `redis-benchmark -t set -r 100000 -d 100 -n {}` (50 clients), \
          after a warm-up of 20,000 requests: untraced, with `memprof attach` started after the warm-up, and \
-         restarted under heaptrack. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
-         load average {} before, {} after (2 cores shared with other work: compare the ratios).\n",
+         restarted under heaptrack. `attach` at its defaults records every call for about a second, then \
+         samples one allocation in every 64 KiB (its `--max-rate`); `--max-rate off` keeps it exact. The modes' \
+         runs interleaved, {} rounds; the median of each. Measured {}, load average {} before, {} after \
+         (2 cores shared with other work: compare the ratios).\n",
         measured.requests,
         measured.runs[0].len(),
         measured.date,
