@@ -39,6 +39,11 @@ docs  the book (docs/) built into target/book, its links and the code's `docs:` 
 
 fn main() -> anyhow::Result<()> {
     let task = std::env::args().nth(1).unwrap_or_default();
+    // `cargo xtask kernels --help` would otherwise boot the kernels: no task takes a help flag.
+    if std::env::args().skip(2).any(|arg| arg == "--help" || arg == "-h") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     match task.as_str() {
         "setup" => {
             setup::all()?;
