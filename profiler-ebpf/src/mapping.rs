@@ -23,7 +23,7 @@
 use core::mem::offset_of;
 
 use aya_ebpf::{
-    bindings::pt_regs,
+    bindings::{pt_regs, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::bpf_get_current_pid_tgid,
     macros::{fexit, map, raw_tracepoint},
     maps::RingBuf,
@@ -59,9 +59,11 @@ const MAP_ANONYMOUS: u64 = 0x20;
 const MAP_STACK: u64 = 0x20000;
 const MREMAP_DONTUNMAP: u64 = 4;
 
-/// The calls, in order, for the daemon. 1 MiB: 16,384 events between two of its reads.
+/// The calls and first touches, in order, for the daemon: 16,384 events between two of its
+/// reads. It reads them at each interval, and as soon as the kernel wakes it (`emit`).
 #[map]
-static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(MAPPING_EVENTS_BYTES, 0);
+const MAPPING_EVENTS_BYTES: u32 = 1024 * 1024;
 
 fn ids() -> (u32, u32) {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -261,5 +263,10 @@ fn emit(tgid: u32, change: &Change, stack_id: u64, flags: u32, time_ns: u64) {
         ((*event).stack_id, (*event).flags, (*event)._pad) = (stack_id, flags, 0);
         (*event).time_ns = time_ns;
     }
-    entry.submit(0);
+    // The daemon is woken only once a quarter of the ring waits: a burst of first touches (a
+    // heap growing by tens of MiB at once) is read before it fills the ring, and a process that
+    // maps or touches a page now and then wakes nobody.
+    let waiting = MAPPING_EVENTS.query(BPF_RB_AVAIL_DATA as u64);
+    let wake = if waiting > u64::from(MAPPING_EVENTS_BYTES / 4) { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    entry.submit(wake as u64);
 }

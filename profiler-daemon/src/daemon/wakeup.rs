@@ -89,3 +89,41 @@ impl<T> Inbox<T> {
         }
     }
 }
+
+/// Polls readable only after the kernel has woken the waiters of a ring: an epoll set that holds
+/// the ring edge-triggered. The ring itself polls readable while any record waits; a ring whose
+/// programs wake its readers only at a threshold (the mapping events) wakes the sleep only then.
+pub struct EdgeBell {
+    epoll: std::os::fd::OwnedFd,
+}
+
+impl EdgeBell {
+    pub fn new(ring: BorrowedFd<'_>) -> io::Result<Self> {
+        // SAFETY: epoll_create1 takes no pointer; a descriptor it returns is ours to own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned open, and nothing else owns it.
+        let epoll = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let mut event = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLET) as u32, u64: 0 };
+        // SAFETY: both descriptors are open; `event` lives across the call.
+        if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, ring.as_raw_fd(), &mut event) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { epoll })
+    }
+
+    /// Takes the wake-up, if any: the bell polls readable again only at the ring's next.
+    pub fn clear(&self) {
+        let mut event = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: room for one event, which lives across the call; a zero timeout does not block.
+        unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), &mut event, 1, 0) };
+    }
+}
+
+impl AsFd for EdgeBell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
+    }
+}

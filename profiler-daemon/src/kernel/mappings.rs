@@ -90,6 +90,11 @@ impl MappedRanges {
         Ok(Self { ring: Ring::new("MAPPING_EVENTS", map)?, spaces: HashMap::new() })
     }
 
+    /// The events' ring, for waiting on it.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
     /// Applies the calls and page touches that arrived since the last drain, in their order.
     pub fn drain(&mut self, clock: &Clock) {
         self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(clock, &event));

@@ -1,7 +1,10 @@
 //! What the maps hold of each traced process: which are tracked, their counts read, their
 //! mapping lists, their sampling.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::{AsFd as _, BorrowedFd},
+};
 
 use anyhow::Context as _;
 
@@ -77,11 +80,23 @@ impl Loaded {
         }
     }
 
-    /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
-    pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+    /// Applies the mapping calls and first touches that arrived; none without `--mappings` or
+    /// growth mode.
+    pub fn drain_mappings(&mut self) {
         if let Some(mappings) = &mut self.mappings {
             mappings.drain(&self.ages.clock);
         }
+    }
+
+    /// Readable when the kernel wakes memprof to read the mapping events (a burst fills their
+    /// ring); none without `--mappings` or growth mode.
+    pub fn mapping_events(&self) -> Option<BorrowedFd<'_>> {
+        self.mappings.as_ref().map(|mappings| mappings.ring().as_fd())
+    }
+
+    /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
+    pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
+        self.drain_mappings();
         if let (true, Some((live_entries, stack_stats_entries))) = (tgids.is_empty(), self.walked_entries) {
             let unattributed_drops = aggregate::unattributed_drops(&self.ebpf)?;
             return Ok(KernelSnapshot { live_entries, stack_stats_entries, unattributed_drops, ..Default::default() });
@@ -116,9 +131,7 @@ impl Loaded {
 
     /// For each of `tgids`, the intervals in a row it has been still (see `stillness`).
     pub fn still_intervals(&mut self, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, u32>> {
-        if let Some(mappings) = &mut self.mappings {
-            mappings.drain(&self.ages.clock);
-        }
+        self.drain_mappings();
         let mappings = self.mappings.as_ref();
         let learned = |tgid| mappings.map_or(0, |m| m.events(tgid)) + self.unwind.deferred_finished(tgid);
         self.stillness.update(&self.ebpf, tgids, learned)
