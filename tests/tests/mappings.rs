@@ -81,7 +81,7 @@ fn a_go_programs_heap_shows_through_its_mappings() {
 }
 
 /// Most Go services are built without cgo: no C library, no allocator memprof probes. Refused
-/// without --mappings (the error says to use it), traced by its mappings with it.
+/// without --mappings (the error says to use it, or --growth), traced by its mappings with it.
 #[test]
 fn a_pure_go_programs_heap_shows_through_its_mappings() {
     let program = fixture_go_pure("go_heap");
@@ -89,7 +89,9 @@ fn a_pure_go_programs_heap_shows_through_its_mappings() {
     let refused = memprof(&["run", "--", program]);
     assert_eq!(refused.status.code(), Some(1), "{refused:?}");
     assert!(
-        refused.stderr.contains("Go's runtime allocator") && refused.stderr.contains("--mappings shows where it maps"),
+        refused.stderr.contains("Go's runtime allocator")
+            && refused.stderr.contains("--growth shows the pages it touches")
+            && refused.stderr.contains("--mappings shows where it maps"),
         "{}",
         refused.stderr
     );

@@ -203,7 +203,8 @@ fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Alloc
         }
         let what: Vec<String> = unprobed.iter().map(|spot| format!("{} ({})", spot.what, spot.advice)).collect();
         return Err(format!(
-            "it allocates through {}; --mappings shows where it maps its memory, by stack",
+            "it allocates through {}; --growth shows the pages it touches, by the stack that touched each first; \
+             --mappings shows where it maps its memory, by stack",
             what.join("; ")
         ));
     }
