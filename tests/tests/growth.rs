@@ -52,11 +52,12 @@ fn run_sees_the_leaking_site_on_jemalloc() {
     assert_growth(&run(&["--growth", "--interval", "60"], &[jemalloc_fixture().to_str().unwrap()]));
 }
 
-/// A Go program without cgo, whose heap memprof sees no other way: `grow` touches each page of
-/// 64 blocks of 1 MiB first, 16,384 faults in a few milliseconds, four times what the events'
-/// ring holds. Read as the kernel wakes memprof for them, none is lost, and `grow` holds its
-/// 64 MiB (a transparent huge page it touches may hold a neighbour's pages too: 2 MiB more at
-/// most).
+/// A Go program without cgo, whose heap memprof sees no other way: `grow` makes 64 blocks of
+/// 1 MiB and writes each of their pages, 16,384 first touches in a few milliseconds, four times
+/// what the events' ring holds. Read as the kernel wakes memprof for them, none is lost, and the
+/// stacks through `grow` hold its 64 MiB: the pages its own code touched first, and those the
+/// runtime zeroed for it (a span it reused). The runtime's metadata for the blocks is touched
+/// under `grow` too: 2 MiB here, allowed 4.
 #[test]
 fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
     let outcome = run(&["--growth", "--interval", "60"], &[fixture_go_pure("go_heap").to_str().unwrap()]);
@@ -65,7 +66,7 @@ fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
     assert_eq!(report["dropped"]["fault_event_lost"], 0, "{}", report["dropped"]);
     let grown = 64 << 20;
     let (held, _) = through(&report, "main.grow");
-    assert!((grown..=grown + (2 << 20)).contains(&held), "main.grow holds {held} bytes of {grown}: {report}");
+    assert!((grown..=grown + (4 << 20)).contains(&held), "main.grow holds {held} bytes of {grown}: {report}");
 }
 
 /// One fault the kernel answers with a transparent huge page maps 2 MiB, and no other fault
