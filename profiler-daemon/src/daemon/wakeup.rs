@@ -114,11 +114,12 @@ impl EdgeBell {
         Ok(Self { epoll })
     }
 
-    /// Takes the wake-up, if any: the bell polls readable again only at the ring's next.
-    pub fn clear(&self) {
+    /// Takes the wake-up; whether there was one. The bell polls readable again only at the
+    /// ring's next.
+    pub fn take(&self) -> bool {
         let mut event = libc::epoll_event { events: 0, u64: 0 };
         // SAFETY: room for one event, which lives across the call; a zero timeout does not block.
-        unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), &mut event, 1, 0) };
+        unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), &mut event, 1, 0) > 0 }
     }
 }
 

@@ -256,9 +256,11 @@ impl Tracer {
         self.loaded.wait_detached();
     }
 
-    /// Applies the mapping events that wait (growth mode): the kernel rings the bell only when
-    /// a burst has filled a quarter of their ring, where the ring itself polls readable while
-    /// any event waits, which would wake the sleep at each page a process touches.
+    /// Applies the mapping events that wait when the kernel rang for them (growth mode): it rings
+    /// only once a burst has filled a quarter of their ring, where the ring itself polls readable
+    /// while any event waits, which would wake the sleep at each page a process touches. Not at
+    /// every wake-up: a fault's event comes before its page, and a transparent huge page still
+    /// being zeroed would count as one page.
     fn take_mapping_events(&mut self) {
         if self.mapping_bell.is_none() {
             self.mapping_bell = self.loaded.mapping_events().map(|ring| {
@@ -268,9 +270,10 @@ impl Tracer {
             });
         }
         if let Some(Some(bell)) = &self.mapping_bell {
-            bell.clear();
+            if bell.take() {
+                self.loaded.drain_mappings();
+            }
         }
-        self.loaded.drain_mappings();
     }
 
     fn reload(&mut self, mut config: Config) {
