@@ -7,13 +7,17 @@
 //! Ranges are kept here, not in the kernel: a `munmap` of part of a mapping splits it, and only
 //! an ordered map finds the ranges an address range crosses.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    os::fd::AsFd as _,
+};
 
 use anyhow::Context as _;
 use aya::{programs::FExit, Btf, Ebpf};
 use profiler_common::{mapping_event, MappingEvent, NO_STACK};
 
 use crate::{
+    bell::EdgeBell,
     kernel::{
         ages::Clock,
         events,
@@ -66,6 +70,8 @@ pub struct MappedStack {
 /// Every traced process's ranges, as the calls received so far left them.
 pub struct MappedRanges {
     ring: Ring,
+    /// Rung by the kernel when a burst of events waits (see `MAPPING_EVENTS`).
+    bell: EdgeBell,
     spaces: HashMap<u32, Space>,
 }
 
@@ -87,12 +93,14 @@ impl MappedRanges {
             events::attach_raw(ebpf, &TRACEPOINT_PROGRAM)?;
         }
         let map = ebpf.take_map("MAPPING_EVENTS").context("map MAPPING_EVENTS missing")?;
-        Ok(Self { ring: Ring::new("MAPPING_EVENTS", map)?, spaces: HashMap::new() })
+        let ring = Ring::new("MAPPING_EVENTS", map)?;
+        let bell = EdgeBell::new(ring.as_fd()).context("waiting on the mapping events")?;
+        Ok(Self { ring, bell, spaces: HashMap::new() })
     }
 
-    /// The events' ring, for waiting on it.
-    pub fn ring(&self) -> &Ring {
-        &self.ring
+    /// Polls readable once the kernel has rung for a burst of events.
+    pub fn bell(&self) -> &EdgeBell {
+        &self.bell
     }
 
     /// Applies the calls and page touches that arrived since the last drain, in their order.

@@ -322,8 +322,10 @@ pub(super) async fn trace(
     let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
     // With `--mappings` or `--growth`: a burst of first touches is read before it fills its ring.
-    let mapping_events = match loaded.mapping_events() {
-        Some(fd) => Some(unsafe { AsyncFd::register(fd.try_clone_to_owned()?) }.map_err(|err| err.into_parts().1)?),
+    let mapping_bell = match loaded.mapping_bell() {
+        Some(bell) => {
+            Some(unsafe { AsyncFd::register(bell.as_fd().try_clone_to_owned()?) }.map_err(|err| err.into_parts().1)?)
+        }
         None => None,
     };
     let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
@@ -402,11 +404,11 @@ pub(super) async fn trace(
                 }
                 tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
             }
-            ready = async { mapping_events.as_ref().expect("checked").readable().await }, if mapping_events.is_some() => {
+            Some(ready) = async { Some(mapping_bell.as_ref()?.readable().await) } => {
                 if let Ok(mut ready) = ready {
                     ready.clear_ready();
                 }
-                tracer.loaded.drain_mappings();
+                tracer.loaded.drain_rung_mappings();
             }
             Some(pid) = exited.recv() => tracer.child_exited(pid),
             ready = unwind_events.readable() => {

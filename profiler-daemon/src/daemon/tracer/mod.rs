@@ -26,7 +26,7 @@ use super::{
     discovery::{self, ProcessId},
     slots::Slots,
     view::{DaemonView, TargetView},
-    wakeup::{EdgeBell, Inbox, Woken},
+    wakeup::{Inbox, Woken},
 };
 use crate::{
     heap::heuristics::Heuristics,
@@ -116,9 +116,6 @@ pub struct Tracer {
     loaded: Loaded,
     symbolizer: SymbolizerHandle,
     double_free_reader: DoubleFreeReader,
-    /// Rung when a burst of mapping events waits (growth mode), once their ring exists; inside,
-    /// none when it could not be made (the events are then read at each interval).
-    mapping_bell: Option<Option<EdgeBell>>,
     targets: HashMap<u32, Target>,
     /// Processes not to try again: no allocator, or attaching failed.
     unattachable: HashSet<ProcessId>,
@@ -176,7 +173,6 @@ impl Tracer {
             loaded,
             symbolizer: SymbolizerHandle::spawn(),
             double_free_reader,
-            mapping_bell: None,
             targets: HashMap::new(),
             unattachable: HashSet::new(),
             refused: HashSet::new(),
@@ -225,7 +221,7 @@ impl Tracer {
             }
             // Every ring is read before the wait, which would otherwise end at once.
             self.collect_double_frees();
-            self.take_mapping_events();
+            self.loaded.drain_rung_mappings();
             let mut until = self.next_resync.min(next_snapshot);
             if !self.starting.is_empty() || !self.exiting.is_empty() {
                 until = until.min(self.next_retry());
@@ -237,7 +233,7 @@ impl Tracer {
                 self.loaded.unwind_events.bell(),
                 self.double_free_reader.ring().as_fd(),
             ];
-            rings.extend(self.mapping_bell.iter().flatten().map(AsFd::as_fd));
+            rings.extend(self.loaded.mapping_bell().map(AsFd::as_fd));
             match commands.wait(&rings, until.saturating_duration_since(Instant::now())) {
                 Woken::Command(Command::Reload(config)) => self.reload(*config),
                 Woken::Command(Command::Inspect { pid, heuristics, reply }) => {
@@ -254,26 +250,6 @@ impl Tracer {
             self.loaded.detach_in_background(target.attachment);
         }
         self.loaded.wait_detached();
-    }
-
-    /// Applies the mapping events that wait when the kernel rang for them (growth mode): it rings
-    /// only once a burst has filled a quarter of their ring, where the ring itself polls readable
-    /// while any event waits, which would wake the sleep at each page a process touches. Not at
-    /// every wake-up: a fault's event comes before its page, and a transparent huge page still
-    /// being zeroed would count as one page.
-    fn take_mapping_events(&mut self) {
-        if self.mapping_bell.is_none() {
-            self.mapping_bell = self.loaded.mapping_events().map(|ring| {
-                EdgeBell::new(ring)
-                    .inspect_err(|err| warn!("growth mode's events are read at each interval only: {err}"))
-                    .ok()
-            });
-        }
-        if let Some(Some(bell)) = &self.mapping_bell {
-            if bell.take() {
-                self.loaded.drain_mappings();
-            }
-        }
     }
 
     fn reload(&mut self, mut config: Config) {

@@ -1,14 +1,12 @@
 //! What the maps hold of each traced process: which are tracked, their counts read, their
 //! mapping lists, their sampling.
 
-use std::{
-    collections::{HashMap, HashSet},
-    os::fd::{AsFd as _, BorrowedFd},
-};
+use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 
 use crate::{
+    bell::EdgeBell,
     kernel::aggregate::{self, KernelSnapshot},
     kernel::events,
     kernel::sample_rates,
@@ -88,10 +86,19 @@ impl Loaded {
         }
     }
 
-    /// Readable when the kernel wakes memprof to read the mapping events (a burst fills their
-    /// ring); none without `--mappings` or growth mode.
-    pub fn mapping_events(&self) -> Option<BorrowedFd<'_>> {
-        self.mappings.as_ref().map(|mappings| mappings.ring().as_fd())
+    /// Rung when a burst of mapping events fills a quarter of their ring; none without
+    /// `--mappings` or growth mode.
+    pub fn mapping_bell(&self) -> Option<&EdgeBell> {
+        self.mappings.as_ref().map(|mappings| mappings.bell())
+    }
+
+    /// `drain_mappings` when the kernel rang for a burst, not at every wake-up of the caller: a
+    /// fault's event comes before its page, and a transparent huge page still being zeroed
+    /// would count as one page.
+    pub fn drain_rung_mappings(&mut self) {
+        if self.mapping_bell().is_some_and(EdgeBell::take) {
+            self.drain_mappings();
+        }
     }
 
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
