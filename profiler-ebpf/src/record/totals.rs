@@ -1,7 +1,7 @@
 //! The totals an allocation and a free change: per stack (`STACK_STATS`), per process
 //! (`PROC_HEAP`) and per pair of threads (`THREAD_PAIRS`), with `LIVE`'s entry of the block.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, macros::map, maps::HashMap, Global};
+use aya_ebpf::{bindings::BPF_NOEXIST, cty::c_void, helpers::bpf_ktime_get_ns, macros::map, maps::HashMap, Global};
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, DropReason, LiveAlloc, Log2Histogram, ProcHeap, StackKey, StackStats, ThreadPairKey,
@@ -159,17 +159,28 @@ fn image_of(heap: Option<&ProcHeap>) -> u32 {
 /// program's when it handles the exec; the probes of files both programs map record the new one
 /// meanwhile. Only the exec'ing thread is left in the process, so nothing races these writes.
 pub fn new_image(tgid: u32) -> u32 {
-    let image = unsafe { PROC_HEAP.get(tgid) }.map_or(0, |heap| heap.image as u32).wrapping_add(1);
     let _ = PROC_COUNTERS.remove(tgid);
     crate::shared::forget_drops(tgid);
-    // Inserted from the static, not a copy on the stack.
-    let empty: &'static ProcHeap = &EMPTY_HEAP;
-    if PROC_HEAP.insert(tgid, empty, 0).is_ok() {
-        if let Some(heap) = PROC_HEAP.get_ptr_mut(tgid) {
-            // SAFETY: a map value pointer stays valid while the program runs.
-            unsafe { (*heap).image = image as u64 };
-        }
-    }
+    // Emptied in place: a replacing insert needs a new element, which a map without
+    // preallocation can fail to get. The old program's entry and number would then stay, and the
+    // daemon's purge of that number would take the new program's totals with it.
+    let Some(heap) = proc_heap(tgid) else {
+        // Its first calls insert an entry numbered 0, which the purge of images below 0 keeps.
+        return 0;
+    };
+    let image = (heap.image as u32).wrapping_add(1);
+    let empty: *const ProcHeap = &EMPTY_HEAP;
+    // Copied by the helper: the value is larger than the BPF stack, and unrolled stores would
+    // make the program long. It reads this program's own read-only data, which does not fault.
+    // SAFETY: `heap` is a map value of `size_of::<ProcHeap>()` bytes, as the copy.
+    let _ = unsafe {
+        aya_ebpf::helpers::generated::bpf_probe_read_kernel(
+            (heap as *mut ProcHeap).cast::<c_void>(),
+            core::mem::size_of::<ProcHeap>() as u32,
+            empty.cast::<c_void>(),
+        )
+    };
+    heap.image = image as u64;
     image
 }
 
