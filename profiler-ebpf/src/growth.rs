@@ -100,11 +100,15 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
         return 0;
     }
     let regs = Regs {
-        pc,
+        // In user code, the instruction that touched the page, kept as if a call returned just
+        // after its first byte (as at a USDT site): the walk then finds its row, and the reports,
+        // which take every frame for a return address and name the byte before it, its function.
+        // A touch at a function's first instruction was named after the function before it.
+        pc: pc + u64::from(from_user),
         sp,
         bp: word(offset_of!(pt_regs, rbp)),
         // In a system call, the instruction after `syscall`.
-        pc_is_return: !from_user,
+        pc_is_return: true,
         // The code that touched the page is the stack's first frame.
         first_is_probed: false,
         // No allocator probes in such a process: no return address was taken.

@@ -83,6 +83,8 @@ fn a_transparent_huge_page_is_held_whole() {
     assert_eq!(resident, 4 << 20, "the kernel gave the fixture no huge pages (THP: {thp})");
     let report = outcome.final_report();
     assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
+    // Touched by a function's first instruction: named after it, not after the one before.
+    assert_eq!(through(&report, "write_first_byte"), (resident / 2, resident / 2 / PAGE), "{report}");
 }
 
 #[test]
