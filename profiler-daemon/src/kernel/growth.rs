@@ -72,6 +72,12 @@ impl Pages {
         self.held.range(start..end).next().is_some()
     }
 
+    /// Whether `page` is the one page of `[start, end)` held, by `stack_id`.
+    pub fn holds_only(&self, start: u64, end: u64, page: u64, stack_id: u64) -> bool {
+        let mut held = self.held.range(start..end);
+        matches!(held.next(), Some((&at, touch)) if at == page && touch.stack_id == stack_id) && held.next().is_none()
+    }
+
     /// The pages of `[start, end)` were given back at `now_ns`.
     pub fn release(&mut self, clock: &Clock, start: u64, end: u64, now_ns: u64) {
         let now = clock.generation(now_ns);
@@ -170,6 +176,21 @@ mod tests {
         pages.touch_all(&CLOCK, HUGE_PAGE, 2 * HUGE_PAGE, 4, 0);
         assert_eq!((outstanding(&pages, 5), outstanding(&pages, 4)), (PAGE, HUGE_PAGE - PAGE));
         assert_eq!(pages.held_bytes(), HUGE_PAGE);
+    }
+
+    #[test]
+    fn a_span_held_by_its_first_touch_alone_is_known_as_such() {
+        let mut pages = Pages::default();
+        let (span, page) = (HUGE_PAGE..2 * HUGE_PAGE, HUGE_PAGE + PAGE);
+        assert!(!pages.holds_only(span.start, span.end, page, 5));
+        pages.touch(&CLOCK, page, 5, 0);
+        assert!(pages.holds_only(span.start, span.end, page, 5));
+        // Another stack, another page, or a second page held: not the fault's alone any more.
+        assert!(
+            !pages.holds_only(span.start, span.end, page, 6) && !pages.holds_only(span.start, span.end, HUGE_PAGE, 5)
+        );
+        pages.touch(&CLOCK, page + PAGE, 5, 0);
+        assert!(!pages.holds_only(span.start, span.end, page, 5));
     }
 
     #[test]

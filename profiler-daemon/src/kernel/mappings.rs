@@ -23,7 +23,7 @@ use crate::{
         events,
         growth::{Pages, HUGE_PAGE, PAGE},
     },
-    process::pagemap,
+    process::pagemap::{self, Fault},
     ring::Ring,
 };
 
@@ -103,9 +103,14 @@ impl MappedRanges {
         &self.bell
     }
 
-    /// Applies the calls and page touches that arrived since the last drain, in their order.
+    /// Applies the calls and page touches that arrived since the last drain, in their order; then
+    /// looks again at the huge pages that were still being mapped at the last.
     pub fn drain(&mut self, clock: &Clock) {
         self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(clock, &event));
+        let now_ns = crate::kernel::aggregate::monotonic_now_ns();
+        for (&tgid, space) in self.spaces.iter_mut().filter(|(_, space)| !space.unsettled.is_empty()) {
+            space.settle(clock, tgid, now_ns);
+        }
     }
 
     /// Keeps the pages `tgid` touches from now on (`--growth`), in the anonymous memory it has
@@ -180,7 +185,24 @@ struct Space {
     pages: Option<Pages>,
     /// Events applied so far: what changed the ranges and pages.
     events: u64,
+    /// Faults that may have mapped a huge page, whose page was not mapped yet when read: each
+    /// holds one page until it is (see `settle`).
+    unsettled: Vec<Unsettled>,
 }
+
+/// A fault whose span may become one huge page (see `Space::touch`).
+#[derive(Debug, Clone, Copy)]
+struct Unsettled {
+    block: u64,
+    page: u64,
+    stack_id: u64,
+    time_ns: u64,
+}
+
+/// How long a fault may take to map its page. One not mapped by then had its page given back.
+const MAPPING_NS: u64 = 1_000_000_000;
+/// Faults waiting to be looked at again, at most, per process.
+const UNSETTLED_MAX: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Range {
@@ -204,6 +226,7 @@ impl Space {
             if self.mm != 0 {
                 (self.ranges, self.brk) = (BTreeMap::new(), None);
                 self.pages = self.pages.take().map(|_| Pages::default());
+                self.unsettled.clear();
             }
             self.mm = event.mm;
         }
@@ -253,17 +276,44 @@ impl Space {
         let in_range = self.covers(event.addr, event.addr + 1);
         let block = event.addr & !(HUGE_PAGE - 1);
         // Cheapest test first: after a span's first fault, no other one in it is looked up.
-        let huge = in_range
-            && !pages.holds_any(block, block + HUGE_PAGE)
-            && self.covers(block, block + HUGE_PAGE)
-            && pagemap::huge_page_at(event.tgid, block, HUGE_PAGE);
+        let fault = if in_range && !pages.holds_any(block, block + HUGE_PAGE) && self.covers(block, block + HUGE_PAGE) {
+            pagemap::fault_mapped(event.tgid, block, HUGE_PAGE, event.addr)
+        } else {
+            Fault::Page
+        };
         let Some(pages) = &mut self.pages else { return };
         if !in_range {
             pages.outside += 1;
-        } else if huge {
-            pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns);
-        } else {
-            pages.touch(clock, event.addr, event.stack_id, event.time_ns);
+            return;
+        }
+        match fault {
+            Fault::HugePage => pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns),
+            Fault::Page => pages.touch(clock, event.addr, event.stack_id, event.time_ns),
+            Fault::NotMapped => {
+                pages.touch(clock, event.addr, event.stack_id, event.time_ns);
+                if self.unsettled.len() < UNSETTLED_MAX {
+                    let (page, stack_id, time_ns) = (event.addr, event.stack_id, event.time_ns);
+                    self.unsettled.push(Unsettled { block, page, stack_id, time_ns });
+                }
+            }
+        }
+    }
+
+    /// The faults whose page was not mapped yet at their reading (zeroing a huge page takes
+    /// milliseconds): each whose span is now one huge page holds all of it, if its page is still
+    /// the span's one page held, as the fault left it. Those still not mapped wait for the next.
+    fn settle(&mut self, clock: &Clock, tgid: u32, now_ns: u64) {
+        let Some(pages) = &mut self.pages else { return };
+        for fault in std::mem::take(&mut self.unsettled) {
+            let (start, end) = (fault.block, fault.block + HUGE_PAGE);
+            if !pages.holds_only(start, end, fault.page, fault.stack_id) {
+                continue;
+            }
+            match pagemap::fault_mapped(tgid, start, HUGE_PAGE, fault.page) {
+                Fault::HugePage => pages.touch_all(clock, start, end, fault.stack_id, fault.time_ns),
+                Fault::NotMapped if now_ns.saturating_sub(fault.time_ns) < MAPPING_NS => self.unsettled.push(fault),
+                _ => {}
+            }
         }
     }
 

@@ -81,27 +81,48 @@ pub fn present_pages(pid: u32, pages: &[u64]) -> Option<Vec<bool>> {
     Some(present)
 }
 
-/// Whether process `pid` has the `len` bytes at `start` (a huge page's span, aligned to it) in
-/// memory as one transparent huge page: the span's first and last entries map the first and
-/// last frames of a run of `len` bytes aligned to it, the first of which `/proc/kpageflags` flags
-/// as a huge page's head, not the shared huge zero page. Smaller large pages (multi-size THP) are
-/// not one. False when any of it cannot be read.
-pub fn huge_page_at(pid: u32, start: u64, len: u64) -> bool {
+/// What a fault at `fault` in the `len` bytes at `start` (a huge page's span, aligned to it) of
+/// process `pid` mapped there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// One transparent huge page holds the span: its first and last entries map the first and
+    /// last frames of a run of `len` bytes aligned to it, the first of which `/proc/kpageflags`
+    /// flags as a huge page's head, not the shared huge zero page. Smaller large pages
+    /// (multi-size THP) are not one.
+    HugePage,
+    /// Anything else, or what cannot be read (the process has exited).
+    Page,
+    /// Nothing yet at `fault`: a fault's event comes before its page is mapped, and a huge page
+    /// is mapped only once zeroed. Or the page was given back since.
+    NotMapped,
+}
+
+pub fn fault_mapped(pid: u32, start: u64, len: u64, fault: u64) -> Fault {
     let pages = len / PAGE;
-    let Ok(pagemap) = Pagemap::open(pid) else { return false };
-    let (Ok(first), Ok(last)) = (pagemap.exact(start / PAGE, 1), pagemap.exact(start / PAGE + pages - 1, 1)) else {
-        return false;
+    let Ok(pagemap) = Pagemap::open(pid) else { return Fault::Page };
+    let (Ok(at_fault), Ok(first), Ok(last)) =
+        (pagemap.exact(fault / PAGE, 1), pagemap.exact(start / PAGE, 1), pagemap.exact(start / PAGE + pages - 1, 1))
+    else {
+        return Fault::Page;
     };
+    if !holds_data(at_fault[0]) {
+        return Fault::NotMapped;
+    }
     let (first, last) = (first[0], last[0]);
     let frame = first & FRAME;
     let mapped = first & last & PRESENT != 0 && frame != 0 && frame.is_multiple_of(pages);
     if !mapped || last & FRAME != frame + pages - 1 {
-        return false;
+        return Fault::Page;
     }
     let mut flags = [0u8; 8];
     let read = fs::File::open("/proc/kpageflags").and_then(|file| file.read_exact_at(&mut flags, frame * 8));
     let flags = u64::from_ne_bytes(flags);
-    read.is_ok() && flags & (KPF_THP | KPF_COMPOUND_HEAD) == KPF_THP | KPF_COMPOUND_HEAD && flags & KPF_ZERO_PAGE == 0
+    let huge = flags & (KPF_THP | KPF_COMPOUND_HEAD) == KPF_THP | KPF_COMPOUND_HEAD && flags & KPF_ZERO_PAGE == 0;
+    if read.is_ok() && huge {
+        Fault::HugePage
+    } else {
+        Fault::Page
+    }
 }
 
 /// Whether a page holds anything but zeros, or the file's own bytes: in memory or swapped out.
