@@ -1019,8 +1019,6 @@ pub mod mapping_event {
 
 /// Flags of a traced process in `TRACED`.
 pub mod traced {
-    /// Its forks are reported (they are not otherwise).
-    pub const FOLLOW_FORKS: u32 = 1;
     /// Its calls are recorded by the links shared per file (`SHARED_LINK`), not by links of its
     /// own. Set before its first link is attached and kept while it is traced, so that exactly
     /// one of the two kinds of links records each call.

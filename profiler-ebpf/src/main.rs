@@ -176,6 +176,14 @@ pub fn mappings_changed(ctx: ProbeContext) -> u32 {
     0
 }
 
+/// Does nothing: a link of it is made on a traced process's probe sites and closed at once. Its
+/// closing has the kernel take those breakpoints out of every process no other link wants them
+/// in: the children a traced process forked with copies of them, which are not traced.
+#[uprobe]
+pub fn sweep(_ctx: ProbeContext) -> u32 {
+    0
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -124,8 +124,9 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    let follows = traced_flags(tgid).is_some_and(|flags| flags & traced::FOLLOW_FORKS != 0);
-    if !follows && !discovering(discover::FORKS) {
+    // Every traced process's: a child not followed still has its parent's breakpoints, which the
+    // daemon has the kernel take out of it (see `sweep`).
+    if traced_flags(tgid).is_none() && !discovering(discover::FORKS) {
         return 0;
     }
     let child: *const u8 = ctx.arg(1);

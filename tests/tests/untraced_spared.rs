@@ -1,15 +1,18 @@
 //! The daemon at its defaults spares the processes it does not trace (issue 28): no breakpoint
 //! of memprof's in their code, the dynamic linker's included, while few processes map a file;
 //! and a file whose traced processes pass the crossover moves to shared links with every count
-//! exact.
+//! exact. A traced process's children that memprof does not trace lose the breakpoints their
+//! fork copied.
 
 use std::{
     fs,
-    io::{Read as _, Seek as _, SeekFrom},
+    io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom},
     process::{Command, Stdio},
 };
 
-use memprof_tests::{fixture, metric, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, memprof_bin, metric, one_at_a_time, probe_links, released, site, wait_for, Daemon, Waiting,
+};
 
 /// The executable mapping of the C library in `pid`: its start, length, file offset and path.
 fn libc_text(pid: u32) -> (u64, u64, u64, String) {
@@ -137,4 +140,45 @@ fn a_file_moves_to_shared_links_with_every_count_exact() {
     assert!(daemon.child.wait().unwrap().success());
     let log = daemon.log();
     assert_eq!(log.matches("its probes are shared from now on").count(), 2, "libc and ld.so, once each: {log}");
+}
+
+/// The child's pid, which `forker` writes once it has forked.
+fn forked_child(forker: &mut Waiting) -> u32 {
+    let mut line = String::new();
+    BufReader::new(forker.child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    line.trim().strip_prefix("child ").and_then(|pid| pid.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+/// `attach` without `--follow-forks`: the child its target forks has copies of the target's
+/// breakpoints, where it would trap at every call though nothing records it. memprof has the
+/// kernel take them out at its next interval, while the target keeps its own.
+#[test]
+fn a_child_attach_does_not_follow_loses_its_parents_breakpoints() {
+    let mut forker = Waiting::start(&fixture("forker"), &[]);
+    let pid = forker.pid();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "0.5", "-o", "/dev/null"]);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        forker.go();
+        let child = forked_child(&mut forker);
+        wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
+        assert!(!libc_code_is_the_files(pid), "the traced process keeps its breakpoints");
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+}
+
+/// The daemon traces a process by its name; the child it forks under another name is not
+/// traced, and loses the breakpoints its fork copied.
+#[test]
+fn a_child_the_daemons_rules_leave_out_loses_its_parents_breakpoints() {
+    let _serial = one_at_a_time();
+    let mut forker = Waiting::start(&fixture("forker"), &[]);
+    let daemon = Daemon::start(&["--comm", "^forker$"]);
+    daemon.wait_traced(forker.pid());
+    forker.go();
+    let child = forked_child(&mut forker);
+    wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
+    assert!(!libc_code_is_the_files(forker.pid()), "the traced process keeps its breakpoints");
 }

@@ -58,6 +58,9 @@ pub struct Process {
     pub resident: Resident,
     /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
     expect_exec: bool,
+    /// Forked a child memprof does not trace since the last flush: the child has copies of this
+    /// process's breakpoints until they are swept (`Attachment::sweep_copies`).
+    forked_untraced: bool,
     /// A child found to have exec'd when it was followed, already handled: the exec event that
     /// may still come for it must not handle it again (detaching the probes its new program
     /// already runs under). Cleared at the next flush, by when such an event has come.
@@ -109,6 +112,7 @@ impl Process {
             leaks: LeakTracker::new(settings.1),
             double_frees: Vec::new(),
             expect_exec,
+            forked_untraced: false,
             exec_handled_early: false,
             said_exe: None,
         }
@@ -199,6 +203,7 @@ impl Family {
             match event.kind {
                 process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid, Some(&event)),
                 process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.pid),
+                process_event::FORK => self.forked_untraced(event.tgid),
                 _ => {}
             }
         }
@@ -343,6 +348,7 @@ impl Family {
             Err(err) => {
                 tracing::debug!(child, "not followed: {err}");
                 self.forks.missed += 1;
+                self.forked_untraced(parent);
                 return;
             }
         };
@@ -351,6 +357,7 @@ impl Family {
             Err(err) => {
                 tracing::debug!(child, "not followed: {err:#}");
                 self.forks.missed += 1;
+                self.forked_untraced(parent);
                 loaded.forget_exited(&HashSet::from([child]));
                 return;
             }
@@ -429,10 +436,24 @@ impl Family {
         self.gone.insert(pid);
     }
 
-    /// Purges the maps of the children that exited since the last flush, in one walk.
+    fn forked_untraced(&mut self, parent: u32) {
+        if let Some(process) = self.processes.get_mut(&parent) {
+            process.forked_untraced = true;
+        }
+    }
+
+    /// Purges the maps of the children that exited since the last flush, in one walk; takes the
+    /// breakpoints out of the children that are not traced.
     pub fn flush(&mut self, loaded: &mut Loaded) {
         for process in self.processes.values_mut() {
             process.exec_handled_early = false;
+            if std::mem::take(&mut process.forked_untraced) {
+                if let Err(err) = NonZeroU32::new(process.pid)
+                    .map_or(Ok(()), |pid| process.attachment.sweep_copies(&mut loaded.ebpf, pid))
+                {
+                    tracing::warn!(pid = process.pid, "its children not traced keep its breakpoints: {err:#}");
+                }
+            }
         }
         if !self.gone.is_empty() {
             loaded.forget_exited(&std::mem::take(&mut self.gone));

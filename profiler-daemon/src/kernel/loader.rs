@@ -48,7 +48,8 @@ pub struct Loaded {
     growth: bool,
     /// The page-fault program is loaded, for `--growth` or a process switched to it.
     faults_loaded: bool,
-    /// Whether the processes attached from now on report their forks (`--follow-forks`).
+    /// Whether `run` and `attach` follow the children of the processes they trace
+    /// (`--follow-forks`), for their `Family`.
     pub follow_forks: bool,
     /// Which processes share links with every traced process that maps the same file, rather
     /// than get links of their own (see `shared`).

@@ -11,9 +11,10 @@
 //! links).
 
 use std::{
+    collections::{BTreeSet, HashMap},
     num::NonZeroU32,
     os::fd::{AsFd as _, OwnedFd},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
 
@@ -40,6 +41,8 @@ pub const SESSION_PROGRAM: &str = "alloc_session";
 pub const FREE_PROGRAM: &str = "free";
 /// At the dynamic linker's `_dl_debug_state`.
 pub const MAPPINGS_PROGRAM: &str = "mappings_changed";
+/// Attached and detached at once on a process's probe sites (see `Attachment::sweep_copies`).
+const SWEEP_PROGRAM: &str = "sweep";
 const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM];
 
 /// `MEMPROF_UPROBE_MULTI=0` makes memprof attach perf-event uprobes even where the kernel has
@@ -76,7 +79,7 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
         match load_for_multi_links(ebpf) {
             Ok(method) => return Ok(method),
             Err(why) => {
-                for name in PROGRAMS.iter().chain(&[SESSION_PROGRAM]) {
+                for name in PROGRAMS.iter().chain(&[SESSION_PROGRAM, SWEEP_PROGRAM]) {
                     // Those not loaded yet have nothing to unload.
                     let _ = program(ebpf, name)?.unload();
                 }
@@ -122,7 +125,7 @@ fn load_for_multi_links(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
         }
         Ok(())
     };
-    load(ebpf, &[FREE_PROGRAM, MAPPINGS_PROGRAM])?;
+    load(ebpf, &[FREE_PROGRAM, MAPPINGS_PROGRAM, SWEEP_PROGRAM])?;
     uprobe_multi::check_support(program(ebpf, FREE_PROGRAM)?.fd()?.as_fd())?;
     let sessions =
         if switched_off(SESSION_SWITCH) { Err(anyhow::anyhow!("{SESSION_SWITCH}=0")) } else { load_sessions(ebpf) };
@@ -162,6 +165,8 @@ pub struct Attachment {
     links: Vec<Link>,
     probes: usize,
     shared: Vec<Arc<Attachment>>,
+    /// The files and offsets of its own uprobe_multi links (see `sweep_copies`).
+    sites: Vec<(PathBuf, Vec<u64>)>,
 }
 
 /// Attached probes: detached when dropped.
@@ -196,6 +201,36 @@ impl Attachment {
         self.links.append(&mut other.links);
         self.probes += std::mem::take(&mut other.probes);
         self.shared.append(&mut other.shared);
+        self.sites.append(&mut other.sites);
+    }
+
+    /// Takes this process's breakpoints out of the processes that have copies of them and no link
+    /// of their own: the children it forked, which memprof does not trace. A fork copies the
+    /// pages the breakpoints are written in; a perf-event uprobe's filter then takes each out of
+    /// the child at its first trap, but a uprobe_multi link's leaves it, and the child traps at
+    /// every call. Closing a link has the kernel take a site's breakpoint out of every process
+    /// no remaining link wants it in; so a link of the program that does nothing is made on
+    /// the same sites, for `pid`, and closed.
+    pub fn sweep_copies(&self, ebpf: &mut Ebpf, pid: NonZeroU32) -> anyhow::Result<()> {
+        if self.sites.is_empty() {
+            return Ok(());
+        }
+        let program = program(ebpf, SWEEP_PROGRAM)?.fd()?.as_fd().try_clone_to_owned()?;
+        let mut by_file: HashMap<&Path, BTreeSet<u64>> = HashMap::new();
+        for (path, offsets) in &self.sites {
+            by_file.entry(path).or_default().extend(offsets);
+        }
+        let links: Vec<Link> = by_file
+            .into_iter()
+            .map(|(path, offsets)| {
+                let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
+                uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get())
+                    .map(|link| Link { _probes: Probes::Multi(link), at_return: false })
+                    .with_context(|| format!("sweeping the probes of pid {pid} in {}", path.display()))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        detach_together(links);
+        Ok(())
     }
 
     /// Takes over the page-fault events of a process traced by them (see `faults`).
@@ -246,6 +281,9 @@ impl Attachment {
                 let link =
                     uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
                 self.links.push(Link { _probes: Probes::Multi(link), at_return });
+                if pid != 0 {
+                    self.sites.push((path.to_path_buf(), points.iter().map(|point| point.offset).collect()));
+                }
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;

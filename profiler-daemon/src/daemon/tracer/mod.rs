@@ -93,6 +93,9 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// Forked a child the rules do not trace since the last snapshot: the child has copies of
+    /// this process's breakpoints until they are swept (`Attachment::sweep_copies`).
+    forked_untraced: bool,
     /// The files whose allocator probes `attachment` holds. They stay through an exec (the new
     /// program is recorded from its first call through a file both map, the C library) and are
     /// not attached twice. Empty when it is not traced by its calls.
@@ -151,8 +154,6 @@ pub struct Tracer {
 impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
         let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt)?;
-        // The rules decide which children are traced (`on_fork`).
-        loaded.follow_forks = true;
         if config.sampling.growth {
             loaded.trace_page_faults()?;
         }
@@ -211,6 +212,7 @@ impl Tracer {
                 next_snapshot = next_snapshot.min(now + CHANGE_SHOWN);
             }
             if now >= next_snapshot {
+                self.sweep_forked();
                 if let Err(err) = self.publish() {
                     warn!("reading the kernel maps failed: {err:#}");
                 }

@@ -213,7 +213,23 @@ impl Tracer {
                 }
             }
             // Runs, and does not match: not a child the rules follow.
-            None => {}
+            None => {
+                if let Some(target) = self.targets.get_mut(&parent) {
+                    target.forked_untraced = true;
+                }
+            }
+        }
+    }
+
+    /// Takes the breakpoints out of the children not traced that traced processes forked since
+    /// the last snapshot (see `Attachment::sweep_copies`).
+    pub(super) fn sweep_forked(&mut self) {
+        for (&pid, target) in self.targets.iter_mut().filter(|(_, target)| target.forked_untraced) {
+            target.forked_untraced = false;
+            let Some(nonzero) = NonZeroU32::new(pid) else { continue };
+            if let Err(err) = target.attachment.sweep_copies(&mut self.loaded.ebpf, nonzero) {
+                warn!(pid, "its children not traced keep its breakpoints: {err:#}");
+            }
         }
     }
 
@@ -351,6 +367,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            forked_untraced: false,
             probed_files: if self.config.sampling.traces_calls() { file_ids(&allocator) } else { HashSet::new() },
             known_stacks: KnownStacks::default(),
             calls: 0,

@@ -19,7 +19,7 @@ use crate::{
 use super::Loaded;
 
 impl Loaded {
-    /// Makes `pid`'s execs (and, with `follow_forks`, forks) reported in `process_events`.
+    /// Makes `pid`'s execs and forks reported in `process_events`.
     pub(super) fn track(&mut self, pid: u32) -> anyhow::Result<()> {
         let shares = self.shared.shares(pid).unwrap_or(false);
         self.track_sharing(pid, shares)
@@ -28,8 +28,8 @@ impl Loaded {
     /// `track`, and whether links shared per file record `pid` (`traced::SHARED`). A process
     /// traced by its pages stays so (`traced::GROWTH`, see `watch_pages`).
     pub(super) fn track_sharing(&mut self, pid: u32, shares: bool) -> anyhow::Result<()> {
-        use profiler_common::traced::{FOLLOW_FORKS, GROWTH, SHARED};
-        let flags = if self.follow_forks { FOLLOW_FORKS } else { 0 } | if shares { SHARED } else { 0 };
+        use profiler_common::traced::{GROWTH, SHARED};
+        let flags = if shares { SHARED } else { 0 };
         self.update_traced(pid, |old| flags | old & GROWTH)
     }
 
