@@ -447,14 +447,13 @@ impl Family {
     pub fn flush(&mut self, loaded: &mut Loaded) {
         for process in self.processes.values_mut() {
             process.exec_handled_early = false;
-            if std::mem::take(&mut process.forked_untraced) {
-                if let Err(err) = NonZeroU32::new(process.pid)
-                    .map_or(Ok(()), |pid| process.attachment.sweep_copies(&mut loaded.ebpf, pid))
-                {
-                    tracing::warn!(pid = process.pid, "its children not traced keep its breakpoints: {err:#}");
-                }
-            }
         }
+        let forked = self.processes.values_mut().filter_map(|process| {
+            let forked = std::mem::take(&mut process.forked_untraced);
+            let process: &Process = process;
+            forked.then_some((&process.attachment, NonZeroU32::new(process.pid)?))
+        });
+        loaded.sweep_copies(forked);
         if !self.gone.is_empty() {
             loaded.forget_exited(&std::mem::take(&mut self.gone));
         }

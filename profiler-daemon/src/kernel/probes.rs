@@ -204,35 +204,6 @@ impl Attachment {
         self.sites.append(&mut other.sites);
     }
 
-    /// Takes this process's breakpoints out of the processes that have copies of them and no link
-    /// of their own: the children it forked, which memprof does not trace. A fork copies the
-    /// pages the breakpoints are written in; a perf-event uprobe's filter then takes each out of
-    /// the child at its first trap, but a uprobe_multi link's leaves it, and the child traps at
-    /// every call. Closing a link has the kernel take a site's breakpoint out of every process
-    /// no remaining link wants it in; so a link of the program that does nothing is made on
-    /// the same sites, for `pid`, and closed.
-    pub fn sweep_copies(&self, ebpf: &mut Ebpf, pid: NonZeroU32) -> anyhow::Result<()> {
-        if self.sites.is_empty() {
-            return Ok(());
-        }
-        let program = program(ebpf, SWEEP_PROGRAM)?.fd()?.as_fd().try_clone_to_owned()?;
-        let mut by_file: HashMap<&Path, BTreeSet<u64>> = HashMap::new();
-        for (path, offsets) in &self.sites {
-            by_file.entry(path).or_default().extend(offsets);
-        }
-        let links: Vec<Link> = by_file
-            .into_iter()
-            .map(|(path, offsets)| {
-                let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
-                uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get())
-                    .map(|link| Link { _probes: Probes::Multi(link), at_return: false })
-                    .with_context(|| format!("sweeping the probes of pid {pid} in {}", path.display()))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        detach_together(links);
-        Ok(())
-    }
-
     /// Takes over the page-fault events of a process traced by them (see `faults`).
     pub fn add_page_faults(&mut self, events: Vec<OwnedFd>) {
         self.probes += events.len();
@@ -311,6 +282,43 @@ impl Drop for Attachment {
         detach_together(returns);
         tracing::debug!(probes = self.probes, links, elapsed_ms = start.elapsed().as_millis() as u64, "detached");
     }
+}
+
+/// Takes the breakpoints of `traced` processes (each with its probes) out of the processes that
+/// have copies of them and no link of their own: the children they forked, which memprof does not
+/// trace. A fork copies the pages the breakpoints are written in; a perf-event uprobe's filter
+/// then takes each out of the child at its first trap, but a uprobe_multi link's leaves it, and
+/// the child traps at every call. Closing a link has the kernel take a site's breakpoint out of
+/// every process no remaining link wants it in; so a link of the program that does nothing is
+/// made on each process's sites, for it, and all are closed together (sharing their waits).
+pub fn sweep_copies<'a>(
+    ebpf: &mut Ebpf,
+    traced: impl IntoIterator<Item = (&'a Attachment, NonZeroU32)>,
+) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let mut links = Vec::new();
+    for (attachment, pid) in traced {
+        let mut by_file: HashMap<&Path, BTreeSet<u64>> = HashMap::new();
+        for (path, offsets) in &attachment.sites {
+            by_file.entry(path).or_default().extend(offsets);
+        }
+        for (path, offsets) in by_file {
+            let program = program(ebpf, SWEEP_PROGRAM)?.fd()?;
+            let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
+            match uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()) {
+                Ok(link) => links.push(Link { _probes: Probes::Multi(link), at_return: false }),
+                // Gone since, say: its children are swept with those of the next.
+                Err(err) => tracing::debug!(pid = pid.get(), path = %path.display(), "not swept: {err}"),
+            }
+        }
+    }
+    if links.is_empty() {
+        return Ok(());
+    }
+    let count = links.len();
+    detach_together(links);
+    tracing::debug!(links = count, elapsed_ms = start.elapsed().as_millis() as u64, "swept");
+    Ok(())
 }
 
 /// Threads that close links together. A fixed few: each close of a uprobe_multi link walks every

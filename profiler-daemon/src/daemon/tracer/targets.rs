@@ -224,13 +224,12 @@ impl Tracer {
     /// Takes the breakpoints out of the children not traced that traced processes forked since
     /// the last snapshot (see `Attachment::sweep_copies`).
     pub(super) fn sweep_forked(&mut self) {
-        for (&pid, target) in self.targets.iter_mut().filter(|(_, target)| target.forked_untraced) {
-            target.forked_untraced = false;
-            let Some(nonzero) = NonZeroU32::new(pid) else { continue };
-            if let Err(err) = target.attachment.sweep_copies(&mut self.loaded.ebpf, nonzero) {
-                warn!(pid, "its children not traced keep its breakpoints: {err:#}");
-            }
-        }
+        let forked = self.targets.iter_mut().filter_map(|(&pid, target)| {
+            let forked = std::mem::take(&mut target.forked_untraced);
+            let target: &Target = target;
+            forked.then_some((&target.attachment, NonZeroU32::new(pid)?))
+        });
+        self.loaded.sweep_copies(forked);
     }
 
     pub(super) fn on_exec(&mut self, event: &ProcessEvent) {

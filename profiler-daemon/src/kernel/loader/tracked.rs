@@ -1,7 +1,10 @@
 //! What the maps hold of each traced process: which are tracked, their counts read, their
 //! mapping lists, their sampling.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    num::NonZeroU32,
+};
 
 use anyhow::Context as _;
 
@@ -9,6 +12,7 @@ use crate::{
     bell::EdgeBell,
     kernel::aggregate::{self, KernelSnapshot},
     kernel::events,
+    kernel::probes::{self, Attachment},
     kernel::sample_rates,
     process::{
         link_map,
@@ -98,6 +102,14 @@ impl Loaded {
     pub fn drain_rung_mappings(&mut self) {
         if self.mapping_bell().is_some_and(EdgeBell::take) {
             self.drain_mappings();
+        }
+    }
+
+    /// Takes the breakpoints of the `traced` processes out of their children that are not traced
+    /// (see `probes::sweep_copies`).
+    pub fn sweep_copies<'a>(&mut self, traced: impl IntoIterator<Item = (&'a Attachment, NonZeroU32)>) {
+        if let Err(err) = probes::sweep_copies(&mut self.ebpf, traced) {
+            tracing::warn!("children not traced keep their parents' breakpoints: {err:#}");
         }
     }
 
