@@ -1,7 +1,9 @@
 //! A second real service: Debian's PostgreSQL 15 under `pgbench -C -S` (a new session for each
 //! select-only transaction, 4 clients), untraced and under `memprof attach --follow-forks` on its
-//! postmaster in each mode: every session is a backend forked, traced from its fork, that fills
-//! its caches with many allocations. heaptrack has no row: it follows one process.
+//! postmaster in each mode: every session is a backend forked, traced from its fork if memprof
+//! attaches before it ends, that fills its caches with many allocations; and under `memprof
+//! attach` on the postmaster alone, whose backends are not traced. heaptrack has no row: it
+//! follows one process.
 
 use std::{
     fmt::Write as _,
@@ -18,16 +20,20 @@ const BIN: &str = "/usr/lib/postgresql/15/bin";
 /// The bench's cluster listens on a Unix socket only, in its own directory, on this port number.
 const PORT: &str = "5499";
 
-const MODES: [(&str, Option<&[&str]>); 4] = [
+const MODES: [(&str, Option<&[&str]>); 5] = [
     ("none", None),
-    ("memprof attach --follow-forks --max-rate off (exact)", Some(&["--max-rate", "off"])),
-    ("memprof attach --follow-forks --sample-bytes 524288", Some(&["--sample-bytes", "524288"])),
-    ("memprof attach --follow-forks --growth", Some(&["--growth"])),
+    ("memprof attach --follow-forks --max-rate off (exact)", Some(&["--follow-forks", "--max-rate", "off"])),
+    ("memprof attach --follow-forks --sample-bytes 524288", Some(&["--follow-forks", "--sample-bytes", "524288"])),
+    ("memprof attach --follow-forks --growth", Some(&["--follow-forks", "--growth"])),
+    ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
 ];
 
 pub struct Measured {
     /// Transactions a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
+    /// Each traced mode's sessions over its runs: the backends memprof followed, and those gone
+    /// before their probes were attached (its report's `forks`).
+    backends: Vec<Backends>,
     seconds: u64,
     /// When, as `date -u` prints it, and the load average before and after.
     date: String,
@@ -103,31 +109,60 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
     let date = run("date", &["-u", "+%Y-%m-%d %H:%M UTC"])?.trim().to_string();
     let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
+    let mut backends = vec![Backends::default(); MODES.len()];
+    let report = dir.join("postgres-report.json");
     for _ in 0..size.runs {
-        for ((name, options), runs) in MODES.iter().zip(&mut runs) {
+        for (((name, options), runs), backends) in MODES.iter().zip(&mut runs).zip(&mut backends) {
             let tracer = match options {
                 Some(options) => {
-                    let all: Vec<&str> = ["--follow-forks"].iter().chain(options.iter()).copied().collect();
-                    Some(attach(memprof, cluster.postmaster()?, &all)?)
+                    let all: Vec<&str> = ["--json"].iter().chain(options.iter()).copied().collect();
+                    Some(attach(memprof, cluster.postmaster()?, &report, &all)?)
                 }
                 None => None,
             };
             let tps = cluster.pgbench(seconds).with_context(|| format!("pgbench under {name}"))?;
             if let Some(tracer) = tracer {
                 tracer.stop()?;
+                if follows(options) {
+                    backends.add(&report).with_context(|| format!("reading memprof's report under {name}"))?;
+                }
             }
             eprintln!("xtask bench: pgbench -S under {name:<52} {tps:>9.0} tps");
             runs.push(tps);
         }
     }
-    Ok(Measured { runs, seconds, date, load: (load_before, load_average()) })
+    Ok(Measured { runs, backends, seconds, date, load: (load_before, load_average()) })
+}
+
+/// Whether a mode's memprof follows the postmaster's backends.
+fn follows(options: &Option<&[&str]>) -> bool {
+    options.is_some_and(|options| options.contains(&"--follow-forks"))
+}
+
+#[derive(Clone, Copy, Default)]
+struct Backends {
+    followed: u64,
+    missed: u64,
+}
+
+impl Backends {
+    /// Adds the `forks` of the final report in `path` (the last JSON line).
+    fn add(&mut self, path: &Path) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(path)?;
+        let last = text.lines().last().context("no report")?;
+        let report: serde_json::Value = serde_json::from_str(last)?;
+        let count = |name: &str| report["forks"][name].as_u64().with_context(|| format!("no forks.{name}"));
+        self.followed += count("followed")?;
+        self.missed += count("missed")?;
+        Ok(())
+    }
 }
 
 pub fn render(measured: &Measured) -> String {
     let mut out = format!(
         "\nDebian's PostgreSQL 15 (glibc) under `pgbench -C -S -c 4 -j 2 -T {}` (a new session, so a \
-         backend forked, for each select-only transaction; fsync off), `memprof attach --follow-forks` \
-         on its postmaster. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
+         backend forked, for each select-only transaction; fsync off), `memprof attach` on its \
+         postmaster, with `--follow-forks` but in the last row. The modes' runs interleaved, {} rounds; the median of each. Measured {}, \
          load average {} before, {} after. heaptrack has no row: it follows one process, and each \
          session has a backend of its own.\n\n",
         measured.seconds,
@@ -136,12 +171,27 @@ pub fn render(measured: &Measured) -> String {
         measured.load.0,
         measured.load.1,
     );
-    out.push_str("| mode | transactions/s (runs) | median | traced ÷ untraced |\n|---|---|---:|---:|\n");
+    out.push_str(
+        "| mode | transactions/s (runs) | median | traced ÷ untraced | backends followed, missed (all runs) |\n\
+         |---|---|---:|---:|---:|\n",
+    );
     let untraced = median(&measured.runs[0]);
-    for ((name, _), runs) in MODES.iter().zip(&measured.runs) {
+    for (((name, options), runs), backends) in MODES.iter().zip(&measured.runs).zip(&measured.backends) {
         let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
         let median = median(runs);
-        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} |", list.join(", "), median / untraced);
+        let followed = match options {
+            None => String::new(),
+            options if follows(options) => format!("{}, {}", backends.followed, backends.missed),
+            Some(_) => "not followed".to_string(),
+        };
+        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} | {followed} |", list.join(", "), median / untraced);
     }
+    out.push_str(
+        "\nA backend missed (`forks.missed` in memprof's report) was gone before its probes were \
+         attached: its session ran untraced. A backend not traced still has the breakpoints its fork \
+         copied from the traced postmaster, and traps at each call until memprof has the kernel take \
+         them out, at its next interval: a session of milliseconds pays for all of its calls. The \
+         last row is that cost alone.\n",
+    );
     out
 }

@@ -178,7 +178,7 @@ fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Re
     // The warm-up fills the server's tables and the allocator's caches before any tracing.
     benchmark(20_000)?;
     let tracer = match mode.how {
-        How::Attached(options) => Some(attach(memprof, server.0.id(), options)?),
+        How::Attached(options) => Some(attach(memprof, server.0.id(), Path::new("/dev/null"), options)?),
         _ => None,
     };
     let rate = benchmark(requests)?;
@@ -203,10 +203,12 @@ fn wait_for_port() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `memprof attach` with `options`, once it says it traces.
-pub(super) fn attach(memprof: &Path, pid: u32, options: &[&str]) -> anyhow::Result<Killed> {
+/// `memprof attach` on `pid` with `options`, its report written to `output`, once it says it
+/// traces.
+pub(super) fn attach(memprof: &Path, pid: u32, output: &Path, options: &[&str]) -> anyhow::Result<Killed> {
     let mut tracer = Command::new(memprof)
-        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "--output", "/dev/null"])
+        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "--output"])
+        .arg(output)
         .args(options)
         .stderr(Stdio::piped())
         .spawn()
