@@ -28,9 +28,22 @@ const MODES: [(&str, Option<&[&str]>); 5] = [
     ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
 ];
 
+/// The same benchmark with its 4 sessions kept (no `-C`): their backends live for the whole run.
+/// The postmaster alone is traced; memprof sweeps the breakpoints the backends' forks copied at
+/// its first interval (a second).
+const PERSISTENT_MODES: [(&str, Option<&[&str]>); 2] = [
+    ("none", None),
+    (
+        "memprof attach --max-rate off --interval 1 (the postmaster alone)",
+        Some(&["--max-rate", "off", "--interval", "1"]),
+    ),
+];
+
 pub struct Measured {
     /// Transactions a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
+    /// The same for `PERSISTENT_MODES`.
+    persistent: Vec<Vec<f64>>,
     /// Each traced mode's sessions over its runs: the backends memprof followed, and those gone
     /// before their probes were attached (its report's `forks`).
     backends: Vec<Backends>,
@@ -73,9 +86,12 @@ impl Cluster {
 
     /// Select-only transactions a second over `seconds`, each in a session of its own, from 4
     /// clients on 2 threads.
-    fn pgbench(&self, seconds: u64) -> anyhow::Result<f64> {
-        let text =
-            as_postgres(&format!("pgbench -h {} -p {PORT} -C -c 4 -j 2 -S -T {seconds} postgres", self.dir.display()))?;
+    /// Select-only transactions a second over `seconds`, a new session for each when
+    /// `per_transaction`.
+    fn pgbench(&self, seconds: u64, per_transaction: bool) -> anyhow::Result<f64> {
+        let connect = if per_transaction { "-C " } else { "" };
+        let dir = self.dir.display();
+        let text = as_postgres(&format!("pgbench -h {dir} -p {PORT} {connect}-c 4 -j 2 -S -T {seconds} postgres"))?;
         text.lines()
             .find_map(|line| line.strip_prefix("tps = ")?.split_whitespace().next()?.parse().ok())
             .with_context(|| format!("pgbench printed no tps: {text}"))
@@ -110,6 +126,7 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
     let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
     let mut backends = vec![Backends::default(); MODES.len()];
+    let mut persistent = vec![Vec::new(); PERSISTENT_MODES.len()];
     let report = dir.join("postgres-report.json");
     for _ in 0..size.runs {
         for (((name, options), runs), backends) in MODES.iter().zip(&mut runs).zip(&mut backends) {
@@ -120,18 +137,30 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
                 }
                 None => None,
             };
-            let tps = cluster.pgbench(seconds).with_context(|| format!("pgbench under {name}"))?;
+            let tps = cluster.pgbench(seconds, true).with_context(|| format!("pgbench -C under {name}"))?;
             if let Some(tracer) = tracer {
                 tracer.stop()?;
                 if follows(options) {
                     backends.add(&report).with_context(|| format!("reading memprof's report under {name}"))?;
                 }
             }
+            eprintln!("xtask bench: pgbench -C -S under {name:<52} {tps:>9.0} tps");
+            runs.push(tps);
+        }
+        for ((name, options), runs) in PERSISTENT_MODES.iter().zip(&mut persistent) {
+            let tracer = match options {
+                Some(options) => Some(attach(memprof, cluster.postmaster()?, Path::new("/dev/null"), options)?),
+                None => None,
+            };
+            let tps = cluster.pgbench(seconds, false).with_context(|| format!("pgbench under {name}"))?;
+            if let Some(tracer) = tracer {
+                tracer.stop()?;
+            }
             eprintln!("xtask bench: pgbench -S under {name:<52} {tps:>9.0} tps");
             runs.push(tps);
         }
     }
-    Ok(Measured { runs, backends, seconds, date, load: (load_before, load_average()) })
+    Ok(Measured { runs, persistent, backends, seconds, date, load: (load_before, load_average()) })
 }
 
 /// Whether a mode's memprof follows the postmaster's backends.
@@ -193,5 +222,18 @@ pub fn render(measured: &Measured) -> String {
          them out, at its next interval: a session of milliseconds pays for all of its calls. The \
          last row is that cost alone.\n",
     );
+    let _ = write!(
+        out,
+        "\nThe same, its 4 sessions kept for the whole run (`pgbench -S` without `-C`), in the same \
+         rounds: the backends, forked once the postmaster was traced, lose the breakpoints their fork \
+         copied at memprof's first interval.\n\n\
+         | mode | transactions/s (runs) | median | traced ÷ untraced |\n|---|---|---:|---:|\n"
+    );
+    let untraced = median(&measured.persistent[0]);
+    for ((name, _), runs) in PERSISTENT_MODES.iter().zip(&measured.persistent) {
+        let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
+        let median = median(runs);
+        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} |", list.join(", "), median / untraced);
+    }
     out
 }

@@ -204,11 +204,13 @@ fn wait_for_port() -> anyhow::Result<()> {
 }
 
 /// `memprof attach` on `pid` with `options`, its report written to `output`, once it says it
-/// traces.
+/// traces. Its interval is a minute unless `options` say: no report is read before the end.
 pub(super) fn attach(memprof: &Path, pid: u32, output: &Path, options: &[&str]) -> anyhow::Result<Killed> {
+    let interval: &[&str] = if options.contains(&"--interval") { &[] } else { &["--interval", "60"] };
     let mut tracer = Command::new(memprof)
-        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "--output"])
+        .args(["attach", "--pid", &pid.to_string(), "--output"])
         .arg(output)
+        .args(interval)
         .args(options)
         .stderr(Stdio::piped())
         .spawn()
