@@ -124,8 +124,8 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    // Every traced process's: a child not followed still has its parent's breakpoints, which the
-    // daemon has the kernel take out of it (see `sweep`).
+    // Every traced process's: a child not followed still has its parent's breakpoints, which
+    // memprof has the kernel take out of it (see `sweep`).
     if traced_flags(tgid).is_none() && !discovering(discover::FORKS) {
         return 0;
     }

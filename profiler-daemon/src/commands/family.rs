@@ -59,7 +59,7 @@ pub struct Process {
     /// `memprof run`'s command, whose exec into the command is prepared for before it happens.
     expect_exec: bool,
     /// Forked a child memprof does not trace since the last flush: the child has copies of this
-    /// process's breakpoints until they are swept (`Attachment::sweep_copies`).
+    /// process's breakpoints until they are swept (`Loaded::sweep_copies`).
     forked_untraced: bool,
     /// A child found to have exec'd when it was followed, already handled: the exec event that
     /// may still come for it must not handle it again (detaching the probes its new program

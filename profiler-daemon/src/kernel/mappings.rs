@@ -286,16 +286,14 @@ impl Space {
             pages.outside += 1;
             return;
         }
-        match fault {
-            Fault::HugePage => pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns),
-            Fault::Page => pages.touch(clock, event.addr, event.stack_id, event.time_ns),
-            Fault::NotMapped => {
-                pages.touch(clock, event.addr, event.stack_id, event.time_ns);
-                if self.unsettled.len() < UNSETTLED_MAX {
-                    let (page, stack_id, time_ns) = (event.addr, event.stack_id, event.time_ns);
-                    self.unsettled.push(Unsettled { block, page, stack_id, time_ns });
-                }
-            }
+        if fault == Fault::HugePage {
+            pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns);
+            return;
+        }
+        pages.touch(clock, event.addr, event.stack_id, event.time_ns);
+        if fault == Fault::NotMapped && self.unsettled.len() < UNSETTLED_MAX {
+            let (page, stack_id, time_ns) = (event.addr, event.stack_id, event.time_ns);
+            self.unsettled.push(Unsettled { block, page, stack_id, time_ns });
         }
     }
 

@@ -41,7 +41,7 @@ pub const SESSION_PROGRAM: &str = "alloc_session";
 pub const FREE_PROGRAM: &str = "free";
 /// At the dynamic linker's `_dl_debug_state`.
 pub const MAPPINGS_PROGRAM: &str = "mappings_changed";
-/// Attached and detached at once on a process's probe sites (see `Attachment::sweep_copies`).
+/// Attached and detached at once on a process's probe sites (see `sweep_copies`).
 const SWEEP_PROGRAM: &str = "sweep";
 const PROGRAMS: [&str; 4] = [ENTRY_PROGRAM, RETURN_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM];
 

@@ -97,6 +97,7 @@ pub enum Fault {
     NotMapped,
 }
 
+/// What process `pid` has at `fault` and in the span around it (see `Fault`).
 pub fn fault_mapped(pid: u32, start: u64, len: u64, fault: u64) -> Fault {
     let pages = len / PAGE;
     let Ok(pagemap) = Pagemap::open(pid) else { return Fault::Page };

@@ -94,7 +94,7 @@ struct Target {
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
     /// Forked a child the rules do not trace since the last snapshot: the child has copies of
-    /// this process's breakpoints until they are swept (`Attachment::sweep_copies`).
+    /// this process's breakpoints until they are swept (`Loaded::sweep_copies`).
     forked_untraced: bool,
     /// The files whose allocator probes `attachment` holds. They stay through an exec (the new
     /// program is recorded from its first call through a file both map, the C library) and are

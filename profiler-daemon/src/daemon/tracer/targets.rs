@@ -222,7 +222,7 @@ impl Tracer {
     }
 
     /// Takes the breakpoints out of the children not traced that traced processes forked since
-    /// the last snapshot (see `Attachment::sweep_copies`).
+    /// the last snapshot (see `Loaded::sweep_copies`).
     pub(super) fn sweep_forked(&mut self) {
         let forked = self.targets.iter_mut().filter_map(|(&pid, target)| {
             let forked = std::mem::take(&mut target.forked_untraced);
