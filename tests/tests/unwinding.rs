@@ -558,6 +558,23 @@ fn a_signal_handler_on_an_alternate_stack_continues_into_the_interrupted_code() 
     assert_nothing_dropped(&report);
 }
 
+/// A fault at a function's first instruction (a stack overflow's first push, a call through a
+/// bad pointer): the signal frame holds the faulting instruction itself, not a return address,
+/// so its frame is named after that function, not the one before it in the file.
+#[test]
+fn a_frame_interrupted_at_its_first_instruction_is_named_after_its_own_function() {
+    let program = fixture_with("unwind_c.c", "unwind_c_fault", C_FLAGS);
+    let report = run_once_tables_are_read(&[path(&program), "--wait", "fault"]);
+    assert_eq!(site(&report, "fault_leak"), (4 * 800, 4), "{}", describe_all(&report));
+    let stack = only_stack_at(&report, "fault_leak");
+    assert_whole(
+        stack,
+        &chain(&["fault_leak", "fault_handler", "__restore_rt", "fault_at_entry", "fault_caller"], &MAIN_TAIL),
+    );
+    assert_no_stack_drops(&report);
+    assert_nothing_dropped(&report);
+}
+
 /// A real interpreter from the distribution: no stack lost or cut, every outstanding byte under a
 /// stack with frames, and the largest stack whole down to the interpreter's main.
 fn assert_interpreter_stacks_whole(report: &Value, entries: &[&str]) {

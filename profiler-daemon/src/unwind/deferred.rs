@@ -172,8 +172,9 @@ fn step(regs: &mut Regs, row: &UnwindRow, kind: u32, address: u64, window: &Wind
         cfa::END => return Err(StackEnd::Complete),
         cfa::SIGNAL => {
             let sp = regs.sp;
-            (regs.pc, regs.bp, regs.sp) = (read(sp + UC_RIP)?, read(sp + UC_RBP)?, read(sp + UC_RSP)?);
-            (regs.bp_known, regs.pc_is_return) = (true, false);
+            (regs.pc, regs.bp, regs.sp) = (read(sp + UC_RIP)?.wrapping_add(1), read(sp + UC_RBP)?, read(sp + UC_RSP)?);
+            // As the kernel's walk keeps it: the interrupted instruction, as a return just past it.
+            (regs.bp_known, regs.pc_is_return) = (true, true);
             return Ok(());
         }
         cfa::NONE => return Err(StackEnd::NoTable),
@@ -239,28 +240,23 @@ mod tests {
         UnwindRow { pc, cfa_offset, rbp_offset: 0, cfa, rbp: rbp::SAME }
     }
 
-    /// Two CFI frames then `_start`'s end: `inner` (CFA = rsp + 16) called from `outer` (CFA =
-    /// rsp + 32), called from `start` (the end), all in one file mapped at 0x1000 with bias 0.
-    #[test]
-    fn a_walk_goes_on_from_the_stored_frame_on_the_copied_stack() {
-        let table = Table(vec![row(0x1000, cfa::RSP, 16), row(0x1100, cfa::RSP, 32), row(0x1200, cfa::END, 0)]);
+    /// One file mapped at 0x1000 with bias 0, holding `rows` rows of `table`.
+    fn one_file(rows: u32) -> ProcMappings {
         let mut mappings =
             ProcMappings { len: 1, _pad: 0, code_changes_seen: 0, entries: [ExecMapping::default(); MAX_MAPPINGS] };
-        mappings.entries[0] = ExecMapping {
-            start: 0x1000,
-            end: 0x2000,
-            bias: 0,
-            first_row: 0,
-            rows: 3,
-            kind: mapping_kind::CFI,
-            _pad: 0,
-        };
-        let sp = 0x7fff_0000_0100u64;
-        let mut event = DeferredUnwind {
+        mappings.entries[0] =
+            ExecMapping { start: 0x1000, end: 0x2000, bias: 0, first_row: 0, rows, kind: mapping_kind::CFI, _pad: 0 };
+        mappings
+    }
+
+    /// A walk the kernel stored at a return address `pc`, stack pointer `sp`, with the stack's
+    /// page copied.
+    fn stored_at(pc: u64, sp: u64) -> DeferredUnwind {
+        DeferredUnwind {
             stack_id: 9,
             tgid: 1,
             table: 0,
-            pc: 0x1010,
+            pc,
             sp,
             bp: 0,
             pc_is_return: 1,
@@ -272,11 +268,22 @@ mod tests {
             window_start: sp & !0xfff,
             time_ns: 0,
             window: [0; DEFERRED_PAGES * PAGE_BYTES],
-        };
-        let put = |event: &mut DeferredUnwind, at: u64, value: u64| {
-            let offset = (at - event.window_start) as usize;
-            event.window[offset..offset + 8].copy_from_slice(&value.to_ne_bytes());
-        };
+        }
+    }
+
+    fn put(event: &mut DeferredUnwind, at: u64, value: u64) {
+        let offset = (at - event.window_start) as usize;
+        event.window[offset..offset + 8].copy_from_slice(&value.to_ne_bytes());
+    }
+
+    /// Two CFI frames then `_start`'s end: `inner` (CFA = rsp + 16) called from `outer` (CFA =
+    /// rsp + 32), called from `start` (the end).
+    #[test]
+    fn a_walk_goes_on_from_the_stored_frame_on_the_copied_stack() {
+        let table = Table(vec![row(0x1000, cfa::RSP, 16), row(0x1100, cfa::RSP, 32), row(0x1200, cfa::END, 0)]);
+        let mappings = one_file(3);
+        let sp = 0x7fff_0000_0100u64;
+        let mut event = stored_at(0x1010, sp);
         // inner's return address into outer at CFA - 8 = sp + 8; outer's into start at sp + 16 + 24.
         put(&mut event, sp + 8, 0x1110);
         put(&mut event, sp + 16 + 24, 0x1210);
@@ -292,5 +299,23 @@ mod tests {
         assert_eq!(deferred.counts, DeferredCounts { walks: 2, unfinished: 1 });
         deferred.forget(1);
         assert!(deferred.completion(1, 0, 9).is_none());
+    }
+
+    /// A signal frame (`restorer`, whose rule reads the ucontext) over code interrupted at the
+    /// first instruction of `outer`: that frame is kept one past the instruction, as a return
+    /// address is, so that it is named after `outer`, and `outer`'s own row carries the walk on.
+    #[test]
+    fn a_frame_interrupted_at_its_first_instruction_is_kept_as_a_return_past_it() {
+        let table = Table(vec![row(0x1000, cfa::SIGNAL, 0), row(0x1100, cfa::RSP, 8), row(0x1200, cfa::END, 0)]);
+        let sp = 0x7fff_0000_0100u64;
+        let interrupted_sp = sp + 0x800;
+        let mut event = stored_at(0x1010, sp);
+        put(&mut event, sp + UC_RIP, 0x1100);
+        put(&mut event, sp + UC_RSP, interrupted_sp);
+        put(&mut event, interrupted_sp, 0x1210);
+        let mut deferred = Deferred::default();
+        deferred.finish(&event, Some(&one_file(3)), &table, 127);
+        let completion = deferred.completion(1, 0, 9).expect("finished");
+        assert_eq!(completion, &Completion { frames: vec![0x1101, 0x1210], end: StackEnd::Complete });
     }
 }

@@ -70,7 +70,10 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
             let Some(pc) = window.read(sp + UC_RIP) else { return end(walk, StackEnd::ReadFailed) };
             let Some(bp) = window.read(sp + UC_RBP) else { return end(walk, StackEnd::ReadFailed) };
             let Some(sp) = window.read(sp + UC_RSP) else { return end(walk, StackEnd::ReadFailed) };
-            (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc, sp, bp, 1, 0);
+            // The interrupted instruction itself, kept as if a call returned just past its first
+            // byte: the next frame looks up its row at `pc`, and reports name the function of
+            // `pc`, not of the byte before it (a fault at a function's first instruction).
+            (walk.pc, walk.sp, walk.bp, walk.bp_known, walk.pc_is_return) = (pc.wrapping_add(1), sp, bp, 1, 1);
             (walk.bp_from_regs, walk.bp_saved_at) = (0, 0);
             return Some(());
         }
