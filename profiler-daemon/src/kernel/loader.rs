@@ -48,9 +48,6 @@ pub struct Loaded {
     growth: bool,
     /// The page-fault program is loaded, for `--growth` or a process switched to it.
     faults_loaded: bool,
-    /// Whether `run` and `attach` follow the children of the processes they trace
-    /// (`--follow-forks`), for their `Family`.
-    pub follow_forks: bool,
     /// Which processes share links with every traced process that maps the same file, rather
     /// than get links of their own (see `shared`).
     shared: SharedLinks,
@@ -165,7 +162,6 @@ pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool) -> anyhow::Result<
         mappings,
         growth: false,
         faults_loaded: false,
-        follow_forks: false,
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
         usdt: usdt::UsdtProbes::default(),

@@ -46,7 +46,6 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let untraced_from = SystemCpu::read(pid_n);
     let sites = usdt_sites(args, || usdt::in_process(pid_n))?;
     let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt)?;
-    loaded.follow_forks = args.follow_forks.unwrap_or(false);
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -134,7 +133,6 @@ pub async fn run(
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
     let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt)?;
-    loaded.follow_forks = args.follow_forks.unwrap_or(!args.sampling.usdt);
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
