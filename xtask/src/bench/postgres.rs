@@ -20,33 +20,55 @@ const BIN: &str = "/usr/lib/postgresql/15/bin";
 /// The bench's cluster listens on a Unix socket only, in its own directory, on this port number.
 const PORT: &str = "5499";
 
-const MODES: [(&str, Option<&[&str]>); 5] = [
-    ("none", None),
-    ("memprof attach --follow-forks --max-rate off (exact)", Some(&["--follow-forks", "--max-rate", "off"])),
-    ("memprof attach --follow-forks --sample-bytes 524288", Some(&["--follow-forks", "--sample-bytes", "524288"])),
-    ("memprof attach --follow-forks --growth", Some(&["--follow-forks", "--growth"])),
-    ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
+type Mode = (&'static str, Option<&'static [&'static str]>);
+
+/// One table: the benchmark with a session per transaction or with its sessions kept, and the
+/// modes it is run under.
+struct Table {
+    per_transaction: bool,
+    modes: &'static [Mode],
+}
+
+const TABLES: [Table; 2] = [
+    Table {
+        per_transaction: true,
+        modes: &[
+            ("none", None),
+            ("memprof attach --follow-forks --max-rate off (exact)", Some(&["--follow-forks", "--max-rate", "off"])),
+            (
+                "memprof attach --follow-forks --sample-bytes 524288",
+                Some(&["--follow-forks", "--sample-bytes", "524288"]),
+            ),
+            ("memprof attach --follow-forks --growth", Some(&["--follow-forks", "--growth"])),
+            ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
+        ],
+    },
+    // Its 4 sessions kept (no `-C`): their backends live for the whole run. memprof sweeps the
+    // breakpoints their forks copied at its first interval (a second).
+    Table {
+        per_transaction: false,
+        modes: &[
+            ("none", None),
+            (
+                "memprof attach --max-rate off --interval 1 (the postmaster alone)",
+                Some(&["--max-rate", "off", "--interval", "1"]),
+            ),
+        ],
+    },
 ];
 
-/// The same benchmark with its 4 sessions kept (no `-C`): their backends live for the whole run.
-/// The postmaster alone is traced; memprof sweeps the breakpoints the backends' forks copied at
-/// its first interval (a second).
-const PERSISTENT_MODES: [(&str, Option<&[&str]>); 2] = [
-    ("none", None),
-    (
-        "memprof attach --max-rate off --interval 1 (the postmaster alone)",
-        Some(&["--max-rate", "off", "--interval", "1"]),
-    ),
-];
+/// What one mode of a table measured.
+#[derive(Clone, Default)]
+struct Runs {
+    /// Transactions a second, in order.
+    tps: Vec<f64>,
+    /// Its sessions over its runs, when it follows the backends.
+    backends: Backends,
+}
 
 pub struct Measured {
-    /// Transactions a second, each mode's runs in order.
-    runs: Vec<Vec<f64>>,
-    /// The same for `PERSISTENT_MODES`.
-    persistent: Vec<Vec<f64>>,
-    /// Each traced mode's sessions over its runs: the backends memprof followed, and those gone
-    /// before their probes were attached (its report's `forks`).
-    backends: Vec<Backends>,
+    /// Each table's modes, as `TABLES` has them.
+    tables: Vec<Vec<Runs>>,
     seconds: u64,
     /// When, as `date -u` prints it, and the load average before and after.
     date: String,
@@ -84,10 +106,8 @@ impl Cluster {
         text.lines().next().and_then(|line| line.trim().parse().ok()).context("postmaster.pid has no pid")
     }
 
-    /// Select-only transactions a second over `seconds`, each in a session of its own, from 4
-    /// clients on 2 threads.
-    /// Select-only transactions a second over `seconds`, a new session for each when
-    /// `per_transaction`.
+    /// Select-only transactions a second over `seconds` from 4 clients on 2 threads, a new
+    /// session for each when `per_transaction`.
     fn pgbench(&self, seconds: u64, per_transaction: bool) -> anyhow::Result<f64> {
         let connect = if per_transaction { "-C " } else { "" };
         let dir = self.dir.display();
@@ -118,49 +138,53 @@ fn as_postgres(command: &str) -> anyhow::Result<String> {
     run("su", &["postgres", "-c", command])
 }
 
-/// Interleaved runs of every mode on one cluster: A B C D A B C D ...
+/// Interleaved runs of every mode of every table on one cluster: A B C D E F G A B C ...
 pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measured> {
     let seconds = if size.quick { 3 } else { 15 };
     let cluster = Cluster::start(dir).context("starting a PostgreSQL cluster")?;
     let date = run("date", &["-u", "+%Y-%m-%d %H:%M UTC"])?.trim().to_string();
     let load_before = load_average();
-    let mut runs = vec![Vec::new(); MODES.len()];
-    let mut backends = vec![Backends::default(); MODES.len()];
-    let mut persistent = vec![Vec::new(); PERSISTENT_MODES.len()];
+    let mut tables: Vec<Vec<Runs>> = TABLES.iter().map(|table| vec![Runs::default(); table.modes.len()]).collect();
     let report = dir.join("postgres-report.json");
     for _ in 0..size.runs {
-        for (((name, options), runs), backends) in MODES.iter().zip(&mut runs).zip(&mut backends) {
-            let tracer = match options {
-                Some(options) => {
-                    let all: Vec<&str> = ["--json"].iter().chain(options.iter()).copied().collect();
-                    Some(attach(memprof, cluster.postmaster()?, &report, &all)?)
-                }
-                None => None,
-            };
-            let tps = cluster.pgbench(seconds, true).with_context(|| format!("pgbench -C under {name}"))?;
-            if let Some(tracer) = tracer {
-                tracer.stop()?;
-                if follows(options) {
-                    backends.add(&report).with_context(|| format!("reading memprof's report under {name}"))?;
-                }
+        for (table, measured) in TABLES.iter().zip(&mut tables) {
+            for (mode, runs) in table.modes.iter().zip(measured.iter_mut()) {
+                let tps = one_run(memprof, &cluster, seconds, table.per_transaction, mode, &report, runs)
+                    .with_context(|| format!("pgbench under {}", mode.0))?;
+                runs.tps.push(tps);
             }
-            eprintln!("xtask bench: pgbench -C -S under {name:<52} {tps:>9.0} tps");
-            runs.push(tps);
-        }
-        for ((name, options), runs) in PERSISTENT_MODES.iter().zip(&mut persistent) {
-            let tracer = match options {
-                Some(options) => Some(attach(memprof, cluster.postmaster()?, Path::new("/dev/null"), options)?),
-                None => None,
-            };
-            let tps = cluster.pgbench(seconds, false).with_context(|| format!("pgbench under {name}"))?;
-            if let Some(tracer) = tracer {
-                tracer.stop()?;
-            }
-            eprintln!("xtask bench: pgbench -S under {name:<52} {tps:>9.0} tps");
-            runs.push(tps);
         }
     }
-    Ok(Measured { runs, persistent, backends, seconds, date, load: (load_before, load_average()) })
+    Ok(Measured { tables, seconds, date, load: (load_before, load_average()) })
+}
+
+/// One run of pgbench under `mode`, whose report's backends are added to `runs`.
+fn one_run(
+    memprof: &Path,
+    cluster: &Cluster,
+    seconds: u64,
+    per_transaction: bool,
+    (name, options): &Mode,
+    report: &Path,
+    runs: &mut Runs,
+) -> anyhow::Result<f64> {
+    let tracer = match options {
+        Some(options) => {
+            let all: Vec<&str> = ["--json"].iter().chain(options.iter()).copied().collect();
+            Some(attach(memprof, cluster.postmaster()?, report, &all)?)
+        }
+        None => None,
+    };
+    let tps = cluster.pgbench(seconds, per_transaction)?;
+    if let Some(tracer) = tracer {
+        tracer.stop()?;
+        if follows(options) {
+            runs.backends.add(report).context("reading memprof's report")?;
+        }
+    }
+    let connect = if per_transaction { "-C " } else { "" };
+    eprintln!("xtask bench: pgbench {connect}-S under {name:<65} {tps:>9.0} tps");
+    Ok(tps)
 }
 
 /// Whether a mode's memprof follows the postmaster's backends.
@@ -195,26 +219,12 @@ pub fn render(measured: &Measured) -> String {
          load average {} before, {} after. heaptrack has no row: it follows one process, and each \
          session has a backend of its own.\n\n",
         measured.seconds,
-        measured.runs[0].len(),
+        measured.tables[0][0].tps.len(),
         measured.date,
         measured.load.0,
         measured.load.1,
     );
-    out.push_str(
-        "| mode | transactions/s (runs) | median | traced ÷ untraced | backends followed, missed (all runs) |\n\
-         |---|---|---:|---:|---:|\n",
-    );
-    let untraced = median(&measured.runs[0]);
-    for (((name, options), runs), backends) in MODES.iter().zip(&measured.runs).zip(&measured.backends) {
-        let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
-        let median = median(runs);
-        let followed = match options {
-            None => String::new(),
-            options if follows(options) => format!("{}, {}", backends.followed, backends.missed),
-            Some(_) => "not followed".to_string(),
-        };
-        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} | {followed} |", list.join(", "), median / untraced);
-    }
+    render_table(&mut out, &TABLES[0], &measured.tables[0]);
     out.push_str(
         "\nA backend missed (`forks.missed` in memprof's report) was gone before its probes were \
          attached: its session ran untraced. A backend not traced still has the breakpoints its fork \
@@ -222,18 +232,29 @@ pub fn render(measured: &Measured) -> String {
          them out, at its next interval: a session of milliseconds pays for all of its calls. The \
          last row is that cost alone.\n",
     );
-    let _ = write!(
-        out,
+    out.push_str(
         "\nThe same, its 4 sessions kept for the whole run (`pgbench -S` without `-C`), in the same \
          rounds: the backends, forked once the postmaster was traced, lose the breakpoints their fork \
-         copied at memprof's first interval.\n\n\
-         | mode | transactions/s (runs) | median | traced ÷ untraced |\n|---|---|---:|---:|\n"
+         copied at memprof's first interval.\n\n",
     );
-    let untraced = median(&measured.persistent[0]);
-    for ((name, _), runs) in PERSISTENT_MODES.iter().zip(&measured.persistent) {
-        let list: Vec<String> = runs.iter().map(|r| format!("{r:.0}")).collect();
-        let median = median(runs);
-        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} |", list.join(", "), median / untraced);
-    }
+    render_table(&mut out, &TABLES[1], &measured.tables[1]);
     out
+}
+
+fn render_table(out: &mut String, table: &Table, measured: &[Runs]) {
+    out.push_str(
+        "| mode | transactions/s (runs) | median | traced ÷ untraced | backends followed, missed (all runs) |\n\
+         |---|---|---:|---:|---:|\n",
+    );
+    let untraced = median(&measured[0].tps);
+    for ((name, options), runs) in table.modes.iter().zip(measured) {
+        let list: Vec<String> = runs.tps.iter().map(|r| format!("{r:.0}")).collect();
+        let median = median(&runs.tps);
+        let backends = match options {
+            None => String::new(),
+            options if follows(options) => format!("{}, {}", runs.backends.followed, runs.backends.missed),
+            Some(_) => "not followed".to_string(),
+        };
+        let _ = writeln!(out, "| {name} | {} | {median:.0} | {:.2} | {backends} |", list.join(", "), median / untraced);
+    }
 }
