@@ -169,6 +169,32 @@ fn a_child_attach_does_not_follow_loses_its_parents_breakpoints() {
     assert!(outcome.status.success(), "{outcome:?}");
 }
 
+/// `attach` without `--follow-forks` to a process that has children, as a forking server does:
+/// its probes are perf-event uprobes, which the kernel takes out of a child it forks at the
+/// child's first trap at each, long before memprof's next interval (a minute here). A child that
+/// lives for milliseconds pays a trap a probe, not one a call.
+#[test]
+fn a_forking_servers_child_drops_each_breakpoint_at_its_first_call() {
+    // Not beside a daemon whose links are shared: they put breakpoints in every process.
+    let _serial = one_at_a_time();
+    let mut forker = Waiting::start(&fixture("forker"), &["server"]);
+    let pid = forker.pid();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "60", "-o", "/dev/null"]);
+    let mut seen = (false, false);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        forker.go();
+        // It wrote its pid after one call to each probed function.
+        let child = forked_child(&mut forker);
+        seen = (libc_code_is_the_files(child), libc_code_is_the_files(pid));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
+    });
+    assert_eq!(seen, (true, false), "the child's C library code is its file's, the target's is not: {outcome:?}");
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains(&format!("memprof: pid {pid} has children")), "{outcome:?}");
+}
+
 /// The daemon traces a process by its name; the child it forks under another name is not
 /// traced, and loses the breakpoints its fork copied.
 #[test]

@@ -104,7 +104,8 @@ fn check_privileges() -> Result<(), UserError> {
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 /// `usdt`: processes are traced through their `otel_memory` probes, whose weights take a table as
 /// large as `LIVE`; without it that table gets one entry, not `--max-live`'s buckets.
-pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool) -> anyhow::Result<Loaded> {
+/// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
+pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool, links_wanted: bool) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
     let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask"])
         .context("finding task_struct in BTF")?;
@@ -148,7 +149,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool) -> anyhow::Result<
     let mut ebpf = ebpf;
     let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows, sizes.max_frames)?;
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
-    let method = probes::load(&mut ebpf)?;
+    let method = probes::load(&mut ebpf, links_wanted)?;
     let process_events = events::attach(&mut ebpf)?;
     // Only when asked for: the programs run at every mapping call on the host.
     let mappings = if sizes.mappings { Some(MappedRanges::attach(&mut ebpf)?) } else { None };

@@ -71,9 +71,13 @@ pub enum Method {
 }
 
 /// Loads the programs for uprobe_multi links where the kernel makes them (and `MEMPROF_UPROBE_MULTI`
-/// is not 0), else for perf-event uprobes, saying so in one line.
-pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
-    let fallback = if switched_off(MULTI_SWITCH) {
+/// is not 0), else for perf-event uprobes, saying so in one line. `links_wanted` false: for
+/// perf-event uprobes, for a reason the caller has said.
+pub fn load(ebpf: &mut Ebpf, links_wanted: bool) -> anyhow::Result<Method> {
+    let fallback = if !links_wanted {
+        load_for_perf_events(ebpf)?;
+        return Ok(Method::PerfEvents);
+    } else if switched_off(MULTI_SWITCH) {
         format!("{MULTI_SWITCH}=0")
     } else {
         match load_for_multi_links(ebpf) {
@@ -88,10 +92,15 @@ pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Method> {
         }
     };
     tracing::warn!("{fallback}: attaching perf-event uprobes, which take about 90 ms each to detach");
+    load_for_perf_events(ebpf)?;
+    Ok(Method::PerfEvents)
+}
+
+fn load_for_perf_events(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     for name in PROGRAMS {
         program(ebpf, name)?.load().map_err(missing_helper).with_context(|| format!("loading program {name}"))?;
     }
-    Ok(Method::PerfEvents)
+    Ok(())
 }
 
 /// Helpers the programs call that older kernels lack, by the number their verifier names an

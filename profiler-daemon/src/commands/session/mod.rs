@@ -45,7 +45,17 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
     let sites = usdt_sites(args, || usdt::in_process(pid_n))?;
-    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt)?;
+    // The children a process forks keep copies of its breakpoints. uprobe_multi links leave them
+    // until memprof sweeps them, at its next interval; a perf-event uprobe is dropped from a
+    // child at its first trap there. A process with children now is a forking server, whose
+    // next children may live for milliseconds: those not followed get perf-event uprobes.
+    let forking = args.sampling.traces_calls()
+        && !follows_forks(args, true)
+        && procfs::children(pid_n).is_ok_and(|children| !children.is_empty());
+    if forking {
+        say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
+    }
+    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt, !forking)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -132,7 +142,7 @@ pub async fn run(
     let routed = allocator.route_through_malloc();
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
-    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt)?;
+    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt, true)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -274,6 +284,12 @@ fn usdt_sites(
         return Err(UserError::UsdtFollowForks);
     }
     find().map(Some)
+}
+
+/// Whether the session follows its target's children: with `--follow-forks`, else for `run`'s
+/// command (but with `--usdt`, which refuses it), not for a process `attached` to.
+fn follows_forks(args: &TraceArgs, attached: bool) -> bool {
+    args.follow_forks.unwrap_or(!attached && !args.sampling.usdt)
 }
 
 /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or

@@ -330,9 +330,7 @@ pub(super) async fn trace(
     };
     let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
     let (exits, mut exited) = tokio::sync::mpsc::unbounded_channel();
-    // A running process's children are followed when asked; `run`'s command's are unless its
-    // allocator's USDT probes are traced (which `--follow-forks` refuses).
-    let follow_forks = args.follow_forks.unwrap_or(matches!(exit, ExitWatch::Child(..)) && !args.sampling.usdt);
+    let follow_forks = super::follows_forks(args, matches!(exit, ExitWatch::Attached(_)));
     let mut tracer = Tracer {
         loaded,
         symbolizer,

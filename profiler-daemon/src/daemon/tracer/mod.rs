@@ -153,7 +153,7 @@ pub struct Tracer {
 }
 impl Tracer {
     pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
-        let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt)?;
+        let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt, true)?;
         if config.sampling.growth {
             loaded.trace_page_faults()?;
         }
