@@ -43,16 +43,12 @@ const TABLES: [Table; 2] = [
             ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
         ],
     },
-    // Its 4 sessions kept (no `-C`): their backends live for the whole run. memprof sweeps the
-    // breakpoints their forks copied at its first interval (a second).
+    // Its 4 sessions kept (no `-C`): their backends live for the whole run.
     Table {
         per_transaction: false,
         modes: &[
             ("none", None),
-            (
-                "memprof attach --max-rate off --interval 1 (the postmaster alone)",
-                Some(&["--max-rate", "off", "--interval", "1"]),
-            ),
+            ("memprof attach --max-rate off (the postmaster alone)", Some(&["--max-rate", "off"])),
         ],
     },
 ];
@@ -227,15 +223,16 @@ pub fn render(measured: &Measured) -> String {
     render_table(&mut out, &TABLES[0], &measured.tables[0]);
     out.push_str(
         "\nA backend missed (`forks.missed` in memprof's report) was gone before its probes were \
-         attached: its session ran untraced. A backend not traced still has the breakpoints its fork \
-         copied from the traced postmaster, and traps at each call until memprof has the kernel take \
-         them out, at its next interval: a session of milliseconds pays for all of its calls. The \
-         last row is that cost alone.\n",
+         attached: its session ran untraced, but with the breakpoints its fork copied from the traced \
+         postmaster's links, which trap at each call until memprof has the kernel take them out at \
+         its next interval. In the last row the postmaster alone is traced: it has children, so \
+         `attach` gives it perf-event uprobes, which the kernel takes out of a backend at its first \
+         call to each.\n",
     );
     out.push_str(
         "\nThe same, its 4 sessions kept for the whole run (`pgbench -S` without `-C`), in the same \
          rounds: the backends, forked once the postmaster was traced, lose the breakpoints their fork \
-         copied at memprof's first interval.\n\n",
+         copied at their first call to each.\n\n",
     );
     render_table(&mut out, &TABLES[1], &measured.tables[1]);
     out
