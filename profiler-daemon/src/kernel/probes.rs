@@ -74,10 +74,11 @@ pub enum Method {
 /// is not 0), else for perf-event uprobes, saying so in one line. `links_wanted` false: for
 /// perf-event uprobes, for a reason the caller has said.
 pub fn load(ebpf: &mut Ebpf, links_wanted: bool) -> anyhow::Result<Method> {
-    let fallback = if !links_wanted {
+    if !links_wanted {
         load_for_perf_events(ebpf)?;
         return Ok(Method::PerfEvents);
-    } else if switched_off(MULTI_SWITCH) {
+    }
+    let fallback = if switched_off(MULTI_SWITCH) {
         format!("{MULTI_SWITCH}=0")
     } else {
         match load_for_multi_links(ebpf) {

@@ -45,13 +45,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
     let sites = usdt_sites(args, || usdt::in_process(pid_n))?;
-    // The children a process forks keep copies of its breakpoints. uprobe_multi links leave them
-    // until memprof sweeps them, at its next interval; a perf-event uprobe is dropped from a
-    // child at its first trap there. A process with children now is a forking server, whose
-    // next children may live for milliseconds: those not followed get perf-event uprobes.
-    let forking = args.sampling.traces_calls()
-        && !follows_forks(args, true)
-        && procfs::children(pid_n).is_ok_and(|children| !children.is_empty());
+    let forking = forks_untraced_children(args, pid_n);
     if forking {
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
     }
@@ -290,6 +284,17 @@ fn usdt_sites(
 /// command (but with `--usdt`, which refuses it), not for a process `attached` to.
 fn follows_forks(args: &TraceArgs, attached: bool) -> bool {
     args.follow_forks.unwrap_or(!attached && !args.sampling.usdt)
+}
+
+/// Whether process `pid`, attached to, is a forking server whose children memprof does not
+/// follow: one with children now, whose next children may live for milliseconds. Such children
+/// keep copies of its breakpoints: uprobe_multi links leave them until memprof sweeps them, at
+/// its next interval, while a perf-event uprobe is dropped from a child at its first trap there.
+/// So it gets perf-event uprobes, when its allocator calls are what is traced.
+fn forks_untraced_children(args: &TraceArgs, pid: u32) -> bool {
+    args.sampling.traces_calls()
+        && !follows_forks(args, true)
+        && procfs::children(pid).is_ok_and(|children| !children.is_empty())
 }
 
 /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
