@@ -195,6 +195,34 @@ fn a_forking_servers_child_drops_each_breakpoint_at_its_first_call() {
     assert!(outcome.stderr.contains(&format!("memprof: pid {pid} has children")), "{outcome:?}");
 }
 
+/// The same forking server, with the daemon tracing another process: the daemon's link on each
+/// probed function keeps every breakpoint a fork copies (the kernel takes one out of a process
+/// only when every probe on it agrees), so memprof takes them out of the child at its next
+/// interval, as it does for its own links; the daemon's target keeps its breakpoints.
+#[test]
+fn a_forking_servers_child_beside_the_daemons_links_loses_its_breakpoints_at_the_interval() {
+    let _serial = one_at_a_time();
+    let mut other = Waiting::start(&fixture("daemon_target"), &[]);
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    daemon.wait_traced(other.pid());
+    let mut forker = Waiting::start(&fixture("forker"), &["server"]);
+    let pid = forker.pid();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "0.5", "-o", "/dev/null"]);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        forker.go();
+        let child = forked_child(&mut forker);
+        wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
+        assert!(!libc_code_is_the_files(pid), "the traced process keeps its breakpoints");
+        assert!(!libc_code_is_the_files(other.pid()), "the daemon's target keeps its breakpoints");
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains(&format!("memprof: pid {pid} has children")), "{outcome:?}");
+    other.go();
+}
+
 /// The daemon traces a process by its name; the child it forks under another name is not
 /// traced, and loses the breakpoints its fork copied.
 #[test]

@@ -101,6 +101,19 @@ fn load_for_perf_events(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     for name in PROGRAMS {
         program(ebpf, name)?.load().map_err(missing_helper).with_context(|| format!("loading program {name}"))?;
     }
+    // A link of another memprof (the daemon's, say) on a probed function keeps the breakpoints
+    // a fork copied in the child, where a perf-event uprobe alone has the kernel take them out
+    // at its first call: the sweep takes them out then (see `sweep_copies`).
+    let sweep = program(ebpf, SWEEP_PROGRAM)?;
+    let load = |sweep: &mut UProbe| -> anyhow::Result<()> {
+        sweep.load_with_attach_type(uprobe_multi::ATTACH_TYPE)?;
+        Ok(uprobe_multi::check_support(sweep.fd()?.as_fd())?)
+    };
+    if let Err(why) = load(sweep) {
+        // The kernel has no uprobe_multi links, so nothing keeps a breakpoint in a child.
+        let _ = sweep.unload();
+        tracing::debug!("no sweep of forked children's breakpoints: {why:#}");
+    }
     Ok(())
 }
 
@@ -175,7 +188,7 @@ pub struct Attachment {
     links: Vec<Link>,
     probes: usize,
     shared: Vec<Arc<Attachment>>,
-    /// The files and offsets of its own uprobe_multi links (see `sweep_copies`).
+    /// The files and offsets of its own probes (see `sweep_copies`).
     sites: Vec<(PathBuf, Vec<u64>)>,
 }
 
@@ -251,6 +264,7 @@ impl Attachment {
         let program = program(ebpf, name)?;
         let at_return = matches!(program.kind(), ProbeKind::Return);
         let context = || format!("attaching {name} to {}", path.display());
+        let own = pid.is_some();
         match method {
             Method::Sessions | Method::MultiLinks => {
                 let fires = match (name, at_return) {
@@ -262,9 +276,6 @@ impl Attachment {
                 let link =
                     uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
                 self.links.push(Link { _probes: Probes::Multi(link), at_return });
-                if pid != 0 {
-                    self.sites.push((path.to_path_buf(), points.iter().map(|point| point.offset).collect()));
-                }
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
@@ -275,6 +286,9 @@ impl Attachment {
                     self.links.push(Link { _probes: Probes::PerfEvent(program.take_link(id)?), at_return });
                 }
             }
+        }
+        if own {
+            self.sites.push((path.to_path_buf(), points.iter().map(|point| point.offset).collect()));
         }
         self.probes += points.len();
         Ok(())
@@ -296,9 +310,10 @@ impl Drop for Attachment {
 
 /// Takes the breakpoints of `traced` processes (each with its probes) out of the processes that
 /// have copies of them and no link of their own: the children they forked, which memprof does not
-/// trace. A fork copies the pages the breakpoints are written in; a perf-event uprobe's filter
-/// then takes each out of the child at its first trap, but a uprobe_multi link's leaves it, and
-/// the child traps at every call. Closing a link has the kernel take a site's breakpoint out of
+/// trace. A fork copies the pages the breakpoints are written in. At the child's first trap on
+/// one, the kernel takes it out only if every probe on that function agrees: a perf-event
+/// uprobe's filter does, a uprobe_multi link's never (this memprof's, or another's on another
+/// process, as the daemon's), and the child then traps at every call. Closing a link has the kernel take a site's breakpoint out of
 /// every process no remaining link wants it in; so a link of the program that does nothing is
 /// made on each process's sites, for it, and all are closed together (sharing their waits).
 pub fn sweep_copies<'a>(
@@ -306,6 +321,10 @@ pub fn sweep_copies<'a>(
     traced: impl IntoIterator<Item = (&'a Attachment, NonZeroU32)>,
 ) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
+    // Not loaded where the kernel makes no uprobe_multi links: no link keeps a copy there.
+    let Ok(program) = program(ebpf, SWEEP_PROGRAM)?.fd() else {
+        return Ok(());
+    };
     let mut links = Vec::new();
     for (attachment, pid) in traced {
         let mut by_file: HashMap<&Path, BTreeSet<u64>> = HashMap::new();
@@ -313,7 +332,6 @@ pub fn sweep_copies<'a>(
             by_file.entry(path).or_default().extend(offsets);
         }
         for (path, offsets) in by_file {
-            let program = program(ebpf, SWEEP_PROGRAM)?.fd()?;
             let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
             match uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()) {
                 Ok(link) => links.push(Link { _probes: Probes::Multi(link), at_return: false }),
