@@ -37,7 +37,22 @@ pub enum UserError {
     InspectNeedsDuration,
     #[error("--format {0} writes binary data, which a terminal cannot show; add --output FILE")]
     BinaryToTerminal(&'static str),
+    #[error(
+        "--live draws on a terminal, and standard output is not one; leave out --live, or run memprof in a terminal"
+    )]
+    LiveNeedsTerminal,
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },
+}
+
+impl UserError {
+    /// Whether it refuses the flags given, together or where they were given (a terminal), as
+    /// the command-line parser refuses a value: such errors exit with 2, as its do.
+    pub fn refuses_flags(&self) -> bool {
+        matches!(
+            self,
+            Self::UsdtFollowForks | Self::InspectNeedsDuration | Self::BinaryToTerminal(_) | Self::LiveNeedsTerminal
+        )
+    }
 }

@@ -87,9 +87,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// One line naming the problem; the cause chain joined with ": ".
+/// One line naming the problem; the cause chain joined with ": ". Exits with 2 for flags refused
+/// (as `usage_error` does), else 1.
 fn fail(err: &anyhow::Error) -> ExitCode {
     say!("memprof: error: {err:#}");
+    if err.downcast_ref::<error::UserError>().is_some_and(error::UserError::refuses_flags) {
+        return ExitCode::from(2);
+    }
     ExitCode::FAILURE
 }
 

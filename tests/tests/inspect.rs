@@ -271,7 +271,7 @@ fn a_process_under_seccomp_is_not_write_protected() {
 #[test]
 fn run_inspect_needs_a_duration() {
     let outcome = memprof_tests::memprof(&["run", "--inspect", "--", "true"]);
-    assert_eq!(outcome.status.code(), Some(1));
+    assert_eq!(outcome.status.code(), Some(2));
     assert!(outcome.stderr.contains("add --duration SECS"), "{}", outcome.stderr);
 }
 

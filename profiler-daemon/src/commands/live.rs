@@ -4,9 +4,8 @@
 
 use std::io::{self, IsTerminal as _, Write as _};
 
-use anyhow::bail;
-
 use crate::{
+    error::UserError,
     format::screen::{self, Rates},
     heap::report::Report,
 };
@@ -17,33 +16,34 @@ const DEFAULT_SIZE: (usize, usize) = (24, 80);
 pub struct LiveView {
     /// The alternate screen is in use.
     entered: bool,
-    /// Seconds, allocations and bytes allocated of the last report drawn, for the rates.
-    last: Option<(f64, u64, u64)>,
+    /// Seconds, allocations and bytes allocated of the last report drawn, for the rates: the
+    /// first frame's are since tracing began.
+    last: (f64, u64, u64),
 }
 
 impl LiveView {
     /// The view, when standard output is a terminal.
     pub fn open() -> anyhow::Result<Self> {
         if !io::stdout().is_terminal() {
-            bail!("--live draws on a terminal, and standard output is not one; leave out --live, or run memprof in a terminal");
+            return Err(UserError::LiveNeedsTerminal.into());
         }
-        Ok(Self { entered: false, last: None })
+        Ok(Self { entered: false, last: (0.0, 0, 0) })
     }
 
     /// Draws `report` over the last screen.
     pub fn draw(&mut self, report: &Report) -> io::Result<()> {
         let t = &report.totals;
-        let rates = match self.last {
-            Some((at, allocations, bytes)) if report.duration_s > at => {
-                let seconds = report.duration_s - at;
-                Rates {
-                    allocations_per_s: t.allocations.saturating_sub(allocations) as f64 / seconds,
-                    bytes_per_s: t.allocated_bytes.saturating_sub(bytes) as f64 / seconds,
-                }
+        let (at, allocations, bytes) = self.last;
+        let rates = if report.duration_s > at {
+            let seconds = report.duration_s - at;
+            Rates {
+                allocations_per_s: t.allocations.saturating_sub(allocations) as f64 / seconds,
+                bytes_per_s: t.allocated_bytes.saturating_sub(bytes) as f64 / seconds,
             }
-            _ => Rates::default(),
+        } else {
+            Rates::default()
         };
-        self.last = Some((report.duration_s, t.allocations, t.allocated_bytes));
+        self.last = (report.duration_s, t.allocations, t.allocated_bytes);
         let (rows, columns) = size();
         let mut out = io::stdout().lock();
         if !self.entered {
