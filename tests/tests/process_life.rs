@@ -62,6 +62,18 @@ fn after_exec_into_a_dynamic_program_the_report_holds_the_new_program_only() {
     assert!(stderr.contains("runs "), "the exec is announced: {stderr}");
 }
 
+/// The new program allocates and exits at once, often before memprof has read `/proc` for it:
+/// it is named by the path its exec ran, as the kernel names it.
+#[test]
+fn a_program_gone_right_after_its_exec_is_named_by_the_path_it_ran() {
+    let program = dynamic();
+    let outcome = memprof_tests::memprof(&["run", "--json", "--", &program, "exec", &program, "new-image"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "new_image_alloc"), (7 * 512, 7), "{report}");
+    assert_eq!(report["comm"], "process_life", "{report}");
+}
+
 /// A thread other than the main one execs: on kernels where the probes followed the main
 /// thread's task, they no longer fire, and the new program is probed anew.
 #[test]

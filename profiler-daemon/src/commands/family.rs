@@ -247,7 +247,7 @@ impl Family {
         }
         process.allocator = None;
         process.double_free_filter = None;
-        process.comm = procfs::comm(pid).unwrap_or_default();
+        process.comm = procfs::comm(pid).or_else(|| exec.and_then(events::exec_comm)).unwrap_or_default();
         // The path the exec ran, for a program gone already (its mappings then come from the
         // list its dynamic linker sent, which names every file but the executable).
         let ran = exec.and_then(|exec| events::exec_path(pid, exec)).map(|path| path.display().to_string());

@@ -28,6 +28,14 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     Some(std::fs::canonicalize(&path).unwrap_or(path))
 }
 
+/// The name the kernel gave the process at the exec (`ProcessEvent::path`): the path's last
+/// component, cut to 15 bytes, as its `comm`. For a process gone before `/proc` is read.
+pub fn exec_comm(event: &ProcessEvent) -> Option<String> {
+    let end = event.path.iter().position(|&b| b == 0).unwrap_or(event.path.len());
+    let name = event.path[..end].rsplit(|&b| b == b'/').next().filter(|name| !name.is_empty())?;
+    Some(String::from_utf8_lossy(&name[..name.len().min(15)]).into_owned())
+}
+
 /// (program, tracepoint) pairs: each fires for every process (or thread) on the machine, and
 /// returns at once for those not traced.
 const TRACEPOINTS: [(&str, &str); 3] = [
