@@ -119,6 +119,16 @@ impl Process {
     }
 }
 
+/// How a process is traced, for the lines that say so: by `probes` in its allocator, or with
+/// `--growth` by the pages it touches, whose probes are page-fault events.
+pub fn how_traced(sampling: Sampling, probes: usize, allocator: &Allocator) -> String {
+    if sampling.growth {
+        "by the pages its heap first touches (--growth: no allocator probes)".to_string()
+    } else {
+        format!("with {probes} probes in {}", allocator.describe())
+    }
+}
+
 /// Gives the symbolizer and the stack walk the mappings of `pid`, which now runs another program.
 /// Read once, symbols first: a short-lived program may be gone a moment later. One that has
 /// exited already (a zombie until reaped) lists no mappings: what the dynamic linker sent
@@ -293,11 +303,10 @@ impl Family {
                 process.blind_spots = Some(BlindSpots::new(pid, &allocator));
                 if process.said_exe.as_ref() != Some(&process.exe) {
                     say!(
-                        "memprof: pid {pid} ({}) runs {}: tracing it with {} probes in {}",
+                        "memprof: pid {pid} ({}) runs {}: tracing it {}",
                         process.comm,
                         process.exe,
-                        process.attachment.probes(),
-                        allocator.describe()
+                        how_traced(self.settings.0, process.attachment.probes(), &allocator)
                     );
                     process.said_exe = Some(process.exe.clone());
                 }
@@ -364,9 +373,8 @@ impl Family {
         };
         self.forks.followed += 1;
         say!(
-            "memprof: tracing pid {child} ({comm}), child of pid {parent}, with {} probes in {}",
-            attachment.probes(),
-            allocator.describe()
+            "memprof: tracing pid {child} ({comm}), child of pid {parent}, {}",
+            how_traced(self.settings.0, attachment.probes(), &allocator)
         );
         let exe = procfs::exe_path(child).unwrap_or_else(|| parent_exe.clone());
         let mut process = Process::new(child, comm, Some(exe), attachment, allocator, self.settings, false);

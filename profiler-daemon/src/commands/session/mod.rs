@@ -9,7 +9,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::{
     cli::{OnError, TraceArgs},
-    commands::family::Process,
+    commands::family::{how_traced, Process},
     commands::live::LiveView,
     commands::output::ReportOutput,
     commands::recording::RecordingWriter,
@@ -17,8 +17,8 @@ use crate::{
     commands::target::{self, ExitWatch},
     console::say,
     error::UserError,
-    heap::inspect,
     heap::price::{PriceWatch, SystemCpu},
+    heap::{inspect, sampling::Sampling},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
     process::{procfs, usdt},
@@ -81,7 +81,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     if args.sampling.traces_calls() && !allocator.files.is_empty() {
         root.price = PriceWatch::start(pid_n, untraced);
     }
-    announce(pid_n, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
+    announce(pid_n, &comm, probes, &allocator, args.sampling, sites.as_ref().map(Vec::len));
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete: false,
@@ -205,7 +205,7 @@ async fn trace_command(
     let probes = attachment.probes();
     let mut root =
         Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
-    announce(pid, &comm, probes, &allocator, sites.as_ref().map(Vec::len));
+    announce(pid, &comm, probes, &allocator, args.sampling, sites.as_ref().map(Vec::len));
     if sites.is_none() && args.sampling.traces_calls() {
         probe_standby(&mut loaded, &mut root, &allocator);
     }
@@ -304,7 +304,7 @@ fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
 }
 
 /// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
-fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sites: Option<usize>) {
+fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, sampling: Sampling, usdt_sites: Option<usize>) {
     if let Some(sites) = usdt_sites {
         say!(
             "memprof: tracing pid {pid} ({comm}) with {sites} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
@@ -316,7 +316,7 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, usdt_sit
             "memprof: tracing pid {pid} ({comm}) by the memory it maps and touches only: its allocator is a runtime's, which memprof does not probe; Ctrl-C to stop"
         );
     } else {
-        say!("memprof: tracing pid {pid} ({comm}) with {probes} probes in {}; Ctrl-C to stop", allocator.describe());
+        say!("memprof: tracing pid {pid} ({comm}) {}; Ctrl-C to stop", how_traced(sampling, probes, allocator));
     }
     for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         say_not_seen(pid, spot);
