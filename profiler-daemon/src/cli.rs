@@ -423,7 +423,7 @@ pub struct DaemonArgs {
     /// Frames kept per stack, 1 to 127 [default: 127].
     #[arg(long)]
     pub max_frames: Option<u32>,
-    /// Rows of unwind tables kept in the kernel, all files together [default: 524288].
+    /// Rows of unwind tables kept in the kernel, all files together [default: 16777216].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_unwind_rows: Option<u32>,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs these calls on

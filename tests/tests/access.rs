@@ -159,6 +159,9 @@ fn inspect_and_snapshot_ask_the_socket_by_default_and_log_in_on_the_port() {
     assert!(anonymous.stderr.contains("give --daemon-user USER"), "{}", anonymous.stderr);
     let mut login = Command::new(memprof_bin());
     login.args(["snapshot", "--pid", &pid, "-o", output, "--daemon", &url, "--daemon-user", "oncall"]);
+    let refused: Outcome = login.env("MEMPROF_DAEMON_PASSWORD", "not-the-secret").output().unwrap().into();
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(refused.stderr.contains("refused the login of oncall"), "{}", refused.stderr);
     let logged_in: Outcome = login.env("MEMPROF_DAEMON_PASSWORD", "snapshot-secret").output().unwrap().into();
     assert!(logged_in.status.success(), "{logged_in:?}");
     assert!(logged_in.stderr.contains(&format!("is traced by the daemon at {url}")), "{}", logged_in.stderr);

@@ -164,12 +164,16 @@ impl<'a> Daemon<'a> {
 }
 
 /// Why the daemon at `url` refused with `status` (401 or 403), naming the fix; None for others.
-pub fn refusal(url: &str, status: u16, body: &[u8]) -> Option<String> {
-    match status {
-        401 => Some(format!(
+/// `user`: the login given, if any.
+pub fn refusal(url: &str, user: Option<&str>, status: u16, body: &[u8]) -> Option<String> {
+    match (status, user) {
+        (401, None) => Some(format!(
             "the daemon at {url} asks for a login: give --daemon-user USER, with the password in {PASSWORD_VARIABLE}"
         )),
-        403 => Some(format!("the daemon at {url} refused: {}", error_message(body))),
+        (401, Some(user)) => Some(format!(
+            "the daemon at {url} refused the login of {user}: check the user and the password in {PASSWORD_VARIABLE}"
+        )),
+        (403, _) => Some(format!("the daemon at {url} refused: {}", error_message(body))),
         _ => None,
     }
 }

@@ -36,7 +36,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
         Reply::Answer { status: 404, body } => {
             bail!("the daemon at {url}: {}; {fix}", daemon_client::error_message(&body))
         }
-        Reply::Answer { status, body } => match daemon_client::refusal(url, status, &body) {
+        Reply::Answer { status, body } => match daemon_client::refusal(url, args.daemon_user.as_deref(), status, &body)
+        {
             Some(refusal) => bail!("{refusal}"),
             None => bail!("the daemon at {url} answered {status}: {}", daemon_client::error_message(&body)),
         },

@@ -102,7 +102,7 @@ fn from_daemon(url: &str, user: Option<&str>, pid: u32, format: SnapshotFormat) 
         200 if format == SnapshotFormat::Json => Ok(Answer::Report([body, b"\n".to_vec()].concat())),
         200 => Ok(Answer::Report(body)),
         404 => Ok(Answer::NotTraced(format!("the daemon at {url} does not trace pid {pid}"))),
-        _ => match daemon_client::refusal(url, status, &body) {
+        _ => match daemon_client::refusal(url, user, status, &body) {
             Some(refusal) => bail!("{refusal}"),
             None => bail!("the daemon at {url} answered {path} with {status}: {}", daemon_client::error_message(&body)),
         },

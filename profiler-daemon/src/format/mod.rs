@@ -60,7 +60,8 @@ pub enum Format {
     Flamegraph,
     /// One self-contained HTML page: heap over time, leaks, a call tree, histograms.
     Html,
-    /// A gzip-compressed pprof heap profile (profile.proto) for `go tool pprof`; needs --output.
+    /// A gzip-compressed pprof heap profile (profile.proto) for `go tool pprof`; needs --output,
+    /// or standard output redirected away from a terminal.
     Pprof,
 }
 
