@@ -20,6 +20,7 @@ use crate::{
     heap::sampling::RateGuard,
     heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
     kernel::aggregate,
+    kernel::events,
     kernel::loader::Attachment,
     kernel::shared::{self, file_ids},
     process::allocator,
@@ -272,8 +273,9 @@ impl Tracer {
             self.loaded.image_replaced(nonzero, event);
         }
         target.probed = false;
-        target.comm = procfs::comm(pid).unwrap_or_default();
-        target.exe = procfs::exe_path(pid);
+        target.comm = procfs::comm(pid).or_else(|| events::exec_comm(event)).unwrap_or_default();
+        target.exe =
+            procfs::exe_path(pid).or_else(|| events::exec_path(pid, event).map(|path| path.display().to_string()));
         target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
