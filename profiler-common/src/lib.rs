@@ -65,6 +65,20 @@ impl AllocFn {
         matches!(self, AllocFn::Realloc | AllocFn::Reallocarray | AllocFn::ResizeInPlace | AllocFn::RustRealloc)
     }
 
+    /// Whether glibc's version of the call may call `malloc` inside it (mostly as a tail call):
+    /// realloc and reallocarray of NULL (`ptr_arg` 0), and the aligned allocators. A sampled
+    /// call of these that is not drawn still keeps its in-flight state, so that the `malloc`
+    /// inside it is seen nested and not drawn on its own: each was counted about twice.
+    pub fn may_call_malloc(self, ptr_arg: u64) -> bool {
+        match self {
+            AllocFn::Realloc | AllocFn::Reallocarray => ptr_arg == 0,
+            AllocFn::PosixMemalign | AllocFn::AlignedAlloc | AllocFn::Memalign | AllocFn::Valloc | AllocFn::Pvalloc => {
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Which of the call's arguments (0 first) memprof's entry probe reads: the daemon places
     /// the probe where they are still in their registers.
     pub const fn arguments(self) -> Arguments {

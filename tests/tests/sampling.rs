@@ -29,6 +29,22 @@ fn sampled_estimates_are_within_10_percent() {
     assert_eq!(total(&report, "unknown_frees"), 0, "unrecorded blocks' frees are expected, not unknown");
 }
 
+/// glibc's memalign, realloc(NULL, n) and reallocarray(NULL, ...) call malloc inside them: the
+/// call and its malloc are one allocation, drawn once (each was estimated about twice, three
+/// times through reallocarray).
+#[test]
+fn a_call_that_calls_malloc_inside_is_drawn_once() {
+    let outcome = run(&["--sample-bytes", "4096", "--interval", "60"], &[fixture("sampled_nesting").to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    for function in ["keep_memalign", "keep_realloc_null", "keep_reallocarray_null"] {
+        let (bytes, count) = site(&report, function);
+        within_10_percent(bytes, 100_000 * 64, &format!("{function} bytes"));
+        within_10_percent(count, 100_000, &format!("{function} allocations"));
+    }
+    within_10_percent(total(&report, "allocations"), 300_000, "all allocations");
+}
+
 #[test]
 fn the_table_says_it_is_sampled() {
     let fixture = fixture("sampled_sites");

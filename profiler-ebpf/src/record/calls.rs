@@ -92,7 +92,8 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
     // Full mode records every call without a draw. SAFETY: a helper without arguments.
     let recorded = sample_bytes == 0 || profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() });
     let resizes = ptr_arg != 0 && func.resizes();
-    if !recorded && !resizes && skippable {
+    let nests = func.may_call_malloc(ptr_arg);
+    if !recorded && !resizes && !nests && skippable {
         // Not drawn, and its return will not fire: nothing to keep, not even the depth of a
         // call it is nested in, whose return comes after this one's would have.
         return false;
@@ -119,7 +120,7 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
     let key = AddrKey { tgid, _pad: 0, addr: ptr_arg };
     // realloc frees its old block inside the call: a recorded one is settled at the return.
     let old = if resizes { live::get(&key) } else { None };
-    if !recorded && old.is_none() {
+    if !recorded && old.is_none() && !nests {
         // Not sampled: nothing to do at its return (which then finds no state; see on_return).
         return false;
     }
