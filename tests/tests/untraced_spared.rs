@@ -223,6 +223,25 @@ fn a_forking_servers_child_beside_the_daemons_links_loses_its_breakpoints_at_the
     other.go();
 }
 
+/// A target that execs into a program whose name the rules do not match is let go at its exec,
+/// its breakpoints with it, not at the daemon's next scan of `/proc` (a minute later).
+#[test]
+fn a_target_that_execs_out_of_the_rules_loses_its_breakpoints_at_once() {
+    let _serial = one_at_a_time();
+    let mut target = Waiting::start(&fixture("process_life"), &["exec", "/usr/bin/sleep", "1000"]);
+    let pid = target.pid();
+    let daemon = Daemon::start(&["--comm", "^process_life$"]);
+    daemon.wait_traced(pid);
+    target.go();
+    wait_for(10, "the exec'd program's C library code to be its file's", || {
+        (procfs_comm(pid) == "sleep" && libc_code_is_the_files(pid)).then_some(())
+    });
+}
+
+fn procfs_comm(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+}
+
 /// The daemon traces a process by its name; the child it forks under another name is not
 /// traced, and loses the breakpoints its fork copied.
 #[test]

@@ -105,7 +105,7 @@ impl Tracer {
         for event in self.loaded.process_events.drain() {
             let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
-                process_event::EXEC if traced => self.on_exec(&event),
+                process_event::EXEC if traced => changed |= self.on_exec(&event),
                 process_event::EXEC => changed |= self.found(event.tgid),
                 process_event::FORK if traced => self.on_fork(event.tgid, event.pid),
                 process_event::FORK => changed |= self.found(event.pid),
@@ -233,20 +233,22 @@ impl Tracer {
         self.loaded.sweep_copies(forked);
     }
 
-    pub(super) fn on_exec(&mut self, event: &ProcessEvent) {
+    /// Returns whether the target was let go: a process the rules match no more after its exec
+    /// (its new program's name, say) is detached at once, not at the next scan.
+    pub(super) fn on_exec(&mut self, event: &ProcessEvent) -> bool {
         let pid = event.tgid;
-        let Some(target) = self.targets.get(&pid) else { return };
-        let Some(nonzero) = NonZeroU32::new(pid) else { return };
+        if discovery::matching(&self.config.rules, pid).is_none() {
+            self.detach(pid);
+            return true;
+        }
+        let Some(target) = self.targets.get(&pid) else { return false };
+        let Some(nonzero) = NonZeroU32::new(pid) else { return false };
         let reused = match ProcessId::current(pid) {
             // The target exited and its pid went to a new process, which exec'd before discovery
             // saw the old one go: the kernel reported the exec since the pid was still traced.
-            // The new process is traced from its exec on, if the rules want it, with nothing of
-            // the old one's (the exec below drops the old stacks, counts and mappings).
+            // The new process, which the rules want (above), is traced from its exec on, with
+            // nothing of the old one's (the exec below drops the old stacks, counts and mappings).
             Some(now) if now != target.id => {
-                if discovery::matching(&self.config.rules, pid).is_none() {
-                    self.detach(pid);
-                    return;
-                }
                 let target = self.targets.get_mut(&pid).expect("looked up above");
                 info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
                 target.id = now;
@@ -256,7 +258,7 @@ impl Tracer {
                 true
             }
             // Gone already: its exit event detaches it.
-            None => return,
+            None => return false,
             Some(_) => false,
         };
         let target = self.targets.get_mut(&pid).expect("looked up above");
@@ -286,6 +288,7 @@ impl Tracer {
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
         self.probe(pid);
+        false
     }
 
     /// Probes the allocator of a target that exec'd once its new program has mapped one.
