@@ -145,13 +145,21 @@ pub enum ConfigError {
     #[error("invalid listen address `{0}`: expected IP:PORT, such as 127.0.0.1:9464")]
     Listen(String),
     #[error("invalid command-name regex `{0}`: {1}")]
-    Regex(String, regex::Error),
+    Regex(String, String),
     #[error("invalid {0}: {1}")]
     Value(&'static str, String),
     #[error(transparent)]
     Suppressions(#[from] crate::heap::suppressions::LoadError),
     #[error("no targets: give --pid, --comm, --cgroup or --all (or pids, comms, cgroups or all in the config file)")]
     NoTargets,
+}
+
+/// The regex crate's error in one line: its last, which names the problem (`unclosed group`);
+/// the lines above it draw the pattern with a caret under the place.
+fn regex_problem(err: &regex::Error) -> String {
+    let text = err.to_string();
+    let last = text.lines().map(str::trim).rfind(|line| !line.is_empty()).unwrap_or_default();
+    last.strip_prefix("error: ").unwrap_or(last).to_string()
 }
 
 impl Config {
@@ -236,7 +244,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     let listen = listen.parse().map_err(|_| ConfigError::Listen(listen.clone()))?;
     let comms = pick(&args.comms, file.comms)
         .into_iter()
-        .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), err)))
+        .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), regex_problem(&err))))
         .collect::<Result<Vec<_>, _>>()?;
     let cgroups = pick(&args.cgroups, file.cgroups).iter().map(|dir| procfs::cgroup_path(dir)).collect();
     let rules = Rules { pids: pick(&args.pids, file.pids), comms, cgroups, all: args.all || file.all.unwrap_or(false) };
@@ -437,7 +445,7 @@ mod tests {
     #[test]
     fn bad_settings_are_refused_with_their_name() {
         let err = parse("comms = [\"(\"]", DaemonArgs::default()).unwrap_err();
-        assert!(err.to_string().starts_with("invalid command-name regex `(`"), "{err}");
+        assert_eq!(err.to_string(), "invalid command-name regex `(`: unclosed group");
         let err = parse("all = true\nnope = 1", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().contains("unknown field `nope`"), "{err}");
         assert!(matches!(parse("", DaemonArgs::default()), Err(ConfigError::NoTargets)));
