@@ -325,7 +325,7 @@ impl Collector for ViewCollector {
         counters(
             e,
             "memprof_targets_refused",
-            "Matching processes not traced because max_targets were traced already.",
+            "Matching processes not traced because max_targets were traced already, or too few open files were left.",
             [(vec![], view.refused_targets)],
         )?;
         counters(

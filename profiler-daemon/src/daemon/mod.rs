@@ -3,6 +3,7 @@
 
 mod access;
 mod config;
+mod descriptors;
 mod discovery;
 mod exposition;
 mod guard;
@@ -45,6 +46,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let config = config::load(args)?;
+    let descriptor_limit = descriptors::raise_limit();
     // Before the listener and the socket: an unprivileged user hears what is missing, not that a
     // socket's directory refused them.
     crate::kernel::loader::check_support()?;
@@ -70,7 +72,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let socket = config.access.socket.as_deref().map(socket::Socket::bind).transpose()?;
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
     let alive = Arc::new(AtomicBool::new(false));
-    let tracer = tracer::Tracer::new(config.clone(), view.clone(), alive.clone())?;
+    let tracer = tracer::Tracer::new(config.clone(), descriptor_limit, view.clone(), alive.clone())?;
     let (commands, receiver) = wakeup::channel()?;
     let tracer_thread = std::thread::Builder::new().name("tracer".into()).spawn(move || tracer.run(receiver))?;
 

@@ -122,9 +122,12 @@ pub struct Tracer {
     targets: HashMap<u32, Target>,
     /// Processes not to try again: no allocator, or attaching failed.
     unattachable: HashSet<ProcessId>,
-    /// Processes refused for the cap, each counted once in `refused_total`.
+    /// Processes refused for the cap or the open files left, each counted once in
+    /// `refused_total`.
     refused: HashSet<ProcessId>,
     refused_total: u64,
+    /// The soft limit on open files (see `descriptors`).
+    descriptor_limit: u64,
     children_followed: u64,
     children_missed: u64,
     /// Children that matched at their fork but could not be attached then (dying, or caught
@@ -152,7 +155,12 @@ pub struct Tracer {
     slots: Slots,
 }
 impl Tracer {
-    pub fn new(config: Config, view: Arc<RwLock<DaemonView>>, alive: Arc<AtomicBool>) -> anyhow::Result<Self> {
+    pub fn new(
+        config: Config,
+        descriptor_limit: u64,
+        view: Arc<RwLock<DaemonView>>,
+        alive: Arc<AtomicBool>,
+    ) -> anyhow::Result<Self> {
         let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt, true)?;
         if config.sampling.growth {
             loaded.trace_page_faults()?;
@@ -178,6 +186,7 @@ impl Tracer {
             unattachable: HashSet::new(),
             refused: HashSet::new(),
             refused_total: 0,
+            descriptor_limit,
             children_followed: 0,
             children_missed: 0,
             pending_children: HashSet::new(),

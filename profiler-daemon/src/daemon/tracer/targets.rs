@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 
 use super::{Target, Tracer};
 use crate::{
+    daemon::descriptors,
     daemon::discovery::{self, ProcessId},
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
@@ -68,16 +69,22 @@ impl Tracer {
             return false;
         }
         if self.targets.len() >= self.config.max_targets {
-            if self.refused.insert(id) {
-                self.refused_total += 1;
-                warn!(
-                    pid = id.pid,
-                    comm,
-                    "not traced: {} processes are traced already, as many as --max-targets (max_targets) allows; \
-                     raise it (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
-                    self.targets.len()
-                );
-            }
+            let why = format!(
+                "{} processes are traced already, as many as --max-targets (max_targets) allows; raise it \
+                 (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
+                self.targets.len()
+            );
+            self.refuse(id, &comm, &why);
+            return false;
+        }
+        if !descriptors::room_for_another(self.targets.len(), self.descriptor_limit) {
+            let why = format!(
+                "{} of the daemon's {} open files are in use, and a target takes about 30; raise its limit \
+                 (LimitNOFILE in its systemd unit, ulimit -n) or narrow the rules",
+                descriptors::open(),
+                self.descriptor_limit
+            );
+            self.refuse(id, &comm, &why);
             return false;
         }
         match self.attach(id, comm) {
@@ -93,6 +100,14 @@ impl Tracer {
                 self.unattachable.insert(id);
                 false
             }
+        }
+    }
+
+    /// Counts `id` refused, once, and says why.
+    fn refuse(&mut self, id: ProcessId, comm: &str, why: &str) {
+        if self.refused.insert(id) {
+            self.refused_total += 1;
+            warn!(pid = id.pid, comm, "not traced: {why}");
         }
     }
 
