@@ -82,7 +82,8 @@ Examples:
         #[command(flatten)]
         trace: TraceArgs,
         /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
-        /// (a CI gate); the report is written as asked.
+        /// (a CI gate); the report is written as asked. If memprof cannot go on (see
+        /// --on-error), the gate is not judged, and a command that exits 0 makes memprof exit 1.
         #[arg(long, value_name = "BYTES")]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on (a full disk, an unwritable

@@ -179,6 +179,38 @@ fn run_on_a_full_disk_exits_with_the_commands_code() {
     assert!(said[0].contains("the command runs on untraced"), "{stderr}");
 }
 
+/// `run --fail-on-leak-bytes` on a full disk: memprof cannot go on, so the CI gate is not judged,
+/// and a command that exits 0 does not pass it: memprof exits 1.
+#[test]
+fn a_ci_gate_memprof_cannot_judge_does_not_pass() {
+    let disk = FullDisk::new("gate");
+    let report = disk.0.join("report.json");
+    let outcome = Command::new(memprof_bin())
+        .args(["run", "--json", "--interval", "0.2", "--fail-on-leak-bytes", "0", "--output", path(&report), "--"])
+        .args(["sleep", "1"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--fail-on-leak-bytes could not be judged"), "{stderr}");
+}
+
+/// An output path that is a directory is refused before the command starts.
+#[test]
+fn an_output_path_that_is_a_directory_is_refused_at_once() {
+    let dir = std::env::temp_dir();
+    let outcome = Command::new(memprof_bin())
+        .args(["run", "--output", path(&dir), "--", "true"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("Is a directory"), "{stderr}");
+}
+
 /// `run --on-error stop -o FILE` on a full disk: memprof cannot write its first report, says so
 /// in one line, stops the command (which would leak for 3 s and exit 3) with SIGTERM, and exits
 /// with the code its death by that signal gives (143), at once rather than after the command.

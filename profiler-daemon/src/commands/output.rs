@@ -100,6 +100,9 @@ impl ReportFile {
             let path = path.to_path_buf();
             return Ok(Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true });
         }
+        if fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+            return Err(io::Error::from_raw_os_error(libc::EISDIR));
+        }
         let temporary = temporary_name(path)?;
         let directory = match path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent,

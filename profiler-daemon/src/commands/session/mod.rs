@@ -154,7 +154,15 @@ pub async fn run(
     let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable, sites };
     let traced = match trace_command(child, &mut exit, ready, args, opened).await {
         Ok(traced) => traced,
-        Err(err) => return Ok(give_up(&err, on_error, pid, &mut exit).await),
+        Err(err) => {
+            let code = give_up(&err, on_error, pid, &mut exit).await;
+            if fail_on_leak_bytes.is_some() && code == 0 {
+                // A gate that could not be judged does not pass.
+                say!("memprof: --fail-on-leak-bytes could not be judged: exiting with 1");
+                return Ok(1);
+            }
+            return Ok(code);
+        }
     };
     match fail_on_leak_bytes {
         Some(limit) if traced.leak_bytes > limit => {
