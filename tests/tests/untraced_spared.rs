@@ -155,18 +155,28 @@ fn forked_child(forker: &mut Waiting) -> u32 {
 #[test]
 fn a_child_attach_does_not_follow_loses_its_parents_breakpoints() {
     let mut forker = Waiting::start(&fixture("forker"), &[]);
+    let outcome = attach_until_the_child_is_swept(&mut forker, &[]);
+    assert!(outcome.status.success(), "{outcome:?}");
+}
+
+/// `attach --interval 0.5` to `forker`, released: its child's C library code is its file's within
+/// 20 s, while `forker` and the processes `also_traced` keep their breakpoints. Returns once
+/// memprof has ended (SIGINT).
+fn attach_until_the_child_is_swept(forker: &mut Waiting, also_traced: &[u32]) -> memprof_tests::Outcome {
     let pid = forker.pid();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "0.5", "-o", "/dev/null"]);
-    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+    released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
         forker.go();
-        let child = forked_child(&mut forker);
+        let child = forked_child(forker);
         wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
         assert!(!libc_code_is_the_files(pid), "the traced process keeps its breakpoints");
+        for &other in also_traced {
+            assert!(!libc_code_is_the_files(other), "pid {other}, traced, keeps its breakpoints");
+        }
         // SAFETY: signalling our own child.
         unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
-    });
-    assert!(outcome.status.success(), "{outcome:?}");
+    })
 }
 
 /// `attach` without `--follow-forks` to a process that has children, as a forking server does:
@@ -206,20 +216,9 @@ fn a_forking_servers_child_beside_the_daemons_links_loses_its_breakpoints_at_the
     let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
     daemon.wait_traced(other.pid());
     let mut forker = Waiting::start(&fixture("forker"), &["server"]);
-    let pid = forker.pid();
-    let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "0.5", "-o", "/dev/null"]);
-    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
-        forker.go();
-        let child = forked_child(&mut forker);
-        wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
-        assert!(!libc_code_is_the_files(pid), "the traced process keeps its breakpoints");
-        assert!(!libc_code_is_the_files(other.pid()), "the daemon's target keeps its breakpoints");
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
-    });
+    let outcome = attach_until_the_child_is_swept(&mut forker, &[other.pid()]);
     assert!(outcome.status.success(), "{outcome:?}");
-    assert!(outcome.stderr.contains(&format!("memprof: pid {pid} has children")), "{outcome:?}");
+    assert!(outcome.stderr.contains(&format!("memprof: pid {} has children", forker.pid())), "{outcome:?}");
     other.go();
 }
 
