@@ -313,9 +313,10 @@ impl Drop for Attachment {
 /// trace. A fork copies the pages the breakpoints are written in. At the child's first trap on
 /// one, the kernel takes it out only if every probe on that function agrees: a perf-event
 /// uprobe's filter does, a uprobe_multi link's never (this memprof's, or another's on another
-/// process, as the daemon's), and the child then traps at every call. Closing a link has the kernel take a site's breakpoint out of
-/// every process no remaining link wants it in; so a link of the program that does nothing is
-/// made on each process's sites, for it, and all are closed together (sharing their waits).
+/// process, as the daemon's), and the child then traps at every call. Closing a link has the
+/// kernel take a site's breakpoint out of every process no remaining link wants it in; so a link
+/// of the program that does nothing is made on each process's sites, for it, and all are closed
+/// together (sharing their waits).
 pub fn sweep_copies<'a>(
     ebpf: &mut Ebpf,
     traced: impl IntoIterator<Item = (&'a Attachment, NonZeroU32)>,
