@@ -21,7 +21,6 @@ use crate::{
     heap::sampling::RateGuard,
     heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
     kernel::aggregate,
-    kernel::events,
     kernel::loader::Attachment,
     kernel::shared::{self, file_ids},
     process::allocator,
@@ -69,22 +68,24 @@ impl Tracer {
             return false;
         }
         if self.targets.len() >= self.config.max_targets {
-            let why = format!(
-                "{} processes are traced already, as many as --max-targets (max_targets) allows; raise it \
-                 (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules",
-                self.targets.len()
-            );
-            self.refuse(id, &comm, &why);
+            let traced = self.targets.len();
+            self.refuse(id, &comm, || {
+                format!(
+                    "{traced} processes are traced already, as many as --max-targets (max_targets) allows; raise it \
+                     (docs: daemon/index.md#daemon-mode gives what each target costs) or narrow the rules"
+                )
+            });
             return false;
         }
         if !descriptors::room_for_another(self.targets.len(), self.descriptor_limit) {
-            let why = format!(
-                "{} of the daemon's {} open files are in use, and a target takes about 30; raise its limit \
-                 (LimitNOFILE in its systemd unit, ulimit -n) or narrow the rules",
-                descriptors::open(),
-                self.descriptor_limit
-            );
-            self.refuse(id, &comm, &why);
+            let limit = self.descriptor_limit;
+            self.refuse(id, &comm, || {
+                format!(
+                    "{} of the daemon's {limit} open files are in use, and a target takes about 30; raise its \
+                     limit (LimitNOFILE in its systemd unit, ulimit -n) or narrow the rules",
+                    descriptors::open()
+                )
+            });
             return false;
         }
         match self.attach(id, comm) {
@@ -103,11 +104,11 @@ impl Tracer {
         }
     }
 
-    /// Counts `id` refused, once, and says why.
-    fn refuse(&mut self, id: ProcessId, comm: &str, why: &str) {
+    /// Counts `id` refused, once, and says why (`why` is asked only then).
+    fn refuse(&mut self, id: ProcessId, comm: &str, why: impl FnOnce() -> String) {
         if self.refused.insert(id) {
             self.refused_total += 1;
-            warn!(pid = id.pid, comm, "not traced: {why}");
+            warn!(pid = id.pid, comm, "not traced: {}", why());
         }
     }
 
@@ -252,31 +253,25 @@ impl Tracer {
     /// (its new program's name, say) is detached at once, not at the next scan.
     pub(super) fn on_exec(&mut self, event: &ProcessEvent) -> bool {
         let pid = event.tgid;
-        if discovery::matching(&self.config.rules, pid).is_none() {
+        // Gone already (its name unreadable), or out of the rules: let go.
+        let Some((now, comm)) = discovery::matching(&self.config.rules, pid) else {
             self.detach(pid);
             return true;
-        }
-        let Some(target) = self.targets.get(&pid) else { return false };
-        let Some(nonzero) = NonZeroU32::new(pid) else { return false };
-        let reused = match ProcessId::current(pid) {
-            // The target exited and its pid went to a new process, which exec'd before discovery
-            // saw the old one go: the kernel reported the exec since the pid was still traced.
-            // The new process, which the rules want (above), is traced from its exec on, with
-            // nothing of the old one's (the exec below drops the old stacks, counts and mappings).
-            Some(now) if now != target.id => {
-                let target = self.targets.get_mut(&pid).expect("looked up above");
-                info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
-                target.id = now;
-                target.attached_at = SystemTime::now();
-                target.start_ns = aggregate::monotonic_now_ns();
-                target.ns_pid = procfs::ns_pid(pid);
-                true
-            }
-            // Gone already: its exit event detaches it.
-            None => return false,
-            Some(_) => false,
         };
-        let target = self.targets.get_mut(&pid).expect("looked up above");
+        let Some(target) = self.targets.get_mut(&pid) else { return false };
+        let Some(nonzero) = NonZeroU32::new(pid) else { return false };
+        // The target exited and its pid went to a new process, which exec'd before discovery saw
+        // the old one go: the kernel reported the exec since the pid was still traced. The new
+        // process, which the rules want (above), is traced from its exec on, with nothing of the
+        // old one's (the exec below drops the old stacks, counts and mappings).
+        let reused = now != target.id;
+        if reused {
+            info!(pid, old_comm = target.comm, "pid reused by a new process: tracing it afresh");
+            target.id = now;
+            target.attached_at = SystemTime::now();
+            target.start_ns = aggregate::monotonic_now_ns();
+            target.ns_pid = procfs::ns_pid(pid);
+        }
         if reused || event.exec_by_other_thread() || target.probed_files.is_empty() {
             // Its probes no longer fire (they followed the task the exec ended), or they are not
             // allocator probes: attached anew once the new program maps its allocator.
@@ -290,9 +285,8 @@ impl Tracer {
             self.loaded.image_replaced(nonzero, event);
         }
         target.probed = false;
-        target.comm = procfs::comm(pid).or_else(|| events::exec_comm(event)).unwrap_or_default();
-        target.exe =
-            procfs::exe_path(pid).or_else(|| events::exec_path(pid, event).map(|path| path.display().to_string()));
+        target.comm = comm;
+        target.exe = procfs::exe_path(pid);
         target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
