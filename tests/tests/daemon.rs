@@ -63,6 +63,9 @@ fn the_leak_api_names_the_leaking_site_exactly() {
     assert!(body["error"].as_str().unwrap().contains("not traced"));
     assert_eq!(daemon.get_json("/no/such/path").0, 404);
     assert_eq!(daemon.get_json("/api/v1/leaks?pid=%zz&&").0, 400, "a malformed query gets the JSON error too");
+    assert_eq!(daemon.get_json("/debug/pprof/heap?pid").0, 400, "a pid without its value, not the host's profile");
+    let encoded: String = held.pid().to_string().bytes().map(|digit| format!("%{digit:02X}")).collect();
+    assert_eq!(site(&daemon.get_json(&format!("/api/v1/leaks?pid={encoded}")).1, "hold_site"), (50_000, 50));
     let (status, body) = memprof_tests::http(daemon.port, "POST", "/metrics").unwrap();
     assert_eq!(status, 405);
     assert!(body.contains("\"error\""), "{body}");

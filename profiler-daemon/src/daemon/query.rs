@@ -2,6 +2,8 @@
 //! `/api/v1/flamegraph`, `/report`, `/api/v1/inspect`), parsed by hand so that any malformed query gets a 400 with
 //! the JSON error body and a message that says what to send.
 
+use percent_encoding::percent_decode_str;
+
 use crate::heap::heuristics::Heuristics;
 
 /// Longest part of a bad value quoted back in an error.
@@ -19,11 +21,7 @@ pub enum QueryError {
 
 /// The `pid=N` of `query` (the first one, as Go's servers read repeated parameters).
 pub fn pid(query: Option<&str>, path: &str) -> Result<u32, QueryError> {
-    let value = query
-        .unwrap_or_default()
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("pid="))
-        .ok_or_else(|| QueryError::MissingPid(path.to_string()))?;
+    let value = param(query, "pid").ok_or_else(|| QueryError::MissingPid(path.to_string()))?;
     // Digits only: `u32::from_str` would also take `+5`.
     match value.parse::<u32>() {
         Ok(pid) if pid > 0 && value.bytes().all(|b| b.is_ascii_digit()) => Ok(pid),
@@ -33,12 +31,20 @@ pub fn pid(query: Option<&str>, path: &str) -> Result<u32, QueryError> {
 
 /// The `heuristics=SET` of `query` (memcheck's leak-check heuristics, `all` when absent).
 pub fn heuristics(query: Option<&str>) -> Result<Heuristics, QueryError> {
-    let Some(value) = query.unwrap_or_default().split('&').find_map(|pair| pair.strip_prefix("heuristics=")) else {
+    let Some(value) = param(query, "heuristics") else {
         return Ok(Heuristics::ALL);
     };
-    // Commas as they come, or as a client encodes them.
-    let set = value.replace("%2C", ",").replace("%2c", ",");
-    set.parse().map_err(|why| QueryError::BadHeuristics(value.chars().take(QUOTED).collect(), why))
+    value.parse().map_err(|why| QueryError::BadHeuristics(value.chars().take(QUOTED).collect(), why))
+}
+
+/// The value of the first parameter called `name`, both percent-decoded as a client encodes
+/// them; empty for a parameter given without `=`, so that `?pid` is refused as `?pid=` is.
+fn param(query: Option<&str>, name: &str) -> Option<String> {
+    let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
+    query.unwrap_or_default().split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (decode(key) == name).then(|| decode(value))
+    })
 }
 
 #[cfg(test)]
@@ -56,7 +62,10 @@ mod tests {
             "the pid parameter is missing: /api/v1/leaks?pid=N"
         );
         assert_eq!(pid(Some("pid=%zz&&"), "/p"), Err(QueryError::BadPid("%zz".into())));
-        for bad in ["pid=", "pid=0", "pid=+5", "pid=-1", "pid=4294967296", "pid=1 ", "pid=١"] {
+        assert_eq!(pid(Some("pid=%34%32"), "/p"), Ok(42));
+        assert_eq!(pid(Some("p%69d=9&pid=8"), "/p"), Ok(9));
+        assert_eq!(pid(Some("pid&pid=8"), "/p"), Err(QueryError::BadPid(String::new())));
+        for bad in ["pid", "pid=", "pid=0", "pid=+5", "pid=-1", "pid=4294967296", "pid=1 ", "pid=١"] {
             assert!(matches!(pid(Some(bad), "/p"), Err(QueryError::BadPid(_))), "{bad}");
         }
         let long = format!("pid={}", "9".repeat(1000));
@@ -72,12 +81,32 @@ mod tests {
         assert!(err.starts_with("heuristics `cow`: no heuristic is called 'cow'"), "{err}");
     }
 
-    /// What `pid` must answer, written the other way: the first `pid=` value, if all digits.
+    /// What `pid` must answer, written the other way: the first `pid` value, if all digits.
     fn expected(query: &str) -> Option<u32> {
-        let first = query.split('&').find(|pair| pair.starts_with("pid="))?;
-        let digits = &first[4..];
+        let first = query.split('&').find(|pair| decoded(pair.split('=').next().unwrap_or_default()) == "pid")?;
+        let digits = decoded(first.split_once('=').map_or("", |(_, value)| value));
         let valid = !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit());
         valid.then(|| digits.parse().ok()).flatten().filter(|&n| n > 0)
+    }
+
+    /// `text` with each `%` and two hex digits replaced by the byte they name.
+    fn decoded(text: &str) -> String {
+        let mut bytes = Vec::new();
+        let mut rest = text.as_bytes();
+        while let Some(&first) = rest.first() {
+            let hex = rest.get(1..3).and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
+            match (first, hex) {
+                (b'%', Some(byte)) if rest[1].is_ascii_hexdigit() => {
+                    bytes.push(byte);
+                    rest = &rest[3..];
+                }
+                _ => {
+                    bytes.push(first);
+                    rest = &rest[1..];
+                }
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     proptest! {
@@ -98,7 +127,7 @@ mod tests {
 
         /// Queries shaped like real ones, with junk in the value and around the pair.
         #[test]
-        fn pid_values_of_any_shape(before in "[a-z=&%]{0,12}", value in ".{0,24}", after in "(&[a-z]{1,5}=.{0,8}){0,3}") {
+        fn pid_values_of_any_shape(before in "[a-z0-9=&%]{0,12}", value in ".{0,24}", after in "(&[a-z]{1,5}=.{0,8}){0,3}") {
             let query = format!("{before}&pid={value}{after}");
             prop_assert_eq!(pid(Some(&query), "/debug/pprof/heap").ok(), expected(&query), "{:?}", query);
         }
