@@ -196,19 +196,24 @@ fn a_ci_gate_memprof_cannot_judge_does_not_pass() {
     assert!(stderr.contains("--fail-on-leak-bytes could not be judged"), "{stderr}");
 }
 
-/// An output path that is a directory is refused before the command starts.
+/// An output path that cannot be written is refused before the command starts, with the reason
+/// the path itself gives: a directory, or a file of /proc (where no file can be made beside it).
 #[test]
-fn an_output_path_that_is_a_directory_is_refused_at_once() {
+fn an_output_path_that_cannot_be_written_is_refused_at_once_with_its_reason() {
     let dir = std::env::temp_dir();
-    let outcome = Command::new(memprof_bin())
-        .args(["run", "--output", path(&dir), "--", "true"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("running memprof");
-    let stderr = String::from_utf8_lossy(&outcome.stderr);
-    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(stderr.contains("Is a directory"), "{stderr}");
+    for (output, reason) in
+        [(path(&dir), "Is a directory"), ("/proc/version", "no file can be made beside it in /proc")]
+    {
+        let outcome = Command::new(memprof_bin())
+            .args(["run", "--output", output, "--", "true"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running memprof");
+        let stderr = String::from_utf8_lossy(&outcome.stderr);
+        assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(reason), "{output}: {stderr}");
+    }
 }
 
 /// `run --on-error stop -o FILE` on a full disk: memprof cannot write its first report, says so

@@ -112,7 +112,14 @@ impl ReportFile {
         let (file, unnamed) = match unnamed {
             Ok(file) => (file, true),
             // A file system without O_TMPFILE: a named temporary file.
-            Err(_) => (OpenOptions::new().write(true).create_new(true).open(&temporary)?, false),
+            Err(_) => match OpenOptions::new().write(true).create_new(true).open(&temporary) {
+                Ok(file) => (file, false),
+                // The report replaces the file whole, so it needs a new file beside it first.
+                Err(err) => {
+                    let why = format!("no file can be made beside it in {}: {err}", directory.display());
+                    return Err(io::Error::new(err.kind(), why));
+                }
+            },
         };
         Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false, device: false })
     }
