@@ -44,6 +44,8 @@ pub enum RecordingError {
     Unreadable { path: PathBuf, detail: String },
     #[error("{path} holds no complete interval (the session ended before its first report); record for longer than one --interval")]
     NoInterval { path: PathBuf },
+    #[error("{path} is damaged before its first complete interval: {detail}; nothing in it can be shown")]
+    Damaged { path: PathBuf, detail: String },
     #[error("{path}: its records inflate to more than {} MiB, a quarter of the {room}; read it where more memory is free", budget >> 20)]
     TooLarge { path: PathBuf, budget: u64, room: memory::Room },
 }
@@ -173,6 +175,7 @@ impl Recording {
             Problem::NotARecording => RecordingError::NotARecording { path: path.to_path_buf() },
             Problem::Unreadable(detail) => RecordingError::Unreadable { path: path.to_path_buf(), detail },
             Problem::NoInterval => RecordingError::NoInterval { path: path.to_path_buf() },
+            Problem::Damaged(detail) => RecordingError::Damaged { path: path.to_path_buf(), detail },
             Problem::OverBudget => RecordingError::TooLarge { path: path.to_path_buf(), budget, room },
         })
     }
@@ -187,8 +190,8 @@ impl Recording {
         while !rest.is_empty() {
             let payload = match next_payload(&mut rest) {
                 Ok(payload) => payload,
-                Err(why) => {
-                    ended_early = Some(why);
+                Err(end) => {
+                    ended_early = Some(end);
                     break;
                 }
             };
@@ -224,13 +227,20 @@ impl Recording {
                 }
             }
         }
+        if let (true, Some(End::Damaged(why))) = (reports.is_empty(), &ended_early) {
+            return Err(Problem::Damaged(why.clone()));
+        }
         let settings = settings.ok_or(Problem::NoInterval)?;
         if reports.is_empty() {
             return Err(Problem::NoInterval);
         }
-        if ended_early.is_none() && !reports.last().is_some_and(|r| r.is_final) {
-            ended_early = Some("it ends before the final report (memprof was killed)".to_string());
-        }
+        let ended_early = match ended_early {
+            Some(end) => Some(end.to_string()),
+            None if !reports.last().is_some_and(|r| r.is_final) => {
+                Some("it ends before the final report (memprof was killed)".to_string())
+            }
+            None => None,
+        };
         Ok(Self { settings, reports, ended_early })
     }
 }
@@ -262,26 +272,36 @@ enum Problem {
     NotARecording,
     Unreadable(String),
     NoInterval,
+    /// Damaged before any report could be read.
+    Damaged(String),
     /// The records inflate to more than the budget.
     OverBudget,
 }
 
+/// Why a recording's records end before the file does.
+#[derive(Debug, thiserror::Error)]
+enum End {
+    #[error("its last record is cut short (memprof was killed while writing it)")]
+    Cut,
+    #[error("{0}: the file is damaged there")]
+    Damaged(String),
+}
+
 /// The next record's payload, checked; or why the file ends here.
-fn next_payload<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], String> {
-    let cut = || "its last record is cut short (memprof was killed while writing it)".to_string();
+fn next_payload<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], End> {
     if rest.len() < 8 {
-        return Err(cut());
+        return Err(End::Cut);
     }
     let length = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
     let sum = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
     if length > MAX_RECORD {
-        return Err(format!("a record claims {length} bytes: the file is damaged there"));
+        return Err(End::Damaged(format!("a record claims {length} bytes")));
     }
-    let Some(payload) = rest.get(8..8 + length as usize) else { return Err(cut()) };
+    let Some(payload) = rest.get(8..8 + length as usize) else { return Err(End::Cut) };
     let mut crc = Crc::new();
     crc.update(payload);
     if crc.sum() != sum {
-        return Err("a record does not match its checksum: the file is damaged there".to_string());
+        return Err(End::Damaged("a record does not match its checksum".to_string()));
     }
     *rest = &rest[8 + length as usize..];
     Ok(payload)
@@ -369,6 +389,7 @@ mod tests {
                     assert!(read.reports.iter().all(|r| !r.is_final && r.stacks[0].frames.len() == 1));
                 }
                 Err(Problem::NotARecording | Problem::NoInterval) => {}
+                Err(Problem::Damaged(why)) => panic!("cut at {cut}: {why}"),
                 Err(Problem::Unreadable(why)) => panic!("cut at {cut}: {why}"),
                 Err(Problem::OverBudget) => panic!("cut at {cut}: over no budget"),
             }
@@ -385,6 +406,13 @@ mod tests {
         let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
         assert_eq!(read.reports.len(), 1);
         assert!(read.ended_early.unwrap().contains("checksum"));
+        // A byte of the first report's payload, after the start record.
+        let mut rest = &bytes[MAGIC.len()..];
+        next_payload(&mut rest).unwrap();
+        let first = bytes.len() - rest.len() + 10;
+        bytes[first] ^= 0xff;
+        let Err(Problem::Damaged(why)) = Recording::parse(&bytes, u64::MAX) else { panic!("a damaged first report") };
+        assert_eq!(why, "a record does not match its checksum");
         assert!(matches!(Recording::parse(b"{\"final\": true}", u64::MAX), Err(Problem::NotARecording)));
     }
 
