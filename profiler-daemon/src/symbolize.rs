@@ -11,7 +11,7 @@ use std::{
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
-        mpsc, Arc,
+        mpsc, Arc, Weak,
     },
     thread,
 };
@@ -253,6 +253,10 @@ struct OpenModule {
 struct SymbolizerThread {
     symbolizer: Symbolizer,
     modules: HashMap<u32, Vec<OpenModule>>,
+    /// Every open mapped file by its device and inode, so that all mappings of one file in all
+    /// processes share one descriptor, and blazesym, which caches what it parsed by path
+    /// (`/proc/self/fd/N`), parses it once. Held by `modules`; an entry is gone once they let go.
+    files: HashMap<(String, u64), Weak<File>>,
     cache: HashMap<(u32, u64), Resolved>,
     failures: Arc<[AtomicU64; 2]>,
 }
@@ -262,7 +266,7 @@ impl SymbolizerThread {
         // Names are demangled by `demangled`: blazesym's demangling takes any name for a C++ one.
         let symbolizer =
             Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(false).build();
-        Self { symbolizer, modules: HashMap::new(), cache: HashMap::new(), failures }
+        Self { symbolizer, modules: HashMap::new(), files: HashMap::new(), cache: HashMap::new(), failures }
     }
 
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
@@ -273,9 +277,8 @@ impl SymbolizerThread {
                     let _ = done.send(());
                 }
                 Request::Inherit { parent, child, done } => {
-                    // The parent's open files first: the child's read then keeps them for the
-                    // files it still maps, and blazesym, which caches what it parsed by path
-                    // (`/proc/self/fd/N`), does not parse every library again for each child.
+                    // The parent's files first: a child gone before its read is still
+                    // symbolized by them.
                     if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
                         self.modules.insert(child, inherited);
                     }
@@ -292,6 +295,7 @@ impl SymbolizerThread {
                 Request::Forget { pid } => {
                     self.modules.remove(&pid);
                     self.cache.retain(|(cached_pid, _), _| *cached_pid != pid);
+                    self.files.retain(|_, file| file.strong_count() > 0);
                 }
             }
         }
@@ -307,14 +311,8 @@ impl SymbolizerThread {
         let old = self.modules.remove(&pid).unwrap_or_default();
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
-            let known = old.iter().find(|m| m.mapping.path == mapping.path);
-            let file = match known {
-                Some(known) => known.file.clone(),
-                None => match mapping.open(pid) {
-                    Some(file) => Arc::new(file),
-                    None => continue,
-                },
-            };
+            let Some(file) = self.open(pid, &mapping) else { continue };
+            let known = old.iter().find(|m| Arc::ptr_eq(&m.file, &file));
             let build_id = match known.and_then(|k| k.build_id.clone()) {
                 Some(id) => Some(id),
                 None if mapping.executable => Some(build_id(&file)),
@@ -337,6 +335,19 @@ impl SymbolizerThread {
             .collect();
         modules.extend(missed);
         self.modules.insert(pid, modules);
+    }
+
+    /// The file `mapping` maps: the one open already when any process maps it, else opened now.
+    fn open(&mut self, pid: u32, mapping: &FileMapping) -> Option<Arc<File>> {
+        let identity = (mapping.inode != 0).then(|| (mapping.device.clone(), mapping.inode));
+        if let Some(file) = identity.as_ref().and_then(|identity| self.files.get(identity)?.upgrade()) {
+            return Some(file);
+        }
+        let file = Arc::new(mapping.open(pid)?);
+        if let Some(identity) = identity {
+            self.files.insert(identity, Arc::downgrade(&file));
+        }
+        Some(file)
     }
 
     fn executable_modules(&self, pid: u32, paths: &BTreeSet<String>) -> Vec<Module> {

@@ -368,3 +368,28 @@ fn a_still_target_settles_and_its_next_allocation_is_seen_exactly() {
     let again = daemon.get_json(&path).1;
     assert_eq!((site(&again, "first_site"), site(&again, "second_site")), ((10_000, 10), (10_000, 5)));
 }
+
+/// Processes of one program share the daemon's descriptor of each file they map, and so blazesym's
+/// parse of it (which holds a descriptor of its own): two per file, not one per mapping of each
+/// process.
+#[test]
+fn processes_of_one_program_share_one_descriptor_per_mapped_file() {
+    let _serial = serial();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    let mut targets: Vec<Waiting> = (0..3).map(|_| target()).collect();
+    for held in &mut targets {
+        daemon.wait_traced(held.pid());
+        held.go();
+        let leaks = format!("/api/v1/leaks?pid={}", held.pid());
+        wait_for(20, "its symbolized site", || (site(&daemon.get_json(&leaks).1, "hold_site").1 == 50).then_some(()));
+    }
+    let program = std::fs::canonicalize(fixture("daemon_target")).unwrap();
+    let descriptors = |file: &dyn Fn(&PathBuf) -> bool| {
+        let dir = format!("/proc/{}/fd", daemon.child.id());
+        let open = std::fs::read_dir(dir).unwrap().filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok());
+        open.filter(|path| file(path)).count()
+    };
+    assert!(descriptors(&|path| *path == program) <= 2, "the program");
+    let libc = |path: &PathBuf| path.file_name().is_some_and(|name| name.to_string_lossy().starts_with("libc.so"));
+    assert!(descriptors(&libc) <= 2, "the C library");
+}
