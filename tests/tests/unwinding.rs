@@ -414,6 +414,31 @@ fn a_library_loaded_with_dlopen_while_traced_is_unwound() {
     panic!("no run deferred a walk: deferred walks by run {deferred:?}");
 }
 
+/// The twins (below) inside a library dlopened while traced: walks deferred at the one site, at
+/// one stack depth from both callers, are told apart by the return addresses above it, so the
+/// first caller's stack copy does not finish the other's. Deferral is not certain (see above):
+/// every run must keep them apart, and one of a few must have deferred.
+#[test]
+fn deferred_walks_from_two_callers_at_one_depth_keep_their_stacks_apart() {
+    let lib = fixture_lib("unwind_plugin.c", "libunwind_plugin.so", &["-O2", "-g", "-fomit-frame-pointer"]);
+    let program = fixture_with("unwind_c.c", "unwind_c_plugin", C_FLAGS);
+    let mut deferred = Vec::new();
+    for _ in 0..5 {
+        let report = run_to_end(&[path(&program), "plugin-twins", path(&lib)]);
+        for (twin, size) in [("plugin_twin_a", 300), ("plugin_twin_b", 700)] {
+            let stack = only_stack_through(&report, twin);
+            assert_eq!(bytes_and_count(stack), (50 * size, 50), "{}", describe_all(&report));
+            assert_whole(stack, &chain(&["plugin_twin_site", twin, "plugin_twins"], &MAIN_TAIL));
+        }
+        assert_no_stack_drops(&report);
+        deferred.push(report["unwind_tables"]["deferred_walks"].as_u64().expect("deferred_walks"));
+        if deferred.last() != Some(&0) {
+            return;
+        }
+    }
+    panic!("no run deferred a walk: deferred walks by run {deferred:?}");
+}
+
 /// Code a loader of its own maps (a JIT's, a runtime's) moves no count of code changes: no
 /// dynamic linker announces it, and nothing watches mmap without `--mappings`. Once the daemon
 /// holds a whole mapping list (read after a dlopen the dynamic linker's hook reported), the
@@ -610,9 +635,11 @@ fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
         .filter(|s| frames(s).iter().any(|f| f["module"].as_str().is_some_and(|m| m.contains("libLLVM"))))
         .collect();
     assert!(!through_llvm.is_empty(), "{}", describe_all(&report));
-    for stack in through_llvm {
-        assert_complete(stack);
-    }
+    // Its constructors defer a walk for each of about 3,500 stacks while its table is built: on
+    // a busy machine some find no room, and are counted. Each cut stack is one of those.
+    let lost = dropped(&report, "deferred_walk_lost");
+    let cut = through_llvm.iter().filter(|stack| stack["truncated"] == true).count() as u64;
+    assert!(cut <= lost, "{cut} stacks through LLVM cut, {lost} deferred walks lost:\n{}", describe_all(&report));
     let contexts: Vec<&Value> = stacks(&report)
         .iter()
         .filter(|s| frames(s).iter().any(|f| matches(function(f), "LLVMContextCreate")))
@@ -628,6 +655,7 @@ fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
     let mut report = report.clone();
     let read_failed = dropped(&report, "unwind_read_failed");
     report["dropped"]["unwind_read_failed"] = read_failed.saturating_sub(unfinished).into();
+    report["dropped"]["deferred_walk_lost"] = 0.into();
     assert_no_stack_drops(&report);
 }
 

@@ -129,7 +129,7 @@ impl Window {
     /// The word at `address`: from the copy when it holds it, else from a new copy starting there.
     /// A copy stops at the end of its page: a failed copy then means the word's page is not
     /// mapped (a garbage frame address), and is not tried again word by word.
-    fn fetch(&mut self, address: u64) -> Option<u64> {
+    pub(super) fn fetch(&mut self, address: u64) -> Option<u64> {
         let offset = address.wrapping_sub(self.start);
         if offset.is_multiple_of(8) && offset < self.len && self.len - offset >= 8 {
             return self.words.get((offset / 8) as usize & (WINDOW_WORDS - 1)).copied();

@@ -24,7 +24,7 @@ static UNWIND_SHARDS: ArrayOfMaps<
     256,
 > = ArrayOfMaps::new();
 #[map]
-static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
+pub(super) static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 
 /// Binary search steps: enough for 2^9 = 512 > MAX_MAPPINGS mappings and 2^24 rows per file.
 const MAPPING_STEPS: usize = 9;
@@ -114,7 +114,7 @@ fn at_or_below(low: u64, high: u64) -> u64 {
 
 /// The mapping that holds `address`: a binary search over the sorted entries, branchless but for
 /// its end (one branch out per step, not two ways to go on).
-fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
+pub(super) fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&ExecMapping> {
     let (mut base, mut count) = (0usize, (mappings.len as usize).min(MAX_MAPPINGS));
     for _ in 0..MAPPING_STEPS {
         if count <= 1 {
