@@ -1,6 +1,7 @@
 //! Stack unwinding without frame pointers: per-file CFI tables for the kernel's stack walk, the
 //! events that say a process mapped new code, and the walks the kernel left for memprof to finish.
 
+mod copy;
 mod deferred;
 mod reader;
 mod registry;
@@ -13,11 +14,12 @@ pub mod table;
 use aya::Ebpf;
 use std::{collections::HashMap, os::fd::BorrowedFd};
 
-use profiler_common::{DeferredUnwind, LinkMapEvent};
+pub use copy::DeferredCopy;
+use profiler_common::LinkMapEvent;
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
-use reader::Reader;
+use reader::{Reader, Record};
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
 /// a change to their libraries (`mappings_changed`), and walks left to finish (`DeferredUnwind`).
@@ -39,8 +41,7 @@ pub struct UnwindEvents {
 /// An event read and not used yet.
 enum Pending {
     LinkMap(Box<LinkMapEvent>),
-    /// Boxed: each holds a copy of a stack.
-    Deferred(Box<DeferredUnwind>),
+    Deferred(DeferredCopy),
     /// Any other event: its process's mappings changed.
     Changed(u32),
 }
@@ -63,8 +64,7 @@ pub struct Drained {
     /// Processes to read the mappings of, each once: those whose libraries changed and those
     /// with a deferred walk.
     pub pids: Vec<u32>,
-    /// Boxed: each holds a copy of a stack.
-    pub deferred: Vec<Box<DeferredUnwind>>,
+    pub deferred: Vec<DeferredCopy>,
 }
 
 impl UnwindEvents {
@@ -80,14 +80,18 @@ impl UnwindEvents {
     /// `drain` uses it. Taken after them, a new program's list could meet its process before its
     /// exec, and be named after the old program.
     pub fn collect(&mut self) {
-        for item in self.reader.take() {
+        for record in self.reader.take() {
+            let item = match record {
+                Record::Deferred(copy) => {
+                    self.pending.push(Pending::Deferred(copy));
+                    continue;
+                }
+                Record::Other(item) => item,
+            };
             let event = if item.len() == size_of::<LinkMapEvent>() {
                 // SAFETY: the program writes whole records; read_unaligned copes with any
                 // alignment.
                 Pending::LinkMap(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) }))
-            } else if item.len() == size_of::<DeferredUnwind>() {
-                // SAFETY: as above, for a DeferredUnwind.
-                Pending::Deferred(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<DeferredUnwind>()) }))
             } else if let Some(bytes) = item.get(..4) {
                 Pending::Changed(u32::from_ne_bytes(bytes.try_into().expect("four bytes")))
             } else {
@@ -113,14 +117,14 @@ impl UnwindEvents {
                     }
                     event.tgid
                 }
-                Pending::Deferred(event) => {
-                    if !sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
+                Pending::Deferred(copy) => {
+                    if !sent_by_current_program(&self.execs, copy.tgid(), copy.time_ns()) {
                         // The old program's stacks went at the exec: its walk is not finished,
                         // nor counted in the new program's drops.
                         continue;
                     }
-                    let tgid = event.tgid;
-                    drained.deferred.push(event);
+                    let tgid = copy.tgid();
+                    drained.deferred.push(copy);
                     tgid
                 }
                 Pending::Changed(tgid) => tgid,

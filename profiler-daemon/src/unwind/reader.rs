@@ -1,8 +1,9 @@
 //! `UNWIND_EVENTS` read on a thread of its own, into memory. While memprof's loop is busy (a
 //! large library's table takes tens of milliseconds to build, a chain of execs more), a program
-//! starting meanwhile defers a walk, a 32 KiB copy of its stack, for each new stack. The ring
-//! holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read as
-//! they come, they wait here instead, up to `HELD_BYTES`; only past that does the ring fill again.
+//! starting meanwhile defers a walk, a copy of up to 32 KiB of its stack, for each new stack. The
+//! ring holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read as
+//! they come, they wait here instead, each cut to the stack it copied (`DeferredCopy`), up to
+//! `HELD_BYTES`; only past that does the ring fill again.
 
 use std::{
     io,
@@ -14,17 +15,26 @@ use std::{
     thread::JoinHandle,
 };
 
+use super::DeferredCopy;
 use crate::{bell::Bell, process::memory, ring::Ring};
 
 /// At most this much read by the thread and not yet taken, or a quarter of the memory memprof may
-/// still take when that is less: about 1,500 deferred walks; python's start-up under pyenv's
-/// shims deferred 490 to 3,788 a run (BENCHMARKS.md). `take` reads the rest of the ring besides.
-const HELD_BYTES: u64 = 48 << 20;
+/// still take when that is less: 4,000 deferred walks of 32 KiB, more of shallower stacks.
+/// LLVM's constructors, dlopened, defer a walk for each of about 3,500 stacks; python's start-up
+/// under pyenv's shims 490 to 3,788 (BENCHMARKS.md). `take` reads the rest of the ring besides.
+const HELD_BYTES: u64 = 128 << 20;
+
+/// A record of the ring, as held.
+pub enum Record {
+    Deferred(DeferredCopy),
+    /// Any other, whole.
+    Other(Box<[u8]>),
+}
 
 /// The ring's records read so far, and their bytes.
 #[derive(Default)]
 struct Held {
-    records: Vec<Box<[u8]>>,
+    records: Vec<Record>,
     bytes: u64,
 }
 
@@ -32,8 +42,15 @@ impl Held {
     /// Reads the ring's records into `self` until it holds `limit` bytes.
     fn read(&mut self, events: &mut Ring, limit: u64) {
         events.read_while(|record| {
-            self.bytes += record.len() as u64;
-            self.records.push(record.into());
+            let (held, bytes) = match DeferredCopy::of(record) {
+                Some(copy) => {
+                    let bytes = copy.len();
+                    (Record::Deferred(copy), bytes)
+                }
+                None => (Record::Other(record.into()), record.len()),
+            };
+            self.bytes += bytes as u64;
+            self.records.push(held);
             self.bytes < limit
         });
     }
@@ -90,7 +107,7 @@ impl Reader {
 
     /// Every record committed so far, in the ring's order: those the thread read, then the
     /// rest of the ring, whatever the limit.
-    pub fn take(&self) -> Vec<Box<[u8]>> {
+    pub fn take(&self) -> Vec<Record> {
         // The bell first: records read after it ring it again.
         self.shared.bell.clear();
         let mut reading = self.shared.reading();

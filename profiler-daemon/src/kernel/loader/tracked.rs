@@ -18,6 +18,7 @@ use crate::{
         link_map,
         procfs::{self, FileMapping},
     },
+    unwind::DeferredCopy,
 };
 
 use super::Loaded;
@@ -238,8 +239,10 @@ impl Loaded {
             on_read(pid, &mappings);
             self.sync_mappings_with(pid, &mappings, changes);
         }
-        for event in &drained.deferred {
-            self.unwind.finish_deferred(&self.ebpf, event);
+        let mut event = DeferredCopy::blank();
+        for copy in &drained.deferred {
+            copy.write_into(&mut event);
+            self.unwind.finish_deferred(&self.ebpf, &event);
         }
         drained.pids
     }
