@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     fs::File,
-    os::fd::AsRawFd,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -245,7 +245,7 @@ impl SymbolizerHandle {
 #[derive(Clone)]
 struct OpenModule {
     mapping: FileMapping,
-    file: Arc<File>,
+    file: Arc<OpenFile>,
     /// Read once, for executable mappings only: pprof names code by it.
     build_id: Option<String>,
 }
@@ -256,7 +256,7 @@ struct SymbolizerThread {
     /// Every open mapped file by its device and inode, so that all mappings of one file in all
     /// processes share one descriptor, and blazesym, which caches what it parsed by path
     /// (`/proc/self/fd/N`), parses it once. Held by `modules`; an entry is gone once they let go.
-    files: HashMap<(String, u64), Weak<File>>,
+    files: HashMap<(String, u64), Weak<OpenFile>>,
     cache: HashMap<(u32, u64), Resolved>,
     failures: Arc<[AtomicU64; 2]>,
 }
@@ -315,7 +315,7 @@ impl SymbolizerThread {
             let known = old.iter().find(|m| Arc::ptr_eq(&m.file, &file));
             let build_id = match known.and_then(|k| k.build_id.clone()) {
                 Some(id) => Some(id),
-                None if mapping.executable => Some(build_id(&file)),
+                None if mapping.executable => Some(build_id(&file.file)),
                 None => None,
             };
             modules.push(OpenModule { mapping, file, build_id });
@@ -338,12 +338,13 @@ impl SymbolizerThread {
     }
 
     /// The file `mapping` maps: the one open already when any process maps it, else opened now.
-    fn open(&mut self, pid: u32, mapping: &FileMapping) -> Option<Arc<File>> {
+    fn open(&mut self, pid: u32, mapping: &FileMapping) -> Option<Arc<OpenFile>> {
         let identity = (mapping.inode != 0).then(|| (mapping.device.clone(), mapping.inode));
         if let Some(file) = identity.as_ref().and_then(|identity| self.files.get(identity)?.upgrade()) {
             return Some(file);
         }
-        let file = Arc::new(mapping.open(pid)?);
+        let file = mapping.open(pid)?;
+        let file = Arc::new(OpenFile { debug_info: debug_info_is_safe(&file), file });
         if let Some(identity) = identity {
             self.files.insert(identity, Arc::downgrade(&file));
         }
@@ -391,7 +392,9 @@ impl SymbolizerThread {
         // As frames name it (see `frames_of`).
         let path = &printable(&module.mapping.path).into_owned();
         // A return address points after the call; the call itself is one byte earlier.
-        let source = Source::Elf(Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.as_raw_fd()))));
+        let mut elf = Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.file.as_raw_fd())));
+        elf.debug_syms = module.file.debug_info;
+        let source = Source::Elf(elf);
         let symbolize = |offset| self.symbolizer.symbolize_single(&source, Input::FileOffset(offset));
         let symbolized = match symbolize(file_offset.saturating_sub(1)) {
             // A signal handler returns to the first byte of the trampoline (`__restore_rt`): the
@@ -413,6 +416,29 @@ impl SymbolizerThread {
     fn count(&self, failure: Failure) {
         self.failures[failure as usize].fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// A mapped file kept open.
+struct OpenFile {
+    file: File,
+    /// Whether blazesym may read its debug information (see `debug_info_is_safe`).
+    debug_info: bool,
+}
+
+/// Whether blazesym may read `file`'s debug information. Where the file names a separate debug
+/// file (`.gnu_debuglink`), blazesym looks for it in the file's own directory too, and opens
+/// what it finds there: a FIFO a user put beside their program would block the symbolizer, and
+/// memprof with it, for good. So such a file's debug information is read only where none but
+/// root can add files beside it; elsewhere its symbols come from its symbol table.
+fn debug_info_is_safe(file: &File) -> bool {
+    let cache = object::ReadCache::new(file);
+    let Ok(elf) = object::File::parse(&cache) else { return true };
+    if object::Object::section_by_name(&elf, ".gnu_debuglink").is_none() {
+        return true;
+    }
+    let Ok(path) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) else { return false };
+    let directory = path.parent().and_then(|dir| std::fs::metadata(dir).ok());
+    directory.is_some_and(|meta| meta.uid() == 0 && meta.mode() & 0o022 == 0)
 }
 
 /// The ELF's GNU build id in lowercase hex; empty when it has none or is not ELF.

@@ -139,3 +139,33 @@ fn a_libc_frame_without_a_debug_file_has_only_its_symbol() {
     assert!(["strdup", "__strdup"].contains(&strdup["function"].as_str().unwrap_or("")), "{strdup}");
     assert_eq!((&strdup["file"], &strdup["line"]), (&Value::Null, &Value::Null), "{strdup}");
 }
+
+/// A stripped program whose debug link names a FIFO beside it, in a directory others may add
+/// files to: blazesym would open the FIFO and wait for a writer for good, and memprof with it.
+/// memprof names the program's frames from its symbol table instead, and finishes.
+#[test]
+fn a_fifo_named_by_a_debug_link_beside_the_program_blocks_nothing() {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let dir = std::env::temp_dir().join(format!("memprof-debuglink-fifo-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir(&dir).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    let program = dir.join("short_prog");
+    let debug = dir.join("short_prog.debug");
+    fs::copy(fixture("short_prog"), &program).unwrap();
+    let objcopy = |args: &[&Path]| assert!(Command::new("objcopy").args(args).status().unwrap().success());
+    objcopy(&[Path::new("--only-keep-debug"), &program, &debug]);
+    let link = format!("--add-gnu-debuglink={}", debug.display());
+    objcopy(&[Path::new("--strip-debug"), Path::new(&link), &program]);
+    fs::remove_file(&debug).unwrap();
+    assert!(Command::new("mkfifo").arg(&debug).status().unwrap().success());
+    let finished = std::sync::mpsc::channel();
+    let command = program.to_str().unwrap().to_string();
+    std::thread::spawn(move || finished.0.send(run(&[], &[&command])));
+    let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(60));
+    // Unblocks a memprof that waits on the FIFO, so that the test ends either way.
+    let _ = fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&debug);
+    let _ = fs::remove_dir_all(&dir);
+    let report = outcome.expect("memprof finished").final_report();
+    assert_eq!(site(&report, "kept_site"), (1000, 10), "{report}");
+}

@@ -78,7 +78,7 @@ fn truncated(offset: usize) -> io::Error {
 
 /// The file at `path` (see the module's comment).
 pub fn read_path(path: &Path) -> io::Result<ElfBytes> {
-    read(&File::open(path)?)
+    read(&super::procfs::open_regular(path)?)
 }
 
 /// The open `file` (see the module's comment). A file that is not 64-bit ELF, or whose section

@@ -1,6 +1,6 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{fs, io, os::unix::fs::MetadataExt};
+use std::{fs, io, os::unix::fs::MetadataExt, path::Path};
 
 use crate::{error::UserError, text::printable};
 
@@ -345,11 +345,23 @@ impl FileMapping {
         if let Some(file) = self.reachable_paths(pid).iter().find_map(|path| fs::File::open(path).ok()) {
             return Some(file);
         }
-        let file = fs::File::open(&self.path).ok()?;
+        let file = open_regular(Path::new(&self.path)).ok()?;
         let meta = file.metadata().ok()?;
         let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
         (meta.ino() == self.inode && (device == self.device || is_overlay(&file))).then_some(file)
     }
+}
+
+/// Opens `path` for reading when it names a regular file. Paths a traced process names (its
+/// files, once it is gone; its dynamic linker's list) may by then name a FIFO, whose open would
+/// wait for a writer: the open does not wait.
+pub fn open_regular(path: &Path) -> io::Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    Ok(file)
 }
 
 /// Whether `file` is on overlayfs.
