@@ -147,3 +147,33 @@ fn a_pipe_or_device_is_written_to_not_replaced() {
     assert!(fs::metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
     assert_eq!(entries(&dir), ["reports"]);
 }
+
+/// An output path that is a symbolic link: root's own (as `/dev/stdout` is) leads to its target,
+/// which is replaced while the link stays; another user's is refused, as is a disk's device,
+/// each in one line, before the command runs.
+#[test]
+fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
+    let dir = directory("links");
+    let target = dir.join("target.json");
+    fs::write(&target, "old").unwrap();
+    let ours = dir.join("ours.json");
+    std::os::unix::fs::symlink(&target, &ours).unwrap();
+    let outcome = memprof(&["run", "--json", "--output", ours.to_str().unwrap(), "--", "true"]);
+    assert!(outcome.status.success(), "{}", outcome.stderr);
+    assert!(fs::symlink_metadata(&ours).unwrap().file_type().is_symlink(), "the link stays a link");
+    assert!(fs::read_to_string(&target).unwrap().contains("\"final\":true"), "the report replaced its target");
+
+    let theirs = dir.join("theirs.json");
+    std::os::unix::fs::symlink(&target, &theirs).unwrap();
+    assert!(Command::new("chown").args(["-h", "nobody"]).arg(&theirs).status().unwrap().success());
+    // A loop device's node with no file attached: writing it would fail anyway.
+    let disk = dir.join("disk");
+    assert!(Command::new("mknod").arg(&disk).args(["b", "7", "250"]).status().unwrap().success());
+    for (output, reason) in [(&theirs, "a symbolic link another user owns"), (&disk, "a block device")] {
+        let outcome = memprof(&["run", "--json", "--output", output.to_str().unwrap(), "--", "true"]);
+        assert_eq!(outcome.status.code(), Some(1), "{}", outcome.stderr);
+        assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);
+        assert!(outcome.stderr.contains(reason), "{}", outcome.stderr);
+    }
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -10,7 +10,11 @@ use std::{
     ffi::CString,
     fs::{self, File, OpenOptions},
     io::{self, Write as _},
-    os::{fd::AsRawFd as _, unix::ffi::OsStrExt as _, unix::fs::OpenOptionsExt as _},
+    os::{
+        fd::AsRawFd as _,
+        unix::ffi::OsStrExt as _,
+        unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _},
+    },
     path::{Path, PathBuf},
 };
 
@@ -93,8 +97,30 @@ pub fn print(text: &[u8]) -> Result<bool, UserError> {
 impl ReportFile {
     /// Opens the temporary file beside `path`; `path` itself is not touched yet.
     pub fn create(path: &Path) -> io::Result<Self> {
+        // A symbolic link is followed only when its owner is who runs memprof (or root, as
+        // `/dev/stdout`'s is): another user's link could lead root's output onto a disk's device.
+        // Its target is then written: a rename over the link would replace `/dev/stdout` itself.
+        let resolved;
+        let path = match fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                // SAFETY: geteuid has no preconditions.
+                let me = unsafe { libc::geteuid() };
+                if meta.uid() != me && meta.uid() != 0 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        "a symbolic link another user owns; give the path it leads to",
+                    ));
+                }
+                resolved = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+                &resolved
+            }
+            _ => path,
+        };
         // A device or a pipe (`/dev/null`, a FIFO) is written to, never replaced by a file: a
-        // rename over /dev/null leaves the host with a regular file there.
+        // rename over /dev/null leaves the host with a regular file there. Never a disk.
+        if fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device()) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a block device; give a file"));
+        }
         if fs::metadata(path).is_ok_and(|m| !m.file_type().is_file() && !m.is_dir()) {
             let file = OpenOptions::new().write(true).open(path)?;
             let path = path.to_path_buf();
@@ -144,16 +170,24 @@ impl ReportFile {
     /// Gives the unnamed file its temporary name (a link cannot replace a file; a rename can).
     fn name(&mut self) -> io::Result<()> {
         let from = CString::new(format!("/proc/self/fd/{}", self.file.as_raw_fd()))?;
-        let to = CString::new(self.temporary.as_os_str().as_bytes())?;
-        // SAFETY: two NUL-terminated paths that outlive the call.
-        let linked = unsafe {
-            libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW)
-        };
-        if linked != 0 {
-            return Err(io::Error::last_os_error());
+        // A name another process took meanwhile (anyone may create files in /tmp): another.
+        for _ in 0..16 {
+            let to = CString::new(self.temporary.as_os_str().as_bytes())?;
+            // SAFETY: two NUL-terminated paths that outlive the call.
+            let linked = unsafe {
+                libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW)
+            };
+            if linked == 0 {
+                self.unnamed = false;
+                return Ok(());
+            }
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::AlreadyExists {
+                return Err(err);
+            }
+            self.temporary = temporary_name(&self.path)?;
         }
-        self.unnamed = false;
-        Ok(())
+        Err(io::Error::new(io::ErrorKind::AlreadyExists, "every temporary name tried beside it was taken"))
     }
 }
 
@@ -165,11 +199,17 @@ impl Drop for ReportFile {
     }
 }
 
-/// `.NAME.memprof-PID` in the destination's directory: a rename within one file system.
+/// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
+/// a name no one can take first.
 fn temporary_name(path: &Path) -> io::Result<PathBuf> {
     let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file name"))?;
+    let mut random = [0u8; 8];
+    // SAFETY: getrandom writes at most the buffer's length into it.
+    if unsafe { libc::getrandom(random.as_mut_ptr().cast(), random.len(), 0) } != random.len() as isize {
+        return Err(io::Error::last_os_error());
+    }
     let mut temporary = std::ffi::OsString::from(".");
     temporary.push(name);
-    temporary.push(format!(".memprof-{}", std::process::id()));
+    temporary.push(format!(".memprof-{:016x}", u64::from_ne_bytes(random)));
     Ok(path.with_file_name(temporary))
 }
