@@ -178,3 +178,25 @@ fn a_profile_that_says_it_decompresses_to_more_than_memprof_reads_is_refused_unr
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("decompresses to 300 MiB, more than the 256 MiB of any profile memprof reads"), "{stderr}");
 }
+
+/// Endless files given where a recording, a config or a suppressions file goes are refused in
+/// one line without being read whole: `/dev/zero` as a config took all of the host's memory.
+#[test]
+fn endless_files_are_refused_without_being_read_whole() {
+    let recording = temp_path("endless.rec");
+    assert!(run(&["--record", recording.to_str().unwrap()], &["true"]).status.success());
+    let cases: [(&[&str], &str); 4] = [
+        (&["report", "/dev/zero"], "is not a memprof recording"),
+        (&["report", "/dev/urandom"], "is not a memprof recording"),
+        (&["report", recording.to_str().unwrap(), "--suppressions", "/dev/zero"], "larger than"),
+        (&["daemon", "--config", "/dev/zero", "--socket", "", "--listen", "127.0.0.1:0"], "larger than"),
+    ];
+    for (args, said) in cases {
+        let (code, stderr, peak) = peak(Command::new(memprof_bin()).args(args));
+        assert_ne!(code, Some(0), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+        assert!(peak < 256 << 20, "{args:?} took {peak} bytes");
+    }
+    let _ = std::fs::remove_file(&recording);
+}

@@ -168,9 +168,9 @@ impl Recording {
     /// Reads the recording at `path`, its inflated records within a quarter of the memory
     /// memprof may use: a small file can inflate to gigabytes.
     pub fn read(path: &Path) -> Result<Self, RecordingError> {
-        let bytes = std::fs::read(path).map_err(|cause| RecordingError::Read { path: path.to_path_buf(), cause })?;
         let room = memory::room();
         let budget = room.bytes / 4;
+        let bytes = Self::read_file(path, budget)?;
         Self::parse(&bytes, budget).map_err(|problem| match problem {
             Problem::NotARecording => RecordingError::NotARecording { path: path.to_path_buf() },
             Problem::Unreadable(detail) => RecordingError::Unreadable { path: path.to_path_buf(), detail },
@@ -178,6 +178,24 @@ impl Recording {
             Problem::Damaged(detail) => RecordingError::Damaged { path: path.to_path_buf(), detail },
             Problem::OverBudget => RecordingError::TooLarge { path: path.to_path_buf(), budget, room },
         })
+    }
+
+    /// The file's bytes: its first ones must be a recording's, and no more than `budget` of them
+    /// are read (what they inflate to is more), so that `/dev/zero` is refused at once.
+    fn read_file(path: &Path, budget: u64) -> Result<Vec<u8>, RecordingError> {
+        use std::io::Read as _;
+        let read = |cause| RecordingError::Read { path: path.to_path_buf(), cause };
+        let mut file = std::fs::File::open(path).map_err(read)?;
+        let mut start = vec![0; MAGIC.len()];
+        let whole = file.read_exact(&mut start).is_ok();
+        if !whole || start != MAGIC {
+            return Err(RecordingError::NotARecording { path: path.to_path_buf() });
+        }
+        file.take(budget.saturating_add(1)).read_to_end(&mut start).map_err(read)?;
+        if start.len() as u64 > budget {
+            return Err(RecordingError::TooLarge { path: path.to_path_buf(), budget, room: memory::room() });
+        }
+        Ok(start)
     }
 
     /// `budget`: the inflated bytes of all records together that may be read.

@@ -1,7 +1,6 @@
 //! The daemon's settings: a TOML file, overridden by flags, validated into one `Config`.
 
 use std::{
-    fs,
     net::SocketAddr,
     path::{Path, PathBuf},
 };
@@ -220,9 +219,13 @@ pub fn load(args: &DaemonArgs) -> Result<Config, ConfigError> {
     merge(file, args)
 }
 
+/// The largest config or web config file read.
+pub const SETTINGS_BYTES: u64 = 1 << 20;
+
 fn read_file(path: &Path) -> Result<File, ConfigError> {
     let display = path.display().to_string();
-    let text = fs::read_to_string(path).map_err(|cause| ConfigError::Read { path: display.clone(), cause })?;
+    let text = crate::text::read_at_most(path, SETTINGS_BYTES)
+        .map_err(|cause| ConfigError::Read { path: display.clone(), cause })?;
     toml::from_str(&text).map_err(|err| ConfigError::Parse {
         path: display,
         // toml's messages span several lines (with a caret under the spot): keep them on one.

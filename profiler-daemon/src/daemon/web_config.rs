@@ -52,7 +52,8 @@ pub struct WebConfigError {
 /// its directory, as in the exporter toolkit.
 pub fn load(path: &Path) -> Result<WebConfig, WebConfigError> {
     let fail = |message: String| WebConfigError { path: path.display().to_string(), message };
-    let text = fs::read_to_string(path).map_err(|e| fail(format!("cannot read it: {e}")))?;
+    let text = crate::text::read_at_most(path, super::config::SETTINGS_BYTES)
+        .map_err(|e| fail(format!("cannot read it: {e}")))?;
     let file = parse(&text, path).map_err(fail)?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let tls = file.tls_server_config.map(|tls| acceptor(tls, dir)).transpose().map_err(fail)?;

@@ -142,12 +142,16 @@ pub enum LoadError {
     Parse(#[from] ParseError),
 }
 
+/// The largest suppressions file read: valgrind's own for a large program are a few MiB.
+const RULES_BYTES: u64 = 64 << 20;
+
 impl Suppressions {
     /// The rules of `files`, in order.
     pub fn load(files: &[PathBuf]) -> Result<Self, LoadError> {
         let mut rules = Vec::new();
         for path in files {
-            let text = std::fs::read_to_string(path).map_err(|cause| ReadError { path: path.clone(), cause })?;
+            let text = crate::text::read_at_most(path, RULES_BYTES)
+                .map_err(|cause| ReadError { path: path.clone(), cause })?;
             rules.extend(parse::parse(path, &text)?);
         }
         Ok(Self::new(rules))
