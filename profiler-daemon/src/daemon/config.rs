@@ -355,6 +355,8 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use clap::Parser as _;
     use proptest::prelude::*;
 
