@@ -393,3 +393,27 @@ fn processes_of_one_program_share_one_descriptor_per_mapped_file() {
     let libc = |path: &PathBuf| path.file_name().is_some_and(|name| name.to_string_lossy().starts_with("libc.so"));
     assert!(descriptors(&libc) <= 2, "the C library");
 }
+
+/// Processes that come and go are shown within moments (the daemon here takes a snapshot each
+/// second), but those extra snapshots are not
+/// intervals: a steady target's timeline, and the leak rule's window, gain one point per
+/// interval (`leak_window` intervals of 12 x 5 s: a minute) whatever else comes and goes. They
+/// gained one per snapshot, and a window shrank to a few seconds on a host with short-lived
+/// matching processes.
+#[test]
+fn targets_that_come_and_go_do_not_add_intervals_to_a_steady_targets_timeline() {
+    let _serial = serial();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    let held = target();
+    daemon.wait_traced(held.pid());
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        let passing = target();
+        std::thread::sleep(Duration::from_millis(250));
+        drop(passing);
+    }
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", held.pid()));
+    let points = report["timeline"]["time_s"].as_array().expect("a timeline").len() as u64;
+    let intervals = started.elapsed().as_secs() + 2;
+    assert!(points <= intervals, "{points} points in about {intervals} intervals: {}", report["timeline"]);
+}

@@ -205,7 +205,8 @@ impl Tracer {
 
     /// Runs until `Shutdown` (or the sender is dropped), then detaches every probe.
     pub fn run(mut self, commands: Inbox<Command>) {
-        let mut next_snapshot = Instant::now();
+        let mut next_interval = Instant::now();
+        let mut next_snapshot = next_interval;
         loop {
             let now = Instant::now();
             let mut changed = false;
@@ -222,10 +223,14 @@ impl Tracer {
             }
             if now >= next_snapshot {
                 self.sweep_forked();
-                if let Err(err) = self.publish() {
+                let interval = now >= next_interval;
+                if let Err(err) = self.publish(interval) {
                     warn!("reading the kernel maps failed: {err:#}");
                 }
-                next_snapshot = now + Duration::from_secs_f64(self.config.interval);
+                if interval {
+                    next_interval = now + Duration::from_secs_f64(self.config.interval);
+                }
+                next_snapshot = next_interval;
             }
             for pid in self.loaded.sync_changed_mappings() {
                 self.mappings_read(pid);

@@ -79,8 +79,11 @@ impl Tracer {
         }
     }
 
-    /// Reads the maps and publishes the view.
-    pub(super) fn publish(&mut self) -> anyhow::Result<()> {
+    /// Reads the maps and publishes the view. `interval`: this is an interval's snapshot, which
+    /// the leak rule counts as one of its window and the timeline keeps; a snapshot that shows a
+    /// target come or go in between is neither, so that the window stays `leak_window` intervals
+    /// long however often targets come and go.
+    pub(super) fn publish(&mut self, interval: bool) -> anyhow::Result<()> {
         self.collect_double_frees();
         // A target gone without its exit seen (its main thread exited long before its last
         // thread), or whose pid a new process took already: what the maps hold under that pid
@@ -122,7 +125,9 @@ impl Tracer {
         for target in self.targets.values_mut() {
             if settled.contains(&target.id.pid) {
                 let time_s = still_since_ns.saturating_sub(target.start_ns) as f64 / 1e9;
-                target.leaks.rest(still_since_ns, time_s);
+                if interval {
+                    target.leaks.rest(still_since_ns, time_s);
+                }
                 if target.last_view.as_ref().is_some_and(|(_, pinned)| *pinned != target.resident.pinned_changes()) {
                     // Its pages moved though its stacks did not: read and built whole next time.
                     self.loaded.unsettle(target.id.pid);
@@ -143,7 +148,9 @@ impl Tracer {
                     }
                 }
                 let time_s = snapshot.now_ns.saturating_sub(target.start_ns) as f64 / 1e9;
-                target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
+                if interval {
+                    target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
+                }
                 if let Some(switch) = target.rate_guard.check(snapshot) {
                     // The always-on mode: its cost follows the pages the process touches, not
                     // its calls. What its calls recorded goes with them.
