@@ -11,7 +11,7 @@ use std::{
 };
 
 use memprof_tests::{
-    fixture, memprof_bin, metric, one_at_a_time, probe_links, released, site, wait_for, Daemon, Waiting,
+    fixture, memprof_bin, metric, one_at_a_time, own_root, probe_links, released, site, wait_for, Daemon, Waiting,
 };
 
 /// The executable mapping of the C library in `pid`: its start, length, file offset and path.
@@ -140,6 +140,40 @@ fn a_file_moves_to_shared_links_with_every_count_exact() {
     assert!(daemon.child.wait().unwrap().success());
     let log = daemon.log();
     assert_eq!(log.matches("its probes are shared from now on").count(), 2, "libc and ld.so, once each: {log}");
+}
+
+/// The daemon's first scan finds, with the crossover at 3, three processes in a root of their
+/// own (each with its own copy of the C library) and one on the host's: the copy's links are
+/// shared, said once with the copy's path, but the host's C library, which one traced process
+/// maps, keeps links of its own, and this untraced test process's code stays its file's. The
+/// scan counted every process it found as mapping every file, and shared them all.
+#[test]
+fn a_first_scan_shares_only_the_files_enough_of_its_processes_map() {
+    let _serial = one_at_a_time();
+    let program = fixture("daemon_target");
+    let root = own_root(&program, "daemon_target");
+    let mut targets: Vec<Waiting> = (0..3)
+        .map(|_| {
+            let mut chrooted = Command::new("chroot");
+            chrooted.arg(&root).args(["/daemon_target", "--wait"]);
+            Waiting::start_command(chrooted)
+        })
+        .collect();
+    targets.push(Waiting::start(&program, &[]));
+    let mut daemon = Daemon::start_with_env(&["--comm", "^daemon_target$"], &[("MEMPROF_SHARE_FROM", "3")]);
+    for target in &targets {
+        daemon.wait_traced(target.pid());
+    }
+    let host = targets.last().expect("the host's process").pid();
+    assert!(!probe_links::probing(host).is_empty(), "the host's C library keeps links of its own");
+    assert!(libc_code_is_the_files(std::process::id()), "this untraced process's C library is its file's");
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let _ = fs::remove_dir_all(&root);
+    let log = daemon.log();
+    let copy = root.join("lib/x86_64-linux-gnu/libc.so.6");
+    assert!(log.contains(&format!("map {}: its probes are shared", copy.display())), "{log}");
+    assert!(!log.contains("map_files"), "{log}");
 }
 
 /// The child's pid, which `forker` writes once it has forked.

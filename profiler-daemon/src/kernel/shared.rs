@@ -110,21 +110,36 @@ pub struct SharedLinks {
     users: HashMap<FileId, HashSet<u32>>,
     /// Each traced process's kind of links: shared (true) or its own.
     sharing: HashMap<u32, bool>,
-    /// Processes about to be attached together (see `attaching`).
-    attaching: usize,
+    /// Processes about to be attached together, by the files they map (see `attaching`).
+    attaching: HashMap<FileId, usize>,
 }
 
 impl SharedLinks {
     pub fn new(policy: ProbeLinks) -> Self {
         let crossover = std::env::var(CROSSOVER_VAR).ok().and_then(|n| n.parse().ok()).unwrap_or(CROSSOVER);
-        Self { links: HashMap::new(), policy, crossover, users: HashMap::new(), sharing: HashMap::new(), attaching: 0 }
+        Self {
+            links: HashMap::new(),
+            policy,
+            crossover,
+            users: HashMap::new(),
+            sharing: HashMap::new(),
+            attaching: HashMap::new(),
+        }
     }
 
-    /// `n` processes are about to be attached one after the other (the daemon's first scan finds
-    /// them all at once): counted as mapping each file, so that a thousand do not begin with
-    /// `crossover` links of their own, each visiting the thousand at attach and at exit.
-    pub fn attaching(&mut self, n: usize) {
-        self.attaching = n;
+    /// Processes are about to be attached one after the other (the daemon's first scan finds
+    /// them all at once), `files` of them mapping each file: counted as its users already, so
+    /// that a thousand do not begin with `crossover` links of their own, each visiting the
+    /// thousand at attach and at exit. Counted by file: a file only one of them maps keeps links
+    /// of its own, and the untraced processes that map it take no trap.
+    pub fn attaching(&mut self, files: HashMap<FileId, usize>) {
+        self.attaching = files;
+    }
+
+    /// The traced processes that map `file`, with those about to be attached, or at least the
+    /// one about to get its links.
+    fn users_of(&self, file: FileId) -> usize {
+        self.users.get(&file).map_or(0, HashSet::len) + self.attaching.get(&file).copied().unwrap_or(0).max(1)
     }
 
     pub fn set_policy(&mut self, policy: ProbeLinks) {
@@ -142,10 +157,7 @@ impl SharedLinks {
         match self.policy {
             ProbeLinks::Shared => true,
             ProbeLinks::PerProcess => false,
-            ProbeLinks::Auto => {
-                self.links.keys().any(|key| key.file == file)
-                    || self.users.get(&file).map_or(0, HashSet::len) + self.attaching.max(1) >= self.crossover
-            }
+            ProbeLinks::Auto => self.links.keys().any(|key| key.file == file) || self.users_of(file) >= self.crossover,
         }
     }
 
@@ -191,11 +203,13 @@ impl SharedLinks {
         let links = Arc::new(attach()?);
         tracing::debug!(path = %path.display(), program, probes = points.len(), "shared links attached");
         if first && self.policy == ProbeLinks::Auto {
-            let traced = self.users.get(&file).map_or(0, HashSet::len) + 1;
+            let traced = self.users_of(file);
+            // `path` may be a link in /proc that names no file once its process is gone.
+            let named = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
             tracing::warn!(
                 "{traced} traced processes map {}: its probes are shared from now on, and every untraced process \
                  mapping it takes a trap per probed call",
-                path.display()
+                named.display()
             );
         }
         self.links.insert(key, links.clone());

@@ -301,12 +301,12 @@ impl Tracer {
         }
         self.unattachable.retain(|id| wanted.contains(id));
         self.refused.retain(|id| wanted.contains(id));
-        let new = matches.iter().filter(|(id, _)| self.targets.get(&id.pid).is_none_or(|t| t.id != *id)).count();
-        self.loaded.attaching(new);
+        let new = matches.iter().filter(|(id, _)| self.targets.get(&id.pid).is_none_or(|t| t.id != *id));
+        self.loaded.attaching(mapped_files(new.map(|(id, _)| id.pid)));
         for (id, comm) in matches {
             changed |= self.consider(id, comm);
         }
-        self.loaded.attaching(0);
+        self.loaded.attaching(HashMap::new());
         self.settle_pending_children();
         let mut newly_mapped = Vec::new();
         for target in self.targets.values_mut().filter(|target| target.cut_since_read) {
@@ -354,4 +354,17 @@ impl Drop for Tracer {
     fn drop(&mut self) {
         self.alive.store(false, Ordering::Relaxed);
     }
+}
+
+/// How many of `pids` map each file, from their `/proc/PID/maps`.
+fn mapped_files(pids: impl Iterator<Item = u32>) -> HashMap<FileId, usize> {
+    let mut files = HashMap::new();
+    for pid in pids {
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
+        let mapped: HashSet<FileId> = maps.lines().filter_map(FileId::of_maps_line).collect();
+        for file in mapped {
+            *files.entry(file).or_default() += 1;
+        }
+    }
+    files
 }

@@ -1,6 +1,10 @@
 //! Attaching a process's probes and hooks, and taking them back.
 
-use std::{collections::HashSet, num::NonZeroU32, path::Path};
+use std::{
+    collections::{HashMap, HashSet},
+    num::NonZeroU32,
+    path::Path,
+};
 
 use anyhow::Context as _;
 use profiler_common::{c_library_free_cookie, FREE_WRAPPER};
@@ -123,9 +127,10 @@ impl Loaded {
         self.shared.set_policy(policy);
     }
 
-    /// `n` processes are about to be attached one after the other (see `SharedLinks::attaching`).
-    pub fn attaching(&mut self, n: usize) {
-        self.shared.attaching(n);
+    /// Processes are about to be attached one after the other, `files` of them mapping each file
+    /// (see `SharedLinks::attaching`).
+    pub fn attaching(&mut self, files: HashMap<FileId, usize>) {
+        self.shared.attaching(files);
     }
 
     /// Whether `pid`, about to get its first link, in `file`, is to share links (see `shared`);
