@@ -251,8 +251,10 @@ mod tests {
         assert!(links.should_share(file), "the third");
         links.forget(10);
         assert!(!links.should_share(file));
-        links.attaching(2);
+        let other = FileId { device: 1, inode: 3 };
+        links.attaching(HashMap::from([(file, 2), (other, 1)]));
         assert!(links.should_share(file), "one traced and two about to be");
+        assert!(!links.should_share(other), "one about to be");
         assert!(SharedLinks::new(ProbeLinks::Shared).should_share(file));
         assert!(!SharedLinks { crossover: 1, ..SharedLinks::new(ProbeLinks::PerProcess) }.should_share(file));
     }
