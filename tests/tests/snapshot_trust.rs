@@ -62,29 +62,33 @@ fn snapshot_refuses_the_answer_of_a_listener_that_is_not_roots() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Root's directory, but anyone may write in it: anyone's socket may be there, under a name not
+/// taken yet, whether the directory is sticky (as /tmp) or not. The answer is refused, and no
+/// password is sent.
 #[test]
 fn snapshot_refuses_a_socket_that_another_user_put_where_others_may_write() {
-    let dir = scratch("socket");
-    // Root's directory, but anyone may write in it (and it is not sticky): anyone's socket may be there.
-    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let socket = dir.join("api.sock");
-    let server = format!(
-        "import socket\n\
-         s = socket.socket(socket.AF_UNIX); s.bind('{}'); s.listen(16); print('ready', flush=True)\n\
-         while True:\n    c, _ = s.accept(); c.recv(4096)\n    \
-         c.sendall(b'HTTP/1.0 200 OK\\r\\nContent-Length: 16\\r\\n\\r\\n{{\"forged\": true}}'); c.close()\n",
-        socket.display()
-    );
-    let mut forger = forger(&server);
-    let output = dir.join("heap.json");
-    let pid = std::process::id().to_string();
-    let outcome =
-        memprof(&["snapshot", "--pid", &pid, "-o", output.to_str().unwrap(), "--daemon", socket.to_str().unwrap()]);
-    let _ = forger.kill();
-    let _ = forger.wait();
-    assert_fails(&outcome, "belongs to uid 65534, not root or you, in a directory others may write to");
-    assert!(!output.exists(), "the forged report was written");
-    let _ = std::fs::remove_dir_all(&dir);
+    for mode in [0o777, 0o1777] {
+        let dir = scratch(&format!("socket-{mode:o}"));
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+        let socket = dir.join("api.sock");
+        let server = format!(
+            "import socket\n\
+             s = socket.socket(socket.AF_UNIX); s.bind('{}'); s.listen(16); print('ready', flush=True)\n\
+             while True:\n    c, _ = s.accept(); c.recv(4096)\n    \
+             c.sendall(b'HTTP/1.0 200 OK\\r\\nContent-Length: 16\\r\\n\\r\\n{{\"forged\": true}}'); c.close()\n",
+            socket.display()
+        );
+        let mut forger = forger(&server);
+        let output = dir.join("heap.json");
+        let pid = std::process::id().to_string();
+        let outcome =
+            memprof(&["snapshot", "--pid", &pid, "-o", output.to_str().unwrap(), "--daemon", socket.to_str().unwrap()]);
+        let _ = forger.kill();
+        let _ = forger.wait();
+        assert_fails(&outcome, "belongs to uid 65534, not root or you, in a directory others may write to");
+        assert!(!output.exists(), "the forged report was written ({mode:o})");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

@@ -180,7 +180,9 @@ pub fn refusal(url: &str, user: Option<&str>, status: u16, body: &[u8]) -> Optio
 
 /// Whether no one but root and `owner` could have put the socket at `path`: every directory on
 /// its way belongs to one of them and no one else may write in it, or, as /tmp, is sticky and its
-/// entry on the way belongs to one of them.
+/// entry on the way (a directory) belongs to one of them. The socket's own directory is no
+/// sticky exception: anyone may make a socket in /tmp under a name not taken yet, a daemon's
+/// while it is down included.
 fn placed_by(path: &Path, owner: u32) -> bool {
     let ours = |uid: u32| uid == 0 || uid == owner;
     let Ok(path) = fs::canonicalize(path) else { return false };
@@ -189,7 +191,8 @@ fn placed_by(path: &Path, owner: u32) -> bool {
         let (Ok(meta), Ok(entry_meta)) = (fs::metadata(dir), fs::symlink_metadata(entry)) else { return false };
         let others_write = meta.mode() & 0o022 != 0;
         let sticky = meta.mode() & 0o1000 != 0;
-        if !ours(meta.uid()) || (others_write && !(sticky && ours(entry_meta.uid()))) {
+        let kept = sticky && entry_meta.is_dir() && ours(entry_meta.uid());
+        if !ours(meta.uid()) || (others_write && !kept) {
             return false;
         }
         entry = dir;
