@@ -1,8 +1,13 @@
 //! The session's loop: what it reads and reports from, every interval and at the end.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    time::Duration,
+};
 
 use std::os::fd::AsFd as _;
+
+use profiler_common::DropReason;
 
 use tokio::io::unix::AsyncFd;
 
@@ -57,6 +62,8 @@ struct Tracer<'a> {
     suppressions: &'a Suppressions,
     /// With `--threads`, each process's threads' names, read each interval.
     thread_names: HashMap<u32, ThreadNames>,
+    /// The processes whose allocations found the live table full, said once each.
+    said_full: HashSet<u32>,
 }
 
 impl Tracer<'_> {
@@ -149,6 +156,13 @@ impl Tracer<'_> {
             // A final read switches nothing: the tracing ends.
             if let Some(switch) = process.rate_guard.check(snapshot).filter(|_| !is_final) {
                 switches.push((process.pid, switch));
+            }
+            let unrecorded = snapshot.drops.counts[DropReason::LiveMapFull as usize];
+            if unrecorded > 0 && self.said_full.insert(process.pid) {
+                say!(
+                    "memprof: pid {}: the table of live allocations is full: {unrecorded} allocations not recorded so far, and the totals are lower bounds; give a larger --max-live",
+                    process.pid
+                );
             }
             let time_s = (snapshot.now_ns.saturating_sub(process.start_ns)) as f64 / 1e9;
             // A final read moments after the last interval is no interval of its own: it stands
@@ -345,6 +359,7 @@ pub(super) async fn trace(
         wrappers: Wrappers::new(&args.wrappers),
         suppressions: &suppressing.rules,
         thread_names: HashMap::new(),
+        said_full: HashSet::new(),
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
