@@ -107,10 +107,18 @@ fn section(report: &Report) -> String {
         }
     }
     if let Some(memory) = &report.memory {
-        // A runtime's heap that memprof does not see is the likeliest owner of the gap.
+        // Allocations memprof had no room for, then a runtime's heap it does not see, are the
+        // likeliest owners of the gap; blocks from before an attach are never seen.
+        let unrecorded = report.dropped.get("live_map_full").copied().unwrap_or(0);
         let gap = match report.blind_spots.iter().find_map(|spot| spot.heap) {
+            _ if unrecorded > 0 => format!(
+                "outside the heap memprof sees: most likely the {unrecorded} allocations it had no room to record \
+                 (live_map_full: raise --max-live), then allocator overhead and caches"
+            ),
             Some(heap) => format!("outside the heap memprof sees: most likely {heap} (not seen, below), then allocator overhead and caches"),
-            None => "not in use by the program (allocator overhead and caches, fragmentation, memory not from malloc)".to_string(),
+            None => "not in blocks memprof saw allocated (blocks from before it attached, allocator overhead and caches, \
+                     fragmentation, memory not from malloc)"
+                .to_string(),
         };
         // After the process exited: the figures of its last reading, not of this report.
         let when = if memory.age_s > 0.0 {

@@ -48,7 +48,7 @@ function memoryRows(memory, blindSpots) {
   return [
     ['rss_anon_bytes', 'Resident anonymous memory' + (memory.age_s ? ` (last read ${memory.age_s} s before the end)` : ''),
       bytesText(memory.rss_anon_bytes)],
-    ['difference_bytes', unseen ? `Resident outside the heap memprof sees (most likely ${unseen})` : 'Resident, not in use by the program',
+    ['difference_bytes', unseen ? `Resident outside the heap memprof sees (most likely ${unseen})` : 'Resident, not in blocks memprof saw allocated',
       (memory.difference_bytes < 0 ? '-' : '') + bytesText(Math.abs(memory.difference_bytes))],
     ['pinned_bytes', 'Resident pages pinned by blocks with less than a quarter of them live',
       `${bytesText(memory.pinned_bytes || 0)} in ${grouped(memory.pinned_pages || 0)} pages`],
