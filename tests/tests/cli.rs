@@ -294,6 +294,7 @@ fn usage_errors_exit_2() {
         &["attach", "--pid", "1", "--min-age", "-1"],
         &["run"],
         &["frobnicate"],
+        &["run", "--record", "/tmp/memprof-same-file", "-o", "/tmp/memprof-same-file", "--", "true"],
     ] {
         let outcome = memprof(args);
         assert_eq!(outcome.status.code(), Some(2), "{args:?}: {outcome:?}");
@@ -308,7 +309,7 @@ fn a_refused_value_names_its_flag_in_one_line() {
     for (args, said) in [
         (
             &["attach", "-p", "9", "--max-live", "4294967295"][..],
-            "'--max-live <MAX_LIVE>': 4294967295 is not in 1..=268435456",
+            "'--max-live <MAX_LIVE>': 4294967295 is not in 1..=134217728",
         ),
         (&["attach", "-p", "9", "--top", "-1"], "'--top <TOP>': `-1` is not a positive number of stacks"),
         (

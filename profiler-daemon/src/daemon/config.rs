@@ -463,7 +463,7 @@ mod tests {
         let err = parse("all = true\ninterval = 1e-9", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().starts_with("invalid interval: `0.000000001` is not an interval from 0.1"), "{err}");
         let err = parse("all = true\nmax_live = 4294967295", DaemonArgs::default()).unwrap_err();
-        assert!(err.to_string().contains("max_live and max_stacks must be 1 to 268435456"), "{err}");
+        assert!(err.to_string().contains("max_live and max_stacks must be 1 to 134217728"), "{err}");
     }
 
     #[test]

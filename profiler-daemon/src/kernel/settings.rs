@@ -38,9 +38,9 @@ pub struct LoadSettings {
     pub full_free_stacks: bool,
 }
 
-/// The most entries a BPF hash table takes: the kernel refuses more buckets than 4 GiB of
-/// 16-byte buckets (`E2BIG`, "Argument list too long").
-pub const MAX_MAP_ENTRIES: i64 = 1 << 28;
+/// The most entries a BPF hash table takes: the kernel rounds them up to a power of two buckets,
+/// and refuses more than fit in 4 GiB of 16-byte buckets (`E2BIG`, "Argument list too long").
+pub const MAX_MAP_ENTRIES: i64 = 1 << 27;
 
 pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     max_live: 1 << 20,
