@@ -41,6 +41,8 @@ pub enum UserError {
         "--live draws on a terminal, and standard output is not one; leave out --live, or run memprof in a terminal"
     )]
     LiveNeedsTerminal,
+    #[error("--record and --output name one file, which would hold the report alone; give each a path of its own")]
+    RecordIsOutput,
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },
@@ -52,7 +54,11 @@ impl UserError {
     pub fn refuses_flags(&self) -> bool {
         matches!(
             self,
-            Self::UsdtFollowForks | Self::InspectNeedsDuration | Self::BinaryToTerminal(_) | Self::LiveNeedsTerminal
+            Self::UsdtFollowForks
+                | Self::InspectNeedsDuration
+                | Self::BinaryToTerminal(_)
+                | Self::LiveNeedsTerminal
+                | Self::RecordIsOutput
         )
     }
 }

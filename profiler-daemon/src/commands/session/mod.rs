@@ -347,6 +347,9 @@ struct Opened {
 
 impl Opened {
     fn open(args: &TraceArgs) -> anyhow::Result<Self> {
+        if args.record.is_some() && args.record == args.output.file {
+            return Err(UserError::RecordIsOutput.into());
+        }
         Ok(Self {
             output: ReportOutput::open(args.output.format(), args.output.file.as_deref())?,
             recording: args.record.as_deref().map(RecordingWriter::create).transpose()?,
