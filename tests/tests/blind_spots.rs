@@ -26,6 +26,17 @@ fn pythons_object_allocator_kept_by_the_user_is_said_not_seen() {
     assert!(spots[0]["what"].as_str().unwrap().contains("pymalloc"), "{spots:?}");
 }
 
+/// Growth mode sees every page a heap first touches, pymalloc's arenas too: nothing is said to
+/// be unseen, at start or in the report.
+#[test]
+fn growth_mode_has_no_blind_spot_for_a_runtimes_heap() {
+    let outcome = run_with_env(&[("PYTHONMALLOC", "pymalloc")], &["--growth"], &[PYTHON, "-c", SMALL_OBJECTS]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(!outcome.stderr.contains("not seen in pid"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(report["blind_spots"], serde_json::json!([]), "{}", report["blind_spots"]);
+}
+
 /// The script builds small objects between two pauses. Run alone with `measure`, it tells what
 /// tracemalloc counts them at; under memprof (without tracemalloc, whose own tables would count
 /// too), memprof's reports during the pauses differ by about as much. (About 350,000 blocks: well

@@ -5,7 +5,7 @@
 use std::{cell::Cell, collections::HashSet};
 
 use crate::{
-    heap::resident::Memory,
+    heap::report::Report,
     process::{
         allocator::{self, Allocator, BlindSpot},
         procfs,
@@ -65,10 +65,16 @@ impl BlindSpots {
         added
     }
 
-    /// The process's blind spots now, given its memory (its latest reading), how many
+    /// The process's blind spots now, given `report`: its memory (its latest reading), how many
     /// allocations memprof has seen in it and the bytes it holds from mappings made outside its
     /// allocator (`heap::mappings`), which name where memory unseen by the heap was asked for.
-    pub fn current(&self, memory: Option<Memory>, allocations_seen: u64, mapped_bytes: u64) -> Vec<BlindSpot> {
+    /// Growth mode sees every page a heap first touches, a runtime's too: it has none.
+    pub fn current(&self, report: &Report) -> Vec<BlindSpot> {
+        if report.growth.is_some() {
+            return Vec::new();
+        }
+        let (memory, allocations_seen, mapped_bytes) =
+            (report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
         let mut spots = self.unprobed.clone();
         if let Some(anon) = memory.map(|m| m.rss_anon_bytes) {
             self.anon_floor.set(self.anon_floor.get().min(anon));

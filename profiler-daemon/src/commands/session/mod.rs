@@ -326,7 +326,9 @@ fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, sampling
     } else {
         say!("memprof: tracing pid {pid} ({comm}) {}; Ctrl-C to stop", how_traced(sampling, probes, allocator));
     }
-    for spot in allocator.unprobed.iter().filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
+    // Growth mode sees every page a heap first touches, a runtime's too.
+    let unseen = allocator.unprobed.iter().filter(|_| !sampling.growth);
+    for spot in unseen.filter(|s| s.unless_env.is_none_or(|entry| !procfs::has_env(pid, entry))) {
         say_not_seen(pid, spot);
     }
 }

@@ -221,9 +221,7 @@ impl Tracer<'_> {
                 report.exe = process.exe.clone();
                 report.parent = process.parent;
                 report.memory = process.resident.current(process.pid, report.totals.outstanding_bytes);
-                report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| {
-                    b.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes)
-                });
+                report.blind_spots = process.blind_spots.as_ref().map_or_else(Vec::new, |b| b.current(&report));
                 if let Some(tally) = by_thread.remove(&process.pid) {
                     report.threads = tally.view(self.thread_names.get(&process.pid));
                 }

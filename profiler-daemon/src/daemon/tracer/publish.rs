@@ -277,8 +277,7 @@ impl Tracer {
     ) -> TargetView {
         let update = |report: &mut Report| {
             report.memory = target.resident.last();
-            report.blind_spots =
-                target.blind_spots.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
+            report.blind_spots = target.blind_spots.current(report);
             report.unwind_tables = Some(*tables);
             report.unattributed_dropped = report::unattributed_dropped(kernel);
             report.timeline = target.leaks.timeline_as_named();
@@ -305,8 +304,7 @@ impl Tracer {
         report.live = true;
         // This interval's reading (`Resident::read_all`): /proc is read once a target an interval.
         report.memory = target.resident.last();
-        report.blind_spots =
-            target.blind_spots.current(report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
+        report.blind_spots = target.blind_spots.current(&report);
         report.unwind_tables = Some(*tables);
         // The report lists the stacks that hold memory, as `memprof attach --json` does; those
         // that freed all they allocated are kept aside for the allocation profile.
