@@ -83,6 +83,12 @@ fn filters_pick_and_fold_stacks() {
     assert_eq!(stacks.len(), 1, "every stack starts at _start: {folded}");
     assert_eq!(stacks[0]["frames"].as_array().unwrap().len(), 1);
     assert_eq!(stacks[0]["outstanding_bytes"].as_u64().unwrap(), total(&folded, "outstanding_bytes"));
+    // A table whose filters leave no stack says so, not that nothing is outstanding.
+    let none = memprof_tests::memprof(
+        &[&["run", "--interval", "60", "--focus", "^no_such_site$", "--"][..], &command].concat(),
+    );
+    assert!(none.stdout.contains("no stack with outstanding allocations passes the filters given"), "{}", none.stdout);
+    assert!(!none.stdout.contains("no outstanding allocations"), "{}", none.stdout);
 }
 
 #[test]

@@ -157,7 +157,10 @@ fn section(report: &Report) -> String {
     if let Some(samples) = report.usdt_samples {
         let _ = writeln!(out, "  {}", crate::heap::sampling::usdt_mode(samples));
     }
-    if report.stacks.is_empty() {
+    if report.stacks.is_empty() && report.totals.outstanding_allocations > 0 {
+        // Filters (--focus, --min-bytes, suppressions) left none of them.
+        let _ = writeln!(out, "  no stack with outstanding allocations passes the filters given");
+    } else if report.stacks.is_empty() {
         let _ = writeln!(out, "  no outstanding allocations");
     } else if report.at_peak {
         let _ = writeln!(out, "  {:>12} {:>5}  STACK", "BYTES", "LEAK");
