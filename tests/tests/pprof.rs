@@ -515,3 +515,18 @@ fn an_inspection_gives_each_class_a_sample_type() {
         assert_eq!(top.cum(function), bytes, "{sample_type} of {function}: {top:?}");
     }
 }
+
+/// What a profile's numbers miss is in its comments, as in the table: here the allocations a
+/// live table of 4 had no room for.
+#[test]
+fn a_profiles_comments_say_what_was_dropped() {
+    let scratch = Scratch::new("dropped");
+    let profile = scratch.file("heap.pb.gz");
+    let program = fixture("short_prog");
+    let args = ["run", "--format", "pprof", "--output", &profile, "--max-live", "4", "--", program.to_str().unwrap()];
+    let outcome = memprof(&args);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let comments = go_pprof(&scratch, &["-comments", &profile]);
+    let dropped = comments.lines().find(|l| l.starts_with("dropped: ")).unwrap_or_else(|| panic!("{comments}"));
+    assert!(dropped.contains("live_map_full="), "{dropped}");
+}

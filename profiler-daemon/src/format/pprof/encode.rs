@@ -104,23 +104,30 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
         );
         comments.push(tables.string(&about));
     }
-    for part in parts.iter().filter(|part| part.report.sample_bytes > 0) {
-        let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
-        let sampled = format!(
-            "{who}sampled: one allocation recorded per {} bytes; values are estimates",
-            part.report.sample_bytes
-        );
-        comments.push(tables.string(&sampled));
-    }
-    for part in parts.iter().filter(|part| part.report.growth.is_some()) {
-        let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
-        let growth = format!("{who}growth: pages by the stack that first touched each; a count is a page");
-        comments.push(tables.string(&growth));
-    }
+    // What each process's numbers are, and what they miss: as its table report says.
+    let who = |part: &Part| if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
     for part in parts {
-        if let Some(samples) = part.report.usdt_samples {
-            let who = if parts.len() > 1 { format!("pid {} ", part.report.pid) } else { String::new() };
-            comments.push(tables.string(&format!("{who}{}", crate::heap::sampling::usdt_mode(samples))));
+        let report = &part.report;
+        if report.sample_bytes > 0 {
+            let sampled =
+                format!("sampled: one allocation recorded per {} bytes; values are estimates", report.sample_bytes);
+            comments.push(tables.string(&format!("{}{sampled}", who(part))));
+        }
+        if report.growth.is_some() {
+            let growth = "growth: pages by the stack that first touched each; a count is a page";
+            comments.push(tables.string(&format!("{}{growth}", who(part))));
+        }
+        if let Some(samples) = report.usdt_samples {
+            comments.push(tables.string(&format!("{}{}", who(part), crate::heap::sampling::usdt_mode(samples))));
+        }
+        for spot in &report.blind_spots {
+            comments.push(tables.string(&format!("{}not seen: {}; {}", who(part), spot.what, spot.advice)));
+        }
+        let dropped: Vec<String> =
+            report.dropped.iter().filter(|&(_, &n)| n > 0).map(|(reason, n)| format!("{reason}={n}")).collect();
+        if !dropped.is_empty() {
+            let lost = format!("dropped: {} (docs: reference/drop-reasons.md)", dropped.join(" "));
+            comments.push(tables.string(&format!("{}{lost}", who(part))));
         }
     }
     let default_type = tables.string(default.name());
