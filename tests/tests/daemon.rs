@@ -417,3 +417,16 @@ fn targets_that_come_and_go_do_not_add_intervals_to_a_steady_targets_timeline() 
     let intervals = started.elapsed().as_secs() + 2;
     assert!(points <= intervals, "{points} points in about {intervals} intervals: {}", report["timeline"]);
 }
+
+/// A pid or a cgroup the rules name that does not exist is said at start: a typo would otherwise
+/// trace nothing, quietly.
+#[test]
+fn rules_naming_a_missing_pid_or_cgroup_are_said() {
+    let _serial = serial();
+    let mut daemon = Daemon::start(&["--pid", "4194303", "--cgroup", "/memprof-no-such-cgroup"]);
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    assert!(log.contains("the rules name pid 4194303, and no such process runs"), "{log}");
+    assert!(log.contains("the rules name cgroup /memprof-no-such-cgroup, and /sys/fs/cgroup has no such"), "{log}");
+}

@@ -31,11 +31,28 @@ use crate::cli::DaemonArgs;
 use crate::console::say;
 
 /// The one line that says why a daemon without rules traces nothing, and what to do.
-fn warn_if_idle(config: &config::Config, args: &DaemonArgs) {
+fn warn_of_idle_rules(config: &config::Config, args: &DaemonArgs) {
     // Without a config file, no rule is an error `load` reported already.
     if let (true, Some(file)) = (config.rules.is_empty(), &args.config) {
         warn!("{}", config::idle_notice(file));
     }
+    // Named one by one, they were meant to exist: a typo would otherwise trace nothing, quietly.
+    for pid in config.rules.pids.iter().filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+        warn!("the rules name pid {pid}, and no such process runs: it is not traced");
+    }
+    for cgroup in config.rules.cgroups.iter().filter(|cgroup| !cgroup_exists(cgroup)) {
+        warn!("the rules name cgroup {cgroup}, and /sys/fs/cgroup has no such directory: no process in it is traced until it appears");
+    }
+}
+
+/// Whether `/sys/fs/cgroup` has the cgroup at `path` (as processes see it), under cgroup v2 or in
+/// any hierarchy of v1; true when that cannot be told.
+fn cgroup_exists(path: &str) -> bool {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let relative = path.trim_start_matches('/');
+    root.join(relative).exists()
+        || std::fs::read_dir(root)
+            .map_or(true, |hierarchies| hierarchies.flatten().any(|hierarchy| hierarchy.path().join(relative).exists()))
 }
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
@@ -50,7 +67,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     // Before the listener and the socket: an unprivileged user hears what is missing, not that a
     // socket's directory refused them.
     crate::kernel::loader::check_support()?;
-    warn_if_idle(&config, args);
+    warn_of_idle_rules(&config, args);
     let web = match &config.http.web_config_file {
         Some(path) => web_config::load(path)?,
         None => web_config::WebConfig::default(),
@@ -108,7 +125,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
         tokio::select! {
             _ = hangup.recv() => match config::load(args) {
                 Ok(config) => {
-                    warn_if_idle(&config, args);
+                    warn_of_idle_rules(&config, args);
                     let _ = commands.send(tracer::Command::Reload(Box::new(config)));
                 }
                 Err(err) => error!("keeping the old configuration: {err}"),

@@ -81,7 +81,7 @@ impl Tracer {
             let limit = self.descriptor_limit;
             self.refuse(id, &comm, || {
                 format!(
-                    "{} of the daemon's {limit} open files are in use, and a target takes about 30; raise its \
+                    "{} of the daemon's {limit} open files are in use, and a target may take 30 more; raise its \
                      limit (LimitNOFILE in its systemd unit, ulimit -n) or narrow the rules",
                     descriptors::open()
                 )
@@ -94,6 +94,12 @@ impl Tracer {
             // no allocator yet: only give up on processes old enough to have one.
             Err(err) if id.age_seconds() < GRACE_SECONDS => {
                 debug!(pid = id.pid, "not traced yet: {err:#}");
+                false
+            }
+            // A pid the rules name is one the user asked for by name: they are told why not.
+            Err(err) if self.config.rules.pids.contains(&id.pid) => {
+                warn!(pid = id.pid, "not traced, though the rules name it: {err:#}");
+                self.unattachable.insert(id);
                 false
             }
             Err(err) => {
