@@ -236,7 +236,7 @@ pub async fn serve(
         };
         stats.accepted.fetch_add(1, Ordering::Relaxed);
         let client = match &accepted {
-            Accepted::Tcp(_, ip) => Client { id: ClientId::Address(host_of(*ip)), local: None },
+            Accepted::Tcp(_, ip) => Client { id: ClientId::Address(*ip), local: None },
             Accepted::Local(_, peer) => Client { id: ClientId::User(peer.uid), local: Some(peer.clone()) },
         };
         // Before waiting for a slot: a client over its share is not queued ahead of others.
@@ -482,35 +482,5 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Deadline<S> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
         self.watch(cx, poll)
-    }
-}
-
-/// The host an address is one client of: every loopback address is this host's, which any
-/// local user may bind as a source (all of 127.0.0.0/8), and so counts as one client.
-fn host_of(ip: IpAddr) -> IpAddr {
-    let loopback = match ip {
-        IpAddr::V4(v4) => v4.is_loopback(),
-        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
-    };
-    if loopback {
-        IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
-    } else {
-        ip
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_loopback_address_is_one_client() {
-        let local: IpAddr = "127.0.0.1".parse().unwrap();
-        for ip in ["127.0.1.2", "127.255.0.9", "::1", "::ffff:127.0.0.7"] {
-            assert_eq!(host_of(ip.parse().unwrap()), local, "{ip}");
-        }
-        for ip in ["10.0.0.1", "::ffff:10.0.0.1", "fe80::1"] {
-            assert_eq!(host_of(ip.parse().unwrap()), ip.parse::<IpAddr>().unwrap(), "{ip}");
-        }
     }
 }
