@@ -328,7 +328,7 @@ pub struct OutputArgs {
     /// Shorthand for `--format json`.
     #[arg(long, conflicts_with = "format")]
     json: bool,
-    /// Write reports to this file instead of stdout.
+    /// Write reports to this file instead of stdout (`-`: stdout).
     #[arg(short = 'o', long = "output", value_name = "FILE")]
     pub file: Option<PathBuf>,
 }

@@ -177,3 +177,19 @@ fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
     }
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// `-o -` is standard output, as for most tools: it made a file named `-`.
+#[test]
+fn a_dash_as_output_is_standard_output() {
+    let dir = directory("dash");
+    let outcome = Command::new(memprof_bin())
+        .current_dir(&dir)
+        .args(["run", "--json", "-o", "-", "--", "true"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("running memprof");
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(String::from_utf8_lossy(&outcome.stdout).contains("\"final\":true"), "{outcome:?}");
+    assert!(!dir.join("-").exists(), "a file named -");
+    let _ = fs::remove_dir_all(&dir);
+}

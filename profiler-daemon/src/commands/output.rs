@@ -47,6 +47,8 @@ pub struct ReportFile {
 impl ReportOutput {
     /// Checks the destination and opens the temporary file; `path` itself is not touched yet.
     pub fn open(format: Format, path: Option<&Path>) -> Result<Self, UserError> {
+        // `-o -` is standard output, as for most tools.
+        let path = path.filter(|path| path.as_os_str() != "-");
         format::check_destination(format, path)?;
         let Some(path) = path else { return Ok(Self::Stdout { closed: false }) };
         ReportFile::create(path).map(Self::File).map_err(|cause| UserError::Output { path: path.to_path_buf(), cause })
