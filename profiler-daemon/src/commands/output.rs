@@ -120,16 +120,18 @@ impl ReportFile {
         };
         // A device or a pipe (`/dev/null`, a FIFO) is written to, never replaced by a file: a
         // rename over /dev/null leaves the host with a regular file there. Never a disk.
-        if fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device()) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a block device; give a file"));
-        }
-        if fs::metadata(path).is_ok_and(|m| !m.file_type().is_file() && !m.is_dir()) {
-            let file = OpenOptions::new().write(true).open(path)?;
-            let path = path.to_path_buf();
-            return Ok(Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true });
-        }
-        if fs::metadata(path).is_ok_and(|m| m.is_dir()) {
-            return Err(io::Error::from_raw_os_error(libc::EISDIR));
+        if let Ok(kind) = fs::metadata(path).map(|meta| meta.file_type()) {
+            if kind.is_block_device() {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, "a block device; give a file"));
+            }
+            if kind.is_dir() {
+                return Err(io::Error::from_raw_os_error(libc::EISDIR));
+            }
+            if !kind.is_file() {
+                let file = OpenOptions::new().write(true).open(path)?;
+                let path = path.to_path_buf();
+                return Ok(Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true });
+            }
         }
         let temporary = temporary_name(path)?;
         let directory = match path.parent() {
