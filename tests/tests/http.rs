@@ -137,6 +137,37 @@ fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
     assert_eq!(refused(daemon.port, "header_timeout"), 4);
 }
 
+/// A local user may connect from any address of 127.0.0.0/8, each under its share, and so fill
+/// every shared slot: root's requests on the socket are served all the same.
+#[test]
+fn connections_from_many_loopback_addresses_do_not_keep_root_waiting_on_the_socket() {
+    let _serial = serial();
+    let mut held = target();
+    let http = "max_connections = 4\nheader_timeout = 120\n";
+    let daemon = daemon_with("loopback", held.pid(), http);
+    let stalls: Vec<TcpStream> = (2..6)
+        .map(|host| {
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            socket.bind(&std::net::SocketAddr::from(([127, 0, 0, host], 0)).into()).unwrap();
+            socket.connect(&std::net::SocketAddr::from(([127, 0, 0, 1], daemon.port)).into()).unwrap();
+            let mut stream = TcpStream::from(socket);
+            stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").unwrap();
+            stream
+        })
+        .collect();
+    wait_for(20, "the four shared slots to be taken", || {
+        (daemon.get("/metrics")?.1.contains("memprof_http_connections_open 5")).then_some(())
+    });
+    // Their 120 s are far from over: root was not served by a slot they gave up.
+    held.go();
+    assert_tracing_exact(&daemon, held.pid());
+    for mut stream in stalls {
+        stream.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let still_open = matches!(stream.read(&mut [0; 1]), Err(e) if e.kind() == ErrorKind::WouldBlock);
+        assert!(still_open, "a stalled connection was closed: root's requests waited for its slot");
+    }
+}
+
 #[test]
 fn slow_clients_are_cut_off_and_do_not_hold_up_scrapes_or_tracing() {
     let _serial = serial();

@@ -3,6 +3,7 @@
 
 mod access;
 mod config;
+mod deadline;
 mod descriptors;
 mod discovery;
 mod exposition;
@@ -100,12 +101,15 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let app = http::router(view, alive, guard, commands.clone());
     let scheme = if web.tls.is_some() { "https" } else { "http" };
     let settings = config.http.clone();
+    let served = access.clone();
     let server = tokio::spawn(async move {
         let local = socket.as_ref().map(|socket| &socket.listener);
-        server::serve(listener, local, app, settings, web.tls, stats, async {
-            let _ = http_stopped.await;
-        })
-        .await;
+        let listeners = server::Listeners::new(app, settings, web.tls, stats, served);
+        listeners
+            .serve(listener, local, async {
+                let _ = http_stopped.await;
+            })
+            .await;
         // The socket's file goes with it.
         drop(socket);
     });

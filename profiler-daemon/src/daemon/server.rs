@@ -1,6 +1,7 @@
-//! The HTTP listener's connections, on its TCP address and on the API's Unix socket: at most `max_connections` served at once (the next ones wait
-//! in the kernel's accept queue), a request head bounded in size and in time, an answer the client
-//! does not read cut off, optional TLS (TCP only). Each connection refused or cut off is counted in
+//! The HTTP listener's connections, on its TCP address and on the API's Unix socket: at most
+//! `max_connections` served at once (the next ones wait in the kernel's accept queue), beside
+//! slots of their own for root and `access.group` on the socket; a request head bounded in size
+//! and in time, an answer the client does not read cut off, optional TLS (TCP only). Each connection refused or cut off is counted in
 //! `memprof_http_refused_total`, so no client is turned away silently.
 //!
 //! It runs on the daemon's async runtime; the tracer has its own thread, so nothing a client does
@@ -12,12 +13,10 @@ use std::{
     io,
     net::IpAddr,
     path::PathBuf,
-    pin::Pin,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex,
     },
-    task::{Context, Poll},
     time::Duration,
 };
 
@@ -29,14 +28,17 @@ use hyper_util::{
 };
 use serde::Deserialize;
 use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::{TcpListener, TcpStream, UnixListener, UnixStream},
+    io::{AsyncRead, AsyncWrite},
+    net::{TcpListener, UnixListener},
     sync::{OwnedSemaphorePermit, Semaphore},
-    time::Sleep,
 };
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
+use super::{
+    access,
+    deadline::{classify, Deadline, State},
+};
 use crate::{
     cli,
     peer::{self, Credentials},
@@ -199,91 +201,135 @@ impl Stats {
     }
 }
 
-/// A connection accepted, and who made it.
-enum Accepted {
-    Tcp(TcpStream, IpAddr),
-    Local(UnixStream, Credentials),
-}
-
-/// Serves `app` on `listener`, and on `socket` if given, until `stop` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    socket: Option<&UnixListener>,
+/// What the port and the socket share: the app, the limits, and the connection slots.
+pub struct Listeners {
     app: Router,
-    settings: Settings,
+    settings: Arc<Settings>,
     tls: Option<TlsAcceptor>,
     stats: Arc<Stats>,
-    stop: impl Future<Output = ()>,
-) {
-    let slots = Arc::new(Semaphore::new(settings.max_connections));
-    let clients = Clients::new(settings.max_connections_per_client);
-    let settings = Arc::new(settings);
-    tokio::pin!(stop);
-    loop {
-        let accepted = tokio::select! {
-            _ = &mut stop => return,
-            accepted = listener.accept() => accepted.map(|(stream, peer)| Accepted::Tcp(stream, peer.ip())),
-            accepted = accept_local(socket) => accepted.map(|(stream, peer)| Accepted::Local(stream, peer)),
-        };
-        let accepted = match accepted {
-            Ok(accepted) => accepted,
+    access: Arc<access::Settings>,
+    clients: Clients,
+    /// `max_connections`, for every connection but those the socket trusts.
+    shared: Arc<Semaphore>,
+    /// Slots only root and `access.group` take, on the socket: however many addresses a local
+    /// user connects from, the shared slots they fill cannot keep root's `inspect` waiting.
+    trusted: Arc<Semaphore>,
+}
+
+impl Listeners {
+    pub fn new(
+        app: Router,
+        settings: Settings,
+        tls: Option<TlsAcceptor>,
+        stats: Arc<Stats>,
+        access: Arc<access::Settings>,
+    ) -> Self {
+        Self {
+            app,
+            tls,
+            stats,
+            access,
+            clients: Clients::new(settings.max_connections_per_client),
+            shared: Arc::new(Semaphore::new(settings.max_connections)),
+            trusted: Arc::new(Semaphore::new(settings.max_connections_per_client)),
+            settings: Arc::new(settings),
+        }
+    }
+
+    /// Serves on `listener`, and on `socket` if given, until `stop` resolves.
+    pub async fn serve(&self, listener: TcpListener, socket: Option<&UnixListener>, stop: impl Future<Output = ()>) {
+        tokio::select! {
+            _ = stop => {}
+            _ = self.port(listener) => {}
+            _ = self.socket(socket) => {}
+        }
+    }
+
+    /// Serves the TCP port. Waiting for a slot here, not accepting, leaves the connections behind
+    /// this one in the kernel's accept queue: they are served in order as slots free up.
+    async fn port(&self, listener: TcpListener) {
+        loop {
+            let Some((stream, peer)) = self.accepted(listener.accept().await).await else { continue };
+            let client = Client { id: ClientId::Address(peer.ip()), local: None };
+            let Some(share) = self.share(client.id) else { continue };
+            let slot = wait_for_slot(self.shared.clone(), &self.stats).await;
+            tokio::spawn(self.connection(client, share).run(stream, slot, self.tls.clone()));
+        }
+    }
+
+    /// Serves the socket, if there is one. Each connection waits for its slot on its own task: a
+    /// stranger's waiting for a shared slot must not hold up root's behind it. Each user's
+    /// waiting connections are bounded by their share.
+    async fn socket(&self, socket: Option<&UnixListener>) {
+        let Some(socket) = socket else { return std::future::pending().await };
+        loop {
+            let accepted = socket.accept().await.and_then(|(stream, _)| Ok((peer::credentials(&stream)?, stream)));
+            let Some((peer, stream)) = self.accepted(accepted).await else { continue };
+            let slots = if self.access.trusts(&peer) { &self.trusted } else { &self.shared };
+            let slots = slots.clone();
+            let client = Client { id: ClientId::User(peer.uid), local: Some(peer) };
+            let Some(share) = self.share(client.id) else { continue };
+            let connection = self.connection(client, share);
+            // Local: no TLS, nothing between the two ends to read it.
+            tokio::spawn(async move {
+                let slot = wait_for_slot(slots, &connection.stats).await;
+                connection.run(stream, slot, None).await
+            });
+        }
+    }
+
+    /// An accepted connection, counted; after a failed accept, such as out of descriptors, none
+    /// for 100 ms, leaving the connection in the kernel's queue.
+    async fn accepted<T>(&self, accepted: io::Result<T>) -> Option<T> {
+        match accepted {
+            Ok(accepted) => {
+                self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+                Some(accepted)
+            }
             Err(err) => {
-                stats.refuse(Refusal::AcceptFailed);
+                self.stats.refuse(Refusal::AcceptFailed);
                 warn!("http: accepting a connection failed: {err}; retrying in 100 ms");
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
+                None
             }
-        };
-        stats.accepted.fetch_add(1, Ordering::Relaxed);
-        let client = match &accepted {
-            Accepted::Tcp(_, ip) => Client { id: ClientId::Address(*ip), local: None },
-            Accepted::Local(_, peer) => Client { id: ClientId::User(peer.uid), local: Some(peer.clone()) },
-        };
-        // Before waiting for a slot: a client over its share is not queued ahead of others.
-        let Some(share) = clients.take(client.id) else {
-            stats.refuse(Refusal::ClientLimit);
+        }
+    }
+
+    /// One more connection of `client`, unless it is over its share: checked before waiting for
+    /// a slot, so that a client over its share is not queued ahead of others.
+    fn share(&self, client: ClientId) -> Option<Share> {
+        let share = self.clients.take(client);
+        if share.is_none() {
+            self.stats.refuse(Refusal::ClientLimit);
             debug!(
-                "http: {:?} has {} connections open; closing its next",
-                client.id, settings.max_connections_per_client
+                "http: {client:?} has {} connections open; closing its next",
+                self.settings.max_connections_per_client
             );
-            continue;
-        };
-        // Waiting here, not accepting, leaves the connections behind this one in the kernel's
-        // accept queue: they are served in order as slots free up.
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                stats.queued.fetch_add(1, Ordering::Relaxed);
-                tokio::select! {
-                    _ = &mut stop => return,
-                    slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-                }
-            }
-        };
-        let app = app.clone().layer(Extension(client));
-        let connection =
-            Connection { app, settings: settings.clone(), stats: stats.clone(), _slot: slot, _share: share };
-        match accepted {
-            Accepted::Tcp(stream, _) => tokio::spawn(connection.run(stream, tls.clone())),
-            // Local: no TLS, nothing between the two ends to read it.
-            Accepted::Local(stream, _) => tokio::spawn(connection.run(stream, None)),
-        };
+        }
+        share
+    }
+
+    fn connection(&self, client: Client, share: Share) -> Connection {
+        let app = self.app.clone().layer(Extension(client));
+        Connection { app, settings: self.settings.clone(), stats: self.stats.clone(), _share: share }
     }
 }
 
-/// The next connection to `socket` and its peer's credentials; never, without a socket.
-async fn accept_local(socket: Option<&UnixListener>) -> io::Result<(UnixStream, Credentials)> {
-    let Some(socket) = socket else { return std::future::pending().await };
-    let (stream, _) = socket.accept().await?;
-    let peer = peer::credentials(&stream)?;
-    Ok((stream, peer))
+/// A slot of `slots`, waiting (counted) when none is free.
+async fn wait_for_slot(slots: Arc<Semaphore>, stats: &Stats) -> OwnedSemaphorePermit {
+    match slots.clone().try_acquire_owned() {
+        Ok(slot) => slot,
+        Err(_) => {
+            stats.queued.fetch_add(1, Ordering::Relaxed);
+            slots.acquire_owned().await.expect("the semaphore is never closed")
+        }
+    }
 }
 
 struct Connection {
     app: Router,
     settings: Arc<Settings>,
     stats: Arc<Stats>,
-    _slot: OwnedSemaphorePermit,
     _share: Share,
 }
 
@@ -345,7 +391,13 @@ impl Drop for Share {
 }
 
 impl Connection {
-    async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(self, stream: S, tls: Option<TlsAcceptor>) {
+    /// Serves `stream` while holding `_slot`.
+    async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+        self,
+        stream: S,
+        _slot: OwnedSemaphorePermit,
+        tls: Option<TlsAcceptor>,
+    ) {
         self.stats.open.fetch_add(1, Ordering::Relaxed);
         let state = Arc::new(State::default());
         let stream = Deadline::new(stream, self.settings.write_timeout, state.clone());
@@ -382,105 +434,5 @@ impl Connection {
             .max_buf_size(buffer)
             .serve_connection(TokioIo::new(stream), TowerToHyperService::new(self.app.clone()))
             .await
-    }
-}
-
-/// Why hyper ended a connection, when it was a limit (a client that hangs up is not refused).
-fn classify(err: &hyper::Error, state: &State) -> Option<Refusal> {
-    if state.write_timed_out.load(Ordering::Relaxed) {
-        Some(Refusal::WriteTimeout)
-    } else if err.is_timeout() {
-        Some(if state.reading_request.load(Ordering::Relaxed) { Refusal::HeaderTimeout } else { Refusal::IdleTimeout })
-    } else if err.is_parse_too_large() {
-        Some(Refusal::HeaderTooLarge)
-    } else if err.is_parse() {
-        Some(Refusal::Malformed)
-    } else {
-        None
-    }
-}
-
-/// What the socket saw, for `classify`.
-#[derive(Debug, Default)]
-struct State {
-    /// Bytes arrived since the last answer was written: a request is under way.
-    reading_request: AtomicBool,
-    write_timed_out: AtomicBool,
-}
-
-/// The socket, with a deadline on writes that make no progress: hyper has no write timeout, and a
-/// client that never reads its answer would hold its connection slot for ever.
-struct Deadline<S> {
-    inner: S,
-    timeout: Duration,
-    stalled: Option<Pin<Box<Sleep>>>,
-    state: Arc<State>,
-}
-
-impl<S> Deadline<S> {
-    fn new(inner: S, timeout: Duration, state: Arc<State>) -> Self {
-        Self { inner, timeout, stalled: None, state }
-    }
-
-    /// `poll` is a write's outcome: a stall longer than the timeout becomes an error.
-    fn watch<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if poll.is_ready() {
-            self.stalled = None;
-            return poll;
-        }
-        let timeout = self.timeout;
-        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        if stalled.as_mut().poll(cx).is_ready() {
-            self.state.write_timed_out.store(true, Ordering::Relaxed);
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client stopped reading")));
-        }
-        Poll::Pending
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Deadline<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.state.reading_request.store(true, Ordering::Relaxed);
-        }
-        poll
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Deadline<S> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(poll, Poll::Ready(Ok(_))) {
-            self.state.reading_request.store(false, Ordering::Relaxed);
-        }
-        self.watch(cx, poll)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(poll, Poll::Ready(Ok(_))) {
-            self.state.reading_request.store(false, Ordering::Relaxed);
-        }
-        self.watch(cx, poll)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let poll = Pin::new(&mut self.inner).poll_flush(cx);
-        self.watch(cx, poll)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
-        self.watch(cx, poll)
     }
 }
