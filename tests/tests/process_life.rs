@@ -125,6 +125,8 @@ fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     assert_eq!(total(child, "frees"), 0, "never negative, never the parent's");
     assert_eq!(report["forks"]["followed"], 1);
     assert_eq!(report["forks"]["missed"], 0);
+    let unseen = report["forks"]["unseen_after_fork_ns"].as_u64().unwrap();
+    assert!(unseen > 0, "the child ran unseen until its probes were attached: {report}");
 }
 
 #[test]
@@ -189,6 +191,7 @@ fn attach_follows_the_children_that_exist_at_attach() {
     assert_eq!(report["forks"]["followed"], 2, "{report}");
     assert_eq!(report["forks"]["at_attach"], 2, "{report}");
     assert_eq!(report["forks"]["missed"], 0, "{report}");
+    assert_eq!(report["forks"]["unseen_after_fork_ns"], 0, "they forked before the session: {report}");
     let children = children(&report);
     assert_eq!(children.len(), 2, "{report}");
     for child in children {

@@ -212,7 +212,9 @@ impl Family {
             tracing::debug!(?event, "process event");
             match event.kind {
                 process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid, Some(&event)),
-                process_event::FORK if self.follow_forks => self.on_fork(loaded, symbolizer, event.tgid, event.pid),
+                process_event::FORK if self.follow_forks => {
+                    self.on_fork(loaded, symbolizer, event.tgid, event.pid, Some(event.time_ns))
+                }
                 process_event::FORK => self.forked_untraced(event.tgid),
                 _ => {}
             }
@@ -324,9 +326,17 @@ impl Family {
         }
     }
 
-    /// A traced process forked: the child is traced from now on. Its blocks copied from the parent
+    /// A traced process forked (at `forked_ns`; None: a child it had at attach): the child is
+    /// traced from now on. Its blocks copied from the parent
     /// were never allocated in it, so their frees are unknown frees, never the parent's.
-    fn on_fork(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, parent: u32, child: u32) {
+    fn on_fork(
+        &mut self,
+        loaded: &mut Loaded,
+        symbolizer: &SymbolizerHandle,
+        parent: u32,
+        child: u32,
+        forked_ns: Option<u64>,
+    ) {
         // Followed already: a child forked while the existing ones were being adopted is both
         // listed and reported by the kernel.
         if self.processes.contains_key(&child) {
@@ -372,6 +382,10 @@ impl Family {
             }
         };
         self.forks.followed += 1;
+        if let Some(forked_ns) = forked_ns {
+            let unseen_ns = monotonic_now_ns().saturating_sub(forked_ns);
+            self.forks.unseen_after_fork_ns = self.forks.unseen_after_fork_ns.max(unseen_ns);
+        }
         say!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, {}",
             how_traced(self.settings.0, attachment.probes(), &allocator)
@@ -418,7 +432,7 @@ impl Family {
                 if self.processes.contains_key(&child) {
                     continue;
                 }
-                self.on_fork(loaded, symbolizer, parent, child);
+                self.on_fork(loaded, symbolizer, parent, child, None);
                 if self.processes.contains_key(&child) {
                     self.forks.at_attach += 1;
                     parents.push(child);

@@ -18,6 +18,13 @@ pub fn render(report: &Report) -> String {
             "  children: {} followed ({} of them there at attach), {} missed (gone before their probes were attached), {} exited and not listed; {} events lost",
             forks.followed, forks.at_attach, forks.missed, forks.exited_not_listed, forks.events_lost
         );
+        if forks.unseen_after_fork_ns != 0 {
+            let _ = writeln!(
+                out,
+                "  a child runs until its probes are attached, here up to {:.1} ms after its fork: what it allocated and freed then is not seen",
+                forks.unseen_after_fork_ns as f64 / 1e6
+            );
+        }
     }
     for child in &report.children {
         out.push_str(&section(child));

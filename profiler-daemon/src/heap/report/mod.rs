@@ -188,6 +188,10 @@ pub struct Forks {
     pub exited_not_listed: u64,
     /// Exec and fork events the kernel's ring buffer had no room for.
     pub events_lost: u64,
+    /// The longest a child forked during the session ran before its probes were attached: what
+    /// it allocated and freed in that time is not seen.
+    #[serde(default)]
+    pub unseen_after_fork_ns: u64,
 }
 
 /// One bucket of a histogram: values in `min..=max`.
