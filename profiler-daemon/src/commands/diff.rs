@@ -7,7 +7,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
-use anyhow::{bail, Context as _};
+use anyhow::{anyhow, bail, Context as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -102,8 +102,15 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
             add(s.stack_id, s.frames, s.outstanding_bytes, s.outstanding_allocations);
         }
     } else {
-        let profile = pprof::read(&bytes)
-            .with_context(|| format!("{} is neither a memprof JSON report nor a pprof profile", path.display()))?;
+        let profile = pprof::read(&bytes).map_err(|err| match err {
+            pprof::PprofError::NotGzip => {
+                anyhow!("{} is neither a memprof JSON report nor a pprof profile", path.display())
+            }
+            pprof::PprofError::Gzip(cause) => {
+                anyhow!("{} is damaged: cannot decompress it ({cause}); give a whole snapshot", path.display())
+            }
+            other => anyhow!("{}: {other}; give a snapshot memprof wrote", path.display()),
+        })?;
         let (Some(bytes), Some(objects)) = (profile.value_index("inuse_space"), profile.value_index("inuse_objects"))
         else {
             bail!("{} has no inuse_space and inuse_objects samples: not a heap profile", path.display());
@@ -132,20 +139,13 @@ fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
 
 /// Refuses, before it is read, a snapshot that needs more than half the memory memprof may use:
 /// about its size, or for a gzip-compressed one, the size it says it decompresses to (its last
-/// four bytes, the size modulo 4 GiB; a lie is caught at `MAX_INPUT_BYTES` by the decompression).
+/// four bytes, the size modulo 4 GiB) up to `MAX_INPUT_BYTES`. Those bytes are only a hint: a cut
+/// file's are whatever was cut at, and a bomb's are a lie, which the decompression refuses.
 fn check_room(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let decompressed = match bytes {
-        [0x1f, 0x8b, .., a, b, c, d] => u64::from(u32::from_le_bytes([*a, *b, *c, *d])),
+        [0x1f, 0x8b, .., a, b, c, d] => u64::from(u32::from_le_bytes([*a, *b, *c, *d])).min(MAX_INPUT_BYTES),
         _ => 0,
     };
-    if decompressed > MAX_INPUT_BYTES {
-        bail!(
-            "{} decompresses to {} MiB, more than the {} MiB of any profile memprof reads; give a snapshot memprof wrote",
-            path.display(),
-            decompressed >> 20,
-            MAX_INPUT_BYTES >> 20
-        );
-    }
     let needs = bytes.len() as u64 + decompressed;
     let room = memory::room();
     if needs > room.bytes / 2 {

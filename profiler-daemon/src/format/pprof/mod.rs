@@ -8,7 +8,7 @@ mod decode;
 mod encode;
 mod wire;
 
-pub use decode::read;
+pub use decode::{read, PprofError};
 pub use encode::{render, render_parts};
 
 use crate::{
