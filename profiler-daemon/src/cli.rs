@@ -356,7 +356,7 @@ pub struct DaemonArgs {
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Address for /metrics and the HTTP API [default: 127.0.0.1:9464].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = listen_address)]
     pub listen: Option<String>,
     /// TLS and basic auth for the listener, as Prometheus exporters' --web.config.file (YAML).
     #[arg(long, value_name = "FILE")]
@@ -477,6 +477,14 @@ pub fn check_seconds(secs: f64, zero_ok: bool) -> Result<f64, String> {
     } else {
         let least = if zero_ok { "0" } else { "0.000000001 (1 ns)" };
         Err(format!("`{secs}` is not a number of seconds from {least} to {MAX_SECONDS}"))
+    }
+}
+
+/// An address to listen on, checked as the command line is read; kept as given.
+fn listen_address(value: &str) -> Result<String, String> {
+    match value.parse::<std::net::SocketAddr>() {
+        Ok(_) => Ok(value.to_string()),
+        Err(_) => Err(format!("`{value}` is not IP:PORT, such as 127.0.0.1:9464")),
     }
 }
 

@@ -43,6 +43,10 @@ pub enum UserError {
     LiveNeedsTerminal,
     #[error("--record and --output name one file, which would hold the report alone; give each a path of its own")]
     RecordIsOutput,
+    /// Flags that cannot go together, or a flag's value refused once the others are known: the
+    /// message names them and the fix.
+    #[error("{0}")]
+    Flags(String),
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },
@@ -59,6 +63,7 @@ impl UserError {
                 | Self::BinaryToTerminal(_)
                 | Self::LiveNeedsTerminal
                 | Self::RecordIsOutput
+                | Self::Flags(_)
         )
     }
 }

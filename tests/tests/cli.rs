@@ -295,6 +295,15 @@ fn usage_errors_exit_2() {
         &["run"],
         &["frobnicate"],
         &["run", "--record", "/tmp/memprof-same-file", "-o", "/tmp/memprof-same-file", "--", "true"],
+        // Refused once the other flags are known.
+        &["snapshot", "-p", "1", "-o", "/tmp/memprof-snapshot.txt"],
+        &["snapshot", "-p", "1", "--daemon", "ftp://localhost", "-o", "/tmp/memprof-snapshot.json"],
+        &["snapshot", "-p", "1", "--daemon", "http://192.0.2.1:9464", "-o", "/tmp/memprof-snapshot.json"],
+        &["report", "--flame", "bytes", "--format", "json", "/dev/null"],
+        &["report", "--flame", "peak", "--at", "3", "/dev/null"],
+        &["report", "--flame", "allocations", "--at", "peak", "/dev/null"],
+        &["report", "--gen-suppressions", "--format", "json", "/dev/null"],
+        &["daemon", "--all", "--listen", "bogus"],
     ] {
         let outcome = memprof(args);
         assert_eq!(outcome.status.code(), Some(2), "{args:?}: {outcome:?}");

@@ -15,7 +15,7 @@ use std::{
 use anyhow::{bail, Context as _};
 use base64::Engine as _;
 
-use crate::{format::MAX_INPUT_BYTES, peer};
+use crate::{error::UserError, format::MAX_INPUT_BYTES, peer};
 
 /// The environment variable that holds the password for `--daemon-user` (never an argument:
 /// those are visible to every user in `ps`).
@@ -66,21 +66,22 @@ impl<'a> Daemon<'a> {
             return self.get_local(Path::new(url), path);
         }
         let Some(authority) = url.strip_prefix("http://").map(|rest| rest.trim_end_matches('/')) else {
-            bail!(
+            return Err(UserError::Flags(format!(
                 "--daemon {url} is neither a socket's path nor an http:// URL; give {} or http://HOST:PORT",
                 crate::cli::DAEMON_SOCKET
-            );
+            ))
+            .into());
         };
-        let address = authority
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut addresses| addresses.next())
-            .with_context(|| format!("--daemon {url} names no address; give it as http://HOST:PORT"))?;
+        let address =
+            authority.to_socket_addrs().ok().and_then(|mut addresses| addresses.next()).ok_or_else(|| {
+                UserError::Flags(format!("--daemon {url} names no address; give it as http://HOST:PORT"))
+            })?;
         if !address.ip().is_loopback() {
-            bail!(
+            return Err(UserError::Flags(format!(
                 "--daemon {url} is not on this host, and memprof trusts only a daemon it can check is root's; \
                  fetch a remote daemon's answers with curl over https instead"
-            );
+            ))
+            .into());
         }
         // Anyone may listen on an unprivileged port: the answer is trusted only from root's or our
         // own, and the password is sent to no one else.

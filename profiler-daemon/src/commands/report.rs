@@ -16,6 +16,7 @@ use crate::{
         suppress::{self, Suppressing},
     },
     console::say,
+    error::UserError,
     format::{self, Flame, Format},
     heap::{
         leak::{StackTimeline, Timeline},
@@ -105,11 +106,12 @@ fn drawn(args: &ReportArgs) -> anyhow::Result<(Format, Flame)> {
         // The default format: --flame says which is wanted.
         (Some(flame), Format::Table) => Ok((Format::Flamegraph, flame)),
         (Some(flame), Format::Flamegraph | Format::Folded) => Ok((format, flame)),
-        (Some(flame), other) => bail!(
+        (Some(flame), other) => Err(UserError::Flags(format!(
             "--flame {} draws a flame graph, and --format {} is not one; give --format flamegraph or folded, or leave out --flame",
             name(flame),
             name(other)
-        ),
+        ))
+        .into()),
     }
 }
 
@@ -118,13 +120,15 @@ fn drawn(args: &ReportArgs) -> anyhow::Result<(Format, Flame)> {
 fn moment(at: Option<Moment>, flame: Flame) -> anyhow::Result<Option<Moment>> {
     match (flame, at) {
         (Flame::Peak, None | Some(Moment::Peak)) => Ok(Some(Moment::Peak)),
-        (Flame::Peak, Some(other)) => {
-            bail!("--flame peak draws the peak, not --at {other}; leave out --at, or give --flame bytes")
-        }
-        (counts, Some(Moment::Peak)) if counts.counts_freed() => bail!(
+        (Flame::Peak, Some(other)) => Err(UserError::Flags(format!(
+            "--flame peak draws the peak, not --at {other}; leave out --at, or give --flame bytes"
+        ))
+        .into()),
+        (counts, Some(Moment::Peak)) if counts.counts_freed() => Err(UserError::Flags(format!(
             "the peak keeps bytes only, so --flame {} cannot be drawn at it; give --at final or --at SECONDS, or --flame bytes",
             name(counts)
-        ),
+        ))
+        .into()),
         (_, at) => Ok(at),
     }
 }

@@ -55,7 +55,10 @@ fn format_of(path: &Path) -> Result<SnapshotFormat, anyhow::Error> {
     } else if name.ends_with(".pb.gz") {
         Ok(SnapshotFormat::Pprof)
     } else {
-        bail!("cannot tell the format from the name {name}; end it in .pb.gz or .json, or give --format pprof|json")
+        Err(UserError::Flags(format!(
+            "cannot tell the format from the name {name}; end it in .pb.gz or .json, or give --format pprof|json"
+        ))
+        .into())
     }
 }
 

@@ -3,11 +3,10 @@
 
 use std::io::Write as _;
 
-use anyhow::bail;
-
 use crate::{
     cli::OutputArgs,
     commands::report,
+    error::UserError,
     format::Format,
     heap::{
         report::Report,
@@ -25,10 +24,11 @@ impl Suppressing {
     /// after the report, unless the report is there in a format other than the table.
     pub fn open(args: &SuppressionArgs, output: &OutputArgs, format: Format) -> anyhow::Result<Self> {
         if args.gen_suppressions && output.file.is_none() && format != Format::Table {
-            bail!(
+            return Err(UserError::Flags(format!(
                 "--gen-suppressions prints to standard output, where the {} report goes; write the report to a file (-o FILE) or give --format table",
                 report::name(format)
-            );
+            ))
+            .into());
         }
         Ok(Self { rules: Suppressions::load(&args.files)?, generate: args.gen_suppressions })
     }
