@@ -83,6 +83,10 @@ pub struct FrameInfo {
     pub module: String,
     /// Inlined into the next frame (same address).
     pub inlined: bool,
+    /// The name as the object file has it, when `function` is its demangled form: valgrind's
+    /// suppressions name functions so (`--gen-suppressions`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mangled: Option<String>,
 }
 
 /// Longest function name or file path kept: a symbol can be any length (a generated C++ type
@@ -460,6 +464,7 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
             line: None,
             module: capped(module),
             inlined: false,
+            mangled: None,
         })],
     }
 }
@@ -469,13 +474,16 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
     let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
+        let name = demangled(function);
+        let mangled = (name != function).then(|| capped(&printable(function)));
         Frame::new(FrameInfo {
             address: format!("{address:#x}"),
-            function: capped(&printable(&demangled(function))),
+            function: capped(&printable(&name)),
             file: code_info.map(|info| capped(&printable(&info.file.to_string_lossy()))),
             line: code_info.and_then(|info| info.line),
             module: capped(module),
             inlined,
+            mangled,
         })
     };
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();

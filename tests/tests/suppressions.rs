@@ -4,7 +4,7 @@
 
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use memprof_tests::{chromium, fixture, memprof, metric, run, wait_for, Daemon, Outcome, Waiting};
+use memprof_tests::{chromium, fixture, fixture_cpp, memprof, metric, run, wait_for, Daemon, Outcome, Waiting};
 use serde_json::{json, Value};
 
 /// The team's file: one rule as valgrind writes them (from `malloc`), one as memprof's
@@ -169,7 +169,7 @@ fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
     let end = report(&["--json", "--at", "final", "--suppressions", &file]).final_report();
     assert_eq!(candidates(&end), owned(&[]));
     assert_eq!((&end["suppressed"]["stacks"], &end["suppressed"]["bytes"]), (&json!(3), &json!(43_488)));
-    if let Some(used) = valgrind(&file) {
+    if let Some(used) = valgrind(&file, &program()) {
         let mut bytes: Vec<u64> = used.iter().map(|(_, bytes)| *bytes).collect();
         bytes.sort();
         assert_eq!(bytes, [7_200, 12_288, 24_000], "{used:?}");
@@ -192,7 +192,7 @@ fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
 #[test]
 fn valgrind_suppresses_the_same_sites_with_the_same_file() {
     let accepted = written("valgrind.supp", ACCEPTED);
-    let Some(used) = valgrind(&accepted) else { return };
+    let Some(used) = valgrind(&accepted, &program()) else { return };
     assert_eq!(used, [("cache".to_string(), 24_000), ("init".to_string(), 7_200)]);
     let end = report(&["--json", "--at", "final", "--suppressions", &accepted]).final_report();
     let ours: Vec<(String, u64)> = end["suppressed"]["by_rule"]
@@ -204,12 +204,38 @@ fn valgrind_suppresses_the_same_sites_with_the_same_file() {
     assert_eq!(ours, used);
 }
 
-/// `(rule, bytes suppressed)` of each rule memcheck used on the fixture, by rule name; None
+/// valgrind names C++ functions by their mangled names: generated rules do too, and leave out
+/// the operator new that memprof folds into malloc (valgrind's stacks start there). Built at
+/// -O0: GCC's clones of a function at -O2 (`fill() [clone .isra.0]`) have names of their own in
+/// the symbol table, which valgrind matches, and none in the debug information memprof reads.
+#[test]
+fn generated_suppressions_name_cpp_functions_as_valgrind_matches_them() {
+    let program = fixture_cpp("suppressions_cpp.cpp", "suppressions_cpp", &["-g", "-O0"]);
+    let program = program.to_str().unwrap();
+    let outcome = memprof(&["run", "--interval", "0.2", "--gen-suppressions", "--", program]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let rules = &outcome.stdout[outcome.stdout.find("{\n").expect("rules after the report")..];
+    assert_eq!(rules.matches("Memcheck:Leak").count(), 2, "{rules}");
+    assert!(rules.contains("   fun:*\n   fun:_ZN3app5Cache4fillEv\n   fun:main\n}"), "{rules}");
+    assert!(rules.contains("   fun:*\n   fun:_ZN3app4growEi\n   fun:_ZN3app5Cache4fillEv\n   fun:main\n}"), "{rules}");
+    let file = written("generated_cpp.supp", rules);
+    let accepted = memprof(&["run", "--interval", "0.2", "--json", "--suppressions", &file, "--", program]);
+    let end = accepted.final_report();
+    assert_eq!(candidates(&end), owned(&[]), "{end}");
+    assert_eq!((&end["suppressed"]["stacks"], &end["suppressed"]["bytes"]), (&json!(2), &json!(31_200)));
+    if let Some(used) = valgrind(&file, program) {
+        let mut bytes: Vec<u64> = used.iter().map(|(_, bytes)| *bytes).collect();
+        bytes.sort();
+        assert_eq!(bytes, [7_200, 24_000], "{used:?}");
+    }
+}
+
+/// `(rule, bytes suppressed)` of each rule memcheck used on `program`, by rule name; None
 /// without valgrind.
-fn valgrind(file: &str) -> Option<Vec<(String, u64)>> {
+fn valgrind(file: &str, program: &str) -> Option<Vec<(String, u64)>> {
     let output = Command::new("valgrind")
         .args(["-v", "--leak-check=full", "--default-suppressions=no", &format!("--suppressions={file}")])
-        .arg(program())
+        .arg(program)
         .output()
         .ok()?;
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -222,6 +222,7 @@ impl Raw<'_> {
                 line: u32::try_from(line).ok().filter(|&l| l > 0),
                 module: capped(&module),
                 inlined,
+                mangled: None,
             })
         };
         if lines.is_empty() {

@@ -63,5 +63,6 @@ pub fn process_frame(process: &Report) -> Frame {
         line: None,
         module: process.exe.clone(),
         inlined: false,
+        mangled: None,
     })
 }

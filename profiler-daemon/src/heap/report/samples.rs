@@ -13,6 +13,7 @@ pub fn frame(function: &str, file: Option<&str>, line: Option<u32>) -> Frame {
         line,
         module: "/usr/bin/leaky".into(),
         inlined: false,
+        mangled: None,
     })
 }
 

@@ -1,7 +1,8 @@
 //! `--gen-suppressions`: a rule per stack worth accepting, in valgrind's format, that both
 //! memprof and valgrind match: the allocator's frame as `fun:*` (a stack does not say which
-//! entry point was called), the folded wrappers, then the stack's frames to `main` (`obj:` for
-//! a frame without a name), at most valgrind's 24 locations.
+//! entry point was called), the folded wrappers valgrind does not replace, then the stack's
+//! frames to `main` by the names their object files give them (valgrind matches C++ functions
+//! by their mangled names; `obj:` for a frame without a name), at most valgrind's 24 locations.
 
 use std::fmt::Write as _;
 
@@ -46,12 +47,13 @@ fn rule(out: &mut String, stack: &StackReport) {
     }
     // Up to `main`: valgrind names what is past it `(below main)`, and a rule needs no more.
     let to_main = stack.frames.iter().position(|f| f.function == "main").map_or(stack.frames.len(), |m| m + 1);
-    let lines = std::iter::once("fun:*".to_string()).chain(stack.via.iter().map(|name| format!("fun:{name}"))).chain(
+    let wrappers = stack.via.iter().skip_while(|name| matching::replaced_by_valgrind(name));
+    let lines = std::iter::once("fun:*".to_string()).chain(wrappers.map(|name| format!("fun:{name}"))).chain(
         stack.frames[..to_main].iter().map(|f| {
             if matching::unnamed(f) {
                 format!("obj:{}", f.module)
             } else {
-                format!("fun:{}", f.function)
+                format!("fun:{}", f.mangled.as_deref().unwrap_or(&f.function))
             }
         }),
     );
@@ -86,5 +88,21 @@ mod tests {
         supp.apply(&mut r);
         assert_eq!(r.stacks[0].suppressed.as_deref(), Some("leak_here (memprof stack 00)"));
         assert_eq!(generate(&r), "", "a suppressed stack needs no rule");
+    }
+
+    /// valgrind's stacks start at the operator new it replaces, and name C++ functions mangled.
+    #[test]
+    fn a_cpp_rule_names_functions_mangled_and_leaves_operator_new_to_the_allocators_frame() {
+        let mut r = report();
+        r.stacks[0].leak.candidate = true;
+        r.stacks[0].via = vec!["operator new(unsigned long)".into(), "xnew".into()];
+        let mut grow = frame("app::grow(int)", None, None);
+        grow.mangled = Some("_ZN3app4growEi".into());
+        r.stacks[0].frames = vec![grow, frame("main", None, None)].into();
+        let text = generate(&r);
+        assert!(text.ends_with("   fun:*\n   fun:xnew\n   fun:_ZN3app4growEi\n   fun:main\n}\n"), "{text}");
+        let supp = Suppressions::new(parse(std::path::Path::new("gen.supp"), &text).unwrap());
+        supp.apply(&mut r);
+        assert!(r.stacks[0].suppressed.is_some(), "memprof matches its own rule");
     }
 }

@@ -23,7 +23,10 @@ impl Seen<'_> {
             (_, Location::Any) => true,
             (Seen::Allocator(names), Location::Fun(pattern)) => names.iter().any(|n| glob(pattern, n)),
             (Seen::Wrapper(name), Location::Fun(pattern)) => fun(pattern, name),
-            (Seen::Frame(frame), Location::Fun(pattern)) => !unnamed(frame) && fun(pattern, &frame.function),
+            (Seen::Frame(frame), Location::Fun(pattern)) => {
+                !unnamed(frame)
+                    && (fun(pattern, &frame.function) || frame.mangled.as_deref().is_some_and(|m| glob(pattern, m)))
+            }
             (Seen::BelowMain(frame), Location::Fun(pattern)) => {
                 glob(pattern, BELOW_MAIN) || Seen::Frame(frame).matches(location)
             }
@@ -35,6 +38,27 @@ impl Seen<'_> {
             _ => false,
         }
     }
+}
+
+/// Whether valgrind replaces the function `name` (mangled or demangled), so that its stacks
+/// start there: the C library's malloc family and C++'s operator new. memprof may fold such a
+/// function as a wrapper of the allocator it probes (libstdc++'s operator new calls malloc): the
+/// allocator's frame stands for it, in a rule as in valgrind's stacks.
+pub fn replaced_by_valgrind(name: &str) -> bool {
+    matches!(
+        name,
+        "malloc"
+            | "calloc"
+            | "realloc"
+            | "reallocarray"
+            | "memalign"
+            | "aligned_alloc"
+            | "posix_memalign"
+            | "valloc"
+            | "pvalloc"
+    ) || name.starts_with("_Znw")
+        || name.starts_with("_Zna")
+        || name.starts_with("operator new")
 }
 
 /// valgrind's name for every frame past `main` (the C library's start-up code).
@@ -55,7 +79,7 @@ pub fn unnamed(frame: &Frame) -> bool {
 }
 
 /// `fun:`: memprof's names are demangled, so a mangled C++ name without wildcards is demangled
-/// before it is compared.
+/// before it is compared (a frame's own mangled name, when it has one, is compared as well).
 fn fun(pattern: &str, name: &str) -> bool {
     if glob(pattern, name) {
         return true;
@@ -162,6 +186,15 @@ mod tests {
         assert!(sequence(&[fun("leaf"), fun("main"), fun("(below main)")], &stack));
         assert!(sequence(&[fun("leaf"), fun("main"), fun("__libc_start_call_main")], &stack));
         assert!(!sequence(&[fun("(below main)")], &stack));
+    }
+
+    #[test]
+    fn mangled_patterns_match_a_frames_mangled_name_wildcards_included() {
+        let mut frame = frame("app::Cache::insert", None, None);
+        frame.mangled = Some("_ZN3app5Cache6insert17h0123456789abcdefE".into());
+        assert!(Seen::Frame(&frame).matches(&Location::Fun("_ZN3app5Cache6insert17h0123456789abcdefE".into())));
+        assert!(Seen::Frame(&frame).matches(&Location::Fun("_ZN3app5Cache*".into())));
+        assert!(!Seen::Frame(&frame).matches(&Location::Fun("_ZN3app5Cache6remove*".into())));
     }
 
     #[test]

@@ -195,7 +195,13 @@ impl Suppressions {
     /// The first rule that matches `stack`.
     fn matching(&self, stack: &StackReport) -> Option<&Rule> {
         let inner = std::iter::once(Seen::Allocator(&self.allocators))
-            .chain(stack.via.iter().map(|name| Seen::Wrapper(name)))
+            .chain(
+                stack
+                    .via
+                    .iter()
+                    .skip_while(|name| matching::replaced_by_valgrind(name))
+                    .map(|name| Seen::Wrapper(name)),
+            )
             .chain(matching::frames(&stack.frames));
         let whole: Vec<Seen> = inner.collect();
         self.rules.iter().find(|rule| {
