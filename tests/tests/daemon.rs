@@ -118,6 +118,35 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     }
 }
 
+/// Under systemd (`Type=notify`), the daemon says when it serves, reloads and stops: `systemctl
+/// start` returns once it serves, and a reload right after start waits for that.
+#[test]
+fn the_daemon_tells_systemd_when_it_serves_reloads_and_stops() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("memprof-notify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("notify.sock");
+    let _ = std::fs::remove_file(&path);
+    let systemd = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    systemd.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let next = || {
+        let mut message = [0u8; 256];
+        let n = systemd.recv(&mut message).expect("a message to systemd");
+        String::from_utf8_lossy(&message[..n]).into_owned()
+    };
+    let held = target();
+    let pid = held.pid().to_string();
+    let daemon = Daemon::spawn(&["--pid", &pid], &[("NOTIFY_SOCKET", path.to_str().unwrap())]);
+    assert_eq!(next(), "READY=1");
+    assert_eq!(http_get(daemon.port, "/-/healthy").map(|answer| answer.0), Some(200), "serving once ready");
+    daemon.signal(libc::SIGHUP);
+    assert!(next().starts_with("RELOADING=1\nMONOTONIC_USEC="));
+    assert_eq!(next(), "READY=1");
+    daemon.signal(libc::SIGTERM);
+    assert_eq!(next(), "STOPPING=1");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn sighup_with_a_broken_config_keeps_serving_and_sigterm_detaches_everything() {
     let _serial = serial();

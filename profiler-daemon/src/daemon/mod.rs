@@ -12,6 +12,7 @@ mod heavy;
 mod host;
 mod http;
 mod metrics;
+mod notify;
 mod query;
 mod server;
 mod settled;
@@ -124,21 +125,27 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
             config.listen
         ),
     }
+    notify::ready();
 
     loop {
         tokio::select! {
-            _ = hangup.recv() => match config::load(args) {
-                Ok(config) => {
-                    warn_of_idle_rules(&config, args);
-                    let _ = commands.send(tracer::Command::Reload(Box::new(config)));
+            _ = hangup.recv() => {
+                notify::reloading();
+                match config::load(args) {
+                    Ok(config) => {
+                        warn_of_idle_rules(&config, args);
+                        let _ = commands.send(tracer::Command::Reload(Box::new(config)));
+                    }
+                    Err(err) => error!("keeping the old configuration: {err}"),
                 }
-                Err(err) => error!("keeping the old configuration: {err}"),
-            },
+                notify::ready();
+            }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
     }
     info!("stopping: detaching every probe");
+    notify::stopping();
     let _ = commands.send(tracer::Command::Shutdown);
     let _ = stop_http.send(());
     tokio::task::spawn_blocking(move || tracer_thread.join()).await.ok();
