@@ -88,6 +88,9 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
                 with_timelines(&mut report, &recording.reports[..=upto]);
             }
             output.write_report(&format::render_flame(&report, format, flame))?;
+            if let Some(line) = format::left_out_of(&report, format) {
+                say!("{line}");
+            }
             if let (false, Some(path)) = (format.streams(), output.path()) {
                 say!("memprof: wrote {}", path.display());
             }

@@ -31,6 +31,10 @@ pub fn render(report: &Report, flame: Flame) -> Vec<u8> {
         let subtitle = options.subtitle.get_or_insert_with(String::new);
         subtitle.push_str(&format!("; {} smaller stacks left out", report.stacks_not_shown));
     }
+    for unsaid in super::unseen_and_dropped(report) {
+        let subtitle = options.subtitle.get_or_insert_with(String::new);
+        subtitle.push_str(&format!("; {unsaid}"));
+    }
     // Leak candidates' allocation sites in red, apart from the memory palette's greens.
     let mut palette = leak_sites(report);
     if palette.iter().next().is_some() {

@@ -146,6 +146,29 @@ fn select_in(report: &mut Report, format: Format, top: usize, freed: bool) {
     }
 }
 
+/// What the report's processes could not see and what was dropped, one phrase each (a process
+/// among several named first): for the formats with no place of their own for it.
+pub fn unseen_and_dropped(report: &Report) -> Vec<String> {
+    let several = !report.children.is_empty();
+    let mut phrases = Vec::new();
+    let mut add = |process: &Report| {
+        let who = if several { format!("pid {}: ", process.pid) } else { String::new() };
+        phrases.extend(process.blind_spots.iter().map(|spot| format!("{who}not seen: {}", spot.what)));
+        phrases.extend(process.dropped_line().map(|dropped| format!("{who}{dropped}")));
+    };
+    add(report);
+    report.children.iter().for_each(&mut add);
+    phrases
+}
+
+/// For folded stacks, which have no place for it: one line of what `unseen_and_dropped` says,
+/// to be said beside them. None for the other formats, or when there is nothing to say.
+pub fn left_out_of(report: &Report, format: Format) -> Option<String> {
+    let phrases = unseen_and_dropped(report);
+    (format == Format::Folded && !phrases.is_empty())
+        .then(|| format!("memprof: the folded stacks leave out: {}", phrases.join("; ")))
+}
+
 /// The report in `format`, ending with a newline where the format is text; flame graphs and
 /// folded stacks of the bytes in use.
 pub fn render(report: &Report, format: Format) -> Vec<u8> {

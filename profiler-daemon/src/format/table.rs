@@ -222,10 +222,8 @@ fn section(report: &Report) -> String {
         let _ = writeln!(out, "  suppressed: {}", suppressed.line());
     }
     mappings(&mut out, &report.mappings);
-    let dropped: Vec<String> =
-        report.dropped.iter().filter(|(_, n)| **n > 0).map(|(r, n)| format!("{r}={n}")).collect();
-    if !dropped.is_empty() {
-        let _ = writeln!(out, "  dropped: {}", dropped.join(" "));
+    if let Some(dropped) = report.dropped_line() {
+        let _ = writeln!(out, "  {dropped}");
     }
     let unattributed: Vec<String> = report.unattributed_dropped.iter().map(|(r, n)| format!("{r}={n}")).collect();
     if !unattributed.is_empty() {

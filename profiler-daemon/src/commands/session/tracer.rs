@@ -387,6 +387,9 @@ pub(super) async fn trace(
             live = None;
             if report.is_final || format.streams() {
                 output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
+                if let (true, Some(line)) = (report.is_final, format::left_out_of(&report, format)) {
+                    say!("{line}");
+                }
                 if let (true, false, Some(path)) = (report.is_final, format.streams(), output.path()) {
                     say!("memprof: wrote {}", path.display());
                 }

@@ -123,10 +123,8 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
         for spot in &report.blind_spots {
             comments.push(tables.string(&format!("{}not seen: {}; {}", who(part), spot.what, spot.advice)));
         }
-        let dropped: Vec<String> =
-            report.dropped.iter().filter(|&(_, &n)| n > 0).map(|(reason, n)| format!("{reason}={n}")).collect();
-        if !dropped.is_empty() {
-            let lost = format!("dropped: {} (docs: reference/drop-reasons.md)", dropped.join(" "));
+        if let Some(dropped) = report.dropped_line() {
+            let lost = format!("{dropped} (docs: reference/drop-reasons.md)");
             comments.push(tables.string(&format!("{}{lost}", who(part))));
         }
     }

@@ -300,6 +300,13 @@ pub const LISTED_MAX: usize = 100;
 pub const MISSED_GENERATIONS: &str = "age_generation_missed";
 
 impl Report {
+    /// `dropped: reason=N ...` for the reasons with drops; None without any.
+    pub fn dropped_line(&self) -> Option<String> {
+        let dropped: Vec<String> =
+            self.dropped.iter().filter(|&(_, &n)| n > 0).map(|(reason, n)| format!("{reason}={n}")).collect();
+        (!dropped.is_empty()).then(|| format!("dropped: {}", dropped.join(" ")))
+    }
+
     /// Calls `each` with this report and each of its children's, theirs too.
     pub fn for_each_process(&mut self, each: &mut impl FnMut(&mut Report)) {
         each(self);
