@@ -6,7 +6,7 @@ use std::{
     ffi::CString,
     io,
     os::{
-        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
         unix::ffi::OsStrExt as _,
     },
     path::Path,
@@ -63,6 +63,12 @@ pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
 pub struct Uprobe {
     _link: OwnedFd,
     _event: OwnedFd,
+}
+
+impl Uprobe {
+    pub fn descriptors(&self) -> [RawFd; 2] {
+        [self._link.as_raw_fd(), self._event.as_raw_fd()]
+    }
 }
 
 /// Attaches `program` (a kprobe-type program) at file offset `offset` of the file at `path`, for

@@ -13,7 +13,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     num::NonZeroU32,
-    os::fd::{AsFd as _, OwnedFd},
+    os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd},
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
@@ -21,14 +21,15 @@ use std::{
 use anyhow::Context as _;
 use aya::{
     programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
+        links::FdLink,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
         ProbeKind, UProbe,
     },
     Ebpf,
 };
 
 use crate::kernel::{
-    perf_event,
+    perf_event, release,
     uprobe_multi::{self, Fires, Point},
 };
 
@@ -200,17 +201,27 @@ struct Link {
     at_return: bool,
 }
 
+/// Each holds what detaches its probes when the last copy of its descriptors closes.
 #[derive(Debug)]
-#[expect(dead_code, reason = "each variant holds what detaches its probes when dropped")]
 enum Probes {
-    /// Closing the link's last descriptor detaches its probes.
     Multi(OwnedFd),
-    /// aya detaches the links it hands out when they are dropped.
-    PerfEvent(UProbeLink),
+    /// A perf-event uprobe's link, as aya makes it.
+    PerfEvent(FdLink),
     /// A thread's page-fault event (`--growth`): closing it takes its program off.
     PageFaults(OwnedFd),
     /// A USDT probe's uprobe (`--usdt`), made by memprof to give the kernel its semaphore.
     Usdt(perf_event::Uprobe),
+}
+
+impl Link {
+    /// Its descriptors, whose last copies detach it as they close.
+    fn descriptors(&self) -> Vec<RawFd> {
+        match &self._probes {
+            Probes::Multi(fd) | Probes::PageFaults(fd) => vec![fd.as_raw_fd()],
+            Probes::PerfEvent(link) => vec![link.as_fd().as_raw_fd()],
+            Probes::Usdt(probe) => probe.descriptors().to_vec(),
+        }
+    }
 }
 
 impl Attachment {
@@ -283,7 +294,9 @@ impl Attachment {
                     let location = UProbeAttachLocation::AbsoluteOffset(point.offset);
                     let at = UProbeAttachPoint { location, cookie: Some(point.cookie) };
                     let id = program.attach(at, path, UProbeScope::OneProcess(pid)).with_context(context)?;
-                    self.links.push(Link { _probes: Probes::PerfEvent(program.take_link(id)?), at_return });
+                    let link = FdLink::try_from(program.take_link(id)?)
+                        .context("this kernel makes no BPF link of a perf event (Linux 5.15)")?;
+                    self.links.push(Link { _probes: Probes::PerfEvent(link), at_return });
                 }
             }
         }
@@ -359,6 +372,13 @@ const CLOSERS: usize = 8;
 /// links closed at once share their grace periods, and perf-event uprobes, which each wait for
 /// theirs under a kernel-wide mutex, at least leave the waiting to the threads.
 fn detach_together(links: Vec<Link>) {
+    let descriptors: Vec<RawFd> = links.iter().flat_map(Link::descriptors).collect();
+    // Children make the last closes (`release`); memprof's own are only references dropped.
+    if let Some(holders) = release::Holders::fork(&descriptors, CLOSERS) {
+        drop(links);
+        holders.release();
+        return;
+    }
     let queue = Mutex::new(links);
     let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
     std::thread::scope(|scope| {

@@ -303,6 +303,13 @@ impl FdLink {
     }
 }
 
+// memprof: the link's descriptor, for a child process to hold a copy of it (PATCHED.md).
+impl std::os::fd::AsFd for FdLink {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 impl Link for FdLink {
     type Id = FdLinkId;
 
