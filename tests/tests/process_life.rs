@@ -8,8 +8,8 @@ use std::{
 };
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture, fixture_with, http_get, memprof_bin, metric, probe_links, released, site, total,
-    wait_for, Daemon, Outcome, Waiting,
+    assert_nothing_dropped, fixture, fixture_with, http_get, memprof, memprof_bin, metric, probe_links, released, site,
+    total, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -127,6 +127,41 @@ fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     assert_eq!(report["forks"]["missed"], 0);
     let unseen = report["forks"]["unseen_after_fork_ns"].as_u64().unwrap();
     assert!(unseen > 0, "the child ran unseen until its probes were attached: {report}");
+}
+
+/// `diff` of two sessions that followed a fork compares their children's sites too, whatever
+/// the children's pids: in JSON a child has a report of its own, in pprof its samples sit under a
+/// frame `comm (pid N)`.
+#[test]
+fn diff_compares_the_children_of_two_sessions_by_site_whatever_their_pids() {
+    let program = dynamic();
+    let dir = std::env::temp_dir().join(format!("memprof-fork-diff-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (format, extension) in [("json", "json"), ("pprof", "pb.gz")] {
+        let sessions: Vec<String> = (0..2)
+            .map(|i| {
+                let path = dir.join(format!("session{i}.{extension}")).to_str().unwrap().to_string();
+                let outcome =
+                    run_released(&["run", "--format", format, "-o", &path, "--", &program, "fork"], "child of pid");
+                assert!(outcome.status.success(), "{outcome:?}");
+                path
+            })
+            .collect();
+        let outcome = memprof(&["diff", "--format", "json", &sessions[0], &sessions[1]]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let diff: Value = serde_json::from_str(&outcome.stdout).unwrap();
+        let child_sites: Vec<&Value> = diff["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|site| site["frames"][0]["function"] == "child_alloc")
+            .collect();
+        assert_eq!(child_sites.len(), 1, "{format}: one site for both children: {diff}");
+        let site = child_sites[0];
+        let bytes = |key: &str| site[key].as_i64().unwrap_or_else(|| panic!("{format}: no {key} in {site}"));
+        assert_eq!((bytes("old_bytes"), bytes("new_bytes"), bytes("delta_bytes")), (3 * 64, 3 * 64, 0), "{format}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

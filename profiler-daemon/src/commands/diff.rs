@@ -65,10 +65,23 @@ struct SiteDiff {
     delta_objects: i64,
 }
 
-/// The part of a JSON report a diff reads.
+/// The part of a JSON report a diff reads: the stacks of its process and of the children it
+/// followed, whose pids differ from one session to the next.
 #[derive(Deserialize)]
 struct JsonReport {
     stacks: Vec<JsonStack>,
+    #[serde(default)]
+    children: Vec<JsonReport>,
+}
+
+impl JsonReport {
+    fn all_stacks(self) -> Vec<JsonStack> {
+        let mut stacks = self.stacks;
+        for child in self.children {
+            stacks.extend(child.all_stacks());
+        }
+        stacks
+    }
 }
 
 #[derive(Deserialize)]
@@ -85,7 +98,11 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
     check_room(path, &bytes)?;
     let mut sites = Sites::new();
     let wrappers = Wrappers::default();
-    let mut add = |stack_id: String, frames: Vec<Frame>, bytes: u64, objects: u64| {
+    let mut add = |stack_id: String, mut frames: Vec<Frame>, bytes: u64, objects: u64| {
+        // A session's profile with several processes puts each under a frame of its pid.
+        if frames.last().is_some_and(is_process_frame) {
+            frames.pop();
+        }
         let (frames, _) = wrappers.fold(frames.into());
         let key = site_key(&frames, &stack_id);
         let entry = sites.entry(key).or_insert_with(|| InUse { frames: frames.to_vec(), ..InUse::default() });
@@ -98,7 +115,7 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
         let last = bytes.split(|&b| b == b'\n').rfind(|line| !line.is_empty()).unwrap_or_default();
         let report: JsonReport =
             serde_json::from_slice(last).with_context(|| format!("{} is not a memprof JSON report", path.display()))?;
-        for s in report.stacks {
+        for s in report.all_stacks() {
             add(s.stack_id, s.frames, s.outstanding_bytes, s.outstanding_allocations);
         }
     } else {
@@ -159,6 +176,13 @@ fn check_room(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 }
 
 /// Names a site by its frames' functions, files, lines and modules: not their addresses.
+/// The outermost frame pprof gives each process of a session that followed forks:
+/// `comm (pid N)` at address 0 (`report::process_frame`).
+fn is_process_frame(frame: &Frame) -> bool {
+    let pid = frame.function.strip_suffix(')').and_then(|rest| rest.rsplit_once(" (pid ")).map(|(_, pid)| pid);
+    frame.address == "0x0" && pid.is_some_and(|pid| pid.parse::<u32>().is_ok())
+}
+
 fn site_key(frames: &[Frame], stack_id: &str) -> String {
     if frames.is_empty() {
         return format!("stack {stack_id}");
