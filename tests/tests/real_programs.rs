@@ -3,6 +3,7 @@
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::TcpStream,
+    os::unix::net::UnixStream,
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicBool, Ordering},
     thread,
@@ -18,7 +19,10 @@ use serde_json::{json, Value};
 #[test]
 fn redis_server_on_jemalloc_under_run() {
     const KEYS: usize = 5000;
-    let port = free_port().to_string();
+    // A socket of its own: a TCP port found free may be taken meanwhile by another test's
+    // listener, which then gets the SETs.
+    let socket = std::env::temp_dir().join(format!("memprof-redis-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&socket);
     let output = std::env::temp_dir().join(format!("memprof-redis-{}.json", std::process::id()));
     let memprof = Command::new(memprof_bin())
         .args(["run", "--json", "--interval", "1", "--output"])
@@ -27,23 +31,23 @@ fn redis_server_on_jemalloc_under_run() {
             "--",
             "/usr/bin/redis-server",
             "--port",
-            &port,
+            "0",
+            "--unixsocket",
+            socket.to_str().unwrap(),
             "--save",
             "",
             "--appendonly",
             "no",
-            "--bind",
-            "127.0.0.1",
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting memprof");
-    wait_for(30, "redis-server to listen", || TcpStream::connect(("127.0.0.1", port.parse().unwrap())).ok());
+    wait_for(30, "redis-server to listen", || UnixStream::connect(&socket).ok());
     // Straight to the server, each reply read: a client that fails says so here, where a
     // redis-cli that failed silently left redis-server (and memprof with it) running.
-    let mut redis = TcpStream::connect(("127.0.0.1", port.parse().unwrap())).expect("connecting to redis-server");
+    let mut redis = UnixStream::connect(&socket).expect("connecting to redis-server");
     redis.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut commands = String::new();
     for key in 0..KEYS {
@@ -73,6 +77,7 @@ fn redis_server_on_jemalloc_under_run() {
     assert!(stderr.contains("libjemalloc.so.2 (C library malloc, jemalloc"), "{stderr}");
     let text = std::fs::read_to_string(&output).unwrap();
     std::fs::remove_file(&output).unwrap();
+    let _ = std::fs::remove_file(&socket);
     let report: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     let stacks = report["stacks"].as_array().unwrap();
     for stack in stacks {
