@@ -147,6 +147,21 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     assert_eq!(report["inspection"]["untracked_blocks"], 0);
 }
 
+/// A block whose only pointer is in shared memory is reachable, as memcheck says: the maps show
+/// shared anonymous memory as `/dev/zero (deleted)` and POSIX shared memory under `/dev/shm`,
+/// which were skipped as devices' memory, and such blocks were called definitely lost.
+#[test]
+fn pointers_kept_in_shared_memory_keep_their_blocks_reachable() {
+    let fixture = fixture_with("shared_roots.c", "shared_roots", &["-g", "-O0"]);
+    let (report, fixture_output) = run_inspect(&fixture, &["--inspect-precopy", "never"]);
+    assert_eq!(fixture_output, ["set", "done ok"]);
+    let none = (0, 0);
+    for (site, bytes) in [("shared_anon", 111), ("posix_shm", 222), ("shared_memfd", 333)] {
+        assert_eq!(reachability(&report, site), &reach(none, none, none, (bytes, 1), 0), "{site}");
+    }
+    assert_eq!(reachability(&report, "shared_lost"), &reach((666, 1), none, none, none, 666));
+}
+
 /// Whether this kernel keeps soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`): a page of ours written
 /// after they were cleared has bit 55 of its pagemap entry set.
 fn kernel_has_soft_dirty() -> bool {

@@ -183,11 +183,14 @@ fn ms(since: Instant) -> f64 {
 
 /// The mappings copied: the writable ones but device memory and the kernel's.
 fn copied(regions: &[Region]) -> Vec<Region> {
-    regions
-        .iter()
-        .filter(|r| r.writable && !r.path.starts_with("/dev/") && !r.path.starts_with("[v"))
-        .cloned()
-        .collect()
+    regions.iter().filter(|r| r.writable && !is_device(&r.path) && !r.path.starts_with("[v")).cloned().collect()
+}
+
+/// A device's memory, which reading may disturb. Not shared anonymous memory, which the maps
+/// show as `/dev/zero (deleted)`, nor POSIX shared memory (`/dev/shm/NAME`): a pointer kept
+/// there keeps its block reachable.
+fn is_device(path: &str) -> bool {
+    path.starts_with("/dev/") && !path.starts_with("/dev/zero") && !path.starts_with("/dev/shm/")
 }
 
 fn total(regions: &[Region]) -> u64 {
@@ -203,4 +206,19 @@ fn check_size(pid: u32, regions: &[Region]) -> Result<(), CaptureError> {
         return Err(CaptureError::TooLarge { pid, bytes, room });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_is_copied_and_devices_are_not() {
+        for path in ["/dev/zero (deleted)", "/dev/shm/cache", "/memfd:x (deleted)", "/SYSV00000000 (deleted)", ""] {
+            assert!(!is_device(path), "{path}");
+        }
+        for path in ["/dev/dri/card0", "/dev/nvidia0", "/dev/mem"] {
+            assert!(is_device(path), "{path}");
+        }
+    }
 }
