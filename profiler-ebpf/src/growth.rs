@@ -68,11 +68,6 @@ fn page_present(addr: u64) -> bool {
     }
 }
 
-/// A fault this close to the stack pointer is the thread's stack growing, not its heap: below it
-/// by a red zone and a frame being set up, above it by the frames of its callers.
-const STACK_BELOW: u64 = 64 * 1024;
-const STACK_ABOVE: u64 = 256 * 1024;
-
 #[perf_event]
 pub fn page_fault(ctx: PerfEventContext) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
@@ -94,9 +89,10 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
     let user = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as u64;
     let word = |field: usize| kernel_word(user, field as u32);
     let (pc, sp) = (word(offset_of!(pt_regs, rip)), word(offset_of!(pt_regs, rsp)));
-    let on_stack = addr >= sp.saturating_sub(STACK_BELOW) && addr < sp.saturating_add(STACK_ABOVE);
-    // Code read in from its file at its first run.
-    if on_stack || addr & PAGE_MASK == pc & PAGE_MASK || user == 0 {
+    // Code read in from its file at its first run. A thread's stack growing is sent as any other
+    // touch, and counted outside the heap by the daemon, which knows the stacks' mappings: a
+    // window around the stack pointer also took the heap a new thread fills just above its stack.
+    if addr & PAGE_MASK == pc & PAGE_MASK || user == 0 {
         return 0;
     }
     let regs = Regs {

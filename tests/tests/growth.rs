@@ -42,6 +42,16 @@ fn assert_growth(outcome: &Outcome) {
     assert_eq!(report["totals"]["unknown_frees"], 0);
 }
 
+/// A block a new thread fills lies just above the thread's stack (glibc maps the stack below it):
+/// every page it touches is counted, none taken for the stack's.
+#[test]
+fn pages_a_new_thread_fills_just_above_its_stack_are_counted() {
+    let outcome = run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap(), "threads"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(through(&report, "thread_fill"), (4 << 20, 1024), "{report}");
+}
+
 #[test]
 fn run_sees_the_leaking_site_on_glibc() {
     assert_growth(&run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap()]));
