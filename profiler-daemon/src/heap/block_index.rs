@@ -83,7 +83,7 @@ mod tests {
     use super::*;
 
     fn block(addr: u64, size: u64) -> LiveBlock {
-        LiveBlock { addr, size, stack_id: 0 }
+        LiveBlock { addr, size, stack_id: 0, weighted_bytes: size }
     }
 
     #[test]

@@ -178,7 +178,7 @@ mod tests {
     const A: u64 = 0x1000;
 
     fn block(size: u64) -> LiveBlock {
-        LiveBlock { addr: A, size, stack_id: 0 }
+        LiveBlock { addr: A, size, stack_id: 0, weighted_bytes: size }
     }
 
     #[test]

@@ -97,11 +97,30 @@ impl ViaHeuristic {
     }
 }
 
+/// What one classified block adds: itself, or for a block recorded by sampling, the blocks and
+/// bytes it stands for, as the report's in-use figures count it. What it retains is scaled alike.
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    bytes: u64,
+    blocks: u64,
+    retained: u64,
+}
+
+impl Counted {
+    fn of(block: &LiveBlock, retained: u64) -> Self {
+        if block.weighted_bytes == block.size || block.size == 0 {
+            return Self { bytes: block.size, blocks: 1, retained };
+        }
+        let scale = block.weighted_bytes as f64 / block.size as f64;
+        Self { bytes: block.weighted_bytes, blocks: scale.round() as u64, retained: (retained as f64 * scale) as u64 }
+    }
+}
+
 impl Reachability {
-    fn count(&mut self, class: Class, size: u64, retained: u64, heuristic: Option<Heuristic>) {
+    fn count(&mut self, class: Class, counted: Counted, heuristic: Option<Heuristic>) {
         // memcheck counts a block's heuristic whatever its class came to be.
         if let Some(heuristic) = heuristic {
-            self.reachable_via_heuristic.count(heuristic, size, 1);
+            self.reachable_via_heuristic.count(heuristic, counted.bytes, counted.blocks);
         }
         let (bytes, blocks) = match class {
             Class::Reachable => (&mut self.reachable_bytes, &mut self.reachable_blocks),
@@ -109,9 +128,9 @@ impl Reachability {
             Class::DefinitelyLost => (&mut self.definitely_lost_bytes, &mut self.definitely_lost_blocks),
             Class::IndirectlyLost => (&mut self.indirectly_lost_bytes, &mut self.indirectly_lost_blocks),
         };
-        *bytes += size;
-        *blocks += 1;
-        self.retained_bytes += retained;
+        *bytes += counted.bytes;
+        *blocks += counted.blocks;
+        self.retained_bytes += counted.retained;
     }
 
     pub fn add(&mut self, other: &Reachability) {
@@ -266,8 +285,9 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
     for (at, block) in blocks.iter().enumerate() {
         let (class, retained, heuristic) = (marking.classes[at], marking.retained[at], marking.heuristics[at]);
-        inspection.totals.count(class, block.size, retained, heuristic);
-        inspection.per_stack.entry(block.stack_id).or_default().count(class, block.size, retained, heuristic);
+        let counted = Counted::of(block, retained);
+        inspection.totals.count(class, counted, heuristic);
+        inspection.per_stack.entry(block.stack_id).or_default().count(class, counted, heuristic);
     }
     // After the release: reading the process's files takes no part in the pause.
     let names = vtables::types(pid, &first_words);
@@ -338,7 +358,7 @@ mod tests {
     #[test]
     fn gaps_are_the_region_outside_its_blocks() {
         let region = Region { start: 0x1000, end: 0x2000, writable: true, shared: false, path: "[heap]".into() };
-        let block = |addr, size| LiveBlock { addr, size, stack_id: 0 };
+        let block = |addr, size| LiveBlock { addr, size, stack_id: 0, weighted_bytes: size };
         let blocks = [block(0x800, 0x10), block(0x1010, 0x20), block(0x1030, 0x10), block(0x1f00, 0x200)];
         assert_eq!(gaps(&blocks, &region), [(0x1000, 0x1010), (0x1040, 0x1f00)]);
         assert!(holds_block(&blocks, &region));

@@ -121,7 +121,7 @@ mod tests {
     const PAGE: u64 = 4096;
 
     fn block(addr: u64, size: u64, stack_id: u64) -> LiveBlock {
-        LiveBlock { addr, size, stack_id }
+        LiveBlock { addr, size, stack_id, weighted_bytes: size }
     }
 
     fn all_resident(pages: &[u64]) -> Option<Vec<bool>> {

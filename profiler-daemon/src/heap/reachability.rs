@@ -268,7 +268,7 @@ pub(crate) mod tests {
     }
 
     fn block(addr: u64, size: u64) -> LiveBlock {
-        LiveBlock { addr, size, stack_id: addr }
+        LiveBlock { addr, size, stack_id: addr, weighted_bytes: size }
     }
 
     fn classify(blocks: &[LiveBlock], memory: &Map, roots: &[u64]) -> Marking {

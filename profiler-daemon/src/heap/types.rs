@@ -76,7 +76,7 @@ mod tests {
 
     #[test]
     fn blocks_are_counted_per_type_and_stack() {
-        let block = |addr, size, stack_id| LiveBlock { addr, size, stack_id };
+        let block = |addr, size, stack_id| LiveBlock { addr, size, stack_id, weighted_bytes: size };
         let blocks = [block(0x10, 16, 1), block(0x20, 40, 1), block(0x50, 16, 2), block(0x60, 24, 2)];
         let words = [0xc1, 0xa1, 0xc1, 0];
         let names = HashMap::from([(0xc1, "Circle".to_string()), (0xa1, "ns::Widget".to_string())]);

@@ -185,7 +185,7 @@ mod tests {
         words.insert(0x10318, key);
         words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
         words.insert(0x10360, 0x10330 ^ (0x10360 >> 12)); // its first, linked to the last
-        let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1 }];
+        let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1, weighted_bytes: 0x20 }];
         let found = count(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
         // An untracked block's first word that, so decoded, is no chunk of its size: in use.
@@ -212,7 +212,7 @@ mod tests {
     #[test]
     fn blocks_mapped_one_by_one_are_walked_from_the_mappings_start() {
         let words = BTreeMap::from([(0x7000_0008, 0x21000 | MMAPPED), (0x7002_1008, 0x3000 | MMAPPED)]);
-        let blocks = [LiveBlock { addr: 0x7002_1010, size: 0x2000, stack_id: 1 }];
+        let blocks = [LiveBlock { addr: 0x7002_1010, size: 0x2000, stack_id: 1, weighted_bytes: 0x2000 }];
         let found = count(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks);
         assert_eq!(found, Untracked { blocks: 1, bytes: 0x21000 - 16 });
     }

@@ -4,9 +4,9 @@
 use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
-use profiler_common::{AddrKey, LiveAlloc, ProcHeap};
+use profiler_common::{AddrKey, LiveAlloc, ProcHeap, SAMPLED, USDT};
 
-use crate::kernel::{aggregate, batch};
+use crate::kernel::{aggregate, batch, sample_rates};
 
 /// One outstanding allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,6 +15,9 @@ pub struct LiveBlock {
     pub size: u64,
     /// The kernel's id of its allocation stack (as `StackSnapshot::stored_id`).
     pub stack_id: u64,
+    /// The bytes it stands for: `size`, or for a block recorded by sampling, its estimate
+    /// (`profiler_common::weight`).
+    pub weighted_bytes: u64,
 }
 
 /// Every block `tgid` holds now, sorted by address.
@@ -26,9 +29,20 @@ pub fn blocks(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<Vec<LiveBlock>> {
 /// that of every traced process's live allocations together.
 pub fn by_process(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, Vec<LiveBlock>>> {
     let mut blocks: HashMap<u32, Vec<LiveBlock>> = HashMap::new();
+    let rates = sample_rates::of(ebpf)?;
+    let usdt: BpfHashMap<_, AddrKey, u64> = BpfHashMap::try_from(aggregate::map(ebpf, "USDT_WEIGHTS")?)?;
     batch::for_each(aggregate::map(ebpf, "LIVE")?, |key: &AddrKey, live: &LiveAlloc| {
         if tgids.contains(&key.tgid) {
-            let block = LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id };
+            // The rate the kernel weighs the block by at its free (`rate_of` in the programs).
+            let rate = if live.func & USDT != 0 {
+                usdt.get(key, 0).unwrap_or(0)
+            } else if live.func & SAMPLED != 0 {
+                rates.get(&key.tgid).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            let weighted_bytes = profiler_common::weight(rate, live.size).1;
+            let block = LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id, weighted_bytes };
             blocks.entry(key.tgid).or_default().push(block);
         }
     })?;

@@ -26,6 +26,13 @@ pub fn set(ebpf: &mut Ebpf, pid: u32, sample_bytes: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The rate of each process that samples.
+pub fn of(ebpf: &Ebpf) -> anyhow::Result<std::collections::HashMap<u32, u64>> {
+    let map = ebpf.map("SAMPLING").context("map SAMPLING missing from the eBPF object")?;
+    let rates: HashMap<_, u32, u64> = HashMap::try_from(map)?;
+    Ok(rates.iter().filter_map(Result::ok).collect())
+}
+
 /// Forgets the rates of the processes `gone` says have left.
 pub fn forget(ebpf: &mut Ebpf, gone: impl Fn(u32) -> bool) -> anyhow::Result<()> {
     let rates: HashMap<_, u32, u64> = HashMap::try_from(map(ebpf, "SAMPLING")?)?;
