@@ -1,8 +1,9 @@
 //! The HTTP listener's connections, on its TCP address and on the API's Unix socket: at most
 //! `max_connections` served at once (the next ones wait in the kernel's accept queue), beside
 //! slots of their own for root and `access.group` on the socket; a request head bounded in size
-//! and in time, an answer the client does not read cut off, optional TLS (TCP only). Each connection refused or cut off is counted in
-//! `memprof_http_refused_total`, so no client is turned away silently.
+//! and in time, an answer the client does not read cut off, optional TLS (TCP only). Each
+//! connection refused or cut off is counted in `memprof_http_refused_total`, so no client is
+//! turned away silently.
 //!
 //! It runs on the daemon's async runtime; the tracer has its own thread, so nothing a client does
 //! here slows tracing.

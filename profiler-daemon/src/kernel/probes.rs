@@ -372,6 +372,9 @@ const CLOSERS: usize = 8;
 /// links closed at once share their grace periods, and perf-event uprobes, which each wait for
 /// theirs under a kernel-wide mutex, at least leave the waiting to the threads.
 fn detach_together(links: Vec<Link>) {
+    if links.is_empty() {
+        return;
+    }
     let descriptors: Vec<RawFd> = links.iter().flat_map(Link::descriptors).collect();
     // Children make the last closes (`release`); memprof's own are only references dropped.
     if let Some(holders) = release::Holders::fork(&descriptors, CLOSERS) {
