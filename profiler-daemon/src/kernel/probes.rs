@@ -193,11 +193,10 @@ pub struct Attachment {
     sites: Vec<(PathBuf, Vec<u64>)>,
 }
 
-/// Attached probes: detached when dropped.
+/// Attached probes: detached when the last copy of their descriptors closes (`detach_together`).
 #[derive(Debug)]
 struct Link {
-    /// Held only to be dropped.
-    _probes: Probes,
+    probes: Probes,
     at_return: bool,
 }
 
@@ -216,7 +215,7 @@ enum Probes {
 impl Link {
     /// Its descriptors, whose last copies detach it as they close.
     fn descriptors(&self) -> Vec<RawFd> {
-        match &self._probes {
+        match &self.probes {
             Probes::Multi(fd) | Probes::PageFaults(fd) => vec![fd.as_raw_fd()],
             Probes::PerfEvent(link) => vec![link.as_fd().as_raw_fd()],
             Probes::Usdt(probe) => probe.descriptors().to_vec(),
@@ -241,13 +240,13 @@ impl Attachment {
     /// Takes over the page-fault events of a process traced by them (see `faults`).
     pub fn add_page_faults(&mut self, events: Vec<OwnedFd>) {
         self.probes += events.len();
-        self.links.extend(events.into_iter().map(|fd| Link { _probes: Probes::PageFaults(fd), at_return: false }));
+        self.links.extend(events.into_iter().map(|fd| Link { probes: Probes::PageFaults(fd), at_return: false }));
     }
 
     /// Takes over a USDT probe's uprobe (see `loader::usdt`).
     pub fn add_usdt(&mut self, probe: perf_event::Uprobe) {
         self.probes += 1;
-        self.links.push(Link { _probes: Probes::Usdt(probe), at_return: false });
+        self.links.push(Link { probes: Probes::Usdt(probe), at_return: false });
     }
 
     /// Makes `links`, shared with other processes, part of this process's probes.
@@ -286,7 +285,7 @@ impl Attachment {
                 let pid = pid.map_or(0, NonZeroU32::get);
                 let link =
                     uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
-                self.links.push(Link { _probes: Probes::Multi(link), at_return });
+                self.links.push(Link { probes: Probes::Multi(link), at_return });
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
@@ -296,7 +295,7 @@ impl Attachment {
                     let id = program.attach(at, path, UProbeScope::OneProcess(pid)).with_context(context)?;
                     let link = FdLink::try_from(program.take_link(id)?)
                         .context("this kernel makes no BPF link of a perf event (Linux 5.15)")?;
-                    self.links.push(Link { _probes: Probes::PerfEvent(link), at_return });
+                    self.links.push(Link { probes: Probes::PerfEvent(link), at_return });
                 }
             }
         }
@@ -348,7 +347,7 @@ pub fn sweep_copies<'a>(
         for (path, offsets) in by_file {
             let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
             match uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()) {
-                Ok(link) => links.push(Link { _probes: Probes::Multi(link), at_return: false }),
+                Ok(link) => links.push(Link { probes: Probes::Multi(link), at_return: false }),
                 // Gone since, say: its children are swept with those of the next.
                 Err(err) => tracing::debug!(pid = pid.get(), path = %path.display(), "not swept: {err}"),
             }
