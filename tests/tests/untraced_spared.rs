@@ -17,18 +17,25 @@ use memprof_tests::{
 /// The executable mapping of the C library in `pid`: its start, length, file offset and path.
 fn libc_text(pid: u32) -> (u64, u64, u64, String) {
     let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    maps.lines()
-        .find_map(|line| {
-            let fields: Vec<&str> = line.split_ascii_whitespace().collect();
-            let path = *fields.get(5)?;
-            if !fields[1].contains('x') || !path.rsplit('/').next()?.starts_with("libc.so") {
-                return None;
-            }
-            let (start, end) = fields[0].split_once('-')?;
-            let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
-            Some((start, end - start, u64::from_str_radix(fields[2], 16).ok()?, path.to_string()))
-        })
-        .unwrap_or_else(|| panic!("no libc text in pid {pid}'s maps:\n{maps}"))
+    find_libc_text(&maps).unwrap_or_else(|| panic!("no libc text in pid {pid}'s maps:\n{maps}"))
+}
+
+/// Whether `pid` has mapped its C library's code yet (a program just exec'd has not).
+fn maps_libc_text(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| find_libc_text(&maps).is_some())
+}
+
+fn find_libc_text(maps: &str) -> Option<(u64, u64, u64, String)> {
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+        let path = *fields.get(5)?;
+        if !fields[1].contains('x') || !path.rsplit('/').next()?.starts_with("libc.so") {
+            return None;
+        }
+        let (start, end) = fields[0].split_once('-')?;
+        let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+        Some((start, end - start, u64::from_str_radix(fields[2], 16).ok()?, path.to_string()))
+    })
 }
 
 /// Whether `pid`'s C library code, read through `/proc/PID/mem`, is its file's, byte for byte.
@@ -267,7 +274,8 @@ fn a_target_that_execs_out_of_the_rules_loses_its_breakpoints_at_once() {
     daemon.wait_traced(pid);
     target.go();
     wait_for(10, "the exec'd program's C library code to be its file's", || {
-        (procfs_comm(pid) == "sleep" && libc_code_is_the_files(pid)).then_some(())
+        // The dynamic linker maps the C library a moment after the exec.
+        (procfs_comm(pid) == "sleep" && maps_libc_text(pid) && libc_code_is_the_files(pid)).then_some(())
     });
 }
 
