@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     cli::{DiffArgs, DiffFormat},
     format::{self, pprof, MAX_INPUT_BYTES},
-    heap::wrappers::Wrappers,
+    heap::{report, wrappers::Wrappers},
     process::memory,
     symbolize::Frame,
 };
@@ -100,7 +100,7 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
     let wrappers = Wrappers::default();
     let mut add = |stack_id: String, mut frames: Vec<Frame>, bytes: u64, objects: u64| {
         // A session's profile with several processes puts each under a frame of its pid.
-        if frames.last().is_some_and(is_process_frame) {
+        if frames.last().is_some_and(report::is_process_frame) {
             frames.pop();
         }
         let (frames, _) = wrappers.fold(frames.into());
@@ -176,13 +176,6 @@ fn check_room(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 }
 
 /// Names a site by its frames' functions, files, lines and modules: not their addresses.
-/// The outermost frame pprof gives each process of a session that followed forks:
-/// `comm (pid N)` at address 0 (`report::process_frame`).
-fn is_process_frame(frame: &Frame) -> bool {
-    let pid = frame.function.strip_suffix(')').and_then(|rest| rest.rsplit_once(" (pid ")).map(|(_, pid)| pid);
-    frame.address == "0x0" && pid.is_some_and(|pid| pid.parse::<u32>().is_ok())
-}
-
 fn site_key(frames: &[Frame], stack_id: &str) -> String {
     if frames.is_empty() {
         return format!("stack {stack_id}");

@@ -164,9 +164,11 @@ pub fn unseen_and_dropped(report: &Report) -> Vec<String> {
 /// For folded stacks, which have no place for it: one line of what `unseen_and_dropped` says,
 /// to be said beside them. None for the other formats, or when there is nothing to say.
 pub fn left_out_of(report: &Report, format: Format) -> Option<String> {
+    if format != Format::Folded {
+        return None;
+    }
     let phrases = unseen_and_dropped(report);
-    (format == Format::Folded && !phrases.is_empty())
-        .then(|| format!("memprof: the folded stacks leave out: {}", phrases.join("; ")))
+    (!phrases.is_empty()).then(|| format!("memprof: the folded stacks leave out: {}", phrases.join("; ")))
 }
 
 /// The report in `format`, ending with a newline where the format is text; flame graphs and

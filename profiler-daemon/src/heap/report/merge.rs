@@ -66,3 +66,9 @@ pub fn process_frame(process: &Report) -> Frame {
         mangled: None,
     })
 }
+
+/// Whether `frame` is a `process_frame`, as a profile read back has it.
+pub fn is_process_frame(frame: &Frame) -> bool {
+    let pid = frame.function.strip_suffix(')').and_then(|rest| rest.rsplit_once(" (pid ")).map(|(_, pid)| pid);
+    frame.address == "0x0" && pid.is_some_and(|pid| pid.parse::<u32>().is_ok())
+}

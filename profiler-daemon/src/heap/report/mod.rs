@@ -32,7 +32,7 @@ use crate::{
 };
 
 pub use build::{add_inspection, build, unattributed_dropped, Context, Selection};
-pub use merge::{merge_processes, process_frame};
+pub use merge::{is_process_frame, merge_processes, process_frame};
 pub use stacks::Stacks;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
