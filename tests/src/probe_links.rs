@@ -42,10 +42,27 @@ pub fn all() -> Vec<(ProbeLink, u32)> {
 
 /// The fdinfo of each BPF link process `holder` holds.
 pub fn descriptions(holder: u32) -> Vec<String> {
+    held(holder).into_iter().map(|(_, info)| info).collect()
+}
+
+/// The descriptors by which `holder` holds links probing process `target`.
+pub fn descriptors(holder: u32, target: u32) -> Vec<u32> {
+    held(holder)
+        .into_iter()
+        .filter(|(_, info)| parse(holder, info).is_some_and(|(_, probed)| probed == target))
+        .map(|(fd, _)| fd)
+        .collect()
+}
+
+/// Each BPF link process `holder` holds: its descriptor and fdinfo.
+fn held(holder: u32) -> Vec<(u32, String)> {
     let Ok(fds) = fs::read_dir(format!("/proc/{holder}/fd")) else { return Vec::new() };
     fds.flatten()
         .filter(|fd| fs::read_link(fd.path()).is_ok_and(|file| file.as_os_str() == "anon_inode:bpf_link"))
-        .filter_map(|fd| fs::read_to_string(format!("/proc/{holder}/fdinfo/{}", fd.file_name().to_string_lossy())).ok())
+        .filter_map(|fd| {
+            let fd: u32 = fd.file_name().to_str()?.parse().ok()?;
+            Some((fd, fs::read_to_string(format!("/proc/{holder}/fdinfo/{fd}")).ok()?))
+        })
         .collect()
 }
 

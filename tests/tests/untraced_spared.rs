@@ -7,6 +7,7 @@
 use std::{
     fs,
     io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom},
+    os::unix::process::ExitStatusExt as _,
     process::{Command, Stdio},
 };
 
@@ -295,4 +296,64 @@ fn a_child_the_daemons_rules_leave_out_loses_its_parents_breakpoints() {
     let child = forked_child(&mut forker);
     wait_for(20, "the child's C library code to be its file's", || libc_code_is_the_files(child).then_some(()));
     assert!(!libc_code_is_the_files(forker.pid()), "the traced process keeps its breakpoints");
+}
+
+/// memprof killed as it closes its first probe link (the OOM killer, `kill -9` or a stop timeout
+/// at the end of a session): the kernel takes the breakpoints out of the target all the same and
+/// leaks no uprobe. A SIGKILL pending in the thread that makes a uprobe's last close has the
+/// kernel give up its walk of the target's memory ("failed to unregister, leaking uprobe"):
+/// bpftrace sends it at memprof's close of a link on the target.
+#[test]
+fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behind() {
+    let _serial = one_at_a_time();
+    let target = Waiting::start(&fixture("daemon_target"), &[]);
+    let pid = target.pid();
+    let mut memprof = Command::new(memprof_bin())
+        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "-o", "/dev/null"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof attach");
+    let mut stderr = BufReader::new(memprof.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("tracing pid") {
+        line.clear();
+        assert_ne!(stderr.read_line(&mut line).unwrap(), 0, "memprof attach ended before tracing");
+    }
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let links = probe_links::descriptors(memprof.id(), pid);
+    assert!(!links.is_empty(), "memprof holds links on pid {pid}");
+    let closing_one: Vec<String> = links.iter().map(|fd| format!("args->fd == {fd}")).collect();
+    let program = format!(
+        "BEGIN {{ printf(\"armed\\n\"); }} \
+         tracepoint:syscalls:sys_enter_close /pid == {} && ({})/ {{ signal(\"SIGKILL\"); exit(); }}",
+        memprof.id(),
+        closing_one.join(" || ")
+    );
+    let mut bpftrace = Command::new("bpftrace")
+        .args(["--unsafe", "-e", &program])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("bpftrace (installed by xtask setup)");
+    // BEGIN fires once every probe is attached.
+    let armed =
+        BufReader::new(bpftrace.stdout.as_mut().unwrap()).lines().map_while(Result::ok).any(|line| line == "armed");
+    assert!(armed, "bpftrace ended before its probe was attached");
+    let leaks_before = kernel_leaked_uprobes();
+
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
+    let status = memprof.wait().unwrap();
+    let _ = bpftrace.kill();
+    let _ = bpftrace.wait();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "bpftrace killed memprof at its close of a link");
+    wait_for(10, "no process to hold links on the target", || probe_links::probing(pid).is_empty().then_some(()));
+    assert!(libc_code_is_the_files(pid), "no breakpoint left in the target's C library");
+    assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
+}
+
+/// How many times the kernel's log says it leaked a uprobe.
+fn kernel_leaked_uprobes() -> usize {
+    let log = Command::new("dmesg").output().expect("dmesg");
+    String::from_utf8_lossy(&log.stdout).matches("leaking uprobe").count()
 }

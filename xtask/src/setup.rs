@@ -55,6 +55,8 @@ const PACKAGES: &[&str] = &[
     "skopeo",
     // The virtual environment kubernetes-validate is installed in (see `kubernetes_validate`).
     "python3-venv",
+    // tests/tests/untraced_spared.rs: kills memprof at the moment it closes a probe link.
+    "bpftrace",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
