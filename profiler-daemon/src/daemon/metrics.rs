@@ -358,6 +358,18 @@ impl Collector for ViewCollector {
             "Children of traced processes that matched the rules but exited before their probes were attached.",
             [(vec![], view.children_missed)],
         )?;
+        counters(
+            e,
+            "memprof_children_unseen_after_fork_seconds",
+            "Time the followed children ran between their fork and their probes, their allocator calls unseen, all together.",
+            [(vec![], view.children_unseen_ns as f64 / 1e9)],
+        )?;
+        gauges(
+            e,
+            "memprof_longest_child_unseen_after_fork_seconds",
+            "The longest time one followed child ran between its fork and its probes, its allocator calls unseen.",
+            [(vec![], view.longest_child_unseen_ns as f64 / 1e9)],
+        )?;
         gauges(
             e,
             "memprof_bpf_map_entries",

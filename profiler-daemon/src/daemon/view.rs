@@ -79,6 +79,10 @@ pub struct DaemonView {
     /// rules but were gone (or could not be probed) by the time memprof attached.
     pub children_followed: u64,
     pub children_missed: u64,
+    /// How long the followed children ran between their fork and their probes, unseen: in
+    /// all, and the longest one.
+    pub children_unseen_ns: u64,
+    pub longest_child_unseen_ns: u64,
     /// Processes not traced that map a file whose probe links are shared, and so take a trap
     /// at each of its probed calls.
     pub untraced_sharing: u64,

@@ -130,9 +130,14 @@ pub struct Tracer {
     descriptor_limit: u64,
     children_followed: u64,
     children_missed: u64,
-    /// Children that matched at their fork but could not be attached then (dying, or caught
-    /// mid-exec): followed if a later attempt attaches them, missed once they are gone.
-    pending_children: HashSet<ProcessId>,
+    /// How long followed children ran between their fork and their probes, unseen: in all, and
+    /// the longest one.
+    children_unseen_ns: u64,
+    longest_child_unseen_ns: u64,
+    /// Children that matched at their fork, with its time (CLOCK_MONOTONIC), until their fate is
+    /// known: followed once attached (at once, or by a later attempt if caught dying or
+    /// mid-exec), missed once they are gone.
+    pending_children: HashMap<ProcessId, u64>,
     /// New matching processes not attachable yet, with their command name, when to try again
     /// and the wait after that.
     starting: HashMap<ProcessId, (String, Instant, Duration)>,
@@ -189,7 +194,9 @@ impl Tracer {
             descriptor_limit,
             children_followed: 0,
             children_missed: 0,
-            pending_children: HashSet::new(),
+            children_unseen_ns: 0,
+            longest_child_unseen_ns: 0,
+            pending_children: HashMap::new(),
             starting: HashMap::new(),
             exiting: HashMap::new(),
             leaderless: HashSet::new(),

@@ -193,6 +193,8 @@ impl Tracer {
             refused_targets: self.refused_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
+            children_unseen_ns: self.children_unseen_ns,
+            longest_child_unseen_ns: self.longest_child_unseen_ns,
             untraced_sharing: self.untraced_sharing(&pids),
             discovery_scans: self.scans,
             settled_targets: settled.len() as u64,

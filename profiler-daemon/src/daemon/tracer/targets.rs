@@ -38,12 +38,17 @@ const EXIT_WATCH: Duration = Duration::from_secs(1);
 const GRACE_SECONDS: f64 = 5.0;
 
 impl Tracer {
-    /// Counts each pending child once its fate is known: attached since, or gone.
+    /// Counts each pending child once its fate is known: attached since (with the time it ran
+    /// unseen), or gone.
     pub(super) fn settle_pending_children(&mut self) {
         let (mut followed, mut missed) = (0, 0);
-        self.pending_children.retain(|id| {
-            if self.targets.get(&id.pid).is_some_and(|target| target.id == *id) {
+        let (mut unseen, mut longest) = (0, self.longest_child_unseen_ns);
+        self.pending_children.retain(|id, &mut forked_ns| {
+            if let Some(target) = self.targets.get(&id.pid).filter(|target| target.id == *id) {
                 followed += 1;
+                let ran_ns = target.start_ns.saturating_sub(forked_ns);
+                unseen += ran_ns;
+                longest = longest.max(ran_ns);
                 false
             } else if ProcessId::current(id.pid) != Some(*id) {
                 missed += 1;
@@ -54,6 +59,8 @@ impl Tracer {
         });
         self.children_followed += followed;
         self.children_missed += missed;
+        self.children_unseen_ns += unseen;
+        self.longest_child_unseen_ns = longest;
     }
 
     /// Attaches to a matching process unless it is traced already, cannot be, or would be one
@@ -129,7 +136,7 @@ impl Tracer {
             match event.kind {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
                 process_event::EXEC => changed |= self.found(event.tgid),
-                process_event::FORK if traced => self.on_fork(event.tgid, event.pid),
+                process_event::FORK if traced => self.on_fork(event.tgid, event.pid, event.time_ns),
                 process_event::FORK => changed |= self.found(event.pid),
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
@@ -209,16 +216,17 @@ impl Tracer {
         changed
     }
 
-    /// A target forked `child`: the child is counted once, followed or missed. One that matches
-    /// waits in `pending_children` until it is attached or gone, whoever attaches it: this event,
-    /// a later try, or discovery, which may have found it between its fork and this event.
-    pub(super) fn on_fork(&mut self, parent: u32, child: u32) {
+    /// A target forked `child` at `forked_ns`: the child is counted once, followed or missed. One
+    /// that matches waits in `pending_children` until it is attached or gone, whoever attaches
+    /// it: this event, a later try, or discovery, which may have found it between its fork and
+    /// this event.
+    pub(super) fn on_fork(&mut self, parent: u32, child: u32, forked_ns: u64) {
         match discovery::matching(&self.config.rules, child) {
             Some((id, comm)) => {
                 if self.targets.get(&child).is_none_or(|target| target.id != id) {
                     self.try_attach(id, comm);
                 }
-                self.pending_children.insert(id);
+                self.pending_children.insert(id, forked_ns);
                 self.settle_pending_children();
             }
             // Gone already: traced if discovery attached it in between (its target stays until
