@@ -44,10 +44,12 @@ impl Detacher {
         let _ = self.thread.join();
     }
 
-    /// For the end of `attach` and `run`: returns at once, and a child process closes what is
-    /// still open after memprof has gone. Every descriptor is the child's too, so memprof's own closes are only a
-    /// reference dropped, and the kernel's slow release of each probe happens when the child
-    /// exits. Without a child (fork failed), waits as `finish` does.
+    /// For the end of `attach` and `run` with perf-event links: returns at once. A child forked
+    /// here holds a copy of every descriptor still open and exits at once; memprof's exit closes
+    /// its own. Whichever of the two exits closes a link last makes the kernel's slow release of
+    /// its probe, so memprof's exit waits for only part of them. No signal interrupts an exit:
+    /// the releases complete whatever kills memprof. Without a child (fork failed), waits as
+    /// `finish` does.
     pub fn hand_over(self) {
         // SAFETY: fork has no preconditions. The child of this multi-threaded process calls
         // only async-signal-safe functions (close, _exit): its standard streams go first, so
