@@ -11,7 +11,7 @@ use std::{
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
-        mpsc, Arc, Weak,
+        mpsc, Arc, OnceLock, Weak,
     },
     thread,
 };
@@ -26,6 +26,10 @@ use crate::{
     process::procfs::{self, FileMapping},
     text::printable,
 };
+
+mod clones;
+
+use clones::Clones;
 
 /// Code of one file mapped into the process: addresses `start..limit` map the file from
 /// `file_offset` on.
@@ -83,8 +87,9 @@ pub struct FrameInfo {
     pub module: String,
     /// Inlined into the next frame (same address).
     pub inlined: bool,
-    /// The name as the object file has it, when `function` is its demangled form: valgrind's
-    /// suppressions name functions so (`--gen-suppressions`).
+    /// The name as the object file's symbol table has it, when `function` is its demangled form
+    /// or a compiler's clone of it (`fill.isra.0`): valgrind's suppressions name functions so
+    /// (`--gen-suppressions`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mangled: Option<String>,
 }
@@ -348,7 +353,7 @@ impl SymbolizerThread {
             return Some(file);
         }
         let file = mapping.open(pid)?;
-        let file = Arc::new(OpenFile { debug_info: debug_info_is_safe(&file), file });
+        let file = Arc::new(OpenFile { debug_info: debug_info_is_safe(&file), file, clones: OnceLock::new() });
         if let Some(identity) = identity {
             self.files.insert(identity, Arc::downgrade(&file));
         }
@@ -408,7 +413,9 @@ impl SymbolizerThread {
         };
         match symbolized {
             Ok(Symbolized::Sym(sym)) => {
-                Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym) }
+                // Names from the symbol table carry a clone's suffix already.
+                let clone = module.file.debug_info.then(|| module.file.clones().of(sym.addr, &sym.name)).flatten();
+                Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym, clone) }
             }
             _ => {
                 self.count(Failure::NoSymbol);
@@ -427,6 +434,14 @@ struct OpenFile {
     file: File,
     /// Whether blazesym may read its debug information (see `debug_info_is_safe`).
     debug_info: bool,
+    /// Read when a frame is first named from its debug information.
+    clones: OnceLock<Clones>,
+}
+
+impl OpenFile {
+    fn clones(&self) -> &Clones {
+        self.clones.get_or_init(|| Clones::read(&self.file))
+    }
 }
 
 /// Whether blazesym may read `file`'s debug information. Where the file names a separate debug
@@ -470,12 +485,13 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
 }
 
 /// The frames of one address (`module` already printable): inlined functions innermost first,
-/// then the function they sit in.
+/// then the function they sit in, which is `clone` in the symbol table when a compiler cloned it.
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
-fn frames_of(address: u64, module: &str, sym: &Sym) -> Vec<Frame> {
+fn frames_of(address: u64, module: &str, sym: &Sym, clone: Option<&str>) -> Vec<Frame> {
     let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
         let name = demangled(function);
-        let mangled = (name != function).then(|| capped(&printable(function)));
+        let symbol = if inlined { None } else { clone };
+        let mangled = symbol.or((name != function).then_some(function)).map(|symbol| capped(&printable(symbol)));
         Frame::new(FrameInfo {
             address: format!("{address:#x}"),
             function: capped(&printable(&name)),

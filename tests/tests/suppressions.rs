@@ -4,7 +4,9 @@
 
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use memprof_tests::{chromium, fixture, fixture_cpp, memprof, metric, run, wait_for, Daemon, Outcome, Waiting};
+use memprof_tests::{
+    chromium, fixture, fixture_cpp, fixture_with, memprof, metric, run, wait_for, Daemon, Outcome, Waiting,
+};
 use serde_json::{json, Value};
 
 /// The team's file: one rule as valgrind writes them (from `malloc`), one as memprof's
@@ -205,9 +207,7 @@ fn valgrind_suppresses_the_same_sites_with_the_same_file() {
 }
 
 /// valgrind names C++ functions by their mangled names: generated rules do too, and leave out
-/// the operator new that memprof folds into malloc (valgrind's stacks start there). Built at
-/// -O0: GCC's clones of a function at -O2 (`fill() [clone .isra.0]`) have names of their own in
-/// the symbol table, which valgrind matches, and none in the debug information memprof reads.
+/// the operator new that memprof folds into malloc (valgrind's stacks start there).
 #[test]
 fn generated_suppressions_name_cpp_functions_as_valgrind_matches_them() {
     let program = fixture_cpp("suppressions_cpp.cpp", "suppressions_cpp", &["-g", "-O0"]);
@@ -227,6 +227,32 @@ fn generated_suppressions_name_cpp_functions_as_valgrind_matches_them() {
         let mut bytes: Vec<u64> = used.iter().map(|(_, bytes)| *bytes).collect();
         bytes.sort();
         assert_eq!(bytes, [7_200, 24_000], "{used:?}");
+    }
+}
+
+/// A function GCC cloned at -O2 is named in generated rules as the symbol table names it
+/// (`fill.constprop.0.isra.0`), as valgrind names it, though the debug information memprof reads
+/// names it `fill`.
+#[test]
+fn generated_suppressions_name_a_cloned_function_as_valgrind_matches_it() {
+    let program = fixture_with("suppressions_clone.c", "suppressions_clone", &["-g", "-O2"]);
+    let program = program.to_str().unwrap();
+    let symbols = Command::new("nm").arg(program).output().expect("nm");
+    let symbols = String::from_utf8_lossy(&symbols.stdout);
+    let clone =
+        symbols.lines().filter_map(|line| line.split_whitespace().nth(2)).find(|name| name.starts_with("fill."));
+    let clone = clone.unwrap_or_else(|| panic!("GCC made no clone of fill: {symbols}"));
+    let outcome = memprof(&["run", "--interval", "0.2", "--gen-suppressions", "--", program]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let rules = &outcome.stdout[outcome.stdout.find("{\n").expect("rules after the report")..];
+    assert!(rules.contains(&format!("   fun:*\n   fun:{clone}\n   fun:main\n}}")), "{rules}");
+    let file = written("generated_clone.supp", rules);
+    let accepted = memprof(&["run", "--interval", "0.2", "--json", "--suppressions", &file, "--", program]);
+    let end = accepted.final_report();
+    assert_eq!(candidates(&end), owned(&[]), "{end}");
+    assert_eq!(end["suppressed"]["bytes"], json!(24_000), "{end}");
+    if let Some(used) = valgrind(&file, program) {
+        assert_eq!(used.iter().map(|(_, bytes)| *bytes).collect::<Vec<_>>(), [24_000], "{used:?}");
     }
 }
 
