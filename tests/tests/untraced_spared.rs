@@ -323,9 +323,14 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
     let links = probe_links::descriptors(memprof.id(), pid);
     assert!(!links.is_empty(), "memprof holds links on pid {pid}");
     let closing_one: Vec<String> = links.iter().map(|fd| format!("args->fd == {fd}")).collect();
+    // One probe both answers this test's close of a descriptor it does not have (bpftrace's BEGIN
+    // fires before its probes are attached) and kills memprof.
     let program = format!(
-        "BEGIN {{ printf(\"armed\\n\"); }} \
-         tracepoint:syscalls:sys_enter_close /pid == {} && ({})/ {{ signal(\"SIGKILL\"); exit(); }}",
+        "tracepoint:syscalls:sys_enter_close /pid == {} || pid == {}/ {{ \
+           if (pid == {} && args->fd == {NOT_OPEN}) {{ printf(\"armed\\n\"); }} else if (pid == {} && ({})) {{ signal(\"SIGKILL\"); exit(); }} }}",
+        std::process::id(),
+        memprof.id(),
+        std::process::id(),
         memprof.id(),
         closing_one.join(" || ")
     );
@@ -335,10 +340,18 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
         .stderr(Stdio::null())
         .spawn()
         .expect("bpftrace (installed by xtask setup)");
-    // BEGIN fires once every probe is attached.
-    let armed =
-        BufReader::new(bpftrace.stdout.as_mut().unwrap()).lines().map_while(Result::ok).any(|line| line == "armed");
-    assert!(armed, "bpftrace ended before its probe was attached");
+    let lines = BufReader::new(bpftrace.stdout.take().unwrap()).lines();
+    let (armed, said_armed) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        if lines.map_while(Result::ok).any(|line| line == "armed") {
+            let _ = armed.send(());
+        }
+    });
+    wait_for(30, "bpftrace's probe to be attached", || {
+        // SAFETY: closes a descriptor this process does not have (EBADF), for the probe to see.
+        unsafe { libc::close(NOT_OPEN) };
+        said_armed.recv_timeout(std::time::Duration::from_millis(50)).ok()
+    });
     let leaks_before = kernel_leaked_uprobes();
 
     // SAFETY: signalling our own child.
@@ -351,6 +364,9 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
     assert!(libc_code_is_the_files(pid), "no breakpoint left in the target's C library");
     assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
 }
+
+/// A descriptor number no process here has open.
+const NOT_OPEN: i32 = 1_000_000;
 
 /// How many times the kernel's log says it leaked a uprobe.
 fn kernel_leaked_uprobes() -> usize {
