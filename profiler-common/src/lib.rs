@@ -741,6 +741,9 @@ impl StackEnd {
 /// its nested imports (docs: performance.md#measurements-behind-design-choices).
 pub const DEFERRED_PAGES: usize = 8;
 pub const PAGE_BYTES: usize = 4096;
+/// Pages a short deferred walk's record holds (`ShortDeferredUnwind`): a main thread's stack,
+/// whose top its environment follows, most often ends within 3 pages of where a walk stops.
+pub const SHORT_DEFERRED_PAGES: usize = 4;
 
 /// Objects a `LinkMapEvent` holds at most, and the bytes of each one's path.
 pub const LINK_MAP_OBJECTS: usize = 48;
@@ -782,7 +785,7 @@ pub mod stack_table {
 /// stack is stored under `stack_id` with the frames walked so far and `StackEnd::Deferred`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct DeferredUnwind {
+pub struct DeferredUnwindOf<const WINDOW_BYTES: usize> {
     pub stack_id: u64,
     pub tgid: u32,
     /// A `stack_table` constant.
@@ -810,8 +813,14 @@ pub struct DeferredUnwind {
     /// `bpf_ktime_get_ns` at the walk: one from before the process's latest exec was its old
     /// program's.
     pub time_ns: u64,
-    pub window: [u8; DEFERRED_PAGES * PAGE_BYTES],
+    pub window: [u8; WINDOW_BYTES],
 }
+
+/// A deferred walk with up to `DEFERRED_PAGES` of stack.
+pub type DeferredUnwind = DeferredUnwindOf<{ DEFERRED_PAGES * PAGE_BYTES }>;
+/// The record of one whose stack ends within `SHORT_DEFERRED_PAGES`: the ring holds twice as
+/// many of these. Its fields are `DeferredUnwind`'s, at the same offsets.
+pub type ShortDeferredUnwind = DeferredUnwindOf<{ SHORT_DEFERRED_PAGES * PAGE_BYTES }>;
 
 /// How the canonical frame address (CFA: the stack pointer before the call) of a row is found.
 pub mod cfa {

@@ -5,15 +5,15 @@
 
 use std::mem::{offset_of, size_of};
 
-use profiler_common::{DeferredUnwind, PAGE_BYTES};
+use profiler_common::{DeferredUnwind, ShortDeferredUnwind, PAGE_BYTES};
 
 /// The record's bytes up to the end of its copied pages.
 pub struct DeferredCopy(Box<[u8]>);
 
 impl DeferredCopy {
-    /// The copy in `record`, when it is a whole `DeferredUnwind`.
+    /// The copy in `record`, when it is a whole `DeferredUnwind` or `ShortDeferredUnwind`.
     pub fn of(record: &[u8]) -> Option<Self> {
-        if record.len() != size_of::<DeferredUnwind>() {
+        if record.len() != size_of::<DeferredUnwind>() && record.len() != size_of::<ShortDeferredUnwind>() {
             return None;
         }
         let pages = u32::from_ne_bytes(field(record, offset_of!(DeferredUnwind, pages)));
@@ -81,5 +81,11 @@ mod tests {
             (42, 2, 9, 0)
         );
         assert!(DeferredCopy::of(&record[..100]).is_none());
+        // A short record has the same fields at the same offsets.
+        let short = &record[..size_of::<ShortDeferredUnwind>()];
+        let copy = DeferredCopy::of(short).expect("a short record");
+        assert_eq!(copy.0.len(), offset_of!(ShortDeferredUnwind, window) + 2 * PAGE_BYTES);
+        assert_eq!(offset_of!(ShortDeferredUnwind, window), offset_of!(DeferredUnwind, window));
+        assert_eq!((copy.tgid(), copy.time_ns()), (42, 7));
     }
 }

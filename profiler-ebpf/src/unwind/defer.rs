@@ -4,14 +4,17 @@ use aya_ebpf::{
     bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA},
     cty::c_void,
     helpers::{bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user},
-    maps::HashMap,
+    maps::{ring_buf::RingBufEntry, HashMap},
 };
-use profiler_common::{DeferredUnwind, DropReason, Stack, StackEnd, DEFERRED_PAGES, NO_STACK, PAGE_BYTES};
+use profiler_common::{
+    DeferredUnwind, DeferredUnwindOf, DropReason, ShortDeferredUnwind, Stack, StackEnd, NO_STACK, PAGE_BYTES,
+    SHORT_DEFERRED_PAGES,
+};
 
 use super::{
     rows::{find_mapping, PROC_MAPPINGS},
     taken::restore_taken,
-    Scratch, EEXIST, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
+    Scratch, Walk, EEXIST, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
 };
 
 /// Words above the stopped frame's stack pointer searched for return addresses: its own and
@@ -65,9 +68,81 @@ pub(super) fn defer(
     if !counts_cuts && UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64) > UNWIND_EVENTS_BYTES / 4 {
         return None;
     }
-    let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
-    let event = entry.as_mut_ptr();
     let window_start = walk.sp & !(PAGE_BYTES as u64 - 1);
+    // A stack that ends within the short record's pages gets one: the copy stops there anyway.
+    let past_short = window_start + (SHORT_DEFERRED_PAGES * PAGE_BYTES) as u64;
+    // SAFETY: a read of user memory, which fails cleanly past the stack's top.
+    let short = unsafe { bpf_probe_read_user(past_short as *const u8) }.is_err();
+    let entry = if short {
+        let mut entry = UNWIND_EVENTS.reserve::<ShortDeferredUnwind>(0)?;
+        fill(entry.as_mut_ptr(), walk, id, which, counts_cuts, window_start);
+        Reserved::Short(entry)
+    } else {
+        let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
+        fill(entry.as_mut_ptr(), walk, id, which, counts_cuts, window_start);
+        Reserved::Whole(entry)
+    };
+    scratch.stack.check = check;
+    scratch.stack.len = scratch.walk.len;
+    scratch.stack.end = StackEnd::Deferred as u32;
+    let stack: &Stack = &scratch.stack;
+    match table.insert(id, stack, BPF_NOEXIST as u64) {
+        Ok(()) if scratch.uses != ours => {
+            let _ = table.remove(id);
+            entry.discard();
+            count_drop(DropReason::StackPreempted);
+            Some(NO_STACK)
+        }
+        Ok(()) => {
+            entry.submit();
+            Some(id)
+        }
+        // Another CPU stored it first, and sent its event.
+        Err(err) if err == -EEXIST => {
+            entry.discard();
+            Some(id)
+        }
+        Err(_) => {
+            entry.discard();
+            count_drop(DropReason::StackTableFull);
+            Some(NO_STACK)
+        }
+    }
+}
+
+/// A deferred walk's record in the ring, until it is submitted or discarded.
+enum Reserved {
+    Short(RingBufEntry<ShortDeferredUnwind>),
+    Whole(RingBufEntry<DeferredUnwind>),
+}
+
+impl Reserved {
+    fn submit(self) {
+        match self {
+            Self::Short(entry) => entry.submit(0),
+            Self::Whole(entry) => entry.submit(0),
+        }
+    }
+
+    fn discard(self) {
+        match self {
+            Self::Short(entry) => entry.discard(0),
+            Self::Whole(entry) => entry.discard(0),
+        }
+    }
+}
+
+/// Writes the walk's state and a copy of its stack from `window_start` into a reserved record.
+#[inline(always)]
+fn fill<const WINDOW_BYTES: usize>(
+    event: *mut DeferredUnwindOf<WINDOW_BYTES>,
+    walk: &Walk,
+    id: u64,
+    which: u32,
+    counts_cuts: bool,
+    window_start: u64,
+) {
+    let pages = WINDOW_BYTES / PAGE_BYTES;
     // SAFETY: the reserved record is ours until submitted or discarded.
     unsafe {
         (*event).stack_id = id;
@@ -80,8 +155,8 @@ pub(super) fn defer(
         (*event).counts_cuts = u32::from(counts_cuts);
         (*event).window_start = window_start;
         (*event).time_ns = bpf_ktime_get_ns();
-        (*event).pages = DEFERRED_PAGES as u32;
-        for page in 0..DEFERRED_PAGES {
+        (*event).pages = pages as u32;
+        for page in 0..pages {
             let copied = aya_ebpf::helpers::generated::bpf_probe_read_user(
                 (*event).window.as_mut_ptr().add(page * PAGE_BYTES).cast(),
                 PAGE_BYTES as u32,
@@ -94,33 +169,7 @@ pub(super) fn defer(
         }
         if walk.trampoline != 0 {
             let copied = (*event).pages as u64 * PAGE_BYTES as u64;
-            restore_taken(walk.taken, window_start, copied, (*event).window.as_mut_ptr());
-        }
-    }
-    scratch.stack.check = check;
-    scratch.stack.len = scratch.walk.len;
-    scratch.stack.end = StackEnd::Deferred as u32;
-    let stack: &Stack = &scratch.stack;
-    match table.insert(id, stack, BPF_NOEXIST as u64) {
-        Ok(()) if scratch.uses != ours => {
-            let _ = table.remove(id);
-            entry.discard(0);
-            count_drop(DropReason::StackPreempted);
-            Some(NO_STACK)
-        }
-        Ok(()) => {
-            entry.submit(0);
-            Some(id)
-        }
-        // Another CPU stored it first, and sent its event.
-        Err(err) if err == -EEXIST => {
-            entry.discard(0);
-            Some(id)
-        }
-        Err(_) => {
-            entry.discard(0);
-            count_drop(DropReason::StackTableFull);
-            Some(NO_STACK)
+            restore_taken::<WINDOW_BYTES>(walk.taken, window_start, copied, (*event).window.as_mut_ptr());
         }
     }
 }

@@ -5,7 +5,6 @@ use aya_ebpf::{
     helpers::{bpf_get_current_task, bpf_probe_read_kernel},
     Global,
 };
-use profiler_common::{DEFERRED_PAGES, PAGE_BYTES};
 
 use super::Walk;
 use crate::shared::kernel_word;
@@ -78,14 +77,19 @@ pub(super) fn taken_return(walk: &mut Walk) -> u64 {
 /// space finishes the walk from the copy, where their slots hold the trampoline.
 ///
 /// # Safety
-/// `window` must be the event's copy, `DEFERRED_PAGES * PAGE_BYTES` long.
-pub(super) unsafe fn restore_taken(mut instance: u64, window_start: u64, copied: u64, window: *mut u8) {
+/// `window` must be the event's copy, `WINDOW_BYTES` long.
+pub(super) unsafe fn restore_taken<const WINDOW_BYTES: usize>(
+    mut instance: u64,
+    window_start: u64,
+    copied: u64,
+    window: *mut u8,
+) {
     for _ in 0..TAKEN_MAX {
         if instance == 0 {
             break;
         }
         let offset = kernel_word(instance, RETURN_STACK_OFFSET.load()).wrapping_sub(window_start);
-        if offset + 8 <= copied && offset <= (DEFERRED_PAGES * PAGE_BYTES - 8) as u64 {
+        if offset + 8 <= copied && offset <= (WINDOW_BYTES - 8) as u64 {
             let slot = window.add(offset as usize).cast::<u64>();
             slot.write_unaligned(kernel_word(instance, RETURN_ADDRESS_OFFSET.load()));
         }
