@@ -1,9 +1,9 @@
 //! `UNWIND_EVENTS` read on a thread of its own, into memory. While memprof's loop is busy (a
 //! large library's table takes tens of milliseconds to build, a chain of execs more), a program
 //! starting meanwhile defers a walk, a copy of up to 32 KiB of its stack, for each new stack. The
-//! ring holds about 500 of them; a walk that finds it full is lost (`deferred_walk_lost`). Read as
-//! they come, they wait here instead, each cut to the stack it copied (`DeferredCopy`), up to
-//! `HELD_BYTES`; only past that does the ring fill again.
+//! ring holds about 500 of them (1,000 of stacks that end within 4 pages); a walk that finds it
+//! full is lost (`deferred_walk_lost`). Read as they come, they wait here instead, each cut to the
+//! stack it copied (`DeferredCopy`), up to `HELD_BYTES`; only past that does the ring fill again.
 
 use std::{
     io,
