@@ -563,6 +563,15 @@ pub fn metric(port: u16, series: &str) -> Option<u64> {
 /// exe and cgroup, say); a bare name matches any of its samples. A process's series carry no pid:
 /// `pid="N"` stands for its identity, the comm and slot that `memprof_target_attached` gives pid N.
 pub fn sample(metrics: &str, series: &str) -> Option<u64> {
+    sample_as(metrics, series)
+}
+
+/// `metric` for a series whose value has a fraction (seconds, say).
+pub fn metric_f64(port: u16, series: &str) -> Option<f64> {
+    sample_as(&http_get(port, "/metrics")?.1, series)
+}
+
+fn sample_as<T: std::str::FromStr>(metrics: &str, series: &str) -> Option<T> {
     let (name, mut wanted) = parse_series(series)?;
     if name != "memprof_target_attached" {
         if let Some(at) = wanted.iter().position(|(key, _)| key == "pid") {

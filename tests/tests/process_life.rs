@@ -8,8 +8,8 @@ use std::{
 };
 
 use memprof_tests::{
-    assert_nothing_dropped, fixture, fixture_with, http_get, memprof, memprof_bin, metric, probe_links, released, site,
-    total, wait_for, Daemon, Outcome, Waiting,
+    assert_nothing_dropped, fixture, fixture_with, http_get, memprof, memprof_bin, metric, metric_f64, probe_links,
+    released, site, total, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -401,8 +401,9 @@ fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
     let parents = daemon.get_json(&format!("/api/v1/leaks?pid={parent}")).1;
     assert_eq!(site(&parents, "parent_alloc"), (500, 5), "{parents}");
     assert_eq!(metric(daemon.port, "memprof_children_followed_total"), Some(1));
-    let unseen = seconds(daemon.port, "memprof_children_unseen_after_fork_seconds_total");
-    let longest = seconds(daemon.port, "memprof_longest_child_unseen_after_fork_seconds");
+    let seconds = |series| metric_f64(daemon.port, series).unwrap_or_else(|| panic!("{series} missing from /metrics"));
+    let unseen = seconds("memprof_children_unseen_after_fork_seconds_total");
+    let longest = seconds("memprof_longest_child_unseen_after_fork_seconds");
     assert!(unseen > 0.0, "the child ran unseen until its probes were attached: {unseen} s");
     assert_eq!(longest, unseen, "one child followed");
 
@@ -524,11 +525,4 @@ fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
     assert!(attached(&daemon).expect("the new process listed") > old_attached, "traced since its exec");
     drop(fixture.stdin.take());
     assert!(fixture.wait().expect("waiting for pid_reuse").success());
-}
-
-/// The value of the unlabelled series `name` in the daemon's /metrics, in seconds.
-fn seconds(port: u16, name: &str) -> f64 {
-    let metrics = http_get(port, "/metrics").unwrap().1;
-    let line = metrics.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' '));
-    line.and_then(|value| value.parse().ok()).unwrap_or_else(|| panic!("{name} missing from /metrics: {metrics}"))
 }

@@ -8,7 +8,7 @@ use std::{
     fs,
     io::{BufRead as _, BufReader, Read as _, Seek as _, SeekFrom},
     os::unix::process::ExitStatusExt as _,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
 };
 
 use memprof_tests::{
@@ -308,30 +308,41 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
     let _serial = one_at_a_time();
     let target = Waiting::start(&fixture("daemon_target"), &[]);
     let pid = target.pid();
-    let mut memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &pid.to_string(), "--interval", "60", "-o", "/dev/null"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof attach");
-    let mut stderr = BufReader::new(memprof.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("tracing pid") {
-        line.clear();
-        assert_ne!(stderr.read_line(&mut line).unwrap(), 0, "memprof attach ended before tracing");
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid.to_string(), "--interval", "60", "-o", "/dev/null"]);
+    let (mut bpftrace, mut leaks_before) = (None, 0);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        bpftrace = Some(kill_at_link_close(memprof.id(), pid));
+        leaks_before = kernel_leaked_uprobes();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
+    });
+    if let Some(mut bpftrace) = bpftrace {
+        let _ = bpftrace.kill();
+        let _ = bpftrace.wait();
     }
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-    let links = probe_links::descriptors(memprof.id(), pid);
-    assert!(!links.is_empty(), "memprof holds links on pid {pid}");
+    assert_eq!(
+        outcome.status.signal(),
+        Some(libc::SIGKILL),
+        "bpftrace killed memprof at its close of a link: {outcome:?}"
+    );
+    wait_for(10, "no process to hold links on the target", || probe_links::probing(pid).is_empty().then_some(()));
+    assert!(libc_code_is_the_files(pid), "no breakpoint left in the target's C library");
+    assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
+}
+
+/// bpftrace, its probe attached, sending SIGKILL to `memprof` when it closes a link on `target`.
+fn kill_at_link_close(memprof: u32, target: u32) -> Child {
+    let links = probe_links::descriptors(memprof, target);
+    assert!(!links.is_empty(), "memprof holds links on pid {target}");
     let closing_one: Vec<String> = links.iter().map(|fd| format!("args->fd == {fd}")).collect();
+    let us = std::process::id();
     // One probe both answers this test's close of a descriptor it does not have (bpftrace's BEGIN
     // fires before its probes are attached) and kills memprof.
     let program = format!(
-        "tracepoint:syscalls:sys_enter_close /pid == {} || pid == {}/ {{ \
-           if (pid == {} && args->fd == {NOT_OPEN}) {{ printf(\"armed\\n\"); }} else if (pid == {} && ({})) {{ signal(\"SIGKILL\"); exit(); }} }}",
-        std::process::id(),
-        memprof.id(),
-        std::process::id(),
-        memprof.id(),
+        "tracepoint:syscalls:sys_enter_close /pid == {us} || pid == {memprof}/ {{ \
+           if (pid == {us} && args->fd == {NOT_OPEN}) {{ printf(\"armed\\n\"); }} \
+           else if (pid == {memprof} && ({})) {{ signal(\"SIGKILL\"); exit(); }} }}",
         closing_one.join(" || ")
     );
     let mut bpftrace = Command::new("bpftrace")
@@ -352,17 +363,7 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
         unsafe { libc::close(NOT_OPEN) };
         said_armed.recv_timeout(std::time::Duration::from_millis(50)).ok()
     });
-    let leaks_before = kernel_leaked_uprobes();
-
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(memprof.id() as i32, libc::SIGINT) };
-    let status = memprof.wait().unwrap();
-    let _ = bpftrace.kill();
-    let _ = bpftrace.wait();
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "bpftrace killed memprof at its close of a link");
-    wait_for(10, "no process to hold links on the target", || probe_links::probing(pid).is_empty().then_some(()));
-    assert!(libc_code_is_the_files(pid), "no breakpoint left in the target's C library");
-    assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
+    bpftrace
 }
 
 /// A descriptor number no process here has open.
