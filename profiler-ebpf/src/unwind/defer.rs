@@ -14,7 +14,7 @@ use profiler_common::{
 use super::{
     rows::{find_mapping, PROC_MAPPINGS},
     taken::restore_taken,
-    Scratch, Walk, EEXIST, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
+    Scratch, Walk, EEXIST, MAPPING_EVENTS_ROOM, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
 };
 
 /// Words above the stopped frame's stack pointer searched for return addresses: its own and
@@ -63,9 +63,14 @@ pub(super) fn defer(
         count_drop(DropReason::StackCollision);
         return Some(NO_STACK);
     }
+    let queued = UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64);
     // A mapping's walk (`counts_cuts` false) gives way to the heap's: it takes no copy once the
     // ring is a quarter full, and keeps its stack cut instead.
-    if !counts_cuts && UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64) > UNWIND_EVENTS_BYTES / 4 {
+    if !counts_cuts && queued > UNWIND_EVENTS_BYTES / 4 {
+        return None;
+    }
+    // Every walk gives way to the mapping changes (see `MAPPING_EVENTS_ROOM`).
+    if queued + size_of::<DeferredUnwind>() as u64 > UNWIND_EVENTS_BYTES - MAPPING_EVENTS_ROOM {
         return None;
     }
     let window_start = walk.sp & !(PAGE_BYTES as u64 - 1);

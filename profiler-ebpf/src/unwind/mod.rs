@@ -69,6 +69,11 @@ static MAPPINGS_GENERATION: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static UNWIND_EVENTS: RingBuf = RingBuf::with_byte_size(UNWIND_EVENTS_BYTES as u32, 0);
 const UNWIND_EVENTS_BYTES: u64 = 16 * 1024 * 1024;
+/// What deferred walks leave of `UNWIND_EVENTS` to the mapping changes: room for about 80 lists
+/// of the linker's objects. A burst of walks must not crowd out the change that names their
+/// file: a process gone before the daemon reads its mappings keeps the last list it sent, and
+/// without this one its new file would never get a table.
+const MAPPING_EVENTS_ROOM: u64 = 1024 * 1024;
 
 /// Where a walk builds its stack: 1 KiB does not fit on the 512-byte BPF stack.
 #[repr(C)]
