@@ -620,7 +620,8 @@ fn assert_interpreter_stacks_whole(report: &Value, entries: &[&str]) {
 /// LLVM's 100 MB C++ library, dlopened while traced: its table alone needs more rows than the
 /// single fixed array memprof had held (524288 at the default size, which LLVM filled: its
 /// frames were cut as `unwind_no_table`). At the default sizes now, its shards are created as
-/// it is loaded and every stack through it reaches main.
+/// it is loaded and every stack through it reaches main, but those whose deferred walk found the
+/// ring full on a busy machine: they are cut, and counted.
 #[test]
 fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
     let program = fixture_with("unwind_big.c", "unwind_big", C_FLAGS);
@@ -640,11 +641,22 @@ fn a_100_mb_cpp_library_is_unwound_at_the_default_sizes() {
     let lost = dropped(&report, "deferred_walk_lost");
     let cut = through_llvm.iter().filter(|stack| stack["truncated"] == true).count() as u64;
     assert!(cut <= lost, "{cut} stacks through LLVM cut, {lost} deferred walks lost:\n{}", describe_all(&report));
+    assert!(cut < through_llvm.len() as u64, "every stack through LLVM cut:\n{}", describe_all(&report));
+    for stack in through_llvm.iter().filter(|stack| stack["truncated"] != true) {
+        let reaches_main = frames(stack).iter().any(|f| matches(function(f), "main"));
+        assert!(reaches_main, "a stack through LLVM stops before main:\n{}", describe(stack));
+    }
     let contexts: Vec<&Value> = stacks(&report)
         .iter()
         .filter(|s| frames(s).iter().any(|f| matches(function(f), "LLVMContextCreate")))
         .collect();
-    assert!(!contexts.is_empty(), "no stack through LLVMContextCreate:\n{}", describe_all(&report));
+    // The contexts are created just after the constructors' walks: when those filled the ring,
+    // theirs may be among the lost, cut before LLVMContextCreate's frame.
+    assert!(
+        !contexts.is_empty() || lost > 0,
+        "no stack through LLVMContextCreate, and no walk lost:\n{}",
+        describe_all(&report)
+    );
     for stack in contexts {
         assert_whole(stack, &chain(&["LLVMContextCreate", "big_leak"], &MAIN_TAIL));
     }
