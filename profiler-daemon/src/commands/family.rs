@@ -371,13 +371,14 @@ impl Family {
                 return;
             }
         };
-        let attachment = match loaded.attach(&allocator, pid) {
+        let attachment = match loaded.attach_child(&allocator, pid) {
             Ok(attachment) => attachment,
             Err(err) => {
                 tracing::debug!(child, "not followed: {err:#}");
                 self.forks.missed += 1;
                 self.forked_untraced(parent);
-                loaded.forget_exited(&HashSet::from([child]));
+                // Purged at the next flush, with the others gone.
+                self.gone.insert(child);
                 return;
             }
         };

@@ -73,7 +73,16 @@ impl Loaded {
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        self.attach_probes(allocator, pid, true)
+        self.attach_probes(allocator, pid, true).inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
+    }
+
+    /// `attach` for a child a traced process forked, which often exits before its probes are in
+    /// place (a database session). On failure only `TRACED` lets go of it at once: the caller
+    /// has `forget_exited` purge what the maps hold about it later, with the other children that
+    /// went, in one walk of the maps instead of one each.
+    pub fn attach_child(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        self.sync_mappings(pid.get());
+        self.attach_probes(allocator, pid, true).inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
     }
 
     /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
@@ -87,16 +96,17 @@ impl Loaded {
     ) -> anyhow::Result<Attachment> {
         self.unwind.preload(pid.get(), files);
         // Its memory is memprof's until the exec: none of it is the command's.
-        self.attach_probes(allocator, pid, false)
+        self.attach_probes(allocator, pid, false).inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
     }
 
     /// Probes `allocator`'s files for `pid`, which may never map them (see `allocator::standby`):
     /// the kernel puts a file's probes in place when the process maps it.
     pub fn attach_standby(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        self.probe_allocator(allocator, pid)
+        self.probe_allocator_or_forget(allocator, pid)
     }
 
     /// The process is in `TRACED` first, as shared links that exist already record it from then on.
+    /// On failure the caller forgets it.
     fn attach_probes(
         &mut self,
         allocator: &Allocator,
@@ -105,13 +115,7 @@ impl Loaded {
     ) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
         let probed = if self.growth { self.watch_pages(pid, has_memory) } else { self.probe_allocator(allocator, pid) };
-        let mut attachment = match probed {
-            Ok(attachment) => attachment,
-            Err(err) => {
-                self.forget_exited(&HashSet::from([pid.get()]));
-                return Err(err);
-            }
-        };
+        let mut attachment = probed?;
         self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
     }
@@ -188,9 +192,19 @@ impl Loaded {
     /// failed part of the way (typically, the process exited meanwhile), whose first probes may
     /// have recorded some of its allocations already, and after an exec.
     pub(super) fn take_back(&mut self, attachment: Attachment, pid: NonZeroU32) {
+        self.withdraw(attachment, pid);
+        self.forget_state(&HashSet::from([pid.get()]));
+    }
+
+    /// `take_back` but the forgetting, which walks every map: left to the caller.
+    fn withdraw(&mut self, attachment: Attachment, pid: NonZeroU32) {
         self.detach(attachment);
         self.shared.leave(pid.get());
-        self.forget_state(&HashSet::from([pid.get()]));
+    }
+
+    /// `probe_allocator`, forgetting what its first probes recorded when it fails.
+    fn probe_allocator_or_forget(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        self.probe_allocator(allocator, pid).inspect_err(|_| self.forget_state(&HashSet::from([pid.get()])))
     }
 
     /// The allocator's probes alone (see `attach`), in each of its files, after its tables.
@@ -200,7 +214,7 @@ impl Loaded {
         if self.growth {
             return self.watch_pages(pid, true);
         }
-        self.probe_allocator(allocator, pid)
+        self.probe_allocator_or_forget(allocator, pid)
     }
 
     /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
@@ -229,6 +243,7 @@ impl Loaded {
     /// address, given out again, counted a missed free. A free before the allocation probes is
     /// only an unknown free. Return probes go before entry probes: an entry probe that fires
     /// before its return probe exists would leave in-flight state behind that nothing clears.
+    /// On failure nothing stays attached, and the caller forgets what the first probes recorded.
     fn probe_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let points = |file: &allocator::AllocatorFile| {
             let allocs: Vec<Point> =
@@ -254,7 +269,8 @@ impl Loaded {
         let mut attachment = Attachment::default();
         for (name, path, points) in frees.chain(allocs) {
             if let Err(err) = self.add_probes(&mut attachment, name, path, points, pid) {
-                self.take_back(attachment, pid);
+                // What the first probes recorded the caller forgets.
+                self.withdraw(attachment, pid);
                 return Err(err);
             }
         }

@@ -51,7 +51,13 @@ impl Loaded {
     /// Removes everything memprof holds about `pids`, which have exited (or were detached while
     /// running): map entries, unwind tables, ages, process-event tracking.
     pub fn forget_exited(&mut self, pids: &HashSet<u32>) {
-        // Out of `TRACED` first: shared links stop recording a process still running.
+        self.let_go(pids);
+        self.forget_state(pids);
+    }
+
+    /// `forget_exited`'s first part, which costs next to nothing: `pids` are out of `TRACED`, so
+    /// that shared links stop recording a process still running.
+    pub(super) fn let_go(&mut self, pids: &HashSet<u32>) {
         if let Some(Ok(mut traced)) = self.ebpf.map_mut("TRACED").map(aya::maps::HashMap::<_, u32, u32>::try_from) {
             for pid in pids {
                 let _ = traced.remove(pid);
@@ -61,7 +67,6 @@ impl Loaded {
             self.shared.forget(pid);
             self.usdt.forget(pid);
         }
-        self.forget_state(pids);
     }
 
     /// What the maps, the stack walk and the ages hold about `pids`.
