@@ -152,7 +152,8 @@ pub struct Family {
     forks: Forks,
     follow_forks: bool,
     settings: (Sampling, LeakSettings),
-    /// Exited children whose map entries go at the next `flush`: one walk of the maps for all.
+    /// Children that exited, or whose attach failed, whose map entries go at the next `flush`:
+    /// one walk of the maps for all.
     gone: HashSet<u32>,
     /// Where each child's exit watcher sends its pid.
     exits: mpsc::UnboundedSender<u32>,
@@ -377,7 +378,6 @@ impl Family {
                 tracing::debug!(child, "not followed: {err:#}");
                 self.forks.missed += 1;
                 self.forked_untraced(parent);
-                // Purged at the next flush, with the others gone.
                 self.gone.insert(child);
                 return;
             }

@@ -71,9 +71,7 @@ impl Loaded {
     /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
     /// On failure nothing stays attached; see `probe_allocator` for the order.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        // Tables first: the first allocation's stack needs them.
-        self.sync_mappings(pid.get());
-        self.attach_probes(allocator, pid, true).inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
+        self.attach_child(allocator, pid).inspect_err(|_| self.forget_state(&HashSet::from([pid.get()])))
     }
 
     /// `attach` for a child a traced process forked, which often exits before its probes are in
@@ -81,6 +79,7 @@ impl Loaded {
     /// has `forget_exited` purge what the maps hold about it later, with the other children that
     /// went, in one walk of the maps instead of one each.
     pub fn attach_child(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
         self.attach_probes(allocator, pid, true).inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
     }
