@@ -44,6 +44,9 @@ use tracing_subscriber::EnvFilter;
 use crate::console::say;
 
 fn main() -> ExitCode {
+    if let Some(code) = kernel::release::run_if_asked() {
+        return ExitCode::from(code);
+    }
     return_freed_memory_at_once();
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,

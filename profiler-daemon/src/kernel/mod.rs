@@ -18,7 +18,7 @@ pub mod loader;
 pub mod mappings;
 pub mod perf_event;
 pub mod probes;
-mod release;
+pub mod release;
 pub mod sample_rates;
 pub mod settings;
 pub mod shared;

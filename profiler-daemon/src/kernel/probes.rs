@@ -15,7 +15,7 @@ use std::{
     num::NonZeroU32,
     os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 use anyhow::Context as _;
@@ -362,34 +362,17 @@ pub fn sweep_copies<'a>(
     Ok(())
 }
 
-/// Threads that close links together. A fixed few: each close of a uprobe_multi link walks every
-/// process that maps the file under the kernel's locks, so more threads only wait on each other
-/// (threads per process and per link made the daemon run 1,270 threads, 926 of them blocked there).
-const CLOSERS: usize = 8;
-
-/// Detaches `links`, and returns when all are detached. A few threads close them: uprobe_multi
-/// links closed at once share their grace periods, and perf-event uprobes, which each wait for
-/// theirs under a kernel-wide mutex, at least leave the waiting to the threads.
+/// Detaches `links`, and returns when all are detached.
 fn detach_together(links: Vec<Link>) {
     if links.is_empty() {
         return;
     }
     let descriptors: Vec<RawFd> = links.iter().flat_map(Link::descriptors).collect();
-    // Children make the last closes (`release`); memprof's own are only references dropped.
-    if let Some(holders) = release::Holders::fork(&descriptors, CLOSERS) {
+    // A helper makes the last closes (`release`); memprof's own are only references dropped.
+    if let Some(holder) = release::Holder::give(&descriptors) {
         drop(links);
-        holders.release();
+        holder.release();
         return;
     }
-    let queue = Mutex::new(links);
-    let next = || queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop();
-    std::thread::scope(|scope| {
-        for _ in 0..CLOSERS.min(queue.lock().map_or(0, |q| q.len())) {
-            scope.spawn(|| {
-                while let Some(link) = next() {
-                    drop(link);
-                }
-            });
-        }
-    });
+    release::close_together(links);
 }

@@ -1,0 +1,51 @@
+//! The helper's side: holds the copies of links memprof gives it, and closes them when told or
+//! when memprof has gone.
+
+use std::{
+    ffi::OsStr,
+    os::fd::{BorrowedFd, OwnedFd},
+};
+
+use super::{close_together, rights, CLOSE, CLOSED, HOLD};
+use crate::console::say;
+
+/// memprof's first argument when it is started as the helper. Not a command: `main` checks it
+/// before the command line is parsed.
+pub const ARGUMENT: &str = "__close-links";
+
+/// Runs the helper when memprof was started as one; returns its exit code.
+pub fn run_if_asked() -> Option<u8> {
+    (std::env::args_os().nth(1).as_deref() == Some(OsStr::new(ARGUMENT))).then(serve)
+}
+
+fn serve() -> u8 {
+    // Only the socket (standard input) stays: a link inherited by mistake would be held open.
+    // SAFETY: close_range closes descriptors of this process only, none of which is in use.
+    unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0) };
+    // Ctrl-C at memprof's terminal reaches the helper too; it ends when memprof has.
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: ignoring a signal installs no handler.
+        unsafe { libc::signal(signal, libc::SIG_IGN) };
+    }
+    // SAFETY: standard input, open for as long as this process runs.
+    let socket = unsafe { BorrowedFd::borrow_raw(0) };
+    let mut held: Vec<OwnedFd> = Vec::new();
+    loop {
+        match rights::receive(socket) {
+            Ok(Some((HOLD, fds))) => held.extend(fds),
+            Ok(Some((CLOSE, _))) => {
+                close_together(std::mem::take(&mut held));
+                if rights::send(socket, CLOSED, &[]).is_err() {
+                    break;
+                }
+            }
+            Err(err) if err.raw_os_error() == Some(libc::ENOTSOCK) => {
+                say!("memprof: error: {ARGUMENT} is memprof's own helper, which memprof starts itself; run memprof --help for its commands");
+                return 2;
+            }
+            Ok(Some(_) | None) | Err(_) => break,
+        }
+    }
+    close_together(held);
+    0
+}
