@@ -255,8 +255,6 @@ impl SymbolizerHandle {
 struct OpenModule {
     mapping: FileMapping,
     file: Arc<OpenFile>,
-    /// Read once, for executable mappings only: pprof names code by it.
-    build_id: Option<String>,
 }
 
 struct SymbolizerThread {
@@ -321,13 +319,7 @@ impl SymbolizerThread {
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {
             let Some(file) = self.open(pid, &mapping) else { continue };
-            let known = old.iter().find(|m| Arc::ptr_eq(&m.file, &file));
-            let build_id = match known.and_then(|k| k.build_id.clone()) {
-                Some(id) => Some(id),
-                None if mapping.executable => Some(build_id(&file.file)),
-                None => None,
-            };
-            modules.push(OpenModule { mapping, file, build_id });
+            modules.push(OpenModule { mapping, file });
         }
         // What the new list misses is kept, unless its addresses or its file are now mapped
         // elsewhere: a list read as the process exits, or rebuilt from the linker's list, can
@@ -353,7 +345,12 @@ impl SymbolizerThread {
             return Some(file);
         }
         let file = mapping.open(pid)?;
-        let file = Arc::new(OpenFile { debug_info: debug_info_is_safe(&file), file, clones: OnceLock::new() });
+        let file = Arc::new(OpenFile {
+            debug_info: debug_info_is_safe(&file),
+            file,
+            clones: OnceLock::new(),
+            build_id: OnceLock::new(),
+        });
         if let Some(identity) = identity {
             self.files.insert(identity, Arc::downgrade(&file));
         }
@@ -370,7 +367,7 @@ impl SymbolizerThread {
                 start: m.mapping.start,
                 limit: m.mapping.end,
                 file_offset: m.mapping.offset,
-                build_id: m.build_id.clone().unwrap_or_default(),
+                build_id: m.file.build_id().to_owned(),
             })
             .collect()
     }
@@ -436,11 +433,18 @@ struct OpenFile {
     debug_info: bool,
     /// Read when a frame is first named from its debug information.
     clones: OnceLock<Clones>,
+    /// Read when first asked for, once for every process that maps the file: pprof names code
+    /// by it.
+    build_id: OnceLock<String>,
 }
 
 impl OpenFile {
     fn clones(&self) -> &Clones {
         self.clones.get_or_init(|| Clones::read(&self.file))
+    }
+
+    fn build_id(&self) -> &str {
+        self.build_id.get_or_init(|| build_id(&self.file))
     }
 }
 
