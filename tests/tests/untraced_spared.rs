@@ -374,3 +374,67 @@ fn kernel_leaked_uprobes() -> usize {
     let log = Command::new("dmesg").output().expect("dmesg");
     String::from_utf8_lossy(&log.stdout).matches("leaking uprobe").count()
 }
+
+/// The helper that makes the links' last closes (`memprof __close-links`, started at the first
+/// detach and kept) never outlives memprof and is never left a zombie: killed, it is reaped and
+/// replaced at the next detach, which memprof does not make itself; memprof SIGKILLed, it ends
+/// at the end of its socket.
+#[test]
+fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
+    let _serial = one_at_a_time();
+    let log = std::env::temp_dir().join(format!("memprof-helper-{}.log", std::process::id()));
+    // Each `true` is a child followed and detached at its exit.
+    let mut memprof = Command::new(memprof_bin())
+        .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
+        .args(["sh", "-c", "while :; do /bin/true; sleep 0.1; done"])
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&log).expect("a log file"))
+        .spawn()
+        .expect("starting memprof");
+    let memprof_pid = memprof.id();
+    let shell =
+        wait_for(20, "memprof's command", || children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh"));
+    let first = wait_for(20, "memprof's helper", || helper_of(memprof_pid));
+    // SAFETY: signalling a process this test found as memprof's child.
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    let second = wait_for(20, "a new helper", || helper_of(memprof_pid).filter(|&helper| helper != first));
+    assert_ne!(parent_of(first), Some(memprof_pid), "the killed helper was reaped, not left memprof's zombie");
+    memprof.kill().expect("SIGKILL to memprof");
+    let _ = memprof.wait();
+    wait_for(10, "the helper to end with memprof", || ended_or_zombie(second).then_some(()));
+    let said = fs::read_to_string(&log).unwrap_or_default();
+    let _ = fs::remove_file(&log);
+    // The helper may have been killed in the middle of a detach: its exit closed that one's links.
+    assert!(!said.contains("memprof closes them itself"), "{said}");
+    // SAFETY: signalling the shell memprof ran, which outlives memprof's SIGKILL as a target should.
+    unsafe { libc::kill(shell as i32, libc::SIGKILL) };
+}
+
+/// The processes whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&child| parent_of(child) == Some(pid))
+        .collect()
+}
+
+/// `pid`'s parent, from `/proc/PID/stat` (after the command's name, which may hold spaces).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// memprof's child that runs its helper.
+fn helper_of(memprof: u32) -> Option<u32> {
+    children_of(memprof).into_iter().find(|&child| {
+        fs::read(format!("/proc/{child}/cmdline"))
+            .is_ok_and(|cmdline| cmdline.split(|&byte| byte == 0).any(|argument| argument == b"__close-links"))
+    })
+}
+
+/// Gone, or a zombie waiting for its parent (init, once memprof has gone).
+fn ended_or_zombie(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+}

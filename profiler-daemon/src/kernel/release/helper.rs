@@ -22,6 +22,16 @@ fn serve() -> u8 {
     // Only the socket (standard input) stays: a link inherited by mistake would be held open.
     // SAFETY: close_range closes descriptors of this process only, none of which is in use.
     unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0) };
+    // However many links memprof gives at once: a descriptor past the limit would be closed on
+    // arrival, before memprof's own copy.
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct given, nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
     // Ctrl-C at memprof's terminal reaches the helper too; it ends when memprof has.
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
         // SAFETY: ignoring a signal installs no handler.

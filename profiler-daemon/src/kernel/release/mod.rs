@@ -23,7 +23,10 @@ use std::{
         unix::net::UnixDatagram,
     },
     process::{Child, Command, Stdio},
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Mutex,
+    },
 };
 
 pub use helper::run_if_asked;
@@ -46,13 +49,20 @@ pub struct Holder(Helper);
 
 impl Holder {
     /// Gives a helper copies of `links` (descriptors the caller owns). None when no helper could
-    /// take them: the caller then closes the links itself.
+    /// take them (said in a warning): the caller then closes the links itself.
     pub fn give(links: &[RawFd]) -> Option<Self> {
-        let helper = Helper::take()?;
-        match links.chunks(rights::MOST_PER_MESSAGE).try_for_each(|chunk| helper.send(HOLD, chunk)) {
+        // A helper kept from an earlier detach may have been killed since: then the next.
+        while let Some(helper) = Helper::idle() {
+            match helper.hold(links) {
+                Ok(()) => return Some(Self(helper)),
+                Err(_) => helper.end(),
+            }
+        }
+        let helper = Helper::start().inspect_err(|err| warn_once(&format!("starting it: {err}"))).ok()?;
+        match helper.hold(links) {
             Ok(()) => Some(Self(helper)),
             Err(err) => {
-                tracing::warn!("giving links to memprof's helper: {err}; memprof closes them itself");
+                warn_once(&format!("giving it links: {err}"));
                 helper.end();
                 None
             }
@@ -65,12 +75,21 @@ impl Holder {
         let helper = self.0;
         match helper.send(CLOSE, &[]).and_then(|()| helper.closed()) {
             Ok(()) => IDLE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(helper),
-            // Its exit closed them.
+            // Killed meanwhile, say: its exit closed them.
             Err(err) => {
-                tracing::warn!("memprof's helper that closes links: {err}");
+                tracing::warn!("memprof's helper that closes probe links ended before it said it closed them: {err}");
                 helper.end();
             }
         }
+    }
+}
+
+/// Says once what went wrong with the helpers: a host where none can start would otherwise say
+/// it at every detach.
+fn warn_once(what: &str) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!("memprof's helper that closes probe links: {what}; memprof closes them itself, and a SIGKILL at that moment leaks the kernel's uprobe");
     }
 }
 
@@ -99,12 +118,8 @@ struct Helper {
 }
 
 impl Helper {
-    /// An idle helper, else a new one. None (said in a warning) when none could be started.
-    fn take() -> Option<Self> {
-        if let Some(helper) = IDLE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop() {
-            return Some(helper);
-        }
-        Self::start().inspect_err(|err| tracing::warn!("starting memprof's helper that closes links: {err}")).ok()
+    fn idle() -> Option<Self> {
+        IDLE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop()
     }
 
     fn start() -> io::Result<Self> {
@@ -117,6 +132,11 @@ impl Helper {
             .stderr(Stdio::null())
             .spawn()?;
         Ok(Self { child, socket: UnixDatagram::from(ours) })
+    }
+
+    /// Gives the helper copies of `links`.
+    fn hold(&self, links: &[RawFd]) -> io::Result<()> {
+        links.chunks(rights::MOST_PER_MESSAGE).try_for_each(|chunk| self.send(HOLD, chunk))
     }
 
     fn send(&self, tag: u8, fds: &[RawFd]) -> io::Result<()> {
