@@ -167,6 +167,7 @@ enum Request {
     Inherit {
         parent: u32,
         child: u32,
+        mappings: Vec<FileMapping>,
         done: mpsc::Sender<()>,
     },
     /// The process has exited and will not be asked about again: drop its files and cache.
@@ -220,10 +221,10 @@ impl SymbolizerHandle {
         }
     }
 
-    /// Reads the mappings of `child`, just forked by `parent` (see `Request::Inherit`).
-    pub fn inherit(&self, parent: u32, child: u32) {
+    /// Takes `mappings`, those of `child` just forked by `parent` as read (see `Request::Inherit`).
+    pub fn inherit(&self, parent: u32, child: u32, mappings: Vec<FileMapping>) {
         let (done, wait) = mpsc::channel();
-        if self.requests.send(Request::Inherit { parent, child, done }).is_ok() {
+        if self.requests.send(Request::Inherit { parent, child, mappings, done }).is_ok() {
             let _ = wait.recv();
         }
     }
@@ -283,13 +284,13 @@ impl SymbolizerThread {
                     self.refresh(pid, mappings);
                     let _ = done.send(());
                 }
-                Request::Inherit { parent, child, done } => {
+                Request::Inherit { parent, child, mappings, done } => {
                     // The parent's files first: a child gone before its read is still
                     // symbolized by them.
                     if let Some(inherited) = self.modules.get(&parent).map(|modules| modules.to_vec()) {
                         self.modules.insert(child, inherited);
                     }
-                    self.refresh(child, None);
+                    self.refresh(child, Some(mappings));
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {

@@ -358,7 +358,9 @@ impl Family {
         // session) may not outlive. Until it execs, a child has its parent's name and mappings:
         // those serve when the child's cannot be read any more.
         let comm = procfs::comm(child).unwrap_or_else(|| parent_process.comm.clone());
-        symbolizer.inherit(parent, child);
+        // Read once for the symbolizer, the unwind tables and the dynamic linker's hook.
+        let mappings = procfs::file_mappings(child).unwrap_or_default();
+        symbolizer.inherit(parent, child, mappings.clone());
         // The child maps its parent's files (its /proc maps may not show them yet): the parent's
         // allocator, unless the child exec'd already (checked below).
         let parent_exe = parent_process.exe.clone();
@@ -372,7 +374,7 @@ impl Family {
                 return;
             }
         };
-        let attachment = match loaded.attach_child(&allocator, pid) {
+        let attachment = match loaded.attach_child(&allocator, pid, &mappings) {
             Ok(attachment) => attachment,
             Err(err) => {
                 tracing::debug!(child, "not followed: {err:#}");
@@ -391,7 +393,8 @@ impl Family {
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, {}",
             how_traced(self.settings.0, attachment.probes(), &allocator)
         );
-        let exe = procfs::exe_path(child).unwrap_or_else(|| parent_exe.clone());
+        let exe_now = procfs::exe_path(child);
+        let exe = exe_now.clone().unwrap_or_else(|| parent_exe.clone());
         let mut process = Process::new(child, comm, Some(exe), attachment, allocator, self.settings, false);
         process.parent = Some(parent);
         if let Some(sample_bytes) = process.rate_guard.initial() {
@@ -402,7 +405,7 @@ impl Family {
         self.processes.insert(child, process);
         // A child that exec'd before it was tracked (vfork and exec) reported no exec event. (One
         // still inside execve reports it: its exec tracepoint fires once the new program is in.)
-        if procfs::exe_path(child).is_some_and(|exe| exe != parent_exe) {
+        if exe_now.is_some_and(|exe| exe != parent_exe) {
             self.on_exec(loaded, symbolizer, child, None);
             if let Some(process) = self.processes.get_mut(&child) {
                 process.exec_handled_early = true;

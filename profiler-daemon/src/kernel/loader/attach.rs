@@ -19,7 +19,7 @@ use crate::{
     kernel::shared::{FileId, ProbeLinks},
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
-    process::procfs,
+    process::procfs::{self, FileMapping},
 };
 
 use super::Loaded;
@@ -71,17 +71,29 @@ impl Loaded {
     /// entry probe per allocation function (its `AllocFn` as cookie) and the dynamic linker's.
     /// On failure nothing stays attached; see `probe_allocator` for the order.
     pub fn attach(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        self.attach_child(allocator, pid).inspect_err(|_| self.forget_state(&HashSet::from([pid.get()])))
+        let mappings = procfs::file_mappings(pid.get()).unwrap_or_default();
+        self.attach_child(allocator, pid, &mappings).inspect_err(|_| self.forget_state(&HashSet::from([pid.get()])))
     }
 
     /// `attach` for a child a traced process forked, which often exits before its probes are in
     /// place (a database session). On failure only `TRACED` lets go of it at once: the caller
     /// has `forget_exited` purge what the maps hold about it later, with the other children that
     /// went, in one walk of the maps instead of one each.
-    pub fn attach_child(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        // Tables first: the first allocation's stack needs them.
-        self.sync_mappings(pid.get());
-        self.attach_probes(allocator, pid, true).inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
+    /// `mappings`, the child's as read just before (none once it is gone), give its unwind tables
+    /// and its dynamic linker.
+    pub fn attach_child(
+        &mut self,
+        allocator: &Allocator,
+        pid: NonZeroU32,
+        mappings: &[FileMapping],
+    ) -> anyhow::Result<Attachment> {
+        // Tables first: the first allocation's stack needs them. Its dynamic linker is not hooked
+        // yet, so the count of its code changes is none, read before or after the mappings.
+        let changes = self.code_changes(pid.get());
+        if !mappings.is_empty() {
+            self.sync_mappings_with(pid.get(), mappings, changes);
+        }
+        self.attach_probes(allocator, pid, true, mappings).inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
     }
 
     /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
@@ -95,7 +107,9 @@ impl Loaded {
     ) -> anyhow::Result<Attachment> {
         self.unwind.preload(pid.get(), files);
         // Its memory is memprof's until the exec: none of it is the command's.
-        self.attach_probes(allocator, pid, false).inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
+        let mappings = procfs::file_mappings(pid.get()).unwrap_or_default();
+        self.attach_probes(allocator, pid, false, &mappings)
+            .inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
     }
 
     /// Probes `allocator`'s files for `pid`, which may never map them (see `allocator::standby`):
@@ -111,11 +125,12 @@ impl Loaded {
         allocator: &Allocator,
         pid: NonZeroU32,
         has_memory: bool,
+        mappings: &[FileMapping],
     ) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
         let probed = if self.growth { self.watch_pages(pid, has_memory) } else { self.probe_allocator(allocator, pid) };
         let mut attachment = probed?;
-        self.attach_dl_hook(&mut attachment, pid);
+        self.hook_linker(&mut attachment, pid, mappings);
         Ok(attachment)
     }
 
@@ -332,7 +347,12 @@ impl Loaded {
     /// Hooks the dynamic linker of `pid`, so that libraries it loads later get unwind tables
     /// (see `mappings_changed` in the eBPF programs). A static binary has none, and is not hooked.
     pub(super) fn attach_dl_hook(&mut self, attachment: &mut Attachment, pid: NonZeroU32) {
-        let Ok(mappings) = procfs::file_mappings(pid.get()) else { return };
+        let mappings = procfs::file_mappings(pid.get()).unwrap_or_default();
+        self.hook_linker(attachment, pid, &mappings);
+    }
+
+    /// `attach_dl_hook` with `pid`'s mappings read already.
+    fn hook_linker(&mut self, attachment: &mut Attachment, pid: NonZeroU32, mappings: &[FileMapping]) {
         let Some(linker) = mappings.iter().find(|m| m.executable && is_dynamic_linker(&m.path)) else { return };
         let Some(path) = linker.reachable_paths(pid.get()).into_iter().find(|p| Path::new(p).exists()) else { return };
         let path = Path::new(&path);
