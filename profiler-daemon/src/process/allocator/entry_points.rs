@@ -129,8 +129,16 @@ fn code_around(text: &[(u64, u64, u64)], offset: u64) -> Option<(u64, u64)> {
     Some((offset - start, start + size - offset))
 }
 
+/// Symbols looked up by file: each process's dynamic linker is hooked by them, and a forking
+/// server's children all map the same one.
+static SYMBOLS: LazyLock<FileCache<Option<u64>>> = LazyLock::new(|| FileCache::new(64));
+
 /// The file offset of function `name` in the ELF file at `path` (to probe it).
 pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
+    SYMBOLS.get_or_read(path, name, || read_function_file_offset(path, name))
+}
+
+fn read_function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
     let data = elf_bytes::read_path(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     functions(&file, &HashSet::from([name])).get(name).map(|function| function.offset)
@@ -139,6 +147,10 @@ pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
 /// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
 /// same distance once loaded); None unless both are defined.
 pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
+    SYMBOLS.get_or_read(path, &format!("{from} to {to}"), || read_symbol_distance(path, from, to))
+}
+
+fn read_symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
     let data = elf_bytes::read_path(path).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let address = |wanted: &str| {
