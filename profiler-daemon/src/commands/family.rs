@@ -445,8 +445,18 @@ impl Family {
         }
     }
 
-    /// A child exited: `last` is its final report. Its probes are detached in the background
-    /// and its map entries purged at the next `flush`.
+    /// Detaches an exited child's probes in the background, before its last report is read: a
+    /// link left on a process gone is one more that the kernel calls at each trap in the file's
+    /// other processes (postgres's throughput fell by a fifth while links waited 250 ms for the
+    /// read).
+    pub fn detach_exited(&mut self, loaded: &mut Loaded, pid: u32) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            loaded.detach_in_background(std::mem::take(&mut process.attachment));
+        }
+    }
+
+    /// A child exited: `last` is its final report. What is left of its probes is detached in the
+    /// background and its map entries purged at the next `flush`.
     pub fn on_child_exit(&mut self, loaded: &mut Loaded, pid: u32, last: Option<Report>) {
         let Some(process) = self.processes.remove(&pid) else { return };
         if process.allocator.is_none() && process.parent.is_some() {

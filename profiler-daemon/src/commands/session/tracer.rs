@@ -64,7 +64,14 @@ struct Tracer<'a> {
     thread_names: HashMap<u32, ThreadNames>,
     /// The processes whose allocations found the live table full, said once each.
     said_full: HashSet<u32>,
+    /// Followed children that exited, whose last reports are read together when `exits_due_ns`
+    /// (CLOCK_MONOTONIC) comes: each read walks the maps of every process.
+    exited: HashSet<u32>,
+    exits_due_ns: Option<u64>,
 }
+
+/// How long a followed child's exit waits for others to be read with it.
+const EXITS_GATHERED_NS: u64 = 250_000_000;
 
 impl Tracer<'_> {
     fn stacks(&self, pid: u32) -> report::Stacks<'_> {
@@ -130,11 +137,28 @@ impl Tracer<'_> {
         }
     }
 
-    /// Reads the kernel's counters (the leak rule needs every interval's); returns the reports of
-    /// `pids` (all when None), the root's with its children, when one is to be written.
-    fn read(&mut self, is_final: bool, only: Option<u32>) -> anyhow::Result<Option<Report>> {
-        let pids = only.map_or_else(|| self.family.pids(), |pid| [pid].into());
-        let kernel = self.loaded.read(&pids, self.min_age_ns)?;
+    /// Reads the kernel's counters (the leak rule needs every interval's); returns the root's
+    /// report with its children's, when one is to be written.
+    fn read(&mut self, is_final: bool) -> anyhow::Result<Option<Report>> {
+        let Some(mut reports) = self.read_reports(is_final, &self.family.pids(), true)? else { return Ok(None) };
+        let root_at = reports.iter().position(|r| r.pid == self.family.root);
+        let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
+        root.forks = self.family.forks(&self.loaded);
+        root.unwind_tables = Some(self.loaded.unwind.table_use());
+        root.context = Some(self.context.clone());
+        root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
+        Ok(Some(root))
+    }
+
+    /// Reads the kernel's counters for `pids`, all of the session's when `whole`, in one walk of
+    /// the maps; returns their reports, when they are to be written.
+    fn read_reports(
+        &mut self,
+        is_final: bool,
+        pids: &HashSet<u32>,
+        whole: bool,
+    ) -> anyhow::Result<Option<Vec<Report>>> {
+        let kernel = self.loaded.read(pids, self.min_age_ns)?;
         let clock = self.loaded.ages.clock;
         let mut switches = Vec::new();
         // The session's final report reads the pinned pages whatever the budget (a child's
@@ -149,7 +173,7 @@ impl Tracer<'_> {
             kernel.live_entries,
             residents,
             &mut self.pinned_budget,
-            is_final && only.is_none(),
+            is_final && whole,
         )?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };
@@ -197,13 +221,13 @@ impl Tracer<'_> {
         };
         let mut by_thread = if self.args.threads {
             let sample_bytes = |pid| kernel.processes.get(&pid).map_or(0, |s| s.sample_bytes);
-            threads::read(&self.loaded.ebpf, &pids, sample_bytes)?
+            threads::read(&self.loaded.ebpf, pids, sample_bytes)?
         } else {
             HashMap::new()
         };
         // The root's inspection, given to its report before suppressions take their blocks out.
         let mut inspection = self.inspection.take();
-        let mut reports: Vec<Report> = self
+        let reports: Vec<Report> = self
             .family
             .processes()
             .filter(|p| pids.contains(&p.pid))
@@ -235,16 +259,7 @@ impl Tracer<'_> {
                 report
             })
             .collect();
-        if only.is_some() {
-            return Ok(reports.pop());
-        }
-        let root_at = reports.iter().position(|r| r.pid == self.family.root);
-        let Some(mut root) = root_at.map(|at| reports.remove(at)) else { return Ok(None) };
-        root.forks = self.family.forks(&self.loaded);
-        root.unwind_tables = Some(self.loaded.unwind.table_use());
-        root.context = Some(self.context.clone());
-        root.children = self.family.exited_reports().iter().cloned().chain(reports).collect();
-        Ok(Some(root))
+        Ok(Some(reports))
     }
 
     /// Samples `pid` from now on, and says so.
@@ -300,19 +315,36 @@ impl Tracer<'_> {
         Ok(())
     }
 
-    /// A followed child exited: its last report is kept, its probes and map entries go.
+    /// A followed child exited: its probes go now, and it is read with the others that exit
+    /// within `EXITS_GATHERED_NS`.
     fn child_exited(&mut self, pid: u32) {
-        let last = match self.read(true, Some(pid)) {
-            Ok(report) => report.map(|mut report| {
-                report.exited = true;
-                report
-            }),
+        self.family.detach_exited(&mut self.loaded, pid);
+        self.exited.insert(pid);
+        self.exits_due_ns.get_or_insert(aggregate::monotonic_now_ns() + EXITS_GATHERED_NS);
+    }
+
+    /// The children that exited: their last reports are kept, their probes and map entries go.
+    fn read_exited(&mut self) {
+        self.exits_due_ns = None;
+        if self.exited.is_empty() {
+            return;
+        }
+        let pids = std::mem::take(&mut self.exited);
+        let mut reports = match self.read_reports(true, &pids, false) {
+            Ok(reports) => reports.unwrap_or_default(),
             Err(err) => {
-                tracing::warn!(pid, "reading the maps: {err:#}");
-                None
+                tracing::warn!(?pids, "reading the maps: {err:#}");
+                Vec::new()
             }
         };
-        self.family.on_child_exit(&mut self.loaded, pid, last);
+        for pid in pids {
+            let last = reports.iter().position(|report| report.pid == pid).map(|at| {
+                let mut report = reports.swap_remove(at);
+                report.exited = true;
+                report
+            });
+            self.family.on_child_exit(&mut self.loaded, pid, last);
+        }
     }
 }
 
@@ -358,6 +390,8 @@ pub(super) async fn trace(
         suppressions: &suppressing.rules,
         thread_names: HashMap::new(),
         said_full: HashSet::new(),
+        exited: HashSet::new(),
+        exits_due_ns: None,
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
     if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
@@ -406,11 +440,14 @@ pub(super) async fn trace(
                     tracing::warn!("saying the price of tracing: {err:#}");
                 }
             }
+            () = until_monotonic(tracer.exits_due_ns) => tracer.read_exited(),
             _ = ticks.tick() => {
                 tracer.collect(&mut double_free_reader);
+                // Before the purge of the maps, and out of this interval's report.
+                tracer.read_exited();
                 tracer.family.flush(&mut tracer.loaded);
                 // `attach ... | head -1`: nobody reads any more, so end quietly as --duration does.
-                if !write(tracer.read(false, None)?)? {
+                if !write(tracer.read(false)?)? {
                     break None;
                 }
             }
@@ -450,11 +487,12 @@ pub(super) async fn trace(
             tracer.child_exited(pid);
         }
     }
+    tracer.read_exited();
     if let Some(settings) = inspect {
         tracer.inspection = inspect_root(&tracer, settings);
     }
     tracer.collect(&mut double_free_reader);
-    let result = tracer.read(true, None);
+    let result = tracer.read(true);
     let leak_bytes = result.as_ref().ok().and_then(Option::as_ref).map_or(0, |root| {
         std::iter::once(root)
             .chain(&root.children)
