@@ -64,9 +64,10 @@ struct Tracer<'a> {
     thread_names: HashMap<u32, ThreadNames>,
     /// The processes whose allocations found the live table full, said once each.
     said_full: HashSet<u32>,
-    /// Followed children that exited, whose last reports are read together when `exits_due_ns`
-    /// (CLOCK_MONOTONIC) comes: each read walks the maps of every process.
-    exited: HashSet<u32>,
+    /// Followed children that exited, in the order they did, whose last reports are read
+    /// together when `exits_due_ns` (CLOCK_MONOTONIC) comes: each read walks the maps of every
+    /// process.
+    exited: Vec<u32>,
     exits_due_ns: Option<u64>,
 }
 
@@ -319,7 +320,9 @@ impl Tracer<'_> {
     /// within `EXITS_GATHERED_NS`.
     fn child_exited(&mut self, pid: u32) {
         self.family.detach_exited(&mut self.loaded, pid);
-        self.exited.insert(pid);
+        if !self.exited.contains(&pid) {
+            self.exited.push(pid);
+        }
         self.exits_due_ns.get_or_insert(aggregate::monotonic_now_ns() + EXITS_GATHERED_NS);
     }
 
@@ -330,7 +333,7 @@ impl Tracer<'_> {
             return;
         }
         let pids = std::mem::take(&mut self.exited);
-        let mut reports = match self.read_reports(true, &pids, false) {
+        let mut reports = match self.read_reports(true, &pids.iter().copied().collect(), false) {
             Ok(reports) => reports.unwrap_or_default(),
             Err(err) => {
                 tracing::warn!(?pids, "reading the maps: {err:#}");
@@ -390,7 +393,7 @@ pub(super) async fn trace(
         suppressions: &suppressing.rules,
         thread_names: HashMap::new(),
         said_full: HashSet::new(),
-        exited: HashSet::new(),
+        exited: Vec::new(),
         exits_due_ns: None,
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
