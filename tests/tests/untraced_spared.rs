@@ -384,7 +384,7 @@ fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let _serial = one_at_a_time();
     let log = std::env::temp_dir().join(format!("memprof-helper-{}.log", std::process::id()));
     // Each `true` is a child followed and detached at its exit.
-    let mut memprof = Command::new(memprof_bin())
+    let memprof = Command::new(memprof_bin())
         .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
         .args(["sh", "-c", "while :; do /bin/true; sleep 0.1; done"])
         .stdout(Stdio::null())
@@ -392,22 +392,43 @@ fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
         .spawn()
         .expect("starting memprof");
     let memprof_pid = memprof.id();
+    let memprof = Reaped(memprof);
     let shell =
         wait_for(20, "memprof's command", || children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh"));
+    // It outlives memprof's SIGKILL, as a target should, but not the test.
+    let _shell = KilledAtTheEnd(shell);
     let first = wait_for(20, "memprof's helper", || helper_of(memprof_pid));
     // SAFETY: signalling a process this test found as memprof's child.
     unsafe { libc::kill(first as i32, libc::SIGKILL) };
     let second = wait_for(20, "a new helper", || helper_of(memprof_pid).filter(|&helper| helper != first));
     assert_ne!(parent_of(first), Some(memprof_pid), "the killed helper was reaped, not left memprof's zombie");
-    memprof.kill().expect("SIGKILL to memprof");
-    let _ = memprof.wait();
+    drop(memprof);
     wait_for(10, "the helper to end with memprof", || ended_or_zombie(second).then_some(()));
     let said = fs::read_to_string(&log).unwrap_or_default();
     let _ = fs::remove_file(&log);
     // The helper may have been killed in the middle of a detach: its exit closed that one's links.
     assert!(!said.contains("memprof closes them itself"), "{said}");
-    // SAFETY: signalling the shell memprof ran, which outlives memprof's SIGKILL as a target should.
-    unsafe { libc::kill(shell as i32, libc::SIGKILL) };
+}
+
+/// A child of the test's, SIGKILLed and reaped when dropped, however the test ends.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A process the test started that is not its child, SIGKILLed when the test ends.
+struct KilledAtTheEnd(u32);
+
+impl Drop for KilledAtTheEnd {
+    fn drop(&mut self) {
+        // SAFETY: signalling a process only this test ends (no other ends it, so its pid is not
+        // reused before).
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
 }
 
 /// The processes whose parent is `pid`.
