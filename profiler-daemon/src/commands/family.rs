@@ -447,8 +447,7 @@ impl Family {
 
     /// Detaches an exited child's probes in the background, before its last report is read: a
     /// link left on a process gone is one more that the kernel calls at each trap in the file's
-    /// other processes (postgres's throughput fell by a fifth while links waited 250 ms for the
-    /// read).
+    /// other processes (BENCHMARKS.md: the last reports of children that exit within 250 ms).
     pub fn detach_exited(&mut self, loaded: &mut Loaded, pid: u32) {
         if let Some(process) = self.processes.get_mut(&pid) {
             loaded.detach_in_background(std::mem::take(&mut process.attachment));

@@ -18,10 +18,7 @@ mod rights;
 
 use std::{
     io,
-    os::{
-        fd::{AsFd as _, FromRawFd as _, OwnedFd, RawFd},
-        unix::net::UnixDatagram,
-    },
+    os::fd::{AsFd as _, FromRawFd as _, OwnedFd, RawFd},
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -114,7 +111,7 @@ pub fn close_together<T: Send>(items: Vec<T>) {
 /// A helper process and memprof's end of its socket.
 struct Helper {
     child: Child,
-    socket: UnixDatagram,
+    socket: OwnedFd,
 }
 
 impl Helper {
@@ -131,7 +128,7 @@ impl Helper {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()?;
-        Ok(Self { child, socket: UnixDatagram::from(ours) })
+        Ok(Self { child, socket: ours })
     }
 
     /// Gives the helper copies of `links`.
