@@ -34,13 +34,13 @@ pub struct BlindSpots {
 impl BlindSpots {
     pub fn new(pid: u32, allocator: &Allocator) -> Self {
         let anon = procfs::anon_resident_bytes(pid).unwrap_or(u64::MAX);
-        let mut spots =
-            Self { unprobed: Vec::new(), anon_floor: Cell::new(anon), grown: Cell::new(0), scanned: HashSet::new() };
+        let mut spots = Self {
+            unprobed: Vec::new(),
+            anon_floor: Cell::new(anon),
+            grown: Cell::new(0),
+            scanned: allocator.looked_into.clone(),
+        };
         spots.add(pid, allocator.unprobed.clone());
-        // What `allocator` was found in: looked into already.
-        spots.scanned = procfs::file_mappings(pid)
-            .map(|mappings| mappings.into_iter().filter(|m| m.executable).map(|m| m.path).collect())
-            .unwrap_or_default();
         spots
     }
 

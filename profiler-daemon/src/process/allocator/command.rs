@@ -53,12 +53,15 @@ pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocat
             paths.push(interpreter);
         }
     }
-    let scans = paths.iter().filter(|path| !is_dynamic_loader(&path.to_string_lossy())).filter_map(|path| {
-        // As /proc/PID/maps will name it, to recognise the allocator's own frames later.
-        let display = fs::canonicalize(path).unwrap_or_else(|_| path.clone());
-        scan(path, &display.to_string_lossy())
-    });
-    let allocator = allocator_of(scans.collect(), runtime_only).map_err(no_allocator)?;
+    // As /proc/PID/maps will name them, to recognise the allocator's own frames later.
+    let displayed =
+        |path: &PathBuf| fs::canonicalize(path).unwrap_or_else(|_| path.clone()).to_string_lossy().into_owned();
+    let scans = paths
+        .iter()
+        .filter(|path| !is_dynamic_loader(&path.to_string_lossy()))
+        .filter_map(|path| scan(path, &displayed(path)));
+    let looked_into = paths.iter().map(displayed).collect();
+    let allocator = allocator_of(scans.collect(), looked_into, runtime_only).map_err(no_allocator)?;
     Ok((allocator, paths))
 }
 
@@ -74,7 +77,7 @@ pub fn standby(allocator: &Allocator) -> Allocator {
     let held: HashSet<PathBuf> = allocator.files.iter().filter_map(|f| fs::canonicalize(&f.attach_path).ok()).collect();
     let Some(dir) = allocator.files.iter().find(|f| is_libc(&f.display_path)).and_then(|f| f.attach_path.parent())
     else {
-        return Allocator { files: Vec::new(), unprobed: Vec::new() };
+        return Allocator::default();
     };
     let files = PRELOADABLE
         .iter()
@@ -82,7 +85,7 @@ pub fn standby(allocator: &Allocator) -> Allocator {
         .filter(|path| !held.contains(path))
         .filter_map(|path| scan(&path, &path.to_string_lossy())?.allocator)
         .collect();
-    Allocator { files, unprobed: Vec::new() }
+    Allocator { files, ..Allocator::default() }
 }
 
 /// The dynamic loader an executable names (`PT_INTERP`); none for a static one.

@@ -64,11 +64,14 @@ pub struct AllocatorFile {
 /// Every file of a process that holds allocator code: a C++ program on jemalloc has jemalloc
 /// (with its own `operator new`) and the C library; a Rust binary with a static jemalloc, that
 /// and the C library its C dependencies call; python, its object allocator and the C library.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Allocator {
     pub files: Vec<AllocatorFile>,
     /// Allocators found beside these that memprof does not probe.
     pub unprobed: Vec<BlindSpot>,
+    /// The files with code that were looked into, as `/proc/PID/maps` names them: only files
+    /// mapped later are looked into for blind spots (`unprobed_in_new_files`).
+    pub looked_into: HashSet<String>,
 }
 
 impl Allocator {
@@ -158,7 +161,8 @@ pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserE
         .iter()
         .filter(|file| !is_dynamic_loader(&file.path))
         .filter_map(|file| file.reachable_paths(pid).iter().find_map(|path| scan(Path::new(path), &file.path)));
-    allocator_of(scans.collect(), runtime_only).map_err(|detail| UserError::NoAllocator {
+    let looked_into = candidates.iter().map(|file| file.path.clone()).collect();
+    allocator_of(scans.collect(), looked_into, runtime_only).map_err(|detail| UserError::NoAllocator {
         pid,
         detail: if candidates.is_empty() { "it maps no files".to_string() } else { detail },
     })
@@ -191,7 +195,11 @@ struct FileScan {
 
 /// The allocator of the files scanned, the C library's last: the order the dynamic loader binds
 /// `malloc` in, so that messages name the one in use first. Without one, why not.
-fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Allocator, String> {
+fn allocator_of(
+    scans: Vec<FileScan>,
+    looked_into: HashSet<String>,
+    runtime_only: RuntimeOnly,
+) -> Result<Allocator, String> {
     let unprobed: Vec<BlindSpot> = scans.iter().flat_map(|scan| scan.unprobed.clone()).collect();
     let mut files: Vec<AllocatorFile> = scans.into_iter().filter_map(|scan| scan.allocator).collect();
     if files.is_empty() {
@@ -199,7 +207,7 @@ fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Alloc
             return Err("none of its files holds an allocator memprof knows".to_string());
         }
         if runtime_only == RuntimeOnly::Accepted {
-            return Ok(Allocator { files, unprobed });
+            return Ok(Allocator { files, unprobed, looked_into });
         }
         let what: Vec<String> = unprobed.iter().map(|spot| format!("{} ({})", spot.what, spot.advice)).collect();
         return Err(format!(
@@ -209,7 +217,7 @@ fn allocator_of(scans: Vec<FileScan>, runtime_only: RuntimeOnly) -> Result<Alloc
         ));
     }
     files.sort_by_key(|file| is_libc(&file.display_path));
-    Ok(Allocator { files, unprobed })
+    Ok(Allocator { files, unprobed, looked_into })
 }
 
 fn file_name(path: &str) -> &str {
