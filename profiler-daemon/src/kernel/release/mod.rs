@@ -115,8 +115,12 @@ struct Helper {
 }
 
 impl Helper {
+    /// A kept helper, if one is left. Kept ones that were killed are reaped here, whichever one
+    /// is taken: none stays a zombie until its turn.
     fn idle() -> Option<Self> {
-        IDLE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).pop()
+        let mut idle = IDLE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        idle.retain_mut(|helper| !matches!(helper.child.try_wait(), Ok(Some(_))));
+        idle.pop()
     }
 
     fn start() -> io::Result<Self> {
