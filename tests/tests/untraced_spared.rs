@@ -376,9 +376,9 @@ fn kernel_leaked_uprobes() -> usize {
 }
 
 /// The helper that makes the links' last closes (`memprof __close-links`, started at the first
-/// detach and kept) never outlives memprof and is never left a zombie: killed, it is reaped and
-/// replaced at the next detach, which memprof does not make itself; memprof SIGKILLed, it ends
-/// at the end of its socket.
+/// detach and kept) is not the OOM killer's pick, never outlives memprof and is never left a
+/// zombie: killed, it is reaped and replaced at the next detach, which memprof does not make
+/// itself; memprof SIGKILLed, it ends at the end of its socket.
 #[test]
 fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let _serial = one_at_a_time();
@@ -398,6 +398,11 @@ fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     // It outlives memprof's SIGKILL, as a target should, but not the test.
     let _shell = KilledAtTheEnd(shell);
     let first = wait_for(20, "memprof's helper", || helper_of(memprof_pid));
+    // Only a root with CAP_SYS_RESOURCE may lower it; the VM this project's CI runs on has none.
+    if has_capability(CAP_SYS_RESOURCE) {
+        let oom_score_adj = fs::read_to_string(format!("/proc/{first}/oom_score_adj")).unwrap_or_default();
+        assert_eq!(oom_score_adj.trim(), "-1000", "the OOM killer never picks the helper");
+    }
     // SAFETY: signalling a process this test found as memprof's child.
     unsafe { libc::kill(first as i32, libc::SIGKILL) };
     // Two detaches at once keep two helpers: the one not killed may serve the next detach.
@@ -432,6 +437,16 @@ impl Drop for KilledAtTheEnd {
         // reused before).
         unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
     }
+}
+
+/// The capability's bit, from linux/capability.h.
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Whether this process has `capability` in its effective set.
+fn has_capability(capability: u32) -> bool {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let effective = status.lines().find_map(|line| line.strip_prefix("CapEff:"));
+    effective.and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok()).is_some_and(|set| set & (1 << capability) != 0)
 }
 
 /// The processes whose parent is `pid`.
