@@ -6,6 +6,7 @@
 
 pub mod ages;
 pub mod aggregate;
+mod apart;
 pub mod batch;
 pub mod btf;
 pub mod detacher;

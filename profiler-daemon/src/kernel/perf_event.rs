@@ -1,6 +1,7 @@
 //! Perf events memprof opens itself with the raw `perf_event_open` syscall: a thread's page-fault
-//! counter (`--growth`, see `faults`), and the uprobes of USDT probes, which aya makes without the
-//! semaphore's reference counter the kernel can keep (see `uprobe`).
+//! counter (`--growth`, see `faults`), and uprobes, opened apart from memprof (see `apart`): those
+//! of kernels without uprobe_multi links, and those of USDT probes with the semaphore's reference
+//! counter the kernel can keep (see `uprobe`).
 
 use std::{
     ffi::CString,
@@ -12,13 +13,16 @@ use std::{
     path::Path,
 };
 
-use super::uprobe_multi;
+use super::{apart, uprobe_multi};
 
 /// `PERF_FLAG_FD_CLOEXEC`.
 const FD_CLOEXEC: libc::c_ulong = 1 << 3;
 /// Where the uprobe PMU takes a semaphore's file offset in `config`
 /// (`PERF_UPROBE_REF_CTR_OFFSET_SHIFT` of kernel/events/core.c; its sysfs format says `config:32-63`).
 const REF_CTR_OFFSET_SHIFT: u32 = 32;
+/// Where the uprobe PMU takes whether the probe is at the function's return (its sysfs format
+/// says `retprobe` is `config:0`).
+const RETPROBE_BIT: u32 = 0;
 /// The uprobe PMU's type is assigned at boot, and listed here.
 const UPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/uprobe/type";
 /// `BPF_PERF_EVENT` of `enum bpf_attach_type`.
@@ -46,14 +50,11 @@ pub struct PerfEventAttr {
 /// every CPU.
 pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
     attr.size = size_of::<PerfEventAttr>() as u32;
+    let args = [&attr as *const PerfEventAttr as libc::c_long, pid as libc::c_long, -1, -1, FD_CLOEXEC as libc::c_long];
     // SAFETY: perf_event_open with a valid attribute struct of the size it states, whose pointers
-    // (a uprobe's path) outlive the call; no group.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_perf_event_open, &attr as *const PerfEventAttr, pid as libc::pid_t, -1, -1, FD_CLOEXEC)
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // (a uprobe's path) outlive the call; no group. Apart: a uprobe's event puts its breakpoints
+    // in as it opens.
+    let fd = unsafe { apart::syscall(libc::SYS_perf_event_open, args) }?;
     // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
@@ -72,9 +73,10 @@ impl Uprobe {
 }
 
 /// Attaches `program` (a kprobe-type program) at file offset `offset` of the file at `path`, for
-/// process `pid`, its `bpf_get_attach_cookie` being `cookie`. With `semaphore`, a file offset in a
-/// writable mapping of the same file: the kernel increments the 2-byte counter there in the
-/// process while the probe is on, and decrements it when the probe goes, as USDT semaphores want.
+/// process `pid`, its `bpf_get_attach_cookie` being `cookie`: at the function's return with
+/// `at_return`. With `semaphore`, a file offset in a writable mapping of the same file: the kernel
+/// increments the 2-byte counter there in the process while the probe is on, and decrements it
+/// when the probe goes, as USDT semaphores want.
 pub fn uprobe(
     program: BorrowedFd<'_>,
     path: &Path,
@@ -82,6 +84,7 @@ pub fn uprobe(
     semaphore: Option<u64>,
     cookie: u64,
     pid: u32,
+    at_return: bool,
 ) -> io::Result<Uprobe> {
     let kind = std::fs::read_to_string(UPROBE_PMU_TYPE)?.trim().parse().map_err(io::Error::other)?;
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
@@ -91,7 +94,7 @@ pub fn uprobe(
     }
     let attr = PerfEventAttr {
         kind,
-        config: ref_ctr_offset << REF_CTR_OFFSET_SHIFT,
+        config: ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(at_return) << RETPROBE_BIT,
         config1: path.as_ptr() as u64,
         config2: offset,
         ..PerfEventAttr::default()

@@ -20,11 +20,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{
-    programs::{
-        links::FdLink,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
-        ProbeKind, UProbe,
-    },
+    programs::{ProbeKind, UProbe},
     Ebpf,
 };
 
@@ -204,12 +200,11 @@ struct Link {
 #[derive(Debug)]
 enum Probes {
     Multi(OwnedFd),
-    /// A perf-event uprobe's link, as aya makes it.
-    PerfEvent(FdLink),
+    /// A perf-event uprobe and its link: where the kernel makes no uprobe_multi links, and a USDT
+    /// probe's (`--usdt`), which gives the kernel its semaphore.
+    PerfEvent(perf_event::Uprobe),
     /// A thread's page-fault event (`--growth`): closing it takes its program off.
     PageFaults(OwnedFd),
-    /// A USDT probe's uprobe (`--usdt`), made by memprof to give the kernel its semaphore.
-    Usdt(perf_event::Uprobe),
 }
 
 impl Link {
@@ -217,8 +212,7 @@ impl Link {
     fn descriptors(&self) -> Vec<RawFd> {
         match &self.probes {
             Probes::Multi(fd) | Probes::PageFaults(fd) => vec![fd.as_raw_fd()],
-            Probes::PerfEvent(link) => vec![link.as_fd().as_raw_fd()],
-            Probes::Usdt(probe) => probe.descriptors().to_vec(),
+            Probes::PerfEvent(probe) => probe.descriptors().to_vec(),
         }
     }
 }
@@ -246,7 +240,7 @@ impl Attachment {
     /// Takes over a USDT probe's uprobe (see `loader::usdt`).
     pub fn add_usdt(&mut self, probe: perf_event::Uprobe) {
         self.probes += 1;
-        self.links.push(Link { probes: Probes::Usdt(probe), at_return: false });
+        self.links.push(Link { probes: Probes::PerfEvent(probe), at_return: false });
     }
 
     /// Makes `links`, shared with other processes, part of this process's probes.
@@ -289,13 +283,12 @@ impl Attachment {
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
+                let program = program.fd()?.as_fd();
                 for point in points {
-                    let location = UProbeAttachLocation::AbsoluteOffset(point.offset);
-                    let at = UProbeAttachPoint { location, cookie: Some(point.cookie) };
-                    let id = program.attach(at, path, UProbeScope::OneProcess(pid)).with_context(context)?;
-                    let link = FdLink::try_from(program.take_link(id)?)
-                        .context("this kernel makes no BPF link of a perf event (Linux 5.15)")?;
-                    self.links.push(Link { probes: Probes::PerfEvent(link), at_return });
+                    let probe =
+                        perf_event::uprobe(program, path, point.offset, None, point.cookie, pid.get(), at_return)
+                            .with_context(context)?;
+                    self.links.push(Link { probes: Probes::PerfEvent(probe), at_return });
                 }
             }
         }

@@ -13,6 +13,8 @@ use std::{
     path::Path,
 };
 
+use super::apart;
+
 /// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
 /// loaded with it as their expected attach type.
 pub const ATTACH_TYPE: u32 = 48;
@@ -123,11 +125,11 @@ fn link_create(
 /// `attr` must be a valid prefix of the kernel's `union bpf_attr` for `BPF_LINK_CREATE` (each
 /// kind of link has its own struct), and the memory its pointers name must outlive the call.
 pub(super) unsafe fn bpf_link_create<A>(attr: &A) -> io::Result<OwnedFd> {
-    // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, attr as *const A, size_of::<A>()) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let args =
+        [BPF_LINK_CREATE as libc::c_long, attr as *const A as libc::c_long, size_of::<A>() as libc::c_long, 0, 0];
+    // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it. Apart: a
+    // uprobe_multi link puts its breakpoints in as it is made.
+    let fd = unsafe { apart::syscall(libc::SYS_bpf, args) }?;
     // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -68,8 +68,9 @@ impl Loaded {
             let name = if site.probe == Probe::Alloc { ALLOC_PROGRAM } else { FREE_PROGRAM };
             let attached = self.spec_index(&site.spec).and_then(|cookie| {
                 let program = load_once(&mut self.ebpf, name)?;
-                let probe = perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid.get())
-                    .with_context(|| format!("attaching {name} to {}", site.path.display()))?;
+                let probe =
+                    perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid.get(), false)
+                        .with_context(|| format!("attaching {name} to {}", site.path.display()))?;
                 attachment.add_usdt(probe);
                 Ok(())
             });
