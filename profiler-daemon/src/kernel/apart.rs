@@ -4,14 +4,17 @@
 //! pending in the thread that attaches has the kernel give up that walk, fail to take out the
 //! breakpoints it had put in, and keep the uprobe for good ("failed to unregister, leaking
 //! uprobe"), as at a last close (see `release`). memprof attaches all the time while it follows a
-//! forking server, so a SIGKILL of memprof (the OOM killer, `kill -9`, a stop timeout) often lands
-//! in an attach.
+//! forking server, so a SIGKILL of memprof (`kill -9`, a timeout that kills its process) often
+//! lands in an attach.
 //!
 //! So the call is made by a process that shares memprof's memory and descriptor table but is not
 //! one of its threads (`clone` with `CLONE_VM | CLONE_FILES`): a SIGKILL of memprof does not reach
 //! it. The calling thread waits for it (`CLONE_VFORK`), as it would for the call. If memprof dies
 //! meanwhile, the process finishes the call, and its exit makes the last close of what memprof
 //! held, links included, with no signal pending.
+//!
+//! Two kills still reach it: the OOM killer's, which kills every process sharing its victim's
+//! memory, and a kill of memprof's whole cgroup (a systemd stop timeout, a container's end).
 
 use std::{io, sync::Once};
 

@@ -4,7 +4,7 @@
 //! maps the file. That walk gives up when the closing thread has a SIGKILL pending: the kernel
 //! logs "failed to unregister, leaking uprobe", keeps the uprobe for good, and leaves its
 //! breakpoints in the traced processes, which then trap at every call with no program to run.
-//! memprof may be killed at any moment (the OOM killer, a stop timeout, `kill -9`), so it never
+//! memprof may be killed at any moment (the OOM killer, `kill -9`), so it never
 //! makes that last close itself: it gives a helper copies of the links, closes its own, and
 //! then has the helper close its copies. If memprof dies first, the helper closes them at the
 //! end of its socket.
