@@ -54,7 +54,9 @@ pub unsafe fn syscall(number: libc::c_long, args: [libc::c_long; 5]) -> io::Resu
         // It has exited (CLONE_VFORK): reaped here. __WCLONE: it sends no SIGCHLD.
         let mut status = 0;
         // SAFETY: waits for this process's own child.
-        unsafe { libc::waitpid(pid, &mut status, libc::__WCLONE) };
+        while unsafe { libc::waitpid(pid, &mut status, libc::__WCLONE) } < 0
+            && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+        {}
     }
     drop(stack);
     if call.result < 0 {
