@@ -29,14 +29,33 @@ struct Call {
     errno: i32,
 }
 
-/// `syscall(number, args...)` made apart (see the module's comment). Where no process can be
-/// made, memprof says so once and makes the call itself.
+/// Where a system call is made: apart for those that put a uprobe's breakpoints in, here (in the
+/// calling thread) for the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Made {
+    Here,
+    Apart,
+}
+
+/// `syscall(number, args...)`, made where `made` says (see the module's comment). Where no
+/// process can be made apart, memprof says so once and makes the call itself.
 ///
 /// # Safety
 /// As for `libc::syscall(number, args...)`: the memory the arguments point at must be valid for
 /// the call. It stays mapped until the call returns, even if memprof is killed meanwhile.
-pub unsafe fn syscall(number: libc::c_long, args: [libc::c_long; 5]) -> io::Result<libc::c_long> {
+pub unsafe fn syscall(made: Made, number: libc::c_long, args: [libc::c_long; 5]) -> io::Result<libc::c_long> {
     let mut call = Call { number, args, result: -1, errno: 0 };
+    match made {
+        Made::Here => make_call(&mut call),
+        Made::Apart => make_apart(&mut call),
+    }
+    if call.result < 0 {
+        return Err(io::Error::from_raw_os_error(call.errno));
+    }
+    Ok(call.result)
+}
+
+fn make_apart(call: &mut Call) {
     let mut stack = vec![0u8; STACK_BYTES];
     // SAFETY: one past the end of `stack`, which lives until the process has exited (below).
     let top = unsafe { stack.as_mut_ptr().add(STACK_BYTES) };
@@ -44,25 +63,21 @@ pub unsafe fn syscall(number: libc::c_long, args: [libc::c_long; 5]) -> io::Resu
     let flags = libc::CLONE_VM | libc::CLONE_FILES | libc::CLONE_VFORK;
     // SAFETY: `make` runs on `stack` with `call`, both alive until the process exits, which
     // CLONE_VFORK waits for. It sends its parent no signal at exit (no exit signal in `flags`).
-    let pid = unsafe { libc::clone(make, top, flags, (&raw mut call).cast()) };
+    let pid = unsafe { libc::clone(make, top, flags, (call as *mut Call).cast()) };
     if pid < 0 {
         let err = io::Error::last_os_error();
         static SAID: Once = Once::new();
         SAID.call_once(|| tracing::warn!("memprof cannot attach probes from a process apart ({err}): it attaches them itself, and a SIGKILL at that moment leaks the kernel's uprobe"));
-        make_call(&mut call);
-    } else {
-        // It has exited (CLONE_VFORK): reaped here. __WCLONE: it sends no SIGCHLD.
-        let mut status = 0;
-        // SAFETY: waits for this process's own child.
-        while unsafe { libc::waitpid(pid, &mut status, libc::__WCLONE) } < 0
-            && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
-        {}
+        make_call(call);
+        return;
     }
+    // It has exited (CLONE_VFORK): reaped here. __WCLONE: it sends no SIGCHLD.
+    let mut status = 0;
+    // SAFETY: waits for this process's own child.
+    while unsafe { libc::waitpid(pid, &mut status, libc::__WCLONE) } < 0
+        && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+    {}
     drop(stack);
-    if call.result < 0 {
-        return Err(io::Error::from_raw_os_error(call.errno));
-    }
-    Ok(call.result)
 }
 
 /// The process's body: the call, then exit (the clone wrapper's `exit`, not `exit_group`).

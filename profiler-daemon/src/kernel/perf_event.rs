@@ -13,7 +13,10 @@ use std::{
     path::Path,
 };
 
-use super::{apart, uprobe_multi};
+use super::{
+    apart::{self, Made},
+    uprobe_multi,
+};
 
 /// `PERF_FLAG_FD_CLOEXEC`.
 const FD_CLOEXEC: libc::c_ulong = 1 << 3;
@@ -47,14 +50,13 @@ pub struct PerfEventAttr {
 }
 
 /// Opens the event `attr` describes on task `pid` (a thread, or with a uprobe, a process), on
-/// every CPU.
-pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
+/// every CPU, made where `made` says.
+pub fn open(mut attr: PerfEventAttr, pid: u32, made: Made) -> io::Result<OwnedFd> {
     attr.size = size_of::<PerfEventAttr>() as u32;
     let args = [&attr as *const PerfEventAttr as libc::c_long, pid as libc::c_long, -1, -1, FD_CLOEXEC as libc::c_long];
     // SAFETY: perf_event_open with a valid attribute struct of the size it states, whose pointers
-    // (a uprobe's path) outlive the call; no group. Apart: a uprobe's event puts its breakpoints
-    // in as it opens.
-    let fd = unsafe { apart::syscall(libc::SYS_perf_event_open, args) }?;
+    // (a uprobe's path) outlive the call; no group.
+    let fd = unsafe { apart::syscall(made, libc::SYS_perf_event_open, args) }?;
     // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
@@ -99,7 +101,8 @@ pub fn uprobe(
         config2: offset,
         ..PerfEventAttr::default()
     };
-    let event = open(attr, pid)?;
+    // Apart: a uprobe's event puts its breakpoints in as it opens.
+    let event = open(attr, pid, Made::Apart)?;
     let link = link_create(program, &event, cookie)?;
     Ok(Uprobe { _link: link, _event: event })
 }
@@ -126,7 +129,7 @@ fn link_create(program: BorrowedFd<'_>, event: &OwnedFd, cookie: u64) -> io::Res
     };
     // SAFETY: `attr` is the kernel's link_create layout for a perf event (tested below), with
     // no pointers.
-    unsafe { uprobe_multi::bpf_link_create(&attr) }
+    unsafe { uprobe_multi::bpf_link_create(&attr, Made::Here) }
 }
 
 #[cfg(test)]

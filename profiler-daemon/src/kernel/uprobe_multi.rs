@@ -13,7 +13,7 @@ use std::{
     path::Path,
 };
 
-use super::apart;
+use super::apart::{self, Made};
 
 /// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
 /// loaded with it as their expected attach type.
@@ -115,21 +115,21 @@ fn link_create(
         _tail: 0,
     };
     // SAFETY: `attr` is the kernel's link_create layout (tested below), and the memory its
-    // pointers name outlives the call, which only reads it.
-    unsafe { bpf_link_create(&attr) }
+    // pointers name outlives the call, which only reads it. Apart: a uprobe_multi link puts its
+    // breakpoints in as it is made.
+    unsafe { bpf_link_create(&attr, Made::Apart) }
 }
 
-/// `bpf(BPF_LINK_CREATE, attr)`: the new link's descriptor.
+/// `bpf(BPF_LINK_CREATE, attr)`, made where `made` says: the new link's descriptor.
 ///
 /// # Safety
 /// `attr` must be a valid prefix of the kernel's `union bpf_attr` for `BPF_LINK_CREATE` (each
 /// kind of link has its own struct), and the memory its pointers name must outlive the call.
-pub(super) unsafe fn bpf_link_create<A>(attr: &A) -> io::Result<OwnedFd> {
+pub(super) unsafe fn bpf_link_create<A>(attr: &A, made: Made) -> io::Result<OwnedFd> {
     let args =
         [BPF_LINK_CREATE as libc::c_long, attr as *const A as libc::c_long, size_of::<A>() as libc::c_long, 0, 0];
-    // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it. Apart: a
-    // uprobe_multi link puts its breakpoints in as it is made.
-    let fd = unsafe { apart::syscall(libc::SYS_bpf, args) }?;
+    // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it.
+    let fd = unsafe { apart::syscall(made, libc::SYS_bpf, args) }?;
     // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -54,13 +54,16 @@ pub fn for_command(program: &Path, runtime_only: RuntimeOnly) -> Result<(Allocat
         }
     }
     // As /proc/PID/maps will name them, to recognise the allocator's own frames later.
-    let displayed =
-        |path: &PathBuf| fs::canonicalize(path).unwrap_or_else(|_| path.clone()).to_string_lossy().into_owned();
+    let displayed: Vec<String> = paths
+        .iter()
+        .map(|path| fs::canonicalize(path).unwrap_or_else(|_| path.clone()).to_string_lossy().into_owned())
+        .collect();
     let scans = paths
         .iter()
-        .filter(|path| !is_dynamic_loader(&path.to_string_lossy()))
-        .filter_map(|path| scan(path, &displayed(path)));
-    let looked_into = paths.iter().map(displayed).collect();
+        .zip(&displayed)
+        .filter(|(path, _)| !is_dynamic_loader(&path.to_string_lossy()))
+        .filter_map(|(path, display)| scan(path, display));
+    let looked_into = displayed.iter().cloned().collect();
     let allocator = allocator_of(scans.collect(), looked_into, runtime_only).map_err(no_allocator)?;
     Ok((allocator, paths))
 }
