@@ -44,7 +44,7 @@ use tracing_subscriber::EnvFilter;
 use crate::console::say;
 
 fn main() -> ExitCode {
-    if let Some(code) = kernel::release::run_if_asked() {
+    if let Some(code) = kernel::helper::run_if_asked() {
         return ExitCode::from(code);
     }
     return_freed_memory_at_once();

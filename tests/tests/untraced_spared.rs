@@ -378,7 +378,7 @@ fn kernel_leaked_uprobes() -> usize {
 /// memprof SIGKILLed with the forking shell it follows, at moments spread over its attaches to
 /// the shell's children: the kernel leaks no uprobe. An attach puts breakpoints in, and a SIGKILL
 /// pending in the thread that attaches had the kernel give up and leak the uprobe, in 1 kill in
-/// 10 to 1 in 3; memprof now makes those calls from a process apart (`kernel::apart`).
+/// 10 to 1 in 3; memprof's helper now makes those calls (`kernel::helper`).
 #[test]
 fn memprof_killed_while_it_attaches_leaks_no_uprobe() {
     let _serial = one_at_a_time();
@@ -404,10 +404,73 @@ fn memprof_killed_while_it_attaches_leaks_no_uprobe() {
     assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
 }
 
-/// The helper that makes the links' last closes (`memprof __close-links`, started at the first
-/// detach and kept) is not the OOM killer's pick, never outlives memprof and is never left a
-/// zombie: killed, it is reaped and replaced at the next detach, which memprof does not make
-/// itself; memprof SIGKILLed, it ends at the end of its socket.
+/// memprof SIGKILLed as the OOM killer kills it, with every process that shares its memory, at
+/// the moment one of its attaches puts breakpoints in: the kernel leaks no uprobe. bpftrace kills
+/// the process that makes the attach's system call if it shares memprof's memory, and the test
+/// kills memprof when bpftrace says the call began. memprof made those calls from a process that
+/// shared its memory, and the kernel leaked the uprobe; now its helper makes them.
+#[test]
+fn memprof_killed_as_the_oom_killer_kills_while_it_attaches_leaks_no_uprobe() {
+    let _serial = one_at_a_time();
+    let leaks_before = kernel_leaked_uprobes();
+    for _ in 0..4 {
+        let memprof = Command::new(memprof_bin())
+            .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
+            .args(["sh", "-c", "while :; do sleep 0.3; done"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting memprof");
+        let memprof_pid = memprof.id();
+        let memprof = Reaped(memprof);
+        let shell = wait_for(20, "memprof's command", || {
+            children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh")
+        });
+        let _shell = KilledAtTheEnd(shell);
+        let (mut bpftrace, attaching) = kill_at_attach(memprof_pid);
+        let began = attaching.recv_timeout(std::time::Duration::from_secs(30));
+        drop(memprof);
+        let _ = bpftrace.kill();
+        let _ = bpftrace.wait();
+        assert!(began.is_ok(), "memprof attached to a child of its shell");
+    }
+    assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
+}
+
+/// bpftrace, at the next uprobe_multi link (`bpf(BPF_LINK_CREATE)`) made by a child of
+/// `memprof`'s: it SIGKILLs that process if it shares memprof's memory, and says so on the
+/// channel returned. memprof attaches to each child its shell forks: the next comes at once.
+fn kill_at_attach(memprof: u32) -> (Child, std::sync::mpsc::Receiver<()>) {
+    // The tests on `curtask` are in the body: bpftrace drops a predicate that holds one.
+    let program = format!(
+        "tracepoint:syscalls:sys_enter_bpf /args->cmd == {BPF_LINK_CREATE}/ {{ \
+           if (curtask->real_parent->tgid == {memprof}) {{ \
+             if (curtask->mm == curtask->real_parent->mm) {{ signal(\"SIGKILL\"); }} \
+             printf(\"attaching\\n\"); exit(); }} }}"
+    );
+    let mut bpftrace = Command::new("bpftrace")
+        .args(["--unsafe", "-e", &program])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("bpftrace (installed by xtask setup)");
+    let lines = BufReader::new(bpftrace.stdout.take().unwrap()).lines();
+    let (said_attaching, attaching) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        if lines.map_while(Result::ok).any(|line| line == "attaching") {
+            let _ = said_attaching.send(());
+        }
+    });
+    (bpftrace, attaching)
+}
+
+/// `BPF_LINK_CREATE` of the kernel's `enum bpf_cmd`.
+const BPF_LINK_CREATE: u32 = 28;
+
+/// The helper that attaches probes and makes the links' last closes (`memprof __probe-links`,
+/// started at the first attach and kept) is not the OOM killer's pick, never outlives memprof and
+/// is never left a zombie: killed, it is reaped and replaced at the next attach or detach, whose
+/// calls memprof does not make itself; memprof SIGKILLed, it ends at the end of its socket.
 #[test]
 fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let _serial = one_at_a_time();
@@ -444,7 +507,7 @@ fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let said = fs::read_to_string(&log).unwrap_or_default();
     let _ = fs::remove_file(&log);
     // The helper may have been killed in the middle of a detach: its exit closed that one's links.
-    assert!(!said.contains("memprof closes them itself"), "{said}");
+    assert!(!said.contains("memprof makes those calls itself"), "{said}");
 }
 
 /// A child of the test's, SIGKILLed and reaped when dropped, however the test ends.
@@ -497,7 +560,7 @@ fn parent_of(pid: u32) -> Option<u32> {
 fn helper_of(memprof: u32) -> Option<u32> {
     children_of(memprof).into_iter().find(|&child| {
         fs::read(format!("/proc/{child}/cmdline"))
-            .is_ok_and(|cmdline| cmdline.split(|&byte| byte == 0).any(|argument| argument == b"__close-links"))
+            .is_ok_and(|cmdline| cmdline.split(|&byte| byte == 0).any(|argument| argument == b"__probe-links"))
     })
 }
 

@@ -17,10 +17,7 @@ use aya::{
     Ebpf,
 };
 
-use super::{
-    apart::Made,
-    perf_event::{self, PerfEventAttr},
-};
+use super::perf_event::{self, PerfEventAttr};
 use crate::process::procfs;
 
 const PROGRAM: &str = "page_fault";
@@ -96,7 +93,7 @@ fn open_one(tid: u32, program: i32) -> io::Result<OwnedFd> {
         flags: INHERIT | INHERIT_THREAD,
         ..PerfEventAttr::default()
     };
-    let fd = perf_event::open(attr, tid, Made::Here)?;
+    let fd = perf_event::open(attr, tid)?;
     // SAFETY: the ioctl takes a program descriptor by value.
     if unsafe { libc::ioctl(fd.as_raw_fd(), PERF_EVENT_IOC_SET_BPF, program) } != 0 {
         return Err(io::Error::last_os_error());

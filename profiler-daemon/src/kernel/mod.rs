@@ -6,20 +6,19 @@
 
 pub mod ages;
 pub mod aggregate;
-mod apart;
 pub mod batch;
 pub mod btf;
 pub mod detacher;
 pub mod events;
 pub mod faults;
 pub mod growth;
+pub mod helper;
 pub mod live;
 pub mod live_filter;
 pub mod loader;
 pub mod mappings;
 pub mod perf_event;
 pub mod probes;
-pub mod release;
 pub mod sample_rates;
 pub mod settings;
 pub mod shared;

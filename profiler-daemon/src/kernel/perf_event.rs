@@ -1,6 +1,6 @@
-//! Perf events memprof opens itself with the raw `perf_event_open` syscall: a thread's page-fault
-//! counter (`--growth`, see `faults`), and uprobes, opened apart from memprof (see `apart`): those
-//! of kernels without uprobe_multi links, and those of USDT probes with the semaphore's reference
+//! Perf events opened with the raw `perf_event_open` syscall: a thread's page-fault counter
+//! (`--growth`, see `faults`), and uprobes, opened by memprof's helper (see `helper`): those of
+//! kernels without uprobe_multi links, and those of USDT probes with the semaphore's reference
 //! counter the kernel can keep (see `uprobe`).
 
 use std::{
@@ -14,7 +14,7 @@ use std::{
 };
 
 use super::{
-    apart::{self, Made},
+    helper::{self, Request},
     uprobe_multi,
 };
 
@@ -50,14 +50,17 @@ pub struct PerfEventAttr {
 }
 
 /// Opens the event `attr` describes on task `pid` (a thread, or with a uprobe, a process), on
-/// every CPU, made where `made` says.
-pub fn open(mut attr: PerfEventAttr, pid: u32, made: Made) -> io::Result<OwnedFd> {
+/// every CPU, in the calling thread.
+pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
     attr.size = size_of::<PerfEventAttr>() as u32;
-    let args = [&attr as *const PerfEventAttr as libc::c_long, pid as libc::c_long, -1, -1, FD_CLOEXEC as libc::c_long];
     // SAFETY: perf_event_open with a valid attribute struct of the size it states, whose pointers
     // (a uprobe's path) outlive the call; no group.
-    let fd = unsafe { apart::syscall(made, libc::SYS_perf_event_open, args) }?;
-    // SAFETY: a descriptor the kernel just gave memprof, owned by nothing else.
+    let fd =
+        unsafe { libc::syscall(libc::SYS_perf_event_open, &attr as *const PerfEventAttr, pid, -1, -1, FD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just gave this process, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
@@ -94,15 +97,9 @@ pub fn uprobe(
     if ref_ctr_offset >> (64 - REF_CTR_OFFSET_SHIFT) != 0 {
         return Err(io::Error::other(format!("the semaphore's offset {ref_ctr_offset:#x} is past 4 GiB")));
     }
-    let attr = PerfEventAttr {
-        kind,
-        config: ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(at_return) << RETPROBE_BIT,
-        config1: path.as_ptr() as u64,
-        config2: offset,
-        ..PerfEventAttr::default()
-    };
-    // Apart: a uprobe's event puts its breakpoints in as it opens.
-    let event = open(attr, pid, Made::Apart)?;
+    let config = ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(at_return) << RETPROBE_BIT;
+    // By the helper: a uprobe's event puts its breakpoints in as it opens.
+    let event = helper::make(&Request::PerfUprobe { path, kind, config, offset, pid }, None)?;
     let link = link_create(program, &event, cookie)?;
     Ok(Uprobe { _link: link, _event: event })
 }
@@ -129,7 +126,7 @@ fn link_create(program: BorrowedFd<'_>, event: &OwnedFd, cookie: u64) -> io::Res
     };
     // SAFETY: `attr` is the kernel's link_create layout for a perf event (tested below), with
     // no pointers.
-    unsafe { uprobe_multi::bpf_link_create(&attr, Made::Here) }
+    unsafe { uprobe_multi::bpf_link_create(&attr) }
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use aya::{
 };
 
 use crate::kernel::{
-    perf_event, release,
+    helper, perf_event,
     uprobe_multi::{self, Fires, Point},
 };
 
@@ -361,11 +361,11 @@ fn detach_together(links: Vec<Link>) {
         return;
     }
     let descriptors: Vec<RawFd> = links.iter().flat_map(Link::descriptors).collect();
-    // A helper makes the last closes (`release`); memprof's own are only references dropped.
-    if let Some(holder) = release::Holder::give(&descriptors) {
+    // A helper makes the last closes (`helper`); memprof's own are only references dropped.
+    if let Some(holder) = helper::Holder::give(&descriptors) {
         drop(links);
         holder.release();
         return;
     }
-    release::close_together(links);
+    helper::close_together(links);
 }

@@ -13,7 +13,7 @@ use std::{
     path::Path,
 };
 
-use super::apart::{self, Made};
+use super::helper::{self, Request};
 
 /// `BPF_TRACE_UPROBE_MULTI` of the kernel's `enum bpf_attach_type`: programs in these links must be
 /// loaded with it as their expected attach type.
@@ -74,20 +74,22 @@ pub enum Fires {
 /// Attaches `program`, loaded with `ATTACH_TYPE` (or `SESSION_ATTACH_TYPE` for a session), at
 /// `points` of the file at `path`, firing for process `pid` only (all of its threads). Closing
 /// the returned link detaches every one of these probes.
+/// The link is made by memprof's helper: it puts the breakpoints in as it is made (see `helper`).
 pub fn attach(program: BorrowedFd<'_>, path: &Path, points: &[Point], fires: Fires, pid: u32) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
-    let offsets: Vec<u64> = points.iter().map(|p| p.offset).collect();
-    let cookies: Vec<u64> = points.iter().map(|p| p.cookie).collect();
-    let (attach_type, flags) = match fires {
+    let offsets = points.iter().map(|p| p.offset).collect();
+    let cookies = points.iter().map(|p| p.cookie).collect();
+    let (attach_type, multi_flags) = match fires {
         Fires::AtEntry => (ATTACH_TYPE, 0),
         Fires::AtReturn => (ATTACH_TYPE, RETURN_PROBES),
         Fires::Session => (SESSION_ATTACH_TYPE, 0),
     };
-    link_create(program, &path, &offsets, &cookies, attach_type, flags, pid)
+    helper::make(&Request::UprobeMulti { path, offsets, cookies, attach_type, multi_flags, pid }, Some(program))
 }
 
-/// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` alongside.
-fn link_create(
+/// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` alongside,
+/// made by the calling thread.
+pub(super) fn link_create(
     program: BorrowedFd<'_>,
     path: &CStr,
     offsets: &[u64],
@@ -115,21 +117,21 @@ fn link_create(
         _tail: 0,
     };
     // SAFETY: `attr` is the kernel's link_create layout (tested below), and the memory its
-    // pointers name outlives the call, which only reads it. Apart: a uprobe_multi link puts its
-    // breakpoints in as it is made.
-    unsafe { bpf_link_create(&attr, Made::Apart) }
+    // pointers name outlives the call, which only reads it.
+    unsafe { bpf_link_create(&attr) }
 }
 
-/// `bpf(BPF_LINK_CREATE, attr)`, made where `made` says: the new link's descriptor.
+/// `bpf(BPF_LINK_CREATE, attr)`: the new link's descriptor.
 ///
 /// # Safety
 /// `attr` must be a valid prefix of the kernel's `union bpf_attr` for `BPF_LINK_CREATE` (each
 /// kind of link has its own struct), and the memory its pointers name must outlive the call.
-pub(super) unsafe fn bpf_link_create<A>(attr: &A, made: Made) -> io::Result<OwnedFd> {
-    let args =
-        [BPF_LINK_CREATE as libc::c_long, attr as *const A as libc::c_long, size_of::<A>() as libc::c_long, 0, 0];
+pub(super) unsafe fn bpf_link_create<A>(attr: &A) -> io::Result<OwnedFd> {
     // SAFETY: as the caller promises; the kernel reads `size_of::<A>()` bytes of it.
-    let fd = unsafe { apart::syscall(made, libc::SYS_bpf, args) }?;
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, attr as *const A, size_of::<A>()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
     // SAFETY: BPF_LINK_CREATE returned a new file descriptor, ours alone.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

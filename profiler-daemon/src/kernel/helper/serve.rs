@@ -1,17 +1,17 @@
-//! The helper's side: holds the copies of links memprof gives it, and closes them when told or
-//! when memprof has gone.
+//! The helper's side: makes the attaches memprof asks for, holds the copies of links memprof gives
+//! it, and closes them when told or when memprof has gone.
 
 use std::{
     ffi::OsStr,
     os::fd::{BorrowedFd, OwnedFd},
 };
 
-use super::{close_together, rights, CLOSE, CLOSED, HOLD};
+use super::{attach, close_together, rights, ATTACH, CLOSE, CLOSED, HOLD};
 use crate::console::say;
 
 /// memprof's first argument when it is started as the helper. Not a command: `main` checks it
 /// before the command line is parsed.
-pub const ARGUMENT: &str = "__close-links";
+pub const ARGUMENT: &str = "__probe-links";
 
 /// Runs the helper when memprof was started as one; returns its exit code.
 pub fn run_if_asked() -> Option<u8> {
@@ -33,7 +33,7 @@ fn serve() -> u8 {
         }
     }
     // The OOM killer, the host's or a memory cgroup's, never picks the helper: a SIGKILL in the
-    // middle of its close is the leak it exists to prevent. It holds little memory. Refused
+    // middle of its attach or close is the leak it exists to prevent. It holds little memory. Refused
     // without CAP_SYS_RESOURCE, where it is only as safe as any process.
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     // Ctrl-C at memprof's terminal reaches the helper too; it ends when memprof has.
@@ -45,19 +45,24 @@ fn serve() -> u8 {
     let socket = unsafe { BorrowedFd::borrow_raw(0) };
     let mut held: Vec<OwnedFd> = Vec::new();
     loop {
-        match rights::receive(socket) {
-            Ok(Some((HOLD, fds))) => held.extend(fds),
-            Ok(Some((CLOSE, _))) => {
-                close_together(std::mem::take(&mut held));
-                if rights::send(socket, CLOSED, &[]).is_err() {
-                    break;
-                }
+        let answered = match rights::receive(socket) {
+            Ok(Some(message)) if message.tag == HOLD => {
+                held.extend(message.fds);
+                Ok(())
             }
+            Ok(Some(message)) if message.tag == CLOSE => {
+                close_together(std::mem::take(&mut held));
+                rights::send(socket, CLOSED, &[], &[])
+            }
+            Ok(Some(message)) if message.tag == ATTACH => attach::serve(socket, message),
             Err(err) if err.raw_os_error() == Some(libc::ENOTSOCK) => {
                 say!("memprof: error: {ARGUMENT} is memprof's own helper, which memprof starts itself; run memprof --help for its commands");
                 return 2;
             }
             Ok(Some(_) | None) | Err(_) => break,
+        };
+        if answered.is_err() {
+            break;
         }
     }
     close_together(held);
