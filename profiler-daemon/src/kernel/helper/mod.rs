@@ -14,9 +14,9 @@
 //!
 //! The helper is memprof started again (`serve::ARGUMENT`): it shares none of memprof's memory, so
 //! the OOM killer, which kills every process that shares its victim's, does not kill it with
-//! memprof, and it never picks the helper itself (where memprof may say so: `serve`). It is started
-//! at the first attach or detach and kept for the next. A kill of memprof's whole cgroup (a systemd
-//! stop timeout, a container's end) still reaches it.
+//! memprof; where memprof has `CAP_SYS_RESOURCE`, it never picks the helper itself (`serve`). It
+//! is started at the first attach or detach and kept for the next. A kill of memprof's whole
+//! cgroup (a systemd stop timeout, a container's end) still reaches it.
 
 mod attach;
 mod release;
