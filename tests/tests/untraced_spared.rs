@@ -345,19 +345,7 @@ fn kill_at_link_close(memprof: u32, target: u32) -> Child {
            else if (pid == {memprof} && ({})) {{ signal(\"SIGKILL\"); exit(); }} }}",
         closing_one.join(" || ")
     );
-    let mut bpftrace = Command::new("bpftrace")
-        .args(["--unsafe", "-e", &program])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("bpftrace (installed by xtask setup)");
-    let lines = BufReader::new(bpftrace.stdout.take().unwrap()).lines();
-    let (armed, said_armed) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        if lines.map_while(Result::ok).any(|line| line == "armed") {
-            let _ = armed.send(());
-        }
-    });
+    let (bpftrace, said_armed) = bpftrace_saying(&program, "armed");
     wait_for(30, "bpftrace's probe to be attached", || {
         // SAFETY: closes a descriptor this process does not have (EBADF), for the probe to see.
         unsafe { libc::close(NOT_OPEN) };
@@ -384,19 +372,7 @@ fn memprof_killed_while_it_attaches_leaks_no_uprobe() {
     let _serial = one_at_a_time();
     let leaks_before = kernel_leaked_uprobes();
     for round in 0..15 {
-        let memprof = Command::new(memprof_bin())
-            .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
-            .args(["sh", "-c", "while :; do /bin/true; sleep 0.03; done"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting memprof");
-        let memprof_pid = memprof.id();
-        let memprof = Reaped(memprof);
-        let shell = wait_for(20, "memprof's command", || {
-            children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh")
-        });
-        let shell = KilledAtTheEnd(shell);
+        let (memprof, shell) = memprof_following_a_shell("while :; do /bin/true; sleep 0.03; done", Stdio::null());
         std::thread::sleep(std::time::Duration::from_millis(500 + round * 61 % 500));
         drop(shell);
         drop(memprof);
@@ -414,20 +390,9 @@ fn memprof_killed_as_the_oom_killer_kills_while_it_attaches_leaks_no_uprobe() {
     let _serial = one_at_a_time();
     let leaks_before = kernel_leaked_uprobes();
     for _ in 0..4 {
-        let memprof = Command::new(memprof_bin())
-            .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
-            .args(["sh", "-c", "while :; do sleep 0.3; done"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting memprof");
-        let memprof_pid = memprof.id();
-        let memprof = Reaped(memprof);
-        let shell = wait_for(20, "memprof's command", || {
-            children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh")
-        });
-        let _shell = KilledAtTheEnd(shell);
-        let (mut bpftrace, attaching) = kill_at_attach(memprof_pid);
+        // Children that live long enough for memprof to put breakpoints in them.
+        let (memprof, _shell) = memprof_following_a_shell("while :; do sleep 0.3; done", Stdio::null());
+        let (mut bpftrace, attaching) = kill_at_attach(memprof.0.id());
         let began = attaching.recv_timeout(std::time::Duration::from_secs(30));
         drop(memprof);
         let _ = bpftrace.kill();
@@ -448,20 +413,25 @@ fn kill_at_attach(memprof: u32) -> (Child, std::sync::mpsc::Receiver<()>) {
              if (curtask->mm == curtask->real_parent->mm) {{ signal(\"SIGKILL\"); }} \
              printf(\"attaching\\n\"); exit(); }} }}"
     );
+    bpftrace_saying(&program, "attaching")
+}
+
+/// bpftrace running `program`, and what tells when it first prints `line`.
+fn bpftrace_saying(program: &str, line: &'static str) -> (Child, std::sync::mpsc::Receiver<()>) {
     let mut bpftrace = Command::new("bpftrace")
-        .args(["--unsafe", "-e", &program])
+        .args(["--unsafe", "-e", program])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("bpftrace (installed by xtask setup)");
     let lines = BufReader::new(bpftrace.stdout.take().unwrap()).lines();
-    let (said_attaching, attaching) = std::sync::mpsc::channel();
+    let (said, saying) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        if lines.map_while(Result::ok).any(|line| line == "attaching") {
-            let _ = said_attaching.send(());
+        if lines.map_while(Result::ok).any(|printed| printed == line) {
+            let _ = said.send(());
         }
     });
-    (bpftrace, attaching)
+    (bpftrace, saying)
 }
 
 /// `BPF_LINK_CREATE` of the kernel's `enum bpf_cmd`.
@@ -475,20 +445,11 @@ const BPF_LINK_CREATE: u32 = 28;
 fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let _serial = one_at_a_time();
     let log = std::env::temp_dir().join(format!("memprof-helper-{}.log", std::process::id()));
-    // Each `true` is a child followed and detached at its exit.
-    let memprof = Command::new(memprof_bin())
-        .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--"])
-        .args(["sh", "-c", "while :; do /bin/true; sleep 0.1; done"])
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(&log).expect("a log file"))
-        .spawn()
-        .expect("starting memprof");
-    let memprof_pid = memprof.id();
-    let memprof = Reaped(memprof);
-    let shell =
-        wait_for(20, "memprof's command", || children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh"));
-    // It outlives memprof's SIGKILL, as a target should, but not the test.
-    let _shell = KilledAtTheEnd(shell);
+    // Each `true` is a child followed and detached at its exit. The shell outlives memprof's
+    // SIGKILL, as a target should, but not the test.
+    let log_file = fs::File::create(&log).expect("a log file");
+    let (memprof, _shell) = memprof_following_a_shell("while :; do /bin/true; sleep 0.1; done", log_file.into());
+    let memprof_pid = memprof.0.id();
     let first = wait_for(20, "memprof's helper", || helper_of(memprof_pid));
     // Only a root with CAP_SYS_RESOURCE may lower it; the VM this project's CI runs on has none.
     if has_capability(CAP_SYS_RESOURCE) {
@@ -508,6 +469,22 @@ fn memprofs_helper_is_replaced_when_killed_and_ends_with_memprof() {
     let _ = fs::remove_file(&log);
     // The helper may have been killed in the middle of a detach: its exit closed that one's links.
     assert!(!said.contains("memprof makes those calls itself"), "{said}");
+}
+
+/// `memprof run --follow-forks` of a shell running `script` (memprof's standard error to
+/// `stderr`), and the shell, once memprof has started it.
+fn memprof_following_a_shell(script: &str, stderr: Stdio) -> (Reaped, KilledAtTheEnd) {
+    let memprof = Command::new(memprof_bin())
+        .args(["run", "--follow-forks", "--interval", "60", "-o", "/dev/null", "--", "sh", "-c", script])
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("starting memprof");
+    let memprof_pid = memprof.id();
+    let memprof = Reaped(memprof);
+    let shell =
+        wait_for(20, "memprof's command", || children_of(memprof_pid).into_iter().find(|&c| procfs_comm(c) == "sh"));
+    (memprof, KilledAtTheEnd(shell))
 }
 
 /// A child of the test's, SIGKILLed and reaped when dropped, however the test ends.
