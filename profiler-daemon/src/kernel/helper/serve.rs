@@ -33,8 +33,8 @@ fn serve() -> u8 {
         }
     }
     // The OOM killer, the host's or a memory cgroup's, never picks the helper: a SIGKILL in the
-    // middle of its attach or close is the leak it exists to prevent. It holds little memory. Refused
-    // without CAP_SYS_RESOURCE, where it is only as safe as any process.
+    // middle of its attach or close is the leak it exists to prevent. It holds little memory.
+    // Refused without CAP_SYS_RESOURCE, where it is only as safe as any process.
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     // Ctrl-C at memprof's terminal reaches the helper too; it ends when memprof has.
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
