@@ -437,7 +437,7 @@ fn bpftrace_saying(program: &str, line: &'static str) -> (Child, std::sync::mpsc
 /// `BPF_LINK_CREATE` of the kernel's `enum bpf_cmd`.
 const BPF_LINK_CREATE: u32 = 28;
 
-/// The helper that attaches probes and makes the links' last closes (`memprof __probe-links`,
+/// The helper that attaches probes and makes the links' last closes (`memprof __helper`,
 /// started at the first attach and kept) is not the OOM killer's pick, never outlives memprof and
 /// is never left a zombie: killed, it is reaped and replaced at the next attach or detach, whose
 /// calls memprof does not make itself; memprof SIGKILLed, it ends at the end of its socket.
@@ -537,7 +537,7 @@ fn parent_of(pid: u32) -> Option<u32> {
 fn helper_of(memprof: u32) -> Option<u32> {
     children_of(memprof).into_iter().find(|&child| {
         fs::read(format!("/proc/{child}/cmdline"))
-            .is_ok_and(|cmdline| cmdline.split(|&byte| byte == 0).any(|argument| argument == b"__probe-links"))
+            .is_ok_and(|cmdline| cmdline.split(|&byte| byte == 0).any(|argument| argument == b"__helper"))
     })
 }
 

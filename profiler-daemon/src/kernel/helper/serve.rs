@@ -11,7 +11,7 @@ use crate::console::say;
 
 /// memprof's first argument when it is started as the helper. Not a command: `main` checks it
 /// before the command line is parsed.
-pub const ARGUMENT: &str = "__probe-links";
+pub const ARGUMENT: &str = "__helper";
 
 /// Runs the helper when memprof was started as one; returns its exit code.
 pub fn run_if_asked() -> Option<u8> {
