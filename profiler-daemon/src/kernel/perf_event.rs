@@ -4,7 +4,7 @@
 //! counter the kernel can keep (see `uprobe`).
 
 use std::{
-    ffi::CString,
+    ffi::{CStr, CString},
     io,
     os::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
@@ -62,6 +62,14 @@ pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
     }
     // SAFETY: a descriptor the kernel just gave this process, owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Opens a uprobe's event for process `pid` in the calling thread: at file offset `offset` of the
+/// file at `path`, on the uprobe PMU `kind` with `config`'s bits (see `uprobe`).
+pub(super) fn open_uprobe(path: &CStr, kind: u32, config: u64, offset: u64, pid: u32) -> io::Result<OwnedFd> {
+    let attr =
+        PerfEventAttr { kind, config, config1: path.as_ptr() as u64, config2: offset, ..PerfEventAttr::default() };
+    open(attr, pid)
 }
 
 /// A uprobe with its program: both go when this is dropped, the link first.

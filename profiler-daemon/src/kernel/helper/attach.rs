@@ -10,18 +10,14 @@ use std::{
 };
 
 use super::{rights, Helper, ATTACH, ATTACHED, FAILED};
-use crate::kernel::{
-    perf_event::{self, PerfEventAttr},
-    uprobe_multi,
-};
+use crate::kernel::{perf_event, uprobe_multi};
 
 /// A system call that puts a uprobe's breakpoints in as it makes its descriptor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     /// A uprobe_multi link of the program sent along (see `uprobe_multi::link_create`).
     UprobeMulti { path: CString, offsets: Vec<u64>, cookies: Vec<u64>, attach_type: u32, multi_flags: u32, pid: u32 },
-    /// A perf-event uprobe for process `pid`, without its program: `perf_event_open` of the
-    /// uprobe PMU `kind`, at file offset `offset`, with `config`'s bits.
+    /// A perf-event uprobe's event, without its program (see `perf_event::open_uprobe`).
     PerfUprobe { path: CString, kind: u32, config: u64, offset: u64, pid: u32 },
 }
 
@@ -73,14 +69,7 @@ impl Request {
                 uprobe_multi::link_create(program, path, offsets, cookies, *attach_type, *multi_flags, *pid)
             }
             Self::PerfUprobe { path, kind, config, offset, pid } => {
-                let attr = PerfEventAttr {
-                    kind: *kind,
-                    config: *config,
-                    config1: path.as_ptr() as u64,
-                    config2: *offset,
-                    ..PerfEventAttr::default()
-                };
-                perf_event::open(attr, *pid)
+                perf_event::open_uprobe(path, *kind, *config, *offset, *pid)
             }
         }
     }
