@@ -7,6 +7,7 @@ mod cli;
 mod commands;
 mod console;
 mod daemon;
+mod demangle;
 mod error;
 mod format;
 mod heap;

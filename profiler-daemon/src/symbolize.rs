@@ -23,6 +23,7 @@ use blazesym::symbolize::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    demangle,
     process::procfs::{self, FileMapping},
     text::printable,
 };
@@ -271,7 +272,7 @@ struct SymbolizerThread {
 
 impl SymbolizerThread {
     fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
-        // Names are demangled by `demangled`: blazesym's demangling takes any name for a C++ one.
+        // Names are demangled by `demangle::demangled`: blazesym's demangling takes any name for a C++ one.
         let symbolizer =
             Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(false).build();
         Self { symbolizer, modules: HashMap::new(), files: HashMap::new(), cache: HashMap::new(), failures }
@@ -494,7 +495,7 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym, clone: Option<&str>) -> Vec<Frame> {
     let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
-        let name = demangled(function);
+        let name = demangle::demangled(function);
         let symbol = if inlined { None } else { clone };
         let mangled = symbol.or((name != function).then_some(function)).map(|symbol| capped(&printable(symbol)));
         Frame::new(FrameInfo {
@@ -510,21 +511,4 @@ fn frames_of(address: u64, module: &str, sym: &Sym, clone: Option<&str>) -> Vec<
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
     frames
-}
-
-/// `name` demangled when it is a mangled name: Rust's (`_R`, or legacy `_ZN…17h<hash>E`) or C++'s
-/// (`_Z`). Anything else is a C name, kept as it is: a C++ demangler reads a lone `w` or `x` as
-/// the type `wchar_t` or `long long`.
-fn demangled(name: &str) -> String {
-    if name.starts_with("_R") || name.starts_with("_ZN") {
-        if let Ok(rust) = rustc_demangle::try_demangle(name) {
-            return format!("{rust:#}");
-        }
-    }
-    if name.starts_with("_Z") {
-        if let Some(cpp) = cpp_demangle::Symbol::new(name).ok().and_then(|symbol| symbol.demangle().ok()) {
-            return cpp;
-        }
-    }
-    name.to_string()
 }

@@ -20,6 +20,10 @@ fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
     assert_eq!(frames[1]["inlined"], false);
     assert_eq!(frames[1]["file"], "symbols.cpp");
     assert_eq!(frames[2]["function"], "main");
+    // As c++filt writes them: cpp_demangle alone writes `app::make<app::Small, >(&&)` and
+    // `operator_bytes::operator ""(unsigned long long)`.
+    assert_eq!(site(&report, "app::Small* app::make<app::Small>()"), (16, 1), "{report}");
+    assert_eq!(site(&report, "operator\"\" _bytes(unsigned long long)"), (24, 1), "{report}");
 }
 
 /// A process in its own root (as in a container) uses its own copy of libc: a different inode

@@ -155,7 +155,7 @@ fn type_name(symbol: &str) -> Option<String> {
     // What follows `_ZTV` is the type's encoding, demangled as a name of its own (cpp_demangle
     // writes the vtable itself as `{vtable(Circle)}`).
     let encoding = symbol.strip_prefix("_ZTV")?;
-    cpp_demangle::Symbol::new(format!("_Z{encoding}").as_str()).ok()?.demangle().ok()
+    crate::demangle::cpp(&format!("_Z{encoding}"))
 }
 
 /// Where the bytes at virtual address `address` are in the file.

@@ -86,10 +86,7 @@ fn fun(pattern: &str, name: &str) -> bool {
     }
     pattern.starts_with("_Z")
         && !pattern.contains(['*', '?', '\\'])
-        && cpp_demangle::Symbol::new(pattern)
-            .ok()
-            .and_then(|symbol| symbol.demangle().ok())
-            .is_some_and(|demangled| demangled == name)
+        && crate::demangle::cpp(pattern).is_some_and(|demangled| demangled == name)
 }
 
 /// Whether `locations` match `stack` from its start (its innermost frame); frames past the
