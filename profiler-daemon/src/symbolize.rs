@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     fs::File,
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    os::fd::AsRawFd,
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -29,8 +29,10 @@ use crate::{
 };
 
 mod clones;
+mod debug_links;
 
 use clones::Clones;
+use debug_links::{debug_info_is_safe, DEBUG_DIR};
 
 /// Code of one file mapped into the process: addresses `start..limit` map the file from
 /// `file_offset` on.
@@ -273,8 +275,13 @@ struct SymbolizerThread {
 impl SymbolizerThread {
     fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
         // Names are demangled by `demangle::demangled`: blazesym's demangling takes any name for a C++ one.
-        let symbolizer =
-            Symbolizer::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(false).build();
+        // Debug files are looked for only where `debug_links` checks them.
+        let symbolizer = Symbolizer::builder()
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            .enable_demangling(false)
+            .set_debug_dirs(Some([DEBUG_DIR]))
+            .build();
         Self { symbolizer, modules: HashMap::new(), files: HashMap::new(), cache: HashMap::new(), failures }
     }
 
@@ -448,22 +455,6 @@ impl OpenFile {
     fn build_id(&self) -> &str {
         self.build_id.get_or_init(|| build_id(&self.file))
     }
-}
-
-/// Whether blazesym may read `file`'s debug information. Where the file names a separate debug
-/// file (`.gnu_debuglink`), blazesym looks for it in the file's own directory too, and opens
-/// what it finds there: a FIFO a user put beside their program would block the symbolizer, and
-/// memprof with it, for good. So such a file's debug information is read only where none but
-/// root can add files beside it; elsewhere its symbols come from its symbol table.
-fn debug_info_is_safe(file: &File) -> bool {
-    let cache = object::ReadCache::new(file);
-    let Ok(elf) = object::File::parse(&cache) else { return true };
-    if object::Object::section_by_name(&elf, ".gnu_debuglink").is_none() {
-        return true;
-    }
-    let Ok(path) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) else { return false };
-    let directory = path.parent().and_then(|dir| std::fs::metadata(dir).ok());
-    directory.is_some_and(|meta| meta.uid() == 0 && meta.mode() & 0o022 == 0)
 }
 
 /// The ELF's GNU build id in lowercase hex; empty when it has none or is not ELF.

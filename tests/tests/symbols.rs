@@ -144,32 +144,92 @@ fn a_libc_frame_without_a_debug_file_has_only_its_symbol() {
     assert_eq!((&strdup["file"], &strdup["line"]), (&Value::Null, &Value::Null), "{strdup}");
 }
 
-/// A stripped program whose debug link names a FIFO beside it, in a directory others may add
-/// files to: blazesym would open the FIFO and wait for a writer for good, and memprof with it.
-/// memprof names the program's frames from its symbol table instead, and finishes.
+/// Programs that name a FIFO for their debug information: blazesym would open the FIFO and wait
+/// for a writer for good, and memprof with it. memprof names their frames from their symbol
+/// table instead, and finishes.
 #[test]
-fn a_fifo_named_by_a_debug_link_beside_the_program_blocks_nothing() {
-    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
-    let dir = std::env::temp_dir().join(format!("memprof-debuglink-fifo-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir(&dir).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
-    let program = dir.join("short_prog");
-    let debug = dir.join("short_prog.debug");
-    fs::copy(fixture("short_prog"), &program).unwrap();
-    let objcopy = |args: &[&Path]| assert!(Command::new("objcopy").args(args).status().unwrap().success());
-    objcopy(&[Path::new("--only-keep-debug"), &program, &debug]);
+fn a_fifo_named_for_debug_information_blocks_nothing() {
+    // A stripped program's debug link names a FIFO beside it, in a directory others may add
+    // files to.
+    let beside = Hostile::new("beside", 0o777, true);
+    // objcopy reads the debug file for its checksum, and names it by its file name.
+    let debug = beside.dir.join("elsewhere").join(beside.fifo.file_name().unwrap());
+    fs::create_dir(debug.parent().unwrap()).unwrap();
+    objcopy(&["--only-keep-debug".as_ref(), beside.program.as_ref(), debug.as_ref()]);
     let link = format!("--add-gnu-debuglink={}", debug.display());
-    objcopy(&[Path::new("--strip-debug"), Path::new(&link), &program]);
+    objcopy(&["--strip-debug".as_ref(), link.as_ref(), beside.program.as_ref()]);
     fs::remove_file(&debug).unwrap();
-    assert!(Command::new("mkfifo").arg(&debug).status().unwrap().success());
-    let finished = std::sync::mpsc::channel();
-    let command = program.to_str().unwrap().to_string();
-    std::thread::spawn(move || finished.0.send(run(&[], &[&command])));
-    let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(60));
-    // Unblocks a memprof that waits on the FIFO, so that the test ends either way.
-    let _ = fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&debug);
-    let _ = fs::remove_dir_all(&dir);
-    let report = outcome.expect("memprof finished").final_report();
-    assert_eq!(site(&report, "kept_site"), (1000, 10), "{report}");
+    beside.assert_memprof_finishes();
+
+    // dwz's supplementary file (`.gnu_debugaltlink`, a path and a build id) is a FIFO elsewhere.
+    let altlink = Hostile::new("altlink", 0o777, false);
+    altlink.add_section(".gnu_debugaltlink", &[altlink.fifo.as_os_str().as_encoded_bytes(), &[0], &[7; 20]].concat());
+    altlink.assert_memprof_finishes();
+
+    // In a directory of root's, a debug link whose name is a path leads to a FIFO elsewhere.
+    let path = Hostile::new("path", 0o755, false);
+    let mut name = [path.fifo.as_os_str().as_encoded_bytes(), &[0]].concat();
+    name.resize(name.len().next_multiple_of(4) + 4, 0);
+    path.add_section(".gnu_debuglink", &name);
+    path.assert_memprof_finishes();
+}
+
+fn objcopy(args: &[&std::ffi::OsStr]) {
+    assert!(Command::new("objcopy").args(args).status().unwrap().success(), "objcopy {args:?}");
+}
+
+/// A copy of `short_prog` in a directory of its own, and the FIFO it is to name.
+struct Hostile {
+    dir: std::path::PathBuf,
+    program: std::path::PathBuf,
+    fifo: std::path::PathBuf,
+}
+
+impl Hostile {
+    /// The directory has `mode`; the FIFO is beside the program (`short_prog.debug`) or in a
+    /// directory any user may write to.
+    fn new(case: &str, mode: u32, fifo_beside: bool) -> Self {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("memprof-fifo-{case}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(mode)).unwrap();
+        let program = dir.join("short_prog");
+        fs::copy(fixture("short_prog"), &program).unwrap();
+        let fifo = if fifo_beside {
+            dir.join("short_prog.debug")
+        } else {
+            let elsewhere = dir.join("elsewhere");
+            fs::create_dir(&elsewhere).unwrap();
+            fs::set_permissions(&elsewhere, fs::Permissions::from_mode(0o777)).unwrap();
+            elsewhere.join("debug")
+        };
+        assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        Self { dir, program, fifo }
+    }
+
+    fn add_section(&self, name: &str, bytes: &[u8]) {
+        let data = self.dir.join("section");
+        fs::write(&data, bytes).unwrap();
+        let section = format!("{name}={}", data.display());
+        objcopy(&["--add-section".as_ref(), section.as_ref(), self.program.as_ref()]);
+    }
+
+    fn assert_memprof_finishes(&self) {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let finished = std::sync::mpsc::channel();
+        let command = self.program.to_str().unwrap().to_string();
+        std::thread::spawn(move || finished.0.send(run(&[], &[&command])));
+        let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(60));
+        // Unblocks a memprof that waits on the FIFO, so that the test ends either way.
+        let _ = fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&self.fifo);
+        let report = outcome.unwrap_or_else(|_| panic!("memprof waited on {}", self.fifo.display())).final_report();
+        assert_eq!(site(&report, "kept_site"), (1000, 10), "{report}");
+    }
+}
+
+impl Drop for Hostile {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
 }
