@@ -1,10 +1,12 @@
-//! Symbolization: demangled C++ names, inlined frames, processes in their own root, and
-//! distribution libraries named from their detached debug info.
+//! Symbolization: demangled C++ names, inlined frames, processes in their own root,
+//! distribution libraries named from their detached debug info, and files that would hold
+//! memprof for good if it read them: FIFOs named for debug info, another user's FUSE files.
 
 use std::{fs, path::Path, process::Command};
 
 use memprof_tests::{attach, fixture, fixture_with, own_root, run, site, Waiting};
 use serde_json::Value;
+use std::io::BufRead as _;
 
 #[test]
 fn cpp_names_are_demangled_and_inlined_functions_have_frames() {
@@ -230,6 +232,62 @@ impl Hostile {
 
 impl Drop for Hostile {
     fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A program run from another user's FUSE file system, whose server answers every request but
+/// memprof's (as a user's own server may, where /etc/fuse.conf lets users allow others in):
+/// memprof leaves the program's file alone, says so, and traces its allocations in the C
+/// library all the same.
+#[test]
+fn a_users_fuse_server_that_never_answers_memprof_holds_it_not() {
+    let dir = std::env::temp_dir().join(format!("memprof-fuse-{}", std::process::id()));
+    let mount = dir.join("mnt");
+    fs::create_dir_all(&mount).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/fuse_stall.py");
+    let mut server = Command::new("python3")
+        .args([script, fixture("daemon_target"), mount.clone()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut mounted = String::new();
+    std::io::BufReader::new(server.stdout.as_mut().unwrap()).read_line(&mut mounted).unwrap();
+    assert_eq!(mounted, "mounted\n", "the FUSE server did not mount");
+    let served = Served { server, mount, dir };
+
+    let mut target = Waiting::start(&served.mount.join("prog"), &[]);
+    let program = target.pid() as i32;
+    let finished = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let outcome = attach(&mut target, &["--duration", "2"]);
+        let _ = target.child.kill();
+        finished.0.send(outcome)
+    });
+    let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(60));
+    // Killing the server ends its file system: a memprof still waiting gets an error.
+    drop(served);
+    // SAFETY: a signal to the program this test started.
+    unsafe { libc::kill(program, libc::SIGKILL) };
+    let outcome = outcome.expect("memprof finished");
+    assert!(outcome.stderr.contains("from another user's FUSE file system"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    let held = report["stacks"].as_array().unwrap().iter().find(|stack| stack["outstanding_allocations"] == 50);
+    assert_eq!(held.map(|stack| &stack["outstanding_bytes"]), Some(&Value::from(50_000)), "{report}");
+}
+
+/// The FUSE server, its mount and their directory, gone with it.
+struct Served {
+    server: std::process::Child,
+    mount: std::path::PathBuf,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
         let _ = fs::remove_dir_all(&self.dir);
     }
 }

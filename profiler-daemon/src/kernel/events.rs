@@ -11,7 +11,7 @@ use aya::{
 };
 pub use profiler_common::ProcessEvent;
 
-use crate::ring::Ring;
+use crate::{process::fuse, ring::Ring};
 
 /// The program an exec ran (`ProcessEvent::path`), absolute and with links resolved as
 /// `/proc/PID/exe` names it: a relative path is taken from the process's directory, or from
@@ -25,7 +25,16 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&event.path[..end]));
     let base = std::fs::read_link(format!("/proc/{pid}/cwd")).or_else(|_| std::env::current_dir()).ok()?;
     let path = base.join(path);
-    Some(std::fs::canonicalize(&path).unwrap_or(path))
+    // Resolving links looks at every directory on the way: not through a user's FUSE mount
+    // (the process's, or memprof's own once the process is gone).
+    let fuse_free = match fuse::users_devices(pid) {
+        Ok(devices) => devices.is_empty(),
+        Err(_) => !fuse::through_users_mount(&path),
+    };
+    if fuse_free {
+        return Some(std::fs::canonicalize(&path).unwrap_or(path));
+    }
+    Some(path)
 }
 
 /// The name the kernel gave the process at the exec (`ProcessEvent::path`): the path's last

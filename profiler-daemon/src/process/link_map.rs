@@ -35,6 +35,10 @@ pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
 fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
     const PAGE: u64 = 4096;
+    // The process is gone: its list's paths are looked at in memprof's own mounts.
+    if super::fuse::through_users_mount(Path::new(path)) {
+        return None;
+    }
     let meta = fs::metadata(path).ok()?;
     let data = super::elf_bytes::read_path(Path::new(path)).ok()?;
     let file = object::File::parse(&*data).ok()?;

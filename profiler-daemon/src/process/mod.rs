@@ -6,6 +6,7 @@ pub mod elf_bytes;
 pub mod families;
 pub mod file_cache;
 pub mod freeze;
+pub mod fuse;
 pub mod image;
 pub mod inject;
 pub mod link_map;

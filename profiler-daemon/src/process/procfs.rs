@@ -2,6 +2,7 @@
 
 use std::{fs, io, os::unix::fs::MetadataExt, path::Path};
 
+use super::fuse;
 use crate::{error::UserError, text::printable};
 
 /// A `/proc` file as text. Names in it (a comm, a mapped file's path) are the bytes a process
@@ -255,6 +256,19 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
     if task_stat(&dir).is_none_or(|stat| stat.zombie || stat.exiting) {
         return Ok(Vec::new());
     }
+    // Files on a user's FUSE mount are left alone (see `fuse`). A FUSE file system's device has
+    // major number 0, as few others have: mounts are read only for those.
+    let fuse_like = mappings.iter().any(|m| fuse::maps_device(&m.device).is_some_and(|(major, _)| major == 0));
+    let users_fuse = if fuse_like { fuse::users_devices(pid).unwrap_or_default() } else { Vec::new() };
+    if !users_fuse.is_empty() {
+        let on_fuse = |m: &FileMapping| fuse::maps_device(&m.device).is_some_and(|device| users_fuse.contains(&device));
+        let mut left: Vec<&str> = mappings.iter().filter(|m| on_fuse(m)).map(|m| m.path.as_str()).collect();
+        left.dedup();
+        if !left.is_empty() {
+            fuse::say_left_alone(pid, &left);
+        }
+        mappings.retain(|m| !on_fuse(m));
+    }
     let exe = fs::read_link(format!("{dir}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
     if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
         for mapping in mappings.iter_mut().filter(|m| m.path == exe) {
@@ -275,13 +289,22 @@ fn launch_name(pid: u32, exe: &str) -> Option<String> {
     // A process that retitles itself (redis, postgres) writes its title over argv: the program's
     // name stays in front, followed by a space.
     let candidates = [argv0.as_str(), argv0.split(' ').next().unwrap_or_default()];
+    let base = |path: &str| path.rsplit('/').next().unwrap_or_default().to_string();
+    // A name is found by its file name: the executable's leaves nothing to find.
+    if candidates.iter().all(|name| name.is_empty() || base(name) == base(exe)) {
+        return None;
+    }
+    // The paths tried are the process's choice (its `argv[0]`, its `PATH`): none may lead
+    // through a user's FUSE mount (see `fuse`), or the process's mounts cannot be read.
+    if !fuse::users_devices(pid).is_ok_and(|devices| devices.is_empty()) {
+        return None;
+    }
     let root = format!("{dir}/root");
     let target = fs::metadata(format!("{dir}/exe")).ok()?;
     let same_file = |path: &str| {
         fs::metadata(format!("{root}{path}"))
             .is_ok_and(|found| (found.dev(), found.ino()) == (target.dev(), target.ino()))
     };
-    let base = |path: &str| path.rsplit('/').next().unwrap_or_default().to_string();
     let found = candidates.iter().filter(|name| !name.is_empty()).find_map(|name| {
         if name.contains('/') {
             let cwd = fs::read_link(format!("{dir}/cwd")).ok()?;
