@@ -14,6 +14,7 @@ use std::{
 };
 
 use super::procfs::{dir, read_text};
+use crate::text::printable;
 
 /// A FUSE mount of a user other than root: its device and where it is mounted.
 struct UsersMount {
@@ -78,14 +79,22 @@ pub fn through_users_mount(path: &Path) -> bool {
         .map_or(true, |mounts| mounts.iter().any(|mount| path.starts_with(&mount.mount_point)))
 }
 
+/// Processes `say_left_alone` remembers having spoken of.
+const MOST_PROCESSES_REMEMBERED: usize = 4096;
+
 /// Says once per process that memprof leaves `pid`'s files on a user's FUSE mount alone.
 pub fn say_left_alone(pid: u32, paths: &[&str]) {
     static SAID: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
     let mut said = SAID.lock().unwrap_or_else(PoisonError::into_inner);
-    if said.get_or_insert_with(HashSet::new).insert(pid) {
+    let said = said.get_or_insert_with(HashSet::new);
+    // Bounded: a daemon that runs for months sees pids come and go; one said again costs a line.
+    if said.len() >= MOST_PROCESSES_REMEMBERED {
+        said.clear();
+    }
+    if said.insert(pid) {
         tracing::warn!(
             "pid {pid} maps {} from another user's FUSE file system, whose server could hold memprof for good: memprof leaves them alone, and frames in them are unnamed",
-            paths.join(", ")
+            paths.iter().map(|path| printable(path)).collect::<Vec<_>>().join(", ")
         );
     }
 }
