@@ -29,7 +29,7 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     // (the process's, or memprof's own once the process is gone).
     let fuse_free = match fuse::users_devices(pid) {
         Ok(devices) => devices.is_empty(),
-        Err(_) => !fuse::through_users_mount(&path),
+        Err(_) => !fuse::MemprofsView::read().through_users_mount(&path),
     };
     if fuse_free {
         return Some(std::fs::canonicalize(&path).unwrap_or(path));

@@ -1,9 +1,10 @@
-//! The FUSE file systems of users other than root that a process sees. Any user may mount one
-//! (in a user namespace of their own, with `/dev/fuse` open to all, as systemd's udev rules
-//! leave it), and its server, a program of theirs, answers the kernel's requests on its files
-//! when it likes: never, for memprof's. A look at such a file (its attributes, an open, a read)
-//! would then hold memprof's thread for good. So memprof leaves those files alone: it reads
-//! neither their code nor their symbols, and names nothing by a path through them.
+//! The FUSE file systems of users other than root that a process sees. Such a file system is
+//! served by a program of its user's, which answers the kernel's requests on its files when it
+//! likes: never, for memprof's. Root can open a user's mount where `/etc/fuse.conf` has
+//! `user_allow_other` (elsewhere the kernel refuses it at once). A look at such a file (its
+//! attributes, an open, a read) would then hold memprof's thread for good. So memprof leaves
+//! those files alone: it reads neither their code nor their symbols, and names nothing by a
+//! path through them.
 
 use std::{
     collections::HashSet,
@@ -72,11 +73,19 @@ pub fn users_devices(pid: u32) -> io::Result<Vec<(u64, u64)>> {
     Ok(users_mounts(pid)?.into_iter().map(|mount| mount.device).collect())
 }
 
-/// Whether `path`, as memprof sees it, may lead through a user's FUSE mount (or memprof's own
-/// mounts cannot be read).
-pub fn through_users_mount(path: &Path) -> bool {
-    users_mounts(std::process::id())
-        .map_or(true, |mounts| mounts.iter().any(|mount| path.starts_with(&mount.mount_point)))
+/// Where memprof itself sees the FUSE file systems of users other than root: the paths of a
+/// process gone, read in memprof's own mounts, are not followed through them.
+pub struct MemprofsView(Option<Vec<PathBuf>>);
+
+impl MemprofsView {
+    pub fn read() -> Self {
+        Self(users_mounts(std::process::id()).ok().map(|mounts| mounts.into_iter().map(|m| m.mount_point).collect()))
+    }
+
+    /// Whether `path` may lead through one (any path, when memprof's mounts could not be read).
+    pub fn through_users_mount(&self, path: &Path) -> bool {
+        self.0.as_ref().is_none_or(|points| points.iter().any(|point| path.starts_with(point)))
+    }
 }
 
 /// Processes `say_left_alone` remembers having spoken of.

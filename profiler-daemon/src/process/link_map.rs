@@ -7,15 +7,17 @@ use std::{fs, os::unix::fs::MetadataExt as _, path::Path};
 
 use object::{Object as _, ObjectSegment as _};
 
-use super::procfs::FileMapping;
+use super::{fuse::MemprofsView, procfs::FileMapping};
 
 /// The mappings of `objects` (load bias and path; an empty path is the executable, `exe`).
 pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping> {
+    // The process is gone: its list's paths are looked at in memprof's own mounts.
+    let view = MemprofsView::read();
     let mut mappings: Vec<FileMapping> = objects
         .iter()
         .filter_map(|(base, name)| {
             let path = if name.is_empty() { exe? } else { name.as_str() };
-            object_mappings(*base, path)
+            object_mappings(*base, path, &view)
         })
         .flatten()
         .collect();
@@ -26,17 +28,20 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
 /// The mappings of an executable loaded at the addresses it names (not position-independent: a
 /// static binary has no dynamic linker to report them, and needs none); None for any other file.
 pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
+    let view = MemprofsView::read();
+    if view.through_users_mount(Path::new(exe)) {
+        return None;
+    }
     let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe)).flatten()
+    (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe, &view)).flatten()
 }
 
 /// One mapping per loadable segment, page-aligned as the loader maps them.
-fn object_mappings(base: u64, path: &str) -> Option<Vec<FileMapping>> {
+fn object_mappings(base: u64, path: &str, view: &MemprofsView) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
     const PAGE: u64 = 4096;
-    // The process is gone: its list's paths are looked at in memprof's own mounts.
-    if super::fuse::through_users_mount(Path::new(path)) {
+    if view.through_users_mount(Path::new(path)) {
         return None;
     }
     let meta = fs::metadata(path).ok()?;

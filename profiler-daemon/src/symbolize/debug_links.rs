@@ -35,7 +35,7 @@ pub fn debug_info_is_safe(file: &File) -> bool {
     let Ok(path) = fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) else { return false };
     let directory = path.parent().and_then(|dir| fs::metadata(dir).ok());
     let debug_files_safe = || match &links.debug_link {
-        Some(name) => debug_files_safe(&path, OsStr::from_bytes(name), &links.build_id),
+        Some(name) => debug_files_safe(&path, OsStr::from_bytes(name), &super::build_id(file)),
         None => true,
     };
     file.metadata().is_ok_and(|meta| root_only(&meta))
@@ -49,8 +49,6 @@ struct Links {
     debug_link: Option<Vec<u8>>,
     /// `.gnu_debugaltlink`'s and `.debug_sup`'s paths.
     supplementary: Vec<Vec<u8>>,
-    /// The GNU build id in lowercase hex, by which /usr/lib/debug/.build-id names debug files.
-    build_id: String,
 }
 
 impl Links {
@@ -66,12 +64,7 @@ impl Links {
             Some(name.split(|&b| b == 0).next().unwrap_or_default().to_vec())
         };
         let supplementary = [name(".gnu_debugaltlink", 0), name(".debug_sup", 3)].into_iter().flatten().collect();
-        let build_id = elf.build_id().ok().flatten().unwrap_or_default();
-        Some(Self {
-            debug_link: name(".gnu_debuglink", 0),
-            supplementary,
-            build_id: build_id.iter().map(|b| format!("{b:02x}")).collect(),
-        })
+        Some(Self { debug_link: name(".gnu_debuglink", 0), supplementary })
     }
 
     /// Whether the supplementary files are named by absolute paths in directories only root
@@ -160,7 +153,7 @@ mod tests {
 
     #[test]
     fn supplementary_files_must_be_in_roots_directories() {
-        let links = |path: &str| Links { debug_link: None, supplementary: vec![path.into()], build_id: String::new() };
+        let links = |path: &str| Links { debug_link: None, supplementary: vec![path.into()] };
         assert!(links("/usr/lib/debug/.dwz/x86_64-linux-gnu/libc6.debug").supplementary_safe());
         assert!(!links("/tmp/fifo").supplementary_safe());
         assert!(!links("relative/file.debug").supplementary_safe());
