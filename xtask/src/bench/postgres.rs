@@ -227,7 +227,10 @@ pub fn render(measured: &Measured) -> String {
          postmaster's links, which trap at each call until memprof has the kernel take them out at \
          its next interval. In the last row the postmaster alone is traced: it has children, so \
          `attach` gives it perf-event uprobes, which the kernel takes out of a backend at its first \
-         call to each.\n",
+         call to each. A backend followed costs about the same in every mode that traces calls: \
+         most of its calls are frees of blocks the postmaster allocated, which trap in all of them; \
+         sampled mode can sit below exact mode because it follows more backends (\"Real services: \
+         where the time goes\").\n",
     );
     out.push_str(
         "\nThe same, its 4 sessions kept for the whole run (`pgbench -S` without `-C`), in the same \
