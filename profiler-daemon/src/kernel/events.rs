@@ -11,7 +11,7 @@ use aya::{
 };
 pub use profiler_common::ProcessEvent;
 
-use crate::{process::fuse, ring::Ring};
+use crate::{process::mounts, ring::Ring};
 
 /// The program an exec ran (`ProcessEvent::path`), absolute and with links resolved as
 /// `/proc/PID/exe` names it: a relative path is taken from the process's directory, or from
@@ -25,13 +25,15 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&event.path[..end]));
     let base = std::fs::read_link(format!("/proc/{pid}/cwd")).or_else(|_| std::env::current_dir()).ok()?;
     let path = base.join(path);
-    // Resolving links looks at every directory on the way: not through a user's FUSE mount
-    // (the process's, or memprof's own once the process is gone).
-    let fuse_free = match fuse::users_devices(pid) {
-        Ok(devices) => devices.is_empty(),
-        Err(_) => !fuse::MemprofsView::read().through_users_mount(&path),
+    // Resolving links looks at every directory on the way: not while the process sees a mount
+    // whose files may hold memprof that is a user's or does not answer (or, once the process is
+    // gone, through one of memprof's own; see `mounts`).
+    let root = std::path::PathBuf::from(format!("/proc/{pid}/root"));
+    let lookable = match mounts::risky_mounts(pid) {
+        Ok(risky) => risky.iter().all(|mount| mount.answering(&root)),
+        Err(_) => mounts::MemprofsView::read().may_look(&path),
     };
-    if fuse_free {
+    if lookable {
         return Some(std::fs::canonicalize(&path).unwrap_or(path));
     }
     Some(path)

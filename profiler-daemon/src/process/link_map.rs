@@ -7,7 +7,7 @@ use std::{fs, os::unix::fs::MetadataExt as _, path::Path};
 
 use object::{Object as _, ObjectSegment as _};
 
-use super::{fuse::MemprofsView, procfs::FileMapping};
+use super::{mounts::MemprofsView, procfs::FileMapping};
 
 /// The mappings of `objects` (load bias and path; an empty path is the executable, `exe`).
 pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping> {
@@ -29,7 +29,7 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
 /// static binary has no dynamic linker to report them, and needs none); None for any other file.
 pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
     let view = MemprofsView::read();
-    if view.through_users_mount(Path::new(exe)) {
+    if !view.may_look(Path::new(exe)) {
         return None;
     }
     let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
@@ -41,7 +41,7 @@ pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
 fn object_mappings(base: u64, path: &str, view: &MemprofsView) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
     const PAGE: u64 = 4096;
-    if view.through_users_mount(Path::new(path)) {
+    if !view.may_look(Path::new(path)) {
         return None;
     }
     let meta = fs::metadata(path).ok()?;

@@ -2,16 +2,17 @@
 //! the allocator and where its functions are. Imports `error` only.
 
 pub mod allocator;
+mod answers;
 pub mod elf_bytes;
 pub mod families;
 pub mod file_cache;
 pub mod freeze;
-pub mod fuse;
 pub mod image;
 pub mod inject;
 pub mod link_map;
 pub mod memory;
 pub mod mm_uapi;
+pub mod mounts;
 pub mod pagemap;
 pub mod placement;
 pub mod precopy;

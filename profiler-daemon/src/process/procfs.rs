@@ -1,8 +1,8 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{fs, io, os::unix::fs::MetadataExt, path::Path};
+use std::{collections::HashMap, fs, io, os::unix::fs::MetadataExt, path::Path};
 
-use super::fuse;
+use super::mounts;
 use crate::{error::UserError, text::printable};
 
 /// A `/proc` file as text. Names in it (a comm, a mapped file's path) are the bytes a process
@@ -256,18 +256,13 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
     if task_stat(&dir).is_none_or(|stat| stat.zombie || stat.exiting) {
         return Ok(Vec::new());
     }
-    // Files on a user's FUSE mount are left alone (see `fuse`). A FUSE file system's device has
-    // major number 0, as few others have: mounts are read only for those.
-    let fuse_like = mappings.iter().any(|m| fuse::maps_device(&m.device).is_some_and(|(major, _)| major == 0));
-    let users_fuse = if fuse_like { fuse::users_devices(pid).unwrap_or_default() } else { Vec::new() };
-    if !users_fuse.is_empty() {
-        let on_fuse = |m: &FileMapping| fuse::maps_device(&m.device).is_some_and(|device| users_fuse.contains(&device));
-        let mut left: Vec<&str> = mappings.iter().filter(|m| on_fuse(m)).map(|m| m.path.as_str()).collect();
-        left.dedup();
-        if !left.is_empty() {
-            fuse::say_left_alone(pid, &left);
-        }
-        mappings.retain(|m| !on_fuse(m));
+    // Files on a user's FUSE mount, or on one that does not answer, are left alone (see
+    // `mounts`). Such a file system's device has major number 0, as few others have: mounts are
+    // read only for those.
+    let fuse_like = mappings.iter().any(|m| mounts::maps_device(&m.device).is_some_and(|(major, _)| major == 0));
+    let risky = if fuse_like { mounts::risky_mounts(pid).unwrap_or_default() } else { Vec::new() };
+    if !risky.is_empty() {
+        leave_held_alone(pid, &risky, &mut mappings);
     }
     let exe = fs::read_link(format!("{dir}/exe")).ok().map(|p| p.to_string_lossy().into_owned());
     if let Some((exe, name)) = exe.and_then(|exe| launch_name(pid, &exe).map(|name| (exe, name))) {
@@ -276,6 +271,31 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
         }
     }
     Ok(mappings)
+}
+
+/// Takes out of `mappings` those on `pid`'s `risky` mounts that memprof may not look at (each
+/// mount asked once), and says which.
+fn leave_held_alone(pid: u32, risky: &[mounts::RiskyMount], mappings: &mut Vec<FileMapping>) {
+    let mut held: HashMap<(u64, u64), Option<mounts::Risk>> = HashMap::new();
+    for mapping in mappings.iter() {
+        let Some(device) = mounts::maps_device(&mapping.device) else { continue };
+        held.entry(device).or_insert_with(|| {
+            let mount = risky.iter().find(|mount| mount.device == device)?;
+            let probe = &mapping.reachable_paths(pid)[0];
+            (!mount.may_look_at(Path::new(probe))).then_some(mount.risk)
+        });
+    }
+    let risk_of =
+        |m: &FileMapping| mounts::maps_device(&m.device).and_then(|device| held.get(&device).copied().flatten());
+    for risk in [mounts::Risk::UsersFuse, mounts::Risk::MayNotAnswer] {
+        let mut left: Vec<&str> =
+            mappings.iter().filter(|m| risk_of(m) == Some(risk)).map(|m| m.path.as_str()).collect();
+        left.dedup();
+        if !left.is_empty() {
+            mounts::say_left_alone(pid, risk, &left);
+        }
+    }
+    mappings.retain(|m| risk_of(m).is_none());
 }
 
 /// The path the process was started as, when it is a link to its executable `exe` under another
@@ -294,12 +314,14 @@ fn launch_name(pid: u32, exe: &str) -> Option<String> {
     if candidates.iter().all(|name| name.is_empty() || base(name) == base(exe)) {
         return None;
     }
-    // The paths tried are the process's choice (its `argv[0]`, its `PATH`): none may lead
-    // through a user's FUSE mount (see `fuse`), or the process's mounts cannot be read.
-    if !fuse::users_devices(pid).is_ok_and(|devices| devices.is_empty()) {
+    // The paths tried are the process's choice (its `argv[0]`, its `PATH`), and a link on the way
+    // may lead anywhere: none is looked at while the process sees a mount whose files may hold
+    // memprof (see `mounts`) that is a user's or does not answer, or when its mounts cannot be
+    // read.
+    let root = format!("{dir}/root");
+    if !mounts::risky_mounts(pid).is_ok_and(|risky| risky.iter().all(|mount| mount.answering(Path::new(&root)))) {
         return None;
     }
-    let root = format!("{dir}/root");
     let target = fs::metadata(format!("{dir}/exe")).ok()?;
     let same_file = |path: &str| {
         fs::metadata(format!("{root}{path}"))
