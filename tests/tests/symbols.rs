@@ -4,7 +4,7 @@
 
 use std::{fs, path::Path, process::Command};
 
-use memprof_tests::{attach, fixture, fixture_with, own_root, run, site, Waiting};
+use memprof_tests::{attach, fixture, fixture_with, own_root, run, site, wait_for, Daemon, Waiting};
 use serde_json::Value;
 use std::io::BufRead as _;
 
@@ -256,21 +256,7 @@ fn a_file_system_that_stops_answering_holds_memprof_not() {
 /// argument), which never answers memprof: memprof says `said`, and counts the 50 blocks of 1,000
 /// bytes the program allocates in the C library.
 fn traced_from_a_server_that_never_answers_memprof(owner: Option<&str>, said: &str) {
-    let dir = std::env::temp_dir().join(format!("memprof-fuse-{}-{}", std::process::id(), owner.unwrap_or("user")));
-    let mount = dir.join("mnt");
-    fs::create_dir_all(&mount).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/fuse_stall.py");
-    let mut server = Command::new("python3")
-        .args([script, fixture("daemon_target"), mount.clone()])
-        .args(owner)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut mounted = String::new();
-    std::io::BufReader::new(server.stdout.as_mut().unwrap()).read_line(&mut mounted).unwrap();
-    assert_eq!(mounted, "mounted\n", "the FUSE server did not mount");
-    let served = Served { server, mount, dir };
-
+    let served = serve_a_program_that_never_answers_memprof(owner);
     let mut target = Waiting::start(&served.mount.join("prog"), &[]);
     let program = target.pid() as i32;
     let finished = std::sync::mpsc::channel();
@@ -289,6 +275,61 @@ fn traced_from_a_server_that_never_answers_memprof(owner: Option<&str>, said: &s
     let report = outcome.final_report();
     let held = report["stacks"].as_array().unwrap().iter().find(|stack| stack["outstanding_allocations"] == 50);
     assert_eq!(held.map(|stack| &stack["outstanding_bytes"]), Some(&Value::from(50_000)), "{report}");
+}
+
+/// The daemon, asked to trace a program on a file system that stopped answering and another
+/// program: it traces the other as usual, and SIGTERM stops it.
+#[test]
+fn a_file_system_that_stops_answering_keeps_the_daemon_from_nothing() {
+    let served = serve_a_program_that_never_answers_memprof(Some("root"));
+    let mut stalled = Waiting::start(&served.mount.join("prog"), &[]);
+    let finished = std::sync::mpsc::channel();
+    let stalled_pid = stalled.pid();
+    std::thread::spawn(move || {
+        let mut other = Waiting::start(&fixture("daemon_target"), &[]);
+        let mut daemon = Daemon::start(&["--pid", &stalled_pid.to_string(), "--pid", &other.pid().to_string()]);
+        daemon.wait_traced(other.pid());
+        other.go();
+        let leaks = format!("/api/v1/leaks?pid={}", other.pid());
+        let held = wait_for(20, "the other program's held blocks", || {
+            let held = site(&daemon.get_json(&leaks).1, "hold_site");
+            (held == (50_000, 50)).then_some(held)
+        });
+        daemon.signal(libc::SIGTERM);
+        let status = wait_for(20, "the daemon to stop", || daemon.child.try_wait().ok().flatten());
+        finished.0.send((held, status, daemon.log()))
+    });
+    stalled.go();
+    let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(120));
+    // Killing the server ends its file system: a daemon still waiting on it gets an error, and
+    // can then be reaped.
+    drop(served);
+    let _ = stalled.child.kill();
+    let (held, status, log) = outcome.expect("the daemon traced the other program and stopped");
+    assert_eq!(held, (50_000, 50));
+    assert!(status.success(), "{status:?}");
+    assert!(log.contains("from a file system that did not answer within 2 s"), "{log}");
+}
+
+/// `fuse_stall.py` serving a copy of `daemon_target` as `prog`, mounted with `owner`'s argument.
+fn serve_a_program_that_never_answers_memprof(owner: Option<&str>) -> Served {
+    // Tests run at once: each server in a directory of its own.
+    static SERVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let number = SERVED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("memprof-fuse-{}-{number}", std::process::id()));
+    let mount = dir.join("mnt");
+    fs::create_dir_all(&mount).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/fuse_stall.py");
+    let mut server = Command::new("python3")
+        .args([script, fixture("daemon_target"), mount.clone()])
+        .args(owner)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut mounted = String::new();
+    std::io::BufReader::new(server.stdout.as_mut().unwrap()).read_line(&mut mounted).unwrap();
+    assert_eq!(mounted, "mounted\n", "the FUSE server did not mount");
+    Served { server, mount, dir }
 }
 
 /// The FUSE server, its mount and their directory, gone with it.

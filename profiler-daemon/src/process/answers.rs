@@ -105,6 +105,7 @@ fn start_look(path: &Path) -> Option<Arc<Look>> {
         }
     }
     if pid < 0 {
+        tracing::debug!("no child to look at {} with: {}", path.to_string_lossy(), std::io::Error::last_os_error());
         return None;
     }
     // SAFETY: a system call on our own child's pid, which is not reaped before this.
