@@ -25,12 +25,11 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&event.path[..end]));
     let base = std::fs::read_link(format!("/proc/{pid}/cwd")).or_else(|_| std::env::current_dir()).ok()?;
     let path = base.join(path);
-    // Resolving links looks at every directory on the way: not while the process sees a mount
-    // whose files may hold memprof that is a user's or does not answer (or, once the process is
-    // gone, through one of memprof's own; see `mounts`).
-    let root = std::path::PathBuf::from(format!("/proc/{pid}/root"));
+    // Resolving links looks at every directory on the way: not while the process sees a user's
+    // FUSE mount, nor on a mount that does not answer (or, once the process is gone, through one
+    // of memprof's own; see `mounts`).
     let lookable = match mounts::risky_mounts(pid) {
-        Ok(risky) => risky.iter().all(|mount| mount.answering(&root)),
+        Ok(risky) => !mounts::has_users_fuse(&risky) && mounts::may_look(&risky, &path, &path),
         Err(_) => mounts::MemprofsView::read().may_look(&path),
     };
     if lookable {

@@ -49,12 +49,6 @@ impl RiskyMount {
     pub fn may_look_at(&self, probe: &Path) -> bool {
         self.risk == Risk::MayNotAnswer && answers(self.device, probe)
     }
-
-    /// `may_look_at` the mount point. `root`: the process's root directory as memprof reaches it
-    /// (`/proc/PID/root`).
-    pub fn answering(&self, root: &Path) -> bool {
-        self.may_look_at(&root.join(self.mount_point.strip_prefix("/").unwrap_or(&self.mount_point)))
-    }
 }
 
 /// `line` of `/proc/PID/mountinfo`, when its files may hold memprof. A FUSE mount is a user's
@@ -105,6 +99,12 @@ fn unescaped(field: &str) -> PathBuf {
 /// The mounts `pid` sees whose files may hold memprof.
 pub fn risky_mounts(pid: u32) -> io::Result<Vec<RiskyMount>> {
     Ok(read_text(format!("{}/mountinfo", dir(pid)))?.lines().filter_map(risky).collect())
+}
+
+/// Whether `mounts` holds a user's FUSE mount: a path the process chose may then lead into it
+/// through a link, which only following it would tell.
+pub fn has_users_fuse(mounts: &[RiskyMount]) -> bool {
+    mounts.iter().any(|mount| mount.risk == Risk::UsersFuse)
 }
 
 /// Whether memprof may look at `path`, a path as the mounts `mounts` see it (`probe`: the same

@@ -315,17 +315,15 @@ fn launch_name(pid: u32, exe: &str) -> Option<String> {
         return None;
     }
     // The paths tried are the process's choice (its `argv[0]`, its `PATH`), and a link on the way
-    // may lead anywhere: none is looked at while the process sees a mount whose files may hold
-    // memprof (see `mounts`) that is a user's or does not answer, or when its mounts cannot be
-    // read.
+    // may lead anywhere: none is looked at while the process sees a user's FUSE mount, nor on a
+    // mount that does not answer (see `mounts`), nor when its mounts cannot be read.
+    let risky = mounts::risky_mounts(pid).ok().filter(|risky| !mounts::has_users_fuse(risky))?;
     let root = format!("{dir}/root");
-    if !mounts::risky_mounts(pid).is_ok_and(|risky| risky.iter().all(|mount| mount.answering(Path::new(&root)))) {
-        return None;
-    }
     let target = fs::metadata(format!("{dir}/exe")).ok()?;
     let same_file = |path: &str| {
-        fs::metadata(format!("{root}{path}"))
-            .is_ok_and(|found| (found.dev(), found.ino()) == (target.dev(), target.ino()))
+        let found = format!("{root}{path}");
+        mounts::may_look(&risky, Path::new(path), Path::new(&found))
+            && fs::metadata(&found).is_ok_and(|found| (found.dev(), found.ino()) == (target.dev(), target.ino()))
     };
     let found = candidates.iter().filter(|name| !name.is_empty()).find_map(|name| {
         if name.contains('/') {
