@@ -1,0 +1,64 @@
+//! What a probe's cookie tells its program, and which links record a traced process.
+
+/// Cookie of a free probe whose function may call another probed free (see `FreeNote`).
+pub const FREE_WRAPPER: u64 = 1;
+
+/// Cookie bit of a free probe in the C library's own shared object: a free of a block never
+/// seen allocated that its own code calls is the library's internal one
+/// (`ProcCounters::internal_frees`). Its own code is its executable segment, which the cookie
+/// spans from the probe (see `c_library_free_cookie`): constant distances in the file, where
+/// addresses differ in every process. The caller is the return address, the word at the stack
+/// pointer where free probes sit (nothing is pushed before them). Never set on a file that
+/// holds the program's code too (a static binary), where a caller inside it may be the program.
+pub const FREE_IN_C_LIBRARY: u64 = 2;
+const SPAN_BITS: u32 = 30;
+const SPAN_MASK: u64 = (1 << SPAN_BITS) - 1;
+
+/// The cookie of a C library's free probe whose executable segment starts `below` bytes before
+/// the probe and ends `above` bytes after it; `None` when a distance does not fit.
+pub fn c_library_free_cookie(below: u64, above: u64) -> Option<u64> {
+    (below <= SPAN_MASK && above <= SPAN_MASK).then_some(FREE_IN_C_LIBRARY | below << 2 | above << (2 + SPAN_BITS))
+}
+
+/// Whether `caller` is code of the C library whose free probe at `probe` has `cookie` (see
+/// `c_library_free_cookie`).
+pub fn called_by_c_library(cookie: u64, probe: u64, caller: u64) -> bool {
+    let (below, above) = ((cookie >> 2) & SPAN_MASK, (cookie >> (2 + SPAN_BITS)) & SPAN_MASK);
+    cookie & FREE_IN_C_LIBRARY != 0 && probe.wrapping_sub(below) <= caller && caller < probe.wrapping_add(above)
+}
+
+/// Set in the cookie of every probe of a link shared by every process that maps a file (pid 0):
+/// its programs record only the processes whose `TRACED` entry has `traced::SHARED`. The other
+/// bits are the probe's own cookie.
+pub const SHARED_LINK: u64 = 1 << 63;
+
+/// Flags of a traced process in `TRACED`.
+pub mod traced {
+    /// Its calls are recorded by the links shared per file (`SHARED_LINK`), not by links of its
+    /// own. Set before its first link is attached and kept while it is traced, so that exactly
+    /// one of the two kinds of links records each call.
+    pub const SHARED: u32 = 2;
+    /// Traced by the pages it touches (`--growth`, or switched above `--max-rate`): only such a
+    /// process's `madvise` releases are sent, as only its pages need them. Kept across its
+    /// entry's rewrites while it is traced.
+    pub const GROWTH: u32 = 4;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_c_library_free_cookie_spans_its_executable_segment() {
+        let cookie = c_library_free_cookie(0x100, 0x2000).unwrap();
+        let probe = 0x7f00_0000_1100;
+        assert!(called_by_c_library(cookie, probe, 0x7f00_0000_1000), "the segment's first byte");
+        assert!(called_by_c_library(cookie, probe, 0x7f00_0000_30ff), "its last");
+        assert!(!called_by_c_library(cookie, probe, 0x7f00_0000_0fff));
+        assert!(!called_by_c_library(cookie, probe, 0x7f00_0000_3100));
+        assert!(!called_by_c_library(cookie | SHARED_LINK, probe, 0x5555_0000_1000), "the program");
+        assert!(!called_by_c_library(FREE_WRAPPER, probe, probe), "not the C library's free");
+        assert_eq!(cookie & (FREE_WRAPPER | SHARED_LINK), 0);
+        assert_eq!(c_library_free_cookie(1 << 30, 0), None, "too far to say");
+    }
+}
