@@ -1,0 +1,143 @@
+//! A `memprof daemon` started for a test.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    thread,
+};
+
+use serde_json::Value;
+
+use crate::{collect, every_call_unless_chosen, free_port, memprof_bin, socket_answer, wait_for, HttpAnswer};
+
+/// A `memprof daemon` on a free loopback port and a socket of its own, reporting every second;
+/// killed when dropped.
+pub struct Daemon {
+    pub child: Child,
+    pub port: u16,
+    /// Its API socket, which serves root everything (the port serves anyone `/metrics` only).
+    pub socket: PathBuf,
+    /// Whether the socket is in a directory made for it.
+    socket_dir: bool,
+    /// Its stderr, read as it comes: it logs a line per process it attaches and detaches, which
+    /// would fill a pipe nobody reads and block it.
+    log: Option<thread::JoinHandle<String>>,
+}
+
+impl Daemon {
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    /// `start` with the environment variables `env` set for the daemon.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::ready(Self::spawn(args, env))
+    }
+
+    /// `start` with the daemon's own default `max_rate`, as users run it: the tests' daemons
+    /// otherwise record every call (see `every_call_unless_chosen`).
+    pub fn start_at_default_rate(args: &[&str]) -> Self {
+        Self::ready(Self::spawn_choosing(Command::new(memprof_bin()), args, &[], false))
+    }
+
+    /// Waits until `daemon` is ready; fails at once with its log if it exits first (a kernel that
+    /// refuses its programs, say).
+    pub fn ready(mut daemon: Self) -> Self {
+        // On the socket: the port asks for a password when the daemon has a web config.
+        wait_for(20, "the daemon to be ready", || {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("the daemon exited ({status}) before it was ready: {}", daemon.log());
+            }
+            (daemon.get("/-/ready")?.0 == 200).then_some(())
+        });
+        daemon
+    }
+
+    /// Starts the daemon without waiting for it to be ready (for a listener that plain HTTP
+    /// cannot reach).
+    pub fn spawn(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_with(Command::new(memprof_bin()), args, env)
+    }
+
+    /// `spawn` with memprof started by `memprof` (memprof under `setpriv`, say).
+    pub fn spawn_with(memprof: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_choosing(memprof, args, env, true)
+    }
+
+    /// `spawn_with`; `every_call`: `--max-rate off` unless `args` choose.
+    fn spawn_choosing(mut memprof: Command, args: &[&str], env: &[(&str, &str)], every_call: bool) -> Self {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        // A socket of its own, unless `args` name one.
+        let named = args.iter().position(|arg| *arg == "--socket").and_then(|at| args.get(at + 1));
+        let socket = match named {
+            Some(path) => PathBuf::from(path),
+            None => std::env::temp_dir().join(format!("memprof-daemon-{}-{port}/api.sock", std::process::id())),
+        };
+        if named.is_none() {
+            memprof.arg("daemon").arg("--socket").arg(&socket);
+        } else {
+            memprof.arg("daemon");
+        }
+        if every_call {
+            every_call_unless_chosen(&mut memprof, args);
+        }
+        let mut child = memprof
+            .args(["--listen", &listen, "--interval", "1"])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting memprof daemon");
+        let log = Some(collect(child.stderr.take().expect("piped")));
+        Self { child, port, socket, socket_dir: named.is_none(), log }
+    }
+
+    /// `GET path` on the daemon's socket, as root; None when it does not answer.
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        self.answer(path).map(|answer| (answer.status, answer.body))
+    }
+
+    /// `GET path` on the daemon's socket, as root, with the answer's headers.
+    pub fn answer(&self, path: &str) -> Option<HttpAnswer> {
+        socket_answer(&self.socket, "GET", path)
+    }
+
+    /// What the daemon wrote to stderr, once it has exited (`child.wait()`).
+    pub fn log(&mut self) -> String {
+        self.log.take().expect("the log is read once").join().expect("stderr reader")
+    }
+
+    /// `GET path` on the daemon's socket, as root, and its JSON answer.
+    pub fn get_json(&self, path: &str) -> (u16, Value) {
+        let (status, body) = self.get(path).unwrap_or_else(|| panic!("GET {path} failed"));
+        (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
+    }
+
+    pub fn traced_pids(&self) -> Vec<u64> {
+        let (_, targets) = self.get_json("/api/v1/targets");
+        targets.as_array().unwrap().iter().map(|t| t["pid"].as_u64().unwrap()).collect()
+    }
+
+    pub fn wait_traced(&self, pid: u32) {
+        wait_for(20, &format!("pid {pid} to be traced"), || self.traced_pids().contains(&(pid as u64)).then_some(()));
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The daemon removes its socket when it stops; a killed one leaves it.
+        let _ = std::fs::remove_file(&self.socket);
+        if self.socket_dir {
+            let _ = std::fs::remove_dir(self.socket.parent().expect("a directory of its own"));
+        }
+    }
+}
