@@ -2,7 +2,7 @@
 //! allocations, frees that take off exactly what was added, and the --max-rate switch (to
 //! sampling under `run`, to growth mode in the daemon).
 
-use memprof_tests::{fixture, run, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{fixture, fixture_with, probe_links, run, site, total, wait_for, Daemon, Waiting};
 
 fn within_10_percent(estimate: u64, truth: u64, what: &str) {
     let error = (estimate as f64 - truth as f64).abs() / truth as f64;
@@ -110,6 +110,42 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 0, "{report}");
     assert!(report["growth"].is_object(), "{report}");
+}
+
+/// The programs growth mode runs for every process on the machine (at each page fault, and at the
+/// mapping calls, or at every system call where the kernel refuses `fexit` programs) are attached
+/// only while a process is traced by its pages: they go when the busy process switched to them
+/// exits, and come back for the next one.
+#[test]
+fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
+    let loop_program = fixture_with("malloc_loop.c", "wholehost_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
+    let daemon = Daemon::start_at_default_rate(&["--comm", "wholehost_loop"]);
+    let holder = daemon.child.id();
+    // Links of the page-fault tracepoints, the system-call tracepoint and the `fexit` programs.
+    let machine_wide = || {
+        let links = probe_links::descriptions(holder);
+        let on = |what: &str| links.iter().filter(|info| info.contains(what)).count();
+        (on("page_fault_user"), on("tp_name:\tsys_exit") + on("link_type:\ttracing"))
+    };
+    for round in ["first", "second"] {
+        let mut target = Waiting::start(&loop_program, &["--pairs=1000000000"]);
+        let pid = target.pid();
+        daemon.wait_traced(pid);
+        target.go();
+        let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"wholehost_loop\"}}");
+        wait_for(30, "the busy process to be traced by its pages", || {
+            (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
+        });
+        let (faults, mapping_calls) = machine_wide();
+        assert!(
+            faults == 1 && mapping_calls >= 1,
+            "{round} process: {faults} fault links, {mapping_calls} mapping-call links"
+        );
+        drop(target);
+        wait_for(30, "the machine-wide programs to go with the last process traced by its pages", || {
+            (machine_wide() == (0, 0)).then_some(())
+        });
+    }
 }
 
 /// Resizes of recorded blocks into blocks not drawn are neither failures nor unknown frees, and

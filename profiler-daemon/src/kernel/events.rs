@@ -63,7 +63,7 @@ pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<ProcessEvents> {
 }
 
 /// Loads and attaches each (program, raw tracepoint) pair, for as long as `ebpf` lives.
-pub fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()> {
+fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()> {
     for &(name, tracepoint) in pairs {
         let program: &mut RawTracePoint = ebpf
             .program_mut(name)

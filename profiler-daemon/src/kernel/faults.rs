@@ -2,8 +2,9 @@
 //! on each of its threads, with the `page_fault` program run at every one. Events opened on a
 //! task are inherited by the threads it starts (not by the processes it forks: memprof follows
 //! those itself, with events of their own), and go when their descriptors close. The page-fault
-//! tracepoints run `fault_code` at every fault on the machine: it keeps the fault's error code,
-//! by which `page_fault` drops the faults on pages already present before their walk.
+//! tracepoints run `fault_code` at every fault on the machine while a process is traced by its
+//! pages: it keeps the fault's error code, by which `page_fault` drops the faults on pages
+//! already present before their walk.
 
 use std::{
     collections::HashSet,
@@ -13,7 +14,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{
-    programs::{PerfEvent, RawTracePoint},
+    programs::{raw_trace_point::RawTracePointLinkId, PerfEvent, RawTracePoint},
     Ebpf,
 };
 
@@ -36,18 +37,46 @@ const INHERIT_THREAD: u64 = 1 << 35;
 /// `PERF_EVENT_IOC_SET_BPF`: `_IOW('$', 8, __u32)`.
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 
-/// Loads the program and attaches the error codes' (once, before the first `open`), for as long
-/// as `ebpf` lives.
+/// Loads the page-fault program and the error codes' (once, before the first `open`), for as
+/// long as `ebpf` lives.
 pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    let codes: &mut RawTracePoint = ebpf
-        .program_mut(CODE_PROGRAM)
-        .with_context(|| format!("program {CODE_PROGRAM} missing from the eBPF object"))?
-        .try_into()?;
-    codes.load().with_context(|| format!("loading program {CODE_PROGRAM}"))?;
-    for tracepoint in CODE_TRACEPOINTS {
-        codes.attach(tracepoint).with_context(|| format!("attaching {CODE_PROGRAM} to the {tracepoint} tracepoint"))?;
-    }
+    codes(ebpf)?.load().with_context(|| format!("loading program {CODE_PROGRAM}"))?;
     program(ebpf)?.load().context("loading the page-fault program")
+}
+
+/// Attaches the error codes' program, which runs at every fault on the machine: only while a
+/// process is traced by its pages (see `detach_codes`).
+pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<Vec<RawTracePointLinkId>> {
+    let codes = codes(ebpf)?;
+    let mut links = Vec::new();
+    for tracepoint in CODE_TRACEPOINTS {
+        let link = codes.attach(tracepoint);
+        match link.with_context(|| format!("attaching {CODE_PROGRAM} to the {tracepoint} tracepoint")) {
+            Ok(link) => links.push(link),
+            Err(err) => {
+                detach_codes(ebpf, links);
+                return Err(err);
+            }
+        }
+    }
+    Ok(links)
+}
+
+/// Takes the error codes' program off the machine's faults.
+pub fn detach_codes(ebpf: &mut Ebpf, links: Vec<RawTracePointLinkId>) {
+    let Ok(codes) = codes(ebpf) else { return };
+    for link in links {
+        if let Err(err) = codes.detach(link) {
+            tracing::warn!("detaching {CODE_PROGRAM}: {err}");
+        }
+    }
+}
+
+fn codes(ebpf: &mut Ebpf) -> anyhow::Result<&mut RawTracePoint> {
+    let program = ebpf
+        .program_mut(CODE_PROGRAM)
+        .with_context(|| format!("program {CODE_PROGRAM} missing from the eBPF object"))?;
+    Ok(program.try_into()?)
 }
 
 fn program(ebpf: &mut Ebpf) -> anyhow::Result<&mut PerfEvent> {

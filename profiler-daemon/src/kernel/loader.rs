@@ -8,7 +8,7 @@ mod usdt;
 use std::{fs, path::Path};
 
 use anyhow::Context as _;
-use aya::{Ebpf, EbpfLoader};
+use aya::{programs::raw_trace_point::RawTracePointLinkId, Ebpf, EbpfLoader};
 
 pub use crate::kernel::probes::Attachment;
 use crate::{
@@ -48,6 +48,11 @@ pub struct Loaded {
     growth: bool,
     /// The page-fault program is loaded, for `--growth` or a process switched to it.
     faults_loaded: bool,
+    /// The links of the program at every page fault on the machine, while a process is traced
+    /// by its pages (see `rest_page_faults`).
+    fault_codes: Option<Vec<RawTracePointLinkId>>,
+    /// `--mappings`: the mapping calls' programs stay attached while memprof runs.
+    mappings_asked: bool,
     /// Which processes share links with every traced process that maps the same file, rather
     /// than get links of their own (see `shared`).
     shared: SharedLinks,
@@ -163,6 +168,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool, links_wanted: bool
         mappings,
         growth: false,
         faults_loaded: false,
+        fault_codes: None,
+        mappings_asked: sizes.mappings,
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
         usdt: usdt::UsdtProbes::default(),

@@ -1,5 +1,5 @@
 //! The anonymous private memory traced processes hold from `mmap`, `mremap` and `brk`, kept from
-//! the calls the system calls' `fexit` programs send (`profiler-ebpf/src/mapping.rs`):
+//! the calls the system calls' programs send (`mapping_programs`):
 //! each process's ranges, each with the stack that asked for it, and what each stack holds; and,
 //! for a process traced by its page faults (`--growth`), the pages of those ranges it touched
 //! (`growth`).
@@ -13,47 +13,19 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::{programs::FExit, Btf, Ebpf};
+use aya::Ebpf;
 use profiler_common::{mapping_event, MappingEvent, NO_STACK};
 
 use crate::{
     bell::EdgeBell,
     kernel::{
         ages::Clock,
-        events,
         growth::{Pages, HUGE_PAGE, PAGE},
+        mapping_programs::MappingPrograms,
     },
     process::pagemap::{self, Fault},
     ring::Ring,
 };
-
-/// (program, the kernel function it runs at the return of): one per system call, so that no
-/// other system call on the machine pays for them.
-const FUNCTION_PROGRAMS: [(&str, &str); 5] = [
-    ("mmap_exit", "__x64_sys_mmap"),
-    ("munmap_exit", "__x64_sys_munmap"),
-    ("mremap_exit", "__x64_sys_mremap"),
-    ("brk_exit", "__x64_sys_brk"),
-    ("madvise_exit", "__x64_sys_madvise"),
-];
-
-/// Where the kernel refuses `fexit` programs: (program, tracepoint), at the return of every
-/// system call on the machine.
-const TRACEPOINT_PROGRAM: [(&str, &str); 1] = [("syscall_exit_tracepoint", "sys_exit")];
-
-/// Loads and attaches a program at the return of each system call's kernel function.
-fn attach_at_functions(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    let btf = Btf::from_sys_fs().context("reading the kernel's BTF")?;
-    for (name, function) in FUNCTION_PROGRAMS {
-        let program: &mut FExit = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program {name} missing from the eBPF object"))?
-            .try_into()?;
-        program.load(function, &btf).with_context(|| format!("loading {name} at {function}"))?;
-        program.attach().with_context(|| format!("attaching {name} to {function}"))?;
-    }
-    Ok(())
-}
 
 /// What one stack of a process holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -69,6 +41,7 @@ pub struct MappedStack {
 
 /// Every traced process's ranges, as the calls received so far left them.
 pub struct MappedRanges {
+    programs: MappingPrograms,
     ring: Ring,
     /// Rung by the kernel when a burst of events waits (see `MAPPING_EVENTS`).
     bell: EdgeBell,
@@ -76,26 +49,33 @@ pub struct MappedRanges {
 }
 
 impl MappedRanges {
-    /// Attaches the system-call programs (for as long as `ebpf` lives) and takes their ring.
+    /// Attaches the system-call programs and takes their ring.
     pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        if let Err(why) = attach_at_functions(ebpf) {
-            for (name, _) in FUNCTION_PROGRAMS {
-                if let Some(program) = ebpf.program_mut(name).and_then(|program| <&mut FExit>::try_from(program).ok()) {
-                    // Not loaded, or loaded without its link: either way it goes.
-                    let _ = program.unload();
-                }
-            }
-            tracing::warn!(
-                "this kernel refuses fexit programs ({why:#}): memprof reads mmap, munmap, mremap, brk and madvise \
-                 at the sys_exit tracepoint instead, which slows every system call on this host while it runs \
-                 (docs: reference/limits.md#mappings)"
-            );
-            events::attach_raw(ebpf, &TRACEPOINT_PROGRAM)?;
-        }
+        let programs = MappingPrograms::attach(ebpf)?;
         let map = ebpf.take_map("MAPPING_EVENTS").context("map MAPPING_EVENTS missing")?;
         let ring = Ring::new("MAPPING_EVENTS", map)?;
         let bell = EdgeBell::new(ring.as_fd()).context("waiting on the mapping events")?;
-        Ok(Self { ring, bell, spaces: HashMap::new() })
+        Ok(Self { programs, ring, bell, spaces: HashMap::new() })
+    }
+
+    /// Attaches the system-call programs again, if they rest.
+    pub fn wake(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
+        self.programs.wake(ebpf)
+    }
+
+    /// Detaches the system-call programs until `wake`, once no process needs them: every
+    /// process's ranges go, as the calls it makes meanwhile are not seen.
+    pub fn rest(&mut self, ebpf: &mut Ebpf, clock: &Clock) {
+        if self.programs.attached() {
+            self.programs.rest(ebpf);
+            self.drain(clock);
+            self.spaces.clear();
+        }
+    }
+
+    /// Whether a process is traced by the pages it touches.
+    pub fn watches_pages(&self) -> bool {
+        self.spaces.values().any(|space| space.pages.is_some())
     }
 
     /// Polls readable once the kernel has rung for a burst of events.

@@ -43,17 +43,36 @@ impl Loaded {
         Ok(())
     }
 
-    /// The page-fault program and the ring its pages go through, once.
+    /// The page-fault program and the ring its pages go through, loaded once, and the programs
+    /// that run for every process on the machine for them, attached while a process needs them.
     fn load_page_faults(&mut self) -> anyhow::Result<()> {
-        if self.faults_loaded {
-            return Ok(());
+        if !self.faults_loaded {
+            faults::load(&mut self.ebpf)?;
+            self.faults_loaded = true;
         }
-        faults::load(&mut self.ebpf)?;
-        if self.mappings.is_none() {
-            self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?);
+        if self.fault_codes.is_none() {
+            self.fault_codes = Some(faults::attach_codes(&mut self.ebpf)?);
         }
-        self.faults_loaded = true;
+        match &mut self.mappings {
+            Some(mappings) => mappings.wake(&mut self.ebpf)?,
+            None => self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?),
+        }
         Ok(())
+    }
+
+    /// Once no process is traced by its pages, takes off the programs that run for every process
+    /// on the machine for them (at each page fault, and, without `--mappings`, at the mapping
+    /// calls or at every system call), until `load_page_faults` wants them again.
+    pub(super) fn rest_page_faults(&mut self) {
+        if self.growth || self.mappings.as_ref().is_some_and(MappedRanges::watches_pages) {
+            return;
+        }
+        let Some(links) = self.fault_codes.take() else { return };
+        faults::detach_codes(&mut self.ebpf, links);
+        if let Some(mappings) = self.mappings.as_mut().filter(|_| !self.mappings_asked) {
+            mappings.rest(&mut self.ebpf, &self.ages.clock);
+        }
+        tracing::info!("no process is traced by its pages any more: memprof's programs at the machine's page faults and mapping calls are detached");
     }
 
     /// A process too busy for its calls to be traced one by one (`--max-rate`): from now on it

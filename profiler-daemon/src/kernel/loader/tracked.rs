@@ -53,6 +53,7 @@ impl Loaded {
     pub fn forget_exited(&mut self, pids: &HashSet<u32>) {
         self.let_go(pids);
         self.forget_state(pids);
+        self.rest_page_faults();
     }
 
     /// `forget_exited`'s first part, which costs next to nothing: `pids` are out of `TRACED`, so

@@ -1,0 +1,145 @@
+//! The programs that send the mapping calls' events (`profiler-ebpf/src/mapping.rs`): an
+//! `fexit` program at each call's kernel function, or, where the kernel refuses those, one
+//! program at the return of every system call on the machine. They run for every process on the
+//! machine, so they are attached only while some process needs them (`--mappings`, or a process
+//! traced by its pages) and detached in between (`rest`).
+
+use anyhow::Context as _;
+use aya::{
+    programs::{fexit::FExitLinkId, raw_trace_point::RawTracePointLinkId, FExit, RawTracePoint},
+    Btf, Ebpf,
+};
+
+/// (program, the kernel function it runs at the return of): one per system call, so that no
+/// other system call on the machine pays for them.
+const FUNCTION_PROGRAMS: [(&str, &str); 5] = [
+    ("mmap_exit", "__x64_sys_mmap"),
+    ("munmap_exit", "__x64_sys_munmap"),
+    ("mremap_exit", "__x64_sys_mremap"),
+    ("brk_exit", "__x64_sys_brk"),
+    ("madvise_exit", "__x64_sys_madvise"),
+];
+
+/// Where the kernel refuses `fexit` programs: the program at the return of every system call on
+/// the machine, and its tracepoint.
+const TRACEPOINT_PROGRAM: (&str, &str) = ("syscall_exit_tracepoint", "sys_exit");
+
+/// The loaded programs, and their links while attached.
+pub struct MappingPrograms {
+    kind: Kind,
+    links: Option<Links>,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Functions,
+    Tracepoint,
+}
+
+enum Links {
+    Functions(Vec<(&'static str, FExitLinkId)>),
+    Tracepoint(RawTracePointLinkId),
+}
+
+impl MappingPrograms {
+    /// Loads the programs and attaches them: the `fexit` ones, else the tracepoint's, saying so.
+    pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+        let (kind, links) = match load_functions(ebpf).and_then(|()| attach_functions(ebpf)) {
+            Ok(links) => (Kind::Functions, Links::Functions(links)),
+            Err(why) => {
+                for (name, _) in FUNCTION_PROGRAMS {
+                    if let Ok(program) = function_program(ebpf, name) {
+                        // Not loaded, or loaded and refused its attach: either way it goes.
+                        let _ = program.unload();
+                    }
+                }
+                tracing::warn!(
+                    "this kernel refuses fexit programs ({why:#}): memprof reads mmap, munmap, mremap, brk and \
+                     madvise at the sys_exit tracepoint instead, which slows every system call on this host while \
+                     a process needs them (docs: reference/limits.md#mappings)"
+                );
+                let (name, _) = TRACEPOINT_PROGRAM;
+                tracepoint_program(ebpf)?.load().with_context(|| format!("loading program {name}"))?;
+                (Kind::Tracepoint, Links::Tracepoint(attach_tracepoint(ebpf)?))
+            }
+        };
+        Ok(Self { kind, links: Some(links) })
+    }
+
+    /// Attaches the programs again, if they rest.
+    pub fn wake(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
+        if self.links.is_none() {
+            self.links = Some(match self.kind {
+                Kind::Functions => Links::Functions(attach_functions(ebpf)?),
+                Kind::Tracepoint => Links::Tracepoint(attach_tracepoint(ebpf)?),
+            });
+        }
+        Ok(())
+    }
+
+    /// Detaches the programs, loaded still: no call on the machine runs them until `wake`.
+    pub fn rest(&mut self, ebpf: &mut Ebpf) {
+        match self.links.take() {
+            Some(Links::Functions(links)) => detach_functions(ebpf, links),
+            Some(Links::Tracepoint(link)) => {
+                let detached = tracepoint_program(ebpf).and_then(|program| Ok(program.detach(link)?));
+                if let Err(err) = detached {
+                    tracing::warn!("detaching the system-call program: {err:#}");
+                }
+            }
+            None => {}
+        }
+    }
+
+    pub fn attached(&self) -> bool {
+        self.links.is_some()
+    }
+}
+
+fn load_functions(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let btf = Btf::from_sys_fs().context("reading the kernel's BTF")?;
+    for (name, function) in FUNCTION_PROGRAMS {
+        function_program(ebpf, name)?.load(function, &btf).with_context(|| format!("loading {name} at {function}"))?;
+    }
+    Ok(())
+}
+
+/// Attaches every `fexit` program, or none.
+fn attach_functions(ebpf: &mut Ebpf) -> anyhow::Result<Vec<(&'static str, FExitLinkId)>> {
+    let mut links = Vec::new();
+    for (name, function) in FUNCTION_PROGRAMS {
+        match function_program(ebpf, name).and_then(|program| Ok(program.attach()?)) {
+            Ok(link) => links.push((name, link)),
+            Err(err) => {
+                detach_functions(ebpf, links);
+                return Err(err.context(format!("attaching {name} to {function}")));
+            }
+        }
+    }
+    Ok(links)
+}
+
+fn detach_functions(ebpf: &mut Ebpf, links: Vec<(&'static str, FExitLinkId)>) {
+    for (name, link) in links {
+        if let Err(err) = function_program(ebpf, name).and_then(|program| Ok(program.detach(link)?)) {
+            tracing::warn!("detaching {name}: {err:#}");
+        }
+    }
+}
+
+fn function_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut FExit> {
+    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+    Ok(program.try_into()?)
+}
+
+fn attach_tracepoint(ebpf: &mut Ebpf) -> anyhow::Result<RawTracePointLinkId> {
+    let (name, tracepoint) = TRACEPOINT_PROGRAM;
+    let link = tracepoint_program(ebpf)?.attach(tracepoint);
+    link.with_context(|| format!("attaching {name} to the {tracepoint} tracepoint"))
+}
+
+fn tracepoint_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut RawTracePoint> {
+    let (name, _) = TRACEPOINT_PROGRAM;
+    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+    Ok(program.try_into()?)
+}
