@@ -119,7 +119,8 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
 #[test]
 fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
     let loop_program = fixture_with("malloc_loop.c", "wholehost_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
-    let daemon = Daemon::start_at_default_rate(&["--comm", "wholehost_loop"]);
+    // A low rate, so that the loop is switched even where traps are slow (an emulated kernel).
+    let daemon = Daemon::start(&["--comm", "wholehost_loop", "--max-rate", "1000"]);
     let holder = daemon.child.id();
     // Links of the page-fault tracepoints, the system-call tracepoint and the `fexit` programs.
     let machine_wide = || {

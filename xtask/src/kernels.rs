@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 9] = [
+const TESTS: [(&str, &str); 10] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // `attach`, exact, to a process that allocated before.
@@ -38,6 +38,8 @@ const TESTS: [(&str, &str); 9] = [
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
     ("growth", "run_sees_the_leaking_site_on_glibc"),
+    // The daemon's switch to growth mode: the machine-wide programs detached and attached again.
+    ("sampling", "growth_modes_programs_for_the_whole_machine_go_with_its_last_process"),
     // `--mappings`: the system calls' fexit programs, exact.
     ("mappings", "the_mapping_calls_are_read_where_no_other_system_call_pays"),
     ("mappings", "mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly"),
