@@ -142,9 +142,16 @@ fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
             faults == 1 && mapping_calls >= 1,
             "{round} process: {faults} fault links, {mapping_calls} mapping-call links"
         );
+        let said =
+            |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
+        wait_for(30, "/metrics to say the programs at the page faults", || (said("page_faults")? == 1).then_some(()));
         drop(target);
         wait_for(30, "the machine-wide programs to go with the last process traced by its pages", || {
             (machine_wide() == (0, 0)).then_some(())
+        });
+        wait_for(30, "/metrics to say they went", || {
+            let running = ["page_faults", "mapping_calls", "system_calls"].map(said);
+            (running == [Some(0); 3]).then_some(())
         });
     }
 }

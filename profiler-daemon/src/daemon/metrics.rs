@@ -15,7 +15,7 @@ use super::{
     server,
     view::{DaemonView, TargetView},
 };
-use crate::process::procfs;
+use crate::{kernel::mapping_programs::MachineWide, process::procfs};
 
 /// Histogram buckets up to 2^32 bytes; larger allocations land in +Inf.
 const HISTOGRAM_BUCKETS: usize = 33;
@@ -339,6 +339,12 @@ impl Collector for ViewCollector {
             "memprof_untraced_processes_sharing_probes",
             "Processes not traced that map an allocator file or dynamic linker whose probe links are shared (--probe-links), and so take a trap at each probed call; 0 while every traced process has links of its own.",
             [(vec![], view.untraced_sharing)],
+        )?;
+        gauges(
+            e,
+            "memprof_machine_wide_programs",
+            "1 while memprof's programs run for every process on the machine: at each page fault, at the mapping calls, or at every system call where the kernel refuses fexit programs; only while a process is traced by its pages, or with --mappings.",
+            MachineWide::ALL.map(|at| (vec![("at", at.to_string())], u64::from(view.machine_wide.contains(&at)))),
         )?;
         gauges(
             e,

@@ -86,6 +86,9 @@ pub struct DaemonView {
     /// Processes not traced that map a file whose probe links are shared, and so take a trap
     /// at each of its probed calls.
     pub untraced_sharing: u64,
+    /// Where memprof's programs run for every process on the machine now (see
+    /// `kernel::mapping_programs::MachineWide`).
+    pub machine_wide: Vec<&'static str>,
     /// `memprof_allocation_size_bytes` is exported (`Config::size_histograms`).
     pub size_histograms: bool,
     /// Every per-process series carries `pid` too (`Config::pid_labels`).

@@ -24,6 +24,16 @@ const FUNCTION_PROGRAMS: [(&str, &str); 5] = [
 /// the machine, and its tracepoint.
 const TRACEPOINT_PROGRAM: (&str, &str) = ("syscall_exit_tracepoint", "sys_exit");
 
+/// Where memprof's programs run for every process on the machine, as `/metrics` names it.
+pub struct MachineWide;
+
+impl MachineWide {
+    pub const PAGE_FAULTS: &str = "page_faults";
+    pub const MAPPING_CALLS: &str = "mapping_calls";
+    pub const SYSTEM_CALLS: &str = "system_calls";
+    pub const ALL: [&str; 3] = [Self::PAGE_FAULTS, Self::MAPPING_CALLS, Self::SYSTEM_CALLS];
+}
+
 /// The loaded programs, and their links while attached.
 pub struct MappingPrograms {
     kind: Kind,
@@ -93,6 +103,15 @@ impl MappingPrograms {
 
     pub fn attached(&self) -> bool {
         self.links.is_some()
+    }
+
+    /// Where the programs run while attached: `MachineWide::MAPPING_CALLS` or
+    /// `MachineWide::SYSTEM_CALLS`.
+    pub fn runs_at(&self) -> Option<&'static str> {
+        self.links.as_ref().map(|links| match links {
+            Links::Functions(_) => MachineWide::MAPPING_CALLS,
+            Links::Tracepoint(_) => MachineWide::SYSTEM_CALLS,
+        })
     }
 }
 

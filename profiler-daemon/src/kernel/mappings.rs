@@ -73,6 +73,11 @@ impl MappedRanges {
         }
     }
 
+    /// Where the system-call programs run, while attached (see `MappingPrograms::runs_at`).
+    pub fn programs_run_at(&self) -> Option<&'static str> {
+        self.programs.runs_at()
+    }
+
     /// Whether a process is traced by the pages it touches.
     pub fn watches_pages(&self) -> bool {
         self.spaces.values().any(|space| space.pages.is_some())

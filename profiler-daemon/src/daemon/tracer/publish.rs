@@ -196,6 +196,7 @@ impl Tracer {
             children_unseen_ns: self.children_unseen_ns,
             longest_child_unseen_ns: self.longest_child_unseen_ns,
             untraced_sharing: self.untraced_sharing(&pids),
+            machine_wide: self.loaded.machine_wide(),
             discovery_scans: self.scans,
             settled_targets: settled.len() as u64,
             size_histograms: self.config.size_histograms,

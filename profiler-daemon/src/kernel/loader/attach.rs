@@ -14,6 +14,7 @@ use crate::{
     kernel::aggregate,
     kernel::events::{self, ProcessEvent},
     kernel::faults,
+    kernel::mapping_programs::MachineWide,
     kernel::mappings::MappedRanges,
     kernel::probes::{Method, ENTRY_PROGRAM, FREE_PROGRAM, MAPPINGS_PROGRAM, RETURN_PROGRAM, SESSION_PROGRAM},
     kernel::shared::{FileId, ProbeLinks},
@@ -58,6 +59,12 @@ impl Loaded {
             None => self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?),
         }
         Ok(())
+    }
+
+    /// Where memprof's programs run for every process on the machine now (`MachineWide`).
+    pub fn machine_wide(&self) -> Vec<&'static str> {
+        let faults = self.fault_codes.as_ref().map(|_| MachineWide::PAGE_FAULTS);
+        faults.into_iter().chain(self.mappings.as_ref().and_then(MappedRanges::programs_run_at)).collect()
     }
 
     /// Once no process is traced by its pages, takes off the programs that run for every process
