@@ -101,10 +101,6 @@ impl MappingPrograms {
         }
     }
 
-    pub fn attached(&self) -> bool {
-        self.links.is_some()
-    }
-
     /// Where the programs run while attached: `MachineWide::MAPPING_CALLS` or
     /// `MachineWide::SYSTEM_CALLS`.
     pub fn runs_at(&self) -> Option<&'static str> {

@@ -66,8 +66,9 @@ impl MappedRanges {
     /// Detaches the system-call programs until `wake`, once no process needs them: every
     /// process's ranges go, as the calls it makes meanwhile are not seen.
     pub fn rest(&mut self, ebpf: &mut Ebpf, clock: &Clock) {
-        if self.programs.attached() {
+        if self.programs.runs_at().is_some() {
             self.programs.rest(ebpf);
+            // The events still in the ring go with the ranges, not into spaces made anew.
             self.drain(clock);
             self.spaces.clear();
         }

@@ -185,13 +185,12 @@ fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Re
         How::Elsewhere(_) => Some(Killed(Command::new("sleep").arg("3600").spawn().context("starting sleep")?)),
         _ => None,
     };
-    let tracer = match (&mode.how, &sleeper) {
-        (How::Attached(options), _) => Some(attach(memprof, server.0.id(), Path::new("/dev/null"), options)?),
-        (How::Elsewhere(options), Some(sleeper)) => {
-            Some(attach(memprof, sleeper.0.id(), Path::new("/dev/null"), options)?)
-        }
+    let traced = match (&mode.how, &sleeper) {
+        (How::Attached(options), _) => Some((server.0.id(), options)),
+        (How::Elsewhere(options), Some(sleeper)) => Some((sleeper.0.id(), options)),
         _ => None,
     };
+    let tracer = traced.map(|(pid, options)| attach(memprof, pid, Path::new("/dev/null"), options)).transpose()?;
     let rate = benchmark(requests)?;
     if let Some(tracer) = tracer {
         tracer.stop()?;
@@ -282,7 +281,12 @@ pub fn render(measured: &Measured) -> String {
         let median = median(runs);
         let _ = writeln!(out, "| {} | {} | {median:.0} | {:.2} |", mode.name, list.join(", "), median / untraced);
     }
-    let growth = median(&measured.runs[4]) / median(&measured.runs[5]);
+    let median_of = |wanted: fn(&How) -> bool| {
+        let at = MODES.iter().position(|mode| wanted(&mode.how)).expect("a mode of each kind");
+        median(&measured.runs[at])
+    };
+    let growth = median_of(|how| matches!(how, How::Attached(["--growth"])))
+        / median_of(|how| matches!(how, How::Elsewhere(["--growth"])));
     let _ = writeln!(
         out,
         "\nThe row on a sleeping process is what memprof costs a process it does not trace while growth mode \
