@@ -311,6 +311,42 @@ fn a_file_system_that_stops_answering_keeps_the_daemon_from_nothing() {
     assert!(log.contains("from a file system that did not answer within 2 s"), "{log}");
 }
 
+/// A process in a mount namespace of its own (as in a container) execs a program from a path
+/// that, in memprof's own mounts, lies on a file system that never answers memprof. memprof
+/// names the program without looking there, whether the process is still running (`exec`,
+/// then `sleep`) or gone at once (`new-image`), and finishes.
+#[test]
+fn a_containers_program_on_a_path_the_hosts_mounts_would_hang_holds_memprof_not() {
+    for (args, allocations) in [("exec /bin/sleep 1", None), ("new-image", Some((7 * 512, 7)))] {
+        let served = serve_a_program_that_never_answers_memprof(Some("root"));
+        let mount = served.mount.display().to_string();
+        // In its own mounts the process takes the stalled file system off and puts a tmpfs with
+        // the fixture in its place: it never sees the stall, memprof does.
+        let script = format!(
+            "umount -l {mount} && mount -t tmpfs none {mount} && cp {} {mount}/prog && exec {mount}/prog {args}",
+            fixture("process_life").display()
+        );
+        let command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", &script];
+        let finished = std::sync::mpsc::channel();
+        let command: Vec<String> = command.iter().map(|arg| arg.to_string()).collect();
+        std::thread::spawn(move || {
+            let command: Vec<&str> = command.iter().map(String::as_str).collect();
+            finished.0.send(run(&[], &command))
+        });
+        let outcome = finished.1.recv_timeout(std::time::Duration::from_secs(60));
+        // Killing the server ends its file system: a memprof still waiting gets an error.
+        drop(served);
+        let outcome = outcome.unwrap_or_else(|_| panic!("memprof waited on {mount}"));
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        if let Some((bytes, count)) = allocations {
+            let held =
+                report["stacks"].as_array().unwrap().iter().find(|stack| stack["outstanding_allocations"] == count);
+            assert_eq!(held.map(|stack| &stack["outstanding_bytes"]), Some(&Value::from(bytes)), "{report}");
+        }
+    }
+}
+
 /// `fuse_stall.py` serving a copy of `daemon_target` as `prog`, mounted with `owner`'s argument.
 fn serve_a_program_that_never_answers_memprof(owner: Option<&str>) -> Served {
     // Tests run at once: each server in a directory of its own.

@@ -263,8 +263,8 @@ impl Family {
         process.comm = procfs::comm(pid).or_else(|| exec.and_then(events::exec_comm)).unwrap_or_default();
         // The path the exec ran, for a program gone already (its mappings then come from the
         // list its dynamic linker sent, which names every file but the executable).
-        let ran = exec.and_then(|exec| events::exec_path(pid, exec)).map(|path| path.display().to_string());
-        process.exe = procfs::exe_path(pid).or(ran).unwrap_or_default();
+        let ran = || exec.and_then(|exec| events::exec_path(pid, exec)).map(|path| path.display().to_string());
+        process.exe = procfs::exe_path(pid).or_else(ran).unwrap_or_default();
         process.leaks = LeakTracker::new(self.settings.1);
         process.rate_guard = RateGuard::new(self.settings.0);
         process.double_frees.clear();

@@ -26,12 +26,13 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
     let base = std::fs::read_link(format!("/proc/{pid}/cwd")).or_else(|_| std::env::current_dir()).ok()?;
     let path = base.join(path);
     // Resolving links looks at every directory on the way: not while the process sees a user's
-    // FUSE mount, nor on a mount that does not answer (or, once the process is gone, through one
-    // of memprof's own; see `mounts`).
-    let lookable = match mounts::risky_mounts(pid) {
+    // FUSE mount, nor on a mount that does not answer. The path is resolved in memprof's mounts,
+    // so they are asked too: a process in a container does not see the host's (see `mounts`).
+    let process_allows = match mounts::risky_mounts(pid) {
         Ok(risky) => !mounts::has_users_fuse(&risky) && mounts::may_look(&risky, &path, &path),
-        Err(_) => mounts::MemprofsView::read().may_look(&path),
+        Err(_) => true,
     };
+    let lookable = process_allows && mounts::MemprofsView::read().may_look(&path);
     if lookable {
         return Some(std::fs::canonicalize(&path).unwrap_or(path));
     }
