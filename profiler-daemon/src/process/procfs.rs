@@ -384,11 +384,18 @@ impl FileMapping {
     /// file mapped (same device and inode). A file on overlayfs (a container's image, say) is
     /// mapped as the layer's file, whose device `maps` shows, but `stat` gives the overlay's
     /// device with the layer file's inode: there the inode alone must match.
+    ///
+    /// The path is the process's, looked up in memprof's mounts: only where those allow (a
+    /// process in a container does not see the host's mount that may hold that path).
     pub fn open(&self, pid: u32) -> Option<fs::File> {
         if let Some(file) = self.reachable_paths(pid).iter().find_map(|path| fs::File::open(path).ok()) {
             return Some(file);
         }
-        let file = open_regular(Path::new(&self.path)).ok()?;
+        let path = Path::new(&self.path);
+        if !mounts::MemprofsView::read().may_look(path) {
+            return None;
+        }
+        let file = open_regular(path).ok()?;
         let meta = file.metadata().ok()?;
         let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
         (meta.ino() == self.inode && (device == self.device || is_overlay(&file))).then_some(file)
