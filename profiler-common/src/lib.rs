@@ -47,7 +47,7 @@ const _: () = {
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 32);
     assert!(core::mem::size_of::<SampleRate>() == 16);
-    assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS);
+    assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS + 8);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcHeap>() == 40 + 16 * LOG2_BUCKETS);

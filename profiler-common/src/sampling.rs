@@ -81,6 +81,44 @@ pub fn weight(sample_bytes: u64, size: u64) -> (u64, u64) {
     }
 }
 
+/// The bytes one sample of `size` bytes stands for when the sampler picks a byte every `mean`
+/// bytes on average, at exponentially distributed intervals (Go's runtime, jemalloc): it is
+/// picked with probability `1 - exp(-size / mean)`, so it stands for `size / (1 - exp(-size /
+/// mean))` bytes. That is `mean + size * g(size / mean)` with `g(x) = 1 / (1 - exp(-x)) - 1 / x`,
+/// which rises smoothly from 1/2 to 1 and is read from `EXPONENTIAL_G` (linearly between its
+/// points: off by less than 0.01%). `mean` 1 or less: every allocation is sampled.
+pub fn exponential_weight(size: u64, mean: u64) -> u64 {
+    if mean <= 1 || size >= 1 << 47 {
+        return size;
+    }
+    // x in 1/65536 units.
+    let x = (size << 16) / mean;
+    let step = (1 << 16) >> EXPONENTIAL_G_STEP_BITS;
+    let index = (x / step) as usize;
+    let (Some(&low), Some(&high)) = (EXPONENTIAL_G.get(index), EXPONENTIAL_G.get(index + 1)) else {
+        // x of 16 or more: g(x) is 1 - 1/x within exp(-16), and the weight the size itself.
+        return size;
+    };
+    let g = low + (high - low) * (x % step) / step;
+    mean + ((size * g) >> 16)
+}
+
+/// Points of `exponential_weight`'s `g` apart by 1/2^EXPONENTIAL_G_STEP_BITS.
+const EXPONENTIAL_G_STEP_BITS: u32 = 3;
+
+/// `g(k / 8)` in 1/65536 units for k from 0 to 128 (x from 0 to 16; `g(0)` is its limit, 1/2).
+const EXPONENTIAL_G: [u64; 129] = [
+    32768, 33450, 34132, 34811, 35487, 36159, 36826, 37487, 38140, 38786, 39423, 40051, 40668, 41275, 41871, 42454,
+    43026, 43584, 44130, 44663, 45182, 45688, 46180, 46659, 47124, 47576, 48015, 48440, 48852, 49251, 49638, 50012,
+    50375, 50725, 51064, 51392, 51709, 52015, 52311, 52597, 52873, 53141, 53399, 53648, 53889, 54122, 54348, 54566,
+    54776, 54980, 55177, 55368, 55552, 55731, 55904, 56071, 56234, 56391, 56543, 56691, 56834, 56973, 57108, 57239,
+    57366, 57489, 57609, 57726, 57839, 57949, 58057, 58161, 58262, 58361, 58457, 58551, 58642, 58731, 58818, 58903,
+    58985, 59066, 59145, 59221, 59296, 59369, 59441, 59511, 59579, 59646, 59711, 59775, 59838, 59899, 59959, 60018,
+    60075, 60131, 60186, 60240, 60293, 60345, 60396, 60446, 60495, 60543, 60590, 60636, 60682, 60726, 60770, 60813,
+    60855, 60896, 60937, 60977, 61016, 61055, 61093, 61130, 61167, 61203, 61239, 61274, 61308, 61342, 61375, 61408,
+    61440,
+];
+
 /// Whether an allocation of `size` is sampled, given a uniform random `draw`: with probability
 /// `min(1, size / sample_bytes)`.
 pub fn sampled(sample_bytes: u64, size: u64, draw: u32) -> bool {
@@ -101,6 +139,26 @@ mod tests {
         assert!(sampled(4096, 64, 0) && !sampled(4096, 64, u32::MAX));
         // The odds: draws below 2^32 / 64.
         assert!(sampled(4096, 64, (1 << 26) - 1) && !sampled(4096, 64, 1 << 26));
+    }
+
+    #[test]
+    fn exponential_weights_are_the_inverse_odds_of_an_exponential_sampler() {
+        let exact = |size: f64, mean: f64| size / (1.0 - (-size / mean).exp());
+        for mean in [4096u64, 524_288, 1 << 20] {
+            for size in [1u64, 8, 100, 1000, 4096, 10_000, 65_536, 524_288, 1 << 20, 3 << 20, 16 << 20, 64 << 20] {
+                let got = exponential_weight(size, mean) as f64;
+                let want = exact(size as f64, mean as f64);
+                assert!((got - want).abs() <= want * 1e-4 + 1.0, "size {size}, mean {mean}: {got}, not {want}");
+            }
+        }
+        // Every allocation sampled (Go's MemProfileRate 1): each stands for itself.
+        assert_eq!((exponential_weight(8, 1), exponential_weight(1024, 1)), (8, 1024));
+        // The table is g's own, point by point.
+        for (k, &point) in EXPONENTIAL_G.iter().enumerate().skip(1) {
+            let x = k as f64 / 8.0;
+            let g = 1.0 / (1.0 - (-x).exp()) - 1.0 / x;
+            assert!(((point as f64) / 65536.0 - g).abs() < 1e-5, "g({x})");
+        }
     }
 
     #[test]

@@ -37,11 +37,27 @@ pub struct ArgSpec {
     pub signed: u32,
 }
 
+/// Whose sampler a probe site reports.
+pub mod sampler {
+    /// The `otel_memory` contract: its arguments as the contract says.
+    pub const OTEL: u32 = 0;
+    /// Go's runtime, probed at `runtime.mProf_Malloc` and `runtime.freeSpecial` (see the daemon's
+    /// `process::go_runtime`). At an allocation the third argument is `runtime.MemProfileRate`,
+    /// the mean bytes between its samples, and the weight is `exponential_weight`'s. At a free
+    /// the second argument is the kind of the special record being freed and the third the kind
+    /// of a heap profile's: only a free where they are equal ends a sampled block (the others are
+    /// finalizers and such, of blocks that may live on).
+    pub const GO: u32 = 1;
+}
+
 /// The arguments of one probe site.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProbeSpec {
     pub args: [ArgSpec; ARGS],
+    /// A `sampler` constant.
+    pub sampler: u32,
+    pub _pad: u32,
 }
 
 /// The size of x86-64's `struct pt_regs`: a register offset is below it.

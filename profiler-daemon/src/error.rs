@@ -16,12 +16,14 @@ pub enum UserError {
     KernelThread(u32),
     #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)")]
     NoAllocator { pid: u32, detail: String },
-    #[error("no otel_memory USDT probes in the files of {target}: --usdt records only what an allocator reports through its otel_memory:alloc and otel_memory:free probes; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
+    #[error("no otel_memory USDT probes and no Go runtime in the files of {target}: --usdt records only what an allocator's own sampler reports, through otel_memory:alloc and otel_memory:free probes or Go's runtime; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
     NoUsdtProbes { target: String },
     #[error("--usdt traces one process, through its own probes: its children would need allocator probes; leave out --follow-forks")]
     UsdtFollowForks,
     #[error("the otel_memory:{name} probe in {file} cannot be used: {detail}")]
     UsdtProbe { file: String, name: String, detail: String },
+    #[error("Go's heap samples in {file} cannot be read: {detail}")]
+    GoSampler { file: String, detail: String },
     #[error("no allocator found for {}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)", program.display())]
     NoAllocatorInCommand { program: PathBuf, detail: String },
     #[error("missing privileges: memprof needs root, or CAP_SYS_ADMIN + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH; missing {missing}; run it with sudo, or see docs: install.md#permissions")]

@@ -1,6 +1,7 @@
-//! The `otel_memory` USDT probes an allocator fires for the allocations its own sampler picks
-//! (see `profiler_common::usdt`): the only probes of a process traced with `--usdt`, so that its
-//! cost is one trap per sampled allocation and free, whatever its allocation rate.
+//! The `otel_memory` USDT probes an allocator fires for the allocations its own sampler picks,
+//! and the functions where Go's runtime records its samples (see `profiler_common::usdt`): the
+//! only probes of a process traced with `--usdt`, so that its cost is one trap per sampled
+//! allocation and free, whatever its allocation rate.
 
 use aya_ebpf::{
     helpers::{bpf_get_attach_cookie, bpf_probe_read_kernel, bpf_probe_read_user},
@@ -9,7 +10,10 @@ use aya_ebpf::{
     programs::ProbeContext,
     EbpfContext,
 };
-use profiler_common::usdt::{self, kind, ArgSpec, ProbeSpec};
+use profiler_common::{
+    exponential_weight,
+    usdt::{self, kind, sampler, ArgSpec, ProbeSpec},
+};
 
 use crate::record;
 
@@ -18,21 +22,27 @@ use crate::record;
 #[map]
 static USDT_SPECS: Array<ProbeSpec> = Array::with_max_entries(usdt::MAX_SPECS, 0);
 
-/// `otel_memory:alloc(ptr, size, weight)`.
+/// `otel_memory:alloc(ptr, size, weight)`; Go's `mProf_Malloc(ptr, size)`, with the mean bytes
+/// between samples for third argument.
 #[uprobe]
 pub fn usdt_alloc(ctx: ProbeContext) -> u32 {
     if let Some(spec) = spec(&ctx) {
-        let (ptr, size, weight) = (arg(&ctx, &spec.args[0]), arg(&ctx, &spec.args[1]), arg(&ctx, &spec.args[2]));
+        let (ptr, size, third) = (arg(&ctx, &spec.args[0]), arg(&ctx, &spec.args[1]), arg(&ctx, &spec.args[2]));
+        let weight = if spec.sampler == sampler::GO { exponential_weight(size, third) } else { third };
         record::on_usdt_alloc(&ctx, ptr, size, weight);
     }
     0
 }
 
-/// `otel_memory:free(ptr)`.
+/// `otel_memory:free(ptr)`; Go's `freeSpecial(special, ptr, size)`, where only a heap profile's
+/// special record ends a sample (the second and third arguments read equal; both are 0 for the
+/// contract's probe).
 #[uprobe]
 pub fn usdt_free(ctx: ProbeContext) -> u32 {
     if let Some(spec) = spec(&ctx) {
-        record::on_usdt_free(&ctx, arg(&ctx, &spec.args[0]));
+        if arg(&ctx, &spec.args[1]) == arg(&ctx, &spec.args[2]) {
+            record::on_usdt_free(&ctx, arg(&ctx, &spec.args[0]));
+        }
     }
     0
 }

@@ -101,7 +101,7 @@ fn the_table_says_which_mode_made_it() {
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(
         outcome.stdout.contains(
-            "usdt: the allocator's own sampler through otel_memory probes, 7 samples; counts and bytes are estimates"
+            "usdt: the allocator's own sampler (otel_memory probes, or Go's runtime), 7 samples; counts and bytes are estimates"
         ),
         "{}",
         outcome.stdout
@@ -116,7 +116,7 @@ fn a_process_without_the_probes_is_refused() {
     assert!(!outcome.status.success(), "{outcome:?}");
     let errors: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains("otel_memory")).collect();
     assert_eq!(errors.len(), 1, "{}", outcome.stderr);
-    assert!(errors[0].contains("no otel_memory USDT probes in the files of"), "{}", outcome.stderr);
+    assert!(errors[0].contains("no otel_memory USDT probes and no Go runtime in the files of"), "{}", outcome.stderr);
     assert!(errors[0].contains("leave out --usdt"), "{}", outcome.stderr);
 
     let mut target = Waiting::start(&plain, &[]);
@@ -124,7 +124,7 @@ fn a_process_without_the_probes_is_refused() {
     let outcome = memprof(&["attach", "--pid", &pid, "--usdt"]);
     assert!(!outcome.status.success(), "{outcome:?}");
     assert!(
-        outcome.stderr.contains(&format!("no otel_memory USDT probes in the files of pid {pid}")),
+        outcome.stderr.contains(&format!("no otel_memory USDT probes and no Go runtime in the files of pid {pid}")),
         "{}",
         outcome.stderr
     );

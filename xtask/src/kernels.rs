@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 10] = [
+const TESTS: [(&str, &str); 11] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // `attach`, exact, to a process that allocated before.
@@ -45,6 +45,8 @@ const TESTS: [(&str, &str); 10] = [
     ("mappings", "mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly"),
     // `--usdt`: the otel_memory probes' programs, perf-event uprobes on every kernel.
     ("usdt", "run_counts_each_sample_at_its_weight"),
+    // Go's runtime sampler: its samples' weights, and the rate read beside the probe.
+    ("go_sampler", "run_reads_each_sample_of_a_go_program"),
 ];
 
 /// How long one test may take in the guest: loading the programs is slow under emulation

@@ -277,14 +277,15 @@ impl Family {
         if process.allocator.is_some() {
             return;
         }
-        let (Ok(allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
+        let (Ok(mut allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
         // The files it maps whose probes it kept through its exec are not probed twice.
         let missing = shared::unprobed(&allocator, &process.probed_files);
         // With --usdt, the new program's own probes, and none of its allocator's.
         let attached = if self.settings.0.usdt {
-            usdt::in_process(pid)
-                .map_err(anyhow::Error::from)
-                .and_then(|sites| loaded.attach_usdt(&sites, nonzero, None))
+            usdt::in_process(pid).map_err(anyhow::Error::from).and_then(|sites| {
+                allocator.seen_through(&sites);
+                loaded.attach_usdt(&sites, nonzero, None)
+            })
         } else if missing.files.is_empty() && !allocator.files.is_empty() {
             Ok(Attachment::default())
         } else {

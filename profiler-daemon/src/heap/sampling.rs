@@ -39,8 +39,9 @@ pub struct Sampling {
     #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate"])]
     pub growth: bool,
     /// Record only the allocations the allocator's own sampler reports through its
-    /// `otel_memory:alloc` and `otel_memory:free` USDT probes, and attach no allocator probe:
-    /// the cost is one trap per sampled allocation and free, whatever the allocation rate.
+    /// `otel_memory:alloc` and `otel_memory:free` USDT probes, or a Go program's runtime samples
+    /// of its heap, and attach no allocator probe: the cost is one trap per sampled allocation
+    /// and free, whatever the allocation rate.
     #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate", "growth"])]
     pub usdt: bool,
 }
@@ -78,7 +79,7 @@ pub fn max_rate(value: &str) -> Result<MaxRate, String> {
 /// What a report traced with `--usdt` is made from, and what it cannot show.
 pub fn usdt_mode(samples: u64) -> String {
     format!(
-        "usdt: the allocator's own sampler through otel_memory probes, {samples} samples; counts and bytes are estimates; no double frees, failed allocations or per-call counts"
+        "usdt: the allocator's own sampler (otel_memory probes, or Go's runtime), {samples} samples; counts and bytes are estimates; no double frees, failed allocations or per-call counts"
     )
 }
 

@@ -50,8 +50,8 @@ impl Default for Wrappers {
 }
 
 /// The language runtimes' allocation entry points, matched by prefix: `operator new(unsigned
-/// long)`, `operator new[](...)`, Rust's `__rust_alloc` and the like.
-const RUNTIME_PREFIXES: [&str; 10] = [
+/// long)`, `operator new[](...)`, Rust's `__rust_alloc`, Go's `runtime.makeslice` and the like.
+const RUNTIME_PREFIXES: [&str; 24] = [
     "operator new",
     "__rust_alloc",
     "__rust_realloc",
@@ -63,6 +63,22 @@ const RUNTIME_PREFIXES: [&str; 10] = [
     "alloc::",
     "<alloc::",
     "<std::alloc::System as core::alloc::global::GlobalAlloc>",
+    // Go's runtime, where its sampler records a sample (`--usdt`), and the functions the
+    // compiler calls to allocate (`new`, `make`, `append`, string building).
+    "runtime.mProf_Malloc",
+    "runtime.profilealloc",
+    "runtime.mallocgc",
+    "runtime.newobject",
+    "runtime.newarray",
+    "runtime.makeslice",
+    "runtime.growslice",
+    "runtime.makemap",
+    "runtime.makechan",
+    "runtime.rawstring",
+    "runtime.rawbyteslice",
+    "runtime.rawruneslice",
+    "runtime.concatstring",
+    "runtime.slicebytetostring",
 ];
 
 /// Libraries' and programs' own allocation functions, matched whole.

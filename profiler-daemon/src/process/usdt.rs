@@ -1,5 +1,6 @@
 //! The `otel_memory` USDT probe sites of a process (`--usdt`): found in the `.note.stapsdt` notes
-//! of every file it maps, with where each probe's arguments are (see `profiler_common::usdt`).
+//! of every file it maps, with where each probe's arguments are (see `profiler_common::usdt`);
+//! and, in a Go program, the two functions of its runtime's own sampler (`go_runtime`).
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +59,20 @@ pub fn in_files(files: &[PathBuf], command: &Path) -> Result<Vec<Site>, UserErro
     none_is_an_error(sites, command.display().to_string())
 }
 
+/// How `sites` trace a process, for the line `attach` and `run` start with.
+pub fn describe(sites: &[Site]) -> String {
+    let go = sites.iter().filter(|site| site.spec.sampler == usdt::sampler::GO).count();
+    let otel = sites.len() - go;
+    let mut parts = Vec::new();
+    if otel > 0 {
+        parts.push(format!("{otel} otel_memory probes, the allocator's own sampler"));
+    }
+    if go > 0 {
+        parts.push("Go's runtime sampler (runtime.mProf_Malloc and runtime.freeSpecial)".to_string());
+    }
+    parts.join(" and ")
+}
+
 fn none_is_an_error(sites: Vec<Site>, target: String) -> Result<Vec<Site>, UserError> {
     if sites.iter().any(|site| site.probe == Probe::Alloc) {
         Ok(sites)
@@ -66,10 +81,18 @@ fn none_is_an_error(sites: Vec<Site>, target: String) -> Result<Vec<Site>, UserE
     }
 }
 
-/// The sites in the file at `path` (named `display` in errors); none when it is not ELF.
+/// The sites in the file at `path` (named `display` in errors): its `otel_memory` probes, and
+/// Go's runtime sampler in a Go program; none when it is not ELF.
 fn in_file(path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
     let Ok(data) = super::elf_bytes::read_path(path) else { return Ok(Vec::new()) };
     let Ok(elf) = object::File::parse(&*data) else { return Ok(Vec::new()) };
+    let mut sites = otel_sites(&elf, path, display)?;
+    sites.extend(super::go_runtime::sites(&elf, path, display)?);
+    Ok(sites)
+}
+
+/// The `otel_memory` probe sites of `elf`, from its `.note.stapsdt` notes.
+fn otel_sites(elf: &object::File<'_>, path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
     let Some(notes) = elf.section_by_name(".note.stapsdt").and_then(|section| section.data().ok()) else {
         return Ok(Vec::new());
     };
@@ -93,10 +116,10 @@ fn in_file(path: &Path, display: &str) -> Result<Vec<Site>, UserError> {
         };
         let address = moved(found.pc);
         let offset =
-            file_offset(&elf, address).ok_or_else(|| bad(format!("its address {address:#x} is in no section")))?;
+            file_offset(elf, address).ok_or_else(|| bad(format!("its address {address:#x} is in no section")))?;
         let semaphore = match found.semaphore {
             0 => None,
-            at => Some(file_offset(&elf, moved(at)).ok_or_else(|| {
+            at => Some(file_offset(elf, moved(at)).ok_or_else(|| {
                 bad(format!("its semaphore's address {:#x} is in no section of the file", moved(at)))
             })?),
         };
@@ -123,7 +146,7 @@ fn spec_error(err: SpecError) -> &'static str {
 }
 
 /// The file offset of virtual address `address`: in the section that holds it.
-fn file_offset(elf: &object::File<'_>, address: u64) -> Option<u64> {
+pub(super) fn file_offset(elf: &object::File<'_>, address: u64) -> Option<u64> {
     elf.sections().find_map(|section| {
         let (start, size) = (section.address(), section.size());
         let (offset, _) = section.file_range()?;

@@ -40,11 +40,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Privileges first: without them /proc says too little about other users' processes.
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
-    let allocator = allocator::find_with(pid_n, runtime_only(args))?;
+    let mut allocator = allocator::find_with(pid_n, runtime_only(args))?;
     // Its system time untraced, over the time memprof takes to load: what tracing adds is
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
-    let sites = usdt_sites(args, || usdt::in_process(pid_n))?;
+    let sites = usdt_sites(args, &mut allocator, || usdt::in_process(pid_n))?;
     let forking = forks_untraced_children(args, pid_n);
     if forking {
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
@@ -81,7 +81,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     if args.sampling.traces_calls() && !allocator.files.is_empty() {
         root.price = PriceWatch::start(pid_n, untraced);
     }
-    announce(pid_n, &comm, probes, &allocator, args.sampling, sites.as_ref().map(Vec::len));
+    announce(pid_n, &comm, probes, &allocator, args.sampling, sites.as_deref());
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete: false,
@@ -132,7 +132,7 @@ pub async fn run(
     let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
     loader::check_support()?;
     let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
-    let sites = usdt_sites(args, || usdt::in_files(&files, &program))?;
+    let sites = usdt_sites(args, &mut allocator, || usdt::in_files(&files, &program))?;
     let routed = allocator.route_through_malloc();
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
@@ -213,7 +213,7 @@ async fn trace_command(
     let probes = attachment.probes();
     let mut root =
         Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
-    announce(pid, &comm, probes, &allocator, args.sampling, sites.as_ref().map(Vec::len));
+    announce(pid, &comm, probes, &allocator, args.sampling, sites.as_deref());
     if sites.is_none() && args.sampling.traces_calls() {
         probe_standby(&mut loaded, &mut root, &allocator);
     }
@@ -272,11 +272,13 @@ fn gone_or(pid: u32) -> String {
     }
 }
 
-/// With `--usdt`, the process's `otel_memory` probe sites, found before anything is loaded: none
-/// is an error naming the fix. A process traced so has no allocator probe, and its forks are not
-/// followed (they would get allocator probes).
+/// With `--usdt`, the process's `otel_memory` probe sites and its Go runtime's, found before
+/// anything is loaded: none is an error naming the fix. A process traced so has no allocator
+/// probe, and its forks are not followed (they would get allocator probes). The heaps the sites
+/// sample are no blind spot of `allocator`.
 fn usdt_sites(
     args: &TraceArgs,
+    allocator: &mut Allocator,
     find: impl FnOnce() -> Result<Vec<usdt::Site>, UserError>,
 ) -> Result<Option<Vec<usdt::Site>>, UserError> {
     if !args.sampling.usdt {
@@ -285,7 +287,9 @@ fn usdt_sites(
     if args.follow_forks == Some(true) {
         return Err(UserError::UsdtFollowForks);
     }
-    find().map(Some)
+    let sites = find()?;
+    allocator.seen_through(&sites);
+    Ok(Some(sites))
 }
 
 /// Whether the session follows its target's children: with `--follow-forks`, else for `run`'s
@@ -308,15 +312,21 @@ fn forks_untraced_children(args: &TraceArgs, pid: u32) -> bool {
 /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
 /// touches, when that is traced.
 fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
-    allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth)
+    allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth || args.sampling.usdt)
 }
 
-/// `usdt_sites`: with `--usdt`, how many `otel_memory` probe sites are attached.
-fn announce(pid: u32, comm: &str, probes: usize, allocator: &Allocator, sampling: Sampling, usdt_sites: Option<usize>) {
+/// `usdt_sites`: with `--usdt`, the probe sites attached.
+fn announce(
+    pid: u32,
+    comm: &str,
+    probes: usize,
+    allocator: &Allocator,
+    sampling: Sampling,
+    usdt_sites: Option<&[usdt::Site]>,
+) {
     if let Some(sites) = usdt_sites {
-        say!(
-            "memprof: tracing pid {pid} ({comm}) with {sites} otel_memory probes, the allocator's own sampler (no allocator probes); Ctrl-C to stop"
-        );
+        let through = usdt::describe(sites);
+        say!("memprof: tracing pid {pid} ({comm}) with {through} (no allocator probes); Ctrl-C to stop");
         return;
     }
     if allocator.files.is_empty() {

@@ -318,7 +318,8 @@ impl Tracer {
     /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps
     /// or touches, when that is traced.
     pub(super) fn runtime_only(&self) -> allocator::RuntimeOnly {
-        allocator::RuntimeOnly::accepted_if(self.config.maps.mappings || self.config.sampling.growth)
+        let (maps, sampling) = (&self.config.maps, &self.config.sampling);
+        allocator::RuntimeOnly::accepted_if(maps.mappings || sampling.growth || sampling.usdt)
     }
 
     pub(super) fn probe(&mut self, pid: u32) {
@@ -327,15 +328,16 @@ impl Tracer {
         if target.probed {
             return;
         }
-        let (Ok(allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
+        let (Ok(mut allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
             return;
         };
         // The files whose probes it kept through its exec are not probed twice.
         let missing = shared::unprobed(&allocator, &target.probed_files);
         let attached = if self.config.sampling.usdt {
-            usdt::in_process(pid)
-                .map_err(anyhow::Error::from)
-                .and_then(|sites| self.loaded.attach_usdt(&sites, nonzero, None))
+            usdt::in_process(pid).map_err(anyhow::Error::from).and_then(|sites| {
+                allocator.seen_through(&sites);
+                self.loaded.attach_usdt(&sites, nonzero, None)
+            })
         } else if missing.files.is_empty() && !allocator.files.is_empty() {
             Ok(Attachment::default())
         } else {
@@ -362,11 +364,14 @@ impl Tracer {
     }
 
     pub(super) fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
-        let allocator = allocator::find_with(id.pid, self.runtime_only())?;
+        let mut allocator = allocator::find_with(id.pid, self.runtime_only())?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
-        // With --usdt, the process's own otel_memory probes, and none of its allocator's.
+        // With --usdt, the process's own otel_memory probes and its Go runtime's sampler, and
+        // none of its allocator's.
         let attachment = if self.config.sampling.usdt {
-            self.loaded.attach_usdt(&usdt::in_process(id.pid)?, pid, None)?
+            let sites = usdt::in_process(id.pid)?;
+            allocator.seen_through(&sites);
+            self.loaded.attach_usdt(&sites, pid, None)?
         } else {
             self.loaded.attach(&allocator, pid)?
         };

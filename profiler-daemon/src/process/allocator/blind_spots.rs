@@ -57,6 +57,9 @@ pub(super) struct Unprobed {
     pub(super) unless_env: Option<&'static str>,
 }
 
+/// Go's heap, which `--usdt` sees through its runtime's own sampler (`process::go_runtime`).
+pub(super) const GO_HEAP: &str = "Go's heap";
+
 pub(super) const UNPROBED: [Unprobed; 5] = [
     Unprobed {
         mark: "PyObject_Malloc",
@@ -68,8 +71,8 @@ pub(super) const UNPROBED: [Unprobed; 5] = [
     Unprobed {
         mark: "runtime.mallocgc",
         what: "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
-        advice: "use Go's own heap profile (runtime/pprof or net/http/pprof)",
-        heap: "Go's heap",
+        advice: "trace it with --usdt, which reads the samples Go's runtime takes of its heap (and probes no malloc)",
+        heap: GO_HEAP,
         unless_env: None,
     },
     Unprobed {

@@ -92,6 +92,13 @@ impl Allocator {
         files.join(", ")
     }
 
+    /// Traced through `sites` (`--usdt`): a Go runtime sampled at its own sites is no blind spot.
+    pub fn seen_through(&mut self, sites: &[super::usdt::Site]) {
+        if sites.iter().any(|site| site.spec.sampler == profiler_common::usdt::sampler::GO) {
+            self.unprobed.retain(|spot| spot.heap != Some(blind_spots::GO_HEAP));
+        }
+    }
+
     /// For a command about to start (`memprof run`): the environment entries (`NAME=value`) that
     /// route its unprobed allocators through malloc, where there is one, so that their memory is
     /// seen (CPython's pymalloc: `PYTHONMALLOC=malloc`). Those allocators are no blind spot then.
@@ -132,8 +139,8 @@ pub fn find(pid: u32) -> Result<Allocator, UserError> {
 }
 
 /// Whether a process whose only allocators are runtimes memprof does not probe (a pure Go
-/// binary) can be traced: by the memory it maps (`--mappings`) or the pages it touches
-/// (`--growth`), with no allocator probe.
+/// binary) can be traced: by the memory it maps (`--mappings`), the pages it touches
+/// (`--growth`) or its runtime's own sampler (`--usdt`), with no allocator probe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuntimeOnly {
     Accepted,

@@ -1,0 +1,145 @@
+//! Go's runtime samples its own heap: about one allocation in every `runtime.MemProfileRate`
+//! bytes (512 KiB by default) goes to `runtime.mProf_Malloc(ptr, size)`, and when the garbage
+//! collector sweeps such a block it frees its heap-profile record at `runtime.freeSpecial(special,
+//! ptr, size)`. `--usdt` probes those two functions as it probes `otel_memory` sites (see
+//! `profiler_common::usdt::sampler::GO`): one trap per sample, whatever the allocation rate.
+//!
+//! Their arguments are in registers under Go's internal calling convention (RAX, RBX, RCX, ...)
+//! and their layout changes between Go versions: memprof reads the versions whose runtime it
+//! knows, and says so for the others.
+
+use iced_x86::{Decoder, DecoderOptions, Mnemonic, Register};
+use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
+use profiler_common::usdt::{self, kind, sampler, ArgSpec, ProbeSpec};
+
+use super::usdt::{file_offset, Probe, Site};
+use crate::error::UserError;
+
+/// The Go releases whose `mProf_Malloc(ptr, size)`, `freeSpecial(special, ptr, size)` and
+/// `special` record (its kind byte at offset 10, 2 for a heap profile's) memprof reads.
+const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=22;
+
+/// `special.kind`'s offset, and a heap profile's kind, in the known releases.
+const SPECIAL_KIND_OFFSET: &str = "1@10(%rax)";
+const PROFILE_KIND: &str = "1@$2";
+
+const BUILDINFO_MAGIC: &[u8] = b"\xff Go buildinf:";
+
+/// The two sites in the Go program `elf` (read from `path`, named `display` in errors); none
+/// when it is not a Go program.
+pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> Result<Vec<Site>, UserError> {
+    let Some(version) = version(elf) else { return Ok(Vec::new()) };
+    let refuse = |detail: String| UserError::GoSampler { file: display.to_string(), detail };
+    let minor =
+        minor(&version).ok_or_else(|| refuse(format!("its Go version `{version}` is not one memprof reads")))?;
+    if !KNOWN_MINORS.contains(&minor) {
+        return Err(refuse(format!(
+            "it is built with {version}, and memprof reads Go's samples from go1.{} to go1.{} only",
+            KNOWN_MINORS.start(),
+            KNOWN_MINORS.end()
+        )));
+    }
+    let symbol =
+        |names: &[&str]| elf.symbols().find(|s| s.name().is_ok_and(|name| names.contains(&name))).map(|s| s.address());
+    let (Some(malloc), Some(free), Some(rate)) = (
+        symbol(&["runtime.mProf_Malloc"]),
+        symbol(&["runtime.freeSpecial", "runtime.freespecial"]),
+        symbol(&["runtime.MemProfileRate"]),
+    ) else {
+        return Err(refuse("it has no symbol table (built with -ldflags=-s): rebuild it without -s".into()));
+    };
+    if symbol(&["runtime.disableMemoryProfiling"]).and_then(|at| byte_at(elf, at)) == Some(1) {
+        let file = display;
+        tracing::warn!(
+            "Go's runtime in {file} starts with its heap sampling off (runtime.MemProfileRate 0), as the \
+             program links no runtime/pprof: memprof sees only the samples taken once it sets runtime.MemProfileRate"
+        );
+    }
+    let offset = |address: u64| {
+        file_offset(elf, address).ok_or_else(|| refuse(format!("its address {address:#x} is in no section")))
+    };
+    let spec = |texts: [&str; 3]| -> Result<ProbeSpec, UserError> {
+        let mut spec = ProbeSpec { sampler: sampler::GO, ..ProbeSpec::default() };
+        for (slot, text) in spec.args.iter_mut().zip(texts) {
+            *slot = usdt::parse(text).map_err(|err| refuse(format!("memprof's argument `{text}`: {err:?}")))?;
+        }
+        Ok(spec)
+    };
+    let (malloc, free) = (past_stack_check(elf, malloc), past_stack_check(elf, free));
+    let mut alloc = spec(["8@%rax", "8@%rbx", "8@%rip"])?;
+    // MemProfileRate, read at each sample (a program sets it as it starts): at a fixed distance
+    // from the probe, which is where the instruction pointer is when the probe fires.
+    alloc.args[2] = ArgSpec { kind: kind::MEMORY, value: rate.wrapping_sub(malloc) as i64, ..alloc.args[2] };
+    let site = |probe, address, spec| -> Result<Site, UserError> {
+        Ok(Site { path: path.to_path_buf(), offset: offset(address)?, semaphore: None, probe, spec })
+    };
+    Ok(vec![
+        site(Probe::Alloc, malloc, alloc)?,
+        site(Probe::Free, free, spec(["8@%rbx", SPECIAL_KIND_OFFSET, PROFILE_KIND])?)?,
+    ])
+}
+
+/// Where to probe the function at `address`: past the check that opens it, whether its goroutine's
+/// stack has room (`cmp 0x10(%r14), %rsp` or `%r12`, then `jbe` to `runtime.morestack`). A call
+/// that finds too little room grows the stack and starts the function again, so a probe on the
+/// check would fire twice for it. The arguments are still in their registers past it. A function
+/// without the check (`//go:nosplit`) is probed at its first byte.
+fn past_stack_check(elf: &object::File<'_>, address: u64) -> u64 {
+    let Some(code) = code_at(elf, address, 64) else { return address };
+    let mut decoder = Decoder::with_ip(64, code, address, DecoderOptions::NONE);
+    let mut checked = false;
+    for instruction in decoder.iter().take(4) {
+        if instruction.mnemonic() == Mnemonic::Cmp && instruction.memory_base() == Register::R14 {
+            checked = true;
+        } else if checked && instruction.mnemonic() == Mnemonic::Jbe {
+            return instruction.next_ip();
+        }
+    }
+    address
+}
+
+/// `length` bytes of the file's code at virtual address `address`.
+fn code_at<'a>(elf: &'a object::File<'_>, address: u64, length: u64) -> Option<&'a [u8]> {
+    elf.sections().find_map(|section| {
+        let at = address.checked_sub(section.address()).filter(|&at| at < section.size())?;
+        let data = section.data().ok()?;
+        data.get(at as usize..(at + length).min(section.size()) as usize)
+    })
+}
+
+/// The Go version the program was built with (`go1.19.8`), from its build information.
+fn version(elf: &object::File<'_>) -> Option<String> {
+    let data = elf.section_by_name(".go.buildinfo")?.data().ok()?;
+    // Go 1.18 and later write the version inline after a 32-byte header (flag bit 2), as a
+    // length (one varint byte for any version string) and the string.
+    let inline = data.starts_with(BUILDINFO_MAGIC) && data.get(15).is_some_and(|flags| flags & 2 != 0);
+    let length = *data.get(32).filter(|&&length| inline && length < 0x80)? as usize;
+    std::str::from_utf8(data.get(33..33 + length)?).ok().map(str::to_string)
+}
+
+/// 19 for `go1.19.8`.
+fn minor(version: &str) -> Option<u32> {
+    let rest = version.strip_prefix("go1.")?;
+    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The byte at virtual address `address` in the file.
+fn byte_at(elf: &object::File<'_>, address: u64) -> Option<u8> {
+    elf.sections().find_map(|section| {
+        let data = section.data().ok()?;
+        let at = address.checked_sub(section.address())?;
+        (at < section.size()).then(|| data.get(at as usize).copied()).flatten()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_to_their_minor() {
+        assert_eq!(minor("go1.19.8"), Some(19));
+        assert_eq!(minor("go1.22rc1"), Some(22));
+        assert_eq!(minor("devel go1.23-abc"), None);
+    }
+}
