@@ -148,6 +148,12 @@ pub fn fixture_go_pure(name: &str) -> PathBuf {
     build_go(name, &format!("{name}-pure"), &[], "0")
 }
 
+/// `fixture_go_pure` without its symbol table (`-ldflags=-s`, as a stripped package is), into
+/// `target/fixtures/NAME-stripped`.
+pub fn fixture_go_stripped(name: &str) -> PathBuf {
+    build_go(name, &format!("{name}-stripped"), &["-ldflags=-s"], "0")
+}
+
 fn build_go(name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");

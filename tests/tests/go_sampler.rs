@@ -3,7 +3,9 @@
 //! allocator probe. The fixture keeps 1,000 blocks of 1 KiB at `main.keep` and has the collector
 //! free 1,000 blocks of 4 KiB from `main.churn`.
 
-use memprof_tests::{attach, fixture_go_pure, metric, run, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    attach, fixture_go_pure, fixture_go_stripped, memprof, metric, run, site, total, wait_for, Daemon, Waiting,
+};
 use serde_json::Value;
 
 /// (bytes, allocations) `main.keep` holds.
@@ -71,4 +73,15 @@ fn the_daemon_exports_a_go_programs_samples() {
     wait_for(15, "the samples in the metrics", || (metric(daemon.port, &series)? >= 2000).then_some(()));
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(site(&report, "main.keep"), KEPT, "{report}");
+}
+
+/// A stripped Go program names none of its runtime's functions: refused in one line.
+#[test]
+fn a_stripped_go_program_is_refused() {
+    let program = fixture_go_stripped("go_sampler");
+    let outcome = memprof(&["run", "--usdt", "--", program.to_str().unwrap()]);
+    assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
+    let lines: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains("error")).collect();
+    assert_eq!(lines.len(), 1, "{}", outcome.stderr);
+    assert!(lines[0].contains("Go's heap samples in") && lines[0].contains("has no symbol table"), "{}", lines[0]);
 }

@@ -46,7 +46,11 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
         symbol(&["runtime.freeSpecial", "runtime.freespecial"]),
         symbol(&["runtime.MemProfileRate"]),
     ) else {
-        return Err(refuse("it has no symbol table (built with -ldflags=-s): rebuild it without -s".into()));
+        return Err(refuse(
+            "it has no symbol table (stripped, as Debian's Go packages are, or built with -ldflags=-s), which \
+             names the runtime's functions to memprof: use a build that keeps it"
+                .into(),
+        ));
     };
     if symbol(&["runtime.disableMemoryProfiling"]).and_then(|at| byte_at(elf, at)) == Some(1) {
         let file = display;

@@ -48,6 +48,8 @@ impl<'de> Deserialize<'de> for BlindSpot {
 pub(super) struct Unprobed {
     /// A symbol that says a file holds it.
     pub(super) mark: &'static str,
+    /// A section that says so too, in a file stripped of its symbols.
+    pub(super) section: Option<&'static str>,
     /// What goes unseen, and what to do.
     pub(super) what: &'static str,
     pub(super) advice: &'static str,
@@ -63,6 +65,7 @@ pub(super) const GO_HEAP: &str = "Go's heap";
 pub(super) const UNPROBED: [Unprobed; 5] = [
     Unprobed {
         mark: "PyObject_Malloc",
+        section: None,
         what: "CPython's object allocator (pymalloc): objects up to 512 bytes come from its own arenas, which malloc never sees",
         advice: "start python with PYTHONMALLOC=malloc to route them through malloc",
         heap: "pymalloc's arenas",
@@ -70,13 +73,15 @@ pub(super) const UNPROBED: [Unprobed; 5] = [
     },
     Unprobed {
         mark: "runtime.mallocgc",
+        section: Some(".go.buildinfo"),
         what: "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
-        advice: "trace it with --usdt, which reads the samples Go's runtime takes of its heap (and probes no malloc)",
+        advice: "trace it with --usdt, which reads the samples Go's runtime takes of its heap where the program keeps its symbol table, and probes no malloc",
         heap: GO_HEAP,
         unless_env: None,
     },
     Unprobed {
         mark: "JNI_CreateJavaVM",
+        section: None,
         what: "the JVM: Java objects live in its garbage-collected heap, which malloc never sees",
         advice: "use the JVM's own tools (jcmd GC.heap_info, Java Flight Recorder)",
         heap: "the JVM's heap",
@@ -85,6 +90,7 @@ pub(super) const UNPROBED: [Unprobed; 5] = [
     Unprobed {
         // v8::Isolate::New: node, and any program that embeds V8.
         mark: "_ZN2v87Isolate3NewERKNS0_12CreateParamsE",
+        section: None,
         what: "V8: JavaScript objects live in its garbage-collected heap, which malloc never sees",
         advice: "use V8's own tools (node --heapsnapshot-signal, or a heap snapshot from node --inspect)",
         heap: "V8's heap",
@@ -92,6 +98,7 @@ pub(super) const UNPROBED: [Unprobed; 5] = [
     },
     Unprobed {
         mark: "coreclr_initialize",
+        section: None,
         what: ".NET's runtime: managed objects live in its garbage-collected heap, which malloc never sees",
         advice: "use .NET's own tools (dotnet-gcdump, dotnet-counters)",
         heap: ".NET's heap",

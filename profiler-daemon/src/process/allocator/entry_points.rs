@@ -46,7 +46,10 @@ pub(super) fn scan_file(families: &[Family], attach_path: &Path, display_path: &
     let functions = functions(&elf, &wanted);
     let unprobed: Vec<BlindSpot> = UNPROBED
         .iter()
-        .filter(|unprobed| functions.contains_key(unprobed.mark))
+        .filter(|unprobed| {
+            functions.contains_key(unprobed.mark)
+                || unprobed.section.is_some_and(|name| elf.section_by_name(name).is_some())
+        })
         .map(|unprobed| BlindSpot {
             kind: "unprobed_allocator",
             what: format!("{}, in {display_path}", unprobed.what),
