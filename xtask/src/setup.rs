@@ -5,7 +5,12 @@
 //! cannot be downloaded, so bpf-linker is built against the LLVM shared library nightly ships
 //! (see ../shared/notes/toolchain.md).
 
-use std::{env, fs, os::unix::fs::PermissionsExt, path::PathBuf, process::Command};
+use std::{
+    env, fs,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{bail, Context as _};
 
@@ -73,7 +78,19 @@ pub fn all() -> anyhow::Result<()> {
     debian_packages(PACKAGES)?;
     rust_src()?;
     bpf_linker()?;
-    kubernetes_validate()
+    kubernetes_validate()?;
+    tracefs()
+}
+
+/// The kernel's tracing file system, where bpftrace reads the tracepoints the tests that kill
+/// memprof at a system call use (tests/tests/untraced_spared.rs): a machine may boot without it.
+fn tracefs() -> anyhow::Result<()> {
+    const TRACEFS: &str = "/sys/kernel/tracing";
+    if Path::new(TRACEFS).join("available_events").exists() {
+        return Ok(());
+    }
+    eprintln!("xtask: mounting tracefs on {TRACEFS}");
+    run("mount", &["-t", "tracefs", "nodev", TRACEFS])
 }
 
 /// Where tests/tests/manifests.rs finds the validator: a virtual environment of Debian's python3,
