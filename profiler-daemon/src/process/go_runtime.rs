@@ -89,8 +89,12 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
 /// check would fire twice for it. The arguments are still in their registers past it. A function
 /// without the check (`//go:nosplit`) is probed at its first byte.
 fn past_stack_check(elf: &object::File<'_>, address: u64) -> u64 {
-    let Some(code) = code_at(elf, address, 64) else { return address };
-    let mut decoder = Decoder::with_ip(64, code, address, DecoderOptions::NONE);
+    code_at(elf, address, 64).map_or(address, |code| address + stack_check_length(code))
+}
+
+/// The bytes the stack check takes at the start of `code`; 0 without one.
+fn stack_check_length(code: &[u8]) -> u64 {
+    let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
     let mut checked = false;
     for instruction in decoder.iter().take(4) {
         if instruction.mnemonic() == Mnemonic::Cmp && instruction.memory_base() == Register::R14 {
@@ -99,7 +103,7 @@ fn past_stack_check(elf: &object::File<'_>, address: u64) -> u64 {
             return instruction.next_ip();
         }
     }
-    address
+    0
 }
 
 /// `length` bytes of the file's code at virtual address `address`.
@@ -139,6 +143,22 @@ fn byte_at(elf: &object::File<'_>, address: u64) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn probes_go_past_the_stack_check() {
+        // Go 1.19's runtime.mProf_Malloc: lea -0xf0(%rsp),%r12; cmp 0x10(%r14),%r12; jbe; sub.
+        let large_frame = hex("4c8da42410ffffff4d3b66100f86aa0100004881ec70010000");
+        assert_eq!(stack_check_length(&large_frame), 0x12);
+        // runtime.freeSpecial: cmp 0x10(%r14),%rsp; jbe; sub $0x30,%rsp.
+        let small_frame = hex("493b66100f860a0100004883ec30");
+        assert_eq!(stack_check_length(&small_frame), 10);
+        // A function without the check (//go:nosplit): sub $0x18,%rsp; mov %rbp,0x10(%rsp).
+        assert_eq!(stack_check_length(&hex("4883ec1848896c2410")), 0);
+    }
+
+    fn hex(text: &str) -> Vec<u8> {
+        (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect()
+    }
 
     #[test]
     fn versions_are_read_to_their_minor() {
