@@ -52,7 +52,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
                 .into(),
         ));
     };
-    if symbol(&["runtime.disableMemoryProfiling"]).and_then(|at| byte_at(elf, at)) == Some(1) {
+    if symbol(&["runtime.disableMemoryProfiling"]).and_then(|at| bytes_at(elf, at, 1)) == Some(&[1][..]) {
         let file = display;
         tracing::warn!(
             "Go's runtime in {file} starts with its heap sampling off (runtime.MemProfileRate 0), as the \
@@ -89,7 +89,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
 /// check would fire twice for it. The arguments are still in their registers past it. A function
 /// without the check (`//go:nosplit`) is probed at its first byte.
 fn past_stack_check(elf: &object::File<'_>, address: u64) -> u64 {
-    code_at(elf, address, 64).map_or(address, |code| address + stack_check_length(code))
+    bytes_at(elf, address, 64).map_or(address, |code| address + stack_check_length(code))
 }
 
 /// The bytes the stack check takes at the start of `code`; 0 without one.
@@ -106,13 +106,16 @@ fn stack_check_length(code: &[u8]) -> u64 {
     0
 }
 
-/// `length` bytes of the file's code at virtual address `address`.
-fn code_at<'a>(elf: &'a object::File<'_>, address: u64, length: u64) -> Option<&'a [u8]> {
-    elf.sections().find_map(|section| {
-        let at = address.checked_sub(section.address()).filter(|&at| at < section.size())?;
-        let data = section.data().ok()?;
-        data.get(at as usize..(at + length).min(section.size()) as usize)
-    })
+/// Up to `length` bytes of the file at virtual address `address`, from the loaded section that
+/// holds it: none in one that takes no room in the file (`.bss`, whose bytes are zeros only in
+/// memory). Sections at address 0 are not loaded (DWARF, the symbol table) and never hold it.
+fn bytes_at<'a>(elf: &'a object::File<'_>, address: u64, length: u64) -> Option<&'a [u8]> {
+    let section = elf.sections().find(|section| {
+        let start = section.address();
+        start != 0 && (start..start + section.size()).contains(&address)
+    })?;
+    let at = address - section.address();
+    section.data().ok()?.get(at as usize..(at + length).min(section.size()) as usize)
 }
 
 /// The Go version the program was built with (`go1.19.8`), from its build information.
@@ -129,15 +132,6 @@ fn version(elf: &object::File<'_>) -> Option<String> {
 fn minor(version: &str) -> Option<u32> {
     let rest = version.strip_prefix("go1.")?;
     rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-}
-
-/// The byte at virtual address `address` in the file.
-fn byte_at(elf: &object::File<'_>, address: u64) -> Option<u8> {
-    elf.sections().find_map(|section| {
-        let data = section.data().ok()?;
-        let at = address.checked_sub(section.address())?;
-        (at < section.size()).then(|| data.get(at as usize).copied()).flatten()
-    })
 }
 
 #[cfg(test)]
