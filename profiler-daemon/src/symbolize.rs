@@ -24,7 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     demangle,
-    process::procfs::{self, FileMapping},
+    process::{
+        go_functions::{GoFrame, StrippedGo},
+        procfs::{self, FileMapping},
+    },
     text::printable,
 };
 
@@ -359,6 +362,7 @@ impl SymbolizerThread {
             file,
             clones: OnceLock::new(),
             build_id: OnceLock::new(),
+            stripped_go: OnceLock::new(),
         });
         if let Some(identity) = identity {
             self.files.insert(identity, Arc::downgrade(&file));
@@ -406,6 +410,18 @@ impl SymbolizerThread {
         let file_offset = address - module.mapping.start + module.mapping.offset;
         // As frames name it (see `frames_of`).
         let path = &printable(&module.mapping.path).into_owned();
+        if let Some(go) = module.file.stripped_go() {
+            // A return address points after the call; the call itself is one byte earlier.
+            return match go.frame(&module.file.file, file_offset.saturating_sub(1)) {
+                Some(frame) => {
+                    Resolved { module: path.clone(), file_offset, frames: vec![go_frame(address, path, frame)] }
+                }
+                None => {
+                    self.count(Failure::NoSymbol);
+                    unknown(address, path, file_offset)
+                }
+            };
+        }
         // A return address points after the call; the call itself is one byte earlier.
         let mut elf = Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.file.as_raw_fd())));
         elf.debug_syms = module.file.debug_info;
@@ -445,9 +461,16 @@ struct OpenFile {
     /// Read when first asked for, once for every process that maps the file: pprof names code
     /// by it.
     build_id: OnceLock<String>,
+    /// A Go program without a symbol table is named by its own function table, which blazesym
+    /// does not read; read when first asked for.
+    stripped_go: OnceLock<Option<StrippedGo>>,
 }
 
 impl OpenFile {
+    fn stripped_go(&self) -> Option<&StrippedGo> {
+        self.stripped_go.get_or_init(|| StrippedGo::read(&self.file)).as_ref()
+    }
+
     fn clones(&self) -> &Clones {
         self.clones.get_or_init(|| Clones::read(&self.file))
     }
@@ -479,6 +502,19 @@ fn unknown(address: u64, module: &str, file_offset: u64) -> Resolved {
             mangled: None,
         })],
     }
+}
+
+/// The frame of one address of a stripped Go program (`module` already printable).
+fn go_frame(address: u64, module: &str, frame: GoFrame) -> Frame {
+    Frame::new(FrameInfo {
+        address: format!("{address:#x}"),
+        function: capped(&printable(&frame.function)),
+        file: frame.file.map(|file| capped(&printable(&file))),
+        line: frame.line,
+        module: capped(module),
+        inlined: false,
+        mangled: None,
+    })
 }
 
 /// The frames of one address (`module` already printable): inlined functions innermost first,

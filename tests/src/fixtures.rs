@@ -154,6 +154,12 @@ pub fn fixture_go_stripped(name: &str) -> PathBuf {
     build_go(name, &format!("{name}-stripped"), &["-ldflags=-s"], "0")
 }
 
+/// `fixture_go` (cgo, the system's linker) stripped: its Go code has no CFI at all, into
+/// `target/fixtures/NAME-cgo-stripped`.
+pub fn fixture_go_cgo_stripped(name: &str) -> PathBuf {
+    build_go(name, &format!("{name}-cgo-stripped"), &["-ldflags=-s -linkmode=external"], "1")
+}
+
 fn build_go(name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");

@@ -4,7 +4,8 @@
 //! free 1,000 blocks of 4 KiB from `main.churn`.
 
 use memprof_tests::{
-    attach, fixture_go_pure, fixture_go_stripped, memprof, metric, run, site, total, wait_for, Daemon, Waiting,
+    attach, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_stripped, metric, run, site, total, wait_for, Daemon,
+    Waiting,
 };
 use serde_json::Value;
 
@@ -75,13 +76,33 @@ fn the_daemon_exports_a_go_programs_samples() {
     assert_eq!(site(&report, "main.keep"), KEPT, "{report}");
 }
 
-/// A stripped Go program names none of its runtime's functions: refused in one line.
+/// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no
+/// CFI for its Go code: its runtime's functions are found, and its frames named and unwound, by
+/// its own function table (`.gopclntab`) and its frame pointers.
 #[test]
-fn a_stripped_go_program_is_refused() {
-    let program = fixture_go_stripped("go_sampler");
-    let outcome = memprof(&["run", "--usdt", "--", program.to_str().unwrap()]);
-    assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
-    let lines: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains("error")).collect();
-    assert_eq!(lines.len(), 1, "{}", outcome.stderr);
-    assert!(lines[0].contains("Go's heap samples in") && lines[0].contains("has no symbol table"), "{}", lines[0]);
+fn a_stripped_go_program_is_read_by_its_function_table() {
+    for program in [fixture_go_stripped("go_sampler"), fixture_go_cgo_stripped("go_sampler")] {
+        let outcome = run(&["--usdt", "--interval", "60"], &[program.to_str().unwrap(), "every"]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        assert_every_sample(&report);
+        let stacks = report["stacks"].as_array().unwrap();
+        let keep = stacks.iter().find(|stack| stack["frames"][0]["function"] == "main.keep").unwrap();
+        let frames: Vec<(&str, &str, u64)> = keep["frames"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|frame| {
+                (
+                    frame["function"].as_str().unwrap(),
+                    frame["file"].as_str().unwrap_or(""),
+                    frame["line"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        assert!(frames.len() >= 3 && frames[0].1.ends_with("/main.go") && frames[0].2 > 0, "{frames:?}");
+        let functions: Vec<&str> = frames.iter().map(|frame| frame.0).collect();
+        assert_eq!(functions[..3], ["main.keep", "main.main", "runtime.main"], "{}", program.display());
+        assert_eq!(keep["truncated"], false, "{keep}");
+    }
 }

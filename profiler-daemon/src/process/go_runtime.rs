@@ -8,11 +8,14 @@
 //! and their layout changes between Go versions: memprof reads the versions whose runtime it
 //! knows, and says so for the others.
 
-use iced_x86::{Decoder, DecoderOptions, Mnemonic, Register};
+use iced_x86::{Decoder, DecoderOptions, MemorySize, Mnemonic, OpKind, Register};
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
 use profiler_common::usdt::{self, kind, sampler, ArgSpec, ProbeSpec};
 
-use super::usdt::{file_offset, Probe, Site};
+use super::{
+    go_functions::{self, GoFunctions},
+    usdt::{file_offset, Probe, Site},
+};
 use crate::error::UserError;
 
 /// The Go releases whose `mProf_Malloc(ptr, size)`, `freeSpecial(special, ptr, size)` and
@@ -39,20 +42,14 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
             KNOWN_MINORS.end()
         )));
     }
-    let symbol =
-        |names: &[&str]| elf.symbols().find(|s| s.name().is_ok_and(|name| names.contains(&name))).map(|s| s.address());
-    let (Some(malloc), Some(free), Some(rate)) = (
-        symbol(&["runtime.mProf_Malloc"]),
-        symbol(&["runtime.freeSpecial", "runtime.freespecial"]),
-        symbol(&["runtime.MemProfileRate"]),
-    ) else {
-        return Err(refuse(
-            "it has no symbol table (stripped, as Debian's Go packages are, or built with -ldflags=-s), which \
-             names the runtime's functions to memprof: use a build that keeps it"
+    let runtime = Runtime::from_symbols(elf).or_else(|| Runtime::from_function_table(elf)).ok_or_else(|| {
+        refuse(
+            "memprof found neither its symbol table nor, in its function table (.gopclntab), the runtime's \
+             runtime.mProf_Malloc, runtime.freeSpecial and runtime.MemProfileRate"
                 .into(),
-        ));
-    };
-    if symbol(&["runtime.disableMemoryProfiling"]).and_then(|at| bytes_at(elf, at, 1)) == Some(&[1][..]) {
+        )
+    })?;
+    if runtime.disabled.and_then(|at| bytes_at(elf, at, 1)) == Some(&[1][..]) {
         let file = display;
         tracing::warn!(
             "Go's runtime in {file} starts with its heap sampling off (runtime.MemProfileRate 0), as the \
@@ -69,11 +66,11 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
         }
         Ok(spec)
     };
-    let (malloc, free) = (past_stack_check(elf, malloc), past_stack_check(elf, free));
+    let (malloc, free) = (past_stack_check(elf, runtime.malloc), past_stack_check(elf, runtime.free));
     let mut alloc = spec(["8@%rax", "8@%rbx", "8@%rip"])?;
     // MemProfileRate, read at each sample (a program sets it as it starts): at a fixed distance
     // from the probe, which is where the instruction pointer is when the probe fires.
-    alloc.args[2] = ArgSpec { kind: kind::MEMORY, value: rate.wrapping_sub(malloc) as i64, ..alloc.args[2] };
+    alloc.args[2] = ArgSpec { kind: kind::MEMORY, value: runtime.rate.wrapping_sub(malloc) as i64, ..alloc.args[2] };
     let site = |probe, address, spec| -> Result<Site, UserError> {
         Ok(Site { path: path.to_path_buf(), offset: offset(address)?, semaphore: None, probe, spec })
     };
@@ -81,6 +78,88 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
         site(Probe::Alloc, malloc, alloc)?,
         site(Probe::Free, free, spec(["8@%rbx", SPECIAL_KIND_OFFSET, PROFILE_KIND])?)?,
     ])
+}
+
+/// Where Go's runtime keeps its sampler: the two functions probed, and the variables of its rate.
+struct Runtime {
+    /// `runtime.mProf_Malloc` and `runtime.freeSpecial`.
+    malloc: u64,
+    free: u64,
+    /// `runtime.MemProfileRate`.
+    rate: u64,
+    /// `runtime.disableMemoryProfiling`, which the linker sets in a program that links no heap
+    /// profile; not always found.
+    disabled: Option<u64>,
+}
+
+impl Runtime {
+    /// From the program's symbol table, in one pass.
+    fn from_symbols(elf: &object::File<'_>) -> Option<Self> {
+        let (mut malloc, mut free, mut rate, mut disabled) = (None, None, None, None);
+        for symbol in elf.symbols() {
+            let slot = match symbol.name() {
+                Ok("runtime.mProf_Malloc") => &mut malloc,
+                Ok("runtime.freeSpecial" | "runtime.freespecial") => &mut free,
+                Ok("runtime.MemProfileRate") => &mut rate,
+                Ok("runtime.disableMemoryProfiling") => &mut disabled,
+                _ => continue,
+            };
+            *slot = Some(symbol.address());
+        }
+        Some(Self { malloc: malloc?, free: free?, rate: rate?, disabled })
+    }
+
+    /// From the function table a stripped program keeps (`go_functions`). It names functions
+    /// only: the two variables are found where `runtime.init` sets the rate, as
+    /// `MemProfileRate = defaultMemProfileRate(512 * 1024)` compiles: a load of the byte
+    /// `disableMemoryProfiling`, 512 KiB in a register, and its store (or 0's) into `MemProfileRate`.
+    fn from_function_table(elf: &object::File<'_>) -> Option<Self> {
+        let table = go_functions::section_data(elf)?;
+        let found = GoFunctions::read(table)?
+            .find(table, &["runtime.mProf_Malloc", "runtime.freeSpecial", "runtime.freespecial", "runtime.init"]);
+        let function = |names: &[&str]| {
+            found.iter().find(|(name, _)| names.contains(&name.as_str())).map(|(_, range)| range.clone())
+        };
+        let init = function(&["runtime.init"])?;
+        let (rate, disabled) = rate_variables(bytes_at(elf, init.start, init.end - init.start)?, init.start)?;
+        Some(Self {
+            malloc: function(&["runtime.mProf_Malloc"])?.start,
+            free: function(&["runtime.freeSpecial", "runtime.freespecial"])?.start,
+            rate,
+            disabled: Some(disabled),
+        })
+    }
+}
+
+/// The addresses of `MemProfileRate` and `disableMemoryProfiling` in `code`, `runtime.init`'s,
+/// which starts at `address`: the 8-byte store into memory that follows, within a few
+/// instructions, both a load of a byte and the immediate 512 KiB.
+fn rate_variables(code: &[u8], address: u64) -> Option<(u64, u64)> {
+    const DEFAULT_RATE: u64 = 512 * 1024;
+    const WINDOW: usize = 8;
+    let (mut flag, mut default) = (None, None);
+    let decoder = Decoder::with_ip(64, code, address, DecoderOptions::NONE);
+    for (index, instruction) in decoder.into_iter().enumerate() {
+        let recent = |seen: Option<usize>| seen.is_some_and(|at| index - at <= WINDOW);
+        let in_memory = instruction.is_ip_rel_memory_operand();
+        if in_memory && instruction.memory_size() == MemorySize::UInt8 && instruction.op0_kind() == OpKind::Register {
+            flag = Some((index, instruction.ip_rel_memory_address()));
+        } else if instruction.op_count() == 2
+            && instruction.op1_kind() == OpKind::Immediate32
+            && instruction.immediate32() as u64 == DEFAULT_RATE
+        {
+            default = Some(index);
+        } else if in_memory
+            && instruction.mnemonic() == Mnemonic::Mov
+            && instruction.op0_kind() == OpKind::Memory
+            && instruction.memory_size() == MemorySize::UInt64
+            && recent(flag.map(|(at, _)| at))
+            && recent(default)
+        {
+            return Some((instruction.ip_rel_memory_address(), flag?.1));
+        }
+    }
+    None
 }
 
 /// Where to probe the function at `address`: past the check that opens it, whether its goroutine's

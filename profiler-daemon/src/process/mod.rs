@@ -7,6 +7,7 @@ pub mod elf_bytes;
 pub mod families;
 pub mod file_cache;
 pub mod freeze;
+pub mod go_functions;
 pub mod go_runtime;
 pub mod image;
 pub mod inject;

@@ -13,7 +13,9 @@ use gimli::{
     Reader as _, RegisterRule, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
 };
 use object::{read::elf::ElfFile64, Architecture, CompressionFormat, Object, ObjectSection, ObjectSymbol, SymbolKind};
-use profiler_common::{cfa, rbp, UnwindRow};
+use profiler_common::{cfa, rbp, UnwindRow, FRAME_POINTER_ROW};
+
+use crate::process::go_functions::{self, GoFunctions};
 
 // A path the fuzz target's `#[path]` include of this file resolves alike.
 #[path = "table/prologue.rs"]
@@ -104,7 +106,7 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         return Err(TableError::NotX86_64(file.architecture()));
     }
     let debug_frame = read_section(&file, ".debug_frame");
-    let go = file.section_by_name(".gopclntab").is_some();
+    let go = go_functions::section_data(&file).and_then(|table| Some((GoFunctions::read(table)?, table)));
     let (mut spans, mut rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
         // `.eh_frame` pointers are mostly pc-relative, and may be relative to .text or the GOT.
         let mut bases = BaseAddresses::default().set_eh_frame(section.address);
@@ -119,7 +121,7 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         let (mut spans, mut rows) = evaluate(&eh_frame, &bases, ".eh_frame")?;
         // What `.debug_frame` adds is a bonus: a file whose `.eh_frame` reads keeps its table
         // when its `.debug_frame` does not.
-        let debug_frame = if go { debug_frame } else { Ok(None) };
+        let debug_frame = if go.is_some() { debug_frame } else { Ok(None) };
         match debug_frame.and_then(|section| section.map(|section| evaluate_debug_frame(&section)).transpose()) {
             Ok(Some((more_spans, more_rows))) => add_uncovered(&mut spans, &mut rows, more_spans, &more_rows),
             Ok(None) => {}
@@ -132,6 +134,9 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         return Ok(None);
     };
     add_functions(&file, &mut spans, &mut rows);
+    if let Some((go, table)) = go {
+        add_go_functions(&go, table, &mut spans, &mut rows);
+    }
     let rows = merge(spans, &rows);
     Ok((!rows.is_empty()).then_some(FileTable { rows }))
 }
@@ -374,6 +379,30 @@ fn add_functions(file: &ElfFile64<'_, object::Endianness>, spans: &mut Vec<Span>
         rows.extend(prologue::rows(code, start).into_iter().filter(|row| row.pc < end));
         spans.push(Span { start, end, rows: first..rows.len() });
     }
+}
+
+/// Where Go starts a goroutine (`goexit`, its return address), a thread, and the program.
+const GO_OUTERMOST: [&str; 3] = ["runtime.goexit", "runtime.mstart", "runtime.rt0_go"];
+
+/// Adds a span with the frame-pointer rule for each function of a Go program that no FDE covers:
+/// Go keeps a frame pointer in all its code, but has no CFI for its assembly, nor for any of its
+/// code in a program the system's linker linked (cgo) and stripped of its `.debug_frame`. The
+/// functions a goroutine or a thread starts in are its outermost frames, where stacks end.
+fn add_go_functions(go: &GoFunctions, table: &[u8], spans: &mut Vec<Span>, rows: &mut Vec<UnwindRow>) {
+    let outermost: Vec<Range<u64>> = go.find(table, &GO_OUTERMOST).into_iter().map(|(_, range)| range).collect();
+    let mut more_rows = Vec::new();
+    let mut more = Vec::new();
+    for range in go.ranges() {
+        let (Ok(start), Ok(end)) = (u32::try_from(range.start), u32::try_from(range.end)) else { continue };
+        let rule = if outermost.contains(&range) {
+            UnwindRow { cfa: cfa::END, ..UnwindRow::default() }
+        } else {
+            FRAME_POINTER_ROW
+        };
+        more_rows.push(UnwindRow { pc: start, ..rule });
+        more.push(Span { start, end, rows: more_rows.len() - 1..more_rows.len() });
+    }
+    add_uncovered(spans, rows, more, &more_rows);
 }
 
 /// The sorted table of the spans' rows, with a `cfa::NONE` row wherever no FDE begins where the
