@@ -139,32 +139,38 @@ pub fn fixture_crate(name: &str, bin: &str) -> PathBuf {
 /// program using cgo or the system's resolver does), its build cache under `target/go-cache` (a
 /// rebuild is a cache hit), offline: the fixtures use the standard library only.
 pub fn fixture_go(name: &str) -> PathBuf {
-    build_go(name, name, &["-ldflags=-linkmode=external"], "1")
+    build_go("go", name, name, &["-ldflags=-linkmode=external"], "1")
 }
 
 /// `fixture_go` built as most Go services are, without cgo: a static binary with no C library,
 /// into `target/fixtures/NAME-pure`.
 pub fn fixture_go_pure(name: &str) -> PathBuf {
-    build_go(name, &format!("{name}-pure"), &[], "0")
+    build_go("go", name, &format!("{name}-pure"), &[], "0")
 }
 
 /// `fixture_go_pure` without its symbol table (`-ldflags=-s`, as a stripped package is), into
 /// `target/fixtures/NAME-stripped`.
 pub fn fixture_go_stripped(name: &str) -> PathBuf {
-    build_go(name, &format!("{name}-stripped"), &["-ldflags=-s"], "0")
+    build_go("go", name, &format!("{name}-stripped"), &["-ldflags=-s"], "0")
 }
 
 /// `fixture_go` (cgo, the system's linker) stripped: its Go code has no CFI at all, into
 /// `target/fixtures/NAME-cgo-stripped`.
 pub fn fixture_go_cgo_stripped(name: &str) -> PathBuf {
-    build_go(name, &format!("{name}-cgo-stripped"), &["-ldflags=-s -linkmode=external"], "1")
+    build_go("go", name, &format!("{name}-cgo-stripped"), &["-ldflags=-s -linkmode=external"], "1")
 }
 
-fn build_go(name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
+/// `fixture_go_stripped` built by Go 1.23 (Debian's golang-1.23-go, from bookworm-backports, which
+/// `cargo xtask setup` installs beside Debian 12's Go 1.19), into `target/fixtures/NAME-go1.23`.
+pub fn fixture_go_1_23_stripped(name: &str) -> PathBuf {
+    build_go("/usr/lib/go-1.23/bin/go", name, &format!("{name}-go1.23"), &["-ldflags=-s"], "0")
+}
+
+fn build_go(go: &str, name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");
     let out = target.join("fixtures").join(out_name);
-    let status = Command::new("go")
+    let status = Command::new(go)
         .arg("build")
         .args(flags)
         .arg("-o")
@@ -174,10 +180,11 @@ fn build_go(name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
         .env("GOCACHE", target.join("go-cache"))
         .env("GOPATH", target.join("go-path"))
         .env("GOPROXY", "off")
+        .env("GOTOOLCHAIN", "local")
         .env("GOFLAGS", "-mod=mod")
         .env("CGO_ENABLED", cgo)
         .status()
-        .unwrap_or_else(|e| panic!("starting go (Debian's golang-go, installed by `cargo xtask setup`): {e}"));
+        .unwrap_or_else(|e| panic!("starting {go} (Debian's, installed by `cargo xtask setup`): {e}"));
     assert!(status.success(), "building the Go fixture {name} failed");
     out
 }

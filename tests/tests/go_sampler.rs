@@ -4,8 +4,8 @@
 //! free 1,000 blocks of 4 KiB from `main.churn`.
 
 use memprof_tests::{
-    attach, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_stripped, metric, run, site, total, wait_for, Daemon,
-    Waiting,
+    attach, fixture_go_1_23_stripped, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_stripped, metric, run, site,
+    total, wait_for, Daemon, Waiting,
 };
 use serde_json::Value;
 
@@ -78,10 +78,17 @@ fn the_daemon_exports_a_go_programs_samples() {
 
 /// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no
 /// CFI for its Go code: its runtime's functions are found, and its frames named and unwound, by
-/// its own function table (`.gopclntab`) and its frame pointers.
+/// its own function table (`.gopclntab`) and its frame pointers. Go 1.23's runtime passes a
+/// sample's pointer and size in other registers, marks a profile's record with another kind, and
+/// sets its rate elsewhere than Go 1.19's.
 #[test]
 fn a_stripped_go_program_is_read_by_its_function_table() {
-    for program in [fixture_go_stripped("go_sampler"), fixture_go_cgo_stripped("go_sampler")] {
+    let programs = [
+        fixture_go_stripped("go_sampler"),
+        fixture_go_cgo_stripped("go_sampler"),
+        fixture_go_1_23_stripped("go_sampler"),
+    ];
+    for program in programs {
         let outcome = run(&["--usdt", "--interval", "60"], &[program.to_str().unwrap(), "every"]);
         assert!(outcome.status.success(), "{outcome:?}");
         let report = outcome.final_report();

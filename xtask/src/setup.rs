@@ -63,6 +63,16 @@ const PACKAGES: &[&str] = &[
     // tests/tests/untraced_spared.rs: kills memprof at the moment it closes a probe link.
     "bpftrace",
 ];
+/// Packages from Debian 12's backports, installed beside the release's own.
+/// tests/tests/go_sampler.rs: Go 1.23, whose runtime passes its samples in other registers than
+/// Debian 12's Go 1.19 (it installs into /usr/lib/go-1.23; `go` stays 1.19).
+const BACKPORTS: &[&str] = &["golang-1.23-go"];
+/// The archive's backports suite, added as an apt source of its own; apt takes nothing from it
+/// that is not asked for by name.
+const BACKPORTS_SOURCE: (&str, &str) = (
+    "/etc/apt/sources.list.d/memprof-backports.sources",
+    "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\n",
+);
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// mdBook, which `cargo xtask docs` builds the book with, pinned; without its dev server and file
@@ -76,6 +86,7 @@ const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
 
 pub fn all() -> anyhow::Result<()> {
     debian_packages(PACKAGES)?;
+    backports(BACKPORTS)?;
     rust_src()?;
     bpf_linker()?;
     kubernetes_validate()?;
@@ -155,6 +166,24 @@ pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
     eprintln!("xtask: installing Debian packages: {}", missing.join(" "));
     run("apt-get", &["update", "-q"])?;
     let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+    args.extend(&missing);
+    run("apt-get", &args)
+}
+
+/// `packages` from Debian 12's backports, with their source added where it is missing.
+fn backports(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let (path, source) = BACKPORTS_SOURCE;
+    if !Path::new(path).exists() {
+        eprintln!("xtask: adding Debian's bookworm-backports to apt's sources ({path})");
+        std::fs::write(path, source)?;
+    }
+    eprintln!("xtask: installing from bookworm-backports: {}", missing.join(" "));
+    run("apt-get", &["update", "-q"])?;
+    let mut args = vec!["install", "-y", "-q", "--no-install-recommends", "-t", "bookworm-backports"];
     args.extend(&missing);
     run("apt-get", &args)
 }

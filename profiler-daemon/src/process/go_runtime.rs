@@ -18,13 +18,30 @@ use super::{
 };
 use crate::error::UserError;
 
-/// The Go releases whose `mProf_Malloc(ptr, size)`, `freeSpecial(special, ptr, size)` and
-/// `special` record (its kind byte at offset 10, 2 for a heap profile's) memprof reads.
-const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=22;
+/// The Go releases whose runtime memprof reads: `mProf_Malloc`'s arguments, `freeSpecial(special,
+/// ptr, size)`, and the `special` record, its kind byte at offset 10.
+const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=23;
 
-/// `special.kind`'s offset, and a heap profile's kind, in the known releases.
+/// `special.kind`'s offset in the known releases.
 const SPECIAL_KIND_OFFSET: &str = "1@10(%rax)";
-const PROFILE_KIND: &str = "1@$2";
+
+/// What the probes read where a release keeps it.
+struct Layout {
+    /// `mProf_Malloc`'s pointer and size arguments.
+    pointer: &'static str,
+    size: &'static str,
+    /// A heap profile's special record's kind.
+    profile_kind: &'static str,
+}
+
+fn layout(minor: u32) -> Layout {
+    if minor >= 23 {
+        // `mProf_Malloc(mp, ptr, size)`; weak pointers' records took kind 2, and profiles' moved to 3.
+        Layout { pointer: "8@%rbx", size: "8@%rcx", profile_kind: "1@$3" }
+    } else {
+        Layout { pointer: "8@%rax", size: "8@%rbx", profile_kind: "1@$2" }
+    }
+}
 
 const BUILDINFO_MAGIC: &[u8] = b"\xff Go buildinf:";
 
@@ -67,7 +84,8 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
         Ok(spec)
     };
     let (malloc, free) = (past_stack_check(elf, runtime.malloc), past_stack_check(elf, runtime.free));
-    let mut alloc = spec(["8@%rax", "8@%rbx", "8@%rip"])?;
+    let layout = layout(minor);
+    let mut alloc = spec([layout.pointer, layout.size, "8@%rip"])?;
     // MemProfileRate, read at each sample (a program sets it as it starts): at a fixed distance
     // from the probe, which is where the instruction pointer is when the probe fires.
     alloc.args[2] = ArgSpec { kind: kind::MEMORY, value: runtime.rate.wrapping_sub(malloc) as i64, ..alloc.args[2] };
@@ -76,7 +94,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
     };
     Ok(vec![
         site(Probe::Alloc, malloc, alloc)?,
-        site(Probe::Free, free, spec(["8@%rbx", SPECIAL_KIND_OFFSET, PROFILE_KIND])?)?,
+        site(Probe::Free, free, spec(["8@%rbx", SPECIAL_KIND_OFFSET, layout.profile_kind])?)?,
     ])
 }
 
@@ -110,18 +128,20 @@ impl Runtime {
     }
 
     /// From the function table a stripped program keeps (`go_functions`). It names functions
-    /// only: the two variables are found where `runtime.init` sets the rate, as
-    /// `MemProfileRate = defaultMemProfileRate(512 * 1024)` compiles: a load of the byte
-    /// `disableMemoryProfiling`, 512 KiB in a register, and its store (or 0's) into `MemProfileRate`.
+    /// only: the two variables are found where the runtime sets the rate (`rate_variables`).
     fn from_function_table(elf: &object::File<'_>) -> Option<Self> {
         let table = go_functions::section_data(elf)?;
-        let found = GoFunctions::read(table)?
-            .find(table, &["runtime.mProf_Malloc", "runtime.freeSpecial", "runtime.freespecial", "runtime.init"]);
+        let wanted =
+            ["runtime.mProf_Malloc", "runtime.freeSpecial", "runtime.freespecial", "runtime.init", "runtime.schedinit"];
+        let found = GoFunctions::read(table)?.find(table, &wanted);
         let function = |names: &[&str]| {
             found.iter().find(|(name, _)| names.contains(&name.as_str())).map(|(_, range)| range.clone())
         };
-        let init = function(&["runtime.init"])?;
-        let (rate, disabled) = rate_variables(bytes_at(elf, init.start, init.end - init.start)?, init.start)?;
+        let (rate, disabled) = ["runtime.init", "runtime.schedinit"].iter().find_map(|name| {
+            let range = function(&[name])?;
+            let holds_default = |address| bytes_at(elf, address, 8) == Some(&DEFAULT_RATE.to_le_bytes()[..]);
+            rate_variables(bytes_at(elf, range.start, range.end - range.start)?, range.start, holds_default)
+        })?;
         Some(Self {
             malloc: function(&["runtime.mProf_Malloc"])?.start,
             free: function(&["runtime.freeSpecial", "runtime.freespecial"])?.start,
@@ -131,32 +151,44 @@ impl Runtime {
     }
 }
 
-/// The addresses of `MemProfileRate` and `disableMemoryProfiling` in `code`, `runtime.init`'s,
-/// which starts at `address`: the 8-byte store into memory that follows, within a few
-/// instructions, both a load of a byte and the immediate 512 KiB.
-fn rate_variables(code: &[u8], address: u64) -> Option<(u64, u64)> {
-    const DEFAULT_RATE: u64 = 512 * 1024;
+/// `runtime.MemProfileRate`'s default, 512 KiB.
+const DEFAULT_RATE: u64 = 512 * 1024;
+
+/// The addresses of `MemProfileRate` and `disableMemoryProfiling` in `code`, which starts at
+/// `address`. The runtime sets the rate from the flag, as Go 1.18 and 1.19's `runtime.init`
+/// (`MemProfileRate = defaultMemProfileRate(512 * 1024)`: the flag's byte read, 512 KiB in a
+/// register, and an 8-byte store) or as later releases' `runtime.schedinit` do (`if
+/// disableMemoryProfiling { MemProfileRate = 0 }`: the byte compared, then 0 stored into a
+/// variable that `holds_default` in the file). Each within a few instructions.
+fn rate_variables(code: &[u8], address: u64, holds_default: impl Fn(u64) -> bool) -> Option<(u64, u64)> {
     const WINDOW: usize = 8;
     let (mut flag, mut default) = (None, None);
     let decoder = Decoder::with_ip(64, code, address, DecoderOptions::NONE);
     for (index, instruction) in decoder.into_iter().enumerate() {
         let recent = |seen: Option<usize>| seen.is_some_and(|at| index - at <= WINDOW);
         let in_memory = instruction.is_ip_rel_memory_operand();
-        if in_memory && instruction.memory_size() == MemorySize::UInt8 && instruction.op0_kind() == OpKind::Register {
+        if in_memory
+            && instruction.memory_size() == MemorySize::UInt8
+            && matches!(instruction.mnemonic(), Mnemonic::Movzx | Mnemonic::Cmp)
+        {
             flag = Some((index, instruction.ip_rel_memory_address()));
         } else if instruction.op_count() == 2
             && instruction.op1_kind() == OpKind::Immediate32
-            && instruction.immediate32() as u64 == DEFAULT_RATE
+            && u64::from(instruction.immediate32()) == DEFAULT_RATE
         {
             default = Some(index);
         } else if in_memory
             && instruction.mnemonic() == Mnemonic::Mov
             && instruction.op0_kind() == OpKind::Memory
             && instruction.memory_size() == MemorySize::UInt64
-            && recent(flag.map(|(at, _)| at))
-            && recent(default)
         {
-            return Some((instruction.ip_rel_memory_address(), flag?.1));
+            let rate = instruction.ip_rel_memory_address();
+            match flag {
+                Some((at, flag)) if recent(Some(at)) && (recent(default) || holds_default(rate)) => {
+                    return Some((rate, flag))
+                }
+                _ => {}
+            }
         }
     }
     None
@@ -227,6 +259,19 @@ mod tests {
         assert_eq!(stack_check_length(&small_frame), 10);
         // A function without the check (//go:nosplit): sub $0x18,%rsp; mov %rbp,0x10(%rsp).
         assert_eq!(stack_check_length(&hex("4883ec1848896c2410")), 0);
+    }
+
+    #[test]
+    fn the_rate_is_found_where_the_runtime_sets_it() {
+        // Go 1.19's runtime.init at 0x456165: movzbl flag(%rip),%eax; test; mov $0x80000,%eax;
+        // mov $0,%ecx; cmovne; mov %rax,rate(%rip).
+        let init = hex("0fb60598aa0c004885c0b800000800b900000000480f45c14889050cab0c00");
+        assert_eq!(rate_variables(&init, 0x456165, |_| false), Some((0x520c90, 0x520c04)));
+        // Go 1.22's runtime.schedinit at 0x43517b: cmpb $0,flag(%rip); je; movq $0,rate(%rip).
+        let schedinit = hex("803d4f2e120000740b48c70511e00b0000000000");
+        assert_eq!(rate_variables(&schedinit, 0x43517b, |rate| rate == 0x4f31a0), Some((0x4f31a0, 0x557fd1)));
+        // The same store into a variable that does not hold 512 KiB is another variable's.
+        assert_eq!(rate_variables(&schedinit, 0x43517b, |_| false), None);
     }
 
     fn hex(text: &str) -> Vec<u8> {
