@@ -18,7 +18,7 @@ libfuzzer_sys::fuzz_target!(|elf: &[u8]| {
         // What the registry does next with a table: mark the entry point's code.
         table.end_at_entry_point(u32::from_le_bytes([elf[24], elf[25], elf[26], elf[27]]));
     }
-    if let Some(functions) = go_functions::GoFunctions::read(elf) {
+    if let Some(functions) = go_functions::GoFunctions::read(elf, Some(0x401000)) {
         for range in functions.ranges().take(64) {
             let _ = functions.frame(elf, range.start + (range.end - range.start) / 2);
         }

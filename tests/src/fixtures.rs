@@ -160,17 +160,26 @@ pub fn fixture_go_cgo_stripped(name: &str) -> PathBuf {
     build_go("go", name, &format!("{name}-cgo-stripped"), &["-ldflags=-s -linkmode=external"], "1")
 }
 
-/// `fixture_go_stripped` built by Go 1.23 (Debian's golang-1.23-go, from bookworm-backports, which
-/// `cargo xtask setup` installs beside Debian 12's Go 1.19), into `target/fixtures/NAME-go1.23`.
-pub fn fixture_go_1_23_stripped(name: &str) -> PathBuf {
-    build_go("/usr/lib/go-1.23/bin/go", name, &format!("{name}-go1.23"), &["-ldflags=-s"], "0")
+/// `fixture_go_stripped` built by Go `release` (`1.26`), one of those `cargo xtask setup`
+/// unpacks into `target/go-toolchains` beside Debian 12's Go 1.19, into
+/// `target/fixtures/NAME-goRELEASE`.
+pub fn fixture_go_release_stripped(name: &str, release: &str) -> PathBuf {
+    let root = workspace().join(format!("target/go-toolchains/{release}/usr/lib/go-{release}"));
+    let go = root.join("bin/go");
+    build_go(go.to_str().unwrap(), name, &format!("{name}-go{release}"), &["-ldflags=-s"], "0")
 }
 
 fn build_go(go: &str, name: &str, out_name: &str, flags: &[&str], cgo: &str) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let target = workspace().join("target");
     let out = target.join("fixtures").join(out_name);
-    let status = Command::new(go)
+    // A toolchain outside its installed place finds its standard library by GOROOT.
+    let goroot = Path::new(go).parent().and_then(Path::parent).filter(|root| root.join("src").exists());
+    let mut command = Command::new(go);
+    if let Some(goroot) = goroot {
+        command.env("GOROOT", goroot);
+    }
+    let status = command
         .arg("build")
         .args(flags)
         .arg("-o")

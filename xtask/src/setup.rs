@@ -63,16 +63,12 @@ const PACKAGES: &[&str] = &[
     // tests/tests/untraced_spared.rs: kills memprof at the moment it closes a probe link.
     "bpftrace",
 ];
-/// Packages from Debian 12's backports, installed beside the release's own.
-/// tests/tests/go_sampler.rs: Go 1.23, whose runtime passes its samples in other registers than
-/// Debian 12's Go 1.19 (it installs into /usr/lib/go-1.23; `go` stays 1.19).
-const BACKPORTS: &[&str] = &["golang-1.23-go"];
-/// The archive's backports suite, added as an apt source of its own; apt takes nothing from it
-/// that is not asked for by name.
-const BACKPORTS_SOURCE: (&str, &str) = (
-    "/etc/apt/sources.list.d/memprof-backports.sources",
-    "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\n",
-);
+/// Go releases besides Debian 12's Go 1.19 whose runtimes lay out their heap sampler otherwise
+/// (tests/tests/go_sampler.rs): Debian 13's packages of them, by the suite that serves each. They
+/// are downloaded and unpacked into `target/go-toolchains/<release>`, not installed: a Debian 13
+/// package does not install on Debian 12, and Go's toolchain runs from any directory.
+const GO_TOOLCHAINS: [(&str, &str); 2] = [("1.24", "trixie"), ("1.26", "trixie-backports")];
+
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// mdBook, which `cargo xtask docs` builds the book with, pinned; without its dev server and file
@@ -86,7 +82,7 @@ const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
 
 pub fn all() -> anyhow::Result<()> {
     debian_packages(PACKAGES)?;
-    backports(BACKPORTS)?;
+    go_toolchains()?;
     rust_src()?;
     bpf_linker()?;
     kubernetes_validate()?;
@@ -170,22 +166,54 @@ pub fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
     run("apt-get", &args)
 }
 
-/// `packages` from Debian 12's backports, with their source added where it is missing.
-fn backports(packages: &[&str]) -> anyhow::Result<()> {
-    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+/// Each of `GO_TOOLCHAINS` not unpacked yet: its `go` and `src` packages fetched through apt lists
+/// of their own (`target/go-toolchains/apt`), which leave the machine's apt sources alone.
+fn go_toolchains() -> anyhow::Result<()> {
+    let dir = crate::root().join("target/go-toolchains");
+    let missing: Vec<_> = GO_TOOLCHAINS.iter().filter(|(release, _)| !dir.join(release).exists()).collect();
     if missing.is_empty() {
         return Ok(());
     }
-    let (path, source) = BACKPORTS_SOURCE;
-    if !Path::new(path).exists() {
-        eprintln!("xtask: adding Debian's bookworm-backports to apt's sources ({path})");
-        std::fs::write(path, source)?;
+    let apt = dir.join("apt");
+    std::fs::create_dir_all(apt.join("lists/partial"))?;
+    let suites: String =
+        GO_TOOLCHAINS.iter().map(|(_, suite)| format!("deb http://deb.debian.org/debian {suite} main\n")).collect();
+    std::fs::write(apt.join("sources.list"), suites)?;
+    let options = [
+        format!("Dir::Etc::sourcelist={}", apt.join("sources.list").display()),
+        "Dir::Etc::sourceparts=-".to_string(),
+        format!("Dir::State::Lists={}", apt.join("lists").display()),
+        "Dir::State::status=/dev/null".to_string(),
+    ];
+    // In `apt`, where `apt-get download` leaves the packages (`run_with` runs in the root).
+    let apt_get = |args: &[String]| -> anyhow::Result<()> {
+        let mut command = Command::new("apt-get");
+        for option in &options {
+            command.args(["-o", option]);
+        }
+        let status = command.args(args).current_dir(&apt).status()?;
+        if !status.success() {
+            bail!("`apt-get {}` failed ({status})", args.join(" "));
+        }
+        Ok(())
+    };
+    apt_get(&["update".into(), "-q".into()])?;
+    for (release, suite) in missing {
+        eprintln!("xtask: downloading Go {release} from Debian's {suite} into {}", dir.display());
+        let packages = ["go", "src"].map(|part| format!("golang-{release}-{part}/{suite}"));
+        apt_get(&[["download".to_string(), "-q".into()].as_slice(), &packages].concat())?;
+        let partial = dir.join(format!(".{release}.partial"));
+        let _ = std::fs::remove_dir_all(&partial);
+        for entry in std::fs::read_dir(&apt)? {
+            let deb = entry?.path();
+            if deb.extension().is_some_and(|extension| extension == "deb") {
+                run_with(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&partial))?;
+                std::fs::remove_file(&deb)?;
+            }
+        }
+        std::fs::rename(&partial, dir.join(release))?;
     }
-    eprintln!("xtask: installing from bookworm-backports: {}", missing.join(" "));
-    run("apt-get", &["update", "-q"])?;
-    let mut args = vec!["install", "-y", "-q", "--no-install-recommends", "-t", "bookworm-backports"];
-    args.extend(&missing);
-    run("apt-get", &args)
+    Ok(())
 }
 
 /// Whether dpkg has `package` installed: its status ends in ` installed` (`install ok installed`),

@@ -5,8 +5,9 @@
 //! frames of its stacks (`symbolize`).
 //!
 //! The layout is the runtime's `pcHeader`, `functab` and `_func` (`runtime/symtab.go`), the same
-//! in the fields read here from Go 1.18 on. A function Go inlined into another is named by the
-//! function it is inlined into: its inlining tree is not in this table.
+//! in the fields read here from Go 1.18 on, but for where the code starts (`text_start`). A
+//! function Go inlined into another is named by the function it is inlined into: its inlining
+//! tree is not in this table.
 
 use std::{borrow::Cow, fs::File, os::unix::fs::FileExt};
 
@@ -88,7 +89,7 @@ impl StrippedGo {
             return None;
         }
         let (start, size) = section_range(&elf)?;
-        let functions = GoFunctions::read(&FileTable { file, start, size })?;
+        let functions = GoFunctions::read(&FileTable { file, start, size }, text_start(&elf))?;
         let segments = elf.segments().map(|segment| {
             let (offset, size) = segment.file_range();
             (offset..offset + size, segment.address())
@@ -103,6 +104,21 @@ impl StrippedGo {
         self.functions.frame(&table, file_offset - range.start + address)
     }
 }
+
+/// Where the program's Go code starts, which the table no longer says from Go 1.26 on: the `text`
+/// field of its module data (`runtime.firstmoduledata`, alone in section `.go.module`, whose first
+/// field is the table's address), else the `.text` section's start, as Go's own tools take it.
+pub fn text_start<'data>(elf: &impl object::Object<'data>) -> Option<u64> {
+    let from_module = || {
+        let module = elf.section_by_name(".go.module")?.data().ok()?;
+        let table = SECTIONS.iter().find_map(|name| elf.section_by_name(name))?.address();
+        (u64_at(module, 0)? == table).then(|| u64_at(module, MODULE_TEXT)).flatten()
+    };
+    from_module().or_else(|| Some(elf.section_by_name(".text")?.address()))
+}
+
+/// `moduledata.text`'s offset: after the table's address, six slices, and three addresses.
+const MODULE_TEXT: usize = 8 + 6 * 24 + 3 * 8;
 
 /// One address's place in the program's source.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,8 +146,9 @@ pub struct GoFunctions {
 }
 
 impl GoFunctions {
-    /// The index of `table`; none when it is not a table memprof reads.
-    pub fn read(table: &(impl TableBytes + ?Sized)) -> Option<Self> {
+    /// The index of `table`; none when it is not a table memprof reads. `text_start` is where the
+    /// program's code starts when the table does not say (`text_start`).
+    pub fn read(table: &(impl TableBytes + ?Sized), text_start: Option<u64>) -> Option<Self> {
         let header = table.at(0, HEADER)?;
         let word = |index: usize| u64_at(&header, 8 + 8 * index);
         let magic_known = MAGICS.contains(&u32_at(&header, 0)?);
@@ -140,8 +157,8 @@ impl GoFunctions {
             return None;
         }
         let count = usize::try_from(word(0)?).ok().filter(|&count| count < 1 << 24)?;
-        let [text_start, names, units, files, pc_tables, records] =
-            [2, 3, 4, 5, 6, 7].map(|index| word(index).unwrap_or(0));
+        let [text, names, units, files, pc_tables, records] = [2, 3, 4, 5, 6, 7].map(|index| word(index).unwrap_or(0));
+        let text_start = if text != 0 { text } else { text_start? };
         let functab = table.at(records, (count + 1) * 8)?;
         if functab.len() != (count + 1) * 8 {
             return None;
@@ -293,11 +310,11 @@ mod tests {
     fn a_table_of_another_layout_is_not_read() {
         let mut header = vec![0u8; HEADER + 16];
         header[..8].copy_from_slice(&[0xfb, 0xff, 0xff, 0xff, 0, 0, 1, 8]);
-        assert!(GoFunctions::read(header.as_slice()).is_none(), "Go 1.16's magic");
+        assert!(GoFunctions::read(header.as_slice(), Some(0)).is_none(), "Go 1.16's magic");
         header[0] = 0xf0;
         header[7] = 4;
-        assert!(GoFunctions::read(header.as_slice()).is_none(), "4-byte pointers");
+        assert!(GoFunctions::read(header.as_slice(), Some(0)).is_none(), "4-byte pointers");
         header[7] = 8;
-        assert!(GoFunctions::read(header.as_slice()).is_some());
+        assert!(GoFunctions::read(header.as_slice(), Some(0)).is_some());
     }
 }

@@ -14,33 +14,36 @@ use profiler_common::usdt::{self, kind, sampler, ArgSpec, ProbeSpec};
 
 use super::{
     go_functions::{self, GoFunctions},
-    usdt::{file_offset, Probe, Site},
+    usdt::{file_offset, loaded_section, Probe, Site},
 };
 use crate::error::UserError;
 
 /// The Go releases whose runtime memprof reads: `mProf_Malloc`'s arguments, `freeSpecial(special,
-/// ptr, size)`, and the `special` record, its kind byte at offset 10.
-const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=23;
-
-/// `special.kind`'s offset in the known releases.
-const SPECIAL_KIND_OFFSET: &str = "1@10(%rax)";
+/// ptr, size)`, and the `special` record's kind byte (`runtime/mprof.go`, `runtime/mheap.go`).
+const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=26;
 
 /// What the probes read where a release keeps it.
 struct Layout {
     /// `mProf_Malloc`'s pointer and size arguments.
     pointer: &'static str,
     size: &'static str,
-    /// A heap profile's special record's kind.
+    /// Where a special record keeps its kind, from the record's address in RAX, and a heap
+    /// profile's kind.
+    kind: &'static str,
     profile_kind: &'static str,
 }
 
 fn layout(minor: u32) -> Layout {
-    if minor >= 23 {
-        // `mProf_Malloc(mp, ptr, size)`; weak pointers' records took kind 2, and profiles' moved to 3.
-        Layout { pointer: "8@%rbx", size: "8@%rcx", profile_kind: "1@$3" }
-    } else {
-        Layout { pointer: "8@%rax", size: "8@%rbx", profile_kind: "1@$2" }
-    }
+    // Go 1.23: `mProf_Malloc(mp, ptr, size)`, and weak pointers' records took kind 2. Go 1.24:
+    // a record's object offset grew to 8 bytes. Go 1.25: tiny blocks' records took kind 1.
+    let (pointer, size) = if minor >= 23 { ("8@%rbx", "8@%rcx") } else { ("8@%rax", "8@%rbx") };
+    let kind = if minor >= 24 { "1@16(%rax)" } else { "1@10(%rax)" };
+    let profile_kind = match minor {
+        ..=22 => "1@$2",
+        23 | 24 => "1@$3",
+        _ => "1@$4",
+    };
+    Layout { pointer, size, kind, profile_kind }
 }
 
 const BUILDINFO_MAGIC: &[u8] = b"\xff Go buildinf:";
@@ -84,6 +87,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
         Ok(spec)
     };
     let (malloc, free) = (past_stack_check(elf, runtime.malloc), past_stack_check(elf, runtime.free));
+    let malloc = if minor >= 23 { past_unrecorded_samples(elf, malloc) } else { malloc };
     let layout = layout(minor);
     let mut alloc = spec([layout.pointer, layout.size, "8@%rip"])?;
     // MemProfileRate, read at each sample (a program sets it as it starts): at a fixed distance
@@ -94,7 +98,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
     };
     Ok(vec![
         site(Probe::Alloc, malloc, alloc)?,
-        site(Probe::Free, free, spec(["8@%rbx", SPECIAL_KIND_OFFSET, layout.profile_kind])?)?,
+        site(Probe::Free, free, spec(["8@%rbx", layout.kind, layout.profile_kind])?)?,
     ])
 }
 
@@ -133,7 +137,7 @@ impl Runtime {
         let table = go_functions::section_data(elf)?;
         let wanted =
             ["runtime.mProf_Malloc", "runtime.freeSpecial", "runtime.freespecial", "runtime.init", "runtime.schedinit"];
-        let found = GoFunctions::read(table)?.find(table, &wanted);
+        let found = GoFunctions::read(table, go_functions::text_start(elf))?.find(table, &wanted);
         let function = |names: &[&str]| {
             found.iter().find(|(name, _)| names.contains(&name.as_str())).map(|(_, range)| range.clone())
         };
@@ -203,6 +207,39 @@ fn past_stack_check(elf: &object::File<'_>, address: u64) -> u64 {
     bytes_at(elf, address, 64).map_or(address, |code| address + stack_check_length(code))
 }
 
+/// Where to probe `mProf_Malloc` from Go 1.23 on, `address` being past its stack check: past its
+/// check that the thread can record a sample (`if mp.profStack == nil { return }`: a sample taken
+/// while a thread starts is dropped, and never freed), where its pointer and size are still in
+/// RBX and RCX. `address` itself where the code is not as expected.
+fn past_unrecorded_samples(elf: &object::File<'_>, address: u64) -> u64 {
+    bytes_at(elf, address, 64).map_or(address, |code| address + profile_stack_check_length(code))
+}
+
+/// The bytes up to the end of `mov disp(%rax), reg; test reg, reg; je` at the start of `code`,
+/// none of which writes RBX or RCX; 0 without it.
+fn profile_stack_check_length(code: &[u8]) -> u64 {
+    let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
+    let mut loaded = None;
+    for instruction in decoder.iter().take(8) {
+        let written = instruction.op0_kind() == OpKind::Register
+            && [Register::RBX, Register::RCX].contains(&instruction.op0_register().full_register());
+        if written && instruction.mnemonic() != Mnemonic::Test {
+            return 0;
+        }
+        match instruction.mnemonic() {
+            Mnemonic::Mov if instruction.op1_kind() == OpKind::Memory && instruction.memory_base() == Register::RAX => {
+                loaded = Some(instruction.op0_register());
+            }
+            Mnemonic::Test
+                if loaded.is_some_and(|reg| instruction.op0_register() == reg && instruction.op1_register() == reg) => {
+            }
+            Mnemonic::Je if loaded.is_some() => return instruction.next_ip(),
+            _ => {}
+        }
+    }
+    0
+}
+
 /// The bytes the stack check takes at the start of `code`; 0 without one.
 fn stack_check_length(code: &[u8]) -> u64 {
     let mut decoder = Decoder::new(64, code, DecoderOptions::NONE);
@@ -219,12 +256,9 @@ fn stack_check_length(code: &[u8]) -> u64 {
 
 /// Up to `length` bytes of the file at virtual address `address`, from the loaded section that
 /// holds it: none in one that takes no room in the file (`.bss`, whose bytes are zeros only in
-/// memory). Sections at address 0 are not loaded (DWARF, the symbol table) and never hold it.
+/// memory).
 fn bytes_at<'a>(elf: &'a object::File<'_>, address: u64, length: u64) -> Option<&'a [u8]> {
-    let section = elf.sections().find(|section| {
-        let start = section.address();
-        start != 0 && (start..start + section.size()).contains(&address)
-    })?;
+    let section = loaded_section(elf, address)?;
     let at = address - section.address();
     section.data().ok()?.get(at as usize..(at + length).min(section.size()) as usize)
 }
@@ -272,6 +306,17 @@ mod tests {
         assert_eq!(rate_variables(&schedinit, 0x43517b, |rate| rate == 0x4f31a0), Some((0x4f31a0, 0x557fd1)));
         // The same store into a variable that does not hold 512 KiB is another variable's.
         assert_eq!(rate_variables(&schedinit, 0x43517b, |_| false), None);
+    }
+
+    #[test]
+    fn go_1_24_samples_are_probed_once_the_thread_can_record_them() {
+        // Past the stack check: push %rbp; mov %rsp,%rbp; sub $0x70,%rsp; mov 0x2b0(%rax),%rsi;
+        // nopl; test %rsi,%rsi; je.
+        let code = hex("554889e54883ec70488bb0b00200000f1f80000000004885f60f8460010000");
+        assert_eq!(profile_stack_check_length(&code), 0x1f);
+        // The pointer's register written before the check: not there.
+        let moved = hex("554889c3488bb0b00200004885f60f8460010000");
+        assert_eq!(profile_stack_check_length(&moved), 0);
     }
 
     fn hex(text: &str) -> Vec<u8> {

@@ -145,12 +145,22 @@ fn spec_error(err: SpecError) -> &'static str {
     }
 }
 
-/// The file offset of virtual address `address`: in the section that holds it.
+/// The file offset of virtual address `address`, in the loaded section that holds it.
 pub(super) fn file_offset(elf: &object::File<'_>, address: u64) -> Option<u64> {
-    elf.sections().find_map(|section| {
-        let (start, size) = (section.address(), section.size());
-        let (offset, _) = section.file_range()?;
-        (start <= address && address < start + size).then(|| address - start + offset)
+    let section = loaded_section(elf, address)?;
+    let (offset, _) = section.file_range()?;
+    Some(address - section.address() + offset)
+}
+
+/// The loaded section that holds virtual address `address`. Sections at address 0 are not
+/// loaded (DWARF, the symbol table) and hold no address, however large they are.
+pub(super) fn loaded_section<'data, 'file>(
+    elf: &'file object::File<'data>,
+    address: u64,
+) -> Option<object::Section<'data, 'file>> {
+    elf.sections().find(|section| {
+        let start = section.address();
+        start != 0 && (start..start + section.size()).contains(&address)
     })
 }
 

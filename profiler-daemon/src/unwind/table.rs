@@ -106,7 +106,8 @@ pub fn build(elf: &[u8]) -> Result<Option<FileTable>, TableError> {
         return Err(TableError::NotX86_64(file.architecture()));
     }
     let debug_frame = read_section(&file, ".debug_frame");
-    let go = go_functions::section_data(&file).and_then(|table| Some((GoFunctions::read(table)?, table)));
+    let go = go_functions::section_data(&file)
+        .and_then(|table| Some((GoFunctions::read(table, go_functions::text_start(&file))?, table)));
     let (mut spans, mut rows) = if let Some(section) = read_section(&file, ".eh_frame")? {
         // `.eh_frame` pointers are mostly pc-relative, and may be relative to .text or the GOT.
         let mut bases = BaseAddresses::default().set_eh_frame(section.address);
