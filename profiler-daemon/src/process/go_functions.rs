@@ -18,6 +18,9 @@ const MAGICS: [u32; 2] = [0xffff_fff0, 0xffff_fff1];
 /// The header's size: its magic, two pads, the instruction size, the pointer size, then eight
 /// 8-byte fields.
 const HEADER: usize = 8 + 8 * 8;
+/// Most functions a table is read with: the largest Go programs have a few hundred thousand, and
+/// the index takes 8 bytes each.
+const MAX_FUNCTIONS: usize = 1 << 21;
 /// Longest name or path read.
 const MAX_TEXT: usize = 4096;
 /// Most bytes of one function's line or file table read: the tables of the largest functions of
@@ -54,7 +57,7 @@ impl TableBytes for FileTable<'_> {
     fn at(&self, offset: u64, len: usize) -> Option<Cow<'_, [u8]>> {
         let available = self.size.checked_sub(offset).filter(|&left| left > 0)?;
         let mut bytes = vec![0; len.min(usize::try_from(available).unwrap_or(len))];
-        let read = self.file.read_at(&mut bytes, self.start + offset).ok()?;
+        let read = self.file.read_at(&mut bytes, self.start.saturating_add(offset)).ok()?;
         bytes.truncate(read);
         Some(Cow::Owned(bytes))
     }
@@ -92,7 +95,7 @@ impl StrippedGo {
         let functions = GoFunctions::read(&FileTable { file, start, size }, text_start(&elf))?;
         let segments = elf.segments().map(|segment| {
             let (offset, size) = segment.file_range();
-            (offset..offset + size, segment.address())
+            (offset..offset.saturating_add(size), segment.address())
         });
         Some(Self { start, size, functions, segments: segments.collect() })
     }
@@ -101,7 +104,7 @@ impl StrippedGo {
     pub fn frame(&self, file: &File, file_offset: u64) -> Option<GoFrame> {
         let (range, address) = self.segments.iter().find(|(range, _)| range.contains(&file_offset))?;
         let table = FileTable { file, start: self.start, size: self.size };
-        self.functions.frame(&table, file_offset - range.start + address)
+        self.functions.frame(&table, (file_offset - range.start).saturating_add(*address))
     }
 }
 
@@ -156,7 +159,7 @@ impl GoFunctions {
         if !magic_known || header.get(4..8)? != [0, 0, 1, 8] {
             return None;
         }
-        let count = usize::try_from(word(0)?).ok().filter(|&count| count < 1 << 24)?;
+        let count = usize::try_from(word(0)?).ok().filter(|&count| count <= MAX_FUNCTIONS)?;
         let [text, names, units, files, pc_tables, records] = [2, 3, 4, 5, 6, 7].map(|index| word(index).unwrap_or(0));
         let text_start = if text != 0 { text } else { text_start? };
         let functab = table.at(records, (count + 1) * 8)?;
@@ -183,7 +186,7 @@ impl GoFunctions {
 
     /// Every function's address range, in address order.
     pub fn ranges(&self) -> impl Iterator<Item = std::ops::Range<u64>> + '_ {
-        let address = |entry: u32| self.text_start + u64::from(entry);
+        let address = |entry: u32| self.text_start.saturating_add(u64::from(entry));
         self.entries.windows(2).map(move |pair| address(pair[0].0)..address(pair[1].0))
     }
 
@@ -201,7 +204,7 @@ impl GoFunctions {
         let value = |field: usize| {
             // A function without the table (the runtime's assembly has no file table).
             let at = u32_at(&record, field).filter(|&at| at != 0)?;
-            pc_value(&table.at(self.pc_tables + u64::from(at), MAX_PC_TABLE)?, entry, offset)
+            pc_value(&table.at(self.pc_tables.saturating_add(u64::from(at)), MAX_PC_TABLE)?, entry, offset)
         };
         let line = value(PCLN).and_then(|line| u32::try_from(line).ok());
         let file = value(PCFILE).and_then(|index| self.file_name(table, &record, index));
@@ -211,20 +214,20 @@ impl GoFunctions {
     /// The function record at `index`: its fixed fields.
     fn record<'t>(&self, table: &'t (impl TableBytes + ?Sized), index: usize) -> Option<Cow<'t, [u8]>> {
         let (_, at) = *self.entries.get(index)?;
-        table.at(self.records + u64::from(at), RECORD).filter(|record| record.len() == RECORD)
+        table.at(self.records.saturating_add(u64::from(at)), RECORD).filter(|record| record.len() == RECORD)
     }
 
     fn name(&self, table: &(impl TableBytes + ?Sized), record: &[u8]) -> Option<String> {
         let at = u64::try_from(i32::from_le_bytes(record.get(NAME..NAME + 4)?.try_into().ok()?)).ok()?;
-        text(table, self.names + at)
+        text(table, self.names.saturating_add(at))
     }
 
     /// The name of file `index` of the function's compilation unit.
     fn file_name(&self, table: &(impl TableBytes + ?Sized), record: &[u8], index: i32) -> Option<String> {
         let slot = u64::from(u32_at(record, UNIT)?) + u64::try_from(index).ok()?;
-        let at = u32_at(&table.at(self.units + slot * 4, 4)?, 0)?;
+        let at = u32_at(&table.at(self.units.saturating_add(slot * 4), 4)?, 0)?;
         (at != u32::MAX).then_some(())?;
-        text(table, self.files + u64::from(at))
+        text(table, self.files.saturating_add(u64::from(at)))
     }
 }
 
