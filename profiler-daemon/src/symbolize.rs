@@ -410,8 +410,8 @@ impl SymbolizerThread {
         let file_offset = address - module.mapping.start + module.mapping.offset;
         // As frames name it (see `frames_of`).
         let path = &printable(&module.mapping.path).into_owned();
+        // A return address points after the call; the call itself is one byte earlier.
         if let Some(go) = module.file.stripped_go() {
-            // A return address points after the call; the call itself is one byte earlier.
             return match go.frame(&module.file.file, file_offset.saturating_sub(1)) {
                 Some(frame) => {
                     Resolved { module: path.clone(), file_offset, frames: vec![go_frame(address, path, frame)] }
@@ -422,7 +422,6 @@ impl SymbolizerThread {
                 }
             };
         }
-        // A return address points after the call; the call itself is one byte earlier.
         let mut elf = Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.file.as_raw_fd())));
         elf.debug_syms = module.file.debug_info;
         let source = Source::Elf(elf);

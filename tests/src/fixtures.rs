@@ -160,7 +160,7 @@ pub fn fixture_go_cgo_stripped(name: &str) -> PathBuf {
     build_go("go", name, &format!("{name}-cgo-stripped"), &["-ldflags=-s -linkmode=external"], "1")
 }
 
-/// `fixture_go_stripped` built by Go `release` (`1.26`), one of those `cargo xtask setup`
+/// `fixture_go_stripped` built by Go `release` (`1.27`), one of those `cargo xtask setup`
 /// unpacks into `target/go-toolchains` beside Debian 12's Go 1.19, into
 /// `target/fixtures/NAME-goRELEASE`.
 pub fn fixture_go_release_stripped(name: &str, release: &str) -> PathBuf {

@@ -78,17 +78,17 @@ fn the_daemon_exports_a_go_programs_samples() {
 
 /// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no
 /// CFI for its Go code: its runtime's functions are found, and its frames named and unwound, by
-/// its own function table (`.gopclntab`) and its frame pointers. Go 1.24's and 1.26's runtimes pass
+/// its own function table (`.gopclntab`) and its frame pointers. Go 1.24's and 1.27's runtimes pass
 /// a sample's pointer and size in other registers than Go 1.19's, keep a special record's kind at
-/// another offset and with other values, and set the rate elsewhere; Go 1.26's table no longer
-/// says where its code starts.
+/// another offset and with other values, and set the rate elsewhere; from Go 1.26 the table no
+/// longer says where its code starts.
 #[test]
 fn a_stripped_go_program_is_read_by_its_function_table() {
     let programs = [
         fixture_go_stripped("go_sampler"),
         fixture_go_cgo_stripped("go_sampler"),
         fixture_go_release_stripped("go_sampler", "1.24"),
-        fixture_go_release_stripped("go_sampler", "1.26"),
+        fixture_go_release_stripped("go_sampler", "1.27"),
     ];
     for program in programs {
         let outcome = run(&["--usdt", "--interval", "60"], &[program.to_str().unwrap(), "every"]);
@@ -120,7 +120,7 @@ fn a_stripped_go_program_is_read_by_its_function_table() {
 /// line, found by the symbol table or, stripped, where the runtime clears the rate.
 #[test]
 fn a_go_program_that_samples_nothing_is_said_to() {
-    for program in [fixture_go_pure("go_unprofiled"), fixture_go_release_stripped("go_unprofiled", "1.26")] {
+    for program in [fixture_go_pure("go_unprofiled"), fixture_go_release_stripped("go_unprofiled", "1.27")] {
         let outcome = run(&["--usdt", "--interval", "60"], &[program.to_str().unwrap()]);
         assert!(outcome.status.success(), "{outcome:?}");
         let said = outcome.stderr.lines().filter(|line| line.contains("starts with its heap sampling off")).count();

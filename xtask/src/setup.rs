@@ -67,7 +67,7 @@ const PACKAGES: &[&str] = &[
 /// (tests/tests/go_sampler.rs): Debian 13's packages of them, by the suite that serves each. They
 /// are downloaded and unpacked into `target/go-toolchains/<release>`, not installed: a Debian 13
 /// package does not install on Debian 12, and Go's toolchain runs from any directory.
-const GO_TOOLCHAINS: [(&str, &str); 2] = [("1.24", "trixie"), ("1.26", "trixie-backports")];
+const GO_TOOLCHAINS: [(&str, &str); 2] = [("1.24", "trixie"), ("1.27", "trixie-backports")];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -201,7 +201,9 @@ fn go_toolchains() -> anyhow::Result<()> {
     for (release, suite) in missing {
         eprintln!("xtask: downloading Go {release} from Debian's {suite} into {}", dir.display());
         let packages = ["go", "src"].map(|part| format!("golang-{release}-{part}/{suite}"));
-        apt_get(&[["download".to_string(), "-q".into()].as_slice(), &packages].concat())?;
+        apt_get(&[["download".to_string(), "-q".into()].as_slice(), &packages].concat()).with_context(|| {
+            format!("Debian's {suite} serves no golang-{release}: update GO_TOOLCHAINS in xtask/src/setup.rs to a release it serves")
+        })?;
         let partial = dir.join(format!(".{release}.partial"));
         let _ = std::fs::remove_dir_all(&partial);
         for entry in std::fs::read_dir(&apt)? {

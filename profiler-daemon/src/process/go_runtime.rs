@@ -20,7 +20,7 @@ use crate::error::UserError;
 
 /// The Go releases whose runtime memprof reads: `mProf_Malloc`'s arguments, `freeSpecial(special,
 /// ptr, size)`, and the `special` record's kind byte (`runtime/mprof.go`, `runtime/mheap.go`).
-const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=26;
+const KNOWN_MINORS: std::ops::RangeInclusive<u32> = 18..=27;
 
 /// What the probes read where a release keeps it.
 struct Layout {
