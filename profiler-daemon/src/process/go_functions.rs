@@ -24,8 +24,9 @@ const MAX_FUNCTIONS: usize = 1 << 21;
 /// Longest name or path read.
 const MAX_TEXT: usize = 4096;
 /// Most bytes of one function's line or file table read: the tables of the largest functions of
-/// Go's runtime take a few KiB.
+/// Go's runtime take a few KiB. They are read a first time shorter.
 const MAX_PC_TABLE: usize = 64 * 1024;
+const PC_TABLE_FIRST_READ: usize = 1024;
 
 /// The sections that hold the table: Go's linker names it `.gopclntab`, or
 /// `.data.rel.ro.gopclntab` in a position-independent program.
@@ -204,7 +205,16 @@ impl GoFunctions {
         let value = |field: usize| {
             // A function without the table (the runtime's assembly has no file table).
             let at = u32_at(&record, field).filter(|&at| at != 0)?;
-            pc_value(&table.at(self.pc_tables.saturating_add(u64::from(at)), MAX_PC_TABLE)?, entry, offset)
+            let at = self.pc_tables.saturating_add(u64::from(at));
+            // Most tables are short: a long one is read again whole.
+            [PC_TABLE_FIRST_READ, MAX_PC_TABLE].into_iter().find_map(|length| {
+                let bytes = table.at(at, length)?;
+                match pc_value(&bytes, entry, offset) {
+                    Some(value) => Some(Some(value)),
+                    None if bytes.len() < length => Some(None),
+                    None => None,
+                }
+            })?
         };
         let line = value(PCLN).and_then(|line| u32::try_from(line).ok());
         let file = value(PCFILE).and_then(|index| self.file_name(table, &record, index));
