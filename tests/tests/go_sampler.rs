@@ -4,8 +4,8 @@
 //! free 1,000 blocks of 4 KiB from `main.churn`.
 
 use memprof_tests::{
-    attach, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_release_stripped, fixture_go_stripped, metric, run,
-    site, total, wait_for, Daemon, Waiting,
+    attach, fixture, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_release_stripped, fixture_go_stripped,
+    metric, run, site, total, wait_for, Daemon, Waiting,
 };
 use serde_json::Value;
 
@@ -62,7 +62,7 @@ fn at_gos_default_rate_a_site_is_estimated_within_its_sampling_error() {
     assert!(report["usdt_samples"].as_u64().unwrap() > 64, "{}", report["usdt_samples"]);
 }
 
-/// The daemon with `--usdt` traces a Go program built without cgo, which it refuses otherwise.
+/// The daemon with `--usdt` traces a Go program through its runtime's sampler.
 #[test]
 fn the_daemon_exports_a_go_programs_samples() {
     let mut target = Waiting::start(&fixture_go_pure("go_sampler"), &["every", "hold"]);
@@ -74,6 +74,37 @@ fn the_daemon_exports_a_go_programs_samples() {
     wait_for(15, "the samples in the metrics", || (metric(daemon.port, &series)? >= 2000).then_some(()));
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(site(&report, "main.keep"), KEPT, "{report}");
+}
+
+/// Without `--usdt`, the daemon traces a Go program built without cgo through its runtime's
+/// sampler, the only way it sees its heap, and a C program beside it by its calls: each exact,
+/// each report saying what it was made from.
+#[test]
+fn without_usdt_the_daemon_reads_a_pure_go_programs_sampler_and_a_c_programs_calls() {
+    let mut c = Waiting::start(&fixture("daemon_target"), &[]);
+    let c_pid = c.pid();
+    let daemon = Daemon::start(&["--pid", &c_pid.to_string(), "--comm", "^go_sampler-pure$"]);
+    // Found as it starts, from its exec.
+    let mut go = Waiting::start(&fixture_go_pure("go_sampler"), &["every", "hold"]);
+    let go_pid = go.pid();
+    daemon.wait_traced(go_pid);
+    daemon.wait_traced(c_pid);
+    go.go();
+    c.go();
+    let samples = |pid: u32, comm: &str| format!("memprof_usdt_samples_total{{pid=\"{pid}\",comm=\"{comm}\"}}");
+    let go_samples = samples(go_pid, "go_sampler-pure");
+    wait_for(15, "the Go samples in the metrics", || (metric(daemon.port, &go_samples)? >= 2000).then_some(()));
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={go_pid}"));
+    assert_eq!(site(&report, "main.keep"), KEPT, "{report}");
+    assert!(report["usdt_samples"].as_u64().unwrap() >= 2000, "{}", report["usdt_samples"]);
+    let spots = report["blind_spots"].as_array().unwrap();
+    assert!(spots.iter().all(|spot| spot["heap"] != "Go's heap"), "Go's heap is seen: {spots:?}");
+    let report = wait_for(20, "the C program's held blocks", || {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={c_pid}"));
+        (site(&report, "hold_site") == (50_000, 50)).then_some(report)
+    });
+    assert!(report["usdt_samples"].is_null(), "traced by its calls: {report}");
+    assert_eq!(metric(daemon.port, &samples(c_pid, "daemon_target")), Some(0));
 }
 
 /// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no

@@ -57,8 +57,9 @@ fn the_daemon_exports_the_samples() {
     assert_eq!(map_capacity(daemon.child.id(), "USDT_WEIGHTS"), Some(1 << 20));
 }
 
-/// Without usdt the weights' table takes one entry, not `max_live`'s buckets; so a reload cannot
-/// turn usdt on: it says so, and the sampling settings stay as they were.
+/// Without usdt the weights' table takes a sixteenth of `max_live`'s buckets, for the Go programs
+/// the daemon traces through their runtime's sampler; so a reload cannot turn usdt on: it says
+/// so, and the sampling settings stay as they were.
 #[test]
 fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
     let config = std::env::temp_dir().join(format!("memprof-usdt-reload-{}.toml", std::process::id()));
@@ -66,7 +67,7 @@ fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
     let mut target = Waiting::start(&fixture("usdt_sites"), &["hold"]);
     let mut daemon = Daemon::start_at_default_rate(&["--config", config.to_str().unwrap()]);
     daemon.wait_traced(target.pid());
-    assert_eq!(map_capacity(daemon.child.id(), "USDT_WEIGHTS"), Some(1));
+    assert_eq!(map_capacity(daemon.child.id(), "USDT_WEIGHTS"), Some(1 << 16));
 
     std::fs::write(&config, "comms = [\"^usdt_sites$\"]\nusdt = true\n").unwrap();
     let scans = metric(daemon.port, "memprof_discovery_scans_total").unwrap();

@@ -106,11 +106,32 @@ fn check_privileges() -> Result<(), UserError> {
     }
 }
 
+/// Which processes are traced through their allocator's own sampler (`--usdt`): the weights of
+/// their live samples take a table sized for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Samplers {
+    /// None: the table gets one entry, not `--max-live`'s buckets.
+    None,
+    /// Those the daemon sees no other way (a Go program without cgo): a sixteenth of `LIVE`,
+    /// as each sample stands for far more than a block (512 KiB at Go's default rate).
+    Some,
+    /// Every process (`--usdt`): as large as `LIVE`.
+    Every,
+}
+
+impl Samplers {
+    fn weights_capacity(self, max_live: u32) -> u32 {
+        match self {
+            Samplers::None => 1,
+            Samplers::Some => (max_live / 16).max(1),
+            Samplers::Every => max_live,
+        }
+    }
+}
+
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
-/// `usdt`: processes are traced through their `otel_memory` probes, whose weights take a table as
-/// large as `LIVE`; without it that table gets one entry, not `--max-live`'s buckets.
 /// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
-pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool, links_wanted: bool) -> anyhow::Result<Loaded> {
+pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_wanted: bool) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
     let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask"])
         .context("finding task_struct in BTF")?;
@@ -128,7 +149,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, usdt: bool, links_wanted: bool
     let bprm = btf::kernel_member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
-        .map_max_entries("USDT_WEIGHTS", if usdt { sizes.max_live } else { 1 })
+        .map_max_entries("USDT_WEIGHTS", samplers.weights_capacity(sizes.max_live))
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))

@@ -243,6 +243,13 @@ impl Attachment {
         self.links.push(Link { probes: Probes::PerfEvent(probe), at_return: false });
     }
 
+    /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`.
+    pub fn add_usdt_link(&mut self, link: OwnedFd, path: &Path, offsets: Vec<u64>) {
+        self.probes += offsets.len();
+        self.links.push(Link { probes: Probes::Multi(link), at_return: false });
+        self.sites.push((path.to_path_buf(), offsets));
+    }
+
     /// Makes `links`, shared with other processes, part of this process's probes.
     pub fn share(&mut self, links: Arc<Attachment>) {
         self.shared.push(links);

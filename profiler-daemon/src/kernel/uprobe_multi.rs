@@ -41,7 +41,7 @@ struct LinkCreateAttr {
     path: u64,
     /// `cnt` file offsets (u64 each).
     offsets: u64,
-    /// USDT semaphores: none (0).
+    /// `cnt` USDT semaphores' file offsets (0: none), or 0 for none at all.
     ref_ctr_offsets: u64,
     /// `cnt` cookies (u64 each), one per offset, read with `bpf_get_attach_cookie`.
     cookies: u64,
@@ -76,6 +76,19 @@ pub enum Fires {
 /// the returned link detaches every one of these probes.
 /// The link is made by memprof's helper: it puts the breakpoints in as it is made (see `helper`).
 pub fn attach(program: BorrowedFd<'_>, path: &Path, points: &[Point], fires: Fires, pid: u32) -> io::Result<OwnedFd> {
+    attach_with_semaphores(program, path, points, &[], fires, pid)
+}
+
+/// `attach`, with USDT probes' semaphores (`semaphores[i]`, the file offset of `points[i]`'s; 0:
+/// none), which the kernel increments in the process while the link holds the probe.
+pub fn attach_with_semaphores(
+    program: BorrowedFd<'_>,
+    path: &Path,
+    points: &[Point],
+    semaphores: &[u64],
+    fires: Fires,
+    pid: u32,
+) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
     let offsets = points.iter().map(|p| p.offset).collect();
     let cookies = points.iter().map(|p| p.cookie).collect();
@@ -84,22 +97,26 @@ pub fn attach(program: BorrowedFd<'_>, path: &Path, points: &[Point], fires: Fir
         Fires::AtReturn => (ATTACH_TYPE, RETURN_PROBES),
         Fires::Session => (SESSION_ATTACH_TYPE, 0),
     };
-    helper::make(&Request::UprobeMulti { path, offsets, cookies, attach_type, multi_flags, pid }, Some(program))
+    let semaphores = semaphores.to_vec();
+    let request = Request::UprobeMulti { path, offsets, cookies, semaphores, attach_type, multi_flags, pid };
+    helper::make(&request, Some(program))
 }
 
-/// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` alongside,
-/// made by the calling thread.
+/// `BPF_LINK_CREATE` of a uprobe_multi link with a probe at each of `offsets`, `cookies` and
+/// `semaphores` (empty: none) alongside, made by the calling thread.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn link_create(
     program: BorrowedFd<'_>,
     path: &CStr,
     offsets: &[u64],
     cookies: &[u64],
+    semaphores: &[u64],
     attach_type: u32,
     multi_flags: u32,
     pid: u32,
 ) -> io::Result<OwnedFd> {
     let count = u32::try_from(offsets.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
-    if cookies.len() != offsets.len() {
+    if cookies.len() != offsets.len() || !(semaphores.is_empty() || semaphores.len() == offsets.len()) {
         return Err(io::ErrorKind::InvalidInput.into());
     }
     let attr = LinkCreateAttr {
@@ -109,7 +126,7 @@ pub(super) fn link_create(
         flags: 0,
         path: path.as_ptr() as u64,
         offsets: offsets.as_ptr() as u64,
-        ref_ctr_offsets: 0,
+        ref_ctr_offsets: if semaphores.is_empty() { 0 } else { semaphores.as_ptr() as u64 },
         cookies: cookies.as_ptr() as u64,
         cnt: count,
         multi_flags,
@@ -156,12 +173,12 @@ pub fn check_support(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
     let root = c"/";
     let offsets = [0u64];
     let cookies = [0u64];
-    match link_create(program, root, &offsets, &cookies, ATTACH_TYPE, 0, 0) {
+    match link_create(program, root, &offsets, &cookies, &[], ATTACH_TYPE, 0, 0) {
         Err(err) if err.raw_os_error() == Some(libc::EBADF) => {}
         Err(err) => return Err(Unsupported::Missing(err)),
         Ok(_link) => return Err(Unsupported::Missing(io::Error::other("a link on / was accepted"))),
     }
-    match link_create(program, root, &offsets, &cookies, ATTACH_TYPE, 0, u32::MAX) {
+    match link_create(program, root, &offsets, &cookies, &[], ATTACH_TYPE, 0, u32::MAX) {
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(()),
         _ => Err(Unsupported::ThreadFilter),
     }
@@ -172,7 +189,7 @@ pub fn check_support(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
 /// it would make one. Loading is no test: Linux 6.12 verifies such a program, then refuses the
 /// link with EINVAL.
 pub fn check_sessions(program: BorrowedFd<'_>) -> Result<(), Unsupported> {
-    match link_create(program, c"/", &[0], &[0], SESSION_ATTACH_TYPE, 0, 0) {
+    match link_create(program, c"/", &[0], &[0], &[], SESSION_ATTACH_TYPE, 0, 0) {
         Err(err) if err.raw_os_error() == Some(libc::EBADF) => Ok(()),
         Err(err) => Err(Unsupported::NoSessions(err)),
         Ok(_link) => Err(Unsupported::NoSessions(io::Error::other("a link on / was accepted"))),

@@ -49,7 +49,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     if forking {
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
     }
-    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt, !forking)?;
+    let mut loaded = loader::load(args.maps, args.interval, samplers(args), !forking)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -136,7 +136,7 @@ pub async fn run(
     let routed = allocator.route_through_malloc();
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
-    let mut loaded = loader::load(args.maps, args.interval, args.sampling.usdt, true)?;
+    let mut loaded = loader::load(args.maps, args.interval, samplers(args), true)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -311,6 +311,15 @@ fn forks_untraced_children(args: &TraceArgs, pid: u32) -> bool {
 
 /// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
 /// touches, when that is traced.
+/// With `--usdt`, every process is traced through its allocator's own sampler; without, none.
+fn samplers(args: &TraceArgs) -> loader::Samplers {
+    if args.sampling.usdt {
+        loader::Samplers::Every
+    } else {
+        loader::Samplers::None
+    }
+}
+
 fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
     allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth || args.sampling.usdt)
 }

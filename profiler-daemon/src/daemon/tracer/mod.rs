@@ -4,6 +4,7 @@
 //! thread of its own, not on the async runtime. Here its loop; `targets` decides which processes
 //! it traces, `publish` builds the view.
 
+mod means;
 mod publish;
 mod targets;
 
@@ -166,7 +167,9 @@ impl Tracer {
         view: Arc<RwLock<DaemonView>>,
         alive: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
-        let mut loaded = loader::load(config.maps, config.interval, config.sampling.usdt, true)?;
+        // A Go program without cgo is traced through its runtime's sampler even without `--usdt`.
+        let samplers = if config.sampling.usdt { loader::Samplers::Every } else { loader::Samplers::Some };
+        let mut loaded = loader::load(config.maps, config.interval, samplers, true)?;
         if config.sampling.growth {
             loaded.trace_page_faults()?;
         }

@@ -24,7 +24,7 @@ use crate::{
     kernel::loader::Attachment,
     kernel::shared::{self, file_ids},
     process::allocator,
-    process::{procfs, usdt},
+    process::procfs,
 };
 
 /// The first wait before a new process that cannot be attached yet is tried again (caught between
@@ -323,22 +323,18 @@ impl Tracer {
     }
 
     pub(super) fn probe(&mut self, pid: u32) {
-        let runtime_only = self.runtime_only();
-        let Some(target) = self.targets.get_mut(&pid) else { return };
-        if target.probed {
+        if self.targets.get(&pid).is_none_or(|target| target.probed) {
             return;
         }
-        let (Ok(mut allocator), Some(nonzero)) = (allocator::find_with(pid, runtime_only), NonZeroU32::new(pid)) else {
+        let (Ok(means), Some(nonzero)) = (self.means_of(pid), NonZeroU32::new(pid)) else {
             return;
         };
+        let Some(target) = self.targets.get_mut(&pid) else { return };
         // The files whose probes it kept through its exec are not probed twice.
-        let missing = shared::unprobed(&allocator, &target.probed_files);
-        let attached = if self.config.sampling.usdt {
-            usdt::in_process(pid).map_err(anyhow::Error::from).and_then(|sites| {
-                allocator.seen_through(&sites);
-                self.loaded.attach_usdt(&sites, nonzero, None)
-            })
-        } else if missing.files.is_empty() && !allocator.files.is_empty() {
+        let missing = shared::unprobed(&means.allocator, &target.probed_files);
+        let attached = if let Some(sites) = &means.sampler {
+            self.loaded.attach_usdt(sites, nonzero, None)
+        } else if missing.files.is_empty() && !means.allocator.files.is_empty() {
             Ok(Attachment::default())
         } else {
             self.loaded.attach_allocator(&missing, nonzero)
@@ -346,12 +342,13 @@ impl Tracer {
         match attached {
             Ok(probes) => {
                 target.attachment.merge(probes);
-                if self.config.sampling.traces_calls() {
+                if means.traces_calls(self.config.sampling) {
                     target.probed_files.extend(file_ids(&missing));
                 }
                 target.probed = true;
-                target.double_free_filter = DoubleFreeFilter::new(&allocator, target.exe.as_deref());
-                target.blind_spots = BlindSpots::new(pid, &allocator);
+                target.double_free_filter = DoubleFreeFilter::new(&means.allocator, target.exe.as_deref());
+                target.blind_spots = BlindSpots::new(pid, &means.allocator);
+                target.rate_guard = means.rate_guard(self.config.sampling);
                 if let Some(sample_bytes) = target.rate_guard.initial() {
                     if let Err(err) = self.loaded.sample(pid, sample_bytes) {
                         warn!(pid, "sampling: {err:#}");
@@ -364,18 +361,13 @@ impl Tracer {
     }
 
     pub(super) fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
-        let mut allocator = allocator::find_with(id.pid, self.runtime_only())?;
+        let means = self.means_of(id.pid)?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
-        // With --usdt, the process's own otel_memory probes and its Go runtime's sampler, and
-        // none of its allocator's.
-        let attachment = if self.config.sampling.usdt {
-            let sites = usdt::in_process(id.pid)?;
-            allocator.seen_through(&sites);
-            self.loaded.attach_usdt(&sites, pid, None)?
-        } else {
-            self.loaded.attach(&allocator, pid)?
+        let attachment = match &means.sampler {
+            Some(sites) => self.loaded.attach_usdt(sites, pid, None)?,
+            None => self.loaded.attach(&means.allocator, pid)?,
         };
-        let rate_guard = RateGuard::new(self.config.sampling);
+        let rate_guard = means.rate_guard(self.config.sampling);
         if let Some(sample_bytes) = rate_guard.initial() {
             self.loaded.sample(id.pid, sample_bytes)?;
         }
@@ -387,8 +379,8 @@ impl Tracer {
             comm,
             ns_pid: procfs::ns_pid(id.pid),
             attachment,
-            double_free_filter: DoubleFreeFilter::new(&allocator, exe.as_deref()),
-            blind_spots: BlindSpots::new(id.pid, &allocator),
+            double_free_filter: DoubleFreeFilter::new(&means.allocator, exe.as_deref()),
+            blind_spots: BlindSpots::new(id.pid, &means.allocator),
             resident: Resident::default(),
             exe,
             cgroup: procfs::cgroup(id.pid),
@@ -400,7 +392,11 @@ impl Tracer {
             rate_guard,
             probed: true,
             forked_untraced: false,
-            probed_files: if self.config.sampling.traces_calls() { file_ids(&allocator) } else { HashSet::new() },
+            probed_files: if means.traces_calls(self.config.sampling) {
+                file_ids(&means.allocator)
+            } else {
+                HashSet::new()
+            },
             known_stacks: KnownStacks::default(),
             calls: 0,
             cut_walks: 0,

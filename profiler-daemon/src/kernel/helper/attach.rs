@@ -16,7 +16,16 @@ use crate::kernel::{perf_event, uprobe_multi};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     /// A uprobe_multi link of the program sent along (see `uprobe_multi::link_create`).
-    UprobeMulti { path: CString, offsets: Vec<u64>, cookies: Vec<u64>, attach_type: u32, multi_flags: u32, pid: u32 },
+    UprobeMulti {
+        path: CString,
+        offsets: Vec<u64>,
+        cookies: Vec<u64>,
+        /// Empty, or one per offset (see `uprobe_multi::attach_with_semaphores`).
+        semaphores: Vec<u64>,
+        attach_type: u32,
+        multi_flags: u32,
+        pid: u32,
+    },
     /// A perf-event uprobe's event, without its program (see `perf_event::open_uprobe`).
     PerfUprobe { path: CString, kind: u32, config: u64, offset: u64, pid: u32 },
 }
@@ -64,9 +73,9 @@ impl Request {
     /// Makes the system call in this process.
     fn make_here(&self, program: Option<BorrowedFd<'_>>) -> io::Result<OwnedFd> {
         match self {
-            Self::UprobeMulti { path, offsets, cookies, attach_type, multi_flags, pid } => {
+            Self::UprobeMulti { path, offsets, cookies, semaphores, attach_type, multi_flags, pid } => {
                 let program = program.ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?;
-                uprobe_multi::link_create(program, path, offsets, cookies, *attach_type, *multi_flags, *pid)
+                uprobe_multi::link_create(program, path, offsets, cookies, semaphores, *attach_type, *multi_flags, *pid)
             }
             Self::PerfUprobe { path, kind, config, offset, pid } => {
                 perf_event::open_uprobe(path, *kind, *config, *offset, *pid)
@@ -78,12 +87,12 @@ impl Request {
     fn encode(&self) -> Vec<u8> {
         let mut bytes = Vec::new();
         let path = match self {
-            Self::UprobeMulti { path, offsets, cookies, attach_type, multi_flags, pid } => {
+            Self::UprobeMulti { path, offsets, cookies, semaphores, attach_type, multi_flags, pid } => {
                 bytes.push(UPROBE_MULTI);
-                for word in [*attach_type, *multi_flags, *pid, offsets.len() as u32] {
+                for word in [*attach_type, *multi_flags, *pid, offsets.len() as u32, semaphores.len() as u32] {
                     bytes.extend(word.to_ne_bytes());
                 }
-                bytes.extend(offsets.iter().chain(cookies).flat_map(|word| word.to_ne_bytes()));
+                bytes.extend(offsets.iter().chain(cookies).chain(semaphores).flat_map(|word| word.to_ne_bytes()));
                 path
             }
             Self::PerfUprobe { path, kind, config, offset, pid } => {
@@ -104,10 +113,12 @@ impl Request {
         match reader.take::<1>()? {
             [UPROBE_MULTI] => {
                 let (attach_type, multi_flags, pid) = (reader.u32()?, reader.u32()?, reader.u32()?);
-                let count = reader.u32()? as usize;
+                let (count, semaphore_count) = (reader.u32()? as usize, reader.u32()? as usize);
                 let offsets = (0..count).map(|_| reader.u64()).collect::<io::Result<_>>()?;
                 let cookies = (0..count).map(|_| reader.u64()).collect::<io::Result<_>>()?;
-                Ok(Self::UprobeMulti { path: reader.path()?, offsets, cookies, attach_type, multi_flags, pid })
+                let semaphores = (0..semaphore_count).map(|_| reader.u64()).collect::<io::Result<_>>()?;
+                let path = reader.path()?;
+                Ok(Self::UprobeMulti { path, offsets, cookies, semaphores, attach_type, multi_flags, pid })
             }
             [PERF_UPROBE] => {
                 let (kind, pid, config, offset) = (reader.u32()?, reader.u32()?, reader.u64()?, reader.u64()?);
@@ -157,6 +168,7 @@ mod tests {
                 path: c"/usr/lib/x86_64-linux-gnu/libc.so.6".into(),
                 offsets: vec![0x1000, 0x2000],
                 cookies: vec![1, 2],
+                semaphores: vec![0, 0x3010],
                 attach_type: uprobe_multi::ATTACH_TYPE,
                 multi_flags: 1,
                 pid: 42,

@@ -326,6 +326,8 @@ impl Loaded {
     pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment, exec: &ProcessEvent) -> Attachment {
         self.detach(old);
         self.shared.leave(pid.get());
+        // Its sampler's probes went with the old program: the new one is traced as it is found.
+        self.usdt.forget(pid.get());
         self.image_replaced(pid, exec);
         self.unwind.forget(&mut self.ebpf, pid.get());
         self.sync_mappings(pid.get());

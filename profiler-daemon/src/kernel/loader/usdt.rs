@@ -1,13 +1,13 @@
 //! `--usdt`: a process's `otel_memory` probe sites (see `process::usdt`) attached in place of its
-//! allocator's probes. Perf-event uprobes on every kernel, made by memprof (see
-//! `perf_event::uprobe`): a process has a few sites, their programs are loaded only when a
-//! process is traced this way, and the kernel sets a probe's semaphore while it is attached.
+//! allocator's probes, with uprobe_multi links where the allocator's probes have them, else
+//! perf-event uprobes. The programs are loaded only when a process is traced this way, and the
+//! kernel sets a probe's semaphore while it is attached.
 
 use std::{
     collections::HashSet,
     num::NonZeroU32,
     os::fd::{AsFd as _, BorrowedFd},
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 
 use anyhow::Context as _;
@@ -16,7 +16,11 @@ use profiler_common::usdt::{ProbeSpec, MAX_SPECS};
 
 use super::Loaded;
 use crate::{
-    kernel::{perf_event, probes::Attachment},
+    kernel::{
+        perf_event,
+        probes::{Attachment, Method},
+        uprobe_multi::{self, Fires, Point},
+    },
     process::usdt::{Probe, Site},
 };
 
@@ -62,25 +66,55 @@ impl Loaded {
         self.track(pid.get())?;
         self.usdt.pids.insert(pid.get());
         let mut attachment = Attachment::default();
-        let ordered =
-            sites.iter().filter(|s| s.probe == Probe::Free).chain(sites.iter().filter(|s| s.probe == Probe::Alloc));
-        for site in ordered {
-            let name = if site.probe == Probe::Alloc { ALLOC_PROGRAM } else { FREE_PROGRAM };
-            let attached = self.spec_index(&site.spec).and_then(|cookie| {
-                let program = load_once(&mut self.ebpf, name)?;
-                let probe =
-                    perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid.get(), false)
-                        .with_context(|| format!("attaching {name} to {}", site.path.display()))?;
-                attachment.add_usdt(probe);
-                Ok(())
-            });
-            if let Err(err) = attached {
+        for probe in [Probe::Free, Probe::Alloc] {
+            let of_probe: Vec<&Site> = sites.iter().filter(|site| site.probe == probe).collect();
+            if let Err(err) = self.attach_sites(probe, &of_probe, pid.get(), &mut attachment) {
                 self.take_back(attachment, pid);
                 return Err(err);
             }
         }
         self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
+    }
+
+    /// Attaches `probe`'s program at `sites`: a uprobe_multi link per file where the kernel makes
+    /// them, which detaches behind one grace period; else a perf-event uprobe per site, each of
+    /// which waits for its own (a daemon tracing a thousand Go programs took minutes to stop).
+    fn attach_sites(
+        &mut self,
+        probe: Probe,
+        sites: &[&Site],
+        pid: u32,
+        attachment: &mut Attachment,
+    ) -> anyhow::Result<()> {
+        let name = if probe == Probe::Alloc { ALLOC_PROGRAM } else { FREE_PROGRAM };
+        let cookies = sites.iter().map(|site| self.spec_index(&site.spec)).collect::<anyhow::Result<Vec<u64>>>()?;
+        let context = |path: &Path| format!("attaching {name} to {}", path.display());
+        if self.method == Method::PerfEvents {
+            let program = load_once(&mut self.ebpf, name, None)?;
+            for (site, cookie) in sites.iter().zip(cookies) {
+                let probe = perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid, false)
+                    .with_context(|| context(&site.path))?;
+                attachment.add_usdt(probe);
+            }
+            return Ok(());
+        }
+        let program = load_once(&mut self.ebpf, name, Some(uprobe_multi::ATTACH_TYPE))?;
+        let mut paths: Vec<&Path> = sites.iter().map(|site| site.path.as_path()).collect();
+        paths.sort();
+        paths.dedup();
+        for path in paths {
+            let in_file: Vec<(&Site, u64)> =
+                sites.iter().zip(&cookies).filter(|(site, _)| site.path == path).map(|(s, c)| (*s, *c)).collect();
+            let points: Vec<Point> =
+                in_file.iter().map(|(site, cookie)| Point { offset: site.offset, cookie: *cookie }).collect();
+            let semaphores: Vec<u64> = in_file.iter().map(|(site, _)| site.semaphore.unwrap_or(0)).collect();
+            let semaphores = if semaphores.iter().all(|&offset| offset == 0) { Vec::new() } else { semaphores };
+            let link = uprobe_multi::attach_with_semaphores(program, path, &points, &semaphores, Fires::AtEntry, pid)
+                .with_context(|| context(path))?;
+            attachment.add_usdt_link(link, path, points.iter().map(|point| point.offset).collect());
+        }
+        Ok(())
     }
 
     /// The index of `spec` in `USDT_SPECS`, added there if new.
@@ -98,15 +132,20 @@ impl Loaded {
     }
 }
 
-/// Loads program `name` for perf-event uprobes, unless it is loaded.
-fn load_once<'a>(ebpf: &'a mut aya::Ebpf, name: &str) -> anyhow::Result<BorrowedFd<'a>> {
+/// Loads program `name`, unless it is loaded: for perf-event uprobes, or for links of
+/// `attach_type`.
+fn load_once<'a>(ebpf: &'a mut aya::Ebpf, name: &str, attach_type: Option<u32>) -> anyhow::Result<BorrowedFd<'a>> {
     let program: &mut UProbe = ebpf
         .program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?
         .try_into()
         .with_context(|| format!("program {name} is not a uprobe"))?;
     if program.fd().is_err() {
-        program.load().with_context(|| format!("loading program {name}"))?;
+        match attach_type {
+            Some(attach_type) => program.load_with_attach_type(attach_type),
+            None => program.load(),
+        }
+        .with_context(|| format!("loading program {name}"))?;
     }
     Ok(program.fd()?.as_fd())
 }

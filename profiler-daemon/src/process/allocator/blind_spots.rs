@@ -75,7 +75,7 @@ pub(super) const UNPROBED: [Unprobed; 5] = [
         mark: "runtime.mallocgc",
         section: Some(".go.buildinfo"),
         what: "Go's runtime allocator: the Go heap never passes through malloc (only cgo's calls do)",
-        advice: "trace it with --usdt, which reads the samples Go's runtime takes of its heap where the program keeps its symbol table, and probes no malloc",
+        advice: "trace it with --usdt, which reads the samples Go's runtime takes of its heap, and probes no malloc",
         heap: GO_HEAP,
         unless_env: None,
     },
