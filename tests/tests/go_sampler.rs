@@ -8,6 +8,7 @@ use memprof_tests::{
     metric, run, site, total, wait_for, Daemon, Waiting,
 };
 use serde_json::Value;
+use std::io::{BufRead as _, BufReader};
 
 /// (bytes, allocations) `main.keep` holds.
 const KEPT: (u64, u64) = (1000 * 1024, 1000);
@@ -105,6 +106,30 @@ fn without_usdt_the_daemon_reads_a_pure_go_programs_sampler_and_a_c_programs_cal
     });
     assert!(report["usdt_samples"].is_null(), "traced by its calls: {report}");
     assert_eq!(metric(daemon.port, &samples(c_pid, "daemon_target")), Some(0));
+}
+
+/// A traced process that execs a Go program built without cgo is traced on through the program's
+/// sampler: a shell, traced by its calls, execs the fixture, which waits to be let go.
+#[test]
+fn the_daemon_traces_a_pure_go_program_a_traced_process_execs_through_its_sampler() {
+    let program = fixture_go_pure("go_sampler");
+    let mut command = std::process::Command::new("sh");
+    command.args(["-c", &format!("echo ready; read line; exec {} --wait every hold", program.display())]);
+    let mut shell = Waiting::start_command(command);
+    let pid = shell.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    daemon.wait_traced(pid);
+    shell.go();
+    let mut ready = String::new();
+    BufReader::new(shell.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n", "the Go program did not start");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the Go program traced through its sampler", || {
+        let (_, report) = daemon.get_json(&leaks);
+        (report["comm"] == "go_sampler-pure" && report["usdt_samples"].is_u64()).then_some(())
+    });
+    shell.go();
+    wait_for(20, "main.keep's blocks", || (site(&daemon.get_json(&leaks).1, "main.keep") == KEPT).then_some(()));
 }
 
 /// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no
