@@ -132,6 +132,31 @@ fn the_daemon_traces_a_pure_go_program_a_traced_process_execs_through_its_sample
     wait_for(20, "main.keep's blocks", || (site(&daemon.get_json(&leaks).1, "main.keep") == KEPT).then_some(()));
 }
 
+/// A Go program without cgo whose runtime starts with its sampling off (it links no heap profile)
+/// would show nothing through its sampler: the daemon leaves it untraced, and says why with the
+/// refusal's advice when the rules name it.
+#[test]
+fn the_daemon_leaves_a_go_program_that_samples_nothing_untraced() {
+    let mut target = Waiting::start(&fixture_go_pure("go_unprofiled"), &[]);
+    let pid = target.pid();
+    // Older than the 5 s a new process is given to map its allocator: refused at the first try.
+    std::thread::sleep(std::time::Duration::from_secs(6));
+    let mut daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    wait_for(15, "the daemon's first scan", || {
+        metric(daemon.port, "memprof_discovery_scans_total").filter(|n| *n >= 1)
+    });
+    assert!(!daemon.traced_pids().contains(&u64::from(pid)));
+    target.go();
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    let said = format!("pid={pid}");
+    let refusal =
+        log.lines().find(|line| line.contains("not traced, though the rules name it") && line.contains(&said));
+    assert!(refusal.is_some_and(|line| line.contains("trace it with --usdt")), "{log}");
+    assert!(!log.contains("starts with its heap sampling off"), "said only where it is traced: {log}");
+}
+
 /// A stripped Go program, pure or linked by the system's linker (cgo), has no symbol table and no
 /// CFI for its Go code: its runtime's functions are found, and its frames named and unwound, by
 /// its own function table (`.gopclntab`) and its frame pointers. Go 1.24's and 1.27's runtimes pass

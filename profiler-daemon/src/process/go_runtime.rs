@@ -69,13 +69,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
                 .into(),
         )
     })?;
-    if runtime.disabled.and_then(|at| bytes_at(elf, at, 1)) == Some(&[1][..]) {
-        let file = display;
-        tracing::warn!(
-            "Go's runtime in {file} starts with its heap sampling off (runtime.MemProfileRate 0), as the \
-             program links no runtime/pprof: memprof sees only the samples taken once it sets runtime.MemProfileRate"
-        );
-    }
+    let starts_off = runtime.disabled.and_then(|at| bytes_at(elf, at, 1)) == Some(&[1][..]);
     let offset = |address: u64| {
         file_offset(elf, address).ok_or_else(|| refuse(format!("its address {address:#x} is in no section")))
     };
@@ -94,7 +88,7 @@ pub fn sites(elf: &object::File<'_>, path: &std::path::Path, display: &str) -> R
     // from the probe, which is where the instruction pointer is when the probe fires.
     alloc.args[2] = ArgSpec { kind: kind::MEMORY, value: runtime.rate.wrapping_sub(malloc) as i64, ..alloc.args[2] };
     let site = |probe, address, spec| -> Result<Site, UserError> {
-        Ok(Site { path: path.to_path_buf(), offset: offset(address)?, semaphore: None, probe, spec })
+        Ok(Site { path: path.to_path_buf(), offset: offset(address)?, semaphore: None, probe, spec, starts_off })
     };
     Ok(vec![
         site(Probe::Alloc, malloc, alloc)?,

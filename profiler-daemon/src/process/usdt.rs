@@ -35,6 +35,9 @@ pub struct Site {
     pub semaphore: Option<u64>,
     pub probe: Probe,
     pub spec: ProbeSpec,
+    /// A Go runtime's site whose sampling starts off: the program links no heap profile, and is
+    /// seen only once it sets `runtime.MemProfileRate` itself.
+    pub starts_off: bool,
 }
 
 /// The sites in every file `pid` maps code from; an error naming the fix when it has none.
@@ -57,6 +60,17 @@ pub fn in_files(files: &[PathBuf], command: &Path) -> Result<Vec<Site>, UserErro
         sites.extend(in_file(file, &file.display().to_string())?);
     }
     none_is_an_error(sites, command.display().to_string())
+}
+
+/// Says, once per file, that a Go runtime among `sites` starts with its sampling off.
+pub fn say_if_sampling_off(sites: &[Site]) {
+    for site in sites.iter().filter(|site| site.starts_off && site.probe == Probe::Alloc) {
+        tracing::warn!(
+            "Go's runtime in {} starts with its heap sampling off (runtime.MemProfileRate 0), as the program links \
+             no runtime/pprof: memprof sees only the samples taken once it sets runtime.MemProfileRate",
+            site.path.display()
+        );
+    }
 }
 
 /// How `sites` trace a process, for the line `attach` and `run` start with.
@@ -132,7 +146,7 @@ fn otel_sites(elf: &object::File<'_>, path: &Path, display: &str) -> Result<Vec<
         for (slot, text) in spec.args.iter_mut().zip(&args[..wanted]) {
             *slot = usdt::parse(text).map_err(|err| bad(format!("argument `{text}`: {}", spec_error(err))))?;
         }
-        sites.push(Site { path: path.to_path_buf(), offset, semaphore, probe, spec });
+        sites.push(Site { path: path.to_path_buf(), offset, semaphore, probe, spec, starts_off: false });
     }
     Ok(sites)
 }

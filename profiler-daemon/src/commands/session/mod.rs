@@ -288,6 +288,7 @@ fn usdt_sites(
         return Err(UserError::UsdtFollowForks);
     }
     let sites = find()?;
+    usdt::say_if_sampling_off(&sites);
     allocator.seen_through(&sites);
     Ok(Some(sites))
 }

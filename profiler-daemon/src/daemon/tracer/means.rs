@@ -40,7 +40,9 @@ impl Tracer {
     pub(super) fn means_of(&self, pid: u32) -> anyhow::Result<Means> {
         let found = allocator::find_with(pid, self.runtime_only());
         let (mut allocator, sites) = if self.config.sampling.usdt {
-            (found?, usdt::in_process(pid)?)
+            let sites = usdt::in_process(pid)?;
+            usdt::say_if_sampling_off(&sites);
+            (found?, sites)
         } else {
             match found {
                 Ok(allocator) => return Ok(Means { allocator, sampler: None }),
@@ -56,8 +58,9 @@ impl Tracer {
 }
 
 /// A Go program built without cgo: statically linked, its only allocator Go's runtime, with a
-/// sampler memprof reads. A dynamic program caught before its loader mapped its libraries
-/// is not one: it is tried again once it has.
+/// sampler memprof reads that starts on (the program links a heap profile; one that does not
+/// would show nothing, and stays refused, with the refusal's advice). A dynamic program caught
+/// before its loader mapped its libraries is not one: it is tried again once it has.
 fn pure_go(pid: u32) -> Option<(Allocator, Vec<Site>)> {
     if !allocator::statically_linked(pid) {
         return None;
@@ -65,6 +68,10 @@ fn pure_go(pid: u32) -> Option<(Allocator, Vec<Site>)> {
     let allocator = allocator::find_with(pid, RuntimeOnly::Accepted).ok()?;
     match usdt::in_process(pid) {
         Ok(sites) if allocator.files.is_empty() && sites.iter().any(|site| site.spec.sampler == sampler::GO) => {
+            if sites.iter().any(|site| site.starts_off) {
+                tracing::debug!(pid, "its Go runtime starts with its heap sampling off: not traced through it");
+                return None;
+            }
             Some((allocator, sites))
         }
         Ok(_) => None,
