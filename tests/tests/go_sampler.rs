@@ -132,6 +132,34 @@ fn the_daemon_traces_a_pure_go_program_a_traced_process_execs_through_its_sample
     wait_for(20, "main.keep's blocks", || (site(&daemon.get_json(&leaks).1, "main.keep") == KEPT).then_some(()));
 }
 
+/// A Go program traced through its sampler that execs a C program has the C program traced by its
+/// calls: the sampler's probes and its mark go with the old program.
+#[test]
+fn the_daemon_traces_a_c_program_a_sampled_go_program_execs_by_its_calls() {
+    let c_program = fixture("daemon_target");
+    let mut go = Waiting::start(&fixture_go_pure("go_sampler"), &["exec", c_program.to_str().unwrap()]);
+    let pid = go.pid();
+    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(20, "the Go program traced through its sampler", || {
+        daemon.get_json(&leaks).1["usdt_samples"].is_u64().then_some(())
+    });
+    go.go();
+    let mut ready = String::new();
+    BufReader::new(go.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n", "the C program did not start");
+    wait_for(20, "the C program traced by its calls", || {
+        let (_, report) = daemon.get_json(&leaks);
+        (report["comm"] == "daemon_target" && report["usdt_samples"].is_null()).then_some(())
+    });
+    go.go();
+    let report = wait_for(20, "the C program's held blocks", || {
+        let (_, report) = daemon.get_json(&leaks);
+        (site(&report, "hold_site") == (50_000, 50)).then_some(report)
+    });
+    assert!(report["usdt_samples"].is_null(), "{report}");
+}
+
 /// A Go program without cgo whose runtime starts with its sampling off (it links no heap profile)
 /// would show nothing through its sampler: the daemon leaves it untraced, and says why with the
 /// refusal's advice when the rules name it.
