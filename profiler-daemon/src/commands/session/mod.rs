@@ -310,8 +310,6 @@ fn forks_untraced_children(args: &TraceArgs, pid: u32) -> bool {
         && procfs::children(pid).is_ok_and(|children| !children.is_empty())
 }
 
-/// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
-/// touches, when that is traced.
 /// With `--usdt`, every process is traced through its allocator's own sampler; without, none.
 fn samplers(args: &TraceArgs) -> loader::Samplers {
     if args.sampling.usdt {
@@ -321,6 +319,8 @@ fn samplers(args: &TraceArgs) -> loader::Samplers {
     }
 }
 
+/// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
+/// touches, when that is traced.
 fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
     allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth || args.sampling.usdt)
 }

@@ -40,9 +40,12 @@ impl Tracer {
     pub(super) fn means_of(&self, pid: u32) -> anyhow::Result<Means> {
         let found = allocator::find_with(pid, self.runtime_only());
         let (mut allocator, sites) = if self.config.sampling.usdt {
+            // Its allocator first: a process that cannot be attached yet is tried again, and its
+            // sampling-off warning is not said at each try.
+            let allocator = found?;
             let sites = usdt::in_process(pid)?;
             usdt::say_if_sampling_off(&sites);
-            (found?, sites)
+            (allocator, sites)
         } else {
             match found {
                 Ok(allocator) => return Ok(Means { allocator, sampler: None }),
