@@ -4,8 +4,8 @@
 //! free 1,000 blocks of 4 KiB from `main.churn`.
 
 use memprof_tests::{
-    attach, fixture, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_release_stripped, fixture_go_stripped,
-    metric, run, site, total, wait_for, Daemon, Waiting,
+    attach, fixture, fixture_go, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_release_stripped,
+    fixture_go_stripped, metric, run, site, total, wait_for, Daemon, Waiting,
 };
 use serde_json::Value;
 use std::io::{BufRead as _, BufReader};
@@ -45,6 +45,37 @@ fn attach_reads_each_sample_of_a_go_program() {
     let outcome = attach(&mut target, &["--usdt", "--interval", "60"]);
     assert!(outcome.status.success(), "{outcome:?}");
     assert_every_sample(&outcome.final_report());
+}
+
+/// The line `attach` and `run` say when they choose a Go program's sampler themselves.
+const CHOSE_THE_SAMPLER: &str = "is a Go program without cgo: tracing it through its runtime's own sampler";
+
+/// Given no mode, `attach` and `run` trace a Go program without cgo through its runtime's sampler,
+/// the only way they see its heap by stack, and say so; a Go program with cgo is traced by its
+/// calls to the C library's allocator, Go's heap its blind spot.
+#[test]
+fn attach_and_run_choose_a_pure_go_programs_sampler_by_themselves() {
+    let mut target = Waiting::start(&fixture_go_pure("go_sampler"), &["every"]);
+    let attached = attach(&mut target, &["--interval", "60"]);
+    let program = fixture_go_pure("go_sampler");
+    let ran = run(&["--interval", "60"], &[program.to_str().unwrap(), "every"]);
+    for outcome in [attached, ran] {
+        assert!(outcome.status.success(), "{outcome:?}");
+        let said: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains(CHOSE_THE_SAMPLER)).collect();
+        assert_eq!(said.len(), 1, "{}", outcome.stderr);
+        assert!(outcome.stderr.contains("with Go's runtime sampler"), "{}", outcome.stderr);
+        let report = outcome.final_report();
+        assert_every_sample(&report);
+        assert!(report["usdt_samples"].as_u64().unwrap() >= 1000, "{}", report["usdt_samples"]);
+    }
+    let cgo = fixture_go("go_sampler");
+    let outcome = run(&["--interval", "60"], &[cgo.to_str().unwrap(), "every"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(!outcome.stderr.contains(CHOSE_THE_SAMPLER), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert!(report["usdt_samples"].is_null(), "traced by its calls: {report}");
+    let spots = report["blind_spots"].as_array().unwrap();
+    assert!(spots.iter().any(|spot| spot["heap"] == "Go's heap"), "{spots:?}");
 }
 
 /// At Go's default rate (one sample in every 512 KiB on average) a site holding B bytes is

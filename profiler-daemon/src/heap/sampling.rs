@@ -41,7 +41,8 @@ pub struct Sampling {
     /// Record only the allocations the allocator's own sampler reports through its
     /// `otel_memory:alloc` and `otel_memory:free` USDT probes, or a Go program's runtime samples
     /// of its heap, and attach no allocator probe: the cost is one trap per sampled allocation
-    /// and free, whatever the allocation rate.
+    /// and free, whatever the allocation rate. A Go program without cgo, which has no allocator
+    /// memprof probes, is traced so without it too.
     #[arg(long, conflicts_with_all = ["sample_bytes", "max_rate", "growth"])]
     pub usdt: bool,
 }

@@ -8,6 +8,7 @@ pub mod families;
 pub mod file_cache;
 pub mod freeze;
 pub mod go_functions;
+pub mod go_program;
 pub mod go_runtime;
 pub mod image;
 pub mod inject;

@@ -1,5 +1,6 @@
 //! One tracing session: attach to a process (or start one), report every interval, report at the end.
 
+mod means;
 mod tracer;
 
 use std::{io, num::NonZeroU32};
@@ -25,6 +26,7 @@ use crate::{
     symbolize::SymbolizerHandle,
 };
 
+use means::Means;
 use tracer::{trace, Traced};
 
 /// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
@@ -40,16 +42,16 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Privileges first: without them /proc says too little about other users' processes.
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
-    let mut allocator = allocator::find_with(pid_n, runtime_only(args))?;
+    let Means { args, allocator, sites } = means::of_process(args, pid_n)?;
+    let args = &args;
     // Its system time untraced, over the time memprof takes to load: what tracing adds is
     // measured against it.
     let untraced_from = SystemCpu::read(pid_n);
-    let sites = usdt_sites(args, &mut allocator, || usdt::in_process(pid_n))?;
     let forking = forks_untraced_children(args, pid_n);
     if forking {
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
     }
-    let mut loaded = loader::load(args.maps, args.interval, samplers(args), !forking)?;
+    let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), !forking)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -131,12 +133,12 @@ pub async fn run(
     let opened = Opened::open(args)?;
     let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
     loader::check_support()?;
-    let (mut allocator, files) = allocator::for_command(&program, runtime_only(args))?;
-    let sites = usdt_sites(args, &mut allocator, || usdt::in_files(&files, &program))?;
+    let (Means { args, mut allocator, sites }, files) = means::of_command(args, &program)?;
+    let args = &args;
     let routed = allocator.route_through_malloc();
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
-    let mut loaded = loader::load(args.maps, args.interval, samplers(args), true)?;
+    let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), true)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -272,27 +274,6 @@ fn gone_or(pid: u32) -> String {
     }
 }
 
-/// With `--usdt`, the process's `otel_memory` probe sites and its Go runtime's, found before
-/// anything is loaded: none is an error naming the fix. A process traced so has no allocator
-/// probe, and its forks are not followed (they would get allocator probes). The heaps the sites
-/// sample are no blind spot of `allocator`.
-fn usdt_sites(
-    args: &TraceArgs,
-    allocator: &mut Allocator,
-    find: impl FnOnce() -> Result<Vec<usdt::Site>, UserError>,
-) -> Result<Option<Vec<usdt::Site>>, UserError> {
-    if !args.sampling.usdt {
-        return Ok(None);
-    }
-    if args.follow_forks == Some(true) {
-        return Err(UserError::UsdtFollowForks);
-    }
-    let sites = find()?;
-    usdt::say_if_sampling_off(&sites);
-    allocator.seen_through(&sites);
-    Ok(Some(sites))
-}
-
 /// Whether the session follows its target's children: with `--follow-forks`, else for `run`'s
 /// command (but with `--usdt`, which refuses it), not for a process `attached` to.
 fn follows_forks(args: &TraceArgs, attached: bool) -> bool {
@@ -308,21 +289,6 @@ fn forks_untraced_children(args: &TraceArgs, pid: u32) -> bool {
     args.sampling.traces_calls()
         && !follows_forks(args, true)
         && procfs::children(pid).is_ok_and(|children| !children.is_empty())
-}
-
-/// With `--usdt`, every process is traced through its allocator's own sampler; without, none.
-fn samplers(args: &TraceArgs) -> loader::Samplers {
-    if args.sampling.usdt {
-        loader::Samplers::Every
-    } else {
-        loader::Samplers::None
-    }
-}
-
-/// A process whose only allocator is a runtime's (a pure Go binary) is traced by what it maps or
-/// touches, when that is traced.
-fn runtime_only(args: &TraceArgs) -> allocator::RuntimeOnly {
-    allocator::RuntimeOnly::accepted_if(args.maps.mappings || args.sampling.growth || args.sampling.usdt)
 }
 
 /// `usdt_sites`: with `--usdt`, the probe sites attached.

@@ -4,12 +4,12 @@
 //! growth traced) when its runtime has a sampler memprof reads.
 
 use heap::sampling::{RateGuard, Sampling};
-use profiler_common::usdt::sampler;
 
 use super::Tracer;
 use crate::{
     heap,
-    process::allocator::{self, Allocator, RuntimeOnly},
+    process::allocator::{self, Allocator},
+    process::go_program,
     process::usdt::{self, Site},
 };
 
@@ -39,48 +39,21 @@ impl Tracer {
     /// How `pid` is traced; an error when it cannot be.
     pub(super) fn means_of(&self, pid: u32) -> anyhow::Result<Means> {
         let found = allocator::find_with(pid, self.runtime_only());
-        let (mut allocator, sites) = if self.config.sampling.usdt {
-            // Its allocator first: a process that cannot be attached yet is tried again, and its
-            // sampling-off warning is not said at each try.
-            let allocator = found?;
-            let sites = usdt::in_process(pid)?;
-            usdt::say_if_sampling_off(&sites);
-            (allocator, sites)
-        } else {
-            match found {
-                Ok(allocator) => return Ok(Means { allocator, sampler: None }),
-                Err(refused) => match pure_go(pid) {
-                    Some(found) => found,
-                    None => return Err(refused.into()),
+        if !self.config.sampling.usdt {
+            return match found {
+                Ok(allocator) => Ok(Means { allocator, sampler: None }),
+                Err(refused) => match go_program::in_process(pid) {
+                    Some((allocator, sites)) => Ok(Means { allocator, sampler: Some(sites) }),
+                    None => Err(refused.into()),
                 },
-            }
-        };
+            };
+        }
+        // Its allocator first: a process that cannot be attached yet is tried again, and its
+        // sampling-off warning is not said at each try.
+        let mut allocator = found?;
+        let sites = usdt::in_process(pid)?;
+        usdt::say_if_sampling_off(&sites);
         allocator.seen_through(&sites);
         Ok(Means { allocator, sampler: Some(sites) })
-    }
-}
-
-/// A Go program built without cgo: statically linked, its only allocator Go's runtime, with a
-/// sampler memprof reads that starts on (the program links a heap profile; one that does not
-/// would show nothing, and stays refused, with the refusal's advice). A dynamic program caught
-/// before its loader mapped its libraries is not one: it is tried again once it has.
-fn pure_go(pid: u32) -> Option<(Allocator, Vec<Site>)> {
-    if !allocator::statically_linked(pid) {
-        return None;
-    }
-    let allocator = allocator::find_with(pid, RuntimeOnly::Accepted).ok()?;
-    match usdt::in_process(pid) {
-        Ok(sites) if allocator.files.is_empty() && sites.iter().any(|site| site.spec.sampler == sampler::GO) => {
-            if sites.iter().any(|site| site.starts_off) {
-                tracing::debug!(pid, "its Go runtime starts with its heap sampling off: not traced through it");
-                return None;
-            }
-            Some((allocator, sites))
-        }
-        Ok(_) => None,
-        Err(why) => {
-            tracing::debug!(pid, "no sampler to trace it through either: {why}");
-            None
-        }
     }
 }

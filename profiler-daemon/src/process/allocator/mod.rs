@@ -240,11 +240,16 @@ fn is_dynamic_loader(path: &str) -> bool {
     file_name(path).starts_with("ld-linux")
 }
 
-/// Whether `pid` runs a statically linked program: it maps no dynamic loader, glibc's or musl's
-/// (the kernel maps a dynamic program's loader beside it at exec, before it runs).
+/// Whether `path` names a dynamic loader, glibc's or musl's (musl's is its C library too).
+pub fn is_any_dynamic_loader(path: &str) -> bool {
+    is_dynamic_loader(path) || file_name(path).starts_with("ld-musl")
+}
+
+/// Whether `pid` runs a statically linked program: it maps no dynamic loader (the kernel maps a
+/// dynamic program's loader beside it at exec, before it runs).
 pub fn statically_linked(pid: u32) -> bool {
-    let loader = |path: &str| is_dynamic_loader(path) || file_name(path).starts_with("ld-musl");
-    procfs::file_mappings(pid).is_ok_and(|mappings| !mappings.iter().any(|mapping| loader(&mapping.path)))
+    procfs::file_mappings(pid)
+        .is_ok_and(|mappings| !mappings.iter().any(|mapping| is_any_dynamic_loader(&mapping.path)))
 }
 
 #[cfg(test)]

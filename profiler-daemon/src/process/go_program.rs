@@ -1,0 +1,58 @@
+//! A Go program built without cgo: statically linked, its only allocator Go's runtime, which
+//! memprof probes no call of. Nothing but the runtime's own sampler shows its heap by stack, so
+//! memprof traces it through that sampler when nothing else was asked for: found in a running
+//! process (`in_process`) or in a command before it starts (`command`).
+
+use std::path::{Path, PathBuf};
+
+use profiler_common::usdt::sampler;
+
+use super::{
+    allocator::{self, Allocator, RuntimeOnly},
+    usdt::{self, Site},
+};
+use crate::error::UserError;
+
+/// Process `pid`'s allocator and its runtime's sampler sites, when it runs a Go program without
+/// cgo whose sampler memprof reads. A dynamic program caught before its loader mapped its
+/// libraries is not one.
+pub fn in_process(pid: u32) -> Option<(Allocator, Vec<Site>)> {
+    if !allocator::statically_linked(pid) {
+        return None;
+    }
+    let allocator = allocator::find_with(pid, RuntimeOnly::Accepted).ok()?;
+    sampled(allocator, usdt::in_process(pid))
+}
+
+/// As `in_process`, for `program` before it runs, with the files it maps (see
+/// `allocator::for_command`).
+pub fn command(program: &Path) -> Option<(Allocator, Vec<PathBuf>, Vec<Site>)> {
+    let (allocator, files) = allocator::for_command(program, RuntimeOnly::Accepted).ok()?;
+    if files.iter().any(|file| allocator::is_any_dynamic_loader(&file.to_string_lossy())) {
+        return None;
+    }
+    let (allocator, sites) = sampled(allocator, usdt::in_files(&files, program))?;
+    Some((allocator, files, sites))
+}
+
+/// `sites`, when `allocator` holds no allocator memprof probes and they include a Go runtime's
+/// sampler that starts on. One whose sampling starts off (the program links no heap profile)
+/// would show nothing.
+fn sampled(mut allocator: Allocator, sites: Result<Vec<Site>, UserError>) -> Option<(Allocator, Vec<Site>)> {
+    let sites = match sites {
+        Ok(sites) => sites,
+        Err(why) => {
+            tracing::debug!("no sampler to trace it through either: {why}");
+            return None;
+        }
+    };
+    if !allocator.files.is_empty() || !sites.iter().any(|site| site.spec.sampler == sampler::GO) {
+        return None;
+    }
+    if sites.iter().any(|site| site.starts_off) {
+        tracing::debug!("its Go runtime starts with its heap sampling off: not traced through it");
+        return None;
+    }
+    allocator.seen_through(&sites);
+    Some((allocator, sites))
+}
