@@ -45,7 +45,7 @@ const _: () = {
     assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
-    assert!(core::mem::size_of::<ProcCounters>() == 32);
+    assert!(core::mem::size_of::<ProcCounters>() == 40);
     assert!(core::mem::size_of::<SampleRate>() == 16);
     assert!(core::mem::size_of::<usdt::ProbeSpec>() == 24 * usdt::ARGS + 8);
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);

@@ -95,6 +95,9 @@ pub struct ProcCounters {
     pub failed_allocations: u64,
     /// Allocations the allocator's `otel_memory:alloc` probe reported (see `usdt`).
     pub usdt_samples: u64,
+    /// The allocations and frees those samples stand for in `STACK_STATS` (in 1/`COUNT_SCALE`
+    /// units): the rest of its counts are the calls its allocator probes saw.
+    pub usdt_counts: u64,
 }
 
 /// Per-process heap figures that allocations and frees update (one lookup per call, in

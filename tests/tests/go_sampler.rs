@@ -139,56 +139,95 @@ fn without_usdt_the_daemon_reads_a_pure_go_programs_sampler_and_a_c_programs_cal
     assert_eq!(metric(daemon.port, &samples(c_pid, "daemon_target")), Some(0));
 }
 
-/// A traced process that execs a Go program built without cgo is traced on through the program's
-/// sampler: a shell, traced by its calls, execs the fixture, which waits to be let go.
+/// Without `--usdt`, the daemon traces a Go program with cgo by its calls to the C library's
+/// allocator, and its Go heap through its runtime's sampler beside them: `main.keep` exact, the
+/// report saying so. The samples' estimated counts are no calls: a `--max-rate` far below them
+/// leaves it as it is, not switched to growth mode.
 #[test]
-fn the_daemon_traces_a_pure_go_program_a_traced_process_execs_through_its_sampler() {
-    let program = fixture_go_pure("go_sampler");
-    let mut command = std::process::Command::new("sh");
-    command.args(["-c", &format!("echo ready; read line; exec {} --wait every hold", program.display())]);
-    let mut shell = Waiting::start_command(command);
-    let pid = shell.pid();
-    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+fn without_usdt_the_daemon_reads_a_cgo_programs_go_heap_beside_its_calls() {
+    let mut go = Waiting::start(&fixture_go("go_sampler"), &["every", "hold"]);
+    let pid = go.pid();
+    let mut daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "1000"]);
     daemon.wait_traced(pid);
-    shell.go();
-    let mut ready = String::new();
-    BufReader::new(shell.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
-    assert_eq!(ready, "ready\n", "the Go program did not start");
-    let leaks = format!("/api/v1/leaks?pid={pid}");
-    wait_for(20, "the Go program traced through its sampler", || {
-        let (_, report) = daemon.get_json(&leaks);
-        (report["comm"] == "go_sampler-pure" && report["usdt_samples"].is_u64()).then_some(())
-    });
-    shell.go();
-    wait_for(20, "main.keep's blocks", || (site(&daemon.get_json(&leaks).1, "main.keep") == KEPT).then_some(()));
+    go.go();
+    let series = format!("memprof_usdt_samples_total{{pid=\"{pid}\",comm=\"go_sampler\"}}");
+    wait_for(15, "the Go samples in the metrics", || (metric(daemon.port, &series)? >= 2000).then_some(()));
+    // Two intervals more: the rate guard has seen the samples.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_eq!(site(&report, "main.keep"), KEPT, "{report}");
+    assert_eq!(report["usdt_beside_calls"], true, "{report}");
+    assert!(report["growth"].is_null(), "switched to growth mode: {report}");
+    let spots = report["blind_spots"].as_array().unwrap();
+    assert!(spots.iter().all(|spot| spot["heap"] != "Go's heap"), "Go's heap is seen: {spots:?}");
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    assert!(!log.contains("above max_rate"), "{log}");
 }
 
-/// A Go program traced through its sampler that execs a C program has the C program traced by its
-/// calls: the sampler's probes and its mark go with the old program.
+/// A traced process that execs a Go program is traced on through the program's sampler, beside
+/// its calls when it has cgo: a shell, traced by its calls, execs the fixture, which waits to be
+/// let go.
+#[test]
+fn the_daemon_traces_a_go_program_a_traced_process_execs_through_its_sampler() {
+    for (program, comm) in
+        [(fixture_go_pure("go_sampler"), "go_sampler-pure"), (fixture_go("go_sampler"), "go_sampler")]
+    {
+        let mut command = std::process::Command::new("sh");
+        command.args(["-c", &format!("echo ready; read line; exec {} --wait every hold", program.display())]);
+        let mut shell = Waiting::start_command(command);
+        let pid = shell.pid();
+        let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+        daemon.wait_traced(pid);
+        shell.go();
+        let mut ready = String::new();
+        BufReader::new(shell.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+        assert_eq!(ready, "ready\n", "the Go program did not start");
+        let leaks = format!("/api/v1/leaks?pid={pid}");
+        wait_for(20, "the Go program traced through its sampler", || {
+            let (_, report) = daemon.get_json(&leaks);
+            (report["comm"] == comm && report["usdt_samples"].is_u64()).then_some(())
+        });
+        shell.go();
+        let report = wait_for(20, "main.keep's blocks", || {
+            let (_, report) = daemon.get_json(&leaks);
+            (site(&report, "main.keep") == KEPT).then_some(report)
+        });
+        assert_eq!(report["usdt_beside_calls"].as_bool().unwrap_or(false), comm == "go_sampler", "{report}");
+    }
+}
+
+/// A Go program traced through its sampler (alone, or beside its calls with cgo) that execs a C
+/// program has the C program traced by its calls alone: the sampler's probes and its mark go with
+/// the old program.
 #[test]
 fn the_daemon_traces_a_c_program_a_sampled_go_program_execs_by_its_calls() {
     let c_program = fixture("daemon_target");
-    let mut go = Waiting::start(&fixture_go_pure("go_sampler"), &["exec", c_program.to_str().unwrap()]);
-    let pid = go.pid();
-    let daemon = Daemon::start(&["--pid", &pid.to_string()]);
-    let leaks = format!("/api/v1/leaks?pid={pid}");
-    wait_for(20, "the Go program traced through its sampler", || {
-        daemon.get_json(&leaks).1["usdt_samples"].is_u64().then_some(())
-    });
-    go.go();
-    let mut ready = String::new();
-    BufReader::new(go.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
-    assert_eq!(ready, "ready\n", "the C program did not start");
-    wait_for(20, "the C program traced by its calls", || {
-        let (_, report) = daemon.get_json(&leaks);
-        (report["comm"] == "daemon_target" && report["usdt_samples"].is_null()).then_some(())
-    });
-    go.go();
-    let report = wait_for(20, "the C program's held blocks", || {
-        let (_, report) = daemon.get_json(&leaks);
-        (site(&report, "hold_site") == (50_000, 50)).then_some(report)
-    });
-    assert!(report["usdt_samples"].is_null(), "{report}");
+    for go_program in [fixture_go_pure("go_sampler"), fixture_go("go_sampler")] {
+        let mut go = Waiting::start(&go_program, &["exec", c_program.to_str().unwrap()]);
+        let pid = go.pid();
+        let daemon = Daemon::start(&["--pid", &pid.to_string()]);
+        let leaks = format!("/api/v1/leaks?pid={pid}");
+        wait_for(20, "the Go program traced through its sampler", || {
+            daemon.get_json(&leaks).1["usdt_samples"].is_u64().then_some(())
+        });
+        go.go();
+        let mut ready = String::new();
+        BufReader::new(go.child.stdout.as_mut().unwrap()).read_line(&mut ready).unwrap();
+        assert_eq!(ready, "ready\n", "the C program did not start");
+        wait_for(20, "the C program traced by its calls", || {
+            let (_, report) = daemon.get_json(&leaks);
+            (report["comm"] == "daemon_target" && report["usdt_samples"].is_null()).then_some(())
+        });
+        go.go();
+        let report = wait_for(20, "the C program's held blocks", || {
+            let (_, report) = daemon.get_json(&leaks);
+            (site(&report, "hold_site") == (50_000, 50)).then_some(report)
+        });
+        assert!(report["usdt_samples"].is_null(), "{}: {report}", go_program.display());
+        assert!(report["usdt_beside_calls"].is_null(), "{report}");
+    }
 }
 
 /// A Go program without cgo whose runtime starts with its sampling off (it links no heap profile)

@@ -139,7 +139,8 @@ fn moment(at: Option<Moment>, flame: Flame) -> anyhow::Result<Option<Moment>> {
 /// Refuses a graph of temporary allocations from a process traced in a mode that does not
 /// count them (only every call traced tells which allocations were temporary).
 fn check_temporary(path: &Path, report: &Report) -> anyhow::Result<()> {
-    if report.sample_bytes != 0 || report.growth.is_some() || report.usdt_samples.is_some() {
+    let only_sampled = report.usdt_samples.is_some() && !report.usdt_beside_calls;
+    if report.sample_bytes != 0 || report.growth.is_some() || only_sampled {
         bail!(
             "{}: its allocations were sampled or traced by pages, which counts no temporary allocations; record with every call traced (--max-rate off, no --sample-bytes, --growth or --usdt)",
             path.display()

@@ -117,7 +117,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ),
     (
         "memprof_usdt_samples",
-        "Allocations the allocator's own sampler (its otel_memory probes, or Go's runtime) reported when the process is traced with --usdt (its other series are then estimates); 0 otherwise.",
+        "Allocations the allocator's own sampler (its otel_memory probes, or Go's runtime) reported when the process is traced through it, alone or (Go's heap) beside its calls (its other series are then estimates, in part beside the calls); 0 otherwise.",
         MetricType::Counter,
         |t| t.report.usdt_samples.unwrap_or(0),
     ),

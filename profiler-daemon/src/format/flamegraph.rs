@@ -75,6 +75,8 @@ fn subtitle(report: &Report, flame: Flame) -> String {
     };
     if report.growth.is_some() {
         format!("{shown}, by the stack that first touched each")
+    } else if let Some(samples) = report.usdt_samples.filter(|_| report.usdt_beside_calls) {
+        format!("{shown}, Go's heap estimated from {samples} samples its runtime reported")
     } else if let Some(samples) = report.usdt_samples {
         format!("{shown}, estimated from {samples} samples the allocator reported")
     } else if report.sample_bytes == 0 {

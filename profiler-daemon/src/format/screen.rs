@@ -64,12 +64,19 @@ pub fn render(report: &Report, rates: Rates, rows: usize, columns: usize) -> Str
 fn mode(report: &Report) -> String {
     if report.growth.is_some() {
         "growth mode (pages first touched)".to_string()
-    } else if report.usdt_samples.is_some() {
+    } else if report.usdt_samples.is_some() && !report.usdt_beside_calls {
         "the allocator's own sampler (estimates)".to_string()
-    } else if report.sample_bytes != 0 {
-        format!("sampled, one in every {} (estimates)", bytes(report.sample_bytes))
     } else {
-        "every call traced".to_string()
+        let calls = if report.sample_bytes != 0 {
+            format!("sampled, one in every {} (estimates)", bytes(report.sample_bytes))
+        } else {
+            "every call traced".to_string()
+        };
+        if report.usdt_beside_calls {
+            format!("{calls}, Go's heap by its sampler (estimates)")
+        } else {
+            calls
+        }
     }
 }
 

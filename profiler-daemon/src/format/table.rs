@@ -162,7 +162,7 @@ fn section(report: &Report) -> String {
         );
     }
     if let Some(samples) = report.usdt_samples {
-        let _ = writeln!(out, "  {}", crate::heap::sampling::usdt_mode(samples));
+        let _ = writeln!(out, "  {}", crate::heap::sampling::usdt_mode(samples, report.usdt_beside_calls));
     }
     if report.stacks.is_empty() && report.totals.outstanding_allocations > 0 {
         // Filters (--focus, --min-bytes, suppressions) left none of them.

@@ -77,8 +77,14 @@ pub fn max_rate(value: &str) -> Result<MaxRate, String> {
     }
 }
 
-/// What a report traced with `--usdt` is made from, and what it cannot show.
-pub fn usdt_mode(samples: u64) -> String {
+/// What a report traced through its allocator's own sampler is made from, and what it cannot
+/// show: all of it, or Go's heap `beside_calls` traced as the rest of the report says.
+pub fn usdt_mode(samples: u64, beside_calls: bool) -> String {
+    if beside_calls {
+        return format!(
+            "usdt: Go's heap through its runtime's sampler, {samples} samples, beside the allocator calls; the Go heap's counts and bytes are estimates"
+        );
+    }
     format!(
         "usdt: the allocator's own sampler (otel_memory probes, or Go's runtime), {samples} samples; counts and bytes are estimates; no double frees, failed allocations or per-call counts"
     )
@@ -166,7 +172,9 @@ impl RateGuard {
         if snapshot.growth.is_some() {
             return None;
         }
-        let calls: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
+        let counted: u64 = snapshot.stacks.iter().map(|s| s.stats.allocations + s.stats.frees).sum();
+        // What a sampler beside the calls counted are estimates, not calls.
+        let calls = counted.saturating_sub(snapshot.counters.usdt_counts);
         self.check_calls(snapshot.now_ns, calls, snapshot.sample_bytes)
     }
 

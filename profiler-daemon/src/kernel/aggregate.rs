@@ -54,8 +54,8 @@ pub struct Snapshot {
     pub missed_generations: u64,
     /// Mean bytes between samples when the process is sampled; 0 when every call is recorded.
     pub sample_bytes: u64,
-    /// Recorded only as its allocator's `otel_memory` probes report (`--usdt`).
-    pub usdt: bool,
+    /// What of it its allocator's own sampler records (see `loader::usdt`).
+    pub sampler: Sampler,
     pub sizes: Log2Histogram,
     /// Lifetimes of freed allocations, in ns.
     pub lifetimes: Log2Histogram,
@@ -67,6 +67,19 @@ pub struct Snapshot {
     pub mappings: Vec<MappedStack>,
     /// Traced by the pages it touches (`--growth`): its stacks hold pages, not blocks.
     pub growth: Option<Growth>,
+}
+
+/// What of a process its allocator's own sampler records: its `otel_memory` probes, or Go's
+/// runtime's sampler.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Sampler {
+    /// Nothing: its calls are traced.
+    #[default]
+    None,
+    /// All of it, and no call (`--usdt`, or a Go program without cgo).
+    Only,
+    /// Go's heap, beside its calls to the C library's allocator (a Go program with cgo).
+    BesideCalls,
 }
 
 /// What a process traced by its page faults (`--growth`) touched and memprof did not count.
@@ -141,7 +154,7 @@ pub fn read<'a>(
         images.insert(tgid, heap.image as u32);
         let process = Snapshot {
             now_ns,
-            counters: counters.get(&tgid, 0).unwrap_or_default(),
+            counters: whole_counts(counters.get(&tgid, 0).unwrap_or_default()),
             drops: proc_drops.get(&tgid, 0).unwrap_or_default(),
             sample_bytes: sampling.get(&tgid, 0).unwrap_or(0),
             sizes: unscale_histogram(heap.sizes),
@@ -288,6 +301,11 @@ impl StackSnapshot {
         self.ages.extend(other.ages);
         self.ages.sort_by_key(|span| span.first);
     }
+}
+
+/// `counters` with `usdt_counts` in whole counts, as the stacks' counts are read.
+fn whole_counts(counters: ProcCounters) -> ProcCounters {
+    ProcCounters { usdt_counts: unscale(counters.usdt_counts), ..counters }
 }
 
 /// A count the kernel keeps in 1/COUNT_SCALE units (see `profiler_common::weight`), rounded.

@@ -1,7 +1,8 @@
 //! A Go program built without cgo: statically linked, its only allocator Go's runtime, which
 //! memprof probes no call of. Nothing but the runtime's own sampler shows its heap by stack, so
 //! memprof traces it through that sampler when nothing else was asked for: found in a running
-//! process (`in_process`) or in a command before it starts (`command`).
+//! process (`in_process`) or in a command before it starts (`command`). A Go program with cgo
+//! has the same sampler beside the C library's allocator (`sampler_beside_calls`).
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +34,27 @@ pub fn command(program: &Path) -> Option<(Allocator, Vec<PathBuf>, Vec<Site>)> {
     }
     let (allocator, sites) = sampled(allocator, usdt::in_files(&files, program))?;
     Some((allocator, files, sites))
+}
+
+/// The sites of Go's runtime sampler in `pid`, a Go program with cgo whose `allocator` (the C
+/// library's) memprof traces by its calls: Go's heap, which no call shows, is seen through them.
+/// None in any other process, or when its sampling starts off. Its `otel_memory` probes, of an
+/// allocator whose calls are traced, are left out: they would count its blocks twice.
+pub fn sampler_beside_calls(pid: u32, allocator: &Allocator) -> Option<Vec<Site>> {
+    if !allocator.go_heap_unseen() {
+        return None;
+    }
+    let sites: Vec<Site> = match usdt::in_process(pid) {
+        Ok(sites) => sites.into_iter().filter(|site| site.spec.sampler == sampler::GO).collect(),
+        Err(why) => {
+            tracing::debug!(pid, "its Go heap stays unseen: {why}");
+            return None;
+        }
+    };
+    if sites.is_empty() || sites.iter().any(|site| site.starts_off) {
+        return None;
+    }
+    Some(sites)
 }
 
 /// `sites`, when `allocator` holds no allocator memprof probes and they include a Go runtime's

@@ -63,7 +63,7 @@ fn ids() -> (u32, u32) {
 
 /// Zeroed counters to insert from (a read-only global, as `totals`' empty values).
 static EMPTY_COUNTERS: ProcCounters =
-    ProcCounters { unknown_frees: 0, internal_frees: 0, failed_allocations: 0, usdt_samples: 0 };
+    ProcCounters { unknown_frees: 0, internal_frees: 0, failed_allocations: 0, usdt_samples: 0, usdt_counts: 0 };
 
 /// A thread's entry between calls.
 static IDLE: Inflight = Inflight {
@@ -93,8 +93,12 @@ fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, empty: &'static V) -> Optio
 }
 
 fn bump_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64) {
+    add_to_proc_counter(tgid, field, 1);
+}
+
+fn add_to_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64, value: u64) {
     match get_or_insert(&PROC_COUNTERS, &tgid, &EMPTY_COUNTERS) {
-        Some(counters) => add(field(unsafe { &mut *counters }), 1),
+        Some(counters) => add(field(unsafe { &mut *counters }), value),
         None => count_drop(DropReason::ProcessTableFull),
     }
 }

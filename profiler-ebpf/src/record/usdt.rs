@@ -5,7 +5,7 @@ use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::map, maps::HashMap, programs::
 use profiler_common::{AddrKey, AllocFn, DropReason, LiveAlloc, SAMPLED, USDT};
 
 use super::{
-    bump_proc_counter,
+    add_to_proc_counter, bump_proc_counter,
     frees::retire,
     ids, sample_bytes,
     totals::{count_free, on_allocated, UNSEEN},
@@ -34,6 +34,7 @@ pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
     if let Some(old) = live::get(&key) {
         count_drop(DropReason::MissedFree);
         if live::remove(&key).is_ok() {
+            count_estimate(&key, &old);
             count_free(&key, &old, UNSEEN, unsafe { bpf_ktime_get_ns() }, false);
         }
     }
@@ -43,9 +44,18 @@ pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
         return;
     }
     let probe = Probe { regs: ctx.regs, at_return: false, at_site: true };
-    if !on_allocated(probe, tgid, tid, addr, size, AllocFn::Malloc as u32 | SAMPLED | USDT, weight) {
+    if on_allocated(probe, tgid, tid, addr, size, AllocFn::Malloc as u32 | SAMPLED | USDT, weight) {
+        add_to_proc_counter(tgid, |c| &mut c.usdt_counts, profiler_common::weight(weight, size).0);
+    } else {
         let _ = USDT_WEIGHTS.remove(key);
     }
+}
+
+/// Counts what a sampled block's end takes off its stack's counts (see `usdt_counts`), before
+/// its weight goes.
+fn count_estimate(key: &AddrKey, alloc: &LiveAlloc) {
+    let (count, _) = profiler_common::weight(rate_of(key, alloc), alloc.size);
+    add_to_proc_counter(key.tgid, |c| &mut c.usdt_counts, count);
 }
 
 /// A block the allocator's sampler reported freed (`otel_memory:free`). One it did not report
@@ -62,6 +72,7 @@ pub fn on_usdt_free(ctx: &ProbeContext, addr: u64) {
     };
     // Two threads freeing the same block race here: only the one that removes it counts it.
     if live::remove(&key).is_ok() {
+        count_estimate(&key, &alloc);
         retire(Probe { regs: ctx.regs, at_return: false, at_site: true }, key, &alloc, false);
         let _ = USDT_WEIGHTS.remove(key);
     }

@@ -1,7 +1,8 @@
 //! How the daemon traces each process: by its allocator's calls, or through its allocator's own
 //! sampler. Every process with `--usdt`; without it, a process the daemon would not see
 //! otherwise (a Go program without cgo: no allocator memprof probes, and neither mappings nor
-//! growth traced) when its runtime has a sampler memprof reads.
+//! growth traced) when its runtime has a sampler memprof reads. A Go program with cgo is traced
+//! by its calls, and its Go heap through its runtime's sampler beside them.
 
 use heap::sampling::{RateGuard, Sampling};
 
@@ -18,6 +19,9 @@ pub(super) struct Means {
     pub allocator: Allocator,
     /// The sampler's sites, when it is traced through them rather than by its calls.
     pub sampler: Option<Vec<Site>>,
+    /// Go's runtime sampler's sites in a Go program with cgo traced by its calls: they show its
+    /// Go heap, which no call does.
+    pub beside_calls: Option<Vec<Site>>,
 }
 
 impl Means {
@@ -41,9 +45,15 @@ impl Tracer {
         let found = allocator::find_with(pid, self.runtime_only());
         if !self.config.sampling.usdt {
             return match found {
-                Ok(allocator) => Ok(Means { allocator, sampler: None }),
+                Ok(allocator) => {
+                    // Traced by its pages, its Go heap shows already.
+                    let beside_calls = (!self.config.sampling.growth)
+                        .then(|| go_program::sampler_beside_calls(pid, &allocator))
+                        .flatten();
+                    Ok(Means { allocator, sampler: None, beside_calls })
+                }
                 Err(refused) => match go_program::in_process(pid) {
-                    Some((allocator, sites)) => Ok(Means { allocator, sampler: Some(sites) }),
+                    Some((allocator, sites)) => Ok(Means { allocator, sampler: Some(sites), beside_calls: None }),
                     None => Err(refused.into()),
                 },
             };
@@ -54,6 +64,6 @@ impl Tracer {
         let sites = usdt::in_process(pid)?;
         usdt::say_if_sampling_off(&sites);
         allocator.seen_through(&sites);
-        Ok(Means { allocator, sampler: Some(sites) })
+        Ok(Means { allocator, sampler: Some(sites), beside_calls: None })
     }
 }

@@ -94,6 +94,9 @@ struct Target {
     rate_guard: RateGuard,
     /// Its allocator is probed: not between an exec and the new program mapping its allocator.
     probed: bool,
+    /// Go's runtime sampler is attached beside its calls (a Go program with cgo): its probes go
+    /// with the program at an exec.
+    sampler_beside_calls: bool,
     /// Forked a child the rules do not trace since the last snapshot: the child has copies of
     /// this process's breakpoints until they are swept (`Loaded::sweep_copies`).
     forked_untraced: bool,

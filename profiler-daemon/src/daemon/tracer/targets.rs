@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use profiler_common::{process_event, ProcessEvent};
 use tracing::{debug, info, warn};
 
-use super::{Target, Tracer};
+use super::{means::Means, Target, Tracer};
 use crate::{
     daemon::descriptors,
     daemon::discovery::{self, ProcessId},
@@ -286,12 +286,13 @@ impl Tracer {
             target.start_ns = aggregate::monotonic_now_ns();
             target.ns_pid = procfs::ns_pid(pid);
         }
-        if reused || event.exec_by_other_thread() || target.probed_files.is_empty() {
+        if reused || event.exec_by_other_thread() || target.probed_files.is_empty() || target.sampler_beside_calls {
             // Its probes no longer fire (they followed the task the exec ended), or they are not
             // allocator probes: attached anew once the new program maps its allocator.
             let old = std::mem::take(&mut target.attachment);
             target.attachment = self.loaded.exec_happened(nonzero, old, event);
             target.probed_files.clear();
+            target.sampler_beside_calls = false;
         } else {
             // Its probes stay: what the old program left goes, what the new one recorded stays.
             // Mappings first: until they are written, each of its walks is deferred.
@@ -326,10 +327,10 @@ impl Tracer {
         if self.targets.get(&pid).is_none_or(|target| target.probed) {
             return;
         }
-        let (Ok(means), Some(nonzero)) = (self.means_of(pid), NonZeroU32::new(pid)) else {
+        let (Ok(mut means), Some(nonzero)) = (self.means_of(pid), NonZeroU32::new(pid)) else {
             return;
         };
-        let Some(target) = self.targets.get_mut(&pid) else { return };
+        let Some(target) = self.targets.get(&pid) else { return };
         // The files whose probes it kept through its exec are not probed twice.
         let missing = shared::unprobed(&means.allocator, &target.probed_files);
         let attached = if let Some(sites) = &means.sampler {
@@ -339,9 +340,15 @@ impl Tracer {
         } else {
             self.loaded.attach_allocator(&missing, nonzero)
         };
+        let attached = attached.map(|mut probes| {
+            let beside = self.attach_beside_calls(&mut means, nonzero, &mut probes);
+            (probes, beside)
+        });
+        let Some(target) = self.targets.get_mut(&pid) else { return };
         match attached {
-            Ok(probes) => {
+            Ok((probes, beside)) => {
                 target.attachment.merge(probes);
+                target.sampler_beside_calls = beside;
                 if means.traces_calls(self.config.sampling) {
                     target.probed_files.extend(file_ids(&missing));
                 }
@@ -361,12 +368,13 @@ impl Tracer {
     }
 
     pub(super) fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
-        let means = self.means_of(id.pid)?;
+        let mut means = self.means_of(id.pid)?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
-        let attachment = match &means.sampler {
+        let mut attachment = match &means.sampler {
             Some(sites) => self.loaded.attach_usdt(sites, pid, None)?,
             None => self.loaded.attach(&means.allocator, pid)?,
         };
+        let sampler_beside_calls = self.attach_beside_calls(&mut means, pid, &mut attachment);
         let rate_guard = means.rate_guard(self.config.sampling);
         if let Some(sample_bytes) = rate_guard.initial() {
             self.loaded.sample(id.pid, sample_bytes)?;
@@ -391,6 +399,7 @@ impl Tracer {
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,
+            sampler_beside_calls,
             forked_untraced: false,
             probed_files: if means.traces_calls(self.config.sampling) {
                 file_ids(&means.allocator)
@@ -405,6 +414,24 @@ impl Tracer {
         };
         self.targets.insert(id.pid, target);
         Ok(())
+    }
+
+    /// Attaches Go's runtime sampler beside the calls of a Go program with cgo (see
+    /// `Means::beside_calls`) to `attachment`, its Go heap then no blind spot; returns whether it
+    /// did. One that fails leaves it traced by its calls alone.
+    fn attach_beside_calls(&mut self, means: &mut Means, pid: NonZeroU32, attachment: &mut Attachment) -> bool {
+        let Some(sites) = means.beside_calls.take() else { return false };
+        match self.loaded.attach_beside_calls(&sites, pid) {
+            Ok(probes) => {
+                attachment.merge(probes);
+                means.allocator.seen_through(&sites);
+                true
+            }
+            Err(err) => {
+                warn!(pid = pid.get(), "its Go heap stays unseen: attaching its runtime's sampler: {err:#}");
+                false
+            }
+        }
     }
 
     /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.

@@ -118,7 +118,8 @@ pub(super) fn encode(parts: &[Part], context: Option<&RunContext>, default: Defa
             comments.push(tables.string(&format!("{}{growth}", who(part))));
         }
         if let Some(samples) = report.usdt_samples {
-            comments.push(tables.string(&format!("{}{}", who(part), crate::heap::sampling::usdt_mode(samples))));
+            let mode = crate::heap::sampling::usdt_mode(samples, report.usdt_beside_calls);
+            comments.push(tables.string(&format!("{}{mode}", who(part))));
         }
         for spot in &report.blind_spots {
             comments.push(tables.string(&format!("{}not seen: {}; {}", who(part), spot.what, spot.advice)));

@@ -16,7 +16,7 @@ use crate::{
         pinned::Pinned,
         types::{self, TypeCount},
     },
-    kernel::aggregate::{KernelSnapshot, Snapshot, StackSnapshot, StackTable},
+    kernel::aggregate::{KernelSnapshot, Sampler, Snapshot, StackSnapshot, StackTable},
     symbolize::Frames,
 };
 
@@ -142,7 +142,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         duration_s: ctx.stacks.seconds_since_start(snapshot.now_ns),
         sample_bytes: snapshot.sample_bytes,
         growth: snapshot.growth,
-        usdt_samples: snapshot.usdt.then_some(snapshot.counters.usdt_samples),
+        usdt_samples: (snapshot.sampler != Sampler::None).then_some(snapshot.counters.usdt_samples),
+        usdt_beside_calls: snapshot.sampler == Sampler::BesideCalls,
         totals,
         peak,
         temporary_stacks,

@@ -76,6 +76,10 @@ pub struct Report {
     /// (`--usdt`): how many allocations they reported (counts and bytes are then estimates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usdt_samples: Option<u64>,
+    /// Those samples are Go's heap only, beside the allocator calls traced as the rest of the
+    /// report says (a Go program with cgo).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub usdt_beside_calls: bool,
     pub totals: Totals,
     /// The most bytes the process had in use since tracing began, when, and which stacks held them.
     #[serde(default)]

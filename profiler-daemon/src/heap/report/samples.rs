@@ -35,6 +35,7 @@ pub fn report() -> Report {
         sample_bytes: 0,
         growth: None,
         usdt_samples: None,
+        usdt_beside_calls: false,
         totals: Totals::default(),
         peak: Peak::default(),
         temporary_stacks: Vec::new(),

@@ -87,6 +87,8 @@ impl Loaded {
     /// Its `attachment` is replaced.
     pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
         self.load_page_faults()?;
+        // Its pages show Go's heap too: a sampler beside its calls goes with them.
+        self.usdt.forget(pid.get());
         let old = std::mem::take(attachment);
         *attachment = self.restart(pid, old);
         attachment.merge(self.watch_pages(pid, true)?);

@@ -135,7 +135,7 @@ impl Loaded {
             }
         }
         for (&tgid, process) in &mut kernel.processes {
-            process.usdt = self.usdt.traces(tgid);
+            process.sampler = self.usdt.sampler_of(tgid);
         }
         (self.walked_entries, self.stack_entries) = (Some((kernel.live_entries, kernel.stack_stats_entries)), None);
         Ok(kernel)

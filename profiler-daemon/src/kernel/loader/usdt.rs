@@ -4,7 +4,7 @@
 //! kernel sets a probe's semaphore while it is attached.
 
 use std::{
-    collections::HashSet,
+    collections::HashMap,
     num::NonZeroU32,
     os::fd::{AsFd as _, BorrowedFd},
     path::{Path, PathBuf},
@@ -17,6 +17,7 @@ use profiler_common::usdt::{ProbeSpec, MAX_SPECS};
 use super::Loaded;
 use crate::{
     kernel::{
+        aggregate::Sampler,
         perf_event,
         probes::{Attachment, Method},
         uprobe_multi::{self, Fires, Point},
@@ -30,15 +31,15 @@ const FREE_PROGRAM: &str = "usdt_free";
 /// The processes traced through their probes, and the argument specs given to the programs.
 #[derive(Debug, Default)]
 pub struct UsdtProbes {
-    pids: HashSet<u32>,
+    pids: HashMap<u32, Sampler>,
     /// `USDT_SPECS`'s entries in use, by index (a probe's cookie).
     specs: Vec<ProbeSpec>,
 }
 
 impl UsdtProbes {
-    /// Whether `pid` is traced through its `otel_memory` probes.
-    pub fn traces(&self, pid: u32) -> bool {
-        self.pids.contains(&pid)
+    /// What of `pid` its probes record.
+    pub fn sampler_of(&self, pid: u32) -> Sampler {
+        self.pids.get(&pid).copied().unwrap_or_default()
     }
 
     pub fn forget(&mut self, pid: u32) {
@@ -48,8 +49,7 @@ impl UsdtProbes {
 
 impl Loaded {
     /// Attaches `sites`, `pid`'s `otel_memory` probes, and no allocator probe: `pid` is recorded
-    /// only as its allocator reports. Free sites first, as for allocator probes (see
-    /// `probe_allocator`). `before_exec`: the files `run`'s command will map, not exec'd yet (see
+    /// only as its allocator reports. `before_exec`: the files `run`'s command will map, not exec'd yet (see
     /// `attach_before_exec`).
     pub fn attach_usdt(
         &mut self,
@@ -64,17 +64,36 @@ impl Loaded {
             }
         }
         self.track(pid.get())?;
-        self.usdt.pids.insert(pid.get());
+        self.usdt.pids.insert(pid.get(), Sampler::Only);
         let mut attachment = Attachment::default();
-        for probe in [Probe::Free, Probe::Alloc] {
-            let of_probe: Vec<&Site> = sites.iter().filter(|site| site.probe == probe).collect();
-            if let Err(err) = self.attach_sites(probe, &of_probe, pid.get(), &mut attachment) {
-                self.take_back(attachment, pid);
-                return Err(err);
-            }
+        if let Err(err) = self.attach_every_site(sites, pid.get(), &mut attachment) {
+            self.take_back(attachment, pid);
+            return Err(err);
         }
         self.attach_dl_hook(&mut attachment, pid);
         Ok(attachment)
+    }
+
+    /// Attaches `sites`, Go's runtime sampler in `pid`, beside the allocator probes attached to
+    /// it already: its Go heap is recorded as the runtime samples it, the rest by its calls. On
+    /// failure nothing of them stays, and its calls are traced on.
+    pub fn attach_beside_calls(&mut self, sites: &[Site], pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        let mut attachment = Attachment::default();
+        if let Err(err) = self.attach_every_site(sites, pid.get(), &mut attachment) {
+            self.detach(attachment);
+            return Err(err);
+        }
+        self.usdt.pids.insert(pid.get(), Sampler::BesideCalls);
+        Ok(attachment)
+    }
+
+    /// Free sites first, as for allocator probes (see `probe_allocator`).
+    fn attach_every_site(&mut self, sites: &[Site], pid: u32, attachment: &mut Attachment) -> anyhow::Result<()> {
+        for probe in [Probe::Free, Probe::Alloc] {
+            let of_probe: Vec<&Site> = sites.iter().filter(|site| site.probe == probe).collect();
+            self.attach_sites(probe, &of_probe, pid, attachment)?;
+        }
+        Ok(())
     }
 
     /// Attaches `probe`'s program at `sites`: a uprobe_multi link per file where the kernel makes

@@ -92,6 +92,11 @@ impl Allocator {
         files.join(", ")
     }
 
+    /// Whether Go's heap is among its blind spots: a Go program.
+    pub fn go_heap_unseen(&self) -> bool {
+        self.unprobed.iter().any(|spot| spot.heap == Some(blind_spots::GO_HEAP))
+    }
+
     /// Traced through `sites` (`--usdt`): a Go runtime sampled at its own sites is no blind spot.
     pub fn seen_through(&mut self, sites: &[super::usdt::Site]) {
         if sites.iter().any(|site| site.spec.sampler == profiler_common::usdt::sampler::GO) {
