@@ -51,10 +51,10 @@ fn attach_reads_each_sample_of_a_go_program() {
 const CHOSE_THE_SAMPLER: &str = "is a Go program without cgo: tracing it through its runtime's own sampler";
 
 /// Given no mode, `attach` and `run` trace a Go program without cgo through its runtime's sampler,
-/// the only way they see its heap by stack, and say so; a Go program with cgo is traced by its
-/// calls to the C library's allocator, Go's heap its blind spot.
+/// the only way they see its heap by stack, and say so; a Go program with cgo by its calls to the
+/// C library's allocator, and its Go heap through that sampler beside them.
 #[test]
-fn attach_and_run_choose_a_pure_go_programs_sampler_by_themselves() {
+fn attach_and_run_read_a_go_programs_heap_through_its_sampler_by_themselves() {
     let mut target = Waiting::start(&fixture_go_pure("go_sampler"), &["every"]);
     let attached = attach(&mut target, &["--interval", "60"]);
     let program = fixture_go_pure("go_sampler");
@@ -68,14 +68,18 @@ fn attach_and_run_choose_a_pure_go_programs_sampler_by_themselves() {
         assert_every_sample(&report);
         assert!(report["usdt_samples"].as_u64().unwrap() >= 1000, "{}", report["usdt_samples"]);
     }
+    let mut target = Waiting::start(&fixture_go("go_sampler"), &["every"]);
+    let attached = attach(&mut target, &["--interval", "60"]);
     let cgo = fixture_go("go_sampler");
-    let outcome = run(&["--interval", "60"], &[cgo.to_str().unwrap(), "every"]);
-    assert!(outcome.status.success(), "{outcome:?}");
-    assert!(!outcome.stderr.contains(CHOSE_THE_SAMPLER), "{}", outcome.stderr);
-    let report = outcome.final_report();
-    assert!(report["usdt_samples"].is_null(), "traced by its calls: {report}");
-    let spots = report["blind_spots"].as_array().unwrap();
-    assert!(spots.iter().any(|spot| spot["heap"] == "Go's heap"), "{spots:?}");
+    let ran = run(&["--interval", "60"], &[cgo.to_str().unwrap(), "every"]);
+    for outcome in [attached, ran] {
+        assert!(outcome.status.success(), "{outcome:?}");
+        assert!(!outcome.stderr.contains(CHOSE_THE_SAMPLER), "{}", outcome.stderr);
+        assert!(outcome.stderr.contains("is a Go program with cgo: reading its Go heap"), "{}", outcome.stderr);
+        let report = outcome.final_report();
+        assert_every_sample(&report);
+        assert_eq!(report["usdt_beside_calls"], true, "{report}");
+    }
 }
 
 /// At Go's default rate (one sample in every 512 KiB on average) a site holding B bytes is

@@ -23,7 +23,7 @@ use crate::{
     kernel::loader::{Attachment, Loaded},
     kernel::shared::{self, file_ids, FileId},
     process::allocator::{self, Allocator},
-    process::{procfs, usdt},
+    process::{go_program, procfs, usdt},
     symbolize::SymbolizerHandle,
 };
 
@@ -61,6 +61,9 @@ pub struct Process {
     /// Forked a child memprof does not trace since the last flush: the child has copies of this
     /// process's breakpoints until they are swept (`Loaded::sweep_copies`).
     forked_untraced: bool,
+    /// Go's runtime sampler is attached beside its calls (a Go program with cgo): its probes go
+    /// with the program at an exec.
+    pub sampler_beside_calls: bool,
     /// A child found to have exec'd when it was followed, already handled: the exec event that
     /// may still come for it must not handle it again (detaching the probes its new program
     /// already runs under). Cleared at the next flush, by when such an event has come.
@@ -113,6 +116,7 @@ impl Process {
             double_frees: Vec::new(),
             expect_exec,
             forked_untraced: false,
+            sampler_beside_calls: false,
             exec_handled_early: false,
             said_exe: None,
         }
@@ -242,7 +246,9 @@ impl Family {
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
         match exec {
             // Probes that followed the task the exec ended (another thread exec'd) no longer fire.
-            Some(exec) if self.settings.0.traces_calls() && !exec.exec_by_other_thread() => {
+            Some(exec)
+                if self.settings.0.traces_calls() && !exec.exec_by_other_thread() && !process.sampler_beside_calls =>
+            {
                 // Mappings first: until they are written, each of its walks is deferred.
                 new_program_mappings(loaded, symbolizer, pid);
                 loaded.image_replaced(nonzero, exec);
@@ -254,6 +260,7 @@ impl Family {
                     None => loaded.restart(nonzero, old),
                 };
                 process.probed_files.clear();
+                process.sampler_beside_calls = false;
                 symbolizer.forget(pid);
                 symbolizer.refresh(pid);
             }
@@ -295,6 +302,14 @@ impl Family {
             Ok(probes) => {
                 process.attachment.merge(probes);
                 process.probed_files.extend(file_ids(&missing));
+                let beside = self
+                    .settings
+                    .0
+                    .traces_calls()
+                    .then(|| go_program::sampler_beside_calls(&allocator, || usdt::in_process(pid)))
+                    .flatten();
+                process.sampler_beside_calls =
+                    attach_beside_calls(beside, &mut allocator, loaded, nonzero, &mut process.attachment);
                 if let Some(sample_bytes) = process.rate_guard.initial() {
                     if let Err(err) = loaded.sample(pid, sample_bytes) {
                         tracing::warn!(pid, "sampling: {err:#}");
@@ -501,5 +516,30 @@ impl Family {
             loaded.detach_in_background(process.attachment);
         }
         loaded.leave_detached();
+    }
+}
+
+/// Attaches `sites`, Go's runtime sampler in a Go program with cgo (see `go_program::sampler_beside_calls`), to
+/// `attachment` beside its calls, its Go heap then no blind spot of `allocator`; returns whether
+/// it did. One that fails leaves it traced by its calls alone, and says so.
+pub fn attach_beside_calls(
+    sites: Option<Vec<usdt::Site>>,
+    allocator: &mut Allocator,
+    loaded: &mut Loaded,
+    pid: NonZeroU32,
+    attachment: &mut Attachment,
+) -> bool {
+    let Some(sites) = sites else { return false };
+    match loaded.attach_beside_calls(&sites, pid) {
+        Ok(probes) => {
+            attachment.merge(probes);
+            allocator.seen_through(&sites);
+            say!("memprof: pid {pid} is a Go program with cgo: reading its Go heap through its runtime's own sampler, beside its calls");
+            true
+        }
+        Err(err) => {
+            say!("memprof: pid {pid}'s Go heap stays unseen: attaching its runtime's sampler: {err:#}");
+            false
+        }
     }
 }

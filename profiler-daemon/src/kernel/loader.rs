@@ -110,10 +110,8 @@ fn check_privileges() -> Result<(), UserError> {
 /// their live samples take a table sized for them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Samplers {
-    /// None: the table gets one entry, not `--max-live`'s buckets.
-    None,
-    /// Those the daemon sees no other way (a Go program without cgo): a sixteenth of `LIVE`,
-    /// as each sample stands for far more than a block (512 KiB at Go's default rate).
+    /// Go programs only (without cgo, or with it beside its calls): a sixteenth of `LIVE`, as
+    /// each sample stands for far more than a block (512 KiB at Go's default rate).
     Some,
     /// Every process (`--usdt`): as large as `LIVE`.
     Every,
@@ -122,7 +120,6 @@ pub enum Samplers {
 impl Samplers {
     fn weights_capacity(self, max_live: u32) -> u32 {
         match self {
-            Samplers::None => 1,
             Samplers::Some => (max_live / 16).max(1),
             Samplers::Every => max_live,
         }

@@ -36,18 +36,22 @@ pub fn command(program: &Path) -> Option<(Allocator, Vec<PathBuf>, Vec<Site>)> {
     Some((allocator, files, sites))
 }
 
-/// The sites of Go's runtime sampler in `pid`, a Go program with cgo whose `allocator` (the C
-/// library's) memprof traces by its calls: Go's heap, which no call shows, is seen through them.
-/// None in any other process, or when its sampling starts off. Its `otel_memory` probes, of an
-/// allocator whose calls are traced, are left out: they would count its blocks twice.
-pub fn sampler_beside_calls(pid: u32, allocator: &Allocator) -> Option<Vec<Site>> {
+/// The sites of Go's runtime sampler in a Go program with cgo whose `allocator` (the C
+/// library's) memprof traces by its calls, among the probe sites `find` finds in its files: Go's
+/// heap, which no call shows, is seen through them. None in any other program, or when its
+/// sampling starts off. Its `otel_memory` probes, of an allocator whose calls are traced, are
+/// left out: they would count its blocks twice.
+pub fn sampler_beside_calls(
+    allocator: &Allocator,
+    find: impl FnOnce() -> Result<Vec<Site>, UserError>,
+) -> Option<Vec<Site>> {
     if !allocator.go_heap_unseen() {
         return None;
     }
-    let sites: Vec<Site> = match usdt::in_process(pid) {
+    let sites: Vec<Site> = match find() {
         Ok(sites) => sites.into_iter().filter(|site| site.spec.sampler == sampler::GO).collect(),
         Err(why) => {
-            tracing::debug!(pid, "its Go heap stays unseen: {why}");
+            tracing::debug!("its Go heap stays unseen: {why}");
             return None;
         }
     };

@@ -20,6 +20,9 @@ pub(super) struct Means {
     pub allocator: Allocator,
     /// The sampler's sites, when the target is traced through them rather than by its calls.
     pub sites: Option<Vec<usdt::Site>>,
+    /// Go's runtime sampler's sites in a Go program with cgo traced by its calls: they show its
+    /// Go heap, which no call does.
+    pub beside_calls: Option<Vec<usdt::Site>>,
 }
 
 /// How process `pid` is traced.
@@ -27,11 +30,12 @@ pub(super) fn of_process(args: &TraceArgs, pid: u32) -> Result<Means, UserError>
     match allocator::find_with(pid, runtime_only(args)) {
         Ok(mut allocator) => {
             let sites = usdt_sites(args, &mut allocator, || usdt::in_process(pid))?;
-            Ok(Means { args: args.clone(), allocator, sites })
+            let beside_calls = beside_calls(args, &allocator, || usdt::in_process(pid));
+            Ok(Means { args: args.clone(), allocator, sites, beside_calls })
         }
         Err(refused) => {
             let (allocator, sites) = go_sampler(args, refused, &format!("pid {pid}"), || go_program::in_process(pid))?;
-            Ok(Means { args: with_sampler(args), allocator, sites: Some(sites) })
+            Ok(Means { args: with_sampler(args), allocator, sites: Some(sites), beside_calls: None })
         }
     }
 }
@@ -42,12 +46,13 @@ pub(super) fn of_command(args: &TraceArgs, program: &Path) -> Result<(Means, Vec
     match allocator::for_command(program, runtime_only(args)) {
         Ok((mut allocator, files)) => {
             let sites = usdt_sites(args, &mut allocator, || usdt::in_files(&files, program))?;
-            Ok((Means { args: args.clone(), allocator, sites }, files))
+            let beside_calls = beside_calls(args, &allocator, || usdt::in_files(&files, program));
+            Ok((Means { args: args.clone(), allocator, sites, beside_calls }, files))
         }
         Err(refused) => {
             let target = program.display().to_string();
             let (allocator, files, sites) = go_sampler(args, refused, &target, || go_program::command(program))?;
-            Ok((Means { args: with_sampler(args), allocator, sites: Some(sites) }, files))
+            Ok((Means { args: with_sampler(args), allocator, sites: Some(sites), beside_calls: None }, files))
         }
     }
 }
@@ -77,6 +82,16 @@ fn go_sampler<T>(
     Ok(found)
 }
 
+/// A Go program with cgo traced by its calls has its Go heap read through its runtime's sampler
+/// beside them (see `go_program::sampler_beside_calls`); not in growth mode, whose pages show it.
+fn beside_calls(
+    args: &TraceArgs,
+    allocator: &Allocator,
+    find: impl FnOnce() -> Result<Vec<usdt::Site>, UserError>,
+) -> Option<Vec<usdt::Site>> {
+    args.sampling.traces_calls().then(|| go_program::sampler_beside_calls(allocator, find)).flatten()
+}
+
 /// `args` with `--usdt` on, as memprof chose it.
 fn with_sampler(args: &TraceArgs) -> TraceArgs {
     TraceArgs { sampling: Sampling { usdt: true, max_rate: None, ..args.sampling }, ..args.clone() }
@@ -103,12 +118,13 @@ fn usdt_sites(
     Ok(Some(sites))
 }
 
-/// With `--usdt`, every process is traced through its allocator's own sampler; without, none.
+/// With `--usdt`, every process is traced through its allocator's own sampler; without, the Go
+/// programs with cgo among them read Go's heap through it (`beside_calls`).
 pub(super) fn samplers(args: &TraceArgs) -> loader::Samplers {
     if args.sampling.usdt {
         loader::Samplers::Every
     } else {
-        loader::Samplers::None
+        loader::Samplers::Some
     }
 }
 

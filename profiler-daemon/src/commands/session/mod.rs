@@ -10,7 +10,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::{
     cli::{OnError, TraceArgs},
-    commands::family::{how_traced, Process},
+    commands::family::{self, how_traced, Process},
     commands::live::LiveView,
     commands::output::ReportOutput,
     commands::recording::RecordingWriter,
@@ -42,7 +42,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // Privileges first: without them /proc says too little about other users' processes.
     loader::check_support()?;
     procfs::check_traceable(pid_n)?;
-    let Means { args, allocator, sites } = means::of_process(args, pid_n)?;
+    let Means { args, mut allocator, sites, beside_calls } = means::of_process(args, pid_n)?;
     let args = &args;
     // Its system time untraced, over the time memprof takes to load: what tracing adds is
     // measured against it.
@@ -56,11 +56,12 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         loaded.trace_page_faults()?;
     }
     let untraced = untraced_from.zip(SystemCpu::read(pid_n)).and_then(|(from, to)| to.rate_since(&from));
-    let attachment = match &sites {
+    let mut attachment = match &sites {
         Some(sites) => loaded.attach_usdt(sites, pid, None),
         None => loaded.attach(&allocator, pid),
     }
     .with_context(|| gone_or(pid_n))?;
+    let beside = family::attach_beside_calls(beside_calls, &mut allocator, &mut loaded, pid, &mut attachment);
     let mut exit = ExitWatch::attached(pid_n).map_err(|_| UserError::NoSuchProcess(pid_n))?;
     let symbolizer = SymbolizerHandle::spawn();
     symbolizer.refresh(pid_n);
@@ -80,6 +81,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         settings(args),
         false,
     );
+    root.sampler_beside_calls = beside;
     if args.sampling.traces_calls() && !allocator.files.is_empty() {
         root.price = PriceWatch::start(pid_n, untraced);
     }
@@ -133,7 +135,7 @@ pub async fn run(
     let opened = Opened::open(args)?;
     let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
     loader::check_support()?;
-    let (Means { args, mut allocator, sites }, files) = means::of_command(args, &program)?;
+    let (Means { args, mut allocator, sites, beside_calls }, files) = means::of_command(args, &program)?;
     let args = &args;
     let routed = allocator.route_through_malloc();
     // Whatever the command runs first: a program it execs later is routed too.
@@ -153,7 +155,7 @@ pub async fn run(
     let mut exit = ExitWatch::Child(exit_code, None);
     // From here on the command runs whatever happens to memprof (the child execs once `child`
     // is released or dropped): its fate is memprof's exit code.
-    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable, sites };
+    let ready = Ready { loaded, symbolizer, allocator, files, routed, comm, executable, sites, beside_calls };
     let traced = match trace_command(child, &mut exit, ready, args, opened).await {
         Ok(traced) => traced,
         Err(err) => {
@@ -191,6 +193,8 @@ struct Ready {
     executable: String,
     /// The command's `otel_memory` probe sites, with `--usdt`.
     sites: Option<Vec<usdt::Site>>,
+    /// Its Go runtime's sampler, to attach beside its calls (see `Means::beside_calls`).
+    beside_calls: Option<Vec<usdt::Site>>,
 }
 
 /// `run`'s command, forked and waiting, traced from its exec to the session's end.
@@ -201,20 +205,22 @@ async fn trace_command(
     args: &TraceArgs,
     opened: Opened,
 ) -> anyhow::Result<Traced> {
-    let Ready { mut loaded, symbolizer, allocator, files, routed, comm, executable, sites } = ready;
+    let Ready { mut loaded, symbolizer, mut allocator, files, routed, comm, executable, sites, beside_calls } = ready;
     let pid = child.pid;
     // The child is our own and cannot be pid 0.
     let nonzero = NonZeroU32::new(pid).expect("a child's pid is positive");
-    let attachment = match &sites {
+    let mut attachment = match &sites {
         Some(sites) => loaded.attach_usdt(sites, nonzero, Some(&files))?,
         None => loaded.attach_before_exec(&allocator, nonzero, &files)?,
     };
+    let beside = family::attach_beside_calls(beside_calls, &mut allocator, &mut loaded, nonzero, &mut attachment);
     if let Some(sample_bytes) = args.sampling.sample_bytes {
         loaded.sample(pid, sample_bytes)?;
     }
     let probes = attachment.probes();
     let mut root =
         Process::new(pid, comm.clone(), Some(executable), attachment, allocator.clone(), settings(args), true);
+    root.sampler_beside_calls = beside;
     announce(pid, &comm, probes, &allocator, args.sampling, sites.as_deref());
     if sites.is_none() && args.sampling.traces_calls() {
         probe_standby(&mut loaded, &mut root, &allocator);
