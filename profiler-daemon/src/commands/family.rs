@@ -519,9 +519,10 @@ impl Family {
     }
 }
 
-/// Attaches `sites`, Go's runtime sampler in a Go program with cgo (see `go_program::sampler_beside_calls`), to
-/// `attachment` beside its calls, its Go heap then no blind spot of `allocator`; returns whether
-/// it did. One that fails leaves it traced by its calls alone, and says so.
+/// Attaches `sites`, Go's runtime sampler in a Go program with cgo (see
+/// `go_program::sampler_beside_calls`), to `attachment` beside its calls, its Go heap then no
+/// blind spot of `allocator`; returns whether it did. One that fails leaves it traced by its
+/// calls alone, and says so.
 pub fn attach_beside_calls(
     sites: Option<Vec<usdt::Site>>,
     allocator: &mut Allocator,
