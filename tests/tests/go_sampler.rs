@@ -5,7 +5,7 @@
 
 use memprof_tests::{
     attach, fixture, fixture_go, fixture_go_cgo_stripped, fixture_go_pure, fixture_go_release_stripped,
-    fixture_go_stripped, metric, run, site, total, wait_for, Daemon, Waiting,
+    fixture_go_stripped, metric, run, site, total, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 use std::io::{BufRead as _, BufReader};
@@ -47,6 +47,14 @@ fn attach_reads_each_sample_of_a_go_program() {
     assert_every_sample(&outcome.final_report());
 }
 
+/// `attach` to the Go fixture `program`, then `run` it, given no mode; each samples every
+/// allocation.
+fn attached_and_ran(program: &std::path::Path) -> [Outcome; 2] {
+    let mut target = Waiting::start(program, &["every"]);
+    let attached = attach(&mut target, &["--interval", "60"]);
+    [attached, run(&["--interval", "60"], &[program.to_str().unwrap(), "every"])]
+}
+
 /// The line `attach` and `run` say when they choose a Go program's sampler themselves.
 const CHOSE_THE_SAMPLER: &str = "is a Go program without cgo: tracing it through its runtime's own sampler";
 
@@ -55,11 +63,7 @@ const CHOSE_THE_SAMPLER: &str = "is a Go program without cgo: tracing it through
 /// C library's allocator, and its Go heap through that sampler beside them.
 #[test]
 fn attach_and_run_read_a_go_programs_heap_through_its_sampler_by_themselves() {
-    let mut target = Waiting::start(&fixture_go_pure("go_sampler"), &["every"]);
-    let attached = attach(&mut target, &["--interval", "60"]);
-    let program = fixture_go_pure("go_sampler");
-    let ran = run(&["--interval", "60"], &[program.to_str().unwrap(), "every"]);
-    for outcome in [attached, ran] {
+    for outcome in attached_and_ran(&fixture_go_pure("go_sampler")) {
         assert!(outcome.status.success(), "{outcome:?}");
         let said: Vec<&str> = outcome.stderr.lines().filter(|line| line.contains(CHOSE_THE_SAMPLER)).collect();
         assert_eq!(said.len(), 1, "{}", outcome.stderr);
@@ -68,11 +72,7 @@ fn attach_and_run_read_a_go_programs_heap_through_its_sampler_by_themselves() {
         assert_every_sample(&report);
         assert!(report["usdt_samples"].as_u64().unwrap() >= 1000, "{}", report["usdt_samples"]);
     }
-    let mut target = Waiting::start(&fixture_go("go_sampler"), &["every"]);
-    let attached = attach(&mut target, &["--interval", "60"]);
-    let cgo = fixture_go("go_sampler");
-    let ran = run(&["--interval", "60"], &[cgo.to_str().unwrap(), "every"]);
-    for outcome in [attached, ran] {
+    for outcome in attached_and_ran(&fixture_go("go_sampler")) {
         assert!(outcome.status.success(), "{outcome:?}");
         assert!(!outcome.stderr.contains(CHOSE_THE_SAMPLER), "{}", outcome.stderr);
         assert!(outcome.stderr.contains("is a Go program with cgo: reading its Go heap"), "{}", outcome.stderr);
