@@ -235,8 +235,8 @@ fn the_daemon_traces_a_c_program_a_sampled_go_program_execs_by_its_calls() {
 }
 
 /// A Go program without cgo whose runtime starts with its sampling off (it links no heap profile)
-/// would show nothing through its sampler: the daemon leaves it untraced, and says why with the
-/// refusal's advice when the rules name it.
+/// would show nothing through its sampler: the daemon leaves it untraced, and says why and what to
+/// do when the rules name it.
 #[test]
 fn the_daemon_leaves_a_go_program_that_samples_nothing_untraced() {
     let mut target = Waiting::start(&fixture_go_pure("go_unprofiled"), &[]);
@@ -255,7 +255,7 @@ fn the_daemon_leaves_a_go_program_that_samples_nothing_untraced() {
     let said = format!("pid={pid}");
     let refusal =
         log.lines().find(|line| line.contains("not traced, though the rules name it") && line.contains(&said));
-    assert!(refusal.is_some_and(|line| line.contains("trace it with --usdt")), "{log}");
+    assert!(refusal.is_some_and(|line| line.contains("whose runtime samples nothing")), "{log}");
     assert!(!log.contains("starts with its heap sampling off"), "said only where it is traced: {log}");
 }
 

@@ -80,8 +80,9 @@ fn a_go_programs_heap_shows_through_its_mappings() {
     assert_go_heap_mapped(&run(&["--mappings", "--interval", "0.5"], &[fixture_go("go_heap").to_str().unwrap()]));
 }
 
-/// Most Go services are built without cgo: no C library, no allocator memprof probes. Refused
-/// without --mappings (the error says to use it, or --growth), traced by its mappings with it.
+/// Most Go services are built without cgo: no C library, no allocator memprof probes. This one
+/// links no heap profile, so its runtime's sampler shows nothing: refused without --mappings (the
+/// error says so, and to use it or --growth), traced by its mappings with it.
 #[test]
 fn a_pure_go_programs_heap_shows_through_its_mappings() {
     let program = fixture_go_pure("go_heap");
@@ -89,9 +90,9 @@ fn a_pure_go_programs_heap_shows_through_its_mappings() {
     let refused = memprof(&["run", "--", program]);
     assert_eq!(refused.status.code(), Some(1), "{refused:?}");
     assert!(
-        refused.stderr.contains("Go's runtime allocator")
-            && refused.stderr.contains("--growth shows the pages it touches")
-            && refused.stderr.contains("--mappings shows where it maps"),
+        refused.stderr.contains("is a Go program without cgo whose runtime samples nothing")
+            && refused.stderr.contains("--growth (the pages it touches)")
+            && refused.stderr.contains("--mappings (where it maps its memory)"),
         "{}",
         refused.stderr
     );

@@ -14,26 +14,36 @@ use super::{
 };
 use crate::error::UserError;
 
+/// Why a program is not traced through Go's runtime sampler alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unfit {
+    /// It is no Go program without cgo whose runtime memprof reads.
+    Other,
+    /// It is one, but its runtime starts with its sampling off: it links no heap profile, and the
+    /// sampler would show nothing.
+    SamplingOff,
+}
+
 /// Process `pid`'s allocator and its runtime's sampler sites, when it runs a Go program without
 /// cgo whose sampler memprof reads. A dynamic program caught before its loader mapped its
 /// libraries is not one.
-pub fn in_process(pid: u32) -> Option<(Allocator, Vec<Site>)> {
+pub fn in_process(pid: u32) -> Result<(Allocator, Vec<Site>), Unfit> {
     if !allocator::statically_linked(pid) {
-        return None;
+        return Err(Unfit::Other);
     }
-    let allocator = allocator::find_with(pid, RuntimeOnly::Accepted).ok()?;
+    let allocator = allocator::find_with(pid, RuntimeOnly::Accepted).map_err(|_| Unfit::Other)?;
     sampled(allocator, usdt::in_process(pid))
 }
 
 /// As `in_process`, for `program` before it runs, with the files it maps (see
 /// `allocator::for_command`).
-pub fn command(program: &Path) -> Option<(Allocator, Vec<PathBuf>, Vec<Site>)> {
-    let (allocator, files) = allocator::for_command(program, RuntimeOnly::Accepted).ok()?;
+pub fn command(program: &Path) -> Result<(Allocator, Vec<PathBuf>, Vec<Site>), Unfit> {
+    let (allocator, files) = allocator::for_command(program, RuntimeOnly::Accepted).map_err(|_| Unfit::Other)?;
     if files.iter().any(|file| allocator::is_any_dynamic_loader(&file.to_string_lossy())) {
-        return None;
+        return Err(Unfit::Other);
     }
     let (allocator, sites) = sampled(allocator, usdt::in_files(&files, program))?;
-    Some((allocator, files, sites))
+    Ok((allocator, files, sites))
 }
 
 /// The sites of Go's runtime sampler in a Go program with cgo whose `allocator` (the C
@@ -62,23 +72,21 @@ pub fn sampler_beside_calls(
 }
 
 /// `sites`, when `allocator` holds no allocator memprof probes and they include a Go runtime's
-/// sampler that starts on. One whose sampling starts off (the program links no heap profile)
-/// would show nothing.
-fn sampled(mut allocator: Allocator, sites: Result<Vec<Site>, UserError>) -> Option<(Allocator, Vec<Site>)> {
+/// sampler that starts on.
+fn sampled(mut allocator: Allocator, sites: Result<Vec<Site>, UserError>) -> Result<(Allocator, Vec<Site>), Unfit> {
     let sites = match sites {
         Ok(sites) => sites,
         Err(why) => {
             tracing::debug!("no sampler to trace it through either: {why}");
-            return None;
+            return Err(Unfit::Other);
         }
     };
     if !allocator.files.is_empty() || !sites.iter().any(|site| site.spec.sampler == sampler::GO) {
-        return None;
+        return Err(Unfit::Other);
     }
     if sites.iter().any(|site| site.starts_off) {
-        tracing::debug!("its Go runtime starts with its heap sampling off: not traced through it");
-        return None;
+        return Err(Unfit::SamplingOff);
     }
     allocator.seen_through(&sites);
-    Some((allocator, sites))
+    Ok((allocator, sites))
 }

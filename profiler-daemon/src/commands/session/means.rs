@@ -10,7 +10,10 @@ use crate::{
     heap::sampling::Sampling,
     kernel::loader,
     process::allocator::{self, Allocator},
-    process::{go_program, usdt},
+    process::{
+        go_program::{self, Unfit},
+        usdt,
+    },
 };
 
 /// What a session's target is traced by.
@@ -59,12 +62,13 @@ pub(super) fn of_command(args: &TraceArgs, program: &Path) -> Result<(Means, Vec
 
 /// A Go program without cgo (see `go_program`), given none of the modes that trace it otherwise,
 /// is traced through its runtime's sampler as with `--usdt`: nothing else shows its heap by
-/// stack. Said in one line. Any other target stays `refused`.
+/// stack. Said in one line. One whose sampler would show nothing is refused saying so; any other
+/// target stays `refused`.
 fn go_sampler<T>(
     args: &TraceArgs,
     refused: UserError,
     target: &str,
-    found: impl FnOnce() -> Option<T>,
+    found: impl FnOnce() -> Result<T, Unfit>,
 ) -> Result<T, UserError> {
     let sampling = args.sampling;
     // `--follow-forks` would give its children allocator probes, which `--usdt` refuses.
@@ -73,8 +77,13 @@ fn go_sampler<T>(
         || sampling.usdt
         || sampling.sample_bytes.is_some()
         || args.follow_forks == Some(true);
-    let Some(found) = (!asked).then(found).flatten() else {
+    if asked {
         return Err(refused);
+    }
+    let found = match found() {
+        Ok(found) => found,
+        Err(Unfit::SamplingOff) => return Err(UserError::GoSamplingOff { target: target.to_string() }),
+        Err(Unfit::Other) => return Err(refused),
     };
     say!(
         "memprof: {target} is a Go program without cgo: tracing it through its runtime's own sampler, as with --usdt (--growth or --mappings trace it otherwise)"

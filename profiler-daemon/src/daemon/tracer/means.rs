@@ -8,9 +8,10 @@ use heap::sampling::{RateGuard, Sampling};
 
 use super::Tracer;
 use crate::{
+    error::UserError,
     heap,
     process::allocator::{self, Allocator},
-    process::go_program,
+    process::go_program::{self, Unfit},
     process::usdt::{self, Site},
 };
 
@@ -53,8 +54,9 @@ impl Tracer {
                     Ok(Means { allocator, sampler: None, beside_calls })
                 }
                 Err(refused) => match go_program::in_process(pid) {
-                    Some((allocator, sites)) => Ok(Means { allocator, sampler: Some(sites), beside_calls: None }),
-                    None => Err(refused.into()),
+                    Ok((allocator, sites)) => Ok(Means { allocator, sampler: Some(sites), beside_calls: None }),
+                    Err(Unfit::SamplingOff) => Err(UserError::GoSamplingOff { target: format!("pid {pid}") }.into()),
+                    Err(Unfit::Other) => Err(refused.into()),
                 },
             };
         }
