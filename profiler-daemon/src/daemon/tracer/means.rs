@@ -48,7 +48,10 @@ impl Tracer {
             return match found {
                 Ok(allocator) => {
                     // Traced by its pages, its Go heap shows already.
-                    let beside_calls = (self.config.sampling.traces_calls())
+                    let beside_calls = self
+                        .config
+                        .sampling
+                        .traces_calls()
                         .then(|| go_program::sampler_beside_calls(&allocator, || usdt::in_process(pid)))
                         .flatten();
                     Ok(Means { allocator, sampler: None, beside_calls })

@@ -49,8 +49,8 @@ impl UsdtProbes {
 
 impl Loaded {
     /// Attaches `sites`, `pid`'s `otel_memory` probes, and no allocator probe: `pid` is recorded
-    /// only as its allocator reports. `before_exec`: the files `run`'s command will map, not exec'd yet (see
-    /// `attach_before_exec`).
+    /// only as its allocator reports. `before_exec`: the files `run`'s command will map, not
+    /// exec'd yet (see `attach_before_exec`).
     pub fn attach_usdt(
         &mut self,
         sites: &[Site],
