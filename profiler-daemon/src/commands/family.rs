@@ -531,16 +531,10 @@ pub fn attach_beside_calls(
     attachment: &mut Attachment,
 ) -> bool {
     let Some(sites) = sites else { return false };
-    match loaded.attach_beside_calls(&sites, pid) {
-        Ok(probes) => {
-            attachment.merge(probes);
-            allocator.seen_through(&sites);
-            say!("memprof: pid {pid} is a Go program with cgo: reading its Go heap through its runtime's own sampler, beside its calls");
-            true
-        }
-        Err(err) => {
-            say!("memprof: pid {pid}'s Go heap stays unseen: attaching its runtime's sampler: {err:#}");
-            false
-        }
+    let attached = loaded.attach_beside_calls(&sites, pid, allocator, attachment);
+    match &attached {
+        Ok(()) => say!("memprof: pid {pid} is a Go program with cgo: reading its Go heap through its runtime's own sampler, beside its calls"),
+        Err(err) => say!("memprof: pid {pid}'s Go heap stays unseen: attaching its runtime's sampler: {err:#}"),
     }
+    attached.is_ok()
 }

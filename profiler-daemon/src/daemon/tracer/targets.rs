@@ -421,17 +421,11 @@ impl Tracer {
     /// did. One that fails leaves it traced by its calls alone.
     fn attach_beside_calls(&mut self, means: &mut Means, pid: NonZeroU32, attachment: &mut Attachment) -> bool {
         let Some(sites) = means.beside_calls.take() else { return false };
-        match self.loaded.attach_beside_calls(&sites, pid) {
-            Ok(probes) => {
-                attachment.merge(probes);
-                means.allocator.seen_through(&sites);
-                true
-            }
-            Err(err) => {
-                warn!(pid = pid.get(), "its Go heap stays unseen: attaching its runtime's sampler: {err:#}");
-                false
-            }
+        let attached = self.loaded.attach_beside_calls(&sites, pid, &mut means.allocator, attachment);
+        if let Err(err) = &attached {
+            warn!(pid = pid.get(), "its Go heap stays unseen: attaching its runtime's sampler: {err:#}");
         }
+        attached.is_ok()
     }
 
     /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.

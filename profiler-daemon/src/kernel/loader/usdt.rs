@@ -22,6 +22,7 @@ use crate::{
         probes::{Attachment, Method},
         uprobe_multi::{self, Fires, Point},
     },
+    process::allocator::Allocator,
     process::usdt::{Probe, Site},
 };
 
@@ -74,17 +75,26 @@ impl Loaded {
         Ok(attachment)
     }
 
-    /// Attaches `sites`, Go's runtime sampler in `pid`, beside the allocator probes attached to
-    /// it already: its Go heap is recorded as the runtime samples it, the rest by its calls. On
-    /// failure nothing of them stays, and its calls are traced on.
-    pub fn attach_beside_calls(&mut self, sites: &[Site], pid: NonZeroU32) -> anyhow::Result<Attachment> {
-        let mut attachment = Attachment::default();
-        if let Err(err) = self.attach_every_site(sites, pid.get(), &mut attachment) {
-            self.detach(attachment);
+    /// Attaches `sites`, Go's runtime sampler in `pid` (see `go_program::sampler_beside_calls`),
+    /// to `attachment`, beside the allocator probes attached to it already: its Go heap is
+    /// recorded as the runtime samples it, the rest by its calls, and is no blind spot of
+    /// `allocator` any more. On failure nothing of them stays, and its calls are traced on.
+    pub fn attach_beside_calls(
+        &mut self,
+        sites: &[Site],
+        pid: NonZeroU32,
+        allocator: &mut Allocator,
+        attachment: &mut Attachment,
+    ) -> anyhow::Result<()> {
+        let mut probes = Attachment::default();
+        if let Err(err) = self.attach_every_site(sites, pid.get(), &mut probes) {
+            self.detach(probes);
             return Err(err);
         }
         self.usdt.pids.insert(pid.get(), Sampler::BesideCalls);
-        Ok(attachment)
+        attachment.merge(probes);
+        allocator.seen_through(sites);
+        Ok(())
     }
 
     /// Free sites first, as for allocator probes (see `probe_allocator`).
