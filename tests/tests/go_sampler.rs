@@ -310,3 +310,22 @@ fn a_go_program_that_samples_nothing_is_said_to() {
         assert_eq!(said, 1, "{}: {}", program.display(), outcome.stderr);
     }
 }
+
+/// A Go program with cgo whose runtime samples nothing is traced by its calls alone: its Go heap
+/// is a blind spot whose advice says why, and names what shows it instead of `--usdt`, which
+/// would show nothing.
+#[test]
+fn a_cgo_program_that_samples_nothing_is_told_what_shows_its_go_heap() {
+    let program = fixture_go("go_unprofiled");
+    let outcome = run(&["--interval", "60"], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(!outcome.stderr.contains("reading its Go heap"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert!(report.get("usdt_beside_calls").is_none(), "{report}");
+    let spots = report["blind_spots"].as_array().unwrap();
+    let go_heap = spots.iter().find(|spot| spot["heap"] == "Go's heap").unwrap_or_else(|| panic!("{spots:?}"));
+    let advice = go_heap["advice"].as_str().unwrap();
+    assert!(advice.starts_with("its runtime samples nothing"), "{advice}");
+    assert!(advice.contains("set runtime.MemProfileRate") && advice.contains("--growth"), "{advice}");
+    assert!(!advice.contains("--usdt"), "{advice}");
+}

@@ -306,7 +306,7 @@ impl Family {
                     .settings
                     .0
                     .traces_calls()
-                    .then(|| go_program::sampler_beside_calls(&allocator, || usdt::in_process(pid)))
+                    .then(|| go_program::sampler_beside_calls(&mut allocator, || usdt::in_process(pid)))
                     .flatten();
                 process.sampler_beside_calls =
                     attach_beside_calls(beside, &mut allocator, loaded, nonzero, &mut process.attachment);

@@ -49,10 +49,11 @@ pub fn command(program: &Path) -> Result<(Allocator, Vec<PathBuf>, Vec<Site>), U
 /// The sites of Go's runtime sampler in a Go program with cgo whose `allocator` (the C
 /// library's) memprof traces by its calls, among the probe sites `find` finds in its files: Go's
 /// heap, which no call shows, is seen through them. None in any other program, or when its
-/// sampling starts off. Its `otel_memory` probes, of an allocator whose calls are traced, are
-/// left out: they would count its blocks twice.
+/// sampler cannot show it; the Go heap's blind spot then says why, and what shows it instead.
+/// Its `otel_memory` probes, of an allocator whose calls are traced, are left out: they would
+/// count its blocks twice.
 pub fn sampler_beside_calls(
-    allocator: &Allocator,
+    allocator: &mut Allocator,
     find: impl FnOnce() -> Result<Vec<Site>, UserError>,
 ) -> Option<Vec<Site>> {
     if !allocator.go_heap_unseen() {
@@ -62,14 +63,24 @@ pub fn sampler_beside_calls(
         Ok(sites) => sites.into_iter().filter(|site| site.spec.sampler == sampler::GO).collect(),
         Err(why) => {
             tracing::debug!("its Go heap stays unseen: {why}");
+            allocator.go_heap_unseen_because(&format!("memprof cannot read its runtime's sampler ({why})"));
             return None;
         }
     };
-    if sites.is_empty() || sites.iter().any(|site| site.starts_off) {
+    if sites.is_empty() {
+        allocator.go_heap_unseen_because("memprof finds no sampler in its runtime");
+        return None;
+    }
+    if sites.iter().any(|site| site.starts_off) {
+        allocator.go_heap_unseen_because(SAMPLING_OFF);
         return None;
     }
     Some(sites)
 }
+
+/// Why a Go runtime's sampler shows nothing, and the fix in the program.
+const SAMPLING_OFF: &str = "its runtime samples nothing (runtime.MemProfileRate 0: it links neither runtime/pprof nor \
+     net/http/pprof); set runtime.MemProfileRate in it (Go's default is 524288)";
 
 /// `sites`, when `allocator` holds no allocator memprof probes and they include a Go runtime's
 /// sampler that starts on.

@@ -33,7 +33,7 @@ pub(super) fn of_process(args: &TraceArgs, pid: u32) -> Result<Means, UserError>
     match allocator::find_with(pid, runtime_only(args)) {
         Ok(mut allocator) => {
             let sites = usdt_sites(args, &mut allocator, || usdt::in_process(pid))?;
-            let beside_calls = beside_calls(args, &allocator, || usdt::in_process(pid));
+            let beside_calls = beside_calls(args, &mut allocator, || usdt::in_process(pid));
             Ok(Means { args: args.clone(), allocator, sites, beside_calls })
         }
         Err(refused) => {
@@ -49,7 +49,7 @@ pub(super) fn of_command(args: &TraceArgs, program: &Path) -> Result<(Means, Vec
     match allocator::for_command(program, runtime_only(args)) {
         Ok((mut allocator, files)) => {
             let sites = usdt_sites(args, &mut allocator, || usdt::in_files(&files, program))?;
-            let beside_calls = beside_calls(args, &allocator, || usdt::in_files(&files, program));
+            let beside_calls = beside_calls(args, &mut allocator, || usdt::in_files(&files, program));
             Ok((Means { args: args.clone(), allocator, sites, beside_calls }, files))
         }
         Err(refused) => {
@@ -95,7 +95,7 @@ fn go_sampler<T>(
 /// beside them (see `go_program::sampler_beside_calls`); not in growth mode, whose pages show it.
 fn beside_calls(
     args: &TraceArgs,
-    allocator: &Allocator,
+    allocator: &mut Allocator,
     find: impl FnOnce() -> Result<Vec<usdt::Site>, UserError>,
 ) -> Option<Vec<usdt::Site>> {
     args.sampling.traces_calls().then(|| go_program::sampler_beside_calls(allocator, find)).flatten()

@@ -46,13 +46,13 @@ impl Tracer {
         let found = allocator::find_with(pid, self.runtime_only());
         if !self.config.sampling.usdt {
             return match found {
-                Ok(allocator) => {
+                Ok(mut allocator) => {
                     // Traced by its pages, its Go heap shows already.
                     let beside_calls = self
                         .config
                         .sampling
                         .traces_calls()
-                        .then(|| go_program::sampler_beside_calls(&allocator, || usdt::in_process(pid)))
+                        .then(|| go_program::sampler_beside_calls(&mut allocator, || usdt::in_process(pid)))
                         .flatten();
                     Ok(Means { allocator, sampler: None, beside_calls })
                 }

@@ -97,6 +97,16 @@ impl Allocator {
         self.unprobed.iter().any(|spot| spot.heap == Some(blind_spots::GO_HEAP))
     }
 
+    /// Go's heap stays unseen for `why` (its runtime's sampler cannot show it): its blind spot's
+    /// advice says so, and what shows it instead of `--usdt`.
+    pub fn go_heap_unseen_because(&mut self, why: &str) {
+        for spot in self.unprobed.iter_mut().filter(|spot| spot.heap == Some(blind_spots::GO_HEAP)) {
+            spot.advice = format!(
+                "{why}; or trace it with --growth (the pages it touches) or --mappings (where it maps its memory)"
+            );
+        }
+    }
+
     /// Traced through `sites` (`--usdt`): a Go runtime sampled at its own sites is no blind spot.
     pub fn seen_through(&mut self, sites: &[super::usdt::Site]) {
         if sites.iter().any(|site| site.spec.sampler == profiler_common::usdt::sampler::GO) {
