@@ -112,6 +112,68 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     assert!(report["growth"].is_object(), "{report}");
 }
 
+/// A switch to growth mode takes a running process's allocator probes away. Its frees must go
+/// first: a free seen once its allocations no longer are finds an address it reused meanwhile
+/// among the recent frees, and passes for a double free. Four busy loops, each switched: none
+/// has one, in its report or in the daemon's log.
+#[test]
+fn a_switch_to_growth_mode_finds_no_double_free() {
+    let mut targets: Vec<Waiting> =
+        (0..4).map(|_| Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"])).collect();
+    let pids: Vec<String> = targets.iter().map(|target| target.pid().to_string()).collect();
+    let mut args: Vec<&str> = pids.iter().flat_map(|pid| ["--pid", pid.as_str()]).collect();
+    args.extend(["--max-rate", "1000"]);
+    let mut daemon = Daemon::start(&args);
+    for target in &mut targets {
+        daemon.wait_traced(target.pid());
+        target.go();
+    }
+    for pid in &pids {
+        let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+        wait_for(30, "each loop to be traced by its pages", || {
+            (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
+        });
+    }
+    // Two intervals more: the double-free events of the switch are read by then.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    for pid in &pids {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+        assert_eq!(report["double_frees"], serde_json::json!([]), "pid {pid}");
+    }
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    assert!(!log.contains("double free"), "{log}");
+}
+
+/// With links shared per file, a process switched to growth mode still takes their traps (they
+/// fire in every process that maps the file), but they record its calls no more: its call totals
+/// stand still. Another traced process keeps the links in use.
+#[test]
+fn shared_links_stop_recording_a_process_switched_to_growth_mode() {
+    let mut busy = Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
+    let idle = Waiting::start(&fixture("malloc_loop"), &[]);
+    let pids = [busy.pid().to_string(), idle.pid().to_string()];
+    let daemon =
+        Daemon::start(&["--pid", &pids[0], "--pid", &pids[1], "--probe-links", "shared", "--max-rate", "1000"]);
+    daemon.wait_traced(busy.pid());
+    daemon.wait_traced(idle.pid());
+    busy.go();
+    let series = format!("memprof_growth_mode{{pid=\"{}\",comm=\"malloc_loop\"}}", pids[0]);
+    wait_for(30, "the busy loop to be traced by its pages", || {
+        (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
+    });
+    let allocations = || {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", pids[0]));
+        report["totals"]["allocations"].as_u64().unwrap()
+    };
+    // An interval for what the switch left, then two more to count again.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let before = allocations();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert_eq!(allocations(), before, "its calls are still recorded");
+}
+
 /// The programs growth mode runs for every process on the machine (at each page fault, and at the
 /// mapping calls, or at every system call where the kernel refuses `fexit` programs) are attached
 /// only while a process is traced by its pages: they go when the busy process switched to them

@@ -193,7 +193,28 @@ pub struct Attachment {
 #[derive(Debug)]
 struct Link {
     probes: Probes,
-    at_return: bool,
+    wave: Wave,
+}
+
+/// When a link is detached among a process's, wave by wave (see `Attachment`'s `drop`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wave {
+    /// `free`'s probes, first: a free seen once its allocations no longer are would find an
+    /// address the process reused meanwhile among the recent frees, a false double free.
+    Frees,
+    Entries,
+    /// Return probes, last: an entry probe left without its return would leave state behind.
+    Returns,
+}
+
+impl Wave {
+    fn of(name: &str, at_return: bool) -> Self {
+        match (name, at_return) {
+            (_, true) => Self::Returns,
+            (FREE_PROGRAM, false) => Self::Frees,
+            _ => Self::Entries,
+        }
+    }
 }
 
 /// Each holds what detaches its probes when the last copy of its descriptors closes.
@@ -234,19 +255,19 @@ impl Attachment {
     /// Takes over the page-fault events of a process traced by them (see `faults`).
     pub fn add_page_faults(&mut self, events: Vec<OwnedFd>) {
         self.probes += events.len();
-        self.links.extend(events.into_iter().map(|fd| Link { probes: Probes::PageFaults(fd), at_return: false }));
+        self.links.extend(events.into_iter().map(|fd| Link { probes: Probes::PageFaults(fd), wave: Wave::Entries }));
     }
 
     /// Takes over a USDT probe's uprobe (see `loader::usdt`).
     pub fn add_usdt(&mut self, probe: perf_event::Uprobe) {
         self.probes += 1;
-        self.links.push(Link { probes: Probes::PerfEvent(probe), at_return: false });
+        self.links.push(Link { probes: Probes::PerfEvent(probe), wave: Wave::Entries });
     }
 
     /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`.
     pub fn add_usdt_link(&mut self, link: OwnedFd, path: &Path, offsets: Vec<u64>) {
         self.probes += offsets.len();
-        self.links.push(Link { probes: Probes::Multi(link), at_return: false });
+        self.links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries });
         self.sites.push((path.to_path_buf(), offsets));
     }
 
@@ -274,6 +295,7 @@ impl Attachment {
     ) -> anyhow::Result<()> {
         let program = program(ebpf, name)?;
         let at_return = matches!(program.kind(), ProbeKind::Return);
+        let wave = Wave::of(name, at_return);
         let context = || format!("attaching {name} to {}", path.display());
         let own = pid.is_some();
         match method {
@@ -286,7 +308,7 @@ impl Attachment {
                 let pid = pid.map_or(0, NonZeroU32::get);
                 let link =
                     uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
-                self.links.push(Link { probes: Probes::Multi(link), at_return });
+                self.links.push(Link { probes: Probes::Multi(link), wave });
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
@@ -295,7 +317,7 @@ impl Attachment {
                     let probe =
                         perf_event::uprobe(program, path, point.offset, None, point.cookie, pid.get(), at_return)
                             .with_context(context)?;
-                    self.links.push(Link { probes: Probes::PerfEvent(probe), at_return });
+                    self.links.push(Link { probes: Probes::PerfEvent(probe), wave });
                 }
             }
         }
@@ -308,12 +330,14 @@ impl Attachment {
 }
 
 impl Drop for Attachment {
-    /// Detaches the entry probes' links at once, then the return probes': each uprobe_multi link
+    /// Detaches the links wave by wave (see `Wave`), each wave's at once: each uprobe_multi link
     /// waits for its own grace periods, and links closed together share them.
     fn drop(&mut self) {
         let start = std::time::Instant::now();
         let links = self.links.len();
-        let (returns, entries): (Vec<Link>, Vec<Link>) = self.links.drain(..).partition(|link| link.at_return);
+        let mut links_of = |wave| self.links.extract_if(.., |link| link.wave == wave).collect::<Vec<Link>>();
+        let (frees, entries, returns) = (links_of(Wave::Frees), links_of(Wave::Entries), links_of(Wave::Returns));
+        detach_together(frees);
         detach_together(entries);
         detach_together(returns);
         tracing::debug!(probes = self.probes, links, elapsed_ms = start.elapsed().as_millis() as u64, "detached");
@@ -347,7 +371,7 @@ pub fn sweep_copies<'a>(
         for (path, offsets) in by_file {
             let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
             match uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()) {
-                Ok(link) => links.push(Link { probes: Probes::Multi(link), at_return: false }),
+                Ok(link) => links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries }),
                 // Gone since, say: its children are swept with those of the next.
                 Err(err) => tracing::debug!(pid = pid.get(), path = %path.display(), "not swept: {err}"),
             }
