@@ -89,6 +89,9 @@ impl Loaded {
         self.load_page_faults()?;
         // Its pages show Go's heap too: a sampler beside its calls goes with them.
         self.usdt.forget(pid.get());
+        // Links shared per file still fire in it: they record its calls no more, from before
+        // what they recorded is forgotten.
+        self.update_traced(pid.get(), |flags| flags & !profiler_common::traced::SHARED)?;
         let old = std::mem::take(attachment);
         *attachment = self.restart(pid, old);
         attachment.merge(self.watch_pages(pid, true)?);
