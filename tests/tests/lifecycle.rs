@@ -1,6 +1,8 @@
 //! Attaching to running processes: allocations made before attach, exits, double frees, reuse.
 
-use memprof_tests::{assert_nothing_dropped, attach, fixture, run, site, total, Waiting};
+use memprof_tests::{
+    assert_nothing_dropped, attach, fixture, run, run_with_env, site, total, wait_for, Daemon, Waiting,
+};
 
 #[test]
 fn allocations_from_before_attach_freed_after_are_unknown_frees() {
@@ -57,6 +59,39 @@ fn double_free(args: &[&str]) -> serde_json::Value {
         ["alloc", "first_free", "second_free"].iter().map(|w| df[w]["time_s"].as_f64().unwrap()).collect();
     assert!(times[0] <= times[1] && times[1] <= times[2], "{times:?}");
     df
+}
+
+/// A program that frees many blocks twice (on an allocator that does not abort) has its first
+/// 100 double frees kept and the rest counted, in the report and its text, in `run` as in the
+/// daemon, whose log names the first 100 and then says it stops.
+#[test]
+fn double_frees_past_the_first_100_are_counted_not_kept() {
+    let preload = ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2.0");
+    let program = fixture("lifecycle");
+    let outcome = run_with_env(&[preload], &[], &[program.to_str().unwrap(), "double-frees"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["double_frees"].as_array().unwrap().len(), 100, "{report}");
+    // A few second frees find their slot of recent frees taken by another block's first free.
+    let not_kept = report["double_frees_not_kept"].as_u64().unwrap();
+    assert!((150..=200).contains(&not_kept), "{not_kept}");
+
+    let mut command = std::process::Command::new(&program);
+    command.env(preload.0, preload.1).args(["--wait", "double-frees"]);
+    let mut target = Waiting::start_command(command);
+    let pid = target.pid().to_string();
+    let mut daemon = Daemon::start(&["--pid", &pid]);
+    daemon.wait_traced(target.pid());
+    target.go();
+    assert!(target.child.wait().unwrap().success());
+    wait_for(30, "the daemon to let the program go", || {
+        (!daemon.traced_pids().contains(&u64::from(target.pid()))).then_some(())
+    });
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.child.wait().unwrap().success());
+    let log = daemon.log();
+    assert_eq!(log.matches("double free of").count(), 100, "{log}");
+    assert_eq!(log.matches("more than 100 double frees").count(), 1, "{log}");
 }
 
 #[test]

@@ -15,9 +15,13 @@ use crate::{
     console::say,
     heap::leak::{LeakSettings, LeakTracker},
     heap::price::PriceWatch,
-    heap::report::{DoubleFreeReport, Forks, Report},
+    heap::report::{Forks, Report},
     heap::sampling::{RateGuard, Sampling},
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    heap::{
+        blind_spots::BlindSpots,
+        double_free::{DoubleFreeFilter, DoubleFrees},
+        resident::Resident,
+    },
     kernel::aggregate::monotonic_now_ns,
     kernel::events,
     kernel::loader::{Attachment, Loaded},
@@ -52,7 +56,7 @@ pub struct Process {
     /// Until its price is said, after its first second traced.
     pub price: Option<PriceWatch>,
     pub leaks: LeakTracker,
-    pub double_frees: Vec<DoubleFreeReport>,
+    pub double_frees: DoubleFrees,
     /// What memprof does not see in it; none until its allocator is probed.
     pub blind_spots: Option<BlindSpots>,
     pub resident: Resident,
@@ -113,7 +117,7 @@ impl Process {
             rate_guard: RateGuard::starting(settings.0, start_ns),
             price: priced.then(|| PriceWatch::start(pid, None)).flatten(),
             leaks: LeakTracker::new(settings.1),
-            double_frees: Vec::new(),
+            double_frees: DoubleFrees::default(),
             expect_exec,
             forked_untraced: false,
             sampler_beside_calls: false,
@@ -274,7 +278,7 @@ impl Family {
         process.exe = procfs::exe_path(pid).or_else(ran).unwrap_or_default();
         process.leaks = LeakTracker::new(self.settings.1);
         process.rate_guard = RateGuard::new(self.settings.0);
-        process.double_frees.clear();
+        process.double_frees = DoubleFrees::default();
         self.probe(loaded, pid);
     }
 

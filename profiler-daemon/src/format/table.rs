@@ -267,6 +267,9 @@ fn section(report: &Report) -> String {
             write_via(&mut out, lead.len(), &site.via);
         }
     }
+    if report.double_frees_not_kept > 0 {
+        let _ = writeln!(out, "  and {} more double frees, counted, not kept", report.double_frees_not_kept);
+    }
     out
 }
 

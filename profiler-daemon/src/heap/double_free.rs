@@ -31,3 +31,40 @@ impl DoubleFreeFilter {
         !(internal_name || internal_module)
     }
 }
+
+/// A process's double frees: the first `KEPT` in full, the rest counted. A program that frees
+/// twice in a loop (an allocator that does not abort on it) would otherwise grow memprof's
+/// memory and its log at the loop's rate.
+#[derive(Debug, Default)]
+pub struct DoubleFrees {
+    kept: Vec<DoubleFreeReport>,
+    not_kept: u64,
+}
+
+impl DoubleFrees {
+    pub const KEPT: usize = 100;
+
+    /// Keeps `double_free` if there is room; returns whether it did.
+    pub fn add(&mut self, double_free: DoubleFreeReport) -> bool {
+        if self.kept.len() < Self::KEPT {
+            self.kept.push(double_free);
+            return true;
+        }
+        self.not_kept += 1;
+        false
+    }
+
+    pub fn kept(&self) -> &[DoubleFreeReport] {
+        &self.kept
+    }
+
+    /// Those past the first `KEPT`, counted only.
+    pub fn not_kept(&self) -> u64 {
+        self.not_kept
+    }
+
+    /// All of them, kept or not.
+    pub fn count(&self) -> u64 {
+        self.kept.len() as u64 + self.not_kept
+    }
+}

@@ -133,7 +133,7 @@ impl Tracer<'_> {
             let double_free = self.stacks(event.tgid).double_free(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
             if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {
-                process.double_frees.push(double_free);
+                process.double_frees.add(double_free);
             }
         }
     }

@@ -33,11 +33,10 @@ use crate::{
     heap::heuristics::Heuristics,
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
-    heap::report::DoubleFreeReport,
     heap::sampling::RateGuard,
     heap::{
         blind_spots::BlindSpots,
-        double_free::DoubleFreeFilter,
+        double_free::{DoubleFreeFilter, DoubleFrees},
         resident::{PinnedBudget, Resident},
     },
     kernel::aggregate::DoubleFreeReader,
@@ -87,8 +86,7 @@ struct Target {
     attached_at: SystemTime,
     /// CLOCK_MONOTONIC at attach, for the report's times.
     start_ns: u64,
-    double_frees: Vec<DoubleFreeReport>,
-    double_free_count: u64,
+    double_frees: DoubleFrees,
     leaks: LeakTracker,
     /// `--max-rate`: switches the process to sampling when it calls the allocator too often.
     rate_guard: RateGuard,

@@ -22,6 +22,7 @@ use crate::{
         view::{DaemonView, MapUse, StackSeries, TargetView},
     },
     format,
+    heap::double_free::DoubleFrees,
     heap::heuristics::Heuristics,
     heap::inspect,
     heap::leak::LeakTracker,
@@ -33,9 +34,6 @@ use crate::{
     text,
     unwind::TableUse,
 };
-
-/// Double frees kept per process for its report; more are counted only.
-const KEPT_DOUBLE_FREES: usize = 100;
 
 impl Tracer {
     pub(super) fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
@@ -61,9 +59,7 @@ impl Tracer {
             }
             let site =
                 |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
-            warn!(
-                pid = event.tgid,
-                comm = target.comm,
+            let said = format!(
                 "double free of {} ({} bytes): allocated at {}, freed at {}, freed again at {}",
                 double_free.address,
                 double_free.size,
@@ -72,9 +68,15 @@ impl Tracer {
                 site(&double_free.second_free.frames),
             );
             let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
-            target.double_free_count += 1;
-            if target.double_frees.len() < KEPT_DOUBLE_FREES {
-                target.double_frees.push(double_free);
+            if target.double_frees.add(double_free) {
+                warn!(pid = event.tgid, comm = target.comm, "{said}");
+            } else if target.double_frees.not_kept() == 1 {
+                warn!(
+                    pid = event.tgid,
+                    comm = target.comm,
+                    "more than {} double frees: the next ones are counted (memprof_double_frees_total), not logged",
+                    DoubleFrees::KEPT
+                );
             }
         }
     }
@@ -106,7 +108,7 @@ impl Tracer {
         let still = self.loaded.still_intervals(&pids)?;
         let settle_after = settled::intervals(self.config.leak);
         let settled: HashSet<u32> = (self.targets.values())
-            .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.double_frees == t.double_free_count))
+            .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.double_frees == t.double_frees.count()))
             .filter(|t| still.get(&t.id.pid).is_some_and(|&n| n >= settle_after))
             .map(|t| t.id.pid)
             .collect();
@@ -355,7 +357,7 @@ impl Tracer {
             comm: target.comm.clone(),
             cgroup: target.cgroup.clone(),
             attached_at: target.attached_at.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
-            double_frees: target.double_free_count,
+            double_frees: target.double_frees.count(),
             leak_candidate_bytes: report.stacks.iter().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
             leak_candidates: report.stacks.iter().filter(|s| s.leak.candidate).count() as u64,
             leak_warming_up: target.leaks.warming_up(),

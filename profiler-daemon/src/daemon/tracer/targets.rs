@@ -19,7 +19,11 @@ use crate::{
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
     heap::sampling::RateGuard,
-    heap::{blind_spots::BlindSpots, double_free::DoubleFreeFilter, resident::Resident},
+    heap::{
+        blind_spots::BlindSpots,
+        double_free::{DoubleFreeFilter, DoubleFrees},
+        resident::Resident,
+    },
     kernel::aggregate,
     kernel::loader::Attachment,
     kernel::shared::{self, file_ids},
@@ -305,8 +309,7 @@ impl Tracer {
         target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
-        target.double_frees.clear();
-        target.double_free_count = 0;
+        target.double_frees = DoubleFrees::default();
         target.known_stacks.forget();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
@@ -394,8 +397,7 @@ impl Tracer {
             cgroup: procfs::cgroup(id.pid),
             attached_at: SystemTime::now(),
             start_ns: aggregate::monotonic_now_ns(),
-            double_frees: Vec::new(),
-            double_free_count: 0,
+            double_frees: DoubleFrees::default(),
             leaks: LeakTracker::new(self.config.leak),
             rate_guard,
             probed: true,

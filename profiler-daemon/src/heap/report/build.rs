@@ -5,11 +5,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use profiler_common::DropReason;
 
 use super::{
-    Bucket, DoubleFreeReport, Peak, PeakStack, Report, StackReport, Stacks, TemporaryStack, ThreadPair, Totals,
-    LISTED_MAX, MISSED_GENERATIONS,
+    Bucket, Peak, PeakStack, Report, StackReport, Stacks, TemporaryStack, ThreadPair, Totals, LISTED_MAX,
+    MISSED_GENERATIONS,
 };
 use crate::{
     heap::{
+        double_free::DoubleFrees,
         inspect::{Inspection, Reachability},
         leak::{LeakTracker, Timeline},
         mappings,
@@ -26,7 +27,7 @@ pub struct Context<'a> {
     pub comm: &'a str,
     /// See `Report::ns_pid`: read once at attach, since a pid namespace is for life.
     pub ns_pid: Option<u32>,
-    pub double_frees: &'a [DoubleFreeReport],
+    pub double_frees: &'a DoubleFrees,
     pub leaks: &'a LeakTracker,
     /// The pages the process's live blocks pin, by kernel stack id.
     pub pinned: &'a Pinned,
@@ -155,7 +156,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         suppressed: None,
         modules,
         stacks,
-        double_frees: ctx.double_frees.to_vec(),
+        double_frees: ctx.double_frees.kept().to_vec(),
+        double_frees_not_kept: ctx.double_frees.not_kept(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
         lifetimes: power_of_two_buckets(&snapshot.lifetimes.buckets),
         thread_pairs: thread_pairs(snapshot),

@@ -118,6 +118,9 @@ pub struct Report {
     /// The executable mappings that hold the stacks' frames (pprof's mappings).
     pub modules: Vec<Module>,
     pub double_frees: Vec<DoubleFreeReport>,
+    /// Double frees past the first `DoubleFrees::KEPT` of a process: counted, not kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub double_frees_not_kept: u64,
     /// What memprof knows it does not see in the process (docs: guide/allocators.md#blind-spots).
     pub blind_spots: Vec<BlindSpot>,
     /// Sizes of the allocations seen, in power-of-two buckets.

@@ -73,6 +73,7 @@ pub fn report() -> Report {
             build_id: "0badc0de".into(),
         }],
         double_frees: vec![],
+        double_frees_not_kept: 0,
         sizes: vec![],
         lifetimes: vec![],
         thread_pairs: vec![],
