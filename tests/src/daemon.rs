@@ -128,6 +128,14 @@ impl Daemon {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, signal) };
     }
+
+    /// Stops the daemon as systemd does (SIGTERM), asserts it exited well, and returns its log.
+    pub fn stopped_log(&mut self) -> String {
+        self.signal(libc::SIGTERM);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "{status}");
+        self.log()
+    }
 }
 
 impl Drop for Daemon {

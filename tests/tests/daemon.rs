@@ -201,9 +201,7 @@ fn the_shipped_config_traces_nothing_and_says_how_to_add_a_rule() {
     scanned(2);
     assert_eq!(daemon.traced_pids(), Vec::<u64>::new());
 
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     let notice = format!(
         "no rule is configured, so no process is traced: add one to {config} (comms = [\"^my-service$\"], or cgroups, pids, all = true) and reload (systemctl reload memprof, or SIGHUP)"
     );
@@ -232,9 +230,7 @@ fn with_uprobe_multi_switched_off_each_probe_is_a_perf_event_uprobe() {
     drop(held);
     // About 90 ms a probe, in the background.
     wait_for(20, "its probes to be detached", || probe_links::probing(pid).is_empty().then_some(()));
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let stderr = daemon.log();
+    let stderr = daemon.stopped_log();
     assert!(stderr.contains("MEMPROF_UPROBE_MULTI=0: attaching perf-event uprobes"), "{stderr}");
 }
 
@@ -258,9 +254,7 @@ fn with_uprobe_sessions_switched_off_allocations_get_entry_and_return_links() {
     wait_for(20, "the held blocks", || (site(&daemon.get_json(&leaks).1, "hold_site") == (50_000, 50)).then_some(()));
     assert_eq!(site(&daemon.get_json(&leaks).1, "churn_site"), (0, 0));
     drop(held);
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let stderr = daemon.log();
+    let stderr = daemon.stopped_log();
     assert!(stderr.contains("no uprobe sessions (MEMPROF_UPROBE_SESSION=0)"), "{stderr}");
 }
 
@@ -453,9 +447,7 @@ fn targets_that_come_and_go_do_not_add_intervals_to_a_steady_targets_timeline() 
 fn rules_naming_a_missing_pid_or_cgroup_are_said() {
     let _serial = serial();
     let mut daemon = Daemon::start(&["--pid", "4194303", "--cgroup", "/memprof-no-such-cgroup"]);
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     assert!(log.contains("the rules name pid 4194303, and no such process runs"), "{log}");
     assert!(log.contains("the rules name cgroup /memprof-no-such-cgroup, and /sys/fs/cgroup has no such"), "{log}");
 }

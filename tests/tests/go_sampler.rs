@@ -164,9 +164,7 @@ fn without_usdt_the_daemon_reads_a_cgo_programs_go_heap_beside_its_calls() {
     assert!(report["growth"].is_null(), "switched to growth mode: {report}");
     let spots = report["blind_spots"].as_array().unwrap();
     assert!(spots.iter().all(|spot| spot["heap"] != "Go's heap"), "Go's heap is seen: {spots:?}");
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     assert!(!log.contains("above max_rate"), "{log}");
 }
 
@@ -249,9 +247,7 @@ fn the_daemon_leaves_a_go_program_that_samples_nothing_untraced() {
     });
     assert!(!daemon.traced_pids().contains(&u64::from(pid)));
     target.go();
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     let said = format!("pid={pid}");
     let refusal =
         log.lines().find(|line| line.contains("not traced, though the rules name it") && line.contains(&said));

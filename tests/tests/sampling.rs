@@ -140,9 +140,7 @@ fn a_switch_to_growth_mode_finds_no_double_free() {
         let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
         assert_eq!(report["double_frees"], serde_json::json!([]), "pid {pid}");
     }
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     assert!(!log.contains("double free"), "{log}");
 }
 

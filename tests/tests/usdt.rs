@@ -88,9 +88,7 @@ fn without_usdt_its_table_is_empty_and_a_reload_cannot_turn_it_on() {
         (site(&daemon.get_json(&leaks).1, "unreported") == (50 * 1000, 50)).then_some(())
     });
     let _ = std::fs::remove_file(&config);
-    daemon.signal(libc::SIGTERM);
-    assert!(daemon.child.wait().unwrap().success());
-    let log = daemon.log();
+    let log = daemon.stopped_log();
     let warning = "read at start, kept as they were until the next start: usdt (with the other sampling settings)";
     assert_eq!(log.lines().filter(|line| line.contains(warning)).count(), 1, "{log}");
 }
