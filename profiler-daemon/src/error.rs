@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::process::go_program;
+
 #[derive(Debug, thiserror::Error)]
 pub enum UserError {
     #[error("no process with pid {0}; check the pid with `ps -p {0}`")]
@@ -18,7 +20,8 @@ pub enum UserError {
     NoAllocator { pid: u32, detail: String },
     #[error("no otel_memory USDT probes and no Go runtime in the files of {target}: --usdt records only what an allocator's own sampler reports, through otel_memory:alloc and otel_memory:free probes or Go's runtime; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
     NoUsdtProbes { target: String },
-    #[error("{target} is a Go program without cgo whose runtime samples nothing (runtime.MemProfileRate 0: it links neither runtime/pprof nor net/http/pprof), and it has no allocator memprof probes: set runtime.MemProfileRate in it (Go's default is 524288), or trace it with --growth (the pages it touches) or --mappings (where it maps its memory) (docs: guide/usdt.md#go-programs)")]
+    #[error("{target} is a Go program without cgo whose {samples_nothing}, and it has no allocator memprof probes: {set_the_rate}, or trace it with {other_modes} (docs: guide/usdt.md#go-programs)",
+        samples_nothing = go_program::SAMPLES_NOTHING, set_the_rate = go_program::SET_THE_RATE, other_modes = go_program::OTHER_MODES)]
     GoSamplingOff { target: String },
     #[error("--usdt traces one process, through its own probes: its children would need allocator probes; leave out --follow-forks")]
     UsdtFollowForks,

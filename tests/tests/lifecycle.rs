@@ -75,6 +75,14 @@ fn double_frees_past_the_first_100_are_counted_not_kept() {
     // A few second frees find their slot of recent frees taken by another block's first free.
     let not_kept = report["double_frees_not_kept"].as_u64().unwrap();
     assert!((150..=200).contains(&not_kept), "{not_kept}");
+    let text = std::process::Command::new(memprof_tests::memprof_bin())
+        .args(["run", "--", program.to_str().unwrap(), "double-frees"])
+        .env(preload.0, preload.1)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert_eq!(text.matches("DOUBLE FREE of").count(), 100, "{text}");
+    assert!(text.contains("more double frees, counted, not kept"), "{text}");
 
     let mut command = std::process::Command::new(&program);
     command.env(preload.0, preload.1).args(["--wait", "double-frees"]);

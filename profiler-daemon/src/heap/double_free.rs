@@ -44,9 +44,14 @@ pub struct DoubleFrees {
 impl DoubleFrees {
     pub const KEPT: usize = 100;
 
+    /// Whether the next one will be counted only.
+    pub fn is_full(&self) -> bool {
+        self.kept.len() >= Self::KEPT
+    }
+
     /// Keeps `double_free` if there is room; returns whether it did.
     pub fn add(&mut self, double_free: DoubleFreeReport) -> bool {
-        if self.kept.len() < Self::KEPT {
+        if !self.is_full() {
             self.kept.push(double_free);
             return true;
         }

@@ -72,15 +72,18 @@ pub fn sampler_beside_calls(
         return None;
     }
     if sites.iter().any(|site| site.starts_off) {
-        allocator.go_heap_unseen_because(SAMPLING_OFF);
+        allocator.go_heap_unseen_because(&format!("its {SAMPLES_NOTHING}; {SET_THE_RATE}"));
         return None;
     }
     Some(sites)
 }
 
-/// Why a Go runtime's sampler shows nothing, and the fix in the program.
-const SAMPLING_OFF: &str = "its runtime samples nothing (runtime.MemProfileRate 0: it links neither runtime/pprof nor \
-     net/http/pprof); set runtime.MemProfileRate in it (Go's default is 524288)";
+/// Why a Go runtime's sampler shows nothing (after "its" or "whose"), and the fix in the program.
+pub const SAMPLES_NOTHING: &str =
+    "runtime samples nothing (runtime.MemProfileRate 0: it links neither runtime/pprof nor net/http/pprof)";
+pub const SET_THE_RATE: &str = "set runtime.MemProfileRate in it (Go's default is 524288)";
+/// What shows a Go heap that no sampler does.
+pub const OTHER_MODES: &str = "--growth (the pages it touches) or --mappings (where it maps its memory)";
 
 /// `sites`, when `allocator` holds no allocator memprof probes and they include a Go runtime's
 /// sampler that starts on.

@@ -59,18 +59,20 @@ impl Tracer {
             }
             let site =
                 |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
-            let said = format!(
-                "double free of {} ({} bytes): allocated at {}, freed at {}, freed again at {}",
-                double_free.address,
-                double_free.size,
-                site(&double_free.alloc.frames),
-                site(&double_free.first_free.frames),
-                site(&double_free.second_free.frames),
-            );
             let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
-            if target.double_frees.add(double_free) {
-                warn!(pid = event.tgid, comm = target.comm, "{said}");
-            } else if target.double_frees.not_kept() == 1 {
+            if !target.double_frees.is_full() {
+                warn!(
+                    pid = event.tgid,
+                    comm = target.comm,
+                    "double free of {} ({} bytes): allocated at {}, freed at {}, freed again at {}",
+                    double_free.address,
+                    double_free.size,
+                    site(&double_free.alloc.frames),
+                    site(&double_free.first_free.frames),
+                    site(&double_free.second_free.frames),
+                );
+            }
+            if !target.double_frees.add(double_free) && target.double_frees.not_kept() == 1 {
                 warn!(
                     pid = event.tgid,
                     comm = target.comm,

@@ -101,9 +101,7 @@ impl Allocator {
     /// advice says so, and what shows it instead of `--usdt`.
     pub fn go_heap_unseen_because(&mut self, why: &str) {
         for spot in self.unprobed.iter_mut().filter(|spot| spot.heap == Some(blind_spots::GO_HEAP)) {
-            spot.advice = format!(
-                "{why}; or trace it with --growth (the pages it touches) or --mappings (where it maps its memory)"
-            );
+            spot.advice = format!("{why}; or trace it with {}", super::go_program::OTHER_MODES);
         }
     }
 
