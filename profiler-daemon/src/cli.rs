@@ -29,7 +29,8 @@ Examples:
   memprof attach -p 1234                      a table of the stacks holding memory, every 5 s
   memprof attach -p 1234 --duration 60 -o heap.html --format html
   memprof run ./server --port 8080            trace a command from its first allocation
-  memprof run --fail-on-leak-bytes 0 ./tests  a CI gate on leaks
+  memprof run --interval 1 --fail-on-leak-bytes 0 ./soak-test
+                                              a CI gate on leaks
   memprof daemon --comm '^nginx$'             Prometheus metrics on 127.0.0.1:9464
   memprof snapshot -p 1234 -o before.pb.gz    a pprof profile, for go tool pprof
   memprof inspect -p 1234                     lost blocks as memcheck says, from the daemon
@@ -77,13 +78,15 @@ Examples:
 Examples:
   memprof run ./app --its-own-flag   everything after the command is the command's
   memprof run --json -o heap.json -- ./app
-  memprof run --fail-on-leak-bytes 0 make check")]
+  memprof run --interval 1 --fail-on-leak-bytes 0 ./soak-test")]
     Run {
         #[command(flatten)]
         trace: TraceArgs,
         /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
-        /// (a CI gate); the report is written as asked. If memprof cannot go on (see
-        /// --on-error), the gate is not judged, and a command that exits 0 makes memprof exit 1.
+        /// (a CI gate); the report is written as asked. The gate is not judged when stacks the
+        /// leak rule has no verdict on yet (watched for fewer than --leak-window intervals) hold
+        /// more than BYTES, or when memprof cannot go on (see --on-error): a command that exits
+        /// 0 then makes memprof exit 1.
         #[arg(long, value_name = "BYTES")]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on (a full disk, an unwritable

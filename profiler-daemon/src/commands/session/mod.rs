@@ -168,15 +168,29 @@ pub async fn run(
             return Ok(code);
         }
     };
+    let code = traced.code.unwrap_or(0);
+    let gate = &traced.gate;
     match fail_on_leak_bytes {
-        Some(limit) if traced.leak_bytes > limit => {
+        Some(limit) if gate.candidates > limit => {
             say!(
                 "memprof: leak candidates hold {} bytes, more than --fail-on-leak-bytes {limit}: exiting with {LEAK_EXIT_CODE}",
-                traced.leak_bytes
+                gate.candidates
             );
             Ok(LEAK_EXIT_CODE)
         }
-        _ => Ok(traced.code.unwrap_or(0)),
+        // The bytes the rule has no verdict on could hold a leak above the limit: not a pass.
+        Some(limit) if gate.unjudged > limit => {
+            let exit = if code == 0 { 1 } else { code };
+            say!(
+                "memprof: --fail-on-leak-bytes could not be judged: {} bytes are held by stacks the leak rule has no verdict on yet (it needs {} intervals of {} s, and the command was traced {:.1} s); give a shorter --interval or --leak-window: exiting with {exit}",
+                gate.unjudged,
+                args.leak_window,
+                args.interval,
+                gate.traced_s
+            );
+            Ok(exit)
+        }
+        _ => Ok(code),
     }
 }
 

@@ -40,8 +40,31 @@ use super::{say_not_seen, settings, Opened};
 pub(super) struct Traced {
     /// The target's exit code when memprof started it.
     pub(super) code: Option<i32>,
-    /// In-use bytes of the final report's leak candidates, children included.
-    pub(super) leak_bytes: u64,
+    /// What `--fail-on-leak-bytes` judges from the final report.
+    pub(super) gate: LeakGate,
+}
+
+/// The final report's in-use bytes by the leak rule's verdict, children included.
+#[derive(Default)]
+pub(super) struct LeakGate {
+    /// Held by leak candidates.
+    pub(super) candidates: u64,
+    /// Held by stacks the rule has no verdict on yet (watched for fewer intervals than its
+    /// window): a short command's, or a stack that first allocated late.
+    pub(super) unjudged: u64,
+    /// How long the root process was traced, in seconds.
+    pub(super) traced_s: f64,
+}
+
+impl LeakGate {
+    fn of(root: &Report) -> Self {
+        let stacks = || std::iter::once(root).chain(&root.children).flat_map(|report| &report.stacks);
+        Self {
+            candidates: stacks().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
+            unjudged: stacks().filter(|s| s.leak.warming_up.is_some()).map(|s| s.outstanding_bytes).sum(),
+            traced_s: root.duration_s,
+        }
+    }
 }
 
 /// What a session reads and reports from.
@@ -496,19 +519,12 @@ pub(super) async fn trace(
     }
     tracer.collect(&mut double_free_reader);
     let result = tracer.read(true);
-    let leak_bytes = result.as_ref().ok().and_then(Option::as_ref).map_or(0, |root| {
-        std::iter::once(root)
-            .chain(&root.children)
-            .flat_map(|report| &report.stacks)
-            .filter(|s| s.leak.candidate)
-            .map(|s| s.outstanding_bytes)
-            .sum()
-    });
+    let gate = result.as_ref().ok().and_then(Option::as_ref).map_or_else(LeakGate::default, LeakGate::of);
     let generated = result.as_ref().ok().and_then(Option::as_ref).and_then(|root| suppressing.generated(root));
     let written = result.and_then(&mut write).and_then(|read| suppress::print(generated).map(|()| read));
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
-    written.map(|_| Traced { code, leak_bytes })
+    written.map(|_| Traced { code, gate })
 }
 
 /// Waits until CLOCK_MONOTONIC reaches `at_ns`; forever when none.
