@@ -116,7 +116,9 @@ fn the_ci_gate_does_not_pass_a_command_the_rule_could_not_judge() {
     assert_eq!(unjudged.status.code(), Some(1), "{unjudged:?}");
     assert!(
         unjudged.stderr.contains("--fail-on-leak-bytes could not be judged: ")
-            && unjudged.stderr.contains("held by stacks the leak rule has no verdict on yet (it needs 6 intervals of 60 s")
+            && unjudged
+                .stderr
+                .contains("held by stacks the leak rule has no verdict on yet (it needs 6 intervals of 60 s")
             && unjudged.stderr.contains("give a shorter --interval or --leak-window: exiting with 1"),
         "{}",
         unjudged.stderr

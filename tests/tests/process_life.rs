@@ -108,6 +108,29 @@ fn attach_follows_an_exec() {
     assert_eq!(report["exe"], program.as_str());
 }
 
+/// A process `attach` traces that is killed: memprof says so, with the signal, and its final
+/// report is marked exited. Not reaped until memprof has ended: a zombie tells its status on
+/// every kernel (a reaped one only through its pidfd, on Linux 6.15 and later).
+#[test]
+fn attach_says_when_its_process_is_killed() {
+    let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
+    let pid = sleeper.id().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "0.2"]);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
+        // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
+        unsafe { libc::kill(sleeper.id() as libc::pid_t, libc::SIGKILL) };
+    });
+    let _ = sleeper.wait();
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains(&format!("memprof: pid {pid} (sleep) exited (killed by SIGKILL) after ")),
+        "{}",
+        outcome.stderr
+    );
+    assert_eq!(outcome.final_report()["exited"], true);
+}
+
 #[test]
 fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     let program = dynamic();

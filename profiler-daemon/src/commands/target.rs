@@ -4,7 +4,7 @@ use std::{
     ffi::{CString, OsString},
     io,
     os::{
-        fd::{FromRawFd, OwnedFd},
+        fd::{AsRawFd, FromRawFd, OwnedFd},
         unix::ffi::OsStrExt,
     },
     path::{Path, PathBuf},
@@ -14,12 +14,12 @@ use std::{
 
 use tokio::{io::unix::AsyncFd, sync::oneshot};
 
-use crate::error::UserError;
+use crate::{error::UserError, process::procfs};
 
 /// Tells when the target is gone and with which exit code.
 pub enum ExitWatch {
     /// A process memprof attached to: a pidfd becomes readable when it exits.
-    Attached(AsyncFd<OwnedFd>),
+    Attached(AsyncFd<OwnedFd>, u32),
     /// A child memprof started: its waiting thread sends the exit code, kept once received.
     Child(oneshot::Receiver<i32>, Option<i32>),
 }
@@ -34,14 +34,14 @@ impl ExitWatch {
         // SAFETY: the fd was just created, is owned by nobody else and is not closed while registered.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let fd = unsafe { AsyncFd::register(fd) }.map_err(|err| err.into_parts().1)?;
-        Ok(Self::Attached(fd))
+        Ok(Self::Attached(fd, pid))
     }
 
     /// After Ctrl-C or SIGTERM: a child memprof started got the signal too (it shares the terminal's
     /// process group, or was sent it alongside); give it two seconds to exit and report its code.
     pub async fn settle(&mut self) -> Option<i32> {
         match self {
-            Self::Attached(_) => None,
+            Self::Attached(..) => None,
             Self::Child(..) => tokio::time::timeout(Duration::from_secs(2), self.exited()).await.ok().flatten(),
         }
     }
@@ -51,7 +51,7 @@ impl ExitWatch {
     /// Whether the exit is known already (a child's code received).
     pub fn ended(&mut self) -> bool {
         match self {
-            Self::Attached(_) => false,
+            Self::Attached(..) => false,
             Self::Child(_, Some(_)) => true,
             Self::Child(receiver, kept) => match receiver.try_recv() {
                 Ok(code) => {
@@ -66,7 +66,7 @@ impl ExitWatch {
 
     pub async fn exited(&mut self) -> Option<i32> {
         match self {
-            Self::Attached(fd) => {
+            Self::Attached(fd, _) => {
                 let _ = fd.readable().await;
                 None
             }
@@ -74,6 +74,90 @@ impl ExitWatch {
             Self::Child(receiver, kept) => Some(*kept.insert(receiver.await.unwrap_or(1))),
         }
     }
+}
+
+impl ExitWatch {
+    /// How a process memprof attached to ended, once `exited` resolved: "exit code N" or
+    /// "killed by SIGNAME". The kernel tells while the process is a zombie, and after its parent
+    /// reaped it through the pidfd (Linux 6.15 and later); None when neither tells any more.
+    pub fn how_it_ended(&self) -> Option<String> {
+        let Self::Attached(fd, pid) = self else { return None };
+        let status = reaped_status(fd.get_ref())
+            .or_else(|| procfs::stat(*pid).filter(|stat| stat.zombie).map(|stat| stat.wait_status))
+            // Reaped between the two reads.
+            .or_else(|| reaped_status(fd.get_ref()))?;
+        Some(describe_wait_status(status))
+    }
+}
+
+/// `struct pidfd_info` as Linux 6.15 first defined it (`PIDFD_INFO_SIZE_VER0`).
+#[repr(C)]
+#[derive(Default)]
+struct PidfdInfo {
+    mask: u64,
+    cgroupid: u64,
+    ids: [u32; 11],
+    exit_code: i32,
+}
+
+/// `PIDFD_GET_INFO`: `_IOWR(0xFF, 11, struct pidfd_info)`.
+const PIDFD_GET_INFO: libc::c_ulong =
+    0xC000_0000 | ((std::mem::size_of::<PidfdInfo>() as libc::c_ulong) << 16) | 0xFF0B;
+const PIDFD_INFO_EXIT: u64 = 1 << 3;
+
+/// The wait status the kernel keeps with a pidfd once its process is reaped (Linux 6.15+).
+fn reaped_status(pidfd: &OwnedFd) -> Option<i32> {
+    let mut info = PidfdInfo { mask: PIDFD_INFO_EXIT, ..Default::default() };
+    // SAFETY: the ioctl writes at most size_of::<PidfdInfo>() bytes (encoded in its number) into `info`.
+    let done = unsafe { libc::ioctl(pidfd.as_raw_fd(), PIDFD_GET_INFO, &mut info as *mut PidfdInfo) };
+    (done == 0 && info.mask & PIDFD_INFO_EXIT != 0).then_some(info.exit_code)
+}
+
+/// Linux's signal names on x86-64, by number.
+const SIGNALS: [&str; 32] = [
+    "",
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGILL",
+    "SIGTRAP",
+    "SIGABRT",
+    "SIGBUS",
+    "SIGFPE",
+    "SIGKILL",
+    "SIGUSR1",
+    "SIGSEGV",
+    "SIGUSR2",
+    "SIGPIPE",
+    "SIGALRM",
+    "SIGTERM",
+    "SIGSTKFLT",
+    "SIGCHLD",
+    "SIGCONT",
+    "SIGSTOP",
+    "SIGTSTP",
+    "SIGTTIN",
+    "SIGTTOU",
+    "SIGURG",
+    "SIGXCPU",
+    "SIGXFSZ",
+    "SIGVTALRM",
+    "SIGPROF",
+    "SIGWINCH",
+    "SIGIO",
+    "SIGPWR",
+    "SIGSYS",
+];
+
+/// "exit code N" or "killed by SIGNAME" (", core dumped" when it did), from a wait status.
+fn describe_wait_status(status: i32) -> String {
+    let signal = status & 0x7f;
+    if signal == 0 {
+        return format!("exit code {}", (status >> 8) & 0xff);
+    }
+    let name = SIGNALS.get(signal as usize).map_or_else(|| format!("signal {signal}"), |name| name.to_string());
+    let core = if status & 0x80 != 0 { ", core dumped" } else { "" };
+    format!("killed by {name}{core}")
 }
 
 /// A child forked and waiting for `release` before it execs the command.

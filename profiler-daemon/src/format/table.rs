@@ -56,7 +56,8 @@ fn section(report: &Report) -> String {
     let family = match (report.parent, report.exited) {
         (Some(parent), false) => format!(", child of pid {parent},"),
         (Some(parent), true) => format!(", child of pid {parent}, exited,"),
-        (None, _) => String::new(),
+        (None, true) => ", exited,".to_string(),
+        (None, false) => String::new(),
     };
     let ns_pid = report.ns_pid.map_or_else(String::new, |ns_pid| format!(", pid {ns_pid} in its namespace"));
     if report.at_peak {

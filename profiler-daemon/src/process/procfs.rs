@@ -44,6 +44,8 @@ pub struct Stat {
     /// The system part of `cpu_ticks`: the process's time in the kernel, where uprobe traps and
     /// the BPF programs they run are counted.
     pub system_ticks: u64,
+    /// Its wait status once it has exited (a zombie's, until its parent reaps it); 0 before.
+    pub wait_status: i32,
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
@@ -80,7 +82,7 @@ fn task_stat(dir: &str) -> Option<Stat> {
     let text = read_text(format!("{dir}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields resume after the last ')'.
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
-    // Numbered as in proc(5): state is field 3, flags 9, starttime 22.
+    // Numbered as in proc(5): state is field 3, flags 9, starttime 22, exit_code 52.
     let field = |n: usize| fields.get(n - 3).copied();
     let flags: u64 = field(9)?.parse().ok()?;
     let system_ticks: u64 = field(15)?.parse().ok()?;
@@ -91,6 +93,7 @@ fn task_stat(dir: &str) -> Option<Stat> {
         start_time: field(22)?.parse().ok()?,
         cpu_ticks: field(14)?.parse::<u64>().ok()? + system_ticks,
         system_ticks,
+        wait_status: field(52).and_then(|status| status.parse().ok()).unwrap_or(0),
     })
 }
 

@@ -400,7 +400,7 @@ pub(super) async fn trace(
     };
     let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
     let (exits, mut exited) = tokio::sync::mpsc::unbounded_channel();
-    let follow_forks = super::follows_forks(args, matches!(exit, ExitWatch::Attached(_)));
+    let follow_forks = super::follows_forks(args, matches!(exit, ExitWatch::Attached(..)));
     let mut tracer = Tracer {
         loaded,
         symbolizer,
@@ -420,7 +420,7 @@ pub(super) async fn trace(
         exits_due_ns: None,
     };
     // A process attached to may have children already; `run`'s command has none before its exec.
-    if follow_forks && matches!(exit, ExitWatch::Attached(_)) {
+    if follow_forks && matches!(exit, ExitWatch::Attached(..)) {
         tracer.family.adopt_existing_children(&mut tracer.loaded, &tracer.symbolizer);
     }
     if let Some(recording) = &mut recording {
@@ -458,6 +458,7 @@ pub(super) async fn trace(
         Ok(output.is_read())
     };
 
+    let mut target_ended = false;
     let code = loop {
         let price_due = tracer.next_price_ns();
         tokio::select! {
@@ -496,7 +497,10 @@ pub(super) async fn trace(
                 }
                 tracer.on_unwind_events();
             }
-            code = exit.exited() => break code,
+            code = exit.exited() => {
+                target_ended = true;
+                break code;
+            }
             () = stop.recv() => break exit.settle().await,
             _ = &mut duration => break None,
         }
@@ -518,7 +522,14 @@ pub(super) async fn trace(
         tracer.inspection = inspect_root(&tracer, settings);
     }
     tracer.collect(&mut double_free_reader);
-    let result = tracer.read(true);
+    let mut result = tracer.read(true);
+    // A process attached to ended by itself: said, as an on-call engineer needs to know (its
+    // parent may have reaped it already, and its exit status with it on kernels before 6.15).
+    if let (true, ExitWatch::Attached(..), Ok(Some(root))) = (target_ended, &*exit, &mut result) {
+        root.exited = true;
+        let how = exit.how_it_ended().map_or_else(String::new, |how| format!(" ({how})"));
+        say!("memprof: pid {} ({}) exited{how} after {:.1}s of tracing", root.pid, root.comm, root.duration_s);
+    }
     let gate = result.as_ref().ok().and_then(Option::as_ref).map_or_else(LeakGate::default, LeakGate::of);
     let generated = result.as_ref().ok().and_then(Option::as_ref).and_then(|root| suppressing.generated(root));
     let written = result.and_then(&mut write).and_then(|read| suppress::print(generated).map(|()| read));

@@ -53,7 +53,8 @@ pub struct Report {
     /// The traced process that forked this one, for a child's report.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<u32>,
-    /// A child that has exited: its report as it stood then.
+    /// A child that has exited, or a process `attach` traced until it exited: its report as it
+    /// stood then.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exited: bool,
     /// The daemon's view of a process it traces still: whole like a final report, but the
