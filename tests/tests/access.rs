@@ -231,3 +231,45 @@ fn inspect_says_so_when_the_daemon_dies_mid_inspection() {
     }
     panic!("in 5 tries, no inspection was under way when the daemon was killed");
 }
+
+/// A socket in a directory another user can write could be replaced by that user (between the
+/// daemon's bind and its chmod, or later under root's `memprof inspect`): refused in one line.
+/// One with the sticky bit (/tmp) is not, as others cannot remove or rename the daemon's files.
+#[test]
+fn a_socket_directory_another_user_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = scratch("unsafe-socket-dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let socket = dir.join("api.sock");
+    let outcome = Command::new("timeout")
+        .args([
+            "20",
+            memprof_bin().to_str().unwrap(),
+            "daemon",
+            "--comm",
+            "^none$",
+            "--listen",
+            "127.0.0.1:0",
+            "--socket",
+        ])
+        .arg(&socket)
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the socket's directory {} can be written by another user (owner uid 0, mode 777)",
+            dir.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!socket.exists(), "nothing was bound");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let daemon = Daemon::start(&["--comm", "^none$", "--socket", socket.to_str().unwrap()]);
+    let answer = socket_answer(&socket, "GET", "/-/healthy").map(|answer| answer.status);
+    assert_eq!(answer, Some(200), "served in a sticky directory");
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&dir);
+}

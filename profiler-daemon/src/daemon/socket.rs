@@ -6,7 +6,8 @@
 use std::{
     fs, io,
     os::unix::{
-        fs::{FileTypeExt as _, PermissionsExt as _},
+        ffi::OsStrExt as _,
+        fs::{FileTypeExt as _, MetadataExt as _},
         net::UnixStream,
     },
     path::{Path, PathBuf},
@@ -28,6 +29,10 @@ pub enum SocketError {
     NotSocket(String),
     #[error("cannot listen on the socket {0}: {1}; give another path with --socket PATH (\"\" for none)")]
     Bind(String, io::Error),
+    #[error(
+        "the socket's directory {0} can be written by another user (owner uid {1}, mode {2:o}), who could replace the socket: give a directory only root writes (or one with the sticky bit, as /tmp) with --socket PATH"
+    )]
+    UnsafeDirectory(String, u32, u32),
 }
 
 impl Socket {
@@ -36,8 +41,9 @@ impl Socket {
     pub fn bind(path: &Path) -> Result<Self, SocketError> {
         let display = path.display().to_string();
         let fail = |err| SocketError::Bind(display.clone(), err);
-        if let Some(dir) = path.parent() {
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             fs::create_dir_all(dir).map_err(fail)?;
+            check_directory(dir, &display)?;
         }
         match fs::symlink_metadata(path) {
             Ok(meta) if !meta.file_type().is_socket() => return Err(SocketError::NotSocket(display)),
@@ -50,9 +56,31 @@ impl Socket {
         listener.set_nonblocking(true).map_err(fail)?;
         let socket = Self { listener: UnixListener::from_std(listener).map_err(fail)?, path: path.to_path_buf() };
         // The umask may have taken permissions away; anyone may connect (see the module's note).
-        fs::set_permissions(path, fs::Permissions::from_mode(0o666)).map_err(fail)?;
+        // Not through a symbolic link: only the daemon's own socket gets this mode.
+        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+            .map_err(|err| fail(io::Error::new(io::ErrorKind::InvalidInput, err)))?;
+        // SAFETY: a NUL-terminated path, a mode and flags.
+        if unsafe { libc::fchmodat(libc::AT_FDCWD, c_path.as_ptr(), 0o666, libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
         Ok(socket)
     }
+}
+
+/// Refuses `dir` unless only the daemon's user (or root) can change the names in it: else
+/// another user could replace the socket between two steps of `bind`, or later. A
+/// world-writable directory with the sticky bit (/tmp) keeps others from removing or renaming
+/// the daemon's files. `socket`: the socket's path, for the error.
+fn check_directory(dir: &Path, socket: &str) -> Result<(), SocketError> {
+    let meta = fs::metadata(dir).map_err(|err| SocketError::Bind(socket.to_string(), err))?;
+    let (uid, mode) = (meta.uid(), meta.mode() & 0o7777);
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let owned = uid == 0 || uid == unsafe { libc::geteuid() };
+    let others_write = mode & 0o022 != 0 && mode & 0o1000 == 0;
+    if owned && !others_write {
+        return Ok(());
+    }
+    Err(SocketError::UnsafeDirectory(dir.display().to_string(), uid, mode))
 }
 
 impl Drop for Socket {
