@@ -114,7 +114,9 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
         let image = crate::record::new_image(tgid);
         emit_exec(process_event::EXEC, tgid, old_pid, image, ctx.arg(2));
     } else if discovering(discover::EXECS) {
-        emit(process_event::EXEC, tgid, old_pid, 0);
+        // With its path: the name the rules match, for a process gone before the daemon reads
+        // /proc (counted in `memprof_targets_missed`).
+        emit_exec(process_event::EXEC, tgid, old_pid, 0, ctx.arg(2));
     }
     0
 }

@@ -398,6 +398,23 @@ fn the_daemon_records_a_program_exec_d_from_its_first_call() {
     assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
 }
 
+/// A matching program that exits within a millisecond of its exec is gone before any attach
+/// could end: each run is counted missed, not lost in silence. Found by its exec, and named by
+/// the path it ran (its /proc entry is gone when the daemon reads the event).
+#[test]
+fn the_daemon_counts_the_matching_processes_gone_before_it_could_attach() {
+    let program = fixture_with("short_prog.c", "short_missed", &["-g", "-O0"]);
+    let daemon = Daemon::start(&["--comm", "^short_missed$"]);
+    const RUNS: u64 = 20;
+    for _ in 0..RUNS {
+        assert!(Command::new(&program).status().expect("running the program").success());
+    }
+    wait_for(20, "every run counted missed", || {
+        (metric(daemon.port, "memprof_targets_missed_total") == Some(RUNS)).then_some(())
+    });
+    assert_eq!(metric(daemon.port, "memprof_children_missed_total"), Some(0), "none is a traced process's child");
+}
+
 #[test]
 fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
     // A name of its own, for a rule that matches this test's processes only.

@@ -330,6 +330,12 @@ impl Collector for ViewCollector {
         )?;
         counters(
             e,
+            "memprof_targets_missed",
+            "Processes the rules matched that exited before their probes were attached: a program that runs for less time than attaching takes. Children of traced processes are memprof_children_missed.",
+            [(vec![], view.missed_targets)],
+        )?;
+        counters(
+            e,
             "memprof_discovery_scans",
             "Scans of /proc for the processes the rules match: at start, on reload and every resync_interval; new processes are found from their exec or fork without one.",
             [(vec![], view.discovery_scans)],

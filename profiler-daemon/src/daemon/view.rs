@@ -75,6 +75,8 @@ pub struct DaemonView {
     pub unwind: TableUse,
     /// Matching processes not traced because `max_targets` were traced already.
     pub refused_targets: u64,
+    /// Matching processes gone before they could be attached.
+    pub missed_targets: u64,
     /// Children of traced processes attached from their fork event, and those that matched the
     /// rules but were gone (or could not be probed) by the time memprof attached.
     pub children_followed: u64,

@@ -128,6 +128,9 @@ pub struct Tracer {
     /// `refused_total`.
     refused: HashSet<ProcessId>,
     refused_total: u64,
+    /// Processes the rules matched that were gone before they could be attached (see
+    /// `Tracer::missed`).
+    missed_total: u64,
     /// The soft limit on open files (see `descriptors`).
     descriptor_limit: u64,
     children_followed: u64,
@@ -195,6 +198,7 @@ impl Tracer {
             unattachable: HashSet::new(),
             refused: HashSet::new(),
             refused_total: 0,
+            missed_total: 0,
             descriptor_limit,
             children_followed: 0,
             children_missed: 0,

@@ -195,6 +195,7 @@ impl Tracer {
                 MapUse { name: "traced", entries: self.loaded.tracked().0, capacity: loader::TRACED_CAPACITY.into() },
             ],
             refused_targets: self.refused_total,
+            missed_targets: self.missed_total,
             children_followed: self.children_followed,
             children_missed: self.children_missed,
             children_unseen_ns: self.children_unseen_ns,

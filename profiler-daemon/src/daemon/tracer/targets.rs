@@ -139,7 +139,7 @@ impl Tracer {
             let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
-                process_event::EXEC => changed |= self.found(event.tgid),
+                process_event::EXEC => changed |= self.found_exec(&event),
                 process_event::FORK if traced => self.on_fork(event.tgid, event.pid, event.time_ns),
                 process_event::FORK => changed |= self.found(event.pid),
                 process_event::EXIT if traced => {
@@ -157,6 +157,26 @@ impl Tracer {
             Some((id, comm)) => self.try_attach(id, comm),
             None => false,
         }
+    }
+
+    /// A process that exec'd, as `found`; one gone already is counted missed when the name its
+    /// exec gave it (its program's file name, as the kernel names it) matches the rules.
+    fn found_exec(&mut self, event: &ProcessEvent) -> bool {
+        if ProcessId::current(event.tgid).is_some() {
+            return self.found(event.tgid);
+        }
+        if crate::kernel::events::exec_comm(event).is_some_and(|comm| self.config.rules.matches(event.tgid, &comm, &[]))
+        {
+            self.missed(event.tgid);
+        }
+        false
+    }
+
+    /// A process the rules matched, gone before it could be attached: counted
+    /// (`memprof_targets_missed`), and logged at debug level.
+    fn missed(&mut self, pid: u32) {
+        debug!(pid, "matched the rules, but exited before it could be attached");
+        self.missed_total += 1;
     }
 
     /// `consider`, and when the process cannot be attached yet, a later try (see `retry`).
@@ -190,6 +210,10 @@ impl Tracer {
         for id in due {
             let Some((comm, _, wait)) = self.starting.remove(&id) else { continue };
             if ProcessId::current(id.pid) != Some(id) {
+                // A traced process's child is counted with the children (`settle_pending_children`).
+                if !self.pending_children.contains_key(&id) {
+                    self.missed(id.pid);
+                }
                 continue;
             }
             if self.consider(id, comm.clone()) {
