@@ -61,7 +61,7 @@ Examples:
   memprof attach -p 1234 --duration 60 --format html -o heap.html")]
     Attach {
         /// The process to trace.
-        #[arg(short, long)]
+        #[arg(short, long, allow_negative_numbers = true, value_parser = pid)]
         pid: NonZeroU32,
         #[command(flatten)]
         trace: TraceArgs,
@@ -87,7 +87,7 @@ Examples:
         /// leak rule has no verdict on yet (watched for fewer than --leak-window intervals) hold
         /// more than BYTES, or when memprof cannot go on (see --on-error): a command that exits
         /// 0 then makes memprof exit 1.
-        #[arg(long, value_name = "BYTES")]
+        #[arg(long, value_name = "BYTES", allow_negative_numbers = true, value_parser = whole("bytes", 0, u64::MAX))]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on (a full disk, an unwritable
         /// output, probes that cannot be attached): continue (it runs on untraced) or stop (it
@@ -170,7 +170,7 @@ pub const DAEMON_SOCKET: &str = "/run/memprof/api.sock";
 #[derive(Debug, Args, Clone)]
 pub struct SnapshotArgs {
     /// The process.
-    #[arg(short, long)]
+    #[arg(short, long, allow_negative_numbers = true, value_parser = pid)]
     pub pid: NonZeroU32,
     /// The file to write.
     #[arg(short, long, value_name = "FILE")]
@@ -186,7 +186,7 @@ pub struct SnapshotArgs {
     #[arg(long, value_name = "USER")]
     pub daemon_user: Option<String>,
     /// Seconds to trace when no daemon traces the process.
-    #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true, value_parser = positive_seconds)]
     pub duration: f64,
     #[command(flatten)]
     pub maps: LoadSettings,
@@ -195,7 +195,7 @@ pub struct SnapshotArgs {
 #[derive(Debug, Args, Clone)]
 pub struct InspectArgs {
     /// The process.
-    #[arg(short, long)]
+    #[arg(short, long, allow_negative_numbers = true, value_parser = pid)]
     pub pid: NonZeroU32,
     #[command(flatten)]
     pub output: OutputArgs,
@@ -251,16 +251,16 @@ pub enum DiffFormat {
 #[derive(Debug, Args, Clone)]
 pub struct TraceArgs {
     /// Seconds between reports (at least 0.1).
-    #[arg(long, default_value_t = 5.0, value_parser = interval)]
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true, value_parser = interval)]
     pub interval: f64,
     /// Stop after this many seconds.
-    #[arg(long, value_parser = positive_seconds)]
+    #[arg(long, allow_negative_numbers = true, value_parser = positive_seconds)]
     pub duration: Option<f64>,
     /// Stacks shown per report in the table.
     #[arg(long, default_value_t = 10, allow_negative_numbers = true, value_parser = stacks)]
     pub top: usize,
     /// Only count allocations outstanding for at least this many seconds.
-    #[arg(long, default_value_t = 0.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative_seconds)]
     pub min_age: f64,
     /// Intervals the leak rule looks back over (docs: guide/leaks.md#leak-candidates).
     #[arg(long, default_value_t = DEFAULT_LEAK.window, value_parser = leak_window)]
@@ -380,7 +380,7 @@ pub struct DaemonArgs {
     #[arg(long)]
     pub all: bool,
     /// Most processes traced at once [default: 1000].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("processes", 1, usize::MAX))]
     pub max_targets: Option<usize>,
     /// Probe links of each traced process's own while few map an allocator file, shared per file
     /// past that (auto); always shared (every process mapping the file then takes the probes'
@@ -389,14 +389,14 @@ pub struct DaemonArgs {
     #[arg(long, value_enum)]
     pub probe_links: Option<ProbeLinks>,
     /// Seconds between snapshots of the kernel maps (at least 0.1) [default: 5].
-    #[arg(long, value_parser = interval)]
+    #[arg(long, allow_negative_numbers = true, value_parser = interval)]
     pub interval: Option<f64>,
     /// Seconds between scans of /proc for matching processes; new ones are found from their exec
     /// or fork at once, the scan catches a command name or cgroup changed later [default: 60].
-    #[arg(long, value_parser = interval)]
+    #[arg(long, allow_negative_numbers = true, value_parser = interval)]
     pub resync_interval: Option<f64>,
     /// Stacks exported per process in memprof_stack_inuse_bytes; 0 disables [default: 10].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("stacks", 0, usize::MAX))]
     pub top_stacks: Option<usize>,
     /// Export each process's allocation sizes as a histogram (memprof_allocation_size_bytes: 36
     /// series a process); off by default, as most of a process's series would be its buckets.
@@ -416,19 +416,19 @@ pub struct DaemonArgs {
     #[command(flatten)]
     pub sampling: Sampling,
     /// Outstanding allocations tracked at once, all processes together [default: 1048576].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("entries", 1, MAX_MAP_ENTRIES))]
     pub max_live: Option<u32>,
     /// Distinct call stacks kept, all processes together [default: 65536].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("stacks", 1, MAX_MAP_ENTRIES))]
     pub max_stacks: Option<u32>,
     /// How stacks are walked: cfi (.eh_frame) or fp (frame pointers) [default: cfi].
     #[arg(long, value_enum)]
     pub unwind: Option<UnwindMode>,
     /// Frames kept per stack, 1 to 127 [default: 127].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("frames", 1, profiler_common::MAX_FRAMES as u32))]
     pub max_frames: Option<u32>,
     /// Rows of unwind tables kept in the kernel, all files together [default: 16777216].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("rows", 1, u32::MAX))]
     pub max_unwind_rows: Option<u32>,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs these calls on
     /// the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
@@ -497,6 +497,29 @@ fn positive_seconds(value: &str) -> Result<f64, String> {
 
 fn non_negative_seconds(value: &str) -> Result<f64, String> {
     check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, true)
+}
+
+/// A value parser for a whole number of `what` from `min` to `max`: its error says what the flag
+/// takes, where clap's own says only that a digit is invalid or a number too large.
+pub fn whole<T>(what: &'static str, min: T, max: T) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy + Send + Sync + 'static,
+{
+    move |value: &str| match value.parse::<T>() {
+        Ok(n) if n >= min && n <= max => Ok(n),
+        _ => Err(format!("`{value}` is not a whole number of {what} from {min} to {max}")),
+    }
+}
+
+/// The largest process id Linux gives (`PID_MAX_LIMIT` on 64-bit machines).
+const PID_MAX: u32 = 4_194_304;
+
+/// A process id: a whole number from 1 to `PID_MAX`.
+fn pid(value: &str) -> Result<NonZeroU32, String> {
+    match value.parse::<u32>().ok().filter(|pid| *pid <= PID_MAX).and_then(NonZeroU32::new) {
+        Some(pid) => Ok(pid),
+        None => Err(format!("`{value}` is not a process id (a whole number from 1 to {PID_MAX})")),
+    }
 }
 
 /// A number of stacks to show: at least 1.

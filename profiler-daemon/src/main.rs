@@ -154,7 +154,7 @@ mod tests {
         let line = refused(&["memprof", "attach", "-p", "9", "--max-live", "4294967295"]);
         assert_eq!(
             line,
-            "invalid value '4294967295' for '--max-live <MAX_LIVE>': 4294967295 is not in 1..=134217728; see memprof --help"
+            "invalid value '4294967295' for '--max-live <MAX_LIVE>': `4294967295` is not a whole number of entries from 1 to 134217728; see memprof --help"
         );
         let line = refused(&["memprof", "attach", "-p", "9", "--top", "-1"]);
         assert!(line.contains("'--top <TOP>': `-1` is not a positive number of stacks; give 1 or more"), "{line}");

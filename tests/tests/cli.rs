@@ -99,7 +99,7 @@ fn output_goes_to_the_file_given() {
 
 #[test]
 fn a_pid_that_does_not_exist() {
-    assert_one_line_error(&memprof(&["attach", "--pid", "999999999"]), "no process with pid 999999999");
+    assert_one_line_error(&memprof(&["attach", "--pid", "4194303"]), "no process with pid 4194303");
 }
 
 #[test]
@@ -318,7 +318,22 @@ fn a_refused_value_names_its_flag_in_one_line() {
     for (args, said) in [
         (
             &["attach", "-p", "9", "--max-live", "4294967295"][..],
-            "'--max-live <MAX_LIVE>': 4294967295 is not in 1..=134217728",
+            "'--max-live <MAX_LIVE>': `4294967295` is not a whole number of entries from 1 to 134217728",
+        ),
+        (
+            &["attach", "-p", "9", "--min-bytes", "1MB"],
+            "'--min-bytes <BYTES>': `1MB` is not a whole number of bytes from 0",
+        ),
+        (&["attach", "-p", "0"], "'--pid <PID>': `0` is not a process id (a whole number from 1 to 4194304)"),
+        (&["attach", "-p", "-5"], "'--pid <PID>': `-5` is not a process id"),
+        (&["attach", "-p", "9", "--duration", "-1"], "'--duration <DURATION>': `-1` is not a number of seconds"),
+        (
+            &["run", "--fail-on-leak-bytes", "-1", "true"],
+            "'--fail-on-leak-bytes <BYTES>': `-1` is not a whole number of bytes",
+        ),
+        (
+            &["daemon", "--all", "--max-frames", "200"],
+            "'--max-frames <MAX_FRAMES>': `200` is not a whole number of frames from 1 to 127",
         ),
         (&["attach", "-p", "9", "--top", "-1"], "'--top <TOP>': `-1` is not a positive number of stacks"),
         (

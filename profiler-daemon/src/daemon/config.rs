@@ -312,10 +312,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         full_free_stacks: args.full_free_stacks || file.full_free_stacks.unwrap_or(defaults.full_free_stacks),
     };
     let entries = 1..=MAX_MAP_ENTRIES;
-    if !entries.contains(&maps.max_live.into())
-        || !entries.contains(&maps.max_stacks.into())
-        || maps.max_unwind_rows == 0
-    {
+    if !entries.contains(&maps.max_live) || !entries.contains(&maps.max_stacks) || maps.max_unwind_rows == 0 {
         return Err(ConfigError::Value(
             "map size",
             format!("max_live and max_stacks must be 1 to {MAX_MAP_ENTRIES}, max_unwind_rows at least 1"),

@@ -13,10 +13,10 @@ use crate::{
 #[derive(Debug, Args, Clone, Default)]
 pub struct Filters {
     /// Only stacks with at least this many bytes in use.
-    #[arg(long, default_value_t = 0, value_name = "BYTES")]
+    #[arg(long, default_value_t = 0, value_name = "BYTES", allow_negative_numbers = true, value_parser = crate::cli::whole("bytes", 0, u64::MAX))]
     pub min_bytes: u64,
     /// Keep the N outermost frames of each stack and merge stacks that then look alike.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = crate::cli::whole("frames", 1, u32::MAX))]
     pub max_depth: Option<u32>,
     /// Only stacks with a frame whose function or module matches.
     #[arg(long, value_name = "REGEX")]

@@ -9,21 +9,21 @@ use crate::unwind::UnwindMode;
 #[derive(Debug, Args, Clone, Copy, PartialEq, Eq)]
 pub struct LoadSettings {
     /// Outstanding allocations tracked at once; more are counted as `live_map_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_live, allow_negative_numbers = true, value_parser = crate::cli::whole("entries", 1, MAX_MAP_ENTRIES))]
     pub max_live: u32,
     /// Distinct call stacks kept; more are counted as `stack_table_full`.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, value_parser = clap::value_parser!(u32).range(1..=MAX_MAP_ENTRIES))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_stacks, allow_negative_numbers = true, value_parser = crate::cli::whole("stacks", 1, MAX_MAP_ENTRIES))]
     pub max_stacks: u32,
     /// How stacks are walked: `cfi` reads each file's .eh_frame (right without frame pointers),
     /// `fp` follows frame pointers only.
     #[arg(long, value_enum, default_value_t = DEFAULT_LOAD.unwind)]
     pub unwind: UnwindMode,
     /// Frames kept per stack; a deeper stack is cut and marked truncated.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_frames, value_parser = clap::value_parser!(u32).range(1..=profiler_common::MAX_FRAMES as i64))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_frames, allow_negative_numbers = true, value_parser = crate::cli::whole("frames", 1, profiler_common::MAX_FRAMES as u32))]
     pub max_frames: u32,
     /// Most rows of unwind tables kept in the kernel, all files together (16 bytes each): an upper
     /// bound, as rows are held in 1 MiB shards created when tables need them.
-    #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_LOAD.max_unwind_rows, allow_negative_numbers = true, value_parser = crate::cli::whole("rows", 1, u32::MAX))]
     pub max_unwind_rows: u32,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks (memory outside
     /// malloc). Off by default: these calls, by any process on the host, then run a program at
@@ -40,7 +40,7 @@ pub struct LoadSettings {
 
 /// The most entries a BPF hash table takes: the kernel rounds them up to a power of two buckets,
 /// and refuses more than fit in 4 GiB of 16-byte buckets (`E2BIG`, "Argument list too long").
-pub const MAX_MAP_ENTRIES: i64 = 1 << 27;
+pub const MAX_MAP_ENTRIES: u32 = 1 << 27;
 
 pub const DEFAULT_LOAD: LoadSettings = LoadSettings {
     max_live: 1 << 20,
