@@ -279,7 +279,11 @@ fn a_data_only_library_is_not_a_missing_unwind_table() {
 #[test]
 fn a_command_that_does_not_exist() {
     let outcome = memprof(&["run", "--", "/no/such/program"]);
-    assert_one_line_error(&outcome, "cannot start /no/such/program");
+    assert_one_line_error(&outcome, "cannot start /no/such/program: no such file");
+    let outcome = memprof(&["run", "--", "/etc/passwd"]);
+    assert_one_line_error(&outcome, "cannot start /etc/passwd: not executable: give it the execute permission");
+    let outcome = memprof(&["run", "--", "/tmp"]);
+    assert_one_line_error(&outcome, "cannot start /tmp: a directory, not a program");
     let outcome = memprof(&["run", "--", "no-such-program-on-path"]);
     assert_one_line_error(&outcome, "cannot start no-such-program-on-path: not found on PATH");
     assert_eq!(outcome.stderr.matches("not found on PATH").count(), 1, "said once: {}", outcome.stderr);

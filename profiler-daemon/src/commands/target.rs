@@ -182,10 +182,11 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
     };
     let candidate = Path::new(name);
     if name.as_bytes().contains(&b'/') {
-        return if is_executable(candidate) {
-            Ok(candidate.to_path_buf())
-        } else {
-            Err(not_found("no such executable"))
+        return match std::fs::metadata(candidate) {
+            _ if is_executable(candidate) => Ok(candidate.to_path_buf()),
+            Ok(meta) if meta.is_dir() => Err(not_found("a directory, not a program")),
+            Ok(_) => Err(not_found("not executable: give it the execute permission (chmod +x)")),
+            Err(_) => Err(not_found("no such file")),
         };
     }
     let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
