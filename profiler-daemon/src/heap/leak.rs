@@ -302,7 +302,10 @@ fn judge(recent: &[u64], held_from_before: u64, settings: LeakSettings, window_n
     let held = if first == 0 {
         "held nothing when the window began".to_string()
     } else {
-        format!("still holds {:.0}% of what it held {:.0} s ago", retention * 100.0, window_ns as f64 / 1e9)
+        // Tenths under 10 s: a window of short intervals is not "0 s".
+        let ago = window_ns as f64 / 1e9;
+        let ago = if ago < 10.0 { format!("{ago:.1}") } else { format!("{ago:.0}") };
+        format!("still holds {:.0}% of what it held {ago} s ago", retention * 100.0)
     };
     let verdict = if candidate { "leak candidate" } else { "not a leak candidate" };
     LeakVerdict {
@@ -335,7 +338,7 @@ mod tests {
         assert_eq!(verdict.score, 1.0);
         assert_eq!(
             verdict.reason,
-            "leak candidate: grew in 4 of 4 intervals (+400 bytes); still holds 100% of what it held 4 s ago"
+            "leak candidate: grew in 4 of 4 intervals (+400 bytes); still holds 100% of what it held 4.0 s ago"
         );
     }
 
