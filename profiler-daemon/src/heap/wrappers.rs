@@ -82,7 +82,7 @@ const RUNTIME_PREFIXES: [&str; 24] = [
 ];
 
 /// Libraries' and programs' own allocation functions, matched whole.
-const KNOWN: [&str; 100] = [
+const KNOWN: [&str; 117] = [
     // redis (zmalloc.c), and the same in keydb and valkey.
     "zmalloc",
     "zcalloc",
@@ -174,6 +174,25 @@ const KNOWN: [&str; 100] = [
     "CRYPTO_strdup",
     "CRYPTO_strndup",
     "CRYPTO_memdup",
+    // CPython (Objects/obmalloc.c): its raw, memory and object allocators, pymalloc under the
+    // last two (a block above 512 bytes goes on to malloc from them).
+    "PyMem_RawMalloc",
+    "PyMem_RawCalloc",
+    "PyMem_RawRealloc",
+    "_PyMem_RawMalloc",
+    "_PyMem_RawCalloc",
+    "_PyMem_RawRealloc",
+    "PyMem_Malloc",
+    "PyMem_Calloc",
+    "PyMem_Realloc",
+    "PyObject_Malloc",
+    "PyObject_Calloc",
+    "PyObject_Realloc",
+    "_PyObject_Malloc",
+    "_PyObject_Calloc",
+    "_PyObject_Realloc",
+    "pymalloc_alloc",
+    "pymalloc_realloc",
     // perl (util.c, its PerlMem_* macros): every allocation of the interpreter.
     "Perl_safesysmalloc",
     "Perl_safesyscalloc",
@@ -289,6 +308,24 @@ mod tests {
         assert!(Wrappers::default().is_wrapper("operator new[](unsigned long)"));
         assert!(Wrappers::default().is_wrapper("<mimalloc::MiMalloc as core::alloc::global::GlobalAlloc>::alloc"));
         assert!(!wrappers.is_wrapper("operator new(unsigned long)"), "automatic detection off");
+    }
+
+    /// A python with its symbols (pyenv's 3.11, by hand): a bytearray's block, 10001 bytes, is
+    /// malloc'd by pymalloc's `_PyObject_Malloc`, inlined into itself; the site is the caller.
+    #[test]
+    fn cpython_s_allocators_fold_into_the_object_that_asked() {
+        let stack: Frames = [
+            frame("_PyObject_Malloc", Some("obmalloc.c"), Some(2003)),
+            frame("_PyObject_Malloc", Some("obmalloc.c"), Some(1996)),
+            frame("PyByteArray_Resize", Some("bytearrayobject.c"), Some(233)),
+            frame("bytearray___init__", Some("bytearrayobject.c.h"), Some(68)),
+        ]
+        .into();
+        let (frames, via) = Wrappers::default().fold(stack);
+        assert_eq!(functions(&frames), ["PyByteArray_Resize", "bytearray___init__"]);
+        assert_eq!(via, ["_PyObject_Malloc"]);
+        assert!(Wrappers::default().is_wrapper("PyMem_RawMalloc"));
+        assert!(!Wrappers::default().is_wrapper("PyObject_MallocStats"));
     }
 
     #[test]
