@@ -439,6 +439,11 @@ impl Tracer {
             last_view: None,
         };
         self.targets.insert(id.pid, target);
+        // An exit that began before the kernel knew the process traced sent no exit event: it
+        // would be held as traced until the next scan. Looked at again as any exiting target is.
+        if procfs::stat(id.pid).is_none_or(|stat| stat.zombie || stat.exiting) {
+            self.exiting.insert(id.pid, Instant::now() + EXIT_WATCH);
+        }
         Ok(())
     }
 
