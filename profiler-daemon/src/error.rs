@@ -54,6 +54,10 @@ pub enum UserError {
     /// message names them and the fix.
     #[error("{0}")]
     Flags(String),
+    #[error(
+        "the kernel has no memory for memprof's maps: a memory cgroup's limit (systemd's MemoryMax) may be below what they take at these sizes; raise it, or lower --max-live, --max-stacks and --max-unwind-rows (docs: reference/limits.md)"
+    )]
+    MapsOutOfMemory,
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },

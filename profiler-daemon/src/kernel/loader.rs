@@ -168,7 +168,14 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         .override_global("RETURN_NEXT_OFFSET", &taken[2], true)
         .override_global("RETURN_STACK_OFFSET", &taken[3], true)
         .load(OBJECT)
-        .context("loading the eBPF programs")?;
+        .map_err(|err| {
+            let err = anyhow::Error::new(err).context("loading the eBPF programs");
+            if out_of_memory(&err) {
+                err.context(UserError::MapsOutOfMemory)
+            } else {
+                err
+            }
+        })?;
     let mut ebpf = ebpf;
     let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows, sizes.max_frames)?;
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
@@ -206,4 +213,11 @@ pub const FREE_STACKS: u32 = 16_384;
 /// One totals row per (process, stack): as many as stacks, with room for stacks shared by processes.
 pub fn stack_stats_capacity(sizes: LoadSettings) -> u32 {
     sizes.max_stacks.saturating_mul(2)
+}
+
+/// Whether the kernel refused memory somewhere in `err`'s chain (ENOMEM): a memory cgroup's
+/// limit, most likely, as the maps are charged to the cgroup of the process that makes them.
+fn out_of_memory(err: &anyhow::Error) -> bool {
+    err.chain()
+        .any(|cause| cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.raw_os_error() == Some(libc::ENOMEM)))
 }
