@@ -149,3 +149,18 @@ impl Drop for Daemon {
         }
     }
 }
+
+/// `memprof daemon --comm ^none$ --listen 127.0.0.1:0 ARGS`, started through `wrapper` (a
+/// command that execs the rest; none: memprof itself), which must refuse to start: asserted to
+/// exit 1 with one line on stderr, which is returned.
+pub fn refused_daemon(wrapper: &[&str], args: &[&str]) -> String {
+    let memprof = memprof_bin();
+    let daemon = ["timeout", "60", memprof.to_str().expect("a UTF-8 path"), "daemon"];
+    let rest = ["--comm", "^none$", "--listen", "127.0.0.1:0"];
+    let command: Vec<&str> = wrapper.iter().chain(&daemon).chain(&rest).chain(args).copied().collect();
+    let outcome = Command::new(command[0]).args(&command[1..]).output().expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr).into_owned();
+    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    stderr
+}

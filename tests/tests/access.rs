@@ -241,23 +241,7 @@ fn a_socket_directory_another_user_can_write_is_refused() {
     let dir = scratch("unsafe-socket-dir");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let socket = dir.join("api.sock");
-    let outcome = Command::new("timeout")
-        .args([
-            "20",
-            memprof_bin().to_str().unwrap(),
-            "daemon",
-            "--comm",
-            "^none$",
-            "--listen",
-            "127.0.0.1:0",
-            "--socket",
-        ])
-        .arg(&socket)
-        .output()
-        .expect("running memprof");
-    let stderr = String::from_utf8_lossy(&outcome.stderr);
-    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let stderr = memprof_tests::refused_daemon(&[], &["--socket", socket.to_str().unwrap()]);
     assert!(
         stderr.contains(&format!(
             "the socket's directory {} can be written by another user (owner uid 0, mode 777)",

@@ -162,16 +162,9 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
 fn a_memory_cgroup_too_small_for_the_maps_is_named_with_the_flags_that_shrink_them() {
     let _serial = serial();
     let group = MemoryCgroup::new(&format!("memprof-test-maps-{}", std::process::id()), 48 << 20);
-    let outcome = std::process::Command::new("sh")
-        .args(["-c", r#"echo $$ > "$0" && exec "$@""#])
-        .arg(group.procs())
-        .args(["timeout", "60", memprof_tests::memprof_bin().to_str().unwrap()])
-        .args(["daemon", "--comm", "^none$", "--listen", "127.0.0.1:0", "--socket", ""])
-        .output()
-        .expect("running memprof");
-    let stderr = String::from_utf8_lossy(&outcome.stderr);
-    assert_eq!(outcome.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let procs = group.procs();
+    let enter = ["sh", "-c", r#"echo $$ > "$0" && exec "$@""#, procs.to_str().unwrap()];
+    let stderr = memprof_tests::refused_daemon(&enter, &["--socket", ""]);
     assert!(
         stderr.starts_with("memprof: error: the kernel has no memory for memprof's maps: a memory cgroup's limit")
             && stderr.contains("lower --max-live, --max-stacks and --max-unwind-rows"),
