@@ -113,41 +113,9 @@ fn reaped_status(pidfd: &OwnedFd) -> Option<i32> {
     (done == 0 && info.mask & PIDFD_INFO_EXIT != 0).then_some(info.exit_code)
 }
 
-/// Linux's signal names on x86-64, by number.
-const SIGNALS: [&str; 32] = [
-    "",
-    "SIGHUP",
-    "SIGINT",
-    "SIGQUIT",
-    "SIGILL",
-    "SIGTRAP",
-    "SIGABRT",
-    "SIGBUS",
-    "SIGFPE",
-    "SIGKILL",
-    "SIGUSR1",
-    "SIGSEGV",
-    "SIGUSR2",
-    "SIGPIPE",
-    "SIGALRM",
-    "SIGTERM",
-    "SIGSTKFLT",
-    "SIGCHLD",
-    "SIGCONT",
-    "SIGSTOP",
-    "SIGTSTP",
-    "SIGTTIN",
-    "SIGTTOU",
-    "SIGURG",
-    "SIGXCPU",
-    "SIGXFSZ",
-    "SIGVTALRM",
-    "SIGPROF",
-    "SIGWINCH",
-    "SIGIO",
-    "SIGPWR",
-    "SIGSYS",
-];
+/// Linux's signal names on x86-64, from 1, without their "SIG".
+const SIGNALS: &str =
+    "HUP INT QUIT ILL TRAP ABRT BUS FPE KILL USR1 SEGV USR2 PIPE ALRM TERM STKFLT CHLD CONT STOP TSTP TTIN TTOU URG XCPU XFSZ VTALRM PROF WINCH IO PWR SYS";
 
 /// "exit code N" or "killed by SIGNAME" (", core dumped" when it did), from a wait status.
 fn describe_wait_status(status: i32) -> String {
@@ -155,7 +123,10 @@ fn describe_wait_status(status: i32) -> String {
     if signal == 0 {
         return format!("exit code {}", (status >> 8) & 0xff);
     }
-    let name = SIGNALS.get(signal as usize).map_or_else(|| format!("signal {signal}"), |name| name.to_string());
+    let name = SIGNALS
+        .split(' ')
+        .nth(signal as usize - 1)
+        .map_or_else(|| format!("signal {signal}"), |name| format!("SIG{name}"));
     let core = if status & 0x80 != 0 { ", core dumped" } else { "" };
     format!("killed by {name}{core}")
 }
@@ -309,5 +280,19 @@ fn wait_for_exit(pid: libc::pid_t) -> i32 {
         libc::WEXITSTATUS(status)
     } else {
         128 + libc::WTERMSIG(status)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe_wait_status;
+
+    #[test]
+    fn a_wait_status_reads_as_an_exit_code_or_a_signal() {
+        assert_eq!(describe_wait_status(3 << 8), "exit code 3");
+        assert_eq!(describe_wait_status(libc::SIGKILL), "killed by SIGKILL");
+        assert_eq!(describe_wait_status(libc::SIGSYS), "killed by SIGSYS");
+        assert_eq!(describe_wait_status(libc::SIGSEGV | 0x80), "killed by SIGSEGV, core dumped");
+        assert_eq!(describe_wait_status(40), "killed by signal 40");
     }
 }
