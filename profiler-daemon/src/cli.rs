@@ -468,7 +468,16 @@ pub fn check_interval(secs: f64) -> Result<f64, String> {
 }
 
 fn interval(value: &str) -> Result<f64, String> {
-    check_interval(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?)
+    check_interval(seconds(value)?)
+}
+
+/// A number of seconds as given, finite: "1e309" reads as infinity, which no check should echo.
+fn seconds(value: &str) -> Result<f64, String> {
+    value
+        .parse::<f64>()
+        .ok()
+        .filter(|secs| secs.is_finite())
+        .ok_or_else(|| format!("`{value}` is not a number of seconds"))
 }
 
 /// Checks a number of seconds: at least `MIN_SECONDS` (or at least zero, with `zero_ok`) and at most
@@ -492,11 +501,11 @@ fn listen_address(value: &str) -> Result<String, String> {
 }
 
 fn positive_seconds(value: &str) -> Result<f64, String> {
-    check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, false)
+    check_seconds(seconds(value)?, false)
 }
 
 fn non_negative_seconds(value: &str) -> Result<f64, String> {
-    check_seconds(value.parse().map_err(|_| format!("`{value}` is not a number of seconds"))?, true)
+    check_seconds(seconds(value)?, true)
 }
 
 /// A value parser for a whole number of `what` from `min` to `max`: its error says what the flag

@@ -331,6 +331,7 @@ fn a_refused_value_names_its_flag_in_one_line() {
         (&["attach", "-p", "0"], "'--pid <PID>': `0` is not a process id (a whole number from 1 to 4194304)"),
         (&["attach", "-p", "-5"], "'--pid <PID>': `-5` is not a process id"),
         (&["attach", "-p", "9", "--duration", "-1"], "'--duration <DURATION>': `-1` is not a number of seconds"),
+        (&["attach", "-p", "9", "--duration", "1e309"], "'--duration <DURATION>': `1e309` is not a number of seconds"),
         (
             &["run", "--fail-on-leak-bytes", "-1", "true"],
             "'--fail-on-leak-bytes <BYTES>': `-1` is not a whole number of bytes",
