@@ -83,10 +83,10 @@ Examples:
         #[command(flatten)]
         trace: TraceArgs,
         /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
-        /// (a CI gate); the report is written as asked. The gate is not judged when stacks the
-        /// leak rule has no verdict on yet (watched for fewer than --leak-window intervals) hold
-        /// more than BYTES, or when memprof cannot go on (see --on-error): a command that exits
-        /// 0 then makes memprof exit 1.
+        /// (a CI gate); the report is written as asked. The gate is not judged when processes
+        /// the leak rule has no verdict on yet (traced for fewer than --leak-window intervals)
+        /// hold more than BYTES, or when memprof cannot go on (see --on-error): a command that
+        /// exits 0 then makes memprof exit 1.
         #[arg(long, value_name = "BYTES", allow_negative_numbers = true, value_parser = whole("bytes", 0, u64::MAX))]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on (a full disk, an unwritable

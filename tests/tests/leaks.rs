@@ -111,19 +111,24 @@ fn the_ci_gate_fails_on_leaks_over_the_limit() {
 /// says so and does not pass, where it used to pass in silence.
 #[test]
 fn the_ci_gate_does_not_pass_a_command_the_rule_could_not_judge() {
-    let fixture = fixture("leak_kinds");
-    let unjudged = run(&["--interval", "60", "--fail-on-leak-bytes", "1000"], &[fixture.to_str().unwrap()]);
+    let leak_kinds = fixture("leak_kinds");
+    let unjudged = run(&["--interval", "60", "--fail-on-leak-bytes", "1000"], &[leak_kinds.to_str().unwrap()]);
     assert_eq!(unjudged.status.code(), Some(1), "{unjudged:?}");
     assert!(
         unjudged.stderr.contains("--fail-on-leak-bytes could not be judged: ")
             && unjudged
                 .stderr
-                .contains("held by stacks the leak rule has no verdict on yet (it needs 6 intervals of 60 s")
+                .contains("held by processes the leak rule has no verdict on yet (it needs 6 intervals of 60 s")
             && unjudged.stderr.contains("give a shorter --interval or --leak-window: exiting with 1"),
         "{}",
         unjudged.stderr
     );
     assert!(unjudged.final_report()["stacks"].as_array().is_some(), "the report is still written");
+    // A stack first seen as a judged process ends is no leak yet: the gate passes it.
+    let late = fixture("late_block");
+    let judged = run(&[&RULE[..], &["--fail-on-leak-bytes", "0"]].concat(), &[late.to_str().unwrap()]);
+    assert_eq!(judged.status.code(), Some(0), "{judged:?}");
+    assert_eq!(site(&judged.final_report(), "late_block"), (100, 1), "held at exit, without a verdict");
 }
 
 /// The daemon applies the same rule: `memprof_leak_candidate_bytes` counts the leak only.

@@ -182,7 +182,7 @@ pub async fn run(
         Some(limit) if gate.unjudged > limit => {
             let exit = if code == 0 { 1 } else { code };
             say!(
-                "memprof: --fail-on-leak-bytes could not be judged: {} bytes are held by stacks the leak rule has no verdict on yet (it needs {} intervals of {} s, and the command was traced {:.1} s); give a shorter --interval or --leak-window: exiting with {exit}",
+                "memprof: --fail-on-leak-bytes could not be judged: {} bytes are held by processes the leak rule has no verdict on yet (it needs {} intervals of {} s, and the command was traced {:.1} s); give a shorter --interval or --leak-window: exiting with {exit}",
                 gate.unjudged,
                 args.leak_window,
                 args.interval,

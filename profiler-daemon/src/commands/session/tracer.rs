@@ -49,8 +49,9 @@ pub(super) struct Traced {
 pub(super) struct LeakGate {
     /// Held by leak candidates.
     pub(super) candidates: u64,
-    /// Held by stacks the rule has no verdict on yet (watched for fewer intervals than its
-    /// window): a short command's, or a stack that first allocated late.
+    /// Held by processes the rule has no verdict on at all yet: traced for fewer intervals than
+    /// its window (a short command, or child). A young stack of a process the rule judges is
+    /// left to the rule, as in any report: it is no leak before it has grown for a window.
     pub(super) unjudged: u64,
     /// How long the root process was traced, in seconds.
     pub(super) traced_s: f64,
@@ -58,10 +59,15 @@ pub(super) struct LeakGate {
 
 impl LeakGate {
     fn of(root: &Report) -> Self {
-        let stacks = || std::iter::once(root).chain(&root.children).flat_map(|report| &report.stacks);
+        let reports = || std::iter::once(root).chain(&root.children);
+        let unjudged = reports().filter(|report| report.stacks.iter().all(|s| s.leak.warming_up.is_some()));
         Self {
-            candidates: stacks().filter(|s| s.leak.candidate).map(|s| s.outstanding_bytes).sum(),
-            unjudged: stacks().filter(|s| s.leak.warming_up.is_some()).map(|s| s.outstanding_bytes).sum(),
+            candidates: reports()
+                .flat_map(|r| &r.stacks)
+                .filter(|s| s.leak.candidate)
+                .map(|s| s.outstanding_bytes)
+                .sum(),
+            unjudged: unjudged.flat_map(|r| &r.stacks).map(|s| s.outstanding_bytes).sum(),
             traced_s: root.duration_s,
         }
     }
