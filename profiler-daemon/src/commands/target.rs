@@ -74,9 +74,7 @@ impl ExitWatch {
             Self::Child(receiver, kept) => Some(*kept.insert(receiver.await.unwrap_or(1))),
         }
     }
-}
 
-impl ExitWatch {
     /// How a process memprof attached to ended, once `exited` resolved: "exit code N" or
     /// "killed by SIGNAME". The kernel tells while the process is a zombie, and after its parent
     /// reaped it through the pidfd (Linux 6.15 and later); None when neither tells any more.
@@ -153,8 +151,10 @@ pub fn resolve_program(name: &OsString) -> Result<PathBuf, UserError> {
     };
     let candidate = Path::new(name);
     if name.as_bytes().contains(&b'/') {
+        if is_executable(candidate) {
+            return Ok(candidate.to_path_buf());
+        }
         return match std::fs::metadata(candidate) {
-            _ if is_executable(candidate) => Ok(candidate.to_path_buf()),
             Ok(meta) if meta.is_dir() => Err(not_found("a directory, not a program")),
             Ok(_) => Err(not_found("not executable: give it the execute permission (chmod +x)")),
             Err(_) => Err(not_found("no such file")),

@@ -160,12 +160,16 @@ impl Tracer {
     }
 
     /// A process that exec'd, as `found`; one gone already is counted missed when the name its
-    /// exec gave it (its program's file name, as the kernel names it) matches the rules.
+    /// exec gave it (its program's file name, as the kernel names it) matches the rules. /proc
+    /// is read again only for those: most execs on the host match nothing. (One matched but
+    /// gone before its attach waits in `starting`, which counts it.)
     fn found_exec(&mut self, event: &ProcessEvent) -> bool {
-        if ProcessId::current(event.tgid).is_some() {
-            return self.found(event.tgid);
+        if let Some((id, comm)) = discovery::matching(&self.config.rules, event.tgid) {
+            return self.try_attach(id, comm);
         }
-        if crate::kernel::events::exec_comm(event).is_some_and(|comm| self.config.rules.matches(event.tgid, &comm, &[]))
+        let named = crate::kernel::events::exec_comm(event);
+        if named.is_some_and(|comm| self.config.rules.matches(event.tgid, &comm, &[]))
+            && ProcessId::current(event.tgid).is_none()
         {
             self.missed(event.tgid);
         }
