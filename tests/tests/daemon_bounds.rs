@@ -171,3 +171,34 @@ fn a_memory_cgroup_too_small_for_the_maps_is_named_with_the_flags_that_shrink_th
         "{stderr}"
     );
 }
+
+/// A limit the maps fit under at start but not once full: memprof starts, and says at once that
+/// the kernel would OOM-kill it once traced processes fill them, with the flags that shrink them.
+/// Sizes whose full maps fit are not warned of.
+#[test]
+fn maps_that_can_outgrow_a_memory_cgroup_are_said_at_start() {
+    let _serial = serial();
+    let group = MemoryCgroup::new(&format!("memprof-test-room-{}", std::process::id()), 256 << 20);
+    let (procs, memprof) = (group.procs(), memprof_tests::memprof_bin());
+    let run = |sizes: &[&str]| {
+        let enter = ["-c", r#"echo $$ > "$0" && exec "$@""#, procs.to_str().unwrap(), memprof.to_str().unwrap()];
+        let outcome = std::process::Command::new("sh")
+            .args(enter)
+            .arg("run")
+            .args(sizes)
+            .args(["--", "true"])
+            .output()
+            .expect("running memprof");
+        assert!(outcome.status.success(), "{outcome:?}");
+        String::from_utf8_lossy(&outcome.stderr).into_owned()
+    };
+    let defaults = run(&[]);
+    assert!(
+        defaults.contains("memprof's BPF maps take")
+            && defaults.contains("left to memprof under its cgroup's memory limit")
+            && defaults.contains("lower --max-live, --max-stacks and --max-unwind-rows"),
+        "{defaults}"
+    );
+    let small = run(&["--max-live", "65536", "--max-stacks", "4096", "--max-unwind-rows", "1048576"]);
+    assert!(!small.contains("BPF maps"), "{small}");
+}

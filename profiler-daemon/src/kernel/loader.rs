@@ -17,15 +17,38 @@ use crate::{
     kernel::btf,
     kernel::detacher::Detacher,
     kernel::events::{self, ProcessEvents},
+    kernel::map_memory,
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method},
     kernel::settings::LoadSettings,
     kernel::shared::{ProbeLinks, SharedLinks},
     kernel::stillness::Stillness,
+    process::memory,
     unwind::{Registry, UnwindEvents},
 };
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf"));
+
+/// Says what the maps take and can grow to, and warns when that is more than memprof's memory
+/// cgroup (or the host) leaves it: the kernel would OOM-kill memprof once they fill.
+fn say_room_for_maps(unwind: &Registry) {
+    let maps = map_memory::own_maps();
+    let full = maps.now_bytes + maps.growth_bytes + unwind.kernel_growth_bytes();
+    let growth = full - maps.now_bytes;
+    tracing::info!(
+        "BPF maps: {} MiB of kernel memory, up to {} MiB once full at these sizes",
+        maps.now_bytes >> 20,
+        full >> 20
+    );
+    let room = memory::room();
+    if growth > room.bytes {
+        tracing::warn!(
+            "memprof's BPF maps take {} MiB of kernel memory and can grow to {} MiB as traced processes fill them, more than the {room}: the kernel would OOM-kill memprof then; raise the limit, or lower --max-live, --max-stacks and --max-unwind-rows (docs: reference/limits.md#kernel-memory)",
+            maps.now_bytes >> 20,
+            full >> 20
+        );
+    }
+}
 
 /// Loaded programs and maps; what is attached to each process is its `Attachment`.
 pub struct Loaded {
@@ -183,6 +206,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
     let process_events = events::attach(&mut ebpf)?;
     // Only when asked for: the programs run at every mapping call on the host.
     let mappings = if sizes.mappings { Some(MappedRanges::attach(&mut ebpf)?) } else { None };
+    say_room_for_maps(&unwind);
     Ok(Loaded {
         ebpf,
         method,

@@ -16,6 +16,7 @@ pub mod helper;
 pub mod live;
 pub mod live_filter;
 pub mod loader;
+pub mod map_memory;
 pub mod mapping_programs;
 pub mod mappings;
 pub mod perf_event;

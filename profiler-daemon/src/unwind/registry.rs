@@ -170,6 +170,12 @@ impl Registry {
         }
     }
 
+    /// Kernel memory the shards not created yet would take, were every row up to `--max-unwind-rows` used.
+    pub fn kernel_growth_bytes(&self) -> u64 {
+        let shards = u64::from(self.space.capacity()).div_ceil(u64::from(profiler_common::UNWIND_SHARD_ROWS));
+        shards.saturating_sub(self.shards.count() as u64) * SHARD_BYTES
+    }
+
     /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
     /// kernel the process's new mapping list. Cheap when nothing changed. Returns whether the
     /// files it maps with code changed.
