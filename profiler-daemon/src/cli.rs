@@ -325,9 +325,9 @@ impl TraceArgs {
 /// `run`, `inspect`, `report`).
 #[derive(Debug, Args, Clone)]
 pub struct OutputArgs {
-    /// How reports are written: table and json write every report, the other formats the last one.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    format: Format,
+    /// How reports are written: table and json write every report, the other formats the last one [default: table].
+    #[arg(long, value_enum)]
+    format: Option<Format>,
     /// Shorthand for `--format json`.
     #[arg(long, conflicts_with = "format")]
     json: bool,
@@ -337,10 +337,15 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
-    /// `json` when `--json` is given, else `--format`.
+    /// `json` when `--json` is given, else `--format`, else a table.
     pub fn format(&self) -> Format {
+        self.format_given().unwrap_or(Format::Table)
+    }
+
+    /// The format the flags name, if they name one.
+    pub fn format_given(&self) -> Option<Format> {
         if self.json {
-            Format::Json
+            Some(Format::Json)
         } else {
             self.format
         }
@@ -348,7 +353,7 @@ impl OutputArgs {
 
     /// Reports in `format` to `file` (stdout without one), as the flags would say.
     pub fn new(format: Format, file: Option<PathBuf>) -> Self {
-        Self { format, json: false, file }
+        Self { format: Some(format), json: false, file }
     }
 }
 

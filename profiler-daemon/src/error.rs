@@ -40,6 +40,8 @@ pub enum UserError {
     /// Not a `source`: the message says the cause already.
     #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]
     Output { path: PathBuf, cause: std::io::Error },
+    #[error("cannot write to standard output: {0}; check the disk space and permissions of where it goes")]
+    Stdout(std::io::Error),
     #[error("`run --inspect` inspects the command at --duration, while it still runs; add --duration SECS")]
     InspectNeedsDuration,
     #[error("--format {0} writes binary data, which a terminal cannot show; add --output FILE")]
@@ -50,6 +52,8 @@ pub enum UserError {
     LiveNeedsTerminal,
     #[error("--record and --output name one file, which would hold the report alone; give each a path of its own")]
     RecordIsOutput,
+    #[error("--output names the recording itself ({0}), which the report would replace; give --output another path")]
+    OutputIsRecording(PathBuf),
     /// Flags that cannot go together, or a flag's value refused once the others are known: the
     /// message names them and the fix.
     #[error("{0}")]
@@ -74,6 +78,7 @@ impl UserError {
                 | Self::BinaryToTerminal(_)
                 | Self::LiveNeedsTerminal
                 | Self::RecordIsOutput
+                | Self::OutputIsRecording(_)
                 | Self::Flags(_)
         )
     }

@@ -86,7 +86,7 @@ fn a_killed_session_leaves_its_intervals_readable() {
     assert!(times.windows(2).all(|t| t[0] < t[1]), "{times:?}");
     assert!(
         rendered.stderr.starts_with(&format!(
-            "memprof: the recording ended early: it ends before the final report (memprof was killed); it has {} interval reports",
+            "memprof: the recording ended early: it ends before the final report (memprof was killed, its disk filled, or it is still recording); it has {} interval reports",
             reports.len()
         )),
         "{}",
@@ -122,6 +122,7 @@ fn what_is_not_a_recording_is_a_one_line_error() {
         ),
         (b"".as_slice(), "is not a memprof recording"),
         (b"memprof recording 1\n\x05\x00".as_slice(), "holds no complete interval"),
+        (b"memprof recording 12\n\x05\x00".as_slice(), "is a recording of format 12, made by a newer memprof"),
     ] {
         std::fs::write(&file, content).unwrap();
         let outcome = memprof(&["report", file.to_str().unwrap(), "--format", "html"]);

@@ -132,12 +132,69 @@ fn a_moment_past_the_end_or_not_kept_is_refused_in_one_line() {
     let end = json(&["--at", "final"])["duration_s"].as_f64().unwrap();
     let first = json(&["--at", "0"]);
     assert!(first["duration_s"].as_f64().unwrap() <= end);
-    refused(&report(&["--at", "100000"]), &format!("--at 100000 is past its end at {end:.1} s"));
+    // The end as a report shows it, to a tenth, can be asked for.
+    let shown = (end * 10.0).ceil() / 10.0;
+    assert!(report(&["--at", &format!("{shown:.1}")]).status.success());
+    refused(&report(&["--at", "100000"]), &format!("--at 100000 is past its end at {shown:.1} s"));
     refused(&report(&["--at=-1"]), "`-1` is not a number of seconds from 0");
     refused(&report(&["--at", "soon"]), "`soon` is none of peak, final or a number of seconds");
     refused(&report(&["--at", "peak", "--flame", "allocations"]), "the peak keeps bytes only");
     refused(&report(&["--at", "1", "--flame", "peak"]), "--flame peak draws the peak");
     refused(&report(&["--flame", "temporary", "--format", "json"]), "give --format flamegraph or folded");
+    refused(&report(&["--flame", "bytes", "--format", "table"]), "--format table is not one");
+}
+
+/// `diff` of the peak against the end: the peak keeps bytes and no counts, and its sites
+/// count by their bytes.
+#[test]
+fn diff_compares_the_peak_with_the_end_by_bytes() {
+    let dir = std::env::temp_dir();
+    let (peak, end) = (
+        dir.join(format!("memprof-views-peak-{}.json", std::process::id())),
+        dir.join(format!("memprof-views-end-{}.json", std::process::id())),
+    );
+    for (path, at) in [(&peak, "peak"), (&end, "final")] {
+        let outcome = report(&["--json", "--at", at, "-o", path.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+    }
+    let diff = memprof(&["diff", peak.to_str().unwrap(), end.to_str().unwrap(), "--format", "json"]);
+    assert!(diff.status.success(), "{diff:?}");
+    let diff: Value = serde_json::from_str(&diff.stdout).unwrap();
+    assert_eq!((&diff["old_counts_objects"], &diff["new_counts_objects"]), (&false.into(), &true.into()));
+    let mut bytes: Vec<(String, u64, u64)> = diff["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let function = s["frames"][0]["function"].as_str().unwrap().to_string();
+            (function, s["old_bytes"].as_u64().unwrap(), s["new_bytes"].as_u64().unwrap())
+        })
+        .collect();
+    bytes.sort();
+    let expected = [("after_peak", 0, 3_000), ("hold_a", 10_000, 5_000), ("hold_b", 10_000, 2_000)];
+    assert_eq!(bytes, expected.map(|(f, old, new)| (f.to_string(), old, new)));
+    let table = memprof(&["diff", peak.to_str().unwrap(), end.to_str().unwrap()]).stdout;
+    assert!(table.contains("in use 20000 -> 10000 bytes") && table.contains("at its process's peak"), "{table}");
+    let _ = (std::fs::remove_file(&peak), std::fs::remove_file(&end));
+}
+
+/// The recording is the session's one copy: a report does not write over it, by its name or
+/// through a link.
+#[test]
+fn a_report_never_replaces_its_recording() {
+    let copy = std::env::temp_dir().join(format!("memprof-views-copy-{}.rec", std::process::id()));
+    let link = copy.with_extension("link");
+    std::fs::copy(recording(), &copy).unwrap();
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&copy, &link).unwrap();
+    let before = std::fs::read(&copy).unwrap();
+    for output in [&copy, &link] {
+        let outcome = memprof(&["report", link.to_str().unwrap(), "--format", "html", "-o", output.to_str().unwrap()]);
+        refused(&outcome, "names the recording itself");
+        assert_eq!(outcome.status.code(), Some(2));
+    }
+    assert_eq!(std::fs::read(&copy).unwrap(), before);
+    let _ = (std::fs::remove_file(&link), std::fs::remove_file(&copy));
 }
 
 #[test]
@@ -219,6 +276,11 @@ fn the_peak_keeps_every_stack_and_seconds_pick_each_phase() {
     let each_depth: Vec<(u64, u64)> = (1..=120).map(|depth| (depth, 1000 + depth)).collect();
     assert_eq!(peak["totals"]["outstanding_bytes"], 127_260, "{}", peak["totals"]);
     assert_eq!(by_depth(&peak), each_depth);
+    // At the peak, before the first interval, the leak rule had seen none of them (the end's
+    // report lists none of them, and says nothing of them).
+    for stack in peak["stacks"].as_array().unwrap() {
+        assert_eq!(stack["leak"]["warming_up"]["seen"], 0, "{stack}");
+    }
     // The reports list the largest, as the live session did.
     assert_eq!(end["peak"]["stacks"].as_array().unwrap().len(), 100);
     assert_eq!(end["peak"], live.last().unwrap()["peak"]);

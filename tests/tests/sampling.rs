@@ -110,6 +110,18 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 0, "{report}");
     assert!(report["growth"].is_object(), "{report}");
+    // Its blocks are no longer kept: an inspection says so, not that it holds none.
+    let socket = daemon.socket.to_str().unwrap().to_string();
+    let inspect = memprof_tests::memprof(&["inspect", "-p", &pid.to_string(), "--daemon", &socket]);
+    assert_eq!(inspect.status.code(), Some(1), "{inspect:?}");
+    assert_eq!(inspect.stderr.lines().count(), 1, "{}", inspect.stderr);
+    assert!(
+        inspect.stderr.contains(&format!(
+            "pid {pid} has no blocks to inspect: it is traced by the pages it touches (growth mode)"
+        )),
+        "{}",
+        inspect.stderr
+    );
 }
 
 /// A switch to growth mode takes a running process's allocator probes away. Its frees must go

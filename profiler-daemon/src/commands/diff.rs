@@ -21,11 +21,18 @@ use crate::{
 pub fn run(args: &DiffArgs) -> anyhow::Result<i32> {
     let old = read(&args.old)?;
     let new = read(&args.new)?;
-    let sites = compare(old, new);
+    let (old_counts, new_counts) = (old.counts_objects, new.counts_objects);
+    let sites = compare(old.sites, new.sites);
     let out = match args.format {
-        DiffFormat::Table => table(&args.old, &args.new, &sites),
+        DiffFormat::Table => table((&args.old, old_counts), (&args.new, new_counts), &sites),
         DiffFormat::Json => {
-            let diff = Diff { old: &args.old.display().to_string(), new: &args.new.display().to_string(), sites };
+            let diff = Diff {
+                old: &args.old.display().to_string(),
+                new: &args.new.display().to_string(),
+                old_counts_objects: old_counts,
+                new_counts_objects: new_counts,
+                sites,
+            };
             serde_json::to_string(&diff).expect("a diff always serializes") + "\n"
         }
     };
@@ -45,10 +52,20 @@ struct InUse {
 
 type Sites = BTreeMap<String, InUse>;
 
+/// What a diff reads of a snapshot file.
+struct Snapshot {
+    sites: Sites,
+    /// False for a report at its process's peak, which keeps bytes and no counts: its sites'
+    /// objects read as 0.
+    counts_objects: bool,
+}
+
 #[derive(Debug, Serialize)]
 struct Diff<'a> {
     old: &'a str,
     new: &'a str,
+    old_counts_objects: bool,
+    new_counts_objects: bool,
     sites: Vec<SiteDiff>,
 }
 
@@ -72,6 +89,8 @@ struct JsonReport {
     stacks: Vec<JsonStack>,
     #[serde(default)]
     children: Vec<JsonReport>,
+    #[serde(default)]
+    at_peak: bool,
 }
 
 impl JsonReport {
@@ -93,7 +112,7 @@ struct JsonStack {
 }
 
 /// The sites of a snapshot file.
-fn read(path: &Path) -> anyhow::Result<Sites> {
+fn read(path: &Path) -> anyhow::Result<Snapshot> {
     let bytes = read_capped(path)?;
     check_room(path, &bytes)?;
     let mut sites = Sites::new();
@@ -110,14 +129,16 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
         entry.bytes += bytes;
         entry.objects += objects;
     };
-    if bytes.starts_with(b"{") {
+    let counts_objects = if bytes.starts_with(b"{") {
         // A file of JSON reports, one per line: the last is the final one.
         let last = bytes.split(|&b| b == b'\n').rfind(|line| !line.is_empty()).unwrap_or_default();
         let report: JsonReport =
             serde_json::from_slice(last).with_context(|| format!("{} is not a memprof JSON report", path.display()))?;
+        let counts_objects = !report.at_peak;
         for s in report.all_stacks() {
             add(s.stack_id, s.frames, s.outstanding_bytes, s.outstanding_allocations);
         }
+        counts_objects
     } else {
         let profile = pprof::read(&bytes).map_err(|err| match err {
             pprof::PprofError::NotGzip => {
@@ -132,11 +153,16 @@ fn read(path: &Path) -> anyhow::Result<Sites> {
         else {
             bail!("{} has no inuse_space and inuse_objects samples: not a heap profile", path.display());
         };
+        // A profile at the peak has bytes and no objects anywhere.
+        let (mut any_bytes, mut any_objects) = (false, false);
         for s in profile.samples {
+            any_bytes |= s.values[bytes] > 0;
+            any_objects |= s.values[objects] > 0;
             add(s.stack_id.unwrap_or_default(), s.frames, s.values[bytes], s.values[objects]);
         }
-    }
-    Ok(sites)
+        any_objects || !any_bytes
+    };
+    Ok(Snapshot { sites, counts_objects })
 }
 
 /// The file's bytes, refused at once when it is larger than memprof reads.
@@ -212,14 +238,15 @@ fn compare(old: Sites, mut new: Sites) -> Vec<SiteDiff> {
                 delta_objects: after.objects as i64 - before.objects as i64,
             }
         })
-        .filter(|s| s.old_objects > 0 || s.new_objects > 0)
+        .filter(|s| s.old_bytes > 0 || s.new_bytes > 0 || s.old_objects > 0 || s.new_objects > 0)
         .collect();
     // Stable: equal growth keeps the order of the sites' names.
     sites.sort_by_key(|s| std::cmp::Reverse((s.delta_bytes, s.delta_objects)));
     sites
 }
 
-fn table(old: &Path, new: &Path, sites: &[SiteDiff]) -> String {
+/// Each snapshot with whether it counts objects.
+fn table((old, old_counts): (&Path, bool), (new, new_counts): (&Path, bool), sites: &[SiteDiff]) -> String {
     let total = |of: fn(&SiteDiff) -> u64| sites.iter().map(of).sum::<u64>();
     let (old_bytes, new_bytes) = (total(|s| s.old_bytes), total(|s| s.new_bytes));
     let (old_objects, new_objects) = (total(|s| s.old_objects), total(|s| s.new_objects));
@@ -230,6 +257,15 @@ fn table(old: &Path, new: &Path, sites: &[SiteDiff]) -> String {
         new_bytes as i64 - old_bytes as i64,
         new_objects as i64 - old_objects as i64,
     );
+    for (path, counts) in [(old, old_counts), (new, new_counts)] {
+        if !counts {
+            let _ = writeln!(
+                out,
+                "  {} is at its process's peak, which keeps bytes and no counts: its objects read as 0",
+                path.display()
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "  {:>11} {:>11} {:>11} {:>10} {:>9} {:>9}  SITE",
@@ -275,6 +311,14 @@ mod tests {
             diff.iter().map(|s| (s.frames[0].function.as_str(), s.delta_bytes, s.delta_objects)).collect();
         assert_eq!(order, [("grows", 300, 3), ("steady", 0, 0), ("shrinks", -300, -3)]);
         assert_eq!((diff[2].old_bytes, diff[2].new_bytes, diff[2].old_objects, diff[2].new_objects), (500, 200, 5, 2));
+    }
+
+    /// A report at the peak keeps bytes and no counts: its sites count by their bytes.
+    #[test]
+    fn a_site_with_bytes_and_no_objects_is_compared() {
+        let diff = compare(sites(&[("big_peak", 1_000_000, 0)]), sites(&[("leak", 100, 1)]));
+        let deltas: Vec<(&str, i64)> = diff.iter().map(|s| (s.frames[0].function.as_str(), s.delta_bytes)).collect();
+        assert_eq!(deltas, [("leak", 100), ("big_peak", -1_000_000)]);
     }
 
     #[test]

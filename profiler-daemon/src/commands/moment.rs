@@ -9,6 +9,7 @@ use std::{
 use crate::{
     cli,
     heap::{
+        leak::{self, LeakVerdict},
         mappings::Mappings,
         report::{Report, StackReport, Totals},
     },
@@ -61,14 +62,17 @@ pub fn pick(path: &Path, reports: &[Report], moment: Moment) -> Result<(Report, 
     match moment {
         Moment::Final => Ok((reports[last].clone(), last)),
         Moment::Peak => {
-            let report = at_peak(&reports[last]);
+            let mut report = at_peak(&reports[last]);
+            let window = reports.iter().flat_map(|r| &r.stacks).find_map(|s| s.leak.warming_up).map(|w| w.window);
+            judge_as_then(&mut report, reports, window);
             if !has_peak(&report) {
                 return Err(MomentError::NoPeak { path: path.to_path_buf() });
             }
             Ok((report, last))
         }
         Moment::Seconds(asked) => {
-            let end = reports[last].duration_s;
+            // The end as reports show it, to a tenth: what was read there can be asked for.
+            let end = (reports[last].duration_s * 10.0).ceil() / 10.0;
             if asked > end {
                 return Err(MomentError::PastTheEnd { path: path.to_path_buf(), asked, end });
             }
@@ -79,6 +83,34 @@ pub fn pick(path: &Path, reports: &[Report], moment: Moment) -> Result<(Report, 
             Ok((reports[nearest].clone(), nearest))
         }
     }
+}
+
+/// Gives each stack of `report`, a process at its peak (and its children at theirs), the leak
+/// rule's verdict of the last of `reports` made by then, not the final one's: at a peak one
+/// second in, the rule had seen one interval. A stack that report does not list was not seen
+/// at an interval yet: warming up, its `window` as the recording's verdicts say.
+fn judge_as_then(report: &mut Report, reports: &[Report], window: Option<usize>) {
+    let then = reports.iter().rev().find(|r| r.duration_s <= report.duration_s).and_then(|r| process_in(r, report.pid));
+    let verdicts: std::collections::HashMap<&str, &LeakVerdict> =
+        then.map(|r| r.stacks.iter().map(|s| (s.stack_id.as_str(), &s.leak)).collect()).unwrap_or_default();
+    for stack in &mut report.stacks {
+        stack.leak = match (verdicts.get(stack.stack_id.as_str()), window) {
+            (Some(&verdict), _) => verdict.clone(),
+            (None, Some(window)) => leak::warming_up(0, window),
+            (None, None) => LeakVerdict::default(),
+        };
+    }
+    for child in &mut report.children {
+        judge_as_then(child, reports, window);
+    }
+}
+
+/// Process `pid`'s part of `report`: the report's own, or a followed child's.
+fn process_in(report: &Report, pid: u32) -> Option<&Report> {
+    if report.pid == pid {
+        return Some(report);
+    }
+    report.children.iter().find_map(|child| process_in(child, pid))
 }
 
 fn has_peak(report: &Report) -> bool {
@@ -164,6 +196,11 @@ mod tests {
         assert_eq!(pick(path, &reports, Moment::Final).unwrap().1, 2);
         let err = pick(path, &reports, Moment::Seconds(9.0)).unwrap_err().to_string();
         assert_eq!(err, "r.rec: --at 9 is past its end at 1.5 s; give seconds from 0 to 1.5, peak or final");
+        // An end of 1.46 s reads as 1.5 s, which can be asked for.
+        let reports = at(&[0.5, 1.46]);
+        assert_eq!(pick(path, &reports, Moment::Seconds(1.5)).unwrap().1, 1);
+        let err = pick(path, &reports, Moment::Seconds(1.6)).unwrap_err().to_string();
+        assert_eq!(err, "r.rec: --at 1.6 is past its end at 1.5 s; give seconds from 0 to 1.5, peak or final");
     }
 
     #[test]
@@ -176,14 +213,23 @@ mod tests {
             PeakStack { stack_id: "00".into(), bytes: 200, frames: frames.clone() },
             PeakStack { stack_id: "01".into(), bytes: 100, frames },
         ];
+        report.duration_s = 3.0;
         report.stacks[0].leak.candidate = true;
-        let (peak, _) = pick(Path::new("r.rec"), &[report], Moment::Peak).unwrap();
+        // The rule's verdicts as they were at the peak: the interval's before it, not the end's.
+        let mut then = report.clone();
+        then.duration_s = 0.5;
+        then.stacks[0].leak.candidate = false;
+        let mut second = then.stacks[0].clone();
+        second.stack_id = "01".into();
+        second.leak.candidate = true;
+        then.stacks.push(second);
+        let (peak, _) = pick(Path::new("r.rec"), &[then, report], Moment::Peak).unwrap();
         assert!(peak.at_peak && !peak.is_final);
         assert_eq!(peak.duration_s, 0.7);
         assert_eq!(peak.totals.outstanding_bytes, 300);
         assert_eq!(
             peak.stacks.iter().map(|s| (s.outstanding_bytes, s.leak.candidate)).collect::<Vec<_>>(),
-            [(200, true), (100, false)]
+            [(200, false), (100, true)]
         );
     }
 

@@ -92,7 +92,7 @@ pub fn print(text: &[u8]) -> Result<bool, UserError> {
     match console::write_waiting(&mut stdout.lock(), fd, text) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(false),
-        Err(cause) => Err(UserError::Output { path: "standard output".into(), cause }),
+        Err(cause) => Err(UserError::Stdout(cause)),
     }
 }
 

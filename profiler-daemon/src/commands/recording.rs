@@ -40,6 +40,8 @@ pub enum RecordingError {
     Read { path: PathBuf, cause: std::io::Error },
     #[error("{path} is not a memprof recording (one is made by `memprof attach` or `run` with --record FILE)")]
     NotARecording { path: PathBuf },
+    #[error("{path} is a recording of format {version}, made by a newer memprof than this one (format 1); render it with that memprof")]
+    Newer { path: PathBuf, version: String },
     #[error("{path} is a recording memprof cannot read: {detail}; render it with the memprof version that made it")]
     Unreadable { path: PathBuf, detail: String },
     #[error("{path} holds no complete interval (the session ended before its first report); record for longer than one --interval")]
@@ -189,7 +191,10 @@ impl Recording {
         let mut start = vec![0; MAGIC.len()];
         let whole = file.read_exact(&mut start).is_ok();
         if !whole || start != MAGIC {
-            return Err(RecordingError::NotARecording { path: path.to_path_buf() });
+            return Err(match newer_version(&start, &mut file) {
+                Some(version) => RecordingError::Newer { path: path.to_path_buf(), version },
+                None => RecordingError::NotARecording { path: path.to_path_buf() },
+            });
         }
         file.take(budget.saturating_add(1)).read_to_end(&mut start).map_err(read)?;
         if start.len() as u64 > budget {
@@ -254,13 +259,28 @@ impl Recording {
         }
         let ended_early = match ended_early {
             Some(end) => Some(end.to_string()),
-            None if !reports.last().is_some_and(|r| r.is_final) => {
-                Some("it ends before the final report (memprof was killed)".to_string())
-            }
+            None if !reports.last().is_some_and(|r| r.is_final) => Some(
+                "it ends before the final report (memprof was killed, its disk filled, or it is still recording)"
+                    .to_string(),
+            ),
             None => None,
         };
         Ok(Self { settings, reports, ended_early })
     }
+}
+
+/// The format a later memprof's recording names on its first line (`memprof recording 2`), whose
+/// first bytes `start` are; None for a file that is no recording.
+fn newer_version(start: &[u8], file: &mut std::fs::File) -> Option<String> {
+    let prefix = &MAGIC[..MAGIC.len() - 2];
+    let mut line = start.strip_prefix(prefix)?.to_vec();
+    // A longer number than this memprof's one digit: read to the line's end, a few bytes.
+    let mut byte = [0];
+    while !line.ends_with(b"\n") && line.len() < 12 && file.read(&mut byte).ok()? == 1 {
+        line.push(byte[0]);
+    }
+    let version = std::str::from_utf8(line.strip_suffix(b"\n")?).ok()?;
+    (version.parse::<u32>().ok()? > 1).then(|| version.to_string())
 }
 
 /// A reader that gives at most `left` bytes and fails, setting `over`, when there are more.
@@ -299,7 +319,7 @@ enum Problem {
 /// Why a recording's records end before the file does.
 #[derive(Debug, thiserror::Error)]
 enum End {
-    #[error("its last record is cut short (memprof was killed while writing it)")]
+    #[error("its last record is cut short (memprof was killed or its disk filled while writing it, or it is still writing it)")]
     Cut,
     #[error("{0}: the file is damaged there")]
     Damaged(String),

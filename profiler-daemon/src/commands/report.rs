@@ -39,6 +39,9 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     let (format, flame) = drawn(args)?;
     let moment = moment(args.at, flame)?;
     let suppressing = Suppressing::open(&args.suppress, &args.output, format)?;
+    if let Some(output) = args.output.file.as_deref().filter(|output| same_file(output, &args.recording)) {
+        return Err(UserError::OutputIsRecording(output.to_path_buf()).into());
+    }
     let mut recording = Recording::read(&args.recording)?;
     if !args.wrappers.is_empty() {
         let wrappers = Wrappers::new(&WrapperArgs { wrappers: args.wrappers.clone(), no_auto_wrappers: true });
@@ -100,16 +103,24 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// Whether both paths name one file, through links or not.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
 /// The format and what its flame graph measures: `--flame` draws a flame graph unless the format
 /// asked for is folded stacks.
 fn drawn(args: &ReportArgs) -> anyhow::Result<(Format, Flame)> {
-    let format = args.output.format();
-    match (args.flame, format) {
-        (None, _) => Ok((format, Flame::Bytes)),
-        // The default format: --flame says which is wanted.
-        (Some(flame), Format::Table) => Ok((Format::Flamegraph, flame)),
-        (Some(flame), Format::Flamegraph | Format::Folded) => Ok((format, flame)),
-        (Some(flame), other) => Err(UserError::Flags(format!(
+    match (args.flame, args.output.format_given()) {
+        (None, _) => Ok((args.output.format(), Flame::Bytes)),
+        // No format named: --flame says which is wanted.
+        (Some(flame), None) => Ok((Format::Flamegraph, flame)),
+        (Some(flame), Some(format @ (Format::Flamegraph | Format::Folded))) => Ok((format, flame)),
+        (Some(flame), Some(other)) => Err(UserError::Flags(format!(
             "--flame {} draws a flame graph, and --format {} is not one; give --format flamegraph or folded, or leave out --flame",
             name(flame),
             name(other)

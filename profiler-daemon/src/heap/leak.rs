@@ -316,7 +316,8 @@ fn judge(recent: &[u64], held_from_before: u64, settings: LeakSettings, window_n
     }
 }
 
-fn warming_up(seen: usize, window: usize) -> LeakVerdict {
+/// No verdict yet: the rule has seen `seen` of the `window` intervals it needs.
+pub fn warming_up(seen: usize, window: usize) -> LeakVerdict {
     let warm_up = WarmUp { seen, window };
     LeakVerdict { candidate: false, score: 0.0, reason: warm_up.to_string(), warming_up: Some(warm_up) }
 }

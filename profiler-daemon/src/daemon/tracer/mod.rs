@@ -65,6 +65,8 @@ pub enum Command {
 pub enum InspectFailure {
     #[error("pid {0} is not traced; /api/v1/targets lists those that are")]
     NotTraced(u32),
+    #[error("pid {pid} has no blocks to inspect: it is {why}; `memprof snapshot -p {pid}` writes its heap by stack")]
+    NoBlocks { pid: u32, why: &'static str },
     #[error("inspecting pid {pid} failed: {why}")]
     Failed { pid: u32, why: String },
 }

@@ -256,6 +256,9 @@ impl Tracer {
         if !self.targets.contains_key(&pid) {
             return Err(InspectFailure::NotTraced(pid));
         }
+        if let Some(why) = self.loaded.blocks_not_kept(pid) {
+            return Err(InspectFailure::NoBlocks { pid, why });
+        }
         let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
         let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
         // The daemon did not see the allocations made before it attached.

@@ -120,6 +120,16 @@ impl Loaded {
         }
     }
 
+    /// Why `tgid`'s blocks are not kept one by one, so that an inspection has nothing to class:
+    /// it is traced by the pages it touches, or only through its allocator's own sampler.
+    pub fn blocks_not_kept(&self, tgid: u32) -> Option<&'static str> {
+        if self.mappings.as_ref().is_some_and(|mappings| mappings.pages(tgid).is_some()) {
+            return Some("traced by the pages it touches (growth mode), which keeps its heap by stack and no block");
+        }
+        (self.usdt.sampler_of(tgid) == aggregate::Sampler::Only)
+            .then_some("traced through its allocator's own sampler, which keeps a sample of its blocks, not each one")
+    }
+
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
     pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
         self.drain_mappings();
