@@ -436,6 +436,11 @@ fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
     let said = &outcome.stderr;
     assert!(said.contains(&format!("no memprof daemon answers at {nobody}")), "{said}");
     assert!(said.contains(&format!("attaching to pid {pid} for 3 s")), "{said}");
+    assert!(said.contains(&format!("memprof: wrote {output}\n")), "{said}");
+    assert!(
+        said.ends_with(&format!("memprof: pid {pid} keeps running; the snapshot's probes are detached\n")),
+        "{said}"
+    );
 
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).expect("one JSON report");
     assert_eq!(report["final"], true);

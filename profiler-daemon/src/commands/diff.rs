@@ -141,7 +141,7 @@ fn read(path: &Path) -> anyhow::Result<Snapshot> {
         counts_objects
     } else {
         let profile = pprof::read(&bytes).map_err(|err| match err {
-            pprof::PprofError::NotGzip => {
+            pprof::PprofError::NotAProfile => {
                 anyhow!("{} is neither a memprof JSON report nor a pprof profile", path.display())
             }
             pprof::PprofError::Gzip(cause) => {

@@ -41,8 +41,13 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         Answer::NotTraced(why) => {
             say!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
             session::attach(args.pid, &trace_args(args, format)).await?;
-            // The session said where it wrote the report.
-            say!("memprof: pid {pid} keeps running, untraced");
+            // A session says where it wrote a profile, not a stream of JSON reports: this one
+            // wrote its final report alone.
+            if format == SnapshotFormat::Json {
+                say!("memprof: wrote {}", args.output.display());
+            }
+            // Another daemon may trace it still: only this snapshot's probes are gone.
+            say!("memprof: pid {pid} keeps running; the snapshot's probes are detached");
         }
     }
     Ok(0)

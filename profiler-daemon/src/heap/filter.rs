@@ -37,6 +37,13 @@ impl Filters {
         report.temporary_stacks.retain(|stack| self.picks(&stack.frames));
         if let Some(depth) = self.max_depth {
             report.stacks = fold(std::mem::take(&mut report.stacks), depth as usize);
+            // A merged stack's high is at most the sum of its parts' (`add_counts`), and no
+            // stack held more at once than its whole process did at its peak.
+            if report.peak.bytes > 0 {
+                for stack in &mut report.stacks {
+                    stack.max_outstanding_bytes = stack.max_outstanding_bytes.min(report.peak.bytes);
+                }
+            }
         }
     }
 
@@ -123,5 +130,17 @@ mod tests {
         assert_eq!(r.stacks.len(), 2);
         assert_eq!(r.stacks[0].outstanding_bytes, 130);
         assert_eq!(r.stacks[0].frames.iter().map(|f| f.function.as_str()).collect::<Vec<_>>(), ["leak", "main"]);
+    }
+
+    /// Two stacks whose highs came one after the other: merged, their sum is more than the
+    /// process ever held, which bounds it.
+    #[test]
+    fn a_merged_stacks_high_is_no_more_than_its_process_peak() {
+        let mut r = report();
+        r.stacks = vec![stack(10, &["a", "main"]), stack(10, &["b", "main"])];
+        r.stacks.iter_mut().for_each(|s| s.max_outstanding_bytes = 1000);
+        r.peak.bytes = 1200;
+        Filters { max_depth: Some(1), ..Filters::default() }.apply(&mut r);
+        assert_eq!((r.stacks[0].outstanding_bytes, r.stacks[0].max_outstanding_bytes), (20, 1200));
     }
 }

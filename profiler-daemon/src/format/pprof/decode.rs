@@ -17,8 +17,8 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum PprofError {
-    #[error("not gzip-compressed")]
-    NotGzip,
+    #[error("neither a gzip-compressed nor a plain profile.proto")]
+    NotAProfile,
     #[error("cannot decompress it: {0}")]
     Gzip(std::io::Error),
     #[error("it decompresses to more than {} MiB, more than any profile memprof reads", MAX_INPUT_BYTES >> 20)]
@@ -62,10 +62,11 @@ impl Decoded {
     }
 }
 
-/// Reads a gzip-compressed profile.
+/// Reads a profile, gzip-compressed (as profilers write them) or not (as `go tool pprof` also
+/// reads them).
 pub fn read(gzipped: &[u8]) -> Result<Decoded, PprofError> {
     if !gzipped.starts_with(&[0x1f, 0x8b]) {
-        return Err(PprofError::NotGzip);
+        return decode(gzipped).map_err(|_| PprofError::NotAProfile);
     }
     // A gzip bomb is refused at the limit, not once decompressed.
     let profile = read_at_most(GzDecoder::new(gzipped), MAX_INPUT_BYTES)

@@ -357,10 +357,18 @@ mod tests {
 
     #[test]
     fn what_is_not_a_profile_is_an_error() {
-        assert!(matches!(read(b"{\"final\": true}"), Err(PprofError::NotGzip)));
+        assert!(matches!(read(b"{\"final\": true}"), Err(PprofError::NotAProfile)));
         assert!(matches!(read(&[0x1f, 0x8b, 0, 1, 2]), Err(PprofError::Gzip(_))));
         let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
         std::io::Write::write_all(&mut gzip, b"\x0b garbage").unwrap();
         assert!(matches!(read(&gzip.finish().unwrap()), Err(PprofError::Wire(_))));
+    }
+
+    #[test]
+    fn a_profile_reads_the_same_without_its_gzip() {
+        let gzipped = render(&report(), DefaultType::InuseSpace);
+        let mut plain = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(gzipped.as_slice()), &mut plain).unwrap();
+        assert_eq!(read(&plain).unwrap(), read(&gzipped).unwrap());
     }
 }
