@@ -134,6 +134,9 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
     let storms = fixture_with("storms.c", "storms_daemon", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"]);
     let daemon = Daemon::start(&["--comm", "^storms_daemon$", "--max-live", &max_live.to_string()]);
     let live_entries = "memprof_bpf_map_entries{map=\"live\"}";
+    // Every process's drops together: each reason from 0, and kept once its process is gone.
+    let all_dropped = "memprof_all_events_dropped_total{reason=\"live_map_full\"}";
+    assert_eq!(metric(daemon.port, all_dropped), Some(0));
 
     // A storm that is never freed fills the table, and its process exits holding it.
     let (threads, blocks) = (4, 500);
@@ -159,11 +162,14 @@ fn the_daemon_counts_a_storm_in_its_metrics_and_frees_a_full_live_table_when_the
         first.pid()
     );
     assert_eq!(metric(daemon.port, &series), Some(lost), "the process's own drops");
+    assert_eq!(metric(daemon.port, all_dropped), Some(lost));
     assert_eq!(metric(daemon.port, "memprof_unattributed_events_dropped_total{reason=\"live_map_full\"}"), Some(0));
     assert_eq!(metric(daemon.port, live_entries), Some(recorded));
     assert_eq!(metric(daemon.port, "memprof_bpf_map_capacity{map=\"live\"}"), Some(max_live));
     drop(first);
     assert_purged(&daemon);
+    assert_eq!(metric(daemon.port, &series), None, "gone with its process");
+    assert_eq!(metric(daemon.port, all_dropped), Some(lost), "kept");
 
     // The next process is traced exactly: the table has room again.
     let (threads, blocks) = (4, 200);

@@ -315,6 +315,12 @@ impl Collector for ViewCollector {
         )?;
         counters(
             e,
+            "memprof_all_events_dropped",
+            "Events the probes could not record, of every process traced since the daemon started (exited ones and their programs before an exec included), by reason: each reason from 0.",
+            view.all_drops.iter().map(|(reason, count)| (vec![("reason", reason.to_string())], *count)),
+        )?;
+        counters(
+            e,
             "memprof_unattributed_events_dropped",
             "Events the probes could not record that no process's counters had room for, by reason; ring_bytes_skipped: bytes of records memprof's rings skipped, unread, when their positions made no sense.",
             DropReason::ALL

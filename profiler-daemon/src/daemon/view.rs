@@ -70,6 +70,8 @@ pub struct DaemonView {
     pub targets: BTreeMap<u32, Arc<TargetView>>,
     /// Drops no process's counters had room for (each target's are in its report).
     pub unattributed_drops: [u64; DropReason::COUNT],
+    /// Every drop of every process traced since the daemon started, by reason.
+    pub all_drops: BTreeMap<&'static str, u64>,
     pub maps: Vec<MapUse>,
     /// The unwind tables of every traced process's files.
     pub unwind: TableUse,

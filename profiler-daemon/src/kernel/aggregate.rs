@@ -205,6 +205,12 @@ pub fn read<'a>(
     Ok(snapshot)
 }
 
+/// Process `tgid`'s counters of the events not recorded.
+pub fn drops_of(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<ProcDrops> {
+    let drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
+    Ok(drops.get(&tgid, 0).unwrap_or_default())
+}
+
 /// The events not recorded that found no room in the per-process table, by `DropReason`.
 pub fn unattributed_drops(ebpf: &Ebpf) -> anyhow::Result<[u64; DropReason::COUNT]> {
     let drops: PerCpuArray<_, u64> = PerCpuArray::try_from(map(ebpf, "DROPS")?)?;

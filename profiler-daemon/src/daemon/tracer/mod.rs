@@ -4,6 +4,7 @@
 //! thread of its own, not on the async runtime. Here its loop; `targets` decides which processes
 //! it traces, `publish` builds the view.
 
+mod drop_totals;
 mod means;
 mod publish;
 mod targets;
@@ -133,6 +134,8 @@ pub struct Tracer {
     /// Processes the rules matched that were gone before they could be attached (see
     /// `Tracer::missed`).
     missed_total: u64,
+    /// Every drop of every process traced, exited ones included.
+    drops: drop_totals::DropTotals,
     /// The soft limit on open files (see `descriptors`).
     descriptor_limit: u64,
     children_followed: u64,
@@ -201,6 +204,7 @@ impl Tracer {
             refused: HashSet::new(),
             refused_total: 0,
             missed_total: 0,
+            drops: drop_totals::DropTotals::default(),
             descriptor_limit,
             children_followed: 0,
             children_missed: 0,

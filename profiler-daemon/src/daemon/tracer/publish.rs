@@ -228,8 +228,10 @@ impl Tracer {
         for target_view in views {
             let Some(target) = self.targets.get_mut(&target_view.pid) else { continue };
             target.last_view = Some((target_view.clone(), target.resident.pinned_changes()));
+            self.drops.observe(target_view.pid, &target_view.report.dropped);
             view.targets.insert(target_view.pid, target_view);
         }
+        view.all_drops = self.drops.totals().clone();
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
         // scrapes wait for the lock.

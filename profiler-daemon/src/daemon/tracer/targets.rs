@@ -466,6 +466,11 @@ impl Tracer {
     /// Detaches from `pid` and removes what the kernel and the symbolizer hold about it.
     pub(super) fn detach(&mut self, pid: u32) {
         let Some(target) = self.targets.remove(&pid) else { return };
+        // Its drops since the last interval, read before the kernel forgets them.
+        match self.loaded.drops_of(pid) {
+            Ok(dropped) => self.drops.retire(pid, &dropped),
+            Err(err) => warn!(pid, "its last drops are not counted: {err:#}"),
+        }
         if ProcessId::current(pid) == Some(target.id) {
             // Still running (the rules changed): its probes must be gone before its state is.
             self.loaded.detach(target.attachment);

@@ -130,6 +130,15 @@ impl Loaded {
             .then_some("traced through its allocator's own sampler, which keeps a sample of its blocks, not each one")
     }
 
+    /// `tgid`'s drops now, by reason, as its report counts them (but the ages' generations).
+    pub fn drops_of(&self, tgid: u32) -> anyhow::Result<std::collections::BTreeMap<&'static str, u64>> {
+        let mut counts = aggregate::drops_of(&self.ebpf, tgid)?.counts;
+        for (reason, count) in self.unwind.deferred_drops(tgid) {
+            counts[reason as usize] += count;
+        }
+        Ok(profiler_common::DropReason::ALL.iter().map(|r| (r.name(), counts[*r as usize])).collect())
+    }
+
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
     pub fn read(&mut self, tgids: &HashSet<u32>, min_age_ns: u64) -> anyhow::Result<KernelSnapshot> {
         self.drain_mappings();
