@@ -103,11 +103,19 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);
     target.go();
-    let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
-    memprof_tests::wait_for(30, "the busy process to be traced by its pages", || {
-        (memprof_tests::metric(daemon.port, &series)? == 1).then_some(())
+    // Each view until the switch names its stacks: the one built as the switch takes them too.
+    let report = memprof_tests::wait_for(30, "the busy process to be traced by its pages", || {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+        if report["growth"].is_object() {
+            return Some(report);
+        }
+        let unnamed = report["stacks"].as_array()?.iter().any(|s| s["frames"].as_array().is_none_or(|f| f.is_empty()));
+        assert!(!unnamed, "a stack without frames: {report}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        None
     });
-    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+    assert_eq!(memprof_tests::metric(daemon.port, &series), Some(1));
     assert_eq!(report["sample_bytes"], 0, "{report}");
     assert!(report["growth"].is_object(), "{report}");
     // Its blocks are no longer kept: an inspection says so, not that it holds none.

@@ -126,6 +126,9 @@ impl Tracer {
             (t.id.pid, &mut t.resident, heap)
         });
         Resident::read_all(&self.loaded.ebpf, kernel.live_entries, residents, &mut self.pinned_budget, false)?;
+        // Moved to growth mode once this interval's views are built: the switch takes the stacks
+        // their calls recorded, which the views name.
+        let mut switching = Vec::new();
         for target in self.targets.values_mut() {
             if settled.contains(&target.id.pid) {
                 let time_s = still_since_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -156,23 +159,7 @@ impl Tracer {
                     target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
                 }
                 if let Some(switch) = target.rate_guard.check(snapshot) {
-                    // The always-on mode: its cost follows the pages the process touches, not
-                    // its calls. What its calls recorded goes with them.
-                    let pid = target.id.pid;
-                    let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
-                    if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
-                        warn!(pid, "switching to growth mode: {err:#}");
-                        continue;
-                    }
-                    target.probed_files.clear();
-                    target.leaks = LeakTracker::new(self.config.leak);
-                    target.known_stacks.forget();
-                    warn!(
-                        pid,
-                        comm = target.comm,
-                        calls_per_second = switch.calls_per_second,
-                        "above max_rate: traced by the pages it touches from now on (growth mode)"
-                    );
+                    switching.push((target.id.pid, switch.calls_per_second));
                 }
             }
         }
@@ -232,11 +219,34 @@ impl Tracer {
             view.targets.insert(target_view.pid, target_view);
         }
         view.all_drops = self.drops.totals().clone();
+        for (pid, calls_per_second) in switching {
+            self.switch_to_pages(pid, calls_per_second);
+        }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
         // scrapes wait for the lock.
         drop(old);
         Ok(())
+    }
+
+    /// Traces `pid` by the pages it touches from now on, not its calls: the always-on mode,
+    /// whose cost follows its new pages. What its calls recorded goes with them.
+    fn switch_to_pages(&mut self, pid: u32, calls_per_second: f64) {
+        let Some(target) = self.targets.get_mut(&pid) else { return };
+        let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
+        if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
+            warn!(pid, "switching to growth mode: {err:#}");
+            return;
+        }
+        target.probed_files.clear();
+        target.leaks = LeakTracker::new(self.config.leak);
+        target.known_stacks.forget();
+        warn!(
+            pid,
+            comm = target.comm,
+            calls_per_second,
+            "above max_rate: traced by the pages it touches from now on (growth mode)"
+        );
     }
 
     /// The processes not traced that map a shared-linked file, counted again when the shared
