@@ -197,18 +197,25 @@ pub fn read<'a>(
         process.stacks = merge_deferred(ebpf, unwind, tgid, std::mem::take(&mut process.stacks));
         book.woke(tgid);
         process.missed_generations = book.missed_generations(tgid);
-        for (reason, count) in unwind.deferred_drops(tgid) {
-            process.drops.counts[reason as usize] += count;
-        }
+        add_deferred_drops(&mut process.drops, unwind, tgid);
     }
     snapshot.unattributed_drops = unattributed_drops(ebpf)?;
     Ok(snapshot)
 }
 
-/// Process `tgid`'s counters of the events not recorded.
-pub fn drops_of(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<ProcDrops> {
+/// Process `tgid`'s events not recorded now, counted as `read` counts them.
+pub fn drops_of(ebpf: &Ebpf, unwind: &Registry, tgid: u32) -> anyhow::Result<ProcDrops> {
     let drops: BpfHashMap<_, u32, ProcDrops> = BpfHashMap::try_from(map(ebpf, "PROC_DROPS")?)?;
-    Ok(drops.get(&tgid, 0).unwrap_or_default())
+    let mut drops = drops.get(&tgid, 0).unwrap_or_default();
+    add_deferred_drops(&mut drops, unwind, tgid);
+    Ok(drops)
+}
+
+/// Adds the drops of `tgid`'s walks the kernel deferred to memprof (see `unwind::deferred`).
+fn add_deferred_drops(drops: &mut ProcDrops, unwind: &Registry, tgid: u32) {
+    for (reason, count) in unwind.deferred_drops(tgid) {
+        drops.counts[reason as usize] += count;
+    }
 }
 
 /// The events not recorded that found no room in the per-process table, by `DropReason`.

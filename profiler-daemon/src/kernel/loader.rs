@@ -33,8 +33,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pr
 /// cgroup (or the host) leaves it: the kernel would OOM-kill memprof once they fill.
 fn say_room_for_maps(unwind: &Registry) {
     let maps = map_memory::own_maps();
-    let full = maps.now_bytes + maps.growth_bytes + unwind.kernel_growth_bytes();
-    let growth = full - maps.now_bytes;
+    let growth = maps.growth_bytes + unwind.kernel_growth_bytes();
+    let full = maps.now_bytes + growth;
     tracing::info!(
         "BPF maps: {} MiB of kernel memory, up to {} MiB once full at these sizes",
         maps.now_bytes >> 20,

@@ -22,9 +22,10 @@ use crate::{
     heap::{
         blind_spots::BlindSpots,
         double_free::{DoubleFreeFilter, DoubleFrees},
+        report,
         resident::Resident,
     },
-    kernel::aggregate,
+    kernel::aggregate::{self, Snapshot},
     kernel::loader::Attachment,
     kernel::shared::{self, file_ids},
     process::allocator,
@@ -468,7 +469,8 @@ impl Tracer {
         let Some(target) = self.targets.remove(&pid) else { return };
         // Its drops since the last interval, read before the kernel forgets them.
         match self.loaded.drops_of(pid) {
-            Ok(dropped) => self.drops.retire(pid, &dropped),
+            // Named as its report names them.
+            Ok(drops) => self.drops.retire(pid, &report::dropped(&Snapshot { drops, ..Snapshot::default() })),
             Err(err) => warn!(pid, "its last drops are not counted: {err:#}"),
         }
         if ProcessId::current(pid) == Some(target.id) {

@@ -31,7 +31,7 @@ use crate::{
     unwind::TableUse,
 };
 
-pub use build::{add_inspection, build, unattributed_dropped, Context, Selection};
+pub use build::{add_inspection, build, dropped, unattributed_dropped, Context, Selection};
 pub use merge::{is_process_frame, merge_processes, process_frame};
 pub use stacks::Stacks;
 

@@ -130,13 +130,9 @@ impl Loaded {
             .then_some("traced through its allocator's own sampler, which keeps a sample of its blocks, not each one")
     }
 
-    /// `tgid`'s drops now, by reason, as its report counts them (but the ages' generations).
-    pub fn drops_of(&self, tgid: u32) -> anyhow::Result<std::collections::BTreeMap<&'static str, u64>> {
-        let mut counts = aggregate::drops_of(&self.ebpf, tgid)?.counts;
-        for (reason, count) in self.unwind.deferred_drops(tgid) {
-            counts[reason as usize] += count;
-        }
-        Ok(profiler_common::DropReason::ALL.iter().map(|r| (r.name(), counts[*r as usize])).collect())
+    /// `tgid`'s events not recorded now (see `aggregate::drops_of`).
+    pub fn drops_of(&self, tgid: u32) -> anyhow::Result<profiler_common::ProcDrops> {
+        aggregate::drops_of(&self.ebpf, &self.unwind, tgid)
     }
 
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
