@@ -1,7 +1,7 @@
-//! What every program uses: the map flag for hash maps, kernel reads, the atomic add and the drop
-//! counters.
+//! What every program uses: the map flag for hash maps, kernel reads, the atomic updates and the
+//! drop counters.
 
-use core::intrinsics::{atomic_xadd, AtomicOrdering};
+use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -37,9 +37,60 @@ pub fn kernel_word(base: u64, offset: u32) -> u64 {
 }
 
 pub fn add(counter: &mut u64, value: u64) {
-    // The BPF target has no compare-and-swap, so core's atomics lack fetch_add; the intrinsic
-    // compiles to BPF's atomic add. SAFETY: the counter is an aligned u64 inside a map value.
+    // core's atomic types are not built for the BPF target; the intrinsic compiles to BPF's
+    // atomic add. SAFETY: the counter is an aligned u64 inside a map value.
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value) };
+}
+
+/// Adds `value` and returns the sum this add made, exact even when other CPUs add at the same
+/// moment. BPF's fetch-add needs an object built for BPF v3 (a different code for every
+/// program), so it is a compare-and-swap, tried again while other CPUs change the counter
+/// between the read and the swap. After `TRIES` such changes it adds and reads back: a sum the
+/// counter held a moment later.
+pub fn add_and_read(counter: &mut u64, value: u64) -> u64 {
+    // SAFETY: an aligned u64 inside a map value; read once, as another CPU may change it.
+    let mut held = unsafe { core::ptr::read_volatile(counter) };
+    for _ in 0..TRIES {
+        let (seen, swapped) = swap_if(counter, held, held.wrapping_add(value));
+        if swapped {
+            return held.wrapping_add(value);
+        }
+        held = seen;
+    }
+    add(counter, value);
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(counter) }
+}
+
+/// How often a compare-and-swap is tried before giving up: each failure is another CPU's change
+/// landing between the read and the swap.
+const TRIES: usize = 4;
+
+/// Stores `new` if the word holds `expected`; returns what it held and whether it stored.
+fn swap_if(word: &mut u64, expected: u64, new: u64) -> (u64, bool) {
+    // SAFETY: an aligned u64 inside a map value; the intrinsic compiles to BPF's atomic
+    // compare-and-exchange.
+    unsafe { atomic_cxchg::<u64, { AtomicOrdering::Relaxed }, { AtomicOrdering::Relaxed }>(word, expected, new) }
+}
+
+/// Raises `high` to `value` unless it already holds as much; true when this call raised it.
+/// A plain compare and store lets two CPUs at a new high leave the lower of their values. It
+/// gives up after `TRIES` raises by other CPUs in between, which takes five CPUs at a new high at
+/// the same moment.
+pub fn raise(high: &mut u64, value: u64) -> bool {
+    // SAFETY: an aligned u64 inside a map value; read once, as another CPU may raise it.
+    let mut held = unsafe { core::ptr::read_volatile(high) };
+    for _ in 0..TRIES {
+        if value <= held {
+            return false;
+        }
+        let (seen, swapped) = swap_if(high, held, value);
+        if swapped {
+            return true;
+        }
+        held = seen;
+    }
+    false
 }
 
 /// A process that exec'd counts its new program's drops from zero (see `record::new_image`).

@@ -59,6 +59,33 @@ fn the_peak_its_stacks_and_temporary_allocations_are_exact() {
     assert_eq!(total(&report, "allocations"), 218);
 }
 
+/// Four threads reach the peak together, allocating at the same moments: the peak is every byte
+/// held then, not a lower value one of them saw (tests/fixtures/peaks_threads.c). Run a few times,
+/// as the moment two threads raise the peak at once is rare.
+#[test]
+fn a_peak_threads_reach_together_is_exact() {
+    let program = fixture("peaks_threads");
+    for _ in 0..5 {
+        let outcome = run(&[], &[program.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        assert_nothing_dropped(&report);
+        // After the climb, only frees: what is held at exit beside the climb's last 512 bytes
+        // (the threads' own blocks) was held at the peak too, with the climb's 128,000.
+        let peak = &report["peak"];
+        let held_at_exit = report["totals"]["outstanding_bytes"].as_u64().expect("outstanding_bytes");
+        assert_eq!(peak["bytes"], 128_000 + held_at_exit - 512, "{peak}");
+        let climb = by_site(&peak["stacks"], "bytes").into_iter().find(|(site, _)| site == "climb_site");
+        assert_eq!(climb, Some(("climb_site".into(), 128_000)), "{peak}");
+        let climb = stack(&report, "climb_site");
+        assert_eq!(
+            (&climb["outstanding_bytes"], &climb["max_outstanding_bytes"]),
+            (&512.into(), &128_000.into()),
+            "{climb}"
+        );
+    }
+}
+
 /// heaptrack (Debian's) counts the same temporary allocations on the same binary.
 #[test]
 fn the_temporary_allocations_are_heaptracks() {

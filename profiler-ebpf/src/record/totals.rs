@@ -11,7 +11,7 @@ use profiler_common::{
 use super::{frees::forget_free, get_or_insert, usdt::rate_of, Probe, PROC_COUNTERS};
 use crate::{
     live,
-    shared::{add, count_drop, NO_PREALLOC},
+    shared::{add, add_and_read, count_drop, raise, NO_PREALLOC},
 };
 
 #[map]
@@ -86,8 +86,8 @@ pub(super) fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u
             // Read back after the add: another thread's update in between only makes it a
             // value the stack held a moment earlier or later.
             let outstanding = stats.allocated_bytes.wrapping_sub(stats.freed_bytes);
-            if outstanding > stats.max_outstanding_bytes && (outstanding as i64) > 0 {
-                stats.max_outstanding_bytes = outstanding;
+            if (outstanding as i64) > 0 {
+                raise(&mut stats.max_outstanding_bytes, outstanding);
             }
             let slot = generations::slot(generation(alloc.time_ns));
             if let (Some(slot_bytes), Some(slot_count)) =
@@ -100,10 +100,10 @@ pub(super) fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u
         None => count_drop(DropReason::StatsMapFull),
     }
     if let Some(heap) = heap {
-        add(&mut heap.in_use, bytes);
-        let in_use = heap.in_use;
-        if in_use > heap.peak && (in_use as i64) > 0 {
-            heap.peak = in_use;
+        // Exactly the bytes in use this allocation made: every value the process held passes
+        // through here, so the peak is the most it held, not the most a reader saw.
+        let in_use = add_and_read(&mut heap.in_use, bytes);
+        if (in_use as i64) > 0 && raise(&mut heap.peak, in_use) {
             heap.peak_ns = alloc.time_ns;
             add(&mut heap.peak_generation, 1);
         }
@@ -115,8 +115,8 @@ pub(super) fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u
 /// The process's `PROC_HEAP` entry, inserted empty at its first call.
 fn proc_heap(tgid: u32) -> Option<&'static mut ProcHeap> {
     match get_or_insert(&PROC_HEAP, &tgid, &EMPTY_HEAP) {
-        // SAFETY: a map value pointer stays valid while the program runs; updates are atomic adds
-        // but for the peak's fields, which a race can only leave a moment off.
+        // SAFETY: a map value pointer stays valid while the program runs; updates are atomic but
+        // for the peak's time, which a race can only leave a moment off.
         Some(heap) => Some(unsafe { &mut *heap }),
         None => {
             count_drop(DropReason::ProcessTableFull);
