@@ -478,6 +478,15 @@ fn bad_input_is_a_one_line_error() {
     let not_a_report = scratch.file("other.json");
     std::fs::write(&not_a_report, "{\"hello\": 1}\n").unwrap();
     assert_fails(&memprof(&["diff", &not_a_report, &not_a_report]), "is not a memprof JSON report");
+    // Counts no process holds, which the sums and differences would wrap.
+    let edited = scratch.file("edited.json");
+    let stack = |id: &str| {
+        format!(
+            r#"{{"stack_id":"{id}","outstanding_bytes":18446744073709551615,"outstanding_allocations":1,"frames":[]}}"#
+        )
+    };
+    std::fs::write(&edited, format!("{{\"stacks\":[{},{}]}}\n", stack("1"), stack("2"))).unwrap();
+    assert_fails(&memprof(&["diff", &edited, &edited]), "edited.json says its stacks hold more than 2^63 bytes");
     assert_fails(&memprof(&["snapshot", "--pid", "1", "-o", &scratch.file("heap.txt")]), "end it in .pb.gz or .json");
 
     // Binary to a terminal: `script` gives memprof one.

@@ -126,8 +126,8 @@ fn read(path: &Path) -> anyhow::Result<Snapshot> {
         let key = site_key(&frames, &stack_id);
         let entry = sites.entry(key).or_insert_with(|| InUse { frames: frames.to_vec(), ..InUse::default() });
         entry.stack_ids.push(stack_id);
-        entry.bytes += bytes;
-        entry.objects += objects;
+        entry.bytes = entry.bytes.saturating_add(bytes);
+        entry.objects = entry.objects.saturating_add(objects);
     };
     let counts_objects = if bytes.starts_with(b"{") {
         // A file of JSON reports, one per line: the last is the final one.
@@ -162,7 +162,22 @@ fn read(path: &Path) -> anyhow::Result<Snapshot> {
         }
         any_objects || !any_bytes
     };
+    check_sums(path, &sites)?;
     Ok(Snapshot { sites, counts_objects })
+}
+
+/// Refuses a snapshot whose bytes or objects add up past what a signed 64-bit difference holds:
+/// no process holds 8 EiB, only an edited file says so, and its sums would wrap.
+fn check_sums(path: &Path, sites: &Sites) -> anyhow::Result<()> {
+    let sum = |of: fn(&InUse) -> u64| sites.values().try_fold(0u64, |sum, site| sum.checked_add(of(site)));
+    let fits = |sum: Option<u64>| sum.is_some_and(|sum| i64::try_from(sum).is_ok());
+    if !fits(sum(|site| site.bytes)) || !fits(sum(|site| site.objects)) {
+        bail!(
+            "{} says its stacks hold more than 2^63 bytes or objects, which no process holds; give a snapshot memprof wrote",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// The file's bytes, refused at once when it is larger than memprof reads.
@@ -319,6 +334,17 @@ mod tests {
         let diff = compare(sites(&[("big_peak", 1_000_000, 0)]), sites(&[("leak", 100, 1)]));
         let deltas: Vec<(&str, i64)> = diff.iter().map(|s| (s.frames[0].function.as_str(), s.delta_bytes)).collect();
         assert_eq!(deltas, [("leak", 100), ("big_peak", -1_000_000)]);
+    }
+
+    /// An edited report's counts would wrap in the sums and differences: refused.
+    #[test]
+    fn sums_past_what_a_difference_holds_are_refused() {
+        let path = Path::new("edited.json");
+        assert!(check_sums(path, &sites(&[("a", i64::MAX as u64, 1)])).is_ok());
+        for entries in [&[("a", u64::MAX, 1)][..], &[("a", i64::MAX as u64, 1), ("b", 1, 1)], &[("a", 1, u64::MAX)]] {
+            let refused = check_sums(path, &sites(entries)).expect_err("refused").to_string();
+            assert!(refused.starts_with("edited.json says its stacks hold more than 2^63"), "{refused}");
+        }
     }
 
     #[test]
