@@ -131,6 +131,39 @@ fn attach_says_when_its_process_is_killed() {
     assert_eq!(outcome.final_report()["exited"], true);
 }
 
+/// A process its parent reaps the moment it dies (a shell's `wait`) leaves no zombie to read:
+/// its status comes from the pidfd memprof opened at attach, on Linux 6.15 and later. Before,
+/// memprof can only say it exited.
+#[test]
+fn attach_says_how_a_process_its_parent_reaped_ended() {
+    let mut shell = Command::new("sh")
+        .args(["-c", "sleep 60 & echo $!; wait"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting sh");
+    let mut line = String::new();
+    BufReader::new(shell.stdout.take().expect("piped")).read_line(&mut line).expect("the shell says its child");
+    let pid: i32 = line.trim().parse().expect("a pid");
+    // Attached once the shell's child is sleep, not still the shell between its fork and exec.
+    let comm = format!("/proc/{pid}/comm");
+    wait_for(10, "the shell's child to exec sleep", || std::fs::read_to_string(&comm).ok().filter(|c| c == "sleep\n"));
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid.to_string(), "--json", "--interval", "0.2"]);
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
+        // SAFETY: kill takes a pid and a signal; the pid is the shell's child, which the shell
+        // has not reaped: it is still running.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    });
+    let _ = shell.wait();
+    assert!(outcome.status.success(), "{outcome:?}");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("the kernel's release");
+    let mut numbers = release.split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
+    let tells_status = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (6, 15);
+    let said = if tells_status { " exited (killed by SIGKILL) after " } else { " exited after " };
+    assert!(outcome.stderr.contains(&format!("memprof: pid {pid} (sleep){said}")), "{}", outcome.stderr);
+    assert_eq!(outcome.final_report()["exited"], true);
+}
+
 #[test]
 fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     let program = dynamic();
