@@ -100,6 +100,21 @@ pub struct FrameInfo {
     pub mangled: Option<String>,
 }
 
+impl FrameInfo {
+    /// A frame memprof could not name (see `names_no_function`).
+    pub fn is_unnamed(&self) -> bool {
+        names_no_function(&self.function)
+    }
+}
+
+/// Whether `function` is how memprof shows code without a symbol: `module+0xoffset`, the
+/// module's file name and the offset in it. No C, C++ or Rust name has that shape.
+pub fn names_no_function(function: &str) -> bool {
+    function.rsplit_once("+0x").is_some_and(|(module, offset)| {
+        !module.is_empty() && !offset.is_empty() && offset.bytes().all(|b| b.is_ascii_hexdigit())
+    })
+}
+
 /// Longest function name or file path kept: a symbol can be any length (a generated C++ type
 /// reaches megabytes), and each is kept for as long as its process is traced.
 pub const MAX_NAME: usize = 4096;

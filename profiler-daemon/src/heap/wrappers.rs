@@ -236,10 +236,14 @@ impl Wrappers {
     }
 
     /// `frames` (innermost first) without the wrappers at their leaf end, and those wrappers'
-    /// functions, innermost first, each once in a row.
+    /// functions, innermost first, each once in a row. A frame without a name between them goes
+    /// too, its `module+0xoffset` in the list: a function a wrapper called is the allocation's
+    /// own machinery, named or not (the static `AllocSetAlloc` under `palloc` in Debian's
+    /// stripped postgres).
     /// The shared list is kept when nothing is folded.
     pub fn fold(&self, frames: Frames) -> (Frames, Vec<String>) {
-        let wrapped = frames.iter().take_while(|f| self.is_wrapper(&f.function)).count();
+        let leaf_end = frames.iter().take_while(|f| f.is_unnamed() || self.is_wrapper(&f.function)).count();
+        let wrapped = frames[..leaf_end].iter().rposition(|f| self.is_wrapper(&f.function)).map_or(0, |i| i + 1);
         if wrapped == 0 || wrapped == frames.len() {
             return (frames, Vec::new());
         }
@@ -293,6 +297,30 @@ mod tests {
         assert_eq!(off.fold(stack()).0.len(), 6);
         let only = WrapperArgs { wrappers: vec!["ztrymalloc_usable_internal".into()], no_auto_wrappers: true };
         assert_eq!(functions(&Wrappers::new(&only).fold(stack()).0)[0], "zmalloc");
+    }
+
+    /// Debian's postgres has no symbol for the static `AllocSetAlloc` that `palloc` calls, nor
+    /// for some of its callers: the frames a wrapper called go with it, its callers stay.
+    #[test]
+    fn frames_without_a_name_that_a_wrapper_called_are_folded_with_it() {
+        let unnamed = |offset: &str| {
+            let mut f = frame(&format!("postgres+{offset}"), None, None);
+            f.module = "postgres".into();
+            f
+        };
+        let stack: Frames = [
+            unnamed("0x5c7860"),
+            frame("palloc", None, None),
+            unnamed("0x362167"),
+            frame("list_copy_deep", None, None),
+        ]
+        .into();
+        let (frames, via) = Wrappers::default().fold(stack);
+        assert_eq!(functions(&frames), ["postgres+0x362167", "list_copy_deep"]);
+        assert_eq!(via, ["postgres+0x5c7860", "palloc"]);
+        // No wrapper below it: a frame without a name may be the program's own, and stays.
+        let alone: Frames = [unnamed("0xfb51c"), frame("PyByteArray_Resize", None, None)].into();
+        assert_eq!(Wrappers::default().fold(alone).0.len(), 2);
     }
 
     #[test]

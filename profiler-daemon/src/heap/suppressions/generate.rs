@@ -7,7 +7,10 @@
 use std::fmt::Write as _;
 
 use super::{matching, parse::MAX_LOCATIONS};
-use crate::heap::report::{Report, StackReport};
+use crate::{
+    heap::report::{Report, StackReport},
+    symbolize::names_no_function,
+};
 
 /// A stack a rule is written for: a leak candidate, or one with lost blocks.
 fn wanted(stack: &StackReport) -> bool {
@@ -47,16 +50,22 @@ fn rule(out: &mut String, stack: &StackReport) {
     }
     // Up to `main`: valgrind names what is past it `(below main)`, and a rule needs no more.
     let to_main = stack.frames.iter().position(|f| f.function == "main").map_or(stack.frames.len(), |m| m + 1);
-    let wrappers = stack.via.iter().skip_while(|name| matching::replaced_by_valgrind(name));
-    let lines = std::iter::once("fun:*".to_string()).chain(wrappers.map(|name| format!("fun:{name}"))).chain(
-        stack.frames[..to_main].iter().map(|f| {
-            if matching::unnamed(f) {
-                format!("obj:{}", f.module)
-            } else {
-                format!("fun:{}", f.mangled.as_deref().unwrap_or(&f.function))
-            }
-        }),
-    );
+    let mut wrappers: Vec<String> = Vec::new();
+    for name in stack.via.iter().skip_while(|name| matching::replaced_by_valgrind(name)) {
+        // A folded function without a symbol, which valgrind may name otherwise or not at all:
+        // any frames.
+        let line = if names_no_function(name) { "...".to_string() } else { format!("fun:{name}") };
+        if wrappers.last() != Some(&line) {
+            wrappers.push(line);
+        }
+    }
+    let lines = std::iter::once("fun:*".to_string()).chain(wrappers).chain(stack.frames[..to_main].iter().map(|f| {
+        if f.is_unnamed() {
+            format!("obj:{}", f.module)
+        } else {
+            format!("fun:{}", f.mangled.as_deref().unwrap_or(&f.function))
+        }
+    }));
     for line in lines.take(MAX_LOCATIONS) {
         let _ = writeln!(out, "   {line}");
     }
@@ -88,6 +97,29 @@ mod tests {
         supp.apply(&mut r);
         assert_eq!(r.stacks[0].suppressed.as_deref(), Some("leak_here (memprof stack 00)"));
         assert_eq!(generate(&r), "", "a suppressed stack needs no rule");
+    }
+
+    /// A stripped program's static allocator function, folded under its wrapper: valgrind
+    /// names it otherwise or not at all, so the rule takes any frames for it. Its frames
+    /// without a name are their modules, as valgrind's `obj:` names them.
+    #[test]
+    fn a_folded_function_without_a_name_is_any_frames() {
+        let mut r = report();
+        r.stacks[0].leak.candidate = true;
+        r.stacks[0].via = vec!["postgres+0x5c7860".into(), "postgres+0x5c7a00".into(), "palloc".into()];
+        let mut caller = frame("postgres+0x362167", None, None);
+        caller.module = "/usr/lib/postgresql/15/bin/postgres".into();
+        r.stacks[0].frames = vec![caller, frame("main", None, None)].into();
+        let text = generate(&r);
+        assert!(
+            text.ends_with(
+                "   fun:*\n   ...\n   fun:palloc\n   obj:/usr/lib/postgresql/15/bin/postgres\n   fun:main\n}\n"
+            ),
+            "{text}"
+        );
+        let supp = Suppressions::new(parse(std::path::Path::new("gen.supp"), &text).unwrap());
+        supp.apply(&mut r);
+        assert!(r.stacks[0].suppressed.is_some(), "memprof matches its own rule");
     }
 
     /// valgrind's stacks start at the operator new it replaces, and name C++ functions mangled.

@@ -24,7 +24,7 @@ impl Seen<'_> {
             (Seen::Allocator(names), Location::Fun(pattern)) => names.iter().any(|n| glob(pattern, n)),
             (Seen::Wrapper(name), Location::Fun(pattern)) => fun(pattern, name),
             (Seen::Frame(frame), Location::Fun(pattern)) => {
-                !unnamed(frame)
+                !frame.is_unnamed()
                     && (fun(pattern, &frame.function) || frame.mangled.as_deref().is_some_and(|m| glob(pattern, m)))
             }
             (Seen::BelowMain(frame), Location::Fun(pattern)) => {
@@ -71,11 +71,6 @@ pub fn frames(frames: &[Frame]) -> impl Iterator<Item = Seen<'_>> {
         .iter()
         .enumerate()
         .map(move |(i, f)| if main.is_some_and(|m| i > m) { Seen::BelowMain(f) } else { Seen::Frame(f) })
-}
-
-/// A frame memprof could not name (`module+0xoffset`): valgrind shows `???`, which `fun:*` matches.
-pub fn unnamed(frame: &Frame) -> bool {
-    frame.function.starts_with(&frame.module) && frame.function[frame.module.len()..].starts_with("+0x")
 }
 
 /// `fun:`: memprof's names are demangled, so a mangled C++ name without wildcards is demangled
