@@ -320,3 +320,16 @@ fn folded_stacks_and_flame_graphs_say_what_was_dropped() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The table's lists at the peak (and of temporary allocations and mappings) show `--top` of
+/// each, as the session's own table did: a recording keeps them all.
+#[test]
+fn the_tables_lists_show_top_of_each() {
+    let held = |args: &[&str]| {
+        let outcome = report(args);
+        assert!(outcome.status.success(), "{outcome:?}");
+        outcome.stdout.matches("held at the peak:").count()
+    };
+    assert_eq!(held(&["--at", "final"]), 2, "hold_a and hold_b");
+    assert_eq!(held(&["--at", "final", "--top", "1"]), 1);
+}

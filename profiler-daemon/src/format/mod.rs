@@ -111,8 +111,9 @@ pub fn check_destination(format: Format, output: Option<&Path>) -> Result<(), Us
 }
 
 /// What `format` shows of a report that may hold every stack (a recording's): the stacks that
-/// hold nothing now only in pprof's allocation profile, the `top` largest in the table, the
-/// `LISTED_MAX` largest at the peak, the modules and leak timelines of the stacks kept. The live session and `memprof report` both go
+/// hold nothing now only in pprof's allocation profile, the `top` largest in the table (and of
+/// the peak's, temporary and mapping lists there), `LISTED_MAX` of those lists elsewhere, the
+/// modules and leak timelines of the stacks kept. The live session and `memprof report` both go
 /// through here, so both write the same report from the same data.
 pub fn select(report: &Report, format: Format, top: usize) -> Report {
     select_stacks(report, format, top, format == Format::Pprof)
@@ -131,11 +132,14 @@ fn select_in(report: &mut Report, format: Format, top: usize, freed: bool) {
         // Bytes without a count: a report at the peak, which keeps no counts.
         report.stacks.retain(|s| s.outstanding_allocations > 0 || s.outstanding_bytes > 0);
     }
+    // A recording's lists them all: the table shows `top` of each, as the session did.
+    let listed = if format == Format::Table { top.min(LISTED_MAX) } else { LISTED_MAX };
     if format == Format::Table {
         report.stacks.truncate(top);
     }
-    // A recording's lists them all.
-    report.peak.stacks.truncate(LISTED_MAX);
+    report.peak.stacks.truncate(listed);
+    report.temporary_stacks.truncate(listed);
+    report.mappings.stacks.truncate(listed);
     let ids: HashSet<&str> = report.stacks.iter().map(|s| s.stack_id.as_str()).collect();
     report.timeline.stacks.retain(|s| ids.contains(s.stack_id.as_str()));
     let modules: HashSet<&str> =

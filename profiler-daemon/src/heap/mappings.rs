@@ -37,7 +37,8 @@ pub type Symbolized = (String, bool, Frames);
 
 /// The report of a process's `mapped` stacks (most bytes first), at most `limit` of them;
 /// `symbolize` names a kernel stack id. Two kernel ids with the same frames (a walk the kernel
-/// deferred and one it finished) are one stack. Stacks past the limit are only counted.
+/// deferred and one it finished) are one stack, merged before the limit is applied: a part that
+/// ranks below it still adds to its stack. Stacks past the limit are only counted.
 pub fn build(mapped: &[MappedStack], limit: usize, symbolize: impl Fn(u64) -> Symbolized) -> Mappings {
     let mut mappings = Mappings::default();
     let mut index: HashMap<(String, bool), usize> = HashMap::new();
@@ -46,9 +47,6 @@ pub fn build(mapped: &[MappedStack], limit: usize, symbolize: impl Fn(u64) -> Sy
             mappings.allocator_bytes += stack.bytes;
         } else {
             mappings.outstanding_bytes += stack.bytes;
-        }
-        if mappings.stacks.len() >= limit {
-            continue;
         }
         let (stack_id, truncated, frames) = symbolize(stack.stack_id);
         let key = (stack_id.clone(), stack.in_allocator);
@@ -72,5 +70,31 @@ pub fn build(mapped: &[MappedStack], limit: usize, symbolize: impl Fn(u64) -> Sy
         }
     }
     mappings.stacks.sort_by(|a, b| b.outstanding_bytes.cmp(&a.outstanding_bytes).then(a.stack_id.cmp(&b.stack_id)));
+    mappings.stacks.truncate(limit);
     mappings
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap::report::samples::frame;
+
+    fn mapped(stack_id: u64, bytes: u64) -> MappedStack {
+        MappedStack { stack_id, in_allocator: true, bytes, ranges: 1 }
+    }
+
+    /// Kernel ids 1 and 3 are one stack (a deferred walk and a finished one): the smaller part,
+    /// past the limit on its own, still adds to the stack listed.
+    #[test]
+    fn parts_of_one_stack_are_merged_before_the_limit() {
+        let symbolize = |id: u64| -> Symbolized {
+            let name = if id == 3 { 1 } else { id };
+            (name.to_string(), false, vec![frame(&format!("site_{name}"), None, None)].into())
+        };
+        let built = build(&[mapped(1, 900_000), mapped(2, 500_000), mapped(3, 100_000)], 1, symbolize);
+        let listed: Vec<(&str, u64, u64)> =
+            built.stacks.iter().map(|s| (s.stack_id.as_str(), s.outstanding_bytes, s.ranges)).collect();
+        assert_eq!(listed, [("1", 1_000_000, 2)]);
+        assert_eq!(built.allocator_bytes, 1_500_000);
+    }
 }
