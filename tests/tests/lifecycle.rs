@@ -26,8 +26,10 @@ fn a_double_free_is_reported_with_three_stacks_even_when_glibc_aborts() {
     let df = double_free(&[]);
     assert_eq!(df["first_free"]["frames"].as_array().unwrap().len(), 1, "only the caller of free: {df}");
     assert_eq!(df["first_free"]["truncated"], true, "{df}");
+    assert_eq!(df["first_free"]["caller_only"], true, "{df}");
     for which in ["alloc", "second_free"] {
         assert_eq!(df[which]["frames"][1]["function"], "main", "{which}: {df}");
+        assert!(df[which].get("caller_only").is_none(), "{which}: {df}");
     }
 }
 
@@ -83,6 +85,9 @@ fn double_frees_past_the_first_100_are_counted_not_kept() {
     let text = String::from_utf8_lossy(&text.stdout);
     assert_eq!(text.matches("DOUBLE FREE of").count(), 100, "{text}");
     assert!(text.contains("more double frees, counted, not kept"), "{text}");
+    // A first free keeps its caller by design: said so, not sent to the drop counters.
+    assert_eq!(text.matches("[its caller only: --full-free-stacks walks").count(), 100, "{text}");
+    assert!(!text.contains("[truncated: see dropped]"), "{text}");
 
     let mut command = std::process::Command::new(&program);
     command.env(preload.0, preload.1).args(["--wait", "double-frees"]);

@@ -264,7 +264,10 @@ fn section(report: &Report) -> String {
             ("freed again", &double_free.second_free),
         ] {
             let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
-            write_frames(&mut out, &lead, &site.frames, site.truncated);
+            write_frames(&mut out, &lead, &site.frames, site.truncated && !site.caller_only);
+            if site.caller_only {
+                let _ = writeln!(out, "{}[its caller only: --full-free-stacks walks a free's whole stack]", " ".repeat(lead.len()));
+            }
             write_via(&mut out, lead.len(), &site.via);
         }
     }

@@ -294,6 +294,9 @@ pub struct SiteReport {
     /// Seconds since tracing began.
     pub time_s: f64,
     pub truncated: bool,
+    /// A first free's stack, not walked: only its caller (`--full-free-stacks` walks it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub caller_only: bool,
     /// As a stack's: the allocation wrappers folded away from `frames`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub via: Vec<String>,

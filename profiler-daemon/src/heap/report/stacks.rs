@@ -69,6 +69,7 @@ impl Stacks<'_> {
             tid,
             time_s: self.seconds_since_start(time_ns),
             truncated: stack.truncated,
+            caller_only: false,
             via: stack.via,
             frames: stack.frames,
         }
@@ -84,6 +85,7 @@ impl Stacks<'_> {
             tid: site.tid,
             time_s: self.seconds_since_start(site.time_ns),
             truncated: true,
+            caller_only: true,
             via: Vec::new(),
             frames,
         }
