@@ -89,9 +89,10 @@ Examples:
         /// exits 0 then makes memprof exit 1.
         #[arg(long, value_name = "BYTES", allow_negative_numbers = true, value_parser = whole("bytes", 0, u64::MAX))]
         fail_on_leak_bytes: Option<u64>,
-        /// What happens to the command when memprof cannot go on (a full disk, an unwritable
-        /// output, probes that cannot be attached): continue (it runs on untraced) or stop (it
-        /// gets SIGTERM). Either way memprof waits for it and exits with its exit code.
+        /// What happens to the command when memprof cannot go on once it started it (a full
+        /// disk, probes that cannot be attached): continue (it runs on untraced) or stop (it gets
+        /// SIGTERM). Either way memprof waits for it and exits with its exit code. An output that
+        /// cannot be created is refused before the command starts.
         #[arg(long, value_enum, default_value_t = OnError::Continue)]
         on_error: OnError,
         /// The command and its arguments: memprof's options come before it.
@@ -100,6 +101,11 @@ Examples:
     },
     /// Write a process's heap profile to a file, from the memprof daemon that traces it, or else
     /// by attaching for a while; the process keeps running.
+    #[command(after_help = "\
+Examples:
+  memprof snapshot -p 1234 -o heap.pb.gz          pprof, for go tool pprof
+  memprof snapshot -p 1234 -o heap.json           a JSON report, for memprof diff
+  memprof snapshot -p 1234 -o heap.pb.gz --duration 30   attaching: trace 30 s first")]
     Snapshot(SnapshotArgs),
     /// Class the blocks of a process the memprof daemon traces as valgrind's memcheck would
     /// (definitely, indirectly, possibly lost, reachable), with C++ objects by type; the process
@@ -112,8 +118,18 @@ Examples:
 Without a daemon tracing the process: memprof attach -p 1234 --inspect --duration 10")]
     Inspect(InspectArgs),
     /// Compare two snapshots (JSON reports or pprof profiles): growth in use per allocation site.
+    #[command(after_help = "\
+Examples:
+  memprof snapshot -p 1234 -o before.json; sleep 600; memprof snapshot -p 1234 -o after.json
+  memprof diff before.json after.json                 the sites that grew most first
+  memprof diff before.pb.gz after.pb.gz --format json")]
     Diff(DiffArgs),
     /// Print a shell's completion script, e.g. `memprof completions bash > /etc/bash_completion.d/memprof`.
+    #[command(after_help = "\
+Examples:
+  memprof completions bash > /etc/bash_completion.d/memprof
+  memprof completions zsh > \"${fpath[1]}/_memprof\"
+  memprof completions fish > ~/.config/fish/completions/memprof.fish")]
     Completions { shell: clap_complete::Shell },
     /// Write the man pages, memprof.1 and one per subcommand, into DIR (`cargo xtask man`).
     #[command(hide = true)]
