@@ -115,18 +115,25 @@ fn section(report: &Report) -> String {
         }
     }
     if let Some(memory) = &report.memory {
-        // Allocations memprof had no room for, then a runtime's heap it does not see, are the
-        // likeliest owners of the gap; blocks from before an attach are never seen.
+        // Allocations memprof had no room for are the likeliest owners of the gap; a runtime's
+        // heap it does not see and blocks from before an attach are never seen.
         let unrecorded = report.dropped.get("live_map_full").copied().unwrap_or(0);
         let gap = match report.blind_spots.iter().find_map(|spot| spot.heap) {
             _ if unrecorded > 0 => format!(
                 "outside the heap memprof sees: most likely the {unrecorded} allocations it had no room to record \
                  (live_map_full: raise --max-live), then allocator overhead and caches"
             ),
-            Some(heap) => format!("outside the heap memprof sees: most likely {heap} (not seen, below), then allocator overhead and caches"),
-            None => "not in blocks memprof saw allocated (blocks from before it attached, allocator overhead and caches, \
+            // Neither is known to hold more: a process attached to after long use of malloc
+            // may hold more from before than its runtime's heap does.
+            Some(heap) => format!(
+                "outside the heap memprof sees: {heap} (not seen, below), blocks from before tracing began, \
+                 allocator overhead and caches"
+            ),
+            None => {
+                "not in blocks memprof saw allocated (blocks from before it attached, allocator overhead and caches, \
                      fragmentation, memory not from malloc)"
-                .to_string(),
+                    .to_string()
+            }
         };
         // After the process exited: the figures of its last reading, not of this report.
         let when = if memory.age_s > 0.0 {
@@ -266,7 +273,11 @@ fn section(report: &Report) -> String {
             let lead = format!("    {what} by tid {} at {:.3}s: ", site.tid, site.time_s);
             write_frames(&mut out, &lead, &site.frames, site.truncated && !site.caller_only);
             if site.caller_only {
-                let _ = writeln!(out, "{}[its caller only: --full-free-stacks walks a free's whole stack]", " ".repeat(lead.len()));
+                let _ = writeln!(
+                    out,
+                    "{}[its caller only: --full-free-stacks walks a free's whole stack]",
+                    " ".repeat(lead.len())
+                );
             }
             write_via(&mut out, lead.len(), &site.via);
         }
