@@ -3,7 +3,7 @@
 mod means;
 mod tracer;
 
-use std::{io, num::NonZeroU32};
+use std::{io, num::NonZeroU32, time::Duration};
 
 use anyhow::Context as _;
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -34,7 +34,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     // A process attached to is a running one, maybe a busy service: sampled above a rate unless
     // asked otherwise.
     let args = &TraceArgs { sampling: args.sampling.for_attach(), ..args.clone() };
-    let opened = Opened::open(args)?;
+    let mut opened = Opened::open(args)?;
     let pid_n = pid.get();
     if pid_n == std::process::id() {
         return Err(UserError::SelfTrace.into());
@@ -54,6 +54,10 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
     let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), !forking)?;
     if args.sampling.growth {
         loaded.trace_page_faults()?;
+    }
+    if opened.stop.came().await {
+        say!("memprof: stopped before tracing pid {pid_n} began: nothing was attached");
+        return Ok(STOPPED_BEFORE_TRACING);
     }
     let untraced = untraced_from.zip(SystemCpu::read(pid_n)).and_then(|(from, to)| to.rate_since(&from));
     let mut attachment = match &sites {
@@ -393,4 +397,13 @@ impl StopSignals {
             _ = self.hangup.recv() => {}
         }
     }
+
+    /// Whether one came already (while the programs loaded, which blocks this thread): the
+    /// runtime is given a moment to read the signal's wake-up first.
+    async fn came(&mut self) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), self.recv()).await.is_ok()
+    }
 }
+
+/// Exit code of a session a signal stopped before its probes were attached.
+const STOPPED_BEFORE_TRACING: i32 = 130;

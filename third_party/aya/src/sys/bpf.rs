@@ -1408,10 +1408,22 @@ pub(crate) fn retry_with_verifier_logs<T>(
     const MIN_LOG_BUF_SIZE: usize = 1024 * 10;
     const MAX_LOG_BUF_SIZE: usize = (u32::MAX >> 8) as usize;
 
+    // memprof: the verifier leaves with EAGAIN when a signal is pending (a caught Ctrl-C, a
+    // child's SIGCHLD). The load is tried again as it was, not with a verifier log: a log makes
+    // each try several times slower and would not say anything about the program.
+    const INTERRUPTED_TRIES: usize = 8;
+
     let mut log_buf = Vec::new();
     let mut retries = 0;
+    let mut interrupted = 0;
     loop {
         let ret = f(log_buf.as_mut_slice());
+        if let Err(io_error) = &ret {
+            if io_error.raw_os_error() == Some(libc::EAGAIN) && interrupted < INTERRUPTED_TRIES {
+                interrupted += 1;
+                continue;
+            }
+        }
         if retries != max_retries {
             if let Err(io_error) = &ret {
                 if retries == 0 || io_error.raw_os_error() == Some(ENOSPC) {
