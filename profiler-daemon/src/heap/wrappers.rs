@@ -82,7 +82,7 @@ const RUNTIME_PREFIXES: [&str; 24] = [
 ];
 
 /// Libraries' and programs' own allocation functions, matched whole.
-const KNOWN: [&str; 117] = [
+const KNOWN: [&str; 129] = [
     // redis (zmalloc.c), and the same in keydb and valkey.
     "zmalloc",
     "zcalloc",
