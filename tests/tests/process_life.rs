@@ -164,6 +164,35 @@ fn attach_says_how_a_process_its_parent_reaped_ended() {
     assert_eq!(outcome.final_report()["exited"], true);
 }
 
+/// A Ctrl-C while the programs load (most of attach's first second) stops attach before any
+/// probe is attached, at once: nothing is traced, and no link is left.
+#[test]
+fn a_ctrl_c_during_the_load_attaches_nothing() {
+    let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
+    let pid = sleeper.id().to_string();
+    let memprof = Command::new(memprof_bin())
+        .args(["attach", "--pid", &pid])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    // Past the signal handlers' set-up (a few ms), well before the load ends (most of a second).
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
+    unsafe { libc::kill(memprof.id() as libc::pid_t, libc::SIGINT) };
+    let ended = memprof.wait_with_output().expect("waiting for memprof");
+    let said = String::from_utf8_lossy(&ended.stderr);
+    assert_eq!(ended.status.code(), Some(130), "{said}");
+    assert!(
+        said.ends_with(&format!("memprof: stopped before tracing pid {pid} began: nothing was attached\n")),
+        "{said}"
+    );
+    assert!(!said.contains("memprof: tracing pid"), "{said}");
+    assert_eq!(probe_links::probing(sleeper.id()), [], "no probe left on pid {pid}");
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+}
+
 #[test]
 fn run_follows_a_forked_child_whose_inherited_blocks_are_unknown_to_it() {
     let program = dynamic();
