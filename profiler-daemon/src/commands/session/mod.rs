@@ -406,4 +406,4 @@ impl StopSignals {
 }
 
 /// Exit code of a session a signal stopped before its probes were attached.
-const STOPPED_BEFORE_TRACING: i32 = 130;
+pub const STOPPED_BEFORE_TRACING: i32 = 130;
