@@ -176,8 +176,14 @@ fn a_ctrl_c_during_the_load_attaches_nothing() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting memprof");
-    // Past the signal handlers' set-up (a few ms), well before the load ends (most of a second).
-    std::thread::sleep(std::time::Duration::from_millis(150));
+    // Once memprof catches SIGINT (its handlers are set up in its first milliseconds), well
+    // before the load ends (most of a second).
+    let status = format!("/proc/{}/status", memprof.id());
+    wait_for(10, "memprof to catch SIGINT", || {
+        let status = std::fs::read_to_string(&status).ok()?;
+        let caught = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?.trim().to_string();
+        (u64::from_str_radix(&caught, 16).ok()? & 1 << (libc::SIGINT - 1) != 0).then_some(())
+    });
     // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
     unsafe { libc::kill(memprof.id() as libc::pid_t, libc::SIGINT) };
     let ended = memprof.wait_with_output().expect("waiting for memprof");
