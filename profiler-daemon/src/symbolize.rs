@@ -536,6 +536,7 @@ fn go_frame(address: u64, module: &str, frame: GoFrame) -> Frame {
 /// blazesym gives each its own location: `sym.code_info` is in `sym`, `inlined[i]`'s in itself.
 fn frames_of(address: u64, module: &str, sym: &Sym, clone: Option<&str>) -> Vec<Frame> {
     let frame = |function: &str, code_info: Option<&blazesym::symbolize::CodeInfo>, inlined: bool| {
+        let function = without_internal_alias(function);
         let name = demangle::demangled(function);
         let symbol = if inlined { None } else { clone };
         let mangled = symbol.or((name != function).then_some(function)).map(|symbol| capped(&printable(symbol)));
@@ -552,4 +553,24 @@ fn frames_of(address: u64, module: &str, sym: &Sym, clone: Option<&str>) -> Vec<
     let mut frames: Vec<Frame> = sym.inlined.iter().rev().map(|f| frame(&f.name, f.code_info.as_ref(), true)).collect();
     frames.push(frame(&sym.name, sym.code_info.as_deref(), false));
     frames
+}
+
+/// glibc's hidden alias of a function for its own calls (`__GI___strdup`, `__GI_memcpy`), which
+/// its debug symbols name first, read as the function it aliases (`__strdup`): no one calls it by
+/// the alias's name, and valgrind never shows it.
+fn without_internal_alias(function: &str) -> &str {
+    function.strip_prefix("__GI_").filter(|name| !name.is_empty()).unwrap_or(function)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glibcs_internal_aliases_read_as_what_they_alias() {
+        assert_eq!(without_internal_alias("__GI___strdup"), "__strdup");
+        assert_eq!(without_internal_alias("__GI_memcpy"), "memcpy");
+        assert_eq!(without_internal_alias("__GI_"), "__GI_");
+        assert_eq!(without_internal_alias("g_strdup"), "g_strdup");
+    }
 }
