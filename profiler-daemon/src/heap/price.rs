@@ -5,8 +5,9 @@
 //! The probes' traps and the programs they run take the process's own kernel time, so the price
 //! is measured where it is paid: the rise of the process's system time once traced, against its
 //! system time before (`attach` reads it while memprof loads). A process traced from its start
-//! (`run`'s command, a followed child) has no before: its system time is said, but no more than
-//! its calls can cost at a bound above any call measured, since the rest is its own. The kernel
+//! (`run`'s command, a followed child) has no before: its system time is said. Either is said as
+//! no more than its calls can cost at a bound above any call measured: the rest is its own
+//! system calls, or the clock ticks' noise. The kernel
 //! splits time between user and system by where its timer tick lands, and some of the traps'
 //! time lands in user time: the price said is the part the system time shows (docs:
 //! guide/sampling.md#the-price-of-tracing).
@@ -108,13 +109,15 @@ pub struct Price {
 }
 
 impl Price {
-    /// CPU seconds a second tracing adds: the rise of the system time; without a before, the
-    /// system time, but no more than the calls can have cost.
+    /// CPU seconds a second tracing adds: the rise of the system time (without a before, the
+    /// system time), but no more than the calls can have cost: at a few calls a second the rise
+    /// is the clock ticks' noise, not tracing's.
     pub fn added(&self) -> f64 {
-        match self.before {
+        let measured = match self.before {
             Some(before) => (self.traced - before).max(0.0),
-            None => self.traced.min(self.calls_per_second * CALL_COST_BOUND_S),
-        }
+            None => self.traced,
+        };
+        measured.min(self.calls_per_second * CALL_COST_BOUND_S)
     }
 
     pub fn significant(&self) -> bool {
@@ -225,6 +228,14 @@ mod tests {
         assert!(!sampled.line().contains("--growth"));
         let switched = watch(Some(0.0)).price(7, cpu(11.0, 3.5), 90_000, Mode::Switched).unwrap();
         assert!(!switched.line().contains("--growth"));
+    }
+
+    #[test]
+    fn a_rise_few_calls_cannot_cost_is_the_ticks_noise() {
+        // 875 calls a second, and a rise of two clock ticks: at most 10 µs each, 0.009 s.
+        let price = watch(Some(0.0)).price(7, cpu(11.0, 3.02), 875, Mode::Exact).unwrap();
+        assert!((price.added() - 0.00875).abs() < 1e-9, "{price:?}");
+        assert!(price.line().contains("adds about 0.01 s of CPU a second"), "{}", price.line());
     }
 
     #[test]
