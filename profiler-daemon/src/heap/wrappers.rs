@@ -250,9 +250,9 @@ impl Wrappers {
 
     /// `frames` (innermost first) without the wrappers at their leaf end, and those wrappers'
     /// functions, innermost first, each once in a row. A frame without a name between them goes
-    /// too, its `module+0xoffset` in the list: a function a wrapper called is the allocation's
-    /// own machinery, named or not (the static `AllocSetAlloc` under `palloc` in Debian's
-    /// stripped postgres).
+    /// too: a function a wrapper called is the allocation's own machinery, named or not (the
+    /// static `AllocSetAlloc` under `palloc` in Debian's stripped postgres). It is listed by its
+    /// module's whole path and its offset, as a suppression's `obj:` line names it.
     /// The shared list is kept when nothing is folded.
     pub fn fold(&self, frames: Frames) -> (Frames, Vec<String>) {
         let leaf_end = frames.iter().take_while(|f| f.is_unnamed() || self.is_wrapper(&f.function)).count();
@@ -262,8 +262,12 @@ impl Wrappers {
         }
         let mut via: Vec<String> = Vec::new();
         for frame in &frames[..wrapped] {
-            if via.last() != Some(&frame.function) {
-                via.push(frame.function.clone());
+            let name = match frame.function.rsplit_once("+0x") {
+                Some((_, offset)) if frame.is_unnamed() => format!("{}+0x{offset}", frame.module),
+                _ => frame.function.clone(),
+            };
+            if via.last() != Some(&name) {
+                via.push(name);
             }
         }
         (frames[wrapped..].into(), via)
@@ -318,7 +322,7 @@ mod tests {
     fn frames_without_a_name_that_a_wrapper_called_are_folded_with_it() {
         let unnamed = |offset: &str| {
             let mut f = frame(&format!("postgres+{offset}"), None, None);
-            f.module = "postgres".into();
+            f.module = "/usr/lib/postgresql/15/bin/postgres".into();
             f
         };
         let stack: Frames = [
@@ -330,7 +334,7 @@ mod tests {
         .into();
         let (frames, via) = Wrappers::default().fold(stack);
         assert_eq!(functions(&frames), ["postgres+0x362167", "list_copy_deep"]);
-        assert_eq!(via, ["postgres+0x5c7860", "palloc"]);
+        assert_eq!(via, ["/usr/lib/postgresql/15/bin/postgres+0x5c7860", "palloc"]);
         // No wrapper below it: a frame without a name may be the program's own, and stays.
         let alone: Frames = [unnamed("0xfb51c"), frame("PyByteArray_Resize", None, None)].into();
         assert_eq!(Wrappers::default().fold(alone).0.len(), 2);

@@ -2,7 +2,7 @@
 //! `...` standing for any number of frames, names compared as globs (`*`, `?`, `\` escaping).
 
 use super::Location;
-use crate::symbolize::Frame;
+use crate::symbolize::{names_no_function, Frame};
 
 /// One frame as a rule sees it.
 #[derive(Debug, Clone, Copy)]
@@ -10,7 +10,8 @@ pub enum Seen<'a> {
     /// The allocator's entry point, which memprof's stacks leave out: any allocator name
     /// matches it, since a stack does not say which entry point was called.
     Allocator(&'a [String]),
-    /// A wrapper folded into the allocator (`via`): a function name only.
+    /// A wrapper folded into the allocator (`via`): a function name, or a function without a
+    /// name as its module's path and offset (see `Wrappers::fold`).
     Wrapper(&'a str),
     Frame(&'a Frame),
     /// A frame past `main`, which valgrind names `(below main)`.
@@ -22,10 +23,14 @@ impl Seen<'_> {
         match (self, location) {
             (_, Location::Any) => true,
             (Seen::Allocator(names), Location::Fun(pattern)) => names.iter().any(|n| glob(pattern, n)),
+            (Seen::Wrapper(name), Location::Fun(pattern)) if names_no_function(name) => glob(pattern, UNNAMED),
             (Seen::Wrapper(name), Location::Fun(pattern)) => fun(pattern, name),
+            (Seen::Wrapper(name), Location::Obj(pattern)) => {
+                name.rsplit_once("+0x").is_some_and(|(module, _)| names_no_function(name) && glob(pattern, module))
+            }
+            (Seen::Frame(frame), Location::Fun(pattern)) if frame.is_unnamed() => glob(pattern, UNNAMED),
             (Seen::Frame(frame), Location::Fun(pattern)) => {
-                !frame.is_unnamed()
-                    && (fun(pattern, &frame.function) || frame.mangled.as_deref().is_some_and(|m| glob(pattern, m)))
+                fun(pattern, &frame.function) || frame.mangled.as_deref().is_some_and(|m| glob(pattern, m))
             }
             (Seen::BelowMain(frame), Location::Fun(pattern)) => {
                 glob(pattern, BELOW_MAIN) || Seen::Frame(frame).matches(location)
@@ -60,6 +65,10 @@ pub fn replaced_by_valgrind(name: &str) -> bool {
         || name.starts_with("_Zna")
         || name.starts_with("operator new")
 }
+
+/// The name valgrind matches a `fun:` line against where it knows no function: `fun:*` and
+/// `fun:???` match a frame without a name, `fun:main` does not.
+const UNNAMED: &str = "???";
 
 /// valgrind's name for every frame past `main` (the C library's start-up code).
 const BELOW_MAIN: &str = "(below main)";

@@ -296,4 +296,30 @@ mod tests {
         supp.apply(&mut r);
         assert_eq!(r.stacks[0].suppressed.as_deref(), Some("lost"));
     }
+
+    /// Debian's stripped postgres: valgrind names the static `AllocSetAlloc` under `palloc` by
+    /// its object, and matches `fun:` against `???` where it knows no name. memprof folds that
+    /// frame into `via` and the rule matches as valgrind's does.
+    #[test]
+    fn frames_without_a_name_match_as_valgrind_sees_them() {
+        let postgres = "/usr/lib/postgresql/15/bin/postgres";
+        let mut r = report();
+        r.stacks = vec![stack(4096, &["postgres+0x362167", "list_copy_deep", "main"])];
+        let frames = r.stacks[0].frames.iter().map(|f| {
+            let mut f = f.clone();
+            f.module = postgres.into();
+            f
+        });
+        r.stacks[0].frames = frames.collect();
+        r.stacks[0].via = vec![format!("{postgres}+0x5c7860"), "palloc".into()];
+        let matched = |rule: &str| {
+            let mut r = r.clone();
+            rules(&format!("{{\n pg\n Memcheck:Leak\n{rule}}}\n")).apply(&mut r);
+            r.stacks[0].suppressed.is_some()
+        };
+        assert!(matched(&format!(" fun:malloc\n obj:{postgres}\n fun:palloc\n obj:{postgres}\n fun:list_copy_deep\n")));
+        assert!(matched(" fun:malloc\n fun:???\n fun:palloc\n fun:*\n fun:list_copy_deep\n"));
+        assert!(!matched(" fun:malloc\n fun:AllocSetAlloc\n fun:palloc\n"));
+        assert!(!matched(" fun:malloc\n obj:*/libc.so.6\n fun:palloc\n"));
+    }
 }
