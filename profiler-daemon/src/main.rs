@@ -71,7 +71,9 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match &cli.command {
-            cli::Command::Attach { pid, trace } => commands::session::attach(*pid, trace).await,
+            cli::Command::Attach { pid, trace } => {
+                commands::session::attach(*pid, trace).await.map(commands::session::Attached::exit_code)
+            }
             cli::Command::Run { trace, fail_on_leak_bytes, on_error, command } => {
                 commands::session::run(command, trace, *fail_on_leak_bytes, *on_error).await
             }

@@ -452,6 +452,33 @@ fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
     wait_line(&mut target, "two");
 }
 
+/// A snapshot cut short by Ctrl-C still writes its report, and says it covers less than asked.
+#[test]
+fn a_snapshot_stopped_by_ctrl_c_says_how_much_it_covers() {
+    let scratch = Scratch::new("stopped");
+    let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
+    let pid = target.pid().to_string();
+    let output = scratch.file("stopped.json");
+    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
+    let mut memprof = Command::new(memprof_bin());
+    memprof
+        .args(["snapshot", "--pid", &pid, "-o", &output, "--daemon", &nobody, "--duration", "600"])
+        .stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        target.go();
+        wait_line(&mut target, "one");
+        // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
+        unsafe { libc::kill(memprof.id() as libc::pid_t, libc::SIGINT) };
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    let said = &outcome.stderr;
+    assert!(said.contains("memprof: stopped by a signal after "), "{said}");
+    assert!(said.contains(" s of the 600 s asked (--duration): the report covers "), "{said}");
+    assert!(said.contains(&format!("memprof: wrote {output}\n")), "{said}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).expect("one JSON report");
+    assert_eq!(site(&report, "site_a"), (10_000, 10));
+}
+
 /// A failing command's error: one line, naming the problem.
 fn assert_fails(outcome: &Outcome, says: &str) {
     assert!(!outcome.status.success(), "{outcome:?}");

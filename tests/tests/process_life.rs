@@ -164,39 +164,63 @@ fn attach_says_how_a_process_its_parent_reaped_ended() {
     assert_eq!(outcome.final_report()["exited"], true);
 }
 
-/// A Ctrl-C while the programs load (most of attach's first second) stops attach before any
-/// probe is attached, at once: nothing is traced, and no link is left.
+/// A Ctrl-C (or SIGTERM) while the programs load (most of attach's first second) stops attach
+/// before any probe is attached, at once: nothing is traced, no link is left, no file written,
+/// and the exit code is the signal's (128+N).
 #[test]
-fn a_ctrl_c_during_the_load_attaches_nothing() {
+fn a_stop_signal_during_the_load_attaches_nothing() {
     let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
     let pid = sleeper.id().to_string();
-    let memprof = Command::new(memprof_bin())
-        .args(["attach", "--pid", &pid])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting memprof");
-    // Once memprof catches SIGINT (its handlers are set up in its first milliseconds), well
-    // before the load ends (most of a second).
-    let status = format!("/proc/{}/status", memprof.id());
-    wait_for(10, "memprof to catch SIGINT", || {
-        let status = std::fs::read_to_string(&status).ok()?;
-        let caught = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?.trim().to_string();
-        (u64::from_str_radix(&caught, 16).ok()? & 1 << (libc::SIGINT - 1) != 0).then_some(())
-    });
-    // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
-    unsafe { libc::kill(memprof.id() as libc::pid_t, libc::SIGINT) };
-    let ended = memprof.wait_with_output().expect("waiting for memprof");
-    let said = String::from_utf8_lossy(&ended.stderr);
-    assert_eq!(ended.status.code(), Some(130), "{said}");
-    assert!(
-        said.ends_with(&format!("memprof: stopped before tracing pid {pid} began: nothing was attached\n")),
-        "{said}"
-    );
-    assert!(!said.contains("memprof: tracing pid"), "{said}");
-    assert_eq!(probe_links::probing(sleeper.id()), [], "no probe left on pid {pid}");
+    let dir = std::env::temp_dir().join(format!("memprof-stopped-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (report, recording) = (dir.join("report.json"), dir.join("session.rec"));
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        let mut memprof = Command::new(memprof_bin());
+        memprof.args(["attach", "--pid", &pid, "--json", "-o"]).arg(&report).arg("--record").arg(&recording);
+        let said = stopped_while_loading(memprof, signal);
+        assert!(
+            said.ends_with(&format!("memprof: stopped before tracing pid {pid} began: no probe was attached to it\n")),
+            "{said}"
+        );
+        assert!(!said.contains("memprof: tracing pid"), "{said}");
+        assert_eq!(probe_links::probing(sleeper.id()), [], "no probe left on pid {pid}");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "nothing written, not even an empty file: {left:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
     let _ = sleeper.kill();
     let _ = sleeper.wait();
+}
+
+/// A Ctrl-C while `run` loads its programs: the command is not started.
+#[test]
+fn a_ctrl_c_during_the_load_runs_nothing() {
+    let ran = std::env::temp_dir().join(format!("memprof-stopped-run-{}", std::process::id()));
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["run", "--", "touch"]).arg(&ran);
+    let said = stopped_while_loading(memprof, libc::SIGINT);
+    let last = said.lines().last().unwrap_or_default();
+    assert!(last.starts_with("memprof: stopped before starting ") && last.ends_with("touch: it was not run"), "{said}");
+    assert!(!ran.exists(), "the command ran");
+}
+
+/// Starts `memprof`, sends it `signal` once it catches it (its handlers are set up in its first
+/// milliseconds, well before the load ends, most of a second), and returns what it said, once
+/// it has exited with the signal's code.
+fn stopped_while_loading(mut memprof: Command, signal: libc::c_int) -> String {
+    let memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
+    let status = format!("/proc/{}/status", memprof.id());
+    wait_for(10, "memprof to catch the signal", || {
+        let status = std::fs::read_to_string(&status).ok()?;
+        let caught = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?.trim().to_string();
+        (u64::from_str_radix(&caught, 16).ok()? & 1 << (signal - 1) != 0).then_some(())
+    });
+    // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
+    unsafe { libc::kill(memprof.id() as libc::pid_t, signal) };
+    let ended = memprof.wait_with_output().expect("waiting for memprof");
+    let said = String::from_utf8_lossy(&ended.stderr).into_owned();
+    assert_eq!(ended.status.code(), Some(128 + signal), "{said}");
+    said
 }
 
 #[test]

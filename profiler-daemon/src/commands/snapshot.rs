@@ -40,10 +40,10 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         }
         Answer::NotTraced(why) => {
             say!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
-            let code = session::attach(args.pid, &trace_args(args, format)).await?;
-            if code == session::STOPPED_BEFORE_TRACING {
-                // Said by the session: nothing was attached, nothing written.
-                return Ok(code);
+            let attached = session::attach(args.pid, &trace_args(args, format)).await?;
+            if attached != session::Attached::Traced {
+                // Said by the session: no probe was attached, nothing written.
+                return Ok(attached.exit_code());
             }
             // A session says where it wrote a profile, not a stream of JSON reports: this one
             // wrote its final report alone.

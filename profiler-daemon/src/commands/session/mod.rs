@@ -29,8 +29,26 @@ use crate::{
 use means::Means;
 use tracer::{trace, Traced};
 
-/// `memprof attach`: returns the exit code (0: the target was traced to the end of the session).
-pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
+/// How an `attach` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attached {
+    /// The target was traced to the end of the session.
+    Traced,
+    /// A stop signal (its number) came while the programs loaded: no probe was attached.
+    StoppedBefore(i32),
+}
+
+impl Attached {
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Self::Traced => 0,
+            Self::StoppedBefore(signal) => 128 + signal,
+        }
+    }
+}
+
+/// `memprof attach`.
+pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<Attached> {
     // A process attached to is a running one, maybe a busy service: sampled above a rate unless
     // asked otherwise.
     let args = &TraceArgs { sampling: args.sampling.for_attach(), ..args.clone() };
@@ -52,12 +70,12 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
     }
     let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), !forking)?;
+    if let Some(signal) = opened.stop.came().await {
+        say!("memprof: stopped before tracing pid {pid_n} began: no probe was attached to it");
+        return Ok(Attached::StoppedBefore(signal));
+    }
     if args.sampling.growth {
         loaded.trace_page_faults()?;
-    }
-    if opened.stop.came().await {
-        say!("memprof: stopped before tracing pid {pid_n} began: nothing was attached");
-        return Ok(STOPPED_BEFORE_TRACING);
     }
     let untraced = untraced_from.zip(SystemCpu::read(pid_n)).and_then(|(from, to)| to.rate_since(&from));
     let mut attachment = match &sites {
@@ -96,8 +114,8 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<i32> {
         precopy: args.inspect_precopy,
         heuristics: args.inspect_heuristics,
     });
-    let traced = trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
-    Ok(traced.code.unwrap_or(0))
+    trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
+    Ok(Attached::Traced)
 }
 
 /// memprof cannot go on: says so, leaves the command running or stops it (`--on-error`), and
@@ -136,7 +154,7 @@ pub async fn run(
     if args.inspect && args.duration.is_none() {
         return Err(UserError::InspectNeedsDuration.into());
     }
-    let opened = Opened::open(args)?;
+    let mut opened = Opened::open(args)?;
     let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
     loader::check_support()?;
     let (Means { args, mut allocator, sites, beside_calls }, files) = means::of_command(args, &program)?;
@@ -145,6 +163,10 @@ pub async fn run(
     // Whatever the command runs first: a program it execs later is routed too.
     let routes = Allocator::routes_for_any_program();
     let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), true)?;
+    if let Some(signal) = opened.stop.came().await {
+        say!("memprof: stopped before starting {}: it was not run", program.display());
+        return Ok(128 + signal);
+    }
     if args.sampling.growth {
         loaded.trace_page_faults()?;
     }
@@ -390,20 +412,18 @@ impl StopSignals {
         })
     }
 
-    async fn recv(&mut self) {
+    /// Waits for one; returns its number.
+    async fn recv(&mut self) -> i32 {
         tokio::select! {
-            _ = self.interrupt.recv() => {}
-            _ = self.terminate.recv() => {}
-            _ = self.hangup.recv() => {}
+            _ = self.interrupt.recv() => libc::SIGINT,
+            _ = self.terminate.recv() => libc::SIGTERM,
+            _ = self.hangup.recv() => libc::SIGHUP,
         }
     }
 
-    /// Whether one came already (while the programs loaded, which blocks this thread): the
-    /// runtime is given a moment to read the signal's wake-up first.
-    async fn came(&mut self) -> bool {
-        tokio::time::timeout(Duration::from_millis(20), self.recv()).await.is_ok()
+    /// The one that came already (while the programs loaded, which blocks this thread), if
+    /// any: the runtime is given a moment to read the signal's wake-up first.
+    async fn came(&mut self) -> Option<i32> {
+        tokio::time::timeout(Duration::from_millis(20), self.recv()).await.ok()
     }
 }
-
-/// Exit code of a session a signal stopped before its probes were attached.
-pub const STOPPED_BEFORE_TRACING: i32 = 130;

@@ -507,7 +507,13 @@ pub(super) async fn trace(
                 target_ended = true;
                 break code;
             }
-            () = stop.recv() => break exit.settle().await,
+            _ = stop.recv() => {
+                if let Some(asked) = args.duration {
+                    let traced_s = aggregate::monotonic_now_ns().saturating_sub(tracer.start_ns) as f64 / 1e9;
+                    say!("memprof: stopped by a signal after {traced_s:.1} s of the {asked} s asked (--duration): the report covers {traced_s:.1} s");
+                }
+                break exit.settle().await;
+            }
             _ = &mut duration => break None,
         }
     };
