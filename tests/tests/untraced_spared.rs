@@ -325,7 +325,9 @@ fn memprof_killed_as_it_closes_its_links_leaves_no_breakpoint_and_no_uprobe_behi
         "bpftrace killed memprof at its close of a link: {outcome:?}"
     );
     wait_for(10, "no process to hold links on the target", || probe_links::probing(pid).is_empty().then_some(()));
-    assert!(libc_code_is_the_files(pid), "no breakpoint left in the target's C library");
+    // The last link's release, in the killed process's exit, may still be taking the breakpoints
+    // out when its descriptors are gone (seen once in a full run).
+    wait_for(10, "no breakpoint left in the target's C library", || libc_code_is_the_files(pid).then_some(()));
     assert_eq!(kernel_leaked_uprobes(), leaks_before, "the kernel leaked a uprobe");
 }
 
