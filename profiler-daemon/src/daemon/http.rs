@@ -229,9 +229,7 @@ async fn inspect(State(shared): AppState, RawQuery(query): RawQuery) -> Response
             Err(busy) => refuse_busy(&shared, busy),
         },
         Ok(Err(failure @ InspectFailure::NotTraced(_))) => error(StatusCode::NOT_FOUND, &failure.to_string()),
-        Ok(Err(failure @ (InspectFailure::NoBlocks { .. } | InspectFailure::NothingTracked(_)))) => {
-            error(StatusCode::CONFLICT, &failure.to_string())
-        }
+        Ok(Err(failure @ InspectFailure::NoBlocks { .. })) => error(StatusCode::CONFLICT, &failure.to_string()),
         Ok(Err(failure)) => error(StatusCode::INTERNAL_SERVER_ERROR, &failure.to_string()),
         Err(_) => stopped(),
     }

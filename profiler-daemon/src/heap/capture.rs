@@ -107,10 +107,6 @@ pub struct Capture {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error(
-        "pid {pid} holds no block that memprof saw it make: there is nothing to inspect, and it was not held still"
-    )]
-    NothingTracked { pid: u32 },
     #[error("pid {pid} has {} MiB of writable mappings, more than half of the {room} to copy them into; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
     TooLarge { pid: u32, bytes: u64, room: memory::Room },
 }
@@ -119,10 +115,6 @@ pub enum CaptureError {
 pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Capture> {
     let mut stages = Stages::default();
     let started = Instant::now();
-    // A process attached to after it allocated may hold nothing memprof saw made: no stop then.
-    if live::heap_state(ebpf, pid)?.is_none_or(|heap| heap.in_use == 0) && live::blocks(ebpf, pid)?.is_empty() {
-        return Err(CaptureError::NothingTracked { pid }.into());
-    }
     let mut pre = match precopy {
         Precopy::Never => None,
         Precopy::Auto | Precopy::Always | Precopy::WriteProtect => {

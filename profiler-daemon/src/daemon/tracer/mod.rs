@@ -68,9 +68,6 @@ pub enum InspectFailure {
     NotTraced(u32),
     #[error("pid {pid} has no blocks to inspect: it is {why}; `memprof snapshot -p {pid}` writes its heap by stack")]
     NoBlocks { pid: u32, why: &'static str },
-    /// It holds none of the blocks the daemon saw it make (see `CaptureError::NothingTracked`).
-    #[error("{0}")]
-    NothingTracked(crate::heap::capture::CaptureError),
     #[error("inspecting pid {pid} failed: {why}")]
     Failed { pid: u32, why: String },
 }

@@ -22,7 +22,6 @@ use crate::{
         view::{DaemonView, MapUse, StackSeries, TargetView},
     },
     format,
-    heap::capture::{CaptureError, Precopy},
     heap::double_free::DoubleFrees,
     heap::heuristics::Heuristics,
     heap::inspect,
@@ -275,13 +274,9 @@ impl Tracer {
         let failed = |err: anyhow::Error| InspectFailure::Failed { pid, why: format!("{err:#}") };
         let glibc = allocator::find(pid).is_ok_and(|allocator| allocator.is_glibc());
         // The daemon did not see the allocations made before it attached.
-        let settings = inspect::Settings { glibc, complete: false, precopy: Precopy::default(), heuristics };
-        let inspection =
-            inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(|err| match err.downcast::<CaptureError>() {
-                Ok(nothing @ CaptureError::NothingTracked { .. }) => InspectFailure::NothingTracked(nothing),
-                Ok(other) => failed(other.into()),
-                Err(err) => failed(err),
-            })?;
+        let settings =
+            inspect::Settings { glibc, complete: false, precopy: crate::heap::capture::Precopy::default(), heuristics };
+        let inspection = inspect::inspect(&self.loaded.ebpf, pid, settings).map_err(failed)?;
         info!(pid, pause_ms = inspection.pause_ms, "inspected");
         self.symbolizer.refresh(pid);
         let pids = HashSet::from([pid]);
