@@ -146,21 +146,39 @@ pub enum Failure {
     NoModule,
     /// In a file without a symbol for it (stripped, or no such function).
     NoSymbol,
+    /// In memory that holds no code (a thread's stack, data): the walk that found it went wrong
+    /// there, and its stack ends before it (see `Resolved::is_not_code`).
+    NotCode,
 }
 
 impl Failure {
-    pub const ALL: [Failure; 2] = [Failure::NoModule, Failure::NoSymbol];
+    pub const ALL: [Failure; 3] = [Failure::NoModule, Failure::NoSymbol, Failure::NotCode];
 
     pub fn name(self) -> &'static str {
         match self {
             Failure::NoModule => "no_module",
             Failure::NoSymbol => "no_symbol",
+            Failure::NotCode => "not_code",
         }
     }
 }
 
+/// Addresses that got no function name, by `Failure`.
+type Failures = Arc<[AtomicU64; Failure::ALL.len()]>;
+
 /// The module of addresses in no file mapping.
 const ANONYMOUS: &str = "[anonymous]";
+
+/// The module of addresses in memory that holds no code.
+const NOT_CODE: &str = "[not code]";
+
+impl Resolved {
+    /// An address in memory that holds no code, with no frame: a frame-pointer walk through a
+    /// JIT's frames (node's) can read a stack address as a return address.
+    pub fn is_not_code(&self) -> bool {
+        self.module == NOT_CODE
+    }
+}
 
 enum Request {
     /// Re-read the process's mappings (it may have loaded libraries) and keep their files open.
@@ -201,14 +219,13 @@ enum Request {
 #[derive(Clone)]
 pub struct SymbolizerHandle {
     requests: mpsc::Sender<Request>,
-    /// Addresses that got no function name, by `Failure`.
-    failures: Arc<[AtomicU64; 2]>,
+    failures: Failures,
 }
 
 impl SymbolizerHandle {
     pub fn spawn() -> Self {
         let (requests, receiver) = mpsc::channel();
-        let failures: Arc<[AtomicU64; 2]> = Arc::default();
+        let failures: Failures = Arc::default();
         let counted = failures.clone();
         thread::Builder::new()
             .name("symbolizer".into())
@@ -287,11 +304,11 @@ struct SymbolizerThread {
     /// (`/proc/self/fd/N`), parses it once. Held by `modules`; an entry is gone once they let go.
     files: HashMap<(String, u64), Weak<OpenFile>>,
     cache: HashMap<(u32, u64), Resolved>,
-    failures: Arc<[AtomicU64; 2]>,
+    failures: Failures,
 }
 
 impl SymbolizerThread {
-    fn new(failures: Arc<[AtomicU64; 2]>) -> Self {
+    fn new(failures: Failures) -> Self {
         // Names are demangled by `demangle::demangled`: blazesym's demangling takes any name for a C++ one.
         // Debug files are looked for only where `debug_links` checks them.
         let symbolizer = Symbolizer::builder()
@@ -320,7 +337,9 @@ impl SymbolizerThread {
                     let _ = done.send(());
                 }
                 Request::Symbolize { pid, addresses, reply } => {
-                    let resolved = addresses.iter().map(|&address| self.resolve(pid, address)).collect();
+                    let mut resolved: Vec<Resolved> =
+                        addresses.iter().map(|&address| self.resolve(pid, address)).collect();
+                    self.sort_out_anonymous(pid, &mut resolved);
                     let _ = reply.send(resolved);
                 }
                 Request::Modules { pid, paths, reply } => {
@@ -419,7 +438,7 @@ impl SymbolizerThread {
             .get(&pid)
             .and_then(|modules| modules.iter().find(|m| (m.mapping.start..m.mapping.end).contains(&address)));
         let Some(module) = module else {
-            self.count(Failure::NoModule);
+            // Counted by `sort_out_anonymous`.
             return unknown(address, ANONYMOUS, address);
         };
         let file_offset = address - module.mapping.start + module.mapping.offset;
@@ -456,6 +475,28 @@ impl SymbolizerThread {
             _ => {
                 self.count(Failure::NoSymbol);
                 unknown(address, path, file_offset)
+            }
+        }
+    }
+
+    /// Addresses in no file mapping: a JIT's code (in an executable anonymous mapping, or in a
+    /// file mapped since the last refresh), counted `NoModule`; or no code at all, `NotCode`. Told
+    /// by the process's mappings now, read once for the lot; all `NoModule` when they cannot be
+    /// read (the process is gone).
+    fn sort_out_anonymous(&self, pid: u32, resolved: &mut [Resolved]) {
+        let anonymous = |r: &Resolved| r.module == ANONYMOUS;
+        if !resolved.iter().any(anonymous) {
+            return;
+        }
+        let code = procfs::executable_ranges(pid).ok().filter(|ranges| !ranges.is_empty());
+        for r in resolved.iter_mut().filter(|r| anonymous(r)) {
+            let address = r.file_offset;
+            match &code {
+                Some(code) if !code.iter().any(|range| range.contains(&address)) => {
+                    self.count(Failure::NotCode);
+                    *r = Resolved { module: NOT_CODE.to_string(), file_offset: address, frames: Vec::new() };
+                }
+                _ => self.count(Failure::NoModule),
             }
         }
     }

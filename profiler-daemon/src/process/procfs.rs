@@ -490,6 +490,17 @@ pub struct Region {
     pub path: String,
 }
 
+/// The address ranges of the process's executable mappings, a file's or not (a JIT's code).
+pub fn executable_ranges(pid: u32) -> io::Result<Vec<std::ops::Range<u64>>> {
+    let text = read_text(format!("{}/maps", dir(pid)))?;
+    Ok(text
+        .lines()
+        .filter_map(split_maps_line)
+        .filter(|l| l.perms.get(2) == Some(&b'x'))
+        .map(|l| l.start..l.end)
+        .collect())
+}
+
 /// Every mapping of the process, in address order.
 pub fn regions(pid: u32) -> io::Result<Vec<Region>> {
     let text = read_text(format!("{}/maps", dir(pid)))?;

@@ -58,7 +58,16 @@ impl Stacks<'_> {
         if addresses.is_empty() {
             return Symbolized { frames: Frames::default(), via: Vec::new(), id: "none".to_string(), truncated };
         }
-        let resolved = self.symbolizer.symbolize(self.pid, addresses);
+        let mut resolved = self.symbolizer.symbolize(self.pid, addresses);
+        // A walk that reached memory holding no code went wrong there: the stack ends before it,
+        // so that one site's walks, each wrong at another stack address, are one stack.
+        let truncated = match resolved.iter().position(Resolved::is_not_code) {
+            Some(at) => {
+                resolved.truncate(at);
+                true
+            }
+            None => truncated,
+        };
         let id = stack_hash(&resolved);
         Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), via: Vec::new(), id, truncated }
     }
