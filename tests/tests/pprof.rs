@@ -422,16 +422,7 @@ fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let pid = target.pid().to_string();
     let output = scratch.file("attached.json");
-    // A port nothing listens on.
-    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
-    let mut memprof = Command::new(memprof_bin());
-    memprof
-        .args(["snapshot", "--pid", &pid, "-o", &output, "--daemon", &nobody, "--duration", "3"])
-        .stdin(Stdio::null());
-    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
-        target.go();
-        wait_line(&mut target, "one");
-    });
+    let (outcome, nobody) = snapshot_without_a_daemon(&mut target, &output, "3", |_| {});
     assert!(outcome.status.success(), "{outcome:?}");
     let said = &outcome.stderr;
     assert!(said.contains(&format!("no memprof daemon answers at {nobody}")), "{said}");
@@ -452,21 +443,36 @@ fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
     wait_line(&mut target, "two");
 }
 
+/// `memprof snapshot` of `target` (`pprof_sites`, waiting) into `output` for `duration` s, with
+/// no daemon to answer it (a port nothing listens on, returned): `then` runs once memprof traces
+/// the fixture and the fixture has done its first phase.
+fn snapshot_without_a_daemon(
+    target: &mut Waiting,
+    output: &str,
+    duration: &str,
+    mut then: impl FnMut(&mut std::process::Child),
+) -> (Outcome, String) {
+    let pid = target.pid().to_string();
+    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
+    let mut memprof = Command::new(memprof_bin());
+    memprof
+        .args(["snapshot", "--pid", &pid, "-o", output, "--daemon", &nobody, "--duration", duration])
+        .stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
+        target.go();
+        wait_line(target, "one");
+        then(memprof);
+    });
+    (outcome, nobody)
+}
+
 /// A snapshot cut short by Ctrl-C still writes its report, and says it covers less than asked.
 #[test]
 fn a_snapshot_stopped_by_ctrl_c_says_how_much_it_covers() {
     let scratch = Scratch::new("stopped");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
-    let pid = target.pid().to_string();
     let output = scratch.file("stopped.json");
-    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
-    let mut memprof = Command::new(memprof_bin());
-    memprof
-        .args(["snapshot", "--pid", &pid, "-o", &output, "--daemon", &nobody, "--duration", "600"])
-        .stdin(Stdio::null());
-    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |memprof| {
-        target.go();
-        wait_line(&mut target, "one");
+    let (outcome, _) = snapshot_without_a_daemon(&mut target, &output, "600", |memprof| {
         // SAFETY: kill takes a pid and a signal; the pid is our own unreaped child's.
         unsafe { libc::kill(memprof.id() as libc::pid_t, libc::SIGINT) };
     });
