@@ -7,6 +7,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     fs::File,
+    ops::Range,
     os::fd::AsRawFd,
     path::PathBuf,
     sync::{
@@ -304,6 +305,9 @@ struct SymbolizerThread {
     /// (`/proc/self/fd/N`), parses it once. Held by `modules`; an entry is gone once they let go.
     files: HashMap<(String, u64), Weak<OpenFile>>,
     cache: HashMap<(u32, u64), Resolved>,
+    /// Each process's executable mappings as last read (see `sort_out_anonymous`): a process
+    /// gone keeps those it had.
+    code: HashMap<u32, Vec<Range<u64>>>,
     failures: Failures,
 }
 
@@ -317,7 +321,14 @@ impl SymbolizerThread {
             .enable_demangling(false)
             .set_debug_dirs(Some([DEBUG_DIR]))
             .build();
-        Self { symbolizer, modules: HashMap::new(), files: HashMap::new(), cache: HashMap::new(), failures }
+        Self {
+            symbolizer,
+            modules: HashMap::new(),
+            files: HashMap::new(),
+            cache: HashMap::new(),
+            code: HashMap::new(),
+            failures,
+        }
     }
 
     fn serve(mut self, requests: mpsc::Receiver<Request>) {
@@ -348,6 +359,7 @@ impl SymbolizerThread {
                 Request::Forget { pid } => {
                     self.modules.remove(&pid);
                     self.cache.retain(|(cached_pid, _), _| *cached_pid != pid);
+                    self.code.remove(&pid);
                     self.files.retain(|_, file| file.strong_count() > 0);
                 }
             }
@@ -480,24 +492,33 @@ impl SymbolizerThread {
     }
 
     /// Addresses in no file mapping: a JIT's code (in an executable anonymous mapping, or in a
-    /// file mapped since the last refresh), counted `NoModule`; or no code at all, `NotCode`. Told
-    /// by the process's mappings now, read once for the lot; all `NoModule` when they cannot be
-    /// read (the process is gone).
-    fn sort_out_anonymous(&self, pid: u32, resolved: &mut [Resolved]) {
-        let anonymous = |r: &Resolved| r.module == ANONYMOUS;
-        if !resolved.iter().any(anonymous) {
-            return;
-        }
-        let code = procfs::executable_ranges(pid).ok().filter(|ranges| !ranges.is_empty());
-        for r in resolved.iter_mut().filter(|r| anonymous(r)) {
-            let address = r.file_offset;
-            match &code {
-                Some(code) if !code.iter().any(|range| range.contains(&address)) => {
-                    self.count(Failure::NotCode);
-                    *r = Resolved { module: NOT_CODE.to_string(), file_offset: address, frames: Vec::new() };
-                }
-                _ => self.count(Failure::NoModule),
+    /// file mapped since the last refresh), counted `NoModule`; or no code at all, `NotCode`,
+    /// remembered as such. Told by the process's executable mappings, read again (once for the
+    /// lot) only when an address is in none of those last read: a process gone keeps its last.
+    fn sort_out_anonymous(&mut self, pid: u32, resolved: &mut [Resolved]) {
+        // A return address follows its call: the call is in code even at a mapping's very end.
+        let in_code =
+            |code: &[Range<u64>], r: &Resolved| code.iter().any(|c| c.contains(&r.file_offset.saturating_sub(1)));
+        let unknown = |r: &Resolved| r.module == ANONYMOUS;
+        let known = self.code.get(&pid).map(Vec::as_slice).unwrap_or_default();
+        if resolved.iter().any(|r| unknown(r) && !in_code(known, r)) {
+            if let Some(code) = procfs::executable_ranges(pid).ok().filter(|code| !code.is_empty()) {
+                self.code.insert(pid, code);
             }
+        }
+        let Some(code) = self.code.get(&pid) else {
+            resolved.iter().filter(|r| unknown(r)).for_each(|_| self.count(Failure::NoModule));
+            return;
+        };
+        for r in resolved.iter_mut().filter(|r| unknown(r)) {
+            if in_code(code, r) {
+                self.count(Failure::NoModule);
+                continue;
+            }
+            self.count(Failure::NotCode);
+            let address = r.file_offset;
+            *r = Resolved { module: NOT_CODE.to_string(), file_offset: address, frames: Vec::new() };
+            self.cache.insert((pid, address), r.clone());
         }
     }
 

@@ -60,8 +60,9 @@ impl Stacks<'_> {
         }
         let mut resolved = self.symbolizer.symbolize(self.pid, addresses);
         // A walk that reached memory holding no code went wrong there: the stack ends before it,
-        // so that one site's walks, each wrong at another stack address, are one stack.
-        let truncated = match resolved.iter().position(Resolved::is_not_code) {
+        // so that one site's walks, each wrong at another stack address, are one stack. Not
+        // before its first address, which the probe read from the call itself.
+        let truncated = match resolved.iter().skip(1).position(Resolved::is_not_code).map(|at| at + 1) {
             Some(at) => {
                 resolved.truncate(at);
                 true
