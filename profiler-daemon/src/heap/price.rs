@@ -5,9 +5,9 @@
 //! The probes' traps and the programs they run take the process's own kernel time, so the price
 //! is measured where it is paid: the rise of the process's system time once traced, against its
 //! system time before (`attach` reads it while memprof loads). A process traced from its start
-//! (`run`'s command, a followed child) has no before: its system time is said. Either is said as
-//! no more than its calls can cost at a bound above any call measured: the rest is its own
-//! system calls, or the clock ticks' noise. The kernel
+//! (`run`'s command, a followed child) has no before: its system time is said, but no more than
+//! its calls can cost at a bound above any call measured, since the rest is its own. A rise
+//! within the clock ticks' noise is said under the same bound. The kernel
 //! splits time between user and system by where its timer tick lands, and some of the traps'
 //! time lands in user time: the price said is the part the system time shows (docs:
 //! guide/sampling.md#the-price-of-tracing).
@@ -29,6 +29,10 @@ const CALL_COST_BOUND_S: f64 = 10e-6;
 /// The shortest stretch a system time rate is taken over: the kernel counts that time in clock
 /// ticks, and a shorter stretch holds too few of them to say anything.
 const SHORTEST_NS: u64 = 200_000_000;
+
+/// System seconds a second that two clock ticks make over the measured second: a rise this small
+/// may be the ticks' noise alone.
+const TICKS_NOISE: f64 = 0.02;
 
 /// What the cheaper modes cost, said when the price is worth saving.
 const ADVICE: &str =
@@ -109,15 +113,22 @@ pub struct Price {
 }
 
 impl Price {
-    /// CPU seconds a second tracing adds: the rise of the system time (without a before, the
-    /// system time), but no more than the calls can have cost: at a few calls a second the rise
-    /// is the clock ticks' noise, not tracing's.
+    /// CPU seconds a second tracing adds: the rise of the system time, no more than the calls
+    /// can have cost where it is within the clock ticks' noise (a few calls a second); without a
+    /// before, the system time, but no more than the calls can have cost.
     pub fn added(&self) -> f64 {
-        let measured = match self.before {
-            Some(before) => (self.traced - before).max(0.0),
-            None => self.traced,
-        };
-        measured.min(self.calls_per_second * CALL_COST_BOUND_S)
+        let bound = self.calls_per_second * CALL_COST_BOUND_S;
+        match self.before {
+            Some(before) => {
+                let rise = (self.traced - before).max(0.0);
+                if rise <= TICKS_NOISE {
+                    rise.min(bound)
+                } else {
+                    rise
+                }
+            }
+            None => self.traced.min(bound),
+        }
     }
 
     pub fn significant(&self) -> bool {
@@ -232,8 +243,8 @@ mod tests {
 
     #[test]
     fn a_rise_few_calls_cannot_cost_is_the_ticks_noise() {
-        // 875 calls a second, and a rise of two clock ticks: at most 10 µs each, 0.009 s.
-        let price = watch(Some(0.0)).price(7, cpu(11.0, 3.02), 875, Mode::Exact).unwrap();
+        // 875 calls a second, and a rise of a clock tick: at most 10 µs each, 0.009 s.
+        let price = watch(Some(0.0)).price(7, cpu(11.0, 3.01), 875, Mode::Exact).unwrap();
         assert!((price.added() - 0.00875).abs() < 1e-9, "{price:?}");
         assert!(price.line().contains("adds about 0.01 s of CPU a second"), "{}", price.line());
     }
