@@ -508,11 +508,13 @@ pub(super) async fn trace(
                 break code;
             }
             _ = stop.recv() => {
+                let code = exit.settle().await;
+                // After the command's moment to exit (`run`): the report covers that too.
                 if let Some(asked) = args.duration {
                     let traced_s = aggregate::monotonic_now_ns().saturating_sub(tracer.start_ns) as f64 / 1e9;
                     say!("memprof: stopped by a signal after {traced_s:.1} s of the {asked} s asked (--duration): the report covers {traced_s:.1} s");
                 }
-                break exit.settle().await;
+                break code;
             }
             _ = &mut duration => break None,
         }
