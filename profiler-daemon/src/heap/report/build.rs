@@ -1,6 +1,6 @@
 //! One process's report, built from its snapshot.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use profiler_common::DropReason;
 
@@ -76,13 +76,20 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     let mut listed: Vec<_> =
         snapshot.stacks.iter().filter(|s| counted(s).1 > 0 || (selection.freed && s.stats.allocations > 0)).collect();
     listed.sort_by_key(|s| std::cmp::Reverse((counted(s), s.stats.allocated_bytes)));
-    listed.truncate(selection.top.unwrap_or(usize::MAX));
+    let top = selection.top.unwrap_or(usize::MAX);
     // Kernel stack id to the report's, for the timeline.
     let mut report_ids = HashMap::new();
+    // Several kernel stacks can be one report's (see `merge_same_stacks`): the largest are read
+    // until `top` of the report's are listed, each with its parts read so far.
+    let mut distinct = HashSet::new();
     let stacks: Vec<StackReport> = listed
         .into_iter()
-        .map(|stack| {
+        .map_while(|stack| {
+            if distinct.len() >= top {
+                return None;
+            }
             let symbolized = ctx.stacks.symbolize(StackTable::Allocations, stack.stored_id);
+            distinct.insert(symbolized.id.clone());
             report_ids.insert(stack.stack_id, symbolized.id.clone());
             let (outstanding_bytes, outstanding_allocations) = counted(stack);
             // Live blocks carry the id their stack was stored under; a stack the kernel
@@ -92,7 +99,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
             if stack.stored_id != stack.stack_id {
                 pinned.add(ctx.pinned.of(stack.stored_id));
             }
-            StackReport {
+            let report = StackReport {
                 stack_id: symbolized.id,
                 outstanding_bytes,
                 outstanding_allocations,
@@ -113,7 +120,8 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
                 suppressed: None,
                 frames: symbolized.frames,
             }
-            .aged_at(snapshot.now_ns)
+            .aged_at(snapshot.now_ns);
+            Some(report)
         })
         .collect();
     let stacks = merge_same_stacks(stacks);
