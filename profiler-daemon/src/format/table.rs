@@ -116,7 +116,8 @@ fn section(report: &Report) -> String {
     }
     if let Some(memory) = &report.memory {
         // Allocations memprof had no room for are the likeliest owners of the gap; a runtime's
-        // heap it does not see and blocks from before an attach are never seen.
+        // heap it does not see and blocks from before an attach are never seen (`run` traces
+        // from the exec: it has none of the latter, hence "if any").
         let unrecorded = report.dropped.get("live_map_full").copied().unwrap_or(0);
         let gap = match report.blind_spots.iter().find_map(|spot| spot.heap) {
             _ if unrecorded > 0 => format!(
@@ -126,12 +127,12 @@ fn section(report: &Report) -> String {
             // Neither is known to hold more: a process attached to after long use of malloc
             // may hold more from before than its runtime's heap does.
             Some(heap) => format!(
-                "outside the heap memprof sees: {heap} (not seen, below), blocks from before tracing began, \
-                 allocator overhead and caches"
+                "outside the heap memprof sees: {heap} (not seen, below), allocator overhead and caches, \
+                 and blocks made before tracing began, if any"
             ),
             None => {
-                "not in blocks memprof saw allocated (blocks from before it attached, allocator overhead and caches, \
-                     fragmentation, memory not from malloc)"
+                "not in blocks memprof saw allocated (blocks made before tracing began, if any; allocator overhead \
+                     and caches, fragmentation, memory not from malloc)"
                     .to_string()
             }
         };
