@@ -34,7 +34,8 @@ use tracer::{trace, Traced};
 pub enum Attached {
     /// The target was traced to the end of the session.
     Traced,
-    /// A stop signal (its number) came while the programs loaded: no probe was attached.
+    /// A stop signal (its number) came while the programs loaded: no probe was attached (or, for
+    /// `run`, the command was not started).
     StoppedBefore(i32),
 }
 
@@ -165,7 +166,7 @@ pub async fn run(
     let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), true)?;
     if let Some(signal) = opened.stop.came().await {
         say!("memprof: stopped before starting {}: it was not run", program.display());
-        return Ok(128 + signal);
+        return Ok(Attached::StoppedBefore(signal).exit_code());
     }
     if args.sampling.growth {
         loaded.trace_page_faults()?;
