@@ -3,6 +3,9 @@
 //! those are most of its size: read whole, each such file cost memprof its full size in memory
 //! and in time before its unwind table or its allocator could be read (BENCHMARKS.md). The
 //! bytes left out read as zeros, from pages that are never touched.
+//!
+//! What is read is bounded (`MAX_READ`, and half the memory memprof has room for): a traced
+//! process can map a file of any size as code, and the daemon reads every such file.
 
 use std::{fs::File, io, ops::Deref, os::unix::fs::FileExt, path::Path, ptr::NonNull};
 
@@ -12,10 +15,17 @@ use object::{
     Endianness,
 };
 
+/// The most bytes of one file memprof reads. The largest programs' code and tables are a few
+/// hundred MiB; their debugging sections, which can be larger, are not read.
+const MAX_READ: u64 = 2 << 30;
+
 /// A file's bytes at their offsets, in an anonymous mapping of the file's size.
 pub struct ElfBytes {
     start: NonNull<u8>,
     len: usize,
+    /// Bytes that may be read into it, and those still left of them.
+    allowed: u64,
+    budget: u64,
 }
 
 // SAFETY: the mapping is owned by this value alone, as a `Vec<u8>`'s buffer is.
@@ -24,15 +34,16 @@ unsafe impl Send for ElfBytes {}
 unsafe impl Sync for ElfBytes {}
 
 impl ElfBytes {
-    /// A zeroed mapping of `len` bytes (not 0).
-    fn zeroed(len: usize) -> io::Result<Self> {
+    /// A zeroed mapping of `len` bytes (not 0), into which `budget` bytes may be read. Without
+    /// a reservation: most of a large file's pages are the debugging sections, never touched.
+    fn zeroed(len: usize, budget: u64) -> io::Result<Self> {
         // SAFETY: a new private anonymous mapping; nothing else refers to the range.
         let start = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
@@ -41,7 +52,7 @@ impl ElfBytes {
             return Err(io::Error::last_os_error());
         }
         let start = NonNull::new(start.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(Self { start, len })
+        Ok(Self { start, len, allowed: budget, budget })
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -49,8 +60,16 @@ impl ElfBytes {
         unsafe { std::slice::from_raw_parts_mut(self.start.as_ptr(), self.len) }
     }
 
-    /// Reads the file's bytes in `range` into their place.
+    /// Reads the file's bytes in `range` into their place, within the budget.
     fn fill(&mut self, file: &File, range: std::ops::Range<usize>) -> io::Result<()> {
+        let wanted = range.len() as u64;
+        if wanted > self.budget {
+            return Err(io::Error::new(
+                io::ErrorKind::FileTooLarge,
+                format!("more to read than the {} MiB memprof reads of one file", self.allowed >> 20),
+            ));
+        }
+        self.budget -= wanted;
         let bytes = self.bytes_mut().get_mut(range.clone()).ok_or_else(|| truncated(range.end))?;
         file.read_exact_at(bytes, range.start as u64)
     }
@@ -81,16 +100,19 @@ pub fn read_path(path: &Path) -> io::Result<ElfBytes> {
     read(&super::procfs::open_regular(path)?)
 }
 
-/// The open `file` (see the module's comment). A file that is not 64-bit ELF, or whose section
-/// headers do not read, is read whole.
+/// The open `file` (see the module's comment). A file whose section headers do not read is read
+/// whole; one that is not 64-bit ELF is refused.
 pub fn read(file: &File) -> io::Result<ElfBytes> {
     let len = usize::try_from(file.metadata()?.len()).map_err(io::Error::other)?;
     if len == 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "the file is empty"));
     }
-    let mut bytes = ElfBytes::zeroed(len)?;
+    let mut bytes = ElfBytes::zeroed(len, MAX_READ.min(super::memory::room().bytes / 2))?;
     // The ELF header, then the section headers and their names.
     bytes.fill(file, 0..len.min(size_of::<FileHeader64<Endianness>>()))?;
+    if header(&bytes).is_none() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a 64-bit ELF file"));
+    }
     let skipped = match section_table_range(&bytes) {
         Some(range) => {
             bytes.fill(file, range)?;
@@ -195,14 +217,23 @@ mod tests {
     }
 
     #[test]
-    fn a_file_that_is_not_elf_is_read_whole() {
+    fn a_file_that_is_not_elf_or_too_large_is_refused() {
         let dir = std::env::temp_dir().join(format!("memprof-elf-bytes-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temporary directory");
         let path = dir.join("script");
         std::fs::write(&path, b"#!/bin/sh\necho hello\n").expect("write");
-        assert_eq!(&read_path(&path).expect("read")[..], b"#!/bin/sh\necho hello\n");
+        assert_eq!(read_path(&path).err().map(|e| e.to_string()).as_deref(), Some("not a 64-bit ELF file"));
         std::fs::write(&path, b"").expect("write");
         assert!(read_path(&path).is_err());
+        // A sparse file of 60 GiB after an ELF header without section headers: read whole, it
+        // would take 60 GiB of memory.
+        let own = std::fs::read(std::env::current_exe().expect("own executable")).expect("read");
+        let mut header = own[..size_of::<FileHeader64<Endianness>>()].to_vec();
+        header[0x28..0x30].fill(0); // e_shoff
+        std::fs::write(&path, &header).expect("write");
+        std::fs::File::options().write(true).open(&path).and_then(|f| f.set_len(60 << 30)).expect("extend");
+        let err = read_path(&path).err().expect("refused");
+        assert_eq!(err.kind(), io::ErrorKind::FileTooLarge, "{err}");
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

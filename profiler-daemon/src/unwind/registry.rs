@@ -435,9 +435,12 @@ impl Registry {
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
     fn build(&mut self, pid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
-        let read = |file: std::fs::File| elf_bytes::read(&file).ok();
-        let data = match mapping.open(pid).and_then(read) {
-            Some(data) => data,
+        let data = match mapping.open(pid).map(|file| elf_bytes::read(&file)) {
+            Some(Ok(data)) => data,
+            Some(Err(err)) => {
+                self.warn_once(path, &format!("cannot read {path} ({err}): its frames are not unwound"));
+                return Err(0);
+            }
             None => {
                 self.warn_once(path, &format!("cannot read {path}: its frames are not unwound"));
                 return Err(0);
