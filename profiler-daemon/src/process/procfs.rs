@@ -382,22 +382,30 @@ impl FileMapping {
         [format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end), format!("{}/root{}", dir(pid), self.path)]
     }
 
-    /// Opens the mapped file: by `reachable_paths`, or, once the process is gone (a short-lived
-    /// command that exited before memprof read its files), by its path when that names the very
-    /// file mapped (same device and inode). A file on overlayfs (a container's image, say) is
-    /// mapped as the layer's file, whose device `maps` shows, but `stat` gives the overlay's
-    /// device with the layer file's inode: there the inode alone must match.
+    /// Opens the mapped file: by its `map_files` link, else by a path that names the very file
+    /// mapped (same device and inode): under `/proc/PID/root`, or, once the process is gone (a
+    /// short-lived command that exited before memprof read its files), the path itself. Those
+    /// paths are the process's to change: it may have put a FIFO, a device or another file
+    /// there since it mapped the file. A file on overlayfs (a container's image, say) is mapped
+    /// as the layer's file, whose device `maps` shows, but `stat` gives the overlay's device
+    /// with the layer file's inode: there the inode alone must match.
     ///
-    /// The path is the process's, looked up in memprof's mounts: only where those allow (a
-    /// process in a container does not see the host's mount that may hold that path).
+    /// The path itself is looked up in memprof's mounts only where those allow (a process in a
+    /// container does not see the host's mount that may hold that path).
     pub fn open(&self, pid: u32) -> Option<fs::File> {
-        if let Some(file) = self.reachable_paths(pid).iter().find_map(|path| fs::File::open(path).ok()) {
+        let [map_files, under_root] = self.reachable_paths(pid);
+        if let Ok(file) = open_regular(Path::new(&map_files)) {
+            return Some(file);
+        }
+        if let Some(file) = self.open_same(Path::new(&under_root)) {
             return Some(file);
         }
         let path = Path::new(&self.path);
-        if !mounts::MemprofsView::read().may_look(path) {
-            return None;
-        }
+        mounts::MemprofsView::read().may_look(path).then(|| self.open_same(path)).flatten()
+    }
+
+    /// `path`, opened if it names the file mapped (see `open`).
+    fn open_same(&self, path: &Path) -> Option<fs::File> {
         let file = open_regular(path).ok()?;
         let meta = file.metadata().ok()?;
         let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
@@ -546,6 +554,40 @@ mod tests {
         );
         assert_eq!(parsed[2].path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
         assert!(!parsed[0].executable && parsed[2].executable);
+    }
+
+    /// The file a process mapped, its path since replaced by a FIFO, then by another file: the
+    /// open neither waits for a FIFO's writer nor takes the other file for the one mapped.
+    #[test]
+    fn a_mapped_files_path_replaced_since_is_not_opened() {
+        use std::os::unix::fs::MetadataExt as _;
+        let dir = std::env::temp_dir().join(format!("memprof-procfs-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lib.so");
+        fs::write(&path, b"mapped").unwrap();
+        let meta = fs::metadata(&path).unwrap();
+        let mapping = FileMapping {
+            // No such mapping: its map_files link does not resolve.
+            start: 0x1000,
+            end: 0x2000,
+            offset: 0,
+            path: path.to_str().unwrap().to_string(),
+            executable: true,
+            device: format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev())),
+            inode: meta.ino(),
+        };
+        let pid = std::process::id();
+        assert!(mapping.open(pid).is_some());
+        let renamed = dir.join("renamed.so");
+        fs::rename(&path, &renamed).unwrap();
+        let fifo = std::ffi::CString::new(mapping.path.as_str()).unwrap();
+        // SAFETY: a path of ours, NUL-terminated.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert!(mapping.open(pid).is_none());
+        fs::remove_file(&path).unwrap();
+        fs::write(&path, b"another file").unwrap();
+        assert!(mapping.open(pid).is_none());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
