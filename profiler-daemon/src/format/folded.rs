@@ -48,15 +48,32 @@ fn path(stack: &StackReport) -> String {
 
 /// A function name that cannot break a line apart: `;` separates frames and a newline ends the
 /// line, so neither may appear inside one (Rust names like `[u8; 8]` contain `;`); no control
-/// character either, which the SVG drawn from these lines could not hold.
+/// character either, which the SVG drawn from these lines could not hold. A blank name (a
+/// hostile program's symbol, an edited recording) is named: a line of blank frames alone would
+/// read as a count without a stack, which inferno drops.
 pub(super) fn frame_name(function: &str) -> String {
-    printable(function).replace(';', ",")
+    let name = printable(function).replace(';', ",");
+    if name.trim().is_empty() {
+        return UNNAMED.to_string();
+    }
+    name
 }
+
+/// A frame whose function's name is blank.
+const UNNAMED: &str = "[unnamed]";
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::heap::report::samples::{self, frame};
+
+    #[test]
+    fn a_blank_name_is_named() {
+        let mut report = samples::report();
+        report.stacks[0].frames = vec![frame("", None, None), frame(" \u{a0}", None, None)].into();
+        assert_eq!(render(&report, Flame::Bytes), "[unnamed];[unnamed] 48\n");
+        assert!(!super::super::flamegraph::render(&report, Flame::Bytes).is_empty());
+    }
 
     #[test]
     fn lines_run_from_the_outermost_frame_to_the_allocating_one() {
