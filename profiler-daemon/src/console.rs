@@ -7,6 +7,13 @@ use std::{
     os::fd::{AsRawFd, RawFd},
 };
 
+use crate::text::printable;
+
+/// `text` with its control characters written out but for its line breaks.
+fn written_out(text: &str) -> String {
+    text.split('\n').map(printable).collect::<Vec<_>>().join("\n")
+}
+
 /// Writes a line to standard error, waiting while it is full; a reader gone or a closed
 /// descriptor loses the line, never the session.
 macro_rules! say {
@@ -16,9 +23,11 @@ macro_rules! say {
 }
 pub(crate) use say;
 
-/// `say!`'s body: the line formatted once, then written whole.
+/// `say!`'s body: the line formatted once, then written whole. Control characters are written
+/// out (see `text::printable`), line breaks kept: lines name paths that traced processes chose,
+/// and an escape sequence among them would drive the user's terminal.
 pub fn say_line(line: fmt::Arguments<'_>) {
-    let mut text = line.to_string();
+    let mut text = written_out(&line.to_string());
     text.push('\n');
     let stderr = io::stderr();
     let fd = stderr.as_raw_fd();
@@ -78,6 +87,14 @@ mod tests {
     use std::os::fd::{FromRawFd, OwnedFd};
 
     use super::*;
+
+    #[test]
+    fn escape_sequences_are_written_out_and_line_breaks_kept() {
+        assert_eq!(
+            written_out("tracing /tmp/\x1b]0;owned\x07lib.so\nnext"),
+            "tracing /tmp/\\x1b]0;owned\\x07lib.so\nnext"
+        );
+    }
 
     /// A pipe whose writing end is non-blocking, as node leaves the one it shares.
     fn non_blocking_pipe() -> (std::fs::File, std::fs::File) {
