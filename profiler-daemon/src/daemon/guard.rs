@@ -45,6 +45,9 @@ pub struct BasicAuth {
 
 /// Distinct accepted credentials kept; more empty the cache (they are checked again).
 const MAX_ACCEPTED: usize = 1024;
+/// The dearest bcrypt cost accepted: each step doubles a check's time (cost 10, the usual, takes
+/// tens of milliseconds; 31 would take days).
+const MAX_COST: u32 = 16;
 /// bcrypt checks under way at once, all clients together.
 const CHECKS: usize = 4;
 const CHECKS_PER_CLIENT: usize = 1;
@@ -62,12 +65,20 @@ pub enum Verdict {
 
 impl BasicAuth {
     pub fn new(users: BTreeMap<String, String>) -> Result<Self, String> {
-        let mut cost = 10;
+        // The decoy costs what the dearest user's check does: a name that is not a user's must
+        // take no less time than one that is.
+        let mut cost = 4;
         for (user, hash) in &users {
             let parts: bcrypt::HashParts = hash.parse().map_err(|e| {
                 format!("the password of `{user}` is not a bcrypt hash ({e}): make one with `htpasswd -nBC 10 \"\" | tr -d ':\\n'`")
             })?;
-            cost = parts.get_cost();
+            if parts.get_cost() > MAX_COST {
+                return Err(format!(
+                    "the password hash of `{user}` has a bcrypt cost of {}, above {MAX_COST}: each check would take minutes or days; make one with `htpasswd -nBC 10 \"\" | tr -d ':\\n'`",
+                    parts.get_cost()
+                ));
+            }
+            cost = cost.max(parts.get_cost());
         }
         let decoy = bcrypt::hash("memprof: no such user", cost).map_err(|e| e.to_string())?;
         let key = hmac::Key::generate(hmac::HMAC_SHA256, &SystemRandom::new())

@@ -161,4 +161,11 @@ mod tests {
         let config = load(&write("users.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).unwrap();
         assert!(config.auth.is_some() && config.tls.is_none());
     }
+
+    #[test]
+    fn a_hash_too_dear_to_check_is_refused() {
+        let hash = bcrypt::hash("secret", 4).unwrap().replacen("$04$", "$31$", 1);
+        let err = load(&write("dear.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).err().unwrap();
+        assert!(err.to_string().contains("a bcrypt cost of 31, above 16"), "{err}");
+    }
 }
