@@ -300,7 +300,7 @@ pub struct TraceArgs {
     pub inspect: bool,
     /// With --inspect, when to copy the process's memory while it runs, so that the stop reads
     /// again only the pages written since (soft-dirty bits; else every page, into the ready
-    /// copy): auto (above 16 MiB of writable memory), always, never, or write-protect (always,
+    /// copy): auto (when it holds over 16 MiB in writable mappings), always, never, or write-protect (always,
     /// and without soft-dirty bits by userfaultfd, opened by calls injected into the process:
     /// memprof killed by SIGKILL meanwhile may crash it) [default: auto].
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = Precopy::Auto, hide_default_value = true)]

@@ -27,7 +27,9 @@ use std::{
 };
 
 use memprof_tests::{
-    attach, fixture_cpp, fixture_with, free_port, http_get,
+    attach,
+    cgroup::MemoryCgroup,
+    fixture_cpp, fixture_with, free_port, http_get,
     inspection::{reach, reachability, stack},
     memprof_bin, wait_for, Daemon, Outcome, Waiting,
 };
@@ -97,6 +99,11 @@ fn ends_as_without_memprof(target: &mut Waiting, rest_expected: &str) {
 /// `memprof run --json --inspect --duration 2` with `flags` on `fixture`, which prints "set" when
 /// ready and ends on a line of stdin: the final report and what the fixture printed.
 fn run_inspect(fixture: &std::path::Path, flags: &[&str]) -> (Value, Vec<String>) {
+    run_inspect_in(None, fixture, flags)
+}
+
+/// `run_inspect`, memprof (and so the fixture) in `group` when given.
+fn run_inspect_in(group: Option<&MemoryCgroup>, fixture: &std::path::Path, flags: &[&str]) -> (Value, Vec<String>) {
     // A file, not a pipe: the command inherits memprof's stderr and outlives it.
     let stderr_path = std::env::temp_dir().join(format!(
         "memprof-inspect-{}-{}.err",
@@ -104,7 +111,15 @@ fn run_inspect(fixture: &std::path::Path, flags: &[&str]) -> (Value, Vec<String>
         fixture.file_name().unwrap().to_string_lossy()
     ));
     let stderr_file = std::fs::File::create(&stderr_path).unwrap();
-    let mut memprof = Command::new(memprof_bin())
+    let mut memprof = match group {
+        Some(group) => {
+            let mut sh = Command::new("sh");
+            sh.args(["-c", r#"echo $$ > "$0" && exec "$@""#]).arg(group.procs()).arg(memprof_bin());
+            sh
+        }
+        None => Command::new(memprof_bin()),
+    };
+    let mut memprof = memprof
         .args(["run", "--json", "--inspect", "--duration", "2", "--interval", "1"])
         .args(flags)
         .arg("--")
@@ -248,6 +263,29 @@ fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
     }
     assert_eq!(classes[0], classes[2]);
     assert_eq!(classes[1], classes[2]);
+}
+
+/// A process that reserved 8 GiB ahead and wrote 32 MiB of it, as a JVM or jemalloc does, inspected
+/// by memprof under a memory cgroup of 1 GiB: memprof copies (and holds) the pages that hold data,
+/// not the reservation, and classes its blocks as a single stop would. Copied whole, the
+/// reservation was refused as larger than the room memprof has, or, pre-copied, written with
+/// zeros page by page into memprof's memory.
+#[test]
+fn a_heap_reserved_ahead_is_copied_by_the_pages_it_holds() {
+    let fixture = fixture_with("reserved.c", "reserved", &["-g", "-O0"]);
+    let group = MemoryCgroup::new(&format!("memprof-test-reserved-{}", std::process::id()), 1 << 30);
+    for precopy in ["auto", "never"] {
+        let (report, fixture_output) = run_inspect_in(Some(&group), &fixture, &["--inspect-precopy", precopy]);
+        assert_eq!(fixture_output, ["set", "done ok"], "{precopy}");
+        let inspection = &report["inspection"];
+        let single_stop = inspection["method"] == "single_stop";
+        assert_eq!(single_stop, precopy == "never", "{precopy}: {inspection}");
+        let lost = reachability(&report, "lost_block");
+        assert_eq!((&lost["definitely_lost_blocks"], &lost["definitely_lost_bytes"]), (&json!(16), &json!(16 * 64)));
+        assert_eq!(reachability(&report, "kept_block")["reachable_bytes"], 128, "{precopy}: {inspection}");
+    }
+    assert!(group.peak() < 512 << 20, "memprof and the fixture took {} MiB", group.peak() >> 20);
+    assert_eq!(group.oom_kills(), 0);
 }
 
 /// The open descriptors and the mappings of `pid`.

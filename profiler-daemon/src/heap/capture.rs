@@ -23,21 +23,22 @@ use crate::{
     kernel::live::{self, LiveBlock},
     process::{
         freeze::Frozen,
-        image::Image,
+        image::{self, Image},
         memory,
         precopy::{PreCopy, Tracking},
         procfs::{self, Region},
     },
 };
 
-/// Under `--inspect-precopy auto`, memory is pre-copied when there is more than this to copy:
-/// below, copying it all in the stop takes about as long as reading its soft-dirty bits.
+/// Under `--inspect-precopy auto`, memory is pre-copied when there is more than this to copy
+/// (pages that hold data): below, copying it all in the stop takes about as long as reading its
+/// soft-dirty bits.
 const PRECOPY_ABOVE: u64 = 16 << 20;
 
 /// When to copy the process's memory before the stop (`--inspect-precopy`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Precopy {
-    /// When it has more than 16 MiB of writable memory; nothing is injected.
+    /// When it holds more than 16 MiB in writable mappings; nothing is injected.
     #[default]
     Auto,
     /// Always; nothing is injected.
@@ -107,7 +108,7 @@ pub struct Capture {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("pid {pid} has {} MiB of writable mappings, more than half of the {room} to copy them into; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
+    #[error("pid {pid} holds {} MiB in its writable mappings, more than half of the {room} to copy them into; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
     TooLarge { pid: u32, bytes: u64, room: memory::Room },
 }
 
@@ -115,16 +116,15 @@ pub enum CaptureError {
 pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Capture> {
     let mut stages = Stages::default();
     let started = Instant::now();
+    // Measured before the stop, to keep it short: the mappings may grow a little meanwhile.
+    let regions = copied(&procfs::regions(pid)?);
+    let to_copy = image::bytes_to_copy(pid, &regions)?;
+    check_size(pid, to_copy)?;
     let mut pre = match precopy {
         Precopy::Never => None,
+        Precopy::Auto if to_copy <= PRECOPY_ABOVE => None,
         Precopy::Auto | Precopy::Always | Precopy::WriteProtect => {
-            let regions = copied(&procfs::regions(pid)?);
-            if precopy == Precopy::Auto && total(&regions) <= PRECOPY_ABOVE {
-                None
-            } else {
-                check_size(pid, &regions)?;
-                Some(PreCopy::start(pid, &regions, precopy == Precopy::WriteProtect)?)
-            }
+            Some(PreCopy::start(pid, &regions, precopy == Precopy::WriteProtect)?)
         }
     };
     if let Some(PreCopy { tracking: Tracking::WriteProtect(watch), .. }) = &pre {
@@ -152,10 +152,7 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
             };
             (pre.finish(&regions)?, method)
         }
-        None => {
-            check_size(pid, &regions)?;
-            (Image::copy(pid, &regions)?, Method::SingleStop)
-        }
+        None => (Image::copy(pid, &regions)?, Method::SingleStop),
     };
     let bytes_copied_in_pause = image.bytes_read;
     let threads = frozen.threads.iter().map(|t| (t.registers.clone(), t.stack_pointer())).collect();
@@ -193,14 +190,9 @@ fn is_device(path: &str) -> bool {
     path.starts_with("/dev/") && !path.starts_with("/dev/zero") && !path.starts_with("/dev/shm/")
 }
 
-fn total(regions: &[Region]) -> u64 {
-    regions.iter().map(|r| r.end - r.start).sum()
-}
-
-/// A process with more writable memory than memprof may take (a huge sparse mapping, or a
-/// daemon under a cgroup limit) is not copied.
-fn check_size(pid: u32, regions: &[Region]) -> Result<(), CaptureError> {
-    let bytes = total(regions);
+/// A process with more memory to copy than memprof may take (a daemon under a cgroup limit) is
+/// not copied.
+fn check_size(pid: u32, bytes: u64) -> Result<(), CaptureError> {
     let room = memory::room();
     if bytes > room.bytes / 2 {
         return Err(CaptureError::TooLarge { pid, bytes, room });

@@ -317,11 +317,14 @@ fn gaps(blocks: &[LiveBlock], region: &Region) -> Vec<(u64, u64)> {
     gaps
 }
 
+/// Scans the copy of `start..end`: only where it may hold other than zeros, which point nowhere
+/// (a heap reserved ahead is gigabytes of pages never touched).
 fn scan_range(image: &Image, marker: &mut Marker<Target>, start: u64, end: u64, inspection: &mut Inspection) {
-    let copy = image.from(start);
-    let bytes = &copy[..copy.len().min((end - start) as usize)];
-    marker.scan_root(start, bytes);
-    inspection.root_bytes_scanned += bytes.len() as u64;
+    let len = image.from(start).len().min((end - start) as usize);
+    for (addr, bytes) in image.data_from(start, len) {
+        marker.scan_root(addr, bytes);
+    }
+    inspection.root_bytes_scanned += len as u64;
 }
 
 /// The process as the marking reads it: its blocks' bytes from the copy, vtables from the

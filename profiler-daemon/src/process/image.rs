@@ -19,6 +19,9 @@ const IOVECS_PER_CALL: usize = 1024;
 pub struct Segment {
     pub start: u64,
     pub bytes: Vec<u8>,
+    /// The runs (offset, length) of `bytes` that may hold other than zeros: those read from the
+    /// process. The rest was never written there (or given back), so holds no pointer.
+    pub data: Runs,
 }
 
 /// Copies of ranges, sorted by address and apart.
@@ -38,28 +41,61 @@ impl Image {
     pub fn copy(pid: u32, regions: &[Region]) -> io::Result<Self> {
         let pagemap = Pagemap::open(pid)?;
         let mut segments = Vec::with_capacity(regions.len());
-        let mut runs = Vec::with_capacity(regions.len());
         for region in regions {
-            let (start, end) = (region.start, region.end);
-            let len = (end - start) as usize;
-            let data = if region.shared {
-                vec![(0, len)]
-            } else {
-                pagemap::runs(&pagemap.entries(start, end)?, start, end, |_, entry| pagemap::holds_data(entry))
-            };
-            segments.push(Segment { start, bytes: zeroed(len, &data) });
-            runs.push(data);
+            let data = data_runs(&pagemap, region)?;
+            let bytes = zeroed((region.end - region.start) as usize, &data);
+            segments.push(Segment { start: region.start, bytes, data });
         }
+        let runs: Vec<Runs> = segments.iter().map(|s| s.data.clone()).collect();
         let (bytes_read, unreadable) = read_runs(pid, &mut segments, &runs);
         Ok(Self { segments, unreadable, bytes_read })
     }
 
     /// The copy from `addr` to the end of its segment; empty when `addr` was not copied.
     pub fn from(&self, addr: u64) -> &[u8] {
-        let Some(at) = self.segments.partition_point(|s| s.start <= addr).checked_sub(1) else { return &[] };
-        let segment = &self.segments[at];
+        let Some(segment) = self.segment_of(addr) else { return &[] };
         segment.bytes.get((addr - segment.start) as usize..).unwrap_or_default()
     }
+
+    /// Of the copy from `addr`, `len` bytes at most, the parts that may hold other than zeros
+    /// (`Segment::data`), each with its address.
+    pub fn data_from(&self, addr: u64, len: usize) -> Vec<(u64, &[u8])> {
+        let Some(segment) = self.segment_of(addr) else { return Vec::new() };
+        let from = (addr - segment.start) as usize;
+        let len = len.min(segment.bytes.len().saturating_sub(from));
+        pagemap::overlap(&segment.data, &[(from, len)])
+            .into_iter()
+            .map(|(offset, len)| (segment.start + offset as u64, &segment.bytes[offset..offset + len]))
+            .collect()
+    }
+
+    fn segment_of(&self, addr: u64) -> Option<&Segment> {
+        let at = self.segments.partition_point(|s| s.start <= addr).checked_sub(1)?;
+        self.segments.get(at)
+    }
+}
+
+/// Runs of a segment: (offset, length), sorted and apart.
+pub type Runs = Vec<(usize, usize)>;
+
+/// The runs of `region` a copy reads (see `Image::copy`).
+fn data_runs(pagemap: &Pagemap, region: &Region) -> io::Result<Runs> {
+    let (start, end) = (region.start, region.end);
+    if region.shared {
+        return Ok(vec![(0, (end - start) as usize)]);
+    }
+    Ok(pagemap::runs(&pagemap.entries(start, end)?, start, end, |_, entry| pagemap::holds_data(entry)))
+}
+
+/// The bytes a copy of `regions` of `pid` would read now, and hold: a mapping reserved ahead
+/// (a JVM's heap, jemalloc's arenas) is mostly pages never touched.
+pub fn bytes_to_copy(pid: u32, regions: &[Region]) -> io::Result<u64> {
+    let pagemap = Pagemap::open(pid)?;
+    let mut total = 0;
+    for region in regions {
+        total += data_runs(&pagemap, region)?.iter().map(|(_, len)| *len as u64).sum::<u64>();
+    }
+    Ok(total)
 }
 
 /// Transparent huge pages are asked for a copy of at least this size whose pages mostly hold data.
@@ -83,7 +119,7 @@ pub fn zeroed(len: usize, data: &[(usize, usize)]) -> Vec<u8> {
 
 /// Reads, for each segment, its runs (offset, length) of `pid`'s memory into it; returns the
 /// bytes asked for, and how many of them could not be read, left as zeros.
-pub fn read_runs(pid: u32, segments: &mut [Segment], runs: &[Vec<(usize, usize)>]) -> (u64, u64) {
+pub fn read_runs(pid: u32, segments: &mut [Segment], runs: &[Runs]) -> (u64, u64) {
     let asked = runs.iter().flatten().map(|(_, len)| *len as u64).sum();
     let mut targets: Vec<(u64, &mut [u8])> = Vec::new();
     for (segment, runs) in segments.iter_mut().zip(runs) {
@@ -237,8 +273,8 @@ mod tests {
             libc::munmap((base + PAGE) as *mut libc::c_void, PAGE as usize);
         }
         let mut segments = vec![
-            Segment { start: base, bytes: vec![0xaa; 8] },
-            Segment { start: base + PAGE - 16, bytes: vec![0xaa; 2 * PAGE as usize + 16] },
+            Segment { start: base, bytes: vec![0xaa; 8], data: Vec::new() },
+            Segment { start: base + PAGE - 16, bytes: vec![0xaa; 2 * PAGE as usize + 16], data: Vec::new() },
         ];
         let runs = [vec![(0, 8)], vec![(0, 2 * PAGE as usize + 16)]];
         let (bytes_read, unreadable) = read_runs(std::process::id(), &mut segments, &runs);
@@ -265,8 +301,10 @@ mod tests {
         let bytes: &[u8] = as_bytes(&source);
         let base = bytes.as_ptr() as u64;
         let cuts = [0, 5 << 20, (5 << 20) + 12_345, bytes.len()];
-        let mut segments: Vec<Segment> =
-            cuts.windows(2).map(|w| Segment { start: base + w[0] as u64, bytes: vec![0; w[1] - w[0]] }).collect();
+        let mut segments: Vec<Segment> = cuts
+            .windows(2)
+            .map(|w| Segment { start: base + w[0] as u64, bytes: vec![0; w[1] - w[0]], data: Vec::new() })
+            .collect();
         let runs: Vec<Vec<(usize, usize)>> = segments.iter().map(|s| vec![(0, s.bytes.len())]).collect();
         let (read, unreadable) = read_runs(std::process::id(), &mut segments, &runs);
         assert_eq!((read, unreadable), (bytes.len() as u64, 0));

@@ -152,9 +152,53 @@ pub fn runs(entries: &[u64], start: u64, end: u64, wanted: impl Fn(usize, u64) -
     runs
 }
 
+/// The runs (offset, length) in both `a` and `b`, each sorted and apart.
+pub fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let (mut i, mut j, mut both) = (0, 0, Vec::new());
+    while let (Some(&(a_at, a_len)), Some(&(b_at, b_len))) = (a.get(i), b.get(j)) {
+        let (start, end) = (a_at.max(b_at), (a_at + a_len).min(b_at + b_len));
+        if start < end {
+            both.push((start, end - start));
+        }
+        if a_at + a_len < b_at + b_len {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    both
+}
+
+/// The runs (offset, length) in `a` or `b`, each sorted and apart; neighbours are joined.
+pub fn union(a: &[(usize, usize)], b: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut all: Vec<(usize, usize)> = a.iter().chain(b).copied().collect();
+    all.sort_unstable();
+    let mut joined: Vec<(usize, usize)> = Vec::with_capacity(all.len());
+    for (at, len) in all {
+        match joined.last_mut() {
+            Some((last, last_len)) if at <= *last + *last_len => *last_len = (*last_len).max(at + len - *last),
+            _ => joined.push((at, len)),
+        }
+    }
+    joined
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlap_keeps_what_both_hold() {
+        assert_eq!(overlap(&[(0, 10), (20, 10)], &[(5, 20)]), [(5, 5), (20, 5)]);
+        assert_eq!(overlap(&[(0, 10)], &[(10, 5)]), []);
+        assert_eq!(overlap(&[], &[(0, 5)]), []);
+    }
+
+    #[test]
+    fn union_joins_what_either_holds() {
+        assert_eq!(union(&[(0, 10), (30, 5)], &[(5, 10), (15, 5), (40, 1)]), [(0, 20), (30, 5), (40, 1)]);
+        assert_eq!(union(&[], &[]), []);
+    }
 
     #[test]
     fn runs_join_neighbouring_pages_and_the_last_is_cut_at_the_end() {

@@ -14,7 +14,7 @@
 use std::{fs, io, sync::OnceLock};
 
 use crate::process::{
-    image::{self, Image, Segment},
+    image::{self, Image, Runs, Segment},
     pagemap::{self, Pagemap, PAGE, SOFT_DIRTY},
     procfs::Region,
     write_watch::{WriteWatch, WRITE_PROTECTED},
@@ -82,12 +82,12 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
         let (start, end) = (region.start, region.end);
         while old.next_if(|s| s.start < start).is_some() {}
         // A mapping that starts where it did keeps its copy, grown or cut to its length now.
-        let (mut bytes, kept) = match old.next_if(|s| s.start == start) {
+        let (mut bytes, kept, data) = match old.next_if(|s| s.start == start) {
             Some(segment) if !region.shared => {
                 let kept = segment.bytes.len().min((end - start) as usize);
-                (segment.bytes, kept)
+                (segment.bytes, kept, pagemap::overlap(&segment.data, &[(0, kept)]))
             }
-            _ => (Vec::new(), 0),
+            _ => (Vec::new(), 0, Vec::new()),
         };
         let (reread, empty) = match &tracking {
             // A mapping watched whole that kept its length: the kernel says what changed.
@@ -104,10 +104,13 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
         } else {
             bytes.resize((end - start) as usize, 0);
         }
-        for (offset, len) in empty {
+        // Only pages the copy read hold anything but zeros: writing zeros over the others
+        // would take memory for every page of a mapping reserved ahead and never touched.
+        for (offset, len) in pagemap::overlap(&empty, &data) {
             bytes[offset..offset + len].fill(0);
         }
-        segments.push(Segment { start, bytes });
+        let data = pagemap::union(&data, &reread);
+        segments.push(Segment { start, bytes, data });
         runs.push(reread);
     }
     let (bytes_read, unreadable) = image::read_runs(pid, &mut segments, &runs);
@@ -118,7 +121,7 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
 /// runs to read again (stale pages that hold data; every page of a shared mapping), and those of
 /// the old copy to zero (stale pages that hold nothing: given back since, or never touched and
 /// grown into).
-fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracking) -> io::Result<Runs> {
+fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracking) -> io::Result<Stale> {
     let (start, end) = (region.start, region.end);
     let entries = pagemap.entries(start, end)?;
     let stale = |page: usize, entry: u64| {
@@ -141,7 +144,7 @@ fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracki
 }
 
 /// Runs of pages to read again, and to zero.
-type Runs = (Vec<(usize, usize)>, Vec<(usize, usize)>);
+type Stale = (Runs, Runs);
 
 /// Clears every soft-dirty bit of `pid`.
 fn clear(pid: u32) -> io::Result<()> {

@@ -54,7 +54,7 @@ impl Lookalike {
         // memcheck's last word looked at starts 9 bytes before the mapping's end.
         let last = (addr + 8 * (LOOKALIKE_WORDS - 1)).min(mapping.end.saturating_sub(9));
         let Some(len) = (last + 8).checked_sub(addr).filter(|len| *len >= 8) else { return false };
-        let mut segment = [Segment { start: addr, bytes: vec![0; len as usize] }];
+        let mut segment = [Segment { start: addr, bytes: vec![0; len as usize], data: vec![(0, len as usize)] }];
         let (_, unreadable) = image::read_runs(self.pid, &mut segment, &[vec![(0, len as usize)]]);
         if unreadable > 0 {
             // A mapping without read permission: not one memcheck would read.
