@@ -24,9 +24,12 @@ use aya::{
     Ebpf,
 };
 
-use crate::kernel::{
-    helper, perf_event,
-    uprobe_multi::{self, Fires, Point},
+use crate::{
+    kernel::{
+        helper, perf_event,
+        uprobe_multi::{self, Fires, Point},
+    },
+    process::file_cache::{FileId, Opened},
 };
 
 /// At every allocation function's entry; each probe's cookie is its `AllocFn`.
@@ -185,8 +188,9 @@ pub struct Attachment {
     links: Vec<Link>,
     probes: usize,
     shared: Vec<Arc<Attachment>>,
-    /// The files and offsets of its own probes (see `sweep_copies`).
-    sites: Vec<(PathBuf, Vec<u64>)>,
+    /// The files (a path to each, and which file it named) and offsets of its own probes (see
+    /// `sweep_copies`).
+    sites: Vec<(PathBuf, FileId, Vec<u64>)>,
 }
 
 /// Attached probes: detached when the last copy of their descriptors closes (`detach_together`).
@@ -264,11 +268,12 @@ impl Attachment {
         self.links.push(Link { probes: Probes::PerfEvent(probe), wave: Wave::Entries });
     }
 
-    /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`.
-    pub fn add_usdt_link(&mut self, link: OwnedFd, path: &Path, offsets: Vec<u64>) {
+    /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`, the
+    /// file `id`.
+    pub fn add_usdt_link(&mut self, link: OwnedFd, (path, id): (&Path, FileId), offsets: Vec<u64>) {
         self.probes += offsets.len();
         self.links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries });
-        self.sites.push((path.to_path_buf(), offsets));
+        self.sites.push((path.to_path_buf(), id, offsets));
     }
 
     /// Makes `links`, shared with other processes, part of this process's probes.
@@ -281,15 +286,16 @@ impl Attachment {
         self.shared.clear();
     }
 
-    /// Attaches program `name` at `points` of the file at `path`, for process `pid` only, or for
-    /// every process with `None` (uprobe_multi links only): at the functions' return if the
-    /// program is a uretprobe.
+    /// Attaches program `name` at `points` of `file` (at `path`, for messages), for process `pid`
+    /// only, or for every process with `None` (uprobe_multi links only): at the functions' return
+    /// if the program is a uretprobe.
+    #[allow(clippy::too_many_arguments)]
     pub fn add(
         &mut self,
         ebpf: &mut Ebpf,
         method: Method,
         name: &str,
-        path: &Path,
+        (path, file): (&Path, &Opened),
         points: &[Point],
         pid: Option<NonZeroU32>,
     ) -> anyhow::Result<()> {
@@ -297,6 +303,8 @@ impl Attachment {
         let at_return = matches!(program.kind(), ProbeKind::Return);
         let wave = Wave::of(name, at_return);
         let context = || format!("attaching {name} to {}", path.display());
+        // The kernel finds the file through memprof's descriptor: the very file read.
+        let kernel_path = &file.kernel_path();
         let own = pid.is_some();
         match method {
             Method::Sessions | Method::MultiLinks => {
@@ -306,23 +314,30 @@ impl Attachment {
                     (_, false) => Fires::AtEntry,
                 };
                 let pid = pid.map_or(0, NonZeroU32::get);
-                let link =
-                    uprobe_multi::attach(program.fd()?.as_fd(), path, points, fires, pid).with_context(context)?;
+                let link = uprobe_multi::attach(program.fd()?.as_fd(), kernel_path, points, fires, pid)
+                    .with_context(context)?;
                 self.links.push(Link { probes: Probes::Multi(link), wave });
             }
             Method::PerfEvents => {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
                 let program = program.fd()?.as_fd();
                 for point in points {
-                    let probe =
-                        perf_event::uprobe(program, path, point.offset, None, point.cookie, pid.get(), at_return)
-                            .with_context(context)?;
+                    let probe = perf_event::uprobe(
+                        program,
+                        kernel_path,
+                        point.offset,
+                        None,
+                        point.cookie,
+                        pid.get(),
+                        at_return,
+                    )
+                    .with_context(context)?;
                     self.links.push(Link { probes: Probes::PerfEvent(probe), wave });
                 }
             }
         }
         if own {
-            self.sites.push((path.to_path_buf(), points.iter().map(|point| point.offset).collect()));
+            self.sites.push((path.to_path_buf(), file.id(), points.iter().map(|point| point.offset).collect()));
         }
         self.probes += points.len();
         Ok(())
@@ -364,13 +379,17 @@ pub fn sweep_copies<'a>(
     };
     let mut links = Vec::new();
     for (attachment, pid) in traced {
-        let mut by_file: HashMap<&Path, BTreeSet<u64>> = HashMap::new();
-        for (path, offsets) in &attachment.sites {
-            by_file.entry(path).or_default().extend(offsets);
+        let mut by_file: HashMap<(&Path, FileId), BTreeSet<u64>> = HashMap::new();
+        for (path, id, offsets) in &attachment.sites {
+            by_file.entry((path, *id)).or_default().extend(offsets);
         }
-        for (path, offsets) in by_file {
+        for ((path, id), offsets) in by_file {
             let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
-            match uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()) {
+            // Only into the file probed: its path may name another by now.
+            let attached = Opened::open_same(path, id).and_then(|file| {
+                uprobe_multi::attach(program.as_fd(), &file.kernel_path(), &points, Fires::AtEntry, pid.get())
+            });
+            match attached {
                 Ok(link) => links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries }),
                 // Gone since, say: its children are swept with those of the next.
                 Err(err) => tracing::debug!(pid = pid.get(), path = %path.display(), "not swept: {err}"),

@@ -20,13 +20,11 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    os::unix::fs::MetadataExt as _,
     path::Path,
     sync::Arc,
 };
 
-use anyhow::Context as _;
-
+pub use crate::process::file_cache::FileId;
 use crate::{
     kernel::{probes::Attachment, uprobe_multi::Point},
     process::allocator::Allocator,
@@ -54,40 +52,16 @@ pub const CROSSOVER: usize = 32;
 /// `MEMPROF_SHARE_FROM=N` sets the crossover (for tests that cross it with a few processes).
 const CROSSOVER_VAR: &str = "MEMPROF_SHARE_FROM";
 
-/// A file, whatever path reaches it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FileId {
-    device: u64,
-    inode: u64,
-}
-
-impl FileId {
-    pub fn of(path: &Path) -> anyhow::Result<Self> {
-        let file = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
-        Ok(Self { device: file.dev(), inode: file.ino() })
-    }
-
-    /// The file a line of `/proc/PID/maps` maps (`None` for an anonymous one).
-    pub fn of_maps_line(line: &str) -> Option<Self> {
-        let mut fields = line.split_ascii_whitespace();
-        let device = fields.nth(3)?;
-        let inode: u64 = fields.next()?.parse().ok()?;
-        let (major, minor) = device.split_once(':')?;
-        let (major, minor) = (u32::from_str_radix(major, 16).ok()?, u32::from_str_radix(minor, 16).ok()?);
-        (inode != 0).then(|| Self { device: libc::makedev(major, minor), inode })
-    }
-}
-
 /// The files of `allocator`, as the kernel tells them apart.
 pub fn file_ids(allocator: &Allocator) -> HashSet<FileId> {
-    allocator.files.iter().filter_map(|file| FileId::of(&file.attach_path).ok()).collect()
+    allocator.files.iter().map(|file| file.id).collect()
 }
 
 /// `allocator` without the files in `probed`: what a process whose probes stayed through an exec
 /// still lacks. A probe attached twice would count each call twice.
 pub fn unprobed(allocator: &Allocator, probed: &HashSet<FileId>) -> Allocator {
     let mut missing = allocator.clone();
-    missing.files.retain(|file| FileId::of(&file.attach_path).map_or(true, |id| !probed.contains(&id)));
+    missing.files.retain(|file| !probed.contains(&file.id));
     missing
 }
 

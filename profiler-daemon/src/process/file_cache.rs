@@ -1,8 +1,84 @@
 //! What was read from a file, kept by the file's identity: the next process that maps the same
 //! file (the C library, a shell, an interpreter's library, at every exec and attach) does not
 //! read it again.
+//!
+//! A file is opened once (`Opened`) for what memprof reads of it and for the probes the kernel
+//! puts in it: the path a traced process names may name another file between the two (it can
+//! map another file at the same place, or put one at the same path), and a probe placed by
+//! offsets read in one file would land mid-instruction in the other.
 
-use std::{collections::HashMap, os::unix::fs::MetadataExt as _, path::Path, sync::Mutex};
+use std::{
+    collections::HashMap,
+    fs::File,
+    io,
+    os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+/// A file, whatever path reaches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub device: u64,
+    pub inode: u64,
+}
+
+impl FileId {
+    /// The file that `path` names now.
+    pub fn of(path: &Path) -> io::Result<Self> {
+        std::fs::metadata(path).map(|meta| Self { device: meta.dev(), inode: meta.ino() })
+    }
+
+    /// The file a line of `/proc/PID/maps` maps (`None` for an anonymous one).
+    pub fn of_maps_line(line: &str) -> Option<Self> {
+        let mut fields = line.split_ascii_whitespace();
+        let device = fields.nth(3)?;
+        let inode: u64 = fields.next()?.parse().ok()?;
+        let (major, minor) = device.split_once(':')?;
+        let (major, minor) = (u32::from_str_radix(major, 16).ok()?, u32::from_str_radix(minor, 16).ok()?);
+        (inode != 0).then(|| Self { device: libc::makedev(major, minor), inode })
+    }
+}
+
+/// A regular file opened once: what memprof reads of it and what the kernel probes in it.
+#[derive(Debug)]
+pub struct Opened {
+    file: File,
+    meta: std::fs::Metadata,
+}
+
+impl Opened {
+    /// Opens `path` if it names a regular file, without waiting on a FIFO.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = super::procfs::open_regular(path)?;
+        let meta = file.metadata()?;
+        Ok(Self { file, meta })
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn id(&self) -> FileId {
+        FileId { device: self.meta.dev(), inode: self.meta.ino() }
+    }
+
+    /// A path the kernel resolves to this very file while it is open, whatever its own path
+    /// names meanwhile: for probes placed by what was read of it. By memprof's pid, not
+    /// `self`: memprof's helper process makes the links.
+    pub fn kernel_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), self.file.as_raw_fd()))
+    }
+
+    /// `path` opened, if it still names the file `expected`.
+    pub fn open_same(path: &Path, expected: FileId) -> io::Result<Self> {
+        let opened = Self::open(path)?;
+        if opened.id() != expected {
+            return Err(io::Error::other(format!("{} is another file than the one memprof read", path.display())));
+        }
+        Ok(opened)
+    }
+}
 
 /// A file as it is now: another file, or the same one rewritten, has another key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -26,10 +102,9 @@ impl<V: Clone> FileCache<V> {
         Self { entries: Mutex::new(HashMap::new()), capacity }
     }
 
-    /// The value kept for the file at `path` and `context`, else `read`'s, kept. A file that
-    /// cannot be looked at is read every time.
-    pub fn get_or_read(&self, path: &Path, context: &str, read: impl FnOnce() -> V) -> V {
-        let Ok(meta) = std::fs::metadata(path) else { return read() };
+    /// The value kept for `file` and `context`, else `read`'s of it, kept.
+    pub fn get_or_read(&self, file: &Opened, context: &str, read: impl FnOnce(&File) -> V) -> V {
+        let meta = &file.meta;
         let key = FileKey {
             device: meta.dev(),
             inode: meta.ino(),
@@ -40,7 +115,7 @@ impl<V: Clone> FileCache<V> {
         if let Some(value) = self.lock().get(&key) {
             return value.clone();
         }
-        let value = read();
+        let value = read(file.file());
         let mut entries = self.lock();
         if entries.len() >= self.capacity {
             entries.clear();
@@ -67,20 +142,29 @@ mod tests {
         std::fs::write(&path, b"one").unwrap();
         let cache = FileCache::new(8);
         let reads = std::cell::Cell::new(0);
-        let read = || {
+        let read = |file: &File| {
             reads.set(reads.get() + 1);
-            std::fs::read(&path).unwrap()
+            let mut text = Vec::new();
+            std::io::Read::read_to_end(&mut &*file, &mut text).unwrap();
+            text
         };
-        assert_eq!(cache.get_or_read(&path, "a", read), b"one");
-        assert_eq!(cache.get_or_read(&path, "a", read), b"one");
+        let open = || Opened::open(&path).unwrap();
+        assert_eq!(cache.get_or_read(&open(), "a", read), b"one");
+        assert_eq!(cache.get_or_read(&open(), "a", read), b"one");
         assert_eq!(reads.get(), 1);
         // Another name for the same file is another value.
-        cache.get_or_read(&path, "b", read);
+        cache.get_or_read(&open(), "b", read);
         assert_eq!(reads.get(), 2);
         // Rewritten with another size: read again.
         std::fs::write(&path, b"three").unwrap();
-        assert_eq!(cache.get_or_read(&path, "a", read), b"three");
+        assert_eq!(cache.get_or_read(&open(), "a", read), b"three");
         assert_eq!(reads.get(), 3);
+        // Another file at the path since it was read: refused.
+        let read_then = open();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"other").unwrap();
+        assert!(Opened::open_same(&path, read_then.id()).is_err());
+        assert!(Opened::open_same(&path, open().id()).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

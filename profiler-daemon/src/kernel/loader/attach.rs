@@ -20,6 +20,7 @@ use crate::{
     kernel::shared::{FileId, ProbeLinks},
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
+    process::file_cache::Opened,
     process::procfs::{self, FileMapping},
 };
 
@@ -196,11 +197,11 @@ impl Loaded {
         &mut self,
         attachment: &mut Attachment,
         name: &'static str,
-        path: &Path,
+        (path, opened): (&Path, &Opened),
         points: &[Point],
         pid: NonZeroU32,
     ) -> anyhow::Result<()> {
-        let file = FileId::of(path)?;
+        let file = opened.id();
         let shares = match self.shared.shares(pid.get()) {
             Some(shares) => shares,
             None => {
@@ -214,13 +215,13 @@ impl Loaded {
         self.shared.uses(pid.get(), file);
         let (ebpf, method) = (&mut self.ebpf, self.method);
         if !shares {
-            return attachment.add(ebpf, method, name, path, points, Some(pid));
+            return attachment.add(ebpf, method, name, (path, opened), points, Some(pid));
         }
         let links = self.shared.get_or_attach(path, file, name, points, || {
             let points: Vec<Point> =
                 points.iter().map(|p| Point { cookie: p.cookie | profiler_common::SHARED_LINK, ..*p }).collect();
             let mut links = Attachment::default();
-            links.add(ebpf, method, name, path, &points, None)?;
+            links.add(ebpf, method, name, (path, opened), &points, None)?;
             Ok(links)
         })?;
         attachment.share(links);
@@ -303,7 +304,22 @@ impl Loaded {
                 .collect();
             (allocs, frees)
         };
-        let files: Vec<_> = allocator.files.iter().map(|file| (&file.attach_path, points(file))).collect();
+        // Each file opened once for all its links, and only if it is the file whose entry points
+        // were read: its path may name another by now.
+        let opened = allocator
+            .files
+            .iter()
+            .map(|file| {
+                Opened::open_same(&file.attach_path, file.id)
+                    .with_context(|| format!("{} changed since memprof read it", file.display_path))
+            })
+            .collect::<anyhow::Result<Vec<Opened>>>()?;
+        let files: Vec<_> = allocator
+            .files
+            .iter()
+            .zip(&opened)
+            .map(|(file, opened)| ((&*file.attach_path, opened), points(file)))
+            .collect();
         let frees = files.iter().map(|(path, (_, frees))| (FREE_PROGRAM, *path, frees));
         let alloc_programs: &[&'static str] = match self.method {
             Method::Sessions => &[SESSION_PROGRAM],
@@ -387,15 +403,20 @@ impl Loaded {
     /// `attach_dl_hook` with `pid`'s mappings read already.
     fn hook_linker(&mut self, attachment: &mut Attachment, pid: NonZeroU32, mappings: &[FileMapping]) {
         let Some(linker) = mappings.iter().find(|m| m.executable && is_dynamic_linker(&m.path)) else { return };
-        let Some(path) = linker.reachable_paths(pid.get()).into_iter().find(|p| Path::new(p).exists()) else { return };
+        let Some((path, opened)) = linker.reachable_paths(pid.get()).into_iter().find_map(|path| {
+            let opened = Opened::open(Path::new(&path)).ok()?;
+            Some((path, opened))
+        }) else {
+            return;
+        };
         let path = Path::new(&path);
-        let attached = allocator::function_file_offset(path, DL_HOOK)
+        let attached = allocator::function_file_offset(&opened, DL_HOOK)
             .with_context(|| format!("{DL_HOOK} not found in {}", path.display()))
             .and_then(|offset| {
                 // Where the linker's list of objects is, from the probe's address (see the program).
-                let cookie = allocator::symbol_distance(path, DL_HOOK, R_DEBUG).unwrap_or(0);
+                let cookie = allocator::symbol_distance(&opened, DL_HOOK, R_DEBUG).unwrap_or(0);
                 let hook = [Point { offset, cookie }];
-                self.add_probes(attachment, MAPPINGS_PROGRAM, path, &hook, pid)
+                self.add_probes(attachment, MAPPINGS_PROGRAM, (path, &opened), &hook, pid)
             });
         match attached {
             Ok(()) => self.unwind.linker_hooked(pid.get()),

@@ -23,6 +23,7 @@ use crate::{
         uprobe_multi::{self, Fires, Point},
     },
     process::allocator::Allocator,
+    process::file_cache::FileId,
     process::usdt::{Probe, Site},
 };
 
@@ -141,7 +142,11 @@ impl Loaded {
             let semaphores = if semaphores.iter().all(|&offset| offset == 0) { Vec::new() } else { semaphores };
             let link = uprobe_multi::attach_with_semaphores(program, path, &points, &semaphores, Fires::AtEntry, pid)
                 .with_context(|| context(path))?;
-            attachment.add_usdt_link(link, path, points.iter().map(|point| point.offset).collect());
+            // A process's own links put breakpoints in it alone: a file swapped meanwhile at
+            // `path` harms no other (the shared links of allocator files are placed by
+            // descriptor, `Attachment::add`).
+            let id = FileId::of(path).with_context(|| context(path))?;
+            attachment.add_usdt_link(link, (path, id), points.iter().map(|point| point.offset).collect());
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
+    fs::File,
     path::Path,
     sync::LazyLock,
 };
@@ -13,7 +14,7 @@ use super::{blind_spots::UNPROBED, is_libc, AllocatorFile, BlindSpot, FileScan, 
 use crate::process::{
     elf_bytes,
     families::{self, Family, Role},
-    file_cache::FileCache,
+    file_cache::{FileCache, FileId, Opened},
     placement,
 };
 
@@ -25,18 +26,24 @@ static SCANS: LazyLock<FileCache<Option<FileScan>>> = LazyLock::new(|| FileCache
 /// `scan_file` with every family, once per file: a file scanned through another path (another
 /// process's `/proc/PID/root`) is attached through this one.
 pub(super) fn scan(attach_path: &Path, display_path: &str) -> Option<FileScan> {
-    let mut scan =
-        SCANS.get_or_read(attach_path, display_path, || scan_file(&families::all(), attach_path, display_path))?;
+    let opened = Opened::open(attach_path).ok()?;
+    let mut scan = SCANS
+        .get_or_read(&opened, display_path, |_| scan_file(&families::all(), &opened, attach_path, display_path))?;
     if let Some(file) = &mut scan.allocator {
         file.attach_path = attach_path.to_path_buf();
     }
     Some(scan)
 }
 
-/// Reads what an ELF file holds of allocators, with one pass over its symbols; `None` when it
-/// holds none at all.
-pub(super) fn scan_file(families: &[Family], attach_path: &Path, display_path: &str) -> Option<FileScan> {
-    let data = elf_bytes::read_path(attach_path).ok()?;
+/// Reads what the ELF file `opened` (at `attach_path`) holds of allocators, with one pass over
+/// its symbols; `None` when it holds none at all.
+pub(super) fn scan_file(
+    families: &[Family],
+    opened: &Opened,
+    attach_path: &Path,
+    display_path: &str,
+) -> Option<FileScan> {
+    let data = elf_bytes::read(opened.file()).ok()?;
     let elf = object::File::parse(&*data).ok()?;
     let wanted: HashSet<&str> = families
         .iter()
@@ -64,7 +71,7 @@ pub(super) fn scan_file(families: &[Family], attach_path: &Path, display_path: &
         _ => &[],
     };
     let text = crate::unwind::load_segments(&data).unwrap_or_default();
-    let allocator = read_file(families, &functions, code, &text, attach_path, display_path);
+    let allocator = read_file(families, &functions, code, &text, (attach_path, opened.id()), display_path);
     (allocator.is_some() || !unprobed.is_empty()).then_some(FileScan { allocator, unprobed })
 }
 
@@ -76,7 +83,7 @@ fn read_file<'d>(
     functions: &HashMap<&str, Function>,
     code: impl Fn(Function) -> &'d [u8],
     text: &[(u64, u64, u64)],
-    attach_path: &Path,
+    (attach_path, id): (&Path, FileId),
     display_path: &str,
 ) -> Option<AllocatorFile> {
     let present = |family: &&Family| family.is_in(|symbol| functions.contains_key(symbol));
@@ -96,6 +103,7 @@ fn read_file<'d>(
     let mut file = AllocatorFile {
         display_path: display_path.to_string(),
         attach_path: attach_path.to_path_buf(),
+        id,
         families: Vec::new(),
         allocs: Vec::new(),
         frees: Vec::new(),
@@ -136,25 +144,25 @@ fn code_around(text: &[(u64, u64, u64)], offset: u64) -> Option<(u64, u64)> {
 /// server's children all map the same one.
 static SYMBOLS: LazyLock<FileCache<Option<u64>>> = LazyLock::new(|| FileCache::new(64));
 
-/// The file offset of function `name` in the ELF file at `path` (to probe it).
-pub fn function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
-    SYMBOLS.get_or_read(path, name, || read_function_file_offset(path, name))
+/// The file offset of function `name` in the ELF file `file` (to probe it).
+pub fn function_file_offset(file: &Opened, name: &'static str) -> Option<u64> {
+    SYMBOLS.get_or_read(file, name, |file| read_function_file_offset(file, name))
 }
 
-fn read_function_file_offset(path: &Path, name: &'static str) -> Option<u64> {
-    let data = elf_bytes::read_path(path).ok()?;
+fn read_function_file_offset(file: &File, name: &'static str) -> Option<u64> {
+    let data = elf_bytes::read(file).ok()?;
     let file = object::File::parse(&*data).ok()?;
     functions(&file, &HashSet::from([name])).get(name).map(|function| function.offset)
 }
 
-/// How far symbol `to` is from symbol `from` in the file at `path` (their virtual addresses, the
-/// same distance once loaded); None unless both are defined.
-pub fn symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
-    SYMBOLS.get_or_read(path, &format!("{from} to {to}"), || read_symbol_distance(path, from, to))
+/// How far symbol `to` is from symbol `from` in the ELF file `file` (their virtual addresses,
+/// the same distance once loaded); None unless both are defined.
+pub fn symbol_distance(file: &Opened, from: &str, to: &str) -> Option<u64> {
+    SYMBOLS.get_or_read(file, &format!("{from} to {to}"), |file| read_symbol_distance(file, from, to))
 }
 
-fn read_symbol_distance(path: &Path, from: &str, to: &str) -> Option<u64> {
-    let data = elf_bytes::read_path(path).ok()?;
+fn read_symbol_distance(file: &File, from: &str, to: &str) -> Option<u64> {
+    let data = elf_bytes::read(file).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let address = |wanted: &str| {
         file.dynamic_symbols().chain(file.symbols()).find_map(|symbol| {

@@ -14,7 +14,13 @@ use std::{
 
 use profiler_common::AllocFn;
 
-use crate::{error::UserError, process::procfs};
+use crate::{
+    error::UserError,
+    process::{
+        file_cache::{FileId, Opened},
+        procfs,
+    },
+};
 
 mod blind_spots;
 mod command;
@@ -53,6 +59,8 @@ pub struct AllocatorFile {
     pub display_path: String,
     /// The path to attach through, valid from memprof's mount namespace.
     pub attach_path: PathBuf,
+    /// The file read: probes go only into it (`file_cache::Opened::open_same`).
+    pub id: FileId,
     /// The families found in it, for messages.
     pub families: Vec<&'static str>,
     /// One per distinct address (glibc's aligned_alloc is memalign, tcmalloc's tc_new is
@@ -200,7 +208,10 @@ pub fn unprobed_in_new_files(pid: u32, scanned: &mut HashSet<String>) -> Vec<Bli
         }
         // Only the unprobed allocators' marks are looked for: no family.
         let at = mapping.reachable_paths(pid);
-        let scan = at.iter().find_map(|path| scan_file(&[], Path::new(path), &mapping.path));
+        let scan = at.iter().find_map(|path| {
+            let opened = Opened::open(Path::new(path)).ok()?;
+            scan_file(&[], &opened, Path::new(path), &mapping.path)
+        });
         spots.extend(scan.into_iter().flat_map(|scan| scan.unprobed));
     }
     spots
