@@ -9,9 +9,10 @@ use std::{
     fs::File,
     ops::Range,
     os::fd::AsRawFd,
+    panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         mpsc, Arc, OnceLock, Weak,
     },
     thread,
@@ -404,7 +405,7 @@ impl SymbolizerThread {
         }
         let file = mapping.open(pid)?;
         let file = Arc::new(OpenFile {
-            debug_info: debug_info_is_safe(&file),
+            debug_info: AtomicBool::new(debug_info_is_safe(&file)),
             file,
             clones: OnceLock::new(),
             build_id: OnceLock::new(),
@@ -468,26 +469,51 @@ impl SymbolizerThread {
                 }
             };
         }
-        let mut elf = Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.file.as_raw_fd())));
-        elf.debug_syms = module.file.debug_info;
-        let source = Source::Elf(elf);
-        let symbolize = |offset| self.symbolizer.symbolize_single(&source, Input::FileOffset(offset));
+        let symbolize = |offset| self.symbolize_offset(module, path, offset);
         let symbolized = match symbolize(file_offset.saturating_sub(1)) {
             // A signal handler returns to the first byte of the trampoline (`__restore_rt`): the
             // byte before it is padding between functions.
-            Ok(Symbolized::Unknown(_)) => symbolize(file_offset),
+            Some(Symbolized::Unknown(_)) => symbolize(file_offset),
             other => other,
         };
         match symbolized {
-            Ok(Symbolized::Sym(sym)) => {
+            Some(Symbolized::Sym(sym)) => {
                 // Names from the symbol table carry a clone's suffix already.
-                let clone = module.file.debug_info.then(|| module.file.clones().of(sym.addr, &sym.name)).flatten();
+                let debug_info = module.file.debug_info.load(Ordering::Relaxed);
+                let clone = debug_info.then(|| module.file.clones().of(sym.addr, &sym.name)).flatten();
                 Resolved { module: path.clone(), file_offset, frames: frames_of(address, path, &sym, clone) }
             }
             _ => {
                 self.count(Failure::NoSymbol);
                 unknown(address, path, file_offset)
             }
+        }
+    }
+
+    /// blazesym's answer for `file_offset` in `module`'s file (named `path`). A file whose debug
+    /// information makes blazesym panic (a malformed `.debug_line`, which any user's program
+    /// can carry) is read again without it, and from then on: the panic would otherwise end
+    /// this thread, and every process's stacks would go unnamed.
+    fn symbolize_offset(&self, module: &OpenModule, path: &str, file_offset: u64) -> Option<Symbolized<'_>> {
+        let attempt = |debug_syms: bool| {
+            let mut elf = Elf::new(PathBuf::from(format!("/proc/self/fd/{}", module.file.file.as_raw_fd())));
+            elf.debug_syms = debug_syms;
+            let source = Source::Elf(elf);
+            std::panic::catch_unwind(AssertUnwindSafe(|| {
+                self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset)).ok()
+            }))
+        };
+        let debug_info = module.file.debug_info.load(Ordering::Relaxed);
+        match attempt(debug_info) {
+            Ok(symbolized) => symbolized,
+            Err(_) if debug_info => {
+                module.file.debug_info.store(false, Ordering::Relaxed);
+                tracing::warn!(
+                    "{path}: its debugging information could not be read: its frames are named from its symbol table, without source lines"
+                );
+                attempt(false).ok().flatten()
+            }
+            Err(_) => None,
         }
     }
 
@@ -530,8 +556,9 @@ impl SymbolizerThread {
 /// A mapped file kept open.
 struct OpenFile {
     file: File,
-    /// Whether blazesym may read its debug information (see `debug_info_is_safe`).
-    debug_info: bool,
+    /// Whether blazesym may read its debug information: where it is safe to
+    /// (`debug_info_is_safe`), until it made blazesym fail (`symbolize_offset`).
+    debug_info: AtomicBool,
     /// Read when a frame is first named from its debug information.
     clones: OnceLock<Clones>,
     /// Read when first asked for, once for every process that maps the file: pprof names code

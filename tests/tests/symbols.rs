@@ -177,6 +177,78 @@ fn a_fifo_named_for_debug_information_blocks_nothing() {
     path.assert_memprof_finishes();
 }
 
+/// A program whose line table lists only file 0 while its rows name file 1: a malformed
+/// `.debug_line` any user can ship, on which blazesym panics. memprof names its frames from its
+/// symbol table: its symbolizer lives on (it died, and every process's frames went unnamed).
+#[test]
+fn a_malformed_line_table_costs_its_lines_not_the_symbolizer() {
+    let dir = std::env::temp_dir().join(format!("memprof-lines-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir(&dir).unwrap();
+    let (program, lines) = (dir.join("short_prog"), dir.join("debug_line"));
+    fs::copy(fixture("short_prog"), &program).unwrap();
+    let dump = format!(".debug_line={}", lines.display());
+    objcopy(&["--dump-section".as_ref(), dump.as_ref(), program.as_ref(), "/dev/null".as_ref()]);
+    let mut section = fs::read(&lines).unwrap();
+    keep_only_file_zero(&mut section);
+    fs::write(&lines, &section).unwrap();
+    objcopy(&["--update-section".as_ref(), dump.as_ref(), program.as_ref()]);
+    let outcome = run(&[], &[program.to_str().unwrap()]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("its debugging information could not be read"), "{}", outcome.stderr);
+    // Named by the symbolizer that met the panic: it lived on.
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "kept_site"), (1000, 10), "{report}");
+    assert_eq!(site(&report, "first_site"), (48, 1), "{report}");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Sets the file count of the first line program in `section` (DWARF 5, as GCC writes it) to 1:
+/// only file 0 is left, and its rows, which start at file 1, name a file it does not list.
+fn keep_only_file_zero(section: &mut [u8]) {
+    let uleb = |bytes: &[u8], at: &mut usize| {
+        let (mut value, mut shift) = (0u64, 0);
+        loop {
+            let byte = bytes[*at];
+            *at += 1;
+            value |= u64::from(byte & 0x7f) << shift;
+            shift += 7;
+            if byte & 0x80 == 0 {
+                return value;
+            }
+        }
+    };
+    assert_eq!(u16::from_le_bytes([section[4], section[5]]), 5, "a DWARF 5 line table");
+    // unit_length, version, address and selector sizes, header_length, then five one-byte fields.
+    let mut at = 4 + 2 + 1 + 1 + 4 + 5;
+    let opcode_base = section[at] as usize;
+    at += opcode_base;
+    // The directories, then the files: each a list of (content, form) pairs and their entries.
+    for list in ["directories", "files"] {
+        let pairs = section[at] as usize;
+        at += 1;
+        let forms: Vec<u64> = (0..pairs).map(|_| (uleb(section, &mut at), uleb(section, &mut at)).1).collect();
+        if list == "files" {
+            assert!(section[at] > 1 && section[at] < 0x80, "files: {}", section[at]);
+            section[at] = 1;
+            return;
+        }
+        for _ in 0..uleb(section, &mut at) {
+            for form in &forms {
+                match form {
+                    0x1f | 0x0e => at += 4,               // DW_FORM_line_strp, DW_FORM_strp
+                    0x0b => at += 1,                      // DW_FORM_data1
+                    0x05 => at += 2,                      // DW_FORM_data2
+                    0x1e => at += 16,                     // DW_FORM_data16
+                    0x0f => drop(uleb(section, &mut at)), // DW_FORM_udata
+                    0x08 => at += section[at..].iter().position(|&b| b == 0).unwrap() + 1, // DW_FORM_string
+                    other => panic!("directory form {other:#x}"),
+                }
+            }
+        }
+    }
+}
+
 fn objcopy(args: &[&std::ffi::OsStr]) {
     assert!(Command::new("objcopy").args(args).status().unwrap().success(), "objcopy {args:?}");
 }
