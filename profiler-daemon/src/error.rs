@@ -18,6 +18,8 @@ pub enum UserError {
     KernelThread(u32),
     #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)")]
     NoAllocator { pid: u32, detail: String },
+    #[error("pid {0} runs under valgrind, which runs its code translated: memprof's breakpoints would stop it (SIGTRAP); it is not traced, valgrind's own leak check is the tool for it")]
+    UnderValgrind(u32),
     #[error("no otel_memory USDT probes and no Go runtime in the files of {target}: --usdt records only what an allocator's own sampler reports, through otel_memory:alloc and otel_memory:free probes or Go's runtime; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
     NoUsdtProbes { target: String },
     #[error("{target} is a Go program without cgo whose {samples_nothing}, and it has no allocator memprof probes: {set_the_rate}, or trace it with {other_modes} (docs: guide/usdt.md#go-programs)",

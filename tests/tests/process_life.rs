@@ -658,3 +658,24 @@ fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
     drop(fixture.stdin.take());
     assert!(fixture.wait().expect("waiting for pid_reuse").success());
 }
+
+/// A program under valgrind runs its code translated, breakpoints included: a breakpoint of
+/// memprof's would stop it with SIGTRAP. `attach` refuses it in one line, and it runs on to its
+/// end as if memprof had not been asked.
+#[test]
+fn a_program_under_valgrind_is_refused_and_runs_on() {
+    let mut valgrind = Command::new("valgrind");
+    valgrind.args(["-q", "--leak-check=no"]).arg(fixture("short_prog")).arg("--wait");
+    let mut target = Waiting::start_command(valgrind);
+    let pid = target.pid().to_string();
+    let outcome = memprof(&["attach", "--pid", &pid, "--duration", "1"]);
+    assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
+    assert!(
+        outcome.stderr.trim_end().ends_with(&format!("pid {pid} runs under valgrind, which runs its code translated: memprof's breakpoints would stop it (SIGTRAP); it is not traced, valgrind's own leak check is the tool for it")),
+        "{}",
+        outcome.stderr
+    );
+    target.go();
+    let status = target.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}

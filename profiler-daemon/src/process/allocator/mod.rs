@@ -181,6 +181,9 @@ impl RuntimeOnly {
 /// `find`, which accepts a process with only a runtime's allocator as `runtime_only` says.
 pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserError> {
     let mut candidates = procfs::mapped_files(pid)?;
+    if candidates.iter().any(|file| is_valgrind_preload(&file.path)) {
+        return Err(UserError::UnderValgrind(pid));
+    }
     // Only files with code mapped: a file mapped for reading only (a C library's debug file that
     // a symbolizer reads, as memprof's daemon does) defines malloc too, but never runs.
     let running = procfs::file_mappings(pid).map_err(|err| procfs::maps_error(pid, err))?;
@@ -215,6 +218,13 @@ pub fn unprobed_in_new_files(pid: u32, scanned: &mut HashSet<String>) -> Vec<Bli
         spots.extend(scan.into_iter().flat_map(|scan| scan.unprobed));
     }
     spots
+}
+
+/// valgrind's libraries preloaded into the program it runs (`vgpreload_memcheck-amd64-linux.so`):
+/// valgrind runs the program's code translated, breakpoints included, and a breakpoint of
+/// memprof's stops it with SIGTRAP.
+fn is_valgrind_preload(path: &str) -> bool {
+    path.rsplit('/').next().is_some_and(|name| name.starts_with("vgpreload_"))
 }
 
 /// What one file holds: allocator entry points to probe, and allocators memprof does not probe.
