@@ -126,7 +126,8 @@ fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
     let daemon = daemon_with("cap", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
     let stalls: Vec<TcpStream> = (0..4).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\n")).collect();
     std::thread::sleep(Duration::from_millis(500));
-    // Every slot is held by a stalled client: this scrape waits until the first is cut off.
+    // Every slot is held by a stalled client: this scrape waits until the oldest gives its slot
+    // up (it has no answer under way) or is cut off.
     let (code, text) = http_get(daemon.port, "/metrics").expect("the scrape waits its turn, then is served");
     assert_eq!(code, 200);
     assert!(text.contains("memprof_build_info"), "{text}");
@@ -134,7 +135,51 @@ fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
         assert_closed(stream);
     }
     assert!(metric(daemon.port, "memprof_http_connections_queued_total") >= 1);
-    assert_eq!(refused(daemon.port, "header_timeout"), 4);
+    let (cut_off, gave_up) = (refused(daemon.port, "header_timeout"), refused(daemon.port, "gave_up_slot"));
+    assert_eq!(cut_off + gave_up, 4, "{cut_off} cut off, {gave_up} gave their slot up");
+}
+
+/// Every slot held by a client that keeps its connections alive with a request a second, never
+/// idle for `header_timeout`: a scrape has the oldest close once its answer is sent, and is
+/// served while they go on, where it waited for as long as they liked.
+#[test]
+fn connections_kept_alive_by_requests_give_their_slots_to_a_scrape() {
+    let _serial = serial();
+    let held = target();
+    let daemon = daemon_with("alive", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let port = daemon.port;
+    let holders: Vec<_> = (0..4)
+        .map(|_| {
+            let stop = stop.clone();
+            let mut stream = stalled(port, "");
+            std::thread::spawn(move || {
+                let mut answer = [0; 4096];
+                // Returns whether the server closed the connection: one more request once told
+                // to stop tells.
+                loop {
+                    let asked = stream.write_all(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n");
+                    if asked.is_err() || matches!(stream.read(&mut answer), Ok(0) | Err(_)) {
+                        return true;
+                    }
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return false;
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            })
+        })
+        .collect();
+    // Asked as root on the socket, whose slots are apart: the port's four and this one.
+    wait_for(20, "the four slots to be held", || {
+        daemon.get("/metrics")?.1.contains("memprof_http_connections_open 5").then_some(())
+    });
+    let (code, _) = http_get(port, "/metrics").expect("the scrape is served while they go on");
+    assert_eq!(code, 200);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let closed = holders.into_iter().map(|holder| holder.join().unwrap()).filter(|&closed| closed).count();
+    assert!(closed >= 1, "no holder gave its slot up");
+    assert!(refused(port, "gave_up_slot") >= 1);
 }
 
 /// A local user may connect from any address of 127.0.0.0/8, each under its share, and so fill

@@ -14,6 +14,7 @@ mod http;
 mod metrics;
 mod notify;
 mod query;
+mod seats;
 mod server;
 mod settled;
 mod slots;

@@ -31,7 +31,7 @@ use serde::Deserialize;
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
-    sync::{OwnedSemaphorePermit, Semaphore},
+    sync::oneshot,
 };
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
@@ -39,6 +39,7 @@ use tracing::{debug, warn};
 use super::{
     access,
     deadline::{classify, Deadline, State},
+    seats::{Seat, Seats},
 };
 use crate::{
     cli,
@@ -144,10 +145,12 @@ pub enum Refusal {
     /// A path that shows or acts on processes, asked without credentials by a client the
     /// socket does not trust: 403.
     Forbidden,
+    /// A connection closed after its answer to give its slot to one waiting (see `seats`).
+    GaveUpSlot,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 13] = [
+    pub const ALL: [Refusal; 14] = [
         Refusal::AcceptFailed,
         Refusal::TlsHandshake,
         Refusal::IdleTimeout,
@@ -161,6 +164,7 @@ impl Refusal {
         Refusal::ClientLimit,
         Refusal::AuthBusy,
         Refusal::Forbidden,
+        Refusal::GaveUpSlot,
     ];
 
     pub fn name(self) -> &'static str {
@@ -178,6 +182,7 @@ impl Refusal {
             Refusal::ClientLimit => "client_limit",
             Refusal::AuthBusy => "auth_busy",
             Refusal::Forbidden => "forbidden",
+            Refusal::GaveUpSlot => "gave_up_slot",
         }
     }
 }
@@ -211,10 +216,10 @@ pub struct Listeners {
     access: Arc<access::Settings>,
     clients: Clients,
     /// `max_connections`, for every connection but those the socket trusts.
-    shared: Arc<Semaphore>,
+    shared: Seats,
     /// Slots only root and `access.group` take, on the socket: however many addresses a local
     /// user connects from, the shared slots they fill cannot keep root's `inspect` waiting.
-    trusted: Arc<Semaphore>,
+    trusted: Seats,
 }
 
 impl Listeners {
@@ -231,8 +236,8 @@ impl Listeners {
             stats,
             access,
             clients: Clients::new(settings.max_connections_per_client),
-            shared: Arc::new(Semaphore::new(settings.max_connections)),
-            trusted: Arc::new(Semaphore::new(settings.max_connections_per_client)),
+            shared: Seats::new(settings.max_connections),
+            trusted: Seats::new(settings.max_connections_per_client),
             settings: Arc::new(settings),
         }
     }
@@ -253,8 +258,8 @@ impl Listeners {
             let Some((stream, peer)) = self.accepted(listener.accept().await).await else { continue };
             let client = Client { id: ClientId::Address(peer.ip()), local: None };
             let Some(share) = self.share(client.id) else { continue };
-            let slot = wait_for_slot(self.shared.clone(), &self.stats).await;
-            tokio::spawn(self.connection(client, share).run(stream, slot, self.tls.clone()));
+            let seat = wait_for_seat(&self.shared, &self.stats).await;
+            tokio::spawn(self.connection(client, share).run(stream, seat, self.tls.clone()));
         }
     }
 
@@ -266,15 +271,15 @@ impl Listeners {
         loop {
             let accepted = socket.accept().await.and_then(|(stream, _)| Ok((peer::credentials(&stream)?, stream)));
             let Some((peer, stream)) = self.accepted(accepted).await else { continue };
-            let slots = if self.access.trusts(&peer) { &self.trusted } else { &self.shared };
-            let slots = slots.clone();
+            let seats = if self.access.trusts(&peer) { &self.trusted } else { &self.shared };
+            let seats = seats.clone();
             let client = Client { id: ClientId::User(peer.uid), local: Some(peer) };
             let Some(share) = self.share(client.id) else { continue };
             let connection = self.connection(client, share);
             // Local: no TLS, nothing between the two ends to read it.
             tokio::spawn(async move {
-                let slot = wait_for_slot(slots, &connection.stats).await;
-                connection.run(stream, slot, None).await
+                let seat = wait_for_seat(&seats, &connection.stats).await;
+                connection.run(stream, seat, None).await
             });
         }
     }
@@ -316,15 +321,9 @@ impl Listeners {
     }
 }
 
-/// A slot of `slots`, waiting (counted) when none is free.
-async fn wait_for_slot(slots: Arc<Semaphore>, stats: &Stats) -> OwnedSemaphorePermit {
-    match slots.clone().try_acquire_owned() {
-        Ok(slot) => slot,
-        Err(_) => {
-            stats.queued.fetch_add(1, Ordering::Relaxed);
-            slots.acquire_owned().await.expect("the semaphore is never closed")
-        }
-    }
+/// A slot of `seats`, waiting (counted) when none is free.
+async fn wait_for_seat(seats: &Seats, stats: &Stats) -> Seat {
+    seats.take(|| _ = stats.queued.fetch_add(1, Ordering::Relaxed)).await
 }
 
 struct Connection {
@@ -392,20 +391,21 @@ impl Drop for Share {
 }
 
 impl Connection {
-    /// Serves `stream` while holding `_slot`.
+    /// Serves `stream` while holding `seat`.
     async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         self,
         stream: S,
-        _slot: OwnedSemaphorePermit,
+        seat: Seat,
         tls: Option<TlsAcceptor>,
     ) {
+        let Seat { _slot, mut give_up } = seat;
         self.stats.open.fetch_add(1, Ordering::Relaxed);
         let state = Arc::new(State::default());
         let stream = Deadline::new(stream, self.settings.write_timeout, state.clone());
         let result = match tls {
-            None => self.http(stream).await,
+            None => self.http(stream, &mut give_up).await,
             Some(tls) => match tokio::time::timeout(self.settings.header_timeout, tls.accept(stream)).await {
-                Ok(Ok(stream)) => self.http(stream).await,
+                Ok(Ok(stream)) => self.http(stream, &mut give_up).await,
                 Ok(Err(err)) => {
                     debug!("http: TLS handshake failed: {err}");
                     self.stats.refuse(Refusal::TlsHandshake);
@@ -426,14 +426,32 @@ impl Connection {
         self.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
 
-    async fn http<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(&self, stream: S) -> Result<(), hyper::Error> {
+    /// Serves HTTP on `stream` until the client is done, or, asked to `give_up` its slot, until
+    /// the answer under way is sent.
+    async fn http<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+        &self,
+        stream: S,
+        give_up: &mut oneshot::Receiver<()>,
+    ) -> Result<(), hyper::Error> {
         let buffer = (self.settings.max_header_bytes + 1024).max(MIN_BUFFER);
-        http1::Builder::new()
+        let connection = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(self.settings.header_timeout)
             .max_header_size(self.settings.max_header_bytes)
             .max_buf_size(buffer)
-            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(self.app.clone()))
-            .await
+            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(self.app.clone()));
+        tokio::pin!(connection);
+        tokio::select! {
+            served = connection.as_mut() => served,
+            Ok(()) = give_up => {
+                connection.as_mut().graceful_shutdown();
+                let served = connection.await;
+                // A connection cut off meanwhile (a stalled request head) is counted for that.
+                if served.is_ok() {
+                    self.stats.refuse(Refusal::GaveUpSlot);
+                }
+                served
+            }
+        }
     }
 }
