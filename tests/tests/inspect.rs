@@ -265,7 +265,7 @@ fn a_copy_made_while_a_thread_relinks_a_list_classes_as_a_single_stop() {
     assert_eq!(classes[1], classes[2]);
 }
 
-/// A process that reserved 8 GiB ahead and wrote 32 MiB of it, as a JVM or jemalloc does, inspected
+/// A process that reserved 2 GiB ahead and wrote 32 MiB of it, as a JVM or jemalloc does, inspected
 /// by memprof under a memory cgroup of 1 GiB: memprof copies (and holds) the pages that hold data,
 /// not the reservation, and classes its blocks as a single stop would. Copied whole, the
 /// reservation was refused as larger than the room memprof has, or, pre-copied, written with

@@ -43,7 +43,7 @@ impl Image {
         let mut segments = Vec::with_capacity(regions.len());
         for region in regions {
             let data = data_runs(&pagemap, region)?;
-            let bytes = zeroed((region.end - region.start) as usize, &data);
+            let bytes = zeroed((region.end - region.start) as usize, &data)?;
             segments.push(Segment { start: region.start, bytes, data });
         }
         let runs: Vec<Runs> = segments.iter().map(|s| s.data.clone()).collect();
@@ -84,7 +84,8 @@ fn data_runs(pagemap: &Pagemap, region: &Region) -> io::Result<Runs> {
     if region.shared {
         return Ok(vec![(0, (end - start) as usize)]);
     }
-    Ok(pagemap::runs(&pagemap.entries(start, end)?, start, end, |_, entry| pagemap::holds_data(entry)))
+    let [data] = pagemap.runs_where(start, end, [&|_, entry| pagemap::holds_data(entry)])?;
+    Ok(data)
 }
 
 /// The bytes a copy of `regions` of `pid` would read now, and hold: a mapping reserved ahead
@@ -105,8 +106,22 @@ const HUGE: usize = 2 << 20;
 /// huge pages when at least half of them will be (the runs of `data`): one page fault per 2 MiB
 /// instead of per 4 KiB. Page faults took most of a copy's time on a VM
 /// (docs: performance.md#measurements-behind-design-choices).
-pub fn zeroed(len: usize, data: &[(usize, usize)]) -> Vec<u8> {
-    let bytes = vec![0u8; len];
+pub fn zeroed(len: usize, data: &[(usize, usize)]) -> io::Result<Vec<u8>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(io::Error::other)?;
+    // SAFETY: `layout` is of `len` bytes, not 0. A mapping of terabytes reserved ahead may find
+    // no room even for pages never touched: an error, where `vec!` would abort.
+    let start = unsafe { std::alloc::alloc_zeroed(layout) };
+    if start.is_null() {
+        return Err(io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("no room for a copy of a mapping of {} MiB", len >> 20),
+        ));
+    }
+    // SAFETY: `len` zeroed bytes from the global allocator with `layout`, which the Vec frees.
+    let bytes = unsafe { Vec::from_raw_parts(start, len, len) };
     let written: usize = data.iter().map(|(_, len)| len).sum();
     if len >= HUGE && written >= len / 2 {
         let start = (bytes.as_ptr() as usize).next_multiple_of(PAGE as usize);
@@ -114,7 +129,7 @@ pub fn zeroed(len: usize, data: &[(usize, usize)]) -> Vec<u8> {
         // SAFETY: advice on whole pages of a buffer we own; it changes none of its bytes.
         unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
-    bytes
+    Ok(bytes)
 }
 
 /// Reads, for each segment, its runs (offset, length) of `pid`'s memory into it; returns the

@@ -152,6 +152,40 @@ pub fn runs(entries: &[u64], start: u64, end: u64, wanted: impl Fn(usize, u64) -
     runs
 }
 
+/// Entries read at once by `runs_where`: a mapping reserved ahead can be terabytes (ASan's
+/// shadow memory), whose entries, 8 bytes a page, would not fit in memory whole.
+const ENTRIES_AT_ONCE: u64 = 1 << 16;
+
+impl Pagemap {
+    /// For each of `wanted`, the runs of pages (offset from `start`, length) from `start` to
+    /// `end` whose entry it accepts (called with the page's number from `start` and its entry);
+    /// the last run cut at `end`. Read a bounded number of entries at a time.
+    pub fn runs_where<const N: usize>(
+        &self,
+        start: u64,
+        end: u64,
+        wanted: [&dyn Fn(usize, u64) -> bool; N],
+    ) -> io::Result<[Vec<(usize, usize)>; N]> {
+        let mut all: [Vec<(usize, usize)>; N] = std::array::from_fn(|_| Vec::new());
+        let mut at = start;
+        while at < end {
+            let to = end.min(at.saturating_add(ENTRIES_AT_ONCE * PAGE));
+            let entries = self.entries(at, to)?;
+            let (first_page, base) = (((at - start) / PAGE) as usize, (at - start) as usize);
+            for (runs, wanted) in all.iter_mut().zip(wanted) {
+                for (offset, len) in self::runs(&entries, at, to, |page, entry| wanted(first_page + page, entry)) {
+                    match runs.last_mut() {
+                        Some((last, last_len)) if *last + *last_len == base + offset => *last_len += len,
+                        _ => runs.push((base + offset, len)),
+                    }
+                }
+            }
+            at = to;
+        }
+        Ok(all)
+    }
+}
+
 /// The runs (offset, length) in both `a` and `b`, each sorted and apart.
 pub fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> Vec<(usize, usize)> {
     let (mut i, mut j, mut both) = (0, 0, Vec::new());
@@ -192,6 +226,23 @@ mod tests {
         assert_eq!(overlap(&[(0, 10), (20, 10)], &[(5, 20)]), [(5, 5), (20, 5)]);
         assert_eq!(overlap(&[(0, 10)], &[(10, 5)]), []);
         assert_eq!(overlap(&[], &[(0, 5)]), []);
+    }
+
+    #[test]
+    fn runs_read_a_bounded_number_of_entries_at_a_time_are_whole() {
+        // Our own memory: a buffer of ENTRIES_AT_ONCE + 3 pages, every page written.
+        let len = ((ENTRIES_AT_ONCE + 3) * PAGE) as usize;
+        let buffer = vec![1u8; len + PAGE as usize];
+        let start = (buffer.as_ptr() as u64).next_multiple_of(PAGE);
+        let pagemap = Pagemap::open(std::process::id()).unwrap();
+        let [all, odd] = pagemap
+            .runs_where(start, start + len as u64, [&|_, entry| holds_data(entry), &|page, _| page % 2 == 1])
+            .unwrap();
+        assert_eq!(all, [(0, len)]);
+        assert_eq!(odd.len(), (ENTRIES_AT_ONCE as usize + 3) / 2);
+        assert_eq!(odd[0], (PAGE as usize, PAGE as usize));
+        assert_eq!(*odd.last().unwrap(), (len - 2 * PAGE as usize, PAGE as usize));
+        drop(buffer);
     }
 
     #[test]

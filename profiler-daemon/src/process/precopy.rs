@@ -100,7 +100,7 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
             _ => stale_runs(&pagemap, region, kept, tracking)?,
         };
         if kept == 0 {
-            bytes = image::zeroed((end - start) as usize, &reread);
+            bytes = image::zeroed((end - start) as usize, &reread)?;
         } else {
             bytes.resize((end - start) as usize, 0);
         }
@@ -123,7 +123,6 @@ fn bring_up_to_date(pid: u32, old: Image, regions: &[Region], tracking: &Trackin
 /// grown into).
 fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracking) -> io::Result<Stale> {
     let (start, end) = (region.start, region.end);
-    let entries = pagemap.entries(start, end)?;
     let stale = |page: usize, entry: u64| {
         page * PAGE as usize >= kept
             || match tracking {
@@ -134,12 +133,11 @@ fn stale_runs(pagemap: &Pagemap, region: &Region, kept: usize, tracking: &Tracki
                 }
             }
     };
-    let reread = pagemap::runs(&entries, start, end, |page, entry| {
-        region.shared || (stale(page, entry) && pagemap::holds_data(entry))
-    });
-    let empty = pagemap::runs(&entries, start, end, |page, entry| {
+    let reread = |page, entry| region.shared || (stale(page, entry) && pagemap::holds_data(entry));
+    let empty = |page, entry| {
         !region.shared && page * (PAGE as usize) < kept && stale(page, entry) && !pagemap::holds_data(entry)
-    });
+    };
+    let [reread, empty] = pagemap.runs_where(start, end, [&reread, &empty])?;
     Ok((reread, empty))
 }
 
