@@ -20,6 +20,8 @@ pub enum UserError {
     NoAllocator { pid: u32, detail: String },
     #[error("pid {0} runs under valgrind, which runs its code translated: memprof's breakpoints would stop it (SIGTRAP); it is not traced, valgrind's own leak check is the tool for it")]
     UnderValgrind(u32),
+    #[error("{} is valgrind, which runs its program translated: memprof's breakpoints, which its probes keep through the exec, would stop it (SIGTRAP); run the program under memprof, or under valgrind alone", .0.display())]
+    ValgrindCommand(PathBuf),
     #[error("no otel_memory USDT probes and no Go runtime in the files of {target}: --usdt records only what an allocator's own sampler reports, through otel_memory:alloc and otel_memory:free probes or Go's runtime; use an allocator built with them, or leave out --usdt (every call, or --sample-bytes N)")]
     NoUsdtProbes { target: String },
     #[error("{target} is a Go program without cgo whose {samples_nothing}, and it has no allocator memprof probes: {set_the_rate}, or trace it with {other_modes} (docs: guide/usdt.md#go-programs)",

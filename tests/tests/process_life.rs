@@ -661,7 +661,7 @@ fn a_pid_reused_between_two_discovery_passes_is_a_new_process() {
 
 /// A program under valgrind runs its code translated, breakpoints included: a breakpoint of
 /// memprof's would stop it with SIGTRAP. `attach` refuses it in one line, and it runs on to its
-/// end as if memprof had not been asked.
+/// end as if memprof had not been asked; `run` refuses to start valgrind.
 #[test]
 fn a_program_under_valgrind_is_refused_and_runs_on() {
     let mut valgrind = Command::new("valgrind");
@@ -678,4 +678,8 @@ fn a_program_under_valgrind_is_refused_and_runs_on() {
     target.go();
     let status = target.child.wait().unwrap();
     assert!(status.success(), "{status}");
+    // Nor is valgrind started under `run`: the probes kept through its exec would stop it.
+    let outcome = memprof(&["run", "--", "valgrind", "-q", "true"]);
+    assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
+    assert!(outcome.stderr.contains("is valgrind, which runs its program translated"), "{}", outcome.stderr);
 }

@@ -157,6 +157,9 @@ pub async fn run(
     }
     let mut opened = Opened::open(args)?;
     let (program, command) = target::as_a_shell_starts(target::resolve_program(&command[0])?, command);
+    if allocator::runs_valgrind(&program) {
+        return Err(UserError::ValgrindCommand(program).into());
+    }
     loader::check_support()?;
     let (Means { args, mut allocator, sites, beside_calls }, files) = means::of_command(args, &program)?;
     let args = &args;

@@ -181,7 +181,8 @@ impl RuntimeOnly {
 /// `find`, which accepts a process with only a runtime's allocator as `runtime_only` says.
 pub fn find_with(pid: u32, runtime_only: RuntimeOnly) -> Result<Allocator, UserError> {
     let mut candidates = procfs::mapped_files(pid)?;
-    if candidates.iter().any(|file| is_valgrind_preload(&file.path)) {
+    let valgrind_tool = procfs::exe_path(pid).is_some_and(|exe| is_valgrind_tool(&exe));
+    if valgrind_tool || candidates.iter().any(|file| is_valgrind_preload(&file.path)) {
         return Err(UserError::UnderValgrind(pid));
     }
     // Only files with code mapped: a file mapped for reading only (a C library's debug file that
@@ -225,6 +226,20 @@ pub fn unprobed_in_new_files(pid: u32, scanned: &mut HashSet<String>) -> Vec<Bli
 /// memprof's stops it with SIGTRAP.
 fn is_valgrind_preload(path: &str) -> bool {
     path.rsplit('/').next().is_some_and(|name| name.starts_with("vgpreload_"))
+}
+
+/// Whether `program` is valgrind's launcher (`/usr/bin/valgrind`) or one of its tools.
+pub fn runs_valgrind(program: &Path) -> bool {
+    program.file_name().is_some_and(|name| name == "valgrind") || is_valgrind_tool(&program.to_string_lossy())
+}
+
+/// A valgrind tool, which runs a program in its own process (`/usr/libexec/valgrind/memcheck-amd64-linux`):
+/// the program's files are mapped in it, its C library among them, and breakpoints of memprof's
+/// there would stop it (see `is_valgrind_preload`).
+pub fn is_valgrind_tool(path: &str) -> bool {
+    let path = Path::new(path);
+    let in_valgrind = path.parent().and_then(Path::file_name).is_some_and(|dir| dir == "valgrind");
+    in_valgrind && path.file_name().is_some_and(|name| name.to_string_lossy().ends_with("-linux"))
 }
 
 /// What one file holds: allocator entry points to probe, and allocators memprof does not probe.
