@@ -406,6 +406,7 @@ impl SymbolizerThread {
         let file = mapping.open(pid)?;
         let file = Arc::new(OpenFile {
             debug_info: AtomicBool::new(debug_info_is_safe(&file)),
+            unreadable: AtomicBool::new(false),
             file,
             clones: OnceLock::new(),
             build_id: OnceLock::new(),
@@ -503,18 +504,26 @@ impl SymbolizerThread {
                 self.symbolizer.symbolize_single(&source, Input::FileOffset(file_offset)).ok()
             }))
         };
-        let debug_info = module.file.debug_info.load(Ordering::Relaxed);
-        match attempt(debug_info) {
-            Ok(symbolized) => symbolized,
-            Err(_) if debug_info => {
-                module.file.debug_info.store(false, Ordering::Relaxed);
-                tracing::warn!(
-                    "{path}: its debugging information could not be read: its frames are named from its symbol table, without source lines"
-                );
-                attempt(false).ok().flatten()
-            }
-            Err(_) => None,
+        if module.file.unreadable.load(Ordering::Relaxed) {
+            return None;
         }
+        let debug_info = module.file.debug_info.load(Ordering::Relaxed);
+        if let Ok(symbolized) = attempt(debug_info) {
+            return symbolized;
+        }
+        if debug_info {
+            module.file.debug_info.store(false, Ordering::Relaxed);
+            tracing::warn!(
+                "{path}: its debugging information could not be read: its frames are named from its symbol table, without source lines"
+            );
+            if let Ok(symbolized) = attempt(false) {
+                return symbolized;
+            }
+        }
+        // Not asked again: each panic would be said on standard error.
+        module.file.unreadable.store(true, Ordering::Relaxed);
+        tracing::warn!("{path}: its symbols could not be read: its frames are not named");
+        None
     }
 
     /// Addresses in no file mapping: a JIT's code (in an executable anonymous mapping, or in a
@@ -559,6 +568,8 @@ struct OpenFile {
     /// Whether blazesym may read its debug information: where it is safe to
     /// (`debug_info_is_safe`), until it made blazesym fail (`symbolize_offset`).
     debug_info: AtomicBool,
+    /// Its symbol table made blazesym fail too: its frames go unnamed.
+    unreadable: AtomicBool,
     /// Read when a frame is first named from its debug information.
     clones: OnceLock<Clones>,
     /// Read when first asked for, once for every process that maps the file: pprof names code

@@ -2,10 +2,11 @@
 //! file (the C library, a shell, an interpreter's library, at every exec and attach) does not
 //! read it again.
 //!
-//! A file is opened once (`Opened`) for what memprof reads of it and for the probes the kernel
-//! puts in it: the path a traced process names may name another file between the two (it can
-//! map another file at the same place, or put one at the same path), and a probe placed by
-//! offsets read in one file would land mid-instruction in the other.
+//! What is read of a file is kept by the identity of the descriptor it was read through
+//! (`Opened`), and the kernel probes a file through a descriptor checked to be that same file:
+//! the path a traced process names may name another file between the two (it can map another
+//! file at the same place, or put one at the same path), and a probe placed by offsets read in
+//! one file would land mid-instruction in the other.
 
 use std::{
     collections::HashMap,

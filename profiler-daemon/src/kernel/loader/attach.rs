@@ -304,8 +304,8 @@ impl Loaded {
                 .collect();
             (allocs, frees)
         };
-        // Each file opened once for all its links, and only if it is the file whose entry points
-        // were read: its path may name another by now.
+        // Each file opened for all its links, and only if it is the file whose entry points were
+        // read: its path may name another by now.
         let opened = allocator
             .files
             .iter()

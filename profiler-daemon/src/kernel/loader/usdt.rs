@@ -140,12 +140,12 @@ impl Loaded {
                 in_file.iter().map(|(site, cookie)| Point { offset: site.offset, cookie: *cookie }).collect();
             let semaphores: Vec<u64> = in_file.iter().map(|(site, _)| site.semaphore.unwrap_or(0)).collect();
             let semaphores = if semaphores.iter().all(|&offset| offset == 0) { Vec::new() } else { semaphores };
-            let link = uprobe_multi::attach_with_semaphores(program, path, &points, &semaphores, Fires::AtEntry, pid)
-                .with_context(|| context(path))?;
             // A process's own links put breakpoints in it alone: a file swapped meanwhile at
             // `path` harms no other (the shared links of allocator files are placed by
             // descriptor, `Attachment::add`).
             let id = FileId::of(path).with_context(|| context(path))?;
+            let link = uprobe_multi::attach_with_semaphores(program, path, &points, &semaphores, Fires::AtEntry, pid)
+                .with_context(|| context(path))?;
             attachment.add_usdt_link(link, (path, id), points.iter().map(|point| point.offset).collect());
         }
         Ok(())
