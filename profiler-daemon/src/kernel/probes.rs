@@ -303,8 +303,11 @@ impl Attachment {
         let at_return = matches!(program.kind(), ProbeKind::Return);
         let wave = Wave::of(name, at_return);
         let context = || format!("attaching {name} to {}", path.display());
-        // The kernel finds the file through memprof's descriptor: the very file read.
-        let kernel_path = &file.kernel_path();
+        // Links of every process's find the file through memprof's descriptor, the very file
+        // read: a path swapped since would put the offsets read in one file into every process
+        // that maps another. A process's own links name it by its path, which the process
+        // controls: a swap there harms no other process.
+        let kernel_path = &if pid.is_some() { path.to_path_buf() } else { file.kernel_path() };
         let own = pid.is_some();
         match method {
             Method::Sessions | Method::MultiLinks => {
@@ -386,9 +389,8 @@ pub fn sweep_copies<'a>(
         for ((path, id), offsets) in by_file {
             let points: Vec<Point> = offsets.into_iter().map(|offset| Point { offset, cookie: 0 }).collect();
             // Only into the file probed: its path may name another by now.
-            let attached = Opened::open_same(path, id).and_then(|file| {
-                uprobe_multi::attach(program.as_fd(), &file.kernel_path(), &points, Fires::AtEntry, pid.get())
-            });
+            let attached = Opened::open_same(path, id)
+                .and_then(|_| uprobe_multi::attach(program.as_fd(), path, &points, Fires::AtEntry, pid.get()));
             match attached {
                 Ok(link) => links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries }),
                 // Gone since, say: its children are swept with those of the next.

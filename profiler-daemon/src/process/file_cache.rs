@@ -3,10 +3,10 @@
 //! read it again.
 //!
 //! What is read of a file is kept by the identity of the descriptor it was read through
-//! (`Opened`), and the kernel probes a file through a descriptor checked to be that same file:
-//! the path a traced process names may name another file between the two (it can map another
-//! file at the same place, or put one at the same path), and a probe placed by offsets read in
-//! one file would land mid-instruction in the other.
+//! (`Opened`), and probes go only into a file checked to be that same one (links shared by every
+//! process go through the descriptor itself): the path a traced process names may name another
+//! file between the two (it can map another file at the same place, or put one at the same
+//! path), and a probe placed by offsets read in one file would land mid-instruction in the other.
 
 use std::{
     collections::HashMap,
