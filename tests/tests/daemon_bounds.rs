@@ -1,6 +1,7 @@
 //! The daemon within its bounds whatever the traced processes and the clients do: 65,536 deep
 //! stacks with 64 KiB names under the shipped unit's 1 GiB memory limit while 30 clients ask for
-//! the HTML report and /metrics answers within a second; signals from its first moment.
+//! the HTML report and /metrics answers within a second; signals from its first moment; a process
+//! that holds most of the live table.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -13,7 +14,7 @@ use std::{
 };
 
 use memprof_tests::{
-    cgroup::MemoryCgroup, fixture, http_get, socket_answer, start_heapbench, wait_for, Daemon, Waiting,
+    cgroup::MemoryCgroup, fixture, http_get, metric, site, socket_answer, start_heapbench, wait_for, Daemon, Waiting,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -201,4 +202,57 @@ fn maps_that_can_outgrow_a_memory_cgroup_are_said_at_start() {
     );
     let small = run(&["--max-live", "65536", "--max-stacks", "4096", "--max-unwind-rows", "1048576"]);
     assert!(!small.contains("BPF maps"), "{small}");
+}
+
+/// Waits for the `crowding` fixture to say it holds its blocks.
+fn said_held(fixture: &mut Waiting) {
+    let mut line = String::new();
+    BufReader::new(fixture.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
+    assert_eq!(line, "held\n");
+}
+
+/// The live table is one for every target. A process holding more than half of it is moved to
+/// growth mode once another's allocations find it full; the other's are recorded whole from then
+/// on, and what it lost is said. Alone past half, nobody short of room, it stays exact.
+#[test]
+fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole() {
+    let _serial = serial();
+    let mut holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
+    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
+    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"];
+    let mut daemon = Daemon::start(&args);
+    daemon.wait_traced(holder.pid());
+    daemon.wait_traced(guest.pid());
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
+
+    holder.go();
+    said_held(&mut holder);
+    wait_for(10, "the holder's blocks", || (site(&leaks(&holder_pid), "hold_site") == (300_000, 3000)).then_some(()));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(growth(&holder_pid), Some(0), "moved while no other process was short of room");
+
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the holder moved to its pages", || (growth(&holder_pid)? == 1).then_some(()));
+    let crowded = leaks(&guest_pid);
+    let lost = crowded["dropped"]["live_map_full"].as_u64().expect("live_map_full");
+    assert!(lost > 0, "the guest found the table full: {crowded}");
+    let (_, recorded) = site(&crowded, "first_site");
+    assert_eq!(recorded + lost, 2000, "{crowded}");
+
+    guest.go();
+    said_held(&mut guest);
+    let whole = wait_for(15, "the guest's second blocks", || {
+        let report = leaks(&guest_pid);
+        (site(&report, "second_site") == (400_000, 2000)).then_some(report)
+    });
+    assert_eq!(whole["dropped"]["live_map_full"], lost, "{whole}");
+    assert_eq!(growth(&guest_pid), Some(0));
+    let log = daemon.stopped_log();
+    assert!(
+        log.contains("holds more than half of the live table, and another process's allocations found it full"),
+        "{log}"
+    );
 }

@@ -39,6 +39,8 @@ pub struct KernelSnapshot {
     /// Entries in use in the maps that fill up: (`LIVE`, `STACK_STATS`), all processes together.
     pub live_entries: u64,
     pub stack_stats_entries: u64,
+    /// `live_entries` by process, for every process in `STACK_STATS`, asked about or not.
+    pub live_by_process: HashMap<u32, u64>,
 }
 
 /// One process.
@@ -167,7 +169,9 @@ pub fn read<'a>(
     let current = |tgid: &u32, image: u32| images.get(tgid) == Some(&image);
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, stats: &StackStats| {
         snapshot.stack_stats_entries += 1;
-        snapshot.live_entries += unscale(stats.allocations.saturating_sub(stats.frees));
+        let live = unscale(stats.allocations.saturating_sub(stats.frees));
+        snapshot.live_entries += live;
+        *snapshot.live_by_process.entry(key.tgid).or_default() += live;
         if let Some(process) = snapshot.processes.get_mut(&key.tgid).filter(|_| current(&key.tgid, key.image)) {
             let spans = book.observe(*key, stats, now_ns);
             let mut stack = stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns);

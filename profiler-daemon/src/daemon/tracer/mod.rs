@@ -4,6 +4,7 @@
 //! thread of its own, not on the async runtime. Here its loop; `targets` decides which processes
 //! it traces, `publish` builds the view.
 
+mod crowding;
 mod drop_totals;
 mod means;
 mod publish;
@@ -115,6 +116,8 @@ struct Target {
     /// `unwind::Registry::code_changes`), and nothing else would have them read.
     cut_walks: u64,
     cut_since_read: bool,
+    /// Its allocations that found the live table full, at the last interval (see `crowding`).
+    live_table_full: u64,
     /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
     last_view: Option<(Arc<TargetView>, u64)>,
 }

@@ -13,7 +13,10 @@ use std::{
 use profiler_common::DropReason;
 use tracing::{info, warn};
 
-use super::{InspectFailure, Target, Tracer};
+use super::{
+    crowding::{self, Crowder},
+    InspectFailure, Target, Tracer,
+};
 use crate::{
     daemon::{
         discovery::{self, ProcessId},
@@ -34,6 +37,12 @@ use crate::{
     text,
     unwind::TableUse,
 };
+
+/// Why a process is moved to growth mode.
+enum ToPages {
+    AboveMaxRate { calls_per_second: f64 },
+    Crowding(Crowder),
+}
 
 impl Tracer {
     pub(super) fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
@@ -129,6 +138,8 @@ impl Tracer {
         // Moved to growth mode once this interval's views are built: the switch takes the stacks
         // their calls recorded, which the views name.
         let mut switching = Vec::new();
+        // The targets whose allocations found the live table full since the last read.
+        let mut found_full = Vec::new();
         for target in self.targets.values_mut() {
             if settled.contains(&target.id.pid) {
                 let time_s = still_since_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -159,9 +170,21 @@ impl Tracer {
                     target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
                 }
                 if let Some(switch) = target.rate_guard.check(snapshot) {
-                    switching.push((target.id.pid, switch.calls_per_second));
+                    switching
+                        .push((target.id.pid, ToPages::AboveMaxRate { calls_per_second: switch.calls_per_second }));
                 }
+                let full = snapshot.drops.counts[DropReason::LiveMapFull as usize];
+                if full > target.live_table_full {
+                    found_full.push(target.id.pid);
+                }
+                target.live_table_full = full;
             }
+        }
+        let movable = (self.targets.keys())
+            .filter(|&&pid| self.loaded.blocks_not_kept(pid).is_none() && !switching.iter().any(|(p, _)| *p == pid));
+        let capacity = self.config.maps.max_live.into();
+        if let Some(crowder) = crowding::crowder(capacity, &kernel.live_by_process, movable.copied(), &found_full) {
+            switching.push((crowder.pid, ToPages::Crowding(crowder)));
         }
         // A reload keeps them as loaded (see `Config::keep_read_at_start`).
         let sizes = self.config.maps;
@@ -219,8 +242,8 @@ impl Tracer {
             view.targets.insert(target_view.pid, target_view);
         }
         view.all_drops = self.drops.totals().clone();
-        for (pid, calls_per_second) in switching {
-            self.switch_to_pages(pid, calls_per_second);
+        for (pid, why) in switching {
+            self.switch_to_pages(pid, why);
         }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
@@ -231,7 +254,7 @@ impl Tracer {
 
     /// Traces `pid` by the pages it touches from now on, not its calls: the always-on mode,
     /// whose cost follows its new pages. What its calls recorded goes with them.
-    fn switch_to_pages(&mut self, pid: u32, calls_per_second: f64) {
+    fn switch_to_pages(&mut self, pid: u32, why: ToPages) {
         let Some(target) = self.targets.get_mut(&pid) else { return };
         let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
         if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
@@ -241,12 +264,24 @@ impl Tracer {
         target.probed_files.clear();
         target.leaks = LeakTracker::new(self.config.leak);
         target.known_stacks.forget();
-        warn!(
-            pid,
-            comm = target.comm,
-            calls_per_second,
-            "above max_rate: traced by the pages it touches from now on (growth mode)"
-        );
+        let comm = &target.comm;
+        match why {
+            ToPages::AboveMaxRate { calls_per_second } => warn!(
+                pid,
+                comm,
+                calls_per_second,
+                "above max_rate: traced by the pages it touches from now on (growth mode)"
+            ),
+            ToPages::Crowding(crowder) => warn!(
+                pid,
+                comm,
+                live_entries = crowder.entries,
+                max_live = crowder.capacity,
+                crowded_out = crowder.crowded_out,
+                "holds more than half of the live table, and another process's allocations found it full: \
+                 traced by the pages it touches from now on (growth mode); a larger max_live keeps it traced by its calls"
+            ),
+        }
     }
 
     /// The processes not traced that map a shared-linked file, counted again when the shared

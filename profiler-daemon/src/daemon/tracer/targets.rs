@@ -441,6 +441,7 @@ impl Tracer {
             calls: 0,
             cut_walks: 0,
             cut_since_read: false,
+            live_table_full: 0,
             last_view: None,
         };
         self.targets.insert(id.pid, target);

@@ -1,0 +1,79 @@
+//! The live table (`LIVE`) is one for every traced process. Once one process holds most of it,
+//! the table fills and the others' allocations go unrecorded: that process blinds memprof to the
+//! rest. When another process's allocations find the table full, the one holding more than half
+//! of it is moved to growth mode, which keeps none of its blocks there: the others are traced
+//! whole again, and it is still traced, by the pages it touches.
+
+use std::{cmp::Reverse, collections::HashMap};
+
+/// A process that crowds the others out of the live table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Crowder {
+    pub pid: u32,
+    /// Its entries in the table, of `capacity`.
+    pub entries: u64,
+    pub capacity: u64,
+    /// Another process whose allocations found the table full since the last read.
+    pub crowded_out: u32,
+}
+
+/// The process to move out of the live table, if any: of `movable` (those whose blocks are in
+/// it), the one holding the most entries, when that is more than half of `capacity` and a process
+/// other than it is among `found_full`.
+pub(super) fn crowder(
+    capacity: u64,
+    live_by_process: &HashMap<u32, u64>,
+    movable: impl IntoIterator<Item = u32>,
+    found_full: &[u32],
+) -> Option<Crowder> {
+    let (pid, entries) = movable
+        .into_iter()
+        .map(|pid| (pid, live_by_process.get(&pid).copied().unwrap_or(0)))
+        .max_by_key(|&(pid, entries)| (entries, Reverse(pid)))?;
+    if entries.saturating_mul(2) <= capacity {
+        return None;
+    }
+    let crowded_out = found_full.iter().copied().find(|&other| other != pid)?;
+    Some(Crowder { pid, entries, capacity, crowded_out })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(entries: &[(u32, u64)]) -> HashMap<u32, u64> {
+        entries.iter().copied().collect()
+    }
+
+    #[test]
+    fn the_process_holding_most_of_a_full_table_is_moved_when_another_finds_it_full() {
+        let live = held(&[(10, 700), (20, 300)]);
+        assert_eq!(
+            crowder(1000, &live, [10, 20], &[20]),
+            Some(Crowder { pid: 10, entries: 700, capacity: 1000, crowded_out: 20 })
+        );
+    }
+
+    #[test]
+    fn nobody_is_moved_while_only_the_holder_finds_the_table_full() {
+        // One process alone past the table: raising max_live is the fix, said in its report.
+        assert_eq!(crowder(1000, &held(&[(10, 1000)]), [10], &[10]), None);
+        assert_eq!(crowder(1000, &held(&[(10, 900), (20, 100)]), [10, 20], &[]), None);
+    }
+
+    #[test]
+    fn nobody_is_moved_when_no_process_holds_more_than_half() {
+        let live = held(&[(10, 500), (20, 300), (30, 200)]);
+        assert_eq!(crowder(1000, &live, [10, 20, 30], &[30]), None);
+    }
+
+    #[test]
+    fn a_holder_whose_blocks_are_not_in_the_table_is_not_counted() {
+        // Process 10 is traced by its pages already: its old count is no entry of the table.
+        let live = held(&[(10, 900), (20, 600)]);
+        assert_eq!(
+            crowder(1000, &live, [20, 30], &[30]),
+            Some(Crowder { pid: 20, entries: 600, capacity: 1000, crowded_out: 30 })
+        );
+    }
+}
