@@ -35,13 +35,18 @@ impl FileId {
         let mut fields = line.split_ascii_whitespace();
         let device = fields.nth(3)?;
         let inode: u64 = fields.next()?.parse().ok()?;
-        let (major, minor) = device.split_once(':')?;
-        let (major, minor) = (u32::from_str_radix(major, 16).ok()?, u32::from_str_radix(minor, 16).ok()?);
-        (inode != 0).then(|| Self { device: libc::makedev(major, minor), inode })
+        (inode != 0).then(|| Self::of_maps_fields(device, inode)).flatten()
+    }
+
+    /// The file a maps line's device (`major:minor`, in hex) and inode name.
+    pub fn of_maps_fields(device: &str, inode: u64) -> Option<Self> {
+        let (major, minor) = super::mounts::maps_device(device)?;
+        Some(Self { device: libc::makedev(u32::try_from(major).ok()?, u32::try_from(minor).ok()?), inode })
     }
 }
 
-/// A regular file opened once: what memprof reads of it and what the kernel probes in it.
+/// A regular file, open: what memprof reads of it, and what the kernel probes in it for links
+/// shared by every process (`kernel_path`).
 #[derive(Debug)]
 pub struct Opened {
     file: File,
@@ -71,6 +76,18 @@ impl Opened {
         PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), self.file.as_raw_fd()))
     }
 
+    pub fn into_file(self) -> File {
+        self.file
+    }
+
+    /// Whether this is the file a process's mapping names (`FileId::of_maps_line`). A file on
+    /// overlayfs (a container's image, say) is mapped as the layer's file, whose device `maps`
+    /// shows, while `fstat` gives the overlay's device with the layer file's inode: there the
+    /// inode alone must match.
+    pub fn is_mapped(&self, mapped: FileId) -> bool {
+        self.id() == mapped || (self.meta.ino() == mapped.inode && is_overlay(&self.file))
+    }
+
     /// `path` opened, if it still names the file `expected`.
     pub fn open_same(path: &Path, expected: FileId) -> io::Result<Self> {
         let opened = Self::open(path)?;
@@ -79,6 +96,18 @@ impl Opened {
         }
         Ok(opened)
     }
+}
+
+/// Whether `file` is on overlayfs.
+fn is_overlay(file: &File) -> bool {
+    const OVERLAYFS_SUPER_MAGIC: libc::c_long = 0x794c_7630;
+    let mut stat = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `file` is an open descriptor and `stat` has room for the kernel's answer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstatfs succeeded, so it filled `stat`.
+    unsafe { stat.assume_init() }.f_type == OVERLAYFS_SUPER_MAGIC
 }
 
 /// A file as it is now: another file, or the same one rewritten, has another key.

@@ -2,7 +2,10 @@
 
 use std::{collections::HashMap, fs, io, os::unix::fs::MetadataExt, path::Path};
 
-use super::mounts;
+use super::{
+    file_cache::{FileId, Opened},
+    mounts,
+};
 use crate::{error::UserError, text::printable};
 
 /// A `/proc` file as text. Names in it (a comm, a mapped file's path) are the bytes a process
@@ -386,9 +389,7 @@ impl FileMapping {
     /// mapped (same device and inode): under `/proc/PID/root`, or, once the process is gone (a
     /// short-lived command that exited before memprof read its files), the path itself. Those
     /// paths are the process's to change: it may have put a FIFO, a device or another file
-    /// there since it mapped the file. A file on overlayfs (a container's image, say) is mapped
-    /// as the layer's file, whose device `maps` shows, but `stat` gives the overlay's device
-    /// with the layer file's inode: there the inode alone must match.
+    /// there since it mapped the file (`Opened::is_mapped` says what matches on overlayfs).
     ///
     /// The path itself is looked up in memprof's mounts only where those allow (a process in a
     /// container does not see the host's mount that may hold that path).
@@ -404,12 +405,15 @@ impl FileMapping {
         mounts::MemprofsView::read().may_look(path).then(|| self.open_same(path)).flatten()
     }
 
+    /// The file, as its maps line names it.
+    pub fn id(&self) -> Option<FileId> {
+        FileId::of_maps_fields(&self.device, self.inode)
+    }
+
     /// `path`, opened if it names the file mapped (see `open`).
     fn open_same(&self, path: &Path) -> Option<fs::File> {
-        let file = open_regular(path).ok()?;
-        let meta = file.metadata().ok()?;
-        let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
-        (meta.ino() == self.inode && (device == self.device || is_overlay(&file))).then_some(file)
+        let opened = Opened::open(path).ok()?;
+        opened.is_mapped(self.id()?).then(|| opened.into_file())
     }
 }
 
@@ -423,19 +427,6 @@ pub fn open_regular(path: &Path) -> io::Result<fs::File> {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
     }
     Ok(file)
-}
-
-/// Whether `file` is on overlayfs.
-fn is_overlay(file: &fs::File) -> bool {
-    const OVERLAYFS_SUPER_MAGIC: libc::c_long = 0x794c_7630;
-    use std::os::fd::AsRawFd as _;
-    let mut stat = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: `file` is an open descriptor and `stat` has room for the kernel's answer.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
-        return false;
-    }
-    // SAFETY: fstatfs succeeded, so it filled `stat`.
-    unsafe { stat.assume_init() }.f_type == OVERLAYFS_SUPER_MAGIC
 }
 
 fn parse_maps(text: &str) -> Vec<FileMapping> {
