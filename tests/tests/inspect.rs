@@ -283,6 +283,9 @@ fn a_heap_reserved_ahead_is_copied_by_the_pages_it_holds() {
         let lost = reachability(&report, "lost_block");
         assert_eq!((&lost["definitely_lost_blocks"], &lost["definitely_lost_bytes"]), (&json!(16), &json!(16 * 64)));
         assert_eq!(reachability(&report, "kept_block")["reachable_bytes"], 128, "{precopy}: {inspection}");
+        // The 32 MiB written and the program's other memory, not the 2 GiB reserved.
+        let roots = inspection["root_bytes_scanned"].as_u64().unwrap();
+        assert!((32 << 20..256 << 20).contains(&roots), "{precopy}: {inspection}");
     }
     assert!(group.peak() < 512 << 20, "memprof and the fixture took {} MiB", group.peak() >> 20);
     assert_eq!(group.oom_kills(), 0);

@@ -180,7 +180,8 @@ pub struct Inspection {
     #[serde(default)]
     pub stages: Stages,
     pub threads: usize,
-    /// Bytes of roots (stacks, writable mappings) and of blocks read.
+    /// Bytes of roots (stacks, writable mappings) and of blocks read: pages of a root never
+    /// written hold zeros, and are neither scanned nor counted.
     pub root_bytes_scanned: u64,
     pub block_bytes_scanned: u64,
     /// Bytes of roots or blocks that could not be read (device mappings, pages unmapped).
@@ -323,8 +324,8 @@ fn scan_range(image: &Image, marker: &mut Marker<Target>, start: u64, end: u64, 
     let len = image.from(start).len().min((end - start) as usize);
     for (addr, bytes) in image.data_from(start, len) {
         marker.scan_root(addr, bytes);
+        inspection.root_bytes_scanned += bytes.len() as u64;
     }
-    inspection.root_bytes_scanned += len as u64;
 }
 
 /// The process as the marking reads it: its blocks' bytes from the copy, vtables from the
