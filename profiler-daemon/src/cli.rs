@@ -167,7 +167,7 @@ pub struct ReportArgs {
     /// The moment shown: final (the end), peak (each process when it had the most bytes in use),
     /// or SECONDS after tracing began (the interval nearest them) [default: every report in table
     /// and json, the end in other formats].
-    #[arg(long, value_name = "peak|final|SECONDS", value_parser = moment::moment)]
+    #[arg(long, value_name = "peak|final|SECONDS", allow_negative_numbers = true, value_parser = moment::moment)]
     pub at: Option<Moment>,
     /// Draw a flame graph of this (folded stacks with --format folded).
     #[arg(long, value_enum, value_name = "WHAT")]
@@ -279,10 +279,10 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative_seconds)]
     pub min_age: f64,
     /// Intervals the leak rule looks back over (docs: guide/leaks.md#leak-candidates).
-    #[arg(long, default_value_t = DEFAULT_LEAK.window, value_parser = leak_window)]
+    #[arg(long, default_value_t = DEFAULT_LEAK.window, allow_negative_numbers = true, value_parser = leak_window)]
     pub leak_window: usize,
     /// Lowest leak score (0 to 1) of a leak candidate.
-    #[arg(long, default_value_t = DEFAULT_LEAK.threshold, value_parser = leak_threshold)]
+    #[arg(long, default_value_t = DEFAULT_LEAK.threshold, allow_negative_numbers = true, value_parser = leak_threshold)]
     pub leak_threshold: f64,
     #[command(flatten)]
     pub output: OutputArgs,
@@ -429,10 +429,10 @@ pub struct DaemonArgs {
     #[arg(long)]
     pub pid_labels: bool,
     /// Intervals the leak rule looks back over [default: 6].
-    #[arg(long, value_parser = leak_window)]
+    #[arg(long, allow_negative_numbers = true, value_parser = leak_window)]
     pub leak_window: Option<usize>,
     /// Lowest leak score (0 to 1) of a leak candidate [default: 0.5].
-    #[arg(long, value_parser = leak_threshold)]
+    #[arg(long, allow_negative_numbers = true, value_parser = leak_threshold)]
     pub leak_threshold: Option<f64>,
     #[command(flatten)]
     pub sampling: Sampling,

@@ -342,6 +342,20 @@ fn a_refused_value_names_its_flag_in_one_line() {
         ),
         (&["attach", "-p", "9", "--top", "-1"], "'--top <TOP>': `-1` is not a positive number of stacks"),
         (
+            &["attach", "-p", "9", "--max-rate", "-1"],
+            "'--max-rate <N|off>': `-1` is neither a number of calls a second",
+        ),
+        (&["attach", "-p", "9", "--sample-bytes", "-1"], "'--sample-bytes <N>': `-1` is not a number of bytes"),
+        (
+            &["daemon", "--all", "--leak-window", "-1"],
+            "'--leak-window <LEAK_WINDOW>': `-1` is not a number of intervals",
+        ),
+        (
+            &["attach", "-p", "9", "--leak-threshold", "-0.5"],
+            "'--leak-threshold <LEAK_THRESHOLD>': `-0.5` is not a score",
+        ),
+        (&["report", "--at", "-3", "/dev/null"], "'--at <peak|final|SECONDS>': `-3` is not a number of seconds"),
+        (
             &["attach", "-p", "9", "--interval", "1e-9"],
             "'--interval <INTERVAL>': `0.000000001` is not an interval from 0.1",
         ),

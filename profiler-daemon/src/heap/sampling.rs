@@ -25,12 +25,12 @@ pub const DEFAULT_MAX_RATE: u64 = 50_000;
 pub struct Sampling {
     /// Record one allocation in every N bytes on average (unbiased estimates) instead of every
     /// call: far less work per call. Double frees are then not looked for.
-    #[arg(long, value_name = "N", value_parser = sample_bytes)]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = sample_bytes)]
     pub sample_bytes: Option<u64>,
     /// Switch a process to sampling (the daemon: to growth mode) when it makes more than N
     /// allocator calls a second; `off` records every call whatever the rate [default: 50000 for
     /// attach and the daemon, off for run].
-    #[arg(long, value_name = "N|off", value_parser = max_rate)]
+    #[arg(long, value_name = "N|off", allow_negative_numbers = true, value_parser = max_rate)]
     pub max_rate: Option<MaxRate>,
     /// Trace the heap by the pages it grows into, not by allocator calls: each page of anonymous
     /// memory with the stack that first touched it, until the process gives it back. Costs a
