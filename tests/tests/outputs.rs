@@ -149,8 +149,8 @@ fn a_pipe_or_device_is_written_to_not_replaced() {
 }
 
 /// An output path that is a symbolic link: root's own (as `/dev/stdout` is) leads to its target,
-/// which is replaced while the link stays; another user's is refused, as is a disk's device,
-/// each in one line, before the command runs.
+/// which is replaced while the link stays; another user's is refused, as are a disk's device
+/// and another user's pipe, each in one line, before the command runs.
 #[test]
 fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
     let dir = directory("links");
@@ -169,7 +169,15 @@ fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
     // A loop device's node with no file attached: writing it would fail anyway.
     let disk = dir.join("disk");
     assert!(Command::new("mknod").arg(&disk).args(["b", "7", "250"]).status().unwrap().success());
-    for (output, reason) in [(&theirs, "a symbolic link another user owns"), (&disk, "a block device")] {
+    // Another user's pipe would hand them the report, or keep memprof waiting for a reader.
+    let their_pipe = dir.join("their_pipe");
+    assert!(Command::new("mkfifo").arg(&their_pipe).status().unwrap().success());
+    assert!(Command::new("chown").arg("nobody").arg(&their_pipe).status().unwrap().success());
+    for (output, reason) in [
+        (&theirs, "a symbolic link another user owns"),
+        (&disk, "a block device"),
+        (&their_pipe, "a pipe another user owns"),
+    ] {
         let outcome = memprof(&["run", "--json", "--output", output.to_str().unwrap(), "--", "true"]);
         assert_eq!(outcome.status.code(), Some(1), "{}", outcome.stderr);
         assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);

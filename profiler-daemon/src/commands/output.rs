@@ -4,7 +4,8 @@
 //! allows it, and renamed over it once a report is complete, so an existing file stays as it was
 //! until then: a mistyped pid or a memprof killed midway leaves the previous report whole, never
 //! an empty or half-written one, and (unnamed) no leftover either. Streamed formats (table,
-//! JSON) go on appending through the same descriptor after the rename.
+//! JSON) go on appending through the same descriptor after the rename, each report whole or not
+//! at all.
 
 use std::{
     ffi::CString,
@@ -42,6 +43,8 @@ pub struct ReportFile {
     placed: bool,
     /// `path` is a device or a pipe, written to directly.
     device: bool,
+    /// The bytes of the reports written whole.
+    length: u64,
 }
 
 impl ReportOutput {
@@ -103,6 +106,7 @@ impl ReportFile {
         // `/dev/stdout`'s is): another user's link could lead root's output onto a disk's device.
         // Its target is then written: a rename over the link would replace `/dev/stdout` itself.
         let resolved;
+        let mut through_link = false;
         let path = match fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_symlink() => {
                 // SAFETY: geteuid has no preconditions.
@@ -114,23 +118,29 @@ impl ReportFile {
                     ));
                 }
                 resolved = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+                through_link = true;
                 &resolved
             }
             _ => path,
         };
         // A device or a pipe (`/dev/null`, a FIFO) is written to, never replaced by a file: a
-        // rename over /dev/null leaves the host with a regular file there. Never a disk.
+        // rename over /dev/null leaves the host with a regular file there.
         if let Ok(kind) = fs::metadata(path).map(|meta| meta.file_type()) {
-            if kind.is_block_device() {
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, "a block device; give a file"));
-            }
             if kind.is_dir() {
                 return Err(io::Error::from_raw_os_error(libc::EISDIR));
             }
             if !kind.is_file() {
-                let file = OpenOptions::new().write(true).open(path)?;
+                let file = open_device(path, through_link)?;
                 let path = path.to_path_buf();
-                return Ok(Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true });
+                return Ok(Self {
+                    path,
+                    temporary: PathBuf::new(),
+                    file,
+                    unnamed: false,
+                    placed: true,
+                    device: true,
+                    length: 0,
+                });
             }
         }
         let temporary = temporary_name(path)?;
@@ -151,16 +161,28 @@ impl ReportFile {
                 }
             },
         };
-        Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false, device: false })
+        // A file kept from others (0600) stays so: its replacement gets no permission the old
+        // file lacked, and none it did not have by the umask either.
+        if let Some(old) = fs::symlink_metadata(path).ok().filter(|meta| meta.is_file()) {
+            let mode = file.metadata()?.mode() & old.mode() & 0o777;
+            file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+        }
+        Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false, device: false, length: 0 })
     }
 
     /// Appends a complete report (or record) and puts the file in place.
     pub fn append(&mut self, report: &[u8]) -> io::Result<()> {
-        self.file.write_all(report)?;
-        if !self.device {
-            // On disk before it replaces the old file: a full disk fails here, not after the rename.
-            self.file.sync_data()?;
+        // On disk before it replaces the old file: a full disk fails here, not after the rename.
+        let written =
+            self.file.write_all(report).and_then(|()| if self.device { Ok(()) } else { self.file.sync_data() });
+        if let Err(err) = written {
+            if !self.device {
+                // A report cut short is taken back: the file ends with the last one written whole.
+                let _ = self.file.set_len(self.length);
+            }
+            return Err(err);
         }
+        self.length += report.len() as u64;
         if !self.placed {
             if self.unnamed {
                 self.name()?;
@@ -203,6 +225,36 @@ impl Drop for ReportFile {
     }
 }
 
+/// The device or pipe at `path`, opened for writing. What was checked by its path is checked
+/// again on the file itself: another user may swap the path meanwhile (a FIFO of theirs in /tmp
+/// for a link to a disk or to root's file). So the path is first taken without opening the file
+/// (`O_PATH`), following no link unless `through_link` (the path came through a link the caller
+/// or root owns), and the file it names is checked, then opened through that handle. A pipe must
+/// be the caller's or root's: another user's would hand them the report, or keep memprof
+/// waiting for a reader that never comes.
+fn open_device(path: &Path, through_link: bool) -> io::Result<File> {
+    let no_follow = if through_link { 0 } else { libc::O_NOFOLLOW };
+    let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH | no_follow).open(path)?;
+    let meta = handle.metadata()?;
+    let kind = meta.file_type();
+    if kind.is_block_device() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a block device; give a file"));
+    }
+    if !(kind.is_char_device() || kind.is_fifo() || kind.is_socket()) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "it changed while memprof opened it; give it again"));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !kind.is_char_device() && meta.uid() != me && meta.uid() != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "a pipe another user owns; give a file, or a pipe of yours",
+        ));
+    }
+    // The very file checked, whatever its path names now.
+    OpenOptions::new().write(true).open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+}
+
 /// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
 /// a name no one can take first.
 fn temporary_name(path: &Path) -> io::Result<PathBuf> {
@@ -216,4 +268,28 @@ fn temporary_name(path: &Path) -> io::Result<PathBuf> {
     temporary.push(name);
     temporary.push(format!(".memprof-{:016x}", u64::from_ne_bytes(random)));
     Ok(path.with_file_name(temporary))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What another user may swap in between the check of a path and its open is refused on the
+    /// file opened: a link, or a regular file where a pipe was.
+    #[test]
+    fn a_device_path_swapped_for_a_link_or_a_file_is_refused() {
+        let dir = std::env::temp_dir().join(format!("memprof-output-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("file");
+        fs::write(&file, "root's").unwrap();
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        for path in [&link, &file] {
+            let err = open_device(path, false).unwrap_err();
+            assert!(err.to_string().contains("it changed while memprof opened it"), "{err}");
+        }
+        assert_eq!(fs::read_to_string(&file).unwrap(), "root's");
+        assert!(open_device(Path::new("/dev/null"), false).is_ok());
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }
