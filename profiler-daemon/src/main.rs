@@ -11,6 +11,7 @@ mod demangle;
 mod error;
 mod format;
 mod heap;
+mod input;
 mod kernel;
 mod names;
 mod peer;

@@ -1,23 +1,9 @@
 //! Text from the traced processes (their names, their functions' and files' names) made safe to
 //! print. Any local user names their process and functions as they like, and a terminal obeys
 //! the escape sequences it is sent (retitling or clearing it); XML forbids most control
-//! characters outright. And text files memprof is given (settings, rules), read with a bound.
+//! characters outright.
 
-use std::{borrow::Cow, io, io::Read as _, path::Path};
-
-/// The text of the file at `path`, refused past `limit` bytes: a config file or a list of rules
-/// that large is none, and a path such as `/dev/zero` would take all the memory there is.
-pub fn read_at_most(path: &Path, limit: u64) -> io::Result<String> {
-    let mut text = String::new();
-    std::fs::File::open(path)?.take(limit.saturating_add(1)).read_to_string(&mut text)?;
-    if text.len() as u64 > limit {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("larger than {} KiB: not such a file", limit >> 10),
-        ));
-    }
-    Ok(text)
-}
+use std::borrow::Cow;
 
 /// `text` with each control character (C0, DEL, C1; newlines and tabs too) written as `\xNN`.
 pub fn printable(text: &str) -> Cow<'_, str> {

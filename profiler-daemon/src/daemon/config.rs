@@ -224,7 +224,7 @@ pub const SETTINGS_BYTES: u64 = 1 << 20;
 
 fn read_file(path: &Path) -> Result<File, ConfigError> {
     let display = path.display().to_string();
-    let text = crate::text::read_at_most(path, SETTINGS_BYTES)
+    let text = crate::input::read_text(path, SETTINGS_BYTES)
         .map_err(|cause| ConfigError::Read { path: display.clone(), cause })?;
     toml::from_str(&text).map_err(|err| ConfigError::Parse {
         path: display,

@@ -6,7 +6,6 @@
 
 use std::{
     collections::BTreeMap,
-    fs,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -52,7 +51,7 @@ pub struct WebConfigError {
 /// its directory, as in the exporter toolkit.
 pub fn load(path: &Path) -> Result<WebConfig, WebConfigError> {
     let fail = |message: String| WebConfigError { path: path.display().to_string(), message };
-    let text = crate::text::read_at_most(path, super::config::SETTINGS_BYTES)
+    let text = crate::input::read_text(path, super::config::SETTINGS_BYTES)
         .map_err(|e| fail(format!("cannot read it: {e}")))?;
     let file = parse(&text, path).map_err(fail)?;
     let dir = path.parent().unwrap_or(Path::new("."));
@@ -78,12 +77,16 @@ fn parse(text: &str, path: &Path) -> Result<File, String> {
     }
 }
 
+/// The most of a certificate or key file read: a chain of certificates is a few KiB.
+const PEM_BYTES: u64 = 1 << 20;
+
 fn acceptor(tls: TlsFile, dir: &Path) -> Result<TlsAcceptor, String> {
     let certs: Vec<CertificateDer<'static>> = match (&tls.cert_file, &tls.cert) {
         (Some(file), None) => {
             let file = dir.join(file);
-            let pem = fs::read(&file).map_err(|e| format!("cannot read cert_file {}: {e}", file.display()))?;
-            CertificateDer::pem_slice_iter(&pem)
+            let pem = crate::input::read_text(&file, PEM_BYTES)
+                .map_err(|e| format!("cannot read cert_file {}: {e}", file.display()))?;
+            CertificateDer::pem_slice_iter(pem.as_bytes())
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("cert_file {}: {e}", file.display()))?
         }
@@ -98,8 +101,9 @@ fn acceptor(tls: TlsFile, dir: &Path) -> Result<TlsAcceptor, String> {
     let key = match (&tls.key_file, &tls.key) {
         (Some(file), None) => {
             let file = dir.join(file);
-            let pem = fs::read(&file).map_err(|e| format!("cannot read key_file {}: {e}", file.display()))?;
-            PrivateKeyDer::from_pem_slice(&pem).map_err(|e| format!("key_file {}: {e}", file.display()))?
+            let pem = crate::input::read_text(&file, PEM_BYTES)
+                .map_err(|e| format!("cannot read key_file {}: {e}", file.display()))?;
+            PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| format!("key_file {}: {e}", file.display()))?
         }
         (None, Some(pem)) => PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| format!("key: {e}"))?,
         _ => return Err("tls_server_config needs one of key_file or key".into()),
@@ -121,9 +125,9 @@ mod tests {
 
     fn write(name: &str, text: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("memprof-web-config-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(name);
-        fs::write(&path, text).unwrap();
+        std::fs::write(&path, text).unwrap();
         path
     }
 

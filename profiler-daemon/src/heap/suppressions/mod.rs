@@ -150,8 +150,8 @@ impl Suppressions {
     pub fn load(files: &[PathBuf]) -> Result<Self, LoadError> {
         let mut rules = Vec::new();
         for path in files {
-            let text = crate::text::read_at_most(path, RULES_BYTES)
-                .map_err(|cause| ReadError { path: path.clone(), cause })?;
+            let text =
+                crate::input::read_text(path, RULES_BYTES).map_err(|cause| ReadError { path: path.clone(), cause })?;
             rules.extend(parse::parse(path, &text)?);
         }
         Ok(Self::new(rules))
