@@ -96,13 +96,34 @@ fn fun(pattern: &str, name: &str) -> bool {
 /// Whether `locations` match `stack` from its start (its innermost frame); frames past the
 /// last location do not matter.
 pub fn sequence(locations: &[Location], stack: &[Seen]) -> bool {
-    match locations.split_first() {
-        None => true,
-        Some((Location::Any, rest)) => (0..=stack.len()).any(|skip| sequence(rest, &stack[skip..])),
-        Some((first, rest)) => {
-            stack.split_first().is_some_and(|(frame, outer)| frame.matches(first) && sequence(rest, outer))
-        }
+    if !locations.iter().any(|location| matches!(location, Location::Any)) {
+        return locations.len() <= stack.len()
+            && locations.iter().zip(stack).all(|(location, frame)| frame.matches(location));
     }
+    // `...` skips any number of frames. Each (location, frame) pair is tried once: trying it once
+    // for each way of reaching it takes time exponential in the `...` lines of a rule.
+    let mut known = vec![None; (locations.len() + 1) * (stack.len() + 1)];
+    sequence_from(locations, stack, (0, 0), &mut known)
+}
+
+/// Whether `locations[i..]` match `stack[j..]` (`at` is `(i, j)`); `known` holds each answer
+/// found, at `i * (stack.len() + 1) + j`.
+fn sequence_from(locations: &[Location], stack: &[Seen], at: (usize, usize), known: &mut [Option<bool>]) -> bool {
+    let (i, j) = at;
+    let Some(location) = locations.get(i) else { return true };
+    let slot = i * (stack.len() + 1) + j;
+    if let Some(answer) = known[slot] {
+        return answer;
+    }
+    let answer = match location {
+        Location::Any => (j..=stack.len()).any(|skip_to| sequence_from(locations, stack, (i + 1, skip_to), known)),
+        _ => {
+            stack.get(j).is_some_and(|frame| frame.matches(location))
+                && sequence_from(locations, stack, (i + 1, j + 1), known)
+        }
+    };
+    known[slot] = Some(answer);
+    answer
 }
 
 /// valgrind's `VG_(string_match)`: `*` any run of characters, `?` one, `\` makes the next literal.
@@ -176,6 +197,19 @@ mod tests {
         assert!(sequence(&[Location::Src("a.c".into(), Some(3))], &stack));
         assert!(!sequence(&[Location::Src("a.c".into(), Some(4))], &stack));
         assert!(sequence(&[Location::Obj("/usr/bin/leak*".into())], &stack));
+    }
+
+    /// Twelve `...` lines each before a `deep` that every frame is, then a function no frame is,
+    /// against 65 frames: tried pair by pair, not way by way (about 65^12 ways).
+    #[test]
+    fn many_frame_wildcards_take_time_in_proportion_to_the_stack() {
+        let frames: Vec<Frame> = (0..65).map(|_| frame("deep", None, None)).collect();
+        let stack: Vec<Seen> = frames.iter().map(Seen::Frame).collect();
+        let mut rule: Vec<Location> = (0..12).flat_map(|_| [Location::Any, Location::Fun("deep".into())]).collect();
+        rule.push(Location::Fun("nomatch".into()));
+        assert!(!sequence(&rule, &stack));
+        rule.pop();
+        assert!(sequence(&rule, &stack));
     }
 
     #[test]
