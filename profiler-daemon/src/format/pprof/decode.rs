@@ -1,7 +1,7 @@
 //! Reads a gzip-compressed profile.proto back into samples of frames: enough for `memprof diff`
 //! to read the profiles memprof writes (and Go's heap profiles, which use the same fields).
 
-use std::collections::HashMap;
+use std::collections::{hash_map::Entry, HashMap};
 
 use flate2::read::GzDecoder;
 
@@ -27,7 +27,13 @@ pub enum PprofError {
     Wire(WireError),
     #[error("not a profile.proto: {0}")]
     Malformed(&'static str),
+    #[error("a sample has more than {MAX_SAMPLE_FRAMES} frames, more than any profile memprof reads")]
+    TooDeep,
 }
+
+/// The most frames a sample may have: memprof's stacks have at most 127 frames and their inlined
+/// ones; past this a few bytes of ids would stand for gigabytes of frames.
+const MAX_SAMPLE_FRAMES: usize = 4096;
 
 /// By hand, not `#[from]`: the message says the wire error already, which as a source too would
 /// be said twice.
@@ -176,17 +182,26 @@ impl Raw<'_> {
 
     fn resolve(&self) -> Result<Decoded, PprofError> {
         let sample_types = self.sample_types.iter().map(|&id| self.string(id)).collect::<Result<_, _>>()?;
-        let samples = self.samples.iter().map(|s| self.sample(s)).collect::<Result<_, _>>()?;
+        // Each location's frames are made once and shared by every sample that names it.
+        let mut located = HashMap::new();
+        let samples = self.samples.iter().map(|s| self.sample(s, &mut located)).collect::<Result<_, _>>()?;
         Ok(Decoded { sample_types, default_sample_type: self.string(self.default_sample_type)?, samples })
     }
 
-    fn sample(&self, message: &[u8]) -> Result<Sample, PprofError> {
+    fn sample(&self, message: &[u8], located: &mut HashMap<u64, Vec<Frame>>) -> Result<Sample, PprofError> {
         let mut sample = Sample { values: Vec::new(), frames: Vec::new(), stack_id: None };
         for entry in Reader::new(message) {
             match entry? {
                 (field::sample::LOCATION_ID, value) => {
                     for id in value.ints()? {
-                        self.frames(id, &mut sample.frames)?;
+                        let frames = match located.entry(id) {
+                            Entry::Occupied(known) => known.into_mut(),
+                            Entry::Vacant(new) => new.insert(self.frames(id)?),
+                        };
+                        if sample.frames.len() + frames.len() > MAX_SAMPLE_FRAMES {
+                            return Err(PprofError::TooDeep);
+                        }
+                        sample.frames.extend(frames.iter().cloned());
                     }
                 }
                 (field::sample::VALUE, value) => sample.values.extend(value.ints()?),
@@ -206,9 +221,10 @@ impl Raw<'_> {
         Ok(sample)
     }
 
-    /// Appends the frames of location `id`: one per line, the last the function they are
-    /// inlined into; `module+0xoffset` for a location without lines.
-    fn frames(&self, id: u64, frames: &mut Vec<Frame>) -> Result<(), PprofError> {
+    /// The frames of location `id`: one per line, the last the function they are inlined into;
+    /// `module+0xoffset` for a location without lines.
+    fn frames(&self, id: u64) -> Result<Vec<Frame>, PprofError> {
+        let mut frames = Vec::new();
         let RawLocation { mapping, address, lines } =
             self.locations.get(&id).ok_or(PprofError::Malformed("a sample names a location that is not there"))?;
         let (module, start, offset) = match self.mappings.get(mapping) {
@@ -242,6 +258,6 @@ impl Raw<'_> {
             }
             frames.push(frame(name, self.string(*file)?, line, i + 1 < lines.len()));
         }
-        Ok(())
+        Ok(frames)
     }
 }

@@ -364,6 +364,30 @@ mod tests {
         assert!(matches!(read(&gzip.finish().unwrap()), Err(PprofError::Wire(_))));
     }
 
+    /// One location with a long name, named a million times by one sample in a few kilobytes:
+    /// refused, not a million frames of it.
+    #[test]
+    fn a_sample_of_more_frames_than_any_stack_is_refused() {
+        let mut profile = wire::Writer::default();
+        profile.message(field::profile::SAMPLE_TYPE, |t| t.uint(field::value_type::TYPE, 1));
+        profile.message(field::profile::SAMPLE, |s| {
+            s.packed(field::sample::LOCATION_ID, &vec![1; 1_000_000]);
+            s.packed(field::sample::VALUE, &[1]);
+        });
+        profile.message(field::profile::LOCATION, |l| {
+            l.uint(field::location::ID, 1);
+            l.message(field::location::LINE, |line| line.uint(field::line::FUNCTION_ID, 1));
+        });
+        profile.message(field::profile::FUNCTION, |f| {
+            f.uint(field::function::ID, 1);
+            f.uint(field::function::NAME, 2);
+        });
+        for string in ["", "space", &"f".repeat(4096)] {
+            profile.bytes(field::profile::STRING_TABLE, string.as_bytes());
+        }
+        assert!(matches!(decode::decode(&profile.into_bytes()), Err(PprofError::TooDeep)));
+    }
+
     #[test]
     fn a_profile_reads_the_same_without_its_gzip() {
         let gzipped = render(&report(), DefaultType::InuseSpace);
