@@ -21,7 +21,19 @@ pub fn render(report: &Report, flame: Flame) -> Vec<u8> {
     let paths = folded::paths(report, flame);
     if paths.is_empty() {
         // inferno refuses an empty graph; say plainly that there is nothing to draw.
-        return nothing_to_draw(&title, flame);
+        let nothing = match flame {
+            Flame::Bytes | Flame::Peak => "no bytes in use",
+            Flame::Allocations => "no allocations",
+            Flame::Temporary => "no temporary allocations",
+        };
+        return nothing_to_draw(&title, nothing);
+    }
+    if paths.values().try_fold(0u64, |sum, &value| sum.checked_add(value)).is_none() {
+        // Only an edited recording says so; inferno's sums would wrap.
+        return nothing_to_draw(
+            &title,
+            "its figures add up past 2^64, more than any process holds: the file was edited",
+        );
     }
     let lines: Vec<String> = paths.iter().map(|(path, value)| format!("{path} {value}")).collect();
     let mut options = Options::default();
@@ -108,19 +120,16 @@ fn shown(report: &Report) -> (u64, u64, u64) {
     })
 }
 
-fn nothing_to_draw(title: &str, flame: Flame) -> Vec<u8> {
-    let nothing = match flame {
-        Flame::Bytes | Flame::Peak => "no bytes in use",
-        Flame::Allocations => "no allocations",
-        Flame::Temporary => "no temporary allocations",
-    };
+/// A page with the graph's title and why there is no graph.
+fn nothing_to_draw(title: &str, why: &str) -> Vec<u8> {
     format!(
         "<?xml version=\"1.0\" standalone=\"no\"?>\n\
          <svg version=\"1.1\" width=\"1200\" height=\"60\" xmlns=\"http://www.w3.org/2000/svg\">\
          <text x=\"600\" y=\"24\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"17\">{}</text>\
-         <text x=\"600\" y=\"48\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"12\">{nothing}</text>\
+         <text x=\"600\" y=\"48\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"12\">{}</text>\
          </svg>\n",
-        escape(title)
+        escape(title),
+        escape(why)
     )
     .into_bytes()
 }
@@ -140,6 +149,24 @@ mod tests {
         assert!(svg.contains("pid 1 (leaky): in-use bytes"), "{svg}");
         assert!(svg.contains("<title>leak_here (48 bytes, 100.00%)</title>"), "{svg}");
         assert!(svg.contains(">48 bytes in 1 allocations<"), "{svg}");
+    }
+
+    /// An edited recording's figures that wrap past 2^64: said, not a panic.
+    #[test]
+    fn figures_past_two_to_the_64_are_said_not_drawn() {
+        let mut report = samples::report();
+        let mut other = report.stacks[0].clone();
+        std::sync::Arc::make_mut(&mut other.frames)[0].function = "other".into();
+        report.stacks.push(other);
+        for stack in &mut report.stacks {
+            stack.outstanding_bytes = 1 << 63;
+        }
+        assert!(text(&report).contains("its figures add up past 2^64"));
+        report.stacks.pop();
+        report.stacks.push(report.stacks[0].clone());
+        // One path of two such stacks: saturated, not wrapped to nothing.
+        let svg = text(&report);
+        assert!(svg.contains("<title>leak_here (18,446,744,073,709,551,615 bytes, 100.00%)</title>"), "{svg}");
     }
 
     #[test]

@@ -30,7 +30,9 @@ pub fn paths(report: &Report, flame: Flame) -> BTreeMap<String, u64> {
     for stack in &report.stacks {
         let value = flame.value(stack);
         if value > 0 {
-            *paths.entry(path(stack)).or_insert(0) += value;
+            // Saturating: only an edited recording's figures come near 2^64.
+            let sum = paths.entry(path(stack)).or_insert(0u64);
+            *sum = sum.saturating_add(value);
         }
     }
     paths
