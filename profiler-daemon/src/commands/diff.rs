@@ -131,9 +131,19 @@ fn read(path: &Path) -> anyhow::Result<Snapshot> {
     };
     let counts_objects = if bytes.starts_with(b"{") {
         // A file of JSON reports, one per line: the last is the final one.
-        let last = bytes.split(|&b| b == b'\n').rfind(|line| !line.is_empty()).unwrap_or_default();
-        let report: JsonReport =
-            serde_json::from_slice(last).with_context(|| format!("{} is not a memprof JSON report", path.display()))?;
+        let text = bytes.trim_ascii_end();
+        let last = text.rsplit(|&b| b == b'\n').next().unwrap_or_default();
+        let report: JsonReport = serde_json::from_slice(last).with_context(|| {
+            if bytes[text.len()..].contains(&b'\n') {
+                format!("{} is not a memprof JSON report", path.display())
+            } else {
+                // memprof ends each report with a newline.
+                format!(
+                    "{} ends in a report cut short (memprof stopped as it wrote it); give a whole snapshot",
+                    path.display()
+                )
+            }
+        })?;
         let counts_objects = !report.at_peak;
         for s in report.all_stacks() {
             add(s.stack_id, s.frames, s.outstanding_bytes, s.outstanding_allocations);
@@ -182,7 +192,7 @@ fn check_sums(path: &Path, sites: &Sites) -> anyhow::Result<()> {
 
 /// The file's bytes, refused at once when it is larger than memprof reads.
 fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let file = crate::input::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let Some(bytes) =
         format::read_at_most(file, MAX_INPUT_BYTES).with_context(|| format!("cannot read {}", path.display()))?
     else {
@@ -337,6 +347,20 @@ mod tests {
     }
 
     /// An edited report's counts would wrap in the sums and differences: refused.
+    #[test]
+    fn a_json_report_cut_short_is_said_so() {
+        let path = std::env::temp_dir().join(format!("memprof-diff-cut-{}.json", std::process::id()));
+        for (text, said) in [
+            ("{\"final\": false, \"pi", "ends in a report cut short"),
+            ("{\"final\": false}\n   \n", "is not a memprof JSON report"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = format!("{:#}", read(&path).err().unwrap());
+            assert!(err.contains(said), "{text}: {err}");
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+
     #[test]
     fn sums_past_what_a_difference_holds_are_refused() {
         let path = Path::new("edited.json");
