@@ -387,7 +387,8 @@ impl Tracer {
         if top < by_label.len() {
             by_label.select_nth_unstable_by_key(top, order);
         }
-        let other_stack_bytes = by_label[top..].iter().map(|(_, (bytes, _, _))| bytes).sum();
+        // `top_stacks = 0` exports no stack series, "other" included.
+        let other_stack_bytes = if top == 0 { 0 } else { by_label[top..].iter().map(|(_, (bytes, _, _))| bytes).sum() };
         by_label.truncate(top);
         by_label.sort_by_key(order);
         // Only the exported few are described.
