@@ -101,6 +101,14 @@ fn a_pure_go_programs_heap_shows_through_its_mappings() {
     assert_go_heap_mapped(&outcome);
     let spots = outcome.final_report()["blind_spots"].clone();
     assert_eq!(spots[0]["heap"], "Go's heap", "{spots}");
+
+    // One whose runtime samples is traced by its mappings alone too: it has no calls for its
+    // sampler to be read beside.
+    let sampling = fixture_go_pure("go_sampler");
+    let outcome = run(&["--mappings", "--interval", "0.5"], &[sampling.to_str().unwrap()]);
+    assert!(outcome.stderr.contains("by the memory it maps and touches only"), "{}", outcome.stderr);
+    assert!(!outcome.stderr.contains("with cgo"), "{}", outcome.stderr);
+    assert_eq!(outcome.final_report()["usdt_samples"], Value::Null, "{}", outcome.stderr);
 }
 
 /// The Go fixture's 64 MiB live heap shows through the runtime's mappings, not through malloc.

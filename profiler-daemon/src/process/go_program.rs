@@ -56,7 +56,9 @@ pub fn sampler_beside_calls(
     allocator: &mut Allocator,
     find: impl FnOnce() -> Result<Vec<Site>, UserError>,
 ) -> Option<Vec<Site>> {
-    if !allocator.go_heap_unseen() {
+    // A Go program without cgo has no allocator calls to be beside: `--mappings` traces it by
+    // its mappings alone.
+    if allocator.files.is_empty() || !allocator.go_heap_unseen() {
         return None;
     }
     let sites: Vec<Site> = match find() {
