@@ -72,6 +72,12 @@ fn a_process_above_max_rate_switches_to_sampling() {
     assert_eq!(report["sample_bytes"], 65536);
     let early = &outcome.reports()[0];
     assert_eq!(early["sample_bytes"], 0, "every call is recorded until the rate is measured: {early}");
+    // A sample of blocks would make their pages look emptier than they are: not read, and no age
+    // says a reading was made.
+    let reports = outcome.reports();
+    let sampled: Vec<_> = reports.iter().filter(|r| r["sample_bytes"] == 65536 && r["memory"].is_object()).collect();
+    assert!(!sampled.is_empty(), "{}", outcome.stdout);
+    assert!(sampled.iter().all(|r| r["memory"].get("pinned_age_s").is_none()), "{}", outcome.stdout);
 }
 
 /// The daemon's guard: a process above `max_rate` is traced by its pages from then on (growth

@@ -37,8 +37,9 @@ pub struct Memory {
     #[serde(default)]
     pub pinned_bytes: u64,
     /// How old that reading is: it is read within a budget (`PinnedBudget`), not every interval.
-    #[serde(default)]
-    pub pinned_age_s: f64,
+    /// None before the first reading: the pinned figures' 0 then says nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_age_s: Option<f64>,
     /// How old the rest is: 0 while the process runs. Once it has exited, the time since its last
     /// reading, whose `heap_inuse_bytes` is the heap then, not the report's final one.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -196,7 +197,7 @@ impl Resident {
                 pinned_pages: self.pinned.pages,
                 pinned_bytes: self.pinned.bytes,
                 // Milliseconds are enough, and keep the JSON short.
-                pinned_age_s: self.pinned_at.map_or(0.0, seconds_since),
+                pinned_age_s: self.pinned_at.map(seconds_since),
                 age_s: 0.0,
             };
             self.last.set(Some((memory, Instant::now())));
