@@ -40,6 +40,23 @@ fn assert_one_link_per_program(links: &[ProbeLink], holder: u32) {
     assert!(shapes == session || shapes == entry_and_return, "{links:?}");
 }
 
+/// `--top-stacks 0` exports no stack series at all, `stack="other"` included, while the
+/// process's own series stay.
+#[test]
+fn no_stack_series_with_top_stacks_zero() {
+    let _serial = serial();
+    let mut held = target();
+    let daemon = Daemon::start(&["--pid", &held.pid().to_string(), "--top-stacks", "0"]);
+    daemon.wait_traced(held.pid());
+    held.go();
+    let inuse = format!("memprof_heap_inuse_bytes{{pid=\"{}\"}}", held.pid());
+    let metrics = wait_for(20, "the held blocks in the metrics", || {
+        let metrics = http_get(daemon.port, "/metrics")?.1;
+        (sample(&metrics, &inuse)? >= 50_000).then_some(metrics)
+    });
+    assert!(!metrics.contains("memprof_stack_inuse_bytes{"), "{metrics}");
+}
+
 #[test]
 fn the_leak_api_names_the_leaking_site_exactly() {
     let _serial = serial();
