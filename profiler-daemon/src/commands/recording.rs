@@ -48,7 +48,7 @@ pub enum RecordingError {
     NoInterval { path: PathBuf },
     #[error("{path} is damaged before its first complete interval: {detail}; nothing in it can be shown")]
     Damaged { path: PathBuf, detail: String },
-    #[error("{path}: its records inflate to more than {} MiB, a quarter of the {room}; read it where more memory is free", budget >> 20)]
+    #[error("{path}: its records inflate to more than {} MiB in memory, a quarter of the {room}; read it where more memory is free", budget >> 20)]
     TooLarge { path: PathBuf, budget: u64, room: memory::Room },
 }
 
@@ -235,6 +235,12 @@ impl Recording {
             match record {
                 Record::Start { settings: start } => settings = Some(start),
                 Record::Report { mut report, new_stacks } => {
+                    // What the record takes in memory past its JSON: each frame and each stack a
+                    // struct of their own, more than their text where names are short.
+                    let mut structs =
+                        new_stacks.iter().map(|stack| stack.frames.len() as u64).sum::<u64>() * FRAME_BYTES;
+                    report.for_each_process(&mut |process| structs += process.stacks.len() as u64 * STACK_BYTES);
+                    budget = budget.checked_sub(structs).ok_or(Problem::OverBudget)?;
                     for stack in new_stacks {
                         frames.insert((stack.pid, stack.stack_id), stack.frames);
                     }
@@ -268,6 +274,10 @@ impl Recording {
         Ok(Self { settings, reports, ended_early })
     }
 }
+
+/// A frame and a stack in memory, besides their text (see `Recording::parse`'s budget).
+const FRAME_BYTES: u64 = (std::mem::size_of::<crate::symbolize::FrameInfo>() + 16) as u64;
+const STACK_BYTES: u64 = std::mem::size_of::<crate::heap::report::StackReport>() as u64;
 
 /// The format a later memprof's recording names on its first line (`memprof recording 2`), whose
 /// first bytes `start` are; None for a file that is no recording.
@@ -312,7 +322,7 @@ enum Problem {
     NoInterval,
     /// Damaged before any report could be read.
     Damaged(String),
-    /// The records inflate to more than the budget.
+    /// The records, inflated and held as stacks and frames, take more than the budget.
     OverBudget,
 }
 
@@ -464,7 +474,11 @@ mod tests {
         while let Ok(payload) = next_payload(&mut rest) {
             inflated += std::io::copy(&mut DeflateDecoder::new(payload), &mut std::io::sink()).unwrap();
         }
-        assert!(Recording::parse(&bytes, inflated).is_ok());
-        assert!(matches!(Recording::parse(&bytes, inflated - 1), Err(Problem::OverBudget)));
+        // Each stack of each report, and each frame once, counted beside the text.
+        let report = samples::report();
+        let frames: usize = report.stacks.iter().map(|stack| stack.frames.len()).sum();
+        let structs = 2 * report.stacks.len() as u64 * STACK_BYTES + frames as u64 * FRAME_BYTES;
+        assert!(Recording::parse(&bytes, inflated + structs).is_ok());
+        assert!(matches!(Recording::parse(&bytes, inflated + structs - 1), Err(Problem::OverBudget)));
     }
 }
