@@ -454,6 +454,27 @@ fn memprof_inspect_asks_the_daemon_that_traces_the_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `attach_spans.c`: blocks made after the attach whose only pointers are in blocks made before
+/// it, or in a freed block. Classed as memcheck classes them (checked by hand with valgrind on
+/// the fixture): the blocks memprof did not see made are marked as blocks, not scanned as roots,
+/// and free memory's stale words are no root.
+#[test]
+fn pointers_from_blocks_made_before_the_attach_and_from_free_memory_class_as_memcheck_does() {
+    let fixture = fixture_with("attach_spans.c", "attach_spans", &["-g", "-O0"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let outcome = attach(&mut target, &["--inspect", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    let none = (0, 0);
+    assert_eq!(reachability(&report, "kept_by_keeper"), &reach(none, none, none, (88, 1), 0));
+    assert_eq!(reachability(&report, "held_by_holder"), &reach(none, (88, 1), none, none, 0));
+    assert_eq!(reachability(&report, "stale_only"), &reach((88, 1), none, none, none, 88));
+    // The keeper, reachable, and the holder, lost with what it holds.
+    let unseen = &report["inspection"]["untracked_classes"];
+    assert_eq!(unseen, &reach((56, 1), none, none, (56, 1), 56 + 88), "{}", report["inspection"]);
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
 /// `early_leaks.c` makes its blocks before memprof attaches, one after: the inspection classes
 /// the one it saw made, and counts the 15 blocks in use it did not (their usable sizes: 6 x 40,
 /// 2 x 104, a mapped block of 208880; in a thread's arena 5 x 72; glibc's 280 for the thread),
@@ -470,5 +491,9 @@ fn attach_inspect_counts_the_blocks_made_before_it() {
     let inspection = &report["inspection"];
     assert_eq!(inspection["untracked_blocks"], 15, "{inspection}");
     assert_eq!(inspection["untracked_bytes"], 6 * 40 + 2 * 104 + 208_880 + 5 * 72 + 280, "{inspection}");
+    // Those in the heap, classed: the 6 lost, the thread's glibc block held by a pointer into it,
+    // the 7 kept (the block mapped alone is a root, not among them).
+    let classes = reach((6 * 40, 6), none, (280, 1), (2 * 104 + 5 * 72, 7), 6 * 40);
+    assert_eq!(inspection["untracked_classes"], classes, "{inspection}");
     ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }

@@ -90,6 +90,11 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
                 "  not classified: {} in {blocks} blocks in use that memprof did not see made (before it attached, or not sampled)",
                 super::table::bytes(bytes)
             );
+            // In no stack's figures: what is lost there was lost before the attach, or holds
+            // the blocks a stack's "indirectly lost" counts.
+            if let Some(unseen) = inspection.untracked_classes.as_ref().map(classes).filter(|c| !c.is_empty()) {
+                let _ = writeln!(out, "  of those in the heap, by class: {unseen}");
+            }
         }
         (Some(_), Some(_)) => {}
         _ if !inspection.unclassified_heap_scanned => {}

@@ -199,6 +199,11 @@ pub struct Inspection {
     pub untracked_blocks: Option<u64>,
     #[serde(default)]
     pub untracked_bytes: Option<u64>,
+    /// Those of the main heap and the threads' arenas, marked as blocks and classed together
+    /// (a block lost before the attach is in no stack's figures); None when memprof saw every
+    /// block made, or the allocator is not glibc's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub untracked_classes: Option<Reachability>,
     /// The heuristics in use, as memcheck's `--leak-check-heuristics` takes them.
     #[serde(default)]
     pub heuristics: String,
@@ -253,20 +258,32 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         ..Inspection::default()
     };
     let target = Target { image: &image, vtables: Lookalike::new(pid) };
-    let mut marker = Marker::new(&blocks, &target, settings.glibc, settings.heuristics);
+    // On glibc, the blocks memprof did not see made are marked as blocks, as memcheck marks
+    // every block, and free memory is no root: a stale pointer there, or in a block lost before
+    // the attach, keeps no block reachable. Elsewhere, or where the walk of the heap stops, what
+    // is outside the tracked blocks is scanned as roots, since an unseen block may point to a
+    // seen one.
+    let layout = if settings.glibc { untracked::layout(&target, &regions, &blocks) } else { Default::default() };
+    let (unseen, free) = if settings.complete { (Vec::new(), Vec::new()) } else { (layout.unseen, layout.free) };
+    let all = merged(&blocks, &unseen);
+    let mut marker = Marker::new(&all, &target, settings.glibc, settings.heuristics);
     let (heap, roots): (Vec<&Region>, Vec<&Region>) =
-        regions.iter().partition(|r| r.path == "[heap]" || holds_block(&blocks, r));
+        regions.iter().partition(|r| r.path == "[heap]" || holds_block(&all, r));
     for region in roots {
         // A stack is scanned from its thread's stack pointer (and red zone): below is garbage.
         let below = threads.iter().map(|(_, sp)| *sp).filter(|sp| (region.start..region.end).contains(sp));
         let start = below.min().map_or(region.start, |sp| sp.saturating_sub(RED_ZONE).max(region.start));
-        scan_range(&image, &mut marker, start, region.end, &mut inspection);
+        for (start, end) in outside(&free, start, region.end) {
+            scan_range(&image, &mut marker, start, end, &mut inspection);
+        }
     }
     for region in &heap {
-        for (start, end) in gaps(&blocks, region) {
+        for (start, end) in gaps(&all, region) {
             inspection.heap_bytes_not_classified += end - start;
             if !settings.complete {
-                scan_range(&image, &mut marker, start, end, &mut inspection);
+                for (start, end) in outside(&free, start, end) {
+                    scan_range(&image, &mut marker, start, end, &mut inspection);
+                }
             }
         }
     }
@@ -275,8 +292,8 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     }
     let marking = marker.finish();
     if settings.glibc {
-        let found = untracked::count(&target, &regions, &blocks);
-        (inspection.untracked_blocks, inspection.untracked_bytes) = (Some(found.blocks), Some(found.bytes));
+        (inspection.untracked_blocks, inspection.untracked_bytes) =
+            (Some(layout.untracked.blocks), Some(layout.untracked.bytes));
     }
     let first_words = types::first_words(&target, &blocks);
     stages.mark_ms = marking_started.elapsed().as_secs_f64() * 1e3;
@@ -284,9 +301,18 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     tracing::debug!(pid, ?stages, "marked");
     inspection.block_bytes_scanned = marking.block_bytes_scanned;
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
-    for (at, block) in blocks.iter().enumerate() {
+    if !unseen.is_empty() {
+        inspection.untracked_classes = Some(Reachability::default());
+    }
+    for (at, block) in all.iter().enumerate() {
         let (class, retained, heuristic) = (marking.classes[at], marking.retained[at], marking.heuristics[at]);
         let counted = Counted::of(block, retained);
+        if block.stack_id == untracked::UNSEEN {
+            if let Some(classes) = &mut inspection.untracked_classes {
+                classes.count(class, counted, heuristic);
+            }
+            continue;
+        }
         inspection.totals.count(class, counted, heuristic);
         inspection.per_stack.entry(block.stack_id).or_default().count(class, counted, heuristic);
     }
@@ -294,6 +320,32 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     let names = vtables::types(pid, &first_words);
     (inspection.types, inspection.per_stack_types) = types::tally(&blocks, &first_words, &names);
     Ok(inspection)
+}
+
+/// The tracked `blocks` and the `unseen` ones, by address.
+fn merged(blocks: &[LiveBlock], unseen: &[LiveBlock]) -> Vec<LiveBlock> {
+    let mut all = Vec::with_capacity(blocks.len() + unseen.len());
+    all.extend_from_slice(blocks);
+    all.extend_from_slice(unseen);
+    all.sort_by_key(|block| block.addr);
+    all
+}
+
+/// The parts of `start..end` outside the ranges `free` (sorted, apart).
+fn outside(free: &[(u64, u64)], start: u64, end: u64) -> Vec<(u64, u64)> {
+    let mut parts = Vec::new();
+    let mut at = start;
+    let first = free.partition_point(|&(_, free_end)| free_end <= start);
+    for &(free_start, free_end) in free[first..].iter().take_while(|&&(free_start, _)| free_start < end) {
+        if free_start > at {
+            parts.push((at, free_start));
+        }
+        at = at.max(free_end);
+    }
+    if at < end {
+        parts.push((at, end));
+    }
+    parts
 }
 
 fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {

@@ -21,6 +21,23 @@ pub struct Untracked {
     pub bytes: u64,
 }
 
+/// The heap as the walk found it (see `layout`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub untracked: Untracked,
+    /// The untracked blocks in use in the main heap and the threads' arenas, as blocks
+    /// (`stack_id` `UNSEEN`), by address. Those mapped one by one are left out: two words mark
+    /// such a block, too weak a test to class what they point at by it.
+    pub unseen: Vec<LiveBlock>,
+    /// The ranges, by address, that hold only free memory: free chunks, cached ones (their words
+    /// past the header, and the next chunk's first word, theirs while they were in use) and the
+    /// top chunk. What they hold is stale: no root.
+    pub free: Vec<(u64, u64)>,
+}
+
+/// The `stack_id` of a block in use that memprof did not see made (`Layout::unseen`).
+pub const UNSEEN: u64 = u64::MAX;
+
 /// The size field of a thread cache's chunk (`tcache_perthread_struct`, 0x290 bytes), in use.
 const TCACHE_CHUNK: u64 = 0x291;
 /// glibc's thread arenas are reserved at addresses aligned to their largest size.
@@ -34,9 +51,10 @@ const MMAPPED: u64 = 2;
 /// Set in every size field of a thread arena's chunks.
 const NON_MAIN_ARENA: u64 = 4;
 
-/// The untracked blocks in use in glibc's heaps among `regions`; `blocks` sorted by address.
-pub fn count(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Untracked {
-    let mut walk = Walk { memory, blocks, key: None, found: Untracked::default() };
+/// The untracked blocks in use in glibc's heaps among `regions`, and their free ranges;
+/// `blocks` sorted by address.
+pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Layout {
+    let mut walk = Walk { memory, blocks, key: None, found: Layout::default() };
     for region in regions.iter().filter(|r| r.writable && !r.shared) {
         if region.path == "[heap]" {
             walk.heap(region.start, region.end);
@@ -47,7 +65,10 @@ pub fn count(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> 
             }
         }
     }
-    walk.found
+    let mut found = walk.found;
+    found.unseen.sort_by_key(|block| block.addr);
+    found.free.sort_unstable();
+    found
 }
 
 struct Walk<'a, M> {
@@ -55,7 +76,7 @@ struct Walk<'a, M> {
     blocks: &'a [LiveBlock],
     /// The thread caches' key, from the first cached chunk met.
     key: Option<u64>,
-    found: Untracked,
+    found: Layout,
 }
 
 impl<M: Memory> Walk<'_, M> {
@@ -91,14 +112,27 @@ impl<M: Memory> Walk<'_, M> {
         while let Some(size) = self.word(chunk + 8).map(|field| field & !7) {
             let next = chunk + size;
             if size < 32 || !size.is_multiple_of(16) || next + 16 > end {
+                // The top chunk, free, reaches the heap's end; any other end leaves the rest
+                // unknown.
+                if size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32 {
+                    self.found.free.push((chunk + 8, end));
+                }
                 return;
             }
             let in_use = self.word(next + 8).is_some_and(|field| field & IN_USE != 0);
             let data = chunk + 16;
             let allocators = chunk == first && cache;
-            if in_use && !allocators && !self.tracked(data) && !self.cached(data, size, first..end) {
-                self.found.blocks += 1;
-                self.found.bytes += size - 8;
+            if !in_use || (!allocators && !self.tracked(data) && self.cached(data, size, first..end)) {
+                self.found.free.push((chunk + 8, next + 8));
+            } else if !allocators && !self.tracked(data) {
+                self.found.untracked.blocks += 1;
+                self.found.untracked.bytes += size - 8;
+                self.found.unseen.push(LiveBlock {
+                    addr: data,
+                    size: size - 8,
+                    stack_id: UNSEEN,
+                    weighted_bytes: size - 8,
+                });
             }
             chunk = next;
         }
@@ -118,8 +152,8 @@ impl<M: Memory> Walk<'_, M> {
                 return;
             }
             if !self.tracked(chunk + 16) {
-                self.found.blocks += 1;
-                self.found.bytes += size - 16;
+                self.found.untracked.blocks += 1;
+                self.found.untracked.bytes += size - 16;
             }
             chunk += size;
         }
@@ -186,11 +220,18 @@ mod tests {
         words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
         words.insert(0x10360, 0x10330 ^ (0x10360 >> 12)); // its first, linked to the last
         let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1, weighted_bytes: 0x20 }];
-        let found = count(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
-        assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
+        assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        let unseen: Vec<(u64, u64)> = found.unseen.iter().map(|b| (b.addr, b.size)).collect();
+        assert_eq!(unseen, [(0x102d0, 0x38), (0x103d0, 0x38)]);
+        assert!(found.unseen.iter().all(|b| b.stack_id == UNSEEN));
+        // Each free chunk from its size field to the next chunk's first word, the top chunk to
+        // the heap's end.
+        let free = [(0x10308, 0x10338), (0x10338, 0x10358), (0x10358, 0x10378), (0x10378, 0x103c8), (0x10408, chunk)];
+        assert_eq!(found.free, free);
         // An untracked block's first word that, so decoded, is no chunk of its size: in use.
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
-        let found = count(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks);
+        let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks).untracked;
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
     }
 
@@ -205,7 +246,7 @@ mod tests {
             words.insert(chunk + 8, size | NON_MAIN_ARENA | IN_USE);
             chunk += size;
         }
-        let found = count(&Map(words), &[region(start, chunk, "")], &[]);
+        let found = layout(&Map(words), &[region(start, chunk, "")], &[]).untracked;
         assert_eq!(found, Untracked { blocks: 1, bytes: 0x48 });
     }
 
@@ -213,7 +254,7 @@ mod tests {
     fn blocks_mapped_one_by_one_are_walked_from_the_mappings_start() {
         let words = BTreeMap::from([(0x7000_0008, 0x21000 | MMAPPED), (0x7002_1008, 0x3000 | MMAPPED)]);
         let blocks = [LiveBlock { addr: 0x7002_1010, size: 0x2000, stack_id: 1, weighted_bytes: 0x2000 }];
-        let found = count(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks);
+        let found = layout(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks).untracked;
         assert_eq!(found, Untracked { blocks: 1, bytes: 0x21000 - 16 });
     }
 }
