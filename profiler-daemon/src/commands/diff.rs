@@ -133,16 +133,16 @@ fn read(path: &Path) -> anyhow::Result<Snapshot> {
         // A file of JSON reports, one per line: the last is the final one.
         let text = bytes.trim_ascii_end();
         let last = text.rsplit(|&b| b == b'\n').next().unwrap_or_default();
-        let report: JsonReport = serde_json::from_slice(last).with_context(|| {
-            if bytes[text.len()..].contains(&b'\n') {
-                format!("{} is not a memprof JSON report", path.display())
-            } else {
-                // memprof ends each report with a newline.
+        let report: JsonReport = serde_json::from_slice(last).map_err(|err| {
+            let said = if err.is_eof() {
                 format!(
                     "{} ends in a report cut short (memprof stopped as it wrote it); give a whole snapshot",
                     path.display()
                 )
-            }
+            } else {
+                format!("{} is not a memprof JSON report", path.display())
+            };
+            anyhow::Error::new(err).context(said)
         })?;
         let counts_objects = !report.at_peak;
         for s in report.all_stacks() {
@@ -192,7 +192,7 @@ fn check_sums(path: &Path, sites: &Sites) -> anyhow::Result<()> {
 
 /// The file's bytes, refused at once when it is larger than memprof reads.
 fn read_capped(path: &Path) -> anyhow::Result<Vec<u8>> {
-    let file = crate::input::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let Some(bytes) =
         format::read_at_most(file, MAX_INPUT_BYTES).with_context(|| format!("cannot read {}", path.display()))?
     else {
@@ -346,13 +346,15 @@ mod tests {
         assert_eq!(deltas, [("leak", 100), ("big_peak", -1_000_000)]);
     }
 
-    /// An edited report's counts would wrap in the sums and differences: refused.
+    /// A report cut mid-line (memprof stopped as it wrote it) is named so; a whole line that is
+    /// no report, even without its newline, is not.
     #[test]
     fn a_json_report_cut_short_is_said_so() {
         let path = std::env::temp_dir().join(format!("memprof-diff-cut-{}.json", std::process::id()));
         for (text, said) in [
             ("{\"final\": false, \"pi", "ends in a report cut short"),
             ("{\"final\": false}\n   \n", "is not a memprof JSON report"),
+            ("{\"x\": 1}", "is not a memprof JSON report"),
         ] {
             std::fs::write(&path, text).unwrap();
             let err = format!("{:#}", read(&path).err().unwrap());
@@ -361,6 +363,7 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// An edited report's counts would wrap in the sums and differences: refused.
     #[test]
     fn sums_past_what_a_difference_holds_are_refused() {
         let path = Path::new("edited.json");

@@ -84,9 +84,9 @@ fn acceptor(tls: TlsFile, dir: &Path) -> Result<TlsAcceptor, String> {
     let certs: Vec<CertificateDer<'static>> = match (&tls.cert_file, &tls.cert) {
         (Some(file), None) => {
             let file = dir.join(file);
-            let pem = crate::input::read_text(&file, PEM_BYTES)
+            let pem = crate::input::read_at_most(&file, PEM_BYTES)
                 .map_err(|e| format!("cannot read cert_file {}: {e}", file.display()))?;
-            CertificateDer::pem_slice_iter(pem.as_bytes())
+            CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("cert_file {}: {e}", file.display()))?
         }
@@ -101,9 +101,9 @@ fn acceptor(tls: TlsFile, dir: &Path) -> Result<TlsAcceptor, String> {
     let key = match (&tls.key_file, &tls.key) {
         (Some(file), None) => {
             let file = dir.join(file);
-            let pem = crate::input::read_text(&file, PEM_BYTES)
+            let pem = crate::input::read_at_most(&file, PEM_BYTES)
                 .map_err(|e| format!("cannot read key_file {}: {e}", file.display()))?;
-            PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| format!("key_file {}: {e}", file.display()))?
+            PrivateKeyDer::from_pem_slice(&pem).map_err(|e| format!("key_file {}: {e}", file.display()))?
         }
         (None, Some(pem)) => PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| format!("key: {e}"))?,
         _ => return Err("tls_server_config needs one of key_file or key".into()),
