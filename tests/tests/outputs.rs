@@ -201,3 +201,36 @@ fn a_dash_as_output_is_standard_output() {
     assert!(!dir.join("-").exists(), "a file named -");
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// `-o /dev/stdout` writes the descriptor memprof was given, as a shell's `>` or `>>` gave it:
+/// a file since deleted, or one opened for appending. It was reopened by its path, which named
+/// nothing for a deleted file: the report replaced the host's `/dev/stdout` link.
+#[test]
+fn standard_output_named_as_a_path_is_the_descriptor_given() {
+    use std::io::{Read as _, Seek as _};
+    let dir = directory("stdout");
+    let deleted = dir.join("deleted.json");
+    let mut file = fs::File::options().read(true).write(true).create(true).truncate(true).open(&deleted).unwrap();
+    fs::remove_file(&deleted).unwrap();
+    let appended = dir.join("appended.json");
+    fs::write(&appended, "before\n").unwrap();
+    let log = fs::OpenOptions::new().append(true).open(&appended).unwrap();
+    for stdout in [file.try_clone().unwrap(), log] {
+        let status = Command::new(memprof_bin())
+            .args(["run", "--json", "-o", "/dev/stdout", "--", "true"])
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::null())
+            .status()
+            .expect("running memprof");
+        assert!(status.success());
+    }
+    let mut text = String::new();
+    file.rewind().unwrap();
+    file.read_to_string(&mut text).unwrap();
+    assert!(text.contains("\"final\":true"), "{text}");
+    let appended = fs::read_to_string(&appended).unwrap();
+    assert!(appended.starts_with("before\n{\"final\":true"), "{appended}");
+    assert!(fs::symlink_metadata("/dev/stdout").unwrap().file_type().is_symlink());
+    let _ = fs::remove_dir_all(&dir);
+}

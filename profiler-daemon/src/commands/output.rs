@@ -4,8 +4,8 @@
 //! allows it, and renamed over it once a report is complete, so an existing file stays as it was
 //! until then: a mistyped pid or a memprof killed midway leaves the previous report whole, never
 //! an empty or half-written one, and (unnamed) no leftover either. Streamed formats (table,
-//! JSON) go on appending through the same descriptor after the rename, each report whole or not
-//! at all.
+//! JSON) go on appending through the same descriptor after the rename; a report a write error
+//! cuts short is taken back (not one a SIGKILL cuts, nor one written to a device or a pipe).
 
 use std::{
     ffi::CString,
@@ -102,11 +102,23 @@ pub fn print(text: &[u8]) -> Result<bool, UserError> {
 impl ReportFile {
     /// Opens the temporary file beside `path`; `path` itself is not touched yet.
     pub fn create(path: &Path) -> io::Result<Self> {
-        // A symbolic link is followed only when its owner is who runs memprof (or root, as
-        // `/dev/stdout`'s is): another user's link could lead root's output onto a disk's device.
-        // Its target is then written: a rename over the link would replace `/dev/stdout` itself.
+        // `/dev/stdout` and its kin name a descriptor memprof was given: it is written as given
+        // (a pipe, a terminal, a file opened for appending, a file since deleted), never
+        // reopened by a path, nor replaced.
+        if let Some(fd) = given_descriptor(path) {
+            // SAFETY: fcntl duplicates a descriptor number; an unopened one is an error.
+            let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+            if copy < 0 {
+                return Err(io::Error::new(io::ErrorKind::NotFound, format!("memprof was given no descriptor {fd}")));
+            }
+            // SAFETY: `copy` is a new descriptor this file alone owns.
+            let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(copy) };
+            return Ok(Self::device(path, file));
+        }
+        // A symbolic link is followed only when its owner is who runs memprof (or root), and its
+        // target can be named: another user's link could lead root's output onto a disk's
+        // device. Its target is then written: a rename over the link would replace the link.
         let resolved;
-        let mut through_link = false;
         let path = match fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_symlink() => {
                 // SAFETY: geteuid has no preconditions.
@@ -117,8 +129,12 @@ impl ReportFile {
                         "a symbolic link another user owns; give the path it leads to",
                     ));
                 }
-                resolved = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-                through_link = true;
+                resolved = fs::canonicalize(path).map_err(|err| {
+                    io::Error::new(
+                        err.kind(),
+                        format!("a symbolic link whose target memprof cannot name ({err}); give the file's path"),
+                    )
+                })?;
                 &resolved
             }
             _ => path,
@@ -130,17 +146,7 @@ impl ReportFile {
                 return Err(io::Error::from_raw_os_error(libc::EISDIR));
             }
             if !kind.is_file() {
-                let file = open_device(path, through_link)?;
-                let path = path.to_path_buf();
-                return Ok(Self {
-                    path,
-                    temporary: PathBuf::new(),
-                    file,
-                    unnamed: false,
-                    placed: true,
-                    device: true,
-                    length: 0,
-                });
+                return Ok(Self::device(path, open_device(path)?));
             }
         }
         let temporary = temporary_name(path)?;
@@ -168,6 +174,12 @@ impl ReportFile {
             file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
         }
         Ok(Self { path: path.to_path_buf(), temporary, file, unnamed, placed: false, device: false, length: 0 })
+    }
+
+    /// `file`, a device, a pipe or a descriptor memprof was given, written to where it is.
+    fn device(path: &Path, file: File) -> Self {
+        let path = path.to_path_buf();
+        Self { path, temporary: PathBuf::new(), file, unnamed: false, placed: true, device: true, length: 0 }
     }
 
     /// Appends a complete report (or record) and puts the file in place.
@@ -225,16 +237,26 @@ impl Drop for ReportFile {
     }
 }
 
+/// The descriptor a path names that memprof was given: `/dev/stdout`, `/dev/stderr`,
+/// `/dev/fd/N` and `/proc/self/fd/N` (a shell's `>(...)`).
+fn given_descriptor(path: &Path) -> Option<i32> {
+    let path = path.to_str()?;
+    match path {
+        "/dev/stdout" => Some(1),
+        "/dev/stderr" => Some(2),
+        _ => path.strip_prefix("/dev/fd/").or_else(|| path.strip_prefix("/proc/self/fd/"))?.parse().ok(),
+    }
+}
+
 /// The device or pipe at `path`, opened for writing. What was checked by its path is checked
 /// again on the file itself: another user may swap the path meanwhile (a FIFO of theirs in /tmp
 /// for a link to a disk or to root's file). So the path is first taken without opening the file
-/// (`O_PATH`), following no link unless `through_link` (the path came through a link the caller
-/// or root owns), and the file it names is checked, then opened through that handle. A pipe must
-/// be the caller's or root's: another user's would hand them the report, or keep memprof
-/// waiting for a reader that never comes.
-fn open_device(path: &Path, through_link: bool) -> io::Result<File> {
-    let no_follow = if through_link { 0 } else { libc::O_NOFOLLOW };
-    let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH | no_follow).open(path)?;
+/// and without following a link (`O_PATH | O_NOFOLLOW`), the file it names is checked, then
+/// opened through that handle. Only a terminal, `/dev/null`, a FIFO or a socket is written: a
+/// FIFO or socket the caller's or root's, as another user's would hand them the report, or keep
+/// memprof waiting for a reader that never comes.
+fn open_device(path: &Path) -> io::Result<File> {
+    let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(path)?;
     let meta = handle.metadata()?;
     let kind = meta.file_type();
     if kind.is_block_device() {
@@ -243,13 +265,28 @@ fn open_device(path: &Path, through_link: bool) -> io::Result<File> {
     if !(kind.is_char_device() || kind.is_fifo() || kind.is_socket()) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "it changed while memprof opened it; give it again"));
     }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if !kind.is_char_device() && meta.uid() != me && meta.uid() != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "a pipe another user owns; give a file, or a pipe of yours",
-        ));
+    // Checked before the open: opening some devices acts (a watchdog's arms it), and opening
+    // another user's FIFO would wait for its reader.
+    if kind.is_char_device() {
+        let (major, minor) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
+        let null = (major, minor) == (1, 3);
+        // Virtual consoles and serial lines, /dev/tty and the console, pseudo-terminals.
+        let terminal = major == 4 || major == 5 || (136..=143).contains(&major);
+        if !null && !terminal {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a device other than a terminal or /dev/null; give a file",
+            ));
+        }
+    } else {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "a pipe another user owns; give a file, or a pipe of yours",
+            ));
+        }
     }
     // The very file checked, whatever its path names now.
     OpenOptions::new().write(true).open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
@@ -285,11 +322,13 @@ mod tests {
         let link = dir.join("link");
         std::os::unix::fs::symlink(&file, &link).unwrap();
         for path in [&link, &file] {
-            let err = open_device(path, false).unwrap_err();
+            let err = open_device(path).unwrap_err();
             assert!(err.to_string().contains("it changed while memprof opened it"), "{err}");
         }
         assert_eq!(fs::read_to_string(&file).unwrap(), "root's");
-        assert!(open_device(Path::new("/dev/null"), false).is_ok());
+        assert!(open_device(Path::new("/dev/null")).is_ok());
+        let err = open_device(Path::new("/dev/zero")).unwrap_err();
+        assert!(err.to_string().contains("a device other than a terminal or /dev/null"), "{err}");
         fs::remove_dir_all(&dir).unwrap();
     }
 }
