@@ -213,14 +213,16 @@ fn said_held(fixture: &mut Waiting) {
 
 /// The live table is one for every target. A process holding more than half of it is moved to
 /// growth mode once another's allocations find it full; the other's are recorded whole from then
-/// on, and what it lost is said. Alone past half, nobody short of room, it stays exact.
+/// on, and what it lost is said. Alone past half, nobody short of room, it stays exact; under
+/// `max_rate = off` too (`crowding_is_left_alone_under_max_rate_off`).
 #[test]
 fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole() {
     let _serial = serial();
     let mut holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
     let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
-    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"];
+    // A max_rate no process here comes near: `off` would keep every process exact.
+    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096", "--max-rate", "1000000000"];
     let mut daemon = Daemon::start(&args);
     daemon.wait_traced(holder.pid());
     daemon.wait_traced(guest.pid());
@@ -255,4 +257,28 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
         log.contains("holds more than half of the live table, and another process's allocations found it full"),
         "{log}"
     );
+}
+
+/// `max_rate = off` keeps every process traced by its calls: the holder stays, and the other's
+/// allocations that find the table full are counted.
+#[test]
+fn crowding_is_left_alone_under_max_rate_off() {
+    let _serial = serial();
+    let mut holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
+    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
+    let daemon = Daemon::start(&["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"]);
+    daemon.wait_traced(holder.pid());
+    daemon.wait_traced(guest.pid());
+    holder.go();
+    said_held(&mut holder);
+    guest.go();
+    said_held(&mut guest);
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let lost =
+        wait_for(10, "the guest's drops", || leaks(&guest_pid)["dropped"]["live_map_full"].as_u64().filter(|&n| n > 0));
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{holder_pid}\"}}")), Some(0));
+    assert_eq!(site(&leaks(&holder_pid), "hold_site"), (300_000, 3000));
+    assert_eq!(site(&leaks(&guest_pid), "first_site").1 + lost, 2000);
 }

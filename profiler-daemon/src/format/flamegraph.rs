@@ -67,7 +67,7 @@ pub fn render(report: &Report, flame: Flame) -> Vec<u8> {
 /// What the graph shows in all, and how far its figures are estimates.
 fn subtitle(report: &Report, flame: Flame) -> String {
     let (bytes, allocations, temporary) = shown(report);
-    let made: u64 = report.stacks.iter().map(|s| s.allocations).sum();
+    let made = report.stacks.iter().fold(0u64, |sum, s| sum.saturating_add(s.allocations));
     let estimated = report.growth.is_none() && (report.sample_bytes != 0 || report.usdt_samples.is_some());
     let about = if estimated { "about " } else { "" };
     // Growth mode counts pages, not allocator calls.
@@ -116,7 +116,12 @@ fn leak_sites(report: &Report) -> PaletteMap {
 /// those aged enough with `--min-age`, unlike the totals).
 fn shown(report: &Report) -> (u64, u64, u64) {
     report.stacks.iter().fold((0, 0, 0), |(b, a, t), s| {
-        (b + s.outstanding_bytes, a + s.outstanding_allocations, t + s.temporary_allocations)
+        // Saturating: only an edited recording's figures come near 2^64.
+        (
+            b.saturating_add(s.outstanding_bytes),
+            a.saturating_add(s.outstanding_allocations),
+            t.saturating_add(s.temporary_allocations),
+        )
     })
 }
 

@@ -118,6 +118,8 @@ struct Target {
     cut_since_read: bool,
     /// Its allocations that found the live table full, at the last interval (see `crowding`).
     live_table_full: u64,
+    /// A switch to growth mode failed: it is not tried again to make room in the live table.
+    pages_refused: bool,
     /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
     last_view: Option<(Arc<TargetView>, u64)>,
 }

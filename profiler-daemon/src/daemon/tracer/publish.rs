@@ -31,6 +31,7 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, Report, Selection, StackReport},
     heap::resident::{HeapNow, Resident},
+    heap::sampling::MaxRate,
     kernel::aggregate::{self, KernelSnapshot, Snapshot},
     kernel::loader,
     process::{allocator, procfs},
@@ -174,17 +175,29 @@ impl Tracer {
                         .push((target.id.pid, ToPages::AboveMaxRate { calls_per_second: switch.calls_per_second }));
                 }
                 let full = snapshot.drops.counts[DropReason::LiveMapFull as usize];
-                if full > target.live_table_full {
+                // Below the last count, it started again (an exec): any is new.
+                let last = target.live_table_full;
+                if full > last || (full < last && full > 0) {
                     found_full.push(target.id.pid);
                 }
                 target.live_table_full = full;
             }
         }
-        let movable = (self.targets.keys())
-            .filter(|&&pid| self.loaded.blocks_not_kept(pid).is_none() && !switching.iter().any(|(p, _)| *p == pid));
-        let capacity = self.config.maps.max_live.into();
-        if let Some(crowder) = crowding::crowder(capacity, &kernel.live_by_process, movable.copied(), &found_full) {
-            switching.push((crowder.pid, ToPages::Crowding(crowder)));
+        // `max_rate = off` keeps every process traced by its calls, whatever it holds.
+        if self.config.sampling.max_rate != Some(MaxRate::Off) {
+            // A sampled process's counts are estimates, not entries of the table.
+            let movable = self.targets.values().filter(|t| {
+                let sampled = t.last_view.as_ref().is_some_and(|(view, _)| view.sample_bytes > 0);
+                !sampled
+                    && !t.pages_refused
+                    && self.loaded.blocks_not_kept(t.id.pid).is_none()
+                    && !switching.iter().any(|(pid, _)| *pid == t.id.pid)
+            });
+            let capacity = self.config.maps.max_live.into();
+            let movable = movable.map(|t| t.id.pid);
+            if let Some(crowder) = crowding::crowder(capacity, &kernel.live_by_process, movable, &found_full) {
+                switching.push((crowder.pid, ToPages::Crowding(crowder)));
+            }
         }
         // A reload keeps them as loaded (see `Config::keep_read_at_start`).
         let sizes = self.config.maps;
@@ -258,7 +271,8 @@ impl Tracer {
         let Some(target) = self.targets.get_mut(&pid) else { return };
         let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
         if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
-            warn!(pid, "switching to growth mode: {err:#}");
+            warn!(pid, "switching to growth mode: {err:#}; it stays traced by its calls");
+            target.pages_refused = true;
             return;
         }
         target.probed_files.clear();

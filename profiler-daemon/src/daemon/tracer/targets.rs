@@ -442,6 +442,7 @@ impl Tracer {
             cut_walks: 0,
             cut_since_read: false,
             live_table_full: 0,
+            pages_refused: false,
             last_view: None,
         };
         self.targets.insert(id.pid, target);

@@ -227,6 +227,9 @@ impl Raw<'_> {
         let mut frames = Vec::new();
         let RawLocation { mapping, address, lines } =
             self.locations.get(&id).ok_or(PprofError::Malformed("a sample names a location that is not there"))?;
+        if lines.len() > MAX_SAMPLE_FRAMES {
+            return Err(PprofError::TooDeep);
+        }
         let (module, start, offset) = match self.mappings.get(mapping) {
             Some(&(filename, start, offset)) => (self.string(filename)?, start, offset),
             None => (String::new(), 0, 0),

@@ -83,9 +83,10 @@ impl Loaded {
         tracing::info!("no process is traced by its pages any more: memprof's programs at the machine's page faults and mapping calls are detached");
     }
 
-    /// A process too busy for its calls to be traced one by one (`--max-rate`): from now on it
-    /// is traced by the pages it touches (see `watch_pages`), and what its calls recorded goes.
-    /// Its `attachment` is replaced.
+    /// A process too busy for its calls to be traced one by one (`--max-rate`), or holding most
+    /// of the live table (`daemon::tracer::crowding`): from now on it is traced by the pages it
+    /// touches (see `watch_pages`), and what its calls recorded goes. Its `attachment` is
+    /// replaced.
     pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
         self.load_page_faults()?;
         // Its pages show Go's heap too: a sampler beside its calls goes with them.
