@@ -211,6 +211,20 @@ fn said_held(fixture: &mut Waiting) {
     assert_eq!(line, "held\n");
 }
 
+/// `crowding.c` to hold 3000 blocks and, as a guest, 2000 at each of its two steps, both traced
+/// by a daemon (given `args` too) whose live table holds 4096.
+fn crowded(args: &[&str]) -> (Waiting, Waiting, Daemon) {
+    let holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
+    let guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
+    let mut all = vec!["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"];
+    all.extend_from_slice(args);
+    let daemon = Daemon::start(&all);
+    daemon.wait_traced(holder.pid());
+    daemon.wait_traced(guest.pid());
+    (holder, guest, daemon)
+}
+
 /// The live table is one for every target. A process holding more than half of it is moved to
 /// growth mode once another's allocations find it full; the other's are recorded whole from then
 /// on, and what it lost is said. Alone past half, nobody short of room, it stays exact; under
@@ -218,14 +232,9 @@ fn said_held(fixture: &mut Waiting) {
 #[test]
 fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole() {
     let _serial = serial();
-    let mut holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
-    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
-    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     // A max_rate no process here comes near: `off` would keep every process exact.
-    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096", "--max-rate", "1000000000"];
-    let mut daemon = Daemon::start(&args);
-    daemon.wait_traced(holder.pid());
-    daemon.wait_traced(guest.pid());
+    let (mut holder, mut guest, mut daemon) = crowded(&["--max-rate", "1000000000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
     let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
 
@@ -264,12 +273,8 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
 #[test]
 fn crowding_is_left_alone_under_max_rate_off() {
     let _serial = serial();
-    let mut holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
-    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
+    let (mut holder, mut guest, daemon) = crowded(&[]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
-    let daemon = Daemon::start(&["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"]);
-    daemon.wait_traced(holder.pid());
-    daemon.wait_traced(guest.pid());
     holder.go();
     said_held(&mut holder);
     guest.go();
