@@ -186,12 +186,14 @@ pub struct Inspection {
     pub block_bytes_scanned: u64,
     /// Bytes of roots or blocks that could not be read (device mappings, pages unmapped).
     pub bytes_unreadable: u64,
-    /// Bytes of the heap's mappings (`[heap]` and those that hold a tracked block) outside the
-    /// tracked blocks: the allocator's own data, freed memory and blocks memprof did not see
-    /// made (before it attached, or not sampled). Not classified.
+    /// Bytes of the heap's mappings (`[heap]` and those that hold a block) outside the tracked
+    /// blocks and those `untracked_classes` classes: the allocator's own data, freed memory and,
+    /// where glibc's chunks could not be walked, blocks memprof did not see made (before it
+    /// attached, or not sampled). Not classified.
     pub heap_bytes_not_classified: u64,
-    /// Whether those bytes were scanned as roots: yes unless memprof saw every allocation of the
-    /// process (`memprof run`, unsampled), since an unseen block may point to seen ones.
+    /// Whether those bytes were scanned as roots, but for the free chunks glibc's walk found:
+    /// yes unless memprof saw every allocation of the process (`memprof run`, unsampled), since
+    /// an unseen block may point to seen ones.
     pub unclassified_heap_scanned: bool,
     /// The blocks in use among those bytes, by glibc's chunk headers: made before memprof
     /// attached (or not sampled), not classified. None when the allocator is not glibc's.

@@ -11,6 +11,8 @@
 //! (`[heap]`, from its start), a thread's arena (from the arena's first chunk, its thread
 //! cache of 0x290 bytes) and blocks mapped one by one (`mmap`, from a mapping's start).
 
+use std::collections::HashSet;
+
 use crate::{heap::reachability::Memory, kernel::live::LiveBlock, process::procfs::Region};
 
 /// Bytes and blocks in use that memprof did not see made.
@@ -29,9 +31,9 @@ pub struct Layout {
     /// (`stack_id` `UNSEEN`), by address. Those mapped one by one are left out: two words mark
     /// such a block, too weak a test to class what they point at by it.
     pub unseen: Vec<LiveBlock>,
-    /// The ranges, by address, that hold only free memory: free chunks, cached ones (their words
-    /// past the header, and the next chunk's first word, theirs while they were in use) and the
-    /// top chunk. What they hold is stale: no root.
+    /// The ranges, by address, that hold only free memory: free chunks, those the heap's thread
+    /// cache lists (their words past the header, and the next chunk's first word, theirs while
+    /// they were in use) and the top chunk. What they hold is stale: no root.
     pub free: Vec<(u64, u64)>,
 }
 
@@ -57,10 +59,10 @@ pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) ->
     let mut walk = Walk { memory, blocks, key: None, found: Layout::default() };
     for region in regions.iter().filter(|r| r.writable && !r.shared) {
         if region.path == "[heap]" {
-            walk.heap(region.start, region.end);
+            walk.heap(region.start, region.end, true);
         } else if region.path.is_empty() {
             match walk.arena_start(region) {
-                Some(first) => walk.heap(first, region.end),
+                Some(first) => walk.heap(first, region.end, false),
                 None => walk.mapped(region),
             }
         }
@@ -102,40 +104,81 @@ impl<M: Memory> Walk<'_, M> {
             .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.is_tcache(chunk))
     }
 
-    /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free.
-    fn heap(&mut self, first: u64, end: u64) {
+    /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free;
+    /// `main` for the main heap, whose chunks lack `NON_MAIN_ARENA`, where an arena's all have it.
+    ///
+    /// Its untracked blocks and free ranges (`Layout`) decide what the marking scans, so they are
+    /// kept only from a walk that is surely glibc's heap, surely in step: one that reached the top
+    /// chunk at the heap's end, every size field with the flags its heap gives, every tracked
+    /// block of it met at a chunk's start. Any other heap is scanned as roots. And a chunk is
+    /// free only by glibc's own bit, or listed in its heap's thread cache: one that only reads
+    /// as cached by its marks (`cached`) is counted neither free nor a block, and scanned as a
+    /// root.
+    fn heap(&mut self, first: u64, end: u64, main: bool) {
         let cache = self.is_tcache(first);
         if cache {
             self.learn_key(first + 16);
         }
+        let listed = if cache { self.listed(first + 16, first..end) } else { HashSet::new() };
+        let (mut unseen, mut free, mut tracked_met) = (Vec::new(), Vec::new(), 0);
         let mut chunk = first;
-        while let Some(size) = self.word(chunk + 8).map(|field| field & !7) {
+        let whole = loop {
+            let Some(field) = self.word(chunk + 8) else { break false };
+            let size = field & !7;
+            let flags_right = field & MMAPPED == 0 && (field & NON_MAIN_ARENA == 0) == main;
             let next = chunk + size;
-            if size < 32 || !size.is_multiple_of(16) || next + 16 > end {
-                // The top chunk, free, reaches the heap's end; any other end leaves the rest
-                // unknown.
-                if size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32 {
-                    self.found.free.push((chunk + 8, end));
+            if !flags_right || size < 32 || !size.is_multiple_of(16) || next + 16 > end {
+                // The top chunk, free, reaches the heap's end (glibc sets no NON_MAIN_ARENA on
+                // an arena's); any other end leaves the rest unknown.
+                let top_flags = field & MMAPPED == 0 && (!main || field & NON_MAIN_ARENA == 0);
+                let top = top_flags && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
+                if top {
+                    free.push((chunk + 8, end));
                 }
-                return;
+                break top;
             }
             let in_use = self.word(next + 8).is_some_and(|field| field & IN_USE != 0);
             let data = chunk + 16;
-            let allocators = chunk == first && cache;
-            if !in_use || (!allocators && !self.tracked(data) && self.cached(data, size, first..end)) {
-                self.found.free.push((chunk + 8, next + 8));
-            } else if !allocators && !self.tracked(data) {
+            let tracked = self.tracked(data);
+            tracked_met += usize::from(tracked);
+            if (chunk == first && cache) || tracked {
+                // The thread cache's own chunk, or a block memprof saw made.
+            } else if !in_use || listed.contains(&data) {
+                free.push((chunk + 8, next + 8));
+            } else if !self.cached(data, size, first..end) {
                 self.found.untracked.blocks += 1;
                 self.found.untracked.bytes += size - 8;
-                self.found.unseen.push(LiveBlock {
-                    addr: data,
-                    size: size - 8,
-                    stack_id: UNSEEN,
-                    weighted_bytes: size - 8,
-                });
+                unseen.push(LiveBlock { addr: data, size: size - 8, stack_id: UNSEEN, weighted_bytes: size - 8 });
             }
             chunk = next;
+        };
+        let tracked_here =
+            self.blocks.partition_point(|b| b.addr < end) - self.blocks.partition_point(|b| b.addr < first);
+        if whole && tracked_met == tracked_here {
+            self.found.unseen.extend(unseen);
+            self.found.free.extend(free);
         }
+    }
+
+    /// The data of the chunks the thread cache at `cache` (its `tcache_perthread_struct`'s data)
+    /// lists, in `heap`: 64 counts of 2 bytes, then the 64 lists' heads; each listed chunk's first
+    /// word links the next, with glibc's safe linking (2.32 on), its second is the key. A list
+    /// that leaves the heap or the key ends there.
+    fn listed(&self, cache: u64, heap: std::ops::Range<u64>) -> HashSet<u64> {
+        let mut listed = HashSet::new();
+        let Some(key) = self.key else { return listed };
+        for bin in 0..64u64 {
+            let count = self.word(cache + bin / 4 * 8).map_or(0, |counts| (counts >> (bin % 4 * 16)) & 0xffff);
+            let mut entry = self.word(cache + 128 + 8 * bin).unwrap_or(0);
+            for _ in 0..count {
+                if !entry.is_multiple_of(16) || !heap.contains(&entry) || self.word(entry + 8) != Some(key) {
+                    break;
+                }
+                listed.insert(entry);
+                entry = self.word(entry).map_or(0, |link| link ^ (entry >> 12));
+            }
+        }
+        listed
     }
 
     /// Whether `chunk` is a thread cache's, in use, in the main heap or a thread arena.
@@ -168,7 +211,8 @@ impl<M: Memory> Walk<'_, M> {
         self.key = (0..64u64)
             .filter_map(|bin| self.word(cache + 128 + 8 * bin))
             .find(|&entry| entry != 0)
-            .and_then(|entry| self.word(entry + 8));
+            .and_then(|entry| self.word(entry + 8))
+            .filter(|&key| key != 0);
     }
 
     /// Whether the chunk whose data is at `data` is free, in a thread cache or a fast bin (whose
@@ -215,6 +259,7 @@ mod tests {
             words.insert(chunk + 8, size | prev_in_use);
             chunk += size;
         }
+        words.insert(0x10010, 1 << 16); // the cache's counts: one chunk of 0x30
         words.insert(0x10010 + 128 + 8, 0x10310); // the cache's bin for 0x30: the chunk's data
         words.insert(0x10318, key);
         words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
@@ -226,9 +271,21 @@ mod tests {
         assert_eq!(unseen, [(0x102d0, 0x38), (0x103d0, 0x38)]);
         assert!(found.unseen.iter().all(|b| b.stack_id == UNSEEN));
         // Each free chunk from its size field to the next chunk's first word, the top chunk to
-        // the heap's end.
-        let free = [(0x10308, 0x10338), (0x10338, 0x10358), (0x10358, 0x10378), (0x10378, 0x103c8), (0x10408, chunk)];
-        assert_eq!(found.free, free);
+        // the heap's end; the cached chunk the thread cache lists, not those of the fast bin, free
+        // by their marks only (scanned as roots).
+        assert_eq!(found.free, [(0x10308, 0x10338), (0x10378, 0x103c8), (0x10408, chunk)]);
+
+        // Out of step: a tracked block that starts at no chunk's data. Counted as before, and
+        // no block nor free range taken from the walk.
+        let inside = [blocks[0], LiveBlock { addr: 0x102e0, size: 8, stack_id: 2, weighted_bytes: 8 }];
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &inside);
+        assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
+        // A walk that stops short of the top chunk: the same.
+        let mut short = words.clone();
+        short.insert(0x103c8, 0x48 | 1);
+        let found = layout(&Map(short), &[region(0x10000, chunk, "[heap]")], &blocks);
+        assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
         // An untracked block's first word that, so decoded, is no chunk of its size: in use.
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
         let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks).untracked;
@@ -238,16 +295,19 @@ mod tests {
     #[test]
     fn a_thread_arena_is_walked_from_its_thread_cache() {
         // At 64 MiB: the heap's header pointing at the arena 0x30 in, the thread cache at 0x8d0,
-        // then a chunk of 0x50 in use and the top chunk; every size field has NON_MAIN_ARENA.
+        // then a chunk of 0x50 in use and the top chunk; every size field but the top chunk's
+        // has NON_MAIN_ARENA, as glibc sets them.
         let start = 0x7f00_0000_0000;
         let mut words = BTreeMap::from([(start, start + 0x30)]);
         let mut chunk = start + 0x8d0;
-        for size in [0x290, 0x50, 0x1000] {
-            words.insert(chunk + 8, size | NON_MAIN_ARENA | IN_USE);
+        for (size, flags) in [(0x290, NON_MAIN_ARENA), (0x50, NON_MAIN_ARENA), (0x1000, 0)] {
+            words.insert(chunk + 8, size | flags | IN_USE);
             chunk += size;
         }
-        let found = layout(&Map(words), &[region(start, chunk, "")], &[]).untracked;
-        assert_eq!(found, Untracked { blocks: 1, bytes: 0x48 });
+        let found = layout(&Map(words), &[region(start, chunk, "")], &[]);
+        assert_eq!(found.untracked, Untracked { blocks: 1, bytes: 0x48 });
+        let unseen: Vec<u64> = found.unseen.iter().map(|b| b.addr).collect();
+        assert_eq!(unseen, [start + 0x8d0 + 0x290 + 16]);
     }
 
     #[test]
