@@ -49,6 +49,7 @@ fn main() -> ExitCode {
     if let Some(code) = kernel::helper::run_if_asked() {
         return ExitCode::from(code);
     }
+    commands::output::note_given_descriptors();
     return_freed_memory_at_once();
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,

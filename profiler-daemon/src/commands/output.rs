@@ -106,8 +106,9 @@ impl ReportFile {
         // (a pipe, a terminal, a file opened for appending, a file since deleted), never
         // reopened by a path, nor replaced.
         if let Some(fd) = given_descriptor(path) {
+            let given = GIVEN.get().is_none_or(|given| given.contains(&fd));
             // SAFETY: fcntl duplicates a descriptor number; an unopened one is an error.
-            let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+            let copy = if given { unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) } } else { -1 };
             if copy < 0 {
                 return Err(io::Error::new(io::ErrorKind::NotFound, format!("memprof was given no descriptor {fd}")));
             }
@@ -185,8 +186,14 @@ impl ReportFile {
     /// Appends a complete report (or record) and puts the file in place.
     pub fn append(&mut self, report: &[u8]) -> io::Result<()> {
         // On disk before it replaces the old file: a full disk fails here, not after the rename.
-        let written =
-            self.file.write_all(report).and_then(|()| if self.device { Ok(()) } else { self.file.sync_data() });
+        // A device or pipe may be non-blocking (a descriptor given as whoever opened it set it):
+        // the write waits while it is full.
+        let fd = self.file.as_raw_fd();
+        let written = if self.device {
+            console::write_waiting(&mut self.file, fd, report)
+        } else {
+            self.file.write_all(report).and_then(|()| self.file.sync_data())
+        };
         if let Err(err) = written {
             if !self.device {
                 // A report cut short is taken back: the file ends with the last one written whole.
@@ -237,24 +244,42 @@ impl Drop for ReportFile {
     }
 }
 
+/// The descriptors open when memprof started, before it opened any of its own (see `given`).
+static GIVEN: std::sync::OnceLock<Vec<i32>> = std::sync::OnceLock::new();
+
+/// Notes the descriptors memprof was given: `-o /dev/fd/N` names one of them, never one of
+/// memprof's own. Called first thing in `main`.
+pub fn note_given_descriptors() {
+    let open = fs::read_dir("/proc/self/fd")
+        .map(|dir| dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()).collect::<Vec<i32>>());
+    // The listing's own descriptor is among them, closed since: it is no output.
+    let _ = GIVEN.set(open.unwrap_or_default());
+}
+
 /// The descriptor a path names that memprof was given: `/dev/stdout`, `/dev/stderr`,
-/// `/dev/fd/N` and `/proc/self/fd/N` (a shell's `>(...)`).
+/// `/dev/fd/N` and `/proc/self/fd/N` (a shell's `>(...)`), however spelt (`/dev//stdout`).
 fn given_descriptor(path: &Path) -> Option<i32> {
-    let path = path.to_str()?;
-    match path {
-        "/dev/stdout" => Some(1),
-        "/dev/stderr" => Some(2),
-        _ => path.strip_prefix("/dev/fd/").or_else(|| path.strip_prefix("/proc/self/fd/"))?.parse().ok(),
-    }
+    let parts: Vec<&str> = path
+        .components()
+        .filter(|part| *part != std::path::Component::CurDir)
+        .map(|part| part.as_os_str().to_str())
+        .collect::<Option<_>>()?;
+    let fd = match parts.as_slice() {
+        ["/", "dev", "stdout"] => 1,
+        ["/", "dev", "stderr"] => 2,
+        ["/", "dev", "fd", n] | ["/", "proc", "self", "fd", n] => n.parse().ok()?,
+        _ => return None,
+    };
+    Some(fd)
 }
 
 /// The device or pipe at `path`, opened for writing. What was checked by its path is checked
 /// again on the file itself: another user may swap the path meanwhile (a FIFO of theirs in /tmp
 /// for a link to a disk or to root's file). So the path is first taken without opening the file
 /// and without following a link (`O_PATH | O_NOFOLLOW`), the file it names is checked, then
-/// opened through that handle. Only a terminal, `/dev/null`, a FIFO or a socket is written: a
-/// FIFO or socket the caller's or root's, as another user's would hand them the report, or keep
-/// memprof waiting for a reader that never comes.
+/// opened through that handle. Only a terminal, `/dev/null` or a FIFO is written: a FIFO the
+/// caller's or root's, as another user's would hand them the report, or keep memprof waiting
+/// for a reader that never comes.
 fn open_device(path: &Path) -> io::Result<File> {
     let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(path)?;
     let meta = handle.metadata()?;
@@ -265,20 +290,20 @@ fn open_device(path: &Path) -> io::Result<File> {
     if !(kind.is_char_device() || kind.is_fifo() || kind.is_socket()) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "it changed while memprof opened it; give it again"));
     }
-    // Checked before the open: opening some devices acts (a watchdog's arms it), and opening
-    // another user's FIFO would wait for its reader.
+    // Checked before the open: opening some devices acts (a watchdog's arms it; /dev/ptmx makes
+    // a terminal nobody reads), and opening another user's FIFO would wait for its reader.
     if kind.is_char_device() {
         let (major, minor) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
         let null = (major, minor) == (1, 3);
-        // Virtual consoles and serial lines, /dev/tty and the console, pseudo-terminals.
-        let terminal = major == 4 || major == 5 || (136..=143).contains(&major);
+        // /dev/tty and the console; virtual consoles and serial lines; pseudo-terminals.
+        let terminal = (major == 5 && minor <= 1) || major == 4 || (136..=143).contains(&major);
         if !null && !terminal {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "a device other than a terminal or /dev/null; give a file",
             ));
         }
-    } else {
+    } else if kind.is_fifo() {
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         if meta.uid() != me && meta.uid() != 0 {
@@ -287,9 +312,21 @@ fn open_device(path: &Path) -> io::Result<File> {
                 "a pipe another user owns; give a file, or a pipe of yours",
             ));
         }
+    } else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a socket, which no file opens; give a file"));
     }
-    // The very file checked, whatever its path names now.
-    OpenOptions::new().write(true).open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+    // The very file checked, whatever its path names now; a terminal without becoming memprof's
+    // controlling one, and a serial line without waiting for its carrier.
+    let file = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))?;
+    // SAFETY: fcntl on a descriptor `file` owns, with flags it returned. Writes then wait.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under

@@ -185,10 +185,17 @@ impl Tracer {
         }
         // `max_rate = off` keeps every process traced by its calls, whatever it holds.
         if self.config.sampling.max_rate != Some(MaxRate::Off) {
-            // A sampled process's counts are estimates, not entries of the table.
+            // A sampled process's counts are estimates, not entries of the table, and so are those
+            // its allocator's own sampler gives: only a process whose every block is an entry.
+            let entries_counted = |t: &Target| match kernel.processes.get(&t.id.pid) {
+                Some(snapshot) => snapshot.sample_bytes == 0 && snapshot.sampler == aggregate::Sampler::None,
+                None => t
+                    .last_view
+                    .as_ref()
+                    .is_some_and(|(view, _)| view.sample_bytes == 0 && view.report.usdt_samples.is_none()),
+            };
             let movable = self.targets.values().filter(|t| {
-                let sampled = t.last_view.as_ref().is_some_and(|(view, _)| view.sample_bytes > 0);
-                !sampled
+                entries_counted(t)
                     && !t.pages_refused
                     && self.loaded.blocks_not_kept(t.id.pid).is_none()
                     && !switching.iter().any(|(pid, _)| *pid == t.id.pid)
