@@ -232,5 +232,9 @@ fn standard_output_named_as_a_path_is_the_descriptor_given() {
     let appended = fs::read_to_string(&appended).unwrap();
     assert!(appended.starts_with("before\n{\"final\":true"), "{appended}");
     assert!(fs::symlink_metadata("/dev/stdout").unwrap().file_type().is_symlink());
+    // A descriptor memprof was not given is none of its own files either.
+    let outcome = memprof(&["run", "--json", "-o", "/dev/fd/9", "--", "true"]);
+    assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
+    assert!(outcome.stderr.contains("memprof was given no descriptor 9"), "{}", outcome.stderr);
     let _ = fs::remove_dir_all(&dir);
 }
