@@ -105,11 +105,12 @@ impl<M: Memory> Walk<'_, M> {
     }
 
     /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free;
-    /// `main` for the main heap, whose chunks lack `NON_MAIN_ARENA`, where an arena's all have it.
+    /// `main` for the main heap, whose chunks lack `NON_MAIN_ARENA`, where an arena's in use all
+    /// have it.
     ///
     /// Its untracked blocks and free ranges (`Layout`) decide what the marking scans, so they are
     /// kept only from a walk that is surely glibc's heap, surely in step: one that reached the top
-    /// chunk at the heap's end, every size field with the flags its heap gives, every tracked
+    /// chunk at the heap's end, every size field with the flags glibc gives there, every tracked
     /// block of it met at a chunk's start. Any other heap is scanned as roots. And a chunk is
     /// free only by glibc's own bit, or listed in its heap's thread cache: one that only reads
     /// as cached by its marks (`cached`) is counted neither free nor a block, and scanned as a
@@ -125,19 +126,23 @@ impl<M: Memory> Walk<'_, M> {
         let whole = loop {
             let Some(field) = self.word(chunk + 8) else { break false };
             let size = field & !7;
-            let flags_right = field & MMAPPED == 0 && (field & NON_MAIN_ARENA == 0) == main;
+            // No chunk of a heap is mapped alone, and none of the main heap's is an arena's.
+            let flags_right = field & MMAPPED == 0 && (!main || field & NON_MAIN_ARENA == 0);
             let next = chunk + size;
             if !flags_right || size < 32 || !size.is_multiple_of(16) || next + 16 > end {
-                // The top chunk, free, reaches the heap's end (glibc sets no NON_MAIN_ARENA on
-                // an arena's); any other end leaves the rest unknown.
-                let top_flags = field & MMAPPED == 0 && (!main || field & NON_MAIN_ARENA == 0);
-                let top = top_flags && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
+                // The top chunk, free, reaches the heap's end; any other end leaves the rest
+                // unknown.
+                let top = flags_right && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
                 if top {
                     free.push((chunk + 8, end));
                 }
                 break top;
             }
             let in_use = self.word(next + 8).is_some_and(|field| field & IN_USE != 0);
+            // glibc marks an arena's chunks in use as its own (free ones it need not).
+            if !main && in_use && field & NON_MAIN_ARENA == 0 {
+                break false;
+            }
             let data = chunk + 16;
             let tracked = self.tracked(data);
             tracked_met += usize::from(tracked);
@@ -295,19 +300,23 @@ mod tests {
     #[test]
     fn a_thread_arena_is_walked_from_its_thread_cache() {
         // At 64 MiB: the heap's header pointing at the arena 0x30 in, the thread cache at 0x8d0,
-        // then a chunk of 0x50 in use and the top chunk; every size field but the top chunk's
-        // has NON_MAIN_ARENA, as glibc sets them.
+        // then a chunk of 0x50 in use, one of 0x60 free and the top chunk. As glibc sets them,
+        // NON_MAIN_ARENA is on the chunks in use only; each size field's bit 0 says whether the
+        // chunk before is in use.
         let start = 0x7f00_0000_0000;
         let mut words = BTreeMap::from([(start, start + 0x30)]);
         let mut chunk = start + 0x8d0;
-        for (size, flags) in [(0x290, NON_MAIN_ARENA), (0x50, NON_MAIN_ARENA), (0x1000, 0)] {
-            words.insert(chunk + 8, size | flags | IN_USE);
+        let cache = chunk;
+        for (size, flags) in [(0x290, NON_MAIN_ARENA), (0x50, NON_MAIN_ARENA | IN_USE), (0x60, IN_USE), (0x1000, 0)] {
+            words.insert(chunk + 8, size | flags | if chunk == cache { IN_USE } else { 0 });
             chunk += size;
         }
         let found = layout(&Map(words), &[region(start, chunk, "")], &[]);
         assert_eq!(found.untracked, Untracked { blocks: 1, bytes: 0x48 });
         let unseen: Vec<u64> = found.unseen.iter().map(|b| b.addr).collect();
-        assert_eq!(unseen, [start + 0x8d0 + 0x290 + 16]);
+        assert_eq!(unseen, [cache + 0x290 + 16]);
+        let free = [(cache + 0x2e0 + 8, cache + 0x340 + 8), (cache + 0x340 + 8, chunk)];
+        assert_eq!(found.free, free);
     }
 
     #[test]
