@@ -125,15 +125,21 @@ pub trait Words {
 pub fn accepting(heuristics: Heuristics, block: &LiveBlock, ptr: u64, words: &impl Words) -> Option<Heuristic> {
     // A word of the block: none past its end (memcheck's words there are not addressable).
     let word = |offset: u64| (offset + 8 <= block.size).then(|| words.word(block.addr + offset)).flatten();
+    // The size asked for the block: a block memprof did not see made has only its usable size,
+    // what glibc rounds a request up to (less than 16 bytes more).
+    let asked = |requested: u64| match block.stack_id {
+        super::untracked::UNSEEN => requested <= block.size && block.size - requested < 16,
+        _ => requested == block.size,
+    };
     let offset = ptr - block.addr;
     Heuristic::ALL.into_iter().filter(|h| heuristics.contains(*h)).find(|heuristic| match heuristic {
         Heuristic::StdString => {
             offset == 24
                 && word(8).is_some_and(|capacity| {
-                    capacity.wrapping_add(25) == block.size && word(0).is_some_and(|length| length <= capacity)
+                    asked(capacity.wrapping_add(25)) && word(0).is_some_and(|length| length <= capacity)
                 })
         }
-        Heuristic::Length64 => offset == 8 && word(0).is_some_and(|size| size > 0 && size == block.size - 8),
+        Heuristic::Length64 => offset == 8 && word(0).is_some_and(|size| size > 0 && asked(size.wrapping_add(8))),
         Heuristic::NewArray => {
             offset == 8 && word(0).is_some_and(|count| count > 0 && (block.size - 8).is_multiple_of(count))
         }
@@ -197,6 +203,17 @@ mod tests {
         assert_eq!(check(block(32), &words, &[0x40_0010, 0x40_0080], A + 16), Some(Heuristic::MultipleInheritance));
         assert_eq!(check(block(32), &words, &[0x40_0080], A + 16), None);
         assert_eq!(check(block(32), &words, &[0x40_0010, 0x40_0080], A + 12), None);
+    }
+
+    /// A block memprof did not see made has its usable size, up to 15 bytes past what was asked:
+    /// the string of capacity 15 (40 bytes asked) in a chunk of 48 usable.
+    #[test]
+    fn a_block_not_seen_made_is_taken_by_its_usable_size() {
+        let unseen = |size| LiveBlock { stack_id: crate::heap::untracked::UNSEEN, ..block(size) };
+        assert_eq!(check(unseen(40 + 8), &[(A, 5), (A + 8, 15)], &[], A + 24), Some(Heuristic::StdString));
+        assert_eq!(check(block(40 + 8), &[(A, 5), (A + 8, 15)], &[], A + 24), None);
+        assert_eq!(check(unseen(40 + 16), &[(A, 5), (A + 8, 15)], &[], A + 24), None);
+        assert_eq!(check(unseen(72), &[(A, 60)], &[], A + 8), Some(Heuristic::Length64));
     }
 
     #[test]
