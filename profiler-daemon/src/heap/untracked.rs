@@ -55,14 +55,41 @@ const NON_MAIN_ARENA: u64 = 4;
 
 /// The untracked blocks in use in glibc's heaps among `regions`, and their free ranges;
 /// `blocks` sorted by address.
+///
+/// A heap grown after a fork is a mapping of its own beside the one the fork copied: a heap is
+/// walked across the mappings that continue it, the main heap's `[heap]` ones, an arena's within
+/// its reservation. Its end is where none continues it.
 pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Layout {
     let mut walk = Walk { memory, blocks, key: None, found: Layout::default() };
-    for region in regions.iter().filter(|r| r.writable && !r.shared) {
+    let writable: Vec<&Region> = regions.iter().filter(|r| r.writable && !r.shared).collect();
+    // The end of the mappings from `at` on, laid end to end, that `continues` takes.
+    let end_from = |at: usize, continues: &dyn Fn(&Region) -> bool| {
+        let mut end = writable[at].end;
+        for region in &writable[at + 1..] {
+            if region.start != end || !continues(region) {
+                break;
+            }
+            end = region.end;
+        }
+        end
+    };
+    // A heap's walk ends at its top chunk only where no writable mapping continues it: a chunk
+    // in use that ends at a mapping's end would read as the top chunk otherwise.
+    let ended = |end: u64| !writable.iter().any(|region| region.start == end);
+    for (at, region) in writable.iter().enumerate() {
         if region.path == "[heap]" {
-            walk.heap(region.start, region.end, true);
+            let continued = at > 0 && writable[at - 1].path == "[heap]" && writable[at - 1].end == region.start;
+            if !continued {
+                let end = end_from(at, &|r| r.path == "[heap]");
+                walk.heap(region.start..end, true, ended(end));
+            }
         } else if region.path.is_empty() {
             match walk.arena_start(region) {
-                Some(first) => walk.heap(first, region.end, false),
+                Some(first) => {
+                    let reserved = region.start + ARENA_ALIGN;
+                    let end = end_from(at, &|r| r.path.is_empty() && r.end <= reserved);
+                    walk.heap(first..end, false, ended(end));
+                }
                 None => walk.mapped(region),
             }
         }
@@ -104,9 +131,9 @@ impl<M: Memory> Walk<'_, M> {
             .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.is_tcache(chunk))
     }
 
-    /// Walks the chunks laid end to end from `first` to `end`, the last (the top chunk) free;
-    /// `main` for the main heap, whose chunks lack `NON_MAIN_ARENA`, where an arena's in use all
-    /// have it.
+    /// Walks the chunks laid end to end across `heap`, the last (the top chunk) free; `main` for
+    /// the main heap, whose chunks lack `NON_MAIN_ARENA`, where an arena's in use all have it;
+    /// `ended` when no writable mapping continues the heap at its end.
     ///
     /// Its untracked blocks and free ranges (`Layout`) decide what the marking scans, so they are
     /// kept only from a walk that is surely glibc's heap, surely in step: one that reached the top
@@ -115,7 +142,8 @@ impl<M: Memory> Walk<'_, M> {
     /// free only by glibc's own bit, or listed in its heap's thread cache: one that only reads
     /// as cached by its marks (`cached`) is counted neither free nor a block, and scanned as a
     /// root.
-    fn heap(&mut self, first: u64, end: u64, main: bool) {
+    fn heap(&mut self, heap: std::ops::Range<u64>, main: bool, ended: bool) {
+        let (first, end) = (heap.start, heap.end);
         let cache = self.is_tcache(first);
         if cache {
             self.learn_key(first + 16);
@@ -132,7 +160,8 @@ impl<M: Memory> Walk<'_, M> {
             if !flags_right || size < 32 || !size.is_multiple_of(16) || next + 16 > end {
                 // The top chunk, free, reaches the heap's end; any other end leaves the rest
                 // unknown.
-                let top = flags_right && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
+                let top =
+                    ended && flags_right && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
                 if top {
                     free.push((chunk + 8, end));
                 }
@@ -295,6 +324,28 @@ mod tests {
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
         let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks).untracked;
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+    }
+
+    /// A heap grown after a fork is two mappings, a chunk in use ending where the first ends:
+    /// walked across both, that chunk is a block, not the top chunk.
+    #[test]
+    fn a_heap_of_two_mappings_is_walked_across_both() {
+        let mut words = BTreeMap::new();
+        let mut chunk = 0x10000;
+        for size in [0x290, 0xd70, 0x100, 0xf00] {
+            words.insert(chunk + 8, size | IN_USE);
+            chunk += size;
+        }
+        let split = [region(0x10000, 0x11000, "[heap]"), region(0x11000, chunk, "[heap]")];
+        let found = layout(&Map(words.clone()), &split, &[]);
+        let unseen: Vec<u64> = found.unseen.iter().map(|b| b.addr).collect();
+        assert_eq!(unseen, [0x10290 + 16, 0x11000 + 16]);
+        assert_eq!(found.free, [(0x11100 + 8, chunk)]);
+        // Continued by a mapping that is not the heap's: the chunk ending at the first one's end
+        // is no top chunk, and nothing of the walk is kept.
+        let continued = [region(0x10000, 0x11000, "[heap]"), region(0x11000, chunk, "")];
+        let found = layout(&Map(words), &continued, &[]);
+        assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
     }
 
     #[test]
