@@ -475,6 +475,26 @@ fn pointers_from_blocks_made_before_the_attach_and_from_free_memory_class_as_mem
     ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }
 
+/// `forked_heap.c`: a child whose heap grew after its fork, a second mapping, keeps 20 blocks only
+/// through a block ending where the first mapping ends. Reachable: that block was read as the
+/// heap's free top chunk, and its blocks called definitely lost.
+#[test]
+fn blocks_kept_through_a_heap_split_by_a_fork_are_reachable() {
+    let fixture = fixture_with("forked_heap.c", "forked_heap", &["-g", "-O0"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let parent = target.pid();
+    let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).unwrap();
+    let child: u32 = children.trim().parse().expect("one child");
+    let heaps = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
+    assert_eq!(heaps.matches("[heap]").count(), 2, "the child's heap is two mappings: {heaps}");
+    let outcome = memprof_tests::attach_pid(&mut target, child, &["--inspect", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    let none = (0, 0);
+    assert_eq!(reachability(&report, "kept_through_x"), &reach(none, none, none, (20 * 64, 20), 0));
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
 /// `early_leaks.c` makes its blocks before memprof attaches, one after: the inspection classes
 /// the one it saw made, and counts the 15 blocks in use it did not (their usable sizes: 6 x 40,
 /// 2 x 104, a mapped block of 208880; in a thread's arena 5 x 72; glibc's 280 for the thread),
