@@ -244,11 +244,12 @@ impl Drop for ReportFile {
     }
 }
 
-/// The descriptors open when memprof started, before it opened any of its own (see `given`).
+/// The descriptors open when memprof started, before it opened any of its own (see
+/// `given_descriptor`).
 static GIVEN: std::sync::OnceLock<Vec<i32>> = std::sync::OnceLock::new();
 
 /// Notes the descriptors memprof was given: `-o /dev/fd/N` names one of them, never one of
-/// memprof's own. Called first thing in `main`.
+/// memprof's own. Called in `main` before memprof opens anything.
 pub fn note_given_descriptors() {
     let open = fs::read_dir("/proc/self/fd")
         .map(|dir| dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()).collect::<Vec<i32>>());
@@ -316,17 +317,12 @@ fn open_device(path: &Path) -> io::Result<File> {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "a socket, which no file opens; give a file"));
     }
     // The very file checked, whatever its path names now; a terminal without becoming memprof's
-    // controlling one, and a serial line without waiting for its carrier.
-    let file = OpenOptions::new()
+    // controlling one, and a serial line without waiting for its carrier. Non-blocking stays:
+    // `append` waits while a device is full, as for a descriptor given so.
+    OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
-        .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))?;
-    // SAFETY: fcntl on a descriptor `file` owns, with flags it returned. Writes then wait.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 || unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(file)
+        .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
 }
 
 /// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
