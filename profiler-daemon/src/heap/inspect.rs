@@ -335,19 +335,8 @@ fn merged(blocks: &[LiveBlock], unseen: &[LiveBlock]) -> Vec<LiveBlock> {
 
 /// The parts of `start..end` outside the ranges `free` (sorted, apart).
 fn outside(free: &[(u64, u64)], start: u64, end: u64) -> Vec<(u64, u64)> {
-    let mut parts = Vec::new();
-    let mut at = start;
     let first = free.partition_point(|&(_, free_end)| free_end <= start);
-    for &(free_start, free_end) in free[first..].iter().take_while(|&&(free_start, _)| free_start < end) {
-        if free_start > at {
-            parts.push((at, free_start));
-        }
-        at = at.max(free_end);
-    }
-    if at < end {
-        parts.push((at, end));
-    }
-    parts
+    uncovered(free[first..].iter().copied(), start, end)
 }
 
 fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {
@@ -357,19 +346,25 @@ fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {
 
 /// The parts of `region` outside the blocks.
 fn gaps(blocks: &[LiveBlock], region: &Region) -> Vec<(u64, u64)> {
-    let mut gaps = Vec::new();
-    let mut at = region.start;
     let first = blocks.partition_point(|b| b.addr < region.start);
-    for block in blocks[first..].iter().take_while(|b| b.addr < region.end) {
-        if block.addr > at {
-            gaps.push((at, block.addr));
+    let ranges = blocks[first..].iter().map(|b| (b.addr, b.addr + b.size));
+    uncovered(ranges, region.start, region.end)
+}
+
+/// The parts of `start..end` that none of `ranges` (sorted by start) covers.
+fn uncovered(ranges: impl Iterator<Item = (u64, u64)>, start: u64, end: u64) -> Vec<(u64, u64)> {
+    let mut parts = Vec::new();
+    let mut at = start;
+    for (range_start, range_end) in ranges.take_while(|&(range_start, _)| range_start < end) {
+        if range_start > at {
+            parts.push((at, range_start));
         }
-        at = at.max((block.addr + block.size).min(region.end));
+        at = at.max(range_end);
     }
-    if at < region.end {
-        gaps.push((at, region.end));
+    if at < end {
+        parts.push((at, end));
     }
-    gaps
+    parts
 }
 
 /// Scans the copy of `start..end`: only where it may hold other than zeros, which point nowhere
@@ -421,5 +416,13 @@ mod tests {
         assert_eq!(gaps(&blocks, &region), [(0x1000, 0x1010), (0x1040, 0x1f00)]);
         assert!(holds_block(&blocks, &region));
         assert_eq!(gaps(&[], &region), [(0x1000, 0x2000)]);
+    }
+
+    #[test]
+    fn outside_is_what_no_free_range_covers() {
+        let free = [(0x800, 0x1010), (0x1020, 0x1030), (0x1030, 0x1040), (0x1f00, 0x2100)];
+        assert_eq!(outside(&free, 0x1000, 0x2000), [(0x1010, 0x1020), (0x1040, 0x1f00)]);
+        assert_eq!(outside(&free, 0x1040, 0x1f00), [(0x1040, 0x1f00)]);
+        assert_eq!(outside(&[], 0x1000, 0x2000), [(0x1000, 0x2000)]);
     }
 }

@@ -6,6 +6,14 @@
 
 use std::{cmp::Reverse, collections::HashMap};
 
+use profiler_common::DropReason;
+
+use super::{Target, Tracer};
+use crate::{
+    heap::sampling::MaxRate,
+    kernel::aggregate::{KernelSnapshot, Sampler, Snapshot},
+};
+
 /// A process that crowds the others out of the live table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Crowder {
@@ -17,10 +25,47 @@ pub(super) struct Crowder {
     pub crowded_out: u32,
 }
 
+impl Target {
+    /// Whether its allocations found the live table full since the last read.
+    pub(super) fn found_live_table_full(&mut self, snapshot: &Snapshot) -> bool {
+        let full = snapshot.drops.counts[DropReason::LiveMapFull as usize];
+        let last = std::mem::replace(&mut self.live_table_full, full);
+        // Below the last count, it started again (an exec): any is new.
+        full > last || (full < last && full > 0)
+    }
+}
+
+impl Tracer {
+    /// The process to move out of the live table this interval, if any, of those not `moving`
+    /// already. `max_rate = off` keeps every process traced by its calls, whatever it holds.
+    pub(super) fn crowder(&self, kernel: &KernelSnapshot, found_full: &[u32], moving: &[u32]) -> Option<Crowder> {
+        if self.config.sampling.max_rate == Some(MaxRate::Off) {
+            return None;
+        }
+        // A sampled process's counts are estimates, not entries of the table, and so are those
+        // its allocator's own sampler gives: only a process whose every block is an entry.
+        let entries_counted = |t: &Target| match kernel.processes.get(&t.id.pid) {
+            Some(snapshot) => snapshot.sample_bytes == 0 && snapshot.sampler == Sampler::None,
+            None => t
+                .last_view
+                .as_ref()
+                .is_some_and(|(view, _)| view.sample_bytes == 0 && view.report.usdt_samples.is_none()),
+        };
+        let movable = self.targets.values().filter(|t| {
+            entries_counted(t)
+                && !t.pages_refused
+                && self.loaded.blocks_not_kept(t.id.pid).is_none()
+                && !moving.contains(&t.id.pid)
+        });
+        let capacity = self.config.maps.max_live.into();
+        crowder(capacity, &kernel.live_by_process, movable.map(|t| t.id.pid), found_full)
+    }
+}
+
 /// The process to move out of the live table, if any: of `movable` (those whose blocks are in
 /// it), the one holding the most entries, when that is more than half of `capacity` and a process
 /// other than it is among `found_full`.
-pub(super) fn crowder(
+fn crowder(
     capacity: u64,
     live_by_process: &HashMap<u32, u64>,
     movable: impl IntoIterator<Item = u32>,

@@ -13,10 +13,7 @@ use std::{
 use profiler_common::DropReason;
 use tracing::{info, warn};
 
-use super::{
-    crowding::{self, Crowder},
-    InspectFailure, Target, Tracer,
-};
+use super::{crowding::Crowder, InspectFailure, Target, Tracer};
 use crate::{
     daemon::{
         discovery::{self, ProcessId},
@@ -31,7 +28,6 @@ use crate::{
     heap::leak::LeakTracker,
     heap::report::{self, Report, Selection, StackReport},
     heap::resident::{HeapNow, Resident},
-    heap::sampling::MaxRate,
     kernel::aggregate::{self, KernelSnapshot, Snapshot},
     kernel::loader,
     process::{allocator, procfs},
@@ -174,37 +170,14 @@ impl Tracer {
                     switching
                         .push((target.id.pid, ToPages::AboveMaxRate { calls_per_second: switch.calls_per_second }));
                 }
-                let full = snapshot.drops.counts[DropReason::LiveMapFull as usize];
-                // Below the last count, it started again (an exec): any is new.
-                let last = target.live_table_full;
-                if full > last || (full < last && full > 0) {
+                if target.found_live_table_full(snapshot) {
                     found_full.push(target.id.pid);
                 }
-                target.live_table_full = full;
             }
         }
-        // `max_rate = off` keeps every process traced by its calls, whatever it holds.
-        if self.config.sampling.max_rate != Some(MaxRate::Off) {
-            // A sampled process's counts are estimates, not entries of the table, and so are those
-            // its allocator's own sampler gives: only a process whose every block is an entry.
-            let entries_counted = |t: &Target| match kernel.processes.get(&t.id.pid) {
-                Some(snapshot) => snapshot.sample_bytes == 0 && snapshot.sampler == aggregate::Sampler::None,
-                None => t
-                    .last_view
-                    .as_ref()
-                    .is_some_and(|(view, _)| view.sample_bytes == 0 && view.report.usdt_samples.is_none()),
-            };
-            let movable = self.targets.values().filter(|t| {
-                entries_counted(t)
-                    && !t.pages_refused
-                    && self.loaded.blocks_not_kept(t.id.pid).is_none()
-                    && !switching.iter().any(|(pid, _)| *pid == t.id.pid)
-            });
-            let capacity = self.config.maps.max_live.into();
-            let movable = movable.map(|t| t.id.pid);
-            if let Some(crowder) = crowding::crowder(capacity, &kernel.live_by_process, movable, &found_full) {
-                switching.push((crowder.pid, ToPages::Crowding(crowder)));
-            }
+        let moving: Vec<u32> = switching.iter().map(|(pid, _)| *pid).collect();
+        if let Some(crowder) = self.crowder(&kernel, &found_full, &moving) {
+            switching.push((crowder.pid, ToPages::Crowding(crowder)));
         }
         // A reload keeps them as loaded (see `Config::keep_read_at_start`).
         let sizes = self.config.maps;
