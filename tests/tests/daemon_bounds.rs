@@ -6,6 +6,7 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpStream,
+    process::Command,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -14,7 +15,8 @@ use std::{
 };
 
 use memprof_tests::{
-    cgroup::MemoryCgroup, fixture, http_get, metric, site, socket_answer, start_heapbench, wait_for, Daemon, Waiting,
+    attach_with, cgroup::MemoryCgroup, fixture, http_get, memprof_bin, metric, site, socket_answer, start_heapbench,
+    wait_for, Daemon, Waiting,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -155,6 +157,33 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
     drop(daemon);
     drop(target.stdin.take());
     assert!(target.wait().unwrap().success());
+}
+
+/// Millions of small blocks made before the attach, their copy within memprof's memory limit but
+/// not their marking as blocks: they are scanned as roots, the report says why, and memprof
+/// lives.
+#[test]
+fn blocks_made_before_the_attach_too_many_to_mark_are_said_not_classed() {
+    let _serial = serial();
+    let group = MemoryCgroup::new(&format!("memprof-test-unseen-{}", std::process::id()), 512 << 20);
+    let mut target = Waiting::start(&fixture("small_blocks"), &["4000000"]);
+    let pid = target.pid();
+    let mut memprof = Command::new("sh");
+    memprof.args(["-c", r#"echo $$ > "$0" && exec "$@""#]).arg(group.procs()).arg(memprof_bin());
+    let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "2"]);
+    assert_eq!(group.oom_kills(), 0, "memprof was OOM-killed: {outcome:?}");
+    assert!(outcome.status.success(), "{outcome:?}");
+    let inspection = &outcome.final_report()["inspection"];
+    assert!(inspection["untracked_blocks"].as_u64() >= Some(4_000_000), "{inspection}");
+    assert!(inspection.get("untracked_classes").is_none(), "{inspection}");
+    let why = inspection["untracked_not_classed"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with("marking them would take about ")
+            && why.ends_with("left to memprof under its cgroup's memory limit (memory.max); scanned as roots"),
+        "{inspection}"
+    );
+    target.child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
+    assert_eq!(target.child.wait().unwrap().code(), Some(3), "the target did not end as it would alone");
 }
 
 /// A memory cgroup too small for the maps at their default sizes: the kernel refuses them, and

@@ -495,6 +495,24 @@ fn blocks_kept_through_a_heap_split_by_a_fork_are_reachable() {
     ends_as_without_memprof(&mut target, "set\ndone ok\n");
 }
 
+/// `tail_linked.c` keeps 40-byte structures through pointers at their last word, which is also
+/// where glibc's next chunk header is: kept so by the program, as memcheck says, each is possibly
+/// lost, the 3 made before the attach and the 2 memprof saw made.
+#[test]
+fn a_block_kept_through_its_last_word_by_the_program_is_possibly_lost() {
+    let fixture = fixture_with("tail_linked.c", "tail_linked", &["-g", "-O2"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let outcome = attach(&mut target, &["--inspect", "--duration", "2", "--interval", "1"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    let none = (0, 0);
+    // (The loop is unrolled: two stacks.)
+    let inspection = &report["inspection"];
+    assert_eq!(inspection["totals"], reach(none, none, (2 * 40, 2), none, 0), "{inspection}");
+    assert_eq!(inspection["untracked_classes"], reach(none, none, (3 * 40, 3), none, 0), "{inspection}");
+    ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
 /// `early_leaks.c` makes its blocks before memprof attaches, one after: the inspection classes
 /// the one it saw made, and counts the 15 blocks in use it did not (their usable sizes: 6 x 40,
 /// 2 x 104, a mapped block of 208880; in a thread's arena 5 x 72; glibc's 280 for the thread),

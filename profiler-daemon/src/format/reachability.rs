@@ -94,6 +94,8 @@ pub fn summary(out: &mut String, inspection: &Inspection) {
             // the blocks a stack's "indirectly lost" counts.
             if let Some(unseen) = inspection.untracked_classes.as_ref().map(classes).filter(|c| !c.is_empty()) {
                 let _ = writeln!(out, "  of those in the heap, by class: {unseen}");
+            } else if let Some(why) = &inspection.untracked_not_classed {
+                let _ = writeln!(out, "  not classed by memprof: {why}");
             }
         }
         (Some(_), Some(_)) => {}

@@ -14,13 +14,14 @@ use crate::{
     heap::{
         capture::{self, Capture, Method, Precopy, Stages},
         heuristics::{Heuristic, Heuristics, Words},
-        reachability::{Class, Marker, Memory},
+        reachability::{Class, Marker, Memory, Owner},
         types::{self, TypeCount},
         untracked,
     },
     kernel::live::LiveBlock,
     process::{
         image::Image,
+        memory,
         procfs::Region,
         vtables::{self, Lookalike},
     },
@@ -29,6 +30,11 @@ use crate::{
 /// x86-64's red zone: a leaf function keeps data up to 128 bytes below the stack pointer, and
 /// memcheck counts it addressable.
 const RED_ZONE: u64 = 128;
+
+/// What marking a block takes, at most: its entry among those marked and the marking's state
+/// for it. The blocks memprof did not see made are marked only while they fit in half the
+/// memory memprof may still take (a heap of small blocks holds millions).
+const MARKED_BLOCK_BYTES: u64 = 64;
 
 /// Bytes and blocks per class, for one stack or all (JSON `"reachability"`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -206,6 +212,10 @@ pub struct Inspection {
     /// block made, or the allocator is not glibc's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub untracked_classes: Option<Reachability>,
+    /// Why those blocks were not classed, when memprof had no room to mark them: they were
+    /// scanned as roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub untracked_not_classed: Option<String>,
     /// The heuristics in use, as memcheck's `--leak-check-heuristics` takes them.
     #[serde(default)]
     pub heuristics: String,
@@ -265,9 +275,21 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     // the attach, keeps no block reachable. Elsewhere, or where the walk of the heap stops, what
     // is outside the tracked blocks is scanned as roots, since an unseen block may point to a
     // seen one.
-    let layout = if settings.glibc { untracked::layout(&target, &regions, &blocks) } else { Default::default() };
+    let room = memory::room();
+    // Nothing is unseen where memprof saw every block made.
+    let max_unseen = if settings.complete { 0 } else { (room.bytes / 2 / MARKED_BLOCK_BYTES) as usize };
+    let layout =
+        if settings.glibc { untracked::layout(&target, &regions, &blocks, max_unseen) } else { Default::default() };
     let (unseen, free) = if settings.complete { (Vec::new(), Vec::new()) } else { (layout.unseen, layout.free) };
-    let all = merged(&blocks, &unseen);
+    if layout.unseen_over_budget && !settings.complete {
+        let needed = layout.untracked.blocks.saturating_mul(MARKED_BLOCK_BYTES);
+        inspection.untracked_not_classed = Some(format!(
+            "marking them would take about {} MiB, more than half of the {room}; scanned as roots",
+            needed >> 20
+        ));
+    }
+    let any_unseen = !unseen.is_empty();
+    let all = merged(&blocks, unseen);
     let mut marker = Marker::new(&all, &target, settings.glibc, settings.heuristics);
     let (heap, roots): (Vec<&Region>, Vec<&Region>) =
         regions.iter().partition(|r| r.path == "[heap]" || holds_block(&all, r));
@@ -275,8 +297,9 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         // A stack is scanned from its thread's stack pointer (and red zone): below is garbage.
         let below = threads.iter().map(|(_, sp)| *sp).filter(|sp| (region.start..region.end).contains(sp));
         let start = below.min().map_or(region.start, |sp| sp.saturating_sub(RED_ZONE).max(region.start));
+        let owner = if is_c_library(region) { Owner::Allocator } else { Owner::Program };
         for (start, end) in outside(&free, start, region.end) {
-            scan_range(&image, &mut marker, start, end, &mut inspection);
+            scan_range(&image, &mut marker, (start, end), owner, &mut inspection);
         }
     }
     for region in &heap {
@@ -284,7 +307,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
             inspection.heap_bytes_not_classified += end - start;
             if !settings.complete {
                 for (start, end) in outside(&free, start, end) {
-                    scan_range(&image, &mut marker, start, end, &mut inspection);
+                    scan_range(&image, &mut marker, (start, end), Owner::Allocator, &mut inspection);
                 }
             }
         }
@@ -303,7 +326,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     tracing::debug!(pid, ?stages, "marked");
     inspection.block_bytes_scanned = marking.block_bytes_scanned;
     inspection.bytes_unreadable += marking.block_bytes_unreadable;
-    if !unseen.is_empty() {
+    if any_unseen {
         inspection.untracked_classes = Some(Reachability::default());
     }
     for (at, block) in all.iter().enumerate() {
@@ -324,19 +347,26 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     Ok(inspection)
 }
 
-/// The tracked `blocks` and the `unseen` ones, by address.
-fn merged(blocks: &[LiveBlock], unseen: &[LiveBlock]) -> Vec<LiveBlock> {
-    let mut all = Vec::with_capacity(blocks.len() + unseen.len());
+/// The tracked `blocks` and the `unseen` ones, by address, in the memory of `unseen`: there may
+/// be millions of them.
+fn merged(blocks: &[LiveBlock], unseen: Vec<LiveBlock>) -> Vec<LiveBlock> {
+    let mut all = unseen;
+    all.reserve_exact(blocks.len());
     all.extend_from_slice(blocks);
-    all.extend_from_slice(unseen);
-    all.sort_by_key(|block| block.addr);
+    all.sort_unstable_by_key(|block| block.addr);
     all
 }
 
 /// The parts of `start..end` outside the ranges `free` (sorted, apart).
-fn outside(free: &[(u64, u64)], start: u64, end: u64) -> Vec<(u64, u64)> {
+fn outside(free: &[(u64, u64)], start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
     let first = free.partition_point(|&(_, free_end)| free_end <= start);
     uncovered(free[first..].iter().copied(), start, end)
+}
+
+/// The C library's own data, where glibc's main arena is.
+fn is_c_library(region: &Region) -> bool {
+    let name = region.path.rsplit('/').next().unwrap_or_default();
+    name.starts_with("libc.so") || name.starts_with("libc-2.")
 }
 
 fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {
@@ -345,34 +375,45 @@ fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {
 }
 
 /// The parts of `region` outside the blocks.
-fn gaps(blocks: &[LiveBlock], region: &Region) -> Vec<(u64, u64)> {
+fn gaps<'a>(blocks: &'a [LiveBlock], region: &Region) -> impl Iterator<Item = (u64, u64)> + 'a {
     let first = blocks.partition_point(|b| b.addr < region.start);
     let ranges = blocks[first..].iter().map(|b| (b.addr, b.addr + b.size));
     uncovered(ranges, region.start, region.end)
 }
 
-/// The parts of `start..end` that none of `ranges` (sorted by start) covers.
-fn uncovered(ranges: impl Iterator<Item = (u64, u64)>, start: u64, end: u64) -> Vec<(u64, u64)> {
-    let mut parts = Vec::new();
-    let mut at = start;
-    for (range_start, range_end) in ranges.take_while(|&(range_start, _)| range_start < end) {
-        if range_start > at {
-            parts.push((at, range_start));
+/// The parts of `start..end` that none of `ranges` (sorted by start) covers, one by one: a
+/// heap of small blocks has millions.
+fn uncovered(ranges: impl Iterator<Item = (u64, u64)>, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> {
+    let mut ranges = ranges.take_while(move |&(range_start, _)| range_start < end);
+    let (mut at, mut done) = (start, false);
+    std::iter::from_fn(move || {
+        if done {
+            return None;
         }
-        at = at.max(range_end);
-    }
-    if at < end {
-        parts.push((at, end));
-    }
-    parts
+        for (range_start, range_end) in ranges.by_ref() {
+            let part = (range_start > at).then_some((at, range_start));
+            at = at.max(range_end);
+            if part.is_some() {
+                return part;
+            }
+        }
+        done = true;
+        (at < end).then_some((at, end))
+    })
 }
 
 /// Scans the copy of `start..end`: only where it may hold other than zeros, which point nowhere
 /// (a heap reserved ahead is gigabytes of pages never touched).
-fn scan_range(image: &Image, marker: &mut Marker<Target>, start: u64, end: u64, inspection: &mut Inspection) {
+fn scan_range(
+    image: &Image,
+    marker: &mut Marker<Target>,
+    (start, end): (u64, u64),
+    owner: Owner,
+    inspection: &mut Inspection,
+) {
     let len = image.from(start).len().min((end - start) as usize);
     for (addr, bytes) in image.data_from(start, len) {
-        marker.scan_root(addr, bytes);
+        marker.scan_root(addr, bytes, owner);
         inspection.root_bytes_scanned += bytes.len() as u64;
     }
 }
@@ -413,16 +454,16 @@ mod tests {
         let region = Region { start: 0x1000, end: 0x2000, writable: true, shared: false, path: "[heap]".into() };
         let block = |addr, size| LiveBlock { addr, size, stack_id: 0, weighted_bytes: size };
         let blocks = [block(0x800, 0x10), block(0x1010, 0x20), block(0x1030, 0x10), block(0x1f00, 0x200)];
-        assert_eq!(gaps(&blocks, &region), [(0x1000, 0x1010), (0x1040, 0x1f00)]);
+        assert_eq!(gaps(&blocks, &region).collect::<Vec<_>>(), [(0x1000, 0x1010), (0x1040, 0x1f00)]);
         assert!(holds_block(&blocks, &region));
-        assert_eq!(gaps(&[], &region), [(0x1000, 0x2000)]);
+        assert_eq!(gaps(&[], &region).collect::<Vec<_>>(), [(0x1000, 0x2000)]);
     }
 
     #[test]
     fn outside_is_what_no_free_range_covers() {
         let free = [(0x800, 0x1010), (0x1020, 0x1030), (0x1030, 0x1040), (0x1f00, 0x2100)];
-        assert_eq!(outside(&free, 0x1000, 0x2000), [(0x1010, 0x1020), (0x1040, 0x1f00)]);
-        assert_eq!(outside(&free, 0x1040, 0x1f00), [(0x1040, 0x1f00)]);
-        assert_eq!(outside(&[], 0x1000, 0x2000), [(0x1000, 0x2000)]);
+        assert_eq!(outside(&free, 0x1000, 0x2000).collect::<Vec<_>>(), [(0x1010, 0x1020), (0x1040, 0x1f00)]);
+        assert_eq!(outside(&free, 0x1040, 0x1f00).collect::<Vec<_>>(), [(0x1040, 0x1f00)]);
+        assert_eq!(outside(&[], 0x1000, 0x2000).collect::<Vec<_>>(), [(0x1000, 0x2000)]);
     }
 }

@@ -102,19 +102,20 @@ impl<'a, M: Memory> Marker<'a, M> {
         }
     }
 
-    /// The block `ptr` points into, if any.
-    fn find(&self, ptr: u64) -> Option<usize> {
+    /// The block `ptr` points into, if any; read from memory `from`.
+    fn find(&self, ptr: u64, from: Owner) -> Option<usize> {
         // Most words are no pointer into the heap (zeros, small numbers, text): out at once.
         if !(self.low..=self.high).contains(&ptr) {
             return None;
         }
         let at = self.index.find(self.blocks, ptr)?;
-        (!(self.glibc && is_chunk_header(&self.blocks[at], ptr))).then_some(at)
+        let allocators = self.glibc && from == Owner::Allocator && is_chunk_header(&self.blocks[at], ptr);
+        (!allocators).then_some(at)
     }
 
     /// Marks from one root word, or from a word of a block whose own mark is `definite`.
-    fn mark(&mut self, ptr: u64, definite: bool) {
-        let Some(at) = self.find(ptr) else { return };
+    fn mark(&mut self, ptr: u64, definite: bool, from: Owner) {
+        let Some(at) = self.find(ptr, from) else { return };
         let start = ptr == self.blocks[at].addr;
         if self.state[at] == State::Reachable {
             if start {
@@ -137,18 +138,19 @@ impl<'a, M: Memory> Marker<'a, M> {
         }
     }
 
-    /// Marks from roots: the words of a memory range (`start` the address of `bytes[0]`), or a
-    /// thread's registers. The blocks marked are scanned by `finish` (the marks' fixpoint does
-    /// not depend on the order).
-    pub fn scan_root(&mut self, start: u64, bytes: &[u8]) {
+    /// Marks from roots: the words of a memory range (`start` the address of `bytes[0]`) that
+    /// `owner` keeps, or a thread's registers (which may be glibc's, a thread stopped in
+    /// malloc). The blocks marked are scanned by `finish` (the marks' fixpoint does not depend on
+    /// the order).
+    pub fn scan_root(&mut self, start: u64, bytes: &[u8], owner: Owner) {
         for ptr in words(start, bytes) {
-            self.mark(ptr, true);
+            self.mark(ptr, true, owner);
         }
     }
 
     pub fn scan_registers(&mut self, registers: &[u64]) {
         for &ptr in registers {
-            self.mark(ptr, true);
+            self.mark(ptr, true, Owner::Allocator);
         }
     }
 
@@ -168,7 +170,7 @@ impl<'a, M: Memory> Marker<'a, M> {
                 self.unreadable += (len - read) as u64;
                 for ptr in words(block.addr + offset, &buf) {
                     match leader {
-                        None => self.mark(ptr, definite),
+                        None => self.mark(ptr, definite, Owner::Program),
                         Some(leader) => self.join_clique(ptr, leader),
                     }
                 }
@@ -179,7 +181,7 @@ impl<'a, M: Memory> Marker<'a, M> {
     }
 
     fn join_clique(&mut self, ptr: u64, leader: usize) {
-        let Some(at) = self.find(ptr) else { return };
+        let Some(at) = self.find(ptr, Owner::Program) else { return };
         if at != leader && self.state[at] == State::Unreached {
             self.state[at] = State::Indirect;
             self.indirect[leader] += self.blocks[at].size + std::mem::take(&mut self.indirect[at]);
@@ -227,11 +229,22 @@ fn words(start: u64, bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
     bytes.get(skip..).unwrap_or_default().chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
 }
 
+/// Whose memory a root is, for `is_chunk_header`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// The program's: its data, its stacks, its blocks.
+    Program,
+    /// Where glibc's malloc keeps its own pointers: its arenas (in the C library's data, at a
+    /// thread arena's start), the heap outside the blocks.
+    Allocator,
+}
+
 /// glibc keeps a chunk's size 8 bytes before its data and lends the last 8 bytes of a chunk in
 /// use to the next chunk's header; its arenas (free lists, the top chunk) point at chunk
 /// headers. A block whose size is not a multiple of 16 so holds the address of the next
-/// chunk's header 16 bytes before its chunk ends: such a pointer is the allocator's, not the
-/// program's.
+/// chunk's header 16 bytes before its chunk ends: such a pointer, in the allocator's memory, is
+/// the allocator's. In the program's, it is the program's: a structure whose last word a list
+/// links is pointed to there.
 fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
     // malloc's chunk size: the request and the size field, rounded up to 16, at least 32.
     let chunk = ((block.size + 8 + 15) & !15).max(32);
@@ -278,7 +291,7 @@ pub(crate) mod tests {
     fn classify_with(blocks: &[LiveBlock], memory: &Map, roots: &[u64], heuristics: Heuristics) -> Marking {
         let mut marker = Marker::new(blocks, memory, false, heuristics);
         let bytes: Vec<u8> = roots.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        marker.scan_root(0x10, &bytes);
+        marker.scan_root(0x10, &bytes, Owner::Program);
         marker.finish()
     }
 
@@ -332,6 +345,14 @@ pub(crate) mod tests {
         let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
         marker.scan_registers(&[0x1018]);
         assert_eq!(marker.finish().classes, [PossiblyLost]);
+        // The same address kept by the program (a list linking the structure's last word).
+        let in_data = 0x1020u64.to_ne_bytes();
+        let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
+        marker.scan_root(0x500, &in_data, Owner::Program);
+        assert_eq!(marker.finish().classes, [PossiblyLost]);
+        let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
+        marker.scan_root(0x500, &in_data, Owner::Allocator);
+        assert_eq!(marker.finish().classes, [DefinitelyLost]);
     }
 
     #[test]
@@ -341,7 +362,7 @@ pub(crate) mod tests {
         let mut marker = Marker::new(&blocks, &memory, false, Heuristics::NONE);
         let mut bytes = vec![0u8; 20];
         bytes[4..12].copy_from_slice(&0x1000u64.to_ne_bytes());
-        marker.scan_root(0x100, &bytes);
+        marker.scan_root(0x100, &bytes, Owner::Program);
         assert_eq!(marker.finish().classes, [DefinitelyLost]);
     }
 

@@ -35,6 +35,8 @@ pub struct Layout {
     /// cache lists (their words past the header, and the next chunk's first word, theirs while
     /// they were in use) and the top chunk. What they hold is stale: no root.
     pub free: Vec<(u64, u64)>,
+    /// Whether more untracked blocks were found than `layout` was to keep: `unseen` is empty.
+    pub unseen_over_budget: bool,
 }
 
 /// The `stack_id` of a block in use that memprof did not see made (`Layout::unseen`).
@@ -53,14 +55,14 @@ const MMAPPED: u64 = 2;
 /// Set in every size field of a thread arena's chunks.
 const NON_MAIN_ARENA: u64 = 4;
 
-/// The untracked blocks in use in glibc's heaps among `regions`, and their free ranges;
-/// `blocks` sorted by address.
+/// The untracked blocks in use in glibc's heaps among `regions` (at most `max_unseen` kept as
+/// blocks), and their free ranges; `blocks` sorted by address.
 ///
 /// A heap grown after a fork is a mapping of its own beside the one the fork copied: a heap is
 /// walked across the mappings that continue it, the main heap's `[heap]` ones, an arena's within
 /// its reservation. Its end is where none continues it.
-pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) -> Layout {
-    let mut walk = Walk { memory, blocks, key: None, found: Layout::default() };
+pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock], max_unseen: usize) -> Layout {
+    let mut walk = Walk { memory, blocks, max_unseen, key: None, found: Layout::default() };
     let writable: Vec<&Region> = regions.iter().filter(|r| r.writable && !r.shared).collect();
     // The end of the mappings from `at` on, laid end to end, that `continues` takes.
     let end_from = |at: usize, continues: &dyn Fn(&Region) -> bool| {
@@ -95,7 +97,10 @@ pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) ->
         }
     }
     let mut found = walk.found;
-    found.unseen.sort_by_key(|block| block.addr);
+    if found.unseen_over_budget {
+        found.unseen = Vec::new();
+    }
+    found.unseen.sort_unstable_by_key(|block| block.addr);
     found.free.sort_unstable();
     found
 }
@@ -103,6 +108,7 @@ pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock]) ->
 struct Walk<'a, M> {
     memory: &'a M,
     blocks: &'a [LiveBlock],
+    max_unseen: usize,
     /// The thread caches' key, from the first cached chunk met.
     key: Option<u64>,
     found: Layout,
@@ -149,7 +155,9 @@ impl<M: Memory> Walk<'_, M> {
             self.learn_key(first + 16);
         }
         let listed = if cache { self.listed(first + 16, first..end) } else { HashSet::new() };
-        let (mut unseen, mut free, mut tracked_met) = (Vec::new(), Vec::new(), 0);
+        // Kept only if the walk is trusted: they are pushed as found, to hold each once.
+        let (unseen_from, free_from) = (self.found.unseen.len(), self.found.free.len());
+        let mut tracked_met = 0;
         let mut chunk = first;
         let whole = loop {
             let Some(field) = self.word(chunk + 8) else { break false };
@@ -163,7 +171,7 @@ impl<M: Memory> Walk<'_, M> {
                 let top =
                     ended && flags_right && size >= 32 && size.is_multiple_of(16) && next <= end && end - next < 32;
                 if top {
-                    free.push((chunk + 8, end));
+                    self.found.free.push((chunk + 8, end));
                 }
                 break top;
             }
@@ -178,19 +186,27 @@ impl<M: Memory> Walk<'_, M> {
             if (chunk == first && cache) || tracked {
                 // The thread cache's own chunk, or a block memprof saw made.
             } else if !in_use || listed.contains(&data) {
-                free.push((chunk + 8, next + 8));
+                self.found.free.push((chunk + 8, next + 8));
             } else if !self.cached(data, size, first..end) {
                 self.found.untracked.blocks += 1;
                 self.found.untracked.bytes += size - 8;
-                unseen.push(LiveBlock { addr: data, size: size - 8, stack_id: UNSEEN, weighted_bytes: size - 8 });
+                self.keep_unseen(LiveBlock { addr: data, size: size - 8, stack_id: UNSEEN, weighted_bytes: size - 8 });
             }
             chunk = next;
         };
         let tracked_here =
             self.blocks.partition_point(|b| b.addr < end) - self.blocks.partition_point(|b| b.addr < first);
-        if whole && tracked_met == tracked_here {
-            self.found.unseen.extend(unseen);
-            self.found.free.extend(free);
+        if !whole || tracked_met != tracked_here {
+            self.found.unseen.truncate(unseen_from);
+            self.found.free.truncate(free_from);
+        }
+    }
+
+    fn keep_unseen(&mut self, block: LiveBlock) {
+        if self.found.unseen.len() < self.max_unseen {
+            self.found.unseen.push(block);
+        } else {
+            self.found.unseen_over_budget = true;
         }
     }
 
@@ -299,7 +315,7 @@ mod tests {
         words.insert(0x10340, 0x10340 >> 12); // the fast bin's last chunk
         words.insert(0x10360, 0x10330 ^ (0x10360 >> 12)); // its first, linked to the last
         let blocks = [LiveBlock { addr: 0x10290 + 16, size: 0x20, stack_id: 1, weighted_bytes: 0x20 }];
-        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks);
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks, usize::MAX);
         assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
         let unseen: Vec<(u64, u64)> = found.unseen.iter().map(|b| (b.addr, b.size)).collect();
         assert_eq!(unseen, [(0x102d0, 0x38), (0x103d0, 0x38)]);
@@ -309,20 +325,26 @@ mod tests {
         // by their marks only (scanned as roots).
         assert_eq!(found.free, [(0x10308, 0x10338), (0x10378, 0x103c8), (0x10408, chunk)]);
 
+        // More untracked blocks than may be marked: none kept as a block, the rest as before.
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks, 1);
+        assert!(found.unseen_over_budget && found.unseen.is_empty(), "{found:?}");
+        assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+        assert_eq!(found.free.len(), 3);
+
         // Out of step: a tracked block that starts at no chunk's data. Counted as before, and
         // no block nor free range taken from the walk.
         let inside = [blocks[0], LiveBlock { addr: 0x102e0, size: 8, stack_id: 2, weighted_bytes: 8 }];
-        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &inside);
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &inside, usize::MAX);
         assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
         assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
         // A walk that stops short of the top chunk: the same.
         let mut short = words.clone();
         short.insert(0x103c8, 0x48 | 1);
-        let found = layout(&Map(short), &[region(0x10000, chunk, "[heap]")], &blocks);
+        let found = layout(&Map(short), &[region(0x10000, chunk, "[heap]")], &blocks, usize::MAX);
         assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
         // An untracked block's first word that, so decoded, is no chunk of its size: in use.
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
-        let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks).untracked;
+        let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks, usize::MAX).untracked;
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
     }
 
@@ -337,14 +359,14 @@ mod tests {
             chunk += size;
         }
         let split = [region(0x10000, 0x11000, "[heap]"), region(0x11000, chunk, "[heap]")];
-        let found = layout(&Map(words.clone()), &split, &[]);
+        let found = layout(&Map(words.clone()), &split, &[], usize::MAX);
         let unseen: Vec<u64> = found.unseen.iter().map(|b| b.addr).collect();
         assert_eq!(unseen, [0x10290 + 16, 0x11000 + 16]);
         assert_eq!(found.free, [(0x11100 + 8, chunk)]);
         // Continued by a mapping that is not the heap's: the chunk ending at the first one's end
         // is no top chunk, and nothing of the walk is kept.
         let continued = [region(0x10000, 0x11000, "[heap]"), region(0x11000, chunk, "")];
-        let found = layout(&Map(words), &continued, &[]);
+        let found = layout(&Map(words), &continued, &[], usize::MAX);
         assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
     }
 
@@ -362,7 +384,7 @@ mod tests {
             words.insert(chunk + 8, size | flags | if chunk == cache { IN_USE } else { 0 });
             chunk += size;
         }
-        let found = layout(&Map(words), &[region(start, chunk, "")], &[]);
+        let found = layout(&Map(words), &[region(start, chunk, "")], &[], usize::MAX);
         assert_eq!(found.untracked, Untracked { blocks: 1, bytes: 0x48 });
         let unseen: Vec<u64> = found.unseen.iter().map(|b| b.addr).collect();
         assert_eq!(unseen, [cache + 0x290 + 16]);
@@ -374,7 +396,7 @@ mod tests {
     fn blocks_mapped_one_by_one_are_walked_from_the_mappings_start() {
         let words = BTreeMap::from([(0x7000_0008, 0x21000 | MMAPPED), (0x7002_1008, 0x3000 | MMAPPED)]);
         let blocks = [LiveBlock { addr: 0x7002_1010, size: 0x2000, stack_id: 1, weighted_bytes: 0x2000 }];
-        let found = layout(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks).untracked;
+        let found = layout(&Map(words), &[region(0x7000_0000, 0x7002_4000, "")], &blocks, usize::MAX).untracked;
         assert_eq!(found, Untracked { blocks: 1, bytes: 0x21000 - 16 });
     }
 }
