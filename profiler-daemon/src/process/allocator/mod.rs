@@ -17,6 +17,7 @@ use profiler_common::AllocFn;
 use crate::{
     error::UserError,
     process::{
+        families,
         file_cache::{FileId, Opened},
         procfs,
     },
@@ -83,9 +84,12 @@ pub struct Allocator {
 }
 
 impl Allocator {
-    /// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`).
+    /// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`): the C
+    /// library's `malloc`, no other file's replacing it (jemalloc's, tcmalloc's).
     pub fn is_glibc(&self) -> bool {
-        self.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"))
+        let mut exporting = self.files.iter().filter(|file| file.families.contains(&families::STANDARD_FAMILY));
+        let first = exporting.next();
+        first.is_some_and(|file| file.display_path.ends_with("/libc.so.6")) && exporting.next().is_none()
     }
 
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
@@ -323,6 +327,29 @@ mod tests {
         let (below, above) = libc.frees[0].c_library_code.expect("free is in the C library's code");
         assert!(below > 0 && above > 0 && below + above > 1 << 20, "its whole text: {below:#x} {above:#x}");
         assert_eq!(libc.frees.len(), 1, "cfree is free: one probe");
+    }
+
+    #[test]
+    fn glibcs_malloc_is_in_use_only_when_no_other_file_exports_malloc() {
+        let file = |path: &str, families: &[&'static str]| AllocatorFile {
+            display_path: path.to_string(),
+            attach_path: path.into(),
+            id: FileId { device: 0, inode: 0 },
+            families: families.to_vec(),
+            allocs: Vec::new(),
+            frees: Vec::new(),
+        };
+        let libc = file("/usr/lib/x86_64-linux-gnu/libc.so.6", &[families::STANDARD_FAMILY]);
+        let libstdcxx = file("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", &["C++ operator new/delete"]);
+        let jemalloc = file("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", &[families::STANDARD_FAMILY, "jemalloc"]);
+        let of = |files: &[&AllocatorFile]| Allocator {
+            files: files.iter().map(|f| (*f).clone()).collect(),
+            ..Default::default()
+        };
+        assert!(of(&[&libc]).is_glibc());
+        assert!(of(&[&libstdcxx, &libc]).is_glibc());
+        assert!(!of(&[&jemalloc, &libc]).is_glibc());
+        assert!(!of(&[&jemalloc]).is_glibc());
     }
 
     #[test]
