@@ -80,3 +80,21 @@ fn a_python_exec_d_later_gets_pythonmalloc_too() {
     // Each of the 100,000 strings is a malloc of its own.
     assert!(total(&report, "allocations") > 100_000, "{report}");
 }
+
+/// A shell that execs valgrind: valgrind reads the code of the program it runs, so the probes
+/// the shell kept through the exec go at once, before it runs that code (a breakpoint there
+/// stopped the program with SIGTRAP); memprof says so, and the program ends as without memprof.
+#[test]
+fn a_program_that_execs_valgrind_is_let_go_before_valgrind_runs_its_program() {
+    let command = format!("sleep 0.3; exec valgrind -q --error-exitcode=9 {}", short_prog());
+    let outcome = run(&[], &["sh", "-c", &command]);
+    assert!(!outcome.stderr.contains("SIGTRAP"), "{}", outcome.stderr);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(
+        outcome.stderr.contains(
+            "runs valgrind (/usr/bin/valgrind): no longer traced (memprof's breakpoints would stop its program)"
+        ),
+        "{}",
+        outcome.stderr
+    );
+}

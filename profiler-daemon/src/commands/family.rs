@@ -75,6 +75,8 @@ pub struct Process {
     /// The program it was last said to run: a fast chain of execs (`env`, a shell's `exec`)
     /// is handled once the chain has ended, and each exec's handling finds the last program.
     said_exe: Option<String>,
+    /// It exec'd valgrind: let go for good (see `on_exec`).
+    under_valgrind: bool,
 }
 
 impl Process {
@@ -123,6 +125,7 @@ impl Process {
             sampler_beside_calls: false,
             exec_handled_early: false,
             said_exe: None,
+            under_valgrind: false,
         }
     }
 }
@@ -236,7 +239,22 @@ impl Family {
     /// (the C library, a preloaded allocator `run` probed beforehand) record it from its first
     /// call, with nothing lost in between.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32, exec: Option<&ProcessEvent>) {
-        let Some(process) = self.processes.get_mut(&pid) else { return };
+        let Some(process) = self.processes.get_mut(&pid).filter(|process| !process.under_valgrind) else { return };
+        let ran = exec.and_then(|exec| events::exec_path(pid, exec));
+        if let Some(valgrind) = ran.filter(|program| allocator::runs_valgrind(program)) {
+            // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
+            // kept through the exec, would stop it with SIGTRAP. Its probes go at once, from its
+            // launcher on, before valgrind runs that code; `allocator::find` refuses its tool.
+            loaded.detach(std::mem::take(&mut process.attachment));
+            process.probed_files.clear();
+            process.allocator = None;
+            process.under_valgrind = true;
+            say!(
+                "memprof: pid {pid} runs valgrind ({}): no longer traced (memprof's breakpoints would stop its program)",
+                valgrind.display()
+            );
+            return;
+        }
         if std::mem::take(&mut process.expect_exec) {
             // `memprof run`'s command is in its own program now, probed since before its exec:
             // its executable and dynamic linker get their tables and symbols (its libraries, when
@@ -285,7 +303,7 @@ impl Family {
     /// Attaches the allocator probes of `pid` if it has none and its allocator is mapped now.
     pub fn probe(&mut self, loaded: &mut Loaded, pid: u32) {
         let Some(process) = self.processes.get_mut(&pid) else { return };
-        if process.allocator.is_some() {
+        if process.allocator.is_some() || process.under_valgrind {
             return;
         }
         let (Ok(mut allocator), Some(nonzero)) = (allocator::find(pid), NonZeroU32::new(pid)) else { return };
@@ -341,7 +359,8 @@ impl Family {
 
     /// Probes every process still waiting for its allocator (after an exec).
     pub fn probe_waiting(&mut self, loaded: &mut Loaded) {
-        let waiting: Vec<u32> = self.processes.values().filter(|p| p.allocator.is_none()).map(|p| p.pid).collect();
+        let waiting = self.processes.values().filter(|p| p.allocator.is_none() && !p.under_valgrind);
+        let waiting: Vec<u32> = waiting.map(|p| p.pid).collect();
         for pid in waiting {
             self.probe(loaded, pid);
         }

@@ -203,7 +203,10 @@ struct Link {
 /// When a link is detached among a process's, wave by wave (see `Attachment`'s `drop`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wave {
-    /// `free`'s probes, first: a free seen once its allocations no longer are would find an
+    /// The dynamic linker's hook, before all: a program valgrind runs has its code read, and its
+    /// dynamic linker's first calls reach the hook at once (see `Family::on_exec`).
+    LinkerHook,
+    /// `free`'s probes, then: a free seen once its allocations no longer are would find an
     /// address the process reused meanwhile among the recent frees, a false double free.
     Frees,
     Entries,
@@ -216,6 +219,7 @@ impl Wave {
         match (name, at_return) {
             (_, true) => Self::Returns,
             (FREE_PROGRAM, false) => Self::Frees,
+            (MAPPINGS_PROGRAM, false) => Self::LinkerHook,
             _ => Self::Entries,
         }
     }
@@ -354,7 +358,9 @@ impl Drop for Attachment {
         let start = std::time::Instant::now();
         let links = self.links.len();
         let mut links_of = |wave| self.links.extract_if(.., |link| link.wave == wave).collect::<Vec<Link>>();
+        let hook = links_of(Wave::LinkerHook);
         let (frees, entries, returns) = (links_of(Wave::Frees), links_of(Wave::Entries), links_of(Wave::Returns));
+        detach_together(hook);
         detach_together(frees);
         detach_together(entries);
         detach_together(returns);

@@ -305,6 +305,17 @@ impl Tracer {
             self.detach(pid);
             return true;
         };
+        if !self.targets.contains_key(&pid) {
+            return false;
+        }
+        if let Some(valgrind) = crate::kernel::events::exec_path(pid, event).filter(|p| allocator::runs_valgrind(p)) {
+            // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
+            // kept through the exec, would stop it with SIGTRAP. Let go at once (the dynamic
+            // linker's hook first, see `probes::Wave`); discovery refuses valgrind's tool.
+            warn!(pid, program = %valgrind.display(), "runs valgrind: no longer traced (memprof's breakpoints would stop its program)");
+            self.detach(pid);
+            return true;
+        }
         let Some(target) = self.targets.get_mut(&pid) else { return false };
         let Some(nonzero) = NonZeroU32::new(pid) else { return false };
         // The target exited and its pid went to a new process, which exec'd before discovery saw

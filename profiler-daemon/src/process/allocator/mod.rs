@@ -232,9 +232,11 @@ fn is_valgrind_preload(path: &str) -> bool {
     path.rsplit('/').next().is_some_and(|name| name.starts_with("vgpreload_"))
 }
 
-/// Whether `program` is valgrind's launcher (`/usr/bin/valgrind`) or one of its tools.
+/// Whether `program` is valgrind's launcher (`/usr/bin/valgrind`, Debian's script, and the
+/// `valgrind.bin` it runs) or one of its tools.
 pub fn runs_valgrind(program: &Path) -> bool {
-    program.file_name().is_some_and(|name| name == "valgrind") || is_valgrind_tool(&program.to_string_lossy())
+    let launcher = program.file_name().is_some_and(|name| name == "valgrind" || name == "valgrind.bin");
+    launcher || is_valgrind_tool(&program.to_string_lossy())
 }
 
 /// A valgrind tool, which runs a program in its own process (`/usr/libexec/valgrind/memcheck-amd64-linux`):
