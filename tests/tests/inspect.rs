@@ -480,13 +480,41 @@ fn pointers_from_blocks_made_before_the_attach_and_from_free_memory_class_as_mem
 /// heap's free top chunk, and its blocks called definitely lost.
 #[test]
 fn blocks_kept_through_a_heap_split_by_a_fork_are_reachable() {
-    let fixture = fixture_with("forked_heap.c", "forked_heap", &["-g", "-O0"]);
-    let mut target = Waiting::start(&fixture, &[]);
+    kept_through_a_heap_split_by_a_fork(&[], |maps| maps.matches("[heap]").count() == 2);
+}
+
+/// `forked_heap.c arena`: the same in a thread arena, the parent's thread's, which the child's
+/// thread takes over and grows past the end its reservation had at the fork.
+#[test]
+fn blocks_kept_through_a_thread_arena_split_by_a_fork_are_reachable() {
+    kept_through_a_heap_split_by_a_fork(&["arena"], arena_split);
+}
+
+/// Whether `maps` (a `/proc/PID/maps`) shows a thread arena's heap in two mappings: one at the
+/// start of its reservation (64 MiB aligned), another continuing it, both writable and anonymous.
+fn arena_split(maps: &str) -> bool {
+    let anonymous: Vec<(u64, u64)> = maps
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (start, end) = fields[0].split_once('-')?;
+            let parse = |hex| u64::from_str_radix(hex, 16).ok();
+            (fields.len() == 5 && fields[1] == "rw-p").then_some((parse(start)?, parse(end)?))
+        })
+        .collect();
+    anonymous.windows(2).any(|pair| pair[0].0.is_multiple_of(64 << 20) && pair[0].1 == pair[1].0)
+}
+
+/// `forked_heap.c` with `args`: memprof attaches to its child, whose heap `split` sees in two
+/// mappings, and inspects it; the 20 blocks kept only through the chunk at the split are reachable.
+fn kept_through_a_heap_split_by_a_fork(args: &[&str], split: fn(&str) -> bool) {
+    let fixture = fixture_with("forked_heap.c", "forked_heap", &["-g", "-O0", "-pthread"]);
+    let mut target = Waiting::start(&fixture, args);
     let parent = target.pid();
     let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).unwrap();
     let child: u32 = children.trim().parse().expect("one child");
-    let heaps = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
-    assert_eq!(heaps.matches("[heap]").count(), 2, "the child's heap is two mappings: {heaps}");
+    let maps = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
+    assert!(split(&maps), "the child's heap is two mappings: {maps}");
     let outcome = memprof_tests::attach_pid(&mut target, child, &["--inspect", "--duration", "2", "--interval", "1"]);
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();

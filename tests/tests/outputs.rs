@@ -8,7 +8,8 @@ use std::{
     process::{Child, Command, Stdio},
 };
 
-use memprof_tests::{fixture, memprof, memprof_bin};
+use memprof_tests::{fixture, memprof, memprof_bin, Outcome};
+use serde_json::Value;
 
 /// A directory of its own per test: what is left in it besides the report is a leftover.
 fn directory(test: &str) -> PathBuf {
@@ -90,13 +91,39 @@ fn sigterm_and_sighup_end_the_session_with_its_final_report() {
     }
 }
 
+/// A directory of its own (see `directory`) on a file system of `kib` KiB: `unmount` it after.
+fn small_disk(test: &str, kib: usize) -> PathBuf {
+    let dir = directory(test);
+    let size = format!("size={kib}k");
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", &size, "tmpfs"]).arg(&dir).status().unwrap();
+    assert!(mounted.success(), "mounting a small tmpfs");
+    dir
+}
+
+fn unmount(dir: &Path) {
+    assert!(Command::new("umount").arg(dir).status().unwrap().success());
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// memprof said in one line, its last, that it could not write the output file for lack of
+/// space, and ran the command on to its end: its exit code is the command's (see run_harmless.rs).
+fn said_the_disk_is_full(outcome: &Outcome) {
+    assert!(outcome.status.success(), "{outcome:?}");
+    let error = outcome.stderr.lines().last().unwrap();
+    assert!(
+        error.starts_with("memprof: cannot go on: cannot write the output file")
+            && error.contains("No space left on device"),
+        "{}",
+        outcome.stderr
+    );
+    assert_eq!(error.matches("No space left").count(), 1, "said once: {error}");
+}
+
 /// A file system too small for the report: memprof says so in one line, exits with the command's
-/// code (see run_harmless.rs), and the previous report stays.
+/// code, and the previous report stays.
 #[test]
 fn a_full_disk_is_reported_and_the_previous_report_kept() {
-    let dir = directory("full");
-    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=16k", "tmpfs"]).arg(&dir).status().unwrap();
-    assert!(mounted.success(), "mounting a small tmpfs");
+    let dir = small_disk("full", 16);
     let report = dir.join("report.html");
     fs::write(&report, "previous").unwrap();
     let outcome = memprof(&[
@@ -110,20 +137,44 @@ fn a_full_disk_is_reported_and_the_previous_report_kept() {
     ]);
     let kept = fs::read_to_string(&report).unwrap();
     let left = entries(&dir);
-    assert!(Command::new("umount").arg(&dir).status().unwrap().success());
-    fs::remove_dir_all(&dir).unwrap();
-    // memprof cannot go on, so the command runs on untraced and its exit code is memprof's.
-    assert!(outcome.status.success(), "{outcome:?}");
-    let error = outcome.stderr.lines().last().unwrap();
-    assert!(
-        error.starts_with("memprof: cannot go on: cannot write the output file")
-            && error.contains("No space left on device"),
-        "{}",
-        outcome.stderr
-    );
-    assert_eq!(error.matches("No space left").count(), 1, "said once: {error}");
+    unmount(&dir);
+    said_the_disk_is_full(&outcome);
     assert_eq!(kept, "previous");
     assert_eq!(left, ["report.html"]);
+}
+
+/// Streamed reports (`--json`, one a line every interval: `reports.c`'s, some 7 KiB each) until the
+/// disk is full: the report it cuts short is taken back, and the file holds the reports before it,
+/// each whole. memprof says so in one line, and the command runs on to its end.
+#[test]
+fn a_streamed_report_cut_by_a_full_disk_is_taken_back() {
+    const STREAMED_KIB: usize = 64;
+    let dir = small_disk("streamed", STREAMED_KIB);
+    let report = dir.join("reports.json");
+    let program = fixture("reports");
+    let outcome = memprof(&[
+        "run",
+        "--json",
+        "--interval",
+        "0.1",
+        "--output",
+        report.to_str().unwrap(),
+        "--",
+        program.to_str().unwrap(),
+    ]);
+    let kept = fs::read_to_string(&report).unwrap();
+    let left = entries(&dir);
+    unmount(&dir);
+    said_the_disk_is_full(&outcome);
+    assert_eq!(left, ["reports.json"]);
+    // Cut, the file would have filled the disk, ending mid-report.
+    assert!(kept.len() < STREAMED_KIB << 10 && kept.ends_with('\n'), "a report cut short was kept: {kept}");
+    let reports: Vec<Value> = kept
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("{err}: not a whole report: {line}")))
+        .collect();
+    assert!(reports.len() >= 2, "the disk filled at the first report: {kept}");
+    assert!(reports.iter().all(|report| report["final"] != true), "the final report fitted: {kept}");
 }
 
 #[test]
