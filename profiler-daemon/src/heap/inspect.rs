@@ -282,7 +282,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         if settings.glibc { untracked::layout(&target, &regions, &blocks, max_unseen) } else { Default::default() };
     let (unseen, free) = if settings.complete { (Vec::new(), Vec::new()) } else { (layout.unseen, layout.free) };
     if layout.unseen_over_budget && !settings.complete {
-        let needed = layout.untracked.blocks.saturating_mul(MARKED_BLOCK_BYTES);
+        let needed = layout.unseen_found.saturating_mul(MARKED_BLOCK_BYTES);
         inspection.untracked_not_classed = Some(format!(
             "marking them would take about {} MiB, more than half of the {room}; scanned as roots",
             needed >> 20
@@ -297,17 +297,28 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         // A stack is scanned from its thread's stack pointer (and red zone): below is garbage.
         let below = threads.iter().map(|(_, sp)| *sp).filter(|sp| (region.start..region.end).contains(sp));
         let start = below.min().map_or(region.start, |sp| sp.saturating_sub(RED_ZONE).max(region.start));
-        let owner = if is_c_library(region) { Owner::Allocator } else { Owner::Program };
+        let glibcs = settings.glibc && (is_c_library(region) || untracked::starts_arena(&target, region));
+        let owner = if glibcs { Owner::Allocator } else { Owner::Program };
         for (start, end) in outside(&free, start, region.end) {
             scan_range(&image, &mut marker, (start, end), owner, &mut inspection);
         }
     }
     for region in &heap {
+        // Outside the blocks marked: chunks' size fields, and, where glibc's walk was not
+        // trusted or its blocks not marked, the program's blocks: the program's memory, but for
+        // a thread arena's header (its bins, its top chunk).
+        let header = settings.glibc && untracked::starts_arena(&target, region);
+        let header_end = if header { region.start + untracked::ARENA_HEADER_MAX } else { region.start };
         for (start, end) in gaps(&all, region) {
             inspection.heap_bytes_not_classified += end - start;
             if !settings.complete {
                 for (start, end) in outside(&free, start, end) {
-                    scan_range(&image, &mut marker, (start, end), Owner::Allocator, &mut inspection);
+                    let split = header_end.clamp(start, end);
+                    for (part, owner) in [((start, split), Owner::Allocator), ((split, end), Owner::Program)] {
+                        if part.0 < part.1 {
+                            scan_range(&image, &mut marker, part, owner, &mut inspection);
+                        }
+                    }
                 }
             }
         }
@@ -363,7 +374,8 @@ fn outside(free: &[(u64, u64)], start: u64, end: u64) -> impl Iterator<Item = (u
     uncovered(free[first..].iter().copied(), start, end)
 }
 
-/// The C library's own data, where glibc's main arena is.
+/// The C library's own data, where glibc's main arena is (a thread arena's is at its start,
+/// `untracked::starts_arena`).
 fn is_c_library(region: &Region) -> bool {
     let name = region.path.rsplit('/').next().unwrap_or_default();
     name.starts_with("libc.so") || name.starts_with("libc-2.")

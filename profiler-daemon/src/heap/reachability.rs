@@ -78,6 +78,10 @@ pub struct Marker<'a, M> {
     unreadable: u64,
 }
 
+/// A free chunk's links (`fd`, `bk`, and in a large bin `fd_nextsize`, `bk_nextsize`) fill the
+/// first bytes of its data: glibc leaves them there when it hands the chunk out.
+const STALE_LINKS: u64 = 32;
+
 /// Blocks are read this many bytes at a time.
 const READ_CHUNK: usize = 1 << 20;
 
@@ -168,10 +172,14 @@ impl<'a, M: Memory> Marker<'a, M> {
                 buf[read..].fill(0);
                 self.scanned += read as u64;
                 self.unreadable += (len - read) as u64;
-                for ptr in words(block.addr + offset, &buf) {
+                for (word, ptr) in words(block.addr + offset, &buf).enumerate() {
+                    // A block glibc carved from a free chunk keeps the chunk's links to other
+                    // chunks' headers in its first words.
+                    let at = offset + 8 * word as u64;
+                    let owner = if at < STALE_LINKS { Owner::Allocator } else { Owner::Program };
                     match leader {
-                        None => self.mark(ptr, definite, Owner::Program),
-                        Some(leader) => self.join_clique(ptr, leader),
+                        None => self.mark(ptr, definite, owner),
+                        Some(leader) => self.join_clique(ptr, leader, owner),
                     }
                 }
                 self.buf = buf;
@@ -180,8 +188,8 @@ impl<'a, M: Memory> Marker<'a, M> {
         }
     }
 
-    fn join_clique(&mut self, ptr: u64, leader: usize) {
-        let Some(at) = self.find(ptr, Owner::Program) else { return };
+    fn join_clique(&mut self, ptr: u64, leader: usize, from: Owner) {
+        let Some(at) = self.find(ptr, from) else { return };
         if at != leader && self.state[at] == State::Unreached {
             self.state[at] = State::Indirect;
             self.indirect[leader] += self.blocks[at].size + std::mem::take(&mut self.indirect[at]);
@@ -232,10 +240,11 @@ fn words(start: u64, bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
 /// Whose memory a root is, for `is_chunk_header`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Owner {
-    /// The program's: its data, its stacks, its blocks.
+    /// The program's: its data, its stacks, its blocks past their first words.
     Program,
-    /// Where glibc's malloc keeps its own pointers: its arenas (in the C library's data, at a
-    /// thread arena's start), the heap outside the blocks.
+    /// Where glibc's malloc keeps its own pointers, or left them: its arenas (in the C library's
+    /// data, at a thread arena's start), the heap outside the blocks, a block's first words (a
+    /// free chunk's links, `STALE_LINKS`).
     Allocator,
 }
 
@@ -243,8 +252,8 @@ pub enum Owner {
 /// use to the next chunk's header; its arenas (free lists, the top chunk) point at chunk
 /// headers. A block whose size is not a multiple of 16 so holds the address of the next
 /// chunk's header 16 bytes before its chunk ends: such a pointer, in the allocator's memory, is
-/// the allocator's. In the program's, it is the program's: a structure whose last word a list
-/// links is pointed to there.
+/// the allocator's (a bin's, the top's, or one a free chunk held). In the program's, it is the
+/// program's: a structure whose last word a list links is pointed to there.
 fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
     // malloc's chunk size: the request and the size field, rounded up to 16, at least 32.
     let chunk = ((block.size + 8 + 15) & !15).max(32);
@@ -353,6 +362,15 @@ pub(crate) mod tests {
         let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
         marker.scan_root(0x500, &in_data, Owner::Allocator);
         assert_eq!(marker.finish().classes, [DefinitelyLost]);
+        // In a reachable block: a link left by glibc in its first words, or the program's past them.
+        let held = [block(0x1010, 24), block(0x2000, 64)];
+        for (offset, class) in [(8, DefinitelyLost), (32, PossiblyLost)] {
+            let mut memory = Map::default();
+            memory.0.insert(0x2000 + offset, 0x1020);
+            let mut marker = Marker::new(&held, &memory, true, Heuristics::NONE);
+            marker.scan_registers(&[0x2000]);
+            assert_eq!(marker.finish().classes, [class, Reachable], "a pointer at offset {offset}");
+        }
     }
 
     #[test]

@@ -35,8 +35,11 @@ pub struct Layout {
     /// cache lists (their words past the header, and the next chunk's first word, theirs while
     /// they were in use) and the top chunk. What they hold is stale: no root.
     pub free: Vec<(u64, u64)>,
-    /// Whether more untracked blocks were found than `layout` was to keep: `unseen` is empty.
+    /// Whether the trusted walks found more untracked blocks than `layout` was to keep: `unseen`
+    /// is empty.
     pub unseen_over_budget: bool,
+    /// The untracked blocks the trusted walks found, kept or not.
+    pub unseen_found: u64,
 }
 
 /// The `stack_id` of a block in use that memprof did not see made (`Layout::unseen`).
@@ -47,7 +50,7 @@ const TCACHE_CHUNK: u64 = 0x291;
 /// glibc's thread arenas are reserved at addresses aligned to their largest size.
 const ARENA_ALIGN: u64 = 64 << 20;
 /// An arena's first chunk follows its header within this many bytes.
-const ARENA_HEADER_MAX: u64 = 4096;
+pub const ARENA_HEADER_MAX: u64 = 4096;
 /// The largest chunk a fast bin holds.
 const FAST_MAX: u64 = 0x80;
 const IN_USE: u64 = 1;
@@ -62,7 +65,15 @@ const NON_MAIN_ARENA: u64 = 4;
 /// walked across the mappings that continue it, the main heap's `[heap]` ones, an arena's within
 /// its reservation. Its end is where none continues it.
 pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock], max_unseen: usize) -> Layout {
-    let mut walk = Walk { memory, blocks, max_unseen, key: None, found: Layout::default() };
+    let mut walk = Walk {
+        memory,
+        blocks,
+        max_unseen,
+        heap_over_budget: false,
+        heap_unseen: 0,
+        key: None,
+        found: Layout::default(),
+    };
     let writable: Vec<&Region> = regions.iter().filter(|r| r.writable && !r.shared).collect();
     // The end of the mappings from `at` on, laid end to end, that `continues` takes.
     let end_from = |at: usize, continues: &dyn Fn(&Region) -> bool| {
@@ -105,10 +116,23 @@ pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock], ma
     found
 }
 
+/// Whether `region` starts a thread arena: glibc's `heap_info` there points at the arena's
+/// `malloc_state` just after it, whose bins and top chunk point at chunk headers.
+pub fn starts_arena(memory: &impl Memory, region: &Region) -> bool {
+    region.start.is_multiple_of(ARENA_ALIGN)
+        && memory
+            .word(region.start)
+            .is_some_and(|arena| (region.start..region.start + ARENA_HEADER_MAX).contains(&arena))
+}
+
 struct Walk<'a, M> {
     memory: &'a M,
     blocks: &'a [LiveBlock],
     max_unseen: usize,
+    /// The heap walked now found more than `max_unseen` leaves room for.
+    heap_over_budget: bool,
+    /// Its untracked blocks.
+    heap_unseen: u64,
     /// The thread caches' key, from the first cached chunk met.
     key: Option<u64>,
     found: Layout,
@@ -126,12 +150,10 @@ impl<M: Memory> Walk<'_, M> {
     /// The first chunk of a thread arena at `region`'s start: its header points at the arena,
     /// and the arena's first chunk is its first thread's cache.
     fn arena_start(&self, region: &Region) -> Option<u64> {
-        let arena = self.word(region.start)?;
-        if !region.start.is_multiple_of(ARENA_ALIGN)
-            || !(region.start..region.start + ARENA_HEADER_MAX).contains(&arena)
-        {
+        if !starts_arena(self.memory, region) {
             return None;
         }
+        let arena = self.word(region.start)?;
         (arena..(arena + ARENA_HEADER_MAX).min(region.end))
             .step_by(8)
             .find(|&chunk| (chunk + 16).is_multiple_of(16) && self.is_tcache(chunk))
@@ -157,6 +179,7 @@ impl<M: Memory> Walk<'_, M> {
         let listed = if cache { self.listed(first + 16, first..end) } else { HashSet::new() };
         // Kept only if the walk is trusted: they are pushed as found, to hold each once.
         let (unseen_from, free_from) = (self.found.unseen.len(), self.found.free.len());
+        (self.heap_over_budget, self.heap_unseen) = (false, 0);
         let mut tracked_met = 0;
         let mut chunk = first;
         let whole = loop {
@@ -196,17 +219,21 @@ impl<M: Memory> Walk<'_, M> {
         };
         let tracked_here =
             self.blocks.partition_point(|b| b.addr < end) - self.blocks.partition_point(|b| b.addr < first);
-        if !whole || tracked_met != tracked_here {
+        if whole && tracked_met == tracked_here {
+            self.found.unseen_over_budget |= self.heap_over_budget;
+            self.found.unseen_found += self.heap_unseen;
+        } else {
             self.found.unseen.truncate(unseen_from);
             self.found.free.truncate(free_from);
         }
     }
 
     fn keep_unseen(&mut self, block: LiveBlock) {
+        self.heap_unseen += 1;
         if self.found.unseen.len() < self.max_unseen {
             self.found.unseen.push(block);
         } else {
-            self.found.unseen_over_budget = true;
+            self.heap_over_budget = true;
         }
     }
 
@@ -327,7 +354,7 @@ mod tests {
 
         // More untracked blocks than may be marked: none kept as a block, the rest as before.
         let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks, 1);
-        assert!(found.unseen_over_budget && found.unseen.is_empty(), "{found:?}");
+        assert!(found.unseen_over_budget && found.unseen.is_empty() && found.unseen_found == 2, "{found:?}");
         assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
         assert_eq!(found.free.len(), 3);
 
@@ -337,6 +364,9 @@ mod tests {
         let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &inside, usize::MAX);
         assert_eq!(found.untracked, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
         assert!(found.unseen.is_empty() && found.free.is_empty(), "{found:?}");
+        // Nor is its want of room said.
+        let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &inside, 1);
+        assert!(!found.unseen_over_budget && found.unseen_found == 0, "{found:?}");
         // A walk that stops short of the top chunk: the same.
         let mut short = words.clone();
         short.insert(0x103c8, 0x48 | 1);
