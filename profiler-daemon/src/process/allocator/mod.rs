@@ -85,11 +85,16 @@ pub struct Allocator {
 
 impl Allocator {
     /// glibc's malloc, whose arenas point at chunk headers (see `heap::reachability`): the C
-    /// library's `malloc`, no other file's replacing it (jemalloc's, tcmalloc's).
+    /// library's `malloc`, no allocator of its own replacing it (jemalloc, tcmalloc, mimalloc).
+    /// A file that exports `malloc` with no allocator of its own wraps glibc's (glibc's
+    /// `libc_malloc_debug`).
     pub fn is_glibc(&self) -> bool {
-        let mut exporting = self.files.iter().filter(|file| file.families.contains(&families::STANDARD_FAMILY));
-        let first = exporting.next();
-        first.is_some_and(|file| file.display_path.ends_with("/libc.so.6")) && exporting.next().is_none()
+        let glibc = self.files.iter().any(|file| file.display_path.ends_with("/libc.so.6"));
+        let replaced = self.files.iter().any(|file| {
+            file.families.contains(&families::STANDARD_FAMILY)
+                && file.families.iter().any(|family| *family != families::STANDARD_FAMILY)
+        });
+        glibc && !replaced
     }
 
     /// The files and their families, for messages: `libjemalloc.so.2 (jemalloc, C++ operator
@@ -332,7 +337,7 @@ mod tests {
     }
 
     #[test]
-    fn glibcs_malloc_is_in_use_only_when_no_other_file_exports_malloc() {
+    fn glibcs_malloc_is_in_use_unless_an_allocator_of_its_own_exports_malloc() {
         let file = |path: &str, families: &[&'static str]| AllocatorFile {
             display_path: path.to_string(),
             attach_path: path.into(),
@@ -352,6 +357,8 @@ mod tests {
         assert!(of(&[&libstdcxx, &libc]).is_glibc());
         assert!(!of(&[&jemalloc, &libc]).is_glibc());
         assert!(!of(&[&jemalloc]).is_glibc());
+        let debug = file("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", &[families::STANDARD_FAMILY]);
+        assert!(of(&[&debug, &libc]).is_glibc());
     }
 
     #[test]
