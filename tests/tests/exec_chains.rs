@@ -98,3 +98,15 @@ fn a_program_that_execs_valgrind_is_let_go_before_valgrind_runs_its_program() {
         outcome.stderr
     );
 }
+
+/// A shell that runs valgrind in children it forks, as a test suite does: memprof follows the
+/// shell's children, and lets go of each one that runs valgrind, however late it hears of it.
+#[test]
+fn children_that_run_valgrind_are_let_go() {
+    let command = format!("for k in 1 2 3; do valgrind -q --error-exitcode=9 {} || exit 1; done", short_prog());
+    let outcome = run(&[], &["sh", "-c", &command]);
+    assert!(!outcome.stderr.contains("SIGTRAP"), "{}", outcome.stderr);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let said = outcome.stderr.lines().filter(|line| line.contains("runs valgrind (")).count();
+    assert!(said >= 3, "{}", outcome.stderr);
+}

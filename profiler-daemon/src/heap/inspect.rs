@@ -281,6 +281,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     let layout =
         if settings.glibc { untracked::layout(&target, &regions, &blocks, max_unseen) } else { Default::default() };
     let (unseen, free) = if settings.complete { (Vec::new(), Vec::new()) } else { (layout.unseen, layout.free) };
+    let binned = layout.binned;
     if layout.unseen_over_budget && !settings.complete {
         let needed = layout.unseen_found.saturating_mul(MARKED_BLOCK_BYTES);
         inspection.untracked_not_classed = Some(format!(
@@ -290,7 +291,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
     }
     let any_unseen = !unseen.is_empty();
     let all = merged(&blocks, unseen);
-    let mut marker = Marker::new(&all, &target, settings.glibc, settings.heuristics);
+    let mut marker = Marker::new(&all, &target, settings.glibc, settings.heuristics).with_binned_chunks(&binned);
     let (heap, roots): (Vec<&Region>, Vec<&Region>) =
         regions.iter().partition(|r| r.path == "[heap]" || holds_block(&all, r));
     for region in roots {

@@ -64,6 +64,9 @@ pub struct Marker<'a, M> {
     index: BlockIndex,
     /// glibc's arenas point at chunk headers: see `is_chunk_header`.
     glibc: bool,
+    /// The headers of the chunks glibc's walk found in its bins (`untracked::Layout::binned`): a
+    /// pointer at one is a link glibc left (a block carved from a binned chunk keeps its links).
+    binned: &'a [u64],
     heuristics: Heuristics,
     heuristic: Vec<Option<Heuristic>>,
     /// The lowest and highest address in a block.
@@ -78,10 +81,6 @@ pub struct Marker<'a, M> {
     unreadable: u64,
 }
 
-/// A free chunk's links (`fd`, `bk`, and in a large bin `fd_nextsize`, `bk_nextsize`) fill the
-/// first bytes of its data: glibc leaves them there when it hands the chunk out.
-const STALE_LINKS: u64 = 32;
-
 /// Blocks are read this many bytes at a time.
 const READ_CHUNK: usize = 1 << 20;
 
@@ -93,6 +92,7 @@ impl<'a, M: Memory> Marker<'a, M> {
             memory,
             index: BlockIndex::new(blocks),
             glibc,
+            binned: &[],
             heuristics,
             heuristic: vec![None; blocks.len()],
             low: blocks.first().map_or(u64::MAX, |b| b.addr),
@@ -113,8 +113,16 @@ impl<'a, M: Memory> Marker<'a, M> {
             return None;
         }
         let at = self.index.find(self.blocks, ptr)?;
-        let allocators = self.glibc && from == Owner::Allocator && is_chunk_header(&self.blocks[at], ptr);
+        let allocators = self.glibc
+            && is_chunk_header(&self.blocks[at], ptr)
+            && (from == Owner::Allocator || self.binned.binary_search(&ptr).is_ok());
         (!allocators).then_some(at)
+    }
+
+    /// Takes the headers of the chunks in glibc's bins (`untracked::Layout::binned`), sorted.
+    pub fn with_binned_chunks(mut self, binned: &'a [u64]) -> Self {
+        self.binned = binned;
+        self
     }
 
     /// Marks from one root word, or from a word of a block whose own mark is `definite`.
@@ -172,14 +180,10 @@ impl<'a, M: Memory> Marker<'a, M> {
                 buf[read..].fill(0);
                 self.scanned += read as u64;
                 self.unreadable += (len - read) as u64;
-                for (word, ptr) in words(block.addr + offset, &buf).enumerate() {
-                    // A block glibc carved from a free chunk keeps the chunk's links to other
-                    // chunks' headers in its first words.
-                    let at = offset + 8 * word as u64;
-                    let owner = if at < STALE_LINKS { Owner::Allocator } else { Owner::Program };
+                for ptr in words(block.addr + offset, &buf) {
                     match leader {
-                        None => self.mark(ptr, definite, owner),
-                        Some(leader) => self.join_clique(ptr, leader, owner),
+                        None => self.mark(ptr, definite, Owner::Program),
+                        Some(leader) => self.join_clique(ptr, leader, Owner::Program),
                     }
                 }
                 self.buf = buf;
@@ -240,11 +244,10 @@ fn words(start: u64, bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
 /// Whose memory a root is, for `is_chunk_header`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Owner {
-    /// The program's: its data, its stacks, its blocks past their first words.
+    /// The program's: its data, its stacks, its blocks.
     Program,
-    /// Where glibc's malloc keeps its own pointers, or left them: its arenas (in the C library's
-    /// data, at a thread arena's start), the heap outside the blocks, a block's first words (a
-    /// free chunk's links, `STALE_LINKS`).
+    /// Where glibc's malloc keeps its own pointers: its arenas (in the C library's data, at a
+    /// thread arena's start).
     Allocator,
 }
 
@@ -362,14 +365,15 @@ pub(crate) mod tests {
         let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
         marker.scan_root(0x500, &in_data, Owner::Allocator);
         assert_eq!(marker.finish().classes, [DefinitelyLost]);
-        // In a reachable block: a link left by glibc in its first words, or the program's past them.
+        // From a reachable block: the program's, unless the chunk there is in a bin (a link
+        // glibc left in a block it carved from a binned chunk).
         let held = [block(0x1010, 24), block(0x2000, 64)];
-        for (offset, class) in [(8, DefinitelyLost), (32, PossiblyLost)] {
+        for (binned, class) in [(vec![], PossiblyLost), (vec![0x1020], DefinitelyLost)] {
             let mut memory = Map::default();
-            memory.0.insert(0x2000 + offset, 0x1020);
-            let mut marker = Marker::new(&held, &memory, true, Heuristics::NONE);
+            memory.0.insert(0x2008, 0x1020);
+            let mut marker = Marker::new(&held, &memory, true, Heuristics::NONE).with_binned_chunks(&binned);
             marker.scan_registers(&[0x2000]);
-            assert_eq!(marker.finish().classes, [class, Reachable], "a pointer at offset {offset}");
+            assert_eq!(marker.finish().classes, [class, Reachable], "binned {binned:x?}");
         }
     }
 

@@ -35,6 +35,9 @@ pub struct Layout {
     /// cache lists (their words past the header, and the next chunk's first word, theirs while
     /// they were in use) and the top chunk. What they hold is stale: no root.
     pub free: Vec<(u64, u64)>,
+    /// The chunks among them free by glibc's in-use bit, in its bins (not the top chunk, nor
+    /// those the thread cache lists), by the address of their header.
+    pub binned: Vec<u64>,
     /// Whether the trusted walks found more untracked blocks than `layout` was to keep: `unseen`
     /// is empty.
     pub unseen_over_budget: bool,
@@ -113,6 +116,7 @@ pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock], ma
     }
     found.unseen.sort_unstable_by_key(|block| block.addr);
     found.free.sort_unstable();
+    found.binned.sort_unstable();
     found
 }
 
@@ -178,7 +182,8 @@ impl<M: Memory> Walk<'_, M> {
         }
         let listed = if cache { self.listed(first + 16, first..end) } else { HashSet::new() };
         // Kept only if the walk is trusted: they are pushed as found, to hold each once.
-        let (unseen_from, free_from) = (self.found.unseen.len(), self.found.free.len());
+        let (unseen_from, free_from, binned_from) =
+            (self.found.unseen.len(), self.found.free.len(), self.found.binned.len());
         (self.heap_over_budget, self.heap_unseen) = (false, 0);
         let mut tracked_met = 0;
         let mut chunk = first;
@@ -210,6 +215,9 @@ impl<M: Memory> Walk<'_, M> {
                 // The thread cache's own chunk, or a block memprof saw made.
             } else if !in_use || listed.contains(&data) {
                 self.found.free.push((chunk + 8, next + 8));
+                if !in_use {
+                    self.found.binned.push(chunk);
+                }
             } else if !self.cached(data, size, first..end) {
                 self.found.untracked.blocks += 1;
                 self.found.untracked.bytes += size - 8;
@@ -225,6 +233,7 @@ impl<M: Memory> Walk<'_, M> {
         } else {
             self.found.unseen.truncate(unseen_from);
             self.found.free.truncate(free_from);
+            self.found.binned.truncate(binned_from);
         }
     }
 
@@ -351,6 +360,7 @@ mod tests {
         // the heap's end; the cached chunk the thread cache lists, not those of the fast bin, free
         // by their marks only (scanned as roots).
         assert_eq!(found.free, [(0x10308, 0x10338), (0x10378, 0x103c8), (0x10408, chunk)]);
+        assert_eq!(found.binned, [0x10370]);
 
         // More untracked blocks than may be marked: none kept as a block, the rest as before.
         let found = layout(&Map(words.clone()), &[region(0x10000, chunk, "[heap]")], &blocks, 1);

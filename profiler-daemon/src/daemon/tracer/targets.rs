@@ -300,15 +300,9 @@ impl Tracer {
     /// (its new program's name, say) is detached at once, not at the next scan.
     pub(super) fn on_exec(&mut self, event: &ProcessEvent) -> bool {
         let pid = event.tgid;
-        // Gone already (its name unreadable), or out of the rules: let go.
-        let Some((now, comm)) = discovery::matching(&self.config.rules, pid) else {
-            self.detach(pid);
-            return true;
-        };
-        if !self.targets.contains_key(&pid) {
-            return false;
-        }
-        if let Some(valgrind) = crate::kernel::events::exec_path(pid, event).filter(|p| allocator::runs_valgrind(p)) {
+        let ran = || crate::kernel::events::exec_path(pid, event);
+        let valgrind = self.targets.contains_key(&pid).then(ran).flatten().filter(|p| allocator::runs_valgrind(p));
+        if let Some(valgrind) = valgrind {
             // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
             // kept through the exec, would stop it with SIGTRAP. Let go at once (the dynamic
             // linker's hook first, see `probes::Wave`); discovery refuses valgrind's tool.
@@ -316,6 +310,11 @@ impl Tracer {
             self.detach(pid);
             return true;
         }
+        // Gone already (its name unreadable), or out of the rules: let go.
+        let Some((now, comm)) = discovery::matching(&self.config.rules, pid) else {
+            self.detach(pid);
+            return true;
+        };
         let Some(target) = self.targets.get_mut(&pid) else { return false };
         let Some(nonzero) = NonZeroU32::new(pid) else { return false };
         // The target exited and its pid went to a new process, which exec'd before discovery saw
