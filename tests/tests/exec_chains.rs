@@ -86,10 +86,7 @@ fn a_python_exec_d_later_gets_pythonmalloc_too() {
 /// stopped the program with SIGTRAP); memprof says so, and the program ends as without memprof.
 #[test]
 fn a_program_that_execs_valgrind_is_let_go_before_valgrind_runs_its_program() {
-    let command = format!("sleep 0.3; exec valgrind -q --error-exitcode=9 {}", short_prog());
-    let outcome = run(&[], &["sh", "-c", &command]);
-    assert!(!outcome.stderr.contains("SIGTRAP"), "{}", outcome.stderr);
-    assert!(outcome.status.success(), "{outcome:?}");
+    let outcome = ran_valgrind_unharmed("sleep 0.3; exec valgrind -q --error-exitcode=9 {}");
     assert!(
         outcome.stderr.contains(
             "runs valgrind (/usr/bin/valgrind): no longer traced (memprof's breakpoints would stop its program)"
@@ -103,10 +100,15 @@ fn a_program_that_execs_valgrind_is_let_go_before_valgrind_runs_its_program() {
 /// shell's children, and lets go of each one that runs valgrind, however late it hears of it.
 #[test]
 fn children_that_run_valgrind_are_let_go() {
-    let command = format!("for k in 1 2 3; do valgrind -q --error-exitcode=9 {} || exit 1; done", short_prog());
-    let outcome = run(&[], &["sh", "-c", &command]);
-    assert!(!outcome.stderr.contains("SIGTRAP"), "{}", outcome.stderr);
-    assert!(outcome.status.success(), "{outcome:?}");
+    let outcome = ran_valgrind_unharmed("for k in 1 2 3; do valgrind -q --error-exitcode=9 {} || exit 1; done");
     let said = outcome.stderr.lines().filter(|line| line.contains("runs valgrind (")).count();
     assert!(said >= 3, "{}", outcome.stderr);
+}
+
+/// `run` of `sh -c SCRIPT`, `{}` in it the fixture: valgrind met no breakpoint and found no error.
+fn ran_valgrind_unharmed(script: &str) -> Outcome {
+    let outcome = run(&[], &["sh", "-c", &script.replace("{}", &short_prog())]);
+    assert!(!outcome.stderr.contains("SIGTRAP"), "{}", outcome.stderr);
+    assert!(outcome.status.success(), "{outcome:?}");
+    outcome
 }
