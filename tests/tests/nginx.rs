@@ -71,9 +71,11 @@ impl Nginx {
 
 impl Drop for Nginx {
     fn drop(&mut self) {
+        // Listed while the master lives: its workers outlive it (they were left running).
+        let workers = self.workers();
         let _ = self.child.kill();
         let _ = self.child.wait();
-        for worker in self.workers() {
+        for worker in workers {
             // SAFETY: signalling a process this test started, through its master.
             unsafe { libc::kill(worker as i32, libc::SIGKILL) };
         }
