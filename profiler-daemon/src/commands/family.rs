@@ -130,17 +130,6 @@ impl Process {
     }
 }
 
-/// The valgrind program `pid` runs, if any: `ran` (the path its exec ran), else what `/proc`
-/// says now. valgrind's launcher may be a script (Debian's): its process then has the launcher's
-/// name, and the shell as its executable.
-fn valgrind_of(pid: u32, ran: Option<std::path::PathBuf>) -> Option<String> {
-    let program = ran.or_else(|| procfs::exe_path(pid).map(std::path::PathBuf::from))?;
-    if allocator::runs_valgrind(&program) {
-        return Some(program.display().to_string());
-    }
-    procfs::comm(pid).filter(|comm| allocator::runs_valgrind(std::path::Path::new(comm)))
-}
-
 /// How a process is traced, for the lines that say so: by `probes` in its allocator, or with
 /// `--growth` by the pages it touches, whose probes are page-fault events.
 pub fn how_traced(sampling: Sampling, probes: usize, allocator: &Allocator) -> String {
@@ -251,7 +240,7 @@ impl Family {
     /// call, with nothing lost in between.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32, exec: Option<&ProcessEvent>) {
         let Some(process) = self.processes.get_mut(&pid).filter(|process| !process.under_valgrind) else { return };
-        if let Some(valgrind) = valgrind_of(pid, exec.and_then(|exec| events::exec_path(pid, exec))) {
+        if let Some(valgrind) = allocator::valgrind_of(pid, exec.and_then(|exec| events::exec_path(pid, exec))) {
             // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
             // kept through the exec, would stop it with SIGTRAP. Its probes go at once, from its
             // launcher on, before valgrind runs that code; `allocator::find` refuses its tool.
@@ -366,8 +355,7 @@ impl Family {
 
     /// Probes every process still waiting for its allocator (after an exec).
     pub fn probe_waiting(&mut self, loaded: &mut Loaded) {
-        let waiting = self.processes.values().filter(|p| p.allocator.is_none() && !p.under_valgrind);
-        let waiting: Vec<u32> = waiting.map(|p| p.pid).collect();
+        let waiting: Vec<u32> = self.processes.values().filter(|p| p.allocator.is_none()).map(|p| p.pid).collect();
         for pid in waiting {
             self.probe(loaded, pid);
         }
@@ -400,7 +388,7 @@ impl Family {
                 return;
             }
         };
-        if let Some(valgrind) = valgrind_of(child, None) {
+        if let Some(valgrind) = allocator::valgrind_of(child, None) {
             // It exec'd valgrind before memprof heard of its fork (see `on_exec`).
             say!("memprof: pid {child}, child of pid {parent}, runs valgrind ({valgrind}): not traced (memprof's breakpoints would stop its program)");
             self.forked_untraced(parent);

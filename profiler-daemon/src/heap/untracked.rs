@@ -68,15 +68,7 @@ const NON_MAIN_ARENA: u64 = 4;
 /// walked across the mappings that continue it, the main heap's `[heap]` ones, an arena's within
 /// its reservation. Its end is where none continues it.
 pub fn layout(memory: &impl Memory, regions: &[Region], blocks: &[LiveBlock], max_unseen: usize) -> Layout {
-    let mut walk = Walk {
-        memory,
-        blocks,
-        max_unseen,
-        heap_over_budget: false,
-        heap_unseen: 0,
-        key: None,
-        found: Layout::default(),
-    };
+    let mut walk = Walk { memory, blocks, max_unseen, key: None, found: Layout::default() };
     let writable: Vec<&Region> = regions.iter().filter(|r| r.writable && !r.shared).collect();
     // The end of the mappings from `at` on, laid end to end, that `continues` takes.
     let end_from = |at: usize, continues: &dyn Fn(&Region) -> bool| {
@@ -133,10 +125,6 @@ struct Walk<'a, M> {
     memory: &'a M,
     blocks: &'a [LiveBlock],
     max_unseen: usize,
-    /// The heap walked now found more than `max_unseen` leaves room for.
-    heap_over_budget: bool,
-    /// Its untracked blocks.
-    heap_unseen: u64,
     /// The thread caches' key, from the first cached chunk met.
     key: Option<u64>,
     found: Layout,
@@ -184,7 +172,8 @@ impl<M: Memory> Walk<'_, M> {
         // Kept only if the walk is trusted: they are pushed as found, to hold each once.
         let (unseen_from, free_from, binned_from) =
             (self.found.unseen.len(), self.found.free.len(), self.found.binned.len());
-        (self.heap_over_budget, self.heap_unseen) = (false, 0);
+        // Its untracked blocks, and whether more than `max_unseen` leaves room for.
+        let (mut unseen_here, mut over_budget) = (0, false);
         let mut tracked_met = 0;
         let mut chunk = first;
         let whole = loop {
@@ -221,28 +210,25 @@ impl<M: Memory> Walk<'_, M> {
             } else if !self.cached(data, size, first..end) {
                 self.found.untracked.blocks += 1;
                 self.found.untracked.bytes += size - 8;
-                self.keep_unseen(LiveBlock { addr: data, size: size - 8, stack_id: UNSEEN, weighted_bytes: size - 8 });
+                unseen_here += 1;
+                if self.found.unseen.len() < self.max_unseen {
+                    let block = LiveBlock { addr: data, size: size - 8, stack_id: UNSEEN, weighted_bytes: size - 8 };
+                    self.found.unseen.push(block);
+                } else {
+                    over_budget = true;
+                }
             }
             chunk = next;
         };
         let tracked_here =
             self.blocks.partition_point(|b| b.addr < end) - self.blocks.partition_point(|b| b.addr < first);
         if whole && tracked_met == tracked_here {
-            self.found.unseen_over_budget |= self.heap_over_budget;
-            self.found.unseen_found += self.heap_unseen;
+            self.found.unseen_over_budget |= over_budget;
+            self.found.unseen_found += unseen_here;
         } else {
             self.found.unseen.truncate(unseen_from);
             self.found.free.truncate(free_from);
             self.found.binned.truncate(binned_from);
-        }
-    }
-
-    fn keep_unseen(&mut self, block: LiveBlock) {
-        self.heap_unseen += 1;
-        if self.found.unseen.len() < self.max_unseen {
-            self.found.unseen.push(block);
-        } else {
-            self.heap_over_budget = true;
         }
     }
 

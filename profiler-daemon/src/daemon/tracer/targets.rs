@@ -300,13 +300,16 @@ impl Tracer {
     /// (its new program's name, say) is detached at once, not at the next scan.
     pub(super) fn on_exec(&mut self, event: &ProcessEvent) -> bool {
         let pid = event.tgid;
-        let ran = || crate::kernel::events::exec_path(pid, event);
-        let valgrind = self.targets.contains_key(&pid).then(ran).flatten().filter(|p| allocator::runs_valgrind(p));
-        if let Some(valgrind) = valgrind {
+        let ran = || allocator::valgrind_of(pid, crate::kernel::events::exec_path(pid, event));
+        if let Some(valgrind) = self.targets.contains_key(&pid).then(ran).flatten() {
             // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
             // kept through the exec, would stop it with SIGTRAP. Let go at once (the dynamic
             // linker's hook first, see `probes::Wave`); discovery refuses valgrind's tool.
-            warn!(pid, program = %valgrind.display(), "runs valgrind: no longer traced (memprof's breakpoints would stop its program)");
+            warn!(
+                pid,
+                program = valgrind,
+                "runs valgrind: no longer traced (memprof's breakpoints would stop its program)"
+            );
             self.detach(pid);
             return true;
         }

@@ -244,6 +244,17 @@ pub fn runs_valgrind(program: &Path) -> bool {
     launcher || is_valgrind_tool(&program.to_string_lossy())
 }
 
+/// The valgrind program `pid` runs, if any: `ran` (the path its exec ran), else what `/proc`
+/// says now. valgrind's launcher may be a script (Debian's): its process then has the launcher's
+/// name, and the shell as its executable.
+pub fn valgrind_of(pid: u32, ran: Option<PathBuf>) -> Option<String> {
+    let program = ran.or_else(|| procfs::exe_path(pid).map(PathBuf::from))?;
+    if runs_valgrind(&program) {
+        return Some(program.display().to_string());
+    }
+    procfs::comm(pid).filter(|comm| runs_valgrind(Path::new(comm)))
+}
+
 /// A valgrind tool, which runs a program in its own process (`/usr/libexec/valgrind/memcheck-amd64-linux`):
 /// the program's files are mapped in it, its C library among them, and breakpoints of memprof's
 /// there would stop it (see `is_valgrind_preload`).
