@@ -5,6 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use Limit::{CgroupHigh, CgroupMax};
+
 /// Where the cgroup v2 hierarchy is mounted on every distribution memprof supports.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -19,21 +21,23 @@ pub struct Room {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limit {
     Host,
-    CgroupMax,
-    CgroupHigh,
+    /// A cgroup's hard limit, read from this file (v2's `memory.max`, v1's `memory.limit_in_bytes`).
+    CgroupMax(&'static str),
+    /// A cgroup's soft limit, read from this file (v2's `memory.high`, v1's soft limit).
+    CgroupHigh(&'static str),
     /// Neither could be read: memprof goes on as if unlimited.
     Unknown,
 }
 
 impl std::fmt::Display for Room {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what = match self.limited_by {
-            Limit::Host => "available on this host",
-            Limit::CgroupMax => "left to memprof under its cgroup's memory limit (memory.max)",
-            Limit::CgroupHigh => "left to memprof under its cgroup's memory.high",
-            Limit::Unknown => "available (unknown)",
-        };
-        write!(f, "{} MiB {what}", self.bytes >> 20)
+        let mib = self.bytes >> 20;
+        match self.limited_by {
+            Limit::Host => write!(f, "{mib} MiB available on this host"),
+            Limit::CgroupMax(file) => write!(f, "{mib} MiB left to memprof under its cgroup's memory limit ({file})"),
+            Limit::CgroupHigh(file) => write!(f, "{mib} MiB left to memprof under its cgroup's {file}"),
+            Limit::Unknown => write!(f, "{mib} MiB available (unknown)"),
+        }
     }
 }
 
@@ -52,12 +56,10 @@ pub fn room() -> Room {
 }
 
 /// The files that say what a cgroup uses and may use: v2's, and v1's memory controller's.
-type Files = (&'static str, [(&'static str, Limit); 2]);
-const V2: Files = ("memory.current", [("memory.max", Limit::CgroupMax), ("memory.high", Limit::CgroupHigh)]);
-const V1: Files = (
-    "memory.usage_in_bytes",
-    [("memory.limit_in_bytes", Limit::CgroupMax), ("memory.soft_limit_in_bytes", Limit::CgroupHigh)],
-);
+type Files = (&'static str, [Limit; 2]);
+const V2: Files = ("memory.current", [CgroupMax("memory.max"), CgroupHigh("memory.high")]);
+const V1: Files =
+    ("memory.usage_in_bytes", [CgroupMax("memory.limit_in_bytes"), CgroupHigh("memory.soft_limit_in_bytes")]);
 
 /// This process's cgroup path on the line of /proc/self/cgroup that starts with `prefix`.
 fn own_cgroup(prefix: &str) -> Option<PathBuf> {
@@ -83,7 +85,8 @@ fn cgroup_room(root: &Path, dir: &Path, (usage, limits): Files) -> Option<Room> 
     for ancestor in dir.ancestors() {
         let at = root.join(ancestor);
         let Some(current) = read_u64(&at.join(usage)) else { continue };
-        for (file, limited_by) in limits {
+        for limited_by in limits {
+            let (Limit::CgroupMax(file) | Limit::CgroupHigh(file)) = limited_by else { continue };
             // "max" (no limit) does not parse.
             let Some(limit) = read_u64(&at.join(file)) else { continue };
             let bytes = limit.saturating_sub(current);
@@ -123,11 +126,22 @@ mod tests {
         write(&root.join("a"), "memory.max", "1000\n");
         write(&root.join("a"), "memory.high", "900\n");
         let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
-        assert_eq!(room, Room { bytes: 600, limited_by: Limit::CgroupHigh });
+        assert_eq!(room, Room { bytes: 600, limited_by: CgroupHigh("memory.high") });
         write(&leaf, "memory.max", "150\n");
         let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
-        assert_eq!(room, Room { bytes: 50, limited_by: Limit::CgroupMax });
+        assert_eq!(room, Room { bytes: 50, limited_by: CgroupMax("memory.max") });
         assert_eq!(cgroup_room(&root, Path::new("c"), V2), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_v1_limit_is_named_by_its_own_file() {
+        let root = std::env::temp_dir().join(format!("memprof-cgroup-v1-test-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("a")).unwrap();
+        std::fs::write(root.join("a/memory.usage_in_bytes"), "1048576").unwrap();
+        std::fs::write(root.join("a/memory.limit_in_bytes"), "3145728").unwrap();
+        let room = cgroup_room(&root, Path::new("a"), V1).unwrap();
+        assert_eq!(room.to_string(), "2 MiB left to memprof under its cgroup's memory limit (memory.limit_in_bytes)");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }
