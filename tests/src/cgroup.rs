@@ -26,9 +26,18 @@ impl MemoryCgroup {
         };
         let _ = std::fs::remove_dir(&dir);
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the memory cgroup {}: {e}", dir.display()));
-        let limit = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
-        std::fs::write(dir.join(limit), limit_bytes.to_string()).unwrap();
-        Self { dir, v2 }
+        let group = Self { dir, v2 };
+        std::fs::write(group.dir.join(group.limit_file()), limit_bytes.to_string()).unwrap();
+        group
+    }
+
+    /// The file that holds its limit, which memprof's messages name.
+    pub fn limit_file(&self) -> &'static str {
+        if self.v2 {
+            "memory.max"
+        } else {
+            "memory.limit_in_bytes"
+        }
     }
 
     pub fn enter(&self, pid: u32) {

@@ -148,7 +148,10 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
     assert_ne!(status, 200, "{body}");
     assert!(!body.trim_end().contains('\n'), "one line: {body}");
     assert!(
-        body.contains("under its cgroup's memory limit (memory.max) to copy them into; it was not inspected"),
+        body.contains(&format!(
+            "under its cgroup's memory limit ({}) to copy them into; it was not inspected",
+            group.limit_file()
+        )),
         "{body}"
     );
     assert_alive_and_serving(&mut daemon);
@@ -179,7 +182,10 @@ fn blocks_made_before_the_attach_too_many_to_mark_are_said_not_classed() {
     let why = inspection["untracked_not_classed"].as_str().unwrap_or_default();
     assert!(
         why.starts_with("marking them would take about ")
-            && why.ends_with("left to memprof under its cgroup's memory limit (memory.max); scanned as roots"),
+            && why.ends_with(&format!(
+                "left to memprof under its cgroup's memory limit ({}); scanned as roots",
+                group.limit_file()
+            )),
         "{inspection}"
     );
     target.child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
