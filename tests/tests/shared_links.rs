@@ -3,7 +3,7 @@
 
 use std::{
     collections::HashSet,
-    io::Read as _,
+    io::{BufRead as _, BufReader, Read as _},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -132,11 +132,7 @@ fn a_thousand_processes_are_traced_and_let_go() {
     let _serial = one_at_a_time();
     let n: usize = std::env::var("MEMPROF_SCALE_N").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000);
     let program = fixture("scale_target");
-    let mut processes = Processes(Vec::with_capacity(n));
-    for _ in 0..n {
-        let child = Command::new(&program).stdin(Stdio::null()).stdout(Stdio::null()).spawn().expect("starting");
-        processes.0.push(child);
-    }
+    let processes = Processes((0..n).map(|_| start(&program)).collect());
     let pids: Vec<u32> = processes.0.iter().map(Child::id).collect();
     wait_for(60, "every process to be started", || pids.iter().all(|&pid| catches_usr1(pid)).then_some(()));
     // Not traced (its name does not match): started before the daemon, run while it traces.
@@ -204,4 +200,45 @@ fn a_thousand_processes_are_traced_and_let_go() {
     assert!(pids.iter().all(|&pid| unsafe { libc::kill(pid as i32, 0) } == 0), "the targets keep running");
     assert!(attached < Duration::from_secs(10), "{n} processes took {attached:?} to be listed");
     assert!(stopped < Duration::from_secs(5), "exiting took {stopped:?}");
+}
+
+/// Hundreds of traced processes that exit together, beside one that holds 600,000 blocks in the
+/// live table: what the maps hold of them is purged in one walk of the table, not one walk each,
+/// so a process started just after is traced at once and seen whole. (Each walk took about 0.3 s
+/// at this table's size: one per exit held the daemon for a minute and a half, and any local user
+/// whose processes a rule by name matches could do that.)
+#[test]
+fn processes_that_exit_together_do_not_hold_the_daemon_up() {
+    let _serial = one_at_a_time();
+    let mut holder = Waiting::start(&fixture("crowding"), &["hold", "600000"]);
+    let program = fixture("scale_target");
+    let exiting = Processes((0..300).map(|_| start(&program)).collect());
+    let pids: Vec<u32> = exiting.0.iter().map(Child::id).collect();
+    wait_for(60, "every process to be started", || pids.iter().all(|&pid| catches_usr1(pid)).then_some(()));
+    let daemon = Daemon::start(&["--comm", "^(crowding|scale_target|daemon_target)$", "--max-targets", "400"]);
+    daemon.wait_traced(holder.pid());
+    holder.go();
+    let mut line = String::new();
+    BufReader::new(holder.child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "held\n");
+    let wanted: HashSet<u64> = pids.iter().map(|&pid| pid as u64).collect();
+    wait_for(60, "every process to be listed", || {
+        wanted.is_subset(&daemon.traced_pids().into_iter().collect()).then_some(())
+    });
+    let leaks = format!("/api/v1/leaks?pid={}", holder.pid());
+    wait_for(60, "the held blocks", || {
+        (site(&daemon.get_json(&leaks).1, "hold_site") == (60_000_000, 600_000)).then_some(())
+    });
+    // Killed together, then waited for (see `Processes`).
+    drop(exiting);
+
+    let mut late = Waiting::start(&fixture("daemon_target"), &[]);
+    daemon.wait_traced(late.pid());
+    late.go();
+    let path = format!("/api/v1/leaks?pid={}", late.pid());
+    wait_for(20, "its held blocks", || (site(&daemon.get_json(&path).1, "hold_site") == (50_000, 50)).then_some(()));
+}
+
+fn start(program: &std::path::Path) -> Child {
+    Command::new(program).stdin(Stdio::null()).stdout(Stdio::null()).spawn().expect("starting")
 }

@@ -5,7 +5,7 @@ mod attach;
 mod tracked;
 mod usdt;
 
-use std::{fs, path::Path};
+use std::{collections::HashSet, fs, path::Path};
 
 use anyhow::Context as _;
 use aya::{programs::raw_trace_point::RawTracePointLinkId, Ebpf, EbpfLoader};
@@ -90,6 +90,8 @@ pub struct Loaded {
     walked_entries: Option<(u64, u64)>,
     /// The entries of `STACKS` and `FREE_STACKS` (see `stack_entries`) since the last walk.
     stack_entries: Option<(u64, u64)>,
+    /// Processes let go whose entries are still in the maps (see `forget_exited_later`).
+    unpurged: HashSet<u32>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -225,6 +227,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         stillness: Stillness::default(),
         walked_entries: None,
         stack_entries: None,
+        unpurged: HashSet::new(),
     })
 }
 

@@ -95,6 +95,9 @@ impl Tracer {
     /// long however often targets come and go.
     pub(super) fn publish(&mut self, interval: bool) -> anyhow::Result<()> {
         self.collect_double_frees();
+        if interval {
+            self.loaded.purge_exited();
+        }
         // A target gone without its exit seen (its main thread exited long before its last
         // thread), or whose pid a new process took already: what the maps hold under that pid
         // may be the new process's, and its mappings are. Not shown as the old one's; the new

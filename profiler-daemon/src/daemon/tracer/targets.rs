@@ -413,6 +413,7 @@ impl Tracer {
     }
 
     pub(super) fn attach(&mut self, id: ProcessId, comm: String) -> anyhow::Result<()> {
+        self.loaded.purge_exited_before_tracing(id.pid);
         let mut means = self.means_of(id.pid)?;
         let pid = NonZeroU32::new(id.pid).context("pid 0")?;
         let mut attachment = match &means.sampler {
@@ -495,7 +496,9 @@ impl Tracer {
             // Exited: nothing fires any more, and discovery need not wait for the detach.
             self.loaded.detach_in_background(target.attachment);
         }
-        self.loaded.forget_exited(&HashSet::from([pid]));
+        // Purged at the next interval or before the pid is traced again: a thousand processes
+        // that exit together cost one walk of the maps.
+        self.loaded.forget_exited_later(&HashSet::from([pid]));
         self.symbolizer.forget(pid);
         info!(pid, comm = target.comm, "no longer traced");
     }

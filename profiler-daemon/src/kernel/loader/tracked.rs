@@ -70,14 +70,51 @@ impl Loaded {
         }
     }
 
+    /// `forget_exited`, but what the maps hold about `pids` goes at the next `purge_exited`,
+    /// with the entries of every process let go meanwhile. A purge walks every map whatever the
+    /// number of processes: a thousand exits at once are one walk, not a thousand.
+    pub fn forget_exited_later(&mut self, pids: &HashSet<u32>) {
+        self.let_go(pids);
+        self.forget_kept(pids);
+        self.rest_page_faults();
+        self.unpurged.extend(pids);
+    }
+
+    /// Purges what the processes `forget_exited_later` let go left in the maps.
+    pub fn purge_exited(&mut self) {
+        if !self.unpurged.is_empty() {
+            let pids = std::mem::take(&mut self.unpurged);
+            self.purge_maps(&pids);
+        }
+    }
+
+    /// `purge_exited` when `pid` is among the processes it would purge: before `pid` is traced
+    /// again, so that a purge does not take the new process's entries.
+    pub fn purge_exited_before_tracing(&mut self, pid: u32) {
+        if self.unpurged.contains(&pid) {
+            self.purge_exited();
+        }
+    }
+
     /// What the maps, the stack walk and the ages hold about `pids`.
     pub(super) fn forget_state(&mut self, pids: &HashSet<u32>) {
+        self.purge_maps(pids);
+        self.forget_kept(pids);
+    }
+
+    /// Everything the maps hold about `pids`.
+    fn purge_maps(&mut self, pids: &HashSet<u32>) {
         // The stacks other processes' ranges and pages hold are theirs to keep.
         let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
         if let Err(err) = self.purge(aggregate::Doomed::Processes(pids), &held) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
         (self.walked_entries, self.stack_entries) = (None, None);
+    }
+
+    /// What memprof keeps about `pids` outside the maps' entries: stillness, unwind tables,
+    /// ages, mappings.
+    fn forget_kept(&mut self, pids: &HashSet<u32>) {
         for &pid in pids {
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
