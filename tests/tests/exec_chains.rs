@@ -2,7 +2,12 @@
 //! allocator set on the way): a program that is over within a millisecond is seen from its first
 //! call, exactly as when run directly.
 
-use memprof_tests::{fixture, run, run_with_env, site, total, Outcome};
+use std::{
+    io::Write,
+    process::{Command, Stdio},
+};
+
+use memprof_tests::{fixture, run, run_with_env, site, total, wait_for, Daemon, Outcome};
 use serde_json::Value;
 
 /// The fixture's truth (see short_prog.c): outstanding (bytes, allocations) per site.
@@ -103,6 +108,33 @@ fn children_that_run_valgrind_are_let_go() {
     let outcome = ran_valgrind_unharmed("for k in 1 2 3; do valgrind -q --error-exitcode=9 {} || exit 1; done");
     let said = outcome.stderr.lines().filter(|line| line.contains("runs valgrind (")).count();
     assert!(said >= 3, "{}", outcome.stderr);
+}
+
+/// The daemon, tracing a shell by its name, lets it go when it execs valgrind, as `run` does:
+/// the program valgrind runs meets no breakpoint of memprof's, and the daemon says so.
+#[test]
+fn the_daemon_lets_go_of_a_traced_process_that_execs_valgrind() {
+    let dir = std::env::temp_dir().join(format!("memprof-test-vgshell-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let shell = dir.join("vgshell");
+    let _ = std::fs::remove_file(&shell);
+    std::os::unix::fs::symlink("/bin/sh", &shell).unwrap();
+    let mut daemon = Daemon::start(&["--comm", "^vgshell$"]);
+    let script = format!("read go; exec valgrind -q --error-exitcode=9 {}", short_prog());
+    let mut child =
+        Command::new(&shell).args(["-c", &script]).stdin(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    daemon.wait_traced(pid);
+    writeln!(child.stdin.take().unwrap(), "go").unwrap();
+    let ended = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&ended.stderr);
+    assert!(!stderr.contains("SIGTRAP"), "{stderr}");
+    assert!(ended.status.success(), "{:?}: {stderr}", ended.status);
+    wait_for(20, "the daemon to let the process go", || (!daemon.traced_pids().contains(&(pid as u64))).then_some(()));
+    let log = daemon.stopped_log();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(log.contains("runs valgrind: no longer traced"), "{log}");
+    assert!(log.contains(&format!("pid={pid}")), "{log}");
 }
 
 /// `run` of `sh -c SCRIPT`, `{}` in it the fixture: valgrind met no breakpoint and found no error.
