@@ -16,7 +16,7 @@ use std::{
 
 use memprof_tests::{
     attach_with, cgroup::MemoryCgroup, fixture, http_get, memprof_bin, metric, site, socket_answer, start_heapbench,
-    wait_for, Daemon, Waiting,
+    total, wait_for, Daemon, Waiting,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -160,6 +160,38 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
     drop(daemon);
     drop(target.stdin.take());
     assert!(target.wait().unwrap().success());
+}
+
+/// The daemon moved into a memory cgroup of 192 MiB asked to inspect a process holding 2,000,000
+/// small blocks it tracked: their copy (64 MiB) fits, but classing them would take more than the
+/// rest. It refuses in one line before it stops the process, and lives on. (It was OOM-killed.)
+#[test]
+fn an_inspection_of_more_tracked_blocks_than_the_daemons_memory_allows_is_refused() {
+    let _serial = serial();
+    let mut target = Waiting::start(&fixture("tracked_blocks"), &["2000000"]);
+    let pid = target.pid();
+    let mut daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-live", "4194304"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let mut held = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut held).unwrap();
+    assert_eq!(held, "held\n");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(30, "the blocks", || {
+        (total(&daemon.get_json(&leaks).1, "outstanding_allocations") >= 2_000_000).then_some(())
+    });
+    // Its maps stay charged where they were made: the cgroup holds what the inspection takes.
+    let group = MemoryCgroup::new(&format!("memprof-test-classing-{}", std::process::id()), 192 << 20);
+    group.enter(daemon.child.id());
+    let (status, body) = daemon.get(&format!("/api/v1/inspect?pid={pid}")).expect("an answer");
+    assert_ne!(status, 200, "{body}");
+    assert!(!body.trim_end().contains('\n'), "one line: {body}");
+    assert!(body.contains("holds 2000000 blocks memprof tracks, and classing them would take about"), "{body}");
+    assert!(body.contains(&format!("under its cgroup's memory limit ({})", group.limit_file())), "{body}");
+    assert_alive_and_serving(&mut daemon);
+    assert_eq!(group.oom_kills(), 0, "the daemon was OOM-killed");
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    assert!(!state.split(") ").nth(1).unwrap().starts_with('t'), "the process is not left stopped: {state}");
 }
 
 /// Millions of small blocks made before the attach, their copy within memprof's memory limit but

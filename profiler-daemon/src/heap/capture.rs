@@ -110,7 +110,14 @@ pub struct Capture {
 pub enum CaptureError {
     #[error("pid {pid} holds {} MiB in its writable mappings, more than half of the {room} to copy them into; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
     TooLarge { pid: u32, bytes: u64, room: memory::Room },
+    #[error("pid {pid} holds {blocks} blocks memprof tracks, and classing them would take about {} MiB more, more than half of the {room}; it was not inspected (free memory or raise memprof's memory limit first)", bytes >> 20)]
+    TooManyBlocks { pid: u32, blocks: usize, bytes: u64, room: memory::Room },
 }
+
+/// What classing a block memprof tracks takes at most, beside its entry in the list read from
+/// `LIVE`: that list read again in the stop, its entry among the blocks marked and the marking's
+/// state for it (measured: BENCHMARKS.md, "The pause of `--inspect`").
+const CLASSED_BLOCK_BYTES: u64 = 112;
 
 /// Takes `pid`'s capture.
 pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Capture> {
@@ -132,6 +139,9 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     }
     let heap = live::heap_state(ebpf, pid)?;
     let listed = live::blocks(ebpf, pid)?;
+    // The copy (unless made already) and the classing of the blocks must fit in what is left.
+    let uncopied = if pre.is_some() { 0 } else { to_copy };
+    check_blocks(pid, listed.len(), uncopied)?;
     stages.before_stop_ms = ms(started);
 
     let paused = Instant::now();
@@ -139,7 +149,13 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     stages.stop_ms = ms(paused);
     let at = Instant::now();
     let live_read_in_pause = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
-    let blocks = if live_read_in_pause { live::blocks(ebpf, pid)? } else { listed };
+    let blocks = if live_read_in_pause {
+        // Read again in its room, not beside it.
+        drop(listed);
+        live::blocks(ebpf, pid)?
+    } else {
+        listed
+    };
     stages.live_ms = ms(at);
     let at = Instant::now();
     let regions = copied(&procfs::regions(pid)?);
@@ -196,6 +212,17 @@ fn check_size(pid: u32, bytes: u64) -> Result<(), CaptureError> {
     let room = memory::room();
     if bytes > room.bytes / 2 {
         return Err(CaptureError::TooLarge { pid, bytes, room });
+    }
+    Ok(())
+}
+
+/// A process whose tracked blocks would take more to class, with what is still to copy, than
+/// memprof may take is not stopped.
+fn check_blocks(pid: u32, blocks: usize, uncopied: u64) -> Result<(), CaptureError> {
+    let room = memory::room();
+    let bytes = (blocks as u64).saturating_mul(CLASSED_BLOCK_BYTES);
+    if bytes.saturating_add(uncopied) > room.bytes / 2 {
+        return Err(CaptureError::TooManyBlocks { pid, blocks, bytes, room });
     }
     Ok(())
 }
