@@ -8,7 +8,7 @@ use std::{
 };
 
 use memprof_tests::{
-    array_sum, fixture, http_get, metric,
+    array_sum, fixture, http_get, metric, metric_f64,
     probe_links::{self, ProbeLink},
     sample, site, wait_for, Daemon, Waiting,
 };
@@ -366,6 +366,18 @@ fn processes_beyond_max_targets_are_refused_and_counted() {
     assert!(traced.contains(&(first.pid() as u64)) || traced.contains(&(second.pid() as u64)));
     let metrics = http_get(daemon.port, "/metrics").unwrap().1;
     assert!(metrics.contains("memprof_targets_refused_total 1"), "{metrics}");
+}
+
+/// `memprof_last_read_timestamp_seconds` is the Unix time of the last read of the maps and moves
+/// at each interval: a scrape tells a view that stands still from a daemon held up.
+#[test]
+fn the_last_read_time_moves_at_each_interval() {
+    let daemon = Daemon::start(&["--comm", "^no-process-is-named-so$"]);
+    let read_at = || metric_f64(daemon.port, "memprof_last_read_timestamp_seconds").filter(|&at| at > 0.0);
+    let first = wait_for(20, "a read", read_at);
+    let now = std::time::UNIX_EPOCH.elapsed().unwrap().as_secs_f64();
+    assert!((now - first).abs() < 3600.0, "not Unix time: {first} (now {now})");
+    wait_for(20, "the next read", || read_at().filter(|&at| at > first));
 }
 
 /// A target still for a leak window and two intervals is settled: its stacks are not read again,

@@ -360,6 +360,12 @@ impl Collector for ViewCollector {
         )?;
         gauges(
             e,
+            "memprof_last_read_timestamp_seconds",
+            "When the daemon last read the kernel's maps for what /metrics shows (Unix time): the series stand still while its thread is held up (an inspection, a burst of exits).",
+            [(vec![], view.read_at_seconds)],
+        )?;
+        gauges(
+            e,
             "memprof_settled_targets",
             "Traced processes still for a leak window and two intervals: their stacks are not read again until they move.",
             [(vec![], view.settled_targets)],

@@ -104,6 +104,9 @@ pub struct DaemonView {
     pub symbolization_failures: Vec<(&'static str, u64)>,
     /// Set once the first snapshot is published.
     pub ready: bool,
+    /// When the kernel's maps were read for this view, in seconds since the Unix epoch: a view
+    /// that stops moving says that the daemon's thread is held up.
+    pub read_at_seconds: f64,
     /// The profiles of every target together, built from this interval's reports on request.
     pub host_profiles: Arc<HostProfiles>,
 }

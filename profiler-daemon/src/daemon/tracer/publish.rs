@@ -215,6 +215,7 @@ impl Tracer {
             unwind: tables,
             symbolization_failures: self.symbolizer.failures().into_iter().map(|(f, n)| (f.name(), n)).collect(),
             ready: true,
+            read_at_seconds: UNIX_EPOCH.elapsed().unwrap_or_default().as_secs_f64(),
             ..DaemonView::default()
         };
         let slots = self.slots.assign(self.targets.values().map(|t| (t.id.pid, t.comm.as_str())));
