@@ -162,6 +162,21 @@ fn run_inspect_at_duration_with_every_allocation_seen() {
     assert_eq!(report["inspection"]["untracked_blocks"], 0);
 }
 
+/// A process whose main thread called pthread_exit: that thread, a zombie until the process ends,
+/// cannot be stopped and holds nothing; the others are, and the blocks are classed. (The whole
+/// inspection failed, blaming another tracer.)
+#[test]
+fn a_process_whose_main_thread_exited_is_inspected() {
+    let mut target =
+        Waiting::start(&fixture_with("leader_exit.c", "leader_exit", &["-g", "-O0", "-pthread"]), &["hold"]);
+    let outcome = attach(&mut target, &["--inspect", "--duration", "2"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("memprof: inspected pid"), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    let none = (0, 0);
+    assert_eq!(reachability(&report, "hold_site"), &reach(none, none, none, (21_000, 7), 0), "{report:#}");
+}
+
 /// A block whose only pointer is in shared memory is reachable, as memcheck says: the maps show
 /// shared anonymous memory as `/dev/zero (deleted)` and POSIX shared memory under `/dev/shm`,
 /// which were skipped as devices' memory, and such blocks were called definitely lost.

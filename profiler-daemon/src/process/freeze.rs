@@ -12,6 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::procfs;
+
 /// How long the threads get to stop: a thread in uninterruptible sleep (a dead NFS server) may
 /// never stop, and the others must not wait for it.
 const STOP_DEADLINE: Duration = Duration::from_secs(2);
@@ -68,10 +70,13 @@ impl Frozen {
     /// Stops every thread of `pid`, threads started meanwhile included.
     pub fn stop(pid: u32) -> Result<Self, FreezeError> {
         let mut frozen = Self { threads: Vec::new(), seized: Vec::new() };
+        // Threads that exited but are listed until their process is reaped.
+        let mut ended = Vec::new();
         let deadline = Instant::now() + STOP_DEADLINE;
         // A thread not yet stopped may start another: list again until a listing brings none.
         loop {
-            let new: Vec<u32> = tids(pid)?.into_iter().filter(|tid| !frozen.seized.contains(tid)).collect();
+            let listed = tids(pid)?.into_iter();
+            let new: Vec<u32> = listed.filter(|tid| !frozen.seized.contains(tid) && !ended.contains(tid)).collect();
             if new.is_empty() {
                 break;
             }
@@ -80,6 +85,10 @@ impl Frozen {
                     Ok(()) => frozen.seized.push(tid),
                     // Exited between the listing and the seize.
                     Err(cause) if cause.raw_os_error() == Some(libc::ESRCH) => {}
+                    // A zombie refuses ptrace (a main thread that called pthread_exit).
+                    Err(cause) if cause.raw_os_error() == Some(libc::EPERM) && procfs::thread_ended(pid, tid) => {
+                        ended.push(tid)
+                    }
                     Err(cause) => return Err(FreezeError::Seize { pid, tid, cause }),
                 }
             }

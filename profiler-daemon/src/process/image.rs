@@ -8,7 +8,7 @@ use std::io;
 
 use crate::process::{
     pagemap::{self, Pagemap, PAGE},
-    procfs::Region,
+    procfs::{self, Region},
 };
 
 /// Ranges given to one `process_vm_readv` call (the kernel's `UIO_MAXIOV`).
@@ -149,7 +149,7 @@ pub fn read_runs(pid: u32, segments: &mut [Segment], runs: &[Runs]) -> (u64, u64
             consumed = offset + len;
         }
     }
-    (asked, read_into(pid, &mut targets))
+    (asked, read_into(procfs::memory_task(pid), &mut targets))
 }
 
 /// Above this many bytes a copy is shared among threads: its time is the kernel's work per page
@@ -159,13 +159,13 @@ const PARALLEL_ABOVE: usize = 8 << 20;
 /// Threads a copy is shared among, at most.
 const MAX_THREADS: usize = 8;
 
-/// Reads each buffer's length of `pid`'s memory at its address into it; returns how many bytes
-/// could not be read, left as zeros.
-fn read_into(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
+/// Reads each buffer's length of the memory of `task` (see `procfs::memory_task`) at its address
+/// into it; returns how many bytes could not be read, left as zeros.
+fn read_into(task: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
     let total: usize = targets.iter().map(|(_, buf)| buf.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
     if threads < 2 || total < PARALLEL_ABOVE {
-        return read_serially(pid, targets);
+        return read_serially(task, targets);
     }
     // Shares of about equal bytes, a target cut where a share ends.
     let share = total.div_ceil(threads);
@@ -189,12 +189,12 @@ fn read_into(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
     }
     std::thread::scope(|scope| {
         let copies: Vec<_> =
-            shares.into_iter().map(|mut share| scope.spawn(move || read_serially(pid, &mut share))).collect();
+            shares.into_iter().map(|mut share| scope.spawn(move || read_serially(task, &mut share))).collect();
         copies.into_iter().map(|copy| copy.join().expect("a copying thread does not panic")).sum()
     })
 }
 
-fn read_serially(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
+fn read_serially(task: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
     let mut unreadable = 0;
     // The next target and how far into it.
     let (mut at, mut done) = (0, 0);
@@ -218,7 +218,7 @@ fn read_serially(pid: u32, targets: &mut [(u64, &mut [u8])]) -> u64 {
         // remote ones are only addresses in the other process, which the kernel checks.
         let read = unsafe {
             libc::process_vm_readv(
-                pid as libc::pid_t,
+                task as libc::pid_t,
                 local.as_ptr(),
                 local.len() as libc::c_ulong,
                 remote.as_ptr(),

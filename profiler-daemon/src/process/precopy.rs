@@ -16,7 +16,7 @@ use std::{fs, io, sync::OnceLock};
 use crate::process::{
     image::{self, Image, Runs, Segment},
     pagemap::{self, Pagemap, PAGE, SOFT_DIRTY},
-    procfs::Region,
+    procfs::{self, Region},
     write_watch::{WriteWatch, WRITE_PROTECTED},
 };
 
@@ -146,7 +146,7 @@ type Stale = (Runs, Runs);
 
 /// Clears every soft-dirty bit of `pid`.
 fn clear(pid: u32) -> io::Result<()> {
-    fs::write(format!("/proc/{pid}/clear_refs"), "4")
+    fs::write(format!("{}/clear_refs", procfs::dir(pid)), "4")
 }
 
 /// Whether this kernel tracks soft-dirty pages: without `CONFIG_MEM_SOFT_DIRTY`, clearing is

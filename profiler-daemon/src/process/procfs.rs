@@ -120,6 +120,22 @@ pub fn leader_exited(pid: u32) -> bool {
 }
 
 /// A thread of `pid` other than its exited main thread that has not exited.
+/// The id through which `pid`'s memory is read (`process_vm_readv`): `pid`, unless its main
+/// thread has exited (pthread_exit) while others run, which left it no memory to read.
+pub fn memory_task(pid: u32) -> u32 {
+    if leader_exited(pid) {
+        live_thread(pid).unwrap_or(pid)
+    } else {
+        pid
+    }
+}
+
+/// Whether thread `tid` of `pid` has exited and waits to be reaped with its process (a main
+/// thread that called pthread_exit): it has no registers or stack left to stop.
+pub fn thread_ended(pid: u32, tid: u32) -> bool {
+    task_stat(&format!("/proc/{pid}/task/{tid}")).is_some_and(|stat| stat.zombie)
+}
+
 fn live_thread(pid: u32) -> Option<u32> {
     let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     tasks
