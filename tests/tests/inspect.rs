@@ -192,9 +192,9 @@ fn pointers_kept_in_shared_memory_keep_their_blocks_reachable() {
     assert_eq!(reachability(&report, "shared_lost"), &reach((666, 1), none, none, none, 666));
 }
 
-/// Under `--sample-bytes`, each sampled block's class counts the blocks and bytes it stands for,
-/// as the in-use figures beside it do: a site whose every block is lost shows all of its
-/// estimate lost (its sampled blocks' own bytes were shown, about 1.5% of it here).
+/// Under `--sample-bytes`, each sampled block's class in its stack's figures counts the blocks and
+/// bytes it stands for, as the in-use figures beside it do: a site whose every block is lost shows
+/// all of its estimate lost (its sampled blocks' own bytes were shown, about 1.5% of it here).
 #[test]
 fn a_sampled_blocks_class_counts_what_it_stands_for() {
     let fixture = fixture_with("sampled_lost.c", "sampled_lost", &["-g", "-O1"]);
@@ -206,6 +206,16 @@ fn a_sampled_blocks_class_counts_what_it_stands_for() {
     assert!(bytes > 3_200_000, "an estimate near the truth, 6,400,000: {site}");
     let none = (0, 0);
     assert_eq!(reachability(&report, "lost_small"), &reach((bytes, blocks), none, none, none, bytes));
+    // The blocks not sampled are among those memprof did not record, classed from glibc's heap:
+    // with the sampled ones as themselves, the whole heap, each block once. (They were counted
+    // twice: once in the estimates, once as not recorded.)
+    let inspection = &report["inspection"];
+    let lost = |part: &str, what: &str| inspection[part][format!("definitely_lost_{what}")].as_u64().unwrap_or(0);
+    assert_eq!(lost("totals", "blocks") + lost("untracked_classes", "blocks"), 100_000, "{inspection:#}");
+    // A block not recorded counts its chunk's usable size: 72 bytes for these 64.
+    let unrecorded = 100_000 - lost("totals", "blocks");
+    assert_eq!(lost("totals", "bytes"), lost("totals", "blocks") * 64, "{inspection:#}");
+    assert_eq!(lost("untracked_classes", "bytes"), unrecorded * 72, "{inspection:#}");
 }
 
 /// Whether this kernel keeps soft-dirty bits (`CONFIG_MEM_SOFT_DIRTY`): a page of ours written

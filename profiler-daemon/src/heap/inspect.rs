@@ -113,9 +113,14 @@ struct Counted {
 }
 
 impl Counted {
+    /// The block as itself.
+    fn itself(block: &LiveBlock, retained: u64) -> Self {
+        Self { bytes: block.size, blocks: 1, retained }
+    }
+
     fn of(block: &LiveBlock, retained: u64) -> Self {
         if block.weighted_bytes == block.size || block.size == 0 {
-            return Self { bytes: block.size, blocks: 1, retained };
+            return Self::itself(block, retained);
         }
         let scale = block.weighted_bytes as f64 / block.size as f64;
         Self { bytes: block.weighted_bytes, blocks: scale.round() as u64, retained: (retained as f64 * scale) as u64 }
@@ -219,7 +224,9 @@ pub struct Inspection {
     /// The heuristics in use, as memcheck's `--leak-check-heuristics` takes them.
     #[serde(default)]
     pub heuristics: String,
-    /// Every tracked block, by class.
+    /// Every tracked block, by class. A sampled block counts the blocks it stands for, but where
+    /// `untracked_classes` classes the blocks memprof did not record (those among them): there
+    /// each counts as itself, and the two add up to the heap.
     pub totals: Reachability,
     /// Every tracked C++ object, by type (see `types`).
     #[serde(default)]
@@ -350,7 +357,11 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
             }
             continue;
         }
-        inspection.totals.count(class, counted, heuristic);
+        // Where the blocks memprof did not record are classed, they include those a sampled
+        // block stands for: the totals count each block as itself, so that with those classes
+        // they add up to the heap. A stack's figures stay estimates, as its in-use figures.
+        let in_totals = if any_unseen { Counted::itself(block, retained) } else { counted };
+        inspection.totals.count(class, in_totals, heuristic);
         inspection.per_stack.entry(block.stack_id).or_default().count(class, counted, heuristic);
     }
     // After the release: reading the process's files takes no part in the pause.
