@@ -490,6 +490,23 @@ fn the_daemon_records_a_program_exec_d_from_its_first_call() {
     assert_eq!(total(&report, "unknown_frees"), 0, "{report}");
 }
 
+/// A matching process that starts while the daemon runs is attached from its exec: the time it
+/// ran before its probes, its calls unseen, is counted, as a followed child's is.
+#[test]
+fn the_daemon_counts_the_time_a_new_process_ran_before_its_probes() {
+    let program = fixture_with("process_life.c", "daemon_newcomer", &["-g", "-O0"]);
+    let daemon = Daemon::start(&["--comm", "^daemon_newcomer$"]);
+    let seconds = |series| metric_f64(daemon.port, series).unwrap_or_else(|| panic!("{series} missing from /metrics"));
+    assert_eq!(seconds("memprof_targets_unseen_after_start_seconds_total"), 0.0);
+    let target = Waiting::start(&program, &["fork-hold"]);
+    daemon.wait_traced(target.pid());
+    let unseen = wait_for(20, "the time counted", || {
+        Some(seconds("memprof_targets_unseen_after_start_seconds_total")).filter(|&unseen| unseen > 0.0)
+    });
+    assert_eq!(seconds("memprof_longest_target_unseen_after_start_seconds"), unseen, "one process");
+    assert_eq!(seconds("memprof_children_unseen_after_fork_seconds_total"), 0.0, "no child");
+}
+
 /// A matching program that exits within a millisecond of its exec is gone before any attach
 /// could end: each run is counted missed, not lost in silence. Found by its exec, and named by
 /// the path it ran (its /proc entry is gone when the daemon reads the event).

@@ -394,6 +394,18 @@ impl Collector for ViewCollector {
             "The longest time one followed child ran between its fork and its probes, its allocator calls unseen.",
             [(vec![], view.longest_child_unseen_ns as f64 / 1e9)],
         )?;
+        counters(
+            e,
+            "memprof_targets_unseen_after_start_seconds",
+            "Time the other matching processes that started while the daemon ran (their fork or exec) ran before their probes, their allocator calls unseen, all together.",
+            [(vec![], view.started_unseen_ns as f64 / 1e9)],
+        )?;
+        gauges(
+            e,
+            "memprof_longest_target_unseen_after_start_seconds",
+            "The longest time one such process ran between its start and its probes, its allocator calls unseen.",
+            [(vec![], view.longest_started_unseen_ns as f64 / 1e9)],
+        )?;
         gauges(
             e,
             "memprof_bpf_map_entries",

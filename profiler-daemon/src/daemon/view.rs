@@ -87,6 +87,10 @@ pub struct DaemonView {
     /// all, and the longest one.
     pub children_unseen_ns: u64,
     pub longest_child_unseen_ns: u64,
+    /// How long the other matching processes that started while the daemon ran went unseen
+    /// before their probes: in all, and the longest one.
+    pub started_unseen_ns: u64,
+    pub longest_started_unseen_ns: u64,
     /// Processes not traced that map a file whose probe links are shared, and so take a trap
     /// at each of its probed calls.
     pub untraced_sharing: u64,

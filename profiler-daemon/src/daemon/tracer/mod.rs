@@ -153,6 +153,13 @@ pub struct Tracer {
     /// known: followed once attached (at once, or by a later attempt if caught dying or
     /// mid-exec), missed once they are gone.
     pending_children: HashMap<ProcessId, u64>,
+    /// How long the other matching processes that started (fork or exec) while the daemon ran
+    /// went unseen before their probes: in all, and the longest one. A daemon held up (a long
+    /// inspection) attaches late.
+    started_unseen_ns: u64,
+    longest_started_unseen_ns: u64,
+    /// Those processes, with the time they started (CLOCK_MONOTONIC), until attached or gone.
+    pending_started: HashMap<ProcessId, u64>,
     /// New matching processes not attachable yet, with their command name, when to try again
     /// and the wait after that.
     starting: HashMap<ProcessId, (String, Instant, Duration)>,
@@ -216,6 +223,9 @@ impl Tracer {
             children_unseen_ns: 0,
             longest_child_unseen_ns: 0,
             pending_children: HashMap::new(),
+            started_unseen_ns: 0,
+            longest_started_unseen_ns: 0,
+            pending_started: HashMap::new(),
             starting: HashMap::new(),
             exiting: HashMap::new(),
             leaderless: HashSet::new(),

@@ -206,6 +206,8 @@ impl Tracer {
             children_missed: self.children_missed,
             children_unseen_ns: self.children_unseen_ns,
             longest_child_unseen_ns: self.longest_child_unseen_ns,
+            started_unseen_ns: self.started_unseen_ns,
+            longest_started_unseen_ns: self.longest_started_unseen_ns,
             untraced_sharing: self.untraced_sharing(&pids),
             machine_wide: self.loaded.machine_wide(),
             discovery_scans: self.scans,

@@ -66,6 +66,20 @@ impl Tracer {
         self.children_missed += missed;
         self.children_unseen_ns += unseen;
         self.longest_child_unseen_ns = longest;
+        // The others: those gone are counted missed by `retry`.
+        let (mut unseen, mut longest) = (0, self.longest_started_unseen_ns);
+        self.pending_started.retain(|id, &mut started_ns| {
+            if let Some(target) = self.targets.get(&id.pid).filter(|target| target.id == *id) {
+                let ran_ns = target.start_ns.saturating_sub(started_ns);
+                unseen += ran_ns;
+                longest = longest.max(ran_ns);
+                false
+            } else {
+                ProcessId::current(id.pid) == Some(*id)
+            }
+        });
+        self.started_unseen_ns += unseen;
+        self.longest_started_unseen_ns = longest;
     }
 
     /// Attaches to a matching process unless it is traced already, cannot be, or would be one
@@ -142,13 +156,18 @@ impl Tracer {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
                 process_event::EXEC => changed |= self.found_exec(&event),
                 process_event::FORK if traced => self.on_fork(event.tgid, event.pid, event.time_ns),
-                process_event::FORK => changed |= self.found(event.pid),
+                process_event::FORK => {
+                    if let Some((id, comm)) = discovery::matching(&self.config.rules, event.pid) {
+                        changed |= self.attach_started(id, comm, event.time_ns);
+                    }
+                }
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
                 }
                 _ => {}
             }
         }
+        self.settle_pending_children();
         changed
     }
 
@@ -160,13 +179,20 @@ impl Tracer {
         }
     }
 
+    /// `try_attach` for a matching process that started at `started_ns` (its fork or exec): the
+    /// time it runs unseen until attached is counted (see `settle_pending_children`).
+    fn attach_started(&mut self, id: ProcessId, comm: String, started_ns: u64) -> bool {
+        self.pending_started.insert(id, started_ns);
+        self.try_attach(id, comm)
+    }
+
     /// A process that exec'd, as `found`; one gone already is counted missed when the name its
     /// exec gave it (its program's file name, as the kernel names it) matches the rules. /proc
     /// is read again only for those: most execs on the host match nothing. (One matched but
     /// gone before its attach waits in `starting`, which counts it.)
     fn found_exec(&mut self, event: &ProcessEvent) -> bool {
         if let Some((id, comm)) = discovery::matching(&self.config.rules, event.tgid) {
-            return self.try_attach(id, comm);
+            return self.attach_started(id, comm, event.time_ns);
         }
         let named = crate::kernel::events::exec_comm(event);
         if named.is_some_and(|comm| self.config.rules.matches(event.tgid, &comm, &[]))
