@@ -341,7 +341,8 @@ impl TraceArgs {
 /// `run`, `inspect`, `report`).
 #[derive(Debug, Args, Clone)]
 pub struct OutputArgs {
-    /// How reports are written: table and json write every report, the other formats the last one [default: table].
+    /// How reports are written: table and json write every report, the other formats the last one
+    /// [default: from --output's name: .json, .pb.gz (pprof), .html, .svg (flamegraph); else table].
     #[arg(long, value_enum)]
     format: Option<Format>,
     /// Shorthand for `--format json`.
@@ -353,9 +354,10 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
-    /// `json` when `--json` is given, else `--format`, else a table.
+    /// `json` when `--json` is given, else `--format`, else what the output file's name asks
+    /// for (`heap.pb.gz`: pprof), else a table.
     pub fn format(&self) -> Format {
-        self.format_given().unwrap_or(Format::Table)
+        self.format_given().or_else(|| self.file.as_deref().and_then(Format::of_file_name)).unwrap_or(Format::Table)
     }
 
     /// The format the flags name, if they name one.

@@ -139,6 +139,27 @@ fn an_unwritable_output_file() {
     assert_eq!(outcome.stderr.matches("No such file or directory").count(), 1, "said once: {}", outcome.stderr);
 }
 
+/// Without --format or --json, the output file's name picks the format, as for `snapshot`: a
+/// table written into heap.pb.gz would be read by no tool.
+#[test]
+fn the_output_file_s_name_picks_the_format() {
+    let dir = std::env::temp_dir().join(format!("memprof-named-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let program = fixture("lifecycle");
+    for (name, starts) in [("heap.pb.gz", &b"\x1f\x8b"[..]), ("heap.html", b"<!doctype html>")] {
+        let path = dir.join(name);
+        let outcome = memprof(&["run", "-o", path.to_str().unwrap(), "--", program.to_str().unwrap(), "reuse"]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let written = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            written.starts_with(starts),
+            "{name}: {:?}",
+            String::from_utf8_lossy(&written[..written.len().min(80)])
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A zombie has exited: it has no memory to trace, and memprof says so rather than "no process".
 #[test]
 fn a_zombie() {

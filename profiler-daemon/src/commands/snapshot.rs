@@ -57,17 +57,16 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// The format `path`'s name asks for, as for `attach`; a snapshot is pprof or JSON only.
 fn format_of(path: &Path) -> Result<SnapshotFormat, anyhow::Error> {
-    let name = path.to_string_lossy();
-    if name.ends_with(".json") {
-        Ok(SnapshotFormat::Json)
-    } else if name.ends_with(".pb.gz") {
-        Ok(SnapshotFormat::Pprof)
-    } else {
-        Err(UserError::Flags(format!(
-            "cannot tell the format from the name {name}; end it in .pb.gz or .json, or give --format pprof|json"
+    match Format::of_file_name(path) {
+        Some(Format::Json) => Ok(SnapshotFormat::Json),
+        Some(Format::Pprof) => Ok(SnapshotFormat::Pprof),
+        _ => Err(UserError::Flags(format!(
+            "cannot tell the format from the name {}; end it in .pb.gz or .json, or give --format pprof|json",
+            path.display()
         ))
-        .into())
+        .into()),
     }
 }
 
