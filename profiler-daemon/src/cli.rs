@@ -73,7 +73,8 @@ Examples:
   memprof daemon --cgroup /system.slice/api.service --listen 0.0.0.0:9464
   memprof daemon --config /etc/memprof/memprof.toml   (SIGHUP reloads it)")]
     Daemon(DaemonArgs),
-    /// Start a command with probes attached before its first allocation; exit with its exit code.
+    /// Start a command with probes attached before its first allocation; exit with its exit code
+    /// (100 instead when --fail-on-leak-bytes finds a leak).
     #[command(after_help = "\
 Examples:
   memprof run ./app --its-own-flag   everything after the command is the command's
@@ -83,10 +84,10 @@ Examples:
         #[command(flatten)]
         trace: TraceArgs,
         /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
-        /// (a CI gate); the report is written as asked. The gate is not judged when processes
-        /// the leak rule has no verdict on yet (traced for fewer than --leak-window intervals)
-        /// hold more than BYTES, or when memprof cannot go on (see --on-error): a command that
-        /// exits 0 then makes memprof exit 1.
+        /// (a CI gate), whatever the command's own exit code; the report is written as asked. The
+        /// gate is not judged when processes the leak rule has no verdict on yet (traced for fewer
+        /// than --leak-window intervals) hold more than BYTES, or when memprof cannot go on (see
+        /// --on-error): a command that exits 0 then makes memprof exit 1.
         #[arg(long, value_name = "BYTES", allow_negative_numbers = true, value_parser = whole("bytes", 0, u64::MAX))]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on once it started it (a full
