@@ -115,7 +115,8 @@ fn usage_error(err: &clap::Error) -> ExitCode {
     ) {
         err.exit()
     }
-    let args: Vec<String> = std::env::args().collect();
+    // Lossy: `args()` panics on an argument that is not UTF-8.
+    let args: Vec<String> = std::env::args_os().map(|arg| arg.to_string_lossy().into_owned()).collect();
     say!("memprof: error: {}", one_line(&err.render().to_string(), unexpected_tip(err, &args).as_deref()));
     ExitCode::from(2)
 }
@@ -136,7 +137,8 @@ fn unexpected_tip(err: &clap::Error, args: &[String]) -> Option<String> {
     // memprof's own flags are --help and --version: the first word is the command.
     let name = args.get(1)?;
     let command = memprof.find_subcommand(name)?;
-    if arg.parse::<u32>().is_ok() && command.get_arguments().any(|a| a.get_long() == Some("pid")) {
+    let pid_given = args.iter().any(|a| a.starts_with("--pid") || (a.starts_with("-p") && !a.starts_with("--")));
+    if arg.parse::<u32>().is_ok() && !pid_given && command.get_arguments().any(|a| a.get_long() == Some("pid")) {
         return Some(format!("give the process id as -p {arg}"));
     }
     let long = arg.strip_prefix("--")?.split('=').next()?;
