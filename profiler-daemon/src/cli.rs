@@ -73,7 +73,8 @@ Examples:
   memprof daemon --cgroup /system.slice/api.service --listen 0.0.0.0:9464
   memprof daemon --config /etc/memprof/memprof.toml   (SIGHUP reloads it)")]
     Daemon(DaemonArgs),
-    /// Start a command with probes attached before its first allocation; exit with its exit code.
+    /// Start a command with probes attached before its first allocation; exit with its exit code
+    /// (100 instead when --fail-on-leak-bytes finds a leak).
     #[command(after_help = "\
 Examples:
   memprof run ./app --its-own-flag   everything after the command is the command's
@@ -83,10 +84,10 @@ Examples:
         #[command(flatten)]
         trace: TraceArgs,
         /// Exit with code 100 when the leak candidates hold more than BYTES when the command ends
-        /// (a CI gate); the report is written as asked. The gate is not judged when processes
-        /// the leak rule has no verdict on yet (traced for fewer than --leak-window intervals)
-        /// hold more than BYTES, or when memprof cannot go on (see --on-error): a command that
-        /// exits 0 then makes memprof exit 1.
+        /// (a CI gate), whatever the command's own exit code; the report is written as asked. The
+        /// gate is not judged when processes the leak rule has no verdict on yet (traced for fewer
+        /// than --leak-window intervals) hold more than BYTES, or when memprof cannot go on (see
+        /// --on-error): a command that exits 0 then makes memprof exit 1.
         #[arg(long, value_name = "BYTES", allow_negative_numbers = true, value_parser = whole("bytes", 0, u64::MAX))]
         fail_on_leak_bytes: Option<u64>,
         /// What happens to the command when memprof cannot go on once it started it (a full
@@ -341,7 +342,8 @@ impl TraceArgs {
 /// `run`, `inspect`, `report`).
 #[derive(Debug, Args, Clone)]
 pub struct OutputArgs {
-    /// How reports are written: table and json write every report, the other formats the last one [default: table].
+    /// How reports are written: table and json write every report, the other formats the last one
+    /// [default: from --output's name: .json, .pb.gz (pprof), .html, .svg (flamegraph); else table].
     #[arg(long, value_enum)]
     format: Option<Format>,
     /// Shorthand for `--format json`.
@@ -353,9 +355,10 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
-    /// `json` when `--json` is given, else `--format`, else a table.
+    /// `json` when `--json` is given, else `--format`, else what the output file's name asks
+    /// for (`heap.pb.gz`: pprof), else a table.
     pub fn format(&self) -> Format {
-        self.format_given().unwrap_or(Format::Table)
+        self.format_given().or_else(|| self.file.as_deref().and_then(Format::of_file_name)).unwrap_or(Format::Table)
     }
 
     /// The format the flags name, if they name one.

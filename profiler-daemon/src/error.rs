@@ -42,7 +42,7 @@ pub enum UserError {
     #[error("this kernel lacks the BPF helper {helper} (Linux {since}), which memprof's stack walk calls; memprof is tested on Linux 6.1, 6.12 and 6.18 (docs: reference/kernels.md#kernel-requirements)")]
     KernelTooOld { helper: &'static str, since: &'static str },
     /// Not a `source`: the message says the cause already.
-    #[error("cannot write the output file {path}: {cause}; check the disk space and permissions, or choose another path with --output")]
+    #[error("cannot write the output file {path}: {cause}; {}", write_fix(.cause, "--output"))]
     Output { path: PathBuf, cause: std::io::Error },
     #[error("cannot write to standard output: {0}; check the disk space and permissions of where it goes")]
     Stdout(std::io::Error),
@@ -69,6 +69,21 @@ pub enum UserError {
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },
+}
+
+/// Why no file can be made for a report at a path in /proc (the cause of `Output`): a hint
+/// about disk space or permissions would send the user looking in the wrong place.
+#[derive(Debug, thiserror::Error)]
+#[error("/proc holds the kernel's view of processes, and no file can be made there")]
+pub struct InProc;
+
+/// What to do when the file `flag` names cannot be written.
+pub fn write_fix(cause: &std::io::Error, flag: &str) -> String {
+    if cause.get_ref().is_some_and(|cause| cause.is::<InProc>()) {
+        format!("give {flag} a path outside /proc")
+    } else {
+        format!("check the disk space and permissions, or choose another path with {flag}")
+    }
 }
 
 impl UserError {

@@ -115,18 +115,54 @@ fn usage_error(err: &clap::Error) -> ExitCode {
     ) {
         err.exit()
     }
-    say!("memprof: error: {}", one_line(&err.render().to_string()));
+    // Lossy: `args()` panics on an argument that is not UTF-8.
+    let args: Vec<String> = std::env::args_os().map(|arg| arg.to_string_lossy().into_owned()).collect();
+    say!("memprof: error: {}", one_line(&err.render().to_string(), unexpected_tip(err, &args).as_deref()));
     ExitCode::from(2)
 }
 
+/// A tip for an argument clap did not expect, in place of clap's, which names the flag spelled
+/// most alike (`--sample-bytes` for `attach --fail-on-leak-bytes`): a flag of another command
+/// names that command, a bare number where a pid goes asks for `-p`.
+fn unexpected_tip(err: &clap::Error, args: &[String]) -> Option<String> {
+    use clap::{
+        error::{ContextKind, ContextValue},
+        CommandFactory as _,
+    };
+    if err.kind() != ErrorKind::UnknownArgument {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = err.get(ContextKind::InvalidArg) else { return None };
+    let memprof = cli::Cli::command();
+    // memprof's own flags are --help and --version: the first word is the command.
+    let name = args.get(1)?;
+    let command = memprof.find_subcommand(name)?;
+    let pid_given = args.iter().any(|a| a.starts_with("--pid") || (a.starts_with("-p") && !a.starts_with("--")));
+    if arg.parse::<u32>().is_ok() && !pid_given && command.get_arguments().any(|a| a.get_long() == Some("pid")) {
+        return Some(format!("give the process id as -p {arg}"));
+    }
+    let long = arg.strip_prefix("--")?.split('=').next()?;
+    let owners: Vec<String> = memprof
+        .get_subcommands()
+        .filter(|other| !other.is_hide_set() && other.get_arguments().any(|a| a.get_long() == Some(long)))
+        .map(|other| format!("`memprof {}`", other.get_name()))
+        .collect();
+    (!owners.is_empty())
+        .then(|| format!("--{long} is an option of {} only, not of `memprof {name}`", owners.join(" and ")))
+}
+
 /// clap's rendered error as one line: its message, with what it lists (the arguments missing,
-/// the values possible) and its tips, up to its usage block or its pointer to `--help`.
-fn one_line(rendered: &str) -> String {
+/// the values possible) and its tips (or `tip` in their place), up to its usage block or its
+/// pointer to `--help`.
+fn one_line(rendered: &str, tip: Option<&str>) -> String {
+    let tip_line = tip.map(|tip| format!("tip: {tip}"));
     let lines = rendered
         .lines()
         .map(str::trim)
         .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
-        .filter(|l| !l.is_empty());
+        // Our tip replaces clap's.
+        .filter(|l| !l.is_empty() && (tip.is_none() || !l.starts_with("tip: ")))
+        .chain(tip_line.as_deref());
     let mut line = String::new();
     for (i, part) in lines.enumerate() {
         match (i, part.strip_prefix("tip: ")) {
@@ -150,7 +186,9 @@ mod tests {
     use super::*;
 
     fn refused(args: &[&str]) -> String {
-        one_line(&cli::Cli::try_parse_from(args).unwrap_err().render().to_string())
+        let err = cli::Cli::try_parse_from(args).unwrap_err();
+        let args: Vec<String> = args.iter().map(ToString::to_string).collect();
+        one_line(&err.render().to_string(), unexpected_tip(&err, &args).as_deref())
     }
 
     #[test]
@@ -167,6 +205,13 @@ mod tests {
         assert!(!line.contains('\n'), "{line}");
         let line = refused(&["memprof", "attach"]);
         assert_eq!(line, "the following required arguments were not provided: --pid <PID>; see memprof --help");
+        let line = refused(&["memprof", "attach", "-p", "9", "--fail-on-leak-bytes", "0"]);
+        assert_eq!(
+            line,
+            "unexpected argument '--fail-on-leak-bytes' found; --fail-on-leak-bytes is an option of `memprof run` only, not of `memprof attach`; see memprof --help"
+        );
+        let line = refused(&["memprof", "attach", "10318"]);
+        assert_eq!(line, "unexpected argument '10318' found; give the process id as -p 10318; see memprof --help");
         let line = refused(&["memprof", "attach", "-p", "9", "--inspect-precopy", "x"]);
         assert!(line.ends_with("[possible values: auto, always, never, write-protect]; see memprof --help"), "{line}");
     }

@@ -139,6 +139,53 @@ fn an_unwritable_output_file() {
     assert_eq!(outcome.stderr.matches("No such file or directory").count(), 1, "said once: {}", outcome.stderr);
 }
 
+/// Without --format or --json, the output file's name picks the format, as for `snapshot`: a
+/// table written into heap.pb.gz would be read by no tool.
+#[test]
+fn the_output_file_s_name_picks_the_format() {
+    let dir = std::env::temp_dir().join(format!("memprof-named-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let program = fixture("lifecycle");
+    for (name, starts) in [("heap.pb.gz", &b"\x1f\x8b"[..]), ("heap.html", b"<!doctype html>")] {
+        let path = dir.join(name);
+        let outcome = memprof(&["run", "-o", path.to_str().unwrap(), "--", program.to_str().unwrap(), "reuse"]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let written = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            written.starts_with(starts),
+            "{name}: {:?}",
+            String::from_utf8_lossy(&written[..written.len().min(80)])
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Each of these errors names its real cause and the fix for it.
+#[test]
+fn hints_name_the_real_problem() {
+    for output in ["/proc/x.json", "/proc/self/status"] {
+        let outcome = memprof(&["run", "-o", output, "--", "/bin/true"]);
+        assert_one_line_error(&outcome, "/proc holds the kernel's view of processes, and no file can be made there; give --output a path outside /proc");
+    }
+    let outcome = memprof(&[
+        "snapshot",
+        "-p",
+        "1",
+        "-o",
+        "/tmp/memprof-hint.json",
+        "--daemon",
+        "http://nosuchhost.invalid:18310",
+    ]);
+    assert_one_line_error(&outcome, "the host name nosuchhost.invalid does not resolve");
+    let outcome = memprof(&["attach", "-p", "1", "--fail-on-leak-bytes", "0"]);
+    assert_one_line_error(&outcome, "--fail-on-leak-bytes is an option of `memprof run` only, not of `memprof attach`");
+    assert!(!outcome.stderr.contains("--sample-bytes"), "{}", outcome.stderr);
+    let outcome = memprof(&["inspect", "-p", "4194303"]);
+    assert_one_line_error(&outcome, "no process with pid 4194303");
+    let outcome = memprof(&["attach", "10318"]);
+    assert_one_line_error(&outcome, "give the process id as -p 10318");
+}
+
 /// A zombie has exited: it has no memory to trace, and memprof says so rather than "no process".
 #[test]
 fn a_zombie() {

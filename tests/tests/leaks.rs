@@ -107,6 +107,17 @@ fn the_ci_gate_fails_on_leaks_over_the_limit() {
     assert_eq!(under.status.code(), Some(0), "{under:?}");
 }
 
+/// The leak verdict wins over the command's own exit code, as valgrind's --error-exitcode and
+/// LeakSanitizer's do: a command that leaks and exits 7 makes memprof exit 100.
+#[test]
+fn the_ci_gate_s_code_wins_over_the_command_s() {
+    let script = format!("{}; exit 7", fixture("leak_kinds").display());
+    let failed = run(&[&RULE[..], &["--fail-on-leak-bytes", "1000"]].concat(), &["sh", "-c", &script]);
+    assert_eq!(failed.status.code(), Some(100), "{failed:?}");
+    let passed = run(&[&RULE[..], &["--fail-on-leak-bytes", "36000"]].concat(), &["sh", "-c", &script]);
+    assert_eq!(passed.status.code(), Some(7), "{passed:?}");
+}
+
 /// A command that ends before the rule has watched enough intervals has no verdict: the gate
 /// says so and does not pass, where it used to pass in silence.
 #[test]

@@ -466,6 +466,32 @@ fn snapshot_without_a_daemon(
     (outcome, nobody)
 }
 
+/// A process that exits during the snapshot: memprof says it exited, and nothing of it running on.
+#[test]
+fn a_snapshot_of_a_process_that_exits_says_it_exited() {
+    let scratch = Scratch::new("exits");
+    let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
+    let pid = target.pid();
+    let output = scratch.file("exits.json");
+    let nobody = format!("http://127.0.0.1:{}", memprof_tests::free_port());
+    let mut memprof = Command::new(memprof_bin());
+    memprof
+        .args(["snapshot", "--pid", &pid.to_string(), "-o", &output, "--daemon", &nobody, "--duration", "600"])
+        .stdin(Stdio::null());
+    let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
+        target.go();
+        wait_line(&mut target, "one");
+        // Its stdin closed, the fixture exits.
+        drop(target.child.stdin.take());
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    let said = &outcome.stderr;
+    assert!(said.contains(&format!("memprof: pid {pid} (pprof_sites) exited")), "{said}");
+    assert!(!said.contains("keeps running"), "{said}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).expect("one JSON report");
+    assert_eq!(report["exited"], true, "{report}");
+}
+
 /// A snapshot cut short by Ctrl-C still writes its report, and says it covers less than asked.
 #[test]
 fn a_snapshot_stopped_by_ctrl_c_says_how_much_it_covers() {

@@ -197,13 +197,14 @@ fn a_ci_gate_memprof_cannot_judge_does_not_pass() {
 }
 
 /// An output path that cannot be written is refused before the command starts, with the reason
-/// the path itself gives: a directory, or a file of /proc (where no file can be made beside it).
+/// the path itself gives: a directory, or a file of /proc (where no file can be made).
 #[test]
 fn an_output_path_that_cannot_be_written_is_refused_at_once_with_its_reason() {
     let dir = std::env::temp_dir();
-    for (output, reason) in
-        [(path(&dir), "Is a directory"), ("/proc/version", "no file can be made beside it in /proc")]
-    {
+    for (output, reason) in [
+        (path(&dir), "Is a directory"),
+        ("/proc/version", "no file can be made there; give --output a path outside /proc"),
+    ] {
         let outcome = Command::new(memprof_bin())
             .args(["run", "--output", output, "--", "true"])
             .stdin(Stdio::null())

@@ -72,10 +72,15 @@ impl<'a> Daemon<'a> {
             ))
             .into());
         };
-        let address =
-            authority.to_socket_addrs().ok().and_then(|mut addresses| addresses.next()).ok_or_else(|| {
-                UserError::Flags(format!("--daemon {url} names no address; give it as http://HOST:PORT"))
-            })?;
+        let Some((host, port)) = authority.rsplit_once(':').filter(|(_, port)| port.parse::<u16>().is_ok()) else {
+            return Err(UserError::Flags(format!("--daemon {url} names no port; give it as http://HOST:PORT")).into());
+        };
+        // A name that does not resolve is said as such: the URL's form is right.
+        let address = authority.to_socket_addrs().ok().and_then(|mut addresses| addresses.next()).ok_or_else(|| {
+            UserError::Flags(format!(
+                "--daemon {url}: the host name {host} does not resolve; give the daemon's address on this host, such as http://127.0.0.1:{port}"
+            ))
+        })?;
         if !address.ip().is_loopback() {
             return Err(UserError::Flags(format!(
                 "--daemon {url} is not on this host, and memprof trusts only a daemon it can check is root's; \

@@ -13,8 +13,10 @@ use crate::{
         output::ReportOutput,
     },
     console::say,
+    error::UserError,
     format,
     heap::report::Report,
+    process::procfs,
 };
 
 /// How long the daemon may take: the inspection of a large heap takes seconds.
@@ -29,7 +31,13 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
     let fix = format!("`memprof attach --pid {pid} --inspect --duration SECS` inspects it without a daemon");
     let daemon = Daemon::new(url, args.daemon_user.as_deref(), ANSWER_WAIT)?;
     let heuristics = args.inspect_heuristics;
+    // A process that is not there: neither the daemon nor `attach` can inspect it. Checked once
+    // the daemon has no answer, as the daemon knows best what it traces.
+    let gone = || procfs::stat(pid).is_none();
     let body = match daemon.get(&format!("/api/v1/inspect?pid={pid}&heuristics={heuristics}"))? {
+        Reply::NoDaemon(_) | Reply::Answer { status: 404, .. } if gone() => {
+            return Err(UserError::NoSuchProcess(pid).into())
+        }
         Reply::NoDaemon(why) => bail!("{why}, so none traces pid {pid}; {fix}"),
         Reply::Lost(why) => bail!("{why}; pid {pid} was not inspected"),
         Reply::Answer { status: 200, body } => body,

@@ -21,7 +21,7 @@ use std::{
 
 use crate::{
     console,
-    error::UserError,
+    error::{InProc, UserError},
     format::{self, Format},
 };
 
@@ -150,11 +150,16 @@ impl ReportFile {
                 return Ok(Self::device(path, open_device(path)?));
             }
         }
-        let temporary = temporary_name(path)?;
         let directory = match path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent,
             _ => Path::new("."),
         };
+        // /proc makes no files: the errors it gives (ENOENT for a new name, EACCES or EIO for
+        // its own files) would read as a missing directory or a permission.
+        if on_procfs(directory) {
+            return Err(io::Error::other(InProc));
+        }
+        let temporary = temporary_name(path)?;
         let unnamed = OpenOptions::new().write(true).mode(0o666).custom_flags(libc::O_TMPFILE).open(directory);
         let (file, unnamed) = match unnamed {
             Ok(file) => (file, true),
@@ -327,6 +332,15 @@ fn open_device(path: &Path) -> io::Result<File> {
 
 /// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
 /// a name no one can take first.
+/// Whether `directory` is on a proc file system.
+fn on_procfs(directory: &Path) -> bool {
+    let Ok(name) = CString::new(directory.as_os_str().as_bytes()) else { return false };
+    // SAFETY: statfs writes at most one `statfs` into the zeroed one given.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is a C string that outlives the call.
+    unsafe { libc::statfs(name.as_ptr(), &mut stat) == 0 && stat.f_type == libc::PROC_SUPER_MAGIC }
+}
+
 fn temporary_name(path: &Path) -> io::Result<PathBuf> {
     let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file name"))?;
     let mut random = [0u8; 8];

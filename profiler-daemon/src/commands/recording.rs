@@ -34,7 +34,7 @@ const MAX_RECORD: u32 = 256 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecordingError {
-    #[error("cannot write the recording {path}: {cause}; check the disk space and permissions, or choose another path with --record")]
+    #[error("cannot write the recording {path}: {cause}; {}", crate::error::write_fix(.cause, "--record"))]
     Write { path: PathBuf, cause: std::io::Error },
     #[error("cannot read the recording {path}: {cause}; check the path")]
     Read { path: PathBuf, cause: std::io::Error },

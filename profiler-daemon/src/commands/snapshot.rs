@@ -41,7 +41,7 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
         Answer::NotTraced(why) => {
             say!("memprof: {why}; attaching to pid {pid} for {} s", args.duration);
             let attached = session::attach(args.pid, &trace_args(args, format)).await?;
-            if attached != session::Attached::Traced {
+            if let session::Attached::StoppedBefore(_) = attached {
                 // Said by the session: no probe was attached, nothing written.
                 return Ok(attached.exit_code());
             }
@@ -50,24 +50,26 @@ pub async fn run(args: &SnapshotArgs) -> anyhow::Result<i32> {
             if format == SnapshotFormat::Json {
                 say!("memprof: wrote {}", args.output.display());
             }
-            // Another daemon may trace it still: only this snapshot's probes are gone.
-            say!("memprof: pid {pid} keeps running; the snapshot's probes are detached");
+            // Another daemon may trace it still: only this snapshot's probes are gone. A process
+            // that exited meanwhile was said to by the session, with its report up to its exit.
+            if attached == session::Attached::Traced {
+                say!("memprof: pid {pid} keeps running; the snapshot's probes are detached");
+            }
         }
     }
     Ok(0)
 }
 
+/// The format `path`'s name asks for, as for `attach`; a snapshot is pprof or JSON only.
 fn format_of(path: &Path) -> Result<SnapshotFormat, anyhow::Error> {
-    let name = path.to_string_lossy();
-    if name.ends_with(".json") {
-        Ok(SnapshotFormat::Json)
-    } else if name.ends_with(".pb.gz") {
-        Ok(SnapshotFormat::Pprof)
-    } else {
-        Err(UserError::Flags(format!(
-            "cannot tell the format from the name {name}; end it in .pb.gz or .json, or give --format pprof|json"
+    match Format::of_file_name(path) {
+        Some(Format::Json) => Ok(SnapshotFormat::Json),
+        Some(Format::Pprof) => Ok(SnapshotFormat::Pprof),
+        _ => Err(UserError::Flags(format!(
+            "cannot tell the format from the name {}; end it in .pb.gz or .json, or give --format pprof|json",
+            path.display()
         ))
-        .into())
+        .into()),
     }
 }
 

@@ -70,6 +70,17 @@ impl Format {
     pub fn streams(self) -> bool {
         matches!(self, Format::Table | Format::Json)
     }
+
+    /// The format a report file's name asks for, when no flag names one: a table written to
+    /// `heap.pb.gz` would be read by no tool. `snapshot`, `attach`, `run`, `inspect` and
+    /// `report` all decide by this one list.
+    pub fn of_file_name(path: &Path) -> Option<Format> {
+        let name = path.file_name()?.to_string_lossy();
+        [(".json", Format::Json), (".pb.gz", Format::Pprof), (".html", Format::Html), (".svg", Format::Flamegraph)]
+            .into_iter()
+            .find(|(end, _)| name.ends_with(end))
+            .map(|(_, format)| format)
+    }
 }
 
 /// What the frames of a flame graph (and the values of folded stacks) measure.

@@ -32,8 +32,10 @@ use tracer::{trace, Traced};
 /// How an `attach` ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attached {
-    /// The target was traced to the end of the session.
+    /// The target was traced to the end of the session, and runs on.
     Traced,
+    /// The target was traced until it exited, which memprof has said.
+    Exited,
     /// A stop signal (its number) came while the programs loaded: no probe was attached (or, for
     /// `run`, the command was not started).
     StoppedBefore(i32),
@@ -42,7 +44,7 @@ pub enum Attached {
 impl Attached {
     pub fn exit_code(self) -> i32 {
         match self {
-            Self::Traced => 0,
+            Self::Traced | Self::Exited => 0,
             Self::StoppedBefore(signal) => 128 + signal,
         }
     }
@@ -115,8 +117,8 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<Attache
         precopy: args.inspect_precopy,
         heuristics: args.inspect_heuristics,
     });
-    trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
-    Ok(Attached::Traced)
+    let traced = trace(loaded, symbolizer, root, &mut exit, args, opened, inspect).await?;
+    Ok(if traced.ended { Attached::Exited } else { Attached::Traced })
 }
 
 /// memprof cannot go on: says so, leaves the command running or stops it (`--on-error`), and

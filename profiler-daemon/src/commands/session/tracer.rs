@@ -42,6 +42,8 @@ pub(super) struct Traced {
     pub(super) code: Option<i32>,
     /// What `--fail-on-leak-bytes` judges from the final report.
     pub(super) gate: LeakGate,
+    /// The target ended by itself before the session did.
+    pub(super) ended: bool,
 }
 
 /// The final report's in-use bytes by the leak rule's verdict, children included.
@@ -549,7 +551,7 @@ pub(super) async fn trace(
     let written = result.and_then(&mut write).and_then(|read| suppress::print(generated).map(|()| read));
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
-    written.map(|_| Traced { code, gate })
+    written.map(|_| Traced { code, gate, ended: target_ended })
 }
 
 /// Waits until CLOCK_MONOTONIC reaches `at_ns`; forever when none.
