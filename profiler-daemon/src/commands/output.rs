@@ -330,8 +330,6 @@ fn open_device(path: &Path) -> io::Result<File> {
         .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
 }
 
-/// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
-/// a name no one can take first.
 /// Whether `directory` is on a proc file system.
 fn on_procfs(directory: &Path) -> bool {
     let Ok(name) = CString::new(directory.as_os_str().as_bytes()) else { return false };
@@ -341,6 +339,8 @@ fn on_procfs(directory: &Path) -> bool {
     unsafe { libc::statfs(name.as_ptr(), &mut stat) == 0 && stat.f_type == libc::PROC_SUPER_MAGIC }
 }
 
+/// `.NAME.memprof-RANDOM` in the destination's directory: a rename within one file system, under
+/// a name no one can take first.
 fn temporary_name(path: &Path) -> io::Result<PathBuf> {
     let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file name"))?;
     let mut random = [0u8; 8];
