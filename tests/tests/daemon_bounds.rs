@@ -168,7 +168,7 @@ fn an_inspection_larger_than_the_daemons_memory_limit_is_refused_in_one_line() {
 #[test]
 fn an_inspection_of_more_tracked_blocks_than_the_daemons_memory_allows_is_refused() {
     let _serial = serial();
-    let mut target = Waiting::start(&fixture("tracked_blocks"), &["2000000"]);
+    let mut target = Waiting::start(&fixture("small_blocks"), &["2000000", "after"]);
     let pid = target.pid();
     let mut daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-live", "4194304"]);
     daemon.wait_traced(pid);
