@@ -3,7 +3,7 @@
 //! of those that exit or no longer match.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     num::NonZeroU32,
     time::{Duration, Instant, SystemTime},
 };
@@ -44,42 +44,17 @@ const GRACE_SECONDS: f64 = 5.0;
 
 impl Tracer {
     /// Counts each pending child once its fate is known: attached since (with the time it ran
-    /// unseen), or gone.
+    /// unseen), or gone; and the other processes that started, once attached (those gone are
+    /// counted missed by `retry`).
     pub(super) fn settle_pending_children(&mut self) {
-        let (mut followed, mut missed) = (0, 0);
-        let (mut unseen, mut longest) = (0, self.longest_child_unseen_ns);
-        self.pending_children.retain(|id, &mut forked_ns| {
-            if let Some(target) = self.targets.get(&id.pid).filter(|target| target.id == *id) {
-                followed += 1;
-                let ran_ns = target.start_ns.saturating_sub(forked_ns);
-                unseen += ran_ns;
-                longest = longest.max(ran_ns);
-                false
-            } else if ProcessId::current(id.pid) != Some(*id) {
-                missed += 1;
-                false
-            } else {
-                true
-            }
-        });
-        self.children_followed += followed;
-        self.children_missed += missed;
-        self.children_unseen_ns += unseen;
-        self.longest_child_unseen_ns = longest;
-        // The others: those gone are counted missed by `retry`.
-        let (mut unseen, mut longest) = (0, self.longest_started_unseen_ns);
-        self.pending_started.retain(|id, &mut started_ns| {
-            if let Some(target) = self.targets.get(&id.pid).filter(|target| target.id == *id) {
-                let ran_ns = target.start_ns.saturating_sub(started_ns);
-                unseen += ran_ns;
-                longest = longest.max(ran_ns);
-                false
-            } else {
-                ProcessId::current(id.pid) == Some(*id)
-            }
-        });
-        self.started_unseen_ns += unseen;
-        self.longest_started_unseen_ns = longest;
+        let children = settle(&mut self.pending_children, &self.targets);
+        self.children_followed += children.attached;
+        self.children_missed += children.gone;
+        self.children_unseen_ns += children.unseen_ns;
+        self.longest_child_unseen_ns = self.longest_child_unseen_ns.max(children.longest_ns);
+        let started = settle(&mut self.pending_started, &self.targets);
+        self.started_unseen_ns += started.unseen_ns;
+        self.longest_started_unseen_ns = self.longest_started_unseen_ns.max(started.longest_ns);
     }
 
     /// Attaches to a matching process unless it is traced already, cannot be, or would be one
@@ -528,4 +503,35 @@ impl Tracer {
         self.symbolizer.forget(pid);
         info!(pid, comm = target.comm, "no longer traced");
     }
+}
+
+/// What `settle` found of the pending processes.
+#[derive(Default)]
+struct Settled {
+    attached: u64,
+    gone: u64,
+    /// The time those attached ran before their probes: in all, and the longest.
+    unseen_ns: u64,
+    longest_ns: u64,
+}
+
+/// Takes out of `pending` (processes with the time they started, CLOCK_MONOTONIC) those traced
+/// since, with the time each ran unseen, and those gone.
+fn settle(pending: &mut HashMap<ProcessId, u64>, targets: &HashMap<u32, Target>) -> Settled {
+    let mut settled = Settled::default();
+    pending.retain(|id, &mut started_ns| {
+        if let Some(target) = targets.get(&id.pid).filter(|target| target.id == *id) {
+            let ran_ns = target.start_ns.saturating_sub(started_ns);
+            settled.attached += 1;
+            settled.unseen_ns += ran_ns;
+            settled.longest_ns = settled.longest_ns.max(ran_ns);
+            false
+        } else if ProcessId::current(id.pid) != Some(*id) {
+            settled.gone += 1;
+            false
+        } else {
+            true
+        }
+    });
+    settled
 }
