@@ -115,6 +115,10 @@ fn attach_follows_an_exec() {
 fn attach_says_when_its_process_is_killed() {
     let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
     let pid = sleeper.id().to_string();
+    // Attached once its C library is mapped: before, it has no allocator to attach to.
+    wait_for(10, "sleep to map its C library", || {
+        std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?.contains("/libc.so.6").then_some(())
+    });
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "0.2"]);
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
