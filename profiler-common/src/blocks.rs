@@ -63,6 +63,18 @@ pub struct AddrKey {
     pub addr: u64,
 }
 
+/// The process whose `LIVE` changes the programs note in `LIVE_CHANGES` while the daemon
+/// inspects it: the inspection lists its blocks before the stop, and in the stop reads again
+/// only the blocks that changed meanwhile, not the whole table every traced process shares.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveWatch {
+    /// 0: none (no process allocates as tgid 0).
+    pub tgid: u32,
+    /// 1 once a change could not be noted (`LIVE_CHANGES` full): the whole table must be read.
+    pub overflowed: u32,
+}
+
 /// Slots of the live blocks' filter: each counts the `LIVE` entries whose key falls in it, so that
 /// a slot at 0 says, without a hash lookup, that a block is not live (a sampling process's frees
 /// are almost all of blocks it did not record). Slots are u64: an array's values are 8-byte

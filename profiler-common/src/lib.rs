@@ -61,6 +61,7 @@ mod pod {
     // SAFETY: all of these are repr(C), padding-free (asserted above) and valid for any bit pattern.
     unsafe impl aya::Pod for AddrKey {}
     unsafe impl aya::Pod for LiveAlloc {}
+    unsafe impl aya::Pod for LiveWatch {}
     unsafe impl aya::Pod for StackKey {}
     unsafe impl aya::Pod for StackStats {}
     unsafe impl aya::Pod for ProcCounters {}

@@ -16,6 +16,9 @@ use profiler_common::{DropReason, ProcDrops};
 /// (docs: performance.md#measurements-behind-design-choices).
 pub const NO_PREALLOC: u32 = aya_ebpf::bindings::BPF_F_NO_PREALLOC;
 
+/// What a map's insert with `BPF_NOEXIST` returns when the key is there already (negated).
+pub const EEXIST: i32 = 17;
+
 /// Every event memprof could not record, by process (tgid) and reason: read by the daemon, shown
 /// in the process's reports. Twice `TRACED`'s capacity: a process's entry stays until the daemon
 /// purges it after its exit.

@@ -1,16 +1,21 @@
 //! The daemon's inspections (`/api/v1/inspect`) of a process with a large heap: one at a time per
 //! process, a second request refused at once (409) with a one-line answer, and `/metrics`
 //! answered while one is under way (the inspection runs on the tracer thread, the scrape reads
-//! the view it last published).
+//! the view it last published); of a busy process beside another's many blocks: only its
+//! blocks that changed are read again in the stop.
 
 use std::{
+    io::{BufRead as _, BufReader, Write as _},
     path::Path,
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
-use memprof_tests::{http_get, memprof_bin, sample, socket_answer, start_heapbench, Daemon, Outcome};
+use memprof_tests::{
+    fixture, fixture_with, http_get, inspection::reachability, memprof_bin, sample, socket_answer, start_heapbench,
+    Daemon, Outcome, Waiting,
+};
 use serde_json::{json, Value};
 
 /// heapbench's live heap: 65536 blocks of 4 KiB. Its inspection copies it while the process runs,
@@ -103,4 +108,71 @@ fn inspect_command(socket: &Path, pid: u32) -> Outcome {
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["inspect", "--pid", &pid.to_string(), "--json", "--daemon"]).arg(socket);
     memprof.stdin(Stdio::null()).output().expect("starting memprof").into()
+}
+
+/// `churn_hold.c` replaces its held blocks all the time (a malloc and a free each) while the
+/// daemon, which traces it beside a process holding 500,000 blocks, inspects it: in the stop only
+/// its blocks that changed since the listing are read again, not the whole table, and the classes
+/// are those of the fixture's truth. (The whole table was read again in the stop: the busy
+/// process was held still for as long as every traced process's blocks took to read.)
+#[test]
+fn a_busy_process_beside_many_blocks_has_only_its_changes_read_in_the_stop() {
+    let inspection = inspect_churning(500_000, 1024, &[]);
+    assert_eq!(inspection["live_read_in_pause"], false, "{inspection}");
+    assert!(inspection["live_changes_in_pause"].as_u64() > Some(0), "{inspection}");
+}
+
+/// More of its blocks change while the daemon lists the table than it can note (8,192 addresses
+/// with a table of 524,288 entries): the whole table is read again in the stop, and the classes
+/// are as exact.
+#[test]
+fn more_changes_than_can_be_noted_have_the_whole_table_read_in_the_stop() {
+    let inspection = inspect_churning(400_000, 100_000, &["--max-live", "524288"]);
+    assert_eq!(inspection["live_read_in_pause"], true, "{inspection}");
+    assert_eq!(inspection["live_changes_in_pause"], 0, "{inspection}");
+}
+
+/// The daemon (with `daemon_args`, every call recorded) inspects `churn_hold` holding `held`
+/// blocks, traced beside `small_blocks` holding `crowd`: its classes are the fixture's truth, and
+/// it ends as without memprof. The report's `inspection`.
+fn inspect_churning(crowd: u32, held: u64, daemon_args: &[&str]) -> Value {
+    let mut crowd = Waiting::start(&fixture("small_blocks"), &[&crowd.to_string(), "after"]);
+    let churn = fixture_with("churn_hold.c", "churn_hold", &["-g", "-O2", "-pthread"]);
+    let mut busy = Waiting::start(&churn, &[&held.to_string()]);
+    let (crowd_pid, busy_pid) = (crowd.pid(), busy.pid());
+    let pids = ["--pid", &crowd_pid.to_string(), "--pid", &busy_pid.to_string(), "--max-rate", "off"];
+    let daemon = Daemon::start(&[&pids[..], daemon_args].concat());
+    daemon.wait_traced(crowd_pid);
+    daemon.wait_traced(busy_pid);
+    crowd.go();
+    assert_eq!(next_line(&mut crowd), "held\n");
+    busy.go();
+    assert_eq!(next_line(&mut busy), "set\n");
+    let (status, report) = daemon.get_json(&format!("/api/v1/inspect?pid={busy_pid}"));
+    assert_eq!(status, 200, "{report}");
+    // Two stacks make held blocks (the first made, those replacing them): their sum, one more
+    // when stopped between a new block's malloc and the old one's free. The other tracked block
+    // is the thread's, possibly lost as memcheck says of it.
+    let totals = &report["inspection"]["totals"];
+    let blocks = totals["reachable_blocks"].as_u64().unwrap();
+    assert!(blocks == held || blocks == held + 1, "{totals}");
+    assert_eq!(totals["reachable_bytes"], blocks * 96, "{totals}");
+    assert_eq!((&totals["definitely_lost_blocks"], &totals["definitely_lost_bytes"]), (&json!(8), &json!(8 * 64)));
+    let lost = reachability(&report, "lost_block");
+    assert_eq!(
+        (&lost["definitely_lost_blocks"], &lost["definitely_lost_bytes"]),
+        (&json!(8), &json!(8 * 64)),
+        "{lost}"
+    );
+    busy.child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
+    assert_eq!(next_line(&mut busy), "done ok\n");
+    assert!(busy.child.wait().unwrap().success());
+    report["inspection"].clone()
+}
+
+/// The next line the fixture prints.
+fn next_line(target: &mut Waiting) -> String {
+    let mut line = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    line
 }

@@ -25,13 +25,15 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 11] = [
+const TESTS: [(&str, &str); 12] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // `attach`, exact, to a process that allocated before.
     ("lifecycle", "allocations_from_before_attach_freed_after_are_unknown_frees"),
     // The daemon's /metrics.
     ("daemon", "the_peak_and_resident_memory_are_exported"),
+    // The daemon's inspection: the live blocks' changes noted while it lists them.
+    ("inspect_daemon", "a_busy_process_beside_many_blocks_has_only_its_changes_read_in_the_stop"),
     // An allocator that wraps no other (mimalloc, preloaded): each free counted once.
     ("allocator_families", "cxx_new_on_jemalloc_and_mimalloc_when_preloaded"),
     // Sampled mode.

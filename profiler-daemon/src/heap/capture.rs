@@ -20,7 +20,10 @@ use aya::Ebpf;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    kernel::live::{self, LiveBlock},
+    kernel::{
+        live::{self, LiveBlock},
+        live_watch,
+    },
     process::{
         freeze::Frozen,
         image::{self, Image},
@@ -72,8 +75,8 @@ pub struct Stages {
     /// Before the stop, the process running: soft-dirty bits cleared (or the write protection
     /// set up, its first brief stop included) and memory copied, `LIVE` read.
     pub before_stop_ms: f64,
-    /// The pause, in turn: every thread stopped; the heap figures compared (and `LIVE` read
-    /// again if they changed); the mappings listed and copied (or the pages written since the
+    /// The pause, in turn: every thread stopped; the heap figures compared (and the blocks that
+    /// changed read again if they did); the mappings listed and copied (or the pages written since the
     /// pre-copy read again), and the threads released.
     pub stop_ms: f64,
     pub live_ms: f64,
@@ -96,9 +99,11 @@ pub struct Capture {
     /// Per thread, its general-purpose registers and stack pointer.
     pub threads: Vec<(Vec<u64>, u64)>,
     pub method: Method,
-    /// Whether the process allocated or freed after `LIVE` was first read, so that it was read
-    /// again in the stop.
+    /// Whether the whole of `LIVE` was read again in the stop: the process allocated or freed
+    /// after it was first read, more often than `LIVE_CHANGES` could note (see `live_watch`).
     pub live_read_in_pause: bool,
+    /// The blocks it allocated or freed after `LIVE` was first read, each read again in the stop.
+    pub live_changes_in_pause: usize,
     /// How long the process was held still.
     pub pause_ms: f64,
     /// Bytes read while it was held still.
@@ -137,6 +142,7 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     if let Some(PreCopy { tracking: Tracking::WriteProtect(watch), .. }) = &pre {
         stages.first_stop_ms = watch.stop_ms;
     }
+    let mut watch = live_watch::Watch::start(ebpf, pid)?;
     let heap = live::heap_state(ebpf, pid)?;
     let listed = live::blocks(ebpf, pid)?;
     // The copy (unless made already) and the classing of the blocks must fit in what is left.
@@ -148,13 +154,18 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     let frozen = Frozen::stop(pid)?;
     stages.stop_ms = ms(paused);
     let at = Instant::now();
-    let live_read_in_pause = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
-    let blocks = if live_read_in_pause {
-        // Read again in its room, not beside it.
-        drop(listed);
-        live::blocks(ebpf, pid)?
-    } else {
-        listed
+    let changed = heap.is_none() || live::heap_state(ebpf, pid)? != heap;
+    let changes = if changed { watch.changed()? } else { Some(Vec::new()) };
+    let live_read_in_pause = changes.is_none();
+    let live_changes_in_pause = changes.as_ref().map_or(0, Vec::len);
+    let blocks = match changes {
+        Some(changes) if changes.is_empty() => listed,
+        Some(changes) => live::with_changes(ebpf, pid, listed, &changes)?,
+        None => {
+            // Read again in its room, not beside it.
+            drop(listed);
+            live::blocks(ebpf, pid)?
+        }
     };
     stages.live_ms = ms(at);
     let at = Instant::now();
@@ -175,19 +186,32 @@ pub fn capture(ebpf: &Ebpf, pid: u32, precopy: Precopy) -> anyhow::Result<Captur
     drop(frozen);
     stages.copy_ms = ms(at);
     let pause_ms = ms(paused);
-    // Ends the write protection, the process running.
+    // Ends the write protection and the watch, the process running.
     drop(pre);
+    drop(watch);
     tracing::debug!(
         pid,
         ?method,
         live_read_in_pause,
+        live_changes_in_pause,
         pause_ms,
         ?stages,
         blocks = blocks.len(),
         bytes_copied_in_pause,
         "captured"
     );
-    Ok(Capture { blocks, regions, image, threads, method, live_read_in_pause, pause_ms, bytes_copied_in_pause, stages })
+    Ok(Capture {
+        blocks,
+        regions,
+        image,
+        threads,
+        method,
+        live_read_in_pause,
+        live_changes_in_pause,
+        pause_ms,
+        bytes_copied_in_pause,
+        stages,
+    })
 }
 
 fn ms(since: Instant) -> f64 {

@@ -187,6 +187,8 @@ pub struct Inspection {
     #[serde(default)]
     pub live_read_in_pause: bool,
     #[serde(default)]
+    pub live_changes_in_pause: usize,
+    #[serde(default)]
     pub bytes_copied_in_pause: u64,
     #[serde(default)]
     pub stages: Stages,
@@ -260,6 +262,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         threads,
         method,
         live_read_in_pause,
+        live_changes_in_pause,
         pause_ms,
         bytes_copied_in_pause,
         mut stages,
@@ -269,6 +272,7 @@ pub fn inspect(ebpf: &Ebpf, pid: u32, settings: Settings) -> anyhow::Result<Insp
         pause_ms,
         method,
         live_read_in_pause,
+        live_changes_in_pause,
         bytes_copied_in_pause,
         threads: threads.len(),
         bytes_unreadable: image.unreadable,

@@ -17,6 +17,7 @@ use aya::{maps::Map, Pod};
 
 /// `enum bpf_cmd` in linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
 /// Entries asked for at once, at most: fewer when they would take more than `BUFFER_BYTES`; grown
 /// when one hash bucket holds more.
 const MOST_ENTRIES: usize = 4096;
@@ -40,7 +41,21 @@ struct BatchAttr {
 
 /// Calls `visit` with every entry of a hash map or array. Entries added or removed during the walk may or
 /// may not be seen; none is seen twice.
-pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
+pub fn for_each<K: Pod, V: Pod>(map: &Map, visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
+    walk(map, BPF_MAP_LOOKUP_BATCH, visit)
+}
+
+/// Calls `visit` with every entry of a hash map and deletes it. Entries added during the walk may
+/// or may not be seen, and stay if not.
+pub fn drain<K: Pod, V: Pod>(map: &Map, visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
+    if !matches!(map, Map::HashMap(_)) {
+        bail!("batch deletions are for hash maps");
+    }
+    walk(map, BPF_MAP_LOOKUP_AND_DELETE_BATCH, visit)
+}
+
+/// Both walks: `command` is a batch lookup, with or without deletion.
+fn walk<K: Pod, V: Pod>(map: &Map, command: libc::c_long, mut visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
     let (Map::HashMap(data) | Map::LruHashMap(data) | Map::Array(data)) = map else {
         bail!("batch lookups are for hash maps and arrays");
     };
@@ -64,9 +79,8 @@ pub fn for_each<K: Pod, V: Pod>(map: &Map, mut visit: impl FnMut(&K, &V)) -> any
             flags: 0,
         };
         // SAFETY: attr points at buffers of `count` keys and values that live through the call.
-        let result = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
-        };
+        let result =
+            unsafe { libc::syscall(libc::SYS_bpf, command, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
         let error = (result < 0).then(io::Error::last_os_error);
         match error.as_ref().and_then(io::Error::raw_os_error) {
             // A bucket holds more entries than the buffers: grow them and ask again.

@@ -3,7 +3,10 @@
 
 use std::collections::{HashMap, HashSet};
 
-use aya::{maps::HashMap as BpfHashMap, Ebpf};
+use aya::{
+    maps::{HashMap as BpfHashMap, MapData},
+    Ebpf,
+};
 use profiler_common::{AddrKey, LiveAlloc, ProcHeap, SAMPLED, USDT};
 
 use crate::kernel::{aggregate, batch, sample_rates};
@@ -29,27 +32,66 @@ pub fn blocks(ebpf: &Ebpf, tgid: u32) -> anyhow::Result<Vec<LiveBlock>> {
 /// that of every traced process's live allocations together.
 pub fn by_process(ebpf: &Ebpf, tgids: &HashSet<u32>) -> anyhow::Result<HashMap<u32, Vec<LiveBlock>>> {
     let mut blocks: HashMap<u32, Vec<LiveBlock>> = HashMap::new();
-    let rates = sample_rates::of(ebpf)?;
-    let usdt: BpfHashMap<_, AddrKey, u64> = BpfHashMap::try_from(aggregate::map(ebpf, "USDT_WEIGHTS")?)?;
+    let weights = Weights::of(ebpf)?;
     batch::for_each(aggregate::map(ebpf, "LIVE")?, |key: &AddrKey, live: &LiveAlloc| {
         if tgids.contains(&key.tgid) {
-            // The rate the kernel weighs the block by at its free (`rate_of` in the programs).
-            let rate = if live.func & USDT != 0 {
-                usdt.get(key, 0).unwrap_or(0)
-            } else if live.func & SAMPLED != 0 {
-                rates.get(&key.tgid).copied().unwrap_or(0)
-            } else {
-                0
-            };
-            let weighted_bytes = profiler_common::weight(rate, live.size).1;
-            let block = LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id, weighted_bytes };
-            blocks.entry(key.tgid).or_default().push(block);
+            blocks.entry(key.tgid).or_default().push(weights.block(key, live));
         }
     })?;
     for process in blocks.values_mut() {
         process.sort_unstable_by_key(|block| block.addr);
     }
     Ok(blocks)
+}
+
+/// `tgid`'s blocks now, from `listed` (its blocks at an earlier moment, sorted by address) and
+/// the addresses of those that changed since (`live_watch`): each is looked up again.
+pub fn with_changes(
+    ebpf: &Ebpf,
+    tgid: u32,
+    mut listed: Vec<LiveBlock>,
+    changed: &[u64],
+) -> anyhow::Result<Vec<LiveBlock>> {
+    let changed: HashSet<u64> = changed.iter().copied().collect();
+    listed.retain(|block| !changed.contains(&block.addr));
+    let weights = Weights::of(ebpf)?;
+    let live: BpfHashMap<_, AddrKey, LiveAlloc> = BpfHashMap::try_from(aggregate::map(ebpf, "LIVE")?)?;
+    for &addr in &changed {
+        let key = AddrKey { tgid, _pad: 0, addr };
+        match live.get(&key, 0) {
+            Ok(alloc) => listed.push(weights.block(&key, &alloc)),
+            Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(err) => return Err(err.into()),
+        }
+    }
+    listed.sort_unstable_by_key(|block| block.addr);
+    Ok(listed)
+}
+
+/// What a block stands for: the rates the kernel weighs blocks by at their free (`rate_of` in
+/// the programs).
+struct Weights<'a> {
+    rates: HashMap<u32, u64>,
+    usdt: BpfHashMap<&'a MapData, AddrKey, u64>,
+}
+
+impl<'a> Weights<'a> {
+    fn of(ebpf: &'a Ebpf) -> anyhow::Result<Self> {
+        let usdt = BpfHashMap::try_from(aggregate::map(ebpf, "USDT_WEIGHTS")?)?;
+        Ok(Weights { rates: sample_rates::of(ebpf)?, usdt })
+    }
+
+    fn block(&self, key: &AddrKey, live: &LiveAlloc) -> LiveBlock {
+        let rate = if live.func & USDT != 0 {
+            self.usdt.get(key, 0).unwrap_or(0)
+        } else if live.func & SAMPLED != 0 {
+            self.rates.get(&key.tgid).copied().unwrap_or(0)
+        } else {
+            0
+        };
+        let weighted_bytes = profiler_common::weight(rate, live.size).1;
+        LiveBlock { addr: key.addr, size: live.size, stack_id: live.stack_id, weighted_bytes }
+    }
 }
 
 /// One live block as the per-thread view counts it.

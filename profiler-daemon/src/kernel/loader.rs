@@ -151,6 +151,13 @@ impl Samplers {
     }
 }
 
+/// The addresses an inspection notes at most while it lists the process's blocks (see
+/// `live_watch`): past that it reads the whole of `LIVE` again in the stop. The listing, and so
+/// the changes, grow with `LIVE`; the set takes memory only while an inspection fills it.
+fn live_changes_capacity(max_live: u32) -> u32 {
+    (max_live / 64).clamp(1024, 65_536)
+}
+
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 /// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
 pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_wanted: bool) -> anyhow::Result<Loaded> {
@@ -172,6 +179,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("USDT_WEIGHTS", samplers.weights_capacity(sizes.max_live))
+        .map_max_entries("LIVE_CHANGES", live_changes_capacity(sizes.max_live))
         .map_max_entries("STACKS", sizes.max_stacks)
         .map_max_entries("FREE_STACKS", FREE_STACKS)
         .map_max_entries("STACK_STATS", stack_stats_capacity(sizes))

@@ -15,6 +15,7 @@ pub mod growth;
 pub mod helper;
 pub mod live;
 pub mod live_filter;
+pub mod live_watch;
 pub mod loader;
 pub mod map_memory;
 pub mod mapping_programs;

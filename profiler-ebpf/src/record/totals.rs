@@ -11,7 +11,7 @@ use profiler_common::{
 use super::{frees::forget_free, get_or_insert, usdt::rate_of, Probe, PROC_COUNTERS};
 use crate::{
     live,
-    shared::{add, add_and_read, count_drop, raise, NO_PREALLOC},
+    shared::{add, add_and_read, count_drop, raise, EEXIST, NO_PREALLOC},
 };
 
 #[map]
@@ -36,8 +36,6 @@ static GENERATION_NS: Global<u64> = Global::new(5_000_000_000);
 fn generation(time_ns: u64) -> u64 {
     generations::generation(time_ns, CLOCK_BASE_NS.load(), GENERATION_NS.load())
 }
-
-const EEXIST: i32 = 17;
 
 /// Zeroed values to insert from: read-only globals, since a 512-byte histogram does not fit on
 /// the 512-byte BPF stack.

@@ -14,7 +14,7 @@ use profiler_common::{
 use super::{
     rows::{find_mapping, PROC_MAPPINGS},
     taken::restore_taken,
-    Scratch, Walk, EEXIST, MAPPING_EVENTS_ROOM, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
+    Scratch, Walk, MAPPING_EVENTS_ROOM, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
 };
 
 /// Words above the stopped frame's stack pointer searched for return addresses: its own and
@@ -23,7 +23,7 @@ const CALLER_WORDS: u32 = 32;
 /// A word this close to the stopped frame's address is taken for an address in its file, whose
 /// extent is not known yet.
 const NEAR_CODE: u64 = 64 << 20;
-use crate::shared::count_drop;
+use crate::shared::{count_drop, EEXIST};
 
 /// A walk stopped at a frame with no table: stores the frames so far as a `Deferred` stack and,
 /// the first time that stack is stored, sends its state and a copy of the stack to the daemon,

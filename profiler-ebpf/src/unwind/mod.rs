@@ -33,7 +33,7 @@ use profiler_common::{
 
 use crate::{
     memo::{self, Reads, Start},
-    shared::{count_drop, NO_PREALLOC},
+    shared::{count_drop, EEXIST, NO_PREALLOC},
 };
 
 mod changes;
@@ -313,8 +313,6 @@ pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64
         }
     }
 }
-
-const EEXIST: i32 = 17;
 
 /// The state of a walk between frames.
 #[repr(C)]
