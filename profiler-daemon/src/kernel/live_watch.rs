@@ -4,8 +4,9 @@
 //! process's blocks, and reading it all held a busy process still for seconds beside millions of
 //! other processes' blocks.
 //!
-//! Why nothing is missed: a program notes a change after making it. A change made before the
-//! watch starts is in the listing, which is read after; one made later is noted.
+//! Why nothing is missed: a program makes a change under its hash bucket's lock, then notes it.
+//! The listing, read after the watch starts, takes each bucket's lock in turn: a change it does
+//! not see was made after it left the bucket, so after the watch started, and is noted.
 
 use std::os::fd::AsFd as _;
 
