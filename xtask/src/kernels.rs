@@ -67,12 +67,16 @@ pub fn run() -> anyhow::Result<()> {
     let dir = root().join("target/kernels");
     let kernels =
         SERIES.iter().map(|series| Ok((series, debian::newest(series, &dir)?))).collect::<anyhow::Result<Vec<_>>>()?;
-    // The guest compiles the tests' C fixtures here; its writes stay in the guest.
-    let fixtures = root().join("target/fixtures");
-    fs::create_dir_all(&fixtures)?;
+    // The guest builds the tests' fixtures here (the Go ones with their caches); its writes stay
+    // in the guest.
+    let scratch: Vec<PathBuf> =
+        ["target/fixtures", "target/go-cache", "target/go-path"].iter().map(|dir| root().join(dir)).collect();
+    for dir in &scratch {
+        fs::create_dir_all(dir)?;
+    }
     let on_kernel = |kernel: &Kernel| {
         let out = dir.join("results").join(&kernel.release);
-        let boot = Matrix { vng: &vng, memprof: &memprof, binaries: &binaries, fixtures: &fixtures, out: &out };
+        let boot = Matrix { vng: &vng, memprof: &memprof, binaries: &binaries, scratch: &scratch, out: &out };
         boot.run(kernel)
     };
     // Side by side: an emulated CPU each, one per core.
@@ -128,7 +132,7 @@ struct Matrix<'a> {
     vng: &'a Path,
     memprof: &'a Path,
     binaries: &'a HashMap<String, PathBuf>,
-    fixtures: &'a Path,
+    scratch: &'a [PathBuf],
     /// The guest's results.
     out: &'a Path,
 }
@@ -145,7 +149,7 @@ impl Matrix<'_> {
             vng: self.vng,
             vmlinuz: &kernel.vmlinuz,
             out: self.out,
-            scratch: self.fixtures,
+            scratch: self.scratch,
             script: &script,
             limit: BOOT_LIMIT + TEST_LIMIT * TESTS.len() as u32,
         };

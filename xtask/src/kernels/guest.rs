@@ -42,8 +42,9 @@ pub struct Boot<'a> {
     pub vmlinuz: &'a Path,
     /// Shared with the guest, writable: the script's results.
     pub out: &'a Path,
-    /// Writable in the guest, its writes kept from the host (the test fixtures' build directory).
-    pub scratch: &'a Path,
+    /// Writable in the guest, their writes kept from the host (the test fixtures' build
+    /// directories).
+    pub scratch: &'a [PathBuf],
     /// Run in the guest as root.
     pub script: &'a Path,
     /// The boot is killed after this long.
@@ -63,7 +64,7 @@ impl Boot<'_> {
             // A single emulated CPU: the matrix boots its kernels side by side, one per core.
             .args(["--disable-kvm", "--qemu-opts=-cpu max", "--cpus", "1", "--memory", "3G"])
             .arg(format!("--rwdir={}", self.out.display()))
-            .arg(format!("--overlay-rwdir={}", self.scratch.display()))
+            .args(self.scratch.iter().map(|dir| format!("--overlay-rwdir={}", dir.display())))
             .arg("--exec")
             .arg(self.script)
             .env("PATH", path)
