@@ -106,6 +106,22 @@ fn chunk_sizes_that_wrap_around_end_the_walk() {
     }
 }
 
+/// A process's own allocator says what size each block has: one of 2^46 bytes and one to the end
+/// of the address space are inspected in the time any is (the first made memprof build a table of
+/// 2^34 pages, the second read 2^64 bytes a MiB at a time).
+#[test]
+fn made_up_block_sizes_are_inspected() {
+    let fixture = fixture_with("made_up_sizes.c", "made_up_sizes", &["-g", "-O1", "-rdynamic"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let pid = target.pid();
+    let mut memprof = Command::new("timeout");
+    memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
+    let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("(mimalloc)"), "{}", outcome.stderr);
+    assert!(outcome.stderr.contains("memprof: inspected pid"), "{}", outcome.stderr);
+}
+
 /// Lets the fixture finish: what it prints from now on (`rest_expected`) and its exit code are those of
 /// a run without memprof.
 fn ends_as_without_memprof(target: &mut Waiting, rest_expected: &str) {
