@@ -27,7 +27,7 @@ use std::{
 };
 
 use memprof_tests::{
-    attach,
+    attach, attach_with,
     cgroup::MemoryCgroup,
     fixture_cpp, fixture_with, free_port, http_get,
     inspection::{reach, reachability, stack},
@@ -83,6 +83,43 @@ fn attach_inspect_classes_each_block_as_memcheck_and_the_process_runs_on() {
     // Blocks made before memprof attached may hold pointers: the untracked heap was scanned.
     assert_eq!(report["inspection"]["unclassified_heap_scanned"], true);
     ends_as_without_memprof(&mut target, "set\ndone ok\n");
+}
+
+/// Chunk headers a process rewrote so that their sizes, past the end of the address space, lead
+/// glibc's walk back to a chunk it has been at: in the main heap, or in a mapping that holds
+/// blocks mapped one by one. The walks end, and so does memprof (it went round for good, the
+/// heap's walk taking memory as it went, and neither Ctrl-C nor SIGTERM stopped it).
+#[test]
+fn chunk_sizes_that_wrap_around_end_the_walk() {
+    let fixture = fixture_with("wrapping_chunks.c", "wrapping_chunks", &["-g", "-O0"]);
+    for heap in ["heap", "mapped"] {
+        let mut target = Waiting::start(&fixture, &[heap]);
+        let pid = target.pid();
+        // Killed if it goes round: the test fails instead of waiting for good.
+        let mut memprof = Command::new("timeout");
+        memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
+        let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"]);
+        assert!(outcome.status.success(), "{heap}: {outcome:?}");
+        assert!(outcome.stderr.contains("memprof: inspected pid"), "{heap}: {}", outcome.stderr);
+        let report = outcome.final_report();
+        assert!(report["inspection"]["untracked_blocks"].is_u64(), "{heap}: {report:#}");
+    }
+}
+
+/// A process's own allocator says what size each block has: one of 2^46 bytes and one to the end
+/// of the address space are inspected in the time any is (the first made memprof build a table of
+/// 2^34 pages, the second read 2^64 bytes a MiB at a time).
+#[test]
+fn made_up_block_sizes_are_inspected() {
+    let fixture = fixture_with("made_up_sizes.c", "made_up_sizes", &["-g", "-O1", "-rdynamic"]);
+    let mut target = Waiting::start(&fixture, &[]);
+    let pid = target.pid();
+    let mut memprof = Command::new("timeout");
+    memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
+    let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    assert!(outcome.stderr.contains("(mimalloc)"), "{}", outcome.stderr);
+    assert!(outcome.stderr.contains("memprof: inspected pid"), "{}", outcome.stderr);
 }
 
 /// Lets the fixture finish: what it prints from now on (`rest_expected`) and its exit code are those of

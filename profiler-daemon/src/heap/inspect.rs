@@ -405,7 +405,7 @@ fn holds_block(blocks: &[LiveBlock], region: &Region) -> bool {
 /// The parts of `region` outside the blocks.
 fn gaps<'a>(blocks: &'a [LiveBlock], region: &Region) -> impl Iterator<Item = (u64, u64)> + 'a {
     let first = blocks.partition_point(|b| b.addr < region.start);
-    let ranges = blocks[first..].iter().map(|b| (b.addr, b.addr + b.size));
+    let ranges = blocks[first..].iter().map(|b| (b.addr, b.addr.saturating_add(b.size)));
     uncovered(ranges, region.start, region.end)
 }
 
@@ -470,6 +470,10 @@ impl Memory for Target<'_> {
         let n = copy.len().min(buf.len());
         buf[..n].copy_from_slice(&copy[..n]);
         n
+    }
+
+    fn readable_from(&self, addr: u64) -> Option<u64> {
+        self.image.copied_from(addr)
     }
 }
 

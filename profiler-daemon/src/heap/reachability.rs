@@ -30,6 +30,12 @@ pub enum Class {
 /// Reads the target's memory: how many of `buf.len()` bytes at `addr` could be read.
 pub trait Memory: Words {
     fn read(&self, addr: u64, buf: &mut [u8]) -> usize;
+
+    /// The first address from `addr` on that `read` may give bytes of; None when none does.
+    /// What lies between reads as zeros, which point nowhere: the marking skips it.
+    fn readable_from(&self, addr: u64) -> Option<u64> {
+        Some(addr)
+    }
 }
 
 /// Each block's class, in the blocks' order.
@@ -96,7 +102,7 @@ impl<'a, M: Memory> Marker<'a, M> {
             heuristics,
             heuristic: vec![None; blocks.len()],
             low: blocks.first().map_or(u64::MAX, |b| b.addr),
-            high: blocks.iter().map(|b| (b.addr + b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
+            high: blocks.iter().map(|b| b.addr.saturating_add(b.size).saturating_sub(1).max(b.addr)).max().unwrap_or(0),
             state: vec![State::Unreached; blocks.len()],
             indirect: vec![0; blocks.len()],
             pending: Vec::new(),
@@ -173,14 +179,28 @@ impl<'a, M: Memory> Marker<'a, M> {
             let definite = self.state[at] == State::Reachable;
             let mut offset = 0;
             while offset < block.size {
+                // A block's size is what its allocator returned with it: a process's own
+                // allocator may say 2^62 bytes. Only what was copied is read, a chunk at a time;
+                // the rest is skipped, as unreadable.
+                let Some(addr) = block.addr.checked_add(offset).filter(|&addr| addr < u64::MAX) else {
+                    self.unreadable = self.unreadable.saturating_add(block.size - offset);
+                    break;
+                };
+                let readable = self.memory.readable_from(addr).unwrap_or(u64::MAX);
+                if readable > addr {
+                    let skipped = (readable - addr).min(block.size - offset);
+                    self.unreadable = self.unreadable.saturating_add(skipped);
+                    offset += skipped;
+                    continue;
+                }
                 let len = (block.size - offset).min(READ_CHUNK as u64) as usize;
                 let mut buf = std::mem::take(&mut self.buf);
                 buf.resize(len, 0);
-                let read = self.memory.read(block.addr + offset, &mut buf);
+                let read = self.memory.read(addr, &mut buf);
                 buf[read..].fill(0);
                 self.scanned += read as u64;
-                self.unreadable += (len - read) as u64;
-                for ptr in words(block.addr + offset, &buf) {
+                self.unreadable = self.unreadable.saturating_add((len - read) as u64);
+                for ptr in words(addr, &buf) {
                     match leader {
                         None => self.mark(ptr, definite, Owner::Program),
                         Some(leader) => self.join_clique(ptr, leader, Owner::Program),
@@ -259,8 +279,8 @@ pub enum Owner {
 /// program's: a structure whose last word a list links is pointed to there.
 fn is_chunk_header(block: &LiveBlock, ptr: u64) -> bool {
     // malloc's chunk size: the request and the size field, rounded up to 16, at least 32.
-    let chunk = ((block.size + 8 + 15) & !15).max(32);
-    !block.size.is_multiple_of(16) && ptr == block.addr + chunk - 16
+    let chunk = (block.size.saturating_add(8 + 15) & !15).max(32);
+    !block.size.is_multiple_of(16) && ptr == block.addr.wrapping_add(chunk - 16)
 }
 
 #[cfg(test)]
@@ -308,6 +328,48 @@ pub(crate) mod tests {
     }
 
     use Class::*;
+
+    /// `Map`'s words between `copied`'s bounds alone, as a copy of some of a process's memory.
+    struct Copied {
+        map: Map,
+        copied: std::ops::Range<u64>,
+    }
+
+    impl Words for Copied {
+        fn word(&self, addr: u64) -> Option<u64> {
+            self.copied.contains(&addr).then(|| self.map.word(addr)).flatten()
+        }
+        fn is_vtable(&self, _: u64) -> bool {
+            false
+        }
+    }
+
+    impl Memory for Copied {
+        fn read(&self, addr: u64, buf: &mut [u8]) -> usize {
+            let len = self.copied.end.saturating_sub(addr).min(buf.len() as u64) as usize;
+            if !self.copied.contains(&addr) {
+                return 0;
+            }
+            self.map.read(addr, &mut buf[..len])
+        }
+        fn readable_from(&self, addr: u64) -> Option<u64> {
+            (addr < self.copied.end).then(|| addr.max(self.copied.start))
+        }
+    }
+
+    /// A block of 2^62 bytes, as a process's own allocator may say it made: its copied part is
+    /// scanned, the rest counted unreadable, at once (it was read a MiB at a time, for ever).
+    #[test]
+    fn a_block_larger_than_the_copy_is_scanned_where_copied() {
+        let blocks = [block(0x1000, 32), block(0x2000, 1 << 62)];
+        let memory = Copied { map: Map([(0x2008, 0x1000)].into()), copied: 0x2000..0x3000 };
+        let mut marker = Marker::new(&blocks, &memory, true, Heuristics::NONE);
+        marker.scan_registers(&[0x2000]);
+        let marking = marker.finish();
+        assert_eq!(marking.classes, [Reachable, Reachable]);
+        // The small block is outside the copy too.
+        assert_eq!(marking.block_bytes_unreadable, (1 << 62) - 0x1000 + 32);
+    }
 
     #[test]
     fn a_list_whose_head_is_lost_is_lost_through_its_head() {

@@ -181,8 +181,10 @@ impl<M: Memory> Walk<'_, M> {
             let size = field & !7;
             // No chunk of a heap is mapped alone, and none of the main heap's is an arena's.
             let flags_right = field & MMAPPED == 0 && (!main || field & NON_MAIN_ARENA == 0);
-            let next = chunk + size;
-            if !flags_right || size < 32 || !size.is_multiple_of(16) || next + 16 > end {
+            // A size field is the process's to write: one past the address space would wrap
+            // `next` back behind `chunk`, and the walk would go round for good.
+            let next = chunk.saturating_add(size);
+            if !flags_right || size < 32 || !size.is_multiple_of(16) || next.saturating_add(16) > end {
                 // The top chunk, free, reaches the heap's end; any other end leaves the rest
                 // unknown.
                 let top =
@@ -263,14 +265,16 @@ impl<M: Memory> Walk<'_, M> {
         let mut chunk = region.start;
         while let (Some(0), Some(field)) = (self.word(chunk), self.word(chunk + 8)) {
             let size = field & !7;
-            if field & MMAPPED == 0 || size == 0 || !size.is_multiple_of(4096) || chunk + size > region.end {
+            // Checked: a size that wraps would lead back to an earlier chunk, for ever.
+            let Some(next) = chunk.checked_add(size).filter(|&next| next <= region.end) else { return };
+            if field & MMAPPED == 0 || size == 0 || !size.is_multiple_of(4096) {
                 return;
             }
             if !self.tracked(chunk + 16) {
                 self.found.untracked.blocks += 1;
                 self.found.untracked.bytes += size - 16;
             }
-            chunk += size;
+            chunk = next;
         }
     }
 
@@ -372,6 +376,28 @@ mod tests {
         words.insert(0x102d0, 0x10300 ^ (0x102d0 >> 12));
         let found = layout(&Map(words), &[region(0x10000, chunk, "[heap]")], &blocks, usize::MAX).untracked;
         assert_eq!(found, Untracked { blocks: 2, bytes: 0x38 + 0x38 });
+    }
+
+    /// Size fields the process wrote to lead the walk back to an earlier chunk (one past the
+    /// address space wraps): in the heap, two chunks of 0x20 and -0x20, both free by their bits;
+    /// mapped alone, two of 4096 and -4096. Each walk ends, and the heap's is not trusted.
+    #[test]
+    fn size_fields_that_wrap_end_the_walk() {
+        let mut words = BTreeMap::new();
+        let mut chunk = 0x10000;
+        for size in [0x290, 0x50] {
+            words.insert(chunk + 8, size | IN_USE);
+            chunk += size;
+        }
+        words.insert(chunk + 8, 0x20);
+        words.insert(chunk + 0x20 + 8, 0x20u64.wrapping_neg());
+        let found = layout(&Map(words), &[region(0x10000, 0x11000, "[heap]")], &[], usize::MAX);
+        assert!(found.unseen.is_empty() && found.free.is_empty() && found.binned.is_empty(), "{found:?}");
+
+        let start = 0x7f00_0000_1000;
+        let words = BTreeMap::from([(start + 8, 4096 | MMAPPED), (start + 4096 + 8, 4096u64.wrapping_neg() | MMAPPED)]);
+        let found = layout(&Map(words), &[region(start, start + 3 * 4096, "")], &[], usize::MAX);
+        assert_eq!(found.untracked, Untracked { blocks: 1, bytes: 4096 - 16 });
     }
 
     /// A heap grown after a fork is two mappings, a chunk in use ending where the first ends:

@@ -69,6 +69,12 @@ impl Image {
             .collect()
     }
 
+    /// The first address from `addr` on that the copy holds; None past its last segment.
+    pub fn copied_from(&self, addr: u64) -> Option<u64> {
+        let at = self.segments.partition_point(|s| s.start.saturating_add(s.bytes.len() as u64) <= addr);
+        self.segments.get(at).map(|segment| segment.start.max(addr))
+    }
+
     fn segment_of(&self, addr: u64) -> Option<&Segment> {
         let at = self.segments.partition_point(|s| s.start <= addr).checked_sub(1)?;
         self.segments.get(at)
