@@ -30,7 +30,7 @@ pub enum SocketError {
     #[error("cannot listen on the socket {0}: {1}; give another path with --socket PATH (\"\" for none)")]
     Bind(String, io::Error),
     #[error(
-        "the socket's directory {0} can be written by another user (owner uid {1}, mode {2:o}), who could replace the socket: give a directory only root writes (or one with the sticky bit, as /tmp) with --socket PATH"
+        "the socket's directory {0} can be written by another user (owner uid {1}, mode {2:o}), who could take the socket's name first or replace it: give a directory only root writes with --socket PATH (by default /run/memprof/api.sock)"
     )]
     UnsafeDirectory(String, u32, u32),
 }
@@ -68,15 +68,15 @@ impl Socket {
 }
 
 /// Refuses `dir` unless only the daemon's user (or root) can change the names in it: else
-/// another user could replace the socket between two steps of `bind`, or later. A
-/// world-writable directory with the sticky bit (/tmp) keeps others from removing or renaming
-/// the daemon's files. `socket`: the socket's path, for the error.
+/// another user could replace the socket between two steps of `bind`, or later. The sticky bit
+/// (/tmp) is not enough: it keeps others from removing the daemon's socket, not from binding its
+/// name first, which kept the daemon from starting. `socket`: the socket's path, for the error.
 fn check_directory(dir: &Path, socket: &str) -> Result<(), SocketError> {
     let meta = fs::metadata(dir).map_err(|err| SocketError::Bind(socket.to_string(), err))?;
     let (uid, mode) = (meta.uid(), meta.mode() & 0o7777);
     // SAFETY: geteuid has no arguments and cannot fail.
     let owned = uid == 0 || uid == unsafe { libc::geteuid() };
-    let others_write = mode & 0o022 != 0 && mode & 0o1000 == 0;
+    let others_write = mode & 0o022 != 0;
     if owned && !others_write {
         return Ok(());
     }
