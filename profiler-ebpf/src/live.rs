@@ -43,7 +43,11 @@ fn note_change(key: &AddrKey) {
     if watch.tgid != key.tgid {
         return;
     }
-    match LIVE_CHANGES.insert(&key.addr, &1, BPF_NOEXIST as u64) {
+    // By reference: the key where it is, the value a constant; copies would take stack, which
+    // 6.1 bounds for the whole chain of calls.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let noted = LIVE_CHANGES.insert(&key.addr, &1, BPF_NOEXIST as u64);
+    match noted {
         Ok(()) => {}
         Err(err) if err == -EEXIST => {}
         Err(_) => watch.overflowed = 1,
