@@ -335,6 +335,50 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     );
 }
 
+/// The stack table is one for every target too: a process of any user could fill it with
+/// distinct call paths, and the others' allocations went without stacks from then on. One
+/// holding more than half of it (2048 paths, a table of 2048) is moved to growth mode once
+/// another's allocations find it full; the other's stacks are recorded from then on, and what
+/// went without one is said.
+#[test]
+fn a_process_crowding_the_stack_table_is_moved_to_its_pages_and_the_others_keep_their_stacks() {
+    let _serial = serial();
+    let mut holder = Waiting::start(&fixture("crowding"), &["paths", "11"]);
+    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
+    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-stacks", "2048", "--max-rate", "1000000000"];
+    let mut daemon = Daemon::start(&args);
+    daemon.wait_traced(holder.pid());
+    daemon.wait_traced(guest.pid());
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
+
+    holder.go();
+    said_held(&mut holder);
+    wait_for(10, "the stack table full", || {
+        (metric(daemon.port, "memprof_bpf_map_entries{map=\"stacks\"}")? >= 2048).then_some(())
+    });
+    assert_eq!(growth(&holder_pid), Some(0), "moved while no other process was short of room");
+
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the holder moved to its pages", || (growth(&holder_pid)? == 1).then_some(()));
+    let crowded = leaks(&guest_pid);
+    assert!(crowded["dropped"]["stack_table_full"].as_u64() > Some(0), "the guest found the table full: {crowded}");
+
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the guest's second blocks, with their stack", || {
+        (site(&leaks(&guest_pid), "second_site") == (400_000, 2000)).then_some(())
+    });
+    assert_eq!(growth(&guest_pid), Some(0));
+    let log = daemon.stopped_log();
+    assert!(
+        log.contains("holds more than half of the stack table, and another process's allocations found it full"),
+        "{log}"
+    );
+}
+
 /// `max_rate = off` keeps every process traced by its calls: the holder stays, and the other's
 /// allocations that find the table full are counted.
 #[test]

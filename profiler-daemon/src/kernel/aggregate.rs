@@ -529,6 +529,16 @@ pub fn stack_entries(ebpf: &Ebpf, table: StackTable) -> anyhow::Result<u64> {
     Ok(entries)
 }
 
+/// How many stacks each process's totals name (`STACK_STATS`' entries by process): what it holds
+/// of the stack table, which every traced process shares.
+pub fn stacks_by_process(ebpf: &Ebpf) -> anyhow::Result<HashMap<u32, u64>> {
+    let mut stacks: HashMap<u32, u64> = HashMap::new();
+    batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
+        *stacks.entry(key.tgid).or_default() += 1;
+    })?;
+    Ok(stacks)
+}
+
 /// The addresses of a stored stack of process `tgid`, innermost first, and why its walk ended;
 /// no frames for `NO_STACK`. A walk the kernel deferred goes on with the frames memprof found
 /// (cut as `NoTable` until it has).

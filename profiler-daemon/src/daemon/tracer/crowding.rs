@@ -1,22 +1,58 @@
-//! The live table (`LIVE`) is one for every traced process. Once one process holds most of it,
-//! the table fills and the others' allocations go unrecorded: that process blinds memprof to the
-//! rest. When another process's allocations find the table full, the one holding more than half
-//! of it is moved to growth mode, which keeps none of its blocks there: the others are traced
-//! whole again, and it is still traced, by the pages it touches.
+//! The live table (`LIVE`) and the stack table (`STACKS`) are one each for every traced process.
+//! Once one process holds most of either, the table fills and the others' allocations go
+//! unrecorded, or recorded without their stacks: that process, whoever runs it, blinds memprof to
+//! the rest. When another process's allocations find a table full, the one holding more than half
+//! of it is moved to growth mode, which keeps none of its blocks or call stacks there: the others
+//! are traced whole again, and it is still traced, by the pages it touches.
 
-use std::{cmp::Reverse, collections::HashMap};
+use std::{borrow::Cow, cmp::Reverse, collections::HashMap};
 
 use profiler_common::DropReason;
 
 use super::{Target, Tracer};
 use crate::{
     heap::sampling::MaxRate,
-    kernel::aggregate::{KernelSnapshot, Sampler, Snapshot},
+    kernel::aggregate::{self, KernelSnapshot, Sampler, Snapshot},
 };
 
-/// A process that crowds the others out of the live table.
+/// A table every traced process shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Table {
+    Live,
+    Stacks,
+}
+
+impl Table {
+    pub const ALL: [Table; 2] = [Table::Live, Table::Stacks];
+
+    /// What an allocation that found it full counts.
+    fn full(self) -> DropReason {
+        match self {
+            Table::Live => DropReason::LiveMapFull,
+            Table::Stacks => DropReason::StackTableFull,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Live => "live table",
+            Table::Stacks => "stack table",
+        }
+    }
+
+    /// The setting that sizes it.
+    pub fn setting(self) -> &'static str {
+        match self {
+            Table::Live => "max_live",
+            Table::Stacks => "max_stacks",
+        }
+    }
+}
+
+/// A process that crowds the others out of a table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Crowder {
+    pub table: Table,
     pub pid: u32,
     /// Its entries in the table, of `capacity`.
     pub entries: u64,
@@ -26,30 +62,40 @@ pub(super) struct Crowder {
 }
 
 impl Target {
-    /// Whether its allocations found the live table full since the last read.
-    pub(super) fn found_live_table_full(&mut self, snapshot: &Snapshot) -> bool {
-        let full = snapshot.drops.counts[DropReason::LiveMapFull as usize];
-        let last = std::mem::replace(&mut self.live_table_full, full);
+    /// Whether its allocations found `table` full since the last read.
+    pub(super) fn found_full(&mut self, snapshot: &Snapshot, table: Table) -> bool {
+        let full = snapshot.drops.counts[table.full() as usize];
+        let last = std::mem::replace(&mut self.tables_full[table as usize], full);
         // Below the last count, it started again (an exec): any is new.
         full > last || (full < last && full > 0)
     }
 }
 
 impl Tracer {
-    /// The process to move out of the live table this interval, if any, of those not `moving`
-    /// already. `max_rate = off` keeps every process traced by its calls, whatever it holds.
-    pub(super) fn crowder(&self, kernel: &KernelSnapshot, found_full: &[u32], moving: &[u32]) -> Option<Crowder> {
-        if self.config.sampling.max_rate == Some(MaxRate::Off) {
-            return None;
+    /// The process to move out of `table` this interval, if any, of those not `moving` already.
+    /// `max_rate = off` keeps every process traced by its calls, whatever it holds.
+    pub(super) fn crowder(
+        &self,
+        table: Table,
+        kernel: &KernelSnapshot,
+        found_full: &[u32],
+        moving: &[u32],
+    ) -> anyhow::Result<Option<Crowder>> {
+        if self.config.sampling.max_rate == Some(MaxRate::Off) || found_full.is_empty() {
+            return Ok(None);
         }
-        // A sampled process's counts are estimates, not entries of the table, and so are those
-        // its allocator's own sampler gives: only a process whose every block is an entry.
-        let entries_counted = |t: &Target| match kernel.processes.get(&t.id.pid) {
-            Some(snapshot) => snapshot.sample_bytes == 0 && snapshot.sampler == Sampler::None,
-            None => t
-                .last_view
-                .as_ref()
-                .is_some_and(|(view, _)| view.sample_bytes == 0 && view.report.usdt_samples.is_none()),
+        // A sampled process's counts are estimates, not entries of the live table, and so are
+        // those its allocator's own sampler gives: only a process whose every block is an entry.
+        // Any process traced by its calls keeps its stacks.
+        let entries_counted = |t: &Target| {
+            table == Table::Stacks
+                || match kernel.processes.get(&t.id.pid) {
+                    Some(snapshot) => snapshot.sample_bytes == 0 && snapshot.sampler == Sampler::None,
+                    None => t
+                        .last_view
+                        .as_ref()
+                        .is_some_and(|(view, _)| view.sample_bytes == 0 && view.report.usdt_samples.is_none()),
+                }
         };
         let movable = self.targets.values().filter(|t| {
             entries_counted(t)
@@ -57,29 +103,36 @@ impl Tracer {
                 && self.loaded.blocks_not_kept(t.id.pid).is_none()
                 && !moving.contains(&t.id.pid)
         });
-        let capacity = self.config.maps.max_live.into();
-        crowder(capacity, &kernel.live_by_process, movable.map(|t| t.id.pid), found_full)
+        let (capacity, held) = match table {
+            Table::Live => (self.config.maps.max_live, Cow::Borrowed(&kernel.live_by_process)),
+            // Walked only when a process found the table full.
+            Table::Stacks => {
+                (self.config.maps.max_stacks, Cow::Owned(aggregate::stacks_by_process(&self.loaded.ebpf)?))
+            }
+        };
+        Ok(crowder(table, capacity.into(), &held, movable.map(|t| t.id.pid), found_full))
     }
 }
 
-/// The process to move out of the live table, if any: of `movable` (those whose blocks are in
+/// The process to move out of `table`, if any: of `movable` (those whose blocks or stacks are in
 /// it), the one holding the most entries, when that is more than half of `capacity` and a process
 /// other than it is among `found_full`.
 fn crowder(
+    table: Table,
     capacity: u64,
-    live_by_process: &HashMap<u32, u64>,
+    held: &HashMap<u32, u64>,
     movable: impl IntoIterator<Item = u32>,
     found_full: &[u32],
 ) -> Option<Crowder> {
     let (pid, entries) = movable
         .into_iter()
-        .map(|pid| (pid, live_by_process.get(&pid).copied().unwrap_or(0)))
+        .map(|pid| (pid, held.get(&pid).copied().unwrap_or(0)))
         .max_by_key(|&(pid, entries)| (entries, Reverse(pid)))?;
     if entries.saturating_mul(2) <= capacity {
         return None;
     }
     let crowded_out = found_full.iter().copied().find(|&other| other != pid)?;
-    Some(Crowder { pid, entries, capacity, crowded_out })
+    Some(Crowder { table, pid, entries, capacity, crowded_out })
 }
 
 #[cfg(test)]
@@ -90,7 +143,7 @@ mod tests {
     /// keep their blocks in it and `found_full` found it full.
     fn moved(held: &[(u32, u64)], movable: &[u32], found_full: &[u32]) -> Option<(u32, u32)> {
         let live = held.iter().copied().collect();
-        crowder(1000, &live, movable.iter().copied(), found_full).map(|c| (c.pid, c.crowded_out))
+        crowder(Table::Live, 1000, &live, movable.iter().copied(), found_full).map(|c| (c.pid, c.crowded_out))
     }
 
     #[test]

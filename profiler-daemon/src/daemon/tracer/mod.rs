@@ -116,9 +116,9 @@ struct Target {
     /// `unwind::Registry::code_changes`), and nothing else would have them read.
     cut_walks: u64,
     cut_since_read: bool,
-    /// Its allocations that found the live table full, at the last interval (see `crowding`).
-    live_table_full: u64,
-    /// A switch to growth mode failed: it is not tried again to make room in the live table.
+    /// Its allocations that found each shared table full, at the last interval (see `crowding`).
+    tables_full: [u64; crowding::Table::ALL.len()],
+    /// A switch to growth mode failed: it is not tried again to make room in a shared table.
     pages_refused: bool,
     /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
     last_view: Option<(Arc<TargetView>, u64)>,

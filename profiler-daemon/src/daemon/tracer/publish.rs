@@ -13,7 +13,10 @@ use std::{
 use profiler_common::DropReason;
 use tracing::{info, warn};
 
-use super::{crowding::Crowder, InspectFailure, Target, Tracer};
+use super::{
+    crowding::{Crowder, Table},
+    InspectFailure, Target, Tracer,
+};
 use crate::{
     daemon::{
         discovery::{self, ProcessId},
@@ -138,8 +141,8 @@ impl Tracer {
         // Moved to growth mode once this interval's views are built: the switch takes the stacks
         // their calls recorded, which the views name.
         let mut switching = Vec::new();
-        // The targets whose allocations found the live table full since the last read.
-        let mut found_full = Vec::new();
+        // The targets whose allocations found each shared table full since the last read.
+        let mut found_full: [Vec<u32>; Table::ALL.len()] = Default::default();
         for target in self.targets.values_mut() {
             if settled.contains(&target.id.pid) {
                 let time_s = still_since_ns.saturating_sub(target.start_ns) as f64 / 1e9;
@@ -173,14 +176,19 @@ impl Tracer {
                     switching
                         .push((target.id.pid, ToPages::AboveMaxRate { calls_per_second: switch.calls_per_second }));
                 }
-                if target.found_live_table_full(snapshot) {
-                    found_full.push(target.id.pid);
+                for table in Table::ALL {
+                    if target.found_full(snapshot, table) {
+                        found_full[table as usize].push(target.id.pid);
+                    }
                 }
             }
         }
-        let moving: Vec<u32> = switching.iter().map(|(pid, _)| *pid).collect();
-        if let Some(crowder) = self.crowder(&kernel, &found_full, &moving) {
-            switching.push((crowder.pid, ToPages::Crowding(crowder)));
+        let mut moving: Vec<u32> = switching.iter().map(|(pid, _)| *pid).collect();
+        for table in Table::ALL {
+            if let Some(crowder) = self.crowder(table, &kernel, &found_full[table as usize], &moving)? {
+                moving.push(crowder.pid);
+                switching.push((crowder.pid, ToPages::Crowding(crowder)));
+            }
         }
         // A reload keeps them as loaded (see `Config::keep_read_at_start`).
         let sizes = self.config.maps;
@@ -268,18 +276,19 @@ impl Tracer {
         match why {
             ToPages::AboveMaxRate { calls_per_second } => warn!(
                 pid,
-                comm,
-                calls_per_second,
-                "above max_rate: traced by the pages it touches from now on (growth mode)"
+                comm, calls_per_second, "above max_rate: traced by the pages it touches from now on (growth mode)"
             ),
             ToPages::Crowding(crowder) => warn!(
                 pid,
                 comm,
-                live_entries = crowder.entries,
-                max_live = crowder.capacity,
+                table = crowder.table.name(),
+                entries = crowder.entries,
+                capacity = crowder.capacity,
                 crowded_out = crowder.crowded_out,
-                "holds more than half of the live table, and another process's allocations found it full: \
-                 traced by the pages it touches from now on (growth mode); a larger max_live keeps it traced by its calls"
+                "holds more than half of the {}, and another process's allocations found it full: traced by the \
+                 pages it touches from now on (growth mode); a larger {} keeps it traced by its calls",
+                crowder.table.name(),
+                crowder.table.setting()
             ),
         }
     }

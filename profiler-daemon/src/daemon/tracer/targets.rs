@@ -456,7 +456,7 @@ impl Tracer {
             calls: 0,
             cut_walks: 0,
             cut_since_read: false,
-            live_table_full: 0,
+            tables_full: Default::default(),
             pages_refused: false,
             last_view: None,
         };
