@@ -32,6 +32,23 @@ pub fn called_by_c_library(cookie: u64, probe: u64, caller: u64) -> bool {
 /// bits are the probe's own cookie.
 pub const SHARED_LINK: u64 = 1 << 63;
 
+/// Where a perf-event uprobe's return probe keeps, in its cookie, the process it was opened
+/// for (0: none, a link the kernel filters by itself). Linux 6.1 runs a perf-event uretprobe's
+/// program without the event's process filter, in every process where another consumer of the
+/// same probe asked for the return: the return program of each traced process would fire at
+/// every other's returns (a `--follow-forks` child, the daemon's targets of one program).
+pub const RETURN_OWNER_SHIFT: u32 = 32;
+
+/// `cookie` (a return probe's) with `tgid` as its owner (see `RETURN_OWNER_SHIFT`).
+pub fn with_return_owner(cookie: u64, tgid: u32) -> u64 {
+    cookie | u64::from(tgid) << RETURN_OWNER_SHIFT
+}
+
+/// The process a return probe with `cookie` was opened for; 0 for any.
+pub fn return_owner(cookie: u64) -> u32 {
+    ((cookie & !SHARED_LINK) >> RETURN_OWNER_SHIFT) as u32
+}
+
 /// Flags of a traced process in `TRACED`.
 pub mod traced {
     /// Its calls are recorded by the links shared per file (`SHARED_LINK`), not by links of its
@@ -47,6 +64,15 @@ pub mod traced {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_return_probes_owner_is_kept_beside_its_function_and_the_shared_bit() {
+        let cookie = with_return_owner(7, 4_194_304);
+        assert_eq!(return_owner(cookie), 4_194_304);
+        assert_eq!(return_owner(cookie | SHARED_LINK), 4_194_304);
+        assert_eq!(cookie & 0xffff_ffff, 7);
+        assert_eq!(return_owner(7 | SHARED_LINK), 0);
+    }
 
     #[test]
     fn a_c_library_free_cookie_spans_its_executable_segment() {

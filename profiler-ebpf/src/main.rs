@@ -25,14 +25,14 @@ mod unwind;
 mod usdt;
 
 use aya_ebpf::{
-    helpers::{bpf_get_attach_cookie, bpf_get_func_ip},
+    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_func_ip},
     macros::{raw_tracepoint, uprobe, uretprobe},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext,
 };
 use core::ffi::c_void;
 
-use profiler_common::{AllocFn, SHARED_LINK};
+use profiler_common::{return_owner, AllocFn, SHARED_LINK};
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
@@ -133,8 +133,14 @@ fn product(n: u64, size: u64) -> u64 {
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     // SAFETY: the context is the running probe's.
-    let shared_link = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } & SHARED_LINK != 0;
-    if process::probed(shared_link) {
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    // A perf-event uprobe's return runs in processes it was not opened for on Linux 6.1 (see
+    // `RETURN_OWNER_SHIFT`): those returns are other processes' calls.
+    let owner = return_owner(cookie);
+    if owner != 0 && owner != (bpf_get_current_pid_tgid() >> 32) as u32 {
+        return 0;
+    }
+    if process::probed(cookie & SHARED_LINK != 0) {
         record::on_return(&ctx);
     }
     0

@@ -386,9 +386,11 @@ fn the_write_protected_precopy_leaves_the_process_as_it_was() {
         assert_eq!(inspection["method"], "write_protect", "{inspection}");
     }
     // Where the pages written are told, only those were read again: half of the 8 MiB heap,
-    // with the thread stacks and the data written, not all of it.
+    // with the thread stacks and the data written, not all of it. Soft-dirty bits are kept per
+    // huge page where the heap has transparent huge pages (Debian's kernels: `always`): the one
+    // that straddles the end of the written half is read again whole, up to 2 MiB more.
     if inspection["method"] != "recopy" {
-        assert!(inspection["bytes_copied_in_pause"].as_u64().unwrap() < 6 << 20, "{inspection}");
+        assert!(inspection["bytes_copied_in_pause"].as_u64().unwrap() < 7 << 20, "{inspection}");
     }
 }
 

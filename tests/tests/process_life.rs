@@ -307,6 +307,29 @@ fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
     assert!(total(child, "frees") > 0, "the churn was traced: {child}");
 }
 
+/// A parent and the child it forks, each traced by probes of its own (`--follow-forks`), both
+/// calling once the child's are in place: each counts its own calls, and only those. Linux 6.1
+/// runs a perf-event uretprobe's program in every process where another consumer asked for the
+/// return: each process's return program also fired at the other's returns, 20000 drops each
+/// (`cargo xtask kernels` runs this there).
+#[test]
+fn a_parent_and_its_followed_child_each_count_only_their_own_returns() {
+    let mut target = Waiting::start(&fixture("fork_pair"), &[]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "0.2"]);
+    let markers = [format!("memprof: tracing pid {pid} "), format!("child of pid {pid}")];
+    let outcome = released(memprof, &markers, |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert_eq!(report["forks"]["followed"], 1, "{report}");
+    for process in [&report, &children(&report)[0]] {
+        assert_eq!(total(process, "allocations"), 20_000, "{process}");
+        assert_eq!(total(process, "frees"), 20_000, "{process}");
+        assert_nothing_dropped(process);
+    }
+}
+
 /// `attach --follow-forks` follows the children and grandchildren the process has at attach
 /// (they were skipped without a word), each exact from then on.
 #[test]

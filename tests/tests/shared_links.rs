@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memprof_tests::{attach, fixture, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
+use memprof_tests::{attach, attach_with, fixture, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
 
 /// A process whose main thread called pthread_exit while a worker allocates: the kernel's pid
 /// filter cannot name it (it compares the exited leader's memory), shared links with the map of
@@ -24,6 +24,24 @@ fn a_process_whose_main_thread_exited_is_traced_exactly() {
     assert_eq!(report["totals"]["allocations"], 18, "{report:#}");
     assert_eq!(report["totals"]["frees"], 11, "{report:#}");
     assert_eq!(report["totals"]["freed_bytes"], 1_100, "{report:#}");
+}
+
+/// The same process traced by perf-event uprobes, as on a kernel without uprobe_multi links
+/// (Linux 6.1): the kernel refuses an event on the exited main thread (`No such process`), and
+/// fires one opened on a live thread in every thread of the process.
+#[test]
+fn a_process_whose_main_thread_exited_is_traced_exactly_by_perf_event_uprobes() {
+    let _serial = one_at_a_time();
+    let mut target = Waiting::start(&fixture("leader_exit"), &[]);
+    let pid = target.pid();
+    let mut memprof = Command::new(memprof_tests::memprof_bin());
+    memprof.env("MEMPROF_UPROBE_MULTI", "0");
+    let outcome = attach_with(memprof, &mut target, pid, &["--interval", "60"]);
+    assert!(outcome.status.success(), "{}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "hold_site"), (21_000, 7), "{report:#}");
+    assert_eq!(report["totals"]["allocations"], 18, "{report:#}");
+    assert_eq!(report["totals"]["frees"], 11, "{report:#}");
 }
 
 /// `--probe-links per-process`: the daemon gives its target links of its own, filtered by its pid,

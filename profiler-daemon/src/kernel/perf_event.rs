@@ -17,6 +17,7 @@ use super::{
     helper::{self, Request},
     uprobe_multi,
 };
+use crate::process::procfs;
 
 /// `PERF_FLAG_FD_CLOEXEC`.
 const FD_CLOEXEC: libc::c_ulong = 1 << 3;
@@ -90,6 +91,11 @@ impl Uprobe {
 /// `at_return`. With `semaphore`, a file offset in a writable mapping of the same file: the kernel
 /// increments the 2-byte counter there in the process while the probe is on, and decrements it
 /// when the probe goes, as USDT semaphores want.
+///
+/// The event is opened on the process's main thread, or on a live thread of it once the main
+/// thread has exited (pthread_exit): the kernel refuses an event on an exited thread (`ESRCH`),
+/// and a uprobe's event fires in every thread whose memory is its thread's, which an exited
+/// thread has no more (the kernel's `__uprobe_perf_filter`).
 pub fn uprobe(
     program: BorrowedFd<'_>,
     path: &Path,
@@ -106,6 +112,7 @@ pub fn uprobe(
         return Err(io::Error::other(format!("the semaphore's offset {ref_ctr_offset:#x} is past 4 GiB")));
     }
     let config = ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(at_return) << RETPROBE_BIT;
+    let pid = procfs::memory_task(pid);
     // By the helper: a uprobe's event puts its breakpoints in as it opens.
     let event = helper::make(&Request::PerfUprobe { path, kind, config, offset, pid }, None)?;
     let link = link_create(program, &event, cookie)?;

@@ -329,16 +329,16 @@ impl Attachment {
                 let pid = pid.context("perf-event uprobes are attached per process")?;
                 let program = program.fd()?.as_fd();
                 for point in points {
-                    let probe = perf_event::uprobe(
-                        program,
-                        kernel_path,
-                        point.offset,
-                        None,
-                        point.cookie,
-                        pid.get(),
-                        at_return,
-                    )
-                    .with_context(context)?;
+                    // A return's program runs in other processes too on Linux 6.1: it keeps its
+                    // own (see `RETURN_OWNER_SHIFT`).
+                    let cookie = if at_return {
+                        profiler_common::with_return_owner(point.cookie, pid.get())
+                    } else {
+                        point.cookie
+                    };
+                    let probe =
+                        perf_event::uprobe(program, kernel_path, point.offset, None, cookie, pid.get(), at_return)
+                            .with_context(context)?;
                     self.links.push(Link { probes: Probes::PerfEvent(probe), wave });
                 }
             }
