@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 12] = [
+const TESTS: [(&str, &str); 13] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
