@@ -285,17 +285,9 @@ fn diff_compares_the_children_of_two_sessions_by_site_whatever_their_pids() {
 
 #[test]
 fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
-    let mut target = Waiting::start(&fixture("process_life"), &["fork-churn"]);
-    let pid = target.pid().to_string();
-    let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "0.2"]);
     // The parent forks once traced; the child churns while memprof attaches to it, then leaks
     // once told to (the second "go").
-    let markers = [format!("memprof: tracing pid {pid} "), format!("child of pid {pid}")];
-    let outcome = released(memprof, &markers, |_| target.go());
-    assert!(outcome.status.success(), "{outcome:?}");
-    let report = outcome.final_report();
-    assert_eq!(report["forks"]["followed"], 1, "{report}");
+    let report = attach_following_its_child(Waiting::start(&fixture("process_life"), &["fork-churn"]));
     let child = &children(&report)[0];
     assert_eq!(site(child, "child_leak"), (10 * 1000, 10), "{child}");
     assert_eq!(site(child, "churn_alloc"), (0, 0), "every churned block was freed: {child}");
@@ -314,7 +306,17 @@ fn attach_follows_a_child_that_allocates_and_frees_from_its_fork_exactly() {
 /// (`cargo xtask kernels` runs this there).
 #[test]
 fn a_parent_and_its_followed_child_each_count_only_their_own_returns() {
-    let mut target = Waiting::start(&fixture("fork_pair"), &[]);
+    let report = attach_following_its_child(Waiting::start(&fixture("fork_pair"), &[]));
+    for process in [&report, &children(&report)[0]] {
+        assert_eq!(total(process, "allocations"), 20_000, "{process}");
+        assert_eq!(total(process, "frees"), 20_000, "{process}");
+        assert_nothing_dropped(process);
+    }
+}
+
+/// `memprof attach --follow-forks` (exact) to `target`, which forks one child once traced: the
+/// final report, its child followed.
+fn attach_following_its_child(mut target: Waiting) -> serde_json::Value {
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--max-rate", "off", "--follow-forks", "--json", "--interval", "0.2"]);
@@ -323,11 +325,7 @@ fn a_parent_and_its_followed_child_each_count_only_their_own_returns() {
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     assert_eq!(report["forks"]["followed"], 1, "{report}");
-    for process in [&report, &children(&report)[0]] {
-        assert_eq!(total(process, "allocations"), 20_000, "{process}");
-        assert_eq!(total(process, "frees"), 20_000, "{process}");
-        assert_nothing_dropped(process);
-    }
+    report
 }
 
 /// `attach --follow-forks` follows the children and grandchildren the process has at attach
