@@ -93,12 +93,7 @@ fn attach_inspect_classes_each_block_as_memcheck_and_the_process_runs_on() {
 fn chunk_sizes_that_wrap_around_end_the_walk() {
     let fixture = fixture_with("wrapping_chunks.c", "wrapping_chunks", &["-g", "-O0"]);
     for heap in ["heap", "mapped"] {
-        let mut target = Waiting::start(&fixture, &[heap]);
-        let pid = target.pid();
-        // Killed if it goes round: the test fails instead of waiting for good.
-        let mut memprof = Command::new("timeout");
-        memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
-        let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"]);
+        let outcome = inspect_within_a_minute(Waiting::start(&fixture, &[heap]));
         assert!(outcome.status.success(), "{heap}: {outcome:?}");
         assert!(outcome.stderr.contains("memprof: inspected pid"), "{heap}: {}", outcome.stderr);
         let report = outcome.final_report();
@@ -112,14 +107,19 @@ fn chunk_sizes_that_wrap_around_end_the_walk() {
 #[test]
 fn made_up_block_sizes_are_inspected() {
     let fixture = fixture_with("made_up_sizes.c", "made_up_sizes", &["-g", "-O1", "-rdynamic"]);
-    let mut target = Waiting::start(&fixture, &[]);
-    let pid = target.pid();
-    let mut memprof = Command::new("timeout");
-    memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
-    let outcome = attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"]);
+    let outcome = inspect_within_a_minute(Waiting::start(&fixture, &[]));
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(outcome.stderr.contains("(mimalloc)"), "{}", outcome.stderr);
     assert!(outcome.stderr.contains("memprof: inspected pid"), "{}", outcome.stderr);
+}
+
+/// `attach --inspect --duration 3` to `target`, killed after a minute if it goes round: the
+/// test fails instead of waiting for good.
+fn inspect_within_a_minute(mut target: Waiting) -> Outcome {
+    let pid = target.pid();
+    let mut memprof = Command::new("timeout");
+    memprof.args(["-s", "KILL", "60"]).arg(memprof_bin());
+    attach_with(memprof, &mut target, pid, &["--inspect", "--duration", "3"])
 }
 
 /// Lets the fixture finish: what it prints from now on (`rest_expected`) and its exit code are those of
