@@ -370,10 +370,23 @@ impl SymbolizerThread {
     fn refresh(&mut self, pid: u32, mappings: Option<Vec<FileMapping>>) {
         // An exited process that is not yet reaped still has a /proc entry, with no mappings:
         // keep what was read while it lived.
-        let mappings = match mappings.map_or_else(|| procfs::file_mappings(pid), Ok) {
-            Ok(mappings) if !mappings.is_empty() => mappings,
-            _ => return,
+        let mappings = match mappings {
+            Some(mappings) => mappings,
+            // The code ranges too, from the same read: a process that exits before its last
+            // stacks are named has its addresses sorted out by those (see `sort_out_anonymous`).
+            None => match procfs::file_mappings_and_code(pid) {
+                Ok((mappings, code)) => {
+                    if !code.is_empty() {
+                        self.code.insert(pid, code);
+                    }
+                    mappings
+                }
+                Err(_) => return,
+            },
         };
+        if mappings.is_empty() {
+            return;
+        }
         let old = self.modules.remove(&pid).unwrap_or_default();
         let mut modules = Vec::with_capacity(mappings.len());
         for mapping in mappings {

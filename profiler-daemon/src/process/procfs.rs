@@ -1,6 +1,6 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{collections::HashMap, fs, io, os::unix::fs::MetadataExt, path::Path};
+use std::{collections::HashMap, fs, io, ops::Range, os::unix::fs::MetadataExt, path::Path};
 
 use super::{
     file_cache::{FileId, Opened},
@@ -273,10 +273,17 @@ pub fn exe_path(pid: u32) -> Option<String> {
 /// end of the read: `maps` is read a page at a time, and a read its exit overtakes ends early, a
 /// few mappings long (its executable's first, without its code).
 pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
+    file_mappings_and_code(pid).map(|(mappings, _)| mappings)
+}
+
+/// `file_mappings`, and from the same read the ranges of every executable mapping, a JIT's
+/// anonymous ones too (see `executable_ranges`).
+pub fn file_mappings_and_code(pid: u32) -> io::Result<(Vec<FileMapping>, Vec<Range<u64>>)> {
     let dir = dir(pid);
-    let mut mappings = parse_maps(&read_text(format!("{dir}/maps"))?);
+    let text = read_text(format!("{dir}/maps"))?;
+    let mut mappings = parse_maps(&text);
     if task_stat(&dir).is_none_or(|stat| stat.zombie || stat.exiting) {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     // Files on a user's FUSE mount, or on one that does not answer, are left alone (see
     // `mounts`). Such a file system's device has major number 0, as few others have: mounts are
@@ -292,7 +299,7 @@ pub fn file_mappings(pid: u32) -> io::Result<Vec<FileMapping>> {
             mapping.path = name.clone();
         }
     }
-    Ok(mappings)
+    Ok((mappings, code_ranges(&text)))
 }
 
 /// Takes out of `mappings` those on `pid`'s `risky` mounts that memprof may not look at (each
@@ -506,14 +513,13 @@ pub struct Region {
 }
 
 /// The address ranges of the process's executable mappings, a file's or not (a JIT's code).
-pub fn executable_ranges(pid: u32) -> io::Result<Vec<std::ops::Range<u64>>> {
-    let text = read_text(format!("{}/maps", dir(pid)))?;
-    Ok(text
-        .lines()
-        .filter_map(split_maps_line)
-        .filter(|l| l.perms.get(2) == Some(&b'x'))
-        .map(|l| l.start..l.end)
-        .collect())
+pub fn executable_ranges(pid: u32) -> io::Result<Vec<Range<u64>>> {
+    Ok(code_ranges(&read_text(format!("{}/maps", dir(pid)))?))
+}
+
+/// The executable mappings' ranges in `maps`, the text of `/proc/PID/maps`.
+fn code_ranges(maps: &str) -> Vec<Range<u64>> {
+    maps.lines().filter_map(split_maps_line).filter(|l| l.perms.get(2) == Some(&b'x')).map(|l| l.start..l.end).collect()
 }
 
 /// Every mapping of the process, in address order.
