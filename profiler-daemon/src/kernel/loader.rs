@@ -3,6 +3,7 @@
 
 mod attach;
 mod tracked;
+pub use tracked::Reads;
 mod usdt;
 
 use std::{collections::HashSet, fs, path::Path};

@@ -3,6 +3,7 @@
 
 mod copy;
 mod deferred;
+mod pacing;
 mod reader;
 mod registry;
 pub(crate) use registry::load_segments;
@@ -12,13 +13,18 @@ mod space;
 pub mod table;
 
 use aya::Ebpf;
-use std::{collections::HashMap, os::fd::BorrowedFd};
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::BorrowedFd,
+    time::Duration,
+};
 
 pub use copy::DeferredCopy;
 use profiler_common::LinkMapEvent;
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
+use pacing::Pacing;
 use reader::{Reader, Record};
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported
@@ -36,6 +42,8 @@ pub struct UnwindEvents {
     /// Read from the ring by `collect`, used by `drain`: in between, the exec events that came
     /// before them are handled (see `collect`).
     pending: Vec<Pending>,
+    /// When each process's mappings may be read again: its events wait in `pending` till then.
+    pacing: Pacing,
 }
 
 /// An event read and not used yet.
@@ -44,6 +52,44 @@ enum Pending {
     Deferred(DeferredCopy),
     /// Any other event: its process's mappings changed.
     Changed(u32),
+}
+
+impl Pending {
+    fn tgid(&self) -> u32 {
+        match self {
+            Pending::LinkMap(event) => event.tgid,
+            Pending::Deferred(copy) => copy.tgid(),
+            Pending::Changed(tgid) => *tgid,
+        }
+    }
+}
+
+/// `held`, in order, less what a later event of its process makes useless while it waits: a
+/// process loading libraries without pause would otherwise pile up lists. Its walks are kept;
+/// of its lists only the last, which is the one `drain` would keep; a bare change only when
+/// nothing else of its process is held.
+fn compacted(held: Vec<Pending>) -> Vec<Pending> {
+    let mut last_list = HashMap::new();
+    let mut others = HashSet::new();
+    for (at, event) in held.iter().enumerate() {
+        match event {
+            Pending::LinkMap(event) => {
+                last_list.insert(event.tgid, at);
+                others.insert(event.tgid);
+            }
+            Pending::Deferred(copy) => {
+                others.insert(copy.tgid());
+            }
+            Pending::Changed(_) => {}
+        }
+    }
+    let mut changed_kept = HashSet::new();
+    let mut keep = |at: usize, event: &Pending| match event {
+        Pending::LinkMap(event) => last_list.get(&event.tgid) == Some(&at),
+        Pending::Deferred(_) => true,
+        Pending::Changed(tgid) => !others.contains(tgid) && changed_kept.insert(*tgid),
+    };
+    held.into_iter().enumerate().filter(|(at, event)| keep(*at, event)).map(|(_, event)| event).collect()
 }
 
 /// Whether an event `tgid` sent at `time_ns` comes from the program it runs now (`execs`: see
@@ -71,7 +117,13 @@ impl UnwindEvents {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_EVENTS").ok_or_else(|| anyhow::anyhow!("map UNWIND_EVENTS missing"))?;
         let reader = Reader::start(Ring::new("UNWIND_EVENTS", map)?)?;
-        Ok(Self { reader, objects: HashMap::new(), execs: HashMap::new(), pending: Vec::new() })
+        Ok(Self {
+            reader,
+            objects: HashMap::new(),
+            execs: HashMap::new(),
+            pending: Vec::new(),
+            pacing: Pacing::default(),
+        })
     }
 
     /// Takes the events read so far (see `reader::Reader`), to be used by the next `drain`.
@@ -101,10 +153,15 @@ impl UnwindEvents {
         }
     }
 
-    /// The events `collect` read, less those an exec since made the old program's.
-    pub fn drain(&mut self) -> Drained {
+    /// The events `collect` read, less those an exec since made the old program's: those of
+    /// processes whose mappings may be read at `now_ns` (see `pacing`), or `every` one.
+    pub fn drain(&mut self, now_ns: u64, every: bool) -> Drained {
         let mut drained = Drained::default();
-        for event in std::mem::take(&mut self.pending) {
+        let (due, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|event| every || self.pacing.due(event.tgid(), now_ns));
+        self.pending = compacted(held);
+        for event in due {
             let tgid = match event {
                 Pending::LinkMap(event) => {
                     if sent_by_current_program(&self.execs, event.tgid, event.time_ns) {
@@ -136,6 +193,16 @@ impl UnwindEvents {
         drained
     }
 
+    /// `tgid`'s mappings were read from `started_ns` for `took`: its next events wait their gap.
+    pub fn mappings_read(&mut self, tgid: u32, started_ns: u64, took: Duration) {
+        self.pacing.read(tgid, started_ns, took);
+    }
+
+    /// When the first event held back for its process's gap may be drained.
+    pub fn next_due_ns(&self) -> Option<u64> {
+        self.pacing.next_due_ns(self.pending.iter().map(Pending::tgid))
+    }
+
     /// The last list of objects `tgid`'s dynamic linker sent.
     pub fn objects(&self, tgid: u32) -> Option<&[(u64, String)]> {
         self.objects.get(&tgid).map(|sent| sent.objects.as_slice())
@@ -145,6 +212,7 @@ impl UnwindEvents {
     pub fn forget(&mut self, tgid: u32) {
         self.objects.remove(&tgid);
         self.execs.remove(&tgid);
+        self.pacing.forget(tgid);
     }
 
     /// Process `tgid` exec'd at `time_ns`: the list its old program sent is not its new one's,
@@ -159,5 +227,30 @@ impl UnwindEvents {
     /// Readable while events wait to be collected: for waiting with poll or an async reactor.
     pub fn bell(&self) -> BorrowedFd<'_> {
         self.reader.bell()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(tgid: u32, time_ns: u64) -> Pending {
+        // SAFETY: a plain-data record, all zeros a valid empty list.
+        let mut event: LinkMapEvent = unsafe { std::mem::zeroed() };
+        (event.tgid, event.time_ns) = (tgid, time_ns);
+        Pending::LinkMap(Box::new(event))
+    }
+
+    #[test]
+    fn a_held_process_keeps_its_last_list_and_a_bare_change_only_alone() {
+        let held = vec![list(1, 10), Pending::Changed(1), Pending::Changed(2), list(1, 20), Pending::Changed(2)];
+        let kept: Vec<(u32, Option<u64>)> = compacted(held)
+            .iter()
+            .map(|event| match event {
+                Pending::LinkMap(event) => (event.tgid, Some(event.time_ns)),
+                other => (other.tgid(), None),
+            })
+            .collect();
+        assert_eq!(kept, [(2, None), (1, Some(20))]);
     }
 }

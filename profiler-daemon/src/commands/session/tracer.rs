@@ -29,7 +29,7 @@ use crate::{
     heap::threads::{self, ThreadNames},
     heap::wrappers::Wrappers,
     kernel::aggregate::{self, DoubleFreeReader},
-    kernel::loader::Loaded,
+    kernel::loader::{Loaded, Reads},
     process::procfs,
     symbolize::SymbolizerHandle,
 };
@@ -121,7 +121,7 @@ impl Tracer<'_> {
 
     /// New libraries get their tables (and are probed when they hold the allocator), and walks
     /// the kernel deferred are finished on them.
-    fn on_unwind_events(&mut self) {
+    fn on_unwind_events(&mut self, reads: Reads) {
         // Read, then the execs, then used: a program's mapping changes come after the exec that
         // started it, whose path names its executable when it is gone before its mappings are
         // read (see `UnwindEvents::collect`).
@@ -130,7 +130,7 @@ impl Tracer<'_> {
         let (symbolizer, family) = (&self.symbolizer, &self.family);
         let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());
         let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());
-        for pid in self.loaded.sync_changed_mappings_with(exe_of, on_read) {
+        for pid in self.loaded.sync_changed_mappings_with(reads, exe_of, on_read) {
             self.family.probe(&mut self.loaded, pid);
             if let Some(spots) = self.family.get_mut(pid).and_then(|process| process.blind_spots.as_mut()) {
                 spots.learn_new_files(pid).iter().for_each(|spot| say_not_seen(pid, spot));
@@ -141,7 +141,7 @@ impl Tracer<'_> {
     /// Refreshes what is known of the live processes and collects their double frees.
     fn collect(&mut self, double_free_reader: &mut DoubleFreeReader) {
         // Before the reports: a walk deferred since the last event is finished for them.
-        self.on_unwind_events();
+        self.on_unwind_events(Reads::Every);
         let pids = self.family.pids();
         for pid in pids {
             if let Some(current) = procfs::comm(pid) {
@@ -503,8 +503,9 @@ pub(super) async fn trace(
                 if let Ok(mut ready) = ready {
                     ready.clear_ready();
                 }
-                tracer.on_unwind_events();
+                tracer.on_unwind_events(Reads::Due);
             }
+            () = until_monotonic(tracer.loaded.next_mappings_sync_ns()) => tracer.on_unwind_events(Reads::Due),
             code = exit.exited() => {
                 target_ended = true;
                 break code;

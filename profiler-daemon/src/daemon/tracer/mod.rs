@@ -41,7 +41,7 @@ use crate::{
         double_free::{DoubleFreeFilter, DoubleFrees},
         resident::{PinnedBudget, Resident},
     },
-    kernel::aggregate::DoubleFreeReader,
+    kernel::aggregate::{self, DoubleFreeReader},
     kernel::loader::{self, Attachment, Loaded},
     kernel::shared::{FileId, ProbeLinks},
     symbolize::SymbolizerHandle,
@@ -275,6 +275,10 @@ impl Tracer {
             self.collect_double_frees();
             self.loaded.drain_rung_mappings();
             let mut until = self.next_resync.min(next_snapshot);
+            if let Some(due_ns) = self.loaded.next_mappings_sync_ns() {
+                let wait_ns = due_ns.saturating_sub(aggregate::monotonic_now_ns());
+                until = until.min(Instant::now() + Duration::from_nanos(wait_ns));
+            }
             if !self.starting.is_empty() || !self.exiting.is_empty() {
                 until = until.min(self.next_retry());
             }

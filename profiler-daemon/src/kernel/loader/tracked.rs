@@ -4,6 +4,7 @@
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
+    time::Instant,
 };
 
 use anyhow::Context as _;
@@ -22,6 +23,15 @@ use crate::{
 };
 
 use super::Loaded;
+
+/// Which processes' mapping changes `sync_changed_mappings_with` syncs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Reads {
+    /// Those whose gap since their last read has passed (see `unwind::pacing`).
+    Due,
+    /// Every one: before a report, whose walks must be finished.
+    Every,
+}
 
 impl Loaded {
     /// Makes `pid`'s execs and forks reported in `process_events`.
@@ -273,7 +283,7 @@ impl Loaded {
     /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
     /// finishes those walks on the tables just loaded; returns the pids.
     pub fn sync_changed_mappings(&mut self) -> Vec<u32> {
-        self.sync_changed_mappings_with(procfs::exe_path, |_, _| {})
+        self.sync_changed_mappings_with(Reads::Due, procfs::exe_path, |_, _| {})
     }
 
     /// `sync_changed_mappings`, giving each process's mappings to `on_read` as soon as they are
@@ -283,11 +293,13 @@ impl Loaded {
     /// executable's path from `exe_of`.
     pub fn sync_changed_mappings_with(
         &mut self,
+        reads: Reads,
         exe_of: impl Fn(u32) -> Option<String>,
         mut on_read: impl FnMut(u32, &[FileMapping]),
     ) -> Vec<u32> {
-        let drained = self.unwind_events.drain();
+        let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), reads == Reads::Every);
         for &pid in &drained.pids {
+            let (started_ns, started) = (aggregate::monotonic_now_ns(), Instant::now());
             let changes = self.code_changes(pid);
             let mappings = match procfs::file_mappings(pid) {
                 Ok(mappings) if !mappings.is_empty() => mappings,
@@ -301,6 +313,7 @@ impl Loaded {
             };
             on_read(pid, &mappings);
             self.sync_mappings_with(pid, &mappings, changes);
+            self.unwind_events.mappings_read(pid, started_ns, started.elapsed());
         }
         let mut event = DeferredCopy::blank();
         for copy in &drained.deferred {
@@ -308,6 +321,12 @@ impl Loaded {
             self.unwind.finish_deferred(&self.ebpf, &event);
         }
         drained.pids
+    }
+
+    /// When the next process whose mapping changes wait for their gap may be synced (monotonic
+    /// ns; see `unwind::pacing`).
+    pub fn next_mappings_sync_ns(&self) -> Option<u64> {
+        self.unwind_events.next_due_ns()
     }
 
     /// Records `pid`'s allocations by sampling from now on (see `sample_rates::set`).
