@@ -1,7 +1,7 @@
 //! The daemon within its bounds whatever the traced processes and the clients do: 65,536 deep
 //! stacks with 64 KiB names under the shipped unit's 1 GiB memory limit while 30 clients ask for
 //! the HTML report and /metrics answers within a second; signals from its first moment; a process
-//! that holds most of the live table.
+//! that holds most of the live table; one user's processes that would take every unwind row.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
