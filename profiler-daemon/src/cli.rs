@@ -454,6 +454,10 @@ pub struct DaemonArgs {
     /// Rows of unwind tables kept in the kernel, all files together [default: 16777216].
     #[arg(long, allow_negative_numbers = true, value_parser = whole("rows", 1, u32::MAX))]
     pub max_unwind_rows: Option<u32>,
+    /// Rows of unwind tables one user's traced processes may take, root's excepted; a table past
+    /// it is not loaded for them [default: a quarter of --max-unwind-rows].
+    #[arg(long, allow_negative_numbers = true, value_parser = whole("rows", 1, u32::MAX))]
+    pub max_unwind_rows_per_user: Option<u32>,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs these calls on
     /// the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[arg(long)]

@@ -1,12 +1,12 @@
 //! The daemon within its bounds whatever the traced processes and the clients do: 65,536 deep
 //! stacks with 64 KiB names under the shipped unit's 1 GiB memory limit while 30 clients ask for
 //! the HTML report and /metrics answers within a second; signals from its first moment; a process
-//! that holds most of the live table.
+//! that holds most of the live table; one user's processes that would take every unwind row.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpStream,
-    process::Command,
+    process::{Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -15,8 +15,8 @@ use std::{
 };
 
 use memprof_tests::{
-    attach_with, cgroup::MemoryCgroup, fixture, http_get, memprof_bin, metric, site, socket_answer, start_heapbench,
-    total, wait_for, Daemon, Waiting,
+    attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_with, http_get, memprof_bin, metric, site,
+    socket_answer, start_heapbench, total, wait_for, Daemon, Waiting,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -398,3 +398,112 @@ fn crowding_is_left_alone_under_max_rate_off() {
     assert_eq!(site(&leaks(&holder_pid), "hold_site"), (300_000, 3000));
     assert_eq!(site(&leaks(&guest_pid), "first_site").1 + lost, 2000);
 }
+
+/// The unwind rows are one array for every target too, each file's table shared by the processes
+/// that map it and given first come, first served: one user's processes mapping large files
+/// took them all, and a later process's stacks ended at the first frame in a file without a
+/// table (a C++ program's at operator new, truncated). Here nobody's two processes dlopen four
+/// copies of libstdc++, which would fill the rows; they are refused the tables past their share,
+/// which is said and counted, and a C++ program another user starts after them keeps its whole
+/// stack, exact. The rows of the files no traced process maps any more go back.
+#[test]
+fn one_users_processes_leave_the_unwind_rows_other_users_need() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("memprof-unwind-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Copies the users' programs may read, away from the build's directories.
+    let copy = |from: &std::path::Path, name: &str| {
+        let to = dir.join(name);
+        std::fs::copy(from, &to).unwrap();
+        to.to_str().expect("UTF-8 path").to_string()
+    };
+    let flags = ["-O2", "-g", "-fomit-frame-pointer"];
+    let taker = copy(&fixture_with("unwind_taker.c", "unwind_taker", &flags), "unwind_taker");
+    let keeper = copy(&fixture_cpp("unwind_keeper.cpp", "unwind_keeper", &flags), "unwind_keeper");
+    let libraries: Vec<String> =
+        (1..=4).map(|i| copy(std::path::Path::new(LIBSTDCXX), &format!("libstdcxx-copy-{i}.so"))).collect();
+    let as_user = |uid: u32| {
+        let mut command = Command::new("setpriv");
+        command.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"]);
+        command
+    };
+    let takers: Vec<Waiting> = libraries
+        .chunks(2)
+        .map(|two| {
+            let mut command = as_user(NOBODY);
+            command.arg(&taker).args(two);
+            let child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the taker");
+            let mut taker = Waiting { child };
+            said_held(&mut taker);
+            taker
+        })
+        .collect();
+    let rows = UNWIND_ROWS.to_string();
+    let per_user = UNWIND_ROWS_PER_USER.to_string();
+    let args =
+        ["--comm", "^unwind_(taker|keeper)$", "--max-unwind-rows", &rows, "--max-unwind-rows-per-user", &per_user];
+    let mut daemon = Daemon::start(&args);
+    for taker in &takers {
+        daemon.wait_traced(taker.pid());
+    }
+    let used = || metric(daemon.port, "memprof_unwind_rows{state=\"used\"}");
+    wait_for(20, "the tables the takers were refused", || {
+        (metric(daemon.port, "memprof_unwind_tables_not_loaded_total")? > 0).then_some(())
+    });
+    let taken = used().expect("memprof_unwind_rows");
+    assert!(taken <= UNWIND_ROWS_PER_USER, "nobody's processes took {taken} rows");
+
+    let mut keeper = Waiting::start_command({
+        let mut command = as_user(OTHER_USER);
+        command.args([&keeper, "--wait"]);
+        command
+    });
+    let keeper_pid = keeper.pid().to_string();
+    daemon.wait_traced(keeper.pid());
+    keeper.go();
+    said_held(&mut keeper);
+    let report = wait_for(15, "the keeper's blocks", || {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={keeper_pid}"));
+        (total(&report, "outstanding_allocations") >= 10).then_some(report)
+    });
+    let stacks = report["stacks"].as_array().expect("stacks");
+    let stack =
+        stacks.iter().find(|stack| stack["outstanding_allocations"] == 10).unwrap_or_else(|| panic!("{report}"));
+    let functions: Vec<&str> =
+        stack["frames"].as_array().expect("frames").iter().map(|f| f["function"].as_str().unwrap_or("?")).collect();
+    assert_eq!(functions, KEEPER_STACK, "{report}");
+    assert_eq!(
+        (stack["outstanding_bytes"].as_u64(), stack["truncated"].as_bool()),
+        (Some(400), Some(false)),
+        "{report}"
+    );
+    assert_eq!(report["dropped"]["unwind_no_table"], 0, "{report}");
+
+    // The takers' own program and at least one copy are theirs alone.
+    let before = used().expect("memprof_unwind_rows");
+    drop(takers);
+    wait_for(15, "the takers' rows given back", || (used()? < before).then_some(()));
+    drop(keeper);
+    let log = daemon.stopped_log();
+    let said = format!("user {NOBODY}'s traced processes hold");
+    assert_eq!(log.matches(&said).count(), 1, "{log}");
+    assert!(log.contains("raise --max-unwind-rows-per-user"), "{log}");
+    assert!(!log.contains(&format!("user {OTHER_USER}'s")), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Debian 12's libstdc++ (GCC 12).
+const LIBSTDCXX: &str = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6";
+const NOBODY: u32 = 65534;
+/// A user with no name, in no group but its own.
+const OTHER_USER: u32 = 65533;
+/// Debian 12's files take 28,274 rows (libc), 2,397 (its dynamic linker), 6,271 (libm), 1,380
+/// (libgcc_s) and 34,371 (libstdc++), 72,693 together, and the fixtures a few dozen. Four copies of
+/// libstdc++ beside the others do not fit, and after nobody's share (however its tables came in
+/// order) the rest holds all of the keeper's.
+const UNWIND_ROWS: u64 = 160_000;
+/// Room for the other files and one copy of libstdc++, not two: nobody is refused some, the
+/// keeper's user none.
+const UNWIND_ROWS_PER_USER: u64 = 80_000;
+/// keep_site's blocks, through operator new, whose frame the report leaves out.
+const KEEPER_STACK: [&str; 5] = ["keep_site", "main", "__libc_start_call_main", "__libc_start_main_impl", "_start"];

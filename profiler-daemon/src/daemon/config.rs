@@ -25,6 +25,11 @@ use crate::{
 /// processes (4,096).
 pub const DEFAULT_MAX_TARGETS: usize = 1000;
 
+/// One user's traced processes may take this fraction of `max_unwind_rows` unless told: room for
+/// the largest programs measured, twice over (docs: reference/limits.md#unwind-rows), and three
+/// quarters left to the other users.
+const UNWIND_SHARES: u32 = 4;
+
 /// Seconds between scans of /proc unless told (see `Config::resync`).
 const DEFAULT_RESYNC: f64 = 60.0;
 
@@ -63,6 +68,7 @@ struct File {
     unwind: Option<UnwindMode>,
     max_frames: Option<u32>,
     max_unwind_rows: Option<u32>,
+    max_unwind_rows_per_user: Option<u32>,
     mappings: Option<bool>,
     full_free_stacks: Option<bool>,
     wrappers: Option<Vec<String>>,
@@ -126,6 +132,9 @@ pub struct Config {
     pub leak: LeakSettings,
     pub sampling: Sampling,
     pub maps: LoadSettings,
+    /// Rows of unwind tables one user's processes may take (`--max-unwind-rows-per-user`); read
+    /// at start.
+    pub unwind_rows_per_user: u32,
     /// The allocation wrappers folded into the allocator in every report.
     pub wrappers: Wrappers,
     /// Stacks accepted (valgrind's suppression files): never leak candidates.
@@ -182,6 +191,7 @@ impl Config {
         keep("max_unwind_rows", max_unwind_rows, &loaded.max_unwind_rows, &mut kept);
         keep("mappings", mappings, &loaded.mappings, &mut kept);
         keep("full_free_stacks", full_free_stacks, &loaded.full_free_stacks, &mut kept);
+        keep("max_unwind_rows_per_user", &mut self.unwind_rows_per_user, &running.unwind_rows_per_user, &mut kept);
         keep("[http]", &mut self.http, &running.http, &mut kept);
         keep("[access]", &mut self.access, &running.access, &mut kept);
         if self.sampling.usdt != running.sampling.usdt {
@@ -318,6 +328,16 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
             format!("max_live and max_stacks must be 1 to {MAX_MAP_ENTRIES}, max_unwind_rows at least 1"),
         ));
     }
+    let unwind_rows_per_user = args
+        .max_unwind_rows_per_user
+        .or(file.max_unwind_rows_per_user)
+        .unwrap_or(maps.max_unwind_rows.div_ceil(UNWIND_SHARES));
+    if unwind_rows_per_user == 0 {
+        return Err(ConfigError::Value(
+            "max_unwind_rows_per_user",
+            "0 would unwind no user's stacks; give at least 1".into(),
+        ));
+    }
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
         return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
@@ -343,6 +363,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         leak,
         sampling,
         maps,
+        unwind_rows_per_user,
         wrappers,
         suppressions,
         http,
@@ -508,7 +529,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 28] = [
+    const KEYS: [&str; 29] = [
         "listen",
         "pids",
         "comms",
@@ -531,6 +552,7 @@ mod tests {
         "unwind",
         "max_frames",
         "max_unwind_rows",
+        "max_unwind_rows_per_user",
         "mappings",
         "full_free_stacks",
         "wrappers",

@@ -246,6 +246,16 @@ pub fn comm(pid: u32) -> Option<String> {
     read_text(format!("/proc/{pid}/comm")).ok().map(|c| printable(c.trim_end_matches('\n')).into_owned())
 }
 
+/// The user who started the process: the real uid of `/proc/PID/status`'s `Uid:` line (a
+/// set-user-ID program run by a user counts as that user's).
+pub fn real_uid(pid: u32) -> Option<u32> {
+    parse_real_uid(&read_text(format!("/proc/{pid}/status")).ok()?)
+}
+
+fn parse_real_uid(status: &str) -> Option<u32> {
+    status.lines().find_map(|line| line.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
+}
+
 /// The process's pid in its own pid namespace, when that is not memprof's (a container's process):
 /// the last entry of `NSpid` in `/proc/PID/status`, whose first entry is the pid memprof sees.
 pub fn ns_pid(pid: u32) -> Option<u32> {
@@ -609,6 +619,14 @@ mod tests {
         assert_eq!(parse_ns_pid("NSpid:\t4321\n"), None);
         assert_eq!(parse_ns_pid("Name:\tsh\n"), None);
         assert_eq!(ns_pid(std::process::id()), None, "the tests run in memprof's own namespace");
+    }
+
+    #[test]
+    fn the_real_uid_is_the_first_of_the_uid_line() {
+        assert_eq!(parse_real_uid("Name:\tpasswd\nUid:\t1000\t0\t0\t0\nGid:\t1000\t1000\t1000\t1000\n"), Some(1000));
+        assert_eq!(parse_real_uid("Name:\tsh\n"), None);
+        // SAFETY: getuid has no arguments and cannot fail.
+        assert_eq!(real_uid(std::process::id()), Some(unsafe { libc::getuid() }));
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod registry;
 pub(crate) use registry::load_segments;
 mod shard_map;
 mod shards;
+mod share;
 mod space;
 pub mod table;
 

@@ -14,6 +14,7 @@ use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, M
 use super::{
     deferred::{Completion, Deferred},
     shards::{Shards, SHARD_BYTES},
+    share::UserShares,
     space::RowSpace,
     table,
 };
@@ -44,9 +45,20 @@ struct FileTable {
     /// Executable loadable segments: (file offset, file size, virtual address), to find a
     /// mapping's bias.
     segments: Vec<(u64, u64, u64)>,
-    /// Traced processes that map the file.
-    users: usize,
+    /// How many traced processes map the file, by their user (see `share`).
+    users: HashMap<u32, usize>,
 }
+
+/// A traced process: its user and the files it maps with code.
+#[derive(Default)]
+struct Process {
+    uid: u32,
+    files: HashSet<FileKey>,
+}
+
+/// The user a process is counted under when it was gone before its user could be read: one of
+/// its own, bounded as any other.
+const UNKNOWN_USER: u32 = u32::MAX;
 
 /// Unwind tables in the kernel and the processes that use them.
 pub struct Registry {
@@ -55,8 +67,10 @@ pub struct Registry {
     /// Which rows are in use, up to `--max-unwind-rows`.
     space: RowSpace,
     files: HashMap<FileKey, FileTable>,
+    /// The rows each user's processes hold, and the most one may take.
+    shares: UserShares,
     /// Files each traced process maps, to release them when it goes.
-    processes: HashMap<u32, HashSet<FileKey>>,
+    processes: HashMap<u32, Process>,
     /// Files `memprof run`'s command is about to map (`preload`), held for it until a list of
     /// its mappings has them all: its first list, read at its exec, has only the executable and
     /// the dynamic linker, and releasing the C library's table there only to build it again a
@@ -133,6 +147,7 @@ impl Registry {
             shards,
             space: RowSpace::new(capacity),
             files: HashMap::new(),
+            shares: UserShares::default(),
             processes: HashMap::new(),
             preloaded: HashMap::new(),
             linker_hooked: HashSet::new(),
@@ -153,7 +168,7 @@ impl Registry {
             key_bytes(key) + size_of::<FileTable>() + file.segments.capacity() * size_of::<(u64, u64, u64)>()
         };
         let held: usize = self.files.iter().map(file_bytes).sum::<usize>()
-            + self.processes.values().flatten().map(key_bytes).sum::<usize>();
+            + self.processes.values().flat_map(|process| &process.files).map(key_bytes).sum::<usize>();
         let (used, capacity) = (u64::from(self.space.used()), u64::from(self.space.capacity()));
         TableUse {
             files: self.files.len(),
@@ -168,6 +183,11 @@ impl Registry {
             text_bytes,
             held_bytes: held as u64,
         }
+    }
+
+    /// Bounds the rows one user's traced processes may take (`--max-unwind-rows-per-user`).
+    pub fn bound_per_user(&mut self, rows: u32) {
+        self.shares.bound(rows);
     }
 
     /// Kernel memory the shards not created yet would take, were every row up to `--max-unwind-rows` used.
@@ -197,13 +217,18 @@ impl Registry {
         mappings: &[FileMapping],
         changes: u64,
     ) -> anyhow::Result<bool> {
+        let old = self.processes.remove(&pid);
+        let uid = procfs::real_uid(pid).or(old.as_ref().map(|process| process.uid)).unwrap_or(UNKNOWN_USER);
+        let old = old.unwrap_or_default();
+        // The files this user holds for the process already; each new one is taken as it comes,
+        // so that the next table built is weighed against the rows taken before it.
+        let held = if uid == old.uid { old.files.clone() } else { HashSet::new() };
         let mut entries = Vec::new();
         let mut used = HashSet::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
             let key = (mapping.device.clone(), mapping.inode);
-            let Some(file) = self.file(&key, pid, mapping) else { continue };
+            let Some(file) = self.file(&key, pid, uid, mapping) else { continue };
             let Some(bias) = bias(&file.segments, mapping) else { continue };
-            used.insert(key);
             entries.push(ExecMapping {
                 start: mapping.start,
                 end: mapping.end,
@@ -213,6 +238,10 @@ impl Registry {
                 kind: file.kind,
                 _pad: 0,
             });
+            if !held.contains(&key) && !used.contains(&key) {
+                self.acquire(&key, uid);
+            }
+            used.insert(key);
         }
         if entries.len() > MAX_MAPPINGS {
             self.warn_once(
@@ -231,34 +260,49 @@ impl Registry {
             entries: [ExecMapping::default(); MAX_MAPPINGS],
         };
         list.entries[..entries.len()].copy_from_slice(&entries);
+        if let Err(err) = self.write_list(ebpf, pid, &list) {
+            // The kernel keeps the old list: the process keeps the files it names.
+            for key in used.difference(&held) {
+                self.release(key, uid);
+            }
+            self.processes.insert(pid, old);
+            self.drop_unused();
+            return Err(err);
+        }
+        if let Some(preloaded) = self.preloaded.get(&pid) {
+            if preloaded.is_subset(&used) {
+                self.preloaded.remove(&pid);
+            } else {
+                let missing: Vec<FileKey> = preloaded.difference(&used).cloned().collect();
+                for key in missing {
+                    if !held.contains(&key) {
+                        self.acquire(&key, uid);
+                    }
+                    used.insert(key);
+                }
+            }
+        }
+        for key in old.files.iter().filter(|key| !(held.contains(*key) && used.contains(*key))) {
+            self.release(key, old.uid);
+        }
+        let changed = used != old.files;
+        self.processes.insert(pid, Process { uid, files: used });
+        self.drop_unused();
+        if changed {
+            self.log_use();
+        }
+        Ok(changed)
+    }
+
+    /// Gives the kernel `pid`'s mapping list.
+    fn write_list(&mut self, ebpf: &mut Ebpf, pid: u32, list: &ProcMappings) -> anyhow::Result<()> {
         let mut map: BpfHashMap<_, u32, ProcMappings> = BpfHashMap::try_from(
             ebpf.map_mut("PROC_MAPPINGS").ok_or_else(|| anyhow::anyhow!("map PROC_MAPPINGS missing"))?,
         )?;
         map.insert(pid, list, 0)?;
         // After the write: a walk that began before it may cache the new rows under the old
         // generation, which the bump then discards.
-        self.new_generation(ebpf)?;
-        if let Some(preloaded) = self.preloaded.get(&pid) {
-            if preloaded.is_subset(&used) {
-                self.preloaded.remove(&pid);
-            } else {
-                used.extend(preloaded.iter().cloned());
-            }
-        }
-        let old = self.processes.insert(pid, used.clone()).unwrap_or_default();
-        for key in used.difference(&old) {
-            if let Some(file) = self.files.get_mut(key) {
-                file.users += 1;
-            }
-        }
-        for key in old.difference(&used) {
-            self.release(key);
-        }
-        self.drop_unused();
-        if used != old {
-            self.log_use();
-        }
-        Ok(used != old)
+        self.new_generation(ebpf)
     }
 
     /// `pid`'s dynamic linker is hooked (`mappings_changed` in the BPF crate), in the program it
@@ -325,6 +369,7 @@ impl Registry {
     /// only its mappings are left to read, in a moment, before much of it has run.
     pub fn preload(&mut self, pid: u32, paths: &[std::path::PathBuf]) {
         use std::os::unix::fs::MetadataExt as _;
+        let uid = procfs::real_uid(pid).unwrap_or(UNKNOWN_USER);
         let mut keys = HashSet::new();
         for path in paths {
             let Ok(meta) = std::fs::metadata(path) else { continue };
@@ -339,13 +384,11 @@ impl Registry {
                 inode: meta.ino(),
             };
             let key = (device, meta.ino());
-            if self.file(&key, pid, &mapping).is_some() && keys.insert(key.clone()) {
-                if let Some(file) = self.files.get_mut(&key) {
-                    file.users += 1;
-                }
+            if self.file(&key, pid, uid, &mapping).is_some() && keys.insert(key.clone()) {
+                self.acquire(&key, uid);
             }
         }
-        self.processes.insert(pid, keys.clone());
+        self.processes.insert(pid, Process { uid, files: keys.clone() });
         self.preloaded.insert(pid, keys);
         self.log_use();
     }
@@ -379,16 +422,33 @@ impl Registry {
         self.deferred.forget(pid);
         self.preloaded.remove(&pid);
         self.linker_hooked.remove(&pid);
-        for key in self.processes.remove(&pid).unwrap_or_default() {
-            self.release(&key);
+        let process = self.processes.remove(&pid).unwrap_or_default();
+        for key in &process.files {
+            self.release(key, process.uid);
         }
         self.drop_unused();
         self.log_use();
     }
 
-    fn release(&mut self, key: &FileKey) {
-        if let Some(file) = self.files.get_mut(key) {
-            file.users = file.users.saturating_sub(1);
+    /// One more process of `uid` maps the file.
+    fn acquire(&mut self, key: &FileKey, uid: u32) {
+        let Some(file) = self.files.get_mut(key) else { return };
+        let processes = file.users.entry(uid).or_default();
+        if *processes == 0 {
+            self.shares.take(uid, file.rows);
+        }
+        *processes += 1;
+    }
+
+    /// One process of `uid` maps the file no more: the user's share gives its rows back with
+    /// their last such process; `drop_unused` frees them with the last process of all.
+    fn release(&mut self, key: &FileKey, uid: u32) {
+        let Some(file) = self.files.get_mut(key) else { return };
+        let Some(processes) = file.users.get_mut(&uid) else { return };
+        *processes -= 1;
+        if *processes == 0 {
+            file.users.remove(&uid);
+            self.shares.give(uid, file.rows);
         }
     }
 
@@ -396,26 +456,27 @@ impl Registry {
         let space = &mut self.space;
         let before = self.files.len();
         self.files.retain(|_, file| {
-            if file.users == 0 && file.rows > 0 {
+            if file.users.is_empty() && file.rows > 0 {
                 space.free(file.first_row, file.rows);
             }
-            file.users > 0
+            !file.users.is_empty()
         });
         if self.files.len() < before {
             self.shards.release_unused(&self.space);
         }
     }
 
-    /// The table of a mapped file, built and written to the kernel the first time it is seen.
-    /// None when it cannot be loaded (said once, counted in `not_loaded`; its frames end stacks
-    /// and are counted as `unwind_no_table`).
-    fn file(&mut self, key: &FileKey, pid: u32, mapping: &FileMapping) -> Option<&FileTable> {
+    /// The table of a mapped file, built and written to the kernel the first time a process of
+    /// `uid` maps it. None when it cannot be loaded (said once, counted in `not_loaded`; its frames
+    /// end stacks and are counted as `unwind_no_table`).
+    fn file(&mut self, key: &FileKey, pid: u32, uid: u32, mapping: &FileMapping) -> Option<&FileTable> {
         if !self.files.contains_key(key) {
             // Building a large table takes a while: not again before it can fit.
-            if self.refused.get(key).is_some_and(|&rows| rows > 0 && !self.space.fits(rows)) {
+            let fits = |rows| self.space.fits(rows) && self.shares.fits(uid, rows);
+            if self.refused.get(key).is_some_and(|&rows| rows > 0 && !fits(rows)) {
                 return None;
             }
-            match self.build(pid, mapping) {
+            match self.build(pid, uid, mapping) {
                 Ok(table) => {
                     self.refused.remove(key);
                     self.files.insert(key.clone(), table);
@@ -433,7 +494,7 @@ impl Registry {
     }
 
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
-    fn build(&mut self, pid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
+    fn build(&mut self, pid: u32, uid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
         let data = match mapping.open(pid).map(|file| elf_bytes::read(&file)) {
             Some(Ok(data)) => data,
@@ -470,7 +531,13 @@ impl Registry {
                         &format!("{path} has no .eh_frame: its frames are unwound with frame pointers"),
                     );
                 }
-                return Ok(FileTable { first_row: 0, rows: 0, kind: mapping_kind::FRAME_POINTERS, segments, users: 0 });
+                return Ok(FileTable {
+                    first_row: 0,
+                    rows: 0,
+                    kind: mapping_kind::FRAME_POINTERS,
+                    segments,
+                    users: HashMap::new(),
+                });
             }
             Err(err) => {
                 self.warn_once(path, &format!("{path}: {err}: its frames are not unwound"));
@@ -478,6 +545,14 @@ impl Registry {
             }
         };
         let count = u32::try_from(rows.len()).unwrap_or(u32::MAX);
+        if !self.shares.fits(uid, count) {
+            let (held, limit) = (self.shares.held(uid), self.shares.limit().unwrap_or(u32::MAX));
+            self.warn_once(
+                &format!("share of user {uid}"),
+                &format!("user {uid}'s traced processes hold {held} unwind rows of the {limit} one user may take: frames in {path} ({count} rows, pid {pid}) and their later files past that are not unwound, other users' are; raise --max-unwind-rows-per-user"),
+            );
+            return Err(count);
+        }
         let Some(first_row) = self.space.alloc(count) else {
             let (capacity, free) = (self.space.capacity(), self.space.capacity() - self.space.used());
             self.warn_once(
@@ -494,7 +569,7 @@ impl Registry {
         }
         self.shards.write(first_row, &rows);
         tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
-        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: 0 })
+        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new() })
     }
 
     fn warn_once(&mut self, what: &str, message: &str) {

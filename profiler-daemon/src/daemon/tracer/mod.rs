@@ -191,6 +191,7 @@ impl Tracer {
         // A Go program without cgo is traced through its runtime's sampler even without `--usdt`.
         let samplers = if config.sampling.usdt { loader::Samplers::Every } else { loader::Samplers::Some };
         let mut loaded = loader::load(config.maps, config.interval, samplers, true)?;
+        loaded.unwind.bound_per_user(config.unwind_rows_per_user);
         if config.sampling.growth {
             loaded.trace_page_faults()?;
         }
