@@ -122,7 +122,7 @@ pub fn large_folio_alloc(ctx: RawTracePointContext) -> i32 {
         Some(code) if code.pid_tgid == pid_tgid => code.addr & PAGE_MASK,
         _ => 0,
     };
-    if LARGE_FOLIOS.insert(pid_tgid, &LargeFolio { page, fault, order }, 0).is_err() {
+    if LARGE_FOLIOS.insert(pid_tgid, LargeFolio { page, fault, order }, 0).is_err() {
         count_drop(DropReason::FaultSizeUnknown);
     }
     0
