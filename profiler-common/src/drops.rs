@@ -52,10 +52,14 @@ pub enum DropReason {
     MmapEventLost = 17,
     /// The same ring was full at a page's first touch (`--growth`): the page is not counted.
     FaultEventLost = 18,
+    /// `--growth`: a large folio (a transparent huge page) a thread was given could not be tied
+    /// to its fault (given on a CPU whose last fault was another, or outside a fault), or not
+    /// kept: the fault counts one page.
+    FaultSizeUnknown = 19,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 19;
+    pub const COUNT: usize = 20;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -76,6 +80,7 @@ impl DropReason {
         DropReason::DeferredWalkLost,
         DropReason::MmapEventLost,
         DropReason::FaultEventLost,
+        DropReason::FaultSizeUnknown,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -100,6 +105,7 @@ impl DropReason {
             DropReason::DeferredWalkLost => "deferred_walk_lost",
             DropReason::MmapEventLost => "mmap_event_lost",
             DropReason::FaultEventLost => "fault_event_lost",
+            DropReason::FaultSizeUnknown => "fault_size_unknown",
         }
     }
 }

@@ -100,7 +100,8 @@ pub struct MappingEvent {
     pub mm: u64,
     /// `MAP`, `UNMAP`: the range's start; `REMAP`: the old range's.
     pub addr: u64,
-    /// `MAP`, `UNMAP`: the range's length; `REMAP`: the old range's.
+    /// `MAP`, `UNMAP`: the range's length; `REMAP`: the old range's; `FAULT`: the bytes the fault
+    /// mapped, a page or a (transparent) huge page's, which `addr` is in.
     pub len: u64,
     /// `REMAP`: the new range's start; `BRK`: the new break.
     pub new_addr: u64,

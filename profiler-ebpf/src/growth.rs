@@ -1,11 +1,20 @@
 //! `--growth`: a traced process's heap seen by its page faults instead of its allocator calls.
-//! The daemon opens a page-fault software event on each of the process's threads (inherited by
-//! the threads they start) with this program on it; the program walks the stack of
-//! each fault and sends the page to the daemon through `mapping`'s ring, which keeps each page
-//! with the stack that first touched it until the process gives it back. Its cost follows the
-//! pages a process touches for the first time, not its allocator calls: a fault on a page already
-//! present (copy-on-write after a fork, a write to the zero page a read mapped) is no first touch
-//! and is dropped before the walk.
+//! The daemon opens a software event counting minor page faults on each of the process's threads
+//! (inherited by the threads they start) with this program on it; the kernel counts a fault once
+//! it has handled it, so the page is mapped when the program runs. The program walks the stack of
+//! each fault and sends the page, and how much the fault mapped, to the daemon through
+//! `mapping`'s ring, which keeps each page with the stack that first touched it until the process
+//! gives it back. Its cost follows the pages a process touches for the first time, not its
+//! allocator calls: a fault on a page already present (copy-on-write after a fork, a write to the
+//! zero page a read mapped) is no first touch and is dropped before the walk.
+//!
+//! How much a fault mapped: a transparent huge page (2 MiB, or a smaller multi-size one) is a
+//! large folio the kernel allocates in the fault, movable, and frees again in it when it does not
+//! map it (its memory cgroup refused it, or another thread mapped the span first). The page
+//! allocator's tracepoints keep, for each thread of a process traced by its pages, the large
+//! folio it holds from such an allocation, and the fault's event takes it: the daemon counts the
+//! fault at the fault, not by reading the page map later, when the huge page may have been split
+//! or the process gone.
 
 use core::mem::offset_of;
 
@@ -13,19 +22,20 @@ use aya_ebpf::{
     bindings::{bpf_perf_event_data, pt_regs},
     helpers::{bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_ktime_get_ns, bpf_task_pt_regs},
     macros::{map, perf_event, raw_tracepoint},
-    maps::PerCpuArray,
+    maps::{HashMap, PerCpuArray},
     programs::{PerfEventContext, RawTracePointContext},
     EbpfContext,
 };
-use profiler_common::stack_table;
+use profiler_common::{stack_table, traced, DropReason};
 
 use crate::{
     mapping, process,
-    shared::kernel_word,
+    shared::{count_drop, kernel_word},
     unwind::{self, Regs, TakenReturns},
 };
 
-const PAGE_MASK: u64 = !4095;
+const PAGE: u64 = 4096;
+const PAGE_MASK: u64 = !(PAGE - 1);
 /// The page-fault error code's bit for a page present: a protection fault.
 const PF_PROT: u64 = 1;
 
@@ -66,6 +76,87 @@ fn page_present(addr: u64) -> bool {
     unsafe {
         (*code).pid_tgid == bpf_get_current_pid_tgid() && (*code).addr == addr && (*code).error_code & PF_PROT != 0
     }
+}
+
+/// A large folio a thread of a process traced by its pages was given, and the fault it was in.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct LargeFolio {
+    /// Its `struct page`, as the allocator's and the free's tracepoints name it.
+    page: u64,
+    /// The page of the fault the thread was in, from this CPU's `FAULT_CODES`; 0 when this CPU's
+    /// last fault was another thread's (the thread moved between CPUs in its fault).
+    fault: u64,
+    order: u64,
+}
+
+/// The large folio each thread (`pid_tgid`) holds since its latest allocation, until its fault's
+/// event takes it or the thread frees it. An entry of a thread that allocated one outside a fault
+/// (a file's large folio read in by a system call) stays until its next fault's event, which
+/// finds it for another page and counts it as `fault_size_unknown`, as an insert into the full
+/// map is.
+#[map]
+static LARGE_FOLIOS: HashMap<u64, LargeFolio> = HashMap::with_max_entries(4_096, 0);
+
+/// `enum migratetype`'s `MIGRATE_MOVABLE`: a process's pages are, the kernel's own large
+/// allocations (slabs, the huge zero page) are not.
+const MIGRATE_MOVABLE: u64 = 1;
+/// The smallest large folio a fault maps (multi-size THP's 16 KiB).
+const LARGE_ORDER: u64 = 2;
+
+/// `mm_page_alloc(struct page *page, unsigned int order, gfp_t gfp_flags, int migratetype)`:
+/// every allocation of pages on the machine, while a process is traced by its pages. Most are
+/// single pages and return at the first test.
+#[raw_tracepoint(tracepoint = "mm_page_alloc")]
+pub fn large_folio_alloc(ctx: RawTracePointContext) -> i32 {
+    let (page, order, migratetype): (u64, u64, u64) = (ctx.arg(0), ctx.arg(1), ctx.arg(3));
+    if order < LARGE_ORDER || migratetype & 0xffff_ffff != MIGRATE_MOVABLE || page == 0 {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if process::traced_flags((pid_tgid >> 32) as u32).is_none_or(|flags| flags & traced::GROWTH == 0) {
+        return 0;
+    }
+    // SAFETY: the map's slot for this CPU, copied at once.
+    let fault = match FAULT_CODES.get_ptr(0).map(|code| unsafe { *code }) {
+        Some(code) if code.pid_tgid == pid_tgid => code.addr & PAGE_MASK,
+        _ => 0,
+    };
+    if LARGE_FOLIOS.insert(pid_tgid, LargeFolio { page, fault, order }, 0).is_err() {
+        count_drop(DropReason::FaultSizeUnknown);
+    }
+    0
+}
+
+/// `mm_page_free(struct page *page, unsigned int order)`: a large folio the fault did not map
+/// goes back in the same thread.
+#[raw_tracepoint(tracepoint = "mm_page_free")]
+pub fn large_folio_free(ctx: RawTracePointContext) -> i32 {
+    let (page, order): (u64, u64) = (ctx.arg(0), ctx.arg(1));
+    if order < LARGE_ORDER {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: a copy of the value is taken at once.
+    if unsafe { LARGE_FOLIOS.get(pid_tgid) }.is_some_and(|held| held.page == page) {
+        let _ = LARGE_FOLIOS.remove(pid_tgid);
+    }
+    0
+}
+
+/// The bytes the current thread's fault at `page` mapped: its large folio's, when the thread
+/// still holds one allocated in this fault; otherwise one page. A folio not known to be this
+/// fault's (allocated on a CPU whose last fault was another's, or outside a fault) is counted.
+#[inline(never)]
+fn fault_bytes(pid_tgid: u64, page: u64) -> u64 {
+    // SAFETY: a copy of the value is taken at once.
+    let Some(held) = (unsafe { LARGE_FOLIOS.get(pid_tgid) }).copied() else { return PAGE };
+    let _ = LARGE_FOLIOS.remove(pid_tgid);
+    if held.fault == page && held.order < 32 {
+        return PAGE << held.order;
+    }
+    count_drop(DropReason::FaultSizeUnknown);
+    PAGE
 }
 
 #[perf_event]
@@ -114,6 +205,7 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
     let stack_id = unwind::stack_id(stack_table::ALLOCATIONS, tgid, regs);
     // SAFETY: a helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    mapping::send_fault(tgid, addr & PAGE_MASK, stack_id, now);
+    let bytes = fault_bytes(bpf_get_current_pid_tgid(), addr & PAGE_MASK);
+    mapping::send_fault(tgid, addr & PAGE_MASK, bytes, stack_id, now);
     0
 }

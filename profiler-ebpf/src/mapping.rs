@@ -242,8 +242,8 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
 }
 
 /// The first touch of the page at `addr` by `stack_id` (see `growth`).
-pub fn send_fault(tgid: u32, addr: u64, stack_id: u64, time_ns: u64) {
-    let change = Change { kind: mapping_event::FAULT, addr, len: 0, new_addr: 0, new_len: 0, flags: 0, grows: true };
+pub fn send_fault(tgid: u32, addr: u64, len: u64, stack_id: u64, time_ns: u64) {
+    let change = Change { kind: mapping_event::FAULT, addr, len, new_addr: 0, new_len: 0, flags: 0, grows: true };
     emit(tgid, &change, stack_id, 0, time_ns);
 }
 

@@ -97,6 +97,26 @@ fn a_transparent_huge_page_is_held_whole() {
     assert_eq!(through(&report, "write_first_byte"), (resident / 2, resident / 2 / PAGE), "{report}");
 }
 
+/// A huge page split before memprof reads its fault (part of it given back at once, as jemalloc
+/// purges): the fault still mapped 2 MiB, and the stack that touched it holds what stays in
+/// memory of them, not one page.
+#[test]
+fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
+    let mut target = Waiting::start(&fixture("growth"), &["split"]);
+    let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let mut truth = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
+    let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
+    let [huge, resident] = numbers[..] else { panic!("the fixture's truth: {truth}") };
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    assert_eq!(huge, 2 << 20, "the kernel gave the fixture no huge page (THP: {thp})");
+    assert_eq!(resident, 1 << 20, "{truth}");
+    let report = outcome.final_report();
+    assert_eq!(through(&report, "touch_huge_page"), (resident, resident / PAGE), "{report}");
+    assert_eq!(report["dropped"]["fault_size_unknown"], 0, "{}", report["dropped"]);
+}
+
 #[test]
 fn attach_sees_the_leaking_site_on_glibc_and_jemalloc() {
     for fixture in [fixture("growth"), jemalloc_fixture()] {

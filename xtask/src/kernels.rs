@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 13] = [
+const TESTS: [(&str, &str); 14] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -42,6 +42,9 @@ const TESTS: [(&str, &str); 13] = [
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
     ("growth", "run_sees_the_leaking_site_on_glibc"),
+    // Growth mode's huge pages: one split before memprof reads its fault counts as the fault
+    // mapped it, by the page allocator's programs.
+    ("growth", "a_huge_page_split_at_once_is_held_as_its_fault_mapped_it"),
     // The daemon's switch to growth mode: the machine-wide programs detached and attached again.
     ("sampling", "growth_modes_programs_for_the_whole_machine_go_with_its_last_process"),
     // `--mappings`: the system calls' fexit programs, exact.

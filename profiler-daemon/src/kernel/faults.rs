@@ -1,10 +1,13 @@
-//! The page-fault events `--growth` traces a process by: a software event counting page faults
-//! on each of its threads, with the `page_fault` program run at every one. Events opened on a
-//! task are inherited by the threads it starts (not by the processes it forks: memprof follows
-//! those itself, with events of their own), and go when their descriptors close. The page-fault
-//! tracepoints run `fault_code` at every fault on the machine while a process is traced by its
-//! pages: it keeps the fault's error code, by which `page_fault` drops the faults on pages
-//! already present before their walk.
+//! The page-fault events `--growth` traces a process by: a software event counting minor page
+//! faults on each of its threads (inherited by the threads they start), with the `page_fault`
+//! program run at every one, once the kernel has handled it. Events opened on a task are
+//! inherited by the threads they start (not by the processes it forks: memprof follows those
+//! itself, with events of their own), and go when their descriptors close. While a process is
+//! traced by its pages, programs run at tracepoints of every process on the machine: at every
+//! fault, `fault_code` keeps the fault's error code, by which `page_fault` drops the faults on
+//! pages already present before their walk; at every allocation and free of pages,
+//! `large_folio_alloc` and `large_folio_free` keep the transparent huge page a fault of a traced
+//! thread was given, by which `page_fault` tells what the fault mapped.
 
 use std::{
     collections::HashSet,
@@ -22,14 +25,21 @@ use super::perf_event::{self, PerfEventAttr};
 use crate::process::procfs;
 
 const PROGRAM: &str = "page_fault";
-/// The program that keeps each fault's error code, and the tracepoints it runs at: faults in
-/// user code, and faults in the kernel on a process's memory.
-const CODE_PROGRAM: &str = "fault_code";
-const CODE_TRACEPOINTS: [&str; 2] = ["page_fault_user", "page_fault_kernel"];
+/// The programs that run for every process on the machine, and their tracepoints: a fault's
+/// error code, in user code and in the kernel on a process's memory; the large folios a traced
+/// thread is given and gives back.
+const MACHINE_WIDE: [(&str, &str); 4] = [
+    ("fault_code", "page_fault_user"),
+    ("fault_code", "page_fault_kernel"),
+    ("large_folio_alloc", "mm_page_alloc"),
+    ("large_folio_free", "mm_page_free"),
+];
 
-/// `PERF_TYPE_SOFTWARE`, `PERF_COUNT_SW_PAGE_FAULTS`.
+/// `PERF_TYPE_SOFTWARE`, `PERF_COUNT_SW_PAGE_FAULTS_MIN`: counted at the end of a fault that
+/// mapped a page without waiting for a read (`mm_account_fault`), as every first touch of
+/// anonymous memory is.
 const PERF_TYPE_SOFTWARE: u32 = 1;
-const PERF_COUNT_SW_PAGE_FAULTS: u64 = 2;
+const PERF_COUNT_SW_PAGE_FAULTS_MIN: u64 = 5;
 /// `perf_event_attr`'s flag bits: `inherit`, and `inherit_thread` (Linux 5.13): inherited by
 /// threads only.
 const INHERIT: u64 = 1 << 1;
@@ -37,22 +47,26 @@ const INHERIT_THREAD: u64 = 1 << 35;
 /// `PERF_EVENT_IOC_SET_BPF`: `_IOW('$', 8, __u32)`.
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 
-/// Loads the page-fault program and the error codes' (once, before the first `open`), for as
-/// long as `ebpf` lives.
+/// The links of the programs that run for every process on the machine, by program.
+pub type MachineWideLinks = Vec<(&'static str, RawTracePointLinkId)>;
+
+/// Loads the page-fault program and the machine-wide ones (once, before the first `open`), for
+/// as long as `ebpf` lives.
 pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    codes(ebpf)?.load().with_context(|| format!("loading program {CODE_PROGRAM}"))?;
+    for name in ["fault_code", "large_folio_alloc", "large_folio_free"] {
+        tracepoint_program(ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
+    }
     program(ebpf)?.load().context("loading the page-fault program")
 }
 
-/// Attaches the error codes' program, which runs at every fault on the machine: only while a
-/// process is traced by its pages (see `detach_codes`).
-pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<Vec<RawTracePointLinkId>> {
-    let codes = codes(ebpf)?;
+/// Attaches the programs that run for every process on the machine: only while a process is
+/// traced by its pages (see `detach_codes`).
+pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<MachineWideLinks> {
     let mut links = Vec::new();
-    for tracepoint in CODE_TRACEPOINTS {
-        let link = codes.attach(tracepoint);
-        match link.with_context(|| format!("attaching {CODE_PROGRAM} to the {tracepoint} tracepoint")) {
-            Ok(link) => links.push(link),
+    for (name, tracepoint) in MACHINE_WIDE {
+        let link = tracepoint_program(ebpf, name).and_then(|program| Ok(program.attach(tracepoint)?));
+        match link.with_context(|| format!("attaching {name} to the {tracepoint} tracepoint")) {
+            Ok(link) => links.push((name, link)),
             Err(err) => {
                 detach_codes(ebpf, links);
                 return Err(err);
@@ -62,20 +76,18 @@ pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<Vec<RawTracePointLinkId>>
     Ok(links)
 }
 
-/// Takes the error codes' program off the machine's faults.
-pub fn detach_codes(ebpf: &mut Ebpf, links: Vec<RawTracePointLinkId>) {
-    let Ok(codes) = codes(ebpf) else { return };
-    for link in links {
-        if let Err(err) = codes.detach(link) {
-            tracing::warn!("detaching {CODE_PROGRAM}: {err}");
+/// Takes the machine-wide programs off the machine's tracepoints.
+pub fn detach_codes(ebpf: &mut Ebpf, links: MachineWideLinks) {
+    for (name, link) in links {
+        let detached = tracepoint_program(ebpf, name).and_then(|program| Ok(program.detach(link)?));
+        if let Err(err) = detached {
+            tracing::warn!("detaching {name}: {err:#}");
         }
     }
 }
 
-fn codes(ebpf: &mut Ebpf) -> anyhow::Result<&mut RawTracePoint> {
-    let program = ebpf
-        .program_mut(CODE_PROGRAM)
-        .with_context(|| format!("program {CODE_PROGRAM} missing from the eBPF object"))?;
+fn tracepoint_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut RawTracePoint> {
+    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
     Ok(program.try_into()?)
 }
 
@@ -116,7 +128,7 @@ fn threads(pid: u32) -> io::Result<Vec<u32>> {
 fn open_one(tid: u32, program: i32) -> io::Result<OwnedFd> {
     let attr = PerfEventAttr {
         kind: PERF_TYPE_SOFTWARE,
-        config: PERF_COUNT_SW_PAGE_FAULTS,
+        config: PERF_COUNT_SW_PAGE_FAULTS_MIN,
         // The program runs at every fault.
         sample_period: 1,
         flags: INHERIT | INHERIT_THREAD,

@@ -14,8 +14,6 @@ use profiler_common::{
 use crate::kernel::ages::Clock;
 
 pub const PAGE: u64 = 4096;
-/// A transparent huge page, which one fault can give a process (x86-64's PMD size).
-pub const HUGE_PAGE: u64 = 2 << 20;
 
 /// One process's pages and what each stack holds of them.
 #[derive(Debug, Default)]
@@ -65,17 +63,6 @@ impl Pages {
         for page in (start..end).step_by(PAGE as usize) {
             self.touch(clock, page, stack_id, time_ns);
         }
-    }
-
-    /// Whether any page of `[start, end)` is held.
-    pub fn holds_any(&self, start: u64, end: u64) -> bool {
-        self.held.range(start..end).next().is_some()
-    }
-
-    /// Whether `page` is the one page of `[start, end)` held, by `stack_id`.
-    pub fn holds_only(&self, start: u64, end: u64, page: u64, stack_id: u64) -> bool {
-        let mut held = self.held.range(start..end);
-        matches!(held.next(), Some((&at, touch)) if at == page && touch.stack_id == stack_id) && held.next().is_none()
     }
 
     /// The pages of `[start, end)` were given back at `now_ns`.
@@ -128,6 +115,9 @@ impl Pages {
 mod tests {
     use super::*;
 
+    /// A transparent huge page, which one fault can give a process (x86-64's PMD size).
+    const HUGE_PAGE: u64 = 2 << 20;
+
     const CLOCK: Clock = Clock { base_ns: 0, length_ns: 1_000 };
 
     fn outstanding(pages: &Pages, stack: u64) -> u64 {
@@ -172,25 +162,9 @@ mod tests {
     fn a_huge_page_holds_each_of_its_pages_once() {
         let mut pages = Pages::default();
         pages.touch(&CLOCK, HUGE_PAGE + PAGE, 5, 0);
-        assert!(pages.holds_any(HUGE_PAGE, 2 * HUGE_PAGE) && !pages.holds_any(0, HUGE_PAGE));
         pages.touch_all(&CLOCK, HUGE_PAGE, 2 * HUGE_PAGE, 4, 0);
         assert_eq!((outstanding(&pages, 5), outstanding(&pages, 4)), (PAGE, HUGE_PAGE - PAGE));
         assert_eq!(pages.held_bytes(), HUGE_PAGE);
-    }
-
-    #[test]
-    fn a_span_held_by_its_first_touch_alone_is_known_as_such() {
-        let mut pages = Pages::default();
-        let (span, page) = (HUGE_PAGE..2 * HUGE_PAGE, HUGE_PAGE + PAGE);
-        assert!(!pages.holds_only(span.start, span.end, page, 5));
-        pages.touch(&CLOCK, page, 5, 0);
-        assert!(pages.holds_only(span.start, span.end, page, 5));
-        // Another stack, another page, or a second page held: not the fault's alone any more.
-        assert!(
-            !pages.holds_only(span.start, span.end, page, 6) && !pages.holds_only(span.start, span.end, HUGE_PAGE, 5)
-        );
-        pages.touch(&CLOCK, page + PAGE, 5, 0);
-        assert!(!pages.holds_only(span.start, span.end, page, 5));
     }
 
     #[test]

@@ -9,7 +9,7 @@ mod usdt;
 use std::{collections::HashSet, fs, path::Path};
 
 use anyhow::Context as _;
-use aya::{programs::raw_trace_point::RawTracePointLinkId, Ebpf, EbpfLoader};
+use aya::{Ebpf, EbpfLoader};
 
 pub use crate::kernel::probes::Attachment;
 use crate::{
@@ -18,6 +18,7 @@ use crate::{
     kernel::btf,
     kernel::detacher::Detacher,
     kernel::events::{self, ProcessEvents},
+    kernel::faults,
     kernel::map_memory,
     kernel::mappings::MappedRanges,
     kernel::probes::{self, Method},
@@ -72,9 +73,9 @@ pub struct Loaded {
     growth: bool,
     /// The page-fault program is loaded, for `--growth` or a process switched to it.
     faults_loaded: bool,
-    /// The links of the program at every page fault on the machine, while a process is traced
-    /// by its pages (see `rest_page_faults`).
-    fault_codes: Option<Vec<RawTracePointLinkId>>,
+    /// The links of the programs at every page fault and page allocation on the machine, while
+    /// a process is traced by its pages (see `rest_page_faults`).
+    fault_codes: Option<faults::MachineWideLinks>,
     /// `--mappings`: the mapping calls' programs stay attached while memprof runs.
     mappings_asked: bool,
     /// Which processes share links with every traced process that maps the same file, rather

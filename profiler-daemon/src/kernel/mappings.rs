@@ -20,10 +20,9 @@ use crate::{
     bell::EdgeBell,
     kernel::{
         ages::Clock,
-        growth::{Pages, HUGE_PAGE, PAGE},
+        growth::{Pages, PAGE},
         mapping_programs::MappingPrograms,
     },
-    process::pagemap::{self, Fault},
     ring::Ring,
 };
 
@@ -89,14 +88,9 @@ impl MappedRanges {
         &self.bell
     }
 
-    /// Applies the calls and page touches that arrived since the last drain, in their order; then
-    /// looks again at the huge pages that were still being mapped at the last.
+    /// Applies the calls and page touches that arrived since the last drain, in their order.
     pub fn drain(&mut self, clock: &Clock) {
         self.ring.read_each(|event: MappingEvent| self.spaces.entry(event.tgid).or_default().apply(clock, &event));
-        let now_ns = crate::kernel::aggregate::monotonic_now_ns();
-        for (&tgid, space) in self.spaces.iter_mut().filter(|(_, space)| !space.unsettled.is_empty()) {
-            space.settle(clock, tgid, now_ns);
-        }
     }
 
     /// Keeps the pages `tgid` touches from now on (`--growth`), in the anonymous memory it has
@@ -171,24 +165,7 @@ struct Space {
     pages: Option<Pages>,
     /// Events applied so far: what changed the ranges and pages.
     events: u64,
-    /// Faults that may have mapped a huge page, whose page was not mapped yet when read: each
-    /// holds one page until it is (see `settle`).
-    unsettled: Vec<Unsettled>,
 }
-
-/// A fault whose span may become one huge page (see `Space::touch`).
-#[derive(Debug, Clone, Copy)]
-struct Unsettled {
-    block: u64,
-    page: u64,
-    stack_id: u64,
-    time_ns: u64,
-}
-
-/// How long a fault may take to map its page. One not mapped by then had its page given back.
-const MAPPING_NS: u64 = 1_000_000_000;
-/// Faults waiting to be looked at again, at most, per process.
-const UNSETTLED_MAX: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Range {
@@ -212,7 +189,6 @@ impl Space {
             if self.mm != 0 {
                 (self.ranges, self.brk) = (BTreeMap::new(), None);
                 self.pages = self.pages.take().map(|_| Pages::default());
-                self.unsettled.clear();
             }
             self.mm = event.mm;
         }
@@ -254,50 +230,21 @@ impl Space {
         }
     }
 
-    /// A page fault: held when it is in the process's anonymous memory. The first fault in a
-    /// huge page's span that the ranges cover whole may have got the kernel to map a whole
-    /// transparent huge page: then each of its pages is held (no other faults there follow).
+    /// A page fault: held when it is in the process's anonymous memory. A fault the kernel
+    /// answered with a transparent huge page mapped all of it (`MappingEvent::len`): each of its
+    /// pages is held (no other faults there follow), when the ranges cover it whole.
     fn touch(&mut self, clock: &Clock, event: &MappingEvent) {
-        let Some(pages) = &self.pages else { return };
         let in_range = self.covers(event.addr, event.addr + 1);
-        let block = event.addr & !(HUGE_PAGE - 1);
-        // Cheapest test first: after a span's first fault, no other one in it is looked up.
-        let fault = if in_range && !pages.holds_any(block, block + HUGE_PAGE) && self.covers(block, block + HUGE_PAGE) {
-            pagemap::fault_mapped(event.tgid, block, HUGE_PAGE, event.addr)
-        } else {
-            Fault::Page
-        };
+        let mapped = event.len.max(PAGE);
+        let block = event.addr & !(mapped - 1);
+        let whole = mapped > PAGE && mapped.is_power_of_two() && self.covers(block, block + mapped);
         let Some(pages) = &mut self.pages else { return };
         if !in_range {
             pages.outside += 1;
-            return;
-        }
-        if fault == Fault::HugePage {
-            pages.touch_all(clock, block, block + HUGE_PAGE, event.stack_id, event.time_ns);
-            return;
-        }
-        pages.touch(clock, event.addr, event.stack_id, event.time_ns);
-        if fault == Fault::NotMapped && self.unsettled.len() < UNSETTLED_MAX {
-            let (page, stack_id, time_ns) = (event.addr, event.stack_id, event.time_ns);
-            self.unsettled.push(Unsettled { block, page, stack_id, time_ns });
-        }
-    }
-
-    /// The faults whose page was not mapped yet at their reading (zeroing a huge page takes
-    /// milliseconds): each whose span is now one huge page holds all of it, if its page is still
-    /// the span's one page held, as the fault left it. Those still not mapped wait for the next.
-    fn settle(&mut self, clock: &Clock, tgid: u32, now_ns: u64) {
-        let Some(pages) = &mut self.pages else { return };
-        for fault in std::mem::take(&mut self.unsettled) {
-            let (start, end) = (fault.block, fault.block + HUGE_PAGE);
-            if !pages.holds_only(start, end, fault.page, fault.stack_id) {
-                continue;
-            }
-            match pagemap::fault_mapped(tgid, start, HUGE_PAGE, fault.page) {
-                Fault::HugePage => pages.touch_all(clock, start, end, fault.stack_id, fault.time_ns),
-                Fault::NotMapped if now_ns.saturating_sub(fault.time_ns) < MAPPING_NS => self.unsettled.push(fault),
-                _ => {}
-            }
+        } else if whole {
+            pages.touch_all(clock, block, block + mapped, event.stack_id, event.time_ns);
+        } else {
+            pages.touch(clock, event.addr, event.stack_id, event.time_ns);
         }
     }
 
@@ -474,5 +421,23 @@ mod tests {
         assert_eq!(pages(&space), Some((PAGE, 1)));
         space.apply(&CLOCK, &event(mapping_event::UNMAP, 0x40000, 2 * PAGE, 0));
         assert_eq!(pages(&space), Some((0, 1)));
+    }
+
+    /// A fault that mapped a huge page holds each of its pages, as long as the ranges hold them
+    /// all; a part given back right after goes, the rest stays.
+    #[test]
+    fn a_huge_pages_fault_holds_the_whole_huge_page() {
+        const HUGE: u64 = 2 << 20;
+        let mut space = Space { mm: 7, pages: Some(Pages::default()), ..Space::default() };
+        space.apply(&CLOCK, &event(mapping_event::MAP, HUGE, 2 * HUGE, 1));
+        space.apply(&CLOCK, &event(mapping_event::FAULT, HUGE + 5 * PAGE, HUGE, 5));
+        let held = |space: &Space| space.pages.as_ref().map(|p| p.held_bytes());
+        assert_eq!(held(&space), Some(HUGE));
+        space.apply(&CLOCK, &event(mapping_event::RELEASE, HUGE + HUGE / 2, HUGE / 2, 0));
+        assert_eq!(held(&space), Some(HUGE / 2));
+        // A huge page's span the ranges do not hold whole (a stale event): only the page.
+        space.apply(&CLOCK, &event(mapping_event::UNMAP, 2 * HUGE + HUGE / 2, HUGE / 2, 0));
+        space.apply(&CLOCK, &event(mapping_event::FAULT, 2 * HUGE, HUGE, 5));
+        assert_eq!(held(&space), Some(HUGE / 2 + PAGE));
     }
 }

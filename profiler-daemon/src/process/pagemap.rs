@@ -12,13 +12,6 @@ pub const PAGE: u64 = 4096;
 pub const SOFT_DIRTY: u64 = 1 << 55;
 const SWAPPED: u64 = 1 << 62;
 const PRESENT: u64 = 1 << 63;
-/// An entry's physical frame number (shown to CAP_SYS_ADMIN only; 0 to others).
-const FRAME: u64 = (1 << 55) - 1;
-/// `/proc/kpageflags`' flags (linux/kernel-page-flags.h): the first page of a compound page, a
-/// page of a transparent huge page, the shared zero page (a read of memory never written).
-const KPF_COMPOUND_HEAD: u64 = 1 << 15;
-const KPF_THP: u64 = 1 << 22;
-const KPF_ZERO_PAGE: u64 = 1 << 24;
 
 pub struct Pagemap(fs::File);
 
@@ -79,51 +72,6 @@ pub fn present_pages(pid: u32, pages: &[u64]) -> Option<Vec<bool>> {
         rest = &rest[together..];
     }
     Some(present)
-}
-
-/// What a fault at `fault` in the `len` bytes at `start` (a huge page's span, aligned to it) of
-/// process `pid` mapped there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// One transparent huge page holds the span: its first and last entries map the first and
-    /// last frames of a run of `len` bytes aligned to it, the first of which `/proc/kpageflags`
-    /// flags as a huge page's head, not the shared huge zero page. Smaller large pages
-    /// (multi-size THP) are not one.
-    HugePage,
-    /// Anything else, or what cannot be read (the process has exited).
-    Page,
-    /// Nothing yet at `fault`: a fault's event comes before its page is mapped, and a huge page
-    /// is mapped only once zeroed. Or the page was given back since.
-    NotMapped,
-}
-
-/// What process `pid` has at `fault` and in the span around it (see `Fault`).
-pub fn fault_mapped(pid: u32, start: u64, len: u64, fault: u64) -> Fault {
-    let pages = len / PAGE;
-    let Ok(pagemap) = Pagemap::open(pid) else { return Fault::Page };
-    let (Ok(at_fault), Ok(first), Ok(last)) =
-        (pagemap.exact(fault / PAGE, 1), pagemap.exact(start / PAGE, 1), pagemap.exact(start / PAGE + pages - 1, 1))
-    else {
-        return Fault::Page;
-    };
-    if !holds_data(at_fault[0]) {
-        return Fault::NotMapped;
-    }
-    let (first, last) = (first[0], last[0]);
-    let frame = first & FRAME;
-    let mapped = first & last & PRESENT != 0 && frame != 0 && frame.is_multiple_of(pages);
-    if !mapped || last & FRAME != frame + pages - 1 {
-        return Fault::Page;
-    }
-    let mut flags = [0u8; 8];
-    let read = fs::File::open("/proc/kpageflags").and_then(|file| file.read_exact_at(&mut flags, frame * 8));
-    let flags = u64::from_ne_bytes(flags);
-    let huge = flags & (KPF_THP | KPF_COMPOUND_HEAD) == KPF_THP | KPF_COMPOUND_HEAD && flags & KPF_ZERO_PAGE == 0;
-    if read.is_ok() && huge {
-        Fault::HugePage
-    } else {
-        Fault::Page
-    }
 }
 
 /// Whether a page holds anything but zeros, or the file's own bytes: in memory or swapped out.
