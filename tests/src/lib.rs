@@ -78,17 +78,24 @@ impl Outcome {
 
     /// Every JSON report, in order.
     pub fn reports(&self) -> Vec<Value> {
-        self.stdout
-            .lines()
-            .map(|line| {
-                serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}\nstderr: {}", self.stderr))
-            })
-            .collect()
+        self.each_report().collect()
+    }
+
+    /// Every JSON report, in order, each parsed as it is reached: a run with many large reports
+    /// (a short interval) would hold gigabytes as parsed values.
+    pub fn each_report(&self) -> impl Iterator<Item = Value> + '_ {
+        self.stdout.lines().map(|line| self.parsed(line))
+    }
+
+    fn parsed(&self, line: &str) -> Value {
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}\nstderr: {}", self.stderr))
     }
 
     /// The last report, which must be the final one.
     pub fn final_report(&self) -> Value {
-        let report = self.reports().pop().unwrap_or_else(|| panic!("no report printed; stderr: {}", self.stderr));
+        let last = self.stdout.lines().last();
+        let report =
+            last.map(|line| self.parsed(line)).unwrap_or_else(|| panic!("no report printed; stderr: {}", self.stderr));
         assert_eq!(report["final"], true, "the last report is not final: {report}");
         report
     }

@@ -67,12 +67,11 @@ fn pythons_small_objects_under_run_are_counted() {
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(outcome.stderr.contains("starting the command with PYTHONMALLOC=malloc"), "{}", outcome.stderr);
     assert!(!outcome.stderr.contains("not seen"), "{}", outcome.stderr);
-    let reports = outcome.reports();
     // From 2 s on: python has started (slower under the probes) and pauses before it builds. What
     // it built is the most held then, less the least held before that: at its exit python frees
     // its start-up heap too, which tracemalloc, started after it, never counted.
-    let held: Vec<u64> = reports
-        .iter()
+    let held: Vec<u64> = outcome
+        .each_report()
         .filter(|report| report["final"] == false && report["duration_s"].as_f64().unwrap() >= 2.0)
         .map(|report| report["totals"]["outstanding_bytes"].as_u64().unwrap())
         .collect();

@@ -83,15 +83,10 @@ fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
 /// follows there: each of its pages is held by the stack that touched it.
 #[test]
 fn a_transparent_huge_page_is_held_whole() {
-    let mut target = Waiting::start(&fixture("growth"), &["huge"]);
-    let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
-    assert!(outcome.status.success(), "{outcome:?}");
-    let mut truth = String::new();
-    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
+    let (report, truth) = attach_to_huge_pages("huge");
     let resident: u64 = truth.trim().strip_prefix("huge resident bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     assert_eq!(resident, 4 << 20, "the kernel gave the fixture no huge pages (THP: {thp})");
-    let report = outcome.final_report();
     assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
     // Touched by a function's first instruction: named after it, not after the one before.
     assert_eq!(through(&report, "write_first_byte"), (resident / 2, resident / 2 / PAGE), "{report}");
@@ -102,19 +97,25 @@ fn a_transparent_huge_page_is_held_whole() {
 /// memory of them, not one page.
 #[test]
 fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
-    let mut target = Waiting::start(&fixture("growth"), &["split"]);
-    let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
-    assert!(outcome.status.success(), "{outcome:?}");
-    let mut truth = String::new();
-    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
+    let (report, truth) = attach_to_huge_pages("split");
     let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
     let [huge, resident] = numbers[..] else { panic!("the fixture's truth: {truth}") };
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     assert_eq!(huge, 2 << 20, "the kernel gave the fixture no huge page (THP: {thp})");
     assert_eq!(resident, 1 << 20, "{truth}");
-    let report = outcome.final_report();
     assert_eq!(through(&report, "touch_huge_page"), (resident, resident / PAGE), "{report}");
     assert_eq!(report["dropped"]["fault_size_unknown"], 0, "{}", report["dropped"]);
+}
+
+/// `attach --growth` for 2 s to the fixture `growth MODE`: the final report, and the line of
+/// truth the fixture prints once memprof has gone.
+fn attach_to_huge_pages(mode: &str) -> (Value, String) {
+    let mut target = Waiting::start(&fixture("growth"), &[mode]);
+    let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let mut truth = String::new();
+    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
+    (outcome.final_report(), truth)
 }
 
 #[test]
