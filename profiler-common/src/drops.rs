@@ -52,10 +52,14 @@ pub enum DropReason {
     MmapEventLost = 17,
     /// The same ring was full at a page's first touch (`--growth`): the page is not counted.
     FaultEventLost = 18,
+    /// Counted by memprof, not by the programs: the thread the process's perf-event uprobes
+    /// were opened on exited while other threads ran on, and they fired no more until memprof
+    /// opened them again on a live thread. Counts such gaps, not the calls in them.
+    ProbeThreadExited = 19,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 19;
+    pub const COUNT: usize = 20;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -76,6 +80,7 @@ impl DropReason {
         DropReason::DeferredWalkLost,
         DropReason::MmapEventLost,
         DropReason::FaultEventLost,
+        DropReason::ProbeThreadExited,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -100,6 +105,7 @@ impl DropReason {
             DropReason::DeferredWalkLost => "deferred_walk_lost",
             DropReason::MmapEventLost => "mmap_event_lost",
             DropReason::FaultEventLost => "fault_event_lost",
+            DropReason::ProbeThreadExited => "probe_thread_exited",
         }
     }
 }
