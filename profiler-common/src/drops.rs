@@ -56,10 +56,14 @@ pub enum DropReason {
     /// to its fault (given on a CPU whose last fault was another, or outside a fault), or not
     /// kept: the fault counts one page.
     FaultSizeUnknown = 19,
+    /// Counted by memprof, not by the programs: the thread the process's perf-event uprobes
+    /// were opened on exited while other threads ran on, and they fired no more until memprof
+    /// opened them again on a live thread. Counts such gaps, not the calls in them.
+    ProbeThreadExited = 20,
 }
 
 impl DropReason {
-    pub const COUNT: usize = 20;
+    pub const COUNT: usize = 21;
     pub const ALL: [DropReason; DropReason::COUNT] = [
         DropReason::LiveMapFull,
         DropReason::StatsMapFull,
@@ -81,6 +85,7 @@ impl DropReason {
         DropReason::MmapEventLost,
         DropReason::FaultEventLost,
         DropReason::FaultSizeUnknown,
+        DropReason::ProbeThreadExited,
     ];
 
     /// The snake_case name used in reports and metrics.
@@ -106,6 +111,7 @@ impl DropReason {
             DropReason::MmapEventLost => "mmap_event_lost",
             DropReason::FaultEventLost => "fault_event_lost",
             DropReason::FaultSizeUnknown => "fault_size_unknown",
+            DropReason::ProbeThreadExited => "probe_thread_exited",
         }
     }
 }

@@ -40,7 +40,8 @@ pub struct ProcessEvent {
     pub tgid: u32,
     /// The task the event names besides the process, by its kernel pid (a thread's id): for a
     /// fork, the new process (its main thread, whose pid is its tgid); for an exec, the thread
-    /// that called it, by its id before the exec (`tgid` unless another of its threads exec'd).
+    /// that called it, by its id before the exec (`tgid` unless another of its threads exec'd);
+    /// for a probe thread's exit, that thread.
     pub pid: u32,
     /// For an exec, the new program's number (`ProcHeap::image`): what the process's maps hold
     /// under a smaller one, or allocated before `time_ns`, is the old program's.
@@ -73,6 +74,10 @@ pub mod process_event {
     /// The process's main thread exited: the process is gone, or is a moment later, unless its
     /// other threads run on (the main thread called `pthread_exit`).
     pub const EXIT: u32 = 2;
+    /// The thread the process's perf-event uprobes were opened on (`pid`) exited. Unless the
+    /// whole process goes with it, they fire no more: the kernel fires such an event only in the
+    /// threads whose memory is that thread's, and an exited thread has none.
+    pub const PROBE_THREAD_EXIT: u32 = 3;
 }
 
 /// Which execs and forks of processes not traced are reported too (`DISCOVER`), for the daemon

@@ -9,7 +9,10 @@
 //! follows and detaches from the processes that exit.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_str_bytes,
+    },
     macros::{map, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
@@ -17,7 +20,7 @@ use aya_ebpf::{
 };
 use profiler_common::{discover, process_event, traced, ProcessEvent};
 
-use crate::shared::{add, NO_PREALLOC};
+use crate::shared::{add, kernel_word, NO_PREALLOC};
 
 /// Traced processes (tgid) and their `traced::` flags, kept by the daemon.
 #[map]
@@ -29,6 +32,10 @@ static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 /// `discover::` flags: which execs and forks of untraced processes are reported too.
 #[map]
 static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
+/// The thread each traced process's perf-event uprobes are opened on (its id, to its process's
+/// tgid), kept by user space where the kernel has no uprobe_multi links: its exit is reported.
+#[map]
+static PROBE_THREADS: HashMap<u32, u32> = HashMap::with_max_entries(4_096, NO_PREALLOC);
 /// Events `PROCESS_EVENTS` had no room for.
 #[map]
 static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
@@ -39,6 +46,16 @@ static PROCESS_EVENTS_LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 
 static TASK_PID_OFFSET: Global<u32> = Global::new(0);
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: Global<u32> = Global::new(0);
+/// Offsets of `signal` in `struct task_struct`, and of `flags` and `group_exec_task` in
+/// `struct signal_struct` (0: unknown, not read), read the same way.
+#[unsafe(no_mangle)]
+static TASK_SIGNAL_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static SIGNAL_FLAGS_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static SIGNAL_EXEC_TASK_OFFSET: Global<u32> = Global::new(0);
+/// `SIGNAL_GROUP_EXIT` of include/linux/sched/signal.h: the process exits whole.
+const SIGNAL_GROUP_EXIT: u64 = 0x4;
 /// Offset of `filename` in `struct linux_binprm` (0: unknown, the path is not sent).
 #[unsafe(no_mangle)]
 static BPRM_FILENAME_OFFSET: Global<u32> = Global::new(0);
@@ -143,7 +160,9 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
 }
 
 /// A thread exited (`sched_process_exit`): when it is a traced process's main thread, the
-/// process is reported, for the daemon to let it go at once. Other threads cost a comparison.
+/// process is reported, for the daemon to let it go at once; when its perf-event uprobes were
+/// opened on it, that too, for memprof to open them again on a live thread (they stop firing at
+/// this exit, see `PROBE_THREADS`). Other threads cost a lookup.
 #[inline(always)]
 pub fn on_thread_exit() {
     let ids = bpf_get_current_pid_tgid();
@@ -151,4 +170,23 @@ pub fn on_thread_exit() {
     if pid == tgid && traced_flags(tgid).is_some() {
         emit(process_event::EXIT, tgid, 0, 0);
     }
+    // SAFETY: a copy of the value is taken at once; user space writes entries whole.
+    if unsafe { PROBE_THREADS.get(pid) }.is_some_and(|&owner| owner == tgid) && !process_goes_whole() {
+        emit(process_event::PROBE_THREAD_EXIT, tgid, pid, 0);
+    }
+}
+
+/// Whether the current thread exits with its whole process: an `exit_group` or a fatal signal
+/// (`SIGNAL_GROUP_EXIT`), or an exec by another of its threads (`group_exec_task`), which the
+/// exec's event reports.
+fn process_goes_whole() -> bool {
+    // SAFETY: a helper without arguments.
+    let task = unsafe { bpf_get_current_task() };
+    let signal = kernel_word(task, TASK_SIGNAL_OFFSET.load());
+    if signal == 0 {
+        return false;
+    }
+    let exec_task = SIGNAL_EXEC_TASK_OFFSET.load();
+    kernel_word(signal, SIGNAL_FLAGS_OFFSET.load()) & SIGNAL_GROUP_EXIT != 0
+        || (exec_task != 0 && kernel_word(signal, exec_task) != 0)
 }

@@ -7,7 +7,7 @@ use std::{
     io::{BufRead, BufReader, Read, Write},
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
-    sync::Mutex,
+    sync::{mpsc, Mutex},
     thread,
 };
 
@@ -170,6 +170,18 @@ impl Waiting {
         self.child.id()
     }
 
+    /// The fixture's next line on stdout, read a byte at a time: a buffered reader dropped here
+    /// could swallow the line after it.
+    pub fn next_line(&mut self) -> String {
+        let mut line = String::new();
+        let stdout = self.child.stdout.as_mut().expect("piped");
+        let mut byte = [0u8];
+        while stdout.read(&mut byte).expect("reading the fixture") == 1 && byte[0] != b'\n' {
+            line.push(byte[0] as char);
+        }
+        line
+    }
+
     /// Lets the fixture do its work.
     pub fn go(&mut self) {
         self.child.stdin.as_mut().expect("piped").write_all(b"go\n").expect("writing to the fixture");
@@ -213,35 +225,61 @@ fn every_call_unless_chosen(memprof: &mut Command, args: &[&str]) {
     }
 }
 
+/// How long `released` waits for each marker, times `time_scale`: a memprof that never says it
+/// (an old binary, say) would otherwise hang the test, its command waiting for the release.
+const MARKER_WAIT_SECONDS: u64 = 120;
+
 /// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
 /// `release` (which may signal memprof to end). Returns once memprof has exited, with all it
-/// printed.
+/// printed. Fails, memprof killed, when a marker does not come within `MARKER_WAIT_SECONDS`.
 pub fn released(mut memprof: Command, markers: &[String], mut release: impl FnMut(&mut Child)) -> Outcome {
     let mut memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
     let stdout = collect(memprof.stdout.take().expect("piped"));
-    let mut stderr = BufReader::new(memprof.stderr.take().expect("piped"));
+    let lines = lines_of(memprof.stderr.take().expect("piped"));
     let mut seen = String::new();
     for marker in markers {
+        let wait = std::time::Duration::from_secs(MARKER_WAIT_SECONDS * time_scale());
+        let deadline = std::time::Instant::now() + wait;
         loop {
-            let mut line = String::new();
-            if stderr.read_line(&mut line).expect("reading memprof's stderr") == 0 {
-                let status = memprof.wait().expect("waiting for memprof");
-                panic!("memprof ended ({status}) before `{marker}`: {seen}");
-            }
-            seen.push_str(&line);
-            if line.contains(marker.as_str()) {
-                break;
+            match lines.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+                Ok(line) => {
+                    seen.push_str(&line);
+                    if line.contains(marker.as_str()) {
+                        break;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = memprof.kill();
+                    let _ = memprof.wait();
+                    panic!("memprof did not say `{marker}` within {} s: {seen}", wait.as_secs());
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = memprof.wait().expect("waiting for memprof");
+                    panic!("memprof ended ({status}) before `{marker}`: {seen}");
+                }
             }
         }
         release(&mut memprof);
     }
-    let rest = collect(stderr.into_inner());
+    let rest: String = lines.iter().collect();
     let status = memprof.wait().expect("waiting for memprof");
-    Outcome {
-        status,
-        stdout: stdout.join().expect("stdout reader"),
-        stderr: seen + &rest.join().expect("stderr reader"),
-    }
+    Outcome { status, stdout: stdout.join().expect("stdout reader"), stderr: seen + &rest }
+}
+
+/// The lines `from` gives, each as it comes, until its end.
+fn lines_of(from: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (send, lines) = mpsc::channel();
+    thread::spawn(move || {
+        let mut from = BufReader::new(from);
+        let mut line = Vec::new();
+        while from.read_until(b'\n', &mut line).is_ok_and(|read| read > 0) {
+            if send.send(String::from_utf8_lossy(&line).into_owned()).is_err() {
+                break;
+            }
+            line.clear();
+        }
+    });
+    lines
 }
 
 fn collect(mut from: impl Read + Send + 'static) -> thread::JoinHandle<String> {

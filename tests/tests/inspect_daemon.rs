@@ -5,7 +5,7 @@
 //! blocks that changed are read again in the stop.
 
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::Write as _,
     path::Path,
     process::{Command, Stdio},
     thread,
@@ -145,9 +145,9 @@ fn inspect_churning(crowd: u32, held: u64, daemon_args: &[&str]) -> Value {
     daemon.wait_traced(crowd_pid);
     daemon.wait_traced(busy_pid);
     crowd.go();
-    assert_eq!(next_line(&mut crowd), "held\n");
+    assert_eq!(crowd.next_line(), "held");
     busy.go();
-    assert_eq!(next_line(&mut busy), "set\n");
+    assert_eq!(busy.next_line(), "set");
     let (status, report) = daemon.get_json(&format!("/api/v1/inspect?pid={busy_pid}"));
     assert_eq!(status, 200, "{report}");
     // Two stacks make held blocks (the first made, those replacing them): their sum, one more
@@ -165,14 +165,7 @@ fn inspect_churning(crowd: u32, held: u64, daemon_args: &[&str]) -> Value {
         "{lost}"
     );
     busy.child.stdin.as_mut().unwrap().write_all(b"end\n").unwrap();
-    assert_eq!(next_line(&mut busy), "done ok\n");
+    assert_eq!(busy.next_line(), "done ok");
     assert!(busy.child.wait().unwrap().success());
     report["inspection"].clone()
-}
-
-/// The next line the fixture prints.
-fn next_line(target: &mut Waiting) -> String {
-    let mut line = String::new();
-    BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    line
 }

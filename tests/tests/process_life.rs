@@ -431,18 +431,6 @@ fn a_fork_storm_counts_every_child_and_leaves_the_parent_exact() {
     }
 }
 
-/// Reads the next line the fixture writes to stdout.
-fn next_line(target: &mut Waiting) -> String {
-    let mut line = String::new();
-    // One byte at a time: a buffered reader dropped here could swallow the fixture's next line.
-    let stdout = target.child.stdout.as_mut().expect("piped");
-    let mut byte = [0u8];
-    while std::io::Read::read(stdout, &mut byte).expect("reading the fixture") == 1 && byte[0] != b'\n' {
-        line.push(byte[0] as char);
-    }
-    line
-}
-
 /// The daemon's Prometheus series of `pid` for `metric`, one line each: those of its comm and
 /// slot, as `memprof_target_attached` names them.
 fn series(daemon: &Daemon, metric: &str, pid: u32) -> Vec<String> {
@@ -468,7 +456,7 @@ fn the_daemon_follows_an_exec_into_another_program() {
     daemon.wait_traced(pid);
     target.go();
     // The new program says "ready" once it runs; it waits until its allocator is probed.
-    assert_eq!(next_line(&mut target), "ready");
+    assert_eq!(target.next_line(), "ready");
     let attached = format!("memprof_target_attached{{pid=\"{pid}\",comm=\"daemon_target\"}}");
     wait_for(20, "the new program to be probed", || {
         (memprof_tests::metric(daemon.port, &attached)? == 1).then_some(())
@@ -500,7 +488,7 @@ fn the_daemon_records_a_program_exec_d_from_its_first_call() {
     let daemon = Daemon::start(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);
     target.go();
-    assert_eq!(next_line(&mut target), "ready");
+    assert_eq!(target.next_line(), "ready");
     let leaks = format!("/api/v1/leaks?pid={pid}");
     let report = wait_for(20, "the new program's report", || {
         let report = daemon.get_json(&leaks).1;
@@ -563,7 +551,7 @@ fn the_daemon_follows_a_matching_child_and_forgets_it_when_it_exits() {
     });
     // The child frees its five inherited blocks and allocates its own.
     target.go();
-    assert_eq!(next_line(&mut target), "child done");
+    assert_eq!(target.next_line(), "child done");
     let leaks = format!("/api/v1/leaks?pid={child}");
     let report = wait_for(20, "the child's blocks", || {
         let report = daemon.get_json(&leaks).1;

@@ -3,12 +3,14 @@
 
 use std::{
     collections::HashSet,
-    io::{BufRead as _, BufReader, Read as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use memprof_tests::{attach, attach_with, fixture, one_at_a_time, probe_links, site, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    attach, attach_with, fixture, one_at_a_time, probe_links, released, site, total, wait_for, Daemon, Waiting,
+};
 
 /// A process whose main thread called pthread_exit while a worker allocates: the kernel's pid
 /// filter cannot name it (it compares the exited leader's memory), shared links with the map of
@@ -42,6 +44,34 @@ fn a_process_whose_main_thread_exited_is_traced_exactly_by_perf_event_uprobes() 
     assert_eq!(site(&report, "hold_site"), (21_000, 7), "{report:#}");
     assert_eq!(report["totals"]["allocations"], 18, "{report:#}");
     assert_eq!(report["totals"]["frees"], 11, "{report:#}");
+}
+
+/// What memprof says once a process's perf-event uprobes are open again on a thread that stays.
+const OPEN_AGAIN: &str = "they are open again on thread";
+
+/// `run` of that process, whose main thread exits while memprof traces it by perf-event uprobes
+/// (Linux 6.1's way): the kernel fires those only in threads whose memory is the thread's they
+/// were opened on, which an exited thread has none of. memprof opens them again on the worker,
+/// says so and counts the gap; the worker allocates once it has (its go line is sent then), and
+/// every call is seen: the 26 allocations (26,506 bytes) valgrind counts, hold_site's 7 blocks
+/// and the 12 frees of the rest (churn_site's 11 and one of 8 bytes).
+#[test]
+fn run_traces_on_when_the_main_thread_exits_under_perf_event_uprobes() {
+    let _serial = one_at_a_time();
+    let mut memprof = Command::new(memprof_tests::memprof_bin());
+    memprof.env("MEMPROF_UPROBE_MULTI", "0").args(["run", "--json", "--"]).arg(fixture("leader_exit"));
+    memprof.stdin(Stdio::piped());
+    let mut outcome = released(memprof, &[OPEN_AGAIN.to_string()], |memprof| {
+        memprof.stdin.as_mut().expect("piped").write_all(b"go\n").expect("releasing the fixture");
+    });
+    assert!(outcome.status.success(), "{}", outcome.stderr);
+    // The fixture says "ready" on the same stdout.
+    outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "hold_site"), (21_000, 7), "{report:#}");
+    assert_eq!((total(&report, "frees"), total(&report, "freed_bytes")), (12, 1_108), "{report:#}");
+    assert_eq!((total(&report, "allocations"), total(&report, "allocated_bytes")), (26, 26_506), "{report:#}");
+    assert_eq!(report["dropped"]["probe_thread_exited"], 1, "{}", report["dropped"]);
 }
 
 /// `--probe-links per-process`: the daemon gives its target links of its own, filtered by its pid,

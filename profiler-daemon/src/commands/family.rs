@@ -7,7 +7,7 @@ use std::{
     num::NonZeroU32,
 };
 
-use profiler_common::{process_event, ProcessEvent};
+use profiler_common::{process_event, DropReason, ProcessEvent};
 use tokio::sync::mpsc;
 
 use crate::{
@@ -228,8 +228,31 @@ impl Family {
                     self.on_fork(loaded, symbolizer, event.tgid, event.pid, Some(event.time_ns))
                 }
                 process_event::FORK => self.forked_untraced(event.tgid),
+                process_event::PROBE_THREAD_EXIT => self.on_probe_thread_exit(loaded, &event),
                 _ => {}
             }
+        }
+    }
+
+    /// The thread a process's perf-event uprobes were opened on exited: they are opened again on
+    /// a thread that stays, and the gap is said (see `probe_threads`).
+    fn on_probe_thread_exit(&mut self, loaded: &mut Loaded, event: &ProcessEvent) {
+        let (Some(process), Some(pid)) = (self.processes.get_mut(&event.tgid), NonZeroU32::new(event.tgid)) else {
+            return;
+        };
+        let (tid, comm) = (event.pid, &process.comm);
+        match loaded.probe_thread_exited(pid, tid, event.time_ns, &mut process.attachment) {
+            None => {}
+            Some(Ok(moved)) => say!(
+                "memprof: pid {pid} ({comm}): thread {tid}, which its probes were opened on, exited; they are open again on thread {}: its calls in the {:.1} ms between were not seen (dropped: {})",
+                moved.thread,
+                moved.gap_ns as f64 / 1e6,
+                DropReason::ProbeThreadExited.name()
+            ),
+            Some(Err(err)) => say!(
+                "memprof: pid {pid} ({comm}): thread {tid}, which its probes were opened on, exited, and they could not be opened again: its calls are not seen from then on (dropped: {}): {err:#}",
+                DropReason::ProbeThreadExited.name()
+            ),
         }
     }
 

@@ -2,6 +2,7 @@
 //! probes (`attach`), and what its maps hold of each traced process (`tracked`).
 
 mod attach;
+mod probe_thread;
 mod tracked;
 pub use tracked::Reads;
 mod usdt;
@@ -21,6 +22,7 @@ use crate::{
     kernel::faults,
     kernel::map_memory,
     kernel::mappings::MappedRanges,
+    kernel::probe_threads::ProbeThreads,
     kernel::probes::{self, Method},
     kernel::settings::LoadSettings,
     kernel::shared::{ProbeLinks, SharedLinks},
@@ -85,6 +87,8 @@ pub struct Loaded {
     detacher: Option<Detacher>,
     /// The processes traced through their allocator's `otel_memory` probes (`--usdt`).
     usdt: usdt::UsdtProbes,
+    /// The thread each process's perf-event uprobes are opened on.
+    probe_threads: ProbeThreads,
     /// Which processes did nothing since the last interval.
     stillness: Stillness,
     /// The entries of `LIVE` and `STACK_STATS` at the last walk of the maps, while no process
@@ -164,8 +168,11 @@ fn live_changes_capacity(max_live: u32) -> u32 {
 /// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
 pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_wanted: bool) -> anyhow::Result<Loaded> {
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
-    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask"])
+    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask", "signal"])
         .context("finding task_struct in BTF")?;
+    // Whether a thread exits with its whole process (see `probe_threads`).
+    let signal = btf::kernel_member_offsets("signal_struct", &["flags"]).context("finding signal_struct in BTF")?;
+    let exec_task = btf::kernel_member_offsets("signal_struct", &["group_exec_task"]).map_or(0, |offsets| offsets[0]);
     // The return addresses uretprobes took: task->utask->return_instances, a list.
     let utask =
         btf::kernel_member_offsets("uprobe_task", &["return_instances"]).context("finding uprobe_task in BTF")?;
@@ -193,6 +200,9 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         .override_global("TASK_PID_OFFSET", &task[0], true)
         .override_global("TASK_TGID_OFFSET", &task[1], true)
         .override_global("BPRM_FILENAME_OFFSET", &bprm, true)
+        .override_global("TASK_SIGNAL_OFFSET", &task[4], true)
+        .override_global("SIGNAL_FLAGS_OFFSET", &signal[0], true)
+        .override_global("SIGNAL_EXEC_TASK_OFFSET", &exec_task, true)
         .override_global("TASK_MM_OFFSET", &task[2], true)
         .override_global("MM_XOL_AREA_OFFSET", &(mm[0] + uprobes[0]), true)
         .override_global("XOL_AREA_VADDR_OFFSET", &xol[0], true)
@@ -234,6 +244,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
         usdt: usdt::UsdtProbes::default(),
+        probe_threads: ProbeThreads::default(),
         stillness: Stillness::default(),
         walked_entries: None,
         stack_entries: None,

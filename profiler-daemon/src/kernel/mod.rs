@@ -21,6 +21,7 @@ pub mod map_memory;
 pub mod mapping_programs;
 pub mod mappings;
 pub mod perf_event;
+pub mod probe_threads;
 pub mod probes;
 pub mod sample_rates;
 pub mod settings;

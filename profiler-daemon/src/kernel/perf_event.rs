@@ -10,14 +10,13 @@ use std::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
         unix::ffi::OsStrExt as _,
     },
-    path::Path,
+    path::PathBuf,
 };
 
 use super::{
     helper::{self, Request},
     uprobe_multi,
 };
-use crate::process::procfs;
 
 /// `PERF_FLAG_FD_CLOEXEC`.
 const FD_CLOEXEC: libc::c_ulong = 1 << 3;
@@ -50,8 +49,7 @@ pub struct PerfEventAttr {
     pub config2: u64,
 }
 
-/// Opens the event `attr` describes on task `pid` (a thread, or with a uprobe, a process), on
-/// every CPU, in the calling thread.
+/// Opens the event `attr` describes on thread `pid`, on every CPU, in the calling thread.
 pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
     attr.size = size_of::<PerfEventAttr>() as u32;
     // SAFETY: perf_event_open with a valid attribute struct of the size it states, whose pointers
@@ -65,7 +63,7 @@ pub fn open(mut attr: PerfEventAttr, pid: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Opens a uprobe's event for process `pid` in the calling thread: at file offset `offset` of the
+/// Opens a uprobe's event on thread `pid` in the calling thread: at file offset `offset` of the
 /// file at `path`, on the uprobe PMU `kind` with `config`'s bits (see `uprobe`).
 pub(super) fn open_uprobe(path: &CStr, kind: u32, config: u64, offset: u64, pid: u32) -> io::Result<OwnedFd> {
     let attr =
@@ -76,47 +74,58 @@ pub(super) fn open_uprobe(path: &CStr, kind: u32, config: u64, offset: u64, pid:
 /// A uprobe with its program: both go when this is dropped, the link first.
 #[derive(Debug)]
 pub struct Uprobe {
-    _link: OwnedFd,
-    _event: OwnedFd,
+    /// None once the program is taken off (`unlink`).
+    link: Option<OwnedFd>,
+    event: OwnedFd,
 }
 
 impl Uprobe {
-    pub fn descriptors(&self) -> [RawFd; 2] {
-        [self._link.as_raw_fd(), self._event.as_raw_fd()]
+    pub fn descriptors(&self) -> Vec<RawFd> {
+        self.link.iter().chain([&self.event]).map(|fd| fd.as_raw_fd()).collect()
+    }
+
+    /// Takes the program off the event at once, leaving the event, whose close is the slow part
+    /// (see `probes`), for later.
+    pub fn unlink(&mut self) {
+        self.link = None;
     }
 }
 
-/// Attaches `program` (a kprobe-type program) at file offset `offset` of the file at `path`, for
-/// process `pid`, its `bpf_get_attach_cookie` being `cookie`: at the function's return with
-/// `at_return`. With `semaphore`, a file offset in a writable mapping of the same file: the kernel
-/// increments the 2-byte counter there in the process while the probe is on, and decrements it
-/// when the probe goes, as USDT semaphores want.
+/// Where a uprobe goes, as `uprobe` opens it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UprobeSite {
+    /// The file, as the kernel is to find it.
+    pub path: PathBuf,
+    /// The probed instruction's file offset.
+    pub offset: u64,
+    /// A USDT probe's semaphore, a file offset in a writable mapping of the same file: the
+    /// kernel increments the 2-byte counter there in the process while the probe is on, and
+    /// decrements it when the probe goes, as USDT semaphores want.
+    pub semaphore: Option<u64>,
+    /// At the function's return, not its entry.
+    pub at_return: bool,
+}
+
+/// Attaches `program` (a kprobe-type program) at `site` for the process of thread `task`, its
+/// `bpf_get_attach_cookie` being `cookie`.
 ///
-/// The event is opened on the process's main thread, or on a live thread of it once the main
-/// thread has exited (pthread_exit): the kernel refuses an event on an exited thread (`ESRCH`),
-/// and a uprobe's event fires in every thread whose memory is its thread's, which an exited
-/// thread has no more (the kernel's `__uprobe_perf_filter`).
-pub fn uprobe(
-    program: BorrowedFd<'_>,
-    path: &Path,
-    offset: u64,
-    semaphore: Option<u64>,
-    cookie: u64,
-    pid: u32,
-    at_return: bool,
-) -> io::Result<Uprobe> {
+/// The event is opened on that thread, and fires in every thread whose memory is that thread's
+/// (the kernel's `__uprobe_perf_filter`): in the whole process until that thread exits, and in
+/// none after, since an exited thread has no memory (see `probe_threads`). The kernel refuses an
+/// event on an exited thread (`ESRCH`).
+pub fn uprobe(program: BorrowedFd<'_>, site: &UprobeSite, cookie: u64, task: u32) -> io::Result<Uprobe> {
     let kind = std::fs::read_to_string(UPROBE_PMU_TYPE)?.trim().parse().map_err(io::Error::other)?;
-    let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
-    let ref_ctr_offset = semaphore.unwrap_or(0);
+    let path = CString::new(site.path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    let ref_ctr_offset = site.semaphore.unwrap_or(0);
     if ref_ctr_offset >> (64 - REF_CTR_OFFSET_SHIFT) != 0 {
         return Err(io::Error::other(format!("the semaphore's offset {ref_ctr_offset:#x} is past 4 GiB")));
     }
-    let config = ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(at_return) << RETPROBE_BIT;
-    let pid = procfs::memory_task(pid);
+    let config = ref_ctr_offset << REF_CTR_OFFSET_SHIFT | u64::from(site.at_return) << RETPROBE_BIT;
     // By the helper: a uprobe's event puts its breakpoints in as it opens.
-    let event = helper::make(&Request::PerfUprobe { path, kind, config, offset, pid }, None)?;
+    let request = Request::PerfUprobe { path, kind, config, offset: site.offset, pid: task };
+    let event = helper::make(&request, None)?;
     let link = link_create(program, &event, cookie)?;
-    Ok(Uprobe { _link: link, _event: event })
+    Ok(Uprobe { link: Some(link), event })
 }
 
 /// The `link_create` member of `union bpf_attr` with its `perf_event` variant, as in

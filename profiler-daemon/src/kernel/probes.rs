@@ -215,6 +215,17 @@ enum Wave {
 }
 
 impl Wave {
+    /// The order links are attached in (see `Loaded::probe_allocator`), the reverse of their
+    /// detaching's but for the dynamic linker's hook, attached last.
+    fn attach_rank(self) -> u8 {
+        match self {
+            Self::Frees => 0,
+            Self::Returns => 1,
+            Self::Entries => 2,
+            Self::LinkerHook => 3,
+        }
+    }
+
     fn of(name: &str, at_return: bool) -> Self {
         match (name, at_return) {
             (_, true) => Self::Returns,
@@ -230,10 +241,34 @@ impl Wave {
 enum Probes {
     Multi(OwnedFd),
     /// A perf-event uprobe and its link: where the kernel makes no uprobe_multi links, and a USDT
-    /// probe's (`--usdt`), which gives the kernel its semaphore.
-    PerfEvent(perf_event::Uprobe),
+    /// probe's (`--usdt`), which gives the kernel its semaphore; with what it was opened with.
+    PerfEvent(perf_event::Uprobe, PerfOpening),
     /// A thread's page-fault event (`--growth`): closing it takes its program off.
     PageFaults(OwnedFd),
+}
+
+/// What a perf-event uprobe was opened with: enough to open it again on another thread of its
+/// process when the one it is on exits (see `Attachment::move_to_thread`).
+#[derive(Debug, Clone)]
+pub struct PerfOpening {
+    pub program: &'static str,
+    pub site: perf_event::UprobeSite,
+    /// The file `site.path` named when the probe was opened.
+    pub file: FileId,
+    pub cookie: u64,
+    /// The thread it is opened on.
+    pub thread: u32,
+}
+
+impl PerfOpening {
+    /// Opens it on `thread`, the file reached at `path` (`site.path` may name another by now).
+    fn open(&self, ebpf: &mut Ebpf, path: PathBuf, thread: u32) -> anyhow::Result<(perf_event::Uprobe, Self)> {
+        let program = program(ebpf, self.program)?.fd()?.as_fd();
+        let site = perf_event::UprobeSite { path, ..self.site.clone() };
+        let probe = perf_event::uprobe(program, &site, self.cookie, thread)
+            .with_context(|| format!("attaching {} to {} again", self.program, self.site.path.display()))?;
+        Ok((probe, Self { thread, ..self.clone() }))
+    }
 }
 
 impl Link {
@@ -241,7 +276,15 @@ impl Link {
     fn descriptors(&self) -> Vec<RawFd> {
         match &self.probes {
             Probes::Multi(fd) | Probes::PageFaults(fd) => vec![fd.as_raw_fd()],
-            Probes::PerfEvent(probe) => probe.descriptors().to_vec(),
+            Probes::PerfEvent(probe, _) => probe.descriptors(),
+        }
+    }
+
+    /// A perf-event uprobe's opening, where it is on another thread than `thread`.
+    fn elsewhere(&self, thread: u32) -> Option<&PerfOpening> {
+        match &self.probes {
+            Probes::PerfEvent(_, opening) if opening.thread != thread => Some(opening),
+            _ => None,
         }
     }
 }
@@ -266,10 +309,12 @@ impl Attachment {
         self.links.extend(events.into_iter().map(|fd| Link { probes: Probes::PageFaults(fd), wave: Wave::Entries }));
     }
 
-    /// Takes over a USDT probe's uprobe (see `loader::usdt`).
-    pub fn add_usdt(&mut self, probe: perf_event::Uprobe) {
+    /// Attaches a USDT probe's uprobe at `opening` (see `loader::usdt`).
+    pub fn add_usdt(&mut self, ebpf: &mut Ebpf, opening: PerfOpening) -> anyhow::Result<()> {
+        let (probe, opening) = opening.open(ebpf, opening.site.path.clone(), opening.thread)?;
         self.probes += 1;
-        self.links.push(Link { probes: Probes::PerfEvent(probe), wave: Wave::Entries });
+        self.links.push(Link { probes: Probes::PerfEvent(probe, opening), wave: Wave::Entries });
+        Ok(())
     }
 
     /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`, the
@@ -292,16 +337,17 @@ impl Attachment {
 
     /// Attaches program `name` at `points` of `file` (at `path`, for messages), for process `pid`
     /// only, or for every process with `None` (uprobe_multi links only): at the functions' return
-    /// if the program is a uretprobe.
+    /// if the program is a uretprobe. Perf-event uprobes are opened on `pid`'s thread `thread`
+    /// (see `probe_threads`).
     #[allow(clippy::too_many_arguments)]
     pub fn add(
         &mut self,
         ebpf: &mut Ebpf,
         method: Method,
-        name: &str,
+        name: &'static str,
         (path, file): (&Path, &Opened),
         points: &[Point],
-        pid: Option<NonZeroU32>,
+        pid: Option<(NonZeroU32, u32)>,
     ) -> anyhow::Result<()> {
         let program = program(ebpf, name)?;
         let at_return = matches!(program.kind(), ProbeKind::Return);
@@ -320,14 +366,13 @@ impl Attachment {
                     (_, true) => Fires::AtReturn,
                     (_, false) => Fires::AtEntry,
                 };
-                let pid = pid.map_or(0, NonZeroU32::get);
+                let pid = pid.map_or(0, |(pid, _)| pid.get());
                 let link = uprobe_multi::attach(program.fd()?.as_fd(), kernel_path, points, fires, pid)
                     .with_context(context)?;
                 self.links.push(Link { probes: Probes::Multi(link), wave });
             }
             Method::PerfEvents => {
-                let pid = pid.context("perf-event uprobes are attached per process")?;
-                let program = program.fd()?.as_fd();
+                let (pid, thread) = pid.context("perf-event uprobes are attached per process")?;
                 for point in points {
                     // A return's program runs in other processes too on Linux 6.1: it keeps its
                     // own (see `RETURN_OWNER_SHIFT`).
@@ -336,10 +381,15 @@ impl Attachment {
                     } else {
                         point.cookie
                     };
-                    let probe =
-                        perf_event::uprobe(program, kernel_path, point.offset, None, cookie, pid.get(), at_return)
-                            .with_context(context)?;
-                    self.links.push(Link { probes: Probes::PerfEvent(probe), wave });
+                    let site = perf_event::UprobeSite {
+                        path: kernel_path.clone(),
+                        offset: point.offset,
+                        semaphore: None,
+                        at_return,
+                    };
+                    let opening = PerfOpening { program: name, site, file: file.id(), cookie, thread };
+                    let (probe, opening) = opening.open(ebpf, kernel_path.clone(), thread).with_context(context)?;
+                    self.links.push(Link { probes: Probes::PerfEvent(probe, opening), wave });
                 }
             }
         }
@@ -348,6 +398,64 @@ impl Attachment {
         }
         self.probes += points.len();
         Ok(())
+    }
+
+    /// Opens again on `thread` this process's perf-event uprobes that are on another (the
+    /// thread they were opened on exited: see `probe_threads`), in the order they were attached;
+    /// `open_file` opens each file again by its identity, from the path it was opened at. The
+    /// return programs of those it replaces come off first: Linux 6.1 runs a uretprobe's program
+    /// without its event's filter, so an old one would record each return again beside the new
+    /// one (an entry program's event passes no thread once its own has exited). Returns the
+    /// replaced events, for the caller to close (slow, see the module's doc), and whether all
+    /// were opened; on failure those not opened yet stay here, for a move to another thread.
+    pub fn move_to_thread(
+        &mut self,
+        ebpf: &mut Ebpf,
+        thread: u32,
+        mut open_file: impl FnMut(&Path, FileId) -> std::io::Result<Opened>,
+    ) -> (Attachment, anyhow::Result<()>) {
+        let returns =
+            self.links.iter_mut().filter(|link| link.wave == Wave::Returns).filter_map(|link| match &mut link.probes {
+                Probes::PerfEvent(probe, opening) if opening.thread != thread => Some(probe),
+                _ => None,
+            });
+        let start = std::time::Instant::now();
+        let unlinked = unlink_together(returns.collect());
+        let unlinking = start.elapsed();
+        let mut moving: Vec<usize> =
+            (0..self.links.len()).filter(|&i| self.links[i].elsewhere(thread).is_some()).collect();
+        moving.sort_by_key(|&i| self.links[i].wave.attach_rank());
+        let mut replaced = Attachment::default();
+        let mut files: HashMap<FileId, Opened> = HashMap::new();
+        for i in moving {
+            let Some(opening) = self.links[i].elsewhere(thread).cloned() else { continue };
+            let file = match files.entry(opening.file) {
+                std::collections::hash_map::Entry::Occupied(known) => known.into_mut(),
+                std::collections::hash_map::Entry::Vacant(new) => match open_file(&opening.site.path, opening.file) {
+                    Ok(opened) => new.insert(opened),
+                    Err(err) => {
+                        let path = opening.site.path.display();
+                        return (replaced, Err(anyhow::Error::new(err).context(format!("opening {path} again"))));
+                    }
+                },
+            };
+            match opening.open(ebpf, file.kernel_path(), thread) {
+                Ok((probe, opening)) => {
+                    let old = std::mem::replace(&mut self.links[i].probes, Probes::PerfEvent(probe, opening));
+                    replaced.links.push(Link { probes: old, wave: self.links[i].wave });
+                }
+                Err(err) => return (replaced, Err(err)),
+            }
+        }
+        tracing::debug!(
+            thread,
+            unlinked,
+            unlink_ms = unlinking.as_millis() as u64,
+            opened = replaced.links.len(),
+            elapsed_ms = start.elapsed().as_millis() as u64,
+            "perf-event uprobes moved"
+        );
+        (replaced, Ok(()))
     }
 }
 
@@ -411,6 +519,22 @@ pub fn sweep_copies<'a>(
     detach_together(links);
     tracing::debug!(links = count, elapsed_ms = start.elapsed().as_millis() as u64, "swept");
     Ok(())
+}
+
+/// Threads that take programs off perf-event uprobes together (see `unlink_together`).
+const UNLINKING_THREADS: usize = 32;
+
+/// Takes the programs off `probes`, spread over `UNLINKING_THREADS` threads: on 6.18 each waits
+/// for a grace period of its own (about 30 ms, measured), which threads waiting together share.
+/// Returns how many it took off.
+fn unlink_together(mut probes: Vec<&mut perf_event::Uprobe>) -> usize {
+    let per_thread = probes.len().div_ceil(UNLINKING_THREADS).max(1);
+    std::thread::scope(|scope| {
+        for share in probes.chunks_mut(per_thread) {
+            scope.spawn(move || share.iter_mut().for_each(|probe| probe.unlink()));
+        }
+    });
+    probes.len()
 }
 
 /// Detaches `links`, and returns when all are detached.

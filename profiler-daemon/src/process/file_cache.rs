@@ -96,6 +96,19 @@ impl Opened {
         }
         Ok(opened)
     }
+
+    /// The file `expected`, opened through process `pid`'s mapping of it (see
+    /// `FileMapping::reachable_paths`), else at `path`: a file replaced on disk since (a library
+    /// upgraded under a running process) is reached while the process maps it.
+    pub fn open_mapped(pid: u32, path: &Path, expected: FileId) -> io::Result<Self> {
+        let mappings = super::procfs::file_mappings(pid).unwrap_or_default();
+        let mapped = mappings
+            .iter()
+            .filter(|mapping| mapping.inode == expected.inode)
+            .flat_map(|mapping| mapping.reachable_paths(pid))
+            .find_map(|reachable| Self::open_same(Path::new(&reachable), expected).ok());
+        mapped.map_or_else(|| Self::open_same(path, expected), Ok)
+    }
 }
 
 /// Whether `file` is on overlayfs.

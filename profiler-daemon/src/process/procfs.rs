@@ -136,6 +136,34 @@ pub fn thread_ended(pid: u32, tid: u32) -> bool {
     task_stat(&format!("/proc/{pid}/task/{tid}")).is_some_and(|stat| stat.zombie)
 }
 
+/// A thread of `pid` other than `except` that stays (see `thread_stays`), in the order the
+/// kernel lists them, oldest first.
+pub fn staying_thread(pid: u32, except: u32) -> Option<u32> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks
+        .filter_map(|task| task.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&tid| tid != except && thread_stays(pid, tid))
+}
+
+/// Whether thread `tid` of `pid` is not on its way out: not exited, not exiting, and without a
+/// SIGKILL pending. When a whole process goes (`exit_group`, a fatal signal, an exec by another
+/// thread) the kernel gives each of its other threads a SIGKILL before the first exits; a thread
+/// that exits alone (`pthread_exit`) leaves the others staying.
+pub fn thread_stays(pid: u32, tid: u32) -> bool {
+    let dir = format!("/proc/{pid}/task/{tid}");
+    task_stat(&dir).is_some_and(|stat| !stat.zombie && !stat.exiting)
+        && read_text(format!("{dir}/status")).is_ok_and(|status| !kill_pending(&status))
+}
+
+/// Whether a thread's `status` shows a SIGKILL pending, for the thread or its process.
+fn kill_pending(status: &str) -> bool {
+    const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
+    status
+        .lines()
+        .filter_map(|line| line.strip_prefix("SigPnd:").or_else(|| line.strip_prefix("ShdPnd:")))
+        .any(|mask| u64::from_str_radix(mask.trim(), 16).is_ok_and(|mask| mask & SIGKILL_BIT != 0))
+}
+
 fn live_thread(pid: u32) -> Option<u32> {
     let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     tasks

@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use profiler_common::{process_event, ProcessEvent};
+use profiler_common::{process_event, DropReason, ProcessEvent};
 use tracing::{debug, info, warn};
 
 use super::{means::Means, Target, Tracer};
@@ -139,11 +139,37 @@ impl Tracer {
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
                 }
+                process_event::PROBE_THREAD_EXIT if traced => self.on_probe_thread_exit(&event),
                 _ => {}
             }
         }
         self.settle_pending_children();
         changed
+    }
+
+    /// The thread a target's perf-event uprobes were opened on exited: they are opened again on
+    /// a thread that stays, and the gap is logged (see `probe_threads`).
+    fn on_probe_thread_exit(&mut self, event: &ProcessEvent) {
+        let (Some(target), Some(pid)) = (self.targets.get_mut(&event.tgid), NonZeroU32::new(event.tgid)) else {
+            return;
+        };
+        let (tid, comm) = (event.pid, target.comm.as_str());
+        let reason = DropReason::ProbeThreadExited.name();
+        match self.loaded.probe_thread_exited(pid, tid, event.time_ns, &mut target.attachment) {
+            None => {}
+            Some(Ok(moved)) => warn!(
+                pid = pid.get(),
+                comm,
+                "thread {tid}, which its probes were opened on, exited; they are open again on thread {}: its calls in the {:.1} ms between were not seen (dropped: {reason})",
+                moved.thread,
+                moved.gap_ns as f64 / 1e6
+            ),
+            Some(Err(err)) => warn!(
+                pid = pid.get(),
+                comm,
+                "thread {tid}, which its probes were opened on, exited, and they could not be opened again: its calls are not seen from then on (dropped: {reason}): {err:#}"
+            ),
+        }
     }
 
     /// A process that exec'd or started: attached if the rules match it.

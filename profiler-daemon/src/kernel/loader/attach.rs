@@ -214,10 +214,11 @@ impl Loaded {
             }
         };
         self.shared.uses(pid.get(), file);
-        let (ebpf, method) = (&mut self.ebpf, self.method);
         if !shares {
-            return attachment.add(ebpf, method, name, (path, opened), points, Some(pid));
+            let thread = if self.method == Method::PerfEvents { self.probe_thread(pid.get())? } else { pid.get() };
+            return attachment.add(&mut self.ebpf, self.method, name, (path, opened), points, Some((pid, thread)));
         }
+        let (ebpf, method) = (&mut self.ebpf, self.method);
         let links = self.shared.get_or_attach(path, file, name, points, || {
             let points: Vec<Point> =
                 points.iter().map(|p| Point { cookie: p.cookie | profiler_common::SHARED_LINK, ..*p }).collect();
@@ -247,6 +248,7 @@ impl Loaded {
     fn withdraw(&mut self, attachment: Attachment, pid: NonZeroU32) {
         self.detach(attachment);
         self.shared.leave(pid.get());
+        self.probe_threads.forget(&mut self.ebpf, pid.get());
     }
 
     /// `probe_allocator`, forgetting what its first probes recorded when it fails.
@@ -346,8 +348,7 @@ impl Loaded {
     /// mapped (`allocator::find`), which for a dynamic program is after the dynamic linker has
     /// loaded the C library.
     pub fn exec_happened(&mut self, pid: NonZeroU32, old: Attachment, exec: &ProcessEvent) -> Attachment {
-        self.detach(old);
-        self.shared.leave(pid.get());
+        self.withdraw(old, pid);
         // Its sampler's probes went with the old program: the new one is traced as it is found.
         self.usdt.forget(pid.get());
         self.image_replaced(pid, exec);
@@ -370,6 +371,7 @@ impl Loaded {
         }
         (self.walked_entries, self.stack_entries) = (None, None);
         self.stillness.forget(pid.get());
+        self.probe_threads.exec_happened(pid.get());
         self.unwind_events.exec_happened(pid.get(), exec.time_ns);
         self.unwind.exec_happened(pid.get(), exec.time_ns);
         if let Some(mappings) = &mut self.mappings {

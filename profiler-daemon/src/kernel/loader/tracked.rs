@@ -77,6 +77,7 @@ impl Loaded {
         for &pid in pids {
             self.shared.forget(pid);
             self.usdt.forget(pid);
+            self.probe_threads.forget(&mut self.ebpf, pid);
         }
     }
 
@@ -184,7 +185,9 @@ impl Loaded {
 
     /// `tgid`'s events not recorded now (see `aggregate::drops_of`).
     pub fn drops_of(&self, tgid: u32) -> anyhow::Result<profiler_common::ProcDrops> {
-        aggregate::drops_of(&self.ebpf, &self.unwind, tgid)
+        let mut drops = aggregate::drops_of(&self.ebpf, &self.unwind, tgid)?;
+        self.add_gaps(tgid, &mut drops);
+        Ok(drops)
     }
 
     /// Reads the maps for `tgids` (see `aggregate::read`), with the ranges each maps.
@@ -203,6 +206,7 @@ impl Loaded {
         }
         for (&tgid, process) in &mut kernel.processes {
             process.sampler = self.usdt.sampler_of(tgid);
+            self.add_gaps(tgid, &mut process.drops);
         }
         (self.walked_entries, self.stack_entries) = (Some((kernel.live_entries, kernel.stack_stats_entries)), None);
         Ok(kernel)

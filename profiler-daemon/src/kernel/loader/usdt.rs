@@ -19,7 +19,7 @@ use crate::{
     kernel::{
         aggregate::Sampler,
         perf_event,
-        probes::{Attachment, Method},
+        probes::{Attachment, Method, PerfOpening},
         uprobe_multi::{self, Fires, Point},
     },
     process::allocator::Allocator,
@@ -121,11 +121,18 @@ impl Loaded {
         let cookies = sites.iter().map(|site| self.spec_index(&site.spec)).collect::<anyhow::Result<Vec<u64>>>()?;
         let context = |path: &Path| format!("attaching {name} to {}", path.display());
         if self.method == Method::PerfEvents {
-            let program = load_once(&mut self.ebpf, name, None)?;
+            load_once(&mut self.ebpf, name, None)?;
+            let thread = self.probe_thread(pid)?;
             for (site, cookie) in sites.iter().zip(cookies) {
-                let probe = perf_event::uprobe(program, &site.path, site.offset, site.semaphore, cookie, pid, false)
-                    .with_context(|| context(&site.path))?;
-                attachment.add_usdt(probe);
+                let file = FileId::of(&site.path).with_context(|| context(&site.path))?;
+                let at = perf_event::UprobeSite {
+                    path: site.path.clone(),
+                    offset: site.offset,
+                    semaphore: site.semaphore,
+                    at_return: false,
+                };
+                let opening = PerfOpening { program: name, site: at, file, cookie, thread };
+                attachment.add_usdt(&mut self.ebpf, opening).with_context(|| context(&site.path))?;
             }
             return Ok(());
         }
