@@ -9,7 +9,7 @@ use std::{
 };
 
 use memprof_tests::{
-    attach, attach_with, fixture, one_at_a_time, probe_links, released, site, total, wait_for, Daemon, Waiting,
+    attach, attach_with, fixture, metric, one_at_a_time, probe_links, released, site, total, wait_for, Daemon, Waiting,
 };
 
 /// A process whose main thread called pthread_exit while a worker allocates: the kernel's pid
@@ -69,6 +69,33 @@ fn run_traces_on_when_the_main_thread_exits_under_perf_event_uprobes() {
     outcome.stdout = outcome.stdout.lines().filter(|l| l.starts_with('{')).map(|l| format!("{l}\n")).collect();
     let report = outcome.final_report();
     assert_eq!(site(&report, "hold_site"), (21_000, 7), "{report:#}");
+    assert_eq!((total(&report, "frees"), total(&report, "freed_bytes")), (12, 1_108), "{report:#}");
+    assert_eq!((total(&report, "allocations"), total(&report, "allocated_bytes")), (26, 26_506), "{report:#}");
+    assert_eq!(report["dropped"]["probe_thread_exited"], 1, "{}", report["dropped"]);
+}
+
+/// The daemon, tracing that process by perf-event uprobes from before its main thread exits:
+/// as `run`, it opens them again on the worker and counts the gap in the process's drops; every
+/// block made after is seen, as valgrind counts them (see the test above).
+#[test]
+fn the_daemon_traces_on_when_the_main_thread_exits_under_perf_event_uprobes() {
+    let _serial = one_at_a_time();
+    let mut target = Waiting::start(&fixture("leader_exit"), &["hold", "late"]);
+    let pid = target.pid();
+    let daemon = Daemon::start_with_env(&["--pid", &pid.to_string()], &[("MEMPROF_UPROBE_MULTI", "0")]);
+    daemon.wait_traced(pid);
+    // The main thread starts the worker and exits; the worker says so.
+    target.go();
+    assert_eq!(target.next_line(), "ready");
+    let gaps = format!("memprof_events_dropped_total{{pid=\"{pid}\",reason=\"probe_thread_exited\"}}");
+    wait_for(20, "the gap counted", || (metric(daemon.port, &gaps)? == 1).then_some(()));
+    target.go();
+    assert_eq!(target.next_line(), "held");
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    let report = wait_for(20, "the held blocks", || {
+        let report = daemon.get_json(&leaks).1;
+        (site(&report, "hold_site") == (21_000, 7)).then_some(report)
+    });
     assert_eq!((total(&report, "frees"), total(&report, "freed_bytes")), (12, 1_108), "{report:#}");
     assert_eq!((total(&report, "allocations"), total(&report, "allocated_bytes")), (26, 26_506), "{report:#}");
     assert_eq!(report["dropped"]["probe_thread_exited"], 1, "{}", report["dropped"]);

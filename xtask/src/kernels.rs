@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 15] = [
+const TESTS: [(&str, &str); 16] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -56,6 +56,7 @@ const TESTS: [(&str, &str); 15] = [
     ("go_sampler", "run_reads_each_sample_of_a_go_program"),
     // Perf-event uprobes opened again on a thread that stays when their thread exits alone.
     ("shared_links", "run_traces_on_when_the_main_thread_exits_under_perf_event_uprobes"),
+    ("shared_links", "the_daemon_traces_on_when_the_main_thread_exits_under_perf_event_uprobes"),
 ];
 
 /// How long one test may take in the guest: loading the programs is slow under emulation
