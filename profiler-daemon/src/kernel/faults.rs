@@ -1,8 +1,8 @@
 //! The page-fault events `--growth` traces a process by: a software event counting minor page
-//! faults on each of its threads (inherited by the threads they start), with the `page_fault`
-//! program run at every one, once the kernel has handled it. Events opened on a task are
-//! inherited by the threads they start (not by the processes it forks: memprof follows those
-//! itself, with events of their own), and go when their descriptors close. While a process is
+//! faults on each of its threads, with the `page_fault` program run at every one, once the kernel
+//! has handled it. Events opened on a task are inherited by the threads it starts (not by the
+//! processes it forks: memprof follows those itself, with events of their own), and go when
+//! their descriptors close. While a process is
 //! traced by its pages, programs run at tracepoints of every process on the machine: at every
 //! fault, `fault_code` keeps the fault's error code, by which `page_fault` drops the faults on
 //! pages already present before their walk; at every allocation and free of pages,
@@ -53,22 +53,24 @@ pub type MachineWideLinks = Vec<(&'static str, RawTracePointLinkId)>;
 /// Loads the page-fault program and the machine-wide ones (once, before the first `open`), for
 /// as long as `ebpf` lives.
 pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<()> {
-    for name in ["fault_code", "large_folio_alloc", "large_folio_free"] {
+    let mut names: Vec<&str> = MACHINE_WIDE.iter().map(|(name, _)| *name).collect();
+    names.dedup();
+    for name in names {
         tracepoint_program(ebpf, name)?.load().with_context(|| format!("loading program {name}"))?;
     }
     program(ebpf)?.load().context("loading the page-fault program")
 }
 
 /// Attaches the programs that run for every process on the machine: only while a process is
-/// traced by its pages (see `detach_codes`).
-pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<MachineWideLinks> {
+/// traced by its pages (see `detach_machine_wide`).
+pub fn attach_machine_wide(ebpf: &mut Ebpf) -> anyhow::Result<MachineWideLinks> {
     let mut links = Vec::new();
     for (name, tracepoint) in MACHINE_WIDE {
         let link = tracepoint_program(ebpf, name).and_then(|program| Ok(program.attach(tracepoint)?));
         match link.with_context(|| format!("attaching {name} to the {tracepoint} tracepoint")) {
             Ok(link) => links.push((name, link)),
             Err(err) => {
-                detach_codes(ebpf, links);
+                detach_machine_wide(ebpf, links);
                 return Err(err);
             }
         }
@@ -77,7 +79,7 @@ pub fn attach_codes(ebpf: &mut Ebpf) -> anyhow::Result<MachineWideLinks> {
 }
 
 /// Takes the machine-wide programs off the machine's tracepoints.
-pub fn detach_codes(ebpf: &mut Ebpf, links: MachineWideLinks) {
+pub fn detach_machine_wide(ebpf: &mut Ebpf, links: MachineWideLinks) {
     for (name, link) in links {
         let detached = tracepoint_program(ebpf, name).and_then(|program| Ok(program.detach(link)?));
         if let Err(err) = detached {

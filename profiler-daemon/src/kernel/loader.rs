@@ -4,7 +4,7 @@
 mod attach;
 mod probe_thread;
 mod tracked;
-pub use tracked::Reads;
+pub use crate::unwind::Reads;
 mod usdt;
 
 use std::{collections::HashSet, fs, path::Path};
@@ -77,7 +77,7 @@ pub struct Loaded {
     faults_loaded: bool,
     /// The links of the programs at every page fault and page allocation on the machine, while
     /// a process is traced by its pages (see `rest_page_faults`).
-    fault_codes: Option<faults::MachineWideLinks>,
+    machine_wide_faults: Option<faults::MachineWideLinks>,
     /// `--mappings`: the mapping calls' programs stay attached while memprof runs.
     mappings_asked: bool,
     /// Which processes share links with every traced process that maps the same file, rather
@@ -239,7 +239,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         mappings,
         growth: false,
         faults_loaded: false,
-        fault_codes: None,
+        machine_wide_faults: None,
         mappings_asked: sizes.mappings,
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),

@@ -25,6 +25,7 @@ use profiler_common::LinkMapEvent;
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
+pub use pacing::Reads;
 use pacing::Pacing;
 use reader::{Reader, Record};
 
@@ -155,12 +156,12 @@ impl UnwindEvents {
     }
 
     /// The events `collect` read, less those an exec since made the old program's: those of
-    /// processes whose mappings may be read at `now_ns` (see `pacing`), or `every` one.
-    pub fn drain(&mut self, now_ns: u64, every: bool) -> Drained {
+    /// processes whose mappings may be read at `now_ns` (see `pacing`), or every one.
+    pub fn drain(&mut self, now_ns: u64, reads: Reads) -> Drained {
         let mut drained = Drained::default();
         let (due, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
             .into_iter()
-            .partition(|event| every || self.pacing.due(event.tgid(), now_ns));
+            .partition(|event| reads == Reads::Every || self.pacing.due(event.tgid(), now_ns));
         self.pending = compacted(held);
         for event in due {
             let tgid = match event {

@@ -7,6 +7,15 @@
 
 use std::{collections::HashMap, time::Duration};
 
+/// Which processes' mapping changes are read now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// Those whose gap since their last read has passed.
+    Due,
+    /// Every one: before a report, whose walks must be finished.
+    Every,
+}
+
 /// The least time between two reads of one process's mappings.
 const LEAST_GAP: Duration = Duration::from_millis(10);
 /// And at least this many times what the last read took: a read that costs more (tens of

@@ -52,8 +52,8 @@ impl Loaded {
             faults::load(&mut self.ebpf)?;
             self.faults_loaded = true;
         }
-        if self.fault_codes.is_none() {
-            self.fault_codes = Some(faults::attach_codes(&mut self.ebpf)?);
+        if self.machine_wide_faults.is_none() {
+            self.machine_wide_faults = Some(faults::attach_machine_wide(&mut self.ebpf)?);
         }
         match &mut self.mappings {
             Some(mappings) => mappings.wake(&mut self.ebpf)?,
@@ -64,7 +64,7 @@ impl Loaded {
 
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
     pub fn machine_wide(&self) -> Vec<&'static str> {
-        let faults = self.fault_codes.as_ref().map(|_| MachineWide::PAGE_FAULTS);
+        let faults = self.machine_wide_faults.as_ref().map(|_| MachineWide::PAGE_FAULTS);
         faults.into_iter().chain(self.mappings.as_ref().and_then(MappedRanges::programs_run_at)).collect()
     }
 
@@ -75,12 +75,12 @@ impl Loaded {
         if self.growth || self.mappings.as_ref().is_some_and(MappedRanges::watches_pages) {
             return;
         }
-        let Some(links) = self.fault_codes.take() else { return };
-        faults::detach_codes(&mut self.ebpf, links);
+        let Some(links) = self.machine_wide_faults.take() else { return };
+        faults::detach_machine_wide(&mut self.ebpf, links);
         if let Some(mappings) = self.mappings.as_mut().filter(|_| !self.mappings_asked) {
             mappings.rest(&mut self.ebpf, &self.ages.clock);
         }
-        tracing::info!("no process is traced by its pages any more: memprof's programs at the machine's page faults and mapping calls are detached");
+        tracing::info!("no process is traced by its pages any more: memprof's programs at the machine's page faults, page allocations and mapping calls are detached");
     }
 
     /// A process too busy for its calls to be traced one by one (`--max-rate`), or holding most

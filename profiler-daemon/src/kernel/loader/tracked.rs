@@ -19,19 +19,10 @@ use crate::{
         link_map,
         procfs::{self, FileMapping},
     },
-    unwind::DeferredCopy,
+    unwind::{DeferredCopy, Reads},
 };
 
 use super::Loaded;
-
-/// Which processes' mapping changes `sync_changed_mappings_with` syncs.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Reads {
-    /// Those whose gap since their last read has passed (see `unwind::pacing`).
-    Due,
-    /// Every one: before a report, whose walks must be finished.
-    Every,
-}
 
 impl Loaded {
     /// Makes `pid`'s execs and forks reported in `process_events`.
@@ -301,7 +292,7 @@ impl Loaded {
         exe_of: impl Fn(u32) -> Option<String>,
         mut on_read: impl FnMut(u32, &[FileMapping]),
     ) -> Vec<u32> {
-        let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), reads == Reads::Every);
+        let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), reads);
         for &pid in &drained.pids {
             let (started_ns, started) = (aggregate::monotonic_now_ns(), Instant::now());
             let changes = self.code_changes(pid);
