@@ -52,9 +52,13 @@ fn pages_a_new_thread_fills_just_above_its_stack_are_counted() {
     assert_eq!(through(&report, "thread_fill"), (4 << 20, 1024), "{report}");
 }
 
+/// Traced from its exec, the process held nothing before: no blind spot.
 #[test]
 fn run_sees_the_leaking_site_on_glibc() {
-    assert_growth(&run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap()]));
+    let outcome = run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap()]);
+    assert_growth(&outcome);
+    let report = outcome.final_report();
+    assert_eq!(report["blind_spots"], serde_json::json!([]), "{report}");
 }
 
 #[test]
@@ -105,6 +109,27 @@ fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
     assert_eq!(resident, 1 << 20, "{truth}");
     assert_eq!(through(&report, "touch_huge_page"), (resident, resident / PAGE), "{report}");
     assert_eq!(report["dropped"]["fault_size_unknown"], 0, "{}", report["dropped"]);
+}
+
+/// A huge page resident before the attach, as an allocator's arena is on a kernel with huge
+/// pages always on: a block placed there later touches no new page and is not counted, and the
+/// report says how much memory that may be (the 2 MiB page and the little else the fixture held);
+/// the pages it maps after are counted.
+#[test]
+fn memory_held_before_the_attach_is_said() {
+    let (report, truth) = attach_to_huge_pages("held");
+    let huge: u64 = truth.trim().strip_prefix("held huge bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    assert_eq!(huge, 2 << 20, "the kernel gave the fixture no huge page (THP: {thp})");
+    assert_eq!(through(&report, "place_in_new"), (64 * PAGE, 64), "{report}");
+    assert_eq!(through(&report, "place_in_held"), (0, 0), "{report}");
+    let spots = report["blind_spots"].as_array().expect("blind_spots");
+    let [spot] = &spots[..] else { panic!("one blind spot: {spots:?}") };
+    assert_eq!(spot["kind"], "held_before_pages", "{spot}");
+    let what = spot["what"].as_str().expect("what");
+    let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
+    assert!((2.0..3.0).contains(&mib), "{what}");
+    assert!(spot["advice"].as_str().expect("advice").contains("memprof run --growth"), "{spot}");
 }
 
 /// `attach --growth` for 2 s to the fixture `growth MODE`: the final report, and the line of

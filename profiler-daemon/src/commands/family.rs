@@ -108,7 +108,11 @@ impl Process {
             comm,
             ns_pid: procfs::ns_pid(pid),
             double_free_filter: Some(DoubleFreeFilter::new(&allocator, Some(&exe))),
-            blind_spots: Some(BlindSpots::new(pid, &allocator)),
+            blind_spots: Some(if expect_exec {
+                BlindSpots::after_exec(pid, &allocator)
+            } else {
+                BlindSpots::new(pid, &allocator)
+            }),
             resident: Resident::default(),
             exe,
             attachment,
@@ -360,7 +364,7 @@ impl Family {
                     process.exe = exe;
                 }
                 process.double_free_filter = Some(DoubleFreeFilter::new(&allocator, Some(&process.exe)));
-                process.blind_spots = Some(BlindSpots::new(pid, &allocator));
+                process.blind_spots = Some(BlindSpots::after_exec(pid, &allocator));
                 if process.said_exe.as_ref() != Some(&process.exe) {
                     say!(
                         "memprof: pid {pid} ({}) runs {}: tracing it {}",

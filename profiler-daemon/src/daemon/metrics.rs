@@ -99,7 +99,7 @@ const PER_PROCESS: &[PerProcess] = &[
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
         "memprof_blind_spots",
-        "Allocators memprof found but does not probe in the process, or unseen growth of its anonymous memory; its report says which and what to do (docs: guide/allocators.md#blind-spots).",
+        "Allocators memprof found but does not probe in the process, unseen growth of its anonymous memory, or memory it held before growth mode traced its pages; its report says which and what to do (docs: guide/allocators.md#blind-spots).",
         MetricType::Gauge,
         |t| t.report.blind_spots.len() as u64,
     ),

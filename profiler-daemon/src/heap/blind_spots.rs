@@ -1,6 +1,8 @@
 //! What memprof knows it does not see in a process: allocators found but not probed (from
 //! `process::allocator`), and anonymous memory that grows while no probed call is made, the sign
 //! of an allocator memprof does not know at all (whose mappings then show where it asked for it).
+//! Traced by its pages (`--growth`), a process's blind spot is the memory it held before: blocks
+//! placed there later touch no new page.
 
 use std::{cell::Cell, collections::HashSet};
 
@@ -16,6 +18,10 @@ use crate::{
 /// stacks, TLS and libraries' data grow by less than this as it starts.
 const UNSEEN_GROWTH_BYTES: u64 = 16 << 20;
 
+/// Anonymous resident memory held before a process was traced by its pages that is reported: a
+/// small program holds a few hundred KiB; an allocator's arena in a transparent huge page, 2 MiB.
+const HELD_BEFORE_PAGES_BYTES: u64 = 1 << 20;
+
 /// One traced process's blind spots.
 #[derive(Debug, Clone)]
 pub struct BlindSpots {
@@ -24,6 +30,9 @@ pub struct BlindSpots {
     /// measured from it. The least, not the first: a command `memprof run` starts is a copy of
     /// memprof until it execs. `Cell`s, as reports are built from a shared borrow.
     anon_floor: Cell<u64>,
+    /// The same since memprof could first trace its pages (0 when that was its exec): the most
+    /// that is left of what it held before (see `held_before_pages`).
+    held_before: Cell<u64>,
     /// The most it grew above the floor while it could be read: the final report of a process
     /// that has exited still says so.
     grown: Cell<u64>,
@@ -32,16 +41,32 @@ pub struct BlindSpots {
 }
 
 impl BlindSpots {
+    /// For a process that runs already.
     pub fn new(pid: u32, allocator: &Allocator) -> Self {
+        let spots = Self::after_exec(pid, allocator);
+        spots.pages_from_now(pid);
+        spots
+    }
+
+    /// For a process that has just exec'd (or is about to: `memprof run`'s command): it held
+    /// nothing before.
+    pub fn after_exec(pid: u32, allocator: &Allocator) -> Self {
         let anon = procfs::anon_resident_bytes(pid).unwrap_or(u64::MAX);
         let mut spots = Self {
             unprobed: Vec::new(),
             anon_floor: Cell::new(anon),
+            held_before: Cell::new(0),
             grown: Cell::new(0),
             scanned: allocator.looked_into.clone(),
         };
         spots.add(pid, allocator.unprobed.clone());
         spots
+    }
+
+    /// `pid`'s pages could be traced from now on (it is attached, or the daemon moved it to
+    /// growth mode): what it holds now is what that cannot see.
+    pub fn pages_from_now(&self, pid: u32) {
+        self.held_before.set(procfs::anon_resident_bytes(pid).unwrap_or(0));
     }
 
     /// Looks into the files `pid` mapped since: a runtime loaded later is a blind spot from then
@@ -68,18 +93,19 @@ impl BlindSpots {
     /// The process's blind spots now, given `report`: its memory (its latest reading), how many
     /// allocations memprof has seen in it and the bytes it holds from mappings made outside its
     /// allocator (`heap::mappings`), which name where memory unseen by the heap was asked for.
-    /// Growth mode sees every page a heap first touches, a runtime's too: it has none.
+    /// Growth mode sees every page a heap first touches, a runtime's too: its one blind spot is
+    /// the memory held before (`held_before_pages`).
     pub fn current(&self, report: &Report) -> Vec<BlindSpot> {
-        if report.growth.is_some() {
-            return Vec::new();
-        }
-        let (memory, allocations_seen, mapped_bytes) =
-            (report.memory, report.totals.allocations, report.mappings.outstanding_bytes);
-        let mut spots = self.unprobed.clone();
-        if let Some(anon) = memory.map(|m| m.rss_anon_bytes) {
+        if let Some(anon) = report.memory.map(|m| m.rss_anon_bytes) {
+            self.held_before.set(self.held_before.get().min(anon));
             self.anon_floor.set(self.anon_floor.get().min(anon));
             self.grown.set(self.grown.get().max(anon - self.anon_floor.get()));
         }
+        if report.growth.is_some() {
+            return self.held_before_pages().into_iter().collect();
+        }
+        let (allocations_seen, mapped_bytes) = (report.totals.allocations, report.mappings.outstanding_bytes);
+        let mut spots = self.unprobed.clone();
         let grown = self.grown.get();
         if allocations_seen == 0 && grown >= UNSEEN_GROWTH_BYTES {
             spots.push(BlindSpot {
@@ -98,5 +124,23 @@ impl BlindSpots {
             });
         }
         spots
+    }
+
+    /// The anonymous memory a process traced by its pages held before: the least it has held
+    /// since, an upper bound on what is left of it. An allocator places blocks in it without a
+    /// new page, and with transparent huge pages always on, an arena's first byte makes 2 MiB
+    /// resident.
+    fn held_before_pages(&self) -> Option<BlindSpot> {
+        let held = self.held_before.get();
+        (held >= HELD_BEFORE_PAGES_BYTES).then(|| BlindSpot {
+            kind: "held_before_pages",
+            what: format!(
+                "up to {:.1} MiB of its anonymous memory was resident before memprof traced its pages: blocks its allocator places there touch no new page and are not counted",
+                held as f64 / f64::from(1 << 20)
+            ),
+            advice: "trace it from its start (memprof run --growth) to count every page, or by its calls (without --growth) to see every block; docs: guide/growth.md#what-it-sees-and-what-not".to_string(),
+            heap: None,
+            unless_env: None,
+        })
     }
 }

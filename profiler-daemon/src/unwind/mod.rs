@@ -25,8 +25,8 @@ use profiler_common::LinkMapEvent;
 pub use registry::{Registry, TableUse, UnwindMode};
 
 use crate::ring::Ring;
-pub use pacing::Reads;
 use pacing::Pacing;
+pub use pacing::Reads;
 use reader::{Reader, Record};
 
 /// What the kernel tells of unwinding (`UNWIND_EVENTS`): processes whose dynamic linker reported

@@ -270,6 +270,7 @@ impl Tracer {
             return;
         }
         target.probed_files.clear();
+        target.blind_spots.pages_from_now(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.known_stacks.forget();
         let comm = &target.comm;

@@ -426,7 +426,7 @@ impl Tracer {
                 }
                 target.probed = true;
                 target.double_free_filter = DoubleFreeFilter::new(&means.allocator, target.exe.as_deref());
-                target.blind_spots = BlindSpots::new(pid, &means.allocator);
+                target.blind_spots = BlindSpots::after_exec(pid, &means.allocator);
                 target.rate_guard = means.rate_guard(self.config.sampling);
                 if let Some(sample_bytes) = target.rate_guard.initial() {
                     if let Err(err) = self.loaded.sample(pid, sample_bytes) {

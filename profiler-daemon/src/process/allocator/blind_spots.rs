@@ -6,8 +6,9 @@ use serde::{Deserialize, Serialize};
 /// Something memprof knows it does not see in a process, and what to do about it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BlindSpot {
-    /// `unprobed_allocator` (found in a mapped file) or `unseen_growth` (anonymous memory grew
-    /// while no probed call was made).
+    /// `unprobed_allocator` (found in a mapped file), `unseen_growth` (anonymous memory grew
+    /// while no probed call was made) or `held_before_pages` (memory held before the process
+    /// was traced by its pages).
     pub kind: &'static str,
     pub what: String,
     pub advice: String,
