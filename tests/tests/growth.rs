@@ -89,8 +89,7 @@ fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
 fn a_transparent_huge_page_is_held_whole() {
     let (report, truth) = attach_to_huge_pages("huge");
     let resident: u64 = truth.trim().strip_prefix("huge resident bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    assert_eq!(resident, 4 << 20, "the kernel gave the fixture no huge pages (THP: {thp})");
+    assert_huge_pages_given(resident, 4 << 20);
     assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
     // Touched by a function's first instruction: named after it, not after the one before.
     assert_eq!(through(&report, "write_first_byte"), (resident / 2, resident / 2 / PAGE), "{report}");
@@ -104,8 +103,7 @@ fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
     let (report, truth) = attach_to_huge_pages("split");
     let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
     let [huge, resident] = numbers[..] else { panic!("the fixture's truth: {truth}") };
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    assert_eq!(huge, 2 << 20, "the kernel gave the fixture no huge page (THP: {thp})");
+    assert_huge_pages_given(huge, 2 << 20);
     assert_eq!(resident, 1 << 20, "{truth}");
     assert_eq!(through(&report, "touch_huge_page"), (resident, resident / PAGE), "{report}");
     assert_eq!(report["dropped"]["fault_size_unknown"], 0, "{}", report["dropped"]);
@@ -119,8 +117,7 @@ fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
 fn memory_held_before_the_attach_is_said() {
     let (report, truth) = attach_to_huge_pages("held");
     let huge: u64 = truth.trim().strip_prefix("held huge bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    assert_eq!(huge, 2 << 20, "the kernel gave the fixture no huge page (THP: {thp})");
+    assert_huge_pages_given(huge, 2 << 20);
     assert_eq!(through(&report, "place_in_new"), (64 * PAGE, 64), "{report}");
     assert_eq!(through(&report, "place_in_held"), (0, 0), "{report}");
     let spots = report["blind_spots"].as_array().expect("blind_spots");
@@ -130,6 +127,13 @@ fn memory_held_before_the_attach_is_said() {
     let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
     assert!((2.0..3.0).contains(&mib), "{what}");
     assert!(spot["advice"].as_str().expect("advice").contains("memprof run --growth"), "{spot}");
+}
+
+/// The fixture's huge pages are the `expected` bytes: the kernel gave them, as its THP setting
+/// allows.
+fn assert_huge_pages_given(bytes: u64, expected: u64) {
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    assert_eq!(bytes, expected, "the kernel gave the fixture fewer huge pages than asked (THP: {thp})");
 }
 
 /// `attach --growth` for 2 s to the fixture `growth MODE`: the final report, and the line of

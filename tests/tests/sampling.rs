@@ -99,12 +99,14 @@ fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
 }
 
 /// The daemon given no `max_rate` moves a process making more than its default rate of allocator
-/// calls to growth mode, as on a busy service; its metrics and reports say so.
+/// calls to growth mode, as on a busy service; its metrics and reports say so, and say the 4 MiB
+/// the process held at the switch, which growth mode cannot see into.
 #[test]
 fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     // About a billion pairs: far more than the default rate while traced call by call, and still
-    // running when the test looks, long after the switch.
-    let mut target = memprof_tests::Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
+    // running when the test looks, long after the switch. 4 MiB held first, after the attach.
+    let args = ["--pairs=1000000000", "--hold=4194304"];
+    let mut target = memprof_tests::Waiting::start(&fixture("malloc_loop"), &args);
     let pid = target.pid();
     let daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);
@@ -124,6 +126,13 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     assert_eq!(memprof_tests::metric(daemon.port, &series), Some(1));
     assert_eq!(report["sample_bytes"], 0, "{report}");
     assert!(report["growth"].is_object(), "{report}");
+    // What it held at the switch, not at the attach (under 1 MiB: no blind spot then).
+    let spots = report["blind_spots"].as_array().expect("blind_spots");
+    let [spot] = &spots[..] else { panic!("one blind spot: {report}") };
+    assert_eq!(spot["kind"], "held_before_pages", "{spot}");
+    let what = spot["what"].as_str().expect("what");
+    let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
+    assert!((4.0..5.0).contains(&mib), "{what}");
     // Its blocks are no longer kept: an inspection says so, not that it holds none.
     let socket = daemon.socket.to_str().unwrap().to_string();
     let inspect = memprof_tests::memprof(&["inspect", "-p", &pid.to_string(), "--daemon", &socket]);
