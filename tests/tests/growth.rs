@@ -87,7 +87,8 @@ fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
 /// follows there: each of its pages is held by the stack that touched it.
 #[test]
 fn a_transparent_huge_page_is_held_whole() {
-    let (report, truth) = attach_to_huge_pages("huge");
+    let (outcome, truth) = attach_to_huge_pages("huge");
+    let report = outcome.final_report();
     let resident: u64 = truth.trim().strip_prefix("huge resident bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
     assert_huge_pages_given(resident, 4 << 20);
     assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
@@ -100,7 +101,8 @@ fn a_transparent_huge_page_is_held_whole() {
 /// memory of them, not one page.
 #[test]
 fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
-    let (report, truth) = attach_to_huge_pages("split");
+    let (outcome, truth) = attach_to_huge_pages("split");
+    let report = outcome.final_report();
     let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
     let [huge, resident] = numbers[..] else { panic!("the fixture's truth: {truth}") };
     assert_huge_pages_given(huge, 2 << 20);
@@ -111,11 +113,12 @@ fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
 
 /// A huge page resident before the attach, as an allocator's arena is on a kernel with huge
 /// pages always on: a block placed there later touches no new page and is not counted, and the
-/// report says how much memory that may be (the 2 MiB page and the little else the fixture held);
-/// the pages it maps after are counted.
+/// report (and a line at the start) says how much memory that may be (the 2 MiB page and the
+/// little else the fixture held); the pages it maps after are counted.
 #[test]
 fn memory_held_before_the_attach_is_said() {
-    let (report, truth) = attach_to_huge_pages("held");
+    let (outcome, truth) = attach_to_huge_pages("held");
+    let report = outcome.final_report();
     let huge: u64 = truth.trim().strip_prefix("held huge bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
     assert_huge_pages_given(huge, 2 << 20);
     assert_eq!(through(&report, "place_in_new"), (64 * PAGE, 64), "{report}");
@@ -127,6 +130,10 @@ fn memory_held_before_the_attach_is_said() {
     let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
     assert!((2.0..3.0).contains(&mib), "{what}");
     assert!(spot["advice"].as_str().expect("advice").contains("memprof run --growth"), "{spot}");
+    // Said at the start too, in one line.
+    let said: Vec<&str> =
+        outcome.stderr.lines().filter(|line| line.contains("before memprof traced its pages")).collect();
+    assert!(matches!(&said[..], [line] if line.starts_with("memprof: not seen in pid ")), "{}", outcome.stderr);
 }
 
 /// The fixture's huge pages are the `expected` bytes: the kernel gave them, as its THP setting
@@ -136,15 +143,15 @@ fn assert_huge_pages_given(bytes: u64, expected: u64) {
     assert_eq!(bytes, expected, "the kernel gave the fixture fewer huge pages than asked (THP: {thp})");
 }
 
-/// `attach --growth` for 2 s to the fixture `growth MODE`: the final report, and the line of
-/// truth the fixture prints once memprof has gone.
-fn attach_to_huge_pages(mode: &str) -> (Value, String) {
+/// `attach --growth` for 2 s to the fixture `growth MODE`: its outcome, and the line of truth
+/// the fixture prints once memprof has gone.
+fn attach_to_huge_pages(mode: &str) -> (Outcome, String) {
     let mut target = Waiting::start(&fixture("growth"), &[mode]);
     let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
     assert!(outcome.status.success(), "{outcome:?}");
     let mut truth = String::new();
     BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
-    (outcome.final_report(), truth)
+    (outcome, truth)
 }
 
 #[test]

@@ -130,7 +130,7 @@ impl BlindSpots {
     /// since, an upper bound on what is left of it. An allocator places blocks in it without a
     /// new page, and with transparent huge pages always on, an arena's first byte makes 2 MiB
     /// resident.
-    fn held_before_pages(&self) -> Option<BlindSpot> {
+    pub fn held_before_pages(&self) -> Option<BlindSpot> {
         let held = self.held_before.get();
         (held >= HELD_BEFORE_PAGES_BYTES).then(|| BlindSpot {
             kind: "held_before_pages",

@@ -19,7 +19,7 @@ use crate::{
     console::say,
     error::UserError,
     heap::price::{PriceWatch, SystemCpu},
-    heap::{inspect, sampling::Sampling},
+    heap::{blind_spots::BlindSpots, inspect, sampling::Sampling},
     kernel::loader::{self, Loaded},
     process::allocator::{self, Allocator},
     process::{procfs, usdt},
@@ -111,6 +111,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<Attache
         root.price = PriceWatch::start(pid_n, untraced);
     }
     announce(pid_n, &comm, probes, &allocator, args.sampling, sites.as_deref());
+    // What it held already, growth mode cannot see into: said now, as the reports will.
+    let held_before = root.blind_spots.as_ref().and_then(BlindSpots::held_before_pages);
+    if let Some(spot) = held_before.filter(|_| args.sampling.growth) {
+        say_not_seen(pid_n, &spot);
+    }
     let inspect = args.inspect.then(|| inspect::Settings {
         glibc: allocator.is_glibc(),
         complete: false,
