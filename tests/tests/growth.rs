@@ -7,7 +7,9 @@
 
 use std::io::{BufRead, BufReader};
 
-use memprof_tests::{attach, fixture, fixture_go_pure, fixture_with, run, through, Outcome, Waiting};
+use memprof_tests::{
+    attach, fixture, fixture_go_pure, fixture_with, held_before_bytes, run, through, Outcome, Waiting,
+};
 use serde_json::Value;
 
 const PAGE: u64 = 4096;
@@ -23,12 +25,15 @@ fn jemalloc_fixture() -> std::path::PathBuf {
     fixture_with("growth.c", "growth_jemalloc", &flags)
 }
 
+/// What a process attached while it runs may have held before, growth mode cannot see into: the
+/// leak may show that much less (jemalloc's arena holds 6 MiB of huge pages before its first
+/// block where they are always on, as on Debian's kernels), and the report says how much.
 fn assert_growth(outcome: &Outcome) {
     assert!(outcome.status.success(), "{outcome:?}");
     let report = outcome.final_report();
     assert!(report["growth"]["outside_pages"].is_u64(), "the report says its mode: {report}");
     let (leaked, pages) = through(&report, "leak_pages");
-    let allowed = LEAKED - SLACK..=LEAKED + SLACK + METADATA;
+    let allowed = LEAKED - SLACK - held_before_bytes(&report).min(LEAKED - SLACK)..=LEAKED + SLACK + METADATA;
     assert!(allowed.contains(&leaked), "leak_pages holds {leaked} bytes, truth {LEAKED}: {report}");
     assert_eq!(pages * PAGE, leaked, "a count is a page");
     let (churned, _) = through(&report, "churn");
@@ -126,9 +131,7 @@ fn memory_held_before_the_attach_is_said() {
     let spots = report["blind_spots"].as_array().expect("blind_spots");
     let [spot] = &spots[..] else { panic!("one blind spot: {spots:?}") };
     assert_eq!(spot["kind"], "held_before_pages", "{spot}");
-    let what = spot["what"].as_str().expect("what");
-    let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
-    assert!((2.0..3.0).contains(&mib), "{what}");
+    assert!((2 << 20..3 << 20).contains(&held_before_bytes(&report)), "{spot}");
     assert!(spot["advice"].as_str().expect("advice").contains("memprof run --growth"), "{spot}");
     // Said at the start too, in one line.
     let said: Vec<&str> =

@@ -108,7 +108,7 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let args = ["--pairs=1000000000", "--hold=4194304"];
     let mut target = memprof_tests::Waiting::start(&fixture("malloc_loop"), &args);
     let pid = target.pid();
-    let daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
+    let mut daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
     daemon.wait_traced(pid);
     target.go();
     // Each view until the switch names its stacks: the one built as the switch takes them too.
@@ -130,9 +130,7 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let spots = report["blind_spots"].as_array().expect("blind_spots");
     let [spot] = &spots[..] else { panic!("one blind spot: {report}") };
     assert_eq!(spot["kind"], "held_before_pages", "{spot}");
-    let what = spot["what"].as_str().expect("what");
-    let mib: f64 = what.strip_prefix("up to ").and_then(|rest| rest.split(' ').next()?.parse().ok()).expect(what);
-    assert!((4.0..5.0).contains(&mib), "{what}");
+    assert!((4 << 20..5 << 20).contains(&memprof_tests::held_before_bytes(&report)), "{spot}");
     // Its blocks are no longer kept: an inspection says so, not that it holds none.
     let socket = daemon.socket.to_str().unwrap().to_string();
     let inspect = memprof_tests::memprof(&["inspect", "-p", &pid.to_string(), "--daemon", &socket]);
@@ -145,6 +143,9 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
         "{}",
         inspect.stderr
     );
+    // The switch's line in the log says it too.
+    let log = daemon.stopped_log();
+    assert!(log.contains("(growth mode); not seen: up to 4."), "{log}");
 }
 
 /// A switch to growth mode takes a running process's allocator probes away. Its frees must go

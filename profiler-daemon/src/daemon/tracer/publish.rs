@@ -274,10 +274,15 @@ impl Tracer {
         target.leaks = LeakTracker::new(self.config.leak);
         target.known_stacks.forget();
         let comm = &target.comm;
+        // What it holds already, growth mode cannot see into.
+        let held = target.blind_spots.held_before_pages().map(|spot| format!("; not seen: {}", spot.what));
+        let held = held.unwrap_or_default();
         match why {
             ToPages::AboveMaxRate { calls_per_second } => warn!(
                 pid,
-                comm, calls_per_second, "above max_rate: traced by the pages it touches from now on (growth mode)"
+                comm,
+                calls_per_second,
+                "above max_rate: traced by the pages it touches from now on (growth mode){held}"
             ),
             ToPages::Crowding(crowder) => warn!(
                 pid,
@@ -287,7 +292,7 @@ impl Tracer {
                 capacity = crowder.capacity,
                 crowded_out = crowder.crowded_out,
                 "holds more than half of the {}, and another process's allocations found it full: traced by the \
-                 pages it touches from now on (growth mode); a larger {} keeps it traced by its calls",
+                 pages it touches from now on (growth mode); a larger {} keeps it traced by its calls{held}",
                 crowder.table.name(),
                 crowder.table.setting()
             ),
