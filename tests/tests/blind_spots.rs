@@ -98,6 +98,8 @@ fn memory_that_grows_with_no_allocation_seen_is_said() {
     let what = spots[0]["what"].as_str().unwrap();
     let mib: u64 = what.split("grew by ").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
     assert!((32..=64).contains(&mib), "{what}");
+    let bytes = spots[0]["bytes"].as_u64().expect("the grown bytes");
+    assert_eq!(bytes >> 20, mib, "{}", spots[0]);
     // Where it asked for that memory: its own allocator's mmap, 64 chunks of 1 MiB.
     assert!(spots[0]["advice"].as_str().unwrap().starts_with("its mappings ("), "{}", spots[0]);
     let own = report["mappings"]["stacks"]

@@ -120,6 +120,7 @@ impl BlindSpots {
                     "trace with --mappings to see where it maps memory, or see which allocator it uses (a static one, a language runtime) in its maps and symbols; docs: guide/allocators.md#blind-spots".to_string()
                 },
                 heap: None,
+                bytes: Some(grown),
                 unless_env: None,
             });
         }
@@ -140,6 +141,7 @@ impl BlindSpots {
             ),
             advice: "trace it from its start (memprof run --growth) to count every page, or by its calls (without --growth) to see every block; docs: guide/growth.md#what-it-sees-and-what-not".to_string(),
             heap: None,
+            bytes: Some(held),
             unless_env: None,
         })
     }

@@ -16,6 +16,10 @@ pub struct BlindSpot {
     /// likely owner of resident memory that the heap does not account for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heap: Option<&'static str>,
+    /// The bytes of memory it concerns, where memprof measures them: how much anonymous memory
+    /// grew unseen (`unseen_growth`), or was held before (`held_before_pages`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
     /// An environment variable (`NAME=value`) under which the process routes this allocator's
     /// memory through malloc after all: then it is no blind spot.
     #[serde(skip)]
@@ -30,6 +34,8 @@ struct SavedBlindSpot {
     advice: String,
     #[serde(default)]
     heap: Option<String>,
+    #[serde(default)]
+    bytes: Option<u64>,
 }
 
 impl<'de> Deserialize<'de> for BlindSpot {
@@ -40,6 +46,7 @@ impl<'de> Deserialize<'de> for BlindSpot {
             what: saved.what,
             advice: saved.advice,
             heap: saved.heap.map(crate::names::intern),
+            bytes: saved.bytes,
             unless_env: None,
         })
     }

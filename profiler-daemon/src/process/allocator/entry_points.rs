@@ -62,6 +62,7 @@ pub(super) fn scan_file(
             what: format!("{}, in {display_path}", unprobed.what),
             advice: unprobed.advice.to_string(),
             heap: Some(unprobed.heap),
+            bytes: None,
             unless_env: unprobed.unless_env,
         })
         .collect();
