@@ -92,10 +92,8 @@ fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
 /// follows there: each of its pages is held by the stack that touched it.
 #[test]
 fn a_transparent_huge_page_is_held_whole() {
-    let (outcome, truth) = attach_to_huge_pages("huge");
-    let report = outcome.final_report();
-    let resident: u64 = truth.trim().strip_prefix("huge resident bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
-    assert_huge_pages_given(resident, 4 << 20);
+    let (_, report, truth) = attach_to_huge_pages("huge", 4 << 20);
+    let resident = truth[0];
     assert_eq!(through(&report, "huge_pages"), (resident, resident / PAGE), "{report}");
     // Touched by a function's first instruction: named after it, not after the one before.
     assert_eq!(through(&report, "write_first_byte"), (resident / 2, resident / 2 / PAGE), "{report}");
@@ -106,12 +104,9 @@ fn a_transparent_huge_page_is_held_whole() {
 /// memory of them, not one page.
 #[test]
 fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
-    let (outcome, truth) = attach_to_huge_pages("split");
-    let report = outcome.final_report();
-    let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
-    let [huge, resident] = numbers[..] else { panic!("the fixture's truth: {truth}") };
-    assert_huge_pages_given(huge, 2 << 20);
-    assert_eq!(resident, 1 << 20, "{truth}");
+    let (_, report, truth) = attach_to_huge_pages("split", 2 << 20);
+    let [_, resident] = truth[..] else { panic!("the fixture's truth: {truth:?}") };
+    assert_eq!(resident, 1 << 20, "{truth:?}");
     assert_eq!(through(&report, "touch_huge_page"), (resident, resident / PAGE), "{report}");
     assert_eq!(report["dropped"]["fault_size_unknown"], 0, "{}", report["dropped"]);
 }
@@ -122,10 +117,7 @@ fn a_huge_page_split_at_once_is_held_as_its_fault_mapped_it() {
 /// little else the fixture held); the pages it maps after are counted.
 #[test]
 fn memory_held_before_the_attach_is_said() {
-    let (outcome, truth) = attach_to_huge_pages("held");
-    let report = outcome.final_report();
-    let huge: u64 = truth.trim().strip_prefix("held huge bytes: ").and_then(|n| n.parse().ok()).expect(&truth);
-    assert_huge_pages_given(huge, 2 << 20);
+    let (outcome, report, _) = attach_to_huge_pages("held", 2 << 20);
     assert_eq!(through(&report, "place_in_new"), (64 * PAGE, 64), "{report}");
     assert_eq!(through(&report, "place_in_held"), (0, 0), "{report}");
     let spots = report["blind_spots"].as_array().expect("blind_spots");
@@ -139,22 +131,24 @@ fn memory_held_before_the_attach_is_said() {
     assert!(matches!(&said[..], [line] if line.starts_with("memprof: not seen in pid ")), "{}", outcome.stderr);
 }
 
-/// The fixture's huge pages are the `expected` bytes: the kernel gave them, as its THP setting
-/// allows.
-fn assert_huge_pages_given(bytes: u64, expected: u64) {
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    assert_eq!(bytes, expected, "the kernel gave the fixture fewer huge pages than asked (THP: {thp})");
-}
-
-/// `attach --growth` for 2 s to the fixture `growth MODE`: its outcome, and the line of truth
-/// the fixture prints once memprof has gone.
-fn attach_to_huge_pages(mode: &str) -> (Outcome, String) {
+/// `attach --growth` for 2 s to the fixture `growth MODE`: its outcome, its final report and
+/// the numbers in the line of truth the fixture prints once memprof has gone. The first is the
+/// huge pages' bytes the fixture got, which must be `huge` (as the kernel's THP setting allows).
+fn attach_to_huge_pages(mode: &str, huge: u64) -> (Outcome, Value, Vec<u64>) {
     let mut target = Waiting::start(&fixture("growth"), &[mode]);
     let outcome = attach(&mut target, &["--growth", "--interval", "60", "--duration", "2"]);
     assert!(outcome.status.success(), "{outcome:?}");
     let mut truth = String::new();
     BufReader::new(target.child.stdout.as_mut().unwrap()).read_line(&mut truth).unwrap();
-    (outcome, truth)
+    let numbers: Vec<u64> = truth.split_whitespace().filter_map(|word| word.parse().ok()).collect();
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    assert_eq!(
+        numbers.first(),
+        Some(&huge),
+        "the kernel gave the fixture fewer huge pages than asked (THP: {thp}): {truth}"
+    );
+    let report = outcome.final_report();
+    (outcome, report, numbers)
 }
 
 #[test]

@@ -111,7 +111,7 @@ impl Process {
             blind_spots: Some(if expect_exec {
                 BlindSpots::after_exec(pid, &allocator)
             } else {
-                BlindSpots::new(pid, &allocator)
+                BlindSpots::new(pid, &allocator, settings.0.growth)
             }),
             resident: Resident::default(),
             exe,

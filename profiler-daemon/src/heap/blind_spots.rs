@@ -30,9 +30,9 @@ pub struct BlindSpots {
     /// measured from it. The least, not the first: a command `memprof run` starts is a copy of
     /// memprof until it execs. `Cell`s, as reports are built from a shared borrow.
     anon_floor: Cell<u64>,
-    /// The same since memprof could first trace its pages (0 when that was its exec): the most
-    /// that is left of what it held before (see `held_before_pages`).
-    held_before: Cell<u64>,
+    /// The same since memprof traced its pages, when that began while it ran (not at its exec):
+    /// the most that is left of what it held before (see `held_before_pages`). None otherwise.
+    held_before: Cell<Option<u64>>,
     /// The most it grew above the floor while it could be read: the final report of a process
     /// that has exited still says so.
     grown: Cell<u64>,
@@ -41,10 +41,12 @@ pub struct BlindSpots {
 }
 
 impl BlindSpots {
-    /// For a process that runs already.
-    pub fn new(pid: u32, allocator: &Allocator) -> Self {
+    /// For a process that runs already; `pages`: traced by its pages (`--growth`).
+    pub fn new(pid: u32, allocator: &Allocator, pages: bool) -> Self {
         let spots = Self::after_exec(pid, allocator);
-        spots.pages_from_now(pid);
+        if pages {
+            spots.pages_from_now(pid);
+        }
         spots
     }
 
@@ -55,7 +57,7 @@ impl BlindSpots {
         let mut spots = Self {
             unprobed: Vec::new(),
             anon_floor: Cell::new(anon),
-            held_before: Cell::new(0),
+            held_before: Cell::new(None),
             grown: Cell::new(0),
             scanned: allocator.looked_into.clone(),
         };
@@ -66,7 +68,7 @@ impl BlindSpots {
     /// `pid`'s pages could be traced from now on (it is attached, or the daemon moved it to
     /// growth mode): what it holds now is what that cannot see.
     pub fn pages_from_now(&self, pid: u32) {
-        self.held_before.set(procfs::anon_resident_bytes(pid).unwrap_or(0));
+        self.held_before.set(Some(procfs::anon_resident_bytes(pid).unwrap_or(0)));
     }
 
     /// Looks into the files `pid` mapped since: a runtime loaded later is a blind spot from then
@@ -97,7 +99,7 @@ impl BlindSpots {
     /// the memory held before (`held_before_pages`).
     pub fn current(&self, report: &Report) -> Vec<BlindSpot> {
         if let Some(anon) = report.memory.map(|m| m.rss_anon_bytes) {
-            self.held_before.set(self.held_before.get().min(anon));
+            self.held_before.set(self.held_before.get().map(|held| held.min(anon)));
             self.anon_floor.set(self.anon_floor.get().min(anon));
             self.grown.set(self.grown.get().max(anon - self.anon_floor.get()));
         }
@@ -130,9 +132,9 @@ impl BlindSpots {
     /// The anonymous memory a process traced by its pages held before: the least it has held
     /// since, an upper bound on what is left of it. An allocator places blocks in it without a
     /// new page, and with transparent huge pages always on, an arena's first byte makes 2 MiB
-    /// resident.
+    /// resident. None for a process not traced by its pages, or traced so from its exec.
     pub fn held_before_pages(&self) -> Option<BlindSpot> {
-        let held = self.held_before.get();
+        let held = self.held_before.get()?;
         (held >= HELD_BEFORE_PAGES_BYTES).then(|| BlindSpot {
             kind: "held_before_pages",
             what: format!(
@@ -144,5 +146,31 @@ impl BlindSpots {
             bytes: Some(held),
             unless_env: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This test process, holding `bytes` more of anonymous memory, resident.
+    fn holding(bytes: usize) -> Vec<u8> {
+        vec![1; bytes]
+    }
+
+    #[test]
+    fn memory_held_before_is_a_blind_spot_only_when_pages_are_traced_from_now() {
+        let held = holding(4 << 20);
+        let pid = std::process::id();
+        let allocator = Allocator::default();
+        assert!(BlindSpots::new(pid, &allocator, false).held_before_pages().is_none());
+        assert!(BlindSpots::after_exec(pid, &allocator).held_before_pages().is_none());
+        let spot = BlindSpots::new(pid, &allocator, true).held_before_pages().expect("4 MiB held");
+        assert!(spot.bytes.is_some_and(|bytes| bytes >= 4 << 20), "{spot:?}");
+        // A process the daemon moves to growth mode later.
+        let switched = BlindSpots::new(pid, &allocator, false);
+        switched.pages_from_now(pid);
+        assert!(switched.held_before_pages().is_some());
+        drop(held);
     }
 }

@@ -113,7 +113,7 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<Attache
     announce(pid_n, &comm, probes, &allocator, args.sampling, sites.as_deref());
     // What it held already, growth mode cannot see into: said now, as the reports will.
     let held_before = root.blind_spots.as_ref().and_then(BlindSpots::held_before_pages);
-    if let Some(spot) = held_before.filter(|_| args.sampling.growth) {
+    if let Some(spot) = held_before {
         say_not_seen(pid_n, &spot);
     }
     let inspect = args.inspect.then(|| inspect::Settings {

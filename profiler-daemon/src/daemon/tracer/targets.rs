@@ -461,7 +461,7 @@ impl Tracer {
             ns_pid: procfs::ns_pid(id.pid),
             attachment,
             double_free_filter: DoubleFreeFilter::new(&means.allocator, exe.as_deref()),
-            blind_spots: BlindSpots::new(id.pid, &means.allocator),
+            blind_spots: BlindSpots::new(id.pid, &means.allocator, self.config.sampling.growth),
             resident: Resident::default(),
             exe,
             cgroup: procfs::cgroup(id.pid),
