@@ -61,9 +61,12 @@ fn attach_says_the_price_and_with_max_rate_off_records_every_call() {
     assert_eq!(total(&report, "frees"), pairs, "{report}");
 }
 
+/// A second after the switch, what sampling costs is said too, with growth mode named when that
+/// is worth saving.
 #[test]
 fn attach_samples_a_busy_process_by_default_and_says_how_not_to() {
-    let mut target = Waiting::start(&fixture("malloc_loop"), &[LOOP]);
+    // A second traced by its calls, a second sampled, and time to spare.
+    let mut target = Waiting::start(&fixture("malloc_loop"), &["--seconds=4"]);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
@@ -82,6 +85,22 @@ fn attach_samples_a_busy_process_by_default_and_says_how_not_to() {
     let (rate, rest) = price_line(&outcome.stderr, pid.parse().unwrap());
     assert!(rate > 50_000, "{}", outcome.stderr);
     assert!(!rest.contains("--sample-bytes"), "memprof samples it already: {rest}");
+    let sampled = outcome
+        .stderr
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("memprof: pid {pid} makes about ")))
+        .unwrap_or_else(|| panic!("no price line once sampled: {}", outcome.stderr));
+    let added = sampled
+        .split_once("(estimated from the samples); sampling them adds about ")
+        .and_then(|(_, rest)| rest.split_once(" s of CPU a second"))
+        .and_then(|(seconds, _)| seconds.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("not a sampled price: {sampled}"));
+    // Named above a twentieth of a core (the line rounds to hundredths).
+    if added >= 0.06 {
+        assert!(sampled.ends_with("; --growth (heap growth by page, any rate) costs nearly nothing"), "{sampled}");
+    } else if added <= 0.04 {
+        assert!(!sampled.contains("--growth"), "{sampled}");
+    }
     assert_eq!(outcome.final_report()["sample_bytes"], 65536);
 }
 

@@ -1,6 +1,7 @@
-//! The price of tracing a process, said once after its first second traced: how often it calls
-//! its allocator, the CPU time tracing adds to each second of its run, and the cheaper mode to
-//! use when that time is worth saving.
+//! The price of tracing a process, said once after its first second traced (and once more a
+//! second after `--max-rate` switches it to sampling): how often it calls its allocator, the CPU
+//! time tracing adds to each second of its run, and the cheaper mode to use when that time is
+//! worth saving.
 //!
 //! The probes' traps and the programs they run take the process's own kernel time, so the price
 //! is measured where it is paid: the rise of the process's system time once traced, against its
@@ -37,6 +38,9 @@ const TICKS_NOISE: f64 = 0.02;
 /// What the cheaper modes cost, said when the price is worth saving.
 const ADVICE: &str =
     "--sample-bytes 524288 costs a fraction of that, --growth (heap growth by page, any rate) nearly nothing";
+
+/// The same, to a process sampled already: each call still traps.
+const SAMPLED_ADVICE: &str = "--growth (heap growth by page, any rate) costs nearly nothing";
 
 /// A process's system time (its threads' time in the kernel) read at one moment.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,12 +82,20 @@ pub struct PriceWatch {
     start: SystemCpu,
     /// Its system seconds a second before tracing, when measured.
     before: Option<f64>,
+    /// Its allocator calls counted when the watch began.
+    calls: u64,
 }
 
 impl PriceWatch {
     /// Starts watching `pid`, whose tracing begins now; none once it is gone.
     pub fn start(pid: u32, before: Option<f64>) -> Option<Self> {
-        Some(Self { start: SystemCpu::read(pid)?, before })
+        Some(Self { start: SystemCpu::read(pid)?, before, calls: 0 })
+    }
+
+    /// The watch of the same process from now on, which has made `calls` allocator calls since
+    /// tracing began: the price of the mode it has just been switched to. None once it is gone.
+    pub fn again(&self, pid: u32, calls: u64) -> Option<Self> {
+        Some(Self { start: SystemCpu::read(pid)?, before: self.before, calls })
     }
 
     /// When the price is to be said (CLOCK_MONOTONIC, ns).
@@ -96,6 +108,7 @@ impl PriceWatch {
     pub fn price(&self, pid: u32, now: SystemCpu, calls: u64, mode: Mode) -> Option<Price> {
         let traced = now.rate_since(&self.start)?;
         let seconds = (now.at_ns - self.start.at_ns) as f64 / 1e9;
+        let calls = calls.saturating_sub(self.calls);
         Some(Price { pid, calls_per_second: calls as f64 / seconds, before: self.before, traced, mode })
     }
 }
@@ -158,7 +171,13 @@ impl Price {
                 CALL_COST_BOUND_S * 1e6
             ),
         };
-        let advice = if self.mode == Mode::Exact && self.significant() { format!("; {ADVICE}") } else { String::new() };
+        let advice = match self.mode {
+            _ if !self.significant() => String::new(),
+            Mode::Exact => format!("; {ADVICE}"),
+            Mode::Sampled => format!("; {SAMPLED_ADVICE}"),
+            // The switch's own line follows.
+            Mode::Switched => String::new(),
+        };
         format!("memprof: pid {pid} makes {calls} {cost}{advice}")
     }
 }
@@ -185,7 +204,7 @@ mod tests {
     }
 
     fn watch(before: Option<f64>) -> PriceWatch {
-        PriceWatch { start: cpu(10.0, 3.0), before }
+        PriceWatch { start: cpu(10.0, 3.0), before, calls: 0 }
     }
 
     #[test]
@@ -230,15 +249,29 @@ mod tests {
     }
 
     #[test]
-    fn only_exact_tracing_is_told_of_cheaper_modes() {
+    fn sampling_is_told_of_growth_mode_alone_and_a_switch_of_nothing() {
         let sampled = watch(Some(0.0)).price(7, cpu(11.0, 3.5), 90_000, Mode::Sampled).unwrap();
         assert!(sampled.significant());
-        assert!(sampled.line().contains(
-            "makes about 90,000 allocator calls a second (estimated from the samples); sampling them adds about 0.50 s"
-        ));
-        assert!(!sampled.line().contains("--growth"));
+        assert!(sampled.line().ends_with(
+            "makes about 90,000 allocator calls a second (estimated from the samples); sampling them adds about 0.50 s \
+             of CPU a second (its system time went from 0.00 to 0.50 s/s); --growth (heap growth by page, any rate) \
+             costs nearly nothing"
+        ), "{}", sampled.line());
+        let cheap = watch(Some(0.0)).price(7, cpu(11.0, 3.01), 900, Mode::Sampled).unwrap();
+        assert!(!cheap.line().contains("--growth"), "{}", cheap.line());
         let switched = watch(Some(0.0)).price(7, cpu(11.0, 3.5), 90_000, Mode::Switched).unwrap();
         assert!(!switched.line().contains("--growth"));
+    }
+
+    #[test]
+    fn a_watch_begun_again_prices_the_calls_since() {
+        let first = watch(Some(0.1));
+        let again = first.again(std::process::id(), 1_000_000).expect("this process");
+        assert_eq!((again.before, again.calls), (Some(0.1), 1_000_000));
+        let later = SystemCpu { at_ns: again.start.at_ns + 1_000_000_000, seconds: again.start.seconds + 0.3 };
+        let price = again.price(7, later, 1_200_000, Mode::Sampled).unwrap();
+        assert!((price.calls_per_second - 200_000.0).abs() < 1e-6, "{price:?}");
+        assert!((price.added() - 0.2).abs() < 1e-9, "{price:?}");
     }
 
     #[test]

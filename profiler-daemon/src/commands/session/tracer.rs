@@ -309,7 +309,8 @@ impl Tracer<'_> {
     /// Says the price of each process traced for a second now: the root's always, a followed
     /// child's when it is worth saving (a build's compilers would fill the terminal otherwise).
     /// The count read for it is checked against `--max-rate` too, so that a busy process is
-    /// switched to sampling after its first second, not its first intervals.
+    /// switched to sampling after its first second, not its first intervals; a second later,
+    /// what sampling costs it is said the same way (each call still traps).
     fn say_prices(&mut self) -> anyhow::Result<()> {
         let now_ns = aggregate::monotonic_now_ns();
         // Taken whatever happens next: each price is said once at most.
@@ -339,10 +340,13 @@ impl Tracer<'_> {
                     say!("{}", price.line());
                 }
             }
-            switches.extend(switch.map(|switch| (process.pid, switch)));
+            switches.extend(switch.map(|switch| (process.pid, switch, watch, count.calls)));
         }
-        for (pid, switch) in switches {
+        for (pid, switch, watch, calls) in switches {
             self.switch(pid, switch)?;
+            if let Some(process) = self.family.get_mut(pid) {
+                process.price = watch.again(pid, calls);
+            }
         }
         Ok(())
     }
