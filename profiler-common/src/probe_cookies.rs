@@ -59,6 +59,11 @@ pub mod traced {
     /// process's `madvise` releases are sent, as only its pages need them. Kept across its
     /// entry's rewrites while it is traced.
     pub const GROWTH: u32 = 4;
+    /// Its allocator probes are being attached: a return probe may be in place before the entry
+    /// probe of its function, and a call that entered before the entry probe returns without its
+    /// entry recorded. Such a call began before tracing did, as a block allocated before it:
+    /// no drop. Kept across its entry's rewrites until its probes are attached.
+    pub const ATTACHING: u32 = 8;
 }
 
 #[cfg(test)]

@@ -25,13 +25,15 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 17] = [
+const TESTS: [(&str, &str); 18] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
     ("process_life", "a_parent_and_its_followed_child_each_count_only_their_own_returns"),
     // `attach`, exact, to a process that allocated before.
     ("lifecycle", "allocations_from_before_attach_freed_after_are_unknown_frees"),
+    // `attach` to a busy loop: a return probe attached before its entry probe is no drop.
+    ("lifecycle", "calls_in_flight_while_the_probes_attach_are_no_drops"),
     // The daemon's /metrics.
     ("daemon", "the_peak_and_resident_memory_are_exported"),
     // The daemon's inspection: the live blocks' changes noted while it lists them.

@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
     Global,
 };
-use profiler_common::{AddrKey, AllocFn, DropReason, Inflight, SAMPLED};
+use profiler_common::{traced, AddrKey, AllocFn, DropReason, Inflight, SAMPLED};
 
 use super::{
     bump_proc_counter,
@@ -18,7 +18,7 @@ use super::{
     Probe, IDLE, INFLIGHT, NESTING_STACK_SPAN,
 };
 use crate::{
-    live,
+    live, process,
     shared::{count_drop, kernel_word},
 };
 
@@ -180,7 +180,11 @@ pub fn on_return(ctx: &RetProbeContext) {
             // A call the entry probe did not sample.
             return;
         }
-        count_drop(DropReason::InflightMissing);
+        // Entered before its entry probe was attached, it began before tracing did: its block
+        // is one allocated before, not a drop.
+        if process::traced_flags(tgid).is_none_or(|flags| flags & traced::ATTACHING == 0) {
+            count_drop(DropReason::InflightMissing);
+        }
         // The call may have returned a block that was freed earlier: it is not freed any more.
         if ret != 0 {
             forget_free(&AddrKey { tgid, _pad: 0, addr: ret });

@@ -292,8 +292,26 @@ impl Loaded {
     /// address, given out again, counted a missed free. A free before the allocation probes is
     /// only an unknown free. Return probes go before entry probes: an entry probe that fires
     /// before its return probe exists would leave in-flight state behind that nothing clears.
+    /// Meanwhile the process is `traced::ATTACHING`: the returns of calls that entered before
+    /// their entry probe was in place are no drops.
     /// On failure nothing stays attached, and the caller forgets what the first probes recorded.
     fn probe_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
+        use profiler_common::traced::ATTACHING;
+        self.update_traced(pid.get(), |flags| flags | ATTACHING)?;
+        let attached = self.attach_allocator_probes(allocator, pid);
+        let settled = self.update_traced(pid.get(), |flags| flags & !ATTACHING);
+        match (attached, settled) {
+            (Ok(attachment), Ok(())) => Ok(attachment),
+            (Ok(attachment), Err(err)) => {
+                self.withdraw(attachment, pid);
+                Err(err)
+            }
+            (Err(err), _) => Err(err),
+        }
+    }
+
+    /// `probe_allocator`'s links, in its order.
+    fn attach_allocator_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let points = |file: &allocator::AllocatorFile| {
             let allocs: Vec<Point> =
                 file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
