@@ -197,7 +197,8 @@ fn calls_in_flight_while_the_probes_attach_are_no_drops() {
         // could still straddle their end: a rare one, where there were a hundred.
         let missing = report["dropped"]["inflight_missing"].as_u64().expect("inflight_missing");
         assert!(missing <= 1, "{env:?}: {missing} calls in flight at attach counted as drops: {}", report["dropped"]);
-        assert!(total(&report, "unknown_frees") > 0, "{env:?}: the loop ran while memprof attached: {report}");
-        assert!(total(&report, "allocations") > 0, "{env:?}: {report}");
+        // (Its blocks freed are unknown frees: none where the loop did not run between the
+        // links, as on a one-CPU machine with `uprobe_multi` links.)
+        assert!(total(&report, "allocations") > 0, "{env:?}: the loop ran: {report}");
     }
 }
