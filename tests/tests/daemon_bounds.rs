@@ -327,10 +327,52 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     assert_eq!(whole["dropped"]["live_map_full"], lost, "{whole}");
     assert_eq!(growth(&guest_pid), Some(0));
     let log = daemon.stopped_log();
-    assert!(
-        log.contains("holds more than half of the live table, and another process's allocations found it full"),
-        "{log}"
-    );
+    // Its 3000 blocks, and the fixture's own few.
+    let said = "of 4096 entries), and another process's allocations found it full";
+    assert!(log.contains("holds the most of the live table (300") && log.contains(said), "{log}");
+}
+
+/// Two processes holding nearly half of the live table each: when a third finds it full, the
+/// larger is moved to growth mode (the most of it, past a quarter), and the third is recorded
+/// whole from then on.
+#[test]
+fn the_larger_of_two_processes_crowding_the_live_table_is_moved() {
+    let _serial = serial();
+    let mut smaller = Waiting::start(&fixture("crowding"), &["hold", "1500"]);
+    let mut larger = Waiting::start(&fixture("crowding"), &["hold", "1600"]);
+    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "1500"]);
+    let pids: Vec<String> = [&smaller, &larger, &guest].iter().map(|w| w.pid().to_string()).collect();
+    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
+    for pid in &pids {
+        args.extend(["--pid", pid.as_str()]);
+    }
+    let mut daemon = Daemon::start(&args);
+    for process in [&smaller, &larger, &guest] {
+        daemon.wait_traced(process.pid());
+    }
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
+
+    for holder in [&mut smaller, &mut larger] {
+        holder.go();
+        said_held(holder);
+    }
+    wait_for(10, "the holders' blocks", || {
+        let held = (site(&leaks(&pids[0]), "hold_site"), site(&leaks(&pids[1]), "hold_site"));
+        (held == ((150_000, 1500), (160_000, 1600))).then_some(())
+    });
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the larger holder moved to its pages", || (growth(&pids[1])? == 1).then_some(()));
+    assert_eq!(growth(&pids[0]), Some(0), "only the larger is moved");
+
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the guest's second blocks", || {
+        (site(&leaks(&pids[2]), "second_site") == (300_000, 1500)).then_some(())
+    });
+    let log = daemon.stopped_log();
+    assert!(log.contains("holds the most of the live table (16"), "{log}");
 }
 
 /// The stack table is one for every target too: a process of any user could fill it with
@@ -372,7 +414,8 @@ fn a_process_crowding_the_stack_table_is_moved_to_its_pages_and_the_others_keep_
     assert_eq!(growth(&guest_pid), Some(0));
     let log = daemon.stopped_log();
     assert!(
-        log.contains("holds more than half of the stack table, and another process's allocations found it full"),
+        log.contains("holds the most of the stack table (")
+            && log.contains("another process's allocations found it full"),
         "{log}"
     );
 }

@@ -1,9 +1,12 @@
 //! The live table (`LIVE`) and the stack table (`STACKS`) are one each for every traced process.
 //! Once one process holds most of either, the table fills and the others' allocations go
 //! unrecorded, or recorded without their stacks: that process, whoever runs it, blinds memprof to
-//! the rest. When another process's allocations find a table full, the one holding more than half
-//! of it is moved to growth mode, which keeps none of its blocks or call stacks there: the others
-//! are traced whole again, and it is still traced, by the pages it touches.
+//! the rest, and so do two or three together. When another process's allocations find a table
+//! full, the one holding the most of it, if more than a quarter (`CROWDING_SHARE`), is moved to
+//! growth mode, which keeps none of its blocks or call stacks there: the others are traced whole
+//! again, and it is still traced, by the pages it touches. Below that share, the table is too
+//! small for the processes it serves: moving one would free little, and the reports say to raise
+//! it.
 
 use std::{borrow::Cow, cmp::Reverse, collections::HashMap};
 
@@ -14,6 +17,11 @@ use crate::{
     heap::sampling::MaxRate,
     kernel::aggregate::{self, KernelSnapshot, Sampler, Snapshot},
 };
+
+/// The share of a table (one in this many entries) past which the process holding the most of it
+/// is moved out when another finds it full: a quarter, so that two or three large holders are
+/// moved too, one at a time, and at most three processes at once are past it.
+const CROWDING_SHARE: u64 = 4;
 
 /// A table every traced process shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,8 +123,8 @@ impl Tracer {
 }
 
 /// The process to move out of `table`, if any: of `movable` (those whose blocks or stacks are in
-/// it), the one holding the most entries, when that is more than half of `capacity` and a process
-/// other than it is among `found_full`.
+/// it), the one holding the most entries, when that is more than a quarter of `capacity` and a
+/// process other than it is among `found_full`.
 fn crowder(
     table: Table,
     capacity: u64,
@@ -128,7 +136,7 @@ fn crowder(
         .into_iter()
         .map(|pid| (pid, held.get(&pid).copied().unwrap_or(0)))
         .max_by_key(|&(pid, entries)| (entries, Reverse(pid)))?;
-    if entries.saturating_mul(2) <= capacity {
+    if entries.saturating_mul(CROWDING_SHARE) <= capacity {
         return None;
     }
     let crowded_out = found_full.iter().copied().find(|&other| other != pid)?;
@@ -159,8 +167,14 @@ mod tests {
     }
 
     #[test]
-    fn nobody_is_moved_when_no_process_holds_more_than_half() {
-        assert_eq!(moved(&[(10, 500), (20, 300), (30, 200)], &[10, 20, 30], &[30]), None);
+    fn the_larger_of_two_holding_half_each_is_moved() {
+        assert_eq!(moved(&[(10, 490), (20, 500), (30, 10)], &[10, 20, 30], &[30]), Some((20, 30)));
+        assert_eq!(moved(&[(10, 260), (20, 250), (30, 250), (40, 240)], &[10, 20, 30, 40], &[40]), Some((10, 40)));
+    }
+
+    #[test]
+    fn nobody_is_moved_when_no_process_holds_more_than_a_quarter() {
+        assert_eq!(moved(&[(10, 250), (20, 250), (30, 250), (40, 250)], &[10, 20, 30, 40], &[40]), None);
     }
 
     #[test]

@@ -291,9 +291,12 @@ impl Tracer {
                 entries = crowder.entries,
                 capacity = crowder.capacity,
                 crowded_out = crowder.crowded_out,
-                "holds more than half of the {}, and another process's allocations found it full: traced by the \
-                 pages it touches from now on (growth mode); a larger {} keeps it traced by its calls{held}",
+                "holds the most of the {} ({} of {} entries), and another process's allocations found it full: \
+                 traced by the pages it touches from now on (growth mode); a larger {} keeps it traced by its \
+                 calls{held}",
                 crowder.table.name(),
+                crowder.entries,
+                crowder.capacity,
                 crowder.table.setting()
             ),
         }
