@@ -375,6 +375,60 @@ fn the_larger_of_two_processes_crowding_the_live_table_is_moved() {
     assert!(log.contains("holds the most of the live table (16"), "{log}");
 }
 
+/// A process that held most of the live table exits: its entries stay until the next interval
+/// purges them, and a guest allocating meanwhile finds the table full. Once purged there is room
+/// again, and the other holder (past a quarter of the table) is not moved for it.
+#[test]
+fn nobody_is_moved_for_a_table_an_exited_process_filled() {
+    let _serial = serial();
+    let mut leaving = Waiting::start(&fixture("crowding"), &["hold", "2900"]);
+    let mut staying = Waiting::start(&fixture("crowding"), &["hold", "1100"]);
+    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "1500"]);
+    let pids: Vec<String> = [&leaving, &staying, &guest].iter().map(|w| w.pid().to_string()).collect();
+    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
+    for pid in &pids {
+        args.extend(["--pid", pid.as_str()]);
+    }
+    let mut daemon = Daemon::start(&args);
+    for process in [&leaving, &staying, &guest] {
+        daemon.wait_traced(process.pid());
+    }
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
+
+    for holder in [&mut leaving, &mut staying] {
+        holder.go();
+        said_held(holder);
+    }
+    wait_for(10, "the holders' blocks", || {
+        let held = (site(&leaks(&pids[0]), "hold_site"), site(&leaks(&pids[1]), "hold_site"));
+        (held == ((290_000, 2900), (110_000, 1100))).then_some(())
+    });
+    leaving.child.kill().expect("killing the first holder");
+    leaving.child.wait().expect("the first holder");
+    guest.go();
+    said_held(&mut guest);
+    let first = wait_for(10, "the guest's first blocks counted", || {
+        let report = leaks(&pids[2]);
+        let lost = report["dropped"]["live_map_full"].as_u64()?;
+        (site(&report, "first_site").1 + lost == 1500).then_some(report)
+    });
+    wait_for(10, "the exited holder's blocks purged", || {
+        (metric(daemon.port, "memprof_bpf_map_entries{map=\"live\"}")? < 2000).then_some(())
+    });
+    guest.go();
+    said_held(&mut guest);
+    wait_for(15, "the guest's second blocks", || {
+        (site(&leaks(&pids[2]), "second_site") == (300_000, 1500)).then_some(())
+    });
+    // Intervals after the purge, each of which could have moved it.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(growth(&pids[1]), Some(0), "moved for room the purge made: {first}");
+    assert_eq!(site(&leaks(&pids[1]), "hold_site"), (110_000, 1100));
+    let log = daemon.stopped_log();
+    assert!(!log.contains("holds the most of the live table"), "{log}");
+}
+
 /// The stack table is one for every target too: a process of any user could fill it with
 /// distinct call paths, and the others' allocations went without stacks from then on. One
 /// holding more than half of it (2048 paths, a table of 2048) is moved to growth mode once

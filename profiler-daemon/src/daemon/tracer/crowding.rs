@@ -23,6 +23,11 @@ use crate::{
 /// moved too, one at a time, and at most three processes at once are past it.
 const CROWDING_SHARE: u64 = 4;
 
+/// The fill (in eighths) a table must still have for a process to be moved out of it, counting
+/// the entries of the processes still traced: room made since it was found full, or about to be
+/// (an exited process's entries, purged at the next interval), needs no move.
+const STILL_FULL_EIGHTHS: u64 = 7;
+
 /// A table every traced process shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Table {
@@ -118,17 +123,20 @@ impl Tracer {
                 (self.config.maps.max_stacks, Cow::Owned(aggregate::stacks_by_process(&self.loaded.ebpf)?))
             }
         };
-        Ok(crowder(table, capacity.into(), &held, movable.map(|t| t.id.pid), found_full))
+        let traced: u64 = self.targets.keys().map(|pid| held.get(pid).copied().unwrap_or(0)).sum();
+        Ok(crowder(table, capacity.into(), &held, traced, movable.map(|t| t.id.pid), found_full))
     }
 }
 
 /// The process to move out of `table`, if any: of `movable` (those whose blocks or stacks are in
-/// it), the one holding the most entries, when that is more than a quarter of `capacity` and a
-/// process other than it is among `found_full`.
+/// it), the one holding the most entries, when that is more than a quarter of `capacity`, a
+/// process other than it is among `found_full`, and the entries of the processes still traced
+/// (`traced`) fill the table nearly whole.
 fn crowder(
     table: Table,
     capacity: u64,
     held: &HashMap<u32, u64>,
+    traced: u64,
     movable: impl IntoIterator<Item = u32>,
     found_full: &[u32],
 ) -> Option<Crowder> {
@@ -139,6 +147,9 @@ fn crowder(
     if entries.saturating_mul(CROWDING_SHARE) <= capacity {
         return None;
     }
+    if traced.saturating_mul(8) < capacity.saturating_mul(STILL_FULL_EIGHTHS) {
+        return None;
+    }
     let crowded_out = found_full.iter().copied().find(|&other| other != pid)?;
     Some(Crowder { table, pid, entries, capacity, crowded_out })
 }
@@ -147,11 +158,12 @@ fn crowder(
 mod tests {
     use super::*;
 
-    /// The (holder, crowded out) moved of a table of 1000 entries held as `held`, where `movable`
-    /// keep their blocks in it and `found_full` found it full.
+    /// The (holder, crowded out) moved of a table of 1000 entries held as `held` by processes
+    /// still traced, where `movable` keep their blocks in it and `found_full` found it full.
     fn moved(held: &[(u32, u64)], movable: &[u32], found_full: &[u32]) -> Option<(u32, u32)> {
         let live = held.iter().copied().collect();
-        crowder(Table::Live, 1000, &live, movable.iter().copied(), found_full).map(|c| (c.pid, c.crowded_out))
+        let traced = held.iter().map(|(_, entries)| entries).sum();
+        crowder(Table::Live, 1000, &live, traced, movable.iter().copied(), found_full).map(|c| (c.pid, c.crowded_out))
     }
 
     #[test]
@@ -170,6 +182,15 @@ mod tests {
     fn the_larger_of_two_holding_half_each_is_moved() {
         assert_eq!(moved(&[(10, 490), (20, 500), (30, 10)], &[10, 20, 30], &[30]), Some((20, 30)));
         assert_eq!(moved(&[(10, 260), (20, 250), (30, 250), (40, 240)], &[10, 20, 30, 40], &[40]), Some((10, 40)));
+    }
+
+    #[test]
+    fn nobody_is_moved_once_the_table_has_room_again() {
+        // A process that held 400 entries exited: purged before the read, or about to be.
+        assert_eq!(moved(&[(10, 500), (20, 100)], &[10, 20], &[20]), None);
+        let live = HashMap::from([(10, 500), (20, 100), (30, 400)]);
+        assert_eq!(crowder(Table::Live, 1000, &live, 600, [10, 20], &[20]), None);
+        assert_eq!(moved(&[(10, 500), (20, 375)], &[10, 20], &[20]), Some((10, 20)));
     }
 
     #[test]
