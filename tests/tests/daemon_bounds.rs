@@ -332,35 +332,45 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     assert!(log.contains("holds the most of the live table (300") && log.contains(said), "{log}");
 }
 
+/// `crowding.c` holding `first` and `second` blocks, and as a guest 1500 at each of its steps,
+/// traced by a daemon whose live table holds 4096, every process exact. Returns once both holders
+/// hold theirs, in that order with the guest, with their pids.
+fn two_holders_and_a_guest(first: u64, second: u64) -> ([Waiting; 3], Vec<String>, Daemon) {
+    let [first_arg, second_arg] = [first, second].map(|n| n.to_string());
+    let mut processes = [
+        Waiting::start(&fixture("crowding"), &["hold", &first_arg]),
+        Waiting::start(&fixture("crowding"), &["hold", &second_arg]),
+        Waiting::start(&fixture("crowding"), &["guest", "1500"]),
+    ];
+    let pids: Vec<String> = processes.iter().map(|w| w.pid().to_string()).collect();
+    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
+    for pid in &pids {
+        args.extend(["--pid", pid.as_str()]);
+    }
+    let daemon = Daemon::start(&args);
+    for process in &processes {
+        daemon.wait_traced(process.pid());
+    }
+    for holder in &mut processes[..2] {
+        holder.go();
+        said_held(holder);
+    }
+    let held = |pid: &str| site(&daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1, "hold_site");
+    wait_for(10, "the holders' blocks", || {
+        ((held(&pids[0]), held(&pids[1])) == ((first * 100, first), (second * 100, second))).then_some(())
+    });
+    (processes, pids, daemon)
+}
+
 /// Two processes holding nearly half of the live table each: when a third finds it full, the
 /// larger is moved to growth mode (the most of it, past a quarter), and the third is recorded
 /// whole from then on.
 #[test]
 fn the_larger_of_two_processes_crowding_the_live_table_is_moved() {
     let _serial = serial();
-    let mut smaller = Waiting::start(&fixture("crowding"), &["hold", "1500"]);
-    let mut larger = Waiting::start(&fixture("crowding"), &["hold", "1600"]);
-    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "1500"]);
-    let pids: Vec<String> = [&smaller, &larger, &guest].iter().map(|w| w.pid().to_string()).collect();
-    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
-    for pid in &pids {
-        args.extend(["--pid", pid.as_str()]);
-    }
-    let mut daemon = Daemon::start(&args);
-    for process in [&smaller, &larger, &guest] {
-        daemon.wait_traced(process.pid());
-    }
+    let ([_smaller, _larger, mut guest], pids, mut daemon) = two_holders_and_a_guest(1500, 1600);
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
     let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
-
-    for holder in [&mut smaller, &mut larger] {
-        holder.go();
-        said_held(holder);
-    }
-    wait_for(10, "the holders' blocks", || {
-        let held = (site(&leaks(&pids[0]), "hold_site"), site(&leaks(&pids[1]), "hold_site"));
-        (held == ((150_000, 1500), (160_000, 1600))).then_some(())
-    });
     guest.go();
     said_held(&mut guest);
     wait_for(15, "the larger holder moved to its pages", || (growth(&pids[1])? == 1).then_some(()));
@@ -381,29 +391,9 @@ fn the_larger_of_two_processes_crowding_the_live_table_is_moved() {
 #[test]
 fn nobody_is_moved_for_a_table_an_exited_process_filled() {
     let _serial = serial();
-    let mut leaving = Waiting::start(&fixture("crowding"), &["hold", "2900"]);
-    let mut staying = Waiting::start(&fixture("crowding"), &["hold", "1100"]);
-    let mut guest = Waiting::start(&fixture("crowding"), &["guest", "1500"]);
-    let pids: Vec<String> = [&leaving, &staying, &guest].iter().map(|w| w.pid().to_string()).collect();
-    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
-    for pid in &pids {
-        args.extend(["--pid", pid.as_str()]);
-    }
-    let mut daemon = Daemon::start(&args);
-    for process in [&leaving, &staying, &guest] {
-        daemon.wait_traced(process.pid());
-    }
+    let ([mut leaving, _staying, mut guest], pids, mut daemon) = two_holders_and_a_guest(2900, 1100);
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
     let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
-
-    for holder in [&mut leaving, &mut staying] {
-        holder.go();
-        said_held(holder);
-    }
-    wait_for(10, "the holders' blocks", || {
-        let held = (site(&leaks(&pids[0]), "hold_site"), site(&leaks(&pids[1]), "hold_site"));
-        (held == ((290_000, 2900), (110_000, 1100))).then_some(())
-    });
     leaving.child.kill().expect("killing the first holder");
     leaving.child.wait().expect("the first holder");
     guest.go();
