@@ -3,8 +3,8 @@
 use std::process::Command;
 
 use memprof_tests::{
-    assert_nothing_dropped, attach, fixture, memprof_bin, run, run_with_env, site, total, wait_for, Daemon, Outcome,
-    Waiting,
+    assert_nothing_dropped, attach, attach_with, fixture, memprof_bin, run, run_with_env, site, total, wait_for,
+    Daemon, Waiting,
 };
 
 #[test]
@@ -186,11 +186,12 @@ fn run_probes_an_allocator_the_command_preloads() {
 fn calls_in_flight_while_the_probes_attach_are_no_drops() {
     let mut target = Waiting::start(&fixture("malloc_loop"), &["--seconds=60"]);
     target.go();
-    let pid = target.pid().to_string();
+    let pid = target.pid();
     for env in [&[][..], &[("MEMPROF_UPROBE_MULTI", "0")][..]] {
-        let args = ["attach", "--pid", &pid, "--json", "--max-rate", "off", "--duration", "2", "--interval", "60"];
-        let outcome: Outcome =
-            Command::new(memprof_bin()).args(args).envs(env.iter().copied()).output().expect("starting memprof").into();
+        let mut memprof = Command::new(memprof_bin());
+        memprof.envs(env.iter().copied());
+        // (The loop runs already: the "go" the helper writes once attached is left unread.)
+        let outcome = attach_with(memprof, &mut target, pid, &["--duration", "2", "--interval", "60"]);
         assert!(outcome.status.success(), "{env:?}: {outcome:?}");
         let report = outcome.final_report();
         // A call preempted inside the allocator for as long as the last probes take to attach
