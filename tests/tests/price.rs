@@ -7,7 +7,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memprof_tests::{attach, fixture, memprof_bin, released, run, total, Waiting};
+use memprof_tests::{attach, fixture, memprof_bin, released, run, through, total, Waiting};
 
 /// The loop runs this long, past its first second traced however fast the machine's traps are;
 /// it says how many pairs of `malloc` and `free` it made.
@@ -61,17 +61,44 @@ fn attach_says_the_price_and_with_max_rate_off_records_every_call() {
     assert_eq!(total(&report, "frees"), pairs, "{report}");
 }
 
-/// A second after the switch, what sampling costs is said too, with growth mode named when that
-/// is worth saving.
-#[test]
-fn attach_samples_a_busy_process_by_default_and_says_how_not_to() {
-    // A second traced by its calls, a second sampled, and time to spare.
-    let mut target = Waiting::start(&fixture("malloc_loop"), &["--seconds=4"]);
+/// `memprof attach ARGS --json --interval 60` to the loop run with `loop_args` for 4 s: a second
+/// traced by its calls, a second sampled, and time to spare.
+fn attach_to_the_busy_loop(loop_args: &[&str], args: &[&str]) -> (String, memprof_tests::Outcome) {
+    let loop_args: Vec<&str> = ["--seconds=4"].iter().chain(loop_args).copied().collect();
+    let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).args(args).stdin(Stdio::null());
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| target.go());
     assert!(outcome.status.success(), "{outcome:?}");
+    (pid, outcome)
+}
+
+/// The CPU seconds a second the price line said once `pid` was sampled.
+fn sampled_price(stderr: &str, pid: &str) -> (String, f64) {
+    let sampled = stderr
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("memprof: pid {pid} makes about ")))
+        .unwrap_or_else(|| panic!("no price line once sampled: {stderr}"));
+    let added = sampled
+        .split_once("(estimated from the samples); sampling them adds about ")
+        .and_then(|(_, rest)| rest.split_once(" s of CPU a second"))
+        .and_then(|(seconds, _)| seconds.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("not a sampled price: {sampled}"));
+    (sampled.to_string(), added)
+}
+
+/// The line that says `pid` is moved to its pages, if any.
+fn moved_line<'a>(stderr: &'a str, pid: &str) -> Option<&'a str> {
+    let prefix = format!("memprof: pid {pid} costs more than a tenth of a core even sampled: ");
+    stderr.lines().find(|line| line.starts_with(&prefix))
+}
+
+/// A second after the switch, what sampling costs is said too. Above a tenth of a core, `attach`
+/// moves the process on to its pages; above a twentieth, it names growth mode.
+#[test]
+fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
+    let (pid, outcome) = attach_to_the_busy_loop(&[], &[]);
     let switch = outcome
         .stderr
         .lines()
@@ -85,23 +112,77 @@ fn attach_samples_a_busy_process_by_default_and_says_how_not_to() {
     let (rate, rest) = price_line(&outcome.stderr, pid.parse().unwrap());
     assert!(rate > 50_000, "{}", outcome.stderr);
     assert!(!rest.contains("--sample-bytes"), "memprof samples it already: {rest}");
-    let sampled = outcome
-        .stderr
-        .lines()
-        .find_map(|line| line.strip_prefix(&format!("memprof: pid {pid} makes about ")))
-        .unwrap_or_else(|| panic!("no price line once sampled: {}", outcome.stderr));
-    let added = sampled
-        .split_once("(estimated from the samples); sampling them adds about ")
-        .and_then(|(_, rest)| rest.split_once(" s of CPU a second"))
-        .and_then(|(seconds, _)| seconds.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("not a sampled price: {sampled}"));
-    // Named above a twentieth of a core (the line rounds to hundredths).
-    if added >= 0.06 {
-        assert!(sampled.ends_with("; --growth (heap growth by page, any rate) costs nearly nothing"), "{sampled}");
-    } else if added <= 0.04 {
-        assert!(!sampled.contains("--growth"), "{sampled}");
+    let (sampled, added) = sampled_price(&outcome.stderr, &pid);
+    let moved = moved_line(&outcome.stderr, &pid);
+    let report = outcome.final_report();
+    // The line rounds to hundredths.
+    if added >= 0.11 {
+        let moved = moved.unwrap_or_else(|| panic!("not moved at {added} s a second: {}", outcome.stderr));
+        assert!(
+            moved.ends_with(
+                "traced by the pages its heap first touches from now on (growth mode, as --growth), its calls' \
+                 records dropped; --sample-bytes 65536 keeps it sampled, --max-rate off records every call"
+            ),
+            "{moved}"
+        );
+        assert!(!sampled.contains("--growth"), "the move is said instead: {sampled}");
+        assert!(report["growth"].is_object(), "{report}");
+        assert_eq!(report["sample_bytes"], 0, "{report}");
+    } else if added <= 0.09 {
+        assert!(moved.is_none(), "{}", outcome.stderr);
+        assert_eq!(report["sample_bytes"], 65536, "{report}");
+        if added >= 0.06 {
+            assert!(sampled.ends_with("; --growth (heap growth by page, any rate) costs nearly nothing"), "{sampled}");
+        } else if added <= 0.04 {
+            assert!(!sampled.contains("--growth"), "{sampled}");
+        }
     }
-    assert_eq!(outcome.final_report()["sample_bytes"], 65536);
+}
+
+/// Sampling chosen by a `--max-rate` given, or kept for `--inspect`, which needs the blocks, is
+/// not moved from whatever it costs.
+#[test]
+fn sampling_asked_for_or_inspected_stays_sampling() {
+    for args in [&["--max-rate", "50000"][..], &["--inspect", "--duration", "3"]] {
+        let (pid, outcome) = attach_to_the_busy_loop(&[], args);
+        assert!(outcome.stderr.contains("more than --max-rate"), "{args:?}: {}", outcome.stderr);
+        sampled_price(&outcome.stderr, &pid);
+        assert!(moved_line(&outcome.stderr, &pid).is_none(), "{args:?}: {}", outcome.stderr);
+        let report = outcome.final_report();
+        assert_eq!(report["sample_bytes"], 65536, "{args:?}: {report}");
+        assert!(report["growth"].is_null(), "{args:?}: {report}");
+    }
+}
+
+/// A process moved to its pages stays so through an exec: its new program is traced by the pages
+/// it touches from its start. `growth` keeps 100 blocks of 64 KiB in `leak_pages`, written whole;
+/// its pages are those, give or take the pages its blocks share with others (a page or two of
+/// block headers).
+#[test]
+fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
+    const LEAKED: u64 = 100 * 64 * 1024;
+    const SLACK: u64 = 3 * 4096;
+    let growth = fixture("growth");
+    let loop_args = ["--seconds=4", "--exec", growth.to_str().unwrap(), "--wait"];
+    let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
+    // The loop goes once it is traced; `growth`, once the program it became is.
+    let markers = [format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (growth) runs ")];
+    let outcome = released(memprof, &markers, |_| target.go());
+    assert!(outcome.status.success(), "{outcome:?}");
+    let (_, added) = sampled_price(&outcome.stderr, &pid);
+    if moved_line(&outcome.stderr, &pid).is_none() {
+        // Sampling was cheap enough on this machine's traps: the test above checks that.
+        assert!(added < 0.11, "not moved at {added} s a second: {}", outcome.stderr);
+        return;
+    }
+    let report = outcome.final_report();
+    assert!(report["exe"].as_str().is_some_and(|exe| exe.ends_with("/growth")), "{report}");
+    assert!(report["growth"].is_object(), "{report}");
+    let (leaked, _) = through(&report, "leak_pages");
+    assert!((LEAKED - SLACK..=LEAKED + SLACK).contains(&leaked), "leak_pages holds {leaked} bytes: {report}");
 }
 
 #[test]

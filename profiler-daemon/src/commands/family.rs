@@ -134,10 +134,10 @@ impl Process {
     }
 }
 
-/// How a process is traced, for the lines that say so: by `probes` in its allocator, or with
-/// `--growth` by the pages it touches, whose probes are page-fault events.
-pub fn how_traced(sampling: Sampling, probes: usize, allocator: &Allocator) -> String {
-    if sampling.growth {
+/// How a process is traced, for the lines that say so: by `probes` in its allocator, or by the
+/// `pages` it touches (`--growth`, or moved there), whose probes are page-fault events.
+pub fn how_traced(pages: bool, probes: usize, allocator: &Allocator) -> String {
+    if pages {
         "by the pages its heap first touches (--growth: no allocator probes)".to_string()
     } else {
         format!("with {probes} probes in {}", allocator.describe())
@@ -292,7 +292,10 @@ impl Family {
         match exec {
             // Probes that followed the task the exec ended (another thread exec'd) no longer fire.
             Some(exec)
-                if self.settings.0.traces_calls() && !exec.exec_by_other_thread() && !process.sampler_beside_calls =>
+                if self.settings.0.traces_calls()
+                    && !loaded.traces_pages(pid)
+                    && !exec.exec_by_other_thread()
+                    && !process.sampler_beside_calls =>
             {
                 // Mappings first: until they are written, each of its walks is deferred.
                 new_program_mappings(loaded, symbolizer, pid);
@@ -347,10 +350,8 @@ impl Family {
             Ok(probes) => {
                 process.attachment.merge(probes);
                 process.probed_files.extend(file_ids(&missing));
-                let beside = self
-                    .settings
-                    .0
-                    .traces_calls()
+                // Its pages show Go's heap too.
+                let beside = (self.settings.0.traces_calls() && !loaded.traces_pages(pid))
                     .then(|| go_program::sampler_beside_calls(&mut allocator, || usdt::in_process(pid)))
                     .flatten();
                 process.sampler_beside_calls =
@@ -370,7 +371,7 @@ impl Family {
                         "memprof: pid {pid} ({}) runs {}: tracing it {}",
                         process.comm,
                         process.exe,
-                        how_traced(self.settings.0, process.attachment.probes(), &allocator)
+                        how_traced(loaded.traces_pages(pid), process.attachment.probes(), &allocator)
                     );
                     process.said_exe = Some(process.exe.clone());
                 }
@@ -378,6 +379,23 @@ impl Family {
             }
             Err(err) => tracing::debug!(pid, "probing the allocator: {err:#}"),
         }
+    }
+
+    /// Traces `pid` by the pages it touches from now on, not its calls (see
+    /// `Loaded::switch_to_pages`): what its calls recorded goes, and it stays so through an exec.
+    pub fn switch_to_pages(&mut self, loaded: &mut Loaded, pid: u32) -> anyhow::Result<()> {
+        let (Some(process), Some(nonzero)) = (self.processes.get_mut(&pid), NonZeroU32::new(pid)) else {
+            return Ok(());
+        };
+        loaded.switch_to_pages(nonzero, &mut process.attachment)?;
+        process.probed_files.clear();
+        process.sampler_beside_calls = false;
+        process.leaks = LeakTracker::new(self.settings.1);
+        process.double_frees = DoubleFrees::default();
+        if let Some(spots) = &process.blind_spots {
+            spots.pages_from_now(pid);
+        }
+        Ok(())
     }
 
     /// Probes every process still waiting for its allocator (after an exec).
@@ -458,7 +476,7 @@ impl Family {
         }
         say!(
             "memprof: tracing pid {child} ({comm}), child of pid {parent}, {}",
-            how_traced(self.settings.0, attachment.probes(), &allocator)
+            how_traced(loaded.traces_pages(child), attachment.probes(), &allocator)
         );
         let exe_now = procfs::exe_path(child);
         let exe = exe_now.clone().unwrap_or_else(|| parent_exe.clone());

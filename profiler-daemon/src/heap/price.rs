@@ -1,7 +1,8 @@
 //! The price of tracing a process, said once after its first second traced (and once more a
 //! second after `--max-rate` switches it to sampling): how often it calls its allocator, the CPU
 //! time tracing adds to each second of its run, and the cheaper mode to use when that time is
-//! worth saving.
+//! worth saving. Where `attach`'s default switched it, sampling that still costs more than
+//! `PAGES_ABOVE` moves it on to growth mode.
 //!
 //! The probes' traps and the programs they run take the process's own kernel time, so the price
 //! is measured where it is paid: the rise of the process's system time once traced, against its
@@ -21,6 +22,12 @@ pub const MEASURED_NS: u64 = 1_000_000_000;
 /// CPU seconds a second above which tracing's price is worth a cheaper mode: a twentieth of a
 /// core.
 pub const SIGNIFICANT: f64 = 0.05;
+
+/// CPU seconds a second above which a process that `attach`'s default `--max-rate` switched to
+/// sampling is moved on to its pages (growth mode): a tenth of a core. Each sampled call still
+/// traps, and on a busy service that alone halves its throughput (docs:
+/// guide/sampling.md#when-sampling-is-not-enough).
+pub const PAGES_ABOVE: f64 = 0.1;
 
 /// More than any traced call was measured to cost, traps included (docs:
 /// performance.md#attachs-default-rate-and-the-price-line-issue-29): it bounds the price of a
@@ -73,6 +80,9 @@ pub enum Mode {
     Sampled,
     /// Every call so far, sampled from now on (`--max-rate`, which says so in a line of its own).
     Switched,
+    /// Sampled so far, traced by its pages from now on (see `PAGES_ABOVE`; said in a line of its
+    /// own).
+    ToPages,
 }
 
 /// A traced process whose price is not said yet.
@@ -84,18 +94,23 @@ pub struct PriceWatch {
     before: Option<f64>,
     /// Its allocator calls counted when the watch began.
     calls: u64,
+    /// Begun when `attach`'s default `--max-rate` switched it to sampling: a price above
+    /// `PAGES_ABOVE` moves it to its pages.
+    pages_if_dear: bool,
 }
 
 impl PriceWatch {
     /// Starts watching `pid`, whose tracing begins now; none once it is gone.
     pub fn start(pid: u32, before: Option<f64>) -> Option<Self> {
-        Some(Self { start: SystemCpu::read(pid)?, before, calls: 0 })
+        Some(Self { start: SystemCpu::read(pid)?, before, calls: 0, pages_if_dear: false })
     }
 
     /// The watch of the same process from now on, which has made `calls` allocator calls since
-    /// tracing began: the price of the mode it has just been switched to. None once it is gone.
-    pub fn again(&self, pid: u32, calls: u64) -> Option<Self> {
-        Some(Self { start: SystemCpu::read(pid)?, before: self.before, calls })
+    /// tracing began: the price of the mode it has just been switched to. With `pages_if_dear`
+    /// (`attach`'s default switched it), a price above `PAGES_ABOVE` is `Mode::ToPages`. None
+    /// once it is gone.
+    pub fn again(&self, pid: u32, calls: u64, pages_if_dear: bool) -> Option<Self> {
+        Some(Self { start: SystemCpu::read(pid)?, before: self.before, calls, pages_if_dear })
     }
 
     /// When the price is to be said (CLOCK_MONOTONIC, ns).
@@ -109,7 +124,11 @@ impl PriceWatch {
         let traced = now.rate_since(&self.start)?;
         let seconds = (now.at_ns - self.start.at_ns) as f64 / 1e9;
         let calls = calls.saturating_sub(self.calls);
-        Some(Price { pid, calls_per_second: calls as f64 / seconds, before: self.before, traced, mode })
+        let mut price = Price { pid, calls_per_second: calls as f64 / seconds, before: self.before, traced, mode };
+        if self.pages_if_dear && price.added() > PAGES_ABOVE {
+            price.mode = Mode::ToPages;
+        }
+        Some(price)
     }
 }
 
@@ -154,7 +173,7 @@ impl Price {
         let rate = grouped(self.calls_per_second.round() as u64);
         let noun = if rate == "1" { "call" } else { "calls" };
         let calls = match self.mode {
-            Mode::Sampled => {
+            Mode::Sampled | Mode::ToPages => {
                 format!("about {rate} allocator {noun} a second (estimated from the samples); sampling them")
             }
             Mode::Exact | Mode::Switched => format!("{rate} allocator {noun} a second; tracing them"),
@@ -176,7 +195,7 @@ impl Price {
             Mode::Exact => format!("; {ADVICE}"),
             Mode::Sampled => format!("; {SAMPLED_ADVICE}"),
             // The switch's own line follows.
-            Mode::Switched => String::new(),
+            Mode::Switched | Mode::ToPages => String::new(),
         };
         format!("memprof: pid {pid} makes {calls} {cost}{advice}")
     }
@@ -204,7 +223,7 @@ mod tests {
     }
 
     fn watch(before: Option<f64>) -> PriceWatch {
-        PriceWatch { start: cpu(10.0, 3.0), before, calls: 0 }
+        PriceWatch { start: cpu(10.0, 3.0), before, calls: 0, pages_if_dear: false }
     }
 
     #[test]
@@ -266,12 +285,31 @@ mod tests {
     #[test]
     fn a_watch_begun_again_prices_the_calls_since() {
         let first = watch(Some(0.1));
-        let again = first.again(std::process::id(), 1_000_000).expect("this process");
+        let again = first.again(std::process::id(), 1_000_000, false).expect("this process");
         assert_eq!((again.before, again.calls), (Some(0.1), 1_000_000));
         let later = SystemCpu { at_ns: again.start.at_ns + 1_000_000_000, seconds: again.start.seconds + 0.3 };
         let price = again.price(7, later, 1_200_000, Mode::Sampled).unwrap();
         assert!((price.calls_per_second - 200_000.0).abs() < 1e-6, "{price:?}");
         assert!((price.added() - 0.2).abs() < 1e-9, "{price:?}");
+    }
+
+    #[test]
+    fn sampling_that_attachs_default_chose_moves_to_pages_above_a_tenth_of_a_core() {
+        let chosen = PriceWatch { pages_if_dear: true, ..watch(Some(0.3)) };
+        let dear = chosen.price(7, cpu(11.0, 3.75), 800_000, Mode::Sampled).unwrap();
+        assert_eq!(dear.mode, Mode::ToPages);
+        assert!(
+            dear.line().ends_with(
+                "sampling them adds about 0.45 s of CPU a second (its system time went from 0.30 to 0.75 s/s)"
+            ),
+            "{}",
+            dear.line()
+        );
+        let bearable = chosen.price(7, cpu(11.0, 3.38), 80_000, Mode::Sampled).unwrap();
+        assert_eq!(bearable.mode, Mode::Sampled, "a twentieth of a core is named, not moved from");
+        assert!(bearable.line().ends_with("--growth (heap growth by page, any rate) costs nearly nothing"));
+        let asked = watch(Some(0.3)).price(7, cpu(11.0, 3.75), 800_000, Mode::Sampled).unwrap();
+        assert_eq!(asked.mode, Mode::Sampled, "sampling asked for stays");
     }
 
     #[test]

@@ -73,6 +73,9 @@ pub struct Loaded {
     /// Whether processes are traced by their page faults instead of their allocator calls
     /// (`--growth`, see `trace_page_faults`).
     growth: bool,
+    /// Processes moved to their pages since they were attached (`switch_to_pages`): they stay
+    /// so through an exec.
+    moved_to_pages: HashSet<u32>,
     /// The page-fault program is loaded, for `--growth` or a process switched to it.
     faults_loaded: bool,
     /// The links of the programs at every page fault and page allocation on the machine, while
@@ -238,6 +241,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         process_events,
         mappings,
         growth: false,
+        moved_to_pages: HashSet::new(),
         faults_loaded: false,
         machine_wide_faults: None,
         mappings_asked: sizes.mappings,

@@ -44,7 +44,11 @@ enum How {
 const MODES: [Mode; 7] = [
     Mode { name: "none", how: How::Untraced },
     Mode { name: "memprof attach --max-rate off (exact)", how: How::Attached(&["--max-rate", "off"]) },
-    Mode { name: "memprof attach (defaults: exact, then sampled above 50,000 calls/s)", how: How::Attached(&[]) },
+    Mode {
+        name:
+            "memprof attach (defaults: exact, sampled above 50,000 calls/s, then growth mode above a tenth of a core)",
+        how: How::Attached(&[]),
+    },
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
     Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
     Mode { name: "memprof attach --growth on a sleeping process, not on redis", how: How::Elsewhere(&["--growth"]) },

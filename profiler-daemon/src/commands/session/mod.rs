@@ -367,7 +367,7 @@ fn announce(
             "memprof: tracing pid {pid} ({comm}) by the memory it maps and touches only: its allocator is a runtime's, which memprof does not probe; Ctrl-C to stop"
         );
     } else {
-        say!("memprof: tracing pid {pid} ({comm}) {}; Ctrl-C to stop", how_traced(sampling, probes, allocator));
+        say!("memprof: tracing pid {pid} ({comm}) {}; Ctrl-C to stop", how_traced(sampling.growth, probes, allocator));
     }
     // Growth mode sees every page a heap first touches, a runtime's too.
     let unseen = allocator.unprobed.iter().filter(|_| !sampling.growth);

@@ -5,7 +5,7 @@ use std::{
     time::Duration,
 };
 
-use std::os::fd::AsFd as _;
+use std::os::fd::{AsFd as _, OwnedFd};
 
 use profiler_common::DropReason;
 
@@ -19,12 +19,13 @@ use crate::{
     commands::target::ExitWatch,
     console::say,
     format::{self, Format},
+    heap::blind_spots::BlindSpots,
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
     heap::price::{Mode, PriceWatch, SystemCpu},
     heap::report::{self, Report, Selection},
     heap::resident::{HeapNow, PinnedBudget, Resident},
-    heap::sampling::Switch,
+    heap::sampling::{MaxRate, Switch},
     heap::suppressions::Suppressions,
     heap::threads::{self, ThreadNames},
     heap::wrappers::Wrappers,
@@ -310,7 +311,9 @@ impl Tracer<'_> {
     /// child's when it is worth saving (a build's compilers would fill the terminal otherwise).
     /// The count read for it is checked against `--max-rate` too, so that a busy process is
     /// switched to sampling after its first second, not its first intervals; a second later,
-    /// what sampling costs it is said the same way (each call still traps).
+    /// what sampling costs it is said the same way (each call still traps), and where `attach`'s
+    /// default made the switch, a process sampling still costs more than `PAGES_ABOVE` is moved
+    /// to its pages (except with `--inspect`, which needs its blocks).
     fn say_prices(&mut self) -> anyhow::Result<()> {
         let now_ns = aggregate::monotonic_now_ns();
         // Taken whatever happens next: each price is said once at most.
@@ -326,6 +329,7 @@ impl Tracer<'_> {
         let calls = self.loaded.calls(&due.keys().copied().collect())?;
         let root = self.family.root;
         let mut switches = Vec::new();
+        let mut to_pages = Vec::new();
         for process in self.family.processes_mut() {
             let (Some(watch), Some(count)) = (due.get(&process.pid), calls.get(&process.pid)) else { continue };
             let Some(now) = SystemCpu::read(process.pid) else { continue };
@@ -339,16 +343,42 @@ impl Tracer<'_> {
                 if process.pid == root || price.significant() {
                     say!("{}", price.line());
                 }
+                if price.mode == Mode::ToPages {
+                    to_pages.push((process.pid, count.sample_bytes));
+                }
             }
             switches.extend(switch.map(|switch| (process.pid, switch, watch, count.calls)));
         }
         for (pid, switch, watch, calls) in switches {
             self.switch(pid, switch)?;
+            let pages_if_dear = switch.max_rate == MaxRate::Default && !self.args.inspect;
             if let Some(process) = self.family.get_mut(pid) {
-                process.price = watch.again(pid, calls);
+                process.price = watch.again(pid, calls, pages_if_dear);
             }
         }
+        for (pid, sample_bytes) in to_pages {
+            self.move_to_pages(pid, sample_bytes);
+        }
         Ok(())
+    }
+
+    /// Traces `pid`, which sampling still costs too much, by the pages it touches from now on,
+    /// and says so; says why not when it cannot be.
+    fn move_to_pages(&mut self, pid: u32, sample_bytes: u64) {
+        let keep = format!("--sample-bytes {sample_bytes} keeps it sampled, --max-rate off records every call");
+        match self.family.switch_to_pages(&mut self.loaded, pid) {
+            Ok(()) => {
+                say!(
+                    "memprof: pid {pid} costs more than a tenth of a core even sampled: traced by the pages its heap first touches from now on (growth mode, as --growth), its calls' records dropped; {keep}"
+                );
+                // What it holds already, its pages cannot show: said now, as the reports will.
+                let spots = self.family.get(pid).and_then(|process| process.blind_spots.as_ref());
+                if let Some(spot) = spots.and_then(BlindSpots::held_before_pages) {
+                    say_not_seen(pid, &spot);
+                }
+            }
+            Err(err) => say!("memprof: pid {pid} stays sampled: moving it to growth mode failed: {err:#}"),
+        }
     }
 
     /// A followed child exited: its probes go now, and it is read with the others that exit
@@ -403,13 +433,7 @@ pub(super) async fn trace(
         .map_err(|err| err.into_parts().1)?;
     let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
-    // With `--mappings` or `--growth`: a burst of first touches is read before it fills its ring.
-    let mapping_bell = match loaded.mapping_bell() {
-        Some(bell) => {
-            Some(unsafe { AsyncFd::register(bell.as_fd().try_clone_to_owned()?) }.map_err(|err| err.into_parts().1)?)
-        }
-        None => None,
-    };
+    let mut mapping_bell = mapping_bell_of(&loaded)?;
     let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
     let (exits, mut exited) = tokio::sync::mpsc::unbounded_channel();
     let follow_forks = super::follows_forks(args, matches!(exit, ExitWatch::Attached(..)));
@@ -477,6 +501,10 @@ pub(super) async fn trace(
             () = until_monotonic(price_due) => {
                 if let Err(err) = tracer.say_prices() {
                     tracing::warn!("saying the price of tracing: {err:#}");
+                }
+                // A process moved to its pages has them rung for from now on.
+                if mapping_bell.is_none() {
+                    mapping_bell = mapping_bell_of(&tracer.loaded)?;
                 }
             }
             () = until_monotonic(tracer.exits_due_ns) => tracer.read_exited(),
@@ -557,6 +585,14 @@ pub(super) async fn trace(
     let Tracer { mut loaded, family, .. } = tracer;
     family.finish(&mut loaded);
     written.map(|_| Traced { code, gate, ended: target_ended })
+}
+
+/// With `--mappings` or growth mode: rung so that a burst of first touches is read before it
+/// fills its ring.
+fn mapping_bell_of(loaded: &Loaded) -> anyhow::Result<Option<AsyncFd<OwnedFd>>> {
+    let Some(bell) = loaded.mapping_bell() else { return Ok(None) };
+    // SAFETY: a new fd of our own, open as long as the AsyncFd that owns it.
+    Ok(Some(unsafe { AsyncFd::register(bell.as_fd().try_clone_to_owned()?) }.map_err(|err| err.into_parts().1)?))
 }
 
 /// Waits until CLOCK_MONOTONIC reaches `at_ns`; forever when none.

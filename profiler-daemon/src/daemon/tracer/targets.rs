@@ -421,7 +421,8 @@ impl Tracer {
             Ok((probes, beside)) => {
                 target.attachment.merge(probes);
                 target.sampler_beside_calls = beside;
-                if means.traces_calls(self.config.sampling) {
+                // A process moved to its pages is watched anew at each exec (see `on_exec`).
+                if means.traces_calls(self.config.sampling) && !self.loaded.traces_pages(pid) {
                     target.probed_files.extend(file_ids(&missing));
                 }
                 target.probed = true;

@@ -97,7 +97,14 @@ impl Loaded {
         let old = std::mem::take(attachment);
         *attachment = self.restart(pid, old);
         attachment.merge(self.watch_pages(pid, true)?);
+        self.moved_to_pages.insert(pid.get());
         Ok(())
+    }
+
+    /// Whether `pid` is traced by the pages it touches: every process with `--growth`, and one
+    /// moved there (`switch_to_pages`).
+    pub fn traces_pages(&self, pid: u32) -> bool {
+        self.growth || self.moved_to_pages.contains(&pid)
     }
 
     /// Attaches every probe to `allocator` for `pid` only: the free probes, the return probes, one
@@ -260,7 +267,7 @@ impl Loaded {
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
-        if self.growth {
+        if self.traces_pages(pid.get()) {
             return self.watch_pages(pid, true);
         }
         self.probe_allocator_or_forget(allocator, pid)

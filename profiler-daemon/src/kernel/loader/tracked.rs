@@ -67,6 +67,7 @@ impl Loaded {
             }
         }
         for &pid in pids {
+            self.moved_to_pages.remove(&pid);
             self.shared.forget(pid);
             self.usdt.forget(pid);
             self.probe_threads.forget(&mut self.ebpf, pid);
