@@ -148,6 +148,43 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     assert!(log.contains("(growth mode); not seen: up to 4."), "{log}");
 }
 
+/// A process the daemon moved to its pages stays so through an exec: its new program is traced
+/// by the pages it touches from its start. `growth` keeps 100 blocks of 64 KiB in `leak_pages`,
+/// written whole: that many bytes, give or take the pages its blocks share with others (a page or
+/// two of block headers).
+#[test]
+fn a_process_the_daemon_moved_to_its_pages_stays_so_through_an_exec() {
+    const LEAKED: u64 = 100 * 64 * 1024;
+    const SLACK: u64 = 3 * 4096;
+    let growth = fixture("growth");
+    let loop_args = ["--pairs=0", "--seconds=5", "--exec", growth.to_str().unwrap(), "--wait", "stay"];
+    let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
+    let pid = target.pid();
+    let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let leaks = format!("/api/v1/leaks?pid={pid}");
+    wait_for(30, "the loop to be traced by its pages", || {
+        daemon.get_json(&leaks).1["growth"].is_object().then_some(())
+    });
+    // The loop execs `growth`, which waits until it is traced.
+    wait_for(30, "growth's program to be traced by its pages", || {
+        let (_, report) = daemon.get_json(&leaks);
+        let exe = report["exe"].as_str().unwrap_or_default();
+        (exe.ends_with("/growth") && report["growth"].is_object()).then_some(())
+    });
+    target.go();
+    while target.next_line() != "leaked" {}
+    let report = wait_for(30, "the leak to be seen", || {
+        let (_, report) = daemon.get_json(&leaks);
+        let (leaked, _) = memprof_tests::through(&report, "leak_pages");
+        (leaked >= LEAKED - SLACK).then_some(report)
+    });
+    assert!(report["growth"].is_object(), "{report}");
+    let (leaked, _) = memprof_tests::through(&report, "leak_pages");
+    assert!(leaked <= LEAKED + SLACK, "leak_pages holds {leaked} bytes: {report}");
+}
+
 /// A switch to growth mode takes a running process's allocator probes away. Its frees must go
 /// first: a free seen once its allocations no longer are finds an address it reused meanwhile
 /// among the recent frees, and passes for a double free. Four busy loops, each switched: none

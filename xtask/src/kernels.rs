@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 18] = [
+const TESTS: [(&str, &str); 19] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -52,6 +52,8 @@ const TESTS: [(&str, &str); 18] = [
     ("growth", "attach_sees_the_leaking_site_on_glibc_and_jemalloc"),
     // The daemon's switch to growth mode: the machine-wide programs detached and attached again.
     ("sampling", "growth_modes_programs_for_the_whole_machine_go_with_its_last_process"),
+    // `attach`'s move of a process sampling costs too much to growth mode, kept through an exec.
+    ("price", "a_process_moved_to_its_pages_is_traced_by_them_after_an_exec"),
     // `--mappings`: the system calls' fexit programs, exact.
     ("mappings", "the_mapping_calls_are_read_where_no_other_system_call_pays"),
     ("mappings", "mappings_and_the_break_are_held_by_the_stacks_that_asked_exactly"),

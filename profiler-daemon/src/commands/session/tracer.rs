@@ -377,7 +377,7 @@ impl Tracer<'_> {
                     say_not_seen(pid, &spot);
                 }
             }
-            Err(err) => say!("memprof: pid {pid} stays sampled: moving it to growth mode failed: {err:#}"),
+            Err(err) => say!("memprof: pid {pid} could not be moved to growth mode: {err:#}"),
         }
     }
 
