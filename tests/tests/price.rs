@@ -94,8 +94,21 @@ fn moved_line<'a>(stderr: &'a str, pid: &str) -> Option<&'a str> {
     stderr.lines().find(|line| line.starts_with(&prefix))
 }
 
+/// Whether `pid` was kept sampled for the other processes' sake: this machine's kernel refuses
+/// `fexit` programs, and growth mode would slow every system call on it.
+fn kept_for_the_host(stderr: &str, pid: &str) -> bool {
+    stderr.lines().any(|line| {
+        line == format!(
+            "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host, whose kernel \
+             refuses fexit programs (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
+        )
+    })
+}
+
 /// A second after the switch, what sampling costs is said too. Above a tenth of a core, `attach`
-/// moves the process on to its pages; above a twentieth, it names growth mode.
+/// moves the process on to its pages, unless that would slow every other process's system calls
+/// (a kernel that refuses `fexit` programs, as this project's VM's); above a twentieth, it names
+/// growth mode.
 #[test]
 fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
     let (pid, outcome) = attach_to_the_busy_loop(&[], &[]);
@@ -116,7 +129,12 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
     let moved = moved_line(&outcome.stderr, &pid);
     let report = outcome.final_report();
     // The line rounds to hundredths.
-    if added >= 0.11 {
+    if added >= 0.11 && kept_for_the_host(&outcome.stderr, &pid) {
+        assert!(moved.is_none(), "{}", outcome.stderr);
+        assert!(!sampled.contains("--growth"), "the next line names it: {sampled}");
+        assert_eq!(report["sample_bytes"], 65536, "{report}");
+        assert!(report["growth"].is_null(), "{report}");
+    } else if added >= 0.11 {
         let moved = moved.unwrap_or_else(|| panic!("not moved at {added} s a second: {}", outcome.stderr));
         assert!(
             moved.ends_with(
@@ -129,7 +147,7 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
         assert!(report["growth"].is_object(), "{report}");
         assert_eq!(report["sample_bytes"], 0, "{report}");
     } else if added <= 0.09 {
-        assert!(moved.is_none(), "{}", outcome.stderr);
+        assert!(moved.is_none() && !kept_for_the_host(&outcome.stderr, &pid), "{}", outcome.stderr);
         assert_eq!(report["sample_bytes"], 65536, "{report}");
         if added >= 0.06 {
             assert!(sampled.ends_with("; --growth (heap growth by page, any rate) costs nearly nothing"), "{sampled}");
@@ -147,7 +165,8 @@ fn sampling_asked_for_or_inspected_stays_sampling() {
         let (pid, outcome) = attach_to_the_busy_loop(&[], args);
         assert!(outcome.stderr.contains("more than --max-rate"), "{args:?}: {}", outcome.stderr);
         sampled_price(&outcome.stderr, &pid);
-        assert!(moved_line(&outcome.stderr, &pid).is_none(), "{args:?}: {}", outcome.stderr);
+        let considered = moved_line(&outcome.stderr, &pid).is_some() || kept_for_the_host(&outcome.stderr, &pid);
+        assert!(!considered, "{args:?}: {}", outcome.stderr);
         let report = outcome.final_report();
         assert_eq!(report["sample_bytes"], 65536, "{args:?}: {report}");
         assert!(report["growth"].is_null(), "{args:?}: {report}");
@@ -174,8 +193,9 @@ fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
     assert!(outcome.status.success(), "{outcome:?}");
     let (_, added) = sampled_price(&outcome.stderr, &pid);
     if moved_line(&outcome.stderr, &pid).is_none() {
-        // Sampling was cheap enough on this machine's traps: the test above checks that.
-        assert!(added < 0.11, "not moved at {added} s a second: {}", outcome.stderr);
+        // Sampling was cheap enough on this machine's traps, or the move would have slowed its
+        // other processes: the test above checks which.
+        assert!(added < 0.11 || kept_for_the_host(&outcome.stderr, &pid), "not moved: {}", outcome.stderr);
         return;
     }
     let report = outcome.final_report();

@@ -32,6 +32,9 @@ enum How {
     Untraced,
     /// `memprof attach` with these options, after the warm-up.
     Attached(&'static [&'static str]),
+    /// `memprof attach` at its defaults, timed once `SETTLING_REQUESTS` have run traced: the
+    /// switches it makes in its first seconds are behind it.
+    AttachedSettled,
     /// `memprof attach` with these options on a process that sleeps, not on the server: what
     /// memprof's programs cost a process it does not trace.
     Elsewhere(&'static [&'static str]),
@@ -39,9 +42,14 @@ enum How {
     Heaptrack,
 }
 
-/// `attach` samples a process above 50,000 calls a second unless told `--max-rate off`: its
-/// defaults are a row of their own, and only `--max-rate off` is exact throughout.
-const MODES: [Mode; 7] = [
+/// Requests run traced before `How::AttachedSettled` is timed: more than its first two seconds
+/// (traced by its calls, then sampled) take on this machine.
+const SETTLING_REQUESTS: u64 = 300_000;
+
+/// `attach` samples a process above 50,000 calls a second unless told `--max-rate off`, and
+/// moves it on to growth mode when sampling still costs too much: its defaults have rows of their
+/// own, and only `--max-rate off` is exact throughout.
+const MODES: [Mode; 8] = [
     Mode { name: "none", how: How::Untraced },
     Mode { name: "memprof attach --max-rate off (exact)", how: How::Attached(&["--max-rate", "off"]) },
     Mode {
@@ -49,6 +57,7 @@ const MODES: [Mode; 7] = [
             "memprof attach (defaults: exact, sampled above 50,000 calls/s, then growth mode above a tenth of a core)",
         how: How::Attached(&[]),
     },
+    Mode { name: "memprof attach (defaults), timed after its first 300,000 SETs", how: How::AttachedSettled },
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
     Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
     Mode { name: "memprof attach --growth on a sleeping process, not on redis", how: How::Elsewhere(&["--growth"]) },
@@ -190,11 +199,15 @@ fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Re
         _ => None,
     };
     let traced = match (&mode.how, &sleeper) {
-        (How::Attached(options), _) => Some((server.0.id(), options)),
-        (How::Elsewhere(options), Some(sleeper)) => Some((sleeper.0.id(), options)),
+        (How::Attached(options), _) => Some((server.0.id(), *options)),
+        (How::AttachedSettled, _) => Some((server.0.id(), &[][..])),
+        (How::Elsewhere(options), Some(sleeper)) => Some((sleeper.0.id(), *options)),
         _ => None,
     };
     let tracer = traced.map(|(pid, options)| attach(memprof, pid, Path::new("/dev/null"), options)).transpose()?;
+    if let How::AttachedSettled = mode.how {
+        benchmark(SETTLING_REQUESTS)?;
+    }
     let rate = benchmark(requests)?;
     if let Some(tracer) = tracer {
         tracer.stop()?;
@@ -269,7 +282,11 @@ pub fn render(measured: &Measured) -> String {
         "Debian's redis-server (jemalloc) under `redis-benchmark -t set -r 100000 -d 100 -n {}` (50 clients), \
          after a warm-up of 20,000 requests: untraced, with `memprof attach` started after the warm-up, and \
          restarted under heaptrack. `attach` at its defaults records every call for about a second, then \
-         samples one allocation in every 64 KiB (its `--max-rate`); `--max-rate off` keeps it exact. The modes' \
+         samples one allocation in every 64 KiB (its `--max-rate`); a second later, when sampling still costs \
+         more than a tenth of a core, it traces the server by its pages (growth mode), unless the kernel \
+         refuses `fexit` programs, as this VM's does (growth mode would slow every system call on the host). \
+         `--max-rate off` keeps it exact. Its defaults have two rows: timed from the attach, and timed after \
+         {SETTLING_REQUESTS} SETs traced, its switches behind it. The modes' \
          runs interleaved, {} rounds; the median of each. Measured {}, load average {} before, {} after \
          (2 cores shared with other work: compare the ratios).\n",
         measured.requests,

@@ -363,8 +363,22 @@ impl Tracer<'_> {
     }
 
     /// Traces `pid`, which sampling still costs too much, by the pages it touches from now on,
-    /// and says so; says why not when it cannot be.
+    /// and says so; says why not when it cannot be. Not where that would slow every system call
+    /// of every process on the machine: the default never makes another process pay.
     fn move_to_pages(&mut self, pid: u32, sample_bytes: u64) {
+        match self.loaded.pages_spare_system_calls() {
+            Ok(true) => {}
+            Ok(false) => {
+                say!(
+                    "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host, whose kernel refuses fexit programs (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
+                );
+                return;
+            }
+            Err(err) => {
+                say!("memprof: pid {pid} stays sampled: growth mode cannot be loaded: {err:#}");
+                return;
+            }
+        }
         let keep = format!("--sample-bytes {sample_bytes} keeps it sampled, --max-rate off records every call");
         match self.family.switch_to_pages(&mut self.loaded, pid) {
             Ok(()) => {

@@ -62,6 +62,17 @@ impl Loaded {
         Ok(())
     }
 
+    /// Whether tracing a process by its pages leaves the other processes' system calls alone:
+    /// where the kernel refuses `fexit` programs, the mapping calls are read at the return of
+    /// every system call on the machine (`MachineWide::SYSTEM_CALLS`). Loads growth mode's
+    /// programs to find out, and lets them rest again when no process needs them.
+    pub fn pages_spare_system_calls(&mut self) -> anyhow::Result<bool> {
+        self.load_page_faults()?;
+        let runs_at = self.mappings.as_ref().and_then(MappedRanges::programs_run_at);
+        self.rest_page_faults();
+        Ok(runs_at != Some(MachineWide::SYSTEM_CALLS))
+    }
+
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
     pub fn machine_wide(&self) -> Vec<&'static str> {
         let faults = self.machine_wide_faults.as_ref().map(|_| MachineWide::PAGE_FAULTS);
