@@ -64,13 +64,14 @@ impl Loaded {
 
     /// Whether tracing a process by its pages leaves the other processes' system calls alone:
     /// where the kernel refuses `fexit` programs, the mapping calls are read at the return of
-    /// every system call on the machine (`MachineWide::SYSTEM_CALLS`). Loads growth mode's
-    /// programs to find out, and lets them rest again when no process needs them.
+    /// every system call on the machine (`MachineWide::SYSTEM_CALLS`), unless `--mappings` has
+    /// them read there already. Loads growth mode's programs to find out, and lets them rest
+    /// again when no process needs them.
     pub fn pages_spare_system_calls(&mut self) -> anyhow::Result<bool> {
         self.load_page_faults()?;
         let runs_at = self.mappings.as_ref().and_then(MappedRanges::programs_run_at);
         self.rest_page_faults();
-        Ok(runs_at != Some(MachineWide::SYSTEM_CALLS))
+        Ok(self.mappings_asked || runs_at != Some(MachineWide::SYSTEM_CALLS))
     }
 
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
