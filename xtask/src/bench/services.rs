@@ -52,11 +52,7 @@ const SETTLING_REQUESTS: u64 = 300_000;
 const MODES: [Mode; 8] = [
     Mode { name: "none", how: How::Untraced },
     Mode { name: "memprof attach --max-rate off (exact)", how: How::Attached(&["--max-rate", "off"]) },
-    Mode {
-        name:
-            "memprof attach (defaults: exact, sampled above 50,000 calls/s, then growth mode above a tenth of a core)",
-        how: How::Attached(&[]),
-    },
+    Mode { name: "memprof attach (defaults)", how: How::Attached(&[]) },
     Mode { name: "memprof attach (defaults), timed after its first 300,000 SETs", how: How::AttachedSettled },
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
     Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
