@@ -266,6 +266,7 @@ impl Family {
     /// (the C library, a preloaded allocator `run` probed beforehand) record it from its first
     /// call, with nothing lost in between.
     fn on_exec(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32, exec: Option<&ProcessEvent>) {
+        let traced_by_calls = self.traced_by_calls(loaded, pid);
         let Some(process) = self.processes.get_mut(&pid).filter(|process| !process.under_valgrind) else { return };
         if let Some(valgrind) = allocator::valgrind_of(pid, exec.and_then(|exec| events::exec_path(pid, exec))) {
             // valgrind reads the code of the program it runs: a breakpoint of memprof's there,
@@ -291,12 +292,7 @@ impl Family {
         let Some(nonzero) = NonZeroU32::new(pid) else { return };
         match exec {
             // Probes that followed the task the exec ended (another thread exec'd) no longer fire.
-            Some(exec)
-                if self.settings.0.traces_calls()
-                    && !loaded.traces_pages(pid)
-                    && !exec.exec_by_other_thread()
-                    && !process.sampler_beside_calls =>
-            {
+            Some(exec) if traced_by_calls && !exec.exec_by_other_thread() && !process.sampler_beside_calls => {
                 // Mappings first: until they are written, each of its walks is deferred.
                 new_program_mappings(loaded, symbolizer, pid);
                 loaded.image_replaced(nonzero, exec);
@@ -328,6 +324,7 @@ impl Family {
 
     /// Attaches the allocator probes of `pid` if it has none and its allocator is mapped now.
     pub fn probe(&mut self, loaded: &mut Loaded, pid: u32) {
+        let traced_by_calls = self.traced_by_calls(loaded, pid);
         let Some(process) = self.processes.get_mut(&pid) else { return };
         if process.allocator.is_some() || process.under_valgrind {
             return;
@@ -351,7 +348,7 @@ impl Family {
                 process.attachment.merge(probes);
                 process.probed_files.extend(file_ids(&missing));
                 // Its pages show Go's heap too.
-                let beside = (self.settings.0.traces_calls() && !loaded.traces_pages(pid))
+                let beside = traced_by_calls
                     .then(|| go_program::sampler_beside_calls(&mut allocator, || usdt::in_process(pid)))
                     .flatten();
                 process.sampler_beside_calls =
@@ -396,6 +393,12 @@ impl Family {
             spots.pages_from_now(pid);
         }
         Ok(())
+    }
+
+    /// Whether `pid` is traced by its allocator calls now: not in growth or usdt mode, nor moved
+    /// to its pages.
+    fn traced_by_calls(&self, loaded: &Loaded, pid: u32) -> bool {
+        self.settings.0.traces_calls() && !loaded.traces_pages(pid)
     }
 
     /// Probes every process still waiting for its allocator (after an exec).
