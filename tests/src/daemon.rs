@@ -10,6 +10,21 @@ use serde_json::Value;
 
 use crate::{collect, every_call_unless_chosen, free_port, memprof_bin, socket_answer, wait_for, HttpAnswer};
 
+/// Lets a daemon move a process to growth mode (`max_rate`, a crowded table) on any kernel. Where
+/// the kernel refuses `fexit` programs (this project's VM), the daemon otherwise leaves the
+/// process off growth mode, whose programs would run at every system call on the machine.
+pub const MOVES_TO_PAGES_ANYWHERE: &str = "--mappings";
+
+/// Whether this kernel refuses `fexit` programs, as memprof finds and says it (asked once).
+pub fn kernel_refuses_fexit() -> bool {
+    static REFUSES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REFUSES.get_or_init(|| {
+        let outcome = crate::memprof(&["run", "--mappings", "--json", "--", "true"]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        outcome.stderr.contains("this kernel refuses fexit programs")
+    })
+}
+
 /// A `memprof daemon` on a free loopback port and a socket of its own, reporting every second;
 /// killed when dropped.
 pub struct Daemon {

@@ -16,7 +16,7 @@ use std::{
 
 use memprof_tests::{
     attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_with, http_get, memprof_bin, metric, site,
-    socket_answer, start_heapbench, total, wait_for, Daemon, Waiting,
+    socket_answer, start_heapbench, total, wait_for, Daemon, Waiting, MOVES_TO_PAGES_ANYWHERE,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -298,7 +298,7 @@ fn crowded(args: &[&str]) -> (Waiting, Waiting, Daemon) {
 fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole() {
     let _serial = serial();
     // A max_rate no process here comes near: `off` would keep every process exact.
-    let (mut holder, mut guest, mut daemon) = crowded(&["--max-rate", "1000000000"]);
+    let (mut holder, mut guest, mut daemon) = crowded(&["--max-rate", "1000000000", MOVES_TO_PAGES_ANYWHERE]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
     let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
@@ -332,6 +332,37 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     assert!(log.contains("holds the most of the live table (300") && log.contains(said), "{log}");
 }
 
+/// Where the kernel refuses `fexit` programs, growth mode's programs would run at every system
+/// call on the machine: there the daemon leaves the crowding process traced by its calls and says
+/// so once, and the other's allocations that find the table full are counted. Elsewhere it moves
+/// it (`a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole`).
+#[test]
+fn a_crowding_process_is_left_where_growth_mode_would_slow_every_system_call() {
+    let _serial = serial();
+    let (mut holder, mut guest, mut daemon) = crowded(&["--max-rate", "1000000000"]);
+    let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
+    let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
+    let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
+    holder.go();
+    said_held(&mut holder);
+    guest.go();
+    said_held(&mut guest);
+    wait_for(10, "the guest's drops", || leaks(&guest_pid)["dropped"]["live_map_full"].as_u64().filter(|&n| n > 0));
+    if !memprof_tests::kernel_refuses_fexit() {
+        wait_for(15, "the holder moved to its pages", || (growth(&holder_pid)? == 1).then_some(()));
+        return;
+    }
+    // Intervals in which it could have been moved, or said again.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(growth(&holder_pid), Some(0));
+    assert_eq!(site(&leaks(&holder_pid), "hold_site"), (300_000, 3000));
+    let log = daemon.stopped_log();
+    let said =
+        "left traced by its calls, not moved to growth mode: growth mode would slow every system call on this host";
+    assert_eq!(log.matches(said).count(), 1, "{log}");
+    assert!(log.contains("holds the most of the live table (300"), "{log}");
+}
+
 /// `crowding.c` holding `first` and `second` blocks, and as a guest 1500 at each of its steps,
 /// traced by a daemon whose live table holds 4096, every process exact. Returns once both holders
 /// hold theirs, in that order with the guest, with their pids.
@@ -343,7 +374,7 @@ fn two_holders_and_a_guest(first: u64, second: u64) -> ([Waiting; 3], Vec<String
         Waiting::start(&fixture("crowding"), &["guest", "1500"]),
     ];
     let pids: Vec<String> = processes.iter().map(|w| w.pid().to_string()).collect();
-    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000"];
+    let mut args = vec!["--max-live", "4096", "--max-rate", "1000000000", MOVES_TO_PAGES_ANYWHERE];
     for pid in &pids {
         args.extend(["--pid", pid.as_str()]);
     }
@@ -430,7 +461,17 @@ fn a_process_crowding_the_stack_table_is_moved_to_its_pages_and_the_others_keep_
     let mut holder = Waiting::start(&fixture("crowding"), &["paths", "11"]);
     let mut guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
-    let args = ["--pid", &holder_pid, "--pid", &guest_pid, "--max-stacks", "2048", "--max-rate", "1000000000"];
+    let args = [
+        "--pid",
+        &holder_pid,
+        "--pid",
+        &guest_pid,
+        "--max-stacks",
+        "2048",
+        "--max-rate",
+        "1000000000",
+        MOVES_TO_PAGES_ANYWHERE,
+    ];
     let mut daemon = Daemon::start(&args);
     daemon.wait_traced(holder.pid());
     daemon.wait_traced(guest.pid());

@@ -86,7 +86,8 @@ fn a_process_above_max_rate_switches_to_sampling() {
 fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
     let mut target = memprof_tests::Waiting::start(&fixture("leak_kinds"), &["2"]);
     let pid = target.pid();
-    let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
+    let args = ["--pid", &pid.to_string(), "--max-rate", "20", memprof_tests::MOVES_TO_PAGES_ANYWHERE];
+    let daemon = memprof_tests::Daemon::start(&args);
     daemon.wait_traced(pid);
     target.go();
     let series = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"leak_kinds\"}}");
@@ -96,6 +97,49 @@ fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 0, "{report}");
     assert!(report["growth"].is_object(), "{report}");
+}
+
+/// Where the kernel refuses `fexit` programs, growth mode's programs would run at every system
+/// call on the machine: there the daemon samples a process above `max_rate` instead, says so once
+/// with what moves it all the same, and attaches nothing that runs for other processes. Elsewhere
+/// it moves it to its pages (`the_daemon_traces_a_process_above_max_rate_by_its_pages`).
+#[test]
+fn the_daemon_samples_a_busy_process_where_growth_mode_would_slow_every_system_call() {
+    let mut target = Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
+    let pid = target.pid();
+    let mut daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "1000"]);
+    daemon.wait_traced(pid);
+    target.go();
+    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+    let sampled = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+    let moved = wait_for(30, "the busy loop to be sampled or traced by its pages", || {
+        if memprof_tests::metric(daemon.port, &growth)? == 1 {
+            return Some(true);
+        }
+        (memprof_tests::metric(daemon.port, &sampled)? == 65536).then_some(false)
+    });
+    if moved {
+        assert!(!memprof_tests::kernel_refuses_fexit(), "moved to its pages on a kernel that refuses fexit programs");
+        return;
+    }
+    assert!(memprof_tests::kernel_refuses_fexit(), "sampled on a kernel that takes fexit programs");
+    // Intervals in which it could have been moved, or said again.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert_eq!(memprof_tests::metric(daemon.port, &growth), Some(0));
+    let links = probe_links::descriptions(daemon.child.id());
+    let machine_wide = ["page_fault_user", "tp_name:\tsys_exit", "link_type:\ttracing"];
+    assert!(!links.iter().any(|link| machine_wide.iter().any(|at| link.contains(at))), "{links:?}");
+    for at in ["page_faults", "mapping_calls", "system_calls"] {
+        let series = format!("memprof_machine_wide_programs{{at=\"{at}\"}}");
+        assert_eq!(memprof_tests::metric(daemon.port, &series), Some(0), "{at}");
+    }
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
+    assert_eq!(report["sample_bytes"], 65536, "{report}");
+    assert!(report["growth"].is_null(), "{report}");
+    let log = daemon.stopped_log();
+    let said = "above max_rate: sampled one in every 65536 bytes from now on, not moved to growth mode: growth mode \
+                would slow every system call on this host, whose kernel refuses fexit programs";
+    assert_eq!(log.matches(said).count(), 1, "{log}");
 }
 
 /// The daemon given no `max_rate` moves a process making more than its default rate of allocator
@@ -108,7 +152,8 @@ fn the_daemons_default_rate_moves_a_busy_process_to_its_pages() {
     let args = ["--pairs=1000000000", "--hold=4194304"];
     let mut target = memprof_tests::Waiting::start(&fixture("malloc_loop"), &args);
     let pid = target.pid();
-    let mut daemon = memprof_tests::Daemon::start_at_default_rate(&["--pid", &pid.to_string()]);
+    let args = ["--pid", &pid.to_string(), memprof_tests::MOVES_TO_PAGES_ANYWHERE];
+    let mut daemon = memprof_tests::Daemon::start_at_default_rate(&args);
     daemon.wait_traced(pid);
     target.go();
     // Each view until the switch names its stacks: the one built as the switch takes them too.
@@ -160,7 +205,8 @@ fn a_process_the_daemon_moved_to_its_pages_stays_so_through_an_exec() {
     let loop_args = ["--pairs=0", "--seconds=5", "--exec", growth.to_str().unwrap(), "--wait", "stay"];
     let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
     let pid = target.pid();
-    let daemon = memprof_tests::Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "20"]);
+    let args = ["--pid", &pid.to_string(), "--max-rate", "20", memprof_tests::MOVES_TO_PAGES_ANYWHERE];
+    let daemon = memprof_tests::Daemon::start(&args);
     daemon.wait_traced(pid);
     target.go();
     let leaks = format!("/api/v1/leaks?pid={pid}");
@@ -195,7 +241,7 @@ fn a_switch_to_growth_mode_finds_no_double_free() {
         (0..4).map(|_| Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"])).collect();
     let pids: Vec<String> = targets.iter().map(|target| target.pid().to_string()).collect();
     let mut args: Vec<&str> = pids.iter().flat_map(|pid| ["--pid", pid.as_str()]).collect();
-    args.extend(["--max-rate", "1000"]);
+    args.extend(["--max-rate", "1000", memprof_tests::MOVES_TO_PAGES_ANYWHERE]);
     let mut daemon = Daemon::start(&args);
     for target in &mut targets {
         daemon.wait_traced(target.pid());
@@ -225,8 +271,17 @@ fn shared_links_stop_recording_a_process_switched_to_growth_mode() {
     let mut busy = Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
     let idle = Waiting::start(&fixture("malloc_loop"), &[]);
     let pids = [busy.pid().to_string(), idle.pid().to_string()];
-    let daemon =
-        Daemon::start(&["--pid", &pids[0], "--pid", &pids[1], "--probe-links", "shared", "--max-rate", "1000"]);
+    let daemon = Daemon::start(&[
+        "--pid",
+        &pids[0],
+        "--pid",
+        &pids[1],
+        "--probe-links",
+        "shared",
+        "--max-rate",
+        "1000",
+        memprof_tests::MOVES_TO_PAGES_ANYWHERE,
+    ]);
     daemon.wait_traced(busy.pid());
     daemon.wait_traced(idle.pid());
     busy.go();
@@ -253,7 +308,12 @@ fn shared_links_stop_recording_a_process_switched_to_growth_mode() {
 fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
     let loop_program = fixture_with("malloc_loop.c", "wholehost_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
     // A low rate, so that the loop is switched even where traps are slow (an emulated kernel).
-    let daemon = Daemon::start(&["--comm", "wholehost_loop", "--max-rate", "1000"]);
+    // Where the kernel refuses `fexit` programs, the move needs `--mappings`, whose programs at
+    // every system call then stay: those at the page faults still come and go.
+    let refused = memprof_tests::kernel_refuses_fexit();
+    let mut args = vec!["--comm", "wholehost_loop", "--max-rate", "1000"];
+    args.extend(refused.then_some(memprof_tests::MOVES_TO_PAGES_ANYWHERE));
+    let daemon = Daemon::start(&args);
     let holder = daemon.child.id();
     // Links of the page-fault tracepoints, the system-call tracepoint and the `fexit` programs.
     let machine_wide = || {
@@ -280,11 +340,11 @@ fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
         wait_for(30, "/metrics to say the programs at the page faults", || (said("page_faults")? == 1).then_some(()));
         drop(target);
         wait_for(30, "the machine-wide programs to go with the last process traced by its pages", || {
-            (machine_wide() == (0, 0)).then_some(())
+            (machine_wide() == (0, usize::from(refused))).then_some(())
         });
         wait_for(30, "/metrics to say they went", || {
             let running = ["page_faults", "mapping_calls", "system_calls"].map(said);
-            (running == [Some(0); 3]).then_some(())
+            (running == [Some(0), Some(0), Some(u64::from(refused))]).then_some(())
         });
     }
 }

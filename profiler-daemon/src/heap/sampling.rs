@@ -27,10 +27,11 @@ pub struct Sampling {
     /// call: far less work per call. Double frees are then not looked for.
     #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = sample_bytes)]
     pub sample_bytes: Option<u64>,
-    /// Switch a process to sampling (the daemon: to growth mode) when it makes more than N
-    /// allocator calls a second; `off` records every call whatever the rate [default: 50000 for
-    /// attach and the daemon, off for run]. Given no N, attach moves on to growth mode a process
-    /// that sampling still costs more than a tenth of a core, where that slows no other process.
+    /// Switch a process to sampling (the daemon: to growth mode, where that slows no other
+    /// process) when it makes more than N allocator calls a second; `off` records every call
+    /// whatever the rate [default: 50000 for attach and the daemon, off for run]. Given no N,
+    /// attach moves on to growth mode a process that sampling still costs more than a tenth of a
+    /// core, where that slows no other process.
     #[arg(long, value_name = "N|off", allow_negative_numbers = true, value_parser = max_rate)]
     pub max_rate: Option<MaxRate>,
     /// Trace the heap by the pages it grows into, not by allocator calls: each page of anonymous

@@ -40,10 +40,14 @@ pub struct MappingPrograms {
     links: Option<Links>,
 }
 
-#[derive(Clone, Copy)]
 enum Kind {
     Functions,
-    Tracepoint,
+    /// The kernel refused the `fexit` programs, for this reason; `told`: memprof said what that
+    /// costs the machine, at the tracepoint program's first attach.
+    Tracepoint {
+        refused: String,
+        told: bool,
+    },
 }
 
 enum Links {
@@ -52,10 +56,15 @@ enum Links {
 }
 
 impl MappingPrograms {
-    /// Loads the programs and attaches them: the `fexit` ones, else the tracepoint's, saying so.
-    pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let (kind, links) = match load_functions(ebpf).and_then(|()| attach_functions(ebpf)) {
-            Ok(links) => (Kind::Functions, Links::Functions(links)),
+    /// Loads the programs, attached to nothing until `wake`: the `fexit` ones where the kernel
+    /// takes them (tried on their functions and taken off at once: only those five calls run
+    /// them meanwhile), else the tracepoint's. Nothing runs at every system call for it.
+    pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+        let kind = match load_functions(ebpf).and_then(|()| attach_functions(ebpf)) {
+            Ok(links) => {
+                detach_functions(ebpf, links);
+                Kind::Functions
+            }
             Err(why) => {
                 for (name, _) in FUNCTION_PROGRAMS {
                     if let Ok(program) = function_program(ebpf, name) {
@@ -63,27 +72,34 @@ impl MappingPrograms {
                         let _ = program.unload();
                     }
                 }
-                tracing::warn!(
-                    "this kernel refuses fexit programs ({why:#}): memprof reads mmap, munmap, mremap, brk and \
-                     madvise at the sys_exit tracepoint instead, which slows every system call on this host while \
-                     a process needs them (docs: reference/limits.md#mappings)"
-                );
                 let (name, _) = TRACEPOINT_PROGRAM;
                 tracepoint_program(ebpf)?.load().with_context(|| format!("loading program {name}"))?;
-                (Kind::Tracepoint, Links::Tracepoint(attach_tracepoint(ebpf)?))
+                Kind::Tracepoint { refused: format!("{why:#}"), told: false }
             }
         };
-        Ok(Self { kind, links: Some(links) })
+        Ok(Self { kind, links: None })
     }
 
-    /// Attaches the programs again, if they rest.
+    /// Attaches the programs, if they rest. The first time the tracepoint's is, says what it
+    /// costs every other process.
     pub fn wake(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
-        if self.links.is_none() {
-            self.links = Some(match self.kind {
-                Kind::Functions => Links::Functions(attach_functions(ebpf)?),
-                Kind::Tracepoint => Links::Tracepoint(attach_tracepoint(ebpf)?),
-            });
+        if self.links.is_some() {
+            return Ok(());
         }
+        self.links = Some(match &mut self.kind {
+            Kind::Functions => Links::Functions(attach_functions(ebpf)?),
+            Kind::Tracepoint { refused, told } => {
+                let link = attach_tracepoint(ebpf)?;
+                if !std::mem::replace(told, true) {
+                    tracing::warn!(
+                        "this kernel refuses fexit programs ({refused}): memprof reads mmap, munmap, mremap, brk and \
+                         madvise at the sys_exit tracepoint instead, which slows every system call on this host while \
+                         a process needs them (docs: reference/limits.md#mappings)"
+                    );
+                }
+                Links::Tracepoint(link)
+            }
+        });
         Ok(())
     }
 
@@ -104,10 +120,15 @@ impl MappingPrograms {
     /// Where the programs run while attached: `MachineWide::MAPPING_CALLS` or
     /// `MachineWide::SYSTEM_CALLS`.
     pub fn runs_at(&self) -> Option<&'static str> {
-        self.links.as_ref().map(|links| match links {
-            Links::Functions(_) => MachineWide::MAPPING_CALLS,
-            Links::Tracepoint(_) => MachineWide::SYSTEM_CALLS,
-        })
+        self.links.as_ref().map(|_| self.would_run_at())
+    }
+
+    /// Where the programs run once attached, attached or not.
+    pub fn would_run_at(&self) -> &'static str {
+        match self.kind {
+            Kind::Functions => MachineWide::MAPPING_CALLS,
+            Kind::Tracepoint { .. } => MachineWide::SYSTEM_CALLS,
+        }
     }
 }
 

@@ -48,16 +48,16 @@ pub struct MappedRanges {
 }
 
 impl MappedRanges {
-    /// Attaches the system-call programs and takes their ring.
-    pub fn attach(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
-        let programs = MappingPrograms::attach(ebpf)?;
+    /// Loads the system-call programs, attached to nothing until `wake`, and takes their ring.
+    pub fn load(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
+        let programs = MappingPrograms::load(ebpf)?;
         let map = ebpf.take_map("MAPPING_EVENTS").context("map MAPPING_EVENTS missing")?;
         let ring = Ring::new("MAPPING_EVENTS", map)?;
         let bell = EdgeBell::new(ring.as_fd()).context("waiting on the mapping events")?;
         Ok(Self { programs, ring, bell, spaces: HashMap::new() })
     }
 
-    /// Attaches the system-call programs again, if they rest.
+    /// Attaches the system-call programs, if they rest.
     pub fn wake(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
         self.programs.wake(ebpf)
     }
@@ -76,6 +76,11 @@ impl MappedRanges {
     /// Where the system-call programs run, while attached (see `MappingPrograms::runs_at`).
     pub fn programs_run_at(&self) -> Option<&'static str> {
         self.programs.runs_at()
+    }
+
+    /// Where they run once attached, attached or not.
+    pub fn programs_would_run_at(&self) -> &'static str {
+        self.programs.would_run_at()
     }
 
     /// Whether a process is traced by the pages it touches.

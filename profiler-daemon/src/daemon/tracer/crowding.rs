@@ -74,6 +74,17 @@ pub(super) struct Crowder {
     pub crowded_out: u32,
 }
 
+impl Crowder {
+    /// What it did, as the daemon's log says it.
+    pub fn what(&self) -> String {
+        let table = self.table.name();
+        format!(
+            "holds the most of the {table} ({} of {} entries), and another process's allocations found it full",
+            self.entries, self.capacity
+        )
+    }
+}
+
 impl Target {
     /// Whether its allocations found `table` full since the last read.
     pub(super) fn found_full(&mut self, snapshot: &Snapshot, table: Table) -> bool {

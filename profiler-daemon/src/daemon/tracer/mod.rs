@@ -9,6 +9,7 @@ mod drop_totals;
 mod means;
 mod publish;
 mod targets;
+mod to_pages;
 
 use std::{
     collections::{HashMap, HashSet},

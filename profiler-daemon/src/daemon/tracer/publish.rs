@@ -5,7 +5,6 @@
 use std::{
     cmp::Reverse,
     collections::{HashMap, HashSet},
-    num::NonZeroU32,
     sync::Arc,
     time::{Duration, Instant, UNIX_EPOCH},
 };
@@ -13,10 +12,7 @@ use std::{
 use profiler_common::DropReason;
 use tracing::{info, warn};
 
-use super::{
-    crowding::{Crowder, Table},
-    InspectFailure, Target, Tracer,
-};
+use super::{crowding::Table, to_pages::ToPages, InspectFailure, Target, Tracer};
 use crate::{
     daemon::{
         discovery::{self, ProcessId},
@@ -28,7 +24,6 @@ use crate::{
     heap::double_free::DoubleFrees,
     heap::heuristics::Heuristics,
     heap::inspect,
-    heap::leak::LeakTracker,
     heap::report::{self, Report, Selection, StackReport},
     heap::resident::{HeapNow, Resident},
     kernel::aggregate::{self, KernelSnapshot, Snapshot},
@@ -37,12 +32,6 @@ use crate::{
     text,
     unwind::TableUse,
 };
-
-/// Why a process is moved to growth mode.
-enum ToPages {
-    AboveMaxRate { calls_per_second: f64 },
-    Crowding(Crowder),
-}
 
 impl Tracer {
     pub(super) fn stacks<'a>(&'a self, target: &'a Target) -> report::Stacks<'a> {
@@ -173,8 +162,7 @@ impl Tracer {
                     target.leaks.observe(snapshot, &self.loaded.ages.clock, time_s);
                 }
                 if let Some(switch) = target.rate_guard.check(snapshot) {
-                    switching
-                        .push((target.id.pid, ToPages::AboveMaxRate { calls_per_second: switch.calls_per_second }));
+                    switching.push((target.id.pid, ToPages::AboveMaxRate(switch)));
                 }
                 for table in Table::ALL {
                     if target.found_full(snapshot, table) {
@@ -250,56 +238,13 @@ impl Tracer {
         }
         view.all_drops = self.drops.totals().clone();
         for (pid, why) in switching {
-            self.switch_to_pages(pid, why);
+            self.move_out(pid, why);
         }
         let old = std::mem::replace(&mut *self.view.write().unwrap_or_else(|e| e.into_inner()), view);
         // Freed after the lock is released: the last interval's stacks take a while to free, and
         // scrapes wait for the lock.
         drop(old);
         Ok(())
-    }
-
-    /// Traces `pid` by the pages it touches from now on, not its calls: the always-on mode,
-    /// whose cost follows its new pages. What its calls recorded goes with them.
-    fn switch_to_pages(&mut self, pid: u32, why: ToPages) {
-        let Some(target) = self.targets.get_mut(&pid) else { return };
-        let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
-        if let Err(err) = self.loaded.switch_to_pages(nonzero, &mut target.attachment) {
-            warn!(pid, "switching to growth mode: {err:#}; it stays traced by its calls");
-            target.pages_refused = true;
-            return;
-        }
-        target.probed_files.clear();
-        target.blind_spots.pages_from_now(pid);
-        target.leaks = LeakTracker::new(self.config.leak);
-        target.known_stacks.forget();
-        let comm = &target.comm;
-        // What it holds already, growth mode cannot see into.
-        let held = target.blind_spots.held_before_pages().map(|spot| format!("; not seen: {}", spot.what));
-        let held = held.unwrap_or_default();
-        match why {
-            ToPages::AboveMaxRate { calls_per_second } => warn!(
-                pid,
-                comm,
-                calls_per_second,
-                "above max_rate: traced by the pages it touches from now on (growth mode){held}"
-            ),
-            ToPages::Crowding(crowder) => warn!(
-                pid,
-                comm,
-                table = crowder.table.name(),
-                entries = crowder.entries,
-                capacity = crowder.capacity,
-                crowded_out = crowder.crowded_out,
-                "holds the most of the {} ({} of {} entries), and another process's allocations found it full: \
-                 traced by the pages it touches from now on (growth mode); a larger {} keeps it traced by its \
-                 calls{held}",
-                crowder.table.name(),
-                crowder.entries,
-                crowder.capacity,
-                crowder.table.setting()
-            ),
-        }
     }
 
     /// The processes not traced that map a shared-linked file, counted again when the shared

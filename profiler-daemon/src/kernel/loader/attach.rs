@@ -55,23 +55,26 @@ impl Loaded {
         if self.machine_wide_faults.is_none() {
             self.machine_wide_faults = Some(faults::attach_machine_wide(&mut self.ebpf)?);
         }
-        match &mut self.mappings {
-            Some(mappings) => mappings.wake(&mut self.ebpf)?,
-            None => self.mappings = Some(MappedRanges::attach(&mut self.ebpf)?),
+        self.load_mapped_ranges()?;
+        self.mappings.as_mut().expect("loaded just above").wake(&mut self.ebpf)
+    }
+
+    /// Loads the mapping calls' programs the first time, attached to nothing (`MappedRanges::load`).
+    fn load_mapped_ranges(&mut self) -> anyhow::Result<&MappedRanges> {
+        if self.mappings.is_none() {
+            self.mappings = Some(MappedRanges::load(&mut self.ebpf)?);
         }
-        Ok(())
+        Ok(self.mappings.as_ref().expect("loaded just above"))
     }
 
     /// Whether tracing a process by its pages leaves the other processes' system calls alone:
     /// where the kernel refuses `fexit` programs, the mapping calls are read at the return of
     /// every system call on the machine (`MachineWide::SYSTEM_CALLS`), unless `--mappings` has
-    /// them read there already. Loads growth mode's programs to find out, and lets them rest
-    /// again when no process needs them.
+    /// them read there already. Loads the mapping calls' programs to find out, attaching none
+    /// that would run at every system call.
     pub fn pages_spare_system_calls(&mut self) -> anyhow::Result<bool> {
-        self.load_page_faults()?;
-        let runs_at = self.mappings.as_ref().and_then(MappedRanges::programs_run_at);
-        self.rest_page_faults();
-        Ok(self.mappings_asked || runs_at != Some(MachineWide::SYSTEM_CALLS))
+        let would_run_at = self.load_mapped_ranges()?.programs_would_run_at();
+        Ok(self.mappings_asked || would_run_at != MachineWide::SYSTEM_CALLS)
     }
 
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
