@@ -230,13 +230,12 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
     let method = probes::load(&mut ebpf, links_wanted)?;
     let process_events = events::attach(&mut ebpf)?;
     // Only when asked for: the programs run at every mapping call on the host.
-    let mappings = match sizes.mappings {
-        true => {
-            let mut mappings = MappedRanges::load(&mut ebpf)?;
-            mappings.wake(&mut ebpf)?;
-            Some(mappings)
-        }
-        false => None,
+    let mappings = if sizes.mappings {
+        let mut mappings = MappedRanges::load(&mut ebpf)?;
+        mappings.wake(&mut ebpf)?;
+        Some(mappings)
+    } else {
+        None
     };
     say_room_for_maps(&unwind);
     Ok(Loaded {

@@ -9,7 +9,10 @@ use std::num::NonZeroU32;
 use tracing::warn;
 
 use super::{crowding::Crowder, Tracer};
-use crate::{heap::leak::LeakTracker, heap::sampling::Switch};
+use crate::{
+    heap::leak::LeakTracker,
+    heap::sampling::{RateGuard, Sampling, Switch},
+};
 
 /// Why a process leaves exact tracing.
 pub(super) enum ToPages {
@@ -88,7 +91,11 @@ impl Tracer {
                     "above max_rate: sampled one in every {} bytes from now on, not moved to growth mode: {because}",
                     switch.sample_bytes
                 ),
-                Err(err) => warn!(pid, comm, "above max_rate: sampling it: {err:#}; it stays traced by its every call"),
+                Err(err) => {
+                    warn!(pid, comm, "above max_rate: sampling it: {err:#}; it stays traced by its every call");
+                    // Not tried again at each interval: its next program (an exec) is.
+                    target.rate_guard = RateGuard::new(Sampling::default());
+                }
             },
             ToPages::Crowding(crowder) => warn!(
                 pid,
