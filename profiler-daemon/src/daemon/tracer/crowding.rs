@@ -75,13 +75,20 @@ pub(super) struct Crowder {
 }
 
 impl Crowder {
-    /// What it did, as the daemon's log says it.
-    pub fn what(&self) -> String {
+    /// Logs what it did, and `done`, what the daemon did about it.
+    pub fn say(&self, comm: &str, done: &str) {
         let table = self.table.name();
-        format!(
-            "holds the most of the {table} ({} of {} entries), and another process's allocations found it full",
-            self.entries, self.capacity
-        )
+        tracing::warn!(
+            pid = self.pid,
+            comm,
+            table,
+            entries = self.entries,
+            capacity = self.capacity,
+            crowded_out = self.crowded_out,
+            "holds the most of the {table} ({} of {} entries), and another process's allocations found it full: {done}",
+            self.entries,
+            self.capacity
+        );
     }
 }
 

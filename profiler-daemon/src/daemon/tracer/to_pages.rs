@@ -59,17 +59,13 @@ impl Tracer {
                 calls_per_second = switch.calls_per_second,
                 "above max_rate: traced by the pages it touches from now on (growth mode){held}"
             ),
-            ToPages::Crowding(crowder) => warn!(
-                pid,
+            ToPages::Crowding(crowder) => crowder.say(
                 comm,
-                table = crowder.table.name(),
-                entries = crowder.entries,
-                capacity = crowder.capacity,
-                crowded_out = crowder.crowded_out,
-                "{}: traced by the pages it touches from now on (growth mode); a larger {} keeps it traced by its \
-                 calls{held}",
-                crowder.what(),
-                crowder.table.setting()
+                &format!(
+                    "traced by the pages it touches from now on (growth mode); a larger {} keeps it traced by its \
+                     calls{held}",
+                    crowder.table.setting()
+                ),
             ),
         }
         Ok(())
@@ -97,16 +93,12 @@ impl Tracer {
                     target.rate_guard = RateGuard::new(Sampling::default());
                 }
             },
-            ToPages::Crowding(crowder) => warn!(
-                pid,
+            ToPages::Crowding(crowder) => crowder.say(
                 comm,
-                table = crowder.table.name(),
-                entries = crowder.entries,
-                capacity = crowder.capacity,
-                crowded_out = crowder.crowded_out,
-                "{}: left traced by its calls, not moved to growth mode: {because}; a larger {} makes room",
-                crowder.what(),
-                crowder.table.setting()
+                &format!(
+                    "left traced by its calls, not moved to growth mode: {because}; a larger {} makes room",
+                    crowder.table.setting()
+                ),
             ),
         }
     }
