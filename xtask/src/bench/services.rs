@@ -1,6 +1,6 @@
 //! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
-//! under memprof attached to it (exact, at its defaults, sampled and growth mode) and heaptrack
-//! (restarted under it); and Debian's python3 building a dict, untraced and under `memprof run`
+//! under memprof attached to it (exact, at its defaults, sampled and growth mode), under the
+//! daemon at its defaults, and heaptrack (restarted under it); and Debian's python3 building a dict, untraced and under `memprof run`
 //! in each mode and heaptrack. The runs interleaved so that a change in the machine's load falls
 //! on every mode alike.
 //! PostgreSQL follows (`postgres`), in rounds of its own.
@@ -38,9 +38,15 @@ enum How {
     /// `memprof attach` with these options on a process that sleeps, not on the server: what
     /// memprof's programs cost a process it does not trace.
     Elsewhere(&'static [&'static str]),
+    /// `memprof daemon` at its defaults tracing the server, timed once it has moved it out of
+    /// exact tracing (to growth mode, or sampling where that would slow every system call).
+    Daemon,
     /// The server started under heaptrack.
     Heaptrack,
 }
+
+/// The port the bench's `memprof daemon` serves `/metrics` on.
+const DAEMON_PORT: u16 = 19465;
 
 /// Requests run traced before `How::AttachedSettled` is timed: more than its first two seconds
 /// (traced by its calls, then sampled) take on this machine.
@@ -49,7 +55,7 @@ const SETTLING_REQUESTS: u64 = 300_000;
 /// `attach` samples a process above 50,000 calls a second unless told `--max-rate off`, and
 /// moves it on to growth mode when sampling still costs too much: its defaults have rows of their
 /// own, and only `--max-rate off` is exact throughout.
-const MODES: [Mode; 8] = [
+const MODES: [Mode; 9] = [
     Mode { name: "none", how: How::Untraced },
     Mode { name: "memprof attach --max-rate off (exact)", how: How::Attached(&["--max-rate", "off"]) },
     Mode { name: "memprof attach (defaults)", how: How::Attached(&[]) },
@@ -57,6 +63,7 @@ const MODES: [Mode; 8] = [
     Mode { name: "memprof attach --sample-bytes 524288", how: How::Attached(&["--sample-bytes", "524288"]) },
     Mode { name: "memprof attach --growth", how: How::Attached(&["--growth"]) },
     Mode { name: "memprof attach --growth on a sleeping process, not on redis", how: How::Elsewhere(&["--growth"]) },
+    Mode { name: "memprof daemon (defaults), timed once it has moved redis out of exact tracing", how: How::Daemon },
     Mode { name: "heaptrack (LD_PRELOAD, restarted)", how: How::Heaptrack },
 ];
 
@@ -78,6 +85,8 @@ open(sys.argv[1], 'w').write(str(time.perf_counter() - t))\n";
 pub struct Measured {
     /// SET requests a second, each mode's runs in order.
     runs: Vec<Vec<f64>>,
+    /// What the daemon moved redis to in each of its runs: "growth mode" or "sampling".
+    daemon_moves: Vec<&'static str>,
     /// python3's seconds, each mode's runs in order.
     python: Vec<Vec<f64>>,
     requests: u64,
@@ -95,10 +104,13 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
     let date = String::from_utf8_lossy(&date.stdout).trim().to_string();
     let load_before = load_average();
     let mut runs = vec![Vec::new(); MODES.len()];
+    let mut daemon_moves = Vec::new();
     let mut python = vec![Vec::new(); PYTHON_MODES.len()];
     for _ in 0..size.runs {
         for (mode, runs) in MODES.iter().zip(&mut runs) {
-            let rate = one_run(mode, memprof, dir, requests).with_context(|| format!("redis under {}", mode.name))?;
+            let (rate, moved) =
+                one_run(mode, memprof, dir, requests).with_context(|| format!("redis under {}", mode.name))?;
+            daemon_moves.extend(moved);
             eprintln!("xtask bench: redis SET under {:<40} {rate:>9.0} requests/s", mode.name);
             runs.push(rate);
         }
@@ -111,7 +123,7 @@ pub fn measure(memprof: &Path, dir: &Path, size: Size) -> anyhow::Result<Measure
     }
     let load_after = load_average();
     let postgres = super::postgres::measure(memprof, dir, size)?;
-    Ok(Measured { runs, python, requests, date, load_before, load_after, postgres })
+    Ok(Measured { runs, daemon_moves, python, requests, date, load_before, load_after, postgres })
 }
 
 /// One run of python3's dict under `PYTHON_MODES[index]`: the build's seconds.
@@ -156,7 +168,7 @@ pub(super) fn load_average() -> String {
 pub(super) struct Killed(Child);
 
 impl Killed {
-    /// Stops a `memprof attach` as Ctrl-C does; fails when it did not end well.
+    /// Stops a `memprof attach` or `memprof daemon` as Ctrl-C does; fails when it did not end well.
     pub(super) fn stop(mut self) -> anyhow::Result<()> {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
@@ -175,7 +187,8 @@ impl Drop for Killed {
     }
 }
 
-fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Result<f64> {
+/// SET requests a second under `mode`, and, under the daemon, what it moved redis to.
+fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Result<(f64, Option<&'static str>)> {
     let mut server = match mode.how {
         How::Heaptrack => {
             let mut command = Command::new("heaptrack");
@@ -204,15 +217,50 @@ fn one_run(mode: &Mode, memprof: &Path, dir: &Path, requests: u64) -> anyhow::Re
     if let How::AttachedSettled = mode.how {
         benchmark(SETTLING_REQUESTS)?;
     }
+    let (daemon, moved) = match mode.how {
+        How::Daemon => {
+            let (daemon, moved) = daemon_moved(memprof, server.0.id())?;
+            (Some(daemon), Some(moved))
+        }
+        _ => (None, None),
+    };
     let rate = benchmark(requests)?;
     if let Some(tracer) = tracer {
         tracer.stop()?;
+    }
+    if let Some(daemon) = daemon {
+        daemon.stop()?;
     }
     // Asked to stop rather than killed: under heaptrack the server is a child of its script,
     // which a kill would leave running on the port.
     let _ = Command::new("redis-cli").args(["-p", PORT, "shutdown", "nosave"]).output();
     server.0.wait()?;
-    Ok(rate)
+    Ok((rate, moved))
+}
+
+/// `memprof daemon` at its defaults tracing `pid`, returned once it has moved the server out of
+/// exact tracing, with what it moved it to: SETs run meanwhile, as its rate guard needs calls to
+/// count.
+fn daemon_moved(memprof: &Path, pid: u32) -> anyhow::Result<(Killed, &'static str)> {
+    let daemon = Command::new(memprof)
+        .args(["daemon", "--pid", &pid.to_string(), "--listen", &format!("127.0.0.1:{DAEMON_PORT}"), "--socket", ""])
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting memprof daemon")?;
+    let daemon = Killed(daemon);
+    super::daemon::wait_traced(DAEMON_PORT, &[pid])?;
+    let set = |metrics: &str, series: &str| metrics.lines().any(|l| l.starts_with(series) && !l.ends_with(" 0"));
+    for _ in 0..30 {
+        benchmark(50_000)?;
+        let metrics = super::daemon::http_get(DAEMON_PORT, "/metrics").unwrap_or_default();
+        if set(&metrics, "memprof_growth_mode{") {
+            return Ok((daemon, "growth mode"));
+        }
+        if set(&metrics, "memprof_sample_bytes{") {
+            return Ok((daemon, "sampling"));
+        }
+    }
+    bail!("memprof daemon did not move redis out of exact tracing within 1,500,000 SETs")
 }
 
 fn wait_for_port() -> anyhow::Result<()> {
@@ -312,6 +360,15 @@ pub fn render(measured: &Measured) -> String {
          kernel's slower path (the docs' limits, \"Mappings\"); a kernel that takes them runs \
          memprof's programs at the five mapping calls only. Growth mode on redis ran {growth:.2} times as \
          many SETs a second as that row: what it costs redis beyond that is its own."
+    );
+    let _ = writeln!(
+        out,
+        "\nThe daemon's row: `memprof daemon --pid PID` at its defaults (5 s interval, `max_rate` 50,000), \
+         started after the warm-up, SETs run in batches of 50,000 until its metrics said it had moved redis out \
+         of exact tracing, then timed. It moves a busy process to growth mode, or samples it where the kernel \
+         refuses `fexit` programs (growth mode would slow every system call on the host). It moved redis to: \
+         {} (each run in order).",
+        measured.daemon_moves.join(", ")
     );
     out.push_str(
         "\nDebian's python3 building a dict of 200,000 strings (`{str(i): str(i) * 3 ...}`), timed by \
