@@ -1,8 +1,8 @@
 //! Real services: Debian's redis-server (jemalloc) under `redis-benchmark -t set`, untraced and
 //! under memprof attached to it (exact, at its defaults, sampled and growth mode), under the
-//! daemon at its defaults, and heaptrack (restarted under it); and Debian's python3 building a dict, untraced and under `memprof run`
-//! in each mode and heaptrack. The runs interleaved so that a change in the machine's load falls
-//! on every mode alike.
+//! daemon at its defaults, and heaptrack (restarted under it); and Debian's python3 building a
+//! dict, untraced and under `memprof run` in each mode and heaptrack. The runs interleaved so that
+//! a change in the machine's load falls on every mode alike.
 //! PostgreSQL follows (`postgres`), in rounds of its own.
 
 use std::{
