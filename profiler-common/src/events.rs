@@ -142,4 +142,14 @@ pub mod mapping_event {
     pub const IN_ALLOCATOR: u32 = 1;
     /// `MREMAP_DONTUNMAP`: the old range stays mapped.
     pub const KEEP_OLD: u32 = 2;
+
+    /// The mapping calls' x86-64 system call numbers: a probe of a process's own at one of its
+    /// C library's wrappers has its call's for cookie.
+    pub mod syscall {
+        pub const MMAP: u32 = 9;
+        pub const MUNMAP: u32 = 11;
+        pub const BRK: u32 = 12;
+        pub const MREMAP: u32 = 25;
+        pub const MADVISE: u32 = 28;
+    }
 }

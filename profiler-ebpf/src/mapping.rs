@@ -11,7 +11,8 @@
 //! kernel that refuses `fexit` programs gets `syscall_exit_tracepoint` at the raw `sys_exit`
 //! tracepoint instead: that puts every system call of every process on the kernel's slower path
 //! for traced system calls, and runs the program there, which returns after one read of the
-//! call's number. Nothing runs at a call's entry: the one thing it would tell, the break before
+//! call's number. There, a process traced by its pages gets probes of its own instead where its
+//! C library's wrappers make the calls (`mapping_call_return`), and no other process pays. Nothing runs at a call's entry: the one thing it would tell, the break before
 //! a `brk`, the daemon knows from the process's previous `brk`.
 //!
 //! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
@@ -24,12 +25,16 @@ use core::mem::offset_of;
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::bpf_get_current_pid_tgid,
-    macros::{fexit, map, raw_tracepoint},
+    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid},
+    macros::{fexit, map, raw_tracepoint, uprobe},
     maps::RingBuf,
-    programs::{FExitContext, RawTracePointContext},
+    programs::{FExitContext, ProbeContext, RawTracePointContext},
+    EbpfContext as _,
 };
-use profiler_common::{mapping_event, stack_table, traced, DropReason, MappingEvent, NO_STACK};
+use profiler_common::{
+    mapping_event::{self, syscall},
+    stack_table, traced, DropReason, MappingEvent, NO_STACK,
+};
 
 use crate::{
     process,
@@ -38,12 +43,11 @@ use crate::{
     unwind::{self, Regs, TakenReturns},
 };
 
-/// x86_64 system call numbers.
-const SYS_MMAP: u64 = 9;
-const SYS_MUNMAP: u64 = 11;
-const SYS_BRK: u64 = 12;
-const SYS_MREMAP: u64 = 25;
-const SYS_MADVISE: u64 = 28;
+const SYS_MMAP: u64 = syscall::MMAP as u64;
+const SYS_MUNMAP: u64 = syscall::MUNMAP as u64;
+const SYS_BRK: u64 = syscall::BRK as u64;
+const SYS_MREMAP: u64 = syscall::MREMAP as u64;
+const SYS_MADVISE: u64 = syscall::MADVISE as u64;
 
 const MADV_DONTNEED: u64 = 4;
 const MADV_FREE: u64 = 8;
@@ -120,6 +124,26 @@ pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
     let (tgid, tid) = ids();
     if let Some(flags) = process::traced_flags(tgid) {
         on_exit(regs, id, ctx.arg(1), flags, tgid, tid);
+    }
+    0
+}
+
+/// A process of its own, where the kernel refuses `fexit` programs: a uprobe at the instruction
+/// after a `syscall` in its C library's wrapper of a mapping call, the call's number for cookie
+/// (see the daemon's `process::mapping_calls`). The registers there are the call's: its
+/// arguments still in theirs, its result in rax, and the stack the call's.
+#[uprobe]
+pub fn mapping_call_return(ctx: ProbeContext) -> u32 {
+    // SAFETY: the context is the running probe's.
+    let id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    if !matches!(id, SYS_MMAP | SYS_MUNMAP | SYS_BRK | SYS_MREMAP | SYS_MADVISE) {
+        return 0;
+    }
+    let (tgid, tid) = ids();
+    if let Some(flags) = process::traced_flags(tgid) {
+        let regs = ctx.regs as u64;
+        let result = register(regs, offset_of!(pt_regs, rax)) as i64;
+        on_exit(regs, id, result, flags, tgid, tid);
     }
     0
 }

@@ -6,6 +6,7 @@
 use std::{
     io::{BufRead, BufReader, Read, Write},
     net::TcpStream,
+    path::Path,
     process::{Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -15,8 +16,8 @@ use std::{
 };
 
 use memprof_tests::{
-    attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_with, http_get, memprof_bin, metric, site,
-    socket_answer, start_heapbench, total, wait_for, Daemon, Waiting, MOVES_TO_PAGES_ANYWHERE,
+    attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_musl, fixture_with, http_get, memprof_bin, metric,
+    site, socket_answer, start_heapbench, total, wait_for, Daemon, Waiting, MOVES_TO_PAGES_ANYWHERE,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -279,7 +280,12 @@ fn said_held(fixture: &mut Waiting) {
 /// `crowding.c` to hold 3000 blocks and, as a guest, 2000 at each of its two steps, both traced
 /// by a daemon (given `args` too) whose live table holds 4096.
 fn crowded(args: &[&str]) -> (Waiting, Waiting, Daemon) {
-    let holder = Waiting::start(&fixture("crowding"), &["hold", "3000"]);
+    crowded_by(&fixture("crowding"), args)
+}
+
+/// `crowded`, the holder a build of `crowding.c`, `holder_program`.
+fn crowded_by(holder_program: &Path, args: &[&str]) -> (Waiting, Waiting, Daemon) {
+    let holder = Waiting::start(holder_program, &["hold", "3000"]);
     let guest = Waiting::start(&fixture("crowding"), &["guest", "2000"]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     let mut all = vec!["--pid", &holder_pid, "--pid", &guest_pid, "--max-live", "4096"];
@@ -332,14 +338,19 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     assert!(log.contains("holds the most of the live table (300") && log.contains(said), "{log}");
 }
 
-/// Where the kernel refuses `fexit` programs, growth mode's programs would run at every system
-/// call on the machine: there the daemon leaves the crowding process traced by its calls and says
-/// so once, and the other's allocations that find the table full are counted. Elsewhere it moves
-/// it (`a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole`).
+/// Where the kernel refuses `fexit` programs, growth mode would read a static program's mapping
+/// calls at every system call on the machine: there the daemon leaves a crowding static program
+/// traced by its calls and says so once, and the other's allocations that find the table full
+/// are counted. Elsewhere it moves it (as
+/// `a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole`).
 #[test]
-fn a_crowding_process_is_left_where_growth_mode_would_slow_every_system_call() {
+fn a_crowding_static_program_is_left_where_growth_mode_would_slow_every_system_call() {
     let _serial = serial();
-    let (mut holder, mut guest, mut daemon) = crowded(&["--max-rate", "1000000000"]);
+    // `free` linked in: a static program that never frees gets musl's allocator that cannot,
+    // which holds no allocator memprof probes.
+    let flags = ["-g", "-O0", "-fno-omit-frame-pointer", "-Wl,-u,free"];
+    let holder_program = fixture_musl("crowding.c", "crowding_static", &flags);
+    let (mut holder, mut guest, mut daemon) = crowded_by(&holder_program, &["--max-rate", "1000000000"]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
     let growth = |pid: &str| metric(daemon.port, &format!("memprof_growth_mode{{pid=\"{pid}\"}}"));
@@ -357,8 +368,9 @@ fn a_crowding_process_is_left_where_growth_mode_would_slow_every_system_call() {
     assert_eq!(growth(&holder_pid), Some(0));
     assert_eq!(site(&leaks(&holder_pid), "hold_site"), (300_000, 3000));
     let log = daemon.stopped_log();
-    let said =
-        "left traced by its calls, not moved to growth mode: growth mode would slow every system call on this host";
+    let said = "left traced by its calls, not moved to growth mode: growth mode would slow every system call on this \
+                host: its kernel refuses fexit programs and the process maps memory without a C library memprof can \
+                probe";
     assert_eq!(log.matches(said).count(), 1, "{log}");
     assert!(log.contains("holds the most of the live table (300"), "{log}");
 }

@@ -4,10 +4,11 @@
 
 use std::{
     io::Read as _,
+    path::Path,
     process::{Command, Stdio},
 };
 
-use memprof_tests::{attach, fixture, memprof_bin, released, run, through, total, Waiting};
+use memprof_tests::{attach, fixture, fixture_musl, memprof_bin, released, run, through, total, Waiting};
 
 /// The loop runs this long, past its first second traced however fast the machine's traps are;
 /// it says how many pairs of `malloc` and `free` it made.
@@ -64,8 +65,13 @@ fn attach_says_the_price_and_with_max_rate_off_records_every_call() {
 /// `memprof attach ARGS --json --interval 60` to the loop run with `loop_args` for 4 s: a second
 /// traced by its calls, a second sampled, and time to spare.
 fn attach_to_the_busy_loop(loop_args: &[&str], args: &[&str]) -> (String, memprof_tests::Outcome) {
+    attach_to_a_busy_loop(&fixture("malloc_loop"), loop_args, args)
+}
+
+/// `attach_to_the_busy_loop` with `program`, a build of `malloc_loop.c`.
+fn attach_to_a_busy_loop(program: &Path, loop_args: &[&str], args: &[&str]) -> (String, memprof_tests::Outcome) {
     let loop_args: Vec<&str> = ["--seconds=4"].iter().chain(loop_args).copied().collect();
-    let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
+    let mut target = Waiting::start(program, &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).args(args).stdin(Stdio::null());
@@ -99,19 +105,32 @@ fn moved_line<'a>(stderr: &'a str, pid: &str) -> Option<&'a str> {
 fn kept_for_the_host(stderr: &str, pid: &str) -> bool {
     stderr.lines().any(|line| {
         line == format!(
-            "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host, whose kernel \
-             refuses fexit programs (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
+            "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host: its kernel \
+             refuses fexit programs and the process maps memory without a C library memprof can probe (docs: \
+             reference/limits.md#mappings); --growth traces it by its pages all the same"
         )
     })
 }
 
 /// A second after the switch, what sampling costs is said too. Above a tenth of a core, `attach`
-/// moves the process on to its pages, unless that would slow every other process's system calls
-/// (a kernel that refuses `fexit` programs, as this project's VM's); above a twentieth, it names
-/// growth mode.
+/// moves the process on to its pages, unless that would slow every other process's system calls:
+/// where the kernel refuses `fexit` programs (as this project's VM's), growth mode reads a
+/// process's mapping calls at its C library, and a static program has none to read them at.
+/// Above a twentieth, it names growth mode.
 #[test]
 fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
-    let (pid, outcome) = attach_to_the_busy_loop(&[], &[]);
+    let static_loop = fixture_musl("malloc_loop.c", "price_static_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
+    for (program, has_c_library) in [(fixture("malloc_loop"), true), (static_loop, false)] {
+        let (pid, outcome) = attach_to_a_busy_loop(&program, &[], &[]);
+        let kept = kept_for_the_host(&outcome.stderr, &pid);
+        assert!(!(kept && has_c_library), "its C library reads its mapping calls: {}", outcome.stderr);
+        says_the_price_and_moves_or_keeps_it(&pid, &outcome);
+    }
+}
+
+/// What `attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to` asserts of
+/// each busy loop, `pid`.
+fn says_the_price_and_moves_or_keeps_it(pid: &str, outcome: &memprof_tests::Outcome) {
     let switch = outcome
         .stderr
         .lines()
@@ -125,11 +144,11 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
     let (rate, rest) = price_line(&outcome.stderr, pid.parse().unwrap());
     assert!(rate > 50_000, "{}", outcome.stderr);
     assert!(!rest.contains("--sample-bytes"), "memprof samples it already: {rest}");
-    let (sampled, added) = sampled_price(&outcome.stderr, &pid);
-    let moved = moved_line(&outcome.stderr, &pid);
+    let (sampled, added) = sampled_price(&outcome.stderr, pid);
+    let moved = moved_line(&outcome.stderr, pid);
     let report = outcome.final_report();
     // The line rounds to hundredths.
-    if added >= 0.11 && kept_for_the_host(&outcome.stderr, &pid) {
+    if added >= 0.11 && kept_for_the_host(&outcome.stderr, pid) {
         // `cargo xtask kernels` says so of Debian's kernels, which take them.
         assert!(std::env::var_os("MEMPROF_TEST_FEXIT").is_none(), "they take fexit programs: {}", outcome.stderr);
         // Found out without attaching the program at every system call, whose attach says this.
@@ -151,7 +170,7 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
         assert!(report["growth"].is_object(), "{report}");
         assert_eq!(report["sample_bytes"], 0, "{report}");
     } else if added <= 0.09 {
-        assert!(moved.is_none() && !kept_for_the_host(&outcome.stderr, &pid), "{}", outcome.stderr);
+        assert!(moved.is_none() && !kept_for_the_host(&outcome.stderr, pid), "{}", outcome.stderr);
         assert_eq!(report["sample_bytes"], 65536, "{report}");
         if added >= 0.06 {
             assert!(sampled.ends_with("; --growth (heap growth by page, any rate) costs nearly nothing"), "{sampled}");

@@ -2,7 +2,9 @@
 //! allocations, frees that take off exactly what was added, and the --max-rate switch (to
 //! sampling under `run`, to growth mode in the daemon).
 
-use memprof_tests::{fixture, fixture_with, probe_links, run, site, total, wait_for, Daemon, Waiting};
+use std::path::Path;
+
+use memprof_tests::{fixture, fixture_musl, fixture_with, probe_links, run, site, total, wait_for, Daemon, Waiting};
 
 fn within_10_percent(estimate: u64, truth: u64, what: &str) {
     let error = (estimate as f64 - truth as f64).abs() / truth as f64;
@@ -99,25 +101,62 @@ fn the_daemon_traces_a_process_above_max_rate_by_its_pages() {
     assert!(report["growth"].is_object(), "{report}");
 }
 
-/// Where the kernel refuses `fexit` programs, growth mode's programs would run at every system
-/// call on the machine: there the daemon samples a process above `max_rate` instead, says so once
-/// with what moves it all the same, and attaches nothing that runs for other processes. Elsewhere
-/// it moves it to its pages (`the_daemon_traces_a_process_above_max_rate_by_its_pages`).
-#[test]
-fn the_daemon_samples_a_busy_process_where_growth_mode_would_slow_every_system_call() {
-    let mut target = Waiting::start(&fixture("malloc_loop"), &["--pairs=1000000000"]);
+/// The daemon at `--max-rate 1000` on a busy build of `malloc_loop.c`, `program`, whose comm is
+/// `comm`: whether it moved the loop to its pages (else it sampled it), the loop, and the daemon.
+fn busy_loop_moved_or_sampled(program: &Path, comm: &str) -> (bool, Waiting, Daemon) {
+    let mut target = Waiting::start(program, &["--pairs=1000000000"]);
     let pid = target.pid();
-    let mut daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "1000"]);
+    let daemon = Daemon::start(&["--pid", &pid.to_string(), "--max-rate", "1000"]);
     daemon.wait_traced(pid);
     target.go();
-    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
-    let sampled = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"malloc_loop\"}}");
+    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"{comm}\"}}");
+    let sampled = format!("memprof_sample_bytes{{pid=\"{pid}\",comm=\"{comm}\"}}");
     let moved = wait_for(30, "the busy loop to be sampled or traced by its pages", || {
         if memprof_tests::metric(daemon.port, &growth)? == 1 {
             return Some(true);
         }
         (memprof_tests::metric(daemon.port, &sampled)? == 65536).then_some(false)
     });
+    (moved, target, daemon)
+}
+
+/// How many of the daemon's links run for every process: at page faults, at `sys_exit`, and
+/// `fexit` programs.
+fn machine_wide_links(daemon: &Daemon) -> [usize; 3] {
+    let links = probe_links::descriptions(daemon.child.id());
+    ["page_fault_user", "tp_name:\tsys_exit", "link_type:\ttracing"]
+        .map(|at| links.iter().filter(|link| link.contains(at)).count())
+}
+
+/// Where the kernel refuses `fexit` programs, growth mode reads a process's mapping calls by
+/// probes of its own at its C library's wrappers: the daemon moves a busy dynamic program to its
+/// pages there too, and nothing runs at other processes' system calls for it.
+#[test]
+fn the_daemon_moves_a_busy_process_to_its_pages_reading_its_mapping_calls_at_its_c_library() {
+    let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&fixture("malloc_loop"), "malloc_loop");
+    assert!(moved, "sampled, not moved");
+    let [faults, system_calls, fexit] = machine_wide_links(&daemon);
+    assert_eq!((faults, system_calls), (1, 0), "{:?}", probe_links::descriptions(daemon.child.id()));
+    let said = |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
+    assert_eq!(said("system_calls"), Some(0));
+    if memprof_tests::kernel_refuses_fexit() {
+        assert_eq!((fexit, said("mapping_calls")), (0, Some(0)));
+    }
+    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", target.pid()));
+    assert!(report["growth"].is_object(), "{report}");
+    let log = daemon.stopped_log();
+    assert!(!log.contains("this kernel refuses fexit programs ("), "{log}");
+}
+
+/// Where the kernel refuses `fexit` programs, growth mode would read a static program's mapping
+/// calls at every system call on the machine: there the daemon samples it above `max_rate`
+/// instead, says so once with what moves it all the same, and attaches nothing that runs for
+/// other processes. Elsewhere it moves it to its pages.
+#[test]
+fn the_daemon_samples_a_busy_static_program_where_growth_mode_would_slow_every_system_call() {
+    let program = fixture_musl("malloc_loop.c", "static_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
+    let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&program, "static_loop");
+    let pid = target.pid();
     if moved {
         assert!(!memprof_tests::kernel_refuses_fexit(), "moved to its pages on a kernel that refuses fexit programs");
         return;
@@ -125,10 +164,9 @@ fn the_daemon_samples_a_busy_process_where_growth_mode_would_slow_every_system_c
     assert!(memprof_tests::kernel_refuses_fexit(), "sampled on a kernel that takes fexit programs");
     // Intervals in which it could have been moved, or said again.
     std::thread::sleep(std::time::Duration::from_secs(2));
+    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"static_loop\"}}");
     assert_eq!(memprof_tests::metric(daemon.port, &growth), Some(0));
-    let links = probe_links::descriptions(daemon.child.id());
-    let machine_wide = ["page_fault_user", "tp_name:\tsys_exit", "link_type:\ttracing"];
-    assert!(!links.iter().any(|link| machine_wide.iter().any(|at| link.contains(at))), "{links:?}");
+    assert_eq!(machine_wide_links(&daemon), [0, 0, 0], "{:?}", probe_links::descriptions(daemon.child.id()));
     for at in ["page_faults", "mapping_calls", "system_calls"] {
         let series = format!("memprof_machine_wide_programs{{at=\"{at}\"}}");
         assert_eq!(memprof_tests::metric(daemon.port, &series), Some(0), "{at}");
@@ -138,7 +176,8 @@ fn the_daemon_samples_a_busy_process_where_growth_mode_would_slow_every_system_c
     assert!(report["growth"].is_null(), "{report}");
     let log = daemon.stopped_log();
     let said = "above max_rate: sampled one in every 65536 bytes from now on, not moved to growth mode: growth mode \
-                would slow every system call on this host, whose kernel refuses fexit programs";
+                would slow every system call on this host: its kernel refuses fexit programs and the process maps \
+                memory without a C library memprof can probe";
     assert_eq!(log.matches(said).count(), 1, "{log}");
 }
 

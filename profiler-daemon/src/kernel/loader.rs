@@ -2,6 +2,7 @@
 //! probes (`attach`), and what its maps hold of each traced process (`tracked`).
 
 mod attach;
+mod own_probes;
 mod probe_thread;
 mod tracked;
 pub use crate::unwind::Reads;

@@ -309,17 +309,17 @@ impl Attachment {
         self.links.extend(events.into_iter().map(|fd| Link { probes: Probes::PageFaults(fd), wave: Wave::Entries }));
     }
 
-    /// Attaches a USDT probe's uprobe at `opening` (see `loader::usdt`).
-    pub fn add_usdt(&mut self, ebpf: &mut Ebpf, opening: PerfOpening) -> anyhow::Result<()> {
+    /// Attaches a uprobe of this process's own at `opening` (see `loader::own_probes`).
+    pub fn add_own(&mut self, ebpf: &mut Ebpf, opening: PerfOpening) -> anyhow::Result<()> {
         let (probe, opening) = opening.open(ebpf, opening.site.path.clone(), opening.thread)?;
         self.probes += 1;
         self.links.push(Link { probes: Probes::PerfEvent(probe, opening), wave: Wave::Entries });
         Ok(())
     }
 
-    /// Takes over a uprobe_multi link of this process's USDT probes at `offsets` of `path`, the
+    /// Takes over a uprobe_multi link of this process's own probes at `offsets` of `path`, the
     /// file `id`.
-    pub fn add_usdt_link(&mut self, link: OwnedFd, (path, id): (&Path, FileId), offsets: Vec<u64>) {
+    pub fn add_own_link(&mut self, link: OwnedFd, (path, id): (&Path, FileId), offsets: Vec<u64>) {
         self.probes += offsets.len();
         self.links.push(Link { probes: Probes::Multi(link), wave: Wave::Entries });
         self.sites.push((path.to_path_buf(), id, offsets));

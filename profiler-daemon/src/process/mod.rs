@@ -13,6 +13,7 @@ pub mod go_runtime;
 pub mod image;
 pub mod inject;
 pub mod link_map;
+pub mod mapping_calls;
 pub mod memory;
 pub mod mm_uapi;
 pub mod mounts;

@@ -48,6 +48,53 @@ pub fn probe_distance(code: &[u8], role: Role) -> u64 {
     }
 }
 
+/// The offsets in the function whose bytes are `code` of the instruction after each of its
+/// `syscall` instructions, where a probe reads the call's arguments (the kernel keeps them in
+/// their registers) and its result (in rax): none when it makes no system call. `None` unless
+/// each of them is system call `number`: the last write to eax before it is `mov $number` and
+/// no direct jump lands between the two or on the site. Used for the mapping calls of a C
+/// library's wrappers (`process::mapping_calls`).
+pub fn syscall_returns(code: &[u8], number: u32) -> Option<Vec<u64>> {
+    if code.len() > MAX_FUNCTION_BYTES {
+        return None;
+    }
+    let function = decode(code)?;
+    let targets: Vec<u64> = function
+        .iter()
+        .filter(|instruction| instruction.op_count() > 0 && instruction.op0_kind() == OpKind::NearBranch64)
+        .map(Instruction::near_branch_target)
+        .collect();
+    let mut info = InstructionInfoFactory::new();
+    let mut number_set_at = None;
+    let mut sites = Vec::new();
+    for instruction in &function {
+        if instruction.mnemonic() == Mnemonic::Syscall {
+            let set_at = number_set_at?;
+            let site = instruction.next_ip();
+            if targets.iter().any(|&target| target > set_at && target <= site) {
+                return None;
+            }
+            sites.push(site);
+            number_set_at = None;
+            continue;
+        }
+        let writes_eax = info.info(instruction).used_registers().iter().any(|used| {
+            used.register().full_register() == Register::RAX
+                && matches!(
+                    used.access(),
+                    OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
+                )
+        });
+        if writes_eax {
+            let sets_number = matches!(instruction.code(), Code::Mov_r32_imm32 | Code::Mov_rm32_imm32)
+                && instruction.op0_register() == Register::EAX
+                && instruction.immediate32() == number;
+            number_set_at = sets_number.then(|| instruction.ip());
+        }
+    }
+    Some(sites)
+}
+
 /// The registers memprof's entry programs read for a function of `role` (every free takes its
 /// block first).
 fn kept_registers(role: Role) -> Vec<Register> {
@@ -245,6 +292,34 @@ mod tests {
         // A jump past the site is fine.
         let code = function(&[0x48, 0x83, 0xff, 0x01, 0x77, 0x02, 0x31, 0xc0, 0xeb, 0xfc]);
         assert_eq!(probe_distance(&code, MALLOC), 4);
+    }
+
+    #[test]
+    fn a_system_call_wrapper_is_probed_after_its_syscall() {
+        // glibc's mmap: mov %ecx,%r10d; test $0xfff,%r9d; jne (to the ret); mov $0x9,%eax; syscall;
+        // cmp $-0x1000,%rax; ja +0x25
+        let code = function(&[
+            0x41, 0x89, 0xca, 0x41, 0xf7, 0xc1, 0xff, 0x0f, 0, 0, 0x75, 0x0f, 0xb8, 0x09, 0, 0, 0, 0x0f, 0x05, 0x48,
+            0x3d, 0x00, 0xf0, 0xff, 0xff, 0x77, 0x00,
+        ]);
+        assert_eq!(syscall_returns(&code, 9), Some(vec![19]));
+        assert_eq!(syscall_returns(&code, 11), None, "another call's number");
+        // musl's brk: no system call at all
+        assert_eq!(syscall_returns(&function(&[0x48, 0xc7, 0xc0, 0xf4, 0xff, 0xff, 0xff]), 12), Some(vec![]));
+    }
+
+    #[test]
+    fn a_syscall_whose_number_is_not_known_is_not_probed() {
+        // mov %edx,%eax; syscall: the number is an argument
+        assert_eq!(syscall_returns(&function(&[0x89, 0xd0, 0x0f, 0x05]), 9), None);
+        // mov $0x9,%eax; mov %esi,%eax; syscall: overwritten
+        assert_eq!(syscall_returns(&function(&[0xb8, 0x09, 0, 0, 0, 0x89, 0xf0, 0x0f, 0x05]), 9), None);
+        // mov $0x9,%eax; nop; syscall; jmp back to the nop: a way in that skips the number
+        let code = function(&[0xb8, 0x09, 0, 0, 0, 0x90, 0x0f, 0x05, 0xeb, 0xfb]);
+        assert_eq!(syscall_returns(&code, 9), None);
+        // ... where a jump back before the number is fine (musl's mremap)
+        let code = function(&[0x90, 0xb8, 0x09, 0, 0, 0, 0x0f, 0x05, 0xeb, 0xf6]);
+        assert_eq!(syscall_returns(&code, 9), Some(vec![8]));
     }
 
     #[test]

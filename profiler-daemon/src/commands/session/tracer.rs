@@ -366,11 +366,11 @@ impl Tracer<'_> {
     /// and says so; says why not when it cannot be. Not where that would slow every system call
     /// of every process on the machine: the default never makes another process pay.
     fn move_to_pages(&mut self, pid: u32, sample_bytes: u64) {
-        match self.loaded.pages_spare_system_calls() {
+        match self.loaded.pages_spare_system_calls(pid) {
             Ok(true) => {}
             Ok(false) => {
                 say!(
-                    "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host, whose kernel refuses fexit programs (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
+                    "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host: its kernel refuses fexit programs and the process maps memory without a C library memprof can probe (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
                 );
                 return;
             }

@@ -1,8 +1,9 @@
 //! A process the daemon stops tracing call by call: one above `max_rate`, or the one crowding
 //! the others out of a shared table (`crowding`). It is moved to growth mode, whose cost follows
 //! its new pages, not its calls; except where growth mode would slow every other process's
-//! system calls (a kernel that refuses `fexit` programs, without `mappings`): there a busy
-//! process is sampled instead, and a crowding one left as it is.
+//! system calls (a kernel that refuses `fexit` programs, a process without a C library whose
+//! mapping calls memprof can probe, and no `mappings`): there a busy process is sampled instead,
+//! and a crowding one left as it is.
 
 use std::num::NonZeroU32;
 
@@ -24,14 +25,14 @@ impl Tracer {
     /// Moves `pid` to growth mode, or, where that would make every other process pay or fails,
     /// does what spares them (`stay_off_pages`).
     pub(super) fn move_out(&mut self, pid: u32, why: ToPages) {
-        let because = match self.loaded.pages_spare_system_calls() {
+        let because = match self.loaded.pages_spare_system_calls(pid) {
             Ok(true) => match self.switch_to_pages(pid, &why) {
                 Ok(()) => return,
                 Err(err) => format!("switching to growth mode failed: {err:#}"),
             },
-            Ok(false) => "growth mode would slow every system call on this host, whose kernel refuses fexit \
-                          programs (docs: reference/limits.md#mappings); --mappings (mappings = true) has it moved \
-                          all the same"
+            Ok(false) => "growth mode would slow every system call on this host: its kernel refuses fexit \
+                          programs and the process maps memory without a C library memprof can probe (docs: \
+                          reference/limits.md#mappings); --mappings (mappings = true) has it moved all the same"
                 .to_string(),
             Err(err) => format!("growth mode cannot be loaded: {err:#}"),
         };

@@ -21,14 +21,25 @@ use crate::{
     kernel::uprobe_multi::Point,
     process::allocator::{self, Allocator},
     process::file_cache::Opened,
+    process::mapping_calls,
     process::procfs::{self, FileMapping},
 };
 
-use super::Loaded;
+use super::{own_probes::OwnProbe, Loaded};
 
 /// `ld-linux-x86-64.so.2` and the like, under any directory.
 fn is_dynamic_linker(path: &str) -> bool {
     path.rsplit('/').next().is_some_and(|name| name.starts_with("ld-linux") || name.starts_with("ld-musl"))
+}
+
+/// The program of a process's own probes at its C library's mapping calls.
+const MAPPING_CALLS_PROGRAM: &str = "mapping_call_return";
+
+/// The mapping calls' sites in the C library `pid` maps, if it runs its own program
+/// (`has_memory`) and has one whose wrappers memprof understands.
+fn own_mapping_calls(pid: u32, has_memory: bool) -> Option<mapping_calls::Sites> {
+    let mappings = procfs::file_mappings(pid).ok().filter(|_| has_memory)?;
+    mapping_calls::of_process(pid, &mappings)
 }
 
 /// The dynamic linker calls it before and after every change to the loaded libraries.
@@ -56,7 +67,7 @@ impl Loaded {
             self.machine_wide_faults = Some(faults::attach_machine_wide(&mut self.ebpf)?);
         }
         self.load_mapped_ranges()?;
-        self.mappings.as_mut().expect("loaded just above").wake(&mut self.ebpf)
+        Ok(())
     }
 
     /// Loads the mapping calls' programs the first time, attached to nothing (`MappedRanges::load`).
@@ -67,14 +78,52 @@ impl Loaded {
         Ok(self.mappings.as_ref().expect("loaded just above"))
     }
 
-    /// Whether tracing a process by its pages leaves the other processes' system calls alone:
-    /// where the kernel refuses `fexit` programs, the mapping calls are read at the return of
-    /// every system call on the machine (`MachineWide::SYSTEM_CALLS`), unless `--mappings` has
-    /// them read there already. Loads the mapping calls' programs to find out, attaching none
-    /// that would run at every system call.
-    pub fn pages_spare_system_calls(&mut self) -> anyhow::Result<bool> {
+    /// Whether tracing `pid` by its pages leaves the other processes' system calls alone: where
+    /// the kernel refuses `fexit` programs, its mapping calls are read by probes of its own at
+    /// its C library's wrappers (`own_mapping_calls`); a process without one (a static program,
+    /// Go) would need the program at the return of every system call on the machine
+    /// (`MachineWide::SYSTEM_CALLS`), unless `--mappings` has it there already. Loads the
+    /// mapping calls' programs to find out, attaching none.
+    pub fn pages_spare_system_calls(&mut self, pid: u32) -> anyhow::Result<bool> {
+        let needs_own = self.own_mapping_calls_needed()?;
+        Ok(!needs_own || own_mapping_calls(pid, true).is_some())
+    }
+
+    /// Whether a process traced by its pages needs probes of its own for its mapping calls: the
+    /// programs that read them for every process would run at every system call, and
+    /// `--mappings` does not have them there already.
+    fn own_mapping_calls_needed(&mut self) -> anyhow::Result<bool> {
         let would_run_at = self.load_mapped_ranges()?.programs_would_run_at();
-        Ok(self.mappings_asked || would_run_at != MachineWide::SYSTEM_CALLS)
+        Ok(!self.mappings_asked && would_run_at == MachineWide::SYSTEM_CALLS)
+    }
+
+    /// Has `pid`'s mapping calls read from now on, by probes of its own where it needs them and
+    /// its C library has them (`has_memory`: it runs its program, not memprof's fork before its
+    /// exec), else by the programs for every process, attached if they rest.
+    fn read_mapping_calls(
+        &mut self,
+        pid: NonZeroU32,
+        has_memory: bool,
+        attachment: &mut Attachment,
+    ) -> anyhow::Result<()> {
+        if self.own_mapping_calls_needed()? {
+            if let Some(library) = own_mapping_calls(pid.get(), has_memory) {
+                let probes: Vec<OwnProbe> = library
+                    .sites
+                    .iter()
+                    .map(|site| OwnProbe {
+                        path: &library.path,
+                        offset: site.offset,
+                        semaphore: None,
+                        cookie: u64::from(site.call),
+                    })
+                    .collect();
+                self.attach_own(MAPPING_CALLS_PROGRAM, &probes, pid.get(), attachment)?;
+                tracing::debug!(pid = pid.get(), library = %library.path.display(), "mapping calls read at the C library's wrappers");
+                return Ok(());
+            }
+        }
+        self.mappings.as_mut().expect("loaded by load_page_faults").wake(&mut self.ebpf)
     }
 
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
@@ -291,6 +340,9 @@ impl Loaded {
     /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
     /// memory it has now (`has_memory`) and maps from now on kept (see `mappings`).
     fn watch_pages(&mut self, pid: NonZeroU32, has_memory: bool) -> anyhow::Result<Attachment> {
+        let mut attachment = Attachment::default();
+        // Before its ranges are read: a mapping made in between is not missed.
+        self.read_mapping_calls(pid, has_memory, &mut attachment)?;
         let existing: Vec<(u64, u64)> = if has_memory {
             let regions = procfs::regions(pid.get()).with_context(|| format!("reading the mappings of pid {}", pid))?;
             let anonymous = |r: &&procfs::Region| r.writable && !r.shared && (r.path.is_empty() || r.path == "[heap]");
@@ -303,7 +355,6 @@ impl Loaded {
         }
         // Before its first fault: a page it touches is given back by `madvise` too from then on.
         self.update_traced(pid.get(), |flags| flags | profiler_common::traced::GROWTH)?;
-        let mut attachment = Attachment::default();
         attachment.add_page_faults(faults::open(&mut self.ebpf, pid.get())?);
         Ok(attachment)
     }

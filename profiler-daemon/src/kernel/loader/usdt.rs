@@ -3,27 +3,16 @@
 //! perf-event uprobes. The programs are loaded only when a process is traced this way, and the
 //! kernel sets a probe's semaphore while it is attached.
 
-use std::{
-    collections::HashMap,
-    num::NonZeroU32,
-    os::fd::{AsFd as _, BorrowedFd},
-    path::{Path, PathBuf},
-};
+use std::{collections::HashMap, num::NonZeroU32, path::PathBuf};
 
 use anyhow::Context as _;
-use aya::{maps::Array, programs::UProbe};
+use aya::maps::Array;
 use profiler_common::usdt::{ProbeSpec, MAX_SPECS};
 
-use super::Loaded;
+use super::{own_probes::OwnProbe, Loaded};
 use crate::{
-    kernel::{
-        aggregate::Sampler,
-        perf_event,
-        probes::{Attachment, Method, PerfOpening},
-        uprobe_multi::{self, Fires, Point},
-    },
+    kernel::{aggregate::Sampler, probes::Attachment},
     process::allocator::Allocator,
-    process::file_cache::FileId,
     process::usdt::{Probe, Site},
 };
 
@@ -107,9 +96,7 @@ impl Loaded {
         Ok(())
     }
 
-    /// Attaches `probe`'s program at `sites`: a uprobe_multi link per file where the kernel makes
-    /// them, which detaches behind one grace period; else a perf-event uprobe per site, each of
-    /// which waits for its own (a daemon tracing a thousand Go programs took minutes to stop).
+    /// Attaches `probe`'s program at `sites` (see `attach_own`).
     fn attach_sites(
         &mut self,
         probe: Probe,
@@ -119,43 +106,12 @@ impl Loaded {
     ) -> anyhow::Result<()> {
         let name = if probe == Probe::Alloc { ALLOC_PROGRAM } else { FREE_PROGRAM };
         let cookies = sites.iter().map(|site| self.spec_index(&site.spec)).collect::<anyhow::Result<Vec<u64>>>()?;
-        let context = |path: &Path| format!("attaching {name} to {}", path.display());
-        if self.method == Method::PerfEvents {
-            load_once(&mut self.ebpf, name, None)?;
-            let thread = self.probe_thread(pid)?;
-            for (site, cookie) in sites.iter().zip(cookies) {
-                let file = FileId::of(&site.path).with_context(|| context(&site.path))?;
-                let at = perf_event::UprobeSite {
-                    path: site.path.clone(),
-                    offset: site.offset,
-                    semaphore: site.semaphore,
-                    at_return: false,
-                };
-                let opening = PerfOpening { program: name, site: at, file, cookie, thread };
-                attachment.add_usdt(&mut self.ebpf, opening).with_context(|| context(&site.path))?;
-            }
-            return Ok(());
-        }
-        let program = load_once(&mut self.ebpf, name, Some(uprobe_multi::ATTACH_TYPE))?;
-        let mut paths: Vec<&Path> = sites.iter().map(|site| site.path.as_path()).collect();
-        paths.sort();
-        paths.dedup();
-        for path in paths {
-            let in_file: Vec<(&Site, u64)> =
-                sites.iter().zip(&cookies).filter(|(site, _)| site.path == path).map(|(s, c)| (*s, *c)).collect();
-            let points: Vec<Point> =
-                in_file.iter().map(|(site, cookie)| Point { offset: site.offset, cookie: *cookie }).collect();
-            let semaphores: Vec<u64> = in_file.iter().map(|(site, _)| site.semaphore.unwrap_or(0)).collect();
-            let semaphores = if semaphores.iter().all(|&offset| offset == 0) { Vec::new() } else { semaphores };
-            // A process's own links put breakpoints in it alone: a file swapped meanwhile at
-            // `path` harms no other (the shared links of allocator files are placed by
-            // descriptor, `Attachment::add`).
-            let id = FileId::of(path).with_context(|| context(path))?;
-            let link = uprobe_multi::attach_with_semaphores(program, path, &points, &semaphores, Fires::AtEntry, pid)
-                .with_context(|| context(path))?;
-            attachment.add_usdt_link(link, (path, id), points.iter().map(|point| point.offset).collect());
-        }
-        Ok(())
+        let probes: Vec<OwnProbe> = sites
+            .iter()
+            .zip(cookies)
+            .map(|(site, cookie)| OwnProbe { path: &site.path, offset: site.offset, semaphore: site.semaphore, cookie })
+            .collect();
+        self.attach_own(name, &probes, pid, attachment)
     }
 
     /// The index of `spec` in `USDT_SPECS`, added there if new.
@@ -171,22 +127,4 @@ impl Loaded {
         self.usdt.specs.push(*spec);
         Ok(u64::from(index))
     }
-}
-
-/// Loads program `name`, unless it is loaded: for perf-event uprobes, or for links of
-/// `attach_type`.
-fn load_once<'a>(ebpf: &'a mut aya::Ebpf, name: &str, attach_type: Option<u32>) -> anyhow::Result<BorrowedFd<'a>> {
-    let program: &mut UProbe = ebpf
-        .program_mut(name)
-        .with_context(|| format!("program {name} missing from the eBPF object"))?
-        .try_into()
-        .with_context(|| format!("program {name} is not a uprobe"))?;
-    if program.fd().is_err() {
-        match attach_type {
-            Some(attach_type) => program.load_with_attach_type(attach_type),
-            None => program.load(),
-        }
-        .with_context(|| format!("loading program {name}"))?;
-    }
-    Ok(program.fd()?.as_fd())
 }

@@ -174,6 +174,18 @@ fn read_symbol_distance(file: &File, from: &str, to: &str) -> Option<u64> {
     Some(address(to)?.wrapping_sub(address(from)?))
 }
 
+/// Each function named in `wanted` that the ELF file `data` (parsed: `elf`) defines: its file
+/// offset and its bytes, as its symbol's size bounds them (none on a machine other than x86-64).
+pub fn functions_with_code<'d, 'a>(
+    data: &'d [u8],
+    elf: &object::File,
+    wanted: &HashSet<&'a str>,
+) -> HashMap<&'a str, (u64, &'d [u8])> {
+    let x86_64 = elf.architecture() == object::Architecture::X86_64;
+    let code = |function: Function| if x86_64 { function.code(data) } else { &[] };
+    functions(elf, wanted).into_iter().map(|(name, function)| (name, (function.offset, code(function)))).collect()
+}
+
 /// A function in an ELF file: where its code starts in the file, and its symbol's size.
 #[derive(Debug, Clone, Copy)]
 struct Function {

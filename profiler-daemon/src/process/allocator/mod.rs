@@ -29,7 +29,7 @@ mod entry_points;
 
 pub use blind_spots::BlindSpot;
 pub use command::{for_command, standby};
-pub use entry_points::{function_file_offset, symbol_distance};
+pub use entry_points::{function_file_offset, functions_with_code, symbol_distance};
 
 use blind_spots::UNPROBED;
 use entry_points::{scan, scan_file};
@@ -309,6 +309,11 @@ fn is_libc(path: &str) -> bool {
 
 fn is_dynamic_loader(path: &str) -> bool {
     file_name(path).starts_with("ld-linux")
+}
+
+/// Whether `path` names a C library: glibc's, or musl's (its dynamic loader).
+pub fn is_c_library(path: &str) -> bool {
+    is_libc(path) || file_name(path).starts_with("ld-musl")
 }
 
 /// Whether `path` names a dynamic loader, glibc's or musl's (musl's is its C library too).
