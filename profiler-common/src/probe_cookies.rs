@@ -64,6 +64,10 @@ pub mod traced {
     /// entry recorded. Such a call began before tracing did, as a block allocated before it:
     /// no drop. Kept across its entry's rewrites until its probes are attached.
     pub const ATTACHING: u32 = 8;
+    /// Its mapping calls are read by probes of its own (`mapping_call_return`): the program at
+    /// every system call, attached for another process, skips it, so that no call is read twice.
+    /// Kept across its entry's rewrites while it is traced.
+    pub const OWN_MAPPING_CALLS: u32 = 16;
 }
 
 #[cfg(test)]

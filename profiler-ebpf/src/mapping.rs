@@ -114,6 +114,7 @@ fn syscall_exit(ctx: &FExitContext, id: u64) -> i32 {
 }
 
 /// The fallback: `sys_exit(struct pt_regs *regs, long ret)`, at the return of every system call.
+/// A process whose calls probes of its own read (`mapping_call_return`) is skipped.
 #[raw_tracepoint(tracepoint = "sys_exit")]
 pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
     let regs: u64 = ctx.arg(0);
@@ -122,7 +123,7 @@ pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let (tgid, tid) = ids();
-    if let Some(flags) = process::traced_flags(tgid) {
+    if let Some(flags) = process::traced_flags(tgid).filter(|flags| flags & traced::OWN_MAPPING_CALLS == 0) {
         on_exit(regs, id, ctx.arg(1), flags, tgid, tid);
     }
     0

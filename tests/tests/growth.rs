@@ -8,7 +8,8 @@
 use std::io::{BufRead, BufReader};
 
 use memprof_tests::{
-    attach, fixture, fixture_go_pure, fixture_with, held_before_bytes, run, through, Outcome, Waiting,
+    attach, fixture, fixture_go_pure, fixture_musl, fixture_with, held_before_bytes, run, through, wait_for, Daemon,
+    Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -62,6 +63,9 @@ fn pages_a_new_thread_fills_just_above_its_stack_are_counted() {
 fn run_sees_the_leaking_site_on_glibc() {
     let outcome = run(&["--growth", "--interval", "60"], &[fixture("growth").to_str().unwrap()]);
     assert_growth(&outcome);
+    // Its mapping calls are read at its C library, found before it runs: nothing runs at every
+    // system call on the host for it, whose attach would say so.
+    assert!(!outcome.stderr.contains("this kernel refuses fexit programs ("), "{}", outcome.stderr);
     let report = outcome.final_report();
     assert_eq!(report["blind_spots"], serde_json::json!([]), "{report}");
 }
@@ -196,4 +200,34 @@ fn a_forked_child_grows_by_its_own_pages_not_its_copies_of_its_parents() {
     assert_eq!(through(child, "child_pages"), (32 * PAGE, 32), "{child}");
     // Its 64 copies on write held no page: nothing but its own pages.
     assert_eq!(child["totals"]["outstanding_bytes"], 32 * PAGE, "{child}");
+}
+
+/// Where the kernel refuses `fexit` programs, a static program traced by its pages has its
+/// mapping calls read at every system call, and a dynamic one beside it by probes of its own at its
+/// C library: each call of the dynamic one is read once, or the second read of its `mremap` would
+/// take the moved range from it. Its pages are all held, by the stacks that touched them.
+#[test]
+fn a_range_moved_by_mremap_keeps_its_pages_beside_a_static_program() {
+    let static_program = fixture_musl("malloc_loop.c", "growth_static", &["-g", "-O0", "-fno-omit-frame-pointer"]);
+    let resting = Waiting::start(&static_program, &[]);
+    let mut moving = Waiting::start(&fixture("growth_remap"), &[]);
+    let (resting_pid, moving_pid) = (resting.pid().to_string(), moving.pid().to_string());
+    let daemon = Daemon::start(&["--growth", "--pid", &resting_pid, "--pid", &moving_pid]);
+    daemon.wait_traced(resting.pid());
+    daemon.wait_traced(moving.pid());
+    if memprof_tests::kernel_refuses_fexit() {
+        let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
+        assert_eq!(memprof_tests::metric(daemon.port, series), Some(1), "the static program's calls are read so");
+    }
+    moving.go();
+    let mut line = String::new();
+    BufReader::new(moving.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
+    assert_eq!(line, "held\n");
+    let report = wait_for(10, "the moved range's pages in a report", || {
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={moving_pid}"));
+        (through(&report, "grow_and_touch").1 > 0).then_some(report)
+    });
+    assert_eq!(through(&report, "first_touch"), (2 * PAGE, 2), "{report}");
+    assert_eq!(through(&report, "grow_and_touch"), (4 * PAGE, 4), "{report}");
+    assert_eq!(report["growth"]["outside_pages"], 0, "{report}");
 }

@@ -9,7 +9,11 @@
 //! musl's `malloc`, which moves the break itself. Pages first touched in memory mapped so are
 //! counted outside the known ranges (`growth.outside_pages`).
 
-use std::{collections::HashSet, path::PathBuf, sync::LazyLock};
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    sync::LazyLock,
+};
 
 use profiler_common::mapping_event::syscall;
 
@@ -60,7 +64,16 @@ pub fn of_process(pid: u32, mappings: &[FileMapping]) -> Option<Sites> {
         let opened = Opened::open_same(&path, id).ok()?;
         Some((path, opened))
     })?;
-    let sites = SITES.get_or_read(&opened, "mapping calls", read_sites)?;
+    sites_of(path, &opened)
+}
+
+/// The sites of the C library at `path`, which a command will map once it starts.
+pub fn of_file(path: &Path) -> Option<Sites> {
+    sites_of(path.to_path_buf(), &Opened::open(path).ok()?)
+}
+
+fn sites_of(path: PathBuf, opened: &Opened) -> Option<Sites> {
+    let sites = SITES.get_or_read(opened, "mapping calls", read_sites)?;
     Some(Sites { path, sites })
 }
 
@@ -94,7 +107,7 @@ mod tests {
     #[test]
     fn glibc_and_musl_wrappers_are_found() {
         for (library, calls) in [("/lib/x86_64-linux-gnu/libc.so.6", 6), ("/usr/lib/x86_64-linux-musl/libc.so", 5)] {
-            let opened = Opened::open(std::path::Path::new(library)).expect(library);
+            let opened = Opened::open(Path::new(library)).expect(library);
             let sites = read_sites(opened.file()).unwrap_or_else(|| panic!("{library}: wrappers not understood"));
             assert_eq!(sites.len(), calls, "{library}: {sites:?}");
             let made: HashSet<u32> = sites.iter().map(|site| site.call).collect();

@@ -3,7 +3,7 @@
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use anyhow::Context as _;
@@ -35,11 +35,25 @@ fn is_dynamic_linker(path: &str) -> bool {
 /// The program of a process's own probes at its C library's mapping calls.
 const MAPPING_CALLS_PROGRAM: &str = "mapping_call_return";
 
-/// The mapping calls' sites in the C library `pid` maps, if it runs its own program
-/// (`has_memory`) and has one whose wrappers memprof understands.
-fn own_mapping_calls(pid: u32, has_memory: bool) -> Option<mapping_calls::Sites> {
-    let mappings = procfs::file_mappings(pid).ok().filter(|_| has_memory)?;
-    mapping_calls::of_process(pid, &mappings)
+/// Whose memory and files a process about to be traced has.
+#[derive(Debug, Clone, Copy)]
+enum Program<'a> {
+    /// Its own: it runs its program.
+    Running,
+    /// memprof's, as `run`'s fork before its exec into a command that will map `files`.
+    BeforeExec(&'a [PathBuf]),
+}
+
+/// The mapping calls' sites in the C library `pid` maps, or will map once it runs `program`, if
+/// it has one whose wrappers memprof understands.
+fn own_mapping_calls(pid: u32, program: Program) -> Option<mapping_calls::Sites> {
+    match program {
+        Program::Running => mapping_calls::of_process(pid, &procfs::file_mappings(pid).ok()?),
+        Program::BeforeExec(files) => {
+            let library = files.iter().find(|file| file.to_str().is_some_and(allocator::is_c_library))?;
+            mapping_calls::of_file(library)
+        }
+    }
 }
 
 /// The dynamic linker calls it before and after every change to the loaded libraries.
@@ -86,7 +100,7 @@ impl Loaded {
     /// mapping calls' programs to find out, attaching none.
     pub fn pages_spare_system_calls(&mut self, pid: u32) -> anyhow::Result<bool> {
         let needs_own = self.own_mapping_calls_needed()?;
-        Ok(!needs_own || own_mapping_calls(pid, true).is_some())
+        Ok(!needs_own || own_mapping_calls(pid, Program::Running).is_some())
     }
 
     /// Whether a process traced by its pages needs probes of its own for its mapping calls: the
@@ -98,16 +112,17 @@ impl Loaded {
     }
 
     /// Has `pid`'s mapping calls read from now on, by probes of its own where it needs them and
-    /// its C library has them (`has_memory`: it runs its program, not memprof's fork before its
-    /// exec), else by the programs for every process, attached if they rest.
+    /// the C library of its `program` has them, else by the programs for every process, attached
+    /// if they rest.
     fn read_mapping_calls(
         &mut self,
         pid: NonZeroU32,
-        has_memory: bool,
+        program: Program,
         attachment: &mut Attachment,
     ) -> anyhow::Result<()> {
+        use profiler_common::traced::OWN_MAPPING_CALLS;
         if self.own_mapping_calls_needed()? {
-            if let Some(library) = own_mapping_calls(pid.get(), has_memory) {
+            if let Some(library) = own_mapping_calls(pid.get(), program) {
                 let probes: Vec<OwnProbe> = library
                     .sites
                     .iter()
@@ -120,9 +135,12 @@ impl Loaded {
                     .collect();
                 self.attach_own(MAPPING_CALLS_PROGRAM, &probes, pid.get(), attachment)?;
                 tracing::debug!(pid = pid.get(), library = %library.path.display(), "mapping calls read at the C library's wrappers");
-                return Ok(());
+                return self.update_traced(pid.get(), |flags| flags | OWN_MAPPING_CALLS);
             }
         }
+        // After an exec into a program without a C library, the programs for every process read
+        // its calls again.
+        self.update_traced(pid.get(), |flags| flags & !OWN_MAPPING_CALLS)?;
         self.mappings.as_mut().expect("loaded by load_page_faults").wake(&mut self.ebpf)
     }
 
@@ -160,7 +178,7 @@ impl Loaded {
         self.update_traced(pid.get(), |flags| flags & !profiler_common::traced::SHARED)?;
         let old = std::mem::take(attachment);
         *attachment = self.restart(pid, old);
-        attachment.merge(self.watch_pages(pid, true)?);
+        attachment.merge(self.watch_pages(pid, Program::Running)?);
         self.moved_to_pages.insert(pid.get());
         Ok(())
     }
@@ -197,7 +215,8 @@ impl Loaded {
         if !mappings.is_empty() {
             self.sync_mappings_with(pid.get(), mappings, changes);
         }
-        self.attach_probes(allocator, pid, true, mappings).inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
+        self.attach_probes(allocator, pid, Program::Running, mappings)
+            .inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))
     }
 
     /// `attach` for `memprof run`'s command, still memprof's forked image before its exec into
@@ -207,12 +226,12 @@ impl Loaded {
         &mut self,
         allocator: &Allocator,
         pid: NonZeroU32,
-        files: &[std::path::PathBuf],
+        files: &[PathBuf],
     ) -> anyhow::Result<Attachment> {
         self.unwind.preload(pid.get(), files);
         // Its memory is memprof's until the exec: none of it is the command's.
         let mappings = procfs::file_mappings(pid.get()).unwrap_or_default();
-        self.attach_probes(allocator, pid, false, &mappings)
+        self.attach_probes(allocator, pid, Program::BeforeExec(files), &mappings)
             .inspect_err(|_| self.forget_exited(&HashSet::from([pid.get()])))
     }
 
@@ -228,11 +247,11 @@ impl Loaded {
         &mut self,
         allocator: &Allocator,
         pid: NonZeroU32,
-        has_memory: bool,
+        program: Program,
         mappings: &[FileMapping],
     ) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
-        let probed = if self.growth { self.watch_pages(pid, has_memory) } else { self.probe_allocator(allocator, pid) };
+        let probed = if self.growth { self.watch_pages(pid, program) } else { self.probe_allocator(allocator, pid) };
         let mut attachment = probed?;
         self.hook_linker(&mut attachment, pid, mappings);
         Ok(attachment)
@@ -332,18 +351,18 @@ impl Loaded {
         // Tables first: the first allocation's stack needs them.
         self.sync_mappings(pid.get());
         if self.traces_pages(pid.get()) {
-            return self.watch_pages(pid, true);
+            return self.watch_pages(pid, Program::Running);
         }
         self.probe_allocator_or_forget(allocator, pid)
     }
 
     /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
-    /// memory it has now (`has_memory`) and maps from now on kept (see `mappings`).
-    fn watch_pages(&mut self, pid: NonZeroU32, has_memory: bool) -> anyhow::Result<Attachment> {
+    /// memory it has now (when it runs its `program`) and maps from now on kept (see `mappings`).
+    fn watch_pages(&mut self, pid: NonZeroU32, program: Program) -> anyhow::Result<Attachment> {
         let mut attachment = Attachment::default();
         // Before its ranges are read: a mapping made in between is not missed.
-        self.read_mapping_calls(pid, has_memory, &mut attachment)?;
-        let existing: Vec<(u64, u64)> = if has_memory {
+        self.read_mapping_calls(pid, program, &mut attachment)?;
+        let existing: Vec<(u64, u64)> = if matches!(program, Program::Running) {
             let regions = procfs::regions(pid.get()).with_context(|| format!("reading the mappings of pid {}", pid))?;
             let anonymous = |r: &&procfs::Region| r.writable && !r.shared && (r.path.is_empty() || r.path == "[heap]");
             regions.iter().filter(anonymous).map(|r| (r.start, r.end)).collect()

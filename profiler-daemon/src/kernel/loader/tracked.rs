@@ -32,12 +32,13 @@ impl Loaded {
     }
 
     /// `track`, and whether links shared per file record `pid` (`traced::SHARED`). A process
-    /// traced by its pages stays so (`traced::GROWTH`, see `watch_pages`), and one whose probes
-    /// are being attached too (`traced::ATTACHING`, see `probe_allocator`).
+    /// traced by its pages stays so (`traced::GROWTH` and `traced::OWN_MAPPING_CALLS`, see
+    /// `watch_pages`), and one whose probes are being attached too (`traced::ATTACHING`, see
+    /// `probe_allocator`).
     pub(super) fn track_sharing(&mut self, pid: u32, shares: bool) -> anyhow::Result<()> {
-        use profiler_common::traced::{ATTACHING, GROWTH, SHARED};
+        use profiler_common::traced::{ATTACHING, GROWTH, OWN_MAPPING_CALLS, SHARED};
         let flags = if shares { SHARED } else { 0 };
-        self.update_traced(pid, |old| flags | old & (GROWTH | ATTACHING))
+        self.update_traced(pid, |old| flags | old & (GROWTH | ATTACHING | OWN_MAPPING_CALLS))
     }
 
     /// Writes `pid`'s `TRACED` entry as `update` makes it from the flags it has (0 when none).
