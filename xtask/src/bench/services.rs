@@ -327,9 +327,9 @@ pub fn render(measured: &Measured) -> String {
          after a warm-up of 20,000 requests: untraced, with `memprof attach` started after the warm-up, and \
          restarted under heaptrack. `attach` at its defaults records every call for about a second, then \
          samples one allocation in every 64 KiB (its `--max-rate`); a second later, when sampling still costs \
-         more than a tenth of a core, it traces the server by its pages (growth mode), unless the kernel \
-         refuses `fexit` programs, as this VM's does (growth mode would slow every system call on the host). \
-         `--max-rate off` keeps it exact. Its defaults have two rows: timed from the attach, and timed after \
+         more than a tenth of a core, it traces the server by its pages (growth mode), unless that would slow \
+         every system call on the host (a kernel that refuses `fexit` programs, as this VM's, and a server \
+         without a C library memprof can probe; redis has one). `--max-rate off` keeps it exact. Its defaults have two rows: timed from the attach, and timed after \
          {SETTLING_REQUESTS} SETs traced, its switches behind it. The modes' \
          runs interleaved, {} rounds; the median of each. Measured {}, load average {} before, {} after \
          (2 cores shared with other work: compare the ratios).\n",
@@ -354,19 +354,20 @@ pub fn render(measured: &Measured) -> String {
         / median_of(|how| matches!(how, How::Elsewhere(["--growth"])));
     let _ = writeln!(
         out,
-        "\nThe row on a sleeping process is what memprof costs a process it does not trace while growth mode \
-         (or `--mappings`) is on. A kernel that refuses `fexit` programs, as this VM's does, has memprof's \
-         program run at the return of every system call on the machine, and every system call take the \
-         kernel's slower path (the docs' limits, \"Mappings\"); a kernel that takes them runs \
-         memprof's programs at the five mapping calls only. Growth mode on redis ran {growth:.2} times as \
-         many SETs a second as that row: what it costs redis beyond that is its own."
+        "\nThe row on a sleeping process is what memprof costs a process it does not trace while growth mode is \
+         on: its programs at every page fault on the machine and, on a kernel that takes `fexit` programs, at \
+         the five mapping calls. On a kernel that refuses them, as this VM's, the mapping calls are read by \
+         probes in the traced process's own C library, which no other process runs (the docs' limits, \
+         \"Mappings\"). Growth mode on redis ran {growth:.2} times as many SETs a second as that row: what it \
+         costs redis beyond that is its own."
     );
     let _ = writeln!(
         out,
         "\nThe daemon's row: `memprof daemon --pid PID` at its defaults (5 s interval, `max_rate` 50,000), \
          started after the warm-up, SETs run in batches of 50,000 until its metrics said it had moved redis out \
-         of exact tracing, then timed. It moves a busy process to growth mode, or samples it where the kernel \
-         refuses `fexit` programs (growth mode would slow every system call on the host). It moved redis to: \
+         of exact tracing, then timed. It moves a busy process to growth mode, or samples it where that would \
+         slow every system call on the host (a kernel that refuses `fexit` programs, and a process without a C \
+         library memprof can probe). It moved redis to: \
          {} (each run in order).",
         measured.daemon_moves.join(", ")
     );
