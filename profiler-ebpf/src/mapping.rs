@@ -12,8 +12,9 @@
 //! tracepoint instead: that puts every system call of every process on the kernel's slower path
 //! for traced system calls, and runs the program there, which returns after one read of the
 //! call's number. There, a process traced by its pages gets probes of its own instead where its
-//! C library's wrappers make the calls (`mapping_call_return`), and no other process pays. Nothing runs at a call's entry: the one thing it would tell, the break before
-//! a `brk`, the daemon knows from the process's previous `brk`.
+//! C library's wrappers make the calls (`mapping_call_return`), and no other process pays.
+//! Nothing runs at a call's entry: the one thing it would tell, the break before a `brk`, the
+//! daemon knows from the process's previous `brk`.
 //!
 //! The kernel keeps no ranges: a partial `munmap` splits a mapping, which a hash map cannot find
 //! by an address inside it. Each call that changes a traced process's anonymous private memory
@@ -129,9 +130,9 @@ pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// A process of its own, where the kernel refuses `fexit` programs: a uprobe at the instruction
-/// after a `syscall` in its C library's wrapper of a mapping call, the call's number for cookie
-/// (see the daemon's `process::mapping_calls`). The registers there are the call's: its
+/// Where the kernel refuses `fexit` programs, a probe of one process's own: a uprobe at the
+/// instruction after a `syscall` in its C library's wrapper of a mapping call, the call's number
+/// for cookie (see the daemon's `process::mapping_calls`). The registers there are the call's: its
 /// arguments still in theirs, its result in rax, and the stack the call's.
 #[uprobe]
 pub fn mapping_call_return(ctx: ProbeContext) -> u32 {

@@ -134,8 +134,9 @@ impl Loaded {
                     })
                     .collect();
                 self.attach_own(MAPPING_CALLS_PROGRAM, &probes, pid.get(), attachment)?;
-                tracing::debug!(pid = pid.get(), library = %library.path.display(), "mapping calls read at the C library's wrappers");
-                return self.update_traced(pid.get(), |flags| flags | OWN_MAPPING_CALLS);
+                let (pid, library) = (pid.get(), library.path.display());
+                tracing::debug!(pid, %library, "mapping calls read at the C library's wrappers");
+                return self.update_traced(pid, |flags| flags | OWN_MAPPING_CALLS);
             }
         }
         // After an exec into a program without a C library, the programs for every process read
