@@ -59,11 +59,7 @@ pub fn syscall_returns(code: &[u8], number: u32) -> Option<Vec<u64>> {
         return None;
     }
     let function = decode(code)?;
-    let targets: Vec<u64> = function
-        .iter()
-        .filter(|instruction| instruction.op_count() > 0 && instruction.op0_kind() == OpKind::NearBranch64)
-        .map(Instruction::near_branch_target)
-        .collect();
+    let targets: Vec<u64> = branch_targets(&function).collect();
     let mut info = InstructionInfoFactory::new();
     let mut number_set_at = None;
     let mut sites = Vec::new();
@@ -78,13 +74,11 @@ pub fn syscall_returns(code: &[u8], number: u32) -> Option<Vec<u64>> {
             number_set_at = None;
             continue;
         }
-        let writes_eax = info.info(instruction).used_registers().iter().any(|used| {
-            used.register().full_register() == Register::RAX
-                && matches!(
-                    used.access(),
-                    OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
-                )
-        });
+        let writes_eax = info
+            .info(instruction)
+            .used_registers()
+            .iter()
+            .any(|used| used.register().full_register() == Register::RAX && writes(used.access()));
         if writes_eax {
             let sets_number = matches!(instruction.code(), Code::Mov_r32_imm32 | Code::Mov_rm32_imm32)
                 && instruction.op0_register() == Register::EAX
@@ -161,9 +155,6 @@ fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: 
     {
         return false;
     }
-    let writes = |access: OpAccess| {
-        matches!(access, OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite)
-    };
     let info = info.info(instruction);
     if info.used_memory().iter().any(|memory| writes(memory.access())) {
         return false;
@@ -174,14 +165,23 @@ fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: 
     })
 }
 
+/// Whether an operand's access writes it, always or on a condition.
+fn writes(access: OpAccess) -> bool {
+    matches!(access, OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite)
+}
+
 /// Whether a direct jump or call of the function goes to `site` or before it: a call would then
 /// pass the probe twice, or reach it by a way that skipped what the probe relies on.
 fn reentered(function: &[Instruction], site: u64) -> bool {
-    function.iter().any(|instruction| {
-        instruction.op_count() > 0
-            && instruction.op0_kind() == OpKind::NearBranch64
-            && instruction.near_branch_target() <= site
-    })
+    branch_targets(function).any(|target| target <= site)
+}
+
+/// Where the function's direct jumps and calls go.
+fn branch_targets(function: &[Instruction]) -> impl Iterator<Item = u64> + '_ {
+    function
+        .iter()
+        .filter(|instruction| instruction.op_count() > 0 && instruction.op0_kind() == OpKind::NearBranch64)
+        .map(Instruction::near_branch_target)
 }
 
 #[cfg(test)]

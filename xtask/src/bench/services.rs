@@ -331,8 +331,8 @@ pub fn render(measured: &Measured) -> String {
          every system call on the host (a kernel that refuses `fexit` programs, as this VM's, and a server \
          without a C library memprof can probe; redis has one). `--max-rate off` keeps it exact. Its defaults \
          have two rows: timed from the attach, and timed after {SETTLING_REQUESTS} SETs traced, its switches \
-         behind it. The modes' runs interleaved, {} rounds; the median of each. Measured {}, load average {} before, {} after \
-         (2 cores shared with other work: compare the ratios).\n",
+         behind it. The modes' runs interleaved, {} rounds; the median of each. Measured {}, load average {} \
+         before, {} after (2 cores shared with other work: compare the ratios).\n",
         measured.requests,
         measured.runs[0].len(),
         measured.date,
