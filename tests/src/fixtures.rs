@@ -30,6 +30,15 @@ pub fn fixture_musl(file: &str, name: &str, flags: &[&str]) -> PathBuf {
     fixture_compiled("musl-gcc", file, name, &flags)
 }
 
+/// `fixture_musl` without the symbols of its C library's `mmap` (`objcopy --strip-symbol`): a
+/// static program whose mapping calls memprof finds no wrapper of, as one whose symbols are
+/// stripped, but whose allocator memprof still finds.
+pub fn fixture_musl_unnamed_mmap(file: &str, name: &str, flags: &[&str]) -> PathBuf {
+    let flags: Vec<&str> = ["-static"].iter().chain(flags).copied().collect();
+    let source = workspace().join("tests/fixtures").join(file);
+    compiled_without("musl-gcc", &source, name, &flags, &["mmap", "__mmap"])
+}
+
 /// A root directory of its own for `program`, as a container has: copies of the C library, the
 /// dynamic loader and the program (as `/NAME`). Copies, not links: each is a different inode from
 /// the host's file, as a container's libc is, so probes must be placed through the process's view.
@@ -81,6 +90,11 @@ pub fn start_heapbench(mib: u64) -> Child {
 /// a test running beside this one executes (whose exe then reads "(deleted)", and whose probes,
 /// placed by path, would land on the new file).
 fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBuf {
+    compiled_without(compiler, source, name, flags, &[])
+}
+
+/// `compiled`, with the symbols `unnamed` taken out of the program's symbol table.
+fn compiled_without(compiler: &str, source: &Path, name: &str, flags: &[&str], unnamed: &[&str]) -> PathBuf {
     let _guard = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = workspace().join("target/fixtures");
     std::fs::create_dir_all(&dir).expect("creating target/fixtures");
@@ -89,7 +103,10 @@ fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBu
     lock.lock().expect("locking target/fixtures");
     let out = dir.join(name);
     let stamp = dir.join(format!(".{name}.command"));
-    let command = format!("{compiler} {} {}", flags.join(" "), source.display());
+    let mut command = format!("{compiler} {} {}", flags.join(" "), source.display());
+    if !unnamed.is_empty() {
+        command += &format!(" without the symbols {}", unnamed.join(" "));
+    }
     if is_built(&out, &stamp, &command, source) {
         return out;
     }
@@ -102,6 +119,14 @@ fn compiled(compiler: &str, source: &Path, name: &str, flags: &[&str]) -> PathBu
         .status()
         .unwrap_or_else(|e| panic!("starting {compiler}: {e}"));
     assert!(status.success(), "compiling {} with {compiler} failed", source.display());
+    for symbol in unnamed {
+        let status = Command::new("objcopy")
+            .arg(format!("--strip-symbol={symbol}"))
+            .arg(&partial)
+            .status()
+            .unwrap_or_else(|e| panic!("starting objcopy: {e}"));
+        assert!(status.success(), "objcopy could not take {symbol} out of {}", partial.display());
+    }
     std::fs::rename(&partial, &out).expect("moving the fixture into place");
     std::fs::write(&stamp, &command).expect("writing the fixture's command");
     out

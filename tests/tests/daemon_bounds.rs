@@ -16,8 +16,9 @@ use std::{
 };
 
 use memprof_tests::{
-    attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_musl, fixture_with, http_get, memprof_bin, metric,
-    site, socket_answer, start_heapbench, total, wait_for, Daemon, Waiting, MOVES_TO_PAGES_ANYWHERE,
+    attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_musl_unnamed_mmap, fixture_with, http_get,
+    memprof_bin, metric, site, socket_answer, start_heapbench, total, wait_for, Daemon, Waiting,
+    MOVES_TO_PAGES_ANYWHERE,
 };
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -338,18 +339,18 @@ fn a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_se
     assert!(log.contains("holds the most of the live table (300") && log.contains(said), "{log}");
 }
 
-/// Where the kernel refuses `fexit` programs, growth mode would read a static program's mapping
-/// calls at every system call on the machine: there the daemon leaves a crowding static program
-/// traced by its calls and says so once, and the other's allocations that find the table full
-/// are counted. Elsewhere it moves it (as
+/// Where the kernel refuses `fexit` programs, growth mode would read the mapping calls of a static
+/// program whose wrappers memprof cannot find at every system call on the machine: there the
+/// daemon leaves such a crowding program traced by its calls and says so once, and the other's
+/// allocations that find the table full are counted. Elsewhere it moves it (as
 /// `a_process_crowding_the_live_table_is_moved_to_its_pages_and_the_others_are_seen_whole`).
 #[test]
-fn a_crowding_static_program_is_left_where_growth_mode_would_slow_every_system_call() {
+fn a_crowding_program_without_mapping_wrappers_is_left_where_growth_mode_would_slow_every_system_call() {
     let _serial = serial();
     // `free` linked in: a static program that never frees gets musl's allocator that cannot,
     // which holds no allocator memprof probes.
     let flags = ["-g", "-O0", "-fno-omit-frame-pointer", "-Wl,-u,free"];
-    let holder_program = fixture_musl("crowding.c", "crowding_static", &flags);
+    let holder_program = fixture_musl_unnamed_mmap("crowding.c", "crowding_unnamed_mmap", &flags);
     let (mut holder, mut guest, mut daemon) = crowded_by(&holder_program, &["--max-rate", "1000000000"]);
     let (holder_pid, guest_pid) = (holder.pid().to_string(), guest.pid().to_string());
     let leaks = |pid: &str| daemon.get_json(&format!("/api/v1/leaks?pid={pid}")).1;
@@ -369,7 +370,7 @@ fn a_crowding_static_program_is_left_where_growth_mode_would_slow_every_system_c
     assert_eq!(site(&leaks(&holder_pid), "hold_site"), (300_000, 3000));
     let log = daemon.stopped_log();
     let said = "left traced by its calls, not moved to growth mode: growth mode would slow every system call on this \
-                host: its kernel refuses fexit programs and the process maps memory without a C library memprof can \
+                host: its kernel refuses fexit programs and the process maps memory through no wrapper memprof can \
                 probe";
     assert_eq!(log.matches(said).count(), 1, "{log}");
     assert!(log.contains("holds the most of the live table (300"), "{log}");

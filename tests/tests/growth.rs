@@ -8,8 +8,8 @@
 use std::io::{BufRead, BufReader};
 
 use memprof_tests::{
-    attach, fixture, fixture_go_pure, fixture_musl, fixture_with, held_before_bytes, run, through, wait_for, Daemon,
-    Outcome, Waiting,
+    attach, fixture, fixture_go_pure, fixture_musl, fixture_musl_unnamed_mmap, fixture_with, held_before_bytes, run,
+    through, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -85,6 +85,9 @@ fn run_sees_the_leaking_site_on_jemalloc() {
 fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
     let outcome = run(&["--growth", "--interval", "60"], &[fixture_go_pure("go_heap").to_str().unwrap()]);
     assert!(outcome.status.success(), "{outcome:?}");
+    // Its mapping calls are read at its runtime's own wrappers: nothing runs at every system call
+    // on the host for it, whose attach would say so.
+    assert!(!outcome.stderr.contains("this kernel refuses fexit programs ("), "{}", outcome.stderr);
     let report = outcome.final_report();
     assert_eq!(report["dropped"]["fault_event_lost"], 0, "{}", report["dropped"]);
     let grown = 64 << 20;
@@ -202,29 +205,50 @@ fn a_forked_child_grows_by_its_own_pages_not_its_copies_of_its_parents() {
     assert_eq!(child["totals"]["outstanding_bytes"], 32 * PAGE, "{child}");
 }
 
-/// Where the kernel refuses `fexit` programs, a static program traced by its pages has its
-/// mapping calls read at every system call, and a dynamic one beside it by probes of its own at its
-/// C library: each call of the dynamic one is read once, or the second read of its `mremap` would
-/// take the moved range from it. Its pages are all held, by the stacks that touched them.
+/// Where the kernel refuses `fexit` programs, a static program whose wrappers memprof cannot find
+/// has its mapping calls read at every system call when traced by its pages, and a dynamic one
+/// beside it by probes of its own at its C library: each call of the dynamic one is read once, or
+/// the second read of its `mremap` would take the moved range from it. Its pages are all held, by
+/// the stacks that touched them.
 #[test]
-fn a_range_moved_by_mremap_keeps_its_pages_beside_a_static_program() {
-    let static_program = fixture_musl("malloc_loop.c", "growth_static", &["-g", "-O0", "-fno-omit-frame-pointer"]);
-    let resting = Waiting::start(&static_program, &[]);
-    let mut moving = Waiting::start(&fixture("growth_remap"), &[]);
+fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system_call() {
+    let flags = ["-g", "-O0", "-fno-omit-frame-pointer"];
+    let resting = Waiting::start(&fixture_musl_unnamed_mmap("malloc_loop.c", "growth_unnamed_mmap", &flags), &[]);
+    let moving = Waiting::start(&fixture("growth_remap"), &[]);
     let (resting_pid, moving_pid) = (resting.pid().to_string(), moving.pid().to_string());
     let daemon = Daemon::start(&["--growth", "--pid", &resting_pid, "--pid", &moving_pid]);
     daemon.wait_traced(resting.pid());
     daemon.wait_traced(moving.pid());
     if memprof_tests::kernel_refuses_fexit() {
         let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
-        assert_eq!(memprof_tests::metric(daemon.port, series), Some(1), "the static program's calls are read so");
+        assert_eq!(memprof_tests::metric(daemon.port, series), Some(1), "the unnamed one's calls are read so");
     }
+    moved_range_held(moving, &daemon);
+}
+
+/// A static program's mapping calls are read at its own copy of its C library's wrappers, where
+/// the kernel refuses `fexit` programs: nothing runs at other processes' system calls for it, and
+/// the range it moves by `mremap` keeps its pages.
+#[test]
+fn a_static_programs_mapping_calls_are_read_at_its_own_wrappers() {
+    let moving = Waiting::start(&fixture_musl("growth_remap.c", "growth_remap_static", &["-g", "-O0"]), &[]);
+    let daemon = Daemon::start(&["--growth", "--pid", &moving.pid().to_string()]);
+    daemon.wait_traced(moving.pid());
+    let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
+    assert_eq!(memprof_tests::metric(daemon.port, series), Some(0));
+    moved_range_held(moving, &daemon);
+}
+
+/// Lets `growth_remap.c`, traced by its pages by `daemon`, touch 2 pages, move their range by
+/// `mremap` and touch 4 more: each stack holds its own, and none was touched outside the ranges.
+fn moved_range_held(mut moving: Waiting, daemon: &Daemon) {
+    let pid = moving.pid();
     moving.go();
     let mut line = String::new();
     BufReader::new(moving.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
     assert_eq!(line, "held\n");
     let report = wait_for(10, "the moved range's pages in a report", || {
-        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={moving_pid}"));
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
         (through(&report, "grow_and_touch").1 > 0).then_some(report)
     });
     assert_eq!(through(&report, "first_touch"), (2 * PAGE, 2), "{report}");

@@ -8,7 +8,9 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memprof_tests::{attach, fixture, fixture_musl, memprof_bin, released, run, through, total, Waiting};
+use memprof_tests::{
+    attach, fixture, fixture_musl, fixture_musl_unnamed_mmap, memprof_bin, released, run, through, total, Waiting,
+};
 
 /// The loop runs this long, past its first second traced however fast the machine's traps are;
 /// it says how many pairs of `malloc` and `free` it made.
@@ -106,7 +108,7 @@ fn kept_for_the_host(stderr: &str, pid: &str) -> bool {
     stderr.lines().any(|line| {
         line == format!(
             "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host: its kernel \
-             refuses fexit programs and the process maps memory without a C library memprof can probe (docs: \
+             refuses fexit programs and the process maps memory through no wrapper memprof can probe (docs: \
              reference/limits.md#mappings); --growth traces it by its pages all the same"
         )
     })
@@ -115,15 +117,18 @@ fn kept_for_the_host(stderr: &str, pid: &str) -> bool {
 /// A second after the switch, what sampling costs is said too. Above a tenth of a core, `attach`
 /// moves the process on to its pages, unless that would slow every other process's system calls:
 /// where the kernel refuses `fexit` programs (as this project's VM's), growth mode reads a
-/// process's mapping calls at its C library, and a static program has none to read them at.
-/// Above a twentieth, it names growth mode.
+/// process's mapping calls at its own wrappers of them (its C library's, a static program's
+/// copy), and a program whose wrappers memprof cannot find has none to read them at. Above a
+/// twentieth, it names growth mode.
 #[test]
 fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
-    let static_loop = fixture_musl("malloc_loop.c", "price_static_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
-    for (program, has_c_library) in [(fixture("malloc_loop"), true), (static_loop, false)] {
+    let flags = ["-g", "-O0", "-fno-omit-frame-pointer"];
+    let static_loop = fixture_musl("malloc_loop.c", "price_static_loop", &flags);
+    let unnamed = fixture_musl_unnamed_mmap("malloc_loop.c", "price_unnamed_mmap_loop", &flags);
+    for (program, has_wrappers) in [(fixture("malloc_loop"), true), (static_loop, true), (unnamed, false)] {
         let (pid, outcome) = attach_to_a_busy_loop(&program, &[], &[]);
         let kept = kept_for_the_host(&outcome.stderr, &pid);
-        assert!(!(kept && has_c_library), "its C library reads its mapping calls: {}", outcome.stderr);
+        assert!(!(kept && has_wrappers), "its own wrappers read its mapping calls: {}", outcome.stderr);
         says_the_price_and_moves_or_keeps_it(&pid, &outcome);
     }
 }

@@ -4,7 +4,10 @@
 
 use std::path::Path;
 
-use memprof_tests::{fixture, fixture_musl, fixture_with, probe_links, run, site, total, wait_for, Daemon, Waiting};
+use memprof_tests::{
+    fixture, fixture_musl, fixture_musl_unnamed_mmap, fixture_with, probe_links, run, site, total, wait_for, Daemon,
+    Waiting,
+};
 
 fn within_10_percent(estimate: u64, truth: u64, what: &str) {
     let error = (estimate as f64 - truth as f64).abs() / truth as f64;
@@ -129,33 +132,39 @@ fn machine_wide_links(daemon: &Daemon) -> [usize; 3] {
 }
 
 /// Where the kernel refuses `fexit` programs, growth mode reads a process's mapping calls by
-/// probes of its own at its C library's wrappers: the daemon moves a busy dynamic program to its
-/// pages there too, and nothing runs at other processes' system calls for it.
+/// probes of its own at its wrappers of them: its C library's, or a static program's own copy.
+/// The daemon moves a busy program to its pages there too, and nothing runs at other processes'
+/// system calls for it.
 #[test]
-fn the_daemon_moves_a_busy_process_to_its_pages_reading_its_mapping_calls_at_its_c_library() {
-    let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&fixture("malloc_loop"), "malloc_loop");
-    assert!(moved, "sampled, not moved");
-    let [faults, system_calls, fexit] = machine_wide_links(&daemon);
-    assert_eq!((faults, system_calls), (1, 0), "{:?}", probe_links::descriptions(daemon.child.id()));
-    let said = |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
-    assert_eq!(said("system_calls"), Some(0));
-    if memprof_tests::kernel_refuses_fexit() {
-        assert_eq!((fexit, said("mapping_calls")), (0, Some(0)));
+fn the_daemon_moves_a_busy_process_to_its_pages_reading_its_mapping_calls_at_its_own_wrappers() {
+    let static_loop = fixture_musl("malloc_loop.c", "static_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
+    for (program, comm) in [(fixture("malloc_loop"), "malloc_loop"), (static_loop, "static_loop")] {
+        let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&program, comm);
+        assert!(moved, "{comm}: sampled, not moved");
+        let [faults, system_calls, fexit] = machine_wide_links(&daemon);
+        assert_eq!((faults, system_calls), (1, 0), "{comm}: {:?}", probe_links::descriptions(daemon.child.id()));
+        let said =
+            |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
+        assert_eq!(said("system_calls"), Some(0), "{comm}");
+        if memprof_tests::kernel_refuses_fexit() {
+            assert_eq!((fexit, said("mapping_calls")), (0, Some(0)), "{comm}");
+        }
+        let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", target.pid()));
+        assert!(report["growth"].is_object(), "{comm}: {report}");
+        let log = daemon.stopped_log();
+        assert!(!log.contains("this kernel refuses fexit programs ("), "{comm}: {log}");
     }
-    let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={}", target.pid()));
-    assert!(report["growth"].is_object(), "{report}");
-    let log = daemon.stopped_log();
-    assert!(!log.contains("this kernel refuses fexit programs ("), "{log}");
 }
 
-/// Where the kernel refuses `fexit` programs, growth mode would read a static program's mapping
-/// calls at every system call on the machine: there the daemon samples it above `max_rate`
-/// instead, says so once with what moves it all the same, and attaches nothing that runs for
-/// other processes. Elsewhere it moves it to its pages.
+/// Where the kernel refuses `fexit` programs, growth mode would read the mapping calls of a
+/// static program whose wrappers memprof cannot find at every system call on the machine: there
+/// the daemon samples it above `max_rate` instead, says so once with what moves it all the same,
+/// and attaches nothing that runs for other processes. Elsewhere it moves it to its pages.
 #[test]
-fn the_daemon_samples_a_busy_static_program_where_growth_mode_would_slow_every_system_call() {
-    let program = fixture_musl("malloc_loop.c", "static_loop", &["-g", "-O0", "-fno-omit-frame-pointer"]);
-    let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&program, "static_loop");
+fn the_daemon_samples_a_busy_program_without_mapping_wrappers_where_growth_mode_would_slow_every_system_call() {
+    let flags = ["-g", "-O0", "-fno-omit-frame-pointer"];
+    let program = fixture_musl_unnamed_mmap("malloc_loop.c", "unnamed_mmap_loop", &flags);
+    let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&program, "unnamed_mmap_lo");
     let pid = target.pid();
     if moved {
         assert!(!memprof_tests::kernel_refuses_fexit(), "moved to its pages on a kernel that refuses fexit programs");
@@ -164,7 +173,7 @@ fn the_daemon_samples_a_busy_static_program_where_growth_mode_would_slow_every_s
     assert!(memprof_tests::kernel_refuses_fexit(), "sampled on a kernel that takes fexit programs");
     // Intervals in which it could have been moved, or said again.
     std::thread::sleep(std::time::Duration::from_secs(2));
-    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"static_loop\"}}");
+    let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"unnamed_mmap_lo\"}}");
     assert_eq!(memprof_tests::metric(daemon.port, &growth), Some(0));
     assert_eq!(machine_wide_links(&daemon), [0, 0, 0], "{:?}", probe_links::descriptions(daemon.child.id()));
     for at in ["page_faults", "mapping_calls", "system_calls"] {
@@ -177,7 +186,7 @@ fn the_daemon_samples_a_busy_static_program_where_growth_mode_would_slow_every_s
     let log = daemon.stopped_log();
     let said = "above max_rate: sampled one in every 65536 bytes from now on, not moved to growth mode: growth mode \
                 would slow every system call on this host: its kernel refuses fexit programs and the process maps \
-                memory without a C library memprof can probe";
+                memory through no wrapper memprof can probe";
     assert_eq!(log.matches(said).count(), 1, "{log}");
 }
 

@@ -1,13 +1,14 @@
-//! Where a process's C library makes the mapping calls growth mode reads (`mmap`, `munmap`,
-//! `mremap`, `brk`, `madvise`): the instruction after each `syscall` of their wrappers. A probe
-//! there, in that process alone, sees each call's arguments and result, where the kernel
-//! refuses the `fexit` programs that would see them for every process at once (see
-//! `kernel::mapping_programs`).
+//! Where a process makes the mapping calls growth mode reads (`mmap`, `munmap`, `mremap`, `brk`,
+//! `madvise`): the instruction after each `syscall` of the wrappers it makes them through, in
+//! its C library and in its own program (a static program's copy of its C library's, Go's
+//! runtime's). A probe there, in that process alone, sees each call's arguments and result,
+//! where the kernel refuses the `fexit` programs that would see them for every process at once
+//! (see `kernel::mapping_programs`).
 //!
-//! What does not go through these wrappers is not seen there: a program's own `syscall`
-//! instructions (Go, a static program) and `syscall(2)`, the dynamic linker's own `mmap` and
-//! musl's `malloc`, which moves the break itself. Pages first touched in memory mapped so are
-//! counted outside the known ranges (`growth.outside_pages`).
+//! What does not go through these wrappers is not seen there: `syscall(2)`, a program's own
+//! inline `syscall` instructions, the dynamic linker's own `mmap` and musl's `malloc`, which
+//! moves the break itself. Pages first touched in memory mapped so are counted outside the known
+//! ranges (`growth.outside_pages`).
 
 use std::{
     collections::HashSet,
@@ -21,13 +22,16 @@ use crate::process::{
     allocator::{functions_with_code, is_c_library},
     elf_bytes,
     file_cache::{FileCache, Opened},
-    placement,
+    placement, procfs,
     procfs::FileMapping,
 };
 
-/// Each wrapper, its system call, and whether a C library must make that call in it: musl's
-/// `brk` only fails, and `posix_madvise` is glibc's second way to `madvise`.
-const WRAPPERS: [(&str, u32, bool); 6] = [
+/// A wrapper: its name, its system call, and whether every C library makes that call in it
+/// (musl's `brk` only fails; `posix_madvise` is glibc's second way to `madvise`).
+type Wrapper = (&'static str, u32, bool);
+
+/// A C library's wrappers, `mmap` first.
+const C_WRAPPERS: [Wrapper; 6] = [
     ("mmap", syscall::MMAP, true),
     ("munmap", syscall::MUNMAP, true),
     ("mremap", syscall::MREMAP, true),
@@ -36,6 +40,25 @@ const WRAPPERS: [(&str, u32, bool); 6] = [
     ("posix_madvise", syscall::MADVISE, false),
 ];
 
+/// Go's runtime makes its own system calls, in assembly (`runtime·sysMmap` and the others in
+/// `sys_linux_amd64.s`), whether or not the program is linked with a C library (cgo). It never
+/// calls `mremap` or `brk`. Its `mmap` first.
+const GO_WRAPPERS: [Wrapper; 3] = [
+    ("runtime.sysMmap.abi0", syscall::MMAP, true),
+    ("runtime.sysMunmap.abi0", syscall::MUNMAP, true),
+    ("runtime.madvise.abi0", syscall::MADVISE, true),
+];
+
+/// Which file the wrappers are read in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A C library, which has them all.
+    CLibrary,
+    /// The process's program: a static program links in only the wrappers it calls, and a
+    /// dynamic one none, unless it is Go.
+    Program,
+}
+
 /// A probe site: the file offset of the instruction after a `syscall`, and which call it makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Site {
@@ -43,7 +66,7 @@ pub struct Site {
     pub call: u32,
 }
 
-/// The C library a process maps, and the sites in it.
+/// A file a process maps with wrappers of its mapping calls, and the sites in it.
 #[derive(Debug, Clone)]
 pub struct Sites {
     /// A path that reaches the very file mapped.
@@ -51,47 +74,90 @@ pub struct Sites {
     pub sites: Vec<Site>,
 }
 
-/// Sites by file: a forking server's children all map the same C library.
+/// Sites by file and holder: a forking server's children all map the same C library.
 static SITES: LazyLock<FileCache<Option<Vec<Site>>>> = LazyLock::new(|| FileCache::new(64));
 
-/// The sites of the C library among `mappings`, `pid`'s; `None` when it maps none (a static
-/// program, Go) or its wrappers are not the ones understood.
-pub fn of_process(pid: u32, mappings: &[FileMapping]) -> Option<Sites> {
-    let library = mappings.iter().find(|mapping| mapping.executable && is_c_library(&mapping.path))?;
-    let id = library.id()?;
-    let (path, opened) = library.reachable_paths(pid).into_iter().find_map(|path| {
-        let path = PathBuf::from(path);
-        let opened = Opened::open_same(&path, id).ok()?;
-        Some((path, opened))
-    })?;
-    sites_of(path, &opened)
+/// The sites in the C library among `mappings`, `pid`'s, and in its program; `None` when it has
+/// none (a stripped static program) or some wrapper in either is not one memprof understands:
+/// a call made there would be missed.
+pub fn of_process(pid: u32, mappings: &[FileMapping]) -> Option<Vec<Sites>> {
+    let executable = procfs::exe_path(pid);
+    let library = mappings.iter().find(|mapping| mapping.executable && is_c_library(&mapping.path));
+    let program = mappings.iter().find(|mapping| {
+        mapping.executable
+            && Some(&mapping.path) == executable.as_ref()
+            && library.is_none_or(|l| l.path != mapping.path)
+    });
+    let mut found = Vec::new();
+    for (mapping, holder) in [(library, Holder::CLibrary), (program, Holder::Program)] {
+        let Some(mapping) = mapping else { continue };
+        let id = mapping.id()?;
+        let (path, opened) = mapping.reachable_paths(pid).into_iter().find_map(|path| {
+            let path = PathBuf::from(path);
+            let opened = Opened::open_same(&path, id).ok()?;
+            Some((path, opened))
+        })?;
+        found.push(sites_of(path, &opened, holder)?);
+    }
+    non_empty(found)
 }
 
-/// The sites of the C library at `path`, which a command will map once it starts.
-pub fn of_file(path: &Path) -> Option<Sites> {
-    sites_of(path.to_path_buf(), &Opened::open(path).ok()?)
+/// The sites in the C library among `files` and in `program`, which a command will map once it
+/// starts (see `of_process`).
+pub fn of_files(program: &Path, files: &[PathBuf]) -> Option<Vec<Sites>> {
+    let library = files.iter().find(|file| file.to_str().is_some_and(is_c_library)).map(PathBuf::as_path);
+    let program = Some(program).filter(|&program| library != Some(program));
+    let mut found = Vec::new();
+    for (file, holder) in [(library, Holder::CLibrary), (program, Holder::Program)] {
+        let Some(file) = file else { continue };
+        found.push(sites_of(file.to_path_buf(), &Opened::open(file).ok()?, holder)?);
+    }
+    non_empty(found)
 }
 
-fn sites_of(path: PathBuf, opened: &Opened) -> Option<Sites> {
-    let sites = SITES.get_or_read(opened, "mapping calls", read_sites)?;
+/// The files that have sites, if any does.
+fn non_empty(mut found: Vec<Sites>) -> Option<Vec<Sites>> {
+    found.retain(|file| !file.sites.is_empty());
+    (!found.is_empty()).then_some(found)
+}
+
+fn sites_of(path: PathBuf, opened: &Opened, holder: Holder) -> Option<Sites> {
+    let what = match holder {
+        Holder::CLibrary => "mapping calls",
+        Holder::Program => "a program's own mapping calls",
+    };
+    let sites = SITES.get_or_read(opened, what, |file| read_sites(file, holder))?;
     Some(Sites { path, sites })
 }
 
-fn read_sites(file: &std::fs::File) -> Option<Vec<Site>> {
+/// The sites of the wrappers `file` holds (none in a program that holds none); `None` when a
+/// wrapper it holds is not understood, or a C library lacks one.
+fn read_sites(file: &std::fs::File, holder: Holder) -> Option<Vec<Site>> {
     let data = elf_bytes::read(file).ok()?;
     let elf = object::File::parse(&*data).ok()?;
-    let wanted: HashSet<&str> = WRAPPERS.iter().map(|(name, _, _)| *name).collect();
+    let wanted: HashSet<&str> = C_WRAPPERS.iter().chain(&GO_WRAPPERS).map(|(name, _, _)| *name).collect();
     let functions = functions_with_code(&data, &elf, &wanted);
+    // A program holds a set when it holds its `mmap`: a static Go program linked with cgo holds
+    // both.
+    let held: Vec<Wrapper> = match holder {
+        Holder::CLibrary => C_WRAPPERS.to_vec(),
+        Holder::Program => [&C_WRAPPERS[..], &GO_WRAPPERS[..]]
+            .into_iter()
+            .filter(|wrappers| functions.contains_key(wrappers[0].0))
+            .flatten()
+            .copied()
+            .collect(),
+    };
     let mut sites = Vec::new();
-    for (name, call, required) in WRAPPERS {
+    for (name, call, always_calls) in held {
         let Some(&(offset, code)) = functions.get(name) else {
-            if required {
+            if always_calls && holder == Holder::CLibrary {
                 return None;
             }
             continue;
         };
         let returns = placement::syscall_returns(code, call)?;
-        if required && returns.is_empty() {
+        if always_calls && returns.is_empty() {
             return None;
         }
         sites.extend(returns.into_iter().map(|distance| Site { offset: offset + distance, call }));
@@ -108,10 +174,11 @@ mod tests {
     fn glibc_and_musl_wrappers_are_found() {
         for (library, calls) in [("/lib/x86_64-linux-gnu/libc.so.6", 6), ("/usr/lib/x86_64-linux-musl/libc.so", 5)] {
             let opened = Opened::open(Path::new(library)).expect(library);
-            let sites = read_sites(opened.file()).unwrap_or_else(|| panic!("{library}: wrappers not understood"));
+            let sites = read_sites(opened.file(), Holder::CLibrary)
+                .unwrap_or_else(|| panic!("{library}: wrappers not understood"));
             assert_eq!(sites.len(), calls, "{library}: {sites:?}");
             let made: HashSet<u32> = sites.iter().map(|site| site.call).collect();
-            for (_, call, required) in WRAPPERS {
+            for (_, call, required) in C_WRAPPERS {
                 assert!(!required || made.contains(&call), "{library}: no site of call {call}");
             }
         }

@@ -80,9 +80,12 @@ pub fn syscall_returns(code: &[u8], number: u32) -> Option<Vec<u64>> {
             .iter()
             .any(|used| used.register().full_register() == Register::RAX && writes(used.access()));
         if writes_eax {
-            let sets_number = matches!(instruction.code(), Code::Mov_r32_imm32 | Code::Mov_rm32_imm32)
-                && instruction.op0_register() == Register::EAX
-                && instruction.immediate32() == number;
+            // `mov $n,%eax` (C libraries) or `mov $n,%rax` (some of Go's runtime).
+            let sets_number = matches!(
+                instruction.code(),
+                Code::Mov_r32_imm32 | Code::Mov_rm32_imm32 | Code::Mov_rm64_imm32 | Code::Mov_r64_imm64
+            ) && instruction.op0_register().full_register() == Register::RAX
+                && instruction.immediate(1) == u64::from(number);
             number_set_at = sets_number.then(|| instruction.ip());
         }
     }
@@ -306,6 +309,13 @@ mod tests {
         assert_eq!(syscall_returns(&code, 11), None, "another call's number");
         // musl's brk: no system call at all
         assert_eq!(syscall_returns(&function(&[0x48, 0xc7, 0xc0, 0xf4, 0xff, 0xff, 0xff]), 12), Some(vec![]));
+        // Go's runtime.sysMunmap: mov 0x8(%rsp),%rdi; mov 0x10(%rsp),%rsi; mov $0xb,%rax; syscall;
+        // cmp $-0xfff,%rax
+        let code = function(&[
+            0x48, 0x8b, 0x7c, 0x24, 0x08, 0x48, 0x8b, 0x74, 0x24, 0x10, 0x48, 0xc7, 0xc0, 0x0b, 0, 0, 0, 0x0f, 0x05,
+            0x48, 0x3d, 0x01, 0xf0, 0xff, 0xff,
+        ]);
+        assert_eq!(syscall_returns(&code, 11), Some(vec![19]));
     }
 
     #[test]

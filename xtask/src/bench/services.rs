@@ -329,7 +329,8 @@ pub fn render(measured: &Measured) -> String {
          samples one allocation in every 64 KiB (its `--max-rate`); a second later, when sampling still costs \
          more than a tenth of a core, it traces the server by its pages (growth mode), unless that would slow \
          every system call on the host (a kernel that refuses `fexit` programs, as this VM's, and a server \
-         without a C library memprof can probe; redis has one). `--max-rate off` keeps it exact. Its defaults \
+         whose wrappers of its mapping calls memprof cannot find; redis's are its C library's). `--max-rate off` \
+         keeps it exact. Its defaults \
          have two rows: timed from the attach, and timed after {SETTLING_REQUESTS} SETs traced, its switches \
          behind it. The modes' runs interleaved, {} rounds; the median of each. Measured {}, load average {} \
          before, {} after (2 cores shared with other work: compare the ratios).\n",
@@ -366,8 +367,8 @@ pub fn render(measured: &Measured) -> String {
         "\nThe daemon's row: `memprof daemon --pid PID` at its defaults (5 s interval, `max_rate` 50,000), \
          started after the warm-up, SETs run in batches of 50,000 until its metrics said it had moved redis out \
          of exact tracing, then timed. It moves a busy process to growth mode, or samples it where that would \
-         slow every system call on the host (a kernel that refuses `fexit` programs, and a process without a C \
-         library memprof can probe). It moved redis to: \
+         slow every system call on the host (a kernel that refuses `fexit` programs, and a process whose wrappers \
+         of its mapping calls memprof cannot find). It moved redis to: \
          {} (each run in order).",
         measured.daemon_moves.join(", ")
     );

@@ -370,7 +370,7 @@ impl Tracer<'_> {
             Ok(true) => {}
             Ok(false) => {
                 say!(
-                    "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host: its kernel refuses fexit programs and the process maps memory without a C library memprof can probe (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
+                    "memprof: pid {pid} stays sampled: growth mode would slow every system call on this host: its kernel refuses fexit programs and the process maps memory through no wrapper memprof can probe (docs: reference/limits.md#mappings); --growth traces it by its pages all the same"
                 );
                 return;
             }

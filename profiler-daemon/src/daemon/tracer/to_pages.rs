@@ -1,8 +1,8 @@
 //! A process the daemon stops tracing call by call: one above `max_rate`, or the one crowding
 //! the others out of a shared table (`crowding`). It is moved to growth mode, whose cost follows
 //! its new pages, not its calls; except where growth mode would slow every other process's
-//! system calls (a kernel that refuses `fexit` programs, a process without a C library whose
-//! mapping calls memprof can probe, and no `mappings`): there a busy process is sampled instead,
+//! system calls (a kernel that refuses `fexit` programs, a process without wrappers of its
+//! mapping calls that memprof can probe, and no `mappings`): there a busy process is sampled instead,
 //! and a crowding one left as it is.
 
 use std::num::NonZeroU32;
@@ -31,7 +31,7 @@ impl Tracer {
                 Err(err) => format!("switching to growth mode failed: {err:#}"),
             },
             Ok(false) => "growth mode would slow every system call on this host: its kernel refuses fexit \
-                          programs and the process maps memory without a C library memprof can probe (docs: \
+                          programs and the process maps memory through no wrapper memprof can probe (docs: \
                           reference/limits.md#mappings); --mappings (mappings = true) has it moved all the same"
                 .to_string(),
             Err(err) => format!("growth mode cannot be loaded: {err:#}"),

@@ -32,7 +32,7 @@ fn is_dynamic_linker(path: &str) -> bool {
     path.rsplit('/').next().is_some_and(|name| name.starts_with("ld-linux") || name.starts_with("ld-musl"))
 }
 
-/// The program of a process's own probes at its C library's mapping calls.
+/// The program of a process's own probes at its mapping calls' wrappers.
 const MAPPING_CALLS_PROGRAM: &str = "mapping_call_return";
 
 /// Whose memory and files a process about to be traced has.
@@ -44,15 +44,12 @@ enum Program<'a> {
     BeforeExec(&'a [PathBuf]),
 }
 
-/// The mapping calls' sites in the C library `pid` maps, or will map once it runs `program`, if
-/// it has one whose wrappers memprof understands.
-fn own_mapping_calls(pid: u32, program: Program) -> Option<mapping_calls::Sites> {
+/// The mapping calls' sites in the C library and the program `pid` maps, or will map once it
+/// runs `program`, if they have wrappers memprof understands and no other (`mapping_calls`).
+fn own_mapping_calls(pid: u32, program: Program) -> Option<Vec<mapping_calls::Sites>> {
     match program {
         Program::Running => mapping_calls::of_process(pid, &procfs::file_mappings(pid).ok()?),
-        Program::BeforeExec(files) => {
-            let library = files.iter().find(|file| file.to_str().is_some_and(allocator::is_c_library))?;
-            mapping_calls::of_file(library)
-        }
+        Program::BeforeExec(files) => mapping_calls::of_files(files.first()?, files),
     }
 }
 
@@ -94,10 +91,11 @@ impl Loaded {
 
     /// Whether tracing `pid` by its pages leaves the other processes' system calls alone: where
     /// the kernel refuses `fexit` programs, its mapping calls are read by probes of its own at
-    /// its C library's wrappers (`own_mapping_calls`); a process without one (a static program,
-    /// Go) would need the program at the return of every system call on the machine
-    /// (`MachineWide::SYSTEM_CALLS`), unless `--mappings` has it there already. Loads the
-    /// mapping calls' programs to find out, attaching none.
+    /// the wrappers of its C library or its program (`own_mapping_calls`); a process without
+    /// wrappers memprof understands (a stripped static program) would need the program at the
+    /// return of every system call on the machine (`MachineWide::SYSTEM_CALLS`), unless
+    /// `--mappings` has it there already. Loads the mapping calls' programs to find out,
+    /// attaching none.
     pub fn pages_spare_system_calls(&mut self, pid: u32) -> anyhow::Result<bool> {
         let needs_own = self.own_mapping_calls_needed()?;
         Ok(!needs_own || own_mapping_calls(pid, Program::Running).is_some())
@@ -112,8 +110,8 @@ impl Loaded {
     }
 
     /// Has `pid`'s mapping calls read from now on, by probes of its own where it needs them and
-    /// the C library of its `program` has them, else by the programs for every process, attached
-    /// if they rest.
+    /// its `program` has wrappers memprof understands, else by the programs for every process,
+    /// attached if they rest.
     fn read_mapping_calls(
         &mut self,
         pid: NonZeroU32,
@@ -122,24 +120,25 @@ impl Loaded {
     ) -> anyhow::Result<()> {
         use profiler_common::traced::OWN_MAPPING_CALLS;
         if self.own_mapping_calls_needed()? {
-            if let Some(library) = own_mapping_calls(pid.get(), program) {
-                let probes: Vec<OwnProbe> = library
-                    .sites
+            if let Some(files) = own_mapping_calls(pid.get(), program) {
+                let probes: Vec<OwnProbe> = files
                     .iter()
-                    .map(|site| OwnProbe {
-                        path: &library.path,
-                        offset: site.offset,
-                        semaphore: None,
-                        cookie: u64::from(site.call),
+                    .flat_map(|file| {
+                        file.sites.iter().map(|site| OwnProbe {
+                            path: &file.path,
+                            offset: site.offset,
+                            semaphore: None,
+                            cookie: u64::from(site.call),
+                        })
                     })
                     .collect();
                 self.attach_own(MAPPING_CALLS_PROGRAM, &probes, pid.get(), attachment)?;
-                let (pid, library) = (pid.get(), library.path.display());
-                tracing::debug!(pid, %library, "mapping calls read at the C library's wrappers");
-                return self.update_traced(pid, |flags| flags | OWN_MAPPING_CALLS);
+                let files: Vec<_> = files.iter().map(|file| file.path.display().to_string()).collect();
+                tracing::debug!(pid = pid.get(), ?files, "mapping calls read at the process's own wrappers");
+                return self.update_traced(pid.get(), |flags| flags | OWN_MAPPING_CALLS);
             }
         }
-        // After an exec into a program without a C library, the programs for every process read
+        // After an exec into a program without such wrappers, the programs for every process read
         // its calls again.
         self.update_traced(pid.get(), |flags| flags & !OWN_MAPPING_CALLS)?;
         self.mappings.as_mut().expect("loaded by load_page_faults").wake(&mut self.ebpf)
