@@ -8,8 +8,8 @@
 use std::io::{BufRead, BufReader};
 
 use memprof_tests::{
-    attach, fixture, fixture_go_pure, fixture_musl, fixture_musl_unnamed_mmap, fixture_with, held_before_bytes, run,
-    through, wait_for, Daemon, Outcome, Waiting,
+    attach, fixture, fixture_go, fixture_go_pure, fixture_musl, fixture_musl_unnamed_mmap, fixture_with,
+    held_before_bytes, run, through, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -75,24 +75,28 @@ fn run_sees_the_leaking_site_on_jemalloc() {
     assert_growth(&run(&["--growth", "--interval", "60"], &[jemalloc_fixture().to_str().unwrap()]));
 }
 
-/// A Go program without cgo, whose heap memprof sees no other way: `grow` makes 64 blocks of
-/// 1 MiB and writes each of their pages, 16,384 first touches in a few milliseconds, four times
-/// what the events' ring holds. Read as the kernel wakes memprof for them, none is lost, and the
-/// stacks through `grow` hold its 64 MiB: the pages its own code touched first, and those the
-/// runtime zeroed for it (a span it reused). The runtime's metadata for the blocks is touched
-/// under `grow` too: 2 MiB here, allowed 4.
+/// A Go program's heap, which its runtime maps by system calls of its own: `grow` makes 64 blocks
+/// of 1 MiB and writes each of their pages, 16,384 first touches in a few milliseconds, four
+/// times what the events' ring holds. Read as the kernel wakes memprof for them, none is lost,
+/// and the stacks through `grow` hold its 64 MiB: the pages its own code touched first, and those
+/// the runtime zeroed for it (a span it reused). The runtime's metadata for the blocks is touched
+/// under `grow` too: 2 MiB here, allowed 4. Built without cgo, and linked by the system's linker,
+/// which maps the C library too: its runtime's calls are read all the same.
 #[test]
 fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
-    let outcome = run(&["--growth", "--interval", "60"], &[fixture_go_pure("go_heap").to_str().unwrap()]);
-    assert!(outcome.status.success(), "{outcome:?}");
-    // Its mapping calls are read at its runtime's own wrappers: nothing runs at every system call
-    // on the host for it, whose attach would say so.
-    assert!(!outcome.stderr.contains("this kernel refuses fexit programs ("), "{}", outcome.stderr);
-    let report = outcome.final_report();
-    assert_eq!(report["dropped"]["fault_event_lost"], 0, "{}", report["dropped"]);
-    let grown = 64 << 20;
-    let (held, _) = through(&report, "main.grow");
-    assert!((grown..=grown + (4 << 20)).contains(&held), "main.grow holds {held} bytes of {grown}: {report}");
+    for program in [fixture_go_pure("go_heap"), fixture_go("go_heap")] {
+        let outcome = run(&["--growth", "--interval", "60"], &[program.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        // Its mapping calls are read at its runtime's own wrappers: nothing runs at every system
+        // call on the host for it, whose attach would say so.
+        assert!(!outcome.stderr.contains("this kernel refuses fexit programs ("), "{}", outcome.stderr);
+        let report = outcome.final_report();
+        assert_eq!(report["dropped"]["fault_event_lost"], 0, "{}", report["dropped"]);
+        let grown = 64 << 20;
+        let (held, _) = through(&report, "main.grow");
+        let name = program.display();
+        assert!((grown..=grown + (4 << 20)).contains(&held), "{name}: main.grow holds {held} bytes: {report}");
+    }
 }
 
 /// One fault the kernel answers with a transparent huge page maps 2 MiB, and no other fault
@@ -231,7 +235,9 @@ fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system
 /// the range it moves by `mremap` keeps its pages.
 #[test]
 fn a_static_programs_mapping_calls_are_read_at_its_own_wrappers() {
-    let moving = Waiting::start(&fixture_musl("growth_remap.c", "growth_remap_static", &["-g", "-O0"]), &[]);
+    // An allocator linked in: the daemon traces a process with one it knows.
+    let program = fixture_musl("growth_remap.c", "growth_remap_static", &["-g", "-O0", "-Wl,-u,malloc,-u,free"]);
+    let moving = Waiting::start(&program, &[]);
     let daemon = Daemon::start(&["--growth", "--pid", &moving.pid().to_string()]);
     daemon.wait_traced(moving.pid());
     let series = "memprof_machine_wide_programs{at=\"system_calls\"}";

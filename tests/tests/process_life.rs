@@ -148,9 +148,13 @@ fn attach_says_how_a_process_its_parent_reaped_ended() {
     let mut line = String::new();
     BufReader::new(shell.stdout.take().expect("piped")).read_line(&mut line).expect("the shell says its child");
     let pid: i32 = line.trim().parse().expect("a pid");
-    // Attached once the shell's child is sleep, not still the shell between its fork and exec.
-    let comm = format!("/proc/{pid}/comm");
-    wait_for(10, "the shell's child to exec sleep", || std::fs::read_to_string(&comm).ok().filter(|c| c == "sleep\n"));
+    // Attached once the shell's child is sleep, not still the shell between its fork and exec,
+    // and has its C library: the exec names it before its dynamic linker maps that.
+    let (comm, maps) = (format!("/proc/{pid}/comm"), format!("/proc/{pid}/maps"));
+    wait_for(10, "the shell's child to exec sleep", || {
+        let sleeping = std::fs::read_to_string(&comm).ok().filter(|c| c == "sleep\n");
+        sleeping.filter(|_| std::fs::read_to_string(&maps).is_ok_and(|maps| maps.contains("/libc.so")))
+    });
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid.to_string(), "--json", "--interval", "0.2"]);
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {

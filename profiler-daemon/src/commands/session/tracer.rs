@@ -391,6 +391,8 @@ impl Tracer<'_> {
                     say_not_seen(pid, &spot);
                 }
             }
+            // One that exited meanwhile is said so by its exit line.
+            Err(_) if procfs::stat(pid).is_none_or(|stat| stat.zombie || stat.exiting) => {}
             Err(err) => say!("memprof: pid {pid} could not be moved to growth mode: {err:#}"),
         }
     }
