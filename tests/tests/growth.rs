@@ -8,8 +8,8 @@
 use std::io::{BufRead, BufReader};
 
 use memprof_tests::{
-    attach, fixture, fixture_go, fixture_go_pure, fixture_musl, fixture_musl_unnamed_mmap, fixture_with,
-    held_before_bytes, run, through, wait_for, Daemon, Outcome, Waiting,
+    attach, fixture, fixture_go, fixture_go_pure, fixture_go_stripped, fixture_musl, fixture_musl_unnamed_mmap,
+    fixture_with, held_before_bytes, run, through, wait_for, Daemon, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -80,11 +80,12 @@ fn run_sees_the_leaking_site_on_jemalloc() {
 /// times what the events' ring holds. Read as the kernel wakes memprof for them, none is lost,
 /// and the stacks through `grow` hold its 64 MiB: the pages its own code touched first, and those
 /// the runtime zeroed for it (a span it reused). The runtime's metadata for the blocks is touched
-/// under `grow` too: 2 MiB here, allowed 4. Built without cgo, and linked by the system's linker,
-/// which maps the C library too: its runtime's calls are read all the same.
+/// under `grow` too: 2 MiB here, allowed 4. Built without cgo, stripped of its symbols, and linked
+/// by the system's linker, which maps the C library too: its runtime's calls are read all the
+/// same.
 #[test]
 fn a_go_programs_heap_is_held_by_the_function_that_grew_it() {
-    for program in [fixture_go_pure("go_heap"), fixture_go("go_heap")] {
+    for program in [fixture_go_pure("go_heap"), fixture_go_stripped("go_heap"), fixture_go("go_heap")] {
         let outcome = run(&["--growth", "--interval", "60"], &[program.to_str().unwrap()]);
         assert!(outcome.status.success(), "{outcome:?}");
         // Its mapping calls are read at its runtime's own wrappers: nothing runs at every system

@@ -11,7 +11,7 @@
 //! ranges (`growth.outside_pages`).
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::LazyLock,
 };
@@ -22,8 +22,10 @@ use crate::process::{
     allocator::{functions_with_code, is_c_library},
     elf_bytes,
     file_cache::{FileCache, Opened},
+    go_functions::{self, GoFunctions},
     placement, procfs,
     procfs::FileMapping,
+    usdt,
 };
 
 /// A wrapper: its name, its system call, and whether every C library makes that call in it
@@ -42,7 +44,8 @@ const C_WRAPPERS: [Wrapper; 6] = [
 
 /// Go's runtime makes its own system calls, in assembly (`runtime·sysMmap` and the others in
 /// `sys_linux_amd64.s`), whether or not the program is linked with a C library (cgo). It never
-/// calls `mremap` or `brk`. Its `mmap` first.
+/// calls `mremap` or `brk`. Its `mmap` first; by their symbols' names, which a stripped program
+/// has not (`go_wrappers_by_table`).
 const GO_WRAPPERS: [Wrapper; 3] = [
     ("runtime.sysMmap.abi0", syscall::MMAP, true),
     ("runtime.sysMunmap.abi0", syscall::MUNMAP, true),
@@ -136,7 +139,10 @@ fn read_sites(file: &std::fs::File, holder: Holder) -> Option<Vec<Site>> {
     let data = elf_bytes::read(file).ok()?;
     let elf = object::File::parse(&*data).ok()?;
     let wanted: HashSet<&str> = C_WRAPPERS.iter().chain(&GO_WRAPPERS).map(|(name, _, _)| *name).collect();
-    let functions = functions_with_code(&data, &elf, &wanted);
+    let mut functions = functions_with_code(&data, &elf, &wanted);
+    if holder == Holder::Program && functions.is_empty() {
+        functions = go_wrappers_by_table(&data, &elf);
+    }
     // A program holds a set when it holds its `mmap`: a static Go program linked with cgo holds
     // both.
     let held: Vec<Wrapper> = match holder {
@@ -163,6 +169,23 @@ fn read_sites(file: &std::fs::File, holder: Holder) -> Option<Vec<Site>> {
         sites.extend(returns.into_iter().map(|distance| Site { offset: offset + distance, call }));
     }
     Some(sites)
+}
+
+/// Go's runtime's wrappers in a Go program without a symbol table, by its own table of its
+/// functions (`go_functions`), which names them without their symbols' `.abi0`.
+fn go_wrappers_by_table<'d>(data: &'d [u8], elf: &object::File<'d>) -> HashMap<&'static str, (u64, &'d [u8])> {
+    let unversioned = |symbol: &'static str| symbol.trim_end_matches(".abi0");
+    let Some(table) = go_functions::section_data(elf) else { return HashMap::new() };
+    let Some(functions) = GoFunctions::read(table, go_functions::text_start(elf)) else { return HashMap::new() };
+    let names: Vec<&str> = GO_WRAPPERS.iter().map(|(symbol, _, _)| unversioned(symbol)).collect();
+    let found = functions.find(table, &names).into_iter().filter_map(|(name, range)| {
+        let (symbol, _, _) = GO_WRAPPERS.iter().find(|(symbol, _, _)| unversioned(symbol) == name)?;
+        let offset = usdt::file_offset(elf, range.start)?;
+        let start = usize::try_from(offset).ok()?;
+        let code = data.get(start..start.checked_add(usize::try_from(range.end - range.start).ok()?)?)?;
+        Some((*symbol, (offset, code)))
+    });
+    found.collect()
 }
 
 #[cfg(test)]
