@@ -81,8 +81,8 @@ pub struct Sites {
 static SITES: LazyLock<FileCache<Option<Vec<Site>>>> = LazyLock::new(|| FileCache::new(64));
 
 /// The sites in the C library among `mappings`, `pid`'s, and in its program; `None` when it has
-/// none (a stripped static program) or some wrapper in either is not one memprof understands:
-/// a call made there would be missed.
+/// none (a static C program stripped of its symbols) or some wrapper in either is not one
+/// memprof understands: a call made there would be missed.
 pub fn of_process(pid: u32, mappings: &[FileMapping]) -> Option<Vec<Sites>> {
     let executable = procfs::exe_path(pid);
     let library = mappings.iter().find(|mapping| mapping.executable && is_c_library(&mapping.path));

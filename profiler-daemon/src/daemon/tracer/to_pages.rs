@@ -2,8 +2,8 @@
 //! the others out of a shared table (`crowding`). It is moved to growth mode, whose cost follows
 //! its new pages, not its calls; except where growth mode would slow every other process's
 //! system calls (a kernel that refuses `fexit` programs, a process without wrappers of its
-//! mapping calls that memprof can probe, and no `mappings`): there a busy process is sampled instead,
-//! and a crowding one left as it is.
+//! mapping calls that memprof can probe, and no `mappings`): there a busy process is sampled
+//! instead, and a crowding one left as it is.
 
 use std::num::NonZeroU32;
 

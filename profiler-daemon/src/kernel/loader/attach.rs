@@ -92,9 +92,9 @@ impl Loaded {
     /// Whether tracing `pid` by its pages leaves the other processes' system calls alone: where
     /// the kernel refuses `fexit` programs, its mapping calls are read by probes of its own at
     /// the wrappers of its C library or its program (`own_mapping_calls`); a process without
-    /// wrappers memprof understands (a stripped static program) would need the program at the
-    /// return of every system call on the machine (`MachineWide::SYSTEM_CALLS`), unless
-    /// `--mappings` has it there already. Loads the mapping calls' programs to find out,
+    /// wrappers memprof understands (a static C program stripped of its symbols) would need the
+    /// program at the return of every system call on the machine (`MachineWide::SYSTEM_CALLS`),
+    /// unless `--mappings` has it there already. Loads the mapping calls' programs to find out,
     /// attaching none.
     pub fn pages_spare_system_calls(&mut self, pid: u32) -> anyhow::Result<bool> {
         let needs_own = self.own_mapping_calls_needed()?;
