@@ -144,7 +144,7 @@ pub mod mapping_event {
     pub const KEEP_OLD: u32 = 2;
 
     /// The mapping calls' x86-64 system call numbers: a probe of a process's own at one of its
-    /// C library's wrappers has its call's for cookie.
+    /// wrappers of them has its call's for cookie.
     pub mod syscall {
         pub const MMAP: u32 = 9;
         pub const MUNMAP: u32 = 11;

@@ -12,7 +12,8 @@
 //! tracepoint instead: that puts every system call of every process on the kernel's slower path
 //! for traced system calls, and runs the program there, which returns after one read of the
 //! call's number. There, a process traced by its pages gets probes of its own instead where its
-//! C library's wrappers make the calls (`mapping_call_return`), and no other process pays.
+//! wrappers make the calls, its C library's or its program's (`mapping_call_return`), and no
+//! other process pays.
 //! Nothing runs at a call's entry: the one thing it would tell, the break before a `brk`, the
 //! daemon knows from the process's previous `brk`.
 //!
@@ -131,9 +132,10 @@ pub fn syscall_exit_tracepoint(ctx: RawTracePointContext) -> i32 {
 }
 
 /// Where the kernel refuses `fexit` programs, a probe of one process's own: a uprobe at the
-/// instruction after a `syscall` in its C library's wrapper of a mapping call, the call's number
-/// for cookie (see the daemon's `process::mapping_calls`). The registers there are the call's: its
-/// arguments still in theirs, its result in rax, and the stack the call's.
+/// instruction after a `syscall` in its wrapper of a mapping call (its C library's, a static
+/// program's copy, Go's runtime's), the call's number for cookie (see the daemon's
+/// `process::mapping_calls`). The registers there are the call's: its arguments still in theirs,
+/// its result in rax, and the stack the call's.
 #[uprobe]
 pub fn mapping_call_return(ctx: ProbeContext) -> u32 {
     // SAFETY: the context is the running probe's.

@@ -329,11 +329,11 @@ pub fn render(measured: &Measured) -> String {
          samples one allocation in every 64 KiB (its `--max-rate`); a second later, when sampling still costs \
          more than a tenth of a core, it traces the server by its pages (growth mode), unless that would slow \
          every system call on the host (a kernel that refuses `fexit` programs, as this VM's, and a server \
-         whose wrappers of its mapping calls memprof cannot find; redis's are its C library's). `--max-rate off` \
-         keeps it exact. Its defaults \
-         have two rows: timed from the attach, and timed after {SETTLING_REQUESTS} SETs traced, its switches \
-         behind it. The modes' runs interleaved, {} rounds; the median of each. Measured {}, load average {} \
-         before, {} after (2 cores shared with other work: compare the ratios).\n",
+         whose wrappers of its mapping calls memprof cannot find; redis's are its C library's). \
+         `--max-rate off` keeps it exact. Its defaults have two rows: timed from the attach, and timed after \
+         {SETTLING_REQUESTS} SETs traced, its switches behind it. The modes' runs interleaved, {} rounds; the \
+         median of each. Measured {}, load average {} before, {} after (2 cores shared with other work: \
+         compare the ratios).\n",
         measured.requests,
         measured.runs[0].len(),
         measured.date,
