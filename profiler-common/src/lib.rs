@@ -6,6 +6,7 @@
 
 mod alloc_fn;
 mod blocks;
+pub mod completion;
 mod drops;
 mod events;
 pub mod generations;

@@ -32,7 +32,10 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 
-use profiler_common::{return_owner, AllocFn, SHARED_LINK};
+use profiler_common::{
+    completion::{Completion, RegisterNumber},
+    return_owner, AllocFn, SHARED_LINK,
+};
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
 /// one `uprobe_multi` link carries all of a process's entry points (see the daemon's `probes`).
@@ -54,14 +57,48 @@ fn cookie(ctx: &ProbeContext) -> (u64, bool) {
 }
 
 /// Records an allocator call's entry; returns whether its return must be seen (`skippable`: a
-/// session's return fires only then).
+/// session's return fires only then). Inlined, for the frames' sake (see `on_completion`).
+#[inline(always)]
 fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
-    match u32::try_from(cookie).ok().and_then(AllocFn::from_u32) {
-        Some(func) => {
-            let (size, ptr_arg) = entry_arguments(ctx, func);
-            record::on_entry(ctx, func, size, ptr_arg, skippable)
+    // The function is the cookie's low half; a completion site's says more above it.
+    let Some(func) = AllocFn::from_u32(cookie as u32) else {
+        return false;
+    };
+    if let Some(completion) = Completion::of(cookie) {
+        // SAFETY: the context is the running probe's.
+        let flags = unsafe { (*ctx.regs).eflags };
+        if completion.completes(flags) {
+            record::on_completion(ctx, func, arg(ctx, 0), register(ctx, completion.result));
         }
-        None => false,
+        // A call that goes on is seen by its later site: none needs a return probe from here.
+        return false;
+    }
+    let (size, ptr_arg) = entry_arguments(ctx, func);
+    record::on_entry(ctx, func, size, ptr_arg, skippable)
+}
+
+/// The value of register `number` (see `profiler_common::completion`) at the probe.
+fn register(ctx: &ProbeContext, number: RegisterNumber) -> u64 {
+    // SAFETY: the context is the running probe's. Each field at a constant offset: the verifier
+    // refuses a computed one into the context.
+    let regs = unsafe { &*ctx.regs };
+    match number {
+        0 => regs.rax,
+        1 => regs.rcx,
+        2 => regs.rdx,
+        3 => regs.rbx,
+        6 => regs.rsi,
+        7 => regs.rdi,
+        8 => regs.r8,
+        9 => regs.r9,
+        10 => regs.r10,
+        11 => regs.r11,
+        12 => regs.r12,
+        13 => regs.r13,
+        14 => regs.r14,
+        15 => regs.r15,
+        // rsp and rbp, which the daemon never names (see `fast_path`).
+        _ => 0,
     }
 }
 

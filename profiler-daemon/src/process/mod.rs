@@ -5,6 +5,7 @@ pub mod allocator;
 mod answers;
 pub mod elf_bytes;
 pub mod families;
+pub mod fast_path;
 pub mod file_cache;
 pub mod freeze;
 pub mod go_functions;

@@ -29,7 +29,7 @@ use crate::process::families::Role;
 /// Functions longer than this are not decoded (their probe stays on the symbol): allocator
 /// entry points keep their slow paths in other functions, and a whole function is decoded to
 /// check its jumps.
-const MAX_FUNCTION_BYTES: usize = 64 * 1024;
+pub(super) const MAX_FUNCTION_BYTES: usize = 64 * 1024;
 
 /// How far past its first byte the probe of the function whose bytes are `code` goes (0: on its
 /// symbol). `code` holds the whole function, as its symbol's size bounds it: every direct jump
@@ -105,7 +105,7 @@ fn kept_registers(role: Role) -> Vec<Register> {
 
 /// The function's instructions in order, their `ip` the distance from its first byte; `None`
 /// if some bytes are no instruction (data, or a symbol size that is wrong).
-fn decode(code: &[u8]) -> Option<Vec<Instruction>> {
+pub(super) fn decode(code: &[u8]) -> Option<Vec<Instruction>> {
     let mut decoder = Decoder::with_ip(64, code, 0, DecoderOptions::NONE);
     let mut function = Vec::new();
     while decoder.can_decode() {
@@ -136,7 +136,7 @@ fn first_emulated(function: &[Instruction], code: &[u8], from: usize, kept: &[Re
 /// Whether the kernel emulates the instruction instead of single-stepping it: `push %reg`
 /// (`50+r`, `41 50+r`), a direct near `jmp`, `jcc` or `call`, `nop` (`90`, `0f 1f /0`); none with
 /// a prefix the kernel refuses (it single-steps a branch with an operand-size prefix).
-fn emulated(instruction: &Instruction, code: &[u8]) -> bool {
+pub(super) fn emulated(instruction: &Instruction, code: &[u8]) -> bool {
     let bytes = &code[instruction.ip() as usize..][..instruction.len()];
     let prefixed = matches!(bytes[0], 0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 | 0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3);
     if prefixed {
@@ -169,7 +169,7 @@ fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: 
 }
 
 /// Whether an operand's access writes it, always or on a condition.
-fn writes(access: OpAccess) -> bool {
+pub(super) fn writes(access: OpAccess) -> bool {
     matches!(access, OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite)
 }
 

@@ -15,7 +15,7 @@ use super::{
     frees::{forget_free, retire, unseen_free},
     get_or_insert, ids, sample_bytes, stack_pointer,
     totals::on_allocated,
-    Probe, IDLE, INFLIGHT, NESTING_STACK_SPAN,
+    Probe, Site, IDLE, INFLIGHT, NESTING_STACK_SPAN,
 };
 use crate::{
     live, process,
@@ -146,6 +146,42 @@ pub fn on_entry(ctx: &ProbeContext, func: AllocFn, size: u64, ptr_arg: u64, skip
     true
 }
 
+/// A call that its allocator's fast path completes, at the branch that sends it to its return
+/// (see `profiler_common::completion`): what its entry and its return would have done, at once.
+/// `returned` is the block it returns.
+///
+/// Inlined, as `on_return`: the session program's frame then serves both, where a frame of its
+/// own would put the walk's chain of frames past the 512 bytes the verifier allows.
+#[inline(always)]
+pub fn on_completion(ctx: &ProbeContext, func: AllocFn, size: u64, returned: u64) {
+    let (tgid, tid) = ids();
+    let sample_bytes = sample_bytes(tgid);
+    // SAFETY: a helper without arguments.
+    if sample_bytes != 0 && !profiler_common::sampled(sample_bytes, size, unsafe { bpf_get_prandom_u32() }) {
+        return;
+    }
+    let entry = INFLIGHT.get_ptr_mut(tid);
+    // SAFETY: this thread's own entry; only this thread writes it while the thread lives.
+    if entry.is_some_and(|state| nested_in(unsafe { &*state }, tgid, stack_pointer(ctx))) {
+        // Inside another allocator call of this thread: only the outermost one counts.
+        return;
+    }
+    if returned == 0 {
+        if size != 0 {
+            bump_proc_counter(tgid, |c| &mut c.failed_allocations);
+        }
+        return;
+    }
+    let probe = Probe { regs: ctx.regs, site: Site::Completion };
+    let marks = if sample_bytes != 0 { SAMPLED } else { 0 };
+    on_allocated(probe, tgid, tid, returned, size, func as u32 | marks, sample_bytes);
+    // Kept for the next free of this thread, which may make it a temporary allocation.
+    if let Some(state) = entry.or_else(|| get_or_insert(&INFLIGHT, &tid, &IDLE)) {
+        // SAFETY: as above.
+        unsafe { (*state).last_alloc = returned };
+    }
+}
+
 /// Whether thread `tid` of process `tgid` is inside a probed allocator call (in full mode every
 /// call is; in sampled mode only those drawn).
 pub fn in_allocator_call(tgid: u32, tid: u32) -> bool {
@@ -173,7 +209,7 @@ pub fn on_thread_exit() {
 #[inline(always)]
 pub fn on_return(ctx: &RetProbeContext) {
     let (tgid, tid) = ids();
-    let probe = Probe { regs: ctx.regs, at_return: true, at_site: false };
+    let probe = Probe { regs: ctx.regs, site: Site::Return };
     let ret: u64 = ctx.ret();
     let Some(state) = INFLIGHT.get_ptr_mut(tid).filter(|state| unsafe { (**state).depth } != 0) else {
         if sample_bytes(tgid) != 0 {

@@ -15,7 +15,7 @@ use profiler_common::{
 
 use super::{
     bump_proc_counter, calls::nested_in, get_or_insert, ids, probe_address, sample_bytes, stack_pointer,
-    totals::count_free, Probe, IDLE, INFLIGHT, NESTING_STACK_SPAN,
+    totals::count_free, Probe, Site, IDLE, INFLIGHT, NESTING_STACK_SPAN,
 };
 use crate::{live, shared::count_drop};
 
@@ -80,7 +80,7 @@ pub fn on_free(ctx: &ProbeContext, addr: u64, cookie: u64) {
     if wrapper {
         note_wrapper(state, ctx, tgid, tid, addr, sp);
     }
-    let probe = Probe { regs: ctx.regs, at_return: false, at_site: false };
+    let probe = Probe { regs: ctx.regs, site: Site::Entry };
     // Freed by its own thread as the very next call after its allocation: no other allocation or
     // free in between (heaptrack's temporary allocation). Any free ends the run.
     let last_alloc = match state {

@@ -25,7 +25,7 @@ mod frees;
 mod totals;
 mod usdt;
 
-pub use calls::{current_mm, in_allocator_call, on_entry, on_return, on_thread_exit, return_trampoline};
+pub use calls::{current_mm, in_allocator_call, on_completion, on_entry, on_return, on_thread_exit, return_trampoline};
 pub use frees::on_free;
 pub use totals::new_image;
 pub use usdt::{on_usdt_alloc, on_usdt_free};
@@ -107,10 +107,21 @@ fn add_to_proc_counter(tgid: u32, field: fn(&mut ProcCounters) -> &mut u64, valu
 #[derive(Clone, Copy)]
 struct Probe {
     regs: *const pt_regs,
+    site: Site,
+}
+
+/// Where a probe sits, which says where its stack walk starts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Site {
+    /// At a function's entry, before anything is pushed: the walk leaves the function out.
+    Entry,
     /// At a return probe: the walk starts at the return address.
-    at_return: bool,
+    Return,
     /// At a USDT probe site, whose frame is the first (see `Regs::at_site`).
-    at_site: bool,
+    Usdt,
+    /// At an allocator's completion site, with the stack as at its entry: the walk starts at the
+    /// return address, as at the return (see `Regs::completing`).
+    Completion,
 }
 
 impl Probe {
@@ -120,23 +131,24 @@ impl Probe {
     fn stack_id(self, which: u32, tgid: u32) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running.
         let regs = unsafe {
-            if self.at_site {
-                Regs::at_site(self.regs)
-            } else {
-                Regs::of(self.regs, self.at_return)
+            match self.site {
+                Site::Entry => Regs::of(self.regs, false),
+                Site::Return => Regs::of(self.regs, true),
+                Site::Usdt => Regs::at_site(self.regs),
+                Site::Completion => Regs::completing(self.regs),
             }
         };
         unwind::stack_id(which, tgid, regs)
     }
 
     /// Where the probed call returns to: at a return probe, the instruction pointer (the kernel
-    /// has put the real return address back); at an entry, the word at the stack pointer, as
-    /// the daemon places entry probes before anything is pushed. 0 when unreadable.
+    /// has put the real return address back); elsewhere, the word at the stack pointer, as the
+    /// daemon places entry and completion probes where nothing is pushed. 0 when unreadable.
     fn caller(self) -> u64 {
         // SAFETY: `regs` is the context of the probe that is running; the user read faults safely.
         unsafe {
             let regs = &*self.regs;
-            if self.at_return {
+            if self.site == Site::Return {
                 regs.rip
             } else {
                 bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0)
@@ -148,7 +160,7 @@ impl Probe {
     fn called_by_c_library(self, cookie: u64) -> bool {
         // SAFETY: `regs` is the context of the probe that is running: at an entry, its address.
         let here = unsafe { (*self.regs).rip };
-        !self.at_return && profiler_common::called_by_c_library(cookie, here, self.caller())
+        self.site != Site::Return && profiler_common::called_by_c_library(cookie, here, self.caller())
     }
 }
 

@@ -9,7 +9,7 @@ use super::{
     frees::retire,
     ids, sample_bytes,
     totals::{count_free, on_allocated, UNSEEN},
-    Probe,
+    Probe, Site,
 };
 use crate::{
     live,
@@ -43,7 +43,7 @@ pub fn on_usdt_alloc(ctx: &ProbeContext, addr: u64, size: u64, weight: u64) {
         count_drop(DropReason::LiveMapFull);
         return;
     }
-    let probe = Probe { regs: ctx.regs, at_return: false, at_site: true };
+    let probe = Probe { regs: ctx.regs, site: Site::Usdt };
     if on_allocated(probe, tgid, tid, addr, size, AllocFn::Malloc as u32 | SAMPLED | USDT, weight) {
         add_to_proc_counter(tgid, |c| &mut c.usdt_counts, profiler_common::weight(weight, size).0);
     } else {
@@ -73,7 +73,7 @@ pub fn on_usdt_free(ctx: &ProbeContext, addr: u64) {
     // Two threads freeing the same block race here: only the one that removes it counts it.
     if live::remove(&key).is_ok() {
         count_estimate(&key, &alloc);
-        retire(Probe { regs: ctx.regs, at_return: false, at_site: true }, key, &alloc, false);
+        retire(Probe { regs: ctx.regs, site: Site::Usdt }, key, &alloc, false);
         let _ = USDT_WEIGHTS.remove(key);
     }
 }

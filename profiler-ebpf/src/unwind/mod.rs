@@ -22,7 +22,7 @@
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     cty::c_void,
-    helpers::bpf_loop,
+    helpers::{bpf_loop, bpf_probe_read_user},
     macros::map,
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     Global,
@@ -162,6 +162,26 @@ impl Regs {
         Regs {
             pc,
             sp: regs.rsp,
+            bp: regs.rbp,
+            pc_is_return: true,
+            first_is_probed: false,
+            taken: TakenReturns::NONE,
+            counts_cuts: true,
+        }
+    }
+
+    /// At an allocator's completion site (see `profiler_common::completion`), where the stack
+    /// and rbp are as at the function's entry: walked from the return address at `[rsp]`, with
+    /// the registers the return will have, so that the stack is the one a return probe walks.
+    ///
+    /// # Safety
+    /// `regs` must be the probe's context registers.
+    pub unsafe fn completing(regs: *const pt_regs) -> Regs {
+        let regs = &*regs;
+        Regs {
+            // SAFETY: a read of user memory through the helper, which faults safely.
+            pc: bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0),
+            sp: regs.rsp + 8,
             bp: regs.rbp,
             pc_is_return: true,
             first_is_probed: false,

@@ -406,7 +406,14 @@ impl Loaded {
     fn attach_allocator_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let points = |file: &allocator::AllocatorFile| {
             let allocs: Vec<Point> =
-                file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.func as u64 }).collect();
+                file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.cookie() }).collect();
+            // A completion site's calls end there: no return probe.
+            let returns: Vec<Point> = file
+                .allocs
+                .iter()
+                .filter(|p| p.completion.is_none())
+                .map(|p| Point { offset: p.offset, cookie: p.cookie() })
+                .collect();
             let frees: Vec<Point> = file
                 .frees
                 .iter()
@@ -415,7 +422,7 @@ impl Loaded {
                     Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { c_library.unwrap_or(0) } }
                 })
                 .collect();
-            (allocs, frees)
+            (allocs, returns, frees)
         };
         // Each file opened for all its links, and only if it is the file whose entry points were
         // read: its path may name another by now.
@@ -433,13 +440,16 @@ impl Loaded {
             .zip(&opened)
             .map(|(file, opened)| ((&*file.attach_path, opened), points(file)))
             .collect();
-        let frees = files.iter().map(|(path, (_, frees))| (FREE_PROGRAM, *path, frees));
+        let frees = files.iter().map(|(path, (_, _, frees))| (FREE_PROGRAM, *path, frees));
         let alloc_programs: &[&'static str] = match self.method {
             Method::Sessions => &[SESSION_PROGRAM],
             _ => &[RETURN_PROGRAM, ENTRY_PROGRAM],
         };
-        let allocs =
-            alloc_programs.iter().flat_map(|&name| files.iter().map(move |(path, (allocs, _))| (name, *path, allocs)));
+        let allocs = alloc_programs.iter().flat_map(|&name| {
+            files.iter().map(move |(path, (allocs, returns, _))| {
+                (name, *path, if name == RETURN_PROGRAM { returns } else { allocs })
+            })
+        });
         let mut attachment = Attachment::default();
         for (name, path, points) in frees.chain(allocs) {
             if let Err(err) = self.add_probes(&mut attachment, name, path, points, pid) {

@@ -9,11 +9,13 @@ use std::{
 };
 
 use object::{Object, ObjectSection, ObjectSymbol};
+use profiler_common::AllocFn;
 
 use super::{blind_spots::UNPROBED, is_libc, AllocatorFile, BlindSpot, FileScan, FreePoint, ProbePoint};
 use crate::process::{
     elf_bytes,
     families::{self, Family, Role},
+    fast_path,
     file_cache::{FileCache, FileId, Opened},
     placement,
 };
@@ -123,7 +125,7 @@ fn read_file<'d>(
             }
             let offset = function.offset + placement::probe_distance(code(function), *role);
             match role {
-                Role::Alloc(func) => file.allocs.push(ProbePoint { offset, func: *func }),
+                Role::Alloc(func) => file.allocs.extend(alloc_points(*func, function.offset, offset, code(function))),
                 Role::Free => {
                     let c_library_code = if wrapper { None } else { code_around(text, offset) };
                     file.frees.push(FreePoint { offset, wrapper, c_library_code })
@@ -132,6 +134,22 @@ fn read_file<'d>(
         }
     }
     (!file.allocs.is_empty() && !file.frees.is_empty()).then_some(file)
+}
+
+/// Where allocation function `func`, at file offset `start`, is probed: on its fast path's sites
+/// where it has one that memprof can follow (only the size read, in rdi: see `fast_path`), else
+/// at `entry`, its entry probe's offset.
+fn alloc_points(func: AllocFn, start: u64, entry: u64, code: &[u8]) -> Vec<ProbePoint> {
+    let size_only = func.arguments().read().eq([0]);
+    let Some(fast_path) = size_only.then(|| fast_path::of(code)).flatten() else {
+        return vec![ProbePoint { offset: entry, func, completion: None }];
+    };
+    let slow_paths = fast_path.slow_paths.iter().map(|&site| (site, None));
+    let completions = fast_path.completions.iter().map(|&(site, completion)| (site, Some(completion)));
+    slow_paths
+        .chain(completions)
+        .map(|(site, completion)| ProbePoint { offset: start + site, func, completion })
+        .collect()
 }
 
 /// How far the executable segment of `text` that holds file offset `offset` reaches below and
@@ -288,5 +306,36 @@ mod tests {
         ] {
             assert_eq!(placed.get(&(library, symbol)), Some(&distance), "{symbol} in {library}");
         }
+    }
+
+    /// Which allocation functions of Debian's allocator libraries record their fast path's calls
+    /// in one trap (see `fast_path`): a table on stdout for review, and the ones that matter.
+    #[test]
+    fn debian_allocators_fast_paths() {
+        let families = families::all();
+        let wanted: HashSet<&str> = families.iter().flat_map(|f| f.entries.iter().map(|(s, _)| s.as_str())).collect();
+        let mut found = HashSet::new();
+        for library in ["libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libmimalloc.so.2.0", "libc.so.6"] {
+            let path = format!("/usr/lib/x86_64-linux-gnu/{library}");
+            let data =
+                std::fs::read(&path).unwrap_or_else(|err| panic!("{path}: {err} (cargo xtask setup installs it)"));
+            let elf = object::File::parse(&*data).expect("an ELF file");
+            let functions = functions(&elf, &wanted);
+            for family in &families {
+                for (symbol, role) in &family.entries {
+                    let (Some(function), Role::Alloc(func)) = (functions.get(symbol.as_str()), role) else { continue };
+                    let points = alloc_points(*func, function.offset, function.offset, function.code(&data));
+                    if points.iter().any(|point| point.completion.is_some()) && found.insert((library, symbol.as_str()))
+                    {
+                        let sites: Vec<String> = points
+                            .iter()
+                            .map(|point| format!("+{:#x} {:?}", point.offset - function.offset, point.completion))
+                            .collect();
+                        println!("{library:26} {symbol:40} {}", sites.join(", "));
+                    }
+                }
+            }
+        }
+        assert!(found.contains(&("libjemalloc.so.2", "malloc")));
     }
 }

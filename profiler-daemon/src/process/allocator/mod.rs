@@ -12,7 +12,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use profiler_common::AllocFn;
+use profiler_common::{completion::Completion, AllocFn};
 
 use crate::{
     error::UserError,
@@ -39,6 +39,17 @@ use entry_points::{scan, scan_file};
 pub struct ProbePoint {
     pub offset: u64,
     pub func: AllocFn,
+    /// At a branch of the function's fast path that completes some of its calls, which need no
+    /// return probe (see `process::fast_path`); `None` at an entry.
+    pub completion: Option<Completion>,
+}
+
+impl ProbePoint {
+    /// Its probe's cookie.
+    pub fn cookie(&self) -> u64 {
+        let func = self.func as u32;
+        self.completion.map_or(u64::from(func), |completion| completion.cookie(func))
+    }
 }
 
 /// A freeing entry point to probe.

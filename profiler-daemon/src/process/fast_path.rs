@@ -1,0 +1,255 @@
+//! One trap a call instead of two, for an allocation function whose fast path returns on its own
+//! and leaves its slow path by a tail call (jemalloc's `malloc`).
+//!
+//! An allocation's entry probe reads the size and its return probe the block: two traps a call.
+//! Where the function's last branch before a `ret` leaves the size in its register and the block
+//! in another, one probe on that branch sees both. Its program tells from the flags register
+//! which way the branch goes (the kernel emulates the branch after the programs ran, from the
+//! same flags): the way to the `ret` completes the call, which it records at once
+//! (`profiler_common::completion`); the other leads to a later branch or to the slow path. The
+//! slow path, a direct `jmp` out of the function taken with the stack and the size as at the
+//! entry, gets the usual entry and return probes.
+//!
+//! Every way through the function from its entry is followed. The function qualifies only if
+//! each way passes exactly one site that records it: the last branch of a way to a `ret` (taken
+//! in that direction) or a `jmp` to the slow path, and if no way calls, loops, touches rsp or
+//! rbp (the stack walk starts from them and the return address at `[rsp]`), or writes the size's
+//! register before its site. Anything else keeps the usual probes.
+
+use iced_x86::{Code, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind, Register};
+use profiler_common::completion::{Completion, RegisterNumber, RAX, RDI};
+
+use crate::process::placement;
+
+/// More ways than this through a function's opening is no fast path.
+const MAX_WAYS: usize = 64;
+
+/// Where an allocation function whose only argument read is its size, in rdi, is probed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FastPath {
+    /// Offsets of the `jmp`s to its slow path, each probed at entry and return.
+    pub slow_paths: Vec<u64>,
+    /// Offsets of the branches that complete a call, and how.
+    pub completions: Vec<(u64, Completion)>,
+}
+
+/// The fast path of the function whose bytes (its symbol's size of them) are `code`, if it has
+/// one that qualifies (see the module's documentation).
+pub fn of(code: &[u8]) -> Option<FastPath> {
+    if code.is_empty() || code.len() > placement::MAX_FUNCTION_BYTES {
+        return None;
+    }
+    let function = placement::decode(code)?;
+    let ways = ways(&function, code)?;
+    let mut fast_path = FastPath { slow_paths: Vec::new(), completions: Vec::new() };
+    for way in &ways {
+        match way.end {
+            End::SlowPath(site) if !fast_path.slow_paths.contains(&site) => fast_path.slow_paths.push(site),
+            End::SlowPath(_) => {}
+            End::Return(completion) => {
+                let (site, condition) = *way.branches.last()?;
+                // rsp and rbp are never the block (the program does not read them).
+                let result = completion.filter(|&register| !matches!(register, 4 | 5))?;
+                let completion = Completion { condition, result };
+                match fast_path.completions.iter().find(|(known, _)| *known == site) {
+                    Some((_, known)) if *known != completion => return None,
+                    Some(_) => {}
+                    None => fast_path.completions.push((site, completion)),
+                }
+            }
+        }
+    }
+    // Each way is recorded once: by its last branch if it returns, by its jump if it leaves.
+    let recording = |&(site, condition): &(u64, u8)| {
+        fast_path.completions.iter().any(|(known, completion)| *known == site && completion.condition == condition)
+    };
+    for way in &ways {
+        let recorded = way.branches.iter().filter(|branch| recording(branch)).count();
+        let expected = match way.end {
+            End::Return(_) => way.branches.last().is_some_and(recording).then_some(1),
+            End::SlowPath(_) => Some(0),
+        };
+        if expected != Some(recorded) {
+            return None;
+        }
+    }
+    (!fast_path.completions.is_empty()).then_some(fast_path)
+}
+
+/// How a way through the function ends.
+#[derive(Debug, Clone, Copy)]
+enum End {
+    /// At a `ret`: the register whose value at the way's last branch it returns, if one does.
+    Return(Option<RegisterNumber>),
+    /// At a `jmp` out of the function, at this offset.
+    SlowPath(u64),
+}
+
+/// A way through the function: its branches (offset, and the condition that sends it this way).
+#[derive(Debug, Clone)]
+struct Way {
+    branches: Vec<(u64, u8)>,
+    end: End,
+}
+
+/// A way being followed.
+#[derive(Clone)]
+struct Walk {
+    next: usize,
+    steps: usize,
+    branches: Vec<(u64, u8)>,
+    /// Whether the size is still in rdi.
+    size_kept: bool,
+    /// For each register, the register whose value at the last branch it holds.
+    holds: [Option<RegisterNumber>; 16],
+}
+
+/// Every way through the function from its entry; `None` where one does what a fast path may not.
+fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
+    let index_of = |offset: u64| function.binary_search_by_key(&offset, Instruction::ip).ok();
+    let mut info = InstructionInfoFactory::new();
+    let mut walks = vec![Walk { next: 0, steps: 0, branches: Vec::new(), size_kept: true, holds: identity() }];
+    let mut ways = Vec::new();
+    while let Some(mut walk) = walks.pop() {
+        loop {
+            // A way longer than the function runs in a loop.
+            walk.steps += 1;
+            let instruction = function.get(walk.next).filter(|_| walk.steps <= function.len())?;
+            // `ret` is the one instruction that may move rsp: the way ends there.
+            let returns = instruction.code() == Code::Retnq;
+            if !returns && (instruction.is_stack_instruction() || touches_frame(&mut info, instruction)) {
+                return None;
+            }
+            match instruction.flow_control() {
+                FlowControl::Next if !matches!(instruction.mnemonic(), Mnemonic::Syscall | Mnemonic::Sysenter) => {
+                    follow(&mut info, instruction, &mut walk);
+                    walk.next += 1;
+                }
+                FlowControl::Return if returns => {
+                    ways.push(Way { branches: walk.branches, end: End::Return(walk.holds[usize::from(RAX)]) });
+                    break;
+                }
+                FlowControl::UnconditionalBranch if placement::emulated(instruction, code) => {
+                    match index_of(instruction.near_branch_target()) {
+                        Some(target) => walk.next = target,
+                        None if walk.size_kept => {
+                            ways.push(Way { branches: walk.branches, end: End::SlowPath(instruction.ip()) });
+                            break;
+                        }
+                        None => return None,
+                    }
+                }
+                FlowControl::ConditionalBranch
+                    if placement::emulated(instruction, code)
+                        && instruction.is_jcc_short_or_near()
+                        && walk.size_kept =>
+                {
+                    let target = index_of(instruction.near_branch_target())?;
+                    let condition = instruction.condition_code() as u8 - 1;
+                    let mut taken = walk.clone();
+                    taken.branches.push((instruction.ip(), condition));
+                    (taken.next, taken.holds) = (target, identity());
+                    walks.push(taken);
+                    walk.branches.push((instruction.ip(), condition ^ 1));
+                    (walk.next, walk.holds) = (walk.next + 1, identity());
+                }
+                _ => return None,
+            }
+        }
+        if ways.len() + walks.len() > MAX_WAYS {
+            return None;
+        }
+    }
+    Some(ways)
+}
+
+/// Each register holding its own value.
+fn identity() -> [Option<RegisterNumber>; 16] {
+    core::array::from_fn(|n| Some(n as RegisterNumber))
+}
+
+/// Whether the instruction writes rsp or rbp.
+fn touches_frame(info: &mut InstructionInfoFactory, instruction: &Instruction) -> bool {
+    info.info(instruction).used_registers().iter().any(|used| {
+        matches!(used.register().full_register(), Register::RSP | Register::RBP) && placement::writes(used.access())
+    })
+}
+
+/// What a straight-on instruction does to the registers the walk follows: a 64-bit `mov`
+/// between registers copies what its source holds; any other write loses what its target held.
+fn follow(info: &mut InstructionInfoFactory, instruction: &Instruction, walk: &mut Walk) {
+    let copied = match instruction.code() {
+        Code::Mov_rm64_r64 | Code::Mov_r64_rm64 if instruction.op1_kind() == OpKind::Register => {
+            number(instruction.op1_register()).and_then(|source| walk.holds[usize::from(source)])
+        }
+        _ => None,
+    };
+    for used in info.info(instruction).used_registers() {
+        let Some(register) = number(used.register().full_register()) else { continue };
+        if placement::writes(used.access()) {
+            walk.holds[usize::from(register)] = copied;
+            walk.size_kept &= register != RDI;
+        }
+    }
+}
+
+/// A 64-bit general register's number in instruction encodings.
+fn number(register: Register) -> Option<RegisterNumber> {
+    let number = register.number();
+    (register.is_gpr64() && number < 16).then_some(number as RegisterNumber)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// jemalloc 5.3's `malloc`, as Debian's libjemalloc2 has it (0x23910 to 0x239e6), the
+    /// RIP-relative displacements and the tail call's as they are.
+    const JEMALLOC_MALLOC: [u8; 0xd6] = [
+        0x48, 0x81, 0xff, 0x00, 0x10, 0x00, 0x00, 0x0f, 0x87, 0x93, 0x00, 0x00, 0x00, 0x48, 0x8d, 0x15, 0x5c, 0x7f,
+        0x2c, 0x00, 0x48, 0x8d, 0x47, 0x07, 0x48, 0x8b, 0x0d, 0x49, 0x96, 0x0a, 0x00, 0x48, 0xc1, 0xe8, 0x03, 0x4c,
+        0x8d, 0x05, 0x86, 0x81, 0x2c, 0x00, 0x0f, 0xb6, 0x34, 0x02, 0x64, 0x48, 0x8b, 0x91, 0x38, 0x03, 0x00, 0x00,
+        0x49, 0x03, 0x14, 0xf0, 0x64, 0x48, 0x3b, 0x91, 0x40, 0x03, 0x00, 0x00, 0x73, 0x5c, 0x64, 0x4c, 0x8b, 0x0c,
+        0x25, 0x00, 0x00, 0x00, 0x00, 0x4c, 0x8d, 0x14, 0x76, 0x4b, 0x8d, 0x04, 0xd1, 0x48, 0x01, 0xc8, 0x4c, 0x8b,
+        0x80, 0x60, 0x03, 0x00, 0x00, 0x4d, 0x8b, 0x18, 0x4d, 0x8d, 0x50, 0x08, 0x66, 0x44, 0x3b, 0x80, 0x70, 0x03,
+        0x00, 0x00, 0x74, 0x38, 0x4c, 0x89, 0x90, 0x60, 0x03, 0x00, 0x00, 0x64, 0x48, 0x89, 0x91, 0x38, 0x03, 0x00,
+        0x00, 0x48, 0x8b, 0xb8, 0x68, 0x03, 0x00, 0x00, 0x48, 0x83, 0xc7, 0x01, 0x48, 0x8d, 0x34, 0x76, 0x4c, 0x89,
+        0xd8, 0x49, 0x8d, 0x14, 0xf1, 0x48, 0x89, 0xbc, 0x0a, 0x68, 0x03, 0x00, 0x00, 0xc3, 0x66, 0x90, 0xe9, 0xcb,
+        0xe4, 0xff, 0xff, 0x0f, 0x1f, 0x00, 0x66, 0x44, 0x3b, 0x80, 0x74, 0x03, 0x00, 0x00, 0x74, 0xee, 0x4c, 0x89,
+        0x90, 0x60, 0x03, 0x00, 0x00, 0x66, 0x44, 0x89, 0x90, 0x70, 0x03, 0x00, 0x00, 0x64, 0x48, 0x89, 0x91, 0x38,
+        0x03, 0x00, 0x00, 0x48, 0x8b, 0xb8, 0x68, 0x03, 0x00, 0x00, 0x48, 0x83, 0xc7, 0x01, 0xeb, 0xb4,
+    ];
+
+    /// `JEMALLOC_MALLOC` with `bytes` at `offset`.
+    fn patched(offset: usize, bytes: &[u8]) -> Vec<u8> {
+        let mut code = JEMALLOC_MALLOC.to_vec();
+        code[offset..offset + bytes.len()].copy_from_slice(bytes);
+        code
+    }
+
+    #[test]
+    fn jemalloc_malloc_completes_at_its_two_last_branches_and_leaves_by_one_jump() {
+        // je +0x38 (not taken: the block in r11 is returned); the slow path's jmp; the second
+        // chance's je back to it.
+        let ne_r11 = Completion { condition: 5, result: 11 };
+        let expected = FastPath { slow_paths: vec![0xa0], completions: vec![(0x6e, ne_r11), (0xb0, ne_r11)] };
+        let mut found = of(&JEMALLOC_MALLOC).expect("a fast path");
+        found.completions.sort_by_key(|(site, _)| *site);
+        assert_eq!(found, expected);
+        // mov %r11,%rax in its other encoding.
+        assert!(of(&patched(0x8e, &[0x49, 0x8b, 0xc3])).is_some());
+    }
+
+    #[test]
+    fn a_fast_path_that_does_what_the_probe_cannot_follow_is_none() {
+        // add %r11,%rax: the block is no register's value at the branch.
+        assert_eq!(of(&patched(0x8e, &[0x4c, 0x01, 0xd8])), None);
+        // lea 0x7(%rdi),%rdi: the size is lost before the branches.
+        assert_eq!(of(&patched(0x14, &[0x48, 0x8d, 0x7f, 0x07])), None);
+        // call instead of the slow path's jmp.
+        assert_eq!(of(&patched(0xa0, &[0xe8])), None);
+        // push %rbx where the fast path stores its bin's new head.
+        assert_eq!(of(&patched(0x70, &[0x53, 0x90, 0x90, 0x90, 0x90, 0x90, 0x90])), None);
+        assert_eq!(of(&[]), None);
+    }
+}
