@@ -2,9 +2,11 @@
 //! mimalloc with C++'s `operator new`, linked or preloaded, and Rust's global allocators on the
 //! tikv-jemallocator and mimalloc crates. Exact bytes per leaking site, under `run` and `attach`.
 
+use std::process::{Command, Stdio};
+
 use memprof_tests::{
     assert_nothing_dropped, attach, fixture_cpp, fixture_crate, fixture_with, run, run_with_env, site, through, total,
-    Outcome, Waiting,
+    wait_for, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -42,6 +44,33 @@ fn jemalloc_linked_and_its_own_api_under_run() {
 fn jemalloc_linked_and_its_own_api_under_attach() {
     let mut target = Waiting::start(&jemalloc_fixture(), &[]);
     assert_jemalloc_sites(&attach(&mut target, &[]));
+}
+
+/// Another tool's return probe on jemalloc's `malloc` (bpftrace's here) takes each call's return
+/// address at the entry, before memprof's probe on the fast path's last branch reads it: memprof
+/// finds the real one in the kernel's list, and every site keeps its stack and its bytes.
+#[test]
+fn jemalloc_sites_stay_exact_under_another_tools_return_probe() {
+    let library = format!("{LIBDIR}/libjemalloc.so.2");
+    let mut bpftrace = Command::new("bpftrace")
+        .args(["-q", "-e", &format!("uretprobe:{library}:malloc {{ @calls = count(); }}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("bpftrace (installed by xtask setup)");
+    let listed = format!("pid {} ", bpftrace.id());
+    wait_for(60, "bpftrace's return probe on jemalloc's malloc", || {
+        let perf = Command::new("bpftool").args(["perf", "list"]).output().expect("bpftool (xtask setup)");
+        let text = String::from_utf8_lossy(&perf.stdout).into_owned();
+        text.lines()
+            .any(|line| line.starts_with(&listed) && line.contains("uretprobe") && line.contains(&library))
+            .then_some(())
+    });
+    let program = jemalloc_fixture();
+    let outcome = run(&[], &[program.to_str().unwrap()]);
+    let _ = bpftrace.kill();
+    let _ = bpftrace.wait();
+    assert_jemalloc_sites(&outcome);
 }
 
 /// The C++ fixture's leaks through `new`, `new[]`, `std::vector` and `std::string`.

@@ -135,7 +135,7 @@ impl Probe {
                 Site::Entry => Regs::of(self.regs, false),
                 Site::Return => Regs::of(self.regs, true),
                 Site::Usdt => Regs::at_site(self.regs),
-                Site::Completion => Regs::completing(self.regs),
+                Site::Completion => Regs::completing(self.regs, calls::return_trampoline),
             }
         };
         unwind::stack_id(which, tgid, regs)

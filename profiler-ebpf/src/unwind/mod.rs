@@ -173,14 +173,18 @@ impl Regs {
     /// At an allocator's completion site (see `profiler_common::completion`), where the stack
     /// and rbp are as at the function's entry: walked from the return address at `[rsp]`, with
     /// the registers the return will have, so that the stack is the one a return probe walks.
+    /// A uretprobe may have taken that address already (another tool's on the function, or
+    /// another link's uprobe session at an earlier site of the call): the kernel's list has it
+    /// then, and `trampoline` gives the process's trampoline to tell.
     ///
     /// # Safety
     /// `regs` must be the probe's context registers.
-    pub unsafe fn completing(regs: *const pt_regs) -> Regs {
+    pub unsafe fn completing(regs: *const pt_regs, trampoline: impl FnOnce() -> u64) -> Regs {
         let regs = &*regs;
+        // SAFETY: a read of user memory through the helper, which faults safely.
+        let slot = bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0);
         Regs {
-            // SAFETY: a read of user memory through the helper, which faults safely.
-            pc: bpf_probe_read_user(regs.rsp as *const u64).unwrap_or(0),
+            pc: TakenReturns::real_return(slot, regs.rsp, trampoline),
             sp: regs.rsp + 8,
             bp: regs.rbp,
             pc_is_return: true,

@@ -25,11 +25,40 @@ impl TakenReturns {
 
     /// The current thread's, given its process's return trampoline.
     pub fn current(trampoline: u64) -> TakenReturns {
-        // SAFETY: a helper without arguments.
-        let task = unsafe { bpf_get_current_task() };
-        let utask = kernel_word(task, TASK_UTASK_OFFSET.load());
-        let innermost = if utask == 0 { 0 } else { kernel_word(utask, UTASK_RETURNS_OFFSET.load()) };
-        TakenReturns { trampoline, innermost }
+        TakenReturns { trampoline, innermost: innermost() }
+    }
+
+    /// The real return address of the slot at `sp`, whose value is `slot`: the one the kernel
+    /// keeps for it when the current thread has returns taken and `slot` is the trampoline
+    /// (`trampoline` is asked for only then). A tail call's instance shares its caller's slot
+    /// and keeps the same address; an instance left by a call that was jumped out of lies below.
+    pub fn real_return(slot: u64, sp: u64, trampoline: impl FnOnce() -> u64) -> u64 {
+        let mut instance = innermost();
+        if instance == 0 || slot != trampoline() {
+            return slot;
+        }
+        for _ in 0..TAKEN_MAX {
+            if instance == 0 {
+                break;
+            }
+            if kernel_word(instance, RETURN_STACK_OFFSET.load()) == sp {
+                return kernel_word(instance, RETURN_ADDRESS_OFFSET.load());
+            }
+            instance = kernel_word(instance, RETURN_NEXT_OFFSET.load());
+        }
+        slot
+    }
+}
+
+/// The current thread's innermost `return_instance`; 0 when it has none.
+fn innermost() -> u64 {
+    // SAFETY: a helper without arguments.
+    let task = unsafe { bpf_get_current_task() };
+    let utask = kernel_word(task, TASK_UTASK_OFFSET.load());
+    if utask == 0 {
+        0
+    } else {
+        kernel_word(utask, UTASK_RETURNS_OFFSET.load())
     }
 }
 
