@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 20] = [
+const TESTS: [(&str, &str); 21] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -40,6 +40,9 @@ const TESTS: [(&str, &str); 20] = [
     ("inspect_daemon", "a_busy_process_beside_many_blocks_has_only_its_changes_read_in_the_stop"),
     // An allocator that wraps no other (mimalloc, preloaded): each free counted once.
     ("allocator_families", "cxx_new_on_jemalloc_and_mimalloc_when_preloaded"),
+    // jemalloc's fast path recorded in one trap, with bpftrace's perf-event uretprobe on malloc
+    // taking each call's return address first (the kernel's list read for it).
+    ("allocator_families", "jemalloc_sites_stay_exact_under_another_tools_return_probe"),
     // Sampled mode.
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
