@@ -32,6 +32,8 @@ impl TakenReturns {
     /// keeps for it when the current thread has returns taken and `slot` is the trampoline
     /// (`trampoline` is asked for only then). A tail call's instance shares its caller's slot
     /// and keeps the same address; an instance left by a call that was jumped out of lies below.
+    /// Not inlined: its reads would add to the frame of the program that walks the stack next.
+    #[inline(never)]
     pub fn real_return(slot: u64, sp: u64, trampoline: impl FnOnce() -> u64) -> u64 {
         let mut instance = innermost();
         if instance == 0 || slot != trampoline() {
