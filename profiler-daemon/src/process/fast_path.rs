@@ -130,9 +130,12 @@ fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
                     break;
                 }
                 FlowControl::UnconditionalBranch if placement::emulated(instruction, code) => {
-                    match index_of(instruction.near_branch_target()) {
+                    let target = instruction.near_branch_target();
+                    match index_of(target) {
                         Some(target) => walk.next = target,
-                        None if walk.size_kept => {
+                        // Out of the function: a jump into the middle of one of its instructions
+                        // is no tail call.
+                        None if walk.size_kept && target >= code.len() as u64 => {
                             ways.push(Way { branches: walk.branches, end: End::SlowPath(instruction.ip()) });
                             break;
                         }
