@@ -114,11 +114,8 @@ fn attach_follows_an_exec() {
 #[test]
 fn attach_says_when_its_process_is_killed() {
     let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
+    wait_for_c_library(sleeper.id());
     let pid = sleeper.id().to_string();
-    // Attached once its C library is mapped: before, it has no allocator to attach to.
-    wait_for(10, "sleep to map its C library", || {
-        std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?.contains("/libc.so.6").then_some(())
-    });
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "0.2"]);
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
@@ -148,13 +145,10 @@ fn attach_says_how_a_process_its_parent_reaped_ended() {
     let mut line = String::new();
     BufReader::new(shell.stdout.take().expect("piped")).read_line(&mut line).expect("the shell says its child");
     let pid: i32 = line.trim().parse().expect("a pid");
-    // Attached once the shell's child is sleep, not still the shell between its fork and exec,
-    // and has its C library: the exec names it before its dynamic linker maps that.
-    let (comm, maps) = (format!("/proc/{pid}/comm"), format!("/proc/{pid}/maps"));
-    wait_for(10, "the shell's child to exec sleep", || {
-        let sleeping = std::fs::read_to_string(&comm).ok().filter(|c| c == "sleep\n");
-        sleeping.filter(|_| std::fs::read_to_string(&maps).is_ok_and(|maps| maps.contains("/libc.so")))
-    });
+    // Attached once the shell's child is sleep, not still the shell between its fork and exec.
+    let comm = format!("/proc/{pid}/comm");
+    wait_for(10, "the shell's child to exec sleep", || std::fs::read_to_string(&comm).ok().filter(|c| c == "sleep\n"));
+    wait_for_c_library(pid as u32);
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid.to_string(), "--json", "--interval", "0.2"]);
     let outcome = released(memprof, &[format!("memprof: tracing pid {pid} ")], |_| {
@@ -178,6 +172,7 @@ fn attach_says_how_a_process_its_parent_reaped_ended() {
 #[test]
 fn a_stop_signal_during_the_load_attaches_nothing() {
     let mut sleeper = Command::new("sleep").arg("60").spawn().expect("starting sleep");
+    wait_for_c_library(sleeper.id());
     let pid = sleeper.id().to_string();
     let dir = std::env::temp_dir().join(format!("memprof-stopped-load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -210,6 +205,15 @@ fn a_ctrl_c_during_the_load_runs_nothing() {
     let last = said.lines().last().unwrap_or_default();
     assert!(last.starts_with("memprof: stopped before starting ") && last.ends_with("touch: it was not run"), "{said}");
     assert!(!ran.exists(), "the command ran");
+}
+
+/// Waits until process `pid` has mapped its C library: the exec names the program before its
+/// dynamic linker maps that, and memprof finds no allocator in a process caught between.
+fn wait_for_c_library(pid: u32) {
+    let maps = format!("/proc/{pid}/maps");
+    wait_for(10, "the process to map its C library", || {
+        std::fs::read_to_string(&maps).ok().filter(|maps| maps.contains("/libc.so")).map(drop)
+    });
 }
 
 /// Starts `memprof`, sends it `signal` once it catches it (its handlers are set up in its first
