@@ -33,7 +33,7 @@ use aya_ebpf::{
 use core::ffi::c_void;
 
 use profiler_common::{
-    completion::{Completion, RegisterNumber},
+    completion::{self, Completion, RegisterNumber},
     return_owner, AllocFn, SHARED_LINK,
 };
 
@@ -64,16 +64,22 @@ fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
     let Some(func) = AllocFn::from_u32(cookie as u32) else {
         return false;
     };
+    // A fast path's site where the size is no longer in its argument's register.
+    let moved_size = completion::moved_size(cookie).map(|number| register(ctx, number));
     if let Some(completion) = Completion::of(cookie) {
         // SAFETY: the context is the running probe's.
         let flags = unsafe { (*ctx.regs).eflags };
         if completion.completes(flags) {
-            record::on_completion(ctx, func, arg(ctx, 0), register(ctx, completion.result));
+            let size = moved_size.unwrap_or_else(|| arg(ctx, 0));
+            record::on_completion(ctx, func, size, register(ctx, completion.result));
         }
         // A call that goes on is seen by its later site: none needs a return probe from here.
         return false;
     }
-    let (size, ptr_arg) = entry_arguments(ctx, func);
+    let (size, ptr_arg) = match moved_size {
+        Some(size) => (size, 0),
+        None => entry_arguments(ctx, func),
+    };
     record::on_entry(ctx, func, size, ptr_arg, skippable)
 }
 

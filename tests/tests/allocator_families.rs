@@ -5,8 +5,8 @@
 use std::process::{Command, Stdio};
 
 use memprof_tests::{
-    assert_nothing_dropped, attach, fixture_cpp, fixture_crate, fixture_with, run, run_with_env, site, through, total,
-    wait_for, Outcome, Waiting,
+    assert_nothing_dropped, attach, fixture, fixture_cpp, fixture_crate, fixture_with, run, run_with_env, site,
+    through, total, wait_for, Outcome, Waiting,
 };
 use serde_json::Value;
 
@@ -71,6 +71,35 @@ fn jemalloc_sites_stay_exact_under_another_tools_return_probe() {
     let _ = bpftrace.kill();
     let _ = bpftrace.wait();
     assert_jemalloc_sites(&outcome);
+}
+
+/// `malloc`'s fast and slow paths on each allocator that has them (memprof records a fast path's
+/// calls at its last branch, see docs/internals/how-it-works.md), and on glibc's, which has none
+/// memprof takes: the same bytes at every site, under `run` and `attach`.
+#[test]
+fn malloc_fast_and_slow_paths_are_exact_on_every_allocator() {
+    let program = fixture("fast_paths");
+    for preload in ["", "libjemalloc.so.2", "libmimalloc.so.2.0"] {
+        let library = if preload.is_empty() { String::new() } else { format!("{LIBDIR}/{preload}") };
+        let outcome = run_with_env(&[("LD_PRELOAD", &library)], &[], &[program.to_str().unwrap()]);
+        assert_fast_path_sites(&outcome, &library);
+        let mut waiting = Command::new(&program);
+        waiting.arg("--wait").env("LD_PRELOAD", &library);
+        let mut target = Waiting::start_command(waiting);
+        assert_fast_path_sites(&attach(&mut target, &[]), &library);
+    }
+}
+
+fn assert_fast_path_sites(outcome: &Outcome, library: &str) {
+    assert!(outcome.status.success(), "{library}: {outcome:?}");
+    assert!(outcome.stderr.contains(library), "{library} is probed: {}", outcome.stderr);
+    let report = outcome.final_report();
+    assert_eq!(site(&report, "site_small"), (2400, 100), "{library}");
+    assert_eq!(site(&report, "site_large"), (60000, 3), "{library}");
+    assert_eq!(site(&report, "churn"), (0, 0), "{library}: every free is seen");
+    assert_eq!(total(&report, "failed_allocations"), 1, "{library}: malloc(SIZE_MAX)");
+    assert_eq!(total(&report, "unknown_frees"), 0, "{library}");
+    assert_nothing_dropped(&report);
 }
 
 /// The C++ fixture's leaks through `new`, `new[]`, `std::vector` and `std::string`.

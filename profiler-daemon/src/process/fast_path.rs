@@ -1,5 +1,5 @@
 //! One trap a call instead of two, for an allocation function whose fast path returns on its own
-//! and leaves its slow path by a tail call (jemalloc's `malloc`).
+//! and leaves its slow path by a tail call (jemalloc's and mimalloc's `malloc`).
 //!
 //! An allocation's entry probe reads the size and its return probe the block: two traps a call.
 //! Where the function's last branch before a `ret` leaves the size in its register and the block
@@ -13,8 +13,10 @@
 //! Every way through the function from its entry is followed. The function qualifies only if
 //! each way passes exactly one site that records it: the last branch of a way to a `ret` (taken
 //! in that direction) or a `jmp` to the slow path, and if no way calls, loops, touches rsp or
-//! rbp (the stack walk starts from them and the return address at `[rsp]`), or writes the size's
-//! register before its site. Anything else keeps the usual probes.
+//! rbp (the stack walk starts from them and the return address at `[rsp]`), or loses the size
+//! before its site. The size may move: a register it was copied to holds it too (mimalloc's
+//! `malloc` copies it to `rsi`, then writes `rdi`), and each site's probe is told where it is.
+//! Anything else keeps the usual probes.
 
 use iced_x86::{Code, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind, Register};
 use profiler_common::completion::{Completion, RegisterNumber, RAX, RDI};
@@ -27,10 +29,17 @@ const MAX_WAYS: usize = 64;
 /// Where an allocation function whose only argument read is its size, in rdi, is probed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FastPath {
-    /// Offsets of the `jmp`s to its slow path, each probed at entry and return.
-    pub slow_paths: Vec<u64>,
-    /// Offsets of the branches that complete a call, and how.
-    pub completions: Vec<(u64, Completion)>,
+    /// The `jmp`s to its slow path, each probed at entry and return.
+    pub slow_paths: Vec<Site>,
+    /// The branches that complete a call, and how.
+    pub completions: Vec<(Site, Completion)>,
+}
+
+/// A probe site: its offset in the function, and the register that holds the size there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Site {
+    pub offset: u64,
+    pub size_register: RegisterNumber,
 }
 
 /// The fast path of the function whose bytes (its symbol's size of them) are `code`, if it has
@@ -44,24 +53,22 @@ pub fn of(code: &[u8]) -> Option<FastPath> {
     let mut fast_path = FastPath { slow_paths: Vec::new(), completions: Vec::new() };
     for way in &ways {
         match way.end {
-            End::SlowPath(site) if !fast_path.slow_paths.contains(&site) => fast_path.slow_paths.push(site),
-            End::SlowPath(_) => {}
+            End::SlowPath(site) => add_once(&mut fast_path.slow_paths, site, |site| site.offset)?,
             End::Return(completion) => {
-                let (site, condition) = *way.branches.last()?;
+                let branch = *way.branches.last()?;
                 // rsp and rbp are never the block (the program does not read them).
-                let result = completion.filter(|&register| !matches!(register, 4 | 5))?;
-                let completion = Completion { condition, result };
-                match fast_path.completions.iter().find(|(known, _)| *known == site) {
-                    Some((_, known)) if *known != completion => return None,
-                    Some(_) => {}
-                    None => fast_path.completions.push((site, completion)),
-                }
+                let result = completion.filter(|&register| !frame_register(register))?;
+                let completion = Completion { condition: branch.condition, result };
+                add_once(&mut fast_path.completions, (branch.site, completion), |(site, _)| site.offset)?;
             }
         }
     }
     // Each way is recorded once: by its last branch if it returns, by its jump if it leaves.
-    let recording = |&(site, condition): &(u64, u8)| {
-        fast_path.completions.iter().any(|(known, completion)| *known == site && completion.condition == condition)
+    let recording = |branch: &Branch| {
+        fast_path
+            .completions
+            .iter()
+            .any(|(known, completion)| known.offset == branch.site.offset && completion.condition == branch.condition)
     };
     for way in &ways {
         let recorded = way.branches.iter().filter(|branch| recording(branch)).count();
@@ -76,19 +83,39 @@ pub fn of(code: &[u8]) -> Option<FastPath> {
     (!fast_path.completions.is_empty()).then_some(fast_path)
 }
 
+/// Adds `item` to `known` where it is not there yet; `None` where another item has its offset (two
+/// ways reach one site and disagree on what it does).
+fn add_once<T: PartialEq>(known: &mut Vec<T>, item: T, offset: impl Fn(&T) -> u64) -> Option<()> {
+    match known.iter().find(|other| offset(other) == offset(&item)) {
+        Some(other) if *other != item => None,
+        Some(_) => Some(()),
+        None => {
+            known.push(item);
+            Some(())
+        }
+    }
+}
+
 /// How a way through the function ends.
 #[derive(Debug, Clone, Copy)]
 enum End {
     /// At a `ret`: the register whose value at the way's last branch it returns, if one does.
     Return(Option<RegisterNumber>),
-    /// At a `jmp` out of the function, at this offset.
-    SlowPath(u64),
+    /// At a `jmp` out of the function.
+    SlowPath(Site),
 }
 
-/// A way through the function: its branches (offset, and the condition that sends it this way).
+/// A conditional branch a way passes: where, and the condition that sends it this way.
+#[derive(Debug, Clone, Copy)]
+struct Branch {
+    site: Site,
+    condition: u8,
+}
+
+/// A way through the function: its branches, in order, and its end.
 #[derive(Debug, Clone)]
 struct Way {
-    branches: Vec<(u64, u8)>,
+    branches: Vec<Branch>,
     end: End,
 }
 
@@ -97,18 +124,30 @@ struct Way {
 struct Walk {
     next: usize,
     steps: usize,
-    branches: Vec<(u64, u8)>,
-    /// Whether the size is still in rdi.
-    size_kept: bool,
+    branches: Vec<Branch>,
+    /// The registers that hold the size, one bit each (rdi's at the entry).
+    size_in: u16,
     /// For each register, the register whose value at the last branch it holds.
     holds: [Option<RegisterNumber>; 16],
+}
+
+impl Walk {
+    /// Where the walk is, if the size is still in a register: rdi where it is one of them.
+    fn site(&self, offset: u64) -> Option<Site> {
+        let register = match self.size_in {
+            0 => return None,
+            held if held & 1 << RDI != 0 => RDI,
+            held => held.trailing_zeros() as RegisterNumber,
+        };
+        Some(Site { offset, size_register: register })
+    }
 }
 
 /// Every way through the function from its entry; `None` where one does what a fast path may not.
 fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
     let index_of = |offset: u64| function.binary_search_by_key(&offset, Instruction::ip).ok();
     let mut info = InstructionInfoFactory::new();
-    let mut walks = vec![Walk { next: 0, steps: 0, branches: Vec::new(), size_kept: true, holds: identity() }];
+    let mut walks = vec![Walk { next: 0, steps: 0, branches: Vec::new(), size_in: 1 << RDI, holds: identity() }];
     let mut ways = Vec::new();
     while let Some(mut walk) = walks.pop() {
         loop {
@@ -135,25 +174,25 @@ fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
                         Some(target) => walk.next = target,
                         // Out of the function: a jump into the middle of one of its instructions
                         // is no tail call.
-                        None if walk.size_kept && target >= code.len() as u64 => {
-                            ways.push(Way { branches: walk.branches, end: End::SlowPath(instruction.ip()) });
+                        None if target >= code.len() as u64 => {
+                            let site = walk.site(instruction.ip())?;
+                            ways.push(Way { branches: walk.branches, end: End::SlowPath(site) });
                             break;
                         }
                         None => return None,
                     }
                 }
                 FlowControl::ConditionalBranch
-                    if placement::emulated(instruction, code)
-                        && instruction.is_jcc_short_or_near()
-                        && walk.size_kept =>
+                    if placement::emulated(instruction, code) && instruction.is_jcc_short_or_near() =>
                 {
                     let target = index_of(instruction.near_branch_target())?;
+                    let site = walk.site(instruction.ip())?;
                     let condition = instruction.condition_code() as u8 - 1;
                     let mut taken = walk.clone();
-                    taken.branches.push((instruction.ip(), condition));
+                    taken.branches.push(Branch { site, condition });
                     (taken.next, taken.holds) = (target, identity());
                     walks.push(taken);
-                    walk.branches.push((instruction.ip(), condition ^ 1));
+                    walk.branches.push(Branch { site, condition: condition ^ 1 });
                     (walk.next, walk.holds) = (walk.next + 1, identity());
                 }
                 _ => return None,
@@ -171,6 +210,11 @@ fn identity() -> [Option<RegisterNumber>; 16] {
     core::array::from_fn(|n| Some(n as RegisterNumber))
 }
 
+/// Whether `register` is rsp or rbp, which the walk and its stack walk start from.
+fn frame_register(register: RegisterNumber) -> bool {
+    matches!(register, 4 | 5)
+}
+
 /// Whether the instruction writes rsp or rbp.
 fn touches_frame(info: &mut InstructionInfoFactory, instruction: &Instruction) -> bool {
     info.info(instruction).used_registers().iter().any(|used| {
@@ -179,19 +223,26 @@ fn touches_frame(info: &mut InstructionInfoFactory, instruction: &Instruction) -
 }
 
 /// What a straight-on instruction does to the registers the walk follows: a 64-bit `mov`
-/// between registers copies what its source holds; any other write loses what its target held.
+/// between registers copies what its source holds, the size included; any other write loses
+/// what its target held.
 fn follow(info: &mut InstructionInfoFactory, instruction: &Instruction, walk: &mut Walk) {
-    let copied = match instruction.code() {
+    let source = match instruction.code() {
         Code::Mov_rm64_r64 | Code::Mov_r64_rm64 if instruction.op1_kind() == OpKind::Register => {
-            number(instruction.op1_register()).and_then(|source| walk.holds[usize::from(source)])
+            number(instruction.op1_register())
         }
         _ => None,
     };
+    let copied = source.and_then(|source| walk.holds[usize::from(source)]);
+    let size_copied = source.is_some_and(|source| walk.size_in & 1 << source != 0);
     for used in info.info(instruction).used_registers() {
         let Some(register) = number(used.register().full_register()) else { continue };
         if placement::writes(used.access()) {
             walk.holds[usize::from(register)] = copied;
-            walk.size_kept &= register != RDI;
+            if size_copied {
+                walk.size_in |= 1 << register;
+            } else {
+                walk.size_in &= !(1 << register);
+            }
         }
     }
 }
@@ -204,6 +255,8 @@ fn number(register: Register) -> Option<RegisterNumber> {
 
 #[cfg(test)]
 mod tests {
+    use profiler_common::completion::RSI;
+
     use super::*;
 
     /// jemalloc 5.3's `malloc`, as Debian's libjemalloc2 has it (0x23910 to 0x239e6), the
@@ -230,17 +283,51 @@ mod tests {
         code
     }
 
+    /// mimalloc 2.0's `malloc`, as Debian's libmimalloc2.0 has it (0x10b70 to 0x10bc7).
+    const MIMALLOC_MALLOC: [u8; 87] = [
+        0x48, 0x8b, 0x05, 0x49, 0xb4, 0x00, 0x00, 0x48, 0x89, 0xfe, 0x64, 0x48, 0x8b, 0x38, 0x48, 0x81, 0xfe, 0x00,
+        0x04, 0x00, 0x00, 0x77, 0x29, 0x48, 0x8d, 0x46, 0x07, 0x48, 0xc1, 0xe8, 0x03, 0x48, 0x8b, 0x44, 0xc7, 0x08,
+        0x48, 0x8b, 0x50, 0x10, 0x48, 0x85, 0xd2, 0x74, 0x23, 0x48, 0x8b, 0x0a, 0x83, 0x40, 0x18, 0x01, 0x48, 0x89,
+        0x48, 0x10, 0x48, 0x89, 0xd0, 0xc3, 0x0f, 0x1f, 0x40, 0x00, 0x31, 0xc9, 0x31, 0xd2, 0xe9, 0x97, 0xf9, 0xff,
+        0xff, 0x0f, 0x1f, 0x80, 0x00, 0x00, 0x00, 0x00, 0x31, 0xc9, 0xe9, 0x89, 0xf9, 0xff, 0xff,
+    ];
+
+    fn site(offset: u64, size_register: RegisterNumber) -> Site {
+        Site { offset, size_register }
+    }
+
     #[test]
     fn jemalloc_malloc_completes_at_its_two_last_branches_and_leaves_by_one_jump() {
         // je +0x38 (not taken: the block in r11 is returned); the slow path's jmp; the second
         // chance's je back to it.
         let ne_r11 = Completion { condition: 5, result: 11 };
-        let expected = FastPath { slow_paths: vec![0xa0], completions: vec![(0x6e, ne_r11), (0xb0, ne_r11)] };
+        let expected = FastPath {
+            slow_paths: vec![site(0xa0, RDI)],
+            completions: vec![(site(0x6e, RDI), ne_r11), (site(0xb0, RDI), ne_r11)],
+        };
         let mut found = of(&JEMALLOC_MALLOC).expect("a fast path");
-        found.completions.sort_by_key(|(site, _)| *site);
+        found.completions.sort_by_key(|(site, _)| site.offset);
         assert_eq!(found, expected);
         // mov %r11,%rax in its other encoding.
         assert!(of(&patched(0x8e, &[0x49, 0x8b, 0xc3])).is_some());
+    }
+
+    #[test]
+    fn mimalloc_malloc_completes_with_its_size_moved_to_rsi() {
+        // mov %rdi,%rsi, then rdi is the heap; je +0x23 (not taken: the block in rdx is
+        // returned); two tail calls to the generic allocation, the size in rsi.
+        let ne_rdx = Completion { condition: 5, result: 2 };
+        let expected = FastPath {
+            slow_paths: vec![site(0x44, RSI), site(0x52, RSI)],
+            completions: vec![(site(0x2b, RSI), ne_rdx)],
+        };
+        let mut found = of(&MIMALLOC_MALLOC).expect("a fast path");
+        found.slow_paths.sort_by_key(|site| site.offset);
+        assert_eq!(found, expected);
+        // mov %esi,%esi before the first branch: the size's upper half is lost.
+        let mut truncated = MIMALLOC_MALLOC.to_vec();
+        truncated.splice(0xe..0xe, [0x89, 0xf6]);
+        assert_eq!(of(&truncated), None);
     }
 
     #[test]

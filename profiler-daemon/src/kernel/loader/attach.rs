@@ -405,10 +405,15 @@ impl Loaded {
     /// `probe_allocator`'s links, in its order.
     fn attach_allocator_probes(&mut self, allocator: &Allocator, pid: NonZeroU32) -> anyhow::Result<Attachment> {
         let points = |file: &allocator::AllocatorFile| {
-            let point = |p: &allocator::ProbePoint| Point { offset: p.offset, cookie: p.cookie() };
-            let allocs: Vec<Point> = file.allocs.iter().map(point).collect();
+            let allocs: Vec<Point> =
+                file.allocs.iter().map(|p| Point { offset: p.offset, cookie: p.cookie() }).collect();
             // A completion site's calls end there: no return probe.
-            let returns: Vec<Point> = file.allocs.iter().filter(|p| p.completion.is_none()).map(point).collect();
+            let returns: Vec<Point> = file
+                .allocs
+                .iter()
+                .filter(|p| p.completion.is_none())
+                .map(|p| Point { offset: p.offset, cookie: p.return_cookie() })
+                .collect();
             let frees: Vec<Point> = file
                 .frees
                 .iter()

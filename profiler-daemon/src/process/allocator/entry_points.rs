@@ -9,7 +9,7 @@ use std::{
 };
 
 use object::{Object, ObjectSection, ObjectSymbol};
-use profiler_common::AllocFn;
+use profiler_common::{completion::RDI, AllocFn};
 
 use super::{blind_spots::UNPROBED, is_libc, AllocatorFile, BlindSpot, FileScan, FreePoint, ProbePoint};
 use crate::process::{
@@ -142,13 +142,18 @@ fn read_file<'d>(
 fn alloc_points(func: AllocFn, start: u64, entry: u64, code: &[u8]) -> Vec<ProbePoint> {
     let size_only = func.arguments().read().eq([0]);
     let Some(fast_path) = size_only.then(|| fast_path::of(code)).flatten() else {
-        return vec![ProbePoint { offset: entry, func, completion: None }];
+        return vec![ProbePoint { offset: entry, func, completion: None, size_register: None }];
     };
     let slow_paths = fast_path.slow_paths.iter().map(|&site| (site, None));
     let completions = fast_path.completions.iter().map(|&(site, completion)| (site, Some(completion)));
     slow_paths
         .chain(completions)
-        .map(|(site, completion)| ProbePoint { offset: start + site, func, completion })
+        .map(|(site, completion)| ProbePoint {
+            offset: start + site.offset,
+            func,
+            completion,
+            size_register: (site.size_register != RDI).then_some(site.size_register),
+        })
         .collect()
 }
 
@@ -329,7 +334,10 @@ mod tests {
                     {
                         let sites: Vec<String> = points
                             .iter()
-                            .map(|point| format!("+{:#x} {:?}", point.offset - function.offset, point.completion))
+                            .map(|point| {
+                                let (offset, size) = (point.offset - function.offset, point.size_register);
+                                format!("+{offset:#x} {:?} size in {size:?}", point.completion)
+                            })
                             .collect();
                         println!("{library:26} {symbol:40} {}", sites.join(", "));
                     }
@@ -337,5 +345,6 @@ mod tests {
             }
         }
         assert!(found.contains(&("libjemalloc.so.2", "malloc")));
+        assert!(found.contains(&("libmimalloc.so.2.0", "malloc")));
     }
 }

@@ -12,7 +12,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use profiler_common::{completion::Completion, AllocFn};
+use profiler_common::{
+    completion::{self, Completion, RegisterNumber},
+    AllocFn,
+};
 
 use crate::{
     error::UserError,
@@ -42,13 +45,22 @@ pub struct ProbePoint {
     /// At a branch of the function's fast path that completes some of its calls, which need no
     /// return probe (see `process::fast_path`); `None` at an entry.
     pub completion: Option<Completion>,
+    /// The register that holds a size-only function's size here, where its fast path moved it
+    /// out of `rdi` (see `profiler_common::completion`); `None` where the arguments are in theirs.
+    pub size_register: Option<RegisterNumber>,
 }
 
 impl ProbePoint {
     /// Its probe's cookie.
     pub fn cookie(&self) -> u64 {
         let func = self.func as u32;
-        self.completion.map_or(u64::from(func), |completion| completion.cookie(func))
+        let site = self.completion.map_or(u64::from(func), |completion| completion.cookie(func));
+        site | self.size_register.map_or(0, completion::size_in)
+    }
+
+    /// Its return probe's cookie: the return program reads the call from its entry's record.
+    pub fn return_cookie(&self) -> u64 {
+        u64::from(self.func as u32)
     }
 }
 
