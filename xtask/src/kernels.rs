@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 21] = [
+const TESTS: [(&str, &str); 22] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -43,6 +43,9 @@ const TESTS: [(&str, &str); 21] = [
     // jemalloc's fast path recorded in one trap, with bpftrace's perf-event uretprobe on malloc
     // taking each call's return address first (the kernel's list read for it).
     ("allocator_families", "jemalloc_sites_stay_exact_under_another_tools_return_probe"),
+    // malloc's fast and slow paths on glibc, jemalloc and mimalloc, whose size the fast path
+    // moves to another register (the probe's cookie names it).
+    ("allocator_families", "malloc_fast_and_slow_paths_are_exact_on_every_allocator"),
     // Sampled mode.
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.
