@@ -5,37 +5,18 @@
 //!
 //! Its cookie says which way completes the call and where the block is, above the `AllocFn`.
 //! A fast path may move the size out of its argument's register (mimalloc's `malloc` moves it to
-//! `rsi`): the cookie then names that register too, at its completion sites and at the entry
-//! probes of its slow path's jumps.
+//! `rsi`): the cookie then names that register too (`probe_cookies::moved_argument`).
 
 /// Set in the cookie of an allocation probe at a completion site.
 const COMPLETION: u64 = 1 << 32;
 const CONDITION_SHIFT: u32 = 33;
 const RESULT_SHIFT: u32 = 37;
-/// Set where the size is in another register than its argument's, named above it.
-const SIZE_MOVED: u64 = 1 << 41;
-const SIZE_SHIFT: u32 = 42;
 
 /// An x86 general register, by its number in instruction encodings (rax 0, rcx 1, ..., r15 15).
 pub type RegisterNumber = u8;
 pub const RAX: RegisterNumber = 0;
 pub const RSI: RegisterNumber = 6;
 pub const RDI: RegisterNumber = 7;
-
-/// The cookie's bits saying that the size of a size-only allocation function (in `rdi` at its
-/// entry) is in `register` at the probe: none for `rdi` itself.
-pub fn size_in(register: RegisterNumber) -> u64 {
-    match register {
-        RDI => 0,
-        _ => SIZE_MOVED | u64::from(register & 0xf) << SIZE_SHIFT,
-    }
-}
-
-/// The register that holds the size at the probe whose cookie is `cookie`, if the probe is not
-/// where the function's argument registers hold its arguments (see `size_in`).
-pub fn moved_size(cookie: u64) -> Option<RegisterNumber> {
-    (cookie & SIZE_MOVED != 0).then_some(((cookie >> SIZE_SHIFT) & 0xf) as RegisterNumber)
-}
 
 /// What a completion site's program needs to know.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,17 +85,6 @@ mod tests {
         assert_eq!(cookie as u32, 0, "the function, below");
         assert_eq!(Completion::of(7), None, "an entry probe's cookie");
         assert_eq!(cookie & crate::SHARED_LINK, 0);
-    }
-
-    #[test]
-    fn a_moved_size_is_named_and_rdi_is_not() {
-        assert_eq!(size_in(RDI), 0);
-        let cookie = Completion { condition: 5, result: 2 }.cookie(3) | size_in(RSI);
-        assert_eq!(moved_size(cookie), Some(RSI));
-        assert_eq!(Completion::of(cookie), Some(Completion { condition: 5, result: 2 }));
-        assert_eq!(cookie as u32, 3);
-        assert_eq!(moved_size(size_in(0)), Some(RAX), "rax is a register like any other");
-        assert_eq!(moved_size(3), None);
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! What a probe's cookie tells its program, and which links record a traced process.
 
+use crate::completion::RegisterNumber;
+
 /// Cookie of a free probe whose function may call another probed free (see `FreeNote`).
 pub const FREE_WRAPPER: u64 = 1;
 
@@ -25,6 +27,48 @@ pub fn c_library_free_cookie(below: u64, above: u64) -> Option<u64> {
 pub fn called_by_c_library(cookie: u64, probe: u64, caller: u64) -> bool {
     let (below, above) = ((cookie >> 2) & SPAN_MASK, (cookie >> (2 + SPAN_BITS)) & SPAN_MASK);
     cookie & FREE_IN_C_LIBRARY != 0 && probe.wrapping_sub(below) <= caller && caller < probe.wrapping_add(above)
+}
+
+/// The arguments a probe may find moved (see `MovedArguments`): 0 to 3, every one a program reads.
+pub const MOVABLE_ARGUMENTS: usize = 4;
+
+/// The registers that hold arguments 0 to 3 at a probe placed past instructions that copied them
+/// to other registers and then wrote their own (mimalloc's functions pass their arguments on to
+/// the call they end in); `None` for one still in its own register.
+pub type MovedArguments = [Option<RegisterNumber>; MOVABLE_ARGUMENTS];
+
+/// Where a probe's cookie keeps its `MovedArguments`: 5 bits an argument, 0 for one in its own
+/// register, else its register's number plus one. Above an allocation probe's completion
+/// (`completion`) and below `SHARED_LINK`; a free probe with moved arguments is not the C
+/// library's (`c_library_free_cookie`, which takes those bits, places none).
+const MOVED_SHIFT: u32 = 41;
+const MOVED_BITS: u32 = 5;
+
+/// The cookie bits saying where `moved` arguments are.
+pub fn moved_arguments_cookie(moved: &MovedArguments) -> u64 {
+    let mut bits = 0;
+    for (argument, register) in moved.iter().enumerate() {
+        if let Some(register) = register {
+            bits |= u64::from((register & 0xf) + 1) << (MOVED_SHIFT + MOVED_BITS * argument as u32);
+        }
+    }
+    bits
+}
+
+/// The register that holds argument `argument` at the probe whose cookie is `cookie`, where it is
+/// not in its own.
+pub fn moved_argument(cookie: u64, argument: usize) -> Option<RegisterNumber> {
+    let field = (cookie >> (MOVED_SHIFT + MOVED_BITS * argument as u32)) & ((1 << MOVED_BITS) - 1);
+    field.checked_sub(1).map(|register| register as RegisterNumber)
+}
+
+/// The register that holds the block at the free probe whose cookie is `cookie`, where it is not
+/// in rdi: never at the C library's, whose cookie holds the span of its code in those bits.
+pub fn moved_block(cookie: u64) -> Option<RegisterNumber> {
+    match cookie & FREE_IN_C_LIBRARY {
+        0 => moved_argument(cookie, 0),
+        _ => None,
+    }
 }
 
 /// Set in the cookie of every probe of a link shared by every process that maps a file (pid 0):
@@ -95,5 +139,22 @@ mod tests {
         assert!(!called_by_c_library(FREE_WRAPPER, probe, probe), "not the C library's free");
         assert_eq!(cookie & (FREE_WRAPPER | SHARED_LINK), 0);
         assert_eq!(c_library_free_cookie(1 << 30, 0), None, "too far to say");
+    }
+
+    #[test]
+    fn moved_arguments_ride_above_a_completion_and_below_the_shared_bit() {
+        use crate::completion::{Completion, RAX, RSI};
+        let moved = [Some(RSI), None, Some(RAX), Some(15)];
+        let completion = Completion { condition: 5, result: 2 };
+        let cookie = completion.cookie(3) | moved_arguments_cookie(&moved);
+        assert_eq!(core::array::from_fn(|n| moved_argument(cookie, n)), moved);
+        assert_eq!(Completion::of(cookie), Some(completion));
+        assert_eq!(cookie as u32, 3);
+        assert_eq!(cookie & SHARED_LINK, 0);
+        assert_eq!(moved_arguments_cookie(&[None; MOVABLE_ARGUMENTS]), 0);
+        assert_eq!(moved_argument(FREE_WRAPPER, 0), None);
+        let c_library = c_library_free_cookie(0x100, 0x3fff_ffff).unwrap();
+        assert_eq!(moved_block(c_library), None, "its bits are the span of its code");
+        assert_eq!(moved_block(FREE_WRAPPER | moved_arguments_cookie(&moved)), Some(RSI));
     }
 }

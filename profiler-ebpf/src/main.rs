@@ -25,16 +25,17 @@ mod unwind;
 mod usdt;
 
 use aya_ebpf::{
-    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_func_ip},
+    bindings::pt_regs,
+    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_func_ip, bpf_probe_read_kernel},
     macros::{raw_tracepoint, uprobe, uretprobe},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext,
 };
-use core::ffi::c_void;
+use core::{ffi::c_void, mem::offset_of};
 
 use profiler_common::{
-    completion::{self, Completion, RegisterNumber},
-    return_owner, AllocFn, SHARED_LINK,
+    completion::{Completion, RegisterNumber},
+    moved_argument, moved_block, return_owner, AllocFn, SHARED_LINK,
 };
 
 /// One entry program serves every allocator function: the probe's cookie is its `AllocFn`, so that
@@ -64,48 +65,46 @@ fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
     let Some(func) = AllocFn::from_u32(cookie as u32) else {
         return false;
     };
-    // A fast path's site where the size is no longer in its argument's register.
-    let moved_size = completion::moved_size(cookie).map(|number| register(ctx, number));
     if let Some(completion) = Completion::of(cookie) {
         // SAFETY: the context is the running probe's.
         let flags = unsafe { (*ctx.regs).eflags };
         if completion.completes(flags) {
-            let size = moved_size.unwrap_or_else(|| arg(ctx, 0));
-            record::on_completion(ctx, func, size, register(ctx, completion.result));
+            record::on_completion(ctx, func, argument(ctx, cookie, 0), register(ctx, completion.result));
         }
         // A call that goes on is seen by its later site: none needs a return probe from here.
         return false;
     }
-    let (size, ptr_arg) = match moved_size {
-        Some(size) => (size, 0),
-        None => entry_arguments(ctx, func),
-    };
+    let (size, ptr_arg) = entry_arguments(ctx, cookie, func);
     record::on_entry(ctx, func, size, ptr_arg, skippable)
 }
 
 /// The value of register `number` (see `profiler_common::completion`) at the probe.
+///
+/// Read by the helper at the register's offset in the context: the verifier refuses a load at a
+/// computed offset into the context, which LLVM makes of one load per `match` arm when it merges
+/// them (it did, in the free program).
 fn register(ctx: &ProbeContext, number: RegisterNumber) -> u64 {
-    // SAFETY: the context is the running probe's. Each field at a constant offset: the verifier
-    // refuses a computed one into the context.
-    let regs = unsafe { &*ctx.regs };
-    match number {
-        0 => regs.rax,
-        1 => regs.rcx,
-        2 => regs.rdx,
-        3 => regs.rbx,
-        6 => regs.rsi,
-        7 => regs.rdi,
-        8 => regs.r8,
-        9 => regs.r9,
-        10 => regs.r10,
-        11 => regs.r11,
-        12 => regs.r12,
-        13 => regs.r13,
-        14 => regs.r14,
-        15 => regs.r15,
+    let offset = match number {
+        0 => offset_of!(pt_regs, rax),
+        1 => offset_of!(pt_regs, rcx),
+        2 => offset_of!(pt_regs, rdx),
+        3 => offset_of!(pt_regs, rbx),
+        6 => offset_of!(pt_regs, rsi),
+        7 => offset_of!(pt_regs, rdi),
+        8 => offset_of!(pt_regs, r8),
+        9 => offset_of!(pt_regs, r9),
+        10 => offset_of!(pt_regs, r10),
+        11 => offset_of!(pt_regs, r11),
+        12 => offset_of!(pt_regs, r12),
+        13 => offset_of!(pt_regs, r13),
+        14 => offset_of!(pt_regs, r14),
+        15 => offset_of!(pt_regs, r15),
         // rsp and rbp, which the daemon never names (see `fast_path`).
-        _ => 0,
-    }
+        _ => return 0,
+    };
+    // SAFETY: a helper reading kernel memory, which faults safely: a field of the probe's
+    // registers, the context.
+    unsafe { bpf_probe_read_kernel(ctx.regs.cast::<u8>().add(offset).cast::<u64>()) }.unwrap_or(0)
 }
 
 /// Entry and return of every allocator function in one uprobe session (Linux 6.13+): at the
@@ -131,11 +130,12 @@ pub fn alloc_session(raw: *mut c_void) -> u32 {
 }
 
 /// The size `func` was asked for, and the pointer argument to keep (the old block of a resize,
-/// posix_memalign's out-pointer).
-fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
+/// posix_memalign's out-pointer), at the probe whose cookie is `cookie`.
+fn entry_arguments(ctx: &ProbeContext, cookie: u64, func: AllocFn) -> (u64, u64) {
     // Each register read at a constant offset: the verifier refuses a computed one into the
     // context, which reading argument `n` for a variable `n` would compile to.
-    let registers = (arg(ctx, 0), arg(ctx, 1), arg(ctx, 2), arg(ctx, 3));
+    let registers =
+        (argument(ctx, cookie, 0), argument(ctx, cookie, 1), argument(ctx, cookie, 2), argument(ctx, cookie, 3));
     let nth = |n: usize| match n {
         0 => registers.0,
         1 => registers.1,
@@ -153,6 +153,16 @@ fn entry_arguments(ctx: &ProbeContext, func: AllocFn) -> (u64, u64) {
 
 fn arg(ctx: &ProbeContext, n: usize) -> u64 {
     ctx.arg::<u64>(n).unwrap_or(0)
+}
+
+/// Argument `n` (0 to 3) at the probe whose cookie is `cookie`: in the register the cookie names
+/// where the function's first instructions moved it (see `profiler_common::MovedArguments`).
+#[inline(always)]
+fn argument(ctx: &ProbeContext, cookie: u64, n: usize) -> u64 {
+    match moved_argument(cookie, n) {
+        Some(number) => register(ctx, number),
+        None => arg(ctx, n),
+    }
 }
 
 /// calloc's and reallocarray's `n * size`; `u64::MAX` when it overflows (the call then fails).
@@ -197,7 +207,11 @@ pub fn free(ctx: ProbeContext) -> u32 {
     if !process::probed(shared_link) {
         return 0;
     }
-    record::on_free(&ctx, arg(&ctx, 0), cookie);
+    let block = match moved_block(cookie) {
+        Some(number) => register(&ctx, number),
+        None => arg(&ctx, 0),
+    };
+    record::on_free(&ctx, block, cookie);
     0
 }
 

@@ -75,9 +75,10 @@ fn jemalloc_sites_stay_exact_under_another_tools_return_probe() {
 
 /// `malloc`'s fast and slow paths on each allocator that has them (memprof records a fast path's
 /// calls at its last branch, see docs/internals/how-it-works.md), and on glibc's, which has none
-/// memprof takes: the same bytes at every site, under `run` and `attach`.
+/// memprof takes; mimalloc's `calloc` and `realloc`, probed where their arguments have moved to
+/// other registers: the same bytes at every site, under `run` and `attach`.
 #[test]
-fn malloc_fast_and_slow_paths_are_exact_on_every_allocator() {
+fn fast_and_slow_paths_and_moved_arguments_are_exact_on_every_allocator() {
     let program = fixture("fast_paths");
     for preload in ["", "libjemalloc.so.2", "libmimalloc.so.2.0"] {
         let library = if preload.is_empty() { String::new() } else { format!("{LIBDIR}/{preload}") };
@@ -96,6 +97,8 @@ fn assert_fast_path_sites(outcome: &Outcome, library: &str) {
     let report = outcome.final_report();
     assert_eq!(site(&report, "site_small"), (2400, 100), "{library}");
     assert_eq!(site(&report, "site_large"), (60000, 3), "{library}");
+    assert_eq!(site(&report, "site_calloc"), (1200, 4), "{library}");
+    assert_eq!(site(&report, "site_realloc"), (10000, 2), "{library}");
     assert_eq!(site(&report, "churn"), (0, 0), "{library}: every free is seen");
     assert_eq!(total(&report, "failed_allocations"), 1, "{library}: malloc(SIZE_MAX)");
     assert_eq!(total(&report, "unknown_frees"), 0, "{library}");

@@ -43,9 +43,9 @@ const TESTS: [(&str, &str); 22] = [
     // jemalloc's fast path recorded in one trap, with bpftrace's perf-event uretprobe on malloc
     // taking each call's return address first (the kernel's list read for it).
     ("allocator_families", "jemalloc_sites_stay_exact_under_another_tools_return_probe"),
-    // malloc's fast and slow paths on glibc, jemalloc and mimalloc, whose size the fast path
-    // moves to another register (the probe's cookie names it).
-    ("allocator_families", "malloc_fast_and_slow_paths_are_exact_on_every_allocator"),
+    // malloc's fast and slow paths on glibc, jemalloc and mimalloc, whose malloc, calloc and
+    // realloc move their arguments to other registers (the probe's cookie names them).
+    ("allocator_families", "fast_and_slow_paths_and_moved_arguments_are_exact_on_every_allocator"),
     // Sampled mode.
     ("sampling", "sampled_estimates_are_within_10_percent"),
     // Growth mode: the page-fault program.

@@ -21,7 +21,7 @@
 use iced_x86::{Code, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind, Register};
 use profiler_common::completion::{Completion, RegisterNumber, RAX, RDI};
 
-use crate::process::placement;
+use crate::process::placement::{self, number};
 
 /// More ways than this through a function's opening is no fast path.
 const MAX_WAYS: usize = 64;
@@ -226,31 +226,19 @@ fn touches_frame(info: &mut InstructionInfoFactory, instruction: &Instruction) -
 /// between registers copies what its source holds, the size included; any other write loses
 /// what its target held.
 fn follow(info: &mut InstructionInfoFactory, instruction: &Instruction, walk: &mut Walk) {
-    let source = match instruction.code() {
+    let copied = match instruction.code() {
         Code::Mov_rm64_r64 | Code::Mov_r64_rm64 if instruction.op1_kind() == OpKind::Register => {
-            number(instruction.op1_register())
+            number(instruction.op1_register()).and_then(|source| walk.holds[usize::from(source)])
         }
         _ => None,
     };
-    let copied = source.and_then(|source| walk.holds[usize::from(source)]);
-    let size_copied = source.is_some_and(|source| walk.size_in & 1 << source != 0);
     for used in info.info(instruction).used_registers() {
         let Some(register) = number(used.register().full_register()) else { continue };
         if placement::writes(used.access()) {
             walk.holds[usize::from(register)] = copied;
-            if size_copied {
-                walk.size_in |= 1 << register;
-            } else {
-                walk.size_in &= !(1 << register);
-            }
         }
     }
-}
-
-/// A 64-bit general register's number in instruction encodings.
-fn number(register: Register) -> Option<RegisterNumber> {
-    let number = register.number();
-    (register.is_gpr64() && number < 16).then_some(number as RegisterNumber)
+    placement::follow_copies(info, instruction, core::slice::from_mut(&mut walk.size_in));
 }
 
 #[cfg(test)]

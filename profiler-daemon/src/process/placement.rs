@@ -7,12 +7,16 @@
 //! open with a `cmp`, `test` or `mov`, which it single-steps. Instructions that only compute into other registers can be
 //! stepped over: the probe then fires a few instructions later, on every call all the same.
 //!
-//! What the probe reads decides what may be stepped over: the argument registers of the function
+//! What the probe reads decides what may be stepped over: the arguments of the function
 //! (`AllocFn::arguments`), rsp (the return address a return probe replaces, the
-//! stack walk's start, nesting), rbp (the stack walk), and the stack memory at rsp. The entry and
-//! return probes of an allocation function share this site, so no push may come before it: the
-//! return probe takes over the return address at `[rsp]` when the probe fires. Whatever is not
-//! understood keeps the probe on the symbol.
+//! stack walk's start, nesting), rbp (the stack walk), and the stack memory at rsp. An argument
+//! may move: a function that passes its arguments on to the call it ends in (mimalloc's) copies
+//! them to other registers, then writes theirs. A copy made by a 64-bit `mov` between registers
+//! is followed, and the probe's cookie says where each argument is
+//! (`profiler_common::MovedArguments`). The entry and return probes of an allocation function
+//! share this site, so no push may come before it: the return probe takes over the return
+//! address at `[rsp]` when the probe fires. Whatever is not understood keeps the probe on the
+//! symbol.
 //!
 //! A free that opens with `test %rdi,%rdi; je` is probed at the `je`, not past it: the kernel
 //! emulates a jump in registers, where it emulates a `push` by writing the stack, which costs
@@ -23,6 +27,7 @@ use iced_x86::{
     Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
     Register,
 };
+use profiler_common::{completion::RegisterNumber, MovedArguments, MOVABLE_ARGUMENTS};
 
 use crate::process::families::Role;
 
@@ -31,20 +36,32 @@ use crate::process::families::Role;
 /// check its jumps.
 pub(super) const MAX_FUNCTION_BYTES: usize = 64 * 1024;
 
-/// How far past its first byte the probe of the function whose bytes are `code` goes (0: on its
-/// symbol). `code` holds the whole function, as its symbol's size bounds it: every direct jump
-/// in it is checked (a jump back to the site would make one call fire the probe twice).
-pub fn probe_distance(code: &[u8], role: Role) -> u64 {
+/// Where a function's probe goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// How far past the function's first byte (0: on its symbol).
+    pub distance: u64,
+    /// Where the arguments its program reads are there, those not in their own registers.
+    pub moved: MovedArguments,
+}
+
+/// Where the probe of the function whose bytes are `code` goes. `code` holds the whole function,
+/// as its symbol's size bounds it: every direct jump in it is checked (a jump back to the site
+/// would make one call fire the probe twice). `may_move`: whether the probe's cookie has room to
+/// say where moved arguments are (a C library's free's has not).
+pub fn probe_site(code: &[u8], role: Role, may_move: bool) -> Placement {
     if code.is_empty() || code.len() > MAX_FUNCTION_BYTES {
-        return 0;
+        return Placement::default();
     }
-    let Some(function) = decode(code) else { return 0 };
-    let Some(site) = first_emulated(&function, code, 0, &kept_registers(role)) else { return 0 };
-    let ip = function[site].ip();
-    if reentered(&function, ip) {
-        0
+    let Some(function) = decode(code) else { return Placement::default() };
+    let Some((site, moved)) = first_emulated(&function, code, &read_arguments(role), may_move) else {
+        return Placement::default();
+    };
+    let distance = function[site].ip();
+    if reentered(&function, distance) {
+        Placement::default()
     } else {
-        ip
+        Placement { distance, moved }
     }
 }
 
@@ -92,15 +109,28 @@ pub fn syscall_returns(code: &[u8], number: u32) -> Option<Vec<u64>> {
     Some(sites)
 }
 
-/// The registers memprof's entry programs read for a function of `role` (every free takes its
-/// block first).
-fn kept_registers(role: Role) -> Vec<Register> {
-    const ARGUMENTS: [Register; 6] =
-        [Register::RDI, Register::RSI, Register::RDX, Register::RCX, Register::R8, Register::R9];
+/// The arguments memprof's entry programs read for a function of `role` (every free takes its
+/// block first), by their number.
+fn read_arguments(role: Role) -> Vec<usize> {
     match role {
-        Role::Free => vec![Register::RDI],
-        Role::Alloc(func) => func.arguments().read().filter_map(|n| ARGUMENTS.get(n).copied()).collect(),
+        Role::Free => vec![0],
+        Role::Alloc(func) => func.arguments().read().collect(),
     }
+}
+
+/// The registers that pass arguments 0 to 3, by their numbers in instruction encodings: rdi,
+/// rsi, rdx, rcx.
+const ARGUMENT_REGISTERS: [RegisterNumber; MOVABLE_ARGUMENTS] = [7, 6, 2, 1];
+
+/// A 64-bit general register's number in instruction encodings (rax 0, ..., r15 15).
+pub(super) fn number(register: Register) -> Option<RegisterNumber> {
+    let number = register.number();
+    (register.is_gpr64() && number < 16).then_some(number as RegisterNumber)
+}
+
+/// Registers as bits, by their numbers.
+fn bit(register: RegisterNumber) -> u16 {
+    1 << register
 }
 
 /// The function's instructions in order, their `ip` the distance from its first byte; `None`
@@ -118,19 +148,68 @@ pub(super) fn decode(code: &[u8]) -> Option<Vec<Instruction>> {
     Some(function)
 }
 
-/// The index of the first instruction from `from` on that the kernel emulates, if every one
-/// before it leaves `kept`, rsp, rbp and memory alone and runs straight on.
-fn first_emulated(function: &[Instruction], code: &[u8], from: usize, kept: &[Register]) -> Option<usize> {
+/// The index of the first instruction that the kernel emulates, if every one before it runs
+/// straight on, leaves rsp, rbp and memory alone and keeps each of `arguments` in some register
+/// (in its own unless `may_move`); with the registers that hold those that moved.
+fn first_emulated(
+    function: &[Instruction],
+    code: &[u8],
+    arguments: &[usize],
+    may_move: bool,
+) -> Option<(usize, MovedArguments)> {
     let mut info = InstructionInfoFactory::new();
-    for (index, instruction) in function.iter().enumerate().skip(from) {
+    // For each argument, the registers that hold it.
+    let mut held: [u16; MOVABLE_ARGUMENTS] = core::array::from_fn(|n| bit(ARGUMENT_REGISTERS[n]));
+    let read = |n: &usize| ARGUMENT_REGISTERS.get(*n).is_some();
+    if !arguments.iter().all(read) {
+        return None;
+    }
+    for (index, instruction) in function.iter().enumerate() {
         if emulated(instruction, code) {
-            return Some(index);
+            let moved = core::array::from_fn(|n| {
+                let own = bit(ARGUMENT_REGISTERS[n]);
+                let holders = held[n];
+                (arguments.contains(&n) && holders & own == 0).then(|| holders.trailing_zeros() as RegisterNumber)
+            });
+            return Some((index, moved));
         }
-        if !harmless(&mut info, instruction, kept) {
+        if !harmless(&mut info, instruction) {
+            return None;
+        }
+        follow_copies(&mut info, instruction, &mut held);
+        let kept = |n: &usize| {
+            let own = bit(ARGUMENT_REGISTERS[*n]);
+            if may_move {
+                held[*n] != 0
+            } else {
+                held[*n] & own != 0
+            }
+        };
+        if !arguments.iter().all(kept) {
             return None;
         }
     }
     None
+}
+
+/// What an instruction does to the registers that hold each argument (`held`): a 64-bit `mov`
+/// between registers makes its target hold what its source held; any other write, nothing.
+pub(super) fn follow_copies(info: &mut InstructionInfoFactory, instruction: &Instruction, held: &mut [u16]) {
+    let source = match instruction.code() {
+        Code::Mov_rm64_r64 | Code::Mov_r64_rm64 if instruction.op1_kind() == OpKind::Register => {
+            number(instruction.op1_register())
+        }
+        _ => None,
+    };
+    for used in info.info(instruction).used_registers() {
+        let Some(register) = number(used.register().full_register()) else { continue };
+        if writes(used.access()) {
+            for holders in held.iter_mut() {
+                let copied = source.is_some_and(|source| *holders & bit(source) != 0);
+                *holders = if copied { *holders | bit(register) } else { *holders & !bit(register) };
+            }
+        }
+    }
 }
 
 /// Whether the kernel emulates the instruction instead of single-stepping it: `push %reg`
@@ -149,9 +228,9 @@ pub(super) fn emulated(instruction: &Instruction, code: &[u8]) -> bool {
     }
 }
 
-/// Whether an instruction can be stepped over by the probe: it runs straight on and writes
-/// neither `kept`, rsp, rbp, nor memory.
-fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: &[Register]) -> bool {
+/// Whether an instruction can be stepped over by the probe, its writes to argument registers
+/// aside (`follow_copies`): it runs straight on and writes neither rsp, rbp, nor memory.
+fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction) -> bool {
     if instruction.flow_control() != FlowControl::Next
         || instruction.is_stack_instruction()
         || matches!(instruction.mnemonic(), Mnemonic::Syscall | Mnemonic::Sysenter)
@@ -162,10 +241,10 @@ fn harmless(info: &mut InstructionInfoFactory, instruction: &Instruction, kept: 
     if info.used_memory().iter().any(|memory| writes(memory.access())) {
         return false;
     }
-    !info.used_registers().iter().any(|used| {
-        let register = used.register().full_register();
-        writes(used.access()) && (matches!(register, Register::RSP | Register::RBP) || kept.contains(&register))
-    })
+    !info
+        .used_registers()
+        .iter()
+        .any(|used| writes(used.access()) && matches!(used.register().full_register(), Register::RSP | Register::RBP))
 }
 
 /// Whether an operand's access writes it, always or on a condition.
@@ -195,6 +274,11 @@ mod tests {
 
     const FREE: Role = Role::Free;
     const MALLOC: Role = Role::Alloc(AllocFn::Malloc);
+
+    /// Where the probe goes, arguments free to move.
+    fn probe_distance(code: &[u8], role: Role) -> u64 {
+        probe_site(code, role, true).distance
+    }
 
     /// `code`, then a `ret` and padding up to a function's usual alignment.
     fn function(code: &[u8]) -> Vec<u8> {
@@ -270,10 +354,41 @@ mod tests {
     }
 
     #[test]
+    fn arguments_copied_to_other_registers_are_found_there() {
+        let moved = |moved: &[(usize, RegisterNumber)]| {
+            let mut arguments = [None; MOVABLE_ARGUMENTS];
+            for &(argument, register) in moved {
+                arguments[argument] = Some(register);
+            }
+            arguments
+        };
+        // mimalloc's mi_malloc: mov ...(%rip),%rax; mov %rdi,%rsi; mov %fs:(%rax),%rdi; ja
+        let code =
+            function(&[0x48, 0x8b, 0x05, 0x49, 0xb4, 0, 0, 0x48, 0x89, 0xfe, 0x64, 0x48, 0x8b, 0x38, 0x77, 0x01]);
+        assert_eq!(probe_site(&code, MALLOC, true), Placement { distance: 14, moved: moved(&[(0, 6)]) });
+        assert_eq!(probe_site(&code, MALLOC, false), Placement::default(), "rdi is overwritten before the jump");
+        // mimalloc's realloc: mov ...(%rip),%rax; mov %rsi,%rdx; mov %rdi,%rsi; mov %fs:(%rax),%rax;
+        // mov %rax,%rdi; jmp mi_heap_realloc
+        let code = function(&[
+            0x48, 0x8b, 0x05, 0x49, 0xa9, 0, 0, 0x48, 0x89, 0xf2, 0x48, 0x89, 0xfe, 0x64, 0x48, 0x8b, 0x00, 0x48, 0x89,
+            0xc7, 0xe9, 0xf7, 0x4e, 0xff, 0xff,
+        ]);
+        let realloc = Role::Alloc(AllocFn::Realloc);
+        assert_eq!(probe_site(&code, realloc, true), Placement { distance: 20, moved: moved(&[(0, 6), (1, 2)]) });
+        // mimalloc's calloc: mov ...(%rip),%rdx; mov %rdi,%rax; mov %fs:(%rdx),%rdi; cmp $0x1,%rax; je
+        let code = function(&[
+            0x48, 0x8b, 0x15, 0xc9, 0xad, 0, 0, 0x48, 0x89, 0xf8, 0x64, 0x48, 0x8b, 0x3a, 0x48, 0x83, 0xf8, 0x01, 0x74,
+            0x08,
+        ]);
+        let calloc = Role::Alloc(AllocFn::Calloc);
+        assert_eq!(probe_site(&code, calloc, true), Placement { distance: 18, moved: moved(&[(0, 0)]) });
+        // mov %edi,%esi; mov %fs:(%rax),%rdi; ja: a 32-bit copy is no copy of the size
+        let code = function(&[0x89, 0xfe, 0x64, 0x48, 0x8b, 0x38, 0x77, 0x01]);
+        assert_eq!(probe_site(&code, MALLOC, true), Placement::default());
+    }
+
+    #[test]
     fn what_the_probe_reads_stops_the_walk() {
-        // mimalloc's mi_malloc: mov ...(%rip),%rax; mov %rdi,%rsi; mov %fs:(%rax),%rdi; cmp; ja
-        let code = [0x48, 0x8b, 0x05, 0x49, 0xb4, 0, 0, 0x48, 0x89, 0xfe, 0x64, 0x48, 0x8b, 0x38, 0x77, 0x01, 0x90];
-        assert_eq!(probe_distance(&function(&code), MALLOC), 0, "rdi is overwritten before the jump");
         // mov %rax,0x8(%rsp); jmp: a store on the stack
         assert_eq!(probe_distance(&function(&[0x48, 0x89, 0x44, 0x24, 0x08, 0xeb, 0x00]), FREE), 0);
         // sub $0x8,%rsp; jmp: the return address moved

@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use profiler_common::{c_library_free_cookie, FREE_WRAPPER};
+use profiler_common::{c_library_free_cookie, moved_arguments_cookie, FREE_WRAPPER};
 
 use crate::kernel::probes::Attachment;
 use crate::{
@@ -419,7 +419,8 @@ impl Loaded {
                 .iter()
                 .map(|p| {
                     let c_library = p.c_library_code.and_then(|(below, above)| c_library_free_cookie(below, above));
-                    Point { offset: p.offset, cookie: if p.wrapper { FREE_WRAPPER } else { c_library.unwrap_or(0) } }
+                    let kind = if p.wrapper { FREE_WRAPPER } else { c_library.unwrap_or(0) };
+                    Point { offset: p.offset, cookie: kind | moved_arguments_cookie(&p.moved) }
                 })
                 .collect();
             (allocs, returns, frees)

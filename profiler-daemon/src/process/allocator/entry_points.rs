@@ -9,7 +9,7 @@ use std::{
 };
 
 use object::{Object, ObjectSection, ObjectSymbol};
-use profiler_common::{completion::RDI, AllocFn};
+use profiler_common::{completion::RDI, AllocFn, MOVABLE_ARGUMENTS};
 
 use super::{blind_spots::UNPROBED, is_libc, AllocatorFile, BlindSpot, FileScan, FreePoint, ProbePoint};
 use crate::process::{
@@ -17,7 +17,7 @@ use crate::process::{
     families::{self, Family, Role},
     fast_path,
     file_cache::{FileCache, FileId, Opened},
-    placement,
+    placement::{self, Placement},
 };
 
 /// Scans with every family, by file: every exec and attach scans the files its process maps,
@@ -123,12 +123,16 @@ fn read_file<'d>(
             if !probed.insert(function.offset) {
                 continue;
             }
-            let offset = function.offset + placement::probe_distance(code(function), *role);
+            // A C library's free probe's cookie spans its code (`FreePoint::c_library_code`),
+            // where moved arguments would be said.
+            let may_move = wrapper || matches!(role, Role::Alloc(_));
+            let entry = placement::probe_site(code(function), *role, may_move);
             match role {
-                Role::Alloc(func) => file.allocs.extend(alloc_points(*func, function.offset, offset, code(function))),
+                Role::Alloc(func) => file.allocs.extend(alloc_points(*func, function.offset, entry, code(function))),
                 Role::Free => {
+                    let offset = function.offset + entry.distance;
                     let c_library_code = if wrapper { None } else { code_around(text, offset) };
-                    file.frees.push(FreePoint { offset, wrapper, c_library_code })
+                    file.frees.push(FreePoint { offset, wrapper, c_library_code, moved: entry.moved })
                 }
             }
         }
@@ -137,22 +141,21 @@ fn read_file<'d>(
 }
 
 /// Where allocation function `func`, at file offset `start`, is probed: on its fast path's sites
-/// where it has one that memprof can follow (only the size read, in rdi: see `fast_path`), else
-/// at `entry`, its entry probe's offset.
-fn alloc_points(func: AllocFn, start: u64, entry: u64, code: &[u8]) -> Vec<ProbePoint> {
+/// where it has one that memprof can follow (only the size read: see `fast_path`), else at
+/// `entry`, its entry probe's placement.
+fn alloc_points(func: AllocFn, start: u64, entry: Placement, code: &[u8]) -> Vec<ProbePoint> {
     let size_only = func.arguments().read().eq([0]);
     let Some(fast_path) = size_only.then(|| fast_path::of(code)).flatten() else {
-        return vec![ProbePoint { offset: entry, func, completion: None, size_register: None }];
+        return vec![ProbePoint { offset: start + entry.distance, func, completion: None, moved: entry.moved }];
     };
     let slow_paths = fast_path.slow_paths.iter().map(|&site| (site, None));
     let completions = fast_path.completions.iter().map(|&(site, completion)| (site, Some(completion)));
     slow_paths
         .chain(completions)
-        .map(|(site, completion)| ProbePoint {
-            offset: start + site.offset,
-            func,
-            completion,
-            size_register: (site.size_register != RDI).then_some(site.size_register),
+        .map(|(site, completion)| {
+            let mut moved = [None; MOVABLE_ARGUMENTS];
+            moved[0] = (site.size_register != RDI).then_some(site.size_register);
+            ProbePoint { offset: start + site.offset, func, completion, moved }
         })
         .collect()
 }
@@ -260,6 +263,8 @@ fn file_offset(file: &object::File, address: u64) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use profiler_common::MovedArguments;
+
     use super::*;
 
     /// Where each entry point of each family is probed in Debian's allocator libraries (the
@@ -278,18 +283,19 @@ mod tests {
                 std::fs::read(&path).unwrap_or_else(|err| panic!("{path}: {err} (cargo xtask setup installs it)"));
             let elf = object::File::parse(&*data).expect("an ELF file");
             let functions = functions(&elf, &wanted);
-            let mut rows: Vec<(&str, u64)> = families
+            let mut rows: Vec<(&str, u64, MovedArguments)> = families
                 .iter()
                 .flat_map(|family| family.entries.iter())
                 .filter_map(|(symbol, role)| {
                     let function = functions.get(symbol.as_str())?;
-                    Some((symbol.as_str(), placement::probe_distance(function.code(&data), *role)))
+                    let site = placement::probe_site(function.code(&data), *role, true);
+                    Some((symbol.as_str(), site.distance, site.moved))
                 })
                 .collect();
             rows.sort();
             rows.dedup();
-            for (symbol, distance) in rows {
-                println!("{library:26} {symbol:40} +{distance}");
+            for (symbol, distance, moved) in rows {
+                println!("{library:26} {symbol:40} +{distance} {moved:?}");
                 placed.insert((library, symbol), distance);
             }
         }
@@ -305,6 +311,10 @@ mod tests {
             ("libtcmalloc_minimal.so.4", "tc_free", 10),
             // mov %rdi,%rcx; test %rdi,%rdi; je, then rdi is rewritten: at the je
             ("libmimalloc.so.2.0", "mi_free", 6),
+            // the arguments copied to rsi and rdx, rdi rewritten: at the tail call's jmp
+            ("libmimalloc.so.2.0", "realloc", 20),
+            // the count copied to rax, rdi rewritten: at the first je
+            ("libmimalloc.so.2.0", "calloc", 18),
             // test %rdi,%rdi; je; push %rbp: at the je (a push is emulated by writing the stack)
             ("libc.so.6", "free", 3),
             ("libc.so.6", "malloc", 0),
@@ -329,13 +339,13 @@ mod tests {
             for family in &families {
                 for (symbol, role) in &family.entries {
                     let (Some(function), Role::Alloc(func)) = (functions.get(symbol.as_str()), role) else { continue };
-                    let points = alloc_points(*func, function.offset, function.offset, function.code(&data));
+                    let points = alloc_points(*func, function.offset, Placement::default(), function.code(&data));
                     if points.iter().any(|point| point.completion.is_some()) && found.insert((library, symbol.as_str()))
                     {
                         let sites: Vec<String> = points
                             .iter()
                             .map(|point| {
-                                let (offset, size) = (point.offset - function.offset, point.size_register);
+                                let (offset, size) = (point.offset - function.offset, point.moved[0]);
                                 format!("+{offset:#x} {:?} size in {size:?}", point.completion)
                             })
                             .collect();

@@ -12,10 +12,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use profiler_common::{
-    completion::{self, Completion, RegisterNumber},
-    AllocFn,
-};
+use profiler_common::{completion::Completion, moved_arguments_cookie, AllocFn, MovedArguments};
 
 use crate::{
     error::UserError,
@@ -45,9 +42,9 @@ pub struct ProbePoint {
     /// At a branch of the function's fast path that completes some of its calls, which need no
     /// return probe (see `process::fast_path`); `None` at an entry.
     pub completion: Option<Completion>,
-    /// The register that holds a size-only function's size here, where its fast path moved it
-    /// out of `rdi` (see `profiler_common::completion`); `None` where the arguments are in theirs.
-    pub size_register: Option<RegisterNumber>,
+    /// Where the arguments read are, those the function's first instructions moved out of their
+    /// registers (see `process::placement`, `process::fast_path`).
+    pub moved: MovedArguments,
 }
 
 impl ProbePoint {
@@ -55,7 +52,7 @@ impl ProbePoint {
     pub fn cookie(&self) -> u64 {
         let func = self.func as u32;
         let site = self.completion.map_or(u64::from(func), |completion| completion.cookie(func));
-        site | self.size_register.map_or(0, completion::size_in)
+        site | moved_arguments_cookie(&self.moved)
     }
 
     /// Its return probe's cookie: the return program reads the call from its entry's record.
@@ -74,6 +71,9 @@ pub struct FreePoint {
     /// In the C library's own shared object: how far its executable segment reaches below and
     /// above the probe, to tell the library's internal frees (`profiler_common::FREE_IN_C_LIBRARY`).
     pub c_library_code: Option<(u64, u64)>,
+    /// Where the block is, if the function's first instructions moved it out of rdi (never in
+    /// the C library's, whose cookie holds `c_library_code`).
+    pub moved: MovedArguments,
 }
 
 /// One file holding allocator code, and its distinct entry points.
