@@ -82,7 +82,9 @@ fn entry(ctx: &ProbeContext, cookie: u64, skippable: bool) -> bool {
 ///
 /// Read by the helper at the register's offset in the context: the verifier refuses a load at a
 /// computed offset into the context, which LLVM makes of one load per `match` arm when it merges
-/// them (it did, in the free program).
+/// them (it did, in the free program). A function of its own: inlined at each argument read, its
+/// helper's output slots made the session program's frame too large (see `on_completion`).
+#[inline(never)]
 fn register(ctx: &ProbeContext, number: RegisterNumber) -> u64 {
     let offset = match number {
         0 => offset_of!(pt_regs, rax),
