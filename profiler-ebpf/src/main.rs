@@ -161,7 +161,13 @@ fn arg(ctx: &ProbeContext, n: usize) -> u64 {
 /// where the function's first instructions moved it (see `profiler_common::MovedArguments`).
 #[inline(always)]
 fn argument(ctx: &ProbeContext, cookie: u64, n: usize) -> u64 {
-    match moved_argument(cookie, n) {
+    moved_or_own(ctx, moved_argument(cookie, n), n)
+}
+
+/// Argument `n` in register `moved`, or in its own.
+#[inline(always)]
+fn moved_or_own(ctx: &ProbeContext, moved: Option<RegisterNumber>, n: usize) -> u64 {
+    match moved {
         Some(number) => register(ctx, number),
         None => arg(ctx, n),
     }
@@ -209,11 +215,7 @@ pub fn free(ctx: ProbeContext) -> u32 {
     if !process::probed(shared_link) {
         return 0;
     }
-    let block = match moved_block(cookie) {
-        Some(number) => register(&ctx, number),
-        None => arg(&ctx, 0),
-    };
-    record::on_free(&ctx, block, cookie);
+    record::on_free(&ctx, moved_or_own(&ctx, moved_block(cookie), 0), cookie);
     0
 }
 

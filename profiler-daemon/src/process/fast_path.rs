@@ -18,10 +18,10 @@
 //! `malloc` copies it to `rsi`, then writes `rdi`), and each site's probe is told where it is.
 //! Anything else keeps the usual probes.
 
-use iced_x86::{Code, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind, Register};
+use iced_x86::{Code, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, Register};
 use profiler_common::completion::{Completion, RegisterNumber, RAX, RDI};
 
-use crate::process::placement::{self, number};
+use crate::process::placement;
 
 /// More ways than this through a function's opening is no fast path.
 const MAX_WAYS: usize = 64;
@@ -127,18 +127,14 @@ struct Walk {
     branches: Vec<Branch>,
     /// The registers that hold the size, one bit each (rdi's at the entry).
     size_in: u16,
-    /// For each register, the register whose value at the last branch it holds.
-    holds: [Option<RegisterNumber>; 16],
+    /// For each register, the registers that hold the value it had at the last branch.
+    values: [u16; 16],
 }
 
 impl Walk {
     /// Where the walk is, if the size is still in a register: rdi where it is one of them.
     fn site(&self, offset: u64) -> Option<Site> {
-        let register = match self.size_in {
-            0 => return None,
-            held if held & 1 << RDI != 0 => RDI,
-            held => held.trailing_zeros() as RegisterNumber,
-        };
+        let register = placement::register_to_read(self.size_in, RDI)?;
         Some(Site { offset, size_register: register })
     }
 }
@@ -147,7 +143,7 @@ impl Walk {
 fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
     let index_of = |offset: u64| function.binary_search_by_key(&offset, Instruction::ip).ok();
     let mut info = InstructionInfoFactory::new();
-    let mut walks = vec![Walk { next: 0, steps: 0, branches: Vec::new(), size_in: 1 << RDI, holds: identity() }];
+    let mut walks = vec![Walk { next: 0, steps: 0, branches: Vec::new(), size_in: 1 << RDI, values: identity() }];
     let mut ways = Vec::new();
     while let Some(mut walk) = walks.pop() {
         loop {
@@ -165,7 +161,7 @@ fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
                     walk.next += 1;
                 }
                 FlowControl::Return if returns => {
-                    ways.push(Way { branches: walk.branches, end: End::Return(walk.holds[usize::from(RAX)]) });
+                    ways.push(Way { branches: walk.branches, end: End::Return(returned(&walk.values)) });
                     break;
                 }
                 FlowControl::UnconditionalBranch if placement::emulated(instruction, code) => {
@@ -190,10 +186,10 @@ fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
                     let condition = instruction.condition_code() as u8 - 1;
                     let mut taken = walk.clone();
                     taken.branches.push(Branch { site, condition });
-                    (taken.next, taken.holds) = (target, identity());
+                    (taken.next, taken.values) = (target, identity());
                     walks.push(taken);
                     walk.branches.push(Branch { site, condition: condition ^ 1 });
-                    (walk.next, walk.holds) = (walk.next + 1, identity());
+                    (walk.next, walk.values) = (walk.next + 1, identity());
                 }
                 _ => return None,
             }
@@ -206,8 +202,13 @@ fn ways(function: &[Instruction], code: &[u8]) -> Option<Vec<Way>> {
 }
 
 /// Each register holding its own value.
-fn identity() -> [Option<RegisterNumber>; 16] {
-    core::array::from_fn(|n| Some(n as RegisterNumber))
+fn identity() -> [u16; 16] {
+    core::array::from_fn(|n| 1 << n)
+}
+
+/// The register whose value at the last branch rax holds, if one's does.
+fn returned(values: &[u16; 16]) -> Option<RegisterNumber> {
+    (0..16).find(|&n| values[usize::from(n)] & 1 << RAX != 0)
 }
 
 /// Whether `register` is rsp or rbp, which the walk and its stack walk start from.
@@ -222,22 +223,10 @@ fn touches_frame(info: &mut InstructionInfoFactory, instruction: &Instruction) -
     })
 }
 
-/// What a straight-on instruction does to the registers the walk follows: a 64-bit `mov`
-/// between registers copies what its source holds, the size included; any other write loses
-/// what its target held.
+/// What a straight-on instruction does to the values and the size the walk follows (see
+/// `placement::follow_copies`).
 fn follow(info: &mut InstructionInfoFactory, instruction: &Instruction, walk: &mut Walk) {
-    let copied = match instruction.code() {
-        Code::Mov_rm64_r64 | Code::Mov_r64_rm64 if instruction.op1_kind() == OpKind::Register => {
-            number(instruction.op1_register()).and_then(|source| walk.holds[usize::from(source)])
-        }
-        _ => None,
-    };
-    for used in info.info(instruction).used_registers() {
-        let Some(register) = number(used.register().full_register()) else { continue };
-        if placement::writes(used.access()) {
-            walk.holds[usize::from(register)] = copied;
-        }
-    }
+    placement::follow_copies(info, instruction, &mut walk.values);
     placement::follow_copies(info, instruction, core::slice::from_mut(&mut walk.size_in));
 }
 

@@ -123,9 +123,19 @@ fn read_arguments(role: Role) -> Vec<usize> {
 const ARGUMENT_REGISTERS: [RegisterNumber; MOVABLE_ARGUMENTS] = [7, 6, 2, 1];
 
 /// A 64-bit general register's number in instruction encodings (rax 0, ..., r15 15).
-pub(super) fn number(register: Register) -> Option<RegisterNumber> {
+fn number(register: Register) -> Option<RegisterNumber> {
     let number = register.number();
     (register.is_gpr64() && number < 16).then_some(number as RegisterNumber)
+}
+
+/// The register a probe reads a value from, of those that hold it (`held`, as `follow_copies`
+/// keeps them): `own` where it still holds it, else the lowest; `None` where none does.
+pub(super) fn register_to_read(held: u16, own: RegisterNumber) -> Option<RegisterNumber> {
+    match held {
+        0 => None,
+        _ if held & bit(own) != 0 => Some(own),
+        _ => Some(held.trailing_zeros() as RegisterNumber),
+    }
 }
 
 /// Registers as bits, by their numbers.
@@ -167,9 +177,9 @@ fn first_emulated(
     for (index, instruction) in function.iter().enumerate() {
         if emulated(instruction, code) {
             let moved = core::array::from_fn(|n| {
-                let own = bit(ARGUMENT_REGISTERS[n]);
-                let holders = held[n];
-                (arguments.contains(&n) && holders & own == 0).then(|| holders.trailing_zeros() as RegisterNumber)
+                let own = ARGUMENT_REGISTERS[n];
+                let read = register_to_read(held[n], own).filter(|_| arguments.contains(&n));
+                read.filter(|&register| register != own)
             });
             return Some((index, moved));
         }
@@ -178,12 +188,8 @@ fn first_emulated(
         }
         follow_copies(&mut info, instruction, &mut held);
         let kept = |n: &usize| {
-            let own = bit(ARGUMENT_REGISTERS[*n]);
-            if may_move {
-                held[*n] != 0
-            } else {
-                held[*n] & own != 0
-            }
+            let own = ARGUMENT_REGISTERS[*n];
+            register_to_read(held[*n], own).is_some_and(|register| may_move || register == own)
         };
         if !arguments.iter().all(kept) {
             return None;
