@@ -405,18 +405,21 @@ impl Doomed<'_> {
 /// Removes what `doomed` names from the maps: the entries of exited processes would otherwise
 /// fill the maps and a reused pid would inherit them. Stacks that nothing else refers to go too
 /// (`STACKS` never frees ids by itself). Each map is walked once, however many processes.
-pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: &HashSet<u64>) -> anyhow::Result<()> {
+/// `held_elsewhere` gives the stacks that memprof's user space holds, asked after the stored ids
+/// are read.
+pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: impl FnOnce() -> HashSet<u64>) -> anyhow::Result<()> {
     // The stored stack ids first: a stack another process stores while this runs is kept, though
     // the scans below may miss the counts that will refer to it. (One stored just before, whose
     // counts land only after the scans pass, can go; its next allocation stores it again.)
     let stored_stacks = stack_ids(ebpf, StackTable::Allocations)?;
     let stored_free_stacks = stack_ids(ebpf, StackTable::Frees)?;
+    let held_elsewhere = held_elsewhere();
     // The stacks other processes refer to. Not only these processes' stacks go: a stack stored for
     // an allocation that the full LIVE table then refused has no counts that refer to it, and a
     // free stack is referenced only by a RECENT_FREES slot (or a double-free event, read before
     // this), which the next allocation at that address or a later free in the same slot empties.
     // Either is stored again if needed.
-    let (mut used_stacks, mut used_free_stacks) = (held_elsewhere.clone(), HashSet::new());
+    let (mut used_stacks, mut used_free_stacks) = (held_elsewhere, HashSet::new());
     batch::for_each(map(ebpf, "STACK_STATS")?, |key: &StackKey, _: &StackStats| {
         if !doomed.made_by(key.tgid, key.image) {
             used_stacks.insert(key.stack_id);

@@ -486,8 +486,7 @@ impl Loaded {
     pub fn image_replaced(&mut self, pid: NonZeroU32, exec: &ProcessEvent) {
         let doomed = aggregate::Doomed::OldImage { tgid: pid.get(), image: exec.image, exec_ns: exec.time_ns };
         // Ranges other processes map hold stacks; the new program's may too by now.
-        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(&HashSet::new())).unwrap_or_default();
-        if let Err(err) = self.purge(doomed, &held) {
+        if let Err(err) = self.purge(doomed, &HashSet::new()) {
             tracing::warn!(pid = pid.get(), "dropping what the old program left in the maps failed: {err:#}");
         }
         (self.walked_entries, self.stack_entries) = (None, None);
@@ -501,8 +500,16 @@ impl Loaded {
     }
 
     /// `aggregate::purge`, and a new generation: no walk the kernel remembered gives a stack id
-    /// the purge removed.
-    pub(super) fn purge(&mut self, doomed: aggregate::Doomed<'_>, held: &HashSet<u64>) -> anyhow::Result<()> {
+    /// the purge removed. The stacks that the ranges and pages of every process but those in
+    /// `except` hold are kept, with those of the events still in the ring: a page touched just
+    /// before keeps its stack.
+    pub(super) fn purge(&mut self, doomed: aggregate::Doomed<'_>, except: &HashSet<u32>) -> anyhow::Result<()> {
+        let (mappings, clock) = (&mut self.mappings, &self.ages.clock);
+        let held = || {
+            let Some(mappings) = mappings else { return HashSet::new() };
+            mappings.drain(clock);
+            mappings.stack_ids(except)
+        };
         aggregate::purge(&mut self.ebpf, doomed, held)?;
         self.unwind.new_generation(&mut self.ebpf)
     }

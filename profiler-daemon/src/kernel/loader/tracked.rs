@@ -115,8 +115,7 @@ impl Loaded {
     /// Everything the maps hold about `pids`.
     fn purge_maps(&mut self, pids: &HashSet<u32>) {
         // The stacks other processes' ranges and pages hold are theirs to keep.
-        let held = self.mappings.as_ref().map(|mappings| mappings.stack_ids(pids)).unwrap_or_default();
-        if let Err(err) = self.purge(aggregate::Doomed::Processes(pids), &held) {
+        if let Err(err) = self.purge(aggregate::Doomed::Processes(pids), pids) {
             tracing::warn!("purging the maps of {} processes failed: {err:#}", pids.len());
         }
         (self.walked_entries, self.stack_entries) = (None, None);
