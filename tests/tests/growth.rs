@@ -5,7 +5,10 @@
 //! pages the allocator touched for them (its own metadata: none on glibc here, 105 pages for
 //! jemalloc's 100 extents).
 
-use std::io::{BufRead, BufReader};
+use std::{
+    io::{BufRead, BufReader},
+    time::Duration,
+};
 
 use memprof_tests::{
     attach, fixture, fixture_go, fixture_go_pure, fixture_go_stripped, fixture_musl, fixture_musl_unnamed_mmap,
@@ -228,7 +231,45 @@ fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system
         let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
         assert_eq!(memprof_tests::metric(daemon.port, series), Some(1), "the unnamed one's calls are read so");
     }
-    moved_range_held(moving, &daemon);
+    moved_range_held(moving, &daemon, Duration::ZERO);
+}
+
+/// The programs that read every process's mapping calls go with the last process traced by its
+/// pages that needs them. Where the kernel refuses `fexit` programs, a static program whose
+/// wrappers memprof cannot find has every system call on the host read while it is traced; once
+/// it exits, that program goes, and the dynamic one beside it, whose own probes read its calls,
+/// keeps its ranges and pages. Where the kernel takes them, they read the dynamic one's calls
+/// too, and stay.
+#[test]
+fn the_program_at_every_system_call_goes_with_the_last_process_that_needs_it() {
+    let flags = ["-g", "-O0", "-fno-omit-frame-pointer"];
+    let unnamed = fixture_musl_unnamed_mmap("malloc_loop.c", "growth_unnamed_mmap_exits", &flags);
+    let resting = Waiting::start(&unnamed, &[]);
+    let moving = Waiting::start(&fixture("growth_remap"), &[]);
+    let (resting_pid, moving_pid) = (resting.pid().to_string(), moving.pid().to_string());
+    let daemon = Daemon::start(&["--growth", "--pid", &resting_pid, "--pid", &moving_pid]);
+    daemon.wait_traced(resting.pid());
+    daemon.wait_traced(moving.pid());
+    let refused = memprof_tests::kernel_refuses_fexit();
+    let series =
+        format!("memprof_machine_wide_programs{{at=\"{}\"}}", if refused { "system_calls" } else { "mapping_calls" });
+    let holder = daemon.child.id();
+    let links = || {
+        let links = memprof_tests::probe_links::descriptions(holder);
+        links.iter().filter(|info| info.contains("tp_name:\tsys_exit") || info.contains("link_type:\ttracing")).count()
+    };
+    assert_eq!(memprof_tests::metric(daemon.port, &series), Some(1));
+    assert!(links() >= 1, "no link reads the mapping calls");
+    let gone = resting.pid() as u64;
+    drop(resting);
+    wait_for(20, "the static program to be let go", || (!daemon.traced_pids().contains(&gone)).then_some(()));
+    wait_for(20, "the programs for every process to go, or stay for the dynamic one", || {
+        (memprof_tests::metric(daemon.port, &series) == Some(u64::from(!refused))).then_some(())
+    });
+    assert_eq!(links() == 0, refused, "{} links read the mapping calls", links());
+    // The static program's entries are purged at the next interval, likely while the dynamic
+    // one's page events wait in their ring: their stacks must stay.
+    moved_range_held(moving, &daemon, Duration::from_secs(3));
 }
 
 /// A static program's mapping calls are read at its own copy of its C library's wrappers, where
@@ -243,17 +284,19 @@ fn a_static_programs_mapping_calls_are_read_at_its_own_wrappers() {
     daemon.wait_traced(moving.pid());
     let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
     assert_eq!(memprof_tests::metric(daemon.port, series), Some(0));
-    moved_range_held(moving, &daemon);
+    moved_range_held(moving, &daemon, Duration::ZERO);
 }
 
 /// Lets `growth_remap.c`, traced by its pages by `daemon`, touch 2 pages, move their range by
 /// `mremap` and touch 4 more: each stack holds its own, and none was touched outside the ranges.
-fn moved_range_held(mut moving: Waiting, daemon: &Daemon) {
+/// The report is read `settled` after the pages are touched.
+fn moved_range_held(mut moving: Waiting, daemon: &Daemon, settled: Duration) {
     let pid = moving.pid();
     moving.go();
     let mut line = String::new();
     BufReader::new(moving.child.stdout.as_mut().expect("piped")).read_line(&mut line).expect("reading the fixture");
     assert_eq!(line, "held\n");
+    std::thread::sleep(settled);
     let report = wait_for(10, "the moved range's pages in a report", || {
         let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
         (through(&report, "grow_and_touch").1 > 0).then_some(report)

@@ -84,6 +84,10 @@ pub struct Loaded {
     machine_wide_faults: Option<faults::MachineWideLinks>,
     /// `--mappings`: the mapping calls' programs stay attached while memprof runs.
     mappings_asked: bool,
+    /// Processes traced by their pages whose mapping calls the programs for every process read
+    /// (none of their own probes do): those programs rest once none is left (see
+    /// `rest_unneeded_mapping_programs`).
+    read_machine_wide: HashSet<u32>,
     /// Which processes share links with every traced process that maps the same file, rather
     /// than get links of their own (see `shared`).
     shared: SharedLinks,
@@ -252,6 +256,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         faults_loaded: false,
         machine_wide_faults: None,
         mappings_asked: sizes.mappings,
+        read_machine_wide: HashSet::new(),
         shared: SharedLinks::new(ProbeLinks::PerProcess),
         detacher: Some(Detacher::spawn().context("starting the detacher thread")?),
         usdt: usdt::UsdtProbes::default(),

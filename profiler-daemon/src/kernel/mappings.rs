@@ -62,15 +62,22 @@ impl MappedRanges {
         self.programs.wake(ebpf)
     }
 
-    /// Detaches the system-call programs until `wake`, once no process needs them: every
-    /// process's ranges go, as the calls it makes meanwhile are not seen.
+    /// Detaches the system-call programs until `wake`, once no process is traced by its pages:
+    /// every process's ranges go, as the calls it makes meanwhile are not seen.
     pub fn rest(&mut self, ebpf: &mut Ebpf, clock: &Clock) {
-        if self.programs.runs_at().is_some() {
-            self.programs.rest(ebpf);
-            // The events still in the ring go with the ranges, not into spaces made anew.
-            self.drain(clock);
-            self.spaces.clear();
-        }
+        self.rest_programs(ebpf);
+        // The events still in the ring go with the ranges, not into spaces made anew.
+        self.drain(clock);
+        self.spaces.clear();
+    }
+
+    /// Detaches the system-call programs until `wake`, the ranges kept: for the processes whose
+    /// own probes read their calls (see `Loaded::rest_unneeded_mapping_programs`). Returns where
+    /// they ran, if they were attached.
+    pub fn rest_programs(&mut self, ebpf: &mut Ebpf) -> Option<&'static str> {
+        let at = self.programs.runs_at()?;
+        self.programs.rest(ebpf);
+        Some(at)
     }
 
     /// Where the system-call programs run, while attached (see `MappingPrograms::runs_at`).

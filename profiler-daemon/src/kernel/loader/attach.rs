@@ -135,13 +135,20 @@ impl Loaded {
                 self.attach_own(MAPPING_CALLS_PROGRAM, &probes, pid.get(), attachment)?;
                 let files: Vec<_> = files.iter().map(|file| file.path.display().to_string()).collect();
                 tracing::debug!(pid = pid.get(), ?files, "mapping calls read at the process's own wrappers");
-                return self.update_traced(pid.get(), |flags| flags | OWN_MAPPING_CALLS);
+                self.update_traced(pid.get(), |flags| flags | OWN_MAPPING_CALLS)?;
+                // An exec from a program without such wrappers may leave no process needing
+                // the programs for every process.
+                self.read_machine_wide.remove(&pid.get());
+                self.rest_unneeded_mapping_programs();
+                return Ok(());
             }
         }
         // After an exec into a program without such wrappers, the programs for every process read
         // its calls again.
         self.update_traced(pid.get(), |flags| flags & !OWN_MAPPING_CALLS)?;
-        self.mappings.as_mut().expect("loaded by load_page_faults").wake(&mut self.ebpf)
+        self.mappings.as_mut().expect("loaded by load_page_faults").wake(&mut self.ebpf)?;
+        self.read_machine_wide.insert(pid.get());
+        Ok(())
     }
 
     /// Where memprof's programs run for every process on the machine now (`MachineWide`).
@@ -154,6 +161,7 @@ impl Loaded {
     /// on the machine for them (at each page fault, and, without `--mappings`, at the mapping
     /// calls or at every system call), until `load_page_faults` wants them again.
     pub(super) fn rest_page_faults(&mut self) {
+        self.rest_unneeded_mapping_programs();
         if self.growth || self.mappings.as_ref().is_some_and(MappedRanges::watches_pages) {
             return;
         }
@@ -163,6 +171,24 @@ impl Loaded {
             mappings.rest(&mut self.ebpf, &self.ages.clock);
         }
         tracing::info!("no process is traced by its pages any more: memprof's programs at the machine's page faults, page allocations and mapping calls are detached");
+    }
+
+    /// Takes off the programs that read every process's mapping calls once no process traced by
+    /// its pages needs them (each left has probes of its own at its wrappers) and `--mappings`
+    /// did not ask for them: a static program stripped of its symbols that exits no longer
+    /// leaves every system call on the host slowed. The ranges the other processes' probes keep
+    /// stay.
+    fn rest_unneeded_mapping_programs(&mut self) {
+        if self.mappings_asked || !self.read_machine_wide.is_empty() {
+            return;
+        }
+        let Some(mappings) = &mut self.mappings else { return };
+        if let Some(at) = mappings.rest_programs(&mut self.ebpf) {
+            tracing::info!(
+                at,
+                "no process traced by its pages needs memprof's programs for every process's mapping calls any more: detached"
+            );
+        }
     }
 
     /// A process too busy for its calls to be traced one by one (`--max-rate`), or holding most

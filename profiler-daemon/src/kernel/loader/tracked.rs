@@ -69,6 +69,7 @@ impl Loaded {
         }
         for &pid in pids {
             self.moved_to_pages.remove(&pid);
+            self.read_machine_wide.remove(&pid);
             self.shared.forget(pid);
             self.usdt.forget(pid);
             self.probe_threads.forget(&mut self.ebpf, pid);
