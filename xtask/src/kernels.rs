@@ -25,7 +25,7 @@ use debian::{path_str, Kernel, Series, SERIES};
 const PACKAGES: &[&str] = &["qemu-system-x86", "kmod", "busybox-static", "python3-venv"];
 
 /// (test binary, test) run on each kernel: each loads the programs the kernel's features pick.
-const TESTS: [(&str, &str); 22] = [
+const TESTS: [(&str, &str); 23] = [
     // `run`, exact, every allocation function of glibc.
     ("allocators", "every_allocator_function_is_counted_exactly"),
     // Two processes traced by their own probes: on 6.1 a perf-event uretprobe fires in both.
@@ -58,6 +58,9 @@ const TESTS: [(&str, &str); 22] = [
     ("growth", "attach_sees_the_leaking_site_on_glibc_and_jemalloc"),
     // The daemon's switch to growth mode: the machine-wide programs detached and attached again.
     ("sampling", "growth_modes_programs_for_the_whole_machine_go_with_its_last_process"),
+    // The mapping calls' programs kept for the processes that need them, and the pages a purge
+    // of another process meets in their ring.
+    ("growth", "the_program_at_every_system_call_goes_with_the_last_process_that_needs_it"),
     // `attach`'s move of a process sampling costs too much to growth mode, where growth mode
     // slows no other process's system calls (Debian's kernels take `fexit` programs).
     ("price", "attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to"),
