@@ -74,9 +74,12 @@ fn a_full_live_table_counts_every_lost_allocation_and_recovers_once_it_has_room(
     let (stormed, _) = storm(threads, blocks);
     let lost = dropped(&report, "live_map_full");
     let recorded = total(&report, "allocations") - RECOVERED - RECOVERED_FREED;
-    assert!(lost >= stormed - max_live, "at most --max-live blocks are held: {report}");
+    // The kernel checks a table without preallocation for room, then counts the new entry: each
+    // other CPU inserting at that moment may take one entry more.
+    let racing = std::thread::available_parallelism().map_or(1, |n| n.get() as u64) - 1;
+    assert!(lost + racing >= stormed - max_live, "at most --max-live blocks are held: {report}");
     assert_eq!(recorded + lost, stormed, "every storm allocation is recorded or counted lost: {report}");
-    assert!(recorded <= max_live, "{report}");
+    assert!(recorded <= max_live + racing, "{report}");
     let said = outcome
         .stderr
         .matches(&format!("the table of live allocations is full: {lost} allocations not recorded"))
