@@ -235,41 +235,56 @@ fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system
 }
 
 /// The programs that read every process's mapping calls go with the last process traced by its
-/// pages that needs them. Where the kernel refuses `fexit` programs, a static program whose
+/// pages that needs them, and those at every page fault with the last process traced by its
+/// pages, under `--growth` too. Where the kernel refuses `fexit` programs, a static program whose
 /// wrappers memprof cannot find has every system call on the host read while it is traced; once
 /// it exits, that program goes, and the dynamic one beside it, whose own probes read its calls,
 /// keeps its ranges and pages. Where the kernel takes them, they read the dynamic one's calls
-/// too, and stay.
+/// too, and stay. Once the dynamic one exits too, nothing runs for every process; the next one
+/// traced brings them back.
 #[test]
-fn the_program_at_every_system_call_goes_with_the_last_process_that_needs_it() {
+fn machine_wide_programs_go_with_the_last_process_that_needs_them() {
+    // Names of their own: the daemon's rule must match no other test's process.
     let flags = ["-g", "-O0", "-fno-omit-frame-pointer"];
-    let unnamed = fixture_musl_unnamed_mmap("malloc_loop.c", "growth_unnamed_mmap_exits", &flags);
+    let unnamed = fixture_musl_unnamed_mmap("malloc_loop.c", "gwlast_static", &flags);
+    let remap = fixture_with("growth_remap.c", "gwlast_remap", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"]);
     let resting = Waiting::start(&unnamed, &[]);
-    let moving = Waiting::start(&fixture("growth_remap"), &[]);
-    let (resting_pid, moving_pid) = (resting.pid().to_string(), moving.pid().to_string());
-    let daemon = Daemon::start(&["--growth", "--pid", &resting_pid, "--pid", &moving_pid]);
+    let moving = Waiting::start(&remap, &[]);
+    let daemon = Daemon::start(&["--growth", "--comm", "^gwlast_"]);
     daemon.wait_traced(resting.pid());
     daemon.wait_traced(moving.pid());
     let refused = memprof_tests::kernel_refuses_fexit();
-    let series =
-        format!("memprof_machine_wide_programs{{at=\"{}\"}}", if refused { "system_calls" } else { "mapping_calls" });
+    let calls_at = if refused { "system_calls" } else { "mapping_calls" };
+    let running =
+        |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
     let holder = daemon.child.id();
-    let links = || {
+    let links = |what: &[&str]| {
         let links = memprof_tests::probe_links::descriptions(holder);
-        links.iter().filter(|info| info.contains("tp_name:\tsys_exit") || info.contains("link_type:\ttracing")).count()
+        links.iter().filter(|info| what.iter().any(|w| info.contains(w))).count()
     };
-    assert_eq!(memprof_tests::metric(daemon.port, &series), Some(1));
-    assert!(links() >= 1, "no link reads the mapping calls");
+    let (call_links, fault_links) = (["tp_name:\tsys_exit", "link_type:\ttracing"], ["page_fault_user"]);
+    wait_for(20, "/metrics to say the machine-wide programs", || {
+        (running(calls_at) == Some(1) && running("page_faults") == Some(1)).then_some(())
+    });
+    assert!(links(&call_links) >= 1, "no link reads the mapping calls");
     let gone = resting.pid() as u64;
     drop(resting);
     wait_for(20, "the static program to be let go", || (!daemon.traced_pids().contains(&gone)).then_some(()));
-    wait_for(20, "the programs for every process to go, or stay for the dynamic one", || {
-        (memprof_tests::metric(daemon.port, &series) == Some(u64::from(!refused))).then_some(())
+    wait_for(20, "the programs for every process's calls to go, or stay for the dynamic one", || {
+        (running(calls_at) == Some(u64::from(!refused))).then_some(())
     });
-    assert_eq!(links() == 0, refused, "{} links read the mapping calls", links());
+    assert_eq!(links(&call_links) == 0, refused, "{} links read the mapping calls", links(&call_links));
     // The static program's entries are purged at the next interval, likely while the dynamic
     // one's page events wait in their ring: their stacks must stay.
     moved_range_held(moving, &daemon, Duration::from_secs(3));
+    wait_for(20, "every machine-wide program to go with the last process", || {
+        (running(calls_at) == Some(0) && running("page_faults") == Some(0)).then_some(())
+    });
+    assert_eq!((links(&call_links), links(&fault_links)), (0, 0));
+    let next = Waiting::start(&remap, &[]);
+    daemon.wait_traced(next.pid());
+    wait_for(20, "the next process to bring them back", || (running("page_faults") == Some(1)).then_some(()));
+    moved_range_held(next, &daemon, Duration::ZERO);
 }
 
 /// A static program's mapping calls are read at its own copy of its C library's wrappers, where

@@ -58,9 +58,9 @@ const TESTS: [(&str, &str); 23] = [
     ("growth", "attach_sees_the_leaking_site_on_glibc_and_jemalloc"),
     // The daemon's switch to growth mode: the machine-wide programs detached and attached again.
     ("sampling", "growth_modes_programs_for_the_whole_machine_go_with_its_last_process"),
-    // The mapping calls' programs kept for the processes that need them, and the pages a purge
-    // of another process meets in their ring.
-    ("growth", "the_program_at_every_system_call_goes_with_the_last_process_that_needs_it"),
+    // The machine-wide programs kept for the processes that need them under `--growth`, and the
+    // pages a purge of another process meets in their ring.
+    ("growth", "machine_wide_programs_go_with_the_last_process_that_needs_them"),
     // `attach`'s move of a process sampling costs too much to growth mode, where growth mode
     // slows no other process's system calls (Debian's kernels take `fexit` programs).
     ("price", "attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to"),

@@ -159,10 +159,11 @@ impl Loaded {
 
     /// Once no process is traced by its pages, takes off the programs that run for every process
     /// on the machine for them (at each page fault, and, without `--mappings`, at the mapping
-    /// calls or at every system call), until `load_page_faults` wants them again.
+    /// calls or at every system call), until `load_page_faults` wants them again: under
+    /// `--growth` too, between one target and the next.
     pub(super) fn rest_page_faults(&mut self) {
         self.rest_unneeded_mapping_programs();
-        if self.growth || self.mappings.as_ref().is_some_and(MappedRanges::watches_pages) {
+        if self.mappings.as_ref().is_some_and(MappedRanges::watches_pages) {
             return;
         }
         let Some(links) = self.machine_wide_faults.take() else { return };
@@ -385,6 +386,8 @@ impl Loaded {
     /// `--growth`: the page-fault events of `pid`'s threads, and the pages of the anonymous
     /// memory it has now (when it runs its `program`) and maps from now on kept (see `mappings`).
     fn watch_pages(&mut self, pid: NonZeroU32, program: Program) -> anyhow::Result<Attachment> {
+        // Taken off when the last process traced by its pages went (`rest_page_faults`).
+        self.load_page_faults()?;
         let mut attachment = Attachment::default();
         // Before its ranges are read: a mapping made in between is not missed.
         self.read_mapping_calls(pid, program, &mut attachment)?;
