@@ -135,6 +135,19 @@ impl Daemon {
         (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}")))
     }
 
+    /// How many of the daemon's links run for every process: at page faults, at `sys_exit`, and
+    /// `fexit` programs.
+    pub fn machine_wide_links(&self) -> [usize; 3] {
+        let links = crate::probe_links::descriptions(self.child.id());
+        ["page_fault_user", "tp_name:\tsys_exit", "link_type:\ttracing"]
+            .map(|at| links.iter().filter(|link| link.contains(at)).count())
+    }
+
+    /// `memprof_machine_wide_programs` at `at`: `page_faults`, `mapping_calls` or `system_calls`.
+    pub fn machine_wide_programs(&self, at: &str) -> Option<u64> {
+        crate::metric(self.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"))
+    }
+
     pub fn traced_pids(&self) -> Vec<u64> {
         let (_, targets) = self.get_json("/api/v1/targets");
         targets.as_array().unwrap().iter().map(|t| t["pid"].as_u64().unwrap()).collect()

@@ -228,8 +228,7 @@ fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system
     daemon.wait_traced(resting.pid());
     daemon.wait_traced(moving.pid());
     if memprof_tests::kernel_refuses_fexit() {
-        let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
-        assert_eq!(memprof_tests::metric(daemon.port, series), Some(1), "the unnamed one's calls are read so");
+        assert_eq!(daemon.machine_wide_programs("system_calls"), Some(1), "the unnamed one's calls are read so");
     }
     moved_range_held(moving, &daemon, Duration::ZERO);
 }
@@ -255,35 +254,34 @@ fn machine_wide_programs_go_with_the_last_process_that_needs_them() {
     daemon.wait_traced(moving.pid());
     let refused = memprof_tests::kernel_refuses_fexit();
     let calls_at = if refused { "system_calls" } else { "mapping_calls" };
-    let running =
-        |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
-    let holder = daemon.child.id();
-    let links = |what: &[&str]| {
-        let links = memprof_tests::probe_links::descriptions(holder);
-        links.iter().filter(|info| what.iter().any(|w| info.contains(w))).count()
-    };
-    let (call_links, fault_links) = (["tp_name:\tsys_exit", "link_type:\ttracing"], ["page_fault_user"]);
+    // Links of the system-call tracepoint and the `fexit` programs, and of the page faults.
+    let call_links = || daemon.machine_wide_links()[1..].iter().sum::<usize>();
+    let fault_links = || daemon.machine_wide_links()[0];
     wait_for(20, "/metrics to say the machine-wide programs", || {
-        (running(calls_at) == Some(1) && running("page_faults") == Some(1)).then_some(())
+        (daemon.machine_wide_programs(calls_at) == Some(1) && daemon.machine_wide_programs("page_faults") == Some(1))
+            .then_some(())
     });
-    assert!(links(&call_links) >= 1, "no link reads the mapping calls");
+    assert!(call_links() >= 1, "no link reads the mapping calls");
     let gone = resting.pid() as u64;
     drop(resting);
     wait_for(20, "the static program to be let go", || (!daemon.traced_pids().contains(&gone)).then_some(()));
     wait_for(20, "the programs for every process's calls to go, or stay for the dynamic one", || {
-        (running(calls_at) == Some(u64::from(!refused))).then_some(())
+        (daemon.machine_wide_programs(calls_at) == Some(u64::from(!refused))).then_some(())
     });
-    assert_eq!(links(&call_links) == 0, refused, "{} links read the mapping calls", links(&call_links));
+    assert_eq!(call_links() == 0, refused, "{} links read the mapping calls", call_links());
     // The static program's entries are purged at the next interval, likely while the dynamic
     // one's page events wait in their ring: their stacks must stay.
     moved_range_held(moving, &daemon, Duration::from_secs(3));
     wait_for(20, "every machine-wide program to go with the last process", || {
-        (running(calls_at) == Some(0) && running("page_faults") == Some(0)).then_some(())
+        (daemon.machine_wide_programs(calls_at) == Some(0) && daemon.machine_wide_programs("page_faults") == Some(0))
+            .then_some(())
     });
-    assert_eq!((links(&call_links), links(&fault_links)), (0, 0));
+    assert_eq!((call_links(), fault_links()), (0, 0));
     let next = Waiting::start(&remap, &[]);
     daemon.wait_traced(next.pid());
-    wait_for(20, "the next process to bring them back", || (running("page_faults") == Some(1)).then_some(()));
+    wait_for(20, "the next process to bring them back", || {
+        (daemon.machine_wide_programs("page_faults") == Some(1)).then_some(())
+    });
     moved_range_held(next, &daemon, Duration::ZERO);
 }
 
@@ -297,8 +295,7 @@ fn a_static_programs_mapping_calls_are_read_at_its_own_wrappers() {
     let moving = Waiting::start(&program, &[]);
     let daemon = Daemon::start(&["--growth", "--pid", &moving.pid().to_string()]);
     daemon.wait_traced(moving.pid());
-    let series = "memprof_machine_wide_programs{at=\"system_calls\"}";
-    assert_eq!(memprof_tests::metric(daemon.port, series), Some(0));
+    assert_eq!(daemon.machine_wide_programs("system_calls"), Some(0));
     moved_range_held(moving, &daemon, Duration::ZERO);
 }
 

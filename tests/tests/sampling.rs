@@ -123,14 +123,6 @@ fn busy_loop_moved_or_sampled(program: &Path, comm: &str) -> (bool, Waiting, Dae
     (moved, target, daemon)
 }
 
-/// How many of the daemon's links run for every process: at page faults, at `sys_exit`, and
-/// `fexit` programs.
-fn machine_wide_links(daemon: &Daemon) -> [usize; 3] {
-    let links = probe_links::descriptions(daemon.child.id());
-    ["page_fault_user", "tp_name:\tsys_exit", "link_type:\ttracing"]
-        .map(|at| links.iter().filter(|link| link.contains(at)).count())
-}
-
 /// Where the kernel refuses `fexit` programs, growth mode reads a process's mapping calls by
 /// probes of its own at its wrappers of them: its C library's, or a static program's own copy.
 /// The daemon moves a busy program to its pages there too, and nothing runs at other processes'
@@ -141,10 +133,9 @@ fn the_daemon_moves_a_busy_process_to_its_pages_reading_its_mapping_calls_at_its
     for (program, comm) in [(fixture("malloc_loop"), "malloc_loop"), (static_loop, "static_loop")] {
         let (moved, target, mut daemon) = busy_loop_moved_or_sampled(&program, comm);
         assert!(moved, "{comm}: sampled, not moved");
-        let [faults, system_calls, fexit] = machine_wide_links(&daemon);
+        let [faults, system_calls, fexit] = daemon.machine_wide_links();
         assert_eq!((faults, system_calls), (1, 0), "{comm}: {:?}", probe_links::descriptions(daemon.child.id()));
-        let said =
-            |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
+        let said = |at: &str| daemon.machine_wide_programs(at);
         assert_eq!(said("system_calls"), Some(0), "{comm}");
         if memprof_tests::kernel_refuses_fexit() {
             assert_eq!((fexit, said("mapping_calls")), (0, Some(0)), "{comm}");
@@ -175,10 +166,9 @@ fn the_daemon_samples_a_busy_program_without_mapping_wrappers_where_growth_mode_
     std::thread::sleep(std::time::Duration::from_secs(2));
     let growth = format!("memprof_growth_mode{{pid=\"{pid}\",comm=\"unnamed_mmap_lo\"}}");
     assert_eq!(memprof_tests::metric(daemon.port, &growth), Some(0));
-    assert_eq!(machine_wide_links(&daemon), [0, 0, 0], "{:?}", probe_links::descriptions(daemon.child.id()));
+    assert_eq!(daemon.machine_wide_links(), [0, 0, 0], "{:?}", probe_links::descriptions(daemon.child.id()));
     for at in ["page_faults", "mapping_calls", "system_calls"] {
-        let series = format!("memprof_machine_wide_programs{{at=\"{at}\"}}");
-        assert_eq!(memprof_tests::metric(daemon.port, &series), Some(0), "{at}");
+        assert_eq!(daemon.machine_wide_programs(at), Some(0), "{at}");
     }
     let (_, report) = daemon.get_json(&format!("/api/v1/leaks?pid={pid}"));
     assert_eq!(report["sample_bytes"], 65536, "{report}");
@@ -362,12 +352,10 @@ fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
     let mut args = vec!["--comm", "wholehost_loop", "--max-rate", "1000"];
     args.extend(refused.then_some(memprof_tests::MOVES_TO_PAGES_ANYWHERE));
     let daemon = Daemon::start(&args);
-    let holder = daemon.child.id();
-    // Links of the page-fault tracepoints, the system-call tracepoint and the `fexit` programs.
+    // Links of the page-fault tracepoints, and of the system-call tracepoint and the `fexit` programs.
     let machine_wide = || {
-        let links = probe_links::descriptions(holder);
-        let on = |what: &str| links.iter().filter(|info| info.contains(what)).count();
-        (on("page_fault_user"), on("tp_name:\tsys_exit") + on("link_type:\ttracing"))
+        let [faults, system_calls, fexit] = daemon.machine_wide_links();
+        (faults, system_calls + fexit)
     };
     for round in ["first", "second"] {
         let mut target = Waiting::start(&loop_program, &["--pairs=1000000000"]);
@@ -383,8 +371,7 @@ fn growth_modes_programs_for_the_whole_machine_go_with_its_last_process() {
             faults == 1 && mapping_calls >= 1,
             "{round} process: {faults} fault links, {mapping_calls} mapping-call links"
         );
-        let said =
-            |at: &str| memprof_tests::metric(daemon.port, &format!("memprof_machine_wide_programs{{at=\"{at}\"}}"));
+        let said = |at: &str| daemon.machine_wide_programs(at);
         wait_for(30, "/metrics to say the programs at the page faults", || (said("page_faults")? == 1).then_some(()));
         drop(target);
         wait_for(30, "the machine-wide programs to go with the last process traced by its pages", || {
