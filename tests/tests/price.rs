@@ -64,15 +64,19 @@ fn attach_says_the_price_and_with_max_rate_off_records_every_call() {
     assert_eq!(total(&report, "frees"), pairs, "{report}");
 }
 
-/// `memprof attach ARGS --json --interval 60` to the loop run with `loop_args` for 4 s: a second
-/// traced by its calls, a second sampled, and time to spare.
+/// How long a busy loop runs: a second traced by its calls, a second sampled, the move to growth
+/// mode, which loads its programs (a second and a half on this project's VM, over two while the
+/// other tests run), and time to spare.
+const BUSY: &str = "--seconds=6";
+
+/// `memprof attach ARGS --json --interval 60` to the loop run with `loop_args` for `BUSY`.
 fn attach_to_the_busy_loop(loop_args: &[&str], args: &[&str]) -> (String, memprof_tests::Outcome) {
     attach_to_a_busy_loop(&fixture("malloc_loop"), loop_args, args)
 }
 
 /// `attach_to_the_busy_loop` with `program`, a build of `malloc_loop.c`.
 fn attach_to_a_busy_loop(program: &Path, loop_args: &[&str], args: &[&str]) -> (String, memprof_tests::Outcome) {
-    let loop_args: Vec<&str> = ["--seconds=4"].iter().chain(loop_args).copied().collect();
+    let loop_args: Vec<&str> = [BUSY].iter().chain(loop_args).copied().collect();
     let mut target = Waiting::start(program, &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
@@ -215,7 +219,7 @@ fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
     const LEAKED: u64 = 100 * 64 * 1024;
     const SLACK: u64 = 3 * 4096;
     let growth = fixture("growth");
-    let loop_args = ["--seconds=4", "--exec", growth.to_str().unwrap(), "--wait"];
+    let loop_args = [BUSY, "--exec", growth.to_str().unwrap(), "--wait"];
     let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
