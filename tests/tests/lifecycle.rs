@@ -49,7 +49,23 @@ fn full_free_stacks_show_the_first_free_whole() {
 fn double_free(args: &[&str]) -> serde_json::Value {
     let outcome = run(args, &[fixture("lifecycle").to_str().unwrap(), "double-free"]);
     assert_eq!(outcome.status.code(), Some(128 + 6), "memprof exits like its command (SIGABRT): {outcome:?}");
+    the_one_double_free(&outcome.final_report())
+}
+
+/// A followed child that aborts on a double free has its report read as it exits, before the
+/// end: the double free is in it, with its three stacks (the event comes just before the exit).
+#[test]
+fn a_childs_double_free_is_in_its_report_when_it_aborts_on_it() {
+    let outcome = run(&["--interval", "60"], &[fixture("lifecycle").to_str().unwrap(), "child-double-free"]);
+    assert!(outcome.status.success(), "the child aborted: {outcome:?}");
     let report = outcome.final_report();
+    let child = &report["children"][0];
+    assert_eq!(child["exited"], true, "{report}");
+    the_one_double_free(child);
+}
+
+/// The one double free of the lifecycle fixture in `report`, checked for what every mode shows.
+fn the_one_double_free(report: &serde_json::Value) -> serde_json::Value {
     let double_frees = report["double_frees"].as_array().unwrap();
     assert_eq!(double_frees.len(), 1, "{report}");
     let df = double_frees[0].clone();

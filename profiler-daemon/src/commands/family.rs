@@ -379,7 +379,8 @@ impl Family {
     }
 
     /// Traces `pid` by the pages it touches from now on, not its calls (see
-    /// `Loaded::switch_to_pages`): what its calls recorded goes, and it stays so through an exec.
+    /// `Loaded::switch_to_pages`): what its calls hold goes, the double frees they found stay,
+    /// and it stays so through an exec.
     pub fn switch_to_pages(&mut self, loaded: &mut Loaded, pid: u32) -> anyhow::Result<()> {
         let (Some(process), Some(nonzero)) = (self.processes.get_mut(&pid), NonZeroU32::new(pid)) else {
             return Ok(());
@@ -388,7 +389,6 @@ impl Family {
         process.probed_files.clear();
         process.sampler_beside_calls = false;
         process.leaks = LeakTracker::new(self.settings.1);
-        process.double_frees = DoubleFrees::default();
         if let Some(spots) = &process.blind_spots {
             spots.pages_from_now(pid);
         }

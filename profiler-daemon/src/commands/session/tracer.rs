@@ -81,6 +81,7 @@ struct Tracer<'a> {
     loaded: Loaded,
     symbolizer: SymbolizerHandle,
     family: Family,
+    double_free_reader: DoubleFreeReader,
     args: &'a TraceArgs,
     start_ns: u64,
     min_age_ns: u64,
@@ -140,7 +141,7 @@ impl Tracer<'_> {
     }
 
     /// Refreshes what is known of the live processes and collects their double frees.
-    fn collect(&mut self, double_free_reader: &mut DoubleFreeReader) {
+    fn collect(&mut self) {
         // Before the reports: a walk deferred since the last event is finished for them.
         self.on_unwind_events(Reads::Every);
         let pids = self.family.pids();
@@ -161,7 +162,12 @@ impl Tracer<'_> {
             }
         }
         self.family.probe_waiting(&mut self.loaded);
-        for event in double_free_reader.drain() {
+        self.collect_double_frees();
+    }
+
+    /// Symbolizes the double frees that arrived, while the maps still hold their stacks.
+    fn collect_double_frees(&mut self) {
+        for event in self.double_free_reader.drain() {
             let double_free = self.stacks(event.tgid).double_free(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
             if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {
@@ -380,6 +386,8 @@ impl Tracer<'_> {
             }
         }
         let keep = format!("--sample-bytes {sample_bytes} keeps it sampled, --max-rate off records every call");
+        // Before its calls' stacks go with them.
+        self.collect_double_frees();
         match self.family.switch_to_pages(&mut self.loaded, pid) {
             Ok(()) => {
                 say!(
@@ -413,6 +421,8 @@ impl Tracer<'_> {
         if self.exited.is_empty() {
             return;
         }
+        // Theirs may be the last events they sent: a program that aborts on a double free.
+        self.collect_double_frees();
         let pids = std::mem::take(&mut self.exited);
         let mut reports = match self.read_reports(true, &pids.iter().copied().collect(), false) {
             Ok(reports) => reports.unwrap_or_default(),
@@ -450,13 +460,14 @@ pub(super) async fn trace(
     let process_events = unsafe { AsyncFd::register(loaded.process_events.ring().as_fd().try_clone_to_owned()?) }
         .map_err(|err| err.into_parts().1)?;
     let mut mapping_bell = mapping_bell_of(&loaded)?;
-    let mut double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+    let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
     let (exits, mut exited) = tokio::sync::mpsc::unbounded_channel();
     let follow_forks = super::follows_forks(args, matches!(exit, ExitWatch::Attached(..)));
     let mut tracer = Tracer {
         loaded,
         symbolizer,
         family: Family::new(root, settings(args), follow_forks, exits),
+        double_free_reader,
         args,
         start_ns: aggregate::monotonic_now_ns(),
         min_age_ns: (args.min_age * 1e9) as u64,
@@ -525,7 +536,7 @@ pub(super) async fn trace(
             }
             () = until_monotonic(tracer.exits_due_ns) => tracer.read_exited(),
             _ = ticks.tick() => {
-                tracer.collect(&mut double_free_reader);
+                tracer.collect();
                 // Before the purge of the maps, and out of this interval's report.
                 tracer.read_exited();
                 tracer.family.flush(&mut tracer.loaded);
@@ -586,7 +597,7 @@ pub(super) async fn trace(
     if let Some(settings) = inspect {
         tracer.inspection = inspect_root(&tracer, settings);
     }
-    tracer.collect(&mut double_free_reader);
+    tracer.collect();
     let mut result = tracer.read(true);
     // A process attached to ended by itself: said, as an on-call engineer needs to know (its
     // parent may have reaped it already, and its exit status with it on kernels before 6.15).

@@ -42,6 +42,8 @@ impl Tracer {
     /// Traces `pid` by the pages it touches from now on, not its calls: the always-on mode,
     /// whose cost follows its new pages. What its calls recorded goes with them.
     fn switch_to_pages(&mut self, pid: u32, why: &ToPages) -> anyhow::Result<()> {
+        // Before its calls' stacks go with them.
+        self.collect_double_frees();
         let Some(target) = self.targets.get_mut(&pid) else { return Ok(()) };
         let nonzero = NonZeroU32::new(pid).expect("a target's pid is positive");
         self.loaded.switch_to_pages(nonzero, &mut target.attachment)?;
