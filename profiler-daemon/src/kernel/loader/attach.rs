@@ -197,6 +197,8 @@ impl Loaded {
     /// touches (see `watch_pages`), and what its calls recorded goes. Its `attachment` is
     /// replaced.
     pub fn switch_to_pages(&mut self, pid: NonZeroU32, attachment: &mut Attachment) -> anyhow::Result<()> {
+        // Before its calls' probes go (`watch_pages` finds them loaded): a kernel that refuses
+        // the page-fault programs leaves it traced by its calls.
         self.load_page_faults()?;
         // Its pages show Go's heap too: a sampler beside its calls goes with them.
         self.usdt.forget(pid.get());
