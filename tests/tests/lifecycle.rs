@@ -64,6 +64,41 @@ fn a_childs_double_free_is_in_its_report_when_it_aborts_on_it() {
     the_one_double_free(child);
 }
 
+/// A double free just before an exec is a fact of the process: it stays in `run`'s report of
+/// the program exec'd, with the frames of the program that made it; the daemon logs it so and keeps it.
+#[test]
+fn a_double_free_just_before_an_exec_stays_in_the_report() {
+    let preload = ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2.0");
+    let outcome = run_with_env(&[preload], &[], &[fixture("lifecycle").to_str().unwrap(), "double-free-exec"]);
+    assert!(outcome.status.success(), "{outcome:?}");
+    let report = outcome.final_report();
+    assert!(report["exe"].as_str().is_some_and(|exe| exe.ends_with("/sleep")), "{report}");
+    the_one_double_free(&report);
+
+    // The daemon logs it with the same frames.
+    let mut command = std::process::Command::new(fixture("lifecycle"));
+    command.env(preload.0, preload.1).args(["--wait", "double-free-exec"]);
+    let mut target = Waiting::start_command(command);
+    let mut daemon = Daemon::start(&["--pid", &target.pid().to_string()]);
+    daemon.wait_traced(target.pid());
+    target.go();
+    // The program exec'd keeps it.
+    wait_for(30, "sleep to be traced with the double free", || {
+        let (_, targets) = daemon.get_json("/api/v1/targets");
+        let sleep = targets.as_array()?.iter().find(|t| t["comm"] == "sleep")?.clone();
+        (sleep["double_frees"] == 1).then_some(())
+    });
+    assert!(target.child.wait().unwrap().success());
+    wait_for(30, "the daemon to let the program go", || {
+        (!daemon.traced_pids().contains(&u64::from(target.pid()))).then_some(())
+    });
+    let log = daemon.stopped_log();
+    let line = log.lines().find(|line| line.contains("double free of")).unwrap_or_else(|| panic!("{log}"));
+    for site in ["allocated at df_alloc", "freed at df_first_free", "freed again at df_second_free"] {
+        assert!(line.contains(site), "{site}: {line}");
+    }
+}
+
 /// The one double free of the lifecycle fixture in `report`, checked for what every mode shows.
 fn the_one_double_free(report: &serde_json::Value) -> serde_json::Value {
     let double_frees = report["double_frees"].as_array().unwrap();

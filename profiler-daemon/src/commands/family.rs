@@ -222,9 +222,9 @@ impl Family {
         &self.exited
     }
 
-    /// Handles the execs and forks the kernel reported.
-    pub fn on_process_events(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle) {
-        for event in loaded.process_events.drain() {
+    /// Handles the execs and forks the kernel reported, `events`.
+    pub fn on_process_events(&mut self, loaded: &mut Loaded, symbolizer: &SymbolizerHandle, events: Vec<ProcessEvent>) {
+        for event in events {
             tracing::debug!(?event, "process event");
             match event.kind {
                 process_event::EXEC => self.on_exec(loaded, symbolizer, event.tgid, Some(&event)),
@@ -261,7 +261,8 @@ impl Family {
     }
 
     /// The process runs another program (`exec`, its event; none for an exec found late): what
-    /// was known of the old one goes, and the new one is probed in its own allocator. Calls are
+    /// was known of the old one goes but its double frees, facts of the process, and the new one
+    /// is probed in its own allocator. Calls are
     /// traced through the exec: the probes stay, and those on files the new program maps again
     /// (the C library, a preloaded allocator `run` probed beforehand) record it from its first
     /// call, with nothing lost in between.
@@ -318,7 +319,6 @@ impl Family {
         process.exe = procfs::exe_path(pid).or_else(ran).unwrap_or_default();
         process.leaks = LeakTracker::new(self.settings.1);
         process.rate_guard = RateGuard::new(self.settings.0);
-        process.double_frees = DoubleFrees::default();
         self.probe(loaded, pid);
     }
 

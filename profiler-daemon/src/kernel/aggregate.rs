@@ -13,9 +13,9 @@ use aya::{
     Ebpf,
 };
 use profiler_common::{
-    stack_hash_step, stack_id_of, stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight, LiveAlloc,
-    Log2Histogram, ProcCounters, ProcDrops, ProcHeap, RecentFree, Stack, StackEnd, StackKey, StackStats, ThreadPairKey,
-    ThreadPairStats, COUNT_SCALE, NO_STACK, STACK_HASH_SEED,
+    process_event, stack_hash_step, stack_id_of, stack_table, AddrKey, DoubleFreeEvent, DropReason, Inflight,
+    LiveAlloc, Log2Histogram, ProcCounters, ProcDrops, ProcHeap, ProcessEvent, RecentFree, Stack, StackEnd, StackKey,
+    StackStats, ThreadPairKey, ThreadPairStats, COUNT_SCALE, NO_STACK, STACK_HASH_SEED,
 };
 
 use crate::{
@@ -580,12 +580,14 @@ pub fn stack_frames(
 /// Receives double-free events for every traced process.
 pub struct DoubleFreeReader {
     ring: Ring,
+    /// Read by `drain_before_execs`, for the next `drain`.
+    later: Vec<DoubleFreeEvent>,
 }
 
 impl DoubleFreeReader {
     pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<Self> {
         let map = ebpf.take_map("DOUBLE_FREES").context("map DOUBLE_FREES missing from the eBPF object")?;
-        Ok(Self { ring: Ring::new("DOUBLE_FREES", map)? })
+        Ok(Self { ring: Ring::new("DOUBLE_FREES", map)?, later: Vec::new() })
     }
 
     /// For waiting on double frees with poll.
@@ -595,16 +597,66 @@ impl DoubleFreeReader {
 
     /// Every event that arrived since the last call.
     pub fn drain(&mut self) -> Vec<DoubleFreeEvent> {
-        let mut events = Vec::new();
+        let mut events = std::mem::take(&mut self.later);
         self.ring.read_each(|event: DoubleFreeEvent| events.push(event));
         events
     }
+
+    /// The events a program made before its process's first exec among `process_events`, to be
+    /// symbolized before that exec is handled, while the old program's maps last. The rest wait
+    /// for the next `drain`, which comes after the new program's maps are read.
+    pub fn drain_before_execs(&mut self, process_events: &[ProcessEvent]) -> Vec<DoubleFreeEvent> {
+        let (before, later) = split_around_execs(self.drain(), process_events);
+        self.later = later;
+        before
+    }
+}
+
+fn split_around_execs(
+    double_frees: Vec<DoubleFreeEvent>,
+    process_events: &[ProcessEvent],
+) -> (Vec<DoubleFreeEvent>, Vec<DoubleFreeEvent>) {
+    let mut first_exec_ns = HashMap::new();
+    for event in process_events.iter().filter(|event| event.kind == process_event::EXEC) {
+        first_exec_ns.entry(event.tgid).or_insert(event.time_ns);
+    }
+    double_frees.into_iter().partition(|double_free| {
+        first_exec_ns.get(&double_free.tgid).is_some_and(|&exec_ns| double_free.second.time_ns < exec_ns)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernel::ages::Clock;
+
+    #[test]
+    fn double_frees_made_before_their_processs_first_exec_come_first() {
+        let double_free = |tgid, time_ns| {
+            // SAFETY: integers only, for which all zeroes is a value.
+            let mut event: DoubleFreeEvent = unsafe { std::mem::zeroed() };
+            (event.tgid, event.second.time_ns) = (tgid, time_ns);
+            event
+        };
+        let process_event = |kind, tgid, time_ns| {
+            // SAFETY: integers and bytes only, for which all zeroes is a value.
+            let mut event: ProcessEvent = unsafe { std::mem::zeroed() };
+            (event.kind, event.tgid, event.time_ns) = (kind, tgid, time_ns);
+            event
+        };
+        let events = [
+            process_event(process_event::FORK, 1, 10),
+            process_event(process_event::EXEC, 1, 100),
+            process_event(process_event::EXEC, 1, 200),
+            process_event(process_event::FORK, 2, 100),
+        ];
+        let double_frees = vec![double_free(1, 99), double_free(1, 101), double_free(1, 300), double_free(2, 50)];
+        let (before, after) = split_around_execs(double_frees, &events);
+        let times =
+            |events: Vec<DoubleFreeEvent>| events.iter().map(|e| (e.tgid, e.second.time_ns)).collect::<Vec<_>>();
+        assert_eq!(times(before), [(1, 99)]);
+        assert_eq!(times(after), [(1, 101), (1, 300), (2, 50)]);
+    }
 
     #[test]
     fn outstanding_is_allocated_minus_freed_and_aged_comes_from_generations() {

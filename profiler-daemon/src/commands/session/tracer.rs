@@ -7,7 +7,7 @@ use std::{
 
 use std::os::fd::{AsFd as _, OwnedFd};
 
-use profiler_common::DropReason;
+use profiler_common::{DoubleFreeEvent, DropReason};
 
 use tokio::io::unix::AsyncFd;
 
@@ -128,7 +128,7 @@ impl Tracer<'_> {
         // started it, whose path names its executable when it is gone before its mappings are
         // read (see `UnwindEvents::collect`).
         self.loaded.unwind_events.collect();
-        self.family.on_process_events(&mut self.loaded, &self.symbolizer);
+        self.on_process_events();
         let (symbolizer, family) = (&self.symbolizer, &self.family);
         let exe_of = |pid| family.get(pid).map(|process| process.exe.clone());
         let on_read = |pid, mappings: &[_]| symbolizer.refresh_with(pid, mappings.to_vec());
@@ -138,6 +138,14 @@ impl Tracer<'_> {
                 spots.learn_new_files(pid).iter().for_each(|spot| say_not_seen(pid, spot));
             }
         }
+    }
+
+    /// Execs, forks and exits; first the double frees of the programs that exec'd.
+    fn on_process_events(&mut self) {
+        let events = self.loaded.process_events.drain();
+        let before = self.double_free_reader.drain_before_execs(&events);
+        self.add_double_frees(before);
+        self.family.on_process_events(&mut self.loaded, &self.symbolizer, events);
     }
 
     /// Refreshes what is known of the live processes and collects their double frees.
@@ -167,7 +175,12 @@ impl Tracer<'_> {
 
     /// Symbolizes the double frees that arrived, while the maps still hold their stacks.
     fn collect_double_frees(&mut self) {
-        for event in self.double_free_reader.drain() {
+        let events = self.double_free_reader.drain();
+        self.add_double_frees(events);
+    }
+
+    fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
+        for event in events {
             let double_free = self.stacks(event.tgid).double_free(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
             if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {
@@ -549,7 +562,7 @@ pub(super) async fn trace(
                 if let Ok(mut ready) = ready {
                     ready.clear_ready();
                 }
-                tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
+                tracer.on_process_events();
             }
             Some(ready) = async { Some(mapping_bell.as_ref()?.readable().await) } => {
                 if let Ok(mut ready) = ready {
@@ -582,7 +595,7 @@ pub(super) async fn trace(
         }
     };
     // Children that forked or exited meanwhile are counted in the final report.
-    tracer.family.on_process_events(&mut tracer.loaded, &tracer.symbolizer);
+    tracer.on_process_events();
     while let Ok(pid) = exited.try_recv() {
         tracer.child_exited(pid);
     }

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant, UNIX_EPOCH},
 };
 
-use profiler_common::DropReason;
+use profiler_common::{DoubleFreeEvent, DropReason};
 use tracing::{info, warn};
 
 use super::{crowding::Table, to_pages::ToPages, InspectFailure, Target, Tracer};
@@ -49,7 +49,12 @@ impl Tracer {
     /// Symbolizes the double frees that arrived (while the maps of their stacks are fresh) and
     /// logs them: a process that aborted on one is gone before anyone reads its report.
     pub(super) fn collect_double_frees(&mut self) {
-        for event in self.double_free_reader.drain() {
+        let events = self.double_free_reader.drain();
+        self.add_double_frees(events);
+    }
+
+    pub(super) fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
+        for event in events {
             let Some(target) = self.targets.get(&event.tgid) else { continue };
             let double_free = self.stacks(target).double_free(&event);
             if !target.double_free_filter.is_user(&double_free) {

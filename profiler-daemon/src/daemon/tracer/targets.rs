@@ -124,8 +124,12 @@ impl Tracer {
     /// its exec, or its fork when the rules name cgroups); a target whose main thread exited is
     /// let go once gone. Returns whether the set of targets changed.
     pub(super) fn on_process_events(&mut self) -> bool {
+        let events = self.loaded.process_events.drain();
+        // First the double frees of the programs that exec'd.
+        let before = self.double_free_reader.drain_before_execs(&events);
+        self.add_double_frees(before);
         let mut changed = false;
-        for event in self.loaded.process_events.drain() {
+        for event in events {
             let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
@@ -378,7 +382,6 @@ impl Tracer {
         target.cgroup = procfs::cgroup(pid);
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
-        target.double_frees = DoubleFrees::default();
         target.known_stacks.forget();
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
