@@ -244,6 +244,23 @@ fn a_range_moved_by_mremap_keeps_its_pages_beside_a_program_read_at_every_system
     moved_range_held(moving, &daemon, Duration::ZERO);
 }
 
+/// A daemon under `--growth` runs nothing for every process on the machine until it has a process
+/// to trace by its pages: the programs at every page fault come with its first target.
+#[test]
+fn a_growth_daemon_runs_nothing_for_every_process_before_its_first_target() {
+    let daemon = Daemon::start(&["--growth", "--comm", "^gwfirst_"]);
+    assert_eq!(daemon.machine_wide_links(), [0, 0, 0]);
+    assert_eq!(daemon.machine_wide_programs("page_faults"), Some(0));
+    let remap = fixture_with("growth_remap.c", "gwfirst_remap", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"]);
+    let first = Waiting::start(&remap, &[]);
+    daemon.wait_traced(first.pid());
+    wait_for(20, "the first target to bring them", || {
+        (daemon.machine_wide_programs("page_faults") == Some(1)).then_some(())
+    });
+    assert_eq!(daemon.machine_wide_links()[0], 1, "no link at the page faults");
+    moved_range_held(first, &daemon, Duration::ZERO);
+}
+
 /// The programs that read every process's mapping calls go with the last process traced by its
 /// pages that needs them, and those at every page fault with the last process traced by its
 /// pages, under `--growth` too. Where the kernel refuses `fexit` programs, a static program whose

@@ -60,9 +60,11 @@ const R_DEBUG: &str = "_r_debug";
 
 impl Loaded {
     /// Traces the processes attached from now on by the pages they touch instead of their
-    /// allocator calls (`--growth`): their allocator gets no probe.
+    /// allocator calls (`--growth`): their allocator gets no probe. Its programs are loaded now
+    /// (a kernel that refuses them fails the start), and run for every process on the machine
+    /// only once a first process is traced so.
     pub fn trace_page_faults(&mut self) -> anyhow::Result<()> {
-        self.load_page_faults()?;
+        self.load_fault_programs()?;
         self.growth = true;
         Ok(())
     }
@@ -70,12 +72,18 @@ impl Loaded {
     /// The page-fault program and the ring its pages go through, loaded once, and the programs
     /// that run for every process on the machine for them, attached while a process needs them.
     fn load_page_faults(&mut self) -> anyhow::Result<()> {
+        self.load_fault_programs()?;
+        if self.machine_wide_faults.is_none() {
+            self.machine_wide_faults = Some(faults::attach_machine_wide(&mut self.ebpf)?);
+        }
+        Ok(())
+    }
+
+    /// Loads growth mode's programs the first time, attached to nothing.
+    fn load_fault_programs(&mut self) -> anyhow::Result<()> {
         if !self.faults_loaded {
             faults::load(&mut self.ebpf)?;
             self.faults_loaded = true;
-        }
-        if self.machine_wide_faults.is_none() {
-            self.machine_wide_faults = Some(faults::attach_machine_wide(&mut self.ebpf)?);
         }
         self.load_mapped_ranges()?;
         Ok(())
