@@ -65,7 +65,8 @@ fn a_childs_double_free_is_in_its_report_when_it_aborts_on_it() {
 }
 
 /// A double free just before an exec is a fact of the process: it stays in `run`'s report of
-/// the program exec'd, with the frames of the program that made it; the daemon logs it so and keeps it.
+/// the program exec'd, with the frames of the program that made it; the daemon logs it so and
+/// keeps it.
 #[test]
 fn a_double_free_just_before_an_exec_stays_in_the_report() {
     let preload = ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2.0");

@@ -69,8 +69,8 @@ impl Loaded {
         Ok(())
     }
 
-    /// The page-fault program and the ring its pages go through, loaded once, and the programs
-    /// that run for every process on the machine for them, attached while a process needs them.
+    /// Growth mode's programs, loaded once (`load_fault_programs`), and those of them that run
+    /// for every process on the machine, attached while a process is traced by its pages.
     fn load_page_faults(&mut self) -> anyhow::Result<()> {
         self.load_fault_programs()?;
         if self.machine_wide_faults.is_none() {
@@ -79,7 +79,8 @@ impl Loaded {
         Ok(())
     }
 
-    /// Loads growth mode's programs the first time, attached to nothing.
+    /// Loads growth mode's programs (the page-fault program, the ring its pages go through, and
+    /// the mapping calls' programs) the first time, attached to nothing.
     fn load_fault_programs(&mut self) -> anyhow::Result<()> {
         if !self.faults_loaded {
             faults::load(&mut self.ebpf)?;
