@@ -5,7 +5,7 @@ use std::{
     fs,
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, ChildStderr, Command, Stdio},
 };
 
 use memprof_tests::{fixture, memprof, memprof_bin, Outcome};
@@ -26,8 +26,9 @@ fn entries(dir: &Path) -> Vec<String> {
     names
 }
 
-/// `memprof run --format html --output REPORT -- sleep 30`, once it says it is tracing.
-fn tracing_sleep(report: &Path) -> Child {
+/// `memprof run --format html --output REPORT -- sleep 30`, once it says it is tracing; with
+/// the rest of what it says.
+fn tracing_sleep(report: &Path) -> (Child, BufReader<ChildStderr>) {
     let mut memprof = Command::new(memprof_bin())
         .args(["run", "--format", "html", "--output", report.to_str().unwrap(), "--", "sleep", "30"])
         .stdin(Stdio::null())
@@ -35,12 +36,18 @@ fn tracing_sleep(report: &Path) -> Child {
         .spawn()
         .expect("starting memprof");
     let mut stderr = BufReader::new(memprof.stderr.take().unwrap());
+    said_line(&mut stderr, "memprof: tracing");
+    (memprof, stderr)
+}
+
+/// The next line memprof says that starts with `start`.
+fn said_line(stderr: &mut BufReader<ChildStderr>, start: &str) -> String {
     let mut line = String::new();
-    while !line.starts_with("memprof: tracing") {
+    while !line.starts_with(start) {
         line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "memprof ended before tracing");
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "memprof ended before saying {start:?}");
     }
-    memprof
+    line
 }
 
 fn signal(child: &Child, signal: i32) {
@@ -66,7 +73,7 @@ fn memprof_killed_midway_leaves_the_previous_report_whole_and_nothing_else() {
     let dir = directory("killed");
     let report = dir.join("report.html");
     fs::write(&report, "previous").unwrap();
-    let mut memprof = tracing_sleep(&report);
+    let (mut memprof, _) = tracing_sleep(&report);
     signal(&memprof, libc::SIGKILL);
     memprof.wait().unwrap();
     assert_eq!(fs::read_to_string(&report).unwrap(), "previous");
@@ -74,16 +81,31 @@ fn memprof_killed_midway_leaves_the_previous_report_whole_and_nothing_else() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// SIGTERM or SIGHUP sent to memprof alone: its command runs on, and memprof waits for it,
+/// saying so after 2 s. A second one ends the session with its final report, leaves the command
+/// running and exits with 128 + N.
 #[test]
 fn sigterm_and_sighup_end_the_session_with_its_final_report() {
     for (name, number) in [("SIGTERM", libc::SIGTERM), ("SIGHUP", libc::SIGHUP)] {
         let dir = directory(name);
         let report = dir.join("report.html");
         fs::write(&report, "previous").unwrap();
-        let mut memprof = tracing_sleep(&report);
+        let (mut memprof, mut stderr) = tracing_sleep(&report);
         signal(&memprof, number);
+        let waits = said_line(&mut stderr, "memprof: pid ");
+        assert!(
+            waits
+                .contains(&format!("(sleep) still runs 2 s after {name}: traced until it exits; signal memprof again")),
+            "{waits}"
+        );
+        signal(&memprof, number);
+        let left = said_line(&mut stderr, "memprof: pid ");
+        assert!(left.ends_with(&format!("runs on untraced; memprof exits with {}\n", 128 + number)), "{left}");
         let status = memprof.wait().unwrap();
-        assert!(status.code().is_some(), "{name}: memprof died of the signal ({status})");
+        assert_eq!(status.code(), Some(128 + number), "{name}: {status}");
+        let sleep: i32 = left["memprof: pid ".len()..].split(' ').next().unwrap().parse().unwrap();
+        // SAFETY: a plain kill(2) of the `sleep` memprof started and left running.
+        assert_eq!(unsafe { libc::kill(sleep, libc::SIGKILL) }, 0, "the command runs on");
         let html = fs::read_to_string(&report).unwrap();
         assert!(html.trim_end().ends_with("</html>"), "{name}: an incomplete page: {html}");
         assert_eq!(entries(&dir), ["report.html"], "{name}");

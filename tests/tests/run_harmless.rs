@@ -238,3 +238,48 @@ fn run_on_error_stop_stops_the_command_and_exits_with_its_code() {
     assert!(said[0].contains("No space left on device"), "{stderr}");
     assert!(said[0].contains("stopping the command with SIGTERM"), "{stderr}");
 }
+
+/// Ctrl-C to a command that takes 3 s to shut down (memprof and it in one process group, as in a
+/// terminal): memprof traces it to its exit, saying after 2 s that it waits, and exits with its
+/// code (3), its final report written after. Before, memprof exited 0 after 2 s, the command
+/// still running.
+#[test]
+fn ctrl_c_waits_for_a_command_that_takes_its_time_to_stop() {
+    use std::{io::BufRead as _, os::unix::process::CommandExt as _};
+    let mut memprof = Command::new(memprof_bin())
+        .args([
+            "run",
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            "trap 'sleep 3; exit 3' INT; echo trapped >&2; while :; do sleep 0.2; done",
+        ])
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting memprof");
+    let mut stdout = memprof.stdout.take().expect("stdout");
+    let report = thread::spawn(move || {
+        let mut report = String::new();
+        stdout.read_to_string(&mut report).expect("memprof's report");
+        report
+    });
+    let mut stderr = std::io::BufReader::new(memprof.stderr.take().expect("stderr"));
+    let mut said = String::new();
+    // Its trap set: a signal before would kill it at once.
+    while !said.lines().any(|line| line == "trapped") {
+        assert!(stderr.read_line(&mut said).unwrap() > 0, "memprof ended before its command's trap: {said}");
+    }
+    // SAFETY: a plain kill(2) of the process group memprof leads.
+    assert_eq!(unsafe { libc::kill(-(memprof.id() as libc::pid_t), libc::SIGINT) }, 0);
+    stderr.read_to_string(&mut said).expect("memprof's stderr");
+    let report = report.join().expect("the report's reader");
+    let status = memprof.wait().expect("memprof's end");
+    assert_eq!(status.code(), Some(3), "{said}");
+    assert!(said.contains(" (sh) still runs 2 s after SIGINT: traced until it exits"), "{said}");
+    assert!(!said.contains("runs on untraced"), "{said}");
+    assert!(report.contains("\"final\":true"), "{report}");
+}

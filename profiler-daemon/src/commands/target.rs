@@ -121,12 +121,14 @@ fn describe_wait_status(status: i32) -> String {
     if signal == 0 {
         return format!("exit code {}", (status >> 8) & 0xff);
     }
-    let name = SIGNALS
-        .split(' ')
-        .nth(signal as usize - 1)
-        .map_or_else(|| format!("signal {signal}"), |name| format!("SIG{name}"));
     let core = if status & 0x80 != 0 { ", core dumped" } else { "" };
-    format!("killed by {name}{core}")
+    format!("killed by {}{core}", signal_name(signal))
+}
+
+/// "SIGNAME" for signal number `signal`, "signal N" for one without a name.
+pub fn signal_name(signal: i32) -> String {
+    let name = usize::try_from(signal).ok().and_then(|signal| SIGNALS.split(' ').nth(signal.checked_sub(1)?));
+    name.map_or_else(|| format!("signal {signal}"), |name| format!("SIG{name}"))
 }
 
 /// A child forked and waiting for `release` before it execs the command.
@@ -242,6 +244,11 @@ fn fork_waiting(program: &CString, args: &[CString], env: &[CString]) -> io::Res
     if pid == 0 {
         unsafe {
             libc::close(fds[1]);
+            // memprof's handlers of its stop signals would swallow them until the exec: a Ctrl-C
+            // meanwhile ends the command, as it would once it runs.
+            for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
             let mut byte = 0u8;
             // Blocks until memprof closes the write end, once its probes are attached (or it died:
             // the command then runs untraced). Allocations before exec would be memprof's.

@@ -16,7 +16,7 @@ use crate::{
     commands::family::{Family, Process},
     commands::recording::Settings,
     commands::suppress,
-    commands::target::ExitWatch,
+    commands::target::{self, ExitWatch},
     console::say,
     format::{self, Format},
     heap::blind_spots::BlindSpots,
@@ -535,6 +535,8 @@ pub(super) async fn trace(
     };
 
     let mut target_ended = false;
+    // A stop signal came and `run`'s command outlived it (see below).
+    let mut asked_to_stop = false;
     let code = loop {
         let price_due = tracer.next_price_ns();
         tokio::select! {
@@ -582,12 +584,33 @@ pub(super) async fn trace(
                 target_ended = true;
                 break code;
             }
-            _ = stop.recv() => {
-                let code = exit.settle().await;
-                // After the command's moment to exit (`run`): the report covers that too.
+            signal = stop.recv() => {
+                let code = match asked_to_stop {
+                    false => exit.settle().await,
+                    true if exit.ended() => exit.exited().await,
+                    true => None,
+                };
+                let command = matches!(exit, ExitWatch::Child(..));
+                // `run`'s command may take its time to shut down: traced to its end, which the
+                // report then covers, and whose code memprof exits with. Unless asked again.
+                if code.is_none() && command && !asked_to_stop {
+                    asked_to_stop = true;
+                    let root = tracer.family.root;
+                    let comm = tracer.family.get(root).map(|process| process.comm.clone()).unwrap_or_default();
+                    say!(
+                        "memprof: pid {root} ({comm}) still runs 2 s after {}: traced until it exits; signal memprof again to end now and leave it running untraced",
+                        target::signal_name(signal)
+                    );
+                    continue;
+                }
                 if let Some(asked) = args.duration {
                     let traced_s = aggregate::monotonic_now_ns().saturating_sub(tracer.start_ns) as f64 / 1e9;
                     say!("memprof: stopped by a signal after {traced_s:.1} s of the {asked} s asked (--duration): the report covers {traced_s:.1} s");
+                }
+                if code.is_none() && command {
+                    let root = tracer.family.root;
+                    say!("memprof: pid {root} runs on untraced; memprof exits with {}", 128 + signal);
+                    break Some(128 + signal);
                 }
                 break code;
             }
