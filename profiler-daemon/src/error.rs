@@ -16,6 +16,8 @@ pub enum UserError {
     SelfTrace,
     #[error("pid {0} is a kernel thread, which has no heap; pick a user-space process")]
     KernelThread(u32),
+    #[error("{thread} is a thread of pid {process}, not a process: give the process's pid (-p {process}); a report's threads are told apart with --threads")]
+    Thread { thread: u32, process: u32 },
     #[error("no allocator found in pid {pid}: {detail}; memprof knows the C library's malloc, jemalloc, tcmalloc, mimalloc and Rust's global allocators (docs: guide/allocators.md#allocators)")]
     NoAllocator { pid: u32, detail: String },
     #[error("pid {0} runs under valgrind, which runs its code translated: memprof's breakpoints would stop it (SIGTRAP); it is not traced, valgrind's own leak check is the tool for it")]

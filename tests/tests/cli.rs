@@ -107,6 +107,20 @@ fn a_kernel_thread() {
     assert_one_line_error(&memprof(&["attach", "--pid", "2"]), "kernel thread");
 }
 
+/// /proc answers for a thread's id too: memprof says whose thread it is.
+#[test]
+fn a_thread_of_a_process() {
+    // SAFETY: gettid takes nothing and cannot fail.
+    let thread = unsafe { libc::gettid() };
+    let process = std::process::id();
+    assert_ne!(thread as u32, process, "tests run on threads of their own");
+    let outcome = memprof(&["attach", "--pid", &thread.to_string()]);
+    assert_one_line_error(
+        &outcome,
+        &format!("{thread} is a thread of pid {process}, not a process: give the process's pid (-p {process})"),
+    );
+}
+
 #[test]
 fn a_process_without_an_allocator() {
     let program = fixture_with("no_allocator.c", "no_allocator", &["-nostdlib", "-static"]);

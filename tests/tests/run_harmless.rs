@@ -197,13 +197,19 @@ fn a_ci_gate_memprof_cannot_judge_does_not_pass() {
 }
 
 /// An output path that cannot be written is refused before the command starts, with the reason
-/// the path itself gives: a directory, or a file of /proc (where no file can be made).
+/// the path itself gives: a directory, a file of /proc (where no file can be made), an immutable
+/// file (which no rename can replace).
 #[test]
 fn an_output_path_that_cannot_be_written_is_refused_at_once_with_its_reason() {
     let dir = std::env::temp_dir();
+    let immutable = dir.join(format!("memprof-immutable-{}.json", std::process::id()));
+    std::fs::write(&immutable, "previous").unwrap();
+    let chattr = |flag: &str| Command::new("chattr").args([flag, path(&immutable)]).status().unwrap().success();
+    assert!(chattr("+i"), "chattr +i {}", immutable.display());
     for (output, reason) in [
         (path(&dir), "Is a directory"),
         ("/proc/version", "no file can be made there; give --output a path outside /proc"),
+        (path(&immutable), "an immutable or append-only file, which nothing can replace"),
     ] {
         let outcome = Command::new(memprof_bin())
             .args(["run", "--output", output, "--", "true"])
@@ -215,6 +221,9 @@ fn an_output_path_that_cannot_be_written_is_refused_at_once_with_its_reason() {
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
         assert!(stderr.contains(reason), "{output}: {stderr}");
     }
+    assert!(chattr("-i"));
+    assert_eq!(std::fs::read_to_string(&immutable).unwrap(), "previous");
+    std::fs::remove_file(&immutable).unwrap();
 }
 
 /// `run --on-error stop -o FILE` on a full disk: memprof cannot write its first report, says so

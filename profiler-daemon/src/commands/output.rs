@@ -176,6 +176,12 @@ impl ReportFile {
         // A file kept from others (0600) stays so: its replacement gets no permission the old
         // file lacked, and none it did not have by the umask either.
         if let Some(old) = fs::symlink_metadata(path).ok().filter(|meta| meta.is_file()) {
+            if unreplaceable(path) {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "an immutable or append-only file, which nothing can replace (lsattr shows it; chattr -i -a lifts it)",
+                ));
+            }
             let mode = file.metadata()?.mode() & old.mode() & 0o777;
             file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
         }
@@ -286,6 +292,19 @@ fn given_descriptor(path: &Path) -> Option<i32> {
 /// opened through that handle. Only a terminal, `/dev/null` or a FIFO is written: a FIFO the
 /// caller's or root's, as another user's would hand them the report, or keep memprof waiting
 /// for a reader that never comes.
+/// Whether the file at `path` is immutable or append-only (`chattr +i`, `+a`): a rename over it
+/// fails. False where its file system keeps no such flags.
+fn unreplaceable(path: &Path) -> bool {
+    /// `FS_IOC_GETFLAGS`, `_IOR('f', 1, long)`, and its immutable and append-only flags.
+    const GET_FLAGS: libc::c_ulong = 0x8008_6601;
+    const IMMUTABLE_OR_APPEND: libc::c_long = 0x10 | 0x20;
+    let Ok(file) = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else { return false };
+    let mut flags: libc::c_long = 0;
+    // SAFETY: the ioctl writes one long into `flags`, which outlives the call.
+    let read = unsafe { libc::ioctl(file.as_raw_fd(), GET_FLAGS, &mut flags as *mut libc::c_long) };
+    read == 0 && flags & IMMUTABLE_OR_APPEND != 0
+}
+
 fn open_device(path: &Path) -> io::Result<File> {
     let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(path)?;
     let meta = handle.metadata()?;

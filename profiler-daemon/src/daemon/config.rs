@@ -152,8 +152,8 @@ pub enum ConfigError {
     Parse { path: String, message: String },
     #[error("invalid listen address `{0}`: expected IP:PORT, such as 127.0.0.1:9464")]
     Listen(String),
-    #[error("invalid command-name regex `{0}`: {1}")]
-    Regex(String, String),
+    #[error("invalid command-name regex `{pattern}` ({given}): {problem}")]
+    Regex { pattern: String, given: String, problem: String },
     #[error("invalid {0}: {1}")]
     Value(&'static str, String),
     #[error(transparent)]
@@ -255,9 +255,20 @@ fn pick<T: Clone>(flags: &[T], from_file: Option<Vec<T>>) -> Vec<T> {
 fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
     let listen = args.listen.clone().or(file.listen).unwrap_or_else(|| "127.0.0.1:9464".to_string());
     let listen = listen.parse().map_err(|_| ConfigError::Listen(listen.clone()))?;
+    let given = match &args.config {
+        _ if !args.comms.is_empty() => "given with --comm".to_string(),
+        Some(path) => format!("in comms of {}", path.display()),
+        None => "in the config file's comms".to_string(),
+    };
     let comms = pick(&args.comms, file.comms)
         .into_iter()
-        .map(|re| Regex::new(&re).map_err(|err| ConfigError::Regex(re.clone(), regex_problem(&err))))
+        .map(|pattern| {
+            Regex::new(&pattern).map_err(|err| ConfigError::Regex {
+                problem: regex_problem(&err),
+                pattern,
+                given: given.clone(),
+            })
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let cgroups = pick(&args.cgroups, file.cgroups).iter().map(|dir| procfs::cgroup_path(dir)).collect();
     let rules = Rules { pids: pick(&args.pids, file.pids), comms, cgroups, all: args.all || file.all.unwrap_or(false) };
@@ -468,7 +479,10 @@ mod tests {
     #[test]
     fn bad_settings_are_refused_with_their_name() {
         let err = parse("comms = [\"(\"]", DaemonArgs::default()).unwrap_err();
-        assert_eq!(err.to_string(), "invalid command-name regex `(`: unclosed group");
+        assert_eq!(err.to_string(), "invalid command-name regex `(` (in the config file's comms): unclosed group");
+        let flags = DaemonArgs { comms: vec!["a[".into()], ..DaemonArgs::default() };
+        let err = parse("", flags).unwrap_err();
+        assert_eq!(err.to_string(), "invalid command-name regex `a[` (given with --comm): unclosed character class");
         let err = parse("all = true\nnope = 1", DaemonArgs::default()).unwrap_err();
         assert!(err.to_string().contains("unknown field `nope`"), "{err}");
         assert!(matches!(parse("", DaemonArgs::default()), Err(ConfigError::NoTargets)));

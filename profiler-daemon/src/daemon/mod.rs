@@ -89,6 +89,8 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}; choose another address with --listen", config.listen))?;
+    // Port 0 is the kernel's choice: said as bound.
+    let serving = listener.local_addr().unwrap_or(config.listen);
     let socket = config.access.socket.as_deref().map(socket::Socket::bind).transpose()?;
     let view = Arc::new(RwLock::new(view::DaemonView::default()));
     let alive = Arc::new(AtomicBool::new(false));
@@ -117,13 +119,11 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<i32> {
     });
     match &access.socket {
         Some(path) => say!(
-            "memprof: daemon serving {scheme}://{}/metrics, and the API to root on {}; SIGHUP reloads the config, SIGTERM stops",
-            config.listen,
+            "memprof: daemon serving {scheme}://{serving}/metrics, and the API to root on {}; SIGHUP reloads the config, SIGTERM stops",
             path.display()
         ),
         None => say!(
-            "memprof: daemon serving {scheme}://{}/metrics; SIGHUP reloads the config, SIGTERM stops",
-            config.listen
+            "memprof: daemon serving {scheme}://{serving}/metrics; SIGHUP reloads the config, SIGTERM stops"
         ),
     }
     notify::ready();

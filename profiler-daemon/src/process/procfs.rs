@@ -224,8 +224,18 @@ pub fn check_traceable(pid: u32) -> Result<(), UserError> {
         None => Err(UserError::NoSuchProcess(pid)),
         Some(s) if s.kernel_thread => Err(UserError::KernelThread(pid)),
         Some(s) if s.zombie => Err(UserError::Zombie(pid)),
-        Some(_) => Ok(()),
+        Some(_) => match thread_group(pid) {
+            // /proc answers for a thread's id too, but its probes would go to the whole process.
+            Some(process) if process != pid => Err(UserError::Thread { thread: pid, process }),
+            _ => Ok(()),
+        },
     }
+}
+
+/// The process `pid` is a thread of (itself for a process): `Tgid` in `/proc/PID/status`.
+fn thread_group(pid: u32) -> Option<u32> {
+    let status = read_text(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|line| line.strip_prefix("Tgid:"))?.trim().parse().ok()
 }
 
 /// Every pid in /proc.
@@ -670,7 +680,7 @@ mod tests {
     }
 
     #[test]
-    fn kernel_threads_and_missing_pids_are_refused() {
+    fn kernel_threads_a_processs_threads_and_missing_pids_are_refused() {
         assert!(matches!(check_traceable(2), Err(UserError::KernelThread(2))));
         let own = stat(std::process::id()).unwrap();
         assert!(!own.kernel_thread && !own.zombie && own.start_time > 0 && own.system_ticks <= own.cpu_ticks);
@@ -686,6 +696,20 @@ mod tests {
         assert!(cgroups(std::process::id()).iter().all(|c| c.starts_with('/')));
         assert!(matches!(check_traceable(u32::MAX - 1), Err(UserError::NoSuchProcess(_))));
         check_traceable(std::process::id()).unwrap();
+        let (ids, stop) = std::sync::mpsc::channel();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let running = std::thread::spawn(move || {
+            // SAFETY: gettid takes nothing and cannot fail.
+            ids.send(unsafe { libc::gettid() } as u32).unwrap();
+            wait.recv().ok();
+        });
+        let tid = stop.recv().unwrap();
+        let process = std::process::id();
+        assert!(
+            matches!(check_traceable(tid), Err(UserError::Thread { thread, process: p }) if thread == tid && p == process)
+        );
+        release.send(()).unwrap();
+        running.join().unwrap();
     }
 
     /// An exited process not reaped yet has no memory: its statm reads all zeros, which is not
