@@ -1,6 +1,9 @@
 //! Who is at the other end of a Unix socket, as the kernel recorded it when the connection was
 //! made (`SO_PEERCRED`, `SO_PEERGROUPS`): nothing the peer sends can change it. The daemon decides
 //! with it who may read its reports; `memprof inspect` and `snapshot`, whose answer they trust.
+//! `tcp`: who made the other end of a TCP connection from this host, from the kernel's table.
+
+pub mod tcp;
 
 use std::{io, mem, os::fd::AsRawFd};
 

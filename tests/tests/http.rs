@@ -182,8 +182,8 @@ fn connections_kept_alive_by_requests_give_their_slots_to_a_scrape() {
     assert!(refused(port, "gave_up_slot") >= 1);
 }
 
-/// A local user may connect from any address of 127.0.0.0/8, each under its share, and so fill
-/// every shared slot: root's requests on the socket are served all the same.
+/// Every shared slot held (here by four connections from four loopback addresses: local users,
+/// or other hosts, may fill them): root's requests on the socket are served all the same.
 #[test]
 fn connections_from_many_loopback_addresses_do_not_keep_root_waiting_on_the_socket() {
     let _serial = serial();
@@ -211,6 +211,56 @@ fn connections_from_many_loopback_addresses_do_not_keep_root_waiting_on_the_sock
         let still_open = matches!(stream.read(&mut [0; 1]), Err(e) if e.kind() == ErrorKind::WouldBlock);
         assert!(still_open, "a stalled connection was closed: root's requests waited for its slot");
     }
+}
+
+/// `setpriv` running a program as nobody, in no group but its own.
+fn as_nobody() -> Command {
+    let mut command = Command::new("setpriv");
+    command.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+    command
+}
+
+/// An unprivileged local user holds `max_connections_per_client` idle connections to the port
+/// from 127.0.0.1, where root's scrapes come from: a client on this host is its user, not its
+/// address, so root's scrapes are served; and that user's next connection, from another loopback
+/// address, is over its share all the same.
+#[test]
+fn a_local_users_idle_connections_do_not_use_up_roots_share() {
+    let _serial = serial();
+    let held = target();
+    // The idle connections are not cut off meanwhile: root is not served by a slot they gave up.
+    let daemon = daemon_with("local_user", held.pid(), "header_timeout = 120\n");
+    const SHARE: usize = 64;
+    // A copy nobody may run, whatever the modes of the directories above the build's.
+    let program = scratch("local_user").join("idle_connections");
+    std::fs::copy(fixture("idle_connections"), &program).unwrap();
+    let mut idle = as_nobody();
+    idle.arg(&program).args(["--wait", &daemon.port.to_string(), &SHARE.to_string()]);
+    let mut user = Waiting::start_command(idle);
+    user.go();
+    assert_eq!(user.next_line(), format!("held {SHARE}"));
+    // Asked as root on the socket, whose slots are apart: nobody's connections and this one.
+    let open = format!("memprof_http_connections_open {}", SHARE + 1);
+    wait_for(20, "nobody's connections to be served", || daemon.get("/metrics")?.1.contains(&open).then_some(()));
+    for _ in 0..5 {
+        let scrape = http_get(daemon.port, "/metrics");
+        let code = scrape.as_ref().map(|(code, _)| *code);
+        assert_eq!(
+            code,
+            Some(200),
+            "root's scrape over loopback was not served: nobody's connections used up its share"
+        );
+    }
+    assert_eq!(refused(daemon.port, "client_limit"), 0);
+    // Another loopback address makes no other client: the user's next connection is refused.
+    user.go();
+    assert_eq!(user.next_line(), "extra sent");
+    wait_for(20, "nobody's connection past its share to be refused", || {
+        (refused(daemon.port, "client_limit") == 1).then_some(())
+    });
+    user.go();
+    assert_eq!(user.next_line(), "extra closed");
+    assert_eq!(user.next_line(), format!("open {SHARE}"), "nobody's first connections are still open");
 }
 
 #[test]
@@ -302,7 +352,11 @@ fn certificate(dir: &Path) -> PathBuf {
 
 /// `curl` over TLS, trusting `ca`; returns (status, headers and body).
 fn curl(ca: &Path, port: u16, path: &str, user: Option<&str>) -> (u16, String) {
-    let mut command = Command::new("curl");
+    curl_as(Command::new("curl"), ca, port, path, user)
+}
+
+/// `curl` run by `command` (curl under `setpriv`, say).
+fn curl_as(mut command: Command, ca: &Path, port: u16, path: &str, user: Option<&str>) -> (u16, String) {
     command.args(["-sS", "--max-time", "20", "-D", "-", "-w", "\n%{http_code}", "--cacert"]).arg(ca);
     if let Some(user) = user {
         command.args(["-u", user]);
@@ -462,8 +516,9 @@ fn six_hundred_slow_clients_over_tls_do_not_starve_metrics() {
     wait_for(20, "the daemon to be ready over TLS", || {
         (curl(&ca, port, "/-/ready", Some(USER)).0 == 200).then_some(())
     });
-    // 600 clients of one host, each sending one byte a second of a TLS record that announces a
-    // 512-byte handshake, so that the server waits for the rest; each reconnects when closed.
+    // 600 clients of one user of the host (root here, from 127.0.0.2), each sending one byte a
+    // second of a TLS record that announces a 512-byte handshake, so that the server waits for
+    // the rest; each reconnects when closed. The scrapes are another user's, as Prometheus's are.
     const HELLO: [u8; 5] = [0x16, 0x03, 0x01, 0x02, 0x00];
     let slow: Vec<(TcpStream, usize)> = (0..600).filter_map(|_| Some((from_second_address(port)?, 0))).collect();
     assert_eq!(slow.len(), 600, "connecting the slow clients");
@@ -487,7 +542,9 @@ fn six_hundred_slow_clients_over_tls_do_not_starve_metrics() {
     };
     for _ in 0..10 {
         let started = std::time::Instant::now();
-        let (code, text) = curl(&ca, port, "/metrics", Some(USER));
+        let mut scraper = as_nobody();
+        scraper.arg("curl");
+        let (code, text) = curl_as(scraper, &ca, port, "/metrics", Some(USER));
         assert_eq!(code, 200, "{text}");
         // Generous: the requirement is that scrapes are not starved (they timed out).
         assert!(started.elapsed() < Duration::from_secs(5), "a scrape took {:?}", started.elapsed());
@@ -514,10 +571,10 @@ fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
     let daemon = Daemon::spawn(&["--pid", &held.pid().to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
     let port = daemon.port;
     wait_for(20, "the daemon to answer", || http_get(port, "/-/ready").map(|_| ()));
-    // 2,000 wrong passwords, 100 at a time, from another address of the host.
+    // 2,000 wrong passwords, 100 at a time, from another user of the host.
     let url = format!("http://127.0.0.1:{port}/metrics");
-    let mut flood = Command::new("curl");
-    flood.args([
+    let mut flood = as_nobody();
+    flood.arg("curl").args([
         "-s",
         "--no-progress-meter",
         "-o",
@@ -528,7 +585,7 @@ fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
         "--parallel-max",
         "100",
     ]);
-    flood.args(["--interface", "127.0.0.2"]).stdout(std::process::Stdio::piped());
+    flood.stdout(std::process::Stdio::piped());
     flood.args(["-u", "prometheus:wrong"]);
     for _ in 0..2000 {
         flood.arg(&url);

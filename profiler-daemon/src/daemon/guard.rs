@@ -22,7 +22,8 @@ use tokio::sync::Semaphore;
 
 use super::{
     access,
-    server::{Client, ClientId, Refusal, Stats},
+    clients::{Client, ClientId},
+    server::{Refusal, Stats},
 };
 
 /// Users and their bcrypt hashes.
@@ -38,7 +39,8 @@ pub struct BasicAuth {
     key: hmac::Key,
     /// Checks run at once, off the async thread. No single queue: a client has at most
     /// `CHECKS_PER_CLIENT` under way and its next is refused at once (429), so that a flood of
-    /// wrong passwords from one host does not stand in front of another's login.
+    /// wrong passwords from one client (a host, or a user of this one) does not stand in front
+    /// of another's login.
     checks: Semaphore,
     checking: Mutex<HashMap<ClientId, usize>>,
 }

@@ -2,6 +2,7 @@
 //! reloads its config on SIGHUP and detaches every probe on SIGTERM or SIGINT.
 
 mod access;
+mod clients;
 mod config;
 mod deadline;
 mod descriptors;

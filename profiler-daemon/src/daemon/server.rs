@@ -1,6 +1,8 @@
 //! The HTTP listener's connections, on its TCP address and on the API's Unix socket: at most
 //! `max_connections` served at once (the next ones wait in the kernel's accept queue), beside
-//! slots of their own for root and `access.group` on the socket; a request head bounded in size
+//! slots of their own for root and `access.group` on the socket, and at most
+//! `max_connections_per_client` per client (`clients`: a user of this host, whichever address
+//! it connects from, or another host's address); a request head bounded in size
 //! and in time, an answer the client does not read cut off, optional TLS (TCP only). Each
 //! connection refused or cut off is counted in `memprof_http_refused_total`, so no client is
 //! turned away silently.
@@ -9,14 +11,12 @@
 //! here slows tracing.
 
 use std::{
-    collections::HashMap,
     future::Future,
     io,
-    net::IpAddr,
     path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
+        Arc,
     },
     time::Duration,
 };
@@ -38,13 +38,11 @@ use tracing::{debug, warn};
 
 use super::{
     access,
+    clients::{Client, ClientId, Clients, Share},
     deadline::{classify, Deadline, State},
     seats::{Seat, Seats},
 };
-use crate::{
-    cli,
-    peer::{self, Credentials},
-};
+use crate::{cli, peer};
 
 /// The `[http]` table of the config file.
 #[derive(Debug, Default, Deserialize)]
@@ -63,8 +61,9 @@ pub struct SettingsFile {
 pub struct Settings {
     /// Connections served at once; more wait in the kernel's accept queue.
     pub max_connections: usize,
-    /// Connections served at once from one client address; more are closed at once (counted),
-    /// so that one host's slow or stalled clients cannot take every slot.
+    /// Connections served at once from one client (`clients`: a user of this host, or another
+    /// host's address); more are closed at once (counted), so that one client's slow or stalled
+    /// connections cannot take every slot.
     pub max_connections_per_client: usize,
     /// Time a connection has to send a whole request head, from when it opens or its previous
     /// answer was sent: it bounds both slow clients and idle kept-alive connections.
@@ -138,7 +137,8 @@ pub enum Refusal {
     Unauthorized,
     /// A heavy answer (report, profile, flame graph) found no free turn in time: 503.
     Busy,
-    /// A client address had `max_connections_per_client` connections open already.
+    /// A client (a local user, or another host) had `max_connections_per_client` connections
+    /// open already.
     ClientLimit,
     /// A password check found its client's (or every) check slot taken: 429.
     AuthBusy,
@@ -217,8 +217,8 @@ pub struct Listeners {
     clients: Clients,
     /// `max_connections`, for every connection but those the socket trusts.
     shared: Seats,
-    /// Slots only root and `access.group` take, on the socket: however many addresses a local
-    /// user connects from, the shared slots they fill cannot keep root's `inspect` waiting.
+    /// Slots only root and `access.group` take, on the socket: however many users or hosts fill
+    /// the shared slots, they cannot keep root's `inspect` waiting.
     trusted: Seats,
 }
 
@@ -256,7 +256,7 @@ impl Listeners {
     async fn port(&self, listener: TcpListener) {
         loop {
             let Some((stream, peer)) = self.accepted(listener.accept().await).await else { continue };
-            let client = Client { id: ClientId::Address(peer.ip()), local: None };
+            let client = Client { id: ClientId::over_tcp(peer, stream.local_addr().ok()), local: None };
             let Some(share) = self.share(client.id) else { continue };
             let seat = wait_for_seat(&self.shared, &self.stats).await;
             tokio::spawn(self.connection(client, share).run(stream, seat, self.tls.clone()));
@@ -308,7 +308,7 @@ impl Listeners {
         if share.is_none() {
             self.stats.refuse(Refusal::ClientLimit);
             debug!(
-                "http: {client:?} has {} connections open; closing its next",
+                "http: {client} has {} connections open; closing its next",
                 self.settings.max_connections_per_client
             );
         }
@@ -331,63 +331,6 @@ struct Connection {
     settings: Arc<Settings>,
     stats: Arc<Stats>,
     _share: Share,
-}
-
-/// Who a client is, for limits per client: its address over TCP, its user over the Unix socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ClientId {
-    Address(IpAddr),
-    User(u32),
-}
-
-/// Where a request came from (`guard`).
-#[derive(Debug, Clone)]
-pub struct Client {
-    pub id: ClientId,
-    /// Over the Unix socket: who connected, as the kernel says.
-    pub local: Option<Credentials>,
-}
-
-/// Connections open per client.
-#[derive(Clone)]
-struct Clients {
-    open: Arc<Mutex<HashMap<ClientId, usize>>>,
-    limit: usize,
-}
-
-impl Clients {
-    fn new(limit: usize) -> Self {
-        Self { open: Arc::default(), limit }
-    }
-
-    /// One more connection of `client`, unless it has `limit` open.
-    fn take(&self, client: ClientId) -> Option<Share> {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let count = open.entry(client).or_default();
-        if *count >= self.limit {
-            return None;
-        }
-        *count += 1;
-        Some(Share { clients: self.clone(), client })
-    }
-}
-
-/// A client's connection, counted until dropped.
-struct Share {
-    clients: Clients,
-    client: ClientId,
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        let mut open = self.clients.open.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = open.get_mut(&self.client) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.client);
-            }
-        }
-    }
 }
 
 impl Connection {
