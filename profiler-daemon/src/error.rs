@@ -68,6 +68,8 @@ pub enum UserError {
         "the kernel has no memory for memprof's maps: a memory cgroup's limit (systemd's MemoryMax) may be below what they take at these sizes; raise it, or lower --max-live, --max-stacks and --max-unwind-rows (docs: reference/limits.md)"
     )]
     MapsOutOfMemory,
+    #[error("memprof needs about {need_mib} MiB more memory while the kernel verifies its programs, and its memory cgroup {} leaves it {room_mib} MiB under {file}: raise that limit by {short_mib} MiB or more (systemd: MemoryMax=), or run memprof outside it (docs: reference/limits.md#the-verifiers-memory)", cgroup.display())]
+    NoRoomToVerify { need_mib: u64, room_mib: u64, short_mib: u64, cgroup: PathBuf, file: &'static str },
     /// Not a `source`: the message says the cause already, and the error chain would say it twice.
     #[error("cannot start {command}: {cause}")]
     Spawn { command: String, cause: std::io::Error },

@@ -46,6 +46,13 @@ pub fn memprof_bin() -> PathBuf {
     bin
 }
 
+/// Whether the running kernel is at least `major`.`minor` (its release, as `uname -r` says it).
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("the kernel's release");
+    let mut numbers = release.trim().split(['.', '-']).map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
+}
+
 fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };

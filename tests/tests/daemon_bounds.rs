@@ -224,20 +224,63 @@ fn blocks_made_before_the_attach_too_many_to_mark_are_said_not_classed() {
     assert_eq!(target.child.wait().unwrap().code(), Some(3), "the target did not end as it would alone");
 }
 
-/// A memory cgroup too small for the maps at their default sizes: the kernel refuses them, and
-/// the daemon says so in one line with the limit and the flags that lower their size.
+/// Maps too large for a memory cgroup that holds the rest (a live table of 16M entries, 256 MiB
+/// of buckets, under 256 MiB): the kernel refuses them, and the daemon says so in one line with
+/// the limit and the flags that lower their size.
 #[test]
 fn a_memory_cgroup_too_small_for_the_maps_is_named_with_the_flags_that_shrink_them() {
     let _serial = serial();
-    let group = MemoryCgroup::new(&format!("memprof-test-maps-{}", std::process::id()), 48 << 20);
+    let group = MemoryCgroup::new(&format!("memprof-test-maps-{}", std::process::id()), 256 << 20);
     let procs = group.procs();
     let enter = ["sh", "-c", r#"echo $$ > "$0" && exec "$@""#, procs.to_str().unwrap()];
-    let stderr = memprof_tests::refused_daemon(&enter, &["--socket", ""]);
+    let stderr = memprof_tests::refused_daemon(&enter, &["--socket", "", "--max-live", "16777216"]);
     assert!(
         stderr.starts_with("memprof: error: the kernel has no memory for memprof's maps: a memory cgroup's limit")
             && stderr.contains("lower --max-live, --max-stacks and --max-unwind-rows"),
         "{stderr}"
     );
+    assert_eq!(group.oom_kills(), 0);
+}
+
+/// A memory cgroup of 128 MiB holds the maps at their default sizes (49 MiB), but not what the
+/// kernel's verifier takes while it checks the programs, which Linux 6.17 and later charge to it
+/// (about 150 MiB more on 6.18). The kernel once OOM-killed memprof there with nothing said (exit
+/// 137); the daemon and `run` now refuse in one line, naming the cgroup and how much to raise its
+/// limit. On a kernel whose verifier charges nothing, `run` starts.
+#[test]
+fn a_memory_cgroup_too_small_for_the_verifier_is_said_in_one_line_not_by_an_oom_kill() {
+    let _serial = serial();
+    let name = format!("memprof-test-verifier-{}", std::process::id());
+    let group = MemoryCgroup::new(&name, 128 << 20);
+    let (procs, memprof) = (group.procs(), memprof_bin());
+    let enter = ["sh", "-c", r#"echo $$ > "$0" && exec "$@""#, procs.to_str().unwrap()];
+    let refused = |stderr: &str| {
+        stderr.starts_with("memprof: error: memprof needs about ")
+            && stderr.contains(&format!(
+                " MiB more memory while the kernel verifies its programs, and its memory cgroup /{name} leaves it "
+            ))
+            && stderr.contains(&format!(" MiB under {}: raise that limit by ", group.limit_file()))
+            && stderr.contains("(systemd: MemoryMax=), or run memprof outside it")
+    };
+    let charged = memprof_tests::kernel_at_least(6, 17);
+    if charged {
+        let stderr = memprof_tests::refused_daemon(&enter, &["--socket", ""]);
+        assert!(refused(&stderr), "{stderr}");
+    }
+    let outcome = Command::new(enter[0])
+        .args(&enter[1..])
+        .arg(&memprof)
+        .args(["run", "--", "true"])
+        .output()
+        .expect("running memprof");
+    let stderr = String::from_utf8_lossy(&outcome.stderr);
+    if charged {
+        assert_eq!(outcome.status.code(), Some(1), "{stderr}");
+        assert!(stderr.lines().count() == 1 && refused(&stderr), "{stderr}");
+    } else {
+        assert!(outcome.status.success(), "{stderr}");
+    }
+    assert_eq!(group.oom_kills(), 0, "{stderr}");
 }
 
 /// A limit the maps fit under at start but not once full: memprof starts, and says at once that

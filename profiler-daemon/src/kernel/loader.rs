@@ -55,6 +55,61 @@ fn say_room_for_maps(unwind: &Registry) {
     }
 }
 
+/// What the kernel's verifier takes at once while it checks one of memprof's largest programs,
+/// beyond what memprof holds once its maps are made. The verifier charges it to memprof's memory
+/// cgroup on Linux 6.17 and later (`verifier_charged`), and a hard limit short of it has the
+/// kernel OOM-kill memprof, with nothing said. Measured on Linux 6.18 (x86-64), the peak of the
+/// cgroup's use less its use once the maps were made: 148 to 152 MiB, at the default map sizes
+/// and at small ones, with `--growth` and `--mappings`, for `run`, `attach` and the daemon. Each
+/// large program (free, alloc_session, the page-fault and mapping-call programs) keeps 23,000 to
+/// 26,000 states at once, about 6 KiB each; they are verified one at a time. Other kernels'
+/// verifiers keep other numbers of states (docs: reference/limits.md#the-verifiers-memory).
+const VERIFIER_BYTES: u64 = 160 << 20;
+
+/// What memprof takes of its memory cgroup before its maps are made, with room to spare: its
+/// code, its heap, and the kernel's BTF, read for the fields its programs read. Measured on Linux
+/// 6.18: OOM-killed while reading the BTF under a 16 MiB limit, and on to the maps under 20 MiB.
+const START_BYTES: u64 = 32 << 20;
+
+/// Refuses, in one line, to load programs the kernel's verifier would need more memory for than
+/// memprof's memory cgroup leaves it (`VERIFIER_BYTES`).
+fn room_to_verify() -> Result<(), UserError> {
+    match memory::hard_limit() {
+        Some(limit) if verifier_charged() && limit.room < VERIFIER_BYTES => Err(no_room_to_verify(limit)),
+        _ => Ok(()),
+    }
+}
+
+fn no_room_to_verify(limit: memory::HardLimit) -> UserError {
+    UserError::NoRoomToVerify {
+        need_mib: VERIFIER_BYTES >> 20,
+        room_mib: limit.room >> 20,
+        short_mib: VERIFIER_BYTES.saturating_sub(limit.room).div_ceil(1 << 20),
+        cgroup: limit.cgroup,
+        file: limit.file,
+    }
+}
+
+/// Why the maps could not be made, or not even begun (`START_BYTES`), under memprof's memory
+/// cgroup's limit, said from the room it left at start (`limit`): where the verifier charges the
+/// cgroup and will need more than that room, smaller maps would not make room, and their flags
+/// are not named.
+fn maps_out_of_memory(limit: Option<memory::HardLimit>) -> UserError {
+    match limit {
+        Some(limit) if verifier_charged() && limit.room < VERIFIER_BYTES => no_room_to_verify(limit),
+        _ => UserError::MapsOutOfMemory,
+    }
+}
+
+/// Whether the kernel charges its verifier's memory to the cgroup of the process loading a
+/// program: since Linux 6.17 ("bpf: include verifier memory allocations in memcg statistics").
+/// Before, only the maps and the programs themselves are charged; a kernel whose version cannot
+/// be read is taken to charge it.
+fn verifier_charged() -> bool {
+    use aya::util::KernelVersion;
+    KernelVersion::current().map_or(true, |version| version >= KernelVersion::new(6, 17, 0))
+}
+
 /// Loaded programs and maps; what is attached to each process is its `Attachment`.
 pub struct Loaded {
     pub ebpf: Ebpf,
@@ -175,6 +230,12 @@ fn live_changes_capacity(max_live: u32) -> u32 {
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 /// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
 pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_wanted: bool) -> anyhow::Result<Loaded> {
+    // Under a limit that leaves memprof too little to reach its maps, the kernel would OOM-kill it
+    // before they could be refused.
+    let room_at_start = memory::hard_limit();
+    if let Some(limit) = room_at_start.clone().filter(|limit| limit.room < START_BYTES) {
+        return Err(maps_out_of_memory(Some(limit)).into());
+    }
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
     let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask", "signal"])
         .context("finding task_struct in BTF")?;
@@ -224,12 +285,14 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         .map_err(|err| {
             let err = anyhow::Error::new(err).context("loading the eBPF programs");
             if out_of_memory(&err) {
-                err.context(UserError::MapsOutOfMemory)
+                err.context(maps_out_of_memory(room_at_start))
             } else {
                 err
             }
         })?;
     let mut ebpf = ebpf;
+    // The maps are made and charged: what the verifier takes comes on top, program by program.
+    room_to_verify()?;
     let unwind = Registry::new(&mut ebpf, sizes.unwind, sizes.max_unwind_rows, sizes.max_frames)?;
     let unwind_events = UnwindEvents::new(&mut ebpf)?;
     let method = probes::load(&mut ebpf, links_wanted)?;

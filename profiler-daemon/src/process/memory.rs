@@ -80,22 +80,79 @@ fn own_cgroup_v1() -> Option<PathBuf> {
 }
 
 /// The least room any cgroup from `dir` up to `root` leaves: its limit less what it uses now.
-fn cgroup_room(root: &Path, dir: &Path, (usage, limits): Files) -> Option<Room> {
-    let mut least: Option<Room> = None;
-    for ancestor in dir.ancestors() {
+fn cgroup_room(root: &Path, dir: &Path, files: Files) -> Option<Room> {
+    cgroup_limits(root, dir, files)
+        .map(|(_, limited_by, limit, usage)| Room { bytes: limit.saturating_sub(usage.used), limited_by })
+        .min_by_key(|room| room.bytes)
+}
+
+/// What the cgroups from `dir` up to `root` use, and each limit of theirs that is set: the
+/// cgroup (relative to `root`), which limit, the limit in bytes, and its use.
+fn cgroup_limits<'a>(
+    root: &'a Path,
+    dir: &'a Path,
+    (usage, limits): Files,
+) -> impl Iterator<Item = (&'a Path, Limit, u64, Usage)> + 'a {
+    dir.ancestors().flat_map(move |ancestor| {
         let at = root.join(ancestor);
-        let Some(current) = read_u64(&at.join(usage)) else { continue };
-        for limited_by in limits {
-            let (Limit::CgroupMax(file) | Limit::CgroupHigh(file)) = limited_by else { continue };
+        let used = read_u64(&at.join(usage));
+        limits.into_iter().filter_map(move |limited_by| {
+            let (Limit::CgroupMax(file) | Limit::CgroupHigh(file)) = limited_by else { return None };
             // "max" (no limit) does not parse.
-            let Some(limit) = read_u64(&at.join(file)) else { continue };
-            let bytes = limit.saturating_sub(current);
-            if least.is_none_or(|l| bytes < l.bytes) {
-                least = Some(Room { bytes, limited_by });
-            }
-        }
+            let limit = read_u64(&at.join(file))?;
+            Some((ancestor, limited_by, limit, Usage { used: used?, at: at.clone() }))
+        })
+    })
+}
+
+/// What a cgroup uses, and its directory (for its `memory.stat`).
+struct Usage {
+    used: u64,
+    at: PathBuf,
+}
+
+impl Usage {
+    /// What it uses less the page cache the kernel reclaims first, before any OOM kill
+    /// (`inactive_file` of its `memory.stat`; v1's `total_inactive_file` counts its children too,
+    /// as its usage does).
+    fn unreclaimable(&self) -> u64 {
+        let stat = std::fs::read_to_string(self.at.join("memory.stat")).unwrap_or_default();
+        let inactive = ["inactive_file ", "total_inactive_file "]
+            .iter()
+            .filter_map(|key| stat.lines().find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok()))
+            .max()
+            .unwrap_or(0);
+        self.used.saturating_sub(inactive)
     }
-    least
+}
+
+/// The room the tightest hard memory limit over this process's cgroup and its ancestors leaves it
+/// (v2's `memory.max`, v1's `memory.limit_in_bytes`), the page cache the kernel would reclaim
+/// counted as room: past it, the kernel OOM-kills a process it cannot refuse memory to. None
+/// without such a limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HardLimit {
+    pub room: u64,
+    /// The cgroup that sets it, as /proc/PID/cgroup names it ("/system.slice/memprof.service").
+    pub cgroup: PathBuf,
+    /// The file that holds the limit.
+    pub file: &'static str,
+}
+
+pub fn hard_limit() -> Option<HardLimit> {
+    own_cgroup("0::").and_then(|dir| tightest_hard_limit(Path::new(CGROUP_ROOT), &dir, V2)).or_else(|| {
+        own_cgroup_v1().and_then(|dir| tightest_hard_limit(&Path::new(CGROUP_ROOT).join("memory"), &dir, V1))
+    })
+}
+
+fn tightest_hard_limit(root: &Path, dir: &Path, files: Files) -> Option<HardLimit> {
+    cgroup_limits(root, dir, files)
+        .filter_map(|(cgroup, limited_by, limit, usage)| {
+            let Limit::CgroupMax(file) = limited_by else { return None };
+            let room = limit.saturating_sub(usage.unreclaimable());
+            Some(HardLimit { room, cgroup: Path::new("/").join(cgroup), file })
+        })
+        .min_by_key(|limit| limit.room)
 }
 
 fn read_u64(path: &Path) -> Option<u64> {
@@ -131,6 +188,38 @@ mod tests {
         let room = cgroup_room(&root, Path::new("a/b"), V2).unwrap();
         assert_eq!(room, Room { bytes: 50, limited_by: CgroupMax("memory.max") });
         assert_eq!(cgroup_room(&root, Path::new("c"), V2), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_tightest_hard_limit_counts_inactive_page_cache_as_room_and_names_its_cgroup() {
+        let root = std::env::temp_dir().join(format!("memprof-cgroup-hard-test-{}", std::process::id()));
+        let leaf = root.join("a/b");
+        std::fs::create_dir_all(&leaf).unwrap();
+        let write = |dir: &Path, file: &str, value: &str| std::fs::write(dir.join(file), value).unwrap();
+        let mib = |n: u64| (n << 20).to_string();
+        write(&leaf, "memory.current", &mib(10));
+        write(&leaf, "memory.max", "max\n");
+        // A soft limit throttles, and kills nothing: not a hard limit.
+        write(&leaf, "memory.high", &mib(11));
+        write(&root.join("a"), "memory.current", &mib(300));
+        write(&root.join("a"), "memory.max", &mib(400));
+        write(&root.join("a"), "memory.stat", &format!("anon {}\ninactive_file {}\n", mib(200), mib(50)));
+        let limit = tightest_hard_limit(&root, Path::new("a/b"), V2).unwrap();
+        assert_eq!(limit, HardLimit { room: 150 << 20, cgroup: PathBuf::from("/a"), file: "memory.max" });
+        write(&leaf, "memory.max", &mib(100));
+        let limit = tightest_hard_limit(&root, Path::new("a/b"), V2).unwrap();
+        assert_eq!(limit, HardLimit { room: 90 << 20, cgroup: PathBuf::from("/a/b"), file: "memory.max" });
+        std::fs::remove_dir_all(&root).unwrap();
+
+        let root = std::env::temp_dir().join(format!("memprof-cgroup-hard-v1-test-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("a")).unwrap();
+        write(&root.join("a"), "memory.usage_in_bytes", &mib(60));
+        write(&root.join("a"), "memory.limit_in_bytes", &mib(128));
+        write(&root.join("a"), "memory.stat", &format!("inactive_file {}\ntotal_inactive_file {}\n", mib(1), mib(4)));
+        let limit = tightest_hard_limit(&root, Path::new("a"), V1).unwrap();
+        assert_eq!(limit, HardLimit { room: 72 << 20, cgroup: PathBuf::from("/a"), file: "memory.limit_in_bytes" });
+        assert_eq!(tightest_hard_limit(&root, Path::new("c"), V1), None);
         std::fs::remove_dir_all(&root).unwrap();
     }
 

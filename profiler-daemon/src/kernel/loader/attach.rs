@@ -83,6 +83,7 @@ impl Loaded {
     /// the mapping calls' programs) the first time, attached to nothing.
     fn load_fault_programs(&mut self) -> anyhow::Result<()> {
         if !self.faults_loaded {
+            super::room_to_verify()?;
             faults::load(&mut self.ebpf)?;
             self.faults_loaded = true;
         }
@@ -93,6 +94,7 @@ impl Loaded {
     /// Loads the mapping calls' programs the first time, attached to nothing (`MappedRanges::load`).
     fn load_mapped_ranges(&mut self) -> anyhow::Result<&MappedRanges> {
         if self.mappings.is_none() {
+            super::room_to_verify()?;
             self.mappings = Some(MappedRanges::load(&mut self.ebpf)?);
         }
         Ok(self.mappings.as_ref().expect("loaded just above"))
