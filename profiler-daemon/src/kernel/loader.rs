@@ -56,19 +56,16 @@ fn say_room_for_maps(unwind: &Registry) {
 }
 
 /// What the kernel's verifier takes at once while it checks one of memprof's largest programs,
-/// beyond what memprof holds once its maps are made. The verifier charges it to memprof's memory
-/// cgroup on Linux 6.17 and later (`verifier_charged`), and a hard limit short of it has the
-/// kernel OOM-kill memprof, with nothing said. Measured on Linux 6.18 (x86-64), the peak of the
-/// cgroup's use less its use once the maps were made: 148 to 152 MiB, at the default map sizes
-/// and at small ones, with `--growth` and `--mappings`, for `run`, `attach` and the daemon. Each
-/// large program (free, alloc_session, the page-fault and mapping-call programs) keeps 23,000 to
-/// 26,000 states at once, about 6 KiB each; they are verified one at a time. Other kernels'
-/// verifiers keep other numbers of states (docs: reference/limits.md#the-verifiers-memory).
+/// beyond what memprof holds once its maps are made, with room to spare. The verifier charges it
+/// to memprof's memory cgroup on Linux 6.17 and later (`verifier_charged`), and a hard limit short
+/// of it has the kernel OOM-kill memprof, with nothing said. The same for every command, option
+/// and map size, since the programs are verified one at a time; measured on Linux 6.18 only
+/// (docs: reference/limits.md#the-verifiers-memory).
 const VERIFIER_BYTES: u64 = 160 << 20;
 
 /// What memprof takes of its memory cgroup before its maps are made, with room to spare: its
-/// code, its heap, and the kernel's BTF, read for the fields its programs read. Measured on Linux
-/// 6.18: OOM-killed while reading the BTF under a 16 MiB limit, and on to the maps under 20 MiB.
+/// code, its heap, and the kernel's BTF, read for the fields its programs read (measured on Linux
+/// 6.18, docs: reference/limits.md#the-verifiers-memory).
 const START_BYTES: u64 = 32 << 20;
 
 /// Refuses, in one line, to load programs the kernel's verifier would need more memory for than
