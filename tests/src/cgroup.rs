@@ -77,6 +77,13 @@ impl MemoryCgroup {
 
 impl Drop for MemoryCgroup {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.dir);
+        // A process killed a moment ago may still be leaving it: the kernel refuses to remove a
+        // cgroup with a process in it (EBUSY).
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 }

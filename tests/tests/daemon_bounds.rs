@@ -192,6 +192,8 @@ fn an_inspection_of_more_tracked_blocks_than_the_daemons_memory_allows_is_refuse
     assert_eq!(group.oom_kills(), 0, "the daemon was OOM-killed");
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     assert!(!state.split(") ").nth(1).unwrap().starts_with('t'), "the process is not left stopped: {state}");
+    // Out of the cgroup before it is removed.
+    drop(daemon);
 }
 
 /// Millions of small blocks made before the attach, their copy within memprof's memory limit but
