@@ -590,10 +590,10 @@ pub(super) async fn trace(
                     true if exit.ended() => exit.exited().await,
                     true => None,
                 };
-                let command = matches!(exit, ExitWatch::Child(..));
                 // `run`'s command may take its time to shut down: traced to its end, which the
                 // report then covers, and whose code memprof exits with. Unless asked again.
-                if code.is_none() && command && !asked_to_stop {
+                let outlived = code.is_none() && matches!(exit, ExitWatch::Child(..));
+                if outlived && !asked_to_stop {
                     asked_to_stop = true;
                     let root = tracer.family.root;
                     let comm = tracer.family.get(root).map(|process| process.comm.clone()).unwrap_or_default();
@@ -607,7 +607,7 @@ pub(super) async fn trace(
                     let traced_s = aggregate::monotonic_now_ns().saturating_sub(tracer.start_ns) as f64 / 1e9;
                     say!("memprof: stopped by a signal after {traced_s:.1} s of the {asked} s asked (--duration): the report covers {traced_s:.1} s");
                 }
-                if code.is_none() && command {
+                if outlived {
                     let root = tracer.family.root;
                     say!("memprof: pid {root} runs on untraced; memprof exits with {}", 128 + signal);
                     break Some(128 + signal);
