@@ -43,7 +43,7 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRow>() == 12);
     assert!(core::mem::size_of::<ExecMapping>() == 40);
     assert!(core::mem::size_of::<ProcMappings>() == 16 + 40 * MAX_MAPPINGS);
-    assert!(core::mem::size_of::<StackStats>() == 80 + 16 * GENERATIONS);
+    assert!(core::mem::size_of::<StackStats>() == 88 + 16 * GENERATIONS);
     assert!(core::mem::size_of::<ThreadPairKey>() == 16);
     assert!(core::mem::size_of::<ThreadPairStats>() == 16);
     assert!(core::mem::size_of::<ProcCounters>() == 40);

@@ -38,6 +38,11 @@ pub struct StackStats {
     /// bytes now are those it held then.
     pub peak_generation: u64,
     pub bytes_at_peak: u64,
+    /// `NO_STACK`, or the id this stack's allocations are counted under: the early id of a walk
+    /// the kernel deferred, which memprof found to be this stack. memprof writes such an entry,
+    /// empty, before the kernel can walk the stack whole, so that one entry holds all its counts
+    /// and its high (docs: guide/peaks.md).
+    pub counted_as: u64,
 }
 
 impl StackStats {
@@ -54,6 +59,7 @@ impl StackStats {
         temporary_allocations: 0,
         peak_generation: 0,
         bytes_at_peak: 0,
+        counted_as: crate::NO_STACK,
     };
 }
 

@@ -85,6 +85,15 @@ pub fn insert(key: &AddrKey, alloc: &LiveAlloc, flags: u64) -> Result<(), i32> {
     inserted
 }
 
+/// Names stack `stack_id` in the entry of `key`. Called before the allocating call returns the
+/// block to its caller, so no free of it races the store.
+pub fn name_stack(key: &AddrKey, stack_id: u64) {
+    if let Some(alloc) = LIVE.get_ptr_mut(key) {
+        // SAFETY: a map value pointer stays valid while the program runs; an aligned store.
+        unsafe { (*alloc).stack_id = stack_id };
+    }
+}
+
 /// Removes the entry; Ok when this call removed it (two threads freeing one block race here).
 pub fn remove(key: &AddrKey) -> Result<(), i32> {
     let removed = LIVE.remove(key);

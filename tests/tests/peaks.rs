@@ -204,3 +204,30 @@ fn the_survivors_stack_is_named_with_the_pages_it_pins() {
     assert!(table.contains(&row), "`{row}` in {table}");
     assert!(table.contains(&format!("; {pages} pages (")), "{table}");
 }
+
+/// A stack whose first walks the kernel deferred to memprof (the program's first moments under
+/// `run`, before memprof knows its libraries) keeps one high, over its allocations before and
+/// after memprof finished those walks (tests/fixtures/early_site.c). Run until a run had a
+/// deferred walk: memprof is not always late.
+#[test]
+fn a_stack_first_walked_before_its_libraries_were_known_keeps_one_high() {
+    let program = fixture("early_site");
+    let mut deferred = 0;
+    for _ in 0..6 {
+        let outcome = run(&[], &[program.to_str().unwrap()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        let report = outcome.final_report();
+        assert_nothing_dropped(&report);
+        let early = stack(&report, "early_site");
+        assert_eq!(
+            (&early["allocations"], &early["outstanding_bytes"], &early["max_outstanding_bytes"]),
+            (&200.into(), &512.into(), &512.into()),
+            "{early}"
+        );
+        deferred += report["unwind_tables"]["deferred_walks"].as_u64().expect("deferred_walks");
+        if deferred > 0 {
+            return;
+        }
+    }
+    panic!("no run had a deferred walk: the case is not tested");
+}

@@ -26,7 +26,7 @@ use crate::{
     kernel::mappings::MappedStack,
     kernel::sample_rates,
     ring::Ring,
-    unwind::Registry,
+    unwind::{Completion, Registry},
 };
 
 /// What the kernel side knows at one moment, for the processes asked about.
@@ -172,7 +172,11 @@ pub fn read<'a>(
         let live = unscale(stats.allocations.saturating_sub(stats.frees));
         snapshot.live_entries += live;
         *snapshot.live_by_process.entry(key.tgid).or_default() += live;
-        if let Some(process) = snapshot.processes.get_mut(&key.tgid).filter(|_| current(&key.tgid, key.image)) {
+        // An entry that sends its stack's counts to another (`early_stacks`) has none of its own.
+        let forwards = stats.counted_as != NO_STACK && stats.allocations == 0 && stats.frees == 0;
+        if let Some(process) =
+            snapshot.processes.get_mut(&key.tgid).filter(|_| current(&key.tgid, key.image) && !forwards)
+        {
             let spans = book.observe(*key, stats, now_ns);
             let mut stack = stack_snapshot(key.stack_id, *stats, spans, book, now_ns, min_age_ns);
             if peak_generations.get(&key.tgid) == Some(&stats.peak_generation) {
@@ -266,8 +270,7 @@ fn merge_deferred(ebpf: &Ebpf, unwind: &Registry, tgid: u32, stacks: Vec<StackSn
     for mut stack in stacks {
         if unwind.completion(tgid, StackTable::Allocations.id(), stack.stack_id).is_some() {
             let (frames, end) = stack_frames(ebpf, unwind, tgid, StackTable::Allocations, stack.stack_id);
-            let hash = frames.iter().fold(STACK_HASH_SEED, |hash, &pc| stack_hash_step(hash, pc));
-            stack.stack_id = stack_id_of(hash, end as u32);
+            stack.stack_id = whole_id(&frames, end);
         }
         match at.get(&stack.stack_id) {
             Some(&index) => merged[index].absorb(stack),
@@ -298,7 +301,8 @@ impl StackSnapshot {
         s.old_freed_bytes += o.old_freed_bytes;
         s.old_frees += o.old_frees;
         s.temporary_allocations += o.temporary_allocations;
-        // The two ids' highs need not have come at once: their sum bounds the stack's from above.
+        // Two ids with counts of their own (see `early_stacks`): their highs need not have come
+        // at once, and their sum bounds the stack's from above.
         s.max_outstanding_bytes += o.max_outstanding_bytes;
         self.peak_bytes += other.peak_bytes;
         for (mine, theirs) in s.generation_bytes.iter_mut().zip(o.generation_bytes) {
@@ -558,23 +562,32 @@ pub fn stack_frames(
         .and_then(|m| BpfHashMap::<_, u64, Stack>::try_from(m).ok())
         .and_then(|stacks| stacks.get(&stack_id, 0).ok());
     match stored {
-        Some(stack) => {
-            let len = (stack.len as usize).min(stack.frames.len());
-            let mut frames = stack.frames[..len].to_vec();
-            let end = match StackEnd::from_u32(stack.end) {
-                StackEnd::Deferred => match unwind.completion(tgid, table.id(), stack_id) {
-                    Some(rest) => {
-                        frames.extend_from_slice(&rest.frames);
-                        rest.end
-                    }
-                    None => StackEnd::NoTable,
-                },
-                end => end,
-            };
-            (frames, end)
-        }
+        Some(stack) => whole_frames(&stack, unwind.completion(tgid, table.id(), stack_id)),
         None => (Vec::new(), StackEnd::NoTable),
     }
+}
+
+/// The frames of `stack`, a stored stack, and why its walk ended: a walk the kernel deferred goes
+/// on with `rest`, the frames memprof found (cut as `NoTable` until it has).
+pub fn whole_frames(stack: &Stack, rest: Option<&Completion>) -> (Vec<u64>, StackEnd) {
+    let len = (stack.len as usize).min(stack.frames.len());
+    let mut frames = stack.frames[..len].to_vec();
+    let end = match StackEnd::from_u32(stack.end) {
+        StackEnd::Deferred => match rest {
+            Some(rest) => {
+                frames.extend_from_slice(&rest.frames);
+                rest.end
+            }
+            None => StackEnd::NoTable,
+        },
+        end => end,
+    };
+    (frames, end)
+}
+
+/// The id the kernel gives a stack walked whole to `frames`, ended as `end`.
+pub fn whole_id(frames: &[u64], end: StackEnd) -> u64 {
+    stack_id_of(frames.iter().fold(STACK_HASH_SEED, |hash, &pc| stack_hash_step(hash, pc)), end as u32)
 }
 
 /// Receives double-free events for every traced process.

@@ -9,6 +9,7 @@ pub mod aggregate;
 pub mod batch;
 pub mod btf;
 pub mod detacher;
+pub mod early_stacks;
 pub mod events;
 pub mod faults;
 pub mod growth;

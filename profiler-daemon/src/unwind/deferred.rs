@@ -45,15 +45,15 @@ pub struct Deferred {
 }
 
 impl Deferred {
-    /// Finishes one walk with `mappings`, the process's mapping list as the kernel has it.
-    /// `frame_limit` is `--max-frames`.
+    /// Finishes one walk with `mappings`, the process's mapping list as the kernel has it (or is
+    /// about to). `frame_limit` is `--max-frames`.
     pub fn finish(
         &mut self,
         event: &DeferredUnwind,
         mappings: Option<&ProcMappings>,
         rows: &impl Rows,
         frame_limit: usize,
-    ) {
+    ) -> &Completion {
         let completion = match mappings {
             Some(mappings) => walk(event, mappings, rows, frame_limit.saturating_sub(event.stored as usize)),
             None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
@@ -67,7 +67,9 @@ impl Deferred {
             self.counts.unfinished += 1;
             tracing::debug!(pid = event.tgid, pc = event.pc, end = ?completion.end, "deferred walk not finished");
         }
-        self.completions.insert((event.tgid, event.table, event.stack_id), completion);
+        let key = (event.tgid, event.table, event.stack_id);
+        self.completions.insert(key, completion);
+        &self.completions[&key]
     }
 
     /// The walks of process `tgid` that ended cut, by drop reason.

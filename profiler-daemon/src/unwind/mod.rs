@@ -21,6 +21,7 @@ use std::{
 };
 
 pub use copy::DeferredCopy;
+pub use deferred::Completion;
 use profiler_common::LinkMapEvent;
 pub use registry::{Registry, TableUse, UnwindMode};
 

@@ -203,19 +203,21 @@ impl Registry {
         let changes = self.code_changes(ebpf, pid);
         // An exited process not yet reaped has no mappings left: keep what it had.
         match procfs::file_mappings(pid) {
-            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes),
+            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes, |_, _, _| {}),
             _ => Ok(false),
         }
     }
 
     /// `sync` with mappings read already: those of a process that may have exited since;
-    /// `changes`, what `code_changes` gave before they were read.
+    /// `changes`, what `code_changes` gave before they were read. `before_list` is given the new
+    /// list, its files' tables loaded, before the kernel has it.
     pub fn sync_with(
         &mut self,
         ebpf: &mut Ebpf,
         pid: u32,
         mappings: &[FileMapping],
         changes: u64,
+        before_list: impl FnOnce(&mut Ebpf, &mut Self, &ProcMappings),
     ) -> anyhow::Result<bool> {
         let old = self.processes.remove(&pid);
         let uid = procfs::real_uid(pid).or(old.as_ref().map(|process| process.uid)).unwrap_or(UNKNOWN_USER);
@@ -260,6 +262,7 @@ impl Registry {
             entries: [ExecMapping::default(); MAX_MAPPINGS],
         };
         list.entries[..entries.len()].copy_from_slice(&entries);
+        before_list(ebpf, self, &list);
         if let Err(err) = self.write_list(ebpf, pid, &list) {
             // The kernel keeps the old list: the process keeps the files it names.
             for key in used.difference(&held) {
@@ -333,12 +336,17 @@ impl Registry {
 
     /// Finishes a walk the kernel deferred, on `event.tgid`'s mappings as the kernel has them
     /// now: call after syncing them.
-    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind) {
+    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind) -> &Completion {
         let mappings = ebpf
             .map("PROC_MAPPINGS")
             .and_then(|map| BpfHashMap::<_, u32, ProcMappings>::try_from(map).ok())
             .and_then(|map| map.get(&event.tgid, 0).ok());
-        self.deferred.finish(event, mappings.as_ref(), &self.shards, self.frame_limit);
+        self.deferred.finish(event, mappings.as_ref(), &self.shards, self.frame_limit)
+    }
+
+    /// `finish_deferred` on `list`, the list `sync_with` is about to give the kernel.
+    pub fn finish_deferred_on(&mut self, event: &DeferredUnwind, list: &ProcMappings) -> &Completion {
+        self.deferred.finish(event, Some(list), &self.shards, self.frame_limit)
     }
 
     /// Process `tgid`'s deferred walks that ended cut, by the drop reason the kernel's walk

@@ -5,7 +5,7 @@ use aya_ebpf::{bindings::BPF_NOEXIST, cty::c_void, helpers::bpf_ktime_get_ns, ma
 use profiler_common::{
     generations::{self, FROZEN_AGE},
     stack_table, AddrKey, DropReason, LiveAlloc, Log2Histogram, ProcHeap, StackKey, StackStats, ThreadPairKey,
-    ThreadPairStats, LOG2_BUCKETS,
+    ThreadPairStats, LOG2_BUCKETS, NO_STACK,
 };
 
 use super::{frees::forget_free, get_or_insert, usdt::rate_of, Probe, PROC_COUNTERS};
@@ -76,7 +76,7 @@ pub(super) fn on_allocated(probe: Probe, tgid: u32, tid: u32, addr: u64, size: u
         }
     }
     let heap = proc_heap(tgid);
-    match stack_stats(tgid, image_of(heap.as_deref()), alloc.stack_id) {
+    match allocation_stats(tgid, image_of(heap.as_deref()), &key, alloc.stack_id) {
         Some(stats) => {
             keep_bytes_at_peak(stats, heap.as_deref());
             add(&mut stats.allocations, count);
@@ -143,6 +143,19 @@ fn stack_stats(tgid: u32, image: u32, stack_id: u64) -> Option<&'static mut Stac
     let key = StackKey { tgid, image, stack_id };
     // SAFETY: a map value pointer stays valid while the program runs; every update is atomic.
     get_or_insert(&STACK_STATS, &key, &EMPTY_STATS).map(|stats| unsafe { &mut *stats })
+}
+
+/// The totals an allocation from stack `stack_id` counts in: the stack's own, or those of the
+/// id it is counted under (`StackStats::counted_as`), which the `LIVE` entry of block `key` then
+/// names too, for its free.
+fn allocation_stats(tgid: u32, image: u32, key: &AddrKey, stack_id: u64) -> Option<&'static mut StackStats> {
+    let stats = stack_stats(tgid, image, stack_id)?;
+    let counted_as = stats.counted_as;
+    if counted_as == NO_STACK {
+        return Some(stats);
+    }
+    live::name_stack(key, counted_as);
+    stack_stats(tgid, image, counted_as)
 }
 
 /// The program the process runs (`ProcHeap::image`); 0 without its heap entry.

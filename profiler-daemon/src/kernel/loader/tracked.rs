@@ -8,10 +8,13 @@ use std::{
 };
 
 use anyhow::Context as _;
+use aya::Ebpf;
+use profiler_common::ProcMappings;
 
 use crate::{
     bell::EdgeBell,
     kernel::aggregate::{self, KernelSnapshot},
+    kernel::early_stacks,
     kernel::events,
     kernel::probes::{self, Attachment},
     kernel::sample_rates,
@@ -19,7 +22,7 @@ use crate::{
         link_map,
         procfs::{self, FileMapping},
     },
-    unwind::{DeferredCopy, Reads},
+    unwind::{DeferredCopy, Reads, Registry},
 };
 
 use super::Loaded;
@@ -273,7 +276,24 @@ impl Loaded {
 
     /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
     pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) {
-        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes) {
+        self.sync_finishing(pid, mappings, changes, &[]);
+    }
+
+    /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
+    /// before the kernel has it (see `early_stacks`).
+    fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) {
+        let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
+            if walks.is_empty() {
+                return;
+            }
+            let mut event = DeferredCopy::blank();
+            for copy in walks {
+                copy.write_into(&mut event);
+                let completion = unwind.finish_deferred_on(&event, list);
+                early_stacks::count_whole_under_early_id(ebpf, &event, completion);
+            }
+        };
+        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish) {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
         }
     }
@@ -296,6 +316,7 @@ impl Loaded {
         mut on_read: impl FnMut(u32, &[FileMapping]),
     ) -> Vec<u32> {
         let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), reads);
+        let mut finished = HashSet::new();
         for &pid in &drained.pids {
             let (started_ns, started) = (aggregate::monotonic_now_ns(), Instant::now());
             let changes = self.code_changes(pid);
@@ -310,13 +331,17 @@ impl Loaded {
                 },
             };
             on_read(pid, &mappings);
-            self.sync_mappings_with(pid, &mappings, changes);
+            let walks: Vec<&DeferredCopy> = drained.deferred.iter().filter(|copy| copy.tgid() == pid).collect();
+            self.sync_finishing(pid, &mappings, changes, &walks);
+            finished.insert(pid);
             self.unwind_events.mappings_read(pid, started_ns, started.elapsed());
         }
+        // Those of processes whose mappings could not be read, on the list the kernel has.
         let mut event = DeferredCopy::blank();
-        for copy in &drained.deferred {
+        for copy in drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())) {
             copy.write_into(&mut event);
-            self.unwind.finish_deferred(&self.ebpf, &event);
+            let completion = self.unwind.finish_deferred(&self.ebpf, &event);
+            early_stacks::count_whole_under_early_id(&mut self.ebpf, &event, completion);
         }
         drained.pids
     }
