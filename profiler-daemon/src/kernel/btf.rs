@@ -20,10 +20,44 @@ pub enum BtfError {
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 const MAGIC: u16 = 0xeb9f;
 
-/// Byte offsets of the members named in `members` of struct `name` in the running kernel.
-pub fn kernel_member_offsets(name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
-    let data = std::fs::read(VMLINUX).map_err(|cause| BtfError::Read { path: VMLINUX, cause })?;
-    member_offsets(&data, name, members)
+/// The running kernel's BTF, read and indexed once for all the structures memprof reads.
+pub struct KernelBtf {
+    data: Vec<u8>,
+    sections: Sections,
+    starts: Vec<usize>,
+}
+
+impl KernelBtf {
+    pub fn read() -> Result<Self, BtfError> {
+        let data = std::fs::read(VMLINUX).map_err(|cause| BtfError::Read { path: VMLINUX, cause })?;
+        Self::parse(data)
+    }
+
+    fn parse(data: Vec<u8>) -> Result<Self, BtfError> {
+        let sections = Sections::of(&data)?;
+        let starts = starts(sections.types(&data))?;
+        Ok(Self { data, sections, starts })
+    }
+
+    /// Byte offsets of the members named in `members` of struct `name`.
+    pub fn member_offsets(&self, name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
+        let btf = Types {
+            types: self.sections.types(&self.data),
+            strings: self.sections.strings(&self.data),
+            starts: &self.starts,
+        };
+        for index in 0..btf.starts.len() {
+            let (name_off, kind, _) = btf.header(index)?;
+            if kind == STRUCT && btf.string(name_off) == name.as_bytes() {
+                let mut found = HashMap::new();
+                btf.members(index, 0, &mut found)?;
+                if let Some(offsets) = members.iter().map(|m| found.get(m.as_bytes()).copied()).collect() {
+                    return Ok(offsets);
+                }
+            }
+        }
+        Err(BtfError::Missing(name.to_string()))
+    }
 }
 
 fn u32_at(data: &[u8], at: usize) -> Result<u32, BtfError> {
@@ -32,29 +66,34 @@ fn u32_at(data: &[u8], at: usize) -> Result<u32, BtfError> {
         .ok_or(BtfError::Malformed("truncated"))
 }
 
-fn member_offsets(data: &[u8], name: &str, members: &[&str]) -> Result<Vec<u32>, BtfError> {
-    if data.len() < 24 || u16::from_le_bytes([data[0], data[1]]) != MAGIC {
-        return Err(BtfError::Malformed("bad magic"));
-    }
-    let header_len = u32_at(data, 4)? as usize;
-    let (type_off, type_len) = (u32_at(data, 8)? as usize, u32_at(data, 12)? as usize);
-    let (str_off, str_len) = (u32_at(data, 16)? as usize, u32_at(data, 20)? as usize);
-    let types =
-        data.get(header_len + type_off..header_len + type_off + type_len).ok_or(BtfError::Malformed("types"))?;
-    let strings =
-        data.get(header_len + str_off..header_len + str_off + str_len).ok_or(BtfError::Malformed("strings"))?;
-    let btf = Types { types, strings, starts: starts(types)? };
-    for index in 0..btf.starts.len() {
-        let (name_off, kind, _) = btf.header(index)?;
-        if kind == STRUCT && btf.string(name_off) == name.as_bytes() {
-            let mut found = HashMap::new();
-            btf.members(index, 0, &mut found)?;
-            if let Some(offsets) = members.iter().map(|m| found.get(m.as_bytes()).copied()).collect() {
-                return Ok(offsets);
-            }
+/// Where the type and string sections are in the data, checked to be inside it.
+struct Sections {
+    types: std::ops::Range<usize>,
+    strings: std::ops::Range<usize>,
+}
+
+impl Sections {
+    fn of(data: &[u8]) -> Result<Self, BtfError> {
+        if data.len() < 24 || u16::from_le_bytes([data[0], data[1]]) != MAGIC {
+            return Err(BtfError::Malformed("bad magic"));
         }
+        let header_len = u32_at(data, 4)? as usize;
+        let (type_off, type_len) = (u32_at(data, 8)? as usize, u32_at(data, 12)? as usize);
+        let (str_off, str_len) = (u32_at(data, 16)? as usize, u32_at(data, 20)? as usize);
+        let types = header_len + type_off..header_len + type_off + type_len;
+        let strings = header_len + str_off..header_len + str_off + str_len;
+        data.get(types.clone()).ok_or(BtfError::Malformed("types"))?;
+        data.get(strings.clone()).ok_or(BtfError::Malformed("strings"))?;
+        Ok(Self { types, strings })
     }
-    Err(BtfError::Missing(name.to_string()))
+
+    fn types<'a>(&self, data: &'a [u8]) -> &'a [u8] {
+        &data[self.types.clone()]
+    }
+
+    fn strings<'a>(&self, data: &'a [u8]) -> &'a [u8] {
+        &data[self.strings.clone()]
+    }
 }
 
 const STRUCT: u32 = 4;
@@ -86,7 +125,7 @@ fn starts(types: &[u8]) -> Result<Vec<usize>, BtfError> {
 struct Types<'a> {
     types: &'a [u8],
     strings: &'a [u8],
-    starts: Vec<usize>,
+    starts: &'a [usize],
 }
 
 impl<'a> Types<'a> {
@@ -133,18 +172,18 @@ mod tests {
 
     #[test]
     fn finds_task_struct_pid_and_tgid_in_the_running_kernel() {
-        let offsets = kernel_member_offsets("task_struct", &["pid", "tgid"]).unwrap();
+        let offsets = KernelBtf::read().unwrap().member_offsets("task_struct", &["pid", "tgid"]).unwrap();
         assert_eq!(offsets[1], offsets[0] + 4, "tgid follows pid: {offsets:?}");
     }
 
     #[test]
     fn finds_a_member_of_an_anonymous_struct() {
-        let offsets = kernel_member_offsets("mm_struct", &["uprobes_state"]).unwrap();
+        let offsets = KernelBtf::read().unwrap().member_offsets("mm_struct", &["uprobes_state"]).unwrap();
         assert!(offsets[0] > 0, "{offsets:?}");
     }
 
     #[test]
     fn refuses_what_is_not_btf() {
-        assert!(matches!(member_offsets(&[0; 64], "task_struct", &["pid"]), Err(BtfError::Malformed(_))));
+        assert!(matches!(KernelBtf::parse(vec![0; 64]), Err(BtfError::Malformed(_))));
     }
 }

@@ -234,23 +234,27 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         return Err(maps_out_of_memory(Some(limit)).into());
     }
     let clock = Clock::for_interval(crate::kernel::aggregate::monotonic_now_ns(), interval_s);
-    let task = btf::kernel_member_offsets("task_struct", &["pid", "tgid", "mm", "utask", "signal"])
+    let btf = btf::KernelBtf::read().context("reading the kernel's BTF")?;
+    let task = btf
+        .member_offsets("task_struct", &["pid", "tgid", "mm", "utask", "signal"])
         .context("finding task_struct in BTF")?;
     // Whether a thread exits with its whole process (see `probe_threads`).
-    let signal = btf::kernel_member_offsets("signal_struct", &["flags"]).context("finding signal_struct in BTF")?;
-    let exec_task = btf::kernel_member_offsets("signal_struct", &["group_exec_task"]).map_or(0, |offsets| offsets[0]);
+    let signal = btf.member_offsets("signal_struct", &["flags"]).context("finding signal_struct in BTF")?;
+    let exec_task = btf.member_offsets("signal_struct", &["group_exec_task"]).map_or(0, |offsets| offsets[0]);
     // The return addresses uretprobes took: task->utask->return_instances, a list.
-    let utask =
-        btf::kernel_member_offsets("uprobe_task", &["return_instances"]).context("finding uprobe_task in BTF")?;
-    let taken = btf::kernel_member_offsets("return_instance", &["orig_ret_vaddr", "chained", "next", "stack"])
+    let utask = btf.member_offsets("uprobe_task", &["return_instances"]).context("finding uprobe_task in BTF")?;
+    let taken = btf
+        .member_offsets("return_instance", &["orig_ret_vaddr", "chained", "next", "stack"])
         .context("finding return_instance in BTF")?;
     // The way to a process's uretprobe trampoline: task->mm->uprobes_state.xol_area->vaddr.
-    let mm = btf::kernel_member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
-    let uprobes = btf::kernel_member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
-    let xol = btf::kernel_member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
+    let mm = btf.member_offsets("mm_struct", &["uprobes_state"]).context("finding mm_struct in BTF")?;
+    let uprobes = btf.member_offsets("uprobes_state", &["xol_area"]).context("finding uprobes_state in BTF")?;
+    let xol = btf.member_offsets("xol_area", &["vaddr"]).context("finding xol_area in BTF")?;
     // The path an exec ran (see `ProcessEvent::path`); without it, an exec'd program is named
     // from `/proc` only.
-    let bprm = btf::kernel_member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
+    let bprm = btf.member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
+    // Not held while the kernel verifies the programs, memprof's largest moment.
+    drop(btf);
     let ebpf = EbpfLoader::new()
         .map_max_entries("LIVE", sizes.max_live)
         .map_max_entries("USDT_WEIGHTS", samplers.weights_capacity(sizes.max_live))
