@@ -87,7 +87,15 @@ pub mod discover {
     pub const EXECS: u32 = 1;
     /// Every new process on the host: a process starts in its parent's cgroup.
     pub const FORKS: u32 = 2;
+    /// With `EXECS`: only the execs that give their process a name in `EXEC_NAMES`, the names
+    /// the rules match when they match names and nothing else.
+    pub const NAMED_EXECS: u32 = 4;
 }
+
+/// Room for a command name (the kernel's `TASK_COMM_LEN`): an `EXEC_NAMES` key, NUL-padded.
+pub const COMM_BYTES: usize = 16;
+/// The names `EXEC_NAMES` holds at most.
+pub const MAX_EXEC_NAMES: u32 = 1_024;
 
 /// A change to a traced process's anonymous private memory outside the heap's blocks, sent
 /// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap`, `brk` or `madvise`

@@ -4,13 +4,15 @@
 //! Only processes in `TRACED` are reported, so the programs cost every other exec and fork one
 //! hash lookup; unless the daemon asks for every exec or fork on the host (`DISCOVER`), to find
 //! the processes its rules match as they start: an exec or a fork then costs one ring record
-//! more, next to the exec's or fork's own tens of microseconds. The daemon re-attaches a process
+//! more, next to the exec's or fork's own tens of microseconds, and a wake-up of the daemon.
+//! Where the rules match processes by whole names only, an exec costs that only when it takes
+//! one of them (`EXEC_NAMES`). The daemon re-attaches a process
 //! that execs (its probes were on the old program's allocator), attaches to the children it
 //! follows and detaches from the processes that exit.
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
         bpf_probe_read_kernel_str_bytes,
     },
     macros::{map, raw_tracepoint},
@@ -18,7 +20,7 @@ use aya_ebpf::{
     programs::RawTracePointContext,
     Global,
 };
-use profiler_common::{discover, process_event, traced, ProcessEvent};
+use profiler_common::{discover, process_event, traced, ProcessEvent, COMM_BYTES, MAX_EXEC_NAMES};
 
 use crate::shared::{add, kernel_word, NO_PREALLOC};
 
@@ -32,6 +34,9 @@ static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 /// `discover::` flags: which execs and forks of untraced processes are reported too.
 #[map]
 static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
+/// The command names whose execs are reported under `discover::NAMED_EXECS`, kept by the daemon.
+#[map]
+static EXEC_NAMES: HashMap<[u8; COMM_BYTES], u8> = HashMap::with_max_entries(MAX_EXEC_NAMES, NO_PREALLOC);
 /// The thread each traced process's perf-event uprobes are opened on (its id, to its process's
 /// tgid), kept by user space where the kernel has no uprobe_multi links: its exit is reported.
 #[map]
@@ -87,6 +92,24 @@ fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
 }
 
+/// Whether the daemon is told of an exec of a process not traced: under `NAMED_EXECS`, only
+/// when the name the exec gave it is one the rules match, so that the host's other execs wake
+/// nothing.
+#[inline(always)]
+fn exec_discovered() -> bool {
+    let flags = DISCOVER.get(0).copied().unwrap_or(0);
+    if flags & discover::EXECS == 0 {
+        return false;
+    }
+    if flags & discover::NAMED_EXECS == 0 {
+        return true;
+    }
+    // The exec has named the process by now (`begin_new_exec`, before this tracepoint).
+    let Ok(name) = bpf_get_current_comm() else { return true };
+    // SAFETY: only the entry's presence is read.
+    unsafe { EXEC_NAMES.get(&name) }.is_some()
+}
+
 fn emit(kind: u32, tgid: u32, pid: u32, image: u32) {
     emit_exec(kind, tgid, pid, image, core::ptr::null());
 }
@@ -130,7 +153,7 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
         crate::unwind::code_changed(tgid);
         let image = crate::record::new_image(tgid);
         emit_exec(process_event::EXEC, tgid, old_pid, image, ctx.arg(2));
-    } else if discovering(discover::EXECS) {
+    } else if exec_discovered() {
         // With its path: the name the rules match, for a process gone before the daemon reads
         // /proc (counted in `memprof_targets_missed`).
         emit_exec(process_event::EXEC, tgid, old_pid, 0, ctx.arg(2));

@@ -5,6 +5,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use profiler_common::{COMM_BYTES, MAX_EXEC_NAMES};
 use regex::Regex;
 use serde::Deserialize;
 
@@ -101,10 +102,67 @@ impl Rules {
         !self.cgroups.is_empty()
     }
 
+    /// Whether process `pid`, whose command name is `comm`, may match: only a cgroup rule needs
+    /// more than its pid and name to tell.
+    pub fn may_match(&self, pid: u32, comm: &str) -> bool {
+        self.needs_cgroup() || self.matches(pid, comm, &[])
+    }
+
+    /// The command names the rules match, when they match processes by those names alone: no
+    /// `all`, no cgroup, and each comm rule a whole name or a choice of whole names (`^nginx$`,
+    /// `^(redis|valkey)-server$`). The kernel then reports only the execs that give one of them,
+    /// as NUL-padded keys of `EXEC_NAMES`. A pid rule needs no exec.
+    pub fn exec_names(&self) -> Option<Vec<[u8; COMM_BYTES]>> {
+        if self.all || self.needs_cgroup() {
+            return None;
+        }
+        let mut keys = Vec::new();
+        for rule in &self.comms {
+            for name in whole_names(rule.as_str())? {
+                // The kernel keeps 15 bytes of a name: a longer one is no process's.
+                let mut name = name;
+                while name.len() < COMM_BYTES {
+                    let mut key = [0; COMM_BYTES];
+                    key[..name.len()].copy_from_slice(&name);
+                    keys.push(key);
+                    // `/proc`'s name is read without trailing newlines (`procfs::comm_text`):
+                    // the kernel's may have them.
+                    name.push(b'\n');
+                }
+            }
+        }
+        (keys.len() <= MAX_EXEC_NAMES as usize).then_some(keys)
+    }
+
     /// No rule at all: the daemon traces nothing (the shipped config, until it is given one).
     pub fn is_empty(&self) -> bool {
         !self.all && self.pids.is_empty() && self.comms.is_empty() && self.cgroups.is_empty()
     }
+}
+
+/// The names `pattern` matches, when it matches whole names only, each of printable ASCII but
+/// the backslash: such a name is a kernel's name unchanged by `procfs::comm_text`, which writes
+/// other bytes out with a backslash.
+fn whole_names(pattern: &str) -> Option<Vec<Vec<u8>>> {
+    use regex_syntax::hir::{literal::Extractor, HirKind, Look};
+    let hir = regex_syntax::parse(pattern).ok()?;
+    let HirKind::Concat(parts) = hir.kind() else { return None };
+    let [first, middle @ .., last] = parts.as_slice() else { return None };
+    if *first.kind() != HirKind::Look(Look::Start) || *last.kind() != HirKind::Look(Look::End) {
+        return None;
+    }
+    // Between the anchors no assertion: its exact literals are then every string it matches.
+    let middle = regex_syntax::hir::Hir::concat(middle.to_vec());
+    if !middle.properties().look_set().is_empty() {
+        return None;
+    }
+    let literals = Extractor::new().extract(&middle);
+    let names = literals.literals()?;
+    let plain = |name: &[u8]| name.iter().all(|&b| (b' '..=b'~').contains(&b) && b != b'\\');
+    names
+        .iter()
+        .all(|name| name.is_exact() && plain(name.as_bytes()))
+        .then(|| names.iter().map(|name| name.as_bytes().to_vec()).collect())
 }
 
 /// `cgroup` is `rule` or below it.
@@ -540,6 +598,45 @@ mod tests {
         assert!(matches("/system.slice/nginx.service"));
         assert!(!matches("/system.slicer"));
         assert!(!rules.matches(1, "x", &[]));
+    }
+
+    #[test]
+    fn only_a_cgroup_rule_needs_more_than_the_name() {
+        let rules = |args: DaemonArgs| parse("", args).unwrap().rules;
+        let comms = rules(DaemonArgs { comms: vec!["^nginx$".into()], ..DaemonArgs::default() });
+        assert!(comms.may_match(7, "nginx"));
+        assert!(!comms.may_match(7, "true"));
+        let pids = rules(DaemonArgs { comms: vec!["^nginx$".into()], pids: vec![7], ..DaemonArgs::default() });
+        assert!(pids.may_match(7, "true"));
+        assert!(!pids.may_match(8, "true"));
+        let cgroups = rules(DaemonArgs { cgroups: vec!["/system.slice".into()], ..DaemonArgs::default() });
+        assert!(cgroups.may_match(8, "true"));
+        assert!(rules(DaemonArgs { all: true, ..DaemonArgs::default() }).may_match(8, "true"));
+    }
+
+    #[test]
+    fn rules_on_whole_names_give_the_kernel_those_names() {
+        let names = |comms: &[&str]| {
+            let args = DaemonArgs { comms: comms.iter().map(|c| c.to_string()).collect(), ..DaemonArgs::default() };
+            parse("", args).unwrap().rules.exec_names().map(|keys| {
+                let text = |key: &[u8; COMM_BYTES]| String::from_utf8_lossy(key).trim_end_matches('\0').to_string();
+                keys.iter().map(text).filter(|name| !name.ends_with('\n')).collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(names(&["^nothing$"]), Some(vec!["nothing".to_string()]));
+        assert_eq!(names(&["^(redis|valkey)-server$", r"\Anginx\z"]).map(|n| n.len()), Some(3));
+        assert_eq!(names(&["^a-name-longer-than-the-kernel-keeps$"]), Some(vec![]));
+        for pattern in
+            ["nginx", "^nginx", "^ngin.$", "^ngin+x$", "(?m)^nginx$", r"^a\bb$", "^(a$|b)$", r"^a\\x01$", "^é$"]
+        {
+            assert_eq!(names(&["^nothing$", pattern]), None, "{pattern}");
+        }
+        let with_newlines = parse("", DaemonArgs { comms: vec!["^nothing$".into()], ..DaemonArgs::default() });
+        assert_eq!(with_newlines.unwrap().rules.exec_names().unwrap().len(), COMM_BYTES - "nothing".len());
+        let all = DaemonArgs { comms: vec!["^nothing$".into()], all: true, ..DaemonArgs::default() };
+        assert_eq!(parse("", all).unwrap().rules.exec_names(), None);
+        let cgroups = DaemonArgs { comms: vec!["^x$".into()], cgroups: vec!["/a".into()], ..DaemonArgs::default() };
+        assert_eq!(parse("", cgroups).unwrap().rules.exec_names(), None);
     }
 
     /// The config file's keys, and one it does not know.

@@ -5,13 +5,17 @@
 
 use anyhow::Context as _;
 use aya::{
-    maps::{Array, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
     programs::RawTracePoint,
     Ebpf,
 };
 pub use profiler_common::ProcessEvent;
+use profiler_common::{discover, COMM_BYTES};
 
-use crate::{process::mounts, ring::Ring};
+use crate::{
+    process::{mounts, procfs},
+    ring::Ring,
+};
 
 /// The program an exec ran (`ProcessEvent::path`), absolute and with links resolved as
 /// `/proc/PID/exe` names it: a relative path is taken from the process's directory, or from
@@ -40,11 +44,19 @@ pub fn exec_path(pid: u32, event: &ProcessEvent) -> Option<std::path::PathBuf> {
 }
 
 /// The name the kernel gave the process at the exec (`ProcessEvent::path`): the path's last
-/// component, cut to 15 bytes, as its `comm`. For a process gone before `/proc` is read.
+/// component, cut to 15 bytes, as its `comm` reads. For a process gone before `/proc` is read,
+/// and for telling an exec no rule can match without reading `/proc`. None when the path does
+/// not tell it: no path, a path cut to fit the event, or a file descriptor's exec (`/dev/fd/N`,
+/// which the kernel names after the file itself).
 pub fn exec_comm(event: &ProcessEvent) -> Option<String> {
     let end = event.path.iter().position(|&b| b == 0).unwrap_or(event.path.len());
-    let name = event.path[..end].rsplit(|&b| b == b'/').next().filter(|name| !name.is_empty())?;
-    Some(String::from_utf8_lossy(&name[..name.len().min(15)]).into_owned())
+    let path = &event.path[..end];
+    // The kernel's copy keeps a byte for its terminating NUL.
+    if end + 1 >= event.path.len() || path.starts_with(b"/dev/fd/") {
+        return None;
+    }
+    let name = path.rsplit(|&b| b == b'/').next().filter(|name| !name.is_empty())?;
+    Some(procfs::comm_text(&name[..name.len().min(15)]))
 }
 
 /// (program, tracepoint) pairs: each fires for every process (or thread) on the machine, and
@@ -76,11 +88,25 @@ fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reports the execs and forks of processes not traced too, as `flags` (`discover::`) say.
-pub fn discover(ebpf: &mut Ebpf, flags: u32) -> anyhow::Result<()> {
-    let mut discover: Array<_, u32> = Array::try_from(ebpf.map_mut("DISCOVER").context("map DISCOVER missing")?)?;
-    discover.set(0, flags, 0)?;
-    Ok(())
+/// Reports the execs and forks of processes not traced too, as `flags` (`discover::`) say;
+/// under `discover::NAMED_EXECS` only the execs to one of `exec_names` (see `Rules::exec_names`).
+pub fn discover(ebpf: &mut Ebpf, flags: u32, exec_names: &[[u8; COMM_BYTES]]) -> anyhow::Result<()> {
+    let set_flags = |ebpf: &mut Ebpf, flags: u32| -> anyhow::Result<()> {
+        let mut discover: Array<_, u32> = Array::try_from(ebpf.map_mut("DISCOVER").context("map DISCOVER missing")?)?;
+        Ok(discover.set(0, flags, 0)?)
+    };
+    // Every exec is reported while the names change: none the old or new rules match is missed.
+    set_flags(ebpf, flags & !discover::NAMED_EXECS)?;
+    let mut names: HashMap<_, [u8; COMM_BYTES], u8> =
+        HashMap::try_from(ebpf.map_mut("EXEC_NAMES").context("map EXEC_NAMES missing")?)?;
+    let old: Vec<[u8; COMM_BYTES]> = names.keys().filter_map(Result::ok).collect();
+    for name in old {
+        names.remove(&name)?;
+    }
+    for name in exec_names {
+        names.insert(name, 0, 0)?;
+    }
+    set_flags(ebpf, flags)
 }
 
 /// Events the ring buffer had no room for, all CPUs together.
@@ -106,5 +132,40 @@ impl ProcessEvents {
     /// For waiting on events with poll or an async reactor.
     pub fn ring(&self) -> &Ring {
         &self.ring
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use profiler_common::{process_event, EXEC_PATH_BYTES};
+
+    use super::*;
+
+    fn exec_of(path: &[u8]) -> ProcessEvent {
+        let mut event = ProcessEvent {
+            kind: process_event::EXEC,
+            tgid: 1,
+            pid: 1,
+            image: 0,
+            time_ns: 0,
+            path: [0; EXEC_PATH_BYTES],
+        };
+        event.path[..path.len()].copy_from_slice(path);
+        event
+    }
+
+    #[test]
+    fn an_exec_names_its_process_as_its_comm_reads() {
+        assert_eq!(exec_comm(&exec_of(b"/usr/bin/true")).as_deref(), Some("true"));
+        assert_eq!(exec_comm(&exec_of(b"./a-rather-long-program-name")).as_deref(), Some("a-rather-long-p"));
+        assert_eq!(exec_comm(&exec_of(b"bin/bad\x01name")).as_deref(), Some("bad\\x01name"));
+    }
+
+    #[test]
+    fn an_exec_whose_path_does_not_tell_its_name_has_none() {
+        assert_eq!(exec_comm(&exec_of(b"")), None);
+        assert_eq!(exec_comm(&exec_of(b"/usr/bin/")), None);
+        assert_eq!(exec_comm(&exec_of(b"/dev/fd/3")), None);
+        assert_eq!(exec_comm(&exec_of(&[b'a'; EXEC_PATH_BYTES - 1])), None);
     }
 }

@@ -281,7 +281,13 @@ pub fn cgroup_path(dir: &str) -> String {
 
 /// The process's command name, safe to print (any process names itself as it likes).
 pub fn comm(pid: u32) -> Option<String> {
-    read_text(format!("/proc/{pid}/comm")).ok().map(|c| printable(c.trim_end_matches('\n')).into_owned())
+    fs::read(format!("/proc/{pid}/comm")).ok().map(|bytes| comm_text(&bytes))
+}
+
+/// A command name's bytes as `comm` gives them, so that a name known otherwise (the one an exec
+/// gave) meets the rules as `/proc` would have said it.
+pub fn comm_text(bytes: &[u8]) -> String {
+    printable(String::from_utf8_lossy(bytes).trim_end_matches('\n')).into_owned()
 }
 
 /// The user who started the process: the real uid of `/proc/PID/status`'s `Uid:` line (a

@@ -199,7 +199,8 @@ impl Tracer {
         // Rules match any number of processes: by default links of their own while few map a
         // file, one set per file past that (docs: internals/probes.md#probes-and-detaching).
         loaded.set_probe_links(config.probe_links);
-        loaded.discover(discover_flags(&config))?;
+        let (flags, exec_names) = discovery_of(&config);
+        loaded.discover(flags, &exec_names)?;
         if config.probe_links == ProbeLinks::Shared {
             info!(
                 "--probe-links shared: every process that maps a traced process's allocator or dynamic linker \
@@ -315,7 +316,8 @@ impl Tracer {
         if !kept.is_empty() {
             warn!("read at start, kept as they were until the next start: {}", kept.join(", "));
         }
-        if let Err(err) = self.loaded.discover(discover_flags(&config)) {
+        let (flags, exec_names) = discovery_of(&config);
+        if let Err(err) = self.loaded.discover(flags, &exec_names) {
             warn!("new processes are found at the next scan of /proc only: {err:#}");
         }
         self.config = config;
@@ -381,15 +383,21 @@ impl Tracer {
     }
 }
 
-/// Which execs and forks of untraced processes the kernel reports (`discover::`): execs where
-/// a rule names commands (a program's name is set at its exec) or cgroups (a service manager
-/// moves its child into the service's cgroup, then execs); forks where one names cgroups or all
-/// (a child starts in its parent's cgroup, and may never exec). A rule on pids needs neither.
-fn discover_flags(config: &Config) -> u32 {
+/// Which execs and forks of untraced processes the kernel reports (`discover::`), and the
+/// names that limit the execs: execs where a rule names commands (a program's name is set at its
+/// exec; only those to the names the rules match, when the kernel can tell them) or cgroups (a
+/// service manager moves its child into the service's cgroup, then execs); forks where one names
+/// cgroups or all (a child starts in its parent's cgroup, and may never exec). A rule on pids
+/// needs neither.
+fn discovery_of(config: &Config) -> (u32, Vec<[u8; profiler_common::COMM_BYTES]>) {
     let rules = &config.rules;
     let execs = rules.all || !rules.comms.is_empty() || rules.needs_cgroup();
     let forks = rules.all || rules.needs_cgroup();
-    (if execs { discover::EXECS } else { 0 }) | if forks { discover::FORKS } else { 0 }
+    let exec_names = rules.exec_names();
+    let flags = (if execs { discover::EXECS } else { 0 })
+        | (if forks { discover::FORKS } else { 0 })
+        | if exec_names.is_some() { discover::NAMED_EXECS } else { 0 };
+    (flags, exec_names.unwrap_or_default())
 }
 
 impl Drop for Tracer {

@@ -196,10 +196,16 @@ impl Tracer {
     /// is read again only for those: most execs on the host match nothing. (One matched but
     /// gone before its attach waits in `starting`, which counts it.)
     fn found_exec(&mut self, event: &ProcessEvent) -> bool {
+        let named = crate::kernel::events::exec_comm(event);
+        // Most execs on the host: a name no rule can match costs no read of /proc. One that
+        // renames itself to match later is found by the next scan of /proc, as it would be had
+        // it renamed itself after that read.
+        if named.as_deref().is_some_and(|comm| !self.config.rules.may_match(event.tgid, comm)) {
+            return false;
+        }
         if let Some((id, comm)) = discovery::matching(&self.config.rules, event.tgid) {
             return self.attach_started(id, comm, event.time_ns);
         }
-        let named = crate::kernel::events::exec_comm(event);
         if named.is_some_and(|comm| self.config.rules.matches(event.tgid, &comm, &[]))
             && ProcessId::current(event.tgid).is_none()
         {

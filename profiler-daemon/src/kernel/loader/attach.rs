@@ -299,8 +299,8 @@ impl Loaded {
 
     /// Reports every exec (and fork) on the host too, as `flags` (`discover::`) say: how the
     /// daemon finds the processes its rules match as they start.
-    pub fn discover(&mut self, flags: u32) -> anyhow::Result<()> {
-        events::discover(&mut self.ebpf, flags)
+    pub fn discover(&mut self, flags: u32, exec_names: &[[u8; profiler_common::COMM_BYTES]]) -> anyhow::Result<()> {
+        events::discover(&mut self.ebpf, flags, exec_names)
     }
 
     /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
