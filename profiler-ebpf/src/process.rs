@@ -107,7 +107,7 @@ fn exec_discovered() -> bool {
     // The exec has named the process by now (`begin_new_exec`, before this tracepoint).
     let Ok(name) = bpf_get_current_comm() else { return true };
     // SAFETY: only the entry's presence is read.
-    unsafe { EXEC_NAMES.get(&name) }.is_some()
+    unsafe { EXEC_NAMES.get(name) }.is_some()
 }
 
 fn emit(kind: u32, tgid: u32, pid: u32, image: u32) {
