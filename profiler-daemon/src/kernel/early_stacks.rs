@@ -19,9 +19,11 @@ use crate::{
 
 /// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
 /// walk's early id. Not when the whole stack has an entry already (the kernel walked it whole
-/// before): its counts stay apart, and the report adds the two.
+/// before): its counts stay apart, and the report adds the two. A walk memprof could not finish
+/// ends where the kernel's will, at the same frame, for the same reason; but for a read of the
+/// stack, which memprof's copy of it may end before the kernel's does.
 pub fn count_whole_under_early_id(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) {
-    if event.table != stack_table::ALLOCATIONS || !matches!(completion.end, StackEnd::Complete | StackEnd::TooDeep) {
+    if event.table != stack_table::ALLOCATIONS || completion.end == StackEnd::ReadFailed {
         return;
     }
     if let Err(err) = write_entry(ebpf, event, completion) {

@@ -196,6 +196,24 @@ impl UnwindEvents {
         drained
     }
 
+    /// The walks of `tgid` that `collect` read and `drain` has not given out, taken out: to be
+    /// finished when its mappings are synced otherwise than after a `drain`. Those its old
+    /// program sent before an exec are dropped, as `drain` drops them.
+    pub fn take_deferred(&mut self, tgid: u32) -> Vec<DeferredCopy> {
+        let (taken, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|event| matches!(event, Pending::Deferred(copy) if copy.tgid() == tgid));
+        self.pending = kept;
+        let execs = &self.execs;
+        taken
+            .into_iter()
+            .filter_map(|event| match event {
+                Pending::Deferred(copy) if sent_by_current_program(execs, tgid, copy.time_ns()) => Some(copy),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// `tgid`'s mappings were read from `started_ns` for `took`: its next events wait their gap.
     pub fn mappings_read(&mut self, tgid: u32, started_ns: u64, took: Duration) {
         self.pacing.read(tgid, started_ns, took);

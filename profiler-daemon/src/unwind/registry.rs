@@ -196,20 +196,10 @@ impl Registry {
         shards.saturating_sub(self.shards.count() as u64) * SHARD_BYTES
     }
 
-    /// Reads `pid`'s executable mappings, builds the tables of files not seen yet, and gives the
-    /// kernel the process's new mapping list. Cheap when nothing changed. Returns whether the
-    /// files it maps with code changed.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, pid: u32) -> anyhow::Result<bool> {
-        let changes = self.code_changes(ebpf, pid);
-        // An exited process not yet reaped has no mappings left: keep what it had.
-        match procfs::file_mappings(pid) {
-            Ok(mappings) if !mappings.is_empty() => self.sync_with(ebpf, pid, &mappings, changes, |_, _, _| {}),
-            _ => Ok(false),
-        }
-    }
-
-    /// `sync` with mappings read already: those of a process that may have exited since;
-    /// `changes`, what `code_changes` gave before they were read. `before_list` is given the new
+    /// Builds the tables of files of `mappings` (`pid`'s executable mappings) not seen yet, and
+    /// gives the kernel the process's new mapping list. Cheap when nothing changed. Returns
+    /// whether the files it maps with code changed. The mappings may be those of a process that
+    /// has exited since; `changes`, what `code_changes` gave before they were read. `before_list` is given the new
     /// list, its files' tables loaded, before the kernel has it.
     pub fn sync_with(
         &mut self,

@@ -318,7 +318,7 @@ impl Tracer {
         }
         let (flags, exec_names) = discovery_of(&config);
         if let Err(err) = self.loaded.discover(flags, &exec_names) {
-            warn!("new processes are found at the next scan of /proc only: {err:#}");
+            warn!("the kernel's report of new processes could not follow the new rules: processes they match may be found at the next scan of /proc only: {err:#}");
         }
         self.config = config;
         // The rules may have changed: the processes they match now are found at once.
@@ -393,7 +393,7 @@ fn discovery_of(config: &Config) -> (u32, Vec<[u8; profiler_common::COMM_BYTES]>
     let rules = &config.rules;
     let execs = rules.all || !rules.comms.is_empty() || rules.needs_cgroup();
     let forks = rules.all || rules.needs_cgroup();
-    let exec_names = rules.exec_names();
+    let exec_names = if execs { rules.exec_names() } else { None };
     let flags = (if execs { discover::EXECS } else { 0 })
         | (if forks { discover::FORKS } else { 0 })
         | if exec_names.is_some() { discover::NAMED_EXECS } else { 0 };

@@ -262,10 +262,12 @@ impl Loaded {
     /// Gives the stack walk the current executable mappings of `pid` and their tables; returns
     /// whether the files it maps with code changed.
     pub fn sync_mappings(&mut self, pid: u32) -> bool {
-        self.unwind.sync(&mut self.ebpf, pid).unwrap_or_else(|err| {
-            tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
-            false
-        })
+        let changes = self.code_changes(pid);
+        // An exited process not yet reaped has no mappings left: keep what it had.
+        match procfs::file_mappings(pid) {
+            Ok(mappings) if !mappings.is_empty() => self.sync_mappings_with(pid, &mappings, changes),
+            _ => false,
+        }
     }
 
     /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see
@@ -275,13 +277,15 @@ impl Loaded {
     }
 
     /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
-    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) {
-        self.sync_finishing(pid, mappings, changes, &[]);
+    /// The walks `pid` deferred that wait their turn are finished on the way (see `early_stacks`).
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) -> bool {
+        let waiting = self.unwind_events.take_deferred(pid);
+        self.sync_finishing(pid, mappings, changes, &waiting.iter().collect::<Vec<_>>())
     }
 
     /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
     /// before the kernel has it (see `early_stacks`).
-    fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) {
+    fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
             if walks.is_empty() {
                 return;
@@ -293,9 +297,10 @@ impl Loaded {
                 early_stacks::count_whole_under_early_id(ebpf, &event, completion);
             }
         };
-        if let Err(err) = self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish) {
+        self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
-        }
+            false
+        })
     }
 
     /// Syncs the mappings of every process that reported new ones or has a deferred walk, then
