@@ -14,7 +14,7 @@ use profiler_common::{stack_table, DeferredUnwind, ProcHeap, Stack, StackEnd, St
 
 use crate::{
     kernel::aggregate::{map, whole_frames, whole_id},
-    unwind::Completion,
+    unwind::{Completion, BPF_NOEXIST},
 };
 
 /// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
@@ -46,6 +46,3 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
     stats.insert(whole, StackStats { counted_as: event.stack_id, ..StackStats::EMPTY }, BPF_NOEXIST)?;
     Ok(())
 }
-
-/// The map update's flag: only where the key has no entry.
-const BPF_NOEXIST: u64 = 1;

@@ -23,7 +23,7 @@ use std::{
 pub use copy::DeferredCopy;
 pub use deferred::Completion;
 use profiler_common::LinkMapEvent;
-pub use registry::{Registry, TableUse, UnwindMode};
+pub use registry::{Registry, TableUse, UnwindMode, BPF_NOEXIST};
 
 use crate::ring::Ring;
 use pacing::Pacing;

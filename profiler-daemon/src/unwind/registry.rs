@@ -199,8 +199,8 @@ impl Registry {
     /// Builds the tables of files of `mappings` (`pid`'s executable mappings) not seen yet, and
     /// gives the kernel the process's new mapping list. Cheap when nothing changed. Returns
     /// whether the files it maps with code changed. The mappings may be those of a process that
-    /// has exited since; `changes`, what `code_changes` gave before they were read. `before_list` is given the new
-    /// list, its files' tables loaded, before the kernel has it.
+    /// has exited since; `changes`, what `code_changes` gave before they were read.
+    /// `before_list` is given the new list, its files' tables loaded, before the kernel has it.
     pub fn sync_with(
         &mut self,
         ebpf: &mut Ebpf,
@@ -324,19 +324,16 @@ impl Registry {
         map.get(&pid, 0).unwrap_or(NOT_WHOLE)
     }
 
-    /// Finishes a walk the kernel deferred, on `event.tgid`'s mappings as the kernel has them
-    /// now: call after syncing them.
-    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind) -> &Completion {
-        let mappings = ebpf
-            .map("PROC_MAPPINGS")
-            .and_then(|map| BpfHashMap::<_, u32, ProcMappings>::try_from(map).ok())
-            .and_then(|map| map.get(&event.tgid, 0).ok());
-        self.deferred.finish(event, mappings.as_ref(), &self.shards, self.frame_limit)
-    }
-
-    /// `finish_deferred` on `list`, the list `sync_with` is about to give the kernel.
-    pub fn finish_deferred_on(&mut self, event: &DeferredUnwind, list: &ProcMappings) -> &Completion {
-        self.deferred.finish(event, Some(list), &self.shards, self.frame_limit)
+    /// Finishes a walk the kernel deferred, on `list`: the list `sync_with` is about to give the
+    /// kernel, or, without one, `event.tgid`'s list as the kernel has it now.
+    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind, list: Option<&ProcMappings>) -> &Completion {
+        let kernels = || {
+            ebpf.map("PROC_MAPPINGS")
+                .and_then(|map| BpfHashMap::<_, u32, ProcMappings>::try_from(map).ok())
+                .and_then(|map| map.get(&event.tgid, 0).ok())
+        };
+        let kernels = if list.is_none() { kernels() } else { None };
+        self.deferred.finish(event, list.or(kernels.as_ref()), &self.shards, self.frame_limit)
     }
 
     /// Process `tgid`'s deferred walks that ended cut, by the drop reason the kernel's walk
@@ -579,7 +576,7 @@ impl Registry {
 
 const CODE_CHANGES: &str = "CODE_CHANGES";
 /// The map update that fails on an existing key.
-const BPF_NOEXIST: u64 = 1;
+pub const BPF_NOEXIST: u64 = 1;
 /// A count the kernel's never reaches: the list is not taken as whole.
 const NOT_WHOLE: u64 = u64::MAX;
 

@@ -287,15 +287,7 @@ impl Loaded {
     /// before the kernel has it (see `early_stacks`).
     fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
-            if walks.is_empty() {
-                return;
-            }
-            let mut event = DeferredCopy::blank();
-            for copy in walks {
-                copy.write_into(&mut event);
-                let completion = unwind.finish_deferred_on(&event, list);
-                early_stacks::count_whole_under_early_id(ebpf, &event, completion);
-            }
+            finish_walks(ebpf, unwind, walks, Some(list));
         };
         self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
@@ -342,12 +334,9 @@ impl Loaded {
             self.unwind_events.mappings_read(pid, started_ns, started.elapsed());
         }
         // Those of processes whose mappings could not be read, on the list the kernel has.
-        let mut event = DeferredCopy::blank();
-        for copy in drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())) {
-            copy.write_into(&mut event);
-            let completion = self.unwind.finish_deferred(&self.ebpf, &event);
-            early_stacks::count_whole_under_early_id(&mut self.ebpf, &event, completion);
-        }
+        let left: Vec<&DeferredCopy> =
+            drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())).collect();
+        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None);
         drained.pids
     }
 
@@ -360,5 +349,19 @@ impl Loaded {
     /// Records `pid`'s allocations by sampling from now on (see `sample_rates::set`).
     pub fn sample(&mut self, pid: u32, sample_bytes: u64) -> anyhow::Result<()> {
         sample_rates::set(&mut self.ebpf, pid, sample_bytes)
+    }
+}
+
+/// Finishes `walks`, deferred walks, on `list` (None: the list the kernel has), each whole stack
+/// then counted under its early id (see `early_stacks`).
+fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy], list: Option<&ProcMappings>) {
+    if walks.is_empty() {
+        return;
+    }
+    let mut event = DeferredCopy::blank();
+    for copy in walks {
+        copy.write_into(&mut event);
+        let completion = unwind.finish_deferred(ebpf, &event, list);
+        early_stacks::count_whole_under_early_id(ebpf, &event, completion);
     }
 }
