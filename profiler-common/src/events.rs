@@ -48,6 +48,9 @@ pub struct ProcessEvent {
     pub image: u32,
     /// `bpf_ktime_get_ns` at the event.
     pub time_ns: u64,
+    /// For an exec or fork of a process not traced (discovery's), the id of the cgroup the
+    /// process is in (the child's, for a fork); 0 otherwise, or unknown.
+    pub cgroup_id: u64,
     /// For an exec, the path the new program was run by, as given to `execve` (relative to the
     /// process's directory, cut at `EXEC_PATH_BYTES`), NUL-terminated: its name when it is gone
     /// before memprof reads `/proc` (a program that runs for a millisecond).
@@ -90,12 +93,17 @@ pub mod discover {
     /// With `EXECS`: only the execs that give their process a name in `EXEC_NAMES`, the names
     /// the rules match when they match names and nothing else.
     pub const NAMED_EXECS: u32 = 4;
+    /// No fork into a cgroup in `UNMATCHED_CGROUPS`, the cgroups the daemon found no rule
+    /// contains; with `NAMED_EXECS`, the execs in any other cgroup too.
+    pub const CGROUPS: u32 = 8;
 }
 
 /// Room for a command name (the kernel's `TASK_COMM_LEN`): an `EXEC_NAMES` key, NUL-padded.
 pub const COMM_BYTES: usize = 16;
 /// The names `EXEC_NAMES` holds at most.
 pub const MAX_EXEC_NAMES: u32 = 1_024;
+/// The cgroups `UNMATCHED_CGROUPS` holds at most (a host's services and containers).
+pub const MAX_UNMATCHED_CGROUPS: u32 = 16_384;
 
 /// A change to a traced process's anonymous private memory outside the heap's blocks, sent
 /// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap`, `brk` or `madvise`

@@ -52,7 +52,7 @@ const _: () = {
     assert!(core::mem::size_of::<ProcDrops>() == 8 * DropReason::COUNT);
     assert!(core::mem::size_of::<Log2Histogram>() == 8 * LOG2_BUCKETS);
     assert!(core::mem::size_of::<ProcHeap>() == 40 + 16 * LOG2_BUCKETS);
-    assert!(core::mem::size_of::<ProcessEvent>() == 24 + EXEC_PATH_BYTES);
+    assert!(core::mem::size_of::<ProcessEvent>() == 32 + EXEC_PATH_BYTES);
     assert!(core::mem::size_of::<MappingEvent>() == 72);
 };
 

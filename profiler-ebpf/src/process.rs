@@ -6,21 +6,24 @@
 //! the processes its rules match as they start: an exec or a fork then costs one ring record
 //! more, next to the exec's or fork's own tens of microseconds, and a wake-up of the daemon.
 //! Where the rules match processes by whole names only, an exec costs that only when it takes
-//! one of them (`EXEC_NAMES`). The daemon re-attaches a process
+//! one of them (`EXEC_NAMES`); where they name cgroups, an exec or fork in a cgroup the daemon
+//! found none of them contains costs nothing more (`UNMATCHED_CGROUPS`). The daemon re-attaches a process
 //! that execs (its probes were on the old program's allocator), attaches to the children it
 //! follows and detaches from the processes that exit.
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
-        bpf_probe_read_kernel_str_bytes,
+        bpf_get_current_cgroup_id, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
+        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
     },
     macros::{map, raw_tracepoint},
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
     Global,
 };
-use profiler_common::{discover, process_event, traced, ProcessEvent, COMM_BYTES, MAX_EXEC_NAMES};
+use profiler_common::{
+    discover, process_event, traced, ProcessEvent, COMM_BYTES, MAX_EXEC_NAMES, MAX_UNMATCHED_CGROUPS,
+};
 
 use crate::shared::{add, kernel_word, NO_PREALLOC};
 
@@ -37,6 +40,11 @@ static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
 /// The command names whose execs are reported under `discover::NAMED_EXECS`, kept by the daemon.
 #[map]
 static EXEC_NAMES: HashMap<[u8; COMM_BYTES], u8> = HashMap::with_max_entries(MAX_EXEC_NAMES, NO_PREALLOC);
+/// Cgroups (by id) the daemon found no rule contains: under `discover::CGROUPS` their execs and
+/// forks are not reported. Least recently used first out: one forgotten is reported, and found
+/// again, once more.
+#[map]
+static UNMATCHED_CGROUPS: LruHashMap<u64, u8> = LruHashMap::with_max_entries(MAX_UNMATCHED_CGROUPS, 0);
 /// The thread each traced process's perf-event uprobes are opened on (its id, to its process's
 /// tgid), kept by user space where the kernel has no uprobe_multi links: its exit is reported.
 #[map]
@@ -61,6 +69,11 @@ static SIGNAL_FLAGS_OFFSET: Global<u32> = Global::new(0);
 static SIGNAL_EXEC_TASK_OFFSET: Global<u32> = Global::new(0);
 /// `SIGNAL_GROUP_EXIT` of include/linux/sched/signal.h: the process exits whole.
 const SIGNAL_GROUP_EXIT: u64 = 0x4;
+/// The way from a `struct task_struct` to its cgroup's id: the offsets of `cgroups` in it, of
+/// `dfl_cgrp` in `struct css_set`, of `kn` in `struct cgroup` and of `id` in `struct
+/// kernfs_node` (0 in the first: unknown, forks are not kept back by their cgroup).
+#[unsafe(no_mangle)]
+static TASK_CGROUP_ID_WAY: Global<[u32; 4]> = Global::new([0; 4]);
 /// Offset of `filename` in `struct linux_binprm` (0: unknown, the path is not sent).
 #[unsafe(no_mangle)]
 static BPRM_FILENAME_OFFSET: Global<u32> = Global::new(0);
@@ -92,11 +105,12 @@ fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
 }
 
-/// Whether the daemon is told of an exec of a process not traced: under `NAMED_EXECS`, only
-/// when the name the exec gave it is one the rules match, so that the host's other execs wake
-/// nothing.
+/// Whether the daemon is told of an exec of a process not traced, in cgroup `cgroup_id`: under
+/// `NAMED_EXECS`, only when the name the exec gave it is one the rules match, or, under
+/// `CGROUPS` too, when its cgroup is not one they cannot match; so that the host's other execs
+/// wake nothing.
 #[inline(always)]
-fn exec_discovered() -> bool {
+fn exec_discovered(cgroup_id: u64) -> bool {
     let flags = DISCOVER.get(0).copied().unwrap_or(0);
     if flags & discover::EXECS == 0 {
         return false;
@@ -107,16 +121,47 @@ fn exec_discovered() -> bool {
     // The exec has named the process by now (`begin_new_exec`, before this tracepoint).
     let Ok(name) = bpf_get_current_comm() else { return true };
     // SAFETY: only the entry's presence is read.
-    unsafe { EXEC_NAMES.get(name) }.is_some()
+    unsafe { EXEC_NAMES.get(name) }.is_some() || (flags & discover::CGROUPS != 0 && !unmatched(cgroup_id))
+}
+
+/// Whether the daemon is told of a fork by a process not traced, of a child in cgroup
+/// `cgroup_id` (0: unknown): every one under `FORKS`, but those in a cgroup the rules cannot
+/// match under `CGROUPS`.
+#[inline(always)]
+fn fork_discovered(cgroup_id: u64) -> bool {
+    let flags = DISCOVER.get(0).copied().unwrap_or(0);
+    flags & discover::FORKS != 0 && !(flags & discover::CGROUPS != 0 && cgroup_id != 0 && unmatched(cgroup_id))
+}
+
+#[inline(always)]
+fn unmatched(cgroup_id: u64) -> bool {
+    // SAFETY: only the entry's presence is read.
+    unsafe { UNMATCHED_CGROUPS.get(cgroup_id) }.is_some()
+}
+
+/// The id of the cgroup `task` (a `struct task_struct`) is in (0: unknown).
+#[inline(always)]
+fn cgroup_id_of(task: u64) -> u64 {
+    let way = TASK_CGROUP_ID_WAY.load();
+    if way[0] == 0 {
+        return 0;
+    }
+    let cgroup = kernel_word(kernel_word(task, way[0]), way[1]);
+    let node = if cgroup == 0 { 0 } else { kernel_word(cgroup, way[2]) };
+    if node == 0 {
+        return 0;
+    }
+    kernel_word(node, way[3])
 }
 
 fn emit(kind: u32, tgid: u32, pid: u32, image: u32) {
-    emit_exec(kind, tgid, pid, image, core::ptr::null());
+    emit_with(kind, tgid, pid, image, 0, core::ptr::null());
 }
 
-/// `emit`, with the path of `bprm` (a `struct linux_binprm`; null: none) for an exec. Written in
-/// the ring's record: the path does not fit the BPF stack beside the event.
-fn emit_exec(kind: u32, tgid: u32, pid: u32, image: u32, bprm: *const u8) {
+/// `emit`, with the event's cgroup (`ProcessEvent::cgroup_id`) and the path of `bprm` (a `struct
+/// linux_binprm`; null: none) for an exec. Written in the ring's record: the path does not fit
+/// the BPF stack beside the event.
+fn emit_with(kind: u32, tgid: u32, pid: u32, image: u32, cgroup_id: u64, bprm: *const u8) {
     let Some(mut entry) = PROCESS_EVENTS.reserve::<ProcessEvent>(0) else {
         if let Some(lost) = PROCESS_EVENTS_LOST.get_ptr_mut(0) {
             add(unsafe { &mut *lost }, 1);
@@ -131,6 +176,7 @@ fn emit_exec(kind: u32, tgid: u32, pid: u32, image: u32, bprm: *const u8) {
         (*event).pid = pid;
         (*event).image = image;
         (*event).time_ns = bpf_ktime_get_ns();
+        (*event).cgroup_id = cgroup_id;
         (*event).path[0] = 0;
         let offset = BPRM_FILENAME_OFFSET.load();
         if !bprm.is_null() && offset != 0 {
@@ -152,11 +198,15 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
     if traced_flags(tgid).is_some() {
         crate::unwind::code_changed(tgid);
         let image = crate::record::new_image(tgid);
-        emit_exec(process_event::EXEC, tgid, old_pid, image, ctx.arg(2));
-    } else if exec_discovered() {
+        emit_with(process_event::EXEC, tgid, old_pid, image, 0, ctx.arg(2));
+        return 0;
+    }
+    // SAFETY: a helper without arguments.
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    if exec_discovered(cgroup_id) {
         // With its path: the name the rules match, for a process gone before the daemon reads
         // /proc (counted in `memprof_targets_missed`).
-        emit_exec(process_event::EXEC, tgid, old_pid, 0, ctx.arg(2));
+        emit_with(process_event::EXEC, tgid, old_pid, 0, cgroup_id, ctx.arg(2));
     }
     0
 }
@@ -168,16 +218,25 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     // Every traced process's: a child not followed still has its parent's breakpoints, which
     // memprof has the kernel take out of it (see `sweep`).
-    if traced_flags(tgid).is_none() && !discovering(discover::FORKS) {
+    let traced = traced_flags(tgid).is_some();
+    if !traced && !discovering(discover::FORKS) {
         return 0;
     }
     let child: *const u8 = ctx.arg(1);
     // SAFETY: kernel reads through the helper, at offsets inside task_struct.
     let read = |offset: u32| unsafe { bpf_probe_read_kernel(child.add(offset as usize) as *const i32) };
-    if let (Ok(pid), Ok(child_tgid)) = (read(TASK_PID_OFFSET.load()), read(TASK_TGID_OFFSET.load())) {
-        if pid == child_tgid && child_tgid as u32 != tgid {
-            emit(process_event::FORK, tgid, pid as u32, 0);
-        }
+    let (Ok(pid), Ok(child_tgid)) = (read(TASK_PID_OFFSET.load()), read(TASK_TGID_OFFSET.load())) else { return 0 };
+    if pid != child_tgid || child_tgid as u32 == tgid {
+        return 0;
+    }
+    if traced {
+        emit(process_event::FORK, tgid, pid as u32, 0);
+        return 0;
+    }
+    // The child's own: a service manager may start it in another cgroup (`CLONE_INTO_CGROUP`).
+    let cgroup_id = cgroup_id_of(child as u64);
+    if fork_discovered(cgroup_id) {
+        emit_with(process_event::FORK, tgid, pid as u32, 0, cgroup_id, core::ptr::null());
     }
     0
 }

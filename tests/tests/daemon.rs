@@ -354,6 +354,41 @@ fn every_process_in_a_cgroup_is_traced_and_no_other() {
     let _ = std::fs::remove_dir(&group);
 }
 
+/// Under a cgroup rule, the kernel keeps back the execs and forks in a cgroup the daemon found no
+/// rule contains, from the first one it reported there; a process that moves into the rule's
+/// cgroup and execs is still traced at once, not at the next scan of /proc (60 s on).
+#[test]
+fn a_cgroup_rule_keeps_other_cgroups_from_the_daemon_and_finds_its_own_at_once() {
+    let _serial = serial();
+    let group = cgroup2_mount().join(format!("memprof-test-kept-{}", std::process::id()));
+    std::fs::create_dir_all(&group).unwrap();
+    let daemon = Daemon::start(&["--cgroup", group.to_str().unwrap()]);
+    let reported = || metric(daemon.port, "memprof_discovery_events_total");
+    let run_true =
+        |times: usize| (0..times).for_each(|_| assert!(Command::new("/bin/true").status().unwrap().success()));
+    // The first exec in the test's cgroup tells the daemon that no rule contains it.
+    let first = wait_for(20, "an exec reported", || {
+        run_true(1);
+        reported().filter(|&n| n >= 1)
+    });
+    run_true(200);
+    // Two reads of the kernel's events later, any exec above reported is counted.
+    let read_at = || metric_f64(daemon.port, "memprof_last_read_timestamp_seconds").unwrap_or(0.0);
+    let after_runs = read_at();
+    wait_for(20, "two more reads", || (read_at() >= after_runs + 2.0).then_some(()));
+    let kept_back = reported().unwrap() - first;
+    assert!(kept_back < 20, "{kept_back} of 200 execs and their forks reported");
+    let script =
+        format!("echo $$ > {}/cgroup.procs && exec {} --wait", group.display(), fixture("daemon_target").display());
+    let mut command = Command::new("sh");
+    command.args(["-c", &script]);
+    let inside = Waiting::start_command(command);
+    daemon.wait_traced(inside.pid());
+    drop(inside);
+    drop(daemon);
+    let _ = std::fs::remove_dir(&group);
+}
+
 #[test]
 fn processes_beyond_max_targets_are_refused_and_counted() {
     let _serial = serial();

@@ -95,7 +95,12 @@ impl Rules {
         self.all
             || self.pids.contains(&pid)
             || self.comms.iter().any(|re| re.is_match(comm))
-            || cgroups.iter().any(|cg| self.cgroups.iter().any(|rule| in_cgroup(cg, rule)))
+            || cgroups.iter().any(|cgroup| self.names_cgroup(cgroup))
+    }
+
+    /// Whether a cgroup rule contains cgroup `path` (as processes see it).
+    pub fn names_cgroup(&self, path: &str) -> bool {
+        self.cgroups.iter().any(|rule| in_cgroup(path, rule))
     }
 
     pub fn needs_cgroup(&self) -> bool {
@@ -109,11 +114,12 @@ impl Rules {
     }
 
     /// The command names the rules match, when they match processes by those names alone: no
-    /// `all`, no cgroup, and each comm rule a whole name or a choice of whole names (`^nginx$`,
+    /// `all`, and each comm rule a whole name or a choice of whole names (`^nginx$`,
     /// `^(redis|valkey)-server$`). The kernel then reports only the execs that give one of them,
-    /// as NUL-padded keys of `EXEC_NAMES`. A pid rule needs no exec.
+    /// as NUL-padded keys of `EXEC_NAMES` (and, where a rule names cgroups, those in a cgroup it
+    /// may contain). A pid rule needs no exec.
     pub fn exec_names(&self) -> Option<Vec<[u8; COMM_BYTES]>> {
-        if self.all || self.needs_cgroup() {
+        if self.all {
             return None;
         }
         let mut keys = Vec::new();
@@ -635,8 +641,9 @@ mod tests {
         assert_eq!(with_newlines.unwrap().rules.exec_names().unwrap().len(), COMM_BYTES - "nothing".len());
         let all = DaemonArgs { comms: vec!["^nothing$".into()], all: true, ..DaemonArgs::default() };
         assert_eq!(parse("", all).unwrap().rules.exec_names(), None);
+        // A cgroup rule's execs are the kernel's to keep back by their cgroup, beside the names.
         let cgroups = DaemonArgs { comms: vec!["^x$".into()], cgroups: vec!["/a".into()], ..DaemonArgs::default() };
-        assert_eq!(parse("", cgroups).unwrap().rules.exec_names(), None);
+        assert_eq!(parse("", cgroups).unwrap().rules.exec_names().map(|keys| keys.len()), Some(COMM_BYTES - 1));
     }
 
     /// The config file's keys, and one it does not know.

@@ -346,6 +346,12 @@ impl Collector for ViewCollector {
             "Scans of /proc for the processes the rules match: at start, on reload and every resync_interval; new processes are found from their exec or fork without one.",
             [(vec![], view.discovery_scans)],
         )?;
+        counters(
+            e,
+            "memprof_discovery_events",
+            "Execs and forks of processes not traced that the kernel reported for the rules to judge; it keeps back those the rules cannot match where it can tell: a name no rule names, when every comm rule is a whole name, and a process in a cgroup found to be no rule's.",
+            [(vec![], view.discovery_events)],
+        )?;
         gauges(
             e,
             "memprof_untraced_processes_sharing_probes",

@@ -2,6 +2,7 @@
 //! reloads its config on SIGHUP and detaches every probe on SIGTERM or SIGINT.
 
 mod access;
+mod cgroup_verdicts;
 mod clients;
 mod config;
 mod deadline;

@@ -105,6 +105,8 @@ pub struct DaemonView {
     pub settled_targets: u64,
     /// Scans of /proc for processes to trace (see `Config::resync`).
     pub discovery_scans: u64,
+    /// Execs and forks of processes not traced the kernel reported for the rules to judge.
+    pub discovery_events: u64,
     pub symbolization_failures: Vec<(&'static str, u64)>,
     /// Set once the first snapshot is published.
     pub ready: bool,

@@ -89,24 +89,50 @@ fn attach_raw(ebpf: &mut Ebpf, pairs: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 /// Reports the execs and forks of processes not traced too, as `flags` (`discover::`) say;
-/// under `discover::NAMED_EXECS` only the execs to one of `exec_names` (see `Rules::exec_names`).
+/// under `discover::NAMED_EXECS` only the execs to one of `exec_names` (see `Rules::exec_names`);
+/// under `discover::CGROUPS` none in a cgroup kept back (`keep_back_cgroup`): the cgroups kept
+/// back before are forgotten, as the rules may have changed.
 pub fn discover(ebpf: &mut Ebpf, flags: u32, exec_names: &[[u8; COMM_BYTES]]) -> anyhow::Result<()> {
     let set_flags = |ebpf: &mut Ebpf, flags: u32| -> anyhow::Result<()> {
         let mut discover: Array<_, u32> = Array::try_from(ebpf.map_mut("DISCOVER").context("map DISCOVER missing")?)?;
         Ok(discover.set(0, flags, 0)?)
     };
-    // Every exec is reported while the names change: none the old or new rules match is missed.
-    set_flags(ebpf, flags & !discover::NAMED_EXECS)?;
+    // Every exec and fork is reported while the names and cgroups change: none the old or new
+    // rules match is missed.
+    set_flags(ebpf, flags & !(discover::NAMED_EXECS | discover::CGROUPS))?;
+    clear::<[u8; COMM_BYTES]>(ebpf, "EXEC_NAMES")?;
+    forget_kept_back_cgroups(ebpf)?;
     let mut names: HashMap<_, [u8; COMM_BYTES], u8> =
         HashMap::try_from(ebpf.map_mut("EXEC_NAMES").context("map EXEC_NAMES missing")?)?;
-    let old: Vec<[u8; COMM_BYTES]> = names.keys().filter_map(Result::ok).collect();
-    for name in old {
-        names.remove(&name)?;
-    }
     for name in exec_names {
         names.insert(name, 0, 0)?;
     }
     set_flags(ebpf, flags)
+}
+
+/// Empties hash map `name`, whose keys are `K`s.
+fn clear<K: aya::Pod>(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
+    let mut map: HashMap<_, K, u8> =
+        HashMap::try_from(ebpf.map_mut(name).with_context(|| format!("map {name} missing"))?)?;
+    let keys: Vec<K> = map.keys().filter_map(Result::ok).collect();
+    for key in keys {
+        // One gone meanwhile (least recently used out) is gone as wanted.
+        let _ = map.remove(&key);
+    }
+    Ok(())
+}
+
+/// Every exec and fork is reported again, whatever its cgroup.
+pub fn forget_kept_back_cgroups(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    clear::<u64>(ebpf, "UNMATCHED_CGROUPS")
+}
+
+/// No exec or fork in cgroup `id` is reported from now on (under `discover::CGROUPS`): no rule
+/// contains it. A full map makes room by forgetting the cgroup least recently used.
+pub fn keep_back_cgroup(ebpf: &mut Ebpf, id: u64) -> anyhow::Result<()> {
+    let mut unmatched: HashMap<_, u64, u8> =
+        HashMap::try_from(ebpf.map_mut("UNMATCHED_CGROUPS").context("map UNMATCHED_CGROUPS missing")?)?;
+    Ok(unmatched.insert(id, 0, 0)?)
 }
 
 /// Events the ring buffer had no room for, all CPUs together.
@@ -148,6 +174,7 @@ mod tests {
             pid: 1,
             image: 0,
             time_ns: 0,
+            cgroup_id: 0,
             path: [0; EXEC_PATH_BYTES],
         };
         event.path[..path.len()].copy_from_slice(path);

@@ -224,6 +224,21 @@ fn live_changes_capacity(max_live: u32) -> u32 {
     (max_live / 64).clamp(1024, 65_536)
 }
 
+/// The way from a task to its cgroup's id, `task->cgroups->dfl_cgrp->kn->id`, as offsets (see
+/// `TASK_CGROUP_ID_WAY`); zeros where the kernel's BTF does not tell it: forks are then reported
+/// whatever their cgroup.
+fn task_cgroup_id_way(btf: &btf::KernelBtf) -> [u32; 4] {
+    let steps = [("task_struct", "cgroups"), ("css_set", "dfl_cgrp"), ("cgroup", "kn"), ("kernfs_node", "id")];
+    let mut way = [0; 4];
+    for (offset, (structure, member)) in way.iter_mut().zip(steps) {
+        match btf.member_offsets(structure, &[member]) {
+            Ok(found) => *offset = found[0],
+            Err(_) => return [0; 4],
+        }
+    }
+    way
+}
+
 /// Loads the programs; ages are kept in generations of a quarter of `interval_s` (see `ages`).
 /// `links_wanted` false: perf-event uprobes, not uprobe_multi links (see `probes::load`).
 pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_wanted: bool) -> anyhow::Result<Loaded> {
@@ -253,6 +268,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
     // The path an exec ran (see `ProcessEvent::path`); without it, an exec'd program is named
     // from `/proc` only.
     let bprm = btf.member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
+    let cgroup_id_way = task_cgroup_id_way(&btf);
     // Not held while the kernel verifies the programs, memprof's largest moment.
     drop(btf);
     let ebpf = EbpfLoader::new()
@@ -270,6 +286,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         .override_global("TASK_PID_OFFSET", &task[0], true)
         .override_global("TASK_TGID_OFFSET", &task[1], true)
         .override_global("BPRM_FILENAME_OFFSET", &bprm, true)
+        .override_global("TASK_CGROUP_ID_WAY", &cgroup_id_way, true)
         .override_global("TASK_SIGNAL_OFFSET", &task[4], true)
         .override_global("SIGNAL_FLAGS_OFFSET", &signal[0], true)
         .override_global("SIGNAL_EXEC_TASK_OFFSET", &exec_task, true)

@@ -1,6 +1,12 @@
 //! What memprof reads about a process from `/proc`.
 
-use std::{collections::HashMap, fs, io, ops::Range, os::unix::fs::MetadataExt, path::Path};
+use std::{
+    collections::HashMap,
+    fs, io,
+    ops::Range,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
 
 use super::{
     file_cache::{FileId, Opened},
@@ -262,17 +268,27 @@ pub fn cgroup(pid: u32) -> Option<String> {
     text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_string)
 }
 
+/// Where the cgroup hierarchies are mounted: the unified one (`cgroup2`: `/sys/fs/cgroup`, or
+/// `/sys/fs/cgroup/unified` on a hybrid host) or the v1 ones (`cgroup`).
+pub fn cgroup_mounts(fs_type: &str) -> Vec<PathBuf> {
+    let mounts = read_text("/proc/self/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(2) == Some(&fs_type)).then(|| PathBuf::from(fields[1]))
+        })
+        .collect()
+}
+
 /// A cgroup given as a directory under a cgroup mount (`/sys/fs/cgroup/system.slice`, or
 /// `/sys/fs/cgroup/unified/x` on a hybrid system) as the path processes see (`/system.slice`).
 /// A path that is under no cgroup mount is taken to be such a path already.
 pub fn cgroup_path(dir: &str) -> String {
-    let mounts = read_text("/proc/self/mounts").unwrap_or_default();
+    let mounts = [cgroup_mounts("cgroup"), cgroup_mounts("cgroup2")].concat();
     let mount = mounts
-        .lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            matches!(fields.get(2), Some(&"cgroup" | &"cgroup2")).then(|| fields[1])
-        })
+        .iter()
+        .filter_map(|mount| mount.to_str())
         .filter(|mount| dir.strip_prefix(mount).is_some_and(|rest| rest.is_empty() || rest.starts_with('/')))
         .max_by_key(|mount| mount.len());
     let path = mount.map_or(dir, |mount| &dir[mount.len()..]).trim_end_matches('/');

@@ -26,6 +26,7 @@ use tokio::sync::oneshot;
 use tracing::{info, warn};
 
 use super::{
+    cgroup_verdicts::CgroupVerdicts,
     config::Config,
     discovery::{self, ProcessId},
     slots::Slots,
@@ -172,6 +173,9 @@ pub struct Tracer {
     /// When /proc is next scanned (`Config::resync`), and the scans so far.
     next_resync: Instant,
     scans: u64,
+    /// The execs and forks of processes not traced the kernel reported for the rules to judge.
+    discovery_events: u64,
+    cgroup_verdicts: CgroupVerdicts,
     view: Arc<RwLock<DaemonView>>,
     pinned_budget: PinnedBudget,
     /// The files whose links were shared when the untraced processes mapping them were counted,
@@ -208,6 +212,7 @@ impl Tracer {
             );
         }
         let double_free_reader = DoubleFreeReader::new(&mut loaded.ebpf)?;
+        let cgroup_verdicts = CgroupVerdicts::new(&config.rules);
         alive.store(true, Ordering::Relaxed);
         Ok(Self {
             config,
@@ -234,6 +239,8 @@ impl Tracer {
             leaderless: HashSet::new(),
             next_resync: Instant::now(),
             scans: 0,
+            discovery_events: 0,
+            cgroup_verdicts,
             view,
             pinned_budget: PinnedBudget::default(),
             sharing: (HashSet::new(), 0, Instant::now()),
@@ -320,6 +327,7 @@ impl Tracer {
         if let Err(err) = self.loaded.discover(flags, &exec_names) {
             warn!("the kernel's report of new processes could not follow the new rules: processes they match may be found at the next scan of /proc only: {err:#}");
         }
+        self.cgroup_verdicts.forget(&config.rules);
         self.config = config;
         // The rules may have changed: the processes they match now are found at once.
         self.next_resync = Instant::now();
@@ -332,6 +340,11 @@ impl Tracer {
         self.scans += 1;
         // Processes that map a shared-linked file started or ended since the last count.
         self.sharing.2 = Instant::now();
+        if self.cgroup_verdicts.review(&self.config.rules) {
+            if let Err(err) = self.loaded.forget_kept_back_cgroups() {
+                warn!("a cgroup rule names a v1 cgroup now, and the kernel could not be told to report every exec and fork again: processes the rules match may be found at the next scan of /proc only: {err:#}");
+            }
+        }
         let matches = discovery::scan(&self.config.rules);
         let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();
         let gone: Vec<u32> = self.targets.values().filter(|t| !wanted.contains(&t.id)).map(|t| t.id.pid).collect();
@@ -387,16 +400,19 @@ impl Tracer {
 /// names that limit the execs: execs where a rule names commands (a program's name is set at its
 /// exec; only those to the names the rules match, when the kernel can tell them) or cgroups (a
 /// service manager moves its child into the service's cgroup, then execs); forks where one names
-/// cgroups or all (a child starts in its parent's cgroup, and may never exec). A rule on pids
-/// needs neither.
+/// cgroups or all (a child starts in its parent's cgroup, and may never exec). Where a rule names
+/// cgroups, the kernel keeps back those in the cgroups found to be no rule's (see
+/// `cgroup_verdicts`). A rule on pids needs neither.
 fn discovery_of(config: &Config) -> (u32, Vec<[u8; profiler_common::COMM_BYTES]>) {
     let rules = &config.rules;
     let execs = rules.all || !rules.comms.is_empty() || rules.needs_cgroup();
     let forks = rules.all || rules.needs_cgroup();
     let exec_names = if execs { rules.exec_names() } else { None };
+    let by_cgroup = rules.needs_cgroup() && !rules.all;
     let flags = (if execs { discover::EXECS } else { 0 })
         | (if forks { discover::FORKS } else { 0 })
-        | if exec_names.is_some() { discover::NAMED_EXECS } else { 0 };
+        | (if exec_names.is_some() { discover::NAMED_EXECS } else { 0 })
+        | if by_cgroup { discover::CGROUPS } else { 0 };
     (flags, exec_names.unwrap_or_default())
 }
 

@@ -212,6 +212,7 @@ impl Tracer {
             untraced_sharing: self.untraced_sharing(&pids),
             machine_wide: self.loaded.machine_wide(),
             discovery_scans: self.scans,
+            discovery_events: self.discovery_events,
             settled_targets: settled.len() as u64,
             size_histograms: self.config.size_histograms,
             pid_labels: self.config.pid_labels,

@@ -133,12 +133,16 @@ impl Tracer {
             let traced = self.targets.contains_key(&event.tgid);
             match event.kind {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
-                process_event::EXEC => changed |= self.found_exec(&event),
+                process_event::EXEC => {
+                    changed |= self.found_exec(&event);
+                    self.discovered(event.tgid, event.cgroup_id);
+                }
                 process_event::FORK if traced => self.on_fork(event.tgid, event.pid, event.time_ns),
                 process_event::FORK => {
                     if let Some((id, comm)) = discovery::matching(&self.config.rules, event.pid) {
                         changed |= self.attach_started(id, comm, event.time_ns);
                     }
+                    self.discovered(event.pid, event.cgroup_id);
                 }
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
@@ -149,6 +153,20 @@ impl Tracer {
         }
         self.settle_pending_children();
         changed
+    }
+
+    /// A process not traced was reported at its exec or fork, in cgroup `cgroup_id`: counted, and
+    /// when no rule contains that cgroup, the kernel reports no more of its processes (see
+    /// `cgroup_verdicts`).
+    fn discovered(&mut self, pid: u32, cgroup_id: u64) {
+        self.discovery_events += 1;
+        let Some(id) = self.cgroup_verdicts.unmatched(&self.config.rules, pid, cgroup_id) else { return };
+        match self.loaded.keep_back_cgroup(id) {
+            Ok(()) => {
+                debug!(pid, cgroup_id, "no rule contains its cgroup: its processes' execs and forks are kept back")
+            }
+            Err(err) => debug!(pid, cgroup_id, "its cgroup, which no rule contains, could not be kept back: {err:#}"),
+        }
     }
 
     /// The thread a target's perf-event uprobes were opened on exited: they are opened again on

@@ -303,6 +303,17 @@ impl Loaded {
         events::discover(&mut self.ebpf, flags, exec_names)
     }
 
+    /// No exec or fork in cgroup `id`, which no rule contains, is reported from now on (see
+    /// `discover::CGROUPS`).
+    pub fn keep_back_cgroup(&mut self, id: u64) -> anyhow::Result<()> {
+        events::keep_back_cgroup(&mut self.ebpf, id)
+    }
+
+    /// Every exec and fork is reported again, whatever its cgroup.
+    pub fn forget_kept_back_cgroups(&mut self) -> anyhow::Result<()> {
+        events::forget_kept_back_cgroups(&mut self.ebpf)
+    }
+
     /// Which links the processes attached from now on get (see `shared`); `PerProcess` until set.
     pub fn set_probe_links(&mut self, policy: ProbeLinks) {
         self.shared.set_policy(policy);
