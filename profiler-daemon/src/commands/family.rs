@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use crate::{
     commands::target::ExitWatch,
     console::say,
+    error::UserError,
     heap::leak::{LeakSettings, LeakTracker},
     heap::price::PriceWatch,
     heap::report::{Forks, Report},
@@ -436,10 +437,9 @@ impl Family {
                 return;
             }
         };
-        if let Some(valgrind) = allocator::valgrind_of(child, None) {
+        if allocator::refuse_valgrind(child).is_err() {
             // It exec'd valgrind before memprof heard of its fork (see `on_exec`).
-            say!("memprof: pid {child}, child of pid {parent}, runs valgrind ({valgrind}): not traced (memprof's breakpoints would stop its program)");
-            self.forked_untraced(parent);
+            self.forked_into_valgrind(parent, child);
             return;
         }
         // Read before attaching, which takes milliseconds a short-lived child (a database
@@ -464,6 +464,12 @@ impl Family {
         };
         let attachment = match loaded.attach_child(&allocator, pid, &mappings) {
             Ok(attachment) => attachment,
+            Err(err) if matches!(err.downcast_ref(), Some(UserError::UnderValgrind(_))) => {
+                // It exec'd valgrind while it was being attached.
+                self.forked_into_valgrind(parent, child);
+                self.gone.insert(child);
+                return;
+            }
             Err(err) => {
                 tracing::debug!(child, "not followed: {err:#}");
                 self.forks.missed += 1;
@@ -557,6 +563,13 @@ impl Family {
         }
         loaded.detach_in_background(process.attachment);
         self.gone.insert(pid);
+    }
+
+    /// `parent`'s child runs valgrind: not traced, and said so.
+    fn forked_into_valgrind(&mut self, parent: u32, child: u32) {
+        let valgrind = allocator::valgrind_of(child, None).unwrap_or_else(|| "valgrind".into());
+        say!("memprof: pid {child}, child of pid {parent}, runs valgrind ({valgrind}): not traced (memprof's breakpoints would stop its program)");
+        self.forked_untraced(parent);
     }
 
     fn forked_untraced(&mut self, parent: u32) {

@@ -291,8 +291,14 @@ impl Loaded {
         mappings: &[FileMapping],
     ) -> anyhow::Result<Attachment> {
         self.track(pid.get())?;
+        // Checked before each set of breakpoints goes in, each taking milliseconds.
+        allocator::refuse_valgrind(pid.get())?;
         let probed = if self.growth { self.watch_pages(pid, program) } else { self.probe_allocator(allocator, pid) };
         let mut attachment = probed?;
+        if let Err(err) = allocator::refuse_valgrind(pid.get()) {
+            self.detach(attachment);
+            return Err(err.into());
+        }
         self.hook_linker(&mut attachment, pid, mappings);
         Ok(attachment)
     }

@@ -278,6 +278,16 @@ pub fn valgrind_of(pid: u32, ran: Option<PathBuf>) -> Option<String> {
     procfs::comm(pid).filter(|comm| runs_valgrind(Path::new(comm)))
 }
 
+/// `UnderValgrind` when `pid` runs valgrind now: a process that exec'd it while memprof
+/// attached to it (a child memprof hears of late) is to get no breakpoint, which valgrind would
+/// meet in the code it runs.
+pub fn refuse_valgrind(pid: u32) -> Result<(), UserError> {
+    match valgrind_of(pid, None) {
+        Some(_) => Err(UserError::UnderValgrind(pid)),
+        None => Ok(()),
+    }
+}
+
 /// A valgrind tool, which runs a program in its own process (`/usr/libexec/valgrind/memcheck-amd64-linux`):
 /// the program's files are mapped in it, its C library among them, and breakpoints of memprof's
 /// there would stop it (see `is_valgrind_preload`).
