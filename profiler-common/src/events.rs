@@ -48,8 +48,8 @@ pub struct ProcessEvent {
     pub image: u32,
     /// `bpf_ktime_get_ns` at the event.
     pub time_ns: u64,
-    /// For an exec or fork of a process not traced (discovery's), the id of the cgroup the
-    /// process is in (the child's, for a fork); 0 otherwise, or unknown.
+    /// For an exec or fork of a process not traced under `discover::CGROUPS`, the id of the
+    /// cgroup the process is in (the child's, for a fork); 0 otherwise, or unknown.
     pub cgroup_id: u64,
     /// For an exec, the path the new program was run by, as given to `execve` (relative to the
     /// process's directory, cut at `EXEC_PATH_BYTES`), NUL-terminated: its name when it is gone

@@ -6,8 +6,8 @@
 //! the processes its rules match as they start: an exec or a fork then costs one ring record
 //! more, next to the exec's or fork's own tens of microseconds, and a wake-up of the daemon.
 //! Where the rules match processes by whole names only, an exec costs that only when it takes
-//! one of them (`EXEC_NAMES`); where they name cgroups, an exec or fork in a cgroup the daemon
-//! found none of them contains costs nothing more (`UNMATCHED_CGROUPS`). The daemon re-attaches a process
+//! one of them (`EXEC_NAMES`); where they name cgroups, a fork (and, with such names, an exec)
+//! in a cgroup the daemon found none of them contains costs nothing more (`UNMATCHED_CGROUPS`). The daemon re-attaches a process
 //! that execs (its probes were on the old program's allocator), attaches to the children it
 //! follows and detaches from the processes that exit.
 
@@ -105,32 +105,43 @@ fn discovering(flag: u32) -> bool {
     DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
 }
 
-/// Whether the daemon is told of an exec of a process not traced, in cgroup `cgroup_id`: under
-/// `NAMED_EXECS`, only when the name the exec gave it is one the rules match, or, under
-/// `CGROUPS` too, when its cgroup is not one they cannot match; so that the host's other execs
-/// wake nothing.
+/// Whether the daemon is told of an exec of a process not traced: under `NAMED_EXECS`, only
+/// when the name the exec gave it is one the rules match, or, under `CGROUPS` too, when its
+/// cgroup is not one they cannot match; so that the host's other execs wake nothing. With the
+/// id of its cgroup under `CGROUPS` (`ProcessEvent::cgroup_id`), else 0.
 #[inline(always)]
-fn exec_discovered(cgroup_id: u64) -> bool {
+fn exec_discovered() -> Option<u64> {
     let flags = DISCOVER.get(0).copied().unwrap_or(0);
     if flags & discover::EXECS == 0 {
-        return false;
+        return None;
     }
+    // SAFETY: a helper without arguments.
+    let cgroup_id = if flags & discover::CGROUPS != 0 { unsafe { bpf_get_current_cgroup_id() } } else { 0 };
     if flags & discover::NAMED_EXECS == 0 {
-        return true;
+        return Some(cgroup_id);
     }
     // The exec has named the process by now (`begin_new_exec`, before this tracepoint).
-    let Ok(name) = bpf_get_current_comm() else { return true };
+    let Ok(name) = bpf_get_current_comm() else { return Some(cgroup_id) };
     // SAFETY: only the entry's presence is read.
-    unsafe { EXEC_NAMES.get(name) }.is_some() || (flags & discover::CGROUPS != 0 && !unmatched(cgroup_id))
+    let named = unsafe { EXEC_NAMES.get(name) }.is_some();
+    (named || (flags & discover::CGROUPS != 0 && !unmatched(cgroup_id))).then_some(cgroup_id)
 }
 
-/// Whether the daemon is told of a fork by a process not traced, of a child in cgroup
-/// `cgroup_id` (0: unknown): every one under `FORKS`, but those in a cgroup the rules cannot
-/// match under `CGROUPS`.
+/// Whether the daemon is told of a fork by a process not traced, of `child` (a `struct
+/// task_struct`): every one under `FORKS`, but those into a cgroup the rules cannot match under
+/// `CGROUPS`. With the id of the child's cgroup under `CGROUPS`, else 0.
 #[inline(always)]
-fn fork_discovered(cgroup_id: u64) -> bool {
+fn fork_discovered(child: u64) -> Option<u64> {
     let flags = DISCOVER.get(0).copied().unwrap_or(0);
-    flags & discover::FORKS != 0 && !(flags & discover::CGROUPS != 0 && cgroup_id != 0 && unmatched(cgroup_id))
+    if flags & discover::FORKS == 0 {
+        return None;
+    }
+    if flags & discover::CGROUPS == 0 {
+        return Some(0);
+    }
+    // The child's own: a service manager may start it in another cgroup (`CLONE_INTO_CGROUP`).
+    let cgroup_id = cgroup_id_of(child);
+    (!unmatched(cgroup_id)).then_some(cgroup_id)
 }
 
 #[inline(always)]
@@ -201,9 +212,7 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
         emit_with(process_event::EXEC, tgid, old_pid, image, 0, ctx.arg(2));
         return 0;
     }
-    // SAFETY: a helper without arguments.
-    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    if exec_discovered(cgroup_id) {
+    if let Some(cgroup_id) = exec_discovered() {
         // With its path: the name the rules match, for a process gone before the daemon reads
         // /proc (counted in `memprof_targets_missed`).
         emit_with(process_event::EXEC, tgid, old_pid, 0, cgroup_id, ctx.arg(2));
@@ -233,9 +242,7 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         emit(process_event::FORK, tgid, pid as u32, 0);
         return 0;
     }
-    // The child's own: a service manager may start it in another cgroup (`CLONE_INTO_CGROUP`).
-    let cgroup_id = cgroup_id_of(child as u64);
-    if fork_discovered(cgroup_id) {
+    if let Some(cgroup_id) = fork_discovered(child as u64) {
         emit_with(process_event::FORK, tgid, pid as u32, 0, cgroup_id, core::ptr::null());
     }
     0

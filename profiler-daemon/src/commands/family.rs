@@ -464,7 +464,7 @@ impl Family {
         };
         let attachment = match loaded.attach_child(&allocator, pid, &mappings) {
             Ok(attachment) => attachment,
-            Err(err) if matches!(err.downcast_ref(), Some(UserError::UnderValgrind(_))) => {
+            Err(err) if matches!(err.downcast_ref::<UserError>(), Some(UserError::UnderValgrind(_))) => {
                 // It exec'd valgrind while it was being attached.
                 self.forked_into_valgrind(parent, child);
                 self.gone.insert(child);

@@ -9,62 +9,73 @@
 //! cgroups, which the v2 one does not tell: nothing is kept back while a rule names a directory
 //! of a v1 hierarchy.
 
-use std::{collections::HashSet, os::unix::fs::MetadataExt, path::PathBuf};
+use std::{collections::HashSet, fs, os::unix::fs::MetadataExt, path::PathBuf};
+
+use profiler_common::MAX_UNMATCHED_CGROUPS;
 
 use super::config::Rules;
 use crate::process::procfs;
 
-/// The cgroups a rule contains are remembered, so that their processes are not judged again;
-/// past this many (containers come and go), they are forgotten and judged once more.
-const KNOWN_MATCHING: usize = 4_096;
-
 pub struct CgroupVerdicts {
-    /// Where the unified hierarchy is mounted (`/sys/fs/cgroup`); none: nothing is judged.
-    mount: Option<PathBuf>,
+    /// Where the unified hierarchy is mounted (`/sys/fs/cgroup`), and its device; none: nothing
+    /// is judged.
+    mount: Option<(PathBuf, u64)>,
     /// A rule names a directory of a v1 hierarchy: nothing is judged.
     v1_named: bool,
-    /// Ids of cgroups a rule contains.
-    matching: HashSet<u64>,
+    /// Ids of the cgroups judged since the kernel's list was last emptied: not judged again (a
+    /// name the rules name, or a regex they hold, has the kernel report their execs still).
+    /// Past as many as the kernel keeps, forgotten and judged once more.
+    judged: HashSet<u64>,
 }
 
 impl CgroupVerdicts {
     pub fn new(rules: &Rules) -> Self {
-        let mount = procfs::cgroup_mounts("cgroup2").into_iter().next();
-        Self { mount, v1_named: names_v1(rules), matching: HashSet::new() }
+        let mount = procfs::cgroup_mounts("cgroup2").into_iter().next().and_then(|mount| {
+            let dev = fs::metadata(&mount).ok()?.dev();
+            Some((mount, dev))
+        });
+        Self { mount, v1_named: names_v1(rules), judged: HashSet::new() }
     }
 
-    /// The id to keep back in the kernel, when process `pid`, reported in cgroup `id` (0:
-    /// unknown), is there still and no rule of `rules` contains that cgroup.
-    pub fn unmatched(&mut self, rules: &Rules, pid: u32, id: u64) -> Option<u64> {
-        if id == 0 || !rules.needs_cgroup() || self.v1_named || self.matching.contains(&id) {
+    /// The id to keep back in the kernel, when no rule of `rules` contains cgroup `id` (0:
+    /// unknown), the one process `pid` was reported in; judged by `pid` if it is there still,
+    /// else by `parent` (for a fork, the process that forked it, in the same cgroup unless it
+    /// started the child elsewhere: the id tells).
+    pub fn unmatched(&mut self, rules: &Rules, id: u64, pid: u32, parent: Option<u32>) -> Option<u64> {
+        if id == 0 || !rules.needs_cgroup() || self.v1_named || self.judged.contains(&id) {
             return None;
         }
+        let path = [Some(pid), parent].into_iter().flatten().find_map(|pid| self.path_of(pid, id))?;
+        if self.judged.len() >= MAX_UNMATCHED_CGROUPS as usize {
+            self.judged.clear();
+        }
+        self.judged.insert(id);
+        (!rules.names_cgroup(&path)).then_some(id)
+    }
+
+    /// The path of the cgroup `pid` is in, when it is cgroup `id`.
+    fn path_of(&self, pid: u32, id: u64) -> Option<String> {
+        let (mount, dev) = self.mount.as_ref()?;
         let path = procfs::cgroup(pid)?;
-        let dir = self.mount.as_ref()?.join(path.trim_start_matches('/'));
-        if std::fs::metadata(dir).ok()?.ino() != id {
-            return None;
-        }
-        if rules.names_cgroup(&path) {
-            if self.matching.len() >= KNOWN_MATCHING {
-                self.matching.clear();
-            }
-            self.matching.insert(id);
-            return None;
-        }
-        Some(id)
+        let dir = fs::metadata(mount.join(path.trim_start_matches('/'))).ok()?;
+        (dir.ino() == id && dir.dev() == *dev).then_some(path)
     }
 
-    /// `rules` are new (a reload: the kernel forgets the cgroups it kept back), or v1 cgroups
-    /// may have been made since the last look (a scan of `/proc`). Returns whether the kernel is
-    /// to forget the cgroups it kept back: a rule names a v1 cgroup now.
+    /// Whether the kernel is to forget the cgroups it kept back: a rule names a v1 cgroup now,
+    /// which may have been made since the last look (at each scan of `/proc`).
     pub fn review(&mut self, rules: &Rules) -> bool {
         let was = std::mem::replace(&mut self.v1_named, names_v1(rules));
-        self.v1_named && !was
+        let forget = self.v1_named && !was;
+        if forget {
+            self.judged.clear();
+        }
+        forget
     }
 
-    /// The rules changed: every cgroup is judged again.
+    /// `rules` are new, and the kernel has forgotten the cgroups it kept back (a reload): every
+    /// cgroup is judged again.
     pub fn forget(&mut self, rules: &Rules) {
-        self.matching.clear();
+        self.judged.clear();
         self.review(rules);
     }
 }

@@ -349,7 +349,7 @@ impl Collector for ViewCollector {
         counters(
             e,
             "memprof_discovery_events",
-            "Execs and forks of processes not traced that the kernel reported for the rules to judge; it keeps back those the rules cannot match where it can tell: a name no rule names, when every comm rule is a whole name, and a process in a cgroup found to be no rule's.",
+            "Execs and forks of processes not traced that the kernel reported for the rules to judge; it keeps back those it can tell no rule matches.",
             [(vec![], view.discovery_events)],
         )?;
         gauges(

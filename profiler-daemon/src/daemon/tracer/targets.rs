@@ -16,6 +16,7 @@ use super::{means::Means, Target, Tracer};
 use crate::{
     daemon::descriptors,
     daemon::discovery::{self, ProcessId},
+    error::UserError,
     heap::known_stacks::KnownStacks,
     heap::leak::LeakTracker,
     heap::sampling::RateGuard,
@@ -91,6 +92,13 @@ impl Tracer {
         }
         match self.attach(id, comm) {
             Ok(()) => true,
+            // It runs valgrind, which would meet memprof's breakpoints in the code it runs, and
+            // leaves it only by an exec, which is reported: not tried again.
+            Err(err) if matches!(err.downcast_ref::<UserError>(), Some(UserError::UnderValgrind(_))) => {
+                info!(pid = id.pid, "not traced: {err:#}");
+                self.unattachable.insert(id);
+                false
+            }
             // A process caught between exec and the dynamic loader mapping its C library has
             // no allocator yet: only give up on processes old enough to have one.
             Err(err) if id.age_seconds() < GRACE_SECONDS => {
@@ -135,14 +143,14 @@ impl Tracer {
                 process_event::EXEC if traced => changed |= self.on_exec(&event),
                 process_event::EXEC => {
                     changed |= self.found_exec(&event);
-                    self.discovered(event.tgid, event.cgroup_id);
+                    self.discovered(event.cgroup_id, event.tgid, None);
                 }
                 process_event::FORK if traced => self.on_fork(event.tgid, event.pid, event.time_ns),
                 process_event::FORK => {
                     if let Some((id, comm)) = discovery::matching(&self.config.rules, event.pid) {
                         changed |= self.attach_started(id, comm, event.time_ns);
                     }
-                    self.discovered(event.pid, event.cgroup_id);
+                    self.discovered(event.cgroup_id, event.pid, Some(event.tgid));
                 }
                 process_event::EXIT if traced => {
                     self.exiting.insert(event.tgid, Instant::now() + EXIT_WATCH);
@@ -155,12 +163,12 @@ impl Tracer {
         changed
     }
 
-    /// A process not traced was reported at its exec or fork, in cgroup `cgroup_id`: counted, and
-    /// when no rule contains that cgroup, the kernel reports no more of its processes (see
-    /// `cgroup_verdicts`).
-    fn discovered(&mut self, pid: u32, cgroup_id: u64) {
+    /// Process `pid`, not traced, was reported at its exec or fork (by `parent`), in cgroup
+    /// `cgroup_id`: counted, and when no rule contains that cgroup, the kernel reports no more
+    /// of its processes (see `cgroup_verdicts`).
+    fn discovered(&mut self, cgroup_id: u64, pid: u32, parent: Option<u32>) {
         self.discovery_events += 1;
-        let Some(id) = self.cgroup_verdicts.unmatched(&self.config.rules, pid, cgroup_id) else { return };
+        let Some(id) = self.cgroup_verdicts.unmatched(&self.config.rules, cgroup_id, pid, parent) else { return };
         match self.loaded.keep_back_cgroup(id) {
             Ok(()) => {
                 debug!(pid, cgroup_id, "no rule contains its cgroup: its processes' execs and forks are kept back")

@@ -296,6 +296,7 @@ impl Loaded {
         let probed = if self.growth { self.watch_pages(pid, program) } else { self.probe_allocator(allocator, pid) };
         let mut attachment = probed?;
         if let Err(err) = allocator::refuse_valgrind(pid.get()) {
+            // At once, not in the background: valgrind may reach the breakpoints any moment.
             self.detach(attachment);
             return Err(err.into());
         }
