@@ -102,8 +102,9 @@ pub mod discover {
 pub const COMM_BYTES: usize = 16;
 /// The names `EXEC_NAMES` holds at most.
 pub const MAX_EXEC_NAMES: u32 = 1_024;
-/// The cgroups `UNMATCHED_CGROUPS` holds at most (a host's services and containers).
-pub const MAX_UNMATCHED_CGROUPS: u32 = 16_384;
+/// The cgroups `UNMATCHED_CGROUPS` holds at most (a host's services and containers; past them,
+/// the daemon starts again from none).
+pub const MAX_UNMATCHED_CGROUPS: u32 = 4_096;
 
 /// A change to a traced process's anonymous private memory outside the heap's blocks, sent
 /// through `MAPPING_EVENTS` at the return of `mmap`, `munmap`, `mremap`, `brk` or `madvise`

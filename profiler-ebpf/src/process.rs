@@ -17,7 +17,7 @@ use aya_ebpf::{
         bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
     },
     macros::{map, raw_tracepoint},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::RawTracePointContext,
     Global,
 };
@@ -41,10 +41,9 @@ static DISCOVER: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static EXEC_NAMES: HashMap<[u8; COMM_BYTES], u8> = HashMap::with_max_entries(MAX_EXEC_NAMES, NO_PREALLOC);
 /// Cgroups (by id) the daemon found no rule contains: under `discover::CGROUPS` their execs and
-/// forks are not reported. Least recently used first out: one forgotten is reported, and found
-/// again, once more.
+/// forks are not reported. The daemon empties it before it is full.
 #[map]
-static UNMATCHED_CGROUPS: LruHashMap<u64, u8> = LruHashMap::with_max_entries(MAX_UNMATCHED_CGROUPS, 0);
+static UNMATCHED_CGROUPS: HashMap<u64, u8> = HashMap::with_max_entries(MAX_UNMATCHED_CGROUPS, NO_PREALLOC);
 /// The thread each traced process's perf-event uprobes are opened on (its id, to its process's
 /// tgid), kept by user space where the kernel has no uprobe_multi links: its exit is reported.
 #[map]

@@ -22,9 +22,9 @@ pub struct CgroupVerdicts {
     mount: Option<(PathBuf, u64)>,
     /// A rule names a directory of a v1 hierarchy: nothing is judged.
     v1_named: bool,
-    /// Ids of the cgroups judged since the kernel's list was last emptied: not judged again (a
-    /// name the rules name, or a regex they hold, has the kernel report their execs still).
-    /// Past as many as the kernel keeps, forgotten and judged once more.
+    /// Ids of the cgroups judged since the kernel's list was last emptied, kept back or not: not
+    /// judged again (a name the rules name, or a regex they hold, has the kernel report their
+    /// execs still).
     judged: HashSet<u64>,
 }
 
@@ -46,9 +46,6 @@ impl CgroupVerdicts {
             return None;
         }
         let path = [Some(pid), parent].into_iter().flatten().find_map(|pid| self.path_of(pid, id))?;
-        if self.judged.len() >= MAX_UNMATCHED_CGROUPS as usize {
-            self.judged.clear();
-        }
         self.judged.insert(id);
         (!rules.names_cgroup(&path)).then_some(id)
     }
@@ -61,22 +58,23 @@ impl CgroupVerdicts {
         (dir.ino() == id && dir.dev() == *dev).then_some(path)
     }
 
-    /// Whether the kernel is to forget the cgroups it kept back: a rule names a v1 cgroup now,
-    /// which may have been made since the last look (at each scan of `/proc`).
-    pub fn review(&mut self, rules: &Rules) -> bool {
-        let was = std::mem::replace(&mut self.v1_named, names_v1(rules));
-        let forget = self.v1_named && !was;
-        if forget {
-            self.judged.clear();
-        }
-        forget
+    /// Whether the kernel's list could not take one more: it is to be emptied, and `forget`
+    /// called (cgroups come and go, and the host's live ones are judged again).
+    pub fn is_full(&self) -> bool {
+        self.judged.len() >= MAX_UNMATCHED_CGROUPS as usize
     }
 
-    /// `rules` are new, and the kernel has forgotten the cgroups it kept back (a reload): every
-    /// cgroup is judged again.
-    pub fn forget(&mut self, rules: &Rules) {
+    /// Whether the kernel is to forget the cgroups it kept back (then `forget`): a rule names a
+    /// v1 cgroup now, which may have been made since the last look (at each scan of `/proc`), or
+    /// `rules` are new (a reload).
+    pub fn review(&mut self, rules: &Rules) -> bool {
+        let was = std::mem::replace(&mut self.v1_named, names_v1(rules));
+        self.v1_named && !was
+    }
+
+    /// The kernel has forgotten the cgroups it kept back: every cgroup is judged again.
+    pub fn forget(&mut self) {
         self.judged.clear();
-        self.review(rules);
     }
 }
 

@@ -116,8 +116,7 @@ fn clear<K: aya::Pod>(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
         HashMap::try_from(ebpf.map_mut(name).with_context(|| format!("map {name} missing"))?)?;
     let keys: Vec<K> = map.keys().filter_map(Result::ok).collect();
     for key in keys {
-        // One gone meanwhile (least recently used out) is gone as wanted.
-        let _ = map.remove(&key);
+        map.remove(&key)?;
     }
     Ok(())
 }
@@ -128,7 +127,7 @@ pub fn forget_kept_back_cgroups(ebpf: &mut Ebpf) -> anyhow::Result<()> {
 }
 
 /// No exec or fork in cgroup `id` is reported from now on (under `discover::CGROUPS`): no rule
-/// contains it. A full map makes room by forgetting the cgroup least recently used.
+/// contains it.
 pub fn keep_back_cgroup(ebpf: &mut Ebpf, id: u64) -> anyhow::Result<()> {
     let mut unmatched: HashMap<_, u64, u8> =
         HashMap::try_from(ebpf.map_mut("UNMATCHED_CGROUPS").context("map UNMATCHED_CGROUPS missing")?)?;

@@ -327,7 +327,8 @@ impl Tracer {
         if let Err(err) = self.loaded.discover(flags, &exec_names) {
             warn!("the kernel's report of new processes could not follow the new rules: processes they match may be found at the next scan of /proc only: {err:#}");
         }
-        self.cgroup_verdicts.forget(&config.rules);
+        self.cgroup_verdicts.review(&config.rules);
+        self.cgroup_verdicts.forget();
         self.config = config;
         // The rules may have changed: the processes they match now are found at once.
         self.next_resync = Instant::now();
@@ -341,9 +342,7 @@ impl Tracer {
         // Processes that map a shared-linked file started or ended since the last count.
         self.sharing.2 = Instant::now();
         if self.cgroup_verdicts.review(&self.config.rules) {
-            if let Err(err) = self.loaded.forget_kept_back_cgroups() {
-                warn!("a cgroup rule names a v1 cgroup now, and the kernel could not be told to report every exec and fork again: processes the rules match may be found at the next scan of /proc only: {err:#}");
-            }
+            self.forget_kept_back_cgroups();
         }
         let matches = discovery::scan(&self.config.rules);
         let wanted: HashSet<ProcessId> = matches.iter().map(|(id, _)| *id).collect();

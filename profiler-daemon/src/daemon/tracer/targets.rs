@@ -168,12 +168,24 @@ impl Tracer {
     /// of its processes (see `cgroup_verdicts`).
     fn discovered(&mut self, cgroup_id: u64, pid: u32, parent: Option<u32>) {
         self.discovery_events += 1;
+        if self.cgroup_verdicts.is_full() {
+            self.forget_kept_back_cgroups();
+        }
         let Some(id) = self.cgroup_verdicts.unmatched(&self.config.rules, cgroup_id, pid, parent) else { return };
         match self.loaded.keep_back_cgroup(id) {
             Ok(()) => {
                 debug!(pid, cgroup_id, "no rule contains its cgroup: its processes' execs and forks are kept back")
             }
             Err(err) => debug!(pid, cgroup_id, "its cgroup, which no rule contains, could not be kept back: {err:#}"),
+        }
+    }
+
+    /// Has the kernel report every exec and fork again, whatever its cgroup, and judge their
+    /// cgroups anew.
+    pub(super) fn forget_kept_back_cgroups(&mut self) {
+        match self.loaded.forget_kept_back_cgroups() {
+            Ok(()) => self.cgroup_verdicts.forget(),
+            Err(err) => warn!("the kernel could not be told to report every exec and fork again: processes the rules match in cgroups kept back may be found at the next scan of /proc only: {err:#}"),
         }
     }
 
