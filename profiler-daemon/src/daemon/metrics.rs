@@ -460,6 +460,12 @@ impl Collector for ViewCollector {
         )?;
         counters(
             e,
+            "memprof_unwind_deferred_split",
+            "Deferred stack walks whose allocation stack is counted under two ids: its high is the sum of both (an upper bound).",
+            [(vec![], unwind.deferred_split)],
+        )?;
+        counters(
+            e,
             "memprof_unwind_rows_not_loaded",
             "Rows the unwind tables that could not be loaded needed, where known.",
             [(vec![], unwind.rows_not_loaded)],

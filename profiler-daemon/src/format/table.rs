@@ -262,6 +262,13 @@ fn section(report: &Report) -> String {
                 tables.deferred_walks, tables.deferred_unfinished
             );
         }
+        if tables.deferred_split > 0 {
+            let _ = write!(
+                out,
+                "; {} of them of stacks counted under two ids, whose max_outstanding_bytes adds both highs (an upper bound)",
+                tables.deferred_split
+            );
+        }
         out.push('\n');
     }
     for double_free in &report.double_frees {

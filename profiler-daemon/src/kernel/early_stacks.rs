@@ -17,21 +17,32 @@ use crate::{
     unwind::{Completion, BPF_NOEXIST},
 };
 
-/// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
-/// walk's early id. Not when the whole stack has an entry already (the kernel walked it whole
-/// before): its counts stay apart, and the report adds the two. A walk memprof could not finish
-/// ends where the kernel's will, at the same frame, for the same reason; but for a read of the
-/// stack, which memprof's copy of it may end before the kernel's does.
-pub fn count_whole_under_early_id(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) {
-    if event.table != stack_table::ALLOCATIONS || completion.end == StackEnd::ReadFailed {
-        return;
-    }
-    if let Err(err) = write_entry(ebpf, event, completion) {
-        tracing::debug!(pid = event.tgid, "counting a deferred stack under its early id: {err:#}");
-    }
+/// Where a finished walk's whole stack counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Under the walk's early id, or not an allocation stack.
+    Together,
+    /// Under an id of its own too: the whole stack had an entry already (the kernel walked it
+    /// whole before, or another deferred walk of it, stopped at another frame, was finished
+    /// first). The report adds the two ids' highs.
+    Apart,
 }
 
-fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> anyhow::Result<()> {
+/// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
+/// walk's early id, unless it has an entry already. A walk memprof could not finish ends where
+/// the kernel's will, at the same frame, for the same reason; but for a read of the stack, which
+/// memprof's copy of it may end before the kernel's does.
+pub fn count_whole_under_early_id(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> Counted {
+    if event.table != stack_table::ALLOCATIONS || completion.end == StackEnd::ReadFailed {
+        return Counted::Together;
+    }
+    write_entry(ebpf, event, completion).unwrap_or_else(|err| {
+        tracing::debug!(pid = event.tgid, "counting a deferred stack under its early id: {err:#}");
+        Counted::Together
+    })
+}
+
+fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> anyhow::Result<Counted> {
     let stored: Stack = BpfHashMap::<_, u64, Stack>::try_from(map(ebpf, "STACKS")?)?.get(&event.stack_id, 0)?;
     let (frames, end) = whole_frames(&stored, Some(completion));
     let heap: Option<ProcHeap> =
@@ -43,6 +54,14 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
     let mut stats = BpfHashMap::<_, StackKey, StackStats>::try_from(stats)?;
     // None under the process's program now: an earlier program's, which the exec's purge drops.
     stats.get(&early, 0)?;
-    stats.insert(whole, StackStats { counted_as: event.stack_id, ..StackStats::EMPTY }, BPF_NOEXIST)?;
-    Ok(())
+    let apart =
+        |existing: StackStats| if existing.counted_as == event.stack_id { Counted::Together } else { Counted::Apart };
+    if let Ok(existing) = stats.get(&whole, 0) {
+        return Ok(apart(existing));
+    }
+    match stats.insert(whole, StackStats { counted_as: event.stack_id, ..StackStats::EMPTY }, BPF_NOEXIST) {
+        Ok(()) => Ok(Counted::Together),
+        // The kernel counted it whole in between.
+        Err(err) => stats.get(&whole, 0).map(apart).map_err(|_| err.into()),
+    }
 }

@@ -25,11 +25,13 @@ pub struct Completion {
 
 /// Deferred walks so far: finished means the walk reached the thread's outermost frame (or the
 /// frame limit), as the kernel's would have; the others end where they could not go on (still no
-/// table, or a frame above the copied stack), their stacks marked truncated.
+/// table, or a frame above the copied stack), their stacks marked truncated. Split: walks whose
+/// allocation stack is counted under two ids after all (see `kernel::early_stacks`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeferredCounts {
     pub walks: u64,
     pub unfinished: u64,
+    pub split: u64,
 }
 
 /// Finished walks, by (process, stack table, stack id).
@@ -293,12 +295,12 @@ mod tests {
         deferred.finish(&event, Some(&mappings), &table, 127);
         let completion = deferred.completion(1, 0, 9).expect("finished");
         assert_eq!(completion, &Completion { frames: vec![0x1110, 0x1210], end: StackEnd::Complete });
-        assert_eq!(deferred.counts, DeferredCounts { walks: 1, unfinished: 0 });
+        assert_eq!(deferred.counts, DeferredCounts { walks: 1, unfinished: 0, split: 0 });
         // Without the copied stack the walk cannot go on: counted as not finished.
         event.pages = 0;
         deferred.finish(&event, Some(&mappings), &table, 127);
         assert_eq!(deferred.completion(1, 0, 9).expect("kept").end, StackEnd::ReadFailed);
-        assert_eq!(deferred.counts, DeferredCounts { walks: 2, unfinished: 1 });
+        assert_eq!(deferred.counts, DeferredCounts { walks: 2, unfinished: 1, split: 0 });
         deferred.forget(1);
         assert!(deferred.completion(1, 0, 9).is_none());
     }

@@ -125,6 +125,11 @@ pub struct TableUse {
     /// frame (their stacks are marked truncated).
     pub deferred_walks: u64,
     pub deferred_unfinished: u64,
+    /// Those of the walks whose allocation stack is counted under two ids, whose highs the
+    /// reports add (an upper bound): the kernel had walked the stack whole, or another walk of
+    /// it was deferred at another frame, before memprof finished this one (see
+    /// `kernel::early_stacks`).
+    pub deferred_split: u64,
     /// Executable code the tables cover: the executable segments of the files with CFI tables.
     #[serde(skip)]
     pub text_bytes: u64,
@@ -180,6 +185,7 @@ impl Registry {
             rows_not_loaded: self.not_loaded.rows,
             deferred_walks: self.deferred.counts.walks,
             deferred_unfinished: self.deferred.counts.unfinished,
+            deferred_split: self.deferred.counts.split,
             text_bytes,
             held_bytes: held as u64,
         }
@@ -334,6 +340,11 @@ impl Registry {
         };
         let kernels = if list.is_none() { kernels() } else { None };
         self.deferred.finish(event, list.or(kernels.as_ref()), &self.shards, self.frame_limit)
+    }
+
+    /// A finished walk's allocation stack is counted under two ids (see `TableUse`).
+    pub fn deferred_split(&mut self) {
+        self.deferred.counts.split += 1;
     }
 
     /// Process `tgid`'s deferred walks that ended cut, by the drop reason the kernel's walk

@@ -362,6 +362,8 @@ fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy],
     for copy in walks {
         copy.write_into(&mut event);
         let completion = unwind.finish_deferred(ebpf, &event, list);
-        early_stacks::count_whole_under_early_id(ebpf, &event, completion);
+        if early_stacks::count_whole_under_early_id(ebpf, &event, completion) == early_stacks::Counted::Apart {
+            unwind.deferred_split();
+        }
     }
 }
