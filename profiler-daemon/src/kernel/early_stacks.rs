@@ -50,6 +50,9 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
     let image = heap.map_or(0, |heap| heap.image as u32);
     let early = StackKey { tgid: event.tgid, image, stack_id: event.stack_id };
     let whole = StackKey { stack_id: whole_id(&frames, end), ..early };
+    if whole == early {
+        return Ok(Counted::Together);
+    }
     let stats = ebpf.map_mut("STACK_STATS").context("map STACK_STATS missing from the eBPF object")?;
     let mut stats = BpfHashMap::<_, StackKey, StackStats>::try_from(stats)?;
     // None yet (memprof read the walk before the kernel counted its allocation), or an earlier
