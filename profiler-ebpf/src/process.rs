@@ -7,9 +7,10 @@
 //! more, next to the exec's or fork's own tens of microseconds, and a wake-up of the daemon.
 //! Where the rules match processes by whole names only, an exec costs that only when it takes
 //! one of them (`EXEC_NAMES`); where they name cgroups, a fork (and, with such names, an exec)
-//! in a cgroup the daemon found none of them contains costs nothing more (`UNMATCHED_CGROUPS`). The daemon re-attaches a process
-//! that execs (its probes were on the old program's allocator), attaches to the children it
-//! follows and detaches from the processes that exit.
+//! in a cgroup the daemon found none of them contains costs nothing more
+//! (`UNMATCHED_CGROUPS`). The daemon re-attaches a process that execs (its probes were on the
+//! old program's allocator), attaches to the children it follows and detaches from the
+//! processes that exit.
 
 use aya_ebpf::{
     helpers::{
@@ -99,9 +100,10 @@ pub fn traced_flags(tgid: u32) -> Option<u32> {
     unsafe { TRACED.get(tgid) }.copied()
 }
 
+/// The `discover::` flags the daemon set.
 #[inline(always)]
-fn discovering(flag: u32) -> bool {
-    DISCOVER.get(0).is_some_and(|flags| flags & flag != 0)
+fn discover_flags() -> u32 {
+    DISCOVER.get(0).copied().unwrap_or(0)
 }
 
 /// Whether the daemon is told of an exec of a process not traced: under `NAMED_EXECS`, only
@@ -110,7 +112,7 @@ fn discovering(flag: u32) -> bool {
 /// id of its cgroup under `CGROUPS` (`ProcessEvent::cgroup_id`), else 0.
 #[inline(always)]
 fn exec_discovered() -> Option<u64> {
-    let flags = DISCOVER.get(0).copied().unwrap_or(0);
+    let flags = discover_flags();
     if flags & discover::EXECS == 0 {
         return None;
     }
@@ -128,10 +130,10 @@ fn exec_discovered() -> Option<u64> {
 
 /// Whether the daemon is told of a fork by a process not traced, of `child` (a `struct
 /// task_struct`): every one under `FORKS`, but those into a cgroup the rules cannot match under
-/// `CGROUPS`. With the id of the child's cgroup under `CGROUPS`, else 0.
+/// `CGROUPS`. With the id of the child's cgroup under `CGROUPS`, else 0. `flags`: the
+/// `discover::` flags.
 #[inline(always)]
-fn fork_discovered(child: u64) -> Option<u64> {
-    let flags = DISCOVER.get(0).copied().unwrap_or(0);
+fn fork_discovered(flags: u32, child: u64) -> Option<u64> {
     if flags & discover::FORKS == 0 {
         return None;
     }
@@ -227,7 +229,8 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     // Every traced process's: a child not followed still has its parent's breakpoints, which
     // memprof has the kernel take out of it (see `sweep`).
     let traced = traced_flags(tgid).is_some();
-    if !traced && !discovering(discover::FORKS) {
+    let discover = if traced { 0 } else { discover_flags() };
+    if !traced && discover & discover::FORKS == 0 {
         return 0;
     }
     let child: *const u8 = ctx.arg(1);
@@ -241,7 +244,7 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         emit(process_event::FORK, tgid, pid as u32, 0);
         return 0;
     }
-    if let Some(cgroup_id) = fork_discovered(child as u64) {
+    if let Some(cgroup_id) = fork_discovered(discover, child as u64) {
         emit_with(process_event::FORK, tgid, pid as u32, 0, cgroup_id, core::ptr::null());
     }
     0
