@@ -31,17 +31,9 @@ pub enum Counted {
 /// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
 /// walk's early id, unless it has an entry already. A walk memprof could not finish ends where
 /// the kernel's will, at the same frame, for the same reason; but for a read of the stack, which
-/// memprof's copy of it may end before the kernel's does. `by_calls`: whether the walk's process
-/// is traced by its allocator calls, whose allocations alone have totals per stack (a mapping
-/// call's walk or a page fault's has none).
-pub fn count_whole_under_early_id(
-    ebpf: &mut Ebpf,
-    event: &DeferredUnwind,
-    completion: &Completion,
-    by_calls: bool,
-) -> Counted {
-    let allocation = by_calls && event.table == stack_table::ALLOCATIONS && event.counts_cuts != 0;
-    if !allocation || completion.end == StackEnd::ReadFailed {
+/// memprof's copy of it may end before the kernel's does.
+pub fn count_whole_under_early_id(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> Counted {
+    if event.table != stack_table::ALLOCATIONS || completion.end == StackEnd::ReadFailed {
         return Counted::Together;
     }
     write_entry(ebpf, event, completion).unwrap_or_else(|err| {
@@ -53,7 +45,9 @@ pub fn count_whole_under_early_id(
 fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> anyhow::Result<Counted> {
     let stored: Stack = BpfHashMap::<_, u64, Stack>::try_from(map(ebpf, "STACKS")?)?.get(&event.stack_id, 0)?;
     let (frames, end) = whole_frames(&stored, Some(completion));
-    let image = program_image(ebpf, event.tgid).unwrap_or(0);
+    let heap: Option<ProcHeap> =
+        BpfHashMap::<_, u32, ProcHeap>::try_from(map(ebpf, "PROC_HEAP")?)?.get(&event.tgid, 0).ok();
+    let image = heap.map_or(0, |heap| heap.image as u32);
     let early = StackKey { tgid: event.tgid, image, stack_id: event.stack_id };
     let whole = StackKey { stack_id: whole_id(&frames, end), ..early };
     if whole == early {
@@ -75,11 +69,4 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
         // The kernel counted it whole in between.
         Err(err) => stats.get(&whole, 0).map(apart).map_err(|_| err.into()),
     }
-}
-
-/// The number of the program process `tgid` runs (`ProcHeap::image`), which each of its execs
-/// moves; None before its first allocator call.
-pub fn program_image(ebpf: &Ebpf, tgid: u32) -> Option<u32> {
-    let heaps = BpfHashMap::<_, u32, ProcHeap>::try_from(map(ebpf, "PROC_HEAP").ok()?).ok()?;
-    heaps.get(&tgid, 0).ok().map(|heap| heap.image as u32)
 }
