@@ -284,17 +284,10 @@ impl Loaded {
     }
 
     /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
-    /// before the kernel has it (see `early_stacks`). So too the walks of `pid` not collected yet
-    /// (sent while the list's tables were built, or since its last exec) whose files the list
-    /// holds: finished after the kernel walked their stacks whole on it, they would count apart.
-    /// The others wait for a list with their files.
+    /// before the kernel has it (see `early_stacks`).
     fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
-        let unwind_events = &mut self.unwind_events;
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
-            let mut scratch = DeferredCopy::blank();
-            let late = unwind_events.take_uncollected_walks(pid, |copy| unwind.tables_serve(copy, list, &mut scratch));
-            let all: Vec<&DeferredCopy> = walks.iter().copied().chain(&late).collect();
-            finish_walks(ebpf, unwind, &all, Some(list));
+            finish_walks(ebpf, unwind, walks, Some(list));
         };
         self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
