@@ -53,8 +53,8 @@ pub enum DropReason {
     /// The same ring was full at a page's first touch (`--growth`): the page is not counted.
     FaultEventLost = 18,
     /// `--growth`: a large folio (a transparent huge page) a thread was given could not be tied
-    /// to its fault (given on a CPU whose last fault was another, or outside a fault), or not
-    /// kept: the fault counts one page.
+    /// to its fault (given outside a fault, or its fault's code lost and the folio not found
+    /// mapped at the fault's page), or not kept: the fault counts one page.
     FaultSizeUnknown = 19,
     /// Counted by memprof, not by the programs: the thread the process's perf-event uprobes
     /// were opened on exited while other threads ran on, and they fired no more until memprof

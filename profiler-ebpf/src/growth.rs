@@ -24,7 +24,7 @@ use aya_ebpf::{
     macros::{map, perf_event, raw_tracepoint},
     maps::{HashMap, PerCpuArray},
     programs::{PerfEventContext, RawTracePointContext},
-    EbpfContext,
+    EbpfContext, Global,
 };
 use profiler_common::{stack_table, traced, DropReason};
 
@@ -85,7 +85,7 @@ struct LargeFolio {
     /// Its `struct page`, as the allocator's and the free's tracepoints name it.
     page: u64,
     /// The page of the fault the thread was in, from this CPU's `FAULT_CODES`; 0 when this CPU's
-    /// last fault was another thread's (the thread moved between CPUs in its fault).
+    /// last fault was another thread's (see `mapped_at`).
     fault: u64,
     order: u64,
 }
@@ -144,19 +144,44 @@ pub fn large_folio_free(ctx: RawTracePointContext) -> i32 {
     0
 }
 
+/// Offsets of `mapping` and `index` in `struct folio`, read from the kernel's BTF by the daemon
+/// (0: unknown, a folio is then tied to its fault by the fault's code only).
+#[unsafe(no_mangle)]
+static FOLIO_MAPPING_OFFSET: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static FOLIO_INDEX_OFFSET: Global<u32> = Global::new(0);
+/// `PAGE_MAPPING_ANON`: the low bit of an anonymous folio's `mapping`.
+const MAPPING_ANON: u64 = 1;
+
 /// The bytes the current thread's fault at `page` mapped: its large folio's, when the thread
 /// still holds one allocated in this fault; otherwise one page. A folio not known to be this
-/// fault's (allocated on a CPU whose last fault was another's, or outside a fault) is counted.
+/// fault's (allocated outside a fault, or on a CPU whose last fault was another's and not found
+/// mapped at `page`) is counted.
 #[inline(never)]
 fn fault_bytes(pid_tgid: u64, page: u64) -> u64 {
     // SAFETY: a copy of the value is taken at once.
     let Some(held) = (unsafe { LARGE_FOLIOS.get(pid_tgid) }).copied() else { return PAGE };
     let _ = LARGE_FOLIOS.remove(pid_tgid);
-    if held.fault == page && held.order < 32 {
+    if held.order < 32 && (held.fault == page || mapped_at(&held, page)) {
         return PAGE << held.order;
     }
     count_drop(DropReason::FaultSizeUnknown);
     PAGE
+}
+
+/// Whether `held` is the anonymous folio mapped over `page`, for a folio whose fault's code was
+/// lost: the thread waited in its fault (the page allocator may compact memory first) and other
+/// threads' faults took the CPU's `FAULT_CODES`, or it moved to another CPU. The fault has mapped
+/// the folio when its event runs, and set its `index` to the page number of its first page in
+/// the mapping; anonymous memory (`mmap`, the break) numbers its pages by their addresses. Memory
+/// moved by `mremap` keeps its old numbers and is not recognised.
+fn mapped_at(held: &LargeFolio, page: u64) -> bool {
+    let (mapping, index) = (FOLIO_MAPPING_OFFSET.load(), FOLIO_INDEX_OFFSET.load());
+    if mapping == 0 {
+        return false;
+    }
+    let first = page & !((PAGE << held.order) - 1);
+    kernel_word(held.page, mapping) & MAPPING_ANON != 0 && kernel_word(held.page, index) == first / PAGE
 }
 
 #[perf_event]

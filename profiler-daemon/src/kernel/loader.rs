@@ -269,6 +269,9 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
     // from `/proc` only.
     let bprm = btf.member_offsets("linux_binprm", &["filename"]).map_or(0, |offsets| offsets[0]);
     let cgroup_id_way = task_cgroup_id_way(&btf);
+    // Where growth mode finds a large folio's mapping (see `mapped_at`); without it, a folio
+    // whose fault's code was lost counts one page.
+    let folio = btf.member_offsets("folio", &["mapping", "index"]).unwrap_or_else(|_| vec![0, 0]);
     // Not held while the kernel verifies the programs, memprof's largest moment.
     drop(btf);
     let ebpf = EbpfLoader::new()
@@ -287,6 +290,8 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         .override_global("TASK_TGID_OFFSET", &task[1], true)
         .override_global("BPRM_FILENAME_OFFSET", &bprm, true)
         .override_global("TASK_CGROUP_ID_WAY", &cgroup_id_way, true)
+        .override_global("FOLIO_MAPPING_OFFSET", &folio[0], true)
+        .override_global("FOLIO_INDEX_OFFSET", &folio[1], true)
         .override_global("TASK_SIGNAL_OFFSET", &task[4], true)
         .override_global("SIGNAL_FLAGS_OFFSET", &signal[0], true)
         .override_global("SIGNAL_EXEC_TASK_OFFSET", &exec_task, true)
