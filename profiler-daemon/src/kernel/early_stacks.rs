@@ -20,7 +20,7 @@ use crate::{
 /// Where a finished walk's whole stack counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counted {
-    /// Under the walk's early id, or not an allocation stack.
+    /// Under the walk's early id, or not an allocation's stack.
     Together,
     /// Under an id of its own too: the whole stack had an entry already (the kernel walked it
     /// whole before, or another deferred walk of it, stopped at another frame, was finished
@@ -31,9 +31,17 @@ pub enum Counted {
 /// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
 /// walk's early id, unless it has an entry already. A walk memprof could not finish ends where
 /// the kernel's will, at the same frame, for the same reason; but for a read of the stack, which
-/// memprof's copy of it may end before the kernel's does.
-pub fn count_whole_under_early_id(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> Counted {
-    if event.table != stack_table::ALLOCATIONS || completion.end == StackEnd::ReadFailed {
+/// memprof's copy of it may end before the kernel's does. `by_calls`: whether the walk's process
+/// is traced by its allocator calls, whose allocations alone have totals per stack (a mapping
+/// call's walk or a page fault's has none: its early id never has an entry).
+pub fn count_whole_under_early_id(
+    ebpf: &mut Ebpf,
+    event: &DeferredUnwind,
+    completion: &Completion,
+    by_calls: bool,
+) -> Counted {
+    let allocation = by_calls && event.table == stack_table::ALLOCATIONS && event.counts_cuts != 0;
+    if !allocation || completion.end == StackEnd::ReadFailed {
         return Counted::Together;
     }
     write_entry(ebpf, event, completion).unwrap_or_else(|err| {

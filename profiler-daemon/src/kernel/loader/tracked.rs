@@ -286,8 +286,9 @@ impl Loaded {
     /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
     /// before the kernel has it (see `early_stacks`).
     fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
+        let by_calls = !self.traces_pages(pid);
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
-            finish_walks(ebpf, unwind, walks, Some(list));
+            finish_walks(ebpf, unwind, walks, Some(list), |_| by_calls);
         };
         self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
@@ -336,7 +337,9 @@ impl Loaded {
         // Those of processes whose mappings could not be read, on the list the kernel has.
         let left: Vec<&DeferredCopy> =
             drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())).collect();
-        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None);
+        let by_pages: HashSet<u32> =
+            left.iter().map(|copy| copy.tgid()).filter(|&pid| self.traces_pages(pid)).collect();
+        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None, |pid| !by_pages.contains(&pid));
         drained.pids
     }
 
@@ -353,8 +356,15 @@ impl Loaded {
 }
 
 /// Finishes `walks`, deferred walks, on `list` (None: the list the kernel has), each whole stack
-/// then counted under its early id (see `early_stacks`).
-fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy], list: Option<&ProcMappings>) {
+/// then counted under its early id (see `early_stacks`); `by_calls` tells, of a process, whether
+/// it is traced by its allocator calls.
+fn finish_walks(
+    ebpf: &mut Ebpf,
+    unwind: &mut Registry,
+    walks: &[&DeferredCopy],
+    list: Option<&ProcMappings>,
+    by_calls: impl Fn(u32) -> bool,
+) {
     if walks.is_empty() {
         return;
     }
@@ -362,7 +372,8 @@ fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy],
     for copy in walks {
         copy.write_into(&mut event);
         let completion = unwind.finish_deferred(ebpf, &event, list);
-        if early_stacks::count_whole_under_early_id(ebpf, &event, completion) == early_stacks::Counted::Apart {
+        let counted = early_stacks::count_whole_under_early_id(ebpf, &event, completion, by_calls(event.tgid));
+        if counted == early_stacks::Counted::Apart {
             unwind.deferred_split();
         }
     }
