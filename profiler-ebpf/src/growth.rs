@@ -144,10 +144,11 @@ pub fn large_folio_free(ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// Offsets of `mapping` and `index` in `struct folio`, read from the kernel's BTF by the daemon
-/// (0: unknown, a folio is then tied to its fault by the fault's code only).
+/// The offset of `mapping` in `struct folio`, read from the kernel's BTF by the daemon (0:
+/// unknown, a folio is then tied to its fault by the fault's code only).
 #[unsafe(no_mangle)]
 static FOLIO_MAPPING_OFFSET: Global<u32> = Global::new(0);
+/// The offset of `index` in `struct folio`, read the same way.
 #[unsafe(no_mangle)]
 static FOLIO_INDEX_OFFSET: Global<u32> = Global::new(0);
 /// `PAGE_MAPPING_ANON`: the low bit of an anonymous folio's `mapping`.
@@ -176,12 +177,12 @@ fn fault_bytes(pid_tgid: u64, page: u64) -> u64 {
 /// the mapping; anonymous memory (`mmap`, the break) numbers its pages by their addresses. Memory
 /// moved by `mremap` keeps its old numbers and is not recognised.
 fn mapped_at(held: &LargeFolio, page: u64) -> bool {
-    let (mapping, index) = (FOLIO_MAPPING_OFFSET.load(), FOLIO_INDEX_OFFSET.load());
-    if mapping == 0 {
+    let (mapping_at, index_at) = (FOLIO_MAPPING_OFFSET.load(), FOLIO_INDEX_OFFSET.load());
+    if mapping_at == 0 {
         return false;
     }
     let first = page & !((PAGE << held.order) - 1);
-    kernel_word(held.page, mapping) & MAPPING_ANON != 0 && kernel_word(held.page, index) == first / PAGE
+    kernel_word(held.page, mapping_at) & MAPPING_ANON != 0 && kernel_word(held.page, index_at) == first / PAGE
 }
 
 #[perf_event]

@@ -40,6 +40,7 @@ pub fn count_whole_under_early_id(
     completion: &Completion,
     by_calls: bool,
 ) -> Counted {
+    // A mapping call's walk is the only one in the allocations' table that does not count cuts.
     let allocation = by_calls && event.table == stack_table::ALLOCATIONS && event.counts_cuts != 0;
     if !allocation || completion.end == StackEnd::ReadFailed {
         return Counted::Together;
