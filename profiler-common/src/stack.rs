@@ -102,6 +102,22 @@ pub mod stack_table {
     pub const FREES: u32 = 1;
 }
 
+/// What a walk's stack is of. It decides whether a cut in the walk counts in its process's drops
+/// and whether the stack has totals in `STACK_STATS`.
+pub mod walk_kind {
+    /// An allocator call or an allocation sample: its stack has totals, and a cut counts.
+    pub const CALL: u32 = 0;
+    /// A page fault of growth mode: a cut counts, but pages have no totals per stack.
+    pub const PAGE_FAULT: u32 = 1;
+    /// A mapping call: no totals, and its stack says it was cut itself.
+    pub const MAPPING_CALL: u32 = 2;
+
+    /// Whether a cut in a walk of `kind` counts in its process's drops.
+    pub const fn counts_cuts(kind: u32) -> bool {
+        kind != MAPPING_CALL
+    }
+}
+
 /// A walk that stopped at a frame whose file has no unwind table yet (a library mapped moments
 /// ago), sent through `UNWIND_EVENTS` so that memprof finishes it once the table is loaded. Its
 /// stack is stored under `stack_id` with the frames walked so far and `StackEnd::Deferred`.
@@ -124,9 +140,8 @@ pub struct DeferredUnwindOf<const WINDOW_BYTES: usize> {
     pub pc_recorded: u32,
     /// Frames the stored stack holds.
     pub stored: u32,
-    /// 1 when a cut in the walk counts in its process's drops (the heap's stacks), 0 for a
-    /// mapping's stack, which says it was cut itself.
-    pub counts_cuts: u32,
+    /// A `walk_kind` constant.
+    pub kind: u32,
     /// Pages copied into `window` (0 to `DEFERRED_PAGES`): the copy stops at the first page
     /// that cannot be read, the stack's top.
     pub pages: u32,

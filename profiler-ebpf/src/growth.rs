@@ -26,7 +26,7 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext},
     EbpfContext, Global,
 };
-use profiler_common::{stack_table, traced, DropReason};
+use profiler_common::{stack_table, traced, walk_kind, DropReason};
 
 use crate::{
     mapping, process,
@@ -226,7 +226,7 @@ pub fn page_fault(ctx: PerfEventContext) -> u32 {
         first_is_probed: false,
         // No allocator probes in such a process: no return address was taken.
         taken: TakenReturns::NONE,
-        counts_cuts: true,
+        kind: walk_kind::PAGE_FAULT,
     };
     let stack_id = unwind::stack_id(stack_table::ALLOCATIONS, tgid, regs);
     // SAFETY: a helper without arguments.

@@ -35,7 +35,7 @@ use aya_ebpf::{
 };
 use profiler_common::{
     mapping_event::{self, syscall},
-    stack_table, traced, DropReason, MappingEvent, NO_STACK,
+    stack_table, traced, walk_kind, DropReason, MappingEvent, NO_STACK,
 };
 
 use crate::{
@@ -259,7 +259,7 @@ fn send(regs: u64, change: &Change, tgid: u32, tid: u32) {
             // probed too) is the kernel's return trampoline on the stack.
             taken: if inside { TakenReturns::current(return_trampoline()) } else { TakenReturns::NONE },
             // `dropped` counts the heap's walks; a mapping's stack says it was cut itself.
-            counts_cuts: false,
+            kind: walk_kind::MAPPING_CALL,
         };
         let inside = if inside { mapping_event::IN_ALLOCATOR } else { 0 };
         (unwind::stack_id(stack_table::ALLOCATIONS, tgid, regs), change.flags | inside)

@@ -10,7 +10,7 @@
 
 use anyhow::Context as _;
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
-use profiler_common::{stack_table, DeferredUnwind, ProcHeap, Stack, StackEnd, StackKey, StackStats};
+use profiler_common::{stack_table, walk_kind, DeferredUnwind, ProcHeap, Stack, StackEnd, StackKey, StackStats};
 
 use crate::{
     kernel::aggregate::{map, whole_frames, whole_id},
@@ -31,17 +31,16 @@ pub enum Counted {
 /// Makes the whole stack of deferred walk `event`, finished as `completion`, count under the
 /// walk's early id, unless it has an entry already. A walk memprof could not finish ends where
 /// the kernel's will, at the same frame, for the same reason; but for a read of the stack, which
-/// memprof's copy of it may end before the kernel's does. `by_calls`: whether the walk's process
-/// is traced by its allocator calls, whose allocations alone have totals per stack (a mapping
-/// call's walk or a page fault's has none: its early id never has an entry).
+/// memprof's copy of it may end before the kernel's does. Only an allocation's stack has totals:
+/// a page fault's or a mapping call's early id never has an entry. `by_calls`: whether the walk's
+/// process is traced by its allocator calls still; the stacks of one moved to its pages went.
 pub fn count_whole_under_early_id(
     ebpf: &mut Ebpf,
     event: &DeferredUnwind,
     completion: &Completion,
     by_calls: bool,
 ) -> Counted {
-    // A mapping call's walk is the only one in the allocations' table that does not count cuts.
-    let allocation = by_calls && event.table == stack_table::ALLOCATIONS && event.counts_cuts != 0;
+    let allocation = by_calls && event.table == stack_table::ALLOCATIONS && event.kind == walk_kind::CALL;
     if !allocation || completion.end == StackEnd::ReadFailed {
         return Counted::Together;
     }

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use profiler_common::{
-    cfa, mapping_kind, rbp, DeferredUnwind, DropReason, ProcMappings, StackEnd, UnwindRow, ENTRY_ROW,
+    cfa, mapping_kind, rbp, walk_kind, DeferredUnwind, DropReason, ProcMappings, StackEnd, UnwindRow, ENTRY_ROW,
     FRAME_POINTER_ROW, MAX_MAPPINGS, PAGE_BYTES, UC_RBP, UC_RIP, UC_RSP,
 };
 
@@ -62,7 +62,7 @@ impl Deferred {
         };
         self.counts.walks += 1;
         *self.finished.entry(event.tgid).or_default() += 1;
-        if event.counts_cuts != 0 && completion.end.drop_reason().is_some() {
+        if walk_kind::counts_cuts(event.kind) && completion.end.drop_reason().is_some() {
             self.cut.entry(event.tgid).or_default().push((event.time_ns, completion.end));
         }
         if !matches!(completion.end, StackEnd::Complete | StackEnd::TooDeep) {
@@ -267,7 +267,7 @@ mod tests {
             bp_known: 1,
             pc_recorded: 1,
             stored: 1,
-            counts_cuts: 1,
+            kind: walk_kind::CALL,
             pages: 1,
             window_start: sp & !0xfff,
             time_ns: 0,

@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{ring_buf::RingBufEntry, HashMap},
 };
 use profiler_common::{
-    DeferredUnwind, DeferredUnwindOf, DropReason, ShortDeferredUnwind, Stack, StackEnd, NO_STACK, PAGE_BYTES,
-    SHORT_DEFERRED_PAGES,
+    walk_kind, DeferredUnwind, DeferredUnwindOf, DropReason, ShortDeferredUnwind, Stack, StackEnd, NO_STACK,
+    PAGE_BYTES, SHORT_DEFERRED_PAGES,
 };
 
 use super::{
@@ -44,11 +44,12 @@ pub(super) fn defer(
     which: u32,
     scratch: &mut Scratch,
     ours: u64,
-    counts_cuts: bool,
+    kind: u32,
 ) -> Option<u64> {
+    let mapping_call = kind == walk_kind::MAPPING_CALL;
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.
-    let first_frame_only = (walk.len == 0 && walk.first_is_probed != 0) || (!counts_cuts && walk.len <= 1);
+    let first_frame_only = (walk.len == 0 && walk.first_is_probed != 0) || (mapping_call && walk.len <= 1);
     let caller = if first_frame_only { unsafe { bpf_probe_read_user(walk.sp as *const u64) }.unwrap_or(0) } else { 0 };
     let callers = callers();
     let walk = &scratch.walk;
@@ -64,9 +65,9 @@ pub(super) fn defer(
         return Some(NO_STACK);
     }
     let queued = UNWIND_EVENTS.query(BPF_RB_AVAIL_DATA as u64);
-    // A mapping's walk (`counts_cuts` false) gives way to the heap's: it takes no copy once the
-    // ring is a quarter full, and keeps its stack cut instead.
-    if !counts_cuts && queued > UNWIND_EVENTS_BYTES / 4 {
+    // A mapping call's walk gives way to the heap's: it takes no copy once the ring is a quarter
+    // full, and keeps its stack cut instead.
+    if mapping_call && queued > UNWIND_EVENTS_BYTES / 4 {
         return None;
     }
     // Every walk gives way to the mapping changes (see `MAPPING_EVENTS_ROOM`).
@@ -80,11 +81,11 @@ pub(super) fn defer(
     let short = unsafe { bpf_probe_read_user(past_short as *const u8) }.is_err();
     let entry = if short {
         let mut entry = UNWIND_EVENTS.reserve::<ShortDeferredUnwind>(0)?;
-        fill(entry.as_mut_ptr(), walk, id, which, counts_cuts, window_start);
+        fill(entry.as_mut_ptr(), walk, id, which, kind, window_start);
         Reserved::Short(entry)
     } else {
         let mut entry = UNWIND_EVENTS.reserve::<DeferredUnwind>(0)?;
-        fill(entry.as_mut_ptr(), walk, id, which, counts_cuts, window_start);
+        fill(entry.as_mut_ptr(), walk, id, which, kind, window_start);
         Reserved::Whole(entry)
     };
     scratch.stack.check = check;
@@ -144,7 +145,7 @@ fn fill<const WINDOW_BYTES: usize>(
     walk: &Walk,
     id: u64,
     which: u32,
-    counts_cuts: bool,
+    kind: u32,
     window_start: u64,
 ) {
     let pages = WINDOW_BYTES / PAGE_BYTES;
@@ -157,7 +158,7 @@ fn fill<const WINDOW_BYTES: usize>(
         ((*event).pc_is_return, (*event).bp_known) = (walk.pc_is_return, walk.bp_known);
         (*event).pc_recorded = u32::from(walk.len > 0 || walk.pc_is_return != 0);
         (*event).stored = walk.len;
-        (*event).counts_cuts = u32::from(counts_cuts);
+        (*event).kind = kind;
         (*event).window_start = window_start;
         (*event).time_ns = bpf_ktime_get_ns();
         (*event).pages = pages as u32;

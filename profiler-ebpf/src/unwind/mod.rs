@@ -28,7 +28,8 @@ use aya_ebpf::{
     Global,
 };
 use profiler_common::{
-    stack_id_of, stack_table, DropReason, ExecMapping, Stack, StackEnd, MAX_FRAMES, NO_STACK, STACK_HASH_SEED,
+    stack_id_of, stack_table, walk_kind, DropReason, ExecMapping, Stack, StackEnd, MAX_FRAMES, NO_STACK,
+    STACK_HASH_SEED,
 };
 
 use crate::{
@@ -129,9 +130,10 @@ pub struct Regs {
     /// return addresses; none for the allocator's own probes, whose walks start outside the
     /// calls they probe.
     pub taken: TakenReturns,
-    /// Whether a walk cut short counts in its process's drops: the heap's stacks do; a
-    /// mapping's stack is only marked truncated in its report (see `mapping`).
-    pub counts_cuts: bool,
+    /// A `walk_kind` constant: whether a walk cut short counts in its process's drops (a
+    /// mapping's stack is only marked truncated in its report, see `mapping`), and whether its
+    /// stack has totals.
+    pub kind: u32,
 }
 
 impl Regs {
@@ -146,7 +148,7 @@ impl Regs {
             pc_is_return,
             first_is_probed: !pc_is_return,
             taken: TakenReturns::NONE,
-            counts_cuts: true,
+            kind: walk_kind::CALL,
         }
     }
 
@@ -166,7 +168,7 @@ impl Regs {
             pc_is_return: true,
             first_is_probed: false,
             taken: TakenReturns::NONE,
-            counts_cuts: true,
+            kind: walk_kind::CALL,
         }
     }
 
@@ -190,7 +192,7 @@ impl Regs {
             pc_is_return: true,
             first_is_probed: false,
             taken: TakenReturns::NONE,
-            counts_cuts: true,
+            kind: walk_kind::CALL,
         }
     }
 }
@@ -221,7 +223,10 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     // Only the heap's walks from a return address outside any probed call: their stacks repeat,
     // and nothing but the registers and the stack's words decides them (see `memo`).
     walk.memoize = u32::from(
-        which == stack_table::ALLOCATIONS && regs.pc_is_return && regs.taken.trampoline == 0 && regs.counts_cuts,
+        which == stack_table::ALLOCATIONS
+            && regs.pc_is_return
+            && regs.taken.trampoline == 0
+            && walk_kind::counts_cuts(regs.kind),
     );
     // No mapping yet: an empty range.
     walk.mapping.end = 0;
@@ -236,7 +241,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     if id != NO_STACK {
         return id;
     }
-    remember_walk(walk_and_store(which, u32::from(regs.counts_cuts), ours))
+    remember_walk(walk_and_store(which, regs.kind, ours))
 }
 
 /// `memo::recall` for the walk `stack_id` set up; `NO_STACK` when it is not remembered. A global
@@ -283,9 +288,8 @@ pub extern "C" fn remember_walk(id: u64) -> u64 {
 /// that reaches each of its call sites.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64 {
+pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     let table = if which == stack_table::FREES { &FREE_STACKS } else { &STACKS };
-    let counts_cuts = counts_cuts != 0;
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
@@ -297,13 +301,13 @@ pub extern "C" fn walk_and_store(which: u32, counts_cuts: u32, ours: u64) -> u64
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
     if end == StackEnd::NoTable && !list_was_current(scratch.walk.start.tgid, scratch.walk.list_seen) {
-        if let Some(id) = defer(table, which, scratch, ours, counts_cuts) {
+        if let Some(id) = defer(table, which, scratch, ours, kind) {
             return id;
         }
         reason = Some(DropReason::DeferredWalkLost);
     }
     let walk = &scratch.walk;
-    if let Some(reason) = reason.filter(|_| counts_cuts) {
+    if let Some(reason) = reason.filter(|_| walk_kind::counts_cuts(kind)) {
         count_drop(reason);
     }
     let check = walk.check ^ walk.len as u64;
