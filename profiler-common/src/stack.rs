@@ -105,7 +105,8 @@ pub mod stack_table {
 /// What a walk's stack is of. It decides whether a cut in the walk counts in its process's drops
 /// and whether the stack has totals in `STACK_STATS`.
 pub mod walk_kind {
-    /// An allocator call or an allocation sample: its stack has totals, and a cut counts.
+    /// An allocator call or an allocation sample: a cut counts, and in the allocations' table its
+    /// stack has totals (a free's, in the frees' table, has none).
     pub const CALL: u32 = 0;
     /// A page fault of growth mode: a cut counts, but pages have no totals per stack.
     pub const PAGE_FAULT: u32 = 1;

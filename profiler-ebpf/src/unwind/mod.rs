@@ -226,7 +226,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
         which == stack_table::ALLOCATIONS
             && regs.pc_is_return
             && regs.taken.trampoline == 0
-            && walk_kind::counts_cuts(regs.kind),
+            && regs.kind != walk_kind::MAPPING_CALL,
     );
     // No mapping yet: an empty range.
     walk.mapping.end = 0;
