@@ -24,7 +24,7 @@ pub enum Counted {
     Together,
     /// Under an id of its own too: the whole stack had an entry already (the kernel walked it
     /// whole before, or another deferred walk of it, stopped at another frame, was finished
-    /// first), or may have one (the early id had none yet). The report adds the two ids' highs.
+    /// first). The report adds the two ids' highs.
     Apart,
 }
 
@@ -63,11 +63,10 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
     }
     let stats = ebpf.map_mut("STACK_STATS").context("map STACK_STATS missing from the eBPF object")?;
     let mut stats = BpfHashMap::<_, StackKey, StackStats>::try_from(stats)?;
-    // None yet (memprof read the walk before the kernel counted its allocation), or an earlier
-    // program's, which the exec's purge drops: whether the stack stays apart cannot be told.
-    if stats.get(&early, 0).is_err() {
-        return Ok(Counted::Apart);
-    }
+    // The early id may have no entry yet: memprof read the walk before the kernel counted its
+    // allocation. The entry below sends the whole stack's allocations there all the same, and
+    // the kernel makes it at the first of them. (A walk of the program before an exec is sent
+    // under the new program's number: an entry its stacks never name.)
     let apart =
         |existing: StackStats| if existing.counted_as == event.stack_id { Counted::Together } else { Counted::Apart };
     if let Ok(existing) = stats.get(&whole, 0) {

@@ -57,7 +57,7 @@ impl Deferred {
         frame_limit: usize,
     ) -> &Completion {
         let completion = match mappings {
-            Some(mappings) => walk(event, mappings, rows, frame_limit.saturating_sub(event.stored as usize)),
+            Some(mappings) => walk_on(event, mappings, rows, frame_limit),
             None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
         };
         self.counts.walks += 1;
@@ -129,6 +129,16 @@ impl Window<'_> {
         let word = self.bytes.get(offset..offset.checked_add(8)?)?;
         Some(u64::from_ne_bytes(word.try_into().ok()?))
     }
+}
+
+/// Walk `event` finished on `mappings`, within `frame_limit` frames in all (`--max-frames`).
+pub(super) fn walk_on(
+    event: &DeferredUnwind,
+    mappings: &ProcMappings,
+    rows: &impl Rows,
+    frame_limit: usize,
+) -> Completion {
+    walk(event, mappings, rows, frame_limit.saturating_sub(event.stored as usize))
 }
 
 /// The kernel's walk (`profiler-ebpf/src/unwind/frames.rs`, `frame`) from where it stopped: its frame

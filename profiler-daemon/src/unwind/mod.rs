@@ -214,6 +214,19 @@ impl UnwindEvents {
             .collect()
     }
 
+    /// The walks of `tgid` still in the ring, or read from it and not collected, that `wanted`
+    /// accepts, taken out. Those its old program sent before an exec memprof knows of are
+    /// dropped, as `drain` drops them.
+    pub fn take_uncollected_walks(
+        &mut self,
+        tgid: u32,
+        wanted: impl FnMut(&DeferredCopy) -> bool,
+    ) -> Vec<DeferredCopy> {
+        let mut walks = self.reader.take_walks_of(tgid, wanted);
+        walks.retain(|copy| sent_by_current_program(&self.execs, tgid, copy.time_ns()));
+        walks
+    }
+
     /// `tgid`'s mappings were read from `started_ns` for `took`: its next events wait their gap.
     pub fn mappings_read(&mut self, tgid: u32, started_ns: u64, took: Duration) {
         self.pacing.read(tgid, started_ns, took);

@@ -118,6 +118,28 @@ impl Reader {
         records
     }
 
+    /// The walks process `tgid` deferred that `wanted` accepts, committed so far, taken out; the
+    /// other records stay, in order, for `take`.
+    pub fn take_walks_of(&self, tgid: u32, mut wanted: impl FnMut(&DeferredCopy) -> bool) -> Vec<DeferredCopy> {
+        let mut reading = self.shared.reading();
+        let Reading { events, held } = &mut *reading;
+        held.read(events, u64::MAX);
+        let (walks, others): (Vec<_>, Vec<_>) = std::mem::take(&mut held.records)
+            .into_iter()
+            .partition(|record| matches!(record, Record::Deferred(copy) if copy.tgid() == tgid && wanted(copy)));
+        held.records = others;
+        let walks: Vec<DeferredCopy> = walks
+            .into_iter()
+            .filter_map(|record| match record {
+                Record::Deferred(copy) => Some(copy),
+                Record::Other(_) => None,
+            })
+            .collect();
+        held.bytes -= walks.iter().map(|copy| copy.len() as u64).sum::<u64>();
+        self.shared.taken.notify_one();
+        walks
+    }
+
     /// Readable while records wait to be taken.
     pub fn bell(&self) -> BorrowedFd<'_> {
         self.shared.bell.as_fd()

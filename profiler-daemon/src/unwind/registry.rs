@@ -9,14 +9,14 @@ use std::collections::{HashMap, HashSet};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
-use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, MAX_MAPPINGS};
+use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, StackEnd, MAX_MAPPINGS};
 
 use super::{
-    deferred::{Completion, Deferred},
+    deferred::{self, Completion, Deferred},
     shards::{Shards, SHARD_BYTES},
     share::UserShares,
     space::RowSpace,
-    table,
+    table, DeferredCopy,
 };
 use crate::console::say;
 use crate::process::{
@@ -259,14 +259,16 @@ impl Registry {
         };
         list.entries[..entries.len()].copy_from_slice(&entries);
         before_list(ebpf, self, &list);
-        if let Err(err) = self.write_list(ebpf, pid, &list) {
+        let waits = self.waits_for_libraries(pid, &used);
+        let written = if waits { Ok(()) } else { self.write_list(ebpf, pid, &list) };
+        if waits || written.is_err() {
             // The kernel keeps the old list: the process keeps the files it names.
             for key in used.difference(&held) {
                 self.release(key, uid);
             }
             self.processes.insert(pid, old);
             self.drop_unused();
-            return Err(err);
+            return written.map(|()| false);
         }
         if let Some(preloaded) = self.preloaded.get(&pid) {
             if preloaded.is_subset(&used) {
@@ -291,6 +293,19 @@ impl Registry {
             self.log_use();
         }
         Ok(changed)
+    }
+
+    /// Whether `pid`'s list of files `used` is held back from the kernel: `memprof run`'s
+    /// command, whose list read at its exec holds only the executable and its dynamic linker,
+    /// until the libraries the linker maps a moment later (`preload`) are there. Meanwhile its
+    /// walks stop at their first frame, as before it had a list, under the same ids; given that
+    /// list, they would stop in the C library, under others, and a stack met at both places
+    /// would be counted under two ids (see `kernel::early_stacks`). Its first walk brings its
+    /// mappings to be read again.
+    fn waits_for_libraries(&self, pid: u32, used: &HashSet<FileKey>) -> bool {
+        const EXECUTABLE_AND_LINKER: usize = 2;
+        used.len() <= EXECUTABLE_AND_LINKER
+            && self.preloaded.get(&pid).is_some_and(|preloaded| !preloaded.is_subset(used))
     }
 
     /// Gives the kernel `pid`'s mapping list.
@@ -340,6 +355,13 @@ impl Registry {
         };
         let kernels = if list.is_none() { kernels() } else { None };
         self.deferred.finish(event, list.or(kernels.as_ref()), &self.shards, self.frame_limit)
+    }
+
+    /// Whether deferred walk `copy` finished on `list` would find a table for each of its
+    /// frames. `scratch`: any event, written over.
+    pub fn tables_serve(&self, copy: &DeferredCopy, list: &ProcMappings, scratch: &mut DeferredUnwind) -> bool {
+        copy.write_into(scratch);
+        deferred::walk_on(scratch, list, &self.shards, self.frame_limit).end != StackEnd::NoTable
     }
 
     /// A finished walk's allocation stack is counted under two ids (see `TableUse`).

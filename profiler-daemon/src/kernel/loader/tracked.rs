@@ -284,11 +284,17 @@ impl Loaded {
     }
 
     /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
-    /// before the kernel has it (see `early_stacks`).
+    /// before the kernel has it (see `early_stacks`). So too the walks of `pid` not collected yet
+    /// (sent while the list's tables were built, or since its last exec) whose files the list
+    /// holds: finished after the kernel walked their stacks whole on it, they would count apart.
+    /// The others wait for a list with their files.
     fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
-        let by_calls = !self.traces_pages(pid);
+        let unwind_events = &mut self.unwind_events;
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
-            finish_walks(ebpf, unwind, walks, Some(list), |_| by_calls);
+            let mut scratch = DeferredCopy::blank();
+            let late = unwind_events.take_uncollected_walks(pid, |copy| unwind.tables_serve(copy, list, &mut scratch));
+            let all: Vec<&DeferredCopy> = walks.iter().copied().chain(&late).collect();
+            finish_walks(ebpf, unwind, &all, Some(list));
         };
         self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
@@ -337,9 +343,7 @@ impl Loaded {
         // Those of processes whose mappings could not be read, on the list the kernel has.
         let left: Vec<&DeferredCopy> =
             drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())).collect();
-        let by_pages: HashSet<u32> =
-            left.iter().map(|copy| copy.tgid()).filter(|&pid| self.traces_pages(pid)).collect();
-        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None, |pid| !by_pages.contains(&pid));
+        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None);
         drained.pids
     }
 
@@ -356,15 +360,8 @@ impl Loaded {
 }
 
 /// Finishes `walks`, deferred walks, on `list` (None: the list the kernel has), each whole stack
-/// then counted under its early id (see `early_stacks`); `by_calls` tells, of a process, whether
-/// it is traced by its allocator calls.
-fn finish_walks(
-    ebpf: &mut Ebpf,
-    unwind: &mut Registry,
-    walks: &[&DeferredCopy],
-    list: Option<&ProcMappings>,
-    by_calls: impl Fn(u32) -> bool,
-) {
+/// then counted under its early id (see `early_stacks`).
+fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy], list: Option<&ProcMappings>) {
     if walks.is_empty() {
         return;
     }
@@ -372,8 +369,7 @@ fn finish_walks(
     for copy in walks {
         copy.write_into(&mut event);
         let completion = unwind.finish_deferred(ebpf, &event, list);
-        let counted = early_stacks::count_whole_under_early_id(ebpf, &event, completion, by_calls(event.tgid));
-        if counted == early_stacks::Counted::Apart {
+        if early_stacks::count_whole_under_early_id(ebpf, &event, completion) == early_stacks::Counted::Apart {
             unwind.deferred_split();
         }
     }
