@@ -151,12 +151,12 @@ pub fn how_traced(pages: bool, probes: usize, allocator: &Allocator) -> String {
 /// meanwhile is all there is of it then, and forgetting it here left a whole report unnamed and
 /// unwound (1 run in 60).
 fn new_program_mappings(loaded: &mut Loaded, symbolizer: &SymbolizerHandle, pid: u32) {
-    let changes = loaded.code_changes(pid);
+    let before = loaded.before_mappings(pid);
     if let Some(mappings) = procfs::file_mappings(pid).ok().filter(|mappings| !mappings.is_empty()) {
         // Nothing of the program before the exec is kept.
         symbolizer.forget(pid);
         symbolizer.refresh_with(pid, mappings.clone());
-        loaded.sync_mappings_with(pid, &mappings, changes);
+        loaded.sync_mappings_with(pid, &mappings, before);
     }
 }
 
@@ -280,6 +280,9 @@ impl Family {
             process.under_valgrind = true;
             say!("memprof: pid {pid} runs valgrind ({valgrind}): no longer traced (memprof's breakpoints would stop its program)");
             return;
+        }
+        if let Some(exec) = exec {
+            loaded.exec_seen(pid, exec.time_ns);
         }
         if std::mem::take(&mut process.expect_exec) {
             // `memprof run`'s command is in its own program now, probed since before its exec:

@@ -53,9 +53,7 @@ pub fn count_whole_under_early_id(
 fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion) -> anyhow::Result<Counted> {
     let stored: Stack = BpfHashMap::<_, u64, Stack>::try_from(map(ebpf, "STACKS")?)?.get(&event.stack_id, 0)?;
     let (frames, end) = whole_frames(&stored, Some(completion));
-    let heap: Option<ProcHeap> =
-        BpfHashMap::<_, u32, ProcHeap>::try_from(map(ebpf, "PROC_HEAP")?)?.get(&event.tgid, 0).ok();
-    let image = heap.map_or(0, |heap| heap.image as u32);
+    let image = program_image(ebpf, event.tgid).unwrap_or(0);
     let early = StackKey { tgid: event.tgid, image, stack_id: event.stack_id };
     let whole = StackKey { stack_id: whole_id(&frames, end), ..early };
     if whole == early {
@@ -77,4 +75,11 @@ fn write_entry(ebpf: &mut Ebpf, event: &DeferredUnwind, completion: &Completion)
         // The kernel counted it whole in between.
         Err(err) => stats.get(&whole, 0).map(apart).map_err(|_| err.into()),
     }
+}
+
+/// The number of the program process `tgid` runs (`ProcHeap::image`), which each of its execs
+/// moves; None before its first allocator call.
+pub fn program_image(ebpf: &Ebpf, tgid: u32) -> Option<u32> {
+    let heaps = BpfHashMap::<_, u32, ProcHeap>::try_from(map(ebpf, "PROC_HEAP").ok()?).ok()?;
+    heaps.get(&tgid, 0).ok().map(|heap| heap.image as u32)
 }

@@ -214,17 +214,20 @@ impl UnwindEvents {
             .collect()
     }
 
-    /// The walks of `tgid` still in the ring, or read from it and not collected, that `wanted`
-    /// accepts, taken out. Those its old program sent before an exec memprof knows of are
-    /// dropped, as `drain` drops them.
-    pub fn take_uncollected_walks(
-        &mut self,
-        tgid: u32,
-        wanted: impl FnMut(&DeferredCopy) -> bool,
-    ) -> Vec<DeferredCopy> {
-        let mut walks = self.reader.take_walks_of(tgid, wanted);
+    /// The walks of `tgid` still in the ring, or read from it and not collected, taken out: to be
+    /// finished on the mapping list about to be given to the kernel (see
+    /// `kernel::early_stacks`). Those its old program sent before an exec memprof knows of are
+    /// dropped, as `drain` drops them (an exec is known from its event on: see
+    /// `kernel::Loaded::exec_seen`). Those the list cannot finish go back (`give_back`).
+    pub fn take_uncollected_walks(&mut self, tgid: u32) -> Vec<DeferredCopy> {
+        let mut walks = self.reader.take_walks_of(tgid);
         walks.retain(|copy| sent_by_current_program(&self.execs, tgid, copy.time_ns()));
         walks
+    }
+
+    /// Walks taken by `take_uncollected_walks` and not finished, collected for the next `drain`.
+    pub fn give_back(&mut self, walks: Vec<DeferredCopy>) {
+        self.pending.extend(walks.into_iter().map(Pending::Deferred));
     }
 
     /// `tgid`'s mappings were read from `started_ns` for `took`: its next events wait their gap.

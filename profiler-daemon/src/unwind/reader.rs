@@ -118,15 +118,15 @@ impl Reader {
         records
     }
 
-    /// The walks process `tgid` deferred that `wanted` accepts, committed so far, taken out; the
-    /// other records stay, in order, for `take`.
-    pub fn take_walks_of(&self, tgid: u32, mut wanted: impl FnMut(&DeferredCopy) -> bool) -> Vec<DeferredCopy> {
+    /// The walks process `tgid` deferred, committed so far, taken out; the other records stay, in
+    /// order, for `take`.
+    pub fn take_walks_of(&self, tgid: u32) -> Vec<DeferredCopy> {
         let mut reading = self.shared.reading();
         let Reading { events, held } = &mut *reading;
         held.read(events, u64::MAX);
         let (walks, others): (Vec<_>, Vec<_>) = std::mem::take(&mut held.records)
             .into_iter()
-            .partition(|record| matches!(record, Record::Deferred(copy) if copy.tgid() == tgid && wanted(copy)));
+            .partition(|record| matches!(record, Record::Deferred(copy) if copy.tgid() == tgid));
         held.records = others;
         let walks: Vec<DeferredCopy> = walks
             .into_iter()
@@ -136,6 +136,11 @@ impl Reader {
             })
             .collect();
         held.bytes -= walks.iter().map(|copy| copy.len() as u64).sum::<u64>();
+        // The ring was read to its end here: the thread may find nothing to ring for what is
+        // left.
+        if !held.records.is_empty() {
+            self.shared.bell.ring();
+        }
         self.shared.taken.notify_one();
         walks
     }

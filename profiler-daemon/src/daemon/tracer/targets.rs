@@ -417,6 +417,7 @@ impl Tracer {
         } else {
             // Its probes stay: what the old program left goes, what the new one recorded stays.
             // Mappings first: until they are written, each of its walks is deferred.
+            self.loaded.exec_seen(pid, event.time_ns);
             self.loaded.sync_mappings(pid);
             self.loaded.image_replaced(nonzero, event);
         }

@@ -251,9 +251,9 @@ impl Loaded {
     ) -> anyhow::Result<Attachment> {
         // Tables first: the first allocation's stack needs them. Its dynamic linker is not hooked
         // yet, so the count of its code changes is none, read before or after the mappings.
-        let changes = self.code_changes(pid.get());
+        let before = self.before_mappings(pid.get());
         if !mappings.is_empty() {
-            self.sync_mappings_with(pid.get(), mappings, changes);
+            self.sync_mappings_with(pid.get(), mappings, before);
         }
         self.attach_probes(allocator, pid, Program::Running, mappings)
             .inspect_err(|_| self.let_go(&HashSet::from([pid.get()])))

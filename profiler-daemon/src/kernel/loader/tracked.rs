@@ -27,6 +27,17 @@ use crate::{
 
 use super::Loaded;
 
+/// What is known of a process just before its mappings are read (`Loaded::before_mappings`).
+#[derive(Debug, Clone, Copy)]
+pub struct BeforeMappings {
+    /// When (monotonic ns).
+    read_ns: u64,
+    /// Its count of code changes (see `unwind::Registry::code_changes`).
+    changes: u64,
+    /// The program it runs (`early_stacks::program_image`), which each exec moves.
+    image: Option<u32>,
+}
+
 impl Loaded {
     /// Makes `pid`'s execs and forks reported in `process_events`.
     pub(super) fn track(&mut self, pid: u32) -> anyhow::Result<()> {
@@ -262,41 +273,68 @@ impl Loaded {
     /// Gives the stack walk the current executable mappings of `pid` and their tables; returns
     /// whether the files it maps with code changed.
     pub fn sync_mappings(&mut self, pid: u32) -> bool {
-        let changes = self.code_changes(pid);
+        let before = self.before_mappings(pid);
         // An exited process not yet reaped has no mappings left: keep what it had.
         match procfs::file_mappings(pid) {
-            Ok(mappings) if !mappings.is_empty() => self.sync_mappings_with(pid, &mappings, changes),
+            Ok(mappings) if !mappings.is_empty() => self.sync_mappings_with(pid, &mappings, before),
             _ => false,
         }
     }
 
-    /// `pid`'s count of code changes, to read before its mappings for `sync_mappings_with` (see
-    /// `unwind::Registry::code_changes`).
-    pub fn code_changes(&mut self, pid: u32) -> u64 {
-        self.unwind.code_changes(&mut self.ebpf, pid)
+    /// Process `pid` exec'd at `exec_ns` (its event's time): the walks its old program sent are
+    /// not finished on the new one's mappings. Told before they are read, which
+    /// `image_replaced` follows.
+    pub fn exec_seen(&mut self, pid: u32, exec_ns: u64) {
+        self.unwind_events.exec_happened(pid, exec_ns);
     }
 
-    /// `sync_mappings` with `pid`'s mappings read already, after `code_changes` gave `changes`.
+    /// What `sync_mappings_with` needs of `pid`, read just before its mappings.
+    pub fn before_mappings(&mut self, pid: u32) -> BeforeMappings {
+        BeforeMappings {
+            read_ns: aggregate::monotonic_now_ns(),
+            changes: self.unwind.code_changes(&mut self.ebpf, pid),
+            image: early_stacks::program_image(&self.ebpf, pid),
+        }
+    }
+
+    /// `sync_mappings` with `pid`'s mappings read already, after `before_mappings` gave `before`.
     /// The walks `pid` deferred that wait their turn are finished on the way (see `early_stacks`).
-    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], changes: u64) -> bool {
+    pub fn sync_mappings_with(&mut self, pid: u32, mappings: &[FileMapping], before: BeforeMappings) -> bool {
         let waiting = self.unwind_events.take_deferred(pid);
-        self.sync_finishing(pid, mappings, changes, &waiting.iter().collect::<Vec<_>>())
+        self.sync_finishing(pid, mappings, before, &waiting.iter().collect::<Vec<_>>())
     }
 
     /// `sync_mappings_with`, finishing `walks`, deferred walks of `pid`, on the new mapping list
-    /// before the kernel has it (see `early_stacks`). So too the walks of `pid` not collected yet
-    /// (sent while the list's tables were built, or since its last exec) whose files the list
-    /// holds: finished after the kernel walked their stacks whole on it, they would count apart.
-    /// The others wait for a list with their files.
-    fn sync_finishing(&mut self, pid: u32, mappings: &[FileMapping], changes: u64, walks: &[&DeferredCopy]) -> bool {
+    /// before the kernel has it (see `early_stacks`). Then, unless `pid` exec'd since its
+    /// mappings were read, the walks it sent that are still in the ring (while the list's tables
+    /// were built): finished after the kernel walked their stacks whole on the list, they would
+    /// count apart. Those whose files the list lacks wait for another list. Last, to leave the
+    /// kernel the least time to walk a stack whole before its walk is finished.
+    fn sync_finishing(
+        &mut self,
+        pid: u32,
+        mappings: &[FileMapping],
+        before: BeforeMappings,
+        walks: &[&DeferredCopy],
+    ) -> bool {
+        let by_calls = !self.traces_pages(pid);
+        let linker_reported = self.unwind_events.objects(pid).is_some();
         let unwind_events = &mut self.unwind_events;
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
+            finish_walks(ebpf, unwind, walks, Some(list), |_| by_calls);
+            if early_stacks::program_image(ebpf, pid) != before.image {
+                return;
+            }
             let mut scratch = DeferredCopy::blank();
-            let late = unwind_events.take_uncollected_walks(pid, |copy| unwind.tables_serve(copy, list, &mut scratch));
-            let all: Vec<&DeferredCopy> = walks.iter().copied().chain(&late).collect();
-            finish_walks(ebpf, unwind, &all, Some(list));
+            let (served, waiting): (Vec<_>, Vec<_>) = unwind_events
+                .take_uncollected_walks(pid)
+                .into_iter()
+                .partition(|copy| unwind.tables_serve(copy, list, &mut scratch));
+            finish_walks(ebpf, unwind, &served.iter().collect::<Vec<_>>(), Some(list), |_| by_calls);
+            unwind_events.give_back(waiting);
         };
-        self.unwind.sync_with(&mut self.ebpf, pid, mappings, changes, finish).unwrap_or_else(|err| {
+        let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, linker_reported, finish);
+        synced.unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
             false
         })
@@ -322,8 +360,8 @@ impl Loaded {
         let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), reads);
         let mut finished = HashSet::new();
         for &pid in &drained.pids {
-            let (started_ns, started) = (aggregate::monotonic_now_ns(), Instant::now());
-            let changes = self.code_changes(pid);
+            let started = Instant::now();
+            let before = self.before_mappings(pid);
             let mappings = match procfs::file_mappings(pid) {
                 Ok(mappings) if !mappings.is_empty() => mappings,
                 _ => match self.unwind_events.objects(pid) {
@@ -336,14 +374,16 @@ impl Loaded {
             };
             on_read(pid, &mappings);
             let walks: Vec<&DeferredCopy> = drained.deferred.iter().filter(|copy| copy.tgid() == pid).collect();
-            self.sync_finishing(pid, &mappings, changes, &walks);
+            self.sync_finishing(pid, &mappings, before, &walks);
             finished.insert(pid);
-            self.unwind_events.mappings_read(pid, started_ns, started.elapsed());
+            self.unwind_events.mappings_read(pid, before.read_ns, started.elapsed());
         }
         // Those of processes whose mappings could not be read, on the list the kernel has.
         let left: Vec<&DeferredCopy> =
             drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())).collect();
-        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None);
+        let by_pages: HashSet<u32> =
+            left.iter().map(|copy| copy.tgid()).filter(|&pid| self.traces_pages(pid)).collect();
+        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None, |pid| !by_pages.contains(&pid));
         drained.pids
     }
 
@@ -360,8 +400,15 @@ impl Loaded {
 }
 
 /// Finishes `walks`, deferred walks, on `list` (None: the list the kernel has), each whole stack
-/// then counted under its early id (see `early_stacks`).
-fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy], list: Option<&ProcMappings>) {
+/// then counted under its early id (see `early_stacks`); `by_calls` tells, of a process, whether
+/// it is traced by its allocator calls.
+fn finish_walks(
+    ebpf: &mut Ebpf,
+    unwind: &mut Registry,
+    walks: &[&DeferredCopy],
+    list: Option<&ProcMappings>,
+    by_calls: impl Fn(u32) -> bool,
+) {
     if walks.is_empty() {
         return;
     }
@@ -369,7 +416,8 @@ fn finish_walks(ebpf: &mut Ebpf, unwind: &mut Registry, walks: &[&DeferredCopy],
     for copy in walks {
         copy.write_into(&mut event);
         let completion = unwind.finish_deferred(ebpf, &event, list);
-        if early_stacks::count_whole_under_early_id(ebpf, &event, completion) == early_stacks::Counted::Apart {
+        let counted = early_stacks::count_whole_under_early_id(ebpf, &event, completion, by_calls(event.tgid));
+        if counted == early_stacks::Counted::Apart {
             unwind.deferred_split();
         }
     }
