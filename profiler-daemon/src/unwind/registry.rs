@@ -207,15 +207,15 @@ impl Registry {
     /// whether the files it maps with code changed. The mappings may be those of a process that
     /// has exited since; `changes`, what `code_changes` gave before they were read.
     /// `before_list` is given the new list, its files' tables loaded, before the kernel has it.
-    /// `linker_reported`: whether the process's dynamic linker has sent its objects since its
-    /// exec (see `waits_for_libraries`).
+    /// `list_may_wait`: whether the process is traced by its calls and its dynamic linker has
+    /// not sent its objects since its exec (see `waits_for_libraries`).
     pub fn sync_with(
         &mut self,
         ebpf: &mut Ebpf,
         pid: u32,
         mappings: &[FileMapping],
         changes: u64,
-        linker_reported: bool,
+        list_may_wait: bool,
         before_list: impl FnOnce(&mut Ebpf, &mut Self, &ProcMappings),
     ) -> anyhow::Result<bool> {
         let old = self.processes.remove(&pid);
@@ -262,7 +262,7 @@ impl Registry {
         };
         list.entries[..entries.len()].copy_from_slice(&entries);
         before_list(ebpf, self, &list);
-        let waits = self.waits_for_libraries(pid, &used, linker_reported);
+        let waits = list_may_wait && self.waits_for_libraries(pid, &used);
         let written = if waits { Ok(()) } else { self.write_list(ebpf, pid, &list) };
         if waits || written.is_err() {
             // The kernel keeps the old list: the process keeps the files it names.
@@ -298,17 +298,16 @@ impl Registry {
         Ok(changed)
     }
 
-    /// Whether `pid`'s list of files `used` is held back from the kernel: `memprof run`'s
-    /// command's list read at its exec, which holds only the executable and its dynamic linker
-    /// and lacks the libraries the linker maps a moment later (`preload`), until the linker,
-    /// hooked, has reported them (`linker_reported`; it does once they are mapped). Meanwhile
-    /// the command's walks stop at their first frame, as before it had a list, under the same
-    /// ids; given that list, they would stop in the C library, under others, and a stack met at
-    /// both places would be counted under two ids (see `kernel::early_stacks`).
-    fn waits_for_libraries(&self, pid: u32, used: &HashSet<FileKey>, linker_reported: bool) -> bool {
+    /// Whether `pid`'s list of files `used` is held back from the kernel (when it may wait:
+    /// see `sync_with`): `memprof run`'s command's list read at its exec, which holds only the
+    /// executable and its dynamic linker and lacks the libraries the linker maps a moment later
+    /// (`preload`), until the linker, hooked, has reported them (it does once they are mapped).
+    /// Meanwhile the command's walks stop at their first frame, as before it had a list, under
+    /// the same ids; given that list, they would stop in the C library, under others, and a
+    /// stack met at both places would be counted under two ids (see `kernel::early_stacks`).
+    fn waits_for_libraries(&self, pid: u32, used: &HashSet<FileKey>) -> bool {
         const EXECUTABLE_AND_LINKER: usize = 2;
-        !linker_reported
-            && self.linker_hooked.contains(&pid)
+        self.linker_hooked.contains(&pid)
             && used.len() <= EXECUTABLE_AND_LINKER
             && self.preloaded.get(&pid).is_some_and(|preloaded| !preloaded.is_subset(used))
     }

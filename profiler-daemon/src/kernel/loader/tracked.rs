@@ -309,7 +309,8 @@ impl Loaded {
     /// mappings were read, the walks it sent that are still in the ring (while the list's tables
     /// were built): finished after the kernel walked their stacks whole on the list, they would
     /// count apart. Those whose files the list lacks wait for another list. Last, to leave the
-    /// kernel the least time to walk a stack whole before its walk is finished.
+    /// kernel the least time to walk a stack whole before its walk is finished. Not for a
+    /// process traced by its pages: its walks have no totals per stack to keep together.
     fn sync_finishing(
         &mut self,
         pid: u32,
@@ -318,11 +319,12 @@ impl Loaded {
         walks: &[&DeferredCopy],
     ) -> bool {
         let by_calls = !self.traces_pages(pid);
-        let linker_reported = self.unwind_events.objects(pid).is_some();
+        // (See `Registry::waits_for_libraries`.)
+        let list_may_wait = by_calls && self.unwind_events.objects(pid).is_none();
         let unwind_events = &mut self.unwind_events;
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
             finish_walks(ebpf, unwind, walks, Some(list), |_| by_calls);
-            if early_stacks::program_image(ebpf, pid) != before.image {
+            if !by_calls || early_stacks::program_image(ebpf, pid) != before.image {
                 return;
             }
             let mut scratch = DeferredCopy::blank();
@@ -333,7 +335,7 @@ impl Loaded {
             finish_walks(ebpf, unwind, &served.iter().collect::<Vec<_>>(), Some(list), |_| by_calls);
             unwind_events.give_back(waiting);
         };
-        let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, linker_reported, finish);
+        let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, list_may_wait, finish);
         synced.unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
             false
