@@ -8,6 +8,7 @@ use std::mem::{offset_of, size_of};
 use profiler_common::{DeferredUnwind, ShortDeferredUnwind, PAGE_BYTES};
 
 /// The record's bytes up to the end of its copied pages.
+#[derive(Clone)]
 pub struct DeferredCopy(Box<[u8]>);
 
 impl DeferredCopy {

@@ -206,7 +206,8 @@ impl Registry {
     /// gives the kernel the process's new mapping list. Cheap when nothing changed. Returns
     /// whether the files it maps with code changed. The mappings may be those of a process that
     /// has exited since; `changes`, what `code_changes` gave before they were read.
-    /// `before_list` is given the new list, its files' tables loaded, before the kernel has it.
+    /// `before_list` is given the new list, its files' tables loaded, before the kernel has it;
+    /// not called when the list is held back.
     /// `list_may_wait`: whether the process is traced by its calls and its dynamic linker has
     /// not sent its objects since its exec (see `waits_for_libraries`).
     pub fn sync_with(
@@ -261,9 +262,13 @@ impl Registry {
             entries: [ExecMapping::default(); MAX_MAPPINGS],
         };
         list.entries[..entries.len()].copy_from_slice(&entries);
-        before_list(ebpf, self, &list);
         let waits = list_may_wait && self.waits_for_libraries(pid, &used);
-        let written = if waits { Ok(()) } else { self.write_list(ebpf, pid, &list) };
+        let written = if waits {
+            Ok(())
+        } else {
+            before_list(ebpf, self, &list);
+            self.write_list(ebpf, pid, &list)
+        };
         if waits || written.is_err() {
             // The kernel keeps the old list: the process keeps the files it names.
             for key in used.difference(&held) {

@@ -310,7 +310,8 @@ impl Loaded {
     /// were built): finished after the kernel walked their stacks whole on the list, they would
     /// count apart. Those whose files the list lacks wait for another list. Last, to leave the
     /// kernel the least time to walk a stack whole before its walk is finished. Not for a
-    /// process traced by its pages: its walks have no totals per stack to keep together.
+    /// process traced by its pages: its walks have no totals per stack to keep together. When
+    /// the list is held back (see `Registry::waits_for_libraries`), `walks` wait for the next.
     fn sync_finishing(
         &mut self,
         pid: u32,
@@ -322,7 +323,9 @@ impl Loaded {
         // (See `Registry::waits_for_libraries`.)
         let list_may_wait = by_calls && self.unwind_events.objects(pid).is_none();
         let unwind_events = &mut self.unwind_events;
+        let mut finished = false;
         let finish = |ebpf: &mut Ebpf, unwind: &mut Registry, list: &ProcMappings| {
+            finished = true;
             finish_walks(ebpf, unwind, walks, Some(list), |_| by_calls);
             if !by_calls || early_stacks::program_image(ebpf, pid) != before.image {
                 return;
@@ -336,6 +339,9 @@ impl Loaded {
             unwind_events.give_back(waiting);
         };
         let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, list_may_wait, finish);
+        if !finished {
+            self.unwind_events.give_back(walks.iter().map(|copy| (*copy).clone()).collect());
+        }
         synced.unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
             false
