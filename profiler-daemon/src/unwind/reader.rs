@@ -145,6 +145,19 @@ impl Reader {
         walks
     }
 
+    /// Walks `take_walks_of` took and did not use, back after the records held: read with them
+    /// at the next `take`, and so after any record of their process that came before them (its
+    /// dynamic linker's list of objects, which a walk of a process gone needs).
+    pub fn put_back(&self, walks: Vec<DeferredCopy>) {
+        if walks.is_empty() {
+            return;
+        }
+        let mut reading = self.shared.reading();
+        reading.held.bytes += walks.iter().map(|copy| copy.len() as u64).sum::<u64>();
+        reading.held.records.extend(walks.into_iter().map(Record::Deferred));
+        self.shared.bell.ring();
+    }
+
     /// Readable while records wait to be taken.
     pub fn bell(&self) -> BorrowedFd<'_> {
         self.shared.bell.as_fd()

@@ -336,7 +336,7 @@ impl Loaded {
                 .into_iter()
                 .partition(|copy| unwind.tables_serve(copy, list, &mut scratch));
             finish_walks(ebpf, unwind, &served.iter().collect::<Vec<_>>(), Some(list), |_| by_calls);
-            unwind_events.give_back(waiting);
+            unwind_events.put_back_uncollected(waiting);
         };
         let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, list_may_wait, finish);
         if !finished {
