@@ -43,7 +43,8 @@ pub struct UnwindEvents {
     /// before, read after the exec, is not its new program's.
     execs: HashMap<u32, u64>,
     /// Read from the ring by `collect`, used by `drain`: in between, the exec events that came
-    /// before them are handled (see `collect`).
+    /// before them are handled (see `collect`). Walks handed out and not finished come back here
+    /// too (`give_back`).
     pending: Vec<Pending>,
     /// When each process's mappings may be read again: its events wait in `pending` till then.
     pacing: Pacing,

@@ -4,6 +4,7 @@
 //! ring holds about 500 of them (1,000 of stacks that end within 4 pages); a walk that finds it
 //! full is lost (`deferred_walk_lost`). Read as they come, they wait here instead, each cut to the
 //! stack it copied (`DeferredCopy`), up to `HELD_BYTES`; only past that does the ring fill again.
+//! Walks taken out early (`take_walks_of`) and not used come back (`put_back`), possibly past it.
 
 use std::{
     io,
@@ -57,7 +58,8 @@ impl Held {
 }
 
 /// The ring, and what was read from it: one lock, so that `take` finds every record committed
-/// before it (the final report needs the walks deferred just before it).
+/// before it (the final report needs the walks deferred just before it; those put back after
+/// the final `take` wait for none).
 struct Reading {
     events: Ring,
     held: Held,
