@@ -44,7 +44,7 @@ pub struct UnwindEvents {
     execs: HashMap<u32, u64>,
     /// Read from the ring by `collect`, used by `drain`: in between, the exec events that came
     /// before them are handled (see `collect`). Walks handed out and not finished come back here
-    /// too (`give_back`).
+    /// too (`keep_for_next_drain`).
     pending: Vec<Pending>,
     /// When each process's mappings may be read again: its events wait in `pending` till then.
     pacing: Pacing,
@@ -219,7 +219,7 @@ impl UnwindEvents {
     /// finished on the mapping list about to be given to the kernel (see
     /// `kernel::early_stacks`). Those its old program sent before an exec memprof knows of are
     /// dropped, as `drain` drops them (an exec is known from its event on: see
-    /// `kernel::Loaded::exec_seen`). Those the list cannot finish go back (`put_back_uncollected`).
+    /// `kernel::Loaded::exec_seen`). Those the list cannot finish go back (`return_to_reader`).
     pub fn take_uncollected_walks(&mut self, tgid: u32) -> Vec<DeferredCopy> {
         let mut walks = self.reader.take_walks_of(tgid);
         walks.retain(|copy| sent_by_current_program(&self.execs, tgid, copy.time_ns()));
@@ -228,12 +228,12 @@ impl UnwindEvents {
 
     /// Walks taken by `take_uncollected_walks` and not finished, back in the reader: collected
     /// with the records read before them (see `reader::Reader::put_back`).
-    pub fn put_back_uncollected(&mut self, walks: Vec<DeferredCopy>) {
+    pub fn return_to_reader(&mut self, walks: Vec<DeferredCopy>) {
         self.reader.put_back(walks);
     }
 
     /// Walks `drain` or `take_deferred` gave out and not finished, for the next `drain`.
-    pub fn give_back(&mut self, walks: Vec<DeferredCopy>) {
+    pub fn keep_for_next_drain(&mut self, walks: Vec<DeferredCopy>) {
         self.pending.extend(walks.into_iter().map(Pending::Deferred));
     }
 

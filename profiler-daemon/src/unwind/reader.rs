@@ -58,8 +58,8 @@ impl Held {
 }
 
 /// The ring, and what was read from it: one lock, so that `take` finds every record committed
-/// before it (the final report needs the walks deferred just before it; those put back after
-/// the final `take` wait for none).
+/// before it (the final report needs the walks deferred just before it, and those its syncs
+/// put back).
 struct Reading {
     events: Ring,
     held: Held,
@@ -126,17 +126,13 @@ impl Reader {
         let mut reading = self.shared.reading();
         let Reading { events, held } = &mut *reading;
         held.read(events, u64::MAX);
-        let (walks, others): (Vec<_>, Vec<_>) = std::mem::take(&mut held.records)
-            .into_iter()
-            .partition(|record| matches!(record, Record::Deferred(copy) if copy.tgid() == tgid));
-        held.records = others;
-        let walks: Vec<DeferredCopy> = walks
-            .into_iter()
-            .filter_map(|record| match record {
-                Record::Deferred(copy) => Some(copy),
-                Record::Other(_) => None,
-            })
-            .collect();
+        let mut walks = Vec::new();
+        for record in std::mem::take(&mut held.records) {
+            match record {
+                Record::Deferred(copy) if copy.tgid() == tgid => walks.push(copy),
+                other => held.records.push(other),
+            }
+        }
         held.bytes -= walks.iter().map(|copy| copy.len() as u64).sum::<u64>();
         // The ring was read to its end here: the thread may find nothing to ring for what is
         // left.

@@ -140,6 +140,16 @@ impl Tracer<'_> {
         }
     }
 
+    /// Before the final report: the walks that still wait for a list (sent during `collect`,
+    /// or put back by its syncs) finished on the lists the kernel has, so that a cut one is
+    /// counted (`dropped.unwind_no_table`).
+    fn finish_waiting_walks(&mut self) {
+        // As `on_unwind_events`: read, then the execs, then used.
+        self.loaded.unwind_events.collect();
+        self.on_process_events();
+        self.loaded.finish_waiting_walks();
+    }
+
     /// Execs, forks and exits; first the double frees of the programs that exec'd.
     fn on_process_events(&mut self) {
         let events = self.loaded.process_events.drain();
@@ -634,6 +644,7 @@ pub(super) async fn trace(
         tracer.inspection = inspect_root(&tracer, settings);
     }
     tracer.collect();
+    tracer.finish_waiting_walks();
     let mut result = tracer.read(true);
     // A process attached to ended by itself: said, as an on-call engineer needs to know (its
     // parent may have reaped it already, and its exit status with it on kernels before 6.15).

@@ -308,10 +308,12 @@ impl Loaded {
     /// before the kernel has it (see `early_stacks`). Then, unless `pid` exec'd since its
     /// mappings were read, the walks it sent that are still in the ring (while the list's tables
     /// were built): finished after the kernel walked their stacks whole on the list, they would
-    /// count apart. Those whose files the list lacks wait for another list. Last, to leave the
-    /// kernel the least time to walk a stack whole before its walk is finished. Not for a
-    /// process traced by its pages: its walks have no totals per stack to keep together. When
-    /// the list is held back (see `Registry::waits_for_libraries`), `walks` wait for the next.
+    /// count apart. Last, to leave the kernel the least time to walk a stack whole before its
+    /// walk is finished. Those the list cannot serve go back to the reader, collected with the
+    /// records read before them and finished at the process's next sync on whatever list it
+    /// reads. Not for a process traced by its pages: its walks have no totals per stack to keep
+    /// together. When the list is held back (see `Registry::waits_for_libraries`), `walks` wait
+    /// for the next.
     fn sync_finishing(
         &mut self,
         pid: u32,
@@ -336,11 +338,11 @@ impl Loaded {
                 .into_iter()
                 .partition(|copy| unwind.tables_serve(copy, list, &mut scratch));
             finish_walks(ebpf, unwind, &served.iter().collect::<Vec<_>>(), Some(list), |_| by_calls);
-            unwind_events.put_back_uncollected(waiting);
+            unwind_events.return_to_reader(waiting);
         };
         let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, list_may_wait, finish);
         if !finished {
-            self.unwind_events.give_back(walks.iter().map(|copy| (*copy).clone()).collect());
+            self.unwind_events.keep_for_next_drain(walks.iter().map(|copy| (*copy).clone()).collect());
         }
         synced.unwrap_or_else(|err| {
             tracing::warn!("reading the unwind tables of pid {pid}: {err:#}");
@@ -386,13 +388,26 @@ impl Loaded {
             finished.insert(pid);
             self.unwind_events.mappings_read(pid, before.read_ns, started.elapsed());
         }
-        // Those of processes whose mappings could not be read, on the list the kernel has.
+        // Those of processes whose mappings could not be read.
         let left: Vec<&DeferredCopy> =
             drained.deferred.iter().filter(|copy| !finished.contains(&copy.tgid())).collect();
-        let by_pages: HashSet<u32> =
-            left.iter().map(|copy| copy.tgid()).filter(|&pid| self.traces_pages(pid)).collect();
-        finish_walks(&mut self.ebpf, &mut self.unwind, &left, None, |pid| !by_pages.contains(&pid));
+        self.finish_on_kernel_lists(&left);
         drained.pids
+    }
+
+    /// For a final report, which no later list serves: the walks collected and not finished
+    /// yet, finished on the lists the kernel has, so that those still cut are counted.
+    pub fn finish_waiting_walks(&mut self) {
+        let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), Reads::Every);
+        tracing::debug!("{} walks finished on the kernel's lists for the final report", drained.deferred.len());
+        self.finish_on_kernel_lists(&drained.deferred.iter().collect::<Vec<_>>());
+    }
+
+    /// `walks` finished on the mapping lists the kernel has of their processes.
+    fn finish_on_kernel_lists(&mut self, walks: &[&DeferredCopy]) {
+        let by_pages: HashSet<u32> =
+            walks.iter().map(|copy| copy.tgid()).filter(|&pid| self.traces_pages(pid)).collect();
+        finish_walks(&mut self.ebpf, &mut self.unwind, walks, None, |pid| !by_pages.contains(&pid));
     }
 
     /// When the next process whose mapping changes wait for their gap may be synced (monotonic
