@@ -1,10 +1,11 @@
 //! Headless Chromium, for the tests that open memprof's HTML as a user's browser does.
 
 use std::{
-    path::PathBuf,
     process::Command,
     sync::atomic::{AtomicUsize, Ordering},
 };
+
+use crate::Scratch;
 
 /// Headless Chromium as root, with no network of its own.
 pub const CHROMIUM: [&str; 8] = [
@@ -18,26 +19,29 @@ pub const CHROMIUM: [&str; 8] = [
     "--disable-sync",
 ];
 
-/// A fresh Chromium profile directory.
-pub fn chromium_profile() -> PathBuf {
+/// A fresh Chromium profile directory, removed when dropped.
+pub fn chromium_profile() -> Scratch {
     static PROFILES: AtomicUsize = AtomicUsize::new(0);
-    std::env::temp_dir().join(format!(
-        "memprof-chromium-{}-{}",
-        std::process::id(),
-        PROFILES.fetch_add(1, Ordering::Relaxed)
-    ))
+    Scratch::new("chromium", &PROFILES.fetch_add(1, Ordering::Relaxed).to_string())
+}
+
+/// `chromium` with its profile in `profile`, and its temporary directory too: Chromium makes an
+/// `org.chromium.Chromium.*` directory for its singleton socket under $TMPDIR and leaves it
+/// behind, where it now goes with the profile.
+pub fn command(profile: &Scratch) -> Command {
+    let mut command = Command::new("chromium");
+    command.arg(format!("--user-data-dir={}", profile.path().display())).env("TMPDIR", profile.path());
+    command
 }
 
 /// Headless Chromium with `args` in a fresh profile: its stdout.
 pub fn chromium(args: &[&str]) -> String {
     let profile = chromium_profile();
-    let output = Command::new("chromium")
+    let output = command(&profile)
         .args(CHROMIUM)
-        .arg(format!("--user-data-dir={}", profile.display()))
         .args(args)
         .output()
         .expect("starting chromium (installed by `cargo xtask setup`)");
-    let _ = std::fs::remove_dir_all(&profile);
     assert!(output.status.success(), "chromium failed: {}", String::from_utf8_lossy(&output.stderr));
     String::from_utf8(output.stdout).unwrap()
 }

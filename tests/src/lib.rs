@@ -24,6 +24,7 @@ pub mod probe_links;
 pub mod prometheus;
 mod report;
 mod scrape;
+mod scratch;
 
 pub use bpf_maps::*;
 pub use daemon::*;
@@ -31,6 +32,7 @@ pub use fixtures::*;
 pub use http::*;
 pub use report::*;
 pub use scrape::*;
+pub use scratch::*;
 
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()

@@ -14,7 +14,7 @@ use std::{
 use memprof_tests::{
     fixture, http_get, memprof,
     prometheus::{self, Prometheus},
-    site, wait_for, Daemon, Waiting,
+    site, wait_for, Daemon, Scratch, Waiting,
 };
 
 /// One at a time: a thousand scrapes would starve a neighbour's timing-free but deadline-bound waits.
@@ -28,18 +28,14 @@ fn target() -> Waiting {
     Waiting::start(&fixture("daemon_target"), &[])
 }
 
-/// A private directory for one test's files.
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("memprof-http-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A daemon tracing `pid` with `http` as the `[http]` table of its config file.
-fn daemon_with(test: &str, pid: u32, http: &str) -> Daemon {
-    let config = scratch(test).join("memprof.toml");
+/// A daemon tracing `pid` with `http` as the `[http]` table of its config file, which is in the
+/// directory returned with it: bound first, it is dropped after the daemon.
+fn daemon_with(test: &str, pid: u32, http: &str) -> (Scratch, Daemon) {
+    let dir = Scratch::new("http", test);
+    let config = dir.join("memprof.toml");
     std::fs::write(&config, format!("pids = [{pid}]\n[http]\n{http}")).unwrap();
-    Daemon::start(&["--config", config.to_str().unwrap()])
+    let daemon = Daemon::start(&["--config", config.to_str().unwrap()]);
+    (dir, daemon)
 }
 
 /// A connection that sent `bytes` and then nothing, with a read timeout as a safety net.
@@ -123,7 +119,7 @@ fn oversized_requests_and_bodies_are_refused_with_their_status_and_counted() {
 fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
     let _serial = serial();
     let held = target();
-    let daemon = daemon_with("cap", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
+    let (_dir, daemon) = daemon_with("cap", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
     let stalls: Vec<TcpStream> = (0..4).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\n")).collect();
     std::thread::sleep(Duration::from_millis(500));
     // Every slot is held by a stalled client: this scrape waits until the oldest gives its slot
@@ -146,7 +142,7 @@ fn connections_beyond_the_cap_wait_their_turn_and_are_counted() {
 fn connections_kept_alive_by_requests_give_their_slots_to_a_scrape() {
     let _serial = serial();
     let held = target();
-    let daemon = daemon_with("alive", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
+    let (_dir, daemon) = daemon_with("alive", held.pid(), "max_connections = 4\nheader_timeout = 2\n");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let port = daemon.port;
     let holders: Vec<_> = (0..4)
@@ -189,7 +185,7 @@ fn connections_from_many_loopback_addresses_do_not_keep_root_waiting_on_the_sock
     let _serial = serial();
     let mut held = target();
     let http = "max_connections = 4\nheader_timeout = 120\n";
-    let daemon = daemon_with("loopback", held.pid(), http);
+    let (_dir, daemon) = daemon_with("loopback", held.pid(), http);
     let stalls: Vec<TcpStream> = (2..6)
         .map(|host| {
             let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
@@ -229,10 +225,10 @@ fn a_local_users_idle_connections_do_not_use_up_roots_share() {
     let _serial = serial();
     let held = target();
     // The idle connections are not cut off meanwhile: root is not served by a slot they gave up.
-    let daemon = daemon_with("local_user", held.pid(), "header_timeout = 120\n");
+    let (dir, daemon) = daemon_with("local_user", held.pid(), "header_timeout = 120\n");
     const SHARE: usize = 64;
     // A copy nobody may run, whatever the modes of the directories above the build's.
-    let program = scratch("local_user").join("idle_connections");
+    let program = dir.join("idle_connections");
     std::fs::copy(fixture("idle_connections"), &program).unwrap();
     let mut idle = as_nobody();
     idle.arg(&program).args(["--wait", &daemon.port.to_string(), &SHARE.to_string()]);
@@ -269,7 +265,7 @@ fn slow_clients_are_cut_off_and_do_not_hold_up_scrapes_or_tracing() {
     let mut held = target();
     // All from one address here: its share is raised to see the timeouts, not the per-client limit.
     let http = "header_timeout = 1\nwrite_timeout = 1\nmax_connections_per_client = 1024\n";
-    let daemon = daemon_with("slow", held.pid(), http);
+    let (_dir, daemon) = daemon_with("slow", held.pid(), http);
     let half: Vec<TcpStream> =
         (0..50).map(|_| stalled(daemon.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAcc")).collect();
     let silent: Vec<TcpStream> = (0..50).map(|_| stalled(daemon.port, "")).collect();
@@ -300,7 +296,7 @@ fn a_thousand_concurrent_scrapes_all_succeed_while_tracing_goes_on() {
     let _serial = serial();
     let mut held = target();
     // A thousand clients, here all of one address: its share is raised to the global cap's.
-    let daemon = daemon_with("thousand", held.pid(), "max_connections_per_client = 512\n");
+    let (_dir, daemon) = daemon_with("thousand", held.pid(), "max_connections_per_client = 512\n");
     const SCRAPES: usize = 1000;
     let start = Arc::new(Barrier::new(SCRAPES + 1));
     let port = daemon.port;
@@ -372,8 +368,8 @@ const USER: &str = "prometheus:scrape-secret";
 #[test]
 fn tls_and_basic_auth_guard_every_path_and_prometheus_scrapes_through_them() {
     let _serial = serial();
-    let dir = scratch("tls");
-    let ca = certificate(&dir);
+    let dir = Scratch::new("http", "tls");
+    let ca = certificate(dir.path());
     let hash = bcrypt::hash("scrape-secret", 4).unwrap();
     let web = dir.join("web.yml");
     // Relative file names are relative to the web config's directory, as in the exporter toolkit.
@@ -419,13 +415,12 @@ fn tls_and_basic_auth_guard_every_path_and_prometheus_scrapes_through_them() {
     };
     assert!(count("unauthorized") >= 7, "{text}");
     assert!(count("tls_handshake") >= 1, "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_bad_web_config_stops_the_daemon_with_one_line_and_an_open_listener_is_warned_about() {
     let _serial = serial();
-    let dir = scratch("bad");
+    let dir = Scratch::new("http", "bad");
     let cases = [
         ("missing.yml", None, "cannot read it"),
         (
@@ -464,7 +459,6 @@ fn a_bad_web_config_stops_the_daemon_with_one_line_and_an_open_listener_is_warne
     let _ = daemon.kill();
     let _ = daemon.wait();
     assert!(seen.contains("listening on 0.0.0.0") && seen.contains("without TLS or basic auth"), "{seen}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A connection to the daemon on 127.0.0.1 from 127.0.0.2: another client address on the same
@@ -508,8 +502,8 @@ fn web_config(dir: &Path, tls: bool, cost: u32) -> (PathBuf, PathBuf) {
 #[test]
 fn six_hundred_slow_clients_over_tls_do_not_starve_metrics() {
     let _serial = serial();
-    let dir = scratch("slow600");
-    let (web, ca) = web_config(&dir, true, 4);
+    let dir = Scratch::new("http", "slow600");
+    let (web, ca) = web_config(dir.path(), true, 4);
     let held = target();
     let daemon = Daemon::spawn(&["--pid", &held.pid().to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
     let port = daemon.port;
@@ -558,15 +552,14 @@ fn six_hundred_slow_clients_over_tls_do_not_starve_metrics() {
         text.lines().find_map(|l| l.strip_prefix(series.as_str())).unwrap().parse::<u64>().unwrap()
     };
     assert!(count("client_limit") >= 600 - 64, "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
     let _serial = serial();
-    let dir = scratch("flood");
+    let dir = Scratch::new("http", "flood");
     // Cost 10, as htpasswd makes them: tens of milliseconds a check.
-    let (web, _) = web_config(&dir, false, 10);
+    let (web, _) = web_config(dir.path(), false, 10);
     let held = target();
     let daemon = Daemon::spawn(&["--pid", &held.pid().to_string(), "--web-config-file", web.to_str().unwrap()], &[]);
     let port = daemon.port;
@@ -612,5 +605,4 @@ fn a_flood_of_wrong_passwords_does_not_hold_up_a_first_login() {
     eprintln!("flood: (wrong, a check of the client under way, too many connections) = {refused:?}");
     // curl retries a connection closed at once: more refusals than requests.
     assert!(refused.0 + refused.1 + refused.2 >= 2000, "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

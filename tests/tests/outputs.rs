@@ -4,21 +4,15 @@
 use std::{
     fs,
     io::{BufRead as _, BufReader},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, ChildStderr, Command, Stdio},
 };
 
-use memprof_tests::{fixture, memprof, memprof_bin, Outcome};
+use memprof_tests::{fixture, memprof, memprof_bin, Outcome, Scratch};
 use serde_json::Value;
 
-/// A directory of its own per test: what is left in it besides the report is a leftover.
-fn directory(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("memprof-outputs-{test}-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
+/// What a test's directory (a `Scratch`, empty when made) holds: anything besides the report is a
+/// leftover.
 fn entries(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> =
         fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -57,28 +51,26 @@ fn signal(child: &Child, signal: i32) {
 
 #[test]
 fn a_failed_attach_leaves_the_previous_report_untouched() {
-    let dir = directory("failed");
+    let dir = Scratch::new("outputs", "failed");
     let report = dir.join("report.json");
     fs::write(&report, "previous").unwrap();
     // A pid that cannot be a process's (the kernel's default pid_max is below it).
     let outcome = memprof(&["attach", "--pid", "4194303", "--json", "--output", report.to_str().unwrap()]);
     assert!(!outcome.status.success(), "{outcome:?}");
     assert_eq!(fs::read_to_string(&report).unwrap(), "previous");
-    assert_eq!(entries(&dir), ["report.json"]);
-    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(entries(dir.path()), ["report.json"]);
 }
 
 #[test]
 fn memprof_killed_midway_leaves_the_previous_report_whole_and_nothing_else() {
-    let dir = directory("killed");
+    let dir = Scratch::new("outputs", "killed");
     let report = dir.join("report.html");
     fs::write(&report, "previous").unwrap();
     let (mut memprof, _) = tracing_sleep(&report);
     signal(&memprof, libc::SIGKILL);
     memprof.wait().unwrap();
     assert_eq!(fs::read_to_string(&report).unwrap(), "previous");
-    assert_eq!(entries(&dir), ["report.html"]);
-    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(entries(dir.path()), ["report.html"]);
 }
 
 /// SIGTERM or SIGHUP sent to memprof alone: its command runs on, and memprof waits for it,
@@ -87,7 +79,7 @@ fn memprof_killed_midway_leaves_the_previous_report_whole_and_nothing_else() {
 #[test]
 fn sigterm_and_sighup_end_the_session_with_its_final_report() {
     for (name, number) in [("SIGTERM", libc::SIGTERM), ("SIGHUP", libc::SIGHUP)] {
-        let dir = directory(name);
+        let dir = Scratch::new("outputs", name);
         let report = dir.join("report.html");
         fs::write(&report, "previous").unwrap();
         let (mut memprof, mut stderr) = tracing_sleep(&report);
@@ -108,23 +100,22 @@ fn sigterm_and_sighup_end_the_session_with_its_final_report() {
         assert_eq!(unsafe { libc::kill(sleep, libc::SIGKILL) }, 0, "the command runs on");
         let html = fs::read_to_string(&report).unwrap();
         assert!(html.trim_end().ends_with("</html>"), "{name}: an incomplete page: {html}");
-        assert_eq!(entries(&dir), ["report.html"], "{name}");
-        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(entries(dir.path()), ["report.html"], "{name}");
     }
 }
 
-/// A directory of its own (see `directory`) on a file system of `kib` KiB: `unmount` it after.
-fn small_disk(test: &str, kib: usize) -> PathBuf {
-    let dir = directory(test);
+/// A directory of its own on a file system of `kib` KiB: `unmount` it after.
+fn small_disk(test: &str, kib: usize) -> Scratch {
+    let dir = Scratch::new("outputs", test);
     let size = format!("size={kib}k");
-    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", &size, "tmpfs"]).arg(&dir).status().unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", &size, "tmpfs"]).arg(dir.path()).status().unwrap();
     assert!(mounted.success(), "mounting a small tmpfs");
     dir
 }
 
-fn unmount(dir: &Path) {
-    assert!(Command::new("umount").arg(dir).status().unwrap().success());
-    fs::remove_dir_all(dir).unwrap();
+/// Unmounts a `small_disk`, which is then removed when dropped.
+fn unmount(dir: &Scratch) {
+    assert!(Command::new("umount").arg(dir.path()).status().unwrap().success());
 }
 
 /// memprof said in one line, its last, that it could not write the output file for lack of
@@ -158,7 +149,7 @@ fn a_full_disk_is_reported_and_the_previous_report_kept() {
         fixture("reports").to_str().unwrap(),
     ]);
     let kept = fs::read_to_string(&report).unwrap();
-    let left = entries(&dir);
+    let left = entries(dir.path());
     unmount(&dir);
     said_the_disk_is_full(&outcome);
     assert_eq!(kept, "previous");
@@ -185,7 +176,7 @@ fn a_streamed_report_cut_by_a_full_disk_is_taken_back() {
         program.to_str().unwrap(),
     ]);
     let kept = fs::read_to_string(&report).unwrap();
-    let left = entries(&dir);
+    let left = entries(dir.path());
     unmount(&dir);
     said_the_disk_is_full(&outcome);
     assert_eq!(left, ["reports.json"]);
@@ -202,7 +193,7 @@ fn a_streamed_report_cut_by_a_full_disk_is_taken_back() {
 #[test]
 fn a_pipe_or_device_is_written_to_not_replaced() {
     // A rename over `--output /dev/null` had left the host a regular file there.
-    let dir = directory("fifo");
+    let dir = Scratch::new("outputs", "fifo");
     let fifo = dir.join("reports");
     let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: a NUL-terminated path that outlives the call.
@@ -218,7 +209,7 @@ fn a_pipe_or_device_is_written_to_not_replaced() {
     assert!(text.lines().last().is_some_and(|line| line.starts_with("{\"final\":true")), "{text}");
     use std::os::unix::fs::FileTypeExt as _;
     assert!(fs::metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
-    assert_eq!(entries(&dir), ["reports"]);
+    assert_eq!(entries(dir.path()), ["reports"]);
 }
 
 /// An output path that is a symbolic link: root's own (as `/dev/stdout` is) leads to its target,
@@ -226,7 +217,7 @@ fn a_pipe_or_device_is_written_to_not_replaced() {
 /// and another user's pipe, each in one line, before the command runs.
 #[test]
 fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
-    let dir = directory("links");
+    let dir = Scratch::new("outputs", "links");
     let target = dir.join("target.json");
     fs::write(&target, "old").unwrap();
     let ours = dir.join("ours.json");
@@ -256,15 +247,14 @@ fn links_are_followed_only_when_root_owns_them_and_disks_are_never_written() {
         assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);
         assert!(outcome.stderr.contains(reason), "{}", outcome.stderr);
     }
-    let _ = fs::remove_dir_all(&dir);
 }
 
 /// `-o -` is standard output, as for most tools: it made a file named `-`.
 #[test]
 fn a_dash_as_output_is_standard_output() {
-    let dir = directory("dash");
+    let dir = Scratch::new("outputs", "dash");
     let outcome = Command::new(memprof_bin())
-        .current_dir(&dir)
+        .current_dir(dir.path())
         .args(["run", "--json", "-o", "-", "--", "true"])
         .stdin(Stdio::null())
         .output()
@@ -272,7 +262,6 @@ fn a_dash_as_output_is_standard_output() {
     assert!(outcome.status.success(), "{outcome:?}");
     assert!(String::from_utf8_lossy(&outcome.stdout).contains("\"final\":true"), "{outcome:?}");
     assert!(!dir.join("-").exists(), "a file named -");
-    let _ = fs::remove_dir_all(&dir);
 }
 
 /// `-o /dev/stdout` writes the descriptor memprof was given, as a shell's `>` or `>>` gave it:
@@ -281,7 +270,7 @@ fn a_dash_as_output_is_standard_output() {
 #[test]
 fn standard_output_named_as_a_path_is_the_descriptor_given() {
     use std::io::{Read as _, Seek as _};
-    let dir = directory("stdout");
+    let dir = Scratch::new("outputs", "stdout");
     let deleted = dir.join("deleted.json");
     let mut file = fs::File::options().read(true).write(true).create(true).truncate(true).open(&deleted).unwrap();
     fs::remove_file(&deleted).unwrap();
@@ -309,5 +298,4 @@ fn standard_output_named_as_a_path_is_the_descriptor_given() {
     let outcome = memprof(&["run", "--json", "-o", "/dev/fd/9", "--", "true"]);
     assert_eq!(outcome.status.code(), Some(1), "{outcome:?}");
     assert!(outcome.stderr.contains("memprof was given no descriptor 9"), "{}", outcome.stderr);
-    let _ = fs::remove_dir_all(&dir);
 }

@@ -5,35 +5,15 @@
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
 };
 
 use memprof_tests::{
-    fixture, fixture_with, memprof, memprof_bin, released, site, wait_for, web_config_user, Daemon, Outcome, Waiting,
+    fixture, fixture_with, memprof, memprof_bin, released, site, wait_for, web_config_user, Daemon, Outcome, Scratch,
+    Waiting,
 };
 use serde_json::Value;
-
-/// A directory of the test's own, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("memprof-pprof-{}-{test}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("creating a scratch directory");
-        Self(dir)
-    }
-
-    fn file(&self, name: &str) -> String {
-        self.0.join(name).to_str().expect("a UTF-8 path").to_string()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `go tool pprof ARGS`, run as root with its caches and downloads in `scratch`.
 fn go_pprof(scratch: &Scratch, args: &[&str]) -> String {
@@ -45,9 +25,9 @@ fn go_pprof(scratch: &Scratch, args: &[&str]) -> String {
     let output = Command::new(go)
         .args(["tool", "pprof"])
         .args(args)
-        .env("HOME", &scratch.0)
-        .env("GOCACHE", scratch.0.join("gocache"))
-        .env("PPROF_TMPDIR", &scratch.0)
+        .env("HOME", scratch.path())
+        .env("GOCACHE", scratch.join("gocache"))
+        .env("PPROF_TMPDIR", scratch.path())
         .env("GOFLAGS", "")
         .stdin(Stdio::null())
         .output()
@@ -141,7 +121,7 @@ fn build_id(file: &Path) -> String {
 
 #[test]
 fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
-    let scratch = Scratch::new("run");
+    let scratch = Scratch::new("pprof", "run");
     let program = fixture("pprof_sites");
     let profile = scratch.file("run.pb.gz");
     let recording = scratch.file("run.rec");
@@ -207,7 +187,7 @@ fn memprof_run_writes_a_profile_go_tool_pprof_reads_exactly() {
 /// survivors of 40,000 blocks pin the pages they are on: it says how many).
 #[test]
 fn the_peak_temporary_and_pinned_sample_types_read_exactly() {
-    let scratch = Scratch::new("memprof-types");
+    let scratch = Scratch::new("pprof", "memprof-types");
     let profile = scratch.file("peaks.pb.gz");
     let peaks = fixture("peaks");
     let outcome = memprof(&["run", "--format", "pprof", "--output", &profile, "--", peaks.to_str().unwrap()]);
@@ -251,12 +231,12 @@ fn wait_line(target: &mut Waiting, expected: &str) {
 /// its stack is a leak candidate.
 #[test]
 fn the_host_profile_labels_each_process_for_tagfocus() {
-    let scratch = Scratch::new("host");
+    let scratch = Scratch::new("pprof", "host");
     let mut sites = Waiting::start(&fixture("pprof_sites"), &[]);
     let mut holder = Waiting::start(&fixture("daemon_target"), &[]);
     let (sites_pid, holder_pid) = (sites.pid(), holder.pid());
     // go tool pprof reaches the port, which serves profiles only with a password.
-    let web = web_config_user(&scratch.0, "pprof", "pprof-secret");
+    let web = web_config_user(scratch.path(), "pprof", "pprof-secret");
     let web = web.to_str().unwrap();
     let daemon =
         Daemon::start(&["--pid", &sites_pid.to_string(), "--pid", &holder_pid.to_string(), "--web-config-file", web]);
@@ -343,11 +323,11 @@ fn diff_sites(old: &str, new: &str) -> HashMap<String, [i64; 6]> {
 
 #[test]
 fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced() {
-    let scratch = Scratch::new("daemon");
+    let scratch = Scratch::new("pprof", "daemon");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let pid = target.pid().to_string();
     // go tool pprof reaches the port, which serves profiles only with a password.
-    let web = web_config_user(&scratch.0, "pprof", "pprof-secret");
+    let web = web_config_user(scratch.path(), "pprof", "pprof-secret");
     let daemon = Daemon::start(&["--pid", &pid, "--web-config-file", web.to_str().unwrap()]);
     daemon.wait_traced(target.pid());
     target.go();
@@ -418,7 +398,7 @@ fn the_daemon_serves_profiles_and_snapshots_leave_the_target_running_and_traced(
 
 #[test]
 fn without_a_daemon_snapshot_attaches_for_its_duration_and_detaches() {
-    let scratch = Scratch::new("attach");
+    let scratch = Scratch::new("pprof", "attach");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let pid = target.pid().to_string();
     let output = scratch.file("attached.json");
@@ -469,7 +449,7 @@ fn snapshot_without_a_daemon(
 /// A process that exits during the snapshot: memprof says it exited, and nothing of it running on.
 #[test]
 fn a_snapshot_of_a_process_that_exits_says_it_exited() {
-    let scratch = Scratch::new("exits");
+    let scratch = Scratch::new("pprof", "exits");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let pid = target.pid();
     let output = scratch.file("exits.json");
@@ -495,7 +475,7 @@ fn a_snapshot_of_a_process_that_exits_says_it_exited() {
 /// A snapshot cut short by Ctrl-C still writes its report, and says it covers less than asked.
 #[test]
 fn a_snapshot_stopped_by_ctrl_c_says_how_much_it_covers() {
-    let scratch = Scratch::new("stopped");
+    let scratch = Scratch::new("pprof", "stopped");
     let mut target = Waiting::start(&fixture("pprof_sites"), &[]);
     let output = scratch.file("stopped.json");
     let (outcome, _) = snapshot_without_a_daemon(&mut target, &output, "600", |memprof| {
@@ -520,7 +500,7 @@ fn assert_fails(outcome: &Outcome, says: &str) {
 
 #[test]
 fn bad_input_is_a_one_line_error() {
-    let scratch = Scratch::new("bad");
+    let scratch = Scratch::new("pprof", "bad");
     let missing = scratch.file("missing.json");
     assert_fails(&memprof(&["diff", &missing, &missing]), "cannot read");
     let not_a_profile = scratch.file("notes.txt");
@@ -561,7 +541,7 @@ fn bad_input_is_a_one_line_error() {
 /// -sample_index=CLASS`.
 #[test]
 fn an_inspection_gives_each_class_a_sample_type() {
-    let scratch = Scratch::new("inspect");
+    let scratch = Scratch::new("pprof", "inspect");
     let profile = scratch.file("inspected.pb.gz");
     let program = fixture_with("reachability.c", "reachability", &["-g", "-O2", "-fomit-frame-pointer", "-pthread"]);
     let mut target = Waiting::start(&program, &[]);
@@ -593,7 +573,7 @@ fn an_inspection_gives_each_class_a_sample_type() {
 /// live table of 4 had no room for.
 #[test]
 fn a_profiles_comments_say_what_was_dropped() {
-    let scratch = Scratch::new("dropped");
+    let scratch = Scratch::new("pprof", "dropped");
     let profile = scratch.file("heap.pb.gz");
     let program = fixture("short_prog");
     let args = ["run", "--format", "pprof", "--output", &profile, "--max-live", "4", "--", program.to_str().unwrap()];

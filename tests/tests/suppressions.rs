@@ -2,10 +2,10 @@
 //! tests/fixtures/suppressions.c, whose truth is known: at exit accepted_cache holds 24,000
 //! bytes, accepted_init 7,200 and real_leak 12,288, each in 24 blocks, each a leak candidate.
 
-use std::{path::PathBuf, process::Command, sync::OnceLock};
+use std::{process::Command, sync::OnceLock};
 
 use memprof_tests::{
-    chromium, fixture, fixture_cpp, fixture_with, memprof, metric, run, wait_for, Daemon, Outcome, Waiting,
+    chromium, fixture, fixture_cpp, fixture_with, memprof, metric, run, wait_for, Daemon, Outcome, Scratch, Waiting,
 };
 use serde_json::{json, Value};
 
@@ -31,35 +31,37 @@ const ACCEPTED: &str = "\
 }
 ";
 
-static RECORDING: OnceLock<PathBuf> = OnceLock::new();
+/// The recording, made once and kept in memory: each test writes it into its own directory, so
+/// that nothing outlives the tests (a static is never dropped).
+static RECORDING: OnceLock<Vec<u8>> = OnceLock::new();
 
-fn temp(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("memprof-suppressions-{}-{name}", std::process::id()))
-}
-
-fn written(name: &str, text: &str) -> String {
-    let path = temp(name);
+/// `text` written to `name` in `dir`: its path.
+fn written(dir: &Scratch, name: &str, text: &str) -> String {
+    let path = dir.file(name);
     std::fs::write(&path, text).unwrap();
-    path.to_str().unwrap().to_string()
+    path
 }
 
-/// A recording of the fixture without suppressions, made once.
-fn recording() -> &'static str {
-    RECORDING
-        .get_or_init(|| {
-            let path = temp("run.rec");
-            let outcome = run(&["--interval", "0.2", "--record", path.to_str().unwrap()], &[program().as_str()]);
-            assert!(outcome.status.success(), "{outcome:?}");
-            // Without suppressions, the three sites are leak candidates.
-            let end = outcome.final_report();
-            assert_eq!(
-                candidates(&end),
-                owned(&[("accepted_cache", 24_000), ("accepted_init", 7_200), ("real_leak", 12_288)])
-            );
-            path
-        })
-        .to_str()
-        .unwrap()
+/// A recording of the fixture without suppressions (made once), in `dir`: its path.
+fn recording(dir: &Scratch) -> String {
+    let bytes = RECORDING.get_or_init(|| {
+        let made = Scratch::new("suppressions", "recording");
+        let path = made.file("run.rec");
+        let outcome = run(&["--interval", "0.2", "--record", &path], &[program().as_str()]);
+        assert!(outcome.status.success(), "{outcome:?}");
+        // Without suppressions, the three sites are leak candidates.
+        let end = outcome.final_report();
+        assert_eq!(
+            candidates(&end),
+            owned(&[("accepted_cache", 24_000), ("accepted_init", 7_200), ("real_leak", 12_288)])
+        );
+        std::fs::read(&path).unwrap()
+    });
+    let path = dir.file("run.rec");
+    if !std::path::Path::new(&path).exists() {
+        std::fs::write(&path, bytes).unwrap();
+    }
+    path
 }
 
 fn program() -> String {
@@ -83,15 +85,18 @@ fn owned(sites: &[(&str, u64)]) -> Vec<(String, u64)> {
     sites.iter().map(|&(s, n)| (s.to_string(), n)).collect()
 }
 
-fn report(args: &[&str]) -> Outcome {
-    let all: Vec<&str> = ["report", recording()].iter().chain(args).copied().collect();
+/// `memprof report` of the recording (written into `dir`) with `args`.
+fn report(dir: &Scratch, args: &[&str]) -> Outcome {
+    let path = recording(dir);
+    let all: Vec<&str> = ["report", path.as_str()].iter().chain(args).copied().collect();
     memprof(&all)
 }
 
 #[test]
 fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
-    let accepted = written("accepted.supp", ACCEPTED);
-    let outcome = report(&["--json", "--at", "final", "--suppressions", &accepted]);
+    let dir = Scratch::new("suppressions", "accepted");
+    let accepted = written(&dir, "accepted.supp", ACCEPTED);
+    let outcome = report(&dir, &["--json", "--at", "final", "--suppressions", &accepted]);
     assert!(outcome.status.success(), "{outcome:?}");
     let end = outcome.final_report();
     assert_eq!(candidates(&end), owned(&[("real_leak", 12_288)]));
@@ -107,16 +112,14 @@ fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
         (json!("cache"), json!("init"), Value::Null)
     );
 
-    let table = report(&["--at", "final", "--suppressions", &accepted]).stdout;
+    let table = report(&dir, &["--at", "final", "--suppressions", &accepted]).stdout;
     assert!(table.contains("  suppressed: 2 stacks, 31200 bytes, by rule cache (1), init (1)\n"), "{table}");
     assert!(table.contains("[suppressed by cache]"), "{table}");
-    let html = report(&["--format", "html", "--suppressions", &accepted]).stdout;
+    let html = report(&dir, &["--format", "html", "--suppressions", &accepted]).stdout;
     assert!(html.contains("\"suppressed\":{\"stacks\":2,\"bytes\":31200"), "the page's data says it");
     // The page as a browser shows it: the rules' count under the leaks, the accepted stacks no leaks.
-    let page = std::env::temp_dir().join(format!("memprof-suppressions-{}.html", std::process::id()));
-    std::fs::write(&page, &html).unwrap();
-    let dom = chromium::dom(&format!("file://{}", page.display()));
-    let _ = std::fs::remove_file(&page);
+    let page = written(&dir, "page.html", &html);
+    let dom = chromium::dom(&format!("file://{page}"));
     let leaks = chromium::section(&dom, "leaks");
     assert!(
         leaks.contains("Suppressed: 2 stacks, 31,200 bytes, by rule cache (1), init (1)."),
@@ -139,7 +142,8 @@ fn accepted_stacks_leave_the_leak_candidates_and_are_counted_by_rule() {
 /// leak's alone (its last block's pointer may linger in a register or on the stack: reachable).
 #[test]
 fn inspected_accepted_blocks_leave_the_lost_classes() {
-    let accepted = written("inspect.supp", ACCEPTED);
+    let dir = Scratch::new("suppressions", "inspect");
+    let accepted = written(&dir, "inspect.supp", ACCEPTED);
     let args = ["--interval", "0.2", "--inspect", "--duration", "3", "--suppressions", &accepted];
     let outcome = run(&args, &[program().as_str(), "--linger"]);
     assert!(outcome.status.success(), "{outcome:?}");
@@ -162,13 +166,14 @@ fn inspected_accepted_blocks_leave_the_lost_classes() {
 
 #[test]
 fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
-    let outcome = report(&["--at", "final", "--gen-suppressions", "-o", temp("gen.txt").to_str().unwrap()]);
+    let dir = Scratch::new("suppressions", "generated");
+    let outcome = report(&dir, &["--at", "final", "--gen-suppressions", "-o", &dir.file("gen.txt")]);
     assert!(outcome.status.success(), "{outcome:?}");
     let generated = outcome.stdout;
     assert_eq!(generated.matches("Memcheck:Leak").count(), 3, "{generated}");
     assert!(generated.contains("   fun:*\n   fun:accepted_cache\n   fun:cache_fill\n   fun:main\n}\n"), "{generated}");
-    let file = written("generated.supp", &generated);
-    let end = report(&["--json", "--at", "final", "--suppressions", &file]).final_report();
+    let file = written(&dir, "generated.supp", &generated);
+    let end = report(&dir, &["--json", "--at", "final", "--suppressions", &file]).final_report();
     assert_eq!(candidates(&end), owned(&[]));
     assert_eq!((&end["suppressed"]["stacks"], &end["suppressed"]["bytes"]), (&json!(3), &json!(43_488)));
     if let Some(used) = valgrind(&file, &program()) {
@@ -181,7 +186,7 @@ fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
     assert!(session.status.success(), "{session:?}");
     let rules = &session.stdout[session.stdout.find("{\n").expect("rules after the report")..];
     assert_eq!(rules, generated, "{}", session.stdout);
-    let refused = memprof(&["report", recording(), "--json", "--gen-suppressions"]);
+    let refused = memprof(&["report", &recording(&dir), "--json", "--gen-suppressions"]);
     assert!(!refused.status.success());
     assert!(
         refused.stderr.contains("write the report to a file (-o FILE) or give --format table"),
@@ -193,10 +198,11 @@ fn generated_suppressions_accept_every_candidate_in_memprof_and_valgrind() {
 /// Where valgrind is installed: the same rules suppress the same bytes in memcheck.
 #[test]
 fn valgrind_suppresses_the_same_sites_with_the_same_file() {
-    let accepted = written("valgrind.supp", ACCEPTED);
+    let dir = Scratch::new("suppressions", "valgrind");
+    let accepted = written(&dir, "valgrind.supp", ACCEPTED);
     let Some(used) = valgrind(&accepted, &program()) else { return };
     assert_eq!(used, [("cache".to_string(), 24_000), ("init".to_string(), 7_200)]);
-    let end = report(&["--json", "--at", "final", "--suppressions", &accepted]).final_report();
+    let end = report(&dir, &["--json", "--at", "final", "--suppressions", &accepted]).final_report();
     let ours: Vec<(String, u64)> = end["suppressed"]["by_rule"]
         .as_array()
         .unwrap()
@@ -218,7 +224,8 @@ fn generated_suppressions_name_cpp_functions_as_valgrind_matches_them() {
     assert_eq!(rules.matches("Memcheck:Leak").count(), 2, "{rules}");
     assert!(rules.contains("   fun:*\n   fun:_ZN3app5Cache4fillEv\n   fun:main\n}"), "{rules}");
     assert!(rules.contains("   fun:*\n   fun:_ZN3app4growEi\n   fun:_ZN3app5Cache4fillEv\n   fun:main\n}"), "{rules}");
-    let file = written("generated_cpp.supp", rules);
+    let dir = Scratch::new("suppressions", "generated_cpp");
+    let file = written(&dir, "generated_cpp.supp", rules);
     let accepted = memprof(&["run", "--interval", "0.2", "--json", "--suppressions", &file, "--", program]);
     let end = accepted.final_report();
     assert_eq!(candidates(&end), owned(&[]), "{end}");
@@ -246,7 +253,8 @@ fn generated_suppressions_name_a_cloned_function_as_valgrind_matches_it() {
     assert!(outcome.status.success(), "{outcome:?}");
     let rules = &outcome.stdout[outcome.stdout.find("{\n").expect("rules after the report")..];
     assert!(rules.contains(&format!("   fun:*\n   fun:{clone}\n   fun:main\n}}")), "{rules}");
-    let file = written("generated_clone.supp", rules);
+    let dir = Scratch::new("suppressions", "generated_clone");
+    let file = written(&dir, "generated_clone.supp", rules);
     let accepted = memprof(&["run", "--interval", "0.2", "--json", "--suppressions", &file, "--", program]);
     let end = accepted.final_report();
     assert_eq!(candidates(&end), owned(&[]), "{end}");
@@ -285,8 +293,9 @@ fn valgrind(file: &str, program: &str) -> Option<Vec<(String, u64)>> {
 
 #[test]
 fn a_malformed_file_is_refused_in_one_line_with_its_place() {
-    let bad = written("bad.supp", "{\n   cache\n   Memcheck:Leak\n   func:accepted_cache\n}\n");
-    let outcome = report(&["--suppressions", &bad]);
+    let dir = Scratch::new("suppressions", "bad");
+    let bad = written(&dir, "bad.supp", "{\n   cache\n   Memcheck:Leak\n   func:accepted_cache\n}\n");
+    let outcome = report(&dir, &["--suppressions", &bad]);
     assert!(!outcome.status.success());
     assert_eq!(outcome.stderr.lines().count(), 1, "{}", outcome.stderr);
     assert!(
@@ -305,7 +314,8 @@ fn a_malformed_file_is_refused_in_one_line_with_its_place() {
 /// no alert fires for them, while the real leak is one; its reports count the rules' stacks.
 #[test]
 fn the_daemon_leaves_accepted_stacks_out_of_its_leak_metrics() {
-    let accepted = written("daemon.supp", ACCEPTED);
+    let dir = Scratch::new("suppressions", "daemon");
+    let accepted = written(&dir, "daemon.supp", ACCEPTED);
     let mut target = Waiting::start(&fixture("suppressions"), &["--slow"]);
     let pid = target.pid();
     let daemon = Daemon::start(&["--pid", &pid.to_string(), "--leak-window", "3", "--suppressions", &accepted]);

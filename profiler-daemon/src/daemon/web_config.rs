@@ -123,36 +123,54 @@ fn acceptor(tls: TlsFile, dir: &Path) -> Result<TlsAcceptor, String> {
 mod tests {
     use super::*;
 
-    fn write(name: &str, text: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("memprof-web-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
+    /// A test's own directory, removed when dropped: the tests run at once, and none leaves its
+    /// files in /tmp.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(test: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("memprof-web-config-{}-{test}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Self(dir)
+        }
+
+        fn write(&self, name: &str, text: &str) -> PathBuf {
+            let path = self.0.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        }
+
+        fn error(&self, name: &str, text: &str) -> String {
+            load(&self.write(name, text)).err().expect("refused").to_string()
+        }
     }
 
-    fn error(name: &str, text: &str) -> String {
-        load(&write(name, text)).err().expect("refused").to_string()
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     #[test]
     fn an_empty_file_asks_for_nothing() {
-        let config = load(&write("empty.yml", "")).unwrap();
+        let dir = Dir::new("empty");
+        let config = load(&dir.write("empty.yml", "")).unwrap();
         assert!(config.tls.is_none() && config.auth.is_none());
     }
 
     #[test]
     fn bad_files_are_refused_with_the_reason_on_one_line() {
-        let err = error("unknown.yml", "tls_server_config:\n  client_auth_type: RequireAndVerifyClientCert\n");
+        let dir = Dir::new("bad");
+        let err = dir.error("unknown.yml", "tls_server_config:\n  client_auth_type: RequireAndVerifyClientCert\n");
         assert!(err.contains("unknown field `client_auth_type`"), "{err}");
         assert!(!err.contains('\n'), "{err}");
-        let err = error("missing.yml", "tls_server_config:\n  cert_file: nope.crt\n  key_file: nope.key\n");
+        let err = dir.error("missing.yml", "tls_server_config:\n  cert_file: nope.crt\n  key_file: nope.key\n");
         assert!(err.contains("cannot read cert_file") && err.contains("nope.crt"), "{err}");
-        let err = error("nokey.yml", "tls_server_config:\n  cert: x\n");
+        let err = dir.error("nokey.yml", "tls_server_config:\n  cert: x\n");
         assert!(err.contains("no PEM certificate") || err.contains("key"), "{err}");
-        let err = error("hash.yml", "basic_auth_users:\n  alice: plaintext\n");
+        let err = dir.error("hash.yml", "basic_auth_users:\n  alice: plaintext\n");
         assert!(err.contains("`alice`") && err.contains("bcrypt"), "{err}");
-        let err = error("toml.toml", "basic_auth_users = 3\n");
+        let err = dir.error("toml.toml", "basic_auth_users = 3\n");
         assert!(err.starts_with("invalid web config file"), "{err}");
         let err = load(Path::new("/nonexistent/web.yml")).err().unwrap().to_string();
         assert!(err.contains("cannot read it"), "{err}");
@@ -162,14 +180,16 @@ mod tests {
     fn users_with_bcrypt_hashes_are_accepted() {
         // bcrypt of "secret" at cost 4 (cheap for a test).
         let hash = bcrypt::hash("secret", 4).unwrap();
-        let config = load(&write("users.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).unwrap();
+        let dir = Dir::new("users");
+        let config = load(&dir.write("users.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).unwrap();
         assert!(config.auth.is_some() && config.tls.is_none());
     }
 
     #[test]
     fn a_hash_too_dear_to_check_is_refused() {
         let hash = bcrypt::hash("secret", 4).unwrap().replacen("$04$", "$31$", 1);
-        let err = load(&write("dear.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).err().unwrap();
+        let dir = Dir::new("dear");
+        let err = load(&dir.write("dear.yml", &format!("basic_auth_users:\n  alice: '{hash}'\n"))).err().unwrap();
         assert!(err.to_string().contains("a bcrypt cost of 31, above 16"), "{err}");
     }
 }

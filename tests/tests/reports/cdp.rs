@@ -8,9 +8,10 @@ use std::{
         fd::{FromRawFd, OwnedFd},
         unix::process::CommandExt,
     },
-    path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::{Child, Stdio},
 };
+
+use memprof_tests::{chromium, Scratch};
 
 use serde_json::{json, Value};
 
@@ -23,7 +24,8 @@ pub struct Page {
     session: String,
     /// Events read while waiting for an answer, oldest first.
     events: Vec<Value>,
-    profile: PathBuf,
+    /// Removed as a field, after `drop` has ended the browser.
+    _profile: Scratch,
 }
 
 /// A pipe (read end, write end) whose descriptors are at least 10, so that moving them to 3 and 4
@@ -48,15 +50,14 @@ fn pipe() -> (OwnedFd, OwnedFd) {
 impl Page {
     /// Starts Chromium with `flags` and the profile directory `profile`, opens `url` and waits
     /// until it has loaded.
-    pub fn open(flags: &[&str], profile: PathBuf, url: &str) -> Self {
+    pub fn open(flags: &[&str], profile: Scratch, url: &str) -> Self {
         let (browser_reads, commands) = pipe();
         let (answers, browser_writes) = pipe();
         let (read_fd, write_fd) =
             (std::os::fd::AsRawFd::as_raw_fd(&browser_reads), std::os::fd::AsRawFd::as_raw_fd(&browser_writes));
-        let mut command = Command::new("chromium");
+        let mut command = chromium::command(&profile);
         command
             .args(flags)
-            .arg(format!("--user-data-dir={}", profile.display()))
             .arg("--remote-debugging-pipe")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -80,7 +81,7 @@ impl Page {
             next_id: 0,
             session: String::new(),
             events: Vec::new(),
-            profile,
+            _profile: profile,
         };
         let target = page.call("Target.createTarget", json!({ "url": "about:blank" }));
         let attached = page.call("Target.attachToTarget", json!({ "targetId": target["targetId"], "flatten": true }));
@@ -148,6 +149,5 @@ impl Drop for Page {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.profile);
     }
 }
