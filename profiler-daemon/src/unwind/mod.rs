@@ -252,11 +252,17 @@ impl UnwindEvents {
         self.objects.get(&tgid).map(|sent| sent.objects.as_slice())
     }
 
-    /// Drops the list of a process that exited.
-    pub fn forget(&mut self, tgid: u32) {
-        self.objects.remove(&tgid);
-        self.execs.remove(&tgid);
-        self.pacing.forget(tgid);
+    /// Drops what is kept of processes let go (exited, or no longer traced, their probes gone):
+    /// their lists, and their events not used yet, read or not. No report of theirs is left to
+    /// finish their walks for; finished later, they would be counted, and kept, for nothing.
+    pub fn forget(&mut self, gone: &HashSet<u32>) {
+        for tgid in gone {
+            self.objects.remove(tgid);
+            self.execs.remove(tgid);
+            self.pacing.forget(*tgid);
+        }
+        self.pending.retain(|event| !gone.contains(&event.tgid()));
+        self.reader.drop_records_of(gone);
     }
 
     /// Process `tgid` exec'd at `time_ns`: the list its old program sent is not its new one's,

@@ -7,6 +7,7 @@
 //! Walks taken out early (`take_walks_of`) and not used come back (`put_back`), possibly past it.
 
 use std::{
+    collections::HashSet,
     io,
     os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd},
     sync::{
@@ -32,6 +33,23 @@ pub enum Record {
     Other(Box<[u8]>),
 }
 
+impl Record {
+    /// The process that sent it: every record starts with its tgid.
+    fn tgid(&self) -> Option<u32> {
+        match self {
+            Record::Deferred(copy) => Some(copy.tgid()),
+            Record::Other(bytes) => Some(u32::from_ne_bytes(bytes.get(..4)?.try_into().ok()?)),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Record::Deferred(copy) => copy.len(),
+            Record::Other(bytes) => bytes.len(),
+        }
+    }
+}
+
 /// The ring's records read so far, and their bytes.
 #[derive(Default)]
 struct Held {
@@ -43,14 +61,8 @@ impl Held {
     /// Reads the ring's records into `self` until it holds `limit` bytes.
     fn read(&mut self, events: &mut Ring, limit: u64) {
         events.read_while(|record| {
-            let (held, bytes) = match DeferredCopy::of(record) {
-                Some(copy) => {
-                    let bytes = copy.len();
-                    (Record::Deferred(copy), bytes)
-                }
-                None => (Record::Other(record.into()), record.len()),
-            };
-            self.bytes += bytes as u64;
+            let held = DeferredCopy::of(record).map_or_else(|| Record::Other(record.into()), Record::Deferred);
+            self.bytes += held.len() as u64;
             self.records.push(held);
             self.bytes < limit
         });
@@ -141,6 +153,20 @@ impl Reader {
         }
         self.shared.taken.notify_one();
         walks
+    }
+
+    /// The records committed so far of the processes in `gone`, dropped.
+    pub fn drop_records_of(&self, gone: &HashSet<u32>) {
+        let mut reading = self.shared.reading();
+        let Reading { events, held } = &mut *reading;
+        held.read(events, u64::MAX);
+        held.records.retain(|record| record.tgid().is_none_or(|tgid| !gone.contains(&tgid)));
+        held.bytes = held.records.iter().map(|record| record.len() as u64).sum();
+        // As in `take_walks_of`: the ring was read to its end.
+        if !held.records.is_empty() {
+            self.shared.bell.ring();
+        }
+        self.shared.taken.notify_one();
     }
 
     /// Walks `take_walks_of` took and did not use, back after the records held: read with them

@@ -444,6 +444,9 @@ impl Tracer<'_> {
         if self.exited.is_empty() {
             return;
         }
+        // Their walks finished first, for their last reports: once they are let go, the walks
+        // still waiting are dropped (see `UnwindEvents::forget`).
+        self.on_unwind_events(Reads::Every);
         // Theirs may be the last events they sent: a program that aborts on a double free.
         self.collect_double_frees();
         let pids = std::mem::take(&mut self.exited);

@@ -139,10 +139,10 @@ impl Loaded {
     /// What memprof keeps about `pids` outside the maps' entries: stillness, unwind tables,
     /// ages, mappings.
     fn forget_kept(&mut self, pids: &HashSet<u32>) {
+        self.unwind_events.forget(pids);
         for &pid in pids {
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
-            self.unwind_events.forget(pid);
             self.ages.forget(pid);
             if let Some(mappings) = &mut self.mappings {
                 mappings.forget(pid, &self.ages.clock);
