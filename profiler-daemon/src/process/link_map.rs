@@ -25,8 +25,10 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
     mappings
 }
 
-/// The mappings of an executable loaded at the addresses it names (not position-independent: a
-/// static binary has no dynamic linker to report them, and needs none); None for any other file.
+/// The mappings of a static executable loaded at the addresses it names (not
+/// position-independent), which has no dynamic linker to report them and needs none; None for
+/// any other file. A dynamically linked one's libraries are not in its file: the list the
+/// kernel has knows more of them than its mappings alone would.
 pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
     let view = MemprofsView::read();
     if !view.may_look(Path::new(exe)) {
@@ -34,7 +36,18 @@ pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
     }
     let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    (file.kind() == object::ObjectKind::Executable).then(|| object_mappings(0, exe, &view)).flatten()
+    let fixed = file.kind() == object::ObjectKind::Executable && !has_interpreter(&data)?;
+    fixed.then(|| object_mappings(0, exe, &view)).flatten()
+}
+
+/// Whether the 64-bit ELF file `data` names a dynamic linker (`PT_INTERP`), by its program
+/// headers, which the loader reads (a file may have no section headers).
+fn has_interpreter(data: &[u8]) -> Option<bool> {
+    use object::read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _};
+    let elf = ElfFile64::<object::Endianness>::parse(data).ok()?;
+    let endian = elf.endian();
+    let headers = elf.elf_header().program_headers(endian, data).ok()?;
+    Some(headers.iter().any(|header| header.p_type(endian) == object::elf::PT_INTERP))
 }
 
 /// One mapping per loadable segment, page-aligned as the loader maps them.
@@ -90,5 +103,18 @@ mod tests {
         let found = rebuilt.iter().find(|m| m.executable).expect("rebuilt text");
         assert_eq!((found.start, found.offset, found.inode), (text.start, text.offset, text.inode));
         assert_eq!(found.device, text.device);
+    }
+
+    /// Debian's python3 is linked at fixed addresses, with a dynamic linker: its file alone does
+    /// not give its mappings. memprof's own executable is position-independent.
+    #[test]
+    fn only_a_static_executable_gives_its_mappings_alone() {
+        let python = fs::canonicalize("/usr/bin/python3").expect("python3 (installed by `cargo xtask setup`)");
+        let data = fs::read(&python).expect("python3");
+        assert_eq!(object::File::parse(&*data).expect("ELF").kind(), object::ObjectKind::Executable);
+        assert_eq!(has_interpreter(&data), Some(true));
+        assert!(fixed_executable(python.to_str().unwrap()).is_none());
+        let own = fs::read_link("/proc/self/exe").expect("own exe").display().to_string();
+        assert!(fixed_executable(&own).is_none());
     }
 }
