@@ -137,21 +137,19 @@ impl UnwindEvents {
     /// exec, and be named after the old program.
     pub fn collect(&mut self) {
         for record in self.reader.take() {
-            let item = match record {
-                Record::Deferred(copy) => {
-                    self.pending.push(Pending::Deferred(copy));
-                    continue;
+            let event = match record {
+                Record::Deferred(copy) => Pending::Deferred(copy),
+                Record::Other(item) if item.len() == size_of::<LinkMapEvent>() => {
+                    // SAFETY: the program writes whole records; read_unaligned copes with any
+                    // alignment.
+                    Pending::LinkMap(Box::new(unsafe {
+                        std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>())
+                    }))
                 }
-                Record::Other(item) => item,
-            };
-            let event = if item.len() == size_of::<LinkMapEvent>() {
-                // SAFETY: the program writes whole records; read_unaligned copes with any
-                // alignment.
-                Pending::LinkMap(Box::new(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<LinkMapEvent>()) }))
-            } else if let Some(bytes) = item.get(..4) {
-                Pending::Changed(u32::from_ne_bytes(bytes.try_into().expect("four bytes")))
-            } else {
-                continue;
+                other => match other.tgid() {
+                    Some(tgid) => Pending::Changed(tgid),
+                    None => continue,
+                },
             };
             self.pending.push(event);
         }
@@ -252,17 +250,26 @@ impl UnwindEvents {
         self.objects.get(&tgid).map(|sent| sent.objects.as_slice())
     }
 
-    /// Drops what is kept of processes let go (exited, or no longer traced, their probes gone):
-    /// their lists, and their events not used yet, read or not. No report of theirs is left to
-    /// finish their walks for; finished later, they would be counted, and kept, for nothing.
-    pub fn forget(&mut self, gone: &HashSet<u32>) {
-        for tgid in gone {
-            self.objects.remove(tgid);
-            self.execs.remove(tgid);
-            self.pacing.forget(*tgid);
-        }
+    /// Drops the list of a process forgotten.
+    pub fn forget(&mut self, tgid: u32) {
+        self.objects.remove(&tgid);
+        self.execs.remove(&tgid);
+        self.pacing.forget(tgid);
+    }
+
+    /// Drops the events not used yet, read or not, of processes let go (exited, or no longer
+    /// traced): no report of theirs is left to finish their walks for. Finished after they are
+    /// forgotten, on no list, each would be counted unfinished, and kept, for nothing.
+    pub fn drop_events_of(&mut self, gone: &HashSet<u32>) {
         self.pending.retain(|event| !gone.contains(&event.tgid()));
         self.reader.drop_records_of(gone);
+    }
+
+    /// The events of `pids` may be drained now, whenever their mappings were last read.
+    pub fn make_due(&mut self, pids: &[u32]) {
+        for &pid in pids {
+            self.pacing.forget(pid);
+        }
     }
 
     /// Process `tgid` exec'd at `time_ns`: the list its old program sent is not its new one's,

@@ -34,11 +34,19 @@ pub enum Record {
 }
 
 impl Record {
-    /// The process that sent it: every record starts with its tgid.
-    fn tgid(&self) -> Option<u32> {
+    /// The process that sent it: a walk names it in a field of its own, every other record
+    /// starts with it.
+    pub fn tgid(&self) -> Option<u32> {
         match self {
             Record::Deferred(copy) => Some(copy.tgid()),
             Record::Other(bytes) => Some(u32::from_ne_bytes(bytes.get(..4)?.try_into().ok()?)),
+        }
+    }
+
+    fn into_walk(self) -> Option<DeferredCopy> {
+        match self {
+            Record::Deferred(copy) => Some(copy),
+            Record::Other(_) => None,
         }
     }
 
@@ -135,38 +143,31 @@ impl Reader {
     /// The walks process `tgid` deferred, committed so far, taken out; the other records stay, in
     /// order, for `take`.
     pub fn take_walks_of(&self, tgid: u32) -> Vec<DeferredCopy> {
+        let picked = self.take_picked(|record| matches!(record, Record::Deferred(copy) if copy.tgid() == tgid));
+        picked.into_iter().filter_map(Record::into_walk).collect()
+    }
+
+    /// The records committed so far of the processes in `gone`, dropped.
+    pub fn drop_records_of(&self, gone: &HashSet<u32>) {
+        self.take_picked(|record| record.tgid().is_some_and(|tgid| gone.contains(&tgid)));
+    }
+
+    /// The records committed so far that `pick` picks, taken out in order; the others stay, in
+    /// order, for `take`.
+    fn take_picked(&self, pick: impl Fn(&Record) -> bool) -> Vec<Record> {
         let mut reading = self.shared.reading();
         let Reading { events, held } = &mut *reading;
         held.read(events, u64::MAX);
-        let mut walks = Vec::new();
-        for record in std::mem::take(&mut held.records) {
-            match record {
-                Record::Deferred(copy) if copy.tgid() == tgid => walks.push(copy),
-                other => held.records.push(other),
-            }
-        }
-        held.bytes -= walks.iter().map(|copy| copy.len() as u64).sum::<u64>();
+        let (picked, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut held.records).into_iter().partition(pick);
+        held.records = kept;
+        held.bytes -= picked.iter().map(|record| record.len() as u64).sum::<u64>();
         // The ring was read to its end here: the thread may find nothing to ring for what is
         // left.
         if !held.records.is_empty() {
             self.shared.bell.ring();
         }
         self.shared.taken.notify_one();
-        walks
-    }
-
-    /// The records committed so far of the processes in `gone`, dropped.
-    pub fn drop_records_of(&self, gone: &HashSet<u32>) {
-        let mut reading = self.shared.reading();
-        let Reading { events, held } = &mut *reading;
-        held.read(events, u64::MAX);
-        held.records.retain(|record| record.tgid().is_none_or(|tgid| !gone.contains(&tgid)));
-        held.bytes = held.records.iter().map(|record| record.len() as u64).sum();
-        // As in `take_walks_of`: the ring was read to its end.
-        if !held.records.is_empty() {
-            self.shared.bell.ring();
-        }
-        self.shared.taken.notify_one();
+        picked
     }
 
     /// Walks `take_walks_of` took and did not use, back after the records held: read with them

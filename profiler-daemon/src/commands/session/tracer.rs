@@ -445,8 +445,10 @@ impl Tracer<'_> {
             return;
         }
         // Their walks finished first, for their last reports: once they are let go, the walks
-        // still waiting are dropped (see `UnwindEvents::forget`).
-        self.on_unwind_events(Reads::Every);
+        // still waiting are dropped (see `UnwindEvents::drop_events_of`). Theirs only: the others
+        // keep their pace.
+        self.loaded.unwind_events.make_due(&self.exited);
+        self.on_unwind_events(Reads::Due);
         // Theirs may be the last events they sent: a program that aborts on a double free.
         self.collect_double_frees();
         let pids = std::mem::take(&mut self.exited);

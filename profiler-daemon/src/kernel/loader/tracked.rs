@@ -88,6 +88,8 @@ impl Loaded {
             self.usdt.forget(pid);
             self.probe_threads.forget(&mut self.ebpf, pid);
         }
+        // Last: a shared link records nothing of them once they are out of `TRACED`.
+        self.unwind_events.drop_events_of(pids);
     }
 
     /// `forget_exited`, but what the maps hold about `pids` goes at the next `purge_exited`,
@@ -139,10 +141,10 @@ impl Loaded {
     /// What memprof keeps about `pids` outside the maps' entries: stillness, unwind tables,
     /// ages, mappings.
     fn forget_kept(&mut self, pids: &HashSet<u32>) {
-        self.unwind_events.forget(pids);
         for &pid in pids {
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
+            self.unwind_events.forget(pid);
             self.ages.forget(pid);
             if let Some(mappings) = &mut self.mappings {
                 mappings.forget(pid, &self.ages.clock);
@@ -396,7 +398,8 @@ impl Loaded {
     }
 
     /// For a final report, which no later list serves: the walks collected and not finished
-    /// yet, finished on the lists the kernel has, so that those still cut are counted.
+    /// yet, finished on the lists the kernel has, so that those still cut are counted. (A
+    /// library loaded since the last sync has no table there: its frames end the walk as cut.)
     pub fn finish_waiting_walks(&mut self) {
         let drained = self.unwind_events.drain(aggregate::monotonic_now_ns(), Reads::Every);
         tracing::debug!("{} walks finished on the kernel's lists for the final report", drained.deferred.len());
