@@ -5,6 +5,8 @@
 mod bell;
 mod cli;
 mod commands;
+#[cfg(test)]
+mod compiled;
 mod console;
 mod daemon;
 mod demangle;

@@ -5,7 +5,10 @@
 
 use std::{fs, os::unix::fs::MetadataExt as _, path::Path};
 
-use object::{Object as _, ObjectSegment as _};
+use object::{
+    read::elf::{ElfFile, FileHeader, ProgramHeader as _},
+    Object as _, ObjectSegment as _,
+};
 
 use super::{mounts::MemprofsView, procfs::FileMapping};
 
@@ -36,18 +39,22 @@ pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
     }
     let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    let fixed = file.kind() == object::ObjectKind::Executable && !has_interpreter(&data)?;
+    let fixed = file.kind() == object::ObjectKind::Executable && !names_interpreter(&file);
     fixed.then(|| object_mappings(0, exe, &view)).flatten()
 }
 
-/// Whether the 64-bit ELF file `data` names a dynamic linker (`PT_INTERP`), by its program
-/// headers, which the loader reads (a file may have no section headers).
-fn has_interpreter(data: &[u8]) -> Option<bool> {
-    use object::read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _};
-    let elf = ElfFile64::<object::Endianness>::parse(data).ok()?;
-    let endian = elf.endian();
-    let headers = elf.elf_header().program_headers(endian, data).ok()?;
-    Some(headers.iter().any(|header| header.p_type(endian) == object::elf::PT_INTERP))
+/// Whether an ELF file names a dynamic linker (`PT_INTERP`), by its program headers, which the
+/// loader reads (a file may have no section headers).
+fn names_interpreter(file: &object::File) -> bool {
+    fn in_headers<Elf: FileHeader>(elf: &ElfFile<Elf>) -> bool {
+        let endian = elf.endian();
+        elf.elf_program_headers().iter().any(|header| header.p_type(endian) == object::elf::PT_INTERP)
+    }
+    match file {
+        object::File::Elf32(elf) => in_headers(elf),
+        object::File::Elf64(elf) => in_headers(elf),
+        _ => false,
+    }
 }
 
 /// One mapping per loadable segment, page-aligned as the loader maps them.
@@ -105,16 +112,17 @@ mod tests {
         assert_eq!(found.device, text.device);
     }
 
-    /// Debian's python3 is linked at fixed addresses, with a dynamic linker: its file alone does
-    /// not give its mappings. memprof's own executable is position-independent.
+    /// A static program linked at fixed addresses gives its mappings alone; one with a dynamic
+    /// linker does not, fixed or position-independent.
     #[test]
     fn only_a_static_executable_gives_its_mappings_alone() {
-        let python = fs::canonicalize("/usr/bin/python3").expect("python3 (installed by `cargo xtask setup`)");
-        let data = fs::read(&python).expect("python3");
-        assert_eq!(object::File::parse(&*data).expect("ELF").kind(), object::ObjectKind::Executable);
-        assert_eq!(has_interpreter(&data), Some(true));
-        assert!(fixed_executable(python.to_str().unwrap()).is_none());
-        let own = fs::read_link("/proc/self/exe").expect("own exe").display().to_string();
-        assert!(fixed_executable(&own).is_none());
+        let program = "int main(void) { return 0; }\n";
+        let fixed = crate::compiled::compile("link-map-static", program, &["-static", "-no-pie"]);
+        let mappings = fixed_executable(fixed.path.to_str().unwrap()).expect("a static executable's mappings");
+        assert!(mappings.iter().any(|m| m.executable), "{mappings:?}");
+        for (test, flags) in [("link-map-dynamic", &["-no-pie"][..]), ("link-map-pie", &["-pie", "-fPIE"][..])] {
+            let dynamic = crate::compiled::compile(test, program, flags);
+            assert!(fixed_executable(dynamic.path.to_str().unwrap()).is_none(), "{flags:?}");
+        }
     }
 }

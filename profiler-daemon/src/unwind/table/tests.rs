@@ -1,16 +1,11 @@
 //! The table builder against readelf's own reading of the same CFI.
 
-use std::{
-    collections::HashMap,
-    fs,
-    ops::Range,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{collections::HashMap, fs, ops::Range, path::Path, process::Command};
 
 use object::ObjectSymbol;
 
 use super::*;
+use crate::compiled::{compile, run};
 
 const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
 
@@ -67,34 +62,6 @@ int main(int argc, char **argv) {
     return (int)realigned(argc * 100) & 1;
 }
 "#;
-
-fn run(command: &mut Command) -> String {
-    let output = command.output().unwrap_or_else(|e| panic!("{command:?}: {e}"));
-    assert!(output.status.success(), "{command:?}: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8(output.stdout).unwrap()
-}
-
-/// A binary compiled for one test, deleted with its directory when dropped.
-struct Binary {
-    dir: PathBuf,
-    path: PathBuf,
-}
-
-impl Drop for Binary {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Compiles `source` with `cc` and `flags` in a directory of its own, named after `test`.
-fn compile(test: &str, source: &str, flags: &[&str]) -> Binary {
-    let dir = std::env::temp_dir().join(format!("memprof-table-{}-{test}", std::process::id()));
-    fs::create_dir_all(&dir).unwrap();
-    let binary = Binary { path: dir.join("fixture"), dir };
-    fs::write(binary.dir.join("fixture.c"), source).unwrap();
-    run(Command::new("cc").args(flags).arg(binary.dir.join("fixture.c")).arg("-o").arg(&binary.path));
-    binary
-}
 
 /// What `readelf DUMP PATH` prints. It exits 1 on Debian's libc.so.6 without saying why,
 /// having printed everything, so its exit status is not checked.
