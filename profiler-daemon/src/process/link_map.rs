@@ -18,9 +18,11 @@ pub fn mappings(objects: &[(u64, String)], exe: Option<&str>) -> Vec<FileMapping
     let view = MemprofsView::read();
     let mut mappings: Vec<FileMapping> = objects
         .iter()
-        .filter_map(|(base, name)| {
-            let path = if name.is_empty() { exe? } else { name.as_str() };
-            object_mappings(*base, path, &view)
+        .filter_map(|(base, name)| match name.is_empty() {
+            // By the name memprof knows it by, as `procfs::file_mappings` names it (a link's,
+            // when the program was started by one: see `procfs::exe_path`).
+            true => object_mappings(*base, exe?, exe?, &view),
+            false => object_mappings(*base, name, &own_path(name), &view),
         })
         .flatten()
         .collect();
@@ -40,7 +42,7 @@ pub fn fixed_executable(exe: &str) -> Option<Vec<FileMapping>> {
     let data = super::elf_bytes::read_path(Path::new(exe)).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let fixed = file.kind() == object::ObjectKind::Executable && !names_interpreter(&file);
-    fixed.then(|| object_mappings(0, exe, &view)).flatten()
+    fixed.then(|| object_mappings(0, exe, exe, &view)).flatten()
 }
 
 /// Whether an ELF file names a dynamic linker (`PT_INTERP`), by its program headers, which the
@@ -57,8 +59,15 @@ fn names_interpreter(file: &object::File) -> bool {
     }
 }
 
-/// One mapping per loadable segment, page-aligned as the loader maps them.
-fn object_mappings(base: u64, path: &str, view: &MemprofsView) -> Option<Vec<FileMapping>> {
+/// A library's own path, as /proc/PID/maps names it, not the link the loader opened it by
+/// (`/lib` is a link to `/usr/lib` on merged-/usr systems).
+fn own_path(path: &str) -> String {
+    fs::canonicalize(path).map_or_else(|_| path.to_string(), |p| p.to_string_lossy().into_owned())
+}
+
+/// One mapping per loadable segment of the file at `path`, page-aligned as the loader maps them,
+/// and `named`.
+fn object_mappings(base: u64, path: &str, named: &str, view: &MemprofsView) -> Option<Vec<FileMapping>> {
     const PF_X: u32 = 1;
     const PAGE: u64 = 4096;
     if !view.may_look(Path::new(path)) {
@@ -68,9 +77,6 @@ fn object_mappings(base: u64, path: &str, view: &MemprofsView) -> Option<Vec<Fil
     let data = super::elf_bytes::read_path(Path::new(path)).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let device = format!("{:02x}:{:02x}", libc::major(meta.dev()), libc::minor(meta.dev()));
-    // As /proc/PID/maps names it: the file's own path, not the link the loader opened it by
-    // (`/lib` is a link to `/usr/lib` on merged-/usr systems).
-    let named = fs::canonicalize(path).map_or_else(|_| path.to_string(), |p| p.to_string_lossy().into_owned());
     let segments = file.segments().filter_map(|segment| {
         let object::SegmentFlags::Elf { p_flags } = segment.flags() else { return None };
         let (offset, _) = segment.file_range();
@@ -80,7 +86,7 @@ fn object_mappings(base: u64, path: &str, view: &MemprofsView) -> Option<Vec<Fil
             start,
             end,
             offset: offset & !(PAGE - 1),
-            path: named.clone(),
+            path: named.to_string(),
             executable: p_flags & PF_X != 0,
             device: device.clone(),
             inode: meta.ino(),
@@ -110,6 +116,23 @@ mod tests {
         let found = rebuilt.iter().find(|m| m.executable).expect("rebuilt text");
         assert_eq!((found.start, found.offset, found.inode), (text.start, text.offset, text.inode));
         assert_eq!(found.device, text.device);
+    }
+
+    /// The executable keeps the name memprof knows it by, a link's when it was started by one
+    /// (Debian's redis-server is a link to redis-check-rdb); a library is named by its own path.
+    #[test]
+    fn the_executable_keeps_its_name_and_a_library_is_named_by_its_own_path() {
+        let exe = std::fs::read_link("/proc/self/exe").expect("own exe").display().to_string();
+        let dir = std::env::temp_dir().join(format!("memprof-link-map-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let link = dir.join("started-as").display().to_string();
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&exe, &link).unwrap();
+        let as_exe = mappings(&[(0, String::new())], Some(&link));
+        let as_library = mappings(&[(0, link.clone())], None);
+        let _ = fs::remove_dir_all(&dir);
+        assert!(!as_exe.is_empty() && as_exe.iter().all(|m| m.path == link), "{as_exe:?}");
+        assert!(!as_library.is_empty() && as_library.iter().all(|m| m.path == exe), "{as_library:?}");
     }
 
     /// A static program linked at fixed addresses gives its mappings alone; one with a dynamic
