@@ -458,6 +458,11 @@ pub struct DaemonArgs {
     /// it is not loaded for them [default: a quarter of --max-unwind-rows].
     #[arg(long, allow_negative_numbers = true, value_parser = whole("rows", 1, u32::MAX))]
     pub max_unwind_rows_per_user: Option<u32>,
+    /// Seconds the unwind table of a file no traced process maps any more is kept for the next
+    /// process that maps it; a new table takes its rows sooner if it needs them (0: given back
+    /// at once) [default: 60].
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true, value_parser = whole("seconds", 0, crate::unwind::MAX_KEEP_IDLE_SECONDS))]
+    pub keep_unwind_tables: Option<u32>,
     /// Also trace anonymous mmap, munmap, mremap and brk with their stacks; costs these calls on
     /// the host a little (docs: guide/mappings.md#memory-outside-malloc-mappings).
     #[arg(long)]

@@ -10,7 +10,7 @@ use std::{
 use memprof_tests::{
     array_sum, fixture, http_get, metric, metric_f64,
     probe_links::{self, ProbeLink},
-    sample, site, wait_for, Daemon, Waiting,
+    sample, site, wait_for, Daemon, Scratch, Waiting,
 };
 
 /// These tests run one at a time: a daemon matching by command name would also trace another
@@ -95,7 +95,8 @@ fn the_leak_api_names_the_leaking_site_exactly() {
 #[test]
 fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     let _serial = serial();
-    let daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    // Its tables are given back with it, not kept for another process.
+    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--keep-unwind-tables", "0"]);
     let mut late = target();
     daemon.wait_traced(late.pid());
     // At the defaults, one process: links of its own, one per program, and none for every process.
@@ -134,6 +135,55 @@ fn processes_that_match_later_are_traced_and_those_that_exit_disappear() {
     for series in ["memprof_unwind_rows{state=\"used\"} 0\n", "memprof_unwind_kernel_bytes 0\n"] {
         assert!(metrics.contains(series), "{series}: {metrics}");
     }
+}
+
+/// A program started again while its files' tables are kept (`--keep-unwind-tables`) has none
+/// built again, and its stacks are whole on them; a file written in place since has its table
+/// built anew. With no process left to map them, the tables and their shards are given back
+/// once that time is up.
+#[test]
+fn a_program_started_again_finds_its_tables_kept_and_they_go_after_their_time() {
+    let _serial = serial();
+    let scratch = Scratch::new("daemon", "kept-tables");
+    let program = scratch.join("daemon_target");
+    std::fs::copy(fixture("daemon_target"), &program).unwrap();
+    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--keep-unwind-tables", "10"]);
+    let rows = |state: &str| metric(daemon.port, &format!("memprof_unwind_rows{{state=\"{state}\"}}"));
+    let built = || metric(daemon.port, "memprof_unwind_tables_built_total").expect("tables built");
+    let run_once = || {
+        let mut running = Waiting::start(&program, &[]);
+        daemon.wait_traced(running.pid());
+        running.go();
+        let leaks = format!("/api/v1/leaks?pid={}", running.pid());
+        let report = wait_for(20, "its held blocks", || {
+            let report = daemon.get_json(&leaks).1;
+            (site(&report, "hold_site") == (50_000, 50)).then_some(report)
+        });
+        let stacks = report["stacks"].as_array().expect("stacks");
+        let stack = stacks.iter().find(|stack| stack["frames"][0]["function"] == "hold_site");
+        let stack = stack.unwrap_or_else(|| panic!("{report}"));
+        assert_eq!(stack["frames"][1]["function"], "main", "{report}");
+        assert_eq!(stack["truncated"], false, "{report}");
+        assert_eq!(report["dropped"]["unwind_no_table"], 0, "{report}");
+        let pid = u64::from(running.pid());
+        drop(running);
+        wait_for(20, "the program to be let go", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    };
+    run_once();
+    let first = built();
+    assert!(first >= 3, "the program, the C library and the dynamic linker: {first}");
+    assert_eq!(rows("used"), Some(0));
+    assert!(rows("idle").expect("idle rows") > 0, "its tables are kept");
+    run_once();
+    assert_eq!(built(), first, "no table built again");
+    // The same bytes, written over the same inode: its table is not trusted.
+    std::fs::write(&program, std::fs::read(&program).unwrap()).unwrap();
+    run_once();
+    assert_eq!(built(), first + 1, "the program's table built again, the libraries' not");
+    wait_for(30, "the idle tables given back", || {
+        (rows("idle")? == 0 && metric(daemon.port, "memprof_unwind_kernel_bytes")? == 0).then_some(())
+    });
+    assert_eq!(rows("used"), Some(0));
 }
 
 /// Under systemd (`Type=notify`), the daemon says when it serves, reloads and stops: `systemctl

@@ -3,6 +3,7 @@
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
+    time::Duration,
 };
 
 use profiler_common::{COMM_BYTES, MAX_EXEC_NAMES};
@@ -18,7 +19,7 @@ use crate::{
     kernel::settings::{LoadSettings, DEFAULT_LOAD, MAX_MAP_ENTRIES},
     kernel::shared::ProbeLinks,
     process::procfs,
-    unwind::UnwindMode,
+    unwind::{UnwindMode, KEEP_IDLE, MAX_KEEP_IDLE_SECONDS},
 };
 
 /// Most processes traced at once unless told: the scale measured and tested, attach and exit times
@@ -70,6 +71,7 @@ struct File {
     max_frames: Option<u32>,
     max_unwind_rows: Option<u32>,
     max_unwind_rows_per_user: Option<u32>,
+    keep_unwind_tables: Option<u32>,
     mappings: Option<bool>,
     full_free_stacks: Option<bool>,
     wrappers: Option<Vec<String>>,
@@ -199,6 +201,9 @@ pub struct Config {
     /// Rows of unwind tables one user's processes may take (`--max-unwind-rows-per-user`); read
     /// at start.
     pub unwind_rows_per_user: u32,
+    /// How long an unwind table no traced process maps is kept for the next
+    /// (`--keep-unwind-tables`).
+    pub keep_unwind_tables: Duration,
     /// The allocation wrappers folded into the allocator in every report.
     pub wrappers: Wrappers,
     /// Stacks accepted (valgrind's suppression files): never leak candidates.
@@ -413,6 +418,13 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
             "0 would unwind no user's stacks; give at least 1".into(),
         ));
     }
+    let keep_unwind_tables = match args.keep_unwind_tables.or(file.keep_unwind_tables) {
+        Some(seconds @ 0..=MAX_KEEP_IDLE_SECONDS) => Duration::from_secs(seconds.into()),
+        Some(_) => {
+            return Err(ConfigError::Value("keep_unwind_tables", format!("give 0 to {MAX_KEEP_IDLE_SECONDS} seconds")))
+        }
+        None => KEEP_IDLE,
+    };
     if !(1..=profiler_common::MAX_FRAMES as u32).contains(&maps.max_frames) {
         return Err(ConfigError::Value("max_frames", format!("give 1 to {}", profiler_common::MAX_FRAMES)));
     }
@@ -439,6 +451,7 @@ fn merge(file: File, args: &DaemonArgs) -> Result<Config, ConfigError> {
         sampling,
         maps,
         unwind_rows_per_user,
+        keep_unwind_tables,
         wrappers,
         suppressions,
         http,
@@ -647,7 +660,7 @@ mod tests {
     }
 
     /// The config file's keys, and one it does not know.
-    const KEYS: [&str; 29] = [
+    const KEYS: [&str; 30] = [
         "listen",
         "pids",
         "comms",
@@ -671,6 +684,7 @@ mod tests {
         "max_frames",
         "max_unwind_rows",
         "max_unwind_rows_per_user",
+        "keep_unwind_tables",
         "mappings",
         "full_free_stacks",
         "wrappers",

@@ -428,9 +428,10 @@ impl Collector for ViewCollector {
         gauges(
             e,
             "memprof_unwind_rows",
-            "Rows of unwind tables in the kernel: used, and free under --max-unwind-rows.",
+            "Rows of unwind tables in the kernel: used, idle (kept for the next process that maps their file, see --keep-unwind-tables), and free under --max-unwind-rows.",
             [
                 (vec![("state", "used".to_string())], unwind.rows_used),
+                (vec![("state", "idle".to_string())], unwind.rows_idle),
                 (vec![("state", "free".to_string())], unwind.rows_free),
             ],
         )?;
@@ -439,6 +440,12 @@ impl Collector for ViewCollector {
             "memprof_unwind_kernel_bytes",
             "Kernel memory of the shards that hold the unwind tables' rows.",
             [(vec![], unwind.kernel_bytes)],
+        )?;
+        counters(
+            e,
+            "memprof_unwind_tables_built",
+            "Unwind tables built, each read from its file: an idle table mapped again is not built again.",
+            [(vec![], unwind.tables_built)],
         )?;
         counters(
             e,

@@ -241,9 +241,11 @@ fn section(report: &Report) -> String {
     if let Some(tables) = &report.unwind_tables {
         let _ = write!(
             out,
-            "  unwind tables: {} files, {} rows used, {} free of {} ({} of kernel memory)",
+            "  unwind tables: {} files, {} rows used, {}{} free of {} ({} of kernel memory)",
             tables.files,
             tables.rows_used,
+            // Tables kept for the next process that maps their files (`--keep-unwind-tables`).
+            if tables.rows_idle > 0 { format!("{} idle, ", tables.rows_idle) } else { String::new() },
             tables.rows_free,
             tables.rows_max,
             bytes(tables.kernel_bytes)

@@ -3,6 +3,7 @@
 
 mod copy;
 mod deferred;
+mod idle;
 mod pacing;
 mod reader;
 mod registry;
@@ -23,7 +24,7 @@ use std::{
 pub use copy::DeferredCopy;
 pub use deferred::Completion;
 use profiler_common::LinkMapEvent;
-pub use registry::{Registry, TableUse, UnwindMode, BPF_NOEXIST};
+pub use registry::{Registry, TableUse, UnwindMode, BPF_NOEXIST, KEEP_IDLE, MAX_KEEP_IDLE_SECONDS};
 
 use crate::ring::Ring;
 use pacing::Pacing;

@@ -5,7 +5,10 @@
 //! A file's rows stay while some traced process maps it and are freed for reuse after; a shard
 //! with no rows in use is given back to the kernel.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
 
 use aya::{maps::HashMap as BpfHashMap, Ebpf};
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
@@ -13,6 +16,7 @@ use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, S
 
 use super::{
     deferred::{self, Completion, Deferred},
+    idle::{FileKey, FileStamp, IdleTables},
     shards::{Shards, SHARD_BYTES},
     share::UserShares,
     space::RowSpace,
@@ -35,9 +39,6 @@ pub enum UnwindMode {
     Fp,
 }
 
-/// A mapped file, named by device and inode: the same while any process maps it.
-type FileKey = (String, u64);
-
 struct FileTable {
     first_row: u32,
     rows: u32,
@@ -47,6 +48,9 @@ struct FileTable {
     segments: Vec<(u64, u64, u64)>,
     /// How many traced processes map the file, by their user (see `share`).
     users: HashMap<u32, usize>,
+    /// The file as the table was built from it; None where that could not be read: such a
+    /// table is not kept idle.
+    stamp: Option<FileStamp>,
 }
 
 /// A traced process: its user and the files it maps with code.
@@ -88,6 +92,10 @@ pub struct Registry {
     warned: HashSet<String>,
     /// Writes of `PROC_MAPPINGS` and purges of `STACKS` so far: the value of `MAPPINGS_GENERATION`.
     mapping_writes: u32,
+    /// Tables no traced process uses, kept for the next (see `idle`).
+    idle: IdleTables,
+    /// Tables built so far (not those found loaded, in use or idle).
+    built: u64,
     /// Walks the kernel left for memprof to finish.
     deferred: Deferred,
     /// `--max-frames`.
@@ -108,7 +116,16 @@ struct NotLoaded {
 pub struct TableUse {
     /// Files with tables in the kernel (CFI rows, or frame pointers for a file without CFI).
     pub files: usize,
+    /// Rows of the tables traced processes map.
     pub rows_used: u64,
+    /// Rows of the tables no traced process maps now, kept for the next that does (see
+    /// `--keep-unwind-tables`), or taken by a new table that needs them.
+    #[serde(default)]
+    pub rows_idle: u64,
+    /// Tables built so far, each read from its file: a table kept idle and mapped again is not
+    /// built again.
+    #[serde(default)]
+    pub tables_built: u64,
     /// Rows still free under `--max-unwind-rows`.
     pub rows_free: u64,
     /// `--max-unwind-rows`.
@@ -142,7 +159,7 @@ pub struct TableUse {
 
 impl Registry {
     /// Takes `UNWIND_SHARDS`; `max_rows` bounds the rows of all tables together.
-    /// `frame_limit` is `--max-frames`.
+    /// `frame_limit` is `--max-frames`. Tables no process uses are kept `KEEP_IDLE` unless told.
     pub fn new(ebpf: &mut Ebpf, mode: UnwindMode, max_rows: u32, frame_limit: u32) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_SHARDS").ok_or_else(|| anyhow::anyhow!("map UNWIND_SHARDS missing"))?;
         let shards = Shards::new(map)?;
@@ -160,6 +177,8 @@ impl Registry {
             not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
             mapping_writes: 0,
+            idle: IdleTables::new(KEEP_IDLE),
+            built: 0,
             deferred: Deferred::default(),
             frame_limit: frame_limit as usize,
         })
@@ -174,11 +193,14 @@ impl Registry {
         };
         let held: usize = self.files.iter().map(file_bytes).sum::<usize>()
             + self.processes.values().flat_map(|process| &process.files).map(key_bytes).sum::<usize>();
-        let (used, capacity) = (u64::from(self.space.used()), u64::from(self.space.capacity()));
+        let (taken, capacity) = (u64::from(self.space.used()), u64::from(self.space.capacity()));
+        let idle: u64 = self.idle.keys().filter_map(|key| self.files.get(key)).map(|file| u64::from(file.rows)).sum();
         TableUse {
             files: self.files.len(),
-            rows_used: used,
-            rows_free: capacity - used,
+            rows_used: taken - idle,
+            rows_idle: idle,
+            tables_built: self.built,
+            rows_free: capacity - taken,
             rows_max: capacity,
             kernel_bytes: self.shards.count() as u64 * SHARD_BYTES,
             tables_not_loaded: self.not_loaded.tables,
@@ -194,6 +216,25 @@ impl Registry {
     /// Bounds the rows one user's traced processes may take (`--max-unwind-rows-per-user`).
     pub fn bound_per_user(&mut self, rows: u32) {
         self.shares.bound(rows);
+    }
+
+    /// How long a table no traced process maps is kept for the next (`--keep-unwind-tables`).
+    pub fn keep_idle(&mut self, keep: Duration) {
+        self.idle.set_keep(keep);
+        self.drop_unused();
+    }
+
+    /// When an idle table's time is up: `drop_expired` then gives its rows back.
+    pub fn next_idle_expiry(&self) -> Option<Instant> {
+        self.idle.next_expiry()
+    }
+
+    /// Gives back the rows of idle tables kept long enough.
+    pub fn drop_expired(&mut self) {
+        if self.next_idle_expiry().is_some_and(|expiry| expiry <= Instant::now()) {
+            self.drop_unused();
+            self.log_use();
+        }
     }
 
     /// Kernel memory the shards not created yet would take, were every row up to `--max-unwind-rows` used.
@@ -470,6 +511,7 @@ impl Registry {
     /// One more process of `uid` maps the file.
     fn acquire(&mut self, key: &FileKey, uid: u32) {
         let Some(file) = self.files.get_mut(key) else { return };
+        self.idle.remove(key);
         let processes = file.users.entry(uid).or_default();
         if *processes == 0 {
             self.shares.take(uid, file.rows);
@@ -489,27 +531,60 @@ impl Registry {
         }
     }
 
+    /// Tables no traced process maps go idle; those idle long enough, or that cannot tell their
+    /// file changed, give their rows back.
     fn drop_unused(&mut self) {
-        let space = &mut self.space;
+        let now = Instant::now();
+        let (space, idle) = (&mut self.space, &mut self.idle);
         let before = self.files.len();
-        self.files.retain(|_, file| {
-            if file.users.is_empty() && file.rows > 0 {
+        self.files.retain(|key, file| {
+            if !file.users.is_empty() {
+                return true;
+            }
+            if file.stamp.is_some() {
+                idle.went_idle(key, now);
+                if !idle.expired(key, now) {
+                    return true;
+                }
+            }
+            idle.remove(key);
+            if file.rows > 0 {
                 space.free(file.first_row, file.rows);
             }
-            !file.users.is_empty()
+            false
         });
         if self.files.len() < before {
             self.shards.release_unused(&self.space);
         }
     }
 
+    /// Gives back an idle table's rows now.
+    fn drop_idle(&mut self, key: &FileKey) {
+        self.idle.remove(key);
+        if let Some(file) = self.files.remove(key) {
+            self.space.free(file.first_row, file.rows);
+            self.shards.release_unused(&self.space);
+        }
+    }
+
+    /// Whether the idle table of `key` was built from the file `pid` maps now: a file written
+    /// in place since, or a new one given the inode, is not the one the table was built from.
+    fn idle_table_still_fits(&self, key: &FileKey, pid: u32, mapping: &FileMapping) -> bool {
+        let Some(table) = self.files.get(key) else { return false };
+        table.stamp.is_some() && mapping.open(pid).and_then(|file| FileStamp::of(&file)) == table.stamp
+    }
+
     /// The table of a mapped file, built and written to the kernel the first time a process of
     /// `uid` maps it. None when it cannot be loaded (said once, counted in `not_loaded`; its frames
     /// end stacks and are counted as `unwind_no_table`).
     fn file(&mut self, key: &FileKey, pid: u32, uid: u32, mapping: &FileMapping) -> Option<&FileTable> {
+        if self.idle.contains(key) && !self.idle_table_still_fits(key, pid, mapping) {
+            self.drop_idle(key);
+        }
         if !self.files.contains_key(key) {
-            // Building a large table takes a while: not again before it can fit.
-            let fits = |rows| self.space.fits(rows) && self.shares.fits(uid, rows);
+            // Building a large table takes a while: not again before it can fit (idle tables
+            // give way to it).
+            let fits = |rows| (self.space.fits(rows) || !self.idle.is_empty()) && self.shares.fits(uid, rows);
             if self.refused.get(key).is_some_and(|&rows| rows > 0 && !fits(rows)) {
                 return None;
             }
@@ -533,7 +608,9 @@ impl Registry {
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
     fn build(&mut self, pid: u32, uid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
-        let data = match mapping.open(pid).map(|file| elf_bytes::read(&file)) {
+        let opened = mapping.open(pid);
+        let stamp = opened.as_ref().and_then(FileStamp::of);
+        let data = match opened.map(|file| elf_bytes::read(&file)) {
             Some(Ok(data)) => data,
             Some(Err(err)) => {
                 self.warn_once(path, &format!("cannot read {path} ({err}): its frames are not unwound"));
@@ -574,6 +651,7 @@ impl Registry {
                     kind: mapping_kind::FRAME_POINTERS,
                     segments,
                     users: HashMap::new(),
+                    stamp,
                 });
             }
             Err(err) => {
@@ -590,7 +668,7 @@ impl Registry {
             );
             return Err(count);
         }
-        let Some(first_row) = self.space.alloc(count) else {
+        let Some(first_row) = self.alloc_rows(count) else {
             let (capacity, free) = (self.space.capacity(), self.space.capacity() - self.space.used());
             self.warn_once(
                 "rows",
@@ -605,8 +683,21 @@ impl Registry {
             return Err(count);
         }
         self.shards.write(first_row, &rows);
+        self.built += 1;
         tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
-        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new() })
+        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new(), stamp })
+    }
+
+    /// A free range of `rows` rows, taken from idle tables, the longest idle first, when no
+    /// range is free.
+    fn alloc_rows(&mut self, rows: u32) -> Option<u32> {
+        loop {
+            if let Some(first_row) = self.space.alloc(rows) {
+                return Some(first_row);
+            }
+            let oldest = self.idle.oldest()?;
+            self.drop_idle(&oldest);
+        }
     }
 
     fn warn_once(&mut self, what: &str, message: &str) {
@@ -617,6 +708,10 @@ impl Registry {
 }
 
 const CODE_CHANGES: &str = "CODE_CHANGES";
+/// How long a table no traced process maps is kept for the next (`--keep-unwind-tables`).
+pub const KEEP_IDLE: Duration = Duration::from_secs(60);
+/// The longest it may be told: a day.
+pub const MAX_KEEP_IDLE_SECONDS: u32 = 86_400;
 /// The map update that fails on an existing key.
 pub const BPF_NOEXIST: u64 = 1;
 /// A count the kernel's never reaches: the list is not taken as whole.

@@ -197,6 +197,7 @@ impl Tracer {
         let samplers = if config.sampling.usdt { loader::Samplers::Every } else { loader::Samplers::Some };
         let mut loaded = loader::load(config.maps, config.interval, samplers, true)?;
         loaded.unwind.bound_per_user(config.unwind_rows_per_user);
+        loaded.unwind.keep_idle(config.keep_unwind_tables);
         if config.sampling.growth {
             loaded.trace_page_faults()?;
         }
@@ -281,10 +282,14 @@ impl Tracer {
             for pid in self.loaded.sync_changed_mappings() {
                 self.mappings_read(pid);
             }
+            self.loaded.unwind.drop_expired();
             // Every ring is read before the wait, which would otherwise end at once.
             self.collect_double_frees();
             self.loaded.drain_rung_mappings();
             let mut until = self.next_resync.min(next_snapshot);
+            if let Some(expiry) = self.loaded.unwind.next_idle_expiry() {
+                until = until.min(expiry);
+            }
             if let Some(due_ns) = self.loaded.next_mappings_sync_ns() {
                 let wait_ns = due_ns.saturating_sub(aggregate::monotonic_now_ns());
                 until = until.min(Instant::now() + Duration::from_nanos(wait_ns));
@@ -329,6 +334,7 @@ impl Tracer {
         }
         self.cgroup_verdicts.review(&config.rules);
         self.cgroup_verdicts.forget();
+        self.loaded.unwind.keep_idle(config.keep_unwind_tables);
         self.config = config;
         // The rules may have changed: the processes they match now are found at once.
         self.next_resync = Instant::now();
