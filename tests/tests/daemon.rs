@@ -8,7 +8,7 @@ use std::{
 };
 
 use memprof_tests::{
-    array_sum, fixture, http_get, metric, metric_f64,
+    array_sum, fixture, fixture_with, http_get, metric, metric_f64,
     probe_links::{self, ProbeLink},
     sample, site, wait_for, Daemon, Scratch, Waiting,
 };
@@ -184,6 +184,29 @@ fn a_program_started_again_finds_its_tables_kept_and_they_go_after_their_time() 
         (rows("idle")? == 0 && metric(daemon.port, "memprof_unwind_kernel_bytes")? == 0).then_some(())
     });
     assert_eq!(rows("used"), Some(0));
+}
+
+/// A process the daemon found at its exec but could not attach to yet (it has no allocator),
+/// and attached to at its next exec, is traced: it is not also counted missed once it exits.
+#[test]
+fn a_process_attached_at_its_second_exec_is_not_counted_missed_when_it_exits() {
+    let _serial = serial();
+    let scratch = Scratch::new("daemon", "second-exec");
+    let flags = ["-nostdlib", "-static", "-O2", "-fno-stack-protector"];
+    let named = scratch.join("daemon_target");
+    std::fs::copy(fixture_with("exec_later.c", "exec_later", &flags), &named).unwrap();
+    let mut daemon = Daemon::start(&["--comm", "^daemon_target$"]);
+    let mut command = Command::new(&named);
+    command.arg(fixture("daemon_target")).arg("--wait");
+    let running = Waiting::start_command(command);
+    daemon.wait_traced(running.pid());
+    // The tries of the first program back off while it is traced: past a second apart by now.
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = u64::from(running.pid());
+    drop(running);
+    wait_for(20, "the program to be let go", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(metric(daemon.port, "memprof_targets_missed_total"), Some(0), "{}", daemon.stopped_log());
 }
 
 /// Under systemd (`Type=notify`), the daemon says when it serves, reloads and stops: `systemctl

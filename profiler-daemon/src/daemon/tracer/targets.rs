@@ -91,7 +91,12 @@ impl Tracer {
             return false;
         }
         match self.attach(id, comm) {
-            Ok(()) => true,
+            // Tries left from before (it was found before its allocator was mapped, and attached
+            // at an exec) would count it missed once it exits.
+            Ok(()) => {
+                self.starting.remove(&id);
+                true
+            }
             // It runs valgrind, which would meet memprof's breakpoints in the code it runs, and
             // leaves it only by an exec, which is reported: not tried again.
             Err(err) if matches!(err.downcast_ref::<UserError>(), Some(UserError::UnderValgrind(_))) => {
