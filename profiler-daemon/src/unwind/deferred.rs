@@ -47,19 +47,8 @@ pub struct Deferred {
 }
 
 impl Deferred {
-    /// Finishes one walk with `mappings`, the process's mapping list as the kernel has it (or is
-    /// about to). `frame_limit` is `--max-frames`.
-    pub fn finish(
-        &mut self,
-        event: &DeferredUnwind,
-        mappings: Option<&ProcMappings>,
-        rows: &impl Rows,
-        frame_limit: usize,
-    ) -> &Completion {
-        let completion = match mappings {
-            Some(mappings) => walk_on(event, mappings, rows, frame_limit),
-            None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
-        };
+    /// Keeps `completion`, walk `event` finished by `walk_on`, and counts it.
+    pub fn record(&mut self, event: &DeferredUnwind, completion: Completion) -> &Completion {
         self.counts.walks += 1;
         *self.finished.entry(event.tgid).or_default() += 1;
         if walk_kind::counts_cuts(event.kind) && completion.end.drop_reason().is_some() {
@@ -302,13 +291,13 @@ mod tests {
         put(&mut event, sp + 8, 0x1110);
         put(&mut event, sp + 16 + 24, 0x1210);
         let mut deferred = Deferred::default();
-        deferred.finish(&event, Some(&mappings), &table, 127);
+        deferred.record(&event, walk_on(&event, &mappings, &table, 127));
         let completion = deferred.completion(1, 0, 9).expect("finished");
         assert_eq!(completion, &Completion { frames: vec![0x1110, 0x1210], end: StackEnd::Complete });
         assert_eq!(deferred.counts, DeferredCounts { walks: 1, unfinished: 0, split: 0 });
         // Without the copied stack the walk cannot go on: counted as not finished.
         event.pages = 0;
-        deferred.finish(&event, Some(&mappings), &table, 127);
+        deferred.record(&event, walk_on(&event, &mappings, &table, 127));
         assert_eq!(deferred.completion(1, 0, 9).expect("kept").end, StackEnd::ReadFailed);
         assert_eq!(deferred.counts, DeferredCounts { walks: 2, unfinished: 1, split: 0 });
         deferred.forget(1);
@@ -328,7 +317,7 @@ mod tests {
         put(&mut event, sp + UC_RSP, interrupted_sp);
         put(&mut event, interrupted_sp, 0x1210);
         let mut deferred = Deferred::default();
-        deferred.finish(&event, Some(&one_file(3)), &table, 127);
+        deferred.record(&event, walk_on(&event, &one_file(3), &table, 127));
         let completion = deferred.completion(1, 0, 9).expect("finished");
         assert_eq!(completion, &Completion { frames: vec![0x1101, 0x1210], end: StackEnd::Complete });
     }

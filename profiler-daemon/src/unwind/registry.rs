@@ -20,7 +20,7 @@ use super::{
     shards::{Shards, SHARD_BYTES},
     share::UserShares,
     space::RowSpace,
-    table, DeferredCopy,
+    table,
 };
 use crate::console::say;
 use crate::process::{
@@ -395,23 +395,33 @@ impl Registry {
         map.get(&pid, 0).unwrap_or(NOT_WHOLE)
     }
 
-    /// Finishes a walk the kernel deferred, on `list`: the list `sync_with` is about to give the
-    /// kernel, or, without one, `event.tgid`'s list as the kernel has it now.
-    pub fn finish_deferred(&mut self, ebpf: &Ebpf, event: &DeferredUnwind, list: Option<&ProcMappings>) -> &Completion {
+    /// A walk the kernel deferred, finished on `list`: the list `sync_with` is about to give the
+    /// kernel, or, without one, `event.tgid`'s list as the kernel has it now (`NoTable` without
+    /// either). Kept only once given to `record_deferred`.
+    pub fn walk_deferred_on(&self, ebpf: &Ebpf, event: &DeferredUnwind, list: Option<&ProcMappings>) -> Completion {
         let kernels = || {
             ebpf.map("PROC_MAPPINGS")
                 .and_then(|map| BpfHashMap::<_, u32, ProcMappings>::try_from(map).ok())
                 .and_then(|map| map.get(&event.tgid, 0).ok())
         };
-        let kernels = if list.is_none() { kernels() } else { None };
-        self.deferred.finish(event, list.or(kernels.as_ref()), &self.shards, self.frame_limit)
+        match list {
+            Some(list) => self.walk_deferred(event, list),
+            None => match kernels() {
+                Some(list) => self.walk_deferred(event, &list),
+                None => Completion { frames: Vec::new(), end: StackEnd::NoTable },
+            },
+        }
     }
 
-    /// Whether deferred walk `copy` finished on `list` would find a table for each of its
-    /// frames. `scratch`: any event, written over.
-    pub fn tables_serve(&self, copy: &DeferredCopy, list: &ProcMappings, scratch: &mut DeferredUnwind) -> bool {
-        copy.write_into(scratch);
-        deferred::walk_on(scratch, list, &self.shards, self.frame_limit).end != StackEnd::NoTable
+    /// Deferred walk `event` finished on `list`, ending `NoTable` where the list lacks a table
+    /// for one of its frames; kept only once given to `record_deferred`.
+    pub fn walk_deferred(&self, event: &DeferredUnwind, list: &ProcMappings) -> Completion {
+        deferred::walk_on(event, list, &self.shards, self.frame_limit)
+    }
+
+    /// Keeps and counts `completion`, deferred walk `event` as `walk_deferred` finished it.
+    pub fn record_deferred(&mut self, event: &DeferredUnwind, completion: Completion) -> &Completion {
+        self.deferred.record(event, completion)
     }
 
     /// A finished walk's allocation stack is counted under two ids (see `TableUse`).

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::Ebpf;
-use profiler_common::ProcMappings;
+use profiler_common::{DeferredUnwind, ProcMappings, StackEnd};
 
 use crate::{
     bell::EdgeBell,
@@ -22,7 +22,7 @@ use crate::{
         link_map,
         procfs::{self, FileMapping},
     },
-    unwind::{DeferredCopy, Reads, Registry},
+    unwind::{Completion, DeferredCopy, Reads, Registry},
 };
 
 use super::Loaded;
@@ -334,12 +334,17 @@ impl Loaded {
             if !by_calls || early_stacks::program_image(ebpf, pid) != before.image {
                 return;
             }
-            let mut scratch = DeferredCopy::blank();
-            let (served, waiting): (Vec<_>, Vec<_>) = unwind_events
-                .take_uncollected_walks(pid)
-                .into_iter()
-                .partition(|copy| unwind.tables_serve(copy, list, &mut scratch));
-            finish_walks(ebpf, unwind, &served.iter().collect::<Vec<_>>(), Some(list), |_| by_calls);
+            let mut event = DeferredCopy::blank();
+            let mut waiting = Vec::new();
+            for copy in unwind_events.take_uncollected_walks(pid) {
+                copy.write_into(&mut event);
+                let completion = unwind.walk_deferred(&event, list);
+                if completion.end == StackEnd::NoTable {
+                    waiting.push(copy);
+                } else {
+                    count_finished(ebpf, unwind, &event, completion, by_calls);
+                }
+            }
             unwind_events.return_to_reader(waiting);
         };
         let synced = self.unwind.sync_with(&mut self.ebpf, pid, mappings, before.changes, list_may_wait, finish);
@@ -441,10 +446,22 @@ fn finish_walks(
     let mut event = DeferredCopy::blank();
     for copy in walks {
         copy.write_into(&mut event);
-        let completion = unwind.finish_deferred(ebpf, &event, list);
-        let counted = early_stacks::count_whole_under_early_id(ebpf, &event, completion, by_calls(event.tgid));
-        if counted == early_stacks::Counted::Apart {
-            unwind.deferred_split();
-        }
+        let completion = unwind.walk_deferred_on(ebpf, &event, list);
+        count_finished(ebpf, unwind, &event, completion, by_calls(event.tgid));
+    }
+}
+
+/// Keeps `completion`, deferred walk `event` finished, and counts its allocation stack under its
+/// early id (see `early_stacks`).
+fn count_finished(
+    ebpf: &mut Ebpf,
+    unwind: &mut Registry,
+    event: &DeferredUnwind,
+    completion: Completion,
+    by_calls: bool,
+) {
+    let completion = unwind.record_deferred(event, completion);
+    if early_stacks::count_whole_under_early_id(ebpf, event, completion, by_calls) == early_stacks::Counted::Apart {
+        unwind.deferred_split();
     }
 }
