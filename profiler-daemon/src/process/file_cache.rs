@@ -123,13 +123,29 @@ fn is_overlay(file: &File) -> bool {
     unsafe { stat.assume_init() }.f_type == OVERLAYFS_SUPER_MAGIC
 }
 
+/// A file's contents as its metadata tells them: the same file (device and inode) written in
+/// place since has another version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileVersion {
+    size: u64,
+    modified_ns: i128,
+}
+
+impl FileVersion {
+    pub fn of(meta: &std::fs::Metadata) -> Self {
+        Self {
+            size: meta.size(),
+            modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        }
+    }
+}
+
 /// A file as it is now: another file, or the same one rewritten, has another key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct FileKey {
     device: u64,
     inode: u64,
-    size: u64,
-    modified_ns: i128,
+    version: FileVersion,
     /// What the value was made for besides the file (the name messages give it).
     context: String,
 }
@@ -151,8 +167,7 @@ impl<V: Clone> FileCache<V> {
         let key = FileKey {
             device: meta.dev(),
             inode: meta.ino(),
-            size: meta.size(),
-            modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            version: FileVersion::of(meta),
             context: context.to_string(),
         };
         if let Some(value) = self.lock().get(&key) {
@@ -202,6 +217,11 @@ mod tests {
         std::fs::write(&path, b"three").unwrap();
         assert_eq!(cache.get_or_read(&open(), "a", read), b"three");
         assert_eq!(reads.get(), 3);
+        // Rewritten with the same size, later: read again.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&path, b"eerht").unwrap();
+        assert_eq!(cache.get_or_read(&open(), "a", read), b"eerht");
+        assert_eq!(reads.get(), 4);
         // Another file at the path since it was read: refused.
         let read_then = open();
         std::fs::remove_file(&path).unwrap();

@@ -6,34 +6,11 @@
 
 use std::{
     collections::HashMap,
-    fs::File,
-    os::unix::fs::MetadataExt as _,
     time::{Duration, Instant},
 };
 
 /// A mapped file, named by device and inode: the same while any process maps it.
 pub type FileKey = (String, u64);
-
-/// What tells a file's contents changed since its table was built: a file written in place keeps
-/// its device and inode, and a new file may be given a freed inode, but neither keeps these.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileStamp {
-    size: u64,
-    modified_ns: i128,
-    changed_ns: i128,
-}
-
-impl FileStamp {
-    pub fn of(file: &File) -> Option<Self> {
-        let meta = file.metadata().ok()?;
-        let ns = |seconds: i64, nanoseconds: i64| i128::from(seconds) * 1_000_000_000 + i128::from(nanoseconds);
-        Some(Self {
-            size: meta.size(),
-            modified_ns: ns(meta.mtime(), meta.mtime_nsec()),
-            changed_ns: ns(meta.ctime(), meta.ctime_nsec()),
-        })
-    }
-}
 
 /// The idle tables, by when their last process let them go.
 #[derive(Debug)]
@@ -117,21 +94,5 @@ mod tests {
         assert!(!idle.expired(&key(1), start + Duration::from_secs(600)), "mapped again: not idle");
         idle.set_keep(Duration::ZERO);
         assert!(idle.expired(&key(2), start + Duration::from_secs(10)), "kept for no time: goes at once");
-    }
-
-    #[test]
-    fn a_file_written_in_place_has_another_stamp() {
-        let dir = std::env::temp_dir().join(format!("memprof-stamp-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("library.so");
-        std::fs::write(&path, b"first").unwrap();
-        let stamp = |path: &std::path::Path| FileStamp::of(&File::open(path).unwrap()).unwrap();
-        let first = stamp(&path);
-        assert_eq!(stamp(&path), first);
-        // Same size, same inode, later contents.
-        std::thread::sleep(Duration::from_millis(20));
-        std::fs::write(&path, b"other").unwrap();
-        assert_ne!(stamp(&path), first);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -16,7 +16,7 @@ use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, S
 
 use super::{
     deferred::{self, Completion, Deferred},
-    idle::{FileKey, FileStamp, IdleTables},
+    idle::{FileKey, IdleTables},
     shards::{Shards, SHARD_BYTES},
     share::UserShares,
     space::RowSpace,
@@ -25,6 +25,7 @@ use super::{
 use crate::console::say;
 use crate::process::{
     elf_bytes,
+    file_cache::FileVersion,
     procfs::{self, FileMapping},
 };
 
@@ -50,7 +51,7 @@ struct FileTable {
     users: HashMap<u32, usize>,
     /// The file as the table was built from it; None where that could not be read: such a
     /// table is not kept idle.
-    stamp: Option<FileStamp>,
+    version: Option<FileVersion>,
 }
 
 /// A traced process: its user and the files it maps with code.
@@ -551,7 +552,7 @@ impl Registry {
             if !file.users.is_empty() {
                 return true;
             }
-            if file.stamp.is_some() {
+            if file.version.is_some() {
                 idle.went_idle(key, now);
                 if !idle.expired(key, now) {
                     return true;
@@ -581,7 +582,7 @@ impl Registry {
     /// in place since, or a new one given the inode, is not the one the table was built from.
     fn idle_table_still_fits(&self, key: &FileKey, pid: u32, mapping: &FileMapping) -> bool {
         let Some(table) = self.files.get(key) else { return false };
-        table.stamp.is_some() && mapping.open(pid).and_then(|file| FileStamp::of(&file)) == table.stamp
+        table.version.is_some() && mapping.open(pid).and_then(|file| version_of(&file)) == table.version
     }
 
     /// The table of a mapped file, built and written to the kernel the first time a process of
@@ -619,7 +620,7 @@ impl Registry {
     fn build(&mut self, pid: u32, uid: u32, mapping: &FileMapping) -> Result<FileTable, u32> {
         let path = &mapping.path;
         let opened = mapping.open(pid);
-        let stamp = opened.as_ref().and_then(FileStamp::of);
+        let version = opened.as_ref().and_then(version_of);
         let data = match opened.map(|file| elf_bytes::read(&file)) {
             Some(Ok(data)) => data,
             Some(Err(err)) => {
@@ -661,7 +662,7 @@ impl Registry {
                     kind: mapping_kind::FRAME_POINTERS,
                     segments,
                     users: HashMap::new(),
-                    stamp,
+                    version,
                 });
             }
             Err(err) => {
@@ -695,7 +696,7 @@ impl Registry {
         self.shards.write(first_row, &rows);
         self.built += 1;
         tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
-        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new(), stamp })
+        Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new(), version })
     }
 
     /// A free range of `rows` rows, taken from idle tables, the longest idle first, when no
@@ -726,6 +727,10 @@ pub const MAX_KEEP_IDLE_SECONDS: u32 = 86_400;
 pub const BPF_NOEXIST: u64 = 1;
 /// A count the kernel's never reaches: the list is not taken as whole.
 const NOT_WHOLE: u64 = u64::MAX;
+
+fn version_of(file: &std::fs::File) -> Option<FileVersion> {
+    file.metadata().ok().map(|meta| FileVersion::of(&meta))
+}
 
 /// The ELF entry point, where it fits the rows' 32-bit addresses.
 fn entry_point(data: &[u8]) -> Option<u32> {
