@@ -147,7 +147,7 @@ fn a_program_started_again_finds_its_tables_kept_and_they_go_after_their_time() 
     let scratch = Scratch::new("daemon", "kept-tables");
     let program = scratch.join("daemon_target");
     std::fs::copy(fixture("daemon_target"), &program).unwrap();
-    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--keep-unwind-tables", "10"]);
+    let daemon = Daemon::start(&["--comm", "^daemon_target$", "--keep-unwind-tables", "15"]);
     let rows = |state: &str| metric(daemon.port, &format!("memprof_unwind_rows{{state=\"{state}\"}}"));
     let built = || metric(daemon.port, "memprof_unwind_tables_built_total").expect("tables built");
     let run_once = || {
@@ -180,7 +180,7 @@ fn a_program_started_again_finds_its_tables_kept_and_they_go_after_their_time() 
     std::fs::write(&program, std::fs::read(&program).unwrap()).unwrap();
     run_once();
     assert_eq!(built(), first + 1, "the program's table built again, the libraries' not");
-    wait_for(30, "the idle tables given back", || {
+    wait_for(40, "the idle tables given back", || {
         (rows("idle")? == 0 && metric(daemon.port, "memprof_unwind_kernel_bytes")? == 0).then_some(())
     });
     assert_eq!(rows("used"), Some(0));

@@ -526,6 +526,20 @@ mod tests {
     }
 
     #[test]
+    fn unwind_tables_are_kept_a_minute_unless_told_and_at_most_a_day() {
+        let keep =
+            |text: &str| parse(&format!("all = true\n{text}"), DaemonArgs::default()).map(|c| c.keep_unwind_tables);
+        assert_eq!(keep("").unwrap(), KEEP_IDLE);
+        assert_eq!(keep("keep_unwind_tables = 0").unwrap(), Duration::ZERO);
+        assert_eq!(keep("keep_unwind_tables = 86400").unwrap(), Duration::from_secs(86_400));
+        let err = keep("keep_unwind_tables = 86401").unwrap_err();
+        assert_eq!(err.to_string(), "invalid keep_unwind_tables: give 0 to 86400 seconds");
+        let args = DaemonArgs { keep_unwind_tables: Some(5), ..DaemonArgs::default() };
+        let flagged = parse("all = true\nkeep_unwind_tables = 60", args).unwrap();
+        assert_eq!(flagged.keep_unwind_tables, Duration::from_secs(5));
+    }
+
+    #[test]
     fn a_reload_keeps_what_is_read_at_start_and_names_it() {
         let running = parse("all = true\ntop_stacks = 3\n", DaemonArgs::default()).unwrap();
         let text = "comms = [\"^a$\"]\ntop_stacks = 5\nlisten = \"127.0.0.1:1\"\nmax_live = 7\nusdt = true\n[http]\nmax_connections = 8\n";

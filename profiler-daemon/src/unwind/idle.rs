@@ -9,6 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::space::RowSpace;
+
 /// A mapped file, named by device and inode: the same while any process maps it.
 pub type FileKey = (String, u64);
 
@@ -39,10 +41,6 @@ impl IdleTables {
         self.since.contains_key(key)
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.since.is_empty()
-    }
-
     /// The file is mapped again, or its table went.
     pub fn remove(&mut self, key: &FileKey) {
         self.since.remove(key);
@@ -53,9 +51,11 @@ impl IdleTables {
         self.since.get(key).is_some_and(|since| now.saturating_duration_since(*since) >= self.keep)
     }
 
-    /// The file idle the longest: the first whose rows a new table takes.
-    pub fn oldest(&self) -> Option<FileKey> {
-        self.since.iter().min_by_key(|(_, since)| **since).map(|(key, _)| key.clone())
+    /// The idle files, the longest idle first: the order in which a new table takes their rows.
+    pub fn oldest_first(&self) -> Vec<FileKey> {
+        let mut idle: Vec<(&FileKey, &Instant)> = self.since.iter().collect();
+        idle.sort_by_key(|&(key, since)| (*since, key));
+        idle.into_iter().map(|(key, _)| key.clone()).collect()
     }
 
     /// When the next idle table's time is up.
@@ -66,6 +66,23 @@ impl IdleTables {
     pub fn keys(&self) -> impl Iterator<Item = &FileKey> {
         self.since.keys()
     }
+}
+
+/// How many of the idle tables' row ranges `idle` (first row and rows, the longest idle first)
+/// must be freed in `space` for a range of `rows` rows to be free; None when freeing all of them
+/// would not do, and then none is freed: a table that cannot fit takes nothing from the others.
+pub fn evictions_needed(space: &RowSpace, idle: &[(u32, u32)], rows: u32) -> Option<usize> {
+    if space.fits(rows) {
+        return Some(0);
+    }
+    let mut space = space.clone();
+    for (count, &(first_row, length)) in idle.iter().enumerate() {
+        space.free(first_row, length);
+        if space.fits(rows) {
+            return Some(count + 1);
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -84,15 +101,29 @@ mod tests {
         idle.went_idle(&key(2), start + Duration::from_secs(10));
         // Idle already: its time runs from the first.
         idle.went_idle(&key(1), start + Duration::from_secs(20));
-        assert_eq!(idle.oldest(), Some(key(1)));
+        assert_eq!(idle.oldest_first(), [key(1), key(2)]);
         assert_eq!(idle.next_expiry(), Some(start + Duration::from_secs(60)));
         assert!(!idle.expired(&key(1), start + Duration::from_secs(59)));
         assert!(idle.expired(&key(1), start + Duration::from_secs(60)));
         assert!(!idle.expired(&key(2), start + Duration::from_secs(60)));
         idle.remove(&key(1));
-        assert_eq!(idle.oldest(), Some(key(2)));
+        assert_eq!(idle.oldest_first(), [key(2)]);
         assert!(!idle.expired(&key(1), start + Duration::from_secs(600)), "mapped again: not idle");
         idle.set_keep(Duration::ZERO);
         assert!(idle.expired(&key(2), start + Duration::from_secs(10)), "kept for no time: goes at once");
+    }
+
+    #[test]
+    fn only_the_idle_tables_a_new_one_needs_go_and_none_when_all_would_not_do() {
+        // 100 rows: idle tables at 0..30 (the longest idle) and 60..90, one in use at 30..60.
+        let mut space = RowSpace::new(100);
+        let (first, in_use, second) = (space.alloc(30).unwrap(), space.alloc(30).unwrap(), space.alloc(30).unwrap());
+        assert_eq!((first, in_use, second), (0, 30, 60));
+        let idle = [(first, 30), (second, 30)];
+        assert_eq!(evictions_needed(&space, &idle, 10), Some(0), "10 rows free at 90..100");
+        assert_eq!(evictions_needed(&space, &idle, 30), Some(1), "the longest idle one's 30 rows");
+        assert_eq!(evictions_needed(&space, &idle, 40), Some(2), "60..100, once the second goes");
+        assert_eq!(evictions_needed(&space, &idle, 41), None, "never 41 rows together beside the one in use");
+        assert_eq!(space.used(), 90, "the space itself is left as it was");
     }
 }

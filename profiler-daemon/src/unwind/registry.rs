@@ -2,8 +2,8 @@
 //! it, and each traced process's executable mappings pointing at them.
 //!
 //! Rows live in shards the kernel's walk reads and memprof writes through a mapping (`shards`).
-//! A file's rows stay while some traced process maps it and are freed for reuse after; a shard
-//! with no rows in use is given back to the kernel.
+//! A file's rows stay while some traced process maps it; after, they are kept idle for a while
+//! (`idle`), then freed for reuse; a shard with no rows in use is given back to the kernel.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -16,7 +16,7 @@ use profiler_common::{mapping_kind, DeferredUnwind, ExecMapping, ProcMappings, S
 
 use super::{
     deferred::{self, Completion, Deferred},
-    idle::{FileKey, IdleTables},
+    idle::{self, FileKey, IdleTables},
     shards::{Shards, SHARD_BYTES},
     share::UserShares,
     space::RowSpace,
@@ -160,7 +160,8 @@ pub struct TableUse {
 
 impl Registry {
     /// Takes `UNWIND_SHARDS`; `max_rows` bounds the rows of all tables together.
-    /// `frame_limit` is `--max-frames`. Tables no process uses are kept `KEEP_IDLE` unless told.
+    /// `frame_limit` is `--max-frames`. Tables no process uses are freed at once unless told
+    /// (`keep_idle`): `run` and `attach` have no timer to free them later.
     pub fn new(ebpf: &mut Ebpf, mode: UnwindMode, max_rows: u32, frame_limit: u32) -> anyhow::Result<Self> {
         let map = ebpf.take_map("UNWIND_SHARDS").ok_or_else(|| anyhow::anyhow!("map UNWIND_SHARDS missing"))?;
         let shards = Shards::new(map)?;
@@ -178,7 +179,7 @@ impl Registry {
             not_loaded: NotLoaded::default(),
             warned: HashSet::new(),
             mapping_writes: 0,
-            idle: IdleTables::new(KEEP_IDLE),
+            idle: IdleTables::new(Duration::ZERO),
             built: 0,
             deferred: Deferred::default(),
             frame_limit: frame_limit as usize,
@@ -223,6 +224,7 @@ impl Registry {
     pub fn keep_idle(&mut self, keep: Duration) {
         self.idle.set_keep(keep);
         self.drop_unused();
+        self.log_use();
     }
 
     /// When an idle table's time is up: `drop_expired` then gives its rows back.
@@ -267,6 +269,10 @@ impl Registry {
         // The files this user holds for the process already; each new one is taken as it comes,
         // so that the next table built is weighed against the rows taken before it.
         let held = if uid == old.uid { old.files.clone() } else { HashSet::new() };
+        // The idle tables this list names first: no table built for it takes their rows.
+        for mapping in mappings.iter().filter(|m| m.executable) {
+            self.claim_idle(&(mapping.device.clone(), mapping.inode), pid, mapping);
+        }
         let mut entries = Vec::new();
         let mut used = HashSet::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
@@ -484,8 +490,8 @@ impl Registry {
 
     /// One line whenever the tables in use change (`cargo xtask bench` reads it).
     fn log_use(&self) {
-        let TableUse { files, rows_used: rows, kernel_bytes, text_bytes, held_bytes, .. } = self.table_use();
-        tracing::debug!(files, rows, kernel_bytes, text_bytes, held_bytes, "unwind tables in use");
+        let TableUse { files, rows_used: rows, rows_idle, kernel_bytes, text_bytes, held_bytes, .. } = self.table_use();
+        tracing::debug!(files, rows, rows_idle, kernel_bytes, text_bytes, held_bytes, "unwind tables in use");
     }
 
     /// Bumps `MAPPINGS_GENERATION`, which ends what the kernel's walks cached: rows by address, and
@@ -500,7 +506,7 @@ impl Registry {
         Ok(())
     }
 
-    /// The process has exited: its mapping list goes, and the tables no one else uses.
+    /// The process has exited: its mapping list goes, and the tables no one else uses go idle.
     pub fn forget(&mut self, ebpf: &mut Ebpf, pid: u32) {
         if let Some(Ok(mut map)) = ebpf.map_mut("PROC_MAPPINGS").map(BpfHashMap::<_, u32, ProcMappings>::try_from) {
             let _ = map.remove(&pid);
@@ -523,6 +529,8 @@ impl Registry {
     fn acquire(&mut self, key: &FileKey, uid: u32) {
         let Some(file) = self.files.get_mut(key) else { return };
         self.idle.remove(key);
+        // Loaded for another user after all (see `share`).
+        self.refused.remove(key);
         let processes = file.users.entry(uid).or_default();
         if *processes == 0 {
             self.shares.take(uid, file.rows);
@@ -531,7 +539,7 @@ impl Registry {
     }
 
     /// One process of `uid` maps the file no more: the user's share gives its rows back with
-    /// their last such process; `drop_unused` frees them with the last process of all.
+    /// their last such process; `drop_unused` keeps them idle after the last process of all.
     fn release(&mut self, key: &FileKey, uid: u32) {
         let Some(file) = self.files.get_mut(key) else { return };
         let Some(processes) = file.users.get_mut(&uid) else { return };
@@ -569,51 +577,107 @@ impl Registry {
         }
     }
 
-    /// Gives back an idle table's rows now.
+    /// Gives back an idle table's rows now; the caller releases the shards left unused.
     fn drop_idle(&mut self, key: &FileKey) {
         self.idle.remove(key);
         if let Some(file) = self.files.remove(key) {
             self.space.free(file.first_row, file.rows);
+        }
+    }
+
+    /// Takes `key`'s idle table for `pid`, out of the idle ones whose rows a new table may take,
+    /// if it was built from the file `pid` maps now: a file written in place since, or a new
+    /// one given the inode, is not the one it was built from, and its table goes.
+    fn claim_idle(&mut self, key: &FileKey, pid: u32, mapping: &FileMapping) {
+        if !self.idle.contains(key) {
+            return;
+        }
+        let Some(table) = self.files.get(key) else { return };
+        if table.version.is_some() && mapping.open(pid).and_then(|file| version_of(&file)) == table.version {
+            self.idle.remove(key);
+        } else {
+            self.drop_idle(key);
             self.shards.release_unused(&self.space);
         }
     }
 
-    /// Whether the idle table of `key` was built from the file `pid` maps now: a file written
-    /// in place since, or a new one given the inode, is not the one the table was built from.
-    fn idle_table_still_fits(&self, key: &FileKey, pid: u32, mapping: &FileMapping) -> bool {
-        let Some(table) = self.files.get(key) else { return false };
-        table.version.is_some() && mapping.open(pid).and_then(|file| version_of(&file)) == table.version
+    /// The idle tables whose rows must go, the longest idle first, for a free range of `rows`
+    /// rows; None when all of them would not make one.
+    fn room_for(&self, rows: u32) -> Option<Vec<FileKey>> {
+        let oldest = self.idle.oldest_first();
+        let ranges: Vec<(u32, u32)> =
+            oldest.iter().map(|key| self.files.get(key).map_or((0, 0), |file| (file.first_row, file.rows))).collect();
+        let count = idle::evictions_needed(&self.space, &ranges, rows)?;
+        Some(oldest[..count].to_vec())
+    }
+
+    /// A free range of `rows` rows, taken from idle tables when no range is free.
+    fn alloc_rows(&mut self, rows: u32) -> Option<u32> {
+        let evicted = self.room_for(rows)?;
+        for key in &evicted {
+            self.drop_idle(key);
+        }
+        let first_row = self.space.alloc(rows);
+        if !evicted.is_empty() {
+            self.shards.release_unused(&self.space);
+        }
+        first_row
     }
 
     /// The table of a mapped file, built and written to the kernel the first time a process of
     /// `uid` maps it. None when it cannot be loaded (said once, counted in `not_loaded`; its frames
     /// end stacks and are counted as `unwind_no_table`).
     fn file(&mut self, key: &FileKey, pid: u32, uid: u32, mapping: &FileMapping) -> Option<&FileTable> {
-        if self.idle.contains(key) && !self.idle_table_still_fits(key, pid, mapping) {
-            self.drop_idle(key);
+        self.claim_idle(key, pid, mapping);
+        // A table kept for no one costs this user its rows, as a new one would: it is refused
+        // past the user's share (and stays idle for others), as a new one would be.
+        if let Some(rows) = self.files.get(key).filter(|file| file.users.is_empty()).map(|file| file.rows) {
+            if !self.share_allows(uid, rows, &mapping.path, pid) {
+                self.count_refused(key, rows);
+                return None;
+            }
         }
         if !self.files.contains_key(key) {
-            // Building a large table takes a while: not again before it can fit (idle tables
-            // give way to it).
-            let fits = |rows| (self.space.fits(rows) || !self.idle.is_empty()) && self.shares.fits(uid, rows);
+            // Building a large table takes a while: not again before it can fit.
+            let fits = |rows| self.room_for(rows).is_some() && self.shares.fits(uid, rows);
             if self.refused.get(key).is_some_and(|&rows| rows > 0 && !fits(rows)) {
                 return None;
             }
             match self.build(pid, uid, mapping) {
                 Ok(table) => {
                     self.refused.remove(key);
+                    self.built += 1;
                     self.files.insert(key.clone(), table);
                 }
                 Err(rows) => {
-                    if self.refused.insert(key.clone(), rows).is_none() {
-                        self.not_loaded.tables += 1;
-                        self.not_loaded.rows += u64::from(rows);
-                    }
+                    self.count_refused(key, rows);
                     return None;
                 }
             }
         }
         self.files.get(key)
+    }
+
+    /// The file's table could not be loaded: counted once in `not_loaded`, until it is.
+    fn count_refused(&mut self, key: &FileKey, rows: u32) {
+        if self.refused.insert(key.clone(), rows).is_none() {
+            self.not_loaded.tables += 1;
+            self.not_loaded.rows += u64::from(rows);
+        }
+    }
+
+    /// Whether a table of `rows` rows, new to `uid`'s processes, stays within the user's share;
+    /// said once when not.
+    fn share_allows(&mut self, uid: u32, rows: u32, path: &str, pid: u32) -> bool {
+        if self.shares.fits(uid, rows) {
+            return true;
+        }
+        let (held, limit) = (self.shares.held(uid), self.shares.limit().unwrap_or(u32::MAX));
+        self.warn_once(
+            &format!("share of user {uid}"),
+            &format!("user {uid}'s traced processes hold {held} unwind rows of the {limit} one user may take: frames in {path} ({rows} rows, pid {pid}) and their later files past that are not unwound, other users' are; raise --max-unwind-rows-per-user"),
+        );
+        false
     }
 
     /// The file's table, in the kernel; else the rows it needed (0: not known), having said why.
@@ -671,12 +735,7 @@ impl Registry {
             }
         };
         let count = u32::try_from(rows.len()).unwrap_or(u32::MAX);
-        if !self.shares.fits(uid, count) {
-            let (held, limit) = (self.shares.held(uid), self.shares.limit().unwrap_or(u32::MAX));
-            self.warn_once(
-                &format!("share of user {uid}"),
-                &format!("user {uid}'s traced processes hold {held} unwind rows of the {limit} one user may take: frames in {path} ({count} rows, pid {pid}) and their later files past that are not unwound, other users' are; raise --max-unwind-rows-per-user"),
-            );
+        if !self.share_allows(uid, count, path, pid) {
             return Err(count);
         }
         let Some(first_row) = self.alloc_rows(count) else {
@@ -694,21 +753,8 @@ impl Registry {
             return Err(count);
         }
         self.shards.write(first_row, &rows);
-        self.built += 1;
         tracing::debug!(path, rows = rows.len(), file_bytes = data.len(), "unwind table built");
         Ok(FileTable { first_row, rows: count, kind: mapping_kind::CFI, segments, users: HashMap::new(), version })
-    }
-
-    /// A free range of `rows` rows, taken from idle tables, the longest idle first, when no
-    /// range is free.
-    fn alloc_rows(&mut self, rows: u32) -> Option<u32> {
-        loop {
-            if let Some(first_row) = self.space.alloc(rows) {
-                return Some(first_row);
-            }
-            let oldest = self.idle.oldest()?;
-            self.drop_idle(&oldest);
-        }
     }
 
     fn warn_once(&mut self, what: &str, message: &str) {

@@ -1,7 +1,7 @@
 //! Free space in the rows array: tables of files come and go with the processes that map them.
 
 /// First-fit allocation of row ranges in an array of fixed capacity.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RowSpace {
     capacity: u32,
     /// Free ranges as (first, length), sorted and never adjacent.

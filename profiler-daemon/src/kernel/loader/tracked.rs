@@ -98,8 +98,9 @@ impl Loaded {
     pub fn forget_exited_later(&mut self, pids: &HashSet<u32>) {
         self.let_go(pids);
         self.forget_kept(pids);
-        // Walks remembered under the unwind rows just freed are not taken again (the purge
-        // started a new generation at once when it came with the rest).
+        // Walks remembered under the unwind rows just given up (freed, or idle and so free to be
+        // taken) are not taken again (the purge started a new generation at once when it came
+        // with the rest).
         if let Err(err) = self.unwind.new_generation(&mut self.ebpf) {
             tracing::warn!("starting a new generation of unwind rows failed: {err:#}");
         }
