@@ -17,7 +17,7 @@ use std::{
 
 use memprof_tests::{
     attach_with, cgroup::MemoryCgroup, fixture, fixture_cpp, fixture_musl_unnamed_mmap, fixture_with, http_get,
-    memprof_bin, metric, site, socket_answer, start_heapbench, total, wait_for, Daemon, Waiting,
+    memprof_bin, metric, site, socket_answer, start_heapbench, total, wait_for, Daemon, Scratch, Waiting,
     MOVES_TO_PAGES_ANYWHERE,
 };
 
@@ -606,11 +606,6 @@ fn one_users_processes_leave_the_unwind_rows_other_users_need() {
     let keeper = copy(&fixture_cpp("unwind_keeper.cpp", "unwind_keeper", &flags), "unwind_keeper");
     let libraries: Vec<String> =
         (1..=4).map(|i| copy(std::path::Path::new(LIBSTDCXX), &format!("libstdcxx-copy-{i}.so"))).collect();
-    let as_user = |uid: u32| {
-        let mut command = Command::new("setpriv");
-        command.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"]);
-        command
-    };
     let takers: Vec<Waiting> = libraries
         .chunks(2)
         .map(|two| {
@@ -674,6 +669,61 @@ fn one_users_processes_leave_the_unwind_rows_other_users_need() {
     assert!(log.contains("raise --max-unwind-rows-per-user"), "{log}");
     assert!(!log.contains(&format!("user {OTHER_USER}'s")), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `setpriv` to run a command as `uid`, in no group but its own.
+fn as_user(uid: u32) -> Command {
+    let mut command = Command::new("setpriv");
+    command.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"]);
+    command
+}
+
+/// An unwind table kept idle after its processes exited counts in a user's share when one of
+/// theirs maps the file again, as a new table would: a user whose processes come and go cannot
+/// gather more rows than the share from tables kept for them.
+#[test]
+fn an_idle_table_mapped_again_counts_in_the_users_share() {
+    let _serial = serial();
+    let scratch = Scratch::new("bounds", "idle-share");
+    let copy = |from: &Path, name: &str| {
+        let to = scratch.join(name);
+        std::fs::copy(from, &to).unwrap();
+        scratch.file(name)
+    };
+    let flags = ["-O2", "-g", "-fomit-frame-pointer"];
+    let taker = copy(&fixture_with("unwind_taker.c", "unwind_taker", &flags), "unwind_taker");
+    let (first, second) = (copy(Path::new(LIBSTDCXX), "libstdcxx-a.so"), copy(Path::new(LIBSTDCXX), "libstdcxx-b.so"));
+    let rows = UNWIND_ROWS.to_string();
+    let per_user = UNWIND_ROWS_PER_USER.to_string();
+    let args = ["--comm", "^unwind_taker$", "--max-unwind-rows", &rows, "--max-unwind-rows-per-user", &per_user];
+    let mut daemon = Daemon::start(&args);
+    let take = |libraries: &[&str]| {
+        let mut command = as_user(NOBODY);
+        command.arg(&taker).args(libraries).stdin(Stdio::piped()).stdout(Stdio::piped());
+        let mut taker = Waiting { child: command.spawn().expect("starting the taker") };
+        daemon.wait_traced(taker.pid());
+        said_held(&mut taker);
+        taker
+    };
+    let used = || metric(daemon.port, "memprof_unwind_rows{state=\"used\"}");
+    let not_loaded = || metric(daemon.port, "memprof_unwind_tables_not_loaded_total");
+    // Each alone fits the share, and leaves its tables idle when it goes.
+    for library in [&first, &second] {
+        let taker = take(&[library]);
+        wait_for(20, "the taker's tables", || (used()? > UNWIND_ROWS_PER_USER / 2).then_some(()));
+        let pid = u64::from(taker.pid());
+        drop(taker);
+        wait_for(20, "the taker to be let go", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    }
+    assert_eq!(not_loaded(), Some(0));
+    // Both together do not: the second copy's table, idle, is refused as a new one would be.
+    let both = take(&[&first, &second]);
+    wait_for(20, "the table past the share refused", || (not_loaded()? == 1).then_some(()));
+    let taken = used().expect("memprof_unwind_rows");
+    assert!(taken <= UNWIND_ROWS_PER_USER, "nobody's process took {taken} rows");
+    drop(both);
+    let log = daemon.stopped_log();
+    assert_eq!(log.matches(&format!("user {NOBODY}'s traced processes hold")).count(), 1, "{log}");
 }
 
 /// Debian 12's libstdc++ (GCC 12).
