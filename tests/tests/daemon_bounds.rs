@@ -716,9 +716,12 @@ fn an_idle_table_mapped_again_counts_in_the_users_share() {
         wait_for(20, "the taker to be let go", || (!daemon.traced_pids().contains(&pid)).then_some(()));
     }
     assert_eq!(not_loaded(), Some(0));
+    let built = || metric(daemon.port, "memprof_unwind_tables_built_total").expect("tables built");
+    let before = built();
     // Both together do not: the second copy's table, idle, is refused as a new one would be.
     let both = take(&[&first, &second]);
     wait_for(20, "the table past the share refused", || (not_loaded()? == 1).then_some(()));
+    assert_eq!(built(), before, "every table the third process maps was kept idle");
     let taken = used().expect("memprof_unwind_rows");
     assert!(taken <= UNWIND_ROWS_PER_USER, "nobody's process took {taken} rows");
     drop(both);

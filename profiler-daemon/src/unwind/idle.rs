@@ -19,21 +19,39 @@ pub type FileKey = (String, u64);
 pub struct IdleTables {
     keep: Duration,
     since: HashMap<FileKey, Instant>,
+    /// Idle tables a mapping list being synced names (see `claim`), with their idle time.
+    claimed: HashMap<FileKey, Instant>,
 }
 
 impl IdleTables {
     pub fn new(keep: Duration) -> Self {
-        Self { keep, since: HashMap::new() }
+        Self { keep, since: HashMap::new(), claimed: HashMap::new() }
     }
 
     pub fn set_keep(&mut self, keep: Duration) {
         self.keep = keep;
     }
 
-    /// The file's last process let it go at `now`, unless it was idle already.
+    /// The file's last process let it go at `now`, unless it was idle already (claimed too:
+    /// its time runs from then).
     pub fn went_idle(&mut self, key: &FileKey, now: Instant) {
-        if !self.since.contains_key(key) {
-            self.since.insert(key.clone(), now);
+        let since = self.claimed.remove(key).unwrap_or(now);
+        self.since.entry(key.clone()).or_insert(since);
+    }
+
+    /// Keeps an idle table for a list being synced: no new table takes its rows meanwhile, and
+    /// its time does not run. It is idle again, with its time, if no process maps it after all
+    /// (`went_idle`, `unclaim`).
+    pub fn claim(&mut self, key: &FileKey) {
+        if let Some(since) = self.since.remove(key) {
+            self.claimed.insert(key.clone(), since);
+        }
+    }
+
+    /// A claimed table no process of the list took: idle again at once, with its time.
+    pub fn unclaim(&mut self, key: &FileKey) {
+        if let Some(since) = self.claimed.remove(key) {
+            self.since.insert(key.clone(), since);
         }
     }
 
@@ -44,6 +62,7 @@ impl IdleTables {
     /// The file is mapped again, or its table went.
     pub fn remove(&mut self, key: &FileKey) {
         self.since.remove(key);
+        self.claimed.remove(key);
     }
 
     /// Whether the file's table, idle, has been kept long enough at `now`.
@@ -106,8 +125,20 @@ mod tests {
         assert!(!idle.expired(&key(1), start + Duration::from_secs(59)));
         assert!(idle.expired(&key(1), start + Duration::from_secs(60)));
         assert!(!idle.expired(&key(2), start + Duration::from_secs(60)));
+        // Claimed for a list, then let go again: idle with its first time, not a new one.
+        idle.claim(&key(1));
+        assert_eq!(idle.oldest_first(), [key(2)], "a claimed table's rows are not taken");
+        idle.went_idle(&key(1), start + Duration::from_secs(50));
+        assert_eq!(idle.next_expiry(), Some(start + Duration::from_secs(60)));
+        idle.claim(&key(1));
+        idle.unclaim(&key(1));
+        assert_eq!(idle.oldest_first(), [key(1), key(2)]);
+        idle.claim(&key(1));
         idle.remove(&key(1));
         assert_eq!(idle.oldest_first(), [key(2)]);
+        idle.went_idle(&key(1), start + Duration::from_secs(70));
+        assert_eq!(idle.oldest_first(), [key(2), key(1)], "mapped, then let go: idle from then");
+        idle.remove(&key(1));
         assert!(!idle.expired(&key(1), start + Duration::from_secs(600)), "mapped again: not idle");
         idle.set_keep(Duration::ZERO);
         assert!(idle.expired(&key(2), start + Duration::from_secs(10)), "kept for no time: goes at once");

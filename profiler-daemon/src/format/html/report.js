@@ -68,7 +68,7 @@ function unwindTables(tables) {
   const rows = [
     ['files', 'Files with tables', grouped(tables.files)],
     ['rows_used', 'Rows used', grouped(tables.rows_used)],
-    ['rows_idle', 'Rows idle (kept for the next process)', grouped(tables.rows_idle ?? 0)],
+    ...((tables.rows_idle ?? 0) > 0 ? [['rows_idle', 'Rows idle (kept for the next process)', grouped(tables.rows_idle)]] : []),
     ['rows_free', 'Rows free', grouped(tables.rows_free)],
     ['rows_max', 'Rows at most (--max-unwind-rows)', grouped(tables.rows_max)],
     ['kernel_bytes', 'Kernel memory', bytesText(tables.kernel_bytes)],

@@ -50,16 +50,16 @@ impl Registry {
         }
     }
 
-    /// Takes `key`'s idle table for `pid`, out of the idle ones whose rows a new table may take,
-    /// if it was built from the file `pid` maps now: a file written in place since, or a new
-    /// one given the inode, is not the one it was built from, and its table goes.
+    /// Claims `key`'s idle table for `pid` (see `IdleTables::claim`) if it was built from the
+    /// file `pid` maps now: a file written in place since, or a new one given the inode, is not
+    /// the one it was built from, and its table goes.
     pub(super) fn claim_idle(&mut self, key: &FileKey, pid: u32, mapping: &FileMapping) {
         if !self.idle.contains(key) {
             return;
         }
         let Some(table) = self.files.get(key) else { return };
         if table.version.is_some() && mapping.open(pid).and_then(|file| version_of(&file)) == table.version {
-            self.idle.remove(key);
+            self.idle.claim(key);
         } else {
             self.drop_idle(key);
             self.shards.release_unused(&self.space);
@@ -69,7 +69,16 @@ impl Registry {
     /// The idle tables whose rows must go, the longest idle first, for a free range of `rows`
     /// rows; None when all of them would not make one.
     fn room_for(&self, rows: u32) -> Option<Vec<FileKey>> {
-        let oldest = self.idle.oldest_first();
+        if self.space.fits(rows) {
+            return Some(Vec::new());
+        }
+        // A table of no rows (frame pointers) makes no room.
+        let oldest: Vec<FileKey> = self
+            .idle
+            .oldest_first()
+            .into_iter()
+            .filter(|key| self.files.get(key).is_some_and(|f| f.rows > 0))
+            .collect();
         let ranges: Vec<(u32, u32)> =
             oldest.iter().map(|key| self.files.get(key).map_or((0, 0), |file| (file.first_row, file.rows))).collect();
         let count = idle::evictions_needed(&self.space, &ranges, rows)?;
@@ -95,9 +104,11 @@ impl Registry {
     pub(super) fn file(&mut self, key: &FileKey, pid: u32, uid: u32, mapping: &FileMapping) -> Option<&FileTable> {
         self.claim_idle(key, pid, mapping);
         // A table kept for no one costs this user its rows, as a new one would: it is refused
-        // past the user's share (and stays idle for others), as a new one would be.
-        if let Some(rows) = self.files.get(key).filter(|file| file.users.is_empty()).map(|file| file.rows) {
+        // past the user's share, as a new one would be, and stays idle for others.
+        let kept = self.files.get(key).filter(|file| file.users.is_empty() && file.rows > 0).map(|file| file.rows);
+        if let Some(rows) = kept {
             if !self.share_allows(uid, rows, &mapping.path, pid) {
+                self.idle.unclaim(key);
                 self.count_refused(key, rows);
                 return None;
             }
