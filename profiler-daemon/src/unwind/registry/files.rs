@@ -73,14 +73,16 @@ impl Registry {
             return Some(Vec::new());
         }
         // A table of no rows (frame pointers) makes no room.
-        let oldest: Vec<FileKey> = self
+        let (oldest, ranges): (Vec<FileKey>, Vec<(u32, u32)>) = self
             .idle
             .oldest_first()
             .into_iter()
-            .filter(|key| self.files.get(key).is_some_and(|f| f.rows > 0))
-            .collect();
-        let ranges: Vec<(u32, u32)> =
-            oldest.iter().map(|key| self.files.get(key).map_or((0, 0), |file| (file.first_row, file.rows))).collect();
+            .filter_map(|key| {
+                let range =
+                    self.files.get(&key).filter(|file| file.rows > 0).map(|file| (file.first_row, file.rows))?;
+                Some((key, range))
+            })
+            .unzip();
         let count = idle::evictions_needed(&self.space, &ranges, rows)?;
         Some(oldest[..count].to_vec())
     }
