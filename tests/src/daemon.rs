@@ -102,8 +102,12 @@ impl Daemon {
         if every_call {
             every_call_unless_chosen(&mut memprof, args);
         }
+        memprof.args(["--listen", &listen]);
+        // Reads each second, unless `args` choose.
+        if !args.contains(&"--interval") {
+            memprof.args(["--interval", "1"]);
+        }
         let mut child = memprof
-            .args(["--listen", &listen, "--interval", "1"])
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::null())

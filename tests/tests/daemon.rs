@@ -530,6 +530,26 @@ fn a_still_target_settles_and_its_next_allocation_is_seen_exactly() {
     assert_eq!((site(&again, "first_site"), site(&again, "second_site")), ((10_000, 10), (10_000, 5)));
 }
 
+/// A target that comes or goes is shown at once, whatever the interval. The snapshots that show
+/// it count as no interval: a still target beside processes that come and go settles no sooner
+/// (a leak window of 2 and two intervals: 4 intervals, 240 s here, not 4 snapshots).
+#[test]
+fn targets_coming_and_going_show_at_once_and_settle_no_one_sooner() {
+    let _serial = serial();
+    let still = Waiting::start(&fixture("settle"), &[]);
+    let daemon = Daemon::start(&["--comm", "^(settle|daemon_target)$", "--interval", "60", "--leak-window", "2"]);
+    daemon.wait_traced(still.pid());
+    for _ in 0..5 {
+        let passing = target();
+        let pid = passing.pid() as u64;
+        daemon.wait_traced(passing.pid());
+        drop(passing);
+        wait_for(20, "the passing target gone from the view", || (!daemon.traced_pids().contains(&pid)).then_some(()));
+    }
+    assert_eq!(daemon.traced_pids(), vec![still.pid() as u64]);
+    assert_eq!(metric(daemon.port, "memprof_settled_targets"), Some(0));
+}
+
 /// Processes of one program share the daemon's descriptor of each file they map, and so blazesym's
 /// parse of it (which holds a descriptor of its own): two per file, not one per mapping of each
 /// process.

@@ -5,7 +5,8 @@
 use std::{process::Command, sync::OnceLock};
 
 use memprof_tests::{
-    chromium, fixture, fixture_cpp, fixture_with, memprof, metric, run, wait_for, Daemon, Outcome, Scratch, Waiting,
+    chromium, fixture, fixture_cpp, fixture_with, memprof, metric, run, site, wait_for, Daemon, Outcome, Scratch,
+    Waiting,
 };
 use serde_json::{json, Value};
 
@@ -333,4 +334,35 @@ fn the_daemon_leaves_accepted_stacks_out_of_its_leak_metrics() {
     assert_eq!(rules, ["cache", "init"], "{report}");
     let bytes = metric(daemon.port, &series("memprof_leak_candidate_bytes")).unwrap();
     assert_eq!(bytes % 512, 0, "real_leak's blocks only: {bytes}");
+}
+
+/// A reload's suppressions apply to every target by the next interval, a settled target's too:
+/// its view, which it would otherwise keep until it moves, is built anew.
+#[test]
+fn a_reloaded_suppression_applies_to_a_settled_target() {
+    let dir = Scratch::new("suppressions", "reload");
+    let mut held = Waiting::start(&fixture("settle"), &[]);
+    let pid = held.pid();
+    let settings = format!("pids = [{pid}]\nleak_window = 2\n");
+    let config = written(&dir, "memprof.toml", &settings);
+    let daemon = Daemon::start(&["--config", &config]);
+    daemon.wait_traced(pid);
+    held.go();
+    wait_for(30, "the target settled", || (metric(daemon.port, "memprof_settled_targets")? == 1).then_some(()));
+    let path = format!("/api/v1/leaks?pid={pid}");
+    let rules = |report: &Value| -> Vec<String> {
+        let by_rule = report["suppressed"]["by_rule"].as_array().cloned().unwrap_or_default();
+        by_rule.iter().map(|r| r["rule"].as_str().unwrap().to_string()).collect()
+    };
+    let before = daemon.get_json(&path).1;
+    assert_eq!((site(&before, "first_site"), rules(&before)), ((10_000, 10), vec![]), "{before}");
+
+    let first = written(&dir, "first.supp", "{\n   first\n   Memcheck:Leak\n   ...\n   fun:first_site\n}\n");
+    written(&dir, "memprof.toml", &format!("{settings}suppressions = [\"{first}\"]\n"));
+    daemon.signal(libc::SIGHUP);
+    let after = wait_for(20, "the reloaded rule applied", || {
+        let report = daemon.get_json(&path).1;
+        (rules(&report) == ["first"]).then_some(report)
+    });
+    assert_eq!(site(&after, "first_site"), (10_000, 10), "{after}");
 }

@@ -122,7 +122,9 @@ struct Target {
     tables_full: [u64; crowding::Table::ALL.len()],
     /// A switch to growth mode failed: it is not tried again to make room in a shared table.
     pages_refused: bool,
-    /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows.
+    /// The view published last, and the pinned pages' `Resident::pinned_changes` it shows. None
+    /// until its first snapshot, and again once it shows no more what the target runs (an exec)
+    /// or how memprof is configured (a reload).
     last_view: Option<(Arc<TargetView>, u64)>,
 }
 
@@ -170,6 +172,8 @@ pub struct Tracer {
     /// Targets whose main thread exited while others run on: looked for gone each interval,
     /// since the exit of their last thread is not reported.
     leaderless: HashSet<u32>,
+    /// The targets settled at the last interval (see `settled`).
+    settled: HashSet<u32>,
     /// When /proc is next scanned (`Config::resync`), and the scans so far.
     next_resync: Instant,
     scans: u64,
@@ -238,6 +242,7 @@ impl Tracer {
             starting: HashMap::new(),
             exiting: HashMap::new(),
             leaderless: HashSet::new(),
+            settled: HashSet::new(),
             next_resync: Instant::now(),
             scans: 0,
             discovery_events: 0,
@@ -336,6 +341,10 @@ impl Tracer {
         self.cgroup_verdicts.forget();
         self.loaded.unwind.keep_idle(config.keep_unwind_tables);
         self.config = config;
+        // Every view is built anew under the new configuration (its suppressions, its top stacks).
+        for target in self.targets.values_mut() {
+            target.last_view = None;
+        }
         // The rules may have changed: the processes they match now are found at once.
         self.next_resync = Instant::now();
         info!("configuration reloaded");

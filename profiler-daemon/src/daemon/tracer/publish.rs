@@ -1,6 +1,6 @@
 //! What the tracer publishes: each interval, the kernel's maps read into one `DaemonView` (a
-//! settled target's last view brought up to date instead), the double frees as they arrive, and
-//! a target's view with an inspection on request.
+//! settled target's last view brought up to date instead), and in between the targets that came;
+//! the double frees as they arrive; a target's view with an inspection on request.
 
 use std::{
     cmp::Reverse,
@@ -87,9 +87,10 @@ impl Tracer {
     }
 
     /// Reads the maps and publishes the view. `interval`: this is an interval's snapshot, which
-    /// the leak rule counts as one of its window and the timeline keeps; a snapshot that shows a
-    /// target come or go in between is neither, so that the window stays `leak_window` intervals
-    /// long however often targets come and go.
+    /// the leak rule counts as one of its window, the timeline keeps and settling counts; a
+    /// snapshot that shows a target come or go in between is none of these, so that the window
+    /// stays `leak_window` intervals long however often targets come and go. It reads only the
+    /// targets that have no view yet.
     pub(super) fn publish(&mut self, interval: bool) -> anyhow::Result<()> {
         self.collect_double_frees();
         if interval {
@@ -113,16 +114,32 @@ impl Tracer {
         }
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let still_since_ns = aggregate::monotonic_now_ns();
-        let still = self.loaded.still_intervals(&pids)?;
-        let settle_after = settled::intervals(self.config.leak);
-        let settled: HashSet<u32> = (self.targets.values())
-            .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.double_frees == t.double_frees.count()))
-            .filter(|t| still.get(&t.id.pid).is_some_and(|&n| n >= settle_after))
-            .map(|t| t.id.pid)
-            .collect();
-        let kernel = self.loaded.read(&pids.difference(&settled).copied().collect(), 0)?;
+        // Between intervals a snapshot only shows the targets that came or went: the others keep
+        // their interval's view, and nothing of theirs is read (a host where processes come and
+        // go would otherwise pay a whole interval's reading for each).
+        let (kept, settled): (HashSet<u32>, HashSet<u32>) = if interval {
+            let still = self.loaded.still_intervals(&pids)?;
+            let settle_after = settled::intervals(self.config.leak);
+            let settled = (self.targets.values())
+                .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.double_frees == t.double_frees.count()))
+                .filter(|t| still.get(&t.id.pid).is_some_and(|&n| n >= settle_after))
+                .map(|t| t.id.pid)
+                .collect();
+            self.settled.clone_from(&settled);
+            (HashSet::new(), settled)
+        } else {
+            let kept: HashSet<u32> = (self.targets.values())
+                .filter(|t| t.last_view.as_ref().is_some_and(|(last, _)| last.comm == t.comm))
+                .map(|t| t.id.pid)
+                .collect();
+            self.settled.retain(|pid| kept.contains(pid));
+            (kept, HashSet::new())
+        };
+        let read: HashSet<u32> =
+            pids.iter().filter(|pid| !settled.contains(pid) && !kept.contains(pid)).copied().collect();
+        let kernel = self.loaded.read(&read, 0)?;
         self.loaded.rest(&settled, still_since_ns);
-        let residents = self.targets.values_mut().map(|t| {
+        let residents = self.targets.values_mut().filter(|t| !kept.contains(&t.id.pid)).map(|t| {
             let heap = match (&t.last_view, kernel.processes.get(&t.id.pid)) {
                 (Some((last, _)), None) => {
                     HeapNow { outstanding_bytes: last.report.totals.outstanding_bytes, sampled: last.sample_bytes > 0 }
@@ -213,7 +230,7 @@ impl Tracer {
             machine_wide: self.loaded.machine_wide(),
             discovery_scans: self.scans,
             discovery_events: self.discovery_events,
-            settled_targets: settled.len() as u64,
+            settled_targets: self.settled.len() as u64,
             size_histograms: self.config.size_histograms,
             pid_labels: self.config.pid_labels,
             unwind: tables,
@@ -223,9 +240,11 @@ impl Tracer {
             ..DaemonView::default()
         };
         let slots = self.slots.assign(self.targets.values().map(|t| (t.id.pid, t.comm.as_str())));
-        let views: Vec<Arc<TargetView>> = (self.targets.values())
+        // Each view, and whether it was built now.
+        let views: Vec<(Arc<TargetView>, bool)> = (self.targets.values())
             .map(|target| {
                 let mut view = match (&target.last_view, settled.contains(&target.id.pid)) {
+                    (Some((last, _)), _) if kept.contains(&target.id.pid) => return (last.clone(), false),
                     (Some((last, _)), true) => self.settled_view(target, last, still_since_ns, &kernel, &tables),
                     _ => {
                         target.known_stacks.next_interval();
@@ -233,10 +252,14 @@ impl Tracer {
                     }
                 };
                 view.slot = slots[&target.id.pid];
-                Arc::new(view)
+                (Arc::new(view), true)
             })
             .collect();
-        for target_view in views {
+        for (target_view, built) in views {
+            if !built {
+                view.targets.insert(target_view.pid, target_view);
+                continue;
+            }
             let Some(target) = self.targets.get_mut(&target_view.pid) else { continue };
             target.last_view = Some((target_view.clone(), target.resident.pinned_changes()));
             self.drops.observe(target_view.pid, &target_view.report.dropped);

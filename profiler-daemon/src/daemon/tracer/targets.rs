@@ -433,6 +433,7 @@ impl Tracer {
         target.leaks = LeakTracker::new(self.config.leak);
         target.rate_guard = RateGuard::new(self.config.sampling);
         target.known_stacks.forget();
+        target.last_view = None;
         self.symbolizer.forget(pid);
         self.symbolizer.refresh(pid);
         info!(pid, comm = target.comm, "exec: tracing the new program");
