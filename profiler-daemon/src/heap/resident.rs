@@ -50,6 +50,18 @@ fn is_zero(seconds: &f64) -> bool {
     *seconds == 0.0
 }
 
+/// When `Resident::read_all` walks `LIVE` for the pages the blocks pin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinnedWalk {
+    /// When the budget allows: each interval.
+    IfDue,
+    /// Whatever the budget: a final report.
+    Now,
+    /// Not: a reading of a few processes between intervals, whose walk would take the
+    /// interval's budget for them alone.
+    Not,
+}
+
 /// When the pinned pages are read. Their walk of `LIVE` costs time per live block (docs:
 /// guide/resident-memory.md#resident-memory-against-the-heap gives the measure), so it may take at most a
 /// hundredth of the time: a walk is due once the time since the last one is 99 times what it
@@ -134,15 +146,14 @@ impl Resident {
     /// Reads the memory of each of `processes` (pid, its readings, its heap now), with
     /// `live_entries` blocks live in all: every interval, so that a report written once, after the process exited, has
     /// the last reading taken while it ran. The pinned pages take one walk of `LIVE` for all,
-    /// when `budget` allows or `now` asks (a final report), logged at debug level. A sampled
-    /// process's blocks are a sample: its pages would look emptier than they are, so they are
-    /// not read (0).
+    /// as `walk` says, logged at debug level. A sampled process's blocks are a sample: its pages
+    /// would look emptier than they are, so they are not read (0).
     pub fn read_all<'a>(
         ebpf: &Ebpf,
         live_entries: u64,
         processes: impl IntoIterator<Item = (u32, &'a mut Resident, HeapNow)>,
         budget: &mut PinnedBudget,
-        now: bool,
+        walk: PinnedWalk,
     ) -> anyhow::Result<()> {
         let started = Instant::now();
         let mut processes: Vec<_> = processes.into_iter().collect();
@@ -152,7 +163,12 @@ impl Resident {
             }
             resident.current(*pid, heap.outstanding_bytes);
         }
-        if !now && !budget.due(live_entries) {
+        let due = match walk {
+            PinnedWalk::Now => true,
+            PinnedWalk::IfDue => budget.due(live_entries),
+            PinnedWalk::Not => false,
+        };
+        if !due {
             return Ok(());
         }
         let pids: HashSet<u32> =

@@ -24,7 +24,7 @@ use crate::{
     heap::inspect::{self, Inspection},
     heap::price::{Mode, PriceWatch, SystemCpu},
     heap::report::{self, Report, Selection},
-    heap::resident::{HeapNow, PinnedBudget, Resident},
+    heap::resident::{HeapNow, PinnedBudget, PinnedWalk, Resident},
     heap::sampling::{MaxRate, Switch},
     heap::suppressions::Suppressions,
     heap::threads::{self, ThreadNames},
@@ -235,7 +235,7 @@ impl Tracer<'_> {
             kernel.live_entries,
             residents,
             &mut self.pinned_budget,
-            is_final && whole,
+            if is_final && whole { PinnedWalk::Now } else { PinnedWalk::IfDue },
         )?;
         for process in self.family.processes_mut().filter(|p| pids.contains(&p.pid)) {
             let Some(snapshot) = kernel.processes.get(&process.pid) else { continue };

@@ -25,7 +25,7 @@ use crate::{
     heap::heuristics::Heuristics,
     heap::inspect,
     heap::report::{self, Report, Selection, StackReport},
-    heap::resident::{HeapNow, Resident},
+    heap::resident::{HeapNow, PinnedWalk, Resident},
     kernel::aggregate::{self, KernelSnapshot, Snapshot},
     kernel::loader,
     process::{allocator, procfs},
@@ -89,8 +89,8 @@ impl Tracer {
     /// Reads the maps and publishes the view. `interval`: this is an interval's snapshot, which
     /// the leak rule counts as one of its window, the timeline keeps and settling counts; a
     /// snapshot that shows a target come or go in between is none of these, so that the window
-    /// stays `leak_window` intervals long however often targets come and go. It reads only the
-    /// targets that have no view yet.
+    /// stays `leak_window` intervals long however often targets come and go. Between intervals
+    /// it reads only the targets with no view yet.
     pub(super) fn publish(&mut self, interval: bool) -> anyhow::Result<()> {
         self.collect_double_frees();
         if interval {
@@ -114,9 +114,10 @@ impl Tracer {
         }
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let still_since_ns = aggregate::monotonic_now_ns();
-        // Between intervals a snapshot only shows the targets that came or went: the others keep
-        // their interval's view, and nothing of theirs is read (a host where processes come and
-        // go would otherwise pay a whole interval's reading for each).
+        // Between intervals a snapshot shows the targets that came or went: the others keep their
+        // view, and nothing of theirs is read (a host where processes come and go would otherwise
+        // pay a whole interval's reading for each). Those an exec, a rename or a reload left with
+        // no view are read.
         let (kept, settled): (HashSet<u32>, HashSet<u32>) = if interval {
             let still = self.loaded.still_intervals(&pids)?;
             let settle_after = settled::intervals(self.config.leak);
@@ -148,7 +149,8 @@ impl Tracer {
             };
             (t.id.pid, &mut t.resident, heap)
         });
-        Resident::read_all(&self.loaded.ebpf, kernel.live_entries, residents, &mut self.pinned_budget, false)?;
+        let walk = if interval { PinnedWalk::IfDue } else { PinnedWalk::Not };
+        Resident::read_all(&self.loaded.ebpf, kernel.live_entries, residents, &mut self.pinned_budget, walk)?;
         // Moved to growth mode once this interval's views are built: the switch takes the stacks
         // their calls recorded, which the views name.
         let mut switching = Vec::new();
