@@ -190,31 +190,17 @@ enum Request {
         mappings: Option<Vec<FileMapping>>,
         done: mpsc::Sender<()>,
     },
-    Symbolize {
-        pid: u32,
-        addresses: Vec<u64>,
-        reply: mpsc::Sender<Vec<Resolved>>,
-    },
+    /// Stacks of return addresses, each resolved as a whole.
+    Symbolize { pid: u32, stacks: Vec<Vec<u64>>, reply: mpsc::Sender<Vec<Vec<Resolved>>> },
     /// The executable mappings of these files, as last read.
-    Modules {
-        pid: u32,
-        paths: BTreeSet<String>,
-        reply: mpsc::Sender<Vec<Module>>,
-    },
+    Modules { pid: u32, paths: BTreeSet<String>, reply: mpsc::Sender<Vec<Module>> },
     /// A process just forked `child`: the child's mappings are its parent's until it maps
     /// others. Read as `Refresh` reads them, with the parent's open files; the parent's where the
     /// child's cannot be read (it exited meanwhile, as a short-lived child does while memprof
     /// attaches to it).
-    Inherit {
-        parent: u32,
-        child: u32,
-        mappings: Vec<FileMapping>,
-        done: mpsc::Sender<()>,
-    },
+    Inherit { parent: u32, child: u32, mappings: Vec<FileMapping>, done: mpsc::Sender<()> },
     /// The process has exited and will not be asked about again: drop its files and cache.
-    Forget {
-        pid: u32,
-    },
+    Forget { pid: u32 },
 }
 
 /// A cheap handle to the symbolizer thread.
@@ -269,16 +255,18 @@ impl SymbolizerHandle {
         }
     }
 
-    /// Resolves return addresses of `pid` (all frames of a stack are return addresses).
-    pub fn symbolize(&self, pid: u32, addresses: Vec<u64>) -> Vec<Resolved> {
+    /// Resolves the return addresses of `pid`'s `stacks` (all frames of a stack are return
+    /// addresses), in one request: a process's first report names hundreds of stacks, and each
+    /// request is a round trip between two threads.
+    pub fn symbolize(&self, pid: u32, stacks: Vec<Vec<u64>>) -> Vec<Vec<Resolved>> {
         let (reply, wait) = mpsc::channel();
-        let count = addresses.len();
-        if self.requests.send(Request::Symbolize { pid, addresses, reply }).is_ok() {
+        let counts: Vec<usize> = stacks.iter().map(Vec::len).collect();
+        if self.requests.send(Request::Symbolize { pid, stacks, reply }).is_ok() {
             if let Ok(resolved) = wait.recv() {
                 return resolved;
             }
         }
-        vec![unknown(0, "[unknown]", 0); count]
+        counts.into_iter().map(|count| vec![unknown(0, "[unknown]", 0); count]).collect()
     }
 
     /// The executable mappings of `pid` whose file is one of `paths`, with their build ids.
@@ -348,10 +336,15 @@ impl SymbolizerThread {
                     self.refresh(child, Some(mappings));
                     let _ = done.send(());
                 }
-                Request::Symbolize { pid, addresses, reply } => {
-                    let mut resolved: Vec<Resolved> =
-                        addresses.iter().map(|&address| self.resolve(pid, address)).collect();
-                    self.sort_out_anonymous(pid, &mut resolved);
+                Request::Symbolize { pid, stacks, reply } => {
+                    let resolved = (stacks.iter())
+                        .map(|addresses| {
+                            let mut resolved: Vec<Resolved> =
+                                addresses.iter().map(|&address| self.resolve(pid, address)).collect();
+                            self.sort_out_anonymous(pid, &mut resolved);
+                            resolved
+                        })
+                        .collect();
                     let _ = reply.send(resolved);
                 }
                 Request::Modules { pid, paths, reply } => {

@@ -82,6 +82,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
     // Several kernel stacks can be one report's (see `merge_same_stacks`): the largest are read
     // until `top` of the report's are listed, each with its parts read so far.
     let mut distinct = HashSet::new();
+    ctx.stacks.symbolize_all(listed.iter().take(top).map(|s| s.stored_id));
     let stacks: Vec<StackReport> = listed
         .into_iter()
         .map_while(|stack| {

@@ -49,28 +49,31 @@ impl Stacks<'_> {
         Symbolized { frames, via, ..whole }
     }
 
+    /// Symbolizes those of the allocation stacks `stack_ids` not known yet, all in one request
+    /// (see `SymbolizerHandle::symbolize`).
+    pub(super) fn symbolize_all(&self, stack_ids: impl IntoIterator<Item = u64>) {
+        let Some(known) = self.known else { return };
+        known.fill(stack_ids, |missing| self.symbolize_stored_all(StackTable::Allocations, missing));
+    }
+
     fn symbolize_stored(&self, table: StackTable, stack_id: u64) -> Symbolized {
-        let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, stack_id);
-        self.symbolize_frames(addresses, end != StackEnd::Complete)
+        self.symbolize_stored_all(table, &[stack_id]).pop().expect("one stack asked, one named")
+    }
+
+    fn symbolize_stored_all(&self, table: StackTable, stack_ids: &[u64]) -> Vec<Symbolized> {
+        let (walks, truncated): (Vec<Vec<u64>>, Vec<bool>) = (stack_ids.iter())
+            .map(|&id| {
+                let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, id);
+                (addresses, end != StackEnd::Complete)
+            })
+            .unzip();
+        let resolved = self.symbolizer.symbolize(self.pid, walks);
+        resolved.into_iter().zip(truncated).map(|(resolved, truncated)| named(resolved, truncated)).collect()
     }
 
     fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
-        if addresses.is_empty() {
-            return Symbolized { frames: Frames::default(), via: Vec::new(), id: "none".to_string(), truncated };
-        }
-        let mut resolved = self.symbolizer.symbolize(self.pid, addresses);
-        // A walk that reached memory holding no code went wrong there: the stack ends before it,
-        // so that one site's walks, each wrong at another stack address, are one stack. Not
-        // before its first address, which the probe read from the call itself.
-        let truncated = match resolved.iter().skip(1).position(Resolved::is_not_code).map(|at| at + 1) {
-            Some(at) => {
-                resolved.truncate(at);
-                true
-            }
-            None => truncated,
-        };
-        let id = stack_hash(&resolved);
-        Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), via: Vec::new(), id, truncated }
+        let resolved = self.symbolizer.symbolize(self.pid, vec![addresses]).pop().unwrap_or_default();
+        named(resolved, truncated)
     }
 
     fn site_report(&self, table: StackTable, stack_id: u64, tid: u32, time_ns: u64) -> SiteReport {
@@ -137,6 +140,25 @@ impl Stacks<'_> {
             second_free: self.free_site(&event.second),
         }
     }
+}
+
+/// A walk's frames as resolved, hashed.
+fn named(mut resolved: Vec<Resolved>, truncated: bool) -> Symbolized {
+    if resolved.is_empty() {
+        return Symbolized { frames: Frames::default(), via: Vec::new(), id: "none".to_string(), truncated };
+    }
+    // A walk that reached memory holding no code went wrong there: the stack ends before it, so
+    // that one site's walks, each wrong at another stack address, are one stack. Not before its
+    // first address, which the probe read from the call itself.
+    let truncated = match resolved.iter().skip(1).position(Resolved::is_not_code).map(|at| at + 1) {
+        Some(at) => {
+            resolved.truncate(at);
+            true
+        }
+        None => truncated,
+    };
+    let id = stack_hash(&resolved);
+    Symbolized { frames: resolved.into_iter().flat_map(|r| r.frames).collect(), via: Vec::new(), id, truncated }
 }
 
 /// FNV-1a over the frames' (module, file offset), as 16 hex digits.
