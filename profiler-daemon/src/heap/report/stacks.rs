@@ -16,6 +16,9 @@ use crate::{
     unwind::Registry,
 };
 
+/// The stacks a request to the symbolizer carries at most (see `Stacks::symbolize_stored_all`).
+const STACKS_PER_REQUEST: usize = 256;
+
 /// Turns a traced process's stack ids and times into frames and seconds.
 pub struct Stacks<'a> {
     pub ebpf: &'a Ebpf,
@@ -60,15 +63,23 @@ impl Stacks<'_> {
         self.symbolize_stored_all(table, &[stack_id]).pop().expect("one stack asked, one named")
     }
 
+    /// `stack_ids` read and symbolized a few hundred at a time: a request's addresses and its
+    /// answer's names are held at once, and a process's tens of thousands of stacks would take
+    /// tens of megabytes.
     fn symbolize_stored_all(&self, table: StackTable, stack_ids: &[u64]) -> Vec<Symbolized> {
-        let (walks, truncated): (Vec<Vec<u64>>, Vec<bool>) = (stack_ids.iter())
-            .map(|&id| {
-                let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, id);
-                (addresses, end != StackEnd::Complete)
-            })
-            .unzip();
-        let resolved = self.symbolizer.symbolize(self.pid, walks);
-        resolved.into_iter().zip(truncated).map(|(resolved, truncated)| named(resolved, truncated)).collect()
+        let mut symbolized = Vec::with_capacity(stack_ids.len());
+        for ids in stack_ids.chunks(STACKS_PER_REQUEST) {
+            let (walks, truncated): (Vec<Vec<u64>>, Vec<bool>) = (ids.iter())
+                .map(|&id| {
+                    let (addresses, end) = aggregate::stack_frames(self.ebpf, self.unwind, self.pid, table, id);
+                    (addresses, end != StackEnd::Complete)
+                })
+                .unzip();
+            let resolved = self.symbolizer.symbolize(self.pid, walks);
+            symbolized
+                .extend(resolved.into_iter().zip(truncated).map(|(resolved, truncated)| named(resolved, truncated)));
+        }
+        symbolized
     }
 
     fn symbolize_frames(&self, addresses: Vec<u64>, truncated: bool) -> Symbolized {
