@@ -49,24 +49,27 @@ impl KnownStacks {
     /// Makes each of `stack_ids` known, those not known yet symbolized together by `symbolize`
     /// (one stack for each id it is given, in order).
     pub fn fill(&self, stack_ids: impl IntoIterator<Item = u64>, symbolize: impl FnOnce(&[u64]) -> Vec<Symbolized>) {
-        let mut current = self.current.borrow_mut();
-        let mut previous = self.previous.borrow_mut();
         let mut missing = Vec::new();
-        for id in stack_ids {
-            if current.contains_key(&id) {
-                continue;
-            }
-            match previous.remove(&id) {
-                Some(stack) => {
-                    current.insert(id, stack);
+        {
+            let mut current = self.current.borrow_mut();
+            let mut previous = self.previous.borrow_mut();
+            for id in stack_ids {
+                if current.contains_key(&id) {
+                    continue;
                 }
-                None => missing.push(id),
+                match previous.remove(&id) {
+                    Some(stack) => {
+                        current.insert(id, stack);
+                    }
+                    None => missing.push(id),
+                }
             }
         }
         missing.sort_unstable();
         missing.dedup();
         if !missing.is_empty() {
-            current.extend(missing.iter().copied().zip(symbolize(&missing)));
+            let stacks = symbolize(&missing);
+            self.current.borrow_mut().extend(missing.into_iter().zip(stacks));
         }
     }
 

@@ -52,8 +52,8 @@ impl Stacks<'_> {
         Symbolized { frames, via, ..whole }
     }
 
-    /// Symbolizes those of the allocation stacks `stack_ids` not known yet, all in one request
-    /// (see `SymbolizerHandle::symbolize`).
+    /// Symbolizes those of the allocation stacks `stack_ids` not known yet, in requests of
+    /// `STACKS_PER_REQUEST` stacks (see `SymbolizerHandle::symbolize`).
     pub(super) fn symbolize_all(&self, stack_ids: impl IntoIterator<Item = u64>) {
         let Some(known) = self.known else { return };
         known.fill(stack_ids, |missing| self.symbolize_stored_all(StackTable::Allocations, missing));
@@ -63,9 +63,9 @@ impl Stacks<'_> {
         self.symbolize_stored_all(table, &[stack_id]).pop().expect("one stack asked, one named")
     }
 
-    /// `stack_ids` read and symbolized a few hundred at a time: a request's addresses and its
-    /// answer's names are held at once, and a process's tens of thousands of stacks would take
-    /// tens of megabytes.
+    /// `stack_ids` read and symbolized a few hundred at a time: a request's addresses, and its
+    /// answer's frame by frame, are held at once (a module path and names for each address), and
+    /// for a process's tens of thousands of stacks they would take tens of megabytes.
     fn symbolize_stored_all(&self, table: StackTable, stack_ids: &[u64]) -> Vec<Symbolized> {
         let mut symbolized = Vec::with_capacity(stack_ids.len());
         for ids in stack_ids.chunks(STACKS_PER_REQUEST) {
