@@ -155,6 +155,19 @@ impl LeakTracker {
         self.observe(snapshot, clock, time_s);
     }
 
+    /// New settings (a reload): each stack keeps the points of its history the new window
+    /// looks at, and its verdict is judged by them at the next interval.
+    pub fn reconfigure(&mut self, settings: LeakSettings) {
+        self.settings = settings;
+        let points = settings.window + 1;
+        for history in self.stacks.values_mut() {
+            let surplus = history.recent.len().saturating_sub(points);
+            history.recent.drain(..surplus);
+        }
+        let surplus = self.rested.len().saturating_sub(points);
+        self.rested.drain(..surplus);
+    }
+
     /// Takes one interval's snapshot (`time_s`: seconds since tracing began).
     pub fn observe(&mut self, snapshot: &Snapshot, clock: &Clock, time_s: f64) {
         self.replay_rests();
@@ -379,6 +392,33 @@ mod tests {
         rested.observe(&snapshot(12, 600), &clock, 12.0);
         assert_eq!(watched.verdict(1), rested.verdict(1));
         assert_eq!(watched.timeline(|_| Some("s".into())), rested.timeline_as_named());
+    }
+
+    #[test]
+    fn a_reloaded_window_judges_the_history_kept() {
+        use crate::kernel::aggregate::StackSnapshot;
+        let clock = Clock { base_ns: 0, length_ns: 250_000_000 };
+        let snapshot = |second: u64, bytes: u64| Snapshot {
+            now_ns: second * 1_000_000_000,
+            stacks: vec![StackSnapshot { stack_id: 1, outstanding_bytes: bytes, ..StackSnapshot::default() }],
+            ..Snapshot::default()
+        };
+        let wide = LeakSettings { window: 8, ..SETTINGS };
+        let (mut narrow, mut narrowed, mut widened) =
+            (LeakTracker::new(SETTINGS), LeakTracker::new(wide), LeakTracker::new(SETTINGS));
+        let series = [100, 200, 300, 400, 500, 600, 600, 700, 650, 800];
+        for (second, bytes) in series.into_iter().enumerate() {
+            for tracker in [&mut narrow, &mut narrowed, &mut widened] {
+                tracker.observe(&snapshot(second as u64, bytes), &clock, second as f64);
+            }
+        }
+        narrowed.reconfigure(SETTINGS);
+        widened.reconfigure(wide);
+        for tracker in [&mut narrow, &mut narrowed, &mut widened] {
+            tracker.observe(&snapshot(10, 900), &clock, 10.0);
+        }
+        assert_eq!(narrowed.verdict(1), narrow.verdict(1), "judged as if the window had always been 4");
+        assert_eq!(widened.verdict(1).warming_up, Some(WarmUp { seen: 5, window: 8 }), "4 intervals were kept");
     }
 
     #[test]

@@ -341,9 +341,11 @@ impl Tracer {
         self.cgroup_verdicts.forget();
         self.loaded.unwind.keep_idle(config.keep_unwind_tables);
         self.config = config;
-        // Every view is built anew under the new configuration (its suppressions, its top stacks).
+        // Every view is built anew under the new configuration (its suppressions, its top stacks,
+        // its leak rule).
         for target in self.targets.values_mut() {
             target.last_view = None;
+            target.leaks.reconfigure(self.config.leak);
         }
         // The rules may have changed: the processes they match now are found at once.
         self.next_resync = Instant::now();
