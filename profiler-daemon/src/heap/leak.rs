@@ -341,6 +341,18 @@ mod tests {
 
     const SETTINGS: LeakSettings = LeakSettings { window: 4, threshold: 0.5 };
 
+    const CLOCK: Clock = Clock { base_ns: 0, length_ns: 250_000_000 };
+
+    /// Stack 1 holding `bytes` at `second`.
+    fn snapshot(second: u64, bytes: u64) -> Snapshot {
+        use crate::kernel::aggregate::StackSnapshot;
+        Snapshot {
+            now_ns: second * 1_000_000_000,
+            stacks: vec![StackSnapshot { stack_id: 1, outstanding_bytes: bytes, ..StackSnapshot::default() }],
+            ..Snapshot::default()
+        }
+    }
+
     fn judge_series(series: &[u64], held_from_before: u64) -> LeakVerdict {
         judge(series, held_from_before, SETTINGS, 4_000_000_000)
     }
@@ -371,13 +383,7 @@ mod tests {
 
     #[test]
     fn intervals_at_rest_count_as_observed_ones() {
-        use crate::kernel::aggregate::StackSnapshot;
-        let clock = Clock { base_ns: 0, length_ns: 250_000_000 };
-        let snapshot = |second: u64, bytes: u64| Snapshot {
-            now_ns: second * 1_000_000_000,
-            stacks: vec![StackSnapshot { stack_id: 1, outstanding_bytes: bytes, ..StackSnapshot::default() }],
-            ..Snapshot::default()
-        };
+        let clock = CLOCK;
         let (mut watched, mut rested) = (LeakTracker::new(SETTINGS), LeakTracker::new(SETTINGS));
         for (second, bytes) in [(0, 100), (1, 200), (2, 300), (3, 400), (4, 500)] {
             watched.observe(&snapshot(second, bytes), &clock, second as f64);
@@ -396,13 +402,7 @@ mod tests {
 
     #[test]
     fn a_reloaded_window_judges_the_history_kept() {
-        use crate::kernel::aggregate::StackSnapshot;
-        let clock = Clock { base_ns: 0, length_ns: 250_000_000 };
-        let snapshot = |second: u64, bytes: u64| Snapshot {
-            now_ns: second * 1_000_000_000,
-            stacks: vec![StackSnapshot { stack_id: 1, outstanding_bytes: bytes, ..StackSnapshot::default() }],
-            ..Snapshot::default()
-        };
+        let clock = CLOCK;
         let wide = LeakSettings { window: 8, ..SETTINGS };
         let (mut narrow, mut narrowed, mut widened) =
             (LeakTracker::new(SETTINGS), LeakTracker::new(wide), LeakTracker::new(SETTINGS));
