@@ -38,12 +38,8 @@ pub struct KnownStacks {
 impl KnownStacks {
     /// `stack_id`'s stack, symbolized by `symbolize` unless known.
     pub fn get_or(&self, stack_id: u64, symbolize: impl FnOnce() -> Symbolized) -> Symbolized {
-        if let Some(known) = self.current.borrow().get(&stack_id) {
-            return known.clone();
-        }
-        let stack = self.previous.borrow_mut().remove(&stack_id).unwrap_or_else(symbolize);
-        self.current.borrow_mut().insert(stack_id, stack.clone());
-        stack
+        self.fill([stack_id], |_| vec![symbolize()]);
+        self.current.borrow()[&stack_id].clone()
     }
 
     /// Makes each of `stack_ids` known, those not known yet symbolized together by `symbolize`
