@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 
 use anyhow::Context as _;
 use aya::{
-    maps::{Array as BpfArray, HashMap as BpfHashMap, PerCpuArray},
+    maps::{HashMap as BpfHashMap, PerCpuArray},
     Ebpf,
 };
 use profiler_common::{
@@ -441,12 +441,9 @@ pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: impl FnOnce() -> H
             used_free_stacks.insert(recent.freed.free.stack_id);
         }
     })?;
-    let mut recent_frees: BpfArray<_, RecentFree> =
-        BpfArray::try_from(ebpf.map_mut("RECENT_FREES").context("map RECENT_FREES missing from the eBPF object")?)?;
-    for slot in own_recent_frees {
-        // SAFETY: Pod, valid zeroed: an empty slot.
-        recent_frees.set(slot, unsafe { std::mem::zeroed::<RecentFree>() }, 0)?;
-    }
+    // SAFETY: Pod, valid zeroed: an empty slot.
+    let empty = unsafe { std::mem::zeroed::<RecentFree>() };
+    batch::update(map(ebpf, "RECENT_FREES")?, &own_recent_frees, &vec![empty; own_recent_frees.len()])?;
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
         ebpf: &mut Ebpf,
         name: &str,
@@ -458,11 +455,7 @@ pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: impl FnOnce() -> H
                 doomed.push(*k);
             }
         })?;
-        let mut map: BpfHashMap<_, K, V> = BpfHashMap::try_from(
-            ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
-        )?;
-        // Only the keys removed here: a program may have removed one since.
-        Ok(doomed.into_iter().filter(|key| map.remove(key).is_ok()).collect())
+        batch::delete(map(ebpf, name)?, doomed)
     }
     // Threads that died inside the allocator leave their in-flight state behind.
     remove_matching::<u32, Inflight>(ebpf, "INFLIGHT", |_, state| doomed.process(state.tgid))?;
@@ -481,13 +474,7 @@ pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: impl FnOnce() -> H
         (StackTable::Frees, stored_free_stacks, used_free_stacks),
     ];
     for (table, stored, used) in tables {
-        let name = table.map_name();
-        let mut stacks: BpfHashMap<_, u64, Stack> = BpfHashMap::try_from(
-            ebpf.map_mut(name).with_context(|| format!("map {name} missing from the eBPF object"))?,
-        )?;
-        for stack_id in stored.difference(&used) {
-            let _ = stacks.remove(stack_id);
-        }
+        batch::delete(map(ebpf, table.map_name())?, stored.difference(&used).copied().collect())?;
     }
     Ok(())
 }

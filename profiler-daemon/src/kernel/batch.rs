@@ -1,4 +1,5 @@
-//! Reading whole BPF hash maps (and arrays) in batches (`BPF_MAP_LOOKUP_BATCH`).
+//! Reading whole BPF hash maps (and arrays) in batches (`BPF_MAP_LOOKUP_BATCH`), and writing or
+//! deleting many of their keys at once (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`).
 //!
 //! Walking a hash map key by key, as aya's iterators do, restarts from the first key whenever the
 //! current key was deleted meanwhile, which happens all the time in a busy process's `LIVE` map:
@@ -18,6 +19,8 @@ use aya::{maps::Map, Pod};
 /// `enum bpf_cmd` in linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 /// Entries asked for at once, at most: fewer when they would take more than `BUFFER_BYTES`; grown
 /// when one hash bucket holds more.
 const MOST_ENTRIES: usize = 4096;
@@ -52,6 +55,79 @@ pub fn drain<K: Pod, V: Pod>(map: &Map, visit: impl FnMut(&K, &V)) -> anyhow::Re
         bail!("batch deletions are for hash maps");
     }
     walk(map, BPF_MAP_LOOKUP_AND_DELETE_BATCH, visit)
+}
+
+/// Deletes `keys` from a hash map in few calls, not one each (the purge of a process gone deletes
+/// about a thousand entries: docs: performance.md#measurements-behind-design-choices), and gives
+/// back those deleted here: a program may have deleted one since it was read.
+pub fn delete<K: Pod>(map: &Map, mut keys: Vec<K>) -> anyhow::Result<Vec<K>> {
+    let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
+        bail!("batch deletions are for hash maps");
+    };
+    let fd = data.fd().as_fd().as_raw_fd();
+    // Keys deleted so far are moved to the front, before `kept`; `next` is the first not tried.
+    let (mut kept, mut next) = (0, 0);
+    while next < keys.len() {
+        let mut attr = BatchAttr {
+            in_batch: 0,
+            out_batch: 0,
+            keys: keys[next..].as_ptr() as u64,
+            values: 0,
+            count: u32::try_from(keys.len() - next).unwrap_or(u32::MAX),
+            map_fd: fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: attr points at `count` keys that live through the call; the kernel only reads them.
+        let result = unsafe {
+            libc::syscall(libc::SYS_bpf, BPF_MAP_DELETE_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
+        };
+        // The kernel stops at the first key it cannot delete, and says how many it deleted before.
+        let deleted = attr.count as usize;
+        keys.copy_within(next..next + deleted, kept);
+        kept += deleted;
+        next += deleted;
+        if result < 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::ENOENT) {
+                return Err(error.into());
+            }
+            // Gone already: not deleted here.
+            next += 1;
+        }
+    }
+    keys.truncate(kept);
+    Ok(keys)
+}
+
+/// Sets `keys[i]` to `values[i]` in a hash map or array, in one call.
+pub fn update<K: Pod, V: Pod>(map: &Map, keys: &[K], values: &[V]) -> anyhow::Result<()> {
+    let (Map::HashMap(data) | Map::LruHashMap(data) | Map::Array(data)) = map else {
+        bail!("batch updates are for hash maps and arrays");
+    };
+    assert_eq!(keys.len(), values.len(), "a value for each key");
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let mut attr = BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(keys.len())?,
+        map_fd: data.fd().as_fd().as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: attr points at `count` keys and values that live through the call; the kernel only
+    // reads them.
+    let result = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
+    };
+    if result < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    Ok(())
 }
 
 /// Both walks: `command` is a batch lookup, with or without deletion.
@@ -115,8 +191,53 @@ fn first_chunk(entry_bytes: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    use aya::maps::{HashMap as BpfHashMap, MapData};
+
     use super::*;
     use profiler_common::Stack;
+
+    /// A hash map of `u32` keys and `u64` values made with the `bpf` system call (needs root, as
+    /// memprof does).
+    fn hash_map(entries: u32) -> Map {
+        const BPF_MAP_CREATE: libc::c_long = 0;
+        const BPF_MAP_TYPE_HASH: u32 = 1;
+        // bpf_attr's map-creation part: type, key size, value size, entries; the rest zero.
+        let mut attr = [0u32; 32];
+        attr[..4].copy_from_slice(&[BPF_MAP_TYPE_HASH, 4, 8, entries]);
+        // SAFETY: the attribute buffer outlives the call and is as large as the kernel reads.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), size_of_val(&attr)) };
+        assert!(fd >= 0, "creating a hash map: {}", io::Error::last_os_error());
+        // SAFETY: a descriptor the kernel just gave this process and nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Map::HashMap(MapData::from_fd(fd).expect("the hash map"))
+    }
+
+    #[test]
+    fn batch_deletions_skip_keys_gone_and_say_which_they_deleted_and_updates_write_every_key() {
+        let mut map = hash_map(16);
+        {
+            let mut entries: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(&mut map).expect("a hash map");
+            for key in 0..10 {
+                entries.insert(key, u64::from(key) * 10, 0).expect("an insert");
+            }
+        }
+        // 99 was never there, 3 is asked twice: the kernel stops at each, the rest go.
+        let deleted = delete(&map, vec![1u32, 2, 99, 3, 3, 8]).expect("a batch deletion");
+        assert_eq!(deleted, [1, 2, 3, 8]);
+        let mut left = Vec::new();
+        for_each(&map, |&key: &u32, &value: &u64| left.push((key, value))).expect("a walk");
+        left.sort_unstable();
+        assert_eq!(left, [(0, 0), (4, 40), (5, 50), (6, 60), (7, 70), (9, 90)]);
+        assert_eq!(delete(&map, Vec::<u32>::new()).expect("nothing to delete"), Vec::<u32>::new());
+        assert_eq!(delete(&map, vec![99u32]).expect("a key gone"), Vec::<u32>::new());
+        update(&map, &[4u32, 11], &[400u64, 110]).expect("a batch update");
+        let mut left = Vec::new();
+        for_each(&map, |&key: &u32, &value: &u64| left.push((key, value))).expect("a walk");
+        left.sort_unstable();
+        assert_eq!(left, [(0, 0), (4, 400), (5, 50), (6, 60), (7, 70), (9, 90), (11, 110)]);
+    }
 
     #[test]
     fn buffers_stay_within_their_bytes_whatever_the_entries_size() {
