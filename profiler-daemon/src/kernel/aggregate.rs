@@ -445,7 +445,7 @@ pub fn purge(ebpf: &mut Ebpf, doomed: Doomed, held_elsewhere: impl FnOnce() -> H
     let empty = unsafe { std::mem::zeroed::<RecentFree>() };
     batch::update(map(ebpf, "RECENT_FREES")?, &own_recent_frees, &vec![empty; own_recent_frees.len()])?;
     fn remove_matching<K: aya::Pod, V: aya::Pod>(
-        ebpf: &mut Ebpf,
+        ebpf: &Ebpf,
         name: &str,
         matches: impl Fn(&K, &V) -> bool,
     ) -> anyhow::Result<Vec<K>> {

@@ -82,17 +82,21 @@ pub fn delete<K: Pod>(map: &Map, mut keys: Vec<K>) -> anyhow::Result<Vec<K>> {
         let result = unsafe {
             libc::syscall(libc::SYS_bpf, BPF_MAP_DELETE_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
         };
-        // The kernel stops at the first key it cannot delete, and says how many it deleted before.
-        let deleted = attr.count as usize;
+        let error = (result < 0).then(io::Error::last_os_error);
+        match error.as_ref().and_then(io::Error::raw_os_error) {
+            // The kernel stopped at a key it could not delete: gone already, or its bucket busy
+            // (the entry stays, as a failed single deletion left it). It says how many it
+            // deleted before.
+            None | Some(libc::ENOENT | libc::EBUSY | libc::EDEADLK | libc::ETIMEDOUT) => {}
+            // Refused as a whole (before any key: each call is checked the same way).
+            Some(_) => return Err(error.expect("an error").into()),
+        }
+        let deleted = (attr.count as usize).min(keys.len() - next);
         keys.copy_within(next..next + deleted, kept);
         kept += deleted;
         next += deleted;
-        if result < 0 {
-            let error = io::Error::last_os_error();
-            if error.raw_os_error() != Some(libc::ENOENT) {
-                return Err(error.into());
-            }
-            // Gone already: not deleted here.
+        if error.is_some() {
+            // Not deleted here.
             next += 1;
         }
     }
@@ -198,25 +202,34 @@ mod tests {
     use super::*;
     use profiler_common::Stack;
 
-    /// A hash map of `u32` keys and `u64` values made with the `bpf` system call (needs root, as
-    /// memprof does).
-    fn hash_map(entries: u32) -> Map {
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    const BPF_MAP_TYPE_ARRAY: u32 = 2;
+
+    /// A map of `map_type` with `u32` keys and `u64` values made with the `bpf` system call
+    /// (needs root, as memprof does).
+    fn new_map(map_type: u32, entries: u32) -> MapData {
         const BPF_MAP_CREATE: libc::c_long = 0;
-        const BPF_MAP_TYPE_HASH: u32 = 1;
         // bpf_attr's map-creation part: type, key size, value size, entries; the rest zero.
         let mut attr = [0u32; 32];
-        attr[..4].copy_from_slice(&[BPF_MAP_TYPE_HASH, 4, 8, entries]);
+        attr[..4].copy_from_slice(&[map_type, 4, 8, entries]);
         // SAFETY: the attribute buffer outlives the call and is as large as the kernel reads.
         let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), size_of_val(&attr)) };
-        assert!(fd >= 0, "creating a hash map: {}", io::Error::last_os_error());
+        assert!(fd >= 0, "creating a map: {}", io::Error::last_os_error());
         // SAFETY: a descriptor the kernel just gave this process and nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Map::HashMap(MapData::from_fd(fd).expect("the hash map"))
+        MapData::from_fd(fd).expect("the map")
+    }
+
+    fn entries(map: &Map) -> Vec<(u32, u64)> {
+        let mut entries = Vec::new();
+        for_each(map, |&key: &u32, &value: &u64| entries.push((key, value))).expect("a walk");
+        entries.sort_unstable();
+        entries
     }
 
     #[test]
-    fn batch_deletions_skip_keys_gone_and_say_which_they_deleted_and_updates_write_every_key() {
-        let mut map = hash_map(16);
+    fn a_batch_deletion_skips_keys_gone_and_says_which_it_deleted() {
+        let mut map = Map::HashMap(new_map(BPF_MAP_TYPE_HASH, 16));
         {
             let mut entries: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(&mut map).expect("a hash map");
             for key in 0..10 {
@@ -226,17 +239,18 @@ mod tests {
         // 99 was never there, 3 is asked twice: the kernel stops at each, the rest go.
         let deleted = delete(&map, vec![1u32, 2, 99, 3, 3, 8]).expect("a batch deletion");
         assert_eq!(deleted, [1, 2, 3, 8]);
-        let mut left = Vec::new();
-        for_each(&map, |&key: &u32, &value: &u64| left.push((key, value))).expect("a walk");
-        left.sort_unstable();
-        assert_eq!(left, [(0, 0), (4, 40), (5, 50), (6, 60), (7, 70), (9, 90)]);
+        assert_eq!(entries(&map), [(0, 0), (4, 40), (5, 50), (6, 60), (7, 70), (9, 90)]);
         assert_eq!(delete(&map, Vec::<u32>::new()).expect("nothing to delete"), Vec::<u32>::new());
         assert_eq!(delete(&map, vec![99u32]).expect("a key gone"), Vec::<u32>::new());
-        update(&map, &[4u32, 11], &[400u64, 110]).expect("a batch update");
-        let mut left = Vec::new();
-        for_each(&map, |&key: &u32, &value: &u64| left.push((key, value))).expect("a walk");
-        left.sort_unstable();
-        assert_eq!(left, [(0, 0), (4, 400), (5, 50), (6, 60), (7, 70), (9, 90), (11, 110)]);
+    }
+
+    #[test]
+    fn a_batch_update_writes_every_slot_it_names_and_no_other() {
+        let map = Map::Array(new_map(BPF_MAP_TYPE_ARRAY, 4));
+        update(&map, &[1u32, 3], &[10u64, 30]).expect("a batch update");
+        assert_eq!(entries(&map), [(0, 0), (1, 10), (2, 0), (3, 30)]);
+        update(&map, &[3u32], &[0u64]).expect("a slot emptied");
+        assert_eq!(entries(&map), [(0, 0), (1, 10), (2, 0), (3, 0)]);
     }
 
     #[test]

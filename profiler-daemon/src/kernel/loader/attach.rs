@@ -570,8 +570,10 @@ impl Loaded {
             mappings.drain(clock);
             mappings.stack_ids(except)
         };
-        aggregate::purge(&mut self.ebpf, doomed, held)?;
-        self.unwind.new_generation(&mut self.ebpf)
+        let purged = aggregate::purge(&mut self.ebpf, doomed, held);
+        // A purge that failed part way may have removed stacks already.
+        self.unwind.new_generation(&mut self.ebpf)?;
+        purged
     }
 
     /// Starts `pid`'s tracing again with nothing of what was recorded: its probes go with
