@@ -8,7 +8,11 @@ mod tracked;
 pub use crate::unwind::Reads;
 mod usdt;
 
-use std::{collections::HashSet, fs, path::Path};
+use std::{
+    collections::{HashMap, HashSet},
+    fs,
+    path::Path,
+};
 
 use anyhow::Context as _;
 use aya::{Ebpf, EbpfLoader};
@@ -158,6 +162,9 @@ pub struct Loaded {
     stack_entries: Option<(u64, u64)>,
     /// Processes let go whose entries are still in the maps (see `forget_exited_later`).
     unpurged: HashSet<u32>,
+    /// When each process's allocator probes were last all in place (CLOCK_MONOTONIC; see
+    /// `double_free_seen_whole`).
+    probed_since: HashMap<u32, u64>,
 }
 
 /// Checks what loading needs before trying, so the error can say what is missing.
@@ -351,6 +358,7 @@ pub fn load(sizes: LoadSettings, interval_s: f64, samplers: Samplers, links_want
         walked_entries: None,
         stack_entries: None,
         unpurged: HashSet::new(),
+        probed_since: HashMap::new(),
     })
 }
 

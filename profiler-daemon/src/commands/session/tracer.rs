@@ -191,6 +191,9 @@ impl Tracer<'_> {
 
     fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
+            if !self.loaded.double_free_seen_whole(&event) {
+                continue;
+            }
             let double_free = self.stacks(event.tgid).double_free(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
             if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {

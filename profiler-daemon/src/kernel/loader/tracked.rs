@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::Ebpf;
-use profiler_common::{DeferredUnwind, ProcMappings, StackEnd};
+use profiler_common::{DeferredUnwind, DoubleFreeEvent, ProcMappings, StackEnd};
 
 use crate::{
     bell::EdgeBell,
@@ -143,6 +143,7 @@ impl Loaded {
     /// ages, mappings.
     fn forget_kept(&mut self, pids: &HashSet<u32>) {
         for &pid in pids {
+            self.probed_since.remove(&pid);
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
             self.unwind_events.forget(pid);
@@ -182,6 +183,21 @@ impl Loaded {
         if let Err(err) = probes::sweep_copies(&mut self.ebpf, traced) {
             tracing::warn!("children not traced keep their parents' breakpoints: {err:#}");
         }
+    }
+
+    /// Whether double free `event` is one: its first free came once every allocator probe of
+    /// its process was in place. The probes go in one function at a time while the process
+    /// runs, so a block freed meanwhile may be given out again by a function not probed yet,
+    /// and its next free would pass for a second one.
+    pub fn double_free_seen_whole(&self, event: &DoubleFreeEvent) -> bool {
+        let whole = self.probed_since.get(&event.tgid).is_none_or(|&since| event.first.free.time_ns >= since);
+        if !whole {
+            tracing::debug!(
+                pid = event.tgid,
+                "a free while the probes went in, then another: not told from a double free"
+            );
+        }
+        whole
     }
 
     /// Why `tgid`'s blocks are not kept one by one, so that an inspection has nothing to class:
