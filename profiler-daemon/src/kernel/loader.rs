@@ -162,8 +162,8 @@ pub struct Loaded {
     stack_entries: Option<(u64, u64)>,
     /// Processes let go whose entries are still in the maps (see `forget_exited_later`).
     unpurged: HashSet<u32>,
-    /// When each process's allocator probes were last all in place (CLOCK_MONOTONIC; see
-    /// `double_free_seen_whole`).
+    /// When each process's allocator probes were last all put in place, or moved to another
+    /// thread (CLOCK_MONOTONIC; see `double_free_seen_whole`).
     probed_since: HashMap<u32, u64>,
 }
 

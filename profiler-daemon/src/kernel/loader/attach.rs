@@ -451,9 +451,8 @@ impl Loaded {
         use profiler_common::traced::ATTACHING;
         self.update_traced(pid.get(), |flags| flags | ATTACHING)?;
         let attached = self.attach_allocator_probes(allocator, pid);
-        if attached.is_ok() {
-            self.probed_since.insert(pid.get(), aggregate::monotonic_now_ns());
-        }
+        // All in, or all withdrawn on a failure: either way, from now on.
+        self.probes_in_place(pid.get());
         let settled = self.update_traced(pid.get(), |flags| flags & !ATTACHING);
         match (attached, settled) {
             (Ok(attachment), Ok(())) => Ok(attachment),

@@ -57,6 +57,8 @@ impl Loaded {
             }
             let open_file = |path: &Path, file: FileId| Opened::open_mapped(pid.get(), path, file);
             let (replaced, moved) = attachment.move_to_thread(&mut self.ebpf, thread, open_file);
+            // None fired in the gap, and they went in again one at a time.
+            self.probes_in_place(pid.get());
             self.detach_in_background(replaced);
             // A thread that began to exit before it was noted in `PROBE_THREADS` is not
             // reported: it is looked at here, and another tried.

@@ -82,6 +82,7 @@ impl Loaded {
             }
         }
         for &pid in pids {
+            self.probed_since.remove(&pid);
             self.moved_to_pages.remove(&pid);
             self.read_machine_wide.remove(&pid);
             self.shared.forget(pid);
@@ -143,7 +144,6 @@ impl Loaded {
     /// ages, mappings.
     fn forget_kept(&mut self, pids: &HashSet<u32>) {
         for &pid in pids {
-            self.probed_since.remove(&pid);
             self.stillness.forget(pid);
             self.unwind.forget(&mut self.ebpf, pid);
             self.unwind_events.forget(pid);
@@ -186,9 +186,9 @@ impl Loaded {
     }
 
     /// Whether double free `event` is one: its first free came once every allocator probe of
-    /// its process was in place. The probes go in one function at a time while the process
-    /// runs, so a block freed meanwhile may be given out again by a function not probed yet,
-    /// and its next free would pass for a second one.
+    /// its process was in place (`probes_in_place`). The probes go in one function at a time
+    /// while the process runs, so a block freed meanwhile may be given out again by a function
+    /// not probed yet, and its next free would pass for a second one.
     pub fn double_free_seen_whole(&self, event: &DoubleFreeEvent) -> bool {
         let whole = self.probed_since.get(&event.tgid).is_none_or(|&since| event.first.free.time_ns >= since);
         if !whole {
@@ -198,6 +198,12 @@ impl Loaded {
             );
         }
         whole
+    }
+
+    /// Every allocator probe of `pid` is in place now, or withdrawn: a free remembered before
+    /// may have been followed by an allocation no probe saw (see `double_free_seen_whole`).
+    pub(super) fn probes_in_place(&mut self, pid: u32) {
+        self.probed_since.insert(pid, aggregate::monotonic_now_ns());
     }
 
     /// Why `tgid`'s blocks are not kept one by one, so that an inspection has nothing to class:
