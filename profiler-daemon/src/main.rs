@@ -20,6 +20,8 @@ mod peer;
 mod process;
 mod ring;
 mod symbolize;
+#[cfg(test)]
+mod test_maps;
 mod text;
 mod unwind;
 

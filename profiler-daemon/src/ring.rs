@@ -258,26 +258,14 @@ impl Drop for Mapping {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::{FromRawFd, OwnedFd};
-
-    use aya::maps::{Map, MapData};
+    use aya::maps::Map;
 
     use super::*;
+    use crate::test_maps::{new_map, BPF_MAP_TYPE_RINGBUF};
 
-    /// A ring buffer of `bytes` made with the `bpf` system call (needs root, as memprof does).
+    /// A ring buffer of `bytes`.
     fn ring_map(bytes: u32) -> Map {
-        const BPF_MAP_CREATE: libc::c_long = 0;
-        const BPF_MAP_TYPE_RINGBUF: u32 = 27;
-        // bpf_attr's map-creation part: type, key size, value size, entries; the rest zero.
-        let mut attr = [0u32; 32];
-        attr[0] = BPF_MAP_TYPE_RINGBUF;
-        attr[3] = bytes;
-        // SAFETY: the attribute buffer outlives the call and is as large as the kernel reads.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), size_of_val(&attr)) };
-        assert!(fd >= 0, "creating a ring buffer: {}", io::Error::last_os_error());
-        // SAFETY: a descriptor the kernel just gave this process and nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Map::RingBuf(MapData::from_fd(fd).expect("the ring's map"))
+        Map::RingBuf(new_map(BPF_MAP_TYPE_RINGBUF, 0, 0, bytes))
     }
 
     #[test]

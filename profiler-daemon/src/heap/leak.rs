@@ -383,39 +383,37 @@ mod tests {
 
     #[test]
     fn intervals_at_rest_count_as_observed_ones() {
-        let clock = CLOCK;
         let (mut watched, mut rested) = (LeakTracker::new(SETTINGS), LeakTracker::new(SETTINGS));
         for (second, bytes) in [(0, 100), (1, 200), (2, 300), (3, 400), (4, 500)] {
-            watched.observe(&snapshot(second, bytes), &clock, second as f64);
-            rested.observe(&snapshot(second, bytes), &clock, second as f64);
+            watched.observe(&snapshot(second, bytes), &CLOCK, second as f64);
+            rested.observe(&snapshot(second, bytes), &CLOCK, second as f64);
         }
         for second in 5..12 {
-            watched.observe(&snapshot(second, 500), &clock, second as f64);
+            watched.observe(&snapshot(second, 500), &CLOCK, second as f64);
             rested.rest(second * 1_000_000_000, second as f64);
         }
         assert_eq!(watched.timeline(|_| Some("s".into())), rested.timeline(|_| Some("s".into())));
-        watched.observe(&snapshot(12, 600), &clock, 12.0);
-        rested.observe(&snapshot(12, 600), &clock, 12.0);
+        watched.observe(&snapshot(12, 600), &CLOCK, 12.0);
+        rested.observe(&snapshot(12, 600), &CLOCK, 12.0);
         assert_eq!(watched.verdict(1), rested.verdict(1));
         assert_eq!(watched.timeline(|_| Some("s".into())), rested.timeline_as_named());
     }
 
     #[test]
     fn a_reloaded_window_judges_the_history_kept() {
-        let clock = CLOCK;
         let wide = LeakSettings { window: 8, ..SETTINGS };
         let (mut narrow, mut narrowed, mut widened) =
             (LeakTracker::new(SETTINGS), LeakTracker::new(wide), LeakTracker::new(SETTINGS));
         let series = [100, 200, 300, 400, 500, 600, 600, 700, 650, 800];
         for (second, bytes) in series.into_iter().enumerate() {
             for tracker in [&mut narrow, &mut narrowed, &mut widened] {
-                tracker.observe(&snapshot(second as u64, bytes), &clock, second as f64);
+                tracker.observe(&snapshot(second as u64, bytes), &CLOCK, second as f64);
             }
         }
         narrowed.reconfigure(SETTINGS);
         widened.reconfigure(wide);
         for tracker in [&mut narrow, &mut narrowed, &mut widened] {
-            tracker.observe(&snapshot(10, 900), &clock, 10.0);
+            tracker.observe(&snapshot(10, 900), &CLOCK, 10.0);
         }
         assert_eq!(narrowed.verdict(1), narrow.verdict(1), "judged as if the window had always been 4");
         assert_eq!(widened.verdict(1).warming_up, Some(WarmUp { seen: 5, window: 8 }), "4 intervals were kept");

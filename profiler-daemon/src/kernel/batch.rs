@@ -10,7 +10,7 @@
 use std::{
     io,
     mem::size_of,
-    os::fd::{AsFd, AsRawFd},
+    os::fd::{AsFd, AsRawFd, RawFd},
 };
 
 use anyhow::bail;
@@ -42,6 +42,28 @@ struct BatchAttr {
     flags: u64,
 }
 
+impl BatchAttr {
+    /// `count` entries of map `fd`, their keys at `keys` and values at `values` (0: none), from
+    /// the map's first bucket.
+    fn new(fd: RawFd, keys: u64, values: u64, count: u32) -> Self {
+        Self { in_batch: 0, out_batch: 0, keys, values, count, map_fd: fd as u32, elem_flags: 0, flags: 0 }
+    }
+}
+
+/// Makes batch `command`; the kernel leaves in `attr.count` how many entries it went through.
+///
+/// # Safety
+/// `attr`'s addresses must hold `attr.count` keys and values (and the batch positions), alive
+/// through the call and writable where `command` writes.
+unsafe fn call(command: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: the caller's promise; the kernel reads `size_of::<BatchAttr>()` bytes of `attr`.
+    let result = unsafe { libc::syscall(libc::SYS_bpf, command, attr as *mut BatchAttr, size_of::<BatchAttr>()) };
+    if result < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Calls `visit` with every entry of a hash map or array. Entries added or removed during the walk may or
 /// may not be seen; none is seen twice.
 pub fn for_each<K: Pod, V: Pod>(map: &Map, visit: impl FnMut(&K, &V)) -> anyhow::Result<()> {
@@ -68,21 +90,10 @@ pub fn delete<K: Pod>(map: &Map, mut keys: Vec<K>) -> anyhow::Result<Vec<K>> {
     // Keys deleted so far are moved to the front, before `kept`; `next` is the first not tried.
     let (mut kept, mut next) = (0, 0);
     while next < keys.len() {
-        let mut attr = BatchAttr {
-            in_batch: 0,
-            out_batch: 0,
-            keys: keys[next..].as_ptr() as u64,
-            values: 0,
-            count: u32::try_from(keys.len() - next).unwrap_or(u32::MAX),
-            map_fd: fd as u32,
-            elem_flags: 0,
-            flags: 0,
-        };
+        let count = u32::try_from(keys.len() - next).unwrap_or(u32::MAX);
+        let mut attr = BatchAttr::new(fd, keys[next..].as_ptr() as u64, 0, count);
         // SAFETY: attr points at `count` keys that live through the call; the kernel only reads them.
-        let result = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_DELETE_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
-        };
-        let error = (result < 0).then(io::Error::last_os_error);
+        let error = unsafe { call(BPF_MAP_DELETE_BATCH, &mut attr) }.err();
         match error.as_ref().and_then(io::Error::raw_os_error) {
             // The kernel stopped at a key it could not delete: gone already, or its bucket busy
             // (the entry stays, as a failed single deletion left it). It says how many it
@@ -113,24 +124,11 @@ pub fn update<K: Pod, V: Pod>(map: &Map, keys: &[K], values: &[V]) -> anyhow::Re
     if keys.is_empty() {
         return Ok(());
     }
-    let mut attr = BatchAttr {
-        in_batch: 0,
-        out_batch: 0,
-        keys: keys.as_ptr() as u64,
-        values: values.as_ptr() as u64,
-        count: u32::try_from(keys.len())?,
-        map_fd: data.fd().as_fd().as_raw_fd() as u32,
-        elem_flags: 0,
-        flags: 0,
-    };
+    let fd = data.fd().as_fd().as_raw_fd();
+    let mut attr = BatchAttr::new(fd, keys.as_ptr() as u64, values.as_ptr() as u64, u32::try_from(keys.len())?);
     // SAFETY: attr points at `count` keys and values that live through the call; the kernel only
     // reads them.
-    let result = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
-    };
-    if result < 0 {
-        return Err(io::Error::last_os_error().into());
-    }
+    unsafe { call(BPF_MAP_UPDATE_BATCH, &mut attr) }?;
     Ok(())
 }
 
@@ -148,20 +146,14 @@ fn walk<K: Pod, V: Pod>(map: &Map, command: libc::c_long, mut visit: impl FnMut(
     let (mut position, mut next): (u32, u32) = (0, 0);
     let mut started = false;
     loop {
-        let mut attr = BatchAttr {
-            in_batch: if started { &position as *const u32 as u64 } else { 0 },
-            out_batch: &mut next as *mut u32 as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: chunk as u32,
-            map_fd: fd as u32,
-            elem_flags: 0,
-            flags: 0,
-        };
-        // SAFETY: attr points at buffers of `count` keys and values that live through the call.
-        let result =
-            unsafe { libc::syscall(libc::SYS_bpf, command, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
-        let error = (result < 0).then(io::Error::last_os_error);
+        let mut attr = BatchAttr::new(fd, keys.as_mut_ptr() as u64, values.as_mut_ptr() as u64, chunk as u32);
+        if started {
+            attr.in_batch = &position as *const u32 as u64;
+        }
+        attr.out_batch = &mut next as *mut u32 as u64;
+        // SAFETY: attr points at buffers of `count` keys and values, and at the positions, that
+        // live through the call.
+        let error = unsafe { call(command, &mut attr) }.err();
         match error.as_ref().and_then(io::Error::raw_os_error) {
             // A bucket holds more entries than the buffers: grow them and ask again.
             Some(libc::ENOSPC) => {
@@ -195,30 +187,11 @@ fn first_chunk(entry_bytes: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::{FromRawFd, OwnedFd};
-
-    use aya::maps::{HashMap as BpfHashMap, MapData};
+    use aya::maps::HashMap as BpfHashMap;
 
     use super::*;
+    use crate::test_maps::{new_map, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_HASH};
     use profiler_common::Stack;
-
-    const BPF_MAP_TYPE_HASH: u32 = 1;
-    const BPF_MAP_TYPE_ARRAY: u32 = 2;
-
-    /// A map of `map_type` with `u32` keys and `u64` values made with the `bpf` system call
-    /// (needs root, as memprof does).
-    fn new_map(map_type: u32, entries: u32) -> MapData {
-        const BPF_MAP_CREATE: libc::c_long = 0;
-        // bpf_attr's map-creation part: type, key size, value size, entries; the rest zero.
-        let mut attr = [0u32; 32];
-        attr[..4].copy_from_slice(&[map_type, 4, 8, entries]);
-        // SAFETY: the attribute buffer outlives the call and is as large as the kernel reads.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), size_of_val(&attr)) };
-        assert!(fd >= 0, "creating a map: {}", io::Error::last_os_error());
-        // SAFETY: a descriptor the kernel just gave this process and nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        MapData::from_fd(fd).expect("the map")
-    }
 
     fn entries(map: &Map) -> Vec<(u32, u64)> {
         let mut entries = Vec::new();
@@ -229,7 +202,7 @@ mod tests {
 
     #[test]
     fn a_batch_deletion_skips_keys_gone_and_says_which_it_deleted() {
-        let mut map = Map::HashMap(new_map(BPF_MAP_TYPE_HASH, 16));
+        let mut map = Map::HashMap(new_map(BPF_MAP_TYPE_HASH, 4, 8, 16));
         {
             let mut entries: BpfHashMap<_, u32, u64> = BpfHashMap::try_from(&mut map).expect("a hash map");
             for key in 0..10 {
@@ -246,7 +219,7 @@ mod tests {
 
     #[test]
     fn a_batch_update_writes_every_slot_it_names_and_no_other() {
-        let map = Map::Array(new_map(BPF_MAP_TYPE_ARRAY, 4));
+        let map = Map::Array(new_map(BPF_MAP_TYPE_ARRAY, 4, 8, 4));
         update(&map, &[1u32, 3], &[10u64, 30]).expect("a batch update");
         assert_eq!(entries(&map), [(0, 0), (1, 10), (2, 0), (3, 30)]);
         update(&map, &[3u32], &[0u64]).expect("a slot emptied");
