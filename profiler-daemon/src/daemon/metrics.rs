@@ -98,6 +98,12 @@ const PER_PROCESS: &[PerProcess] = &[
     ),
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
+        "memprof_double_frees_unconfirmed",
+        "Second frees of addresses first freed while memprof's probes went in: a double free, or a block given out again by a function not probed yet; not in memprof_double_frees_total.",
+        MetricType::Counter,
+        |t| t.report.double_frees_unconfirmed,
+    ),
+    (
         "memprof_blind_spots",
         "Allocators memprof found but does not probe in the process, unseen growth of its anonymous memory, or memory it held before growth mode traced its pages; its report says which and what to do (docs: guide/allocators.md#blind-spots).",
         MetricType::Gauge,

@@ -295,6 +295,13 @@ fn section(report: &Report) -> String {
     if report.double_frees_not_kept > 0 {
         let _ = writeln!(out, "  and {} more double frees, counted, not kept", report.double_frees_not_kept);
     }
+    if report.double_frees_unconfirmed > 0 {
+        let _ = writeln!(
+            out,
+            "  {} second frees of addresses first freed while memprof's probes went in: not told from double frees, not shown",
+            report.double_frees_unconfirmed
+        );
+    }
     out
 }
 
@@ -423,6 +430,19 @@ mod tests {
         report.totals.internal_frees = 8;
         let table = render(&report);
         assert!(table.contains(" unknown frees; 8 frees of the C library's own blocks; "), "{table}");
+    }
+
+    #[test]
+    fn second_frees_not_told_from_double_frees_are_counted_apart() {
+        let mut report = crate::heap::report::samples::report();
+        assert!(!render(&report).contains("second frees"));
+        report.double_frees_unconfirmed = 2;
+        let table = render(&report);
+        assert!(
+            table.contains("  2 second frees of addresses first freed while memprof's probes went in: not told from double frees, not shown\n"),
+            "{table}"
+        );
+        assert!(!table.contains("DOUBLE FREE"), "{table}");
     }
 
     #[test]

@@ -39,6 +39,7 @@ impl DoubleFreeFilter {
 pub struct DoubleFrees {
     kept: Vec<DoubleFreeReport>,
     not_kept: u64,
+    unconfirmed: u64,
 }
 
 impl DoubleFrees {
@@ -71,5 +72,16 @@ impl DoubleFrees {
     /// All of them, kept or not.
     pub fn count(&self) -> u64 {
         self.kept.len() as u64 + self.not_kept
+    }
+
+    /// Counts a second free of an address whose first free came while the process's probes
+    /// went in (see `Loaded::double_free_seen_whole`): it may be one, or a reuse no probe saw.
+    pub fn add_unconfirmed(&mut self) {
+        self.unconfirmed += 1;
+    }
+
+    /// Those counted by `add_unconfirmed`: in no other count.
+    pub fn unconfirmed(&self) -> u64 {
+        self.unconfirmed
     }
 }

@@ -192,6 +192,9 @@ impl Tracer<'_> {
     fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
             if !self.loaded.double_free_seen_whole(&event) {
+                if let Some(process) = self.family.get_mut(event.tgid) {
+                    process.double_frees.add_unconfirmed();
+                }
                 continue;
             }
             let double_free = self.stacks(event.tgid).double_free(&event);

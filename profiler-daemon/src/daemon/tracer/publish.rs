@@ -55,10 +55,13 @@ impl Tracer {
 
     pub(super) fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
-            let Some(target) = self.targets.get(&event.tgid) else { continue };
             if !self.loaded.double_free_seen_whole(&event) {
+                if let Some(target) = self.targets.get_mut(&event.tgid) {
+                    target.double_frees.add_unconfirmed();
+                }
                 continue;
             }
+            let Some(target) = self.targets.get(&event.tgid) else { continue };
             let double_free = self.stacks(target).double_free(&event);
             if !target.double_free_filter.is_user(&double_free) {
                 continue;

@@ -167,6 +167,7 @@ pub fn build(ctx: &Context, snapshot: &Snapshot, kernel: &KernelSnapshot, select
         stacks,
         double_frees: ctx.double_frees.kept().to_vec(),
         double_frees_not_kept: ctx.double_frees.not_kept(),
+        double_frees_unconfirmed: ctx.double_frees.unconfirmed(),
         sizes: power_of_two_buckets(&snapshot.sizes.buckets),
         lifetimes: power_of_two_buckets(&snapshot.lifetimes.buckets),
         thread_pairs: thread_pairs(snapshot),

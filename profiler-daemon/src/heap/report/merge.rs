@@ -42,6 +42,7 @@ pub fn merge_processes(root: &Report) -> Report {
             merged.modules.extend(process.modules.iter().cloned());
             merged.double_frees.extend(process.double_frees.iter().cloned());
             merged.double_frees_not_kept += process.double_frees_not_kept;
+            merged.double_frees_unconfirmed += process.double_frees_unconfirmed;
         }
     }
     merged.stacks.sort_by_key(|s| std::cmp::Reverse(s.outstanding_bytes));

@@ -122,6 +122,10 @@ pub struct Report {
     /// Double frees past the first `DoubleFrees::KEPT` of a process: counted, not kept.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub double_frees_not_kept: u64,
+    /// Second frees of addresses first freed while memprof's probes went in: a double free, or a
+    /// block given out again by a function not probed yet. In no other count.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub double_frees_unconfirmed: u64,
     /// What memprof knows it does not see in the process (docs: guide/allocators.md#blind-spots).
     pub blind_spots: Vec<BlindSpot>,
     /// Sizes of the allocations seen, in power-of-two buckets.

@@ -74,6 +74,7 @@ pub fn report() -> Report {
         }],
         double_frees: vec![],
         double_frees_not_kept: 0,
+        double_frees_unconfirmed: 0,
         sizes: vec![],
         lifetimes: vec![],
         thread_pairs: vec![],
