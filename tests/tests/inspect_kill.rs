@@ -66,9 +66,9 @@ fn memprof_killed_at_any_moment_of_an_inspection_leaves_the_target_as_it_was() {
                 "--json",
                 "--inspect",
                 "--duration",
-                "1",
+                "0.2",
                 "--interval",
-                "1",
+                "0.2",
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
