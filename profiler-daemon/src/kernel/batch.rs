@@ -14,7 +14,10 @@ use std::{
 };
 
 use anyhow::bail;
-use aya::{maps::Map, Pod};
+use aya::{
+    maps::{Map, MapData},
+    Pod,
+};
 
 /// `enum bpf_cmd` in linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -50,11 +53,27 @@ impl BatchAttr {
     }
 }
 
+/// `data`'s descriptor, once its keys (and values, with `values`) are as large as `K` (and `V`):
+/// the kernel copies entries of the map's own sizes into and out of buffers sized for those types.
+fn checked_fd<K, V>(data: &MapData, values: bool) -> anyhow::Result<RawFd> {
+    let info = data.info()?;
+    let (key, value) = (info.key_size() as usize, info.value_size() as usize);
+    if key != size_of::<K>() || (values && value != size_of::<V>()) {
+        bail!(
+            "a batch call with {}-byte keys and {}-byte values on a map of {key}-byte keys and {value}-byte values",
+            size_of::<K>(),
+            size_of::<V>()
+        );
+    }
+    Ok(data.fd().as_fd().as_raw_fd())
+}
+
 /// Makes batch `command`; the kernel leaves in `attr.count` how many entries it went through.
 ///
 /// # Safety
-/// `attr`'s addresses must hold `attr.count` keys and values (and the batch positions), alive
-/// through the call and writable where `command` writes.
+/// `attr`'s addresses must hold `attr.count` keys and values of the map's sizes (`values` may be
+/// 0 where `command` takes none), and the batch positions, alive through the call and writable
+/// where `command` writes.
 unsafe fn call(command: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
     // SAFETY: the caller's promise; the kernel reads `size_of::<BatchAttr>()` bytes of `attr`.
     let result = unsafe { libc::syscall(libc::SYS_bpf, command, attr as *mut BatchAttr, size_of::<BatchAttr>()) };
@@ -86,7 +105,7 @@ pub fn delete<K: Pod>(map: &Map, mut keys: Vec<K>) -> anyhow::Result<Vec<K>> {
     let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
         bail!("batch deletions are for hash maps");
     };
-    let fd = data.fd().as_fd().as_raw_fd();
+    let fd = checked_fd::<K, ()>(data, false)?;
     // Keys deleted so far are moved to the front, before `kept`; `next` is the first not tried.
     let (mut kept, mut next) = (0, 0);
     while next < keys.len() {
@@ -124,7 +143,7 @@ pub fn update<K: Pod, V: Pod>(map: &Map, keys: &[K], values: &[V]) -> anyhow::Re
     if keys.is_empty() {
         return Ok(());
     }
-    let fd = data.fd().as_fd().as_raw_fd();
+    let fd = checked_fd::<K, V>(data, true)?;
     let mut attr = BatchAttr::new(fd, keys.as_ptr() as u64, values.as_ptr() as u64, u32::try_from(keys.len())?);
     // SAFETY: attr points at `count` keys and values that live through the call; the kernel only
     // reads them.
@@ -137,7 +156,7 @@ fn walk<K: Pod, V: Pod>(map: &Map, command: libc::c_long, mut visit: impl FnMut(
     let (Map::HashMap(data) | Map::LruHashMap(data) | Map::Array(data)) = map else {
         bail!("batch lookups are for hash maps and arrays");
     };
-    let fd = data.fd().as_fd().as_raw_fd();
+    let fd = checked_fd::<K, V>(data, true)?;
     let mut chunk = first_chunk(size_of::<K>() + size_of::<V>());
     // SAFETY: Pod types are plain data, valid for any bit pattern, zeros included.
     let (mut keys, mut values): (Vec<K>, Vec<V>) =
@@ -215,6 +234,17 @@ mod tests {
         assert_eq!(entries(&map), [(0, 0), (4, 40), (5, 50), (6, 60), (7, 70), (9, 90)]);
         assert_eq!(delete(&map, Vec::<u32>::new()).expect("nothing to delete"), Vec::<u32>::new());
         assert_eq!(delete(&map, vec![99u32]).expect("a key gone"), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_batch_call_with_entries_of_another_size_is_refused() {
+        let map = Map::Array(new_map(BPF_MAP_TYPE_ARRAY, 4, 8, 4));
+        let refused = update(&map, &[1u32], &[10u32]).expect_err("4-byte values on a map of 8-byte ones");
+        assert_eq!(
+            refused.to_string(),
+            "a batch call with 4-byte keys and 4-byte values on a map of 4-byte keys and 8-byte values"
+        );
+        assert!(for_each(&map, |_: &u64, _: &u64| {}).is_err());
     }
 
     #[test]
