@@ -136,6 +136,8 @@ struct TargetSummary {
     inuse_objects: u64,
     leak_candidate_bytes: u64,
     double_frees: u64,
+    /// See the report's `double_frees_unconfirmed`.
+    double_frees_unconfirmed: u64,
 }
 
 async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
@@ -151,6 +153,7 @@ async fn targets(State(shared): AppState) -> Json<Vec<TargetSummary>> {
                 inuse_objects: t.report.totals.outstanding_allocations,
                 leak_candidate_bytes: t.leak_candidate_bytes,
                 double_frees: t.double_frees,
+                double_frees_unconfirmed: t.report.double_frees_unconfirmed,
             })
             .collect(),
     )

@@ -98,12 +98,6 @@ const PER_PROCESS: &[PerProcess] = &[
     ),
     ("memprof_double_frees", "Frees of addresses already freed.", MetricType::Counter, |t| t.double_frees),
     (
-        "memprof_double_frees_unconfirmed",
-        "Second frees of addresses first freed while memprof's probes went in: a double free, or a block given out again by a function not probed yet; not in memprof_double_frees_total.",
-        MetricType::Counter,
-        |t| t.report.double_frees_unconfirmed,
-    ),
-    (
         "memprof_blind_spots",
         "Allocators memprof found but does not probe in the process, unseen growth of its anonymous memory, or memory it held before growth mode traced its pages; its report says which and what to do (docs: guide/allocators.md#blind-spots).",
         MetricType::Gauge,
@@ -241,6 +235,13 @@ impl Collector for ViewCollector {
                 _ => gauges(e, name, help, rows)?,
             }
         }
+        // Rare: a series only for a process that has had one, as a drop reason.
+        counters(
+            e,
+            "memprof_double_frees_unconfirmed",
+            "Second frees of addresses first freed while memprof's probes went in: a double free, or a block given out again by a function not probed yet; not in memprof_double_frees_total. Only for a process that has had one.",
+            targets.iter().filter(|t| t.report.double_frees_unconfirmed > 0).map(|t| (id.process(t), t.report.double_frees_unconfirmed)),
+        )?;
         let judged: Vec<&TargetView> = targets.iter().copied().filter(|t| !t.leak_warming_up).collect();
         for (name, help, _, value) in JUDGED {
             gauges(e, name, help, judged.iter().map(|t| (id.process(t), value(t))))?;

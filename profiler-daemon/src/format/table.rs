@@ -298,7 +298,7 @@ fn section(report: &Report) -> String {
     if report.double_frees_unconfirmed > 0 {
         let _ = writeln!(
             out,
-            "  {} second frees of addresses first freed while memprof's probes went in: not told from double frees, not shown",
+            "  second frees of addresses first freed while memprof's probes went in: {} (not told from double frees, not shown)",
             report.double_frees_unconfirmed
         );
     }
@@ -439,7 +439,7 @@ mod tests {
         report.double_frees_unconfirmed = 2;
         let table = render(&report);
         assert!(
-            table.contains("  2 second frees of addresses first freed while memprof's probes went in: not told from double frees, not shown\n"),
+            table.contains("  second frees of addresses first freed while memprof's probes went in: 2 (not told from double frees, not shown)\n"),
             "{table}"
         );
         assert!(!table.contains("DOUBLE FREE"), "{table}");

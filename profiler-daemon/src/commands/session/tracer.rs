@@ -191,16 +191,16 @@ impl Tracer<'_> {
 
     fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
-            if !self.loaded.double_free_seen_whole(&event) {
-                if let Some(process) = self.family.get_mut(event.tgid) {
-                    process.double_frees.add_unconfirmed();
-                }
+            let double_free = self.stacks(event.tgid).double_free(&event);
+            let seen_whole = self.loaded.double_free_seen_whole(&event);
+            let Some(process) = self.family.get_mut(event.tgid) else { continue };
+            if process.double_free_filter.as_ref().is_some_and(|filter| !filter.is_user(&double_free)) {
                 continue;
             }
-            let double_free = self.stacks(event.tgid).double_free(&event);
-            let Some(process) = self.family.get_mut(event.tgid) else { continue };
-            if process.double_free_filter.as_ref().is_none_or(|filter| filter.is_user(&double_free)) {
+            if seen_whole {
                 process.double_frees.add(double_free);
+            } else {
+                process.double_frees.add_unconfirmed();
             }
         }
     }

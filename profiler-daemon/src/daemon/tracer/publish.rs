@@ -55,20 +55,19 @@ impl Tracer {
 
     pub(super) fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
-            if !self.loaded.double_free_seen_whole(&event) {
-                if let Some(target) = self.targets.get_mut(&event.tgid) {
-                    target.double_frees.add_unconfirmed();
-                }
-                continue;
-            }
             let Some(target) = self.targets.get(&event.tgid) else { continue };
             let double_free = self.stacks(target).double_free(&event);
             if !target.double_free_filter.is_user(&double_free) {
                 continue;
             }
+            let seen_whole = self.loaded.double_free_seen_whole(&event);
+            let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
+            if !seen_whole {
+                target.double_frees.add_unconfirmed();
+                continue;
+            }
             let site =
                 |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
-            let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
             if !target.double_frees.is_full() {
                 warn!(
                     pid = event.tgid,
@@ -339,6 +338,8 @@ impl Tracer {
             report.unwind_tables = Some(*tables);
             report.unattributed_dropped = report::unattributed_dropped(kernel);
             report.timeline = target.leaks.timeline_as_named();
+            // A second free changes no kernel counter: a still process may have had one.
+            report.double_frees_unconfirmed = target.double_frees.unconfirmed();
         };
         settled::bring_up_to_date(last, settled::Now { now_ns, start_ns: target.start_ns, update: &update })
     }

@@ -194,7 +194,7 @@ impl Loaded {
         if !whole {
             tracing::debug!(
                 pid = event.tgid,
-                "a free while the probes went in, then another: not told from a double free, counted unconfirmed"
+                "a free while the probes went in, then another: not told from a double free"
             );
         }
         whole
