@@ -2,27 +2,31 @@
 //! user stack the walk reads from.
 
 use aya_ebpf::{cty::c_void, helpers::bpf_probe_read_user};
-use profiler_common::{cfa, mapping_kind, rbp, stack_hash_step, Stack, StackEnd, UC_RBP, UC_RIP, UC_RSP};
+use profiler_common::{cfa, mapping_kind, rbp, stack_hash_step, StackEnd, UC_RBP, UC_RIP, UC_RSP};
 
-use super::{
-    rows::{cache_slot, search_row, AT_ENTRY, ROW_CACHE},
-    taken::taken_return,
-    Walk, Window, FRAME_LIMIT, SCRATCH, WINDOW_WORDS,
-};
+use super::{rows::frame_row, taken::taken_return, Scratch, Walk, Window, FRAME_LIMIT, SCRATCH, WINDOW_WORDS};
 
 /// Records frame `index` and steps to its caller. Returns 1 to stop the loop, 0 to go on.
 pub(super) extern "C" fn step(index: u64, _context: *mut c_void) -> i64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 1 };
-    // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile.
+    // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile. No
+    // reference into it lives across `frame_row`, whose search takes its own.
+    let Some((address, at_entry)) = record(index as usize, unsafe { &mut *scratch }) else { return 1 };
+    if !frame_row(scratch, address, at_entry) {
+        return 1;
+    }
+    // SAFETY: as above.
     let scratch = unsafe { &mut *scratch };
-    match frame(index as usize, &mut scratch.walk, &mut scratch.window, &mut scratch.stack) {
+    match to_caller(&mut scratch.walk, &mut scratch.window) {
         Some(()) => 0,
         None => 1,
     }
 }
 
-/// One frame; None when the walk ends (with `walk.end` saying why).
-fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) -> Option<()> {
+/// Keeps frame `index`'s address in the stack, and returns the address whose row unwinds it and
+/// whether it is the probed function's entry. None when the walk ends (too deep).
+fn record(index: usize, scratch: &mut Scratch) -> Option<(u64, bool)> {
+    let (walk, stack) = (&mut scratch.walk, &mut scratch.stack);
     let pc = walk.pc;
     let at_entry = index == 0 && walk.first_is_probed != 0;
     // At an entry probe frame 0 is the allocator itself (free): stacks begin at its caller.
@@ -37,18 +41,14 @@ fn frame(index: usize, walk: &mut Walk, window: &mut Window, stack: &mut Stack) 
         walk.check = (walk.check ^ pc).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(31);
     }
     // A return address follows its call: the call, and the row that covers it, is before it.
-    let address = pc - walk.pc_is_return as u64;
-    let cached = ROW_CACHE.get_ptr_mut(cache_slot(address, walk.start.tgid)).map(|slot| unsafe { &mut *slot });
-    let (row, kind) = match cached {
-        Some(slot) if slot.holds(address, walk, at_entry) => (slot.row, slot.kind & !AT_ENTRY),
-        slot => {
-            let (row, kind) = search_row(walk, address, at_entry)?;
-            if let Some(slot) = slot {
-                slot.fill(address, walk, at_entry, row, kind);
-            }
-            (row, kind)
-        }
-    };
+    Some((pc - walk.pc_is_return as u64, at_entry))
+}
+
+/// Applies the row `frame_row` found to the registers: the caller's frame. None when the walk
+/// ends (with `walk.end` saying why).
+fn to_caller(walk: &mut Walk, window: &mut Window) -> Option<()> {
+    let (row, kind) = (walk.row, walk.row_kind);
+    let address = walk.pc - walk.pc_is_return as u64;
     let frame_pointers = kind == mapping_kind::FRAME_POINTERS;
     let sp = walk.sp;
     let cfa = match row.cfa {

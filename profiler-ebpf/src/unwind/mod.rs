@@ -28,7 +28,7 @@ use aya_ebpf::{
     Global,
 };
 use profiler_common::{
-    stack_id_of, stack_table, walk_kind, DropReason, ExecMapping, Stack, StackEnd, MAX_FRAMES, NO_STACK,
+    stack_id_of, stack_table, walk_kind, DropReason, ExecMapping, Stack, StackEnd, UnwindRow, MAX_FRAMES, NO_STACK,
     STACK_HASH_SEED,
 };
 
@@ -384,6 +384,9 @@ struct Walk {
     mapping: ExecMapping,
     /// `code_changes_seen` of the mapping list the walk last searched (`NO_LIST`: none).
     list_seen: u64,
+    /// `frame_row`'s answer for the frame being stepped: its row and its mapping's kind.
+    row: UnwindRow,
+    row_kind: u32,
 }
 
 impl Walk {

@@ -8,10 +8,11 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
 };
 use profiler_common::{
-    mapping_kind, ExecMapping, ProcMappings, StackEnd, UnwindRow, MAX_MAPPINGS, UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
+    mapping_kind, ExecMapping, ProcMappings, StackEnd, UnwindRow, ENTRY_ROW, FRAME_POINTER_ROW, MAX_MAPPINGS,
+    UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
-use super::{changes::NO_LIST, frames::end, Walk};
+use super::{changes::NO_LIST, frames::end, Scratch, Walk, SCRATCH};
 use crate::shared::NO_PREALLOC;
 
 /// Rows of every file's unwind table, each file a sorted slice of one index space cut in shards
@@ -30,58 +31,112 @@ pub(super) static PROC_MAPPINGS: HashMap<u32, ProcMappings> = HashMap::with_max_
 const MAPPING_STEPS: usize = 9;
 const ROW_STEPS: usize = 24;
 
-/// The row for `address` and its mapping's kind, by binary searches; None (the walk ended) when
-/// no mapping or row covers it.
-pub(super) fn search_row(walk: &mut Walk, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
-    if !(walk.mapping.start <= address && address < walk.mapping.end) {
-        let list = unsafe { PROC_MAPPINGS.get(walk.start.tgid) };
-        walk.list_seen = list.map_or(NO_LIST, |list| list.code_changes_seen);
-        let Some(found) = list.and_then(|mappings| find_mapping(mappings, address)) else {
-            end(walk, StackEnd::NoTable);
-            return None;
-        };
-        walk.mapping = *found;
-    }
-    let mapping = &{ walk.mapping };
-    match row_for(mapping, address, at_entry) {
-        Some(row) => Some((*row, mapping.kind)),
-        None => {
-            end(walk, StackEnd::NoTable);
-            None
+/// Leaves the row for frame address `address` in the walk's `row` and `row_kind`: from this CPU's
+/// cache, else by `search_mapping` and `search_row`. False when the walk ended (no mapping or row covers the address).
+pub(super) fn frame_row(scratch: *mut Scratch, address: u64, at_entry: bool) -> bool {
+    // SAFETY (each dereference below): this CPU's scratch and cache; see `Scratch::uses` for
+    // another task using them meanwhile, and `CachedRow::check` for a slot left half filled. No
+    // reference into the scratch lives across the searches, which take their own.
+    let slot = ROW_CACHE.get_ptr_mut(cache_slot(address, unsafe { (*scratch).walk.start.tgid }));
+    if let Some(slot) = slot {
+        let (slot, walk) = unsafe { (&*slot, &mut (*scratch).walk) };
+        if slot.holds(address, walk, at_entry) {
+            (walk.row, walk.row_kind) = (slot.row, slot.kind & !AT_ENTRY);
+            return true;
         }
     }
+    if search_mapping(address) == 0 || search_row(address, u32::from(at_entry)) == 0 {
+        return false;
+    }
+    if let Some(slot) = slot {
+        let (slot, walk) = unsafe { (&mut *slot, &(*scratch).walk) };
+        slot.fill(address, walk, at_entry);
+    }
+    true
+}
+
+/// Makes the walk's `mapping` the process's executable mapping of `address`, by a binary search
+/// in its list when the last frame's does not hold it. Returns 1, or 0 when the walk ended (no
+/// mapping holds the address). A global function (see `walk_and_store`), as `search_row`: each
+/// verified once, where inlined in `step` their searches were verified again on every path that
+/// reaches them. Two, called one after the other: one would need more than the 32 bytes of stack
+/// 6.1 leaves it under `step` (see `stack_id`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn search_mapping(address: u64) -> u64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's scratch, which `frame_row` holds no reference into across this call.
+    let walk = unsafe { &mut (*scratch).walk };
+    if walk.mapping.start <= address && address < walk.mapping.end {
+        return 1;
+    }
+    let list = unsafe { PROC_MAPPINGS.get(walk.start.tgid) };
+    walk.list_seen = list.map_or(NO_LIST, |list| list.code_changes_seen);
+    let Some(found) = list.and_then(|mappings| find_mapping(mappings, address)) else {
+        end(walk, StackEnd::NoTable);
+        return 0;
+    };
+    // Field by field: a whole copy between two maps' values is a call to `memmove`, whose frame
+    // 6.1 counts in the 512 bytes.
+    let mapping = &mut walk.mapping;
+    (mapping.start, mapping.end, mapping.bias) = (found.start, found.end, found.bias);
+    (mapping.first_row, mapping.rows, mapping.kind) = (found.first_row, found.rows, found.kind);
+    1
+}
+
+/// The row for `address` in the walk's `mapping`, by a binary search in its file's rows, left in
+/// the walk's `row` and `row_kind`. Returns 1, or 0 when the walk ended (no row covers it).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn search_row(address: u64, at_entry: u32) -> u64 {
+    let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 0 };
+    // SAFETY: as in `search_mapping`.
+    let walk = unsafe { &mut (*scratch).walk };
+    walk.row_kind = walk.mapping.kind;
+    if walk.row_kind == mapping_kind::FRAME_POINTERS {
+        walk.row = if at_entry != 0 { ENTRY_ROW } else { FRAME_POINTER_ROW };
+        return 1;
+    }
+    let Some(row) = row_in_file(&walk.mapping, address) else {
+        end(walk, StackEnd::NoTable);
+        return 0;
+    };
+    // Field by field, as `search_mapping`'s copy.
+    let to = &mut walk.row;
+    (to.pc, to.cfa_offset, to.rbp_offset, to.cfa, to.rbp) = (row.pc, row.cfa_offset, row.rbp_offset, row.cfa, row.rbp);
+    1
 }
 
 /// Rows found for recent frame addresses, per CPU, one per slot of an address's hash. The same
 /// few allocation paths repeat millions of times: a hit costs one lookup where a miss costs two
 /// binary searches over large tables.
 #[map]
-pub(super) static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CACHE_SLOTS, 0);
+static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CACHE_SLOTS, 0);
 const ROW_CACHE_SLOTS: u32 = 1 << ROW_CACHE_BITS;
 const ROW_CACHE_BITS: u32 = 12;
 
 /// The row of `pc` in process `tgid` while its mappings are those of `generation`.
 #[repr(C)]
-pub(super) struct CachedRow {
+struct CachedRow {
     pc: u64,
     tgid: u32,
     generation: u32,
-    pub(super) row: UnwindRow,
+    row: UnwindRow,
     /// The mapping's kind, and `AT_ENTRY` for a function's first instruction.
-    pub(super) kind: u32,
+    kind: u32,
     /// A hash of the fields above: a task preempted while it filled the slot leaves a mix,
     /// which must not pass for a row.
     check: u64,
 }
 
-pub(super) const AT_ENTRY: u32 = 1 << 16;
+const AT_ENTRY: u32 = 1 << 16;
 
-pub(super) fn cache_slot(pc: u64, tgid: u32) -> u32 {
+fn cache_slot(pc: u64, tgid: u32) -> u32 {
     ((pc ^ (tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - ROW_CACHE_BITS)) as u32 % ROW_CACHE_SLOTS
 }
 
 impl CachedRow {
-    pub(super) fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
+    fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
         self.pc == pc
             && self.tgid == walk.start.tgid
             && self.generation == walk.start.generation
@@ -89,9 +144,10 @@ impl CachedRow {
             && self.check == self.hash()
     }
 
-    pub(super) fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool, row: UnwindRow, kind: u32) {
-        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.start.tgid, walk.start.generation, row);
-        self.kind = kind | if at_entry { AT_ENTRY } else { 0 };
+    /// Keeps the walk's `row` and `row_kind` for `pc`.
+    fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool) {
+        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.start.tgid, walk.start.generation, walk.row);
+        self.kind = walk.row_kind | if at_entry { AT_ENTRY } else { 0 };
         self.check = self.hash();
     }
 
@@ -129,14 +185,8 @@ pub(super) fn find_mapping(mappings: &ProcMappings, address: u64) -> Option<&Exe
     (count == 1 && entry.start <= address && address < entry.end).then_some(entry)
 }
 
-static FRAME_POINTER_ROW: UnwindRow = profiler_common::FRAME_POINTER_ROW;
-static ENTRY_ROW: UnwindRow = profiler_common::ENTRY_ROW;
-
-/// The row that covers `address`: the last one whose `pc` is at or below it.
-fn row_for(mapping: &ExecMapping, address: u64, at_entry: bool) -> Option<&'static UnwindRow> {
-    if mapping.kind == mapping_kind::FRAME_POINTERS {
-        return Some(if at_entry { &ENTRY_ROW } else { &FRAME_POINTER_ROW });
-    }
+/// The row in `mapping`'s file that covers `address`: the last one whose `pc` is at or below it.
+fn row_in_file(mapping: &ExecMapping, address: u64) -> Option<&'static UnwindRow> {
     let file_address = address.wrapping_sub(mapping.bias);
     if file_address > u32::MAX as u64 {
         return None;
