@@ -195,6 +195,11 @@ impl Waiting {
     pub fn go(&mut self) {
         self.child.stdin.as_mut().expect("piped").write_all(b"go\n").expect("writing to the fixture");
     }
+
+    /// Ends a loop run with `--until-stop`.
+    pub fn stop(&mut self) {
+        self.child.stdin.as_mut().expect("piped").write_all(b"stop\n").expect("writing to the fixture");
+    }
 }
 
 impl Drop for Waiting {
@@ -241,19 +246,29 @@ const MARKER_WAIT_SECONDS: u64 = 120;
 /// Runs `memprof`; each time its stderr shows a line containing the next of `markers`, calls
 /// `release` (which may signal memprof to end). Returns once memprof has exited, with all it
 /// printed. Fails, memprof killed, when a marker does not come within `MARKER_WAIT_SECONDS`.
-pub fn released(mut memprof: Command, markers: &[String], mut release: impl FnMut(&mut Child)) -> Outcome {
+pub fn released(memprof: Command, markers: &[String], release: impl FnMut(&mut Child)) -> Outcome {
+    let contains: Vec<_> = markers.iter().map(|marker| move |line: &str| line.contains(marker.as_str())).collect();
+    let markers: Vec<Marker> = markers.iter().zip(&contains).map(|(name, test)| (name.as_str(), test as _)).collect();
+    released_when(memprof, &markers, release)
+}
+
+/// A line `released_when` waits for: what it is, and whether a line is it.
+pub type Marker<'a> = (&'a str, &'a dyn Fn(&str) -> bool);
+
+/// `released`, with markers that are tests of a line.
+pub fn released_when(mut memprof: Command, markers: &[Marker], mut release: impl FnMut(&mut Child)) -> Outcome {
     let mut memprof = memprof.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting memprof");
     let stdout = collect(memprof.stdout.take().expect("piped"));
     let lines = lines_of(memprof.stderr.take().expect("piped"));
     let mut seen = String::new();
-    for marker in markers {
+    for (marker, is_marker) in markers {
         let wait = std::time::Duration::from_secs(MARKER_WAIT_SECONDS * time_scale());
         let deadline = std::time::Instant::now() + wait;
         loop {
             match lines.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
                 Ok(line) => {
                     seen.push_str(&line);
-                    if line.contains(marker.as_str()) {
+                    if is_marker(&line) {
                         break;
                     }
                 }

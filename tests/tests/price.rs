@@ -9,7 +9,8 @@ use std::{
 };
 
 use memprof_tests::{
-    attach, fixture, fixture_musl, fixture_musl_unnamed_mmap, memprof_bin, released, run, through, total, Waiting,
+    attach, fixture, fixture_musl, fixture_musl_unnamed_mmap, memprof_bin, released, released_when, run, through,
+    total, Marker, Waiting,
 };
 
 /// The loop runs this long, past its first second traced however fast the machine's traps are;
@@ -92,18 +93,58 @@ fn attach_to_a_busy_command(command: Command, args: &[&str]) -> (String, memprof
     (pid, outcome)
 }
 
+/// `attach` to the loop `program`, which runs until memprof has said what the price of sampling
+/// it makes it do: a loop that ended first would leave a move to its pages half made, and unsaid.
+fn attach_until_the_price_is_acted_on(program: &Path) -> (String, memprof_tests::Outcome) {
+    let mut target = Waiting::start(program, &["--until-stop"]);
+    let pid = target.pid().to_string();
+    let mut memprof = Command::new(memprof_bin());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
+    let tracing = format!("memprof: tracing pid {pid} ");
+    let markers: [Marker; 2] = [
+        ("tracing", &|line: &str| line.starts_with(&tracing)),
+        ("what sampling's price made memprof do", &|line: &str| acted_on(line, &pid)),
+    ];
+    let mut said = 0;
+    let outcome = released_when(memprof, &markers, |_| {
+        said += 1;
+        if said == 1 {
+            target.go()
+        } else {
+            target.stop()
+        }
+    });
+    assert!(outcome.status.success(), "{outcome:?}");
+    (pid, outcome)
+}
+
+/// Whether `line` says what memprof does about sampling `pid` costing what it does: moves it,
+/// keeps it sampled (saying why), or nothing, at a price below the move's.
+fn acted_on(line: &str, pid: &str) -> bool {
+    let Some(rest) = line.strip_prefix(&format!("memprof: pid {pid} ")) else { return false };
+    rest.starts_with("costs more than a tenth of a core even sampled: ")
+        || rest.starts_with("stays sampled: ")
+        || rest.starts_with("could not be moved to growth mode: ")
+        || sampled_price_of(line, pid).is_some_and(|(_, added)| added < 0.11)
+}
+
 /// The CPU seconds a second the price line said once `pid` was sampled.
 fn sampled_price(stderr: &str, pid: &str) -> (String, f64) {
-    let sampled = stderr
+    stderr
         .lines()
-        .find_map(|line| line.strip_prefix(&format!("memprof: pid {pid} makes about ")))
-        .unwrap_or_else(|| panic!("no price line once sampled: {stderr}"));
+        .find_map(|line| sampled_price_of(line, pid))
+        .unwrap_or_else(|| panic!("no price line once sampled: {stderr}"))
+}
+
+/// `line`'s sampled price for `pid`, if it is one.
+fn sampled_price_of(line: &str, pid: &str) -> Option<(String, f64)> {
+    let sampled = line.strip_prefix(&format!("memprof: pid {pid} makes about "))?;
     let added = sampled
         .split_once("(estimated from the samples); sampling them adds about ")
         .and_then(|(_, rest)| rest.split_once(" s of CPU a second"))
         .and_then(|(seconds, _)| seconds.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("not a sampled price: {sampled}"));
-    (sampled.to_string(), added)
+    Some((sampled.to_string(), added))
 }
 
 /// The line that says `pid` is moved to its pages, if any.
@@ -140,7 +181,7 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
         loops.push((fixture_musl_unnamed_mmap("malloc_loop.c", "price_unnamed_mmap_loop", &flags), false));
     }
     for (program, has_wrappers) in loops {
-        let (pid, outcome) = attach_to_a_busy_loop(&program, &[], &[]);
+        let (pid, outcome) = attach_until_the_price_is_acted_on(&program);
         let kept = kept_for_the_host(&outcome.stderr, &pid);
         assert!(!(kept && has_wrappers), "its own wrappers read its mapping calls: {}", outcome.stderr);
         says_the_price_and_moves_or_keeps_it(&pid, &outcome);
