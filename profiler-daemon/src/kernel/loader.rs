@@ -65,7 +65,7 @@ fn say_room_for_maps(unwind: &Registry) {
 /// of it has the kernel OOM-kill memprof, with nothing said. The same for every command, option
 /// and map size, since the programs are verified one at a time; measured on Linux 6.18 only
 /// (docs: reference/limits.md#the-verifiers-memory).
-const VERIFIER_BYTES: u64 = 160 << 20;
+const VERIFIER_BYTES: u64 = 64 << 20;
 
 /// What memprof takes of its memory cgroup before its maps are made, with room to spare: its
 /// code, its heap, and the kernel's BTF, read for the fields its programs read (measured on Linux
