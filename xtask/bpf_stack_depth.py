@@ -3,7 +3,8 @@
 
 Kernels without the x86-64 BPF private stack (before 6.13: Debian 12's 6.1, the 6.12 LTS) reject a
 program whose chain of calls, bpf_loop callbacks included, needs more than 512 bytes of stack in
-all; 6.18 checks each frame only, so its verifier does not show it. This computes what 6.1's
+all; 6.18 puts large frames on a private stack and adds up the others unrounded (it refused a
+528-byte chain), so its verifier passes chains 6.1 refuses. This computes what 6.1's
 verifier does: each function's stack is its deepest r10 offset, rounded up to 32 bytes per frame
 (it matched 6.1's `combined stack size of 5 calls is 608` exactly).
 
