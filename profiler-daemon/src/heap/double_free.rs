@@ -42,17 +42,47 @@ pub struct DoubleFrees {
     unconfirmed: u64,
 }
 
+/// What `DoubleFrees::take` made of a second free.
+#[derive(Debug)]
+pub enum Taken<'a> {
+    /// The allocator freeing what it caches (see `DoubleFreeFilter`): no double free.
+    AllocatorOwn,
+    /// Counted by `add_unconfirmed`.
+    Unconfirmed,
+    /// Kept in full, to be said.
+    Kept(&'a DoubleFreeReport),
+    /// Past the first `KEPT`, counted only; `first` for the first of them.
+    Counted { first: bool },
+}
+
 impl DoubleFrees {
     pub const KEPT: usize = 100;
 
-    /// Whether the next one will be counted only.
-    pub fn is_full(&self) -> bool {
-        self.kept.len() >= Self::KEPT
+    /// Takes the second free `double_free`: first told from the allocator's own frees by
+    /// `filter` (none: not told), then counted unconfirmed unless its first free came once the
+    /// process's probes were all in (`seen_whole`), else kept or counted.
+    pub fn take(
+        &mut self,
+        double_free: DoubleFreeReport,
+        filter: Option<&DoubleFreeFilter>,
+        seen_whole: bool,
+    ) -> Taken<'_> {
+        if filter.is_some_and(|filter| !filter.is_user(&double_free)) {
+            return Taken::AllocatorOwn;
+        }
+        if !seen_whole {
+            self.add_unconfirmed();
+            return Taken::Unconfirmed;
+        }
+        if self.add(double_free) {
+            return Taken::Kept(self.kept.last().expect("just kept"));
+        }
+        Taken::Counted { first: self.not_kept == 1 }
     }
 
     /// Keeps `double_free` if there is room; returns whether it did.
-    pub fn add(&mut self, double_free: DoubleFreeReport) -> bool {
-        if !self.is_full() {
+    fn add(&mut self, double_free: DoubleFreeReport) -> bool {
+        if self.kept.len() < Self::KEPT {
             self.kept.push(double_free);
             return true;
         }
@@ -76,12 +106,46 @@ impl DoubleFrees {
 
     /// Counts a second free of an address whose first free came while the process's probes
     /// went in (see `Loaded::double_free_seen_whole`): it may be one, or a reuse no probe saw.
-    pub fn add_unconfirmed(&mut self) {
+    fn add_unconfirmed(&mut self) {
         self.unconfirmed += 1;
     }
 
     /// Those counted by `add_unconfirmed`: in no other count.
     pub fn unconfirmed(&self) -> u64 {
         self.unconfirmed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A second free whose caller is `function` in `module`.
+    fn second_free(function: &str, module: &str) -> DoubleFreeReport {
+        let site = |frames: serde_json::Value| serde_json::json!({ "tid": 1, "time_s": 0.0, "truncated": false, "frames": frames });
+        let caller = serde_json::json!([{ "address": "0x1", "function": function, "file": null, "line": null, "module": module, "inlined": false }]);
+        serde_json::from_value(serde_json::json!({
+            "address": "0x10", "size": 16,
+            "alloc": site(serde_json::json!([])), "first_free": site(serde_json::json!([])), "second_free": site(caller),
+        }))
+        .expect("a double free")
+    }
+
+    #[test]
+    fn the_allocators_own_frees_go_before_unconfirmed_ones_are_counted() {
+        let filter = DoubleFreeFilter { allocator_modules: vec!["/lib/libc.so.6".into()] };
+        let mut frees = DoubleFrees::default();
+        let cache = second_free("tcache_thread_shutdown", "/lib/libc.so.6");
+        assert!(matches!(frees.take(cache.clone(), Some(&filter), false), Taken::AllocatorOwn));
+        assert!(matches!(frees.take(cache, None, false), Taken::Unconfirmed));
+        assert!(matches!(frees.take(second_free("main", "/bin/app"), Some(&filter), false), Taken::Unconfirmed));
+        assert_eq!((frees.count(), frees.unconfirmed()), (0, 2));
+        for _ in 0..DoubleFrees::KEPT {
+            assert!(matches!(frees.take(second_free("main", "/bin/app"), Some(&filter), true), Taken::Kept(_)));
+        }
+        let past = || second_free("main", "/bin/app");
+        assert!(matches!(frees.take(past(), Some(&filter), true), Taken::Counted { first: true }));
+        assert!(matches!(frees.take(past(), Some(&filter), true), Taken::Counted { first: false }));
+        assert_eq!((frees.count(), frees.not_kept(), frees.unconfirmed()), (DoubleFrees::KEPT as u64 + 2, 2, 2));
     }
 }

@@ -194,14 +194,7 @@ impl Tracer<'_> {
             let double_free = self.stacks(event.tgid).double_free(&event);
             let seen_whole = self.loaded.double_free_seen_whole(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
-            if process.double_free_filter.as_ref().is_some_and(|filter| !filter.is_user(&double_free)) {
-                continue;
-            }
-            if seen_whole {
-                process.double_frees.add(double_free);
-            } else {
-                process.double_frees.add_unconfirmed();
-            }
+            process.double_frees.take(double_free, process.double_free_filter.as_ref(), seen_whole);
         }
     }
 

@@ -21,7 +21,7 @@ use crate::{
         view::{DaemonView, MapUse, StackSeries, TargetView},
     },
     format,
-    heap::double_free::DoubleFrees,
+    heap::double_free::{DoubleFrees, Taken},
     heap::heuristics::Heuristics,
     heap::inspect,
     heap::report::{self, Report, Selection, StackReport},
@@ -54,22 +54,15 @@ impl Tracer {
     }
 
     pub(super) fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
+        let site =
+            |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
         for event in events {
             let Some(target) = self.targets.get(&event.tgid) else { continue };
             let double_free = self.stacks(target).double_free(&event);
-            if !target.double_free_filter.is_user(&double_free) {
-                continue;
-            }
             let seen_whole = self.loaded.double_free_seen_whole(&event);
             let Some(target) = self.targets.get_mut(&event.tgid) else { continue };
-            if !seen_whole {
-                target.double_frees.add_unconfirmed();
-                continue;
-            }
-            let site =
-                |frames: &[crate::symbolize::Frame]| frames.first().map_or_else(|| "[no stack]".into(), format::site);
-            if !target.double_frees.is_full() {
-                warn!(
+            match target.double_frees.take(double_free, Some(&target.double_free_filter), seen_whole) {
+                Taken::Kept(double_free) => warn!(
                     pid = event.tgid,
                     comm = target.comm,
                     "double free of {} ({} bytes): allocated at {}, freed at {}, freed again at {}",
@@ -78,15 +71,14 @@ impl Tracer {
                     site(&double_free.alloc.frames),
                     site(&double_free.first_free.frames),
                     site(&double_free.second_free.frames),
-                );
-            }
-            if !target.double_frees.add(double_free) && target.double_frees.not_kept() == 1 {
-                warn!(
+                ),
+                Taken::Counted { first: true } => warn!(
                     pid = event.tgid,
                     comm = target.comm,
                     "more than {} double frees: the next ones are counted (memprof_double_frees_total), not logged",
                     DoubleFrees::KEPT
-                );
+                ),
+                Taken::AllocatorOwn | Taken::Unconfirmed | Taken::Counted { first: false } => {}
             }
         }
     }
