@@ -201,7 +201,7 @@ fn step(regs: &mut Regs, row: &UnwindRow, kind: u32, address: u64, window: &Wind
     Ok(())
 }
 
-/// The row for `address` and its mapping's kind, as the kernel's `search_row` finds it.
+/// The row for `address` and its mapping's kind, as the kernel's `search_mapping` and `search_row` find it.
 fn row_for(mappings: &ProcMappings, rows: &impl Rows, address: u64, at_entry: bool) -> Option<(UnwindRow, u32)> {
     let entries = &mappings.entries[..(mappings.len as usize).min(MAX_MAPPINGS)];
     let mapping = entries[..entries.partition_point(|m| m.start <= address)].last()?;

@@ -32,27 +32,40 @@ const MAPPING_STEPS: usize = 9;
 const ROW_STEPS: usize = 24;
 
 /// Leaves the row for frame address `address` in the walk's `row` and `row_kind`: from this CPU's
-/// cache, else by `search_mapping` and `search_row`. False when the walk ended (no mapping or row covers the address).
+/// cache, else by `search_mapping` and `search_row`. False when the walk ended (no mapping or row
+/// covers the address).
 pub(super) fn frame_row(scratch: *mut Scratch, address: u64, at_entry: bool) -> bool {
-    // SAFETY (each dereference below): this CPU's scratch and cache; see `Scratch::uses` for
-    // another task using them meanwhile, and `CachedRow::check` for a slot left half filled. No
-    // reference into the scratch lives across the searches, which take their own.
+    // SAFETY (each dereference below): this CPU's scratch and cache. No reference into the
+    // scratch lives across the searches, which take their own.
     let slot = ROW_CACHE.get_ptr_mut(cache_slot(address, unsafe { (*scratch).walk.start.tgid }));
     if let Some(slot) = slot {
         let (slot, walk) = unsafe { (&*slot, &mut (*scratch).walk) };
         if slot.holds(address, walk, at_entry) {
-            (walk.row, walk.row_kind) = (slot.row, slot.kind & !AT_ENTRY);
+            copy_row(&mut walk.row, &slot.row);
+            walk.row_kind = slot.kind & !AT_ENTRY;
             return true;
         }
     }
+    let uses = unsafe { (*scratch).uses };
     if search_mapping(address) == 0 || search_row(address, u32::from(at_entry)) == 0 {
         return false;
     }
     if let Some(slot) = slot {
-        let (slot, walk) = unsafe { (&mut *slot, &(*scratch).walk) };
-        slot.fill(address, walk, at_entry);
+        let (slot, scratch) = unsafe { (&mut *slot, &*scratch) };
+        // Not when another task walked on this CPU meanwhile (see `Scratch::uses`): the walk's
+        // row may be that task's, which the cache would keep under this address.
+        if scratch.uses == uses {
+            slot.fill(address, &scratch.walk, at_entry);
+        }
     }
     true
+}
+
+/// Field by field: a whole copy between two maps' values is a call to `memmove`, byte by byte,
+/// whose frame 6.1 also counts in the 512 bytes of stack (see `stack_id`).
+fn copy_row(to: &mut UnwindRow, from: &UnwindRow) {
+    (to.pc, to.cfa_offset, to.rbp_offset, to.cfa, to.rbp) =
+        (from.pc, from.cfa_offset, from.rbp_offset, from.cfa, from.rbp);
 }
 
 /// Makes the walk's `mapping` the process's executable mapping of `address`, by a binary search
@@ -76,8 +89,7 @@ pub extern "C" fn search_mapping(address: u64) -> u64 {
         end(walk, StackEnd::NoTable);
         return 0;
     };
-    // Field by field: a whole copy between two maps' values is a call to `memmove`, whose frame
-    // 6.1 counts in the 512 bytes.
+    // Field by field, as `copy_row`.
     let mapping = &mut walk.mapping;
     (mapping.start, mapping.end, mapping.bias) = (found.start, found.end, found.bias);
     (mapping.first_row, mapping.rows, mapping.kind) = (found.first_row, found.rows, found.kind);
@@ -101,9 +113,7 @@ pub extern "C" fn search_row(address: u64, at_entry: u32) -> u64 {
         end(walk, StackEnd::NoTable);
         return 0;
     };
-    // Field by field, as `search_mapping`'s copy.
-    let to = &mut walk.row;
-    (to.pc, to.cfa_offset, to.rbp_offset, to.cfa, to.rbp) = (row.pc, row.cfa_offset, row.rbp_offset, row.cfa, row.rbp);
+    copy_row(&mut walk.row, row);
     1
 }
 
@@ -146,7 +156,8 @@ impl CachedRow {
 
     /// Keeps the walk's `row` and `row_kind` for `pc`.
     fn fill(&mut self, pc: u64, walk: &Walk, at_entry: bool) {
-        (self.pc, self.tgid, self.generation, self.row) = (pc, walk.start.tgid, walk.start.generation, walk.row);
+        (self.pc, self.tgid, self.generation) = (pc, walk.start.tgid, walk.start.generation);
+        copy_row(&mut self.row, &walk.row);
         self.kind = walk.row_kind | if at_entry { AT_ENTRY } else { 0 };
         self.check = self.hash();
     }
