@@ -64,6 +64,11 @@ impl SystemCpu {
         Some(Self { at_ns: monotonic_now_ns(), seconds: stat.system_ticks as f64 / procfs::clock_ticks_per_second() })
     }
 
+    /// How long until a rate since this reading can be taken (see `rate_since`): zero once it can.
+    pub fn wait_for_rate(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos((self.at_ns + SHORTEST_NS).saturating_sub(monotonic_now_ns()))
+    }
+
     /// System seconds a second from `earlier` to this; none over too short a stretch.
     pub fn rate_since(&self, earlier: &Self) -> Option<f64> {
         let ns = self.at_ns.checked_sub(earlier.at_ns).filter(|&ns| ns >= SHORTEST_NS)?;

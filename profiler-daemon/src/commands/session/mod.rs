@@ -73,6 +73,11 @@ pub async fn attach(pid: NonZeroU32, args: &TraceArgs) -> anyhow::Result<Attache
         say!("memprof: pid {pid_n} has children and --follow-forks is off: attaching perf-event uprobes, which a child it forks drops at its first call to each (they take about 90 ms each to detach)");
     }
     let mut loaded = loader::load(args.maps, args.interval, means::samplers(args), !forking)?;
+    // Loading may take less than a rate needs (a fast machine): the rest is waited for, so that
+    // the price is always measured against the untraced time.
+    if let Some(from) = &untraced_from {
+        tokio::time::sleep(from.wait_for_rate()).await;
+    }
     if let Some(signal) = opened.stop.came().await {
         say!("memprof: stopped before tracing pid {pid_n} began: no probe was attached to it");
         return Ok(Attached::StoppedBefore(signal));
