@@ -246,9 +246,10 @@ fn a_memory_cgroup_too_small_for_the_maps_is_named_with_the_flags_that_shrink_th
 
 /// A memory cgroup of 96 MiB holds the maps at their default sizes (49 MiB), but not what the
 /// kernel's verifier takes while it checks the programs, which Linux 6.17 and later charge to it
-/// (about 45 MiB more on 6.18, which memprof asks room for with a margin). The kernel once OOM-killed memprof there with nothing said (exit
-/// 137); the daemon and `run` now refuse in one line, naming the cgroup and how much to raise its
-/// limit. On a kernel whose verifier charges nothing, `run` starts.
+/// (about 45 MiB more on 6.18, which memprof asks room for with a margin). The kernel once
+/// OOM-killed memprof there with nothing said (exit 137); the daemon and `run` now refuse in one
+/// line, naming the cgroup and how much to raise its limit. On a kernel whose verifier charges
+/// nothing, `run` starts.
 #[test]
 fn a_memory_cgroup_too_small_for_the_verifier_is_said_in_one_line_not_by_an_oom_kill() {
     let _serial = serial();

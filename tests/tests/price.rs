@@ -288,14 +288,28 @@ fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
     const LEAKED: u64 = 100 * 64 * 1024;
     const SLACK: u64 = 3 * 4096;
     let growth = fixture("growth");
-    let loop_args = [BUSY, "--exec", growth.to_str().unwrap(), "--wait"];
+    let loop_args = ["--until-stop", "--exec", growth.to_str().unwrap(), "--wait"];
     let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60", "--mappings"]).stdin(Stdio::null());
-    // The loop goes once it is traced; `growth`, once the program it became is.
-    let markers = [format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (growth) runs ")];
-    let outcome = released(memprof, &markers, |_| target.go());
+    // The loop goes once it is traced, and stops (and execs) once memprof has acted on its
+    // price; `growth` goes once the program it became is traced.
+    let (tracing, growth_runs) = (format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (growth) runs "));
+    let markers: [Marker; 3] = [
+        ("tracing", &|line: &str| line.starts_with(&tracing)),
+        ("what sampling's price made memprof do", &|line: &str| acted_on(line, &pid)),
+        ("growth runs", &|line: &str| line.starts_with(&growth_runs)),
+    ];
+    let mut said = 0;
+    let outcome = released_when(memprof, &markers, |_| {
+        said += 1;
+        if said == 2 {
+            target.stop()
+        } else {
+            target.go()
+        }
+    });
     assert!(outcome.status.success(), "{outcome:?}");
     let (_, added) = sampled_price(&outcome.stderr, &pid);
     if moved_line(&outcome.stderr, &pid).is_none() {
