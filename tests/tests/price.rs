@@ -93,25 +93,37 @@ fn attach_to_a_busy_command(command: Command, args: &[&str]) -> (String, memprof
     (pid, outcome)
 }
 
-/// `attach` to the loop `program`, which runs until memprof has said what the price of sampling
-/// it makes it do: a loop that ended first would leave a move to its pages half made, and unsaid.
-fn attach_until_the_price_is_acted_on(program: &Path) -> (String, memprof_tests::Outcome) {
-    let mut target = Waiting::start(program, &["--until-stop"]);
+/// `attach ARGS` to the loop `program` (`malloc_loop.c`) run with `--until-stop` and
+/// `loop_args`: it runs until memprof has said what the price of sampling it makes it do, since a
+/// loop that ended first would leave a move to its pages half made, and unsaid. With `exec`, the
+/// program the loop execs (`--exec`, with `--wait`) goes once memprof says it runs.
+fn attach_until_the_price_is_acted_on(
+    program: &Path,
+    loop_args: &[&str],
+    args: &[&str],
+    exec: Option<&str>,
+) -> (String, memprof_tests::Outcome) {
+    let mut target = Waiting::start(program, &[&["--until-stop"], loop_args].concat());
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).stdin(Stdio::null());
+    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).args(args).stdin(Stdio::null());
     let tracing = format!("memprof: tracing pid {pid} ");
-    let markers: [Marker; 2] = [
-        ("tracing", &|line: &str| line.starts_with(&tracing)),
-        ("what sampling's price made memprof do", &|line: &str| acted_on(line, &pid)),
-    ];
+    let exec_runs = exec.map(|name| format!("memprof: pid {pid} ({name}) runs "));
+    let is_tracing = |line: &str| line.starts_with(&tracing);
+    let is_acted_on = |line: &str| acted_on(line, &pid);
+    let is_exec_running = |line: &str| exec_runs.as_ref().is_some_and(|runs| line.starts_with(runs));
+    let mut markers: Vec<Marker> =
+        vec![("tracing", &is_tracing), ("what sampling's price made memprof do", &is_acted_on)];
+    if exec.is_some() {
+        markers.push(("the exec'd program runs", &is_exec_running));
+    }
     let mut said = 0;
     let outcome = released_when(memprof, &markers, |_| {
         said += 1;
-        if said == 1 {
-            target.go()
-        } else {
+        if said == 2 {
             target.stop()
+        } else {
+            target.go()
         }
     });
     assert!(outcome.status.success(), "{outcome:?}");
@@ -181,7 +193,7 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
         loops.push((fixture_musl_unnamed_mmap("malloc_loop.c", "price_unnamed_mmap_loop", &flags), false));
     }
     for (program, has_wrappers) in loops {
-        let (pid, outcome) = attach_until_the_price_is_acted_on(&program);
+        let (pid, outcome) = attach_until_the_price_is_acted_on(&program, &[], &[], None);
         let kept = kept_for_the_host(&outcome.stderr, &pid);
         assert!(!(kept && has_wrappers), "its own wrappers read its mapping calls: {}", outcome.stderr);
         says_the_price_and_moves_or_keeps_it(&pid, &outcome);
@@ -288,29 +300,9 @@ fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
     const LEAKED: u64 = 100 * 64 * 1024;
     const SLACK: u64 = 3 * 4096;
     let growth = fixture("growth");
-    let loop_args = ["--until-stop", "--exec", growth.to_str().unwrap(), "--wait"];
-    let mut target = Waiting::start(&fixture("malloc_loop"), &loop_args);
-    let pid = target.pid().to_string();
-    let mut memprof = Command::new(memprof_bin());
-    memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60", "--mappings"]).stdin(Stdio::null());
-    // The loop goes once it is traced, and stops (and execs) once memprof has acted on its
-    // price; `growth` goes once the program it became is traced.
-    let (tracing, growth_runs) = (format!("memprof: tracing pid {pid} "), format!("memprof: pid {pid} (growth) runs "));
-    let markers: [Marker; 3] = [
-        ("tracing", &|line: &str| line.starts_with(&tracing)),
-        ("what sampling's price made memprof do", &|line: &str| acted_on(line, &pid)),
-        ("growth runs", &|line: &str| line.starts_with(&growth_runs)),
-    ];
-    let mut said = 0;
-    let outcome = released_when(memprof, &markers, |_| {
-        said += 1;
-        if said == 2 {
-            target.stop()
-        } else {
-            target.go()
-        }
-    });
-    assert!(outcome.status.success(), "{outcome:?}");
+    let loop_args = ["--exec", growth.to_str().unwrap(), "--wait"];
+    let (pid, outcome) =
+        attach_until_the_price_is_acted_on(&fixture("malloc_loop"), &loop_args, &["--mappings"], Some("growth"));
     let (_, added) = sampled_price(&outcome.stderr, &pid);
     if moved_line(&outcome.stderr, &pid).is_none() {
         // Sampling was cheap enough on this machine's traps.
