@@ -294,9 +294,10 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
         return NO_STACK;
     };
     // One frame per iteration: the verifier checks `step` once, not once per frame.
-    // SAFETY: `step` has the callback signature bpf_loop expects.
     // One more iteration than frames: an entry probe's first one stores none.
-    unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
+    // SAFETY: `step` has the callback signature bpf_loop expects, and `ours` outlives it.
+    let mut ours_for_steps = ours;
+    unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, (&raw mut ours_for_steps).cast(), 0) };
     // SAFETY: this CPU's scratch, taken once the loop's steps, which write it through references
     // of their own, are done; see `Scratch::uses` for another task using it meanwhile.
     let scratch = unsafe { &mut *scratch };

@@ -34,9 +34,11 @@ const ROW_STEPS: usize = 24;
 /// Leaves the row for frame address `address` in the walk's `row` and `row_kind`: from this CPU's
 /// cache, else by `search_mapping` and `search_row`. False when the walk ended (no mapping or row
 /// covers the address).
-pub(super) fn frame_row(scratch: *mut Scratch, address: u64, at_entry: bool) -> bool {
-    // SAFETY (each dereference below): this CPU's scratch and cache. No reference into the
-    // scratch lives across the searches, which take their own.
+/// `ours`: the walk's `Scratch::uses` when it began.
+pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry: bool) -> bool {
+    // SAFETY (each dereference below): this CPU's scratch and cache; see `Scratch::uses` for
+    // another task using them meanwhile, and `CachedRow::check` for a slot left half filled. No
+    // reference into the scratch lives across the searches, which take their own.
     let slot = ROW_CACHE.get_ptr_mut(cache_slot(address, unsafe { (*scratch).walk.start.tgid }));
     if let Some(slot) = slot {
         let (slot, walk) = unsafe { (&*slot, &mut (*scratch).walk) };
@@ -46,16 +48,17 @@ pub(super) fn frame_row(scratch: *mut Scratch, address: u64, at_entry: bool) -> 
             return true;
         }
     }
-    let uses = unsafe { (*scratch).uses };
     if search_mapping(address) == 0 || search_row(address, u32::from(at_entry)) == 0 {
         return false;
     }
     if let Some(slot) = slot {
         let (slot, scratch) = unsafe { (&mut *slot, &*scratch) };
-        // Not when another task walked on this CPU meanwhile (see `Scratch::uses`): the walk's
-        // row may be that task's, which the cache would keep under this address.
-        if scratch.uses == uses {
-            slot.fill(address, &scratch.walk, at_entry);
+        slot.fill(address, &scratch.walk, at_entry);
+        // Read once the slot's check is written (both volatile, kept in order): a task that
+        // walked on this CPU since this walk began may have left its row in the walk, which the
+        // cache must not keep under this walk's address.
+        if unsafe { core::ptr::read_volatile(&scratch.uses) } != ours {
+            slot.check ^= 1;
         }
     }
     true
@@ -159,7 +162,8 @@ impl CachedRow {
         (self.pc, self.tgid, self.generation) = (pc, walk.start.tgid, walk.start.generation);
         copy_row(&mut self.row, &walk.row);
         self.kind = walk.row_kind | if at_entry { AT_ENTRY } else { 0 };
-        self.check = self.hash();
+        // SAFETY: a field of this slot. Volatile: `frame_row` reads the walk's count after it.
+        unsafe { core::ptr::write_volatile(&mut self.check, self.hash()) };
     }
 
     fn hash(&self) -> u64 {
