@@ -232,6 +232,18 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_is_waited_for_until_its_shortest_stretch_has_passed() {
+        let now = monotonic_now_ns();
+        let fresh = SystemCpu { at_ns: now, seconds: 0.0 };
+        let wait = fresh.wait_for_rate().as_nanos() as u64;
+        assert!(wait <= SHORTEST_NS && wait > SHORTEST_NS - 100_000_000, "{wait} ns");
+        let old = SystemCpu { at_ns: now.saturating_sub(SHORTEST_NS), seconds: 0.0 };
+        assert_eq!(old.wait_for_rate(), std::time::Duration::ZERO);
+        let later = SystemCpu { at_ns: fresh.at_ns + SHORTEST_NS, seconds: 0.1 };
+        assert!(later.rate_since(&fresh).is_some());
+    }
+
+    #[test]
     fn the_price_is_the_rise_of_the_system_time() {
         let price = watch(Some(0.05)).price(1234, cpu(11.0, 3.67), 180_000, Mode::Exact).unwrap();
         assert!((price.added() - 0.62).abs() < 1e-9, "{price:?}");

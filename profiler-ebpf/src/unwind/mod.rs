@@ -295,7 +295,7 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     };
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // One more iteration than frames: an entry probe's first one stores none.
-    // SAFETY: `step` has the callback signature bpf_loop expects, and `ours` outlives it.
+    // SAFETY: `step` has the callback signature bpf_loop expects, and `ours_for_steps` outlives it.
     let mut ours_for_steps = ours;
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, (&raw mut ours_for_steps).cast(), 0) };
     // SAFETY: this CPU's scratch, taken once the loop's steps, which write it through references
