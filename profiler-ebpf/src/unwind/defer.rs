@@ -13,6 +13,7 @@ use profiler_common::{
 
 use super::{
     rows::{find_mapping, PROC_MAPPINGS},
+    still_ours,
     taken::restore_taken,
     Scratch, Walk, MAPPING_EVENTS_ROOM, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
 };
@@ -59,7 +60,8 @@ pub(super) fn defer(
     let id = if hash == NO_STACK { 1 } else { hash };
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
-            return Some(id);
+            // Only if what was compared was this walk's.
+            return Some(if still_ours(scratch, ours) { id } else { NO_STACK });
         }
         count_drop(DropReason::StackCollision);
         return Some(NO_STACK);

@@ -207,6 +207,9 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     let scratch = unsafe { &mut *scratch };
     scratch.uses = scratch.uses.wrapping_add(1);
     let ours = scratch.uses;
+    // The count before the walk's state: a task this one preempted mid-walk must find it moved
+    // before it can read any of this walk's.
+    compiler_barrier();
     // Field by field: a whole `Walk` would copy `mapping`'s 40 zero bytes with a byte-wise memset.
     let walk = &mut scratch.walk;
     (walk.pc, walk.sp, walk.bp) = (regs.pc, regs.sp, regs.bp);
@@ -258,7 +261,7 @@ pub extern "C" fn recall_walk() -> u64 {
         return NO_STACK;
     }
     let id = memo::recall(&scratch.walk.start, &mut scratch.window.words);
-    if scratch.uses == scratch.walk.ours {
+    if still_ours(scratch, scratch.walk.ours) {
         id
     } else {
         NO_STACK
@@ -276,7 +279,7 @@ pub extern "C" fn remember_walk(id: u64) -> u64 {
     // SAFETY: as in `recall_walk`.
     let scratch = unsafe { &mut *scratch };
     let walk = &scratch.walk;
-    if walk.memoize != 0 && id != NO_STACK && walk.end == StackEnd::Complete as u32 && scratch.uses == walk.ours {
+    if walk.memoize != 0 && id != NO_STACK && walk.end == StackEnd::Complete as u32 && still_ours(scratch, walk.ours) {
         memo::remember(&walk.start, walk.uses_bp, &scratch.window.reads, id);
     }
     id
@@ -298,6 +301,11 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     // SAFETY: `step` has the callback signature bpf_loop expects, and `ours_for_steps` outlives it.
     let mut ours_for_steps = ours;
     unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, (&raw mut ours_for_steps).cast(), 0) };
+    if !still_ours(scratch, ours) {
+        // Another task walked on this CPU meanwhile: the walk's state is now its.
+        count_drop(DropReason::StackPreempted);
+        return NO_STACK;
+    }
     // SAFETY: this CPU's scratch, taken once the loop's steps, which write it through references
     // of their own, are done; see `Scratch::uses` for another task using it meanwhile.
     let scratch = unsafe { &mut *scratch };
@@ -317,7 +325,8 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     let id = stack_id_of(walk.hash, walk.end);
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
-            return id;
+            // Only if what was compared was this walk's.
+            return if still_ours(scratch, ours) { id } else { NO_STACK };
         }
         count_drop(DropReason::StackCollision);
         return NO_STACK;
@@ -343,6 +352,24 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
             NO_STACK
         }
     }
+}
+
+/// Keeps the compiler from moving memory accesses across it, and is no instruction: tasks on one
+/// CPU see each other's writes in program order, so this is all a task preempting another needs.
+/// LLVM's BPF back end has no `fence`.
+#[inline(always)]
+fn compiler_barrier() {
+    // SAFETY: an empty instruction sequence; without `nomem`, the compiler assumes it reads and
+    // writes any memory.
+    unsafe { core::arch::asm!("", options(nostack, preserves_flags)) }
+}
+
+/// Whether no other task walked on this CPU since the walk whose `Scratch::uses` was `ours` began:
+/// what was read from the scratch before this call is that walk's.
+fn still_ours(scratch: *const Scratch, ours: u64) -> bool {
+    compiler_barrier();
+    // SAFETY: this CPU's scratch; a read of its count.
+    unsafe { core::ptr::read_volatile(&raw const (*scratch).uses) == ours }
 }
 
 /// The state of a walk between frames.

@@ -12,7 +12,7 @@ use profiler_common::{
     UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
-use super::{changes::NO_LIST, frames::end, Scratch, Walk, SCRATCH};
+use super::{changes::NO_LIST, compiler_barrier, frames::end, still_ours, Scratch, Walk, SCRATCH};
 use crate::shared::NO_PREALLOC;
 
 /// Rows of every file's unwind table, each file a sorted slice of one index space cut in shards
@@ -42,9 +42,7 @@ pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry
     let slot = ROW_CACHE.get_ptr_mut(cache_slot(address, unsafe { (*scratch).walk.start.tgid }));
     if let Some(slot) = slot {
         let (slot, walk) = unsafe { (&*slot, &mut (*scratch).walk) };
-        if slot.holds(address, walk, at_entry) {
-            copy_row(&mut walk.row, &slot.row);
-            walk.row_kind = slot.kind & !AT_ENTRY;
+        if slot.keys(address, walk, at_entry) && slot.lent(address, walk) {
             return true;
         }
     }
@@ -52,12 +50,11 @@ pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry
         return false;
     }
     if let Some(slot) = slot {
-        let (slot, scratch) = unsafe { (&mut *slot, &*scratch) };
-        slot.fill(address, &scratch.walk, at_entry);
-        // Read once the slot's check is written (both volatile, kept in order): a task that
-        // walked on this CPU since this walk began may have left its row in the walk, which the
-        // cache must not keep under this walk's address.
-        if unsafe { core::ptr::read_volatile(&scratch.uses) } != ours {
+        let slot = unsafe { &mut *slot };
+        slot.fill(address, unsafe { &(*scratch).walk }, at_entry);
+        // Once the slot's check is written: a task that walked on this CPU since this walk began
+        // may have left its row in the walk, which the cache must not keep under this address.
+        if !still_ours(scratch, ours) {
             slot.check ^= 1;
         }
     }
@@ -69,6 +66,12 @@ pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry
 fn copy_row(to: &mut UnwindRow, from: &UnwindRow) {
     (to.pc, to.cfa_offset, to.rbp_offset, to.cfa, to.rbp) =
         (from.pc, from.cfa_offset, from.rbp_offset, from.cfa, from.rbp);
+}
+
+/// Field by field, as `copy_row`.
+fn copy_mapping(to: &mut ExecMapping, from: &ExecMapping) {
+    (to.start, to.end, to.bias) = (from.start, from.end, from.bias);
+    (to.first_row, to.rows, to.kind) = (from.first_row, from.rows, from.kind);
 }
 
 /// Makes the walk's `mapping` the process's executable mapping of `address`, by a binary search
@@ -92,10 +95,7 @@ pub extern "C" fn search_mapping(address: u64) -> u64 {
         end(walk, StackEnd::NoTable);
         return 0;
     };
-    // Field by field, as `copy_row`.
-    let mapping = &mut walk.mapping;
-    (mapping.start, mapping.end, mapping.bias) = (found.start, found.end, found.bias);
-    (mapping.first_row, mapping.rows, mapping.kind) = (found.first_row, found.rows, found.kind);
+    copy_mapping(&mut walk.mapping, found);
     1
 }
 
@@ -149,12 +149,25 @@ fn cache_slot(pc: u64, tgid: u32) -> u32 {
 }
 
 impl CachedRow {
-    fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
+    /// Whether the slot is keyed by `pc` in the walk's process and generation, at an entry or not.
+    fn keys(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
         self.pc == pc
             && self.tgid == walk.start.tgid
             && self.generation == walk.start.generation
             && (self.kind & AT_ENTRY != 0) == at_entry
-            && self.check == self.hash()
+    }
+
+    /// Copies the slot's row and kind into the walk, and whether they are `pc`'s whole: checked
+    /// after the copy, so that a task that fills the slot meanwhile (one preempted in `fill`)
+    /// cannot leave this walk its row.
+    fn lent(&self, pc: u64, walk: &mut Walk) -> bool {
+        let kind = self.kind;
+        copy_row(&mut walk.row, &self.row);
+        walk.row_kind = kind & !AT_ENTRY;
+        compiler_barrier();
+        // SAFETY: a field of this slot, read after the copy.
+        let check = unsafe { core::ptr::read_volatile(&self.check) };
+        check == row_hash(pc, walk.start.tgid, walk.start.generation, &walk.row, kind)
     }
 
     /// Keeps the walk's `row` and `row_kind` for `pc`.
@@ -162,19 +175,22 @@ impl CachedRow {
         (self.pc, self.tgid, self.generation) = (pc, walk.start.tgid, walk.start.generation);
         copy_row(&mut self.row, &walk.row);
         self.kind = walk.row_kind | if at_entry { AT_ENTRY } else { 0 };
-        // SAFETY: a field of this slot. Volatile: `frame_row` reads the walk's count after it.
-        unsafe { core::ptr::write_volatile(&mut self.check, self.hash()) };
+        let check = row_hash(pc, self.tgid, self.generation, &self.row, self.kind);
+        compiler_barrier();
+        // SAFETY: a field of this slot. Volatile, after the fields: `frame_row` reads the walk's
+        // count after it.
+        unsafe { core::ptr::write_volatile(&mut self.check, check) };
     }
+}
 
-    fn hash(&self) -> u64 {
-        let row = &self.row;
-        let rule = (row.cfa_offset as u32 as u64) << 32
-            | (row.rbp_offset as u16 as u64) << 16
-            | (row.cfa as u64) << 8
-            | row.rbp as u64;
-        let ids = (self.tgid as u64) << 32 | self.generation as u64;
-        (self.pc ^ ids.rotate_left(17) ^ rule.rotate_left(41) ^ self.kind as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)
-    }
+/// A cached row's check: a hash of its key and value.
+fn row_hash(pc: u64, tgid: u32, generation: u32, row: &UnwindRow, kind: u32) -> u64 {
+    let rule = (row.cfa_offset as u32 as u64) << 32
+        | (row.rbp_offset as u16 as u64) << 16
+        | (row.cfa as u64) << 8
+        | row.rbp as u64;
+    let ids = (tgid as u64) << 32 | generation as u64;
+    (pc ^ ids.rotate_left(17) ^ rule.rotate_left(41) ^ kind as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)
 }
 
 /// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
