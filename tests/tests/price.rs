@@ -93,28 +93,36 @@ fn attach_to_a_busy_command(command: Command, args: &[&str]) -> (String, memprof
     (pid, outcome)
 }
 
-/// `attach ARGS` to the loop `program` (`malloc_loop.c`) run with `--until-stop` and
-/// `loop_args`: it runs until memprof has said what the price of sampling it makes it do, since a
-/// loop that ended first would leave a move to its pages half made, and unsaid. With `exec`, the
-/// program the loop execs (`--exec`, with `--wait`) goes once memprof says it runs.
+/// `attach ARGS` to the loop `program` (`malloc_loop.c`) run with `--until-stop`: it runs until
+/// memprof has said what the price of sampling it makes it do, since a loop that ended first
+/// would leave a move to its pages half made, and unsaid. With `then_exec`, the loop then execs
+/// that program with its arguments (`--exec`; they include `--wait`), which goes once memprof
+/// says it runs.
 fn attach_until_the_price_is_acted_on(
     program: &Path,
-    loop_args: &[&str],
     args: &[&str],
-    exec: Option<&str>,
+    then_exec: Option<(&Path, &[&str])>,
 ) -> (String, memprof_tests::Outcome) {
-    let mut target = Waiting::start(program, &[&["--until-stop"], loop_args].concat());
+    let mut loop_args = vec!["--until-stop"];
+    if let Some((exec, exec_args)) = then_exec {
+        loop_args.extend(["--exec", exec.to_str().unwrap()]);
+        loop_args.extend(exec_args);
+    }
+    let mut target = Waiting::start(program, &loop_args);
     let pid = target.pid().to_string();
     let mut memprof = Command::new(memprof_bin());
     memprof.args(["attach", "--pid", &pid, "--json", "--interval", "60"]).args(args).stdin(Stdio::null());
     let tracing = format!("memprof: tracing pid {pid} ");
-    let exec_runs = exec.map(|name| format!("memprof: pid {pid} ({name}) runs "));
+    let exec_runs = then_exec.map(|(exec, _)| {
+        let name = exec.file_name().unwrap().to_string_lossy();
+        format!("memprof: pid {pid} ({name}) runs ")
+    });
     let is_tracing = |line: &str| line.starts_with(&tracing);
     let is_acted_on = |line: &str| acted_on(line, &pid);
     let is_exec_running = |line: &str| exec_runs.as_ref().is_some_and(|runs| line.starts_with(runs));
     let mut markers: Vec<Marker> =
         vec![("tracing", &is_tracing), ("what sampling's price made memprof do", &is_acted_on)];
-    if exec.is_some() {
+    if then_exec.is_some() {
         markers.push(("the exec'd program runs", &is_exec_running));
     }
     let mut said = 0;
@@ -193,7 +201,7 @@ fn attach_samples_a_busy_process_then_traces_its_pages_and_says_how_not_to() {
         loops.push((fixture_musl_unnamed_mmap("malloc_loop.c", "price_unnamed_mmap_loop", &flags), false));
     }
     for (program, has_wrappers) in loops {
-        let (pid, outcome) = attach_until_the_price_is_acted_on(&program, &[], &[], None);
+        let (pid, outcome) = attach_until_the_price_is_acted_on(&program, &[], None);
         let kept = kept_for_the_host(&outcome.stderr, &pid);
         assert!(!(kept && has_wrappers), "its own wrappers read its mapping calls: {}", outcome.stderr);
         says_the_price_and_moves_or_keeps_it(&pid, &outcome);
@@ -300,9 +308,8 @@ fn a_process_moved_to_its_pages_is_traced_by_them_after_an_exec() {
     const LEAKED: u64 = 100 * 64 * 1024;
     const SLACK: u64 = 3 * 4096;
     let growth = fixture("growth");
-    let loop_args = ["--exec", growth.to_str().unwrap(), "--wait"];
-    let (pid, outcome) =
-        attach_until_the_price_is_acted_on(&fixture("malloc_loop"), &loop_args, &["--mappings"], Some("growth"));
+    let then_exec = Some((growth.as_path(), &["--wait"][..]));
+    let (pid, outcome) = attach_until_the_price_is_acted_on(&fixture("malloc_loop"), &["--mappings"], then_exec);
     let (_, added) = sampled_price(&outcome.stderr, &pid);
     if moved_line(&outcome.stderr, &pid).is_none() {
         // Sampling was cheap enough on this machine's traps.
