@@ -35,8 +35,8 @@ pub enum DropReason {
     UnwindReadFailed = 11,
     /// The stack was deeper than the frame limit: its outermost frames are cut, marked truncated.
     StackTooDeep = 12,
-    /// A stack walk was preempted by another on the same CPU, which reused its scratch space:
-    /// counted under `NO_STACK` rather than kept mixed.
+    /// A stack walk began while another, preempted on the same CPU, held its scratch space:
+    /// counted under `NO_STACK` (see `stack_id` in the BPF crate).
     StackPreempted = 13,
     /// The ring buffer telling the daemon of new mappings was full: it finds them at its next
     /// refresh instead.

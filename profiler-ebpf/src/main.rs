@@ -13,8 +13,6 @@
 // Atomic adds to map values: see `shared::add`.
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
-// An empty `asm!` as a compiler barrier: see `unwind::compiler_barrier`.
-#![feature(asm_experimental_arch)]
 
 mod growth;
 mod live;

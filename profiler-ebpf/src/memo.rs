@@ -9,9 +9,9 @@
 //! stack then checks the words. A loop that allocates from one place, or a server's
 //! event loop, walks once per place and depth, not once per call.
 //!
-//! Memos are per CPU, one per slot of their start's hash. A task preempted on this CPU while it
-//! writes a slot leaves a mix of two memos, which its check hash refuses: a memo is used whole or
-//! not at all.
+//! Memos are per CPU, one per slot of their start's hash, used only by the walk that holds the
+//! CPU's scratch (see `unwind::stack_id`). A slot's check, a hash of all it holds, is written
+//! last: a memo is used whole or not at all.
 
 use aya_ebpf::{cty::c_void, macros::map, maps::PerCpuArray};
 use profiler_common::NO_STACK;
@@ -104,7 +104,7 @@ static MEMOS: PerCpuArray<Memo> = PerCpuArray::with_max_entries(MEMO_SLOTS, 0);
 fn slot(start: &Start) -> Option<&'static mut Memo> {
     let mixed = (start.pc ^ start.sp.rotate_left(23) ^ (start.tgid as u64) << 40).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let index = (mixed >> 57) as u32 % MEMO_SLOTS;
-    // SAFETY: this CPU's slot; a task that preempts us and writes it is caught by the check.
+    // SAFETY: this CPU's slot, which only the walk that holds its scratch uses.
     MEMOS.get_ptr_mut(index).map(|memo| unsafe { &mut *memo })
 }
 
@@ -136,8 +136,8 @@ pub fn recall(start: &Start, window: &mut [u64; WINDOW_WORDS]) -> u64 {
     {
         return NO_STACK;
     }
-    // `remember` keeps no longer copy; a longer one is a mixed slot, which the check refuses. A
-    // bound the verifier sees on the register passed (6.1's loses one tested on a copy).
+    // `remember` keeps no longer copy. A bound the verifier sees on the register passed (6.1's
+    // loses one tested on a copy).
     let len = memo.len.min(WINDOW_BYTES);
     // SAFETY: the window holds `WINDOW_BYTES`; the helper reads user memory, faulting safely.
     let copied = unsafe {
@@ -192,7 +192,7 @@ pub fn remember(start: &Start, uses_bp: u32, reads: &Reads, stack_id: u64) {
         return;
     }
     let Some(memo) = slot(start) else { return };
-    // Emptied first: a reader that meets the slot half written finds no memo.
+    // Emptied first: a `remember` that gives up below leaves no memo.
     memo.check = 0;
     (memo.pc, memo.sp, memo.bp) = (start.pc, start.sp, start.bp);
     (memo.tgid, memo.generation, memo.uses_bp, memo.count) = (start.tgid, start.generation, uses_bp, count as u32);

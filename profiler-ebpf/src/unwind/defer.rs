@@ -13,7 +13,6 @@ use profiler_common::{
 
 use super::{
     rows::{find_mapping, PROC_MAPPINGS},
-    still_ours,
     taken::restore_taken,
     Scratch, Walk, MAPPING_EVENTS_ROOM, SCRATCH, UNWIND_EVENTS, UNWIND_EVENTS_BYTES,
 };
@@ -40,13 +39,7 @@ use crate::shared::{count_drop, EEXIST};
 ///
 /// Only walks that would have been cut come here, and only while a newer mapping list may come
 /// (`list_was_current`): the cost of every other stays as it was.
-pub(super) fn defer(
-    table: &HashMap<u64, Stack>,
-    which: u32,
-    scratch: &mut Scratch,
-    ours: u64,
-    kind: u32,
-) -> Option<u64> {
+pub(super) fn defer(table: &HashMap<u64, Stack>, which: u32, scratch: &mut Scratch, kind: u32) -> Option<u64> {
     let mapping_call = kind == walk_kind::MAPPING_CALL;
     let walk = &scratch.walk;
     // At a syscall the first frame is the C library's wrapper, the same for every caller.
@@ -60,8 +53,7 @@ pub(super) fn defer(
     let id = if hash == NO_STACK { 1 } else { hash };
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
-            // Only if what was compared was this walk's.
-            return Some(if still_ours(scratch, ours) { id } else { NO_STACK });
+            return Some(id);
         }
         count_drop(DropReason::StackCollision);
         return Some(NO_STACK);
@@ -95,12 +87,6 @@ pub(super) fn defer(
     scratch.stack.end = StackEnd::Deferred as u32;
     let stack: &Stack = &scratch.stack;
     match table.insert(id, stack, BPF_NOEXIST as u64) {
-        Ok(()) if scratch.uses != ours => {
-            let _ = table.remove(id);
-            entry.discard();
-            count_drop(DropReason::StackPreempted);
-            Some(NO_STACK)
-        }
         Ok(()) => {
             entry.submit();
             Some(id)

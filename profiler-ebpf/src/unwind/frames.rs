@@ -4,25 +4,15 @@
 use aya_ebpf::{cty::c_void, helpers::bpf_probe_read_user};
 use profiler_common::{cfa, mapping_kind, rbp, stack_hash_step, StackEnd, UC_RBP, UC_RIP, UC_RSP};
 
-use super::{
-    rows::frame_row, still_ours, taken::taken_return, Scratch, Walk, Window, FRAME_LIMIT, SCRATCH, WINDOW_WORDS,
-};
+use super::{rows::frame_row, taken::taken_return, Scratch, Walk, Window, FRAME_LIMIT, SCRATCH, WINDOW_WORDS};
 
 /// Records frame `index` and steps to its caller. Returns 1 to stop the loop, 0 to go on.
-/// `context`: the walk's `Scratch::uses` when it began.
-pub(super) extern "C" fn step(index: u64, context: *mut c_void) -> i64 {
+pub(super) extern "C" fn step(index: u64, _context: *mut c_void) -> i64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else { return 1 };
-    // SAFETY: `walk_and_store` passes its count, which outlives the loop.
-    let ours = unsafe { *context.cast::<u64>() };
-    // SAFETY: this CPU's scratch. No reference into it lives across `frame_row`, whose searches
-    // take their own.
-    if !still_ours(scratch, ours) {
-        // Another task walked on this CPU since this walk began (see `Scratch::uses`): the
-        // scratch holds its walk now, and this one's stack is dropped.
-        return 1;
-    }
+    // SAFETY: this CPU's scratch, which the walk holds (see `stack_id`). No reference into it
+    // lives across `frame_row`, whose searches take their own.
     let Some((address, at_entry)) = record(index as usize, unsafe { &mut *scratch }) else { return 1 };
-    if !frame_row(scratch, ours, address, at_entry) {
+    if !frame_row(scratch, address, at_entry) {
         return 1;
     }
     // SAFETY: as above.

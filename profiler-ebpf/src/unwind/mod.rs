@@ -19,6 +19,8 @@
 //!
 //! The maps' capacities in these files are defaults; the daemon sets the real ones at load time.
 
+use core::intrinsics::{atomic_cxchg, atomic_xchg, AtomicOrdering};
+
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
     cty::c_void,
@@ -79,10 +81,9 @@ const MAPPING_EVENTS_ROOM: u64 = 1024 * 1024;
 /// Where a walk builds its stack: 1 KiB does not fit on the 512-byte BPF stack.
 #[repr(C)]
 struct Scratch {
-    /// Bumped by every walk on this CPU. Uprobe programs run with migration disabled but may be
-    /// preempted: a walk that finds the count changed under it knows another task on this CPU
-    /// reused the scratch, and keeps no stack rather than a mixed one.
-    uses: u64,
+    /// 1 while a walk holds the scratch, and with it this CPU's row cache and memos (see
+    /// `stack_id`).
+    held: u64,
     /// In the map value, not on the BPF stack: the verifier tracks no values in map memory, so
     /// the loop's state looks the same at every frame and `step` is verified only once or twice.
     walk: Walk,
@@ -199,17 +200,47 @@ impl Regs {
 
 /// Walks the stack and returns its id in the `stack_table` `which`, or `NO_STACK` (counted) when
 /// it cannot be kept.
+///
+/// Uprobe programs run with migration disabled but may be preempted: another task's walk on
+/// this CPU may begin while this one is half done. A walk holds the CPU's scratch from its start
+/// to its end, and one that finds it held keeps no stack (`stack_preempted`), so that no walk
+/// mixes with another's. BPF programs always run to their end: the holder lets go.
 #[inline(always)]
 pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
+    // SAFETY: this CPU's scratch; its `held` word alone until the compare-and-swap succeeds.
+    if !hold(unsafe { &mut (*scratch).held }) {
+        count_drop(DropReason::StackPreempted);
+        return NO_STACK;
+    }
+    let id = walk_held(which, tgid, regs, scratch);
+    // SAFETY: as above; the walk's calls are done with the scratch.
+    let_go(unsafe { &mut (*scratch).held });
+    id
+}
+
+/// Takes `held` from 0 to 1; false when another walk holds it. Acquire: the walk's accesses to
+/// the scratch come after it.
+fn hold(held: &mut u64) -> bool {
+    // SAFETY: an aligned u64 inside a map value; the intrinsic compiles to BPF's atomic
+    // compare-and-exchange.
+    unsafe { atomic_cxchg::<u64, { AtomicOrdering::Acquire }, { AtomicOrdering::Acquire }>(held, 0, 1).1 }
+}
+
+/// Sets `held` back to 0. Release: after the walk's accesses to the scratch. An exchange, as
+/// LLVM's BPF back end has no atomic store.
+fn let_go(held: &mut u64) {
+    // SAFETY: an aligned u64 inside a map value; the intrinsic compiles to BPF's atomic exchange.
+    unsafe { atomic_xchg::<u64, { AtomicOrdering::Release }>(held, 0) };
+}
+
+/// `stack_id` once the walk holds `scratch`.
+#[inline(always)]
+fn walk_held(which: u32, tgid: u32, regs: Regs, scratch: *mut Scratch) -> u64 {
+    // SAFETY: this CPU's scratch, which this walk holds.
     let scratch = unsafe { &mut *scratch };
-    scratch.uses = scratch.uses.wrapping_add(1);
-    let ours = scratch.uses;
-    // The count before the walk's state: a task this one preempted mid-walk must find it moved
-    // before it can read any of this walk's.
-    compiler_barrier();
     // Field by field: a whole `Walk` would copy `mapping`'s 40 zero bytes with a byte-wise memset.
     let walk = &mut scratch.walk;
     (walk.pc, walk.sp, walk.bp) = (regs.pc, regs.sp, regs.bp);
@@ -236,7 +267,6 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     walk.list_seen = NO_LIST;
     scratch.window.len = 0;
     scratch.window.reads.clear();
-    walk.ours = ours;
     // Nothing kept across the calls but their arguments: on 6.1 a larger frame here, with
     // `walk_and_store`'s and its loop's under a free's, exceeds the 512 bytes a program's calls
     // may use together.
@@ -244,7 +274,7 @@ pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     if id != NO_STACK {
         return id;
     }
-    remember_walk(walk_and_store(which, regs.kind, ours))
+    remember_walk(walk_and_store(which, regs.kind))
 }
 
 /// `memo::recall` for the walk `stack_id` set up; `NO_STACK` when it is not remembered. A global
@@ -255,21 +285,15 @@ pub extern "C" fn recall_walk() -> u64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
-    // SAFETY: this CPU's scratch; see `Scratch::uses` for another task using it meanwhile.
+    // SAFETY: this CPU's scratch, which the walk holds (see `stack_id`).
     let scratch = unsafe { &mut *scratch };
     if scratch.walk.memoize == 0 {
         return NO_STACK;
     }
-    let id = memo::recall(&scratch.walk.start, &mut scratch.window.words);
-    if still_ours(scratch, scratch.walk.ours) {
-        id
-    } else {
-        NO_STACK
-    }
+    memo::recall(&scratch.walk.start, &mut scratch.window.words)
 }
 
-/// `memo::remember` for the walk that stored `id`, if it ended whole and no other task's walk
-/// mixed with it. Returns `id`.
+/// `memo::remember` for the walk that stored `id`, if it ended whole. Returns `id`.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn remember_walk(id: u64) -> u64 {
@@ -279,7 +303,7 @@ pub extern "C" fn remember_walk(id: u64) -> u64 {
     // SAFETY: as in `recall_walk`.
     let scratch = unsafe { &mut *scratch };
     let walk = &scratch.walk;
-    if walk.memoize != 0 && id != NO_STACK && walk.end == StackEnd::Complete as u32 && still_ours(scratch, walk.ours) {
+    if walk.memoize != 0 && id != NO_STACK && walk.end == StackEnd::Complete as u32 {
         memo::remember(&walk.start, walk.uses_bp, &scratch.window.reads, id);
     }
     id
@@ -291,28 +315,22 @@ pub extern "C" fn remember_walk(id: u64) -> u64 {
 /// that reaches each of its call sites.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
+pub extern "C" fn walk_and_store(which: u32, kind: u32) -> u64 {
     let table = if which == stack_table::FREES { &FREE_STACKS } else { &STACKS };
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
         return NO_STACK;
     };
     // One frame per iteration: the verifier checks `step` once, not once per frame.
     // One more iteration than frames: an entry probe's first one stores none.
-    // SAFETY: `step` has the callback signature bpf_loop expects, and `ours_for_steps` outlives it.
-    let mut ours_for_steps = ours;
-    unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, (&raw mut ours_for_steps).cast(), 0) };
-    if !still_ours(scratch, ours) {
-        // Another task walked on this CPU meanwhile: the walk's state is now its.
-        count_drop(DropReason::StackPreempted);
-        return NO_STACK;
-    }
-    // SAFETY: this CPU's scratch, taken once the loop's steps, which write it through references
-    // of their own, are done; see `Scratch::uses` for another task using it meanwhile.
+    // SAFETY: `step` has the callback signature bpf_loop expects, and takes no context.
+    unsafe { bpf_loop(MAX_FRAMES as u32 + 1, step as *mut c_void, core::ptr::null_mut(), 0) };
+    // SAFETY: this CPU's scratch, which the walk holds (see `stack_id`), taken once the loop's
+    // steps, which write it through references of their own, are done.
     let scratch = unsafe { &mut *scratch };
     let end = StackEnd::from_u32(scratch.walk.end);
     let mut reason = end.drop_reason();
     if end == StackEnd::NoTable && !list_was_current(scratch.walk.start.tgid, scratch.walk.list_seen) {
-        if let Some(id) = defer(table, which, scratch, ours, kind) {
+        if let Some(id) = defer(table, which, scratch, kind) {
             return id;
         }
         reason = Some(DropReason::DeferredWalkLost);
@@ -325,8 +343,7 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     let id = stack_id_of(walk.hash, walk.end);
     if let Some(stored) = unsafe { table.get(id) } {
         if stored.check == check && stored.len == walk.len {
-            // Only if what was compared was this walk's.
-            return if still_ours(scratch, ours) { id } else { NO_STACK };
+            return id;
         }
         count_drop(DropReason::StackCollision);
         return NO_STACK;
@@ -337,13 +354,6 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
     // By reference: a 1 KiB value does not fit on the 512-byte BPF stack.
     let stack: &Stack = &scratch.stack;
     match table.insert(id, stack, BPF_NOEXIST as u64) {
-        Ok(()) if scratch.uses != ours => {
-            // Preempted mid-walk by a task that walked on this CPU too: what was copied may mix
-            // both stacks.
-            let _ = table.remove(id);
-            count_drop(DropReason::StackPreempted);
-            NO_STACK
-        }
         Ok(()) => id,
         // Another CPU stored it first; a collision then shows at the next lookup.
         Err(err) if err == -EEXIST => id,
@@ -352,24 +362,6 @@ pub extern "C" fn walk_and_store(which: u32, kind: u32, ours: u64) -> u64 {
             NO_STACK
         }
     }
-}
-
-/// Keeps the compiler from moving memory accesses across it, and is no instruction: tasks on one
-/// CPU see each other's writes in program order, so this is all a task preempting another needs.
-/// LLVM's BPF back end has no `fence`.
-#[inline(always)]
-fn compiler_barrier() {
-    // SAFETY: an empty instruction sequence; without `nomem`, the compiler assumes it reads and
-    // writes any memory.
-    unsafe { core::arch::asm!("", options(nostack, preserves_flags)) }
-}
-
-/// Whether no other task walked on this CPU since the walk whose `Scratch::uses` was `ours` began:
-/// what was read from the scratch before this call is that walk's.
-fn still_ours(scratch: *const Scratch, ours: u64) -> bool {
-    compiler_barrier();
-    // SAFETY: this CPU's scratch; a read of its count.
-    unsafe { core::ptr::read_volatile(&raw const (*scratch).uses) == ours }
 }
 
 /// The state of a walk between frames.
@@ -400,8 +392,6 @@ struct Walk {
     bp_saved_at: u64,
     /// Whether the walk is remembered (see `memo`).
     memoize: u32,
-    /// `Scratch::uses` when it began.
-    ours: u64,
     /// The process, registers and `MAPPINGS_GENERATION` it began with (cached rows of another
     /// generation are stale).
     start: Start,

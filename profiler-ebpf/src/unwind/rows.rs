@@ -12,7 +12,7 @@ use profiler_common::{
     UNWIND_SHARD_BITS, UNWIND_SHARD_ROWS,
 };
 
-use super::{changes::NO_LIST, compiler_barrier, frames::end, still_ours, Scratch, Walk, SCRATCH};
+use super::{changes::NO_LIST, frames::end, Scratch, Walk, SCRATCH};
 use crate::shared::NO_PREALLOC;
 
 /// Rows of every file's unwind table, each file a sorted slice of one index space cut in shards
@@ -34,15 +34,15 @@ const ROW_STEPS: usize = 24;
 /// Leaves the row for frame address `address` in the walk's `row` and `row_kind`: from this CPU's
 /// cache, else by `search_mapping` and `search_row`. False when the walk ended (no mapping or row
 /// covers the address).
-/// `ours`: the walk's `Scratch::uses` when it began.
-pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry: bool) -> bool {
-    // SAFETY (each dereference below): this CPU's scratch and cache; see `Scratch::uses` for
-    // another task using them meanwhile, and `CachedRow::check` for a slot left half filled. No
-    // reference into the scratch lives across the searches, which take their own.
+pub(super) fn frame_row(scratch: *mut Scratch, address: u64, at_entry: bool) -> bool {
+    // SAFETY (each dereference below): this CPU's scratch and cache, which the walk holds (see
+    // `stack_id`). No reference into the scratch lives across the searches, which take their own.
     let slot = ROW_CACHE.get_ptr_mut(cache_slot(address, unsafe { (*scratch).walk.start.tgid }));
     if let Some(slot) = slot {
         let (slot, walk) = unsafe { (&*slot, &mut (*scratch).walk) };
-        if slot.keys(address, walk, at_entry) && slot.lent(address, walk) {
+        if slot.holds(address, walk, at_entry) {
+            copy_row(&mut walk.row, &slot.row);
+            walk.row_kind = slot.kind & !AT_ENTRY;
             return true;
         }
     }
@@ -50,13 +50,7 @@ pub(super) fn frame_row(scratch: *mut Scratch, ours: u64, address: u64, at_entry
         return false;
     }
     if let Some(slot) = slot {
-        let slot = unsafe { &mut *slot };
-        slot.fill(address, unsafe { &(*scratch).walk }, at_entry);
-        // Once the slot's check is written: a task that walked on this CPU since this walk began
-        // may have left its row in the walk, which the cache must not keep under this address.
-        if !still_ours(scratch, ours) {
-            slot.check ^= 1;
-        }
+        unsafe { (*slot).fill(address, &(*scratch).walk, at_entry) };
     }
     true
 }
@@ -128,7 +122,8 @@ static ROW_CACHE: PerCpuArray<CachedRow> = PerCpuArray::with_max_entries(ROW_CAC
 const ROW_CACHE_SLOTS: u32 = 1 << ROW_CACHE_BITS;
 const ROW_CACHE_BITS: u32 = 12;
 
-/// The row of `pc` in process `tgid` while its mappings are those of `generation`.
+/// The row of `pc` in process `tgid` while its mappings are those of `generation`. A slot never
+/// filled matches no walk: no process has tgid 0.
 #[repr(C)]
 struct CachedRow {
     pc: u64,
@@ -137,9 +132,6 @@ struct CachedRow {
     row: UnwindRow,
     /// The mapping's kind, and `AT_ENTRY` for a function's first instruction.
     kind: u32,
-    /// A hash of the fields above: a task preempted while it filled the slot leaves a mix,
-    /// which must not pass for a row.
-    check: u64,
 }
 
 const AT_ENTRY: u32 = 1 << 16;
@@ -149,25 +141,11 @@ fn cache_slot(pc: u64, tgid: u32) -> u32 {
 }
 
 impl CachedRow {
-    /// Whether the slot is keyed by `pc` in the walk's process and generation, at an entry or not.
-    fn keys(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
+    fn holds(&self, pc: u64, walk: &Walk, at_entry: bool) -> bool {
         self.pc == pc
             && self.tgid == walk.start.tgid
             && self.generation == walk.start.generation
             && (self.kind & AT_ENTRY != 0) == at_entry
-    }
-
-    /// Copies the slot's row and kind into the walk, and whether they are `pc`'s whole: checked
-    /// after the copy, so that a task that fills the slot meanwhile (one preempted in `fill`)
-    /// cannot leave this walk its row.
-    fn lent(&self, pc: u64, walk: &mut Walk) -> bool {
-        let kind = self.kind;
-        copy_row(&mut walk.row, &self.row);
-        walk.row_kind = kind & !AT_ENTRY;
-        compiler_barrier();
-        // SAFETY: a field of this slot, read after the copy.
-        let check = unsafe { core::ptr::read_volatile(&self.check) };
-        check == row_hash(pc, walk.start.tgid, walk.start.generation, &walk.row, kind)
     }
 
     /// Keeps the walk's `row` and `row_kind` for `pc`.
@@ -175,22 +153,7 @@ impl CachedRow {
         (self.pc, self.tgid, self.generation) = (pc, walk.start.tgid, walk.start.generation);
         copy_row(&mut self.row, &walk.row);
         self.kind = walk.row_kind | if at_entry { AT_ENTRY } else { 0 };
-        let check = row_hash(pc, self.tgid, self.generation, &self.row, self.kind);
-        compiler_barrier();
-        // SAFETY: a field of this slot. Volatile, after the fields: `frame_row` reads the walk's
-        // count after it.
-        unsafe { core::ptr::write_volatile(&mut self.check, check) };
     }
-}
-
-/// A cached row's check: a hash of its key and value.
-fn row_hash(pc: u64, tgid: u32, generation: u32, row: &UnwindRow, kind: u32) -> u64 {
-    let rule = (row.cfa_offset as u32 as u64) << 32
-        | (row.rbp_offset as u16 as u64) << 16
-        | (row.cfa as u64) << 8
-        | row.rbp as u64;
-    let ids = (tgid as u64) << 32 | generation as u64;
-    (pc ^ ids.rotate_left(17) ^ rule.rotate_left(41) ^ kind as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)
 }
 
 /// 1 when `low <= high`, else 0, without a branch (addresses are far below 2^63): every branch
