@@ -94,7 +94,8 @@ fn a_full_live_table_counts_every_lost_allocation_and_recovers_once_it_has_room(
     assert_eq!(total(&report, "outstanding_allocations"), RECOVERED);
     assert_eq!(total(&report, "outstanding_bytes"), RECOVERED * RECOVERED_SIZE);
     assert_consistent(&report);
-    // A walk preempted on a busy CPU loses its stack, not its counts.
+    // A walk that begins while a walk preempted on its busy CPU holds the CPU's scratch loses its
+    // stack, not its counts.
     assert_only_dropped(&report, &["live_map_full", "stack_preempted"]);
 }
 
@@ -120,7 +121,7 @@ fn a_full_stack_table_counts_new_stacks_and_keeps_the_old_ones_exact() {
     let stored = report["stacks"].as_array().unwrap().iter().filter(|s| s["frames"] != Value::Array(vec![])).count();
     assert!(stored <= max_stacks, "{stored} stacks in a table of {max_stacks}: {report}");
     assert_consistent(&report);
-    // A walk preempted on a busy CPU is counted too.
+    // A walk that begins while a preempted one holds its CPU's scratch is counted too.
     assert_only_dropped(&report, &["stack_table_full", "stack_preempted"]);
 }
 

@@ -204,7 +204,9 @@ impl Regs {
 /// Uprobe programs run with migration disabled but may be preempted: another task's walk on
 /// this CPU may begin while this one is half done. A walk holds the CPU's scratch from its start
 /// to its end, and one that finds it held keeps no stack (`stack_preempted`), so that no walk
-/// mixes with another's. BPF programs always run to their end: the holder lets go.
+/// mixes with another's. BPF programs always run to their end: the holder lets go. Until it runs
+/// again, every walk on its CPU is dropped so (a task preempted mid-walk on a CPU busy with
+/// tasks of higher priority: many `stack_preempted` there).
 #[inline(always)]
 pub fn stack_id(which: u32, tgid: u32, regs: Regs) -> u64 {
     let Some(scratch) = SCRATCH.get_ptr_mut(0) else {
@@ -267,7 +269,8 @@ fn walk_held(which: u32, tgid: u32, regs: Regs, scratch: *mut Scratch) -> u64 {
     walk.list_seen = NO_LIST;
     scratch.window.len = 0;
     scratch.window.reads.clear();
-    // Nothing kept across the calls but their arguments: on 6.1 a larger frame here, with
+    // Nothing kept across the calls but their arguments (and, in `stack_id`, the scratch's address,
+    // in a register, to let go of it): on 6.1 a larger frame here, with
     // `walk_and_store`'s and its loop's under a free's, exceeds the 512 bytes a program's calls
     // may use together.
     let id = recall_walk();
