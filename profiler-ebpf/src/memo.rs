@@ -10,8 +10,7 @@
 //! event loop, walks once per place and depth, not once per call.
 //!
 //! Memos are per CPU, one per slot of their start's hash, used only by the walk that holds the
-//! CPU's scratch (see `unwind::stack_id`). A slot's check, a hash of all it holds, is written
-//! last: a memo is used whole or not at all.
+//! CPU's scratch (see `unwind::stack_id`): a memo is used whole or not at all.
 
 use aya_ebpf::{cty::c_void, macros::map, maps::PerCpuArray};
 use profiler_common::NO_STACK;
@@ -92,8 +91,8 @@ struct Memo {
     /// Each word read, as its index from `low`.
     offsets: [u16; MEMO_WORDS],
     values: [u64; MEMO_WORDS],
-    /// A hash of everything above: 0 for an empty slot.
-    check: u64,
+    /// 1 once `remember` wrote all of the above; 0 for an empty slot, or one it gave up on.
+    whole: u64,
 }
 
 const MEMO_SLOTS: u32 = 128;
@@ -108,26 +107,12 @@ fn slot(start: &Start) -> Option<&'static mut Memo> {
     MEMOS.get_ptr_mut(index).map(|memo| unsafe { &mut *memo })
 }
 
-fn mix(hash: u64, word: u64) -> u64 {
-    (hash ^ word).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(29)
-}
-
-fn header_hash(memo: &Memo) -> u64 {
-    let ids = (memo.tgid as u64) << 32 | memo.generation as u64;
-    let shape = (memo.uses_bp as u64) << 32 | memo.count as u64;
-    let mut hash = mix(0x2545_f491_4f6c_dd1d, memo.pc);
-    for word in [memo.sp, memo.bp, ids, shape, memo.low, memo.len, memo.stack_id] {
-        hash = mix(hash, word);
-    }
-    hash
-}
-
 /// The stack id remembered for a walk from `start`, if every word it read is still the same;
 /// `window` receives the copy it is checked against. `NO_STACK` otherwise.
 #[inline(never)]
 pub fn recall(start: &Start, window: &mut [u64; WINDOW_WORDS]) -> u64 {
     let Some(memo) = slot(start) else { return NO_STACK };
-    if memo.check == 0
+    if memo.whole == 0
         || memo.pc != start.pc
         || memo.sp != start.sp
         || memo.tgid != start.tgid
@@ -150,7 +135,6 @@ pub fn recall(start: &Start, window: &mut [u64; WINDOW_WORDS]) -> u64 {
     if copied != 0 {
         return NO_STACK;
     }
-    let mut hash = header_hash(memo);
     for index in 0..MEMO_WORDS {
         if index >= memo.count as usize {
             break;
@@ -161,10 +145,6 @@ pub fn recall(start: &Start, window: &mut [u64; WINDOW_WORDS]) -> u64 {
         if window.get(offset as usize & (WINDOW_WORDS - 1)).copied() != Some(value) {
             return NO_STACK;
         }
-        hash = mix(hash, (offset as u64) << 48 ^ value);
-    }
-    if hash != memo.check {
-        return NO_STACK;
     }
     memo.stack_id
 }
@@ -193,11 +173,10 @@ pub fn remember(start: &Start, uses_bp: u32, reads: &Reads, stack_id: u64) {
     }
     let Some(memo) = slot(start) else { return };
     // Emptied first: a `remember` that gives up below leaves no memo.
-    memo.check = 0;
+    memo.whole = 0;
     (memo.pc, memo.sp, memo.bp) = (start.pc, start.sp, start.bp);
     (memo.tgid, memo.generation, memo.uses_bp, memo.count) = (start.tgid, start.generation, uses_bp, count as u32);
     (memo.low, memo.len, memo.stack_id) = (low, len, stack_id);
-    let mut hash = header_hash(memo);
     for index in 0..MEMO_WORDS {
         if index >= count {
             break;
@@ -214,7 +193,6 @@ pub fn remember(start: &Start, uses_bp: u32, reads: &Reads, stack_id: u64) {
         if let (Some(at), Some(held)) = (memo.offsets.get_mut(nth(index)), memo.values.get_mut(nth(index))) {
             (*at, *held) = (offset, value);
         }
-        hash = mix(hash, (offset as u64) << 48 ^ value);
     }
-    memo.check = hash;
+    memo.whole = 1;
 }
