@@ -10,7 +10,8 @@
 //! event loop, walks once per place and depth, not once per call.
 //!
 //! Memos are per CPU, one per slot of their start's hash, used only by the walk that holds the
-//! CPU's scratch (see `unwind::stack_id`): a memo is used whole or not at all.
+//! CPU's scratch (see `unwind::stack_id`). `remember` sets a slot's `whole` flag last: a memo is
+//! used whole or not at all.
 
 use aya_ebpf::{cty::c_void, macros::map, maps::PerCpuArray};
 use profiler_common::NO_STACK;
