@@ -51,18 +51,34 @@ impl io::Write for Stderr {
 }
 
 /// `write_all` then `flush` to `out`, descriptor `fd`, waiting while it is full.
-pub fn write_waiting(out: &mut impl io::Write, fd: RawFd, mut text: &[u8]) -> io::Result<()> {
-    while !text.is_empty() {
-        match out.write(text) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(written) => text = &text[written..],
-            Err(err) => wait_if_full(fd, err)?,
+pub fn write_waiting(out: &mut impl io::Write, fd: RawFd, text: &[u8]) -> io::Result<()> {
+    let mut waiting = Waiting { out, fd };
+    io::Write::write_all(&mut waiting, text)?;
+    io::Write::flush(&mut waiting)
+}
+
+/// `out`, descriptor `fd`, whose writes and flushes wait while it is full.
+pub struct Waiting<W> {
+    pub out: W,
+    pub fd: RawFd,
+}
+
+impl<W: io::Write> io::Write for Waiting<W> {
+    fn write(&mut self, text: &[u8]) -> io::Result<usize> {
+        loop {
+            match self.out.write(text) {
+                Err(err) => wait_if_full(self.fd, err)?,
+                written => return written,
+            }
         }
     }
-    loop {
-        match out.flush() {
-            Ok(()) => return Ok(()),
-            Err(err) => wait_if_full(fd, err)?,
+
+    fn flush(&mut self) -> io::Result<()> {
+        loop {
+            match self.out.flush() {
+                Ok(()) => return Ok(()),
+                Err(err) => wait_if_full(self.fd, err)?,
+            }
         }
     }
 }

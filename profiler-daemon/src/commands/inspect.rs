@@ -14,7 +14,7 @@ use crate::{
     },
     console::say,
     error::UserError,
-    format,
+    format::{self, Flame},
     heap::report::Report,
     process::procfs,
 };
@@ -51,7 +51,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<i32> {
         },
     };
     let report: Report = serde_json::from_slice(&body).context("the daemon's answer is not a report")?;
-    output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
+    output.write_report(&format::select(&report, format, args.top), format, Flame::Bytes)?;
     if let Some(inspection) = &report.inspection {
         say!(
             "memprof: pid {pid} inspected by the daemon at {url}: held still {:.1} ms; it stays traced",

@@ -10,7 +10,7 @@
 use std::{
     ffi::CString,
     fs::{self, File, OpenOptions},
-    io::{self, Write as _},
+    io::{self, BufWriter, Seek as _, SeekFrom, Write},
     os::{
         fd::AsRawFd as _,
         unix::ffi::OsStrExt as _,
@@ -20,9 +20,10 @@ use std::{
 };
 
 use crate::{
-    console,
+    console::Waiting,
     error::{InProc, UserError},
-    format::{self, Format},
+    format::{self, Flame, Format},
+    heap::report::Report,
 };
 
 pub enum ReportOutput {
@@ -65,17 +66,18 @@ impl ReportOutput {
         }
     }
 
-    /// Writes one complete report (a streamed format's next one, or the only one) and, for a
-    /// file, puts it in place.
-    pub fn write_report(&mut self, report: &[u8]) -> Result<(), UserError> {
+    /// Writes one complete report (a streamed format's next one, or the only one) in `format`,
+    /// its flame graph of what `flame` measures, and, for a file, puts it in place.
+    pub fn write_report(&mut self, report: &Report, format: Format, flame: Flame) -> Result<(), UserError> {
+        let write = |out: &mut dyn Write| format::write(report, format, flame, out);
         match self {
             Self::Stdout { closed: true } => Ok(()),
             Self::Stdout { closed } => {
-                *closed = !print(report)?;
+                *closed = !print_with(write)?;
                 Ok(())
             }
             Self::File(file) => {
-                file.append(report).map_err(|cause| UserError::Output { path: file.path.clone(), cause })
+                file.append_with(write).map_err(|cause| UserError::Output { path: file.path.clone(), cause })
             }
         }
     }
@@ -90,9 +92,14 @@ impl ReportOutput {
 /// Writes `text` to standard output; returns false when its reader has gone (`| head -1`), which
 /// is not an error: whoever read it has what they wanted.
 pub fn print(text: &[u8]) -> Result<bool, UserError> {
+    print_with(|out| out.write_all(text))
+}
+
+/// `print`, of what `write` writes.
+fn print_with(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<bool, UserError> {
     let stdout = io::stdout();
     let fd = stdout.as_raw_fd();
-    match console::write_waiting(&mut stdout.lock(), fd, text) {
+    match buffered(Waiting { out: stdout.lock(), fd }, write) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(false),
         Err(cause) => Err(UserError::Stdout(cause)),
@@ -196,23 +203,32 @@ impl ReportFile {
 
     /// Appends a complete report (or record) and puts the file in place.
     pub fn append(&mut self, report: &[u8]) -> io::Result<()> {
+        self.append_with(|out| out.write_all(report))
+    }
+
+    /// `append`, of what `write` writes: a report written as it is made (JSON) is never held
+    /// whole in memory.
+    pub fn append_with(&mut self, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> io::Result<()> {
         // On disk before it replaces the old file: a full disk fails here, not after the rename.
         // A device or pipe may be non-blocking (a descriptor given as whoever opened it set it):
         // the write waits while it is full.
-        let fd = self.file.as_raw_fd();
         let written = if self.device {
-            console::write_waiting(&mut self.file, fd, report)
+            buffered(Waiting { out: &self.file, fd: self.file.as_raw_fd() }, write)
         } else {
-            self.file.write_all(report).and_then(|()| self.file.sync_data())
+            buffered(&self.file, write).and_then(|()| self.file.sync_data())
         };
         if let Err(err) = written {
             if !self.device {
-                // A report cut short is taken back: the file ends with the last one written whole.
+                // A report cut short is taken back: the file ends with the last one written
+                // whole, and the next one is written there.
                 let _ = self.file.set_len(self.length);
+                let _ = (&self.file).seek(SeekFrom::Start(self.length));
             }
             return Err(err);
         }
-        self.length += report.len() as u64;
+        if !self.device {
+            self.length = (&self.file).stream_position()?;
+        }
         if !self.placed {
             if self.unnamed {
                 self.name()?;
@@ -254,6 +270,20 @@ impl Drop for ReportFile {
         }
     }
 }
+
+/// Runs `write` into `out` through a buffer, flushed at its end; after an error, what the buffer
+/// holds is dropped unwritten.
+fn buffered(out: impl Write, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> io::Result<()> {
+    let mut buffer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, out);
+    let written = write(&mut buffer).and_then(|()| buffer.flush());
+    if written.is_err() {
+        let _ = buffer.into_parts();
+    }
+    written
+}
+
+/// How much of a report is gathered before a write: serde_json writes token by token.
+const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
 /// The descriptors open when memprof started, before it opened any of its own (see
 /// `given_descriptor`).

@@ -75,7 +75,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
             let mut generated = None;
             for report in &recording.reports {
                 let report = shown(report)?;
-                output.write_report(&format::render(&report, format))?;
+                output.write_report(&report, format, Flame::Bytes)?;
                 generated = suppressing.generated(&report);
             }
             suppress::print(generated)?;
@@ -90,7 +90,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<i32> {
                 // Only a final report carries the heap's timeline: the intervals' give it back.
                 with_timelines(&mut report, &recording.reports[..=upto]);
             }
-            output.write_report(&format::render_flame(&report, format, flame))?;
+            output.write_report(&report, format, flame)?;
             if let Some(line) = format::left_out_of(&report, format) {
                 say!("{line}");
             }

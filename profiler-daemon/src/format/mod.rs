@@ -13,7 +13,11 @@ mod table;
 pub use html::escape;
 pub use table::{describe, site};
 
-use std::{collections::HashSet, io::IsTerminal as _, path::Path};
+use std::{
+    collections::HashSet,
+    io::{self, IsTerminal as _},
+    path::Path,
+};
 
 use clap::ValueEnum;
 
@@ -192,6 +196,14 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     render_flame(report, format, Flame::Bytes)
 }
 
+/// `render_flame`, written to `out`: JSON as it is made, the others once rendered.
+pub fn write(report: &Report, format: Format, flame: Flame, out: &mut dyn io::Write) -> io::Result<()> {
+    if format == Format::Json {
+        return json::write(report, out);
+    }
+    out.write_all(&render_flame(report, format, flame))
+}
+
 /// `render`, with flame graphs and folded stacks of what `flame` measures.
 pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
     // Table and JSON have a section per process; the others draw one profile, with each process
@@ -206,7 +218,11 @@ pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
     };
     match format {
         Format::Table => line(table::render(report)),
-        Format::Json => line(json::render(report)),
+        Format::Json => {
+            let mut written = Vec::new();
+            json::write(report, &mut written).expect("writing to memory cannot fail");
+            written
+        }
         Format::Folded => folded::render(report, flame).into_bytes(),
         Format::Flamegraph => flamegraph::render(report, flame),
         Format::Html => html::render(report).into_bytes(),

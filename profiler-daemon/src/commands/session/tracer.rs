@@ -18,7 +18,7 @@ use crate::{
     commands::suppress,
     commands::target::{self, ExitWatch},
     console::say,
-    format::{self, Format},
+    format::{self, Flame, Format},
     heap::blind_spots::BlindSpots,
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
@@ -536,7 +536,7 @@ pub(super) async fn trace(
             // Off the live screen before the final report.
             live = None;
             if report.is_final || format.streams() {
-                output.write_report(&format::render(&format::select(&report, format, args.top), format))?;
+                output.write_report(&format::select(&report, format, args.top), format, Flame::Bytes)?;
                 if let (true, Some(line)) = (report.is_final, format::left_out_of(&report, format)) {
                     say!("{line}");
                 }
