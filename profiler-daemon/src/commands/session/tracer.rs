@@ -22,6 +22,7 @@ use crate::{
     heap::blind_spots::BlindSpots,
     heap::context::RunContext,
     heap::inspect::{self, Inspection},
+    heap::known_stacks::KnownStacks,
     heap::price::{Mode, PriceWatch, SystemCpu},
     heap::report::{self, Report, Selection},
     heap::resident::{HeapNow, PinnedBudget, PinnedWalk, Resident},
@@ -108,7 +109,9 @@ struct Tracer<'a> {
 const EXITS_GATHERED_NS: u64 = 250_000_000;
 
 impl Tracer<'_> {
-    fn stacks(&self, pid: u32) -> report::Stacks<'_> {
+    /// `pid`'s stacks; those symbolized for one report kept in `known`, which a report's build
+    /// fills a few hundred at a time (see `Stacks::symbolize_all`).
+    fn stacks<'s>(&'s self, pid: u32, known: Option<&'s KnownStacks>) -> report::Stacks<'s> {
         report::Stacks {
             ebpf: &self.loaded.ebpf,
             unwind: &self.loaded.unwind,
@@ -116,7 +119,7 @@ impl Tracer<'_> {
             pid,
             // A child's times count from when it was followed, not from the session's start.
             start_ns: self.family.get(pid).map_or(self.start_ns, |process| process.start_ns),
-            known: None,
+            known,
             wrappers: &self.wrappers,
         }
     }
@@ -191,7 +194,7 @@ impl Tracer<'_> {
 
     fn add_double_frees(&mut self, events: Vec<DoubleFreeEvent>) {
         for event in events {
-            let double_free = self.stacks(event.tgid).double_free(&event);
+            let double_free = self.stacks(event.tgid, None).double_free(&event);
             let seen_whole = self.loaded.double_free_seen_whole(&event);
             let Some(process) = self.family.get_mut(event.tgid) else { continue };
             process.double_frees.take(double_free, process.double_free_filter.as_ref(), seen_whole);
@@ -293,8 +296,11 @@ impl Tracer<'_> {
             .processes()
             .filter(|p| pids.contains(&p.pid))
             .map(|process| {
+                // For this report only: the session reads every process's mappings again each
+                // interval, which may name its stacks anew.
+                let known = KnownStacks::default();
                 let ctx = report::Context {
-                    stacks: self.stacks(process.pid),
+                    stacks: self.stacks(process.pid, Some(&known)),
                     comm: &process.comm,
                     ns_pid: process.ns_pid,
                     double_frees: &process.double_frees,
@@ -311,7 +317,7 @@ impl Tracer<'_> {
                     report.threads = tally.view(self.thread_names.get(&process.pid));
                 }
                 if let Some(inspection) = inspection.take_if(|_| process.pid == self.family.root) {
-                    report::add_inspection(&mut report, inspection, &self.stacks(process.pid));
+                    report::add_inspection(&mut report, inspection, &self.stacks(process.pid, Some(&known)));
                 }
                 self.suppressions.apply(&mut report);
                 if !self.args.filters.is_empty() {

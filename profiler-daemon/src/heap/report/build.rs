@@ -240,6 +240,9 @@ impl<'a> Names<'a> {
     ) -> Vec<(String, Frames, Vec<&'s StackSnapshot>)> {
         let mut chosen: Vec<&StackSnapshot> = snapshot.stacks.iter().filter(|s| value(s) > 0).collect();
         chosen.sort_by_key(|s| std::cmp::Reverse(value(s)));
+        // Every one is named, in requests of a few hundred: past the `top`, a stack may still be
+        // a twin of one listed.
+        self.ctx.stacks.symbolize_all(chosen.iter().map(|s| s.stored_id));
         let mut named: Vec<(String, Frames, Vec<&'s StackSnapshot>)> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
         for stack in chosen {
