@@ -55,7 +55,7 @@ pub struct Module {
 /// address of one process) is in many stacks and in every interval's report, and is stored once
 /// (the symbolizer's cache holds it), so a report's size grows with its stacks' depth by a pointer
 /// a frame, not by the frame's names.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Frame(Arc<FrameInfo>);
 
@@ -84,7 +84,7 @@ impl std::ops::DerefMut for Frame {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct FrameInfo {
     /// The return address as found on the stack.
     pub address: String,

@@ -10,7 +10,10 @@
 //! Each interval's record is the session's report in full (every stack, the freed ones too, and
 //! double frees), from which `format::select` takes what each format shows, as the live session
 //! does; and every stack held at the peak, for `memprof report --at peak`. A stack's frames are
-//! stored once, in the record where the stack first appears.
+//! stored once, in the record where the stack first appears, as numbers in the file's table of
+//! frames; each frame is stored once, in the record where it first appears (stacks share most of
+//! their frames: the 65,536 stacks of 122 frames of `tests/fixtures/many_stacks.c` name 11). Format 1 stored each
+//! stack's frames whole; it is still read.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -21,15 +24,23 @@ use std::{
 use flate2::{read::DeflateDecoder, write::DeflateEncoder, Compression, Crc};
 use serde::{Deserialize, Serialize};
 
-use crate::{commands::output::ReportFile, heap::report::Report, process::memory, symbolize::Frames};
+use crate::{
+    commands::output::ReportFile,
+    heap::report::Report,
+    process::memory,
+    symbolize::{Frame, Frames},
+};
 
 /// The file's first line: what it is, and the version of its records.
-const MAGIC: &[u8] = b"memprof recording 1\n";
+const MAGIC: &[u8] = b"memprof recording 2\n";
+/// The first line of format 1, whose stacks hold their frames whole.
+const MAGIC_1: &[u8] = b"memprof recording 1\n";
 
 /// The JSON given to the deflater at once.
 const JSON_CHUNK: usize = 64 << 10;
 
-/// The largest record read: a report of 64 Ki stacks of 127 frames is far less.
+/// The largest record read: a report of 64 Ki stacks of 127 frames, each frame a number, is far
+/// less.
 const MAX_RECORD: u32 = 256 << 20;
 
 #[derive(Debug, thiserror::Error)]
@@ -40,7 +51,7 @@ pub enum RecordingError {
     Read { path: PathBuf, cause: std::io::Error },
     #[error("{path} is not a memprof recording (one is made by `memprof attach` or `run` with --record FILE)")]
     NotARecording { path: PathBuf },
-    #[error("{path} is a recording of format {version}, made by a newer memprof than this one (format 1); render it with that memprof")]
+    #[error("{path} is a recording of format {version}, made by a newer memprof than this one (format 2); render it with that memprof")]
     Newer { path: PathBuf, version: String },
     #[error("{path} is a recording memprof cannot read: {detail}; render it with the memprof version that made it")]
     Unreadable { path: PathBuf, detail: String },
@@ -70,6 +81,9 @@ enum Record {
     /// An interval's report (`report.final` false), or the final one.
     Report {
         report: Box<Report>,
+        /// The frames that appear for the first time, numbered on from the file's last.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        new_frames: Vec<Frame>,
         /// The frames of the stacks that appear for the first time; the report's stacks have
         /// theirs taken out.
         new_stacks: Vec<SavedStack>,
@@ -82,6 +96,11 @@ enum Record {
 struct SavedStack {
     pid: u32,
     stack_id: String,
+    /// Their numbers in the file's table of frames.
+    #[serde(default)]
+    frame_numbers: Vec<u32>,
+    /// Format 1's: the frames whole.
+    #[serde(default, skip_serializing)]
     frames: Frames,
 }
 
@@ -91,6 +110,8 @@ pub struct RecordingWriter {
     path: PathBuf,
     /// The (pid, stack id) of the stacks whose frames are in the file.
     saved: HashSet<(u32, String)>,
+    /// The frames in the file, by their numbers.
+    frame_numbers: HashMap<Frame, u32>,
 }
 
 impl RecordingWriter {
@@ -99,7 +120,7 @@ impl RecordingWriter {
     pub fn create(path: &Path) -> Result<Self, RecordingError> {
         let file =
             ReportFile::create(path).map_err(|cause| RecordingError::Write { path: path.to_path_buf(), cause })?;
-        Ok(Self { file, path: path.to_path_buf(), saved: HashSet::new() })
+        Ok(Self { file, path: path.to_path_buf(), saved: HashSet::new(), frame_numbers: HashMap::new() })
     }
 
     pub fn start(&mut self, settings: Settings) -> Result<(), RecordingError> {
@@ -111,18 +132,33 @@ impl RecordingWriter {
     /// Appends `report` (and its children's), on disk when this returns.
     pub fn report(&mut self, report: &Report) -> Result<(), RecordingError> {
         let mut report = report.clone();
-        let mut new_stacks = Vec::new();
+        let (mut new_frames, mut new_stacks) = (Vec::new(), Vec::new());
         report.for_each_process(&mut |process| {
             let pid = process.pid;
             for (stack_id, frames) in stack_frames(process) {
                 let frames = std::mem::take(frames);
-                if !frames.is_empty() && self.saved.insert((pid, stack_id.clone())) {
-                    new_stacks.push(SavedStack { pid, stack_id: stack_id.clone(), frames });
+                if frames.is_empty() || !self.saved.insert((pid, stack_id.clone())) {
+                    continue;
                 }
+                let frame_numbers = (frames.iter())
+                    .map(|frame| {
+                        let next = self.frame_numbers.len() as u32;
+                        *self.frame_numbers.entry(frame.clone()).or_insert_with(|| {
+                            new_frames.push(frame.clone());
+                            next
+                        })
+                    })
+                    .collect();
+                new_stacks.push(SavedStack {
+                    pid,
+                    stack_id: stack_id.clone(),
+                    frame_numbers,
+                    frames: Frames::default(),
+                });
             }
         });
         let mut bytes = Vec::new();
-        frame(&Record::Report { report: Box::new(report), new_stacks }, &mut bytes);
+        frame(&Record::Report { report: Box::new(report), new_frames, new_stacks }, &mut bytes);
         self.append(&bytes)
     }
 
@@ -190,7 +226,7 @@ impl Recording {
         let mut file = std::fs::File::open(path).map_err(read)?;
         let mut start = vec![0; MAGIC.len()];
         let whole = file.read_exact(&mut start).is_ok();
-        if !whole || start != MAGIC {
+        if !whole || (start != MAGIC && start != MAGIC_1) {
             return Err(match newer_version(&start, &mut file) {
                 Some(version) => RecordingError::Newer { path: path.to_path_buf(), version },
                 None => RecordingError::NotARecording { path: path.to_path_buf() },
@@ -205,9 +241,11 @@ impl Recording {
 
     /// `budget`: the inflated bytes of all records together that may be read.
     fn parse(bytes: &[u8], mut budget: u64) -> Result<Self, Problem> {
-        let mut rest = bytes.strip_prefix(MAGIC).ok_or(Problem::NotARecording)?;
+        let mut rest =
+            bytes.strip_prefix(MAGIC).or_else(|| bytes.strip_prefix(MAGIC_1)).ok_or(Problem::NotARecording)?;
         let mut settings = None;
         let mut reports = Vec::new();
+        let mut table: Vec<Frame> = Vec::new();
         let mut frames: HashMap<(u32, String), Frames> = HashMap::new();
         let mut ended_early = None;
         while !rest.is_empty() {
@@ -234,15 +272,26 @@ impl Recording {
                 parsed.map_err(|err| Problem::Unreadable(format!("a record is not one this memprof knows: {err}")))?;
             match record {
                 Record::Start { settings: start } => settings = Some(start),
-                Record::Report { mut report, new_stacks } => {
+                Record::Report { mut report, new_frames, new_stacks } => {
                     // What the record takes in memory past its JSON: each frame and each stack a
-                    // struct of their own, more than their text where names are short.
-                    let mut structs =
-                        new_stacks.iter().map(|stack| stack.frames.len() as u64).sum::<u64>() * FRAME_BYTES;
+                    // struct of their own, more than their text where names are short, and a
+                    // pointer for each frame of a stack.
+                    let whole = new_stacks.iter().map(|stack| stack.frames.len() as u64).sum::<u64>();
+                    let numbered = new_stacks.iter().map(|stack| stack.frame_numbers.len() as u64).sum::<u64>();
+                    let mut structs = (whole + new_frames.len() as u64) * FRAME_BYTES + numbered * FRAME_REF_BYTES;
                     report.for_each_process(&mut |process| structs += process.stacks.len() as u64 * STACK_BYTES);
                     budget = budget.checked_sub(structs).ok_or(Problem::OverBudget)?;
+                    table.extend(new_frames);
                     for stack in new_stacks {
-                        frames.insert((stack.pid, stack.stack_id), stack.frames);
+                        let listed = if stack.frame_numbers.is_empty() {
+                            stack.frames
+                        } else {
+                            (stack.frame_numbers.iter())
+                                .map(|&number| table.get(number as usize).cloned())
+                                .collect::<Option<Frames>>()
+                                .ok_or_else(|| Problem::Unreadable("a stack names a frame no record holds".into()))?
+                        };
+                        frames.insert((stack.pid, stack.stack_id), listed);
                     }
                     report.for_each_process(&mut |process| {
                         let pid = process.pid;
@@ -278,6 +327,7 @@ impl Recording {
 /// A frame and a stack in memory, besides their text (see `Recording::parse`'s budget).
 const FRAME_BYTES: u64 = (std::mem::size_of::<crate::symbolize::FrameInfo>() + 16) as u64;
 const STACK_BYTES: u64 = std::mem::size_of::<crate::heap::report::StackReport>() as u64;
+const FRAME_REF_BYTES: u64 = std::mem::size_of::<Frame>() as u64;
 
 /// The format a later memprof's recording names on its first line (`memprof recording 2`), whose
 /// first bytes `start` are; None for a file that is no recording.
@@ -290,7 +340,7 @@ fn newer_version(start: &[u8], file: &mut std::fs::File) -> Option<String> {
         line.push(byte[0]);
     }
     let version = std::str::from_utf8(line.strip_suffix(b"\n")?).ok()?;
-    (version.parse::<u32>().ok()? > 1).then(|| version.to_string())
+    (version.parse::<u32>().ok()? > 2).then(|| version.to_string())
 }
 
 /// A reader that gives at most `left` bytes and fails, setting `over`, when there are more.
@@ -425,6 +475,50 @@ mod tests {
     }
 
     #[test]
+    fn stacks_that_share_frames_store_each_frame_once() {
+        let mut report = samples::report();
+        let mut other = report.stacks[0].clone();
+        other.stack_id = "02".into();
+        let frames = [samples::frame("other_leaf", None, None)].into_iter().chain(other.frames.iter().cloned());
+        other.frames = frames.collect();
+        report.stacks.push(other);
+        let bytes = recording(&[report.clone()]);
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
+        assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&report)]);
+        let mut rest = &bytes[MAGIC.len()..];
+        let records: Vec<String> = std::iter::from_fn(|| next_payload(&mut rest).ok())
+            .map(|payload| std::io::read_to_string(DeflateDecoder::new(payload)).unwrap())
+            .collect();
+        assert_eq!(records[1].matches("leak_here").count(), 1, "{}", records[1]);
+    }
+
+    #[test]
+    fn a_recording_of_format_1_is_read() {
+        let report = samples::report();
+        let mut saved = report.clone();
+        let stack = &mut saved.stacks[0];
+        let frames = std::mem::take(&mut stack.frames);
+        let mut bytes = MAGIC_1.to_vec();
+        frame(&Record::Start { settings: Settings { top: 3, interval_s: 0.5 } }, &mut bytes);
+        // Format 1 wrote each stack's frames whole, under `frames`.
+        let record = serde_json::json!({
+            "kind": "report",
+            "report": saved,
+            "new_stacks": [{ "pid": saved.pid, "stack_id": saved.stacks[0].stack_id, "frames": frames }],
+        });
+        let mut deflate = DeflateEncoder::new(Vec::new(), Compression::default());
+        serde_json::to_writer(&mut deflate, &record).unwrap();
+        let payload = deflate.finish().unwrap();
+        let mut crc = Crc::new();
+        crc.update(&payload);
+        bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&crc.sum().to_le_bytes());
+        bytes.extend_from_slice(&payload);
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
+        assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&report)]);
+    }
+
+    #[test]
     fn a_file_cut_anywhere_reads_up_to_its_last_whole_record() {
         let mut interval = samples::report();
         interval.is_final = false;
@@ -474,10 +568,14 @@ mod tests {
         while let Ok(payload) = next_payload(&mut rest) {
             inflated += std::io::copy(&mut DeflateDecoder::new(payload), &mut std::io::sink()).unwrap();
         }
-        // Each stack of each report, and each frame once, counted beside the text.
+        // Each stack of each report, each distinct frame once, and each stack's pointer to each of
+        // its frames, counted beside the text.
         let report = samples::report();
-        let frames: usize = report.stacks.iter().map(|stack| stack.frames.len()).sum();
-        let structs = 2 * report.stacks.len() as u64 * STACK_BYTES + frames as u64 * FRAME_BYTES;
+        let frames: Vec<&Frame> = report.stacks.iter().flat_map(|stack| stack.frames.iter()).collect();
+        let distinct = frames.iter().collect::<HashSet<_>>().len() as u64;
+        let structs = 2 * report.stacks.len() as u64 * STACK_BYTES
+            + distinct * FRAME_BYTES
+            + frames.len() as u64 * FRAME_REF_BYTES;
         assert!(Recording::parse(&bytes, inflated + structs).is_ok());
         assert!(matches!(Recording::parse(&bytes, inflated + structs - 1), Err(Problem::OverBudget)));
     }
