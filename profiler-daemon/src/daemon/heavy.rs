@@ -17,15 +17,12 @@ use http_body::Frame;
 use tokio::sync::{mpsc, OnceCell, OwnedSemaphorePermit, Semaphore};
 
 use super::view::TargetView;
-use crate::heap::report::Report;
 
-/// Answers built (or streamed) at once: each holds up to `PAGE_BUDGET` and its output.
+/// Answers built (or streamed) at once: each holds up to the stacks a page holds (see
+/// `format::page`) and its output.
 pub const MAX_BUILDS: usize = 2;
 /// How long a request waits for its turn before it is answered 503.
 const TURN_WAIT: Duration = Duration::from_secs(30);
-/// The JSON of the stacks an HTML page or flame graph draws: the largest stacks that fit, the
-/// others counted in `stacks_not_shown`. A page drawing more would not open in a browser anyway.
-pub const PAGE_BUDGET: usize = 16 << 20;
 /// Bytes of JSON sent at a time, and chunks waiting for a slow client.
 const CHUNK: usize = 64 * 1024;
 const CHUNKS_QUEUED: usize = 4;
@@ -145,26 +142,4 @@ impl http_body::Body for Streamed {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         self.chunks.poll_recv(cx).map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
     }
-}
-
-/// `report` with the largest stacks whose JSON fits in `PAGE_BUDGET`, the rest counted in
-/// `stacks_not_shown`: what the HTML page and the flame graph draw. Frames are shared handles, so
-/// the copy costs the kept stacks' frame lists only.
-pub fn page(report: &Report) -> Report {
-    let mut order: Vec<&_> = report.stacks.iter().collect();
-    order.sort_by_key(|s| std::cmp::Reverse((s.outstanding_bytes, s.allocated_bytes)));
-    let mut spent = 0;
-    let mut kept = Vec::new();
-    for stack in order {
-        let size = serde_json::to_vec(stack).map_or(usize::MAX, |json| json.len());
-        if spent + size > PAGE_BUDGET {
-            break;
-        }
-        spent += size;
-        kept.push(stack.clone());
-    }
-    let mut page = Report { stacks: Vec::new(), children: Vec::new(), ..report.clone() };
-    page.stacks_not_shown = (report.stacks.len() - kept.len()) as u64;
-    page.stacks = kept;
-    page
 }

@@ -263,9 +263,8 @@ async fn flamegraph(State(shared): AppState, RawQuery(query): RawQuery) -> Respo
     let builder = &shared.builder;
     heavy(&shared, query, "/api/v1/flamegraph", |target| async move {
         let built = target.clone();
-        let svg = builder
-            .once(&target.built.flamegraph, move || format::render(&heavy::page(&built.report), Format::Flamegraph))
-            .await?;
+        let svg =
+            builder.once(&target.built.flamegraph, move || format::render(&built.report, Format::Flamegraph)).await?;
         Ok(([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response())
     })
     .await
@@ -275,8 +274,7 @@ async fn html_report(State(shared): AppState, RawQuery(query): RawQuery) -> Resp
     let builder = &shared.builder;
     heavy(&shared, query, "/report", |target| async move {
         let built = target.clone();
-        let page =
-            builder.once(&target.built.html, move || format::render(&heavy::page(&built.report), Format::Html)).await?;
+        let page = builder.once(&target.built.html, move || format::render(&built.report, Format::Html)).await?;
         Ok(([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response())
     })
     .await

@@ -5,6 +5,7 @@ mod flamegraph;
 mod folded;
 mod html;
 mod json;
+mod page;
 pub mod pprof;
 mod reachability;
 pub mod screen;
@@ -224,8 +225,8 @@ pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
             written
         }
         Format::Folded => folded::render(report, flame).into_bytes(),
-        Format::Flamegraph => flamegraph::render(report, flame),
-        Format::Html => html::render(report).into_bytes(),
+        Format::Flamegraph => flamegraph::render(&page::page(report, flame), flame),
+        Format::Html => html::render(&page::page(report, Flame::Bytes)).into_bytes(),
         Format::Pprof => pprof::render(report, pprof::DefaultType::InuseSpace),
     }
 }
