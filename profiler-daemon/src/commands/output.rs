@@ -44,7 +44,7 @@ pub struct ReportFile {
     placed: bool,
     /// `path` is a device or a pipe, written to directly.
     device: bool,
-    /// The bytes of the reports written whole.
+    /// The bytes of the reports written whole (a file's: what a device got is not taken back).
     length: u64,
 }
 

@@ -11,9 +11,9 @@
 //! double frees), from which `format::select` takes what each format shows, as the live session
 //! does; and every stack held at the peak, for `memprof report --at peak`. A stack's frames are
 //! stored once, in the record where the stack first appears, as numbers in the file's table of
-//! frames; each frame is stored once, in the record where it first appears (stacks share most of
-//! their frames: the 65,536 stacks of 122 frames of `tests/fixtures/many_stacks.c` name 11). Format 1 stored each
-//! stack's frames whole; it is still read.
+//! frames; each frame is stored once, in the record where it first appears. Stacks share most
+//! of their frames: the 65,536 stacks of `tests/fixtures/many_stacks.c`, of 122 frames each,
+//! have 11 distinct frames. Format 1 stored each stack's frames whole; it is still read.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -110,7 +110,7 @@ pub struct RecordingWriter {
     path: PathBuf,
     /// The (pid, stack id) of the stacks whose frames are in the file.
     saved: HashSet<(u32, String)>,
-    /// The frames in the file, by their numbers.
+    /// The numbers of the frames in the file.
     frame_numbers: HashMap<Frame, u32>,
 }
 
@@ -129,24 +129,30 @@ impl RecordingWriter {
         self.append(&bytes)
     }
 
-    /// Appends `report` (and its children's), on disk when this returns.
+    /// Appends `report` (and its children's), on disk when this returns. The stacks and frames
+    /// it stores are known to be in the file only once it is: a record taken back (a full disk)
+    /// leaves them to the next.
     pub fn report(&mut self, report: &Report) -> Result<(), RecordingError> {
         let mut report = report.clone();
         let (mut new_frames, mut new_stacks) = (Vec::new(), Vec::new());
+        let (mut saving, mut numbered) = (HashSet::new(), HashMap::new());
         report.for_each_process(&mut |process| {
             let pid = process.pid;
             for (stack_id, frames) in stack_frames(process) {
                 let frames = std::mem::take(frames);
-                if frames.is_empty() || !self.saved.insert((pid, stack_id.clone())) {
+                let key = (pid, stack_id.clone());
+                if frames.is_empty() || self.saved.contains(&key) || !saving.insert(key) {
                     continue;
                 }
                 let frame_numbers = (frames.iter())
-                    .map(|frame| {
-                        let next = self.frame_numbers.len() as u32;
-                        *self.frame_numbers.entry(frame.clone()).or_insert_with(|| {
+                    .map(|frame| match self.frame_numbers.get(frame).or_else(|| numbered.get(frame)) {
+                        Some(&known) => known,
+                        None => {
+                            let next = (self.frame_numbers.len() + numbered.len()) as u32;
+                            numbered.insert(frame.clone(), next);
                             new_frames.push(frame.clone());
                             next
-                        })
+                        }
                     })
                     .collect();
                 new_stacks.push(SavedStack {
@@ -159,7 +165,10 @@ impl RecordingWriter {
         });
         let mut bytes = Vec::new();
         frame(&Record::Report { report: Box::new(report), new_frames, new_stacks }, &mut bytes);
-        self.append(&bytes)
+        self.append(&bytes)?;
+        self.saved.extend(saving);
+        self.frame_numbers.extend(numbered);
+        Ok(())
     }
 
     fn append(&mut self, bytes: &[u8]) -> Result<(), RecordingError> {

@@ -28,7 +28,7 @@ pub fn render(report: &Report, flame: Flame) -> Vec<u8> {
         };
         return nothing_to_draw(&title, nothing);
     }
-    if paths.values().try_fold(0u64, |sum, &value| sum.checked_add(value)).is_none() {
+    if paths.iter().try_fold(0u64, |sum, (_, value)| sum.checked_add(*value)).is_none() {
         // Only an edited recording says so; inferno's sums would wrap.
         return nothing_to_draw(
             &title,

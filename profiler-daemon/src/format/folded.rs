@@ -1,7 +1,7 @@
 //! Folded stacks, the input of flamegraph.pl and inferno: one line per call path,
 //! `outermost;...;innermost VALUE`, the value the bytes in use or another count (`Flame`).
 
-use std::{collections::BTreeMap, fmt::Write as _};
+use std::{cmp::Ordering, collections::HashMap, io};
 
 use super::Flame;
 use crate::{
@@ -14,38 +14,106 @@ const TRUNCATED: &str = "[truncated]";
 /// The only frame of a stack that was counted without frames (see `dropped`).
 const NO_STACK: &str = "[no stack]";
 
+/// The folded stacks of `report`, written to `out` a line at a time: a process of tens of
+/// thousands of deep stacks makes gigabytes of lines, never held whole in memory.
+pub fn write(report: &Report, flame: Flame, out: &mut dyn io::Write) -> io::Result<()> {
+    let paths = Paths::of(report, flame);
+    for (path, value) in &paths.summed {
+        writeln!(out, "{} {value}", paths.text(path))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
 pub fn render(report: &Report, flame: Flame) -> String {
-    let mut out = String::new();
-    for (path, value) in paths(report, flame) {
-        let _ = writeln!(out, "{path} {value}");
-    }
-    out
+    let mut out = Vec::new();
+    write(report, flame, &mut out).expect("writing to memory cannot fail");
+    String::from_utf8(out).expect("names are text")
 }
 
-/// `flame`'s value per call path, sorted by path. Stacks that differ only in lines or addresses
-/// share a path of function names and are summed, as flame graph tools would merge them anyway.
-/// Paths of value 0 are left out: they draw nothing.
-pub fn paths(report: &Report, flame: Flame) -> BTreeMap<String, u64> {
-    let mut paths = BTreeMap::new();
-    for stack in &report.stacks {
-        let value = flame.value(stack);
-        if value > 0 {
-            // Saturating: only an edited recording's figures come near 2^64.
-            let sum = paths.entry(path(stack)).or_insert(0u64);
-            *sum = sum.saturating_add(value);
-        }
-    }
-    paths
+/// `flame`'s value per call path (`outermost;...;innermost`), sorted by path. Stacks that differ
+/// only in lines or addresses share a path of function names and are summed, as flame graph
+/// tools would merge them anyway. Paths of value 0 are left out: they draw nothing.
+pub fn paths(report: &Report, flame: Flame) -> Vec<(String, u64)> {
+    let paths = Paths::of(report, flame);
+    paths.summed.iter().map(|(path, value)| (paths.text(path), *value)).collect()
 }
 
-/// `outermost;...;innermost`, inlined frames included.
-fn path(stack: &StackReport) -> String {
-    if stack.frames.is_empty() {
-        return NO_STACK.to_string();
+/// Call paths as numbers of names (stacks share most of theirs), summed and sorted by their text.
+struct Paths {
+    names: Vec<String>,
+    summed: Vec<(Path, u64)>,
+}
+
+/// A stack's path: its names' numbers, outermost first (none: `NO_STACK`).
+struct Path {
+    truncated: bool,
+    names: Vec<u32>,
+}
+
+impl Paths {
+    fn of(report: &Report, flame: Flame) -> Self {
+        let mut numbers: HashMap<String, u32> = HashMap::new();
+        let mut names = Vec::new();
+        let mut number = |name: String| match numbers.get(&name) {
+            Some(&known) => known,
+            None => {
+                let next = names.len() as u32;
+                names.push(name.clone());
+                numbers.insert(name, next);
+                next
+            }
+        };
+        let mut summed: Vec<(Path, u64)> = (report.stacks.iter())
+            .filter(|stack| flame.value(stack) > 0)
+            .map(|stack: &StackReport| {
+                let names = stack.frames.iter().rev().map(|f| number(frame_name(&f.function))).collect();
+                (Path { truncated: stack.truncated, names }, flame.value(stack))
+            })
+            .collect();
+        let mut paths = Self { names, summed: Vec::new() };
+        summed.sort_by(|(a, _), (b, _)| paths.compare(a, b));
+        summed.dedup_by(|(later, value), (earlier, sum)| {
+            let same = paths.compare(later, earlier).is_eq();
+            if same {
+                // Saturating: only an edited recording's figures come near 2^64.
+                *sum = sum.saturating_add(*value);
+            }
+            same
+        });
+        paths.summed = summed;
+        paths
     }
-    let root = stack.truncated.then_some(TRUNCATED.to_string());
-    let frames = stack.frames.iter().rev().map(|f| frame_name(&f.function));
-    root.into_iter().chain(frames).collect::<Vec<_>>().join(";")
+
+    /// The order of the paths' texts. The names the two share at their start are passed over
+    /// by number: stacks share most of their outer frames.
+    fn compare(&self, a: &Path, b: &Path) -> Ordering {
+        let shared =
+            if root(a) == root(b) { a.names.iter().zip(&b.names).take_while(|(x, y)| x == y).count() } else { 0 };
+        self.bytes_from(a, shared).cmp(self.bytes_from(b, shared))
+    }
+
+    /// The path's text past its root and first `from` names (all of it at 0), a byte at a time.
+    fn bytes_from<'p>(&'p self, path: &'p Path, from: usize) -> impl Iterator<Item = u8> + 'p {
+        let root = (from == 0).then(|| root(path)).filter(|root| !root.is_empty());
+        let names = path.names[from..].iter().map(|&n| self.names[n as usize].as_str());
+        // A `;` before each part but the text's first.
+        let parts = root.into_iter().chain(names).enumerate();
+        parts.flat_map(move |(at, part)| (at > 0 || from > 0).then_some(b';').into_iter().chain(part.bytes()))
+    }
+
+    fn text(&self, path: &Path) -> String {
+        String::from_utf8(self.bytes_from(path, 0).collect()).expect("names are text")
+    }
+}
+
+/// The root frame a path's text starts with, if any.
+fn root(path: &Path) -> &'static str {
+    match (path.names.is_empty(), path.truncated) {
+        (true, _) => NO_STACK,
+        (false, true) => TRUNCATED,
+        (false, false) => "",
+    }
 }
 
 /// A function name that cannot break a line apart: `;` separates frames and a newline ends the
@@ -104,6 +172,30 @@ mod tests {
         frameless.frames = Default::default();
         report.stacks.push(frameless);
         assert_eq!(render(&report, Flame::Bytes), "[no stack] 48\n[truncated];leak_here 48\n");
+    }
+
+    #[test]
+    fn lines_are_sorted_by_their_text_and_each_path_once() {
+        let mut report = samples::report();
+        let one = report.stacks[0].clone();
+        let names = ["foo", "foo::bar", "fo", "foo.isra.0", "z", "foo;x"];
+        report.stacks = (0..names.len() * names.len() * 2)
+            .map(|n| {
+                let mut stack = one.clone();
+                let (outer, inner) = (names[n % names.len()], names[n / names.len() % names.len()]);
+                stack.frames = vec![frame(inner, None, None), frame(outer, None, None)].into();
+                stack.truncated = n % 3 == 0;
+                stack
+            })
+            .collect();
+        let rendered = render(&report, Flame::Bytes);
+        let paths: Vec<&str> = rendered.lines().map(|line| line.rsplit_once(' ').unwrap().0).collect();
+        let mut sorted = paths.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(paths, sorted);
+        let total: u64 = rendered.lines().map(|line| line.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap()).sum();
+        assert_eq!(total, 48 * report.stacks.len() as u64);
     }
 
     #[test]

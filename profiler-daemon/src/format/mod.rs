@@ -197,16 +197,9 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     render_flame(report, format, Flame::Bytes)
 }
 
-/// `render_flame`, written to `out`: JSON as it is made, the others once rendered.
+/// `render_flame`, written to `out`: JSON and folded stacks as they are made, the others once
+/// rendered.
 pub fn write(report: &Report, format: Format, flame: Flame, out: &mut dyn io::Write) -> io::Result<()> {
-    if format == Format::Json {
-        return json::write(report, out);
-    }
-    out.write_all(&render_flame(report, format, flame))
-}
-
-/// `render`, with flame graphs and folded stacks of what `flame` measures.
-pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
     // Table and JSON have a section per process; the others draw one profile, with each process
     // a root frame of its own once there are several.
     let merged;
@@ -218,20 +211,18 @@ pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
         &merged
     };
     match format {
-        Format::Table => line(table::render(report)),
-        Format::Json => {
-            let mut written = Vec::new();
-            json::write(report, &mut written).expect("writing to memory cannot fail");
-            written
-        }
-        Format::Folded => folded::render(report, flame).into_bytes(),
-        Format::Flamegraph => flamegraph::render(&page::page(report, flame), flame),
-        Format::Html => html::render(&page::page(report, Flame::Bytes)).into_bytes(),
-        Format::Pprof => pprof::render(report, pprof::DefaultType::InuseSpace),
+        Format::Table => writeln!(out, "{}", table::render(report)),
+        Format::Json => json::write(report, out),
+        Format::Folded => folded::write(report, flame, out),
+        Format::Flamegraph => out.write_all(&flamegraph::render(&page::page(report, flame), flame)),
+        Format::Html => out.write_all(html::render(&page::page(report, Flame::Bytes)).as_bytes()),
+        Format::Pprof => out.write_all(&pprof::render(report, pprof::DefaultType::InuseSpace)),
     }
 }
 
-fn line(mut text: String) -> Vec<u8> {
-    text.push('\n');
-    text.into_bytes()
+/// `render`, with flame graphs and folded stacks of what `flame` measures.
+pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
+    let mut written = Vec::new();
+    write(report, format, flame, &mut written).expect("writing to memory cannot fail");
+    written
 }

@@ -3,7 +3,8 @@
 //! symbolizes only the stacks that are new to it (a daemon holding 65,536 stacks spent most of
 //! its time at rest reading and symbolizing them all again). Bounded by the stacks in use: each
 //! interval keeps those its report asked for, no others. The code mappings that hold their
-//! frames are kept as well.
+//! frames are kept as well. `run` and `attach` keep one for a report only, which then names its
+//! stacks a few hundred at a time.
 
 use std::{
     cell::RefCell,

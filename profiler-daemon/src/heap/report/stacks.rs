@@ -28,7 +28,8 @@ pub struct Stacks<'a> {
     pub pid: u32,
     /// CLOCK_MONOTONIC when tracing began.
     pub start_ns: u64,
-    /// The process's stacks symbolized in earlier intervals (the daemon's), if kept.
+    /// The process's stacks symbolized already, if kept: in earlier intervals (the daemon's), or
+    /// earlier in this report (`run`'s and `attach`'s).
     pub known: Option<&'a KnownStacks>,
     /// Folded into the allocator at each stack's leaf end.
     pub wrappers: &'a Wrappers,
