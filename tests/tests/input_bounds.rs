@@ -35,7 +35,7 @@ fn peak(command: &mut Command) -> (Option<i32>, String, u64) {
     (code, stderr, usage.ru_maxrss as u64 * 1024)
 }
 
-const MAGIC: &[u8] = b"memprof recording 1\n";
+const MAGIC: &[u8] = b"memprof recording 2\n";
 
 /// The records of a recording, inflated.
 fn records(bytes: &[u8]) -> Vec<Value> {
@@ -93,7 +93,14 @@ fn a_small_recording_that_repeats_long_frames_is_refused_before_it_is_rendered()
     stack["outstanding_allocations"] = json!(1);
     last["report"]["stacks"] = Value::Array(vec![stack; 20_000]);
     let frame = json!({"address": "0x1", "function": "f".repeat(4096), "file": null, "line": null, "module": "m", "inlined": false});
-    last["new_stacks"] = json!([{"pid": pid, "stack_id": "crafted", "frames": vec![frame; 127]}]);
+    // One frame, numbered after every frame the recording holds, 127 times in the stack.
+    let new_frames = |record: &Value| record["new_frames"].as_array().map_or(0, Vec::len);
+    let number = records.iter().map(new_frames).sum::<usize>();
+    let last = records.last_mut().unwrap();
+    let mut frames = last["new_frames"].as_array().cloned().unwrap_or_default();
+    frames.push(frame);
+    last["new_frames"] = Value::Array(frames);
+    last["new_stacks"] = json!([{"pid": pid, "stack_id": "crafted", "frame_numbers": vec![number; 127]}]);
     let crafted = temp_path("crafted.rec");
     let bytes = recording(&records);
     assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
