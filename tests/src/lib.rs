@@ -125,6 +125,23 @@ pub fn run_with_env(env: &[(&str, &str)], args: &[&str], command: &[&str]) -> Ou
     memprof.output().expect("starting memprof").into()
 }
 
+/// `command`'s exit code, its stderr and its peak resident memory (wait4's `ru_maxrss`).
+#[expect(clippy::zombie_processes, reason = "reaped by wait4, which gives its peak memory too")]
+pub fn peak_memory(command: &mut Command) -> (Option<i32>, String, u64) {
+    let mut child =
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("starting memprof");
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting for our own child with valid out-pointers; `child` is not waited for again.
+    let waited = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(waited, child.id() as i32);
+    let code = <ExitStatus as std::os::unix::process::ExitStatusExt>::from_raw(status).code();
+    (code, stderr, usage.ru_maxrss as u64 * 1024)
+}
+
 /// Runs memprof with `args` and no target set-up (for error cases).
 pub fn memprof(args: &[&str]) -> Outcome {
     Command::new(memprof_bin()).args(args).stdin(Stdio::null()).output().expect("starting memprof").into()

@@ -5,34 +5,16 @@
 
 use std::{
     io::{Read as _, Write as _},
-    os::unix::process::ExitStatusExt as _,
     path::PathBuf,
-    process::{Command, Stdio},
+    process::Command,
 };
 
 use flate2::{read::DeflateDecoder, write::DeflateEncoder, write::GzEncoder, Compression, Crc};
-use memprof_tests::{cgroup::MemoryCgroup, fixture, memprof_bin, run};
+use memprof_tests::{cgroup::MemoryCgroup, fixture, memprof_bin, peak_memory, run};
 use serde_json::{json, Value};
 
 fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("memprof-input-bounds-{}-{name}", std::process::id()))
-}
-
-/// `command`'s exit code, its stderr and its peak resident memory (wait4's `ru_maxrss`).
-#[expect(clippy::zombie_processes, reason = "reaped by wait4, which gives its peak memory too")]
-fn peak(command: &mut Command) -> (Option<i32>, String, u64) {
-    let mut child =
-        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("starting memprof");
-    let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is a valid value for wait4 to fill.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: waiting for our own child with valid out-pointers; `child` is not waited for again.
-    let waited = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(waited, child.id() as i32);
-    let code = std::process::ExitStatus::from_raw(status).code();
-    (code, stderr, usage.ru_maxrss as u64 * 1024)
 }
 
 const MAGIC: &[u8] = b"memprof recording 2\n";
@@ -106,7 +88,7 @@ fn a_small_recording_that_repeats_long_frames_is_refused_before_it_is_rendered()
     assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
     std::fs::write(&crafted, &bytes).unwrap();
     let (code, stderr, peak) =
-        peak(Command::new(memprof_bin()).args(["report", crafted.to_str().unwrap(), "--format", "json"]));
+        peak_memory(Command::new(memprof_bin()).args(["report", crafted.to_str().unwrap(), "--format", "json"]));
     let _ = std::fs::remove_file(&crafted);
     eprintln!("memprof report of a {} KB crafted recording: peak {} MiB", bytes.len() >> 10, peak >> 20);
     assert_eq!(code, Some(1), "{stderr}");
@@ -133,7 +115,7 @@ fn a_gzip_bomb_given_to_diff_costs_at_most_what_the_readme_says() {
     bytes[at..].copy_from_slice(&1024u32.to_le_bytes());
     std::fs::write(&bomb, bytes).unwrap();
     let (code, stderr, peak) =
-        peak(Command::new(memprof_bin()).args(["diff", bomb.to_str().unwrap(), bomb.to_str().unwrap()]));
+        peak_memory(Command::new(memprof_bin()).args(["diff", bomb.to_str().unwrap(), bomb.to_str().unwrap()]));
     let _ = std::fs::remove_file(&bomb);
     eprintln!("memprof diff of a gzip bomb: peak {} MiB", peak >> 20);
     assert_eq!(code, Some(1), "{stderr}");
@@ -152,7 +134,7 @@ fn a_recording_whose_record_inflates_to_hundreds_of_mib_is_refused_within_bounds
     let bomb = std::iter::repeat_n(spaces.as_slice(), 300).chain([start]).collect();
     let path = temp_path("bomb.rec");
     std::fs::write(&path, framed([vec![start], bomb].into_iter())).unwrap();
-    let (code, stderr, most) = peak(Command::new(memprof_bin()).args(["report", path.to_str().unwrap()]));
+    let (code, stderr, most) = peak_memory(Command::new(memprof_bin()).args(["report", path.to_str().unwrap()]));
     eprintln!("memprof report of a deflate bomb: peak {} MiB", most >> 20);
     assert_eq!(code, Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
@@ -162,7 +144,7 @@ fn a_recording_whose_record_inflates_to_hundreds_of_mib_is_refused_within_bounds
     let group = MemoryCgroup::new(&format!("memprof-input-bounds-{}", std::process::id()), 192 << 20);
     let mut report = Command::new("sh");
     report.args(["-c", r#"echo $$ > "$0" && exec "$@""#]).arg(group.procs()).arg(memprof_bin());
-    let (code, stderr, _) = peak(report.args(["report", path.to_str().unwrap()]));
+    let (code, stderr, _) = peak_memory(report.args(["report", path.to_str().unwrap()]));
     let _ = std::fs::remove_file(&path);
     assert_eq!(code, Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
@@ -181,7 +163,7 @@ fn a_profile_whose_trailer_lies_about_its_size_is_damaged() {
     bytes[at..].copy_from_slice(&(300u32 << 20).to_le_bytes());
     std::fs::write(&big, bytes).unwrap();
     let (code, stderr, _) =
-        peak(Command::new(memprof_bin()).args(["diff", big.to_str().unwrap(), big.to_str().unwrap()]));
+        peak_memory(Command::new(memprof_bin()).args(["diff", big.to_str().unwrap(), big.to_str().unwrap()]));
     let _ = std::fs::remove_file(&big);
     assert_eq!(code, Some(1), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
@@ -201,7 +183,7 @@ fn endless_files_are_refused_without_being_read_whole() {
         (&["daemon", "--config", "/dev/zero", "--socket", "", "--listen", "127.0.0.1:0"], "larger than"),
     ];
     for (args, said) in cases {
-        let (code, stderr, peak) = peak(Command::new(memprof_bin()).args(args));
+        let (code, stderr, peak) = peak_memory(Command::new(memprof_bin()).args(args));
         assert_ne!(code, Some(0), "{args:?}: {stderr}");
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.contains(said), "{args:?}: {stderr}");

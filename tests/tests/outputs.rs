@@ -8,7 +8,7 @@ use std::{
     process::{Child, ChildStderr, Command, Stdio},
 };
 
-use memprof_tests::{fixture, memprof, memprof_bin, Outcome, Scratch};
+use memprof_tests::{fixture, memprof, memprof_bin, peak_memory, Outcome, Scratch};
 use serde_json::Value;
 
 /// What a test's directory (a `Scratch`, empty when made) holds: anything besides the report is a
@@ -188,6 +188,40 @@ fn a_streamed_report_cut_by_a_full_disk_is_taken_back() {
         .collect();
     assert!(reports.len() >= 2, "the disk filled at the first report: {kept}");
     assert!(reports.iter().all(|report| report["final"] != true), "the final report fitted: {kept}");
+}
+
+/// 65,536 distinct deep stacks (`many_stacks.c`) drawn by `run`: the HTML page and the flame
+/// graph hold the largest stacks that fit their budget and say how many they leave out, and memprof
+/// stays far below the 10 to 22 GB that drawing them all took (docs: outputs/flame-and-html.md).
+#[test]
+fn sixty_five_thousand_deep_stacks_are_drawn_within_bounds() {
+    let dir = Scratch::new("outputs", "many-stacks");
+    // Its output away from memprof's stderr, which is read to its end; it sleeps once done.
+    let program = format!("exec {} >/dev/null 2>&1", fixture("many_stacks").display());
+    for format in ["html", "flamegraph"] {
+        let report = dir.join(format!("many.{format}"));
+        let mut command = Command::new(memprof_bin());
+        command.args(["run", "--max-rate", "off", "--duration", "6", "--format", format, "--output"]);
+        command.args([report.to_str().unwrap(), "--", "sh", "-c", &program]);
+        let (code, stderr, peak) = peak_memory(&mut command);
+        let pid: i32 =
+            stderr.split("tracing pid ").nth(1).and_then(|rest| rest.split(' ').next()?.parse().ok()).unwrap();
+        // SAFETY: a signal to the fixture memprof left running.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        eprintln!("{format}: memprof's peak {} MiB", peak >> 20);
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(peak < 1 << 30, "{format}: peak {} MiB", peak >> 20);
+        let drawn = fs::read_to_string(&report).unwrap();
+        assert!(drawn.len() < 64 << 20, "{format}: {} bytes", drawn.len());
+        // The page's JSON holds the count; the flame graph's subtitle says it.
+        let left_out = match format {
+            "html" => drawn.split("\"stacks_not_shown\":").nth(1).and_then(|rest| rest.split([',', '}']).next()),
+            _ => drawn.split(" smaller stacks left out").next().and_then(|before| before.rsplit(' ').next()),
+        };
+        let left_out: u64 =
+            left_out.and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{format}: no count left out"));
+        assert!(left_out > 60_000, "{format}: {left_out} left out");
+    }
 }
 
 #[test]
