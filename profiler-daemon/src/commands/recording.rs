@@ -257,7 +257,7 @@ impl Recording {
         let mut table: Vec<Frame> = Vec::new();
         let mut frames: HashMap<(u32, String), Frames> = HashMap::new();
         let mut ended_early = None;
-        while !rest.is_empty() {
+        'records: while !rest.is_empty() {
             let payload = match next_payload(&mut rest) {
                 Ok(payload) => payload,
                 Err(end) => {
@@ -291,17 +291,22 @@ impl Recording {
                     report.for_each_process(&mut |process| structs += process.stacks.len() as u64 * STACK_BYTES);
                     budget = budget.checked_sub(structs).ok_or(Problem::OverBudget)?;
                     table.extend(new_frames);
+                    let mut listed = Vec::with_capacity(new_stacks.len());
                     for stack in new_stacks {
-                        let listed = if stack.frame_numbers.is_empty() {
-                            stack.frames
+                        let stack_frames = if stack.frame_numbers.is_empty() {
+                            Some(stack.frames)
                         } else {
-                            (stack.frame_numbers.iter())
-                                .map(|&number| table.get(number as usize).cloned())
-                                .collect::<Option<Frames>>()
-                                .ok_or_else(|| Problem::Unreadable("a stack names a frame no record holds".into()))?
+                            stack.frame_numbers.iter().map(|&number| table.get(number as usize).cloned()).collect()
                         };
-                        frames.insert((stack.pid, stack.stack_id), listed);
+                        let Some(stack_frames) = stack_frames else {
+                            // Checksums pass, so only an edited file or a writer's fault: the
+                            // reports before it are shown.
+                            ended_early = Some(End::Damaged("a stack names a frame no record holds".into()));
+                            break 'records;
+                        };
+                        listed.push(((stack.pid, stack.stack_id), stack_frames));
                     }
+                    frames.extend(listed);
                     report.for_each_process(&mut |process| {
                         let pid = process.pid;
                         for (stack_id, stack_frames) in stack_frames(process) {
@@ -525,6 +530,27 @@ mod tests {
         bytes.extend_from_slice(&payload);
         let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
         assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&report)]);
+    }
+
+    #[test]
+    fn a_stack_naming_a_frame_no_record_holds_ends_the_recording_there() {
+        let mut interval = samples::report();
+        interval.is_final = false;
+        let mut bytes = recording(&[interval.clone()]);
+        let mut later = samples::report();
+        later.stacks[0].stack_id = "later".into();
+        let mut saved = later.clone();
+        saved.stacks[0].frames = Frames::default();
+        let new_stacks = vec![SavedStack {
+            pid: saved.pid,
+            stack_id: "later".into(),
+            frame_numbers: vec![99],
+            frames: Frames::default(),
+        }];
+        frame(&Record::Report { report: Box::new(saved), new_frames: vec![], new_stacks }, &mut bytes);
+        let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
+        assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&interval)]);
+        assert!(read.ended_early.unwrap().contains("a stack names a frame no record holds"));
     }
 
     #[test]
