@@ -185,7 +185,8 @@ fn stack_frames(process: &mut Report) -> impl Iterator<Item = (&String, &mut Fra
     stacks.chain(peak).chain(temporary)
 }
 
-fn frame(record: &Record, out: &mut Vec<u8>) {
+/// Appends `record` to `out`, framed (see the module's documentation).
+fn frame(record: &impl Serialize, out: &mut Vec<u8>) {
     let mut deflate = DeflateEncoder::new(Vec::new(), Compression::default());
     // Buffered: serde_json writes token by token, and each write to the encoder costs a pass over
     // its whole output buffer, which made a recording's writes take seconds of CPU.
@@ -520,14 +521,7 @@ mod tests {
             "report": saved,
             "new_stacks": [{ "pid": saved.pid, "stack_id": saved.stacks[0].stack_id, "frames": frames }],
         });
-        let mut deflate = DeflateEncoder::new(Vec::new(), Compression::default());
-        serde_json::to_writer(&mut deflate, &record).unwrap();
-        let payload = deflate.finish().unwrap();
-        let mut crc = Crc::new();
-        crc.update(&payload);
-        bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(&crc.sum().to_le_bytes());
-        bytes.extend_from_slice(&payload);
+        frame(&record, &mut bytes);
         let read = Recording::parse(&bytes, u64::MAX).ok().unwrap();
         assert_eq!(read.reports.iter().map(json).collect::<Vec<_>>(), [json(&report)]);
     }

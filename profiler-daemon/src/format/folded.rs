@@ -65,10 +65,10 @@ impl Paths {
             }
         };
         let mut summed: Vec<(Path, u64)> = (report.stacks.iter())
-            .filter(|stack| flame.value(stack) > 0)
-            .map(|stack: &StackReport| {
-                let names = stack.frames.iter().rev().map(|f| number(frame_name(&f.function))).collect();
-                (Path { truncated: stack.truncated, names }, flame.value(stack))
+            .filter_map(|stack: &StackReport| {
+                let value = flame.value(stack);
+                let names = (value > 0).then(|| stack.frames.iter().rev().map(|f| number(frame_name(&f.function))))?;
+                Some((Path { truncated: stack.truncated, names: names.collect() }, value))
             })
             .collect();
         let mut paths = Self { names, summed: Vec::new() };

@@ -197,8 +197,8 @@ pub fn render(report: &Report, format: Format) -> Vec<u8> {
     render_flame(report, format, Flame::Bytes)
 }
 
-/// `render_flame`, written to `out`: JSON and folded stacks as they are made, the others once
-/// rendered.
+/// The report in `format` (flame graphs and folded stacks of what `flame` measures), written to
+/// `out`: JSON and folded stacks as they are made, the others once rendered.
 pub fn write(report: &Report, format: Format, flame: Flame, out: &mut dyn io::Write) -> io::Result<()> {
     // Table and JSON have a section per process; the others draw one profile, with each process
     // a root frame of its own once there are several.
@@ -220,7 +220,7 @@ pub fn write(report: &Report, format: Format, flame: Flame, out: &mut dyn io::Wr
     }
 }
 
-/// `render`, with flame graphs and folded stacks of what `flame` measures.
+/// `write`, into memory.
 pub fn render_flame(report: &Report, format: Format, flame: Flame) -> Vec<u8> {
     let mut written = Vec::new();
     write(report, format, flame, &mut written).expect("writing to memory cannot fail");
